@@ -1,0 +1,228 @@
+"""Engine configuration: model, KV cache, scheduler. Validated at construction.
+
+Every invalid value raises ``ValueError`` naming the field and the allowed range.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+
+class PreemptionMode(enum.Enum):
+    """How a running group gives up its KV blocks when the cache is full.
+
+    SWAP: copy its blocks to CPU swap space and back when resumed.
+    RECOMPUTE: drop its blocks; on resume, prefill prompt + generated tokens again.
+    (Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention", SOSP'23, §4.5.)
+    """
+
+    SWAP = enum.auto()
+    RECOMPUTE = enum.auto()
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and how.
+
+    Attributes:
+        model: ``None`` / ``"default"`` for the embedded SmolLM2-135M-Instruct, or a local HF
+            directory (config.json + *.safetensors + tokenizer files).
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``,
+            ``"float16"``.
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        seed: global RNG seed.
+        max_model_len: context length in tokens (prompt + output); ``None`` = the model's
+            ``max_position_embeddings``.
+    """
+
+    model: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of auto|float32|bfloat16|float16, got {self.dtype!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of auto|cpu|cuda, got {self.device!r}.")
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+
+    def resolved_device(self) -> str:
+        """``cpu`` or ``cuda``. Raises ValueError if ``cuda`` is asked for and absent."""
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False.")
+        return self.device
+
+    def resolved_dtype(self):
+        """A ``torch.dtype``."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV-cache sizes.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_gpu_blocks: device-pool blocks (the seed's name, used on CPU too); ``None`` =
+            derived from ``kv_cache_memory_gib``.
+        kv_cache_memory_gib: memory for the device pool when ``num_gpu_blocks`` is unset.
+        num_cpu_blocks: swap-pool blocks; ``None`` = derived from ``swap_space_gib``.
+        swap_space_gib: memory for the CPU swap pool when ``num_cpu_blocks`` is unset.
+        sliding_window: tokens of attention window (set from the model config), or ``None``.
+        enable_prefix_caching: reuse KV blocks across requests by hashed token content.
+        watermark: fraction of device blocks kept free when admitting prefills (avoids
+            immediate preemption of what was just admitted).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    kv_cache_memory_gib: float = 1.0
+    num_cpu_blocks: Optional[int] = None
+    swap_space_gib: float = 0.5
+    sliding_window: Optional[int] = None
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
+        if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0):
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}.")
+        if not isinstance(self.kv_cache_memory_gib, (int, float)) or self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}.")
+        if not isinstance(self.swap_space_gib, (int, float)) or self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib!r}.")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")
+        _positive_int("sliding_window", self.sliding_window, allow_none=True)
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits and scheduling behaviour.
+
+    Attributes:
+        max_num_batched_tokens: tokens per step (prefill + decode); ``None`` = ``max_model_len``
+            without chunked prefill (so any admissible prompt fits one step), 512 with it.
+        max_num_seqs: sequences per step.
+        max_model_len: context length in tokens (filled from the model config).
+        chunked_prefill_enabled: split long prompts across steps and mix them with decodes.
+        preemption_mode: ``None`` = RECOMPUTE for single-sequence groups, SWAP for groups
+            with several live sequences; or force one mode for all groups.
+        policy: queue ordering policy name (``fcfs``, ``priority``).
+        max_num_partial_prefills: with chunked prefill, how many prompts may be mid-prefill at once.
+        long_prefill_token_threshold: with chunked prefill, the most tokens one prompt may take
+            in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
+        max_waiting: bound on the waiting queue (the server answers 503 past it); ``None`` = no bound.
+        num_lookahead_slots: extra slots reserved per decode (speculative decoding hook; 0).
+    """
+
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    chunked_prefill_enabled: bool = False
+    preemption_mode: Optional[PreemptionMode] = None
+    policy: str = "fcfs"
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: Optional[int] = None
+    max_waiting: Optional[int] = None
+    num_lookahead_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preemption_mode, str):
+            try:
+                self.preemption_mode = PreemptionMode[self.preemption_mode.upper()]
+            except KeyError:
+                raise ValueError(
+                    f"preemption_mode must be 'recompute' or 'swap' (or unset), got {self.preemption_mode!r}.") from None
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 512 if self.chunked_prefill_enabled else max(self.max_model_len, 512)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
+        _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        _positive_int("max_waiting", self.max_waiting, allow_none=True)
+        if self.max_num_batched_tokens < self.max_num_seqs and not self.chunked_prefill_enabled:
+            pass  # allowed: fewer decode slots than seqs just caps the batch
+        if self.num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots!r}.")
+
+
+@dataclass
+class EngineArgs:
+    """All engine settings by their public names (``LLM(**kwargs)``, CLI ``--kebab-case``).
+
+    ``create_configs(model_max_len, sliding_window)`` splits them into the three configs once
+    the model's own limits are known.
+    """
+
+    model: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    kv_cache_memory_gib: float = 1.0
+    num_cpu_blocks: Optional[int] = None
+    swap_space_gib: float = 0.5
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
+    preemption_mode: Optional[str] = None
+    policy: str = "fcfs"
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: Optional[int] = None
+    max_waiting: Optional[int] = None
+    watermark: float = 0.01
+
+    @classmethod
+    def field_names(cls) -> list:
+        return [f.name for f in fields(cls)]
+
+    def create_configs(self, model_max_len: int, sliding_window: Optional[int] = None):
+        """Returns ``(ModelConfig, CacheConfig, SchedulerConfig)``.
+
+        Raises:
+            ValueError: if ``max_model_len`` exceeds the model's ``max_position_embeddings``
+                or any field is out of range.
+        """
+        max_len = self.max_model_len or model_max_len
+        if max_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_len} is larger than the model's max_position_embeddings={model_max_len}.")
+        model_config = ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
+                                   seed=self.seed, max_model_len=max_len)
+        cache_config = CacheConfig(
+            block_size=self.block_size, num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory_gib=self.kv_cache_memory_gib, num_cpu_blocks=self.num_cpu_blocks,
+            swap_space_gib=self.swap_space_gib, sliding_window=sliding_window,
+            enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark)
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=max_len, chunked_prefill_enabled=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode, policy=self.policy,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_waiting=self.max_waiting)
+        return model_config, cache_config, scheduler_config

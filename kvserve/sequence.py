@@ -1,0 +1,382 @@
+"""Sequences, sequence groups and the per-step metadata handed to the executor.
+
+A *request* becomes one ``SequenceGroup``. It starts with a single ``Sequence`` holding the
+prompt; when ``n > 1`` the first sampling step forks it into ``n`` sequences that share the
+prompt's KV blocks (copy-on-write). All live sequences of a group advance in lockstep, so
+they always have the same length.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Lifecycle of a sequence. Values above ``SWAPPED`` are terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3   # EOS, stop string or stop token id
+    FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 5   # abort_request / client gone
+    FINISHED_IGNORED = 6   # rejected by the scheduler (too long / can never fit)
+
+    @staticmethod
+    def is_finished(status: "SequenceStatus") -> bool:
+        return status > SequenceStatus.SWAPPED
+
+    @staticmethod
+    def get_finished_reason(status: "SequenceStatus") -> Optional[str]:
+        """OpenAI-style finish reason: ``stop``, ``length``, ``abort`` or ``ignored``."""
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+            SequenceStatus.FINISHED_IGNORED: "ignored",
+        }.get(status)
+
+
+class SequenceStage(enum.Enum):
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+
+
+class SequenceData:
+    """Token ids of one sequence and how many of them have their KV in the cache.
+
+    ``num_computed_tokens`` counts tokens whose K/V have been written to the cache (or
+    found there by prefix caching). The tokens to feed next are
+    ``get_token_ids()[num_computed_tokens : num_computed_tokens + chunk]``. Recompute
+    preemption resets it to 0: the re-prefill covers prompt + outputs, but outputs stay
+    outputs (they are never moved into the prompt).
+    """
+
+    def __init__(self, prompt_token_ids: List[int], output_token_ids: Optional[List[int]] = None):
+        self.prompt_token_ids: List[int] = list(prompt_token_ids)
+        self.output_token_ids: List[int] = list(output_token_ids or [])
+        self._num_computed_tokens = 0
+        self._stage = SequenceStage.PREFILL
+        self.cumulative_logprob = 0.0
+
+    def append_token_id(self, token_id: int, logprob: float = 0.0) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> List[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def get_num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        """Record that ``num_new_computed_tokens`` more tokens now have K/V in the cache."""
+        self._num_computed_tokens += num_new_computed_tokens
+        assert self._num_computed_tokens <= self.get_len(), (self._num_computed_tokens, self.get_len())
+        if self.get_num_uncomputed_tokens() == 0:
+            self._stage = SequenceStage.DECODE
+
+    def set_num_computed_tokens(self, num: int) -> None:
+        """Set the computed count directly (prefix-cache hit at allocation)."""
+        assert 0 <= num <= self.get_len()
+        self._num_computed_tokens = num
+
+    def reset_state_for_recompute(self) -> None:
+        """Forget the cached K/V (recompute preemption): everything gets prefilled again."""
+        self._num_computed_tokens = 0
+        self._stage = SequenceStage.PREFILL
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self._num_computed_tokens
+
+    @property
+    def stage(self) -> SequenceStage:
+        return self._stage
+
+    def copy(self) -> "SequenceData":
+        new = SequenceData(self.prompt_token_ids, self.output_token_ids)
+        new._num_computed_tokens = self._num_computed_tokens
+        new._stage = self._stage
+        new.cumulative_logprob = self.cumulative_logprob
+        return new
+
+
+class Sequence:
+    """One sample of a request: its tokens, status, and detokenization state.
+
+    ``block_size`` is in tokens; ``n_blocks`` is how many KV blocks its tokens span.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: List[int], block_size: int,
+                 eos_token_id: Optional[int] = None, prompt: Optional[str] = None):
+        self.seq_id = seq_id
+        self.data = SequenceData(prompt_token_ids)
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.prompt = prompt
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: Optional[object] = None  # matched stop string or stop token id
+        # Incremental detokenization state (owned by the engine's detokenizer).
+        self.output_text = ""
+        self.tokens: Optional[List[str]] = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+        # Per generated token: {token_id: logprob} (sampled token included) when requested.
+        self.output_logprobs: List[Dict[int, float]] = []
+
+    # -- lengths -----------------------------------------------------------------
+    def get_len(self) -> int:
+        return self.data.get_len()
+
+    def get_prompt_len(self) -> int:
+        return self.data.get_prompt_len()
+
+    def get_output_len(self) -> int:
+        return self.data.get_output_len()
+
+    def get_token_ids(self) -> List[int]:
+        return self.data.get_token_ids()
+
+    def get_output_token_ids(self) -> List[int]:
+        return self.data.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.data.get_last_token_id()
+
+    @property
+    def n_blocks(self) -> int:
+        return (self.get_len() + self.block_size - 1) // self.block_size
+
+    def append_token_id(self, token_id: int, logprob: float = 0.0,
+                        top_logprobs: Optional[Dict[int, float]] = None) -> None:
+        self.data.append_token_id(token_id, logprob)
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def is_finished(self) -> bool:
+        return SequenceStatus.is_finished(self.status)
+
+    def is_prefill(self) -> bool:
+        return self.data.stage == SequenceStage.PREFILL
+
+    def fork(self, new_seq_id: int) -> "Sequence":
+        """A child with the same tokens and text so far (shares KV via ``block_manager.fork``)."""
+        child = Sequence(new_seq_id, self.data.prompt_token_ids, self.block_size,
+                         self.eos_token_id, self.prompt)
+        child.data = self.data.copy()
+        child.status = self.status
+        child.output_text = self.output_text
+        child.tokens = list(self.tokens) if self.tokens is not None else None
+        child.prefix_offset = self.prefix_offset
+        child.read_offset = self.read_offset
+        child.output_logprobs = list(self.output_logprobs)
+        return child
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock (or virtual-clock, in the simulator) timestamps of a request, in seconds.
+
+    TTFT = first_token_time - arrival_time; queue time = first_scheduled_time - arrival_time;
+    TPOT = (finished_time - first_token_time) / (output tokens - 1).
+    """
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> Optional[float]:
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+_seq_counter = itertools.count()
+
+
+def next_seq_id() -> int:
+    """Process-wide unique sequence id."""
+    return next(_seq_counter)
+
+
+class SequenceGroup:
+    """All sequences of one request plus its sampling params, metrics and RNG state.
+
+    Attributes:
+        request_id: caller's id (unique among live requests).
+        seqs_dict: seq_id -> Sequence (1 until the first sample; then ``n``).
+        priority: integer, lower value is served first under the ``priority`` policy.
+        generator: a ``torch.Generator`` when ``sampling_params.seed`` is set (created by
+            the engine; the scheduler never touches it).
+    """
+
+    def __init__(self, request_id: str, seqs: List[Sequence], sampling_params: SamplingParams,
+                 arrival_time: Optional[float] = None, priority: int = 0):
+        self.request_id = request_id
+        self.seqs_dict: Dict[int, Sequence] = {s.seq_id: s for s in seqs}
+        self.sampling_params = sampling_params
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        self.priority = priority
+        self.generator = None
+        # Set when the scheduler ignores the group: a message naming the length and the limit.
+        self.ignored_reason: Optional[str] = None
+        # True once the initial single sequence has been forked into ``n`` samples.
+        self.forked = sampling_params.n == 1
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def prompt_token_ids(self) -> List[int]:
+        return next(iter(self.seqs_dict.values())).data.prompt_token_ids
+
+    @property
+    def prompt(self) -> Optional[str]:
+        return next(iter(self.seqs_dict.values())).prompt
+
+    def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+        if status is None:
+            return list(self.seqs_dict.values())
+        return [s for s in self.seqs_dict.values() if s.status == status]
+
+    def get_unfinished_seqs(self) -> List[Sequence]:
+        return [s for s in self.seqs_dict.values() if not s.is_finished()]
+
+    def get_finished_seqs(self) -> List[Sequence]:
+        return [s for s in self.seqs_dict.values() if s.is_finished()]
+
+    def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+        return len(self.get_seqs(status))
+
+    def num_unfinished_seqs(self) -> int:
+        return len(self.get_unfinished_seqs())
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs_dict.values())
+
+    def is_prefill(self) -> bool:
+        """True while the live sequences still have prompt (or recompute) tokens to compute."""
+        return any(s.is_prefill() for s in self.get_unfinished_seqs())
+
+    def get_max_num_running_seqs(self) -> int:
+        """The most sequences this group will have running at once (for the seq budget)."""
+        if not self.forked:
+            return self.sampling_params.n
+        return self.num_unfinished_seqs()
+
+    def get_num_uncomputed_tokens(self) -> int:
+        """Tokens still to prefill, summed over live sequences."""
+        return sum(s.data.get_num_uncomputed_tokens() for s in self.get_unfinished_seqs())
+
+    def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        """Per live sequence (all live sequences advance by the same chunk)."""
+        for s in self.get_unfinished_seqs():
+            s.data.update_num_computed_tokens(num_new_computed_tokens)
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs_dict[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> None:
+        del self.seqs_dict[seq_id]
+
+    def maybe_set_first_scheduled_time(self, now: float) -> None:
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id}, seqs={list(self.seqs_dict.values())})"
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What the executor needs to run one scheduled group for one step.
+
+    For each sequence in ``seq_data`` the tokens fed are
+    ``seq_data[id].get_token_ids()[c : c + token_chunk_size]`` with
+    ``c = seq_data[id].get_num_computed_tokens()``; their positions are ``c ..``; their K/V go
+    to the slots given by ``block_tables[id]`` (block numbers, ``block_size`` tokens each) and
+    attention reads positions ``0 .. c + token_chunk_size - 1`` through the same table.
+
+    ``do_sample`` is False for a prefill chunk that does not reach the end of the sequence.
+    When ``is_prompt`` and the group has not been forked yet (``num_samples > 1``), the single
+    sequence's last-position logits are sampled ``num_samples`` times.
+    """
+
+    request_id: str
+    is_prompt: bool
+    seq_data: Dict[int, SequenceData]
+    sampling_params: SamplingParams
+    block_tables: Dict[int, List[int]]
+    token_chunk_size: int
+    do_sample: bool = True
+    num_samples: int = 1
+    generator: object = None
+    computed_block_nums: Optional[List[int]] = None
+
+
+@dataclass
+class SequenceOutput:
+    """One sampled token for one sequence: ``parent_seq_id`` is the sequence it extends."""
+
+    parent_seq_id: int
+    output_token: int
+    logprob: float = 0.0
+    top_logprobs: Optional[Dict[int, float]] = None
+
+
+@dataclass
+class CompletionSequenceGroupOutput:
+    """Samples of one scheduled group in one step (empty when ``do_sample`` was False)."""
+
+    samples: List[SequenceOutput] = field(default_factory=list)
+
+
+@dataclass
+class ExecuteModelRequest:
+    """One step of work for the executor.
+
+    ``blocks_to_swap_in``: CPU block -> GPU block; ``blocks_to_swap_out``: GPU -> CPU;
+    ``blocks_to_copy``: source GPU block -> destination GPU blocks. Apply swap-out, then
+    swap-in, then copy, then run the forward.
+    """
+
+    seq_group_metadata_list: List[SequenceGroupMetadata]
+    blocks_to_swap_in: Dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: Dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
+    num_lookahead_slots: int = 0

@@ -133,11 +133,10 @@ class Sequence:
         self.prompt = prompt
         self.status = SequenceStatus.WAITING
         self.stop_reason: Optional[object] = None  # matched stop string or stop token id
-        # Incremental detokenization state (owned by the engine's detokenizer).
+        # Incremental detokenization state (owned by the engine's detokenizer); a fork starts
+        # a fresh stream primed with the tokens so far.
         self.output_text = ""
-        self.tokens: Optional[List[str]] = None
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.decode_stream = None
         # Per generated token: {token_id: logprob} (sampled token included) when requested.
         self.output_logprobs: List[Dict[int, float]] = []
 
@@ -183,9 +182,6 @@ class Sequence:
         child.data = self.data.copy()
         child.status = self.status
         child.output_text = self.output_text
-        child.tokens = list(self.tokens) if self.tokens is not None else None
-        child.prefix_offset = self.prefix_offset
-        child.read_offset = self.read_offset
         child.output_logprobs = list(self.output_logprobs)
         return child
 

@@ -1,0 +1,91 @@
+"""Turns a user prompt into validated token ids before anything is queued."""
+from __future__ import annotations
+
+import operator
+from typing import List, Optional, Union
+
+from kvserve.sampling_params import SamplingParams
+
+PromptType = Union[str, dict, List[int]]
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
+    """Returns ``(prompt_text or None, prompt_token_ids)``.
+
+    Accepts a string, ``{"prompt": str}``, ``{"prompt_token_ids": [int, ...]}`` or a list of
+    token ids (as vLLM does).
+
+    Raises:
+        ValueError: unknown prompt type, a text prompt without a tokenizer, or 0 tokens after
+            tokenization ("prompt must contain at least 1 token"). An empty string is rejected
+            even when the tokenizer would add a BOS token, so that ``""`` behaves the same on
+            every model.
+    """
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            text, ids = prompt["prompt"], None
+        else:
+            raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'.")
+    elif isinstance(prompt, str):
+        text, ids = prompt, None
+    elif isinstance(prompt, (list, tuple)):
+        text, ids = None, list(prompt)
+    else:
+        raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}.")
+    if ids is None:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}.")
+        if text == "":
+            raise ValueError("prompt must contain at least 1 token; got an empty string.")
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead.")
+        ids = tokenizer(text).input_ids
+    if len(ids) == 0:
+        raise ValueError("prompt must contain at least 1 token; got 0 prompt token ids.")
+    try:
+        ids = [operator.index(t) for t in ids]  # ints (numpy ints too), never floats or bools
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+    except TypeError:
+        raise ValueError("prompt_token_ids must be a list of integers.") from None
+    return text, ids
+
+
+def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, vocab_size: Optional[int],
+                     max_model_len: int, max_num_seqs: int) -> int:
+    """Checks one request against the model and engine limits; returns effective max_tokens.
+
+    ``max_tokens=None`` resolves to ``max_model_len - prompt_len`` (generation runs to the end
+    of the context and finishes with ``length``).
+
+    Raises:
+        ValueError: naming the field and the limit: token ids outside ``[0, vocab_size)``,
+            ``n > max_num_seqs``, prompt + max_tokens > max_model_len, logit_bias / stop ids
+            outside the vocabulary.
+    """
+    prompt_len = len(prompt_token_ids)
+    if vocab_size is not None:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}.")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [int(k) for k in (params.logit_bias or {})])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {vocab_size}); got {bad[:5]}.")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n must be <= max_num_seqs ({max_num_seqs}), got {params.n}.")
+    if params.max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+        if max_tokens < 1:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens, which leaves no room to generate within "
+                f"max_model_len {max_model_len}.")
+        return max_tokens
+    if prompt_len + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{prompt_len + params.max_tokens} > max_model_len ({max_model_len}).")
+    return params.max_tokens

@@ -1,0 +1,266 @@
+"""The synchronous engine: one ``step()`` is one iteration of continuous batching."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Union
+
+from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvserve.engine.detokenizer import Detokenizer
+from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
+from kvserve.engine.metrics import EngineStats
+from kvserve.engine.stop_checker import StopChecker, max_stop_len
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest, Sequence,
+                              SequenceGroup, SequenceStatus, next_seq_id)
+
+logger = logging.getLogger("kvserve.engine")
+
+
+class LLMEngine:
+    """Continuous-batching engine: a ``Scheduler`` plus an executor (real model or simulator).
+
+    Data flow per ``step()`` (see DESIGN.md): ``Scheduler.schedule()`` -> executor swaps /
+    copies blocks and runs one forward over all scheduled tokens and samples -> the engine
+    appends tokens (forking ``n > 1`` groups after their first sample), detokenizes, checks
+    stop conditions, frees finished sequences and returns ``RequestOutput``s.
+
+    Args:
+        executor: object with ``execute_model(ExecuteModelRequest) ->
+            List[CompletionSequenceGroupOutput]`` (``kvserve.worker.worker.Worker`` or
+            ``kvserve.sim.executor.SimulatedExecutor``).
+        tokenizer: a transformers tokenizer, or None (token ids only; text stays "").
+        clock: seconds; ``time.time`` for real runs, the simulator's virtual clock otherwise.
+        vocab_size: for validating token ids (None = no check).
+        eos_token_id: the model's end-of-sequence id (None = no EOS).
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, executor, tokenizer=None,
+                 clock: Callable[[], float] = time.time, vocab_size: Optional[int] = None,
+                 eos_token_id: Optional[int] = None):
+        from kvserve.core.scheduler import Scheduler
+
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.scheduler = Scheduler(scheduler_config, cache_config, clock=clock)
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.stop_checker = StopChecker(scheduler_config.max_model_len)
+        self.stats = EngineStats()
+        # request_id -> live group; request_id -> effective max_tokens. Emptied as requests end.
+        self._groups: Dict[str, SequenceGroup] = {}
+        self._max_tokens: Dict[str, int] = {}
+        self._pending_outputs: List[RequestOutput] = []
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Load the model named by ``args.model`` (default: SmolLM2-135M-Instruct) and build
+        the engine. Raises ValueError for an unknown path, a directory without weights, or an
+        invalid setting."""
+        from transformers import AutoConfig
+
+        from kvserve.model_executor.model_loader import resolve_model_dir
+        from kvserve.transformers_utils.tokenizer import load_tokenizer
+        from kvserve.worker.worker import Worker
+
+        model_dir = resolve_model_dir(args.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if getattr(hf_config, "use_sliding_window", True) is False:
+            sliding_window = None  # Qwen2 configs carry a window they do not use
+        model_config, cache_config, scheduler_config = args.create_configs(
+            hf_config.max_position_embeddings, sliding_window)
+        model_config.model = str(model_dir)
+        worker = Worker(model_config, cache_config, scheduler_config)
+        num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
+        cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+        tokenizer = load_tokenizer(model_dir)
+        eos = hf_config.eos_token_id
+        if isinstance(eos, list):
+            eos = eos[0]
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        return cls(model_config, cache_config, scheduler_config, executor=worker, tokenizer=tokenizer,
+                   vocab_size=hf_config.vocab_size, eos_token_id=eos)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: Optional[float] = None, priority: int = 0) -> None:
+        """Validate and queue a request (it joins ``waiting``).
+
+        Raises:
+            ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
+                ``n > max_num_seqs``, prompt + max_tokens > max_model_len (see
+                ``validate_request``). Nothing is queued when it raises.
+        """
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
+        max_tokens = validate_request(prompt_ids, params, vocab_size=self.vocab_size,
+                                      max_model_len=self.scheduler_config.max_model_len,
+                                      max_num_seqs=self.scheduler_config.max_num_seqs)
+        seq = Sequence(next_seq_id(), prompt_ids, self.cache_config.block_size,
+                       eos_token_id=self.eos_token_id, prompt=text)
+        group = SequenceGroup(request_id, [seq], params,
+                              arrival_time=self.clock() if arrival_time is None else arrival_time,
+                              priority=priority)
+        if params.seed is not None:
+            import torch
+
+            group.generator = torch.Generator(device=self._device()).manual_seed(params.seed)
+        self._groups[request_id] = group
+        self._max_tokens[request_id] = max_tokens
+        self.stats.on_request_added(len(prompt_ids))
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort live requests (any queue). Their blocks are freed at once; one final output
+        per request, with ``finish_reason="abort"``, is returned by the next ``step()``.
+        Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for group in self.scheduler.abort_seq_group(ids):
+            self._pending_outputs.append(self._finish_request(group))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> List[RequestOutput]:
+        """Run one scheduling + model iteration; returns outputs of every request that got a
+        new token, finished, was aborted since the last step, or was ignored (rejected)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        seq_group_metadata_list, sched_out = self.scheduler.schedule()
+        if not sched_out.is_empty():
+            t0 = self.clock()
+            results: List[CompletionSequenceGroupOutput] = self.executor.execute_model(ExecuteModelRequest(
+                seq_group_metadata_list=seq_group_metadata_list,
+                blocks_to_swap_in=sched_out.blocks_to_swap_in,
+                blocks_to_swap_out=sched_out.blocks_to_swap_out,
+                blocks_to_copy=sched_out.blocks_to_copy,
+                num_lookahead_slots=sched_out.num_lookahead_slots))
+            self.stats.on_step(sched_out, self.clock() - t0)
+            self.scheduler.mark_computed(sched_out)
+        else:
+            results = []
+        now = self.clock()
+        for scheduled, meta, result in zip(sched_out.scheduled_seq_groups, seq_group_metadata_list, results):
+            group = scheduled.seq_group
+            if not meta.do_sample or group.is_finished():
+                continue
+            self._process_samples(group, result, now)
+            outputs.append(self._make_output(group) if not group.is_finished() else self._finish_request(group))
+        for group in sched_out.ignored_seq_groups:
+            logger.warning("request %s rejected: %s", group.request_id, group.ignored_reason)
+            outputs.append(self._finish_request(group))
+        self.scheduler.free_finished_seq_groups()
+        self.stats.record_queues(now, self.scheduler, sched_out)
+        return outputs
+
+    def _process_samples(self, group: SequenceGroup, result: CompletionSequenceGroupOutput, now: float) -> None:
+        params = group.sampling_params
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        group.metrics.last_token_time = now
+        samples = result.samples
+        if not group.forked:
+            # First sample of an n > 1 request: fork the prompt sequence into n sequences
+            # that share its KV blocks (copy-on-write on their first divergent token).
+            parent = group.get_unfinished_seqs()[0]
+            targets = [parent]
+            for _ in samples[1:]:
+                child = parent.fork(next_seq_id())
+                group.add(child)
+                self.scheduler.fork_seq(parent, child)
+                targets.append(child)
+            group.forked = True
+        else:
+            targets = [group.seqs_dict[s.parent_seq_id] for s in samples]
+        max_tokens = self._max_tokens[group.request_id]
+        for seq, sample in zip(targets, samples):
+            seq.append_token_id(sample.output_token, sample.logprob,
+                                sample.top_logprobs if params.logprobs is not None else None)
+            new_text = ""
+            if self.detokenizer is not None:
+                new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
+            self.stop_checker.maybe_stop(seq, params, new_text, max_tokens)
+            if seq.is_finished():
+                self.scheduler.free_seq(seq)
+        self.stats.on_tokens(len(samples))
+
+    # ------------------------------------------------------------------ outputs
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        hold = max(0, max_stop_len(params) - 1)
+        completions = []
+        seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+        for i, seq in enumerate(seqs):
+            text = seq.output_text
+            if hold and not seq.is_finished():
+                # Never show characters that may turn out to be the start of a stop string.
+                text = text[:max(0, len(text) - hold)]
+            completions.append(CompletionOutput(
+                index=i, text=text, token_ids=list(seq.get_output_token_ids()),
+                cumulative_logprob=seq.data.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                finish_reason=SequenceStatus.get_finished_reason(seq.status),
+                stop_reason=seq.stop_reason))
+        finished = group.is_finished()
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=completions,
+                             finished=finished, metrics=group.metrics,
+                             error=group.ignored_reason)
+
+    def _finish_request(self, group: SequenceGroup) -> RequestOutput:
+        """Final output of a request; forgets it (every per-request map is emptied here)."""
+        group.metrics.finished_time = self.clock()
+        out = self._make_output(group)
+        self._groups.pop(group.request_id, None)
+        self._max_tokens.pop(group.request_id, None)
+        self.stats.on_request_finished(group, out)
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    def get_kv_cache_stats(self) -> dict:
+        """``num_gpu_blocks``, ``num_free_gpu_blocks``, ``num_cpu_blocks``,
+        ``num_free_cpu_blocks`` (cached blocks nothing references count as free),
+        ``gpu_cache_usage``, prefix-cache queries/hits/hit rate, ``num_preemptions``."""
+        return self.scheduler.get_kv_cache_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block nothing references. Returns False if blocks are in use."""
+        return self.scheduler.reset_prefix_cache()
+
+    def check_admissible(self, prompt_len: int) -> Optional[str]:
+        """Why a prompt of ``prompt_len`` tokens can never be scheduled (exceeds
+        ``prompt_limit`` or needs more KV blocks than the cache holds), or None. Lets the
+        server answer 400 before queueing instead of returning an ignored request."""
+        limit = self.scheduler.prompt_limit
+        if prompt_len > limit:
+            return f"prompt has {prompt_len} tokens > prompt_limit {limit}"
+        bs, total = self.cache_config.block_size, self.cache_config.num_gpu_blocks
+        needed = -(-prompt_len // bs)
+        if needed > total:
+            return f"prompt needs {needed} KV blocks > {total} blocks in the cache"
+        return None
+
+    def _device(self) -> str:
+        try:
+            return self.model_config.resolved_device()
+        except Exception:
+            return "cpu"

@@ -1,0 +1,61 @@
+"""Engine-level counters, latency samples and a queue timeline (for /metrics and plots)."""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Deque, List, Tuple
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters plus bounded recent samples.
+
+    Latencies are in seconds of the engine's clock. ``timeline`` holds
+    ``(time, running, waiting, swapped, gpu_cache_usage)`` per step (last 100k steps).
+    Listeners (the Prometheus exporter) may be attached to receive each finished request.
+    """
+
+    num_requests_added: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    model_time_s: float = 0.0
+    finished_by_reason: Counter = field(default_factory=Counter)
+    ttft_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    tpot_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    e2e_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    queue_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    timeline: Deque[Tuple[float, int, int, int, float]] = field(default_factory=lambda: deque(maxlen=100_000))
+    listeners: List = field(default_factory=list)
+
+    def on_request_added(self, prompt_len: int) -> None:
+        self.num_requests_added += 1
+        self.num_prompt_tokens += prompt_len
+
+    def on_step(self, sched_out, model_seconds: float) -> None:
+        self.num_steps += 1
+        self.model_time_s += model_seconds
+
+    def on_tokens(self, n: int) -> None:
+        self.num_generation_tokens += n
+
+    def on_request_finished(self, group, out) -> None:
+        m = group.metrics
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.finished_by_reason[reason or "unknown"] += 1
+        if m.ttft is not None:
+            self.ttft_s.append(m.ttft)
+        if m.queue_time is not None:
+            self.queue_s.append(m.queue_time)
+        if m.e2e_latency is not None:
+            self.e2e_s.append(m.e2e_latency)
+        n_out = max((len(o.token_ids) for o in out.outputs), default=0)
+        tpot = m.tpot(n_out)
+        if tpot is not None:
+            self.tpot_s.append(tpot)
+        for listener in self.listeners:
+            listener(group, out)
+
+    def record_queues(self, now: float, scheduler, sched_out) -> None:
+        usage = scheduler.get_kv_cache_stats().get("gpu_cache_usage", 0.0)
+        self.timeline.append((now, len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), usage))

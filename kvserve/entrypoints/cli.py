@@ -1,0 +1,126 @@
+"""``kvserve generate | serve | bench | simulate``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+from typing import List, Optional
+
+from kvserve.config import EngineArgs
+
+DEMO_CHATS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "Give me a tip for learning Python.",
+    "What is 7 times 8?",
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-case`` flag per ``EngineArgs`` field, typed from its annotation."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=base, default=f.default,
+                                choices={"device": ["auto", "cpu", "cuda"],
+                                         "dtype": ["auto", "float32", "bfloat16", "float16"],
+                                         "preemption_mode": ["recompute", "swap"]}.get(f.name))
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                                top_k=ns.top_k, n=ns.n, seed=ns.sampling_seed, stop=ns.stop or None,
+                                ignore_eos=ns.ignore_eos)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t_start, wall_start = time.perf_counter(), time.time()
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    t_loaded = time.perf_counter()
+    if ns.prompt:
+        outs = llm.generate(ns.prompt, params, use_tqdm=False)
+        labels = ns.prompt
+    else:
+        chats = [[{"role": "user", "content": c}] for c in DEMO_CHATS]
+        outs = llm.chat(chats, params, use_tqdm=False)
+        labels = DEMO_CHATS
+    t_done = time.perf_counter()
+    n_tokens = 0
+    for label, out in zip(labels, outs):
+        print(f"\n>>> {label}")
+        if out.error:
+            print(f"[rejected] {out.error}")
+        for c in out.outputs:
+            n_tokens += len(c.token_ids)
+            prefix = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{prefix}{c.text.strip()}  ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    first = min((o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time), default=None)
+    gen_s = t_done - t_loaded
+    print(f"\n{len(outs)} requests in one continuous batch: {n_tokens} output tokens in {gen_s:.2f} s "
+          f"= {n_tokens / max(gen_s, 1e-9):.1f} tokens/s (model load {t_loaded - t_start:.1f} s"
+          + (f", first token {first - wall_start:.1f} s after start" if first else "")
+          + ")")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions offline (demo chat prompts when no --prompt)")
+    gen.add_argument("--prompt", action="append", help="a raw prompt (repeatable); default: demo chats")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    for name, module, helptext in (
+            ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
+            ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve)"),
+            ("simulate", "kvserve.sim.cli", "replay a trace on the simulator")):
+        p = sub.add_parser(name, help=helptext, add_help=False)
+        p.set_defaults(module=module)
+
+    ns, rest = parser.parse_known_args(argv)
+    if hasattr(ns, "module"):
+        import importlib
+
+        try:
+            mod = importlib.import_module(ns.module)
+        except ModuleNotFoundError as e:
+            print(f"error: `kvserve {ns.command}` is not available in this build ({e}).", file=sys.stderr)
+            return 2
+        return mod.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The offline batch API: ``LLM.generate`` and ``LLM.chat``."""
+from __future__ import annotations
+
+import itertools
+from typing import List, Optional, Sequence as Seq, Union
+
+from kvserve.config import EngineArgs
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate completions for many prompts in one continuous batch.
+
+    ``LLM(**engine_args)`` takes the settings of ``kvserve.config.EngineArgs`` by name
+    (``model``, ``dtype``, ``device``, ``block_size``, ``num_gpu_blocks``, ... ). With no
+    ``model`` it runs the embedded SmolLM2-135M-Instruct. ``llm.llm_engine`` is the engine.
+
+    Raises:
+        ValueError: unknown setting, invalid value, or a model path without weights.
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs):
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {sorted(unknown)}; "
+                             f"valid ones are {EngineArgs.field_names()}.")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Seq[PromptType]],
+                 sampling_params: Union[SamplingParams, List[SamplingParams], None] = None,
+                 use_tqdm: bool = True, priority: Optional[List[int]] = None) -> List[RequestOutput]:
+        """Run all prompts to completion; returns one ``RequestOutput`` per prompt, in order.
+
+        ``prompts``: a string, ``{"prompt_token_ids": [...]}``, or a list of those.
+        ``sampling_params``: one for all, or a list with one per prompt.
+        A prompt the scheduler can never run (too long for ``prompt_limit`` or the KV cache)
+        comes back finished with ``finish_reason == "ignored"`` and ``error`` saying why.
+
+        Raises:
+            ValueError: for any invalid prompt or params; then nothing is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts.")
+        priorities = priority or [0] * len(prompts)
+        engine = self.llm_engine
+        ids = [f"offline-{next(self._counter)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, params, prio in zip(ids, prompts, params_list, priorities):
+                engine.add_request(rid, prompt, params, priority=prio)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: Optional[str] = None) -> List[RequestOutput]:
+        """Like ``generate`` for chat conversations (lists of ``{"role", "content"}``),
+        rendered with the tokenizer's chat template (transformers ``apply_chat_template``)."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in messages:
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, chat_template=chat_template)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.llm_engine
+        final = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        n_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        n_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 0
+                        if elapsed:
+                            bar.set_postfix(out_tok_s=f"{n_tokens / elapsed:.1f}")
+        finally:
+            bar.close()
+        return [final[i] for i in ids]

@@ -1,0 +1,66 @@
+"""What the engine returns to callers, per request and per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+from kvserve.sequence import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (of ``n``) of a request.
+
+    Attributes:
+        index: 0..n-1.
+        text: decoded text so far (stop string removed unless ``include_stop_str_in_output``;
+            while streaming, the last ``len(stop) - 1`` characters are held back until they
+            cannot be the start of a stop string).
+        token_ids: generated token ids (a stop token id, if it fired, is included).
+        cumulative_logprob: sum of the sampled tokens' log-probabilities.
+        logprobs: per generated token, ``{token_id: logprob}`` when requested, else None.
+        finish_reason: ``None`` while running, then ``"stop"``, ``"length"``, ``"abort"`` or
+            ``"ignored"`` (rejected by the scheduler: see ``RequestOutput.error``).
+        stop_reason: the matched stop string or stop token id, or None (EOS / length).
+    """
+
+    index: int
+    text: str
+    token_ids: List[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[List[Dict[int, float]]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (or its final state when ``finished``).
+
+    ``outcome`` tells how a finished request ended: ``"finished"`` (stop/length),
+    ``"aborted"``, or ``"rejected"`` (ignored by the scheduler; ``error`` says why, naming the
+    length and the limit).
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+    error: Optional[str] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def outcome(self) -> Optional[str]:
+        if not self.finished:
+            return None
+        reasons = {o.finish_reason for o in self.outputs}
+        if "ignored" in reasons:
+            return "rejected"
+        if reasons == {"abort"} or (reasons and "abort" in reasons):
+            return "aborted"
+        return "finished"

@@ -1,0 +1,159 @@
+"""An asyncio front for ``LLMEngine``: the step loop runs in a background thread.
+
+The model step is blocking, CPU/GPU-bound work, so it runs in its own thread (PyTorch releases
+the GIL inside its kernels); the event loop only validates requests and moves outputs into
+per-request ``asyncio.Queue``s.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Dict, Optional
+
+from kvserve.engine.input_processor import PromptType
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.async_engine")
+
+
+def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:
+    if future.done():  # the caller went away while waiting
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class EngineDeadError(RuntimeError):
+    """The background loop stopped after an unexpected error."""
+
+
+class AsyncLLMEngine:
+    """Many concurrent requests share one continuous batch.
+
+    ``generate(...)`` validates synchronously (raising ``ValueError`` before anything is queued),
+    then yields ``RequestOutput``s as tokens arrive, the last one with ``finished=True``.
+    Cancelling the consumer (a client disconnect) aborts the request at once: its KV blocks
+    are freed on the engine thread before the next step.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._streams: Dict[str, asyncio.Queue] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._wakeup = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.errored: Optional[BaseException] = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread (in-flight requests should be finished or aborted first)."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Raises ValueError (invalid input, duplicate id) before
+        queueing, EngineDeadError if the loop died."""
+        if self.errored is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.errored!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("add", request_id, prompt, params, priority, accepted))
+        self._wakeup.set()
+        # Validation runs on the engine thread (the engine is single-threaded).
+        try:
+            await accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already ended)."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    # ---------------------------------------------------------------- engine thread
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params, priority, accepted = msg
+                try:
+                    self.engine.add_request(rid, prompt, params, priority=priority)
+                    self._loop.call_soon_threadsafe(_resolve, accepted, None)
+                except Exception as e:  # invalid input: reported to the caller, never fatal
+                    err = e if isinstance(e, ValueError) else ValueError(str(e))
+                    self._loop.call_soon_threadsafe(_resolve, accepted, err)
+            elif msg[0] == "abort":
+                self.engine.abort_request(msg[1])
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._wakeup.clear()
+            self._drain_inbox()
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=0.5)
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug, not bad input: fail in-flight requests, keep serving
+                logger.exception("engine step failed; aborting in-flight requests")
+                ids = list(engine._groups)
+                engine.abort_request(ids)
+                try:
+                    engine.step()  # flush the abort outputs and free blocks
+                except Exception:
+                    self.errored = e
+                for rid in ids:
+                    self._loop.call_soon_threadsafe(self._deliver, rid, RuntimeError(f"engine error: {e}"))
+                if self.errored is not None:
+                    return
+                continue
+            for out in outputs:
+                self._loop.call_soon_threadsafe(self._deliver, out.request_id, out)

@@ -88,6 +88,7 @@ class AsyncLLMEngine:
             await accepted
         except BaseException:
             self._streams.pop(request_id, None)
+            self.abort(request_id)  # in case it was accepted while we were cancelled
             raise
         finished = False
         try:

@@ -1,0 +1,421 @@
+"""Token sampler: next-token logits -> sampled token ids and log-probabilities.
+
+``Sampler(eos_token_id)(logits, seq_group_metadata_list)`` returns one
+``CompletionSequenceGroupOutput`` per metadata entry.
+
+Row layout of ``logits`` (float32 ``[num_rows, vocab]``, any device): for each
+``SequenceGroupMetadata`` in list order whose ``do_sample`` is True, for each sequence id in
+``seq_data`` (dict order), one row holding that sequence's next-token logits. Groups with
+``do_sample=False`` own no rows and get an empty output. A row of a group with
+``num_samples > 1`` (an unforked prefill of an ``n > 1`` request: exactly one sequence) is
+sampled ``num_samples`` times; every sample names that sequence as its parent.
+
+Pipeline, applied per row with that row's ``SamplingParams`` (all vectorised across rows):
+
+1. *Adjust* the logits (only rows that ask for it; otherwise untouched):
+   a. repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019, eq. in
+      section 4.1, with the sign fix used by HF transformers: positive logits are divided by
+      the penalty, negative ones multiplied);
+   b. presence / frequency penalties over output tokens (OpenAI API reference, "Parameter
+      details": ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
+   c. ``logit_bias`` (added to the logits; ids outside the vocab are ignored);
+   d. ``min_tokens``: while the sequence has fewer than ``min_tokens`` output tokens, EOS
+      (unless ``ignore_eos``) and ``stop_token_ids`` are set to ``-inf``.
+2. *Choose* the token:
+   - greedy rows (``temperature < GREEDY_EPS``): ``argmax`` of the adjusted logits (which are
+     the raw logits, bit for bit, when step 1 does nothing: this is what lets greedy output be
+     compared token for token with HF transformers);
+   - random rows: divide by ``temperature``; top-k; top-p (nucleus, Holtzman et al. 2019,
+     "The Curious Case of Neural Text Degeneration": the smallest set of most likely tokens
+     whose probability sums to at least ``top_p``, taken on the top-k-renormalised
+     distribution); min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for
+     Creative and Coherent LLM Outputs": drop tokens with ``p < min_p * p_max``); softmax;
+     then draw with the exponential race ``argmax(p / E)``, ``E ~ Exponential(1)`` i.i.d.,
+     which picks token ``i`` with probability ``p_i`` (the Gumbel-max trick in disguise).
+     Seeded requests (``metadata.generator`` is a ``torch.Generator``) draw their ``E`` from
+     their own generator, one call per group per step, so their tokens do not depend on what
+     else is in the batch; the rest share the global RNG of the logits' device.
+
+Log-probability convention (``SequenceOutput.logprob`` and ``top_logprobs``): log-softmax of
+the *adjusted* logits of step 1 — i.e. the model's distribution after the request's logit
+processors (penalties, logit_bias, min_tokens) — at temperature 1 and before top-k / top-p /
+min-p truncation. Temperature and truncation are treated as properties of the *sampling
+strategy*, not of the distribution being reported, so logprobs are finite for every token the
+request did not forbid, are comparable across temperatures, and for a plain request equal
+``log_softmax(raw_logits)`` (what HF transformers' raw ``output_logits`` give). The only
+``-inf`` entries possible are tokens suppressed by ``min_tokens``. The sampled token's
+logprob is always computed (it feeds ``cumulative_logprob``); ``top_logprobs`` is ``None``
+when ``sampling_params.logprobs is None``, else the ``logprobs`` most likely tokens plus the
+sampled token (``logprobs`` or ``logprobs + 1`` entries).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import (CompletionSequenceGroupOutput, SequenceData,
+                              SequenceGroupMetadata, SequenceOutput)
+
+__all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks (pure functions on tensors; exported for tests and reuse)
+# ---------------------------------------------------------------------------------------------
+
+def _token_counts(token_ids: List[List[int]], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """Occurrence counts of token ids per row.
+
+    Args:
+        token_ids: one list of token ids per row (ids outside ``[0, vocab_size)`` are ignored).
+    Returns:
+        float32 ``[len(token_ids), vocab_size]`` on ``device``; ``counts[r, t]`` = number of
+        times ``t`` occurs in ``token_ids[r]``.
+    """
+    num_rows = len(token_ids)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.long)
+    if int(lengths.sum()) == 0:
+        return counts.view(num_rows, vocab_size)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(num_rows), lengths)
+    keep = (flat >= 0) & (flat < vocab_size)
+    index = (rows[keep] * vocab_size + flat[keep]).to(device)
+    counts.index_add_(0, index, torch.ones(index.shape[0], dtype=torch.float32, device=device))
+    return counts.view(num_rows, vocab_size)
+
+
+def apply_penalties(logits: torch.Tensor,
+                    prompt_token_ids: List[List[int]],
+                    output_token_ids: List[List[int]],
+                    repetition_penalties: torch.Tensor,
+                    presence_penalties: torch.Tensor,
+                    frequency_penalties: torch.Tensor) -> torch.Tensor:
+    """Repetition, presence and frequency penalties (out of place).
+
+    Args:
+        logits: float32 ``[R, V]``.
+        prompt_token_ids / output_token_ids: ``R`` lists of token ids.
+        repetition_penalties: float32 ``[R]`` (> 0; 1 = off). CTRL (Keskar et al. 2019): every
+            token seen in prompt or output gets ``logit / penalty`` if ``logit > 0`` else
+            ``logit * penalty``, so penalty > 1 always makes it less likely.
+        presence_penalties / frequency_penalties: float32 ``[R]`` (0 = off). OpenAI API
+            definition, over output tokens only:
+            ``logit[t] -= count[t] * frequency + (count[t] > 0) * presence``.
+    Returns:
+        float32 ``[R, V]``, same device as ``logits``.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    rep = repetition_penalties.to(device=device, dtype=logits.dtype)
+    pres = presence_penalties.to(device=device, dtype=logits.dtype)
+    freq = frequency_penalties.to(device=device, dtype=logits.dtype)
+    out_counts = _token_counts(output_token_ids, vocab, device)
+    out_seen = out_counts > 0
+    if bool((repetition_penalties != 1.0).any()):
+        seen = out_seen | (_token_counts(prompt_token_ids, vocab, device) > 0)
+        pen = rep.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(seen, penalised, logits)
+    if bool((presence_penalties != 0).any() or (frequency_penalties != 0).any()):
+        logits = logits - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * out_seen.to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (set to ``-inf``) the tokens that top-k, then top-p, then min-p exclude.
+
+    Args:
+        logits: float32 ``[R, V]`` (already divided by the temperature).
+        top_k: int64 ``[R]``; keep the ``k`` largest logits (``k >= V`` or ``k <= 0`` = off).
+            Ties at the boundary are broken by the sort order, so exactly ``k`` survive.
+        top_p: float32 ``[R]`` in (0, 1]; nucleus sampling (Holtzman et al. 2019): keep the
+            smallest prefix of the sorted, top-k-renormalised distribution whose mass is
+            ``>= top_p`` (``>= 1`` = off). The most likely token always survives.
+        min_p: float32 ``[R]`` in [0, 1]; min-p (Nguyen et al. 2024): drop tokens with
+            ``p < min_p * max(p)`` (0 = off).
+    Returns:
+        float32 ``[R, V]`` (new tensor, same device).
+    """
+    _, vocab = logits.shape
+    device = logits.device
+    top_k = top_k.to(device)
+    top_k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k)
+    top_p = top_p.to(device=device, dtype=torch.float32)
+    top_p = torch.where(top_p >= 1.0, torch.full_like(top_p, float("inf")), top_p)
+    min_p = min_p.to(device=device, dtype=torch.float32)
+
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=device).unsqueeze(0)
+    remove = positions >= top_k.unsqueeze(1)                                   # top-k
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs                                  # exclusive cumsum
+    remove |= mass_before >= top_p.unsqueeze(1)                                 # top-p
+    remove |= probs < min_p.unsqueeze(1) * probs[:, :1]                         # min-p
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _exponential(num: int, vocab: int, device: torch.device,
+                 generator: Optional[torch.Generator]) -> torch.Tensor:
+    """``Exponential(1)`` noise, float32 ``[num, vocab]`` on ``device``.
+
+    With a generator the numbers are drawn on the generator's device (then moved), so a
+    request's stream depends only on its own generator.
+    """
+    if generator is None:
+        return torch.empty(num, vocab, dtype=torch.float32, device=device).exponential_()
+    q = torch.empty(num, vocab, dtype=torch.float32, device=generator.device)
+    q.exponential_(generator=generator)
+    return q.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampler
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Row:
+    group_index: int
+    seq_id: int
+    num_samples: int
+    params: SamplingParams
+    data: SequenceData
+    suppressed: List[int]      # token ids forced to -inf (min_tokens), within the vocab
+    generator: Optional[torch.Generator]  # the request's RNG (seeded), or None
+
+
+class Sampler:
+    """Samples the next token of every scheduled sequence; see the module docstring.
+
+    Args:
+        eos_token_id: the model's EOS id, suppressed under ``min_tokens`` (unless the request
+            sets ``ignore_eos``). ``None``: only ``stop_token_ids`` are suppressed.
+    """
+
+    def __init__(self, eos_token_id: Optional[int]):
+        self.eos_token_id = eos_token_id
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _suppressed_ids(self, params: SamplingParams, data: SequenceData, vocab: int) -> List[int]:
+        if data.get_output_len() >= params.min_tokens:
+            return []
+        ids = list(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            ids.append(self.eos_token_id)
+        return sorted({t for t in ids if 0 <= t < vocab})
+
+    def _collect_rows(self, metadata_list: List[SequenceGroupMetadata], vocab: int) -> List[_Row]:
+        rows: List[_Row] = []
+        for g, md in enumerate(metadata_list):
+            if not md.do_sample:
+                continue
+            if md.num_samples > 1 and len(md.seq_data) != 1:
+                raise ValueError(
+                    f"request {md.request_id}: num_samples={md.num_samples} needs exactly one "
+                    f"sequence, got {len(md.seq_data)}")
+            for seq_id, data in md.seq_data.items():
+                rows.append(_Row(g, seq_id, max(1, md.num_samples), md.sampling_params, data,
+                                 self._suppressed_ids(md.sampling_params, data, vocab),
+                                 md.generator))
+        return rows
+
+    # -- main entry --------------------------------------------------------------------------
+    def __call__(self, logits: Optional[torch.Tensor],
+                 seq_group_metadata_list: List[SequenceGroupMetadata]
+                 ) -> List[CompletionSequenceGroupOutput]:
+        """Sample one step.
+
+        Args:
+            logits: float32 ``[num_rows, vocab]`` (other float dtypes are upcast), rows laid out
+                as in the module docstring. May be ``None`` or have 0 rows when no group samples.
+            seq_group_metadata_list: the step's scheduled groups.
+        Returns:
+            ``List[CompletionSequenceGroupOutput]``, one per metadata entry, in order.
+        """
+        outputs = [CompletionSequenceGroupOutput() for _ in seq_group_metadata_list]
+        vocab = 0 if logits is None else logits.shape[-1]
+        rows = self._collect_rows(seq_group_metadata_list, vocab)
+        num_rows = 0 if logits is None else logits.shape[0]
+        if num_rows != len(rows):
+            raise ValueError(f"logits has {num_rows} rows but the metadata asks for {len(rows)}")
+        if not rows:
+            return outputs
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+
+        if all(r.params.is_greedy and not r.params.needs_penalties and not r.params.logit_bias
+               and not r.suppressed and r.params.logprobs is None for r in rows):
+            tokens, sample_lp, top = self._greedy_fast_path(logits, rows)
+        else:
+            tokens, sample_lp, top = self._general_path(logits, rows)
+
+        # Assemble outputs (one Python loop over rows; each row has num_samples samples).
+        s = 0
+        for i, r in enumerate(rows):
+            out = outputs[r.group_index].samples
+            for _ in range(r.num_samples):
+                tok, lp = tokens[s], sample_lp[s]
+                top_lp: Optional[Dict[int, float]] = None
+                if r.params.logprobs is not None:
+                    top_lp = {}
+                    if r.params.logprobs > 0:
+                        ids, vals = top[i]
+                        top_lp = dict(zip(ids[:r.params.logprobs], vals[:r.params.logprobs]))
+                    top_lp.setdefault(tok, lp)
+                out.append(SequenceOutput(parent_seq_id=r.seq_id, output_token=tok, logprob=lp,
+                                          top_logprobs=top_lp))
+                s += 1
+        return outputs
+
+    # -- paths -------------------------------------------------------------------------------
+    @staticmethod
+    def _greedy_fast_path(logits: torch.Tensor, rows: List[_Row]):
+        """Every row greedy with nothing to adjust: one argmax (+ the sampled logprob)."""
+        tok = logits.argmax(dim=-1)
+        lp = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        counts = [r.num_samples for r in rows]
+        if any(c > 1 for c in counts):
+            rep = torch.tensor(counts, device=logits.device)
+            tok, lp = tok.repeat_interleave(rep), lp.repeat_interleave(rep)
+        return tok.tolist(), lp.tolist(), {}
+
+    def _general_path(self, logits: torch.Tensor, rows: List[_Row]):
+        device = logits.device
+        num_rows, vocab = logits.shape
+
+        # 1. Adjust (penalties, logit_bias, min_tokens) -> ``adjusted`` (a copy if touched).
+        adjusted = logits
+        pen_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        if pen_rows:
+            sub = [rows[i] for i in pen_rows]
+            idx = torch.tensor(pen_rows, device=device)
+            adjusted = adjusted.clone()
+            adjusted[idx] = apply_penalties(
+                adjusted[idx],
+                [r.data.prompt_token_ids for r in sub],
+                [r.data.output_token_ids for r in sub],
+                torch.tensor([float(r.params.repetition_penalty) for r in sub]),
+                torch.tensor([float(r.params.presence_penalty) for r in sub]),
+                torch.tensor([float(r.params.frequency_penalty) for r in sub]))
+        bias_r, bias_t, bias_v = [], [], []
+        for i, r in enumerate(rows):
+            for t, v in (r.params.logit_bias or {}).items():
+                t = int(t)
+                if 0 <= t < vocab:
+                    bias_r.append(i), bias_t.append(t), bias_v.append(float(v))
+        if bias_r:
+            if adjusted is logits:
+                adjusted = adjusted.clone()
+            adjusted.index_put_((torch.tensor(bias_r, device=device),
+                                 torch.tensor(bias_t, device=device)),
+                                torch.tensor(bias_v, dtype=adjusted.dtype, device=device),
+                                accumulate=True)
+        sup_r = [i for i, r in enumerate(rows) for _ in r.suppressed]
+        if sup_r:
+            if adjusted is logits:
+                adjusted = adjusted.clone()
+            sup_t = [t for r in rows for t in r.suppressed]
+            adjusted[torch.tensor(sup_r, device=device),
+                     torch.tensor(sup_t, device=device)] = float("-inf")
+
+        # 2. Choose tokens. Samples are laid out row by row, num_samples each.
+        counts = [r.num_samples for r in rows]
+        num_samples_total = sum(counts)
+        starts = list(itertools.accumulate([0] + counts[:-1]))
+        tokens = torch.empty(num_samples_total, dtype=torch.long, device=device)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        if greedy:
+            g_idx = torch.tensor(greedy, device=device)
+            g_tok = adjusted[g_idx].argmax(dim=-1)
+            g_counts = [counts[i] for i in greedy]
+            g_pos = [starts[i] + j for i in greedy for j in range(counts[i])]
+            tokens[torch.tensor(g_pos, device=device)] = g_tok.repeat_interleave(
+                torch.tensor(g_counts, device=device))
+
+        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if random:
+            tokens_r = self._sample_random(adjusted, rows, random, counts)
+            r_pos = [starts[i] + j for i in random for j in range(counts[i])]
+            tokens[torch.tensor(r_pos, device=device)] = tokens_r
+
+        # 3. Log-probabilities of the adjusted distribution (temperature 1, untruncated).
+        sample_row = torch.repeat_interleave(torch.arange(num_rows, device=device),
+                                             torch.tensor(counts, device=device))
+        lse = adjusted.logsumexp(dim=-1)
+        sample_lp = adjusted[sample_row, tokens] - lse[sample_row]
+
+        top: Dict[int, tuple] = {}
+        top_rows = [i for i, r in enumerate(rows) if r.params.logprobs]
+        if top_rows:
+            k = min(vocab, max(rows[i].params.logprobs for i in top_rows))
+            t_idx = torch.tensor(top_rows, device=device)
+            vals, ids = adjusted[t_idx].topk(k, dim=-1)
+            vals = (vals - lse[t_idx].unsqueeze(1)).tolist()
+            ids = ids.tolist()
+            for j, i in enumerate(top_rows):
+                top[i] = (ids[j], vals[j])
+        return tokens.tolist(), sample_lp.tolist(), top
+
+    @staticmethod
+    def _sample_random(adjusted: torch.Tensor, rows: List[_Row], random: List[int],
+                       counts: List[int]) -> torch.Tensor:
+        """Temperature, truncation and exponential-race draw for the non-greedy rows.
+
+        Returns int64 ``[sum(counts[i] for i in random)]``, samples in row order.
+        """
+        device = adjusted.device
+        vocab = adjusted.shape[1]
+        sub = [rows[i] for i in random]
+        x = adjusted[torch.tensor(random, device=device)]
+        temps = torch.tensor([float(r.params.temperature) for r in sub], device=device)
+        x = x / temps.unsqueeze(1)
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in sub):
+            x = apply_top_k_top_p_min_p(
+                x,
+                torch.tensor([r.params.top_k for r in sub], dtype=torch.long),
+                torch.tensor([float(r.params.top_p) for r in sub]),
+                torch.tensor([float(r.params.min_p) for r in sub]))
+        probs = x.softmax(dim=-1)
+        sub_counts = [counts[i] for i in random]
+        if any(c > 1 for c in sub_counts):
+            probs = probs.repeat_interleave(torch.tensor(sub_counts, device=device), dim=0)
+
+        # Exponential noise: unseeded samples share one draw from the global RNG; each seeded
+        # group draws all of its samples in one call on its own generator.
+        num = probs.shape[0]
+        seeded: Dict[int, List[int]] = {}   # group index -> sample positions (within ``probs``)
+        unseeded: List[int] = []
+        generators: Dict[int, torch.Generator] = {}
+        pos = 0
+        for j, r in enumerate(sub):
+            span = list(range(pos, pos + sub_counts[j]))
+            gen = r.generator
+            if gen is None:
+                unseeded.extend(span)
+            else:
+                seeded.setdefault(r.group_index, []).extend(span)
+                generators[r.group_index] = gen
+            pos += sub_counts[j]
+        if not seeded:
+            q = _exponential(num, vocab, device, None)
+        else:
+            q = torch.empty(num, vocab, dtype=torch.float32, device=device)
+            if unseeded:
+                q[torch.tensor(unseeded, device=device)] = _exponential(len(unseeded), vocab,
+                                                                        device, None)
+            for g, span in seeded.items():
+                q[torch.tensor(span, device=device)] = _exponential(len(span), vocab, device,
+                                                                    generators[g])
+        # A zero draw would turn a masked token's 0 probability into 0/0; keep q > 0.
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / q).argmax(dim=-1)
+

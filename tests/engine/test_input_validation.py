@@ -1,0 +1,59 @@
+"""Input validation: bad requests raise ValueError naming the field and the limit (B05, B06)."""
+import pytest
+
+from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from kvserve.engine.input_processor import tokenize_prompt, validate_request
+from kvserve.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"), ({"max_tokens": "10"}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_sampling_params_reject_invalid(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_B05_empty_prompt_rejected_in_every_form():
+    for prompt in ("", [], {"prompt_token_ids": []}, {"prompt": ""}):
+        with pytest.raises(ValueError, match="prompt must contain at least 1 token"):
+            tokenize_prompt(prompt, tokenizer=None)
+
+
+def test_prompt_token_ids_must_be_ints():
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        tokenize_prompt([1, 2.5], tokenizer=None)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        validate_request([1, 99], SamplingParams(), vocab_size=50, max_model_len=64, max_num_seqs=4)
+
+
+def test_B06_max_tokens_against_max_model_len():
+    ids = list(range(8))
+    # (d) exactly fills the context: accepted.
+    assert validate_request(ids, SamplingParams(max_tokens=24), vocab_size=100, max_model_len=32, max_num_seqs=4) == 24
+    # (e) one over: rejected with both numbers.
+    with pytest.raises(ValueError, match=r"prompt \(8 tokens\) \+ max_tokens \(25\) = 33 > max_model_len \(32\)"):
+        validate_request(ids, SamplingParams(max_tokens=25), vocab_size=100, max_model_len=32, max_num_seqs=4)
+    # (f) omitted: defaults to the rest of the context.
+    assert validate_request(ids, SamplingParams(max_tokens=None), vocab_size=100, max_model_len=32, max_num_seqs=4) == 24
+
+
+def test_n_above_max_num_seqs_rejected():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        validate_request([1], SamplingParams(n=5), vocab_size=None, max_model_len=32, max_num_seqs=4)
+
+
+def test_configs_name_the_field():
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(block_size=0)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="sometimes")
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineArgs(max_model_len=10_000).create_configs(model_max_len=8192)
+    with pytest.raises(ValueError, match="device"):
+        EngineArgs(device="tpu").create_configs(model_max_len=8192)

@@ -1,0 +1,1 @@
+"""Building blocks of the model code: RMSNorm, rotary embedding, paged attention."""

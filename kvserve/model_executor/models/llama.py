@@ -1,0 +1,242 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) on the paged KV cache.
+
+Shapes: GQA (``num_key_value_heads``), optional q/k/v bias (Qwen2), RoPE with the config's
+``rope_theta`` and scaling, RMSNorm, SwiGLU MLP, optional tied embeddings, optional sliding
+window (applied by the runner's attention masks). Our own module code: transformers is only
+used for the config object.
+
+q/k/v are fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (two matmuls
+fewer per layer); ``load_weights`` fuses the checkpoint's separate tensors.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
+from kvserve.model_executor.layers.rmsnorm import RMSNorm
+from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+
+
+def _head_dim(cfg) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+def _linear_weight(out_f: int, in_f: int, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(out_f, in_f, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2"
+        self.qkv_weight = _linear_weight(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype, device)
+        self.qkv_bias = (nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype, device=device),
+                                      requires_grad=False) if bias else None)
+        o_bias = bool(getattr(cfg, "attention_bias", False)) and getattr(cfg, "model_type", "") != "qwen2"
+        self.o_weight = _linear_weight(cfg.hidden_size, self.q_size, dtype, device)
+        self.o_bias = (nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+                       if o_bias else None)
+        self.rope = rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q = qk[:, :self.num_heads]
+        k = qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        o = self.attn.forward(q, k, v, kv_cache, meta)
+        return F.linear(o, self.o_weight, self.o_bias)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, dtype, device):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_weight = _linear_weight(2 * self.inter, cfg.hidden_size, dtype, device)
+        self.down_weight = _linear_weight(cfg.hidden_size, self.inter, dtype, device)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={act!r} is not supported (only silu).")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(x, self.gate_up_weight)
+        g = F.silu(gu[:, :self.inter])
+        g.mul_(gu[:, self.inter:])
+        return F.linear(g, self.down_weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rope, dtype, device)
+        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head.
+
+    Args:
+        hf_config: a transformers config (LlamaConfig / Qwen2Config / MistralConfig ...).
+        dtype: parameter and activation dtype; device: ``"cpu"`` / ``"cuda"``.
+        max_position: length of the rotary tables (``max_position_embeddings`` by default).
+
+    Raises:
+        ValueError: for unsupported activations or rope scaling types.
+    """
+
+    def __init__(self, hf_config, dtype=torch.float32, device="cpu", max_position: Optional[int] = None):
+        super().__init__()
+        cfg = hf_config
+        self.config = cfg
+        self.dtype = dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.head_dim = _head_dim(cfg)
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        max_position = max_position or cfg.max_position_embeddings
+        self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rope, dtype, device)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (self.embed_tokens if self.tie_word_embeddings else
+                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+                                     requires_grad=False))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Optional[List[torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        Args:
+            input_ids, positions: int64 ``[T]``.
+            kv_caches: one ``[2, kv_heads, num_blocks, block_size, head_dim]`` tensor per layer,
+                or ``None`` (no cache: fresh prefills only).
+        Returns:
+            ``[T, hidden_size]`` in the model dtype.
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope.lookup(positions)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, None if kv_caches is None else kv_caches[i], meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
+        casting to the model dtype and fusing q/k/v and gate/up.
+
+        Raises:
+            ValueError: naming a missing or unexpected tensor, or a shape mismatch.
+        """
+        loaded = set()
+        expected = self._expected_names()
+        for name, t in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            dst = self._destination(name)
+            if dst is None:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param, row0 = dst
+            n = t.shape[0]
+            target = param.data[row0:row0 + n] if row0 is not None else param.data
+            if tuple(target.shape) != tuple(t.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(target.shape)}")
+            target.copy_(t)
+            loaded.add(name)
+        missing = [n for n in expected if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _expected_names(self) -> List[str]:
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for s in ("q", "k", "v", "o"):
+                names.append(p + f"self_attn.{s}_proj.weight")
+            if layer.self_attn.qkv_bias is not None:
+                names += [p + f"self_attn.{s}_proj.bias" for s in ("q", "k", "v")]
+            if layer.self_attn.o_bias is not None:
+                names.append(p + "self_attn.o_proj.bias")
+            names += [p + f"mlp.{s}_proj.weight" for s in ("gate", "up", "down")]
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        return names
+
+    def _destination(self, name: str):
+        """``(parameter, first_row or None)`` receiving checkpoint tensor ``name``."""
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None
+        if name == "model.norm.weight":
+            return self.norm.weight, None
+        if name == "lm_head.weight":
+            return self.lm_head, None
+        parts = name.split(".")
+        if len(parts) < 5 or parts[0] != "model" or parts[1] != "layers":
+            return None
+        try:
+            layer = self.layers[int(parts[2])]
+        except (ValueError, IndexError):
+            return None
+        rest = ".".join(parts[3:])
+        a = layer.self_attn
+        qkv_rows = {"q": 0, "k": a.q_size, "v": a.q_size + a.kv_size}
+        if rest.startswith("self_attn.") and rest.endswith("_proj.weight"):
+            which = rest[len("self_attn."):-len("_proj.weight")]
+            if which in qkv_rows:
+                return a.qkv_weight, qkv_rows[which]
+            if which == "o":
+                return a.o_weight, None
+        if rest.startswith("self_attn.") and rest.endswith("_proj.bias"):
+            which = rest[len("self_attn."):-len("_proj.bias")]
+            if which in qkv_rows and a.qkv_bias is not None:
+                return a.qkv_bias, qkv_rows[which]
+            if which == "o" and a.o_bias is not None:
+                return a.o_bias, None
+        if rest == "mlp.gate_proj.weight":
+            return layer.mlp.gate_up_weight, 0
+        if rest == "mlp.up_proj.weight":
+            return layer.mlp.gate_up_weight, layer.mlp.inter
+        if rest == "mlp.down_proj.weight":
+            return layer.mlp.down_weight, None
+        if rest == "input_layernorm.weight":
+            return layer.input_layernorm.weight, None
+        if rest == "post_attention_layernorm.weight":
+            return layer.post_attention_layernorm.weight, None
+        return None

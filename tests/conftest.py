@@ -1,0 +1,51 @@
+"""Shared fixtures: the default model directory and a tiny random-weight Llama."""
+import os
+import shutil
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """SmolLM2-135M-Instruct as a plain HF directory (converted from the GGUF once, cached)."""
+    from kvserve.model_executor.model_loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+def _save_tiny(tmp_path_factory, default_model_dir, name, config):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random weights give flat logits; scaling the output layer makes greedy choices decisive
+    # (fewer near-ties) without changing what is tested.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir):
+    """A 2-layer random-weight Llama (GQA 4:2, vocab of the default tokenizer) with the
+    default model's tokenizer, saved as safetensors."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory, default_model_dir, "tiny-llama", config)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

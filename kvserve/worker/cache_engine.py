@@ -1,0 +1,120 @@
+"""The paged KV cache: device blocks, CPU swap blocks, and block swap/copy.
+
+Layout (one tensor for all layers, so swaps and copies are one indexed copy each)::
+
+    device_cache: [num_layers, 2, num_kv_heads, num_gpu_blocks, block_size, head_dim]
+    cpu_cache:    [num_layers, 2, num_kv_heads, num_cpu_blocks, block_size, head_dim]
+
+``device_cache[l]`` is layer ``l``'s cache as ``PagedAttention`` expects it (``[0]`` = K,
+``[1]`` = V). Heads come before blocks so that gathering a sequence's blocks per head yields
+``[kv_heads, tokens, head_dim]`` contiguously (see ``layers.attention``).
+
+Both pools are zero-filled (unused slots must hold finite values: masked attention weights
+are exactly 0, and ``0 * NaN`` would poison the output). Zero pages are mapped lazily by
+the OS, so untouched blocks cost no resident memory on CPU.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers: ``2 * layers * block_size * kv_heads * head_dim
+    * element size``."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class CacheEngine:
+    """Owns the KV-cache tensors.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape.
+        block_size: tokens per block.
+        num_gpu_blocks: blocks in the device pool (on ``device``, "gpu" also on CPU runs).
+        num_cpu_blocks: blocks in the CPU swap pool (may be 0).
+        dtype: cache dtype (the model dtype); device: ``"cpu"`` / ``"cuda"``.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype, device: str):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, 2, num_kv_heads)
+        tail = (block_size, head_dim)
+        self.device_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=dtype, device=self.device)
+        pin = self.device.type == "cuda"
+        self.cpu_cache = torch.zeros(*shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu",
+                                     pin_memory=pin and num_cpu_blocks > 0)
+        #: Per-layer views ``[2, kv_heads, num_gpu_blocks, block_size, head_dim]``.
+        self.gpu_cache: List[torch.Tensor] = list(self.device_cache.unbind(0))
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def _check(self, ids: List[int], n: int, pool: str) -> None:
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"{pool} block ids {bad[:5]} out of range [0, {n})")
+
+    def swap_out(self, mapping: Dict[int, int]) -> None:
+        """Copy device blocks to CPU blocks: ``{device_block: cpu_block}``.
+
+        Raises:
+            ValueError: a block id outside its pool.
+        """
+        if not mapping:
+            return
+        src, dst = list(mapping.keys()), list(mapping.values())
+        self._check(src, self.num_gpu_blocks, "device")
+        self._check(dst, self.num_cpu_blocks, "cpu")
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long)
+        self.cpu_cache[:, :, :, di] = self.device_cache[:, :, :, si].to("cpu")
+
+    def swap_in(self, mapping: Dict[int, int]) -> None:
+        """Copy CPU blocks to device blocks: ``{cpu_block: device_block}``.
+
+        Raises:
+            ValueError: a block id outside its pool.
+        """
+        if not mapping:
+            return
+        src, dst = list(mapping.keys()), list(mapping.values())
+        self._check(src, self.num_cpu_blocks, "cpu")
+        self._check(dst, self.num_gpu_blocks, "device")
+        si = torch.tensor(src, dtype=torch.long)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
+        self.device_cache[:, :, :, di] = self.cpu_cache[:, :, :, si].to(self.device, non_blocking=True)
+
+    def copy(self, mapping: Dict[int, List[int]]) -> None:
+        """Copy device blocks within the device pool: ``{src_block: [dst_block, ...]}``
+        (copy-on-write of shared blocks).
+
+        Raises:
+            ValueError: a block id outside the pool.
+        """
+        if not mapping:
+            return
+        src: List[int] = []
+        dst: List[int] = []
+        for s, ds in mapping.items():
+            for d in ds:
+                src.append(s)
+                dst.append(d)
+        if not src:
+            return
+        self._check(src + dst, self.num_gpu_blocks, "device")
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
+        self.device_cache[:, :, :, di] = self.device_cache[:, :, :, si]

@@ -1,0 +1,224 @@
+"""Turns an ``ExecuteModelRequest`` into one flattened forward pass and samples.
+
+Batch layout (internal; the sampler sees rows in metadata order):
+
+* rows ``[0, P)``: the multi-token chunks (prefills), one sequence after another;
+* rows ``[P, P + B)``: single-token queries (decodes, and 1-token prefill chunks), attended
+  together in one batched masked attention.
+
+For sequence ``s`` with ``c = num_computed_tokens`` and chunk ``n`` the runner feeds tokens
+``c .. c+n-1`` at positions ``c .. c+n-1``, writes their K/V to slots
+``table[pos // bs] * bs + pos % bs`` and attends to positions ``0 .. c+n-1`` (the last
+``sliding_window`` of them with a window) read back through the block table. Block-table
+entries for blocks wholly outside the window are never read unmasked (they may point at any
+block).
+
+Metadata are built with a handful of Python operations per *sequence* (numpy ranges for
+multi-token chunks) and a few vectorised tensor ops per step; nothing loops per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence as Seq, Tuple
+
+import numpy as np
+import torch
+
+from kvserve.model_executor.layers.attention import AttentionMetadata, PrefillChunk
+from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceData,
+                              SequenceGroupMetadata)
+
+
+def _chunk_tokens(data: SequenceData, c: int, n: int) -> List[int]:
+    """``data.get_token_ids()[c:c+n]`` without concatenating prompt and output lists."""
+    prompt, out = data.prompt_token_ids, data.output_token_ids
+    p = len(prompt)
+    if c >= p:
+        return out[c - p:c - p + n]
+    if c + n <= p:
+        return prompt[c:c + n]
+    return prompt[c:] + out[:c + n - p]
+
+
+@dataclass
+class ModelInput:
+    """Tensors for one forward (on the model's device).
+
+    Attributes:
+        input_ids, positions: int64 ``[T]``.
+        attn: attention metadata (slots, chunks, decode gather index and mask).
+        sample_rows: int64 ``[N]`` rows of the hidden states to turn into logits, in sampler
+            order (groups in list order with ``do_sample``, sequences in ``seq_data`` order).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor
+
+
+class ModelRunner:
+    """Builds model inputs from scheduler metadata, runs the model, samples.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (our module).
+        block_size: tokens per KV block; num_gpu_blocks: blocks in the device pool (for the
+            flat cache indices); sliding_window: attention window in tokens or ``None``.
+        sampler: callable ``(logits float32 [N, vocab], metadata list) ->
+            List[CompletionSequenceGroupOutput]``.
+        device: where the model lives.
+    """
+
+    def __init__(self, model, block_size: int, num_gpu_blocks: int, sliding_window: Optional[int],
+                 sampler, device: str = "cpu"):
+        self.model = model
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.sliding_window = sliding_window
+        self.sampler = sampler
+        self.device = torch.device(device)
+        kh = model.num_kv_heads
+        # (s * kv_heads + h) for s in (K, V), h in heads: block-row and slot-row offsets.
+        sh = np.arange(2 * kh, dtype=np.int64).reshape(2, kh)
+        self._block_base = sh * num_gpu_blocks                  # [2, KH]
+        self._slot_base = sh * num_gpu_blocks * block_size      # [2, KH]
+
+    # ------------------------------------------------------------------ inputs
+    def prepare_inputs(self, metadata: Seq[SequenceGroupMetadata]) -> Optional[ModelInput]:
+        """Flatten the scheduled tokens of ``metadata`` into one batch (``None`` if empty).
+
+        Raises:
+            ValueError: a chunk size < 1, a chunk past the sequence end, or a block table too
+                short for the chunk.
+        """
+        bs = self.block_size
+        W = self.sliding_window
+        # multi-token chunks
+        p_tokens: List[int] = []
+        p_pos: List[np.ndarray] = []
+        p_slots: List[np.ndarray] = []
+        p_chunks: List[Tuple[int, int, list]] = []  # (c, n, table)
+        # single-token queries
+        d_tokens: List[int] = []
+        d_pos: List[int] = []
+        d_slots: List[int] = []
+        d_tables: List[list] = []
+        order: List[Tuple[bool, int]] = []  # (is_decode, index) per sampled row
+        for md in metadata:
+            n = md.token_chunk_size
+            if n < 1:
+                raise ValueError(f"request {md.request_id}: token_chunk_size={n} (must be >= 1)")
+            for sid, data in md.seq_data.items():
+                c = data.get_num_computed_tokens()
+                if c + n > data.get_len():
+                    raise ValueError(f"request {md.request_id} seq {sid}: chunk {c}..{c + n} is past "
+                                     f"the sequence length {data.get_len()}")
+                table = md.block_tables[sid]
+                last = c + n - 1
+                if last // bs >= len(table):
+                    raise ValueError(f"request {md.request_id} seq {sid}: block table has {len(table)} "
+                                     f"blocks, position {last} needs {last // bs + 1}")
+                if n == 1:
+                    p = data.get_prompt_len()
+                    d_tokens.append(data.output_token_ids[c - p] if c >= p else data.prompt_token_ids[c])
+                    d_pos.append(c)
+                    d_slots.append(table[c // bs] * bs + c % bs)
+                    d_tables.append(table)
+                    if md.do_sample:
+                        order.append((True, len(d_tokens) - 1))
+                else:
+                    p_tokens.extend(_chunk_tokens(data, c, n))
+                    pos = np.arange(c, c + n, dtype=np.int64)
+                    tbl = np.asarray(table[c // bs:last // bs + 1], dtype=np.int64)
+                    p_pos.append(pos)
+                    p_slots.append(tbl[pos // bs - c // bs] * bs + pos % bs)
+                    p_chunks.append((c, n, table))
+                    if md.do_sample:
+                        order.append((False, len(p_chunks) - 1))
+        P = len(p_tokens)
+        B = len(d_tokens)
+        if P + B == 0:
+            return None
+        dev = self.device
+        positions = np.concatenate(p_pos + [np.asarray(d_pos, dtype=np.int64)])
+        slots = np.concatenate(p_slots + [np.asarray(d_slots, dtype=np.int64)])
+        write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
+        meta = AttentionMetadata(write_idx=torch.from_numpy(write_idx).to(dev), num_prefill_tokens=P, num_decode=B)
+
+        # multi-token chunks
+        ends: List[int] = []
+        start = 0
+        for c, n, table in p_chunks:
+            pc = PrefillChunk(start=start, end=start + n, context_start=c)
+            if c > 0:
+                q_pos = np.arange(c, c + n, dtype=np.int64)
+                fb = max(0, c - W + 1) // bs if W else 0
+                lb = (c + n - 1) // bs
+                tbl = np.asarray(table[fb:lb + 1], dtype=np.int64)
+                pc.gather_idx = torch.from_numpy((self._block_base[:, :, None] + tbl[None, None, :]).reshape(-1)).to(dev)
+                pc.key_start = fb * bs
+                pc.num_keys = c + n - fb * bs
+                k_pos = np.arange(pc.key_start, c + n, dtype=np.int64)
+                allowed = k_pos[None, :] <= q_pos[:, None]
+                if W:
+                    allowed &= k_pos[None, :] > q_pos[:, None] - W
+                pc.mask = torch.from_numpy(allowed).to(dev)
+            elif W and n > W:
+                q_pos = np.arange(n, dtype=np.int64)
+                allowed = (q_pos[None, :] <= q_pos[:, None]) & (q_pos[None, :] > q_pos[:, None] - W)
+                pc.mask = torch.from_numpy(allowed).to(dev)
+            meta.prefills.append(pc)
+            start += n
+            ends.append(start)
+
+        # single-token queries: padded block tables -> one gather index + key mask
+        if B:
+            ctx = np.asarray(d_pos, dtype=np.int64)  # query position == last key position
+            if W:
+                first = np.maximum(ctx - W + 1, 0) // bs
+            else:
+                first = np.zeros(B, dtype=np.int64)
+            nblk = ctx // bs - first + 1
+            nb = int(nblk.max())
+            pad = np.zeros((B, nb), dtype=np.int64)
+            if W:
+                for i, t in enumerate(d_tables):
+                    f = int(first[i])
+                    row = t[f:f + int(nblk[i])]
+                    pad[i, :len(row)] = row
+            else:
+                for i, t in enumerate(d_tables):
+                    k = int(nblk[i])
+                    pad[i, :k] = t[:k]
+            gidx = self._block_base[:, None, :, None] + pad[None, :, None, :]  # [2, B, KH, nb]
+            meta.decode_gather_idx = torch.from_numpy(gidx.reshape(-1)).to(dev)
+            meta.decode_num_blocks = nb
+            k_pos = first[:, None] * bs + np.arange(nb * bs, dtype=np.int64)[None, :]
+            allowed = k_pos <= ctx[:, None]
+            if W:
+                allowed &= k_pos > (ctx[:, None] - W)
+            meta.decode_mask = torch.from_numpy(allowed).view(B, 1, 1, nb * bs).to(dev)
+
+        rows = [P + i if is_dec else ends[i] - 1 for is_dec, i in order]
+        input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
+        return ModelInput(input_ids=input_ids.to(dev), positions=torch.from_numpy(positions).to(dev),
+                          attn=meta, sample_rows=torch.tensor(rows, dtype=torch.long).to(dev))
+
+    # ------------------------------------------------------------------ run
+    @torch.inference_mode()
+    def execute(self, metadata: Seq[SequenceGroupMetadata],
+                kv_caches: Optional[List[torch.Tensor]]) -> List[CompletionSequenceGroupOutput]:
+        """Forward all scheduled tokens, compute float32 logits for the sampled rows only,
+        and sample. Returns one ``CompletionSequenceGroupOutput`` per metadata entry."""
+        logits = self.compute_logits(metadata, kv_caches)
+        return self.sampler(logits, list(metadata))
+
+    @torch.inference_mode()
+    def compute_logits(self, metadata: Seq[SequenceGroupMetadata],
+                       kv_caches: Optional[List[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """float32 logits ``[N, vocab]`` for the sampled rows (``None`` if nothing is scheduled)."""
+        inp = self.prepare_inputs(metadata)
+        if inp is None:
+            return None
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn)
+        return self.model.compute_logits(hidden.index_select(0, inp.sample_rows))

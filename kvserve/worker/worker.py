@@ -1,0 +1,128 @@
+"""The executor the engine talks to: loads the model, sizes and owns the KV cache, runs steps."""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest
+from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
+from kvserve.worker.model_runner import ModelRunner
+
+_GIB = 1 << 30
+
+
+def _configure_threads() -> None:
+    """Use every CPU this process may run on for intra-op parallelism."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+class Worker:
+    """Model + KV cache on one device.
+
+    Args:
+        model_config: ``model`` is a HF directory, or ``None``/``"default"`` (resolved with
+            ``resolve_model_dir``); ``resolved_device()`` / ``resolved_dtype()`` pick where
+            and how the model runs.
+        cache_config: block size, pool sizes (counts or GiB), sliding window.
+        scheduler_config: batching limits (unused by the worker beyond validation).
+
+    Attributes:
+        hf_config: the model's transformers config. model_dir: the resolved directory.
+
+    Raises:
+        ValueError: bad model path or unsupported architecture (from the loader).
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: Optional[SchedulerConfig] = None):
+        from kvserve.model_executor.model_loader import (get_sliding_window, load_hf_config, load_model,
+                                                         resolve_model_dir)
+
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = model_config.resolved_device()
+        self.dtype = model_config.resolved_dtype()
+        if self.device == "cpu":
+            _configure_threads()
+        torch.manual_seed(model_config.seed)
+        self.model_dir = resolve_model_dir(model_config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.hf_config)
+        #: Attention window (tokens) the runner masks with: the cache config's (the block
+        #: manager may recycle blocks outside it) or else the model's own.
+        self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)
+        self.cache_engine: Optional[CacheEngine] = None
+        self.runner: Optional[ModelRunner] = None
+
+    # ------------------------------------------------------------------ cache sizing
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block over all layers (K and V)."""
+        m = self.model
+        return bytes_per_block(m.num_layers, self.cache_config.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+
+    def determine_num_blocks(self) -> Tuple[int, int]:
+        """``(num_gpu_blocks, num_cpu_blocks)``: explicit counts in ``CacheConfig`` win, else
+        ``kv_cache_memory_gib`` / ``swap_space_gib`` divided by ``bytes_per_block()``.
+
+        Raises:
+            ValueError: the device pool would hold no block, or (CUDA) it does not fit in free
+                device memory.
+        """
+        cc = self.cache_config
+        bpb = self.bytes_per_block()
+        if cc.num_gpu_blocks is not None:
+            gpu = cc.num_gpu_blocks
+        else:
+            gpu = int(cc.kv_cache_memory_gib * _GIB // bpb)
+            if gpu < 1:
+                raise ValueError(f"kv_cache_memory_gib={cc.kv_cache_memory_gib} is smaller than one KV block "
+                                 f"({bpb} bytes)")
+        cpu = cc.num_cpu_blocks if cc.num_cpu_blocks is not None else int(cc.swap_space_gib * _GIB // bpb)
+        if self.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            if gpu * bpb > free:
+                raise ValueError(f"the KV cache needs {gpu * bpb / _GIB:.2f} GiB ({gpu} blocks) but only "
+                                 f"{free / _GIB:.2f} GiB of device memory is free; lower kv_cache_memory_gib "
+                                 "or num_gpu_blocks")
+        return gpu, cpu
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the KV cache (zero-filled) and the model runner."""
+        from kvserve.model_executor.sampler import Sampler
+
+        m = self.model
+        self.cache_engine = CacheEngine(m.num_layers, m.num_kv_heads, m.head_dim, self.cache_config.block_size,
+                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        self.runner = ModelRunner(m, self.cache_config.block_size, num_gpu_blocks, self.sliding_window,
+                                  Sampler(eos_token_id=eos), self.device)
+
+    # ------------------------------------------------------------------ step
+    def execute_model(self, req: ExecuteModelRequest) -> List[CompletionSequenceGroupOutput]:
+        """Apply swap-out, swap-in, copy; then forward the scheduled tokens and sample.
+
+        Returns one ``CompletionSequenceGroupOutput`` per ``req.seq_group_metadata_list`` entry.
+
+        Raises:
+            RuntimeError: ``init_cache`` was not called.
+        """
+        if self.cache_engine is None or self.runner is None:
+            raise RuntimeError("Worker.init_cache() must be called before execute_model()")
+        with torch.inference_mode():
+            self.cache_engine.swap_out(req.blocks_to_swap_out)
+            self.cache_engine.swap_in(req.blocks_to_swap_in)
+            self.cache_engine.copy(req.blocks_to_copy)
+        if not req.seq_group_metadata_list:
+            return []
+        return self.runner.execute(req.seq_group_metadata_list, self.cache_engine.gpu_cache)

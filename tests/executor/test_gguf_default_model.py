@@ -1,0 +1,66 @@
+"""The default model: our GGUF conversion + our model code against transformers' own GGUF
+loader (which dequantizes and un-permutes by itself)."""
+import json
+
+import pytest
+import torch
+
+from kvserve.model_executor import gguf_convert
+from kvserve.model_executor.model_loader import default_gguf_path
+
+pytestmark = pytest.mark.slow  # ~40 s on 2 cores: converts the GGUF and loads it through transformers
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2-converted")
+    gguf_convert.convert_gguf(default_gguf_path(), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model():
+    from transformers import AutoModelForCausalLM
+
+    g = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32).eval()
+
+
+def test_converted_config_and_tokenizer(converted):
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((converted / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (30, 576, 1536)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0
+    assert cfg["tie_word_embeddings"] is True and cfg["vocab_size"] == 49152
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["max_position_embeddings"]) == (1, 2, 8192)
+    tok = AutoTokenizer.from_pretrained(str(converted))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_our_model_on_converted_weights_matches_transformers_gguf(converted, hf_gguf_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.executor.helpers import ToyAllocator, ToySeq, all_logits, make_worker
+
+    tok = AutoTokenizer.from_pretrained(str(converted))
+    hf_conv = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    w = make_worker(converted, block_size=16, num_gpu_blocks=16, num_cpu_blocks=0)
+    alloc = ToyAllocator(16)
+    seqs = [ToySeq(tok(p).input_ids) for p in PROMPTS]
+    got = all_logits(w, [s.metadata(s.data.get_len(), alloc, 16) for s in seqs])
+    for s in seqs:
+        ids = torch.tensor([s.data.get_token_ids()])
+        with torch.no_grad():
+            ref = hf_gguf_model(ids).logits[0]
+            conv = hf_conv(ids).logits[0]
+        assert torch.allclose(conv, ref, atol=1e-5), (conv - ref).abs().max()  # the conversion itself
+        assert torch.allclose(got[s.seq_id], ref, atol=5e-4), (got[s.seq_id] - ref).abs().max()
+        assert ref.abs().max() > 5
+    # the model is sensible: greedy continuation of the first prompt
+    assert tok.decode(int(got[seqs[0].seq_id][-1].argmax())).strip() == "Paris"

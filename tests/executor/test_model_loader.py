@@ -1,0 +1,111 @@
+"""Model directory resolution, weight loading errors, GGUF conversion and its cache."""
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model_executor import gguf_convert
+from kvserve.model_executor.model_loader import get_sliding_window, load_model, resolve_model_dir
+from tests.executor.helpers import ToyAllocator, ToySeq, hf_logits, llama_config, save_tiny
+
+
+def test_resolve_errors_name_path_and_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "nope"))
+    f = tmp_path / "file.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a directory"):
+        resolve_model_dir(str(f))
+    d = tmp_path / "empty"
+    d.mkdir()
+    with pytest.raises(ValueError, match=r"empty.*config.json and \*.safetensors"):
+        resolve_model_dir(str(d))
+    (d / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"missing \*.safetensors"):
+        resolve_model_dir(str(d))
+
+
+def test_resolve_and_load_sharded_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = save_tiny(tmp_path / "src", llama_config())
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    d = resolve_model_dir(str(tmp_path / "sharded"))
+    assert d == (tmp_path / "sharded").resolve()
+    m = load_model(d, torch.float32, "cpu")
+    from kvserve.worker.model_runner import ModelRunner
+    seq = ToySeq([4, 5, 6, 7, 8])
+    md = [seq.metadata(5, ToyAllocator(8), 4)]
+    runner = ModelRunner(m, 4, 8, None, sampler=None)
+    inp = runner.prepare_inputs(md)
+    with torch.inference_mode():
+        got = m.compute_logits(m(inp.input_ids, inp.positions, None, inp.attn))
+    assert torch.allclose(got, hf_logits(hf, [4, 5, 6, 7, 8]), atol=1e-4)
+
+
+def test_bfloat16_load_casts(tmp_path):
+    save_tiny(tmp_path, llama_config())
+    m = load_model(tmp_path, torch.bfloat16, "cpu")
+    assert m.layers[0].self_attn.qkv_weight.dtype == torch.bfloat16
+
+
+def test_missing_weight_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path, llama_config())
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layers.1.mlp.up_proj"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_sliding_window_policy():
+    from transformers import MistralConfig, Qwen2Config
+
+    assert get_sliding_window(MistralConfig(sliding_window=8)) == 8
+    assert get_sliding_window(Qwen2Config(sliding_window=8, use_sliding_window=False)) is None
+    assert get_sliding_window(llama_config()) is None
+
+
+def test_unpermute_qk_inverts_llama_cpp_order():
+    import numpy as np
+
+    n_head, hd = 3, 8
+    w = np.arange(n_head * hd * 2, dtype=np.float32).reshape(n_head * hd, 2)
+    # llama.cpp: rows of each head go from (half, pair) to interleaved (pair, half)
+    permuted = w.reshape(n_head, 2, hd // 2, 2).swapaxes(1, 2).reshape(w.shape)
+    assert np.array_equal(gguf_convert.unpermute_qk(permuted, n_head), w)
+
+
+def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
+    """A crash mid-conversion leaves nothing behind; a finished one is reused without work."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "Fake.gguf"
+    fake.write_bytes(b"GGUF")
+    calls = []
+
+    def crashing(src, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", crashing)
+    with pytest.raises(RuntimeError):
+        gguf_convert.converted_dir(fake)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+    def ok(src, out):
+        calls.append(src)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", ok)
+    d1 = gguf_convert.converted_dir(fake)
+    d2 = gguf_convert.converted_dir(fake)
+    assert d1 == d2 and len(calls) == 1 and d1.name.startswith("Fake-")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [d1.name]
+    os.utime(fake, ns=(time.time_ns(), time.time_ns() + 10**9))  # changed file -> new key
+    assert gguf_convert.converted_dir(fake) != d1

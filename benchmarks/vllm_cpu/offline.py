@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Offline throughput of vLLM's CPU backend on a kvserve workload (run with the vLLM venv).
+
+    /work/vllm-venv/bin/python benchmarks/vllm_cpu/offline.py [--workload W] [--num-prompts N]
+        [--dtype float32|bfloat16] [--model HF_DIR] [--json-out F]
+
+Feeds the workload's ``prompt_token_ids`` to ``vllm.LLM.generate`` with
+``SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)``, all at once, and prints
+output tokens/s (timed around ``generate`` only, model load excluded, like kvserve's bench).
+Re-executes itself under ``env.sh`` (OpenMP binding to all cores, tcmalloc + libiomp5
+preloaded) unless that environment is already set. Needs nothing from kvserve's venv except, when
+``--model`` is not given, kvserve's Python to find the default model directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+DEFAULT_WORKLOAD = REPO.parent / "shared" / "workloads" / "w64.jsonl"
+
+
+def reexec_with_env() -> None:
+    """Re-run this script under ``source env.sh`` (LD_PRELOAD must be set before the process starts)."""
+    if os.environ.get("KVSERVE_VLLM_ENV") == "1":
+        return
+    venv = os.environ.get("VLLM_VENV") or (sys.prefix if sys.prefix != sys.base_prefix else "/work/vllm-venv")
+    env = dict(os.environ, VLLM_VENV=venv)
+    os.execvpe("bash", ["bash", "-c", 'source "$1" && shift && exec "$@"', "bash", str(HERE / "env.sh"),
+                        sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env)
+
+
+def default_model_dir() -> str:
+    py = os.environ.get("KVSERVE_PYTHON") or str(REPO / ".venv" / "bin" / "python")
+    code = "from kvserve.model_executor.model_loader import resolve_model_dir; print(resolve_model_dir(None))"
+    out = subprocess.run([py, "-c", code], cwd=str(REPO), check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def load_workload(path, n=None):
+    reqs = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                o = json.loads(line)
+                reqs.append((list(o["prompt_token_ids"]), int(o["output_len"])))
+                if n is not None and len(reqs) >= n:
+                    break
+    return reqs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    p.add_argument("--num-prompts", type=int, default=None, help="first N requests only")
+    p.add_argument("--output-len", type=int, default=None, help="override every request's output_len")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--model", default=None, help="HF model dir (default: kvserve's default model)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json-out", default=None)
+    ns = p.parse_args()
+    reexec_with_env()
+
+    reqs = load_workload(ns.workload, ns.num_prompts)
+    if ns.output_len is not None:
+        reqs = [(ids, ns.output_len) for ids, _ in reqs]
+    model = ns.model or default_model_dir()
+    n_in = sum(len(ids) for ids, _ in reqs)
+    n_out = sum(o for _, o in reqs)
+    print(f"[vllm offline] {ns.workload}: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens; "
+          f"model {model}; dtype {ns.dtype}", flush=True)
+
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=model, dtype=ns.dtype)
+    if ns.max_model_len:
+        kwargs["max_model_len"] = ns.max_model_len
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs]
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    secs = time.perf_counter() - t1
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    import vllm
+
+    res = {
+        "benchmark": "throughput", "engine": "vllm-cpu", "vllm_version": getattr(vllm, "__version__", None),
+        "workload": ns.workload, "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens_expected": n_out,
+        "output_tokens": produced, "dtype": ns.dtype, "model_dir": model, "load_s": load_s, "elapsed_s": secs,
+        "requests_per_s": len(reqs) / secs, "output_tokens_per_s": produced / secs,
+        "total_tokens_per_s": (n_in + produced) / secs,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                                "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")},
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16]) if outs else [],
+    }
+    print(f"[vllm offline] {produced} output tokens in {secs:.2f} s: {res['output_tokens_per_s']:.1f} output tok/s, "
+          f"{res['requests_per_s']:.2f} req/s, {res['total_tokens_per_s']:.1f} total tok/s "
+          f"(load {load_s:.1f} s; note: peak RSS is the front process only, the engine core is a child)")
+    if ns.json_out:
+        Path(ns.json_out).parent.mkdir(parents=True, exist_ok=True)
+        with open(ns.json_out, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"[vllm offline] wrote {ns.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

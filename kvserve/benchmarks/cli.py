@@ -1,0 +1,37 @@
+"""``kvserve bench throughput | serve | cold-start | plot``."""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "throughput": ("kvserve.benchmarks.throughput", "offline throughput vs transformers generate"),
+    "serve": ("kvserve.benchmarks.serve", "online load generator for an OpenAI-compatible server"),
+    "cold-start": ("kvserve.benchmarks.cold_start", "process start -> first token, twice"),
+    "plot": ("kvserve.benchmarks.plots", "redraw plots from a benchmark JSON"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: kvserve bench {" + ",".join(COMMANDS) + "} [options]", ""]
+    lines += [f"  {name:<11} {helptext}" for name, (_, helptext) in COMMANDS.items()]
+    lines += ["", "`kvserve bench COMMAND --help` lists a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown bench command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(COMMANDS[name][0]).main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

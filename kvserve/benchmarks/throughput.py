@@ -1,0 +1,245 @@
+"""``kvserve bench throughput``: offline throughput of kvserve vs transformers ``generate``.
+
+The same requests (token ids in, ``max_tokens = output_len``, ``ignore_eos``, greedy) go through
+``LLM.generate`` (all submitted at once, continuous batching) and then, in the same process,
+through transformers' ``generate`` in static batches of each ``--baseline-batch-sizes`` (left
+padding; every batch generates its longest ``output_len`` with ``min_new_tokens=max_new_tokens``,
+so it does at least the same work; only each request's own ``output_len`` tokens count as useful
+output). kvserve runs first so its peak RSS (``getrusage``) is not inflated by the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+from typing import List, Optional
+
+from kvserve.benchmarks.common import current_rss_mib, fmt_table, peak_rss_mib, system_info, write_json
+from kvserve.benchmarks.workload import (BenchRequest, default_workload_path, load_corpus, load_workload,
+                                         synthetic_requests)
+
+
+def add_workload_args(p: argparse.ArgumentParser, default_workload: bool = True) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default=None,
+                   help="workload JSONL (prompt_token_ids, output_len); default "
+                        + (f"{default_workload_path()}" if default_workload else "none"))
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="with --workload: use the first N requests; with --input-len: N synthetic requests")
+    g.add_argument("--input-len", type=int, default=None, help="synthetic prompts of this many corpus tokens")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="synthetic output length (or override every request's output_len)")
+    g.add_argument("--workload-seed", type=int, default=0, help="seed for synthetic prompts and arrivals")
+
+
+def requests_from_args(ns) -> tuple:
+    """``(requests, description)`` from the workload flags.
+
+    Raises:
+        ValueError: inconsistent flags.
+    """
+    if ns.input_len is not None and ns.workload is None:
+        if ns.num_prompts is None or ns.output_len is None:
+            raise ValueError("synthetic workload needs --num-prompts, --input-len and --output-len")
+        reqs = synthetic_requests(ns.num_prompts, ns.input_len, ns.output_len, load_corpus(), seed=ns.workload_seed)
+        return reqs, f"synthetic {ns.num_prompts} x (in {ns.input_len}, out {ns.output_len})"
+    path = ns.workload or str(default_workload_path())
+    reqs = load_workload(path, ns.num_prompts)
+    if ns.output_len is not None:
+        for r in reqs:
+            r.output_len = ns.output_len
+    return reqs, path
+
+
+def _work(reqs: List[BenchRequest]) -> dict:
+    return {"num_requests": len(reqs), "prompt_tokens": sum(r.prompt_len for r in reqs),
+            "output_tokens": sum(r.output_len for r in reqs)}
+
+
+def _rates(n_req: int, prompt_tokens: int, out_tokens: int, seconds: float) -> dict:
+    s = max(seconds, 1e-9)
+    return {"elapsed_s": seconds, "requests_per_s": n_req / s, "output_tokens_per_s": out_tokens / s,
+            "total_tokens_per_s": (prompt_tokens + out_tokens) / s}
+
+
+def run_kvserve(reqs: List[BenchRequest], engine_kwargs: dict, use_tqdm: bool = True) -> dict:
+    """Runs ``reqs`` through ``LLM.generate``; returns throughput, memory, timeline and the LLM."""
+    from kvserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    load_s = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs]
+    wall0 = time.time()
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    gen_s = time.perf_counter() - t1
+    produced = [len(o.outputs[0].token_ids) if o.outputs else 0 for o in outs]
+    short = sum(p < r.output_len for p, r in zip(produced, reqs))
+    useful = sum(min(p, r.output_len) for p, r in zip(produced, reqs))
+    work = _work(reqs)
+    res = {"engine": "kvserve", "load_s": load_s, **_rates(len(reqs), work["prompt_tokens"], useful, gen_s),
+           "output_tokens": useful, "requests_short_of_output_len": short,
+           "peak_rss_mib": peak_rss_mib(), "rss_after_mib": current_rss_mib()}
+    try:
+        res["dtype"] = str(llm.llm_engine.model_config.resolved_dtype()).replace("torch.", "")
+    except Exception:
+        pass
+    try:
+        res["kv_cache"] = llm.llm_engine.get_kv_cache_stats()
+    except Exception:
+        pass
+    ttfts = [o.metrics.ttft for o in outs if o.metrics and o.metrics.ttft is not None]
+    if ttfts:
+        from kvserve.benchmarks.stats import summarize
+
+        res["ttft_ms"] = summarize(ttfts, scale=1000)
+        res["tpot_ms"] = summarize([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outs
+                                    if o.metrics and o.outputs], scale=1000)
+    res["timeline"] = timeline_from_engine(llm, wall0)
+    res["_llm"] = llm
+    return res
+
+
+def timeline_from_engine(llm, t0: float, max_points: int = 5000) -> dict:
+    """The engine's per-step queue timeline as columns, time relative to ``t0`` (downsampled)."""
+    tl = [row for row in list(llm.llm_engine.stats.timeline) if row[0] >= t0 - 1e-6]
+    step = max(1, math.ceil(len(tl) / max_points))
+    tl = tl[::step]
+    return {"time_s": [r[0] - t0 for r in tl], "running": [r[1] for r in tl], "waiting": [r[2] for r in tl],
+            "swapped": [r[3] for r in tl], "gpu_cache_usage": [r[4] for r in tl]}
+
+
+def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_sizes: List[int],
+                     use_tqdm: bool = True) -> List[dict]:
+    """Static-batch transformers ``generate`` for each batch size (greedy, left padding)."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad_id is None:
+        pad_id = 0
+    work = _work(reqs)
+    results = []
+    for bs in batch_sizes:
+        bar = tqdm(total=len(reqs), desc=f"transformers bs={bs}", unit="req", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        generated = 0
+        t1 = time.perf_counter()
+        for i in range(0, len(reqs), bs):
+            batch = reqs[i:i + bs]
+            width = max(r.prompt_len for r in batch)
+            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for j, r in enumerate(batch):
+                ids[j, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
+                mask[j, width - r.prompt_len:] = 1
+            new = max(r.output_len for r in batch)
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, num_beams=1, pad_token_id=pad_id)
+            generated += (out.shape[1] - width) * len(batch)
+            bar.update(len(batch))
+        secs = time.perf_counter() - t1
+        bar.close()
+        results.append({"engine": "transformers", "batch_size": bs, "load_s": load_s,
+                        **_rates(len(reqs), work["prompt_tokens"], work["output_tokens"], secs),
+                        "output_tokens": work["output_tokens"], "generated_tokens_incl_padding_work": generated})
+    del model
+    gc.collect()
+    return results
+
+
+def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = p or argparse.ArgumentParser(prog="kvserve bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
+    p.add_argument("--baseline-batch-sizes", default="1,8,32",
+                   help="transformers static batch sizes, comma-separated (default 1,8,32)")
+    p.add_argument("--baseline-num-prompts", type=int, default=None,
+                   help="run the transformers baseline on only the first N requests (its rate is per second, "
+                        "so it stays comparable; bs=1 over w64 takes ~15 min on 2 cores)")
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--json-out", default=None, help="write the results here as JSON")
+    p.add_argument("--plot-dir", default=None, help="write the kvserve queue/KV-cache timeline PNG here")
+    p.add_argument("--no-tqdm", action="store_true", help="no progress bars")
+    add_engine_args(p)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    from kvserve.entrypoints.cli import engine_args_from
+
+    try:
+        reqs, source = requests_from_args(ns)
+        batch_sizes = [int(x) for x in ns.baseline_batch_sizes.split(",") if x.strip()]
+        if any(b < 1 for b in batch_sizes):
+            raise ValueError("--baseline-batch-sizes must be positive integers")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}")
+        return 2
+    import dataclasses
+
+    engine_kwargs = dataclasses.asdict(engine_args_from(ns))
+    work = _work(reqs)
+    print(f"workload: {source}: {work['num_requests']} requests, {work['prompt_tokens']} prompt + "
+          f"{work['output_tokens']} output tokens")
+    use_tqdm = not ns.no_tqdm
+
+    kv = run_kvserve(reqs, engine_kwargs, use_tqdm=use_tqdm)
+    llm = kv.pop("_llm")
+    from kvserve.model_executor.model_loader import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(ns.model))
+    torch_dtype = llm.llm_engine.model_config.resolved_dtype()
+    del llm
+    gc.collect()
+    print(f"kvserve: {kv['output_tokens_per_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s "
+          f"(load {kv['load_s']:.1f} s, peak RSS {kv['peak_rss_mib']:.0f} MiB)")
+
+    baseline: List[dict] = []
+    if not ns.no_baseline and batch_sizes:
+        breqs = reqs[:ns.baseline_num_prompts] if ns.baseline_num_prompts else reqs
+        baseline = run_transformers(breqs, model_dir, torch_dtype, batch_sizes, use_tqdm=use_tqdm)
+    best = max(baseline, key=lambda r: r["output_tokens_per_s"], default=None)
+
+    rows = [["kvserve", kv.get("dtype", ns.dtype), "continuous", kv["requests_per_s"], kv["output_tokens_per_s"],
+             kv["total_tokens_per_s"], f"{kv['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x"
+             if best else None, f"{kv['peak_rss_mib']:.0f}"]]
+    for b in baseline:
+        rows.append(["transformers", str(torch_dtype).replace("torch.", ""), f"static bs={b['batch_size']}",
+                     b["requests_per_s"], b["output_tokens_per_s"], b["total_tokens_per_s"], None, None])
+    print()
+    print(fmt_table(["engine", "dtype", "batching", "req/s", "output tok/s", "total tok/s",
+                     "kvserve / best transformers", "peak RSS MiB"], rows))
+    if kv["requests_short_of_output_len"]:
+        print(f"warning: {kv['requests_short_of_output_len']} kvserve requests produced fewer than output_len tokens")
+
+    result = {"benchmark": "throughput", "workload": source, **work, "engine_args": engine_kwargs,
+              "model_dir": model_dir, "system": system_info(), "kvserve": kv, "transformers": baseline,
+              "ratio_vs_best_transformers": kv["output_tokens_per_s"] / best["output_tokens_per_s"] if best else None}
+    if ns.plot_dir:
+        from kvserve.benchmarks import plots
+
+        path = plots.plot_timeline(kv["timeline"], f"{ns.plot_dir}/throughput_timeline.png",
+                                   title=f"kvserve offline: {source}")
+        print(f"plot: {path}")
+    if ns.json_out:
+        write_json(ns.json_out, result)
+        print(f"wrote {ns.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

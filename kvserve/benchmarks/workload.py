@@ -1,0 +1,321 @@
+"""Workloads, traces and arrival processes for the benchmarks (pure Python + numpy, no model).
+
+* A **workload** file (``shared/workloads/w64.jsonl``) is one JSON object per line with
+  ``prompt_token_ids``, ``prompt`` (text), ``prompt_len``, ``output_len``, ``arrival_s``.
+* A **trace** gives arrival times and token counts but no text. Supported formats (auto-detected):
+  Azure LLM 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), Vidur CSV
+  (``arrived_at,num_prefill_tokens,num_decode_tokens``), Mooncake JSONL (``timestamp`` in ms,
+  ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks) and the length-only CSVs
+  (``num_prefill_tokens,num_decode_tokens,...``: no arrival times, pair them with generated
+  arrivals).
+* Prompts for a trace are **synthesised** from a corpus of real token ids (the workload files'
+  prompts, i.e. text of the default model's tokenizer): a window of the corpus of the trace's
+  length. With Mooncake ``hash_ids`` each 512-token block is chosen by its id, so requests that share
+  a hash-id prefix share a token prefix (prefix caching sees the same sharing as in the trace).
+* **Clipping** to the model's context (``clip_lengths``): the output length is capped at
+  ``max_output_len`` (if given) and at ``max_model_len - 1``; the input is then capped at
+  ``max_input_len`` (if given) and at ``max_model_len - output_len``, so every request fits
+  ``input + output <= max_model_len``. Every clipped request is counted in the run's JSON.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+def shared_dir() -> Path:
+    """``$KVSERVE_SHARED_DIR`` or ``<repo>/../shared``."""
+    return Path(os.environ.get("KVSERVE_SHARED_DIR") or (REPO_ROOT.parent / "shared"))
+
+
+def default_workload_path(name: str = "w64.jsonl") -> Path:
+    return shared_dir() / "workloads" / name
+
+
+@dataclass
+class BenchRequest:
+    """One request to send: token ids (and text when known), output length, arrival time (s)."""
+
+    prompt_token_ids: List[int]
+    output_len: int
+    prompt: Optional[str] = None
+    arrival_s: float = 0.0
+    id: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class TraceRecord:
+    """One trace row: arrival (s from the first row, None when the file has no times), lengths."""
+
+    arrival_s: Optional[float]
+    input_len: int
+    output_len: int
+    hash_ids: Optional[List[int]] = None
+
+
+@dataclass
+class ClipReport:
+    num_requests: int = 0
+    input_clipped: int = 0
+    output_clipped: int = 0
+    max_model_len: int = 0
+    max_input_len: Optional[int] = None
+    max_output_len: Optional[int] = None
+    input_tokens_before: int = 0
+    input_tokens_after: int = 0
+    output_tokens_before: int = 0
+    output_tokens_after: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# ---------------------------------------------------------------- workload files
+def load_workload(path, num_prompts: Optional[int] = None) -> List[BenchRequest]:
+    """Requests of a workload JSONL file (the first ``num_prompts`` when given).
+
+    Raises:
+        ValueError: a line without ``prompt_token_ids`` or ``output_len``.
+    """
+    reqs: List[BenchRequest] = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "prompt_token_ids" not in obj or "output_len" not in obj:
+                raise ValueError(f"{path}:{i + 1}: a workload line needs prompt_token_ids and output_len")
+            reqs.append(BenchRequest(prompt_token_ids=list(obj["prompt_token_ids"]),
+                                     output_len=int(obj["output_len"]), prompt=obj.get("prompt"),
+                                     arrival_s=float(obj.get("arrival_s", 0.0) or 0.0),
+                                     id=int(obj.get("id", len(reqs)))))
+            if num_prompts is not None and len(reqs) >= num_prompts:
+                break
+    return reqs
+
+
+def load_corpus(paths: Optional[Sequence] = None) -> List[int]:
+    """Token ids to cut synthetic prompts from: the prompts of the workload files, concatenated
+    (default: ``w256.jsonl``, else ``w64.jsonl``, from the shared workloads)."""
+    if paths is None:
+        paths = [p for p in (default_workload_path("w256.jsonl"), default_workload_path("w64.jsonl"))
+                 if p.is_file()][:1]
+    ids: List[int] = []
+    for p in paths:
+        for r in load_workload(p):
+            ids.extend(r.prompt_token_ids)
+    if not ids:
+        raise ValueError(f"no corpus token ids found in {list(map(str, paths))}")
+    return ids
+
+
+def corpus_window(corpus: Sequence[int], offset: int, length: int) -> List[int]:
+    """``length`` tokens of ``corpus`` starting at ``offset``, wrapping around."""
+    n = len(corpus)
+    offset %= n
+    out: List[int] = []
+    while len(out) < length:
+        take = min(length - len(out), n - offset)
+        out.extend(corpus[offset:offset + take])
+        offset = 0
+    return out
+
+
+def synthetic_requests(num_prompts: int, input_len: int, output_len: int, corpus: Sequence[int],
+                       seed: int = 0) -> List[BenchRequest]:
+    """``num_prompts`` prompts of exactly ``input_len`` corpus tokens at seeded offsets."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [BenchRequest(prompt_token_ids=corpus_window(corpus, int(rng.integers(len(corpus))), input_len),
+                         output_len=output_len, id=i) for i in range(num_prompts)]
+
+
+# ---------------------------------------------------------------- arrivals
+def generate_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> List[float]:
+    """Send times (s) of ``n`` requests at mean ``rate`` req/s; the first is at 0.
+
+    Inter-arrival gaps are gamma distributed with shape ``burstiness`` and mean ``1/rate``
+    (``burstiness == 1`` is a Poisson process; below 1 is burstier, above 1 more regular; the
+    coefficient of variation is ``1/sqrt(burstiness)``). ``rate == inf`` sends all at once.
+
+    Raises:
+        ValueError: rate or burstiness not positive.
+    """
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate) or n == 0:
+        return [0.0] * n
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
+    times = [0.0]
+    for g in gaps:
+        times.append(times[-1] + float(g))
+    return times
+
+
+# ---------------------------------------------------------------- traces
+def detect_trace_format(path) -> str:
+    """``azure`` | ``vidur`` | ``mooncake`` | ``lengths`` from the header / first line.
+
+    Raises:
+        ValueError: an unknown layout.
+    """
+    with open(path) as f:
+        first = f.readline().strip()
+    if first.startswith("{"):
+        obj = json.loads(first)
+        if {"timestamp", "input_length", "output_length"} <= set(obj):
+            return "mooncake"
+        raise ValueError(f"{path}: JSONL trace without timestamp/input_length/output_length")
+    cols = [c.strip() for c in first.split(",")]
+    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(cols):
+        return "azure"
+    if {"arrived_at", "num_prefill_tokens", "num_decode_tokens"} <= set(cols):
+        return "vidur"
+    if {"num_prefill_tokens", "num_decode_tokens"} <= set(cols):
+        return "lengths"
+    raise ValueError(f"{path}: unknown trace format (header {first[:120]!r})")
+
+
+def _parse_azure_time(s: str) -> float:
+    # "2023-11-16 18:17:03.9799600": 7 fractional digits, more than datetime's 6.
+    s = s.strip()
+    main, _, frac = s.partition(".")
+    t = datetime.strptime(main, "%Y-%m-%d %H:%M:%S").timestamp()
+    return t + (float("0." + frac) if frac else 0.0)
+
+
+def load_trace(path, fmt: str = "auto") -> List[TraceRecord]:
+    """Rows of a trace file in file order, arrival times relative to the first row (s).
+
+    Raises:
+        ValueError: unknown format or a malformed row.
+    """
+    fmt = detect_trace_format(path) if fmt == "auto" else fmt
+    records: List[TraceRecord] = []
+    if fmt == "mooncake":
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    o = json.loads(line)
+                    records.append(TraceRecord(float(o["timestamp"]) / 1000.0, int(o["input_length"]),
+                                               int(o["output_length"]), list(o.get("hash_ids") or []) or None))
+    else:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if fmt == "azure":
+                    records.append(TraceRecord(_parse_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                                               int(row["GeneratedTokens"])))
+                elif fmt == "vidur":
+                    records.append(TraceRecord(float(row["arrived_at"]), int(float(row["num_prefill_tokens"])),
+                                               int(float(row["num_decode_tokens"]))))
+                elif fmt == "lengths":
+                    records.append(TraceRecord(None, int(float(row["num_prefill_tokens"])),
+                                               int(float(row["num_decode_tokens"]))))
+                else:
+                    raise ValueError(f"unknown trace format {fmt!r}")
+    if records and records[0].arrival_s is not None:
+        t0 = min(r.arrival_s for r in records)
+        for r in records:
+            r.arrival_s -= t0
+    return records
+
+
+def select_trace(records: List[TraceRecord], start_s: float = 0.0, duration_s: Optional[float] = None,
+                 num_requests: Optional[int] = None) -> List[TraceRecord]:
+    """Rows arriving in ``[start_s, start_s + duration_s)`` (then at most ``num_requests``), with
+    arrivals re-based so the first selected row arrives at 0. Rows without times are only cut by count."""
+    if records and records[0].arrival_s is not None:
+        end = math.inf if duration_s is None else start_s + duration_s
+        sel = [TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids) for r in records
+               if start_s <= r.arrival_s < end]
+        if sel:
+            t0 = sel[0].arrival_s
+            for r in sel:
+                r.arrival_s -= t0
+    else:
+        sel = list(records)
+    return sel[:num_requests] if num_requests is not None else sel
+
+
+def scale_arrivals(records: List[TraceRecord], time_scale: float) -> List[TraceRecord]:
+    """Multiplies every arrival time by ``time_scale`` (0.5 = twice the trace's request rate,
+    as Vidur's ``time_scale_factor``). Returns new records.
+
+    Raises:
+        ValueError: ``time_scale`` < 0.
+    """
+    if time_scale < 0:
+        raise ValueError(f"time scale must be >= 0, got {time_scale}")
+    return [TraceRecord(None if r.arrival_s is None else r.arrival_s * time_scale, r.input_len, r.output_len,
+                        r.hash_ids) for r in records]
+
+
+def clip_lengths(input_len: int, output_len: int, max_model_len: int, max_input_len: Optional[int] = None,
+                 max_output_len: Optional[int] = None):
+    """``(input_len, output_len)`` clipped so that ``input + output <= max_model_len`` (see module doc).
+
+    Raises:
+        ValueError: ``max_model_len < 2``.
+    """
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    out_cap = max_model_len - 1 if max_output_len is None else min(max_output_len, max_model_len - 1)
+    out = max(1, min(output_len, out_cap))
+    in_cap = max_model_len - out if max_input_len is None else min(max_input_len, max_model_len - out)
+    inp = max(1, min(input_len, in_cap))
+    return inp, out
+
+
+def trace_to_requests(records: Sequence[TraceRecord], corpus: Sequence[int], max_model_len: int,
+                      max_input_len: Optional[int] = None, max_output_len: Optional[int] = None,
+                      seed: int = 0):
+    """``(requests, ClipReport)``: prompts synthesised from ``corpus`` with the trace's (clipped)
+    lengths and arrival times (0 for rows without times; the caller then sets them)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    report = ClipReport(max_model_len=max_model_len, max_input_len=max_input_len, max_output_len=max_output_len)
+    span = max(len(corpus) - MOONCAKE_BLOCK_TOKENS, 1)
+    reqs: List[BenchRequest] = []
+    for i, r in enumerate(records):
+        inp, out = clip_lengths(r.input_len, r.output_len, max_model_len, max_input_len, max_output_len)
+        report.num_requests += 1
+        report.input_clipped += inp < r.input_len
+        report.output_clipped += out < r.output_len
+        report.input_tokens_before += r.input_len
+        report.input_tokens_after += inp
+        report.output_tokens_before += r.output_len
+        report.output_tokens_after += out
+        if r.hash_ids:
+            ids: List[int] = []
+            for h in r.hash_ids:
+                if len(ids) >= inp:
+                    break
+                # A block's tokens depend only on its id: equal hash-id prefixes -> equal token prefixes.
+                ids.extend(corpus_window(corpus, (h * 1_000_003) % span, MOONCAKE_BLOCK_TOKENS))
+            ids = ids[:inp]
+            if len(ids) < inp:
+                ids.extend(corpus_window(corpus, int(rng.integers(len(corpus))), inp - len(ids)))
+        else:
+            ids = corpus_window(corpus, int(rng.integers(len(corpus))), inp)
+        reqs.append(BenchRequest(prompt_token_ids=ids, output_len=out, arrival_s=r.arrival_s or 0.0, id=i))
+    return reqs, report

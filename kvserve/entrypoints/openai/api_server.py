@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP server: ``kvserve serve [--host] [--port] [--api-key] [engine flags]``.
+
+``build_app(async_engine, served_model_name, ...)`` makes the FastAPI app (usable with any ASGI
+server, and in tests); ``main(argv)`` loads the engine and runs it under uvicorn.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(``/v1/models/{id}``), ``GET /health``, ``GET /version``, ``POST /tokenize``,
+``POST /detokenize``, ``GET /metrics``. Errors use the OpenAI body
+``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the field and the
+limit), 401 missing/wrong API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when ``--api-key``
+is set), 404 unknown model or route, 413 body over ``--max-body-bytes``, 503 + ``Retry-After``
+when the waiting queue is at ``--max-waiting`` or the server is shutting down.
+
+Shutdown (SIGTERM / SIGINT): stop accepting (the listening socket closes, new requests on open
+connections get 503), let in-flight requests finish for up to ``--shutdown-grace-s``, then
+cancel (= abort) the rest, stop the engine thread and exit 0. A second SIGINT exits at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import kvserve
+from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                 DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                                 ModelList, TokenizeRequest, TokenizeResponse)
+from kvserve.entrypoints.openai.serving_chat import (OpenAIServingChat, chat_template_ids,
+                                                     render_messages)
+from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_engine import (DEFAULT_MAX_BODY_BYTES, APIError,
+                                                       RequestLogger, read_json_body)
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
+                "/tokenize", "/detokenize", "/metrics"}
+
+
+@dataclass
+class ServerState:
+    """Mutable server-wide flags. ``draining``: shutting down, new requests get 503."""
+
+    draining: bool = False
+
+
+def _is_protected(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/v1" or path in ("/tokenize", "/detokenize")
+
+
+class _EdgeMiddleware:
+    """Pure-ASGI middleware (it does not touch ``receive``, so disconnects still reach the
+    handlers): API-key check and response counting for ``/metrics``."""
+
+    def __init__(self, app, api_key: Optional[str], metrics: ServerMetrics):
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            token = headers.get(b"x-api-key", b"").decode("latin-1")
+        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in _KNOWN_PATHS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(endpoint, message["status"])
+            await send(message)
+
+        if self.api_key and _is_protected(path) and not self._authorized(scope):
+            err = APIError("Missing or invalid API key; send 'Authorization: Bearer <key>'.", 401,
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await err.to_response()(scope, receive, counting_send)
+        return await self.app(scope, receive, counting_send)
+
+
+def build_app(async_engine, served_model_name: str, api_key: Optional[str] = None, *,
+              extra_model_names: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              log_requests: bool = True, log_prompts: bool = False, retry_after_s: int = 1,
+              shutdown_grace_s: float = 30.0) -> FastAPI:
+    """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
+
+    The engine's loop thread is started in the app's lifespan startup if it is not running
+    yet (it must deliver outputs to the server's event loop); it is stopped at shutdown only if
+    the app started it.
+
+    Args:
+        served_model_name: the name reported by ``/v1/models`` and accepted in ``model``.
+        api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
+            ``Authorization: Bearer <api_key>`` (401 otherwise).
+        extra_model_names: other names accepted in ``model`` (e.g. the model path).
+        max_body_bytes: larger bodies get 413.
+        log_requests / log_prompts: the per-request JSON log line, and whether it has prompts.
+        retry_after_s: ``Retry-After`` of 503 answers.
+        shutdown_grace_s: at lifespan shutdown, how long to wait for in-flight requests before
+            the engine thread is stopped.
+    """
+    state = ServerState()
+    names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
+    req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts)
+    serving_kwargs = dict(request_logger=req_logger, server_state=state, retry_after_s=retry_after_s)
+    completion = OpenAIServingCompletion(async_engine, names, **serving_kwargs)
+    chat = OpenAIServingChat(async_engine, names, **serving_kwargs)
+    engine = async_engine.engine
+    metrics = ServerMetrics(engine, served_model_name)
+    started_here = {"value": False}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if getattr(async_engine, "_thread", None) is None:
+            async_engine.start(asyncio.get_running_loop())
+            started_here["value"] = True
+        try:
+            yield
+        finally:
+            state.draining = True
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + shutdown_grace_s
+            while async_engine.num_in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            metrics.close()
+            if started_here["value"]:
+                await loop.run_in_executor(None, async_engine.shutdown)
+
+    app = FastAPI(title="kvserve OpenAI-compatible API", version=kvserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server_state = state
+    app.state.metrics = metrics
+    app.state.async_engine = async_engine
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        message = str(exc.detail) if exc.detail else "error"
+        if exc.status_code == 404:
+            message = f"Not found: {request.method} {request.url.path}"
+        return APIError(message, exc.status_code, type=kind, headers=getattr(exc, "headers", None)).to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return APIError(f"Invalid request: {exc.errors()}", 400).to_response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(f"Internal server error: {exc!r}", 500, type="internal_server_error").to_response()
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/v1/completions")
+    async def create_completion(request: Request):
+        """OpenAI completions (text, token ids, batches; streaming with SSE)."""
+        req = await read_json_body(request, CompletionRequest, max_body_bytes)
+        return await completion.create_completion(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        """OpenAI chat completions through the tokenizer's chat template."""
+        req = await read_json_body(request, ChatCompletionRequest, max_body_bytes)
+        return await chat.create_chat_completion(req, request)
+
+    # ------------------------------------------------------------------ info
+    def _card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model_config.model or name,
+                         max_model_len=engine.scheduler_config.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models():
+        """The served model."""
+        return JSONResponse(ModelList(data=[_card(served_model_name)]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        """One model by name (404 if unknown)."""
+        completion.check_model(model_id)
+        return JSONResponse(_card(served_model_name).model_dump())
+
+    @app.get("/health")
+    async def health():
+        """200 while the engine loop is alive, else 503."""
+        thread = getattr(async_engine, "_thread", None)
+        if async_engine.errored is not None or (thread is not None and not thread.is_alive()):
+            return APIError("engine loop is not running", 503, type="service_unavailable",
+                            code="engine_dead").to_response()
+        return JSONResponse({"status": "draining" if state.draining else "ok"})
+
+    @app.get("/version")
+    async def version():
+        """The kvserve version."""
+        return JSONResponse({"version": kvserve.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        """Prometheus text exposition."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """Token ids of a prompt (``prompt``) or a chat (``messages``, with the template)."""
+        req = await read_json_body(request, TokenizeRequest, max_body_bytes)
+        completion.check_model(req.model)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer", 400, code="no_tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of 'prompt' or 'messages'.", 400, param="prompt",
+                           code="invalid_value")
+        if req.prompt is not None:
+            ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids)
+        else:
+            ids = chat_template_ids(tok, render_messages(req.messages), req.add_generation_prompt is not False)
+        return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),
+                                             max_model_len=engine.scheduler_config.max_model_len).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """Text of a list of token ids."""
+        req = await read_json_body(request, DetokenizeRequest, max_body_bytes)
+        completion.check_model(req.model)
+        vocab = engine.vocab_size
+        bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise APIError(f"tokens must be token ids in [0, {vocab}); got {bad[:5]}.", 400, param="tokens",
+                           code="invalid_value")
+        return JSONResponse(DetokenizeResponse(prompt=completion.decode(req.tokens)).model_dump())
+
+    app.add_middleware(_EdgeMiddleware, api_key=api_key, metrics=metrics)
+    return app
+
+
+# ---------------------------------------------------------------------- the process
+def make_arg_parser() -> argparse.ArgumentParser:
+    """``kvserve serve`` flags: server flags plus every engine flag (``EngineArgs``)."""
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog="kvserve serve", description="OpenAI-compatible HTTP server.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, unset = open)")
+    p.add_argument("--served-model-name", default=None,
+                   help=f"model name reported and accepted (default: the --model path or {DEFAULT_MODEL_NAME})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted")
+    p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 503 answers")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--request-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one JSON line per finished request")
+    p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    add_engine_args(p)
+    return p
+
+
+class GracefulServer:
+    """A uvicorn server whose SIGTERM/SIGINT starts a graceful drain and then exits 0.
+
+    (uvicorn re-raises the captured signal after shutting down, which would make the exit
+    status 143/130; here the signal only starts the drain.)
+    """
+
+    def __init__(self, config, state: ServerState):
+        import uvicorn
+
+        self.state = state
+        outer = self
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                sigs = (signal.SIGINT, signal.SIGTERM)
+                previous = {s: signal.signal(s, self.handle_exit) for s in sigs}
+                try:
+                    yield
+                finally:
+                    for s, h in previous.items():
+                        signal.signal(s, h)
+
+            def handle_exit(self, sig, frame):
+                if outer.state.draining and sig == signal.SIGINT:
+                    self.force_exit = True
+                outer.state.draining = True
+                self.should_exit = True
+
+        self.server = _Server(config)
+
+    def run(self) -> None:
+        """Serve until a signal (blocking)."""
+        self.server.run()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``kvserve serve``; returns the exit status."""
+    from kvserve.engine.async_llm_engine import AsyncLLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.cli import engine_args_from
+
+    ns = make_arg_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        import uvicorn
+
+        engine_args = engine_args_from(ns)
+        engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
+    aliases = [ns.model] if ns.model else []
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, name, ns.api_key, extra_model_names=aliases,
+                    max_body_bytes=ns.max_body_bytes, log_requests=ns.request_log,
+                    log_prompts=ns.log_prompts, retry_after_s=ns.retry_after_s,
+                    shutdown_grace_s=min(ns.shutdown_grace_s, 5.0))
+    state = app.state.server_state
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
+                            timeout_graceful_shutdown=max(0.1, ns.shutdown_grace_s), access_log=False)
+    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks)", name, ns.host, ns.port,
+                engine.scheduler_config.max_model_len, engine.cache_config.num_gpu_blocks)
+    GracefulServer(config, state).run()
+    logger.info("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""``POST /v1/chat/completions``: messages are rendered with the tokenizer's chat template
+(``apply_chat_template``), then run like a completion of those token ids.
+
+Streaming: per choice, a first chunk with ``delta = {"role": "assistant", "content": ""}``,
+then content deltas (growth of ``CompletionOutput.text``), then a chunk with an empty delta and
+the ``finish_reason``; a usage chunk (``choices: []``) when ``stream_options.include_usage``;
+then ``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice,
+                                                 ChatCompletionRequest, ChatCompletionResponse,
+                                                 ChatCompletionStreamChoice,
+                                                 ChatCompletionStreamResponse, ChatLogprobToken,
+                                                 ChatMessage, ChatResponseMessage, DeltaMessage,
+                                                 TopLogprob)
+from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
+from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
+                                                       DisconnectAwareStreamingResponse,
+                                                       OpenAIServing, RequestRecord, SubRequest,
+                                                       run_unless_disconnected, sse)
+from kvserve.outputs import CompletionOutput
+from kvserve.sampling_params import SamplingParams
+
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def render_messages(messages: List[ChatMessage]) -> List[Dict[str, str]]:
+    """Plain ``{"role", "content"}`` dicts for the chat template; text parts are joined.
+
+    Raises:
+        APIError: 400 naming ``messages`` for an empty list, an unknown role or a non-text part.
+    """
+    if not messages:
+        raise APIError("messages must contain at least 1 message; got an empty list.", 400,
+                       param="messages", code="invalid_value")
+    conv = []
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise APIError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}.", 400,
+                           param="messages", code="invalid_value")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages[{i}].content[{j}]: only text parts are supported, got type "
+                                   f"{part.type!r}.", 400, param="messages", code="unsupported")
+                texts.append(part.text)
+            content = "".join(texts)
+        conv.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return conv
+
+
+def chat_template_ids(tokenizer, conv: List[Dict[str, str]], add_generation_prompt: bool) -> List[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template.
+
+    Raises:
+        APIError: 400 naming ``messages`` when there is no tokenizer or template, or the
+            template rejects the conversation (e.g. roles out of order).
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError("This model has no chat template; use /v1/completions.", 400, param="messages",
+                       code="no_chat_template")
+    try:
+        ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # jinja2 TemplateError / ValueError: the conversation is invalid
+        raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
+                       param="messages", code="invalid_value") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of ``/v1/chat/completions``."""
+
+    endpoint = "chat"
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        """Validate, queue and answer one chat request (JSON or an SSE stream)."""
+        self.check_model(req.model)
+        if req.tools:
+            raise APIError("tools are not supported by this server.", 400, param="tools", code="unsupported")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError("response_format other than {'type': 'text'} is not supported.", 400,
+                           param="response_format", code="unsupported")
+        logprobs: Optional[int] = None
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise APIError("top_logprobs requires logprobs=true.", 400, param="top_logprobs",
+                               code="invalid_value")
+            if not 0 <= req.top_logprobs <= 20:
+                raise APIError(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}.", 400,
+                               param="top_logprobs", code="invalid_value")
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        rename = {"prompt": "messages"}
+        if req.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        params = self.make_sampling_params(sampling_kwargs(req, max_tokens, logprobs), rename)
+        conv = render_messages(req.messages)
+        ids = chat_template_ids(self.tokenizer, conv, req.add_generation_prompt is not False)
+        sub = self.prepare_prompt(ids, params, param="messages")
+        self.check_capacity()
+        rec = self.new_record("chatcmpl", params.n, [sub])
+        if self.request_logger.log_prompts:
+            rec.prompts = [self.decode(ids)]
+        priority = req.priority or 0
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return DisconnectAwareStreamingResponse(
+                self._stream(req, params, sub, rec, priority, include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            body = await run_unless_disconnected(raw_request, self._full(req, params, sub, rec, priority))
+            return JSONResponse(body)
+        except ClientDisconnected:
+            rec.status = "client_disconnected"
+            return Response(status_code=499)
+        except APIError as e:
+            rec.status = f"error_{e.status}"
+            raise
+        finally:
+            self.request_logger.log(rec)
+
+    async def _full(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
+                    rec: RequestRecord, priority: int) -> dict:
+        try:
+            async for idx, out in self.generate_all([sub], params, priority):
+                rec.observe(idx, out)
+                if out.finished and out.outcome == "rejected":
+                    raise self.rejected_error(out, "messages")
+        except APIError:
+            raise
+        except Exception as e:
+            raise self.engine_error(e, {"prompt": "messages"}) from None
+        out = rec.latest[0]
+        choices = [ChatCompletionChoice(
+            index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
+            logprobs=self._logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+        return ChatCompletionResponse(id=rec.request_id, model=self.model_name, choices=choices,
+                                      usage=rec.usage()).model_dump()
+
+    async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
+                      rec: RequestRecord, priority: int, include_usage: bool):
+        created = int(time.time())
+        sent_chars: Dict[int, int] = {}
+        sent_tokens: Dict[int, int] = {}
+        done = set()
+
+        def chunk(choices, usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=rec.request_id, created=created, model=self.model_name,
+                                                    choices=choices, usage=usage))
+
+        try:
+            for i in range(params.n):
+                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for idx, out in self.generate_all([sub], params, priority):
+                rec.observe(idx, out)
+                if out.finished and out.outcome == "rejected":
+                    raise self.rejected_error(out, "messages")
+                for c in out.outputs:
+                    i = c.index
+                    if i in done:
+                        continue
+                    start_chars, start_toks = sent_chars.get(i, 0), sent_tokens.get(i, 0)
+                    delta = c.text[start_chars:]
+                    want_lp = bool(req.logprobs) and len(c.token_ids) > start_toks
+                    if delta or want_lp:
+                        lp = (self._logprobs(c, start_toks, len(c.token_ids), req.top_logprobs or 0)
+                              if req.logprobs else None)
+                        sent_chars[i] = max(start_chars, len(c.text))
+                        sent_tokens[i] = len(c.token_ids)
+                        yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=delta),
+                                                                logprobs=lp)])
+                    if c.finish_reason is not None:
+                        done.add(i)
+                        yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
+                                                                finish_reason=c.finish_reason,
+                                                                stop_reason=c.stop_reason)])
+            if include_usage:
+                yield chunk([], usage=rec.usage())
+            yield SSE_DONE
+        except Exception as e:  # after the 200 header: an error event, then the end
+            err = e if isinstance(e, APIError) else self.engine_error(e, {"prompt": "messages"})
+            rec.status = f"error_{err.status}"
+            yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            if rec.status == "ok" and len(done) < params.n:
+                rec.status = "client_disconnected"
+            self.request_logger.log(rec)
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> ChatChoiceLogprobs:
+        """Chat logprobs of tokens ``[start, end)``: each token with its ``top_n`` alternatives."""
+        content = []
+        entries = c.logprobs or []
+        for tid, top in zip(c.token_ids[start:end], entries[start:end]):
+            s = self.token_str(tid)
+            lp = (top or {}).get(tid)
+            alts = sorted((top or {}).items(), key=lambda kv: -kv[1])[:top_n]
+            content.append(ChatLogprobToken(
+                token=s, logprob=lp if lp is not None else -9999.0, bytes=list(s.encode("utf-8")),
+                top_logprobs=[TopLogprob(token=self.token_str(t), logprob=v,
+                                         bytes=list(self.token_str(t).encode("utf-8"))) for t, v in alts]))
+        return ChatChoiceLogprobs(content=content)

@@ -1,0 +1,501 @@
+"""What the completion and chat handlers share: errors, body parsing, prompt validation,
+admission (capacity, draining), running several engine requests as one HTTP request, client
+disconnect handling, token decoding for logprobs, and the per-request log line.
+
+Admission order for a generation request (every check before anything is queued):
+auth (api_server) -> body size (413) -> JSON / types (400) -> model name (404) -> sampling
+fields (400, ``SamplingParams``) -> tokenization and per-prompt limits (400:
+``validate_request``, ``engine.check_admissible``) -> draining / ``max_waiting`` (503).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvserve.engine.input_processor import tokenize_prompt, validate_request
+from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.server")
+request_logger = logging.getLogger("kvserve.server.requests")
+
+#: Default limit on request bodies (bytes); ``--max-body-bytes`` changes it.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+# The rule each integer field follows, appended to type errors ("got 2.5 (max_tokens must be
+# an integer >= 1)") so that every 400 names the field and the limit.
+_FIELD_RULES = {
+    "max_tokens": "an integer >= 1",
+    "max_completion_tokens": "an integer >= 1",
+    "n": "an integer >= 1",
+    "best_of": "an integer >= 1",
+    "min_tokens": "an integer >= 0",
+    "top_k": "-1 or an integer >= 1",
+    "seed": "an integer",
+    "logprobs": "an integer in [0, 20] (completions) or a boolean (chat)",
+    "top_logprobs": "an integer in [0, 20]",
+    "priority": "an integer",
+    "temperature": "a number >= 0",
+    "top_p": "a number in (0, 1]",
+    "min_p": "a number in [0, 1]",
+    "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a number > 0",
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "stop_token_ids": "a list of token ids",
+    "logit_bias": "a map of token id -> number in [-100, 100]",
+    "messages": "a list of {role, content} messages",
+}
+
+# Type tags pydantic puts into error locations of union members; not part of the field path.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list\[.*\]|constrained-.*|nullable\[.*\]|[A-Z]\w*)$")
+
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | {
+    "prompt", "prompt_token_ids", "messages", "priority", "request_id", "max_completion_tokens",
+    "top_logprobs", "echo", "best_of", "model"}
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.message, self.status, self.type = message, status, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        """The JSON body."""
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+    def to_response(self) -> JSONResponse:
+        """A ``JSONResponse`` with the status and headers."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready (its requests were aborted)."""
+
+
+def param_from_message(message: str, rename: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """The request field a ``ValueError`` from the engine or ``SamplingParams`` is about.
+
+    Those messages start with the field name (``"max_tokens must be ..."``, ``"prompt (9
+    tokens) + max_tokens (30) = 39 > max_model_len (32)"``); a context-length error is charged
+    to ``max_tokens`` when the message names it.
+    """
+    rename = rename or {}
+    if "max_model_len" in message and "max_tokens" in message:
+        name = "max_tokens"
+    else:
+        m = re.match(r"^([A-Za-z_]+)", message)
+        name = m.group(1) if m else None
+        if name not in _SAMPLING_FIELDS:
+            return rename.get("prompt") if "prompt" in message else None
+        if name == "prompt_token_ids":
+            name = "prompt"
+    return rename.get(name, name)
+
+
+def api_error_from_value_error(e: Exception, rename: Optional[Dict[str, str]] = None) -> APIError:
+    """Map an engine / ``SamplingParams`` ``ValueError`` to a 400 naming the field."""
+    message = str(e)
+    code = "context_length_exceeded" if "max_model_len" in message else None
+    return APIError(message, 400, param=param_from_message(message, rename), code=code)
+
+
+def api_error_from_validation(e: ValidationError) -> APIError:
+    """Map a pydantic ``ValidationError`` to a 400 naming the field, the rule and the value."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(f"Request body is not valid JSON: {first.get('msg')}", 400, code="invalid_json")
+    loc = [p for p in first.get("loc", ()) if not (isinstance(p, str) and _UNION_TAG.match(p))]
+    if not loc:
+        return APIError("Request body must be a JSON object.", 400)
+    param = str(loc[0])
+    path = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    if first.get("type") == "missing":
+        return APIError(f"'{path}' is a required field.", 400, param=param, code="missing_field")
+    rule = _FIELD_RULES.get(param)
+    msg = first.get("msg", "invalid value")
+    value = first.get("input")
+    if param in ("prompt", "stop", "messages") and len(errors) > 1:
+        msg = "Input has the wrong type"  # a union: pydantic lists one error per member
+        value = None
+    text = f"Invalid value for '{path}': {msg}"
+    if value is not None and not isinstance(value, (dict, list)):
+        text += f"; got {value!r}"
+    if rule:
+        text += f" ({param} must be {rule})"
+    return APIError(text + ".", 400, param=param, code="invalid_value")
+
+
+async def read_json_body(request: Request, model: Type[BaseModel], max_bytes: int) -> Any:
+    """Read the body (at most ``max_bytes``: else 413) and validate it into ``model`` (400)."""
+    length = request.headers.get("content-length")
+    too_big = APIError(f"Request body is larger than the limit of {max_bytes} bytes.", 413,
+                       code="request_too_large")
+    if length is not None:
+        try:
+            if int(length) > max_bytes:
+                raise too_big
+        except ValueError:
+            raise APIError("Invalid Content-Length header.", 400) from None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_big
+    if not body:
+        raise APIError("Request body is empty; expected a JSON object.", 400)
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise api_error_from_validation(e) from None
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying a JSON object (a pydantic model or a dict)."""
+    if isinstance(obj, BaseModel):
+        return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that always watches for the client going away.
+
+    Starlette only notices a disconnect on ASGI >= 2.4 servers when a ``send`` fails, i.e. not
+    while a request waits in the queue or between tokens. Here a watcher task ends the stream
+    as soon as ``http.disconnect`` arrives; the body iterator is then closed (``aclose``), which
+    aborts its engine requests at once.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def run_stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run_stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client has closed the connection (the body must be read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, coro) -> Any:
+    """Run ``coro`` while watching the connection; cancel it (aborting its engine requests)
+    and raise ``ClientDisconnected`` if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        raise ClientDisconnected()
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+
+
+@dataclass
+class SubRequest:
+    """One engine request of an HTTP request (one per prompt; ``n`` samples each)."""
+
+    request_id: str
+    prompt_text: Optional[str]
+    prompt_token_ids: List[int]
+
+
+@dataclass
+class RequestRecord:
+    """What the request log line and the usage block need about one HTTP request."""
+
+    request_id: str
+    endpoint: str
+    arrival: float = field(default_factory=time.time)
+    prompt_tokens: int = 0
+    n: int = 1
+    latest: Dict[int, RequestOutput] = field(default_factory=dict)
+    first_token_time: Optional[float] = None
+    status: str = "ok"
+    prompts: Optional[List[Optional[str]]] = None
+
+    def observe(self, idx: int, out: RequestOutput) -> None:
+        """Remember the newest output of sub-request ``idx``."""
+        self.latest[idx] = out
+        if self.first_token_time is None and any(o.token_ids for o in out.outputs):
+            self.first_token_time = time.time()
+
+    def completion_tokens(self) -> int:
+        """Generated tokens over every choice seen so far."""
+        return sum(len(o.token_ids) for out in self.latest.values() for o in out.outputs)
+
+    def usage(self) -> UsageInfo:
+        """The ``usage`` block."""
+        c = self.completion_tokens()
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=c,
+                         total_tokens=self.prompt_tokens + c)
+
+    def finish_reasons(self) -> List[Optional[str]]:
+        """Finish reason of every choice seen (``None`` where the stream was cut short)."""
+        return [o.finish_reason for _, out in sorted(self.latest.items()) for o in out.outputs]
+
+
+class RequestLogger:
+    """One JSON line per finished HTTP generation request on ``kvserve.server.requests``:
+    id, endpoint, status, prompt/output tokens, TTFT, queue time, e2e, finish reasons. Prompt
+    text only when ``log_prompts``."""
+
+    def __init__(self, enabled: bool = True, log_prompts: bool = False):
+        self.enabled = enabled
+        self.log_prompts = log_prompts
+
+    def log(self, rec: RequestRecord) -> None:
+        """Emit the line for ``rec``."""
+        if not self.enabled:
+            return
+        now = time.time()
+        metrics = [out.metrics for out in rec.latest.values() if out.metrics is not None]
+        ttft = min((m.ttft for m in metrics if m.ttft is not None), default=None)
+        queue = max((m.queue_time for m in metrics if m.queue_time is not None), default=None)
+        if ttft is None and rec.first_token_time is not None:
+            ttft = rec.first_token_time - rec.arrival
+        line = {
+            "event": "request_finished", "request_id": rec.request_id, "endpoint": rec.endpoint,
+            "status": rec.status, "n": rec.n, "prompt_tokens": rec.prompt_tokens,
+            "output_tokens": rec.completion_tokens(),
+            "ttft_s": None if ttft is None else round(ttft, 4),
+            "queue_s": None if queue is None else round(queue, 4),
+            "e2e_s": round(now - rec.arrival, 4),
+            "finish_reasons": rec.finish_reasons(),
+        }
+        if self.log_prompts and rec.prompts is not None:
+            line["prompts"] = rec.prompts
+        request_logger.info(json.dumps(line, separators=(",", ":")))
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers.
+
+    Args:
+        async_engine: a started ``AsyncLLMEngine``.
+        served_model_names: names accepted in the ``model`` field (the first is reported).
+        request_logger: the per-request log.
+        server_state: an object with a ``draining`` attribute (set on shutdown: new requests
+            get 503).
+        retry_after_s: the ``Retry-After`` of a 503.
+    """
+
+    endpoint = "?"
+
+    def __init__(self, async_engine, served_model_names: Sequence[str],
+                 request_logger: Optional[RequestLogger] = None, server_state: Any = None,
+                 retry_after_s: int = 1):
+        self.async_engine = async_engine
+        self.served_model_names = list(served_model_names)
+        self.request_logger = request_logger or RequestLogger()
+        self.server_state = server_state
+        self.retry_after_s = retry_after_s
+        self._token_str_cache: Dict[int, str] = {}
+
+    # ------------------------------------------------------------------ engine facts
+    @property
+    def engine(self):
+        """The synchronous ``LLMEngine``."""
+        return self.async_engine.engine
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (None: token ids only)."""
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        """The reported model name."""
+        return self.served_model_names[0]
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, name: Optional[str]) -> None:
+        """404 unless ``name`` is None or a served model name."""
+        if name is not None and name not in self.served_model_names:
+            raise APIError(f"The model '{name}' does not exist; this server serves "
+                           f"{self.served_model_names[0]!r}.", 404, param="model",
+                           code="model_not_found")
+
+    def check_capacity(self) -> None:
+        """503 with ``Retry-After`` when shutting down or when ``waiting`` is at ``max_waiting``."""
+        headers = {"Retry-After": str(self.retry_after_s)}
+        if self.server_state is not None and getattr(self.server_state, "draining", False):
+            raise APIError("The server is shutting down.", 503, type="service_unavailable",
+                           code="shutting_down", headers=headers)
+        errored = getattr(self.async_engine, "errored", None)
+        if errored is not None:
+            raise APIError(f"The engine loop has stopped: {errored!r}", 503,
+                           type="service_unavailable", code="engine_dead")
+        limit = getattr(self.engine.scheduler_config, "max_waiting", None)
+        if limit is None:
+            return
+        inbox = getattr(self.async_engine, "_inbox", None)
+        waiting = len(self.engine.scheduler.waiting) + (inbox.qsize() if inbox is not None else 0)
+        if waiting >= limit:
+            raise APIError(f"Too many requests are waiting ({waiting} >= max_waiting {limit}); "
+                           f"retry later.", 503, type="service_unavailable", code="queue_full",
+                           headers=headers)
+
+    def make_sampling_params(self, kwargs: Dict[str, Any],
+                             rename: Optional[Dict[str, str]] = None) -> SamplingParams:
+        """``SamplingParams(**kwargs)`` with its ``ValueError`` mapped to a 400."""
+        bias = kwargs.get("logit_bias")
+        if bias:
+            try:
+                kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids (integers), got {list(bias)[:5]}.",
+                               400, param="logit_bias", code="invalid_value") from None
+            bad = [k for k in kwargs["logit_bias"] if k < 0]
+            if bad:
+                raise APIError(f"logit_bias keys must be token ids >= 0, got {bad[:5]}.", 400,
+                               param="logit_bias", code="invalid_value")
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise api_error_from_value_error(e, rename) from None
+
+    def prepare_prompt(self, prompt, params: SamplingParams, param: str = "prompt") -> SubRequest:
+        """Tokenize (text) or check (ids) one prompt and hold it to every limit: 0 tokens,
+        vocabulary, prompt + max_tokens vs max_model_len, n, prompt_limit and KV-pool size."""
+        rename = {"prompt": param}
+        try:
+            text, ids = tokenize_prompt(prompt, self.tokenizer)
+            validate_request(ids, params, vocab_size=self.engine.vocab_size,
+                             max_model_len=self.engine.scheduler_config.max_model_len,
+                             max_num_seqs=self.engine.scheduler_config.max_num_seqs)
+        except ValueError as e:
+            raise api_error_from_value_error(e, rename) from None
+        reason = self.engine.check_admissible(len(ids))
+        if reason is not None:
+            raise APIError(f"{param}: {reason}; the request can never be scheduled.", 400,
+                           param=param, code="prompt_too_long")
+        return SubRequest("", text, ids)
+
+    # ------------------------------------------------------------------ running requests
+    async def generate_all(self, subs: List[SubRequest], params: SamplingParams,
+                           priority: int) -> AsyncIterator[Tuple[int, RequestOutput]]:
+        """Run every sub-request concurrently; yield ``(sub_index, RequestOutput)`` as outputs
+        arrive. Closing or cancelling the iterator aborts whatever is still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(idx: int, sub: SubRequest) -> None:
+            prompt = {"prompt": sub.prompt_text, "prompt_token_ids": sub.prompt_token_ids}
+            try:
+                async for out in self.async_engine.generate(prompt, params, sub.request_id, priority=priority):
+                    queue.put_nowait((idx, out, None))
+                queue.put_nowait((idx, None, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((idx, None, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                idx, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield idx, out
+        finally:
+            for t in tasks:  # synchronous: this may run inside a cancelled scope
+                if not t.done():
+                    t.cancel()
+
+    def engine_error(self, e: BaseException, rename: Optional[Dict[str, str]] = None) -> APIError:
+        """Map an exception from a running request to an API error."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, ValueError):
+            return api_error_from_value_error(e, rename)
+        from kvserve.engine.async_llm_engine import EngineDeadError
+
+        if isinstance(e, EngineDeadError):
+            return APIError(str(e), 503, type="service_unavailable", code="engine_dead")
+        logger.error("request failed in the engine: %r", e)
+        return APIError(f"Internal error while generating: {e}", 500, type="internal_server_error")
+
+    @staticmethod
+    def rejected_error(out: RequestOutput, param: str = "prompt") -> APIError:
+        """A scheduler rejection (``finish_reason == "ignored"``) as a 400."""
+        return APIError(f"{param}: {out.error or 'rejected by the scheduler'}", 400, param=param,
+                        code="prompt_too_long")
+
+    # ------------------------------------------------------------------ helpers
+    def new_record(self, prefix: str, n: int, subs: List[SubRequest]) -> RequestRecord:
+        """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt)."""
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        for i, s in enumerate(subs):
+            s.request_id = f"{rid}-{i}"
+        rec = RequestRecord(request_id=rid, endpoint=self.endpoint, n=n,
+                            prompt_tokens=sum(len(s.prompt_token_ids) for s in subs))
+        if self.request_logger.log_prompts:
+            rec.prompts = [s.prompt_text for s in subs]
+        return rec
+
+    def token_str(self, token_id: int) -> str:
+        """Text of one token (cached)."""
+        s = self._token_str_cache.get(token_id)
+        if s is None:
+            tok = self.tokenizer
+            s = tok.decode([token_id]) if tok is not None else str(token_id)
+            if len(self._token_str_cache) < 200_000:
+                self._token_str_cache[token_id] = s
+        return s
+
+    def decode(self, token_ids: List[int]) -> str:
+        """Text of a token-id sequence ("" without a tokenizer)."""
+        tok = self.tokenizer
+        return tok.decode(token_ids) if tok is not None and token_ids else ""

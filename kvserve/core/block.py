@@ -1,0 +1,192 @@
+"""Physical KV blocks and a reference-counted block pool (one per device).
+
+A *block* holds the K/V of ``block_size`` consecutive token positions of one sequence
+(PagedAttention, Kwon et al., SOSP'23, §4.1-4.3). Several sequences may reference the same
+physical block (forked samples share their prompt; prefix caching shares equal prefixes
+across requests); the block goes back to the pool when its reference count drops to 0.
+
+Pool accounting (the conservation invariant the tests hold after every step)::
+
+    num_free (never-used/uncached + cached-evictable) + num_in_use (ref_count > 0) == num_blocks
+
+With prefix caching a block whose content is a computed full block is *registered* under its
+content hash (``block_hash``); when its last reference goes it moves to the LRU evictor
+instead of the plain free list, so a later request with the same prefix can reuse it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Dict, List, Optional
+
+from kvserve.core.evictor import LRUEvictor
+
+GPU = "gpu"
+CPU = "cpu"
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by ``BlockPool.allocate`` when neither a free nor an evictable block is left.
+
+    The scheduler checks capacity first (``can_allocate`` / ``can_append_slots`` /
+    ``can_swap_*``), so this signals a bookkeeping bug, never normal back-pressure.
+    """
+
+
+class PhysicalBlock:
+    """One block of a pool.
+
+    Attributes:
+        block_number: index in its pool (what block tables hold).
+        device: ``"gpu"`` (the device pool) or ``"cpu"`` (swap space).
+        ref_count: how many sequence block-table entries point at it.
+        block_hash: content hash when the block is registered in the prefix cache, else None.
+    """
+
+    __slots__ = ("block_number", "device", "ref_count", "block_hash")
+
+    def __init__(self, block_number: int, device: str) -> None:
+        self.block_number = block_number
+        self.device = device
+        self.ref_count = 0
+        self.block_hash: Optional[int] = None
+
+    def __repr__(self) -> str:
+        return (f"PhysicalBlock({self.device}#{self.block_number}, ref={self.ref_count}, "
+                f"hash={self.block_hash})")
+
+
+class BlockPool:
+    """Reference-counted allocator over ``num_blocks`` blocks of one device.
+
+    Args:
+        device: ``"gpu"`` or ``"cpu"``.
+        num_blocks: pool size in blocks (>= 0).
+        enable_caching: keep registered (hashed, computed) blocks after their last reference
+            in an LRU evictor; they count as free and are reused on a hash hit.
+    """
+
+    def __init__(self, device: str, num_blocks: int, enable_caching: bool = False) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.device = device
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks: List[PhysicalBlock] = [PhysicalBlock(i, device) for i in range(num_blocks)]
+        self._free_ids: Deque[int] = deque(range(num_blocks))
+        self.evictor = LRUEvictor()
+        # content hash -> the registered block holding it
+        self.cached: Dict[int, PhysicalBlock] = {}
+        self._num_in_use = 0
+
+    # ------------------------------------------------------------------ counts
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: never-used/uncached plus cached refcount-0."""
+        return len(self._free_ids) + len(self.evictor)
+
+    def get_num_in_use(self) -> int:
+        """Blocks with ``ref_count > 0``."""
+        return self._num_in_use
+
+    def get_num_evictable(self) -> int:
+        return len(self.evictor)
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self) -> PhysicalBlock:
+        """A fresh private block with ``ref_count == 1`` and no hash.
+
+        Takes a never-used/uncached block first; otherwise evicts the least recently used
+        cached block (dropping its hash entry).
+
+        Raises:
+            NoFreeBlocksError: nothing free and nothing evictable.
+        """
+        if self._free_ids:
+            block = self.blocks[self._free_ids.popleft()]
+        elif len(self.evictor):
+            block = self.evictor.evict()
+            self._unregister(block)
+        else:
+            raise NoFreeBlocksError(f"no free {self.device} block (pool of {self.num_blocks})")
+        assert block.ref_count == 0, block
+        block.ref_count = 1
+        self._num_in_use += 1
+        return block
+
+    def incr_ref(self, block: PhysicalBlock) -> None:
+        """Add a reference (fork, prefix hit, shared swap). Revives a cached free block."""
+        if block.ref_count == 0:
+            # Only registered blocks can be referenced again from refcount 0 (a prefix hit).
+            self.evictor.remove(block.block_number)
+            self._num_in_use += 1
+        block.ref_count += 1
+
+    def free(self, block: PhysicalBlock) -> None:
+        """Drop one reference; at 0 the block becomes evictable (if cached) or free.
+
+        Raises:
+            ValueError: the block is already free (double free).
+        """
+        if block.ref_count <= 0:
+            raise ValueError(f"double free of {block!r}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._num_in_use -= 1
+            if block.block_hash is not None:
+                self.evictor.add(block)
+            else:
+                self._free_ids.append(block.block_number)
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, block_hash: int) -> Optional[PhysicalBlock]:
+        """The registered block holding ``block_hash`` (in use or evictable), or None."""
+        return self.cached.get(block_hash)
+
+    def register(self, block: PhysicalBlock, block_hash: int) -> bool:
+        """Enter a computed full block in the prefix cache under ``block_hash``.
+
+        Returns False (and leaves the block private) when caching is off, the block is
+        already registered, or another block already holds this content.
+        """
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def _unregister(self, block: PhysicalBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def reset_cache(self) -> bool:
+        """Evict every cached refcount-0 block (hash entries dropped, blocks become plain free).
+
+        Returns True when no registered block remains (nothing cached is in use), else False
+        (the in-use ones stay registered and are dropped later by normal eviction).
+        """
+        while len(self.evictor):
+            block = self.evictor.evict()
+            self._unregister(block)
+            self._free_ids.append(block.block_number)
+        return not self.cached
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Assert conservation and ref-count consistency (used by the tests).
+
+        Raises:
+            AssertionError: with the counts when the pool's books do not balance.
+        """
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert in_use == self._num_in_use, (self.device, in_use, self._num_in_use)
+        assert len(set(self._free_ids)) == len(self._free_ids), "duplicate free ids"
+        for i in self._free_ids:
+            b = self.blocks[i]
+            assert b.ref_count == 0 and b.block_hash is None and i not in self.evictor, b
+        for b in self.evictor:
+            assert b.ref_count == 0 and b.block_hash is not None, b
+        for h, b in self.cached.items():
+            assert b.block_hash == h, (h, b)
+        free = len(self._free_ids) + len(self.evictor)
+        assert free + in_use == self.num_blocks, (self.device, free, in_use, self.num_blocks)

@@ -1,0 +1,536 @@
+"""Paged KV-cache bookkeeping: block tables, copy-on-write, swapping, prefix caching.
+
+``BlockSpaceManager`` maps every live sequence to a *block table*: the list of physical block
+numbers holding the K/V of its token positions (position ``p`` lives in slot ``p % block_size``
+of block ``table[p // block_size]``). It is pure bookkeeping (no tensors): the executor applies
+the block moves it returns (``swap_out``: GPU -> CPU, ``swap_in``: CPU -> GPU, copy-on-write
+``(src, dst)`` pairs) before running the forward. Design after PagedAttention (Kwon et al.,
+"Efficient Memory Management for Large Language Model Serving with PagedAttention", SOSP'23):
+§4.2 block tables, §4.4 copy-on-write for parallel sampling, §4.5 swapping / recomputation.
+
+Units: ``block_size`` and lengths are in tokens; pool sizes, watermark and all counts returned
+by ``get_num_*`` are in blocks.
+
+Prefix caching (``enable_caching``): a *full* block is identified by a hash chained over its
+parent's hash and its own token ids, so equal hashes mean equal prefixes. A block is entered in
+the cache only once the forward that fills it has run (``mark_blocks_as_computed``). A new
+sequence reuses the longest run of cached full blocks of its tokens, but never all of its
+tokens: at least the last token is computed again to get its logits. When the tokens are a
+block-aligned full hit, the last block is copied into a private block (``allocate`` returns the
+``(src, dst)`` copy) so that writing the last token's K/V cannot touch the shared block.
+Unreferenced cached blocks count as free and are evicted least-recently-used first.
+
+Sliding window (``sliding_window`` tokens): once every position of a block is outside the
+window of the next query, the block is released; its table entry then repeats the number of
+a block the sequence still holds (the runner masks those positions, so any valid block works).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
+
+from kvserve.core.block import CPU, GPU, BlockPool, PhysicalBlock
+from kvserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockTable = List[Optional[PhysicalBlock]]
+
+
+class AllocStatus(enum.Enum):
+    """Result of an admission check (``can_allocate`` / ``can_swap_in``).
+
+    OK: fits now. LATER: fits once other sequences free blocks. NEVER: needs more blocks than
+    the pool minus the watermark will ever have; the scheduler must reject the group instead
+    of waiting for it (which would block every request queued behind it).
+    """
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+@dataclass
+class AllocationPlan:
+    """What ``allocate`` would do for a group right now (computed without side effects).
+
+    Attributes:
+        status: OK / LATER / NEVER.
+        num_required_blocks: distinct blocks the group's tokens need with no cache hit
+            (siblings' identical full blocks counted once). Compared with the pool for NEVER.
+        num_usable_blocks: ``num_gpu_blocks - watermark_blocks``.
+        cost: free blocks the allocation would consume now (fresh blocks + revived cached
+            refcount-0 blocks).
+        num_cached_tokens: tokens per sequence found in the prefix cache (0 without caching;
+            at most ``len - 1``).
+    """
+
+    status: AllocStatus
+    num_required_blocks: int
+    num_usable_blocks: int
+    cost: int
+    num_cached_tokens: int = 0
+    # Internal: per seq, the cached blocks to reuse (len == num_cached_blocks).
+    _hits: List[List[PhysicalBlock]] = field(default_factory=list, repr=False)
+    _cow_last: bool = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockSpaceManager:
+    """Block tables of all live sequences over a device pool and a CPU swap pool.
+
+    Args:
+        block_size: tokens per block (>= 1).
+        num_gpu_blocks: device-pool size in blocks.
+        num_cpu_blocks: swap-pool size in blocks (0 disables swapping).
+        watermark: fraction of device blocks kept free when admitting new prefills or
+            swapping in (``watermark_blocks = int(watermark * num_gpu_blocks)``).
+        sliding_window: attention window in tokens, or None.
+        enable_caching: prefix caching on the device pool.
+
+    Raises:
+        ValueError: for sizes out of range.
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, sliding_window: Optional[int] = None,
+                 enable_caching: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks or 0
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.sliding_window = sliding_window
+        self.enable_caching = enable_caching
+        self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching)
+        self.cpu = BlockPool(CPU, self.num_total_cpu_blocks, False)
+        self.block_tables: Dict[int, BlockTable] = {}
+        # seq_id -> chained hashes of its leading full blocks (prefix caching only).
+        self._seq_hashes: Dict[int, List[int]] = {}
+        # seq_id -> number of leading blocks already considered by mark_blocks_as_computed.
+        self._num_marked: Dict[int, int] = {}
+        # COW sources of full-hit prompts, pinned until the step that copies them has run.
+        self._pinned: List[PhysicalBlock] = []
+        # Prefix-cache statistics, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ================================================================== hashing
+    def _get_hashes(self, seq: Sequence, num_blocks: int) -> List[int]:
+        """Chained content hashes of ``seq``'s first ``num_blocks`` full blocks."""
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        if len(hashes) < num_blocks:
+            tokens = seq.get_token_ids()
+            bs = self.block_size
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_blocks):
+                parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+                hashes.append(parent)
+        return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
+
+    def _cache_hits(self, seq: Sequence) -> List[PhysicalBlock]:
+        """Leading full blocks of ``seq`` present in the prefix cache (longest run)."""
+        num_full = seq.get_len() // self.block_size
+        hits: List[PhysicalBlock] = []
+        for h in self._get_hashes(seq, num_full):
+            b = self.gpu.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    # ================================================================== admission
+    def _live_seqs(self, seq_group: SequenceGroup) -> List[Sequence]:
+        seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        return seqs if seqs else seq_group.get_unfinished_seqs()
+
+    def _num_shared_with_first(self, first: Sequence, seq: Sequence, limit: int) -> int:
+        """Leading full blocks (at most ``limit``) whose tokens are identical in both seqs."""
+        a, b, bs = first.get_token_ids(), seq.get_token_ids(), self.block_size
+        n = 0
+        while n < limit and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
+            n += 1
+        return n
+
+    def plan_allocation(self, seq_group: SequenceGroup) -> AllocationPlan:
+        """Decide (without side effects) whether the group's live sequences fit now.
+
+        A group normally has one sequence; after recompute preemption of a forked group each
+        live sequence is re-prefilled from its own tokens, and full blocks identical to the
+        first sequence's are shared (counted once).
+        """
+        seqs = self._live_seqs(seq_group)
+        bs = self.block_size
+        first = seqs[0]
+        length = first.get_len()
+        n_blocks = _cdiv(length, bs)
+        num_full = length // bs
+        shared = [0] + [self._num_shared_with_first(first, s, num_full) for s in seqs[1:]]
+        required = n_blocks + sum(n_blocks - k for k in shared[1:])
+        usable = self.num_total_gpu_blocks - self.watermark_blocks
+
+        hits: List[List[PhysicalBlock]] = [[] for _ in seqs]
+        cow_last = False
+        num_cached_blocks = 0
+        if self.enable_caching:
+            hits = [self._cache_hits(s) for s in seqs]
+            num_cached_blocks = min(len(h) for h in hits)
+            hits = [h[:num_cached_blocks] for h in hits]
+            cow_last = num_cached_blocks > 0 and num_cached_blocks * bs >= length
+        num_cached_tokens = min(num_cached_blocks * bs, length - 1)
+
+        # Free blocks consumed: fresh blocks for every non-hit, non-shared entry, plus
+        # revived (refcount-0) hit blocks, plus the private copy of a full-hit last block.
+        revived = {b.block_number for h in hits for b in h if b.ref_count == 0}
+        fresh = 0
+        for i, s in enumerate(seqs):
+            start = num_cached_blocks
+            if i > 0:
+                start = max(start, shared[i])
+            fresh += n_blocks - start
+            if cow_last and (i == 0 or shared[i] < num_cached_blocks):
+                fresh += 1
+        cost = fresh + len(revived)
+
+        if required > usable:
+            status = AllocStatus.NEVER
+        elif self.gpu.get_num_free_blocks() - cost >= self.watermark_blocks:
+            status = AllocStatus.OK
+        else:
+            status = AllocStatus.LATER
+        return AllocationPlan(status, required, usable, cost, num_cached_tokens, hits, cow_last)
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        """OK / LATER / NEVER for prefilling the group's waiting sequences now."""
+        return self.plan_allocation(seq_group).status
+
+    def allocate(self, seq_group: SequenceGroup,
+                 plan: Optional[AllocationPlan] = None) -> List[Tuple[int, int]]:
+        """Give every live sequence of the group a block table for all of its tokens.
+
+        Reuses prefix-cache hits (and sets ``seq.data`` computed tokens to the hit length),
+        shares siblings' identical full blocks, allocates the rest fresh.
+
+        Args:
+            plan: the result of ``plan_allocation`` just before (recomputed when None).
+
+        Returns:
+            copy-on-write ``(src, dst)`` GPU block pairs for full-hit prompts (the executor
+            must copy before the forward).
+
+        Raises:
+            NoFreeBlocksError: the caller ignored a non-OK status.
+        """
+        if plan is None:
+            plan = self.plan_allocation(seq_group)
+        seqs = self._live_seqs(seq_group)
+        bs = self.block_size
+        first = seqs[0]
+        length = first.get_len()
+        n_blocks = _cdiv(length, bs)
+        num_cached_blocks = len(plan._hits[0]) if plan._hits else 0
+        copies: List[Tuple[int, int]] = []
+        first_table: BlockTable = []
+        for i, seq in enumerate(seqs):
+            assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} already has blocks"
+            shared = 0 if i == 0 else self._num_shared_with_first(first, seq, length // bs)
+            table: BlockTable = []
+            for j in range(n_blocks):
+                if j < num_cached_blocks:
+                    last_cow = plan._cow_last and j == num_cached_blocks - 1
+                    if i > 0 and j < shared and (not last_cow or shared >= num_cached_blocks):
+                        b = first_table[j]
+                        self.gpu.incr_ref(b)
+                    elif last_cow:
+                        src = plan._hits[i][j]
+                        self.gpu.incr_ref(src)     # pin: the copy runs at the next step
+                        self._pinned.append(src)
+                        b = self.gpu.allocate()
+                        copies.append((src.block_number, b.block_number))
+                    else:
+                        b = plan._hits[i][j]
+                        self.gpu.incr_ref(b)
+                elif i > 0 and j < shared:
+                    b = first_table[j]
+                    self.gpu.incr_ref(b)
+                else:
+                    b = self.gpu.allocate()
+                table.append(b)
+            self.block_tables[seq.seq_id] = table
+            self._num_marked[seq.seq_id] = num_cached_blocks
+            seq.data.set_num_computed_tokens(plan.num_cached_tokens)
+            if i == 0:
+                first_table = table
+        if self.enable_caching:
+            self.prefix_cache_queries += length
+            self.prefix_cache_hits += plan.num_cached_tokens
+        return copies
+
+    # ================================================================== decode growth
+    def _write_range(self, seq: Sequence, num_lookahead_slots: int) -> Tuple[int, int]:
+        """Block indices [first, end) written by the next step of ``seq``."""
+        first = seq.data.get_num_computed_tokens() // self.block_size
+        end = _cdiv(seq.get_len() + num_lookahead_slots, self.block_size)
+        return first, end
+
+    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
+        """Whether every running sequence of the group can get its next slot(s) now.
+
+        Counts new blocks for growth and for copy-on-write of shared blocks about to be
+        written (a block shared by k of the group's seqs and nobody else needs k-1 copies).
+        """
+        needed = 0
+        shared: Dict[int, List] = {}
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            table = self.block_tables.get(seq.seq_id)
+            if table is None:
+                continue
+            first, end = self._write_range(seq, num_lookahead_slots)
+            needed += max(0, end - len(table))
+            for i in range(first, min(end, len(table))):
+                b = table[i]
+                if b is not None and b.ref_count > 1:
+                    entry = shared.setdefault(b.block_number, [b, 0])
+                    entry[1] += 1
+        for b, k in shared.values():
+            needed += k if b.ref_count > k else k - 1
+        return needed <= self.gpu.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> List[Tuple[int, int]]:
+        """Make room for ``seq``'s next token(s) (plus lookahead slots).
+
+        Allocates new blocks as the sequence grows; a shared block about to be written is
+        replaced by a private copy (copy-on-write).
+
+        Returns:
+            ``(src, dst)`` GPU block pairs to copy before the forward.
+
+        Raises:
+            KeyError: ``seq`` has no block table.
+            NoFreeBlocksError: ``can_append_slots`` was not checked.
+        """
+        table = self.block_tables[seq.seq_id]
+        first, end = self._write_range(seq, num_lookahead_slots)
+        while len(table) < end:
+            table.append(self.gpu.allocate())
+        copies: List[Tuple[int, int]] = []
+        for i in range(first, end):
+            b = table[i]
+            if b is not None and b.ref_count > 1:
+                new = self.gpu.allocate()
+                self.gpu.free(b)
+                table[i] = new
+                copies.append((b.block_number, new.block_number))
+        self._release_outside_window(seq)
+        return copies
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares all of the parent's blocks (ref counts +1; copy-on-write later)."""
+        src = self.block_tables[parent_seq.seq_id]
+        for b in src:
+            if b is not None:
+                (self.gpu if b.device == GPU else self.cpu).incr_ref(b)
+        self.block_tables[child_seq.seq_id] = list(src)
+        self._num_marked[child_seq.seq_id] = self._num_marked.get(parent_seq.seq_id, 0)
+        if parent_seq.seq_id in self._seq_hashes:
+            # Only hashes of blocks both share (full blocks before the fork point) stay valid.
+            n = parent_seq.get_len() // self.block_size
+            self._seq_hashes[child_seq.seq_id] = list(self._seq_hashes[parent_seq.seq_id][:n])
+
+    # ================================================================== swapping
+    def _group_tables(self, seq_group: SequenceGroup, status: SequenceStatus) -> List[Tuple[Sequence, BlockTable]]:
+        return [(s, self.block_tables[s.seq_id]) for s in seq_group.get_seqs(status=status)
+                if s.seq_id in self.block_tables]
+
+    @staticmethod
+    def _distinct_blocks(tables: Seq[Tuple[Sequence, BlockTable]]) -> int:
+        return len({b.block_number for _, t in tables for b in t if b is not None})
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        """Whether the group's running blocks (shared ones once) fit in free CPU blocks."""
+        need = self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.RUNNING))
+        return need <= self.cpu.get_num_free_blocks()
+
+    def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
+        """OK / LATER / NEVER for bringing a swapped group back (one spare block per seq
+        for its next token, plus the watermark)."""
+        tables = self._group_tables(seq_group, SequenceStatus.SWAPPED)
+        need = self._distinct_blocks(tables) + len(tables) * max(1, _cdiv(num_lookahead_slots, self.block_size))
+        if need > self.num_total_gpu_blocks - self.watermark_blocks:
+            # Still possible without the spare growth blocks? Then it is LATER, not NEVER.
+            if self._distinct_blocks(tables) > self.num_total_gpu_blocks - self.watermark_blocks:
+                return AllocStatus.NEVER
+        if self.gpu.get_num_free_blocks() - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def _move(self, tables, src_pool: BlockPool, dst_pool: BlockPool) -> Dict[int, int]:
+        mapping: Dict[int, PhysicalBlock] = {}
+        for seq, table in tables:
+            new_table: BlockTable = []
+            for b in table:
+                if b is None:
+                    new_table.append(None)
+                    continue
+                if b.block_number in mapping:
+                    nb = mapping[b.block_number]
+                    dst_pool.incr_ref(nb)
+                else:
+                    nb = dst_pool.allocate()
+                    mapping[b.block_number] = nb
+                src_pool.free(b)
+                new_table.append(nb)
+            self.block_tables[seq.seq_id] = new_table
+        return {src: dst.block_number for src, dst in mapping.items()}
+
+    def swap_out(self, seq_group: SequenceGroup) -> Dict[int, int]:
+        """Move the group's running sequences' blocks to CPU. Shared blocks move once and
+        stay shared. Returns GPU block -> CPU block. Raises NoFreeBlocksError when
+        ``can_swap_out`` was False."""
+        tables = self._group_tables(seq_group, SequenceStatus.RUNNING)
+        return self._move(tables, self.gpu, self.cpu)
+
+    def swap_in(self, seq_group: SequenceGroup) -> Dict[int, int]:
+        """Move the group's swapped sequences' blocks back to the device. Returns CPU block ->
+        GPU block. Raises NoFreeBlocksError when ``can_swap_in`` was not OK."""
+        tables = self._group_tables(seq_group, SequenceStatus.SWAPPED)
+        return self._move(tables, self.cpu, self.gpu)
+
+    # ================================================================== release
+    def free(self, seq: Sequence) -> None:
+        """Drop every block reference of ``seq`` (GPU or CPU). No-op if it holds none."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        self._num_marked.pop(seq.seq_id, None)
+        self._seq_hashes.pop(seq.seq_id, None)
+        if table is None:
+            return
+        for b in table:
+            if b is not None:
+                (self.gpu if b.device == GPU else self.cpu).free(b)
+
+    def release_pins(self) -> None:
+        """Unpin copy-on-write sources once the step that copied them has run."""
+        pins, self._pinned = self._pinned, []
+        for b in pins:
+            self.gpu.free(b)
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        if self.sliding_window is None:
+            return
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
+        # Next query position >= computed; it attends to positions > computed - window.
+        n_release = (seq.data.get_num_computed_tokens() - self.sliding_window) // self.block_size
+        n_release = min(n_release, len(table) - 1)  # always keep the last block
+        for i in range(max(0, n_release)):
+            b = table[i]
+            if b is not None:
+                (self.gpu if b.device == GPU else self.cpu).free(b)
+                table[i] = None
+
+    def mark_blocks_as_computed(self, seq_group: SequenceGroup) -> None:
+        """After a step: enter newly completed full blocks of the group in the prefix cache,
+        release blocks that left the sliding window, unpin copy-on-write sources."""
+        self.release_pins()
+        for seq in seq_group.get_unfinished_seqs():
+            table = self.block_tables.get(seq.seq_id)
+            if table is None:
+                continue
+            if self.enable_caching:
+                n_full = min(seq.data.get_num_computed_tokens() // self.block_size, len(table))
+                start = self._num_marked.get(seq.seq_id, 0)
+                if n_full > start:
+                    hashes = self._get_hashes(seq, n_full)
+                    for i in range(start, n_full):
+                        b = table[i]
+                        if b is not None and b.device == GPU:
+                            self.gpu.register(b, hashes[i])
+                    self._num_marked[seq.seq_id] = n_full
+            self._release_outside_window(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block nothing references. True if the cache is now empty."""
+        return self.gpu.reset_cache()
+
+    # ================================================================== queries
+    def get_block_table(self, seq: Sequence) -> List[int]:
+        """Block numbers of ``seq`` (entries released by the sliding window repeat a block
+        the sequence still holds). Raises KeyError if ``seq`` has no table."""
+        table = self.block_tables[seq.seq_id]
+        filler = next((b.block_number for b in table if b is not None), 0)
+        return [b.block_number if b is not None else filler for b in table]
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.block_tables
+
+    def get_computed_block_nums(self, seq: Sequence) -> List[int]:
+        """Block numbers of ``seq``'s leading blocks whose every slot is already computed."""
+        table = self.block_tables.get(seq.seq_id, [])
+        n = seq.data.get_num_computed_tokens() // self.block_size
+        return [b.block_number for b in table[:n] if b is not None]
+
+    def get_num_freeable_blocks(self, seq_group: SequenceGroup) -> int:
+        """GPU blocks that preempting the group would return (its blocks nobody else holds)."""
+        refs: Dict[int, List] = {}
+        for s in seq_group.get_unfinished_seqs():
+            for b in self.block_tables.get(s.seq_id, ()):
+                if b is not None and b.device == GPU:
+                    refs.setdefault(b.block_number, [b, 0])[1] += 1
+        return sum(1 for b, k in refs.values() if b.ref_count == k)
+
+    def get_num_free_gpu_blocks(self) -> int:
+        """Free device blocks (cached refcount-0 blocks included)."""
+        return self.gpu.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu.get_num_free_blocks()
+
+    def get_prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens over all allocations (0.0 before any query)."""
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    def get_stats(self) -> Dict[str, float]:
+        """Block counts (blocks) and prefix-cache counters (tokens)."""
+        free_gpu = self.get_num_free_gpu_blocks()
+        return {
+            "num_gpu_blocks": self.num_total_gpu_blocks,
+            "num_free_gpu_blocks": free_gpu,
+            "num_cpu_blocks": self.num_total_cpu_blocks,
+            "num_free_cpu_blocks": self.get_num_free_cpu_blocks(),
+            "num_cached_gpu_blocks": self.gpu.get_num_evictable(),
+            "gpu_cache_usage": 1.0 - free_gpu / self.num_total_gpu_blocks,
+            "cpu_cache_usage": (1.0 - self.get_num_free_cpu_blocks() / self.num_total_cpu_blocks
+                                if self.num_total_cpu_blocks else 0.0),
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.get_prefix_cache_hit_rate(),
+        }
+
+    def check_invariants(self) -> None:
+        """Assert conservation on both pools and that ref counts equal table references
+        (plus pins). Raises AssertionError with the mismatch."""
+        self.gpu.check_invariants()
+        self.cpu.check_invariants()
+        counts: Dict[Tuple[str, int], int] = {}
+        for table in self.block_tables.values():
+            for b in table:
+                if b is not None:
+                    key = (b.device, b.block_number)
+                    counts[key] = counts.get(key, 0) + 1
+        for b in self._pinned:
+            counts[(GPU, b.block_number)] = counts.get((GPU, b.block_number), 0) + 1
+        for pool in (self.gpu, self.cpu):
+            for b in pool.blocks:
+                assert b.ref_count == counts.get((pool.device, b.block_number), 0), (
+                    b, counts.get((pool.device, b.block_number), 0))

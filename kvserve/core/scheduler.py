@@ -1,0 +1,865 @@
+"""The iteration-level scheduler (continuous batching), in the design of vLLM's V0 scheduler.
+
+Every ``schedule()`` call decides one engine step: which sequence groups run, how many tokens
+each feeds (a whole prompt, a prefill *chunk*, or one decode token per live sequence), and which
+KV blocks move (swap out GPU->CPU, swap in CPU->GPU, copy-on-write copies). Groups live in
+exactly one of three deques, each kept in the active policy's order:
+
+- ``waiting``: new requests and recompute-preempted groups (need a prefill);
+- ``running``: groups holding GPU blocks (decoding, or mid chunked prefill);
+- ``swapped``: groups whose blocks were swapped out to CPU.
+
+Two paths (``_schedule_default`` / ``_schedule_chunked_prefill``), chosen by
+``SchedulerConfig.chunked_prefill_enabled``:
+
+* default (vLLM V0 / Orca-style): if nothing is swapped, admit whole prompts from ``waiting``;
+  only if no prompt was admitted, run one decode step of ``running`` (preempting the
+  lowest-ranked group when a slot cannot be appended) and then swap groups back in.
+* chunked prefill (Sarathi-Serve, Agrawal et al., OSDI'24): one token budget per step shared
+  by, in this order, running decodes, running groups still prefilling, swapped groups, and new
+  prompts; prompts are cut into chunks that fill what the budget leaves, so decodes are never
+  stalled by a long prompt. While anything is swapped out no new request is admitted.
+
+Preemption (Kwon et al., PagedAttention, SOSP'23 §4.5): RECOMPUTE frees the group's blocks and
+puts it at the front of ``waiting`` (its tokens are prefilled again: prompt + outputs, outputs
+stay outputs); SWAP moves its blocks to CPU. With ``preemption_mode=None`` single-sequence groups
+are recomputed and multi-sequence groups swapped; a swap that does not fit in free CPU blocks
+falls back to recompute (each live sequence re-prefilled from its own tokens; finished siblings
+are left alone).
+
+Anti-thrash rule (ours): a group that has already been preempted ``THRASH_PREEMPTIONS`` times is
+re-admitted (from ``waiting``) only when, after its allocation and the watermark, at least
+``margin = live_seqs * min(num_preemptions, MAX_MARGIN_FACTOR)`` blocks stay free -- room for it
+to grow that many blocks per sequence before it could be preempted again. The margin is capped
+so that an otherwise idle cache can always meet it, and it is not applied when nothing else is
+running (nobody could free blocks anyway). Groups preempted in a step are never re-admitted in
+that same step.
+
+Priority preemption (policy ``priority``): before admitting, a waiting group whose
+``priority`` value is strictly lower than that of running groups preempts the lowest-ranked of
+them (normal preemption mode) when the cache or the sequence budget is full -- but only when
+preempting those outranked groups actually makes it fit. A group that strictly outranks every
+swapped group may be admitted even while others are swapped out.
+
+Invariants (asserted by the tests after every step): a live group is in exactly one queue;
+``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
+every scheduled prefill feeds >= 1 token; no token is scheduled at a position
+``>= max_model_len``; KV blocks are conserved on both pools.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple, Union
+
+from kvserve.config import CacheConfig, PreemptionMode, SchedulerConfig
+from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
+from kvserve.core.policy import Policy, PolicyFactory
+from kvserve.sequence import (Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus)
+
+logger = logging.getLogger("kvserve.scheduler")
+
+#: Preemptions after which a group must find a free-block margin before re-admission.
+THRASH_PREEMPTIONS = 2
+#: Cap on the margin multiplier (blocks per live sequence).
+MAX_MARGIN_FACTOR = 4
+
+
+# ====================================================================== budget
+@dataclass
+class SchedulingBudget:
+    """Token and sequence slots left in one step.
+
+    ``add_*`` / ``subtract_*`` are de-duplicated by request id: a group counted once (e.g. its
+    sequences reserved at the start of the step) is not counted again when it is scheduled.
+
+    Attributes:
+        token_budget: max tokens fed in the step (``max_num_batched_tokens``).
+        max_num_seqs: max sequences in the step.
+    """
+
+    token_budget: int
+    max_num_seqs: int
+    _request_ids_num_batched_tokens: Set[str] = field(default_factory=set)
+    _request_ids_num_curr_seqs: Set[str] = field(default_factory=set)
+    _num_batched_tokens: int = 0
+    _num_curr_seqs: int = 0
+
+    def can_schedule(self, *, num_new_tokens: int, num_new_seqs: int) -> bool:
+        """Whether ``num_new_tokens`` more tokens and ``num_new_seqs`` more sequences fit.
+
+        Raises:
+            ValueError: either count is 0 (nothing to schedule is a caller bug).
+        """
+        if num_new_tokens == 0 or num_new_seqs == 0:
+            raise ValueError(f"can_schedule needs non-zero counts, got tokens={num_new_tokens}, "
+                             f"seqs={num_new_seqs}")
+        return (self.num_batched_tokens + num_new_tokens <= self.token_budget
+                and self.num_curr_seqs + num_new_seqs <= self.max_num_seqs)
+
+    def remaining_token_budget(self) -> int:
+        return self.token_budget - self.num_batched_tokens
+
+    def add_num_batched_tokens(self, req_id: str, num_batched_tokens: int) -> None:
+        if req_id in self._request_ids_num_batched_tokens:
+            return
+        self._request_ids_num_batched_tokens.add(req_id)
+        self._num_batched_tokens += num_batched_tokens
+
+    def subtract_num_batched_tokens(self, req_id: str, num_batched_tokens: int) -> None:
+        if req_id in self._request_ids_num_batched_tokens:
+            self._request_ids_num_batched_tokens.remove(req_id)
+            self._num_batched_tokens -= num_batched_tokens
+
+    def add_num_seqs(self, req_id: str, num_curr_seqs: int) -> None:
+        if req_id in self._request_ids_num_curr_seqs:
+            return
+        self._request_ids_num_curr_seqs.add(req_id)
+        self._num_curr_seqs += num_curr_seqs
+
+    def subtract_num_seqs(self, req_id: str, num_curr_seqs: int) -> None:
+        if req_id in self._request_ids_num_curr_seqs:
+            self._request_ids_num_curr_seqs.remove(req_id)
+            self._num_curr_seqs -= num_curr_seqs
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self._num_batched_tokens
+
+    @property
+    def num_curr_seqs(self) -> int:
+        return self._num_curr_seqs
+
+
+# ====================================================================== outputs
+@dataclass
+class ScheduledSequenceGroup:
+    """A group scheduled this step; ``token_chunk_size`` tokens per live sequence (1 for a
+    decode, the chunk length for a prefill)."""
+
+    seq_group: SequenceGroup
+    token_chunk_size: int
+
+
+@dataclass
+class SchedulerOutputs:
+    """The scheduling decision of one step.
+
+    Attributes:
+        scheduled_seq_groups: prefills first, then decodes; same order as the metadata list.
+        num_prefill_groups: how many of them are prefills (whole or chunk).
+        num_batched_tokens: tokens fed this step (<= max_num_batched_tokens).
+        blocks_to_swap_in: CPU block -> GPU block.
+        blocks_to_swap_out: GPU block -> CPU block.
+        blocks_to_copy: source GPU block -> destination GPU blocks (copy-on-write).
+        ignored_seq_groups: groups rejected this step (FINISHED_IGNORED, with ``ignored_reason``).
+        num_lookahead_slots: extra slots reserved per decode.
+        running_queue_size: len(running) after this step's decisions.
+        preempted: groups preempted (recompute or swap) this step.
+    """
+
+    scheduled_seq_groups: List[ScheduledSequenceGroup]
+    num_prefill_groups: int
+    num_batched_tokens: int
+    blocks_to_swap_in: Dict[int, int]
+    blocks_to_swap_out: Dict[int, int]
+    blocks_to_copy: Dict[int, List[int]]
+    ignored_seq_groups: List[SequenceGroup]
+    num_lookahead_slots: int
+    running_queue_size: int
+    preempted: int = 0
+
+    def is_empty(self) -> bool:
+        """Nothing to run and no block to move (ignored groups do not count)."""
+        return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
+                and not self.blocks_to_swap_out and not self.blocks_to_copy)
+
+
+@dataclass
+class SchedulerRunningOutputs:
+    """What was decided for the ``running`` queue this step."""
+
+    decode_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
+    prefill_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
+    preempted: List[SequenceGroup] = field(default_factory=list)
+    swapped_out: List[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_out: Dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
+    num_lookahead_slots: int = 0
+
+
+@dataclass
+class SchedulerSwappedInOutputs:
+    """What was decided for the ``swapped`` queue this step."""
+
+    decode_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
+    prefill_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
+    blocks_to_swap_in: Dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
+    num_lookahead_slots: int = 0
+    infeasible_seq_groups: List[SequenceGroup] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerPrefillOutputs:
+    """What was decided for the ``waiting`` queue this step."""
+
+    seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
+    ignored_seq_groups: List[SequenceGroup] = field(default_factory=list)
+    num_lookahead_slots: int = 0
+
+
+class _Step:
+    """Mutable per-step accumulator shared by the helpers of one ``_schedule`` call."""
+
+    __slots__ = ("now", "blocks_to_swap_out", "blocks_to_copy", "preempted", "swapped_out",
+                 "preempted_ids", "ignored", "num_partial", "capped")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.blocks_to_swap_out: Dict[int, int] = {}
+        self.blocks_to_copy: Dict[int, List[int]] = {}
+        self.preempted: List[SequenceGroup] = []     # recomputed -> front of waiting
+        self.swapped_out: List[SequenceGroup] = []
+        self.preempted_ids: Set[str] = set()
+        self.ignored: List[SequenceGroup] = []
+        self.num_partial = 0                          # groups left mid-prefill after this step
+        self.capped: List[ScheduledSequenceGroup] = []  # chunks cut by the long-prefill cap
+
+    def add_copies(self, copies: Iterable[Tuple[int, int]]) -> None:
+        for src, dst in copies:
+            self.blocks_to_copy.setdefault(src, []).append(dst)
+
+
+# ====================================================================== scheduler
+class Scheduler:
+    """Decides each step's batch over ``waiting`` / ``running`` / ``swapped``.
+
+    Args:
+        scheduler_config: batching limits, mode, policy.
+        cache_config: block size and pool sizes; ``num_gpu_blocks`` / ``num_cpu_blocks`` must
+            already be ints (``num_cpu_blocks`` None is taken as 0).
+        clock: seconds (``time.time``, or the simulator's virtual clock).
+
+    Raises:
+        ValueError: ``num_gpu_blocks`` unset, unknown policy.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not isinstance(cache_config.num_gpu_blocks, int) or cache_config.num_gpu_blocks < 1:
+            raise ValueError(f"cache_config.num_gpu_blocks must be an int >= 1 before building the "
+                             f"Scheduler, got {cache_config.num_gpu_blocks!r}.")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock
+        if scheduler_config.chunked_prefill_enabled:
+            self.prompt_limit = scheduler_config.max_model_len
+        else:
+            self.prompt_limit = min(scheduler_config.max_model_len,
+                                    scheduler_config.max_num_batched_tokens)
+        self.block_manager = BlockSpaceManager(
+            block_size=cache_config.block_size,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            watermark=cache_config.watermark,
+            sliding_window=cache_config.sliding_window,
+            enable_caching=cache_config.enable_prefix_caching)
+        self.policy: Policy = PolicyFactory.get_policy(scheduler_config.policy)
+        self.waiting: Deque[SequenceGroup] = deque()
+        self.running: Deque[SequenceGroup] = deque()
+        self.swapped: Deque[SequenceGroup] = deque()
+        self.num_preemptions = 0          # cumulative, all groups
+        self.num_recompute_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_lookahead_slots = scheduler_config.num_lookahead_slots
+        threshold = scheduler_config.long_prefill_token_threshold
+        if threshold is None:
+            # Like vLLM: only meaningful when several prompts may be mid-prefill at once.
+            if scheduler_config.max_num_partial_prefills > 1:
+                threshold = max(cache_config.block_size, int(0.04 * scheduler_config.max_model_len))
+            else:
+                threshold = scheduler_config.max_num_batched_tokens
+        self.long_prefill_token_threshold: int = threshold
+
+    # ------------------------------------------------------------------ queue API
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """A new request joins ``waiting``."""
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: Union[str, Iterable[str]]) -> List[SequenceGroup]:
+        """Remove the groups with these request ids from whichever queue holds them, free
+        their GPU and CPU blocks and mark unfinished sequences FINISHED_ABORTED. Unknown ids
+        are ignored. Returns the aborted groups."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        aborted: List[SequenceGroup] = []
+        if not ids:
+            return aborted
+        for queue in (self.waiting, self.running, self.swapped):
+            if not any(g.request_id in ids for g in queue):
+                continue
+            keep = deque()
+            for g in queue:
+                if g.request_id in ids:
+                    aborted.append(g)
+                else:
+                    keep.append(g)
+            queue.clear()
+            queue.extend(keep)
+        for g in aborted:
+            for seq in g.get_seqs():
+                if not seq.is_finished():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                self.block_manager.free(seq)
+        return aborted
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def fork_seq(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares the parent's blocks (copy-on-write)."""
+        self.block_manager.fork(parent_seq, child_seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a (finished) sequence's blocks."""
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> None:
+        """Drop finished groups from ``running`` and free whatever blocks they still hold."""
+        if not any(g.is_finished() for g in self.running):
+            return
+        keep: Deque[SequenceGroup] = deque()
+        for g in self.running:
+            if g.is_finished():
+                for seq in g.get_seqs():
+                    self.block_manager.free(seq)
+            else:
+                keep.append(g)
+        self.running = keep
+
+    def get_kv_cache_stats(self) -> dict:
+        """Block counts (free includes cached refcount-0 blocks), ``gpu_cache_usage`` in
+        [0, 1], prefix-cache queries/hits (tokens) and hit rate, ``num_preemptions``."""
+        stats = self.block_manager.get_stats()
+        stats["num_preemptions"] = self.num_preemptions
+        stats["num_recompute_preemptions"] = self.num_recompute_preemptions
+        stats["num_swap_preemptions"] = self.num_swap_preemptions
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop unreferenced cached blocks. True if no cached block remains."""
+        return self.block_manager.reset_prefix_cache()
+
+    def mark_computed(self, scheduler_outputs: SchedulerOutputs) -> None:
+        """Call once the step's forward has run, *before* appending sampled tokens: advances
+        every scheduled group's computed-token count by its chunk and enters completed full
+        blocks in the prefix cache."""
+        bm = self.block_manager
+        for ssg in scheduler_outputs.scheduled_seq_groups:
+            g = ssg.seq_group
+            g.update_num_computed_tokens(ssg.token_chunk_size)
+            bm.mark_blocks_as_computed(g)
+        bm.release_pins()
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> Tuple[List[SequenceGroupMetadata], SchedulerOutputs]:
+        """Decide the next step. Returns one metadata entry per scheduled group (in the order
+        of ``scheduled_seq_groups``) and the ``SchedulerOutputs``."""
+        self.block_manager.release_pins()   # the previous step (and its copies) has run
+        out = self._schedule()
+        now = self.clock()
+        bm = self.block_manager
+        caching = bm.enable_caching
+        metas: List[SequenceGroupMetadata] = []
+        for ssg in out.scheduled_seq_groups:
+            g = ssg.seq_group
+            g.maybe_set_first_scheduled_time(now)
+            seq_data = {}
+            block_tables = {}
+            first = None
+            for seq in g.seqs_dict.values():
+                if seq.status == SequenceStatus.RUNNING:
+                    seq_data[seq.seq_id] = seq.data
+                    block_tables[seq.seq_id] = bm.get_block_table(seq)
+                    if first is None:
+                        first = seq
+            is_prompt = first.is_prefill()
+            do_sample = True
+            computed = None
+            if is_prompt:
+                do_sample = (first.data.get_num_computed_tokens() + ssg.token_chunk_size
+                             >= first.get_len())
+                if caching:
+                    computed = bm.get_computed_block_nums(first)
+            metas.append(SequenceGroupMetadata(
+                request_id=g.request_id, is_prompt=is_prompt, seq_data=seq_data,
+                sampling_params=g.sampling_params, block_tables=block_tables,
+                token_chunk_size=ssg.token_chunk_size, do_sample=do_sample,
+                num_samples=g.sampling_params.n if not g.forked else 1,
+                generator=g.generator, computed_block_nums=computed))
+        return metas, out
+
+    def _schedule(self) -> SchedulerOutputs:
+        if self.scheduler_config.chunked_prefill_enabled:
+            return self._schedule_chunked_prefill()
+        return self._schedule_default()
+
+    def _new_budget(self) -> SchedulingBudget:
+        budget = SchedulingBudget(token_budget=self.scheduler_config.max_num_batched_tokens,
+                                  max_num_seqs=self.scheduler_config.max_num_seqs)
+        # Reserve the sequence slots of everything already running, so admissions never
+        # push the running set past max_num_seqs.
+        for g in self.running:
+            budget.add_num_seqs(g.request_id, g.get_max_num_running_seqs())
+        return budget
+
+    def _schedule_default(self) -> SchedulerOutputs:
+        """V0 path: whole prompts first; decodes (and swap-ins) only in steps without any."""
+        st = _Step(self.clock())
+        budget = self._new_budget()
+        if self.policy.preempts_by_rank:
+            self._schedule_priority_preemption(budget, st)
+        prefills = self._schedule_prefills(budget, st, enable_chunking=False)
+        running = SchedulerRunningOutputs()
+        swapped_in = SchedulerSwappedInOutputs()
+        if not prefills.seq_groups:
+            running = self._schedule_running(budget, st, enable_chunking=False)
+            if not st.preempted_ids:
+                swapped_in = self._schedule_swapped(budget, st, enable_chunking=False)
+        return self._finish_step(budget, st, prefills, running, swapped_in)
+
+    def _schedule_chunked_prefill(self) -> SchedulerOutputs:
+        """Sarathi-Serve path: decodes, running prefills, swap-ins, then new prompts, all
+        under one token budget; leftover budget tops up chunks cut by the long-prefill cap."""
+        st = _Step(self.clock())
+        budget = self._new_budget()
+        if self.policy.preempts_by_rank:
+            self._schedule_priority_preemption(budget, st)
+        running = self._schedule_running(budget, st, enable_chunking=True)
+        swapped_in = SchedulerSwappedInOutputs()
+        if not st.preempted_ids:
+            swapped_in = self._schedule_swapped(budget, st, enable_chunking=True)
+        prefills = self._schedule_prefills(budget, st, enable_chunking=True)
+        # Top up capped chunks with whatever budget is left.
+        for ssg in st.capped:
+            g = ssg.seq_group
+            n_live = len(self._live(g))
+            left = g.get_unfinished_seqs()[0].data.get_num_uncomputed_tokens() - ssg.token_chunk_size
+            extra = min(left, budget.remaining_token_budget() // n_live)
+            if extra > 0:
+                budget.subtract_num_batched_tokens(g.request_id, ssg.token_chunk_size * n_live)
+                ssg.token_chunk_size += extra
+                budget.add_num_batched_tokens(g.request_id, ssg.token_chunk_size * n_live)
+        return self._finish_step(budget, st, prefills, running, swapped_in)
+
+    def _finish_step(self, budget: SchedulingBudget, st: _Step, prefills: SchedulerPrefillOutputs,
+                     running: SchedulerRunningOutputs,
+                     swapped_in: SchedulerSwappedInOutputs) -> SchedulerOutputs:
+        # Recompute-preempted groups go to the front of waiting, highest-ranked first.
+        self.waiting.extendleft(st.preempted)
+        prefill_groups = (prefills.seq_groups + running.prefill_seq_groups
+                          + swapped_in.prefill_seq_groups)
+        decode_groups = running.decode_seq_groups + swapped_in.decode_seq_groups
+        assert budget.num_batched_tokens <= self.scheduler_config.max_num_batched_tokens
+        return SchedulerOutputs(
+            scheduled_seq_groups=prefill_groups + decode_groups,
+            num_prefill_groups=len(prefill_groups),
+            num_batched_tokens=budget.num_batched_tokens,
+            blocks_to_swap_in=swapped_in.blocks_to_swap_in,
+            blocks_to_swap_out=st.blocks_to_swap_out,
+            blocks_to_copy=st.blocks_to_copy,
+            ignored_seq_groups=prefills.ignored_seq_groups + st.ignored,
+            num_lookahead_slots=self.num_lookahead_slots if decode_groups else 0,
+            running_queue_size=len(self.running),
+            preempted=len(st.preempted) + len(st.swapped_out))
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _live(g: SequenceGroup) -> List[Sequence]:
+        return g.get_unfinished_seqs()
+
+    def _ignore(self, g: SequenceGroup, reason: str) -> None:
+        g.ignored_reason = reason
+        for seq in g.get_seqs():
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
+        logger.warning("ignoring request %s: %s", g.request_id, reason)
+
+    def _prefill_chunk(self, g: SequenceGroup, budget: SchedulingBudget, enable_chunking: bool,
+                       st: _Step) -> Tuple[int, bool]:
+        """Tokens per live sequence for the group's next prefill step, and whether the
+        long-prefill cap cut it. 0 means it does not fit this step."""
+        live = self._live(g)
+        n_live = len(live)
+        uncomputed = live[0].data.get_num_uncomputed_tokens()
+        remaining = budget.remaining_token_budget()
+        if not enable_chunking and uncomputed * n_live <= self.scheduler_config.max_num_batched_tokens:
+            # Whole prompt or nothing (it fits an empty step, so it only waits).
+            return (uncomputed if uncomputed * n_live <= remaining else 0), False
+        chunk = min(uncomputed, remaining // n_live)
+        capped = False
+        if enable_chunking and chunk > self.long_prefill_token_threshold:
+            chunk = self.long_prefill_token_threshold
+            capped = True
+        return chunk, capped
+
+    def _preempt(self, g: SequenceGroup, st: _Step) -> PreemptionMode:
+        """Preempt a running group; returns the mode used. RECOMPUTE groups are queued for
+        the front of ``waiting`` at the end of the step; SWAP groups join ``swapped`` now."""
+        mode = self.scheduler_config.preemption_mode
+        live = self._live(g)
+        if mode is None:
+            mode = PreemptionMode.RECOMPUTE if len(live) == 1 else PreemptionMode.SWAP
+        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(g):
+            mode = PreemptionMode.RECOMPUTE   # not enough CPU blocks: fall back, never fail
+        if mode == PreemptionMode.RECOMPUTE:
+            for seq in live:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.data.reset_state_for_recompute()
+            st.preempted.append(g)
+            self.num_recompute_preemptions += 1
+        else:
+            mapping = self.block_manager.swap_out(g)
+            st.blocks_to_swap_out.update(mapping)
+            for seq in live:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(g)
+            st.swapped_out.append(g)
+            self.num_swap_preemptions += 1
+        st.preempted_ids.add(g.request_id)
+        g.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
+            logger.warning("preempted request %s by %s (cumulative preemptions: %d); the KV cache "
+                           "is too small for the load", g.request_id, mode.name, self.num_preemptions)
+        return mode
+
+    def _swapped_allows(self, g: SequenceGroup) -> bool:
+        """Whether a new group may be admitted given the swapped queue: only when nothing
+        is swapped, or (rank policies) when it strictly outranks every swapped group."""
+        if not self.swapped:
+            return True
+        if not self.policy.preempts_by_rank:
+            return False
+        now = self.clock()
+        return all(self.policy.outranks(now, g, s) for s in self.swapped)
+
+    # ------------------------------------------------------------------ priority
+    def _schedule_priority_preemption(self, budget: SchedulingBudget, st: _Step) -> None:
+        """Let waiting groups that strictly outrank running ones take their place.
+
+        Walks ``waiting`` in rank order; for each group that does not fit (KV blocks or
+        sequence slots), preempts the lowest-ranked running groups it strictly outranks, but
+        only if doing so makes it fit. Stops at the first group that cannot be helped.
+        """
+        if not self.waiting or not self.running:
+            return
+        now = st.now
+        bm = self.block_manager
+        waiting = self.policy.sort_by_priority(now, self.waiting)
+        victims = list(self.policy.sort_by_priority(now, self.running))  # tail = lowest
+        free = bm.get_num_free_gpu_blocks()
+        seqs = budget.num_curr_seqs
+        for wg in waiting:
+            if not victims:
+                return
+            live = self._live(wg)
+            if (not live or live[0].get_len() > self.prompt_limit and not live[0].get_output_len()
+                    or not self._swapped_allows(wg)):
+                continue
+            plan = bm.plan_allocation(wg)
+            if plan.status == AllocStatus.NEVER:
+                continue
+            need_blocks = plan.cost + bm.watermark_blocks - free
+            need_seqs = seqs + wg.get_max_num_running_seqs() - budget.max_num_seqs
+            if need_blocks <= 0 and need_seqs <= 0:
+                free -= plan.cost
+                seqs += wg.get_max_num_running_seqs()
+                continue
+            chosen = []
+            gain_blocks = gain_seqs = 0
+            for v in reversed(victims):
+                if not self.policy.outranks(now, wg, v):
+                    break
+                chosen.append(v)
+                gain_blocks += bm.get_num_freeable_blocks(v)
+                gain_seqs += v.get_max_num_running_seqs()
+                if gain_blocks >= need_blocks and gain_seqs >= need_seqs:
+                    break
+            if gain_blocks < need_blocks or gain_seqs < need_seqs:
+                return   # preempting what it outranks would not make it fit
+            for v in chosen:
+                victims.remove(v)
+                self.running.remove(v)
+                budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
+                self._preempt(v, st)
+            free = bm.get_num_free_gpu_blocks() - plan.cost
+            seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
+
+    # ------------------------------------------------------------------ running
+    def _schedule_running(self, budget: SchedulingBudget, st: _Step,
+                          enable_chunking: bool) -> SchedulerRunningOutputs:
+        """Schedule groups in ``running``: a decode token per live sequence, or the next
+        prefill chunk. Decodes that cannot get a slot preempt the lowest-ranked group not yet
+        scheduled (possibly themselves). With chunking, decodes go before prefills."""
+        out = SchedulerRunningOutputs(num_lookahead_slots=self.num_lookahead_slots)
+        if not self.running:
+            return out
+        bm = self.block_manager
+        max_len = self.scheduler_config.max_model_len
+        ranked = self.policy.sort_by_priority(st.now, self.running)
+        if enable_chunking:
+            order = [g for g in ranked if not g.is_prefill()] + [g for g in ranked if g.is_prefill()]
+        else:
+            order = list(ranked)
+        victims = list(ranked)          # lowest rank at the end
+        done: Set[str] = set()
+        kept: List[SequenceGroup] = []  # stay in running (scheduled or not)
+        lookahead = self.num_lookahead_slots
+        for g in order:
+            rid = g.request_id
+            if rid in done:
+                continue
+            done.add(rid)
+            live = [s for s in g.seqs_dict.values() if s.status == SequenceStatus.RUNNING]
+            if not live:
+                kept.append(g)
+                continue
+            if g.is_prefill():
+                chunk, capped = self._prefill_chunk(g, budget, enable_chunking, st)
+                if chunk <= 0:
+                    kept.append(g)
+                    st.num_partial += 1
+                    continue
+                ssg = ScheduledSequenceGroup(g, chunk)
+                out.prefill_seq_groups.append(ssg)
+                budget.add_num_batched_tokens(rid, chunk * len(live))
+                if capped:
+                    st.capped.append(ssg)
+                if chunk < live[0].data.get_num_uncomputed_tokens():
+                    st.num_partial += 1
+                kept.append(g)
+                continue
+            # Decode: one token per live sequence at position len-1.
+            too_long = [s for s in live if s.get_len() > max_len]
+            if too_long:
+                # Defensive: the engine should have stopped these at max_model_len.
+                for s in too_long:
+                    s.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                    bm.free(s)
+                if g.is_finished():
+                    st.ignored.append(g)
+                    continue
+                live = [s for s in live if s.status == SequenceStatus.RUNNING]
+            n_tokens = len(live)
+            if n_tokens > budget.remaining_token_budget():
+                kept.append(g)
+                continue
+            scheduled = True
+            while not bm.can_append_slots(g, lookahead):
+                victim = None
+                while victims:
+                    v = victims.pop()
+                    if v is g or v.request_id not in done:
+                        victim = v
+                        break
+                if victim is None or victim is g:
+                    budget.subtract_num_seqs(rid, g.get_max_num_running_seqs())
+                    self._preempt(g, st)
+                    scheduled = False
+                    break
+                done.add(victim.request_id)
+                budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
+                self._preempt(victim, st)
+            if not scheduled:
+                continue
+            for s in live:
+                st.add_copies(bm.append_slots(s, lookahead))
+            out.decode_seq_groups.append(ScheduledSequenceGroup(g, 1))
+            budget.add_num_batched_tokens(rid, n_tokens)
+            kept.append(g)
+        # Groups preempted after being passed over stay out; everything else remains running.
+        self.running = deque(g for g in kept if g.request_id not in st.preempted_ids)
+        return out
+
+    # ------------------------------------------------------------------ swapped
+    def _schedule_swapped(self, budget: SchedulingBudget, st: _Step,
+                          enable_chunking: bool) -> SchedulerSwappedInOutputs:
+        """Swap groups back in, in rank order, while blocks (plus watermark) and budget allow.
+        A group that can never fit is rejected (``infeasible_seq_groups`` -> ignored)."""
+        out = SchedulerSwappedInOutputs(num_lookahead_slots=self.num_lookahead_slots)
+        if not self.swapped:
+            return out
+        bm = self.block_manager
+        lookahead = self.num_lookahead_slots
+        ranked = self.policy.sort_by_priority(st.now, self.swapped)
+        remaining: Deque[SequenceGroup] = deque()
+        while ranked:
+            g = ranked[0]
+            status = bm.can_swap_in(g, lookahead)
+            if status == AllocStatus.LATER:
+                break
+            if status == AllocStatus.NEVER:
+                ranked.popleft()
+                n = len({b for s in g.get_seqs(SequenceStatus.SWAPPED)
+                         for b in bm.block_tables.get(s.seq_id, ()) if b is not None})
+                self._ignore(g, f"needs {n} KV blocks > {bm.num_total_gpu_blocks - bm.watermark_blocks} "
+                                f"usable in the cache to resume")
+                out.infeasible_seq_groups.append(g)
+                st.ignored.append(g)
+                continue
+            live = g.get_seqs(SequenceStatus.SWAPPED)
+            is_prefill = g.is_prefill()
+            if is_prefill:
+                chunk, capped = self._prefill_chunk(g, budget, enable_chunking, st)
+                n_tokens = chunk * len(live)
+            else:
+                chunk, capped = 1, False
+                n_tokens = len(live)
+            if n_tokens <= 0 or not budget.can_schedule(num_new_tokens=n_tokens,
+                                                        num_new_seqs=g.get_max_num_running_seqs()):
+                break
+            ranked.popleft()
+            out.blocks_to_swap_in.update(bm.swap_in(g))
+            for s in live:
+                s.status = SequenceStatus.RUNNING
+            ssg = ScheduledSequenceGroup(g, chunk)
+            if is_prefill:
+                out.prefill_seq_groups.append(ssg)
+                if capped:
+                    st.capped.append(ssg)
+                if chunk < live[0].data.get_num_uncomputed_tokens():
+                    st.num_partial += 1
+            else:
+                for s in live:
+                    st.add_copies(bm.append_slots(s, lookahead))
+                out.decode_seq_groups.append(ssg)
+            budget.add_num_batched_tokens(g.request_id, n_tokens)
+            budget.add_num_seqs(g.request_id, g.get_max_num_running_seqs())
+            self.running.append(g)
+        remaining.extend(ranked)
+        infeasible = {g.request_id for g in out.infeasible_seq_groups}
+        swapped_in = {ssg.seq_group.request_id for ssg in out.decode_seq_groups + out.prefill_seq_groups}
+        self.swapped = deque(g for g in self.swapped
+                             if g.request_id not in infeasible and g.request_id not in swapped_in)
+        return out
+
+    # ------------------------------------------------------------------ waiting
+    def _readmission_margin(self, g: SequenceGroup, plan) -> int:
+        k = g.metrics.num_preemptions
+        if k < THRASH_PREEMPTIONS or not self.running:
+            return 0
+        margin = len(self._live(g)) * min(k, MAX_MARGIN_FACTOR)
+        return max(0, min(margin, plan.num_usable_blocks - plan.num_required_blocks))
+
+    def _schedule_prefills(self, budget: SchedulingBudget, st: _Step,
+                           enable_chunking: bool) -> SchedulerPrefillOutputs:
+        """Admit groups from ``waiting`` in rank order.
+
+        Rejects (``ignored_seq_groups``) prompts over ``prompt_limit`` and groups whose
+        blocks can NEVER fit, without blocking the ones behind. Stops at the first group
+        that must wait for blocks (LATER) or does not fit the budget. With chunking, a prompt
+        that would stay mid-prefill is admitted only while fewer than
+        ``max_num_partial_prefills`` are; otherwise it is skipped for prompts that complete.
+        """
+        out = SchedulerPrefillOutputs()
+        if not self.waiting:
+            return out
+        if self.swapped and not self.policy.preempts_by_rank:
+            return out   # swapped groups resume before anything new is admitted (B10)
+        bm = self.block_manager
+        cfg = self.scheduler_config
+        ranked = self.policy.sort_by_priority(st.now, self.waiting)
+        admitted: Set[str] = set()
+        ignored: Set[str] = set()
+        for g in ranked:
+            rid = g.request_id
+            if rid in st.preempted_ids:
+                continue    # never re-admit what was preempted in this same step
+            live = g.get_seqs(SequenceStatus.WAITING)
+            if not live:
+                # Nothing left to run (e.g. finished while waiting): drop it as ignored.
+                ignored.add(rid)
+                out.ignored_seq_groups.append(g)
+                continue
+            length = live[0].get_len()
+            is_new = live[0].get_output_len() == 0
+            if is_new and length > self.prompt_limit:
+                self._ignore(g, f"prompt has {length} tokens > prompt_limit {self.prompt_limit}"
+                                + (f" (max_model_len {cfg.max_model_len})" if self.prompt_limit == cfg.max_model_len
+                                   else f" (min of max_model_len {cfg.max_model_len} and "
+                                        f"max_num_batched_tokens {cfg.max_num_batched_tokens})"))
+                ignored.add(rid)
+                out.ignored_seq_groups.append(g)
+                continue
+            if length > cfg.max_model_len:
+                self._ignore(g, f"sequence has {length} tokens > max_model_len {cfg.max_model_len}")
+                ignored.add(rid)
+                out.ignored_seq_groups.append(g)
+                continue
+            if g.get_max_num_running_seqs() > cfg.max_num_seqs:
+                self._ignore(g, f"needs {g.get_max_num_running_seqs()} sequences > max_num_seqs "
+                                f"{cfg.max_num_seqs}")
+                ignored.add(rid)
+                out.ignored_seq_groups.append(g)
+                continue
+            if not self._swapped_allows(g):
+                break
+            plan = bm.plan_allocation(g)
+            if plan.status == AllocStatus.NEVER:
+                self._ignore(g, f"needs {plan.num_required_blocks} KV blocks > "
+                                f"{plan.num_usable_blocks} in the cache (block_size "
+                                f"{bm.block_size}, {bm.num_total_gpu_blocks} blocks, watermark "
+                                f"{bm.watermark_blocks})")
+                ignored.add(rid)
+                out.ignored_seq_groups.append(g)
+                continue
+            if plan.status == AllocStatus.LATER:
+                break
+            margin = self._readmission_margin(g, plan)
+            if margin and bm.get_num_free_gpu_blocks() - plan.cost - bm.watermark_blocks < margin:
+                break
+            n_live = len(live)
+            uncomputed = length - plan.num_cached_tokens
+            remaining = budget.remaining_token_budget()
+            capped = False
+            if enable_chunking or uncomputed * n_live > cfg.max_num_batched_tokens:
+                chunk = min(uncomputed, remaining // n_live)
+                if enable_chunking and chunk > self.long_prefill_token_threshold:
+                    chunk, capped = self.long_prefill_token_threshold, True
+                if chunk <= 0:
+                    break
+                partial = chunk < uncomputed
+                if partial and enable_chunking and st.num_partial >= cfg.max_num_partial_prefills:
+                    continue   # leave room for prompts that complete in this step
+            else:
+                chunk, partial = uncomputed, False
+                if chunk * n_live > remaining:
+                    break
+            if not budget.can_schedule(num_new_tokens=chunk * n_live,
+                                       num_new_seqs=g.get_max_num_running_seqs()):
+                break
+            st.add_copies(bm.allocate(g, plan))
+            for s in live:
+                s.status = SequenceStatus.RUNNING
+            ssg = ScheduledSequenceGroup(g, chunk)
+            out.seq_groups.append(ssg)
+            if capped:
+                st.capped.append(ssg)
+            if partial:
+                st.num_partial += 1
+            budget.add_num_batched_tokens(rid, chunk * n_live)
+            budget.add_num_seqs(rid, g.get_max_num_running_seqs())
+            admitted.add(rid)
+            self.running.append(g)
+        if admitted or ignored:
+            self.waiting = deque(g for g in self.waiting
+                                 if g.request_id not in admitted and g.request_id not in ignored)
+        return out

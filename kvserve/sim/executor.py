@@ -1,0 +1,259 @@
+"""A tensor-free executor: runs the real scheduler/block manager against a cost model.
+
+``SimulatedExecutor.execute_model`` takes the same ``ExecuteModelRequest`` the real worker
+gets and returns one ``CompletionSequenceGroupOutput`` per scheduled group, so ``LLMEngine``
+runs unchanged on top of it (``LLMEngine(..., executor=sim, clock=sim.clock)``).
+
+It is also a checker for the KV bookkeeping. It keeps a *shadow KV cache*: for every GPU and
+CPU block, the token id written in each slot. Each step it
+
+1. validates the request (chunk inside the block table, no zero-token prefill, no position
+   >= max_model_len, swap/copy maps one-to-one and in range, no CPU block both written by a
+   swap-out and read by a swap-in in the same step, no two sequences writing different tokens
+   into one slot -- a missed copy-on-write);
+2. applies swap-out, swap-in, then copies, exactly like the real cache engine;
+3. writes each scheduled token id into its slot through the block table;
+4. "samples" by reading the context back *through the block table* and hashing it. The
+   sampled token is therefore a deterministic function of the sequence's tokens when the
+   bookkeeping is right -- any schedule gives the same outputs -- and a swap, copy or
+   prefix-cache bug shows up as a different token (or, with ``strict``, as an immediate
+   ``KVCacheCorruption`` naming the sequence and position).
+
+Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest,
+                              SequenceOutput)
+from kvserve.sim.cost_model import CostModel, VirtualClock
+
+_MASK = (1 << 64) - 1
+_FNV_PRIME = 0x100000001B3
+_FNV_OFFSET = 0xCBF29CE484222325
+
+
+class KVCacheCorruption(AssertionError):
+    """The shadow cache read back something other than the sequence's tokens."""
+
+
+class InvalidExecuteRequest(AssertionError):
+    """The request violates an executor invariant (bad chunk, block maps, positions)."""
+
+
+def token_hash(tokens, salt: int = 0) -> int:
+    """64-bit FNV-1a-style hash of a token-id sequence (stable across processes)."""
+    h = _FNV_OFFSET ^ (salt * 0x9E3779B97F4A7C15 & _MASK)
+    for t in tokens:
+        h = ((h ^ (t & _MASK)) * _FNV_PRIME) & _MASK
+    return h
+
+
+class SimulatedExecutor:
+    """Executor with a cost model instead of a model.
+
+    Args:
+        vocab_size: sampled ids are in ``[0, vocab_size)``.
+        cost_model: step latency model (default: ``CostModel()``).
+        eos_token_id: never sampled unless ``allow_eos`` (then it appears wherever the hash
+            lands on it).
+        block_size: tokens per block (from ``cache_config`` when given; default 16).
+        cache_config: takes ``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``,
+            ``sliding_window`` from it.
+        max_model_len: when set, a position >= it is an invalid request.
+        check_kv: keep the shadow cache and sample from it (False: O(1) per row, sampled from
+            (length, last token) -- for long trace replays).
+        strict: raise ``KVCacheCorruption`` as soon as a read-back differs from the sequence.
+        clock: a ``VirtualClock`` to advance (a new one at 0.0 by default).
+
+    Attributes:
+        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals.
+    """
+
+    def __init__(self, vocab_size: int, cost_model: Optional[CostModel] = None,
+                 eos_token_id: Optional[int] = None, *, block_size: Optional[int] = None,
+                 cache_config=None, num_gpu_blocks: Optional[int] = None,
+                 num_cpu_blocks: Optional[int] = None, sliding_window: Optional[int] = None,
+                 max_model_len: Optional[int] = None, check_kv: bool = True, strict: bool = True,
+                 allow_eos: bool = False, clock: Optional[VirtualClock] = None) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.cost_model = cost_model or CostModel()
+        self.eos_token_id = eos_token_id
+        if cache_config is not None:
+            block_size = block_size or cache_config.block_size
+            num_gpu_blocks = num_gpu_blocks if num_gpu_blocks is not None else cache_config.num_gpu_blocks
+            num_cpu_blocks = num_cpu_blocks if num_cpu_blocks is not None else cache_config.num_cpu_blocks
+            sliding_window = sliding_window or cache_config.sliding_window
+        self.block_size = block_size or 16
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.sliding_window = sliding_window
+        self.max_model_len = max_model_len
+        self.check_kv = check_kv
+        self.strict = strict
+        self.allow_eos = allow_eos
+        self.clock = clock if clock is not None else VirtualClock()
+        self.gpu: Dict[int, List[Optional[int]]] = {}
+        self.cpu: Dict[int, List[Optional[int]]] = {}
+        self.num_steps = 0
+        self.busy_time_s = 0.0
+        self.requests: List[ExecuteModelRequest] = []   # kept only when record=True
+        self.record = False
+
+    # ------------------------------------------------------------------ helpers
+    def _block(self, pool: Dict[int, List[Optional[int]]], n: int) -> List[Optional[int]]:
+        b = pool.get(n)
+        if b is None:
+            b = pool[n] = [None] * self.block_size
+        return b
+
+    def _check_range(self, what: str, n: int, limit: Optional[int]) -> None:
+        if not isinstance(n, int) or n < 0 or (limit is not None and n >= limit):
+            raise InvalidExecuteRequest(f"{what} block {n!r} out of range (pool of {limit})")
+
+    def _validate_maps(self, req: ExecuteModelRequest) -> None:
+        out_vals = list(req.blocks_to_swap_out.values())
+        for g, c in req.blocks_to_swap_out.items():
+            self._check_range("swap-out source gpu", g, self.num_gpu_blocks)
+            self._check_range("swap-out target cpu", c, self.num_cpu_blocks)
+        if len(set(out_vals)) != len(out_vals):
+            raise InvalidExecuteRequest(f"two GPU blocks swap out to one CPU block: {req.blocks_to_swap_out}")
+        in_vals = list(req.blocks_to_swap_in.values())
+        for c, g in req.blocks_to_swap_in.items():
+            self._check_range("swap-in source cpu", c, self.num_cpu_blocks)
+            self._check_range("swap-in target gpu", g, self.num_gpu_blocks)
+        if len(set(in_vals)) != len(in_vals):
+            raise InvalidExecuteRequest(f"two CPU blocks swap in to one GPU block: {req.blocks_to_swap_in}")
+        clash = set(out_vals) & set(req.blocks_to_swap_in)
+        if clash:
+            raise InvalidExecuteRequest(f"CPU blocks {sorted(clash)} are written by swap-out and read by "
+                                        f"swap-in in the same step")
+        dsts: List[int] = []
+        for src, ds in req.blocks_to_copy.items():
+            self._check_range("copy source", src, self.num_gpu_blocks)
+            for d in ds:
+                self._check_range("copy target", d, self.num_gpu_blocks)
+            dsts.extend(ds)
+        if len(set(dsts)) != len(dsts) or set(dsts) & set(req.blocks_to_copy):
+            raise InvalidExecuteRequest(f"copy targets repeat or are also sources: {req.blocks_to_copy}")
+
+    def _sample(self, tokens_read: List[int], salt: int) -> int:
+        tok = token_hash(tokens_read, salt) % self.vocab_size
+        if not self.allow_eos and self.eos_token_id is not None and tok == self.eos_token_id:
+            tok = (tok + 1) % self.vocab_size
+        return tok
+
+    # ------------------------------------------------------------------ the step
+    def execute_model(self, req: ExecuteModelRequest) -> List[CompletionSequenceGroupOutput]:
+        """Validate, apply block moves, write the scheduled tokens into the shadow cache and
+        return one output per metadata entry (no samples where ``do_sample`` is False).
+
+        Raises:
+            InvalidExecuteRequest: a violated request invariant.
+            KVCacheCorruption: (``strict``) the cache does not hold the sequence's tokens.
+        """
+        if self.record:
+            self.requests.append(req)
+        bs = self.block_size
+        self._validate_maps(req)
+        # -- validate the rows and plan the writes
+        writes: Dict[tuple, int] = {}
+        prefill_tokens = decode_seqs = context_tokens = 0
+        for meta in req.seq_group_metadata_list:
+            chunk = meta.token_chunk_size
+            if chunk < 1:
+                raise InvalidExecuteRequest(f"{meta.request_id}: token_chunk_size {chunk} < 1 "
+                                            f"(zero-token prefill)")
+            if not meta.seq_data:
+                raise InvalidExecuteRequest(f"{meta.request_id}: no sequence to run")
+            for sid, data in meta.seq_data.items():
+                c = data.get_num_computed_tokens()
+                n = data.get_len()
+                if c + chunk > n:
+                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: chunk {chunk} from {c} "
+                                                f"passes the sequence length {n}")
+                if not meta.is_prompt and (chunk != 1 or c + 1 != n):
+                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: decode with chunk {chunk}, "
+                                                f"computed {c}, len {n}")
+                if meta.is_prompt and meta.do_sample != (c + chunk == n):
+                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: do_sample={meta.do_sample} "
+                                                f"but chunk ends at {c + chunk} of {n}")
+                if self.max_model_len is not None and c + chunk > self.max_model_len:
+                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: position {c + chunk - 1} "
+                                                f">= max_model_len {self.max_model_len}")
+                table = meta.block_tables.get(sid)
+                if table is None or len(table) * bs < c + chunk:
+                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: block table "
+                                                f"{table} too short for positions < {c + chunk}")
+                for b in table:
+                    self._check_range("block table", b, self.num_gpu_blocks)
+                if self.check_kv:
+                    toks = data.get_token_ids()
+                    for pos in range(c, c + chunk):
+                        key = (table[pos // bs], pos % bs)
+                        prev = writes.get(key)
+                        if prev is not None and prev != toks[pos]:
+                            raise InvalidExecuteRequest(
+                                f"{meta.request_id}/seq {sid}: slot {key} written with two different "
+                                f"tokens in one step (missing copy-on-write)")
+                        writes[key] = toks[pos]
+                if meta.is_prompt:
+                    prefill_tokens += chunk
+                else:
+                    decode_seqs += 1
+                    context_tokens += n
+        # -- block moves, in the documented order
+        if self.check_kv:
+            for g, c in req.blocks_to_swap_out.items():
+                self.cpu[c] = list(self._block(self.gpu, g))
+            for c, g in req.blocks_to_swap_in.items():
+                self.gpu[g] = list(self._block(self.cpu, c))
+            for src, ds in req.blocks_to_copy.items():
+                content = list(self._block(self.gpu, src))
+                for d in ds:
+                    self.gpu[d] = list(content)
+            for (b, slot), tok in writes.items():
+                self._block(self.gpu, b)[slot] = tok
+        # -- sample
+        results: List[CompletionSequenceGroupOutput] = []
+        for meta in req.seq_group_metadata_list:
+            out = CompletionSequenceGroupOutput()
+            if meta.do_sample:
+                for sid in sorted(meta.seq_data):
+                    data = meta.seq_data[sid]
+                    end = data.get_num_computed_tokens() + meta.token_chunk_size
+                    read = self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end)
+                    for i in range(max(1, meta.num_samples)):
+                        out.samples.append(SequenceOutput(parent_seq_id=sid,
+                                                          output_token=self._sample(read, i),
+                                                          logprob=-1.0))
+            results.append(out)
+        # -- time
+        swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
+        dt = self.cost_model.step_time(prefill_tokens, decode_seqs, context_tokens, swapped)
+        self.clock.advance(dt)
+        self.busy_time_s += dt
+        self.num_steps += 1
+        return results
+
+    def _read_context(self, request_id: str, sid: int, data, table: List[int], end: int) -> List[int]:
+        """Token ids of positions [start, end) read back through the block table (start > 0
+        only with a sliding window), checked against the sequence under ``strict``."""
+        toks = data.get_token_ids()
+        if not self.check_kv:
+            return [end, toks[end - 1]]
+        bs = self.block_size
+        start = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
+        read: List[int] = [start]
+        for pos in range(start, end):
+            blk = self.gpu.get(table[pos // bs])
+            tok = None if blk is None else blk[pos % bs]
+            if self.strict and tok != toks[pos]:
+                raise KVCacheCorruption(
+                    f"{request_id}/seq {sid}: position {pos} (block {table[pos // bs]}, slot "
+                    f"{pos % bs}) holds {tok!r}, expected token {toks[pos]}")
+            read.append(-1 if tok is None else tok)
+        return read

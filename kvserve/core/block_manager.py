@@ -281,12 +281,7 @@ class BlockSpaceManager:
         end = _cdiv(seq.get_len() + num_lookahead_slots, self.block_size)
         return first, end
 
-    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
-        """Whether every running sequence of the group can get its next slot(s) now.
-
-        Counts new blocks for growth and for copy-on-write of shared blocks about to be
-        written (a block shared by k of the group's seqs and nobody else needs k-1 copies).
-        """
+    def _num_new_blocks_for_append(self, seq_group: SequenceGroup, num_lookahead_slots: int) -> int:
         needed = 0
         shared: Dict[int, List] = {}
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
@@ -302,7 +297,21 @@ class BlockSpaceManager:
                     entry[1] += 1
         for b, k in shared.values():
             needed += k if b.ref_count > k else k - 1
-        return needed <= self.gpu.get_num_free_blocks()
+        return needed
+
+    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
+        """Whether every running sequence of the group can get its next slot(s) now.
+
+        Counts new blocks for growth and for copy-on-write of shared blocks about to be
+        written (a block shared by k of the group's seqs and nobody else needs k-1 copies).
+        """
+        return self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.gpu.get_num_free_blocks()
+
+    def can_ever_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
+        """False when the group's blocks after its next append exceed the whole device pool
+        (it could not continue even with every other group preempted)."""
+        held = self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.RUNNING))
+        return held + self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.num_total_gpu_blocks
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> List[Tuple[int, int]]:
         """Make room for ``seq``'s next token(s) (plus lookahead slots).
@@ -359,18 +368,28 @@ class BlockSpaceManager:
         need = self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.RUNNING))
         return need <= self.cpu.get_num_free_blocks()
 
-    def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
-        """OK / LATER / NEVER for bringing a swapped group back (one spare block per seq
-        for its next token, plus the watermark)."""
+    def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0,
+                    ignore_watermark: bool = False) -> AllocStatus:
+        """OK / LATER / NEVER for bringing a swapped group back with room for each sequence's
+        next token (one spare block per sequence, more with lookahead).
+
+        NEVER when that exceeds the whole device pool. The watermark applies unless
+        ``ignore_watermark`` (the scheduler sets it when nothing is running, so the watermark
+        can never make a lone group wait forever).
+        """
         tables = self._group_tables(seq_group, SequenceStatus.SWAPPED)
-        need = self._distinct_blocks(tables) + len(tables) * max(1, _cdiv(num_lookahead_slots, self.block_size))
-        if need > self.num_total_gpu_blocks - self.watermark_blocks:
-            # Still possible without the spare growth blocks? Then it is LATER, not NEVER.
-            if self._distinct_blocks(tables) > self.num_total_gpu_blocks - self.watermark_blocks:
-                return AllocStatus.NEVER
-        if self.gpu.get_num_free_blocks() - need >= self.watermark_blocks:
+        growth = max(1, _cdiv(num_lookahead_slots, self.block_size))
+        need = self._distinct_blocks(tables) + len(tables) * growth
+        if need > self.num_total_gpu_blocks:
+            return AllocStatus.NEVER
+        reserve = 0 if ignore_watermark else self.watermark_blocks
+        if self.gpu.get_num_free_blocks() - need >= reserve:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def get_num_swapped_blocks(self, seq_group: SequenceGroup) -> int:
+        """Distinct CPU blocks held by the group's swapped sequences."""
+        return self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.SWAPPED))
 
     def _move(self, tables, src_pool: BlockPool, dst_pool: BlockPool) -> Dict[int, int]:
         mapping: Dict[int, PhysicalBlock] = {}

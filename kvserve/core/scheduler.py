@@ -214,11 +214,12 @@ class SchedulerPrefillOutputs:
 class _Step:
     """Mutable per-step accumulator shared by the helpers of one ``_schedule`` call."""
 
-    __slots__ = ("now", "blocks_to_swap_out", "blocks_to_copy", "preempted", "swapped_out",
+    __slots__ = ("now", "swapped_at_start", "blocks_to_swap_out", "blocks_to_copy", "preempted", "swapped_out",
                  "preempted_ids", "ignored", "num_partial", "capped")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, swapped_at_start: Tuple[SequenceGroup, ...] = ()) -> None:
         self.now = now
+        self.swapped_at_start = swapped_at_start
         self.blocks_to_swap_out: Dict[int, int] = {}
         self.blocks_to_copy: Dict[int, List[int]] = {}
         self.preempted: List[SequenceGroup] = []     # recomputed -> front of waiting
@@ -420,7 +421,7 @@ class Scheduler:
 
     def _schedule_default(self) -> SchedulerOutputs:
         """V0 path: whole prompts first; decodes (and swap-ins) only in steps without any."""
-        st = _Step(self.clock())
+        st = _Step(self.clock(), tuple(self.swapped))
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -436,7 +437,7 @@ class Scheduler:
     def _schedule_chunked_prefill(self) -> SchedulerOutputs:
         """Sarathi-Serve path: decodes, running prefills, swap-ins, then new prompts, all
         under one token budget; leftover budget tops up chunks cut by the long-prefill cap."""
-        st = _Step(self.clock())
+        st = _Step(self.clock(), tuple(self.swapped))
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -541,15 +542,16 @@ class Scheduler:
                            "is too small for the load", g.request_id, mode.name, self.num_preemptions)
         return mode
 
-    def _swapped_allows(self, g: SequenceGroup) -> bool:
-        """Whether a new group may be admitted given the swapped queue: only when nothing
-        is swapped, or (rank policies) when it strictly outranks every swapped group."""
-        if not self.swapped:
+    def _swapped_allows(self, g: SequenceGroup, st: _Step) -> bool:
+        """Whether a new group may be admitted given the swapped queue (now and at the start
+        of the step): only when nothing is swapped, or (rank policies) when it strictly
+        outranks every swapped group."""
+        if not self.swapped and not st.swapped_at_start:
             return True
         if not self.policy.preempts_by_rank:
             return False
-        now = self.clock()
-        return all(self.policy.outranks(now, g, s) for s in self.swapped)
+        return all(self.policy.outranks(st.now, g, s)
+                   for s in list(self.swapped) + list(st.swapped_at_start))
 
     # ------------------------------------------------------------------ priority
     def _schedule_priority_preemption(self, budget: SchedulingBudget, st: _Step) -> None:
@@ -572,7 +574,7 @@ class Scheduler:
                 return
             live = self._live(wg)
             if (not live or live[0].get_len() > self.prompt_limit and not live[0].get_output_len()
-                    or not self._swapped_allows(wg)):
+                    or not self._swapped_allows(wg, st)):
                 continue
             plan = bm.plan_allocation(wg)
             if plan.status == AllocStatus.NEVER:
@@ -672,8 +674,18 @@ class Scheduler:
                         break
                 if victim is None or victim is g:
                     budget.subtract_num_seqs(rid, g.get_max_num_running_seqs())
-                    self._preempt(g, st)
                     scheduled = False
+                    if not bm.can_ever_append_slots(g, lookahead):
+                        # Even alone it cannot take its next token: end it, don't thrash.
+                        held = bm.get_num_freeable_blocks(g)
+                        self._ignore(g, f"cannot continue: its next token needs more than the "
+                                        f"{bm.num_total_gpu_blocks} KV blocks in the cache (holds "
+                                        f"{held}, block_size {bm.block_size}) after "
+                                        f"{max(s.get_output_len() for s in live)} generated tokens")
+                        st.ignored.append(g)
+                        st.preempted_ids.add(rid)
+                    else:
+                        self._preempt(g, st)
                     break
                 done.add(victim.request_id)
                 budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
@@ -703,15 +715,14 @@ class Scheduler:
         remaining: Deque[SequenceGroup] = deque()
         while ranked:
             g = ranked[0]
-            status = bm.can_swap_in(g, lookahead)
+            status = bm.can_swap_in(g, lookahead, ignore_watermark=not self.running)
             if status == AllocStatus.LATER:
                 break
             if status == AllocStatus.NEVER:
                 ranked.popleft()
-                n = len({b for s in g.get_seqs(SequenceStatus.SWAPPED)
-                         for b in bm.block_tables.get(s.seq_id, ()) if b is not None})
-                self._ignore(g, f"needs {n} KV blocks > {bm.num_total_gpu_blocks - bm.watermark_blocks} "
-                                f"usable in the cache to resume")
+                n = bm.get_num_swapped_blocks(g)
+                self._ignore(g, f"needs {n} KV blocks + {len(g.get_seqs(SequenceStatus.SWAPPED))} for "
+                                f"its next token > {bm.num_total_gpu_blocks} in the cache to resume")
                 out.infeasible_seq_groups.append(g)
                 st.ignored.append(g)
                 continue
@@ -772,8 +783,10 @@ class Scheduler:
         out = SchedulerPrefillOutputs()
         if not self.waiting:
             return out
-        if self.swapped and not self.policy.preempts_by_rank:
-            return out   # swapped groups resume before anything new is admitted (B10)
+        if (self.swapped or st.swapped_at_start) and not self.policy.preempts_by_rank:
+            # Swapped groups resume before anything new is admitted (B10), and not in the
+            # step that swaps them back in either.
+            return out
         bm = self.block_manager
         cfg = self.scheduler_config
         ranked = self.policy.sort_by_priority(st.now, self.waiting)
@@ -810,7 +823,7 @@ class Scheduler:
                 ignored.add(rid)
                 out.ignored_seq_groups.append(g)
                 continue
-            if not self._swapped_allows(g):
+            if not self._swapped_allows(g, st):
                 break
             plan = bm.plan_allocation(g)
             if plan.status == AllocStatus.NEVER:

@@ -45,6 +45,17 @@ def default_model_dir() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def rss_with_children_mib():
+    """Current RSS of this process plus its children (vLLM runs the engine core in a child)."""
+    try:
+        import psutil
+
+        me = psutil.Process()
+        return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]) / 2 ** 20
+    except Exception:
+        return None
+
+
 def load_workload(path, n=None):
     reqs = []
     with open(path) as f:
@@ -101,6 +112,7 @@ def main() -> int:
         "requests_per_s": len(reqs) / secs, "output_tokens_per_s": produced / secs,
         "total_tokens_per_s": (n_in + produced) / secs,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "rss_with_children_mib": rss_with_children_mib(),
         "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                                                 "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")},
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
@@ -108,7 +120,7 @@ def main() -> int:
     }
     print(f"[vllm offline] {produced} output tokens in {secs:.2f} s: {res['output_tokens_per_s']:.1f} output tok/s, "
           f"{res['requests_per_s']:.2f} req/s, {res['total_tokens_per_s']:.1f} total tok/s "
-          f"(load {load_s:.1f} s; note: peak RSS is the front process only, the engine core is a child)")
+          f"(load {load_s:.1f} s; RSS incl. engine-core child {res['rss_with_children_mib'] or 0:.0f} MiB)")
     if ns.json_out:
         Path(ns.json_out).parent.mkdir(parents=True, exist_ok=True)
         with open(ns.json_out, "w") as f:

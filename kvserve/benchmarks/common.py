@@ -73,6 +73,20 @@ def system_info() -> dict:
         v = _version(pkg)
         if v:
             info[pkg] = v
+    if "kvserve" not in info:
+        try:
+            import kvserve
+
+            info["kvserve"] = kvserve.__version__
+        except Exception:
+            pass
+    try:
+        import subprocess
+
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            cwd=str(Path(__file__).resolve().parent), timeout=5).stdout.strip() or None
+    except Exception:
+        pass
     try:
         import torch
 

@@ -41,8 +41,8 @@ def plot_latency_cdfs(runs: Dict[str, Dict[str, Sequence[float]]], path, title: 
         for label, samples in runs.items():
             xs = sorted(x for x in samples.get(key, []) if x is not None)
             if xs:
-                ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", label=label)
+                ys = [0.0] + [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step([xs[0]] + xs, ys, where="post", label=label)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
@@ -55,22 +55,35 @@ def plot_latency_cdfs(runs: Dict[str, Dict[str, Sequence[float]]], path, title: 
     return _save(fig, path)
 
 
-def plot_latency_vs_rate(sweep: List[dict], path, title: str = "") -> str:
-    """``sweep``: run summaries (as ``stats.summarize_results`` plus ``request_rate``)."""
+def _rate_key(r) -> float:
+    return float("inf") if r in ("inf", float("inf")) else float(r)
+
+
+def plot_latency_vs_rate(sweep, path, title: str = "") -> str:
+    """``sweep``: run summaries (as ``stats.summarize_results`` plus ``request_rate``), or
+    ``{server label: [summaries]}`` to compare servers (p50 and p99 per server)."""
     plt = _plt()
-    pts = sorted((s for s in sweep if s.get("request_rate") is not None),
-                 key=lambda s: float("inf") if s["request_rate"] in ("inf", float("inf")) else float(s["request_rate"]))
-    labels = [str(s["request_rate"]) for s in pts]
-    xs = list(range(len(pts)))
+    series = sweep if isinstance(sweep, dict) else {"": sweep}
+    rates = sorted({_rate_key(s["request_rate"]) for ss in series.values() for s in ss
+                    if s.get("request_rate") is not None})
+    pos = {r: i for i, r in enumerate(rates)}
+    xs_all = list(range(len(rates)))
+    qs = (("p50", "o-"), ("p90", "s--"), ("p99", "^:")) if len(series) == 1 else (("p50", "o-"), ("p99", "^:"))
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    for ax, key, name in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT", "TPOT", "E2E")):
-        for q, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-            ax.plot(xs, [(s.get(key) or {}).get(q) for s in pts], style, label=q)
-        ax.set_ylabel(f"{name} (ms)")
-        ax.set_title(f"{name} vs request rate")
+    for name_s, ss in series.items():
+        pts = sorted((s for s in ss if s.get("request_rate") is not None), key=lambda s: _rate_key(s["request_rate"]))
+        xs = [pos[_rate_key(s["request_rate"])] for s in pts]
+        pre = f"{name_s} " if name_s else ""
+        for ax, key, name in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT", "TPOT", "E2E")):
+            for q, style in qs:
+                ax.plot(xs, [(s.get(key) or {}).get(q) for s in pts], style, label=f"{pre}{q}")
+            ax.set_ylabel(f"{name} (ms)")
+            ax.set_title(f"{name} vs request rate")
+        axes[3].plot(xs, [s.get("output_throughput") for s in pts], "o-", label=f"{pre}output tok/s")
+        axes[3].plot(xs, [s.get("goodput_output_tok_s") for s in pts], "s--", label=f"{pre}goodput (SLO) tok/s")
     ax = axes[3]
-    ax.plot(xs, [s.get("output_throughput") for s in pts], "o-", label="output tok/s")
-    ax.plot(xs, [s.get("goodput_output_tok_s") for s in pts], "s--", label="goodput (SLO) tok/s")
+    labels = ["inf" if r == float("inf") else f"{r:g}" for r in rates]
+    xs = xs_all
     ax.set_ylabel("tokens/s")
     ax.set_title("throughput vs request rate")
     for ax in axes:
@@ -94,6 +107,9 @@ def plot_timeline(tl: dict, path, title: str = "") -> str:
             ax.step(t, tl[key], where="post", label=key, color=color)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("requests")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
     if tl.get("gpu_cache_usage"):
@@ -123,7 +139,26 @@ def plots_from_result(result: dict, out_dir) -> List[str]:
         for r in runs:
             if r.get("timeline", {}).get("time_s"):
                 out.append(plot_timeline(r["timeline"], Path(out_dir) / f"timeline_{_slug(r['label'])}.png",
-                                         title=f"server: {r['label']}"))
+                                         title=f"{result.get('label') or 'server'}: {r['label']}"))
+    return out
+
+
+def plots_comparing(results: List[dict], out_dir) -> List[str]:
+    """Servers side by side: latency CDFs of every run of every result (labelled
+    ``server: run``) and, where any result has several rates, latency vs rate per server."""
+    out = []
+    cdfs = {}
+    by_server = {}
+    for res in results:
+        name = res.get("label") or res.get("base_url") or "?"
+        for r in res.get("runs") or []:
+            if r.get("samples"):
+                cdfs[f"{name}: {r['label']}"] = r["samples"]
+            by_server.setdefault(name, []).append(dict(r["summary"], request_rate=r.get("request_rate")))
+    if cdfs:
+        out.append(plot_latency_cdfs(cdfs, Path(out_dir) / "compare_latency_cdf.png"))
+    if any(len(v) > 1 for v in by_server.values()):
+        out.append(plot_latency_vs_rate(by_server, Path(out_dir) / "compare_latency_vs_rate.png"))
     return out
 
 
@@ -134,12 +169,23 @@ def _slug(s: str) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="kvserve bench plot", description="redraw plots from a benchmark JSON")
-    p.add_argument("result")
+    p = argparse.ArgumentParser(prog="kvserve bench plot",
+                                description="redraw plots from benchmark JSON files; with several `bench serve` "
+                                            "results (e.g. kvserve and vLLM) also plot them side by side")
+    p.add_argument("results", nargs="+")
     p.add_argument("--out-dir", default=".")
     ns = p.parse_args(argv)
-    with open(ns.result) as f:
-        for path in plots_from_result(json.load(f), ns.out_dir):
+    loaded = []
+    for path in ns.results:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    for i, res in enumerate(loaded):
+        sub = Path(ns.out_dir) / (_slug(res.get("label") or f"result{i}") if len(loaded) > 1 else "")
+        for path in plots_from_result(res, sub):
+            print(path)
+    serve = [r for r in loaded if r.get("benchmark") == "serve"]
+    if len(serve) > 1:
+        for path in plots_comparing(serve, ns.out_dir):
             print(path)
     return 0
 

@@ -98,16 +98,21 @@ def run_kvserve(reqs: List[BenchRequest], engine_kwargs: dict, use_tqdm: bool = 
         res["ttft_ms"] = summarize(ttfts, scale=1000)
         res["tpot_ms"] = summarize([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outs
                                     if o.metrics and o.outputs], scale=1000)
-    res["timeline"] = timeline_from_engine(llm, wall0)
+    res["timeline"] = timeline_from_engine(llm, wall0, num_submitted=len(reqs))
     res["_llm"] = llm
     return res
 
 
-def timeline_from_engine(llm, t0: float, max_points: int = 5000) -> dict:
-    """The engine's per-step queue timeline as columns, time relative to ``t0`` (downsampled)."""
+def timeline_from_engine(llm, t0: float, max_points: int = 5000, num_submitted: int = 0) -> dict:
+    """The engine's per-step queue timeline as columns, time relative to ``t0`` (downsampled).
+
+    The engine records a row after each step; a first row at t=0 with every submitted request
+    waiting is prepended so the plot shows the first step's duration."""
     tl = [row for row in list(llm.llm_engine.stats.timeline) if row[0] >= t0 - 1e-6]
     step = max(1, math.ceil(len(tl) / max_points))
     tl = tl[::step]
+    if num_submitted:
+        tl = [(t0, 0, num_submitted, 0, 0.0)] + tl
     return {"time_s": [r[0] - t0 for r in tl], "running": [r[1] for r in tl], "waiting": [r[2] for r in tl],
             "swapped": [r[3] for r in tl], "gpu_cache_usage": [r[4] for r in tl]}
 

@@ -135,6 +135,8 @@ class ServerMetrics:
                                            buckets=_TOKEN_BUCKETS, registry=r)
         self.http_responses = Counter("kvserve:http_responses", "HTTP responses by endpoint and status.",
                                       ["endpoint", "status"], registry=r)
+        for h in (self.ttft, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens):
+            h.labels(model_name)  # export zero-valued series before the first request
         engine.stats.listeners.append(self.on_request_finished)
 
     def on_request_finished(self, group, out) -> None:

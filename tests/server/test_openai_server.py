@@ -1,0 +1,489 @@
+"""The OpenAI-compatible server against a real uvicorn (one per module) on the default model,
+with the official ``openai`` client. Short ``max_tokens`` and a small KV cache (see conftest)
+keep the module fast on 2 CPU cores."""
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, MAX_BODY_BYTES, MODEL
+
+pytestmark = pytest.mark.slow
+
+PARIS_PROMPT = "The capital of France is"
+
+
+# ---------------------------------------------------------------------------- helpers
+def ids_of(server, text, add_special_tokens=False):
+    return server.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+def n_ids(server, n):
+    """A valid prompt of exactly ``n`` token ids."""
+    base = ids_of(server, "The quick brown fox jumps over the lazy dog. ")
+    return (base * (n // len(base) + 1))[:n]
+
+
+def assert_error(resp, status, param=None, contains=()):
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    for s in contains:
+        assert s in err["message"], (s, err["message"])
+    return err
+
+
+def still_serving(server):
+    """The engine keeps serving: a normal request returns 200 with text."""
+    r = server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 2
+
+
+def gen_tokens(server):
+    return server.engine.stats.num_generation_tokens
+
+
+def scrape(server):
+    """``{sample name (+ labels other than model_name as JSON): value}``; buckets left out."""
+    text = server.http().get("/metrics").text
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                continue
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            samples[s.name + (json.dumps(labels, sort_keys=True) if labels else "")] = s.value
+    return text, samples
+
+
+# ---------------------------------------------------------------------------- basics
+def test_models_health_version_tokenize(server):
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    h = server.http()
+    assert h.get("/health").status_code == 200
+    assert "version" in h.get("/version").json()
+    assert h.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_error(h.get("/v1/models/nope"), 404)
+    tok = h.post("/tokenize", json={"prompt": PARIS_PROMPT, "add_special_tokens": False}).json()
+    assert tok["tokens"] == ids_of(server, PARIS_PROMPT) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 1024
+    assert h.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PARIS_PROMPT
+    chat_tok = h.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tok["count"] > 3
+    assert_error(h.post("/detokenize", json={"tokens": [10 ** 9]}), 400, "tokens")
+    assert_error(h.post("/tokenize", json={}), 400, "prompt")
+
+
+def test_completion_and_usage(server):
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    ch = r.choices[0]
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    assert "Paris" in ch.text and ch.finish_reason == "length" and ch.index == 0
+    assert r.usage.prompt_tokens == len(ids_of(server, PARIS_PROMPT))
+    assert r.usage.completion_tokens == 6 == len(ch.logprobs.tokens)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert "".join(ch.logprobs.tokens) == ch.text
+    # token-id prompt gives the same greedy text
+    r2 = c.completions.create(model=MODEL, prompt=ids_of(server, PARIS_PROMPT), max_tokens=6, temperature=0)
+    assert r2.choices[0].text == ch.text
+    # echo prepends the prompt
+    r3 = c.completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert r3.choices[0].text == PARIS_PROMPT + ch.text
+
+
+def test_completion_stream_equals_non_stream_same_seed(server):
+    c = server.client()
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=1234, top_p=0.95)
+    full = c.completions.create(**kw)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_batch_prompts_and_n(server):
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt=[PARIS_PROMPT, "1, 2, 3,"], max_tokens=4, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    single = c.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
+    assert r.choices[1].text == single.choices[0].text
+    assert r.usage.prompt_tokens == len(ids_of(server, PARIS_PROMPT)) + len(ids_of(server, "1, 2, 3,"))
+    r = c.completions.create(model=MODEL, prompt=[ids_of(server, "Hi"), ids_of(server, "Bye")], n=2,
+                             max_tokens=3, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12
+    # n > 1 streamed: every choice gets exactly one finish_reason
+    chunks = list(c.completions.create(model=MODEL, prompt="Colors:", n=3, max_tokens=4, temperature=1.0,
+                                       seed=3, extra_body={"ignore_eos": True}, stream=True))
+    finished = sorted(ch.choices[0].index for ch in chunks if ch.choices[0].finish_reason)
+    assert finished == [0, 1, 2]
+    server.wait_idle()
+
+
+def test_chat_non_stream_and_stream(server):
+    c = server.client()
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0,
+                                  logprobs=True, top_logprobs=3)
+    ch = r.choices[0]
+    assert r.object == "chat.completion" and ch.message.role == "assistant" and ch.message.content
+    assert ch.finish_reason in ("stop", "length")
+    assert len(ch.logprobs.content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in ch.logprobs.content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in ch.logprobs.content)
+    prompt_ids = server.http().post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(prompt_ids)
+
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    content = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
+    assert content == ch.message.content
+    fin = [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason]
+    assert fin == [ch.finish_reason]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # n = 2 with the role first for each choice
+    r2 = c.chat.completions.create(model=MODEL, messages=msgs, n=2, max_tokens=4, temperature=1.0, seed=5)
+    assert sorted(x.index for x in r2.choices) == [0, 1]
+
+
+def test_chat_errors(server):
+    h = server.http()
+    body = {"model": MODEL, "max_tokens": 4}
+    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[])), 400, "messages")
+    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "wizard", "content": "x"}])),
+                 400, "messages")
+    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"content": "x"}])), 400, "messages")
+    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
+                                                          top_logprobs=2)), 400, "top_logprobs")
+    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
+                                                          max_completion_tokens=0)), 400, "max_completion_tokens")
+    assert_error(h.post("/v1/chat/completions", json=dict(body, model="gpt-4", messages=[])), 404, "model")
+    still_serving(server)
+
+
+# ---------------------------------------------------------------------------- stop strings (B19)
+@pytest.fixture(scope="module")
+def paris(server):
+    """Greedy output of PARIS_PROMPT; it starts with the one-token word ' Paris'."""
+    out = server.client().completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=30, temperature=0)
+    text = out.choices[0].text
+    assert text.startswith(" Paris"), text
+    assert len(ids_of(server, " Paris")) == 1
+    return text
+
+
+def _stream_text(server, **kw):
+    chunks = list(server.client().completions.create(stream=True, **kw))
+    return "".join(c.choices[0].text for c in chunks), [c.choices[0].finish_reason for c in chunks]
+
+
+@pytest.mark.parametrize("stop,include,expected", [
+    ("Pari", False, " "),        # (a) a prefix of the one-token word
+    ("s.", False, " Pari"),      # (b) spans ' Paris' + '.'
+    ("Pari", True, " Pari"),     # (c) kept in the output
+])
+def test_B19_server_stop_string_off_token_boundary(server, paris, stop, include, expected):
+    kw = dict(model=MODEL, prompt=PARIS_PROMPT, max_tokens=30, temperature=0, stop=[stop],
+              extra_body={"include_stop_str_in_output": include})
+    r = server.client().completions.create(**kw)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 5
+    # (d) streamed: the deltas never carry a character of the stop string and add up to the same text
+    text, reasons = _stream_text(server, **kw)
+    assert text == expected and reasons[-1] == "stop" and reasons.count("stop") == 1
+    server.wait_idle()
+
+
+def test_B19_server_chat_stop_streamed(server):
+    c = server.client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+              max_tokens=20, temperature=0)
+    base = c.chat.completions.create(**kw).choices[0].message.content
+    assert "Paris" in base
+    stop = "ari"
+    full = c.chat.completions.create(stop=stop, **kw).choices[0]
+    assert full.message.content == base[:base.index(stop)] and full.finish_reason == "stop"
+    chunks = list(c.chat.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(x.choices[0].delta.content or "" for x in chunks) == full.message.content
+
+
+# ---------------------------------------------------------------------------- validation errors
+def test_B05_empty_prompt_is_400_and_engine_survives(server):
+    h = server.http()
+    added = server.engine.stats.num_requests_added
+    for prompt in ("", [""], [], [[]]):
+        err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20,
+                                                           "temperature": 0}), 400, "prompt")
+        assert "at least 1 token" in err["message"]
+    assert server.engine.stats.num_requests_added == added  # never reached the scheduler
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="", max_tokens=20)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "10", True])
+def test_B06_server_invalid_max_tokens(server, value):
+    body = {"model": MODEL, "prompt": n_ids(server, 8), "max_tokens": value, "temperature": 0}
+    err = assert_error(server.http().post("/v1/completions", json=body), 400, "max_tokens")
+    assert "max_tokens" in err["message"] and "integer >= 1" in err["message"]
+
+
+def test_B06_server_context_window(server):
+    h = server.http()
+    # (e) 8 + 1017 > 1024
+    err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 8),
+                                                       "max_tokens": 1017, "temperature": 0}), 400, "max_tokens")
+    assert "1025" in err["message"] and "1024" in err["message"]
+    # (d) 8 + 1016 == 1024 is accepted (streamed; we leave after the first chunk)
+    before = gen_tokens(server)
+    with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 8), "max_tokens": 1016,
+                                                   "temperature": 0, "ignore_eos": True, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break
+    server.wait_idle(10)
+    assert gen_tokens(server) - before < 200
+    # (f) omitted: the completions default (16, as in the OpenAI API)
+    r = server.client().completions.create(model=MODEL, prompt=n_ids(server, 8), temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    still_serving(server)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 33),
+    ("logprobs", 21), ("stop", 5), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("seed", 1.5),
+    ("top_k", 0), ("min_p", 2), ("repetition_penalty", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 500}),
+    ("stop_token_ids", [-1]), ("min_tokens", -1), ("best_of", 3), ("prompt", [1.5]), ("prompt", 5),
+    ("echo", "yes"),
+])
+def test_invalid_fields_are_400_naming_the_field(server, field, value):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value}
+    err = assert_error(server.http().post("/v1/completions", json=body), 400, field)
+    assert field in err["message"]
+
+
+def test_token_ids_outside_vocab_and_bad_json(server):
+    h = server.http()
+    assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10 ** 7], "max_tokens": 2}),
+                 400, "prompt", ["49152"])
+    assert_error(h.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(h.post("/v1/completions", json=[1, 2]), 400)
+    assert_error(h.post("/v1/completions", json={"model": MODEL}), 400, "prompt")
+    assert_error(h.get("/v1/nowhere"), 404)
+    still_serving(server)
+
+
+def test_B01_server_prompt_over_prompt_limit(server):
+    h = server.http()
+    added = server.engine.stats.num_requests_added
+    err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 600),
+                                                       "max_tokens": 4, "temperature": 0}), 400, "prompt")
+    assert "600" in err["message"] and "512" in err["message"]
+    assert server.engine.stats.num_requests_added == added
+    # R2 right behind it runs normally
+    r = server.client().completions.create(model=MODEL, prompt=n_ids(server, 8), max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    assert server.wait_idle()["num_free_gpu_blocks"] == 48
+
+
+def test_B03_server_prompt_bigger_than_kv_pool(server):
+    h = server.http()
+    err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 400),
+                                                       "max_tokens": 2, "temperature": 0}), 400, "prompt")
+    assert "50" in err["message"] and "48" in err["message"]
+    # chat is held to the same limit
+    long_msg = "word " * 420
+    assert_error(h.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": long_msg}]}),
+                 400, "messages")
+    still_serving(server)
+
+
+def test_auth_model_and_body_size(server):
+    import httpx as _h
+
+    url = server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert_error(_h.post(url, json=body), 401)
+    assert_error(_h.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert _h.get(server.url + "/health").status_code == 200  # health needs no key
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    err = assert_error(server.http().post("/v1/completions", json=dict(body, prompt="x" * (MAX_BODY_BYTES + 10))),
+                       413)
+    assert str(MAX_BODY_BYTES) in err["message"]
+    still_serving(server)
+
+
+def test_max_waiting_gives_503_with_retry_after(server):
+    engine = server.engine
+    engine.scheduler_config.max_waiting = 2
+    results = []
+    started = threading.Event()
+
+    def blocker():
+        # 360 + 24 tokens = all 48 KV blocks: requests arriving meanwhile stay in `waiting`
+        with server.http().stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": n_ids(server, 360), "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+            results.append(resp.status_code)
+
+    try:
+        t = threading.Thread(target=blocker)
+        t.start()
+        assert started.wait(30)
+
+        async def fire():
+            async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                         timeout=60) as ac:
+                return await asyncio.gather(*[ac.post("/v1/completions", json={
+                    "model": MODEL, "prompt": f"Hi {i}", "max_tokens": 2}) for i in range(8)])
+
+        responses = asyncio.run(fire())
+        t.join(60)
+    finally:
+        engine.scheduler_config.max_waiting = None
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert 503 in codes, codes
+    r503 = next(r for r in responses if r.status_code == 503)
+    assert r503.headers["retry-after"] == "1"
+    assert_error(r503, 503)["code"] == "queue_full"
+    assert results == [200]
+    server.wait_idle()
+    still_serving(server)
+
+
+# ---------------------------------------------------------------------------- disconnects
+def test_non_streaming_disconnect_aborts(server):
+    before = gen_tokens(server)
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.time() + 10
+    while gen_tokens(server) - before < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    s.close()
+    server.wait_idle(5)
+    assert gen_tokens(server) - before < 100
+
+
+def test_B18_server_disconnect_n2_stream(server):
+    before = gen_tokens(server)
+    stream = server.client().completions.create(
+        model=MODEL, prompt=n_ids(server, 6), n=2, temperature=0.3, seed=1, max_tokens=200, stream=True,
+        extra_body={"ignore_eos": True})
+    seen = 0
+    for chunk in stream:
+        seen += 1
+        if seen >= 3:
+            break
+    stream.close()
+    stats = server.wait_idle(5)
+    assert gen_tokens(server) - before < 100  # 2 x 200 would have been generated otherwise
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert not server.engine._groups and not server.async_engine._streams
+    still_serving(server)
+
+
+def test_64_concurrent_streams_quarter_disconnect(server):
+    before_finished = sum(server.engine.stats.finished_by_reason.values())
+
+    async def run():
+        client = server.async_client(timeout=180)
+
+        async def one(i):
+            stream = await client.completions.create(model=MODEL, prompt=f"Count from {i}:", max_tokens=5,
+                                                     temperature=0, stream=True)
+            text, reason = "", None
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+                if i % 4 == 0 and text:
+                    await stream.close()
+                    return ("gone", text, None)
+            return ("done", text, reason)
+
+        try:
+            return await asyncio.gather(*[one(i) for i in range(64)])
+        finally:
+            await client.close()
+
+    t0 = time.time()
+    results = asyncio.run(run())
+    done = [r for r in results if r[0] == "done"]
+    assert len(done) == 48 and all(r[2] in ("stop", "length") and r[1] for r in done)
+    stats = server.wait_idle(10)
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"] == 48
+    assert sum(server.engine.stats.finished_by_reason.values()) - before_finished == 64
+    print(f"64 streams in {time.time() - t0:.1f}s")
+    still_serving(server)
+
+
+# ---------------------------------------------------------------------------- metrics and logs
+def test_metrics_parse_and_move(server):
+    text, before = scrape(server)
+    for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:num_requests_swapped",
+                 "kvserve:gpu_cache_usage_perc", "kvserve:cpu_cache_usage_perc", "kvserve:gpu_prefix_cache_hit_rate",
+                 "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
+                 "kvserve:time_to_first_token_seconds_count", "kvserve:time_per_output_token_seconds_count",
+                 "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count"):
+        assert name in before, name
+    r = server.client().completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    _, after = scrape(server)
+    assert after["kvserve:prompt_tokens_total"] - before["kvserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] == 5
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "time_per_output_token_seconds"):
+        assert after[f"kvserve:{h}_count"] == before[f"kvserve:{h}_count"] + 1, h
+    key = 'kvserve:request_success_total{"finished_reason": "length"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["kvserve:num_requests_running"] == 0 and after["kvserve:gpu_cache_usage_perc"] == 0
+    ok = 'kvserve:http_responses_total{"endpoint": "/v1/completions", "status": "200"}'
+    assert after[ok] >= before.get(ok, 0) + 1
+
+
+def test_request_log_line(server, caplog):
+    caplog.set_level(logging.INFO, logger="kvserve.server.requests")
+    secret = "SECRET-PROMPT-TEXT"
+    r = server.client().completions.create(model=MODEL, prompt=secret, max_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "kvserve.server.requests"]
+    mine = [ln for ln in lines if ln["request_id"] == r.id]
+    assert len(mine) == 1
+    line = mine[0]
+    assert line["output_tokens"] == 3 and line["prompt_tokens"] == r.usage.prompt_tokens
+    assert line["finish_reasons"] == ["length"] and line["ttft_s"] is not None and line["e2e_s"] > 0
+    assert secret not in caplog.text

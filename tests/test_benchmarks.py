@@ -295,3 +295,19 @@ def test_load_generator_against_mock_server():
     assert seen[0]["stream_options"] == {"include_usage": True} and seen[0]["prompt"] == [1, 2, 3]
     assert any(b["prompt"] == "abc" for b in seen)
     assert out["timeline"]["running"] and out["timeline"]["gpu_cache_usage"][0] == 0.5
+
+
+def test_write_json_is_strict(tmp_path):
+    from kvserve.benchmarks.common import write_json
+
+    p = tmp_path / "sub" / "r.json"
+    write_json(p, {"rate": math.inf, "xs": [1.0, float("nan")], "n": 3})
+    assert json.loads(p.read_text()) == {"rate": "inf", "xs": [1.0, "nan"], "n": 3}
+
+
+def test_bench_cli_usage_and_unknown_command(capsys):
+    from kvserve.benchmarks.cli import main
+
+    assert main(["--help"]) == 0
+    assert "throughput" in capsys.readouterr().out
+    assert main(["nope"]) == 2

@@ -46,6 +46,7 @@ def measure_once(engine_kwargs: dict, python: str = sys.executable, timeout_s: f
         raise RuntimeError(f"cold-start child failed (rc={p.returncode}): {p.stderr[-2000:]}")
     d = json.loads(line[len("COLDSTART "):])
     return {"interpreter_start_to_import_s": d["t_import"] - t0, "build_llm_s": d["t_built"] - d["t_import"],
+            "first_token_after_llm_s": d["t_first_token"] - d["t_built"],
             "start_to_first_token_s": d["t_first_token"] - t0, "process_total_s": t_exit - t0,
             "tokens": d["tokens"]}
 
@@ -69,6 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tries.append(r)
         print(f"try {i + 1}: process start -> first token {r['start_to_first_token_s']:.2f} s "
               f"(interpreter {r['interpreter_start_to_import_s']:.2f} s, import + LLM() {r['build_llm_s']:.2f} s, "
+              f"generate to first token {r['first_token_after_llm_s']:.2f} s, "
               f"process exit {r['process_total_s']:.2f} s)")
     last = tries[-1]["start_to_first_token_s"]
     ok = last < ns.target_s

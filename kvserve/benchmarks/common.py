@@ -96,12 +96,25 @@ def system_info() -> dict:
     return info
 
 
+def _finite(obj):
+    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan"."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_json(path, obj) -> None:
+    """Writes strict JSON (inf/nan as strings), creating the parent folder."""
+    obj = _finite(obj)
     p = Path(path)
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
     with open(p, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
+        json.dump(obj, f, indent=2, default=str, allow_nan=False)
         f.write("\n")
 
 

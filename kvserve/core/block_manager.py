@@ -239,6 +239,11 @@ class BlockSpaceManager:
         num_cached_blocks = len(plan._hits[0]) if plan._hits else 0
         copies: List[Tuple[int, int]] = []
         first_table: BlockTable = []
+        # Hold every hit block while allocating, so a fresh allocation for one sequence can
+        # never evict a cached block another sequence of the group is about to reuse.
+        held = list({b.block_number: b for h in plan._hits for b in h}.values())
+        for b in held:
+            self.gpu.incr_ref(b)
         for i, seq in enumerate(seqs):
             assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} already has blocks"
             shared = 0 if i == 0 else self._num_shared_with_first(first, seq, length // bs)
@@ -269,6 +274,8 @@ class BlockSpaceManager:
             seq.data.set_num_computed_tokens(plan.num_cached_tokens)
             if i == 0:
                 first_table = table
+        for b in held:
+            self.gpu.free(b)
         if self.enable_caching:
             self.prefix_cache_queries += length
             self.prefix_cache_hits += plan.num_cached_tokens
@@ -281,10 +288,12 @@ class BlockSpaceManager:
         end = _cdiv(seq.get_len() + num_lookahead_slots, self.block_size)
         return first, end
 
-    def _num_new_blocks_for_append(self, seq_group: SequenceGroup, num_lookahead_slots: int) -> int:
+    def _num_new_blocks_for_append(self, seq_group: SequenceGroup, num_lookahead_slots: int,
+                                   status: SequenceStatus = SequenceStatus.RUNNING) -> int:
+        """New blocks the group's next step needs: growth plus copy-on-write copies."""
         needed = 0
         shared: Dict[int, List] = {}
-        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+        for seq in seq_group.get_seqs(status=status):
             table = self.block_tables.get(seq.seq_id)
             if table is None:
                 continue
@@ -370,16 +379,16 @@ class BlockSpaceManager:
 
     def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0,
                     ignore_watermark: bool = False) -> AllocStatus:
-        """OK / LATER / NEVER for bringing a swapped group back with room for each sequence's
-        next token (one spare block per sequence, more with lookahead).
+        """OK / LATER / NEVER for bringing a swapped group back with room for its next step
+        (the blocks its next token(s) need: growth and copy-on-write).
 
         NEVER when that exceeds the whole device pool. The watermark applies unless
         ``ignore_watermark`` (the scheduler sets it when nothing is running, so the watermark
         can never make a lone group wait forever).
         """
         tables = self._group_tables(seq_group, SequenceStatus.SWAPPED)
-        growth = max(1, _cdiv(num_lookahead_slots, self.block_size))
-        need = self._distinct_blocks(tables) + len(tables) * growth
+        need = self._distinct_blocks(tables) + self._num_new_blocks_for_append(
+            seq_group, num_lookahead_slots, SequenceStatus.SWAPPED)
         if need > self.num_total_gpu_blocks:
             return AllocStatus.NEVER
         reserve = 0 if ignore_watermark else self.watermark_blocks

@@ -721,8 +721,8 @@ class Scheduler:
             if status == AllocStatus.NEVER:
                 ranked.popleft()
                 n = bm.get_num_swapped_blocks(g)
-                self._ignore(g, f"needs {n} KV blocks + {len(g.get_seqs(SequenceStatus.SWAPPED))} for "
-                                f"its next token > {bm.num_total_gpu_blocks} in the cache to resume")
+                self._ignore(g, f"needs {n} KV blocks plus room for its next token > "
+                                f"{bm.num_total_gpu_blocks} in the cache to resume")
                 out.infeasible_seq_groups.append(g)
                 st.ignored.append(g)
                 continue

@@ -26,8 +26,8 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Set
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -56,9 +56,20 @@ _KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healt
 
 @dataclass
 class ServerState:
-    """Mutable server-wide flags. ``draining``: shutting down, new requests get 503."""
+    """Server-wide state. ``draining``: shutting down, new requests get 503. ``inflight``:
+    engine request ids of the HTTP requests now generating (maintained by the handlers)."""
 
     draining: bool = False
+    inflight: Set[str] = field(default_factory=set)
+
+    def abort_all(self, async_engine) -> int:
+        """Abort every in-flight request (their streams end with ``finish_reason="abort"``)."""
+        ids = list(self.inflight)
+        for rid in ids:
+            async_engine.abort(rid)
+        if ids:
+            logger.warning("shutdown grace period over: aborted %d in-flight request(s)", len(ids))
+        return len(ids)
 
 
 def _is_protected(path: str) -> bool:
@@ -285,15 +296,32 @@ def make_arg_parser() -> argparse.ArgumentParser:
 class GracefulServer:
     """A uvicorn server whose SIGTERM/SIGINT starts a graceful drain and then exits 0.
 
-    (uvicorn re-raises the captured signal after shutting down, which would make the exit
-    status 143/130; here the signal only starts the drain.)
+    On the first signal: ``state.draining`` is set (new requests get 503), uvicorn closes the
+    listening socket and waits for open responses; after ``grace_s`` seconds ``on_grace_over``
+    runs (it aborts what is still generating, so those streams end with
+    ``finish_reason="abort"`` and a clean ``[DONE]``). uvicorn's own
+    ``timeout_graceful_shutdown`` should be a little longer, as a backstop. (uvicorn re-raises
+    the captured signal after shutting down, which would make the exit status 143/130; here the
+    signal only starts the drain.)
     """
 
-    def __init__(self, config, state: ServerState):
+    def __init__(self, config, state: ServerState, grace_s: float = 30.0,
+                 on_grace_over: Optional[Callable[[], object]] = None):
         import uvicorn
 
         self.state = state
         outer = self
+        timer = {"set": False}
+
+        def start_grace_timer() -> None:
+            if timer["set"] or on_grace_over is None:
+                return
+            timer["set"] = True
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            loop.call_soon_threadsafe(loop.call_later, grace_s, on_grace_over)
 
         class _Server(uvicorn.Server):
             @contextlib.contextmanager
@@ -314,6 +342,7 @@ class GracefulServer:
                     self.force_exit = True
                 outer.state.draining = True
                 self.should_exit = True
+                start_grace_timer()
 
         self.server = _Server(config)
 
@@ -345,13 +374,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     app = build_app(async_engine, name, ns.api_key, extra_model_names=aliases,
                     max_body_bytes=ns.max_body_bytes, log_requests=ns.request_log,
                     log_prompts=ns.log_prompts, retry_after_s=ns.retry_after_s,
-                    shutdown_grace_s=min(ns.shutdown_grace_s, 5.0))
+                    shutdown_grace_s=5.0)
     state = app.state.server_state
+    grace = max(0.0, ns.shutdown_grace_s)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
-                            timeout_graceful_shutdown=max(0.1, ns.shutdown_grace_s), access_log=False)
+                            timeout_graceful_shutdown=grace + 5.0, access_log=False)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks)", name, ns.host, ns.port,
                 engine.scheduler_config.max_model_len, engine.cache_config.num_gpu_blocks)
-    GracefulServer(config, state).run()
+    GracefulServer(config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)).run()
     logger.info("server stopped")
     return 0
 

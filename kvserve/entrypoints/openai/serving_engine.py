@@ -302,14 +302,18 @@ class RequestLogger:
         queue = max((m.queue_time for m in metrics if m.queue_time is not None), default=None)
         if ttft is None and rec.first_token_time is not None:
             ttft = rec.first_token_time - rec.arrival
+        reasons = rec.finish_reasons()
+        status = rec.status
+        if status == "ok" and "abort" in reasons:
+            status = "aborted"
         line = {
             "event": "request_finished", "request_id": rec.request_id, "endpoint": rec.endpoint,
-            "status": rec.status, "n": rec.n, "prompt_tokens": rec.prompt_tokens,
+            "status": status, "n": rec.n, "prompt_tokens": rec.prompt_tokens,
             "output_tokens": rec.completion_tokens(),
             "ttft_s": None if ttft is None else round(ttft, 4),
             "queue_s": None if queue is None else round(queue, 4),
             "e2e_s": round(now - rec.arrival, 4),
-            "finish_reasons": rec.finish_reasons(),
+            "finish_reasons": reasons,
         }
         if self.log_prompts and rec.prompts is not None:
             line["prompts"] = rec.prompts
@@ -323,8 +327,8 @@ class OpenAIServing:
         async_engine: a started ``AsyncLLMEngine``.
         served_model_names: names accepted in the ``model`` field (the first is reported).
         request_logger: the per-request log.
-        server_state: an object with a ``draining`` attribute (set on shutdown: new requests
-            get 503).
+        server_state: an object with a ``draining`` flag (set on shutdown: new requests get
+            503) and an ``inflight`` set (engine request ids of running HTTP requests, kept here).
         retry_after_s: the ``Retry-After`` of a 503.
     """
 
@@ -427,8 +431,12 @@ class OpenAIServing:
         arrive. Closing or cancelling the iterator aborts whatever is still running."""
         queue: asyncio.Queue = asyncio.Queue()
 
+        inflight = getattr(self.server_state, "inflight", None)
+
         async def pump(idx: int, sub: SubRequest) -> None:
             prompt = {"prompt": sub.prompt_text, "prompt_token_ids": sub.prompt_token_ids}
+            if inflight is not None:
+                inflight.add(sub.request_id)
             try:
                 async for out in self.async_engine.generate(prompt, params, sub.request_id, priority=priority):
                     queue.put_nowait((idx, out, None))
@@ -437,6 +445,9 @@ class OpenAIServing:
                 raise
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((idx, None, e))
+            finally:
+                if inflight is not None:
+                    inflight.discard(sub.request_id)
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
         try:

@@ -487,3 +487,65 @@ def test_request_log_line(server, caplog):
     assert line["output_tokens"] == 3 and line["prompt_tokens"] == r.usage.prompt_tokens
     assert line["finish_reasons"] == ["length"] and line["ttft_s"] is not None and line["e2e_s"] > 0
     assert secret not in caplog.text
+
+
+# ---------------------------------------------------------------------------- odd input never 500s
+_USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}),
+    ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70, "stream": True}),
+    ("/v1/completions", {"prompt": "hi", "n": 10 ** 9}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999999": 1}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 12]}),
+    ("/v1/completions", {"prompt": "hi", "stream_options": "x"}),
+    ("/v1/completions", {"prompt": {"a": 1}}),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}),
+    ("/v1/completions", {"prompt": [[1, 2], []]}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 12}),
+    ("/v1/completions", {"prompt": "hi", "priority": "high"}),
+    ("/v1/completions", {"prompt": "hi", "user": 5}),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 2}),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": "hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": _USER, "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": _USER, "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": _USER, "logprobs": True, "top_logprobs": 50}),
+    ("/v1/chat/completions", {"messages": _USER, "logprobs": 3}),
+    ("/v1/chat/completions", {"messages": _USER, "max_tokens": 2000}),
+    ("/v1/chat/completions", {"messages": _USER, "stream": True, "n": 0}),
+    ("/tokenize", {"prompt": 5}),
+    ("/detokenize", {"tokens": ["a"]}),
+])
+def test_odd_input_is_a_clean_400(server, path, body):
+    if path.startswith("/v1"):
+        body = dict({"model": MODEL, "max_tokens": 2}, **body)
+    resp = server.http().post(path, content=json.dumps(body).encode(),  # NaN / Infinity as Python writes them
+                              headers={"content-type": "application/json"})
+    err = assert_error(resp, 400)
+    assert err["param"], err
+
+
+def test_streamed_logprobs_match_non_streamed(server):
+    c = server.client()
+    kw = dict(model=MODEL, prompt=PARIS_PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    full = c.completions.create(**kw).choices[0].logprobs
+    chunks = list(c.completions.create(stream=True, **kw))
+    tokens = [t for ch in chunks for t in ch.choices[0].logprobs.tokens]
+    lps = [t for ch in chunks for t in ch.choices[0].logprobs.token_logprobs]
+    tops = [t for ch in chunks for t in ch.choices[0].logprobs.top_logprobs]
+    assert tokens == full.tokens and lps == pytest.approx(full.token_logprobs)
+    assert all(2 <= len(t) <= 3 for t in tops)
+    chat = list(c.chat.completions.create(model=MODEL, messages=_USER, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=1, stream=True))
+    toks = [t for ch in chat if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert len(toks) == 4 and all(len(t.top_logprobs) == 1 for t in toks)
+    still_serving(server)

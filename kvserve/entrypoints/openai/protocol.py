@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 from typing_extensions import Annotated
 
-#: A JSON number (int or float), never a string or a bool.
-Number = Annotated[float, Strict()]
+#: A finite JSON number (int or float), never a string, a bool, NaN or Infinity.
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 #: ``prompt`` of /v1/completions: text, a batch of texts, token ids, or a batch of token-id lists.
 PromptInput = Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]

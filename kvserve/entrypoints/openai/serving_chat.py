@@ -24,7 +24,7 @@ from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
                                                        DisconnectAwareStreamingResponse,
                                                        OpenAIServing, RequestRecord, SubRequest,
-                                                       run_unless_disconnected, sse)
+                                                       finite, run_unless_disconnected, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -206,10 +206,10 @@ class OpenAIServingChat(OpenAIServing):
         entries = c.logprobs or []
         for tid, top in zip(c.token_ids[start:end], entries[start:end]):
             s = self.token_str(tid)
-            lp = (top or {}).get(tid)
+            lp = finite((top or {}).get(tid))
             alts = sorted((top or {}).items(), key=lambda kv: -kv[1])[:top_n]
             content.append(ChatLogprobToken(
                 token=s, logprob=lp if lp is not None else -9999.0, bytes=list(s.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=self.token_str(t), logprob=v,
+                top_logprobs=[TopLogprob(token=self.token_str(t), logprob=finite(v),
                                          bytes=list(self.token_str(t).encode("utf-8"))) for t, v in alts]))
         return ChatChoiceLogprobs(content=content)

@@ -20,7 +20,7 @@ from kvserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLog
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
                                                        DisconnectAwareStreamingResponse,
                                                        OpenAIServing, RequestRecord, SubRequest,
-                                                       run_unless_disconnected, sse)
+                                                       finite, run_unless_disconnected, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -179,12 +179,12 @@ class OpenAIServingCompletion(OpenAIServing):
         for tid, top in zip(c.token_ids[start:end], entries[start:end]):
             s = self.token_str(tid)
             lp.tokens.append(s)
-            lp.token_logprobs.append(top.get(tid) if top else None)
+            lp.token_logprobs.append(finite(top.get(tid)) if top else None)
             alts: Dict[str, float] = {}
             for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1]):
                 ts = self.token_str(t)
                 if ts not in alts:
-                    alts[ts] = v
+                    alts[ts] = finite(v)
             lp.top_logprobs.append(alts)
             lp.text_offset.append(offset)
             offset += len(s)

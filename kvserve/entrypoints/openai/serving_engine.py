@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -169,6 +170,13 @@ async def read_json_body(request: Request, model: Type[BaseModel], max_bytes: in
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
         raise api_error_from_validation(e) from None
+
+
+def finite(x: Optional[float]) -> Optional[float]:
+    """A logprob JSON can carry: ``-inf`` (or NaN) becomes -9999.0, as the OpenAI API does."""
+    if x is None:
+        return None
+    return x if math.isfinite(x) else -9999.0
 
 
 def sse(obj: Any) -> str:
@@ -402,6 +410,9 @@ class OpenAIServing:
             if bad:
                 raise APIError(f"logit_bias keys must be token ids >= 0, got {bad[:5]}.", 400,
                                param="logit_bias", code="invalid_value")
+        seed = kwargs.get("seed")
+        if seed is not None and not -(2 ** 63) <= seed < 2 ** 64:
+            raise APIError(f"seed must be a 64-bit integer, got {seed}.", 400, param="seed", code="invalid_value")
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:

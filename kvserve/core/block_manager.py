@@ -113,6 +113,9 @@ class BlockSpaceManager:
         self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching)
         self.cpu = BlockPool(CPU, self.num_total_cpu_blocks, False)
         self.block_tables: Dict[int, BlockTable] = {}
+        # seq_id -> block numbers as handed out by get_block_table (rebuilt after a change;
+        # a new list each time, so lists already handed out stay valid snapshots).
+        self._ids: Dict[int, List[int]] = {}
         # seq_id -> chained hashes of its leading full blocks (prefix caching only).
         self._seq_hashes: Dict[int, List[int]] = {}
         # seq_id -> number of leading blocks already considered by mark_blocks_as_computed.
@@ -270,6 +273,7 @@ class BlockSpaceManager:
                     b = self.gpu.allocate()
                 table.append(b)
             self.block_tables[seq.seq_id] = table
+            self._ids.pop(seq.seq_id, None)
             self._num_marked[seq.seq_id] = num_cached_blocks
             seq.data.set_num_computed_tokens(plan.num_cached_tokens)
             if i == 0:
@@ -337,9 +341,11 @@ class BlockSpaceManager:
         """
         table = self.block_tables[seq.seq_id]
         first, end = self._write_range(seq, num_lookahead_slots)
-        while len(table) < end:
-            table.append(self.gpu.allocate())
         copies: List[Tuple[int, int]] = []
+        if len(table) < end:
+            self._ids.pop(seq.seq_id, None)
+            while len(table) < end:
+                table.append(self.gpu.allocate())
         for i in range(first, end):
             b = table[i]
             if b is not None and b.ref_count > 1:
@@ -347,7 +353,39 @@ class BlockSpaceManager:
                 self.gpu.free(b)
                 table[i] = new
                 copies.append((b.block_number, new.block_number))
-        self._release_outside_window(seq)
+                self._ids.pop(seq.seq_id, None)
+        if self.sliding_window is not None:
+            self._release_outside_window(seq)
+        return copies
+
+    def try_append_slots(self, seq_group: SequenceGroup,
+                         num_lookahead_slots: int = 0) -> Optional[List[Tuple[int, int]]]:
+        """``can_append_slots`` + ``append_slots`` for every running sequence of the group in
+        one pass (the scheduler's hot path). Returns the copy-on-write pairs, or None (and
+        changes nothing) when the free blocks do not suffice."""
+        seqs = [s for s in seq_group.seqs_dict.values() if s.status == SequenceStatus.RUNNING]
+        if len(seqs) == 1:
+            seq = seqs[0]
+            table = self.block_tables[seq.seq_id]
+            data = seq.data
+            bs = self.block_size
+            first = data.get_num_computed_tokens() // bs
+            end = -(-(data.get_len() + num_lookahead_slots) // bs)
+            need = end - len(table) if end > len(table) else 0
+            for i in range(first, min(end, len(table))):
+                b = table[i]
+                if b is not None and b.ref_count > 1:
+                    need += 1
+            if need > self.gpu.get_num_free_blocks():
+                return None
+            if need == 0 and self.sliding_window is None:
+                return []
+            return self.append_slots(seq, num_lookahead_slots)
+        if not self.can_append_slots(seq_group, num_lookahead_slots):
+            return None
+        copies: List[Tuple[int, int]] = []
+        for seq in seqs:
+            copies.extend(self.append_slots(seq, num_lookahead_slots))
         return copies
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
@@ -357,6 +395,7 @@ class BlockSpaceManager:
             if b is not None:
                 (self.gpu if b.device == GPU else self.cpu).incr_ref(b)
         self.block_tables[child_seq.seq_id] = list(src)
+        self._ids.pop(child_seq.seq_id, None)
         self._num_marked[child_seq.seq_id] = self._num_marked.get(parent_seq.seq_id, 0)
         if parent_seq.seq_id in self._seq_hashes:
             # Only hashes of blocks both share (full blocks before the fork point) stay valid.
@@ -417,6 +456,7 @@ class BlockSpaceManager:
                 src_pool.free(b)
                 new_table.append(nb)
             self.block_tables[seq.seq_id] = new_table
+            self._ids.pop(seq.seq_id, None)
         return {src: dst.block_number for src, dst in mapping.items()}
 
     def swap_out(self, seq_group: SequenceGroup) -> Dict[int, int]:
@@ -436,6 +476,7 @@ class BlockSpaceManager:
     def free(self, seq: Sequence) -> None:
         """Drop every block reference of ``seq`` (GPU or CPU). No-op if it holds none."""
         table = self.block_tables.pop(seq.seq_id, None)
+        self._ids.pop(seq.seq_id, None)
         self._num_marked.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
         if table is None:
@@ -464,6 +505,7 @@ class BlockSpaceManager:
             if b is not None:
                 (self.gpu if b.device == GPU else self.cpu).free(b)
                 table[i] = None
+                self._ids.pop(seq.seq_id, None)
 
     def mark_blocks_as_computed(self, seq_group: SequenceGroup) -> None:
         """After a step: enter newly completed full blocks of the group in the prefix cache,
@@ -492,10 +534,14 @@ class BlockSpaceManager:
     # ================================================================== queries
     def get_block_table(self, seq: Sequence) -> List[int]:
         """Block numbers of ``seq`` (entries released by the sliding window repeat a block
-        the sequence still holds). Raises KeyError if ``seq`` has no table."""
-        table = self.block_tables[seq.seq_id]
-        filler = next((b.block_number for b in table if b is not None), 0)
-        return [b.block_number if b is not None else filler for b in table]
+        the sequence still holds). Raises KeyError if ``seq`` has no table. The list is
+        shared: callers must not modify it (it is replaced, never mutated, on changes)."""
+        ids = self._ids.get(seq.seq_id)
+        if ids is None:
+            table = self.block_tables[seq.seq_id]
+            filler = next((b.block_number for b in table if b is not None), 0)
+            ids = self._ids[seq.seq_id] = [b.block_number if b is not None else filler for b in table]
+        return ids
 
     def has_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self.block_tables

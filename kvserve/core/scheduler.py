@@ -272,6 +272,8 @@ class Scheduler:
         self.waiting: Deque[SequenceGroup] = deque()
         self.running: Deque[SequenceGroup] = deque()
         self.swapped: Deque[SequenceGroup] = deque()
+        # New groups rejected at add time, reported by the next schedule().
+        self._rejected: List[SequenceGroup] = []
         self.num_preemptions = 0          # cumulative, all groups
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
@@ -287,8 +289,42 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        """A new request joins ``waiting``."""
+        """A new request joins ``waiting``, unless it can never be scheduled (prompt over
+        ``prompt_limit``, more KV blocks than the pool minus the watermark, more sequences
+        than ``max_num_seqs``): then it is marked FINISHED_IGNORED with its reason and
+        reported in the next ``schedule()``'s ``ignored_seq_groups`` (it never blocks the
+        queue and never gets a block)."""
+        reason = self._never_schedulable(seq_group)
+        if reason is not None:
+            self._ignore(seq_group, reason)
+            self._rejected.append(seq_group)
+            return
         self.waiting.append(seq_group)
+
+    def _never_schedulable(self, g: SequenceGroup) -> Optional[str]:
+        """Why a *new* group can never be scheduled, or None (cheap; exact checks for
+        preempted groups happen at admission)."""
+        seqs = g.get_unfinished_seqs()
+        if not seqs or seqs[0].get_output_len() or len(seqs) != 1:
+            return None
+        cfg = self.scheduler_config
+        length = seqs[0].get_len()
+        if length > self.prompt_limit:
+            if self.prompt_limit == cfg.max_model_len:
+                why = f"max_model_len {cfg.max_model_len}"
+            else:
+                why = (f"min of max_model_len {cfg.max_model_len} and max_num_batched_tokens "
+                       f"{cfg.max_num_batched_tokens}")
+            return f"prompt has {length} tokens > prompt_limit {self.prompt_limit} ({why})"
+        if g.get_max_num_running_seqs() > cfg.max_num_seqs:
+            return f"needs {g.get_max_num_running_seqs()} sequences > max_num_seqs {cfg.max_num_seqs}"
+        bm = self.block_manager
+        need = -(-length // bm.block_size)
+        usable = bm.num_total_gpu_blocks - bm.watermark_blocks
+        if need > usable:
+            return (f"needs {need} KV blocks > {usable} in the cache (block_size {bm.block_size}, "
+                    f"{bm.num_total_gpu_blocks} blocks, watermark {bm.watermark_blocks})")
+        return None
 
     def abort_seq_group(self, request_id: Union[str, Iterable[str]]) -> List[SequenceGroup]:
         """Remove the groups with these request ids from whichever queue holds them, free
@@ -298,6 +334,9 @@ class Scheduler:
         aborted: List[SequenceGroup] = []
         if not ids:
             return aborted
+        if self._rejected:
+            aborted.extend(g for g in self._rejected if g.request_id in ids)
+            self._rejected = [g for g in self._rejected if g.request_id not in ids]
         for queue in (self.waiting, self.running, self.swapped):
             if not any(g.request_id in ids for g in queue):
                 continue
@@ -317,10 +356,10 @@ class Scheduler:
         return aborted
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self._rejected)
 
     def get_num_unfinished_seq_groups(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self._rejected)
 
     def fork_seq(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares the parent's blocks (copy-on-write)."""
@@ -474,12 +513,16 @@ class Scheduler:
             blocks_to_swap_in=swapped_in.blocks_to_swap_in,
             blocks_to_swap_out=st.blocks_to_swap_out,
             blocks_to_copy=st.blocks_to_copy,
-            ignored_seq_groups=prefills.ignored_seq_groups + st.ignored,
+            ignored_seq_groups=self._take_rejected() + prefills.ignored_seq_groups + st.ignored,
             num_lookahead_slots=self.num_lookahead_slots if decode_groups else 0,
             running_queue_size=len(self.running),
             preempted=len(st.preempted) + len(st.swapped_out))
 
     # ------------------------------------------------------------------ helpers
+    def _take_rejected(self) -> List[SequenceGroup]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
     @staticmethod
     def _live(g: SequenceGroup) -> List[Sequence]:
         return g.get_unfinished_seqs()
@@ -650,7 +693,7 @@ class Scheduler:
                 kept.append(g)
                 continue
             # Decode: one token per live sequence at position len-1.
-            too_long = [s for s in live if s.get_len() > max_len]
+            too_long = [s for s in live if s.data.get_len() > max_len]
             if too_long:
                 # Defensive: the engine should have stopped these at max_model_len.
                 for s in too_long:
@@ -665,7 +708,10 @@ class Scheduler:
                 kept.append(g)
                 continue
             scheduled = True
-            while not bm.can_append_slots(g, lookahead):
+            while True:
+                copies = bm.try_append_slots(g, lookahead)
+                if copies is not None:
+                    break
                 victim = None
                 while victims:
                     v = victims.pop()
@@ -692,8 +738,8 @@ class Scheduler:
                 self._preempt(victim, st)
             if not scheduled:
                 continue
-            for s in live:
-                st.add_copies(bm.append_slots(s, lookahead))
+            if copies:
+                st.add_copies(copies)
             out.decode_seq_groups.append(ScheduledSequenceGroup(g, 1))
             budget.add_num_batched_tokens(rid, n_tokens)
             kept.append(g)
@@ -789,6 +835,8 @@ class Scheduler:
             return out
         bm = self.block_manager
         cfg = self.scheduler_config
+        if budget.num_curr_seqs >= cfg.max_num_seqs or budget.remaining_token_budget() <= 0:
+            return out   # nothing could be admitted (never-schedulable ones were rejected at add)
         ranked = self.policy.sort_by_priority(st.now, self.waiting)
         admitted: Set[str] = set()
         ignored: Set[str] = set()

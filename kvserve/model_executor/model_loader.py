@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
@@ -104,16 +105,78 @@ def iter_safetensors(model_dir: Path) -> Iterator[Tuple[str, torch.Tensor]]:
     """
     from safetensors import safe_open
 
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        paths = [model_dir / f for f in files]
-    else:
-        paths = sorted(model_dir.glob("*.safetensors"))
-    for p in paths:
+    for p in _shard_paths(model_dir):
         with safe_open(str(p), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _shard_paths(model_dir: Path):
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / f for f in files]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def read_safetensors_into(model, model_dir: Path) -> None:
+    """Load every shard of ``model_dir`` into ``model`` (``weight_target`` / ``check_all_loaded``).
+
+    Tensors whose dtype already matches a CPU destination are read from the file straight
+    into the parameter memory (one ``readinto`` per tensor: no intermediate copy, no page
+    faults on a memory map); others are read into a temporary and cast / moved.
+    The safetensors layout: 8-byte little-endian header length, JSON header
+    ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
+
+    Raises:
+        ValueError: a malformed file, or a missing / unexpected / mis-shaped weight.
+    """
+    loaded = set()
+    for path in _shard_paths(model_dir):
+        with open(path, "rb", buffering=0) as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError(f"{path} is not a safetensors file (too short)")
+            (hlen,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(f.read(hlen))
+            except ValueError as e:
+                raise ValueError(f"{path} has a malformed safetensors header: {e}") from None
+            base = 8 + hlen
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                shape = tuple(info["shape"])
+                target = model.weight_target(name, shape)
+                if target is None:
+                    continue
+                src_dtype = _ST_DTYPES.get(info["dtype"])
+                if src_dtype is None:
+                    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                begin, end = info["data_offsets"]
+                f.seek(base + begin)
+                if (target.device.type == "cpu" and target.dtype == src_dtype and target.is_contiguous()
+                        and target.numel() * target.element_size() == end - begin):
+                    dst = target
+                else:
+                    dst = torch.empty(shape, dtype=src_dtype)
+                nbytes = end - begin
+                view = memoryview(dst.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+                got = 0
+                while got < nbytes:
+                    k = f.readinto(view[got:])
+                    if not k:
+                        raise ValueError(f"{path}: tensor {name!r} is truncated")
+                    got += k
+                if dst is not target:
+                    target.copy_(dst)
+                loaded.add(name)
+    model.check_all_loaded(loaded)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, hf_config=None,
@@ -129,6 +192,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, hf_config=None,
     cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
     with torch.no_grad():
         model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position)
-        model.load_weights(iter_safetensors(model_dir))
+        read_safetensors_into(model, model_dir)
     model.eval()
     return model

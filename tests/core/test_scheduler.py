@@ -263,3 +263,29 @@ def test_schedule_metadata_fields():
     assert m.computed_block_nums == []
     assert g.metrics.first_scheduled_time == 42.0
     assert not out.is_empty()
+
+
+@pytest.mark.parametrize("CP", [False, True])
+def test_sliding_window_engine_bounded_blocks_same_tokens(CP):
+    def run(G):
+        cc, sc = configs(BS=4, G=G, C=0, S=4, T=32, L=64, CP=CP, sliding_window=8)
+        h = Harness(cc, sc)
+        for i in range(3):
+            h.add(f"r{i}", prompt_of(i, 10), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        peak = 0
+
+        def on_step(h, _):
+            nonlocal peak
+            bm = h.scheduler.block_manager
+            peak = max(peak, bm.gpu.get_num_in_use())
+
+        h.run(on_step=on_step)
+        h.assert_idle()
+        return h, peak
+
+    big, peak = run(64)
+    # 3 sequences of up to 50 tokens would hold 13 blocks each without the window.
+    assert peak <= 3 * (8 // 4 + 3)
+    small, _ = run(12)
+    for i in range(3):
+        assert small.tokens(f"r{i}") == big.tokens(f"r{i}")

@@ -218,12 +218,15 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
 
     @app.get("/health")
     async def health():
-        """200 while the engine loop is alive, else 503."""
+        """200 while the engine loop is alive and the server is not draining, else 503."""
         thread = getattr(async_engine, "_thread", None)
         if async_engine.errored is not None or (thread is not None and not thread.is_alive()):
             return APIError("engine loop is not running", 503, type="service_unavailable",
                             code="engine_dead").to_response()
-        return JSONResponse({"status": "draining" if state.draining else "ok"})
+        if state.draining:
+            return APIError("the server is shutting down", 503, type="service_unavailable",
+                            code="shutting_down").to_response()
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version():

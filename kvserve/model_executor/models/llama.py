@@ -163,23 +163,39 @@ class LlamaForCausalLM(nn.Module):
             ValueError: naming a missing or unexpected tensor, or a shape mismatch.
         """
         loaded = set()
-        expected = self._expected_names()
         for name, t in weights:
-            if name.endswith("rotary_emb.inv_freq"):
+            target = self.weight_target(name, tuple(t.shape))
+            if target is None:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            dst = self._destination(name)
-            if dst is None:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            param, row0 = dst
-            n = t.shape[0]
-            target = param.data[row0:row0 + n] if row0 is not None else param.data
-            if tuple(target.shape) != tuple(t.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(target.shape)}")
             target.copy_(t)
             loaded.add(name)
-        missing = [n for n in expected if n not in loaded]
+        self.check_all_loaded(loaded)
+
+    def weight_target(self, name: str, shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The parameter view that checkpoint tensor ``name`` (of ``shape``) is copied into
+        (a contiguous row range of a fused parameter for q/k/v and gate/up), or ``None`` for
+        tensors that are ignored (``rotary_emb.inv_freq``, a tied ``lm_head.weight``).
+
+        Raises:
+            ValueError: unknown name or a shape mismatch.
+        """
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        dst = self._destination(name)
+        if dst is None:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        param, row0 = dst
+        n = shape[0] if shape else 0
+        target = param.data[row0:row0 + n] if row0 is not None else param.data
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
+        return target
+
+    def check_all_loaded(self, loaded) -> None:
+        """Raises ValueError naming the expected weights absent from ``loaded`` (a set of names)."""
+        missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 

@@ -19,12 +19,12 @@ multi-token chunks) and a few vectorised tensor ops per step; nothing loops per 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence as Seq, Tuple
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import numpy as np
 import torch
 
-from kvserve.model_executor.layers.attention import AttentionMetadata, PrefillChunk
+from kvserve.model_executor.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk
 from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceData,
                               SequenceGroupMetadata)
 
@@ -40,6 +40,47 @@ def _chunk_tokens(data: SequenceData, c: int, n: int) -> List[int]:
     return prompt[c:] + out[:c + n - p]
 
 
+#: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
+#: block-rows (one block of K and V for one sequence); used to trade padding for calls.
+BUCKET_OVERHEAD_BLOCK_ROWS = 24
+MAX_DECODE_BUCKETS = 4
+
+
+def split_buckets(nblk_sorted: np.ndarray, overhead: float = BUCKET_OVERHEAD_BLOCK_ROWS,
+                  max_buckets: int = MAX_DECODE_BUCKETS) -> List[int]:
+    """Split an ascending array of per-sequence block counts into at most ``max_buckets``
+    contiguous buckets minimising ``sum(len(bucket) * max(bucket)) + overhead * buckets``
+    (the padded gather + attention work). Returns the bucket end indices (last == len).
+    Exact dynamic programme, vectorised over the split point (``O(max_buckets * B^2)``).
+    """
+    B = len(nblk_sorted)
+    a = nblk_sorted.astype(np.float64)
+    j = np.arange(1, B + 1)
+    i = np.arange(B)
+    # cost of bucket i..j-1 (0-based, j exclusive) = (j - i) * a[j-1]
+    seg = (j[None, :] - i[:, None]) * a[None, :]  # [i, j-1]
+    seg[i[:, None] > (j[None, :] - 1)] = np.inf
+    best = seg[0].copy()  # one bucket covering 0..j-1
+    choice = [np.zeros(B, dtype=np.int64)]
+    costs = [best + overhead]
+    for _ in range(1, max_buckets):
+        # prev bucket ends at i (exclusive), i >= 1; new bucket i..j-1
+        cand = np.full((B, B), np.inf)
+        cand[1:] = best[:-1, None] + seg[1:]
+        arg = cand.argmin(axis=0)
+        best = cand[arg, np.arange(B)]
+        choice.append(arg)
+        costs.append(best + overhead * (len(costs) + 1))
+    k = int(np.argmin([c[-1] for c in costs]))
+    ends = [B]
+    end = B
+    for level in range(k, 0, -1):
+        start = int(choice[level][end - 1])
+        ends.append(start)
+        end = start
+    return sorted(ends)
+
+
 @dataclass
 class ModelInput:
     """Tensors for one forward (on the model's device).
@@ -49,12 +90,14 @@ class ModelInput:
         attn: attention metadata (slots, chunks, decode gather index and mask).
         sample_rows: int64 ``[N]`` rows of the hidden states to turn into logits, in sampler
             order (groups in list order with ``do_sample``, sequences in ``seq_data`` order).
+        seq_rows: seq_id -> ``(first_row, end_row)`` of its tokens in the batch.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
     sample_rows: torch.Tensor
+    seq_rows: Dict[int, Tuple[int, int]]
 
 
 class ModelRunner:
@@ -82,6 +125,14 @@ class ModelRunner:
         sh = np.arange(2 * kh, dtype=np.int64).reshape(2, kh)
         self._block_base = sh * num_gpu_blocks                  # [2, KH]
         self._slot_base = sh * num_gpu_blocks * block_size      # [2, KH]
+        self._head_dim = model.head_dim
+        self._workspace: Optional[torch.Tensor] = None
+
+    def _get_workspace(self, numel: int) -> torch.Tensor:
+        """A reusable flat buffer of at least ``numel`` elements (grown by 25 % steps)."""
+        if self._workspace is None or self._workspace.numel() < numel:
+            self._workspace = torch.empty(int(numel * 1.25) + 1, dtype=self.model.dtype, device=self.device)
+        return self._workspace
 
     # ------------------------------------------------------------------ inputs
     def prepare_inputs(self, metadata: Seq[SequenceGroupMetadata]) -> Optional[ModelInput]:
@@ -103,6 +154,8 @@ class ModelRunner:
         d_pos: List[int] = []
         d_slots: List[int] = []
         d_tables: List[list] = []
+        d_sids: List[int] = []
+        p_sids: List[int] = []
         order: List[Tuple[bool, int]] = []  # (is_decode, index) per sampled row
         for md in metadata:
             n = md.token_chunk_size
@@ -124,6 +177,7 @@ class ModelRunner:
                     d_pos.append(c)
                     d_slots.append(table[c // bs] * bs + c % bs)
                     d_tables.append(table)
+                    d_sids.append(sid)
                     if md.do_sample:
                         order.append((True, len(d_tokens) - 1))
                 else:
@@ -133,6 +187,7 @@ class ModelRunner:
                     p_pos.append(pos)
                     p_slots.append(tbl[pos // bs - c // bs] * bs + pos % bs)
                     p_chunks.append((c, n, table))
+                    p_sids.append(sid)
                     if md.do_sample:
                         order.append((False, len(p_chunks) - 1))
         P = len(p_tokens)
@@ -142,8 +197,7 @@ class ModelRunner:
         dev = self.device
         positions = np.concatenate(p_pos + [np.asarray(d_pos, dtype=np.int64)])
         slots = np.concatenate(p_slots + [np.asarray(d_slots, dtype=np.int64)])
-        write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
-        meta = AttentionMetadata(write_idx=torch.from_numpy(write_idx).to(dev), num_prefill_tokens=P, num_decode=B)
+        meta = AttentionMetadata(write_idx=None, num_prefill_tokens=P, num_decode=B)
 
         # multi-token chunks
         ends: List[int] = []
@@ -171,38 +225,52 @@ class ModelRunner:
             start += n
             ends.append(start)
 
-        # single-token queries: padded block tables -> one gather index + key mask
+        # single-token queries: sorted by length, bucketed, padded block tables -> one gather
+        # index + key mask per bucket
+        d_row = np.zeros(0, dtype=np.int64)
         if B:
             ctx = np.asarray(d_pos, dtype=np.int64)  # query position == last key position
-            if W:
-                first = np.maximum(ctx - W + 1, 0) // bs
-            else:
-                first = np.zeros(B, dtype=np.int64)
+            first = (np.maximum(ctx - W + 1, 0) // bs) if W else np.zeros(B, dtype=np.int64)
             nblk = ctx // bs - first + 1
-            nb = int(nblk.max())
-            pad = np.zeros((B, nb), dtype=np.int64)
-            if W:
-                for i, t in enumerate(d_tables):
+            perm = np.argsort(nblk, kind="stable")
+            d_row = np.empty(B, dtype=np.int64)
+            d_row[perm] = np.arange(B)  # decode i -> its row offset after sorting
+            d_tokens = [d_tokens[i] for i in perm]
+            positions[P:] = ctx[perm]
+            slots[P:] = slots[P:][perm]
+            ends_b = split_buckets(nblk[perm])
+            need = 0
+            b0 = 0
+            for b1 in ends_b:
+                idx = perm[b0:b1]
+                nb = int(nblk[idx].max())
+                pad = np.zeros((b1 - b0, nb), dtype=np.int64)
+                for r, i in enumerate(idx):
                     f = int(first[i])
-                    row = t[f:f + int(nblk[i])]
-                    pad[i, :len(row)] = row
-            else:
-                for i, t in enumerate(d_tables):
-                    k = int(nblk[i])
-                    pad[i, :k] = t[:k]
-            gidx = self._block_base[:, None, :, None] + pad[None, :, None, :]  # [2, B, KH, nb]
-            meta.decode_gather_idx = torch.from_numpy(gidx.reshape(-1)).to(dev)
-            meta.decode_num_blocks = nb
-            k_pos = first[:, None] * bs + np.arange(nb * bs, dtype=np.int64)[None, :]
-            allowed = k_pos <= ctx[:, None]
-            if W:
-                allowed &= k_pos > (ctx[:, None] - W)
-            meta.decode_mask = torch.from_numpy(allowed).view(B, 1, 1, nb * bs).to(dev)
+                    row = d_tables[i][f:f + int(nblk[i])]
+                    pad[r, :len(row)] = row
+                gidx = self._block_base[:, None, :, None] + pad[None, :, None, :]  # [2, Bk, KH, nb]
+                k_pos = first[idx, None] * bs + np.arange(nb * bs, dtype=np.int64)[None, :]
+                allowed = k_pos <= ctx[idx, None]
+                if W:
+                    allowed &= k_pos > (ctx[idx, None] - W)
+                meta.decode_buckets.append(DecodeBucket(
+                    start=P + b0, end=P + b1, gather_idx=torch.from_numpy(gidx.reshape(-1)).to(dev),
+                    num_blocks=nb, mask=torch.from_numpy(allowed).view(b1 - b0, 1, 1, nb * bs).to(dev)))
+                need = max(need, gidx.size * bs * self._head_dim)
+                b0 = b1
+            meta.workspace = self._get_workspace(need)
 
-        rows = [P + i if is_dec else ends[i] - 1 for is_dec, i in order]
+        write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
+        meta.write_idx = torch.from_numpy(write_idx).to(dev)
+        rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
+        seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}
+        for sid, r in zip(d_sids, d_row.tolist()):
+            seq_rows[sid] = (P + r, P + r + 1)
         input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
         return ModelInput(input_ids=input_ids.to(dev), positions=torch.from_numpy(positions).to(dev),
-                          attn=meta, sample_rows=torch.tensor(rows, dtype=torch.long).to(dev))
+                          attn=meta, sample_rows=torch.tensor(rows, dtype=torch.long).to(dev),
+                          seq_rows=seq_rows)
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()

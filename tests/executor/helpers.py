@@ -100,18 +100,7 @@ def all_logits(worker, metadata: List[SequenceGroupMetadata]) -> Dict[int, torch
     with torch.inference_mode():
         hidden = r.model(inp.input_ids, inp.positions, worker.cache_engine.gpu_cache, inp.attn)
         logits = r.model.compute_logits(hidden)
-    # recover each seq's rows: multi-token chunks first (in order), then single tokens
-    out: Dict[int, torch.Tensor] = {}
-    row = 0
-    multi = [(sid, md.token_chunk_size) for md in metadata for sid in md.seq_data if md.token_chunk_size > 1]
-    single = [sid for md in metadata for sid in md.seq_data if md.token_chunk_size == 1]
-    for sid, n in multi:
-        out[sid] = logits[row:row + n]
-        row += n
-    for sid in single:
-        out[sid] = logits[row:row + 1]
-        row += 1
-    return out
+    return {sid: logits[a:b] for sid, (a, b) in inp.seq_rows.items()}
 
 
 def advance(metadata: List[SequenceGroupMetadata]) -> None:

@@ -9,9 +9,10 @@ at offset ``pos % block_size``; its *slot* is ``bt[pos // bs] * bs + pos % bs``.
 
 A batch is flattened (no padding of the token dimension) and ordered as built by the model
 runner: first the *multi-token* chunks (prefills), one after the other, then the
-*single-token* queries (decodes and 1-token prefill chunks), which are attended in one
-batched, masked ``scaled_dot_product_attention`` whose keys are gathered through a padded
-block-table index (one ``index_select`` per layer for K and V together).
+*single-token* queries (decodes and 1-token prefill chunks), sorted by context length and
+split into a few buckets; each bucket is attended with one masked
+``scaled_dot_product_attention`` whose keys are gathered through a padded block-table index
+(one ``index_select`` per bucket and layer for K and V together, into a reused workspace).
 
 The gather index is built so the gathered tensor is already ``[B, kv_heads, L, head_dim]``
 contiguous: ``flat[s, b, h, n] = (s * kv_heads + h) * num_blocks + table[b, n]`` over the cache
@@ -50,6 +51,24 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBucket:
+    """Single-token queries of similar context length, attended together.
+
+    Attributes:
+        start, end: rows ``[start, end)`` of the flattened batch (``B = end - start``).
+        gather_idx: int64 ``[2 * B * kv_heads * nb]`` flat block index (see module doc).
+        num_blocks: ``nb``, the padded block-table width of the bucket.
+        mask: bool ``[B, 1, 1, nb * block_size]`` (True = attend).
+    """
+
+    start: int
+    end: int
+    gather_idx: torch.Tensor
+    num_blocks: int
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers.
 
@@ -59,19 +78,18 @@ class AttentionMetadata:
             (order ``(s, h, t)``).
         prefills: the multi-token chunks, rows ``[0, num_prefill_tokens)``.
         num_prefill_tokens: rows taken by ``prefills``.
-        num_decode: single-token queries (rows ``num_prefill_tokens ..``).
-        decode_gather_idx: int64 ``[2 * B * kv_heads * nb]`` (see module doc) or ``None``.
-        decode_num_blocks: ``nb``, the padded table width of the decode batch.
-        decode_mask: bool ``[B, 1, 1, nb * block_size]`` (True = attend).
+        num_decode: single-token queries (rows ``num_prefill_tokens ..``), split into
+            ``decode_buckets`` of similar length (less padding).
+        workspace: flat buffer reused by every layer for gathered K/V (avoids allocating and
+            page-faulting tens of MB per layer); ``None`` = allocate.
     """
 
     write_idx: torch.Tensor
     prefills: List[PrefillChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode: int = 0
-    decode_gather_idx: Optional[torch.Tensor] = None
-    decode_num_blocks: int = 0
-    decode_mask: Optional[torch.Tensor] = None
+    decode_buckets: List[DecodeBucket] = field(default_factory=list)
+    workspace: Optional[torch.Tensor] = None
 
 
 class PagedAttention:
@@ -127,13 +145,18 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=pc.mask, scale=self.scale,
                                                    enable_gqa=self.group > 1)
             out[pc.start:pc.end] = o.transpose(0, 1)
-        B = meta.num_decode
-        if B:
-            P = meta.num_prefill_tokens
+        if meta.decode_buckets:
             bs = kv_cache.shape[3]
-            g = kv_cache.view(-1, bs * D).index_select(0, meta.decode_gather_idx)
-            g = g.view(2, B, KH, meta.decode_num_blocks * bs, D)
-            qd = q[P:P + B].reshape(B, KH, self.group, D)
-            o = F.scaled_dot_product_attention(qd, g[0], g[1], attn_mask=meta.decode_mask, scale=self.scale)
-            out[P:P + B] = o.view(B, H, D)
+            rows = kv_cache.view(-1, bs * D)
+            for b in meta.decode_buckets:
+                B = b.end - b.start
+                n = b.gather_idx.numel()
+                if meta.workspace is not None:
+                    g = torch.index_select(rows, 0, b.gather_idx, out=meta.workspace[:n * bs * D].view(n, bs * D))
+                else:
+                    g = rows.index_select(0, b.gather_idx)
+                g = g.view(2, B, KH, b.num_blocks * bs, D)
+                qd = q[b.start:b.end].reshape(B, KH, self.group, D)
+                o = F.scaled_dot_product_attention(qd, g[0], g[1], attn_mask=b.mask, scale=self.scale)
+                out[b.start:b.end] = o.view(B, H, D)
         return out.view(T, H * D)

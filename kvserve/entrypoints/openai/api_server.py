@@ -44,7 +44,7 @@ from kvserve.entrypoints.openai.serving_chat import (OpenAIServingChat, chat_tem
                                                      render_messages)
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import (DEFAULT_MAX_BODY_BYTES, APIError,
-                                                       RequestLogger, read_json_body)
+                                                       PendingCounter, RequestLogger, read_json_body)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -57,10 +57,12 @@ _KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healt
 @dataclass
 class ServerState:
     """Server-wide state. ``draining``: shutting down, new requests get 503. ``inflight``:
-    engine request ids of the HTTP requests now generating (maintained by the handlers)."""
+    engine request ids of the HTTP requests now generating; ``pending``: admitted requests not
+    yet in the engine's queue (both maintained by the handlers)."""
 
     draining: bool = False
     inflight: Set[str] = field(default_factory=set)
+    pending: PendingCounter = field(default_factory=PendingCounter)
 
     def abort_all(self, async_engine) -> int:
         """Abort every in-flight request (their streams end with ``finish_reason="abort"``)."""

@@ -23,7 +23,7 @@ from kvserve.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatComplet
 from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
                                                        DisconnectAwareStreamingResponse,
-                                                       OpenAIServing, RequestRecord, SubRequest,
+                                                       OpenAIServing, RequestRecord, Reservation, SubRequest,
                                                        finite, run_unless_disconnected, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
         conv = render_messages(req.messages)
         ids = chat_template_ids(self.tokenizer, conv, req.add_generation_prompt is not False)
         sub = self.prepare_prompt(ids, params, param="messages")
-        self.check_capacity()
+        reservation = self.check_capacity(1)
         rec = self.new_record("chatcmpl", params.n, [sub])
         if self.request_logger.log_prompts:
             rec.prompts = [self.decode(ids)]
@@ -117,10 +117,11 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return DisconnectAwareStreamingResponse(
-                self._stream(req, params, sub, rec, priority, include_usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                self._stream(req, params, sub, rec, priority, include_usage, reservation),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                on_close=reservation.release)
         try:
-            body = await run_unless_disconnected(raw_request, self._full(req, params, sub, rec, priority))
+            body = await run_unless_disconnected(raw_request, self._full(req, params, sub, rec, priority, reservation))
             return JSONResponse(body)
         except ClientDisconnected:
             rec.status = "client_disconnected"
@@ -129,12 +130,13 @@ class OpenAIServingChat(OpenAIServing):
             rec.status = f"error_{e.status}"
             raise
         finally:
+            reservation.release()
             self.request_logger.log(rec)
 
     async def _full(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
-                    rec: RequestRecord, priority: int) -> dict:
+                    rec: RequestRecord, priority: int, reservation: Reservation) -> dict:
         try:
-            async for idx, out in self.generate_all([sub], params, priority):
+            async for idx, out in self.generate_all([sub], params, priority, reservation):
                 rec.observe(idx, out)
                 if out.finished and out.outcome == "rejected":
                     raise self.rejected_error(out, "messages")
@@ -151,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=rec.usage()).model_dump()
 
     async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
-                      rec: RequestRecord, priority: int, include_usage: bool):
+                      rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
         created = int(time.time())
         sent_chars: Dict[int, int] = {}
         sent_tokens: Dict[int, int] = {}
@@ -164,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             for i in range(params.n):
                 yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            async for idx, out in self.generate_all([sub], params, priority):
+            async for idx, out in self.generate_all([sub], params, priority, reservation):
                 rec.observe(idx, out)
                 if out.finished and out.outcome == "rejected":
                     raise self.rejected_error(out, "messages")

@@ -19,7 +19,7 @@ from kvserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLog
                                                  CompletionStreamResponse)
 from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
                                                        DisconnectAwareStreamingResponse,
-                                                       OpenAIServing, RequestRecord, SubRequest,
+                                                       OpenAIServing, RequestRecord, Reservation, SubRequest,
                                                        finite, run_unless_disconnected, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
@@ -63,16 +63,17 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.make_sampling_params(sampling_kwargs(req, req.max_tokens, req.logprobs))
         prompts = self._split_prompts(req.prompt)
         subs = [self.prepare_prompt(p, params) for p in prompts]
-        self.check_capacity()
+        reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs)
         priority = req.priority or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return DisconnectAwareStreamingResponse(
-                self._stream(req, params, subs, rec, priority, include_usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                self._stream(req, params, subs, rec, priority, include_usage, reservation),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                on_close=reservation.release)
         try:
-            body = await run_unless_disconnected(raw_request, self._full(req, params, subs, rec, priority))
+            body = await run_unless_disconnected(raw_request, self._full(req, params, subs, rec, priority, reservation))
             return JSONResponse(body)
         except ClientDisconnected:
             rec.status = "client_disconnected"
@@ -81,6 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
             rec.status = f"error_{e.status}"
             raise
         finally:
+            reservation.release()
             self.request_logger.log(rec)
 
     @staticmethod
@@ -95,9 +97,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return list(prompt)  # a batch of strings or of token-id lists
 
     async def _full(self, req: CompletionRequest, params: SamplingParams, subs: List[SubRequest],
-                    rec: RequestRecord, priority: int) -> dict:
+                    rec: RequestRecord, priority: int, reservation: Reservation) -> dict:
         try:
-            async for idx, out in self.generate_all(subs, params, priority):
+            async for idx, out in self.generate_all(subs, params, priority, reservation):
                 rec.observe(idx, out)
                 if out.finished and out.outcome == "rejected":
                     raise self.rejected_error(out)
@@ -118,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=rec.usage()).model_dump()
 
     async def _stream(self, req: CompletionRequest, params: SamplingParams, subs: List[SubRequest],
-                      rec: RequestRecord, priority: int, include_usage: bool):
+                      rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
         created = int(time.time())
         sent_chars: Dict[int, int] = {}
         sent_tokens: Dict[int, int] = {}
@@ -129,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 choices=choices, usage=usage))
 
         try:
-            async for idx, out in self.generate_all(subs, params, priority):
+            async for idx, out in self.generate_all(subs, params, priority, reservation):
                 rec.observe(idx, out)
                 if out.finished and out.outcome == "rejected":
                     raise self.rejected_error(out)

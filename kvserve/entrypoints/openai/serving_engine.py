@@ -90,6 +90,35 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class PendingCounter:
+    """Server-wide count of admitted sub-requests not yet handed to the engine (between the
+    ``max_waiting`` check and ``AsyncLLMEngine.generate`` putting them in its inbox); without
+    it, a burst of requests would all pass the check before any of them is queued."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class Reservation:
+    """``n`` places counted in a ``PendingCounter`` until each is consumed (handed to the
+    engine) or the rest released (request over). Both are idempotent."""
+
+    def __init__(self, counter: PendingCounter, n: int):
+        self.counter, self.left = counter, n
+        counter.value += n
+
+    def consume(self) -> None:
+        """One sub-request is now in the engine's inbox."""
+        if self.left > 0:
+            self.left -= 1
+            self.counter.value -= 1
+
+    def release(self) -> None:
+        """Give back whatever was not consumed."""
+        self.counter.value -= self.left
+        self.left = 0
+
+
 class ClientDisconnected(Exception):
     """The client went away before the response was ready (its requests were aborted)."""
 
@@ -198,6 +227,10 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     aborts its engine requests at once.
     """
 
+    def __init__(self, *args, on_close=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
@@ -216,6 +249,8 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -350,6 +385,7 @@ class OpenAIServing:
         self.request_logger = request_logger or RequestLogger()
         self.server_state = server_state
         self.retry_after_s = retry_after_s
+        self.pending: PendingCounter = getattr(server_state, "pending", None) or PendingCounter()
         self._token_str_cache: Dict[int, str] = {}
 
     # ------------------------------------------------------------------ engine facts
@@ -376,8 +412,10 @@ class OpenAIServing:
                            f"{self.served_model_names[0]!r}.", 404, param="model",
                            code="model_not_found")
 
-    def check_capacity(self) -> None:
-        """503 with ``Retry-After`` when shutting down or when ``waiting`` is at ``max_waiting``."""
+    def check_capacity(self, num_requests: int = 1) -> Reservation:
+        """503 with ``Retry-After`` when shutting down or when the waiting queue (``waiting`` +
+        the engine's inbox + admitted requests not yet handed over) is at ``max_waiting``.
+        Returns the reservation of ``num_requests`` places (pass it to ``generate_all``)."""
         headers = {"Retry-After": str(self.retry_after_s)}
         if self.server_state is not None and getattr(self.server_state, "draining", False):
             raise APIError("The server is shutting down.", 503, type="service_unavailable",
@@ -387,14 +425,15 @@ class OpenAIServing:
             raise APIError(f"The engine loop has stopped: {errored!r}", 503,
                            type="service_unavailable", code="engine_dead")
         limit = getattr(self.engine.scheduler_config, "max_waiting", None)
-        if limit is None:
-            return
-        inbox = getattr(self.async_engine, "_inbox", None)
-        waiting = len(self.engine.scheduler.waiting) + (inbox.qsize() if inbox is not None else 0)
-        if waiting >= limit:
-            raise APIError(f"Too many requests are waiting ({waiting} >= max_waiting {limit}); "
-                           f"retry later.", 503, type="service_unavailable", code="queue_full",
-                           headers=headers)
+        if limit is not None:
+            inbox = getattr(self.async_engine, "_inbox", None)
+            waiting = (len(self.engine.scheduler.waiting) + (inbox.qsize() if inbox is not None else 0)
+                       + self.pending.value)
+            if waiting >= limit:
+                raise APIError(f"Too many requests are waiting ({waiting} >= max_waiting {limit}); "
+                               f"retry later.", 503, type="service_unavailable", code="queue_full",
+                               headers=headers)
+        return Reservation(self.pending, num_requests)
 
     def make_sampling_params(self, kwargs: Dict[str, Any],
                              rename: Optional[Dict[str, str]] = None) -> SamplingParams:
@@ -436,8 +475,9 @@ class OpenAIServing:
         return SubRequest("", text, ids)
 
     # ------------------------------------------------------------------ running requests
-    async def generate_all(self, subs: List[SubRequest], params: SamplingParams,
-                           priority: int) -> AsyncIterator[Tuple[int, RequestOutput]]:
+    async def generate_all(self, subs: List[SubRequest], params: SamplingParams, priority: int,
+                           reservation: Optional[Reservation] = None
+                           ) -> AsyncIterator[Tuple[int, RequestOutput]]:
         """Run every sub-request concurrently; yield ``(sub_index, RequestOutput)`` as outputs
         arrive. Closing or cancelling the iterator aborts whatever is still running."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -448,6 +488,9 @@ class OpenAIServing:
             prompt = {"prompt": sub.prompt_text, "prompt_token_ids": sub.prompt_token_ids}
             if inflight is not None:
                 inflight.add(sub.request_id)
+            if reservation is not None:
+                # no await between here and generate() putting the request in the inbox
+                reservation.consume()
             try:
                 async for out in self.async_engine.generate(prompt, params, sub.request_id, priority=priority):
                     queue.put_nowait((idx, out, None))
@@ -475,6 +518,8 @@ class OpenAIServing:
             for t in tasks:  # synchronous: this may run inside a cancelled scope
                 if not t.done():
                     t.cancel()
+            if reservation is not None:
+                reservation.release()
 
     def engine_error(self, e: BaseException, rename: Optional[Dict[str, str]] = None) -> APIError:
         """Map an exception from a running request to an API error."""

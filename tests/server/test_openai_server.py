@@ -557,3 +557,19 @@ def test_no_pending_admission_is_leaked(server):
     server.wait_idle()
     assert server.app.state.server_state.pending.value == 0
     assert not server.app.state.server_state.inflight
+
+
+def test_metrics_gauges_while_a_request_runs(server):
+    stream = server.client().completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=40, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    _, during = scrape(server)
+    assert during["kvserve:num_requests_running"] == 1
+    assert 0 < during["kvserve:gpu_cache_usage_perc"] <= 1
+    assert during["kvserve:num_free_gpu_blocks"] < during["kvserve:num_gpu_blocks"]
+    stream.close()
+    server.wait_idle(5)
+    _, after = scrape(server)
+    assert after["kvserve:num_requests_running"] == 0 and after["kvserve:gpu_cache_usage_perc"] == 0
+    assert after['kvserve:request_success_total{"finished_reason": "abort"}'] >= 1

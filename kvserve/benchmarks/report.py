@@ -34,9 +34,18 @@ def _ok(cond: Optional[bool]) -> str:
     return "-" if cond is None else ("PASS" if cond else "FAIL")
 
 
+def _workload_name(d: Path) -> str:
+    for name in ("offline_kvserve_float32.json", "offline_kvserve_bfloat16.json", "serve_kvserve.json"):
+        r = _load(d, name)
+        if r and r.get("workload"):
+            return Path(str(r["workload"]).split(" ")[0]).name
+    return "w64.jsonl"
+
+
 def render(d: Path) -> str:
     out: List[str] = []
-    out.append("### Offline throughput (w64, all requests at once; output tokens/s)\n")
+    w = _workload_name(d)
+    out.append(f"### Offline throughput ({w}, all requests at once; output tokens/s)\n")
     out.append("| dtype | kvserve | vLLM CPU (measured) | vLLM CPU (reference) | kvserve / vLLM | target >= 1.0x |")
     out.append("|---|---|---|---|---|---|")
     for dt in ("float32", "bfloat16"):
@@ -50,7 +59,7 @@ def render(d: Path) -> str:
         out.append(f"| {dt} | {_f(k)} | {_f(v)} | {_f(ref, 0)} | {_f(ratio, 2) + 'x' if ratio else '-'} | {_ok(None if ratio is None else ratio >= 1.0)} |")
     kv32 = _load(d, "offline_kvserve_float32.json")
     if kv32 and kv32.get("transformers"):
-        out.append("\n### kvserve vs transformers `generate` (float32, w64)\n")
+        out.append(f"\n### kvserve vs transformers `generate` (float32, {w})\n")
         out.append("| engine | batching | req/s | output tok/s | total tok/s | peak RSS MiB |")
         out.append("|---|---|---|---|---|---|")
         k = kv32["kvserve"]
@@ -61,7 +70,7 @@ def render(d: Path) -> str:
                        f"{_f(b['output_tokens_per_s'])} | {_f(b['total_tokens_per_s'])} | - |")
         if kv32.get("ratio_vs_best_transformers"):
             out.append(f"\nkvserve / best transformers: {kv32['ratio_vs_best_transformers']:.2f}x")
-    out.append("\n### Online (w64, all 64 requests at once)\n")
+    out.append(f"\n### Online ({w}, all requests at once)\n")
     out.append("| server | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p50 ms | E2E p50 ms | output tok/s |")
     out.append("|---|---|---|---|---|---|---|---|")
     rows = {}

@@ -63,13 +63,21 @@ def _rates(n_req: int, prompt_tokens: int, out_tokens: int, seconds: float) -> d
             "total_tokens_per_s": (prompt_tokens + out_tokens) / s}
 
 
-def run_kvserve(reqs: List[BenchRequest], engine_kwargs: dict, use_tqdm: bool = True) -> dict:
-    """Runs ``reqs`` through ``LLM.generate``; returns throughput, memory, timeline and the LLM."""
+def run_kvserve(reqs: List[BenchRequest], engine_kwargs: dict, use_tqdm: bool = True, warmup: int = 1) -> dict:
+    """Runs ``reqs`` through ``LLM.generate``; returns throughput, memory, timeline and the LLM.
+
+    ``warmup`` tiny requests (the first prompt's first 16 tokens, 2 output tokens) run before the
+    clock starts, as vLLM warms its model up inside ``LLM()``; their time is reported as ``warmup_s``."""
     from kvserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)
     load_s = time.perf_counter() - t0
+    tw = time.perf_counter()
+    for _ in range(warmup):
+        llm.generate([{"prompt_token_ids": reqs[0].prompt_token_ids[:16]}],
+                     SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    warmup_s = time.perf_counter() - tw
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs]
     wall0 = time.time()
@@ -80,7 +88,7 @@ def run_kvserve(reqs: List[BenchRequest], engine_kwargs: dict, use_tqdm: bool = 
     short = sum(p < r.output_len for p, r in zip(produced, reqs))
     useful = sum(min(p, r.output_len) for p, r in zip(produced, reqs))
     work = _work(reqs)
-    res = {"engine": "kvserve", "load_s": load_s, **_rates(len(reqs), work["prompt_tokens"], useful, gen_s),
+    res = {"engine": "kvserve", "load_s": load_s, "warmup_s": warmup_s, **_rates(len(reqs), work["prompt_tokens"], useful, gen_s),
            "output_tokens": useful, "requests_short_of_output_len": short,
            "peak_rss_mib": peak_rss_mib(), "rss_after_mib": current_rss_mib()}
     try:
@@ -118,7 +126,7 @@ def timeline_from_engine(llm, t0: float, max_points: int = 5000, num_submitted: 
 
 
 def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_sizes: List[int],
-                     use_tqdm: bool = True) -> List[dict]:
+                     use_tqdm: bool = True, warmup: int = 1) -> List[dict]:
     """Static-batch transformers ``generate`` for each batch size (greedy, left padding)."""
     import torch
     from tqdm.auto import tqdm
@@ -133,6 +141,12 @@ def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_size
     if pad_id is None:
         pad_id = 0
     work = _work(reqs)
+    tw = time.perf_counter()
+    for _ in range(warmup):
+        with torch.inference_mode():
+            model.generate(input_ids=torch.tensor([reqs[0].prompt_token_ids[:16]]), max_new_tokens=2,
+                           min_new_tokens=2, do_sample=False, pad_token_id=pad_id)
+    warmup_s = time.perf_counter() - tw
     results = []
     for bs in batch_sizes:
         bar = tqdm(total=len(reqs), desc=f"transformers bs={bs}", unit="req", disable=not use_tqdm,
@@ -155,7 +169,7 @@ def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_size
             bar.update(len(batch))
         secs = time.perf_counter() - t1
         bar.close()
-        results.append({"engine": "transformers", "batch_size": bs, "load_s": load_s,
+        results.append({"engine": "transformers", "batch_size": bs, "load_s": load_s, "warmup_s": warmup_s,
                         **_rates(len(reqs), work["prompt_tokens"], work["output_tokens"], secs),
                         "output_tokens": work["output_tokens"], "generated_tokens_incl_padding_work": generated})
     del model
@@ -178,6 +192,8 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--json-out", default=None, help="write the results here as JSON")
     p.add_argument("--plot-dir", default=None, help="write the kvserve queue/KV-cache timeline PNG here")
     p.add_argument("--no-tqdm", action="store_true", help="no progress bars")
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="tiny untimed requests per engine before the clock starts (vLLM warms up inside LLM())")
     add_engine_args(p)
     return p
 
@@ -202,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{work['output_tokens']} output tokens")
     use_tqdm = not ns.no_tqdm
 
-    kv = run_kvserve(reqs, engine_kwargs, use_tqdm=use_tqdm)
+    kv = run_kvserve(reqs, engine_kwargs, use_tqdm=use_tqdm, warmup=ns.warmup_requests)
     llm = kv.pop("_llm")
     from kvserve.model_executor.model_loader import resolve_model_dir
 
@@ -211,12 +227,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     del llm
     gc.collect()
     print(f"kvserve: {kv['output_tokens_per_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s "
-          f"(load {kv['load_s']:.1f} s, peak RSS {kv['peak_rss_mib']:.0f} MiB)")
+          f"(load {kv['load_s']:.1f} s, warm-up {kv['warmup_s']:.1f} s, peak RSS {kv['peak_rss_mib']:.0f} MiB)")
 
     baseline: List[dict] = []
     if not ns.no_baseline and batch_sizes:
         breqs = reqs[:ns.baseline_num_prompts] if ns.baseline_num_prompts else reqs
-        baseline = run_transformers(breqs, model_dir, torch_dtype, batch_sizes, use_tqdm=use_tqdm)
+        baseline = run_transformers(breqs, model_dir, torch_dtype, batch_sizes, use_tqdm=use_tqdm,
+                                    warmup=ns.warmup_requests)
     best = max(baseline, key=lambda r: r["output_tokens_per_s"], default=None)
 
     rows = [["kvserve", kv.get("dtype", ns.dtype), "continuous", kv["requests_per_s"], kv["output_tokens_per_s"],

@@ -253,10 +253,13 @@ class LLMEngine:
         limit = self.scheduler.prompt_limit
         if prompt_len > limit:
             return f"prompt has {prompt_len} tokens > prompt_limit {limit}"
-        bs, total = self.cache_config.block_size, self.cache_config.num_gpu_blocks
-        needed = -(-prompt_len // bs)
-        if needed > total:
-            return f"prompt needs {needed} KV blocks > {total} blocks in the cache"
+        # Same rule as the scheduler's admission: the pool minus the watermark.
+        bm = self.scheduler.block_manager
+        total, watermark = bm.num_total_gpu_blocks, bm.watermark_blocks
+        needed = -(-prompt_len // self.cache_config.block_size)
+        if needed > total - watermark:
+            return (f"prompt needs {needed} KV blocks > {total - watermark} usable blocks in the cache "
+                    f"({total} blocks, watermark {watermark})")
         return None
 
     def _device(self) -> str:

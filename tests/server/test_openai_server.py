@@ -315,6 +315,9 @@ def test_B03_server_prompt_bigger_than_kv_pool(server):
     err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 400),
                                                        "max_tokens": 2, "temperature": 0}), 400, "prompt")
     assert "50" in err["message"] and "48" in err["message"]
+    # streamed: still a 400 before any byte of the stream
+    assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 400), "max_tokens": 2,
+                                                 "stream": True}), 400, "prompt", ["50"])
     # chat is held to the same limit
     long_msg = "word " * 420
     assert_error(h.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,

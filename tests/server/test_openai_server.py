@@ -98,6 +98,8 @@ def test_completion_and_usage(server):
     assert r.usage.completion_tokens == 6 == len(ch.logprobs.tokens)
     assert r.usage.total_tokens == r.usage.prompt_tokens + 6
     assert "".join(ch.logprobs.tokens) == ch.text
+    raw = server.client().completions.with_raw_response.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=1)
+    assert raw.headers["x-request-id"] == raw.parse().id
     # token-id prompt gives the same greedy text
     r2 = c.completions.create(model=MODEL, prompt=ids_of(server, PARIS_PROMPT), max_tokens=6, temperature=0)
     assert r2.choices[0].text == ch.text

@@ -70,11 +70,12 @@ class OpenAIServingCompletion(OpenAIServing):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return DisconnectAwareStreamingResponse(
                 self._stream(req, params, subs, rec, priority, include_usage, reservation),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id},
                 on_close=reservation.release)
         try:
             body = await run_unless_disconnected(raw_request, self._full(req, params, subs, rec, priority, reservation))
-            return JSONResponse(body)
+            return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
         except ClientDisconnected:
             rec.status = "client_disconnected"
             return Response(status_code=499)

@@ -24,7 +24,9 @@ from typing import Dict, List, Optional, Sequence as Seq, Tuple
 import numpy as np
 import torch
 
-from kvserve.model_executor.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk
+from kvserve.model_executor.layers import native_attention
+from kvserve.model_executor.layers.attention import (AttentionMetadata, DecodeBucket, NativeDecode,
+                                                    PrefillChunk)
 from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceData,
                               SequenceGroupMetadata)
 
@@ -110,10 +112,12 @@ class ModelRunner:
         sampler: callable ``(logits float32 [N, vocab], metadata list) ->
             List[CompletionSequenceGroupOutput]``.
         device: where the model lives.
+        use_native: decode attention with the native CPU kernel (``None`` = when available:
+            CPU, float32, compiled); else the torch gather + SDPA path.
     """
 
     def __init__(self, model, block_size: int, num_gpu_blocks: int, sliding_window: Optional[int],
-                 sampler, device: str = "cpu"):
+                 sampler, device: str = "cpu", use_native: Optional[bool] = None):
         self.model = model
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -127,6 +131,10 @@ class ModelRunner:
         self._slot_base = sh * num_gpu_blocks * block_size      # [2, KH]
         self._head_dim = model.head_dim
         self._workspace: Optional[torch.Tensor] = None
+        if use_native is None:
+            use_native = (self.device.type == "cpu" and model.dtype == torch.float32
+                          and native_attention.available())
+        self.use_native = bool(use_native)
 
     def _get_workspace(self, numel: int) -> torch.Tensor:
         """A reusable flat buffer of at least ``numel`` elements (grown by 25 % steps)."""
@@ -225,13 +233,26 @@ class ModelRunner:
             start += n
             ends.append(start)
 
-        # single-token queries: sorted by length, bucketed, padded block tables -> one gather
-        # index + key mask per bucket
+        # single-token queries: native kernel -> one padded block table + key ranges; torch
+        # path -> sorted by length, bucketed, one gather index + key mask per bucket
         d_row = np.zeros(0, dtype=np.int64)
         if B:
             ctx = np.asarray(d_pos, dtype=np.int64)  # query position == last key position
             first = (np.maximum(ctx - W + 1, 0) // bs) if W else np.zeros(B, dtype=np.int64)
             nblk = ctx // bs - first + 1
+            if self.use_native:
+                nb = int(nblk.max())
+                pad = np.zeros((B, nb), dtype=np.int64)
+                for i, t in enumerate(d_tables):
+                    f = int(first[i])
+                    row = t[f:f + int(nblk[i])]
+                    pad[i, :len(row)] = row
+                meta.native_decode = NativeDecode(
+                    start=P, end=P + B, table=torch.from_numpy(pad),
+                    kstart=torch.from_numpy(np.maximum(ctx - W + 1, 0) if W else np.zeros(B, dtype=np.int64)),
+                    kend=torch.from_numpy(ctx + 1))
+                d_row = np.arange(B, dtype=np.int64)
+        if B and not self.use_native:
             perm = np.argsort(nblk, kind="stable")
             d_row = np.empty(B, dtype=np.int64)
             d_row[perm] = np.arange(B)  # decode i -> its row offset after sorting

@@ -77,7 +77,9 @@ class ToySeq:
 
 
 def make_worker(model_dir, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 16,
-                sliding_window: Optional[int] = None):
+                sliding_window: Optional[int] = None, native: Optional[bool] = None):
+    """A float32 CPU worker on ``model_dir``; ``native`` forces the decode-attention path
+    (``None``: the default choice)."""
     from kvserve.worker.worker import Worker
 
     w = Worker(ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
@@ -85,6 +87,14 @@ def make_worker(model_dir, block_size: int = 4, num_gpu_blocks: int = 64, num_cp
                            num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window))
     g, c = w.determine_num_blocks()
     w.init_cache(g, c)
+    if native is not None:
+        from kvserve.model_executor.layers import native_attention
+
+        if native and not native_attention.available():
+            import pytest
+
+            pytest.skip(f"native kernel unavailable: {native_attention.failure_reason()}")
+        w.runner.use_native = native
     return w
 
 

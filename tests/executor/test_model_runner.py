@@ -15,6 +15,12 @@ def rand_ids(rng, n):
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def native(request):
+    """Run a test with the native decode kernel and with the pure-torch path."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -37,10 +43,10 @@ def test_batched_prefill_all_positions_match_hf(tiny):
         assert ref.abs().max() > 0.1  # real values, not zeros
 
 
-def test_chunked_prefill_and_decode_through_paged_cache(tiny):
+def test_chunked_prefill_and_decode_through_paged_cache(tiny, native):
     """Chunks of several sizes, mixed with decodes of another sequence in the same step."""
     path, hf = tiny
-    w = make_worker(path, block_size=4)
+    w = make_worker(path, block_size=4, native=native)
     rng = random.Random(2)
     alloc = ToyAllocator(64, seed=3)
     a = ToySeq(rand_ids(rng, 14))
@@ -63,11 +69,11 @@ def test_chunked_prefill_and_decode_through_paged_cache(tiny):
     assert len(a.table) >= 5  # spans several blocks
 
 
-def test_sampled_rows_follow_metadata_order(tiny):
+def test_sampled_rows_follow_metadata_order(tiny, native):
     """Sampler rows: groups in list order (do_sample only), seqs in seq_data order, last
     position of each chunk -- even though the runner batches decodes after prefills."""
     path, hf = tiny
-    w = make_worker(path, block_size=4)
+    w = make_worker(path, block_size=4, native=native)
     rng = random.Random(4)
     alloc = ToyAllocator(64, seed=5)
     d = ToySeq(rand_ids(rng, 7))
@@ -83,9 +89,9 @@ def test_sampled_rows_follow_metadata_order(tiny):
     assert torch.allclose(logits[1], hf_logits(hf, p1.data.get_token_ids())[-1], atol=ATOL)
 
 
-def test_worker_greedy_generation_matches_hf_generate(tiny):
+def test_worker_greedy_generation_matches_hf_generate(tiny, native):
     path, hf = tiny
-    w = make_worker(path, block_size=4)
+    w = make_worker(path, block_size=4, native=native)
     rng = random.Random(6)
     alloc = ToyAllocator(64, seed=7)
     seqs = [ToySeq(rand_ids(rng, n)) for n in (3, 10)]
@@ -105,10 +111,10 @@ def test_worker_greedy_generation_matches_hf_generate(tiny):
         assert s.data.output_token_ids == ref[0, len(prompt):].tolist()
 
 
-def test_swap_out_and_in_to_other_blocks_then_decode(tiny):
+def test_swap_out_and_in_to_other_blocks_then_decode(tiny, native):
     """Blocks swapped to CPU and back into different device blocks keep the sequence exact."""
     path, hf = tiny
-    w = make_worker(path, block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+    w = make_worker(path, block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, native=native)
     rng = random.Random(8)
     alloc = ToyAllocator(32, seed=9)
     s = ToySeq(rand_ids(rng, 13))
@@ -128,10 +134,10 @@ def test_swap_out_and_in_to_other_blocks_then_decode(tiny):
     assert torch.allclose(logits[0], hf_logits(hf, s.data.get_token_ids())[-1], atol=ATOL)
 
 
-def test_copy_on_write_block_then_diverge(tiny):
+def test_copy_on_write_block_then_diverge(tiny, native):
     """A forked sequence: shared full blocks, last partial block copied, then each decodes."""
     path, hf = tiny
-    w = make_worker(path, block_size=4)
+    w = make_worker(path, block_size=4, native=native)
     rng = random.Random(10)
     alloc = ToyAllocator(64, seed=11)
     parent = ToySeq(rand_ids(rng, 10))  # 3 blocks, last one partial
@@ -175,14 +181,14 @@ def test_tied_embeddings(tmp_path):
     assert torch.allclose(got, hf_logits(hf, s.data.get_token_ids()), atol=ATOL)
 
 
-def test_qwen2_gqa_with_bias(tmp_path):
+def test_qwen2_gqa_with_bias(tmp_path, native):
     from transformers import Qwen2Config
 
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False, use_sliding_window=False, rope_theta=1e6)
     hf = save_tiny(tmp_path, cfg)
-    w = make_worker(tmp_path, block_size=4)
+    w = make_worker(tmp_path, block_size=4, native=native)
     assert w.model.layers[0].self_attn.qkv_bias is not None
     rng = random.Random(13)
     alloc = ToyAllocator(64)
@@ -199,7 +205,7 @@ def test_qwen2_gqa_with_bias(tmp_path):
         assert torch.allclose(got, hf_logits(hf, s.data.get_token_ids())[-1], atol=ATOL)
 
 
-def test_mistral_sliding_window_decode_past_window(tmp_path):
+def test_mistral_sliding_window_decode_past_window(tmp_path, native):
     """Window 6, block size 4: decode far past the window, with the block-table entries of
     blocks wholly outside the window pointing at another sequence's (live) blocks."""
     from transformers import MistralConfig
@@ -209,7 +215,7 @@ def test_mistral_sliding_window_decode_past_window(tmp_path):
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                         sliding_window=W, tie_word_embeddings=False)
     hf = save_tiny(tmp_path, cfg)
-    w = make_worker(tmp_path, block_size=4, sliding_window=W)
+    w = make_worker(tmp_path, block_size=4, sliding_window=W, native=native)
     assert w.sliding_window == W
     rng = random.Random(14)
     alloc = ToyAllocator(64, seed=15)
@@ -253,10 +259,10 @@ def test_bad_metadata_raises(tiny):
         w.runner.prepare_inputs([md])
 
 
-def test_many_decodes_of_varied_lengths_use_buckets(tiny):
+def test_many_decodes_of_varied_lengths_use_buckets(tiny, native):
     """Decodes are sorted by length and split into buckets; every row still matches."""
     path, hf = tiny
-    w = make_worker(path, block_size=4, num_gpu_blocks=256)
+    w = make_worker(path, block_size=4, num_gpu_blocks=256, native=native)
     rng = random.Random(16)
     alloc = ToyAllocator(256, seed=17)
     lens = [2, 60, 7, 33, 3, 58, 18, 41, 5, 64, 12, 27]
@@ -269,7 +275,10 @@ def test_many_decodes_of_varied_lengths_use_buckets(tiny):
             s.data.append_token_id(rng.randrange(3, VOCAB))
         md = [s.metadata(1, alloc, 4) for s in seqs]
         inp = w.runner.prepare_inputs(md)
-        assert len(inp.attn.decode_buckets) > 1
+        if native:
+            assert inp.attn.native_decode is not None and not inp.attn.decode_buckets
+        else:
+            assert len(inp.attn.decode_buckets) > 1
         got = step_logits(w, md)
         advance(md)
         for s, row in zip(seqs, got):  # sampler order == metadata order

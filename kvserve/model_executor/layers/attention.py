@@ -69,6 +69,22 @@ class DecodeBucket:
 
 
 @dataclass
+class NativeDecode:
+    """Inputs of the native decode kernel (``native_attention``) for rows ``[start, end)``.
+
+    Attributes:
+        table: int64 ``[B, nb]``; row ``b`` = block ids from block index ``kstart[b] // bs``.
+        kstart, kend: int64 ``[B]``; keys ``kstart <= pos < kend`` are attended.
+    """
+
+    start: int
+    end: int
+    table: torch.Tensor
+    kstart: torch.Tensor
+    kend: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers.
 
@@ -79,7 +95,8 @@ class AttentionMetadata:
         prefills: the multi-token chunks, rows ``[0, num_prefill_tokens)``.
         num_prefill_tokens: rows taken by ``prefills``.
         num_decode: single-token queries (rows ``num_prefill_tokens ..``), split into
-            ``decode_buckets`` of similar length (less padding).
+            ``decode_buckets`` of similar length (less padding) -- or all in
+            ``native_decode`` when the native CPU kernel is used.
         workspace: flat buffer reused by every layer for gathered K/V (avoids allocating and
             page-faulting tens of MB per layer); ``None`` = allocate.
     """
@@ -89,6 +106,7 @@ class AttentionMetadata:
     num_prefill_tokens: int = 0
     num_decode: int = 0
     decode_buckets: List[DecodeBucket] = field(default_factory=list)
+    native_decode: Optional[NativeDecode] = None
     workspace: Optional[torch.Tensor] = None
 
 
@@ -145,6 +163,14 @@ class PagedAttention:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=pc.mask, scale=self.scale,
                                                    enable_gqa=self.group > 1)
             out[pc.start:pc.end] = o.transpose(0, 1)
+        nd = meta.native_decode
+        if nd is not None:
+            from kvserve.model_executor.layers.native_attention import paged_decode_attention
+
+            B = nd.end - nd.start
+            qd = q[nd.start:nd.end].contiguous().view(B, KH, self.group, D)
+            paged_decode_attention(qd, kv_cache, nd.table, nd.kstart, nd.kend, self.scale,
+                                   out=out[nd.start:nd.end].view(B, KH, self.group, D))
         if meta.decode_buckets:
             bs = kv_cache.shape[3]
             rows = kv_cache.view(-1, bs * D)

@@ -11,7 +11,7 @@ lengths). Swapping adds ``swap_block_s`` per block moved.
 
 Default coefficients: a least-squares fit (weighted by 1/t, i.e. relative error) to the
 measured Llama-2-70B, H100-80GB, tensor-parallel 4 rows of SplitwiseSim's performance model
-(``/work/shared/traces/calibration/splitwise_sim_perf_model.csv``; Patel et al., "Splitwise",
+(``../shared/traces/calibration/splitwise_sim_perf_model.csv``; Patel et al., "Splitwise",
 ISCA'24; MIT). Each CSV row gives two samples: a prefill batch (``batch_size * prompt_size``
 prefill tokens -> ``prompt_time``) and a decode step (``batch_size`` seqs over
 ``batch_size * (prompt_size + token_size / 2)`` context tokens -> ``token_time``). Rows with
@@ -22,10 +22,12 @@ all 105 rows: 9.0%. ``fit_splitwise_csv`` refits for any model/hardware/TP in th
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional
 
-SPLITWISE_CSV = "/work/shared/traces/calibration/splitwise_sim_perf_model.csv"
+SPLITWISE_CSV = str(Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "calibration"
+                    / "splitwise_sim_perf_model.csv")
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Per-request sampling settings, validated at construction."""
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -10,6 +12,24 @@ GREEDY_EPS = 1e-5
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    """A finite real number (int or float; never a bool, NaN or infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _as_token_id(x) -> int:
+    """A token id from an int (numpy ints too) or a decimal string (JSON object keys)."""
+    if isinstance(x, bool):
+        raise TypeError
+    if isinstance(x, str):
+        return int(x.strip(), 10)
+    return operator.index(x)
+
+
+#: The range ``torch.Generator.manual_seed`` accepts.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 
 
 @dataclass
@@ -65,9 +85,33 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                             f"got {self.stop!r}.")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         self._verify()
+
+    @staticmethod
+    def _normalize_logit_bias(bias) -> dict:
+        """``{token id: bias}`` with int keys; string keys (JSON) must be decimal integers."""
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a map of token id -> number in [-100, 100], "
+                             f"got {type(bias).__name__}.")
+        out = {}
+        for k, v in bias.items():
+            try:
+                t = _as_token_id(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}.") from None
+            if t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}.")
+            out[t] = v
+        return out
 
     def _verify(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -79,22 +123,22 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}.")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}.")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable) or an integer >= 1, got {self.top_k!r}.")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}.")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}.")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+            if not _is_number(v) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}.")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -103,7 +147,7 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}.")
         if self.logit_bias:
             for k, v in self.logit_bias.items():
-                if not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                if not _is_number(v) or not -100 <= v <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k!r}.")
 
     @property

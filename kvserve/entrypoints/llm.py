@@ -57,7 +57,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts.")
-        priorities = priority or [0] * len(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
         engine = self.llm_engine
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         added = []

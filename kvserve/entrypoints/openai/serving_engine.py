@@ -437,21 +437,8 @@ class OpenAIServing:
 
     def make_sampling_params(self, kwargs: Dict[str, Any],
                              rename: Optional[Dict[str, str]] = None) -> SamplingParams:
-        """``SamplingParams(**kwargs)`` with its ``ValueError`` mapped to a 400."""
-        bias = kwargs.get("logit_bias")
-        if bias:
-            try:
-                kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
-            except ValueError:
-                raise APIError(f"logit_bias keys must be token ids (integers), got {list(bias)[:5]}.",
-                               400, param="logit_bias", code="invalid_value") from None
-            bad = [k for k in kwargs["logit_bias"] if k < 0]
-            if bad:
-                raise APIError(f"logit_bias keys must be token ids >= 0, got {bad[:5]}.", 400,
-                               param="logit_bias", code="invalid_value")
-        seed = kwargs.get("seed")
-        if seed is not None and not -(2 ** 63) <= seed < 2 ** 64:
-            raise APIError(f"seed must be a 64-bit integer, got {seed}.", 400, param="seed", code="invalid_value")
+        """``SamplingParams(**kwargs)`` with its ``ValueError`` mapped to a 400 (``SamplingParams``
+        also turns the JSON string keys of ``logit_bias`` into token ids)."""
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:

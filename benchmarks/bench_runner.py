@@ -39,9 +39,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs)")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table here")
     args = ap.parse_args()
 
+    if args.threads:
+        os.environ["KVSERVE_NUM_THREADS"] = str(args.threads)  # else the worker calibrates
     t0 = time.perf_counter()
     w = Worker(ModelConfig(model=args.model, dtype=args.dtype, device=args.device),
                CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_gib, swap_space_gib=0.0))
@@ -79,7 +82,7 @@ def main() -> None:
 
     # prefill, several whole prompts per step
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ntok = 0
     batch, btok = [], 0
     for s in seqs:
@@ -92,24 +95,26 @@ def main() -> None:
     run(batch)
     sync()
     dt = time.perf_counter() - t0
-    print(f"prefill: {ntok} tokens in {dt:.2f} s = {ntok / dt:.0f} tokens/s")
+    print(f"prefill: {ntok} tokens in {dt:.2f} s (CPU time {time.process_time() - c0:.2f} s) = {ntok / dt:.0f} tokens/s")
 
     def decode_step():
         run([md_for(*s, 1) for s in seqs])
 
     decode_step()  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
         sync()
-        t = time.perf_counter()
+        t, c0 = time.perf_counter(), time.process_time()
         decode_step()
         sync()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c0)
     times.sort()
+    cpu.sort()
     med = times[len(times) // 2]
     ctx = sum(s[1].get_len() for s in seqs) / len(seqs)
     print(f"decode: batch {len(seqs)}, mean context {ctx:.0f}: median step {med * 1e3:.1f} ms "
-          f"(min {times[0] * 1e3:.1f}) = {len(seqs) / med:.0f} tokens/s")
+          f"(min {times[0] * 1e3:.1f}; CPU time {cpu[len(cpu) // 2] * 1e3:.1f} ms) = {len(seqs) / med:.0f} tokens/s")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
     if args.profile:

@@ -24,6 +24,8 @@ def _as_token_id(x) -> int:
     if isinstance(x, bool):
         raise TypeError
     if isinstance(x, str):
+        if not x.isascii():  # int() would take other scripts' digits ("٣" == 3)
+            raise ValueError
         return int(x.strip(), 10)
     return operator.index(x)
 

@@ -16,7 +16,7 @@ from kvserve import SamplingParams
     ("stop", 5), ("stop", {"a": 1}), ("stop_token_ids", 5),
     ("logit_bias", [1, 2]), ("logit_bias", {-1: 5}), ("logit_bias", {"-3": 5}),
     ("logit_bias", {"abc": 5}), ("logit_bias", {1.7: 5}), ("logit_bias", {"1.5": 5}),
-    ("logit_bias", {True: 5}), ("logit_bias", {3: math.nan}),
+    ("logit_bias", {True: 5}), ("logit_bias", {"\u0663": 5}), ("logit_bias", {3: math.nan}),
 ])
 def test_bad_sampling_field_is_value_error_naming_it(field, value):
     with pytest.raises(ValueError, match=field):

@@ -42,7 +42,9 @@ class RequestOutput:
 
     ``outcome`` tells how a finished request ended: ``"finished"`` (stop/length),
     ``"aborted"``, or ``"rejected"`` (ignored by the scheduler; ``error`` says why, naming the
-    length and the limit).
+    length and the limit). A request that outgrew the KV cache while generating (its next
+    token could not fit even with every other request preempted) is ``"finished"`` with
+    ``finish_reason="length"``, its tokens kept, and ``error`` says why it stopped.
     """
 
     request_id: str

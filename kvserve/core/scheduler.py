@@ -528,12 +528,19 @@ class Scheduler:
         return g.get_unfinished_seqs()
 
     def _ignore(self, g: SequenceGroup, reason: str) -> None:
+        """End a group the scheduler can never run (further). A group that has generated
+        tokens already was an admissible request that outgrew the cache: its live sequences
+        finish ``length``-capped and keep their output (the cache acts as its context limit).
+        Otherwise the request is rejected (FINISHED_IGNORED). Either way ``ignored_reason``
+        says why."""
+        started = any(seq.get_output_len() for seq in g.get_seqs())
         g.ignored_reason = reason
+        status = SequenceStatus.FINISHED_LENGTH_CAPPED if started else SequenceStatus.FINISHED_IGNORED
         for seq in g.get_seqs():
             if not seq.is_finished():
-                seq.status = SequenceStatus.FINISHED_IGNORED
+                seq.status = status
             self.block_manager.free(seq)
-        logger.warning("ignoring request %s: %s", g.request_id, reason)
+        logger.warning("%s request %s: %s", "length-capping" if started else "ignoring", g.request_id, reason)
 
     def _prefill_chunk(self, g: SequenceGroup, budget: SchedulingBudget, enable_chunking: bool,
                        st: _Step) -> Tuple[int, bool]:

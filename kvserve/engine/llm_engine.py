@@ -166,8 +166,10 @@ class LLMEngine:
             self._process_samples(group, result, now)
             outputs.append(self._make_output(group) if not group.is_finished() else self._finish_request(group))
         for group in sched_out.ignored_seq_groups:
-            logger.warning("request %s rejected: %s", group.request_id, group.ignored_reason)
-            outputs.append(self._finish_request(group))
+            out = self._finish_request(group)
+            logger.warning("request %s %s: %s", group.request_id,
+                           "rejected" if out.outcome == "rejected" else "ended", group.ignored_reason)
+            outputs.append(out)
         self.scheduler.free_finished_seq_groups()
         self.stats.record_queues(now, self.scheduler, sched_out)
         return outputs

@@ -173,6 +173,20 @@ def test_rope_scaling_matches_hf(tmp_path, rope):
     assert torch.allclose(got, hf_logits(hf, s.data.get_token_ids()), atol=ATOL)
 
 
+def test_long_prefill_chunks_the_mlp(tiny, monkeypatch):
+    from kvserve.model_executor.models.llama import LlamaMLP
+
+    monkeypatch.setattr(LlamaMLP, "CHUNK_ROWS", 7)
+    path, hf = tiny
+    w = make_worker(path, block_size=4)
+    rng = random.Random(19)
+    seqs = [ToySeq(rand_ids(rng, n)) for n in (23, 9)]
+    alloc = ToyAllocator(64)
+    got = all_logits(w, [s.metadata(s.data.get_len(), alloc, 4) for s in seqs])
+    for s in seqs:
+        assert torch.allclose(got[s.seq_id], hf_logits(hf, s.data.get_token_ids()), atol=ATOL)
+
+
 def test_tied_embeddings(tmp_path):
     hf = save_tiny(tmp_path, llama_config(tie_word_embeddings=True))
     w = make_worker(tmp_path)

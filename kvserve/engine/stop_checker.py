@@ -48,20 +48,23 @@ class StopChecker:
 
     @staticmethod
     def _find_stop_string(text: str, num_new_chars: int, params: SamplingParams) -> Optional[tuple]:
-        """The earliest stop string that ends inside the new characters, as
-        ``(stop_str, cut_index)``; the text is cut before the match (after it with
-        ``include_stop_str_in_output``)."""
-        best = None
+        """The stop string that ends inside the new characters, as ``(stop_str, cut_index)``;
+        the text is cut before the match (after it with ``include_stop_str_in_output``).
+
+        Of several matches, the one that ends first wins (the one a left-to-right reader
+        completes first), then the one that starts first: the choice depends on the text only,
+        never on how the new characters were split into tokens."""
+        best = None   # (end, start, stop)
         for stop in params.stop:
             # Only matches overlapping the new characters are new; earlier text was checked.
             start = max(0, len(text) - num_new_chars - len(stop) + 1)
             idx = text.find(stop, start)
-            if idx != -1 and (best is None or idx < best[1]):
-                best = (stop, idx)
+            if idx != -1 and (best is None or (idx + len(stop), idx) < best[:2]):
+                best = (idx + len(stop), idx, stop)
         if best is None:
             return None
-        stop, idx = best
-        return stop, idx + len(stop) if params.include_stop_str_in_output else idx
+        end, idx, stop = best
+        return stop, end if params.include_stop_str_in_output else idx
 
 
 def max_stop_len(params: SamplingParams) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -14,8 +15,10 @@ from kvserve.worker.model_runner import ModelRunner
 _GIB = 1 << 30
 
 
-#: Re-measure the best CPU thread count every this many steps (the machine's load changes).
+#: Re-measure the best CPU thread count after this many steps or seconds, whichever comes
+#: first (the machine's load changes; a calibration costs ~10-50 ms).
 RECALIBRATE_EVERY_STEPS = 256
+RECALIBRATE_EVERY_S = 20.0
 
 
 def _cpu_count() -> int:
@@ -41,7 +44,6 @@ def calibrate_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> int
     if max_threads <= 1:
         torch.set_num_threads(1)
         return 1
-    import time
 
     with torch.inference_mode():
         a = torch.randn(64, hidden)
@@ -92,6 +94,7 @@ class Worker:
         self.device = model_config.resolved_device()
         self.dtype = model_config.resolved_dtype()
         self._steps = 0
+        self._calibrated_at = time.monotonic()
         self.num_threads = calibrate_threads(_cpu_count()) if self.device == "cpu" else torch.get_num_threads()
         torch.manual_seed(model_config.seed)
         self.model_dir = resolve_model_dir(model_config.model)
@@ -166,6 +169,8 @@ class Worker:
         if not req.seq_group_metadata_list:
             return []
         self._steps += 1
-        if self.device == "cpu" and self._steps % RECALIBRATE_EVERY_STEPS == 0:
+        if self.device == "cpu" and (self._steps >= RECALIBRATE_EVERY_STEPS
+                                     or time.monotonic() - self._calibrated_at >= RECALIBRATE_EVERY_S):
             self.num_threads = calibrate_threads(_cpu_count())
+            self._steps, self._calibrated_at = 0, time.monotonic()
         return self.runner.execute(req.seq_group_metadata_list, self.cache_engine.gpu_cache)

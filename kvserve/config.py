@@ -5,7 +5,7 @@ Every invalid value raises ``ValueError`` naming the field and the allowed range
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional
 
 

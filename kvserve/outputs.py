@@ -1,7 +1,7 @@
 """What the engine returns to callers, per request and per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
 from kvserve.sequence import RequestMetrics

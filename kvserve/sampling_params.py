@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Union
 
 #: Temperatures below this are treated as greedy (argmax) decoding.

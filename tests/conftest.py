@@ -1,6 +1,5 @@
 """Shared fixtures: the default model directory and a tiny random-weight Llama."""
 import os
-import shutil
 
 import pytest
 

@@ -5,7 +5,6 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.sequence import SequenceStatus
 from tests.golden import compare, hf_greedy
 
 PROMPT_LENS = [3, 17, 33, 50, 8, 21]

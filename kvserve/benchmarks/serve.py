@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 from kvserve.benchmarks.common import fmt_table, system_info, write_json
 from kvserve.benchmarks.stats import SLO, RequestResult, summarize_results
 from kvserve.benchmarks.workload import (BenchRequest, generate_arrivals, load_corpus, load_trace,
-                                         scale_arrivals, select_trace, trace_to_requests)
+                                         select_trace, trace_to_requests)
 
 GAUGES = {
     "running": ("num_requests_running",),

@@ -27,7 +27,7 @@ import torch
 from kvserve.model_executor.layers import native_attention
 from kvserve.model_executor.layers.attention import (AttentionMetadata, DecodeBucket, NativeDecode,
                                                     PrefillChunk)
-from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceData,
+from kvserve.sequence import (CompletionSequenceGroupOutput, SequenceData,
                               SequenceGroupMetadata)
 
 

@@ -2,7 +2,7 @@
 invariants after every step."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from kvserve.config import CacheConfig, ModelConfig, PreemptionMode, SchedulerConfig
 from kvserve.core.scheduler import Scheduler, SchedulerOutputs

@@ -2,7 +2,6 @@
 simulated executor (the engine-level/real-model halves live in tests/test_scenarios_engine.py)."""
 import pytest
 
-from kvserve.config import PreemptionMode
 from kvserve.core.block_manager import AllocStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams

@@ -1,7 +1,6 @@
 """Model directory resolution, weight loading errors, GGUF conversion and its cache."""
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ def test_resolve_errors_name_path_and_what_is_missing(tmp_path):
 
 
 def test_resolve_and_load_sharded_checkpoint(tmp_path):
-    from transformers import AutoModelForCausalLM
 
     hf = save_tiny(tmp_path / "src", llama_config())
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")

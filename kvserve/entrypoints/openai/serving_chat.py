@@ -12,7 +12,7 @@ import time
 from typing import Dict, List, Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from kvserve.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice,
                                                  ChatCompletionRequest, ChatCompletionResponse,
@@ -21,10 +21,8 @@ from kvserve.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatComplet
                                                  ChatMessage, ChatResponseMessage, DeltaMessage,
                                                  TopLogprob)
 from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
-from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
-                                                       DisconnectAwareStreamingResponse,
-                                                       OpenAIServing, RequestRecord, Reservation, SubRequest,
-                                                       finite, run_unless_disconnected, sse)
+from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
+                                                       finite, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -114,25 +112,11 @@ class OpenAIServingChat(OpenAIServing):
         if self.request_logger.log_prompts:
             rec.prompts = [self.decode(ids)]
         priority = req.priority or 0
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return DisconnectAwareStreamingResponse(
-                self._stream(req, params, sub, rec, priority, include_usage, reservation),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id},
-                on_close=reservation.release)
-        try:
-            body = await run_unless_disconnected(raw_request, self._full(req, params, sub, rec, priority, reservation))
-            return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
-        except ClientDisconnected:
-            rec.status = "client_disconnected"
-            return Response(status_code=499)
-        except APIError as e:
-            rec.status = f"error_{e.status}"
-            raise
-        finally:
-            reservation.release()
-            self.request_logger.log(rec)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self.respond(
+            raw_request, bool(req.stream),
+            self._stream(req, params, sub, rec, priority, include_usage, reservation),
+            self._full(req, params, sub, rec, priority, reservation), rec, reservation)
 
     async def _full(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
                     rec: RequestRecord, priority: int, reservation: Reservation) -> dict:

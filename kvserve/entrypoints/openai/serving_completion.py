@@ -12,15 +12,13 @@ import time
 from typing import Dict, List, Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from kvserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                  CompletionRequest, CompletionResponse,
                                                  CompletionStreamResponse)
-from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, ClientDisconnected,
-                                                       DisconnectAwareStreamingResponse,
-                                                       OpenAIServing, RequestRecord, Reservation, SubRequest,
-                                                       finite, run_unless_disconnected, sse)
+from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
+                                                       finite, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -66,25 +64,11 @@ class OpenAIServingCompletion(OpenAIServing):
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs)
         priority = req.priority or 0
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return DisconnectAwareStreamingResponse(
-                self._stream(req, params, subs, rec, priority, include_usage, reservation),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id},
-                on_close=reservation.release)
-        try:
-            body = await run_unless_disconnected(raw_request, self._full(req, params, subs, rec, priority, reservation))
-            return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
-        except ClientDisconnected:
-            rec.status = "client_disconnected"
-            return Response(status_code=499)
-        except APIError as e:
-            rec.status = f"error_{e.status}"
-            raise
-        finally:
-            reservation.release()
-            self.request_logger.log(rec)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await self.respond(
+            raw_request, bool(req.stream),
+            self._stream(req, params, subs, rec, priority, include_usage, reservation),
+            self._full(req, params, subs, rec, priority, reservation), rec, reservation)
 
     @staticmethod
     def _split_prompts(prompt) -> List:

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Ty
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.input_processor import tokenize_prompt, validate_request
@@ -528,6 +528,33 @@ class OpenAIServing:
                         code="prompt_too_long")
 
     # ------------------------------------------------------------------ helpers
+    async def respond(self, raw_request: Request, stream: bool, stream_body, full_body,
+                      rec: RequestRecord, reservation: Reservation) -> Response:
+        """Send a streaming (SSE) or a whole JSON response. ``stream_body`` is the async
+        iterator of SSE lines, ``full_body`` the coroutine computing the JSON body; only the
+        one matching ``stream`` is run. A client gone before the body is ready aborts the
+        request (499 in the log); the capacity reservation is released and the request logged
+        once, whichever way it ends."""
+        if stream:
+            full_body.close()
+            return DisconnectAwareStreamingResponse(
+                stream_body, media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id},
+                on_close=reservation.release)
+        await stream_body.aclose()
+        try:
+            body = await run_unless_disconnected(raw_request, full_body)
+            return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
+        except ClientDisconnected:
+            rec.status = "client_disconnected"
+            return Response(status_code=499)
+        except APIError as e:
+            rec.status = f"error_{e.status}"
+            raise
+        finally:
+            reservation.release()
+            self.request_logger.log(rec)
+
     def new_record(self, prefix: str, n: int, subs: List[SubRequest]) -> RequestRecord:
         """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"

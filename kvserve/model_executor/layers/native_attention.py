@@ -228,7 +228,6 @@ def _cpu_key() -> str:
 
 
 def _build(out_dir: Path) -> Path:
-    from kvserve.model_executor.gguf_convert import cache_root
 
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256((_SOURCE + cc + _cpu_key()).encode()).hexdigest()[:16]

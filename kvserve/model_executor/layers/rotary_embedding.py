@@ -11,7 +11,7 @@ Supported scaling types (``rope_type``): ``default``, ``linear`` (positions divi
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 

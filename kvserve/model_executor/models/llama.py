@@ -10,7 +10,7 @@ fewer per layer); ``load_weights`` fuses the checkpoint's separate tensors.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -33,7 +33,7 @@ stop_pid() {  # pid
 if has offline; then
     for dt in float32 bfloat16; do
         extra=(--no-baseline)
-        if [ "$dt" = float32 ] && has baseline && [ -z "${NO_BASELINE:-}" ]; then extra=(); fi
+        if [ "$dt" = float32 ] && has baseline && [ -z "${NO_BASELINE:-}" ]; then extra=(${BASELINE_ARGS:-}); fi
         "$PY" -m kvserve.benchmarks.cli throughput --workload "$WORKLOAD" --dtype "$dt" "${extra[@]}" \
             --json-out "$OUT/offline_kvserve_$dt.json" --plot-dir "$OUT/offline_$dt" 2>&1 | tee "$OUT/offline_kvserve_$dt.log"
     done

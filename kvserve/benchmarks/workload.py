@@ -22,19 +22,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from kvserve.shared_data import shared_dir
+
 MOONCAKE_BLOCK_TOKENS = 512
-
-
-def shared_dir() -> Path:
-    """``$KVSERVE_SHARED_DIR`` or ``<repo>/../shared``."""
-    return Path(os.environ.get("KVSERVE_SHARED_DIR") or (REPO_ROOT.parent / "shared"))
 
 
 def default_workload_path(name: str = "w64.jsonl") -> Path:
@@ -118,7 +113,8 @@ def load_corpus(paths: Optional[Sequence] = None) -> List[int]:
         for r in load_workload(p):
             ids.extend(r.prompt_token_ids)
     if not ids:
-        raise ValueError(f"no corpus token ids found in {list(map(str, paths))}")
+        raise ValueError(f"no corpus token ids: no workload file found (looked for w256.jsonl / w64.jsonl in "
+                         f"{shared_dir() / 'workloads'}; set KVSERVE_SHARED_DIR to the shared data folder)")
     return ids
 
 

@@ -22,12 +22,12 @@ all 105 rows: 9.0%. ``fit_splitwise_csv`` refits for any model/hardware/TP in th
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional
 
-SPLITWISE_CSV = str(Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "calibration"
-                    / "splitwise_sim_perf_model.csv")
+from kvserve.shared_data import shared_dir
+
+SPLITWISE_CSV = str(shared_dir() / "traces" / "calibration" / "splitwise_sim_perf_model.csv")
 
 
 @dataclass

@@ -83,7 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         h = self.h
         h.run(max_steps=3000)
         h.assert_idle()
-        cc, sc = h.cc, h.sc
+        cc = h.cc
         bs, G = cc.block_size, cc.num_gpu_blocks
         for rid, (prompt, n, mt) in self.reqs.items():
             assert h.num_final.get(rid) == 1, (rid, h.num_final.get(rid))

@@ -13,8 +13,13 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def prompts():
+    """Prompts of several lengths; the last two share a 24-token prefix with the 33-token one
+    (so prefix caching has full blocks to reuse)."""
     rng = random.Random(0)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    ps = [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    shared = ps[2][:24]
+    ps += [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 13)]
+    return ps
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,25 @@ CONFIGS = {
     "chunked_swap": dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode="swap",
                          enable_chunked_prefill=True, max_num_batched_tokens=24),
 }
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_answer_never_depends_on_scheduling(tiny_llama_dir, prompts, references, chunked, prefix, mode):
+    """Chunked prefill x prefix caching x preemption mode, with a cache small enough to force
+    preemption: greedy output equals transformers every time."""
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=28, num_cpu_blocks=64,
+              preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
+              max_num_batched_tokens=24 if chunked else None)
+    engine = llm.llm_engine
+    finals = run_engine(engine, [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)])
+    near_ties = check_all(finals, references)
+    print(f"[chunked={chunked} prefix={prefix} {mode}] near-ties: {near_ties} of {len(prompts)}")
+    stats = engine.get_kv_cache_stats()
+    assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
+    if prefix:
+        assert stats["prefix_cache_hits"] > 0
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

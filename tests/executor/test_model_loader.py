@@ -105,5 +105,8 @@ def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     d2 = gguf_convert.converted_dir(fake)
     assert d1 == d2 and len(calls) == 1 and d1.name.startswith("Fake-")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [d1.name]
-    os.utime(fake, ns=(time.time_ns(), time.time_ns() + 10**9))  # changed file -> new key
+    os.utime(fake, ns=(time.time_ns(), time.time_ns() + 10**9))  # same content, new mtime -> same key
+    assert gguf_convert.converted_dir(fake) == d1
+    with open(fake, "ab") as f:                                   # changed content -> new key
+        f.write(b"more")
     assert gguf_convert.converted_dir(fake) != d1

@@ -1,12 +1,8 @@
 """A real uvicorn server on 127.0.0.1 (free port, background thread) over the default model,
 started once per module, plus helpers to reach it (the official ``openai`` client, httpx)."""
-import asyncio
-import socket
-import threading
-import time
-from dataclasses import dataclass
-
 import pytest
+
+from tests.server_harness import running_server
 
 API_KEY = "test-key"
 MODEL = "smollm2-test"
@@ -19,96 +15,10 @@ ENGINE_KWARGS = dict(block_size=8, num_gpu_blocks=48, num_cpu_blocks=32, max_mod
 MAX_BODY_BYTES = 128 * 1024
 
 
-@dataclass
-class RunningServer:
-    """What tests get: the base URLs, the engine objects and the uvicorn server."""
-
-    url: str
-    port: int
-    engine: object
-    async_engine: object
-    app: object
-    server: object
-
-    @property
-    def v1(self) -> str:
-        return self.url + "/v1"
-
-    def client(self, **kw):
-        """The official OpenAI client, no retries."""
-        import openai
-
-        kw.setdefault("api_key", API_KEY)
-        kw.setdefault("max_retries", 0)
-        kw.setdefault("timeout", 120)
-        return openai.OpenAI(base_url=self.v1, **kw)
-
-    def async_client(self, **kw):
-        import openai
-
-        kw.setdefault("api_key", API_KEY)
-        kw.setdefault("max_retries", 0)
-        kw.setdefault("timeout", 120)
-        return openai.AsyncOpenAI(base_url=self.v1, **kw)
-
-    def http(self, **kw):
-        """An httpx client with the API key."""
-        import httpx
-
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        headers.update(kw.pop("headers", {}))
-        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 120), **kw)
-
-    def wait_idle(self, timeout: float = 20.0) -> dict:
-        """Wait until the engine has no request and no KV block in use; return the KV stats."""
-        deadline = time.time() + timeout
-        stats = None
-        while time.time() < deadline:
-            stats = self.engine.get_kv_cache_stats()
-            if (not self.engine.has_unfinished_requests() and self.async_engine.num_in_flight == 0
-                    and stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
-                    and stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]):
-                return stats
-            time.sleep(0.05)
-        raise AssertionError(f"engine not idle after {timeout}s: unfinished="
-                             f"{self.engine.get_num_unfinished_requests()} in_flight="
-                             f"{self.async_engine.num_in_flight} kv={stats}")
-
-
-def _free_socket():
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     from kvserve.config import EngineArgs
-    from kvserve.engine.async_llm_engine import AsyncLLMEngine
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.entrypoints.openai.api_server import build_app
 
-    engine = LLMEngine.from_engine_args(EngineArgs(**ENGINE_KWARGS))
-    async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, MODEL, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES,
-                    shutdown_grace_s=5.0)
-    sock = _free_socket()
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True,
-                              name="uvicorn-test")
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield RunningServer(url=f"http://127.0.0.1:{port}", port=port, engine=engine,
-                        async_engine=async_engine, app=app, server=srv)
-    srv.should_exit = True
-    thread.join(30)
-    sock.close()
+    with running_server(EngineArgs(**ENGINE_KWARGS), MODEL, api_key=API_KEY,
+                        max_body_bytes=MAX_BODY_BYTES, shutdown_grace_s=5.0) as s:
+        yield s

@@ -67,20 +67,29 @@ class CacheEngine:
         if bad:
             raise ValueError(f"{pool} block ids {bad[:5]} out of range [0, {n})")
 
+    def _move_blocks(self, mapping: Dict[int, int], src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                     src_pool: str, dst_pool: str) -> None:
+        """``dst_cache[..., mapping[b], ...] = src_cache[..., b, ...]`` for every block ``b``, as
+        one indexed copy over all layers (blocks are dim 3 of both caches)."""
+        if not mapping:
+            return
+        src, dst = list(mapping.keys()), list(mapping.values())
+        self._check(src, src_cache.shape[3], src_pool)
+        self._check(dst, dst_cache.shape[3], dst_pool)
+        si = torch.tensor(src, dtype=torch.long, device=src_cache.device)
+        di = torch.tensor(dst, dtype=torch.long, device=dst_cache.device)
+        # Host-to-device may be asynchronous (the stream orders it); device-to-host must not be,
+        # or the CPU would read the copy before it lands.
+        dst_cache[:, :, :, di] = src_cache[:, :, :, si].to(dst_cache.device,
+                                                           non_blocking=dst_cache.device.type != "cpu")
+
     def swap_out(self, mapping: Dict[int, int]) -> None:
         """Copy device blocks to CPU blocks: ``{device_block: cpu_block}``.
 
         Raises:
             ValueError: a block id outside its pool.
         """
-        if not mapping:
-            return
-        src, dst = list(mapping.keys()), list(mapping.values())
-        self._check(src, self.num_gpu_blocks, "device")
-        self._check(dst, self.num_cpu_blocks, "cpu")
-        si = torch.tensor(src, dtype=torch.long, device=self.device)
-        di = torch.tensor(dst, dtype=torch.long)
-        self.cpu_cache[:, :, :, di] = self.device_cache[:, :, :, si].to("cpu")
+        self._move_blocks(mapping, self.device_cache, self.cpu_cache, "device", "cpu")
 
     def swap_in(self, mapping: Dict[int, int]) -> None:
         """Copy CPU blocks to device blocks: ``{cpu_block: device_block}``.
@@ -88,14 +97,7 @@ class CacheEngine:
         Raises:
             ValueError: a block id outside its pool.
         """
-        if not mapping:
-            return
-        src, dst = list(mapping.keys()), list(mapping.values())
-        self._check(src, self.num_cpu_blocks, "cpu")
-        self._check(dst, self.num_gpu_blocks, "device")
-        si = torch.tensor(src, dtype=torch.long)
-        di = torch.tensor(dst, dtype=torch.long, device=self.device)
-        self.device_cache[:, :, :, di] = self.cpu_cache[:, :, :, si].to(self.device, non_blocking=True)
+        self._move_blocks(mapping, self.cpu_cache, self.device_cache, "cpu", "device")
 
     def copy(self, mapping: Dict[int, List[int]]) -> None:
         """Copy device blocks within the device pool: ``{src_block: [dst_block, ...]}``

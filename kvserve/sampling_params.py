@@ -116,6 +116,9 @@ class SamplingParams:
         return out
 
     def _verify(self) -> None:
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

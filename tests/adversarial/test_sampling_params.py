@@ -9,6 +9,7 @@ from kvserve import SamplingParams
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", True),
+    ("ignore_eos", "false"), ("include_stop_str_in_output", 1), ("skip_special_tokens", None),
     ("top_p", math.nan), ("top_p", True), ("min_p", math.nan),
     ("repetition_penalty", math.nan), ("repetition_penalty", math.inf),
     ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),

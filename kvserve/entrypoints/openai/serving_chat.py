@@ -21,7 +21,7 @@ from kvserve.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatComplet
                                                  ChatMessage, ChatResponseMessage, DeltaMessage,
                                                  TopLogprob)
 from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
-from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
+from kvserve.entrypoints.openai.serving_engine import (APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
                                                        finite, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
@@ -137,8 +137,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=rec.request_id, model=self.model_name, choices=choices,
                                       usage=rec.usage()).model_dump()
 
-    async def _stream(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
-                      rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
+    def _stream(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
+                rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
         created = int(time.time())
         sent_chars: Dict[int, int] = {}
         sent_tokens: Dict[int, int] = {}
@@ -148,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionStreamResponse(id=rec.request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=usage))
 
-        try:
+        async def events():
             for i in range(params.n):
                 yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             async for idx, out in self.generate_all([sub], params, priority, reservation):
@@ -174,18 +174,9 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
                                                                 finish_reason=c.finish_reason,
                                                                 stop_reason=c.stop_reason)])
-            if include_usage:
-                yield chunk([], usage=rec.usage())
-            yield SSE_DONE
-        except Exception as e:  # after the 200 header: an error event, then the end
-            err = e if isinstance(e, APIError) else self.engine_error(e, {"prompt": "messages"})
-            rec.status = f"error_{err.status}"
-            yield sse(err.body())
-            yield SSE_DONE
-        finally:
-            if rec.status == "ok" and len(done) < params.n:
-                rec.status = "client_disconnected"
-            self.request_logger.log(rec)
+
+        usage = (lambda: chunk([], usage=rec.usage())) if include_usage else None
+        return self.sse_frame(events(), rec, usage, done, params.n, {"prompt": "messages"})
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> ChatChoiceLogprobs:
         """Chat logprobs of tokens ``[start, end)``: each token with its ``top_n`` alternatives."""

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from kvserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                  CompletionRequest, CompletionResponse,
                                                  CompletionStreamResponse)
-from kvserve.entrypoints.openai.serving_engine import (SSE_DONE, APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
+from kvserve.entrypoints.openai.serving_engine import (APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
                                                        finite, sse)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
@@ -104,8 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=rec.request_id, model=self.model_name, choices=choices,
                                   usage=rec.usage()).model_dump()
 
-    async def _stream(self, req: CompletionRequest, params: SamplingParams, subs: List[SubRequest],
-                      rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
+    def _stream(self, req: CompletionRequest, params: SamplingParams, subs: List[SubRequest],
+                rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
         created = int(time.time())
         sent_chars: Dict[int, int] = {}
         sent_tokens: Dict[int, int] = {}
@@ -115,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return sse(CompletionStreamResponse(id=rec.request_id, created=created, model=self.model_name,
                                                 choices=choices, usage=usage))
 
-        try:
+        async def events():
             async for idx, out in self.generate_all(subs, params, priority, reservation):
                 rec.observe(idx, out)
                 if out.finished and out.outcome == "rejected":
@@ -141,18 +141,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         done.add(ci)
                     yield chunk([CompletionChoice(index=ci, text=delta, logprobs=lp,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
-            if include_usage:
-                yield chunk([], usage=rec.usage())
-            yield SSE_DONE
-        except Exception as e:  # after the 200 header: an error event, then the end
-            err = e if isinstance(e, APIError) else self.engine_error(e)
-            rec.status = f"error_{err.status}"
-            yield sse(err.body())
-            yield SSE_DONE
-        finally:
-            if rec.status == "ok" and len(done) < len(subs) * params.n:
-                rec.status = "client_disconnected"
-            self.request_logger.log(rec)
+
+        usage = (lambda: chunk([], usage=rec.usage())) if include_usage else None
+        return self.sse_frame(events(), rec, usage, done, len(subs) * params.n)
 
     # ------------------------------------------------------------------ pieces
     def _echo_text(self, sub: SubRequest) -> str:

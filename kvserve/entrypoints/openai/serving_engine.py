@@ -555,6 +555,29 @@ class OpenAIServing:
             reservation.release()
             self.request_logger.log(rec)
 
+    async def sse_frame(self, events, rec: RequestRecord, usage_chunk, done: set, expected_choices: int,
+                        rename: Optional[Dict[str, str]] = None):
+        """Frame a streaming body: the handler's serialised ``events``, then the usage chunk
+        (``usage_chunk()``, when not None) and ``[DONE]``. An error after the 200 header becomes
+        an error event; a stream that ends before all ``expected_choices`` finished (``done``)
+        is logged as a client disconnect; the request is logged once."""
+        try:
+            async for event in events:
+                yield event
+            if usage_chunk is not None:
+                yield usage_chunk()
+            yield SSE_DONE
+        except Exception as e:  # after the 200 header: an error event, then the end
+            err = e if isinstance(e, APIError) else self.engine_error(e, rename)
+            rec.status = f"error_{err.status}"
+            yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            await events.aclose()  # abort the engine request now, not at garbage collection
+            if rec.status == "ok" and len(done) < expected_choices:
+                rec.status = "client_disconnected"
+            self.request_logger.log(rec)
+
     def new_record(self, prefix: str, n: int, subs: List[SubRequest]) -> RequestRecord:
         """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"

@@ -161,8 +161,6 @@ class SchedulerConfig:
         _positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
         _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
         _positive_int("max_waiting", self.max_waiting, allow_none=True)
-        if self.max_num_batched_tokens < self.max_num_seqs and not self.chunked_prefill_enabled:
-            pass  # allowed: fewer decode slots than seqs just caps the batch
         if self.num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots!r}.")
 

@@ -273,9 +273,6 @@ class SequenceGroup:
     def get_unfinished_seqs(self) -> List[Sequence]:
         return [s for s in self.seqs_dict.values() if not s.is_finished()]
 
-    def get_finished_seqs(self) -> List[Sequence]:
-        return [s for s in self.seqs_dict.values() if s.is_finished()]
-
     def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
         return len(self.get_seqs(status))
 

@@ -154,7 +154,7 @@ class LLMEngine:
                 blocks_to_swap_out=sched_out.blocks_to_swap_out,
                 blocks_to_copy=sched_out.blocks_to_copy,
                 num_lookahead_slots=sched_out.num_lookahead_slots))
-            self.stats.on_step(sched_out, self.clock() - t0)
+            self.stats.on_step(self.clock() - t0)
             self.scheduler.mark_computed(sched_out)
         else:
             results = []
@@ -171,7 +171,7 @@ class LLMEngine:
                            "rejected" if out.outcome == "rejected" else "ended", group.ignored_reason)
             outputs.append(out)
         self.scheduler.free_finished_seq_groups()
-        self.stats.record_queues(now, self.scheduler, sched_out)
+        self.stats.record_queues(now, self.scheduler)
         return outputs
 
     def _process_samples(self, group: SequenceGroup, result: CompletionSequenceGroupOutput, now: float) -> None:

@@ -32,7 +32,7 @@ class EngineStats:
         self.num_requests_added += 1
         self.num_prompt_tokens += prompt_len
 
-    def on_step(self, sched_out, model_seconds: float) -> None:
+    def on_step(self, model_seconds: float) -> None:
         self.num_steps += 1
         self.model_time_s += model_seconds
 
@@ -56,6 +56,6 @@ class EngineStats:
         for listener in self.listeners:
             listener(group, out)
 
-    def record_queues(self, now: float, scheduler, sched_out) -> None:
+    def record_queues(self, now: float, scheduler) -> None:
         usage = scheduler.get_kv_cache_stats().get("gpu_cache_usage", 0.0)
         self.timeline.append((now, len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), usage))

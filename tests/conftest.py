@@ -14,7 +14,17 @@ def default_model_dir():
     return resolve_model_dir(None)
 
 
-def _save_tiny(tmp_path_factory, default_model_dir, name, config):
+@pytest.fixture(scope="session")
+def default_tokenizer_dir(request):
+    """The default model's tokenizer files: ``$KVSERVE_TEST_TOKENIZER_DIR`` when set (a machine
+    without the default model's package, e.g. a GPU check), else the converted default model."""
+    env = os.environ.get("KVSERVE_TEST_TOKENIZER_DIR")
+    if env:
+        return env
+    return request.getfixturevalue("default_model_dir")
+
+
+def _save_tiny(tmp_path_factory, tokenizer_dir, name, config):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -26,12 +36,12 @@ def _save_tiny(tmp_path_factory, default_model_dir, name, config):
         model.lm_head.weight.mul_(20.0)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, default_model_dir):
+def tiny_llama_dir(tmp_path_factory, default_tokenizer_dir):
     """A 2-layer random-weight Llama (GQA 4:2, vocab of the default tokenizer) with the
     default model's tokenizer, saved as safetensors."""
     from transformers import LlamaConfig
@@ -39,7 +49,7 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir):
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    return _save_tiny(tmp_path_factory, default_model_dir, "tiny-llama", config)
+    return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama", config)
 
 
 @pytest.fixture(scope="session")
@@ -47,4 +57,6 @@ def tiny_hf_model(tiny_llama_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    from tests.golden import TEST_DEVICE
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).to(TEST_DEVICE).eval()

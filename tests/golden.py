@@ -3,15 +3,24 @@
 Float summation order differs between batch shapes, so a comparison may stop at the first step
 where the reference's top-two logits are within ``NEAR_TIE`` of each other (a near-tie); every
 other difference is a mismatch. Tests report how many near-ties they met.
+
+``TEST_DEVICE`` (``$KVSERVE_TEST_DEVICE``, default ``cpu``) is where the golden tests run both
+the engine and the transformers reference (float32 on both sides): ``cuda`` checks the CUDA
+path, e.g. ``KVSERVE_TEST_DEVICE=cuda pytest tests/test_e2e_tiny.py tests/executor/test_model_runner.py``.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 NEAR_TIE = 1e-4
+
+TEST_DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"KVSERVE_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}")
 
 
 @dataclass
@@ -24,7 +33,9 @@ class Reference:
 def hf_greedy(model, prompt_ids: List[int], max_new_tokens: int, eos_token_id=None) -> Reference:
     """Greedy ``generate`` of one prompt (batch of one: no padding), with the per-step logits."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        dev = model.device
+        out = model.generate(torch.tensor([prompt_ids], device=dev),
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=dev),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if eos_token_id is None else 0,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              eos_token_id=eos_token_id, pad_token_id=0)

@@ -5,10 +5,12 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.golden import compare, hf_greedy
+from tests.golden import TEST_DEVICE, compare, hf_greedy
 
 PROMPT_LENS = [3, 17, 33, 50, 8, 21]
 MAX_NEW = 20
+#: Where and how the engine runs: as the transformers reference (float32, TEST_DEVICE).
+ENGINE = dict(device=TEST_DEVICE, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ CONFIGS = {
 def test_answer_never_depends_on_scheduling(tiny_llama_dir, prompts, references, chunked, prefix, mode):
     """Chunked prefill x prefix caching x preemption mode, with a cache small enough to force
     preemption: greedy output equals transformers every time."""
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=28, num_cpu_blocks=64,
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=28, num_cpu_blocks=64,
               preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
               max_num_batched_tokens=24 if chunked else None)
     engine = llm.llm_engine
@@ -108,7 +110,7 @@ def test_answer_never_depends_on_scheduling(tiny_llama_dir, prompts, references,
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_equals_transformers(tiny_llama_dir, prompts, references, name):
-    llm = LLM(model=str(tiny_llama_dir), seed=0, **CONFIGS[name])
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, seed=0, **CONFIGS[name])
     engine = llm.llm_engine
     finals = run_engine(engine, [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)])
     near_ties = check_all(finals, references)
@@ -121,7 +123,8 @@ def test_greedy_equals_transformers(tiny_llama_dir, prompts, references, name):
 def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts, references, mode):
     """n=3 greedy samples fork one prefill; every sample equals the reference, also when the
     cache is small enough to preempt (swap, forced recompute, or the default choice)."""
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=40, num_cpu_blocks=80, preemption_mode=mode)
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=40, num_cpu_blocks=80,
+              preemption_mode=mode)
     finals = run_engine(llm.llm_engine, [(f"r{i}", p, greedy(n=3)) for i, p in enumerate(prompts)])
     check_all(finals, references, n=3)
 
@@ -129,7 +132,7 @@ def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts,
 def test_aborts_free_every_block(tiny_llama_dir, prompts):
     """Abort requests while waiting, running and swapped: each gets exactly one final output
     with finish_reason 'abort' and no block stays in use."""
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=20, num_cpu_blocks=64,
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=20, num_cpu_blocks=64,
               preemption_mode="swap", max_num_seqs=4)
     engine = llm.llm_engine
     for i, p in enumerate(prompts * 2):
@@ -158,7 +161,7 @@ def test_aborts_free_every_block(tiny_llama_dir, prompts):
 
 def test_stop_conditions_free_blocks(tiny_llama_dir, prompts, references):
     """max_tokens and stop_token_ids end sequences; the stop token is kept in token_ids."""
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=64)
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=64)
     ref = references[1].token_ids
     stop_id = ref[5]
     first = ref.index(stop_id)
@@ -170,7 +173,7 @@ def test_stop_conditions_free_blocks(tiny_llama_dir, prompts, references):
 
 
 def test_seeded_sampling_reproducible_across_batches(tiny_llama_dir, prompts):
-    llm = LLM(model=str(tiny_llama_dir))
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, n=2)
     alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
     mixed = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -181,7 +184,8 @@ def test_seeded_sampling_reproducible_across_batches(tiny_llama_dir, prompts):
 
 
 def test_ignored_prompt_reports_reason_and_does_not_block(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=8, max_num_batched_tokens=64, max_model_len=64)
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=8, max_num_batched_tokens=64,
+              max_model_len=64)
     outs = llm.generate([{"prompt_token_ids": list(range(5, 45))}, {"prompt_token_ids": [5, 6, 7]}],
                         greedy(max_tokens=4), use_tqdm=False)
     assert outs[0].outcome == "rejected" and outs[0].outputs[0].finish_reason == "ignored"

@@ -126,17 +126,19 @@ def timeline_from_engine(llm, t0: float, max_points: int = 5000, num_submitted: 
 
 
 def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_sizes: List[int],
-                     use_tqdm: bool = True, warmup: int = 1) -> List[dict]:
-    """Static-batch transformers ``generate`` for each batch size (greedy, left padding)."""
+                     use_tqdm: bool = True, warmup: int = 1, device: str = "cpu") -> List[dict]:
+    """Static-batch transformers ``generate`` for each batch size (greedy, left padding), with
+    the model and inputs on ``device`` (kvserve's, so both engines run on the same hardware)."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     model.eval()
     load_s = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if pad_id is None:
         pad_id = 0
@@ -144,8 +146,9 @@ def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_size
     tw = time.perf_counter()
     for _ in range(warmup):
         with torch.inference_mode():
-            model.generate(input_ids=torch.tensor([reqs[0].prompt_token_ids[:16]]), max_new_tokens=2,
+            model.generate(input_ids=torch.tensor([reqs[0].prompt_token_ids[:16]], device=device), max_new_tokens=2,
                            min_new_tokens=2, do_sample=False, pad_token_id=pad_id)
+    sync()
     warmup_s = time.perf_counter() - tw
     results = []
     for bs in batch_sizes:
@@ -163,10 +166,11 @@ def run_transformers(reqs: List[BenchRequest], model_dir: str, dtype, batch_size
                 mask[j, width - r.prompt_len:] = 1
             new = max(r.output_len for r in batch)
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                     do_sample=False, num_beams=1, pad_token_id=pad_id)
+                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, num_beams=1, pad_token_id=pad_id)
             generated += (out.shape[1] - width) * len(batch)
             bar.update(len(batch))
+        sync()
         secs = time.perf_counter() - t1
         bar.close()
         results.append({"engine": "transformers", "batch_size": bs, "load_s": load_s, "warmup_s": warmup_s,
@@ -224,6 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     model_dir = str(resolve_model_dir(ns.model))
     torch_dtype = llm.llm_engine.model_config.resolved_dtype()
+    device = llm.llm_engine.model_config.resolved_device()
     del llm
     gc.collect()
     print(f"kvserve: {kv['output_tokens_per_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s "
@@ -233,7 +238,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not ns.no_baseline and batch_sizes:
         breqs = reqs[:ns.baseline_num_prompts] if ns.baseline_num_prompts else reqs
         baseline = run_transformers(breqs, model_dir, torch_dtype, batch_sizes, use_tqdm=use_tqdm,
-                                    warmup=ns.warmup_requests)
+                                    warmup=ns.warmup_requests, device=device)
     best = max(baseline, key=lambda r: r["output_tokens_per_s"], default=None)
 
     rows = [["kvserve", kv.get("dtype", ns.dtype), "continuous", kv["requests_per_s"], kv["output_tokens_per_s"],

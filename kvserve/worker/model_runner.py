@@ -113,7 +113,7 @@ class ModelRunner:
             List[CompletionSequenceGroupOutput]``.
         device: where the model lives.
         use_native: decode attention with the native CPU kernel (``None`` = when available:
-            CPU, float32, compiled); else the torch gather + SDPA path.
+            CPU, float32 or bfloat16, compiled); else the torch gather + SDPA path.
     """
 
     def __init__(self, model, block_size: int, num_gpu_blocks: int, sliding_window: Optional[int],
@@ -132,7 +132,7 @@ class ModelRunner:
         self._head_dim = model.head_dim
         self._workspace: Optional[torch.Tensor] = None
         if use_native is None:
-            use_native = (self.device.type == "cpu" and model.dtype == torch.float32
+            use_native = (self.device.type == "cpu" and native_attention.supports_dtype(model.dtype)
                           and native_attention.available())
         self.use_native = bool(use_native)
 

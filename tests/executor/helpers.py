@@ -9,12 +9,14 @@ import torch
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import SequenceData, SequenceGroupMetadata
+from tests.golden import TEST_DEVICE
 
 VOCAB = 256
 
 
 def save_tiny(path, config, seed: int = 0):
-    """Random-weight HF model for ``config`` saved (safetensors) into ``path``; returns it in eval."""
+    """Random-weight HF model for ``config`` saved (safetensors) into ``path``; returns it in eval,
+    on ``TEST_DEVICE``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -24,7 +26,7 @@ def save_tiny(path, config, seed: int = 0):
             if "norm" in name or name.endswith("bias"):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.2)
     model.save_pretrained(path)
-    return model.eval()
+    return model.to(TEST_DEVICE).eval()
 
 
 def llama_config(**kw):
@@ -38,9 +40,10 @@ def llama_config(**kw):
 
 
 def hf_logits(model, ids: List[int]) -> torch.Tensor:
-    """float32 logits ``[len(ids), vocab]`` of a HF model on one unpadded sequence."""
+    """float32 logits ``[len(ids), vocab]`` of a HF model on one unpadded sequence (on the
+    model's device)."""
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
+        return model(torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 class ToyAllocator:
@@ -77,12 +80,17 @@ class ToySeq:
 
 
 def make_worker(model_dir, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 16,
-                sliding_window: Optional[int] = None, native: Optional[bool] = None):
-    """A float32 CPU worker on ``model_dir``; ``native`` forces the decode-attention path
-    (``None``: the default choice)."""
+                sliding_window: Optional[int] = None, native: Optional[bool] = None,
+                dtype: str = "float32"):
+    """A worker (``dtype``, float32 by default) on ``model_dir`` on ``TEST_DEVICE``; ``native`` forces the
+    decode-attention path (``None``: the default choice; ``True`` skips the test off CPU)."""
     from kvserve.worker.worker import Worker
 
-    w = Worker(ModelConfig(model=str(model_dir), dtype="float32", device="cpu"),
+    if native and TEST_DEVICE != "cpu":
+        import pytest
+
+        pytest.skip("the native decode kernel is CPU-only")
+    w = Worker(ModelConfig(model=str(model_dir), dtype=dtype, device=TEST_DEVICE),
                CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                            num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window))
     g, c = w.determine_num_blocks()

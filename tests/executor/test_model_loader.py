@@ -41,7 +41,7 @@ def test_resolve_and_load_sharded_checkpoint(tmp_path):
     inp = runner.prepare_inputs(md)
     with torch.inference_mode():
         got = m.compute_logits(m(inp.input_ids, inp.positions, None, inp.attn))
-    assert torch.allclose(got, hf_logits(hf, [4, 5, 6, 7, 8]), atol=1e-4)
+    assert torch.allclose(got, hf_logits(hf, [4, 5, 6, 7, 8]).cpu(), atol=1e-4)
 
 
 def test_bfloat16_load_casts(tmp_path):

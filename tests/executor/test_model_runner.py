@@ -106,8 +106,9 @@ def test_worker_greedy_generation_matches_hf_generate(tiny, native):
     for s in seqs:
         prompt = s.data.prompt_token_ids
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+            ref = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, pad_token_id=0,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device))
         assert s.data.output_token_ids == ref[0, len(prompt):].tolist()
 
 
@@ -324,3 +325,33 @@ def test_split_buckets_is_optimal():
         ends = split_buckets(a, overhead, 4)
         assert ends[-1] == len(a) and ends == sorted(set(ends)) and len(ends) <= 4
         assert cost(ends) == best
+
+
+def test_bfloat16_decode_native_and_torch_paths_agree_with_hf(tiny):
+    """bfloat16 decodes of varied lengths: both attention paths stay within bfloat16 noise of
+    the float32 HF logits, and of each other (the native kernel widens K/V to float32)."""
+    path, hf = tiny
+    rng = random.Random(19)
+    lens = [3, 41, 9, 64, 17]
+    prompts = [rand_ids(rng, n) for n in lens]
+    nexts = [rng.randrange(3, VOCAB) for _ in lens]
+    got = {}
+    for native in (True, False):
+        w = make_worker(path, block_size=4, num_gpu_blocks=128, native=native, dtype="bfloat16")
+        alloc = ToyAllocator(128, seed=20)
+        seqs = [ToySeq(list(p)) for p in prompts]
+        md = [s.metadata(s.data.get_len(), alloc, 4) for s in seqs]
+        step_logits(w, md)
+        advance(md)
+        for s, t in zip(seqs, nexts):
+            s.data.append_token_id(t)
+        md = [s.metadata(1, alloc, 4) for s in seqs]
+        assert (w.runner.prepare_inputs(md).attn.native_decode is not None) == native
+        got[native] = step_logits(w, md)
+    for i, (p, t) in enumerate(zip(prompts, nexts)):
+        ref = hf_logits(hf, p + [t])[-1].float().cpu()
+        scale = ref.abs().max()
+        for native in (True, False):
+            err = (got[native][i].cpu() - ref).abs().max()
+            assert err < 0.03 * scale, (native, lens[i], float(err), float(scale))
+        assert (got[True][i] - got[False][i]).abs().max() < 0.03 * scale

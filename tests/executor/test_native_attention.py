@@ -7,23 +7,41 @@ from kvserve.model_executor.layers import native_attention as na
 
 pytestmark = pytest.mark.skipif(not na.available(), reason=f"native kernel unavailable: {na.failure_reason()}")
 
+# bfloat16 K/V/q are widened exactly and summed in float32, so the only extra error is the
+# output's rounding to bfloat16: half an ulp, 2**-9 relative, of values of magnitude <~ 3.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2 ** -8}
 
-@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 1, 32, 4), (1, 4, 16, 1)])
-def test_matches_reference(KH, G, D, BS):
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 1, 32, 4), (1, 4, 16, 1), (2, 2, 24, 4)])
+def test_matches_reference(KH, G, D, BS, dtype):
+    # D=24 is not a multiple of 16: the scalar path.
     torch.manual_seed(KH * 100 + G)
     NB, B = 600, 7
-    cache = torch.randn(2, KH, NB, BS, D)
+    cache = torch.randn(2, KH, NB, BS, D).to(dtype)
     kend = torch.tensor([1, 5, BS, BS + 1, 37, 64, 3 * BS + 5])
     kstart = torch.tensor([0, 0, 0, 1, 30, 0, BS + 2])  # some "windows"
     first = kstart // BS
     nbmax = int(((kend - 1) // BS - first + 1).max())
     table = torch.randperm(NB)[:B * nbmax].view(B, nbmax).contiguous()
-    q = torch.randn(B, KH, G, D)
+    q = torch.randn(B, KH, G, D).to(dtype)
     got = na.paged_decode_attention(q, cache, table, kstart, kend, 0.3)
+    assert got.dtype == dtype
     for b in range(B):
         pos = torch.arange(int(kstart[b]), int(kend[b]))
         blk = table[b, pos // BS - first[b]]
-        K = cache[0][:, blk, pos % BS]  # [KH, L, D]
-        V = cache[1][:, blk, pos % BS]
-        ref = F.scaled_dot_product_attention(q[b], K, V, scale=0.3)
-        assert torch.allclose(got[b], ref, atol=1e-5), (b, (got[b] - ref).abs().max())
+        K = cache[0][:, blk, pos % BS].float()  # [KH, L, D]
+        V = cache[1][:, blk, pos % BS].float()
+        ref = F.scaled_dot_product_attention(q[b].float(), K, V, scale=0.3)
+        err = (got[b].float() - ref).abs().max()
+        assert err <= TOLERANCE[dtype], (b, float(err))
+
+
+def test_rejects_mixed_or_unsupported_dtypes():
+    cache = torch.zeros(2, 1, 4, 4, 16)
+    table = torch.zeros(1, 1, dtype=torch.long)
+    ks, ke = torch.tensor([0]), torch.tensor([1])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        na.paged_decode_attention(torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), cache, table, ks, ke, 1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        na.paged_decode_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float16), cache.half(), table, ks, ke, 1.0)

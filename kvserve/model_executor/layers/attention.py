@@ -184,5 +184,5 @@ class PagedAttention:
                 g = g.view(2, B, KH, b.num_blocks * bs, D)
                 qd = q[b.start:b.end].reshape(B, KH, self.group, D)
                 o = F.scaled_dot_product_attention(qd, g[0], g[1], attn_mask=b.mask, scale=self.scale)
-                out[b.start:b.end] = o.view(B, H, D)
+                out[b.start:b.end] = o.reshape(B, H, D)  # CUDA SDPA may return a transposed layout
         return out.view(T, H * D)

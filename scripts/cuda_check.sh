@@ -6,6 +6,7 @@
 # Needs, beside the tracked files, two git-ignored folders carried along:
 #   .whl/          wheels of the runtime dependencies that machine lacks (pydantic, fastapi, ...)
 #   .cuda_assets/  SmolLM2-135M config + tokenizer files, and the w64 workload (see its README)
+# scripts/cuda_check_prepare.sh (run on the CPU machine) creates both folders.
 # Steps (each under its own timeout, all under one overall budget; a failed step does not stop
 # the next): install the wheels into /tmp/site; print the machine; import smoke test; make a
 # random-weight model of SmolLM2-135M's exact shape in /tmp; golden tests on CUDA (engine and

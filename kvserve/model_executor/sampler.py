@@ -56,6 +56,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from kvserve.model_executor.layers import native_ops
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (CompletionSequenceGroupOutput, SequenceData,
                               SequenceGroupMetadata, SequenceOutput)
@@ -279,8 +280,11 @@ class Sampler:
     @staticmethod
     def _greedy_fast_path(logits: torch.Tensor, rows: List[_Row]):
         """Every row greedy with nothing to adjust: one argmax (+ the sampled logprob)."""
-        tok = logits.argmax(dim=-1)
-        lp = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        if native_ops.supported(logits):
+            tok, lp = native_ops.greedy_sample(logits)  # one fused pass (argmax + logsumexp)
+        else:
+            tok = logits.argmax(dim=-1)
+            lp = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
         counts = [r.num_samples for r in rows]
         if any(c > 1 for c in counts):
             rep = torch.tensor(counts, device=logits.device)

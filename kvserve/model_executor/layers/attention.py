@@ -156,13 +156,16 @@ class PagedAttention:
                 g = kv_cache.view(-1, bs * D).index_select(0, pc.gather_idx).view(2, KH, -1, D)
                 ks = g[0, :, :pc.num_keys]
                 vs = g[1, :, :pc.num_keys]
+            # A batch dimension of 1: torch's CPU flash kernel takes only 4-D inputs (3-D ones
+            # go to the unfused math path, 4-9x slower on a 300-token prompt).
+            qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
             if pc.mask is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
                                                    enable_gqa=self.group > 1)
             else:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=pc.mask, scale=self.scale,
                                                    enable_gqa=self.group > 1)
-            out[pc.start:pc.end] = o.transpose(0, 1)
+            out[pc.start:pc.end] = o[0].transpose(0, 1)
         nd = meta.native_decode
         if nd is not None:
             from kvserve.model_executor.layers.native_attention import paged_decode_attention

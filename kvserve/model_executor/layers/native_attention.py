@@ -13,11 +13,9 @@ use a plain scalar loop. There is one version per cache dtype, float32 and bfloa
 queries widened to float32 on load, the output rounded to nearest even on store); all
 arithmetic is float32.
 
-The C source below is compiled on first use with the system C compiler
-(``cc -O3 -march=native -fopenmp``) into ``<cache root>/native/<hash>/`` (atomically, like the
-model cache) and loaded with ``ctypes`` (the GIL is released during the call). If there is no
-compiler, compilation fails or ``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers
-use the torch path then, and for other dtypes (``supports_dtype``) and devices.
+Built on first use by ``native_lib`` (which says how). If it cannot be built or
+``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers use the torch path then, and for
+other dtypes (``supports_dtype``) and devices.
 
 Kernel contract (all contiguous; q, cache and out of one dtype, float32 or bfloat16)::
 
@@ -31,87 +29,11 @@ Kernel contract (all contiguous; q, cache and out of one dtype, float32 or bfloa
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-_PRELUDE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-
-static inline float hsum16(v16 v) {
-    v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-}
-
-static inline v16 vmax(v16 a, v16 b) {
-    v16i m = a > b;
-    return (v16)(((v16i)a & m) | ((v16i)b & ~m));
-}
-
-/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 Taylor in r, times 2^n. */
-static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){} - 87.0f;
-    x = vmax(x, lo);
-    const v16 magic = (v16){} + 12582912.0f;           /* 1.5 * 2^23: round to nearest */
-    v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693145751953125f;                   /* ln2 split hi/lo */
-    r = r - n * 1.428606765330187045e-06f;
-    v16 p = r * (1.0f / 720) + (1.0f / 120);
-    p = p * r + (1.0f / 24);
-    p = p * r + (1.0f / 6);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)e;
-}
-
-/* Element access for the two storage dtypes. bfloat16 is the top half of a float32, so
-   widening is a 16-bit shift; narrowing rounds to nearest even (NaN inputs are not expected). */
-static inline v16 ld16_f32(const float* p) { return *(const v16*)p; }
-static inline void st16_f32(float* p, v16 x) { *(v16*)p = x; }
-static inline float ld1_f32(const float* p) { return *p; }
-static inline void st1_f32(float* p, float x) { *p = x; }
-
-static inline v16 ld16_bf16(const uint16_t* p) {
-    return (v16)(__builtin_convertvector(*(const v16h*)p, v16u) << 16);
-}
-static inline void st16_bf16(uint16_t* p, v16 x) {
-    v16u u = (v16u)x;
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    *(v16h*)p = __builtin_convertvector(u, v16h);
-}
-static inline float ld1_bf16(const uint16_t* p) {
-    uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline void st1_bf16(uint16_t* p, float x) {
-    uint32_t u; memcpy(&u, &x, 4); *p = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-#define MAXG 16
-#define MAXC 16   /* D / 16 chunks: head_dim <= 256 */
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-"""
+from kvserve.model_executor.layers.native_lib import PRELUDE, NativeLibrary, instantiate
 
 # One kernel body, instantiated per storage dtype (``ELEM`` / ``SFX`` are macros set before
 # each copy): ``kv_paged_decode_attention_f32`` and ``kv_paged_decode_attention_bf16``.
@@ -244,79 +166,18 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, cons
 }
 """
 
-_SOURCE = (_PRELUDE
-           + "#define ELEM float\n#define SFX f32\n" + _KERNEL + "#undef ELEM\n#undef SFX\n"
-           + "#define ELEM uint16_t\n#define SFX bf16\n" + _KERNEL + "#undef ELEM\n#undef SFX\n")
-
 #: torch dtype -> exported kernel symbol.
 _SYMBOLS = {torch.float32: "kv_paged_decode_attention_f32", torch.bfloat16: "kv_paged_decode_attention_bf16"}
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_failed: Optional[str] = None
-
-
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return sys.platform
-
-
-def _build(out_dir: Path) -> Path:
-
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256((_SOURCE + cc + _cpu_key()).encode()).hexdigest()[:16]
-    final = out_dir / key
-    lib = final / "kv_attention.so"
-    if lib.is_file():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-native-", dir=out_dir))
-    try:
-        (tmp / "kv_attention.c").write_text(_SOURCE)
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
-                        "-o", str(tmp / "kv_attention.so"), str(tmp / "kv_attention.c"), "-lm"],
-                       check=True, capture_output=True, timeout=120)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not lib.is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return lib
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_LIB = NativeLibrary("kv_attention", PRELUDE + "#define MAXG 16\n#define MAXC 16\n" + instantiate(_KERNEL),
+                     {sym: [_p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
+                            ctypes.c_int] for sym in _SYMBOLS.values()})
 
 
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernel library, building it on first use; ``None`` if unavailable."""
-    global _lib, _failed
-    if _lib is not None or _failed is not None:
-        return _lib
-    with _lock:
-        if _lib is not None or _failed is not None:
-            return _lib
-        if os.environ.get("KVSERVE_NATIVE", "1") == "0":
-            _failed = "disabled by KVSERVE_NATIVE=0"
-            return None
-        try:
-            from kvserve.model_executor.gguf_convert import cache_root
-
-            lib = ctypes.CDLL(str(_build(cache_root() / "native")))
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            for name in _SYMBOLS.values():
-                fn = getattr(lib, name)
-                fn.argtypes = [p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-                fn.restype = None
-            _lib = lib
-        except Exception as e:  # no compiler, compile error, load error: torch path
-            _failed = f"{type(e).__name__}: {e}"
-    return _lib
+    return _LIB.load()
 
 
 def available() -> bool:
@@ -330,7 +191,7 @@ def supports_dtype(dtype: torch.dtype) -> bool:
 
 
 def failure_reason() -> Optional[str]:
-    return _failed
+    return _LIB.failure_reason()
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
@@ -352,7 +213,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     """
     lib = load()
     if lib is None:
-        raise RuntimeError(f"native attention unavailable: {_failed}")
+        raise RuntimeError(f"native attention unavailable: {_LIB.failure_reason()}")
     if q.dtype != kv_cache.dtype or not supports_dtype(q.dtype):
         raise ValueError(f"native attention takes float32 or bfloat16 q and cache of one dtype, "
                          f"got q {q.dtype} and cache {kv_cache.dtype}.")

@@ -6,6 +6,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from kvserve.model_executor.layers import native_ops
+
 
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x**2, -1) + eps) * weight``, computed in float32.
@@ -32,10 +34,15 @@ class RMSNorm(nn.Module):
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Normalise ``x`` (``[..., hidden_size]``).
 
-        With ``residual`` given, first computes ``s = x + residual`` and returns
-        ``(norm(s), s)`` -- the new residual stream is ``s``.
+        With ``residual`` given, first adds ``x`` into ``residual`` in place and returns
+        ``(norm(residual), residual)`` -- the residual stream is updated where it lies. On CPU
+        (contiguous ``[T, H]`` float32/bfloat16) this is one fused native pass
+        (``native_ops.rms_norm``), else torch ops.
         """
+        if x.dim() == 2 and native_ops.supported(x, self.weight, *(() if residual is None else (residual,))):
+            out = native_ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
-        s = x + residual
+        s = residual.add_(x)
         return self._norm(s), s

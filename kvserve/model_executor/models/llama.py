@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model_executor.layers import native_ops
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
@@ -78,8 +79,11 @@ class LlamaMLP(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = F.linear(x, self.gate_up_weight)
-        g = F.silu(gu[:, :self.inter])
-        g.mul_(gu[:, self.inter:])
+        if native_ops.supported(gu):
+            g = native_ops.silu_and_mul(gu)  # one pass instead of silu + mul
+        else:
+            g = F.silu(gu[:, :self.inter])
+            g.mul_(gu[:, self.inter:])
         return F.linear(g, self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

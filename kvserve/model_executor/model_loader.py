@@ -193,5 +193,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, hf_config=None,
     with torch.no_grad():
         model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position)
         read_safetensors_into(model, model_dir)
+        model.prepack_linear_weights()
     model.eval()
     return model

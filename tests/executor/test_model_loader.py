@@ -50,6 +50,40 @@ def test_bfloat16_load_casts(tmp_path):
     assert m.layers[0].self_attn.qkv_weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2_bias"])
+def test_bfloat16_prepacked_weights_give_identical_logits(tmp_path, arch, monkeypatch):
+    """bfloat16 CPU weights are prepacked for oneDNN at load; the logits must be bit-identical
+    to plain ``F.linear`` (tied LM head and q/k/v bias included)."""
+    from transformers import Qwen2Config
+
+    from kvserve.model_executor.models import llama
+    from kvserve.worker.model_runner import ModelRunner
+
+    if arch == "llama_tied":
+        cfg = llama_config(tie_word_embeddings=True)
+    else:
+        cfg = Qwen2Config(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                          tie_word_embeddings=False, use_sliding_window=False)
+    save_tiny(tmp_path, cfg)
+
+    def logits(m):
+        md = [ToySeq([4, 5, 6, 7, 8, 9, 10]).metadata(7, ToyAllocator(8), 4)]
+        inp = ModelRunner(m, 4, 8, None, sampler=None).prepare_inputs(md)
+        with torch.inference_mode():
+            return m.compute_logits(m(inp.input_ids, inp.positions, None, inp.attn))
+
+    packed = load_model(tmp_path, torch.bfloat16, "cpu")
+    if not packed.layers[0].mlp.down_weight.is_mkldnn:
+        pytest.skip("oneDNN weight prepacking unavailable in this torch build")
+    assert packed.lm_head.is_mkldnn and not packed.embed_tokens.is_mkldnn
+    monkeypatch.setattr(llama, "prepack_weight", lambda w: w)
+    plain = load_model(tmp_path, torch.bfloat16, "cpu")
+    assert not plain.layers[0].mlp.down_weight.is_mkldnn
+    a, b = logits(packed), logits(plain)
+    assert torch.equal(a, b) and a.abs().max() > 0.1
+
+
 def test_missing_weight_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 

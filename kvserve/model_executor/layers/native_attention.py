@@ -35,6 +35,32 @@ import torch
 
 from kvserve.model_executor.layers.native_lib import PRELUDE, NativeLibrary, instantiate
 
+_HELPERS = r"""
+#define MAXG 16   /* query heads per KV head */
+#define MAXC 16   /* D / 16 chunks: head_dim <= 256 */
+
+/* Lane-pair sums of x and y: out lanes from x's pairs (lo, hi halves per group) then y's. */
+#define PAIRSUM(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
+
+/* out[j] = sum of a[j]'s 16 lanes, for j = 0..15: a transposing tree of 15 shuffle-add pairs
+   (the leaves end up in bit-reversed order, undone by the last shuffle). */
+static inline v16 hsum16x16(const v16* a) {
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = PAIRSUM(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + PAIRSUM(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        c[i] = PAIRSUM(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + PAIRSUM(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        d[i] = PAIRSUM(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + PAIRSUM(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    v16 e = PAIRSUM(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+          + PAIRSUM(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    return __builtin_shufflevector(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+"""
+
 # One kernel body, instantiated per storage dtype (``ELEM`` / ``SFX`` are macros set before
 # each copy): ``kv_paged_decode_attention_f32`` and ``kv_paged_decode_attention_bf16``.
 # Arithmetic is float32 in both.
@@ -112,7 +138,33 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, cons
         const int64_t* tb = table + b * nbmax;
         const int64_t fb = s0 / BS;
         const ELEM* kbase = cache + h * NB * BS * D;
-        for (int64_t p = s0; p < s1; ) {
+        int64_t p = s0;
+        /* 16 keys at a time: widen them once into kf, then one transposing reduction per
+           query head gives their 16 scores (instead of 16 horizontal sums). */
+        for (; p + 16 <= s1; p += 16) {
+            v16 kf[16 * MAXC];
+            for (int64_t j = 0; j < 16; ++j) {
+                const int64_t pos = p + j;
+                const ELEM* k = kbase + (tb[pos / BS - fb] * BS + pos % BS) * D;
+                for (int64_t c = 0; c < C; ++c) kf[j * C + c] = CAT(ld16_, SFX)(k + 16 * c);
+                if (pos + 16 < s1) {  /* the next group's row: blocks are scattered, so the
+                                         hardware prefetcher stalls at each block boundary */
+                    const char* nk = (const char*)(kbase + (tb[(pos + 16) / BS - fb] * BS + (pos + 16) % BS) * D);
+                    for (int64_t o = 0; o < D * (int64_t)sizeof(ELEM); o += 64) __builtin_prefetch(nk + o);
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const v16* qg = qv + g * C;
+                v16 a[16];
+                for (int64_t j = 0; j < 16; ++j) {
+                    v16 acc = qg[0] * kf[j * C];
+                    for (int64_t c = 1; c < C; ++c) acc += qg[c] * kf[j * C + c];
+                    a[j] = acc;
+                }
+                *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a);
+            }
+        }
+        for (; p < s1; ) {
             const int64_t blk = tb[p / BS - fb];
             const int64_t pend = (p / BS + 1) * BS < s1 ? (p / BS + 1) * BS : s1;
             for (; p < pend; ++p) {
@@ -170,7 +222,7 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, cons
 _SYMBOLS = {torch.float32: "kv_paged_decode_attention_f32", torch.bfloat16: "kv_paged_decode_attention_bf16"}
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-_LIB = NativeLibrary("kv_attention", PRELUDE + "#define MAXG 16\n#define MAXC 16\n" + instantiate(_KERNEL),
+_LIB = NativeLibrary("kv_attention", PRELUDE + _HELPERS + instantiate(_KERNEL),
                      {sym: [_p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
                             ctypes.c_int] for sym in _SYMBOLS.values()})
 

@@ -284,6 +284,7 @@ class ModelRunner:
 
         write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
         meta.write_idx = torch.from_numpy(write_idx).to(dev)
+        meta.slot_mapping = torch.from_numpy(slots.astype(np.int64, copy=False)).to(dev)
         rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
         seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}
         for sid, r in zip(d_sids, d_row.tolist()):

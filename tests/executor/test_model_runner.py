@@ -355,3 +355,26 @@ def test_bfloat16_decode_native_and_torch_paths_agree_with_hf(tiny):
             err = (got[native][i].cpu() - ref).abs().max()
             assert err < 0.03 * scale, (native, lens[i], float(err), float(scale))
         assert (got[True][i] - got[False][i]).abs().max() < 0.03 * scale
+
+
+def test_pure_torch_path_matches_hf(tiny, monkeypatch):
+    """With every native kernel off (what CUDA and ``KVSERVE_NATIVE=0`` run): torch RMSNorm,
+    SiLU, rotary + ``index_copy_`` cache write, gather attention and torch greedy sampling."""
+    from kvserve.model_executor.layers import native_ops
+
+    monkeypatch.setattr(native_ops, "supported", lambda *t: False)
+    path, hf = tiny
+    w = make_worker(path, block_size=4, native=False)
+    rng = random.Random(21)
+    alloc = ToyAllocator(64, seed=22)
+    seqs = [ToySeq(rand_ids(rng, n)) for n in (4, 11)]
+    md = [s.metadata(s.data.get_len(), alloc, 4) for s in seqs]
+    for _ in range(6):
+        outs = w.execute_model(ExecuteModelRequest(md))
+        advance(md)
+        for s, o in zip(seqs, outs):
+            s.data.append_token_id(o.samples[0].output_token)
+        md = [s.metadata(1, alloc, 4) for s in seqs]
+    for s in seqs:
+        ref = hf_logits(hf, s.data.get_token_ids()[:-1]).argmax(-1)[len(s.data.prompt_token_ids) - 1:]
+        assert s.data.output_token_ids == ref.tolist()

@@ -13,9 +13,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2 ** -8}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 1, 32, 4), (1, 4, 16, 1), (2, 2, 24, 4)])
+@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 1, 32, 4), (1, 4, 16, 1), (2, 2, 24, 4),
+                                      (2, 4, 128, 16), (1, 1, 64, 8), (2, 8, 128, 16)])
 def test_matches_reference(KH, G, D, BS, dtype):
-    # D=24 is not a multiple of 16: the scalar path.
+    # D=24 is not a multiple of 16: the scalar path; (3, 64), (4, 128) ... take the kernel copies
+    # specialised for their (G, head_dim), (2, 32) and (4, 16) the general one.
     torch.manual_seed(KH * 100 + G)
     NB, B = 600, 7
     cache = torch.randn(2, KH, NB, BS, D).to(dtype)

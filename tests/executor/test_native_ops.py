@@ -84,3 +84,34 @@ def test_bad_inputs_raise_value_error():
         ops.greedy_sample(torch.zeros(2, 3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="rms_norm"):
         ops.rms_norm(torch.zeros(2, 4), torch.zeros(3), 1e-6)
+
+
+@DTYPES
+@pytest.mark.parametrize("H,KH,D", [(9, 3, 64), (4, 2, 40)])  # D=40: half=20, a scalar tail
+def test_rope_write_kv_matches_torch_rotary_and_cache_write(H, KH, D, dtype):
+    from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(H + D)
+    T, NB, BS = 6, 10, 4
+    rope = RotaryEmbedding(D, 128, {"rope_type": "default", "rope_theta": 10000.0}, dtype)
+    positions = torch.tensor([0, 1, 5, 17, 63, 127])
+    cos, sin = rope.lookup(positions)
+    qkv = torch.randn(T, (H + 2 * KH) * D).to(dtype)
+    cache = torch.zeros(2, KH, NB, BS, D, dtype=dtype)
+    slots = torch.tensor([3, 0, 39, 12, 13, 22])
+    got = ops.rope_write_kv(qkv, cos, sin, H, KH, D, cache, slots)
+    ref = RotaryEmbedding.apply(qkv[:, :(H + KH) * D].view(T, H + KH, D), cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -6
+    assert torch.allclose(got.float(), ref.float(), atol=tol * 4, rtol=tol)
+    flat = cache.view(2, KH, NB * BS, D)
+    v = qkv[:, (H + KH) * D:].view(T, KH, D)
+    for t in range(T):
+        assert torch.equal(flat[0, :, slots[t]], got[t, H:])  # rotated k
+        assert torch.equal(flat[1, :, slots[t]], v[t])        # v as projected
+    untouched = torch.ones(NB * BS, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, :, untouched].any()
+    # Without a cache: rotation only.
+    assert torch.equal(ops.rope_write_kv(qkv, cos, sin, H, KH, D, None, None), got)
+    with pytest.raises(ValueError, match="rope_write_kv"):
+        ops.rope_write_kv(qkv, cos, sin, H + 1, KH, D, cache, slots)

@@ -92,6 +92,7 @@ class AttentionMetadata:
         write_idx: int64 ``[2 * kv_heads * T]`` rows of the cache viewed as
             ``[2 * kv_heads * num_blocks * block_size, head_dim]`` that receive the new K/V
             (order ``(s, h, t)``).
+        slot_mapping: int64 ``[T]``: each token's cache slot ``block * block_size + offset``.
         prefills: the multi-token chunks, rows ``[0, num_prefill_tokens)``.
         num_prefill_tokens: rows taken by ``prefills``.
         num_decode: single-token queries (rows ``num_prefill_tokens ..``), split into
@@ -102,6 +103,7 @@ class AttentionMetadata:
     """
 
     write_idx: torch.Tensor
+    slot_mapping: Optional[torch.Tensor] = None
     prefills: List[PrefillChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode: int = 0
@@ -128,7 +130,8 @@ class PagedAttention:
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
         """Attention for a flattened batch.
 
         Args:
@@ -136,12 +139,13 @@ class PagedAttention:
             kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` or ``None``
                 (profiling run without a cache: only fresh prefills are allowed).
             meta: the step's ``AttentionMetadata``.
+            kv_written: ``k`` and ``v`` are already in the cache (``native_ops.rope_write_kv``).
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype.
         """
         T = q.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if kv_cache is not None:
+        if kv_cache is not None and not kv_written:
             flat = kv_cache.view(-1, D)
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
             flat.index_copy_(0, meta.write_idx, src)

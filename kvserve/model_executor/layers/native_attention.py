@@ -113,6 +113,99 @@ static void CAT(generic_, SFX)(const ELEM* q, const ELEM* cache, const int64_t* 
     }
 }
 
+/* One (sequence, KV head) work item of the fast path. Always inlined, so the calls below with
+   literal G and C get copies whose query and accumulator vectors live in registers. */
+static inline __attribute__((always_inline)) void CAT(item_, SFX)(
+    int64_t w, const ELEM* q, const ELEM* cache, const int64_t* table, int64_t nbmax,
+    const int64_t* kstart, const int64_t* kend, ELEM* out,
+    int64_t KH, const int64_t G, const int64_t C, int64_t NB, int64_t BS, float scale)
+{
+    const int64_t D = 16 * C;
+    const int64_t v_off = KH * NB * BS * D;
+    const int64_t b = w / KH, h = w % KH;
+    const int64_t s0 = kstart[b], s1 = kend[b], L = s1 - s0;
+    ELEM* ob = out + w * G * D;
+    if (L <= 0) { for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, (v16){}); return; }
+    const int64_t Lp = (L + 15) & ~(int64_t)15;
+    float* sc = (float*)aligned_alloc(64, sizeof(float) * (size_t)(G * Lp));
+    v16 qv[MAXG * MAXC];
+    const ELEM* qsrc = q + w * G * D;
+    for (int64_t i = 0; i < G * C; ++i) qv[i] = CAT(ld16_, SFX)(qsrc + 16 * i) * scale;
+    const int64_t* tb = table + b * nbmax;
+    const int64_t fb = s0 / BS;
+    const ELEM* kbase = cache + h * NB * BS * D;
+    int64_t p = s0;
+    /* 16 keys at a time: widen them once into kf, then one transposing reduction per
+       query head gives their 16 scores (instead of 16 horizontal sums). */
+    for (; p + 16 <= s1; p += 16) {
+        v16 kf[16 * MAXC];
+        for (int64_t j = 0; j < 16; ++j) {
+            const int64_t pos = p + j;
+            const ELEM* k = kbase + (tb[pos / BS - fb] * BS + pos % BS) * D;
+            for (int64_t c = 0; c < C; ++c) kf[j * C + c] = CAT(ld16_, SFX)(k + 16 * c);
+            if (pos + 16 < s1) {  /* the next group's row: blocks are scattered, so the
+                                     hardware prefetcher stalls at each block boundary */
+                const char* nk = (const char*)(kbase + (tb[(pos + 16) / BS - fb] * BS + (pos + 16) % BS) * D);
+                for (int64_t o = 0; o < D * (int64_t)sizeof(ELEM); o += 64) __builtin_prefetch(nk + o);
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const v16* qg = qv + g * C;
+            v16 a[16];
+            for (int64_t j = 0; j < 16; ++j) {
+                v16 acc = qg[0] * kf[j * C];
+                for (int64_t c = 1; c < C; ++c) acc += qg[c] * kf[j * C + c];
+                a[j] = acc;
+            }
+            *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a);
+        }
+    }
+    for (; p < s1; ++p) {
+        const ELEM* k = kbase + (tb[p / BS - fb] * BS + p % BS) * D;
+        v16 kc[MAXC];
+        for (int64_t c = 0; c < C; ++c) kc[c] = CAT(ld16_, SFX)(k + 16 * c);
+        for (int64_t g = 0; g < G; ++g) {
+            const v16* qg = qv + g * C;
+            v16 acc = qg[0] * kc[0];
+            for (int64_t c = 1; c < C; ++c) acc += qg[c] * kc[c];
+            sc[g * Lp + (p - s0)] = hsum16(acc);
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* s = sc + g * Lp;
+        for (int64_t i = L; i < Lp; ++i) s[i] = -INFINITY;
+        v16 mv = *(v16*)s;
+        for (int64_t i = 16; i < Lp; i += 16) { v16 x = *(v16*)(s + i); mv = vmax(x, mv); }
+        float m = mv[0];
+        for (int i = 1; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
+        v16 sumv = (v16){};
+        for (int64_t i = 0; i < Lp; i += 16) {
+            v16 e = exp16(*(v16*)(s + i) - m);
+            *(v16*)(s + i) = e;
+            sumv += e;
+        }
+        const float inv = 1.0f / hsum16(sumv);
+        for (int64_t i = 0; i < Lp; i += 16) *(v16*)(s + i) *= inv;
+    }
+    v16 acc[MAXG * MAXC];
+    for (int64_t i = 0; i < G * C; ++i) acc[i] = (v16){};
+    const ELEM* vbase = cache + v_off + h * NB * BS * D;
+    for (p = s0; p < s1; ++p) {
+        const ELEM* v = vbase + (tb[p / BS - fb] * BS + p % BS) * D;
+        if (p + 8 < s1)
+            __builtin_prefetch(vbase + (tb[(p + 8) / BS - fb] * BS + (p + 8) % BS) * D);
+        v16 vc[MAXC];
+        for (int64_t c = 0; c < C; ++c) vc[c] = CAT(ld16_, SFX)(v + 16 * c);
+        for (int64_t g = 0; g < G; ++g) {
+            const float a = sc[g * Lp + (p - s0)];
+            v16* ag = acc + g * C;
+            for (int64_t c = 0; c < C; ++c) ag[c] += a * vc[c];
+        }
+    }
+    for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, acc[i]);
+    free(sc);
+}
+
 void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, const int64_t* table, int64_t nbmax,
                                const int64_t* kstart, const int64_t* kend, ELEM* out,
                                int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS,
@@ -123,97 +216,18 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, cons
         return;
     }
     const int64_t C = D / 16;
-    const int64_t v_off = KH * NB * BS * D;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t w = 0; w < B * KH; ++w) {
-        const int64_t b = w / KH, h = w % KH;
-        const int64_t s0 = kstart[b], s1 = kend[b], L = s1 - s0;
-        ELEM* ob = out + w * G * D;
-        if (L <= 0) { for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, (v16){}); continue; }
-        const int64_t Lp = (L + 15) & ~(int64_t)15;
-        float* sc = (float*)aligned_alloc(64, sizeof(float) * (size_t)(G * Lp));
-        v16 qv[MAXG * MAXC];
-        const ELEM* qsrc = q + w * G * D;
-        for (int64_t i = 0; i < G * C; ++i) qv[i] = CAT(ld16_, SFX)(qsrc + 16 * i) * scale;
-        const int64_t* tb = table + b * nbmax;
-        const int64_t fb = s0 / BS;
-        const ELEM* kbase = cache + h * NB * BS * D;
-        int64_t p = s0;
-        /* 16 keys at a time: widen them once into kf, then one transposing reduction per
-           query head gives their 16 scores (instead of 16 horizontal sums). */
-        for (; p + 16 <= s1; p += 16) {
-            v16 kf[16 * MAXC];
-            for (int64_t j = 0; j < 16; ++j) {
-                const int64_t pos = p + j;
-                const ELEM* k = kbase + (tb[pos / BS - fb] * BS + pos % BS) * D;
-                for (int64_t c = 0; c < C; ++c) kf[j * C + c] = CAT(ld16_, SFX)(k + 16 * c);
-                if (pos + 16 < s1) {  /* the next group's row: blocks are scattered, so the
-                                         hardware prefetcher stalls at each block boundary */
-                    const char* nk = (const char*)(kbase + (tb[(pos + 16) / BS - fb] * BS + (pos + 16) % BS) * D);
-                    for (int64_t o = 0; o < D * (int64_t)sizeof(ELEM); o += 64) __builtin_prefetch(nk + o);
-                }
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                const v16* qg = qv + g * C;
-                v16 a[16];
-                for (int64_t j = 0; j < 16; ++j) {
-                    v16 acc = qg[0] * kf[j * C];
-                    for (int64_t c = 1; c < C; ++c) acc += qg[c] * kf[j * C + c];
-                    a[j] = acc;
-                }
-                *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a);
-            }
-        }
-        for (; p < s1; ) {
-            const int64_t blk = tb[p / BS - fb];
-            const int64_t pend = (p / BS + 1) * BS < s1 ? (p / BS + 1) * BS : s1;
-            for (; p < pend; ++p) {
-                const ELEM* k = kbase + (blk * BS + p % BS) * D;
-                v16 kc[MAXC];
-                for (int64_t c = 0; c < C; ++c) kc[c] = CAT(ld16_, SFX)(k + 16 * c);
-                for (int64_t g = 0; g < G; ++g) {
-                    const v16* qg = qv + g * C;
-                    v16 acc = qg[0] * kc[0];
-                    for (int64_t c = 1; c < C; ++c) acc += qg[c] * kc[c];
-                    sc[g * Lp + (p - s0)] = hsum16(acc);
-                }
-            }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-            float* s = sc + g * Lp;
-            for (int64_t i = L; i < Lp; ++i) s[i] = -INFINITY;
-            v16 mv = *(v16*)s;
-            for (int64_t i = 16; i < Lp; i += 16) { v16 x = *(v16*)(s + i); mv = vmax(x, mv); }
-            float m = mv[0];
-            for (int i = 1; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
-            v16 sumv = (v16){};
-            for (int64_t i = 0; i < Lp; i += 16) {
-                v16 e = exp16(*(v16*)(s + i) - m);
-                *(v16*)(s + i) = e;
-                sumv += e;
-            }
-            const float inv = 1.0f / hsum16(sumv);
-            for (int64_t i = 0; i < Lp; i += 16) *(v16*)(s + i) *= inv;
-        }
-        v16 acc[MAXG * MAXC];
-        for (int64_t i = 0; i < G * C; ++i) acc[i] = (v16){};
-        const ELEM* vbase = cache + v_off + h * NB * BS * D;
-        for (int64_t p = s0; p < s1; ) {
-            const int64_t blk = tb[p / BS - fb];
-            const int64_t pend = (p / BS + 1) * BS < s1 ? (p / BS + 1) * BS : s1;
-            for (; p < pend; ++p) {
-                const ELEM* v = vbase + (blk * BS + p % BS) * D;
-                v16 vc[MAXC];
-                for (int64_t c = 0; c < C; ++c) vc[c] = CAT(ld16_, SFX)(v + 16 * c);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float a = sc[g * Lp + (p - s0)];
-                    v16* ag = acc + g * C;
-                    for (int64_t c = 0; c < C; ++c) ag[c] += a * vc[c];
-                }
-            }
-        }
-        for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, acc[i]);
-        free(sc);
+#define ITEM(g, c) CAT(item_, SFX)(w, q, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale)
+        /* Common shapes (head_dim 64 or 128; 1-8 query heads per KV head) as constants. */
+        if (C == 4 && G == 3) ITEM(3, 4);
+        else if (C == 4 && G == 1) ITEM(1, 4);
+        else if (C == 4 && G == 4) ITEM(4, 4);
+        else if (C == 8 && G == 4) ITEM(4, 8);
+        else if (C == 8 && G == 8) ITEM(8, 8);
+        else if (C == 8 && G == 1) ITEM(1, 8);
+        else ITEM(G, C);
+#undef ITEM
     }
 }
 """

@@ -9,6 +9,9 @@ conversions between its GEMMs (torch.profiler). These kernels do each of them in
   model dtype before the weight multiply.
 - ``silu_and_mul``: ``silu(gate) * up`` over a fused ``[T, 2 * I]`` gate/up projection
   (SwiGLU, Shazeer 2020), each product rounded like torch's ``silu`` then ``mul``.
+- ``rope_write_kv``: rotary embedding of q and k from the fused qkv projection, with the
+  rotated k and the v written straight into their KV-cache slots (replaces four elementwise ops,
+  a stack, a transpose and an ``index_copy_`` per layer).
 - ``greedy_sample``: per row, the first index of the maximum (``torch.argmax``) and its
   log-probability ``-log(sum(exp(x - max)))``, in two passes over a row that stays in cache.
 
@@ -84,6 +87,48 @@ void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, in
 }
 """
 
+_ROPE = r"""
+/* Rotary embedding (RoFormer, Su et al. 2021; rotate-half form) of the q and k heads of a fused
+   qkv row, written to qk_out [T, H + KH, D]; the rotated k and the v heads also go straight
+   into their cache slots (cache [2, KH, NBBS, D], slots [T]; skipped when cache is NULL).
+   Per element, as the torch path: o1 = round(x1 cos) - x2 sin, o2 = round(x2 cos) + x1 sin. */
+void CAT(rope_write_kv_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sinb, ELEM* qk_out,
+                              ELEM* cache, const int64_t* slots, int64_t T, int64_t H, int64_t KH,
+                              int64_t D, int64_t NBBS, int nthreads)
+{
+    const int64_t half = D / 2, half16 = half & ~(int64_t)15, row = (H + 2 * KH) * D;
+    #pragma omp parallel for schedule(static) num_threads(T >= 64 ? nthreads : 1)
+    for (int64_t t = 0; t < T; ++t) {
+        const ELEM* c = cosb + t * half;
+        const ELEM* sn = sinb + t * half;
+        for (int64_t hh = 0; hh < H + KH; ++hh) {
+            const ELEM* x = qkv + t * row + hh * D;
+            ELEM* o = qk_out + (t * (H + KH) + hh) * D;
+            int64_t i = 0;
+            for (; i < half16; i += 16) {
+                v16 x1 = CAT(ld16_, SFX)(x + i), x2 = CAT(ld16_, SFX)(x + half + i);
+                v16 cv = CAT(ld16_, SFX)(c + i), sv = CAT(ld16_, SFX)(sn + i);
+                CAT(st16_, SFX)(o + i, CAT(round16_, SFX)(x1 * cv) - x2 * sv);
+                CAT(st16_, SFX)(o + half + i, CAT(round16_, SFX)(x2 * cv) + x1 * sv);
+            }
+            for (; i < half; ++i) {
+                float x1 = CAT(ld1_, SFX)(x + i), x2 = CAT(ld1_, SFX)(x + half + i);
+                float cv = CAT(ld1_, SFX)(c + i), sv = CAT(ld1_, SFX)(sn + i);
+                v16 a = CAT(round16_, SFX)((v16){} + x1 * cv), b = CAT(round16_, SFX)((v16){} + x2 * cv);
+                CAT(st1_, SFX)(o + i, a[0] - x2 * sv);
+                CAT(st1_, SFX)(o + half + i, b[0] + x1 * sv);
+            }
+            if (cache && hh >= H)
+                memcpy(cache + ((hh - H) * NBBS + slots[t]) * D, o, sizeof(ELEM) * D);
+        }
+        if (cache)
+            for (int64_t h = 0; h < KH; ++h)
+                memcpy(cache + ((KH + h) * NBBS + slots[t]) * D, qkv + t * row + (H + KH + h) * D,
+                       sizeof(ELEM) * D);
+    }
+}
+"""
+
 _GREEDY = r"""
 void greedy_sample_f32(const float* logits, int64_t N, int64_t V, int64_t* tok, float* logprob, int nthreads)
 {
@@ -121,15 +166,27 @@ void greedy_sample_f32(const float* logits, int64_t N, int64_t V, int64_t* tok, 
 
 _SOURCE = (PRELUDE
            + "static inline v16 vmin(v16 a, v16 b) { v16i m = a < b; return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }\n"
-           + instantiate(_KERNELS) + _GREEDY)
+           + instantiate(_KERNELS + _ROPE) + _GREEDY)
 _p, _i64, _f, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGS = {}
 for _sfx in ("f32", "bf16"):
     _SIGS[f"rms_norm_{_sfx}"] = [_p, _p, _p, _p, _i64, _i64, _f, _i]
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
+    _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
 _SIGS["greedy_sample_f32"] = [_p, _i64, _i64, _p, _p, _i]
 _LIB = NativeLibrary("kv_ops", _SOURCE, _SIGS)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+_fns: dict = {}
+
+
+def _fn(name: str):
+    """The exported C function ``name`` (looked up once)."""
+    f = _fns.get(name)
+    if f is None:
+        f = _fns[name] = getattr(_LIB.load(), name)
+    return f
 
 
 def available() -> bool:
@@ -164,7 +221,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if not supported(*ts):
         raise ValueError("rms_norm: inputs must be contiguous CPU float32/bfloat16 of one dtype")
     out = torch.empty_like(x)
-    getattr(_LIB.load(), f"rms_norm_{_SUFFIX[x.dtype]}")(
+    _fn(f"rms_norm_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out
@@ -181,8 +238,44 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
                          f"got {tuple(gate_up.shape)} {gate_up.dtype}")
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
-    getattr(_LIB.load(), f"silu_and_mul_{_SUFFIX[gate_up.dtype]}")(
+    _fn(f"silu_and_mul_{_SUFFIX[gate_up.dtype]}")(
         gate_up.data_ptr(), out.data_ptr(), T, I2 // 2, torch.get_num_threads())
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int, kv_cache: Optional[torch.Tensor],
+                  slot_mapping: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of q and k from a fused projection, and the KV-cache write, in one pass.
+
+    Args:
+        qkv: ``[T, (H + 2 * KH) * D]`` contiguous (q heads, k heads, v heads).
+        cos, sin: ``[T, D // 2]`` contiguous (or ``[T, 1, D // 2]``), the tokens' rotary tables.
+        kv_cache: ``[2, KH, num_blocks, block_size, D]`` or ``None`` (no cache: nothing written).
+        slot_mapping: int64 ``[T]`` cache slot of each token (``block * block_size + offset``).
+    Returns:
+        ``[T, H + KH, D]``: rotated q heads then rotated k heads. The cache receives the rotated
+        k and the v heads at each token's slot.
+    Raises:
+        ValueError: on a shape or dtype mismatch, or unsupported inputs.
+    """
+    T = qkv.shape[0]
+    H, KH, D = num_heads, num_kv_heads, head_dim
+    ts = [qkv, cos, sin] + ([] if kv_cache is None else [kv_cache])
+    if (qkv.dim() != 2 or qkv.shape[1] != (H + 2 * KH) * D or cos.numel() != T * (D // 2)
+            or sin.numel() != T * (D // 2) or D % 2 or not supported(*ts)
+            or (kv_cache is not None and (kv_cache.shape[1] != KH or kv_cache.shape[-1] != D
+                                          or slot_mapping is None or slot_mapping.shape != (T,)
+                                          or slot_mapping.dtype != torch.int64))):
+        raise ValueError(f"rope_write_kv: qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)}, "
+                         f"H={H} KH={KH} D={D}, cache "
+                         f"{None if kv_cache is None else tuple(kv_cache.shape)} do not fit")
+    out = torch.empty(T, H + KH, D, dtype=qkv.dtype)
+    nbbs = 0 if kv_cache is None else kv_cache.shape[2] * kv_cache.shape[3]
+    _fn(f"rope_write_kv_{_SUFFIX[qkv.dtype]}")(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        None if kv_cache is None else kv_cache.data_ptr(),
+        None if kv_cache is None else slot_mapping.data_ptr(), T, H, KH, D, nbbs, torch.get_num_threads())
     return out
 
 
@@ -201,5 +294,5 @@ def greedy_sample(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     N, V = logits.shape
     tok = torch.empty(N, dtype=torch.int64)
     lp = torch.empty(N, dtype=torch.float32)
-    _LIB.load().greedy_sample_f32(logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads())
+    _fn("greedy_sample_f32")(logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads())
     return tok, lp

@@ -112,8 +112,11 @@ def render(d: Path) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if not Path(argv[0]).is_dir():
+        print(f"error: results folder {argv[0]!r} does not exist", file=sys.stderr)
         return 2
     print(render(Path(argv[0])))
     return 0

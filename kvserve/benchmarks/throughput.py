@@ -26,7 +26,8 @@ def add_workload_args(p: argparse.ArgumentParser, default_workload: bool = True)
                    help="workload JSONL (prompt_token_ids, output_len); default "
                         + (f"{default_workload_path()}" if default_workload else "none"))
     g.add_argument("--num-prompts", type=int, default=None,
-                   help="with --workload: use the first N requests; with --input-len: N synthetic requests")
+                   help="with --workload (or --trace, for bench serve): use the first N requests; "
+                        "with --input-len: N synthetic requests")
     g.add_argument("--input-len", type=int, default=None, help="synthetic prompts of this many corpus tokens")
     g.add_argument("--output-len", type=int, default=None,
                    help="synthetic output length (or override every request's output_len)")

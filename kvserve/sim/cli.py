@@ -3,7 +3,7 @@
 The engine (``LLMEngine``), scheduler and block manager are the production ones; only the
 executor is replaced by ``SimulatedExecutor`` and wall time by its virtual clock, so a what-if
 study (policy, cache size, chunked prefill, preemption mode) runs in seconds for hours of
-trace. Prints a latency table and writes JSON.
+trace. Prints a latency table (and writes it as JSON with ``--json-out``).
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             print(f"{prefix}{c.text.strip()}  ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
     first = min((o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time), default=None)
     gen_s = t_done - t_loaded
-    print(f"\n{len(outs)} request{"s" if len(outs) != 1 else ""} in one continuous batch: {n_tokens} output tokens in {gen_s:.2f} s "
+    print(f"\n{len(outs)} request{'s' if len(outs) != 1 else ''} in one continuous batch: {n_tokens} output tokens in {gen_s:.2f} s "
           f"= {n_tokens / max(gen_s, 1e-9):.1f} tokens/s (model load {t_loaded - t_start:.1f} s"
           + (f", first token {first - wall_start:.1f} s after start" if first else "")
           + ")")

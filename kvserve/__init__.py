@@ -3,9 +3,20 @@
 Public API: ``LLM``, ``SamplingParams``, ``LLMEngine``, ``EngineArgs``, ``RequestOutput``,
 ``CompletionOutput``.
 """
-from kvserve.config import EngineArgs
-from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+import os
+
+# oneDNN (bfloat16 GEMMs, and the float32 ones of prepacked weights) builds and caches one
+# primitive per distinct row count and weight shape, ~0.7 MB each, by default up to 1,024 in
+# each of two caches; a server meets ever-new step sizes, so that grew the process by over 1 GB
+# (tests/adversarial/test_step_size_memory.py). A bound of 128 keeps the last ~25 step sizes
+# (5 weight shapes each) warm. Read at oneDNN's first use, hence set before torch is imported;
+# a user's own setting wins.
+for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_var, "128")
+
+from kvserve.config import EngineArgs  # noqa: E402
+from kvserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from kvserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput"]

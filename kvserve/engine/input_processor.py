@@ -24,6 +24,9 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}.")
+            ids = list(ids)
         elif "prompt" in prompt:
             text, ids = prompt["prompt"], None
         else:
@@ -34,10 +37,6 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
         text, ids = None, list(prompt)
     else:
         raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}.")
-    if "prompt_token_ids" in (prompt if isinstance(prompt, dict) else ()):
-        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
-            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}.")
-        ids = list(ids)
     if ids is None:
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string, got {type(text).__name__}.")

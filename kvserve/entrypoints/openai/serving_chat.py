@@ -115,8 +115,8 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
             raw_request, bool(req.stream),
-            self._stream(req, params, sub, rec, priority, include_usage, reservation),
-            self._full(req, params, sub, rec, priority, reservation), rec, reservation)
+            lambda: self._stream(req, params, sub, rec, priority, include_usage, reservation),
+            lambda: self._full(req, params, sub, rec, priority, reservation), rec, reservation)
 
     async def _full(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
                     rec: RequestRecord, priority: int, reservation: Reservation) -> dict:

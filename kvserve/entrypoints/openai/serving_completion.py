@@ -67,8 +67,8 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
             raw_request, bool(req.stream),
-            self._stream(req, params, subs, rec, priority, include_usage, reservation),
-            self._full(req, params, subs, rec, priority, reservation), rec, reservation)
+            lambda: self._stream(req, params, subs, rec, priority, include_usage, reservation),
+            lambda: self._full(req, params, subs, rec, priority, reservation), rec, reservation)
 
     @staticmethod
     def _split_prompts(prompt) -> List:

@@ -530,20 +530,18 @@ class OpenAIServing:
     # ------------------------------------------------------------------ helpers
     async def respond(self, raw_request: Request, stream: bool, stream_body, full_body,
                       rec: RequestRecord, reservation: Reservation) -> Response:
-        """Send a streaming (SSE) or a whole JSON response. ``stream_body`` is the async
-        iterator of SSE lines, ``full_body`` the coroutine computing the JSON body; only the
-        one matching ``stream`` is run. A client gone before the body is ready aborts the
+        """Send a streaming (SSE) or a whole JSON response. ``stream_body()`` makes the async
+        iterator of SSE lines, ``full_body()`` the coroutine computing the JSON body; only the
+        one matching ``stream`` is made. A client gone before the body is ready aborts the
         request (499 in the log); the capacity reservation is released and the request logged
         once, whichever way it ends."""
         if stream:
-            full_body.close()
             return DisconnectAwareStreamingResponse(
-                stream_body, media_type="text/event-stream",
+                stream_body(), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id},
                 on_close=reservation.release)
-        await stream_body.aclose()
         try:
-            body = await run_unless_disconnected(raw_request, full_body)
+            body = await run_unless_disconnected(raw_request, full_body())
             return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
         except ClientDisconnected:
             rec.status = "client_disconnected"

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.model_executor.layers.native_lib import PRELUDE, NativeLibrary, instantiate
+from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, PRELUDE, NativeLibrary, instantiate
 
 _HELPERS = r"""
 #define MAXG 16   /* query heads per KV head */
@@ -232,28 +232,21 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, cons
 }
 """
 
-#: torch dtype -> exported kernel symbol.
-_SYMBOLS = {torch.float32: "kv_paged_decode_attention_f32", torch.bfloat16: "kv_paged_decode_attention_bf16"}
-
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 _LIB = NativeLibrary("kv_attention", PRELUDE + _HELPERS + instantiate(_KERNEL),
-                     {sym: [_p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
-                            ctypes.c_int] for sym in _SYMBOLS.values()})
-
-
-def load() -> Optional[ctypes.CDLL]:
-    """The compiled kernel library, building it on first use; ``None`` if unavailable."""
-    return _LIB.load()
+                     {f"kv_paged_decode_attention_{sfx}": [_p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
+                                                           _i64, _i64, ctypes.c_float, ctypes.c_int]
+                      for sfx in DTYPE_SUFFIX.values()})
 
 
 def available() -> bool:
     """True when the native kernel is compiled and loaded."""
-    return load() is not None
+    return _LIB.available()
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:
     """True for the storage dtypes the kernel has a version of (float32, bfloat16)."""
-    return dtype in _SYMBOLS
+    return dtype in DTYPE_SUFFIX
 
 
 def failure_reason() -> Optional[str]:
@@ -275,10 +268,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
         ``[B, KH, G, D]`` in ``q``'s dtype (accumulated in float32).
     Raises:
         RuntimeError: the kernel is not available (check ``available()`` first).
-        ValueError: unsupported dtype, or ``q`` and ``kv_cache`` dtypes differ.
+        ValueError: unsupported dtype, ``q`` and ``kv_cache`` dtypes differ, or tensors off CPU.
     """
-    lib = load()
-    if lib is None:
+    if not _LIB.available():
         raise RuntimeError(f"native attention unavailable: {_LIB.failure_reason()}")
     if q.dtype != kv_cache.dtype or not supports_dtype(q.dtype):
         raise ValueError(f"native attention takes float32 or bfloat16 q and cache of one dtype, "
@@ -289,7 +281,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     _, _, NB, BS, _ = kv_cache.shape
     if out is None:
         out = torch.empty_like(q)
-    getattr(lib, _SYMBOLS[q.dtype])(q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), table.shape[1],
-                                  kstart.data_ptr(), kend.data_ptr(), out.data_ptr(),
-                                  B, KH, G, D, NB, BS, float(scale), torch.get_num_threads())
+    kernel = _LIB.fn(f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}")
+    kernel(q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], kstart.data_ptr(),
+           kend.data_ptr(), out.data_ptr(), B, KH, G, D, NB, BS, float(scale), torch.get_num_threads())
     return out

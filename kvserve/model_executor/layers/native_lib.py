@@ -25,6 +25,11 @@ import threading
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import torch
+
+#: Storage dtype -> suffix of the kernel symbols ``instantiate`` exports for it.
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
 PRELUDE = r"""
 #include <math.h>
 #include <stdint.h>
@@ -134,6 +139,7 @@ class NativeLibrary:
         self._lock = threading.Lock()
         self._lib: Optional[ctypes.CDLL] = None
         self._failed: Optional[str] = None
+        self._fns: Dict[str, ctypes._CFuncPtr] = {}
 
     def _build(self, out_dir: Path) -> Path:
         cc = os.environ.get("CC", "cc")
@@ -185,6 +191,13 @@ class NativeLibrary:
 
     def available(self) -> bool:
         return self.load() is not None
+
+    def fn(self, name: str):
+        """The exported function ``name`` (looked up once; the library must be available)."""
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fns[name] = getattr(self.load(), name)
+        return f
 
     def failure_reason(self) -> Optional[str]:
         return self._failed

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from kvserve.model_executor.layers.native_lib import PRELUDE, NativeLibrary, instantiate
+from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, PRELUDE, NativeLibrary, instantiate
 
 _KERNELS = r"""
 void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out,
@@ -169,24 +169,12 @@ _SOURCE = (PRELUDE
            + instantiate(_KERNELS + _ROPE) + _GREEDY)
 _p, _i64, _f, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGS = {}
-for _sfx in ("f32", "bf16"):
+for _sfx in DTYPE_SUFFIX.values():
     _SIGS[f"rms_norm_{_sfx}"] = [_p, _p, _p, _p, _i64, _i64, _f, _i]
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
 _SIGS["greedy_sample_f32"] = [_p, _i64, _i64, _p, _p, _i]
 _LIB = NativeLibrary("kv_ops", _SOURCE, _SIGS)
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-_fns: dict = {}
-
-
-def _fn(name: str):
-    """The exported C function ``name`` (looked up once)."""
-    f = _fns.get(name)
-    if f is None:
-        f = _fns[name] = getattr(_LIB.load(), name)
-    return f
 
 
 def available() -> bool:
@@ -202,7 +190,7 @@ def supported(*tensors: torch.Tensor) -> bool:
     """True when every tensor is a contiguous CPU float32/bfloat16 tensor of one dtype and the
     library is available: the native path applies."""
     t0 = tensors[0]
-    return (t0.dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == t0.dtype and t.is_contiguous()
+    return (t0.dtype in DTYPE_SUFFIX and all(t.device.type == "cpu" and t.dtype == t0.dtype and t.is_contiguous()
                                         for t in tensors) and available())
 
 
@@ -221,7 +209,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if not supported(*ts):
         raise ValueError("rms_norm: inputs must be contiguous CPU float32/bfloat16 of one dtype")
     out = torch.empty_like(x)
-    _fn(f"rms_norm_{_SUFFIX[x.dtype]}")(
+    _LIB.fn(f"rms_norm_{DTYPE_SUFFIX[x.dtype]}")(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out
@@ -238,7 +226,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
                          f"got {tuple(gate_up.shape)} {gate_up.dtype}")
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
-    _fn(f"silu_and_mul_{_SUFFIX[gate_up.dtype]}")(
+    _LIB.fn(f"silu_and_mul_{DTYPE_SUFFIX[gate_up.dtype]}")(
         gate_up.data_ptr(), out.data_ptr(), T, I2 // 2, torch.get_num_threads())
     return out
 
@@ -272,7 +260,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
                          f"{None if kv_cache is None else tuple(kv_cache.shape)} do not fit")
     out = torch.empty(T, H + KH, D, dtype=qkv.dtype)
     nbbs = 0 if kv_cache is None else kv_cache.shape[2] * kv_cache.shape[3]
-    _fn(f"rope_write_kv_{_SUFFIX[qkv.dtype]}")(
+    _LIB.fn(f"rope_write_kv_{DTYPE_SUFFIX[qkv.dtype]}")(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
         None if kv_cache is None else kv_cache.data_ptr(),
         None if kv_cache is None else slot_mapping.data_ptr(), T, H, KH, D, nbbs, torch.get_num_threads())
@@ -294,5 +282,5 @@ def greedy_sample(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     N, V = logits.shape
     tok = torch.empty(N, dtype=torch.int64)
     lp = torch.empty(N, dtype=torch.float32)
-    _fn("greedy_sample_f32")(logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads())
+    _LIB.fn("greedy_sample_f32")(logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads())
     return tok, lp

@@ -19,12 +19,14 @@ def rand_ids(rng, n):
 def native(request, monkeypatch):
     """Run a test with the native decode-attention kernel, with torch decode attention, and with
     every native kernel off (``pure_torch``: what CUDA and ``KVSERVE_NATIVE=0`` run: torch
-    RMSNorm, SiLU, rotary + ``index_copy_`` cache write, greedy sampling). The value says
+    RMSNorm, SiLU, rotary + ``index_copy_`` cache write, greedy sampling, float32 GEMMs on
+    plain weights). The value says
     whether the native attention kernel is used."""
     if request.param == "pure_torch":
-        from kvserve.model_executor.layers import native_ops
+        from kvserve.model_executor.layers import native_gemm, native_ops
 
         monkeypatch.setattr(native_ops, "supported", lambda *t: False)
+        monkeypatch.setattr(native_gemm, "available", lambda: False)
     return request.param == "native"
 
 

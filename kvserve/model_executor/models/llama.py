@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers import native_ops
+from kvserve.model_executor.layers import native_gemm, native_ops
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
@@ -27,27 +27,33 @@ def _head_dim(cfg) -> int:
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``, plain or
-    prepacked by ``prepack_weight``."""
+def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
+    or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight`` or oneDNN's)."""
+    if isinstance(weight, native_gemm.PanelWeight):
+        return native_gemm.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` reordered once into oneDNN's blocked layout (CPU, bfloat16 or
-    float32); ``linear`` then calls oneDNN's matmul on it.
+def prepack_weight(weight: torch.Tensor):
+    """``weight`` ``[out, in]`` reordered once, at load, for the fastest CPU GEMM measured for its
+    dtype; ``linear`` dispatches on the result.
 
-    Plain ``F.linear`` reorders a bfloat16 weight for the AMX/AVX-512 GEMM on every call, and its
-    float32 GEMMs (MKL) reach only ~12 GB/s of weight reads at 4-16 rows. Measured on this 2-core
-    machine, the 30 layers' GEMMs of SmolLM2-135M (min of 6 interleaved runs): bfloat16 at 59
-    rows 25.7 -> 20.7 ms (bit-identical); float32 at 4 rows 33.4 -> 25.6 ms, 16 rows 39.3 ->
-    31.4 ms, 59 rows 66 -> 65 ms, 256 rows 179 -> 167 ms (float32 sums in another order:
-    differences ~1e-5). Returns ``weight`` unchanged where oneDNN or the op is unavailable.
+    - float32: ``native_gemm.PanelWeight`` (our register-blocked kernel: 1.3-1.6x oneDNN's
+      prepacked matmul at 1-128 rows, ~1.05-1.2x at 1,024-2,048 rows; see ``native_gemm``).
+    - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
+      a bfloat16 weight on every call; prepacked, the 30 layers' GEMMs of SmolLM2-135M at 59 rows
+      went 25.7 -> 20.7 ms, bit-identical.
+
+    Returns ``weight`` unchanged off CPU, for other dtypes, or when neither kernel is available.
     """
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
-            or not torch.backends.mkldnn.is_available()):
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return weight
+    if weight.dtype == torch.float32:
+        return native_gemm.PanelWeight(weight) if native_gemm.available() else weight
+    if not torch.backends.mkldnn.is_available():
         return weight
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -210,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         A tied LM head gets its own packed copy (the embedding table stays plain)."""
         def swap(module: nn.Module, name: str, source: Optional[torch.Tensor] = None) -> None:
             packed = prepack_weight(getattr(module, name) if source is None else source)
-            if packed.is_mkldnn:
+            if packed is not getattr(module, name, None):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
 

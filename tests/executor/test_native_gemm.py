@@ -1,0 +1,58 @@
+"""``native_gemm``: the panel-packed CPU GEMM against a float64 ``F.linear`` reference."""
+import pytest
+import torch
+
+from kvserve.model_executor.layers import native_gemm
+
+pytestmark = pytest.mark.skipif(not native_gemm.available(), reason="no C compiler / KVSERVE_NATIVE=0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 37), (48, 16), (7, 3), (1, 1)])
+def test_matches_reference(dtype, n, k):
+    """Every row-block edge (1-8 rows left over), padded last panels and the bias."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    pw = native_gemm.PanelWeight(w)
+    assert pw.panels.shape == (-(-n // 48), k, 48) and pw.shape == (n, k)
+    assert torch.equal(pw.unpack(), w)
+    for m in [1, 2, 3, 7, 8, 9, 16, 17, 61]:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        for bias in (None, b):
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = native_gemm.linear(x, pw, bias)
+            assert got.shape == (m, n) and got.dtype == dtype
+            # float32: sums in another order only; bfloat16: the output rounded once to bf16
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            assert (got.double() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
+
+
+def test_bfloat16_rounds_like_torch():
+    """bfloat16 products of exactly representable sums round to the same bf16 as torch."""
+    w = torch.tensor([[1.0, 2.0, 0.5], [3.0, -1.0, 0.25]], dtype=torch.bfloat16)
+    x = torch.tensor([[1.0, 1.0, 1.0], [2.0, 0.0, 4.0]], dtype=torch.bfloat16)
+    got = native_gemm.linear(x, native_gemm.PanelWeight(w))
+    assert torch.equal(got, torch.nn.functional.linear(x, w))
+
+
+def test_empty_input_and_noncontiguous_x():
+    w = torch.randn(50, 20)
+    pw = native_gemm.PanelWeight(w)
+    assert native_gemm.linear(torch.empty(0, 20), pw).shape == (0, 50)
+    x = torch.randn(20, 6).t()  # [6, 20], not contiguous
+    torch.testing.assert_close(native_gemm.linear(x, pw), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_named():
+    pw = native_gemm.PanelWeight(torch.randn(10, 4))
+    with pytest.raises(ValueError, match="native linear"):
+        native_gemm.linear(torch.randn(3, 5), pw)
+    with pytest.raises(ValueError, match="native linear"):
+        native_gemm.linear(torch.randn(3, 4, dtype=torch.float64), pw)
+    with pytest.raises(ValueError, match="native linear"):
+        native_gemm.linear(torch.randn(3, 4), pw, torch.randn(9))
+    with pytest.raises(ValueError, match="PanelWeight"):
+        native_gemm.PanelWeight(torch.randn(4))
+    with pytest.raises(ValueError, match="PanelWeight"):
+        native_gemm.PanelWeight(torch.randn(4, 4, dtype=torch.float16))

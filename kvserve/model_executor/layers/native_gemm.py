@@ -1,12 +1,14 @@
 """Linear layers on CPU: ``y = x @ W^T (+ b)`` with the weight packed once into column panels.
 
 Why our own GEMM: a decode step's GEMMs have few rows (1-64 tokens) and read every weight once.
-oneDNN and MKL reach ~55 % of this CPU's float32 FMA peak at 59 rows and read weights at
-~17 GB/s of ~23 GB/s at 1-8 rows. The register-blocked kernel here (the Goto/BLIS
+oneDNN's prepacked float32 matmul reaches ~55 % of this CPU's FMA peak at 59 rows and reads
+weights at ~17 of ~23 GB/s at 1-8 rows. The register-blocked kernel here (the Goto/BLIS
 decomposition: Goto & van de Geijn, "Anatomy of High-Performance Matrix Multiplication", ACM
-TOMS 2008; Van Zee & van de Geijn, "BLIS", ACM TOMS 2015) measured 1.3-1.6x faster than
-oneDNN's prepacked float32 matmul at 1-128 rows and ~1.2x at 1,024 rows on the 30 layers of
-SmolLM2-135M (2 cores, AVX-512; medians of interleaved runs, ``benchmarks/gemm_micro.py``).
+TOMS 2008; Van Zee & van de Geijn, "BLIS", ACM TOMS 2015) measured, on the 30 layers of
+SmolLM2-135M (2 cores, AVX-512, ``benchmarks/gemm_micro.py``), 1.3-1.6x faster than oneDNN at
+1-128 rows and level with it at 8,192 rows. In the engine (w64 workload, float32, two engines
+stepped alternately in one process, both orders) decode steps took 0.80x the time and prefill
+steps the same; the whole run 0.84x.
 
 Layout: ``W [N, K]`` becomes ``panels [P, K, PANEL_WIDTH]`` (``P = ceil(N / PANEL_WIDTH)``,
 zero padded): panel ``p`` holds output columns ``p * 48 .. p * 48 + 47`` with the 48 weights
@@ -15,9 +17,14 @@ of one input feature contiguous, so the micro-kernel streams each panel once, se
 Micro-kernel: 8 rows of ``x`` x 48 columns = 24 accumulator vectors of 16 floats; per input
 feature it loads 3 weight vectors and broadcasts 8 ``x`` values (outer-product update). The
 threads split the panels; within a thread a panel (<= 300 KB) stays in L2 while every 8-row block
-of ``x`` passes over it. Sums run over ``k`` in order in float32 (results differ from MKL's by
-rounding, ~1e-6 relative). bfloat16 weights are widened to float32 in registers, ``x`` is
-widened once per call, and the output is rounded to bfloat16 (round to nearest even).
+of a ~1 MB chunk of ``x`` rows passes over it, and those blocks prefetch the thread's next panel
+so that its first block does not wait on memory. Sums run over ``k`` in order in float32
+(results differ from MKL's by rounding, ~1e-6 relative).
+
+bfloat16 weights also work (widened to float32 in registers, ``x`` widened once per call, the
+output rounded to nearest even), but oneDNN's AMX GEMM beat it from ~8 rows and in the engine
+(w64 run 0.79x the speed even when used only up to 32 rows), so ``llama.prepack_weight`` packs
+float32 weights only.
 """
 from __future__ import annotations
 
@@ -33,14 +40,17 @@ PANEL_WIDTH = 48
 _MR = 8  # rows of x per micro-kernel call; 8 x 3 accumulators + 3 weights + 1 broadcast <= 32 registers
 
 _KERNELS = r"""
+/* mr (<= 8) rows of x times one 48-column panel, all K; while it runs, one cache line per k of
+   `pf` (up to pf_len bytes: the thread's next panel) is prefetched into L2. */
 static inline __attribute__((always_inline)) void CAT(ukernel_, SFX)(
         const int mr, int64_t K, const float* x, int64_t ldx, const ELEM* w, const ELEM* bias,
-        ELEM* y, int64_t ldy, int ncols)
+        ELEM* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len)
 {
     v16 a0[8], a1[8], a2[8];
     #pragma GCC unroll 8
     for (int r = 0; r < mr; ++r) { a0[r] = (v16){}; a1[r] = (v16){}; a2[r] = (v16){}; }
     for (int64_t k = 0; k < K; ++k) {
+        if (pf && k * 64 < pf_len) __builtin_prefetch(pf + k * 64, 0, 2);
         const ELEM* wk = w + k * 48;
         const v16 w0 = CAT(ld16_, SFX)(wk), w1 = CAT(ld16_, SFX)(wk + 16), w2 = CAT(ld16_, SFX)(wk + 32);
         #pragma GCC unroll 8
@@ -71,34 +81,48 @@ static inline __attribute__((always_inline)) void CAT(ukernel_, SFX)(
 }
 
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]); w: panels [ceil(N / 48), K, 48]; xf: float32 x (the
-   caller's x when ELEM is float, else a scratch copy widened here). */
+   caller's x when ELEM is float, else a scratch copy widened here). Rows go in chunks of
+   ~1 MB of x so a chunk stays in L2 while every panel of the thread passes over it; the 8-row
+   blocks after a panel's first one prefetch the thread's next panel, so its first block
+   computes from L2 instead of waiting on memory. */
 void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, ELEM* y,
                      int64_t M, int64_t N, int64_t K, int nthreads)
 {
     const int64_t P = (N + 47) / 48;
+    const int64_t panel_bytes = K * 48 * (int64_t)sizeof(ELEM);
+    int64_t mc = ((int64_t)(1 << 18) / K) & ~(int64_t)7;
+    if (mc < 8) mc = 8;
     #pragma omp parallel num_threads(nthreads)
     {
         if ((const void*)xf != (const void*)x) {
             #pragma omp for schedule(static)
             for (int64_t i = 0; i < M * K; ++i) xf[i] = CAT(ld1_, SFX)(x + i);
         }
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; ++p) {
-            const ELEM* wp = w + p * K * 48;
-            const ELEM* bp = bias ? bias + p * 48 : NULL;
-            const int ncols = N - p * 48 < 48 ? (int)(N - p * 48) : 48;
-            for (int64_t m = 0; m < M; m += 8) {
-                const float* xm = xf + m * K;
-                ELEM* ym = y + m * N + p * 48;
-                switch (M - m < 8 ? (int)(M - m) : 8) {
-                case 8: CAT(ukernel_, SFX)(8, K, xm, K, wp, bp, ym, N, ncols); break;
-                case 7: CAT(ukernel_, SFX)(7, K, xm, K, wp, bp, ym, N, ncols); break;
-                case 6: CAT(ukernel_, SFX)(6, K, xm, K, wp, bp, ym, N, ncols); break;
-                case 5: CAT(ukernel_, SFX)(5, K, xm, K, wp, bp, ym, N, ncols); break;
-                case 4: CAT(ukernel_, SFX)(4, K, xm, K, wp, bp, ym, N, ncols); break;
-                case 3: CAT(ukernel_, SFX)(3, K, xm, K, wp, bp, ym, N, ncols); break;
-                case 2: CAT(ukernel_, SFX)(2, K, xm, K, wp, bp, ym, N, ncols); break;
-                default: CAT(ukernel_, SFX)(1, K, xm, K, wp, bp, ym, N, ncols); break;
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p_begin = P * tid / nth, p_end = P * (tid + 1) / nth;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            const int64_t m_end = m0 + mc < M ? m0 + mc : M;
+            for (int64_t p = p_begin; p < p_end; ++p) {
+                const ELEM* wp = w + p * K * 48;
+                const ELEM* bp = bias ? bias + p * 48 : NULL;
+                const int ncols = N - p * 48 < 48 ? (int)(N - p * 48) : 48;
+                const char* next = p + 1 < p_end ? (const char*)(wp + K * 48) : NULL;
+                for (int64_t m = m0, blk = 0; m < m_end; m += 8, ++blk) {
+                    const float* xm = xf + m * K;
+                    ELEM* ym = y + m * N + p * 48;
+                    const int64_t pf_off = (blk - 1) * K * 64;
+                    const char* pf = next && blk > 0 && pf_off < panel_bytes ? next + pf_off : NULL;
+                    const int64_t pf_len = panel_bytes - pf_off;
+                    switch (m_end - m < 8 ? (int)(m_end - m) : 8) {
+                    case 8: CAT(ukernel_, SFX)(8, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 7: CAT(ukernel_, SFX)(7, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 6: CAT(ukernel_, SFX)(6, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 5: CAT(ukernel_, SFX)(5, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 4: CAT(ukernel_, SFX)(4, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 3: CAT(ukernel_, SFX)(3, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 2: CAT(ukernel_, SFX)(2, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    default: CAT(ukernel_, SFX)(1, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    }
                 }
             }
         }
@@ -106,7 +130,7 @@ void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, 
 }
 """
 
-_SOURCE = PRELUDE + instantiate(_KERNELS)
+_SOURCE = PRELUDE + "#include <omp.h>\n" + instantiate(_KERNELS)
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGS = {f"gemm_{s}": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int] for s in DTYPE_SUFFIX.values()}

@@ -70,7 +70,7 @@ def main() -> None:
         rows.append(row)
         print(f"{m:>6} {row['onednn_min_s'] * 1e3:>8.1f}/{row['onednn_median_s'] * 1e3:<9.1f} "
               f"{row['panels_min_s'] * 1e3:>8.1f}/{row['panels_median_s'] * 1e3:<9.1f} "
-              f"{row['panels_gflops']:>15.0f} {ratio:>16.2f}x", flush=True)
+              f"{row['panels_gflops']:>15.1f} {ratio:>16.2f}x", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"dtype": args.dtype, "layers": args.layers, "threads": torch.get_num_threads(),

@@ -98,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     for name, module, helptext in (
             ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
-            ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve)"),
+            ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve, cold-start, plot)"),
             ("simulate", "kvserve.sim.cli", "replay a trace on the simulator")):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.set_defaults(module=module)

@@ -90,7 +90,7 @@ void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, 
 {
     const int64_t P = (N + 47) / 48;
     const int64_t panel_bytes = K * 48 * (int64_t)sizeof(ELEM);
-    int64_t mc = ((int64_t)(1 << 18) / K) & ~(int64_t)7;
+    int64_t mc = K > 0 ? ((int64_t)(1 << 18) / K) & ~(int64_t)7 : 8;
     if (mc < 8) mc = 8;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -189,16 +189,22 @@ def linear(x: torch.Tensor, weight: PanelWeight, bias: Optional[torch.Tensor] = 
     """
     if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != weight.dtype
             or x.device.type != "cpu"
-            or (bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype))):
+            or (bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype
+                                      or bias.device.type != "cpu"))):
         raise ValueError(f"native linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}, bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit")
-    x = x.contiguous()
     m = x.shape[0]
+    if weight.in_features == 0:  # an empty sum: torch gives the bias (or zeros)
+        y = torch.zeros(m, weight.out_features, dtype=x.dtype)
+        return y if bias is None else y + bias
+    # the contiguous copies must stay referenced until the C call returns
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y = torch.empty(m, weight.out_features, dtype=x.dtype)
     xf = x if x.dtype == torch.float32 else torch.empty(m, weight.in_features, dtype=torch.float32)
     _LIB.fn(f"gemm_{DTYPE_SUFFIX[x.dtype]}")(
         x.data_ptr(), xf.data_ptr(), weight.panels.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(),
         m, weight.out_features, weight.in_features, torch.get_num_threads())
     return y

@@ -5,7 +5,7 @@ Public API: ``LLM``, ``SamplingParams``, ``LLMEngine``, ``EngineArgs``, ``Reques
 """
 import os
 
-# oneDNN (bfloat16 GEMMs, and the float32 ones of prepacked weights) builds and caches one
+# oneDNN (bfloat16 GEMMs; float32 ones where the native kernels are off) builds and caches one
 # primitive per distinct row count and weight shape, ~0.7 MB each, by default up to 1,024 in
 # each of two caches; a server meets ever-new step sizes, so that grew the process by over 1 GB
 # (tests/adversarial/test_step_size_memory.py). A bound of 128 keeps the last ~25 step sizes

@@ -42,7 +42,7 @@ def prepack_weight(weight: torch.Tensor):
     dtype; ``linear`` dispatches on the result.
 
     - float32: ``native_gemm.PanelWeight`` (our register-blocked kernel: 1.3-1.6x oneDNN's
-      prepacked matmul at 1-128 rows, ~1.05-1.2x at 1,024-2,048 rows; see ``native_gemm``).
+      prepacked matmul at 1-128 rows, level at 8,192; see ``native_gemm``).
     - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
       a bfloat16 weight on every call; prepacked, the 30 layers' GEMMs of SmolLM2-135M at 59 rows
       went 25.7 -> 20.7 ms, bit-identical.
@@ -214,18 +214,15 @@ class LlamaForCausalLM(nn.Module):
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
         ``prepack_weight`` form, after ``load_weights``; a no-op off CPU (and for float16).
         A tied LM head gets its own packed copy (the embedding table stays plain)."""
-        def swap(module: nn.Module, name: str, source: Optional[torch.Tensor] = None) -> None:
-            packed = prepack_weight(getattr(module, name) if source is None else source)
-            if packed is not getattr(module, name, None):
+        names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
+        names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
+        # a tied lm_head is the embedding Parameter itself: it is replaced by a packed copy
+        names.append((self, "lm_head"))
+        for module, name in names:
+            packed = prepack_weight(getattr(module, name))
+            if packed is not getattr(module, name):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
-
-        for layer in self.layers:
-            swap(layer.self_attn, "qkv_weight")
-            swap(layer.self_attn, "o_weight")
-            swap(layer.mlp, "gate_up_weight")
-            swap(layer.mlp, "down_weight")
-        swap(self, "lm_head", self.embed_tokens if self.tie_word_embeddings else None)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:

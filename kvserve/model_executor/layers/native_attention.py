@@ -8,10 +8,16 @@ its block, for all query heads that share it (GQA).
 The fast path (``head_dim % 16 == 0``, up to 16 query heads per KV head) uses GCC vector
 extensions (16 floats: AVX-512 with ``-march=native``, 2 x AVX2 otherwise): queries kept in
 registers, one horizontal sum per (key, query head), a vectorised exp (degree-6 polynomial
-after range reduction, relative error ~1e-7), value accumulators in registers. Other shapes
-use a plain scalar loop. There is one version per cache dtype, float32 and bfloat16 (K/V and
-queries widened to float32 on load, the output rounded to nearest even on store); all
-arithmetic is float32.
+after range reduction, relative error ~1e-7), value accumulators in registers. Cache rows are
+reached through a (block, offset) cursor, with the row two blocks ahead prefetched; for
+bfloat16 on CPUs with AVX512-BF16 the q.k products use ``vdpbf16ps`` (exact bf16 products,
+float32 sums) instead of widening every key. Together these took decode attention over a
+DRAM-resident cache from 10.3 to 11.6 GB/s (64 sequences of ~225 tokens) and from 12.9 to
+16.9 GB/s (8 of ~525), bfloat16.
+
+Other shapes use a plain scalar loop. There is one version per cache dtype, float32 and
+bfloat16 (K/V and queries widened to float32 on load, but for the ``vdpbf16ps`` products; the
+output rounded to nearest even on store); all sums are float32.
 
 Built on first use by ``native_lib`` (which says how). If it cannot be built or
 ``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers use the torch path then, and for
@@ -36,6 +42,7 @@ import torch
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, PRELUDE, NativeLibrary, instantiate
 
 _HELPERS = r"""
+#include <immintrin.h>
 #define MAXG 16   /* query heads per KV head */
 #define MAXC 16   /* D / 16 chunks: head_dim <= 256 */
 
@@ -134,20 +141,59 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     const int64_t* tb = table + b * nbmax;
     const int64_t fb = s0 / BS;
     const ELEM* kbase = cache + h * NB * BS * D;
-    int64_t p = s0;
+    /* Rows are reached through a (block index, offset) cursor -- no division per key -- and
+       the row at the same offset PF blocks ahead is prefetched: blocks are scattered, so the
+       hardware prefetcher stops at every block boundary (a DRAM miss per 16 keys otherwise). */
+    const int64_t nbi = (s1 - 1) / BS - fb + 1, off0 = s0 - fb * BS;
+    const int64_t row_bytes = D * (int64_t)sizeof(ELEM);
+#define PF 2
+#define ROW(base, bi, off) ((base) + (tb[bi] * BS + (off)) * D)
+#define PREFETCH_AHEAD(base, bi, off) do { if ((bi) + PF < nbi) { \
+        const char* nr_ = (const char*)ROW(base, (bi) + PF, off); \
+        for (int64_t o_ = 0; o_ < row_bytes; o_ += 64) __builtin_prefetch(nr_ + o_); } } while (0)
+#define ADVANCE(bi, off) do { if (++(off) == BS) { (off) = 0; ++(bi); } } while (0)
+    /* The first PF blocks have no earlier rows to prefetch them from. */
+    for (int64_t bi = 0; bi < PF && bi < nbi; ++bi)
+        for (int64_t off = bi ? 0 : off0; off < BS; ++off)
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char*)ROW(kbase, bi, off) + o);
+    int64_t p = s0, kbi = 0, koff = off0;
     /* 16 keys at a time: widen them once into kf, then one transposing reduction per
        query head gives their 16 scores (instead of 16 horizontal sums). */
+#if defined(__AVX512BF16__)
+    /* bfloat16 with AVX512-BF16: vdpbf16ps multiplies bf16 pairs exactly and adds them in
+       float32, so the keys need no widening and half the instructions; q is used unscaled
+       (as stored) and the scale applied to the 16 scores. */
+    if (sizeof(ELEM) == 2 && C % 2 == 0) {
+        __m512bh qb[MAXG * MAXC / 2];
+        for (int64_t i = 0; i < G * C / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512((const void*)(qsrc + 32 * i));
+        for (; p + 16 <= s1; p += 16) {
+            __m512bh kb[16 * MAXC / 2];
+            for (int64_t j = 0; j < 16; ++j) {
+                const ELEM* k = ROW(kbase, kbi, koff);
+                for (int64_t c = 0; c < C / 2; ++c) kb[j * (C / 2) + c] = (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c));
+                PREFETCH_AHEAD(kbase, kbi, koff);
+                ADVANCE(kbi, koff);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const __m512bh* qg = qb + g * (C / 2);
+                v16 a[16];
+                for (int64_t j = 0; j < 16; ++j) {
+                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], kb[j * (C / 2)]);
+                    for (int64_t c = 1; c < C / 2; ++c) acc = _mm512_dpbf16_ps(acc, qg[c], kb[j * (C / 2) + c]);
+                    a[j] = (v16)acc;
+                }
+                *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a) * scale;
+            }
+        }
+    }
+#endif
     for (; p + 16 <= s1; p += 16) {
         v16 kf[16 * MAXC];
         for (int64_t j = 0; j < 16; ++j) {
-            const int64_t pos = p + j;
-            const ELEM* k = kbase + (tb[pos / BS - fb] * BS + pos % BS) * D;
+            const ELEM* k = ROW(kbase, kbi, koff);
             for (int64_t c = 0; c < C; ++c) kf[j * C + c] = CAT(ld16_, SFX)(k + 16 * c);
-            if (pos + 16 < s1) {  /* the next group's row: blocks are scattered, so the
-                                     hardware prefetcher stalls at each block boundary */
-                const char* nk = (const char*)(kbase + (tb[(pos + 16) / BS - fb] * BS + (pos + 16) % BS) * D);
-                for (int64_t o = 0; o < D * (int64_t)sizeof(ELEM); o += 64) __builtin_prefetch(nk + o);
-            }
+            PREFETCH_AHEAD(kbase, kbi, koff);
+            ADVANCE(kbi, koff);
         }
         for (int64_t g = 0; g < G; ++g) {
             const v16* qg = qv + g * C;
@@ -161,7 +207,8 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
         }
     }
     for (; p < s1; ++p) {
-        const ELEM* k = kbase + (tb[p / BS - fb] * BS + p % BS) * D;
+        const ELEM* k = ROW(kbase, kbi, koff);
+        ADVANCE(kbi, koff);
         v16 kc[MAXC];
         for (int64_t c = 0; c < C; ++c) kc[c] = CAT(ld16_, SFX)(k + 16 * c);
         for (int64_t g = 0; g < G; ++g) {
@@ -190,10 +237,14 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     v16 acc[MAXG * MAXC];
     for (int64_t i = 0; i < G * C; ++i) acc[i] = (v16){};
     const ELEM* vbase = cache + v_off + h * NB * BS * D;
+    for (int64_t bi = 0; bi < PF && bi < nbi; ++bi)
+        for (int64_t off = bi ? 0 : off0; off < BS; ++off)
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char*)ROW(vbase, bi, off) + o);
+    int64_t vbi = 0, voff = off0;
     for (p = s0; p < s1; ++p) {
-        const ELEM* v = vbase + (tb[p / BS - fb] * BS + p % BS) * D;
-        if (p + 8 < s1)
-            __builtin_prefetch(vbase + (tb[(p + 8) / BS - fb] * BS + (p + 8) % BS) * D);
+        const ELEM* v = ROW(vbase, vbi, voff);
+        PREFETCH_AHEAD(vbase, vbi, voff);
+        ADVANCE(vbi, voff);
         v16 vc[MAXC];
         for (int64_t c = 0; c < C; ++c) vc[c] = CAT(ld16_, SFX)(v + 16 * c);
         for (int64_t g = 0; g < G; ++g) {
@@ -202,6 +253,10 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
             for (int64_t c = 0; c < C; ++c) ag[c] += a * vc[c];
         }
     }
+#undef PF
+#undef ROW
+#undef PREFETCH_AHEAD
+#undef ADVANCE
     for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, acc[i]);
     free(sc);
 }

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers import native_gemm, native_ops
+from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
@@ -29,7 +29,12 @@ def _head_dim(cfg) -> int:
 
 def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
-    or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight`` or oneDNN's)."""
+    or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight``,
+    ``amx_gemm.AmxWeight`` or oneDNN's)."""
+    if isinstance(weight, amx_gemm.AmxWeight):
+        if x.shape[0] <= amx_gemm.MAX_ROWS:
+            return amx_gemm.linear(x, weight, bias)
+        weight = weight.large
     if isinstance(weight, native_gemm.PanelWeight):
         return native_gemm.linear(x, weight, bias)
     if weight.is_mkldnn:
@@ -45,7 +50,10 @@ def prepack_weight(weight: torch.Tensor):
       prepacked matmul at 1-128 rows, level at 8,192; see ``native_gemm``).
     - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
       a bfloat16 weight on every call; prepacked, the 30 layers' GEMMs of SmolLM2-135M at 59 rows
-      went 25.7 -> 20.7 ms, bit-identical.
+      went 25.7 -> 20.7 ms, bit-identical. Where the process may use AMX tiles and
+      ``in % 32 == 0``, also ``amx_gemm.AmxWeight`` (our tile kernel, for steps of up to
+      ``amx_gemm.MAX_ROWS`` tokens) holding the oneDNN copy for larger steps: two copies of
+      each weight, the price of both speeds.
 
     Returns ``weight`` unchanged off CPU, for other dtypes, or when neither kernel is available.
     """
@@ -53,12 +61,15 @@ def prepack_weight(weight: torch.Tensor):
         return weight
     if weight.dtype == torch.float32:
         return native_gemm.PanelWeight(weight) if native_gemm.available() else weight
-    if not torch.backends.mkldnn.is_available():
-        return weight
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (RuntimeError, AttributeError):
-        return weight
+    large = weight
+    if torch.backends.mkldnn.is_available():
+        try:
+            large = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        except (RuntimeError, AttributeError):
+            pass
+    if weight.shape[1] % amx_gemm.K_TILE == 0 and amx_gemm.available():
+        return amx_gemm.AmxWeight(weight, large=large)
+    return large
 
 
 def _linear_weight(out_f: int, in_f: int, dtype, device) -> nn.Parameter:

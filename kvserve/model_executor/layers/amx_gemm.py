@@ -83,6 +83,8 @@ static void config_tiles(void) {
 /* One group's 2 x 16 output columns for rows [m, m + 16 * nb), nb = 1 or 2. */
 static inline void store_rows(const float* acc, int64_t rows, const uint16_t* bias, uint16_t* y,
                               int64_t ldy, int64_t ncols) {
+    uint16_t bpad[32] = {0};
+    if (bias && ncols < 32) { memcpy(bpad, bias, ncols * 2); bias = bpad; }
     for (int64_t r = 0; r < rows; ++r) {
         const float* a = acc + r * 32;
         uint16_t* yr = y + r * ldy;
@@ -94,32 +96,38 @@ static inline void store_rows(const float* acc, int64_t rows, const uint16_t* bi
 }
 #endif
 
-/* y[M, N] = x[Mp, K] @ W^T (+ bias): x has Mp = M rounded up to 16 rows (the extra rows zero),
-   w the tile layout above, bias padded to a multiple of 32. */
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]); w in the tile layout above. */
 void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                   int64_t M, int64_t Mp, int64_t N, int64_t K, int nthreads) {
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    const int64_t G = (N + 31) / 32, KC = K / 32, ldx = K * 2;
+    const int64_t G = (N + 31) / 32, KC = K / 32, Mp = (M + 15) / 16 * 16;
     #pragma omp parallel num_threads(nthreads)
     {
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = G * tid / nth, g1 = G * (tid + 1) / nth;
         float acc[32 * 32] __attribute__((aligned(64)));
         /* Rows go in blocks of up to MB_ROWS, copied to a buffer of this thread's: the block
-           stays in L2 while the thread's weight groups stream past it, and tile loads of x
-           straight after another core wrote it were slow. */
+           stays in L2 while the thread's weight groups stream past it. The copy is in tile
+           order, [16-row block][K / 32][16 rows][32]: every A tile is 1 KB contiguous (with
+           x's own row stride, 16 rows of 3 KB share 4 of L1's 64 sets), and the rows past M
+           are zero. */
         const int64_t mb_rows = Mp < MB_ROWS ? Mp : MB_ROWS;
         uint16_t* xl = (uint16_t*)aligned_alloc(64, (size_t)(mb_rows * K * 2));
         config_tiles();
         for (int64_t mb = 0; mb < Mp; mb += MB_ROWS) {
             const int64_t mrows = Mp - mb < MB_ROWS ? Mp - mb : MB_ROWS;
-            memcpy(xl, x + mb * K, (size_t)(mrows * K * 2));
+            for (int64_t r = 0; r < mrows; ++r)
+                for (int64_t kc = 0; kc < KC; ++kc) {
+                    uint16_t* dst = xl + (((r >> 4) * KC + kc) * 16 + (r & 15)) * 32;
+                    if (mb + r < M) memcpy(dst, x + (mb + r) * K + kc * 32, 64);
+                    else memset(dst, 0, 64);
+                }
             for (int64_t g = g0; g < g1; ++g) {
                 const uint16_t* wg = w + g * KC * 1024;
                 const int64_t ncols = N - g * 32 < 32 ? N - g * 32 : 32;
                 const uint16_t* bg = bias ? bias + g * 32 : NULL;
                 for (int64_t m = 0; m < mrows; m += 32) {
-                    const uint16_t* xm = xl + m * K;
+                    const uint16_t* xm = xl + (m >> 4) * KC * 512;
                     const int two = mrows - m >= 32;  /* 32 rows, else the last 16 */
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                     for (int64_t kc = 0; kc < KC; ++kc) {
@@ -127,11 +135,11 @@ void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
                         if (m == 0) PREFETCH_AHEAD(wk);
                         _tile_loadd(6, wk, 64);
                         _tile_loadd(7, wk + 512, 64);
-                        _tile_loadd(4, xm + kc * 32, ldx);
+                        _tile_loadd(4, xm + kc * 512, 64);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(1, 4, 7);
                         if (two) {
-                            _tile_loadd(5, xm + 16 * K + kc * 32, ldx);
+                            _tile_loadd(5, xm + (KC + kc) * 512, 64);
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
                         }
@@ -153,7 +161,7 @@ void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LIB = NativeLibrary("kv_amx_gemm", _SOURCE, {
     "amx_init": [],
-    "amx_gemm_bf16": [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "amx_gemm_bf16": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
 })
 _ready: Optional[bool] = None
 
@@ -232,18 +240,10 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: Optional[torch.Tensor] = No
                          f"do not fit")
     if not available():
         raise RuntimeError("AMX tiles are not available in this process")
+    x = x.contiguous()  # referenced until the call returns
+    bias = None if bias is None else bias.contiguous()
     m, k = x.shape
-    mp = -(-m // 16) * 16
-    if mp != m or not x.is_contiguous():
-        xp = x.new_zeros(mp, k)
-        xp[:m] = x
-        x = xp
-    if bias is not None:
-        n = weight.out_features
-        bp = bias.new_zeros(-(-n // GROUP_COLS) * GROUP_COLS)
-        bp[:n] = bias
-        bias = bp
     y = torch.empty(m, weight.out_features, dtype=torch.bfloat16)
     _LIB.fn("amx_gemm_bf16")(x.data_ptr(), weight.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-                             y.data_ptr(), m, mp, weight.out_features, k, torch.get_num_threads())
+                             y.data_ptr(), m, weight.out_features, k, torch.get_num_threads())
     return y

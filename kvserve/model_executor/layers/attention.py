@@ -26,6 +26,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from kvserve.model_executor.layers.native_attention import paged_decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -172,8 +174,6 @@ class PagedAttention:
             out[pc.start:pc.end] = o[0].transpose(0, 1)
         nd = meta.native_decode
         if nd is not None:
-            from kvserve.model_executor.layers.native_attention import paged_decode_attention
-
             B = nd.end - nd.start
             qd = q[nd.start:nd.end].contiguous().view(B, KH, self.group, D)
             paged_decode_attention(qd, kv_cache, nd.table, nd.kstart, nd.kend, self.scale,

@@ -35,3 +35,9 @@ def test_cli_runs_on_workload(tmp_path, capsys):
     assert main(["--num-requests", "16", "--num-gpu-blocks", "256", "--json-out", str(out)]) == 0
     assert "simulated 16 requests" in capsys.readouterr().out
     assert out.exists()
+
+
+def test_missing_trace_file_is_a_one_line_error(capsys):
+    assert main(["--trace", "/nonexistent/trace.csv"]) == 2
+    err = capsys.readouterr().err
+    assert "--trace /nonexistent/trace.csv: no such file" in err and "Traceback" not in err

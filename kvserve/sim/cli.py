@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -94,6 +95,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"note: {e}; using synthetic prompt token ids")
         corpus = [3 + (i * 7919) % (VOCAB - 3) for i in range(1 << 17)]
     if ns.trace:
+        if not Path(ns.trace).is_file():
+            print(f"Error: --trace {ns.trace}: no such file (shared traces live in ../shared/traces beside the "
+                  f"checkout, or $KVSERVE_SHARED_DIR/traces)", file=sys.stderr)
+            return 2
         records = wl.scale_arrivals(wl.select_trace(wl.load_trace(ns.trace), num_requests=ns.num_requests),
                                     ns.time_scale)
         requests, _ = wl.trace_to_requests(records, corpus, ns.max_model_len)

@@ -69,3 +69,5 @@ def test_bad_inputs_name_the_mismatch():
         amx_gemm.linear(torch.randn(2, 64), packed)
     with pytest.raises(ValueError, match="do not fit"):
         amx_gemm.linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(7).bfloat16())
+    with pytest.raises(ValueError, match="do not fit"):
+        amx_gemm.linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(8, dtype=torch.bfloat16, device="meta"))

@@ -47,3 +47,21 @@ def test_rejects_mixed_or_unsupported_dtypes():
         na.paged_decode_attention(torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), cache, table, ks, ke, 1.0)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         na.paged_decode_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float16), cache.half(), table, ks, ke, 1.0)
+
+
+def test_index_dtype_and_layout_are_checked():
+    """int32 indices (read as int64 they crashed the process) and a strided q (read as if
+    contiguous) are refused by name."""
+    if not na.available():
+        pytest.skip("native kernel unavailable")
+    cache = torch.zeros(2, 1, 4, 4, 16)
+    q = torch.zeros(1, 1, 1, 16)
+    table = torch.zeros(1, 1, dtype=torch.long)
+    ks, ke = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="table must be a contiguous CPU tensor of int64"):
+        na.paged_decode_attention(q, cache, table.int(), ks, ke, 1.0)
+    with pytest.raises(ValueError, match="kend must be"):
+        na.paged_decode_attention(q, cache, table, ks, ke.int(), 1.0)
+    strided_q = torch.zeros(2, 2, 1, 16)[:, :1]  # [2, 1, 1, 16], batch stride 32
+    with pytest.raises(ValueError, match="q must be"):
+        na.paged_decode_attention(strided_q, cache, table.repeat(2, 1), ks.repeat(2), ke.repeat(2), 1.0)

@@ -234,7 +234,8 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: Optional[torch.Tensor] = No
     """
     if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.bfloat16
             or x.device.type != "cpu"
-            or (bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16))):
+            or (bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16
+                                      or not bias.is_cpu))):
         raise ValueError(f"amx linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
                          f"{tuple(weight.shape)}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)} "
                          f"do not fit")

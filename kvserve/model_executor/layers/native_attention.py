@@ -319,11 +319,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
         table: int64 ``[B, NBMAX]``; row ``b`` lists the blocks of block indices
             ``kstart[b] // BS`` onwards.
         kstart, kend: int64 ``[B]``: keys ``kstart[b] <= pos < kend[b]`` are attended.
+            The caller guarantees that ``table`` is wide enough for them (not checked: it would
+            cost a reduction per layer and step).
     Returns:
         ``[B, KH, G, D]`` in ``q``'s dtype (accumulated in float32).
     Raises:
         RuntimeError: the kernel is not available (check ``available()`` first).
-        ValueError: unsupported dtype, ``q`` and ``kv_cache`` dtypes differ, or tensors off CPU.
+        ValueError: unsupported dtype, ``q`` and ``kv_cache`` dtypes differ, tensors off CPU or
+            not contiguous, or index tensors not int64.
     """
     if not _LIB.available():
         raise RuntimeError(f"native attention unavailable: {_LIB.failure_reason()}")
@@ -332,6 +335,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
                          f"got q {q.dtype} and cache {kv_cache.dtype}.")
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
         raise ValueError(f"native attention is CPU-only, got q on {q.device} and cache on {kv_cache.device}.")
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("table", table), ("kstart", kstart), ("kend", kend)):
+        if not t.is_contiguous() or not t.is_cpu or (name in ("table", "kstart", "kend") and t.dtype != torch.int64):
+            raise ValueError(f"native attention: {name} must be a contiguous CPU tensor"
+                             f"{' of int64' if name in ('table', 'kstart', 'kend') else ''}, got "
+                             f"{t.dtype} on {t.device}, strides {t.stride()}")
     B, KH, G, D = q.shape
     _, _, NB, BS, _ = kv_cache.shape
     if out is None:

@@ -50,8 +50,8 @@ def test_rejects_mixed_or_unsupported_dtypes():
 
 
 def test_index_dtype_and_layout_are_checked():
-    """int32 indices (read as int64 they crashed the process) and a strided q (read as if
-    contiguous) are refused by name."""
+    """int32 indices (read as int64 they crashed the process) and a q whose rows are not
+    contiguous (read as if they were) are refused by name."""
     if not na.available():
         pytest.skip("native kernel unavailable")
     cache = torch.zeros(2, 1, 4, 4, 16)
@@ -62,6 +62,25 @@ def test_index_dtype_and_layout_are_checked():
         na.paged_decode_attention(q, cache, table.int(), ks, ke, 1.0)
     with pytest.raises(ValueError, match="kend must be"):
         na.paged_decode_attention(q, cache, table, ks, ke.int(), 1.0)
-    strided_q = torch.zeros(2, 2, 1, 16)[:, :1]  # [2, 1, 1, 16], batch stride 32
+    strided_q = torch.zeros(2, 1, 16, 2)[..., 0].unsqueeze(2)  # [2, 1, 1, 16], elements 2 apart
     with pytest.raises(ValueError, match="q must be"):
         na.paged_decode_attention(strided_q, cache, table.repeat(2, 1), ks.repeat(2), ke.repeat(2), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_q_rows_may_be_strided(dtype):
+    """q taken straight from a fused [T, H + KH, D] projection (rows (H + KH) * D apart) gives
+    the same output as its contiguous copy."""
+    if not na.available():
+        pytest.skip("native kernel unavailable")
+    g = torch.Generator().manual_seed(3)
+    B, KH, G, D, BS, NB = 3, 2, 3, 64, 4, 12
+    cache = torch.randn(2, KH, NB, BS, D, generator=g).to(dtype)
+    fused = torch.randn(B, (KH * G + KH) * D, generator=g).to(dtype)
+    q = fused[:, :KH * G * D].view(B, KH, G, D)
+    assert not q.is_contiguous()
+    table = torch.randperm(NB, generator=g)[:B * 4].view(B, 4).contiguous()
+    ks = torch.tensor([0, 2, 5]); ke = torch.tensor([16, 9, 11])
+    a = na.paged_decode_attention(q, cache, table, ks, ke, 0.125)
+    b = na.paged_decode_attention(q.contiguous(), cache, table, ks, ke, 0.125)
+    assert torch.equal(a, b)

@@ -175,7 +175,10 @@ class PagedAttention:
         nd = meta.native_decode
         if nd is not None:
             B = nd.end - nd.start
-            qd = q[nd.start:nd.end].contiguous().view(B, KH, self.group, D)
+            qd = q[nd.start:nd.end]
+            if qd.stride(2) != 1 or qd.stride(1) != D:  # the kernel takes any row stride
+                qd = qd.contiguous()
+            qd = qd.view(B, KH, self.group, D)
             paged_decode_attention(qd, kv_cache, nd.table, nd.kstart, nd.kend, self.scale,
                                    out=out[nd.start:nd.end].view(B, KH, self.group, D))
         if meta.decode_buckets:

@@ -72,7 +72,7 @@ static inline v16 hsum16x16(const v16* a) {
 # each copy): ``kv_paged_decode_attention_f32`` and ``kv_paged_decode_attention_bf16``.
 # Arithmetic is float32 in both.
 _KERNEL = r"""
-static void CAT(generic_, SFX)(const ELEM* q, const ELEM* cache, const int64_t* table, int64_t nbmax,
+static void CAT(generic_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
                     const int64_t* kstart, const int64_t* kend, ELEM* out,
                     int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS,
                     float scale, int nthreads)
@@ -82,7 +82,7 @@ static void CAT(generic_, SFX)(const ELEM* q, const ELEM* cache, const int64_t* 
     for (int64_t w = 0; w < B * KH; ++w) {
         const int64_t b = w / KH, h = w % KH;
         const int64_t s0 = kstart[b], s1 = kend[b], L = s1 - s0;
-        const ELEM* qb = q + w * G * D;
+        const ELEM* qb = q + b * qs + h * G * D;
         ELEM* ob = out + w * G * D;
         if (L <= 0) { for (int64_t i = 0; i < G * D; ++i) CAT(st1_, SFX)(ob + i, 0.0f); continue; }
         float* sc = (float*)malloc(sizeof(float) * (size_t)(G * L));
@@ -123,7 +123,7 @@ static void CAT(generic_, SFX)(const ELEM* q, const ELEM* cache, const int64_t* 
 /* One (sequence, KV head) work item of the fast path. Always inlined, so the calls below with
    literal G and C get copies whose query and accumulator vectors live in registers. */
 static inline __attribute__((always_inline)) void CAT(item_, SFX)(
-    int64_t w, const ELEM* q, const ELEM* cache, const int64_t* table, int64_t nbmax,
+    int64_t w, const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
     const int64_t* kstart, const int64_t* kend, ELEM* out,
     int64_t KH, const int64_t G, const int64_t C, int64_t NB, int64_t BS, float scale)
 {
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     const int64_t Lp = (L + 15) & ~(int64_t)15;
     float* sc = (float*)aligned_alloc(64, sizeof(float) * (size_t)(G * Lp));
     v16 qv[MAXG * MAXC];
-    const ELEM* qsrc = q + w * G * D;
+    const ELEM* qsrc = q + b * qs + h * G * D;
     for (int64_t i = 0; i < G * C; ++i) qv[i] = CAT(ld16_, SFX)(qsrc + 16 * i) * scale;
     const int64_t* tb = table + b * nbmax;
     const int64_t fb = s0 / BS;
@@ -261,19 +261,19 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     free(sc);
 }
 
-void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, const int64_t* table, int64_t nbmax,
+void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
                                const int64_t* kstart, const int64_t* kend, ELEM* out,
                                int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS,
                                float scale, int nthreads)
 {
     if (D % 16 || D / 16 > MAXC || G > MAXG) {
-        CAT(generic_, SFX)(q, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale, nthreads);
+        CAT(generic_, SFX)(q, qs, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale, nthreads);
         return;
     }
     const int64_t C = D / 16;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t w = 0; w < B * KH; ++w) {
-#define ITEM(g, c) CAT(item_, SFX)(w, q, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale)
+#define ITEM(g, c) CAT(item_, SFX)(w, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale)
         /* Common shapes (head_dim 64 or 128; 1-8 query heads per KV head) as constants. */
         if (C == 4 && G == 3) ITEM(3, 4);
         else if (C == 4 && G == 1) ITEM(1, 4);
@@ -289,7 +289,7 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, const ELEM* cache, cons
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 _LIB = NativeLibrary("kv_attention", PRELUDE + _HELPERS + instantiate(_KERNEL),
-                     {f"kv_paged_decode_attention_{sfx}": [_p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
+                     {f"kv_paged_decode_attention_{sfx}": [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
                                                            _i64, _i64, ctypes.c_float, ctypes.c_int]
                       for sfx in DTYPE_SUFFIX.values()})
 
@@ -314,7 +314,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     """Decode attention for ``B`` single-token queries straight from the paged cache.
 
     Args:
-        q: ``[B, KH, G, D]`` contiguous, float32 or bfloat16 (``supports_dtype``).
+        q: ``[B, KH, G, D]``, float32 or bfloat16 (``supports_dtype``); each row ``q[b]``
+            contiguous, rows any stride apart (e.g. the q heads of a fused q/k projection).
         kv_cache: ``[2, KH, NB, BS, D]`` contiguous (one layer), same dtype as ``q``.
         table: int64 ``[B, NBMAX]``; row ``b`` lists the blocks of block indices
             ``kstart[b] // BS`` onwards.
@@ -326,7 +327,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     Raises:
         RuntimeError: the kernel is not available (check ``available()`` first).
         ValueError: unsupported dtype, ``q`` and ``kv_cache`` dtypes differ, tensors off CPU or
-            not contiguous, or index tensors not int64.
+            not contiguous (q: rows not contiguous), or index tensors not int64.
     """
     if not _LIB.available():
         raise RuntimeError(f"native attention unavailable: {_LIB.failure_reason()}")
@@ -335,16 +336,19 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
                          f"got q {q.dtype} and cache {kv_cache.dtype}.")
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
         raise ValueError(f"native attention is CPU-only, got q on {q.device} and cache on {kv_cache.device}.")
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("table", table), ("kstart", kstart), ("kend", kend)):
-        if not t.is_contiguous() or not t.is_cpu or (name in ("table", "kstart", "kend") and t.dtype != torch.int64):
+    for name, t in (("kv_cache", kv_cache), ("table", table), ("kstart", kstart), ("kend", kend)):
+        if not t.is_contiguous() or not t.is_cpu or (name != "kv_cache" and t.dtype != torch.int64):
             raise ValueError(f"native attention: {name} must be a contiguous CPU tensor"
-                             f"{' of int64' if name in ('table', 'kstart', 'kend') else ''}, got "
+                             f"{'' if name == 'kv_cache' else ' of int64'}, got "
                              f"{t.dtype} on {t.device}, strides {t.stride()}")
     B, KH, G, D = q.shape
+    if q.stride()[1:] != (G * D, D, 1) or (B > 1 and q.stride(0) < KH * G * D):
+        raise ValueError(f"native attention: q must be [B, KH, G, D] with contiguous rows (any row "
+                         f"stride >= KH*G*D), got strides {q.stride()}")
     _, _, NB, BS, _ = kv_cache.shape
     if out is None:
         out = torch.empty_like(q)
     kernel = _LIB.fn(f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}")
-    kernel(q.data_ptr(), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], kstart.data_ptr(),
+    kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], kstart.data_ptr(),
            kend.data_ptr(), out.data_ptr(), B, KH, G, D, NB, BS, float(scale), torch.get_num_threads())
     return out

@@ -20,6 +20,7 @@ from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from kvserve.model_executor.models import native_decode
 
 
 def _head_dim(cfg) -> int:
@@ -177,6 +178,10 @@ class LlamaForCausalLM(nn.Module):
         ValueError: for unsupported activations or rope scaling types.
     """
 
+    #: Run pure-decode CPU steps as straight native calls (``native_decode``): same kernels,
+    #: same results, without the per-op Python. False forces the module path.
+    use_native_decode = True
+
     def __init__(self, hf_config, dtype=torch.float32, device="cpu", max_position: Optional[int] = None):
         super().__init__()
         cfg = hf_config
@@ -211,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
+        if self.use_native_decode and native_decode.applies(self, kv_caches, meta, x.shape[0]):
+            return native_decode.forward_layers(self, x, cos, sin, kv_caches, meta)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, None if kv_caches is None else kv_caches[i], meta)

@@ -62,6 +62,8 @@ def test_index_dtype_and_layout_are_checked():
         na.paged_decode_attention(q, cache, table.int(), ks, ke, 1.0)
     with pytest.raises(ValueError, match="kend must be"):
         na.paged_decode_attention(q, cache, table, ks, ke.int(), 1.0)
+    with pytest.raises(ValueError, match="out must be"):
+        na.paged_decode_attention(q, cache, table, ks, ke, 1.0, out=torch.zeros(1, 1, 1, 8))
     strided_q = torch.zeros(2, 1, 16, 2)[..., 0].unsqueeze(2)  # [2, 1, 1, 16], elements 2 apart
     with pytest.raises(ValueError, match="q must be"):
         na.paged_decode_attention(strided_q, cache, table.repeat(2, 1), ks.repeat(2), ke.repeat(2), 1.0)

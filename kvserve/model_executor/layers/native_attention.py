@@ -347,7 +347,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
                          f"stride >= KH*G*D), got strides {q.stride()}")
     _, _, NB, BS, _ = kv_cache.shape
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(B, KH, G, D, dtype=q.dtype)
+    elif out.shape != (B, KH, G, D) or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"native attention: out must be a contiguous CPU {q.dtype} tensor of shape "
+                         f"{(B, KH, G, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     kernel = _LIB.fn(f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}")
     kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], kstart.data_ptr(),
            kend.data_ptr(), out.data_ptr(), B, KH, G, D, NB, BS, float(scale), torch.get_num_threads())

@@ -18,8 +18,9 @@ slice of ``K``, two B tiles of 1 KB (columns ``0-15`` and ``16-31`` of the group
 ``[kp, n, e] = W[n, 32 * kc + 2 * kp + e]``. A thread's groups are contiguous in memory, so it
 reads one sequential stream.
 
-Kernel: rows of ``x`` are padded to a multiple of 16 (zero rows, whose outputs are dropped)
-so every tile is full and the tile configuration never changes. Per group and 32-row chunk:
+Kernel: each thread copies ``x`` in blocks of up to 256 rows into a buffer of its own, in tile
+order, padded to a multiple of 16 rows (zero rows, whose outputs are dropped), so every tile is
+full and the tile configuration never changes. Per group and 32-row chunk:
 four accumulator tiles (2 row blocks x 2 column tiles), two A tiles, two B tiles: the eight
 registers. Accumulators are stored to a float32 scratch and rounded to bfloat16 (nearest even,
 as torch) with the bias added in float32.
@@ -63,12 +64,10 @@ int amx_init(void) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MB_ROWS 256   /* rows per L2-resident block of x */
 /* The weight stream is read once, by tile loads the hardware prefetcher follows poorly: ask for
    the 2 KB that PF_DIST bytes ahead. */
-#define MB_ROWS 256   /* rows per L2-resident block of x */
-#ifndef PF_DIST
 #define PF_DIST 8192
-#endif
 #define PREFETCH_AHEAD(p) do { const char* q_ = (const char*)(p) + PF_DIST; \
     for (int i_ = 0; i_ < 2048; i_ += 64) _mm_prefetch(q_ + i_, _MM_HINT_T0); } while (0)
 
@@ -80,7 +79,7 @@ static void config_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* One group's 2 x 16 output columns for rows [m, m + 16 * nb), nb = 1 or 2. */
+/* One group's 32 (ncols valid) output columns for `rows` (<= 32) rows of acc, bias added. */
 static inline void store_rows(const float* acc, int64_t rows, const uint16_t* bias, uint16_t* y,
                               int64_t ldy, int64_t ncols) {
     uint16_t bpad[32] = {0};
@@ -129,7 +128,8 @@ void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
                 for (int64_t m = 0; m < mrows; m += 32) {
                     const uint16_t* xm = xl + (m >> 4) * KC * 512;
                     const int two = mrows - m >= 32;  /* 32 rows, else the last 16 */
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    _tile_zero(0); _tile_zero(1);
+                    if (two) { _tile_zero(2); _tile_zero(3); }
                     for (int64_t kc = 0; kc < KC; ++kc) {
                         const uint16_t* wk = wg + kc * 1024;
                         if (m == 0) PREFETCH_AHEAD(wk);
@@ -145,7 +145,7 @@ void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
                         }
                     }
                     _tile_stored(0, acc, 128); _tile_stored(1, acc + 16, 128);
-                    _tile_stored(2, acc + 16 * 32, 128); _tile_stored(3, acc + 16 * 32 + 16, 128);
+                    if (two) { _tile_stored(2, acc + 16 * 32, 128); _tile_stored(3, acc + 16 * 32 + 16, 128); }
                     const int64_t rows = M - mb - m < 32 ? M - mb - m : 32;
                     if (rows > 0) store_rows(acc, rows, bg, y + (mb + m) * N + g * 32, N, ncols);
                 }

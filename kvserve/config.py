@@ -8,6 +8,9 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Optional
 
+#: Step budget (tokens) of the CPU default: chunked prefill (see ``EngineArgs.create_configs``).
+CPU_CHUNKED_PREFILL_TOKENS = 2048
+
 
 class PreemptionMode(enum.Enum):
     """How a running group gives up its KV blocks when the cache is full.
@@ -171,6 +174,10 @@ class EngineArgs:
 
     ``create_configs(model_max_len, sliding_window)`` splits them into the three configs once
     the model's own limits are known.
+
+    ``enable_chunked_prefill=None`` (the default) means on when the engine runs on CPU, off on
+    CUDA (vLLM V0's default). Chunked prefill on CPU without ``max_num_batched_tokens`` gets a
+    ``CPU_CHUNKED_PREFILL_TOKENS`` step budget.
     """
 
     model: Optional[str] = None
@@ -185,7 +192,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: Optional[bool] = None
     enable_prefix_caching: bool = False
     preemption_mode: Optional[str] = None
     policy: str = "fcfs"
@@ -211,14 +218,23 @@ class EngineArgs:
                 f"max_model_len={max_len} is larger than the model's max_position_embeddings={model_max_len}.")
         model_config = ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
                                    seed=self.seed, max_model_len=max_len)
+        # On CPU a step's cost grows with its tokens and the GEMMs are most efficient at ~2-3k
+        # rows, so (as vLLM's CPU backend) prompts are chunked into 2,048-token steps mixed with
+        # decodes: first tokens stream out while later prompts prefill (docs/benchmarks.md).
+        # CUDA keeps vLLM V0's default: whole prompts, budget = max_model_len.
+        on_cpu = model_config.resolved_device() == "cpu"
+        chunked = on_cpu if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        budget = self.max_num_batched_tokens
+        if budget is None and chunked and on_cpu:
+            budget = CPU_CHUNKED_PREFILL_TOKENS
         cache_config = CacheConfig(
             block_size=self.block_size, num_gpu_blocks=self.num_gpu_blocks,
             kv_cache_memory_gib=self.kv_cache_memory_gib, num_cpu_blocks=self.num_cpu_blocks,
             swap_space_gib=self.swap_space_gib, sliding_window=sliding_window,
             enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark)
         scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            max_model_len=max_len, chunked_prefill_enabled=self.enable_chunked_prefill,
+            max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+            max_model_len=max_len, chunked_prefill_enabled=chunked,
             preemption_mode=self.preemption_mode, policy=self.policy,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,

@@ -18,7 +18,8 @@ def _ids(n, seed):
 
 def test_B01_prompt_over_prompt_limit_is_ignored_in_first_step(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=64, preemption_mode="recompute")
+              max_num_batched_tokens=32, max_model_len=64, preemption_mode="recompute",
+              enable_chunked_prefill=False)  # prompt_limit = min(max_model_len, budget) without chunking
     engine = llm.llm_engine
     p = SamplingParams(max_tokens=4, temperature=0)
     engine.add_request("R1", {"prompt_token_ids": _ids(40, 1)}, p)

@@ -36,6 +36,8 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
         raise ValueError("num_gpu_blocks must be set for a simulation (there is no device memory to size it from).")
     if args.num_cpu_blocks is None:
         args.num_cpu_blocks = args.num_gpu_blocks
+    if args.enable_chunked_prefill is None:  # the simulated device is not this machine's
+        args.enable_chunked_prefill = False
     model_config, cache_config, scheduler_config = args.create_configs(args.max_model_len or 8192)
     clock = VirtualClock()
     executor = SimulatedExecutor(VOCAB, cost_model, cache_config=cache_config, check_kv=False, strict=False,

@@ -57,3 +57,16 @@ def test_configs_name_the_field():
         EngineArgs(max_model_len=10_000).create_configs(model_max_len=8192)
     with pytest.raises(ValueError, match="device"):
         EngineArgs(device="tpu").create_configs(model_max_len=8192)
+
+
+def test_cpu_default_is_chunked_prefill_with_2048_token_steps():
+    """Unset ``enable_chunked_prefill`` on CPU: chunked, 2,048-token budget (vLLM's CPU
+    default); explicit settings are kept as given (V0 default: whole prompt fits a step)."""
+    _, _, sc = EngineArgs(device="cpu").create_configs(model_max_len=8192)
+    assert sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 2048
+    _, _, sc = EngineArgs(device="cpu", max_num_batched_tokens=256).create_configs(model_max_len=8192)
+    assert sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 256
+    _, _, sc = EngineArgs(device="cpu", enable_chunked_prefill=False).create_configs(model_max_len=8192)
+    assert not sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 8192
+    _, _, sc = EngineArgs(device="cpu", enable_chunked_prefill=True).create_configs(model_max_len=8192)
+    assert sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 2048

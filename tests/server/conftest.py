@@ -11,7 +11,8 @@ MODEL = "smollm2-test"
 #  - prompt_limit = min(max_model_len 1024, max_num_batched_tokens 512) = 512   (B01: 600 > 512)
 #  - KV pool = 48 blocks x 8 tokens = 384 tokens                                 (B03: 400 -> 50 > 48)
 ENGINE_KWARGS = dict(block_size=8, num_gpu_blocks=48, num_cpu_blocks=32, max_model_len=1024,
-                     max_num_batched_tokens=512, max_num_seqs=32, seed=0)
+                     max_num_batched_tokens=512, max_num_seqs=32, seed=0,
+                     enable_chunked_prefill=False)  # B01: prompt_limit = min(max_model_len, budget)
 MAX_BODY_BYTES = 128 * 1024
 
 

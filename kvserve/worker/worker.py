@@ -10,6 +10,7 @@ import torch
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest
 from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
+from kvserve.worker.cpu_malloc import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner
 
 _GIB = 1 << 30
@@ -96,6 +97,8 @@ class Worker:
         self._steps = 0
         self._calibrated_at = time.monotonic()
         self.num_threads = calibrate_threads(_cpu_count()) if self.device == "cpu" else torch.get_num_threads()
+        if self.device == "cpu":
+            keep_freed_memory()  # no page faults on every step's activations (see cpu_malloc)
         torch.manual_seed(model_config.seed)
         self.model_dir = resolve_model_dir(model_config.model)
         self.hf_config = load_hf_config(self.model_dir)

@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Sequence as Seq, Tuple
 import numpy as np
 import torch
 
-from kvserve.model_executor.layers import native_attention
+from kvserve.model_executor.layers import native_attention, native_prefill_attention
 from kvserve.model_executor.layers.attention import (AttentionMetadata, DecodeBucket, NativeDecode,
-                                                    PrefillChunk)
+                                                    NativePrefill, PrefillChunk)
 from kvserve.sequence import (CompletionSequenceGroupOutput, SequenceData,
                               SequenceGroupMetadata)
 
@@ -113,8 +113,15 @@ class ModelRunner:
             List[CompletionSequenceGroupOutput]``.
         device: where the model lives.
         use_native: decode attention with the native CPU kernel (``None`` = when available:
-            CPU, float32 or bfloat16, compiled); else the torch gather + SDPA path.
+            CPU, float32 or bfloat16, compiled); else the torch gather + SDPA path. With it,
+            multi-token chunks go to the native prefill kernel too, when that one takes the
+            model's head shape (``native_prefill_attention.supports``) and ``native_prefill``
+            is True.
     """
+
+    #: Attend multi-token chunks with ``native_prefill_attention`` when ``use_native`` holds
+    #: (False: one torch SDPA call per chunk and layer).
+    native_prefill = True
 
     def __init__(self, model, block_size: int, num_gpu_blocks: int, sliding_window: Optional[int],
                  sampler, device: str = "cpu", use_native: Optional[bool] = None):
@@ -135,6 +142,18 @@ class ModelRunner:
             use_native = (self.device.type == "cpu" and native_attention.supports_dtype(model.dtype)
                           and native_attention.available())
         self.use_native = bool(use_native)
+        self._prefill_kernel_ok: Optional[bool] = None  # decided on the first multi-token chunk
+
+    def _native_prefill_applies(self) -> bool:
+        """The native prefill kernel takes this model's multi-token chunks (see the class doc)."""
+        if not (self.use_native and self.native_prefill):
+            return False
+        if self._prefill_kernel_ok is None:
+            attn = self.model.layers[0].self_attn  # (all layers have one shape)
+            self._prefill_kernel_ok = (
+                native_prefill_attention.supports(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.dtype)
+                and native_prefill_attention.available())
+        return self._prefill_kernel_ok
 
     def _get_workspace(self, numel: int) -> torch.Tensor:
         """A reusable flat buffer of at least ``numel`` elements (grown by 25 % steps)."""
@@ -207,12 +226,27 @@ class ModelRunner:
         slots = np.concatenate(p_slots + [np.asarray(d_slots, dtype=np.int64)])
         meta = AttentionMetadata(write_idx=None, num_prefill_tokens=P, num_decode=B)
 
-        # multi-token chunks
+        # multi-token chunks: native kernel -> one padded block table (from each chunk's first
+        # key block) + row ranges for all chunks; torch path -> per chunk a gather index and a
+        # mask when the chunk has cached context, a mask when its window is shorter than it
+        native_p = bool(p_chunks) and self.device.type == "cpu" and self._native_prefill_applies()
+        if native_p:
+            fbs = [max(0, c - W + 1) // bs if W else 0 for c, _, _ in p_chunks]
+            widths = [(c + n - 1) // bs - f + 1 for (c, n, _), f in zip(p_chunks, fbs)]
+            pad = np.zeros((len(p_chunks), max(widths)), dtype=np.int64)
+            for i, ((c, n, table), f, w) in enumerate(zip(p_chunks, fbs, widths)):
+                pad[i, :w] = table[f:f + w]
+            q_start = np.zeros(len(p_chunks) + 1, dtype=np.int64)
+            np.cumsum([n for _, n, _ in p_chunks], out=q_start[1:])
+            meta.native_prefill = NativePrefill(
+                table=torch.from_numpy(pad), q_start=torch.from_numpy(q_start),
+                pos0=torch.tensor([c for c, _, _ in p_chunks], dtype=torch.int64),
+                kstart=torch.from_numpy(np.asarray(fbs, dtype=np.int64) * bs), window=int(W or 0))
         ends: List[int] = []
         start = 0
         for c, n, table in p_chunks:
             pc = PrefillChunk(start=start, end=start + n, context_start=c)
-            if c > 0:
+            if c > 0 and not native_p:
                 q_pos = np.arange(c, c + n, dtype=np.int64)
                 fb = max(0, c - W + 1) // bs if W else 0
                 lb = (c + n - 1) // bs
@@ -225,7 +259,7 @@ class ModelRunner:
                 if W:
                     allowed &= k_pos[None, :] > q_pos[:, None] - W
                 pc.mask = torch.from_numpy(allowed).to(dev)
-            elif W and n > W:
+            elif c == 0 and W and n > W:  # (also for the native path: a run without a cache)
                 q_pos = np.arange(n, dtype=np.int64)
                 allowed = (q_pos[None, :] <= q_pos[:, None]) & (q_pos[None, :] > q_pos[:, None] - W)
                 pc.mask = torch.from_numpy(allowed).to(dev)

@@ -13,6 +13,9 @@ runner: first the *multi-token* chunks (prefills), one after the other, then the
 split into a few buckets; each bucket is attended with one masked
 ``scaled_dot_product_attention`` whose keys are gathered through a padded block-table index
 (one ``index_select`` per bucket and layer for K and V together, into a reused workspace).
+On CPU the native kernels replace these when the runner asks for them: ``native_attention``
+for the single-token queries (``meta.native_decode``) and ``native_prefill_attention`` for all
+multi-token chunks at once, K/V read from the cache (``meta.native_prefill``).
 
 The gather index is built so the gathered tensor is already ``[B, kv_heads, L, head_dim]``
 contiguous: ``flat[s, b, h, n] = (s * kv_heads + h) * num_blocks + table[b, n]`` over the cache
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers.native_attention import paged_decode_attention
+from kvserve.model_executor.layers.native_prefill_attention import paged_prefill_attention
 
 
 @dataclass
@@ -87,6 +91,26 @@ class NativeDecode:
 
 
 @dataclass
+class NativePrefill:
+    """Inputs of the native prefill kernel (``native_prefill_attention``) for all multi-token
+    chunks (rows ``[0, num_prefill_tokens)``), built once per step and shared by all layers.
+
+    Attributes:
+        table: int64 ``[C, nb]``; row ``c`` = block ids from block index ``kstart[c] // bs``.
+        q_start: int64 ``[C + 1]``; chunk ``c`` = rows ``q_start[c] .. q_start[c+1] - 1``.
+        pos0: int64 ``[C]``; position of each chunk's first token (its cached context).
+        kstart: int64 ``[C]``; first key position of each table row.
+        window: sliding window in tokens, 0 for none.
+    """
+
+    table: torch.Tensor
+    q_start: torch.Tensor
+    pos0: torch.Tensor
+    kstart: torch.Tensor
+    window: int = 0
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers.
 
@@ -97,6 +121,9 @@ class AttentionMetadata:
         slot_mapping: int64 ``[T]``: each token's cache slot ``block * block_size + offset``.
         prefills: the multi-token chunks, rows ``[0, num_prefill_tokens)``.
         num_prefill_tokens: rows taken by ``prefills``.
+        native_prefill: when set (native CPU kernel), all ``prefills`` are attended by one
+            kernel call per layer from the cache; their ``gather_idx`` / ``mask`` are then only
+            built for chunks without cached context (the torch path of a run without a cache).
         num_decode: single-token queries (rows ``num_prefill_tokens ..``), split into
             ``decode_buckets`` of similar length (less padding) -- or all in
             ``native_decode`` when the native CPU kernel is used.
@@ -111,6 +138,7 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_buckets: List[DecodeBucket] = field(default_factory=list)
     native_decode: Optional[NativeDecode] = None
+    native_prefill: Optional[NativePrefill] = None
     workspace: Optional[torch.Tensor] = None
 
 
@@ -152,9 +180,19 @@ class PagedAttention:
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
             flat.index_copy_(0, meta.write_idx, src)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-        for pc in meta.prefills:
+        npf = meta.native_prefill
+        if npf is not None and kv_cache is not None:
+            P = meta.num_prefill_tokens
+            qp = q[:P]
+            if qp.stride(2) != 1 or qp.stride(1) != D:  # the kernel takes any row stride
+                qp = qp.contiguous()
+            paged_prefill_attention(qp, kv_cache, npf.table, npf.q_start, npf.pos0, npf.kstart, self.scale,
+                                    npf.window, out=out[:P])
+        for pc in (meta.prefills if npf is None or kv_cache is None else ()):
             qs = q[pc.start:pc.end].transpose(0, 1)  # [H, n, D]
             if pc.gather_idx is None:
+                if pc.context_start > 0:  # native metadata without a cache: nothing to read it from
+                    raise ValueError(f"a chunk at position {pc.context_start} needs the KV cache for its context")
                 ks = k[pc.start:pc.end].transpose(0, 1)
                 vs = v[pc.start:pc.end].transpose(0, 1)
             else:

@@ -1,0 +1,760 @@
+"""Optional native (C, OpenMP) prefill attention reading K/V in place from the paged cache.
+
+The torch path attends each multi-token chunk with its own ``scaled_dot_product_attention``
+call per layer (torch's CPU flash kernel), after gathering the chunk's cached context into a
+padded copy and building a bool mask when the chunk has earlier context (chunked prefill,
+prefix caching) or a sliding window. This kernel attends every chunk of a step in one call
+per layer, straight from the cache blocks, all query heads of a KV head sharing each K/V read
+(GQA).
+
+Algorithm: flash attention (Dao et al., "FlashAttention: Fast and Memory-Efficient Exact
+Attention with IO-Awareness", NeurIPS 2022): keys are visited in steps of 16 with a running
+per-row maximum ``m``, normaliser ``l`` and unnormalised output ``O``; for every step with
+scores ``s_j = scale * q.k_j``::
+
+    m' = max(m, max_j s_j);  a = exp(m - m');  p_j = exp(s_j - m')
+    l  = a * l + sum_j p_j;  O = a * O + sum_j p_j v_j;  m = m'
+
+and the output is ``O / l``. Scores, softmax and sums are float32.
+
+Work items are (chunk, KV head, tile of 16 query rows), grouped by (chunk, KV head) -- the
+groups longest first, a group's tiles from the last -- and shared out dynamically over the
+OpenMP threads (consecutive items of a thread mostly read one group's K/V, still in its L2;
+the cheapest come last). Inside an item the 16 rows of one query head are the 16 lanes of a
+vector: the item's queries are transposed once (``[D][16 rows]``), so 16 keys give 16 score
+vectors (no horizontal sums) and the softmax is lane-wise (per row: vertical maxima and sums
+over the 16 keys). All G query heads of the KV head use each key step's K/V, read once.
+Key steps are aligned to the tile's first position, so a tile has exactly one diagonal step;
+steps past the tile's last row are never visited, and masks are only evaluated on the
+diagonal step, on steps crossing a window edge and on steps reaching below the first key.
+
+Two inner kernels:
+
+* AVX-512 (float32; bfloat16 without AMX or with head_dim not a multiple of 32): scores by
+  broadcast-FMAs ``k_j[d] x q^T[d]`` into 16 register accumulators; ``O`` row-major, P.V by
+  register tiles of rows x head_dim (``p`` broadcast, each ``v_j`` vector loaded once per
+  tile). bfloat16 q is widened once per item, K and V once per step; ``vdpbf16ps`` for the
+  scores (as in the decode kernel) measured 15 % slower here, compute-bound.
+* AMX (bfloat16, head_dim a multiple of 32, CPU and process with AMX tiles; ``USE_AMX``):
+  both products on tiles, transposed so rows stay lanes: ``S^T = K . Q^T`` and
+  ``O^T += V^T . P^T``, in key steps of 32 (a full tile depth for ``P^T``). ``P`` is rounded to bfloat16 for the second product, as torch's CPU
+  flash attention does for bfloat16 (error measured on par with torch's bfloat16 SDPA);
+  ``O^T`` is rescaled and accumulated in float32 with AVX-512.
+
+Outputs are rounded to nearest even on the bfloat16 store. On the 2-core machine of this
+project (``benchmarks/attention_prefill_micro.py``: a SmolLM2-135M step of 11 chunks of ~186
+tokens, 9 heads / 3 KV heads, head_dim 64, block size 16, 30 layers) this took 71 ms instead
+of torch's 160 ms in float32 (187 vs 83 GFLOP/s, 2.3x) and 37 ms instead of 92 ms in bfloat16
+(359 vs 145 GFLOP/s, 2.5x; 1.4x on the AVX-512 path); after 256 cached tokens per chunk
+(chunked prefill: torch gathers and masks) 1.8x and 2.0x.
+
+Built on first use by ``native_lib`` (which says how). If it cannot be built or
+``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers keep the torch path then, and
+for other dtypes, devices and shapes (``supports``: ``head_dim`` a multiple of 16, at most 256).
+
+Kernel contract (``q`` rows may be any stride apart; everything else contiguous; q, cache and
+out of one dtype, float32 or bfloat16; indices int64)::
+
+    q        [T, H, D]          query rows of all chunks, H = KH * G (heads h*G .. h*G+G-1
+                                share KV head h)
+    cache    [2, KH, NB, BS, D] one layer's cache ([0] = K, [1] = V), the chunks' own K/V
+                                already written
+    table    [C, NBMAX]         row c: block ids of block indices kstart[c]//BS, +1, ...
+    q_start  [C + 1]            chunk c = rows q_start[c] .. q_start[c+1]-1 (non-decreasing)
+    pos0     [C]                position of chunk c's first row (its cached context length)
+    kstart   [C]                first key position the table covers (a multiple of BS, at
+                                most max(0, pos0[c] - window + 1), 0 without a window)
+    window   int                0: causal; W > 0: a row at position p attends keys p-W+1 .. p
+    out      [T, H, D]          rows of the chunks written, others untouched
+
+A row at position ``p`` attends keys ``max(0, p - W + 1) <= k <= p`` (all ``k <= p`` for
+``W = 0``), as the torch path's masks. The kernel checks the chunk geometry (row ranges, key
+starts, table width, block ids in range) before touching memory; the wrapper raises
+``ValueError`` for a violation.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, PRELUDE, NativeLibrary, instantiate
+
+#: Largest head_dim of the kernel (16 vectors of 16 floats per row).
+MAX_HEAD_DIM = 256
+
+
+def _transpose_source() -> str:
+    """C for an in-place transpose of a 16 x 16 block of 32-bit lanes held in 16 vectors.
+
+    Four stages; stage ``b`` swaps bit ``b`` of the row index with bit ``b`` of the column
+    index, pairing rows ``r`` and ``r | 2^b``: the new row ``r`` takes ``A[c]`` where column
+    bit ``b`` is clear and ``B[c ^ 2^b]`` where it is set; the new row ``r | 2^b`` takes
+    ``A[c ^ 2^b]`` and ``B[c]``. After all four stages element ``(r, c)`` sits at ``(c, r)``.
+    16 two-source shuffles per stage."""
+    lines = ["static inline void transpose16(v16* x) {"]
+    for b in range(4):
+        bit = 1 << b
+        ia = ", ".join(str(16 + (c ^ bit) if c & bit else c) for c in range(16))
+        ib = ", ".join(str(16 + c if c & bit else c ^ bit) for c in range(16))
+        for r in range(16):
+            if r & bit:
+                continue
+            s = r | bit
+            lines.append(f"    {{ v16 a = x[{r}], c = x[{s}]; x[{r}] = __builtin_shufflevector(a, c, {ia});"
+                         f" x[{s}] = __builtin_shufflevector(a, c, {ib}); }}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+_HELPERS = r"""
+#include <immintrin.h>
+#define PMAXC 16   /* head_dim / 16 <= 16 */
+
+static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
+
+/* Arguments shared by every work item (pointers untyped: one struct for both dtypes). */
+typedef struct {
+    const void* q; int64_t qs; const void* cache; const int64_t* table; int64_t nbmax;
+    const int64_t* q_start; const int64_t* pos0; const int64_t* kstart; int64_t window;
+    void* out; int64_t KH, G, D, NB, BS; float scale;
+} pf_args;
+
+/* One work item: 16-row tile t of chunk c for KV head h; gcost = key steps of all tiles of
+   (c, h) (for ordering). */
+typedef struct { int32_t c, h, t; int64_t gcost; } pf_item;
+
+/* Order: (chunk, KV head) groups by total cost, longest first, and within a group its tiles
+   from the last (longest) to the first. Consecutive items of a thread then mostly share one
+   group's K/V (in its L2), and the cheapest items come last, so the threads finish together. */
+static int pf_item_cmp(const void* x, const void* y) {
+    const pf_item* a = (const pf_item*)x; const pf_item* b = (const pf_item*)y;
+    if (a->gcost != b->gcost) return a->gcost > b->gcost ? -1 : 1;
+    if (a->c != b->c) return a->c - b->c;
+    if (a->h != b->h) return a->h - b->h;
+    return b->t - a->t;
+}
+
+/* Where a work item sits: its rows, their positions and its key steps. */
+typedef struct {
+    int64_t r0;      /* batch row of lane 0 */
+    int64_t nr;      /* real rows in the tile (lanes nr..15 are padding) */
+    int64_t pf, pl;  /* positions of lane 0 and of the last real row */
+    int64_t kmin;    /* first key any row attends (the window start of lane 0, or 0) */
+    int64_t nsteps;  /* key steps of 16; step s starts at pf - 16 * (nsteps - 1 - s) */
+    int64_t fb;      /* block index of the table's first entry */
+    const int64_t* tb;  /* the chunk's table row */
+    int64_t hoff;    /* element offset of KV head h in one half (K or V) of the cache */
+} pf_geom;
+
+static inline pf_geom pf_geom_of(const pf_args* A, pf_item it) {
+    pf_geom g;
+    const int64_t n = A->q_start[it.c + 1] - A->q_start[it.c], W = A->window;
+    g.r0 = A->q_start[it.c] + 16 * it.t;
+    g.nr = n - 16 * it.t < 16 ? n - 16 * it.t : 16;
+    g.pf = A->pos0[it.c] + 16 * it.t;
+    g.pl = g.pf + g.nr - 1;
+    const int64_t klo = W > 0 ? (g.pf - W + 1 > 0 ? g.pf - W + 1 : 0) : 0;
+    g.kmin = klo > A->kstart[it.c] ? klo : A->kstart[it.c];   /* == klo under the contract */
+    g.nsteps = (g.pf - klo + 15) / 16 + 1;                    /* the last one is the diagonal */
+    g.fb = A->kstart[it.c] / A->BS;
+    g.tb = A->table + it.c * A->nbmax;
+    g.hoff = it.h * A->NB * A->BS * A->D;
+    return g;
+}
+
+/* Lane masks of the step at k0 (mk[j]: rows allowed to attend key k0 + j); returns 0 (masks
+   not written) when every (row, key) pair of the step is allowed. Masks are needed on the
+   diagonal step, a step reaching below the first key, a step crossing some row's window start. */
+static inline int pf_masks(const pf_geom* g, int64_t k0, int64_t W, v16i* mk) {
+    if (!(k0 + 15 > g->pf || k0 < g->kmin || (W > 0 && k0 <= g->pf + 15 - W))) return 0;
+    v16i rowpos;
+    for (int i = 0; i < 16; ++i) rowpos[i] = (int32_t)(g->pf + i);
+    for (int64_t j = 0; j < 16; ++j) {
+        const int32_t kk = (int32_t)(k0 + j);
+        v16i ok = (rowpos >= kk) & ((v16i){} + (kk >= g->kmin ? -1 : 0));
+        if (W > 0) ok &= rowpos - (int32_t)W < kk;
+        mk[j] = ok;
+    }
+    return 1;
+}
+
+/* One online-softmax step for 16 rows (lanes): x[j] = the rows' q.k_j for the step's 16 keys.
+   Leaves p_j = exp(scale * x[j] - m_new) in x[j] (0 where masked), updates *m and *l, returns
+   alpha = exp(m_old - m_new) for the previous O. A lane with every key so far masked keeps
+   m = -inf; it subtracts 0 instead (no inf - inf). */
+static inline __attribute__((always_inline)) v16 pf_softmax(v16* x, float scale, int need, const v16i* mk,
+                                                           v16* m, v16* l) {
+    v16 mx = (v16){} - INFINITY;
+    for (int j = 0; j < 16; ++j) {
+        x[j] *= scale;
+        if (need) x[j] = vsel(mk[j], x[j], (v16){} - INFINITY);
+        mx = vmax(mx, x[j]);
+    }
+    const v16 m_old = *m, m_new = vmax(m_old, mx);
+    const v16 m_use = vsel(m_new == -INFINITY, (v16){}, m_new);
+    const v16 alpha = exp16(m_old - m_use);
+    v16 psum = (v16){};
+    for (int j = 0; j < 16; ++j) {
+        v16 e = exp16(x[j] - m_use);
+        if (need) e = vsel(mk[j], e, (v16){});
+        psum += e;
+        x[j] = e;
+    }
+    *l = *l * alpha + psum;
+    *m = m_new;
+    return alpha;
+}
+
+/* Per-thread scratch (64-byte aligned; all row lengths are multiples of 16 floats). The AMX
+   path keeps bfloat16 data in the same buffers (see pf_item_amx). */
+typedef struct {
+    v16* qt;      /* [G][D]: transposed queries, lane = row */
+    float* o;     /* [G][16][D]: unnormalised outputs, row-major (AMX: [G][D][16]) */
+    v16* m;       /* [G] running row maxima */
+    v16* l;       /* [G] running normalisers */
+    float* kf;    /* [16][D] the step's keys, float */
+    float* vf;    /* [16][D] the step's values, float */
+    float* p;     /* [16 keys][16 rows] probabilities of the step (AMX: [32][16] scores) */
+    float* alpha; /* [16] rescale factor of the step */
+    v16i* mk;     /* [16] per key: lanes (rows) allowed to attend it (AMX: [32]) */
+    float* tmp;   /* [32][16] AMX: two O^T tiles of the step */
+    uint32_t* pt; /* [16][16] AMX: the step's P^T as key pairs */
+} pf_scratch;
+
+/* The scratch of the calling thread: kept between calls (grown when needed, never freed), so
+   a step's 30 layer calls do not allocate -- and, in a worker thread, do not page-fault a
+   freshly allocated buffer each time (glibc returns a thread arena's freed top to the OS). */
+static __thread char* pf_tls_buf = NULL;
+static __thread size_t pf_tls_size = 0;
+
+static void* pf_scratch_alloc(pf_scratch* s, int64_t G, int64_t D) {
+    const size_t f = sizeof(float);
+    size_t sz[11] = {G * D * 16 * f, G * 16 * D * f, G * 64, G * 64, 16 * D * f, 16 * D * f, 512 * f, 64, 32 * 64,
+                     512 * f, 256 * 4};
+    size_t total = 0;
+    for (int i = 0; i < 11; ++i) total += (sz[i] + 63) & ~(size_t)63;
+    if (pf_tls_size < total) {
+        free(pf_tls_buf);
+        pf_tls_buf = (char*)aligned_alloc(64, total);
+        pf_tls_size = pf_tls_buf ? total : 0;
+    }
+    char* base = pf_tls_buf;
+    if (!base) return NULL;
+    char* p = base;
+    void** dst[11] = {(void**)&s->qt, (void**)&s->o, (void**)&s->m, (void**)&s->l, (void**)&s->kf,
+                      (void**)&s->vf, (void**)&s->p, (void**)&s->alpha, (void**)&s->mk, (void**)&s->tmp,
+                      (void**)&s->pt};
+    for (int i = 0; i < 11; ++i) { *dst[i] = p; p += (sz[i] + 63) & ~(size_t)63; }
+    return base;
+}
+
+/* Geometry check (before any memory is touched): 0 if fine, else an error code with the chunk
+   in *bad: 1 q_start, 2 pos0, 3 kstart, 4 table too narrow, 5 block id out of range. */
+static int pf_check(const int64_t* q_start, const int64_t* pos0, const int64_t* kstart, const int64_t* table,
+                    int64_t nbmax, int64_t nc, int64_t T, int64_t W, int64_t NB, int64_t BS, int64_t* bad)
+{
+    for (int64_t c = 0; c < nc; ++c) {
+        *bad = c;
+        const int64_t a = q_start[c], b = q_start[c + 1];
+        if (a < 0 || b < a || b > T) return 1;
+        if (pos0[c] < 0) return 2;
+        const int64_t n = b - a;
+        if (n == 0) continue;
+        const int64_t klo = W > 0 ? (pos0[c] - W + 1 > 0 ? pos0[c] - W + 1 : 0) : 0;
+        if (kstart[c] < 0 || kstart[c] % BS || kstart[c] > klo) return 3;
+        const int64_t nblk = (pos0[c] + n - 1) / BS - kstart[c] / BS + 1;
+        if (nblk > nbmax) return 4;
+        for (int64_t i = 0; i < nblk; ++i)
+            if (table[c * nbmax + i] < 0 || table[c * nbmax + i] >= NB) return 5;
+    }
+    *bad = -1;
+    return 0;
+}
+"""
+
+# bfloat16 on AMX tiles (Intel Architecture Instruction Set Extensions Programming Reference,
+# ch. 3; see also ``amx_gemm``): TDPBF16PS C, A, B adds to C (16 x 16 float32) the product of
+# A (16 rows x 32 bf16) and B (16 rows of 16 column pairs), float32 accumulation.
+_AMX = r"""
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PF_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* 0 when this process may use the AMX tiles (Linux grants them per process on request). */
+int kv_prefill_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */); }
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } pf_tilecfg;
+
+/* Every tile 16 rows x 64 bytes: 0, 1 S^T [16 keys][16 rows] f32 (keys 0-15, 16-31 of the
+   step); 2 K [16 keys][32 d] bf16, later V^T; 3 Q^T [16 d pairs][16 rows x 2] bf16; 4 P^T
+   [16 key pairs][16 rows x 2] bf16; 5 K (keys 16-31), later V^T [16 d][32 keys] bf16; 6, 7 O^T
+   [16 d][16 rows] f32. */
+static void pf_amx_config(void) {
+    pf_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* One work item, bfloat16, head_dim a multiple of 32, on AMX tiles. Both products are
+   computed transposed, so that a query row stays a lane as in the AVX-512 path:
+     S^T [keys][rows] = K [keys][D] . Q^T      (B = Q^T as d pairs: the item's q rows, viewed as
+                                                32-bit pairs, transposed once per item)
+     O^T [D][rows]   += V^T [D][keys] . P^T    (A = V^T, built per step for all G heads; B = P^T
+                                                as key pairs, from the softmax's lane vectors)
+   Key steps are 32 keys (a full tile depth for P.V), the last one ending with the diagonal 16;
+   a first step reaching below the first key has those keys zero and masked. P is rounded to
+   bfloat16 (nearest even) for the second product, as torch's CPU flash attention does for
+   bfloat16; l sums the float32 values. O^T lives in float32 memory, rescaled by alpha and
+   added to each step's product with AVX-512. */
+static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
+{
+    const int64_t D = A->D, KC = D / 32, ND = D / 16, G = A->G, W = A->window, BS = A->BS;
+    const uint16_t* q = (const uint16_t*)A->q;
+    uint16_t* out = (uint16_t*)A->out;
+    const pf_geom geo = pf_geom_of(A, it);
+    const uint16_t* kbase = (const uint16_t*)A->cache + geo.hoff;
+    const uint16_t* vbase = kbase + A->KH * A->NB * BS * D;
+    const int64_t H = A->KH * G, nr = geo.nr;
+    const int64_t nsteps = (geo.nsteps + 1) / 2;   /* 32-key steps covering the 16-key ones */
+    uint32_t* qtw = (uint32_t*)S->qt;   /* [G][KC][16 d pairs][16 rows] */
+    float* ot = S->o;                   /* [G][D][16 rows] */
+    uint16_t* kb = (uint16_t*)S->kf;    /* [32 keys][D] */
+    uint16_t* vt = (uint16_t*)S->vf;    /* [D][32 keys] */
+    float* sc = S->p;                   /* [32 keys][16 rows] scores, then probabilities */
+
+    for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qg = q + geo.r0 * A->qs + (it.h * G + g) * D;
+        for (int64_t kc = 0; kc < KC; ++kc) {
+            v16 x[16];
+            for (int64_t i = 0; i < 16; ++i) x[i] = i < nr ? *(const v16*)(qg + i * A->qs + 32 * kc) : (v16){};
+            transpose16(x);
+            for (int64_t w = 0; w < 16; ++w) *(v16*)(qtw + ((g * KC + kc) * 16 + w) * 16) = x[w];
+        }
+        for (int64_t i = 0; i < 16 * D; i += 16) *(v16*)(ot + g * 16 * D + i) = (v16){};
+        S->m[g] = (v16){} - INFINITY;
+        S->l[g] = (v16){};
+    }
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t s = 0; s < nsteps; ++s) {
+        const int64_t k0 = geo.pf - 16 - 32 * (nsteps - 1 - s);
+        const int64_t ka = k0 > geo.kmin ? k0 : geo.kmin, ke = k0 + 31 < geo.pl ? k0 + 31 : geo.pl;
+        const int lo = ka < k0 + 16;   /* keys 0-15 of the step exist for some row */
+        /* K rows copied (A tiles need one row stride), V rows transposed into V^T: 16 x 16
+           blocks of 32-bit d pairs, then the low and high halves of each transposed pair row
+           are the V^T rows 2w and 2w + 1. Keys no row attends are zero. */
+        const uint16_t* vr[32];
+        int64_t bi = ka / BS - geo.fb, off = ka % BS;
+        for (int64_t j = 0; j < 32; ++j) {
+            const int64_t k = k0 + j;
+            if (k < ka || k > ke) { memset(kb + j * D, 0, D * 2); vr[j] = NULL; continue; }
+            const int64_t row = (geo.tb[bi] * BS + off) * D;
+            memcpy(kb + j * D, kbase + row, D * 2);
+            vr[j] = vbase + row;
+            if (++off == BS) { off = 0; ++bi; }
+        }
+        for (int64_t half = 0; half < 2; ++half)
+            for (int64_t kc = 0; kc < KC; ++kc) {
+                v16 x[16];
+                for (int64_t j = 0; j < 16; ++j) {
+                    const uint16_t* r = vr[16 * half + j];
+                    x[j] = r ? *(const v16*)(r + 32 * kc) : (v16){};
+                }
+                transpose16(x);
+                for (int64_t w = 0; w < 16; ++w) {
+                    const __m512i xw = (__m512i)x[w];
+                    _mm256_store_si256((__m256i*)(vt + (32 * kc + 2 * w) * 32 + 16 * half), _mm512_cvtepi32_epi16(xw));
+                    _mm256_store_si256((__m256i*)(vt + (32 * kc + 2 * w + 1) * 32 + 16 * half),
+                                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(xw, 16)));
+                }
+            }
+        /* Lane masks of the step's two 16-key halves (a half without masks gets all-ones). */
+        const int need0 = pf_masks(&geo, k0, W, S->mk);
+        const int need1 = pf_masks(&geo, k0 + 16, W, S->mk + 16);
+        if (need0 != need1)
+            for (int j = need0 ? 16 : 0, e = j + 16; j < e; ++j) S->mk[j] = (v16i){} - 1;
+        const int need = need0 | need1;
+
+        for (int64_t g = 0; g < G; ++g) {
+            if (lo) _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kc = 0; kc < KC; ++kc) {
+                _tile_loadd(3, qtw + (g * KC + kc) * 256, 64);
+                if (lo) { _tile_loadd(2, kb + 32 * kc, D * 2); _tile_dpbf16ps(0, 2, 3); }
+                _tile_loadd(5, kb + 16 * D + 32 * kc, D * 2);
+                _tile_dpbf16ps(1, 5, 3);
+            }
+            if (lo) _tile_stored(0, sc, 64);
+            else for (int j = 0; j < 16; ++j) *(v16*)(sc + 16 * j) = (v16){} - INFINITY;  /* all masked */
+            _tile_stored(1, sc + 256, 64);
+            /* Online softmax over the 32 keys, lane-wise (as pf_softmax), from memory. */
+            v16 mx = (v16){} - INFINITY;
+            for (int j = 0; j < 32; ++j) {
+                v16 x = *(const v16*)(sc + 16 * j) * A->scale;
+                if (need) x = vsel(S->mk[j], x, (v16){} - INFINITY);
+                *(v16*)(sc + 16 * j) = x;
+                mx = vmax(mx, x);
+            }
+            const v16 m_old = S->m[g], m_new = vmax(m_old, mx);
+            const v16 m_use = vsel(m_new == -INFINITY, (v16){}, m_new);
+            const v16 alpha = exp16(m_old - m_use);
+            v16 psum = (v16){};
+            /* P^T pairs: word [pair][row] = (p[2 pair][row], p[2 pair + 1][row]) as bf16: both
+               rows rounded by one vcvtne2ps2bf16 ([p[2 pair] | p[2 pair + 1]]), interleaved. */
+            for (int pp = 0; pp < 16; ++pp) {
+                v16 e0 = exp16(*(const v16*)(sc + 32 * pp) - m_use);
+                v16 e1 = exp16(*(const v16*)(sc + 32 * pp + 16) - m_use);
+                if (need) { e0 = vsel(S->mk[2 * pp], e0, (v16){}); e1 = vsel(S->mk[2 * pp + 1], e1, (v16){}); }
+                psum += e0 + e1;
+                const __m512i two = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);
+                _mm512_store_si512((void*)(S->pt + 16 * pp), _mm512_permutexvar_epi16(ilv, two));
+            }
+            S->l[g] = S->l[g] * alpha + psum;
+            S->m[g] = m_new;
+            _tile_loadd(4, S->pt, 64);
+            float* og = ot + g * D * 16;
+            for (int64_t db = 0; db < ND; db += 2) {
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_loadd(5, vt + db * 16 * 32, 64);
+                _tile_loadd(2, vt + (db + 1) * 16 * 32, 64);
+                _tile_dpbf16ps(6, 5, 4);
+                _tile_dpbf16ps(7, 2, 4);
+                _tile_stored(6, S->tmp, 64);
+                _tile_stored(7, S->tmp + 256, 64);
+                for (int64_t i = 0; i < 32; ++i) {
+                    v16* o = (v16*)(og + (db * 16 + i) * 16);
+                    *o = *o * alpha + *(const v16*)(S->tmp + 16 * i);
+                }
+            }
+        }
+    }
+
+    for (int64_t g = 0; g < G; ++g) {
+        const v16 inv = 1.0f / S->l[g];
+        for (int64_t db = 0; db < ND; ++db) {
+            v16 x[16];
+            for (int64_t i = 0; i < 16; ++i) x[i] = *(const v16*)(ot + (g * D + db * 16 + i) * 16) * inv;
+            transpose16(x);
+            for (int64_t r = 0; r < nr; ++r) st16_bf16(out + (geo.r0 + r) * H * D + (it.h * G + g) * D + 16 * db, x[r]);
+        }
+    }
+}
+#else
+int kv_prefill_amx_init(void) { return -1; }
+#endif
+"""
+
+# One kernel body per storage dtype (``ELEM`` / ``SFX`` macros): ``kv_paged_prefill_attention_f32``
+# and ``kv_paged_prefill_attention_bf16``.
+_KERNEL = r"""
+/* One work item on AVX-512. Always inlined, so the calls with a literal C (= head_dim / 16) get
+   copies whose loops are fully unrolled and whose tiles live in registers. */
+static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_args* A, pf_item it,
+                                                                     pf_scratch* S, const int64_t C)
+{
+    const int64_t D = 16 * C, G = A->G, BS = A->BS, W = A->window;
+    const ELEM* q = (const ELEM*)A->q;
+    ELEM* out = (ELEM*)A->out;
+    const pf_geom geo = pf_geom_of(A, it);
+    const ELEM* kbase = (const ELEM*)A->cache + geo.hoff;
+    const ELEM* vbase = kbase + A->KH * A->NB * BS * D;
+    const int64_t H = A->KH * G, nr = geo.nr;
+
+    /* Queries -> qt[g][d][lane] (float), 16 x 16 blocks at a time; lanes past the tile's rows
+       are zero. */
+    for (int64_t g = 0; g < G; ++g) {
+        const ELEM* qg = q + geo.r0 * A->qs + (it.h * G + g) * D;
+        for (int64_t cc = 0; cc < C; ++cc) {
+            v16 x[16];
+            for (int64_t i = 0; i < 16; ++i) x[i] = i < nr ? CAT(ld16_, SFX)(qg + i * A->qs + 16 * cc) : (v16){};
+            transpose16(x);
+            for (int64_t d = 0; d < 16; ++d) S->qt[g * D + 16 * cc + d] = x[d];
+        }
+        for (int64_t i = 0; i < 16 * D; i += 16) *(v16*)(S->o + g * 16 * D + i) = (v16){};
+        S->m[g] = (v16){} - INFINITY;
+        S->l[g] = (v16){};
+    }
+
+    for (int64_t s = 0; s < geo.nsteps; ++s) {
+        const int64_t k0 = geo.pf - 16 * (geo.nsteps - 1 - s);
+        /* The step's keys ka..ke that some row attends (others zero: never read, so no table
+           entry is needed for them), widened once for all G heads. */
+        const int64_t ka = k0 > geo.kmin ? k0 : geo.kmin, ke = k0 + 15 < geo.pl ? k0 + 15 : geo.pl;
+        const float* kf = S->kf;
+        const float* vf = S->vf;
+        int64_t bi = ka / BS - geo.fb, off = ka % BS;
+        if (sizeof(ELEM) == 4 && ka == k0 && ke == k0 + 15 && off + 16 <= BS) {
+            /* float32, all 16 keys in one block: read them in place. */
+            kf = (const float*)(kbase + (geo.tb[bi] * BS + off) * D);
+            vf = (const float*)(vbase + (geo.tb[bi] * BS + off) * D);
+        } else for (int64_t j = 0; j < 16; ++j) {
+            const int64_t k = k0 + j;
+            if (k < ka || k > ke) {
+                for (int64_t cc = 0; cc < C; ++cc) *(v16*)(S->kf + j * D + 16 * cc) = *(v16*)(S->vf + j * D + 16 * cc) = (v16){};
+                continue;
+            }
+            const int64_t row = (geo.tb[bi] * BS + off) * D;
+            for (int64_t cc = 0; cc < C; ++cc) *(v16*)(S->kf + j * D + 16 * cc) = CAT(ld16_, SFX)(kbase + row + 16 * cc);
+            for (int64_t cc = 0; cc < C; ++cc) *(v16*)(S->vf + j * D + 16 * cc) = CAT(ld16_, SFX)(vbase + row + 16 * cc);
+            if (++off == BS) { off = 0; ++bi; }
+        }
+        const int need = pf_masks(&geo, k0, W, S->mk);
+
+        for (int64_t g = 0; g < G; ++g) {
+            /* Scores: sc[j][lane] = q_lane . k_j, 16 independent accumulators. */
+            v16 sc[16];
+            for (int j = 0; j < 16; ++j) sc[j] = (v16){};
+            const v16* qt = S->qt + g * D;
+            for (int64_t d = 0; d < D; ++d) {
+                const v16 qd = qt[d];
+                for (int j = 0; j < 16; ++j) sc[j] += kf[j * D + d] * qd;
+            }
+            /* (A copy: sc itself must not have its address taken, or GCC keeps the
+               accumulators in memory.) */
+            v16 x[16];
+            for (int j = 0; j < 16; ++j) x[j] = sc[j];
+            *(v16*)S->alpha = pf_softmax(x, A->scale, need, S->mk, S->m + g, S->l + g);
+            for (int j = 0; j < 16; ++j) *(v16*)(S->p + 16 * j) = x[j];
+
+            /* O[r] = alpha[r] * O[r] + sum_j p[j][r] v_j: tiles of R rows x D in registers
+               (R * C <= 16 accumulators), p broadcast, each v_j vector loaded once per tile. */
+            const int64_t R = C <= 1 ? 16 : C <= 2 ? 8 : C <= 4 ? 4 : C <= 8 ? 2 : 1;
+            float* og = S->o + g * 16 * D;
+            for (int64_t rb = 0; rb < nr; rb += R) {
+                v16 acc[16];
+                for (int64_t r = 0; r < R; ++r) {
+                    const float a = S->alpha[rb + r];
+                    for (int64_t cc = 0; cc < C; ++cc) acc[r * C + cc] = *(v16*)(og + (rb + r) * D + 16 * cc) * a;
+                }
+                for (int64_t j = 0; j < 16; ++j) {
+                    float pj[16];
+                    for (int64_t r = 0; r < R; ++r) pj[r] = S->p[16 * j + rb + r];
+                    for (int64_t cc = 0; cc < C; ++cc) {
+                        const v16 vv = *(const v16*)(vf + j * D + 16 * cc);
+                        for (int64_t r = 0; r < R; ++r) acc[r * C + cc] += pj[r] * vv;
+                    }
+                }
+                for (int64_t r = 0; r < R; ++r)
+                    for (int64_t cc = 0; cc < C; ++cc) *(v16*)(og + (rb + r) * D + 16 * cc) = acc[r * C + cc];
+            }
+        }
+    }
+
+    for (int64_t g = 0; g < G; ++g) {
+        float inv[16];
+        *(v16*)inv = 1.0f / S->l[g];
+        const float* og = S->o + g * 16 * D;
+        for (int64_t r = 0; r < nr; ++r) {
+            ELEM* dst = out + (geo.r0 + r) * H * D + (it.h * G + g) * D;
+            for (int64_t cc = 0; cc < C; ++cc) CAT(st16_, SFX)(dst + 16 * cc, *(const v16*)(og + r * D + 16 * cc) * inv[r]);
+        }
+    }
+}
+
+void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table,
+                                int64_t nbmax, const int64_t* q_start, const int64_t* pos0, const int64_t* kstart,
+                                int64_t nc, int64_t window, ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D,
+                                int64_t NB, int64_t BS, float scale, int amx, int nthreads, int64_t* status)
+{
+    status[0] = pf_check(q_start, pos0, kstart, table, nbmax, nc, T, window, NB, BS, &status[1]);
+    if (status[0]) return;
+    if (D % 16 || D / 16 > PMAXC) { status[0] = 6; return; }
+#ifdef PF_AMX
+    amx = amx && sizeof(ELEM) == 2 && D % 32 == 0;
+#else
+    amx = 0;
+#endif
+    int64_t ni = 0;
+    for (int64_t c = 0; c < nc; ++c) ni += (q_start[c + 1] - q_start[c] + 15) / 16 * KH;
+    if (ni == 0) return;
+    pf_item* items = (pf_item*)malloc(sizeof(pf_item) * (size_t)ni);
+    if (!items) { status[0] = 7; return; }
+    ni = 0;
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t n = q_start[c + 1] - q_start[c];
+        int64_t gcost = 0;
+        for (int64_t t = 0; t < (n + 15) / 16; ++t) {
+            const int64_t pf = pos0[c] + 16 * t;
+            const int64_t klo = window > 0 ? (pf - window + 1 > 0 ? pf - window + 1 : 0) : 0;
+            gcost += (pf - klo + 15) / 16 + 1;
+        }
+        for (int64_t h = 0; h < KH; ++h)
+            for (int64_t t = 0; t < (n + 15) / 16; ++t) items[ni++] = (pf_item){(int32_t)c, (int32_t)h, (int32_t)t, gcost};
+    }
+    qsort(items, (size_t)ni, sizeof(pf_item), pf_item_cmp);
+    const pf_args args = {q, qs, cache, table, nbmax, q_start, pos0, kstart, window, out, KH, G, D, NB, BS, scale};
+    const int64_t C = D / 16;
+    int failed = 0;
+    const int nt = nthreads < ni ? nthreads : (int)ni;
+    #pragma omp parallel num_threads(nt)
+    {
+        pf_scratch sc;
+        void* mem = pf_scratch_alloc(&sc, G, D);
+        if (!mem) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+#ifdef PF_AMX
+        if (amx) pf_amx_config();
+#endif
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < ni; ++i) {
+            if (!mem) continue;
+#ifdef PF_AMX
+            if (amx) { pf_item_amx(&args, items[i], &sc); continue; }
+#endif
+#define ITEM(cc) CAT(pf_item_, SFX)(&args, items[i], &sc, cc)
+            /* head_dim 16, 32, 64, 128 as constants; others at run time. */
+            switch (C) {
+                case 1: ITEM(1); break;
+                case 2: ITEM(2); break;
+                case 4: ITEM(4); break;
+                case 8: ITEM(8); break;
+                default: ITEM(C); break;
+            }
+#undef ITEM
+        }
+#ifdef PF_AMX
+        if (amx) _tile_release();
+#endif
+    }
+    free(items);
+    if (failed) status[0] = 7;
+}
+"""
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {f"kv_paged_prefill_attention_{sfx}": [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _i64,
+                                                        _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,
+                                                        ctypes.c_int, _p]
+               for sfx in DTYPE_SUFFIX.values()}
+_SIGNATURES["kv_prefill_amx_init"] = []
+_LIB = NativeLibrary("kv_prefill_attention", PRELUDE + _transpose_source() + _HELPERS + _AMX + instantiate(_KERNEL),
+                     _SIGNATURES)
+
+#: bfloat16 with head_dim a multiple of 32 on AMX tiles when this CPU and process have them
+#: (False: the AVX-512 path, e.g. to compare the two).
+USE_AMX = True
+_amx_ready: Optional[bool] = None
+
+
+def amx_available() -> bool:
+    """True when the kernel is built with AMX and this process may use the tiles."""
+    global _amx_ready
+    if _amx_ready is None:
+        if not _LIB.available():
+            return False
+        init = _LIB.fn("kv_prefill_amx_init")
+        init.restype = ctypes.c_int
+        _amx_ready = init() == 0
+    return _amx_ready
+
+_ERRORS = {
+    1: "q_start must be non-decreasing within [0, T]",
+    2: "pos0 must be >= 0",
+    3: "kstart must be >= 0, a multiple of the block size and at most the chunk's first attended key",
+    4: "table is too narrow for the chunk's keys",
+    5: "table holds a block id outside the cache",
+    6: "head_dim must be a multiple of 16 and at most 256",
+    7: "out of memory",
+}
+_ERROR_ARG = {1: "q_start", 2: "pos0", 3: "kstart", 4: "table", 5: "table", 6: "q", 7: "out"}
+
+
+def available() -> bool:
+    """True when the native kernel is compiled and loaded."""
+    return _LIB.available()
+
+
+def failure_reason() -> Optional[str]:
+    return _LIB.failure_reason()
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """True for the shapes and dtypes the kernel takes: float32 or bfloat16, ``head_dim`` a
+    multiple of 16 up to ``MAX_HEAD_DIM``, ``num_heads`` a multiple of ``num_kv_heads``."""
+    return (dtype in DTYPE_SUFFIX and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+            and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
+                            q_start: torch.Tensor, pos0: torch.Tensor, kstart: torch.Tensor,
+                            scale: float, window: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of ``C`` multi-token chunks straight from the paged cache.
+
+    Args:
+        q: ``[T, H, D]``, float32 or bfloat16; heads contiguous within a row (``stride(1) == D``,
+            ``stride(2) == 1``), rows any stride ``>= H * D`` apart (e.g. a view of the fused
+            q/k projection).
+        kv_cache: ``[2, KH, NB, BS, D]`` contiguous (one layer), ``q``'s dtype, ``H % KH == 0``;
+            the chunks' K/V already written.
+        table: int64 ``[C, NBMAX]``; row ``c`` lists the block ids of block indices
+            ``kstart[c] // BS`` onwards.
+        q_start: int64 ``[C + 1]``: chunk ``c`` is rows ``q_start[c] .. q_start[c+1] - 1``.
+        pos0: int64 ``[C]``: position of chunk ``c``'s first row (tokens before it are cached).
+        kstart: int64 ``[C]``: first key position of ``table[c]`` (see the module doc).
+        scale: softmax scale (``D ** -0.5`` for Llama).
+        window: sliding window in tokens, 0 for none.
+        out: optional contiguous ``[T, H, D]`` of ``q``'s dtype to write into (rows outside the
+            chunks are left as they are).
+    Returns:
+        ``out`` (allocated when not given).
+    Raises:
+        RuntimeError: the kernel is not available (check ``available()`` first).
+        ValueError: naming the argument: unsupported or mixed dtypes, tensors off CPU, wrong
+            shapes or layouts, index tensors not int64, an unsupported head_dim, a negative
+            window, or chunk geometry the kernel refuses (see the module doc).
+    """
+    if not _LIB.available():
+        raise RuntimeError(f"native prefill attention unavailable: {_LIB.failure_reason()}")
+    if q.dtype != kv_cache.dtype or q.dtype not in DTYPE_SUFFIX:
+        raise ValueError(f"native prefill attention: q and kv_cache must be float32 or bfloat16 of one dtype, "
+                         f"got q {q.dtype} and kv_cache {kv_cache.dtype}.")
+    if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
+        raise ValueError(f"native prefill attention is CPU-only, got q on {q.device} and kv_cache on {kv_cache.device}.")
+    if q.dim() != 3:
+        raise ValueError(f"native prefill attention: q must be [T, H, D], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != D or not kv_cache.is_contiguous():
+        raise ValueError(f"native prefill attention: kv_cache must be a contiguous [2, KH, NB, BS, {D}] tensor, "
+                         f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    _, KH, NB, BS, _ = kv_cache.shape
+    if KH == 0 or H % KH:
+        raise ValueError(f"native prefill attention: q's {H} heads are not a multiple of kv_cache's {KH} KV heads")
+    if not supports(H, KH, D, q.dtype):
+        raise ValueError(f"native prefill attention: q head_dim {D} must be a multiple of 16, at most {MAX_HEAD_DIM}")
+    if q.stride(2) != 1 or q.stride(1) != D or (T > 1 and q.stride(0) < H * D):
+        raise ValueError(f"native prefill attention: q must be [T, H, D] with contiguous rows (any row stride "
+                         f">= H*D), got strides {q.stride()}")
+    for name, t, dims in (("table", table, 2), ("q_start", q_start, 1), ("pos0", pos0, 1), ("kstart", kstart, 1)):
+        if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != dims:
+            raise ValueError(f"native prefill attention: {name} must be a contiguous {dims}-D CPU tensor of int64, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}")
+    C = table.shape[0]
+    if q_start.shape[0] != C + 1 or pos0.shape[0] != C or kstart.shape[0] != C:
+        raise ValueError(f"native prefill attention: for {C} chunks (table rows) q_start must have {C + 1} entries "
+                         f"and pos0, kstart {C}; got {q_start.shape[0]}, {pos0.shape[0]}, {kstart.shape[0]}")
+    if int(window) < 0:
+        raise ValueError(f"native prefill attention: window must be >= 0, got {window}")
+    if out is None:
+        out = torch.empty(T, H, D, dtype=q.dtype)
+    elif out.shape != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"native prefill attention: out must be a contiguous CPU {q.dtype} tensor of shape "
+                         f"{(T, H, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    status = (ctypes.c_int64 * 2)()
+    kernel = _LIB.fn(f"kv_paged_prefill_attention_{DTYPE_SUFFIX[q.dtype]}")
+    kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], q_start.data_ptr(),
+           pos0.data_ptr(), kstart.data_ptr(), C, int(window), out.data_ptr(), T, KH, H // KH, D, NB, BS,
+           float(scale), int(q.dtype == torch.bfloat16 and D % 32 == 0 and USE_AMX and amx_available()),
+           torch.get_num_threads(), ctypes.addressof(status))
+    if status[0]:
+        code = int(status[0])
+        raise ValueError(f"native prefill attention: {_ERROR_ARG.get(code, 'arguments')}: "
+                         f"{_ERRORS.get(code, f'error {code}')} (chunk {int(status[1])})")
+    return out

@@ -16,6 +16,7 @@ from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.openmp_pool import release_calling_thread_pool
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -55,6 +56,9 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- lifecycle
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        # The calling thread's idle OpenMP workers would slow every parallel region of the
+        # engine thread (libgomp's throttled spinning; see openmp_pool): ~30% of a CPU step.
+        release_calling_thread_pool()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 

@@ -41,3 +41,25 @@ def test_missing_trace_file_is_a_one_line_error(capsys):
     assert main(["--trace", "/nonexistent/trace.csv"]) == 2
     err = capsys.readouterr().err
     assert "--trace /nonexistent/trace.csv: no such file" in err and "Traceback" not in err
+
+
+def test_step_budget_does_not_depend_on_the_host(monkeypatch):
+    """The simulated device is not this machine: unset chunked prefill is off (V0) and an
+    explicit one without a budget gets SchedulerConfig's 512, not the CPU engine's 2,048
+    (regression: it depended on whether the host running the simulation had a GPU)."""
+    from kvserve.sim import cli
+
+    seen = []
+    real = cli.LLMEngine
+
+    def spy(model_config, cache_config, scheduler_config, **kw):
+        seen.append((scheduler_config.chunked_prefill_enabled, scheduler_config.max_num_batched_tokens))
+        return real(model_config, cache_config, scheduler_config, **kw)
+
+    monkeypatch.setattr(cli, "LLMEngine", spy)
+    reqs = _requests(3)
+    simulate(EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu"), reqs)
+    simulate(EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu", enable_chunked_prefill=True), reqs)
+    simulate(EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu", enable_chunked_prefill=True,
+                        max_num_batched_tokens=300), reqs)
+    assert seen == [(False, 1024), (True, 512), (True, 300)]

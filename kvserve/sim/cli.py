@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from kvserve.benchmarks import workload as wl
 from kvserve.benchmarks.stats import summarize
-from kvserve.config import EngineArgs
+from kvserve.config import EngineArgs, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from
 from kvserve.sampling_params import SamplingParams
@@ -38,6 +38,10 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
         args.num_cpu_blocks = args.num_gpu_blocks
     if args.enable_chunked_prefill is None:  # the simulated device is not this machine's
         args.enable_chunked_prefill = False
+    if args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+        # nor is its budget: SchedulerConfig's default (512), not the CPU engine's 2,048 -- else
+        # the same simulation would give other results on a CPU host than on a CUDA host
+        args.max_num_batched_tokens = SchedulerConfig(chunked_prefill_enabled=True).max_num_batched_tokens
     model_config, cache_config, scheduler_config = args.create_configs(args.max_model_len or 8192)
     clock = VirtualClock()
     executor = SimulatedExecutor(VOCAB, cost_model, cache_config=cache_config, check_kv=False, strict=False,

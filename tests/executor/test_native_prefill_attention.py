@@ -176,6 +176,11 @@ def test_rejects_bad_arguments():
         (dict(kstart=torch.tensor([0, 4]), window=0), "kstart"),
         (dict(table=good["table"][:, :1].contiguous()), "table: table is too narrow"),
         (dict(table=good["table"] + 1000), "table: .*block id"),
+        # regressions: a zero block size was a SIGFPE (division in the kernel); positions or
+        # windows past int32 gave NaN rows (int32 lane masks) instead of an error
+        (dict(kv_cache=torch.zeros(2, 1, 10, 0, 32)), "block size"),
+        (dict(window=2 ** 31), "window must be"),
+        (dict(pos0=torch.tensor([2 ** 31, 4]), kstart=torch.tensor([2 ** 31 - 4, 0])), "pos0"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):

@@ -259,7 +259,9 @@ static int pf_check(const int64_t* q_start, const int64_t* pos0, const int64_t* 
         *bad = c;
         const int64_t a = q_start[c], b = q_start[c + 1];
         if (a < 0 || b < a || b > T) return 1;
-        if (pos0[c] < 0) return 2;
+        /* positions of the chunk's tiles (padding lanes included) must fit the int32 lanes of
+           pf_masks */
+        if (pos0[c] < 0 || pos0[c] > INT32_MAX - 16 - (b - a)) return 2;
         const int64_t n = b - a;
         if (n == 0) continue;
         const int64_t klo = W > 0 ? (pos0[c] - W + 1 > 0 ? pos0[c] - W + 1 : 0) : 0;
@@ -655,9 +657,10 @@ def amx_available() -> bool:
         _amx_ready = init() == 0
     return _amx_ready
 
+
 _ERRORS = {
     1: "q_start must be non-decreasing within [0, T]",
-    2: "pos0 must be >= 0",
+    2: "pos0 must be >= 0 and the chunk's positions below 2**31 - 16",
     3: "kstart must be >= 0, a multiple of the block size and at most the chunk's first attended key",
     4: "table is too narrow for the chunk's keys",
     5: "table holds a block id outside the cache",
@@ -725,6 +728,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torc
         raise ValueError(f"native prefill attention: kv_cache must be a contiguous [2, KH, NB, BS, {D}] tensor, "
                          f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
     _, KH, NB, BS, _ = kv_cache.shape
+    if BS == 0:  # (the kernel divides by it)
+        raise ValueError("native prefill attention: kv_cache's block size (dim 3) must be >= 1")
     if KH == 0 or H % KH:
         raise ValueError(f"native prefill attention: q's {H} heads are not a multiple of kv_cache's {KH} KV heads")
     if not supports(H, KH, D, q.dtype):
@@ -740,8 +745,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torc
     if q_start.shape[0] != C + 1 or pos0.shape[0] != C or kstart.shape[0] != C:
         raise ValueError(f"native prefill attention: for {C} chunks (table rows) q_start must have {C + 1} entries "
                          f"and pos0, kstart {C}; got {q_start.shape[0]}, {pos0.shape[0]}, {kstart.shape[0]}")
-    if int(window) < 0:
-        raise ValueError(f"native prefill attention: window must be >= 0, got {window}")
+    if not 0 <= int(window) < 2 ** 31:  # (an int32 in the kernel's lane masks)
+        raise ValueError(f"native prefill attention: window must be >= 0 and below 2**31, got {window}")
     if out is None:
         out = torch.empty(T, H, D, dtype=q.dtype)
     elif out.shape != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu:

@@ -9,8 +9,8 @@ thread calibration, warm-up) and the engine steps in a second thread (``AsyncLLM
 main thread's idle pool tips a 2-CPU machine into the throttled mode. Measured: a 64-row AMX
 GEMM 120 -> 221 us, a 64-row SiLU-and-mul 30 -> 88 us, the whole w64 run 17.7 -> 23.3 s (bf16).
 
-``release_calling_thread_pool()`` calls ``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0,
-section 3.2.43), which in libgomp frees the calling thread's pool; the count drops back and the
+``release_calling_thread_pool()`` calls ``omp_pause_resource(omp_pause_soft, host device)``
+(OpenMP 5.0, section 3.2.43), which in libgomp frees the calling thread's pool; the count drops back and the
 engine thread's workers spin again. If the calling thread later runs parallel work, libgomp
 builds a new pool (correct, only slower again).
 """
@@ -47,8 +47,10 @@ def release_calling_thread_pool() -> bool:
     if path is None:
         return False
     try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all
+        lib = ctypes.CDLL(path)
+        pause, host = lib.omp_pause_resource, lib.omp_get_initial_device
     except (OSError, AttributeError):
         return False
-    pause.argtypes = [ctypes.c_int]
-    return pause(OMP_PAUSE_SOFT) == 0
+    pause.argtypes = [ctypes.c_int, ctypes.c_int]
+    # The host device only: pausing "all" could also start libgomp's offload plugins.
+    return pause(OMP_PAUSE_SOFT, host()) == 0

@@ -180,15 +180,15 @@ class PagedAttention:
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
             flat.index_copy_(0, meta.write_idx, src)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-        npf = meta.native_prefill
-        if npf is not None and kv_cache is not None:
+        npf = meta.native_prefill if kv_cache is not None else None
+        if npf is not None:
             P = meta.num_prefill_tokens
             qp = q[:P]
             if qp.stride(2) != 1 or qp.stride(1) != D:  # the kernel takes any row stride
                 qp = qp.contiguous()
             paged_prefill_attention(qp, kv_cache, npf.table, npf.q_start, npf.pos0, npf.kstart, self.scale,
                                     npf.window, out=out[:P])
-        for pc in (meta.prefills if npf is None or kv_cache is None else ()):
+        for pc in (meta.prefills if npf is None else ()):
             qs = q[pc.start:pc.end].transpose(0, 1)  # [H, n, D]
             if pc.gather_idx is None:
                 if pc.context_start > 0:  # native metadata without a cache: nothing to read it from

@@ -79,6 +79,7 @@ from typing import Optional
 
 import torch
 
+from kvserve.model_executor.layers import amx_gemm
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, PRELUDE, NativeLibrary, instantiate
 
 #: Largest head_dim of the kernel (16 vectors of 16 floats per row).
@@ -282,11 +283,6 @@ static int pf_check(const int64_t* q_start, const int64_t* pos0, const int64_t* 
 _AMX = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PF_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* 0 when this process may use the AMX tiles (Linux grants them per process on request). */
-int kv_prefill_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */); }
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } pf_tilecfg;
 
@@ -447,8 +443,6 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
         }
     }
 }
-#else
-int kv_prefill_amx_init(void) { return -1; }
 #endif
 """
 
@@ -636,26 +630,18 @@ _SIGNATURES = {f"kv_paged_prefill_attention_{sfx}": [_p, _i64, _p, _p, _i64, _p,
                                                         _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,
                                                         ctypes.c_int, _p]
                for sfx in DTYPE_SUFFIX.values()}
-_SIGNATURES["kv_prefill_amx_init"] = []
 _LIB = NativeLibrary("kv_prefill_attention", PRELUDE + _transpose_source() + _HELPERS + _AMX + instantiate(_KERNEL),
                      _SIGNATURES)
 
 #: bfloat16 with head_dim a multiple of 32 on AMX tiles when this CPU and process have them
 #: (False: the AVX-512 path, e.g. to compare the two).
 USE_AMX = True
-_amx_ready: Optional[bool] = None
 
 
 def amx_available() -> bool:
-    """True when the kernel is built with AMX and this process may use the tiles."""
-    global _amx_ready
-    if _amx_ready is None:
-        if not _LIB.available():
-            return False
-        init = _LIB.fn("kv_prefill_amx_init")
-        init.restype = ctypes.c_int
-        _amx_ready = init() == 0
-    return _amx_ready
+    """True when the kernel is built and this process may use AMX tiles (Linux grants them per
+    process: ``amx_gemm.available()`` asks)."""
+    return _LIB.available() and amx_gemm.available()
 
 
 _ERRORS = {

@@ -181,20 +181,39 @@ class BlockSpaceManager:
         usable = self.num_total_gpu_blocks - self.watermark_blocks
 
         hits: List[List[PhysicalBlock]] = [[] for _ in seqs]
-        cow_last = False
         num_cached_blocks = 0
         if self.enable_caching:
             hits = [self._cache_hits(s) for s in seqs]
             num_cached_blocks = min(len(h) for h in hits)
-            hits = [h[:num_cached_blocks] for h in hits]
-            cow_last = num_cached_blocks > 0 and num_cached_blocks * bs >= length
+        plan = self._plan_with_hits(seqs, shared, [h[:num_cached_blocks] for h in hits],
+                                    num_cached_blocks, required, usable)
+        if plan.status == AllocStatus.LATER and plan._cow_last:
+            # A full hit costs one block more than its length (the private copy of the last
+            # block). When that extra block is what does not fit, reuse one block fewer and
+            # recompute it instead: otherwise a prompt filling the whole pool would wait
+            # forever for a block that can never be free.
+            k = num_cached_blocks - 1
+            fallback = self._plan_with_hits(seqs, shared, [h[:k] for h in hits], k,
+                                            required, usable)
+            if fallback.status == AllocStatus.OK:
+                return fallback
+        return plan
+
+    def _plan_with_hits(self, seqs: List[Sequence], shared: List[int],
+                        hits: List[List[PhysicalBlock]], num_cached_blocks: int,
+                        required: int, usable: int) -> AllocationPlan:
+        """The plan that reuses the first ``num_cached_blocks`` hit blocks of every sequence."""
+        bs = self.block_size
+        length = seqs[0].get_len()
+        n_blocks = _cdiv(length, bs)
+        cow_last = num_cached_blocks > 0 and num_cached_blocks * bs >= length
         num_cached_tokens = min(num_cached_blocks * bs, length - 1)
 
         # Free blocks consumed: fresh blocks for every non-hit, non-shared entry, plus
         # revived (refcount-0) hit blocks, plus the private copy of a full-hit last block.
         revived = {b.block_number for h in hits for b in h if b.ref_count == 0}
         fresh = 0
-        for i, s in enumerate(seqs):
+        for i in range(len(seqs)):
             start = num_cached_blocks
             if i > 0:
                 start = max(start, shared[i])

@@ -1,5 +1,6 @@
 """Unit tests of the block pool, the LRU evictor and BlockSpaceManager."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvserve.core.block import BlockPool, NoFreeBlocksError
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
@@ -212,6 +213,60 @@ def test_prefix_cache_block_aligned_full_hit_copies_last_block():
     bm.free(sa)
     bm.free(sb)
     assert bm.get_num_free_gpu_blocks() == 8
+
+
+def test_full_hit_of_a_pool_filling_prompt_recomputes_last_block_instead_of_waiting():
+    """Stateful-test find: a prompt that fills every usable block, fully cached, would need
+    one block more for the private copy of its last block and waited forever (LATER with an
+    idle pool). It must reuse one block fewer and recompute it."""
+    for watermark, G in ((0.0, 4), (0.25, 8)):
+        bm = BlockSpaceManager(block_size=2, num_gpu_blocks=G, num_cpu_blocks=0,
+                                       watermark=watermark, enable_caching=True)
+        usable = G - bm.watermark_blocks
+        p = prompt_of(3, 2 * usable)
+        a = make_group("a", p)
+        admit(bm, a)
+        run_prefill(bm, a)
+        bm.free(a.get_seqs()[0])
+        b = make_group("b", p)
+        plan = bm.plan_allocation(b)
+        assert plan.status == AllocStatus.OK, plan
+        assert plan.num_cached_tokens == 2 * (usable - 1) and not plan._cow_last
+        assert admit(bm, b) == []
+        assert b.get_seqs()[0].data.get_num_computed_tokens() == 2 * (usable - 1)
+        bm.check_invariants()
+        bm.free(b.get_seqs()[0])
+        assert bm.get_num_free_gpu_blocks() == G
+
+
+@settings(max_examples=150, deadline=None)
+@given(BS=st.sampled_from([1, 2, 4]), G=st.integers(2, 12), wm=st.sampled_from([0.0, 0.2]),
+       cached=st.lists(st.integers(1, 40), max_size=4), plen=st.integers(1, 40),
+       same_as=st.integers(-1, 3))
+def test_an_admissible_group_is_ok_whenever_nothing_runs(BS, G, wm, cached, plen, same_as):
+    """The whole kind of fault: a group that is not NEVER must be OK once nothing else holds
+    blocks (everything free or merely cached), or the scheduler waits on it forever."""
+    bm = BlockSpaceManager(block_size=BS, num_gpu_blocks=G, num_cpu_blocks=0, watermark=wm,
+                           enable_caching=True)
+    prompts = [prompt_of(7, n) for n in cached]   # shared prefixes of one token stream
+    for i, p in enumerate(prompts):
+        g = make_group(f"c{i}", p)
+        if bm.can_allocate(g) != AllocStatus.OK:
+            continue
+        admit(bm, g)
+        run_prefill(bm, g)
+        bm.release_pins()
+        bm.free(g.get_seqs()[0])
+    prompt = prompts[same_as] if 0 <= same_as < len(prompts) else prompt_of(7, plen)
+    g = make_group("x", prompt)
+    plan = bm.plan_allocation(g)
+    assert plan.status != AllocStatus.LATER, plan
+    if plan.status == AllocStatus.OK:
+        admit(bm, g)
+        bm.check_invariants()
+        bm.release_pins()
+        bm.free(g.get_seqs()[0])
+        assert bm.get_num_free_gpu_blocks() == G
 
 
 def test_sliding_window_releases_old_blocks():

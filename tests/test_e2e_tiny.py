@@ -119,6 +119,23 @@ def test_greedy_equals_transformers(tiny_llama_dir, prompts, references, name):
         assert engine.get_kv_cache_stats()["num_preemptions"] > 0, "the tiny cache must force preemption"
 
 
+def test_warm_up_step_runs_a_real_prefill_and_leaves_no_trace(tiny_llama_dir, prompts, references):
+    """The engine's start-up warm-up (one throw-away prefill of max_num_batched_tokens tokens)
+    writes K/V into blocks nobody holds; the block manager never learns of them, and what
+    follows (prefix caching on, blocks reused) still equals transformers."""
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=64,
+              max_num_batched_tokens=48, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    worker = engine.executor
+    cache = worker.cache_engine.gpu_cache[0]          # layer 0: [2, KH, blocks, block_size, D]
+    assert cache[:, :, :12].abs().sum() > 0            # 48 tokens = blocks 0..11 were written...
+    assert cache[:, :, 12:].abs().sum() == 0           # ...and nothing past them
+    assert engine.get_kv_cache_stats()["num_free_gpu_blocks"] == 64
+    assert worker.warm_up() > 0
+    finals = run_engine(engine, [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)])
+    check_all(finals, references)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute", None])
 def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts, references, mode):
     """n=3 greedy samples fork one prefill; every sample equals the reference, also when the

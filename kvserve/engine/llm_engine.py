@@ -83,6 +83,7 @@ class LLMEngine:
         num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
         cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+        worker.warm_up()
         tokenizer = load_tokenizer(model_dir)
         eos = hf_config.eos_token_id
         if isinstance(eos, list):

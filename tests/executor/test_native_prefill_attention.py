@@ -213,6 +213,30 @@ def test_bf16_paths(bf16_path, window):
     check(chunks, 1, 3, 128, 16, window, torch.bfloat16, seed=12)
 
 
+@pytest.mark.parametrize("slope", [0.02, 0.1, 0.4, -0.2])
+def test_bf16_paths_with_row_maxima_moving_across_key_steps(bf16_path, slope):
+    """Scores rising with key position (``slope`` per key): the running row maximum grows a
+    little every 32-key step (0.1: the AMX path's lazy rescaling keeps its old reference and
+    probabilities above 1) or jumps every step (0.4: rescaled each time); falling scores keep
+    the first step's maximum."""
+    chunks = [(0, 70), (40, 50)]
+    KH, G, D, BS = 1, 3, 64, 16
+    q, cache, table, q_start, pos0, kstart, tables = make_case(chunks, KH, G, D, BS, 0, torch.bfloat16, seed=5)
+    u = torch.zeros(D)
+    u[::2] = 1.0 / (D / 2) ** 0.5   # a unit vector
+    q[:] = (4.0 * u).to(torch.bfloat16)   # score of key x*u: (1/8) * 4 * x = x / 2
+    for c, (p0, n) in enumerate(chunks):
+        kp = torch.arange(p0 + n)
+        x = 2.0 * slope * kp.double() + 0.3 * torch.randn(len(kp), dtype=torch.float64,
+                                                          generator=torch.Generator().manual_seed(c))
+        cache[0][:, tables[c][kp // BS], kp % BS] = (x[:, None] * u[None, :].double()).to(torch.bfloat16)[None]
+    scale = D ** -0.5
+    got = npa.paged_prefill_attention(q, cache, table, q_start, pos0, kstart, scale, 0)
+    ref = reference(q, cache, q_start, pos0, tables, scale, 0)
+    err = (got.double() - ref).abs().max()
+    assert err <= TOLERANCE[torch.bfloat16] * max(1.0, float(ref.abs().max())), float(err)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_native_prefill_matches_torch_path(tmp_path, dtype):
     """Through the model runner: several prompts prefilled in one step, then chunked prefills

@@ -213,6 +213,20 @@ def test_bf16_paths(bf16_path, window):
     check(chunks, 1, 3, 128, 16, window, torch.bfloat16, seed=12)
 
 
+@pytest.mark.parametrize("gather_bytes", [1, 40_000, 64 << 20])
+def test_amx_gathers_keys_in_batches(gather_bytes, monkeypatch):
+    """The AMX path gathers each chunk's K and V^T once per call, in batches of chunks of at
+    most GATHER_BYTES (1: a chunk a batch; 40 kB: some together); every split gives the same
+    attention, with context, windows starting mid-block and an empty chunk."""
+    if not npa.amx_available():
+        pytest.skip("no AMX tiles on this CPU/kernel")
+    monkeypatch.setattr(npa, "GATHER_BYTES", gather_bytes)
+    chunks = [(0, 70), (37, 1), (100, 45), (5, 0), (0, 16), (64, 33)]
+    for window in (0, 50):
+        check(chunks, 2, 3, 64, 16, window, torch.bfloat16, seed=21)
+        check(chunks, 1, 2, 128, 4, window, torch.bfloat16, seed=22)
+
+
 @pytest.mark.parametrize("slope", [0.02, 0.1, 0.4, -0.2])
 def test_bf16_paths_with_row_maxima_moving_across_key_steps(bf16_path, slope):
     """Scores rising with key position (``slope`` per key): the running row maximum grows a

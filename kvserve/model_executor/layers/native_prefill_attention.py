@@ -42,8 +42,11 @@ Two inner kernels:
   ``O^T`` is kept in float32. Rescaling is lazy (as in FlashAttention-4's conditional
   rescaling): a row's reference maximum moves only when a step's scores exceed it by more
   than ``PF_LAZY`` (e^8: ``p`` <= ~3e3, exact in float32), so most steps add ``V^T . P^T``
-  to ``O^T`` on the tiles, and only the others rescale it with AVX-512 (SmolLM2-135M step
-  below: 41 -> 38 ms; after 512 cached tokens per chunk 201 -> 174 ms).
+  to ``O^T`` on the tiles, and only the others rescale it with AVX-512. Each chunk's keys are
+  gathered once per call and KV head (K rows and V^T, ``pf_gather``; at most ``GATHER_BYTES``
+  at a time) instead of copied and transposed by every tile that reads them. Both together,
+  30 calls of the step below: 4 chunks of 512 tokens 80.6 -> 69.3 ms; 11 chunks of ~186 after
+  512 cached tokens each 192.6 -> 162.0 ms; 11 fresh chunks of ~186 unchanged (~41 ms).
 
 Outputs are rounded to nearest even on the bfloat16 store. On the 2-core machine of this
 project (``benchmarks/attention_prefill_micro.py``: a SmolLM2-135M step of 11 chunks of ~186
@@ -124,6 +127,9 @@ typedef struct {
     const void* q; int64_t qs; const void* cache; const int64_t* table; int64_t nbmax;
     const int64_t* q_start; const int64_t* pos0; const int64_t* kstart; int64_t window;
     void* out; int64_t KH, G, D, NB, BS; float scale;
+    /* AMX path: each chunk's keys gathered once per call (pf_gather): K rows and V^T, per KV
+       head, keys gbase[c] .. gbase[c] + glen[c] - 1, at element offset goff[c] (+ h * glen * D) */
+    const uint16_t* kg; const uint16_t* vtg; const int64_t* gbase; const int64_t* glen; const int64_t* goff;
 } pf_args;
 
 /* One work item: 16-row tile t of chunk c for KV head h; gcost = key steps of all tiles of
@@ -234,6 +240,11 @@ typedef struct {
 static __thread char* pf_tls_buf = NULL;
 static __thread size_t pf_tls_size = 0;
 
+/* The calling thread's buffer of gathered keys (AMX path), grown when needed, never freed; a
+   call's chunks go in batches of at most gather_bytes of it (a chunk alone may need more). */
+static __thread uint16_t* pf_gather_buf = NULL;
+static __thread size_t pf_gather_size = 0;
+
 static void* pf_scratch_alloc(pf_scratch* s, int64_t G, int64_t D) {
     const size_t f = sizeof(float);
     size_t sz[11] = {G * D * 16 * f, G * 16 * D * f, G * 64, G * 64, 16 * D * f, 16 * D * f, 512 * f, 64, 32 * 64,
@@ -305,6 +316,60 @@ static void pf_amx_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* Keys the 32-key steps of chunk c's tiles touch: [*base, *base + *len), len a multiple of 32
+   (the tiles' steps start at pf - 16 - 32 * (nsteps32 - 1) and end at pf + 15). */
+static void pf_key_range(const pf_args* A, int64_t c, int64_t* base, int64_t* len) {
+    const int64_t n = A->q_start[c + 1] - A->q_start[c], W = A->window;
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t t = 0; t < (n + 15) / 16; ++t) {
+        const int64_t pf = A->pos0[c] + 16 * t;
+        const int64_t klo = W > 0 ? (pf - W + 1 > 0 ? pf - W + 1 : 0) : 0;
+        const int64_t n32 = ((pf - klo + 15) / 16 + 2) / 2;
+        const int64_t k0 = pf - 16 - 32 * (n32 - 1);
+        if (k0 < lo) lo = k0;
+        hi = pf + 16;
+    }
+    *base = lo;
+    *len = n > 0 ? (hi - lo + 31) / 32 * 32 : 0;
+}
+
+/* Gather KV head h of chunk c once for all its tiles: K rows [len][D] (A tiles of S^T = K . Q^T)
+   and V^T [D][len] (A tiles of O^T += V^T . P^T), keys base .. base + len - 1; keys outside
+   the table (below kstart) or not written yet (from pos0 + n) are zero. Before, every tile
+   copied and transposed its steps' keys itself: with 512 cached tokens per chunk that was a
+   third of the kernel's time. */
+static void pf_gather(const pf_args* A, int64_t c, int64_t h, uint16_t* kg, uint16_t* vtg, int64_t base, int64_t len) {
+    const int64_t D = A->D, BS = A->BS, KC = D / 32;
+    const uint16_t* kbase = (const uint16_t*)A->cache + h * A->NB * BS * D;
+    const uint16_t* vbase = kbase + A->KH * A->NB * BS * D;
+    const int64_t* tb = A->table + c * A->nbmax;
+    const int64_t fb = A->kstart[c] / BS, kbeg = A->kstart[c];
+    const int64_t kend = A->pos0[c] + A->q_start[c + 1] - A->q_start[c];
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const uint16_t* vr[16];
+        for (int64_t j = 0; j < 16; ++j) {
+            const int64_t k = base + j0 + j;
+            if (k < kbeg || k >= kend) { memset(kg + (j0 + j) * D, 0, D * 2); vr[j] = NULL; continue; }
+            const int64_t row = (tb[k / BS - fb] * BS + k % BS) * D;
+            memcpy(kg + (j0 + j) * D, kbase + row, D * 2);
+            vr[j] = vbase + row;
+        }
+        /* 16 x 16 blocks of 32-bit d pairs transposed: the low and high halves of transposed
+           pair row w are the V^T rows 2w and 2w + 1. */
+        for (int64_t kc = 0; kc < KC; ++kc) {
+            v16 x[16];
+            for (int64_t j = 0; j < 16; ++j) x[j] = vr[j] ? *(const v16*)(vr[j] + 32 * kc) : (v16){};
+            transpose16(x);
+            for (int64_t w = 0; w < 16; ++w) {
+                const __m512i xw = (__m512i)x[w];
+                _mm256_storeu_si256((__m256i*)(vtg + (32 * kc + 2 * w) * len + j0), _mm512_cvtepi32_epi16(xw));
+                _mm256_storeu_si256((__m256i*)(vtg + (32 * kc + 2 * w + 1) * len + j0),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(xw, 16)));
+            }
+        }
+    }
+}
+
 /* One work item, bfloat16, head_dim a multiple of 32, on AMX tiles. Both products are
    computed transposed, so that a query row stays a lane as in the AVX-512 path:
      S^T [keys][rows] = K [keys][D] . Q^T      (B = Q^T as d pairs: the item's q rows, viewed as
@@ -319,18 +384,17 @@ static void pf_amx_config(void) {
    rescale it by alpha with AVX-512 and add the step's product. */
 static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
 {
-    const int64_t D = A->D, KC = D / 32, ND = D / 16, G = A->G, W = A->window, BS = A->BS;
+    const int64_t D = A->D, KC = D / 32, ND = D / 16, G = A->G, W = A->window;
     const uint16_t* q = (const uint16_t*)A->q;
     uint16_t* out = (uint16_t*)A->out;
     const pf_geom geo = pf_geom_of(A, it);
-    const uint16_t* kbase = (const uint16_t*)A->cache + geo.hoff;
-    const uint16_t* vbase = kbase + A->KH * A->NB * BS * D;
     const int64_t H = A->KH * G, nr = geo.nr;
     const int64_t nsteps = (geo.nsteps + 1) / 2;   /* 32-key steps covering the 16-key ones */
+    const int64_t L = A->glen[it.c], gb = A->gbase[it.c];
+    const uint16_t* kgh = A->kg + A->goff[it.c] + it.h * L * D;    /* [L keys][D] */
+    const uint16_t* vgh = A->vtg + A->goff[it.c] + it.h * L * D;   /* [D][L keys] */
     uint32_t* qtw = (uint32_t*)S->qt;   /* [G][KC][16 d pairs][16 rows] */
     float* ot = S->o;                   /* [G][D][16 rows] */
-    uint16_t* kb = (uint16_t*)S->kf;    /* [32 keys][D] */
-    uint16_t* vt = (uint16_t*)S->vf;    /* [D][32 keys] */
     float* sc = S->p;                   /* [32 keys][16 rows] scores, then probabilities */
 
     for (int64_t g = 0; g < G; ++g) {
@@ -349,36 +413,10 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t s = 0; s < nsteps; ++s) {
         const int64_t k0 = geo.pf - 16 - 32 * (nsteps - 1 - s);
-        const int64_t ka = k0 > geo.kmin ? k0 : geo.kmin, ke = k0 + 31 < geo.pl ? k0 + 31 : geo.pl;
+        const int64_t ka = k0 > geo.kmin ? k0 : geo.kmin;
         const int lo = ka < k0 + 16;   /* keys 0-15 of the step exist for some row */
-        /* K rows copied (A tiles need one row stride), V rows transposed into V^T: 16 x 16
-           blocks of 32-bit d pairs, then the low and high halves of each transposed pair row
-           are the V^T rows 2w and 2w + 1. Keys no row attends are zero. */
-        const uint16_t* vr[32];
-        int64_t bi = ka / BS - geo.fb, off = ka % BS;
-        for (int64_t j = 0; j < 32; ++j) {
-            const int64_t k = k0 + j;
-            if (k < ka || k > ke) { memset(kb + j * D, 0, D * 2); vr[j] = NULL; continue; }
-            const int64_t row = (geo.tb[bi] * BS + off) * D;
-            memcpy(kb + j * D, kbase + row, D * 2);
-            vr[j] = vbase + row;
-            if (++off == BS) { off = 0; ++bi; }
-        }
-        for (int64_t half = 0; half < 2; ++half)
-            for (int64_t kc = 0; kc < KC; ++kc) {
-                v16 x[16];
-                for (int64_t j = 0; j < 16; ++j) {
-                    const uint16_t* r = vr[16 * half + j];
-                    x[j] = r ? *(const v16*)(r + 32 * kc) : (v16){};
-                }
-                transpose16(x);
-                for (int64_t w = 0; w < 16; ++w) {
-                    const __m512i xw = (__m512i)x[w];
-                    _mm256_store_si256((__m256i*)(vt + (32 * kc + 2 * w) * 32 + 16 * half), _mm512_cvtepi32_epi16(xw));
-                    _mm256_store_si256((__m256i*)(vt + (32 * kc + 2 * w + 1) * 32 + 16 * half),
-                                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(xw, 16)));
-                }
-            }
+        const uint16_t* kb = kgh + (k0 - gb) * D;   /* A tiles: 16 keys x 32 d, stride D */
+        const uint16_t* vt = vgh + (k0 - gb);        /* A tiles: 16 d x 32 keys, stride L */
         /* Lane masks of the step's two 16-key halves (a half without masks gets all-ones). */
         const int need0 = pf_masks(&geo, k0, W, S->mk);
         const int need1 = pf_masks(&geo, k0 + 16, W, S->mk + 16);
@@ -433,8 +471,8 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
             _tile_loadd(4, S->pt, 64);
             float* og = ot + g * D * 16;
             for (int64_t db = 0; db < ND; db += 2) {
-                _tile_loadd(5, vt + db * 16 * 32, 64);
-                _tile_loadd(2, vt + (db + 1) * 16 * 32, 64);
+                _tile_loadd(5, vt + db * 16 * L, L * 2);
+                _tile_loadd(2, vt + (db + 1) * 16 * L, L * 2);
                 if (!rescale) {   /* O^T += V^T . P^T on the tiles */
                     _tile_loadd(6, og + db * 256, 64);
                     _tile_loadd(7, og + db * 256 + 256, 64);
@@ -589,7 +627,8 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
 void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table,
                                 int64_t nbmax, const int64_t* q_start, const int64_t* pos0, const int64_t* kstart,
                                 int64_t nc, int64_t window, ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D,
-                                int64_t NB, int64_t BS, float scale, int amx, int nthreads, int64_t* status)
+                                int64_t NB, int64_t BS, float scale, int amx, int64_t gather_bytes, int nthreads,
+                                int64_t* status)
 {
     status[0] = pf_check(q_start, pos0, kstart, table, nbmax, nc, T, window, NB, BS, &status[1]);
     if (status[0]) return;
@@ -603,56 +642,90 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
     for (int64_t c = 0; c < nc; ++c) ni += (q_start[c + 1] - q_start[c] + 15) / 16 * KH;
     if (ni == 0) return;
     pf_item* items = (pf_item*)malloc(sizeof(pf_item) * (size_t)ni);
-    if (!items) { status[0] = 7; return; }
-    ni = 0;
-    for (int64_t c = 0; c < nc; ++c) {
-        const int64_t n = q_start[c + 1] - q_start[c];
-        int64_t gcost = 0;
-        for (int64_t t = 0; t < (n + 15) / 16; ++t) {
-            const int64_t pf = pos0[c] + 16 * t;
-            const int64_t klo = window > 0 ? (pf - window + 1 > 0 ? pf - window + 1 : 0) : 0;
-            gcost += (pf - klo + 15) / 16 + 1;
-        }
-        for (int64_t h = 0; h < KH; ++h)
-            for (int64_t t = 0; t < (n + 15) / 16; ++t) items[ni++] = (pf_item){(int32_t)c, (int32_t)h, (int32_t)t, gcost};
-    }
-    qsort(items, (size_t)ni, sizeof(pf_item), pf_item_cmp);
-    const pf_args args = {q, qs, cache, table, nbmax, q_start, pos0, kstart, window, out, KH, G, D, NB, BS, scale};
+    int64_t* grange = (int64_t*)malloc(sizeof(int64_t) * 3 * (size_t)nc);   /* gbase, glen, goff */
+    if (!items || !grange) { free(items); free(grange); status[0] = 7; return; }
+    pf_args args = {q, qs, cache, table, nbmax, q_start, pos0, kstart, window, out, KH, G, D, NB, BS, scale,
+                    NULL, NULL, grange, grange + nc, grange + 2 * nc};
+    for (int64_t c = 0; c < nc; ++c) pf_key_range(&args, c, &grange[c], &grange[nc + c]);
     const int64_t C = D / 16;
     int failed = 0;
-    const int nt = nthreads < ni ? nthreads : (int)ni;
-    #pragma omp parallel num_threads(nt)
-    {
-        pf_scratch sc;
-        void* mem = pf_scratch_alloc(&sc, G, D);
-        if (!mem) {
-            #pragma omp atomic write
-            failed = 1;
+    /* Chunks go in batches whose gathered keys (AMX path) fit gather_bytes (at least one chunk
+       a batch); without AMX there is nothing to gather: one batch. */
+    for (int64_t c0 = 0, c1; c0 < nc && !failed; c0 = c1) {
+        size_t bytes = 0;
+        for (c1 = c0; c1 < nc; ++c1) {
+            const size_t b = (size_t)(2 * KH * grange[nc + c1] * D) * 2;
+            if (amx && c1 > c0 && bytes + b > (size_t)gather_bytes) break;
+            grange[2 * nc + c1] = (int64_t)(bytes / 4);   /* element offset in each buffer */
+            bytes += b;
         }
+        uint16_t* gbuf = NULL;
+        if (amx) {
+            if (pf_gather_size < bytes) {
+                free(pf_gather_buf);
+                pf_gather_buf = (uint16_t*)aligned_alloc(64, (bytes + 63) / 64 * 64);
+                pf_gather_size = pf_gather_buf ? bytes : 0;
+            }
+            if (!(gbuf = pf_gather_buf)) { failed = 1; break; }
+            args.kg = gbuf;
+            args.vtg = gbuf + bytes / 4;
+        }
+        ni = 0;
+        for (int64_t c = c0; c < c1; ++c) {
+            const int64_t n = q_start[c + 1] - q_start[c];
+            int64_t gcost = 0;
+            for (int64_t t = 0; t < (n + 15) / 16; ++t) {
+                const int64_t pf = pos0[c] + 16 * t;
+                const int64_t klo = window > 0 ? (pf - window + 1 > 0 ? pf - window + 1 : 0) : 0;
+                gcost += (pf - klo + 15) / 16 + 1;
+            }
+            for (int64_t h = 0; h < KH; ++h)
+                for (int64_t t = 0; t < (n + 15) / 16; ++t) items[ni++] = (pf_item){(int32_t)c, (int32_t)h, (int32_t)t, gcost};
+        }
+        if (ni == 0) continue;
+        qsort(items, (size_t)ni, sizeof(pf_item), pf_item_cmp);
+        const int64_t ng = amx ? (c1 - c0) * KH : 0;
+        const int nt = nthreads < ni ? nthreads : (int)ni;
+        #pragma omp parallel num_threads(nt)
+        {
+            pf_scratch sc;
+            void* mem = pf_scratch_alloc(&sc, G, D);
+            if (!mem) {
+                #pragma omp atomic write
+                failed = 1;
+            }
 #ifdef PF_AMX
-        if (amx) pf_amx_config();
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < ng; ++i) {   /* (implicit barrier: all gathered before any item) */
+                const int64_t c = c0 + i / KH, h = i % KH, len = grange[nc + c];
+                pf_gather(&args, c, h, (uint16_t*)args.kg + grange[2 * nc + c] + h * len * D,
+                          (uint16_t*)args.vtg + grange[2 * nc + c] + h * len * D, grange[c], len);
+            }
+            if (amx) pf_amx_config();
 #endif
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < ni; ++i) {
-            if (!mem) continue;
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < ni; ++i) {
+                if (!mem) continue;
 #ifdef PF_AMX
-            if (amx) { pf_item_amx(&args, items[i], &sc); continue; }
+                if (amx) { pf_item_amx(&args, items[i], &sc); continue; }
 #endif
 #define ITEM(cc) CAT(pf_item_, SFX)(&args, items[i], &sc, cc)
-            /* head_dim 16, 32, 64, 128 as constants; others at run time. */
-            switch (C) {
-                case 1: ITEM(1); break;
-                case 2: ITEM(2); break;
-                case 4: ITEM(4); break;
-                case 8: ITEM(8); break;
-                default: ITEM(C); break;
-            }
+                /* head_dim 16, 32, 64, 128 as constants; others at run time. */
+                switch (C) {
+                    case 1: ITEM(1); break;
+                    case 2: ITEM(2); break;
+                    case 4: ITEM(4); break;
+                    case 8: ITEM(8); break;
+                    default: ITEM(C); break;
+                }
 #undef ITEM
-        }
+            }
 #ifdef PF_AMX
-        if (amx) _tile_release();
+            if (amx) _tile_release();
 #endif
+        }
     }
+    free(grange);
     free(items);
     if (failed) status[0] = 7;
 }
@@ -661,7 +734,7 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {f"kv_paged_prefill_attention_{sfx}": [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _i64,
                                                         _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,
-                                                        ctypes.c_int, _p]
+                                                        _i64, ctypes.c_int, _p]
                for sfx in DTYPE_SUFFIX.values()}
 _LIB = NativeLibrary("kv_prefill_attention", PRELUDE + _transpose_source() + _HELPERS + _AMX + instantiate(_KERNEL),
                      _SIGNATURES)
@@ -669,6 +742,9 @@ _LIB = NativeLibrary("kv_prefill_attention", PRELUDE + _transpose_source() + _HE
 #: bfloat16 with head_dim a multiple of 32 on AMX tiles when this CPU and process have them
 #: (False: the AVX-512 path, e.g. to compare the two).
 USE_AMX = True
+#: AMX path: most bytes of keys gathered (K rows and V^T, per chunk and KV head) at once; a call
+#: whose chunks need more takes them in batches (a chunk alone may exceed it).
+GATHER_BYTES = 64 << 20
 
 
 def amx_available() -> bool:
@@ -776,7 +852,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torc
     kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], q_start.data_ptr(),
            pos0.data_ptr(), kstart.data_ptr(), C, int(window), out.data_ptr(), T, KH, H // KH, D, NB, BS,
            float(scale), int(q.dtype == torch.bfloat16 and D % 32 == 0 and USE_AMX and amx_available()),
-           torch.get_num_threads(), ctypes.addressof(status))
+           int(GATHER_BYTES), torch.get_num_threads(), ctypes.addressof(status))
     if status[0]:
         code = int(status[0])
         raise ValueError(f"native prefill attention: {_ERROR_ARG.get(code, 'arguments')}: "

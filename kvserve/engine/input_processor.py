@@ -80,13 +80,12 @@ def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, voc
                 raise ValueError(f"{name} must be token ids in [0, {vocab_size}); got {bad[:5]}.")
     if params.n > max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({max_num_seqs}), got {params.n}.")
+    if prompt_len >= max_model_len:  # the prompt itself is too long, whatever max_tokens says
+        raise ValueError(
+            f"prompt has {prompt_len} tokens, which leaves no room to generate within "
+            f"max_model_len {max_model_len}.")
     if params.max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-        if max_tokens < 1:
-            raise ValueError(
-                f"prompt has {prompt_len} tokens, which leaves no room to generate within "
-                f"max_model_len {max_model_len}.")
-        return max_tokens
+        return max_model_len - prompt_len
     if prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "

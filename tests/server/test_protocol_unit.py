@@ -76,6 +76,21 @@ def test_engine_messages_map_to_fields():
     assert param_from_message("something odd happened") is None
 
 
+def test_a_prompt_longer_than_the_context_is_charged_to_the_prompt():
+    """Whatever max_tokens says, a prompt of >= max_model_len tokens is the prompt's fault
+    (the server used to name max_tokens); a prompt that fits with a too-large max_tokens is
+    still max_tokens' fault."""
+    from kvserve.engine.input_processor import validate_request
+
+    with pytest.raises(ValueError) as ei:
+        validate_request(list(range(40)), SamplingParams(max_tokens=5), vocab_size=100, max_model_len=32, max_num_seqs=4)
+    e = api_error_from_value_error(ei.value, {"prompt": "messages"})
+    assert (e.param, e.code) == ("messages", "context_length_exceeded"), (e.param, str(ei.value))
+    with pytest.raises(ValueError) as ei:
+        validate_request(list(range(20)), SamplingParams(max_tokens=20), vocab_size=100, max_model_len=32, max_num_seqs=4)
+    assert api_error_from_value_error(ei.value).param == "max_tokens"
+
+
 def test_error_body_shape():
     body = APIError("bad", 400, param="n", code="invalid_value").body()
     assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n",

@@ -128,7 +128,8 @@ def param_from_message(message: str, rename: Optional[Dict[str, str]] = None) ->
 
     Those messages start with the field name (``"max_tokens must be ..."``, ``"prompt (9
     tokens) + max_tokens (30) = 39 > max_model_len (32)"``); a context-length error is charged
-    to ``max_tokens`` when the message names it.
+    to ``max_tokens`` when the prompt fits and the sum does not, to the prompt when the prompt
+    alone leaves no room (``"prompt has 40 tokens, which leaves no room ..."``).
     """
     rename = rename or {}
     if "max_model_len" in message and "max_tokens" in message:

@@ -458,38 +458,51 @@ class BlockSpaceManager:
         """Distinct CPU blocks held by the group's swapped sequences."""
         return self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.SWAPPED))
 
-    def _move(self, tables, src_pool: BlockPool, dst_pool: BlockPool) -> Dict[int, int]:
-        mapping: Dict[int, PhysicalBlock] = {}
+    def _move(self, tables, src_pool: BlockPool, dst_pool: BlockPool,
+              moved: Optional[Dict[int, int]]) -> Dict[int, int]:
+        # ``moved``: this step's source -> destination numbers so far (updated here). The
+        # executor's maps are keyed by source block, so a block shared with a group already
+        # moved this step (prefix cache) reuses its destination: a second copy's map entry
+        # would overwrite the first, leaving that group's destination never written.
+        moved = {} if moved is None else moved
+        mapping: Dict[int, int] = {}
         for seq, table in tables:
             new_table: BlockTable = []
             for b in table:
                 if b is None:
                     new_table.append(None)
                     continue
-                if b.block_number in mapping:
-                    nb = mapping[b.block_number]
-                    dst_pool.incr_ref(nb)
-                else:
+                n = moved.get(b.block_number)
+                if n is None:
                     nb = dst_pool.allocate()
-                    mapping[b.block_number] = nb
+                    moved[b.block_number] = nb.block_number
+                else:
+                    nb = dst_pool.blocks[n]
+                    assert nb.ref_count > 0, f"destination {nb!r} freed within the step"
+                    dst_pool.incr_ref(nb)
+                mapping[b.block_number] = nb.block_number
                 src_pool.free(b)
                 new_table.append(nb)
             self.block_tables[seq.seq_id] = new_table
             self._ids.pop(seq.seq_id, None)
-        return {src: dst.block_number for src, dst in mapping.items()}
+        return mapping
 
-    def swap_out(self, seq_group: SequenceGroup) -> Dict[int, int]:
+    def swap_out(self, seq_group: SequenceGroup,
+                 moved: Optional[Dict[int, int]] = None) -> Dict[int, int]:
         """Move the group's running sequences' blocks to CPU. Shared blocks move once and
-        stay shared. Returns GPU block -> CPU block. Raises NoFreeBlocksError when
-        ``can_swap_out`` was False."""
+        stay shared -- also with other groups when ``moved`` is the step's swap-out map so
+        far (it is updated). Returns the group's GPU block -> CPU block. Raises
+        NoFreeBlocksError when ``can_swap_out`` was False."""
         tables = self._group_tables(seq_group, SequenceStatus.RUNNING)
-        return self._move(tables, self.gpu, self.cpu)
+        return self._move(tables, self.gpu, self.cpu, moved)
 
-    def swap_in(self, seq_group: SequenceGroup) -> Dict[int, int]:
-        """Move the group's swapped sequences' blocks back to the device. Returns CPU block ->
-        GPU block. Raises NoFreeBlocksError when ``can_swap_in`` was not OK."""
+    def swap_in(self, seq_group: SequenceGroup,
+                moved: Optional[Dict[int, int]] = None) -> Dict[int, int]:
+        """Move the group's swapped sequences' blocks back to the device (``moved``: the
+        step's swap-in map so far, as for ``swap_out``). Returns the group's CPU block -> GPU
+        block. Raises NoFreeBlocksError when ``can_swap_in`` was not OK."""
         tables = self._group_tables(seq_group, SequenceStatus.SWAPPED)
-        return self._move(tables, self.cpu, self.gpu)
+        return self._move(tables, self.cpu, self.gpu, moved)
 
     # ================================================================== release
     def free(self, seq: Sequence) -> None:

@@ -577,8 +577,7 @@ class Scheduler:
             st.preempted.append(g)
             self.num_recompute_preemptions += 1
         else:
-            mapping = self.block_manager.swap_out(g)
-            st.blocks_to_swap_out.update(mapping)
+            self.block_manager.swap_out(g, st.blocks_to_swap_out)
             for seq in live:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(g)
@@ -791,7 +790,7 @@ class Scheduler:
                                                         num_new_seqs=g.get_max_num_running_seqs()):
                 break
             ranked.popleft()
-            out.blocks_to_swap_in.update(bm.swap_in(g))
+            bm.swap_in(g, out.blocks_to_swap_in)
             for s in live:
                 s.status = SequenceStatus.RUNNING
             ssg = ScheduledSequenceGroup(g, chunk)

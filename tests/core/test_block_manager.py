@@ -150,6 +150,32 @@ def test_swap_out_in_keeps_sharing():
     bm.check_invariants()
 
 
+def test_swaps_of_one_step_move_a_block_shared_across_groups_once():
+    # Two groups sharing a prefix-cache block, swapped out (then in) in one step: the step's
+    # map is keyed by source block, so the shared block must move to one destination.
+    bm = bm_(G=8, C=8, enable_caching=True)
+    p = prompt_of(5, 10)
+    a, b = make_group("a", p), make_group("b", p)
+    admit(bm, a)
+    run_prefill(bm, a)
+    admit(bm, b)            # hits a's 2 cached full blocks
+    run_prefill(bm, b)
+    sa, sb = a.get_seqs()[0], b.get_seqs()[0]
+    out = {}
+    ga, gb = bm.swap_out(a, out), bm.swap_out(b, out)
+    assert out == {**ga, **gb} and len(out) == 4 and len(set(out.values())) == 4
+    assert bm.get_block_table(sa)[:2] == bm.get_block_table(sb)[:2]   # one CPU copy, shared
+    assert bm.get_num_free_cpu_blocks() == 4
+    sa.status = sb.status = SequenceStatus.SWAPPED
+    back = {}
+    bm.swap_in(a, back)
+    bm.swap_in(b, back)
+    assert sorted(back) == sorted(out.values()) and len(set(back.values())) == 4
+    assert bm.get_block_table(sa)[:2] == bm.get_block_table(sb)[:2]
+    assert bm.get_num_free_cpu_blocks() == 8 and bm.get_num_free_gpu_blocks() == 4
+    bm.check_invariants()
+
+
 def test_swap_in_never_when_it_cannot_grow():
     bm = bm_(G=4, C=8)
     g = make_group("a", prompt_of(1, 16))

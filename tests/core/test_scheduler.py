@@ -135,6 +135,28 @@ def test_default_mode_swaps_multi_seq_groups_and_falls_back_without_cpu():
         sched.block_manager.check_invariants()
 
 
+def test_swap_out_of_two_groups_sharing_a_cached_block_in_one_step():
+    # Stateful-test find. Decoding R (n=2) needs 2 new blocks: it swaps out S, which shares
+    # R's prefix-cached first block, then itself, in the same step. Each group used to get its
+    # own CPU copy of the shared block, but the step's GPU->CPU map keeps one per GPU block:
+    # S's copy was never written and S read garbage after swap-in (KVCacheCorruption).
+    p = prompt_of(7, 16)
+    tokens = {}
+    for G in (6, 64):   # under pressure, and the no-pressure answer
+        cc, sc = configs(BS=4, G=G, C=6, S=4, T=16, L=32, PC=True, PM="swap")
+        h = Harness(cc, sc)
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        h.add("Q", prompt_of(1, 1), greedy)
+        h.add("R", p, SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=2, ignore_eos=True))
+        h.add("S", p[:5], greedy)
+        h.run()
+        h.assert_idle()
+        tokens[G] = {rid: h.tokens(rid) for rid in "QRS"}
+        if G == 6:
+            assert any(out.preempted == 2 and out.blocks_to_swap_out for out in h.history)
+    assert tokens[6] == tokens[64]
+
+
 @pytest.mark.parametrize("CP", [False, True])
 def test_priority_preemption_both_paths(CP):
     cc, sc = configs(G=10, C=0, S=4, T=64, CP=CP, policy="priority", PM="recompute")

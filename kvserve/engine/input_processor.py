@@ -57,7 +57,7 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
 
 
 def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, vocab_size: Optional[int],
-                     max_model_len: int, max_num_seqs: int) -> int:
+                     max_model_len: int, max_num_seqs: int, max_num_batched_tokens: Optional[int] = None) -> int:
     """Checks one request against the model and engine limits; returns effective max_tokens.
 
     ``max_tokens=None`` resolves to ``max_model_len - prompt_len`` (generation runs to the end
@@ -65,8 +65,9 @@ def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, voc
 
     Raises:
         ValueError: naming the field and the limit: token ids outside ``[0, vocab_size)``,
-            ``n > max_num_seqs``, prompt + max_tokens > max_model_len, logit_bias / stop ids
-            outside the vocabulary.
+            ``n > max_num_seqs`` or ``n > max_num_batched_tokens`` (its n sequences decode a
+            token each per step: a wider group would never fit a step and hang),
+            prompt + max_tokens > max_model_len, logit_bias / stop ids outside the vocabulary.
     """
     prompt_len = len(prompt_token_ids)
     if vocab_size is not None:
@@ -80,6 +81,8 @@ def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, voc
                 raise ValueError(f"{name} must be token ids in [0, {vocab_size}); got {bad[:5]}.")
     if params.n > max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({max_num_seqs}), got {params.n}.")
+    if max_num_batched_tokens is not None and params.n > max_num_batched_tokens:
+        raise ValueError(f"n must be <= max_num_batched_tokens ({max_num_batched_tokens}), got {params.n}.")
     if prompt_len >= max_model_len:  # the prompt itself is too long, whatever max_tokens says
         raise ValueError(
             f"prompt has {prompt_len} tokens, which leaves no room to generate within "

@@ -112,7 +112,8 @@ class LLMEngine:
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = validate_request(prompt_ids, params, vocab_size=self.vocab_size,
                                       max_model_len=self.scheduler_config.max_model_len,
-                                      max_num_seqs=self.scheduler_config.max_num_seqs)
+                                      max_num_seqs=self.scheduler_config.max_num_seqs,
+                                      max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
         seq = Sequence(next_seq_id(), prompt_ids, self.cache_config.block_size,
                        eos_token_id=self.eos_token_id, prompt=text)
         group = SequenceGroup(request_id, [seq], params,

@@ -48,6 +48,25 @@ def test_n_above_max_num_seqs_rejected():
         validate_request([1], SamplingParams(n=5), vocab_size=None, max_model_len=32, max_num_seqs=4)
 
 
+def test_group_wider_than_the_step_token_budget_is_rejected_not_hung():
+    """Adversarial find: n=3 with max_num_batched_tokens=2 prefilled, then its 3 sequences
+    (one decode token each per step) never fitted a step again: the engine spun forever.
+    Such a request is now refused at add time, naming n and the budget."""
+    from tests.core.simutil import Harness, configs, prompt_of
+
+    with pytest.raises(ValueError, match=r"n must be <= max_num_batched_tokens \(2\)"):
+        validate_request([1, 2, 3], SamplingParams(n=3), vocab_size=None, max_model_len=32, max_num_seqs=4,
+                         max_num_batched_tokens=2)
+    cc, sc = configs(BS=4, G=16, S=4, T=2, L=64, CP=True)
+    h = Harness(cc, sc)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        h.add("wide", prompt_of(0, 3), SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1))
+    h.add("fits", prompt_of(1, 3), SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))
+    h.run(max_steps=200)
+    h.assert_idle()
+    assert [len(t) for t in h.tokens("fits")] == [4, 4]
+
+
 def test_configs_name_the_field():
     with pytest.raises(ValueError, match="block_size"):
         CacheConfig(block_size=0)

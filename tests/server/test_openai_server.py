@@ -180,6 +180,9 @@ def test_chat_errors(server):
                                                           top_logprobs=2)), 400, "top_logprobs")
     assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
                                                           max_completion_tokens=0)), 400, "max_completion_tokens")
+    # too large for the context: charged to the field the request used (not the engine's name)
+    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
+                                                          max_completion_tokens=10 ** 9)), 400, "max_completion_tokens")
     assert_error(h.post("/v1/chat/completions", json=dict(body, model="gpt-4", messages=[])), 404, "model")
     still_serving(server)
 

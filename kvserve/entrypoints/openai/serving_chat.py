@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.make_sampling_params(sampling_kwargs(req, max_tokens, logprobs), rename)
         conv = render_messages(req.messages)
         ids = chat_template_ids(self.tokenizer, conv, req.add_generation_prompt is not False)
-        sub = self.prepare_prompt(ids, params, param="messages")
+        sub = self.prepare_prompt(ids, params, rename)
         reservation = self.check_capacity(1)
         rec = self.new_record("chatcmpl", params.n, [sub])
         if self.request_logger.log_prompts:

@@ -445,15 +445,20 @@ class OpenAIServing:
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
 
-    def prepare_prompt(self, prompt, params: SamplingParams, param: str = "prompt") -> SubRequest:
+    def prepare_prompt(self, prompt, params: SamplingParams,
+                       rename: Optional[Dict[str, str]] = None) -> SubRequest:
         """Tokenize (text) or check (ids) one prompt and hold it to every limit: 0 tokens,
-        vocabulary, prompt + max_tokens vs max_model_len, n, prompt_limit and KV-pool size."""
-        rename = {"prompt": param}
+        vocabulary, prompt + max_tokens vs max_model_len, n, prompt_limit and KV-pool size.
+        ``rename`` maps engine field names to the request's (chat: ``prompt`` -> ``messages``,
+        ``max_tokens`` -> ``max_completion_tokens``) for the 400's ``param``."""
+        rename = rename or {}
+        param = rename.get("prompt", "prompt")
         try:
             text, ids = tokenize_prompt(prompt, self.tokenizer)
             validate_request(ids, params, vocab_size=self.engine.vocab_size,
                              max_model_len=self.engine.scheduler_config.max_model_len,
-                             max_num_seqs=self.engine.scheduler_config.max_num_seqs)
+                             max_num_seqs=self.engine.scheduler_config.max_num_seqs,
+                             max_num_batched_tokens=self.engine.scheduler_config.max_num_batched_tokens)
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
         reason = self.engine.check_admissible(len(ids))

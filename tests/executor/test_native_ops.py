@@ -51,6 +51,19 @@ def test_rmsnorm_module_uses_native_path_with_same_result(dtype, monkeypatch):
 
 
 @DTYPES
+def test_silu_and_mul_far_negative_gates(dtype):
+    """Adversarial find: below -88 the clamped exp stopped cancelling the gate, so silu(-3e38)
+    came out -1.8 instead of -0. Gates across the range (16 of them: the vector loop) against
+    torch; -inf gives NaN like torch."""
+    g = torch.tensor([-3e38, -1e30, -1e5, -100.0, -89.0, -88.5, -50.0, -5.0,
+                      0.0, 0.5, 5.0, 50.0, 88.5, 100.0, 1e30, float("-inf")])
+    gu = torch.cat([g, torch.full_like(g, 1.5)]).view(1, -1).to(dtype)
+    got, ref = ops.silu_and_mul(gu)[0].float(), (F.silu(gu[:, :16]) * gu[:, 16:])[0].float()
+    assert torch.isnan(got[-1]) and torch.isnan(ref[-1])
+    assert torch.allclose(got[:-1], ref[:-1], rtol=2 ** -7, atol=1e-30), (got, ref)
+
+
+@DTYPES
 @pytest.mark.parametrize("T,I", [(1, 1536), (64, 1536), (3, 40)])
 def test_silu_and_mul(T, I, dtype):
     torch.manual_seed(T + I)

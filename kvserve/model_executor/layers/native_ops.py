@@ -75,7 +75,12 @@ void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, in
         for (; i < I16; i += 16) {
             v16 gv = CAT(ld16_, SFX)(g + i);
             v16 e = exp16(vmin((v16){} - gv, (v16){} + 88.0f));
-            v16 s = CAT(round16_, SFX)(gv / (1.0f + e));
+            v16 s = gv / (1.0f + e);
+            /* below -88 the clamped exp no longer cancels gv (silu(-3e38) came out -1.8): there
+               silu is gv * e^gv, i.e. +-0 (NaN for -inf, as torch) */
+            const v16i far = gv < -88.0f;
+            s = (v16)(((v16i)s & ~far) | ((v16i)(gv * 0.0f) & far));
+            s = CAT(round16_, SFX)(s);
             CAT(st16_, SFX)(o + i, s * CAT(ld16_, SFX)(u + i));
         }
         for (; i < I; ++i) {

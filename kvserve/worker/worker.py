@@ -8,7 +8,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
 from kvserve.worker.cpu_malloc import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner
@@ -172,9 +173,6 @@ class Worker:
         Raises:
             RuntimeError: ``init_cache`` was not called.
         """
-        from kvserve.sampling_params import SamplingParams
-        from kvserve.sequence import SequenceData, SequenceGroupMetadata
-
         if self.cache_engine is None or self.runner is None:
             raise RuntimeError("Worker.init_cache() must be called before warm_up()")
         if self.device == "cpu" and self.dtype == torch.float32:

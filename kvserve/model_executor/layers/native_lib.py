@@ -2,7 +2,7 @@
 
 Each ``NativeLibrary`` is one C source (``PRELUDE`` + its kernels), compiled on first use with
 the system C compiler (``cc -O3 -march=native -fopenmp``) into
-``<cache root>/native/<hash of source, compiler and CPU flags>/`` (built in a temporary folder
+``<cache root>/native/<hash of name, source, compiler and CPU flags>/`` (built in a temporary folder
 and renamed into place, so concurrent processes never load a half-written library). ctypes
 releases the GIL during a call. If there is no compiler, the build fails, or
 ``KVSERVE_NATIVE=0`` is set, ``load()`` returns ``None`` and callers use their torch path.
@@ -161,7 +161,8 @@ class NativeLibrary:
 
     def _build(self, out_dir: Path) -> Path:
         cc = os.environ.get("CC", "cc")
-        key = hashlib.sha256((self.source + cc + _cpu_key()).encode()).hexdigest()[:16]
+        # the name too: two libraries of one source must not share (and fight over) a folder
+        key = hashlib.sha256((self.name + self.source + cc + _cpu_key()).encode()).hexdigest()[:16]
         final = out_dir / key
         lib = final / f"{self.name}.so"
         if lib.is_file():

@@ -43,6 +43,21 @@ K_TILE = 32
 #: at 128, 0.87x at 256 and 0.74x at 2,048.
 MAX_ROWS = 64
 
+#: C for the AMX kernels (``amx_gemm`` and ``native_prefill_attention``; include it inside an
+#: ``__AMX_TILE__`` guard): ``config_tiles()`` loads palette 1 with all eight tiles 16 rows x 64
+#: bytes, the only shape they use.
+TILE_CONFIG_SOURCE = r"""
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
+
+static void config_tiles(void) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+"""
+
 _SOURCE = PRELUDE + r"""
 #include <immintrin.h>
 #include <omp.h>
@@ -51,8 +66,6 @@ _SOURCE = PRELUDE + r"""
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
 
 /* 0 when this process may use the AMX tiles (asked once; harmless to repeat). */
 int amx_init(void) {
@@ -70,14 +83,7 @@ int amx_init(void) {
 #define PF_DIST 8192
 #define PREFETCH_AHEAD(p) do { const char* q_ = (const char*)(p) + PF_DIST; \
     for (int i_ = 0; i_ < 2048; i_ += 64) _mm_prefetch(q_ + i_, _MM_HINT_T0); } while (0)
-
-static void config_tiles(void) {
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
+""" + TILE_CONFIG_SOURCE + r"""
 
 /* One group's 32 (ncols valid) output columns for `rows` (<= 32) rows of acc, bias added. */
 static inline void store_rows(const float* acc, int64_t rows, const uint16_t* bias, uint16_t* y,

@@ -298,23 +298,15 @@ static int pf_check(const int64_t* q_start, const int64_t* pos0, const int64_t* 
 _AMX = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PF_AMX 1
-
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } pf_tilecfg;
+""" + amx_gemm.TILE_CONFIG_SOURCE + r"""
 
 /* Headroom of the lazy rescaling (natural-log units): probabilities up to e^8 ~ 3e3. */
 #define PF_LAZY 8.0f
 
-/* Every tile 16 rows x 64 bytes: 0, 1 S^T [16 keys][16 rows] f32 (keys 0-15, 16-31 of the
-   step); 2 K [16 keys][32 d] bf16, later V^T; 3 Q^T [16 d pairs][16 rows x 2] bf16; 4 P^T
-   [16 key pairs][16 rows x 2] bf16; 5 K (keys 16-31), later V^T [16 d][32 keys] bf16; 6, 7 O^T
-   [16 d][16 rows] f32. */
-static void pf_amx_config(void) {
-    pf_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
+/* Tiles (config_tiles: all 16 rows x 64 bytes): 0, 1 S^T [16 keys][16 rows] f32 (keys 0-15,
+   16-31 of the step); 2 K [16 keys][32 d] bf16, later V^T; 3 Q^T [16 d pairs][16 rows x 2]
+   bf16; 4 P^T [16 key pairs][16 rows x 2] bf16; 5 K (keys 16-31), later V^T [16 d][32 keys]
+   bf16; 6, 7 O^T [16 d][16 rows] f32. */
 
 /* Keys the 32-key steps of chunk c's tiles touch: [*base, *base + *len), len a multiple of 32
    (the tiles' steps start at pf - 16 - 32 * (nsteps32 - 1) and end at pf + 15). */
@@ -701,7 +693,7 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
                 pf_gather(&args, c, h, (uint16_t*)args.kg + grange[2 * nc + c] + h * len * D,
                           (uint16_t*)args.vtg + grange[2 * nc + c] + h * len * D, grange[c], len);
             }
-            if (amx) pf_amx_config();
+            if (amx) config_tiles();
 #endif
             #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < ni; ++i) {

@@ -8,6 +8,8 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Optional
 
+#: Step budget (tokens) of chunked prefill when none is given (vLLM V0's default).
+CHUNKED_PREFILL_TOKENS = 512
 #: Step budget (tokens) of the CPU default: chunked prefill (see ``EngineArgs.create_configs``).
 CPU_CHUNKED_PREFILL_TOKENS = 2048
 
@@ -159,7 +161,8 @@ class SchedulerConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 512 if self.chunked_prefill_enabled else max(self.max_model_len, 512)
+            self.max_num_batched_tokens = (CHUNKED_PREFILL_TOKENS if self.chunked_prefill_enabled
+                                           else max(self.max_model_len, 512))
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
         _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)

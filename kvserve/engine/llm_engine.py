@@ -110,10 +110,7 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
-        max_tokens = validate_request(prompt_ids, params, vocab_size=self.vocab_size,
-                                      max_model_len=self.scheduler_config.max_model_len,
-                                      max_num_seqs=self.scheduler_config.max_num_seqs,
-                                      max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
+        max_tokens = self.validate(prompt_ids, params)
         seq = Sequence(next_seq_id(), prompt_ids, self.cache_config.block_size,
                        eos_token_id=self.eos_token_id, prompt=text)
         group = SequenceGroup(request_id, [seq], params,
@@ -249,6 +246,13 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block nothing references. Returns False if blocks are in use."""
         return self.scheduler.reset_prefix_cache()
+
+    def validate(self, prompt_ids: List[int], params: SamplingParams) -> int:
+        """``validate_request`` against this engine's vocabulary and limits; returns the
+        effective max_tokens. Raises ValueError naming the field and the limit."""
+        sc = self.scheduler_config
+        return validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
+                                max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
 
     def check_admissible(self, prompt_len: int) -> Optional[str]:
         """Why a prompt of ``prompt_len`` tokens can never be scheduled (exceeds

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from kvserve.benchmarks import workload as wl
 from kvserve.benchmarks.stats import summarize
-from kvserve.config import EngineArgs, SchedulerConfig
+from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from
 from kvserve.sampling_params import SamplingParams
@@ -39,9 +39,9 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
     if args.enable_chunked_prefill is None:  # the simulated device is not this machine's
         args.enable_chunked_prefill = False
     if args.enable_chunked_prefill and args.max_num_batched_tokens is None:
-        # nor is its budget: SchedulerConfig's default (512), not the CPU engine's 2,048 -- else
-        # the same simulation would give other results on a CPU host than on a CUDA host
-        args.max_num_batched_tokens = SchedulerConfig(chunked_prefill_enabled=True).max_num_batched_tokens
+        # nor is its budget: the V0 default, not the CPU engine's 2,048 -- else the same
+        # simulation would give other results on a CPU host than on a CUDA host
+        args.max_num_batched_tokens = CHUNKED_PREFILL_TOKENS
     model_config, cache_config, scheduler_config = args.create_configs(args.max_model_len or 8192)
     clock = VirtualClock()
     executor = SimulatedExecutor(VOCAB, cost_model, cache_config=cache_config, check_kv=False, strict=False,

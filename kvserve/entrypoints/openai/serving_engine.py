@@ -5,7 +5,7 @@ disconnect handling, token decoding for logprobs, and the per-request log line.
 Admission order for a generation request (every check before anything is queued):
 auth (api_server) -> body size (413) -> JSON / types (400) -> model name (404) -> sampling
 fields (400, ``SamplingParams``) -> tokenization and per-prompt limits (400:
-``validate_request``, ``engine.check_admissible``) -> draining / ``max_waiting`` (503).
+``engine.validate``, ``engine.check_admissible``) -> draining / ``max_waiting`` (503).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.engine.input_processor import tokenize_prompt, validate_request
+from kvserve.engine.input_processor import tokenize_prompt
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -455,10 +455,7 @@ class OpenAIServing:
         param = rename.get("prompt", "prompt")
         try:
             text, ids = tokenize_prompt(prompt, self.tokenizer)
-            validate_request(ids, params, vocab_size=self.engine.vocab_size,
-                             max_model_len=self.engine.scheduler_config.max_model_len,
-                             max_num_seqs=self.engine.scheduler_config.max_num_seqs,
-                             max_num_batched_tokens=self.engine.scheduler_config.max_num_batched_tokens)
+            self.engine.validate(ids, params)
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
         reason = self.engine.check_admissible(len(ids))

@@ -45,6 +45,7 @@ class RequestOutput:
     length and the limit). A request that outgrew the KV cache while generating (its next
     token could not fit even with every other request preempted) is ``"finished"`` with
     ``finish_reason="length"``, its tokens kept, and ``error`` says why it stopped.
+    ``num_cached_tokens``: prompt tokens found in the prefix cache when it was first scheduled.
     """
 
     request_id: str

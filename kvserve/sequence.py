@@ -253,6 +253,8 @@ class SequenceGroup:
         self.generator = None
         # Set when the scheduler ignores the group: a message naming the length and the limit.
         self.ignored_reason: Optional[str] = None
+        # Prompt tokens found in the prefix cache at the first admission (None before it).
+        self.num_cached_tokens: Optional[int] = None
         # True once the initial single sequence has been forked into ``n`` samples.
         self.forked = sampling_params.n == 1
 

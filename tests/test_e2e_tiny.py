@@ -144,6 +144,16 @@ def test_warm_up_step_runs_a_real_prefill_and_leaves_no_trace(tiny_llama_dir, pr
         assert LLM(model=str(tiny_llama_dir), **ENGINE).llm_engine.executor.warm_up() == 0.0
 
 
+def test_outputs_report_prefix_cache_hits(tiny_llama_dir, prompts):
+    """Adversarial find: ``RequestOutput.num_cached_tokens`` stayed 0 while hits were counted."""
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    p = prompts[2]  # 33 tokens: 8 full blocks
+    first = llm.generate({"prompt_token_ids": p}, greedy(max_tokens=2), use_tqdm=False)[0]
+    again = llm.generate({"prompt_token_ids": p}, greedy(max_tokens=2), use_tqdm=False)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute", None])
 def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts, references, mode):
     """n=3 greedy samples fork one prefill; every sample equals the reference, also when the

@@ -302,6 +302,8 @@ class BlockSpaceManager:
         if self.enable_caching:
             self.prefix_cache_queries += length
             self.prefix_cache_hits += plan.num_cached_tokens
+        if seq_group.num_cached_tokens is None:
+            seq_group.num_cached_tokens = plan.num_cached_tokens
         return copies
 
     # ================================================================== decode growth

@@ -225,7 +225,7 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=completions,
                              finished=finished, metrics=group.metrics,
-                             error=group.ignored_reason)
+                             error=group.ignored_reason, num_cached_tokens=group.num_cached_tokens or 0)
 
     def _finish_request(self, group: SequenceGroup) -> RequestOutput:
         """Final output of a request; forgets it (every per-request map is emptied here)."""

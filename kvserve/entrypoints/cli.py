@@ -64,8 +64,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     n_tokens = 0
     for label, out in zip(labels, outs):
         print(f"\n>>> {label}")
-        if out.error:
-            print(f"[rejected] {out.error}")
+        if out.error:  # rejected, or cut short (the output below says which)
+            print(f"[{out.outcome}] {out.error}")
         for c in out.outputs:
             n_tokens += len(c.token_ids)
             prefix = f"[{c.index}] " if len(out.outputs) > 1 else ""

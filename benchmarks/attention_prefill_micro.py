@@ -13,6 +13,7 @@ keys``, i.e. ``~4 * sum(n_i^2) / 2 * D * H`` from position 0).
     python benchmarks/attention_prefill_micro.py                     # float32 and bfloat16
     python benchmarks/attention_prefill_micro.py --dtype bfloat16 --context 256 --json-out a.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,9 @@ def setup(lens, ctx: int, H: int, KH: int, D: int, BS: int, dtype, seed: int = 0
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
     qkv = torch.randn(T, (H + 2 * KH) * D, generator=g).to(dtype)
-    q = qkv[:, :H * D].view(T, H, D)
-    k = qkv[:, H * D:(H + KH) * D].view(T, KH, D)
-    v = qkv[:, (H + KH) * D:].view(T, KH, D)
+    q = qkv[:, : H * D].view(T, H, D)
+    k = qkv[:, H * D : (H + KH) * D].view(T, KH, D)
+    v = qkv[:, (H + KH) * D :].view(T, KH, D)
     nblk = [(ctx + n - 1) // BS + 1 for n in lens]
     NB = sum(nblk) + 1
     perm = torch.randperm(NB, generator=g)
@@ -55,11 +56,11 @@ def setup(lens, ctx: int, H: int, KH: int, D: int, BS: int, dtype, seed: int = 0
     table = torch.zeros(len(lens), max(nblk), dtype=torch.int64)
     used, start, chunks = 0, 0, []
     for c, (n, nb) in enumerate(zip(lens, nblk)):
-        table[c, :nb] = perm[used:used + nb]
+        table[c, :nb] = perm[used : used + nb]
         pos = torch.arange(ctx, ctx + n)
         slots = table[c, pos // BS] * BS + pos % BS
-        cache[0].view(KH, -1, D)[:, slots] = k[start:start + n].transpose(0, 1)
-        cache[1].view(KH, -1, D)[:, slots] = v[start:start + n].transpose(0, 1)
+        cache[0].view(KH, -1, D)[:, slots] = k[start : start + n].transpose(0, 1)
+        cache[1].view(KH, -1, D)[:, slots] = v[start : start + n].transpose(0, 1)
         kp = torch.arange(ctx + n)
         mask = (kp[None, :] <= pos[:, None]) if ctx else None
         chunks.append((start, start + n, table[c, :nb], mask))
@@ -83,8 +84,14 @@ def torch_path(q, k, v, cache, chunks, scale, out):
             L = mask.shape[1]
             gi = (torch.arange(2 * KH)[:, None] * cache.shape[2] + tbl[None, :]).reshape(-1)
             gk = cache.view(-1, BS * D).index_select(0, gi).view(2, KH, -1, D)
-            o = F.scaled_dot_product_attention(qs, gk[0, :, :L].unsqueeze(0), gk[1, :, :L].unsqueeze(0),
-                                               attn_mask=mask, scale=scale, enable_gqa=G > 1)
+            o = F.scaled_dot_product_attention(
+                qs,
+                gk[0, :, :L].unsqueeze(0),
+                gk[1, :, :L].unsqueeze(0),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=G > 1,
+            )
         out[a:b] = o[0].transpose(0, 1)
 
 
@@ -101,7 +108,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="calls per pass")
     ap.add_argument("--reps", type=int, default=3, help="alternating passes")
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
-    ap.add_argument("--no-amx", action="store_true", help="bfloat16 on the kernel's AVX-512 path, not AMX tiles")
+    ap.add_argument(
+        "--no-amx", action="store_true", help="bfloat16 on the kernel's AVX-512 path, not AMX tiles"
+    )
     ap.add_argument("--json-out", help="write the table as JSON here")
     args = ap.parse_args()
     if args.threads:
@@ -111,14 +120,18 @@ def main() -> None:
         sys.exit(f"native prefill attention unavailable: {npa.failure_reason()}")
     H, KH, D, BS = args.heads, args.kv_heads, args.head_dim, args.block_size
     lens = chunk_lengths(args.chunks, args.tokens, 0)
-    scale = D ** -0.5
+    scale = D**-0.5
     keys = sum(args.context + i + 1 for n in lens for i in range(n))  # attended keys, all rows
     flops = 4 * D * H * keys * args.layers
     results = []
-    print(f"chunks {lens}, context {args.context}, H {H}, KH {KH}, D {D}, BS {BS}, {args.layers} calls per pass, "
-          f"{torch.get_num_threads()} threads, bfloat16 on {'AMX' if npa.USE_AMX and npa.amx_available() else 'AVX-512'}")
-    print(f"{'dtype':>9} {'torch min/med ms':>17} {'GFLOP/s':>8} {'native min/med ms':>18} {'GFLOP/s':>8} "
-          f"{'speedup (median)':>17} {'max |diff|':>10}")
+    print(
+        f"chunks {lens}, context {args.context}, H {H}, KH {KH}, D {D}, BS {BS}, {args.layers} calls per pass, "
+        f"{torch.get_num_threads()} threads, bfloat16 on {'AMX' if npa.USE_AMX and npa.amx_available() else 'AVX-512'}"
+    )
+    print(
+        f"{'dtype':>9} {'torch min/med ms':>17} {'GFLOP/s':>8} {'native min/med ms':>18} {'GFLOP/s':>8} "
+        f"{'speedup (median)':>17} {'max |diff|':>10}"
+    )
     for name in args.dtype:
         dtype = getattr(torch, name)
         q, k, v, cache, meta, chunks = setup(lens, args.context, H, KH, D, BS, dtype)
@@ -138,19 +151,41 @@ def main() -> None:
                 for _ in range(args.layers):
                     npa.paged_prefill_attention(q, cache, *meta, scale, out=out_n)
                 tn.append(time.perf_counter() - t0)
-        row = dict(dtype=name, torch_min_ms=1e3 * min(tt), torch_med_ms=1e3 * statistics.median(tt),
-                   native_min_ms=1e3 * min(tn), native_med_ms=1e3 * statistics.median(tn),
-                   torch_gflops=flops / statistics.median(tt) / 1e9, native_gflops=flops / statistics.median(tn) / 1e9,
-                   speedup=statistics.median(tt) / statistics.median(tn), max_abs_diff=diff)
+        row = dict(
+            dtype=name,
+            torch_min_ms=1e3 * min(tt),
+            torch_med_ms=1e3 * statistics.median(tt),
+            native_min_ms=1e3 * min(tn),
+            native_med_ms=1e3 * statistics.median(tn),
+            torch_gflops=flops / statistics.median(tt) / 1e9,
+            native_gflops=flops / statistics.median(tn) / 1e9,
+            speedup=statistics.median(tt) / statistics.median(tn),
+            max_abs_diff=diff,
+        )
         results.append(row)
-        print(f"{name:>9} {row['torch_min_ms']:>8.1f}/{row['torch_med_ms']:<8.1f} {row['torch_gflops']:>8.1f} "
-              f"{row['native_min_ms']:>9.1f}/{row['native_med_ms']:<8.1f} {row['native_gflops']:>8.1f} "
-              f"{row['speedup']:>17.2f} {diff:>10.2e}")
+        print(
+            f"{name:>9} {row['torch_min_ms']:>8.1f}/{row['torch_med_ms']:<8.1f} {row['torch_gflops']:>8.1f} "
+            f"{row['native_min_ms']:>9.1f}/{row['native_med_ms']:<8.1f} {row['native_gflops']:>8.1f} "
+            f"{row['speedup']:>17.2f} {diff:>10.2e}"
+        )
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(chunks=lens, context=args.context, heads=H, kv_heads=KH, head_dim=D, block_size=BS,
-                           layers=args.layers, threads=torch.get_num_threads(),
-                           bf16_amx=bool(npa.USE_AMX and npa.amx_available()), results=results), f, indent=1)
+            json.dump(
+                dict(
+                    chunks=lens,
+                    context=args.context,
+                    heads=H,
+                    kv_heads=KH,
+                    head_dim=D,
+                    block_size=BS,
+                    layers=args.layers,
+                    threads=torch.get_num_threads(),
+                    bf16_amx=bool(npa.USE_AMX and npa.amx_available()),
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

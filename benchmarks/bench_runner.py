@@ -7,6 +7,7 @@ step time and tokens/s for both phases.
     python benchmarks/bench_runner.py                     # default model, 64 x 400, float32
     python benchmarks/bench_runner.py --profile prof.txt  # + torch.profiler table of 3 decode steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-seqs", type=int, default=64)
     ap.add_argument("--context", type=int, default=400)
-    ap.add_argument("--context-spread", type=int, default=0,
-                    help="prompt lengths uniform in context +- spread")
+    ap.add_argument(
+        "--context-spread", type=int, default=0, help="prompt lengths uniform in context +- spread"
+    )
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=16)
@@ -46,12 +48,16 @@ def main() -> None:
     if args.threads:
         os.environ["KVSERVE_NUM_THREADS"] = str(args.threads)  # else the worker calibrates
     t0 = time.perf_counter()
-    w = Worker(ModelConfig(model=args.model, dtype=args.dtype, device=args.device),
-               CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_gib, swap_space_gib=0.0))
+    w = Worker(
+        ModelConfig(model=args.model, dtype=args.dtype, device=args.device),
+        CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_gib, swap_space_gib=0.0),
+    )
     g, c = w.determine_num_blocks()
     w.init_cache(g, c)
-    print(f"load+init {time.perf_counter() - t0:.2f} s; {g} blocks of {args.block_size}; "
-          f"threads={torch.get_num_threads()}; device={w.device}; dtype={w.dtype}")
+    print(
+        f"load+init {time.perf_counter() - t0:.2f} s; {g} blocks of {args.block_size}; "
+        f"threads={torch.get_num_threads()}; device={w.device}; dtype={w.dtype}"
+    )
     sync = torch.cuda.synchronize if w.device == "cuda" else (lambda: None)
 
     rng = random.Random(0)
@@ -69,8 +75,14 @@ def main() -> None:
         need = data.get_num_computed_tokens() + chunk
         while len(table) * bs < need:
             table.append(free.pop())
-        return SequenceGroupMetadata(str(i), data.get_num_computed_tokens() < data.get_prompt_len(), {i: data},
-                                     params, {i: list(table)}, chunk)
+        return SequenceGroupMetadata(
+            str(i),
+            data.get_num_computed_tokens() < data.get_prompt_len(),
+            {i: data},
+            params,
+            {i: list(table)},
+            chunk,
+        )
 
     def run(mds):
         outs = w.execute_model(ExecuteModelRequest(mds))
@@ -95,7 +107,9 @@ def main() -> None:
     run(batch)
     sync()
     dt = time.perf_counter() - t0
-    print(f"prefill: {ntok} tokens in {dt:.2f} s (CPU time {time.process_time() - c0:.2f} s) = {ntok / dt:.0f} tokens/s")
+    print(
+        f"prefill: {ntok} tokens in {dt:.2f} s (CPU time {time.process_time() - c0:.2f} s) = {ntok / dt:.0f} tokens/s"
+    )
 
     def decode_step():
         run([md_for(*s, 1) for s in seqs])
@@ -113,8 +127,10 @@ def main() -> None:
     cpu.sort()
     med = times[len(times) // 2]
     ctx = sum(s[1].get_len() for s in seqs) / len(seqs)
-    print(f"decode: batch {len(seqs)}, mean context {ctx:.0f}: median step {med * 1e3:.1f} ms "
-          f"(min {times[0] * 1e3:.1f}; CPU time {cpu[len(cpu) // 2] * 1e3:.1f} ms) = {len(seqs) / med:.0f} tokens/s")
+    print(
+        f"decode: batch {len(seqs)}, mean context {ctx:.0f}: median step {med * 1e3:.1f} ms "
+        f"(min {times[0] * 1e3:.1f}; CPU time {cpu[len(cpu) // 2] * 1e3:.1f} ms) = {len(seqs) / med:.0f} tokens/s"
+    )
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
     if args.profile:

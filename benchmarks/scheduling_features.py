@@ -7,6 +7,7 @@
 Usage: python benchmarks/scheduling_features.py [--num-requests 32] [--json-out F]
 Both runs of a pair happen in the same process on the same model weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,6 @@ def bench_prefix_caching(num_requests: int, system_len: int, user_len: int, out_
     prompts = [system + corpus_ids(user_len, seed=100 + i) for i in range(num_requests)]
     params = [SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)] * num_requests
     rows = {}
-    outputs = {}
     for enabled in (False, True):
         llm = LLM(enable_prefix_caching=enabled, kv_cache_memory_gib=0.5)
         run(llm, prompts[:2], params[:2])  # warm-up (and, with caching, fills the shared prefix)
@@ -74,8 +74,11 @@ def bench_prefix_caching(num_requests: int, system_len: int, user_len: int, out_
         wall, ttft, _, n_out = run(llm, prompts, params)
         stats = llm.llm_engine.get_kv_cache_stats()
         rows["on" if enabled else "off"] = dict(
-            wall_s=wall, output_tok_s=n_out / wall, mean_ttft_s=statistics.mean(ttft),
-            hit_rate=stats.get("prefix_cache_hit_rate", 0.0))
+            wall_s=wall,
+            output_tok_s=n_out / wall,
+            mean_ttft_s=statistics.mean(ttft),
+            hit_rate=stats.get("prefix_cache_hit_rate", 0.0),
+        )
         del llm
     rows["throughput_ratio_on_off"] = rows["on"]["output_tok_s"] / rows["off"]["output_tok_s"]
     rows["ttft_ratio_off_on"] = rows["off"]["mean_ttft_s"] / rows["on"]["mean_ttft_s"]
@@ -89,13 +92,21 @@ def bench_chunked_prefill(num_requests: int, long_len: int, short_len: int, out_
     params = [SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)] * num_requests
     rows = {}
     for enabled in (False, True):
-        llm = LLM(enable_chunked_prefill=enabled, max_num_batched_tokens=budget if enabled else None,
-                  kv_cache_memory_gib=0.5)
+        llm = LLM(
+            enable_chunked_prefill=enabled,
+            max_num_batched_tokens=budget if enabled else None,
+            kv_cache_memory_gib=0.5,
+        )
         run(llm, prompts[:2], params[:2])
         wall, ttft, itl, n_out = run(llm, prompts, params)
         rows["on" if enabled else "off"] = dict(
-            wall_s=wall, output_tok_s=n_out / wall, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
-            itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99))
+            wall_s=wall,
+            output_tok_s=n_out / wall,
+            ttft_p50_s=pct(ttft, 50),
+            ttft_p99_s=pct(ttft, 99),
+            itl_p50_s=pct(itl, 50),
+            itl_p99_s=pct(itl, 99),
+        )
         del llm
     return rows
 
@@ -118,14 +129,20 @@ def main():
     for k in ("off", "on"):
         r = pc[k]
         print(f"{k:6}{r['output_tok_s']:12.1f}{r['mean_ttft_s']:14.3f}{r['hit_rate']:10.2f}")
-    print(f"throughput on/off = {pc['throughput_ratio_on_off']:.2f}x, mean TTFT off/on = {pc['ttft_ratio_off_on']:.2f}x")
-    print(f"\nChunked prefill ({a.num_requests} requests, 25% of {a.long_len} tokens, rest {a.short_len}; "
-          f"budget {a.chunk_budget} tokens/step when on)")
+    print(
+        f"throughput on/off = {pc['throughput_ratio_on_off']:.2f}x, mean TTFT off/on = {pc['ttft_ratio_off_on']:.2f}x"
+    )
+    print(
+        f"\nChunked prefill ({a.num_requests} requests, 25% of {a.long_len} tokens, rest {a.short_len}; "
+        f"budget {a.chunk_budget} tokens/step when on)"
+    )
     print(f"{'':6}{'out tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}")
     for k in ("off", "on"):
         r = cp[k]
-        print(f"{k:6}{r['output_tok_s']:12.1f}{r['ttft_p50_s']:10.3f}{r['ttft_p99_s']:10.3f}"
-              f"{r['itl_p50_s']:10.3f}{r['itl_p99_s']:10.3f}")
+        print(
+            f"{k:6}{r['output_tok_s']:12.1f}{r['ttft_p50_s']:10.3f}{r['ttft_p99_s']:10.3f}"
+            f"{r['itl_p50_s']:10.3f}{r['itl_p99_s']:10.3f}"
+        )
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "prefix_caching": pc, "chunked_prefill": cp}, indent=2))

@@ -3,6 +3,7 @@
 Public API: ``LLM``, ``SamplingParams``, ``LLMEngine``, ``EngineArgs``, ``RequestOutput``,
 ``CompletionOutput``.
 """
+
 import os
 
 # oneDNN (bfloat16 GEMMs; float32 ones where the native kernels are off) builds and caches one
@@ -26,8 +27,10 @@ def __getattr__(name):
     # Imported lazily so `import kvserve` (e.g. for SamplingParams) does not load torch.
     if name == "LLM":
         from kvserve.entrypoints.llm import LLM
+
         return LLM
     if name == "LLMEngine":
         from kvserve.engine.llm_engine import LLMEngine
+
         return LLMEngine
     raise AttributeError(name)

@@ -2,11 +2,11 @@
 
 Every invalid value raises ``ValueError`` naming the field and the allowed range.
 """
+
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Optional
 
 #: Step budget (tokens) of chunked prefill when none is given (vLLM V0's default).
 CHUNKED_PREFILL_TOKENS = 512
@@ -48,11 +48,11 @@ class ModelConfig:
             ``max_position_embeddings``.
     """
 
-    model: Optional[str] = None
+    model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -98,18 +98,20 @@ class CacheConfig:
     """
 
     block_size: int = 16
-    num_gpu_blocks: Optional[int] = None
+    num_gpu_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
-    num_cpu_blocks: Optional[int] = None
+    num_cpu_blocks: int | None = None
     swap_space_gib: float = 0.5
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     enable_prefix_caching: bool = False
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
         _positive_int("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
-        if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0):
+        if self.num_cpu_blocks is not None and (
+            not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0
+        ):
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}.")
         if not isinstance(self.kv_cache_memory_gib, (int, float)) or self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}.")
@@ -140,15 +142,15 @@ class SchedulerConfig:
         num_lookahead_slots: extra slots reserved per decode (speculative decoding hook; 0).
     """
 
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     max_model_len: int = 2048
     chunked_prefill_enabled: bool = False
-    preemption_mode: Optional[PreemptionMode] = None
+    preemption_mode: PreemptionMode | None = None
     policy: str = "fcfs"
     max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: Optional[int] = None
-    max_waiting: Optional[int] = None
+    long_prefill_token_threshold: int | None = None
+    max_waiting: int | None = None
     num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
@@ -157,12 +159,14 @@ class SchedulerConfig:
                 self.preemption_mode = PreemptionMode[self.preemption_mode.upper()]
             except KeyError:
                 raise ValueError(
-                    f"preemption_mode must be 'recompute' or 'swap' (or unset), got {self.preemption_mode!r}.") from None
+                    f"preemption_mode must be 'recompute' or 'swap' (or unset), got {self.preemption_mode!r}."
+                ) from None
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (CHUNKED_PREFILL_TOKENS if self.chunked_prefill_enabled
-                                           else max(self.max_model_len, 512))
+            self.max_num_batched_tokens = (
+                CHUNKED_PREFILL_TOKENS if self.chunked_prefill_enabled else max(self.max_model_len, 512)
+            )
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
         _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
@@ -183,32 +187,32 @@ class EngineArgs:
     ``CPU_CHUNKED_PREFILL_TOKENS`` step budget.
     """
 
-    model: Optional[str] = None
+    model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
-    num_gpu_blocks: Optional[int] = None
+    num_gpu_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
-    num_cpu_blocks: Optional[int] = None
+    num_cpu_blocks: int | None = None
     swap_space_gib: float = 0.5
     max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    max_model_len: Optional[int] = None
-    enable_chunked_prefill: Optional[bool] = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool = False
-    preemption_mode: Optional[str] = None
+    preemption_mode: str | None = None
     policy: str = "fcfs"
     max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: Optional[int] = None
-    max_waiting: Optional[int] = None
+    long_prefill_token_threshold: int | None = None
+    max_waiting: int | None = None
     watermark: float = 0.01
 
     @classmethod
     def field_names(cls) -> list:
         return [f.name for f in fields(cls)]
 
-    def create_configs(self, model_max_len: int, sliding_window: Optional[int] = None):
+    def create_configs(self, model_max_len: int, sliding_window: int | None = None):
         """Returns ``(ModelConfig, CacheConfig, SchedulerConfig)``.
 
         Raises:
@@ -218,9 +222,11 @@ class EngineArgs:
         max_len = self.max_model_len or model_max_len
         if max_len > model_max_len:
             raise ValueError(
-                f"max_model_len={max_len} is larger than the model's max_position_embeddings={model_max_len}.")
-        model_config = ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
-                                   seed=self.seed, max_model_len=max_len)
+                f"max_model_len={max_len} is larger than the model's max_position_embeddings={model_max_len}."
+            )
+        model_config = ModelConfig(
+            model=self.model, dtype=self.dtype, device=self.device, seed=self.seed, max_model_len=max_len
+        )
         # On CPU a step's cost grows with its tokens and the GEMMs are most efficient at ~2-3k
         # rows, so (as vLLM's CPU backend) prompts are chunked into 2,048-token steps mixed with
         # decodes: first tokens stream out while later prompts prefill (docs/benchmarks.md).
@@ -231,15 +237,24 @@ class EngineArgs:
         if budget is None and chunked and on_cpu:
             budget = CPU_CHUNKED_PREFILL_TOKENS
         cache_config = CacheConfig(
-            block_size=self.block_size, num_gpu_blocks=self.num_gpu_blocks,
-            kv_cache_memory_gib=self.kv_cache_memory_gib, num_cpu_blocks=self.num_cpu_blocks,
-            swap_space_gib=self.swap_space_gib, sliding_window=sliding_window,
-            enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark)
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory_gib=self.kv_cache_memory_gib,
+            num_cpu_blocks=self.num_cpu_blocks,
+            swap_space_gib=self.swap_space_gib,
+            sliding_window=sliding_window,
+            enable_prefix_caching=self.enable_prefix_caching,
+            watermark=self.watermark,
+        )
         scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
-            max_model_len=max_len, chunked_prefill_enabled=chunked,
-            preemption_mode=self.preemption_mode, policy=self.policy,
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_len,
+            chunked_prefill_enabled=chunked,
+            preemption_mode=self.preemption_mode,
+            policy=self.policy,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_waiting=self.max_waiting)
+            max_waiting=self.max_waiting,
+        )
         return model_config, cache_config, scheduler_config

@@ -1,8 +1,8 @@
 """What the engine returns to callers, per request and per step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
 
 from kvserve.sequence import RequestMetrics
 
@@ -26,11 +26,11 @@ class CompletionOutput:
 
     index: int
     text: str
-    token_ids: List[int]
-    cumulative_logprob: Optional[float] = None
-    logprobs: Optional[List[Dict[int, float]]] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -49,16 +49,16 @@ class RequestOutput:
     """
 
     request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: List[int]
-    outputs: List[CompletionOutput]
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
-    metrics: Optional[RequestMetrics] = None
-    error: Optional[str] = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
     num_cached_tokens: int = 0
 
     @property
-    def outcome(self) -> Optional[str]:
+    def outcome(self) -> str | None:
         if not self.finished:
             return None
         reasons = {o.finish_reason for o in self.outputs}

@@ -1,10 +1,10 @@
 """Per-request sampling settings, validated at construction."""
+
 from __future__ import annotations
 
 import math
 import operator
 from dataclasses import dataclass
-from typing import List, Optional, Union
 
 #: Temperatures below this are treated as greedy (argmax) decoding.
 GREEDY_EPS = 1e-5
@@ -31,7 +31,7 @@ def _as_token_id(x) -> int:
 
 
 #: The range ``torch.Generator.manual_seed`` accepts.
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -66,7 +66,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -75,23 +75,26 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, List[str]]] = None
-    stop_token_ids: Optional[List[int]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: Optional[int] = None
-    logit_bias: Optional[dict] = None
+    logprobs: int | None = None
+    logit_bias: dict | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
-                             f"got {self.stop!r}.")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}."
+            )
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}.")
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}."
+            )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
@@ -102,8 +105,9 @@ class SamplingParams:
     def _normalize_logit_bias(bias) -> dict:
         """``{token id: bias}`` with int keys; string keys (JSON) must be decimal integers."""
         if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be a map of token id -> number in [-100, 100], "
-                             f"got {type(bias).__name__}.")
+            raise ValueError(
+                f"logit_bias must be a map of token id -> number in [-100, 100], got {type(bias).__name__}."
+            )
         out = {}
         for k, v in bias.items():
             try:
@@ -127,7 +131,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}.")
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}."
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -137,7 +142,9 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}.")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}."
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -2 <= v <= 2:
@@ -145,7 +152,9 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}.")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}."
+            )
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
@@ -162,5 +171,4 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -5,13 +5,13 @@ prompt; when ``n > 1`` the first sampling step forks it into ``n`` sequences tha
 prompt's KV blocks (copy-on-write). All live sequences of a group advance in lockstep, so
 they always have the same length.
 """
+
 from __future__ import annotations
 
 import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 from kvserve.sampling_params import SamplingParams
 
@@ -22,17 +22,17 @@ class SequenceStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     SWAPPED = 2
-    FINISHED_STOPPED = 3   # EOS, stop string or stop token id
+    FINISHED_STOPPED = 3  # EOS, stop string or stop token id
     FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len reached
-    FINISHED_ABORTED = 5   # abort_request / client gone
-    FINISHED_IGNORED = 6   # rejected by the scheduler (too long / can never fit)
+    FINISHED_ABORTED = 5  # abort_request / client gone
+    FINISHED_IGNORED = 6  # rejected by the scheduler (too long / can never fit)
 
     @staticmethod
-    def is_finished(status: "SequenceStatus") -> bool:
+    def is_finished(status: SequenceStatus) -> bool:
         return status > SequenceStatus.SWAPPED
 
     @staticmethod
-    def get_finished_reason(status: "SequenceStatus") -> Optional[str]:
+    def get_finished_reason(status: SequenceStatus) -> str | None:
         """OpenAI-style finish reason: ``stop``, ``length``, ``abort`` or ``ignored``."""
         return {
             SequenceStatus.FINISHED_STOPPED: "stop",
@@ -57,9 +57,9 @@ class SequenceData:
     outputs (they are never moved into the prompt).
     """
 
-    def __init__(self, prompt_token_ids: List[int], output_token_ids: Optional[List[int]] = None):
-        self.prompt_token_ids: List[int] = list(prompt_token_ids)
-        self.output_token_ids: List[int] = list(output_token_ids or [])
+    def __init__(self, prompt_token_ids: list[int], output_token_ids: list[int] | None = None):
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or [])
         self._num_computed_tokens = 0
         self._stage = SequenceStage.PREFILL
         self.cumulative_logprob = 0.0
@@ -77,7 +77,7 @@ class SequenceData:
     def get_output_len(self) -> int:
         return len(self.output_token_ids)
 
-    def get_token_ids(self) -> List[int]:
+    def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def get_last_token_id(self) -> int:
@@ -110,7 +110,7 @@ class SequenceData:
     def stage(self) -> SequenceStage:
         return self._stage
 
-    def copy(self) -> "SequenceData":
+    def copy(self) -> SequenceData:
         new = SequenceData(self.prompt_token_ids, self.output_token_ids)
         new._num_computed_tokens = self._num_computed_tokens
         new._stage = self._stage
@@ -124,21 +124,27 @@ class Sequence:
     ``block_size`` is in tokens; ``n_blocks`` is how many KV blocks its tokens span.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: List[int], block_size: int,
-                 eos_token_id: Optional[int] = None, prompt: Optional[str] = None):
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        block_size: int,
+        eos_token_id: int | None = None,
+        prompt: str | None = None,
+    ):
         self.seq_id = seq_id
         self.data = SequenceData(prompt_token_ids)
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.prompt = prompt
         self.status = SequenceStatus.WAITING
-        self.stop_reason: Optional[object] = None  # matched stop string or stop token id
+        self.stop_reason: object | None = None  # matched stop string or stop token id
         # Incremental detokenization state (owned by the engine's detokenizer); a fork starts
         # a fresh stream primed with the tokens so far.
         self.output_text = ""
         self.decode_stream = None
         # Per generated token: {token_id: logprob} (sampled token included) when requested.
-        self.output_logprobs: List[Dict[int, float]] = []
+        self.output_logprobs: list[dict[int, float]] = []
 
     # -- lengths -----------------------------------------------------------------
     def get_len(self) -> int:
@@ -150,10 +156,10 @@ class Sequence:
     def get_output_len(self) -> int:
         return self.data.get_output_len()
 
-    def get_token_ids(self) -> List[int]:
+    def get_token_ids(self) -> list[int]:
         return self.data.get_token_ids()
 
-    def get_output_token_ids(self) -> List[int]:
+    def get_output_token_ids(self) -> list[int]:
         return self.data.output_token_ids
 
     def get_last_token_id(self) -> int:
@@ -163,8 +169,9 @@ class Sequence:
     def n_blocks(self) -> int:
         return (self.get_len() + self.block_size - 1) // self.block_size
 
-    def append_token_id(self, token_id: int, logprob: float = 0.0,
-                        top_logprobs: Optional[Dict[int, float]] = None) -> None:
+    def append_token_id(
+        self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None
+    ) -> None:
         self.data.append_token_id(token_id, logprob)
         if top_logprobs is not None:
             self.output_logprobs.append(top_logprobs)
@@ -175,10 +182,11 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.data.stage == SequenceStage.PREFILL
 
-    def fork(self, new_seq_id: int) -> "Sequence":
+    def fork(self, new_seq_id: int) -> Sequence:
         """A child with the same tokens and text so far (shares KV via ``block_manager.fork``)."""
-        child = Sequence(new_seq_id, self.data.prompt_token_ids, self.block_size,
-                         self.eos_token_id, self.prompt)
+        child = Sequence(
+            new_seq_id, self.data.prompt_token_ids, self.block_size, self.eos_token_id, self.prompt
+        )
         child.data = self.data.copy()
         child.status = self.status
         child.output_text = self.output_text
@@ -198,27 +206,27 @@ class RequestMetrics:
     """
 
     arrival_time: float
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
     num_preemptions: int = 0
 
     @property
-    def ttft(self) -> Optional[float]:
+    def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
-    def queue_time(self) -> Optional[float]:
+    def queue_time(self) -> float | None:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
 
     @property
-    def e2e_latency(self) -> Optional[float]:
+    def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
-    def tpot(self, num_output_tokens: int) -> Optional[float]:
+    def tpot(self, num_output_tokens: int) -> float | None:
         if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
             return None
         return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
@@ -243,39 +251,45 @@ class SequenceGroup:
             the engine; the scheduler never touches it).
     """
 
-    def __init__(self, request_id: str, seqs: List[Sequence], sampling_params: SamplingParams,
-                 arrival_time: Optional[float] = None, priority: int = 0):
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ):
         self.request_id = request_id
-        self.seqs_dict: Dict[int, Sequence] = {s.seq_id: s for s in seqs}
+        self.seqs_dict: dict[int, Sequence] = {s.seq_id: s for s in seqs}
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.priority = priority
         self.generator = None
         # Set when the scheduler ignores the group: a message naming the length and the limit.
-        self.ignored_reason: Optional[str] = None
+        self.ignored_reason: str | None = None
         # Prompt tokens found in the prefix cache at the first admission (None before it).
-        self.num_cached_tokens: Optional[int] = None
+        self.num_cached_tokens: int | None = None
         # True once the initial single sequence has been forked into ``n`` samples.
         self.forked = sampling_params.n == 1
 
     # -- queries -------------------------------------------------------------------
     @property
-    def prompt_token_ids(self) -> List[int]:
+    def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).data.prompt_token_ids
 
     @property
-    def prompt(self) -> Optional[str]:
+    def prompt(self) -> str | None:
         return next(iter(self.seqs_dict.values())).prompt
 
-    def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs_dict.values())
         return [s for s in self.seqs_dict.values() if s.status == status]
 
-    def get_unfinished_seqs(self) -> List[Sequence]:
+    def get_unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs_dict.values() if not s.is_finished()]
 
-    def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
 
     def num_unfinished_seqs(self) -> int:
@@ -334,14 +348,14 @@ class SequenceGroupMetadata:
 
     request_id: str
     is_prompt: bool
-    seq_data: Dict[int, SequenceData]
+    seq_data: dict[int, SequenceData]
     sampling_params: SamplingParams
-    block_tables: Dict[int, List[int]]
+    block_tables: dict[int, list[int]]
     token_chunk_size: int
     do_sample: bool = True
     num_samples: int = 1
     generator: object = None
-    computed_block_nums: Optional[List[int]] = None
+    computed_block_nums: list[int] | None = None
 
 
 @dataclass
@@ -351,14 +365,14 @@ class SequenceOutput:
     parent_seq_id: int
     output_token: int
     logprob: float = 0.0
-    top_logprobs: Optional[Dict[int, float]] = None
+    top_logprobs: dict[int, float] | None = None
 
 
 @dataclass
 class CompletionSequenceGroupOutput:
     """Samples of one scheduled group in one step (empty when ``do_sample`` was False)."""
 
-    samples: List[SequenceOutput] = field(default_factory=list)
+    samples: list[SequenceOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -370,8 +384,8 @@ class ExecuteModelRequest:
     swap-in, then copy, then run the forward.
     """
 
-    seq_group_metadata_list: List[SequenceGroupMetadata]
-    blocks_to_swap_in: Dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_out: Dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
+    seq_group_metadata_list: list[SequenceGroupMetadata]
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     num_lookahead_slots: int = 0

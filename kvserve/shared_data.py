@@ -4,6 +4,7 @@
 checkouts). Nothing at run time needs it: benchmarks, trace replay and cost-model refits do,
 and say so when it is missing.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Shared fixtures: the default model directory and a tiny random-weight Llama."""
+
 import os
 
 import pytest
@@ -46,9 +47,19 @@ def tiny_llama_dir(tmp_path_factory, default_tokenizer_dir):
     default model's tokenizer, saved as safetensors."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama", config)
 
 

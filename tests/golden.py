@@ -8,11 +8,11 @@ other difference is a mismatch. Tests report how many near-ties they met.
 the engine and the transformers reference (float32 on both sides): ``cuda`` checks the CUDA
 path, e.g. ``KVSERVE_TEST_DEVICE=cuda pytest tests/test_e2e_tiny.py tests/executor/test_model_runner.py``.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional
 
 import torch
 
@@ -25,21 +25,27 @@ if TEST_DEVICE not in ("cpu", "cuda"):
 
 @dataclass
 class Reference:
-    token_ids: List[int]
+    token_ids: list[int]
     # First step whose top-2 logits are within NEAR_TIE (None: no near-tie).
-    near_tie_step: Optional[int]
+    near_tie_step: int | None
 
 
-def hf_greedy(model, prompt_ids: List[int], max_new_tokens: int, eos_token_id=None) -> Reference:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> Reference:
     """Greedy ``generate`` of one prompt (batch of one: no padding), with the per-step logits."""
     with torch.inference_mode():
         dev = model.device
-        out = model.generate(torch.tensor([prompt_ids], device=dev),
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=dev),
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if eos_token_id is None else 0,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             eos_token_id=eos_token_id, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids], device=dev),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=dev),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if eos_token_id is None else 0,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     near = None
     for step, logits in enumerate(out.logits):
         top2 = torch.topk(logits[0].float(), 2).values
@@ -49,12 +55,13 @@ def hf_greedy(model, prompt_ids: List[int], max_new_tokens: int, eos_token_id=No
     return Reference(tokens, near)
 
 
-def compare(ours: List[int], ref: Reference) -> bool:
+def compare(ours: list[int], ref: Reference) -> bool:
     """True when equal up to the first near-tie (inclusive of lengths up to there). Asserts
     otherwise, with a message showing where they diverge."""
     limit = len(ref.token_ids) if ref.near_tie_step is None else ref.near_tie_step
     assert ours[:limit] == ref.token_ids[:limit], (
-        f"greedy mismatch before any near-tie:\n ours={ours[:limit]}\n  ref={ref.token_ids[:limit]}")
+        f"greedy mismatch before any near-tie:\n ours={ours[:limit]}\n  ref={ref.token_ids[:limit]}"
+    )
     if ref.near_tie_step is None:
         assert len(ours) == len(ref.token_ids), (len(ours), len(ref.token_ids))
     return ref.near_tie_step is not None

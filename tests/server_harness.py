@@ -1,12 +1,12 @@
 """Run kvserve's OpenAI app under a real uvicorn on 127.0.0.1 (free port, background thread)
 for tests, and the handles tests use to reach it."""
+
 import asyncio
 import contextlib
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -19,7 +19,7 @@ class RunningServer:
     async_engine: object
     app: object
     server: object
-    api_key: Optional[str] = None
+    api_key: str | None = None
 
     @property
     def v1(self) -> str:
@@ -56,14 +56,19 @@ class RunningServer:
         stats = None
         while time.time() < deadline:
             stats = self.engine.get_kv_cache_stats()
-            if (not self.engine.has_unfinished_requests() and self.async_engine.num_in_flight == 0
-                    and stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
-                    and stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]):
+            if (
+                not self.engine.has_unfinished_requests()
+                and self.async_engine.num_in_flight == 0
+                and stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+                and stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+            ):
                 return stats
             time.sleep(0.05)
-        raise AssertionError(f"engine not idle after {timeout}s: unfinished="
-                             f"{self.engine.get_num_unfinished_requests()} in_flight="
-                             f"{self.async_engine.num_in_flight} kv={stats}")
+        raise AssertionError(
+            f"engine not idle after {timeout}s: unfinished="
+            f"{self.engine.get_num_unfinished_requests()} in_flight="
+            f"{self.async_engine.num_in_flight} kv={stats}"
+        )
 
 
 def _free_socket():
@@ -74,7 +79,7 @@ def _free_socket():
 
 
 @contextlib.contextmanager
-def running_server(engine_args, model_name: str, api_key: Optional[str] = None, **app_kwargs):
+def running_server(engine_args, model_name: str, api_key: str | None = None, **app_kwargs):
     """Build the engine from ``engine_args``, serve ``build_app(...)`` until the block exits."""
     import uvicorn
 
@@ -89,8 +94,9 @@ def running_server(engine_args, model_name: str, api_key: Optional[str] = None, 
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     srv = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True,
-                              name="uvicorn-test")
+    thread = threading.Thread(
+        target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True, name="uvicorn-test"
+    )
     thread.start()
     deadline = time.time() + 60
     while not srv.started:
@@ -98,8 +104,15 @@ def running_server(engine_args, model_name: str, api_key: Optional[str] = None, 
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
     try:
-        yield RunningServer(url=f"http://127.0.0.1:{port}", port=port, engine=engine,
-                            async_engine=async_engine, app=app, server=srv, api_key=api_key)
+        yield RunningServer(
+            url=f"http://127.0.0.1:{port}",
+            port=port,
+            engine=engine,
+            async_engine=async_engine,
+            app=app,
+            server=srv,
+            api_key=api_key,
+        )
     finally:
         srv.should_exit = True
         thread.join(30)

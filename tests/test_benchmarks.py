@@ -1,5 +1,6 @@
 """Fast tests of the benchmark statistics, arrivals, trace loading and the load generator's
 stream parsing (no model, no sockets: httpx.MockTransport stands in for a server)."""
+
 import asyncio
 import json
 import math
@@ -45,8 +46,15 @@ def test_summarize_scales_and_skips_none():
 
 
 def _res(i, ttft, e2e, n_out, success=True, prompt_len=10):
-    return RequestResult(request_id=i, prompt_len=prompt_len, expected_output_len=n_out, success=success,
-                         ttft=ttft, e2e=e2e, output_tokens=n_out if success else 0)
+    return RequestResult(
+        request_id=i,
+        prompt_len=prompt_len,
+        expected_output_len=n_out,
+        success=success,
+        ttft=ttft,
+        e2e=e2e,
+        output_tokens=n_out if success else 0,
+    )
 
 
 def test_tpot_definition():
@@ -76,8 +84,11 @@ def test_slo_and_goodput():
 
 
 def test_summarize_results_throughput():
-    results = [_res(0, 0.5, 2.5, 11, prompt_len=100), _res(1, 1.5, 3.5, 21, prompt_len=50),
-               _res(2, None, None, 0, success=False)]
+    results = [
+        _res(0, 0.5, 2.5, 11, prompt_len=100),
+        _res(1, 1.5, 3.5, 21, prompt_len=50),
+        _res(2, None, None, 0, success=False),
+    ]
     results[2].error = "HTTP 500"
     s = summarize_results(results, duration_s=4.0, slo=SLO(ttft_ms=1000))
     assert s["completed"] == 2 and s["failed"] == 1
@@ -125,10 +136,12 @@ def test_arrivals_reject_bad_arguments():
 # ----------------------------------------------------------------------------- traces
 def test_azure_trace_parsing_and_scaling(tmp_path):
     p = tmp_path / "azure.csv"
-    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                 "2023-11-16 18:17:03.9799600,4808,10\n"
-                 "2023-11-16 18:17:04.0319600,3180,8\n"
-                 "2023-11-16 18:17:06.4799600,100,200")  # no trailing newline, like the real file
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,4808,10\n"
+        "2023-11-16 18:17:04.0319600,3180,8\n"
+        "2023-11-16 18:17:06.4799600,100,200"
+    )  # no trailing newline, like the real file
     assert wl.detect_trace_format(p) == "azure"
     recs = wl.load_trace(p)
     assert [r.input_len for r in recs] == [4808, 3180, 100]
@@ -147,10 +160,17 @@ def test_vidur_mooncake_and_length_only_traces(tmp_path):
     v = tmp_path / "v.csv"
     v.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,4808,10\n0.052,3180,8\n")
     assert wl.detect_trace_format(v) == "vidur"
-    assert [(r.arrival_s, r.input_len, r.output_len) for r in wl.load_trace(v)] == [(0.0, 4808, 10), (0.052, 3180, 8)]
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in wl.load_trace(v)] == [
+        (0.0, 4808, 10),
+        (0.052, 3180, 8),
+    ]
     m = tmp_path / "m.jsonl"
-    m.write_text(json.dumps({"timestamp": 1000, "input_length": 600, "output_length": 6, "hash_ids": [0, 1]}) + "\n"
-                 + json.dumps({"timestamp": 3500, "input_length": 700, "output_length": 9, "hash_ids": [0, 2]}) + "\n")
+    m.write_text(
+        json.dumps({"timestamp": 1000, "input_length": 600, "output_length": 6, "hash_ids": [0, 1]})
+        + "\n"
+        + json.dumps({"timestamp": 3500, "input_length": 700, "output_length": 9, "hash_ids": [0, 2]})
+        + "\n"
+    )
     recs = wl.load_trace(m)
     assert [r.arrival_s for r in recs] == pytest.approx([0.0, 2.5])  # ms -> s, re-based
     assert recs[1].hash_ids == [0, 2]
@@ -177,8 +197,11 @@ def test_clip_lengths_fits_context():
 
 def test_trace_to_requests_clips_and_shares_prefixes():
     corpus = list(range(3000))
-    recs = [wl.TraceRecord(0.0, 1200, 10, [5, 6, 7]), wl.TraceRecord(1.0, 1100, 20, [5, 6, 9]),
-            wl.TraceRecord(2.0, 100, 5000, None)]
+    recs = [
+        wl.TraceRecord(0.0, 1200, 10, [5, 6, 7]),
+        wl.TraceRecord(1.0, 1100, 20, [5, 6, 9]),
+        wl.TraceRecord(2.0, 100, 5000, None),
+    ]
     reqs, rep = wl.trace_to_requests(recs, corpus, max_model_len=1024, seed=0)
     assert [r.prompt_len for r in reqs] == [1014, 1004, 1]
     assert [r.output_len for r in reqs] == [10, 20, 1023]
@@ -212,13 +235,30 @@ def test_real_shared_traces_if_present():
 
 def test_workload_loading_and_synthetic(tmp_path):
     p = tmp_path / "w.jsonl"
-    p.write_text("\n".join(json.dumps({"id": i, "prompt_token_ids": [1, 2, 3 + i], "prompt": "x", "prompt_len": 3,
-                                       "output_len": 4 + i, "arrival_s": 0.0}) for i in range(3)) + "\n")
+    p.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "id": i,
+                    "prompt_token_ids": [1, 2, 3 + i],
+                    "prompt": "x",
+                    "prompt_len": 3,
+                    "output_len": 4 + i,
+                    "arrival_s": 0.0,
+                }
+            )
+            for i in range(3)
+        )
+        + "\n"
+    )
     reqs = wl.load_workload(p, num_prompts=2)
     assert len(reqs) == 2 and reqs[1].prompt_token_ids == [1, 2, 4] and reqs[1].output_len == 5
     syn = wl.synthetic_requests(4, 7, 9, corpus=list(range(100)), seed=1)
     assert all(r.prompt_len == 7 and r.output_len == 9 for r in syn)
-    assert syn[0].prompt_token_ids == wl.synthetic_requests(1, 7, 9, corpus=list(range(100)), seed=1)[0].prompt_token_ids
+    assert (
+        syn[0].prompt_token_ids
+        == wl.synthetic_requests(1, 7, 9, corpus=list(range(100)), seed=1)[0].prompt_token_ids
+    )
 
 
 # ----------------------------------------------------------------------------- serve helpers
@@ -231,8 +271,15 @@ kvserve:num_requests_swapped{model_name="default"} 0.0
 kvserve:gpu_cache_usage_perc{model_name="default"} 0.42
 kvserve:request_success_total{model_name="default",finished_reason="length"} 5.0
 """
-    assert parse_prometheus(text) == {"running": 3.0, "waiting": 61.0, "swapped": 0.0, "gpu_cache_usage": 0.42}
-    vllm = 'vllm:kv_cache_usage_perc{engine="0",model_name="x"} 12.5\nvllm:num_requests_running{engine="0"} 2\n'
+    assert parse_prometheus(text) == {
+        "running": 3.0,
+        "waiting": 61.0,
+        "swapped": 0.0,
+        "gpu_cache_usage": 0.42,
+    }
+    vllm = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="x"} 12.5\nvllm:num_requests_running{engine="0"} 2\n'
+    )
     assert parse_prometheus(vllm) == {"gpu_cache_usage": 0.125, "running": 2.0}
 
 
@@ -266,21 +313,27 @@ def test_load_generator_against_mock_server():
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/metrics":
-            return httpx.Response(200, text="kvserve:num_requests_running 1\nkvserve:gpu_cache_usage_perc 0.5\n")
+            return httpx.Response(
+                200, text="kvserve:num_requests_running 1\nkvserve:gpu_cache_usage_perc 0.5\n"
+            )
         body = json.loads(request.content)
         seen.append(body)
         if isinstance(body["prompt"], list):  # this server refuses token ids: the client falls back to text
             return httpx.Response(400, json={"error": {"message": "prompt must be a string"}})
         n = body["max_tokens"]
-        chunks = [{"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None if i < n - 1 else "length"}]}
-                  for i in range(n)]
+        chunks = [
+            {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None if i < n - 1 else "length"}]}
+            for i in range(n)
+        ]
         chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
         return httpx.Response(200, text=_sse(chunks), headers={"content-type": "text/event-stream"})
 
     async def go():
         gen = LoadGenerator("http://test/v1", "m", use_tqdm=False, metrics_interval_s=0.01)
-        reqs = [wl.BenchRequest([1, 2, 3], 4, prompt="abc", id=0), wl.BenchRequest([4, 5], 2, prompt="de", id=1,
-                                                                                 arrival_s=0.02)]
+        reqs = [
+            wl.BenchRequest([1, 2, 3], 4, prompt="abc", id=0),
+            wl.BenchRequest([4, 5], 2, prompt="de", id=1, arrival_s=0.02),
+        ]
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             return gen, await gen.run(client, reqs, "t")
 

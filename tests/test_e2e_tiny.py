@@ -1,5 +1,6 @@
 """End-to-end on a tiny random-weight Llama: greedy equals transformers under every kind of
 scheduling pressure; blocks are conserved; every request ends and says how."""
+
 import random
 
 import pytest
@@ -80,12 +81,27 @@ CONFIGS = {
     "default": dict(),
     "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
     "prefix": dict(enable_prefix_caching=True),
-    "recompute_tiny_cache": dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode="recompute"),
+    "recompute_tiny_cache": dict(
+        block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode="recompute"
+    ),
     "swap_tiny_cache": dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode="swap"),
-    "chunked_prefix_recompute": dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode="recompute",
-                                     enable_chunked_prefill=True, enable_prefix_caching=True, max_num_batched_tokens=16),
-    "chunked_swap": dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, preemption_mode="swap",
-                         enable_chunked_prefill=True, max_num_batched_tokens=24),
+    "chunked_prefix_recompute": dict(
+        block_size=4,
+        num_gpu_blocks=24,
+        num_cpu_blocks=64,
+        preemption_mode="recompute",
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=16,
+    ),
+    "chunked_swap": dict(
+        block_size=4,
+        num_gpu_blocks=24,
+        num_cpu_blocks=64,
+        preemption_mode="swap",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+    ),
 }
 
 
@@ -95,9 +111,17 @@ CONFIGS = {
 def test_answer_never_depends_on_scheduling(tiny_llama_dir, prompts, references, chunked, prefix, mode):
     """Chunked prefill x prefix caching x preemption mode, with a cache small enough to force
     preemption: greedy output equals transformers every time."""
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=28, num_cpu_blocks=64,
-              preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
-              max_num_batched_tokens=24 if chunked else None)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        **ENGINE,
+        block_size=4,
+        num_gpu_blocks=28,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=24 if chunked else None,
+    )
     engine = llm.llm_engine
     finals = run_engine(engine, [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)])
     near_ties = check_all(finals, references)
@@ -126,27 +150,37 @@ def test_warm_up_step_runs_a_real_prefill_and_leaves_no_trace(tiny_llama_dir, pr
     token for token what an engine without the warm-up gives."""
     from kvserve.worker.worker import Worker
 
-    kw = dict(device=TEST_DEVICE, dtype="bfloat16", block_size=4, num_gpu_blocks=64,
-              max_num_batched_tokens=48, enable_prefix_caching=True)
+    kw = dict(
+        device=TEST_DEVICE,
+        dtype="bfloat16",
+        block_size=4,
+        num_gpu_blocks=64,
+        max_num_batched_tokens=48,
+        enable_prefix_caching=True,
+    )
     requests = [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
     engine = LLM(model=str(tiny_llama_dir), **kw).llm_engine
     worker = engine.executor
-    cache = worker.cache_engine.gpu_cache[0]          # layer 0: [2, KH, blocks, block_size, D]
-    assert cache[:, :, :12].abs().sum() > 0            # 48 tokens = blocks 0..11 were written...
-    assert cache[:, :, 12:].abs().sum() == 0           # ...and nothing past them
+    cache = worker.cache_engine.gpu_cache[0]  # layer 0: [2, KH, blocks, block_size, D]
+    assert cache[:, :, :12].abs().sum() > 0  # 48 tokens = blocks 0..11 were written...
+    assert cache[:, :, 12:].abs().sum() == 0  # ...and nothing past them
     assert engine.get_kv_cache_stats()["num_free_gpu_blocks"] == 64
     assert worker.warm_up() > 0
     warm = run_engine(engine, requests)
     monkeypatch.setattr(Worker, "warm_up", lambda self: 0.0)
     cold = run_engine(LLM(model=str(tiny_llama_dir), **kw).llm_engine, requests)
-    assert {r: o.outputs[0].token_ids for r, o in warm.items()} == {r: o.outputs[0].token_ids for r, o in cold.items()}
+    assert {r: o.outputs[0].token_ids for r, o in warm.items()} == {
+        r: o.outputs[0].token_ids for r, o in cold.items()
+    }
     if TEST_DEVICE == "cpu":  # float32 on CPU: skipped (no oneDNN primitives to build)
         assert LLM(model=str(tiny_llama_dir), **ENGINE).llm_engine.executor.warm_up() == 0.0
 
 
 def test_outputs_report_prefix_cache_hits(tiny_llama_dir, prompts):
     """Adversarial find: ``RequestOutput.num_cached_tokens`` stayed 0 while hits were counted."""
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    llm = LLM(
+        model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True
+    )
     p = prompts[2]  # 33 tokens: 8 full blocks
     first = llm.generate({"prompt_token_ids": p}, greedy(max_tokens=2), use_tqdm=False)[0]
     again = llm.generate({"prompt_token_ids": p}, greedy(max_tokens=2), use_tqdm=False)[0]
@@ -158,8 +192,14 @@ def test_outputs_report_prefix_cache_hits(tiny_llama_dir, prompts):
 def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts, references, mode):
     """n=3 greedy samples fork one prefill; every sample equals the reference, also when the
     cache is small enough to preempt (swap, forced recompute, or the default choice)."""
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=40, num_cpu_blocks=80,
-              preemption_mode=mode)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        **ENGINE,
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=80,
+        preemption_mode=mode,
+    )
     finals = run_engine(llm.llm_engine, [(f"r{i}", p, greedy(n=3)) for i, p in enumerate(prompts)])
     check_all(finals, references, n=3)
 
@@ -167,8 +207,15 @@ def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts,
 def test_aborts_free_every_block(tiny_llama_dir, prompts):
     """Abort requests while waiting, running and swapped: each gets exactly one final output
     with finish_reason 'abort' and no block stays in use."""
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=20, num_cpu_blocks=64,
-              preemption_mode="swap", max_num_seqs=4)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        **ENGINE,
+        block_size=4,
+        num_gpu_blocks=20,
+        num_cpu_blocks=64,
+        preemption_mode="swap",
+        max_num_seqs=4,
+    )
     engine = llm.llm_engine
     for i, p in enumerate(prompts * 2):
         engine.add_request(f"a{i}", {"prompt_token_ids": p}, greedy(max_tokens=40, n=2 if i % 2 else 1))
@@ -200,9 +247,11 @@ def test_stop_conditions_free_blocks(tiny_llama_dir, prompts, references):
     ref = references[1].token_ids
     stop_id = ref[5]
     first = ref.index(stop_id)
-    finals = run_engine(llm.llm_engine, [("r0", prompts[1], greedy(stop_token_ids=[stop_id])),
-                                         ("r1", prompts[1], greedy(max_tokens=3))])
-    assert finals["r0"].outputs[0].token_ids == ref[:first + 1]
+    finals = run_engine(
+        llm.llm_engine,
+        [("r0", prompts[1], greedy(stop_token_ids=[stop_id])), ("r1", prompts[1], greedy(max_tokens=3))],
+    )
+    assert finals["r0"].outputs[0].token_ids == ref[: first + 1]
     assert finals["r0"].outputs[0].finish_reason == "stop" and finals["r0"].outputs[0].stop_reason == stop_id
     assert finals["r1"].outputs[0].token_ids == ref[:3] and finals["r1"].outputs[0].finish_reason == "length"
 
@@ -211,18 +260,29 @@ def test_seeded_sampling_reproducible_across_batches(tiny_llama_dir, prompts):
     llm = LLM(model=str(tiny_llama_dir), **ENGINE)
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, n=2)
     alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
-    mixed = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         [params] + [SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True)] * (len(prompts) - 1),
-                         use_tqdm=False)[0]
+    mixed = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [params] + [SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True)] * (len(prompts) - 1),
+        use_tqdm=False,
+    )[0]
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in mixed.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
 
 
 def test_ignored_prompt_reports_reason_and_does_not_block(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE, block_size=4, num_gpu_blocks=8, max_num_batched_tokens=64,
-              max_model_len=64)
-    outs = llm.generate([{"prompt_token_ids": list(range(5, 45))}, {"prompt_token_ids": [5, 6, 7]}],
-                        greedy(max_tokens=4), use_tqdm=False)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        **ENGINE,
+        block_size=4,
+        num_gpu_blocks=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": list(range(5, 45))}, {"prompt_token_ids": [5, 6, 7]}],
+        greedy(max_tokens=4),
+        use_tqdm=False,
+    )
     assert outs[0].outcome == "rejected" and outs[0].outputs[0].finish_reason == "ignored"
     assert "10 KV blocks > 8" in outs[0].error
     assert outs[1].outcome == "finished" and len(outs[1].outputs[0].token_ids) == 4

@@ -1,8 +1,8 @@
 """Tests of kvserve.model_executor.sampler (CPU, fast)."""
+
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -14,19 +14,33 @@ from kvserve.sequence import SequenceData, SequenceGroupMetadata
 EOS = 3
 
 
-def md(params: SamplingParams, seqs: Dict[int, SequenceData] = None, *, num_samples: int = 1,
-       seed_gen: Optional[int] = None, do_sample: bool = True,
-       request_id: str = "r") -> SequenceGroupMetadata:
+def md(
+    params: SamplingParams,
+    seqs: dict[int, SequenceData] = None,
+    *,
+    num_samples: int = 1,
+    seed_gen: int | None = None,
+    do_sample: bool = True,
+    request_id: str = "r",
+) -> SequenceGroupMetadata:
     seqs = seqs if seqs is not None else {0: SequenceData([1, 2])}
     gen = None
     if seed_gen is not None:
         gen = torch.Generator().manual_seed(seed_gen)
-    return SequenceGroupMetadata(request_id=request_id, is_prompt=True, seq_data=seqs,
-                                 sampling_params=params, block_tables={}, token_chunk_size=1,
-                                 do_sample=do_sample, num_samples=num_samples, generator=gen)
+    return SequenceGroupMetadata(
+        request_id=request_id,
+        is_prompt=True,
+        seq_data=seqs,
+        sampling_params=params,
+        block_tables={},
+        token_chunk_size=1,
+        do_sample=do_sample,
+        num_samples=num_samples,
+        generator=gen,
+    )
 
 
-def tokens(outs) -> List[List[int]]:
+def tokens(outs) -> list[list[int]]:
     return [[s.output_token for s in o.samples] for o in outs]
 
 
@@ -47,9 +61,11 @@ def test_greedy_general_path_matches_argmax_on_raw_logits():
     # A random row with logprobs forces the general path; greedy rows must be untouched.
     torch.manual_seed(1)
     logits = torch.randn(3, 40)
-    metas = [md(SamplingParams(temperature=0.0), {0: SequenceData([1])}),
-             md(SamplingParams(temperature=1.0, logprobs=2), {1: SequenceData([1])}),
-             md(SamplingParams(temperature=0.0, logprobs=0), {2: SequenceData([1])})]
+    metas = [
+        md(SamplingParams(temperature=0.0), {0: SequenceData([1])}),
+        md(SamplingParams(temperature=1.0, logprobs=2), {1: SequenceData([1])}),
+        md(SamplingParams(temperature=0.0, logprobs=0), {2: SequenceData([1])}),
+    ]
     outs = Sampler(EOS)(logits, metas)
     assert outs[0].samples[0].output_token == logits[0].argmax().item()
     assert outs[2].samples[0].output_token == logits[2].argmax().item()
@@ -59,10 +75,12 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     torch.manual_seed(2)
     logits = torch.randn(6, 100) * 3
     am = logits.argmax(-1).tolist()
-    for params in (SamplingParams(temperature=1.5, top_k=1),
-                   SamplingParams(temperature=1.5, top_p=1e-6),
-                   SamplingParams(temperature=1.0, min_p=1.0)):
-        for trial in range(5):
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ):
+        for _trial in range(5):
             metas = [md(params, {i: SequenceData([1])}) for i in range(6)]
             assert tokens(Sampler(EOS)(logits, metas)) == [[t] for t in am]
 
@@ -98,8 +116,9 @@ def test_seeded_reproducible_and_batch_independent():
         gen = torch.Generator().manual_seed(123)
         out = []
         for step in range(steps):
-            others = [md(SamplingParams(temperature=0.9), {100 + j: SequenceData([1])})
-                      for j in range(step % 3 + 1)]
+            others = [
+                md(SamplingParams(temperature=0.9), {100 + j: SequenceData([1])}) for j in range(step % 3 + 1)
+            ]
             m = md(params, {7: SequenceData([1])})
             m.generator = gen
             metas = others[:1] + [m] + others[1:]
@@ -126,10 +145,11 @@ def test_unseeded_rows_use_global_rng():
 def test_num_samples_count_and_parents():
     torch.manual_seed(4)
     logits = torch.randn(3, 200)
-    metas = [md(SamplingParams(n=4, temperature=1.0), {11: SequenceData([1, 2])}, num_samples=4),
-             md(SamplingParams(n=3, temperature=0.0), {12: SequenceData([1])}, num_samples=3),
-             md(SamplingParams(n=2, temperature=1.0, seed=1), {13: SequenceData([1])},
-                num_samples=2, seed_gen=1)]
+    metas = [
+        md(SamplingParams(n=4, temperature=1.0), {11: SequenceData([1, 2])}, num_samples=4),
+        md(SamplingParams(n=3, temperature=0.0), {12: SequenceData([1])}, num_samples=3),
+        md(SamplingParams(n=2, temperature=1.0, seed=1), {13: SequenceData([1])}, num_samples=2, seed_gen=1),
+    ]
     outs = Sampler(EOS)(logits[:3], metas)
     assert [len(o.samples) for o in outs] == [4, 3, 2]
     assert all(s.parent_seq_id == 11 for s in outs[0].samples)
@@ -176,40 +196,44 @@ def test_top_k_top_p_min_p_frequencies():
         return c.float() / n
 
     # top_k=3 -> renormalised over the 3 most likely
-    exp = torch.zeros(6); exp[:3] = p[:3] / p[:3].sum()
+    exp = torch.zeros(6)
+    exp[:3] = p[:3] / p[:3].sum()
     assert torch.allclose(freqs(SamplingParams(top_k=3)), exp, atol=0.015)
     # top_p: smallest prefix with mass >= top_p
     cum = p.cumsum(0)
-    top_p = float(cum[1]) + 0.01          # needs 3 tokens
-    exp = torch.zeros(6); exp[:3] = p[:3] / p[:3].sum()
+    top_p = float(cum[1]) + 0.01  # needs 3 tokens
+    exp = torch.zeros(6)
+    exp[:3] = p[:3] / p[:3].sum()
     assert torch.allclose(freqs(SamplingParams(top_p=top_p)), exp, atol=0.015)
     # min_p: keep p >= min_p * p_max
-    min_p = float(p[3] / p[0]) + 1e-3     # drops token 3 and below
+    min_p = float(p[3] / p[0]) + 1e-3  # drops token 3 and below
     assert torch.allclose(freqs(SamplingParams(min_p=min_p)), exp, atol=0.015)
 
 
 def test_apply_top_k_top_p_min_p_masks():
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0], [1.0, 2.0, 3.0, 4.0]])
-    out = apply_top_k_top_p_min_p(logits, torch.tensor([2, -1, 4]), torch.tensor([1.0, 1.0, 1.0]),
-                                  torch.tensor([0.0, 0.0, 0.0]))
+    out = apply_top_k_top_p_min_p(
+        logits, torch.tensor([2, -1, 4]), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.0])
+    )
     inf = float("-inf")
     assert out[0].tolist() == [3.0, inf, 2.0, inf]
     assert out[1].tolist() == logits[1].tolist() and out[2].tolist() == logits[2].tolist()
     p = logits[2].softmax(-1)  # sorted desc: 4,3,2,1
     top_p = float(p[3] + p[2]) - 1e-4  # first two cover it
-    out = apply_top_k_top_p_min_p(logits[2:], torch.tensor([-1]), torch.tensor([top_p]),
-                                  torch.tensor([0.0]))
+    out = apply_top_k_top_p_min_p(logits[2:], torch.tensor([-1]), torch.tensor([top_p]), torch.tensor([0.0]))
     assert out[0].tolist() == [inf, inf, 3.0, 4.0]
-    out = apply_top_k_top_p_min_p(logits[2:], torch.tensor([-1]), torch.tensor([1.0]),
-                                  torch.tensor([float(p[1] / p[3]) - 1e-4]))
+    out = apply_top_k_top_p_min_p(
+        logits[2:], torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([float(p[1] / p[3]) - 1e-4])
+    )
     assert out[0].tolist() == [inf, 2.0, 3.0, 4.0]
 
 
 def test_penalties_hand_computed():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0, 0.0]])
     prompt, output = [[0, 1]], [[2, 2, 3]]
-    out = apply_penalties(logits, prompt, output, torch.tensor([2.0]), torch.tensor([0.5]),
-                          torch.tensor([0.25]))
+    out = apply_penalties(
+        logits, prompt, output, torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25])
+    )
     # rep: seen = {0,1,2,3}: 2/2=1, -1*2=-2, 0.5/2=0.25, -0.5*2=-1
     # presence/frequency over output: token 2 count 2 -> -0.5-0.5 ; token 3 count 1 -> -0.5-0.25
     expected = [1.0, -2.0, 0.25 - 1.0, -1.0 - 0.75, 1.0, 0.0]
@@ -220,14 +244,24 @@ def test_penalties_hand_computed():
 def test_penalties_end_to_end_via_logprobs():
     # Vocab 8 and logprobs=8 expose the whole adjusted distribution.
     logits = torch.tensor([[1.0, 2.0, -1.0, 0.5, 3.0, -2.0, 0.0, 1.5]])
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0,
-                            frequency_penalty=0.5, logprobs=8, logit_bias={7: 2.0})
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=1.5,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logprobs=8,
+        logit_bias={7: 2.0},
+    )
     data = SequenceData([4, 2], [1, 1, 3])
     s = Sampler(EOS)(logits, [md(params, {0: data})])[0].samples[0]
     adj = logits[0].clone()
-    adj[4] /= 1.5; adj[2] *= 1.5; adj[1] /= 1.5; adj[3] /= 1.5            # repetition
-    adj[1] -= 1.0 + 2 * 0.5; adj[3] -= 1.0 + 0.5                           # presence/frequency
-    adj[7] += 2.0                                                          # logit_bias
+    adj[4] /= 1.5
+    adj[2] *= 1.5
+    adj[1] /= 1.5
+    adj[3] /= 1.5  # repetition
+    adj[1] -= 1.0 + 2 * 0.5
+    adj[3] -= 1.0 + 0.5  # presence/frequency
+    adj[7] += 2.0  # logit_bias
     lsm = adj.log_softmax(-1)
     assert s.output_token == int(adj.argmax()) == 7
     assert len(s.top_logprobs) == 8
@@ -240,9 +274,11 @@ def test_penalised_rows_mixed_with_plain_rows():
     torch.manual_seed(8)
     logits = torch.randn(3, 20)
     logits[1, 5] = 10.0
-    metas = [md(SamplingParams(temperature=0), {0: SequenceData([5])}),
-             md(SamplingParams(temperature=0, repetition_penalty=100.0), {1: SequenceData([5])}),
-             md(SamplingParams(temperature=0), {2: SequenceData([5])})]
+    metas = [
+        md(SamplingParams(temperature=0), {0: SequenceData([5])}),
+        md(SamplingParams(temperature=0, repetition_penalty=100.0), {1: SequenceData([5])}),
+        md(SamplingParams(temperature=0), {2: SequenceData([5])}),
+    ]
     outs = Sampler(EOS)(logits, metas)
     assert outs[0].samples[0].output_token == logits[0].argmax().item()
     assert outs[2].samples[0].output_token == logits[2].argmax().item()
@@ -276,8 +312,12 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
 def test_logprobs_size_and_values():
     torch.manual_seed(9)
     logits = torch.randn(4, 50) * 2
-    ps = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.8, logprobs=0),
-          SamplingParams(temperature=1.3, logprobs=3, top_k=10), SamplingParams(temperature=1.0)]
+    ps = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.8, logprobs=0),
+        SamplingParams(temperature=1.3, logprobs=3, top_k=10),
+        SamplingParams(temperature=1.0),
+    ]
     outs = Sampler(EOS)(logits, [md(p, {i: SequenceData([1])}) for i, p in enumerate(ps)])
     lsm = logits.log_softmax(-1)
     for i, (o, p) in enumerate(zip(outs, ps)):
@@ -298,8 +338,10 @@ def test_logprobs_size_and_values():
 def test_logit_bias_forces_token():
     torch.manual_seed(10)
     logits = torch.randn(2, 30)
-    for params in (SamplingParams(temperature=0, logit_bias={17: 100}),
-                   SamplingParams(temperature=1.0, logit_bias={17: 100, 999: 5})):
+    for params in (
+        SamplingParams(temperature=0, logit_bias={17: 100}),
+        SamplingParams(temperature=1.0, logit_bias={17: 100, 999: 5}),
+    ):
         outs = Sampler(EOS)(logits, [md(params, {i: SequenceData([1])}) for i in range(2)])
         assert tokens(outs) == [[17], [17]]
     # negative bias bans a token
@@ -321,12 +363,14 @@ def test_non_float32_logits_and_no_input_mutation():
 def test_cuda_matches_cpu_for_greedy_and_seeded():
     torch.manual_seed(12)
     logits = torch.randn(3, 100)
-    ps = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=4, top_k=20),
-          SamplingParams(temperature=0, repetition_penalty=1.2, logprobs=3)]
+    ps = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=4, top_k=20),
+        SamplingParams(temperature=0, repetition_penalty=1.2, logprobs=3),
+    ]
 
     def run(device):
-        metas = [md(p, {i: SequenceData([1, 2])}, seed_gen=4 if p.seed else None)
-                 for i, p in enumerate(ps)]
+        metas = [md(p, {i: SequenceData([1, 2])}, seed_gen=4 if p.seed else None) for i, p in enumerate(ps)]
         return Sampler(EOS)(logits.to(device), metas)
 
     a, b = run("cpu"), run("cuda")

@@ -1,4 +1,5 @@
 """`kvserve simulate`: the production engine + scheduler on the simulated executor."""
+
 import pytest
 
 from kvserve.benchmarks.workload import BenchRequest, default_workload_path, generate_arrivals
@@ -8,8 +9,15 @@ from kvserve.sim.cli import main, simulate
 
 def _requests(n, prompt_len=40, output_len=12, rate=5.0):
     arrivals = generate_arrivals(n, rate, seed=0)
-    return [BenchRequest(prompt_token_ids=[(7 * i + j) % 1000 + 3 for j in range(prompt_len)], output_len=output_len,
-                         arrival_s=t, id=i) for i, t in enumerate(arrivals)]
+    return [
+        BenchRequest(
+            prompt_token_ids=[(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
+            output_len=output_len,
+            arrival_s=t,
+            id=i,
+        )
+        for i, t in enumerate(arrivals)
+    ]
 
 
 def test_simulate_finishes_everything_and_reports_latency():
@@ -59,7 +67,17 @@ def test_step_budget_does_not_depend_on_the_host(monkeypatch):
     monkeypatch.setattr(cli, "LLMEngine", spy)
     reqs = _requests(3)
     simulate(EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu"), reqs)
-    simulate(EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu", enable_chunked_prefill=True), reqs)
-    simulate(EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu", enable_chunked_prefill=True,
-                        max_num_batched_tokens=300), reqs)
+    simulate(
+        EngineArgs(num_gpu_blocks=64, max_model_len=1024, device="cpu", enable_chunked_prefill=True), reqs
+    )
+    simulate(
+        EngineArgs(
+            num_gpu_blocks=64,
+            max_model_len=1024,
+            device="cpu",
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=300,
+        ),
+        reqs,
+    )
     assert seen == [(False, 1024), (True, 512), (True, 300)]

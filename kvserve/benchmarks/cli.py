@@ -1,8 +1,8 @@
 """``kvserve bench throughput | serve | cold-start | plot``."""
+
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
 
 COMMANDS = {
     "throughput": ("kvserve.benchmarks.throughput", "offline throughput vs transformers generate"),
@@ -19,7 +19,7 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())

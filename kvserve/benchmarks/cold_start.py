@@ -5,6 +5,7 @@ token; the parent takes the wall-clock time before spawning and the child report
 ``first_token_time`` (wall clock). The first try may include one-time work (GGUF conversion into the
 cache, cold page cache); the **second** is the figure the target (< 10 s) refers to.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,6 @@ import json
 import subprocess
 import sys
 import time
-from typing import List, Optional
 
 from kvserve.benchmarks.common import system_info, write_json
 
@@ -38,24 +38,32 @@ def measure_once(engine_kwargs: dict, python: str = sys.executable, timeout_s: f
         RuntimeError: the child failed or printed no result.
     """
     t0 = time.time()
-    p = subprocess.run([python, "-c", CHILD, json.dumps(engine_kwargs)], capture_output=True, text=True,
-                       timeout=timeout_s)
+    p = subprocess.run(
+        [python, "-c", CHILD, json.dumps(engine_kwargs)], capture_output=True, text=True, timeout=timeout_s
+    )
     t_exit = time.time()
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("COLDSTART ")), None)
     if p.returncode != 0 or line is None:
         raise RuntimeError(f"cold-start child failed (rc={p.returncode}): {p.stderr[-2000:]}")
-    d = json.loads(line[len("COLDSTART "):])
-    return {"interpreter_start_to_import_s": d["t_import"] - t0, "build_llm_s": d["t_built"] - d["t_import"],
-            "first_token_after_llm_s": d["t_first_token"] - d["t_built"],
-            "start_to_first_token_s": d["t_first_token"] - t0, "process_total_s": t_exit - t0,
-            "tokens": d["tokens"]}
+    d = json.loads(line[len("COLDSTART ") :])
+    return {
+        "interpreter_start_to_import_s": d["t_import"] - t0,
+        "build_llm_s": d["t_built"] - d["t_import"],
+        "first_token_after_llm_s": d["t_first_token"] - d["t_built"],
+        "start_to_first_token_s": d["t_first_token"] - t0,
+        "process_total_s": t_exit - t0,
+        "tokens": d["tokens"],
+    }
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from kvserve.entrypoints.cli import add_engine_args, engine_args_from
 
-    p = argparse.ArgumentParser(prog="kvserve bench cold-start", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvserve bench cold-start",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tries", type=int, default=2)
     p.add_argument("--target-s", type=float, default=10.0, help="pass/fail line for the last try")
     p.add_argument("--json-out", default=None)
@@ -68,16 +76,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     for i in range(ns.tries):
         r = measure_once(kwargs)
         tries.append(r)
-        print(f"try {i + 1}: process start -> first token {r['start_to_first_token_s']:.2f} s "
-              f"(interpreter {r['interpreter_start_to_import_s']:.2f} s, import + LLM() {r['build_llm_s']:.2f} s, "
-              f"generate to first token {r['first_token_after_llm_s']:.2f} s, "
-              f"process exit {r['process_total_s']:.2f} s)")
+        print(
+            f"try {i + 1}: process start -> first token {r['start_to_first_token_s']:.2f} s "
+            f"(interpreter {r['interpreter_start_to_import_s']:.2f} s, import + LLM() {r['build_llm_s']:.2f} s, "
+            f"generate to first token {r['first_token_after_llm_s']:.2f} s, "
+            f"process exit {r['process_total_s']:.2f} s)"
+        )
     last = tries[-1]["start_to_first_token_s"]
     ok = last < ns.target_s
-    print(f"cold start (try {len(tries)}): {last:.2f} s -> {'PASS' if ok else 'FAIL'} (target < {ns.target_s:g} s)")
+    print(
+        f"cold start (try {len(tries)}): {last:.2f} s -> {'PASS' if ok else 'FAIL'} (target < {ns.target_s:g} s)"
+    )
     if ns.json_out:
-        write_json(ns.json_out, {"benchmark": "cold_start", "engine_args": kwargs, "tries": tries,
-                                 "target_s": ns.target_s, "pass": ok, "system": system_info()})
+        write_json(
+            ns.json_out,
+            {
+                "benchmark": "cold_start",
+                "engine_args": kwargs,
+                "tries": tries,
+                "target_s": ns.target_s,
+                "pass": ok,
+                "system": system_info(),
+            },
+        )
         print(f"wrote {ns.json_out}")
     return 0
 

@@ -1,4 +1,5 @@
 """Small helpers shared by the benchmark commands: machine/version info, JSON output, RSS."""
+
 from __future__ import annotations
 
 import json
@@ -8,20 +9,19 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (MiB; ``getrusage`` reports KiB on Linux)."""
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib / 1024.0 if sys.platform != "darwin" else kib / 2 ** 20
+    return kib / 1024.0 if sys.platform != "darwin" else kib / 2**20
 
 
-def current_rss_mib() -> Optional[float]:
+def current_rss_mib() -> float | None:
     try:
         import psutil
 
-        return psutil.Process().memory_info().rss / 2 ** 20
+        return psutil.Process().memory_info().rss / 2**20
     except Exception:  # psutil missing
         return None
 
@@ -49,7 +49,7 @@ def _cpu_flags() -> list:
     return []
 
 
-def _version(pkg: str) -> Optional[str]:
+def _version(pkg: str) -> str | None:
     try:
         from importlib.metadata import version
 
@@ -83,8 +83,16 @@ def system_info() -> dict:
     try:
         import subprocess
 
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                            cwd=str(Path(__file__).resolve().parent), timeout=5).stdout.strip() or None
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=str(Path(__file__).resolve().parent),
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except Exception:
         pass
     try:

@@ -7,12 +7,13 @@
 
 ``python -m kvserve.benchmarks.plots RESULT.json --out-dir D`` redraws them from a saved result.
 """
+
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 
 def _plt():
@@ -33,7 +34,7 @@ def _save(fig, path) -> str:
     return str(p)
 
 
-def plot_latency_cdfs(runs: Dict[str, Dict[str, Sequence[float]]], path, title: str = "") -> str:
+def plot_latency_cdfs(runs: dict[str, dict[str, Sequence[float]]], path, title: str = "") -> str:
     """``runs``: label -> {"ttft_ms": [...], "tpot_ms": [...], "e2e_ms": [...]} (per-request samples)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -64,14 +65,24 @@ def plot_latency_vs_rate(sweep, path, title: str = "") -> str:
     ``{server label: [summaries]}`` to compare servers (p50 and p99 per server)."""
     plt = _plt()
     series = sweep if isinstance(sweep, dict) else {"": sweep}
-    rates = sorted({_rate_key(s["request_rate"]) for ss in series.values() for s in ss
-                    if s.get("request_rate") is not None})
+    rates = sorted(
+        {
+            _rate_key(s["request_rate"])
+            for ss in series.values()
+            for s in ss
+            if s.get("request_rate") is not None
+        }
+    )
     pos = {r: i for i, r in enumerate(rates)}
     xs_all = list(range(len(rates)))
-    qs = (("p50", "o-"), ("p90", "s--"), ("p99", "^:")) if len(series) == 1 else (("p50", "o-"), ("p99", "^:"))
+    qs = (
+        (("p50", "o-"), ("p90", "s--"), ("p99", "^:")) if len(series) == 1 else (("p50", "o-"), ("p99", "^:"))
+    )
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     for name_s, ss in series.items():
-        pts = sorted((s for s in ss if s.get("request_rate") is not None), key=lambda s: _rate_key(s["request_rate"]))
+        pts = sorted(
+            (s for s in ss if s.get("request_rate") is not None), key=lambda s: _rate_key(s["request_rate"])
+        )
         xs = [pos[_rate_key(s["request_rate"])] for s in pts]
         pre = f"{name_s} " if name_s else ""
         for ax, key, name in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT", "TPOT", "E2E")):
@@ -80,7 +91,9 @@ def plot_latency_vs_rate(sweep, path, title: str = "") -> str:
             ax.set_ylabel(f"{name} (ms)")
             ax.set_title(f"{name} vs request rate")
         axes[3].plot(xs, [s.get("output_throughput") for s in pts], "o-", label=f"{pre}output tok/s")
-        axes[3].plot(xs, [s.get("goodput_output_tok_s") for s in pts], "s--", label=f"{pre}goodput (SLO) tok/s")
+        axes[3].plot(
+            xs, [s.get("goodput_output_tok_s") for s in pts], "s--", label=f"{pre}goodput (SLO) tok/s"
+        )
     ax = axes[3]
     labels = ["inf" if r == float("inf") else f"{r:g}" for r in rates]
     xs = xs_all
@@ -113,7 +126,9 @@ def plot_timeline(tl: dict, path, title: str = "") -> str:
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
     if tl.get("gpu_cache_usage"):
-        ax2.plot(t, [100 * u for u in tl["gpu_cache_usage"]], color="tab:blue", alpha=0.6, label="KV cache used %")
+        ax2.plot(
+            t, [100 * u for u in tl["gpu_cache_usage"]], color="tab:blue", alpha=0.6, label="KV cache used %"
+        )
     ax2.set_ylabel("KV cache used (%)")
     ax2.set_ylim(0, 105)
     h1, l1 = ax.get_legend_handles_labels()
@@ -123,7 +138,7 @@ def plot_timeline(tl: dict, path, title: str = "") -> str:
     return _save(fig, path)
 
 
-def plots_from_result(result: dict, out_dir) -> List[str]:
+def plots_from_result(result: dict, out_dir) -> list[str]:
     """All plots a saved ``bench throughput`` / ``bench serve`` JSON supports."""
     out = []
     if result.get("benchmark") == "throughput" and result.get("kvserve", {}).get("timeline"):
@@ -134,16 +149,25 @@ def plots_from_result(result: dict, out_dir) -> List[str]:
         if cdfs:
             out.append(plot_latency_cdfs(cdfs, Path(out_dir) / "latency_cdf.png"))
         if len(runs) > 1:
-            out.append(plot_latency_vs_rate([r["summary"] | {"request_rate": r.get("request_rate")} for r in runs],
-                                            Path(out_dir) / "latency_vs_rate.png"))
+            out.append(
+                plot_latency_vs_rate(
+                    [r["summary"] | {"request_rate": r.get("request_rate")} for r in runs],
+                    Path(out_dir) / "latency_vs_rate.png",
+                )
+            )
         for r in runs:
             if r.get("timeline", {}).get("time_s"):
-                out.append(plot_timeline(r["timeline"], Path(out_dir) / f"timeline_{_slug(r['label'])}.png",
-                                         title=f"{result.get('label') or 'server'}: {r['label']}"))
+                out.append(
+                    plot_timeline(
+                        r["timeline"],
+                        Path(out_dir) / f"timeline_{_slug(r['label'])}.png",
+                        title=f"{result.get('label') or 'server'}: {r['label']}",
+                    )
+                )
     return out
 
 
-def plots_comparing(results: List[dict], out_dir) -> List[str]:
+def plots_comparing(results: list[dict], out_dir) -> list[str]:
     """Servers side by side: latency CDFs of every run of every result (labelled
     ``server: run``) and, where any result has several rates, latency vs rate per server."""
     out = []
@@ -166,12 +190,14 @@ def _slug(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(s))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="kvserve bench plot",
-                                description="redraw plots from benchmark JSON files; with several `bench serve` "
-                                            "results (e.g. kvserve and vLLM) also plot them side by side")
+    p = argparse.ArgumentParser(
+        prog="kvserve bench plot",
+        description="redraw plots from benchmark JSON files; with several `bench serve` "
+        "results (e.g. kvserve and vLLM) also plot them side by side",
+    )
     p.add_argument("results", nargs="+")
     p.add_argument("--out-dir", default=".")
     ns = p.parse_args(argv)

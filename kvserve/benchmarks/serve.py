@@ -17,6 +17,7 @@ clipped to the context: see ``kvserve.benchmarks.workload``), optionally for eac
 ``--sweep-rates`` / each scale of ``--sweep-time-scales``. While a run lasts, ``GET /metrics`` is
 scraped for the queue and KV-cache gauges (``kvserve:*`` or ``vllm:*``) to draw a timeline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,17 @@ import json
 import math
 import sys
 import time
-from typing import Dict, List, Optional
 
 from kvserve.benchmarks.common import fmt_table, system_info, write_json
 from kvserve.benchmarks.stats import SLO, RequestResult, summarize_results
-from kvserve.benchmarks.workload import (BenchRequest, generate_arrivals, load_corpus, load_trace,
-                                         select_trace, trace_to_requests)
+from kvserve.benchmarks.workload import (
+    BenchRequest,
+    generate_arrivals,
+    load_corpus,
+    load_trace,
+    select_trace,
+    trace_to_requests,
+)
 
 GAUGES = {
     "running": ("num_requests_running",),
@@ -40,10 +46,10 @@ GAUGES = {
 }
 
 
-def parse_prometheus(text: str) -> Dict[str, float]:
+def parse_prometheus(text: str) -> dict[str, float]:
     """Sums of the queue / KV-cache gauges in a Prometheus text exposition, keyed as in ``GAUGES``
     (any ``prefix:`` such as ``kvserve:`` or ``vllm:``; label sets summed; usage as 0..1)."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -64,9 +70,18 @@ def parse_prometheus(text: str) -> Dict[str, float]:
 
 
 class LoadGenerator:
-    def __init__(self, base_url: str, model: Optional[str], prompt_mode: str = "auto", timeout_s: float = 3600,
-                 max_concurrency: Optional[int] = None, tokenizer_dir: Optional[str] = None,
-                 metrics_interval_s: float = 0.5, use_tqdm: bool = True, extra_body: Optional[dict] = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None,
+        prompt_mode: str = "auto",
+        timeout_s: float = 3600,
+        max_concurrency: int | None = None,
+        tokenizer_dir: str | None = None,
+        metrics_interval_s: float = 0.5,
+        use_tqdm: bool = True,
+        extra_body: dict | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -77,7 +92,7 @@ class LoadGenerator:
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer = None
         self.metrics_interval_s = metrics_interval_s
-        self.metrics_available: Optional[bool] = None
+        self.metrics_available: bool | None = None
         self.use_tqdm = use_tqdm
         self.extra_body = extra_body or {}
 
@@ -94,10 +109,16 @@ class LoadGenerator:
         req.prompt = self._tokenizer.decode(req.prompt_token_ids)
         return req.prompt
 
-    def _body(self, req: BenchRequest, mode: str, max_tokens: Optional[int] = None) -> dict:
-        body = {"model": self.model, "prompt": req.prompt_token_ids if mode == "ids" else self._text_of(req),
-                "max_tokens": max_tokens or req.output_len, "ignore_eos": True, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}}
+    def _body(self, req: BenchRequest, mode: str, max_tokens: int | None = None) -> dict:
+        body = {
+            "model": self.model,
+            "prompt": req.prompt_token_ids if mode == "ids" else self._text_of(req),
+            "max_tokens": max_tokens or req.output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         body.update(self.extra_body)
         return body
 
@@ -107,7 +128,7 @@ class LoadGenerator:
             r = await client.get(f"{self.base_url}/v1/models", timeout=30)
             r.raise_for_status()
             data = r.json().get("data") or []
-        except Exception as e:  # noqa: BLE001 - report and go on
+        except Exception as e:
             print(f"warning: GET /v1/models failed: {e}", file=sys.stderr)
             return {"model": None, "max_model_len": None}
         first = data[0] if data else {}
@@ -120,15 +141,16 @@ class LoadGenerator:
                 r = await client.get(f"{self.base_url}/v1/models", timeout=5)
                 if r.status_code == 200:
                     return
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server at {self.base_url} not ready after {timeout_s:.0f} s")
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------ one request
-    async def _post(self, client, req: BenchRequest, res: RequestResult, mode: str,
-                    max_tokens: Optional[int] = None) -> Optional[int]:
+    async def _post(
+        self, client, req: BenchRequest, res: RequestResult, mode: str, max_tokens: int | None = None
+    ) -> int | None:
         """Streams one request into ``res``; returns the HTTP status on an HTTP error, else None."""
         url = f"{self.base_url}/v1/completions"
         t0 = time.perf_counter()
@@ -174,13 +196,17 @@ class LoadGenerator:
             res.success = res.ttft is not None
             if not res.success:
                 res.error = "no tokens streamed"
-        except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
         return None
 
     async def _one(self, client, req: BenchRequest, sem, bar) -> RequestResult:
-        res = RequestResult(request_id=req.id, prompt_len=req.prompt_len, expected_output_len=req.output_len,
-                            scheduled_arrival=req.arrival_s)
+        res = RequestResult(
+            request_id=req.id,
+            prompt_len=req.prompt_len,
+            expected_output_len=req.output_len,
+            scheduled_arrival=req.arrival_s,
+        )
         async with sem:
             mode = self.prompt_mode if self.prompt_mode != "auto" else "ids"
             status = await self._post(client, req, res, mode)
@@ -209,7 +235,7 @@ class LoadGenerator:
                 elif self.metrics_available is None:
                     self.metrics_available = False
                     return
-            except Exception:  # noqa: BLE001 - scraping is best effort
+            except Exception:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.metrics_interval_s)
@@ -217,7 +243,7 @@ class LoadGenerator:
                 pass
 
     # ------------------------------------------------------------ one run
-    async def run(self, client, reqs: List[BenchRequest], label: str) -> dict:
+    async def run(self, client, reqs: list[BenchRequest], label: str) -> dict:
         """Sends ``reqs`` at their ``arrival_s`` (relative to now); returns results and timeline."""
         from tqdm.auto import tqdm
 
@@ -226,7 +252,11 @@ class LoadGenerator:
         timeline = {"time_s": [], **{k: [] for k in GAUGES}}
         stop = asyncio.Event()
         t0 = time.perf_counter()
-        scraper = asyncio.create_task(self._scrape(client, t0, timeline, stop)) if self.metrics_interval_s > 0 else None
+        scraper = (
+            asyncio.create_task(self._scrape(client, t0, timeline, stop))
+            if self.metrics_interval_s > 0
+            else None
+        )
         tasks = []
         for req in sorted(reqs, key=lambda r: r.arrival_s):
             delay = t0 + req.arrival_s - time.perf_counter()
@@ -253,33 +283,48 @@ class LoadGenerator:
                 raise RuntimeError(f"warm-up request failed: {res.error}")
 
 
-def _parse_floats(s: Optional[str]) -> List[float]:
+def _parse_floats(s: str | None) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()] if s else []
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.throughput import add_workload_args
 
-    p = argparse.ArgumentParser(prog="kvserve bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvserve bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     add_workload_args(p)
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf (default) sends all at once")
+    a.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s; inf (default) sends all at once"
+    )
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
     a.add_argument("--sweep-rates", default=None, help="comma-separated request rates, one run each")
     a.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     t = p.add_argument_group("trace replay")
-    t.add_argument("--trace", default=None, help="trace file (Azure 2023 CSV, Vidur CSV, Mooncake JSONL, "
-                                                 "or a length-only CSV paired with generated arrivals)")
-    t.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply the trace's arrival times by this (0.5 = twice the rate)")
+    t.add_argument(
+        "--trace",
+        default=None,
+        help="trace file (Azure 2023 CSV, Vidur CSV, Mooncake JSONL, "
+        "or a length-only CSV paired with generated arrivals)",
+    )
+    t.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply the trace's arrival times by this (0.5 = twice the rate)",
+    )
     t.add_argument("--sweep-time-scales", default=None, help="comma-separated time scales, one run each")
     t.add_argument("--trace-start-s", type=float, default=0.0, help="skip the trace before this time (s)")
     t.add_argument("--trace-duration-s", type=float, default=None, help="replay only this long a window (s)")
-    t.add_argument("--max-model-len", type=int, default=None,
-                   help="context to clip traces to (default: the server's, from /v1/models, else 2048)")
+    t.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context to clip traces to (default: the server's, from /v1/models, else 2048)",
+    )
     t.add_argument("--max-input-len", type=int, default=None, help="also clip trace prompts to this")
     t.add_argument("--max-output-len", type=int, default=None, help="also clip trace outputs to this")
     s = p.add_argument_group("SLO (goodput)")
@@ -288,12 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-e2e-ms", type=float, default=None)
     o = p.add_argument_group("output")
     o.add_argument("--json-out", default=None)
-    o.add_argument("--plot-dir", default=None, help="write latency CDF, latency-vs-rate and timeline PNGs here")
+    o.add_argument(
+        "--plot-dir", default=None, help="write latency CDF, latency-vs-rate and timeline PNGs here"
+    )
     o.add_argument("--label", default=None, help="name of this server in plots and JSON (default: the URL)")
     o.add_argument("--no-tqdm", action="store_true")
     m = p.add_argument_group("misc")
-    m.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
-                   help="send prompts as token ids or text (auto: ids, text if the server refuses ids)")
+    m.add_argument(
+        "--prompt-format",
+        choices=["auto", "ids", "text"],
+        default="auto",
+        help="send prompts as token ids or text (auto: ids, text if the server refuses ids)",
+    )
     m.add_argument("--tokenizer", default=None, help="model dir to decode synthetic prompts for text mode")
     m.add_argument("--warmup-requests", type=int, default=1, help="tiny requests sent before measuring")
     m.add_argument("--wait-for-server-s", type=float, default=0.0, help="poll /v1/models this long first")
@@ -303,23 +354,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_runs(ns, reqs: List[BenchRequest], has_times: bool) -> List[dict]:
+def plan_runs(ns, reqs: list[BenchRequest], has_times: bool) -> list[dict]:
     """One dict per run: ``label``, ``request_rate``/``time_scale``, and requests with arrival times."""
     runs = []
     if has_times:
         scales = _parse_floats(ns.sweep_time_scales) or [ns.time_scale]
         base = [r.arrival_s for r in reqs]
         for sc in scales:
-            rs = [BenchRequest(r.prompt_token_ids, r.output_len, r.prompt, b * sc, r.id) for r, b in zip(reqs, base)]
+            rs = [
+                BenchRequest(r.prompt_token_ids, r.output_len, r.prompt, b * sc, r.id)
+                for r, b in zip(reqs, base)
+            ]
             span = max(b * sc for b in base) if base else 0.0
-            runs.append({"label": f"trace x{sc:g}", "time_scale": sc, "reqs": rs,
-                         "request_rate": (len(rs) - 1) / span if span > 0 else math.inf})
+            runs.append(
+                {
+                    "label": f"trace x{sc:g}",
+                    "time_scale": sc,
+                    "reqs": rs,
+                    "request_rate": (len(rs) - 1) / span if span > 0 else math.inf,
+                }
+            )
     else:
         rates = _parse_floats(ns.sweep_rates) or [ns.request_rate]
         for rate in rates:
             times = generate_arrivals(len(reqs), rate, ns.burstiness, seed=ns.workload_seed)
-            rs = [BenchRequest(r.prompt_token_ids, r.output_len, r.prompt, t, r.id) for r, t in zip(reqs, times)]
-            runs.append({"label": f"rate={rate:g}", "request_rate": rate, "burstiness": ns.burstiness, "reqs": rs})
+            rs = [
+                BenchRequest(r.prompt_token_ids, r.output_len, r.prompt, t, r.id) for r, t in zip(reqs, times)
+            ]
+            runs.append(
+                {"label": f"rate={rate:g}", "request_rate": rate, "burstiness": ns.burstiness, "reqs": rs}
+            )
     return runs
 
 
@@ -329,8 +393,16 @@ async def amain(ns) -> int:
     from kvserve.benchmarks.throughput import requests_from_args
 
     slo = SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms)
-    gen = LoadGenerator(ns.base_url, ns.model, ns.prompt_format, ns.request_timeout_s, ns.max_concurrency,
-                        ns.tokenizer, ns.metrics_interval_s, not ns.no_tqdm)
+    gen = LoadGenerator(
+        ns.base_url,
+        ns.model,
+        ns.prompt_format,
+        ns.request_timeout_s,
+        ns.max_concurrency,
+        ns.tokenizer,
+        ns.metrics_interval_s,
+        not ns.no_tqdm,
+    )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(ns.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -345,24 +417,31 @@ async def amain(ns) -> int:
         has_times = False
         if ns.trace:
             max_len = ns.max_model_len or info["max_model_len"] or 2048
-            records = select_trace(load_trace(ns.trace), ns.trace_start_s, ns.trace_duration_s, ns.num_prompts)
+            records = select_trace(
+                load_trace(ns.trace), ns.trace_start_s, ns.trace_duration_s, ns.num_prompts
+            )
             has_times = bool(records) and records[0].arrival_s is not None
             corpus = load_corpus([ns.workload] if ns.workload else None)
-            reqs, report = trace_to_requests(records, corpus, max_len, ns.max_input_len, ns.max_output_len,
-                                             seed=ns.workload_seed)
+            reqs, report = trace_to_requests(
+                records, corpus, max_len, ns.max_input_len, ns.max_output_len, seed=ns.workload_seed
+            )
             clip = report.as_dict()
             source = f"trace {ns.trace} ({len(reqs)} requests)"
-            print(f"{source}: clipped to max_model_len={max_len}: {report.input_clipped} prompts and "
-                  f"{report.output_clipped} outputs shortened; prompt tokens {report.input_tokens_before} -> "
-                  f"{report.input_tokens_after}, output tokens {report.output_tokens_before} -> "
-                  f"{report.output_tokens_after}")
+            print(
+                f"{source}: clipped to max_model_len={max_len}: {report.input_clipped} prompts and "
+                f"{report.output_clipped} outputs shortened; prompt tokens {report.input_tokens_before} -> "
+                f"{report.input_tokens_after}, output tokens {report.output_tokens_before} -> "
+                f"{report.output_tokens_after}"
+            )
         else:
             reqs, source = requests_from_args(ns)
         if not reqs:
             print("error: no requests to send", file=sys.stderr)
             return 2
-        print(f"server {gen.base_url} model {gen.model!r}; {source}: {len(reqs)} requests, "
-              f"{sum(r.prompt_len for r in reqs)} prompt + {sum(r.output_len for r in reqs)} output tokens")
+        print(
+            f"server {gen.base_url} model {gen.model!r}; {source}: {len(reqs)} requests, "
+            f"{sum(r.prompt_len for r in reqs)} prompt + {sum(r.output_len for r in reqs)} output tokens"
+        )
         if ns.warmup_requests:
             await gen.warmup(client, reqs[0], ns.warmup_requests)
         runs_out = []
@@ -371,30 +450,56 @@ async def amain(ns) -> int:
             if k and ns.cooldown_s:
                 await asyncio.sleep(ns.cooldown_s)
             out = await gen.run(client, plan["reqs"], plan["label"])
-            results: List[RequestResult] = out["results"]
+            results: list[RequestResult] = out["results"]
             summary = summarize_results(results, out["duration_s"], slo)
             ok = [r for r in results if r.success]
-            runs_out.append({
-                "label": plan["label"], "request_rate": plan.get("request_rate"),
-                "burstiness": plan.get("burstiness"), "time_scale": plan.get("time_scale"),
-                "summary": summary,
-                "samples": {"ttft_ms": [r.ttft * 1000 for r in ok],
-                            "tpot_ms": [r.tpot * 1000 for r in ok if r.tpot is not None],
-                            "e2e_ms": [r.e2e * 1000 for r in ok]},
-                "requests": [{"id": r.request_id, "prompt_len": r.prompt_len, "expected_output_len":
-                              r.expected_output_len, "output_tokens": r.output_tokens, "success": r.success,
-                              "scheduled_arrival_s": r.scheduled_arrival, "ttft_s": r.ttft, "tpot_s": r.tpot,
-                              "e2e_s": r.e2e, "error": r.error or None} for r in results],
-                "timeline": out["timeline"],
-            })
+            runs_out.append(
+                {
+                    "label": plan["label"],
+                    "request_rate": plan.get("request_rate"),
+                    "burstiness": plan.get("burstiness"),
+                    "time_scale": plan.get("time_scale"),
+                    "summary": summary,
+                    "samples": {
+                        "ttft_ms": [r.ttft * 1000 for r in ok],
+                        "tpot_ms": [r.tpot * 1000 for r in ok if r.tpot is not None],
+                        "e2e_ms": [r.e2e * 1000 for r in ok],
+                    },
+                    "requests": [
+                        {
+                            "id": r.request_id,
+                            "prompt_len": r.prompt_len,
+                            "expected_output_len": r.expected_output_len,
+                            "output_tokens": r.output_tokens,
+                            "success": r.success,
+                            "scheduled_arrival_s": r.scheduled_arrival,
+                            "ttft_s": r.ttft,
+                            "tpot_s": r.tpot,
+                            "e2e_s": r.e2e,
+                            "error": r.error or None,
+                        }
+                        for r in results
+                    ],
+                    "timeline": out["timeline"],
+                }
+            )
             print_summary(plan["label"], summary)
     if len(runs_out) > 1:
         print_sweep(runs_out)
     label = ns.label or ns.base_url
-    result = {"benchmark": "serve", "label": label, "base_url": ns.base_url, "model": gen.model,
-              "workload": source, "prompt_format": gen.prompt_mode, "max_concurrency": ns.max_concurrency,
-              "clip": clip, "metrics_scraped": bool(gen.metrics_available), "system": system_info(),
-              "runs": runs_out}
+    result = {
+        "benchmark": "serve",
+        "label": label,
+        "base_url": ns.base_url,
+        "model": gen.model,
+        "workload": source,
+        "prompt_format": gen.prompt_mode,
+        "max_concurrency": ns.max_concurrency,
+        "clip": clip,
+        "metrics_scraped": bool(gen.metrics_available),
+        "system": system_info(),
+        "runs": runs_out,
+    }
     if ns.plot_dir:
         from kvserve.benchmarks import plots
 
@@ -407,9 +512,11 @@ async def amain(ns) -> int:
 
 
 def print_summary(label: str, s: dict) -> None:
-    print(f"\n== {label}: {s['completed']}/{s['num_requests']} ok in {s['duration_s']:.2f} s; "
-          f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
-          f"{s['total_token_throughput']:.1f} total tok/s")
+    print(
+        f"\n== {label}: {s['completed']}/{s['num_requests']} ok in {s['duration_s']:.2f} s; "
+        f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+        f"{s['total_token_throughput']:.1f} total tok/s"
+    )
     rows = []
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         d = s[key]
@@ -417,26 +524,52 @@ def print_summary(label: str, s: dict) -> None:
     print(fmt_table(["ms", "mean", "p50", "p90", "p99", "max"], rows))
     slo = s["slo"]
     if any(v is not None for v in slo.values()):
-        print(f"goodput (SLO ttft<={slo['ttft_ms']} tpot<={slo['tpot_ms']} e2e<={slo['e2e_ms']} ms): "
-              f"{s['good_requests']}/{s['num_requests']} good, {s['goodput_req_s']:.2f} req/s, "
-              f"{s['goodput_output_tok_s']:.1f} tok/s")
+        print(
+            f"goodput (SLO ttft<={slo['ttft_ms']} tpot<={slo['tpot_ms']} e2e<={slo['e2e_ms']} ms): "
+            f"{s['good_requests']}/{s['num_requests']} good, {s['goodput_req_s']:.2f} req/s, "
+            f"{s['goodput_output_tok_s']:.1f} tok/s"
+        )
     if s.get("first_errors"):
         print(f"errors: {s['first_errors']}")
 
 
-def print_sweep(runs: List[dict]) -> None:
+def print_sweep(runs: list[dict]) -> None:
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append([r["label"], s["request_throughput"], s["output_throughput"], s["ttft_ms"]["p50"],
-                     s["ttft_ms"]["p99"], s["tpot_ms"]["p50"], s["tpot_ms"]["p99"], s["e2e_ms"]["p50"],
-                     s["goodput_req_s"]])
+        rows.append(
+            [
+                r["label"],
+                s["request_throughput"],
+                s["output_throughput"],
+                s["ttft_ms"]["p50"],
+                s["ttft_ms"]["p99"],
+                s["tpot_ms"]["p50"],
+                s["tpot_ms"]["p99"],
+                s["e2e_ms"]["p50"],
+                s["goodput_req_s"],
+            ]
+        )
     print("\n== sweep")
-    print(fmt_table(["run", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50",
-                     "goodput req/s"], rows))
+    print(
+        fmt_table(
+            [
+                "run",
+                "req/s",
+                "out tok/s",
+                "TTFT p50",
+                "TTFT p99",
+                "TPOT p50",
+                "TPOT p99",
+                "E2E p50",
+                "goodput req/s",
+            ],
+            rows,
+        )
+    )
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return asyncio.run(amain(ns))

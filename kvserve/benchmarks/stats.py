@@ -3,16 +3,17 @@
 Percentiles use linear interpolation between closest ranks (numpy's default ``linear`` method), so
 p50 of ``[1, 2, 3, 4]`` is 2.5 and p99 of 100 samples lies between the two largest.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
 
 DEFAULT_PERCENTILES = (50, 90, 99)
 
 
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
+def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0..100) of ``values``; None when empty.
 
     Raises:
@@ -29,12 +30,13 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(values: Iterable[Optional[float]], percentiles: Sequence[float] = DEFAULT_PERCENTILES,
-              scale: float = 1.0) -> Dict[str, Optional[float]]:
+def summarize(
+    values: Iterable[float | None], percentiles: Sequence[float] = DEFAULT_PERCENTILES, scale: float = 1.0
+) -> dict[str, float | None]:
     """``{"n", "mean", "std", "min", "max", "p50", "p90", "p99"}`` of the non-None values times ``scale``
     (e.g. ``scale=1000`` for seconds -> ms). All None (n=0) for an empty input."""
     xs = [v * scale for v in values if v is not None and not math.isnan(v)]
-    out: Dict[str, Optional[float]] = {"n": len(xs)}
+    out: dict[str, float | None] = {"n": len(xs)}
     if not xs:
         out.update(mean=None, std=None, min=None, max=None)
         out.update({f"p{_fmt_q(q)}": None for q in percentiles})
@@ -68,14 +70,14 @@ class RequestResult:
     success: bool = False
     error: str = ""
     send_time: float = 0.0
-    ttft: Optional[float] = None
-    e2e: Optional[float] = None
+    ttft: float | None = None
+    e2e: float | None = None
     output_tokens: int = 0
-    itl: List[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
     scheduled_arrival: float = 0.0
 
     @property
-    def tpot(self) -> Optional[float]:
+    def tpot(self) -> float | None:
         """(e2e - ttft) / (output_tokens - 1): the mean time per output token after the first."""
         if not self.success or self.ttft is None or self.e2e is None or self.output_tokens < 2:
             return None
@@ -86,14 +88,14 @@ class RequestResult:
 class SLO:
     """Service-level objectives in milliseconds; a None bound is not checked."""
 
-    ttft_ms: Optional[float] = None
-    tpot_ms: Optional[float] = None
-    e2e_ms: Optional[float] = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
 
     def any(self) -> bool:
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
 
-    def met(self, ttft: Optional[float], tpot: Optional[float], e2e: Optional[float]) -> bool:
+    def met(self, ttft: float | None, tpot: float | None, e2e: float | None) -> bool:
         """True when every set bound holds (latencies in seconds). A request with a single output
         token has no TPOT; that bound then counts as met."""
         if self.ttft_ms is not None and (ttft is None or ttft * 1000 > self.ttft_ms):
@@ -105,7 +107,7 @@ class SLO:
         return True
 
 
-def goodput(results: Sequence[RequestResult], slo: SLO, duration_s: float) -> Dict[str, float]:
+def goodput(results: Sequence[RequestResult], slo: SLO, duration_s: float) -> dict[str, float]:
     """Requests (and their output tokens) that succeeded *and* met the SLO, per second of the run.
 
     Returns ``{"good_requests", "good_fraction", "goodput_req_s", "goodput_output_tok_s"}``;
@@ -122,15 +124,16 @@ def goodput(results: Sequence[RequestResult], slo: SLO, duration_s: float) -> Di
     }
 
 
-def summarize_results(results: Sequence[RequestResult], duration_s: float,
-                      slo: Optional[SLO] = None) -> Dict[str, object]:
+def summarize_results(
+    results: Sequence[RequestResult], duration_s: float, slo: SLO | None = None
+) -> dict[str, object]:
     """The online benchmark's metrics for one run: counts, throughput, TTFT/TPOT/ITL/E2E (ms) and
     goodput under ``slo``."""
     ok = [r for r in results if r.success]
     d = max(duration_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    summary: Dict[str, object] = {
+    summary: dict[str, object] = {
         "num_requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),

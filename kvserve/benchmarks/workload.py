@@ -17,15 +17,16 @@
   ``max_input_len`` (if given) and at ``max_model_len - output_len``, so every request fits
   ``input + output <= max_model_len``. Every clipped request is counted in the run's JSON.
 """
+
 from __future__ import annotations
 
 import csv
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 from kvserve.shared_data import shared_dir
 
@@ -40,9 +41,9 @@ def default_workload_path(name: str = "w64.jsonl") -> Path:
 class BenchRequest:
     """One request to send: token ids (and text when known), output length, arrival time (s)."""
 
-    prompt_token_ids: List[int]
+    prompt_token_ids: list[int]
     output_len: int
-    prompt: Optional[str] = None
+    prompt: str | None = None
     arrival_s: float = 0.0
     id: int = 0
 
@@ -55,10 +56,10 @@ class BenchRequest:
 class TraceRecord:
     """One trace row: arrival (s from the first row, None when the file has no times), lengths."""
 
-    arrival_s: Optional[float]
+    arrival_s: float | None
     input_len: int
     output_len: int
-    hash_ids: Optional[List[int]] = None
+    hash_ids: list[int] | None = None
 
 
 @dataclass
@@ -67,8 +68,8 @@ class ClipReport:
     input_clipped: int = 0
     output_clipped: int = 0
     max_model_len: int = 0
-    max_input_len: Optional[int] = None
-    max_output_len: Optional[int] = None
+    max_input_len: int | None = None
+    max_output_len: int | None = None
     input_tokens_before: int = 0
     input_tokens_after: int = 0
     output_tokens_before: int = 0
@@ -79,13 +80,13 @@ class ClipReport:
 
 
 # ---------------------------------------------------------------- workload files
-def load_workload(path, num_prompts: Optional[int] = None) -> List[BenchRequest]:
+def load_workload(path, num_prompts: int | None = None) -> list[BenchRequest]:
     """Requests of a workload JSONL file (the first ``num_prompts`` when given).
 
     Raises:
         ValueError: a line without ``prompt_token_ids`` or ``output_len``.
     """
-    reqs: List[BenchRequest] = []
+    reqs: list[BenchRequest] = []
     with open(path) as f:
         for i, line in enumerate(f):
             if not line.strip():
@@ -93,55 +94,72 @@ def load_workload(path, num_prompts: Optional[int] = None) -> List[BenchRequest]
             obj = json.loads(line)
             if "prompt_token_ids" not in obj or "output_len" not in obj:
                 raise ValueError(f"{path}:{i + 1}: a workload line needs prompt_token_ids and output_len")
-            reqs.append(BenchRequest(prompt_token_ids=list(obj["prompt_token_ids"]),
-                                     output_len=int(obj["output_len"]), prompt=obj.get("prompt"),
-                                     arrival_s=float(obj.get("arrival_s", 0.0) or 0.0),
-                                     id=int(obj.get("id", len(reqs)))))
+            reqs.append(
+                BenchRequest(
+                    prompt_token_ids=list(obj["prompt_token_ids"]),
+                    output_len=int(obj["output_len"]),
+                    prompt=obj.get("prompt"),
+                    arrival_s=float(obj.get("arrival_s", 0.0) or 0.0),
+                    id=int(obj.get("id", len(reqs))),
+                )
+            )
             if num_prompts is not None and len(reqs) >= num_prompts:
                 break
     return reqs
 
 
-def load_corpus(paths: Optional[Sequence] = None) -> List[int]:
+def load_corpus(paths: Sequence | None = None) -> list[int]:
     """Token ids to cut synthetic prompts from: the prompts of the workload files, concatenated
     (default: ``w256.jsonl``, else ``w64.jsonl``, from the shared workloads)."""
     if paths is None:
-        paths = [p for p in (default_workload_path("w256.jsonl"), default_workload_path("w64.jsonl"))
-                 if p.is_file()][:1]
-    ids: List[int] = []
+        paths = [
+            p
+            for p in (default_workload_path("w256.jsonl"), default_workload_path("w64.jsonl"))
+            if p.is_file()
+        ][:1]
+    ids: list[int] = []
     for p in paths:
         for r in load_workload(p):
             ids.extend(r.prompt_token_ids)
     if not ids:
-        raise ValueError(f"no corpus token ids: no workload file found (looked for w256.jsonl / w64.jsonl in "
-                         f"{shared_dir() / 'workloads'}; set KVSERVE_SHARED_DIR to the shared data folder)")
+        raise ValueError(
+            f"no corpus token ids: no workload file found (looked for w256.jsonl / w64.jsonl in "
+            f"{shared_dir() / 'workloads'}; set KVSERVE_SHARED_DIR to the shared data folder)"
+        )
     return ids
 
 
-def corpus_window(corpus: Sequence[int], offset: int, length: int) -> List[int]:
+def corpus_window(corpus: Sequence[int], offset: int, length: int) -> list[int]:
     """``length`` tokens of ``corpus`` starting at ``offset``, wrapping around."""
     n = len(corpus)
     offset %= n
-    out: List[int] = []
+    out: list[int] = []
     while len(out) < length:
         take = min(length - len(out), n - offset)
-        out.extend(corpus[offset:offset + take])
+        out.extend(corpus[offset : offset + take])
         offset = 0
     return out
 
 
-def synthetic_requests(num_prompts: int, input_len: int, output_len: int, corpus: Sequence[int],
-                       seed: int = 0) -> List[BenchRequest]:
+def synthetic_requests(
+    num_prompts: int, input_len: int, output_len: int, corpus: Sequence[int], seed: int = 0
+) -> list[BenchRequest]:
     """``num_prompts`` prompts of exactly ``input_len`` corpus tokens at seeded offsets."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return [BenchRequest(prompt_token_ids=corpus_window(corpus, int(rng.integers(len(corpus))), input_len),
-                         output_len=output_len, id=i) for i in range(num_prompts)]
+    return [
+        BenchRequest(
+            prompt_token_ids=corpus_window(corpus, int(rng.integers(len(corpus))), input_len),
+            output_len=output_len,
+            id=i,
+        )
+        for i in range(num_prompts)
+    ]
 
 
 # ---------------------------------------------------------------- arrivals
-def generate_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> List[float]:
+def generate_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send times (s) of ``n`` requests at mean ``rate`` req/s; the first is at 0.
 
     Inter-arrival gaps are gamma distributed with shape ``burstiness`` and mean ``1/rate``
@@ -199,33 +217,52 @@ def _parse_azure_time(s: str) -> float:
     return t + (float("0." + frac) if frac else 0.0)
 
 
-def load_trace(path, fmt: str = "auto") -> List[TraceRecord]:
+def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
     """Rows of a trace file in file order, arrival times relative to the first row (s).
 
     Raises:
         ValueError: unknown format or a malformed row.
     """
     fmt = detect_trace_format(path) if fmt == "auto" else fmt
-    records: List[TraceRecord] = []
+    records: list[TraceRecord] = []
     if fmt == "mooncake":
         with open(path) as f:
             for line in f:
                 if line.strip():
                     o = json.loads(line)
-                    records.append(TraceRecord(float(o["timestamp"]) / 1000.0, int(o["input_length"]),
-                                               int(o["output_length"]), list(o.get("hash_ids") or []) or None))
+                    records.append(
+                        TraceRecord(
+                            float(o["timestamp"]) / 1000.0,
+                            int(o["input_length"]),
+                            int(o["output_length"]),
+                            list(o.get("hash_ids") or []) or None,
+                        )
+                    )
     else:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 if fmt == "azure":
-                    records.append(TraceRecord(_parse_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]),
-                                               int(row["GeneratedTokens"])))
+                    records.append(
+                        TraceRecord(
+                            _parse_azure_time(row["TIMESTAMP"]),
+                            int(row["ContextTokens"]),
+                            int(row["GeneratedTokens"]),
+                        )
+                    )
                 elif fmt == "vidur":
-                    records.append(TraceRecord(float(row["arrived_at"]), int(float(row["num_prefill_tokens"])),
-                                               int(float(row["num_decode_tokens"]))))
+                    records.append(
+                        TraceRecord(
+                            float(row["arrived_at"]),
+                            int(float(row["num_prefill_tokens"])),
+                            int(float(row["num_decode_tokens"])),
+                        )
+                    )
                 elif fmt == "lengths":
-                    records.append(TraceRecord(None, int(float(row["num_prefill_tokens"])),
-                                               int(float(row["num_decode_tokens"]))))
+                    records.append(
+                        TraceRecord(
+                            None, int(float(row["num_prefill_tokens"])), int(float(row["num_decode_tokens"]))
+                        )
+                    )
                 else:
                     raise ValueError(f"unknown trace format {fmt!r}")
     if records and records[0].arrival_s is not None:
@@ -235,14 +272,21 @@ def load_trace(path, fmt: str = "auto") -> List[TraceRecord]:
     return records
 
 
-def select_trace(records: List[TraceRecord], start_s: float = 0.0, duration_s: Optional[float] = None,
-                 num_requests: Optional[int] = None) -> List[TraceRecord]:
+def select_trace(
+    records: list[TraceRecord],
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+) -> list[TraceRecord]:
     """Rows arriving in ``[start_s, start_s + duration_s)`` (then at most ``num_requests``), with
     arrivals re-based so the first selected row arrives at 0. Rows without times are only cut by count."""
     if records and records[0].arrival_s is not None:
         end = math.inf if duration_s is None else start_s + duration_s
-        sel = [TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids) for r in records
-               if start_s <= r.arrival_s < end]
+        sel = [
+            TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids)
+            for r in records
+            if start_s <= r.arrival_s < end
+        ]
         if sel:
             t0 = sel[0].arrival_s
             for r in sel:
@@ -252,7 +296,7 @@ def select_trace(records: List[TraceRecord], start_s: float = 0.0, duration_s: O
     return sel[:num_requests] if num_requests is not None else sel
 
 
-def scale_arrivals(records: List[TraceRecord], time_scale: float) -> List[TraceRecord]:
+def scale_arrivals(records: list[TraceRecord], time_scale: float) -> list[TraceRecord]:
     """Multiplies every arrival time by ``time_scale`` (0.5 = twice the trace's request rate,
     as Vidur's ``time_scale_factor``). Returns new records.
 
@@ -261,12 +305,21 @@ def scale_arrivals(records: List[TraceRecord], time_scale: float) -> List[TraceR
     """
     if time_scale < 0:
         raise ValueError(f"time scale must be >= 0, got {time_scale}")
-    return [TraceRecord(None if r.arrival_s is None else r.arrival_s * time_scale, r.input_len, r.output_len,
-                        r.hash_ids) for r in records]
+    return [
+        TraceRecord(
+            None if r.arrival_s is None else r.arrival_s * time_scale, r.input_len, r.output_len, r.hash_ids
+        )
+        for r in records
+    ]
 
 
-def clip_lengths(input_len: int, output_len: int, max_model_len: int, max_input_len: Optional[int] = None,
-                 max_output_len: Optional[int] = None):
+def clip_lengths(
+    input_len: int,
+    output_len: int,
+    max_model_len: int,
+    max_input_len: int | None = None,
+    max_output_len: int | None = None,
+):
     """``(input_len, output_len)`` clipped so that ``input + output <= max_model_len`` (see module doc).
 
     Raises:
@@ -281,17 +334,24 @@ def clip_lengths(input_len: int, output_len: int, max_model_len: int, max_input_
     return inp, out
 
 
-def trace_to_requests(records: Sequence[TraceRecord], corpus: Sequence[int], max_model_len: int,
-                      max_input_len: Optional[int] = None, max_output_len: Optional[int] = None,
-                      seed: int = 0):
+def trace_to_requests(
+    records: Sequence[TraceRecord],
+    corpus: Sequence[int],
+    max_model_len: int,
+    max_input_len: int | None = None,
+    max_output_len: int | None = None,
+    seed: int = 0,
+):
     """``(requests, ClipReport)``: prompts synthesised from ``corpus`` with the trace's (clipped)
     lengths and arrival times (0 for rows without times; the caller then sets them)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    report = ClipReport(max_model_len=max_model_len, max_input_len=max_input_len, max_output_len=max_output_len)
+    report = ClipReport(
+        max_model_len=max_model_len, max_input_len=max_input_len, max_output_len=max_output_len
+    )
     span = max(len(corpus) - MOONCAKE_BLOCK_TOKENS, 1)
-    reqs: List[BenchRequest] = []
+    reqs: list[BenchRequest] = []
     for i, r in enumerate(records):
         inp, out = clip_lengths(r.input_len, r.output_len, max_model_len, max_input_len, max_output_len)
         report.num_requests += 1
@@ -302,7 +362,7 @@ def trace_to_requests(records: Sequence[TraceRecord], corpus: Sequence[int], max
         report.output_tokens_before += r.output_len
         report.output_tokens_after += out
         if r.hash_ids:
-            ids: List[int] = []
+            ids: list[int] = []
             for h in r.hash_ids:
                 if len(ids) >= inp:
                     break

@@ -13,10 +13,10 @@ With prefix caching a block whose content is a computed full block is *registere
 content hash (``block_hash``); when its last reference goes it moves to the LRU evictor
 instead of the plain free list, so a later request with the same prefix can reuse it.
 """
+
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Optional
 
 from kvserve.core.evictor import LRUEvictor
 
@@ -48,11 +48,12 @@ class PhysicalBlock:
         self.block_number = block_number
         self.device = device
         self.ref_count = 0
-        self.block_hash: Optional[int] = None
+        self.block_hash: int | None = None
 
     def __repr__(self) -> str:
-        return (f"PhysicalBlock({self.device}#{self.block_number}, ref={self.ref_count}, "
-                f"hash={self.block_hash})")
+        return (
+            f"PhysicalBlock({self.device}#{self.block_number}, ref={self.ref_count}, hash={self.block_hash})"
+        )
 
 
 class BlockPool:
@@ -71,11 +72,11 @@ class BlockPool:
         self.device = device
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks: List[PhysicalBlock] = [PhysicalBlock(i, device) for i in range(num_blocks)]
-        self._free_ids: Deque[int] = deque(range(num_blocks))
-        self.evictor = LRUEvictor()
+        self.blocks: list[PhysicalBlock] = [PhysicalBlock(i, device) for i in range(num_blocks)]
+        self._free_ids: deque[int] = deque(range(num_blocks))
+        self.evictor: LRUEvictor[PhysicalBlock] = LRUEvictor()
         # content hash -> the registered block holding it
-        self.cached: Dict[int, PhysicalBlock] = {}
+        self.cached: dict[int, PhysicalBlock] = {}
         self._num_in_use = 0
 
     # ------------------------------------------------------------------ counts
@@ -137,7 +138,7 @@ class BlockPool:
                 self._free_ids.append(block.block_number)
 
     # ------------------------------------------------------------------ prefix cache
-    def lookup(self, block_hash: int) -> Optional[PhysicalBlock]:
+    def lookup(self, block_hash: int) -> PhysicalBlock | None:
         """The registered block holding ``block_hash`` (in use or evictable), or None."""
         return self.cached.get(block_hash)
 

@@ -24,16 +24,17 @@ Sliding window (``sliding_window`` tokens): once every position of a block is ou
 window of the next query, the block is released; its table entry then repeats the number of
 a block the sequence still holds (the runner masks those positions, so any valid block works).
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 from kvserve.core.block import CPU, GPU, BlockPool, PhysicalBlock
 from kvserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-BlockTable = List[Optional[PhysicalBlock]]
+BlockTable = list[PhysicalBlock | None]
 
 
 class AllocStatus(enum.Enum):
@@ -70,7 +71,7 @@ class AllocationPlan:
     cost: int
     num_cached_tokens: int = 0
     # Internal: per seq, the cached blocks to reuse (len == num_cached_blocks).
-    _hits: List[List[PhysicalBlock]] = field(default_factory=list, repr=False)
+    _hits: list[list[PhysicalBlock]] = field(default_factory=list, repr=False)
     _cow_last: bool = False
 
 
@@ -94,9 +95,15 @@ class BlockSpaceManager:
         ValueError: for sizes out of range.
     """
 
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 watermark: float = 0.01, sliding_window: Optional[int] = None,
-                 enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        sliding_window: int | None = None,
+        enable_caching: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_gpu_blocks < 1:
@@ -112,22 +119,22 @@ class BlockSpaceManager:
         self.enable_caching = enable_caching
         self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching)
         self.cpu = BlockPool(CPU, self.num_total_cpu_blocks, False)
-        self.block_tables: Dict[int, BlockTable] = {}
+        self.block_tables: dict[int, BlockTable] = {}
         # seq_id -> block numbers as handed out by get_block_table (rebuilt after a change;
         # a new list each time, so lists already handed out stay valid snapshots).
-        self._ids: Dict[int, List[int]] = {}
+        self._ids: dict[int, list[int]] = {}
         # seq_id -> chained hashes of its leading full blocks (prefix caching only).
-        self._seq_hashes: Dict[int, List[int]] = {}
+        self._seq_hashes: dict[int, list[int]] = {}
         # seq_id -> number of leading blocks already considered by mark_blocks_as_computed.
-        self._num_marked: Dict[int, int] = {}
+        self._num_marked: dict[int, int] = {}
         # COW sources of full-hit prompts, pinned until the step that copies them has run.
-        self._pinned: List[PhysicalBlock] = []
+        self._pinned: list[PhysicalBlock] = []
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
     # ================================================================== hashing
-    def _get_hashes(self, seq: Sequence, num_blocks: int) -> List[int]:
+    def _get_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chained content hashes of ``seq``'s first ``num_blocks`` full blocks."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
@@ -135,14 +142,14 @@ class BlockSpaceManager:
             bs = self.block_size
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_blocks):
-                parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
                 hashes.append(parent)
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 
-    def _cache_hits(self, seq: Sequence) -> List[PhysicalBlock]:
+    def _cache_hits(self, seq: Sequence) -> list[PhysicalBlock]:
         """Leading full blocks of ``seq`` present in the prefix cache (longest run)."""
         num_full = seq.get_len() // self.block_size
-        hits: List[PhysicalBlock] = []
+        hits: list[PhysicalBlock] = []
         for h in self._get_hashes(seq, num_full):
             b = self.gpu.lookup(h)
             if b is None:
@@ -151,7 +158,7 @@ class BlockSpaceManager:
         return hits
 
     # ================================================================== admission
-    def _live_seqs(self, seq_group: SequenceGroup) -> List[Sequence]:
+    def _live_seqs(self, seq_group: SequenceGroup) -> list[Sequence]:
         seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
         return seqs if seqs else seq_group.get_unfinished_seqs()
 
@@ -159,7 +166,7 @@ class BlockSpaceManager:
         """Leading full blocks (at most ``limit``) whose tokens are identical in both seqs."""
         a, b, bs = first.get_token_ids(), seq.get_token_ids(), self.block_size
         n = 0
-        while n < limit and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
+        while n < limit and a[n * bs : (n + 1) * bs] == b[n * bs : (n + 1) * bs]:
             n += 1
         return n
 
@@ -180,28 +187,34 @@ class BlockSpaceManager:
         required = n_blocks + sum(n_blocks - k for k in shared[1:])
         usable = self.num_total_gpu_blocks - self.watermark_blocks
 
-        hits: List[List[PhysicalBlock]] = [[] for _ in seqs]
+        hits: list[list[PhysicalBlock]] = [[] for _ in seqs]
         num_cached_blocks = 0
         if self.enable_caching:
             hits = [self._cache_hits(s) for s in seqs]
             num_cached_blocks = min(len(h) for h in hits)
-        plan = self._plan_with_hits(seqs, shared, [h[:num_cached_blocks] for h in hits],
-                                    num_cached_blocks, required, usable)
+        plan = self._plan_with_hits(
+            seqs, shared, [h[:num_cached_blocks] for h in hits], num_cached_blocks, required, usable
+        )
         if plan.status == AllocStatus.LATER and plan._cow_last:
             # A full hit costs one block more than its length (the private copy of the last
             # block). When that extra block is what does not fit, reuse one block fewer and
             # recompute it instead: otherwise a prompt filling the whole pool would wait
             # forever for a block that can never be free.
             k = num_cached_blocks - 1
-            fallback = self._plan_with_hits(seqs, shared, [h[:k] for h in hits], k,
-                                            required, usable)
+            fallback = self._plan_with_hits(seqs, shared, [h[:k] for h in hits], k, required, usable)
             if fallback.status == AllocStatus.OK:
                 return fallback
         return plan
 
-    def _plan_with_hits(self, seqs: List[Sequence], shared: List[int],
-                        hits: List[List[PhysicalBlock]], num_cached_blocks: int,
-                        required: int, usable: int) -> AllocationPlan:
+    def _plan_with_hits(
+        self,
+        seqs: list[Sequence],
+        shared: list[int],
+        hits: list[list[PhysicalBlock]],
+        num_cached_blocks: int,
+        required: int,
+        usable: int,
+    ) -> AllocationPlan:
         """The plan that reuses the first ``num_cached_blocks`` hit blocks of every sequence."""
         bs = self.block_size
         length = seqs[0].get_len()
@@ -234,8 +247,7 @@ class BlockSpaceManager:
         """OK / LATER / NEVER for prefilling the group's waiting sequences now."""
         return self.plan_allocation(seq_group).status
 
-    def allocate(self, seq_group: SequenceGroup,
-                 plan: Optional[AllocationPlan] = None) -> List[Tuple[int, int]]:
+    def allocate(self, seq_group: SequenceGroup, plan: AllocationPlan | None = None) -> list[tuple[int, int]]:
         """Give every live sequence of the group a block table for all of its tokens.
 
         Reuses prefix-cache hits (and sets ``seq.data`` computed tokens to the hit length),
@@ -259,7 +271,7 @@ class BlockSpaceManager:
         length = first.get_len()
         n_blocks = _cdiv(length, bs)
         num_cached_blocks = len(plan._hits[0]) if plan._hits else 0
-        copies: List[Tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
         first_table: BlockTable = []
         # Hold every hit block while allocating, so a fresh allocation for one sequence can
         # never evict a cached block another sequence of the group is about to reuse.
@@ -278,7 +290,7 @@ class BlockSpaceManager:
                         self.gpu.incr_ref(b)
                     elif last_cow:
                         src = plan._hits[i][j]
-                        self.gpu.incr_ref(src)     # pin: the copy runs at the next step
+                        self.gpu.incr_ref(src)  # pin: the copy runs at the next step
                         self._pinned.append(src)
                         b = self.gpu.allocate()
                         copies.append((src.block_number, b.block_number))
@@ -307,17 +319,21 @@ class BlockSpaceManager:
         return copies
 
     # ================================================================== decode growth
-    def _write_range(self, seq: Sequence, num_lookahead_slots: int) -> Tuple[int, int]:
+    def _write_range(self, seq: Sequence, num_lookahead_slots: int) -> tuple[int, int]:
         """Block indices [first, end) written by the next step of ``seq``."""
         first = seq.data.get_num_computed_tokens() // self.block_size
         end = _cdiv(seq.get_len() + num_lookahead_slots, self.block_size)
         return first, end
 
-    def _num_new_blocks_for_append(self, seq_group: SequenceGroup, num_lookahead_slots: int,
-                                   status: SequenceStatus = SequenceStatus.RUNNING) -> int:
+    def _num_new_blocks_for_append(
+        self,
+        seq_group: SequenceGroup,
+        num_lookahead_slots: int,
+        status: SequenceStatus = SequenceStatus.RUNNING,
+    ) -> int:
         """New blocks the group's next step needs: growth plus copy-on-write copies."""
         needed = 0
-        shared: Dict[int, List] = {}
+        shared: dict[int, list] = {}
         for seq in seq_group.get_seqs(status=status):
             table = self.block_tables.get(seq.seq_id)
             if table is None:
@@ -339,15 +355,20 @@ class BlockSpaceManager:
         Counts new blocks for growth and for copy-on-write of shared blocks about to be
         written (a block shared by k of the group's seqs and nobody else needs k-1 copies).
         """
-        return self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.gpu.get_num_free_blocks()
+        return (
+            self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.gpu.get_num_free_blocks()
+        )
 
     def can_ever_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         """False when the group's blocks after its next append exceed the whole device pool
         (it could not continue even with every other group preempted)."""
         held = self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.RUNNING))
-        return held + self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.num_total_gpu_blocks
+        return (
+            held + self._num_new_blocks_for_append(seq_group, num_lookahead_slots)
+            <= self.num_total_gpu_blocks
+        )
 
-    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> List[Tuple[int, int]]:
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
         """Make room for ``seq``'s next token(s) (plus lookahead slots).
 
         Allocates new blocks as the sequence grows; a shared block about to be written is
@@ -362,7 +383,7 @@ class BlockSpaceManager:
         """
         table = self.block_tables[seq.seq_id]
         first, end = self._write_range(seq, num_lookahead_slots)
-        copies: List[Tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
         if len(table) < end:
             self._ids.pop(seq.seq_id, None)
             while len(table) < end:
@@ -379,8 +400,9 @@ class BlockSpaceManager:
             self._release_outside_window(seq)
         return copies
 
-    def try_append_slots(self, seq_group: SequenceGroup,
-                         num_lookahead_slots: int = 0) -> Optional[List[Tuple[int, int]]]:
+    def try_append_slots(
+        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0
+    ) -> list[tuple[int, int]] | None:
         """``can_append_slots`` + ``append_slots`` for every running sequence of the group in
         one pass (the scheduler's hot path). Returns the copy-on-write pairs, or None (and
         changes nothing) when the free blocks do not suffice."""
@@ -404,7 +426,7 @@ class BlockSpaceManager:
             return self.append_slots(seq, num_lookahead_slots)
         if not self.can_append_slots(seq_group, num_lookahead_slots):
             return None
-        copies: List[Tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
         for seq in seqs:
             copies.extend(self.append_slots(seq, num_lookahead_slots))
         return copies
@@ -424,12 +446,17 @@ class BlockSpaceManager:
             self._seq_hashes[child_seq.seq_id] = list(self._seq_hashes[parent_seq.seq_id][:n])
 
     # ================================================================== swapping
-    def _group_tables(self, seq_group: SequenceGroup, status: SequenceStatus) -> List[Tuple[Sequence, BlockTable]]:
-        return [(s, self.block_tables[s.seq_id]) for s in seq_group.get_seqs(status=status)
-                if s.seq_id in self.block_tables]
+    def _group_tables(
+        self, seq_group: SequenceGroup, status: SequenceStatus
+    ) -> list[tuple[Sequence, BlockTable]]:
+        return [
+            (s, self.block_tables[s.seq_id])
+            for s in seq_group.get_seqs(status=status)
+            if s.seq_id in self.block_tables
+        ]
 
     @staticmethod
-    def _distinct_blocks(tables: Seq[Tuple[Sequence, BlockTable]]) -> int:
+    def _distinct_blocks(tables: Seq[tuple[Sequence, BlockTable]]) -> int:
         return len({b.block_number for _, t in tables for b in t if b is not None})
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
@@ -437,8 +464,9 @@ class BlockSpaceManager:
         need = self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.RUNNING))
         return need <= self.cpu.get_num_free_blocks()
 
-    def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0,
-                    ignore_watermark: bool = False) -> AllocStatus:
+    def can_swap_in(
+        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0, ignore_watermark: bool = False
+    ) -> AllocStatus:
         """OK / LATER / NEVER for bringing a swapped group back with room for its next step
         (the blocks its next token(s) need: growth and copy-on-write).
 
@@ -448,7 +476,8 @@ class BlockSpaceManager:
         """
         tables = self._group_tables(seq_group, SequenceStatus.SWAPPED)
         need = self._distinct_blocks(tables) + self._num_new_blocks_for_append(
-            seq_group, num_lookahead_slots, SequenceStatus.SWAPPED)
+            seq_group, num_lookahead_slots, SequenceStatus.SWAPPED
+        )
         if need > self.num_total_gpu_blocks:
             return AllocStatus.NEVER
         reserve = 0 if ignore_watermark else self.watermark_blocks
@@ -460,14 +489,15 @@ class BlockSpaceManager:
         """Distinct CPU blocks held by the group's swapped sequences."""
         return self._distinct_blocks(self._group_tables(seq_group, SequenceStatus.SWAPPED))
 
-    def _move(self, tables, src_pool: BlockPool, dst_pool: BlockPool,
-              moved: Optional[Dict[int, int]]) -> Dict[int, int]:
+    def _move(
+        self, tables, src_pool: BlockPool, dst_pool: BlockPool, moved: dict[int, int] | None
+    ) -> dict[int, int]:
         # ``moved``: this step's source -> destination numbers so far (updated here). The
         # executor's maps are keyed by source block, so a block shared with a group already
         # moved this step (prefix cache) reuses its destination: a second copy's map entry
         # would overwrite the first, leaving that group's destination never written.
         moved = {} if moved is None else moved
-        mapping: Dict[int, int] = {}
+        mapping: dict[int, int] = {}
         for seq, table in tables:
             new_table: BlockTable = []
             for b in table:
@@ -489,8 +519,7 @@ class BlockSpaceManager:
             self._ids.pop(seq.seq_id, None)
         return mapping
 
-    def swap_out(self, seq_group: SequenceGroup,
-                 moved: Optional[Dict[int, int]] = None) -> Dict[int, int]:
+    def swap_out(self, seq_group: SequenceGroup, moved: dict[int, int] | None = None) -> dict[int, int]:
         """Move the group's running sequences' blocks to CPU. Shared blocks move once and
         stay shared -- also with other groups when ``moved`` is the step's swap-out map so
         far (it is updated). Returns the group's GPU block -> CPU block. Raises
@@ -498,8 +527,7 @@ class BlockSpaceManager:
         tables = self._group_tables(seq_group, SequenceStatus.RUNNING)
         return self._move(tables, self.gpu, self.cpu, moved)
 
-    def swap_in(self, seq_group: SequenceGroup,
-                moved: Optional[Dict[int, int]] = None) -> Dict[int, int]:
+    def swap_in(self, seq_group: SequenceGroup, moved: dict[int, int] | None = None) -> dict[int, int]:
         """Move the group's swapped sequences' blocks back to the device (``moved``: the
         step's swap-in map so far, as for ``swap_out``). Returns the group's CPU block -> GPU
         block. Raises NoFreeBlocksError when ``can_swap_in`` was not OK."""
@@ -566,7 +594,7 @@ class BlockSpaceManager:
         return self.gpu.reset_cache()
 
     # ================================================================== queries
-    def get_block_table(self, seq: Sequence) -> List[int]:
+    def get_block_table(self, seq: Sequence) -> list[int]:
         """Block numbers of ``seq`` (entries released by the sliding window repeat a block
         the sequence still holds). Raises KeyError if ``seq`` has no table. The list is
         shared: callers must not modify it (it is replaced, never mutated, on changes)."""
@@ -580,7 +608,7 @@ class BlockSpaceManager:
     def has_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self.block_tables
 
-    def get_computed_block_nums(self, seq: Sequence) -> List[int]:
+    def get_computed_block_nums(self, seq: Sequence) -> list[int]:
         """Block numbers of ``seq``'s leading blocks whose every slot is already computed."""
         table = self.block_tables.get(seq.seq_id, [])
         n = seq.data.get_num_computed_tokens() // self.block_size
@@ -588,7 +616,7 @@ class BlockSpaceManager:
 
     def get_num_freeable_blocks(self, seq_group: SequenceGroup) -> int:
         """GPU blocks that preempting the group would return (its blocks nobody else holds)."""
-        refs: Dict[int, List] = {}
+        refs: dict[int, list] = {}
         for s in seq_group.get_unfinished_seqs():
             for b in self.block_tables.get(s.seq_id, ()):
                 if b is not None and b.device == GPU:
@@ -608,7 +636,7 @@ class BlockSpaceManager:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
 
-    def get_stats(self) -> Dict[str, float]:
+    def get_stats(self) -> dict[str, float]:
         """Block counts (blocks) and prefix-cache counters (tokens)."""
         free_gpu = self.get_num_free_gpu_blocks()
         return {
@@ -618,8 +646,11 @@ class BlockSpaceManager:
             "num_free_cpu_blocks": self.get_num_free_cpu_blocks(),
             "num_cached_gpu_blocks": self.gpu.get_num_evictable(),
             "gpu_cache_usage": 1.0 - free_gpu / self.num_total_gpu_blocks,
-            "cpu_cache_usage": (1.0 - self.get_num_free_cpu_blocks() / self.num_total_cpu_blocks
-                                if self.num_total_cpu_blocks else 0.0),
+            "cpu_cache_usage": (
+                1.0 - self.get_num_free_cpu_blocks() / self.num_total_cpu_blocks
+                if self.num_total_cpu_blocks
+                else 0.0
+            ),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.get_prefix_cache_hit_rate(),
@@ -630,7 +661,7 @@ class BlockSpaceManager:
         (plus pins). Raises AssertionError with the mismatch."""
         self.gpu.check_invariants()
         self.cpu.check_invariants()
-        counts: Dict[Tuple[str, int], int] = {}
+        counts: dict[tuple[str, int], int] = {}
         for table in self.block_tables.values():
             for b in table:
                 if b is not None:
@@ -641,4 +672,6 @@ class BlockSpaceManager:
         for pool in (self.gpu, self.cpu):
             for b in pool.blocks:
                 assert b.ref_count == counts.get((pool.device, b.block_number), 0), (
-                    b, counts.get((pool.device, b.block_number), 0))
+                    b,
+                    counts.get((pool.device, b.block_number), 0),
+                )

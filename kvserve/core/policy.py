@@ -12,14 +12,15 @@ Policies:
 
 New policies register with ``PolicyFactory.register(name, cls)``.
 """
+
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, Iterable, Tuple, Type, Union
+from collections.abc import Iterable
 
 from kvserve.sequence import SequenceGroup
 
-PriorityKey = Union[float, Tuple[float, ...]]
+PriorityKey = float | tuple[float, ...]
 
 
 class Policy:
@@ -33,7 +34,7 @@ class Policy:
         """A comparable key; larger is served first."""
         raise NotImplementedError
 
-    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> Deque[SequenceGroup]:
+    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
         """A new deque from highest to lowest priority (stable for equal keys)."""
         return deque(sorted(seq_groups, key=lambda g: self.get_priority(now, g), reverse=True))
 
@@ -49,7 +50,7 @@ class FCFS(Policy):
     def get_priority(self, now: float, seq_group: SequenceGroup) -> float:
         return now - seq_group.metrics.arrival_time
 
-    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> Deque[SequenceGroup]:
+    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
         # Same order as sorting by ``now - arrival`` descending, without the lambda per item.
         return deque(sorted(seq_groups, key=_arrival))
 
@@ -58,7 +59,7 @@ def _arrival(g: SequenceGroup) -> float:
     return g.metrics.arrival_time
 
 
-def _prio_arrival(g: SequenceGroup) -> Tuple[int, float]:
+def _prio_arrival(g: SequenceGroup) -> tuple[int, float]:
     return (g.priority, g.metrics.arrival_time)
 
 
@@ -67,10 +68,10 @@ class PriorityPolicy(Policy):
 
     preempts_by_rank = True
 
-    def get_priority(self, now: float, seq_group: SequenceGroup) -> Tuple[float, float]:
+    def get_priority(self, now: float, seq_group: SequenceGroup) -> tuple[float, float]:
         return (-seq_group.priority, now - seq_group.metrics.arrival_time)
 
-    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> Deque[SequenceGroup]:
+    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
         return deque(sorted(seq_groups, key=_prio_arrival))
 
     def outranks(self, now: float, a: SequenceGroup, b: SequenceGroup) -> bool:
@@ -80,7 +81,7 @@ class PriorityPolicy(Policy):
 class PolicyFactory:
     """Registry of policies by name."""
 
-    _POLICY_REGISTRY: Dict[str, Type[Policy]] = {"fcfs": FCFS, "priority": PriorityPolicy}
+    _POLICY_REGISTRY: dict[str, type[Policy]] = {"fcfs": FCFS, "priority": PriorityPolicy}
 
     @classmethod
     def get_policy(cls, policy_name: str, **kwargs) -> Policy:
@@ -88,9 +89,10 @@ class PolicyFactory:
         try:
             return cls._POLICY_REGISTRY[policy_name](**kwargs)
         except KeyError:
-            raise ValueError(f"policy must be one of {sorted(cls._POLICY_REGISTRY)}, "
-                             f"got {policy_name!r}.") from None
+            raise ValueError(
+                f"policy must be one of {sorted(cls._POLICY_REGISTRY)}, got {policy_name!r}."
+            ) from None
 
     @classmethod
-    def register(cls, name: str, policy_cls: Type[Policy]) -> None:
+    def register(cls, name: str, policy_cls: type[Policy]) -> None:
         cls._POLICY_REGISTRY[name] = policy_cls

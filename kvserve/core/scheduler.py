@@ -46,18 +46,19 @@ Invariants (asserted by the tests after every step): a live group is in exactly 
 every scheduled prefill feeds >= 1 token; no token is scheduled at a position
 ``>= max_model_len``; KV blocks are conserved on both pools.
 """
+
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from kvserve.config import CacheConfig, PreemptionMode, SchedulerConfig
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
 from kvserve.core.policy import Policy, PolicyFactory
-from kvserve.sequence import (Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus)
+from kvserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 logger = logging.getLogger("kvserve.scheduler")
 
@@ -82,8 +83,8 @@ class SchedulingBudget:
 
     token_budget: int
     max_num_seqs: int
-    _request_ids_num_batched_tokens: Set[str] = field(default_factory=set)
-    _request_ids_num_curr_seqs: Set[str] = field(default_factory=set)
+    _request_ids_num_batched_tokens: set[str] = field(default_factory=set)
+    _request_ids_num_curr_seqs: set[str] = field(default_factory=set)
     _num_batched_tokens: int = 0
     _num_curr_seqs: int = 0
 
@@ -94,10 +95,13 @@ class SchedulingBudget:
             ValueError: either count is 0 (nothing to schedule is a caller bug).
         """
         if num_new_tokens == 0 or num_new_seqs == 0:
-            raise ValueError(f"can_schedule needs non-zero counts, got tokens={num_new_tokens}, "
-                             f"seqs={num_new_seqs}")
-        return (self.num_batched_tokens + num_new_tokens <= self.token_budget
-                and self.num_curr_seqs + num_new_seqs <= self.max_num_seqs)
+            raise ValueError(
+                f"can_schedule needs non-zero counts, got tokens={num_new_tokens}, seqs={num_new_seqs}"
+            )
+        return (
+            self.num_batched_tokens + num_new_tokens <= self.token_budget
+            and self.num_curr_seqs + num_new_seqs <= self.max_num_seqs
+        )
 
     def remaining_token_budget(self) -> int:
         return self.token_budget - self.num_batched_tokens
@@ -160,33 +164,37 @@ class SchedulerOutputs:
         preempted: groups preempted (recompute or swap) this step.
     """
 
-    scheduled_seq_groups: List[ScheduledSequenceGroup]
+    scheduled_seq_groups: list[ScheduledSequenceGroup]
     num_prefill_groups: int
     num_batched_tokens: int
-    blocks_to_swap_in: Dict[int, int]
-    blocks_to_swap_out: Dict[int, int]
-    blocks_to_copy: Dict[int, List[int]]
-    ignored_seq_groups: List[SequenceGroup]
+    blocks_to_swap_in: dict[int, int]
+    blocks_to_swap_out: dict[int, int]
+    blocks_to_copy: dict[int, list[int]]
+    ignored_seq_groups: list[SequenceGroup]
     num_lookahead_slots: int
     running_queue_size: int
     preempted: int = 0
 
     def is_empty(self) -> bool:
         """Nothing to run and no block to move (ignored groups do not count)."""
-        return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
-                and not self.blocks_to_swap_out and not self.blocks_to_copy)
+        return (
+            not self.scheduled_seq_groups
+            and not self.blocks_to_swap_in
+            and not self.blocks_to_swap_out
+            and not self.blocks_to_copy
+        )
 
 
 @dataclass
 class SchedulerRunningOutputs:
     """What was decided for the ``running`` queue this step."""
 
-    decode_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
-    prefill_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
-    preempted: List[SequenceGroup] = field(default_factory=list)
-    swapped_out: List[SequenceGroup] = field(default_factory=list)
-    blocks_to_swap_out: Dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
+    decode_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    prefill_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     num_lookahead_slots: int = 0
 
 
@@ -194,42 +202,52 @@ class SchedulerRunningOutputs:
 class SchedulerSwappedInOutputs:
     """What was decided for the ``swapped`` queue this step."""
 
-    decode_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
-    prefill_seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
-    blocks_to_swap_in: Dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
+    decode_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    prefill_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     num_lookahead_slots: int = 0
-    infeasible_seq_groups: List[SequenceGroup] = field(default_factory=list)
+    infeasible_seq_groups: list[SequenceGroup] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerPrefillOutputs:
     """What was decided for the ``waiting`` queue this step."""
 
-    seq_groups: List[ScheduledSequenceGroup] = field(default_factory=list)
-    ignored_seq_groups: List[SequenceGroup] = field(default_factory=list)
+    seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
     num_lookahead_slots: int = 0
 
 
 class _Step:
     """Mutable per-step accumulator shared by the helpers of one ``_schedule`` call."""
 
-    __slots__ = ("now", "swapped_at_start", "blocks_to_swap_out", "blocks_to_copy", "preempted", "swapped_out",
-                 "preempted_ids", "ignored", "num_partial", "capped")
+    __slots__ = (
+        "now",
+        "swapped_at_start",
+        "blocks_to_swap_out",
+        "blocks_to_copy",
+        "preempted",
+        "swapped_out",
+        "preempted_ids",
+        "ignored",
+        "num_partial",
+        "capped",
+    )
 
-    def __init__(self, now: float, swapped_at_start: Tuple[SequenceGroup, ...] = ()) -> None:
+    def __init__(self, now: float, swapped_at_start: tuple[SequenceGroup, ...] = ()) -> None:
         self.now = now
         self.swapped_at_start = swapped_at_start
-        self.blocks_to_swap_out: Dict[int, int] = {}
-        self.blocks_to_copy: Dict[int, List[int]] = {}
-        self.preempted: List[SequenceGroup] = []     # recomputed -> front of waiting
-        self.swapped_out: List[SequenceGroup] = []
-        self.preempted_ids: Set[str] = set()
-        self.ignored: List[SequenceGroup] = []
-        self.num_partial = 0                          # groups left mid-prefill after this step
-        self.capped: List[ScheduledSequenceGroup] = []  # chunks cut by the long-prefill cap
+        self.blocks_to_swap_out: dict[int, int] = {}
+        self.blocks_to_copy: dict[int, list[int]] = {}
+        self.preempted: list[SequenceGroup] = []  # recomputed -> front of waiting
+        self.swapped_out: list[SequenceGroup] = []
+        self.preempted_ids: set[str] = set()
+        self.ignored: list[SequenceGroup] = []
+        self.num_partial = 0  # groups left mid-prefill after this step
+        self.capped: list[ScheduledSequenceGroup] = []  # chunks cut by the long-prefill cap
 
-    def add_copies(self, copies: Iterable[Tuple[int, int]]) -> None:
+    def add_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         for src, dst in copies:
             self.blocks_to_copy.setdefault(src, []).append(dst)
 
@@ -248,33 +266,39 @@ class Scheduler:
         ValueError: ``num_gpu_blocks`` unset, unknown policy.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if not isinstance(cache_config.num_gpu_blocks, int) or cache_config.num_gpu_blocks < 1:
-            raise ValueError(f"cache_config.num_gpu_blocks must be an int >= 1 before building the "
-                             f"Scheduler, got {cache_config.num_gpu_blocks!r}.")
+            raise ValueError(
+                f"cache_config.num_gpu_blocks must be an int >= 1 before building the "
+                f"Scheduler, got {cache_config.num_gpu_blocks!r}."
+            )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
         if scheduler_config.chunked_prefill_enabled:
             self.prompt_limit = scheduler_config.max_model_len
         else:
-            self.prompt_limit = min(scheduler_config.max_model_len,
-                                    scheduler_config.max_num_batched_tokens)
+            self.prompt_limit = min(scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens)
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks or 0,
             watermark=cache_config.watermark,
             sliding_window=cache_config.sliding_window,
-            enable_caching=cache_config.enable_prefix_caching)
+            enable_caching=cache_config.enable_prefix_caching,
+        )
         self.policy: Policy = PolicyFactory.get_policy(scheduler_config.policy)
-        self.waiting: Deque[SequenceGroup] = deque()
-        self.running: Deque[SequenceGroup] = deque()
-        self.swapped: Deque[SequenceGroup] = deque()
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
         # New groups rejected at add time, reported by the next schedule().
-        self._rejected: List[SequenceGroup] = []
-        self.num_preemptions = 0          # cumulative, all groups
+        self._rejected: list[SequenceGroup] = []
+        self.num_preemptions = 0  # cumulative, all groups
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
         self.num_lookahead_slots = scheduler_config.num_lookahead_slots
@@ -301,7 +325,7 @@ class Scheduler:
             return
         self.waiting.append(seq_group)
 
-    def _never_schedulable(self, g: SequenceGroup) -> Optional[str]:
+    def _never_schedulable(self, g: SequenceGroup) -> str | None:
         """Why a *new* group can never be scheduled, or None (cheap; exact checks for
         preempted groups happen at admission)."""
         seqs = g.get_unfinished_seqs()
@@ -313,8 +337,10 @@ class Scheduler:
             if self.prompt_limit == cfg.max_model_len:
                 why = f"max_model_len {cfg.max_model_len}"
             else:
-                why = (f"min of max_model_len {cfg.max_model_len} and max_num_batched_tokens "
-                       f"{cfg.max_num_batched_tokens}")
+                why = (
+                    f"min of max_model_len {cfg.max_model_len} and max_num_batched_tokens "
+                    f"{cfg.max_num_batched_tokens}"
+                )
             return f"prompt has {length} tokens > prompt_limit {self.prompt_limit} ({why})"
         if g.get_max_num_running_seqs() > cfg.max_num_seqs:
             return f"needs {g.get_max_num_running_seqs()} sequences > max_num_seqs {cfg.max_num_seqs}"
@@ -322,16 +348,18 @@ class Scheduler:
         need = -(-length // bm.block_size)
         usable = bm.num_total_gpu_blocks - bm.watermark_blocks
         if need > usable:
-            return (f"needs {need} KV blocks > {usable} in the cache (block_size {bm.block_size}, "
-                    f"{bm.num_total_gpu_blocks} blocks, watermark {bm.watermark_blocks})")
+            return (
+                f"needs {need} KV blocks > {usable} in the cache (block_size {bm.block_size}, "
+                f"{bm.num_total_gpu_blocks} blocks, watermark {bm.watermark_blocks})"
+            )
         return None
 
-    def abort_seq_group(self, request_id: Union[str, Iterable[str]]) -> List[SequenceGroup]:
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> list[SequenceGroup]:
         """Remove the groups with these request ids from whichever queue holds them, free
         their GPU and CPU blocks and mark unfinished sequences FINISHED_ABORTED. Unknown ids
         are ignored. Returns the aborted groups."""
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
-        aborted: List[SequenceGroup] = []
+        aborted: list[SequenceGroup] = []
         if not ids:
             return aborted
         if self._rejected:
@@ -373,7 +401,7 @@ class Scheduler:
         """Drop finished groups from ``running`` and free whatever blocks they still hold."""
         if not any(g.is_finished() for g in self.running):
             return
-        keep: Deque[SequenceGroup] = deque()
+        keep: deque[SequenceGroup] = deque()
         for g in self.running:
             if g.is_finished():
                 for seq in g.get_seqs():
@@ -407,15 +435,15 @@ class Scheduler:
         bm.release_pins()
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> Tuple[List[SequenceGroupMetadata], SchedulerOutputs]:
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
         """Decide the next step. Returns one metadata entry per scheduled group (in the order
         of ``scheduled_seq_groups``) and the ``SchedulerOutputs``."""
-        self.block_manager.release_pins()   # the previous step (and its copies) has run
+        self.block_manager.release_pins()  # the previous step (and its copies) has run
         out = self._schedule()
         now = self.clock()
         bm = self.block_manager
         caching = bm.enable_caching
-        metas: List[SequenceGroupMetadata] = []
+        metas: list[SequenceGroupMetadata] = []
         for ssg in out.scheduled_seq_groups:
             g = ssg.seq_group
             g.maybe_set_first_scheduled_time(now)
@@ -432,16 +460,23 @@ class Scheduler:
             do_sample = True
             computed = None
             if is_prompt:
-                do_sample = (first.data.get_num_computed_tokens() + ssg.token_chunk_size
-                             >= first.get_len())
+                do_sample = first.data.get_num_computed_tokens() + ssg.token_chunk_size >= first.get_len()
                 if caching:
                     computed = bm.get_computed_block_nums(first)
-            metas.append(SequenceGroupMetadata(
-                request_id=g.request_id, is_prompt=is_prompt, seq_data=seq_data,
-                sampling_params=g.sampling_params, block_tables=block_tables,
-                token_chunk_size=ssg.token_chunk_size, do_sample=do_sample,
-                num_samples=g.sampling_params.n if not g.forked else 1,
-                generator=g.generator, computed_block_nums=computed))
+            metas.append(
+                SequenceGroupMetadata(
+                    request_id=g.request_id,
+                    is_prompt=is_prompt,
+                    seq_data=seq_data,
+                    sampling_params=g.sampling_params,
+                    block_tables=block_tables,
+                    token_chunk_size=ssg.token_chunk_size,
+                    do_sample=do_sample,
+                    num_samples=g.sampling_params.n if not g.forked else 1,
+                    generator=g.generator,
+                    computed_block_nums=computed,
+                )
+            )
         return metas, out
 
     def _schedule(self) -> SchedulerOutputs:
@@ -450,8 +485,10 @@ class Scheduler:
         return self._schedule_default()
 
     def _new_budget(self) -> SchedulingBudget:
-        budget = SchedulingBudget(token_budget=self.scheduler_config.max_num_batched_tokens,
-                                  max_num_seqs=self.scheduler_config.max_num_seqs)
+        budget = SchedulingBudget(
+            token_budget=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+        )
         # Reserve the sequence slots of everything already running, so admissions never
         # push the running set past max_num_seqs.
         for g in self.running:
@@ -497,13 +534,17 @@ class Scheduler:
                 budget.add_num_batched_tokens(g.request_id, ssg.token_chunk_size * n_live)
         return self._finish_step(budget, st, prefills, running, swapped_in)
 
-    def _finish_step(self, budget: SchedulingBudget, st: _Step, prefills: SchedulerPrefillOutputs,
-                     running: SchedulerRunningOutputs,
-                     swapped_in: SchedulerSwappedInOutputs) -> SchedulerOutputs:
+    def _finish_step(
+        self,
+        budget: SchedulingBudget,
+        st: _Step,
+        prefills: SchedulerPrefillOutputs,
+        running: SchedulerRunningOutputs,
+        swapped_in: SchedulerSwappedInOutputs,
+    ) -> SchedulerOutputs:
         # Recompute-preempted groups go to the front of waiting, highest-ranked first.
         self.waiting.extendleft(st.preempted)
-        prefill_groups = (prefills.seq_groups + running.prefill_seq_groups
-                          + swapped_in.prefill_seq_groups)
+        prefill_groups = prefills.seq_groups + running.prefill_seq_groups + swapped_in.prefill_seq_groups
         decode_groups = running.decode_seq_groups + swapped_in.decode_seq_groups
         assert budget.num_batched_tokens <= self.scheduler_config.max_num_batched_tokens
         return SchedulerOutputs(
@@ -516,15 +557,16 @@ class Scheduler:
             ignored_seq_groups=self._take_rejected() + prefills.ignored_seq_groups + st.ignored,
             num_lookahead_slots=self.num_lookahead_slots if decode_groups else 0,
             running_queue_size=len(self.running),
-            preempted=len(st.preempted) + len(st.swapped_out))
+            preempted=len(st.preempted) + len(st.swapped_out),
+        )
 
     # ------------------------------------------------------------------ helpers
-    def _take_rejected(self) -> List[SequenceGroup]:
+    def _take_rejected(self) -> list[SequenceGroup]:
         rejected, self._rejected = self._rejected, []
         return rejected
 
     @staticmethod
-    def _live(g: SequenceGroup) -> List[Sequence]:
+    def _live(g: SequenceGroup) -> list[Sequence]:
         return g.get_unfinished_seqs()
 
     def _ignore(self, g: SequenceGroup, reason: str) -> None:
@@ -542,8 +584,9 @@ class Scheduler:
             self.block_manager.free(seq)
         logger.warning("%s request %s: %s", "length-capping" if started else "ignoring", g.request_id, reason)
 
-    def _prefill_chunk(self, g: SequenceGroup, budget: SchedulingBudget, enable_chunking: bool,
-                       st: _Step) -> Tuple[int, bool]:
+    def _prefill_chunk(
+        self, g: SequenceGroup, budget: SchedulingBudget, enable_chunking: bool, st: _Step
+    ) -> tuple[int, bool]:
         """Tokens per live sequence for the group's next prefill step, and whether the
         long-prefill cap cut it. 0 means it does not fit this step."""
         live = self._live(g)
@@ -568,7 +611,7 @@ class Scheduler:
         if mode is None:
             mode = PreemptionMode.RECOMPUTE if len(live) == 1 else PreemptionMode.SWAP
         if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(g):
-            mode = PreemptionMode.RECOMPUTE   # not enough CPU blocks: fall back, never fail
+            mode = PreemptionMode.RECOMPUTE  # not enough CPU blocks: fall back, never fail
         if mode == PreemptionMode.RECOMPUTE:
             for seq in live:
                 self.block_manager.free(seq)
@@ -587,8 +630,13 @@ class Scheduler:
         g.metrics.num_preemptions += 1
         self.num_preemptions += 1
         if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
-            logger.warning("preempted request %s by %s (cumulative preemptions: %d); the KV cache "
-                           "is too small for the load", g.request_id, mode.name, self.num_preemptions)
+            logger.warning(
+                "preempted request %s by %s (cumulative preemptions: %d); the KV cache "
+                "is too small for the load",
+                g.request_id,
+                mode.name,
+                self.num_preemptions,
+            )
         return mode
 
     def _swapped_allows(self, g: SequenceGroup, st: _Step) -> bool:
@@ -599,8 +647,7 @@ class Scheduler:
             return True
         if not self.policy.preempts_by_rank:
             return False
-        return all(self.policy.outranks(st.now, g, s)
-                   for s in list(self.swapped) + list(st.swapped_at_start))
+        return all(self.policy.outranks(st.now, g, s) for s in list(self.swapped) + list(st.swapped_at_start))
 
     # ------------------------------------------------------------------ priority
     def _schedule_priority_preemption(self, budget: SchedulingBudget, st: _Step) -> None:
@@ -622,8 +669,12 @@ class Scheduler:
             if not victims:
                 return
             live = self._live(wg)
-            if (not live or live[0].get_len() > self.prompt_limit and not live[0].get_output_len()
-                    or not self._swapped_allows(wg, st)):
+            if (
+                not live
+                or live[0].get_len() > self.prompt_limit
+                and not live[0].get_output_len()
+                or not self._swapped_allows(wg, st)
+            ):
                 continue
             plan = bm.plan_allocation(wg)
             if plan.status == AllocStatus.NEVER:
@@ -645,7 +696,7 @@ class Scheduler:
                 if gain_blocks >= need_blocks and gain_seqs >= need_seqs:
                     break
             if gain_blocks < need_blocks or gain_seqs < need_seqs:
-                return   # preempting what it outranks would not make it fit
+                return  # preempting what it outranks would not make it fit
             for v in chosen:
                 victims.remove(v)
                 self.running.remove(v)
@@ -655,8 +706,9 @@ class Scheduler:
             seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
 
     # ------------------------------------------------------------------ running
-    def _schedule_running(self, budget: SchedulingBudget, st: _Step,
-                          enable_chunking: bool) -> SchedulerRunningOutputs:
+    def _schedule_running(
+        self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
+    ) -> SchedulerRunningOutputs:
         """Schedule groups in ``running``: a decode token per live sequence, or the next
         prefill chunk. Decodes that cannot get a slot preempt the lowest-ranked group not yet
         scheduled (possibly themselves). With chunking, decodes go before prefills."""
@@ -670,9 +722,9 @@ class Scheduler:
             order = [g for g in ranked if not g.is_prefill()] + [g for g in ranked if g.is_prefill()]
         else:
             order = list(ranked)
-        victims = list(ranked)          # lowest rank at the end
-        done: Set[str] = set()
-        kept: List[SequenceGroup] = []  # stay in running (scheduled or not)
+        victims = list(ranked)  # lowest rank at the end
+        done: set[str] = set()
+        kept: list[SequenceGroup] = []  # stay in running (scheduled or not)
         lookahead = self.num_lookahead_slots
         for g in order:
             rid = g.request_id
@@ -730,10 +782,13 @@ class Scheduler:
                     if not bm.can_ever_append_slots(g, lookahead):
                         # Even alone it cannot take its next token: end it, don't thrash.
                         held = bm.get_num_freeable_blocks(g)
-                        self._ignore(g, f"cannot continue: its next token needs more than the "
-                                        f"{bm.num_total_gpu_blocks} KV blocks in the cache (holds "
-                                        f"{held}, block_size {bm.block_size}) after "
-                                        f"{max(s.get_output_len() for s in live)} generated tokens")
+                        self._ignore(
+                            g,
+                            f"cannot continue: its next token needs more than the "
+                            f"{bm.num_total_gpu_blocks} KV blocks in the cache (holds "
+                            f"{held}, block_size {bm.block_size}) after "
+                            f"{max(s.get_output_len() for s in live)} generated tokens",
+                        )
                         st.ignored.append(g)
                         st.preempted_ids.add(rid)
                     else:
@@ -754,8 +809,9 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ swapped
-    def _schedule_swapped(self, budget: SchedulingBudget, st: _Step,
-                          enable_chunking: bool) -> SchedulerSwappedInOutputs:
+    def _schedule_swapped(
+        self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
+    ) -> SchedulerSwappedInOutputs:
         """Swap groups back in, in rank order, while blocks (plus watermark) and budget allow.
         A group that can never fit is rejected (``infeasible_seq_groups`` -> ignored)."""
         out = SchedulerSwappedInOutputs(num_lookahead_slots=self.num_lookahead_slots)
@@ -764,7 +820,7 @@ class Scheduler:
         bm = self.block_manager
         lookahead = self.num_lookahead_slots
         ranked = self.policy.sort_by_priority(st.now, self.swapped)
-        remaining: Deque[SequenceGroup] = deque()
+        remaining: deque[SequenceGroup] = deque()
         while ranked:
             g = ranked[0]
             status = bm.can_swap_in(g, lookahead, ignore_watermark=not self.running)
@@ -773,8 +829,11 @@ class Scheduler:
             if status == AllocStatus.NEVER:
                 ranked.popleft()
                 n = bm.get_num_swapped_blocks(g)
-                self._ignore(g, f"needs {n} KV blocks plus room for its next token > "
-                                f"{bm.num_total_gpu_blocks} in the cache to resume")
+                self._ignore(
+                    g,
+                    f"needs {n} KV blocks plus room for its next token > "
+                    f"{bm.num_total_gpu_blocks} in the cache to resume",
+                )
                 out.infeasible_seq_groups.append(g)
                 st.ignored.append(g)
                 continue
@@ -786,8 +845,9 @@ class Scheduler:
             else:
                 chunk, capped = 1, False
                 n_tokens = len(live)
-            if n_tokens <= 0 or not budget.can_schedule(num_new_tokens=n_tokens,
-                                                        num_new_seqs=g.get_max_num_running_seqs()):
+            if n_tokens <= 0 or not budget.can_schedule(
+                num_new_tokens=n_tokens, num_new_seqs=g.get_max_num_running_seqs()
+            ):
                 break
             ranked.popleft()
             bm.swap_in(g, out.blocks_to_swap_in)
@@ -810,8 +870,9 @@ class Scheduler:
         remaining.extend(ranked)
         infeasible = {g.request_id for g in out.infeasible_seq_groups}
         swapped_in = {ssg.seq_group.request_id for ssg in out.decode_seq_groups + out.prefill_seq_groups}
-        self.swapped = deque(g for g in self.swapped
-                             if g.request_id not in infeasible and g.request_id not in swapped_in)
+        self.swapped = deque(
+            g for g in self.swapped if g.request_id not in infeasible and g.request_id not in swapped_in
+        )
         return out
 
     # ------------------------------------------------------------------ waiting
@@ -822,8 +883,9 @@ class Scheduler:
         margin = len(self._live(g)) * min(k, MAX_MARGIN_FACTOR)
         return max(0, min(margin, plan.num_usable_blocks - plan.num_required_blocks))
 
-    def _schedule_prefills(self, budget: SchedulingBudget, st: _Step,
-                           enable_chunking: bool) -> SchedulerPrefillOutputs:
+    def _schedule_prefills(
+        self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
+    ) -> SchedulerPrefillOutputs:
         """Admit groups from ``waiting`` in rank order.
 
         Rejects (``ignored_seq_groups``) prompts over ``prompt_limit`` and groups whose
@@ -842,14 +904,14 @@ class Scheduler:
         bm = self.block_manager
         cfg = self.scheduler_config
         if budget.num_curr_seqs >= cfg.max_num_seqs or budget.remaining_token_budget() <= 0:
-            return out   # nothing could be admitted (never-schedulable ones were rejected at add)
+            return out  # nothing could be admitted (never-schedulable ones were rejected at add)
         ranked = self.policy.sort_by_priority(st.now, self.waiting)
-        admitted: Set[str] = set()
-        ignored: Set[str] = set()
+        admitted: set[str] = set()
+        ignored: set[str] = set()
         for g in ranked:
             rid = g.request_id
             if rid in st.preempted_ids:
-                continue    # never re-admit what was preempted in this same step
+                continue  # never re-admit what was preempted in this same step
             live = g.get_seqs(SequenceStatus.WAITING)
             if not live:
                 # Nothing left to run (e.g. finished while waiting): drop it as ignored.
@@ -859,10 +921,16 @@ class Scheduler:
             length = live[0].get_len()
             is_new = live[0].get_output_len() == 0
             if is_new and length > self.prompt_limit:
-                self._ignore(g, f"prompt has {length} tokens > prompt_limit {self.prompt_limit}"
-                                + (f" (max_model_len {cfg.max_model_len})" if self.prompt_limit == cfg.max_model_len
-                                   else f" (min of max_model_len {cfg.max_model_len} and "
-                                        f"max_num_batched_tokens {cfg.max_num_batched_tokens})"))
+                self._ignore(
+                    g,
+                    f"prompt has {length} tokens > prompt_limit {self.prompt_limit}"
+                    + (
+                        f" (max_model_len {cfg.max_model_len})"
+                        if self.prompt_limit == cfg.max_model_len
+                        else f" (min of max_model_len {cfg.max_model_len} and "
+                        f"max_num_batched_tokens {cfg.max_num_batched_tokens})"
+                    ),
+                )
                 ignored.add(rid)
                 out.ignored_seq_groups.append(g)
                 continue
@@ -872,8 +940,9 @@ class Scheduler:
                 out.ignored_seq_groups.append(g)
                 continue
             if g.get_max_num_running_seqs() > cfg.max_num_seqs:
-                self._ignore(g, f"needs {g.get_max_num_running_seqs()} sequences > max_num_seqs "
-                                f"{cfg.max_num_seqs}")
+                self._ignore(
+                    g, f"needs {g.get_max_num_running_seqs()} sequences > max_num_seqs {cfg.max_num_seqs}"
+                )
                 ignored.add(rid)
                 out.ignored_seq_groups.append(g)
                 continue
@@ -881,10 +950,13 @@ class Scheduler:
                 break
             plan = bm.plan_allocation(g)
             if plan.status == AllocStatus.NEVER:
-                self._ignore(g, f"needs {plan.num_required_blocks} KV blocks > "
-                                f"{plan.num_usable_blocks} in the cache (block_size "
-                                f"{bm.block_size}, {bm.num_total_gpu_blocks} blocks, watermark "
-                                f"{bm.watermark_blocks})")
+                self._ignore(
+                    g,
+                    f"needs {plan.num_required_blocks} KV blocks > "
+                    f"{plan.num_usable_blocks} in the cache (block_size "
+                    f"{bm.block_size}, {bm.num_total_gpu_blocks} blocks, watermark "
+                    f"{bm.watermark_blocks})",
+                )
                 ignored.add(rid)
                 out.ignored_seq_groups.append(g)
                 continue
@@ -905,13 +977,14 @@ class Scheduler:
                     break
                 partial = chunk < uncomputed
                 if partial and enable_chunking and st.num_partial >= cfg.max_num_partial_prefills:
-                    continue   # leave room for prompts that complete in this step
+                    continue  # leave room for prompts that complete in this step
             else:
                 chunk, partial = uncomputed, False
                 if chunk * n_live > remaining:
                     break
-            if not budget.can_schedule(num_new_tokens=chunk * n_live,
-                                       num_new_seqs=g.get_max_num_running_seqs()):
+            if not budget.can_schedule(
+                num_new_tokens=chunk * n_live, num_new_seqs=g.get_max_num_running_seqs()
+            ):
                 break
             st.add_copies(bm.allocate(g, plan))
             for s in live:
@@ -927,6 +1000,7 @@ class Scheduler:
             admitted.add(rid)
             self.running.append(g)
         if admitted or ignored:
-            self.waiting = deque(g for g in self.waiting
-                                 if g.request_id not in admitted and g.request_id not in ignored)
+            self.waiting = deque(
+                g for g in self.waiting if g.request_id not in admitted and g.request_id not in ignored
+            )
         return out

@@ -4,13 +4,14 @@ The model step is blocking, CPU/GPU-bound work, so it runs in its own thread (Py
 the GIL inside its kernels); the event loop only validates requests and moves outputs into
 per-request ``asyncio.Queue``s.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Dict, Optional
+from collections.abc import AsyncIterator
 
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
@@ -21,7 +22,7 @@ from kvserve.worker.openmp_pool import release_calling_thread_pool
 logger = logging.getLogger("kvserve.async_engine")
 
 
-def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if future.done():  # the caller went away while waiting
         return
     if error is None:
@@ -45,16 +46,16 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._inbox: "queue.Queue[tuple]" = queue.Queue()
-        self._streams: Dict[str, asyncio.Queue] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._stopping = False
-        self.errored: Optional[BaseException] = None
+        self.errored: BaseException | None = None
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         # The calling thread's idle OpenMP workers would slow every parallel region of the
         # engine thread (libgomp's throttled spinning; see openmp_pool): ~30% of a CPU step.
@@ -74,8 +75,9 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     # ---------------------------------------------------------------- requests
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Raises ValueError (invalid input, duplicate id) before
         queueing, EngineDeadError if the loop died."""
         if self.errored is not None:

@@ -1,4 +1,5 @@
 """Incremental detokenization of generated tokens (text grows one token at a time)."""
+
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
@@ -26,7 +27,7 @@ class Detokenizer:
         incomplete) and append it to ``seq.output_text``."""
         if seq.decode_stream is None:
             ids = seq.get_token_ids()
-            context = ids[max(0, len(ids) - 1 - _PRIME_TOKENS):len(ids) - 1]
+            context = ids[max(0, len(ids) - 1 - _PRIME_TOKENS) : len(ids) - 1]
             seq.decode_stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         piece = seq.decode_stream.step(self._tokenizer, seq.get_last_token_id()) or ""
         seq.output_text += piece

@@ -1,12 +1,12 @@
 """Turns a user prompt into validated token ids before anything is queued."""
+
 from __future__ import annotations
 
 import operator
-from typing import List, Optional, Union
 
 from kvserve.sampling_params import SamplingParams
 
-PromptType = Union[str, dict, List[int]]
+PromptType = str | dict | list[int]
 
 
 def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
@@ -56,8 +56,15 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
     return text, ids
 
 
-def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, vocab_size: Optional[int],
-                     max_model_len: int, max_num_seqs: int, max_num_batched_tokens: Optional[int] = None) -> int:
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int | None,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int | None = None,
+) -> int:
     """Checks one request against the model and engine limits; returns effective max_tokens.
 
     ``max_tokens=None`` resolves to ``max_model_len - prompt_len`` (generation runs to the end
@@ -74,8 +81,10 @@ def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, voc
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}.")
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", [int(k) for k in (params.logit_bias or {})])):
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", [int(k) for k in (params.logit_bias or {})]),
+        ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} must be token ids in [0, {vocab_size}); got {bad[:5]}.")
@@ -86,11 +95,13 @@ def validate_request(prompt_token_ids: List[int], params: SamplingParams, *, voc
     if prompt_len >= max_model_len:  # the prompt itself is too long, whatever max_tokens says
         raise ValueError(
             f"prompt has {prompt_len} tokens, which leaves no room to generate within "
-            f"max_model_len {max_model_len}.")
+            f"max_model_len {max_model_len}."
+        )
     if params.max_tokens is None:
         return max_model_len - prompt_len
     if prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
-            f"{prompt_len + params.max_tokens} > max_model_len ({max_model_len}).")
+            f"{prompt_len + params.max_tokens} > max_model_len ({max_model_len})."
+        )
     return params.max_tokens

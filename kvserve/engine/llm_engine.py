@@ -1,9 +1,10 @@
 """The synchronous engine: one ``step()`` is one iteration of continuous batching."""
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from collections.abc import Callable, Iterable
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine.detokenizer import Detokenizer
@@ -12,8 +13,14 @@ from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest, Sequence,
-                              SequenceGroup, SequenceStatus, next_seq_id)
+from kvserve.sequence import (
+    CompletionSequenceGroupOutput,
+    ExecuteModelRequest,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    next_seq_id,
+)
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -36,10 +43,17 @@ class LLMEngine:
         eos_token_id: the model's end-of-sequence id (None = no EOS).
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, executor, tokenizer=None,
-                 clock: Callable[[], float] = time.time, vocab_size: Optional[int] = None,
-                 eos_token_id: Optional[int] = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        executor,
+        tokenizer=None,
+        clock: Callable[[], float] = time.time,
+        vocab_size: int | None = None,
+        eos_token_id: int | None = None,
+    ):
         from kvserve.core.scheduler import Scheduler
 
         self.model_config = model_config
@@ -55,13 +69,13 @@ class LLMEngine:
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
         self.stats = EngineStats()
         # request_id -> live group; request_id -> effective max_tokens. Emptied as requests end.
-        self._groups: Dict[str, SequenceGroup] = {}
-        self._max_tokens: Dict[str, int] = {}
-        self._pending_outputs: List[RequestOutput] = []
+        self._groups: dict[str, SequenceGroup] = {}
+        self._max_tokens: dict[str, int] = {}
+        self._pending_outputs: list[RequestOutput] = []
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model named by ``args.model`` (default: SmolLM2-135M-Instruct) and build
         the engine. Raises ValueError for an unknown path, a directory without weights, or an
         invalid setting."""
@@ -77,7 +91,8 @@ class LLMEngine:
         if getattr(hf_config, "use_sliding_window", True) is False:
             sliding_window = None  # Qwen2 configs carry a window they do not use
         model_config, cache_config, scheduler_config = args.create_configs(
-            hf_config.max_position_embeddings, sliding_window)
+            hf_config.max_position_embeddings, sliding_window
+        )
         model_config.model = str(model_dir)
         worker = Worker(model_config, cache_config, scheduler_config)
         num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
@@ -90,12 +105,25 @@ class LLMEngine:
             eos = eos[0]
         if eos is None:
             eos = tokenizer.eos_token_id
-        return cls(model_config, cache_config, scheduler_config, executor=worker, tokenizer=tokenizer,
-                   vocab_size=hf_config.vocab_size, eos_token_id=eos)
+        return cls(
+            model_config,
+            cache_config,
+            scheduler_config,
+            executor=worker,
+            tokenizer=tokenizer,
+            vocab_size=hf_config.vocab_size,
+            eos_token_id=eos,
+        )
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
         """Validate and queue a request (it joins ``waiting``).
 
         Raises:
@@ -111,11 +139,20 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}.")
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
-        seq = Sequence(next_seq_id(), prompt_ids, self.cache_config.block_size,
-                       eos_token_id=self.eos_token_id, prompt=text)
-        group = SequenceGroup(request_id, [seq], params,
-                              arrival_time=self.clock() if arrival_time is None else arrival_time,
-                              priority=priority)
+        seq = Sequence(
+            next_seq_id(),
+            prompt_ids,
+            self.cache_config.block_size,
+            eos_token_id=self.eos_token_id,
+            prompt=text,
+        )
+        group = SequenceGroup(
+            request_id,
+            [seq],
+            params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
         if params.seed is not None:
             import torch
 
@@ -125,7 +162,7 @@ class LLMEngine:
         self.stats.on_request_added(len(prompt_ids))
         self.scheduler.add_seq_group(group)
 
-    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort live requests (any queue). Their blocks are freed at once; one final output
         per request, with ``finish_reason="abort"``, is returned by the next ``step()``.
         Unknown ids are ignored."""
@@ -140,19 +177,22 @@ class LLMEngine:
         return len(self._groups)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> List[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Run one scheduling + model iteration; returns outputs of every request that got a
         new token, finished, was aborted since the last step, or was ignored (rejected)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         seq_group_metadata_list, sched_out = self.scheduler.schedule()
         if not sched_out.is_empty():
             t0 = self.clock()
-            results: List[CompletionSequenceGroupOutput] = self.executor.execute_model(ExecuteModelRequest(
-                seq_group_metadata_list=seq_group_metadata_list,
-                blocks_to_swap_in=sched_out.blocks_to_swap_in,
-                blocks_to_swap_out=sched_out.blocks_to_swap_out,
-                blocks_to_copy=sched_out.blocks_to_copy,
-                num_lookahead_slots=sched_out.num_lookahead_slots))
+            results: list[CompletionSequenceGroupOutput] = self.executor.execute_model(
+                ExecuteModelRequest(
+                    seq_group_metadata_list=seq_group_metadata_list,
+                    blocks_to_swap_in=sched_out.blocks_to_swap_in,
+                    blocks_to_swap_out=sched_out.blocks_to_swap_out,
+                    blocks_to_copy=sched_out.blocks_to_copy,
+                    num_lookahead_slots=sched_out.num_lookahead_slots,
+                )
+            )
             self.stats.on_step(self.clock() - t0)
             self.scheduler.mark_computed(sched_out)
         else:
@@ -163,17 +203,25 @@ class LLMEngine:
             if not meta.do_sample or group.is_finished():
                 continue
             self._process_samples(group, result, now)
-            outputs.append(self._make_output(group) if not group.is_finished() else self._finish_request(group))
+            outputs.append(
+                self._make_output(group) if not group.is_finished() else self._finish_request(group)
+            )
         for group in sched_out.ignored_seq_groups:
             out = self._finish_request(group)
-            logger.warning("request %s %s: %s", group.request_id,
-                           "rejected" if out.outcome == "rejected" else "ended", group.ignored_reason)
+            logger.warning(
+                "request %s %s: %s",
+                group.request_id,
+                "rejected" if out.outcome == "rejected" else "ended",
+                group.ignored_reason,
+            )
             outputs.append(out)
         self.scheduler.free_finished_seq_groups()
         self.stats.record_queues(now, self.scheduler)
         return outputs
 
-    def _process_samples(self, group: SequenceGroup, result: CompletionSequenceGroupOutput, now: float) -> None:
+    def _process_samples(
+        self, group: SequenceGroup, result: CompletionSequenceGroupOutput, now: float
+    ) -> None:
         params = group.sampling_params
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
@@ -194,8 +242,11 @@ class LLMEngine:
             targets = [group.seqs_dict[s.parent_seq_id] for s in samples]
         max_tokens = self._max_tokens[group.request_id]
         for seq, sample in zip(targets, samples):
-            seq.append_token_id(sample.output_token, sample.logprob,
-                                sample.top_logprobs if params.logprobs is not None else None)
+            seq.append_token_id(
+                sample.output_token,
+                sample.logprob,
+                sample.top_logprobs if params.logprobs is not None else None,
+            )
             new_text = ""
             if self.detokenizer is not None:
                 new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
@@ -214,18 +265,29 @@ class LLMEngine:
             text = seq.output_text
             if hold and not seq.is_finished():
                 # Never show characters that may turn out to be the start of a stop string.
-                text = text[:max(0, len(text) - hold)]
-            completions.append(CompletionOutput(
-                index=i, text=text, token_ids=list(seq.get_output_token_ids()),
-                cumulative_logprob=seq.data.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                finish_reason=SequenceStatus.get_finished_reason(seq.status),
-                stop_reason=seq.stop_reason))
+                text = text[: max(0, len(text) - hold)]
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(seq.get_output_token_ids()),
+                    cumulative_logprob=seq.data.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=SequenceStatus.get_finished_reason(seq.status),
+                    stop_reason=seq.stop_reason,
+                )
+            )
         finished = group.is_finished()
-        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                             prompt_token_ids=group.prompt_token_ids, outputs=completions,
-                             finished=finished, metrics=group.metrics,
-                             error=group.ignored_reason, num_cached_tokens=group.num_cached_tokens or 0)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=group.metrics,
+            error=group.ignored_reason,
+            num_cached_tokens=group.num_cached_tokens or 0,
+        )
 
     def _finish_request(self, group: SequenceGroup) -> RequestOutput:
         """Final output of a request; forgets it (every per-request map is emptied here)."""
@@ -247,14 +309,20 @@ class LLMEngine:
         """Drop every cached block nothing references. Returns False if blocks are in use."""
         return self.scheduler.reset_prefix_cache()
 
-    def validate(self, prompt_ids: List[int], params: SamplingParams) -> int:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """``validate_request`` against this engine's vocabulary and limits; returns the
         effective max_tokens. Raises ValueError naming the field and the limit."""
         sc = self.scheduler_config
-        return validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
-                                max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
+        return validate_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=sc.max_model_len,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+        )
 
-    def check_admissible(self, prompt_len: int) -> Optional[str]:
+    def check_admissible(self, prompt_len: int) -> str | None:
         """Why a prompt of ``prompt_len`` tokens can never be scheduled (exceeds
         ``prompt_limit`` or needs more KV blocks than the cache holds), or None. Lets the
         server answer 400 before queueing instead of returning an ignored request."""
@@ -266,8 +334,10 @@ class LLMEngine:
         total, watermark = bm.num_total_gpu_blocks, bm.watermark_blocks
         needed = -(-prompt_len // self.cache_config.block_size)
         if needed > total - watermark:
-            return (f"prompt needs {needed} KV blocks > {total - watermark} usable blocks in the cache "
-                    f"({total} blocks, watermark {watermark})")
+            return (
+                f"prompt needs {needed} KV blocks > {total - watermark} usable blocks in the cache "
+                f"({total} blocks, watermark {watermark})"
+            )
         return None
 
     def _device(self) -> str:

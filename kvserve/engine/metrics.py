@@ -1,9 +1,9 @@
 """Engine-level counters, latency samples and a queue timeline (for /metrics and plots)."""
+
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Tuple
 
 
 @dataclass
@@ -21,12 +21,12 @@ class EngineStats:
     num_steps: int = 0
     model_time_s: float = 0.0
     finished_by_reason: Counter = field(default_factory=Counter)
-    ttft_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
-    tpot_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
-    e2e_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
-    queue_s: Deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
-    timeline: Deque[Tuple[float, int, int, int, float]] = field(default_factory=lambda: deque(maxlen=100_000))
-    listeners: List = field(default_factory=list)
+    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    tpot_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    e2e_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    queue_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    timeline: deque[tuple[float, int, int, int, float]] = field(default_factory=lambda: deque(maxlen=100_000))
+    listeners: list = field(default_factory=list)
 
     def on_request_added(self, prompt_len: int) -> None:
         self.num_requests_added += 1
@@ -58,4 +58,6 @@ class EngineStats:
 
     def record_queues(self, now: float, scheduler) -> None:
         usage = scheduler.get_kv_cache_stats().get("gpu_cache_usage", 0.0)
-        self.timeline.append((now, len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), usage))
+        self.timeline.append(
+            (now, len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), usage)
+        )

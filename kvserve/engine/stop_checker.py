@@ -1,7 +1,6 @@
 """Decides when a sequence is finished (EOS, stop ids, stop strings, lengths)."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus
@@ -20,8 +19,8 @@ class StopChecker:
 
     def maybe_stop(self, seq: Sequence, params: SamplingParams, new_text: str, max_tokens: int) -> None:
         """Args:
-            new_text: characters the last token added to ``seq.output_text``.
-            max_tokens: the request's effective max_tokens (resolved when params had None).
+        new_text: characters the last token added to ``seq.output_text``.
+        max_tokens: the request's effective max_tokens (resolved when params had None).
         """
         out_len = seq.get_output_len()
         if out_len >= params.min_tokens:
@@ -31,7 +30,7 @@ class StopChecker:
                 return
             if last in params.stop_token_ids:
                 if not params.include_stop_str_in_output and new_text:
-                    seq.output_text = seq.output_text[:-len(new_text)]
+                    seq.output_text = seq.output_text[: -len(new_text)]
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 seq.stop_reason = last
                 return
@@ -47,14 +46,14 @@ class StopChecker:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     @staticmethod
-    def _find_stop_string(text: str, num_new_chars: int, params: SamplingParams) -> Optional[tuple]:
+    def _find_stop_string(text: str, num_new_chars: int, params: SamplingParams) -> tuple | None:
         """The stop string that ends inside the new characters, as ``(stop_str, cut_index)``;
         the text is cut before the match (after it with ``include_stop_str_in_output``).
 
         Of several matches, the one that ends first wins (the one a left-to-right reader
         completes first), then the one that starts first: the choice depends on the text only,
         never on how the new characters were split into tokens."""
-        best = None   # (end, start, stop)
+        best = None  # (end, start, stop)
         for stop in params.stop:
             # Only matches overlapping the new characters are new; earlier text was checked.
             start = max(0, len(text) - num_new_chars - len(stop) + 1)

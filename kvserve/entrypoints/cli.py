@@ -1,4 +1,5 @@
 """``kvserve generate | serve | bench | simulate``."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,6 @@ import dataclasses
 import sys
 import time
 import typing
-from typing import List, Optional
 
 from kvserve.config import EngineArgs
 
@@ -30,10 +30,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            parser.add_argument(flag, type=base, default=f.default,
-                                choices={"device": ["auto", "cpu", "cuda"],
-                                         "dtype": ["auto", "float32", "bfloat16", "float16"],
-                                         "preemption_mode": ["recompute", "swap"]}.get(f.name))
+            parser.add_argument(
+                flag,
+                type=base,
+                default=f.default,
+                choices={
+                    "device": ["auto", "cpu", "cuda"],
+                    "dtype": ["auto", "float32", "bfloat16", "float16"],
+                    "preemption_mode": ["recompute", "swap"],
+                }.get(f.name),
+            )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -44,9 +50,16 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                                top_k=ns.top_k, n=ns.n, seed=ns.sampling_seed, stop=ns.stop or None,
-                                ignore_eos=ns.ignore_eos)
+        params = SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            top_k=ns.top_k,
+            n=ns.n,
+            seed=ns.sampling_seed,
+            stop=ns.stop or None,
+            ignore_eos=ns.ignore_eos,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -70,16 +83,20 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             n_tokens += len(c.token_ids)
             prefix = f"[{c.index}] " if len(out.outputs) > 1 else ""
             print(f"{prefix}{c.text.strip()}  ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
-    first = min((o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time), default=None)
+    first = min(
+        (o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time), default=None
+    )
     gen_s = t_done - t_loaded
-    print(f"\n{len(outs)} request{'s' if len(outs) != 1 else ''} in one continuous batch: {n_tokens} output tokens in {gen_s:.2f} s "
-          f"= {n_tokens / max(gen_s, 1e-9):.1f} tokens/s (model load {t_loaded - t_start:.1f} s"
-          + (f", first token {first - wall_start:.1f} s after start" if first else "")
-          + ")")
+    print(
+        f"\n{len(outs)} request{'s' if len(outs) != 1 else ''} in one continuous batch: {n_tokens} output tokens in {gen_s:.2f} s "
+        f"= {n_tokens / max(gen_s, 1e-9):.1f} tokens/s (model load {t_loaded - t_start:.1f} s"
+        + (f", first token {first - wall_start:.1f} s after start" if first else "")
+        + ")"
+    )
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -97,9 +114,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     gen.set_defaults(func=_cmd_generate)
 
     for name, module, helptext in (
-            ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
-            ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve, cold-start, plot)"),
-            ("simulate", "kvserve.sim.cli", "replay a trace on the simulator")):
+        ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
+        ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve, cold-start, plot)"),
+        ("simulate", "kvserve.sim.cli", "replay a trace on the simulator"),
+    ):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.set_defaults(module=module)
 

@@ -1,8 +1,9 @@
 """The offline batch API: ``LLM.generate`` and ``LLM.chat``."""
+
 from __future__ import annotations
 
 import itertools
-from typing import List, Optional, Sequence as Seq, Union
+from collections.abc import Sequence as Seq
 
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType
@@ -22,20 +23,25 @@ class LLM:
         ValueError: unknown setting, invalid value, or a model path without weights.
     """
 
-    def __init__(self, model: Optional[str] = None, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
-            raise ValueError(f"unknown engine argument(s): {sorted(unknown)}; "
-                             f"valid ones are {EngineArgs.field_names()}.")
+            raise ValueError(
+                f"unknown engine argument(s): {sorted(unknown)}; valid ones are {EngineArgs.field_names()}."
+            )
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: Union[PromptType, Seq[PromptType]],
-                 sampling_params: Union[SamplingParams, List[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[List[int]] = None) -> List[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Run all prompts to completion; returns one ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a string, ``{"prompt_token_ids": [...]}``, or a list of those.
@@ -46,7 +52,9 @@ class LLM:
         Raises:
             ValueError: for any invalid prompt or params; then nothing is queued.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -56,7 +64,9 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts.")
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
+                )
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
@@ -74,8 +84,14 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: Optional[str] = None) -> List[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
         """Like ``generate`` for chat conversations (lists of ``{"role", "content"}``),
         rendered with the tokenizer's chat template (transformers ``apply_chat_template``)."""
         if messages and isinstance(messages[0], dict):
@@ -83,14 +99,15 @@ class LLM:
         tok = self.get_tokenizer()
         prompts = []
         for conv in messages:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, chat_template=chat_template)
+            ids = tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_engine(self, ids: List[str], use_tqdm: bool) -> List[RequestOutput]:
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         engine = self.llm_engine

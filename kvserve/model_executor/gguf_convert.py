@@ -14,6 +14,7 @@ mtime, so every install of the same file shares one cache); it is written into a
 temporary directory next to it and renamed into place, so an interrupted conversion never
 leaves a half-written cache behind.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Optional
 
 import numpy as np
 
@@ -91,7 +91,7 @@ _GLOBAL_MAP = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> Optional[str]:
+def hf_tensor_name(gguf_name: str) -> str | None:
     """HF name for a GGUF tensor name, or ``None`` for tensors HF does not store (rope_freqs)."""
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
@@ -122,13 +122,19 @@ def build_config(reader, has_output: bool):
     vocab = _field(reader, "llama.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = _field(reader, "llama.attention.key_length") or _field(reader, "llama.rope.dimension_count") \
+    head_dim = (
+        _field(reader, "llama.attention.key_length")
+        or _field(reader, "llama.rope.dimension_count")
         or hidden // n_head
+    )
     rope = {"rope_type": "default", "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))}
     scaling = _field(reader, "llama.rope.scaling.type")
     if scaling == "linear":
-        rope = {"rope_type": "linear", "factor": float(_field(reader, "llama.rope.scaling.factor")),
-                "rope_theta": rope["rope_theta"]}
+        rope = {
+            "rope_type": "linear",
+            "factor": float(_field(reader, "llama.rope.scaling.factor")),
+            "rope_theta": rope["rope_theta"],
+        }
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     cfg = LlamaConfig(
@@ -154,7 +160,7 @@ def build_config(reader, has_output: bool):
     return cfg
 
 
-def dequantize_tensors(reader, cfg) -> Dict[str, "object"]:
+def dequantize_tensors(reader, cfg) -> dict[str, object]:
     """All tensors as float32 torch tensors under HF names, q/k rows in HF order."""
     import torch
     from gguf.quants import dequantize

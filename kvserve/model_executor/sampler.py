@@ -48,18 +48,22 @@ logprob is always computed (it feeds ``cumulative_logprob``); ``top_logprobs`` i
 when ``sampling_params.logprobs is None``, else the ``logprobs`` most likely tokens plus the
 sampled token (``logprobs`` or ``logprobs + 1`` entries).
 """
+
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import torch
 
 from kvserve.model_executor.layers import native_ops
 from kvserve.sampling_params import SamplingParams
-from kvserve.sequence import (CompletionSequenceGroupOutput, SequenceData,
-                              SequenceGroupMetadata, SequenceOutput)
+from kvserve.sequence import (
+    CompletionSequenceGroupOutput,
+    SequenceData,
+    SequenceGroupMetadata,
+    SequenceOutput,
+)
 
 __all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p"]
 
@@ -68,8 +72,8 @@ __all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p"]
 # Building blocks (pure functions on tensors; exported for tests and reuse)
 # ---------------------------------------------------------------------------------------------
 
-def _token_counts(token_ids: List[List[int]], vocab_size: int,
-                  device: torch.device) -> torch.Tensor:
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Occurrence counts of token ids per row.
 
     Args:
@@ -91,12 +95,14 @@ def _token_counts(token_ids: List[List[int]], vocab_size: int,
     return counts.view(num_rows, vocab_size)
 
 
-def apply_penalties(logits: torch.Tensor,
-                    prompt_token_ids: List[List[int]],
-                    output_token_ids: List[List[int]],
-                    repetition_penalties: torch.Tensor,
-                    presence_penalties: torch.Tensor,
-                    frequency_penalties: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+) -> torch.Tensor:
     """Repetition, presence and frequency penalties (out of place).
 
     Args:
@@ -128,8 +134,9 @@ def apply_penalties(logits: torch.Tensor,
     return logits
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            min_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Mask (set to ``-inf``) the tokens that top-k, then top-p, then min-p exclude.
 
     Args:
@@ -154,18 +161,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=device).unsqueeze(0)
-    remove = positions >= top_k.unsqueeze(1)                                   # top-k
+    remove = positions >= top_k.unsqueeze(1)  # top-k
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs                                  # exclusive cumsum
-    remove |= mass_before >= top_p.unsqueeze(1)                                 # top-p
-    remove |= probs < min_p.unsqueeze(1) * probs[:, :1]                         # min-p
+    mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumsum
+    remove |= mass_before >= top_p.unsqueeze(1)  # top-p
+    remove |= probs < min_p.unsqueeze(1) * probs[:, :1]  # min-p
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def _exponential(num: int, vocab: int, device: torch.device,
-                 generator: Optional[torch.Generator]) -> torch.Tensor:
+def _exponential(
+    num: int, vocab: int, device: torch.device, generator: torch.Generator | None
+) -> torch.Tensor:
     """``Exponential(1)`` noise, float32 ``[num, vocab]`` on ``device``.
 
     With a generator the numbers are drawn on the generator's device (then moved), so a
@@ -182,6 +190,7 @@ def _exponential(num: int, vocab: int, device: torch.device,
 # Sampler
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Row:
     group_index: int
@@ -189,8 +198,8 @@ class _Row:
     num_samples: int
     params: SamplingParams
     data: SequenceData
-    suppressed: List[int]      # token ids forced to -inf (min_tokens), within the vocab
-    generator: Optional[torch.Generator]  # the request's RNG (seeded), or None
+    suppressed: list[int]  # token ids forced to -inf (min_tokens), within the vocab
+    generator: torch.Generator | None  # the request's RNG (seeded), or None
 
 
 class Sampler:
@@ -201,11 +210,11 @@ class Sampler:
             sets ``ignore_eos``). ``None``: only ``stop_token_ids`` are suppressed.
     """
 
-    def __init__(self, eos_token_id: Optional[int]):
+    def __init__(self, eos_token_id: int | None):
         self.eos_token_id = eos_token_id
 
     # -- helpers -----------------------------------------------------------------------------
-    def _suppressed_ids(self, params: SamplingParams, data: SequenceData, vocab: int) -> List[int]:
+    def _suppressed_ids(self, params: SamplingParams, data: SequenceData, vocab: int) -> list[int]:
         if data.get_output_len() >= params.min_tokens:
             return []
         ids = list(params.stop_token_ids)
@@ -213,25 +222,34 @@ class Sampler:
             ids.append(self.eos_token_id)
         return sorted({t for t in ids if 0 <= t < vocab})
 
-    def _collect_rows(self, metadata_list: List[SequenceGroupMetadata], vocab: int) -> List[_Row]:
-        rows: List[_Row] = []
+    def _collect_rows(self, metadata_list: list[SequenceGroupMetadata], vocab: int) -> list[_Row]:
+        rows: list[_Row] = []
         for g, md in enumerate(metadata_list):
             if not md.do_sample:
                 continue
             if md.num_samples > 1 and len(md.seq_data) != 1:
                 raise ValueError(
                     f"request {md.request_id}: num_samples={md.num_samples} needs exactly one "
-                    f"sequence, got {len(md.seq_data)}")
+                    f"sequence, got {len(md.seq_data)}"
+                )
             for seq_id, data in md.seq_data.items():
-                rows.append(_Row(g, seq_id, max(1, md.num_samples), md.sampling_params, data,
-                                 self._suppressed_ids(md.sampling_params, data, vocab),
-                                 md.generator))
+                rows.append(
+                    _Row(
+                        g,
+                        seq_id,
+                        max(1, md.num_samples),
+                        md.sampling_params,
+                        data,
+                        self._suppressed_ids(md.sampling_params, data, vocab),
+                        md.generator,
+                    )
+                )
         return rows
 
     # -- main entry --------------------------------------------------------------------------
-    def __call__(self, logits: Optional[torch.Tensor],
-                 seq_group_metadata_list: List[SequenceGroupMetadata]
-                 ) -> List[CompletionSequenceGroupOutput]:
+    def __call__(
+        self, logits: torch.Tensor | None, seq_group_metadata_list: list[SequenceGroupMetadata]
+    ) -> list[CompletionSequenceGroupOutput]:
         """Sample one step.
 
         Args:
@@ -252,8 +270,14 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
 
-        if all(r.params.is_greedy and not r.params.needs_penalties and not r.params.logit_bias
-               and not r.suppressed and r.params.logprobs is None for r in rows):
+        if all(
+            r.params.is_greedy
+            and not r.params.needs_penalties
+            and not r.params.logit_bias
+            and not r.suppressed
+            and r.params.logprobs is None
+            for r in rows
+        ):
             tokens, sample_lp, top = self._greedy_fast_path(logits, rows)
         else:
             tokens, sample_lp, top = self._general_path(logits, rows)
@@ -264,21 +288,22 @@ class Sampler:
             out = outputs[r.group_index].samples
             for _ in range(r.num_samples):
                 tok, lp = tokens[s], sample_lp[s]
-                top_lp: Optional[Dict[int, float]] = None
+                top_lp: dict[int, float] | None = None
                 if r.params.logprobs is not None:
                     top_lp = {}
                     if r.params.logprobs > 0:
                         ids, vals = top[i]
-                        top_lp = dict(zip(ids[:r.params.logprobs], vals[:r.params.logprobs]))
+                        top_lp = dict(zip(ids[: r.params.logprobs], vals[: r.params.logprobs]))
                     top_lp.setdefault(tok, lp)
-                out.append(SequenceOutput(parent_seq_id=r.seq_id, output_token=tok, logprob=lp,
-                                          top_logprobs=top_lp))
+                out.append(
+                    SequenceOutput(parent_seq_id=r.seq_id, output_token=tok, logprob=lp, top_logprobs=top_lp)
+                )
                 s += 1
         return outputs
 
     # -- paths -------------------------------------------------------------------------------
     @staticmethod
-    def _greedy_fast_path(logits: torch.Tensor, rows: List[_Row]):
+    def _greedy_fast_path(logits: torch.Tensor, rows: list[_Row]):
         """Every row greedy with nothing to adjust: one argmax (+ the sampled logprob)."""
         if native_ops.supported(logits):
             tok, lp = native_ops.greedy_sample(logits)  # one fused pass (argmax + logsumexp)
@@ -291,7 +316,7 @@ class Sampler:
             tok, lp = tok.repeat_interleave(rep), lp.repeat_interleave(rep)
         return tok.tolist(), lp.tolist(), {}
 
-    def _general_path(self, logits: torch.Tensor, rows: List[_Row]):
+    def _general_path(self, logits: torch.Tensor, rows: list[_Row]):
         device = logits.device
         num_rows, vocab = logits.shape
 
@@ -308,7 +333,8 @@ class Sampler:
                 [r.data.output_token_ids for r in sub],
                 torch.tensor([float(r.params.repetition_penalty) for r in sub]),
                 torch.tensor([float(r.params.presence_penalty) for r in sub]),
-                torch.tensor([float(r.params.frequency_penalty) for r in sub]))
+                torch.tensor([float(r.params.frequency_penalty) for r in sub]),
+            )
         bias_r, bias_t, bias_v = [], [], []
         for i, r in enumerate(rows):
             for t, v in (r.params.logit_bias or {}).items():
@@ -318,17 +344,17 @@ class Sampler:
         if bias_r:
             if adjusted is logits:
                 adjusted = adjusted.clone()
-            adjusted.index_put_((torch.tensor(bias_r, device=device),
-                                 torch.tensor(bias_t, device=device)),
-                                torch.tensor(bias_v, dtype=adjusted.dtype, device=device),
-                                accumulate=True)
+            adjusted.index_put_(
+                (torch.tensor(bias_r, device=device), torch.tensor(bias_t, device=device)),
+                torch.tensor(bias_v, dtype=adjusted.dtype, device=device),
+                accumulate=True,
+            )
         sup_r = [i for i, r in enumerate(rows) for _ in r.suppressed]
         if sup_r:
             if adjusted is logits:
                 adjusted = adjusted.clone()
             sup_t = [t for r in rows for t in r.suppressed]
-            adjusted[torch.tensor(sup_r, device=device),
-                     torch.tensor(sup_t, device=device)] = float("-inf")
+            adjusted[torch.tensor(sup_r, device=device), torch.tensor(sup_t, device=device)] = float("-inf")
 
         # 2. Choose tokens. Samples are laid out row by row, num_samples each.
         counts = [r.num_samples for r in rows]
@@ -343,7 +369,8 @@ class Sampler:
             g_counts = [counts[i] for i in greedy]
             g_pos = [starts[i] + j for i in greedy for j in range(counts[i])]
             tokens[torch.tensor(g_pos, device=device)] = g_tok.repeat_interleave(
-                torch.tensor(g_counts, device=device))
+                torch.tensor(g_counts, device=device)
+            )
 
         random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random:
@@ -352,12 +379,13 @@ class Sampler:
             tokens[torch.tensor(r_pos, device=device)] = tokens_r
 
         # 3. Log-probabilities of the adjusted distribution (temperature 1, untruncated).
-        sample_row = torch.repeat_interleave(torch.arange(num_rows, device=device),
-                                             torch.tensor(counts, device=device))
+        sample_row = torch.repeat_interleave(
+            torch.arange(num_rows, device=device), torch.tensor(counts, device=device)
+        )
         lse = adjusted.logsumexp(dim=-1)
         sample_lp = adjusted[sample_row, tokens] - lse[sample_row]
 
-        top: Dict[int, tuple] = {}
+        top: dict[int, tuple] = {}
         top_rows = [i for i, r in enumerate(rows) if r.params.logprobs]
         if top_rows:
             k = min(vocab, max(rows[i].params.logprobs for i in top_rows))
@@ -370,8 +398,9 @@ class Sampler:
         return tokens.tolist(), sample_lp.tolist(), top
 
     @staticmethod
-    def _sample_random(adjusted: torch.Tensor, rows: List[_Row], random: List[int],
-                       counts: List[int]) -> torch.Tensor:
+    def _sample_random(
+        adjusted: torch.Tensor, rows: list[_Row], random: list[int], counts: list[int]
+    ) -> torch.Tensor:
         """Temperature, truncation and exponential-race draw for the non-greedy rows.
 
         Returns int64 ``[sum(counts[i] for i in random)]``, samples in row order.
@@ -387,7 +416,8 @@ class Sampler:
                 x,
                 torch.tensor([r.params.top_k for r in sub], dtype=torch.long),
                 torch.tensor([float(r.params.top_p) for r in sub]),
-                torch.tensor([float(r.params.min_p) for r in sub]))
+                torch.tensor([float(r.params.min_p) for r in sub]),
+            )
         probs = x.softmax(dim=-1)
         sub_counts = [counts[i] for i in random]
         if any(c > 1 for c in sub_counts):
@@ -396,9 +426,9 @@ class Sampler:
         # Exponential noise: unseeded samples share one draw from the global RNG; each seeded
         # group draws all of its samples in one call on its own generator.
         num = probs.shape[0]
-        seeded: Dict[int, List[int]] = {}   # group index -> sample positions (within ``probs``)
-        unseeded: List[int] = []
-        generators: Dict[int, torch.Generator] = {}
+        seeded: dict[int, list[int]] = {}  # group index -> sample positions (within ``probs``)
+        unseeded: list[int] = []
+        generators: dict[int, torch.Generator] = {}
         pos = 0
         for j, r in enumerate(sub):
             span = list(range(pos, pos + sub_counts[j]))
@@ -414,12 +444,9 @@ class Sampler:
         else:
             q = torch.empty(num, vocab, dtype=torch.float32, device=device)
             if unseeded:
-                q[torch.tensor(unseeded, device=device)] = _exponential(len(unseeded), vocab,
-                                                                        device, None)
+                q[torch.tensor(unseeded, device=device)] = _exponential(len(unseeded), vocab, device, None)
             for g, span in seeded.items():
-                q[torch.tensor(span, device=device)] = _exponential(len(span), vocab, device,
-                                                                    generators[g])
+                q[torch.tensor(span, device=device)] = _exponential(len(span), vocab, device, generators[g])
         # A zero draw would turn a masked token's 0 probability into 0/0; keep q > 0.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
-

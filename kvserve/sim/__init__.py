@@ -1,6 +1,13 @@
 """Simulator: the real scheduler and block manager on a cost model and a virtual clock."""
+
 from kvserve.sim.cost_model import CostModel, VirtualClock, fit_splitwise_csv
 from kvserve.sim.executor import InvalidExecuteRequest, KVCacheCorruption, SimulatedExecutor
 
-__all__ = ["CostModel", "VirtualClock", "fit_splitwise_csv", "InvalidExecuteRequest",
-           "KVCacheCorruption", "SimulatedExecutor"]
+__all__ = [
+    "CostModel",
+    "VirtualClock",
+    "fit_splitwise_csv",
+    "InvalidExecuteRequest",
+    "KVCacheCorruption",
+    "SimulatedExecutor",
+]

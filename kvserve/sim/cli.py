@@ -5,13 +5,13 @@ executor is replaced by ``SimulatedExecutor`` and wall time by its virtual clock
 study (policy, cache size, chunked prefill, preemption mode) runs in seconds for hours of
 trace. Prints a latency table (and writes it as JSON with ``--json-out``).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 from kvserve.benchmarks import workload as wl
 from kvserve.benchmarks.stats import summarize
@@ -25,7 +25,7 @@ from kvserve.sim.executor import SimulatedExecutor
 VOCAB = 49152
 
 
-def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Optional[CostModel] = None) -> dict:
+def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: CostModel | None = None) -> dict:
     """Run ``requests`` (arrival_s on the virtual clock) to completion; returns a summary dict
     with TTFT/TPOT/e2e/queue-time statistics (seconds), throughput and preemption counts.
 
@@ -33,7 +33,9 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
     defaults to the same.
     """
     if args.num_gpu_blocks is None:
-        raise ValueError("num_gpu_blocks must be set for a simulation (there is no device memory to size it from).")
+        raise ValueError(
+            "num_gpu_blocks must be set for a simulation (there is no device memory to size it from)."
+        )
     if args.num_cpu_blocks is None:
         args.num_cpu_blocks = args.num_gpu_blocks
     if args.enable_chunked_prefill is None:  # the simulated device is not this machine's
@@ -44,19 +46,24 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
         args.max_num_batched_tokens = CHUNKED_PREFILL_TOKENS
     model_config, cache_config, scheduler_config = args.create_configs(args.max_model_len or 8192)
     clock = VirtualClock()
-    executor = SimulatedExecutor(VOCAB, cost_model, cache_config=cache_config, check_kv=False, strict=False,
-                                 clock=clock)
-    engine = LLMEngine(model_config, cache_config, scheduler_config, executor=executor, clock=clock,
-                       vocab_size=VOCAB)
+    executor = SimulatedExecutor(
+        VOCAB, cost_model, cache_config=cache_config, check_kv=False, strict=False, clock=clock
+    )
+    engine = LLMEngine(
+        model_config, cache_config, scheduler_config, executor=executor, clock=clock, vocab_size=VOCAB
+    )
     pending = sorted(requests, key=lambda r: r.arrival_s)
     finals, rejected, i = [], 0, 0
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival_s <= clock.now():
             r = pending[i]
             try:
-                engine.add_request(str(r.id), {"prompt_token_ids": r.prompt_token_ids},
-                                   SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
-                                   arrival_time=r.arrival_s)
+                engine.add_request(
+                    str(r.id),
+                    {"prompt_token_ids": r.prompt_token_ids},
+                    SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
+                    arrival_time=r.arrival_s,
+                )
             except ValueError:
                 rejected += 1
             i += 1
@@ -68,9 +75,12 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
     out_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
     metrics = [o.metrics for o in finals]
     return {
-        "num_requests": len(requests), "finished": sum(o.outcome == "finished" for o in finals),
-        "ignored": sum(o.outcome == "rejected" for o in finals), "rejected_at_admission": rejected,
-        "duration_s": duration, "output_tokens": out_tokens,
+        "num_requests": len(requests),
+        "finished": sum(o.outcome == "finished" for o in finals),
+        "ignored": sum(o.outcome == "rejected" for o in finals),
+        "rejected_at_admission": rejected,
+        "duration_s": duration,
+        "output_tokens": out_tokens,
         "output_tok_s": out_tokens / duration if duration else 0.0,
         "num_preemptions": engine.get_kv_cache_stats()["num_preemptions"],
         "ttft_s": summarize(m.ttft for m in metrics),
@@ -80,16 +90,23 @@ def simulate(args: EngineArgs, requests: List[wl.BenchRequest], cost_model: Opti
     }
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvserve simulate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvserve simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--trace", help="trace file (azure csv, vidur csv, mooncake jsonl) from ../shared/traces")
+    src.add_argument(
+        "--trace", help="trace file (azure csv, vidur csv, mooncake jsonl) from ../shared/traces"
+    )
     src.add_argument("--workload", help="workload jsonl (token ids, output_len)")
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
-    ap.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="for --workload: Poisson arrivals at this rate (inf = all at t=0)")
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="for --workload: Poisson arrivals at this rate (inf = all at t=0)",
+    )
     ap.add_argument("--json-out", default=None)
     add_engine_args(ap)
     ap.set_defaults(num_gpu_blocks=2048, max_model_len=8192)
@@ -102,25 +119,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         corpus = [3 + (i * 7919) % (VOCAB - 3) for i in range(1 << 17)]
     if ns.trace:
         if not Path(ns.trace).is_file():
-            print(f"Error: --trace {ns.trace}: no such file (shared traces live in ../shared/traces beside the "
-                  f"checkout, or $KVSERVE_SHARED_DIR/traces)", file=sys.stderr)
+            print(
+                f"Error: --trace {ns.trace}: no such file (shared traces live in ../shared/traces beside the "
+                f"checkout, or $KVSERVE_SHARED_DIR/traces)",
+                file=sys.stderr,
+            )
             return 2
-        records = wl.scale_arrivals(wl.select_trace(wl.load_trace(ns.trace), num_requests=ns.num_requests),
-                                    ns.time_scale)
+        records = wl.scale_arrivals(
+            wl.select_trace(wl.load_trace(ns.trace), num_requests=ns.num_requests), ns.time_scale
+        )
         requests, _ = wl.trace_to_requests(records, corpus, ns.max_model_len)
     else:
         path = ns.workload or wl.default_workload_path()
         if ns.workload is None and not path.is_file():
-            print(f"note: {path} not found; simulating {ns.num_requests} synthetic requests (200 prompt + 128 output tokens)")
+            print(
+                f"note: {path} not found; simulating {ns.num_requests} synthetic requests (200 prompt + 128 output tokens)"
+            )
             requests = wl.synthetic_requests(ns.num_requests, 200, 128, corpus)
         else:
             requests = wl.load_workload(path, ns.num_requests)
         for r, t in zip(requests, wl.generate_arrivals(len(requests), ns.request_rate)):
             r.arrival_s = t
     summary = simulate(engine_args_from(ns), requests)
-    print(f"simulated {summary['num_requests']} requests in {summary['duration_s']:.1f} virtual s: "
-          f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
-          f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s")
+    print(
+        f"simulated {summary['num_requests']} requests in {summary['duration_s']:.1f} virtual s: "
+        f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
+        f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s"
+    )
     print(f"{'metric':10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         s = summary[key]

@@ -19,11 +19,11 @@ more than 16,384 prefill tokens per batch are left out of the fit (prefill turns
 there). Mean absolute relative error of the fit on the rows used: 8.6% (max 29%); across
 all 105 rows: 9.0%. ``fit_splitwise_csv`` refits for any model/hardware/TP in the file.
 """
+
 from __future__ import annotations
 
 import csv
 from dataclasses import dataclass
-from typing import Optional
 
 from kvserve.shared_data import shared_dir
 
@@ -45,20 +45,32 @@ class CostModel:
     context_token_s: float = 2.72815994e-07
     swap_block_s: float = 2.0e-05
 
-    def step_time(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
-                  num_swapped_blocks: int = 0) -> float:
+    def step_time(
+        self,
+        num_prefill_tokens: int,
+        num_decode_seqs: int,
+        num_context_tokens: int,
+        num_swapped_blocks: int = 0,
+    ) -> float:
         """Seconds for one step. All counts are >= 0; an empty step costs 0."""
         if num_prefill_tokens == 0 and num_decode_seqs == 0 and num_swapped_blocks == 0:
             return 0.0
-        return (self.base_s + self.prefill_token_s * num_prefill_tokens
-                + self.decode_seq_s * num_decode_seqs
-                + self.context_token_s * num_context_tokens
-                + self.swap_block_s * num_swapped_blocks)
+        return (
+            self.base_s
+            + self.prefill_token_s * num_prefill_tokens
+            + self.decode_seq_s * num_decode_seqs
+            + self.context_token_s * num_context_tokens
+            + self.swap_block_s * num_swapped_blocks
+        )
 
 
-def fit_splitwise_csv(path: str = SPLITWISE_CSV, model: str = "llama2-70b",
-                      hardware: str = "h100-80gb", tensor_parallel: int = 4,
-                      max_prefill_tokens: int = 16384) -> CostModel:
+def fit_splitwise_csv(
+    path: str = SPLITWISE_CSV,
+    model: str = "llama2-70b",
+    hardware: str = "h100-80gb",
+    tensor_parallel: int = 4,
+    max_prefill_tokens: int = 16384,
+) -> CostModel:
     """Fit ``CostModel`` coefficients to one configuration of SplitwiseSim's perf model.
 
     Raises:
@@ -78,13 +90,18 @@ def fit_splitwise_csv(path: str = SPLITWISE_CSV, model: str = "llama2-70b",
             xs.append([1.0, 0.0, b, b * (p + t / 2)])
             ys.append(float(r["token_time"]) / 1000.0)
     if not xs:
-        raise ValueError(f"no rows for model={model!r} hardware={hardware!r} "
-                         f"tensor_parallel={tensor_parallel} in {path}")
+        raise ValueError(
+            f"no rows for model={model!r} hardware={hardware!r} tensor_parallel={tensor_parallel} in {path}"
+        )
     x, y = np.array(xs), np.array(ys)
     w = 1.0 / y
     coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    return CostModel(base_s=float(coef[0]), prefill_token_s=float(coef[1]),
-                     decode_seq_s=float(coef[2]), context_token_s=float(coef[3]))
+    return CostModel(
+        base_s=float(coef[0]),
+        prefill_token_s=float(coef[1]),
+        decode_seq_s=float(coef[2]),
+        context_token_s=float(coef[3]),
+    )
 
 
 class VirtualClock:
@@ -114,5 +131,5 @@ class VirtualClock:
         self._now = float(t)
 
 
-def default_cost_model(cost_model: Optional[CostModel] = None) -> CostModel:
+def default_cost_model(cost_model: CostModel | None = None) -> CostModel:
     return cost_model if cost_model is not None else CostModel()

@@ -21,12 +21,10 @@ CPU block, the token id written in each slot. Each step it
 
 Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)``.
 """
+
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
-from kvserve.sequence import (CompletionSequenceGroupOutput, ExecuteModelRequest,
-                              SequenceOutput)
+from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.cost_model import CostModel, VirtualClock
 
 _MASK = (1 << 64) - 1
@@ -71,12 +69,23 @@ class SimulatedExecutor:
         clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals.
     """
 
-    def __init__(self, vocab_size: int, cost_model: Optional[CostModel] = None,
-                 eos_token_id: Optional[int] = None, *, block_size: Optional[int] = None,
-                 cache_config=None, num_gpu_blocks: Optional[int] = None,
-                 num_cpu_blocks: Optional[int] = None, sliding_window: Optional[int] = None,
-                 max_model_len: Optional[int] = None, check_kv: bool = True, strict: bool = True,
-                 allow_eos: bool = False, clock: Optional[VirtualClock] = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        cost_model: CostModel | None = None,
+        eos_token_id: int | None = None,
+        *,
+        block_size: int | None = None,
+        cache_config=None,
+        num_gpu_blocks: int | None = None,
+        num_cpu_blocks: int | None = None,
+        sliding_window: int | None = None,
+        max_model_len: int | None = None,
+        check_kv: bool = True,
+        strict: bool = True,
+        allow_eos: bool = False,
+        clock: VirtualClock | None = None,
+    ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self.vocab_size = vocab_size
@@ -96,21 +105,21 @@ class SimulatedExecutor:
         self.strict = strict
         self.allow_eos = allow_eos
         self.clock = clock if clock is not None else VirtualClock()
-        self.gpu: Dict[int, List[Optional[int]]] = {}
-        self.cpu: Dict[int, List[Optional[int]]] = {}
+        self.gpu: dict[int, list[int | None]] = {}
+        self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
         self.busy_time_s = 0.0
-        self.requests: List[ExecuteModelRequest] = []   # kept only when record=True
+        self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
         self.record = False
 
     # ------------------------------------------------------------------ helpers
-    def _block(self, pool: Dict[int, List[Optional[int]]], n: int) -> List[Optional[int]]:
+    def _block(self, pool: dict[int, list[int | None]], n: int) -> list[int | None]:
         b = pool.get(n)
         if b is None:
             b = pool[n] = [None] * self.block_size
         return b
 
-    def _check_range(self, what: str, n: int, limit: Optional[int]) -> None:
+    def _check_range(self, what: str, n: int, limit: int | None) -> None:
         if not isinstance(n, int) or n < 0 or (limit is not None and n >= limit):
             raise InvalidExecuteRequest(f"{what} block {n!r} out of range (pool of {limit})")
 
@@ -129,9 +138,10 @@ class SimulatedExecutor:
             raise InvalidExecuteRequest(f"two CPU blocks swap in to one GPU block: {req.blocks_to_swap_in}")
         clash = set(out_vals) & set(req.blocks_to_swap_in)
         if clash:
-            raise InvalidExecuteRequest(f"CPU blocks {sorted(clash)} are written by swap-out and read by "
-                                        f"swap-in in the same step")
-        dsts: List[int] = []
+            raise InvalidExecuteRequest(
+                f"CPU blocks {sorted(clash)} are written by swap-out and read by swap-in in the same step"
+            )
+        dsts: list[int] = []
         for src, ds in req.blocks_to_copy.items():
             self._check_range("copy source", src, self.num_gpu_blocks)
             for d in ds:
@@ -140,14 +150,14 @@ class SimulatedExecutor:
         if len(set(dsts)) != len(dsts) or set(dsts) & set(req.blocks_to_copy):
             raise InvalidExecuteRequest(f"copy targets repeat or are also sources: {req.blocks_to_copy}")
 
-    def _sample(self, tokens_read: List[int], salt: int) -> int:
+    def _sample(self, tokens_read: list[int], salt: int) -> int:
         tok = token_hash(tokens_read, salt) % self.vocab_size
         if not self.allow_eos and self.eos_token_id is not None and tok == self.eos_token_id:
             tok = (tok + 1) % self.vocab_size
         return tok
 
     # ------------------------------------------------------------------ the step
-    def execute_model(self, req: ExecuteModelRequest) -> List[CompletionSequenceGroupOutput]:
+    def execute_model(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
         """Validate, apply block moves, write the scheduled tokens into the shadow cache and
         return one output per metadata entry (no samples where ``do_sample`` is False).
 
@@ -160,34 +170,43 @@ class SimulatedExecutor:
         bs = self.block_size
         self._validate_maps(req)
         # -- validate the rows and plan the writes
-        writes: Dict[tuple, int] = {}
+        writes: dict[tuple, int] = {}
         prefill_tokens = decode_seqs = context_tokens = 0
         for meta in req.seq_group_metadata_list:
             chunk = meta.token_chunk_size
             if chunk < 1:
-                raise InvalidExecuteRequest(f"{meta.request_id}: token_chunk_size {chunk} < 1 "
-                                            f"(zero-token prefill)")
+                raise InvalidExecuteRequest(
+                    f"{meta.request_id}: token_chunk_size {chunk} < 1 (zero-token prefill)"
+                )
             if not meta.seq_data:
                 raise InvalidExecuteRequest(f"{meta.request_id}: no sequence to run")
             for sid, data in meta.seq_data.items():
                 c = data.get_num_computed_tokens()
                 n = data.get_len()
                 if c + chunk > n:
-                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: chunk {chunk} from {c} "
-                                                f"passes the sequence length {n}")
+                    raise InvalidExecuteRequest(
+                        f"{meta.request_id}/seq {sid}: chunk {chunk} from {c} passes the sequence length {n}"
+                    )
                 if not meta.is_prompt and (chunk != 1 or c + 1 != n):
-                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: decode with chunk {chunk}, "
-                                                f"computed {c}, len {n}")
+                    raise InvalidExecuteRequest(
+                        f"{meta.request_id}/seq {sid}: decode with chunk {chunk}, computed {c}, len {n}"
+                    )
                 if meta.is_prompt and meta.do_sample != (c + chunk == n):
-                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: do_sample={meta.do_sample} "
-                                                f"but chunk ends at {c + chunk} of {n}")
+                    raise InvalidExecuteRequest(
+                        f"{meta.request_id}/seq {sid}: do_sample={meta.do_sample} "
+                        f"but chunk ends at {c + chunk} of {n}"
+                    )
                 if self.max_model_len is not None and c + chunk > self.max_model_len:
-                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: position {c + chunk - 1} "
-                                                f">= max_model_len {self.max_model_len}")
+                    raise InvalidExecuteRequest(
+                        f"{meta.request_id}/seq {sid}: position {c + chunk - 1} "
+                        f">= max_model_len {self.max_model_len}"
+                    )
                 table = meta.block_tables.get(sid)
                 if table is None or len(table) * bs < c + chunk:
-                    raise InvalidExecuteRequest(f"{meta.request_id}/seq {sid}: block table "
-                                                f"{table} too short for positions < {c + chunk}")
+                    raise InvalidExecuteRequest(
+                        f"{meta.request_id}/seq {sid}: block table "
+                        f"{table} too short for positions < {c + chunk}"
+                    )
                 for b in table:
                     self._check_range("block table", b, self.num_gpu_blocks)
                 if self.check_kv:
@@ -198,7 +217,8 @@ class SimulatedExecutor:
                         if prev is not None and prev != toks[pos]:
                             raise InvalidExecuteRequest(
                                 f"{meta.request_id}/seq {sid}: slot {key} written with two different "
-                                f"tokens in one step (missing copy-on-write)")
+                                f"tokens in one step (missing copy-on-write)"
+                            )
                         writes[key] = toks[pos]
                 if meta.is_prompt:
                     prefill_tokens += chunk
@@ -218,7 +238,7 @@ class SimulatedExecutor:
             for (b, slot), tok in writes.items():
                 self._block(self.gpu, b)[slot] = tok
         # -- sample
-        results: List[CompletionSequenceGroupOutput] = []
+        results: list[CompletionSequenceGroupOutput] = []
         for meta in req.seq_group_metadata_list:
             out = CompletionSequenceGroupOutput()
             if meta.do_sample:
@@ -227,9 +247,11 @@ class SimulatedExecutor:
                     end = data.get_num_computed_tokens() + meta.token_chunk_size
                     read = self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end)
                     for i in range(max(1, meta.num_samples)):
-                        out.samples.append(SequenceOutput(parent_seq_id=sid,
-                                                          output_token=self._sample(read, i),
-                                                          logprob=-1.0))
+                        out.samples.append(
+                            SequenceOutput(
+                                parent_seq_id=sid, output_token=self._sample(read, i), logprob=-1.0
+                            )
+                        )
             results.append(out)
         # -- time
         swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
@@ -239,7 +261,7 @@ class SimulatedExecutor:
         self.num_steps += 1
         return results
 
-    def _read_context(self, request_id: str, sid: int, data, table: List[int], end: int) -> List[int]:
+    def _read_context(self, request_id: str, sid: int, data, table: list[int], end: int) -> list[int]:
         """Token ids of positions [start, end) read back through the block table (start > 0
         only with a sliding window), checked against the sequence under ``strict``."""
         toks = data.get_token_ids()
@@ -247,13 +269,14 @@ class SimulatedExecutor:
             return [end, toks[end - 1]]
         bs = self.block_size
         start = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
-        read: List[int] = [start]
+        read: list[int] = [start]
         for pos in range(start, end):
             blk = self.gpu.get(table[pos // bs])
             tok = None if blk is None else blk[pos % bs]
             if self.strict and tok != toks[pos]:
                 raise KVCacheCorruption(
                     f"{request_id}/seq {sid}: position {pos} (block {table[pos // bs]}, slot "
-                    f"{pos % bs}) holds {tok!r}, expected token {toks[pos]}")
+                    f"{pos % bs}) holds {tok!r}, expected token {toks[pos]}"
+                )
             read.append(-1 if tok is None else tok)
         return read

@@ -1,4 +1,5 @@
 """Tokenizer loading (Hugging Face transformers; never from a hub)."""
+
 from __future__ import annotations
 
 from pathlib import Path

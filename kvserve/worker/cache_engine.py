@@ -13,15 +13,15 @@ Both pools are zero-filled (unused slots must hold finite values: masked attenti
 are exactly 0, and ``0 * NaN`` would poison the output). Zero pages are mapped lazily by
 the OS, so untouched blocks cost no resident memory on CPU.
 """
-from __future__ import annotations
 
-from typing import Dict, List
+from __future__ import annotations
 
 import torch
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes of one KV block across all layers: ``2 * layers * block_size * kv_heads * head_dim
     * element size``."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -39,8 +39,17 @@ class CacheEngine:
         dtype: cache dtype (the model dtype); device: ``"cpu"`` / ``"cuda"``.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype, device: str):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: str,
+    ):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -53,22 +62,29 @@ class CacheEngine:
         tail = (block_size, head_dim)
         self.device_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=dtype, device=self.device)
         pin = self.device.type == "cuda"
-        self.cpu_cache = torch.zeros(*shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu",
-                                     pin_memory=pin and num_cpu_blocks > 0)
+        self.cpu_cache = torch.zeros(
+            *shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu", pin_memory=pin and num_cpu_blocks > 0
+        )
         #: Per-layer views ``[2, kv_heads, num_gpu_blocks, block_size, head_dim]``.
-        self.gpu_cache: List[torch.Tensor] = list(self.device_cache.unbind(0))
+        self.gpu_cache: list[torch.Tensor] = list(self.device_cache.unbind(0))
 
     @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
-    def _check(self, ids: List[int], n: int, pool: str) -> None:
+    def _check(self, ids: list[int], n: int, pool: str) -> None:
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
             raise ValueError(f"{pool} block ids {bad[:5]} out of range [0, {n})")
 
-    def _move_blocks(self, mapping: Dict[int, int], src_cache: torch.Tensor, dst_cache: torch.Tensor,
-                     src_pool: str, dst_pool: str) -> None:
+    def _move_blocks(
+        self,
+        mapping: dict[int, int],
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_pool: str,
+        dst_pool: str,
+    ) -> None:
         """``dst_cache[..., mapping[b], ...] = src_cache[..., b, ...]`` for every block ``b``, as
         one indexed copy over all layers (blocks are dim 3 of both caches)."""
         if not mapping:
@@ -80,10 +96,11 @@ class CacheEngine:
         di = torch.tensor(dst, dtype=torch.long, device=dst_cache.device)
         # Host-to-device may be asynchronous (the stream orders it); device-to-host must not be,
         # or the CPU would read the copy before it lands.
-        dst_cache[:, :, :, di] = src_cache[:, :, :, si].to(dst_cache.device,
-                                                           non_blocking=dst_cache.device.type != "cpu")
+        dst_cache[:, :, :, di] = src_cache[:, :, :, si].to(
+            dst_cache.device, non_blocking=dst_cache.device.type != "cpu"
+        )
 
-    def swap_out(self, mapping: Dict[int, int]) -> None:
+    def swap_out(self, mapping: dict[int, int]) -> None:
         """Copy device blocks to CPU blocks: ``{device_block: cpu_block}``.
 
         Raises:
@@ -91,7 +108,7 @@ class CacheEngine:
         """
         self._move_blocks(mapping, self.device_cache, self.cpu_cache, "device", "cpu")
 
-    def swap_in(self, mapping: Dict[int, int]) -> None:
+    def swap_in(self, mapping: dict[int, int]) -> None:
         """Copy CPU blocks to device blocks: ``{cpu_block: device_block}``.
 
         Raises:
@@ -99,7 +116,7 @@ class CacheEngine:
         """
         self._move_blocks(mapping, self.cpu_cache, self.device_cache, "cpu", "device")
 
-    def copy(self, mapping: Dict[int, List[int]]) -> None:
+    def copy(self, mapping: dict[int, list[int]]) -> None:
         """Copy device blocks within the device pool: ``{src_block: [dst_block, ...]}``
         (copy-on-write of shared blocks).
 
@@ -108,8 +125,8 @@ class CacheEngine:
         """
         if not mapping:
             return
-        src: List[int] = []
-        dst: List[int] = []
+        src: list[int] = []
+        dst: list[int] = []
         for s, ds in mapping.items():
             for d in ds:
                 src.append(s)

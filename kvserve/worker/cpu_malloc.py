@@ -19,6 +19,7 @@ alone made every block over 128 KiB an mmap (150k faults per step).
 The environment wins: nothing is changed when ``KVSERVE_MALLOC_TUNE=0`` or when the user set
 ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -45,8 +46,12 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if (os.environ.get("KVSERVE_MALLOC_TUNE") == "0" or "MALLOC_MMAP_THRESHOLD_" in os.environ
-            or "MALLOC_TRIM_THRESHOLD_" in os.environ or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")):
+    if (
+        os.environ.get("KVSERVE_MALLOC_TUNE") == "0"
+        or "MALLOC_MMAP_THRESHOLD_" in os.environ
+        or "MALLOC_TRIM_THRESHOLD_" in os.environ
+        or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    ):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -55,5 +60,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
     return _applied

@@ -16,30 +16,35 @@ block).
 Metadata are built with a handful of Python operations per *sequence* (numpy ranges for
 multi-token chunks) and a few vectorised tensor ops per step; nothing loops per token.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 import numpy as np
 import torch
 
 from kvserve.model_executor.layers import native_attention, native_prefill_attention
-from kvserve.model_executor.layers.attention import (AttentionMetadata, DecodeBucket, NativeDecode,
-                                                    NativePrefill, PrefillChunk)
-from kvserve.sequence import (CompletionSequenceGroupOutput, SequenceData,
-                              SequenceGroupMetadata)
+from kvserve.model_executor.layers.attention import (
+    AttentionMetadata,
+    DecodeBucket,
+    NativeDecode,
+    NativePrefill,
+    PrefillChunk,
+)
+from kvserve.sequence import CompletionSequenceGroupOutput, SequenceData, SequenceGroupMetadata
 
 
-def _chunk_tokens(data: SequenceData, c: int, n: int) -> List[int]:
+def _chunk_tokens(data: SequenceData, c: int, n: int) -> list[int]:
     """``data.get_token_ids()[c:c+n]`` without concatenating prompt and output lists."""
     prompt, out = data.prompt_token_ids, data.output_token_ids
     p = len(prompt)
     if c >= p:
-        return out[c - p:c - p + n]
+        return out[c - p : c - p + n]
     if c + n <= p:
-        return prompt[c:c + n]
-    return prompt[c:] + out[:c + n - p]
+        return prompt[c : c + n]
+    return prompt[c:] + out[: c + n - p]
 
 
 #: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
@@ -48,8 +53,11 @@ BUCKET_OVERHEAD_BLOCK_ROWS = 24
 MAX_DECODE_BUCKETS = 4
 
 
-def split_buckets(nblk_sorted: np.ndarray, overhead: float = BUCKET_OVERHEAD_BLOCK_ROWS,
-                  max_buckets: int = MAX_DECODE_BUCKETS) -> List[int]:
+def split_buckets(
+    nblk_sorted: np.ndarray,
+    overhead: float = BUCKET_OVERHEAD_BLOCK_ROWS,
+    max_buckets: int = MAX_DECODE_BUCKETS,
+) -> list[int]:
     """Split an ascending array of per-sequence block counts into at most ``max_buckets``
     contiguous buckets minimising ``sum(len(bucket) * max(bucket)) + overhead * buckets``
     (the padded gather + attention work). Returns the bucket end indices (last == len).
@@ -99,7 +107,7 @@ class ModelInput:
     positions: torch.Tensor
     attn: AttentionMetadata
     sample_rows: torch.Tensor
-    seq_rows: Dict[int, Tuple[int, int]]
+    seq_rows: dict[int, tuple[int, int]]
 
 
 class ModelRunner:
@@ -123,8 +131,16 @@ class ModelRunner:
     #: (False: one torch SDPA call per chunk and layer).
     native_prefill = True
 
-    def __init__(self, model, block_size: int, num_gpu_blocks: int, sliding_window: Optional[int],
-                 sampler, device: str = "cpu", use_native: Optional[bool] = None):
+    def __init__(
+        self,
+        model,
+        block_size: int,
+        num_gpu_blocks: int,
+        sliding_window: int | None,
+        sampler,
+        device: str = "cpu",
+        use_native: bool | None = None,
+    ):
         self.model = model
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
@@ -134,15 +150,18 @@ class ModelRunner:
         kh = model.num_kv_heads
         # (s * kv_heads + h) for s in (K, V), h in heads: block-row and slot-row offsets.
         sh = np.arange(2 * kh, dtype=np.int64).reshape(2, kh)
-        self._block_base = sh * num_gpu_blocks                  # [2, KH]
-        self._slot_base = sh * num_gpu_blocks * block_size      # [2, KH]
+        self._block_base = sh * num_gpu_blocks  # [2, KH]
+        self._slot_base = sh * num_gpu_blocks * block_size  # [2, KH]
         self._head_dim = model.head_dim
-        self._workspace: Optional[torch.Tensor] = None
+        self._workspace: torch.Tensor | None = None
         if use_native is None:
-            use_native = (self.device.type == "cpu" and native_attention.supports_dtype(model.dtype)
-                          and native_attention.available())
+            use_native = (
+                self.device.type == "cpu"
+                and native_attention.supports_dtype(model.dtype)
+                and native_attention.available()
+            )
         self.use_native = bool(use_native)
-        self._prefill_kernel_ok: Optional[bool] = None  # decided on the first multi-token chunk
+        self._prefill_kernel_ok: bool | None = None  # decided on the first multi-token chunk
 
     def _native_prefill_applies(self) -> bool:
         """The native prefill kernel takes this model's multi-token chunks (see the class doc)."""
@@ -151,8 +170,11 @@ class ModelRunner:
         if self._prefill_kernel_ok is None:
             attn = self.model.layers[0].self_attn  # (all layers have one shape)
             self._prefill_kernel_ok = (
-                native_prefill_attention.supports(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.dtype)
-                and native_prefill_attention.available())
+                native_prefill_attention.supports(
+                    attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.dtype
+                )
+                and native_prefill_attention.available()
+            )
         return self._prefill_kernel_ok
 
     def _get_workspace(self, numel: int) -> torch.Tensor:
@@ -162,7 +184,7 @@ class ModelRunner:
         return self._workspace
 
     # ------------------------------------------------------------------ inputs
-    def prepare_inputs(self, metadata: Seq[SequenceGroupMetadata]) -> Optional[ModelInput]:
+    def prepare_inputs(self, metadata: Seq[SequenceGroupMetadata]) -> ModelInput | None:
         """Flatten the scheduled tokens of ``metadata`` into one batch (``None`` if empty).
 
         Raises:
@@ -172,18 +194,18 @@ class ModelRunner:
         bs = self.block_size
         W = self.sliding_window
         # multi-token chunks
-        p_tokens: List[int] = []
-        p_pos: List[np.ndarray] = []
-        p_slots: List[np.ndarray] = []
-        p_chunks: List[Tuple[int, int, list]] = []  # (c, n, table)
+        p_tokens: list[int] = []
+        p_pos: list[np.ndarray] = []
+        p_slots: list[np.ndarray] = []
+        p_chunks: list[tuple[int, int, list]] = []  # (c, n, table)
         # single-token queries
-        d_tokens: List[int] = []
-        d_pos: List[int] = []
-        d_slots: List[int] = []
-        d_tables: List[list] = []
-        d_sids: List[int] = []
-        p_sids: List[int] = []
-        order: List[Tuple[bool, int]] = []  # (is_decode, index) per sampled row
+        d_tokens: list[int] = []
+        d_pos: list[int] = []
+        d_slots: list[int] = []
+        d_tables: list[list] = []
+        d_sids: list[int] = []
+        p_sids: list[int] = []
+        order: list[tuple[bool, int]] = []  # (is_decode, index) per sampled row
         for md in metadata:
             n = md.token_chunk_size
             if n < 1:
@@ -191,13 +213,17 @@ class ModelRunner:
             for sid, data in md.seq_data.items():
                 c = data.get_num_computed_tokens()
                 if c + n > data.get_len():
-                    raise ValueError(f"request {md.request_id} seq {sid}: chunk {c}..{c + n} is past "
-                                     f"the sequence length {data.get_len()}")
+                    raise ValueError(
+                        f"request {md.request_id} seq {sid}: chunk {c}..{c + n} is past "
+                        f"the sequence length {data.get_len()}"
+                    )
                 table = md.block_tables[sid]
                 last = c + n - 1
                 if last // bs >= len(table):
-                    raise ValueError(f"request {md.request_id} seq {sid}: block table has {len(table)} "
-                                     f"blocks, position {last} needs {last // bs + 1}")
+                    raise ValueError(
+                        f"request {md.request_id} seq {sid}: block table has {len(table)} "
+                        f"blocks, position {last} needs {last // bs + 1}"
+                    )
                 if n == 1:
                     p = data.get_prompt_len()
                     d_tokens.append(data.output_token_ids[c - p] if c >= p else data.prompt_token_ids[c])
@@ -210,7 +236,7 @@ class ModelRunner:
                 else:
                     p_tokens.extend(_chunk_tokens(data, c, n))
                     pos = np.arange(c, c + n, dtype=np.int64)
-                    tbl = np.asarray(table[c // bs:last // bs + 1], dtype=np.int64)
+                    tbl = np.asarray(table[c // bs : last // bs + 1], dtype=np.int64)
                     p_pos.append(pos)
                     p_slots.append(tbl[pos // bs - c // bs] * bs + pos % bs)
                     p_chunks.append((c, n, table))
@@ -234,15 +260,18 @@ class ModelRunner:
             fbs = [max(0, c - W + 1) // bs if W else 0 for c, _, _ in p_chunks]
             widths = [(c + n - 1) // bs - f + 1 for (c, n, _), f in zip(p_chunks, fbs)]
             pad = np.zeros((len(p_chunks), max(widths)), dtype=np.int64)
-            for i, ((c, n, table), f, w) in enumerate(zip(p_chunks, fbs, widths)):
-                pad[i, :w] = table[f:f + w]
+            for i, ((_, _, table), f, w) in enumerate(zip(p_chunks, fbs, widths)):
+                pad[i, :w] = table[f : f + w]
             q_start = np.zeros(len(p_chunks) + 1, dtype=np.int64)
             np.cumsum([n for _, n, _ in p_chunks], out=q_start[1:])
             meta.native_prefill = NativePrefill(
-                table=torch.from_numpy(pad), q_start=torch.from_numpy(q_start),
+                table=torch.from_numpy(pad),
+                q_start=torch.from_numpy(q_start),
                 pos0=torch.tensor([c for c, _, _ in p_chunks], dtype=torch.int64),
-                kstart=torch.from_numpy(np.asarray(fbs, dtype=np.int64) * bs), window=int(W or 0))
-        ends: List[int] = []
+                kstart=torch.from_numpy(np.asarray(fbs, dtype=np.int64) * bs),
+                window=int(W or 0),
+            )
+        ends: list[int] = []
         start = 0
         for c, n, table in p_chunks:
             pc = PrefillChunk(start=start, end=start + n, context_start=c)
@@ -250,8 +279,10 @@ class ModelRunner:
                 q_pos = np.arange(c, c + n, dtype=np.int64)
                 fb = max(0, c - W + 1) // bs if W else 0
                 lb = (c + n - 1) // bs
-                tbl = np.asarray(table[fb:lb + 1], dtype=np.int64)
-                pc.gather_idx = torch.from_numpy((self._block_base[:, :, None] + tbl[None, None, :]).reshape(-1)).to(dev)
+                tbl = np.asarray(table[fb : lb + 1], dtype=np.int64)
+                pc.gather_idx = torch.from_numpy(
+                    (self._block_base[:, :, None] + tbl[None, None, :]).reshape(-1)
+                ).to(dev)
                 pc.key_start = fb * bs
                 pc.num_keys = c + n - fb * bs
                 k_pos = np.arange(pc.key_start, c + n, dtype=np.int64)
@@ -279,12 +310,15 @@ class ModelRunner:
                 pad = np.zeros((B, nb), dtype=np.int64)
                 for i, t in enumerate(d_tables):
                     f = int(first[i])
-                    row = t[f:f + int(nblk[i])]
-                    pad[i, :len(row)] = row
+                    row = t[f : f + int(nblk[i])]
+                    pad[i, : len(row)] = row
                 meta.native_decode = NativeDecode(
-                    start=P, end=P + B, table=torch.from_numpy(pad),
+                    start=P,
+                    end=P + B,
+                    table=torch.from_numpy(pad),
                     kstart=torch.from_numpy(np.maximum(ctx - W + 1, 0) if W else np.zeros(B, dtype=np.int64)),
-                    kend=torch.from_numpy(ctx + 1))
+                    kend=torch.from_numpy(ctx + 1),
+                )
                 d_row = np.arange(B, dtype=np.int64)
         if B and not self.use_native:
             perm = np.argsort(nblk, kind="stable")
@@ -302,16 +336,22 @@ class ModelRunner:
                 pad = np.zeros((b1 - b0, nb), dtype=np.int64)
                 for r, i in enumerate(idx):
                     f = int(first[i])
-                    row = d_tables[i][f:f + int(nblk[i])]
-                    pad[r, :len(row)] = row
+                    row = d_tables[i][f : f + int(nblk[i])]
+                    pad[r, : len(row)] = row
                 gidx = self._block_base[:, None, :, None] + pad[None, :, None, :]  # [2, Bk, KH, nb]
                 k_pos = first[idx, None] * bs + np.arange(nb * bs, dtype=np.int64)[None, :]
                 allowed = k_pos <= ctx[idx, None]
                 if W:
                     allowed &= k_pos > (ctx[idx, None] - W)
-                meta.decode_buckets.append(DecodeBucket(
-                    start=P + b0, end=P + b1, gather_idx=torch.from_numpy(gidx.reshape(-1)).to(dev),
-                    num_blocks=nb, mask=torch.from_numpy(allowed).view(b1 - b0, 1, 1, nb * bs).to(dev)))
+                meta.decode_buckets.append(
+                    DecodeBucket(
+                        start=P + b0,
+                        end=P + b1,
+                        gather_idx=torch.from_numpy(gidx.reshape(-1)).to(dev),
+                        num_blocks=nb,
+                        mask=torch.from_numpy(allowed).view(b1 - b0, 1, 1, nb * bs).to(dev),
+                    )
+                )
                 need = max(need, gidx.size * bs * self._head_dim)
                 b0 = b1
             meta.workspace = self._get_workspace(need)
@@ -324,22 +364,28 @@ class ModelRunner:
         for sid, r in zip(d_sids, d_row.tolist()):
             seq_rows[sid] = (P + r, P + r + 1)
         input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
-        return ModelInput(input_ids=input_ids.to(dev), positions=torch.from_numpy(positions).to(dev),
-                          attn=meta, sample_rows=torch.tensor(rows, dtype=torch.long).to(dev),
-                          seq_rows=seq_rows)
+        return ModelInput(
+            input_ids=input_ids.to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn=meta,
+            sample_rows=torch.tensor(rows, dtype=torch.long).to(dev),
+            seq_rows=seq_rows,
+        )
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()
-    def execute(self, metadata: Seq[SequenceGroupMetadata],
-                kv_caches: Optional[List[torch.Tensor]]) -> List[CompletionSequenceGroupOutput]:
+    def execute(
+        self, metadata: Seq[SequenceGroupMetadata], kv_caches: list[torch.Tensor] | None
+    ) -> list[CompletionSequenceGroupOutput]:
         """Forward all scheduled tokens, compute float32 logits for the sampled rows only,
         and sample. Returns one ``CompletionSequenceGroupOutput`` per metadata entry."""
         logits = self.compute_logits(metadata, kv_caches)
         return self.sampler(logits, list(metadata))
 
     @torch.inference_mode()
-    def compute_logits(self, metadata: Seq[SequenceGroupMetadata],
-                       kv_caches: Optional[List[torch.Tensor]]) -> Optional[torch.Tensor]:
+    def compute_logits(
+        self, metadata: Seq[SequenceGroupMetadata], kv_caches: list[torch.Tensor] | None
+    ) -> torch.Tensor | None:
         """float32 logits ``[N, vocab]`` for the sampled rows (``None`` if nothing is scheduled)."""
         inp = self.prepare_inputs(metadata)
         if inp is None:

@@ -14,17 +14,17 @@ GEMM 120 -> 221 us, a 64-row SiLU-and-mul 30 -> 88 us, the whole w64 run 17.7 ->
 engine thread's workers spin again. If the calling thread later runs parallel work, libgomp
 builds a new pool (correct, only slower again).
 """
+
 from __future__ import annotations
 
 import ctypes
 import re
-from typing import Optional
 
 #: ``omp_pause_soft`` of ``omp_pause_resource_t`` (OpenMP 5.0).
 OMP_PAUSE_SOFT = 1
 
 
-def _loaded_libgomp() -> Optional[str]:
+def _loaded_libgomp() -> str | None:
     """Path of the libgomp this process has mapped (torch's bundled one), or None."""
     try:
         with open("/proc/self/maps") as f:

@@ -1,15 +1,20 @@
 """The executor the engine talks to: loads the model, sizes and owns the KV cache, runs steps."""
+
 from __future__ import annotations
 
 import os
 import time
-from typing import List, Optional, Tuple
 
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.sampling_params import SamplingParams
-from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+from kvserve.sequence import (
+    CompletionSequenceGroupOutput,
+    ExecuteModelRequest,
+    SequenceData,
+    SequenceGroupMetadata,
+)
 from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
 from kvserve.worker.cpu_malloc import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner
@@ -85,10 +90,18 @@ class Worker:
         ValueError: bad model path or unsupported architecture (from the loader).
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: Optional[SchedulerConfig] = None):
-        from kvserve.model_executor.model_loader import (get_sliding_window, load_hf_config, load_model,
-                                                         resolve_model_dir)
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig | None = None,
+    ):
+        from kvserve.model_executor.model_loader import (
+            get_sliding_window,
+            load_hf_config,
+            load_model,
+            resolve_model_dir,
+        )
 
         self.model_config = model_config
         self.cache_config = cache_config
@@ -97,7 +110,9 @@ class Worker:
         self.dtype = model_config.resolved_dtype()
         self._steps = 0
         self._calibrated_at = time.monotonic()
-        self.num_threads = calibrate_threads(_cpu_count()) if self.device == "cpu" else torch.get_num_threads()
+        self.num_threads = (
+            calibrate_threads(_cpu_count()) if self.device == "cpu" else torch.get_num_threads()
+        )
         if self.device == "cpu":
             keep_freed_memory()  # no page faults on every step's activations (see cpu_malloc)
         torch.manual_seed(model_config.seed)
@@ -107,16 +122,18 @@ class Worker:
         #: Attention window (tokens) the runner masks with: the cache config's (the block
         #: manager may recycle blocks outside it) or else the model's own.
         self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)
-        self.cache_engine: Optional[CacheEngine] = None
-        self.runner: Optional[ModelRunner] = None
+        self.cache_engine: CacheEngine | None = None
+        self.runner: ModelRunner | None = None
 
     # ------------------------------------------------------------------ cache sizing
     def bytes_per_block(self) -> int:
         """KV bytes of one block over all layers (K and V)."""
         m = self.model
-        return bytes_per_block(m.num_layers, self.cache_config.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        return bytes_per_block(
+            m.num_layers, self.cache_config.block_size, m.num_kv_heads, m.head_dim, self.dtype
+        )
 
-    def determine_num_blocks(self) -> Tuple[int, int]:
+    def determine_num_blocks(self) -> tuple[int, int]:
         """``(num_gpu_blocks, num_cpu_blocks)``: explicit counts in ``CacheConfig`` win, else
         ``kv_cache_memory_gib`` / ``swap_space_gib`` divided by ``bytes_per_block()``.
 
@@ -131,15 +148,18 @@ class Worker:
         else:
             gpu = int(cc.kv_cache_memory_gib * _GIB // bpb)
             if gpu < 1:
-                raise ValueError(f"kv_cache_memory_gib={cc.kv_cache_memory_gib} is smaller than one KV block "
-                                 f"({bpb} bytes)")
+                raise ValueError(
+                    f"kv_cache_memory_gib={cc.kv_cache_memory_gib} is smaller than one KV block ({bpb} bytes)"
+                )
         cpu = cc.num_cpu_blocks if cc.num_cpu_blocks is not None else int(cc.swap_space_gib * _GIB // bpb)
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             if gpu * bpb > free:
-                raise ValueError(f"the KV cache needs {gpu * bpb / _GIB:.2f} GiB ({gpu} blocks) but only "
-                                 f"{free / _GIB:.2f} GiB of device memory is free; lower kv_cache_memory_gib "
-                                 "or num_gpu_blocks")
+                raise ValueError(
+                    f"the KV cache needs {gpu * bpb / _GIB:.2f} GiB ({gpu} blocks) but only "
+                    f"{free / _GIB:.2f} GiB of device memory is free; lower kv_cache_memory_gib "
+                    "or num_gpu_blocks"
+                )
         return gpu, cpu
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
@@ -147,13 +167,27 @@ class Worker:
         from kvserve.model_executor.sampler import Sampler
 
         m = self.model
-        self.cache_engine = CacheEngine(m.num_layers, m.num_kv_heads, m.head_dim, self.cache_config.block_size,
-                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+        self.cache_engine = CacheEngine(
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            self.cache_config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            self.dtype,
+            self.device,
+        )
         eos = getattr(self.hf_config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        self.runner = ModelRunner(m, self.cache_config.block_size, num_gpu_blocks, self.sliding_window,
-                                  Sampler(eos_token_id=eos), self.device)
+        self.runner = ModelRunner(
+            m,
+            self.cache_config.block_size,
+            num_gpu_blocks,
+            self.sliding_window,
+            Sampler(eos_token_id=eos),
+            self.device,
+        )
 
     def warm_up(self) -> float:
         """Run one throw-away prefill step of ``max_num_batched_tokens`` tokens (at most
@@ -179,19 +213,28 @@ class Worker:
             return 0.0
         sc = self.scheduler_config
         bs = self.cache_config.block_size
-        n = 0 if sc is None else min(sc.max_num_batched_tokens, sc.max_model_len,
-                                     self.runner.num_gpu_blocks * bs)
+        n = (
+            0
+            if sc is None
+            else min(sc.max_num_batched_tokens, sc.max_model_len, self.runner.num_gpu_blocks * bs)
+        )
         if n <= 0:
             return 0.0
         t = time.perf_counter()
         data = SequenceData([i % self.hf_config.vocab_size for i in range(n)])
-        md = SequenceGroupMetadata("warm-up", True, {0: data}, SamplingParams(max_tokens=1, temperature=0.0),
-                                   {0: list(range(-(-n // bs)))}, token_chunk_size=n)
+        md = SequenceGroupMetadata(
+            "warm-up",
+            True,
+            {0: data},
+            SamplingParams(max_tokens=1, temperature=0.0),
+            {0: list(range(-(-n // bs)))},
+            token_chunk_size=n,
+        )
         self.runner.execute([md], self.cache_engine.gpu_cache)
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ step
-    def execute_model(self, req: ExecuteModelRequest) -> List[CompletionSequenceGroupOutput]:
+    def execute_model(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
         """Apply swap-out, swap-in, copy; then forward the scheduled tokens and sample.
 
         Returns one ``CompletionSequenceGroupOutput`` per ``req.seq_group_metadata_list`` entry.
@@ -208,8 +251,10 @@ class Worker:
         if not req.seq_group_metadata_list:
             return []
         self._steps += 1
-        if self.device == "cpu" and (self._steps >= RECALIBRATE_EVERY_STEPS
-                                     or time.monotonic() - self._calibrated_at >= RECALIBRATE_EVERY_S):
+        if self.device == "cpu" and (
+            self._steps >= RECALIBRATE_EVERY_STEPS
+            or time.monotonic() - self._calibrated_at >= RECALIBRATE_EVERY_S
+        ):
             self.num_threads = calibrate_threads(_cpu_count())
             self._steps, self._calibrated_at = 0, time.monotonic()
         return self.runner.execute(req.seq_group_metadata_list, self.cache_engine.gpu_cache)

@@ -1,6 +1,7 @@
 """Adversarial inputs to ``native_gemm.linear`` that the public API accepts (shape and dtype are
 valid) and that the kernel once mishandled. The cases that crashed run in a subprocess so that
 pytest survives a SIGSEGV / SIGFPE if they regress."""
+
 import subprocess
 import sys
 
@@ -29,22 +30,26 @@ def test_noncontiguous_bias_is_read_correctly():
 
 def test_large_noncontiguous_bias_does_not_crash():
     """The same use-after-free with a large bias: the freed copy was unmapped (SIGSEGV)."""
-    r = _run("import torch\n"
-             "from kvserve.model_executor.layers import native_gemm as ng\n"
-             "n = 4_000_000\n"
-             "w = torch.randn(n, 1); b = torch.randn(2 * n)[::2]\n"
-             "y = ng.linear(torch.ones(1, 1), ng.PanelWeight(w), b)\n"
-             "assert torch.allclose(y[0], w[:, 0] + b)\n")
+    r = _run(
+        "import torch\n"
+        "from kvserve.model_executor.layers import native_gemm as ng\n"
+        "n = 4_000_000\n"
+        "w = torch.randn(n, 1); b = torch.randn(2 * n)[::2]\n"
+        "y = ng.linear(torch.ones(1, 1), ng.PanelWeight(w), b)\n"
+        "assert torch.allclose(y[0], w[:, 0] + b)\n"
+    )
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])
 
 
 def test_zero_in_features_does_not_crash():
     """``in_features == 0``: torch returns the bias (or zeros); the kernel's row chunk
     ``(1 << 18) / K`` once divided by zero (SIGFPE), even for M=0."""
-    r = _run("import torch\n"
-             "from kvserve.model_executor.layers import native_gemm as ng\n"
-             "pw = ng.PanelWeight(torch.empty(5, 0))\n"
-             "y = ng.linear(torch.empty(3, 0), pw, torch.ones(5))\n"
-             "assert torch.equal(y, torch.ones(3, 5))\n"
-             "assert ng.linear(torch.empty(0, 0), pw).shape == (0, 5)\n")
+    r = _run(
+        "import torch\n"
+        "from kvserve.model_executor.layers import native_gemm as ng\n"
+        "pw = ng.PanelWeight(torch.empty(5, 0))\n"
+        "y = ng.linear(torch.empty(3, 0), pw, torch.ones(5))\n"
+        "assert torch.equal(y, torch.ones(3, 5))\n"
+        "assert ng.linear(torch.empty(0, 0), pw).shape == (0, 5)\n"
+    )
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])

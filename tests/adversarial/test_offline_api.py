@@ -1,5 +1,6 @@
 """Adversarial calls of the offline API: bad arguments are ValueErrors, nothing is queued, and
 the engine stays usable."""
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -7,8 +8,7 @@ from kvserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, num_cpu_blocks=8,
-               max_model_len=64)
+    return LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, max_model_len=64)
 
 
 def _idle(llm):

@@ -5,6 +5,7 @@ module doc: with more managed threads than CPUs libgomp stops spinning between p
 regions, which cost the threaded server ~30% of its CPU step time). Checked in a fresh process
 by the observable effect: the pool's worker threads exit.
 """
+
 import os
 import subprocess
 import sys
@@ -32,13 +33,15 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task") or (os.cpu_count() or 1) < 2,
-                    reason="needs Linux /proc and 2 CPUs")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="needs Linux /proc and 2 CPUs"
+)
 def test_release_frees_the_main_threads_openmp_workers():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("OMP_NUM_THREADS", None)
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     ok, before, after = r.stdout.split()
     assert ok == "True"

@@ -12,6 +12,7 @@ freed buffers must stay. Untuned glibc keeps or returns them depending on the he
 return memory (``MALLOC_TRIM_THRESHOLD_=0``, which ``keep_freed_memory`` then leaves alone).
 And a CPU engine applies the settings by itself.
 """
+
 import os
 import subprocess
 import sys
@@ -19,8 +20,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm") or sys.platform != "linux",
-                                reason="needs Linux and glibc")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/statm") or sys.platform != "linux", reason="needs Linux and glibc"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,8 +47,9 @@ _STEPS = textwrap.dedent("""
 def _run(script: str, *args: str, **malloc_env: str) -> list:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "KVSERVE_MALLOC_TUNE"}
     env.update(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **malloc_env)
-    r = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.split()
 
@@ -58,7 +61,9 @@ def test_freed_step_buffers_stay_in_the_process():
     assert applied == "True" and skipped == "False"
     assert _run(_STEPS, KVSERVE_MALLOC_TUNE="0")[0] == "False"
     # MB of resident memory given back to the OS when a step's 72 MB of buffers are freed
-    assert float(returned) > 60, f"RSS dropped by only {returned} MB with MALLOC_TRIM_THRESHOLD_=0: the test shows nothing"
+    assert float(returned) > 60, (
+        f"RSS dropped by only {returned} MB with MALLOC_TRIM_THRESHOLD_=0: the test shows nothing"
+    )
     assert float(tuned) < 4, f"RSS dropped by {tuned} MB on free with keep_freed_memory"
 
 

@@ -11,6 +11,7 @@ with glibc told to return freed memory (``MALLOC_TRIM_THRESHOLD_=0``, a fixed mm
 otherwise the allocator also keeps freed buffers of a bfloat16 run (with a bound of 64 entries:
 129 MB grown, 47 MB with the allocator settings).
 """
+
 import os
 import subprocess
 import sys
@@ -60,10 +61,20 @@ _SCRIPT = textwrap.dedent("""
 def test_memory_does_not_grow_with_distinct_step_sizes(tmp_path, dtype):
     save_tiny(tmp_path, llama_config())
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MALLOC_TRIM_THRESHOLD_="0", MALLOC_MMAP_THRESHOLD_="131072")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(N), dtype], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        MALLOC_TRIM_THRESHOLD_="0",
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(tmp_path), str(N), dtype],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     grew = float(r.stdout.split()[-1])
     assert grew < LIMIT_MB, f"RSS grew by {grew:.0f} MB over {N} distinct step sizes"

@@ -2,6 +2,7 @@
 the text is cut, must depend on the decoded text only, never on how it was split into tokens.
 The rule: the stop string that is complete first while reading the text left to right (the
 earliest end); among those ending at the same character, the one starting first."""
+
 import itertools
 
 import pytest
@@ -35,15 +36,17 @@ def _splits(text):
 
 
 @pytest.mark.parametrize("include", [False, True])
-@pytest.mark.parametrize("stops,expect_excl,expect_incl", [
-    (["Mold", "Mo"], ("x ", "Mo"), ("x Mo", "Mo")),          # a prefix of another stop string
-    (["Mo", "Mold"], ("x ", "Mo"), ("x Mo", "Mo")),
-    (["x Mold", "ol"], ("x M", "ol"), ("x Mol", "ol")),      # an infix ends first
-    (["old", "Mold"], ("x ", "Mold"), ("x Mold", "Mold")),   # same end: the longer (earlier start)
-    (["😀", "ld😀", "d😀"], ("x Mo", "ld😀"), ("x Mold😀", "ld😀")),
-])
-def test_overlapping_stop_strings_do_not_depend_on_token_boundaries(stops, expect_excl, expect_incl,
-                                                                     include):
+@pytest.mark.parametrize(
+    "stops,expect_excl,expect_incl",
+    [
+        (["Mold", "Mo"], ("x ", "Mo"), ("x Mo", "Mo")),  # a prefix of another stop string
+        (["Mo", "Mold"], ("x ", "Mo"), ("x Mo", "Mo")),
+        (["x Mold", "ol"], ("x M", "ol"), ("x Mol", "ol")),  # an infix ends first
+        (["old", "Mold"], ("x ", "Mold"), ("x Mold", "Mold")),  # same end: the longer (earlier start)
+        (["😀", "ld😀", "d😀"], ("x Mo", "ld😀"), ("x Mold😀", "ld😀")),
+    ],
+)
+def test_overlapping_stop_strings_do_not_depend_on_token_boundaries(stops, expect_excl, expect_incl, include):
     params = SamplingParams(stop=stops, include_stop_str_in_output=include)
     expected = expect_incl if include else expect_excl
     for pieces in _splits("x Mold😀 tail"):

@@ -1,8 +1,7 @@
 """Helpers for the core tests: build an engine on the simulator and check the DESIGN.md
 invariants after every step."""
-from __future__ import annotations
 
-from typing import Dict, List
+from __future__ import annotations
 
 from kvserve.config import CacheConfig, ModelConfig, PreemptionMode, SchedulerConfig
 from kvserve.core.scheduler import Scheduler, SchedulerOutputs
@@ -13,33 +12,67 @@ from kvserve.sim.executor import SimulatedExecutor
 VOCAB = 1000
 
 
-def configs(BS=4, G=64, C=0, S=8, T=64, L=64, CP=False, PC=False, PM=None, WM=0.0,
-            policy="fcfs", sliding_window=None, max_num_partial_prefills=1,
-            long_prefill_token_threshold=None, lookahead=0):
+def configs(
+    BS=4,
+    G=64,
+    C=0,
+    S=8,
+    T=64,
+    L=64,
+    CP=False,
+    PC=False,
+    PM=None,
+    WM=0.0,
+    policy="fcfs",
+    sliding_window=None,
+    max_num_partial_prefills=1,
+    long_prefill_token_threshold=None,
+    lookahead=0,
+):
     """Scenario-README abbreviations -> (CacheConfig, SchedulerConfig)."""
     if isinstance(PM, str):
         PM = PreemptionMode[PM.upper()]
-    cc = CacheConfig(block_size=BS, num_gpu_blocks=G, num_cpu_blocks=C, enable_prefix_caching=PC,
-                     watermark=WM, sliding_window=sliding_window)
-    sc = SchedulerConfig(max_num_batched_tokens=T, max_num_seqs=S, max_model_len=L,
-                         chunked_prefill_enabled=CP, preemption_mode=PM, policy=policy,
-                         max_num_partial_prefills=max_num_partial_prefills,
-                         long_prefill_token_threshold=long_prefill_token_threshold,
-                         num_lookahead_slots=lookahead)
+    cc = CacheConfig(
+        block_size=BS,
+        num_gpu_blocks=G,
+        num_cpu_blocks=C,
+        enable_prefix_caching=PC,
+        watermark=WM,
+        sliding_window=sliding_window,
+    )
+    sc = SchedulerConfig(
+        max_num_batched_tokens=T,
+        max_num_seqs=S,
+        max_model_len=L,
+        chunked_prefill_enabled=CP,
+        preemption_mode=PM,
+        policy=policy,
+        max_num_partial_prefills=max_num_partial_prefills,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        num_lookahead_slots=lookahead,
+    )
     return cc, sc
 
 
-def make_group(request_id: str, prompt: List[int], block_size: int = 4, n: int = 1,
-               max_tokens: int = 16, arrival_time: float = 0.0, priority: int = 0,
-               **kw) -> SequenceGroup:
+def make_group(
+    request_id: str,
+    prompt: list[int],
+    block_size: int = 4,
+    n: int = 1,
+    max_tokens: int = 16,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    **kw,
+) -> SequenceGroup:
     """A SequenceGroup as the engine would build it (one prompt sequence)."""
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0 if n == 1 else 1.0,
-                            ignore_eos=True, **kw)
+    params = SamplingParams(
+        n=n, max_tokens=max_tokens, temperature=0.0 if n == 1 else 1.0, ignore_eos=True, **kw
+    )
     seq = Sequence(next_seq_id(), prompt, block_size)
     return SequenceGroup(request_id, [seq], params, arrival_time=arrival_time, priority=priority)
 
 
-def prompt_of(i: int, length: int) -> List[int]:
+def prompt_of(i: int, length: int) -> list[int]:
     """A distinct, deterministic prompt for request ``i``."""
     return [(i * 7919 + j * 31 + 1) % VOCAB for j in range(length)]
 
@@ -54,15 +87,21 @@ class Harness:
         from kvserve.engine.llm_engine import LLMEngine
 
         self.cc, self.sc = cc, sc
-        self.executor = SimulatedExecutor(VOCAB, cache_config=cc, max_model_len=sc.max_model_len,
-                                          check_kv=check_kv)
-        self.engine = LLMEngine(ModelConfig(max_model_len=sc.max_model_len, device="cpu"), cc, sc,
-                                executor=self.executor, clock=self.executor.clock)
+        self.executor = SimulatedExecutor(
+            VOCAB, cache_config=cc, max_model_len=sc.max_model_len, check_kv=check_kv
+        )
+        self.engine = LLMEngine(
+            ModelConfig(max_model_len=sc.max_model_len, device="cpu"),
+            cc,
+            sc,
+            executor=self.executor,
+            clock=self.executor.clock,
+        )
         self.scheduler: Scheduler = self.engine.scheduler
-        self.history: List[SchedulerOutputs] = []
-        self.outputs: Dict[str, object] = {}
-        self.finished_order: List[str] = []
-        self.num_final: Dict[str, int] = {}
+        self.history: list[SchedulerOutputs] = []
+        self.outputs: dict[str, object] = {}
+        self.finished_order: list[str] = []
+        self.num_final: dict[str, int] = {}
         self.admitted_while_swapped = 0
         self._wrap()
 
@@ -86,7 +125,7 @@ class Harness:
     # ------------------------------------------------------------------ checks
     def check_queues(self):
         s = self.scheduler
-        seen: Dict[str, str] = {}
+        seen: dict[str, str] = {}
         for name in ("waiting", "running", "swapped"):
             for g in getattr(s, name):
                 assert g.request_id not in seen, f"{g.request_id} in {seen[g.request_id]} and {name}"
@@ -115,7 +154,9 @@ class Harness:
                 assert d.get_num_computed_tokens() + ssg.token_chunk_size <= sc.max_model_len
         assert total == out.num_batched_tokens, (total, out.num_batched_tokens)
         if swapped_before and not self.scheduler.policy.preempts_by_rank:
-            newly = [ssg for ssg in out.scheduled_seq_groups if before.get(ssg.seq_group.request_id) == "waiting"]
+            newly = [
+                ssg for ssg in out.scheduled_seq_groups if before.get(ssg.seq_group.request_id) == "waiting"
+            ]
             self.admitted_while_swapped += len(newly)
         self.check_queues()
         bm = self.scheduler.block_manager
@@ -153,5 +194,5 @@ class Harness:
         assert not bm.block_tables
         assert not self.engine._groups and not self.engine._max_tokens
 
-    def tokens(self, request_id) -> List[List[int]]:
+    def tokens(self, request_id) -> list[list[int]]:
         return [list(c.token_ids) for c in self.outputs[request_id].outputs]

@@ -1,12 +1,13 @@
 """Unit tests of the block pool, the LRU evictor and BlockSpaceManager."""
+
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.core.block import BlockPool, NoFreeBlocksError
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
 from kvserve.core.evictor import LRUEvictor
 from kvserve.sequence import SequenceStatus
-
 from tests.core.simutil import make_group, prompt_of
 
 
@@ -55,7 +56,7 @@ def test_evictor_is_lru():
     for b in (blocks[2], blocks[0], blocks[3], blocks[1]):
         pool.free(b)
     assert pool.get_num_free_blocks() == 4 and pool.get_num_evictable() == 4
-    x = pool.allocate()            # evicts the least recently freed: blocks[2]
+    x = pool.allocate()  # evicts the least recently freed: blocks[2]
     assert x is blocks[2] and x.block_hash is None and pool.lookup(102) is None
     assert pool.lookup(100) is blocks[0]
     ev = LRUEvictor()
@@ -85,14 +86,14 @@ def test_allocate_append_free():
 
 
 def test_can_allocate_never_later_ok_and_watermark():
-    bm = bm_(G=8, watermark=0.25)   # 2 watermark blocks
+    bm = bm_(G=8, watermark=0.25)  # 2 watermark blocks
     assert bm.watermark_blocks == 2
     assert bm.can_allocate(make_group("big", prompt_of(1, 25))) == AllocStatus.NEVER  # 7 > 6
-    assert bm.can_allocate(make_group("ok", prompt_of(1, 24))) == AllocStatus.OK      # 6 <= 6
+    assert bm.can_allocate(make_group("ok", prompt_of(1, 24))) == AllocStatus.OK  # 6 <= 6
     g = make_group("a", prompt_of(2, 12))
-    admit(bm, g)                      # 3 used, 5 free
+    admit(bm, g)  # 3 used, 5 free
     assert bm.can_allocate(make_group("b", prompt_of(3, 16))) == AllocStatus.LATER  # 5-4 < 2
-    assert bm.can_allocate(make_group("c", prompt_of(3, 12))) == AllocStatus.OK     # 5-3 >= 2
+    assert bm.can_allocate(make_group("c", prompt_of(3, 12))) == AllocStatus.OK  # 5-3 >= 2
 
 
 def test_fork_shares_and_copy_on_write():
@@ -135,7 +136,7 @@ def test_swap_out_in_keeps_sharing():
     c.append_token_id(2)
     bm.append_slots(p)
     bm.append_slots(c)
-    assert bm.get_num_free_gpu_blocks() == 4   # 2 shared + 2 private
+    assert bm.get_num_free_gpu_blocks() == 4  # 2 shared + 2 private
     assert bm.can_swap_out(g)
     out = bm.swap_out(g)
     assert len(out) == 4 and len(set(out.values())) == 4
@@ -145,7 +146,7 @@ def test_swap_out_in_keeps_sharing():
     assert bm.can_swap_in(g) == AllocStatus.OK
     back = bm.swap_in(g)
     assert sorted(back) == sorted(out.values())
-    assert bm.get_block_table(p)[:2] == bm.get_block_table(c)[:2]   # still shared
+    assert bm.get_block_table(p)[:2] == bm.get_block_table(c)[:2]  # still shared
     assert bm.get_num_free_cpu_blocks() == 8
     bm.check_invariants()
 
@@ -158,13 +159,13 @@ def test_swaps_of_one_step_move_a_block_shared_across_groups_once():
     a, b = make_group("a", p), make_group("b", p)
     admit(bm, a)
     run_prefill(bm, a)
-    admit(bm, b)            # hits a's 2 cached full blocks
+    admit(bm, b)  # hits a's 2 cached full blocks
     run_prefill(bm, b)
     sa, sb = a.get_seqs()[0], b.get_seqs()[0]
     out = {}
     ga, gb = bm.swap_out(a, out), bm.swap_out(b, out)
     assert out == {**ga, **gb} and len(out) == 4 and len(set(out.values())) == 4
-    assert bm.get_block_table(sa)[:2] == bm.get_block_table(sb)[:2]   # one CPU copy, shared
+    assert bm.get_block_table(sa)[:2] == bm.get_block_table(sb)[:2]  # one CPU copy, shared
     assert bm.get_num_free_cpu_blocks() == 4
     sa.status = sb.status = SequenceStatus.SWAPPED
     back = {}
@@ -184,12 +185,12 @@ def test_swap_in_never_when_it_cannot_grow():
     g.get_seqs()[0].append_token_id(1)
     bm.swap_out(g)
     g.get_seqs()[0].status = SequenceStatus.SWAPPED
-    assert bm.can_swap_in(g) == AllocStatus.NEVER   # 4 blocks + 1 for the next token > 4
+    assert bm.can_swap_in(g) == AllocStatus.NEVER  # 4 blocks + 1 for the next token > 4
 
 
 def test_prefix_cache_hit_eviction_and_stats():
     bm = bm_(G=8, enable_caching=True)
-    p = prompt_of(5, 10)            # 2 full blocks + 2 tokens
+    p = prompt_of(5, 10)  # 2 full blocks + 2 tokens
     a = make_group("a", p)
     admit(bm, a)
     assert a.get_seqs()[0].data.get_num_computed_tokens() == 0
@@ -233,7 +234,7 @@ def test_prefix_cache_block_aligned_full_hit_copies_last_block():
     src, dst = copies[0]
     assert src == bm.get_block_table(sa)[1] and dst == bm.get_block_table(sb)[1]
     assert bm.get_block_table(sb)[0] == bm.get_block_table(sa)[0]
-    bm.check_invariants()            # the pinned source is accounted for
+    bm.check_invariants()  # the pinned source is accounted for
     bm.release_pins()
     bm.check_invariants()
     bm.free(sa)
@@ -246,8 +247,9 @@ def test_full_hit_of_a_pool_filling_prompt_recomputes_last_block_instead_of_wait
     one block more for the private copy of its last block and waited forever (LATER with an
     idle pool). It must reuse one block fewer and recompute it."""
     for watermark, G in ((0.0, 4), (0.25, 8)):
-        bm = BlockSpaceManager(block_size=2, num_gpu_blocks=G, num_cpu_blocks=0,
-                                       watermark=watermark, enable_caching=True)
+        bm = BlockSpaceManager(
+            block_size=2, num_gpu_blocks=G, num_cpu_blocks=0, watermark=watermark, enable_caching=True
+        )
         usable = G - bm.watermark_blocks
         p = prompt_of(3, 2 * usable)
         a = make_group("a", p)
@@ -266,15 +268,21 @@ def test_full_hit_of_a_pool_filling_prompt_recomputes_last_block_instead_of_wait
 
 
 @settings(max_examples=150, deadline=None)
-@given(BS=st.sampled_from([1, 2, 4]), G=st.integers(2, 12), wm=st.sampled_from([0.0, 0.2]),
-       cached=st.lists(st.integers(1, 40), max_size=4), plen=st.integers(1, 40),
-       same_as=st.integers(-1, 3))
+@given(
+    BS=st.sampled_from([1, 2, 4]),
+    G=st.integers(2, 12),
+    wm=st.sampled_from([0.0, 0.2]),
+    cached=st.lists(st.integers(1, 40), max_size=4),
+    plen=st.integers(1, 40),
+    same_as=st.integers(-1, 3),
+)
 def test_an_admissible_group_is_ok_whenever_nothing_runs(BS, G, wm, cached, plen, same_as):
     """The whole kind of fault: a group that is not NEVER must be OK once nothing else holds
     blocks (everything free or merely cached), or the scheduler waits on it forever."""
-    bm = BlockSpaceManager(block_size=BS, num_gpu_blocks=G, num_cpu_blocks=0, watermark=wm,
-                           enable_caching=True)
-    prompts = [prompt_of(7, n) for n in cached]   # shared prefixes of one token stream
+    bm = BlockSpaceManager(
+        block_size=BS, num_gpu_blocks=G, num_cpu_blocks=0, watermark=wm, enable_caching=True
+    )
+    prompts = [prompt_of(7, n) for n in cached]  # shared prefixes of one token stream
     for i, p in enumerate(prompts):
         g = make_group(f"c{i}", p)
         if bm.can_allocate(g) != AllocStatus.OK:
@@ -327,7 +335,7 @@ def test_recompute_group_shares_identical_sibling_blocks():
         p.append_token_id(10 + i)
         c.append_token_id(20 + i)
     plan = bm.plan_allocation(g)
-    assert plan.num_required_blocks == 4 + 2   # 2 shared prompt blocks + 2 private each
+    assert plan.num_required_blocks == 4 + 2  # 2 shared prompt blocks + 2 private each
     admit(bm, g)
     assert bm.get_block_table(p)[:2] == bm.get_block_table(c)[:2]
     assert bm.get_block_table(p)[2] != bm.get_block_table(c)[2]

@@ -1,12 +1,12 @@
 """Failure scenarios of /work/shared/scenarios/README.md at the scheduler level, run on the
 simulated executor (the engine-level/real-model halves live in tests/test_scenarios_engine.py)."""
+
 import pytest
 
 from kvserve.core.block_manager import AllocStatus
 from kvserve.core.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import SequenceStatus
-
 from tests.core.simutil import Harness, configs, make_group, prompt_of
 
 
@@ -46,8 +46,12 @@ def test_B01_variant_a_chunked_prefill_runs_40_token_prompt_in_chunks():
     h.add("R1", prompt_of(1, 40), greedy(4))
     h.add("R2", prompt_of(2, 8), greedy(4))
     h.run()
-    r1_prefill = [ssg.token_chunk_size for out in h.history[:2] for ssg in out.scheduled_seq_groups
-                  if ssg.seq_group.request_id == "R1"]
+    r1_prefill = [
+        ssg.token_chunk_size
+        for out in h.history[:2]
+        for ssg in out.scheduled_seq_groups
+        if ssg.seq_group.request_id == "R1"
+    ]
     assert r1_prefill == [32, 8], r1_prefill
     assert len(h.tokens("R1")[0]) == 4 and len(h.tokens("R2")[0]) == 4
     assert not h.history[0].ignored_seq_groups
@@ -123,8 +127,11 @@ def _b08(PM=None, stop_for_r1=None):
         kw = {}
         if i == 1 and stop_for_r1 is not None:
             kw["stop_token_ids"] = [stop_for_r1]
-        h.add(f"R{i}", prompt_of(i, 8), SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=16,
-                                                       ignore_eos=True, **kw))
+        h.add(
+            f"R{i}",
+            prompt_of(i, 8),
+            SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=16, ignore_eos=True, **kw),
+        )
     waiting_multi = []
 
     def on_step(h, _):
@@ -153,8 +160,11 @@ def test_B08_outputs_equal_no_pressure_run_in_every_mode():
     base_cc, base_sc = configs(BS=4, G=200, C=32, S=8, T=64, L=64)
     base = Harness(base_cc, base_sc)
     for i in range(1, 5):
-        base.add(f"R{i}", prompt_of(i, 8), SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=16,
-                                                          ignore_eos=True))
+        base.add(
+            f"R{i}",
+            prompt_of(i, 8),
+            SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=16, ignore_eos=True),
+        )
     base.run()
     for pm in (None, "swap", "recompute"):
         h, waiting_multi = _b08(PM=pm)
@@ -200,15 +210,16 @@ def test_B08_variant_recompute_readmission_skips_finished_sibling():
     sched.free_seq(child)
     # Preempt by recompute.
     from kvserve.core.scheduler import _Step
+
     sched.running.remove(g)
     sched._preempt(g, _Step(0.0))
     sched.waiting.appendleft(g)
     assert parent.status == SequenceStatus.WAITING and child.status == SequenceStatus.FINISHED_STOPPED
     metas, out = sched.schedule()
-    assert out.num_batched_tokens == 9           # the live seq's 8 prompt + 1 output token
+    assert out.num_batched_tokens == 9  # the live seq's 8 prompt + 1 output token
     assert list(metas[0].seq_data) == [parent.seq_id]
     assert metas[0].num_samples == 1 and metas[0].is_prompt
-    assert child.get_output_token_ids() == [6]   # text/tokens of the finished one kept
+    assert child.get_output_token_ids() == [6]  # text/tokens of the finished one kept
 
 
 # ---------------------------------------------------------------------------------- B10
@@ -216,8 +227,7 @@ def _b10(CP, max_tokens):
     cc, sc = configs(BS=4, G=24, C=24, S=8, T=16, L=64, CP=CP, PC=False, PM=None)
     h = Harness(cc, sc)
     for i in range(12):
-        h.add(f"R{i}", prompt_of(i, 12), SamplingParams(n=4, temperature=1.0, seed=i,
-                                                        max_tokens=max_tokens))
+        h.add(f"R{i}", prompt_of(i, 12), SamplingParams(n=4, temperature=1.0, seed=i, max_tokens=max_tokens))
     h.run(max_steps=3000)
     return h
 
@@ -312,11 +322,15 @@ def test_B13_variant_same_prompt_while_first_decodes(CP):
     h = Harness(cc, sc)
     h.add("A", p, greedy(4))
     h.step()
-    h.step()          # A has decoded; its 3 prompt blocks are cached
+    h.step()  # A has decoded; its 3 prompt blocks are cached
     h.add("B", p, greedy(4))
     h.run()
-    chunks = [s.token_chunk_size for out in h.history for s in out.scheduled_seq_groups
-              if s.seq_group.request_id == "B" and s.token_chunk_size > 0]
+    chunks = [
+        s.token_chunk_size
+        for out in h.history
+        for s in out.scheduled_seq_groups
+        if s.seq_group.request_id == "B" and s.token_chunk_size > 0
+    ]
     assert chunks[0] == 1
     assert h.tokens("A") == solo.tokens("A") and h.tokens("B") == solo.tokens("A")
     for out in h.history:
@@ -330,12 +344,17 @@ def test_B13_variant_same_prompt_while_first_decodes(CP):
 def test_B18_abort_n2_request_everywhere(where):
     cc, sc = configs(BS=4, G=32, C=16, S=8, T=64, L=64, PC=False, PM=None)
     h = Harness(cc, sc)
-    params = SamplingParams(n=2, temperature=0.3, seed=1, ignore_eos=True, max_tokens=58)  # README: 200; the engine caps prompt + max_tokens at L=64
+    params = SamplingParams(
+        n=2, temperature=0.3, seed=1, ignore_eos=True, max_tokens=58
+    )  # README: 200; the engine caps prompt + max_tokens at L=64
     if where == "swapped":
         # Two long n=2 requests first so R gets swapped out.
         for i in (1, 2):
-            h.add(f"O{i}", prompt_of(10 + i, 6), SamplingParams(n=2, temperature=0.3, seed=i,
-                                                                ignore_eos=True, max_tokens=40))
+            h.add(
+                f"O{i}",
+                prompt_of(10 + i, 6),
+                SamplingParams(n=2, temperature=0.3, seed=i, ignore_eos=True, max_tokens=40),
+            )
     h.add("R", prompt_of(1, 6), params)
     if where == "waiting":
         h.engine.abort_request("R")

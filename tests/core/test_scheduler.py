@@ -1,14 +1,13 @@
 """Unit tests of the Scheduler (budget, limits, preemption, priority, chunking, lookahead)."""
+
 import pytest
 
 from kvserve.config import PreemptionMode
 from kvserve.core.policy import FCFS, PolicyFactory, PriorityPolicy
 from kvserve.core.scheduler import Scheduler, SchedulingBudget
 from kvserve.sampling_params import SamplingParams
-from kvserve.sequence import SequenceStatus
+from kvserve.sequence import ExecuteModelRequest, SequenceStatus
 from kvserve.sim.executor import SimulatedExecutor
-from kvserve.sequence import ExecuteModelRequest
-
 from tests.core.simutil import Harness, configs, make_group, prompt_of
 
 
@@ -17,8 +16,9 @@ def sched_step(sched, ex=None):
     token to every sampled sequence (no forking; n=1 groups only)."""
     metas, out = sched.schedule()
     if ex is not None and not out.is_empty():
-        results = ex.execute_model(ExecuteModelRequest(metas, out.blocks_to_swap_in,
-                                                       out.blocks_to_swap_out, out.blocks_to_copy))
+        results = ex.execute_model(
+            ExecuteModelRequest(metas, out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy)
+        )
     else:
         results = [None] * len(metas)
     sched.mark_computed(out)
@@ -102,14 +102,14 @@ def test_recompute_preemption_from_the_tail():
     for i in range(3):
         sched.add_seq_group(make_group(f"r{i}", prompt_of(i, 8), max_tokens=8, arrival_time=i))
     _, out = sched_step(sched, ex)
-    assert ids(out) == ["r0", "r1", "r2"]       # 6 blocks used
-    _, out = sched_step(sched, ex)               # every decode needs a new block
+    assert ids(out) == ["r0", "r1", "r2"]  # 6 blocks used
+    _, out = sched_step(sched, ex)  # every decode needs a new block
     assert out.preempted >= 1
-    assert sched.waiting[0].request_id == "r2"   # the latest arrival is preempted first
+    assert sched.waiting[0].request_id == "r2"  # the latest arrival is preempted first
     g = sched.waiting[0]
     assert g.metrics.num_preemptions == 1 and sched.num_preemptions >= 1
     assert g.get_seqs()[0].data.get_num_computed_tokens() == 0
-    assert g.get_seqs()[0].get_output_len() == 1    # outputs kept as outputs
+    assert g.get_seqs()[0].get_output_len() == 1  # outputs kept as outputs
 
 
 def test_default_mode_swaps_multi_seq_groups_and_falls_back_without_cpu():
@@ -125,6 +125,7 @@ def test_default_mode_swaps_multi_seq_groups_and_falls_back_without_cpu():
         sched.fork_seq(p, child)
         g.forked = True
         from kvserve.core.scheduler import _Step
+
         st = _Step(0.0)
         sched.running.remove(g)
         assert sched._preempt(g, st) == expect
@@ -142,7 +143,7 @@ def test_swap_out_of_two_groups_sharing_a_cached_block_in_one_step():
     # S's copy was never written and S read garbage after swap-in (KVCacheCorruption).
     p = prompt_of(7, 16)
     tokens = {}
-    for G in (6, 64):   # under pressure, and the no-pressure answer
+    for G in (6, 64):  # under pressure, and the no-pressure answer
         cc, sc = configs(BS=4, G=G, C=6, S=4, T=16, L=32, PC=True, PM="swap")
         h = Harness(cc, sc)
         greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -183,7 +184,7 @@ def test_priority_does_not_preempt_equal_or_when_useless():
     h.step()
     h.add("b", prompt_of(2, 8), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), priority=1)
     h.step()
-    assert h.scheduler.num_preemptions == 0     # equal priority never preempts
+    assert h.scheduler.num_preemptions == 0  # equal priority never preempts
     h.run()
     h.assert_idle()
 
@@ -193,13 +194,13 @@ def test_chunked_order_decodes_first_and_partial_cap():
     sched = Scheduler(sc, cc)
     ex = SimulatedExecutor(1000, cache_config=cc)
     sched.add_seq_group(make_group("d", prompt_of(0, 4), arrival_time=0, max_tokens=10))
-    sched_step(sched, ex)                          # d is decoding now
+    sched_step(sched, ex)  # d is decoding now
     sched.add_seq_group(make_group("long1", prompt_of(1, 40), arrival_time=1))
     sched.add_seq_group(make_group("long2", prompt_of(2, 40), arrival_time=2))
     sched.add_seq_group(make_group("short", prompt_of(3, 3), arrival_time=3))
     _, out = sched_step(sched, ex)
     assert ids(out)[-1] == "d" and out.num_prefill_groups == 1
-    assert ids(out) == ["long1", "d"]              # long1 takes the 15 tokens left
+    assert ids(out) == ["long1", "d"]  # long1 takes the 15 tokens left
     assert out.num_batched_tokens == 16
     _, out = sched_step(sched, ex)
     # long1 continues (running prefills before new ones); long2 would be a second partial
@@ -211,8 +212,9 @@ def test_chunked_order_decodes_first_and_partial_cap():
 
 
 def test_long_prefill_threshold_lets_short_prompt_in_and_tops_up():
-    cc, sc = configs(G=64, S=8, T=32, L=64, CP=True, max_num_partial_prefills=2,
-                     long_prefill_token_threshold=8)
+    cc, sc = configs(
+        G=64, S=8, T=32, L=64, CP=True, max_num_partial_prefills=2, long_prefill_token_threshold=8
+    )
     sched = Scheduler(sc, cc)
     sched.add_seq_group(make_group("long", prompt_of(1, 60), arrival_time=0))
     sched.add_seq_group(make_group("short", prompt_of(2, 6), arrival_time=1))
@@ -250,9 +252,17 @@ def test_abort_from_every_queue_frees_blocks():
     assert not sched.has_unfinished_seqs()
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
     stats = sched.get_kv_cache_stats()
-    for k in ("num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks",
-              "gpu_cache_usage", "prefix_cache_queries", "prefix_cache_hits",
-              "prefix_cache_hit_rate", "num_preemptions"):
+    for k in (
+        "num_gpu_blocks",
+        "num_free_gpu_blocks",
+        "num_cpu_blocks",
+        "num_free_cpu_blocks",
+        "gpu_cache_usage",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "prefix_cache_hit_rate",
+        "num_preemptions",
+    ):
         assert k in stats
 
 
@@ -261,9 +271,9 @@ def test_anti_thrash_margin_blocks_readmission():
     sched = Scheduler(sc, cc)
     hog = make_group("hog", prompt_of(0, 24))
     sched.add_seq_group(hog)
-    sched_step(sched)                       # 6 of 12 blocks in use (+ running)
+    sched_step(sched)  # 6 of 12 blocks in use (+ running)
     g = make_group("g", prompt_of(1, 16))
-    g.metrics.num_preemptions = 3           # a frequently preempted group
+    g.metrics.num_preemptions = 3  # a frequently preempted group
     sched.add_seq_group(g)
     _, out = sched_step(sched)
     # 4 blocks needed, 6 free -> would fit, but margin min(3, 4) * 1 = 3 > 6 - 4.

@@ -1,18 +1,26 @@
 """The simulator: its request checks catch bookkeeping bugs; cost model and virtual clock."""
+
 import os
 
 import pytest
 
-from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.sim.cost_model import SPLITWISE_CSV, CostModel, VirtualClock, fit_splitwise_csv
 from kvserve.sim.executor import InvalidExecuteRequest, KVCacheCorruption, SimulatedExecutor
 
 
 def meta(rid, data, table, chunk, is_prompt=True, do_sample=True, n=1, sid=0):
-    return SequenceGroupMetadata(request_id=rid, is_prompt=is_prompt, seq_data={sid: data},
-                                 sampling_params=SamplingParams(), block_tables={sid: table},
-                                 token_chunk_size=chunk, do_sample=do_sample, num_samples=n)
+    return SequenceGroupMetadata(
+        request_id=rid,
+        is_prompt=is_prompt,
+        seq_data={sid: data},
+        sampling_params=SamplingParams(),
+        block_tables={sid: table},
+        token_chunk_size=chunk,
+        do_sample=do_sample,
+        num_samples=n,
+    )
 
 
 def test_deterministic_samples_and_n():
@@ -24,7 +32,7 @@ def test_deterministic_samples_and_n():
     ex2 = SimulatedExecutor(100, block_size=4, num_gpu_blocks=8)
     d2 = SequenceData([1, 2, 3, 4, 5])
     out2 = ex2.execute_model(ExecuteModelRequest([meta("b", d2, [5, 2], 5, n=3)]))
-    assert [s.output_token for s in out2[0].samples] == toks     # any blocks, same answer
+    assert [s.output_token for s in out2[0].samples] == toks  # any blocks, same answer
     assert ex.clock.now() > 0
 
 
@@ -34,7 +42,7 @@ def test_wrong_block_table_is_caught():
     ex.execute_model(ExecuteModelRequest([meta("a", d, [0, 1], 5)]))
     d.update_num_computed_tokens(5)
     d.append_token_id(9)
-    with pytest.raises(KVCacheCorruption):        # reads block 2 where block 0 was written
+    with pytest.raises(KVCacheCorruption):  # reads block 2 where block 0 was written
         ex.execute_model(ExecuteModelRequest([meta("a", d, [2, 1], 1, is_prompt=False)]))
 
 

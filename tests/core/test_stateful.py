@@ -5,16 +5,17 @@ per live group, token/seq budgets, block conservation on both pools, >= 1 token 
 no position >= max_model_len); at the end every request has ended exactly once, nothing is in
 use, and every output equals the no-pressure answer (an oracle computed from the simulator's
 sampling function alone), or a prefix of it for aborted/ignored requests."""
-from hypothesis import HealthCheck, settings, strategies as st
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.executor import SimulatedExecutor
-
 from tests.core.simutil import VOCAB, Harness, configs, prompt_of
 
 L = 32
-BASE = prompt_of(999, L)   # shared prefix pool (prefix-cache hits, block-aligned full hits)
+BASE = prompt_of(999, L)  # shared prefix pool (prefix-cache hits, block-aligned full hits)
 _ORACLE = SimulatedExecutor(VOCAB)
 
 
@@ -38,28 +39,54 @@ def _cdiv(a, b):
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(cp=st.booleans(), pc=st.booleans(), pm=st.sampled_from([None, "recompute", "swap"]),
-                policy=st.sampled_from(["fcfs", "priority"]), BS=st.sampled_from([2, 4]),
-                G=st.integers(4, 24), C=st.integers(0, 16), S=st.integers(1, 6),
-                T=st.integers(8, 40), partial=st.integers(1, 2))
+    @initialize(
+        cp=st.booleans(),
+        pc=st.booleans(),
+        pm=st.sampled_from([None, "recompute", "swap"]),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        BS=st.sampled_from([2, 4]),
+        G=st.integers(4, 24),
+        C=st.integers(0, 16),
+        S=st.integers(1, 6),
+        T=st.integers(8, 40),
+        partial=st.integers(1, 2),
+    )
     def setup(self, cp, pc, pm, policy, BS, G, C, S, T, partial):
-        cc, sc = configs(BS=BS, G=G, C=C, S=S, T=T, L=L, CP=cp, PC=pc, PM=pm, policy=policy,
-                         max_num_partial_prefills=partial)
+        cc, sc = configs(
+            BS=BS,
+            G=G,
+            C=C,
+            S=S,
+            T=T,
+            L=L,
+            CP=cp,
+            PC=pc,
+            PM=pm,
+            policy=policy,
+            max_num_partial_prefills=partial,
+        )
         self.h = Harness(cc, sc)
         self.reqs = {}
         self.aborted = set()
         self.counter = 0
 
-    @rule(plen=st.integers(1, L - 1), n=st.integers(1, 3), mt=st.integers(1, 12),
-          prio=st.integers(0, 2), shared=st.booleans(), seed=st.integers(0, 50))
+    @rule(
+        plen=st.integers(1, L - 1),
+        n=st.integers(1, 3),
+        mt=st.integers(1, 12),
+        prio=st.integers(0, 2),
+        shared=st.booleans(),
+        seed=st.integers(0, 50),
+    )
     def add(self, plen, n, mt, prio, shared, seed):
         mt = min(mt, L - plen)
         n = min(n, self.h.sc.max_num_seqs)
         prompt = BASE[:plen] if shared else prompt_of(seed, plen)
         rid = f"q{self.counter}"
         self.counter += 1
-        params = SamplingParams(n=n, max_tokens=mt, temperature=0.0 if n == 1 else 1.0,
-                                seed=seed, ignore_eos=True)
+        params = SamplingParams(
+            n=n, max_tokens=mt, temperature=0.0 if n == 1 else 1.0, seed=seed, ignore_eos=True
+        )
         self.h.add(rid, prompt, params, priority=prio)
         self.reqs[rid] = (prompt, n, mt)
 
@@ -93,22 +120,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             reasons = {c.finish_reason for c in out.outputs}
             if rid in self.aborted and reasons <= {"abort", "length", None}:
                 for t, r in zip(toks, ref):
-                    assert t == r[:len(t)], rid
+                    assert t == r[: len(t)], rid
                 continue
             if out.error:
                 p = len(prompt)
                 full = p + mt - 1
                 footprint = (p // bs) + n * (_cdiv(full, bs) - p // bs)
-                legit = (p > h.scheduler.prompt_limit or _cdiv(p, bs) > G or footprint > G)
+                legit = p > h.scheduler.prompt_limit or _cdiv(p, bs) > G or footprint > G
                 assert legit, (rid, out.error, p, n, mt, footprint, G)
                 for t, r in zip(toks, ref):
-                    assert t == r[:len(t)], rid
+                    assert t == r[: len(t)], rid
                 continue
             assert len(toks) == n, (rid, toks)
             assert toks == ref, (rid, toks, ref)
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -1,4 +1,5 @@
 """Input validation: bad requests raise ValueError naming the field and the limit (B05, B06)."""
+
 import pytest
 
 from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
@@ -6,14 +7,27 @@ from kvserve.engine.input_processor import tokenize_prompt, validate_request
 from kvserve.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"), ({"max_tokens": "10"}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"min_p": 2}, "min_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
 def test_sampling_params_reject_invalid(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -35,12 +49,22 @@ def test_prompt_token_ids_must_be_ints():
 def test_B06_max_tokens_against_max_model_len():
     ids = list(range(8))
     # (d) exactly fills the context: accepted.
-    assert validate_request(ids, SamplingParams(max_tokens=24), vocab_size=100, max_model_len=32, max_num_seqs=4) == 24
+    assert (
+        validate_request(ids, SamplingParams(max_tokens=24), vocab_size=100, max_model_len=32, max_num_seqs=4)
+        == 24
+    )
     # (e) one over: rejected with both numbers.
-    with pytest.raises(ValueError, match=r"prompt \(8 tokens\) \+ max_tokens \(25\) = 33 > max_model_len \(32\)"):
+    with pytest.raises(
+        ValueError, match=r"prompt \(8 tokens\) \+ max_tokens \(25\) = 33 > max_model_len \(32\)"
+    ):
         validate_request(ids, SamplingParams(max_tokens=25), vocab_size=100, max_model_len=32, max_num_seqs=4)
     # (f) omitted: defaults to the rest of the context.
-    assert validate_request(ids, SamplingParams(max_tokens=None), vocab_size=100, max_model_len=32, max_num_seqs=4) == 24
+    assert (
+        validate_request(
+            ids, SamplingParams(max_tokens=None), vocab_size=100, max_model_len=32, max_num_seqs=4
+        )
+        == 24
+    )
 
 
 def test_n_above_max_num_seqs_rejected():
@@ -55,13 +79,21 @@ def test_group_wider_than_the_step_token_budget_is_rejected_not_hung():
     from tests.core.simutil import Harness, configs, prompt_of
 
     with pytest.raises(ValueError, match=r"n must be <= max_num_batched_tokens \(2\)"):
-        validate_request([1, 2, 3], SamplingParams(n=3), vocab_size=None, max_model_len=32, max_num_seqs=4,
-                         max_num_batched_tokens=2)
+        validate_request(
+            [1, 2, 3],
+            SamplingParams(n=3),
+            vocab_size=None,
+            max_model_len=32,
+            max_num_seqs=4,
+            max_num_batched_tokens=2,
+        )
     cc, sc = configs(BS=4, G=16, S=4, T=2, L=64, CP=True)
     h = Harness(cc, sc)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         h.add("wide", prompt_of(0, 3), SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1))
-    h.add("fits", prompt_of(1, 3), SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True))
+    h.add(
+        "fits", prompt_of(1, 3), SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    )
     h.run(max_steps=200)
     h.assert_idle()
     assert [len(t) for t in h.tokens("fits")] == [4, 4]

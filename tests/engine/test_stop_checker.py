@@ -1,4 +1,5 @@
 """Stop conditions on decoded text, ids and lengths (B19 at the unit level)."""
+
 from kvserve.engine.stop_checker import StopChecker
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceStatus

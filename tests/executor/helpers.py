@@ -1,8 +1,8 @@
 """Small drivers for executor tests: tiny HF models on disk, a toy block allocator, metadata."""
+
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Optional
 
 import torch
 
@@ -32,14 +32,23 @@ def save_tiny(path, config, seed: int = 0):
 def llama_config(**kw):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     base.update(kw)
     return LlamaConfig(**base)
 
 
-def hf_logits(model, ids: List[int]) -> torch.Tensor:
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
     """float32 logits ``[len(ids), vocab]`` of a HF model on one unpadded sequence (on the
     model's device)."""
     with torch.no_grad():
@@ -53,7 +62,7 @@ class ToyAllocator:
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
 
-    def grow(self, table: List[int], num_tokens: int, block_size: int) -> None:
+    def grow(self, table: list[int], num_tokens: int, block_size: int) -> None:
         while len(table) * block_size < num_tokens:
             table.append(self.free.pop())
 
@@ -63,25 +72,42 @@ class ToySeq:
 
     _next_id = 0
 
-    def __init__(self, prompt: List[int]):
+    def __init__(self, prompt: list[int]):
         self.seq_id = ToySeq._next_id
         ToySeq._next_id += 1
         self.data = SequenceData(prompt)
-        self.table: List[int] = []
+        self.table: list[int] = []
 
-    def metadata(self, chunk: int, alloc: ToyAllocator, block_size: int, do_sample: bool = True,
-                 params: Optional[SamplingParams] = None) -> SequenceGroupMetadata:
+    def metadata(
+        self,
+        chunk: int,
+        alloc: ToyAllocator,
+        block_size: int,
+        do_sample: bool = True,
+        params: SamplingParams | None = None,
+    ) -> SequenceGroupMetadata:
         c = self.data.get_num_computed_tokens()
         alloc.grow(self.table, c + chunk, block_size)
         return SequenceGroupMetadata(
-            request_id=str(self.seq_id), is_prompt=c < self.data.get_prompt_len(),
-            seq_data={self.seq_id: self.data}, sampling_params=params or SamplingParams(temperature=0.0),
-            block_tables={self.seq_id: list(self.table)}, token_chunk_size=chunk, do_sample=do_sample)
+            request_id=str(self.seq_id),
+            is_prompt=c < self.data.get_prompt_len(),
+            seq_data={self.seq_id: self.data},
+            sampling_params=params or SamplingParams(temperature=0.0),
+            block_tables={self.seq_id: list(self.table)},
+            token_chunk_size=chunk,
+            do_sample=do_sample,
+        )
 
 
-def make_worker(model_dir, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 16,
-                sliding_window: Optional[int] = None, native: Optional[bool] = None,
-                dtype: str = "float32"):
+def make_worker(
+    model_dir,
+    block_size: int = 4,
+    num_gpu_blocks: int = 64,
+    num_cpu_blocks: int = 16,
+    sliding_window: int | None = None,
+    native: bool | None = None,
+    dtype: str = "float32",
+):
     """A worker (``dtype``, float32 by default) on ``model_dir`` on ``TEST_DEVICE``; ``native`` forces the
     decode-attention path (``None``: the default choice; ``True`` skips the test off CPU)."""
     from kvserve.worker.worker import Worker
@@ -90,9 +116,15 @@ def make_worker(model_dir, block_size: int = 4, num_gpu_blocks: int = 64, num_cp
         import pytest
 
         pytest.skip("the native decode kernel is CPU-only")
-    w = Worker(ModelConfig(model=str(model_dir), dtype=dtype, device=TEST_DEVICE),
-               CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                           num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window))
+    w = Worker(
+        ModelConfig(model=str(model_dir), dtype=dtype, device=TEST_DEVICE),
+        CacheConfig(
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            sliding_window=sliding_window,
+        ),
+    )
     g, c = w.determine_num_blocks()
     w.init_cache(g, c)
     if native is not None:
@@ -106,12 +138,12 @@ def make_worker(model_dir, block_size: int = 4, num_gpu_blocks: int = 64, num_cp
     return w
 
 
-def step_logits(worker, metadata: List[SequenceGroupMetadata]) -> torch.Tensor:
+def step_logits(worker, metadata: list[SequenceGroupMetadata]) -> torch.Tensor:
     """Run one step through the worker's runner and return the sampled rows' logits."""
     return worker.runner.compute_logits(metadata, worker.cache_engine.gpu_cache)
 
 
-def all_logits(worker, metadata: List[SequenceGroupMetadata]) -> Dict[int, torch.Tensor]:
+def all_logits(worker, metadata: list[SequenceGroupMetadata]) -> dict[int, torch.Tensor]:
     """Logits of *every* fed token, per seq id (rows in position order), for one step."""
     r = worker.runner
     inp = r.prepare_inputs(metadata)
@@ -121,7 +153,7 @@ def all_logits(worker, metadata: List[SequenceGroupMetadata]) -> Dict[int, torch
     return {sid: logits[a:b] for sid, (a, b) in inp.seq_rows.items()}
 
 
-def advance(metadata: List[SequenceGroupMetadata]) -> None:
+def advance(metadata: list[SequenceGroupMetadata]) -> None:
     """What the engine does after a step: mark the chunk computed."""
     for md in metadata:
         for d in md.seq_data.values():

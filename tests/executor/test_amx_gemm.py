@@ -1,5 +1,6 @@
 """The AMX bfloat16 GEMM (``amx_gemm``) against a float32 reference, and ``llama.linear``'s
 dispatch between it and oneDNN by step size."""
+
 import pytest
 import torch
 
@@ -70,4 +71,6 @@ def test_bad_inputs_name_the_mismatch():
     with pytest.raises(ValueError, match="do not fit"):
         amx_gemm.linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(7).bfloat16())
     with pytest.raises(ValueError, match="do not fit"):
-        amx_gemm.linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(8, dtype=torch.bfloat16, device="meta"))
+        amx_gemm.linear(
+            torch.randn(2, 64).bfloat16(), packed, torch.zeros(8, dtype=torch.bfloat16, device="meta")
+        )

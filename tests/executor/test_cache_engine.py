@@ -1,4 +1,5 @@
 """KV-cache pools: sizing, swap out/in and copy round-trips."""
+
 import pytest
 import torch
 
@@ -7,8 +8,16 @@ from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
 
 
 def filled_engine(num_gpu=10, num_cpu=6):
-    ce = CacheEngine(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, num_gpu_blocks=num_gpu,
-                     num_cpu_blocks=num_cpu, dtype=torch.float32, device="cpu")
+    ce = CacheEngine(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        num_gpu_blocks=num_gpu,
+        num_cpu_blocks=num_cpu,
+        dtype=torch.float32,
+        device="cpu",
+    )
     torch.manual_seed(0)
     ce.device_cache.copy_(torch.randn_like(ce.device_cache))
     return ce
@@ -67,14 +76,16 @@ def test_out_of_range_ids_raise():
 
 
 def test_determine_num_blocks(tmp_path):
-    from tests.executor.helpers import llama_config, save_tiny
     from kvserve.config import ModelConfig
     from kvserve.worker.worker import Worker
+    from tests.executor.helpers import llama_config, save_tiny
 
     save_tiny(tmp_path, llama_config())  # 2 layers, 2 kv heads, head_dim 16
     bpb = 2 * 2 * 16 * 2 * 16 * 4
-    w = Worker(ModelConfig(model=str(tmp_path), device="cpu"),
-               CacheConfig(block_size=16, kv_cache_memory_gib=1.0, swap_space_gib=0.25))
+    w = Worker(
+        ModelConfig(model=str(tmp_path), device="cpu"),
+        CacheConfig(block_size=16, kv_cache_memory_gib=1.0, swap_space_gib=0.25),
+    )
     assert w.bytes_per_block() == bpb
     assert w.determine_num_blocks() == ((1 << 30) // bpb, (1 << 28) // bpb)
     w.cache_config = CacheConfig(block_size=16, num_gpu_blocks=7, num_cpu_blocks=0)
@@ -84,4 +95,5 @@ def test_determine_num_blocks(tmp_path):
         w.determine_num_blocks()
     with pytest.raises(RuntimeError, match="init_cache"):
         from kvserve.sequence import ExecuteModelRequest
+
         w.execute_model(ExecuteModelRequest([]))

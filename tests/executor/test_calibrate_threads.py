@@ -1,4 +1,5 @@
 """``worker.calibrate_threads``: the CPU thread count re-measured while the engine runs."""
+
 import itertools
 
 import torch
@@ -27,7 +28,7 @@ def test_a_passing_disturbance_does_not_pick_one_thread(monkeypatch):
     now = [0.0]
     slot = [0]
 
-    def fake_counter():             # start/end pairs; 2 threads take 10, 1 thread 17, x10 early
+    def fake_counter():  # start/end pairs; 2 threads take 10, 1 thread 17, x10 early
         if next(clock) % 2 == 0:
             return now[0]
         base = 10.0 if torch.get_num_threads() == 2 else 17.0

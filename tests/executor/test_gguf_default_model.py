@@ -1,5 +1,6 @@
 """The default model: our GGUF conversion + our model code against transformers' own GGUF
 loader (which dequantizes and un-permutes by itself)."""
+
 import json
 
 import pytest
@@ -39,7 +40,9 @@ def test_converted_config_and_tokenizer(converted):
     assert cfg["tie_word_embeddings"] is True and cfg["vocab_size"] == 49152
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["max_position_embeddings"]) == (1, 2, 8192)
     tok = AutoTokenizer.from_pretrained(str(converted))
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 

@@ -1,4 +1,5 @@
 """Model directory resolution, weight loading errors, GGUF conversion and its cache."""
+
 import os
 import time
 
@@ -35,6 +36,7 @@ def test_resolve_and_load_sharded_checkpoint(tmp_path):
     assert d == (tmp_path / "sharded").resolve()
     m = load_model(d, torch.float32, "cpu")
     from kvserve.worker.model_runner import ModelRunner
+
     seq = ToySeq([4, 5, 6, 7, 8])
     md = [seq.metadata(5, ToyAllocator(8), 4)]
     runner = ModelRunner(m, 4, 8, None, sampler=None)
@@ -66,9 +68,17 @@ def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, monkeypatch
     if arch == "llama_tied":
         cfg = llama_config(tie_word_embeddings=True)
     else:
-        cfg = Qwen2Config(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                          tie_word_embeddings=False, use_sliding_window=False)
+        cfg = Qwen2Config(
+            vocab_size=256,
+            hidden_size=96,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+        )
     save_tiny(tmp_path, cfg)
 
     def logits(m):
@@ -157,6 +167,6 @@ def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [d1.name]
     os.utime(fake, ns=(time.time_ns(), time.time_ns() + 10**9))  # same content, new mtime -> same key
     assert gguf_convert.converted_dir(fake) == d1
-    with open(fake, "ab") as f:                                   # changed content -> new key
+    with open(fake, "ab") as f:  # changed content -> new key
         f.write(b"more")
     assert gguf_convert.converted_dir(fake) != d1

@@ -1,12 +1,23 @@
 """Our Llama-family model + paged attention against transformers on tiny random weights."""
+
 import random
 
 import pytest
 import torch
 
 from kvserve.sequence import ExecuteModelRequest
-from tests.executor.helpers import (VOCAB, ToyAllocator, ToySeq, advance, all_logits, hf_logits,
-                                    llama_config, make_worker, save_tiny, step_logits)
+from tests.executor.helpers import (
+    VOCAB,
+    ToyAllocator,
+    ToySeq,
+    advance,
+    all_logits,
+    hf_logits,
+    llama_config,
+    make_worker,
+    save_tiny,
+    step_logits,
+)
 
 ATOL = 1e-4
 
@@ -64,13 +75,18 @@ def test_chunked_prefill_and_decode_through_paged_cache(tiny, native):
     # step 2: a chunk 6 + b decode; step 3: a chunk 3 (ends prompt) + b decode; then both decode
     plan = [(5, 6), (6, 1), (3, 1), (1, 1), (1, 1), (1, 1), (1, 1)]
     for ca, cb in plan:
-        md = [a.metadata(ca, alloc, 4, do_sample=a.data.get_num_computed_tokens() + ca >= a.data.get_len()),
-              b.metadata(cb, alloc, 4)]
+        md = [
+            a.metadata(ca, alloc, 4, do_sample=a.data.get_num_computed_tokens() + ca >= a.data.get_len()),
+            b.metadata(cb, alloc, 4),
+        ]
         got = all_logits(w, md)
         for s, n in ((a, ca), (b, cb)):
             c = s.data.get_num_computed_tokens()
-            ref = hf_logits(hf, s.data.get_token_ids()[:c + n])[c:c + n]
-            assert torch.allclose(got[s.seq_id], ref, atol=ATOL), (s.seq_id, (got[s.seq_id] - ref).abs().max())
+            ref = hf_logits(hf, s.data.get_token_ids()[: c + n])[c : c + n]
+            assert torch.allclose(got[s.seq_id], ref, atol=ATOL), (
+                s.seq_id,
+                (got[s.seq_id] - ref).abs().max(),
+            )
         advance(md)
         for s in (a, b):
             if s.data.get_num_uncomputed_tokens() == 0:
@@ -115,10 +131,15 @@ def test_worker_greedy_generation_matches_hf_generate(tiny, native):
     for s in seqs:
         prompt = s.data.prompt_token_ids
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=8, min_new_tokens=8,
-                              do_sample=False, pad_token_id=0,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device))
-        assert s.data.output_token_ids == ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt], device=hf.device),
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
+            )
+        assert s.data.output_token_ids == ref[0, len(prompt) :].tolist()
 
 
 def test_swap_out_and_in_to_other_blocks_then_decode(tiny, native):
@@ -168,11 +189,20 @@ def test_copy_on_write_block_then_diverge(tiny, native):
         assert torch.allclose(logits[0], hf_logits(hf, s.data.get_token_ids())[-1], atol=ATOL)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64, "rope_theta": 500000.0},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        },
+    ],
+)
 def test_rope_scaling_matches_hf(tmp_path, rope):
     hf = save_tiny(tmp_path, llama_config(rope_parameters=rope, head_dim=32, num_attention_heads=4))
     w = make_worker(tmp_path, block_size=8)
@@ -208,9 +238,18 @@ def test_tied_embeddings(tmp_path):
 def test_qwen2_gqa_with_bias(tmp_path, native):
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, use_sliding_window=False, rope_theta=1e6)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        rope_theta=1e6,
+    )
     hf = save_tiny(tmp_path, cfg)
     w = make_worker(tmp_path, block_size=4, native=native)
     assert w.model.layers[0].self_attn.qkv_bias is not None
@@ -235,9 +274,17 @@ def test_mistral_sliding_window_decode_past_window(tmp_path, native):
     from transformers import MistralConfig
 
     W = 6
-    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        sliding_window=W, tie_word_embeddings=False)
+    cfg = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=W,
+        tie_word_embeddings=False,
+    )
     hf = save_tiny(tmp_path, cfg)
     w = make_worker(tmp_path, block_size=4, sliding_window=W, native=native)
     assert w.sliding_window == W
@@ -266,7 +313,7 @@ def test_mistral_sliding_window_decode_past_window(tmp_path, native):
         md = [t.metadata(n, alloc, 4)]
         c = t.data.get_num_computed_tokens()
         got = all_logits(w, md)[t.seq_id]
-        assert torch.allclose(got, hf_logits(hf, t.data.get_token_ids())[c:c + n], atol=ATOL)
+        assert torch.allclose(got, hf_logits(hf, t.data.get_token_ids())[c : c + n], atol=ATOL)
         advance(md)
 
 
@@ -322,15 +369,18 @@ def test_split_buckets_is_optimal():
         a = np.sort(np.array([rng.randint(1, 40) for _ in range(rng.randint(1, 9))]))
         overhead = rng.choice([0, 5, 24, 100])
 
-        def cost(ends):
+        def cost(ends, a=a, overhead=overhead):
             c, s = 0, 0
             for e in ends:
                 c += (e - s) * a[e - 1] + overhead
                 s = e
             return c
 
-        best = min(cost(list(cuts) + [len(a)]) for k in range(4)
-                   for cuts in itertools.combinations(range(1, len(a)), k))
+        best = min(
+            cost(list(cuts) + [len(a)])
+            for k in range(4)
+            for cuts in itertools.combinations(range(1, len(a)), k)
+        )
         ends = split_buckets(a, overhead, 4)
         assert ends[-1] == len(a) and ends == sorted(set(ends)) and len(ends) <= 4
         assert cost(ends) == best
@@ -364,4 +414,3 @@ def test_bfloat16_decode_native_and_torch_paths_agree_with_hf(tiny):
             err = (got[native][i].cpu() - ref).abs().max()
             assert err < 0.03 * scale, (native, lens[i], float(err), float(scale))
         assert (got[True][i] - got[False][i]).abs().max() < 0.03 * scale
-

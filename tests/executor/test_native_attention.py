@@ -1,20 +1,33 @@
 """The native decode kernel against a plain torch reference (random tables, windows, GQA)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers import native_attention as na
 
-pytestmark = pytest.mark.skipif(not na.available(), reason=f"native kernel unavailable: {na.failure_reason()}")
+pytestmark = pytest.mark.skipif(
+    not na.available(), reason=f"native kernel unavailable: {na.failure_reason()}"
+)
 
 # bfloat16 K/V/q are widened exactly and summed in float32, so the only extra error is the
 # output's rounding to bfloat16: half an ulp, 2**-9 relative, of values of magnitude <~ 3.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2 ** -8}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2**-8}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 1, 32, 4), (1, 4, 16, 1), (2, 2, 24, 4),
-                                      (2, 4, 128, 16), (1, 1, 64, 8), (2, 8, 128, 16)])
+@pytest.mark.parametrize(
+    "KH,G,D,BS",
+    [
+        (3, 3, 64, 16),
+        (2, 1, 32, 4),
+        (1, 4, 16, 1),
+        (2, 2, 24, 4),
+        (2, 4, 128, 16),
+        (1, 1, 64, 8),
+        (2, 8, 128, 16),
+    ],
+)
 def test_matches_reference(KH, G, D, BS, dtype):
     # D=24 is not a multiple of 16: the scalar path; (3, 64), (4, 128) ... take the kernel copies
     # specialised for their (G, head_dim), (2, 32) and (4, 16) the general one.
@@ -25,7 +38,7 @@ def test_matches_reference(KH, G, D, BS, dtype):
     kstart = torch.tensor([0, 0, 0, 1, 30, 0, BS + 2])  # some "windows"
     first = kstart // BS
     nbmax = int(((kend - 1) // BS - first + 1).max())
-    table = torch.randperm(NB)[:B * nbmax].view(B, nbmax).contiguous()
+    table = torch.randperm(NB)[: B * nbmax].view(B, nbmax).contiguous()
     q = torch.randn(B, KH, G, D).to(dtype)
     got = na.paged_decode_attention(q, cache, table, kstart, kend, 0.3)
     assert got.dtype == dtype
@@ -46,7 +59,9 @@ def test_rejects_mixed_or_unsupported_dtypes():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         na.paged_decode_attention(torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), cache, table, ks, ke, 1.0)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        na.paged_decode_attention(torch.zeros(1, 1, 1, 16, dtype=torch.float16), cache.half(), table, ks, ke, 1.0)
+        na.paged_decode_attention(
+            torch.zeros(1, 1, 1, 16, dtype=torch.float16), cache.half(), table, ks, ke, 1.0
+        )
 
 
 def test_index_dtype_and_layout_are_checked():
@@ -79,10 +94,11 @@ def test_q_rows_may_be_strided(dtype):
     B, KH, G, D, BS, NB = 3, 2, 3, 64, 4, 12
     cache = torch.randn(2, KH, NB, BS, D, generator=g).to(dtype)
     fused = torch.randn(B, (KH * G + KH) * D, generator=g).to(dtype)
-    q = fused[:, :KH * G * D].view(B, KH, G, D)
+    q = fused[:, : KH * G * D].view(B, KH, G, D)
     assert not q.is_contiguous()
-    table = torch.randperm(NB, generator=g)[:B * 4].view(B, 4).contiguous()
-    ks = torch.tensor([0, 2, 5]); ke = torch.tensor([16, 9, 11])
+    table = torch.randperm(NB, generator=g)[: B * 4].view(B, 4).contiguous()
+    ks = torch.tensor([0, 2, 5])
+    ke = torch.tensor([16, 9, 11])
     a = na.paged_decode_attention(q, cache, table, ks, ke, 0.125)
     b = na.paged_decode_attention(q.contiguous(), cache, table, ks, ke, 0.125)
     assert torch.equal(a, b)

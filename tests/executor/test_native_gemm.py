@@ -1,4 +1,5 @@
 """``native_gemm``: the panel-packed CPU GEMM against a float64 ``F.linear`` reference."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """The build-on-first-use C libraries (``native_lib.NativeLibrary``)."""
+
 import pytest
 
 from kvserve.model_executor.layers import native_ops

@@ -1,4 +1,5 @@
 """Fused native kernels (RMSNorm, SiLU-and-mul, greedy sampling) against their torch forms."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ def test_rms_norm_with_and_without_residual(T, H, dtype):
     x = (torch.randn(T, H) * 3).to(dtype)
     r = torch.randn(T, H).to(dtype)
     w = torch.randn(H).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # one bfloat16 rounding of an O(1) value
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # one bfloat16 rounding of an O(1) value
     got = ops.rms_norm(x, w, 1e-5)
     assert got.dtype == dtype
     assert torch.allclose(got.float(), torch_rms_norm(x, w, 1e-5).float(), atol=tol * 4, rtol=tol)
@@ -47,7 +48,9 @@ def test_rmsnorm_module_uses_native_path_with_same_result(dtype, monkeypatch):
     monkeypatch.setattr(ops, "supported", lambda *t: False)
     torch_out, torch_res = m(x, r.clone())
     assert torch.equal(native_res, torch_res)
-    assert torch.allclose(native_out.float(), torch_out.float(), atol=1e-5 if dtype == torch.float32 else 0.05)
+    assert torch.allclose(
+        native_out.float(), torch_out.float(), atol=1e-5 if dtype == torch.float32 else 0.05
+    )
 
 
 @DTYPES
@@ -55,12 +58,30 @@ def test_silu_and_mul_far_negative_gates(dtype):
     """Adversarial find: below -88 the clamped exp stopped cancelling the gate, so silu(-3e38)
     came out -1.8 instead of -0. Gates across the range (16 of them: the vector loop) against
     torch; -inf gives NaN like torch."""
-    g = torch.tensor([-3e38, -1e30, -1e5, -100.0, -89.0, -88.5, -50.0, -5.0,
-                      0.0, 0.5, 5.0, 50.0, 88.5, 100.0, 1e30, float("-inf")])
+    g = torch.tensor(
+        [
+            -3e38,
+            -1e30,
+            -1e5,
+            -100.0,
+            -89.0,
+            -88.5,
+            -50.0,
+            -5.0,
+            0.0,
+            0.5,
+            5.0,
+            50.0,
+            88.5,
+            100.0,
+            1e30,
+            float("-inf"),
+        ]
+    )
     gu = torch.cat([g, torch.full_like(g, 1.5)]).view(1, -1).to(dtype)
     got, ref = ops.silu_and_mul(gu)[0].float(), (F.silu(gu[:, :16]) * gu[:, 16:])[0].float()
     assert torch.isnan(got[-1]) and torch.isnan(ref[-1])
-    assert torch.allclose(got[:-1], ref[:-1], rtol=2 ** -7, atol=1e-30), (got, ref)
+    assert torch.allclose(got[:-1], ref[:-1], rtol=2**-7, atol=1e-30), (got, ref)
 
 
 @DTYPES
@@ -74,14 +95,14 @@ def test_silu_and_mul(T, I, dtype):
     if dtype == torch.float32:
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
     else:  # both round silu to bfloat16 then the product: equal but for rare last-bit ties
-        assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -7
+        assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
 
 
 def test_greedy_sample_matches_argmax_and_log_softmax():
     torch.manual_seed(3)
     for N, V in [(1, 49152), (64, 49152), (5, 1000), (3, 13)]:
         x = torch.randn(N, V) * 5
-        x[0, V // 2] = x[0].max() + 1.0        # a clear winner in the middle
+        x[0, V // 2] = x[0].max() + 1.0  # a clear winner in the middle
         if V > 40:
             x[-1, 7] = x[-1, 40] = x[-1].max() + 2.0  # a tie: the first index wins, as torch.argmax
         tok, lp = ops.greedy_sample(x)
@@ -113,14 +134,14 @@ def test_rope_write_kv_matches_torch_rotary_and_cache_write(H, KH, D, dtype):
     cache = torch.zeros(2, KH, NB, BS, D, dtype=dtype)
     slots = torch.tensor([3, 0, 39, 12, 13, 22])
     got = ops.rope_write_kv(qkv, cos, sin, H, KH, D, cache, slots)
-    ref = RotaryEmbedding.apply(qkv[:, :(H + KH) * D].view(T, H + KH, D), cos, sin)
-    tol = 1e-6 if dtype == torch.float32 else 2 ** -6
+    ref = RotaryEmbedding.apply(qkv[:, : (H + KH) * D].view(T, H + KH, D), cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2**-6
     assert torch.allclose(got.float(), ref.float(), atol=tol * 4, rtol=tol)
     flat = cache.view(2, KH, NB * BS, D)
-    v = qkv[:, (H + KH) * D:].view(T, KH, D)
+    v = qkv[:, (H + KH) * D :].view(T, KH, D)
     for t in range(T):
         assert torch.equal(flat[0, :, slots[t]], got[t, H:])  # rotated k
-        assert torch.equal(flat[1, :, slots[t]], v[t])        # v as projected
+        assert torch.equal(flat[1, :, slots[t]], v[t])  # v as projected
     untouched = torch.ones(NB * BS, dtype=torch.bool)
     untouched[slots] = False
     assert not flat[:, :, untouched].any()

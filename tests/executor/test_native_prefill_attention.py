@@ -1,23 +1,33 @@
 """The native prefill kernel against a float64 torch reference: block sizes, GQA groups, head
 sizes, several chunks per call, cached context (chunked prefill / prefix caching), sliding
 windows, strided q rows, and its argument checks."""
-from typing import List, Optional, Tuple
 
 import pytest
 import torch
 
 from kvserve.model_executor.layers import native_prefill_attention as npa
 
-pytestmark = pytest.mark.skipif(not npa.available(), reason=f"native kernel unavailable: {npa.failure_reason()}")
+pytestmark = pytest.mark.skipif(
+    not npa.available(), reason=f"native kernel unavailable: {npa.failure_reason()}"
+)
 
 # float32: float32 sums in another order than the reference (~1e-6 relative). bfloat16: inputs
 # are exact in float32 and sums are float32, so the extra error is the output's rounding to
 # bfloat16, half an ulp (2**-9 relative) of values of magnitude <~ 3.
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3 * 2 ** -8}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3 * 2**-8}
 
 
-def make_case(chunks: List[Tuple[int, int]], KH: int, G: int, D: int, BS: int, window: int, dtype,
-              seed: int = 0, q_pad: int = 0):
+def make_case(
+    chunks: list[tuple[int, int]],
+    KH: int,
+    G: int,
+    D: int,
+    BS: int,
+    window: int,
+    dtype,
+    seed: int = 0,
+    q_pad: int = 0,
+):
     """Random cache, block tables and queries for ``chunks`` = [(pos0, n), ...].
 
     Returns ``(q, cache, table, q_start, pos0, kstart, tables)`` where ``tables[c]`` is chunk
@@ -30,18 +40,18 @@ def make_case(chunks: List[Tuple[int, int]], KH: int, G: int, D: int, BS: int, w
     perm = torch.randperm(NB, generator=g)
     tables, used = [], 0
     for nb in need:
-        tables.append(perm[used:used + nb])
+        tables.append(perm[used : used + nb])
         used += nb
     cache = torch.randn(2, KH, NB, BS, D, generator=g).to(dtype)
     T = sum(n for _, n in chunks)
     wide = torch.randn(T, H * D + q_pad, generator=g).to(dtype)
-    q = wide[:, :H * D].view(T, H, D)
+    q = wide[:, : H * D].view(T, H, D)
     kstart = [(max(0, p - window + 1) // BS) * BS if window else 0 for p, _ in chunks]
     width = max(nb - ks // BS for nb, ks in zip(need, kstart))
     table = torch.zeros(len(chunks), width, dtype=torch.int64)
     for c, (tb, ks) in enumerate(zip(tables, kstart)):
-        row = tb[ks // BS:]
-        table[c, :len(row)] = row
+        row = tb[ks // BS :]
+        table[c, : len(row)] = row
     q_start = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
     pos0 = torch.tensor([p for p, _ in chunks], dtype=torch.int64)
     return q, cache, table, q_start, pos0, torch.tensor(kstart, dtype=torch.int64), tables
@@ -72,8 +82,10 @@ def reference(q, cache, q_start, pos0, tables, scale: float, window: int) -> tor
 
 
 def check(chunks, KH, G, D, BS, window, dtype, seed=0, q_pad=0):
-    q, cache, table, q_start, pos0, kstart, tables = make_case(chunks, KH, G, D, BS, window, dtype, seed, q_pad)
-    scale = D ** -0.5
+    q, cache, table, q_start, pos0, kstart, tables = make_case(
+        chunks, KH, G, D, BS, window, dtype, seed, q_pad
+    )
+    scale = D**-0.5
     got = npa.paged_prefill_attention(q, cache, table, q_start, pos0, kstart, scale, window)
     assert got.dtype == dtype and got.shape == q.shape
     ref = reference(q, cache, q_start, pos0, tables, scale, window)
@@ -123,7 +135,9 @@ def test_q_rows_may_be_strided(dtype):
     """q as a view of a fused [T, (H + 2 KH) * D] projection gives the same output as its
     contiguous copy, and only the chunks' rows of out are written."""
     chunks = [(0, 19), (4, 30)]
-    q, cache, table, q_start, pos0, kstart, _ = make_case(chunks, 2, 3, 64, 4, 0, dtype, seed=9, q_pad=2 * 2 * 64)
+    q, cache, table, q_start, pos0, kstart, _ = make_case(
+        chunks, 2, 3, 64, 4, 0, dtype, seed=9, q_pad=2 * 2 * 64
+    )
     assert not q.is_contiguous()
     a = npa.paged_prefill_attention(q, cache, table, q_start, pos0, kstart, 0.125)
     b = npa.paged_prefill_attention(q.contiguous(), cache, table, q_start, pos0, kstart, 0.125)
@@ -136,10 +150,13 @@ def test_q_rows_may_be_strided(dtype):
 
 
 def test_empty_chunk_and_no_rows():
-    q, cache, table, q_start, pos0, kstart, tables = make_case([(0, 5), (2, 4)], 1, 2, 32, 4, 0, torch.float32)
+    q, cache, table, q_start, pos0, kstart, tables = make_case(
+        [(0, 5), (2, 4)], 1, 2, 32, 4, 0, torch.float32
+    )
     q_start = torch.tensor([0, 5, 5, 9])  # chunk 1 empty
     table = torch.cat([table[:1], table[:1], table[1:]])
-    pos0 = torch.tensor([0, 3, 2]); kstart = torch.zeros(3, dtype=torch.int64)
+    pos0 = torch.tensor([0, 3, 2])
+    kstart = torch.zeros(3, dtype=torch.int64)
     got = npa.paged_prefill_attention(q, cache, table, q_start, pos0, kstart, 0.2)
     ref = reference(q, cache, q_start, pos0, [tables[0], tables[0], tables[1]], 0.2, 0)
     assert (got.double() - ref).abs().max() < 1e-5
@@ -179,8 +196,8 @@ def test_rejects_bad_arguments():
         # regressions: a zero block size was a SIGFPE (division in the kernel); positions or
         # windows past int32 gave NaN rows (int32 lane masks) instead of an error
         (dict(kv_cache=torch.zeros(2, 1, 10, 0, 32)), "block size"),
-        (dict(window=2 ** 31), "window must be"),
-        (dict(pos0=torch.tensor([2 ** 31, 4]), kstart=torch.tensor([2 ** 31 - 4, 0])), "pos0"),
+        (dict(window=2**31), "window must be"),
+        (dict(pos0=torch.tensor([2**31, 4]), kstart=torch.tensor([2**31 - 4, 0])), "pos0"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -235,16 +252,21 @@ def test_bf16_paths_with_row_maxima_moving_across_key_steps(bf16_path, slope):
     the first step's maximum."""
     chunks = [(0, 70), (40, 50)]
     KH, G, D, BS = 1, 3, 64, 16
-    q, cache, table, q_start, pos0, kstart, tables = make_case(chunks, KH, G, D, BS, 0, torch.bfloat16, seed=5)
+    q, cache, table, q_start, pos0, kstart, tables = make_case(
+        chunks, KH, G, D, BS, 0, torch.bfloat16, seed=5
+    )
     u = torch.zeros(D)
-    u[::2] = 1.0 / (D / 2) ** 0.5   # a unit vector
-    q[:] = (4.0 * u).to(torch.bfloat16)   # score of key x*u: (1/8) * 4 * x = x / 2
+    u[::2] = 1.0 / (D / 2) ** 0.5  # a unit vector
+    q[:] = (4.0 * u).to(torch.bfloat16)  # score of key x*u: (1/8) * 4 * x = x / 2
     for c, (p0, n) in enumerate(chunks):
         kp = torch.arange(p0 + n)
-        x = 2.0 * slope * kp.double() + 0.3 * torch.randn(len(kp), dtype=torch.float64,
-                                                          generator=torch.Generator().manual_seed(c))
-        cache[0][:, tables[c][kp // BS], kp % BS] = (x[:, None] * u[None, :].double()).to(torch.bfloat16)[None]
-    scale = D ** -0.5
+        x = 2.0 * slope * kp.double() + 0.3 * torch.randn(
+            len(kp), dtype=torch.float64, generator=torch.Generator().manual_seed(c)
+        )
+        cache[0][:, tables[c][kp // BS], kp % BS] = (x[:, None] * u[None, :].double()).to(torch.bfloat16)[
+            None
+        ]
+    scale = D**-0.5
     got = npa.paged_prefill_attention(q, cache, table, q_start, pos0, kstart, scale, 0)
     ref = reference(q, cache, q_start, pos0, tables, scale, 0)
     err = (got.double() - ref).abs().max()
@@ -260,8 +282,16 @@ def test_runner_native_prefill_matches_torch_path(tmp_path, dtype):
     where there is one."""
     import random
 
-    from tests.executor.helpers import (VOCAB, ToyAllocator, ToySeq, advance, llama_config, make_worker,
-                                        save_tiny, step_logits)
+    from tests.executor.helpers import (
+        VOCAB,
+        ToyAllocator,
+        ToySeq,
+        advance,
+        llama_config,
+        make_worker,
+        save_tiny,
+        step_logits,
+    )
 
     save_tiny(tmp_path, llama_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2))
     rng = random.Random(7)

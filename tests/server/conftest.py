@@ -1,5 +1,6 @@
 """A real uvicorn server on 127.0.0.1 (free port, background thread) over the default model,
 started once per module, plus helpers to reach it (the official ``openai`` client, httpx)."""
+
 import pytest
 
 from tests.server_harness import running_server
@@ -10,9 +11,16 @@ MODEL = "smollm2-test"
 # Small cache / limits so every scenario is reachable on one server:
 #  - prompt_limit = min(max_model_len 1024, max_num_batched_tokens 512) = 512   (B01: 600 > 512)
 #  - KV pool = 48 blocks x 8 tokens = 384 tokens                                 (B03: 400 -> 50 > 48)
-ENGINE_KWARGS = dict(block_size=8, num_gpu_blocks=48, num_cpu_blocks=32, max_model_len=1024,
-                     max_num_batched_tokens=512, max_num_seqs=32, seed=0,
-                     enable_chunked_prefill=False)  # B01: prompt_limit = min(max_model_len, budget)
+ENGINE_KWARGS = dict(
+    block_size=8,
+    num_gpu_blocks=48,
+    num_cpu_blocks=32,
+    max_model_len=1024,
+    max_num_batched_tokens=512,
+    max_num_seqs=32,
+    seed=0,
+    enable_chunked_prefill=False,
+)  # B01: prompt_limit = min(max_model_len, budget)
 MAX_BODY_BYTES = 128 * 1024
 
 
@@ -20,6 +28,11 @@ MAX_BODY_BYTES = 128 * 1024
 def server():
     from kvserve.config import EngineArgs
 
-    with running_server(EngineArgs(**ENGINE_KWARGS), MODEL, api_key=API_KEY,
-                        max_body_bytes=MAX_BODY_BYTES, shutdown_grace_s=5.0) as s:
+    with running_server(
+        EngineArgs(**ENGINE_KWARGS),
+        MODEL,
+        api_key=API_KEY,
+        max_body_bytes=MAX_BODY_BYTES,
+        shutdown_grace_s=5.0,
+    ) as s:
         yield s

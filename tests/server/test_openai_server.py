@@ -1,6 +1,7 @@
 """The OpenAI-compatible server against a real uvicorn (one per module) on the default model,
 with the official ``openai`` client. Short ``max_tokens`` and a small KV cache (see conftest)
 keep the module fast on 2 CPU cores."""
+
 import asyncio
 import json
 import logging
@@ -84,7 +85,7 @@ def test_models_health_version_tokenize(server):
     assert h.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PARIS_PROMPT
     chat_tok = h.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat_tok["count"] > 3
-    assert_error(h.post("/detokenize", json={"tokens": [10 ** 9]}), 400, "tokens")
+    assert_error(h.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
     assert_error(h.post("/tokenize", json={}), 400, "prompt")
 
 
@@ -128,13 +129,30 @@ def test_batch_prompts_and_n(server):
     single = c.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
     assert r.choices[1].text == single.choices[0].text
     assert r.usage.prompt_tokens == len(ids_of(server, PARIS_PROMPT)) + len(ids_of(server, "1, 2, 3,"))
-    r = c.completions.create(model=MODEL, prompt=[ids_of(server, "Hi"), ids_of(server, "Bye")], n=2,
-                             max_tokens=3, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    r = c.completions.create(
+        model=MODEL,
+        prompt=[ids_of(server, "Hi"), ids_of(server, "Bye")],
+        n=2,
+        max_tokens=3,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(ch.index for ch in r.choices) == [0, 1, 2, 3]
     assert r.usage.completion_tokens == 12
     # n > 1 streamed: every choice gets exactly one finish_reason
-    chunks = list(c.completions.create(model=MODEL, prompt="Colors:", n=3, max_tokens=4, temperature=1.0,
-                                       seed=3, extra_body={"ignore_eos": True}, stream=True))
+    chunks = list(
+        c.completions.create(
+            model=MODEL,
+            prompt="Colors:",
+            n=3,
+            max_tokens=4,
+            temperature=1.0,
+            seed=3,
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+    )
     finished = sorted(ch.choices[0].index for ch in chunks if ch.choices[0].finish_reason)
     assert finished == [0, 1, 2]
     server.wait_idle()
@@ -142,10 +160,13 @@ def test_batch_prompts_and_n(server):
 
 def test_chat_non_stream_and_stream(server):
     c = server.client()
-    msgs = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
-    r = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0,
-                                  logprobs=True, top_logprobs=3)
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]},
+    ]
+    r = c.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+    )
     ch = r.choices[0]
     assert r.object == "chat.completion" and ch.message.role == "assistant" and ch.message.content
     assert ch.finish_reason in ("stop", "length")
@@ -155,8 +176,14 @@ def test_chat_non_stream_and_stream(server):
     prompt_ids = server.http().post("/tokenize", json={"messages": msgs}).json()["tokens"]
     assert r.usage.prompt_tokens == len(prompt_ids)
 
-    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     content = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
@@ -173,16 +200,39 @@ def test_chat_errors(server):
     h = server.http()
     body = {"model": MODEL, "max_tokens": 4}
     assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[])), 400, "messages")
-    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "wizard", "content": "x"}])),
-                 400, "messages")
-    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"content": "x"}])), 400, "messages")
-    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
-                                                          top_logprobs=2)), 400, "top_logprobs")
-    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
-                                                          max_completion_tokens=0)), 400, "max_completion_tokens")
+    assert_error(
+        h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "wizard", "content": "x"}])),
+        400,
+        "messages",
+    )
+    assert_error(
+        h.post("/v1/chat/completions", json=dict(body, messages=[{"content": "x"}])), 400, "messages"
+    )
+    assert_error(
+        h.post(
+            "/v1/chat/completions",
+            json=dict(body, messages=[{"role": "user", "content": "x"}], top_logprobs=2),
+        ),
+        400,
+        "top_logprobs",
+    )
+    assert_error(
+        h.post(
+            "/v1/chat/completions",
+            json=dict(body, messages=[{"role": "user", "content": "x"}], max_completion_tokens=0),
+        ),
+        400,
+        "max_completion_tokens",
+    )
     # too large for the context: charged to the field the request used (not the engine's name)
-    assert_error(h.post("/v1/chat/completions", json=dict(body, messages=[{"role": "user", "content": "x"}],
-                                                          max_completion_tokens=10 ** 9)), 400, "max_completion_tokens")
+    assert_error(
+        h.post(
+            "/v1/chat/completions",
+            json=dict(body, messages=[{"role": "user", "content": "x"}], max_completion_tokens=10**9),
+        ),
+        400,
+        "max_completion_tokens",
+    )
     assert_error(h.post("/v1/chat/completions", json=dict(body, model="gpt-4", messages=[])), 404, "model")
     still_serving(server)
 
@@ -203,14 +253,23 @@ def _stream_text(server, **kw):
     return "".join(c.choices[0].text for c in chunks), [c.choices[0].finish_reason for c in chunks]
 
 
-@pytest.mark.parametrize("stop,include,expected", [
-    ("Pari", False, " "),        # (a) a prefix of the one-token word
-    ("s.", False, " Pari"),      # (b) spans ' Paris' + '.'
-    ("Pari", True, " Pari"),     # (c) kept in the output
-])
+@pytest.mark.parametrize(
+    "stop,include,expected",
+    [
+        ("Pari", False, " "),  # (a) a prefix of the one-token word
+        ("s.", False, " Pari"),  # (b) spans ' Paris' + '.'
+        ("Pari", True, " Pari"),  # (c) kept in the output
+    ],
+)
 def test_B19_server_stop_string_off_token_boundary(server, paris, stop, include, expected):
-    kw = dict(model=MODEL, prompt=PARIS_PROMPT, max_tokens=30, temperature=0, stop=[stop],
-              extra_body={"include_stop_str_in_output": include})
+    kw = dict(
+        model=MODEL,
+        prompt=PARIS_PROMPT,
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": include},
+    )
     r = server.client().completions.create(**kw)
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 5
@@ -222,13 +281,17 @@ def test_B19_server_stop_string_off_token_boundary(server, paris, stop, include,
 
 def test_B19_server_chat_stop_streamed(server):
     c = server.client()
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-              max_tokens=20, temperature=0)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20,
+        temperature=0,
+    )
     base = c.chat.completions.create(**kw).choices[0].message.content
     assert "Paris" in base
     stop = "ari"
     full = c.chat.completions.create(stop=stop, **kw).choices[0]
-    assert full.message.content == base[:base.index(stop)] and full.finish_reason == "stop"
+    assert full.message.content == base[: base.index(stop)] and full.finish_reason == "stop"
     chunks = list(c.chat.completions.create(stop=stop, stream=True, **kw))
     assert "".join(x.choices[0].delta.content or "" for x in chunks) == full.message.content
 
@@ -238,8 +301,13 @@ def test_B05_empty_prompt_is_400_and_engine_survives(server):
     h = server.http()
     added = server.engine.stats.num_requests_added
     for prompt in ("", [""], [], [[]]):
-        err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20,
-                                                           "temperature": 0}), 400, "prompt")
+        err = assert_error(
+            h.post(
+                "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0}
+            ),
+            400,
+            "prompt",
+        )
         assert "at least 1 token" in err["message"]
     assert server.engine.stats.num_requests_added == added  # never reached the scheduler
     with pytest.raises(openai.BadRequestError):
@@ -257,13 +325,29 @@ def test_B06_server_invalid_max_tokens(server, value):
 def test_B06_server_context_window(server):
     h = server.http()
     # (e) 8 + 1017 > 1024
-    err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 8),
-                                                       "max_tokens": 1017, "temperature": 0}), 400, "max_tokens")
+    err = assert_error(
+        h.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": n_ids(server, 8), "max_tokens": 1017, "temperature": 0},
+        ),
+        400,
+        "max_tokens",
+    )
     assert "1025" in err["message"] and "1024" in err["message"]
     # (d) 8 + 1016 == 1024 is accepted (streamed; we leave after the first chunk)
     before = gen_tokens(server)
-    with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 8), "max_tokens": 1016,
-                                                   "temperature": 0, "ignore_eos": True, "stream": True}) as resp:
+    with h.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": n_ids(server, 8),
+            "max_tokens": 1016,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):
@@ -271,19 +355,40 @@ def test_B06_server_context_window(server):
     server.wait_idle(10)
     assert gen_tokens(server) - before < 200
     # (f) omitted: the completions default (16, as in the OpenAI API)
-    r = server.client().completions.create(model=MODEL, prompt=n_ids(server, 8), temperature=0,
-                                           extra_body={"ignore_eos": True})
+    r = server.client().completions.create(
+        model=MODEL, prompt=n_ids(server, 8), temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
     still_serving(server)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 33),
-    ("logprobs", 21), ("stop", 5), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("seed", 1.5),
-    ("top_k", 0), ("min_p", 2), ("repetition_penalty", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 500}),
-    ("stop_token_ids", [-1]), ("min_tokens", -1), ("best_of", 3), ("prompt", [1.5]), ("prompt", 5),
-    ("echo", "yes"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1),
+        ("temperature", "hot"),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("n", 0),
+        ("n", 33),
+        ("logprobs", 21),
+        ("stop", 5),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("seed", 1.5),
+        ("top_k", 0),
+        ("min_p", 2),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"5": 500}),
+        ("stop_token_ids", [-1]),
+        ("min_tokens", -1),
+        ("best_of", 3),
+        ("prompt", [1.5]),
+        ("prompt", 5),
+        ("echo", "yes"),
+    ],
+)
 def test_invalid_fields_are_400_naming_the_field(server, field, value):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value}
     err = assert_error(server.http().post("/v1/completions", json=body), 400, field)
@@ -292,9 +397,15 @@ def test_invalid_fields_are_400_naming_the_field(server, field, value):
 
 def test_token_ids_outside_vocab_and_bad_json(server):
     h = server.http()
-    assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10 ** 7], "max_tokens": 2}),
-                 400, "prompt", ["49152"])
-    assert_error(h.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(
+        h.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**7], "max_tokens": 2}),
+        400,
+        "prompt",
+        ["49152"],
+    )
+    assert_error(
+        h.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400
+    )
     assert_error(h.post("/v1/completions", json=[1, 2]), 400)
     assert_error(h.post("/v1/completions", json={"model": MODEL}), 400, "prompt")
     assert_error(h.get("/v1/nowhere"), 404)
@@ -304,30 +415,55 @@ def test_token_ids_outside_vocab_and_bad_json(server):
 def test_B01_server_prompt_over_prompt_limit(server):
     h = server.http()
     added = server.engine.stats.num_requests_added
-    err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 600),
-                                                       "max_tokens": 4, "temperature": 0}), 400, "prompt")
+    err = assert_error(
+        h.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": n_ids(server, 600), "max_tokens": 4, "temperature": 0},
+        ),
+        400,
+        "prompt",
+    )
     assert "600" in err["message"] and "512" in err["message"]
     assert server.engine.stats.num_requests_added == added
     # R2 right behind it runs normally
-    r = server.client().completions.create(model=MODEL, prompt=n_ids(server, 8), max_tokens=4, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    r = server.client().completions.create(
+        model=MODEL, prompt=n_ids(server, 8), max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 4
     assert server.wait_idle()["num_free_gpu_blocks"] == 48
 
 
 def test_B03_server_prompt_bigger_than_kv_pool(server):
     h = server.http()
-    err = assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 400),
-                                                       "max_tokens": 2, "temperature": 0}), 400, "prompt")
+    err = assert_error(
+        h.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": n_ids(server, 400), "max_tokens": 2, "temperature": 0},
+        ),
+        400,
+        "prompt",
+    )
     assert "50" in err["message"] and "48" in err["message"]
     # streamed: still a 400 before any byte of the stream
-    assert_error(h.post("/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 400), "max_tokens": 2,
-                                                 "stream": True}), 400, "prompt", ["50"])
+    assert_error(
+        h.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": n_ids(server, 400), "max_tokens": 2, "stream": True},
+        ),
+        400,
+        "prompt",
+        ["50"],
+    )
     # chat is held to the same limit
     long_msg = "word " * 420
-    assert_error(h.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
-                                                      "messages": [{"role": "user", "content": long_msg}]}),
-                 400, "messages")
+    assert_error(
+        h.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": long_msg}]},
+        ),
+        400,
+        "messages",
+    )
     still_serving(server)
 
 
@@ -343,8 +479,9 @@ def test_auth_model_and_body_size(server):
     assert _h.get(server.url + "/health").status_code == 200  # health needs no key
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
-    err = assert_error(server.http().post("/v1/completions", json=dict(body, prompt="x" * (MAX_BODY_BYTES + 10))),
-                       413)
+    err = assert_error(
+        server.http().post("/v1/completions", json=dict(body, prompt="x" * (MAX_BODY_BYTES + 10))), 413
+    )
     assert str(MAX_BODY_BYTES) in err["message"]
     still_serving(server)
 
@@ -358,9 +495,18 @@ def test_max_waiting_gives_503_with_retry_after(server):
     def blocker():
         # 250 prompt tokens (+ up to 30) hold 32..35 of the 48 KV blocks for ~30 steps, so the
         # 150-token requests of the burst (19 blocks each) must stay in `waiting` meanwhile.
-        with server.http().stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": n_ids(server, 250), "max_tokens": 30, "temperature": 0,
-                "ignore_eos": True, "stream": True}) as resp:
+        with server.http().stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": n_ids(server, 250),
+                "max_tokens": 30,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     started.set()
@@ -372,10 +518,18 @@ def test_max_waiting_gives_503_with_retry_after(server):
         assert started.wait(30)
 
         async def fire():
-            async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                                         timeout=60) as ac:
-                return await asyncio.gather(*[ac.post("/v1/completions", json={
-                    "model": MODEL, "prompt": n_ids(server, 150), "max_tokens": 2}) for i in range(6)])
+            async with httpx.AsyncClient(
+                base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+            ) as ac:
+                return await asyncio.gather(
+                    *[
+                        ac.post(
+                            "/v1/completions",
+                            json={"model": MODEL, "prompt": n_ids(server, 150), "max_tokens": 2},
+                        )
+                        for i in range(6)
+                    ]
+                )
 
         responses = asyncio.run(fire())
         t.join(60)
@@ -385,7 +539,7 @@ def test_max_waiting_gives_503_with_retry_after(server):
     assert sorted(codes) == [200, 200, 503, 503, 503, 503], codes
     r503 = next(r for r in responses if r.status_code == 503)
     assert r503.headers["retry-after"] == "1"
-    assert_error(r503, 503)["code"] == "queue_full"
+    assert assert_error(r503, 503)["code"] == "queue_full"
     assert results == [200]
     server.wait_idle()
     still_serving(server)
@@ -394,11 +548,21 @@ def test_max_waiting_gives_503_with_retry_after(server):
 # ---------------------------------------------------------------------------- disconnects
 def test_non_streaming_disconnect_aborts(server):
     before = gen_tokens(server)
-    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
-                       "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Tell me a long story.",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     deadline = time.time() + 10
     while gen_tokens(server) - before < 3 and time.time() < deadline:
         time.sleep(0.01)
@@ -410,10 +574,17 @@ def test_non_streaming_disconnect_aborts(server):
 def test_B18_server_disconnect_n2_stream(server):
     before = gen_tokens(server)
     stream = server.client().completions.create(
-        model=MODEL, prompt=n_ids(server, 6), n=2, temperature=0.3, seed=1, max_tokens=200, stream=True,
-        extra_body={"ignore_eos": True})
+        model=MODEL,
+        prompt=n_ids(server, 6),
+        n=2,
+        temperature=0.3,
+        seed=1,
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     seen = 0
-    for chunk in stream:
+    for _chunk in stream:
         seen += 1
         if seen >= 3:
             break
@@ -432,8 +603,9 @@ def test_64_concurrent_streams_quarter_disconnect(server):
         client = server.async_client(timeout=180)
 
         async def one(i):
-            stream = await client.completions.create(model=MODEL, prompt=f"Count from {i}:", max_tokens=5,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"Count from {i}:", max_tokens=5, temperature=0, stream=True
+            )
             text, reason = "", None
             async for chunk in stream:
                 text += chunk.choices[0].text
@@ -462,19 +634,36 @@ def test_64_concurrent_streams_quarter_disconnect(server):
 # ---------------------------------------------------------------------------- metrics and logs
 def test_metrics_parse_and_move(server):
     text, before = scrape(server)
-    for name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:num_requests_swapped",
-                 "kvserve:gpu_cache_usage_perc", "kvserve:cpu_cache_usage_perc", "kvserve:gpu_prefix_cache_hit_rate",
-                 "kvserve:num_preemptions_total", "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
-                 "kvserve:time_to_first_token_seconds_count", "kvserve:time_per_output_token_seconds_count",
-                 "kvserve:e2e_request_latency_seconds_count", "kvserve:request_queue_time_seconds_count"):
+    for name in (
+        "kvserve:num_requests_running",
+        "kvserve:num_requests_waiting",
+        "kvserve:num_requests_swapped",
+        "kvserve:gpu_cache_usage_perc",
+        "kvserve:cpu_cache_usage_perc",
+        "kvserve:gpu_prefix_cache_hit_rate",
+        "kvserve:num_preemptions_total",
+        "kvserve:prompt_tokens_total",
+        "kvserve:generation_tokens_total",
+        "kvserve:time_to_first_token_seconds_count",
+        "kvserve:time_per_output_token_seconds_count",
+        "kvserve:e2e_request_latency_seconds_count",
+        "kvserve:request_queue_time_seconds_count",
+    ):
         assert name in before, name
-    r = server.client().completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=5, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    r = server.client().completions.create(
+        model=MODEL, prompt=PARIS_PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     _, after = scrape(server)
-    assert after["kvserve:prompt_tokens_total"] - before["kvserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert (
+        after["kvserve:prompt_tokens_total"] - before["kvserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    )
     assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] == 5
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "time_per_output_token_seconds"):
+    for h in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "time_per_output_token_seconds",
+    ):
         assert after[f"kvserve:{h}_count"] == before[f"kvserve:{h}_count"] + 1, h
     key = 'kvserve:request_success_total{"finished_reason": "length"}'
     assert after[key] == before.get(key, 0) + 1
@@ -486,8 +675,9 @@ def test_metrics_parse_and_move(server):
 def test_request_log_line(server, caplog):
     caplog.set_level(logging.INFO, logger="kvserve.server.requests")
     secret = "SECRET-PROMPT-TEXT"
-    r = server.client().completions.create(model=MODEL, prompt=secret, max_tokens=3, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    r = server.client().completions.create(
+        model=MODEL, prompt=secret, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "kvserve.server.requests"]
     mine = [ln for ln in lines if ln["request_id"] == r.id]
     assert len(mine) == 1
@@ -501,43 +691,49 @@ def test_request_log_line(server, caplog):
 _USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}),
-    ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70, "stream": True}),
-    ("/v1/completions", {"prompt": "hi", "n": 10 ** 9}),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999999": 1}}),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 12]}),
-    ("/v1/completions", {"prompt": "hi", "stream_options": "x"}),
-    ("/v1/completions", {"prompt": {"a": 1}}),
-    ("/v1/completions", {"prompt": [[1, 2], "x"]}),
-    ("/v1/completions", {"prompt": [[1, 2], []]}),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 12}),
-    ("/v1/completions", {"prompt": "hi", "priority": "high"}),
-    ("/v1/completions", {"prompt": "hi", "user": 5}),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 2}),
-    ("/v1/completions", {"prompt": "hi", "suffix": "x"}),
-    ("/v1/completions", {"prompt": "hi", "stop": [""]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
-    ("/v1/chat/completions", {"messages": "hello"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
-    ("/v1/chat/completions", {"messages": _USER, "response_format": {"type": "json_object"}}),
-    ("/v1/chat/completions", {"messages": _USER, "tools": [{"type": "function"}]}),
-    ("/v1/chat/completions", {"messages": _USER, "logprobs": True, "top_logprobs": 50}),
-    ("/v1/chat/completions", {"messages": _USER, "logprobs": 3}),
-    ("/v1/chat/completions", {"messages": _USER, "max_tokens": 2000}),
-    ("/v1/chat/completions", {"messages": _USER, "stream": True, "n": 0}),
-    ("/tokenize", {"prompt": 5}),
-    ("/detokenize", {"tokens": ["a"]}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}),
+        ("/v1/completions", {"prompt": "hi", "top_p": float("inf")}),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70}),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70, "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "n": 10**9}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999999": 1}}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**12]}),
+        ("/v1/completions", {"prompt": "hi", "stream_options": "x"}),
+        ("/v1/completions", {"prompt": {"a": 1}}),
+        ("/v1/completions", {"prompt": [[1, 2], "x"]}),
+        ("/v1/completions", {"prompt": [[1, 2], []]}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}),
+        ("/v1/completions", {"prompt": "hi", "priority": "high"}),
+        ("/v1/completions", {"prompt": "hi", "user": 5}),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 2}),
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        ("/v1/chat/completions", {"messages": "hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+        ("/v1/chat/completions", {"messages": _USER, "response_format": {"type": "json_object"}}),
+        ("/v1/chat/completions", {"messages": _USER, "tools": [{"type": "function"}]}),
+        ("/v1/chat/completions", {"messages": _USER, "logprobs": True, "top_logprobs": 50}),
+        ("/v1/chat/completions", {"messages": _USER, "logprobs": 3}),
+        ("/v1/chat/completions", {"messages": _USER, "max_tokens": 2000}),
+        ("/v1/chat/completions", {"messages": _USER, "stream": True, "n": 0}),
+        ("/tokenize", {"prompt": 5}),
+        ("/detokenize", {"tokens": ["a"]}),
+    ],
+)
 def test_odd_input_is_a_clean_400(server, path, body):
     if path.startswith("/v1"):
         body = dict({"model": MODEL, "max_tokens": 2}, **body)
-    resp = server.http().post(path, content=json.dumps(body).encode(),  # NaN / Infinity as Python writes them
-                              headers={"content-type": "application/json"})
+    resp = server.http().post(
+        path,
+        content=json.dumps(body).encode(),  # NaN / Infinity as Python writes them
+        headers={"content-type": "application/json"},
+    )
     err = assert_error(resp, 400)
     assert err["param"], err
 
@@ -552,8 +748,17 @@ def test_streamed_logprobs_match_non_streamed(server):
     tops = [t for ch in chunks for t in ch.choices[0].logprobs.top_logprobs]
     assert tokens == full.tokens and lps == pytest.approx(full.token_logprobs)
     assert all(2 <= len(t) <= 3 for t in tops)
-    chat = list(c.chat.completions.create(model=MODEL, messages=_USER, max_tokens=4, temperature=0, logprobs=True,
-                                          top_logprobs=1, stream=True))
+    chat = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=_USER,
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+            stream=True,
+        )
+    )
     toks = [t for ch in chat if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
     assert len(toks) == 4 and all(len(t.top_logprobs) == 1 for t in toks)
     still_serving(server)
@@ -568,8 +773,14 @@ def test_no_pending_admission_is_leaked(server):
 
 
 def test_metrics_gauges_while_a_request_runs(server):
-    stream = server.client().completions.create(model=MODEL, prompt=PARIS_PROMPT, max_tokens=40, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})
+    stream = server.client().completions.create(
+        model=MODEL,
+        prompt=PARIS_PROMPT,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     it = iter(stream)
     next(it)
     _, during = scrape(server)

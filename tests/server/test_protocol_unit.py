@@ -1,10 +1,15 @@
 """Unit tests of the server's request models and error mapping (no model, no server)."""
+
 import pytest
 from pydantic import ValidationError
 
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.entrypoints.openai.serving_engine import (APIError, api_error_from_validation,
-                                                       api_error_from_value_error, param_from_message)
+from kvserve.entrypoints.openai.serving_engine import (
+    APIError,
+    api_error_from_validation,
+    api_error_from_value_error,
+    param_from_message,
+)
 from kvserve.sampling_params import SamplingParams
 
 
@@ -53,12 +58,20 @@ def test_unknown_fields_are_ignored():
     assert not hasattr(req, "some_future_field")
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(max_tokens=0), "max_tokens"), (dict(top_p=2.0), "top_p"), (dict(n=0), "n"),
-    (dict(temperature=-1.0), "temperature"), (dict(logprobs=40), "logprobs"), (dict(top_k=0), "top_k"),
-    (dict(stop=[""]), "stop"), (dict(logit_bias={1: 300}), "logit_bias"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=2.0), "top_p"),
+        (dict(n=0), "n"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(logprobs=40), "logprobs"),
+        (dict(top_k=0), "top_k"),
+        (dict(stop=[""]), "stop"),
+        (dict(logit_bias={1: 300}), "logit_bias"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
 def test_sampling_param_errors_map_to_their_field(kwargs, param):
     with pytest.raises(ValueError) as ei:
         SamplingParams(**kwargs)
@@ -67,8 +80,12 @@ def test_sampling_param_errors_map_to_their_field(kwargs, param):
 
 
 def test_engine_messages_map_to_fields():
-    assert param_from_message("prompt (8 tokens) + max_tokens (25) = 33 > max_model_len (32).") == "max_tokens"
-    e = api_error_from_value_error(ValueError("prompt (8 tokens) + max_tokens (25) = 33 > max_model_len (32)."))
+    assert (
+        param_from_message("prompt (8 tokens) + max_tokens (25) = 33 > max_model_len (32).") == "max_tokens"
+    )
+    e = api_error_from_value_error(
+        ValueError("prompt (8 tokens) + max_tokens (25) = 33 > max_model_len (32).")
+    )
     assert e.code == "context_length_exceeded"
     assert param_from_message("prompt must contain at least 1 token; got an empty string.") == "prompt"
     assert param_from_message("prompt_token_ids must be integers in [0, 10); got [11].") == "prompt"
@@ -83,15 +100,20 @@ def test_a_prompt_longer_than_the_context_is_charged_to_the_prompt():
     from kvserve.engine.input_processor import validate_request
 
     with pytest.raises(ValueError) as ei:
-        validate_request(list(range(40)), SamplingParams(max_tokens=5), vocab_size=100, max_model_len=32, max_num_seqs=4)
+        validate_request(
+            list(range(40)), SamplingParams(max_tokens=5), vocab_size=100, max_model_len=32, max_num_seqs=4
+        )
     e = api_error_from_value_error(ei.value, {"prompt": "messages"})
     assert (e.param, e.code) == ("messages", "context_length_exceeded"), (e.param, str(ei.value))
     with pytest.raises(ValueError) as ei:
-        validate_request(list(range(20)), SamplingParams(max_tokens=20), vocab_size=100, max_model_len=32, max_num_seqs=4)
+        validate_request(
+            list(range(20)), SamplingParams(max_tokens=20), vocab_size=100, max_model_len=32, max_num_seqs=4
+        )
     assert api_error_from_value_error(ei.value).param == "max_tokens"
 
 
 def test_error_body_shape():
     body = APIError("bad", 400, param="n", code="invalid_value").body()
-    assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n",
-                              "code": "invalid_value"}}
+    assert body == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": "invalid_value"}
+    }

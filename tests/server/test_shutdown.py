@@ -1,5 +1,6 @@
 """``kvserve serve`` as a real process: SIGTERM drains in-flight requests within
 ``--shutdown-grace-s`` (finishing them, or aborting them when the grace runs out) and exits 0."""
+
 import json
 import os
 import signal
@@ -24,11 +25,25 @@ def _free_port() -> int:
 def _start(grace: float, tmp_path, name: str):
     port = _free_port()
     log = open(tmp_path / f"{name}.log", "w+")
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port),
-           "--num-gpu-blocks", "32", "--max-model-len", "256", "--shutdown-grace-s", str(grace),
-           "--log-level", "info"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.entrypoints.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--num-gpu-blocks",
+        "32",
+        "--max-model-len",
+        "256",
+        "--shutdown-grace-s",
+        str(grace),
+        "--log-level",
+        "info",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    )
     return proc, port, log
 
 
@@ -48,8 +63,13 @@ def _wait_healthy(proc, port, log, timeout=120):
 
 
 def _stream(port, max_tokens, first_chunk: threading.Event, result: dict):
-    body = {"prompt": "Write a story about a dragon.", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Write a story about a dragon.",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     text, reason = "", None
     try:
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
@@ -88,8 +108,11 @@ def test_sigterm_finishes_in_flight_then_exits_0_and_aborts_past_grace(tmp_path)
         time.sleep(0.5)
         # stopped accepting: new connections are refused (or answered 503 while draining)
         try:
-            code = httpx.post(f"http://127.0.0.1:{long_port}/v1/completions",
-                              json={"prompt": "hi", "max_tokens": 2}, timeout=5).status_code
+            code = httpx.post(
+                f"http://127.0.0.1:{long_port}/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2},
+                timeout=5,
+            ).status_code
             assert code == 503
         except httpx.ConnectError:
             pass

@@ -15,6 +15,7 @@ Shutdown (SIGTERM / SIGINT): stop accepting (the listening socket closes, new re
 connections get 503), let in-flight requests finish for up to ``--shutdown-grace-s``, then
 cancel (= abort) the rest, stop the engine thread and exit 0. A second SIGINT exits at once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Set
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -37,21 +38,40 @@ from starlette.responses import JSONResponse, Response
 
 import kvserve
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                 DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                                 ModelList, TokenizeRequest, TokenizeResponse)
-from kvserve.entrypoints.openai.serving_chat import (OpenAIServingChat, chat_template_ids,
-                                                     render_messages)
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, chat_template_ids, render_messages
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvserve.entrypoints.openai.serving_engine import (DEFAULT_MAX_BODY_BYTES, APIError,
-                                                       PendingCounter, RequestLogger, read_json_body)
+from kvserve.entrypoints.openai.serving_engine import (
+    DEFAULT_MAX_BODY_BYTES,
+    APIError,
+    PendingCounter,
+    RequestLogger,
+    read_json_body,
+)
 
 logger = logging.getLogger("kvserve.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-_KNOWN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
-                "/tokenize", "/detokenize", "/metrics"}
+_KNOWN_PATHS = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/version",
+    "/tokenize",
+    "/detokenize",
+    "/metrics",
+}
 
 
 @dataclass
@@ -61,7 +81,7 @@ class ServerState:
     yet in the engine's queue (both maintained by the handlers)."""
 
     draining: bool = False
-    inflight: Set[str] = field(default_factory=set)
+    inflight: set[str] = field(default_factory=set)
     pending: PendingCounter = field(default_factory=PendingCounter)
 
     def abort_all(self, async_engine) -> int:
@@ -82,7 +102,7 @@ class _EdgeMiddleware:
     """Pure-ASGI middleware (it does not touch ``receive``, so disconnects still reach the
     handlers): API-key check and response counting for ``/metrics``."""
 
-    def __init__(self, app, api_key: Optional[str], metrics: ServerMetrics):
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
@@ -99,7 +119,11 @@ class _EdgeMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in _KNOWN_PATHS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        endpoint = (
+            path
+            if path in _KNOWN_PATHS
+            else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        )
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -107,16 +131,28 @@ class _EdgeMiddleware:
             await send(message)
 
         if self.api_key and _is_protected(path) and not self._authorized(scope):
-            err = APIError("Missing or invalid API key; send 'Authorization: Bearer <key>'.", 401,
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            err = APIError(
+                "Missing or invalid API key; send 'Authorization: Bearer <key>'.",
+                401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return await err.to_response()(scope, receive, counting_send)
         return await self.app(scope, receive, counting_send)
 
 
-def build_app(async_engine, served_model_name: str, api_key: Optional[str] = None, *,
-              extra_model_names: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              log_requests: bool = True, log_prompts: bool = False, retry_after_s: int = 1,
-              shutdown_grace_s: float = 30.0) -> FastAPI:
+def build_app(
+    async_engine,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    extra_model_names: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_requests: bool = True,
+    log_prompts: bool = False,
+    retry_after_s: int = 1,
+    shutdown_grace_s: float = 30.0,
+) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
     The engine's loop thread is started in the app's lifespan startup if it is not running
@@ -161,8 +197,14 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
             if started_here["value"]:
                 await loop.run_in_executor(None, async_engine.shutdown)
 
-    app = FastAPI(title="kvserve OpenAI-compatible API", version=kvserve.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="kvserve OpenAI-compatible API",
+        version=kvserve.__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.server_state = state
     app.state.metrics = metrics
     app.state.async_engine = async_engine
@@ -174,11 +216,15 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error"
+        )
         message = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404:
             message = f"Not found: {request.method} {request.url.path}"
-        return APIError(message, exc.status_code, type=kind, headers=getattr(exc, "headers", None)).to_response()
+        return APIError(
+            message, exc.status_code, type=kind, headers=getattr(exc, "headers", None)
+        ).to_response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -204,8 +250,11 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
 
     # ------------------------------------------------------------------ info
     def _card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=engine.model_config.model or name,
-                         max_model_len=engine.scheduler_config.max_model_len)
+        return ModelCard(
+            id=name,
+            root=engine.model_config.model or name,
+            max_model_len=engine.scheduler_config.max_model_len,
+        )
 
     @app.get("/v1/models")
     async def list_models():
@@ -223,11 +272,13 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
         """200 while the engine loop is alive and the server is not draining, else 503."""
         thread = getattr(async_engine, "_thread", None)
         if async_engine.errored is not None or (thread is not None and not thread.is_alive()):
-            return APIError("engine loop is not running", 503, type="service_unavailable",
-                            code="engine_dead").to_response()
+            return APIError(
+                "engine loop is not running", 503, type="service_unavailable", code="engine_dead"
+            ).to_response()
         if state.draining:
-            return APIError("the server is shutting down", 503, type="service_unavailable",
-                            code="shutting_down").to_response()
+            return APIError(
+                "the server is shutting down", 503, type="service_unavailable", code="shutting_down"
+            ).to_response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -249,14 +300,20 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
         if tok is None:
             raise APIError("this model has no tokenizer", 400, code="no_tokenizer")
         if (req.prompt is None) == (req.messages is None):
-            raise APIError("give exactly one of 'prompt' or 'messages'.", 400, param="prompt",
-                           code="invalid_value")
+            raise APIError(
+                "give exactly one of 'prompt' or 'messages'.", 400, param="prompt", code="invalid_value"
+            )
         if req.prompt is not None:
             ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids)
         else:
-            ids = chat_template_ids(tok, render_messages(req.messages), req.add_generation_prompt is not False)
-        return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),
-                                             max_model_len=engine.scheduler_config.max_model_len).model_dump())
+            ids = chat_template_ids(
+                tok, render_messages(req.messages), req.add_generation_prompt is not False
+            )
+        return JSONResponse(
+            TokenizeResponse(
+                tokens=ids, count=len(ids), max_model_len=engine.scheduler_config.max_model_len
+            ).model_dump()
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -266,8 +323,12 @@ def build_app(async_engine, served_model_name: str, api_key: Optional[str] = Non
         vocab = engine.vocab_size
         bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise APIError(f"tokens must be token ids in [0, {vocab}); got {bad[:5]}.", 400, param="tokens",
-                           code="invalid_value")
+            raise APIError(
+                f"tokens must be token ids in [0, {vocab}); got {bad[:5]}.",
+                400,
+                param="tokens",
+                code="invalid_value",
+            )
         return JSONResponse(DetokenizeResponse(prompt=completion.decode(req.tokens)).model_dump())
 
     app.add_middleware(_EdgeMiddleware, api_key=api_key, metrics=metrics)
@@ -282,17 +343,31 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve serve", description="OpenAI-compatible HTTP server.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, unset = open)")
-    p.add_argument("--served-model-name", default=None,
-                   help=f"model name reported and accepted (default: the --model path or {DEFAULT_MODEL_NAME})")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, unset = open)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"model name reported and accepted (default: the --model path or {DEFAULT_MODEL_NAME})",
+    )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted",
+    )
     p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 503 answers")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--request-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="one JSON line per finished request")
+    p.add_argument(
+        "--request-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per finished request",
+    )
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
     add_engine_args(p)
     return p
@@ -310,8 +385,13 @@ class GracefulServer:
     signal only starts the drain.)
     """
 
-    def __init__(self, config, state: ServerState, grace_s: float = 30.0,
-                 on_grace_over: Optional[Callable[[], object]] = None):
+    def __init__(
+        self,
+        config,
+        state: ServerState,
+        grace_s: float = 30.0,
+        on_grace_over: Callable[[], object] | None = None,
+    ):
         import uvicorn
 
         self.state = state
@@ -356,15 +436,18 @@ class GracefulServer:
         self.server.run()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvserve serve``; returns the exit status."""
     from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.cli import engine_args_from
 
     ns = make_arg_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         import uvicorn
 
@@ -376,16 +459,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     aliases = [ns.model] if ns.model else []
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, name, ns.api_key, extra_model_names=aliases,
-                    max_body_bytes=ns.max_body_bytes, log_requests=ns.request_log,
-                    log_prompts=ns.log_prompts, retry_after_s=ns.retry_after_s,
-                    shutdown_grace_s=5.0)
+    app = build_app(
+        async_engine,
+        name,
+        ns.api_key,
+        extra_model_names=aliases,
+        max_body_bytes=ns.max_body_bytes,
+        log_requests=ns.request_log,
+        log_prompts=ns.log_prompts,
+        retry_after_s=ns.retry_after_s,
+        shutdown_grace_s=5.0,
+    )
     state = app.state.server_state
     grace = max(0.0, ns.shutdown_grace_s)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
-                            timeout_graceful_shutdown=grace + 5.0, access_log=False)
-    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks)", name, ns.host, ns.port,
-                engine.scheduler_config.max_model_len, engine.cache_config.num_gpu_blocks)
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=grace + 5.0,
+        access_log=False,
+    )
+    logger.info(
+        "serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks)",
+        name,
+        ns.host,
+        ns.port,
+        engine.scheduler_config.max_model_len,
+        engine.cache_config.num_gpu_blocks,
+    )
     GracefulServer(config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)).run()
     logger.info("server stopped")
     return 0

@@ -17,10 +17,11 @@ Exported:
   ``kvserve:e2e_request_latency_seconds``, ``kvserve:request_queue_time_seconds``,
   ``kvserve:request_prompt_tokens``, ``kvserve:request_generation_tokens``.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterable
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -29,12 +30,67 @@ logger = logging.getLogger("kvserve.server.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 10.0)
-_LATENCY_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 300.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TPOT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_LATENCY_BUCKETS = (
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    300.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -44,9 +100,9 @@ class _EngineCollector:
     def __init__(self, engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self._last_kv: Dict = {}
+        self._last_kv: dict = {}
 
-    def _kv_stats(self) -> Dict:
+    def _kv_stats(self) -> dict:
         try:  # the engine thread may be mid-step; a failed read keeps the previous values
             self._last_kv = dict(self.engine.get_kv_cache_stats())
         except Exception as e:  # pragma: no cover - timing dependent
@@ -70,8 +126,12 @@ class _EngineCollector:
             c.add_metric(values, float(value))
             return c
 
-        yield gauge("kvserve:num_requests_running", "Request groups in the running queue.", len(sched.running))
-        yield gauge("kvserve:num_requests_waiting", "Request groups in the waiting queue.", len(sched.waiting))
+        yield gauge(
+            "kvserve:num_requests_running", "Request groups in the running queue.", len(sched.running)
+        )
+        yield gauge(
+            "kvserve:num_requests_waiting", "Request groups in the waiting queue.", len(sched.waiting)
+        )
         yield gauge("kvserve:num_requests_swapped", "Request groups swapped out to CPU.", len(sched.swapped))
         num_gpu = kv.get("num_gpu_blocks") or 0
         free_gpu = kv.get("num_free_gpu_blocks", num_gpu) or 0
@@ -81,8 +141,11 @@ class _EngineCollector:
         if gpu_usage is None:
             gpu_usage = 1.0 - free_gpu / num_gpu if num_gpu else 0.0
         yield gauge("kvserve:gpu_cache_usage_perc", "KV-cache (device pool) usage, 0..1.", gpu_usage)
-        yield gauge("kvserve:cpu_cache_usage_perc", "CPU swap-pool usage, 0..1.",
-                    1.0 - free_cpu / num_cpu if num_cpu else 0.0)
+        yield gauge(
+            "kvserve:cpu_cache_usage_perc",
+            "CPU swap-pool usage, 0..1.",
+            1.0 - free_cpu / num_cpu if num_cpu else 0.0,
+        )
         hit_rate = kv.get("prefix_cache_hit_rate", kv.get("gpu_prefix_cache_hit_rate"))
         if hit_rate is None:
             queries = kv.get("prefix_cache_queries", 0) or 0
@@ -90,15 +153,22 @@ class _EngineCollector:
             hit_rate = hits / queries if queries else 0.0
         yield gauge("kvserve:gpu_prefix_cache_hit_rate", "Prefix-cache hit rate (tokens), 0..1.", hit_rate)
         yield gauge("kvserve:num_gpu_blocks", "KV blocks in the device pool.", num_gpu)
-        yield gauge("kvserve:num_free_gpu_blocks", "Free (or evictable) KV blocks in the device pool.", free_gpu)
+        yield gauge(
+            "kvserve:num_free_gpu_blocks", "Free (or evictable) KV blocks in the device pool.", free_gpu
+        )
         preemptions = kv.get("num_preemptions", getattr(sched, "num_preemptions", 0)) or 0
         yield counter("kvserve:num_preemptions", "Preemptions (swap or recompute).", preemptions)
         yield counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", stats.num_prompt_tokens)
         yield counter("kvserve:generation_tokens", "Generated tokens.", stats.num_generation_tokens)
-        yield counter("kvserve:num_requests_added", "Requests accepted by the engine.", stats.num_requests_added)
+        yield counter(
+            "kvserve:num_requests_added", "Requests accepted by the engine.", stats.num_requests_added
+        )
         yield counter("kvserve:engine_steps", "Engine steps that ran the model.", stats.num_steps)
-        success = CounterMetricFamily("kvserve:request_success", "Finished requests by finish reason.",
-                                      labels=labels + ["finished_reason"])
+        success = CounterMetricFamily(
+            "kvserve:request_success",
+            "Finished requests by finish reason.",
+            labels=labels + ["finished_reason"],
+        )
         for reason, count in sorted(dict(stats.finished_by_reason).items()):
             success.add_metric(values + [str(reason)], float(count))
         yield success
@@ -120,21 +190,54 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine, model_name))
         lbl = ["model_name"]
         r = self.registry
-        self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Time to first token.", lbl,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("kvserve:time_per_output_token_seconds", "Time per output token after the first.",
-                              lbl, buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to finish.", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("kvserve:request_queue_time_seconds", "Arrival to first scheduled.", lbl,
-                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Histogram("kvserve:request_prompt_tokens", "Prompt tokens per request.", lbl,
-                                       buckets=_TOKEN_BUCKETS, registry=r)
-        self.generation_tokens = Histogram("kvserve:request_generation_tokens",
-                                           "Generated tokens per request (all samples).", lbl,
-                                           buckets=_TOKEN_BUCKETS, registry=r)
-        self.http_responses = Counter("kvserve:http_responses", "HTTP responses by endpoint and status.",
-                                      ["endpoint", "status"], registry=r)
+        self.ttft = Histogram(
+            "kvserve:time_to_first_token_seconds",
+            "Time to first token.",
+            lbl,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvserve:time_per_output_token_seconds",
+            "Time per output token after the first.",
+            lbl,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvserve:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "kvserve:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            lbl,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "kvserve:request_prompt_tokens",
+            "Prompt tokens per request.",
+            lbl,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Histogram(
+            "kvserve:request_generation_tokens",
+            "Generated tokens per request (all samples).",
+            lbl,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.http_responses = Counter(
+            "kvserve:http_responses",
+            "HTTP responses by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
         for h in (self.ttft, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens):
             h.labels(model_name)  # export zero-valued series before the first request
         engine.stats.listeners.append(self.on_request_finished)

@@ -6,19 +6,19 @@ integer, a string is never turned into a number. *Ranges* (``max_tokens >= 1``, 
 the same messages. Unknown request fields are ignored, as the OpenAI API does for forward
 compatibility.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
-from typing_extensions import Annotated
 
 #: A finite JSON number (int or float), never a string, a bool, NaN or Infinity.
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 #: ``prompt`` of /v1/completions: text, a batch of texts, token ids, or a batch of token-id lists.
-PromptInput = Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
+PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
 class _Request(BaseModel):
@@ -28,34 +28,34 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     """``stream_options``: ``include_usage`` adds a final chunk with the token counts."""
 
-    include_usage: Optional[StrictBool] = False
+    include_usage: StrictBool | None = False
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI ones, then kvserve / vLLM extras)."""
 
-    model: Optional[StrictStr] = None
-    n: Optional[StrictInt] = 1
-    temperature: Optional[Number] = None
-    top_p: Optional[Number] = None
-    stop: Optional[Union[StrictStr, List[StrictStr]]] = None
-    seed: Optional[StrictInt] = None
-    presence_penalty: Optional[Number] = 0.0
-    frequency_penalty: Optional[Number] = 0.0
-    logit_bias: Optional[Dict[str, Number]] = None
-    user: Optional[StrictStr] = None
-    stream: Optional[StrictBool] = False
-    stream_options: Optional[StreamOptions] = None
+    model: StrictStr | None = None
+    n: StrictInt | None = 1
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Number | None = 0.0
+    frequency_penalty: Number | None = 0.0
+    logit_bias: dict[str, Number] | None = None
+    user: StrictStr | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
     # extras
-    top_k: Optional[StrictInt] = None
-    min_p: Optional[Number] = None
-    repetition_penalty: Optional[Number] = None
-    ignore_eos: Optional[StrictBool] = False
-    min_tokens: Optional[StrictInt] = 0
-    stop_token_ids: Optional[List[StrictInt]] = None
-    priority: Optional[StrictInt] = 0
-    include_stop_str_in_output: Optional[StrictBool] = False
-    skip_special_tokens: Optional[StrictBool] = True
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    ignore_eos: StrictBool | None = False
+    min_tokens: StrictInt | None = 0
+    stop_token_ids: list[StrictInt] | None = None
+    priority: StrictInt | None = 0
+    include_stop_str_in_output: StrictBool | None = False
+    skip_special_tokens: StrictBool | None = True
 
 
 class CompletionRequest(_SamplingFields):
@@ -66,18 +66,18 @@ class CompletionRequest(_SamplingFields):
     """
 
     prompt: PromptInput
-    max_tokens: Optional[StrictInt] = 16
-    logprobs: Optional[StrictInt] = None
-    echo: Optional[StrictBool] = False
-    best_of: Optional[StrictInt] = None
-    suffix: Optional[StrictStr] = None
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
 
 
 class TextContentPart(_Request):
     """One ``{"type": "text", "text": ...}`` part of a message's content."""
 
     type: StrictStr
-    text: Optional[StrictStr] = None
+    text: StrictStr | None = None
 
 
 class ChatMessage(_Request):
@@ -85,8 +85,8 @@ class ChatMessage(_Request):
 
     model_config = ConfigDict(extra="allow")
     role: StrictStr
-    content: Optional[Union[StrictStr, List[TextContentPart]]] = None
-    name: Optional[StrictStr] = None
+    content: StrictStr | list[TextContentPart] | None = None
+    name: StrictStr | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -96,32 +96,32 @@ class ChatCompletionRequest(_SamplingFields):
     generation may run to ``max_model_len``. ``top_logprobs`` (0..20) needs ``logprobs=true``.
     """
 
-    messages: List[ChatMessage]
-    max_tokens: Optional[StrictInt] = None
-    max_completion_tokens: Optional[StrictInt] = None
-    logprobs: Optional[StrictBool] = False
-    top_logprobs: Optional[StrictInt] = None
-    add_generation_prompt: Optional[StrictBool] = True
-    tools: Optional[List[Any]] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[Dict[str, Any]] = None
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = True
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
     """Body of ``POST /tokenize``: either ``prompt`` or chat ``messages``."""
 
-    model: Optional[StrictStr] = None
-    prompt: Optional[StrictStr] = None
-    messages: Optional[List[ChatMessage]] = None
-    add_special_tokens: Optional[StrictBool] = True
-    add_generation_prompt: Optional[StrictBool] = True
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = True
+    add_generation_prompt: StrictBool | None = True
 
 
 class DetokenizeRequest(_Request):
     """Body of ``POST /detokenize``."""
 
-    model: Optional[StrictStr] = None
-    tokens: List[StrictInt]
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -130,8 +130,8 @@ class ErrorInfo(BaseModel):
 
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -151,10 +151,10 @@ class UsageInfo(BaseModel):
 class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs: parallel lists, one entry per returned token."""
 
-    tokens: List[str] = Field(default_factory=list)
-    token_logprobs: List[Optional[float]] = Field(default_factory=list)
-    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
-    text_offset: List[int] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
@@ -162,9 +162,9 @@ class CompletionChoice(BaseModel):
 
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -174,9 +174,9 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: List[CompletionChoice]
+    choices: list[CompletionChoice]
     usage: UsageInfo
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -186,8 +186,8 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: List[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -195,26 +195,26 @@ class TopLogprob(BaseModel):
 
     token: str
     logprob: float
-    bytes: Optional[List[int]] = None
+    bytes: list[int] | None = None
 
 
 class ChatLogprobToken(TopLogprob):
     """A generated token with its log-probability and the top alternatives."""
 
-    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):
     """``choices[i].logprobs`` of chat."""
 
-    content: Optional[List[ChatLogprobToken]] = None
+    content: list[ChatLogprobToken] | None = None
 
 
 class ChatResponseMessage(BaseModel):
     """The assistant message of a chat choice."""
 
     role: str = "assistant"
-    content: Optional[str] = None
+    content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -222,9 +222,9 @@ class ChatCompletionChoice(BaseModel):
 
     index: int
     message: ChatResponseMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -234,16 +234,16 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: List[ChatCompletionChoice]
+    choices: list[ChatCompletionChoice]
     usage: UsageInfo
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str | None = None
 
 
 class DeltaMessage(BaseModel):
     """The ``delta`` of a chat stream chunk: the role first, then content pieces."""
 
-    role: Optional[str] = None
-    content: Optional[str] = None
+    role: str | None = None
+    content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -251,9 +251,9 @@ class ChatCompletionStreamChoice(BaseModel):
 
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -263,8 +263,8 @@ class ChatCompletionStreamResponse(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
-    choices: List[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = None
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -274,21 +274,21 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvserve"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     """``GET /v1/models``."""
 
     object: Literal["list"] = "list"
-    data: List[ModelCard]
+    data: list[ModelCard]
 
 
 class TokenizeResponse(BaseModel):
     """``POST /tokenize``."""
 
-    tokens: List[int]
+    tokens: list[int]
     count: int
     max_model_len: int
 

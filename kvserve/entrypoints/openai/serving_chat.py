@@ -6,57 +6,83 @@ then content deltas (growth of ``CompletionOutput.text``), then a chunk with an 
 the ``finish_reason``; a usage chunk (``choices: []``) when ``stream_options.include_usage``;
 then ``data: [DONE]``.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice,
-                                                 ChatCompletionRequest, ChatCompletionResponse,
-                                                 ChatCompletionStreamChoice,
-                                                 ChatCompletionStreamResponse, ChatLogprobToken,
-                                                 ChatMessage, ChatResponseMessage, DeltaMessage,
-                                                 TopLogprob)
+from kvserve.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    TopLogprob,
+)
 from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
-from kvserve.entrypoints.openai.serving_engine import (APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
-                                                       finite, sse)
+from kvserve.entrypoints.openai.serving_engine import (
+    APIError,
+    OpenAIServing,
+    RequestRecord,
+    Reservation,
+    SubRequest,
+    finite,
+    sse,
+)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
-def render_messages(messages: List[ChatMessage]) -> List[Dict[str, str]]:
+def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Plain ``{"role", "content"}`` dicts for the chat template; text parts are joined.
 
     Raises:
         APIError: 400 naming ``messages`` for an empty list, an unknown role or a non-text part.
     """
     if not messages:
-        raise APIError("messages must contain at least 1 message; got an empty list.", 400,
-                       param="messages", code="invalid_value")
+        raise APIError(
+            "messages must contain at least 1 message; got an empty list.",
+            400,
+            param="messages",
+            code="invalid_value",
+        )
     conv = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
-            raise APIError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}.", 400,
-                           param="messages", code="invalid_value")
+            raise APIError(
+                f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}.",
+                400,
+                param="messages",
+                code="invalid_value",
+            )
         content = m.content
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise APIError(f"messages[{i}].content[{j}]: only text parts are supported, got type "
-                                   f"{part.type!r}.", 400, param="messages", code="unsupported")
+                    raise APIError(
+                        f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}.",
+                        400,
+                        param="messages",
+                        code="unsupported",
+                    )
                 texts.append(part.text)
             content = "".join(texts)
         conv.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     return conv
 
 
-def chat_template_ids(tokenizer, conv: List[Dict[str, str]], add_generation_prompt: bool) -> List[int]:
+def chat_template_ids(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     """Token ids of a conversation rendered by the tokenizer's chat template.
 
     Raises:
@@ -64,13 +90,21 @@ def chat_template_ids(tokenizer, conv: List[Dict[str, str]], add_generation_prom
             template rejects the conversation (e.g. roles out of order).
     """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError("This model has no chat template; use /v1/completions.", 400, param="messages",
-                       code="no_chat_template")
+        raise APIError(
+            "This model has no chat template; use /v1/completions.",
+            400,
+            param="messages",
+            code="no_chat_template",
+        )
     try:
         ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as e:  # jinja2 TemplateError / ValueError: the conversation is invalid
-        raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
-                       param="messages", code="invalid_value") from None
+        raise APIError(
+            f"messages could not be rendered with the chat template: {e}",
+            400,
+            param="messages",
+            code="invalid_value",
+        ) from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -87,16 +121,25 @@ class OpenAIServingChat(OpenAIServing):
         if req.tools:
             raise APIError("tools are not supported by this server.", 400, param="tools", code="unsupported")
         if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError("response_format other than {'type': 'text'} is not supported.", 400,
-                           param="response_format", code="unsupported")
-        logprobs: Optional[int] = None
+            raise APIError(
+                "response_format other than {'type': 'text'} is not supported.",
+                400,
+                param="response_format",
+                code="unsupported",
+            )
+        logprobs: int | None = None
         if req.top_logprobs is not None:
             if not req.logprobs:
-                raise APIError("top_logprobs requires logprobs=true.", 400, param="top_logprobs",
-                               code="invalid_value")
+                raise APIError(
+                    "top_logprobs requires logprobs=true.", 400, param="top_logprobs", code="invalid_value"
+                )
             if not 0 <= req.top_logprobs <= 20:
-                raise APIError(f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}.", 400,
-                               param="top_logprobs", code="invalid_value")
+                raise APIError(
+                    f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}.",
+                    400,
+                    param="top_logprobs",
+                    code="invalid_value",
+                )
         if req.logprobs:
             logprobs = req.top_logprobs or 0
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -114,12 +157,23 @@ class OpenAIServingChat(OpenAIServing):
         priority = req.priority or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
-            raw_request, bool(req.stream),
+            raw_request,
+            bool(req.stream),
             lambda: self._stream(req, params, sub, rec, priority, include_usage, reservation),
-            lambda: self._full(req, params, sub, rec, priority, reservation), rec, reservation)
+            lambda: self._full(req, params, sub, rec, priority, reservation),
+            rec,
+            reservation,
+        )
 
-    async def _full(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
-                    rec: RequestRecord, priority: int, reservation: Reservation) -> dict:
+    async def _full(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        sub: SubRequest,
+        rec: RequestRecord,
+        priority: int,
+        reservation: Reservation,
+    ) -> dict:
         try:
             async for idx, out in self.generate_all([sub], params, priority, reservation):
                 rec.observe(idx, out)
@@ -130,27 +184,49 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             raise self.engine_error(e, {"prompt": "messages"}) from None
         out = rec.latest[0]
-        choices = [ChatCompletionChoice(
-            index=c.index, message=ChatResponseMessage(role="assistant", content=c.text),
-            logprobs=self._logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0) if req.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
-        return ChatCompletionResponse(id=rec.request_id, model=self.model_name, choices=choices,
-                                      usage=rec.usage()).model_dump()
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(role="assistant", content=c.text),
+                logprobs=self._logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0)
+                if req.logprobs
+                else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        return ChatCompletionResponse(
+            id=rec.request_id, model=self.model_name, choices=choices, usage=rec.usage()
+        ).model_dump()
 
-    def _stream(self, req: ChatCompletionRequest, params: SamplingParams, sub: SubRequest,
-                rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
+    def _stream(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        sub: SubRequest,
+        rec: RequestRecord,
+        priority: int,
+        include_usage: bool,
+        reservation: Reservation,
+    ):
         created = int(time.time())
-        sent_chars: Dict[int, int] = {}
-        sent_tokens: Dict[int, int] = {}
+        sent_chars: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
         done = set()
 
         def chunk(choices, usage=None) -> str:
-            return sse(ChatCompletionStreamResponse(id=rec.request_id, created=created, model=self.model_name,
-                                                    choices=choices, usage=usage))
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=rec.request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                )
+            )
 
         async def events():
             for i in range(params.n):
-                yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk(
+                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
+                )
             async for idx, out in self.generate_all([sub], params, priority, reservation):
                 rec.observe(idx, out)
                 if out.finished and out.outcome == "rejected":
@@ -163,17 +239,32 @@ class OpenAIServingChat(OpenAIServing):
                     delta = c.text[start_chars:]
                     want_lp = bool(req.logprobs) and len(c.token_ids) > start_toks
                     if delta or want_lp:
-                        lp = (self._logprobs(c, start_toks, len(c.token_ids), req.top_logprobs or 0)
-                              if req.logprobs else None)
+                        lp = (
+                            self._logprobs(c, start_toks, len(c.token_ids), req.top_logprobs or 0)
+                            if req.logprobs
+                            else None
+                        )
                         sent_chars[i] = max(start_chars, len(c.text))
                         sent_tokens[i] = len(c.token_ids)
-                        yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=delta),
-                                                                logprobs=lp)])
+                        yield chunk(
+                            [
+                                ChatCompletionStreamChoice(
+                                    index=i, delta=DeltaMessage(content=delta), logprobs=lp
+                                )
+                            ]
+                        )
                     if c.finish_reason is not None:
                         done.add(i)
-                        yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
-                                                                finish_reason=c.finish_reason,
-                                                                stop_reason=c.stop_reason)])
+                        yield chunk(
+                            [
+                                ChatCompletionStreamChoice(
+                                    index=i,
+                                    delta=DeltaMessage(),
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                )
+                            ]
+                        )
 
         usage = (lambda: chunk([], usage=rec.usage())) if include_usage else None
         return self.sse_frame(events(), rec, usage, done, params.n, {"prompt": "messages"})
@@ -186,8 +277,19 @@ class OpenAIServingChat(OpenAIServing):
             s = self.token_str(tid)
             lp = finite((top or {}).get(tid))
             alts = sorted((top or {}).items(), key=lambda kv: -kv[1])[:top_n]
-            content.append(ChatLogprobToken(
-                token=s, logprob=lp if lp is not None else -9999.0, bytes=list(s.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=self.token_str(t), logprob=finite(v),
-                                         bytes=list(self.token_str(t).encode("utf-8"))) for t, v in alts]))
+            content.append(
+                ChatLogprobToken(
+                    token=s,
+                    logprob=lp if lp is not None else -9999.0,
+                    bytes=list(s.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=self.token_str(t),
+                            logprob=finite(v),
+                            bytes=list(self.token_str(t).encode("utf-8")),
+                        )
+                        for t, v in alts
+                    ],
+                )
+            )
         return ChatChoiceLogprobs(content=content)

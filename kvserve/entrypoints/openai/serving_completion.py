@@ -6,39 +6,61 @@ Streaming sends, per choice, the growth of ``CompletionOutput.text`` (the engine
 back text that may turn out to be the start of a stop string), so the concatenated deltas equal
 the non-streamed text.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                 CompletionRequest, CompletionResponse,
-                                                 CompletionStreamResponse)
-from kvserve.entrypoints.openai.serving_engine import (APIError, OpenAIServing, RequestRecord, Reservation, SubRequest,
-                                                       finite, sse)
+from kvserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from kvserve.entrypoints.openai.serving_engine import (
+    APIError,
+    OpenAIServing,
+    RequestRecord,
+    Reservation,
+    SubRequest,
+    finite,
+    sse,
+)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
 
-def sampling_kwargs(req, max_tokens: Optional[int], logprobs: Optional[int]) -> Dict:
+def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
     """SamplingParams keyword arguments from the fields completions and chat share
     (``null`` means the default)."""
+
     def pick(value, default):
         return default if value is None else value
 
     return dict(
-        n=pick(req.n, 1), max_tokens=max_tokens, temperature=pick(req.temperature, 1.0),
-        top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, -1), min_p=pick(req.min_p, 0.0),
+        n=pick(req.n, 1),
+        max_tokens=max_tokens,
+        temperature=pick(req.temperature, 1.0),
+        top_p=pick(req.top_p, 1.0),
+        top_k=pick(req.top_k, -1),
+        min_p=pick(req.min_p, 0.0),
         repetition_penalty=pick(req.repetition_penalty, 1.0),
         presence_penalty=pick(req.presence_penalty, 0.0),
-        frequency_penalty=pick(req.frequency_penalty, 0.0), seed=req.seed, stop=req.stop,
+        frequency_penalty=pick(req.frequency_penalty, 0.0),
+        seed=req.seed,
+        stop=req.stop,
         stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=pick(req.include_stop_str_in_output, False),
-        ignore_eos=pick(req.ignore_eos, False), logprobs=logprobs, logit_bias=req.logit_bias,
-        min_tokens=pick(req.min_tokens, 0), skip_special_tokens=pick(req.skip_special_tokens, True))
+        ignore_eos=pick(req.ignore_eos, False),
+        logprobs=logprobs,
+        logit_bias=req.logit_bias,
+        min_tokens=pick(req.min_tokens, 0),
+        skip_special_tokens=pick(req.skip_special_tokens, True),
+    )
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -51,13 +73,21 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(req.model)
         n = 1 if req.n is None else req.n
         if req.best_of is not None and req.best_of != n:
-            raise APIError(f"best_of must equal n ({n}) when set (beam search is not supported), "
-                           f"got {req.best_of}.", 400, param="best_of", code="invalid_value")
+            raise APIError(
+                f"best_of must equal n ({n}) when set (beam search is not supported), got {req.best_of}.",
+                400,
+                param="best_of",
+                code="invalid_value",
+            )
         if req.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix", code="unsupported")
         if req.echo and req.logprobs is not None:
-            raise APIError("logprobs together with echo=true is not supported (prompt logprobs are "
-                           "not computed).", 400, param="echo", code="unsupported")
+            raise APIError(
+                "logprobs together with echo=true is not supported (prompt logprobs are not computed).",
+                400,
+                param="echo",
+                code="unsupported",
+            )
         params = self.make_sampling_params(sampling_kwargs(req, req.max_tokens, req.logprobs))
         prompts = self._split_prompts(req.prompt)
         subs = [self.prepare_prompt(p, params) for p in prompts]
@@ -66,23 +96,38 @@ class OpenAIServingCompletion(OpenAIServing):
         priority = req.priority or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
-            raw_request, bool(req.stream),
+            raw_request,
+            bool(req.stream),
             lambda: self._stream(req, params, subs, rec, priority, include_usage, reservation),
-            lambda: self._full(req, params, subs, rec, priority, reservation), rec, reservation)
+            lambda: self._full(req, params, subs, rec, priority, reservation),
+            rec,
+            reservation,
+        )
 
     @staticmethod
-    def _split_prompts(prompt) -> List:
+    def _split_prompts(prompt) -> list:
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise APIError("prompt must contain at least 1 token; got an empty list.", 400,
-                           param="prompt", code="invalid_value")
+            raise APIError(
+                "prompt must contain at least 1 token; got an empty list.",
+                400,
+                param="prompt",
+                code="invalid_value",
+            )
         if isinstance(prompt[0], int):
             return [prompt]
         return list(prompt)  # a batch of strings or of token-id lists
 
-    async def _full(self, req: CompletionRequest, params: SamplingParams, subs: List[SubRequest],
-                    rec: RequestRecord, priority: int, reservation: Reservation) -> dict:
+    async def _full(
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        subs: list[SubRequest],
+        rec: RequestRecord,
+        priority: int,
+        reservation: Reservation,
+    ) -> dict:
         try:
             async for idx, out in self.generate_all(subs, params, priority, reservation):
                 rec.observe(idx, out)
@@ -97,23 +142,42 @@ class OpenAIServingCompletion(OpenAIServing):
             out = rec.latest[idx]
             prefix = self._echo_text(sub) if req.echo else ""
             for c in out.outputs:
-                choices.append(CompletionChoice(
-                    index=idx * params.n + c.index, text=prefix + c.text,
-                    logprobs=self._logprobs(c, 0, len(c.token_ids), 0) if params.logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=rec.request_id, model=self.model_name, choices=choices,
-                                  usage=rec.usage()).model_dump()
+                choices.append(
+                    CompletionChoice(
+                        index=idx * params.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=self._logprobs(c, 0, len(c.token_ids), 0)
+                        if params.logprobs is not None
+                        else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=rec.request_id, model=self.model_name, choices=choices, usage=rec.usage()
+        ).model_dump()
 
-    def _stream(self, req: CompletionRequest, params: SamplingParams, subs: List[SubRequest],
-                rec: RequestRecord, priority: int, include_usage: bool, reservation: Reservation):
+    def _stream(
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        subs: list[SubRequest],
+        rec: RequestRecord,
+        priority: int,
+        include_usage: bool,
+        reservation: Reservation,
+    ):
         created = int(time.time())
-        sent_chars: Dict[int, int] = {}
-        sent_tokens: Dict[int, int] = {}
+        sent_chars: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
         done = set()
 
         def chunk(choices, usage=None) -> str:
-            return sse(CompletionStreamResponse(id=rec.request_id, created=created, model=self.model_name,
-                                                choices=choices, usage=usage))
+            return sse(
+                CompletionStreamResponse(
+                    id=rec.request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                )
+            )
 
         async def events():
             async for idx, out in self.generate_all(subs, params, priority, reservation):
@@ -133,14 +197,26 @@ class OpenAIServingCompletion(OpenAIServing):
                     want_lp = params.logprobs is not None and new_tokens
                     if not delta and c.finish_reason is None and not want_lp:
                         continue
-                    lp = (self._logprobs(c, start_toks, len(c.token_ids), start_chars)
-                          if params.logprobs is not None else None)
+                    lp = (
+                        self._logprobs(c, start_toks, len(c.token_ids), start_chars)
+                        if params.logprobs is not None
+                        else None
+                    )
                     sent_chars[ci] = max(start_chars, len(c.text))
                     sent_tokens[ci] = len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(ci)
-                    yield chunk([CompletionChoice(index=ci, text=delta, logprobs=lp,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    yield chunk(
+                        [
+                            CompletionChoice(
+                                index=ci,
+                                text=delta,
+                                logprobs=lp,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        ]
+                    )
 
         usage = (lambda: chunk([], usage=rec.usage())) if include_usage else None
         return self.sse_frame(events(), rec, usage, done, len(subs) * params.n)
@@ -158,7 +234,7 @@ class OpenAIServingCompletion(OpenAIServing):
             s = self.token_str(tid)
             lp.tokens.append(s)
             lp.token_logprobs.append(finite(top.get(tid)) if top else None)
-            alts: Dict[str, float] = {}
+            alts: dict[str, float] = {}
             for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1]):
                 ts = self.token_str(t)
                 if ts not in alts:

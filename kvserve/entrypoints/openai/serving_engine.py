@@ -7,6 +7,7 @@ auth (api_server) -> body size (413) -> JSON / types (400) -> model name (404) -
 fields (400, ``SamplingParams``) -> tokenization and per-prompt limits (400:
 ``engine.validate``, ``engine.check_admissible``) -> draining / ``max_waiting`` (503).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,9 @@ import math
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any
 
 import anyio
 from pydantic import BaseModel, ValidationError
@@ -66,24 +68,40 @@ _FIELD_RULES = {
 _UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list\[.*\]|constrained-.*|nullable\[.*\]|[A-Z]\w*)$")
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | {
-    "prompt", "prompt_token_ids", "messages", "priority", "request_id", "max_completion_tokens",
-    "top_logprobs", "echo", "best_of", "model"}
+    "prompt",
+    "prompt_token_ids",
+    "messages",
+    "priority",
+    "request_id",
+    "max_completion_tokens",
+    "top_logprobs",
+    "echo",
+    "best_of",
+    "model",
+}
 
 
 class APIError(Exception):
     """An error answered in the OpenAI shape ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.type = message, status, type
         self.param, self.code, self.headers = param, code, headers
 
     def body(self) -> dict:
         """The JSON body."""
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        ).model_dump()
 
     def to_response(self) -> JSONResponse:
         """A ``JSONResponse`` with the status and headers."""
@@ -123,7 +141,7 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready (its requests were aborted)."""
 
 
-def param_from_message(message: str, rename: Optional[Dict[str, str]] = None) -> Optional[str]:
+def param_from_message(message: str, rename: dict[str, str] | None = None) -> str | None:
     """The request field a ``ValueError`` from the engine or ``SamplingParams`` is about.
 
     Those messages start with the field name (``"max_tokens must be ..."``, ``"prompt (9
@@ -144,7 +162,7 @@ def param_from_message(message: str, rename: Optional[Dict[str, str]] = None) ->
     return rename.get(name, name)
 
 
-def api_error_from_value_error(e: Exception, rename: Optional[Dict[str, str]] = None) -> APIError:
+def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIError:
     """Map an engine / ``SamplingParams`` ``ValueError`` to a 400 naming the field."""
     message = str(e)
     code = "context_length_exceeded" if "max_model_len" in message else None
@@ -178,11 +196,12 @@ def api_error_from_validation(e: ValidationError) -> APIError:
     return APIError(text + ".", 400, param=param, code="invalid_value")
 
 
-async def read_json_body(request: Request, model: Type[BaseModel], max_bytes: int) -> Any:
+async def read_json_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
     """Read the body (at most ``max_bytes``: else 413) and validate it into ``model`` (400)."""
     length = request.headers.get("content-length")
-    too_big = APIError(f"Request body is larger than the limit of {max_bytes} bytes.", 413,
-                       code="request_too_large")
+    too_big = APIError(
+        f"Request body is larger than the limit of {max_bytes} bytes.", 413, code="request_too_large"
+    )
     if length is not None:
         try:
             if int(length) > max_bytes:
@@ -202,7 +221,7 @@ async def read_json_body(request: Request, model: Type[BaseModel], max_bytes: in
         raise api_error_from_validation(e) from None
 
 
-def finite(x: Optional[float]) -> Optional[float]:
+def finite(x: float | None) -> float | None:
     """A logprob JSON can carry: ``-inf`` (or NaN) becomes -9999.0, as the OpenAI API does."""
     if x is None:
         return None
@@ -235,6 +254,7 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
                 async def run_stream() -> None:
                     try:
                         await self.stream_response(send)
@@ -288,8 +308,8 @@ class SubRequest:
     """One engine request of an HTTP request (one per prompt; ``n`` samples each)."""
 
     request_id: str
-    prompt_text: Optional[str]
-    prompt_token_ids: List[int]
+    prompt_text: str | None
+    prompt_token_ids: list[int]
 
 
 @dataclass
@@ -301,10 +321,10 @@ class RequestRecord:
     arrival: float = field(default_factory=time.time)
     prompt_tokens: int = 0
     n: int = 1
-    latest: Dict[int, RequestOutput] = field(default_factory=dict)
-    first_token_time: Optional[float] = None
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
+    first_token_time: float | None = None
     status: str = "ok"
-    prompts: Optional[List[Optional[str]]] = None
+    prompts: list[str | None] | None = None
 
     def observe(self, idx: int, out: RequestOutput) -> None:
         """Remember the newest output of sub-request ``idx``."""
@@ -319,10 +339,11 @@ class RequestRecord:
     def usage(self) -> UsageInfo:
         """The ``usage`` block."""
         c = self.completion_tokens()
-        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=c,
-                         total_tokens=self.prompt_tokens + c)
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens, completion_tokens=c, total_tokens=self.prompt_tokens + c
+        )
 
-    def finish_reasons(self) -> List[Optional[str]]:
+    def finish_reasons(self) -> list[str | None]:
         """Finish reason of every choice seen (``None`` where the stream was cut short)."""
         return [o.finish_reason for _, out in sorted(self.latest.items()) for o in out.outputs]
 
@@ -351,8 +372,12 @@ class RequestLogger:
         if status == "ok" and "abort" in reasons:
             status = "aborted"
         line = {
-            "event": "request_finished", "request_id": rec.request_id, "endpoint": rec.endpoint,
-            "status": status, "n": rec.n, "prompt_tokens": rec.prompt_tokens,
+            "event": "request_finished",
+            "request_id": rec.request_id,
+            "endpoint": rec.endpoint,
+            "status": status,
+            "n": rec.n,
+            "prompt_tokens": rec.prompt_tokens,
             "output_tokens": rec.completion_tokens(),
             "ttft_s": None if ttft is None else round(ttft, 4),
             "queue_s": None if queue is None else round(queue, 4),
@@ -378,16 +403,21 @@ class OpenAIServing:
 
     endpoint = "?"
 
-    def __init__(self, async_engine, served_model_names: Sequence[str],
-                 request_logger: Optional[RequestLogger] = None, server_state: Any = None,
-                 retry_after_s: int = 1):
+    def __init__(
+        self,
+        async_engine,
+        served_model_names: Sequence[str],
+        request_logger: RequestLogger | None = None,
+        server_state: Any = None,
+        retry_after_s: int = 1,
+    ):
         self.async_engine = async_engine
         self.served_model_names = list(served_model_names)
         self.request_logger = request_logger or RequestLogger()
         self.server_state = server_state
         self.retry_after_s = retry_after_s
         self.pending: PendingCounter = getattr(server_state, "pending", None) or PendingCounter()
-        self._token_str_cache: Dict[int, str] = {}
+        self._token_str_cache: dict[int, str] = {}
 
     # ------------------------------------------------------------------ engine facts
     @property
@@ -406,12 +436,15 @@ class OpenAIServing:
         return self.served_model_names[0]
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, name: Optional[str]) -> None:
+    def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is None or a served model name."""
         if name is not None and name not in self.served_model_names:
-            raise APIError(f"The model '{name}' does not exist; this server serves "
-                           f"{self.served_model_names[0]!r}.", 404, param="model",
-                           code="model_not_found")
+            raise APIError(
+                f"The model '{name}' does not exist; this server serves {self.served_model_names[0]!r}.",
+                404,
+                param="model",
+                code="model_not_found",
+            )
 
     def check_capacity(self, num_requests: int = 1) -> Reservation:
         """503 with ``Retry-After`` when shutting down or when the waiting queue (``waiting`` +
@@ -419,25 +452,42 @@ class OpenAIServing:
         Returns the reservation of ``num_requests`` places (pass it to ``generate_all``)."""
         headers = {"Retry-After": str(self.retry_after_s)}
         if self.server_state is not None and getattr(self.server_state, "draining", False):
-            raise APIError("The server is shutting down.", 503, type="service_unavailable",
-                           code="shutting_down", headers=headers)
+            raise APIError(
+                "The server is shutting down.",
+                503,
+                type="service_unavailable",
+                code="shutting_down",
+                headers=headers,
+            )
         errored = getattr(self.async_engine, "errored", None)
         if errored is not None:
-            raise APIError(f"The engine loop has stopped: {errored!r}", 503,
-                           type="service_unavailable", code="engine_dead")
+            raise APIError(
+                f"The engine loop has stopped: {errored!r}",
+                503,
+                type="service_unavailable",
+                code="engine_dead",
+            )
         limit = getattr(self.engine.scheduler_config, "max_waiting", None)
         if limit is not None:
             inbox = getattr(self.async_engine, "_inbox", None)
-            waiting = (len(self.engine.scheduler.waiting) + (inbox.qsize() if inbox is not None else 0)
-                       + self.pending.value)
+            waiting = (
+                len(self.engine.scheduler.waiting)
+                + (inbox.qsize() if inbox is not None else 0)
+                + self.pending.value
+            )
             if waiting >= limit:
-                raise APIError(f"Too many requests are waiting ({waiting} >= max_waiting {limit}); "
-                               f"retry later.", 503, type="service_unavailable", code="queue_full",
-                               headers=headers)
+                raise APIError(
+                    f"Too many requests are waiting ({waiting} >= max_waiting {limit}); retry later.",
+                    503,
+                    type="service_unavailable",
+                    code="queue_full",
+                    headers=headers,
+                )
         return Reservation(self.pending, num_requests)
 
-    def make_sampling_params(self, kwargs: Dict[str, Any],
-                             rename: Optional[Dict[str, str]] = None) -> SamplingParams:
+    def make_sampling_params(
+        self, kwargs: dict[str, Any], rename: dict[str, str] | None = None
+    ) -> SamplingParams:
         """``SamplingParams(**kwargs)`` with its ``ValueError`` mapped to a 400 (``SamplingParams``
         also turns the JSON string keys of ``logit_bias`` into token ids)."""
         try:
@@ -445,8 +495,9 @@ class OpenAIServing:
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
 
-    def prepare_prompt(self, prompt, params: SamplingParams,
-                       rename: Optional[Dict[str, str]] = None) -> SubRequest:
+    def prepare_prompt(
+        self, prompt, params: SamplingParams, rename: dict[str, str] | None = None
+    ) -> SubRequest:
         """Tokenize (text) or check (ids) one prompt and hold it to every limit: 0 tokens,
         vocabulary, prompt + max_tokens vs max_model_len, n, prompt_limit and KV-pool size.
         ``rename`` maps engine field names to the request's (chat: ``prompt`` -> ``messages``,
@@ -460,14 +511,22 @@ class OpenAIServing:
             raise api_error_from_value_error(e, rename) from None
         reason = self.engine.check_admissible(len(ids))
         if reason is not None:
-            raise APIError(f"{param}: {reason}; the request can never be scheduled.", 400,
-                           param=param, code="prompt_too_long")
+            raise APIError(
+                f"{param}: {reason}; the request can never be scheduled.",
+                400,
+                param=param,
+                code="prompt_too_long",
+            )
         return SubRequest("", text, ids)
 
     # ------------------------------------------------------------------ running requests
-    async def generate_all(self, subs: List[SubRequest], params: SamplingParams, priority: int,
-                           reservation: Optional[Reservation] = None
-                           ) -> AsyncIterator[Tuple[int, RequestOutput]]:
+    async def generate_all(
+        self,
+        subs: list[SubRequest],
+        params: SamplingParams,
+        priority: int,
+        reservation: Reservation | None = None,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every sub-request concurrently; yield ``(sub_index, RequestOutput)`` as outputs
         arrive. Closing or cancelling the iterator aborts whatever is still running."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -482,12 +541,14 @@ class OpenAIServing:
                 # no await between here and generate() putting the request in the inbox
                 reservation.consume()
             try:
-                async for out in self.async_engine.generate(prompt, params, sub.request_id, priority=priority):
+                async for out in self.async_engine.generate(
+                    prompt, params, sub.request_id, priority=priority
+                ):
                     queue.put_nowait((idx, out, None))
                 queue.put_nowait((idx, None, None))
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            except BaseException as e:
                 queue.put_nowait((idx, None, e))
             finally:
                 if inflight is not None:
@@ -511,7 +572,7 @@ class OpenAIServing:
             if reservation is not None:
                 reservation.release()
 
-    def engine_error(self, e: BaseException, rename: Optional[Dict[str, str]] = None) -> APIError:
+    def engine_error(self, e: BaseException, rename: dict[str, str] | None = None) -> APIError:
         """Map an exception from a running request to an API error."""
         if isinstance(e, APIError):
             return e
@@ -527,12 +588,20 @@ class OpenAIServing:
     @staticmethod
     def rejected_error(out: RequestOutput, param: str = "prompt") -> APIError:
         """A scheduler rejection (``finish_reason == "ignored"``) as a 400."""
-        return APIError(f"{param}: {out.error or 'rejected by the scheduler'}", 400, param=param,
-                        code="prompt_too_long")
+        return APIError(
+            f"{param}: {out.error or 'rejected by the scheduler'}", 400, param=param, code="prompt_too_long"
+        )
 
     # ------------------------------------------------------------------ helpers
-    async def respond(self, raw_request: Request, stream: bool, stream_body, full_body,
-                      rec: RequestRecord, reservation: Reservation) -> Response:
+    async def respond(
+        self,
+        raw_request: Request,
+        stream: bool,
+        stream_body,
+        full_body,
+        rec: RequestRecord,
+        reservation: Reservation,
+    ) -> Response:
         """Send a streaming (SSE) or a whole JSON response. ``stream_body()`` makes the async
         iterator of SSE lines, ``full_body()`` the coroutine computing the JSON body; only the
         one matching ``stream`` is made. A client gone before the body is ready aborts the
@@ -540,9 +609,11 @@ class OpenAIServing:
         once, whichever way it ends."""
         if stream:
             return DisconnectAwareStreamingResponse(
-                stream_body(), media_type="text/event-stream",
+                stream_body(),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id},
-                on_close=reservation.release)
+                on_close=reservation.release,
+            )
         try:
             body = await run_unless_disconnected(raw_request, full_body())
             return JSONResponse(body, headers={"X-Request-Id": rec.request_id})
@@ -556,8 +627,15 @@ class OpenAIServing:
             reservation.release()
             self.request_logger.log(rec)
 
-    async def sse_frame(self, events, rec: RequestRecord, usage_chunk, done: set, expected_choices: int,
-                        rename: Optional[Dict[str, str]] = None):
+    async def sse_frame(
+        self,
+        events,
+        rec: RequestRecord,
+        usage_chunk,
+        done: set,
+        expected_choices: int,
+        rename: dict[str, str] | None = None,
+    ):
         """Frame a streaming body: the handler's serialised ``events``, then the usage chunk
         (``usage_chunk()``, when not None) and ``[DONE]``. An error after the 200 header becomes
         an error event; a stream that ends before all ``expected_choices`` finished (``done``)
@@ -579,13 +657,17 @@ class OpenAIServing:
                 rec.status = "client_disconnected"
             self.request_logger.log(rec)
 
-    def new_record(self, prefix: str, n: int, subs: List[SubRequest]) -> RequestRecord:
+    def new_record(self, prefix: str, n: int, subs: list[SubRequest]) -> RequestRecord:
         """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         for i, s in enumerate(subs):
             s.request_id = f"{rid}-{i}"
-        rec = RequestRecord(request_id=rid, endpoint=self.endpoint, n=n,
-                            prompt_tokens=sum(len(s.prompt_token_ids) for s in subs))
+        rec = RequestRecord(
+            request_id=rid,
+            endpoint=self.endpoint,
+            n=n,
+            prompt_tokens=sum(len(s.prompt_token_ids) for s in subs),
+        )
         if self.request_logger.log_prompts:
             rec.prompts = [s.prompt_text for s in subs]
         return rec
@@ -600,7 +682,7 @@ class OpenAIServing:
                 self._token_str_cache[token_id] = s
         return s
 
-    def decode(self, token_ids: List[int]) -> str:
+    def decode(self, token_ids: list[int]) -> str:
         """Text of a token-id sequence ("" without a tokenizer)."""
         tok = self.tokenizer
         return tok.decode(token_ids) if tok is not None and token_ids else ""

@@ -25,10 +25,10 @@ four accumulator tiles (2 row blocks x 2 column tiles), two A tiles, two B tiles
 registers. Accumulators are stored to a float32 scratch and rounded to bfloat16 (nearest even,
 as torch) with the bias added in float32.
 """
+
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 
@@ -58,7 +58,9 @@ static void config_tiles(void) {
 }
 """
 
-_SOURCE = PRELUDE + r"""
+_SOURCE = (
+    PRELUDE
+    + r"""
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -83,7 +85,9 @@ int amx_init(void) {
 #define PF_DIST 8192
 #define PREFETCH_AHEAD(p) do { const char* q_ = (const char*)(p) + PF_DIST; \
     for (int i_ = 0; i_ < 2048; i_ += 64) _mm_prefetch(q_ + i_, _MM_HINT_T0); } while (0)
-""" + TILE_CONFIG_SOURCE + r"""
+"""
+    + TILE_CONFIG_SOURCE
+    + r"""
 
 /* One group's 32 (ncols valid) output columns for `rows` (<= 32) rows of acc, bias added. */
 static inline void store_rows(const float* acc, int64_t rows, const uint16_t* bias, uint16_t* y,
@@ -163,13 +167,18 @@ void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
 #endif
 }
 """
+)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_LIB = NativeLibrary("kv_amx_gemm", _SOURCE, {
-    "amx_init": [],
-    "amx_gemm_bf16": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
-})
-_ready: Optional[bool] = None
+_LIB = NativeLibrary(
+    "kv_amx_gemm",
+    _SOURCE,
+    {
+        "amx_init": [],
+        "amx_gemm_bf16": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    },
+)
+_ready: bool | None = None
 
 
 def available() -> bool:
@@ -202,17 +211,24 @@ class AmxWeight:
 
     __slots__ = ("tiles", "out_features", "in_features", "large")
 
-    def __init__(self, weight: torch.Tensor, large: Optional[torch.Tensor] = None):
-        if (weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.bfloat16
-                or weight.shape[1] % K_TILE or weight.shape[1] == 0):
-            raise ValueError(f"AmxWeight: need a 2-D CPU bfloat16 weight with in_features a positive "
-                             f"multiple of {K_TILE}, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    def __init__(self, weight: torch.Tensor, large: torch.Tensor | None = None):
+        if (
+            weight.dim() != 2
+            or weight.device.type != "cpu"
+            or weight.dtype != torch.bfloat16
+            or weight.shape[1] % K_TILE
+            or weight.shape[1] == 0
+        ):
+            raise ValueError(
+                f"AmxWeight: need a 2-D CPU bfloat16 weight with in_features a positive "
+                f"multiple of {K_TILE}, got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+            )
         n, k = weight.shape
         g = -(-n // GROUP_COLS)
         padded = weight.new_zeros(g * GROUP_COLS, k)
         padded[:n] = weight.detach()
         # [g, 2 tiles, 16 cols, kc, 16 pairs, 2] -> [g, kc, 2 tiles, 16 pairs, 16 cols, 2]
-        self.tiles = (padded.view(g, 2, 16, k // K_TILE, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous())
+        self.tiles = padded.view(g, 2, 16, k // K_TILE, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
         self.out_features, self.in_features = n, k
         self.large = weight if large is None else large
 
@@ -231,26 +247,42 @@ class AmxWeight:
         return w[: self.out_features].clone()
 
 
-def linear(x: torch.Tensor, weight: AmxWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for bfloat16 ``x`` ``[T, in]``; returns ``[T, out]`` bfloat16.
 
     Raises:
         ValueError: ``x`` or ``bias`` does not match the weight.
         RuntimeError: AMX is not available (check ``available()``).
     """
-    if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.bfloat16
-            or x.device.type != "cpu"
-            or (bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16
-                                      or not bias.is_cpu))):
-        raise ValueError(f"amx linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
-                         f"{tuple(weight.shape)}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)} "
-                         f"do not fit")
+    if (
+        x.dim() != 2
+        or x.shape[1] != weight.in_features
+        or x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (
+            bias is not None
+            and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16 or not bias.is_cpu)
+        )
+    ):
+        raise ValueError(
+            f"amx linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
+            f"{tuple(weight.shape)}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)} "
+            f"do not fit"
+        )
     if not available():
         raise RuntimeError("AMX tiles are not available in this process")
     x = x.contiguous()  # referenced until the call returns
     bias = None if bias is None else bias.contiguous()
     m, k = x.shape
     y = torch.empty(m, weight.out_features, dtype=torch.bfloat16)
-    _LIB.fn("amx_gemm_bf16")(x.data_ptr(), weight.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
-                             y.data_ptr(), m, weight.out_features, k, torch.get_num_threads())
+    _LIB.fn("amx_gemm_bf16")(
+        x.data_ptr(),
+        weight.tiles.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        weight.out_features,
+        k,
+        torch.get_num_threads(),
+    )
     return y

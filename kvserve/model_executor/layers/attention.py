@@ -21,10 +21,10 @@ The gather index is built so the gathered tensor is already ``[B, kv_heads, L, h
 contiguous: ``flat[s, b, h, n] = (s * kv_heads + h) * num_blocks + table[b, n]`` over the cache
 viewed as ``[2 * kv_heads * num_blocks, block_size * head_dim]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +50,10 @@ class PrefillChunk:
     start: int
     end: int
     context_start: int
-    gather_idx: Optional[torch.Tensor] = None
+    gather_idx: torch.Tensor | None = None
     key_start: int = 0
     num_keys: int = 0
-    mask: Optional[torch.Tensor] = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -132,14 +132,14 @@ class AttentionMetadata:
     """
 
     write_idx: torch.Tensor
-    slot_mapping: Optional[torch.Tensor] = None
-    prefills: List[PrefillChunk] = field(default_factory=list)
+    slot_mapping: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode: int = 0
-    decode_buckets: List[DecodeBucket] = field(default_factory=list)
-    native_decode: Optional[NativeDecode] = None
-    native_prefill: Optional[NativePrefill] = None
-    workspace: Optional[torch.Tensor] = None
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    native_decode: NativeDecode | None = None
+    native_prefill: NativePrefill | None = None
+    workspace: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -159,9 +159,15 @@ class PagedAttention:
         self.group = num_heads // num_kv_heads
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata,
-                kv_written: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv_written: bool = False,
+    ) -> torch.Tensor:
         """Attention for a flattened batch.
 
         Args:
@@ -186,39 +192,59 @@ class PagedAttention:
             qp = q[:P]
             if qp.stride(2) != 1 or qp.stride(1) != D:  # the kernel takes any row stride
                 qp = qp.contiguous()
-            paged_prefill_attention(qp, kv_cache, npf.table, npf.q_start, npf.pos0, npf.kstart, self.scale,
-                                    npf.window, out=out[:P])
-        for pc in (meta.prefills if npf is None else ()):
-            qs = q[pc.start:pc.end].transpose(0, 1)  # [H, n, D]
+            paged_prefill_attention(
+                qp,
+                kv_cache,
+                npf.table,
+                npf.q_start,
+                npf.pos0,
+                npf.kstart,
+                self.scale,
+                npf.window,
+                out=out[:P],
+            )
+        for pc in meta.prefills if npf is None else ():
+            qs = q[pc.start : pc.end].transpose(0, 1)  # [H, n, D]
             if pc.gather_idx is None:
                 if pc.context_start > 0:  # native metadata without a cache: nothing to read it from
-                    raise ValueError(f"a chunk at position {pc.context_start} needs the KV cache for its context")
-                ks = k[pc.start:pc.end].transpose(0, 1)
-                vs = v[pc.start:pc.end].transpose(0, 1)
+                    raise ValueError(
+                        f"a chunk at position {pc.context_start} needs the KV cache for its context"
+                    )
+                ks = k[pc.start : pc.end].transpose(0, 1)
+                vs = v[pc.start : pc.end].transpose(0, 1)
             else:
                 bs = kv_cache.shape[3]
                 g = kv_cache.view(-1, bs * D).index_select(0, pc.gather_idx).view(2, KH, -1, D)
-                ks = g[0, :, :pc.num_keys]
-                vs = g[1, :, :pc.num_keys]
+                ks = g[0, :, : pc.num_keys]
+                vs = g[1, :, : pc.num_keys]
             # A batch dimension of 1: torch's CPU flash kernel takes only 4-D inputs (3-D ones
             # go to the unfused math path, 4-9x slower on a 300-token prompt).
             qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
             if pc.mask is None:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
-                                                   enable_gqa=self.group > 1)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
+                )
             else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=pc.mask, scale=self.scale,
-                                                   enable_gqa=self.group > 1)
-            out[pc.start:pc.end] = o[0].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=pc.mask, scale=self.scale, enable_gqa=self.group > 1
+                )
+            out[pc.start : pc.end] = o[0].transpose(0, 1)
         nd = meta.native_decode
         if nd is not None:
             B = nd.end - nd.start
-            qd = q[nd.start:nd.end]
+            qd = q[nd.start : nd.end]
             if qd.stride(2) != 1 or qd.stride(1) != D:  # the kernel takes any row stride
                 qd = qd.contiguous()
             qd = qd.view(B, KH, self.group, D)
-            paged_decode_attention(qd, kv_cache, nd.table, nd.kstart, nd.kend, self.scale,
-                                   out=out[nd.start:nd.end].view(B, KH, self.group, D))
+            paged_decode_attention(
+                qd,
+                kv_cache,
+                nd.table,
+                nd.kstart,
+                nd.kend,
+                self.scale,
+                out=out[nd.start : nd.end].view(B, KH, self.group, D),
+            )
         if meta.decode_buckets:
             bs = kv_cache.shape[3]
             rows = kv_cache.view(-1, bs * D)
@@ -226,11 +252,13 @@ class PagedAttention:
                 B = b.end - b.start
                 n = b.gather_idx.numel()
                 if meta.workspace is not None:
-                    g = torch.index_select(rows, 0, b.gather_idx, out=meta.workspace[:n * bs * D].view(n, bs * D))
+                    g = torch.index_select(
+                        rows, 0, b.gather_idx, out=meta.workspace[: n * bs * D].view(n, bs * D)
+                    )
                 else:
                     g = rows.index_select(0, b.gather_idx)
                 g = g.view(2, B, KH, b.num_blocks * bs, D)
-                qd = q[b.start:b.end].reshape(B, KH, self.group, D)
+                qd = q[b.start : b.end].reshape(B, KH, self.group, D)
                 o = F.scaled_dot_product_attention(qd, g[0], g[1], attn_mask=b.mask, scale=self.scale)
-                out[b.start:b.end] = o.reshape(B, H, D)  # CUDA SDPA may return a transposed layout
+                out[b.start : b.end] = o.reshape(B, H, D)  # CUDA SDPA may return a transposed layout
         return out.view(T, H * D)

@@ -32,10 +32,10 @@ Kernel contract (all contiguous; q, cache and out of one dtype, float32 or bfloa
     kend   [B] int64         one past the last key position (= query position + 1)
     out    [B, KH, G, D]
 """
+
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 
@@ -288,10 +288,31 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM*
 """
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-_LIB = NativeLibrary("kv_attention", PRELUDE + _HELPERS + instantiate(_KERNEL),
-                     {f"kv_paged_decode_attention_{sfx}": [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
-                                                           _i64, _i64, ctypes.c_float, ctypes.c_int]
-                      for sfx in DTYPE_SUFFIX.values()})
+_LIB = NativeLibrary(
+    "kv_attention",
+    PRELUDE + _HELPERS + instantiate(_KERNEL),
+    {
+        f"kv_paged_decode_attention_{sfx}": [
+            _p,
+            _i64,
+            _p,
+            _p,
+            _i64,
+            _p,
+            _p,
+            _p,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+        for sfx in DTYPE_SUFFIX.values()
+    },
+)
 
 
 def available() -> bool:
@@ -304,13 +325,19 @@ def supports_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_SUFFIX
 
 
-def failure_reason() -> Optional[str]:
+def failure_reason() -> str | None:
     return _LIB.failure_reason()
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
-                           kstart: torch.Tensor, kend: torch.Tensor, scale: float,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    kstart: torch.Tensor,
+    kend: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode attention for ``B`` single-token queries straight from the paged cache.
 
     Args:
@@ -332,26 +359,50 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     if not _LIB.available():
         raise RuntimeError(f"native attention unavailable: {_LIB.failure_reason()}")
     if q.dtype != kv_cache.dtype or not supports_dtype(q.dtype):
-        raise ValueError(f"native attention takes float32 or bfloat16 q and cache of one dtype, "
-                         f"got q {q.dtype} and cache {kv_cache.dtype}.")
+        raise ValueError(
+            f"native attention takes float32 or bfloat16 q and cache of one dtype, "
+            f"got q {q.dtype} and cache {kv_cache.dtype}."
+        )
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
         raise ValueError(f"native attention is CPU-only, got q on {q.device} and cache on {kv_cache.device}.")
     for name, t in (("kv_cache", kv_cache), ("table", table), ("kstart", kstart), ("kend", kend)):
         if not t.is_contiguous() or not t.is_cpu or (name != "kv_cache" and t.dtype != torch.int64):
-            raise ValueError(f"native attention: {name} must be a contiguous CPU tensor"
-                             f"{'' if name == 'kv_cache' else ' of int64'}, got "
-                             f"{t.dtype} on {t.device}, strides {t.stride()}")
+            raise ValueError(
+                f"native attention: {name} must be a contiguous CPU tensor"
+                f"{'' if name == 'kv_cache' else ' of int64'}, got "
+                f"{t.dtype} on {t.device}, strides {t.stride()}"
+            )
     B, KH, G, D = q.shape
     if q.stride()[1:] != (G * D, D, 1) or (B > 1 and q.stride(0) < KH * G * D):
-        raise ValueError(f"native attention: q must be [B, KH, G, D] with contiguous rows (any row "
-                         f"stride >= KH*G*D), got strides {q.stride()}")
+        raise ValueError(
+            f"native attention: q must be [B, KH, G, D] with contiguous rows (any row "
+            f"stride >= KH*G*D), got strides {q.stride()}"
+        )
     _, _, NB, BS, _ = kv_cache.shape
     if out is None:
         out = torch.empty(B, KH, G, D, dtype=q.dtype)
     elif out.shape != (B, KH, G, D) or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu:
-        raise ValueError(f"native attention: out must be a contiguous CPU {q.dtype} tensor of shape "
-                         f"{(B, KH, G, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+        raise ValueError(
+            f"native attention: out must be a contiguous CPU {q.dtype} tensor of shape "
+            f"{(B, KH, G, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
     kernel = _LIB.fn(f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}")
-    kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], kstart.data_ptr(),
-           kend.data_ptr(), out.data_ptr(), B, KH, G, D, NB, BS, float(scale), torch.get_num_threads())
+    kernel(
+        q.data_ptr(),
+        q.stride(0),
+        kv_cache.data_ptr(),
+        table.data_ptr(),
+        table.shape[1],
+        kstart.data_ptr(),
+        kend.data_ptr(),
+        out.data_ptr(),
+        B,
+        KH,
+        G,
+        D,
+        NB,
+        BS,
+        float(scale),
+        torch.get_num_threads(),
+    )
     return out

@@ -26,10 +26,10 @@ output rounded to nearest even), but oneDNN's AMX GEMM beat it from ~8 rows and 
 (w64 run 0.79x the speed even when used only up to 32 rows), so ``llama.prepack_weight`` packs
 float32 weights only.
 """
+
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 
@@ -155,8 +155,10 @@ class PanelWeight:
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in DTYPE_SUFFIX:
-            raise ValueError(f"PanelWeight: need a 2-D CPU float32/bfloat16 weight, got "
-                             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+            raise ValueError(
+                f"PanelWeight: need a 2-D CPU float32/bfloat16 weight, got "
+                f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
+            )
         n, k = weight.shape
         p = -(-n // PANEL_WIDTH)
         padded = weight.new_zeros(p * PANEL_WIDTH, k)
@@ -181,19 +183,27 @@ class PanelWeight:
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
 
 
-def linear(x: torch.Tensor, weight: PanelWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x`` ``[T, in]`` (CPU, the weight's dtype); returns ``[T, out]``.
 
     Raises:
         ValueError: ``x`` or ``bias`` does not match the weight in shape, dtype or device.
     """
-    if (x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != weight.dtype
-            or x.device.type != "cpu"
-            or (bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype
-                                      or bias.device.type != "cpu"))):
-        raise ValueError(f"native linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
-                         f"{tuple(weight.shape)} {weight.dtype}, bias "
-                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit")
+    if (
+        x.dim() != 2
+        or x.shape[1] != weight.in_features
+        or x.dtype != weight.dtype
+        or x.device.type != "cpu"
+        or (
+            bias is not None
+            and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype or bias.device.type != "cpu")
+        )
+    ):
+        raise ValueError(
+            f"native linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
+            f"{tuple(weight.shape)} {weight.dtype}, bias "
+            f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit"
+        )
     m = x.shape[0]
     if weight.in_features == 0:  # an empty sum: torch gives the bias (or zeros)
         y = torch.zeros(m, weight.out_features, dtype=x.dtype)
@@ -204,7 +214,14 @@ def linear(x: torch.Tensor, weight: PanelWeight, bias: Optional[torch.Tensor] = 
     y = torch.empty(m, weight.out_features, dtype=x.dtype)
     xf = x if x.dtype == torch.float32 else torch.empty(m, weight.in_features, dtype=torch.float32)
     _LIB.fn(f"gemm_{DTYPE_SUFFIX[x.dtype]}")(
-        x.data_ptr(), xf.data_ptr(), weight.panels.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(),
-        m, weight.out_features, weight.in_features, torch.get_num_threads())
+        x.data_ptr(),
+        xf.data_ptr(),
+        weight.panels.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        m,
+        weight.out_features,
+        weight.in_features,
+        torch.get_num_threads(),
+    )
     return y

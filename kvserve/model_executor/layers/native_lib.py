@@ -12,6 +12,7 @@ releases the GIL during a call. If there is no compiler, the build fails, or
 bfloat16 <-> float32 conversion (bfloat16 is the top half of a float32: widening is a 16-bit
 shift, narrowing rounds to nearest even, as torch does).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,7 +24,6 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 
@@ -126,8 +126,10 @@ static inline v16 round16_f32(v16 x) { return x; }
 def instantiate(kernels: str) -> str:
     """``kernels`` (written with the macros ``ELEM`` and ``SFX``) once for float32 (``_f32``
     symbols) and once for bfloat16 (``_bf16``)."""
-    return ("#define ELEM float\n#define SFX f32\n" + kernels + "#undef ELEM\n#undef SFX\n"
-            "#define ELEM uint16_t\n#define SFX bf16\n" + kernels + "#undef ELEM\n#undef SFX\n")
+    return (
+        "#define ELEM float\n#define SFX f32\n" + kernels + "#undef ELEM\n#undef SFX\n"
+        "#define ELEM uint16_t\n#define SFX bf16\n" + kernels + "#undef ELEM\n#undef SFX\n"
+    )
 
 
 def _cpu_key() -> str:
@@ -150,14 +152,14 @@ class NativeLibrary:
         signatures: exported symbol -> ctypes argument types (all return ``void``).
     """
 
-    def __init__(self, name: str, source: str, signatures: Dict[str, List]):
+    def __init__(self, name: str, source: str, signatures: dict[str, list]):
         self.name = name
         self.source = source
         self.signatures = signatures
         self._lock = threading.Lock()
-        self._lib: Optional[ctypes.CDLL] = None
-        self._failed: Optional[str] = None
-        self._fns: Dict[str, ctypes._CFuncPtr] = {}
+        self._lib: ctypes.CDLL | None = None
+        self._failed: str | None = None
+        self._fns: dict[str, ctypes._CFuncPtr] = {}
 
     def _build(self, out_dir: Path) -> Path:
         cc = os.environ.get("CC", "cc")
@@ -171,9 +173,24 @@ class NativeLibrary:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-native-", dir=out_dir))
         try:
             (tmp / f"{self.name}.c").write_text(self.source)
-            subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
-                            "-o", str(tmp / f"{self.name}.so"), str(tmp / f"{self.name}.c"), "-lm"],
-                           check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [
+                    cc,
+                    "-O3",
+                    "-march=native",
+                    "-fopenmp",
+                    "-fno-math-errno",
+                    "-shared",
+                    "-fPIC",
+                    "-o",
+                    str(tmp / f"{self.name}.so"),
+                    str(tmp / f"{self.name}.c"),
+                    "-lm",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -184,7 +201,7 @@ class NativeLibrary:
                 shutil.rmtree(tmp, ignore_errors=True)
         return lib
 
-    def load(self) -> Optional[ctypes.CDLL]:
+    def load(self) -> ctypes.CDLL | None:
         """The library, built on first use; ``None`` when unavailable (see ``failure_reason``)."""
         if self._lib is not None or self._failed is not None:
             return self._lib
@@ -218,5 +235,5 @@ class NativeLibrary:
             f = self._fns[name] = getattr(self.load(), name)
         return f
 
-    def failure_reason(self) -> Optional[str]:
+    def failure_reason(self) -> str | None:
         return self._failed

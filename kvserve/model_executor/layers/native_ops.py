@@ -18,10 +18,10 @@ conversions between its GEMMs (torch.profiler). These kernels do each of them in
 All take contiguous CPU tensors, float32 or bfloat16 (``greedy_sample``: float32 logits).
 ``supported(t)`` says whether a tensor can take the native path; callers fall back to torch.
 """
+
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Tuple
 
 import torch
 
@@ -169,9 +169,12 @@ void greedy_sample_f32(const float* logits, int64_t N, int64_t V, int64_t* tok, 
 }
 """
 
-_SOURCE = (PRELUDE
-           + "static inline v16 vmin(v16 a, v16 b) { v16i m = a < b; return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }\n"
-           + instantiate(_KERNELS + _ROPE) + _GREEDY)
+_SOURCE = (
+    PRELUDE
+    + "static inline v16 vmin(v16 a, v16 b) { v16i m = a < b; return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }\n"
+    + instantiate(_KERNELS + _ROPE)
+    + _GREEDY
+)
 _p, _i64, _f, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGS = {}
 for _sfx in DTYPE_SUFFIX.values():
@@ -187,7 +190,7 @@ def available() -> bool:
     return _LIB.available()
 
 
-def failure_reason() -> Optional[str]:
+def failure_reason() -> str | None:
     return _LIB.failure_reason()
 
 
@@ -203,8 +206,9 @@ def supported(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm of ``x`` ``[T, H]``; with ``residual`` (``[T, H]``, updated in place to
     ``x + residual``) the norm is of that sum. Returns a new ``[T, H]`` tensor.
 
@@ -213,14 +217,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """
     ts = (x, weight) if residual is None else (x, weight, residual)
     if x.dim() != 2 or weight.shape != (x.shape[1],) or (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"rms_norm: x {tuple(x.shape)} weight {tuple(weight.shape)} "
-                         f"residual {None if residual is None else tuple(residual.shape)}")
+        raise ValueError(
+            f"rms_norm: x {tuple(x.shape)} weight {tuple(weight.shape)} "
+            f"residual {None if residual is None else tuple(residual.shape)}"
+        )
     if not supported(*ts):
         raise ValueError("rms_norm: inputs must be contiguous CPU float32/bfloat16 of one dtype")
     out = torch.empty_like(x)
     _LIB.fn(f"rms_norm_{DTYPE_SUFFIX[x.dtype]}")(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        float(eps),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -231,18 +244,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ValueError: odd last dimension or unsupported input.
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not supported(gate_up):
-        raise ValueError(f"silu_and_mul: need a contiguous CPU float32/bfloat16 [T, 2 * I], "
-                         f"got {tuple(gate_up.shape)} {gate_up.dtype}")
+        raise ValueError(
+            f"silu_and_mul: need a contiguous CPU float32/bfloat16 [T, 2 * I], "
+            f"got {tuple(gate_up.shape)} {gate_up.dtype}"
+        )
     T, I2 = gate_up.shape
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
     _LIB.fn(f"silu_and_mul_{DTYPE_SUFFIX[gate_up.dtype]}")(
-        gate_up.data_ptr(), out.data_ptr(), T, I2 // 2, torch.get_num_threads())
+        gate_up.data_ptr(), out.data_ptr(), T, I2 // 2, torch.get_num_threads()
+    )
     return out
 
 
-def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                  num_kv_heads: int, head_dim: int, kv_cache: Optional[torch.Tensor],
-                  slot_mapping: Optional[torch.Tensor]) -> torch.Tensor:
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+) -> torch.Tensor:
     """Rotary embedding of q and k from a fused projection, and the KV-cache write, in one pass.
 
     Args:
@@ -259,24 +282,49 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     T = qkv.shape[0]
     H, KH, D = num_heads, num_kv_heads, head_dim
     ts = [qkv, cos, sin] + ([] if kv_cache is None else [kv_cache])
-    if (qkv.dim() != 2 or qkv.shape[1] != (H + 2 * KH) * D or cos.numel() != T * (D // 2)
-            or sin.numel() != T * (D // 2) or D % 2 or not supported(*ts)
-            or (kv_cache is not None and (kv_cache.shape[1] != KH or kv_cache.shape[-1] != D
-                                          or slot_mapping is None or slot_mapping.shape != (T,)
-                                          or slot_mapping.dtype != torch.int64))):
-        raise ValueError(f"rope_write_kv: qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)}, "
-                         f"H={H} KH={KH} D={D}, cache "
-                         f"{None if kv_cache is None else tuple(kv_cache.shape)} do not fit")
+    if (
+        qkv.dim() != 2
+        or qkv.shape[1] != (H + 2 * KH) * D
+        or cos.numel() != T * (D // 2)
+        or sin.numel() != T * (D // 2)
+        or D % 2
+        or not supported(*ts)
+        or (
+            kv_cache is not None
+            and (
+                kv_cache.shape[1] != KH
+                or kv_cache.shape[-1] != D
+                or slot_mapping is None
+                or slot_mapping.shape != (T,)
+                or slot_mapping.dtype != torch.int64
+            )
+        )
+    ):
+        raise ValueError(
+            f"rope_write_kv: qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)}, "
+            f"H={H} KH={KH} D={D}, cache "
+            f"{None if kv_cache is None else tuple(kv_cache.shape)} do not fit"
+        )
     out = torch.empty(T, H + KH, D, dtype=qkv.dtype)
     nbbs = 0 if kv_cache is None else kv_cache.shape[2] * kv_cache.shape[3]
     _LIB.fn(f"rope_write_kv_{DTYPE_SUFFIX[qkv.dtype]}")(
-        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
         None if kv_cache is None else kv_cache.data_ptr(),
-        None if kv_cache is None else slot_mapping.data_ptr(), T, H, KH, D, nbbs, torch.get_num_threads())
+        None if kv_cache is None else slot_mapping.data_ptr(),
+        T,
+        H,
+        KH,
+        D,
+        nbbs,
+        torch.get_num_threads(),
+    )
     return out
 
 
-def greedy_sample(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens and their log-probabilities for float32 ``logits`` ``[N, V]``.
 
     Returns:
@@ -286,10 +334,14 @@ def greedy_sample(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         ValueError: not a contiguous float32 CPU ``[N, V]`` tensor, or the library is unavailable.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32 or not supported(logits):
-        raise ValueError(f"greedy_sample: need contiguous CPU float32 [N, V], got {tuple(logits.shape)} "
-                         f"{logits.dtype} on {logits.device}")
+        raise ValueError(
+            f"greedy_sample: need contiguous CPU float32 [N, V], got {tuple(logits.shape)} "
+            f"{logits.dtype} on {logits.device}"
+        )
     N, V = logits.shape
     tok = torch.empty(N, dtype=torch.int64)
     lp = torch.empty(N, dtype=torch.float32)
-    _LIB.fn("greedy_sample_f32")(logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads())
+    _LIB.fn("greedy_sample_f32")(
+        logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads()
+    )
     return tok, lp

@@ -79,10 +79,10 @@ A row at position ``p`` attends keys ``max(0, p - W + 1) <= k <= p`` (all ``k <=
 starts, table width, block ids in range) before touching memory; the wrapper raises
 ``ValueError`` for a violation.
 """
+
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 
@@ -110,8 +110,10 @@ def _transpose_source() -> str:
             if r & bit:
                 continue
             s = r | bit
-            lines.append(f"    {{ v16 a = x[{r}], c = x[{s}]; x[{r}] = __builtin_shufflevector(a, c, {ia});"
-                         f" x[{s}] = __builtin_shufflevector(a, c, {ib}); }}")
+            lines.append(
+                f"    {{ v16 a = x[{r}], c = x[{s}]; x[{r}] = __builtin_shufflevector(a, c, {ia});"
+                f" x[{s}] = __builtin_shufflevector(a, c, {ib}); }}"
+            )
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -295,10 +297,13 @@ static int pf_check(const int64_t* q_start, const int64_t* pos0, const int64_t* 
 # bfloat16 on AMX tiles (Intel Architecture Instruction Set Extensions Programming Reference,
 # ch. 3; see also ``amx_gemm``): TDPBF16PS C, A, B adds to C (16 x 16 float32) the product of
 # A (16 rows x 32 bf16) and B (16 rows of 16 column pairs), float32 accumulation.
-_AMX = r"""
+_AMX = (
+    r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PF_AMX 1
-""" + amx_gemm.TILE_CONFIG_SOURCE + r"""
+"""
+    + amx_gemm.TILE_CONFIG_SOURCE
+    + r"""
 
 /* Headroom of the lazy rescaling (natural-log units): probabilities up to e^8 ~ 3e3. */
 #define PF_LAZY 8.0f
@@ -508,6 +513,7 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
 }
 #endif
 """
+)
 
 # One kernel body per storage dtype (``ELEM`` / ``SFX`` macros): ``kv_paged_prefill_attention_f32``
 # and ``kv_paged_prefill_attention_bf16``.
@@ -724,12 +730,38 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
 """
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {f"kv_paged_prefill_attention_{sfx}": [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _i64,
-                                                        _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,
-                                                        _i64, ctypes.c_int, _p]
-               for sfx in DTYPE_SUFFIX.values()}
-_LIB = NativeLibrary("kv_prefill_attention", PRELUDE + _transpose_source() + _HELPERS + _AMX + instantiate(_KERNEL),
-                     _SIGNATURES)
+_SIGNATURES = {
+    f"kv_paged_prefill_attention_{sfx}": [
+        _p,
+        _i64,
+        _p,
+        _p,
+        _i64,
+        _p,
+        _p,
+        _p,
+        _i64,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        _i64,
+        ctypes.c_int,
+        _p,
+    ]
+    for sfx in DTYPE_SUFFIX.values()
+}
+_LIB = NativeLibrary(
+    "kv_prefill_attention",
+    PRELUDE + _transpose_source() + _HELPERS + _AMX + instantiate(_KERNEL),
+    _SIGNATURES,
+)
 
 #: bfloat16 with head_dim a multiple of 32 on AMX tiles when this CPU and process have them
 #: (False: the AVX-512 path, e.g. to compare the two).
@@ -762,20 +794,33 @@ def available() -> bool:
     return _LIB.available()
 
 
-def failure_reason() -> Optional[str]:
+def failure_reason() -> str | None:
     return _LIB.failure_reason()
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
     """True for the shapes and dtypes the kernel takes: float32 or bfloat16, ``head_dim`` a
     multiple of 16 up to ``MAX_HEAD_DIM``, ``num_heads`` a multiple of ``num_kv_heads``."""
-    return (dtype in DTYPE_SUFFIX and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
-            and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
+    return (
+        dtype in DTYPE_SUFFIX
+        and head_dim % 16 == 0
+        and 0 < head_dim <= MAX_HEAD_DIM
+        and num_kv_heads > 0
+        and num_heads % num_kv_heads == 0
+    )
 
 
-def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
-                            q_start: torch.Tensor, pos0: torch.Tensor, kstart: torch.Tensor,
-                            scale: float, window: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    q_start: torch.Tensor,
+    pos0: torch.Tensor,
+    kstart: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of ``C`` multi-token chunks straight from the paged cache.
 
     Args:
@@ -804,49 +849,99 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torc
     if not _LIB.available():
         raise RuntimeError(f"native prefill attention unavailable: {_LIB.failure_reason()}")
     if q.dtype != kv_cache.dtype or q.dtype not in DTYPE_SUFFIX:
-        raise ValueError(f"native prefill attention: q and kv_cache must be float32 or bfloat16 of one dtype, "
-                         f"got q {q.dtype} and kv_cache {kv_cache.dtype}.")
+        raise ValueError(
+            f"native prefill attention: q and kv_cache must be float32 or bfloat16 of one dtype, "
+            f"got q {q.dtype} and kv_cache {kv_cache.dtype}."
+        )
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
-        raise ValueError(f"native prefill attention is CPU-only, got q on {q.device} and kv_cache on {kv_cache.device}.")
+        raise ValueError(
+            f"native prefill attention is CPU-only, got q on {q.device} and kv_cache on {kv_cache.device}."
+        )
     if q.dim() != 3:
         raise ValueError(f"native prefill attention: q must be [T, H, D], got shape {tuple(q.shape)}")
     T, H, D = q.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != D or not kv_cache.is_contiguous():
-        raise ValueError(f"native prefill attention: kv_cache must be a contiguous [2, KH, NB, BS, {D}] tensor, "
-                         f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[4] != D
+        or not kv_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"native prefill attention: kv_cache must be a contiguous [2, KH, NB, BS, {D}] tensor, "
+            f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+        )
     _, KH, NB, BS, _ = kv_cache.shape
     if BS == 0:  # (the kernel divides by it)
         raise ValueError("native prefill attention: kv_cache's block size (dim 3) must be >= 1")
     if KH == 0 or H % KH:
-        raise ValueError(f"native prefill attention: q's {H} heads are not a multiple of kv_cache's {KH} KV heads")
+        raise ValueError(
+            f"native prefill attention: q's {H} heads are not a multiple of kv_cache's {KH} KV heads"
+        )
     if not supports(H, KH, D, q.dtype):
-        raise ValueError(f"native prefill attention: q head_dim {D} must be a multiple of 16, at most {MAX_HEAD_DIM}")
+        raise ValueError(
+            f"native prefill attention: q head_dim {D} must be a multiple of 16, at most {MAX_HEAD_DIM}"
+        )
     if q.stride(2) != 1 or q.stride(1) != D or (T > 1 and q.stride(0) < H * D):
-        raise ValueError(f"native prefill attention: q must be [T, H, D] with contiguous rows (any row stride "
-                         f">= H*D), got strides {q.stride()}")
-    for name, t, dims in (("table", table, 2), ("q_start", q_start, 1), ("pos0", pos0, 1), ("kstart", kstart, 1)):
+        raise ValueError(
+            f"native prefill attention: q must be [T, H, D] with contiguous rows (any row stride "
+            f">= H*D), got strides {q.stride()}"
+        )
+    for name, t, dims in (
+        ("table", table, 2),
+        ("q_start", q_start, 1),
+        ("pos0", pos0, 1),
+        ("kstart", kstart, 1),
+    ):
         if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != dims:
-            raise ValueError(f"native prefill attention: {name} must be a contiguous {dims}-D CPU tensor of int64, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}")
+            raise ValueError(
+                f"native prefill attention: {name} must be a contiguous {dims}-D CPU tensor of int64, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}"
+            )
     C = table.shape[0]
     if q_start.shape[0] != C + 1 or pos0.shape[0] != C or kstart.shape[0] != C:
-        raise ValueError(f"native prefill attention: for {C} chunks (table rows) q_start must have {C + 1} entries "
-                         f"and pos0, kstart {C}; got {q_start.shape[0]}, {pos0.shape[0]}, {kstart.shape[0]}")
-    if not 0 <= int(window) < 2 ** 31:  # (an int32 in the kernel's lane masks)
+        raise ValueError(
+            f"native prefill attention: for {C} chunks (table rows) q_start must have {C + 1} entries "
+            f"and pos0, kstart {C}; got {q_start.shape[0]}, {pos0.shape[0]}, {kstart.shape[0]}"
+        )
+    if not 0 <= int(window) < 2**31:  # (an int32 in the kernel's lane masks)
         raise ValueError(f"native prefill attention: window must be >= 0 and below 2**31, got {window}")
     if out is None:
         out = torch.empty(T, H, D, dtype=q.dtype)
     elif out.shape != (T, H, D) or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu:
-        raise ValueError(f"native prefill attention: out must be a contiguous CPU {q.dtype} tensor of shape "
-                         f"{(T, H, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+        raise ValueError(
+            f"native prefill attention: out must be a contiguous CPU {q.dtype} tensor of shape "
+            f"{(T, H, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
     status = (ctypes.c_int64 * 2)()
     kernel = _LIB.fn(f"kv_paged_prefill_attention_{DTYPE_SUFFIX[q.dtype]}")
-    kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), table.data_ptr(), table.shape[1], q_start.data_ptr(),
-           pos0.data_ptr(), kstart.data_ptr(), C, int(window), out.data_ptr(), T, KH, H // KH, D, NB, BS,
-           float(scale), int(q.dtype == torch.bfloat16 and D % 32 == 0 and USE_AMX and amx_available()),
-           int(GATHER_BYTES), torch.get_num_threads(), ctypes.addressof(status))
+    kernel(
+        q.data_ptr(),
+        q.stride(0),
+        kv_cache.data_ptr(),
+        table.data_ptr(),
+        table.shape[1],
+        q_start.data_ptr(),
+        pos0.data_ptr(),
+        kstart.data_ptr(),
+        C,
+        int(window),
+        out.data_ptr(),
+        T,
+        KH,
+        H // KH,
+        D,
+        NB,
+        BS,
+        float(scale),
+        int(q.dtype == torch.bfloat16 and D % 32 == 0 and USE_AMX and amx_available()),
+        int(GATHER_BYTES),
+        torch.get_num_threads(),
+        ctypes.addressof(status),
+    )
     if status[0]:
         code = int(status[0])
-        raise ValueError(f"native prefill attention: {_ERROR_ARG.get(code, 'arguments')}: "
-                         f"{_ERRORS.get(code, f'error {code}')} (chunk {int(status[1])})")
+        raise ValueError(
+            f"native prefill attention: {_ERROR_ARG.get(code, 'arguments')}: "
+            f"{_ERRORS.get(code, f'error {code}')} (chunk {int(status[1])})"
+        )
     return out

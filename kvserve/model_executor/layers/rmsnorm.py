@@ -1,7 +1,6 @@
 """Root-mean-square layer norm (Zhang & Sennrich, 2019), with an optional fused residual add."""
-from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from __future__ import annotations
 
 import torch
 from torch import nn
@@ -30,8 +29,9 @@ class RMSNorm(nn.Module):
         var = xf.pow(2).mean(-1, keepdim=True)
         return (xf * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise ``x`` (``[..., hidden_size]``).
 
         With ``residual`` given, first adds ``x`` into ``residual`` in place and returns

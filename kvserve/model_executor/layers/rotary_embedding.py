@@ -8,20 +8,21 @@ Supported scaling types (``rope_type``): ``default``, ``linear`` (positions divi
 ``factor``), ``llama3`` (Llama 3.1 frequency-dependent scaling: long wavelengths divided by
 ``factor``, short ones kept, a smooth blend between).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
 
-def get_rope_parameters(hf_config) -> Dict[str, Any]:
+def get_rope_parameters(hf_config) -> dict[str, Any]:
     """Rope settings of a HF config as one dict with at least ``rope_type`` and ``rope_theta``.
 
     Reads ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta`` (older).
     """
-    params: Dict[str, Any] = {}
+    params: dict[str, Any] = {}
     rp = getattr(hf_config, "rope_parameters", None)
     if isinstance(rp, dict) and "full_attention" in rp and isinstance(rp["full_attention"], dict):
         rp = rp["full_attention"]  # per-layer-type form; all our layers share one rope
@@ -38,7 +39,7 @@ def get_rope_parameters(hf_config) -> Dict[str, Any]:
     return params
 
 
-def compute_inv_freq(head_dim: int, params: Dict[str, Any]) -> torch.Tensor:
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies, float32 ``[head_dim // 2]``, after the configured scaling.
 
     Raises:
@@ -75,8 +76,9 @@ class RotaryEmbedding:
         params: output of ``get_rope_parameters``.
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: Dict[str, Any],
-                 dtype=torch.float32, device=None):
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], dtype=torch.float32, device=None
+    ):
         self.head_dim = head_dim
         self.max_position = max_position
         inv = compute_inv_freq(head_dim, params)

@@ -8,9 +8,10 @@ used for the config object.
 q/k/v are fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (two matmuls
 fewer per layer); ``load_weights`` fuses the checkpoint's separate tensors.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ def _head_dim(cfg) -> int:
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
 
 
-def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
     or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight``,
     ``amx_gemm.AmxWeight`` or oneDNN's)."""
@@ -87,29 +88,46 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2"
         self.qkv_weight = _linear_weight(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype, device)
-        self.qkv_bias = (nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype, device=device),
-                                      requires_grad=False) if bias else None)
+        self.qkv_bias = (
+            nn.Parameter(
+                torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype, device=device), requires_grad=False
+            )
+            if bias
+            else None
+        )
         o_bias = bool(getattr(cfg, "attention_bias", False)) and getattr(cfg, "model_type", "") != "qwen2"
         self.o_weight = _linear_weight(cfg.hidden_size, self.q_size, dtype, device)
-        self.o_bias = (nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
-                       if o_bias else None)
+        self.o_bias = (
+            nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+            if o_bias
+            else None
+        )
         self.rope = rope
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         T = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         fused = native_ops.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
         if fused:  # rotary + cache write in one native pass
-            qk = native_ops.rope_write_kv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                          kv_cache, meta.slot_mapping)
+            qk = native_ops.rope_write_kv(
+                qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_cache, meta.slot_mapping
+            )
         else:
-            qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                T, self.num_heads + self.num_kv_heads, self.head_dim
+            )
             qk = RotaryEmbedding.apply(qk, cos, sin)
-        q = qk[:, :self.num_heads]
-        k = qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        q = qk[:, : self.num_heads]
+        k = qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         o = self.attn.forward(q, k, v, kv_cache, meta, kv_written=fused)
         return linear(o, self.o_weight, self.o_bias)
 
@@ -133,8 +151,8 @@ class LlamaMLP(nn.Module):
         if native_ops.supported(gu):
             g = native_ops.silu_and_mul(gu)  # one pass instead of silu + mul
         else:
-            g = F.silu(gu[:, :self.inter])
-            g.mul_(gu[:, self.inter:])
+            g = F.silu(gu[:, : self.inter])
+            g.mul_(gu[:, self.inter :])
         return linear(g, self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +161,7 @@ class LlamaMLP(nn.Module):
             return self._forward(x)
         out = torch.empty_like(x)
         for i in range(0, T, self.CHUNK_ROWS):
-            out[i:i + self.CHUNK_ROWS] = self._forward(x[i:i + self.CHUNK_ROWS])
+            out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS])
         return out
 
 
@@ -182,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
     #: same results, without the per-op Python. False forces the module path.
     use_native_decode = True
 
-    def __init__(self, hf_config, dtype=torch.float32, device="cpu", max_position: Optional[int] = None):
+    def __init__(self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None):
         super().__init__()
         cfg = hf_config
         self.config = cfg
@@ -193,18 +211,29 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
-                                         requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rope, dtype, device)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rope, dtype, device) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (self.embed_tokens if self.tie_word_embeddings else
-                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
-                                     requires_grad=False))
+        self.lm_head = (
+            self.embed_tokens
+            if self.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+        )
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: Optional[List[torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Hidden states after the final norm.
 
         Args:
@@ -243,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
                 setattr(module, name, packed)
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
         casting to the model dtype and fusing q/k/v and gate/up.
 
@@ -259,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         self.check_all_loaded(loaded)
 
-    def weight_target(self, name: str, shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
+    def weight_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The parameter view that checkpoint tensor ``name`` (of ``shape``) is copied into
         (a contiguous row range of a fused parameter for q/k/v and gate/up), or ``None`` for
         tensors that are ignored (``rotary_emb.inv_freq``, a tied ``lm_head.weight``).
@@ -276,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         param, row0 = dst
         n = shape[0] if shape else 0
-        target = param.data[row0:row0 + n] if row0 is not None else param.data
+        target = param.data[row0 : row0 + n] if row0 is not None else param.data
         if tuple(target.shape) != tuple(shape):
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target
@@ -285,9 +314,11 @@ class LlamaForCausalLM(nn.Module):
         """Raises ValueError naming the expected weights absent from ``loaded`` (a set of names)."""
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
 
-    def _expected_names(self) -> List[str]:
+    def _expected_names(self) -> list[str]:
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not self.tie_word_embeddings:
             names.append("lm_head.weight")
@@ -322,13 +353,13 @@ class LlamaForCausalLM(nn.Module):
         a = layer.self_attn
         qkv_rows = {"q": 0, "k": a.q_size, "v": a.q_size + a.kv_size}
         if rest.startswith("self_attn.") and rest.endswith("_proj.weight"):
-            which = rest[len("self_attn."):-len("_proj.weight")]
+            which = rest[len("self_attn.") : -len("_proj.weight")]
             if which in qkv_rows:
                 return a.qkv_weight, qkv_rows[which]
             if which == "o":
                 return a.o_weight, None
         if rest.startswith("self_attn.") and rest.endswith("_proj.bias"):
-            which = rest[len("self_attn."):-len("_proj.bias")]
+            which = rest[len("self_attn.") : -len("_proj.bias")]
             if which in qkv_rows and a.qkv_bias is not None:
                 return a.qkv_bias, qkv_rows[which]
             if which == "o" and a.o_bias is not None:

@@ -17,9 +17,8 @@ kernel that takes this step's row count (``native_gemm.PanelWeight``, or
 native attention kernel (``meta.native_decode``), and the native ops available. Otherwise the
 module path runs.
 """
-from __future__ import annotations
 
-from typing import List, Optional
+from __future__ import annotations
 
 import torch
 
@@ -28,33 +27,66 @@ from kvserve.model_executor.layers.attention import AttentionMetadata
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX
 
 
-def _gemm_call(weight, bias: Optional[torch.Tensor], rows: int):
+def _gemm_call(weight, bias: torch.Tensor | None, rows: int):
     """``(fn, weight_ptr, bias_ptr, out_features, in_features, is_panel)`` for a native GEMM of
     ``rows`` rows, or ``None`` when ``weight`` has none."""
     b = None if bias is None else bias.data_ptr()
     if isinstance(weight, amx_gemm.AmxWeight) and rows <= amx_gemm.MAX_ROWS and amx_gemm.available():
-        return (amx_gemm._LIB.fn("amx_gemm_bf16"), weight.tiles.data_ptr(), b,
-                weight.out_features, weight.in_features, False)
-    if isinstance(weight, native_gemm.PanelWeight) and weight.dtype == torch.float32 and native_gemm.available():
-        return (native_gemm._LIB.fn("gemm_f32"), weight.panels.data_ptr(), b,
-                weight.out_features, weight.in_features, True)
+        return (
+            amx_gemm._LIB.fn("amx_gemm_bf16"),
+            weight.tiles.data_ptr(),
+            b,
+            weight.out_features,
+            weight.in_features,
+            False,
+        )
+    if (
+        isinstance(weight, native_gemm.PanelWeight)
+        and weight.dtype == torch.float32
+        and native_gemm.available()
+    ):
+        return (
+            native_gemm._LIB.fn("gemm_f32"),
+            weight.panels.data_ptr(),
+            b,
+            weight.out_features,
+            weight.in_features,
+            True,
+        )
     return None
 
 
-def applies(model, kv_caches: Optional[List[torch.Tensor]], meta: AttentionMetadata, num_tokens: int) -> bool:
+def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata, num_tokens: int) -> bool:
     """True when ``forward_layers`` can run this step (see the module doc)."""
     nd = meta.native_decode
-    if (kv_caches is None or nd is None or meta.prefills or meta.decode_buckets or nd.start != 0
-            or nd.end != num_tokens or model.dtype not in DTYPE_SUFFIX or model.embed_tokens.device.type != "cpu"
-            or not native_ops.available() or not native_attention.available()):
+    if (
+        kv_caches is None
+        or nd is None
+        or meta.prefills
+        or meta.decode_buckets
+        or nd.start != 0
+        or nd.end != num_tokens
+        or model.dtype not in DTYPE_SUFFIX
+        or model.embed_tokens.device.type != "cpu"
+        or not native_ops.available()
+        or not native_attention.available()
+    ):
         return False
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    return all(_gemm_call(w, None, num_tokens) is not None
-               for w in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight))
+    return all(
+        _gemm_call(w, None, num_tokens) is not None
+        for w in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
+    )
 
 
-def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kv_caches: List[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+def forward_layers(
+    model,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
     """All decoder layers and the final norm for embedded tokens ``x`` ``[T, hidden]``.
 
     Args:
@@ -102,20 +134,60 @@ def forward_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     for i, layer in enumerate(model.layers):
         attn, mlp, cache = layer.self_attn, layer.mlp, kv_caches[i]
         if i == 0:
-            rms(p(residual), None, p(layer.input_layernorm.weight), p(h), T, hidden,
-                layer.input_layernorm.eps, nt)
+            rms(
+                p(residual),
+                None,
+                p(layer.input_layernorm.weight),
+                p(h),
+                T,
+                hidden,
+                layer.input_layernorm.eps,
+                nt,
+            )
         else:  # residual += mlp_out; h = norm(residual)
-            rms(p(mlp_out), p(residual), p(layer.input_layernorm.weight), p(h), T, hidden,
-                layer.input_layernorm.eps, nt)
+            rms(
+                p(mlp_out),
+                p(residual),
+                p(layer.input_layernorm.weight),
+                p(h),
+                T,
+                hidden,
+                layer.input_layernorm.eps,
+                nt,
+            )
         gemm(attn.qkv_weight, attn.qkv_bias, h, qkv)
         NB, BS = cache.shape[2], cache.shape[3]
         rope(p(qkv), cos_p, sin_p, p(qk), p(cache), slots_p, T, H, KH, D, NB * BS, nt)
         # q heads straight from qk's rows ((H + KH) * D apart); k/v are already in the cache
-        attend(p(qk), (H + KH) * D, p(cache), table_p, nbmax, kstart_p, kend_p, p(attn_out),
-               T, KH, G, D, NB, BS, attn.attn.scale, nt)
+        attend(
+            p(qk),
+            (H + KH) * D,
+            p(cache),
+            table_p,
+            nbmax,
+            kstart_p,
+            kend_p,
+            p(attn_out),
+            T,
+            KH,
+            G,
+            D,
+            NB,
+            BS,
+            attn.attn.scale,
+            nt,
+        )
         gemm(attn.o_weight, attn.o_bias, attn_out, o)
-        rms(p(o), p(residual), p(layer.post_attention_layernorm.weight), p(h), T, hidden,
-            layer.post_attention_layernorm.eps, nt)
+        rms(
+            p(o),
+            p(residual),
+            p(layer.post_attention_layernorm.weight),
+            p(h),
+            T,
+            hidden,
+            layer.post_attention_layernorm.eps,
+            nt,
+        )
         gemm(mlp.gate_up_weight, None, h, gate_up)
         silu(p(gate_up), p(act), T, inter, nt)
         gemm(mlp.down_weight, None, act, mlp_out)

@@ -142,7 +142,8 @@ class SchedulerConfig:
         num_lookahead_slots: extra slots reserved per decode (speculative decoding hook; 0).
     """
 
-    max_num_batched_tokens: int | None = None
+    # None = derived in __post_init__ (an int from then on, which is what the scheduler reads)
+    max_num_batched_tokens: int = None  # type: ignore[assignment]
     max_num_seqs: int = 256
     max_model_len: int = 2048
     chunked_prefill_enabled: bool = False

@@ -12,6 +12,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.sampling_params import SamplingParams
 
@@ -138,11 +139,11 @@ class Sequence:
         self.eos_token_id = eos_token_id
         self.prompt = prompt
         self.status = SequenceStatus.WAITING
-        self.stop_reason: object | None = None  # matched stop string or stop token id
+        self.stop_reason: int | str | None = None  # matched stop string or stop token id
         # Incremental detokenization state (owned by the engine's detokenizer); a fork starts
         # a fresh stream primed with the tokens so far.
         self.output_text = ""
-        self.decode_stream = None
+        self.decode_stream: Any = None  # tokenizers.decoders.DecodeStream, made on first decode
         # Per generated token: {token_id: logprob} (sampled token included) when requested.
         self.output_logprobs: list[dict[int, float]] = []
 
@@ -264,7 +265,7 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
         self.priority = priority
-        self.generator = None
+        self.generator: Any = None  # torch.Generator when sampling_params.seed is set
         # Set when the scheduler ignores the group: a message naming the length and the limit.
         self.ignored_reason: str | None = None
         # Prompt tokens found in the prefix cache at the first admission (None before it).
@@ -354,7 +355,7 @@ class SequenceGroupMetadata:
     token_chunk_size: int
     do_sample: bool = True
     num_samples: int = 1
-    generator: object = None
+    generator: Any = None
     computed_block_nums: list[int] | None = None
 
 

@@ -37,6 +37,12 @@ from kvserve.sequence import Sequence, SequenceGroup, SequenceStatus
 BlockTable = list[PhysicalBlock | None]
 
 
+def _present(block: PhysicalBlock | None) -> PhysicalBlock:
+    # A table's None entries are blocks a sliding window dropped; a fresh allocation has none.
+    assert block is not None
+    return block
+
+
 class AllocStatus(enum.Enum):
     """Result of an admission check (``can_allocate`` / ``can_swap_in``).
 
@@ -286,7 +292,7 @@ class BlockSpaceManager:
                 if j < num_cached_blocks:
                     last_cow = plan._cow_last and j == num_cached_blocks - 1
                     if i > 0 and j < shared and (not last_cow or shared >= num_cached_blocks):
-                        b = first_table[j]
+                        b = _present(first_table[j])
                         self.gpu.incr_ref(b)
                     elif last_cow:
                         src = plan._hits[i][j]
@@ -298,7 +304,7 @@ class BlockSpaceManager:
                         b = plan._hits[i][j]
                         self.gpu.incr_ref(b)
                 elif i > 0 and j < shared:
-                    b = first_table[j]
+                    b = _present(first_table[j])
                     self.gpu.incr_ref(b)
                 else:
                     b = self.gpu.allocate()

@@ -368,7 +368,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if not any(g.request_id in ids for g in queue):
                 continue
-            keep = deque()
+            keep: deque[SequenceGroup] = deque()
             for g in queue:
                 if g.request_id in ids:
                     aborted.append(g)
@@ -456,6 +456,7 @@ class Scheduler:
                     block_tables[seq.seq_id] = bm.get_block_table(seq)
                     if first is None:
                         first = seq
+            assert first is not None, f"{g.request_id} scheduled without a running sequence"
             is_prompt = first.is_prefill()
             do_sample = True
             computed = None

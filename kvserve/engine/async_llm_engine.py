@@ -123,6 +123,8 @@ class AsyncLLMEngine:
             stream.put_nowait(item)
 
     def _drain_inbox(self) -> None:
+        loop = self._loop
+        assert loop is not None, "start() sets the loop before the thread runs"
         while True:
             try:
                 msg = self._inbox.get_nowait()
@@ -132,15 +134,17 @@ class AsyncLLMEngine:
                 _, rid, prompt, params, priority, accepted = msg
                 try:
                     self.engine.add_request(rid, prompt, params, priority=priority)
-                    self._loop.call_soon_threadsafe(_resolve, accepted, None)
+                    loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid input: reported to the caller, never fatal
                     err = e if isinstance(e, ValueError) else ValueError(str(e))
-                    self._loop.call_soon_threadsafe(_resolve, accepted, err)
+                    loop.call_soon_threadsafe(_resolve, accepted, err)
             elif msg[0] == "abort":
                 self.engine.abort_request(msg[1])
 
     def _run(self) -> None:
         engine = self.engine
+        loop = self._loop
+        assert loop is not None, "start() sets the loop before the thread runs"
         while not self._stopping:
             self._wakeup.clear()
             self._drain_inbox()
@@ -158,9 +162,9 @@ class AsyncLLMEngine:
                 except Exception:
                     self.errored = e
                 for rid in ids:
-                    self._loop.call_soon_threadsafe(self._deliver, rid, RuntimeError(f"engine error: {e}"))
+                    loop.call_soon_threadsafe(self._deliver, rid, RuntimeError(f"engine error: {e}"))
                 if self.errored is not None:
                     return
                 continue
             for out in outputs:
-                self._loop.call_soon_threadsafe(self._deliver, out.request_id, out)
+                loop.call_soon_threadsafe(self._deliver, out.request_id, out)

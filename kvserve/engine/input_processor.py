@@ -82,7 +82,7 @@ def validate_request(
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}.")
         for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
+            ("stop_token_ids", params.stop_token_ids or []),
             ("logit_bias", [int(k) for k in (params.logit_bias or {})]),
         ):
             bad = [t for t in ids if t >= vocab_size]

@@ -28,7 +28,7 @@ class StopChecker:
             if not params.ignore_eos and last == seq.eos_token_id:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
-            if last in params.stop_token_ids:
+            if last in (params.stop_token_ids or ()):
                 if not params.include_stop_str_in_output and new_text:
                     seq.output_text = seq.output_text[: -len(new_text)]
                 seq.status = SequenceStatus.FINISHED_STOPPED
@@ -54,7 +54,7 @@ class StopChecker:
         completes first), then the one that starts first: the choice depends on the text only,
         never on how the new characters were split into tokens."""
         best = None  # (end, start, stop)
-        for stop in params.stop:
+        for stop in params.stop or ():
             # Only matches overlapping the new characters are new; earlier text was checked.
             start = max(0, len(text) - num_new_chars - len(stop) + 1)
             idx = text.find(stop, start)
@@ -68,4 +68,4 @@ class StopChecker:
 
 def max_stop_len(params: SamplingParams) -> int:
     """Characters a stream must hold back so no part of a stop string is ever sent."""
-    return max((len(s) for s in params.stop), default=0)
+    return max((len(s) for s in params.stop or ()), default=0)

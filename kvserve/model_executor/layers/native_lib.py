@@ -1,16 +1,14 @@
 """Build-on-first-use C/OpenMP kernels for the CPU hot path, loaded with ``ctypes``.
 
-Each ``NativeLibrary`` is one C source (``PRELUDE`` + its kernels), compiled on first use with
-the system C compiler (``cc -O3 -march=native -fopenmp``) into
-``<cache root>/native/<hash of name, source, compiler and CPU flags>/`` (built in a temporary folder
-and renamed into place, so concurrent processes never load a half-written library). ctypes
-releases the GIL during a call. If there is no compiler, the build fails, or
-``KVSERVE_NATIVE=0`` is set, ``load()`` returns ``None`` and callers use their torch path.
-
-``PRELUDE`` gives the kernels 16-lane float vectors (GCC vector extensions: AVX-512 with
-``-march=native``, two AVX2 registers otherwise), horizontal sum, a vectorised ``exp`` and
-bfloat16 <-> float32 conversion (bfloat16 is the top half of a float32: widening is a 16-bit
-shift, narrowing rounds to nearest even, as torch does).
+The kernels are C sources in ``kvserve/csrc/`` (one ``.c`` per kernel family, shared headers
+beside them; see the README there). Each ``NativeLibrary`` is one of those ``.c`` files,
+compiled on first use for this host with the system C compiler (``$CC``, default ``cc``;
+``CFLAGS`` below) into ``<cache root>/native/<hash>/``, the hash over the library name, every
+file in ``csrc/``, the compiler, the flags and the CPU's feature flags. It is built in a
+temporary folder and renamed into place, so concurrent processes never load a half-written
+library. ctypes releases the GIL during a call. If there is no compiler, the build fails, or
+``KVSERVE_NATIVE=0`` is set, ``load()`` returns ``None`` (``failure_reason()`` says why) and
+callers use their torch path.
 """
 
 from __future__ import annotations
@@ -23,113 +21,49 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-#: Storage dtype -> suffix of the kernel symbols ``instantiate`` exports for it.
+#: Storage dtype -> suffix of the kernel symbols ``csrc/kv_instantiate.h`` exports for it.
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
-PRELUDE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-
-static inline float hsum16(v16 v) {
-    v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-}
-
-static inline v16 vmax(v16 a, v16 b) {
-    v16i m = a > b;
-    return (v16)(((v16i)a & m) | ((v16i)b & ~m));
-}
-
-/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 Taylor in r, times 2^n
-   (relative error ~1e-7). */
-static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){} - 87.0f;
-    x = vmax(x, lo);
-    const v16 magic = (v16){} + 12582912.0f;           /* 1.5 * 2^23: round to nearest */
-    v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693145751953125f;                   /* ln2 split hi/lo */
-    r = r - n * 1.428606765330187045e-06f;
-    v16 p = r * (1.0f / 720) + (1.0f / 120);
-    p = p * r + (1.0f / 24);
-    p = p * r + (1.0f / 6);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)e;
-}
-
-/* Element access for the two storage dtypes (SFX f32 / bf16). */
-static inline v16 ld16_f32(const float* p) { return *(const v16*)p; }
-static inline void st16_f32(float* p, v16 x) { *(v16*)p = x; }
-static inline float ld1_f32(const float* p) { return *p; }
-static inline void st1_f32(float* p, float x) { *p = x; }
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* One VPMOVZXWD with its load folded in: GCC lowers the generic widening below to two 128-bit
-   halves and an insert (4 instructions), which left RMSNorm and SiLU compute-bound. */
-static inline v16 ld16_bf16(const uint16_t* p) {
-    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
-}
-#else
-static inline v16 ld16_bf16(const uint16_t* p) {
-    return (v16)(__builtin_convertvector(*(const v16h*)p, v16u) << 16);
-}
-#endif
-#if defined(__AVX512BF16__)
-/* One VCVTNEPS2BF16 (round to nearest even, as the shifts below) instead of five integer
-   ops and a narrowing: these conversions were ~1/3 of the SiLU and attention-output loops.
-   Unlike the integer version it keeps NaNs NaN, and it flushes float32 denormals (|x| <
-   1.2e-38) to zero. */
-static inline v16h cvt16_bf16(v16 x) { return (v16h)_mm512_cvtneps_pbh((__m512)x); }
-#else
-static inline v16h cvt16_bf16(v16 x) {
-    v16u u = (v16u)x;
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return __builtin_convertvector(u, v16h);
-}
-#endif
-static inline void st16_bf16(uint16_t* p, v16 x) { *(v16h*)p = cvt16_bf16(x); }
-static inline float ld1_bf16(const uint16_t* p) {
-    uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline void st1_bf16(uint16_t* p, float x) {
-    uint32_t u; memcpy(&u, &x, 4); *p = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-/* Round a float32 to the nearest bfloat16 value, kept as float32 (bf16 arithmetic emulation). */
-static inline v16 round16_bf16(v16 x) {
-    const v16h h = cvt16_bf16(x);
-    return ld16_bf16((const uint16_t*)&h);
-}
-static inline v16 round16_f32(v16 x) { return x; }
-
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-"""
+#: The C sources (package data).
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+#: Compiler flags of every build: tuned for the host; errno never set by math functions (lets
+#: GCC inline ``sqrtf`` and friends). Tests add warnings (``-Wall -Wextra -Werror``) and
+#: sanitizers to these.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 
 
-def instantiate(kernels: str) -> str:
-    """``kernels`` (written with the macros ``ELEM`` and ``SFX``) once for float32 (``_f32``
-    symbols) and once for bfloat16 (``_bf16``)."""
-    return (
-        "#define ELEM float\n#define SFX f32\n" + kernels + "#undef ELEM\n#undef SFX\n"
-        "#define ELEM uint16_t\n#define SFX bf16\n" + kernels + "#undef ELEM\n#undef SFX\n"
-    )
+def compile_command(
+    source: str, output: str | Path, extra_flags: Sequence[str] = (), shared: bool = True
+) -> list[str]:
+    """The compiler command line that builds ``csrc/<source>`` into ``output`` (a shared
+    library, or an executable with ``shared=False``), with ``extra_flags`` after ``CFLAGS``."""
+    cc = os.environ.get("CC", "cc")
+    kind = ["-shared", "-fPIC"] if shared else []
+    return [
+        cc,
+        *CFLAGS,
+        *extra_flags,
+        *kind,
+        f"-I{CSRC_DIR}",
+        "-o",
+        str(output),
+        str(CSRC_DIR / source),
+        "-lm",
+    ]
+
+
+def _sources_digest() -> str:
+    """sha256 over every file of ``csrc/`` (names and contents): any edit rebuilds."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC_DIR.rglob("*")):
+        if f.is_file():
+            h.update(str(f.relative_to(CSRC_DIR)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _cpu_key() -> str:
@@ -148,8 +82,12 @@ class NativeLibrary:
 
     Args:
         name: file stem of the built ``.so``.
-        source: full C source (normally ``PRELUDE`` + kernels).
-        signatures: exported symbol -> ctypes argument types (all return ``void``).
+        source: the ``.c`` file of ``csrc/`` it is built from.
+        signatures: exported symbol -> ctypes argument types (all return ``void``; a caller
+            that needs a result sets ``restype`` on ``fn(name)``).
+
+    Attributes:
+        path: the loaded ``.so`` once ``load()`` succeeded, else None.
     """
 
     def __init__(self, name: str, source: str, signatures: dict[str, list]):
@@ -160,33 +98,22 @@ class NativeLibrary:
         self._lib: ctypes.CDLL | None = None
         self._failed: str | None = None
         self._fns: dict[str, ctypes._CFuncPtr] = {}
+        self.path: Path | None = None
 
     def _build(self, out_dir: Path) -> Path:
-        cc = os.environ.get("CC", "cc")
+        lib_name = f"{self.name}.so"
+        command = compile_command(self.source, lib_name)
         # the name too: two libraries of one source must not share (and fight over) a folder
-        key = hashlib.sha256((self.name + self.source + cc + _cpu_key()).encode()).hexdigest()[:16]
-        final = out_dir / key
-        lib = final / f"{self.name}.so"
+        key_text = "\0".join([self.name, _sources_digest(), *command, _cpu_key()])
+        final = out_dir / hashlib.sha256(key_text.encode()).hexdigest()[:16]
+        lib = final / lib_name
         if lib.is_file():
             return lib
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-native-", dir=out_dir))
         try:
-            (tmp / f"{self.name}.c").write_text(self.source)
             subprocess.run(
-                [
-                    cc,
-                    "-O3",
-                    "-march=native",
-                    "-fopenmp",
-                    "-fno-math-errno",
-                    "-shared",
-                    "-fPIC",
-                    "-o",
-                    str(tmp / f"{self.name}.so"),
-                    str(tmp / f"{self.name}.c"),
-                    "-lm",
-                ],
+                compile_command(self.source, tmp / lib_name),
                 check=True,
                 capture_output=True,
                 timeout=120,
@@ -214,12 +141,13 @@ class NativeLibrary:
             try:
                 from kvserve.model_executor.gguf_convert import cache_root
 
-                lib = ctypes.CDLL(str(self._build(cache_root() / "native")))
+                path = self._build(cache_root() / "native")
+                lib = ctypes.CDLL(str(path))
                 for sym, argtypes in self.signatures.items():
                     fn = getattr(lib, sym)
                     fn.argtypes = argtypes
                     fn.restype = None
-                self._lib = lib
+                self._lib, self.path = lib, path
             except Exception as e:  # no compiler, compile error, load error: torch path
                 detail = getattr(e, "stderr", b"") or b""
                 self._failed = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}".strip()

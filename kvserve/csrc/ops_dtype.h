@@ -1,0 +1,102 @@
+void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out,
+                         int64_t T, int64_t H, float eps, int nthreads)
+{
+    const int64_t H16 = H & ~(int64_t)15;
+    #pragma omp parallel for schedule(static) num_threads(T >= 128 ? nthreads : 1)
+    for (int64_t t = 0; t < T; ++t) {
+        const ELEM* xr = x + t * H;
+        ELEM* rr = residual ? residual + t * H : NULL;
+        ELEM* orow = out + t * H;
+        /* s = x (+ residual, rounded to the storage dtype and written back as the new residual) */
+        const ELEM* src = xr;
+        if (rr) {
+            int64_t i = 0;
+            for (; i < H16; i += 16)
+                CAT(st16_, SFX)(rr + i, CAT(ld16_, SFX)(xr + i) + CAT(ld16_, SFX)(rr + i));
+            for (; i < H; ++i) CAT(st1_, SFX)(rr + i, CAT(ld1_, SFX)(xr + i) + CAT(ld1_, SFX)(rr + i));
+            src = rr;
+        }
+        v16 ss = (v16){};
+        float tail = 0.0f;
+        int64_t i = 0;
+        for (; i < H16; i += 16) { v16 v = CAT(ld16_, SFX)(src + i); ss += v * v; }
+        for (; i < H; ++i) { float v = CAT(ld1_, SFX)(src + i); tail += v * v; }
+        const float inv = 1.0f / sqrtf((hsum16(ss) + tail) / (float)H + eps);
+        for (i = 0; i < H16; i += 16) {
+            v16 n = CAT(round16_, SFX)(CAT(ld16_, SFX)(src + i) * inv);
+            CAT(st16_, SFX)(orow + i, n * CAT(ld16_, SFX)(w + i));
+        }
+        for (; i < H; ++i) {
+            v16 n = CAT(round16_, SFX)((v16){} + CAT(ld1_, SFX)(src + i) * inv);
+            CAT(st1_, SFX)(orow + i, n[0] * CAT(ld1_, SFX)(w + i));
+        }
+    }
+}
+
+void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, int nthreads)
+{
+    const int64_t I16 = I & ~(int64_t)15;
+    #pragma omp parallel for schedule(static) num_threads(T >= 32 ? nthreads : 1)
+    for (int64_t t = 0; t < T; ++t) {
+        const ELEM* g = gu + t * 2 * I;
+        const ELEM* u = g + I;
+        ELEM* o = out + t * I;
+        int64_t i = 0;
+        for (; i < I16; i += 16) {
+            v16 gv = CAT(ld16_, SFX)(g + i);
+            v16 e = exp16(vmin((v16){} - gv, (v16){} + 88.0f));
+            v16 s = gv / (1.0f + e);
+            /* below -88 the clamped exp no longer cancels gv (silu(-3e38) came out -1.8): there
+               silu is gv * e^gv, i.e. +-0 (NaN for -inf, as torch) */
+            const v16i far = gv < -88.0f;
+            s = (v16)(((v16i)s & ~far) | ((v16i)(gv * 0.0f) & far));
+            s = CAT(round16_, SFX)(s);
+            CAT(st16_, SFX)(o + i, s * CAT(ld16_, SFX)(u + i));
+        }
+        for (; i < I; ++i) {
+            float gv = CAT(ld1_, SFX)(g + i);
+            v16 s = CAT(round16_, SFX)((v16){} + gv / (1.0f + expf(-gv)));
+            CAT(st1_, SFX)(o + i, s[0] * CAT(ld1_, SFX)(u + i));
+        }
+    }
+}
+
+/* Rotary embedding (RoFormer, Su et al. 2021; rotate-half form) of the q and k heads of a fused
+   qkv row, written to qk_out [T, H + KH, D]; the rotated k and the v heads also go straight
+   into their cache slots (cache [2, KH, NBBS, D], slots [T]; skipped when cache is NULL).
+   Per element, as the torch path: o1 = round(x1 cos) - x2 sin, o2 = round(x2 cos) + x1 sin. */
+void CAT(rope_write_kv_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sinb, ELEM* qk_out,
+                              ELEM* cache, const int64_t* slots, int64_t T, int64_t H, int64_t KH,
+                              int64_t D, int64_t NBBS, int nthreads)
+{
+    const int64_t half = D / 2, half16 = half & ~(int64_t)15, row = (H + 2 * KH) * D;
+    #pragma omp parallel for schedule(static) num_threads(T >= 64 ? nthreads : 1)
+    for (int64_t t = 0; t < T; ++t) {
+        const ELEM* c = cosb + t * half;
+        const ELEM* sn = sinb + t * half;
+        for (int64_t hh = 0; hh < H + KH; ++hh) {
+            const ELEM* x = qkv + t * row + hh * D;
+            ELEM* o = qk_out + (t * (H + KH) + hh) * D;
+            int64_t i = 0;
+            for (; i < half16; i += 16) {
+                v16 x1 = CAT(ld16_, SFX)(x + i), x2 = CAT(ld16_, SFX)(x + half + i);
+                v16 cv = CAT(ld16_, SFX)(c + i), sv = CAT(ld16_, SFX)(sn + i);
+                CAT(st16_, SFX)(o + i, CAT(round16_, SFX)(x1 * cv) - x2 * sv);
+                CAT(st16_, SFX)(o + half + i, CAT(round16_, SFX)(x2 * cv) + x1 * sv);
+            }
+            for (; i < half; ++i) {
+                float x1 = CAT(ld1_, SFX)(x + i), x2 = CAT(ld1_, SFX)(x + half + i);
+                float cv = CAT(ld1_, SFX)(c + i), sv = CAT(ld1_, SFX)(sn + i);
+                v16 a = CAT(round16_, SFX)((v16){} + x1 * cv), b = CAT(round16_, SFX)((v16){} + x2 * cv);
+                CAT(st1_, SFX)(o + i, a[0] - x2 * sv);
+                CAT(st1_, SFX)(o + half + i, b[0] + x1 * sv);
+            }
+            if (cache && hh >= H)
+                memcpy(cache + ((hh - H) * NBBS + slots[t]) * D, o, sizeof(ELEM) * D);
+        }
+        if (cache)
+            for (int64_t h = 0; h < KH; ++h)
+                memcpy(cache + ((KH + h) * NBBS + slots[t]) * D, qkv + t * row + (H + KH + h) * D,
+                       sizeof(ELEM) * D);
+    }
+}

@@ -162,7 +162,6 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
         }
         if (ni == 0) continue;
         qsort(items, (size_t)ni, sizeof(pf_item), pf_item_cmp);
-        const int64_t ng = amx ? (c1 - c0) * KH : 0;
         const int nt = nthreads < ni ? nthreads : (int)ni;
         #pragma omp parallel num_threads(nt)
         {
@@ -173,6 +172,7 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
                 failed = 1;
             }
 #ifdef PF_AMX
+            const int64_t ng = amx ? (c1 - c0) * KH : 0;   /* (chunk, KV head) gathers */
             #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < ng; ++i) {   /* (implicit barrier: all gathered before any item) */
                 const int64_t c = c0 + i / KH, h = i % KH, len = grange[nc + c];

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,20 +36,25 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 #: GCC inline ``sqrtf`` and friends). Tests add warnings (``-Wall -Wextra -Werror``) and
 #: sanitizers to these.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+#: Environment variable of flags appended to ``CFLAGS`` (e.g. ``-fsanitize=address,undefined``
+#: for a sanitizer build; part of the build key, so such builds never mix with normal ones).
+EXTRA_CFLAGS_ENV = "KVSERVE_NATIVE_CFLAGS"
+#: The modules whose ``_LIB`` is a kernel library (``all_libraries``).
+KERNEL_MODULES = ("native_gemm", "amx_gemm", "native_attention", "native_ops", "native_prefill_attention")
 
 
-def compile_command(
-    source: str, output: str | Path, extra_flags: Sequence[str] = (), shared: bool = True
-) -> list[str]:
-    """The compiler command line that builds ``csrc/<source>`` into ``output`` (a shared
-    library, or an executable with ``shared=False``), with ``extra_flags`` after ``CFLAGS``."""
-    cc = os.environ.get("CC", "cc")
-    kind = ["-shared", "-fPIC"] if shared else []
+def compile_command(source: str, output: str | Path, extra_flags: Sequence[str] = ()) -> list[str]:
+    """The compiler command line that builds ``csrc/<source>`` into the shared library
+    ``output``: ``$CC`` (default ``cc``), ``CFLAGS``, then the flags of ``$KVSERVE_NATIVE_CFLAGS``,
+    then ``extra_flags``."""
+    env_flags = shlex.split(os.environ.get(EXTRA_CFLAGS_ENV, ""))
     return [
-        cc,
+        os.environ.get("CC", "cc"),
         *CFLAGS,
+        *env_flags,
         *extra_flags,
-        *kind,
+        "-shared",
+        "-fPIC",
         f"-I{CSRC_DIR}",
         "-o",
         str(output),
@@ -100,7 +106,18 @@ class NativeLibrary:
         self._fns: dict[str, ctypes._CFuncPtr] = {}
         self.path: Path | None = None
 
-    def _build(self, out_dir: Path) -> Path:
+    def build(self, out_dir: Path | None = None) -> Path:
+        """Compile the library (unless this exact build exists) and return the ``.so`` path,
+        without loading it. ``out_dir`` defaults to ``<cache root>/native``.
+
+        Raises:
+            subprocess.CalledProcessError: the compiler failed (its stderr is attached).
+            OSError: no compiler, or the cache folder cannot be written.
+        """
+        if out_dir is None:
+            from kvserve.model_executor.gguf_convert import cache_root
+
+            out_dir = cache_root() / "native"
         lib_name = f"{self.name}.so"
         command = compile_command(self.source, lib_name)
         # the name too: two libraries of one source must not share (and fight over) a folder
@@ -139,9 +156,7 @@ class NativeLibrary:
                 self._failed = "disabled by KVSERVE_NATIVE=0"
                 return None
             try:
-                from kvserve.model_executor.gguf_convert import cache_root
-
-                path = self._build(cache_root() / "native")
+                path = self.build()
                 lib = ctypes.CDLL(str(path))
                 for sym, argtypes in self.signatures.items():
                     fn = getattr(lib, sym)
@@ -165,3 +180,10 @@ class NativeLibrary:
 
     def failure_reason(self) -> str | None:
         return self._failed
+
+
+def all_libraries() -> list[NativeLibrary]:
+    """Every kernel library of kvserve (importing the wrapper modules of ``KERNEL_MODULES``)."""
+    import importlib
+
+    return [importlib.import_module(f"{__package__}.{m}")._LIB for m in KERNEL_MODULES]

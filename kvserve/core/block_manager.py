@@ -355,14 +355,18 @@ class BlockSpaceManager:
             needed += k if b.ref_count > k else k - 1
         return needed
 
-    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
-        """Whether every running sequence of the group can get its next slot(s) now.
+    def can_append_slots(
+        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0, reserve: int = 0
+    ) -> bool:
+        """Whether every running sequence of the group can get its next slot(s) now, leaving
+        ``reserve`` free blocks untouched (blocks promised to a higher-ranked group).
 
         Counts new blocks for growth and for copy-on-write of shared blocks about to be
         written (a block shared by k of the group's seqs and nobody else needs k-1 copies).
         """
         return (
-            self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.gpu.get_num_free_blocks()
+            self._num_new_blocks_for_append(seq_group, num_lookahead_slots)
+            <= self.gpu.get_num_free_blocks() - reserve
         )
 
     def can_ever_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
@@ -407,11 +411,11 @@ class BlockSpaceManager:
         return copies
 
     def try_append_slots(
-        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0
+        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0, reserve: int = 0
     ) -> list[tuple[int, int]] | None:
         """``can_append_slots`` + ``append_slots`` for every running sequence of the group in
         one pass (the scheduler's hot path). Returns the copy-on-write pairs, or None (and
-        changes nothing) when the free blocks do not suffice."""
+        changes nothing) when the free blocks minus ``reserve`` do not suffice."""
         seqs = [s for s in seq_group.seqs_dict.values() if s.status == SequenceStatus.RUNNING]
         if len(seqs) == 1:
             seq = seqs[0]
@@ -425,12 +429,12 @@ class BlockSpaceManager:
                 b = table[i]
                 if b is not None and b.ref_count > 1:
                     need += 1
-            if need > self.gpu.get_num_free_blocks():
+            if need > self.gpu.get_num_free_blocks() - reserve:
                 return None
             if need == 0 and self.sliding_window is None:
                 return []
             return self.append_slots(seq, num_lookahead_slots)
-        if not self.can_append_slots(seq_group, num_lookahead_slots):
+        if not self.can_append_slots(seq_group, num_lookahead_slots, reserve):
             return None
         copies: list[tuple[int, int]] = []
         for seq in seqs:

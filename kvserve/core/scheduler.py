@@ -238,6 +238,7 @@ class _Step:
         "num_partial",
         "capped",
         "reserved",
+        "passed_delay",
     )
 
     def __init__(self, now: float, swapped_at_start: tuple[SequenceGroup, ...] = ()) -> None:
@@ -254,6 +255,7 @@ class _Step:
         # Waiting groups that preempted others this step -> (group, blocks they need): the
         # freed blocks are theirs, not for the growth of running groups they outrank.
         self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
+        self.passed_delay = True  # delay_factor: new prompts may be admitted this step
 
     def add_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -318,6 +320,11 @@ class Scheduler:
             else:
                 threshold = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold: int = threshold
+        # delay_factor bookkeeping (vLLM V0): when the previous step began, whether it admitted
+        # prompts, and how long the last step that did took (seconds on ``clock``).
+        self.prev_time = 0.0
+        self.prev_prompt = False
+        self.last_prompt_latency = 0.0
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -507,6 +514,7 @@ class Scheduler:
     def _schedule_default(self) -> SchedulerOutputs:
         """V0 path: whole prompts first; decodes (and swap-ins) only in steps without any."""
         st = _Step(self.clock(), tuple(self.swapped))
+        st.passed_delay = self._passed_delay(st.now)
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -523,6 +531,7 @@ class Scheduler:
         """Sarathi-Serve path: decodes, running prefills, swap-ins, then new prompts, all
         under one token budget; leftover budget tops up chunks cut by the long-prefill cap."""
         st = _Step(self.clock(), tuple(self.swapped))
+        st.passed_delay = self._passed_delay(st.now)
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -666,8 +675,8 @@ class Scheduler:
         sequence slots), preempts the lowest-ranked running groups it strictly outranks, but
         only if doing so makes it fit. Stops at the first group that cannot be helped.
         """
-        if not self.waiting or not self.running:
-            return
+        if not self.waiting or not self.running or not st.passed_delay:
+            return  # (no preempting for prompts that this step holds back anyway)
         now = st.now
         bm = self.block_manager
         waiting = self.policy.sort_by_priority(now, self.waiting)
@@ -892,6 +901,20 @@ class Scheduler:
         outrank ``g``: ``g`` may not grow into them."""
         return sum(cost for w, cost in st.reserved.values() if self.policy.outranks(st.now, w, g))
 
+    def _passed_delay(self, now: float) -> bool:
+        """Whether new prompts may be admitted this step (``delay_factor``; call once per
+        step). Measures the last prompt step's latency when the previous step admitted
+        prompts, then: True when the factor is 0, nothing waits or runs, or the oldest waiting
+        group has waited more than ``delay_factor * last_prompt_latency`` seconds."""
+        if self.prev_prompt:
+            self.last_prompt_latency = now - self.prev_time
+        self.prev_time, self.prev_prompt = now, False
+        factor = self.scheduler_config.delay_factor
+        if factor <= 0 or not self.waiting or not self.running:
+            return True
+        oldest = min(g.metrics.arrival_time for g in self.waiting)
+        return now - oldest > factor * self.last_prompt_latency
+
     def _readmission_margin(self, g: SequenceGroup, plan) -> int:
         k = g.metrics.num_preemptions
         if k < THRASH_PREEMPTIONS or not self.running:
@@ -914,7 +937,7 @@ class Scheduler:
         freed by preempting for it never go to a group it outranks.
         """
         out = SchedulerPrefillOutputs()
-        if not self.waiting:
+        if not self.waiting or not st.passed_delay:
             return out
         if (self.swapped or st.swapped_at_start) and not self.policy.preempts_by_rank:
             # Swapped groups resume before anything new is admitted (B10), and not in the
@@ -1024,6 +1047,8 @@ class Scheduler:
             admitted.add(rid)
             st.reserved.pop(rid, None)
             self.running.append(g)
+        if admitted:
+            self.prev_prompt = True
         if admitted or ignored:
             self.waiting = deque(
                 g for g in self.waiting if g.request_id not in admitted and g.request_id not in ignored

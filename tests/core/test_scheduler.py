@@ -380,3 +380,66 @@ def test_running_groups_outranked_by_the_preempting_group_do_not_grow_into_its_b
     h.run()
     assert h.finished_order[0] == "H"
     h.assert_idle()
+
+
+def test_delay_factor_holds_new_prompts_until_the_oldest_waited_a_factor_of_the_last_prompt_step():
+    """vLLM V0's delay_factor on the simulator's virtual clock: while A decodes, B and C (one
+    step apart) are held until the oldest has waited longer than delay_factor x the latency of
+    the last prompt step, then admitted together in one step; 0.0 admits each at once."""
+
+    def run(delay_factor):
+        cc, sc = configs(G=64, S=8, T=64, L=64)
+        sc.delay_factor = delay_factor
+        h = Harness(cc, sc)
+        s, clock = h.scheduler, h.executor.clock
+        h.add("A", prompt_of(1, 16), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        h.step()  # A's prompt step
+        h.step()
+        latency = s.last_prompt_latency
+        assert latency > 0
+        admitted: dict[str, float] = {}
+        arrival: dict[str, float] = {}
+        starts: list[float] = []
+        for k in range(30):
+            if k in (0, 1):
+                rid = "BC"[k]
+                h.add(rid, prompt_of(2 + k, 8), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+                arrival[rid] = clock.now()
+            starts.append(clock.now())
+            h.step()
+            for ssg in h.history[-1].scheduled_seq_groups:
+                rid = ssg.seq_group.request_id
+                if rid in arrival and rid not in admitted:
+                    admitted[rid] = starts[-1]
+            if len(admitted) == 2:
+                break
+        return admitted, arrival, starts, latency
+
+    admitted, arrival, _, _ = run(0.0)
+    assert admitted == arrival  # each in the step right after it arrived
+    factor = 3.0
+    admitted, arrival, starts, latency = run(factor)
+    assert admitted["B"] == admitted["C"]  # batched into one prompt step
+    k = starts.index(admitted["B"])
+    assert k >= 2  # held for a few decode steps of A
+    assert admitted["B"] - arrival["B"] > factor * latency
+    assert starts[k - 1] - arrival["B"] <= factor * latency  # and not a step longer than that
+
+
+def test_delay_factor_is_validated_and_wired_to_the_cli():
+    from kvserve.config import EngineArgs, SchedulerConfig
+
+    with pytest.raises(ValueError, match="delay_factor"):
+        SchedulerConfig(delay_factor=-0.5)
+    with pytest.raises(ValueError, match="delay_factor"):
+        SchedulerConfig(delay_factor=float("nan"))
+    assert SchedulerConfig().delay_factor == 0.0
+    _, _, sc = EngineArgs(delay_factor=0.25, device="cpu").create_configs(128)
+    assert sc.delay_factor == 0.25
+    import argparse
+
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["--delay-factor", "0.5"])).delay_factor == 0.5

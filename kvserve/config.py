@@ -140,6 +140,10 @@ class SchedulerConfig:
             in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
         max_waiting: bound on the waiting queue (the server answers 503 past it); ``None`` = no bound.
         num_lookahead_slots: extra slots reserved per decode (speculative decoding hook; 0).
+        delay_factor: vLLM V0's prompt delay (>= 0, unitless): while groups are running, new
+            prompts are admitted only once the oldest waiting one has waited longer than
+            ``delay_factor`` times the latency of the last step that admitted prompts, so
+            that more of them are batched together; 0.0 (default) admits at once.
     """
 
     # None = derived in __post_init__ (an int from then on, which is what the scheduler reads)
@@ -153,6 +157,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     max_waiting: int | None = None
     num_lookahead_slots: int = 0
+    delay_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.preemption_mode, str):
@@ -174,6 +179,8 @@ class SchedulerConfig:
         _positive_int("max_waiting", self.max_waiting, allow_none=True)
         if self.num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots!r}.")
+        if not isinstance(self.delay_factor, (int, float)) or not 0 <= self.delay_factor < float("inf"):
+            raise ValueError(f"delay_factor must be a finite number >= 0, got {self.delay_factor!r}.")
 
 
 @dataclass
@@ -208,6 +215,7 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None
     max_waiting: int | None = None
     watermark: float = 0.01
+    delay_factor: float = 0.0
 
     @classmethod
     def field_names(cls) -> list:
@@ -257,5 +265,6 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting=self.max_waiting,
+            delay_factor=self.delay_factor,
         )
         return model_config, cache_config, scheduler_config

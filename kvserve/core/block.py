@@ -12,6 +12,14 @@ Pool accounting (the conservation invariant the tests hold after every step)::
 With prefix caching a block whose content is a computed full block is *registered* under its
 content hash (``block_hash``); when its last reference goes it moves to the LRU evictor
 instead of the plain free list, so a later request with the same prefix can reuse it.
+
+Reachability (held by ``check_invariants``): a cached block is only found through the cached
+blocks of its whole prefix (lookups walk a chain from its head), so every registered block's
+parent hash is registered too. ``register`` refuses a block whose parent is not cached, and
+dropping a hash from the cache (eviction) drops its cached descendants at once: an evictable
+one goes back to the plain free list, an in-use one stays with its sequence, unregistered.
+The block manager releases a sequence's blocks tail first, so LRU eviction takes a chain's
+deepest blocks first and keeps its longest reusable head.
 """
 
 from __future__ import annotations
@@ -40,15 +48,18 @@ class PhysicalBlock:
         device: ``"gpu"`` (the device pool) or ``"cpu"`` (swap space).
         ref_count: how many sequence block-table entries point at it.
         block_hash: content hash when the block is registered in the prefix cache, else None.
+        parent_hash: hash of the previous block of its chain when registered (None for a
+            chain head or an unregistered block).
     """
 
-    __slots__ = ("block_number", "device", "ref_count", "block_hash")
+    __slots__ = ("block_number", "device", "ref_count", "block_hash", "parent_hash")
 
     def __init__(self, block_number: int, device: str) -> None:
         self.block_number = block_number
         self.device = device
         self.ref_count = 0
         self.block_hash: int | None = None
+        self.parent_hash: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -77,6 +88,8 @@ class BlockPool:
         self.evictor: LRUEvictor[PhysicalBlock] = LRUEvictor()
         # content hash -> the registered block holding it
         self.cached: dict[int, PhysicalBlock] = {}
+        # parent hash -> block numbers of the registered blocks that continue it
+        self._children: dict[int, set[int]] = {}
         self._num_in_use = 0
 
     # ------------------------------------------------------------------ counts
@@ -142,23 +155,54 @@ class BlockPool:
         """The registered block holding ``block_hash`` (in use or evictable), or None."""
         return self.cached.get(block_hash)
 
-    def register(self, block: PhysicalBlock, block_hash: int) -> bool:
+    def register(self, block: PhysicalBlock, block_hash: int, parent_hash: int | None = None) -> bool:
         """Enter a computed full block in the prefix cache under ``block_hash``.
 
+        Args:
+            parent_hash: hash of the block before it in its chain (None for the first block).
+
         Returns False (and leaves the block private) when caching is off, the block is
-        already registered, or another block already holds this content.
+        already registered, another block already holds this content, or ``parent_hash`` is
+        not cached (the block could never be reached by a lookup).
         """
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return False
+        if parent_hash is not None:
+            if parent_hash not in self.cached:
+                return False
+            self._children.setdefault(parent_hash, set()).add(block.block_number)
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
         self.cached[block_hash] = block
         return True
 
     def _unregister(self, block: PhysicalBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
+        """Drop ``block`` from the cache, with every cached block below it in its chain (they
+        would be unreachable). Descendants in the evictor become plain free blocks; ``block``
+        itself is left where the caller has it (taken out of the evictor already, or in use).
+        O(number of blocks dropped)."""
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            h = b.block_hash
+            if h is None:
+                continue
+            if self.cached.get(h) is b:
+                del self.cached[h]
+            if b.parent_hash is not None:
+                siblings = self._children.get(b.parent_hash)
+                if siblings is not None:
+                    siblings.discard(b.block_number)
+                    if not siblings:
+                        del self._children[b.parent_hash]
+            b.block_hash = None
+            b.parent_hash = None
+            for n in self._children.pop(h, ()):
+                child = self.blocks[n]
+                if child.ref_count == 0 and n in self.evictor:
+                    self.evictor.remove(n)
+                    self._free_ids.append(n)
+                stack.append(child)
 
     def reset_cache(self) -> bool:
         """Evict every cached refcount-0 block (hash entries dropped, blocks become plain free).
@@ -189,5 +233,15 @@ class BlockPool:
             assert b.ref_count == 0 and b.block_hash is not None, b
         for h, b in self.cached.items():
             assert b.block_hash == h, (h, b)
+            # Reachable from its chain head: the parent is cached (by induction, all ancestors).
+            assert b.parent_hash is None or b.parent_hash in self.cached, ("unreachable", b)
+            if b.parent_hash is not None:
+                assert b.block_number in self._children.get(b.parent_hash, ()), ("child index", b)
+        for b in self.blocks:
+            assert b.block_hash is None or self.cached.get(b.block_hash) is b, ("stale hash", b)
+        for parent, kids in self._children.items():
+            assert parent in self.cached and kids, (parent, kids)
+            for n in kids:
+                assert self.blocks[n].parent_hash == parent, (parent, self.blocks[n])
         free = len(self._free_ids) + len(self.evictor)
         assert free + in_use == self.num_blocks, (self.device, free, in_use, self.num_blocks)

@@ -18,7 +18,12 @@ sequence reuses the longest run of cached full blocks of its tokens, but never a
 tokens: at least the last token is computed again to get its logits. When the tokens are a
 block-aligned full hit, the last block is copied into a private block (``allocate`` returns the
 ``(src, dst)`` copy) so that writing the last token's K/V cannot touch the shared block.
-Unreferenced cached blocks count as free and are evicted least-recently-used first.
+Unreferenced cached blocks count as free and are evicted least-recently-used first; a sequence
+releases its blocks tail first, so among blocks released together the deepest go first and a
+chain under pressure shrinks to its longest still-usable head (evicting a head first would
+leave the rest of the chain unreachable while it still occupies memory). A completed block
+whose content is already cached in another block is replaced by that block (deduplicated), and
+a swapped-in sequence re-registers its blocks, so every cached block's prefix stays cached.
 
 Sliding window (``sliding_window`` tokens): once every position of a block is outside the
 window of the next query, the block is released; its table entry then repeats the number of
@@ -355,14 +360,18 @@ class BlockSpaceManager:
             needed += k if b.ref_count > k else k - 1
         return needed
 
-    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
-        """Whether every running sequence of the group can get its next slot(s) now.
+    def can_append_slots(
+        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0, reserve: int = 0
+    ) -> bool:
+        """Whether every running sequence of the group can get its next slot(s) now, leaving
+        ``reserve`` free blocks untouched (blocks promised to a higher-ranked group).
 
         Counts new blocks for growth and for copy-on-write of shared blocks about to be
         written (a block shared by k of the group's seqs and nobody else needs k-1 copies).
         """
         return (
-            self._num_new_blocks_for_append(seq_group, num_lookahead_slots) <= self.gpu.get_num_free_blocks()
+            self._num_new_blocks_for_append(seq_group, num_lookahead_slots)
+            <= self.gpu.get_num_free_blocks() - reserve
         )
 
     def can_ever_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
@@ -407,11 +416,11 @@ class BlockSpaceManager:
         return copies
 
     def try_append_slots(
-        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0
+        self, seq_group: SequenceGroup, num_lookahead_slots: int = 0, reserve: int = 0
     ) -> list[tuple[int, int]] | None:
         """``can_append_slots`` + ``append_slots`` for every running sequence of the group in
         one pass (the scheduler's hot path). Returns the copy-on-write pairs, or None (and
-        changes nothing) when the free blocks do not suffice."""
+        changes nothing) when the free blocks minus ``reserve`` do not suffice."""
         seqs = [s for s in seq_group.seqs_dict.values() if s.status == SequenceStatus.RUNNING]
         if len(seqs) == 1:
             seq = seqs[0]
@@ -425,12 +434,12 @@ class BlockSpaceManager:
                 b = table[i]
                 if b is not None and b.ref_count > 1:
                     need += 1
-            if need > self.gpu.get_num_free_blocks():
+            if need > self.gpu.get_num_free_blocks() - reserve:
                 return None
             if need == 0 and self.sliding_window is None:
                 return []
             return self.append_slots(seq, num_lookahead_slots)
-        if not self.can_append_slots(seq_group, num_lookahead_slots):
+        if not self.can_append_slots(seq_group, num_lookahead_slots, reserve):
             return None
         copies: list[tuple[int, int]] = []
         for seq in seqs:
@@ -519,10 +528,14 @@ class BlockSpaceManager:
                     assert nb.ref_count > 0, f"destination {nb!r} freed within the step"
                     dst_pool.incr_ref(nb)
                 mapping[b.block_number] = nb.block_number
-                src_pool.free(b)
                 new_table.append(nb)
+            self._free_table(table)
             self.block_tables[seq.seq_id] = new_table
             self._ids.pop(seq.seq_id, None)
+            if dst_pool is self.gpu:
+                # The fresh device copies are unregistered: enter them again (or swap them for
+                # the cached originals) at the next mark_blocks_as_computed.
+                self._num_marked[seq.seq_id] = 0
         return mapping
 
     def swap_out(self, seq_group: SequenceGroup, moved: dict[int, int] | None = None) -> dict[int, int]:
@@ -549,7 +562,12 @@ class BlockSpaceManager:
         self._seq_hashes.pop(seq.seq_id, None)
         if table is None:
             return
-        for b in table:
+        self._free_table(table)
+
+    def _free_table(self, table: BlockTable) -> None:
+        """Drop one reference per entry, last block first: blocks that become evictable
+        together are then evicted deepest first."""
+        for b in reversed(table):
             if b is not None:
                 (self.gpu if b.device == GPU else self.cpu).free(b)
 
@@ -568,7 +586,7 @@ class BlockSpaceManager:
         # Next query position >= computed; it attends to positions > computed - window.
         n_release = (seq.data.get_num_computed_tokens() - self.sliding_window) // self.block_size
         n_release = min(n_release, len(table) - 1)  # always keep the last block
-        for i in range(max(0, n_release)):
+        for i in reversed(range(max(0, n_release))):
             b = table[i]
             if b is not None:
                 (self.gpu if b.device == GPU else self.cpu).free(b)
@@ -587,13 +605,29 @@ class BlockSpaceManager:
                 n_full = min(seq.data.get_num_computed_tokens() // self.block_size, len(table))
                 start = self._num_marked.get(seq.seq_id, 0)
                 if n_full > start:
-                    hashes = self._get_hashes(seq, n_full)
-                    for i in range(start, n_full):
-                        b = table[i]
-                        if b is not None and b.device == GPU:
-                            self.gpu.register(b, hashes[i])
+                    self._register_blocks(seq, table, start, n_full)
                     self._num_marked[seq.seq_id] = n_full
             self._release_outside_window(seq)
+
+    def _register_blocks(self, seq: Sequence, table: BlockTable, start: int, end: int) -> None:
+        """Enter ``seq``'s computed full blocks ``[start, end)`` in the prefix cache, in chain
+        order. A block whose content another block already holds is replaced by that block
+        in the table (same K/V; the duplicate is freed), so the chain stays reachable when
+        either copy would otherwise be evicted."""
+        hashes = self._get_hashes(seq, end)
+        pool = self.gpu
+        for i in range(start, end):
+            b = table[i]
+            if b is None or b.device != GPU:
+                continue
+            holder = pool.lookup(hashes[i])
+            if holder is None:
+                pool.register(b, hashes[i], hashes[i - 1] if i else None)
+            elif holder is not b:
+                pool.incr_ref(holder)
+                table[i] = holder
+                pool.free(b)
+                self._ids.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block nothing references. True if the cache is now empty."""

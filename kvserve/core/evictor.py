@@ -4,6 +4,11 @@ A block whose reference count drops to 0 while it still holds a computed, hashed
 in the cache (it counts as *free*: it can be handed out at any moment) until either a new
 request hits its hash (it is taken back out of the evictor) or the pool runs out of never-used
 blocks and the least recently used cached block is evicted and reused.
+
+Order: by release time. The block manager releases a sequence's blocks last block first, so
+among the blocks of a chain released together the deepest is evicted first and what stays
+cached is always a usable head of the chain (vLLM's evictors break ties the same way: the
+block with the most prefix tokens goes first).
 """
 
 from __future__ import annotations

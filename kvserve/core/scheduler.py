@@ -40,6 +40,10 @@ Priority preemption (policy ``priority``): before admitting, a waiting group who
 them (normal preemption mode) when the cache or the sequence budget is full -- but only when
 preempting those outranked groups actually makes it fit. A group that strictly outranks every
 swapped group may be admitted even while others are swapped out.
+The blocks such a preemption frees are the preempting group's for the rest of the step: running
+groups it outranks may not grow into them (a decode that would needs to preempt in turn), and
+when it is passed over (the partial-prefill limit), no lower-ranked waiting group is admitted
+with them -- it would only be preempted again once the higher-ranked group gets its turn.
 
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
@@ -233,6 +237,8 @@ class _Step:
         "ignored",
         "num_partial",
         "capped",
+        "reserved",
+        "passed_delay",
     )
 
     def __init__(self, now: float, swapped_at_start: tuple[SequenceGroup, ...] = ()) -> None:
@@ -246,6 +252,10 @@ class _Step:
         self.ignored: list[SequenceGroup] = []
         self.num_partial = 0  # groups left mid-prefill after this step
         self.capped: list[ScheduledSequenceGroup] = []  # chunks cut by the long-prefill cap
+        # Waiting groups that preempted others this step -> (group, blocks they need): the
+        # freed blocks are theirs, not for the growth of running groups they outrank.
+        self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
+        self.passed_delay = True  # delay_factor: new prompts may be admitted this step
 
     def add_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -310,6 +320,11 @@ class Scheduler:
             else:
                 threshold = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold: int = threshold
+        # delay_factor bookkeeping (vLLM V0): when the previous step began, whether it admitted
+        # prompts, and how long the last step that did took (seconds on ``clock``).
+        self.prev_time = 0.0
+        self.prev_prompt = False
+        self.last_prompt_latency = 0.0
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -499,6 +514,7 @@ class Scheduler:
     def _schedule_default(self) -> SchedulerOutputs:
         """V0 path: whole prompts first; decodes (and swap-ins) only in steps without any."""
         st = _Step(self.clock(), tuple(self.swapped))
+        st.passed_delay = self._passed_delay(st.now)
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -515,6 +531,7 @@ class Scheduler:
         """Sarathi-Serve path: decodes, running prefills, swap-ins, then new prompts, all
         under one token budget; leftover budget tops up chunks cut by the long-prefill cap."""
         st = _Step(self.clock(), tuple(self.swapped))
+        st.passed_delay = self._passed_delay(st.now)
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -658,8 +675,8 @@ class Scheduler:
         sequence slots), preempts the lowest-ranked running groups it strictly outranks, but
         only if doing so makes it fit. Stops at the first group that cannot be helped.
         """
-        if not self.waiting or not self.running:
-            return
+        if not self.waiting or not self.running or not st.passed_delay:
+            return  # (no preempting for prompts that this step holds back anyway)
         now = st.now
         bm = self.block_manager
         waiting = self.policy.sort_by_priority(now, self.waiting)
@@ -703,6 +720,7 @@ class Scheduler:
                 self.running.remove(v)
                 budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
                 self._preempt(v, st)
+            st.reserved[wg.request_id] = (wg, plan.cost)
             free = bm.get_num_free_gpu_blocks() - plan.cost
             seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
 
@@ -767,8 +785,9 @@ class Scheduler:
                 kept.append(g)
                 continue
             scheduled = True
+            reserve = self._reserved_against(g, st) if st.reserved else 0
             while True:
-                copies = bm.try_append_slots(g, lookahead)
+                copies = bm.try_append_slots(g, lookahead, reserve)
                 if copies is not None:
                     break
                 victim = None
@@ -877,6 +896,25 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ waiting
+    def _reserved_against(self, g: SequenceGroup, st: _Step) -> int:
+        """Blocks this step's priority preemptions freed for waiting groups that strictly
+        outrank ``g``: ``g`` may not grow into them."""
+        return sum(cost for w, cost in st.reserved.values() if self.policy.outranks(st.now, w, g))
+
+    def _passed_delay(self, now: float) -> bool:
+        """Whether new prompts may be admitted this step (``delay_factor``; call once per
+        step). Measures the last prompt step's latency when the previous step admitted
+        prompts, then: True when the factor is 0, nothing waits or runs, or the oldest waiting
+        group has waited more than ``delay_factor * last_prompt_latency`` seconds."""
+        if self.prev_prompt:
+            self.last_prompt_latency = now - self.prev_time
+        self.prev_time, self.prev_prompt = now, False
+        factor = self.scheduler_config.delay_factor
+        if factor <= 0 or not self.waiting or not self.running:
+            return True
+        oldest = min(g.metrics.arrival_time for g in self.waiting)
+        return now - oldest > factor * self.last_prompt_latency
+
     def _readmission_margin(self, g: SequenceGroup, plan) -> int:
         k = g.metrics.num_preemptions
         if k < THRASH_PREEMPTIONS or not self.running:
@@ -894,9 +932,12 @@ class Scheduler:
         that must wait for blocks (LATER) or does not fit the budget. With chunking, a prompt
         that would stay mid-prefill is admitted only while fewer than
         ``max_num_partial_prefills`` are; otherwise it is skipped for prompts that complete.
+        Under a rank policy a group skipped that way keeps the blocks it needs: the groups
+        behind it (lower-ranked) are admitted only with what is left beyond them, so blocks
+        freed by preempting for it never go to a group it outranks.
         """
         out = SchedulerPrefillOutputs()
-        if not self.waiting:
+        if not self.waiting or not st.passed_delay:
             return out
         if (self.swapped or st.swapped_at_start) and not self.policy.preempts_by_rank:
             # Swapped groups resume before anything new is admitted (B10), and not in the
@@ -909,6 +950,7 @@ class Scheduler:
         ranked = self.policy.sort_by_priority(st.now, self.waiting)
         admitted: set[str] = set()
         ignored: set[str] = set()
+        held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)
         for g in ranked:
             rid = g.request_id
             if rid in st.preempted_ids:
@@ -963,6 +1005,8 @@ class Scheduler:
                 continue
             if plan.status == AllocStatus.LATER:
                 break
+            if held and bm.get_num_free_gpu_blocks() - plan.cost - held < bm.watermark_blocks:
+                break  # what is free belongs to a higher-ranked group skipped above
             margin = self._readmission_margin(g, plan)
             if margin and bm.get_num_free_gpu_blocks() - plan.cost - bm.watermark_blocks < margin:
                 break
@@ -978,6 +1022,8 @@ class Scheduler:
                     break
                 partial = chunk < uncomputed
                 if partial and enable_chunking and st.num_partial >= cfg.max_num_partial_prefills:
+                    if self.policy.preempts_by_rank:
+                        held += plan.cost
                     continue  # leave room for prompts that complete in this step
             else:
                 chunk, partial = uncomputed, False
@@ -999,7 +1045,10 @@ class Scheduler:
             budget.add_num_batched_tokens(rid, chunk * n_live)
             budget.add_num_seqs(rid, g.get_max_num_running_seqs())
             admitted.add(rid)
+            st.reserved.pop(rid, None)
             self.running.append(g)
+        if admitted:
+            self.prev_prompt = True
         if admitted or ignored:
             self.waiting = deque(
                 g for g in self.waiting if g.request_id not in admitted and g.request_id not in ignored

@@ -341,3 +341,45 @@ def test_recompute_group_shares_identical_sibling_blocks():
     assert bm.get_block_table(p)[2] != bm.get_block_table(c)[2]
     assert bm.get_num_free_gpu_blocks() == 10
     bm.check_invariants()
+
+
+def test_eviction_under_pressure_keeps_the_longest_cached_head():
+    """A 4-block prompt finished; a new request needs one cached block evicted. The prompt
+    must still find its first 3 blocks (it used to find 0: the chain head went first, leaving
+    3 cached blocks nobody could reach)."""
+    bm = bm_(G=5, C=0, enable_caching=True)
+    p = prompt_of(5, 17)  # 4 full blocks + 1 token
+    a = make_group("a", p)
+    admit(bm, a)
+    run_prefill(bm, a)
+    bm.free(a.get_seqs()[0])
+    assert bm.gpu.get_num_evictable() == 4
+    other = make_group("o", prompt_of(6, 8))  # 2 blocks: the free one and one evicted
+    admit(bm, other)
+    bm.check_invariants()
+    assert bm.plan_allocation(make_group("again", p)).num_cached_tokens == 12
+    # Least recently released first: a's 3 blocks were released before o's 2, so the next
+    # eviction takes a's (new) tail, and o keeps its whole chain.
+    run_prefill(bm, other)
+    bm.free(other.get_seqs()[0])
+    admit(bm, make_group("x", prompt_of(7, 4)))
+    bm.check_invariants()
+    assert bm.plan_allocation(make_group("again", p)).num_cached_tokens == 8
+    assert bm.plan_allocation(make_group("o2", prompt_of(6, 9))).num_cached_tokens == 8
+
+
+def test_register_refuses_a_block_whose_parent_is_not_cached_and_eviction_drops_descendants():
+    pool = BlockPool("gpu", 3, enable_caching=True)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert not pool.register(b, 2, parent_hash=1)  # parent 1 not cached: unreachable
+    assert pool.register(a, 1) and pool.register(b, 2, parent_hash=1) and pool.register(c, 3, 2)
+    pool.free(a)  # head released first (e.g. a sliding window): it is evicted first
+    pool.free(c)
+    pool.check_invariants()
+    x = pool.allocate()  # evicts a; b (in use) and c (evictable) became unreachable
+    assert x is a and not pool.cached and b.block_hash is None and c.block_hash is None
+    assert pool.get_num_evictable() == 0 and pool.get_num_free_blocks() == 1
+    pool.check_invariants()
+    pool.free(b)
+    assert pool.get_num_free_blocks() == 2
+    pool.check_invariants()

@@ -321,3 +321,125 @@ def test_sliding_window_engine_bounded_blocks_same_tokens(CP):
     small, _ = run(12)
     for i in range(3):
         assert small.tokens(f"r{i}") == big.tokens(f"r{i}")
+
+
+def test_blocks_freed_by_priority_preemption_go_to_the_outranking_group_not_a_lower_one():
+    """Chunked prefill, policy priority: H (priority 1) preempts L (5) while the one
+    partial-prefill slot is taken by P (0), so H is passed over this step. W (9), waiting
+    for blocks since before H came, must not take the blocks freed for H (it used to: it was
+    re-prefilled and preempted again a few steps later)."""
+    cc, sc = configs(
+        BS=4, G=14, S=8, T=20, L=64, CP=True, policy="priority", PM="recompute",
+        max_num_partial_prefills=1, long_prefill_token_threshold=8,
+    )  # fmt: skip
+    h = Harness(cc, sc)
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    h.add("L", prompt_of(1, 12), sp(30), priority=5)
+    h.step()
+    h.step()
+    h.add("P", prompt_of(2, 40), sp(4), priority=0)
+    h.step()
+    assert [g.request_id for g in h.scheduler.running] == ["L", "P"]
+    assert h.scheduler.block_manager.get_num_free_gpu_blocks() == 0
+    h.add("W", prompt_of(3, 8), sp(20), priority=9)
+    h.add("H", prompt_of(4, 16), sp(4), priority=1)
+    first: dict[str, int] = {}
+
+    def on_step(h, k):
+        for ssg in h.history[-1].scheduled_seq_groups:
+            first.setdefault(ssg.seq_group.request_id, k)
+
+    h.step()
+    out = h.history[-1]
+    assert out.preempted == 1 and h.engine._groups["L"].metrics.num_preemptions == 1
+    assert "W" not in ids(out) and "W" not in {g.request_id for g in h.scheduler.running}
+    h.run(on_step=on_step)
+    assert first["H"] < first["W"]  # W runs only after the group the blocks were freed for
+    h.assert_idle()
+
+
+def test_running_groups_outranked_by_the_preempting_group_do_not_grow_into_its_blocks():
+    """H (priority 1) preempts L (9) for its 4 blocks; M (6), also outranked by H, needs a new
+    block for its decode in the same step. It used to take one of the freed blocks, leaving
+    H to wait (and preempt again next step); now M yields and H runs this step."""
+    cc, sc = configs(BS=4, G=9, S=8, T=32, L=64, CP=True, policy="priority", PM="recompute")
+    h = Harness(cc, sc)
+    sp = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    for rid, i, prio in (("A", 1, 0), ("M", 2, 6), ("L", 3, 9)):
+        h.add(rid, prompt_of(i, 7), sp(30), priority=prio)
+    h.step()
+    h.step()
+    bm = h.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == 3
+    assert all(g.get_seqs()[0].get_len() == 9 for g in h.scheduler.running)  # each needs a 3rd block
+    h.add("H", prompt_of(4, 16), sp(4), priority=1)
+    h.step()
+    out = h.history[-1]
+    assert ids(out) == ["H", "A"]
+    assert {g.request_id for g in h.scheduler.waiting} == {"M", "L"}
+    h.run()
+    assert h.finished_order[0] == "H"
+    h.assert_idle()
+
+
+def test_delay_factor_holds_new_prompts_until_the_oldest_waited_a_factor_of_the_last_prompt_step():
+    """vLLM V0's delay_factor on the simulator's virtual clock: while A decodes, B and C (one
+    step apart) are held until the oldest has waited longer than delay_factor x the latency of
+    the last prompt step, then admitted together in one step; 0.0 admits each at once."""
+
+    def run(delay_factor):
+        cc, sc = configs(G=64, S=8, T=64, L=64)
+        sc.delay_factor = delay_factor
+        h = Harness(cc, sc)
+        s, clock = h.scheduler, h.executor.clock
+        h.add("A", prompt_of(1, 16), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        h.step()  # A's prompt step
+        h.step()
+        latency = s.last_prompt_latency
+        assert latency > 0
+        admitted: dict[str, float] = {}
+        arrival: dict[str, float] = {}
+        starts: list[float] = []
+        for k in range(30):
+            if k in (0, 1):
+                rid = "BC"[k]
+                h.add(rid, prompt_of(2 + k, 8), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+                arrival[rid] = clock.now()
+            starts.append(clock.now())
+            h.step()
+            for ssg in h.history[-1].scheduled_seq_groups:
+                rid = ssg.seq_group.request_id
+                if rid in arrival and rid not in admitted:
+                    admitted[rid] = starts[-1]
+            if len(admitted) == 2:
+                break
+        return admitted, arrival, starts, latency
+
+    admitted, arrival, _, _ = run(0.0)
+    assert admitted == arrival  # each in the step right after it arrived
+    factor = 3.0
+    admitted, arrival, starts, latency = run(factor)
+    assert admitted["B"] == admitted["C"]  # batched into one prompt step
+    k = starts.index(admitted["B"])
+    assert k >= 2  # held for a few decode steps of A
+    assert admitted["B"] - arrival["B"] > factor * latency
+    assert starts[k - 1] - arrival["B"] <= factor * latency  # and not a step longer than that
+
+
+def test_delay_factor_is_validated_and_wired_to_the_cli():
+    from kvserve.config import EngineArgs, SchedulerConfig
+
+    with pytest.raises(ValueError, match="delay_factor"):
+        SchedulerConfig(delay_factor=-0.5)
+    with pytest.raises(ValueError, match="delay_factor"):
+        SchedulerConfig(delay_factor=float("nan"))
+    assert SchedulerConfig().delay_factor == 0.0
+    _, _, sc = EngineArgs(delay_factor=0.25, device="cpu").create_configs(128)
+    assert sc.delay_factor == 0.25
+    import argparse
+
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["--delay-factor", "0.5"])).delay_factor == 0.5

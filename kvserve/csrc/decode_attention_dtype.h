@@ -1,16 +1,20 @@
-static void CAT(generic_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
-                    const int64_t* kstart, const int64_t* kend, ELEM* out,
-                    int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS,
-                    float scale, int nthreads)
-{
+/* The dtype-generic kernels of decode_attention.c, written with ELEM (storage type) and SFX (symbol
+   suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
+static void CAT(generic_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table,
+                               int64_t nbmax, const int64_t* kstart, const int64_t* kend, ELEM* out,
+                               int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS,
+                               float scale, int nthreads) {
     const int64_t v_off = KH * NB * BS * D;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t w = 0; w < B * KH; ++w) {
         const int64_t b = w / KH, h = w % KH;
         const int64_t s0 = kstart[b], s1 = kend[b], L = s1 - s0;
         const ELEM* qb = q + b * qs + h * G * D;
         ELEM* ob = out + w * G * D;
-        if (L <= 0) { for (int64_t i = 0; i < G * D; ++i) CAT(st1_, SFX)(ob + i, 0.0f); continue; }
+        if (L <= 0) {
+            for (int64_t i = 0; i < G * D; ++i) CAT(st1_, SFX)(ob + i, 0.0f);
+            continue;
+        }
         float* sc = (float*)malloc(sizeof(float) * (size_t)(G * L));
         float* acc = (float*)calloc((size_t)(G * D), sizeof(float));
         const int64_t* tb = table + b * nbmax;
@@ -29,7 +33,10 @@ static void CAT(generic_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, con
             float m = s[0];
             for (int64_t i = 1; i < L; ++i) m = s[i] > m ? s[i] : m;
             float sum = 0.0f;
-            for (int64_t i = 0; i < L; ++i) { s[i] = expf(s[i] - m); sum += s[i]; }
+            for (int64_t i = 0; i < L; ++i) {
+                s[i] = expf(s[i] - m);
+                sum += s[i];
+            }
             for (int64_t i = 0; i < L; ++i) s[i] /= sum;
         }
         const ELEM* vbase = cache + v_off + h * NB * BS * D;
@@ -48,17 +55,19 @@ static void CAT(generic_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, con
 
 /* One (sequence, KV head) work item of the fast path. Always inlined, so the calls below with
    literal G and C get copies whose query and accumulator vectors live in registers. */
-static inline __attribute__((always_inline)) void CAT(item_, SFX)(
-    int64_t w, const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
-    const int64_t* kstart, const int64_t* kend, ELEM* out,
-    int64_t KH, const int64_t G, const int64_t C, int64_t NB, int64_t BS, float scale)
-{
+static inline __attribute__((always_inline)) void
+CAT(item_, SFX)(int64_t w, const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
+                const int64_t* kstart, const int64_t* kend, ELEM* out, int64_t KH, const int64_t G,
+                const int64_t C, int64_t NB, int64_t BS, float scale) {
     const int64_t D = 16 * C;
     const int64_t v_off = KH * NB * BS * D;
     const int64_t b = w / KH, h = w % KH;
     const int64_t s0 = kstart[b], s1 = kend[b], L = s1 - s0;
     ELEM* ob = out + w * G * D;
-    if (L <= 0) { for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, (v16){}); return; }
+    if (L <= 0) {
+        for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, (v16){});
+        return;
+    }
     const int64_t Lp = (L + 15) & ~(int64_t)15;
     float* sc = (float*)aligned_alloc(64, sizeof(float) * (size_t)(G * Lp));
     v16 qv[MAXG * MAXC];
@@ -74,14 +83,25 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     const int64_t row_bytes = D * (int64_t)sizeof(ELEM);
 #define PF 2
 #define ROW(base, bi, off) ((base) + (tb[bi] * BS + (off)) * D)
-#define PREFETCH_AHEAD(base, bi, off) do { if ((bi) + PF < nbi) { \
-        const char* nr_ = (const char*)ROW(base, (bi) + PF, off); \
-        for (int64_t o_ = 0; o_ < row_bytes; o_ += 64) __builtin_prefetch(nr_ + o_); } } while (0)
-#define ADVANCE(bi, off) do { if (++(off) == BS) { (off) = 0; ++(bi); } } while (0)
+#define PREFETCH_AHEAD(base, bi, off)                                                                        \
+    do {                                                                                                     \
+        if ((bi) + PF < nbi) {                                                                               \
+            const char* nr_ = (const char*)ROW(base, (bi) + PF, off);                                        \
+            for (int64_t o_ = 0; o_ < row_bytes; o_ += 64) __builtin_prefetch(nr_ + o_);                     \
+        }                                                                                                    \
+    } while (0)
+#define ADVANCE(bi, off)                                                                                     \
+    do {                                                                                                     \
+        if (++(off) == BS) {                                                                                 \
+            (off) = 0;                                                                                       \
+            ++(bi);                                                                                          \
+        }                                                                                                    \
+    } while (0)
     /* The first PF blocks have no earlier rows to prefetch them from. */
     for (int64_t bi = 0; bi < PF && bi < nbi; ++bi)
         for (int64_t off = bi ? 0 : off0; off < BS; ++off)
-            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char*)ROW(kbase, bi, off) + o);
+            for (int64_t o = 0; o < row_bytes; o += 64)
+                __builtin_prefetch((const char*)ROW(kbase, bi, off) + o);
     int64_t p = s0, kbi = 0, koff = off0;
     /* 16 keys at a time: widen them once into kf, then one transposing reduction per
        query head gives their 16 scores (instead of 16 horizontal sums). */
@@ -91,12 +111,14 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
        (as stored) and the scale applied to the 16 scores. */
     if (sizeof(ELEM) == 2 && C % 2 == 0) {
         __m512bh qb[MAXG * MAXC / 2];
-        for (int64_t i = 0; i < G * C / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512((const void*)(qsrc + 32 * i));
+        for (int64_t i = 0; i < G * C / 2; ++i)
+            qb[i] = (__m512bh)_mm512_loadu_si512((const void*)(qsrc + 32 * i));
         for (; p + 16 <= s1; p += 16) {
             __m512bh kb[16 * MAXC / 2];
             for (int64_t j = 0; j < 16; ++j) {
                 const ELEM* k = ROW(kbase, kbi, koff);
-                for (int64_t c = 0; c < C / 2; ++c) kb[j * (C / 2) + c] = (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c));
+                for (int64_t c = 0; c < C / 2; ++c)
+                    kb[j * (C / 2) + c] = (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c));
                 PREFETCH_AHEAD(kbase, kbi, koff);
                 ADVANCE(kbi, koff);
             }
@@ -105,7 +127,8 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
                 v16 a[16];
                 for (int64_t j = 0; j < 16; ++j) {
                     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], kb[j * (C / 2)]);
-                    for (int64_t c = 1; c < C / 2; ++c) acc = _mm512_dpbf16_ps(acc, qg[c], kb[j * (C / 2) + c]);
+                    for (int64_t c = 1; c < C / 2; ++c)
+                        acc = _mm512_dpbf16_ps(acc, qg[c], kb[j * (C / 2) + c]);
                     a[j] = (v16)acc;
                 }
                 *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a) * scale;
@@ -148,7 +171,10 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
         float* s = sc + g * Lp;
         for (int64_t i = L; i < Lp; ++i) s[i] = -INFINITY;
         v16 mv = *(v16*)s;
-        for (int64_t i = 16; i < Lp; i += 16) { v16 x = *(v16*)(s + i); mv = vmax(x, mv); }
+        for (int64_t i = 16; i < Lp; i += 16) {
+            v16 x = *(v16*)(s + i);
+            mv = vmax(x, mv);
+        }
         float m = mv[0];
         for (int i = 1; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
         v16 sumv = (v16){};
@@ -165,7 +191,8 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     const ELEM* vbase = cache + v_off + h * NB * BS * D;
     for (int64_t bi = 0; bi < PF && bi < nbi; ++bi)
         for (int64_t off = bi ? 0 : off0; off < BS; ++off)
-            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch((const char*)ROW(vbase, bi, off) + o);
+            for (int64_t o = 0; o < row_bytes; o += 64)
+                __builtin_prefetch((const char*)ROW(vbase, bi, off) + o);
     int64_t vbi = 0, voff = off0;
     for (p = s0; p < s1; ++p) {
         const ELEM* v = ROW(vbase, vbi, voff);
@@ -187,17 +214,17 @@ static inline __attribute__((always_inline)) void CAT(item_, SFX)(
     free(sc);
 }
 
-void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
-                               const int64_t* kstart, const int64_t* kend, ELEM* out,
-                               int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS,
-                               float scale, int nthreads)
-{
+void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table,
+                                          int64_t nbmax, const int64_t* kstart, const int64_t* kend,
+                                          ELEM* out, int64_t B, int64_t KH, int64_t G, int64_t D, int64_t NB,
+                                          int64_t BS, float scale, int nthreads) {
     if (D % 16 || D / 16 > MAXC || G > MAXG) {
-        CAT(generic_, SFX)(q, qs, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale, nthreads);
+        CAT(generic_, SFX)(q, qs, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale,
+                           nthreads);
         return;
     }
     const int64_t C = D / 16;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t w = 0; w < B * KH; ++w) {
 #define ITEM(g, c) CAT(item_, SFX)(w, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale)
         /* Common shapes (head_dim 64 or 128; 1-8 query heads per KV head) as constants. */

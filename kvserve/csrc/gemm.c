@@ -1,3 +1,32 @@
+/*
+ * Linear layers on CPU: y = x @ W^T (+ b) with the weight packed once into column panels.
+ *
+ * Why our own GEMM: a decode step's GEMMs have few rows (1-64 tokens) and read every weight once.
+ * oneDNN's prepacked float32 matmul reaches ~55 % of this CPU's FMA peak at 59 rows and reads
+ * weights at ~17 of ~23 GB/s at 1-8 rows. The register-blocked kernel here (the Goto/BLIS
+ * decomposition: Goto & van de Geijn, "Anatomy of High-Performance Matrix Multiplication", ACM
+ * TOMS 2008; Van Zee & van de Geijn, "BLIS", ACM TOMS 2015) measured, on the 30 layers of
+ * SmolLM2-135M (2 cores, AVX-512, benchmarks/gemm_micro.py), 1.3-1.6x faster than oneDNN at
+ * 1-128 rows and level with it at 8,192 rows. In the engine (w64 workload, float32, two engines
+ * stepped alternately in one process, both orders) decode steps took 0.80x the time and prefill
+ * steps the same; the whole run 0.84x.
+ *
+ * Layout: W [N, K] becomes panels [P, K, PANEL_WIDTH] (P = ceil(N / PANEL_WIDTH),
+ * zero padded): panel p holds output columns p * 48 .. p * 48 + 47 with the 48 weights
+ * of one input feature contiguous, so the micro-kernel streams each panel once, sequentially.
+ *
+ * Micro-kernel: 8 rows of x x 48 columns = 24 accumulator vectors of 16 floats; per input
+ * feature it loads 3 weight vectors and broadcasts 8 x values (outer-product update). The
+ * threads split the panels; within a thread a panel (<= 300 KB) stays in L2 while every 8-row block
+ * of a ~1 MB chunk of x rows passes over it, and those blocks prefetch the thread's next panel
+ * so that its first block does not wait on memory. Sums run over k in order in float32
+ * (results differ from MKL's by rounding, ~1e-6 relative).
+ *
+ * bfloat16 weights also work (widened to float32 in registers, x widened once per call, the
+ * output rounded to nearest even), but oneDNN's AMX GEMM beat it from ~8 rows and in the engine
+ * (w64 run 0.79x the speed even when used only up to 32 rows), so llama.prepack_weight packs
+ * float32 weights only.
+ */
 #include "kv_vec.h"
 #include <omp.h>
 

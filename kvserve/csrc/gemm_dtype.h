@@ -1,37 +1,48 @@
+/* The dtype-generic kernels of gemm.c, written with ELEM (storage type) and SFX (symbol
+   suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
 /* mr (<= 8) rows of x times one 48-column panel, all K; while it runs, one cache line per k of
    `pf` (up to pf_len bytes: the thread's next panel) is prefetched into L2. */
-static inline __attribute__((always_inline)) void CAT(ukernel_, SFX)(
-        const int mr, int64_t K, const float* x, int64_t ldx, const ELEM* w, const ELEM* bias,
-        ELEM* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len)
-{
+static inline __attribute__((always_inline)) void
+CAT(ukernel_, SFX)(const int mr, int64_t K, const float* x, int64_t ldx, const ELEM* w, const ELEM* bias,
+                   ELEM* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len) {
     v16 a0[8], a1[8], a2[8];
-    #pragma GCC unroll 8
-    for (int r = 0; r < mr; ++r) { a0[r] = (v16){}; a1[r] = (v16){}; a2[r] = (v16){}; }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; ++r) {
+        a0[r] = (v16){};
+        a1[r] = (v16){};
+        a2[r] = (v16){};
+    }
     for (int64_t k = 0; k < K; ++k) {
         if (pf && k * 64 < pf_len) __builtin_prefetch(pf + k * 64, 0, 2);
         const ELEM* wk = w + k * 48;
         const v16 w0 = CAT(ld16_, SFX)(wk), w1 = CAT(ld16_, SFX)(wk + 16), w2 = CAT(ld16_, SFX)(wk + 32);
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int r = 0; r < mr; ++r) {
             const float b = x[r * ldx + k];
-            a0[r] += b * w0; a1[r] += b * w1; a2[r] += b * w2;
+            a0[r] += b * w0;
+            a1[r] += b * w1;
+            a2[r] += b * w2;
         }
     }
     v16 b0 = {}, b1 = {}, b2 = {};
     if (bias) {
         ELEM bb[48] = {0};
         for (int j = 0; j < ncols; ++j) bb[j] = bias[j];
-        b0 = CAT(ld16_, SFX)(bb); b1 = CAT(ld16_, SFX)(bb + 16); b2 = CAT(ld16_, SFX)(bb + 32);
+        b0 = CAT(ld16_, SFX)(bb);
+        b1 = CAT(ld16_, SFX)(bb + 16);
+        b2 = CAT(ld16_, SFX)(bb + 32);
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < mr; ++r) {
         ELEM* yr = y + r * ldy;
         if (ncols == 48) {
-            CAT(st16_, SFX)(yr, a0[r] + b0); CAT(st16_, SFX)(yr + 16, a1[r] + b1);
+            CAT(st16_, SFX)(yr, a0[r] + b0);
+            CAT(st16_, SFX)(yr + 16, a1[r] + b1);
             CAT(st16_, SFX)(yr + 32, a2[r] + b2);
         } else {
             ELEM t[48];
-            CAT(st16_, SFX)(t, a0[r] + b0); CAT(st16_, SFX)(t + 16, a1[r] + b1);
+            CAT(st16_, SFX)(t, a0[r] + b0);
+            CAT(st16_, SFX)(t + 16, a1[r] + b1);
             CAT(st16_, SFX)(t + 32, a2[r] + b2);
             memcpy(yr, t, ncols * sizeof(ELEM));
         }
@@ -43,17 +54,16 @@ static inline __attribute__((always_inline)) void CAT(ukernel_, SFX)(
    ~1 MB of x so a chunk stays in L2 while every panel of the thread passes over it; the 8-row
    blocks after a panel's first one prefetch the thread's next panel, so its first block
    computes from L2 instead of waiting on memory. */
-void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, ELEM* y,
-                     int64_t M, int64_t N, int64_t K, int nthreads)
-{
+void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, ELEM* y, int64_t M, int64_t N,
+                     int64_t K, int nthreads) {
     const int64_t P = (N + 47) / 48;
     const int64_t panel_bytes = K * 48 * (int64_t)sizeof(ELEM);
     int64_t mc = K > 0 ? ((int64_t)(1 << 18) / K) & ~(int64_t)7 : 8;
     if (mc < 8) mc = 8;
-    #pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
     {
         if ((const void*)xf != (const void*)x) {
-            #pragma omp for schedule(static)
+#pragma omp for schedule(static)
             for (int64_t i = 0; i < M * K; ++i) xf[i] = CAT(ld1_, SFX)(x + i);
         }
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();

@@ -1,3 +1,10 @@
+/* Vector helpers shared by every kernel family.
+
+   16-lane float vectors by GCC vector extensions: one AVX-512 register with -march=native on
+   an AVX-512 CPU, two AVX2 registers otherwise (the same source builds for both). Horizontal
+   sum, lane-wise max, a vectorised exp, and bfloat16 <-> float32 conversion: bfloat16 is the
+   top half of a float32, so widening is a 16-bit shift and narrowing rounds to nearest even,
+   as torch does. CAT(a, b) pastes a symbol and the dtype suffix SFX (kv_instantiate.h). */
 #ifndef KV_VEC_H
 #define KV_VEC_H
 
@@ -34,9 +41,9 @@ static inline v16 vmax(v16 a, v16 b) {
 static inline v16 exp16(v16 x) {
     const v16 lo = (v16){} - 87.0f;
     x = vmax(x, lo);
-    const v16 magic = (v16){} + 12582912.0f;           /* 1.5 * 2^23: round to nearest */
+    const v16 magic = (v16){} + 12582912.0f; /* 1.5 * 2^23: round to nearest */
     v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693145751953125f;                   /* ln2 split hi/lo */
+    v16 r = x - n * 0.693145751953125f; /* ln2 split hi/lo */
     r = r - n * 1.428606765330187045e-06f;
     v16 p = r * (1.0f / 720) + (1.0f / 120);
     p = p * r + (1.0f / 24);
@@ -81,10 +88,15 @@ static inline v16h cvt16_bf16(v16 x) {
 #endif
 static inline void st16_bf16(uint16_t* p, v16 x) { *(v16h*)p = cvt16_bf16(x); }
 static inline float ld1_bf16(const uint16_t* p) {
-    uint32_t u = (uint32_t)*p << 16; float f; memcpy(&f, &u, 4); return f;
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 static inline void st1_bf16(uint16_t* p, float x) {
-    uint32_t u; memcpy(&u, &x, 4); *p = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    *p = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 /* Round a float32 to the nearest bfloat16 value, kept as float32 (bf16 arithmetic emulation). */
 static inline v16 round16_bf16(v16 x) {

@@ -1,8 +1,9 @@
-void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out,
-                         int64_t T, int64_t H, float eps, int nthreads)
-{
+/* The dtype-generic kernels of ops.c: rms_norm, silu_and_mul, rope_write_kv, written with ELEM (storage type) and SFX (symbol
+   suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
+void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out, int64_t T, int64_t H,
+                         float eps, int nthreads) {
     const int64_t H16 = H & ~(int64_t)15;
-    #pragma omp parallel for schedule(static) num_threads(T >= 128 ? nthreads : 1)
+#pragma omp parallel for schedule(static) num_threads(T >= 128 ? nthreads : 1)
     for (int64_t t = 0; t < T; ++t) {
         const ELEM* xr = x + t * H;
         ELEM* rr = residual ? residual + t * H : NULL;
@@ -19,8 +20,14 @@ void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out
         v16 ss = (v16){};
         float tail = 0.0f;
         int64_t i = 0;
-        for (; i < H16; i += 16) { v16 v = CAT(ld16_, SFX)(src + i); ss += v * v; }
-        for (; i < H; ++i) { float v = CAT(ld1_, SFX)(src + i); tail += v * v; }
+        for (; i < H16; i += 16) {
+            v16 v = CAT(ld16_, SFX)(src + i);
+            ss += v * v;
+        }
+        for (; i < H; ++i) {
+            float v = CAT(ld1_, SFX)(src + i);
+            tail += v * v;
+        }
         const float inv = 1.0f / sqrtf((hsum16(ss) + tail) / (float)H + eps);
         for (i = 0; i < H16; i += 16) {
             v16 n = CAT(round16_, SFX)(CAT(ld16_, SFX)(src + i) * inv);
@@ -33,10 +40,9 @@ void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out
     }
 }
 
-void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, int nthreads)
-{
+void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, int nthreads) {
     const int64_t I16 = I & ~(int64_t)15;
-    #pragma omp parallel for schedule(static) num_threads(T >= 32 ? nthreads : 1)
+#pragma omp parallel for schedule(static) num_threads(T >= 32 ? nthreads : 1)
     for (int64_t t = 0; t < T; ++t) {
         const ELEM* g = gu + t * 2 * I;
         const ELEM* u = g + I;
@@ -65,12 +71,11 @@ void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, in
    qkv row, written to qk_out [T, H + KH, D]; the rotated k and the v heads also go straight
    into their cache slots (cache [2, KH, NBBS, D], slots [T]; skipped when cache is NULL).
    Per element, as the torch path: o1 = round(x1 cos) - x2 sin, o2 = round(x2 cos) + x1 sin. */
-void CAT(rope_write_kv_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sinb, ELEM* qk_out,
-                              ELEM* cache, const int64_t* slots, int64_t T, int64_t H, int64_t KH,
-                              int64_t D, int64_t NBBS, int nthreads)
-{
+void CAT(rope_write_kv_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sinb, ELEM* qk_out, ELEM* cache,
+                              const int64_t* slots, int64_t T, int64_t H, int64_t KH, int64_t D, int64_t NBBS,
+                              int nthreads) {
     const int64_t half = D / 2, half16 = half & ~(int64_t)15, row = (H + 2 * KH) * D;
-    #pragma omp parallel for schedule(static) num_threads(T >= 64 ? nthreads : 1)
+#pragma omp parallel for schedule(static) num_threads(T >= 64 ? nthreads : 1)
     for (int64_t t = 0; t < T; ++t) {
         const ELEM* c = cosb + t * half;
         const ELEM* sn = sinb + t * half;
@@ -91,8 +96,7 @@ void CAT(rope_write_kv_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sin
                 CAT(st1_, SFX)(o + i, a[0] - x2 * sv);
                 CAT(st1_, SFX)(o + half + i, b[0] + x1 * sv);
             }
-            if (cache && hh >= H)
-                memcpy(cache + ((hh - H) * NBBS + slots[t]) * D, o, sizeof(ELEM) * D);
+            if (cache && hh >= H) memcpy(cache + ((hh - H) * NBBS + slots[t]) * D, o, sizeof(ELEM) * D);
         }
         if (cache)
             for (int64_t h = 0; h < KH; ++h)

@@ -1,30 +1,125 @@
+/*
+ * Optional native (C, OpenMP) prefill attention reading K/V in place from the paged cache.
+ *
+ * The torch path attends each multi-token chunk with its own scaled_dot_product_attention
+ * call per layer (torch's CPU flash kernel), after gathering the chunk's cached context into a
+ * padded copy and building a bool mask when the chunk has earlier context (chunked prefill,
+ * prefix caching) or a sliding window. This kernel attends every chunk of a step in one call
+ * per layer, straight from the cache blocks, all query heads of a KV head sharing each K/V read
+ * (GQA).
+ *
+ * Algorithm: flash attention (Dao et al., "FlashAttention: Fast and Memory-Efficient Exact
+ * Attention with IO-Awareness", NeurIPS 2022): keys are visited in steps of 16 with a running
+ * per-row maximum m, normaliser l and unnormalised output O; for every step with
+ * scores s_j = scale * q.k_j::
+ *
+ *     m' = max(m, max_j s_j);  a = exp(m - m');  p_j = exp(s_j - m')
+ *     l  = a * l + sum_j p_j;  O = a * O + sum_j p_j v_j;  m = m'
+ *
+ * and the output is O / l. Scores, softmax and sums are float32.
+ *
+ * Work items are (chunk, KV head, tile of 16 query rows), grouped by (chunk, KV head) -- the
+ * groups longest first, a group's tiles from the last -- and shared out dynamically over the
+ * OpenMP threads (consecutive items of a thread mostly read one group's K/V, still in its L2;
+ * the cheapest come last). Inside an item the 16 rows of one query head are the 16 lanes of a
+ * vector: the item's queries are transposed once ([D][16 rows]), so 16 keys give 16 score
+ * vectors (no horizontal sums) and the softmax is lane-wise (per row: vertical maxima and sums
+ * over the 16 keys). All G query heads of the KV head use each key step's K/V, read once.
+ * Key steps are aligned to the tile's first position, so a tile has exactly one diagonal step;
+ * steps past the tile's last row are never visited, and masks are only evaluated on the
+ * diagonal step, on steps crossing a window edge and on steps reaching below the first key.
+ *
+ * Two inner kernels:
+ *
+ * * AVX-512 (float32; bfloat16 without AMX or with head_dim not a multiple of 32): scores by
+ *   broadcast-FMAs k_j[d] x q^T[d] into 16 register accumulators; O row-major, P.V by
+ *   register tiles of rows x head_dim (p broadcast, each v_j vector loaded once per
+ *   tile). bfloat16 q is widened once per item, K and V once per step; vdpbf16ps for the
+ *   scores (as in the decode kernel) measured 15 % slower here, compute-bound.
+ * * AMX (bfloat16, head_dim a multiple of 32, CPU and process with AMX tiles; USE_AMX):
+ *   both products on tiles, transposed so rows stay lanes: S^T = K . Q^T and
+ *   O^T += V^T . P^T, in key steps of 32 (a full tile depth for P^T). P is rounded to bfloat16 for the second product, as torch's CPU
+ *   flash attention does for bfloat16 (error measured on par with torch's bfloat16 SDPA);
+ *   O^T is kept in float32. Rescaling is lazy (as in FlashAttention-4's conditional
+ *   rescaling): a row's reference maximum moves only when a step's scores exceed it by more
+ *   than PF_LAZY (e^8: p <= ~3e3, exact in float32), so most steps add V^T . P^T
+ *   to O^T on the tiles, and only the others rescale it with AVX-512. Each chunk's keys are
+ *   gathered once per call and KV head (K rows and V^T, pf_gather; at most GATHER_BYTES
+ *   at a time) instead of copied and transposed by every tile that reads them. Both together,
+ *   30 calls of the step below: 4 chunks of 512 tokens 80.6 -> 69.3 ms; 11 chunks of ~186 after
+ *   512 cached tokens each 192.6 -> 162.0 ms; 11 fresh chunks of ~186 unchanged (~41 ms).
+ *
+ * Outputs are rounded to nearest even on the bfloat16 store. On the 2-core machine of this
+ * project (benchmarks/attention_prefill_micro.py: a SmolLM2-135M step of 11 chunks of ~186
+ * tokens, 9 heads / 3 KV heads, head_dim 64, block size 16, 30 layers) this took 71 ms instead
+ * of torch's 160 ms in float32 (187 vs 83 GFLOP/s, 2.3x) and 37 ms instead of 92 ms in bfloat16
+ * (359 vs 145 GFLOP/s, 2.5x; 1.4x on the AVX-512 path); after 256 cached tokens per chunk
+ * (chunked prefill: torch gathers and masks) 1.8x and 2.0x.
+ *
+ * Kernel contract (q rows may be any stride apart; everything else contiguous; q, cache and
+ * out of one dtype, float32 or bfloat16; indices int64)::
+ *
+ *     q        [T, H, D]          query rows of all chunks, H = KH * G (heads h*G .. h*G+G-1
+ *                                 share KV head h)
+ *     cache    [2, KH, NB, BS, D] one layer's cache ([0] = K, [1] = V), the chunks' own K/V
+ *                                 already written
+ *     table    [C, NBMAX]         row c: block ids of block indices kstart[c]//BS, +1, ...
+ *     q_start  [C + 1]            chunk c = rows q_start[c] .. q_start[c+1]-1 (non-decreasing)
+ *     pos0     [C]                position of chunk c's first row (its cached context length)
+ *     kstart   [C]                first key position the table covers (a multiple of BS, at
+ *                                 most max(0, pos0[c] - window + 1), 0 without a window)
+ *     window   int                0: causal; W > 0: a row at position p attends keys p-W+1 .. p
+ *     out      [T, H, D]          rows of the chunks written, others untouched
+ *
+ * A row at position p attends keys max(0, p - W + 1) <= k <= p (all k <= p for
+ * W = 0), as the torch path's masks. The kernel checks the chunk geometry (row ranges, key
+ * starts, table width, block ids in range) before touching memory; the wrapper raises
+ * ValueError for a violation.
+ */
 #include "kv_vec.h"
 #include "transpose16.h"
 
 #include <immintrin.h>
-#define PMAXC 16   /* head_dim / 16 <= 16 */
+#define PMAXC 16 /* head_dim / 16 <= 16 */
 
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
 
 /* Arguments shared by every work item (pointers untyped: one struct for both dtypes). */
 typedef struct {
-    const void* q; int64_t qs; const void* cache; const int64_t* table; int64_t nbmax;
-    const int64_t* q_start; const int64_t* pos0; const int64_t* kstart; int64_t window;
-    void* out; int64_t KH, G, D, NB, BS; float scale;
+    const void* q;
+    int64_t qs;
+    const void* cache;
+    const int64_t* table;
+    int64_t nbmax;
+    const int64_t* q_start;
+    const int64_t* pos0;
+    const int64_t* kstart;
+    int64_t window;
+    void* out;
+    int64_t KH, G, D, NB, BS;
+    float scale;
     /* AMX path: each chunk's keys gathered once per call (pf_gather): K rows and V^T, per KV
        head, keys gbase[c] .. gbase[c] + glen[c] - 1, at element offset goff[c] (+ h * glen * D) */
-    const uint16_t* kg; const uint16_t* vtg; const int64_t* gbase; const int64_t* glen; const int64_t* goff;
+    const uint16_t* kg;
+    const uint16_t* vtg;
+    const int64_t* gbase;
+    const int64_t* glen;
+    const int64_t* goff;
 } pf_args;
 
 /* One work item: 16-row tile t of chunk c for KV head h; gcost = key steps of all tiles of
    (c, h) (for ordering). */
-typedef struct { int32_t c, h, t; int64_t gcost; } pf_item;
+typedef struct {
+    int32_t c, h, t;
+    int64_t gcost;
+} pf_item;
 
 /* Order: (chunk, KV head) groups by total cost, longest first, and within a group its tiles
    from the last (longest) to the first. Consecutive items of a thread then mostly share one
    group's K/V (in its L2), and the cheapest items come last, so the threads finish together. */
 static int pf_item_cmp(const void* x, const void* y) {
-    const pf_item* a = (const pf_item*)x; const pf_item* b = (const pf_item*)y;
+    const pf_item* a = (const pf_item*)x;
+    const pf_item* b = (const pf_item*)y;
     if (a->gcost != b->gcost) return a->gcost > b->gcost ? -1 : 1;
     if (a->c != b->c) return a->c - b->c;
     if (a->h != b->h) return a->h - b->h;
@@ -33,14 +128,14 @@ static int pf_item_cmp(const void* x, const void* y) {
 
 /* Where a work item sits: its rows, their positions and its key steps. */
 typedef struct {
-    int64_t r0;      /* batch row of lane 0 */
-    int64_t nr;      /* real rows in the tile (lanes nr..15 are padding) */
-    int64_t pf, pl;  /* positions of lane 0 and of the last real row */
-    int64_t kmin;    /* first key any row attends (the window start of lane 0, or 0) */
-    int64_t nsteps;  /* key steps of 16; step s starts at pf - 16 * (nsteps - 1 - s) */
-    int64_t fb;      /* block index of the table's first entry */
-    const int64_t* tb;  /* the chunk's table row */
-    int64_t hoff;    /* element offset of KV head h in one half (K or V) of the cache */
+    int64_t r0;        /* batch row of lane 0 */
+    int64_t nr;        /* real rows in the tile (lanes nr..15 are padding) */
+    int64_t pf, pl;    /* positions of lane 0 and of the last real row */
+    int64_t kmin;      /* first key any row attends (the window start of lane 0, or 0) */
+    int64_t nsteps;    /* key steps of 16; step s starts at pf - 16 * (nsteps - 1 - s) */
+    int64_t fb;        /* block index of the table's first entry */
+    const int64_t* tb; /* the chunk's table row */
+    int64_t hoff;      /* element offset of KV head h in one half (K or V) of the cache */
 } pf_geom;
 
 static inline pf_geom pf_geom_of(const pf_args* A, pf_item it) {
@@ -51,8 +146,8 @@ static inline pf_geom pf_geom_of(const pf_args* A, pf_item it) {
     g.pf = A->pos0[it.c] + 16 * it.t;
     g.pl = g.pf + g.nr - 1;
     const int64_t klo = W > 0 ? (g.pf - W + 1 > 0 ? g.pf - W + 1 : 0) : 0;
-    g.kmin = klo > A->kstart[it.c] ? klo : A->kstart[it.c];   /* == klo under the contract */
-    g.nsteps = (g.pf - klo + 15) / 16 + 1;                    /* the last one is the diagonal */
+    g.kmin = klo > A->kstart[it.c] ? klo : A->kstart[it.c]; /* == klo under the contract */
+    g.nsteps = (g.pf - klo + 15) / 16 + 1;                  /* the last one is the diagonal */
     g.fb = A->kstart[it.c] / A->BS;
     g.tb = A->table + it.c * A->nbmax;
     g.hoff = it.h * A->NB * A->BS * A->D;
@@ -80,7 +175,7 @@ static inline int pf_masks(const pf_geom* g, int64_t k0, int64_t W, v16i* mk) {
    alpha = exp(m_old - m_new) for the previous O. A lane with every key so far masked keeps
    m = -inf; it subtracts 0 instead (no inf - inf). */
 static inline __attribute__((always_inline)) v16 pf_softmax(v16* x, float scale, int need, const v16i* mk,
-                                                           v16* m, v16* l) {
+                                                            v16* m, v16* l) {
     v16 mx = (v16){} - INFINITY;
     for (int j = 0; j < 16; ++j) {
         x[j] *= scale;
@@ -131,8 +226,8 @@ static __thread size_t pf_gather_size = 0;
 
 static void* pf_scratch_alloc(pf_scratch* s, int64_t G, int64_t D) {
     const size_t f = sizeof(float);
-    size_t sz[11] = {G * D * 16 * f, G * 16 * D * f, G * 64, G * 64, 16 * D * f, 16 * D * f, 512 * f, 64, 32 * 64,
-                     512 * f, 256 * 4};
+    size_t sz[11] = {G * D * 16 * f, G * 16 * D * f, G * 64, G * 64, 16 * D * f, 16 * D * f, 512 * f, 64,
+                     32 * 64,        512 * f,        256 * 4};
     size_t total = 0;
     for (int i = 0; i < 11; ++i) total += (sz[i] + 63) & ~(size_t)63;
     if (pf_tls_size < total) {
@@ -143,18 +238,20 @@ static void* pf_scratch_alloc(pf_scratch* s, int64_t G, int64_t D) {
     char* base = pf_tls_buf;
     if (!base) return NULL;
     char* p = base;
-    void** dst[11] = {(void**)&s->qt, (void**)&s->o, (void**)&s->m, (void**)&s->l, (void**)&s->kf,
-                      (void**)&s->vf, (void**)&s->p, (void**)&s->alpha, (void**)&s->mk, (void**)&s->tmp,
-                      (void**)&s->pt};
-    for (int i = 0; i < 11; ++i) { *dst[i] = p; p += (sz[i] + 63) & ~(size_t)63; }
+    void** dst[11] = {(void**)&s->qt, (void**)&s->o,   (void**)&s->m, (void**)&s->l,
+                      (void**)&s->kf, (void**)&s->vf,  (void**)&s->p, (void**)&s->alpha,
+                      (void**)&s->mk, (void**)&s->tmp, (void**)&s->pt};
+    for (int i = 0; i < 11; ++i) {
+        *dst[i] = p;
+        p += (sz[i] + 63) & ~(size_t)63;
+    }
     return base;
 }
 
 /* Geometry check (before any memory is touched): 0 if fine, else an error code with the chunk
    in *bad: 1 q_start, 2 pos0, 3 kstart, 4 table too narrow, 5 block id out of range. */
 static int pf_check(const int64_t* q_start, const int64_t* pos0, const int64_t* kstart, const int64_t* table,
-                    int64_t nbmax, int64_t nc, int64_t T, int64_t W, int64_t NB, int64_t BS, int64_t* bad)
-{
+                    int64_t nbmax, int64_t nc, int64_t T, int64_t W, int64_t NB, int64_t BS, int64_t* bad) {
     for (int64_t c = 0; c < nc; ++c) {
         *bad = c;
         const int64_t a = q_start[c], b = q_start[c + 1];
@@ -197,7 +294,6 @@ static void pf_key_range(const pf_args* A, int64_t c, int64_t* base, int64_t* le
 
 #include "amx_tiles.h"
 
-
 /* Headroom of the lazy rescaling (natural-log units): probabilities up to e^8 ~ 3e3. */
 #define PF_LAZY 8.0f
 
@@ -206,13 +302,13 @@ static void pf_key_range(const pf_args* A, int64_t c, int64_t* base, int64_t* le
    bf16; 4 P^T [16 key pairs][16 rows x 2] bf16; 5 K (keys 16-31), later V^T [16 d][32 keys]
    bf16; 6, 7 O^T [16 d][16 rows] f32. */
 
-
 /* Gather KV head h of chunk c once for all its tiles: K rows [len][D] (A tiles of S^T = K . Q^T)
    and V^T [D][len] (A tiles of O^T += V^T . P^T), keys base .. base + len - 1; keys outside
    the table (below kstart) or not written yet (from pos0 + n) are zero. Before, every tile
    copied and transposed its steps' keys itself: with 512 cached tokens per chunk that was a
    third of the kernel's time. */
-static void pf_gather(const pf_args* A, int64_t c, int64_t h, uint16_t* kg, uint16_t* vtg, int64_t base, int64_t len) {
+static void pf_gather(const pf_args* A, int64_t c, int64_t h, uint16_t* kg, uint16_t* vtg, int64_t base,
+                      int64_t len) {
     const int64_t D = A->D, BS = A->BS, KC = D / 32;
     const uint16_t* kbase = (const uint16_t*)A->cache + h * A->NB * BS * D;
     const uint16_t* vbase = kbase + A->KH * A->NB * BS * D;
@@ -223,7 +319,11 @@ static void pf_gather(const pf_args* A, int64_t c, int64_t h, uint16_t* kg, uint
         const uint16_t* vr[16];
         for (int64_t j = 0; j < 16; ++j) {
             const int64_t k = base + j0 + j;
-            if (k < kbeg || k >= kend) { memset(kg + (j0 + j) * D, 0, D * 2); vr[j] = NULL; continue; }
+            if (k < kbeg || k >= kend) {
+                memset(kg + (j0 + j) * D, 0, D * 2);
+                vr[j] = NULL;
+                continue;
+            }
             const int64_t row = (tb[k / BS - fb] * BS + k % BS) * D;
             memcpy(kg + (j0 + j) * D, kbase + row, D * 2);
             vr[j] = vbase + row;
@@ -236,7 +336,8 @@ static void pf_gather(const pf_args* A, int64_t c, int64_t h, uint16_t* kg, uint
             transpose16(x);
             for (int64_t w = 0; w < 16; ++w) {
                 const __m512i xw = (__m512i)x[w];
-                _mm256_storeu_si256((__m256i*)(vtg + (32 * kc + 2 * w) * len + j0), _mm512_cvtepi32_epi16(xw));
+                _mm256_storeu_si256((__m256i*)(vtg + (32 * kc + 2 * w) * len + j0),
+                                    _mm512_cvtepi32_epi16(xw));
                 _mm256_storeu_si256((__m256i*)(vtg + (32 * kc + 2 * w + 1) * len + j0),
                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(xw, 16)));
             }
@@ -256,26 +357,26 @@ static void pf_gather(const pf_args* A, int64_t c, int64_t h, uint16_t* kg, uint
    bfloat16; l sums the float32 values. O^T lives in float32 memory: a step that moves no
    row's reference maximum (lazy rescaling, PF_LAZY) accumulates it on the tiles; the others
    rescale it by alpha with AVX-512 and add the step's product. */
-static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
-{
+static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S) {
     const int64_t D = A->D, KC = D / 32, ND = D / 16, G = A->G, W = A->window;
     const uint16_t* q = (const uint16_t*)A->q;
     uint16_t* out = (uint16_t*)A->out;
     const pf_geom geo = pf_geom_of(A, it);
     const int64_t H = A->KH * G, nr = geo.nr;
-    const int64_t nsteps = (geo.nsteps + 1) / 2;   /* 32-key steps covering the 16-key ones */
+    const int64_t nsteps = (geo.nsteps + 1) / 2; /* 32-key steps covering the 16-key ones */
     const int64_t L = A->glen[it.c], gb = A->gbase[it.c];
-    const uint16_t* kgh = A->kg + A->goff[it.c] + it.h * L * D;    /* [L keys][D] */
-    const uint16_t* vgh = A->vtg + A->goff[it.c] + it.h * L * D;   /* [D][L keys] */
-    uint32_t* qtw = (uint32_t*)S->qt;   /* [G][KC][16 d pairs][16 rows] */
-    float* ot = S->o;                   /* [G][D][16 rows] */
-    float* sc = S->p;                   /* [32 keys][16 rows] scores, then probabilities */
+    const uint16_t* kgh = A->kg + A->goff[it.c] + it.h * L * D;  /* [L keys][D] */
+    const uint16_t* vgh = A->vtg + A->goff[it.c] + it.h * L * D; /* [D][L keys] */
+    uint32_t* qtw = (uint32_t*)S->qt;                            /* [G][KC][16 d pairs][16 rows] */
+    float* ot = S->o;                                            /* [G][D][16 rows] */
+    float* sc = S->p; /* [32 keys][16 rows] scores, then probabilities */
 
     for (int64_t g = 0; g < G; ++g) {
         const uint16_t* qg = q + geo.r0 * A->qs + (it.h * G + g) * D;
         for (int64_t kc = 0; kc < KC; ++kc) {
             v16 x[16];
-            for (int64_t i = 0; i < 16; ++i) x[i] = i < nr ? *(const v16*)(qg + i * A->qs + 32 * kc) : (v16){};
+            for (int64_t i = 0; i < 16; ++i)
+                x[i] = i < nr ? *(const v16*)(qg + i * A->qs + 32 * kc) : (v16){};
             transpose16(x);
             for (int64_t w = 0; w < 16; ++w) *(v16*)(qtw + ((g * KC + kc) * 16 + w) * 16) = x[w];
         }
@@ -283,14 +384,14 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
         S->m[g] = (v16){} - INFINITY;
         S->l[g] = (v16){};
     }
-    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t s = 0; s < nsteps; ++s) {
         const int64_t k0 = geo.pf - 16 - 32 * (nsteps - 1 - s);
         const int64_t ka = k0 > geo.kmin ? k0 : geo.kmin;
-        const int lo = ka < k0 + 16;   /* keys 0-15 of the step exist for some row */
-        const uint16_t* kb = kgh + (k0 - gb) * D;   /* A tiles: 16 keys x 32 d, stride D */
-        const uint16_t* vt = vgh + (k0 - gb);        /* A tiles: 16 d x 32 keys, stride L */
+        const int lo = ka < k0 + 16;              /* keys 0-15 of the step exist for some row */
+        const uint16_t* kb = kgh + (k0 - gb) * D; /* A tiles: 16 keys x 32 d, stride D */
+        const uint16_t* vt = vgh + (k0 - gb);     /* A tiles: 16 d x 32 keys, stride L */
         /* Lane masks of the step's two 16-key halves (a half without masks gets all-ones). */
         const int need0 = pf_masks(&geo, k0, W, S->mk);
         const int need1 = pf_masks(&geo, k0 + 16, W, S->mk + 16);
@@ -303,12 +404,16 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
             _tile_zero(1);
             for (int64_t kc = 0; kc < KC; ++kc) {
                 _tile_loadd(3, qtw + (g * KC + kc) * 256, 64);
-                if (lo) { _tile_loadd(2, kb + 32 * kc, D * 2); _tile_dpbf16ps(0, 2, 3); }
+                if (lo) {
+                    _tile_loadd(2, kb + 32 * kc, D * 2);
+                    _tile_dpbf16ps(0, 2, 3);
+                }
                 _tile_loadd(5, kb + 16 * D + 32 * kc, D * 2);
                 _tile_dpbf16ps(1, 5, 3);
             }
             if (lo) _tile_stored(0, sc, 64);
-            else for (int j = 0; j < 16; ++j) *(v16*)(sc + 16 * j) = (v16){} - INFINITY;  /* all masked */
+            else
+                for (int j = 0; j < 16; ++j) *(v16*)(sc + 16 * j) = (v16){} - INFINITY; /* all masked */
             _tile_stored(1, sc + 256, 64);
             /* Online softmax over the 32 keys, lane-wise (as pf_softmax), from memory. */
             v16 mx = (v16){} - INFINITY;
@@ -335,7 +440,10 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
             for (int pp = 0; pp < 16; ++pp) {
                 v16 e0 = exp16(*(const v16*)(sc + 32 * pp) - m_use);
                 v16 e1 = exp16(*(const v16*)(sc + 32 * pp + 16) - m_use);
-                if (need) { e0 = vsel(S->mk[2 * pp], e0, (v16){}); e1 = vsel(S->mk[2 * pp + 1], e1, (v16){}); }
+                if (need) {
+                    e0 = vsel(S->mk[2 * pp], e0, (v16){});
+                    e1 = vsel(S->mk[2 * pp + 1], e1, (v16){});
+                }
                 psum += e0 + e1;
                 const __m512i two = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);
                 _mm512_store_si512((void*)(S->pt + 16 * pp), _mm512_permutexvar_epi16(ilv, two));
@@ -347,7 +455,7 @@ static void pf_item_amx(const pf_args* A, pf_item it, pf_scratch* S)
             for (int64_t db = 0; db < ND; db += 2) {
                 _tile_loadd(5, vt + db * 16 * L, L * 2);
                 _tile_loadd(2, vt + (db + 1) * 16 * L, L * 2);
-                if (!rescale) {   /* O^T += V^T . P^T on the tiles */
+                if (!rescale) { /* O^T += V^T . P^T on the tiles */
                     _tile_loadd(6, og + db * 256, 64);
                     _tile_loadd(7, og + db * 256 + 256, 64);
                     _tile_dpbf16ps(6, 5, 4);

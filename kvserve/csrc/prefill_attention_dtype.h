@@ -1,8 +1,9 @@
+/* The dtype-generic kernels of prefill_attention.c, written with ELEM (storage type) and SFX (symbol
+   suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
 /* One work item on AVX-512. Always inlined, so the calls with a literal C (= head_dim / 16) get
    copies whose loops are fully unrolled and whose tiles live in registers. */
 static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_args* A, pf_item it,
-                                                                     pf_scratch* S, const int64_t C)
-{
+                                                                     pf_scratch* S, const int64_t C) {
     const int64_t D = 16 * C, G = A->G, BS = A->BS, W = A->window;
     const ELEM* q = (const ELEM*)A->q;
     ELEM* out = (ELEM*)A->out;
@@ -17,7 +18,8 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
         const ELEM* qg = q + geo.r0 * A->qs + (it.h * G + g) * D;
         for (int64_t cc = 0; cc < C; ++cc) {
             v16 x[16];
-            for (int64_t i = 0; i < 16; ++i) x[i] = i < nr ? CAT(ld16_, SFX)(qg + i * A->qs + 16 * cc) : (v16){};
+            for (int64_t i = 0; i < 16; ++i)
+                x[i] = i < nr ? CAT(ld16_, SFX)(qg + i * A->qs + 16 * cc) : (v16){};
             transpose16(x);
             for (int64_t d = 0; d < 16; ++d) S->qt[g * D + 16 * cc + d] = x[d];
         }
@@ -38,17 +40,24 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
             /* float32, all 16 keys in one block: read them in place. */
             kf = (const float*)(kbase + (geo.tb[bi] * BS + off) * D);
             vf = (const float*)(vbase + (geo.tb[bi] * BS + off) * D);
-        } else for (int64_t j = 0; j < 16; ++j) {
-            const int64_t k = k0 + j;
-            if (k < ka || k > ke) {
-                for (int64_t cc = 0; cc < C; ++cc) *(v16*)(S->kf + j * D + 16 * cc) = *(v16*)(S->vf + j * D + 16 * cc) = (v16){};
-                continue;
+        } else
+            for (int64_t j = 0; j < 16; ++j) {
+                const int64_t k = k0 + j;
+                if (k < ka || k > ke) {
+                    for (int64_t cc = 0; cc < C; ++cc)
+                        *(v16*)(S->kf + j * D + 16 * cc) = *(v16*)(S->vf + j * D + 16 * cc) = (v16){};
+                    continue;
+                }
+                const int64_t row = (geo.tb[bi] * BS + off) * D;
+                for (int64_t cc = 0; cc < C; ++cc)
+                    *(v16*)(S->kf + j * D + 16 * cc) = CAT(ld16_, SFX)(kbase + row + 16 * cc);
+                for (int64_t cc = 0; cc < C; ++cc)
+                    *(v16*)(S->vf + j * D + 16 * cc) = CAT(ld16_, SFX)(vbase + row + 16 * cc);
+                if (++off == BS) {
+                    off = 0;
+                    ++bi;
+                }
             }
-            const int64_t row = (geo.tb[bi] * BS + off) * D;
-            for (int64_t cc = 0; cc < C; ++cc) *(v16*)(S->kf + j * D + 16 * cc) = CAT(ld16_, SFX)(kbase + row + 16 * cc);
-            for (int64_t cc = 0; cc < C; ++cc) *(v16*)(S->vf + j * D + 16 * cc) = CAT(ld16_, SFX)(vbase + row + 16 * cc);
-            if (++off == BS) { off = 0; ++bi; }
-        }
         const int need = pf_masks(&geo, k0, W, S->mk);
 
         for (int64_t g = 0; g < G; ++g) {
@@ -75,7 +84,8 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
                 v16 acc[16];
                 for (int64_t r = 0; r < R; ++r) {
                     const float a = S->alpha[rb + r];
-                    for (int64_t cc = 0; cc < C; ++cc) acc[r * C + cc] = *(v16*)(og + (rb + r) * D + 16 * cc) * a;
+                    for (int64_t cc = 0; cc < C; ++cc)
+                        acc[r * C + cc] = *(v16*)(og + (rb + r) * D + 16 * cc) * a;
                 }
                 for (int64_t j = 0; j < 16; ++j) {
                     float pj[16];
@@ -97,20 +107,23 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
         const float* og = S->o + g * 16 * D;
         for (int64_t r = 0; r < nr; ++r) {
             ELEM* dst = out + (geo.r0 + r) * H * D + (it.h * G + g) * D;
-            for (int64_t cc = 0; cc < C; ++cc) CAT(st16_, SFX)(dst + 16 * cc, *(const v16*)(og + r * D + 16 * cc) * inv[r]);
+            for (int64_t cc = 0; cc < C; ++cc)
+                CAT(st16_, SFX)(dst + 16 * cc, *(const v16*)(og + r * D + 16 * cc) * inv[r]);
         }
     }
 }
 
-void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table,
-                                int64_t nbmax, const int64_t* q_start, const int64_t* pos0, const int64_t* kstart,
-                                int64_t nc, int64_t window, ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D,
-                                int64_t NB, int64_t BS, float scale, int amx, int64_t gather_bytes, int nthreads,
-                                int64_t* status)
-{
+void CAT(kv_paged_prefill_attention_,
+         SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
+              const int64_t* q_start, const int64_t* pos0, const int64_t* kstart, int64_t nc, int64_t window,
+              ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,
+              int amx, int64_t gather_bytes, int nthreads, int64_t* status) {
     status[0] = pf_check(q_start, pos0, kstart, table, nbmax, nc, T, window, NB, BS, &status[1]);
     if (status[0]) return;
-    if (D % 16 || D / 16 > PMAXC) { status[0] = 6; return; }
+    if (D % 16 || D / 16 > PMAXC) {
+        status[0] = 6;
+        return;
+    }
 #ifdef PF_AMX
     amx = amx && sizeof(ELEM) == 2 && D % 32 == 0;
 #else
@@ -120,10 +133,15 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
     for (int64_t c = 0; c < nc; ++c) ni += (q_start[c + 1] - q_start[c] + 15) / 16 * KH;
     if (ni == 0) return;
     pf_item* items = (pf_item*)malloc(sizeof(pf_item) * (size_t)ni);
-    int64_t* grange = (int64_t*)malloc(sizeof(int64_t) * 3 * (size_t)nc);   /* gbase, glen, goff */
-    if (!items || !grange) { free(items); free(grange); status[0] = 7; return; }
-    pf_args args = {q, qs, cache, table, nbmax, q_start, pos0, kstart, window, out, KH, G, D, NB, BS, scale,
-                    NULL, NULL, grange, grange + nc, grange + 2 * nc};
+    int64_t* grange = (int64_t*)malloc(sizeof(int64_t) * 3 * (size_t)nc); /* gbase, glen, goff */
+    if (!items || !grange) {
+        free(items);
+        free(grange);
+        status[0] = 7;
+        return;
+    }
+    pf_args args = {q, qs, cache, table, nbmax, q_start, pos0,   kstart,      window,         out, KH, G,
+                    D, NB, BS,    scale, NULL,  NULL,    grange, grange + nc, grange + 2 * nc};
     for (int64_t c = 0; c < nc; ++c) pf_key_range(&args, c, &grange[c], &grange[nc + c]);
     const int64_t C = D / 16;
     int failed = 0;
@@ -134,7 +152,7 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
         for (c1 = c0; c1 < nc; ++c1) {
             const size_t b = (size_t)(2 * KH * grange[nc + c1] * D) * 2;
             if (amx && c1 > c0 && bytes + b > (size_t)gather_bytes) break;
-            grange[2 * nc + c1] = (int64_t)(bytes / 4);   /* element offset in each buffer */
+            grange[2 * nc + c1] = (int64_t)(bytes / 4); /* element offset in each buffer */
             bytes += b;
         }
         uint16_t* gbuf = NULL;
@@ -144,7 +162,10 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
                 pf_gather_buf = (uint16_t*)aligned_alloc(64, (bytes + 63) / 64 * 64);
                 pf_gather_size = pf_gather_buf ? bytes : 0;
             }
-            if (!(gbuf = pf_gather_buf)) { failed = 1; break; }
+            if (!(gbuf = pf_gather_buf)) {
+                failed = 1;
+                break;
+            }
             args.kg = gbuf;
             args.vtg = gbuf + bytes / 4;
         }
@@ -158,43 +179,47 @@ void CAT(kv_paged_prefill_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM
                 gcost += (pf - klo + 15) / 16 + 1;
             }
             for (int64_t h = 0; h < KH; ++h)
-                for (int64_t t = 0; t < (n + 15) / 16; ++t) items[ni++] = (pf_item){(int32_t)c, (int32_t)h, (int32_t)t, gcost};
+                for (int64_t t = 0; t < (n + 15) / 16; ++t)
+                    items[ni++] = (pf_item){(int32_t)c, (int32_t)h, (int32_t)t, gcost};
         }
         if (ni == 0) continue;
         qsort(items, (size_t)ni, sizeof(pf_item), pf_item_cmp);
         const int nt = nthreads < ni ? nthreads : (int)ni;
-        #pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(nt)
         {
             pf_scratch sc;
             void* mem = pf_scratch_alloc(&sc, G, D);
             if (!mem) {
-                #pragma omp atomic write
+#pragma omp atomic write
                 failed = 1;
             }
 #ifdef PF_AMX
-            const int64_t ng = amx ? (c1 - c0) * KH : 0;   /* (chunk, KV head) gathers */
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < ng; ++i) {   /* (implicit barrier: all gathered before any item) */
+            const int64_t ng = amx ? (c1 - c0) * KH : 0; /* (chunk, KV head) gathers */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < ng; ++i) { /* (implicit barrier: all gathered before any item) */
                 const int64_t c = c0 + i / KH, h = i % KH, len = grange[nc + c];
                 pf_gather(&args, c, h, (uint16_t*)args.kg + grange[2 * nc + c] + h * len * D,
                           (uint16_t*)args.vtg + grange[2 * nc + c] + h * len * D, grange[c], len);
             }
             if (amx) config_tiles();
 #endif
-            #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < ni; ++i) {
                 if (!mem) continue;
 #ifdef PF_AMX
-                if (amx) { pf_item_amx(&args, items[i], &sc); continue; }
+                if (amx) {
+                    pf_item_amx(&args, items[i], &sc);
+                    continue;
+                }
 #endif
 #define ITEM(cc) CAT(pf_item_, SFX)(&args, items[i], &sc, cc)
                 /* head_dim 16, 32, 64, 128 as constants; others at run time. */
                 switch (C) {
-                    case 1: ITEM(1); break;
-                    case 2: ITEM(2); break;
-                    case 4: ITEM(4); break;
-                    case 8: ITEM(8); break;
-                    default: ITEM(C); break;
+                case 1: ITEM(1); break;
+                case 2: ITEM(2); break;
+                case 4: ITEM(4); break;
+                case 8: ITEM(8); break;
+                default: ITEM(C); break;
                 }
 #undef ITEM
             }

@@ -1,4 +1,4 @@
-"""``kvserve generate | serve | bench | simulate``."""
+"""``kvserve generate | serve | bench | simulate | doctor``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
         ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve, cold-start, plot)"),
         ("simulate", "kvserve.sim.cli", "replay a trace on the simulator"),
+        (
+            "doctor",
+            "kvserve.entrypoints.doctor",
+            "which kernels this host builds and uses, and the thread count",
+        ),
     ):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.set_defaults(module=module)

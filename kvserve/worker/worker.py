@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -35,22 +36,35 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+@dataclasses.dataclass(frozen=True)
+class ThreadChoice:
+    """A thread count and why it was chosen (``kvserve doctor`` prints both)."""
+
+    num_threads: int
+    reason: str
+
+
 def calibrate_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> int:
     """The torch thread count (``max_threads`` or 1) that runs a small decode-sized GEMM
-    workload fastest right now; ``KVSERVE_NUM_THREADS`` overrides.
+    workload fastest right now (set as torch's); ``KVSERVE_NUM_THREADS`` overrides.
 
     OpenMP intra-op parallelism collapses when other processes occupy the cores (a barrier
     waits for a descheduled peer): on a busy 2-core machine one thread was measured 4x
     faster than two, on an idle one two threads are ~1.7x faster. Cost: ~10-50 ms.
     """
+    return choose_threads(max_threads, hidden, reps).num_threads
+
+
+def choose_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> ThreadChoice:
+    """``calibrate_threads`` with its reason: the override, a single core, or the two timings."""
     env = os.environ.get("KVSERVE_NUM_THREADS")
     if env:
         n = max(1, int(env))
         torch.set_num_threads(n)
-        return n
+        return ThreadChoice(n, f"fixed by KVSERVE_NUM_THREADS={env}")
     if max_threads <= 1:
         torch.set_num_threads(1)
-        return 1
+        return ThreadChoice(1, "one usable core")
 
     with torch.inference_mode():
         a = torch.randn(64, hidden)
@@ -70,7 +84,13 @@ def calibrate_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> int
     # prefer more threads unless one thread is clearly faster
     best = 1 if best_t[1] < 0.9 * best_t[max_threads] else max_threads
     torch.set_num_threads(best)
-    return best
+    ms = {n: f"{t * 1e3:.2f} ms" for n, t in best_t.items()}
+    why = (
+        f"measured a 64-row GEMM: {max_threads} threads {ms[max_threads]}, 1 thread {ms[1]} "
+        f"(1 is chosen only when >10% faster: the cores are busy); re-measured every "
+        f"{RECALIBRATE_EVERY_STEPS} steps or {RECALIBRATE_EVERY_S:g} s"
+    )
+    return ThreadChoice(best, why)
 
 
 class Worker:

@@ -1,29 +1,12 @@
-"""bfloat16 linear layers for decode-sized batches on Intel AMX tiles.
+"""bfloat16 linear layers for decode-sized steps (up to ``MAX_ROWS`` tokens) on Intel AMX tiles.
 
-Why: a decode step's GEMMs have few rows (1-64 tokens) and must read every weight once, so
-their floor is memory bandwidth (~22 GB/s for the two cores here). oneDNN's bfloat16 matmul
-(AMX too) read SmolLM2-135M's weights at ~14 GB/s at 1-8 rows and ~8.5 GB/s at 59 rows
-(``benchmarks/gemm_micro.py --dtype bfloat16``). This kernel streams a layout made for tile
-loads, one sequential stream per thread, and reuses each loaded weight tile for 32 rows.
-
-AMX (Intel Architecture Instruction Set Extensions Programming Reference, ch. 3): eight tile
-registers of 16 rows x 64 bytes; ``TDPBF16PS C, A, B`` adds to ``C`` (16 x 16 float32) the
-product of ``A`` (16 rows x 32 bfloat16) and ``B`` (16 rows of 16 column pairs: the weights of
-two consecutive input features for 16 output columns), with float32 accumulation. Linux grants
-the tile state per process on request (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``).
+``AmxWeight`` packs a weight once into the tile layout; ``linear`` runs ``x @ W^T + b``.
+``available()`` is True only where the kernel built with AMX and Linux granted this process the
+tile state. Layout, kernel and measurements: ``kvserve/csrc/amx_gemm.c``.
 
 Layout: ``W [N, K]`` (``K % 32 == 0``; ``N`` padded to a multiple of 32 with zero rows) becomes
-``tiles [N / 32, K / 32, 2, 16, 16, 2]``: for each group of 32 output columns and each 32-wide
-slice of ``K``, two B tiles of 1 KB (columns ``0-15`` and ``16-31`` of the group), element
-``[kp, n, e] = W[n, 32 * kc + 2 * kp + e]``. A thread's groups are contiguous in memory, so it
-reads one sequential stream.
-
-Kernel: each thread copies ``x`` in blocks of up to 256 rows into a buffer of its own, in tile
-order, padded to a multiple of 16 rows (zero rows, whose outputs are dropped), so every tile is
-full and the tile configuration never changes. Per group and 32-row chunk:
-four accumulator tiles (2 row blocks x 2 column tiles), two A tiles, two B tiles: the eight
-registers. Accumulators are stored to a float32 scratch and rounded to bfloat16 (nearest even,
-as torch) with the bias added in float32.
+``tiles [N / 32, K / 32, 2, 16, 16, 2]``, element ``[g, kc, t, kp, n, e] =
+W[32 g + 16 t + n, 32 kc + 2 kp + e]``. Accumulation is float32, outputs rounded to nearest even.
 """
 
 from __future__ import annotations
@@ -42,11 +25,6 @@ K_TILE = 32
 #: gemm_micro.py --dtype bfloat16``) this kernel ran 1.1-1.35x oneDNN at 1-64 rows, 0.9-1.1x
 #: at 128, 0.87x at 256 and 0.74x at 2,048.
 MAX_ROWS = 64
-
-#: C for the AMX kernels (``amx_gemm`` and ``native_prefill_attention``; include it inside an
-#: ``__AMX_TILE__`` guard): ``config_tiles()`` loads palette 1 with all eight tiles 16 rows x 64
-#: bytes, the only shape they use.
-
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LIB = NativeLibrary(

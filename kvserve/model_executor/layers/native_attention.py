@@ -1,27 +1,10 @@
-"""Optional native (C, OpenMP) decode attention reading K/V in place from the paged cache.
+"""Decode attention on CPU straight from the paged KV cache (C/OpenMP kernel; algorithm and
+measurements in ``kvserve/csrc/decode_attention.c``).
 
-The pure-torch decode path gathers every sequence's K/V blocks into a padded tensor and then
-runs ``scaled_dot_product_attention``: the cache is read once, written once and read again.
-On CPU that path is memory-bound; this kernel reads each K/V row exactly once, straight from
-its block, for all query heads that share it (GQA).
-
-The fast path (``head_dim % 16 == 0``, up to 16 query heads per KV head) uses GCC vector
-extensions (16 floats: AVX-512 with ``-march=native``, 2 x AVX2 otherwise): queries kept in
-registers, one horizontal sum per (key, query head), a vectorised exp (degree-6 polynomial
-after range reduction, relative error ~1e-7), value accumulators in registers. Cache rows are
-reached through a (block, offset) cursor, with the row two blocks ahead prefetched; for
-bfloat16 on CPUs with AVX512-BF16 the q.k products use ``vdpbf16ps`` (exact bf16 products,
-float32 sums) instead of widening every key. Together these took decode attention over a
-DRAM-resident cache from 10.3 to 11.6 GB/s (64 sequences of ~225 tokens) and from 12.9 to
-16.9 GB/s (8 of ~525), bfloat16.
-
-Other shapes use a plain scalar loop. There is one version per cache dtype, float32 and
-bfloat16 (K/V and queries widened to float32 on load, but for the ``vdpbf16ps`` products; the
-output rounded to nearest even on store); all sums are float32.
-
-Built on first use by ``native_lib`` (which says how). If it cannot be built or
-``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers use the torch path then, and for
-other dtypes (``supports_dtype``) and devices.
+Reads each K/V row once, for all query heads that share it (GQA), instead of the torch path's
+gather into a padded tensor. One version per cache dtype (float32, bfloat16; sums float32).
+If the kernel cannot be built or ``KVSERVE_NATIVE=0`` is set, ``available()`` is False and
+callers use the torch path, as they do for other dtypes (``supports_dtype``) and devices.
 
 Kernel contract (all contiguous; q, cache and out of one dtype, float32 or bfloat16)::
 

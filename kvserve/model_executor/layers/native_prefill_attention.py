@@ -1,63 +1,11 @@
-"""Optional native (C, OpenMP) prefill attention reading K/V in place from the paged cache.
+"""Prefill attention on CPU straight from the paged KV cache: every multi-token chunk of a step
+in one call per layer (C/OpenMP; flash attention on AVX-512, or on AMX tiles for bfloat16 where
+the CPU and process have them: ``USE_AMX``). The algorithm, work split and measurements are in
+``kvserve/csrc/prefill_attention.c``.
 
-The torch path attends each multi-token chunk with its own ``scaled_dot_product_attention``
-call per layer (torch's CPU flash kernel), after gathering the chunk's cached context into a
-padded copy and building a bool mask when the chunk has earlier context (chunked prefill,
-prefix caching) or a sliding window. This kernel attends every chunk of a step in one call
-per layer, straight from the cache blocks, all query heads of a KV head sharing each K/V read
-(GQA).
-
-Algorithm: flash attention (Dao et al., "FlashAttention: Fast and Memory-Efficient Exact
-Attention with IO-Awareness", NeurIPS 2022): keys are visited in steps of 16 with a running
-per-row maximum ``m``, normaliser ``l`` and unnormalised output ``O``; for every step with
-scores ``s_j = scale * q.k_j``::
-
-    m' = max(m, max_j s_j);  a = exp(m - m');  p_j = exp(s_j - m')
-    l  = a * l + sum_j p_j;  O = a * O + sum_j p_j v_j;  m = m'
-
-and the output is ``O / l``. Scores, softmax and sums are float32.
-
-Work items are (chunk, KV head, tile of 16 query rows), grouped by (chunk, KV head) -- the
-groups longest first, a group's tiles from the last -- and shared out dynamically over the
-OpenMP threads (consecutive items of a thread mostly read one group's K/V, still in its L2;
-the cheapest come last). Inside an item the 16 rows of one query head are the 16 lanes of a
-vector: the item's queries are transposed once (``[D][16 rows]``), so 16 keys give 16 score
-vectors (no horizontal sums) and the softmax is lane-wise (per row: vertical maxima and sums
-over the 16 keys). All G query heads of the KV head use each key step's K/V, read once.
-Key steps are aligned to the tile's first position, so a tile has exactly one diagonal step;
-steps past the tile's last row are never visited, and masks are only evaluated on the
-diagonal step, on steps crossing a window edge and on steps reaching below the first key.
-
-Two inner kernels:
-
-* AVX-512 (float32; bfloat16 without AMX or with head_dim not a multiple of 32): scores by
-  broadcast-FMAs ``k_j[d] x q^T[d]`` into 16 register accumulators; ``O`` row-major, P.V by
-  register tiles of rows x head_dim (``p`` broadcast, each ``v_j`` vector loaded once per
-  tile). bfloat16 q is widened once per item, K and V once per step; ``vdpbf16ps`` for the
-  scores (as in the decode kernel) measured 15 % slower here, compute-bound.
-* AMX (bfloat16, head_dim a multiple of 32, CPU and process with AMX tiles; ``USE_AMX``):
-  both products on tiles, transposed so rows stay lanes: ``S^T = K . Q^T`` and
-  ``O^T += V^T . P^T``, in key steps of 32 (a full tile depth for ``P^T``). ``P`` is rounded to bfloat16 for the second product, as torch's CPU
-  flash attention does for bfloat16 (error measured on par with torch's bfloat16 SDPA);
-  ``O^T`` is kept in float32. Rescaling is lazy (as in FlashAttention-4's conditional
-  rescaling): a row's reference maximum moves only when a step's scores exceed it by more
-  than ``PF_LAZY`` (e^8: ``p`` <= ~3e3, exact in float32), so most steps add ``V^T . P^T``
-  to ``O^T`` on the tiles, and only the others rescale it with AVX-512. Each chunk's keys are
-  gathered once per call and KV head (K rows and V^T, ``pf_gather``; at most ``GATHER_BYTES``
-  at a time) instead of copied and transposed by every tile that reads them. Both together,
-  30 calls of the step below: 4 chunks of 512 tokens 80.6 -> 69.3 ms; 11 chunks of ~186 after
-  512 cached tokens each 192.6 -> 162.0 ms; 11 fresh chunks of ~186 unchanged (~41 ms).
-
-Outputs are rounded to nearest even on the bfloat16 store. On the 2-core machine of this
-project (``benchmarks/attention_prefill_micro.py``: a SmolLM2-135M step of 11 chunks of ~186
-tokens, 9 heads / 3 KV heads, head_dim 64, block size 16, 30 layers) this took 71 ms instead
-of torch's 160 ms in float32 (187 vs 83 GFLOP/s, 2.3x) and 37 ms instead of 92 ms in bfloat16
-(359 vs 145 GFLOP/s, 2.5x; 1.4x on the AVX-512 path); after 256 cached tokens per chunk
-(chunked prefill: torch gathers and masks) 1.8x and 2.0x.
-
-Built on first use by ``native_lib`` (which says how). If it cannot be built or
-``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers keep the torch path then, and
-for other dtypes, devices and shapes (``supports``: ``head_dim`` a multiple of 16, at most 256).
+If the kernel cannot be built or ``KVSERVE_NATIVE=0`` is set, ``available()`` is False; callers
+keep the torch path then, and for other dtypes, devices and shapes (``supports``: ``head_dim`` a
+multiple of 16, at most 256).
 
 Kernel contract (``q`` rows may be any stride apart; everything else contiguous; q, cache and
 out of one dtype, float32 or bfloat16; indices int64)::

@@ -1,0 +1,206 @@
+"""``kvserve doctor``: what this host gives the CPU engine.
+
+Prints the CPU's relevant instruction sets, the C compiler, each kernel library of
+``kvserve/csrc/`` (built and loaded, or why not), which implementation every hot-path operation
+uses here per dtype, and the thread count the engine would choose now and why. ``--json`` prints
+the same as one JSON object. Nothing is loaded but the kernels (no model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+#: /proc/cpuinfo flags that decide a kernel path: name -> what it enables.
+CPU_FEATURES = {
+    "avx2": "16-lane vectors as two AVX2 registers (the portable fallback)",
+    "avx512f": "16-lane vectors in one register (every kernel)",
+    "avx512_bf16": "bfloat16 dot products in decode attention (vdpbf16ps), one-instruction bf16 rounding",
+    "amx_tile": "AMX tiles (with amx_bf16): bfloat16 decode GEMM and prefill attention",
+    "amx_bf16": "AMX bfloat16 tile products",
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> dict:
+    from kvserve.model_executor.layers import native_lib
+
+    cc = os.environ.get("CC", "cc")
+    path = shutil.which(cc)
+    version = None
+    if path:
+        try:
+            version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+            version = version.splitlines()[0] if version else None
+        except (OSError, subprocess.SubprocessError):
+            version = None
+    return {
+        "cc": cc,
+        "path": path,
+        "version": version,
+        "cflags": " ".join(native_lib.CFLAGS),
+        "extra_cflags": os.environ.get(native_lib.EXTRA_CFLAGS_ENV, ""),
+    }
+
+
+def _libraries() -> list[dict]:
+    from kvserve.model_executor.layers import native_lib
+
+    return [
+        {
+            "name": lib.name,
+            "source": f"kvserve/csrc/{lib.source}",
+            "loaded": lib.available(),
+            "path": str(lib.path) if lib.path else None,
+            "failure": lib.failure_reason(),
+        }
+        for lib in native_lib.all_libraries()
+    ]
+
+
+def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
+    """Operation -> dtype -> the implementation the CPU engine uses for it on this host (the
+    same tests as ``llama.prepack_weight``, ``attention`` and the model runner make)."""
+    from kvserve.model_executor.layers import (
+        amx_gemm,
+        native_attention,
+        native_gemm,
+        native_ops,
+        native_prefill_attention,
+    )
+
+    amx = amx_gemm.available()
+    if {"amx_tile", "amx_bf16"} <= flags:
+        bf16_isa = "AMX"
+    elif "avx512_bf16" in flags:
+        bf16_isa = "AVX512-BF16"
+    else:
+        bf16_isa = "no bfloat16 instructions: emulated, slower than float32"
+    vec = "AVX-512" if "avx512f" in flags else "AVX2"
+    torch_ = "torch (no native kernel)"
+    return {
+        "linear": {
+            "float32": f"kvserve panel GEMM ({vec})" if native_gemm.available() else "oneDNN via torch",
+            "bfloat16": (
+                f"kvserve AMX tiles up to {amx_gemm.MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
+                if amx
+                else f"oneDNN ({bf16_isa}) via torch"
+            ),
+        },
+        "decode attention": {
+            "float32": f"kvserve paged kernel ({vec})" if native_attention.available() else torch_,
+            "bfloat16": (
+                f"kvserve paged kernel ({'vdpbf16ps' if 'avx512_bf16' in flags else vec + ', widened'})"
+                if native_attention.available()
+                else torch_
+            ),
+        },
+        "prefill attention": {
+            "float32": f"kvserve flash kernel ({vec})" if native_prefill_attention.available() else torch_,
+            "bfloat16": (
+                ("kvserve flash kernel (AMX tiles)" if amx else f"kvserve flash kernel ({vec})")
+                if native_prefill_attention.available()
+                else torch_
+            ),
+        },
+        "rms_norm, silu_and_mul, rope + KV write": {
+            d: f"kvserve fused kernels ({vec})" if native_ops.available() else torch_
+            for d in ("float32", "bfloat16")
+        },
+        "greedy sampling": {
+            "float32 logits": "kvserve kernel" if native_ops.available() else "torch argmax + log_softmax",
+        },
+    }
+
+
+def _threads() -> dict:
+    from kvserve.worker.worker import _cpu_count, choose_threads
+
+    choice = choose_threads(_cpu_count())
+    return {"cores_usable": _cpu_count(), "chosen": choice.num_threads, "why": choice.reason}
+
+
+def gather() -> dict:
+    """Everything ``kvserve doctor`` reports, as a JSON-serialisable dict."""
+    from kvserve.model_executor.layers import amx_gemm
+
+    flags = _cpu_flags()
+    native_off = os.environ.get("KVSERVE_NATIVE", "1") == "0"
+    return {
+        "cpu": _cpu_model(),
+        "python": sys.version.split()[0],
+        "cpu_features": {f: f in flags for f in CPU_FEATURES},
+        "native_disabled": native_off,
+        "compiler": _compiler(),
+        "libraries": _libraries(),
+        "amx_granted": amx_gemm.available(),
+        "paths": _paths(flags),
+        "threads": _threads(),
+    }
+
+
+def _print(r: dict) -> None:
+    print(f"CPU: {r['cpu']} (Python {r['python']})")
+    for f, ok in r["cpu_features"].items():
+        print(f"  {'yes' if ok else 'no ':3}  {f:12} {CPU_FEATURES[f]}")
+    print(f"  AMX tiles granted to this process: {'yes' if r['amx_granted'] else 'no'}")
+    c = r["compiler"]
+    print(
+        f"\nC compiler: {c['cc']} -> {c['path'] or 'NOT FOUND'}"
+        + (f" ({c['version']})" if c["version"] else "")
+    )
+    print(f"  flags: {c['cflags']}" + (f" + {c['extra_cflags']}" if c["extra_cflags"] else ""))
+    if r["native_disabled"]:
+        print("  KVSERVE_NATIVE=0: native kernels disabled, torch everywhere")
+    print("\nKernel libraries:")
+    for lib in r["libraries"]:
+        state = f"loaded  {lib['path']}" if lib["loaded"] else f"UNAVAILABLE: {lib['failure']}"
+        print(f"  {lib['name']:22} {lib['source']:34} {state}")
+    print("\nUsed on this host:")
+    for op, by_dtype in r["paths"].items():
+        for dtype, impl in by_dtype.items():
+            print(f"  {op:40} {dtype:15} {impl}")
+    t = r["threads"]
+    print(f"\nThreads: {t['chosen']} of {t['cores_usable']} usable cores: {t['why']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvserve doctor", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    ns = p.parse_args(argv)
+    r = gather()
+    if ns.json:
+        print(json.dumps(r, indent=2))
+    else:
+        _print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""``kvserve doctor``: the report names every kernel library and the thread choice with its reason."""
+
+import json
+
+from kvserve.entrypoints import cli, doctor
+from kvserve.model_executor.layers import native_lib
+
+
+def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
+    assert doctor.main(["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    libs = {lib["name"]: lib for lib in r["libraries"]}
+    assert set(libs) == {lib.name for lib in native_lib.all_libraries()}
+    for lib in libs.values():
+        # loaded with a path, or unavailable with the reason
+        assert (lib["loaded"] and lib["path"]) or (not lib["loaded"] and lib["failure"]), lib
+    assert set(r["cpu_features"]) == set(doctor.CPU_FEATURES)
+    assert r["paths"]["linear"]["float32"].startswith("kvserve panel GEMM") == libs["kv_gemm"]["loaded"]
+    assert 1 <= r["threads"]["chosen"] <= r["threads"]["cores_usable"]
+    assert r["threads"]["why"]
+
+
+def test_doctor_says_a_fixed_thread_count_comes_from_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "Threads: 1 of" in out and "KVSERVE_NUM_THREADS=1" in out
+    assert "Kernel libraries:" in out and "kvserve/csrc/gemm.c" in out

@@ -587,7 +587,20 @@ class OpenAIServing:
 
     @staticmethod
     def rejected_error(out: RequestOutput, param: str = "prompt") -> APIError:
-        """A scheduler rejection (``finish_reason == "ignored"``) as a 400."""
+        """A request the engine ended without finishing it: ``"failed"`` (a fault in its step)
+        as a 500 naming the request id; ``"rejected"`` as a 400, naming the sampling field
+        when its input failed validation while it ran, else the prompt (a scheduler
+        rejection: too long for the context or the KV cache)."""
+        if out.outcome == "failed":
+            return APIError(
+                out.error or f"internal error while running request {out.request_id}",
+                500,
+                type="internal_server_error",
+                code="engine_step_failed",
+            )
+        field = param_from_message(out.error or "")
+        if field is not None and field != "prompt":
+            return APIError(out.error or "", 400, param=field, code="invalid_value")
         return APIError(
             f"{param}: {out.error or 'rejected by the scheduler'}", 400, param=param, code="prompt_too_long"
         )

@@ -14,6 +14,7 @@ from kvserve.engine.fault_isolation import bisect_failures
 from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
+from kvserve.field_limits import LIMITS
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
@@ -143,8 +144,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        LIMITS["priority"].check("priority", priority)
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
         seq = Sequence(

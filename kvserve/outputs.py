@@ -19,8 +19,9 @@ class CompletionOutput:
         token_ids: generated token ids (a stop token id, if it fired, is included).
         cumulative_logprob: sum of the sampled tokens' log-probabilities.
         logprobs: per generated token, ``{token_id: logprob}`` when requested, else None.
-        finish_reason: ``None`` while running, then ``"stop"``, ``"length"``, ``"abort"`` or
-            ``"ignored"`` (rejected by the scheduler: see ``RequestOutput.error``).
+        finish_reason: ``None`` while running, then ``"stop"``, ``"length"``, ``"abort"``,
+            ``"ignored"`` (rejected: see ``RequestOutput.error``) or ``"error"`` (the engine
+            failed to run the request's step: see ``RequestOutput.error``).
         stop_reason: the matched stop string or stop token id, or None (EOS / length).
     """
 
@@ -41,8 +42,10 @@ class RequestOutput:
     """The state of one request after a step (or its final state when ``finished``).
 
     ``outcome`` tells how a finished request ended: ``"finished"`` (stop/length),
-    ``"aborted"``, or ``"rejected"`` (ignored by the scheduler; ``error`` says why, naming the
-    length and the limit). A request that outgrew the KV cache while generating (its next
+    ``"aborted"``, ``"rejected"`` (ignored by the scheduler, or its input turned out invalid
+    while it ran; ``error`` says why, naming the field or length and the limit), or
+    ``"failed"`` (an internal fault while running its step; ``error`` names the request id and
+    the exception; the other requests of that step are unaffected). A request that outgrew the KV cache while generating (its next
     token could not fit even with every other request preempted) is ``"finished"`` with
     ``finish_reason="length"``, its tokens kept, and ``error`` says why it stopped.
     ``num_cached_tokens``: prompt tokens found in the prefix cache when it was first scheduled.
@@ -64,6 +67,8 @@ class RequestOutput:
         reasons = {o.finish_reason for o in self.outputs}
         if "ignored" in reasons:
             return "rejected"
+        if "error" in reasons:
+            return "failed"
         if reasons == {"abort"} or (reasons and "abort" in reasons):
             return "aborted"
         return "finished"

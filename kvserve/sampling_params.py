@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
+from kvserve.field_limits import LIMITS
+
 #: Temperatures below this are treated as greedy (argmax) decoding.
 GREEDY_EPS = 1e-5
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    """A finite real number (int or float; never a bool, NaN or infinity)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _as_token_id(x) -> int:
@@ -31,7 +23,23 @@ def _as_token_id(x) -> int:
 
 
 #: The range ``torch.Generator.manual_seed`` accepts.
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+SEED_MIN, SEED_MAX = LIMITS["seed"].lo, LIMITS["seed"].hi
+
+_NUMERIC_FIELDS = (
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+)
+_OPTIONAL_FIELDS = {"max_tokens", "seed", "logprobs"}
 
 
 @dataclass
@@ -60,6 +68,10 @@ class SamplingParams:
     - ``logprobs``: number of top log-probabilities to return per generated token
       (``None`` = none; 0 = only the sampled token's).
     - ``logit_bias``: token id -> additive bias in [-100, 100].
+
+    Every numeric field also has an upper bound the engine can represent (int64 for ints that
+    become tensors, finite float32 for floats): ``kvserve.field_limits.LIMITS``, the same
+    limits the HTTP schema enforces.
 
     Raises:
         ValueError: naming the field and the allowed range, for any invalid value.
@@ -123,46 +135,35 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}.")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
+        # Every numeric field against its one limit (``field_limits.LIMITS``, shared with the
+        # HTTP schema): right kind, within a range the engine can represent.
+        for name in _NUMERIC_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if not LIMITS[name].ok(value):
+                optional = " (or None)" if name in _OPTIONAL_FIELDS else ""
+                raise ValueError(f"{name} must be {LIMITS[name].rule()}{optional}, got {value!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}."
             )
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable) or an integer >= 1, got {self.top_k!r}.")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}.")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}."
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_number(v) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}.")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}."
             )
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}.")
+        token_id = LIMITS["token_id"]
+        if not all(token_id.ok(t) for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be token ids ({token_id.rule()}), got {self.stop_token_ids!r}."
+            )
         if self.logit_bias:
+            bias = LIMITS["logit_bias"]
             for k, v in self.logit_bias.items():
-                if not _is_number(v) or not -100 <= v <= 100:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k!r}.")
+                if not token_id.ok(k):
+                    raise ValueError(f"logit_bias keys must be token ids ({token_id.rule()}), got {k!r}.")
+                if not bias.ok(v):
+                    raise ValueError(f"logit_bias values must be {bias.rule()}, got {v!r} for token {k!r}.")
 
     @property
     def is_greedy(self) -> bool:

@@ -27,6 +27,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len reached
     FINISHED_ABORTED = 5  # abort_request / client gone
     FINISHED_IGNORED = 6  # rejected by the scheduler (too long / can never fit)
+    FINISHED_FAILED = 7  # the engine could not run it (a fault in its step; see group.error)
 
     @staticmethod
     def is_finished(status: SequenceStatus) -> bool:
@@ -34,12 +35,13 @@ class SequenceStatus(enum.IntEnum):
 
     @staticmethod
     def get_finished_reason(status: SequenceStatus) -> str | None:
-        """OpenAI-style finish reason: ``stop``, ``length``, ``abort`` or ``ignored``."""
+        """OpenAI-style finish reason: ``stop``, ``length``, ``abort``, ``ignored`` or ``error``."""
         return {
             SequenceStatus.FINISHED_STOPPED: "stop",
             SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
             SequenceStatus.FINISHED_ABORTED: "abort",
             SequenceStatus.FINISHED_IGNORED: "ignored",
+            SequenceStatus.FINISHED_FAILED: "error",
         }.get(status)
 
 
@@ -268,6 +270,8 @@ class SequenceGroup:
         self.generator: Any = None  # torch.Generator when sampling_params.seed is set
         # Set when the scheduler ignores the group: a message naming the length and the limit.
         self.ignored_reason: str | None = None
+        # Set when the engine ends the group because its step failed (FINISHED_FAILED).
+        self.error: str | None = None
         # Prompt tokens found in the prefix cache at the first admission (None before it).
         self.num_cached_tokens: int | None = None
         # True once the initial single sequence has been forked into ``n`` samples.
@@ -374,6 +378,11 @@ class CompletionSequenceGroupOutput:
     """Samples of one scheduled group in one step (empty when ``do_sample`` was False)."""
 
     samples: list[SequenceOutput] = field(default_factory=list)
+
+
+class BlockMoveError(RuntimeError):
+    """Raised by an executor when applying a step's swaps or copies failed (before any
+    forward): the engine then cannot tell which KV blocks hold what."""
 
 
 @dataclass

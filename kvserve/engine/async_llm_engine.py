@@ -153,7 +153,7 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a bug, not bad input: fail in-flight requests, keep serving
+            except Exception as e:  # a scheduler bug (step() isolates request faults): fail all, keep serving
                 logger.exception("engine step failed; aborting in-flight requests")
                 ids = list(engine._groups)
                 engine.abort_request(ids)
@@ -162,7 +162,8 @@ class AsyncLLMEngine:
                 except Exception:
                     self.errored = e
                 for rid in ids:
-                    loop.call_soon_threadsafe(self._deliver, rid, RuntimeError(f"engine error: {e}"))
+                    err = RuntimeError(f"internal error while running request {rid}: {e!r}")
+                    loop.call_soon_threadsafe(self._deliver, rid, err)
                 if self.errored is not None:
                     return
                 continue

@@ -74,7 +74,9 @@ def validate_request(
         ValueError: naming the field and the limit: token ids outside ``[0, vocab_size)``,
             ``n > max_num_seqs`` or ``n > max_num_batched_tokens`` (its n sequences decode a
             token each per step: a wider group would never fit a step and hang),
-            prompt + max_tokens > max_model_len, logit_bias / stop ids outside the vocabulary.
+            prompt + max_tokens > max_model_len, logit_bias / stop ids outside the vocabulary,
+            ``top_k`` above the vocabulary size, ``min_tokens`` above the effective max_tokens
+            (``max_model_len - prompt_len`` when ``max_tokens`` is None).
     """
     prompt_len = len(prompt_token_ids)
     if vocab_size is not None:
@@ -88,6 +90,11 @@ def validate_request(
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} must be token ids in [0, {vocab_size}); got {bad[:5]}.")
+        if params.top_k > vocab_size:
+            raise ValueError(
+                f"top_k must be -1 (disable) or an integer in [1, {vocab_size}] (the vocabulary "
+                f"size), got {params.top_k}."
+            )
     if params.n > max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({max_num_seqs}), got {params.n}.")
     if max_num_batched_tokens is not None and params.n > max_num_batched_tokens:
@@ -98,7 +105,13 @@ def validate_request(
             f"max_model_len {max_model_len}."
         )
     if params.max_tokens is None:
-        return max_model_len - prompt_len
+        effective = max_model_len - prompt_len
+        if params.min_tokens > effective:
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) must be <= the effective max_tokens {effective} "
+                f"(max_model_len {max_model_len} - prompt {prompt_len} tokens; max_tokens is null)."
+            )
+        return effective
     if prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "

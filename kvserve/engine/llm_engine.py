@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from kvserve.engine.detokenizer import Detokenizer
+from kvserve.engine.fault_isolation import bisect_failures
 from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
+from kvserve.field_limits import LIMITS
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
+    BlockMoveError,
     CompletionSequenceGroupOutput,
     ExecuteModelRequest,
     Sequence,
     SequenceGroup,
+    SequenceGroupMetadata,
     SequenceStatus,
     next_seq_id,
 )
+
+if TYPE_CHECKING:
+    from kvserve.core.scheduler import SchedulerOutputs
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -135,8 +144,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        LIMITS["priority"].check("priority", priority)
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
         seq = Sequence(
@@ -179,33 +187,50 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + model iteration; returns outputs of every request that got a
-        new token, finished, was aborted since the last step, or was ignored (rejected)."""
+        new token, finished, was aborted since the last step, or was ignored (rejected).
+
+        A fault in one request's part of the step (preparing its inputs, the forward, sampling,
+        appending its tokens) ends only the request(s) at fault (found by re-running the batch
+        in halves, ``fault_isolation``), with outcome ``"failed"`` (``"rejected"`` when its
+        input no longer passes validation); the rest of the step completes as if they had not
+        been scheduled, and their blocks are freed. Only a fault of the scheduler itself
+        propagates.
+        """
         outputs, self._pending_outputs = self._pending_outputs, []
         seq_group_metadata_list, sched_out = self.scheduler.schedule()
+        faults: dict[int, BaseException] = {}
+        scheduled = sched_out.scheduled_seq_groups
         if not sched_out.is_empty():
             t0 = self.clock()
-            results: list[CompletionSequenceGroupOutput] = self.executor.execute_model(
-                ExecuteModelRequest(
-                    seq_group_metadata_list=seq_group_metadata_list,
-                    blocks_to_swap_in=sched_out.blocks_to_swap_in,
-                    blocks_to_swap_out=sched_out.blocks_to_swap_out,
-                    blocks_to_copy=sched_out.blocks_to_copy,
-                    num_lookahead_slots=sched_out.num_lookahead_slots,
-                )
-            )
+            results, faults = self._execute(seq_group_metadata_list, sched_out)
             self.stats.on_step(self.clock() - t0)
+            if faults:
+                # The failed groups' chunks were not computed (or not trusted): never advance
+                # them or enter their blocks in the prefix cache.
+                sched_out = dataclasses.replace(
+                    sched_out,
+                    scheduled_seq_groups=[s for i, s in enumerate(scheduled) if i not in faults],
+                )
             self.scheduler.mark_computed(sched_out)
         else:
             results = []
         now = self.clock()
-        for scheduled, meta, result in zip(sched_out.scheduled_seq_groups, seq_group_metadata_list, results):
-            group = scheduled.seq_group
-            if not meta.do_sample or group.is_finished():
+        for i, (ssg, meta, result) in enumerate(zip(scheduled, seq_group_metadata_list, results)):
+            group = ssg.seq_group
+            if group.is_finished():
                 continue
-            self._process_samples(group, result, now)
-            outputs.append(
-                self._make_output(group) if not group.is_finished() else self._finish_request(group)
-            )
+            if i in faults:
+                outputs.append(self._fail_request(group, faults[i]))
+                continue
+            if not meta.do_sample or result is None:
+                continue
+            try:
+                self._process_samples(group, result, now)
+                out = self._make_output(group) if not group.is_finished() else self._finish_request(group)
+            except Exception as e:  # e.g. detokenizing or a stop check of this request
+                logger.exception("request %s: processing its samples failed", group.request_id)
+                out = self._fail_request(group, e)
+            outputs.append(out)
         for group in sched_out.ignored_seq_groups:
             out = self._finish_request(group)
             logger.warning(
@@ -218,6 +243,101 @@ class LLMEngine:
         self.scheduler.free_finished_seq_groups()
         self.stats.record_queues(now, self.scheduler)
         return outputs
+
+    def _execute(
+        self, metas: list[SequenceGroupMetadata], sched_out: SchedulerOutputs
+    ) -> tuple[list[CompletionSequenceGroupOutput | None], dict[int, BaseException]]:
+        """Run the step on the executor; on an exception, find the groups at fault.
+
+        Returns one result per metadata entry (``None`` for a faulty one) and the faults by
+        index. Retries carry no block moves: the executor applied them before the forward that
+        raised (``BlockMoveError`` says it did not), and applying a swap-out again would copy
+        blocks that the failed forward may have written. The K/V a failed forward wrote for a
+        retried group are written again by its retry, and a faulty group's blocks are freed
+        without entering the prefix cache, so no stale K/V is ever read.
+        """
+        lookahead = sched_out.num_lookahead_slots
+        # Seeded requests draw from their own generator; a failed attempt may have advanced it.
+        rng_states = {i: md.generator.get_state() for i, md in enumerate(metas) if md.generator is not None}
+        try:
+            return list(
+                self.executor.execute_model(
+                    ExecuteModelRequest(
+                        seq_group_metadata_list=metas,
+                        blocks_to_swap_in=sched_out.blocks_to_swap_in,
+                        blocks_to_swap_out=sched_out.blocks_to_swap_out,
+                        blocks_to_copy=sched_out.blocks_to_copy,
+                        num_lookahead_slots=lookahead,
+                    )
+                )
+            ), {}
+        except BlockMoveError as e:
+            logger.exception("step %d: block moves failed", self.stats.num_steps)
+            self._fail_swapped_out(sched_out, e)
+            return [None] * len(metas), dict.fromkeys(range(len(metas)), e)
+        except Exception as e:
+            logger.exception(
+                "step %d failed for a batch of %d groups; re-running it in halves to find the fault",
+                self.stats.num_steps,
+                len(metas),
+            )
+            first_error = e
+
+        def restore(idx: list[int]) -> None:
+            for i in idx:
+                state = rng_states.get(i)
+                if state is not None:
+                    metas[i].generator.set_state(state)
+
+        def run(sub: list[SequenceGroupMetadata]) -> list[CompletionSequenceGroupOutput]:
+            return self.executor.execute_model(
+                ExecuteModelRequest(seq_group_metadata_list=sub, num_lookahead_slots=lookahead)
+            )
+
+        return bisect_failures(run, metas, first_error, before_attempt=restore)
+
+    def _fail_swapped_out(self, sched_out: SchedulerOutputs, error: BaseException) -> None:
+        """After failed block moves, end the groups swapped out this step (their CPU copies
+        may not hold their K/V); their final outputs go out with the next step."""
+        moved = set(sched_out.blocks_to_swap_out.values())
+        if not moved:
+            return
+        bm = self.scheduler.block_manager
+        for g in list(self.scheduler.swapped):
+            if any(bm.has_blocks(s) and moved & set(bm.get_block_table(s)) for s in g.get_unfinished_seqs()):
+                self._pending_outputs.append(self._fail_request(g, error))
+
+    def _fail_request(self, group: SequenceGroup, error: BaseException) -> RequestOutput:
+        """End a group whose step failed: ``"rejected"`` with the validation message when its
+        own input no longer passes validation (e.g. params changed after ``add_request``),
+        else ``"failed"`` with an error naming the request id. Frees its blocks; returns its
+        final output."""
+        reason = self._input_fault(group)
+        if reason is not None:
+            status = SequenceStatus.FINISHED_IGNORED
+            group.ignored_reason = reason
+        else:
+            status = SequenceStatus.FINISHED_FAILED
+            group.error = (
+                f"internal error while running request {group.request_id}: {type(error).__name__}: {error}"
+            )
+        logger.error(
+            "request %s %s: %s", group.request_id, "rejected" if reason else "failed", reason or group.error
+        )
+        for seq in group.get_seqs():
+            if not seq.is_finished():
+                seq.status = status
+        self.scheduler.abort_seq_group(group.request_id)  # out of its queue, blocks freed
+        return self._finish_request(group)
+
+    def _input_fault(self, group: SequenceGroup) -> str | None:
+        """The validation error of the group's own input now, or None when it is valid."""
+        try:
+            group.sampling_params._verify()
+            self.validate(group.prompt_token_ids, group.sampling_params)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _process_samples(
         self, group: SequenceGroup, result: CompletionSequenceGroupOutput, now: float
@@ -285,7 +405,7 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=group.metrics,
-            error=group.ignored_reason,
+            error=group.error or group.ignored_reason,
             num_cached_tokens=group.num_cached_tokens or 0,
         )
 

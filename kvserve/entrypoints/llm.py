@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -47,7 +48,9 @@ class LLM:
         ``prompts``: a string, ``{"prompt_token_ids": [...]}``, or a list of those.
         ``sampling_params``: one for all, or a list with one per prompt.
         A prompt the scheduler can never run (too long for ``prompt_limit`` or the KV cache)
-        comes back finished with ``finish_reason == "ignored"`` and ``error`` saying why.
+        comes back finished with ``finish_reason == "ignored"`` and ``error`` saying why; a
+        request whose step failed inside the engine comes back with ``outcome == "failed"``
+        (``finish_reason == "error"``, ``error`` naming it), and the others are unaffected.
 
         Raises:
             ValueError: for any invalid prompt or params; then nothing is queued.
@@ -124,6 +127,13 @@ class LLM:
                         elapsed = bar.format_dict.get("elapsed") or 0
                         if elapsed:
                             bar.set_postfix(out_tok_s=f"{n_tokens / elapsed:.1f}")
+        except BaseException:
+            # (a scheduler fault, or KeyboardInterrupt) leave the engine usable: nothing of this
+            # call stays queued or holds KV blocks.
+            engine.abort_request([i for i in ids if i not in final])
+            with contextlib.suppress(Exception):
+                engine.step()  # hands out the abort outputs
+            raise
         finally:
             bar.close()
         return [final[i] for i in ids]

@@ -11,6 +11,7 @@ import torch
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
+    BlockMoveError,
     CompletionSequenceGroupOutput,
     ExecuteModelRequest,
     SequenceData,
@@ -261,13 +262,19 @@ class Worker:
 
         Raises:
             RuntimeError: ``init_cache`` was not called.
+            BlockMoveError: applying the swaps or copies failed (nothing was run). Any other
+                exception comes from preparing, running or sampling the forward, after the block
+                moves were applied: the engine may then re-run groups of the batch without them.
         """
         if self.cache_engine is None or self.runner is None:
             raise RuntimeError("Worker.init_cache() must be called before execute_model()")
-        with torch.inference_mode():
-            self.cache_engine.swap_out(req.blocks_to_swap_out)
-            self.cache_engine.swap_in(req.blocks_to_swap_in)
-            self.cache_engine.copy(req.blocks_to_copy)
+        try:
+            with torch.inference_mode():
+                self.cache_engine.swap_out(req.blocks_to_swap_out)
+                self.cache_engine.swap_in(req.blocks_to_swap_in)
+                self.cache_engine.copy(req.blocks_to_copy)
+        except Exception as e:
+            raise BlockMoveError(f"applying the step's block moves failed: {e!r}") from e
         if not req.seq_group_metadata_list:
             return []
         self._steps += 1

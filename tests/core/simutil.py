@@ -103,6 +103,10 @@ class Harness:
         self.finished_order: list[str] = []
         self.num_final: dict[str, int] = {}
         self.admitted_while_swapped = 0
+        # The engine turns an executor exception into a "failed" request (fault isolation);
+        # here that would hide a bookkeeping bug the simulator caught, so it fails the test
+        # unless a test injects faults on purpose.
+        self.allow_failed = False
         self._wrap()
 
     def _wrap(self):
@@ -167,6 +171,7 @@ class Harness:
     def step(self):
         outs = self.engine.step()
         for o in outs:
+            assert self.allow_failed or o.outcome != "failed", o.error
             self.outputs[o.request_id] = o
             if o.finished:
                 self.num_final[o.request_id] = self.num_final.get(o.request_id, 0) + 1

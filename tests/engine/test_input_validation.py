@@ -121,3 +121,86 @@ def test_cpu_default_is_chunked_prefill_with_2048_token_steps():
     assert not sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 8192
     _, _, sc = EngineArgs(device="cpu", enable_chunked_prefill=True).create_configs(model_max_len=8192)
     assert sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 2048
+
+
+def test_min_tokens_is_checked_against_the_effective_max_when_max_tokens_is_null():
+    """min_tokens used to be ignored when max_tokens was null: with 8 prompt tokens and
+    max_model_len 32 at most 24 tokens can be generated, so min_tokens=25 can never hold."""
+    ids = list(range(8))
+    ok = SamplingParams(max_tokens=None, min_tokens=24)
+    assert validate_request(ids, ok, vocab_size=100, max_model_len=32, max_num_seqs=4) == 24
+    with pytest.raises(ValueError, match=r"min_tokens \(25\) must be <= the effective max_tokens 24"):
+        validate_request(
+            ids,
+            SamplingParams(max_tokens=None, min_tokens=25),
+            vocab_size=100,
+            max_model_len=32,
+            max_num_seqs=4,
+        )
+
+
+def test_top_k_above_the_vocabulary_names_the_vocabulary_size():
+    assert validate_request([1], SamplingParams(top_k=100), vocab_size=100, max_model_len=32, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"top_k must be .*\[1, 100\]"):
+        validate_request([1], SamplingParams(top_k=101), vocab_size=100, max_model_len=32, max_num_seqs=4)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 2**63),
+        ("max_tokens", 2**63),
+        ("min_tokens", 10**30),
+        ("top_k", 2**63),
+        ("top_k", 10**30),
+        ("seed", 2**64),
+        ("logprobs", 21),
+        ("temperature", 3.5e38),
+        ("repetition_penalty", 1e308),
+        ("stop_token_ids", [2**63]),
+        ("logit_bias", {2**63: 1.0}),
+    ],
+)
+def test_every_numeric_field_has_an_upper_bound_named_in_the_error(field, value):
+    from kvserve.field_limits import LIMITS
+
+    with pytest.raises(ValueError, match=field) as ei:
+        SamplingParams(**{field: value})
+    limit = LIMITS["token_id"] if field in ("stop_token_ids", "logit_bias") else LIMITS[field]
+    assert limit.rule() in str(ei.value)
+
+
+def test_http_schema_constraints_are_the_shared_limits():
+    """One source: every numeric field of the request models accepts exactly LIMITS' range
+    (the bound itself passes the schema, one step past it is a 400 naming the field)."""
+    import json
+
+    from pydantic import ValidationError
+
+    from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from kvserve.entrypoints.openai.serving_engine import api_error_from_validation
+    from kvserve.field_limits import LIMITS
+
+    checked = set()
+    for model, base in (
+        (CompletionRequest, {"prompt": "x"}),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        for name in model.model_fields:
+            if (
+                name not in LIMITS
+                or name == "logit_bias"
+                or (model is ChatCompletionRequest and name == "logprobs")
+            ):
+                continue
+            lim = LIMITS[name]
+            step = 1 if lim.integer else max(abs(lim.hi) * 1e-6, 1e-6)
+            model.model_validate_json(json.dumps({**base, name: lim.hi}))
+            for bad in (lim.hi + step, min([lim.lo, *lim.special]) - step):
+                with pytest.raises(ValidationError) as ei:
+                    model.model_validate_json(json.dumps({**base, name: bad}))
+                err = api_error_from_validation(ei.value)
+                assert err.param == name and lim.rule() in err.message, (name, bad, err.message)
+            checked.add(name)
+    assert {"n", "max_tokens", "max_completion_tokens", "top_k", "seed", "temperature"} <= checked
+    assert {"priority", "top_logprobs", "best_of", "min_tokens", "repetition_penalty"} <= checked

@@ -1,10 +1,12 @@
 """Pydantic models of the OpenAI-compatible HTTP API (requests, responses, errors).
 
 Request models type-check strictly: a JSON ``2.5`` or ``"10"`` is never silently turned into an
-integer, a string is never turned into a number. *Ranges* (``max_tokens >= 1``, ``top_p`` in
-``(0, 1]``, ...) are checked by ``SamplingParams`` so that the offline API and the server give
-the same messages. Unknown request fields are ignored, as the OpenAI API does for forward
-compatibility.
+integer, a string is never turned into a number. Every numeric field carries the range of
+``kvserve.field_limits.LIMITS`` as pydantic constraints (the same limits ``SamplingParams``
+checks offline, so a value the engine cannot represent, e.g. ``top_k = 2**63``, is a 400 naming
+the field and the limit); finer rules (``top_k != 0``, ``min_tokens <= max_tokens``) and the
+engine's own limits (vocabulary, ``max_model_len``, ``max_num_seqs``) are checked after. Unknown
+request fields are ignored, as the OpenAI API does for forward compatibility.
 """
 
 from __future__ import annotations
@@ -14,11 +16,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
+from kvserve.field_limits import LIMITS
+
 #: A finite JSON number (int or float), never a string, a bool, NaN or Infinity.
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
+
+def _limited(name: str) -> Any:
+    """The strict type of numeric field ``name`` constrained to ``LIMITS[name]``."""
+    limit = LIMITS[name]
+    return Annotated[StrictInt if limit.integer else Number, Field(**limit.pydantic_bounds())]
+
+
+TokenId = _limited("token_id")
+
 #: ``prompt`` of /v1/completions: text, a batch of texts, token ids, or a batch of token-id lists.
-PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+PromptInput = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
 
 
 class _Request(BaseModel):
@@ -35,25 +48,25 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI ones, then kvserve / vLLM extras)."""
 
     model: StrictStr | None = None
-    n: StrictInt | None = 1
-    temperature: Number | None = None
-    top_p: Number | None = None
+    n: _limited("n") | None = 1
+    temperature: _limited("temperature") | None = None
+    top_p: _limited("top_p") | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: Number | None = 0.0
-    frequency_penalty: Number | None = 0.0
-    logit_bias: dict[str, Number] | None = None
+    seed: _limited("seed") | None = None
+    presence_penalty: _limited("presence_penalty") | None = 0.0
+    frequency_penalty: _limited("frequency_penalty") | None = 0.0
+    logit_bias: dict[str, _limited("logit_bias")] | None = None
     user: StrictStr | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # extras
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    repetition_penalty: Number | None = None
+    top_k: _limited("top_k") | None = None
+    min_p: _limited("min_p") | None = None
+    repetition_penalty: _limited("repetition_penalty") | None = None
     ignore_eos: StrictBool | None = False
-    min_tokens: StrictInt | None = 0
-    stop_token_ids: list[StrictInt] | None = None
-    priority: StrictInt | None = 0
+    min_tokens: _limited("min_tokens") | None = 0
+    stop_token_ids: list[TokenId] | None = None
+    priority: _limited("priority") | None = 0
     include_stop_str_in_output: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
 
@@ -66,10 +79,10 @@ class CompletionRequest(_SamplingFields):
     """
 
     prompt: PromptInput
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    max_tokens: _limited("max_tokens") | None = 16
+    logprobs: _limited("logprobs") | None = None
     echo: StrictBool | None = False
-    best_of: StrictInt | None = None
+    best_of: _limited("best_of") | None = None
     suffix: StrictStr | None = None
 
 
@@ -97,10 +110,10 @@ class ChatCompletionRequest(_SamplingFields):
     """
 
     messages: list[ChatMessage]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: _limited("max_tokens") | None = None
+    max_completion_tokens: _limited("max_completion_tokens") | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: _limited("top_logprobs") | None = None
     add_generation_prompt: StrictBool | None = True
     tools: list[Any] | None = None
     tool_choice: Any | None = None
@@ -121,7 +134,7 @@ class DetokenizeRequest(_Request):
     """Body of ``POST /detokenize``."""
 
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------- responses

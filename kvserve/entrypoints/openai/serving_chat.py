@@ -177,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for idx, out in self.generate_all([sub], params, priority, reservation):
                 rec.observe(idx, out)
-                if out.finished and out.outcome == "rejected":
+                if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out, "messages")
         except APIError:
             raise
@@ -229,7 +229,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
             async for idx, out in self.generate_all([sub], params, priority, reservation):
                 rec.observe(idx, out)
-                if out.finished and out.outcome == "rejected":
+                if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out, "messages")
                 for c in out.outputs:
                     i = c.index

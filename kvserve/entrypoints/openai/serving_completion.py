@@ -131,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for idx, out in self.generate_all(subs, params, priority, reservation):
                 rec.observe(idx, out)
-                if out.finished and out.outcome == "rejected":
+                if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out)
         except APIError:
             raise
@@ -182,7 +182,7 @@ class OpenAIServingCompletion(OpenAIServing):
         async def events():
             async for idx, out in self.generate_all(subs, params, priority, reservation):
                 rec.observe(idx, out)
-                if out.finished and out.outcome == "rejected":
+                if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out)
                 for c in out.outputs:
                     ci = idx * params.n + c.index

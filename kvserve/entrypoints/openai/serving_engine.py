@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.input_processor import tokenize_prompt
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from kvserve.field_limits import LIMITS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -38,29 +39,20 @@ request_logger = logging.getLogger("kvserve.server.requests")
 #: Default limit on request bodies (bytes); ``--max-body-bytes`` changes it.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
-# The rule each integer field follows, appended to type errors ("got 2.5 (max_tokens must be
-# an integer >= 1)") so that every 400 names the field and the limit.
+# The rule each field follows, appended to type and range errors ("got 2.5 (max_tokens must be
+# an integer in [1, 2**63 - 1])") so that every 400 names the field and the limit; the numeric
+# ones come from the same limits as the schema's constraints and SamplingParams.
 _FIELD_RULES = {
-    "max_tokens": "an integer >= 1",
-    "max_completion_tokens": "an integer >= 1",
-    "n": "an integer >= 1",
-    "best_of": "an integer >= 1",
-    "min_tokens": "an integer >= 0",
-    "top_k": "-1 or an integer >= 1",
-    "seed": "an integer",
-    "logprobs": "an integer in [0, 20] (completions) or a boolean (chat)",
-    "top_logprobs": "an integer in [0, 20]",
-    "priority": "an integer",
-    "temperature": "a number >= 0",
-    "top_p": "a number in (0, 1]",
-    "min_p": "a number in [0, 1]",
-    "presence_penalty": "a number in [-2, 2]",
-    "frequency_penalty": "a number in [-2, 2]",
-    "repetition_penalty": "a number > 0",
-    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    **{name: limit.rule() for name, limit in LIMITS.items() if name not in ("token_id", "logit_bias")},
+    "logprobs": f"{LIMITS['logprobs'].rule()} (completions) or a boolean (chat)",
+    "prompt": (
+        f"a string, a list of strings, a list of token ids ({LIMITS['token_id'].rule()}) "
+        "or a list of token-id lists"
+    ),
     "stop": "a string or a list of strings",
-    "stop_token_ids": "a list of token ids",
-    "logit_bias": "a map of token id -> number in [-100, 100]",
+    "stop_token_ids": f"a list of token ids ({LIMITS['token_id'].rule()})",
+    "tokens": f"a list of token ids ({LIMITS['token_id'].rule()})",
+    "logit_bias": f"a map of token id -> {LIMITS['logit_bias'].rule()}",
     "messages": "a list of {role, content} messages",
 }
 
@@ -150,7 +142,7 @@ def param_from_message(message: str, rename: dict[str, str] | None = None) -> st
     alone leaves no room (``"prompt has 40 tokens, which leaves no room ..."``).
     """
     rename = rename or {}
-    if "max_model_len" in message and "max_tokens" in message:
+    if message.startswith("prompt") and "max_model_len" in message and "max_tokens" in message:
         name = "max_tokens"
     else:
         m = re.match(r"^([A-Za-z_]+)", message)
@@ -587,7 +579,20 @@ class OpenAIServing:
 
     @staticmethod
     def rejected_error(out: RequestOutput, param: str = "prompt") -> APIError:
-        """A scheduler rejection (``finish_reason == "ignored"``) as a 400."""
+        """A request the engine ended without finishing it: ``"failed"`` (a fault in its step)
+        as a 500 naming the request id; ``"rejected"`` as a 400, naming the sampling field
+        when its input failed validation while it ran, else the prompt (a scheduler
+        rejection: too long for the context or the KV cache)."""
+        if out.outcome == "failed":
+            return APIError(
+                out.error or f"internal error while running request {out.request_id}",
+                500,
+                type="internal_server_error",
+                code="engine_step_failed",
+            )
+        field = param_from_message(out.error or "")
+        if field is not None and field != "prompt":
+            return APIError(out.error or "", 400, param=field, code="invalid_value")
         return APIError(
             f"{param}: {out.error or 'rejected by the scheduler'}", 400, param=param, code="prompt_too_long"
         )

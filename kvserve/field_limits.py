@@ -1,0 +1,108 @@
+"""The allowed range of every numeric request field, defined once.
+
+``SamplingParams`` (offline API) checks its fields against ``LIMITS``; the HTTP schema
+(``entrypoints/openai/protocol.py``) builds its pydantic constraints (``Field(ge=..., le=...)``)
+and the rule texts of its 400s from the same entries, so both name the same limits. Every bound
+is one the engine can represent: integers that become int64 tensors fit int64 (``seed`` takes
+what ``torch.Generator.manual_seed`` takes), floats are finite and within float32 (the sampler's
+dtype). Limits that depend on the engine (``n`` vs ``max_num_seqs``, ``top_k`` and token ids vs
+the vocabulary, ``max_tokens`` and ``min_tokens`` vs ``max_model_len``) are checked by
+``LLMEngine.validate`` / ``validate_request``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT64_MAX = 2**64 - 1
+#: The largest finite float32 (the sampler computes in float32).
+FLOAT32_MAX = 3.4028234663852886e38
+#: Most top log-probabilities a request may ask for per token.
+MAX_LOGPROBS = 20
+
+_NAMED = {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1", UINT64_MAX: "2**64 - 1"}
+
+
+def _fmt(v: float) -> str:
+    return _NAMED.get(v, repr(v))
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A closed or half-open range for one numeric field.
+
+    Attributes:
+        integer: True for an int field (bools never count as numbers), False for a finite real.
+        lo / hi: the bounds; ``lo_open``: ``lo`` itself excluded.
+        special: values allowed outside the range (``top_k = -1``: disabled), with ``meaning``.
+    """
+
+    integer: bool
+    lo: float
+    hi: float
+    lo_open: bool = False
+    special: tuple[int, ...] = ()
+    meaning: str = ""
+
+    def rule(self) -> str:
+        """``"an integer in [1, 2**63 - 1]"``, ``"a finite number in (0, 1]"``, ..."""
+        kind = "an integer" if self.integer else "a finite number"
+        text = f"{kind} in {'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}]"
+        if self.special:
+            text = " or ".join(f"{s} ({self.meaning})" for s in self.special) + " or " + text
+        return text
+
+    def ok(self, value) -> bool:
+        """Whether ``value`` is of the right kind and within the range (or special)."""
+        if isinstance(value, bool):
+            return False
+        if self.integer:
+            if not isinstance(value, int):
+                return False
+            if value in self.special:
+                return True
+        elif not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above_lo = value > self.lo if self.lo_open else value >= self.lo
+        return above_lo and value <= self.hi
+
+    def check(self, name: str, value) -> None:
+        """Raises ValueError ``"<name> must be <rule>, got <value>."`` unless ``ok(value)``."""
+        if not self.ok(value):
+            raise ValueError(f"{name} must be {self.rule()}, got {value!r}.")
+
+    def pydantic_bounds(self) -> dict:
+        """``Field`` keyword arguments: the range widened to the special values (pydantic
+        checks the representable range; the gap, e.g. ``top_k = 0``, is SamplingParams')."""
+        lo = min([self.lo, *self.special])
+        lower = {"gt": lo} if self.lo_open and not self.special else {"ge": lo}
+        return {**lower, "le": self.hi}
+
+
+_COUNT = Limit(True, 1, INT64_MAX)
+_TOKEN_ID = Limit(True, 0, INT64_MAX)
+
+#: Field name -> its limit. ``token_id``: one token id (``stop_token_ids`` items,
+#: ``logit_bias`` keys, prompt ids); ``logit_bias``: one bias value.
+LIMITS: dict[str, Limit] = {
+    "n": _COUNT,
+    "best_of": _COUNT,
+    "max_tokens": _COUNT,
+    "max_completion_tokens": _COUNT,
+    "min_tokens": Limit(True, 0, INT64_MAX),
+    "top_k": Limit(True, 1, INT64_MAX, special=(-1,), meaning="disable"),
+    "seed": Limit(True, INT64_MIN, UINT64_MAX),
+    "priority": Limit(True, INT64_MIN, INT64_MAX),
+    "logprobs": Limit(True, 0, MAX_LOGPROBS),
+    "top_logprobs": Limit(True, 0, MAX_LOGPROBS),
+    "temperature": Limit(False, 0.0, FLOAT32_MAX),
+    "top_p": Limit(False, 0.0, 1.0, lo_open=True),
+    "min_p": Limit(False, 0.0, 1.0),
+    "repetition_penalty": Limit(False, 0.0, FLOAT32_MAX, lo_open=True),
+    "presence_penalty": Limit(False, -2.0, 2.0),
+    "frequency_penalty": Limit(False, -2.0, 2.0),
+    "logit_bias": Limit(False, -100.0, 100.0),
+    "token_id": _TOKEN_ID,
+}

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvserve.cpuinfo import cpu_flags, cpu_model
+
 
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (MiB; ``getrusage`` reports KiB on Linux)."""
@@ -24,29 +26,6 @@ def current_rss_mib() -> float | None:
         return psutil.Process().memory_info().rss / 2**20
     except Exception:  # psutil missing
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _cpu_flags() -> list:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(("avx512", "avx2", "amx")))
-    except OSError:
-        pass
-    return []
 
 
 def _version(pkg: str) -> str | None:
@@ -64,8 +43,8 @@ def system_info() -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
+        "cpu": cpu_model(),
+        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx512", "avx2", "amx"))),
         "cpu_count": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }

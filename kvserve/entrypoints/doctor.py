@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
+
+from kvserve.cpuinfo import cpu_flags, cpu_model
 
 #: /proc/cpuinfo flags that decide a kernel path: name -> what it enables.
 CPU_FEATURES = {
@@ -24,28 +25,6 @@ CPU_FEATURES = {
     "amx_tile": "AMX tiles (with amx_bf16): bfloat16 decode GEMM and prefill attention",
     "amx_bf16": "AMX bfloat16 tile products",
 }
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _compiler() -> dict:
@@ -150,10 +129,10 @@ def gather() -> dict:
     """Everything ``kvserve doctor`` reports, as a JSON-serialisable dict."""
     from kvserve.model_executor.layers import amx_gemm
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     native_off = os.environ.get("KVSERVE_NATIVE", "1") == "0"
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "python": sys.version.split()[0],
         "cpu_features": {f: f in flags for f in CPU_FEATURES},
         "native_disabled": native_off,

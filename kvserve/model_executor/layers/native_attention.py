@@ -25,30 +25,13 @@ import torch
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+# (q, qs, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale, nthreads): the
+# prototype in csrc/decode_attention_dtype.h
+_ARGS = [_p, _i64, _p, _p, _i64, _p, _p, _p, *[_i64] * 6, ctypes.c_float, ctypes.c_int]
 _LIB = NativeLibrary(
     "kv_attention",
     "decode_attention.c",
-    {
-        f"kv_paged_decode_attention_{sfx}": [
-            _p,
-            _i64,
-            _p,
-            _p,
-            _i64,
-            _p,
-            _p,
-            _p,
-            _i64,
-            _i64,
-            _i64,
-            _i64,
-            _i64,
-            _i64,
-            ctypes.c_float,
-            ctypes.c_int,
-        ]
-        for sfx in DTYPE_SUFFIX.values()
-    },
+    {f"kv_paged_decode_attention_{sfx}": _ARGS for sfx in DTYPE_SUFFIX.values()},
 )
 
 

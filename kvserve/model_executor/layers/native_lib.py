@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cpuinfo import cpuinfo_field
+
 #: Storage dtype -> suffix of the kernel symbols ``csrc/kv_instantiate.h`` exports for it.
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -72,17 +74,6 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return sys.platform
-
-
 class NativeLibrary:
     """One lazily compiled C library.
 
@@ -121,7 +112,9 @@ class NativeLibrary:
         lib_name = f"{self.name}.so"
         command = compile_command(self.source, lib_name)
         # the name too: two libraries of one source must not share (and fight over) a folder
-        key_text = "\0".join([self.name, _sources_digest(), *command, _cpu_key()])
+        key_text = "\0".join(
+            [self.name, _sources_digest(), *command, (cpuinfo_field("flags") or sys.platform)]
+        )
         final = out_dir / hashlib.sha256(key_text.encode()).hexdigest()[:16]
         lib = final / lib_name
         if lib.is_file():

@@ -42,32 +42,11 @@ MAX_HEAD_DIM = 256
 
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+# (q, qs, cache, table, nbmax, q_start, pos0, kstart, nc, window, out, T, KH, G, D, NB, BS, scale,
+#  amx, gather_bytes, nthreads, status): the prototype in csrc/prefill_attention_dtype.h
+_ARGS = [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _p, *[_i64] * 6, ctypes.c_float, ctypes.c_int, _i64]
 _SIGNATURES = {
-    f"kv_paged_prefill_attention_{sfx}": [
-        _p,
-        _i64,
-        _p,
-        _p,
-        _i64,
-        _p,
-        _p,
-        _p,
-        _i64,
-        _i64,
-        _p,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        ctypes.c_float,
-        ctypes.c_int,
-        _i64,
-        ctypes.c_int,
-        _p,
-    ]
-    for sfx in DTYPE_SUFFIX.values()
+    f"kv_paged_prefill_attention_{sfx}": [*_ARGS, ctypes.c_int, _p] for sfx in DTYPE_SUFFIX.values()
 }
 _LIB = NativeLibrary(
     "kv_prefill_attention",

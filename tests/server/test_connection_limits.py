@@ -138,13 +138,18 @@ def _health_ms(server) -> float:
 # ---------------------------------------------------------------------------- read deadline
 def test_half_body_gets_408_and_the_connection_closed(server):
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
-    sock = _connect(server.port)
-    t0 = time.monotonic()
-    # Content-Length promises the whole body; only half of it is sent
-    sock.sendall(_request("POST", "/v1/completions", body)[: -len(body) // 2])
-    raw, closed = _read_until_closed(sock)
-    elapsed = time.monotonic() - t0
-    sock.close()
+    with _Records() as rec:
+        sock = _connect(server.port)
+        t0 = time.monotonic()
+        # Content-Length promises the whole body; only half of it is sent
+        sock.sendall(_request("POST", "/v1/completions", body)[: -len(body) // 2])
+        raw, closed = _read_until_closed(sock)
+        elapsed = time.monotonic() - t0
+        sock.close()
+        time.sleep(0.2)
+    # one INFO line saying what happened (the handler's disconnect is not logged again)
+    assert len(rec.records) == 1 and rec.records[0].levelno == logging.INFO, rec.text()
+    assert "body not received within 1 s" in rec.records[0].getMessage()
     assert closed, raw
     status, headers, payload = _parse(raw)
     assert status == 408 and headers["connection"] == "close"
@@ -223,6 +228,9 @@ def test_connections_past_max_connections_get_503_and_are_closed(server):
         for _ in range(MAX_CONNECTIONS):
             socks.append(_connect(server.port))
         extra = _connect(server.port)
+        # a client that sends its request at once still reads the refusal (no reset)
+        extra.sendall(_request("POST", "/v1/completions", b"{}" * 5000))
+        time.sleep(0.3)  # the refusal and the server's close are done before the client reads
         raw, closed = _read_until_closed(extra, 3)
         extra.close()
         assert closed, raw
@@ -352,3 +360,35 @@ def test_shutdown_answers_503_on_an_open_keep_alive_connection(tmp_path):
         t.join(15)
         # the in-flight stream was not cut by the drain; the grace ran out, so it was aborted
         assert result == {"status": 200, "finish_reason": "abort"}, result
+
+
+# ---------------------------------------------------------------------------- settings
+def test_serve_flags_and_their_defaults():
+    from kvserve.entrypoints.openai.api_server import make_arg_parser
+
+    ns = make_arg_parser().parse_args([])
+    assert (ns.request_read_timeout_s, ns.max_connections, ns.keep_alive_timeout_s) == (10.0, 2048, 5.0)
+    ns = make_arg_parser().parse_args(
+        ["--request-read-timeout-s", "2.5", "--max-connections", "7", "--keep-alive-timeout-s", "1"]
+    )
+    assert (ns.request_read_timeout_s, ns.max_connections, ns.keep_alive_timeout_s) == (2.5, 7, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(request_read_timeout_s=0), "request_read_timeout_s"),
+        (dict(request_read_timeout_s=float("nan")), "request_read_timeout_s"),
+        (dict(max_connections=0), "max_connections"),
+    ],
+)
+def test_connection_limits_reject_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ConnectionLimits(**kwargs)
+
+
+def test_uvicorn_config_rejects_a_bad_keep_alive_timeout():
+    from kvserve.entrypoints.openai.api_server import uvicorn_config
+
+    with pytest.raises(ValueError, match="keep_alive_timeout_s"):
+        uvicorn_config(object(), keep_alive_timeout_s=0)

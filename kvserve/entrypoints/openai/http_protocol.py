@@ -113,6 +113,7 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             _set_nodelay(transport)
             self._read_timer = None
             self._draining = False
+            self._refused = False
             self._bytes_seen = 0
             if len(self.connections) > self._limits.max_connections:
                 self.connections.discard(self)
@@ -131,7 +132,15 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
                 transport.write(
                     raw_response(503, "Service Unavailable", body, {"retry-after": str(retry_after_s)})
                 )
-                transport.close()
+                # Half-close and discard what the client sends until it closes (or a second
+                # passes): closing with its request unread would make the kernel answer with a
+                # reset, which can destroy the 503 before the client reads it.
+                self._refused = True
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self._read_timer = self.loop.call_later(
+                    min(1.0, self._limits.request_read_timeout_s), transport.close
+                )
                 return
             self._arm_read_timer()
 
@@ -156,6 +165,8 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
                 self._cancel_read_timer()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
             self._bytes_seen += len(data)
             super().data_received(data)
             if not self.transport.is_closing():
@@ -165,6 +176,10 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._update_read_timer()
+
+        def eof_received(self) -> None:
+            if self._refused:
+                self.transport.close()
 
         def connection_lost(self, exc) -> None:
             self._cancel_read_timer()

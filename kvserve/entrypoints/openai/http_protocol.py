@@ -112,7 +112,6 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             super().connection_made(transport)
             _set_nodelay(transport)
             self._read_timer = None
-            self._draining = False
             self._refused = False
             self._bytes_seen = 0
             if len(self.connections) > self._limits.max_connections:
@@ -227,7 +226,6 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             """Graceful shutdown: busy connections close after their response (uvicorn's way);
             idle ones stay open, answering 503 (from the app), until nothing runs."""
             if self.cycle is None or self.cycle.response_complete:
-                self._draining = True
                 self._close_when_drained()
             else:
                 self.cycle.keep_alive = False

@@ -79,21 +79,39 @@ def _free_socket():
 
 
 @contextlib.contextmanager
-def running_server(engine_args, model_name: str, api_key: str | None = None, **app_kwargs):
-    """Build the engine from ``engine_args``, serve ``build_app(...)`` until the block exits."""
-    import uvicorn
-
+def running_server(
+    engine_args,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    limits=None,
+    keep_alive_timeout_s: float = 5.0,
+    **app_kwargs,
+):
+    """Build the engine from ``engine_args``, serve ``build_app(...)`` until the block exits,
+    with the uvicorn config and server class ``kvserve serve`` uses (``limits``: a
+    ``ConnectionLimits``; the shutdown drain of ``GracefulServer``)."""
     from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.entrypoints.openai.api_server import build_app
+    from kvserve.entrypoints.openai.api_server import GracefulServer, build_app, uvicorn_config
 
     engine = LLMEngine.from_engine_args(engine_args)
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, model_name, api_key=api_key, **app_kwargs)
     sock = _free_socket()
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    srv = uvicorn.Server(config)
+    config = uvicorn_config(
+        app,
+        limits=limits,
+        keep_alive_timeout_s=keep_alive_timeout_s,
+        timeout_graceful_shutdown=5,
+        log_level="warning",
+    )
+    state = app.state.server_state
+    grace = app_kwargs.get("shutdown_grace_s", 5.0)
+    srv = GracefulServer(
+        config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)
+    ).server
     thread = threading.Thread(
         target=lambda: asyncio.run(srv.serve(sockets=[sock])), daemon=True, name="uvicorn-test"
     )

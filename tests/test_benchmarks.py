@@ -283,6 +283,15 @@ kvserve:request_success_total{model_name="default",finished_reason="length"} 5.0
     assert parse_prometheus(vllm) == {"gpu_cache_usage": 0.125, "running": 2.0}
 
 
+def test_parse_prometheus_counts_a_gauge_exported_under_two_prefixes_once():
+    both = (
+        'kvserve:num_requests_running{model_name="m"} 3\nkvserve:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+        'vllm:num_requests_running{model_name="m"} 3\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    assert parse_prometheus(both) == {"running": 3.0, "gpu_cache_usage": 0.5}
+
+
 class _NS:
     sweep_rates = "1,inf"
     request_rate = math.inf

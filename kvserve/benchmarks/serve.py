@@ -48,25 +48,28 @@ GAUGES = {
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sums of the queue / KV-cache gauges in a Prometheus text exposition, keyed as in ``GAUGES``
-    (any ``prefix:`` such as ``kvserve:`` or ``vllm:``; label sets summed; usage as 0..1)."""
-    out: dict[str, float] = {}
+    (any ``prefix:`` such as ``kvserve:`` or ``vllm:``; label sets summed; usage as 0..1). A
+    server that exports the same gauge under several prefixes (kvserve: both ``kvserve:`` and
+    ``vllm:``) is counted once: the first prefix seen wins."""
+    by_prefix: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
         name = head.split("{", 1)[0].strip()
-        base = name.rsplit(":", 1)[-1]
+        prefix, _, base = name.rpartition(":")
         for key, names in GAUGES.items():
             if base in names:
                 try:
                     v = float(value)
                 except ValueError:
                     continue
+                out = by_prefix.setdefault(prefix, {})
                 if key == "gpu_cache_usage":
                     out[key] = max(out.get(key, 0.0), v / 100.0 if v > 1.0 else v)
                 else:
                     out[key] = out.get(key, 0.0) + v
-    return out
+    return next(iter(by_prefix.values()), {})
 
 
 class LoadGenerator:

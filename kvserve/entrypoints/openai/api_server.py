@@ -37,7 +37,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import kvserve
+from kvserve.entrypoints.openai.http_protocol import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_READ_TIMEOUT_S,
+    READ_TIMED_OUT,
+    ConnectionLimits,
+    make_protocol_class,
+)
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.entrypoints.openai.offload import OffloadPool
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,10 +62,14 @@ from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from kvserve.entrypoints.openai.serving_engine import (
     DEFAULT_MAX_BODY_BYTES,
     APIError,
+    ClientDisconnected,
     PendingCounter,
     RequestLogger,
+    decode_ids,
+    encode_text,
     read_json_body,
 )
+from kvserve.transformers_utils.tokenizer_bounds import token_text_bound
 
 logger = logging.getLogger("kvserve.server")
 
@@ -100,12 +113,18 @@ def _is_protected(path: str) -> bool:
 
 class _EdgeMiddleware:
     """Pure-ASGI middleware (it does not touch ``receive``, so disconnects still reach the
-    handlers): API-key check and response counting for ``/metrics``."""
+    handlers): API-key check, response counting for ``/metrics``, and the shutdown drain (a
+    request arriving while ``state.draining`` gets 503 ``shutting_down``, except ``/health``
+    and ``/metrics``; every response then carries ``Connection: close``)."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+    def __init__(
+        self, app, api_key: str | None, metrics: ServerMetrics, state: ServerState, retry_after_s: int
+    ):
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
+        self.state = state
+        self.retry_after_s = retry_after_s
 
     def _authorized(self, scope) -> bool:
         headers = dict(scope.get("headers") or [])
@@ -125,10 +144,27 @@ class _EdgeMiddleware:
             else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
         )
 
+        draining = self.state.draining
+
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 self.metrics.count_response(endpoint, message["status"])
+                if draining or self.state.draining:  # the connection closes after this answer
+                    message = dict(message)
+                    message["headers"] = [
+                        (k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"
+                    ] + [(b"connection", b"close")]
             await send(message)
+
+        if draining and path not in ("/health", "/metrics"):
+            err = APIError(
+                "The server is shutting down.",
+                503,
+                type="service_unavailable",
+                code="shutting_down",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+            return await err.to_response()(scope, receive, counting_send)
 
         if self.api_key and _is_protected(path) and not self._authorized(scope):
             err = APIError(
@@ -173,7 +209,17 @@ def build_app(
     state = ServerState()
     names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
     req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts)
-    serving_kwargs = dict(request_logger=req_logger, server_state=state, retry_after_s=retry_after_s)
+    # Tokenization, templates and long decodes run off the event loop, on a small pool; a prompt
+    # whose length alone proves it too long is refused before it is tokenized.
+    pool = OffloadPool()
+    text_bound = token_text_bound(async_engine.engine.tokenizer)
+    serving_kwargs = dict(
+        request_logger=req_logger,
+        server_state=state,
+        retry_after_s=retry_after_s,
+        pool=pool,
+        text_bound=text_bound,
+    )
     completion = OpenAIServingCompletion(async_engine, names, **serving_kwargs)
     chat = OpenAIServingChat(async_engine, names, **serving_kwargs)
     engine = async_engine.engine
@@ -194,6 +240,7 @@ def build_app(
             while async_engine.num_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             metrics.close()
+            pool.close()
             if started_here["value"]:
                 await loop.run_in_executor(None, async_engine.shutdown)
 
@@ -229,6 +276,21 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         return APIError(f"Invalid request: {exc.errors()}", 400).to_response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected):
+        # an ordinary event, not an error: one line, no traceback (nobody reads the answer);
+        # a body that timed out was already logged by the protocol
+        if not request.scope.get(READ_TIMED_OUT):
+            client = request.client
+            logger.info(
+                "client %s disconnected %s on %s %s",
+                f"{client.host}:{client.port}" if client else "?",
+                exc,
+                request.method,
+                request.url.path,
+            )
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
@@ -304,10 +366,14 @@ def build_app(
                 "give exactly one of 'prompt' or 'messages'.", 400, param="prompt", code="invalid_value"
             )
         if req.prompt is not None:
-            ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids)
+            ids = await completion.offload(
+                len(req.prompt), encode_text, tok, req.prompt, req.add_special_tokens is not False
+            )
         else:
-            ids = chat_template_ids(
-                tok, render_messages(req.messages), req.add_generation_prompt is not False
+            conv = render_messages(req.messages)
+            size = sum(len(m["content"]) for m in conv)
+            ids = await completion.offload(
+                size, chat_template_ids, tok, conv, req.add_generation_prompt is not False
             )
         return JSONResponse(
             TokenizeResponse(
@@ -329,9 +395,15 @@ def build_app(
                 param="tokens",
                 code="invalid_value",
             )
-        return JSONResponse(DetokenizeResponse(prompt=completion.decode(req.tokens)).model_dump())
+        tok = engine.tokenizer
+        text = (
+            await completion.offload(len(req.tokens), decode_ids, tok, req.tokens) if tok is not None else ""
+        )
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
-    app.add_middleware(_EdgeMiddleware, api_key=api_key, metrics=metrics)
+    app.add_middleware(
+        _EdgeMiddleware, api_key=api_key, metrics=metrics, state=state, retry_after_s=retry_after_s
+    )
     return app
 
 
@@ -361,6 +433,24 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted",
     )
     p.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 503 answers")
+    p.add_argument(
+        "--request-read-timeout-s",
+        type=float,
+        default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+        help="a request's headers and body must arrive within this many seconds (else 408 and close)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="most open connections; past it a new connection gets 503 and is closed",
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        help="close a keep-alive connection idle for this many seconds",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--request-log",
@@ -429,11 +519,49 @@ class GracefulServer:
                 self.should_exit = True
                 start_grace_timer()
 
+            async def shutdown(self, sockets=None):
+                # however the exit was asked for (signal or should_exit): drain before uvicorn
+                # asks the connections to shut down, so they answer 503 meanwhile
+                outer.state.draining = True
+                start_grace_timer()
+                await super().shutdown(sockets=sockets)
+
         self.server = _Server(config)
 
     def run(self) -> None:
         """Serve until a signal (blocking)."""
         self.server.run()
+
+
+def uvicorn_config(
+    app,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    limits: ConnectionLimits | None = None,
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    retry_after_s: int = 1,
+    timeout_graceful_shutdown: float | None = None,
+    log_level: str = "info",
+):
+    """The ``uvicorn.Config`` kvserve runs ``app`` with: the h11 protocol with read deadlines and
+    a connection cap (``http_protocol``), the idle keep-alive timeout, no access log (the app
+    logs one line per request)."""
+    import uvicorn
+
+    if not keep_alive_timeout_s > 0:
+        raise ValueError(f"keep_alive_timeout_s must be > 0, got {keep_alive_timeout_s}.")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=make_protocol_class(limits or ConnectionLimits(), retry_after_s=retry_after_s),
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]
+        access_log=False,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,8 +577,6 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        import uvicorn
-
         engine_args = engine_args_from(ns)
         engine = LLMEngine.from_engine_args(engine_args)
     except ValueError as e:
@@ -472,15 +598,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     state = app.state.server_state
     grace = max(0.0, ns.shutdown_grace_s)
-    config = uvicorn.Config(
-        app,
-        host=ns.host,
-        port=ns.port,
-        log_level=ns.log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=grace + 5.0,
-        access_log=False,
-    )
+    try:
+        limits = ConnectionLimits(
+            request_read_timeout_s=ns.request_read_timeout_s, max_connections=ns.max_connections
+        )
+        config = uvicorn_config(
+            app,
+            ns.host,
+            ns.port,
+            limits=limits,
+            keep_alive_timeout_s=ns.keep_alive_timeout_s,
+            retry_after_s=ns.retry_after_s,
+            timeout_graceful_shutdown=grace + 5.0,
+            log_level=ns.log_level,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logger.info(
         "serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks)",
         name,

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server, named like vLLM's with a ``kvserve:`` prefix.
+"""Prometheus metrics of the server: vLLM's metric names, under a ``kvserve:`` prefix and again
+under vLLM's own ``vllm:`` prefix (same values), so existing vLLM dashboards and alerts work.
 
 Gauges and cumulative counters are read from the engine at scrape time (a custom collector);
 latency histograms are fed by an ``EngineStats`` listener as each request finishes (on the
@@ -16,6 +17,11 @@ Exported:
 - histograms ``kvserve:time_to_first_token_seconds``, ``kvserve:time_per_output_token_seconds``,
   ``kvserve:e2e_request_latency_seconds``, ``kvserve:request_queue_time_seconds``,
   ``kvserve:request_prompt_tokens``, ``kvserve:request_generation_tokens``.
+
+Every metric is defined once, under ``kvserve:``; ``VLLM_ALIASES`` names the ones vLLM also has
+and the ``vllm:`` names they are exported under too (V0's names, plus V1's
+``vllm:kv_cache_usage_perc`` for the device-pool usage). kvserve-only metrics (block counts,
+engine steps, HTTP responses) have no alias.
 """
 
 from __future__ import annotations
@@ -24,11 +30,33 @@ import logging
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 logger = logging.getLogger("kvserve.server.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+PREFIX = "kvserve:"
+
+#: kvserve metric family (without the prefix) -> the vLLM names it is also exported under.
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "num_requests_swapped": ("vllm:num_requests_swapped",),
+    "gpu_cache_usage_perc": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+    "cpu_cache_usage_perc": ("vllm:cpu_cache_usage_perc",),
+    "gpu_prefix_cache_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+    "num_preemptions": ("vllm:num_preemptions",),
+    "prompt_tokens": ("vllm:prompt_tokens",),
+    "generation_tokens": ("vllm:generation_tokens",),
+    "request_success": ("vllm:request_success",),
+    "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "time_per_output_token_seconds": ("vllm:time_per_output_token_seconds",),
+    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "request_generation_tokens": ("vllm:request_generation_tokens",),
+}
 
 _TTFT_BUCKETS = (
     0.001,
@@ -174,6 +202,32 @@ class _EngineCollector:
         yield success
 
 
+def _renamed(family: Metric, name: str) -> Metric:
+    """A copy of ``family`` named ``name`` (sample names follow: ``_total``, ``_bucket``...)."""
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        copy.samples.append(sample._replace(name=name + sample.name[len(family.name) :]))
+    return copy
+
+
+class _AliasingCollector:
+    """Every family of ``source`` (a registry of ``kvserve:`` metrics), followed by its vLLM
+    aliases (``VLLM_ALIASES``): one definition, two names, values read once per scrape."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self) -> Iterable[Metric]:
+        """Prometheus collector protocol."""
+        aliases = []
+        for family in self.source.collect():
+            yield family
+            base = family.name[len(PREFIX) :] if family.name.startswith(PREFIX) else None
+            for alias in VLLM_ALIASES.get(base or "", ()):
+                aliases.append(_renamed(family, alias))
+        yield from aliases
+
+
 class ServerMetrics:
     """The server's Prometheus registry, bound to one ``LLMEngine``.
 
@@ -186,10 +240,13 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
+        # ``source`` holds the definitions; ``registry`` (what is rendered) adds the aliases.
+        self.source = CollectorRegistry(auto_describe=False)
+        self.source.register(_EngineCollector(engine, model_name))
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_AliasingCollector(self.source))
         lbl = ["model_name"]
-        r = self.registry
+        r = self.source
         self.ttft = Histogram(
             "kvserve:time_to_first_token_seconds",
             "Time to first token.",

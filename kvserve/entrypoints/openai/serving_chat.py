@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     RequestRecord,
     Reservation,
     SubRequest,
+    encode_text,
     finite,
     sse,
 )
@@ -82,8 +83,9 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return conv
 
 
-def chat_template_ids(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of a conversation rendered by the tokenizer's chat template.
+def render_chat(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """The conversation rendered by the tokenizer's chat template, as text (tokenize it with
+    ``add_special_tokens=False``: the template already has them).
 
     Raises:
         APIError: 400 naming ``messages`` when there is no tokenizer or template, or the
@@ -97,7 +99,9 @@ def chat_template_ids(tokenizer, conv: list[dict[str, str]], add_generation_prom
             code="no_chat_template",
         )
     try:
-        ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        text = tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except Exception as e:  # jinja2 TemplateError / ValueError: the conversation is invalid
         raise APIError(
             f"messages could not be rendered with the chat template: {e}",
@@ -105,9 +109,19 @@ def chat_template_ids(tokenizer, conv: list[dict[str, str]], add_generation_prom
             param="messages",
             code="invalid_value",
         ) from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return str(text)
+
+
+def chat_text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered chat (``render_chat``), as ``apply_chat_template(tokenize=True)``
+    would give them."""
+    return [int(t) for t in encode_text(tokenizer, text, add_special_tokens=False)]
+
+
+def chat_template_ids(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template (``render_chat``
+    then ``chat_text_ids``; same errors)."""
+    return chat_text_ids(tokenizer, render_chat(tokenizer, conv, add_generation_prompt))
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -148,12 +162,15 @@ class OpenAIServingChat(OpenAIServing):
             rename["max_tokens"] = "max_completion_tokens"
         params = self.make_sampling_params(sampling_kwargs(req, max_tokens, logprobs), rename)
         conv = render_messages(req.messages)
-        ids = chat_template_ids(self.tokenizer, conv, req.add_generation_prompt is not False)
-        sub = self.prepare_prompt(ids, params, rename)
+        size = sum(len(m["content"]) for m in conv)
+        text = await self.offload(
+            size, render_chat, self.tokenizer, conv, req.add_generation_prompt is not False
+        )
+        sub = await self.prepare_prompt(text, params, rename, chat=True)
         reservation = self.check_capacity(1)
         rec = self.new_record("chatcmpl", params.n, [sub])
         if self.request_logger.log_prompts:
-            rec.prompts = [self.decode(ids)]
+            rec.prompts = [text]
         priority = req.priority or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(

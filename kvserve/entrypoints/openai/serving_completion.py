@@ -90,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         params = self.make_sampling_params(sampling_kwargs(req, req.max_tokens, req.logprobs))
         prompts = self._split_prompts(req.prompt)
-        subs = [self.prepare_prompt(p, params) for p in prompts]
+        subs = [await self.prepare_prompt(p, params) for p in prompts]
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs)
         priority = req.priority or 0

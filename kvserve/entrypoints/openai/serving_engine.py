@@ -23,15 +23,17 @@ from typing import Any
 
 import anyio
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.input_processor import tokenize_prompt
+from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
 from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from kvserve.field_limits import LIMITS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.transformers_utils.tokenizer_bounds import TokenTextBound
 
 logger = logging.getLogger("kvserve.server")
 request_logger = logging.getLogger("kvserve.server.requests")
@@ -130,7 +132,9 @@ class Reservation:
 
 
 class ClientDisconnected(Exception):
-    """The client went away before the response was ready (its requests were aborted)."""
+    """The client went away before the response was ready (its requests were aborted); the
+    message says when (e.g. ``"mid-body: 10 of 200 bytes received"``). The app answers it
+    with one INFO log line, never a traceback."""
 
 
 def param_from_message(message: str, rename: dict[str, str] | None = None) -> str | None:
@@ -189,7 +193,12 @@ def api_error_from_validation(e: ValidationError) -> APIError:
 
 
 async def read_json_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
-    """Read the body (at most ``max_bytes``: else 413) and validate it into ``model`` (400)."""
+    """Read the body (at most ``max_bytes``: else 413) and validate it into ``model`` (400).
+
+    Raises:
+        APIError: 413 / 400 as above.
+        ClientDisconnected: the client went away (or its body timed out) before the end.
+    """
     length = request.headers.get("content-length")
     too_big = APIError(
         f"Request body is larger than the limit of {max_bytes} bytes.", 413, code="request_too_large"
@@ -201,16 +210,38 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
         except ValueError:
             raise APIError("Invalid Content-Length header.", 400) from None
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_big
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise too_big
+    except ClientDisconnect:
+        raise ClientDisconnected(
+            f"mid-body: {len(body)} of {length if length is not None else '?'} bytes received"
+        ) from None
     if not body:
         raise APIError("Request body is empty; expected a JSON object.", 400)
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
         raise api_error_from_validation(e) from None
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text`` (a transformers tokenizer call)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def decode_ids(tokenizer, token_ids: list[int]) -> str:
+    """Text of ``token_ids`` (``tokenizer.decode``), through the Rust backend's batch decode
+    when that gives the same text: it releases the GIL, so a long decode on a pool thread does
+    not stall the event loop (``decode`` holds it: ~0.15 s per million tokens)."""
+    if not token_ids:
+        return ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode_batch([list(token_ids)], skip_special_tokens=False)[0]
+    return tokenizer.decode(token_ids)
 
 
 def finite(x: float | None) -> float | None:
@@ -391,6 +422,8 @@ class OpenAIServing:
         server_state: an object with a ``draining`` flag (set on shutdown: new requests get
             503) and an ``inflight`` set (engine request ids of running HTTP requests, kept here).
         retry_after_s: the ``Retry-After`` of a 503.
+        pool: where heavy prompt work runs (default: a pool of its own).
+        text_bound: the tokenizer's ``TokenTextBound`` (None: no refusal by length alone).
     """
 
     endpoint = "?"
@@ -402,8 +435,12 @@ class OpenAIServing:
         request_logger: RequestLogger | None = None,
         server_state: Any = None,
         retry_after_s: int = 1,
+        pool: OffloadPool | None = None,
+        text_bound: TokenTextBound | None = None,
     ):
         self.async_engine = async_engine
+        self.pool = pool or OffloadPool()
+        self.text_bound = text_bound
         self.served_model_names = list(served_model_names)
         self.request_logger = request_logger or RequestLogger()
         self.server_state = server_state
@@ -487,17 +524,63 @@ class OpenAIServing:
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
 
-    def prepare_prompt(
-        self, prompt, params: SamplingParams, rename: dict[str, str] | None = None
+    async def offload(self, size: int, fn, *args):
+        """``fn(*args)`` off the event loop when ``size`` (characters or tokens) is large
+        (``OffloadPool``); 503 ``server_busy`` when the pool's queue is full."""
+        try:
+            return await self.pool.run(size, fn, *args)
+        except PoolBusyError as e:
+            raise APIError(
+                f"The server is busy preparing other prompts ({e}); retry later.",
+                503,
+                type="service_unavailable",
+                code="server_busy",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 ``context_length_exceeded`` when a text of ``num_chars`` characters surely has
+        ``max_model_len`` tokens or more (``TokenTextBound``): refused without tokenizing."""
+        bound = self.text_bound
+        limit = self.engine.scheduler_config.max_model_len
+        if bound is not None and bound.proves_too_long(num_chars, limit - 1):
+            raise APIError(
+                f"{param} has {num_chars} characters, so at least {bound.min_tokens(num_chars)} tokens "
+                f"(no token of this model covers more than {bound.max_chars_per_token:g} characters), "
+                f"which leaves no room to generate within max_model_len {limit}.",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def prepare_prompt(
+        self, prompt, params: SamplingParams, rename: dict[str, str] | None = None, chat: bool = False
     ) -> SubRequest:
         """Tokenize (text) or check (ids) one prompt and hold it to every limit: 0 tokens,
         vocabulary, prompt + max_tokens vs max_model_len, n, prompt_limit and KV-pool size.
         ``rename`` maps engine field names to the request's (chat: ``prompt`` -> ``messages``,
-        ``max_tokens`` -> ``max_completion_tokens``) for the 400's ``param``."""
+        ``max_tokens`` -> ``max_completion_tokens``) for the 400's ``param``. ``chat``: the
+        prompt is a rendered chat template (tokenized without adding special tokens).
+
+        A text that its length alone proves too long is refused before tokenizing; a long one
+        is tokenized off the event loop; a token-id list longer than ``max_model_len`` is
+        refused before its ids are scanned."""
         rename = rename or {}
         param = rename.get("prompt", "prompt")
+        limit = self.engine.scheduler_config.max_model_len
         try:
-            text, ids = tokenize_prompt(prompt, self.tokenizer)
+            if isinstance(prompt, str) and self.tokenizer is not None and prompt:
+                self.check_prompt_chars(len(prompt), param)
+                # a rendered chat template already has its special tokens
+                encoded = await self.offload(len(prompt), encode_text, self.tokenizer, prompt, not chat)
+                text, ids = tokenize_prompt({"prompt": prompt, "prompt_token_ids": encoded}, None)
+            else:
+                if isinstance(prompt, list) and len(prompt) >= limit:
+                    raise ValueError(
+                        f"prompt has {len(prompt)} tokens, which leaves no room to generate within "
+                        f"max_model_len {limit}."
+                    )
+                text, ids = tokenize_prompt(prompt, self.tokenizer)
             self.engine.validate(ids, params)
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None

@@ -1,0 +1,262 @@
+"""uvicorn's HTTP/1.1 protocol (h11) with deadlines and a connection cap, so that no client can
+hold the server's connections or memory for long.
+
+- **Read deadline.** A request (its headers and its whole body) must arrive within
+  ``request_read_timeout_s`` of its first byte, and a new connection must send its first request
+  within that time. Past it the client gets a 408 (OpenAI-style JSON body, ``Connection: close``)
+  when it has sent part of a request, and the connection is closed; a connection that sent
+  nothing is just closed. The handler of a request cut short this way sees a client disconnect.
+- **Connection cap.** Past ``max_connections`` open connections a new one gets a 503 with
+  ``Retry-After`` and is closed at once (uvicorn's own ``limit_concurrency`` only counts
+  connections that have sent a request, so idle or half-sent ones were never refused).
+- **Idle keep-alive** connections are closed after uvicorn's ``timeout_keep_alive``.
+- **Shutdown.** uvicorn closes idle keep-alive connections the moment shutdown starts, so a
+  request a client sends on one then is lost without an answer. Here they stay open while
+  in-flight requests drain; a request on one gets the app's 503 (``Connection: close``), and they
+  are closed once no request is running anywhere.
+
+Timeouts and refusals are logged on ``kvserve.server.http`` at INFO, refusals at most once per
+second with a count, so a flood cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger("kvserve.server.http")
+
+#: Defaults of ``kvserve serve`` (``--request-read-timeout-s``, ``--max-connections``,
+#: ``--keep-alive-timeout-s``).
+DEFAULT_REQUEST_READ_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 2048
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+
+# Scope key set on a request whose body did not arrive in time (its handler then sees a
+# disconnect and leaves the logging to this module).
+READ_TIMED_OUT = "kvserve.read_timed_out"
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-connection limits.
+
+    Attributes:
+        request_read_timeout_s: seconds a request's headers and body may take to arrive (from
+            its first byte, or from the connection being opened); > 0.
+        max_connections: most connections open at once; > 0.
+        drain_poll_s: during shutdown, how often an idle connection checks whether every
+            in-flight request has ended (then it is closed).
+    """
+
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    drain_poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.request_read_timeout_s > 0:
+            raise ValueError(f"request_read_timeout_s must be > 0, got {self.request_read_timeout_s}.")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}.")
+
+
+def raw_response(status: int, reason: str, body: dict, extra_headers: dict[str, str] | None = None) -> bytes:
+    """A whole HTTP/1.1 response with a JSON body and ``Connection: close``, as bytes (for
+    answering outside any request cycle: before a request was parsed, or instead of its app)."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    headers = {"content-type": "application/json", "content-length": str(len(payload)), "connection": "close"}
+    headers.update(extra_headers or {})
+    head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return head.encode("latin-1") + b"\r\n" + payload
+
+
+def _error_body(message: str, type_: str, code: str) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+class _RateLimitedLog:
+    """INFO lines of one kind at most once per ``period_s``, each with the count since the last."""
+
+    def __init__(self, period_s: float = 1.0):
+        self.period_s = period_s
+        self.last = -float("inf")
+        self.suppressed = 0
+
+    def log(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last < self.period_s:
+            self.suppressed += 1
+            return
+        more = f" (and {self.suppressed} more like it)" if self.suppressed else ""
+        self.last, self.suppressed = now, 0
+        logger.info(msg + more, *args)
+
+
+_refusals = _RateLimitedLog()
+_timeouts = _RateLimitedLog()
+
+
+def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> type[H11Protocol]:
+    """An ``H11Protocol`` subclass enforcing ``limits`` (pass it as ``uvicorn.Config(http=...)``)."""
+
+    class KvserveH11Protocol(H11Protocol):
+        _limits = limits
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            _set_nodelay(transport)
+            self._read_timer = None
+            self._refused = False
+            self._bytes_seen = 0
+            if len(self.connections) > self._limits.max_connections:
+                self.connections.discard(self)
+                _refusals.log(
+                    "refused a connection from %s: %d connections open (max_connections %d)",
+                    _peer(self.client),
+                    len(self.connections),
+                    self._limits.max_connections,
+                )
+                body = _error_body(
+                    f"Too many open connections (max_connections {self._limits.max_connections}); "
+                    "retry later.",
+                    "service_unavailable",
+                    "too_many_connections",
+                )
+                transport.write(
+                    raw_response(503, "Service Unavailable", body, {"retry-after": str(retry_after_s)})
+                )
+                # Half-close and discard what the client sends until it closes (or a second
+                # passes): closing with its request unread would make the kernel answer with a
+                # reset, which can destroy the 503 before the client reads it.
+                self._refused = True
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self._read_timer = self.loop.call_later(
+                    min(1.0, self._limits.request_read_timeout_s), transport.close
+                )
+                return
+            self._arm_read_timer()
+
+        # ------------------------------------------------------------ read deadline
+        def _arm_read_timer(self) -> None:
+            if self._read_timer is None:
+                self._read_timer = self.loop.call_later(
+                    self._limits.request_read_timeout_s, self._on_read_timeout
+                )
+
+        def _cancel_read_timer(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _update_read_timer(self) -> None:
+            """Arm the deadline while a request is partly received, cancel it otherwise."""
+            their = self.conn.their_state
+            if their is h11.SEND_BODY or (their is h11.IDLE and self.conn.trailing_data[0]):
+                self._arm_read_timer()
+            else:
+                self._cancel_read_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            self._bytes_seen += len(data)
+            super().data_received(data)
+            if not self.transport.is_closing():
+                self._update_read_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._update_read_timer()
+
+        def eof_received(self) -> None:
+            if self._refused:
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_read_timer()
+            super().connection_lost(exc)
+
+        def _on_read_timeout(self) -> None:
+            self._read_timer = None
+            if self.transport.is_closing():
+                return
+            their = self.conn.their_state
+            cycle = self.cycle
+            t = self._limits.request_read_timeout_s
+            if their is h11.IDLE and not self.conn.trailing_data[0]:
+                # nothing of a request yet (a fresh connection that never spoke): just close
+                _timeouts.log("closed a connection from %s: no request within %g s", _peer(self.client), t)
+                self.transport.close()
+                return
+            what = "headers" if their is h11.IDLE else "body"
+            if cycle is not None and their is h11.SEND_BODY:
+                self.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required]
+                started = cycle.response_started
+                cycle.disconnected = True  # the handler's receive() now returns http.disconnect
+                cycle.message_event.set()
+            else:
+                started = False
+            _timeouts.log(
+                "request from %s: %s not received within %g s (%d bytes so far); %s",
+                _peer(self.client),
+                what,
+                t,
+                self._bytes_seen,
+                "closed" if started else "answered 408 and closed",
+            )
+            if not started:
+                body = _error_body(
+                    f"The request {what} did not arrive within the read timeout of {t:g} s.",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+                self.transport.write(raw_response(408, "Request Timeout", body))
+            self.transport.close()
+
+        # ------------------------------------------------------------ shutdown
+        def shutdown(self) -> None:
+            """Graceful shutdown: busy connections close after their response (uvicorn's way);
+            idle ones stay open, answering 503 (from the app), until nothing runs."""
+            if self.cycle is None or self.cycle.response_complete:
+                self._close_when_drained()
+            else:
+                self.cycle.keep_alive = False
+
+        def _close_when_drained(self) -> None:
+            if self.transport.is_closing():
+                return
+            busy = self.cycle is not None and not self.cycle.response_complete
+            if not busy and not self.tasks:
+                self.transport.close()
+                return
+            if busy:
+                self.cycle.keep_alive = False  # a request arrived meanwhile: close after it
+                return
+            self.loop.call_later(self._limits.drain_poll_s, self._close_when_drained)
+
+    return KvserveH11Protocol
+
+
+def _set_nodelay(transport) -> None:
+    """Disable Nagle's algorithm: uvicorn writes a response's head and body separately, and
+    asyncio sets TCP_NODELAY only on sockets created with ``proto=IPPROTO_TCP``, so a server
+    started on a ready-made socket (``sockets=`` / ``--fd``) otherwise waits for the client's
+    delayed ACK: ~40 ms on every keep-alive response."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+def _peer(client) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"

@@ -1,0 +1,254 @@
+"""The event loop never does heavy work: huge prompts are refused by their length alone (never
+tokenized), long tokenizations and decodes run on a bounded pool, and ``/health`` keeps
+answering fast meanwhile. Also the bound itself: never below the true token count."""
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
+from kvserve.transformers_utils.tokenizer_bounds import _why_unbounded, token_text_bound
+from tests.server_harness import running_server
+
+MAX_MODEL_LEN = 1024
+
+
+# ---------------------------------------------------------------------------- the bound
+@pytest.fixture(scope="module")
+def tokenizer(default_tokenizer_dir):
+    from kvserve.transformers_utils.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_tokenizer_dir)
+
+
+def test_default_tokenizer_bound_is_its_longest_token(tokenizer):
+    bound = token_text_bound(tokenizer)
+    assert bound is not None
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    assert bound.max_chars_per_token == longest
+    assert bound.proves_too_long(1024 * longest + 1, 1024) and not bound.proves_too_long(1024 * longest, 1024)
+
+
+@pytest.fixture(scope="module")
+def bound(tokenizer):
+    return token_text_bound(tokenizer)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(min_size=1, max_size=400)
+    | st.lists(
+        st.sampled_from([" ", "\n", "\t", "a", "é", "日本", "<|im_start|>", "🙂", "  "]), min_size=1
+    ).map("".join)
+)
+def test_bound_never_exceeds_the_true_token_count(tokenizer, bound, text):
+    # the refusal is never wrong: a text has at least min_tokens(len) tokens, whatever it is
+    n = len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert n >= bound.min_tokens(len(text)), (text, n)
+
+
+def test_whitespace_runs_collapse_into_the_longest_tokens_and_stay_within_the_bound(tokenizer, bound):
+    for text in (" " * 5000, "\n" * 5000, "a" * 5000, "ĠĠĠ" * 1000):
+        n = len(tokenizer(text, add_special_tokens=False).input_ids)
+        assert n >= bound.min_tokens(len(text)), (text[:5], n)
+
+
+@pytest.mark.parametrize(
+    "spec, unbounded",
+    [
+        ({"model": {"type": "WordPiece"}}, True),  # unknown words collapse into one [UNK]
+        ({"model": {"type": "BPE", "unk_token": "<unk>"}}, True),
+        ({"model": {"type": "BPE", "byte_fallback": True}}, False),
+        ({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "ByteLevel"}}, False),
+        ({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}, True),
+        ({"model": {"type": "BPE", "byte_fallback": True}, "normalizer": {"type": "Strip"}}, True),
+        ({"model": {"type": "BPE", "byte_fallback": True}, "normalizer": {"type": "NFC"}}, False),
+        ({"model": {"type": "BPE", "byte_fallback": True}, "truncation": {"max_length": 8}}, True),
+        (
+            {
+                "model": {"type": "BPE", "byte_fallback": True},
+                "added_tokens": [{"content": "<mask>", "lstrip": True}],
+            },
+            True,
+        ),
+    ],
+)
+def test_bound_is_only_given_for_tokenizers_that_cannot_drop_text(spec, unbounded):
+    assert (_why_unbounded(spec) is not None) == unbounded
+
+
+def test_nfc_normalizer_widens_the_bound_fourfold():
+    class _Backend:
+        def to_str(self):
+            return json.dumps(
+                {
+                    "model": {"type": "BPE", "byte_fallback": True, "vocab": {"abc": 0, "a": 1}},
+                    "normalizer": {"type": "NFC"},
+                    "added_tokens": [],
+                }
+            )
+
+    class _Tok:
+        backend_tokenizer = _Backend()
+
+    assert token_text_bound(_Tok()).max_chars_per_token == 12
+
+
+# ---------------------------------------------------------------------------- the pool
+def test_pool_runs_small_work_inline_and_large_work_on_a_thread():
+    pool = OffloadPool(max_workers=1, max_queued=0, inline_below=10)
+
+    async def main():
+        here = threading.get_ident()
+        small = await pool.run(5, threading.get_ident)
+        large = await pool.run(50, threading.get_ident)
+        return here, small, large
+
+    here, small, large = asyncio.run(main())
+    pool.close()
+    assert small == here and large != here
+
+
+def test_pool_refuses_past_its_queue_and_counts_abandoned_jobs_until_they_end():
+    pool = OffloadPool(max_workers=1, max_queued=1, inline_below=0)
+    release = threading.Event()
+
+    async def main():
+        first = asyncio.ensure_future(pool.run(1, release.wait, 5))
+        second = asyncio.ensure_future(pool.run(1, lambda: 2))
+        await asyncio.sleep(0.05)
+        assert pool.jobs == 2
+        with pytest.raises(PoolBusyError):
+            await pool.run(1, lambda: 3)
+        first.cancel()  # the caller stops waiting; the thread is still busy with it
+        await asyncio.sleep(0.05)
+        assert pool.jobs == 2
+        release.set()
+        assert await second == 2
+        await asyncio.sleep(0.05)
+        assert pool.jobs == 0
+
+    asyncio.run(main())
+    pool.close()
+
+
+# ---------------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def server():
+    from kvserve.config import EngineArgs
+
+    args = EngineArgs(
+        block_size=8, num_gpu_blocks=160, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024, seed=0
+    )
+    with running_server(args, "m", max_body_bytes=8 * 1024 * 1024) as s:
+        yield s
+
+
+class _HealthProbe:
+    """Pings ``/health`` on a keep-alive connection in a thread; latencies in ms."""
+
+    def __init__(self, url):
+        self.url, self.lat, self.stop = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(base_url=self.url, timeout=10) as c:
+            while not self.stop.is_set():
+                t = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                self.lat.append((time.perf_counter() - t) * 1000)
+                time.sleep(0.01)
+
+    def __enter__(self):
+        self.thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_huge_prompt_is_refused_before_tokenizing_and_health_stays_fast(server):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 90_000  # ~4 MB
+    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=30) as c:
+        t = time.perf_counter()
+        rs = [c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}) for _ in range(3)]
+        elapsed = time.perf_counter() - t
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})
+    for r in rs:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+        assert (
+            f"max_model_len {MAX_MODEL_LEN}" in err["message"]
+            and f"{len(prompt)} characters" in err["message"]
+        )
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    assert chat.json()["error"]["code"] == "context_length_exceeded"
+    # refused without tokenizing 4 MB (~3 s of tokenizer time each)
+    assert elapsed < 3.0, elapsed
+    assert len(probe.lat) >= 5 and max(probe.lat) < 100, sorted(probe.lat)[-5:]
+    assert server.engine.stats.num_requests_added == 0 or server.wait_idle()
+
+
+def test_long_tokenization_runs_off_the_event_loop(server):
+    # /tokenize has no length limit: 1.5 MB of text is tokenized (~1 s), on the pool
+    text = "Pack my box with five dozen liquor jugs. " * 36_000
+    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        r2 = c.post("/detokenize", json={"tokens": r.json()["tokens"]})
+    assert r.status_code == 200 and r.json()["count"] == len(
+        server.engine.tokenizer(text, add_special_tokens=False).input_ids
+    )
+    assert r2.status_code == 200 and r2.json()["prompt"] == text
+    assert len(probe.lat) >= 10
+    assert statistics.median(probe.lat) < 20 and max(probe.lat) < 250, sorted(probe.lat)[-5:]
+
+
+def test_prompt_just_under_the_bound_is_tokenized_and_judged_by_its_tokens(server):
+    bound = token_text_bound(server.engine.tokenizer)
+    n_chars = int((MAX_MODEL_LEN - 1) * bound.max_chars_per_token)  # not provably too long
+    prompt = ("word " * n_chars)[:n_chars]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    # the engine's own check on the real token count, not the character bound
+    assert "tokens" in err["message"] and "characters" not in err["message"] and err["param"] == "prompt"
+
+
+def test_long_token_id_prompt_is_refused_before_its_ids_are_scanned(server):
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": [1] * 500_000, "max_tokens": 4}, timeout=30
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (
+        err["param"] == "prompt"
+        and "500000 tokens" in err["message"]
+        and f"max_model_len {MAX_MODEL_LEN}" in err["message"]
+    )
+
+
+def test_chat_through_render_then_tokenize_equals_the_template_ids(server):
+    from kvserve.entrypoints.openai.serving_chat import chat_template_ids
+
+    tok = server.engine.tokenizer
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    direct = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    if hasattr(direct, "input_ids") or isinstance(direct, dict):
+        direct = direct["input_ids"]
+    assert chat_template_ids(tok, conv, True) == [int(t) for t in direct]
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": conv, "max_tokens": 2, "temperature": 0},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(direct)

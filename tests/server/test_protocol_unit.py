@@ -3,7 +3,13 @@
 import pytest
 from pydantic import ValidationError
 
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.protocol import (
+    HARMLESS_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvserve.entrypoints.openai.serving_engine import (
     APIError,
     api_error_from_validation,
@@ -53,9 +59,44 @@ def test_bad_json_and_non_object():
     assert e.status == 400 and e.param is None
 
 
-def test_unknown_fields_are_ignored():
-    req = CompletionRequest.model_validate_json('{"prompt": "x", "some_future_field": 1}')
-    assert not hasattr(req, "some_future_field")
+@pytest.mark.parametrize(
+    "model,body,path",
+    [
+        (CompletionRequest, '{"prompt": "x", "some_future_field": 1}', "some_future_field"),
+        (CompletionRequest, '{"prompt": "x", "Temperature": 1}', "Temperature"),
+        (
+            CompletionRequest,
+            '{"prompt": "x", "stream_options": {"continuous_usage_stats": true}}',
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            ChatCompletionRequest,
+            '{"messages": [{"role": "user", "content": "x"}], "guided_json": {}}',
+            "guided_json",
+        ),
+        (
+            ChatCompletionRequest,
+            '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+            "messages[0].content[0].image_url",
+        ),
+        (TokenizeRequest, '{"prompt": "x", "return_token_strs": true}', "return_token_strs"),
+        (DetokenizeRequest, '{"tokens": [1], "foo": 1}', "foo"),
+    ],
+)
+def test_unknown_field_is_a_400_naming_it(model, body, path):
+    e = _err(model, body)
+    assert e.status == 400 and e.param == path and e.code == "unsupported_field"
+    assert repr(path) in e.message
+
+
+def test_unknown_field_is_named_before_other_errors():
+    e = _err(CompletionRequest, '{"prompt": "x", "max_tokens": "a", "guided_regex": "a+"}')
+    assert e.param == "guided_regex"
+
+
+@pytest.mark.parametrize("route,model", [("completions", CompletionRequest), ("chat", ChatCompletionRequest)])
+def test_harmless_fields_are_declared(route, model):
+    assert set(HARMLESS_FIELDS[route]) <= set(model.model_fields)
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,12 @@ integer, a string is never turned into a number. Every numeric field carries the
 ``kvserve.field_limits.LIMITS`` as pydantic constraints (the same limits ``SamplingParams``
 checks offline, so a value the engine cannot represent, e.g. ``top_k = 2**63``, is a 400 naming
 the field and the limit); finer rules (``top_k != 0``, ``min_tokens <= max_tokens``) and the
-engine's own limits (vocabulary, ``max_model_len``, ``max_num_seqs``) are checked after. Unknown
-request fields are ignored, as the OpenAI API does for forward compatibility.
+engine's own limits (vocabulary, ``max_model_len``, ``max_num_seqs``) are checked after.
+
+Unknown fields: every request model forbids fields it does not declare, so a field kvserve does
+not implement is a 400 naming it (never a 200 that silently ignores it). A field is accepted
+only when it is declared on the model: implemented, or one of ``HARMLESS_FIELDS`` (accepted
+and ignored because they never change the tokens generated).
 """
 
 from __future__ import annotations
@@ -34,8 +38,27 @@ TokenId = _limited("token_id")
 PromptInput = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
 
 
+#: Fields accepted and ignored (per route): they are about billing, logging, storage or
+#: routing on OpenAI's side and never change the tokens generated. Any other field that a model
+#: below does not declare is a 400 naming it.
+HARMLESS_FIELDS: dict[str, tuple[str, ...]] = {
+    "completions": ("user",),
+    "chat": (
+        "user",
+        "safety_identifier",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+    ),
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field not declared here is unknown: 400 naming it (see the module docstring).
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -56,7 +79,7 @@ class _SamplingFields(_Request):
     presence_penalty: _limited("presence_penalty") | None = 0.0
     frequency_penalty: _limited("frequency_penalty") | None = 0.0
     logit_bias: dict[str, _limited("logit_bias")] | None = None
-    user: StrictStr | None = None
+    user: StrictStr | None = None  # harmless (HARMLESS_FIELDS)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # extras
@@ -118,6 +141,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     response_format: dict[str, Any] | None = None
+    # harmless (HARMLESS_FIELDS["chat"]): accepted, never used
+    safety_identifier: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):

@@ -165,17 +165,41 @@ def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = Non
     return APIError(message, 400, param=param_from_message(message, rename), code=code)
 
 
+def _error_path(err: dict) -> str:
+    """``a.b[0].c`` of a pydantic error location (union type tags dropped; the last element of
+    an unknown-field error is the client's field name, kept whatever it looks like)."""
+    raw = list(err.get("loc", ()))
+    last = raw[-1:] if err.get("type") == "extra_forbidden" else []
+    loc = [p for p in raw[: len(raw) - len(last)] if not (isinstance(p, str) and _UNION_TAG.match(p))] + last
+    if not loc:
+        return ""
+    return str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+
+
 def api_error_from_validation(e: ValidationError) -> APIError:
     """Map a pydantic ``ValidationError`` to a 400 naming the field, the rule and the value."""
     errors = e.errors(include_url=False)
     first = errors[0]
     if first.get("type") == "json_invalid":
         return APIError(f"Request body is not valid JSON: {first.get('msg')}", 400, code="invalid_json")
-    loc = [p for p in first.get("loc", ()) if not (isinstance(p, str) and _UNION_TAG.match(p))]
-    if not loc:
+    # An unknown field is named first: it is the one thing the client must change.
+    unknown = [err for err in errors if err.get("type") == "extra_forbidden"]
+    if unknown:
+        first = unknown[0]
+    path = _error_path(first)
+    if not path:
         return APIError("Request body must be a JSON object.", 400)
-    param = str(loc[0])
-    path = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    loc = [p for p in first.get("loc", ()) if not (isinstance(p, str) and _UNION_TAG.match(p))]
+    param = str(loc[0]) if loc else path
+    if unknown:
+        names = sorted({_error_path(err) for err in unknown})
+        return APIError(
+            f"Unknown field(s) {', '.join(repr(n) for n in names)}: not supported by this server "
+            "(a field kvserve does not implement is refused, never silently ignored).",
+            400,
+            param=path,
+            code="unsupported_field",
+        )
     if first.get("type") == "missing":
         return APIError(f"'{path}' is a required field.", 400, param=param, code="missing_field")
     rule = _FIELD_RULES.get(param)

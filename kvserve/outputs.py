@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.sequence import RequestMetrics
+from kvserve.sequence import Logprob, PromptLogprobs, RequestMetrics
+
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput"]
 
 
 @dataclass
@@ -49,6 +51,9 @@ class RequestOutput:
     token could not fit even with every other request preempted) is ``"finished"`` with
     ``finish_reason="length"``, its tokens kept, and ``error`` says why it stopped.
     ``num_cached_tokens``: prompt tokens found in the prefix cache when it was first scheduled.
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): ``None`` for the
+    first prompt token, then per prompt token ``{token_id: Logprob}`` (top-k plus the actual
+    token); it fills up while the prompt is prefilled and is complete from the first token on.
     """
 
     request_id: str
@@ -59,6 +64,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def outcome(self) -> str | None:

@@ -38,8 +38,9 @@ _NUMERIC_FIELDS = (
     "frequency_penalty",
     "seed",
     "logprobs",
+    "prompt_logprobs",
 )
-_OPTIONAL_FIELDS = {"max_tokens", "seed", "logprobs"}
+_OPTIONAL_FIELDS = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
 @dataclass
@@ -67,6 +68,13 @@ class SamplingParams:
       ``token_ids``); ``ignore_eos``: do not stop at the model's EOS token.
     - ``logprobs``: number of top log-probabilities to return per generated token
       (``None`` = none; 0 = only the sampled token's).
+    - ``prompt_logprobs``: number of top log-probabilities to return per *prompt* position
+      (``None`` = none; 0 = only the prompt token's). ``RequestOutput.prompt_logprobs`` then
+      holds ``None`` for the first prompt token and, per later position, ``{token_id:
+      Logprob}`` with the top ``prompt_logprobs`` tokens plus the actual prompt token: the
+      model's log-softmax at that position (no penalties, temperature 1). A request asking for
+      them does not reuse prefix-cache blocks for the positions it still needs (their logits
+      are computed; its own blocks are still cached for later requests).
     - ``logit_bias``: token id -> additive bias in [-100, 100].
 
     Every numeric field also has an upper bound the engine can represent (int64 for ints that
@@ -93,6 +101,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict | None = None
     skip_special_tokens: bool = True
 

@@ -17,6 +17,23 @@ from typing import Any
 from kvserve.sampling_params import SamplingParams
 
 
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position (vLLM's shape).
+
+    ``logprob``: natural log of the model's probability; ``rank``: 1 for the most likely token
+    at that position; ``decoded_token``: its text when known (else None).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per prompt position: None for the first token, then ``{token_id: Logprob}``.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 class SequenceStatus(enum.IntEnum):
     """Lifecycle of a sequence. Values above ``SWAPPED`` are terminal."""
 
@@ -276,6 +293,11 @@ class SequenceGroup:
         self.num_cached_tokens: int | None = None
         # True once the initial single sequence has been forked into ``n`` samples.
         self.forked = sampling_params.n == 1
+        # Prompt logprobs collected so far (``sampling_params.prompt_logprobs``): entry ``i`` is
+        # prompt token ``i``'s; filled chunk by chunk, complete at ``len == prompt length``.
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -285,6 +307,27 @@ class SequenceGroup:
     @property
     def prompt(self) -> str | None:
         return next(iter(self.seqs_dict.values())).prompt
+
+    def prompt_logits_needed_from(self) -> int | None:
+        """The first prompt position whose logits are still needed for prompt logprobs (position
+        ``p`` scores prompt token ``p + 1``), or None when none are asked for or all are in.
+
+        The block manager reuses no prefix-cache blocks at or past this position, so those
+        positions are computed (a cache hit has no logits)."""
+        pl = self.prompt_logprobs
+        if pl is None or len(pl) >= len(self.prompt_token_ids):
+            return None
+        return len(pl) - 1
+
+    def add_prompt_logprobs(self, start: int, entries: list[dict[int, Logprob]]) -> None:
+        """Record the prompt logprobs of prompt tokens ``start ..`` (entries already held,
+        e.g. recomputed after a preemption, are skipped)."""
+        pl = self.prompt_logprobs
+        if pl is None:
+            return
+        for i, entry in enumerate(entries, start):
+            if i == len(pl):
+                pl.append(entry)
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
@@ -347,6 +390,8 @@ class SequenceGroupMetadata:
     attention reads positions ``0 .. c + token_chunk_size - 1`` through the same table.
 
     ``do_sample`` is False for a prefill chunk that does not reach the end of the sequence.
+    With ``prompt_logprobs_from`` set, the executor also returns the prompt logprobs of the
+    chunk's positions ``>= prompt_logprobs_from`` (``CompletionSequenceGroupOutput``).
     When ``is_prompt`` and the group has not been forked yet (``num_samples > 1``), the single
     sequence's last-position logits are sampled ``num_samples`` times.
     """
@@ -361,6 +406,9 @@ class SequenceGroupMetadata:
     num_samples: int = 1
     generator: Any = None
     computed_block_nums: list[int] | None = None
+    # First prompt position whose logits the executor must turn into prompt logprobs
+    # (``SequenceGroup.prompt_logits_needed_from``); None: none.
+    prompt_logprobs_from: int | None = None
 
 
 @dataclass
@@ -375,9 +423,12 @@ class SequenceOutput:
 
 @dataclass
 class CompletionSequenceGroupOutput:
-    """Samples of one scheduled group in one step (empty when ``do_sample`` was False)."""
+    """Samples of one scheduled group in one step (empty when ``do_sample`` was False), and
+    the prompt logprobs of prompt tokens ``prompt_logprobs_start ..`` computed this step."""
 
     samples: list[SequenceOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs_start: int = 0
 
 
 class BlockMoveError(RuntimeError):

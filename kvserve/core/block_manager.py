@@ -203,6 +203,11 @@ class BlockSpaceManager:
         if self.enable_caching:
             hits = [self._cache_hits(s) for s in seqs]
             num_cached_blocks = min(len(h) for h in hits)
+            need = seq_group.prompt_logits_needed_from()
+            if need is not None:
+                # A hit position has no logits: reuse only blocks wholly before the first
+                # position whose prompt logprob is still to be computed.
+                num_cached_blocks = min(num_cached_blocks, need // bs)
         plan = self._plan_with_hits(
             seqs, shared, [h[:num_cached_blocks] for h in hits], num_cached_blocks, required, usable
         )

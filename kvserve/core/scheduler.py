@@ -491,6 +491,7 @@ class Scheduler:
                     num_samples=g.sampling_params.n if not g.forked else 1,
                     generator=g.generator,
                     computed_block_nums=computed,
+                    prompt_logprobs_from=g.prompt_logits_needed_from() if is_prompt else None,
                 )
             )
         return metas, out

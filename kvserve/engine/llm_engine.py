@@ -222,6 +222,8 @@ class LLMEngine:
             if i in faults:
                 outputs.append(self._fail_request(group, faults[i]))
                 continue
+            if result is not None and result.prompt_logprobs:
+                group.add_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
             if not meta.do_sample or result is None:
                 continue
             try:
@@ -407,6 +409,7 @@ class LLMEngine:
             metrics=group.metrics,
             error=group.error or group.ignored_reason,
             num_cached_tokens=group.num_cached_tokens or 0,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
         )
 
     def _finish_request(self, group: SequenceGroup) -> RequestOutput:

@@ -60,12 +60,13 @@ from kvserve.model_executor.layers import native_ops
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     CompletionSequenceGroupOutput,
+    Logprob,
     SequenceData,
     SequenceGroupMetadata,
     SequenceOutput,
 )
 
-__all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p"]
+__all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p", "prompt_logprobs"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +170,38 @@ def apply_top_k_top_p_min_p(
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
+    """Prompt logprobs of ``Q`` prompt positions: the log-softmax of the raw logits (no
+    penalties, temperature 1), the ``ks[i]`` most likely tokens plus the actual next token.
+
+    Args:
+        logits: float32 ``[Q, V]``, row ``i`` the logits at a prompt position.
+        targets: int64 ``[Q]``, the prompt token that follows each position.
+        ks: per row, how many top tokens to report (0..V).
+    Returns:
+        ``Q`` dicts ``{token_id: Logprob(logprob, rank)}`` (rank 1 = most likely); the target
+        is always present (``ks[i]`` or ``ks[i] + 1`` entries).
+    """
+    logits = logits.float()
+    logp = logits - logits.logsumexp(dim=-1, keepdim=True)
+    targets = targets.to(logp.device)
+    target_lp = logp.gather(1, targets.unsqueeze(1))  # [Q, 1]
+    ranks = ((logp > target_lp).sum(dim=1) + 1).tolist()
+    target_vals = target_lp.squeeze(1).tolist()
+    k = min(logp.shape[1], max(ks, default=0))
+    top_vals: list[list[float]] = [[] for _ in ks]
+    top_ids: list[list[int]] = [[] for _ in ks]
+    if k > 0:
+        vals, ids = logp.topk(k, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    out = []
+    for i, (t, kk) in enumerate(zip(targets.tolist(), ks)):
+        entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids[i][:kk], top_vals[i][:kk]))}
+        entry.setdefault(t, Logprob(target_vals[i], ranks[i]))
+        out.append(entry)
+    return out
 
 
 def _exponential(

@@ -20,7 +20,7 @@ multi-token chunks) and a few vectorised tensor ops per step; nothing loops per 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from kvserve.model_executor.layers.attention import (
     NativePrefill,
     PrefillChunk,
 )
+from kvserve.model_executor.sampler import prompt_logprobs
 from kvserve.sequence import CompletionSequenceGroupOutput, SequenceData, SequenceGroupMetadata
 
 
@@ -101,6 +102,10 @@ class ModelInput:
         sample_rows: int64 ``[N]`` rows of the hidden states to turn into logits, in sampler
             order (groups in list order with ``do_sample``, sequences in ``seq_data`` order).
         seq_rows: seq_id -> ``(first_row, end_row)`` of its tokens in the batch.
+        prompt_rows: int64 ``[Q]`` rows whose logits become prompt logprobs (only chunks of
+            requests that ask for them), or None; prompt_targets: int64 ``[Q]`` the prompt token
+            each of those rows scores; prompt_spans: per asking chunk ``(metadata index, first
+            position, count, k)``, rows in that order.
     """
 
     input_ids: torch.Tensor
@@ -108,6 +113,9 @@ class ModelInput:
     attn: AttentionMetadata
     sample_rows: torch.Tensor
     seq_rows: dict[int, tuple[int, int]]
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -206,7 +214,11 @@ class ModelRunner:
         d_sids: list[int] = []
         p_sids: list[int] = []
         order: list[tuple[bool, int]] = []  # (is_decode, index) per sampled row
-        for md in metadata:
+        # prompt logprobs: (group index, is_decode, first row or decode index, first position,
+        # count, k) per chunk that asks, and the prompt token after each of those positions
+        pl_spans: list[tuple[int, bool, int, int, int, int]] = []
+        pl_targets: list[int] = []
+        for g, md in enumerate(metadata):
             n = md.token_chunk_size
             if n < 1:
                 raise ValueError(f"request {md.request_id}: token_chunk_size={n} (must be >= 1)")
@@ -224,6 +236,15 @@ class ModelRunner:
                         f"request {md.request_id} seq {sid}: block table has {len(table)} "
                         f"blocks, position {last} needs {last // bs + 1}"
                     )
+                if md.prompt_logprobs_from is not None and md.sampling_params.prompt_logprobs is not None:
+                    # position q's logits score prompt token q + 1
+                    lo = max(c, md.prompt_logprobs_from)
+                    hi = min(c + n, data.get_prompt_len() - 1)
+                    if lo < hi:
+                        base = len(d_tokens) if n == 1 else len(p_tokens) + lo - c
+                        k = md.sampling_params.prompt_logprobs
+                        pl_spans.append((g, n == 1, base, lo, hi - lo, k))
+                        pl_targets.extend(data.prompt_token_ids[lo + 1 : hi + 1])
                 if n == 1:
                     p = data.get_prompt_len()
                     d_tokens.append(data.output_token_ids[c - p] if c >= p else data.prompt_token_ids[c])
@@ -364,23 +385,48 @@ class ModelRunner:
         for sid, r in zip(d_sids, d_row.tolist()):
             seq_rows[sid] = (P + r, P + r + 1)
         input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
-        return ModelInput(
+        inp = ModelInput(
             input_ids=input_ids.to(dev),
             positions=torch.from_numpy(positions).to(dev),
             attn=meta,
             sample_rows=torch.tensor(rows, dtype=torch.long).to(dev),
             seq_rows=seq_rows,
         )
+        if pl_spans:
+            pl_rows: list[int] = []
+            for _, is_dec, base, _, count, _ in pl_spans:
+                first_row = P + int(d_row[base]) if is_dec else base
+                pl_rows.extend(range(first_row, first_row + count))
+            inp.prompt_rows = torch.tensor(pl_rows, dtype=torch.long).to(dev)
+            inp.prompt_targets = torch.tensor(pl_targets, dtype=torch.long)
+            inp.prompt_spans = [(g, lo, count, k) for g, _, _, lo, count, k in pl_spans]
+        return inp
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()
     def execute(
         self, metadata: Seq[SequenceGroupMetadata], kv_caches: list[torch.Tensor] | None
     ) -> list[CompletionSequenceGroupOutput]:
-        """Forward all scheduled tokens, compute float32 logits for the sampled rows only,
-        and sample. Returns one ``CompletionSequenceGroupOutput`` per metadata entry."""
-        logits = self.compute_logits(metadata, kv_caches)
-        return self.sampler(logits, list(metadata))
+        """Forward all scheduled tokens, compute float32 logits for the sampled rows (and the
+        prompt positions of requests asking for prompt logprobs: ``[Q, vocab]`` more, for those
+        rows only), and sample. Returns one ``CompletionSequenceGroupOutput`` per metadata
+        entry."""
+        inp = self.prepare_inputs(metadata)
+        if inp is None:
+            return self.sampler(None, list(metadata))
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn)
+        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+        outputs = self.sampler(logits, list(metadata))
+        if inp.prompt_rows is not None and inp.prompt_targets is not None:
+            pl_logits = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows))
+            ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]
+            entries = prompt_logprobs(pl_logits, inp.prompt_targets, ks)
+            row = 0
+            for g, lo, count, _ in inp.prompt_spans:
+                outputs[g].prompt_logprobs = entries[row : row + count]
+                outputs[g].prompt_logprobs_start = lo + 1
+                row += count
+        return outputs
 
     @torch.inference_mode()
     def compute_logits(

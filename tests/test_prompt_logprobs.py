@@ -1,0 +1,144 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``) equal transformers' log-softmax over the
+prompt positions on a tiny random-weight Llama: plain, chunked prefill, with a prefix-cache hit,
+under recompute preemption, with n > 1, and at one token per chunk."""
+
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.sequence import Logprob
+from tests.golden import TEST_DEVICE
+from tests.test_e2e_tiny import assert_idle, run_engine
+
+ENGINE = dict(device=TEST_DEVICE, dtype="float32")
+K = 3
+ATOL = 1e-4  # float32: different summation orders between the two implementations
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    ps = [[rng.randrange(3, 49152) for _ in range(n)] for n in (2, 9, 30, 45)]
+    ps.append(ps[3][:32] + [rng.randrange(3, 49152) for _ in range(7)])  # shares 32 tokens
+    return ps
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_hf_model, prompts):
+    """Per prompt: float32 ``[len - 1, V]`` log-softmax of position i, scoring token i + 1."""
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            logits = tiny_hf_model(torch.tensor([p], device=tiny_hf_model.device)).logits[0].float()
+            out.append(torch.log_softmax(logits, dim=-1)[:-1].cpu())
+    return out
+
+
+def check(prompt_logprobs, prompt, ref, k=K):
+    """``prompt_logprobs`` (kvserve's) against ``ref`` (transformers' log-softmax rows)."""
+    assert len(prompt_logprobs) == len(prompt)
+    assert prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        entry, row, tok = prompt_logprobs[i], ref[i - 1], prompt[i]
+        assert tok in entry and isinstance(entry[tok], Logprob), (i, entry)
+        assert entry[tok].logprob == pytest.approx(float(row[tok]), abs=ATOL)
+        # rank: 1 + tokens more likely (tokens within ATOL of it may fall either side)
+        lo = int((row > row[tok] + ATOL).sum()) + 1
+        hi = int((row > row[tok] - ATOL).sum()) + 1
+        assert lo <= entry[tok].rank <= hi, (i, entry[tok], lo, hi)
+        assert len(entry) in (k, k + 1)
+        top = {t: lp for t, lp in entry.items() if len(entry) == k or t != tok}
+        assert sorted(lp.rank for lp in top.values()) == list(range(1, k + 1))
+        ref_top = row.topk(k).values.tolist() if k else []
+        for t, lp in top.items():
+            # the value at each rank, and the token really has it (a near-tie may swap tokens)
+            assert lp.logprob == pytest.approx(ref_top[lp.rank - 1], abs=ATOL)
+            assert float(row[t]) == pytest.approx(lp.logprob, abs=ATOL)
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+    "prefix": dict(enable_prefix_caching=True, block_size=8),
+    "chunked_prefix_recompute": dict(
+        block_size=4,
+        num_gpu_blocks=20,
+        num_cpu_blocks=64,
+        preemption_mode="recompute",
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prompt_logprobs_equal_transformers(tiny_llama_dir, prompts, hf_logprobs, name):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, **CONFIGS[name])
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    finals = run_engine(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        out = finals[f"r{i}"]
+        assert out.outcome == "finished"
+        check(out.prompt_logprobs, p, hf_logprobs[i])
+    if name == "chunked_prefix_recompute":
+        # a recompute preemption mid-way; the re-admission reuses the cached blocks of the
+        # positions whose logprobs it already holds
+        stats = engine.get_kv_cache_stats()
+        assert stats["num_recompute_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+
+
+def test_prompt_logprobs_with_a_prefix_cache_hit(tiny_llama_dir, prompts, hf_logprobs):
+    """The second run of a prompt hits the prefix cache for a request without prompt logprobs;
+    a request asking for them still gets every position (computed, not a short list)."""
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, enable_prefix_caching=True, block_size=4)
+    engine = llm.llm_engine
+    p = prompts[3]
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    run_engine(engine, [("warm", p, plain)])
+    run_engine(engine, [("hit", p, plain)])
+    assert engine.get_kv_cache_stats()["prefix_cache_hits"] > 0
+    hits_before = engine.get_kv_cache_stats()["prefix_cache_hits"]
+    finals = run_engine(engine, [("pl", p, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=K))])
+    assert finals["pl"].num_cached_tokens == 0
+    assert engine.get_kv_cache_stats()["prefix_cache_hits"] == hits_before
+    check(finals["pl"].prompt_logprobs, p, hf_logprobs[3])
+    # and its blocks were cached for the next plain request
+    finals = run_engine(engine, [("after", p, plain)])
+    assert finals["after"].num_cached_tokens > 0
+
+
+def test_prompt_logprobs_one_token_chunks(tiny_llama_dir, prompts, hf_logprobs):
+    """One-token chunks go down the decode path of the runner."""
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=1)
+    engine = llm.llm_engine
+    p = prompts[1]
+    finals = run_engine(engine, [("r", p, SamplingParams(max_tokens=2, prompt_logprobs=0))])
+    check(finals["r"].prompt_logprobs, p, hf_logprobs[1], k=0)
+    assert all(len(e) == 1 for e in finals["r"].prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_with_n_score_the_prompt_once(tiny_llama_dir, prompts, hf_logprobs):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    engine = llm.llm_engine
+    p = prompts[2]
+    params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=0, prompt_logprobs=K)
+    finals = run_engine(engine, [("r", p, params)])
+    assert len(finals["r"].outputs) == 3
+    check(finals["r"].prompt_logprobs, p, hf_logprobs[2])
+    assert_idle(engine)
+
+
+def test_prompt_logprobs_absent_unless_asked(tiny_llama_dir, prompts):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    out = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.0, "3"])
+def test_prompt_logprobs_out_of_range_names_the_field(value):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)

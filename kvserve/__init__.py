@@ -1,7 +1,7 @@
 """kvserve: an LLM inference and serving engine around a vLLM-V0-style scheduler.
 
-Public API: ``LLM``, ``SamplingParams``, ``LLMEngine``, ``EngineArgs``, ``RequestOutput``,
-``CompletionOutput``.
+Public API: ``LLM``, ``SamplingParams``, ``BeamSearchParams``, ``LLMEngine``, ``EngineArgs``,
+``RequestOutput``, ``CompletionOutput``.
 """
 
 import os
@@ -20,7 +20,15 @@ from kvserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from kvserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "BeamSearchParams",
+    "EngineArgs",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name):
@@ -29,6 +37,10 @@ def __getattr__(name):
         from kvserve.entrypoints.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from kvserve.entrypoints.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "LLMEngine":
         from kvserve.engine.llm_engine import LLMEngine
 

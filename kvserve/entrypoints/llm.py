@@ -7,8 +7,9 @@ import itertools
 from collections.abc import Sequence as Seq
 
 from kvserve.config import EngineArgs
-from kvserve.engine.input_processor import PromptType
+from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -86,6 +87,52 @@ class LLM:
                 engine.step()
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search (transformers' rule, see ``kvserve.entrypoints.beam_search``) for each
+        prompt, all prompts' beams batched together; returns one ``BeamSearchOutput`` per
+        prompt (hypotheses best first). Each step submits every live beam as a one-token
+        request, so enable prefix caching for it to reuse the beams' blocks.
+
+        Raises:
+            ValueError: an invalid prompt, or a beam the engine rejected (e.g. too long).
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        engine = self.llm_engine
+        searches = []
+        for prompt in prompts:
+            _, ids = tokenize_prompt(prompt, engine.tokenizer)
+            room = engine.scheduler_config.max_model_len - len(ids)
+            if room < 1:
+                raise ValueError(
+                    f"prompt has {len(ids)} tokens, which leaves no room in max_model_len "
+                    f"({engine.scheduler_config.max_model_len})."
+                )
+            searches.append(BeamSearch(ids, params, engine.eos_token_id, min(params.max_tokens, room)))
+        while True:
+            requests = [(s, i, ids) for s in searches for i, ids in enumerate(s.pending())]
+            if not requests:
+                break
+            params_1 = searches[0].sampling_params()
+            outs = self.generate(
+                [{"prompt_token_ids": ids} for _, _, ids in requests], params_1, use_tqdm=use_tqdm
+            )
+            tops: dict[int, list] = {}
+            for (s, _, _), out in zip(requests, outs):
+                if out.outcome != "finished":
+                    raise ValueError(f"beam search: a beam's step ended {out.outcome}: {out.error}")
+                tops.setdefault(id(s), []).append(out.outputs[0].logprobs[0])
+            for s in searches:
+                if id(s) in tops:
+                    s.advance(tops[id(s)])
+        tok = engine.tokenizer
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        return [s.output(decode) for s in searches]
 
     def chat(
         self,

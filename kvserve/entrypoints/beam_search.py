@@ -1,0 +1,188 @@
+"""Beam search at the API layer, on top of the engine.
+
+Each step, every live beam of every prompt is submitted as its own request (prompt + the beam's
+tokens, ``max_tokens=1``, greedy, ``logprobs = 2 * beam_width``): the engine returns the top
+``2 * beam_width`` next-token log-probabilities of each beam. With prefix caching on, a beam's
+re-submission finds its earlier blocks in the cache (the blocks its parent filled), so a step
+costs about one decode per beam plus the last partial block.
+
+The selection rule is Hugging Face transformers' beam search (``generate(num_beams=B,
+do_sample=False)``), which this module re-states:
+
+* candidates: the ``2B`` best ``(beam, token)`` continuations by cumulative log-probability;
+* a candidate that ends (EOS, unless ``ignore_eos``; or the ``max_tokens``-th token) is
+  *finished* when it ranks among the first ``B`` candidates, scored
+  ``cum_logprob / generated_len ** length_penalty`` (``generated_len`` counts the EOS token),
+  and enters the pool of the ``B`` best finished hypotheses, unless the search already knows
+  it cannot improve (below);
+* the ``B`` best candidates that do not end are the next step's beams;
+* the search stops when all candidates end, when ``early_stopping is True`` and the pool holds
+  ``B`` hypotheses, or when the best live beam cannot beat the pool's worst: its score
+  ``cum / L ** length_penalty`` with ``L`` the current length (``early_stopping`` False) or
+  ``max_tokens`` (``"never"`` with a positive ``length_penalty``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.field_limits import LIMITS
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    """Settings of ``LLM.beam_search`` (vLLM's names).
+
+    - ``beam_width``: beams kept per step (1..10: each step asks for ``2 * beam_width`` logprobs,
+      at most 20).
+    - ``max_tokens``: most generated tokens per beam (>= 1).
+    - ``length_penalty``: exponent of the generated length that divides a finished hypothesis's
+      cumulative logprob (1.0 = average per token; 0 = raw sum; > 0 favours longer outputs).
+    - ``ignore_eos``: EOS does not end a beam.
+    - ``early_stopping``: ``False`` (transformers' default heuristic), ``True`` (stop once
+      ``beam_width`` hypotheses are finished) or ``"never"``.
+
+    Raises:
+        ValueError: naming the field and the allowed range.
+    """
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens", "length_penalty"):
+            LIMITS[name].check(name, getattr(self, name))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}.")
+        if not (
+            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"
+        ):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis: ``tokens`` = prompt + generated ids (vLLM's shape),
+    ``output_token_ids`` the generated ones, ``cum_logprob`` their summed logprob, ``score``
+    the length-penalised one, ``text`` the generated text, ``finish_reason`` ``stop`` (EOS)
+    or ``length``."""
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: str
+    text: str = ""
+
+
+@dataclass
+class BeamSearchOutput:
+    """The hypotheses of one prompt, best first (``beam_width`` of them, fewer only when the
+    search could not fill its pool)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]  # generated
+    cum: float
+
+
+@dataclass
+class BeamSearch:
+    """The search state of one prompt; drive it with ``pending()`` / ``advance()``.
+
+    Args:
+        prompt_token_ids: the prompt.
+        params: the search settings.
+        eos_token_id: the model's EOS (None: only ``max_tokens`` ends a beam).
+        max_tokens: the effective limit (``params.max_tokens`` capped by the model length).
+    """
+
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    eos_token_id: int | None
+    max_tokens: int
+    beams: list[_Beam] = field(default_factory=list)
+    finished: list[tuple[float, _Beam, str]] = field(default_factory=list)
+    done: bool = False
+    _improvable: bool = True
+
+    def __post_init__(self) -> None:
+        self.beams = [_Beam([], 0.0)]
+
+    def pending(self) -> list[list[int]]:
+        """Token ids to submit this step: one sequence per live beam (empty when done)."""
+        return [] if self.done else [self.prompt_token_ids + b.tokens for b in self.beams]
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam's one-token request asks the engine for."""
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * self.params.beam_width
+        )
+
+    def advance(self, top_logprobs: list[dict[int, float]]) -> None:
+        """One step: ``top_logprobs[i]`` are beam ``i``'s next-token logprobs (the top
+        ``2 * beam_width`` at least)."""
+        B = self.params.beam_width
+        lp = self.params.length_penalty
+        cands = sorted(
+            (
+                (beam.cum + v, i, t)
+                for i, (beam, top) in enumerate(zip(self.beams, top_logprobs))
+                for t, v in top.items()
+            ),
+            key=lambda c: -c[0],
+        )[: 2 * B]
+        new_len = len(self.beams[0].tokens) + 1
+        at_limit = new_len >= self.max_tokens
+        pool_full = len(self.finished) >= B
+        live: list[_Beam] = []
+        for rank, (cum, i, t) in enumerate(cands):
+            ends = at_limit or (t == self.eos_token_id and not self.params.ignore_eos)
+            beam = _Beam(self.beams[i].tokens + [t], cum)
+            if not ends:
+                if len(live) < B:
+                    live.append(beam)
+                continue
+            if rank >= B or not self._improvable or (pool_full and self.params.early_stopping is True):
+                continue
+            reason = "stop" if (t == self.eos_token_id and not self.params.ignore_eos) else "length"
+            self.finished.append((cum / new_len**lp, beam, reason))
+        self.finished.sort(key=lambda f: -f[0])
+        del self.finished[B:]
+        self.beams = live
+        if not live:
+            self.done = True
+            return
+        # Can a live beam still beat the pool's worst hypothesis?
+        if len(self.finished) >= B:
+            if self.params.early_stopping == "never" and lp > 0:
+                best_len = self.max_tokens
+            else:
+                best_len = new_len
+            best_possible = live[0].cum / best_len**lp
+            self._improvable = self._improvable and best_possible > self.finished[-1][0]
+        if not self._improvable or (self.params.early_stopping is True and len(self.finished) >= B):
+            self.done = True
+
+    def output(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
+        """The finished hypotheses, best first."""
+        seqs = [
+            BeamSearchSequence(
+                tokens=self.prompt_token_ids + b.tokens,
+                output_token_ids=list(b.tokens),
+                cum_logprob=b.cum,
+                score=score,
+                finish_reason=reason,
+                text=decode(b.tokens) if decode is not None else "",
+            )
+            for score, b, reason in self.finished
+        ]
+        return BeamSearchOutput(seqs)

@@ -1,0 +1,106 @@
+"""``LLM.beam_search`` equals transformers' ``generate(num_beams=B, do_sample=False)`` on a
+tiny random-weight Llama (same hypotheses, same order, same scores)."""
+
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, BeamSearchParams
+from tests.golden import TEST_DEVICE
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), device=TEST_DEVICE, dtype="float32", enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (4, 11, 23)]
+
+
+def hf_beams(model, prompt, B, max_new, length_penalty, early_stopping, eos):
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device=model.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+            num_beams=B,
+            num_return_sequences=B,
+            do_sample=False,
+            max_new_tokens=max_new,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            eos_token_id=eos,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    seqs = []
+    for row, score in zip(out.sequences.tolist(), out.sequences_scores.tolist()):
+        gen = row[len(prompt) :]
+        if eos in gen:  # padding after EOS
+            gen = gen[: gen.index(eos) + 1]
+        seqs.append((gen, score))
+    return seqs
+
+
+@pytest.mark.parametrize(
+    "B,max_new,length_penalty,early_stopping",
+    [(2, 6, 1.0, False), (3, 8, 0.0, True), (4, 5, 2.0, "never"), (2, 7, -0.5, True)],
+)
+def test_beam_search_equals_transformers(
+    llm, tiny_hf_model, prompts, B, max_new, length_penalty, early_stopping
+):
+    params = BeamSearchParams(
+        beam_width=B, max_tokens=max_new, length_penalty=length_penalty, early_stopping=early_stopping
+    )
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for p, out in zip(prompts, outs):
+        ref = hf_beams(tiny_hf_model, p, B, max_new, length_penalty, early_stopping, EOS)
+        ours = [(s.output_token_ids, s.score) for s in out.sequences]
+        assert [t for t, _ in ours] == [t for t, _ in ref]
+        for (_, a), (_, b) in zip(ours, ref):
+            assert a == pytest.approx(b, abs=1e-4)
+        for s in out.sequences:
+            assert s.tokens == p + s.output_token_ids
+            assert s.finish_reason == ("stop" if s.output_token_ids[-1] == EOS else "length")
+    st = llm.llm_engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
+
+
+def test_beam_search_with_eos_in_the_beams(llm, tiny_hf_model, prompts):
+    """EOS made likely (the top token after the first step): finished hypotheses enter the
+    pool early, as in transformers."""
+    p = prompts[1]
+    first = llm.beam_search([{"prompt_token_ids": p}], BeamSearchParams(beam_width=2, max_tokens=1))[0]
+    eos = first.sequences[1].output_token_ids[0]  # the second-best first token acts as EOS
+    llm.llm_engine.eos_token_id = eos
+    try:
+        # length_penalty 0: raw sums, so the one-token EOS hypothesis beats the longer ones
+        params = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.0)
+        out = llm.beam_search([{"prompt_token_ids": p}], params)[0]
+    finally:
+        llm.llm_engine.eos_token_id = EOS
+    ref = hf_beams(tiny_hf_model, p, 2, 6, 0.0, False, eos)
+    assert [s.output_token_ids for s in out.sequences] == [t for t, _ in ref]
+    assert any(s.finish_reason == "stop" for s in out.sequences)
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(beam_width=0), "beam_width"),
+        (dict(beam_width=11), "beam_width"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(early_stopping="sometimes"), "early_stopping"),
+    ],
+)
+def test_beam_search_params_errors_name_the_field(kw, field):
+    base = dict(beam_width=2, max_tokens=4)
+    with pytest.raises(ValueError, match=field):
+        BeamSearchParams(**{**base, **kw})

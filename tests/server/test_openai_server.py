@@ -710,7 +710,7 @@ _USER = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"prompt": "hi", "priority": "high"}),
         ("/v1/completions", {"prompt": "hi", "user": 5}),
         ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}),
-        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 2}),
+        ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}),
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}),
         ("/v1/completions", {"prompt": "hi", "stop": [""]}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),

@@ -92,13 +92,17 @@ class _SamplingFields(_Request):
     priority: _limited("priority") | None = 0
     include_stop_str_in_output: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
+    prompt_logprobs: _limited("prompt_logprobs") | None = None
 
 
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``.
 
     ``max_tokens`` defaults to 16 (the OpenAI default for this endpoint); ``null`` means "up to
-    ``max_model_len``". ``logprobs`` is the number of top alternatives per token (0..20).
+    ``max_model_len``". ``logprobs`` is the number of top alternatives per token (0..20); with
+    ``echo`` the prompt's tokens come first in the logprobs too (the first one's logprob null).
+    ``prompt_logprobs`` (vLLM's) adds ``choices[i].prompt_logprobs``. ``use_beam_search``
+    runs beam search of width ``best_of`` (or ``n``) and returns the ``n`` best beams.
     """
 
     prompt: PromptInput
@@ -107,6 +111,9 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool | None = False
     best_of: _limited("best_of") | None = None
     suffix: StrictStr | None = None
+    # vLLM's beam search fields: beam width = best_of (or n); the n best beams are returned
+    use_beam_search: StrictBool | None = False
+    length_penalty: _limited("length_penalty") | None = 1.0
 
 
 class TextContentPart(_Request):
@@ -201,12 +208,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token's log-probability at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's ``prompt_logprobs``: None for the first prompt token, then ``{token_id: Logprob}``.
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     """One choice of a completion; ``index = prompt_index * n + sample_index``."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -281,6 +301,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class DeltaMessage(BaseModel):

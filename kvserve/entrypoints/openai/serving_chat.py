@@ -141,6 +141,13 @@ class OpenAIServingChat(OpenAIServing):
                 param="response_format",
                 code="unsupported",
             )
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(
+                "prompt_logprobs is not supported with stream=true on chat completions.",
+                400,
+                param="prompt_logprobs",
+                code="unsupported",
+            )
         logprobs: int | None = None
         if req.top_logprobs is not None:
             if not req.logprobs:
@@ -214,7 +221,11 @@ class OpenAIServingChat(OpenAIServing):
             for c in out.outputs
         ]
         return ChatCompletionResponse(
-            id=rec.request_id, model=self.model_name, choices=choices, usage=rec.usage()
+            id=rec.request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=rec.usage(),
+            prompt_logprobs=self.prompt_logprobs_json(out.prompt_logprobs),
         ).model_dump()
 
     def _stream(

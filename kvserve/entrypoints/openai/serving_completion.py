@@ -10,16 +10,19 @@ the non-streamed text.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchParams
 from kvserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    UsageInfo,
 )
 from kvserve.entrypoints.openai.serving_engine import (
     APIError,
@@ -60,6 +63,7 @@ def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
         logit_bias=req.logit_bias,
         min_tokens=pick(req.min_tokens, 0),
         skip_special_tokens=pick(req.skip_special_tokens, True),
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -72,6 +76,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate, queue and answer one completions request (JSON or an SSE stream)."""
         self.check_model(req.model)
         n = 1 if req.n is None else req.n
+        if req.use_beam_search:
+            return await self.beam_search_completion(req, raw_request)
         if req.best_of is not None and req.best_of != n:
             raise APIError(
                 f"best_of must equal n ({n}) when set (beam search is not supported), got {req.best_of}.",
@@ -81,14 +87,11 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if req.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix", code="unsupported")
+        kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:
-            raise APIError(
-                "logprobs together with echo=true is not supported (prompt logprobs are not computed).",
-                400,
-                param="echo",
-                code="unsupported",
-            )
-        params = self.make_sampling_params(sampling_kwargs(req, req.max_tokens, req.logprobs))
+            # the prompt's tokens and their logprobs come first (OpenAI's echo shape)
+            kwargs["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
+        params = self.make_sampling_params(kwargs)
         prompts = self._split_prompts(req.prompt)
         subs = [await self.prepare_prompt(p, params) for p in prompts]
         reservation = self.check_capacity(len(subs))
@@ -103,6 +106,120 @@ class OpenAIServingCompletion(OpenAIServing):
             rec,
             reservation,
         )
+
+    async def beam_search_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+        """``use_beam_search``: beam search of width ``best_of`` (or ``n``) per prompt
+        (``kvserve.entrypoints.beam_search``); the ``n`` best hypotheses become the choices.
+        Not streamed; only ``max_tokens``, ``ignore_eos``, ``length_penalty``, ``echo`` and
+        the prompt shape it; the other sampling fields must keep their defaults (else a 400)."""
+        n = 1 if req.n is None else req.n
+        width = req.best_of if req.best_of is not None else n
+        if n > width:
+            raise APIError(
+                f"n ({n}) must be <= best_of ({width}), the beam width.", 400, param="n", code="invalid_value"
+            )
+        conflicts = {
+            "stream": bool(req.stream),
+            "logprobs": req.logprobs is not None,
+            "prompt_logprobs": req.prompt_logprobs is not None,
+            "suffix": bool(req.suffix),
+            "max_tokens": req.max_tokens is None,
+            "temperature": req.temperature not in (None, 0),
+            "top_p": req.top_p not in (None, 1),
+            "top_k": req.top_k not in (None, -1),
+            "min_p": req.min_p not in (None, 0),
+            "stop": bool(req.stop),
+            "stop_token_ids": bool(req.stop_token_ids),
+            "logit_bias": bool(req.logit_bias),
+            "min_tokens": bool(req.min_tokens),
+            "presence_penalty": bool(req.presence_penalty),
+            "frequency_penalty": bool(req.frequency_penalty),
+            "repetition_penalty": req.repetition_penalty not in (None, 1),
+            "seed": req.seed is not None,
+        }
+        for name, bad in conflicts.items():
+            if bad:
+                raise APIError(
+                    f"{name} is not supported with use_beam_search=true"
+                    + (" (max_tokens must be set)" if name == "max_tokens" else "")
+                    + ".",
+                    400,
+                    param=name,
+                    code="unsupported",
+                )
+        try:
+            bparams = BeamSearchParams(
+                beam_width=width,
+                max_tokens=req.max_tokens or 1,
+                length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                ignore_eos=bool(req.ignore_eos),
+            )
+        except ValueError as e:
+            message = str(e).replace("beam_width", "best_of (the beam width)")
+            raise APIError(message, 400, param="best_of" if "beam_width" in str(e) else None) from None
+        probe = self.make_sampling_params(dict(max_tokens=req.max_tokens, logprobs=2 * width))
+        subs = [self.prepare_prompt(p, probe) for p in self._split_prompts(req.prompt)]
+        reservation = self.check_capacity(len(subs))
+        rec = self.new_record("cmpl", n, subs)
+        eos = self.engine.eos_token_id
+        limit = self.engine.scheduler_config.max_model_len
+        searches = [
+            BeamSearch(
+                sub.prompt_token_ids, bparams, eos, min(bparams.max_tokens, limit - len(sub.prompt_token_ids))
+            )
+            for sub in subs
+        ]
+
+        async def run() -> dict:
+            step = 0
+            while True:
+                beams = [(j, ids) for j, srch in enumerate(searches) for ids in srch.pending()]
+                if not beams:
+                    break
+                step_subs = [
+                    SubRequest(f"{rec.request_id}-beam{step}-{b}", None, ids)
+                    for b, (_, ids) in enumerate(beams)
+                ]
+                tops: list[list] = [[] for _ in searches]
+                finals: dict[int, Any] = {}
+                try:
+                    async for idx, out in self.generate_all(step_subs, searches[0].sampling_params(), 0):
+                        if out.finished:
+                            if out.outcome != "finished":
+                                raise self.rejected_error(out)
+                            finals[idx] = out
+                except APIError:
+                    raise
+                except Exception as e:
+                    raise self.engine_error(e) from None
+                for b, (j, _) in enumerate(beams):
+                    tops[j].append(finals[b].outputs[0].logprobs[0])
+                for j, srch in enumerate(searches):
+                    if tops[j]:
+                        srch.advance(tops[j])
+                step += 1
+            choices = []
+            completion_tokens = 0
+            for idx, (sub, srch) in enumerate(zip(subs, searches)):
+                prefix = self._echo_text(sub) if req.echo else ""
+                best = srch.output(self.decode).sequences[:n]
+                for i, seq in enumerate(best):
+                    completion_tokens += len(seq.output_token_ids)
+                    choices.append(
+                        CompletionChoice(
+                            index=idx * n + i, text=prefix + seq.text, finish_reason=seq.finish_reason
+                        )
+                    )
+            usage = UsageInfo(
+                prompt_tokens=rec.prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=rec.prompt_tokens + completion_tokens,
+            )
+            return CompletionResponse(
+                id=rec.request_id, model=self.model_name, choices=choices, usage=usage
+            ).model_dump()
+
+        return await self.respond(raw_request, False, None, run, rec, reservation)
 
     @staticmethod
     def _split_prompts(prompt) -> list:
@@ -142,12 +259,18 @@ class OpenAIServingCompletion(OpenAIServing):
             out = rec.latest[idx]
             prefix = self._echo_text(sub) if req.echo else ""
             for c in out.outputs:
+                lp = None
+                if params.logprobs is not None:
+                    lp = self._logprobs(c, 0, len(c.token_ids), len(prefix))
+                    if req.echo:
+                        lp = self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, lp)
                 choices.append(
                     CompletionChoice(
                         index=idx * params.n + c.index,
                         text=prefix + c.text,
-                        logprobs=self._logprobs(c, 0, len(c.token_ids), 0)
-                        if params.logprobs is not None
+                        logprobs=lp,
+                        prompt_logprobs=self.prompt_logprobs_json(out.prompt_logprobs)
+                        if req.prompt_logprobs is not None
                         else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -170,6 +293,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        echoes: dict[int, str] = {}  # prompt index -> echoed text
         done = set()
 
         def chunk(choices, usage=None) -> str:
@@ -191,15 +315,26 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = ci not in sent_chars
                     start_chars, start_toks = sent_chars.get(ci, 0), sent_tokens.get(ci, 0)
                     delta = c.text[start_chars:]
-                    if first and req.echo:
-                        delta = self._echo_text(subs[idx]) + delta
+                    if idx not in echoes:
+                        echoes[idx] = self._echo_text(subs[idx]) if req.echo else ""
+                    echo = echoes[idx]
+                    if first:
+                        delta = echo + delta
                     new_tokens = len(c.token_ids) > start_toks
                     want_lp = params.logprobs is not None and new_tokens
-                    if not delta and c.finish_reason is None and not want_lp:
+                    force = first and (req.echo or req.prompt_logprobs is not None)
+                    if not delta and c.finish_reason is None and not want_lp and not force:
                         continue
                     lp = (
-                        self._logprobs(c, start_toks, len(c.token_ids), start_chars)
+                        self._logprobs(c, start_toks, len(c.token_ids), len(echo) + start_chars)
                         if params.logprobs is not None
+                        else None
+                    )
+                    if first and lp is not None and req.echo:
+                        lp = self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, lp)
+                    prompt_lp = (
+                        self.prompt_logprobs_json(out.prompt_logprobs)
+                        if first and req.prompt_logprobs is not None
                         else None
                     )
                     sent_chars[ci] = max(start_chars, len(c.text))
@@ -212,6 +347,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 index=ci,
                                 text=delta,
                                 logprobs=lp,
+                                prompt_logprobs=prompt_lp,
                                 finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason,
                             )
@@ -224,6 +360,36 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------------ pieces
     def _echo_text(self, sub: SubRequest) -> str:
         return sub.prompt_text if sub.prompt_text is not None else self.decode(sub.prompt_token_ids)
+
+    def _echo_logprobs(
+        self, prompt_ids: list[int], prompt_logprobs, completion: CompletionLogprobs
+    ) -> CompletionLogprobs:
+        """OpenAI's echo shape: the prompt's tokens first (the first one's logprob null), then
+        ``completion``'s (whose text offsets already count the echoed prompt text)."""
+        lp = CompletionLogprobs()
+        offset = 0
+        for i, tid in enumerate(prompt_ids):
+            s = self.token_str(tid)
+            entry = prompt_logprobs[i] if prompt_logprobs is not None and i < len(prompt_logprobs) else None
+            lp.tokens.append(s)
+            lp.text_offset.append(offset)
+            offset += len(s)
+            if entry is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(finite(entry[tid].logprob) if tid in entry else None)
+            alts: dict[str, float] = {}
+            for t, v in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
+                ts = self.token_str(t)
+                if ts not in alts:
+                    alts[ts] = finite(v.logprob)
+            lp.top_logprobs.append(alts)
+        lp.tokens += completion.tokens
+        lp.token_logprobs += completion.token_logprobs
+        lp.top_logprobs += completion.top_logprobs
+        lp.text_offset += completion.text_offset
+        return lp
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int, text_offset: int) -> CompletionLogprobs:
         """Legacy logprobs of tokens ``[start, end)`` of a completion."""

@@ -784,6 +784,21 @@ class OpenAIServing:
             rec.prompts = [s.prompt_text for s in subs]
         return rec
 
+    def prompt_logprobs_json(self, prompt_logprobs) -> list | None:
+        """vLLM's JSON shape of ``RequestOutput.prompt_logprobs``: None for the first token,
+        then ``{token_id: {"logprob", "rank", "decoded_token"}}`` (-inf as -9999.0)."""
+        if prompt_logprobs is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                t: {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": self.token_str(t)}
+                for t, lp in entry.items()
+            }
+            for entry in prompt_logprobs
+        ]
+
     def token_str(self, token_id: int) -> str:
         """Text of one token (cached)."""
         s = self._token_str_cache.get(token_id)

@@ -158,7 +158,7 @@ class OpenAIServingCompletion(OpenAIServing):
             message = str(e).replace("beam_width", "best_of (the beam width)")
             raise APIError(message, 400, param="best_of" if "beam_width" in str(e) else None) from None
         probe = self.make_sampling_params(dict(max_tokens=req.max_tokens, logprobs=2 * width))
-        subs = [self.prepare_prompt(p, probe) for p in self._split_prompts(req.prompt)]
+        subs = [await self.prepare_prompt(p, probe) for p in self._split_prompts(req.prompt)]
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs)
         eos = self.engine.eos_token_id

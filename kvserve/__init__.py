@@ -1,6 +1,6 @@
 """kvserve: an LLM inference and serving engine around a vLLM-V0-style scheduler.
 
-Public API: ``LLM``, ``SamplingParams``, ``LLMEngine``, ``EngineArgs``, ``RequestOutput``,
+Public API: ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``LLMEngine``, ``EngineArgs``, ``RequestOutput``,
 ``CompletionOutput``.
 """
 
@@ -17,10 +17,18 @@ for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 
 from kvserve.config import EngineArgs  # noqa: E402
 from kvserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from kvserve.sampling_params import SamplingParams  # noqa: E402
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "EngineArgs",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name):

@@ -349,6 +349,10 @@ class SequenceGroupMetadata:
     ``do_sample`` is False for a prefill chunk that does not reach the end of the sequence.
     When ``is_prompt`` and the group has not been forked yet (``num_samples > 1``), the single
     sequence's last-position logits are sampled ``num_samples`` times.
+
+    ``token_bitmask`` is set by the engine (never the scheduler) for a group under a
+    structured-output constraint: an object whose ``rows()`` gives the int32 bitmask
+    ``[len(seq_data), ceil(vocab / 32)]`` of the tokens each sequence may sample next.
     """
 
     request_id: str
@@ -361,6 +365,7 @@ class SequenceGroupMetadata:
     num_samples: int = 1
     generator: Any = None
     computed_block_nums: list[int] | None = None
+    token_bitmask: Any = None
 
 
 @dataclass

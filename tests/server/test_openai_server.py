@@ -716,7 +716,6 @@ _USER = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         ("/v1/chat/completions", {"messages": "hello"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
-        ("/v1/chat/completions", {"messages": _USER, "response_format": {"type": "json_object"}}),
         ("/v1/chat/completions", {"messages": _USER, "tools": [{"type": "function"}]}),
         ("/v1/chat/completions", {"messages": _USER, "logprobs": True, "top_logprobs": 50}),
         ("/v1/chat/completions", {"messages": _USER, "logprobs": 3}),

@@ -134,13 +134,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         if req.tools:
             raise APIError("tools are not supported by this server.", 400, param="tools", code="unsupported")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(
-                "response_format other than {'type': 'text'} is not supported.",
-                400,
-                param="response_format",
-                code="unsupported",
-            )
         logprobs: int | None = None
         if req.top_logprobs is not None:
             if not req.logprobs:
@@ -161,6 +154,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         params = self.make_sampling_params(sampling_kwargs(req, max_tokens, logprobs), rename)
+        await self.compile_constraint(params)
         conv = render_messages(req.messages)
         size = sum(len(m["content"]) for m in conv)
         text = await self.offload(

@@ -30,6 +30,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     finite,
     sse,
 )
+from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -60,6 +61,7 @@ def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
         logit_bias=req.logit_bias,
         min_tokens=pick(req.min_tokens, 0),
         skip_special_tokens=pick(req.skip_special_tokens, True),
+        structured_outputs=structured_outputs_from_request(req),
     )
 
 
@@ -89,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 code="unsupported",
             )
         params = self.make_sampling_params(sampling_kwargs(req, req.max_tokens, req.logprobs))
+        await self.compile_constraint(params)
         prompts = self._split_prompts(req.prompt)
         subs = [await self.prepare_prompt(p, params) for p in prompts]
         reservation = self.check_capacity(len(subs))

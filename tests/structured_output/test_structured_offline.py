@@ -218,11 +218,13 @@ def test_compiled_once_per_constraint(llms):
             "type": "object",
             "properties": {"q": {"type": "integer", "minimum": 0, "maximum": 9}},
             "required": ["q"],
-        }
+            "additionalProperties": False,
+        },
+        disable_any_whitespace=True,
     )
     llm.generate(["x"], SamplingParams(max_tokens=30, structured_outputs=so), use_tqdm=False)
     before = comp.num_compiled
-    same = StructuredOutputsParams(json=json.dumps(so.json))
+    same = StructuredOutputsParams(json=json.dumps(so.json), disable_any_whitespace=True)
     outs = llm.generate(
         ["y", "z"], [SamplingParams(max_tokens=30, structured_outputs=same)] * 2, use_tqdm=False
     )

@@ -1,7 +1,7 @@
 """kvserve: an LLM inference and serving engine around a vLLM-V0-style scheduler.
 
-Public API: ``LLM``, ``SamplingParams``, ``BeamSearchParams``, ``LLMEngine``, ``EngineArgs``,
-``RequestOutput``, ``CompletionOutput``.
+Public API: ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSearchParams``,
+``LLMEngine``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``.
 """
 
 import os
@@ -17,7 +17,7 @@ for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 
 from kvserve.config import EngineArgs  # noqa: E402
 from kvserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from kvserve.sampling_params import SamplingParams  # noqa: E402
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "BeamSearchParams",
+    "StructuredOutputsParams",
     "EngineArgs",
     "RequestOutput",
     "CompletionOutput",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.field_limits import LIMITS
 
@@ -43,6 +45,106 @@ _NUMERIC_FIELDS = (
 _OPTIONAL_FIELDS = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value that
+      validates against it;
+    - ``regex``: the output matches the regular expression as a whole (Rust ``regex`` syntax,
+      which agrees with Python's ``re`` on the common subset);
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a context-free grammar, Lark (``start: ...``) or EBNF/GBNF
+      (``root ::= ...``);
+    - ``json_object=True``: any JSON object;
+    - ``structural_tag``: vLLM's structural tags (JSON text ``{"structures": [{"begin",
+      "schema", "end"}], "triggers": [...]}``): free text in which every segment that starts
+      with a trigger must be one of the structures (``begin``, a JSON value of ``schema``,
+      ``end``).
+
+    ``disable_any_whitespace`` (JSON kinds): no whitespace between tokens of the JSON;
+    ``whitespace_pattern`` (JSON kinds): the regex of the whitespace allowed there.
+    ``origin`` is not part of the constraint: the request field it came from (e.g.
+    ``response_format``), used to name that field in errors.
+
+    Raises:
+        ValueError: naming the field, when none or more than one kind is set or a value has
+            the wrong type. Whether the schema / regex / grammar compiles is checked by the
+            engine at ``add_request`` (also a ValueError naming the field).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    origin: str = field(default="structured_outputs", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                f"{self.origin} must set exactly one of {', '.join(_CONSTRAINT_KINDS)}; got "
+                f"{', '.join(set_kinds) if set_kinds else 'none'}."
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"{self.field_name}: a JSON schema must be an object or its JSON text.")
+        if isinstance(self.json, bool) or (isinstance(self.json, str) and not self.json.strip()):
+            raise ValueError(f"{self.field_name}: a JSON schema must be an object or its JSON text.")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{self.origin}.{name} must be a non-empty string, got {v!r}.")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"{self.field_name} must be a non-empty list of non-empty strings, got {self.choice!r}."
+            )
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"{self.origin}.json_object must be a boolean, got {self.json_object!r}.")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"{self.origin}.disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}."
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``json``, ``regex``, ``choice``, ``grammar``,
+        ``json_object``, ``structural_tag``."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field_name(self) -> str:
+        """The request field that carries the constraint, for error messages (e.g.
+        ``structured_outputs.json`` offline, ``response_format`` on the server)."""
+        if self.origin == "structured_outputs":
+            return f"structured_outputs.{self.kind}"
+        return self.origin
+
+    def cache_key(self) -> tuple:
+        """A hashable key that is equal for constraints that compile to the same grammar."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:  # the same schema as text or as a dict compiles once
+                value = json.loads(value)
+            except ValueError:
+                pass
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, (list, tuple)):
+            value = tuple(value)
+        return (self.kind, value, self.disable_any_whitespace, self.whitespace_pattern)
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completion(s) of one request.
@@ -76,6 +178,10 @@ class SamplingParams:
       them does not reuse prefix-cache blocks for the positions it still needs (their logits
       are computed; its own blocks are still cached for later requests).
     - ``logit_bias``: token id -> additive bias in [-100, 100].
+    - ``structured_outputs``: a ``StructuredOutputsParams`` constraint (JSON schema, regex,
+      choice, grammar): every sampled token keeps the output a prefix of a string the
+      constraint accepts, and EOS is allowed only where it accepts. Not combinable with
+      ``min_tokens`` (the grammar decides where the output may end).
 
     Every numeric field also has an upper bound the engine can represent (int64 for ints that
     become tensors, finite float32 for floats): ``kvserve.field_limits.LIMITS``, the same
@@ -104,6 +210,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -166,6 +273,17 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be token ids ({token_id.rule()}), got {self.stop_token_ids!r}."
             )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}."
+                )
+            if self.min_tokens > 0:
+                raise ValueError(
+                    f"min_tokens must be 0 with {self.structured_outputs.origin} (the grammar decides "
+                    f"where the output may end), got {self.min_tokens}."
+                )
         if self.logit_bias:
             bias = LIMITS["logit_bias"]
             for k, v in self.logit_bias.items():

@@ -394,6 +394,10 @@ class SequenceGroupMetadata:
     chunk's positions ``>= prompt_logprobs_from`` (``CompletionSequenceGroupOutput``).
     When ``is_prompt`` and the group has not been forked yet (``num_samples > 1``), the single
     sequence's last-position logits are sampled ``num_samples`` times.
+
+    ``token_bitmask`` is set by the engine (never the scheduler) for a group under a
+    structured-output constraint: an object whose ``rows()`` gives the int32 bitmask
+    ``[len(seq_data), ceil(vocab / 32)]`` of the tokens each sequence may sample next.
     """
 
     request_id: str
@@ -409,6 +413,7 @@ class SequenceGroupMetadata:
     # First prompt position whose logits the executor must turn into prompt logprobs
     # (``SequenceGroup.prompt_logits_needed_from``); None: none.
     prompt_logprobs_from: int | None = None
+    token_bitmask: Any = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ from kvserve.sequence import (
 
 if TYPE_CHECKING:
     from kvserve.core.scheduler import SchedulerOutputs
+    from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -81,6 +83,27 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._max_tokens: dict[str, int] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._structured: StructuredOutputManager | None = None
+        self._structured_lock = threading.Lock()  # the server compiles on a worker thread
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler and per-sequence matchers (built on first use: the tokenizer
+        view of the grammar engine takes ~1 s to build).
+
+        Raises:
+            ValueError: the engine has no tokenizer (token ids only).
+        """
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine has none.")
+            from kvserve.structured_output import GrammarCompiler, StructuredOutputManager
+
+            vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+            self._structured = StructuredOutputManager(
+                GrammarCompiler(self.tokenizer, vocab, self.eos_token_id)
+            )
+        return self._structured
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -138,7 +161,8 @@ class LLMEngine:
         Raises:
             ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
                 ``n > max_num_seqs``, prompt + max_tokens > max_model_len (see
-                ``validate_request``). Nothing is queued when it raises.
+                ``validate_request``), a ``structured_outputs`` constraint that does not
+                compile (naming its field). Nothing is queued when it raises.
         """
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
@@ -154,6 +178,10 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             prompt=text,
         )
+        if params.structured_outputs is not None:
+            # Compiled here, on the caller's thread (the server compiles before queueing, so
+            # this is a cache hit), never inside a step.
+            self.structured_output.add_sequence(seq.seq_id, params.structured_outputs)
         group = SequenceGroup(
             request_id,
             [seq],
@@ -202,7 +230,16 @@ class LLMEngine:
         scheduled = sched_out.scheduled_seq_groups
         if not sched_out.is_empty():
             t0 = self.clock()
+            # Constrained rows: their bitmask is filled on a worker thread during the forward.
+            masks = None
+            if self._structured is not None and self._structured.num_live:
+                masks = self._structured.prepare_step(seq_group_metadata_list)
             results, faults = self._execute(seq_group_metadata_list, sched_out)
+            if masks is not None:
+                try:
+                    masks.wait()  # no matcher advances while the fill may still read it
+                except Exception:
+                    logger.exception("step %d: computing grammar masks failed", self.stats.num_steps)
             self.stats.on_step(self.clock() - t0)
             if faults:
                 # The failed groups' chunks were not computed (or not trusted): never advance
@@ -358,6 +395,8 @@ class LLMEngine:
                 child = parent.fork(next_seq_id())
                 group.add(child)
                 self.scheduler.fork_seq(parent, child)
+                if self._structured is not None:
+                    self._structured.fork(parent.seq_id, child.seq_id)
                 targets.append(child)
             group.forked = True
         else:
@@ -369,12 +408,21 @@ class LLMEngine:
                 sample.logprob,
                 sample.top_logprobs if params.logprobs is not None else None,
             )
+            grammar_done = False
+            if self._structured is not None:
+                grammar_done = self._structured.accept_token(seq.seq_id, sample.output_token)
             new_text = ""
             if self.detokenizer is not None:
                 new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
             self.stop_checker.maybe_stop(seq, params, new_text, max_tokens)
+            if grammar_done and not seq.is_finished():
+                # The constraint is complete: only EOS could follow, so end here (a step saved;
+                # with ignore_eos the EOS would not end it at all).
+                seq.status = SequenceStatus.FINISHED_STOPPED
             if seq.is_finished():
                 self.scheduler.free_seq(seq)
+                if self._structured is not None:
+                    self._structured.free(seq.seq_id)
         self.stats.on_tokens(len(samples))
 
     # ------------------------------------------------------------------ outputs
@@ -416,6 +464,9 @@ class LLMEngine:
         """Final output of a request; forgets it (every per-request map is emptied here)."""
         group.metrics.finished_time = self.clock()
         out = self._make_output(group)
+        if self._structured is not None:
+            for seq in group.get_seqs():
+                self._structured.free(seq.seq_id)
         self._groups.pop(group.request_id, None)
         self._max_tokens.pop(group.request_id, None)
         self.stats.on_request_finished(group, out)

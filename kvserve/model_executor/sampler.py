@@ -12,6 +12,10 @@ sampled ``num_samples`` times; every sample names that sequence as its parent.
 
 Pipeline, applied per row with that row's ``SamplingParams`` (all vectorised across rows):
 
+0. *Constrain* (structured outputs): rows whose metadata carries a ``token_bitmask`` get the
+   logits of every token their grammar forbids set to ``-inf`` (one batched pass over all
+   constrained rows of the step, ``structured_output.bitmask``), before everything below, so
+   greedy, random sampling and the reported logprobs all see the constrained distribution.
 1. *Adjust* the logits (only rows that ask for it; otherwise untouched):
    a. repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019, eq. in
       section 4.1, with the sign fix used by HF transformers: positive logits are divided by
@@ -65,6 +69,7 @@ from kvserve.sequence import (
     SequenceGroupMetadata,
     SequenceOutput,
 )
+from kvserve.structured_output.bitmask import apply_token_bitmask_
 
 __all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p", "prompt_logprobs"]
 
@@ -302,6 +307,7 @@ class Sampler:
             return outputs
         if logits.dtype != torch.float32:
             logits = logits.float()
+        self._apply_constraints(logits, seq_group_metadata_list)
 
         if all(
             r.params.is_greedy
@@ -333,6 +339,32 @@ class Sampler:
                 )
                 s += 1
         return outputs
+
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, metadata_list: list[SequenceGroupMetadata]) -> None:
+        """Mask (in place) the rows of constrained groups with their grammar's bitmask: one
+        concatenated int32 bitmask for all of them, one masked fill."""
+        row_ids: list[int] = []
+        masks: list[torch.Tensor] = []
+        row = 0
+        for md in metadata_list:
+            if not md.do_sample:
+                continue
+            n = len(md.seq_data)
+            if md.token_bitmask is not None:
+                mask = md.token_bitmask.rows()
+                if mask.shape[0] != n:
+                    raise ValueError(
+                        f"request {md.request_id}: bitmask has {mask.shape[0]} rows for {n} sequences"
+                    )
+                masks.append(mask)
+                row_ids.extend(range(row, row + n))
+            row += n
+        if not masks:
+            return
+        bitmask = masks[0] if len(masks) == 1 else torch.cat(masks)
+        rows = None if len(row_ids) == logits.shape[0] else torch.tensor(row_ids, dtype=torch.long)
+        apply_token_bitmask_(logits, rows, bitmask)
 
     # -- paths -------------------------------------------------------------------------------
     @staticmethod

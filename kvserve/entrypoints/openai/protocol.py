@@ -67,6 +67,37 @@ class StreamOptions(_Request):
     include_usage: StrictBool | None = False
 
 
+class JsonSchemaSpec(_Request):
+    """``response_format.json_schema``: ``{"name", "description", "schema", "strict"}``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` object (exactly one of the constraint kinds)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: StrictStr | dict[str, Any] | None = None
+    disable_any_whitespace: StrictBool | None = False
+    whitespace_pattern: StrictStr | None = None
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI ones, then kvserve / vLLM extras)."""
 
@@ -93,6 +124,15 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
     prompt_logprobs: _limited("prompt_logprobs") | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (one of them per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -132,6 +172,33 @@ class ChatMessage(_Request):
     name: StrictStr | None = None
 
 
+class FunctionDefinition(_Request):
+    """A tool's ``function``: its name, description and JSON schema of the arguments."""
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(_Request):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``.
 
@@ -145,9 +212,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: _limited("top_logprobs") | None = None
     add_generation_prompt: StrictBool | None = True
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # harmless (HARMLESS_FIELDS["chat"]): accepted, never used
     safety_identifier: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -274,11 +340,27 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    """``tool_calls[i].function``: the name and the arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant message of a chat choice."""
+    """The assistant message of a chat choice (``tool_calls`` when the model called tools)."""
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -304,11 +386,29 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobsJSON | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    """A piece of a streamed tool call's function: the name once, then argument text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call piece: ``index`` of the call; ``id`` and ``type`` on its first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
-    """The ``delta`` of a chat stream chunk: the role first, then content pieces."""
+    """The ``delta`` of a chat stream chunk: the role first, then content (or tool call)
+    pieces."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

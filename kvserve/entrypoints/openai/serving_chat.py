@@ -134,11 +134,12 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         if req.tools:
             raise APIError("tools are not supported by this server.", 400, param="tools", code="unsupported")
-        if req.response_format and req.response_format.get("type", "text") != "text":
+        if req.tool_choice not in (None, "none"):
+            # without tools no call can be made; never silently ignore a demand for one
             raise APIError(
-                "response_format other than {'type': 'text'} is not supported.",
+                "tool_choice other than 'none' is not supported by this server.",
                 400,
-                param="response_format",
+                param="tool_choice",
                 code="unsupported",
             )
         if req.prompt_logprobs is not None and req.stream:
@@ -168,6 +169,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         params = self.make_sampling_params(sampling_kwargs(req, max_tokens, logprobs), rename)
+        await self.compile_constraint(params)
         conv = render_messages(req.messages)
         size = sum(len(m["content"]) for m in conv)
         text = await self.offload(

@@ -33,6 +33,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     finite,
     sse,
 )
+from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
         min_tokens=pick(req.min_tokens, 0),
         skip_special_tokens=pick(req.skip_special_tokens, True),
         prompt_logprobs=req.prompt_logprobs,
+        structured_outputs=structured_outputs_from_request(req),
     )
 
 
@@ -92,6 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
             # the prompt's tokens and their logprobs come first (OpenAI's echo shape)
             kwargs["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
         params = self.make_sampling_params(kwargs)
+        await self.compile_constraint(params)
         prompts = self._split_prompts(req.prompt)
         subs = [await self.prepare_prompt(p, params) for p in prompts]
         reservation = self.check_capacity(len(subs))

@@ -577,6 +577,22 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint on a worker thread (cached per
+        constraint), so the engine thread only finds it in the cache at ``add_request``.
+
+        Raises:
+            APIError: 400 naming the constraint's field when it does not compile.
+        """
+        so = params.structured_outputs
+        if so is None:
+            return
+        try:
+            manager = self.engine.structured_output
+            await asyncio.to_thread(manager.compile, so)
+        except ValueError as e:
+            raise APIError(str(e), 400, param=so.field_name, code="invalid_grammar") from None
+
     async def prepare_prompt(
         self, prompt, params: SamplingParams, rename: dict[str, str] | None = None, chat: bool = False
     ) -> SubRequest:

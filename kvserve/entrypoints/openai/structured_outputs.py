@@ -1,0 +1,83 @@
+"""Request fields that constrain the output -> one ``StructuredOutputsParams``.
+
+Accepted (one per request): OpenAI's ``response_format`` (``json_object``; ``json_schema``,
+whose ``strict`` is always honoured: the output is constrained to the schema either way),
+vLLM's ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` fields (``guided_whitespace_pattern`` applies to the JSON
+kinds). Each constraint remembers the field it came from, so a schema that does not compile is a
+400 naming that field.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kvserve.entrypoints.openai.serving_engine import APIError
+from kvserve.sampling_params import StructuredOutputsParams
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(message, 400, param=param, code="invalid_value")
+
+
+def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
+    """The constraint a completions or chat request asks for, or None.
+
+    Raises:
+        APIError: 400 naming the field when more than one constraint field is set, a
+            ``json_schema`` format has no schema, or a constraint is malformed.
+    """
+    sources: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            sources.append(("response_format", {"json_object": True}))
+        else:
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise _bad(
+                    "response_format.json_schema.schema is required when response_format.type is "
+                    "'json_schema'.",
+                    "response_format",
+                )
+            sources.append(("response_format", {"json": rf.json_schema.json_schema}))
+    so = req.structured_outputs
+    if so is not None:
+        kw = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": so.json_object,
+            "structural_tag": json.dumps(so.structural_tag)
+            if isinstance(so.structural_tag, dict)
+            else so.structural_tag,
+            "disable_any_whitespace": bool(so.disable_any_whitespace),
+            "whitespace_pattern": so.whitespace_pattern,
+        }
+        kind = next(
+            (k for k in ("json", "regex", "choice", "grammar", "structural_tag") if kw[k] is not None), None
+        )
+        sources.append((f"structured_outputs.{kind}" if kind else "structured_outputs", kw))
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, name, None)
+        if value is not None:
+            sources.append((name, {key: value}))
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = [n for n, _ in sources]
+        raise _bad(f"only one output constraint may be set per request, got {', '.join(names)}.", names[1])
+    origin, kw = sources[0]
+    if req.guided_whitespace_pattern is not None and "whitespace_pattern" not in kw:
+        kw["whitespace_pattern"] = req.guided_whitespace_pattern
+    try:
+        return StructuredOutputsParams(**kw, origin=origin)
+    except ValueError as e:
+        raise _bad(
+            str(e), origin.split(".")[0] if origin.startswith("structured_outputs") else origin
+        ) from None

@@ -1,0 +1,108 @@
+"""Structured outputs over HTTP (tiny random model): response_format, structured_outputs and
+guided_* constrain the output; a bad constraint is a 400 naming its field and the next request
+still succeeds; the official client's ``chat.completions.parse`` works."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.server_harness import running_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    from kvserve.config import EngineArgs
+
+    args = EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_gpu_blocks=64, seed=0)
+    with running_server(args, "tiny") as s:
+        yield s
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}, "s": {"enum": ["x", "y"]}},
+    "required": ["k", "s"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_object_chat(server):
+    client = server.client()
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=200, temperature=0)
+        rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
+        if stream:
+            text = "".join(
+                c.choices[0].delta.content or ""
+                for c in client.chat.completions.create(**kw, response_format=rf, stream=True)
+                if c.choices
+            )
+        else:
+            r = client.chat.completions.create(**kw, response_format=rf)
+            assert r.choices[0].finish_reason == "stop"
+            text = r.choices[0].message.content
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "extra, check",
+    [
+        ({"guided_regex": "[0-9]{2}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{2}-[a-z]{2}", t)),
+        ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+        ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        ({"structured_outputs": {"regex": "q{2,4}"}}, lambda t: re.fullmatch("q{2,4}", t)),
+        ({"structured_outputs": {"grammar": 'root ::= "v" [0-9]'}}, lambda t: re.fullmatch("v[0-9]", t)),
+        ({"response_format": {"type": "json_object"}}, lambda t: t.startswith("{")),
+    ],
+)
+def test_vllm_fields_on_completions(server, extra, check):
+    with server.http() as h:
+        r = h.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 120, "n": 2, "temperature": 1.0, "seed": 3, **extra},
+        )
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert check(c["text"]), c
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs.grammar"),
+    ],
+)
+def test_bad_constraint_is_400_naming_the_field_and_next_request_succeeds(server, extra, param):
+    with server.http() as h:
+        r = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.json()
+        ok = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "guided_regex": "z+"})
+        assert ok.status_code == 200 and re.fullmatch("z+", ok.json()["choices"][0]["text"])
+    server.wait_idle()
+
+
+class Point(BaseModel):
+    label: str = Field(max_length=4)
+    x: int = Field(ge=-5, le=5)
+    ok: bool
+
+
+def test_openai_client_parse_with_pydantic_model(server):
+    client = server.client()
+    r = client.chat.completions.parse(
+        model="tiny",
+        messages=[{"role": "user", "content": "a point"}],
+        response_format=Point,
+        max_tokens=200,
+        temperature=0,
+    )
+    p = r.choices[0].message.parsed
+    assert isinstance(p, Point) and -5 <= p.x <= 5 and len(p.label) <= 4

@@ -123,13 +123,26 @@ class AsyncLLMEngine:
             stream.put_nowait(item)
 
     def _drain_inbox(self) -> None:
+        """Apply the queued adds and aborts in order. Consecutive aborts go to the engine as
+        one batch: each ``abort_request`` call scans the scheduler's queues, so one call per id
+        would cost O(aborts x queued requests) (a dropped client with a batch of 20k prompts
+        held the engine thread for minutes)."""
         loop = self._loop
         assert loop is not None, "start() sets the loop before the thread runs"
+        aborts: list[str] = []
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
+                if aborts:
+                    self.engine.abort_request(aborts)
                 return
+            if msg[0] == "abort":
+                aborts.append(msg[1])
+                continue
+            if aborts:  # keep the inbox order: aborts queued before this add come first
+                self.engine.abort_request(aborts)
+                aborts = []
             if msg[0] == "add":
                 _, rid, prompt, params, priority, accepted = msg
                 try:
@@ -138,8 +151,6 @@ class AsyncLLMEngine:
                 except Exception as e:  # invalid input: reported to the caller, never fatal
                     err = e if isinstance(e, ValueError) else ValueError(str(e))
                     loop.call_soon_threadsafe(_resolve, accepted, err)
-            elif msg[0] == "abort":
-                self.engine.abort_request(msg[1])
 
     def _run(self) -> None:
         engine = self.engine

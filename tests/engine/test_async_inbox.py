@@ -1,0 +1,71 @@
+"""The async engine's inbox: aborts are applied in batches, in inbox order.
+
+A dropped client whose request had a batch of N prompts queues N aborts; applying them one
+``abort_request`` call at a time scans the scheduler's queues N times (O(N^2)): with 20k prompts
+the engine thread was busy for minutes and every other request waited."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvserve.engine.async_llm_engine import AsyncLLMEngine
+from kvserve.sampling_params import SamplingParams
+from tests.core.simutil import Harness, configs, prompt_of
+
+
+def _engine():
+    cc, sc = configs(BS=4, G=64, S=8, T=64, L=64)
+    h = Harness(cc, sc)
+    ae = AsyncLLMEngine(h.engine)
+    ae._loop = asyncio.new_event_loop()
+    return h.engine, ae
+
+
+def _count_scans(engine):
+    calls = []
+    orig = engine.scheduler.abort_seq_group
+
+    def spy(ids):
+        calls.append(ids)
+        return orig(ids)
+
+    engine.scheduler.abort_seq_group = spy
+    return calls
+
+
+def test_many_queued_aborts_cost_one_scan_of_the_queues():
+    engine, ae = _engine()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    n = 2000
+    for i in range(n):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt_of(i, 5)}, params)
+    calls = _count_scans(engine)
+    for i in range(n):
+        ae.abort(f"r{i}")
+    ae._drain_inbox()
+    assert len(calls) == 1
+    assert engine.get_num_unfinished_requests() == 0
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(f"r{i}" for i in range(n))
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    st = engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
+    ae._loop.close()
+
+
+def test_aborts_and_adds_keep_their_inbox_order():
+    engine, ae = _engine()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    loop = ae._loop
+    engine.add_request("old", {"prompt_token_ids": prompt_of(1, 5)}, params)
+    ae.abort("old")
+    ae.abort("new")  # before its add: must not touch the request added after it
+    accepted = loop.create_future()
+    ae._inbox.put(("add", "new", {"prompt_token_ids": prompt_of(2, 5)}, params, 0, accepted))
+    ae.abort("later")
+    accepted2 = loop.create_future()
+    ae._inbox.put(("add", "later", {"prompt_token_ids": prompt_of(3, 5)}, params, 0, accepted2))
+    ae.abort("later")  # after its add: aborts it
+    ae._drain_inbox()
+    assert set(engine._groups) == {"new"}
+    loop.close()

@@ -22,6 +22,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 #: Most top log-probabilities a request may ask for per token.
 MAX_LOGPROBS = 20
 
+#: Smallest repetition_penalty (see LIMITS).
+MIN_REPETITION_PENALTY = 1e-6
+#: Most entries of the list-valued fields. Each is scanned per step or per token for every
+#: sequence of the request, so an unbounded list slows every request in the batch (measured: 400k
+#: stop strings made a neighbour's 40-token request 290x slower); past these it is a 400.
+#: ``prompt``: prompts of one /v1/completions request (each becomes an engine request).
+MAX_ITEMS = {"stop": 64, "stop_token_ids": 1024, "logit_bias": 1024, "prompt": 1024}
+#: Longest stop string, in characters (a stream holds back that many characters).
+MAX_STOP_CHARS = 1024
+
 _NAMED = {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1", UINT64_MAX: "2**64 - 1"}
 
 
@@ -103,9 +113,18 @@ LIMITS: dict[str, Limit] = {
     "temperature": Limit(False, 0.0, FLOAT32_MAX),
     "top_p": Limit(False, 0.0, 1.0, lo_open=True),
     "min_p": Limit(False, 0.0, 1.0),
-    "repetition_penalty": Limit(False, 0.0, FLOAT32_MAX, lo_open=True),
+    # below ~1e-30 the float32 sampler divides logits to inf (NaN after softmax); 1e-6 keeps a
+    # wide margin and is already "always repeat"
+    "repetition_penalty": Limit(False, MIN_REPETITION_PENALTY, FLOAT32_MAX),
     "presence_penalty": Limit(False, -2.0, 2.0),
     "frequency_penalty": Limit(False, -2.0, 2.0),
     "logit_bias": Limit(False, -100.0, 100.0),
     "token_id": _TOKEN_ID,
 }
+
+
+def check_count(name: str, n: int) -> None:
+    """Raises ValueError ``"<name> must have at most <limit> entries, got <n>."`` past
+    ``MAX_ITEMS[name]``."""
+    if n > MAX_ITEMS[name]:
+        raise ValueError(f"{name} must have at most {MAX_ITEMS[name]} entries, got {n}.")

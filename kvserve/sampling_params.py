@@ -7,7 +7,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.field_limits import LIMITS
+from kvserve.field_limits import LIMITS, MAX_STOP_CHARS, check_count
 
 #: Temperatures below this are treated as greedy (argmax) decoding.
 GREEDY_EPS = 1e-5
@@ -18,9 +18,11 @@ def _as_token_id(x) -> int:
     if isinstance(x, bool):
         raise TypeError
     if isinstance(x, str):
-        if not x.isascii():  # int() would take other scripts' digits ("٣" == 3)
+        # digits only: int() would also take other scripts' digits ("٣" == 3), signs, spaces
+        # and underscores ("1_0" == 10)
+        if not (x.isascii() and x.isdigit()) or len(x) > 20:
             raise ValueError
-        return int(x.strip(), 10)
+        return int(x, 10)
     return operator.index(x)
 
 
@@ -264,6 +266,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}."
             )
+        check_count("stop", len(self.stop))
+        check_count("stop_token_ids", len(self.stop_token_ids))
+        if self.logit_bias:
+            check_count("logit_bias", len(self.logit_bias))
+        if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters each.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}."

@@ -204,3 +204,29 @@ def test_http_schema_constraints_are_the_shared_limits():
             checked.add(name)
     assert {"n", "max_tokens", "max_completion_tokens", "top_k", "seed", "temperature"} <= checked
     assert {"priority", "top_logprobs", "best_of", "min_tokens", "repetition_penalty"} <= checked
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"stop": ["x"] * 65}, "stop must have at most 64"),
+        ({"stop": ["x" * 1025]}, "stop strings must be at most 1024"),
+        ({"stop_token_ids": [1] * 1025}, "stop_token_ids must have at most 1024"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias must have at most 1024"),
+        ({"repetition_penalty": 1e-38}, "repetition_penalty"),
+        ({"logit_bias": {"1_0": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {"+5": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {" 5": 1.0}}, "logit_bias keys"),
+    ],
+)
+def test_list_fields_are_bounded_and_tiny_penalties_refused(kwargs, field):
+    """Adversarial finds: 400k stop strings or a 49k-entry logit_bias made a neighbour's request
+    100-290x slower (scanned per step); repetition_penalty 1e-38 passed and gave NaN logprobs
+    (0 in the float32 sampler); logit_bias key "1_0" was taken as token 10."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_list_fields_at_their_limits_are_accepted():
+    SamplingParams(stop=["x"] * 64, stop_token_ids=[1] * 1024, logit_bias={i: 1.0 for i in range(1024)})
+    SamplingParams(repetition_penalty=1e-6, logit_bias={"05": 1.0})

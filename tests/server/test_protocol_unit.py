@@ -71,8 +71,8 @@ def test_bad_json_and_non_object():
         ),
         (
             ChatCompletionRequest,
-            '{"messages": [{"role": "user", "content": "x"}], "guided_json": {}}',
-            "guided_json",
+            '{"messages": [{"role": "user", "content": "x"}], "guided_decoding_backend": "x"}',
+            "guided_decoding_backend",
         ),
         (
             ChatCompletionRequest,
@@ -90,8 +90,8 @@ def test_unknown_field_is_a_400_naming_it(model, body, path):
 
 
 def test_unknown_field_is_named_before_other_errors():
-    e = _err(CompletionRequest, '{"prompt": "x", "max_tokens": "a", "guided_regex": "a+"}')
-    assert e.param == "guided_regex"
+    e = _err(CompletionRequest, '{"prompt": "x", "max_tokens": "a", "guided_decoding_backend": "x"}')
+    assert e.param == "guided_decoding_backend"
 
 
 @pytest.mark.parametrize("route,model", [("completions", CompletionRequest), ("chat", ChatCompletionRequest)])

@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     sse,
 )
 from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
+from kvserve.field_limits import check_count
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -237,7 +238,11 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if isinstance(prompt[0], int):
             return [prompt]
-        return list(prompt)  # a batch of strings or of token-id lists
+        try:  # a batch of strings or of token-id lists: each becomes an engine request
+            check_count("prompt", len(prompt))
+        except ValueError as e:
+            raise APIError(str(e), 400, param="prompt", code="invalid_value") from None
+        return list(prompt)
 
     async def _full(
         self,

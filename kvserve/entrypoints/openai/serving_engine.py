@@ -159,10 +159,14 @@ def param_from_message(message: str, rename: dict[str, str] | None = None) -> st
 
 
 def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = None) -> APIError:
-    """Map an engine / ``SamplingParams`` ``ValueError`` to a 400 naming the field."""
+    """Map an engine / ``SamplingParams`` ``ValueError`` to a 400 naming the field, in the
+    request's own words (``rename``: engine name -> request field) in ``param`` and message."""
     message = str(e)
     code = "context_length_exceeded" if "max_model_len" in message else None
-    return APIError(message, 400, param=param_from_message(message, rename), code=code)
+    param = param_from_message(message, rename)
+    for engine_name, field_name in (rename or {}).items():
+        message = re.sub(rf"\b{engine_name}\b", field_name, message)
+    return APIError(message, 400, param=param, code=code)
 
 
 def _error_path(err: dict) -> str:
@@ -248,7 +252,30 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        if first.get("type") != "json_invalid" or "out of range" not in str(first.get("msg")):
+            raise api_error_from_validation(e) from None
+    # A number too long for the JSON parser ("number out of range", no field named): parse
+    # again with such integers replaced by a value past every field's range, so validation
+    # names the field and its limit.
+    try:
+        obj = json.loads(bytes(body), parse_int=_clamped_int)
+    except ValueError:
+        raise APIError("Request body is not valid JSON.", 400, code="invalid_json") from None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
         raise api_error_from_validation(e) from None
+
+
+#: Digits of an integer kept as is on the second parse (2**64 has 20).
+_MAX_INT_DIGITS = 40
+
+
+def _clamped_int(text: str) -> int:
+    if len(text) <= _MAX_INT_DIGITS:
+        return int(text)
+    return -(10**_MAX_INT_DIGITS) if text.startswith("-") else 10**_MAX_INT_DIGITS
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,4 +1,5 @@
-"""No client can hold the server's connections: read deadlines (408 and close), idle keep-alive
+"""No client can hold the server's connections: read deadlines (408 and close), the write
+deadline (a client that stops reading its answer is cut, a slow steady reader is not), idle keep-alive
 timeout, the connection cap (503 past it), disconnects logged as one INFO line, and the shutdown
 drain answering 503 on open keep-alive connections. Real sockets to 127.0.0.1, every wait
 bounded (a few seconds per test)."""
@@ -18,6 +19,7 @@ from tests.server_harness import running_server
 pytestmark = pytest.mark.slow
 
 READ_TIMEOUT_S = 1.0
+WRITE_TIMEOUT_S = 1.0
 KEEP_ALIVE_S = 1.0
 MAX_CONNECTIONS = 24
 ENGINE_KWARGS = dict(block_size=8, num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=256, seed=0)
@@ -27,7 +29,11 @@ ENGINE_KWARGS = dict(block_size=8, num_gpu_blocks=64, max_model_len=256, max_num
 def server():
     from kvserve.config import EngineArgs
 
-    limits = ConnectionLimits(request_read_timeout_s=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
+    limits = ConnectionLimits(
+        request_read_timeout_s=READ_TIMEOUT_S,
+        response_write_timeout_s=WRITE_TIMEOUT_S,
+        max_connections=MAX_CONNECTIONS,
+    )
     with running_server(
         EngineArgs(**ENGINE_KWARGS), "m", limits=limits, keep_alive_timeout_s=KEEP_ALIVE_S
     ) as s:
@@ -362,16 +368,82 @@ def test_shutdown_answers_503_on_an_open_keep_alive_connection(tmp_path):
         assert result == {"status": 200, "finish_reason": "abort"}, result
 
 
+# ---------------------------------------------------------------------------- write deadline
+# one token per digit: a ~6 MB /tokenize answer, more than the kernel's socket buffers on
+# loopback (4 MB at most) can hold, so the server really has a backlog for the client
+_DIGITS = "0123456789" * 150_000
+
+
+def _tokenize_without_reading(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # set before connect: no autotuning
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(_request("POST", "/tokenize", json.dumps({"prompt": _DIGITS}).encode()))
+    return sock
+
+
+def test_client_that_never_reads_its_answer_is_cut_after_the_write_timeout(server):
+    with _Records() as rec:
+        sock = _tokenize_without_reading(server.port)
+        try:
+            deadline = time.monotonic() + 15
+            while not rec.matching("took none of") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert rec.matching("took none of"), rec.text()[-2000:]
+            data, closed = _read_until_closed(sock, limit_s=5)
+        finally:
+            sock.close()
+    assert closed
+    assert len(data) < 4 * len(_DIGITS)  # cut short: the whole answer never came
+    lines = rec.matching("took none of")
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and not lines[0].exc_info
+    assert f"within {WRITE_TIMEOUT_S:g} s" in lines[0].getMessage()
+    assert _health_ms(server) < 100
+
+
+def test_slow_but_steady_reader_keeps_its_connection_past_the_write_timeout(server):
+    with _Records() as rec:
+        sock = _tokenize_without_reading(server.port)
+        try:
+            data = b""
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3 * WRITE_TIMEOUT_S + 2:  # 16 KB per 50 ms
+                time.sleep(0.05)
+                chunk = sock.recv(16384)
+                assert chunk, "closed while the client was reading"
+                data += chunk
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # then take the rest at full speed
+                if b"\r\n\r\n" in data:
+                    _, headers, body = _parse(data)
+                    if len(body) >= int(headers["content-length"]):
+                        break
+                chunk = sock.recv(1 << 20)
+                assert chunk, "closed before the whole answer"
+                data += chunk
+        finally:
+            sock.close()
+    assert not rec.matching("took none of"), rec.text()[-2000:]
+    status, _, body = _parse(data)
+    assert status == 200
+    assert json.loads(body)["count"] == len(_DIGITS)
+
+
 # ---------------------------------------------------------------------------- settings
 def test_serve_flags_and_their_defaults():
     from kvserve.entrypoints.openai.api_server import make_arg_parser
 
     ns = make_arg_parser().parse_args([])
     assert (ns.request_read_timeout_s, ns.max_connections, ns.keep_alive_timeout_s) == (10.0, 2048, 5.0)
+    assert ns.response_write_timeout_s == 30.0
     ns = make_arg_parser().parse_args(
         ["--request-read-timeout-s", "2.5", "--max-connections", "7", "--keep-alive-timeout-s", "1"]
+        + ["--response-write-timeout-s", "4"]
     )
     assert (ns.request_read_timeout_s, ns.max_connections, ns.keep_alive_timeout_s) == (2.5, 7, 1.0)
+    assert ns.response_write_timeout_s == 4.0
 
 
 @pytest.mark.parametrize(
@@ -380,6 +452,8 @@ def test_serve_flags_and_their_defaults():
         (dict(request_read_timeout_s=0), "request_read_timeout_s"),
         (dict(request_read_timeout_s=float("nan")), "request_read_timeout_s"),
         (dict(max_connections=0), "max_connections"),
+        (dict(response_write_timeout_s=0), "response_write_timeout_s"),
+        (dict(response_write_timeout_s=float("nan")), "response_write_timeout_s"),
     ],
 )
 def test_connection_limits_reject_bad_values_naming_the_field(kwargs, field):

@@ -41,6 +41,7 @@ from kvserve.entrypoints.openai.http_protocol import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_READ_TIMEOUT_S,
+    DEFAULT_RESPONSE_WRITE_TIMEOUT_S,
     READ_TIMED_OUT,
     ConnectionLimits,
     make_protocol_class,
@@ -440,6 +441,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="a request's headers and body must arrive within this many seconds (else 408 and close)",
     )
     p.add_argument(
+        "--response-write-timeout-s",
+        type=float,
+        default=DEFAULT_RESPONSE_WRITE_TIMEOUT_S,
+        help="abort a connection whose client takes none of a pending response for this many seconds",
+    )
+    p.add_argument(
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -600,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     grace = max(0.0, ns.shutdown_grace_s)
     try:
         limits = ConnectionLimits(
-            request_read_timeout_s=ns.request_read_timeout_s, max_connections=ns.max_connections
+            request_read_timeout_s=ns.request_read_timeout_s,
+            response_write_timeout_s=ns.response_write_timeout_s,
+            max_connections=ns.max_connections,
         )
         config = uvicorn_config(
             app,

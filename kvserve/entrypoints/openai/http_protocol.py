@@ -9,6 +9,11 @@ hold the server's connections or memory for long.
 - **Connection cap.** Past ``max_connections`` open connections a new one gets a 503 with
   ``Retry-After`` and is closed at once (uvicorn's own ``limit_concurrency`` only counts
   connections that have sent a request, so idle or half-sent ones were never refused).
+- **Write deadline.** While the client does not take what the server sends (the transport's
+  write buffer stays over its high-water mark, uvicorn's ``pause_writing``), the buffer must
+  shrink at least once every ``response_write_timeout_s``; a connection whose buffer made no
+  progress for that long is aborted (its handler sees a client disconnect). A client that reads
+  slowly but steadily keeps its connection, however long the response takes.
 - **Idle keep-alive** connections are closed after uvicorn's ``timeout_keep_alive``.
 - **Shutdown.** uvicorn closes idle keep-alive connections the moment shutdown starts, so a
   request a client sends on one then is lost without an answer. Here they stay open while
@@ -24,17 +29,27 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:  # POSIX only; elsewhere the write deadline watches the transport's own buffer
+    import fcntl
+    import termios
+
+    _TIOCOUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):
+    _TIOCOUTQ = None
+
 logger = logging.getLogger("kvserve.server.http")
 
-#: Defaults of ``kvserve serve`` (``--request-read-timeout-s``, ``--max-connections``,
-#: ``--keep-alive-timeout-s``).
+#: Defaults of ``kvserve serve`` (``--request-read-timeout-s``, ``--response-write-timeout-s``,
+#: ``--max-connections``, ``--keep-alive-timeout-s``).
 DEFAULT_REQUEST_READ_TIMEOUT_S = 10.0
+DEFAULT_RESPONSE_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 2048
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 
@@ -50,18 +65,23 @@ class ConnectionLimits:
     Attributes:
         request_read_timeout_s: seconds a request's headers and body may take to arrive (from
             its first byte, or from the connection being opened); > 0.
+        response_write_timeout_s: seconds the response's unsent bytes may stay over the
+            transport's high-water mark without shrinking before the connection is aborted; > 0.
         max_connections: most connections open at once; > 0.
         drain_poll_s: during shutdown, how often an idle connection checks whether every
             in-flight request has ended (then it is closed).
     """
 
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    response_write_timeout_s: float = DEFAULT_RESPONSE_WRITE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     drain_poll_s: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.request_read_timeout_s > 0:
             raise ValueError(f"request_read_timeout_s must be > 0, got {self.request_read_timeout_s}.")
+        if not self.response_write_timeout_s > 0:
+            raise ValueError(f"response_write_timeout_s must be > 0, got {self.response_write_timeout_s}.")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}.")
 
@@ -100,6 +120,7 @@ class _RateLimitedLog:
 
 _refusals = _RateLimitedLog()
 _timeouts = _RateLimitedLog()
+_write_timeouts = _RateLimitedLog()
 
 
 def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> type[H11Protocol]:
@@ -112,6 +133,8 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             super().connection_made(transport)
             _set_nodelay(transport)
             self._read_timer = None
+            self._write_timer = None
+            self._write_backlog = 0  # unsent bytes at the last write-deadline check
             self._refused = False
             self._bytes_seen = 0
             if len(self.connections) > self._limits.max_connections:
@@ -182,6 +205,7 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
 
         def connection_lost(self, exc) -> None:
             self._cancel_read_timer()
+            self._cancel_write_timer()
             super().connection_lost(exc)
 
         def _on_read_timeout(self) -> None:
@@ -221,6 +245,55 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
                 self.transport.write(raw_response(408, "Request Timeout", body))
             self.transport.close()
 
+        # ------------------------------------------------------------ write deadline
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_backlog = _unsent_bytes(self.transport)
+                self._write_timer = self.loop.call_later(
+                    self._limits.response_write_timeout_s, self._on_write_check
+                )
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel_write_timer()
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _on_write_check(self) -> None:
+            self._write_timer = None
+            # (a closing transport counts too: close() waits for the buffer to drain, so the
+            # keep-alive timeout closing this connection would not free it either)
+            if not self.flow.write_paused:
+                return
+            backlog = _unsent_bytes(self.transport)
+            if backlog < self._write_backlog:
+                # the client took some bytes: a slow but live reader gets another period
+                self._write_backlog = backlog
+                self._write_timer = self.loop.call_later(
+                    self._limits.response_write_timeout_s, self._on_write_check
+                )
+                return
+            _write_timeouts.log(
+                "aborted a connection to %s: the client took none of the %d unsent response "
+                "bytes within %g s",
+                _peer(self.client),
+                backlog,
+                self._limits.response_write_timeout_s,
+            )
+            # A reset, not a close: a close waits for the buffers to drain (which is the problem),
+            # and the kernel would keep its megabytes queued for the dead reader for minutes.
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
+            self.transport.abort()
+
         # ------------------------------------------------------------ shutdown
         def shutdown(self) -> None:
             """Graceful shutdown: busy connections close after their response (uvicorn's way);
@@ -243,6 +316,21 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             self.loop.call_later(self._limits.drain_poll_s, self._close_when_drained)
 
     return KvserveH11Protocol
+
+
+def _unsent_bytes(transport) -> int:
+    """Bytes written and not yet taken by the peer: the transport's buffer plus, on Linux, the
+    socket's send queue (which alone can hold megabytes, so that the transport's buffer may not
+    shrink for a long while although the client reads steadily)."""
+    n = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None and _TIOCOUTQ is not None:
+        try:
+            buf = fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0")
+            n += struct.unpack("i", buf)[0]
+        except OSError:
+            pass
+    return n
 
 
 def _set_nodelay(transport) -> None:

@@ -5,6 +5,7 @@ from pydantic import ValidationError
 
 from kvserve.entrypoints.openai.protocol import (
     HARMLESS_FIELDS,
+    MAX_CHAT_MESSAGES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -87,6 +88,19 @@ def test_unknown_field_is_a_400_naming_it(model, body, path):
     e = _err(model, body)
     assert e.status == 400 and e.param == path and e.code == "unsupported_field"
     assert repr(path) in e.message
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, TokenizeRequest])
+def test_more_messages_than_the_cap_is_a_400_naming_messages_and_the_cap(model):
+    import json
+
+    msg = {"role": "user", "content": "hi"}
+    assert len(model.model_validate_json(json.dumps({"messages": [msg] * MAX_CHAT_MESSAGES})).messages) == (
+        MAX_CHAT_MESSAGES
+    )
+    e = _err(model, json.dumps({"messages": [msg] * (MAX_CHAT_MESSAGES + 1)}))
+    assert e.status == 400 and e.param == "messages"
+    assert f"at most {MAX_CHAT_MESSAGES} items" in e.message and str(MAX_CHAT_MESSAGES + 1) in e.message
 
 
 def test_unknown_field_is_named_before_other_errors():

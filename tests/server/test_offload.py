@@ -252,3 +252,21 @@ def test_chat_through_render_then_tokenize_equals_the_template_ids(server):
         timeout=30,
     )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(direct)
+
+
+def test_a_huge_conversation_is_refused_from_the_raw_body_and_health_stays_fast(server):
+    """Adversarial find: three chats of 100k small messages each held the event loop (pydantic
+    validates every message before checking the list's length): /health took up to 2.7 s."""
+    messages = [{"role": "user", "content": "x"}] * 100_000
+    # serialised before the probe starts: the server runs in this process, so the client's own
+    # JSON encoding would stall its event loop through the GIL
+    body = json.dumps({"messages": messages, "max_tokens": 2}).encode()
+    headers = {"content-type": "application/json"}
+    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=30) as c:
+        rs = [c.post("/v1/chat/completions", content=body, headers=headers) for _ in range(3)]
+        ok = c.post("/v1/chat/completions", json={"messages": messages[:3], "max_tokens": 2})
+    for r in rs:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages" and "10000" in r.json()["error"]["message"]
+    assert ok.status_code == 200, ok.text
+    assert len(probe.lat) >= 5 and max(probe.lat) < 100, sorted(probe.lat)[-5:]

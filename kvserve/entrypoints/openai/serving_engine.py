@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.input_processor import tokenize_prompt
 from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
-from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from kvserve.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, ErrorInfo, ErrorResponse, UsageInfo
 from kvserve.field_limits import LIMITS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -249,6 +249,7 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
         ) from None
     if not body:
         raise APIError("Request body is empty; expected a JSON object.", 400)
+    _precheck_messages(model, body)
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
@@ -266,6 +267,23 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
         return model.model_validate(obj)
     except ValidationError as e:
         raise api_error_from_validation(e) from None
+
+
+def _precheck_messages(model: type[BaseModel], body: bytearray) -> None:
+    """A conversation far past ``MAX_CHAT_MESSAGES`` is refused from the raw bytes: pydantic
+    checks a list's length only after validating every item (100k messages held the event loop
+    ~180 ms). Every message has a ``"role"`` key, and inside a JSON string the quotes would be
+    escaped, so the count of ``"role"`` bounds the number of messages from above; a count of
+    twice the cap (slack for other objects with such a key) proves the request over it."""
+    if "messages" not in model.model_fields or len(body) < 16 * MAX_CHAT_MESSAGES:
+        return
+    if body.count(b'"role"') > 2 * MAX_CHAT_MESSAGES:
+        raise APIError(
+            f"messages must have at most {MAX_CHAT_MESSAGES} messages.",
+            400,
+            param="messages",
+            code="invalid_value",
+        )
 
 
 #: Digits of an integer kept as is on the second parse (2**64 has 20).

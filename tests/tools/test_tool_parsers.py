@@ -167,3 +167,14 @@ def test_required_stream_deltas_add_up_to_the_whole_answer(calls, cuts):
     assert [(c["name"], c["arguments"]) for c in s_calls] == [
         (c.function.name, c.function.arguments) for c in whole
     ]
+
+
+def test_serve_flag_tool_call_parser():
+    import pytest
+
+    from kvserve.entrypoints.openai.api_server import make_arg_parser
+
+    assert make_arg_parser().parse_args([]).tool_call_parser == "hermes"
+    assert make_arg_parser().parse_args(["--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        make_arg_parser().parse_args(["--tool-call-parser", "nope"])

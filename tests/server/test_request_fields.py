@@ -82,8 +82,12 @@ CHAT_FIELDS = {
     "user": ("u-1", None),
     "verbosity": ("low", "400"),
     "web_search_options": ({}, "400"),
-    # tool calling is not served yet: each is a 400 naming it, never silently ignored
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "400"),
+    # tools alone: tool_choice "auto" (the default model's template ignores tools, so it answers
+    # in text); tool_choice / parallel_tool_calls without tools are a 400 naming them
+    "tools": (
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        lambda r: r.choices[0].finish_reason in ("stop", "length", "tool_calls"),
+    ),
     "tool_choice": ("required", "400"),
     "parallel_tool_calls": (False, "400"),
 }

@@ -70,6 +70,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     encode_text,
     read_json_body,
 )
+from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
 from kvserve.transformers_utils.tokenizer_bounds import token_text_bound
 
 logger = logging.getLogger("kvserve.server")
@@ -189,6 +190,7 @@ def build_app(
     log_prompts: bool = False,
     retry_after_s: int = 1,
     shutdown_grace_s: float = 30.0,
+    tool_call_parser: str = DEFAULT_TOOL_PARSER,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -206,6 +208,8 @@ def build_app(
         retry_after_s: ``Retry-After`` of 503 answers.
         shutdown_grace_s: at lifespan shutdown, how long to wait for in-flight requests before
             the engine thread is stopped.
+        tool_call_parser: the ``tool_parsers`` format read for ``tool_choice: "auto"``
+            (ValueError if unknown).
     """
     state = ServerState()
     names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
@@ -222,7 +226,7 @@ def build_app(
         text_bound=text_bound,
     )
     completion = OpenAIServingCompletion(async_engine, names, **serving_kwargs)
-    chat = OpenAIServingChat(async_engine, names, **serving_kwargs)
+    chat = OpenAIServingChat(async_engine, names, tool_call_parser=tool_call_parser, **serving_kwargs)
     engine = async_engine.engine
     metrics = ServerMetrics(engine, served_model_name)
     started_here = {"value": False}
@@ -466,6 +470,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="one JSON line per finished request",
     )
     p.add_argument("--log-prompts", action="store_true", help="include prompt text in the request log")
+    p.add_argument(
+        "--tool-call-parser",
+        default=DEFAULT_TOOL_PARSER,
+        choices=tool_parser_names(),
+        help="format of the model's tool calls, read for tool_choice 'auto' (default: %(default)s)",
+    )
     add_engine_args(p)
     return p
 
@@ -602,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         log_prompts=ns.log_prompts,
         retry_after_s=ns.retry_after_s,
         shutdown_grace_s=5.0,
+        tool_call_parser=ns.tool_call_parser,
     )
     state = app.state.server_state
     grace = max(0.0, ns.shutdown_grace_s)

@@ -163,13 +163,32 @@ class TextContentPart(_Request):
     text: StrictStr | None = None
 
 
+class MessageFunctionCall(_Request):
+    """``function`` of a tool call in the history: the name and the arguments as JSON text."""
+
+    name: StrictStr
+    arguments: StrictStr
+
+
+class MessageToolCall(_Request):
+    """A tool call of an earlier assistant message (as a response's ``tool_calls`` gave it)."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Request):
-    """One conversation message. ``content`` may be a string or a list of text parts."""
+    """One conversation message. ``content`` may be a string or a list of text parts; an
+    assistant message may carry ``tool_calls``, a ``tool`` message the ``tool_call_id`` it
+    answers."""
 
     model_config = ConfigDict(extra="allow")
     role: StrictStr
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
 
 class FunctionDefinition(_Request):
@@ -212,6 +231,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     ``max_completion_tokens`` wins over the deprecated ``max_tokens``; when both are absent,
     generation may run to ``max_model_len``. ``top_logprobs`` (0..20) needs ``logprobs=true``.
+    ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: see ``tools.plan_tools``.
     """
 
     messages: Messages
@@ -222,6 +242,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool | None = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     # harmless (HARMLESS_FIELDS["chat"]): accepted, never used
     safety_identifier: StrictStr | None = None
     metadata: dict[str, Any] | None = None

@@ -9,7 +9,9 @@ then ``data: [DONE]``.
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -38,17 +40,28 @@ from kvserve.entrypoints.openai.serving_engine import (
     finite,
     sse,
 )
+from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
+from kvserve.entrypoints.openai.tools import (
+    ChoiceToolCalls,
+    ToolPlan,
+    finish_reason,
+    plan_tools,
+    template_message,
+)
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
-def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Plain ``{"role", "content"}`` dicts for the chat template; text parts are joined.
+def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``{"role", "content"}`` dicts for the chat template (text parts joined), plus an
+    assistant message's ``tool_calls`` (arguments decoded from JSON) and a tool message's
+    ``tool_call_id`` / ``name``.
 
     Raises:
-        APIError: 400 naming ``messages`` for an empty list, an unknown role or a non-text part.
+        APIError: 400 naming ``messages`` for an empty list, an unknown role, a non-text part
+            or a ``tool`` message without ``tool_call_id``.
     """
     if not messages:
         raise APIError(
@@ -66,6 +79,13 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 param="messages",
                 code="invalid_value",
             )
+        if m.role == "tool" and m.tool_call_id is None:
+            raise APIError(
+                f"messages[{i}]: a message with role 'tool' needs the tool_call_id it answers.",
+                400,
+                param="messages",
+                code="invalid_value",
+            )
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -79,13 +99,22 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             content = "".join(texts)
-        conv.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        entry: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content or "",
+        }
+        entry.update(template_message(m))
+        conv.append(entry)
     return conv
 
 
-def render_chat(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def render_chat(
+    tokenizer, conv: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
     """The conversation rendered by the tokenizer's chat template, as text (tokenize it with
-    ``add_special_tokens=False``: the template already has them).
+    ``add_special_tokens=False``: the template already has them). ``tools`` (OpenAI's
+    ``{"type": "function", "function": {...}}`` entries) are passed to the template, which
+    decides how to show them (a template that never reads ``tools`` ignores them).
 
     Raises:
         APIError: 400 naming ``messages`` when there is no tokenizer or template, or the
@@ -99,8 +128,9 @@ def render_chat(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bo
             code="no_chat_template",
         )
     try:
+        extra = {"tools": tools} if tools else {}
         text = tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=False
+            conv, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as e:  # jinja2 TemplateError / ValueError: the conversation is invalid
         raise APIError(
@@ -118,7 +148,7 @@ def chat_text_ids(tokenizer, text: str) -> list[int]:
     return [int(t) for t in encode_text(tokenizer, text, add_special_tokens=False)]
 
 
-def chat_template_ids(tokenizer, conv: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def chat_template_ids(tokenizer, conv: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
     """Token ids of a conversation rendered by the tokenizer's chat template (``render_chat``
     then ``chat_text_ids``; same errors)."""
     return chat_text_ids(tokenizer, render_chat(tokenizer, conv, add_generation_prompt))
@@ -129,19 +159,15 @@ class OpenAIServingChat(OpenAIServing):
 
     endpoint = "chat"
 
+    def __init__(self, *args, tool_call_parser: str = DEFAULT_TOOL_PARSER, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: the format ``tool_choice: "auto"`` reads (``--tool-call-parser``)
+        self.tool_parser_cls: type[ToolParser] = get_tool_parser(tool_call_parser)
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one chat request (JSON or an SSE stream)."""
         self.check_model(req.model)
-        if req.tools:
-            raise APIError("tools are not supported by this server.", 400, param="tools", code="unsupported")
-        if req.tool_choice not in (None, "none"):
-            # without tools no call can be made; never silently ignore a demand for one
-            raise APIError(
-                "tool_choice other than 'none' is not supported by this server.",
-                400,
-                param="tool_choice",
-                code="unsupported",
-            )
+        plan = plan_tools(req, self.tool_parser_cls)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(
                 "prompt_logprobs is not supported with stream=true on chat completions.",
@@ -168,12 +194,34 @@ class OpenAIServingChat(OpenAIServing):
         rename = {"prompt": "messages"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        params = self.make_sampling_params(sampling_kwargs(req, max_tokens, logprobs), rename)
-        await self.compile_constraint(params)
+        kwargs = sampling_kwargs(req, max_tokens, logprobs)
+        if plan.constraint is not None:
+            own = kwargs["structured_outputs"]
+            if own is not None:
+                param = own.origin.split(".")[0]
+                raise APIError(
+                    f"{param} cannot be combined with tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'naming a function'!r}, "
+                    "which constrains the output to the tool call.",
+                    400,
+                    param=param,
+                    code="invalid_value",
+                )
+            kwargs["structured_outputs"] = plan.constraint
+        params = self.make_sampling_params(kwargs, rename)
+        if plan.schema_check is not None:
+            await self.compile_constraint(plan.schema_check)
+        await self.compile_constraint(params.structured_outputs)
         conv = render_messages(req.messages)
-        size = sum(len(m["content"]) for m in conv)
+        size = sum(len(m["content"]) for m in conv) + (
+            len(json.dumps(plan.template_tools)) if plan.template_tools else 0
+        )
         text = await self.offload(
-            size, render_chat, self.tokenizer, conv, req.add_generation_prompt is not False
+            size,
+            render_chat,
+            self.tokenizer,
+            conv,
+            req.add_generation_prompt is not False,
+            plan.template_tools,
         )
         sub = await self.prepare_prompt(text, params, rename, chat=True)
         reservation = self.check_capacity(1)
@@ -185,8 +233,8 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(
             raw_request,
             bool(req.stream),
-            lambda: self._stream(req, params, sub, rec, priority, include_usage, reservation),
-            lambda: self._full(req, params, sub, rec, priority, reservation),
+            lambda: self._stream(req, params, sub, rec, priority, include_usage, reservation, plan),
+            lambda: self._full(req, params, sub, rec, priority, reservation, plan),
             rec,
             reservation,
         )
@@ -199,6 +247,7 @@ class OpenAIServingChat(OpenAIServing):
         rec: RequestRecord,
         priority: int,
         reservation: Reservation,
+        plan: ToolPlan,
     ) -> dict:
         try:
             async for idx, out in self.generate_all([sub], params, priority, reservation):
@@ -210,18 +259,25 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             raise self.engine_error(e, {"prompt": "messages"}) from None
         out = rec.latest[0]
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(role="assistant", content=c.text),
-                logprobs=self._logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0)
-                if req.logprobs
-                else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            message = ChatResponseMessage(role="assistant", content=c.text)
+            reason = c.finish_reason
+            if plan.make_parser is not None:
+                calls = ChoiceToolCalls(plan.make_parser(), plan.max_calls)
+                message.content, message.tool_calls = calls.whole(c.text)
+                reason = finish_reason(c.finish_reason, calls.calls)
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c, 0, len(c.token_ids), req.top_logprobs or 0)
+                    if req.logprobs
+                    else None,
+                    finish_reason=reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in out.outputs
-        ]
         return ChatCompletionResponse(
             id=rec.request_id,
             model=self.model_name,
@@ -239,8 +295,12 @@ class OpenAIServingChat(OpenAIServing):
         priority: int,
         include_usage: bool,
         reservation: Reservation,
+        plan: ToolPlan,
     ):
         created = int(time.time())
+        readers: dict[int, ChoiceToolCalls] = {}
+        if plan.make_parser is not None:
+            readers = {i: ChoiceToolCalls(plan.make_parser(), plan.max_calls) for i in range(params.n)}
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         done = set()
@@ -266,9 +326,15 @@ class OpenAIServingChat(OpenAIServing):
                     if i in done:
                         continue
                     start_chars, start_toks = sent_chars.get(i, 0), sent_tokens.get(i, 0)
-                    delta = c.text[start_chars:]
+                    tool_deltas = None
+                    reason = c.finish_reason
+                    if i in readers:
+                        delta, tool_deltas = readers[i].update(c.text, c.finish_reason is not None)
+                        reason = finish_reason(c.finish_reason, readers[i].calls)
+                    else:
+                        delta = c.text[start_chars:]
                     want_lp = bool(req.logprobs) and len(c.token_ids) > start_toks
-                    if delta or want_lp:
+                    if delta or tool_deltas or want_lp:
                         lp = (
                             self._logprobs(c, start_toks, len(c.token_ids), req.top_logprobs or 0)
                             if req.logprobs
@@ -279,7 +345,12 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk(
                             [
                                 ChatCompletionStreamChoice(
-                                    index=i, delta=DeltaMessage(content=delta), logprobs=lp
+                                    index=i,
+                                    delta=DeltaMessage(
+                                        content=delta if delta or not tool_deltas else None,
+                                        tool_calls=tool_deltas or None,
+                                    ),
+                                    logprobs=lp,
                                 )
                             ]
                         )
@@ -290,7 +361,7 @@ class OpenAIServingChat(OpenAIServing):
                                 ChatCompletionStreamChoice(
                                     index=i,
                                     delta=DeltaMessage(),
-                                    finish_reason=c.finish_reason,
+                                    finish_reason=reason,
                                     stop_reason=c.stop_reason,
                                 )
                             ]

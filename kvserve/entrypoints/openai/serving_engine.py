@@ -32,7 +32,7 @@ from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
 from kvserve.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, ErrorInfo, ErrorResponse, UsageInfo
 from kvserve.field_limits import LIMITS
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.transformers_utils.tokenizer_bounds import TokenTextBound
 
 logger = logging.getLogger("kvserve.server")
@@ -622,14 +622,15 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    async def compile_constraint(self, params: SamplingParams) -> None:
-        """Compile the request's structured-output constraint on a worker thread (cached per
-        constraint), so the engine thread only finds it in the cache at ``add_request``.
+    async def compile_constraint(self, params: SamplingParams | StructuredOutputsParams | None) -> None:
+        """Compile the request's structured-output constraint (``params.structured_outputs``,
+        or the constraint itself) on a worker thread (cached per constraint), so the engine
+        thread only finds it in the cache at ``add_request``.
 
         Raises:
             APIError: 400 naming the constraint's field when it does not compile.
         """
-        so = params.structured_outputs
+        so = params.structured_outputs if isinstance(params, SamplingParams) else params
         if so is None:
             return
         try:

@@ -14,6 +14,7 @@ callers use their torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -65,8 +66,10 @@ def compile_command(source: str, output: str | Path, extra_flags: Sequence[str] 
     ]
 
 
+@functools.cache
 def _sources_digest() -> str:
-    """sha256 over every file of ``csrc/`` (names and contents): any edit rebuilds."""
+    """sha256 over every file of ``csrc/`` (names and contents): any edit rebuilds. Read once
+    per process (every library's key needs it)."""
     h = hashlib.sha256()
     for f in sorted(CSRC_DIR.rglob("*")):
         if f.is_file():

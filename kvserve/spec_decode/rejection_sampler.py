@@ -65,36 +65,49 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
     generators: list[torch.Generator | None],
+    num_draft_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify ``k`` drafted tokens per row against the target's distributions.
+    """Accept a prefix of each row's drafts and sample the token after it.
+
+    Row ``b`` has ``m_b`` drafts (``num_draft_tokens[b]``, or ``k`` for every row when None);
+    positions past them are padding and are never read (their ids may be anything, e.g. 0).
+    Draft ``j`` is accepted with probability ``min(1, p_j(x) / q_j(x))`` (``p`` = target,
+    ``q`` = draft, ``x`` = the draft token), in order, until the first rejection; the token
+    after the accepted prefix is drawn from ``normalize(max(0, p_j - q_j))`` at a rejection,
+    or from ``p_{m_b}`` (the bonus token) when all ``m_b`` drafts were accepted.
 
     Args:
-        target_probs: float ``[B, k+1, V]``: the target model's sampling distribution (after
-            temperature / top-k / top-p / min-p and logit processors) at each drafted position
-            and at the position after the last draft (the bonus). Rows sum to 1.
-        draft_token_ids: int64 ``[B, k]``; a row with fewer drafts ``n < k`` is padded with -1
-            from position ``n`` on (its bonus is then sampled from ``target_probs[b, n]``).
-        draft_probs: float ``[B, k, V]``, the distributions the drafts were drawn from, or
-            ``None`` for a point mass on each drafted token (n-gram lookup: a deterministic
-            proposal). Padded positions are ignored.
-        generators: ``B`` entries, the row's request RNG (seeded request) or ``None``.
+        target_probs: float32 ``[B, k+1, V]``, the target's sampling distribution (after
+            temperature and truncation) at each verified position; row ``j`` scores draft ``j``
+            (and row ``m_b`` gives the bonus).
+        draft_token_ids: int64 ``[B, k]``.
+        draft_probs: float32 ``[B, k, V]`` the draft distributions, or None: a point mass on
+            each drafted token (n-gram lookup; acceptance is then ``p_j(x)`` and the correction
+            is drawn from ``p_j`` with ``x`` removed).
+        generators: ``B`` entries: the request's seeded ``torch.Generator`` (every random draw
+            of that row comes from it, so a seeded request's output does not depend on the
+            batch) or None (the global RNG of the tensors' device).
+        num_draft_tokens: int64 ``[B]`` drafts per row (``0 <= m_b <= k``), or None (all ``k``).
     Returns:
-        ``(token_ids, num_accepted)``: int64 ``[B, k+1]``, the accepted drafts followed by one
-        resampled or bonus token, then -1; int64 ``[B]``, the number of drafts accepted (so
-        ``num_accepted + 1`` tokens are emitted per row).
+        ``(token_ids int64 [B, k+1], num_accepted int64 [B])``: row ``b`` emits
+        ``token_ids[b, : num_accepted[b] + 1]`` (the accepted drafts then the sampled token);
+        entries after it are ``-1``. ``0 <= num_accepted[b] <= m_b``.
     Raises:
-        ValueError: shapes, dtypes or lengths that do not agree, or a draft id outside
-            ``[0, V)`` (other than the -1 padding), naming the argument.
+        ValueError: shapes or ``len(generators)`` do not agree, ``num_draft_tokens`` outside
+            ``[0, k]``, or a draft id (within a row's ``m_b``) outside ``[0, V)``; the message
+            names the argument.
     """
     if target_probs.dim() != 3:
         raise ValueError(f"target_probs must be [B, k+1, V], got shape {tuple(target_probs.shape)}")
     num_rows, kp1, vocab = target_probs.shape
     k = kp1 - 1
-    if draft_token_ids.shape != (num_rows, k):
+    if k < 0:
+        raise ValueError("target_probs must have k+1 >= 1 positions, got 0")
+    if tuple(draft_token_ids.shape) != (num_rows, k):
         raise ValueError(
             f"draft_token_ids must be [B, k] = [{num_rows}, {k}], got {tuple(draft_token_ids.shape)}"
         )
-    if draft_probs is not None and draft_probs.shape != (num_rows, k, vocab):
+    if draft_probs is not None and tuple(draft_probs.shape) != (num_rows, k, vocab):
         raise ValueError(
             f"draft_probs must be [B, k, V] = [{num_rows}, {k}, {vocab}], got {tuple(draft_probs.shape)}"
         )
@@ -103,45 +116,53 @@ def rejection_sample(
     device = target_probs.device
     p = target_probs.float()
     drafts = draft_token_ids.to(device=device, dtype=torch.long)
-    if drafts.numel() and (bool((drafts >= vocab).any()) or bool((drafts < -1).any())):
-        raise ValueError(f"draft_token_ids must be in [0, {vocab}) or -1 (padding)")
-
-    # A row's drafts end at its first -1; positions after it are padding even if not -1.
-    valid = (drafts >= 0).to(torch.long).cumprod(dim=1).bool()  # [B, k]
-    num_drafts = valid.sum(dim=1)  # [B]
-    safe = drafts.clamp_min(0)
+    positions = torch.arange(k + 1, device=device).unsqueeze(0)  # [1, k+1]
+    if num_draft_tokens is None:
+        num_drafts = torch.full((num_rows,), k, dtype=torch.long, device=device)
+    else:
+        num_drafts = num_draft_tokens.to(device=device, dtype=torch.long).reshape(-1)
+        if num_drafts.shape[0] != num_rows:
+            raise ValueError(
+                f"num_draft_tokens must be [B] = [{num_rows}], got {tuple(num_draft_tokens.shape)}"
+            )
+        if num_rows and (int(num_drafts.min()) < 0 or int(num_drafts.max()) > k):
+            raise ValueError(f"num_draft_tokens must be in [0, {k}], got {num_drafts.tolist()}")
+    valid = positions[:, :k] < num_drafts.unsqueeze(1)  # [B, k]
+    if bool(((drafts < 0) | (drafts >= vocab))[valid].any()):
+        raise ValueError(f"draft_token_ids must be in [0, {vocab}) within each row's num_draft_tokens")
+    safe = torch.where(valid, drafts, torch.zeros_like(drafts))  # padding is never read
 
     uniforms = _per_row_draws(generators, (k,), "uniform", device)  # [B, k]
     noise = _per_row_draws(generators, (vocab,), "exponential", device)  # [B, V]
 
-    p_draft = p[:, :k].gather(2, safe.unsqueeze(2)).squeeze(2).double()  # p_i(d_i), [B, k]
+    p_draft = p[:, :k].gather(2, safe.unsqueeze(2)).squeeze(2).double()  # p_j(x_j), [B, k]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
         q = draft_probs.to(device=device, dtype=torch.float32)
         q_draft = q.gather(2, safe.unsqueeze(2)).squeeze(2).double()
-    # accept iff u < p/q, u ~ U[0, 1): probability min(1, p/q). q(d) = 0 (the draft could not
-    # have drawn d): accept iff p(d) > 0. p = q gives p/q = 1 exactly: always accepted.
+    # accept iff u < p/q, u ~ U[0, 1): probability min(1, p/q). q(x) = 0 (the draft could not
+    # have drawn x): accept iff p(x) > 0. p = q gives p/q = 1 exactly: always accepted.
     ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp_min(1e-300), (p_draft > 0).double() * 2.0)
     accepted = (uniforms < ratio) & valid
-    # Accepted run = drafts before the first rejection (or the first padding).
+    # Accepted run = drafts before the first rejection (or the end of the row's drafts).
     num_accepted = accepted.to(torch.long).cumprod(dim=1).sum(dim=1)  # [B]
 
-    # The last emitted token comes from position ``num_accepted``: the residual there if a
-    # draft was rejected, else (every draft accepted) the target itself (bonus).
+    # The sampled token comes from position ``num_accepted``: the residual there if a draft
+    # was rejected, else (every draft accepted) the target itself (the bonus).
     rows = torch.arange(num_rows, device=device)
     p_last = p[rows, num_accepted]  # [B, V]
-    rejected = num_accepted < num_drafts
-    pos = num_accepted.clamp_max(max(k - 1, 0))
     if k > 0:
+        rejected = num_accepted < num_drafts
+        pos = num_accepted.clamp_max(k - 1)
         if draft_probs is None:
             q_last = torch.zeros_like(p_last)
             q_last[rows, safe[rows, pos]] = 1.0
         else:
             q_last = q[rows, pos]
         residual = (p_last - q_last).clamp_min(0.0)
-        # Floating-point leftovers can leave a rejected row's residual all zero (p and q equal
-        # but for rounding): fall back to p then, which is what the residual approximates.
+        # Rounding can leave a rejected row's residual all zero (p and q equal but for the last
+        # bits): fall back to p then, which is what the residual approximates.
         mass = residual.sum(dim=1, keepdim=True)
         residual = torch.where(mass > 0, residual, p_last)
         dist = torch.where(rejected.unsqueeze(1), residual, p_last)
@@ -151,9 +172,8 @@ def rejection_sample(
     last = (dist / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=1)
 
     token_ids = torch.full((num_rows, k + 1), -1, dtype=torch.long, device=device)
-    positions = torch.arange(k + 1, device=device).unsqueeze(0)
-    keep = positions < num_accepted.unsqueeze(1)
     if k > 0:
-        token_ids[:, :k] = torch.where(keep[:, :k], drafts, token_ids[:, :k])
+        keep = positions[:, :k] < num_accepted.unsqueeze(1)
+        token_ids[:, :k] = torch.where(keep, drafts, token_ids[:, :k])
     token_ids[rows, num_accepted] = last
     return token_ids, num_accepted

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.spec_decode.rejection_sampler import rejection_sample
 
@@ -143,17 +145,19 @@ def test_rows_with_fewer_drafts_take_bonus_at_their_own_length():
     p = torch.zeros(3, K + 1, V)
     for i in range(K + 1):
         p[:, i, i] = 1.0
-    drafts = torch.tensor([[0, -1, -1], [-1, -1, -1], [0, 1, 2]])
-    tokens, num_accepted = rejection_sample(p, drafts, None, [None] * 3)
+    drafts = torch.tensor([[0, 5, 5], [5, 5, 5], [0, 1, 2]])  # padding (5) is never read
+    tokens, num_accepted = rejection_sample(p, drafts, None, [None] * 3, torch.tensor([1, 0, 3]))
     assert num_accepted.tolist() == [1, 0, 3]
     assert tokens.tolist() == [[0, 1, -1, -1], [0, -1, -1, -1], [0, 1, 2, 3]]
 
 
-def test_padding_after_first_minus_one_is_ignored():
+def test_padding_ids_outside_the_vocab_are_not_read():
     p = torch.zeros(1, K + 1, V)
     for i in range(K + 1):
         p[:, i, i] = 1.0
-    tokens, num_accepted = rejection_sample(p, torch.tensor([[0, -1, 2]]), None, [None])
+    drafts = torch.tensor([[0, -1, 10**6]])
+    tokens, num_accepted = rejection_sample(p, drafts, torch.zeros(1, K, V), [None], torch.tensor([1]))
+    # q(0) = 0 and p(0) = 1: accepted; the bonus comes from p[1].
     assert num_accepted.tolist() == [1]
     assert tokens.tolist() == [[0, 1, -1, -1]]
 
@@ -201,3 +205,47 @@ def test_bad_shapes_name_the_argument():
         rejection_sample(p, torch.zeros(2, K, dtype=torch.long), None, [None])
     with pytest.raises(ValueError, match="draft_token_ids"):
         rejection_sample(p, torch.full((2, K), V, dtype=torch.long), None, [None, None])
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        rejection_sample(p, torch.zeros(2, K, dtype=torch.long), None, [None, None], torch.tensor([0, K + 1]))
+
+
+@st.composite
+def batches(draw):
+    b = draw(st.integers(1, 5))
+    k = draw(st.integers(0, 4))
+    v = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    # Distributions with random zeros (at least one positive entry per row).
+    w = torch.rand(b, k + 1, v, generator=gen) * (torch.rand(b, k + 1, v, generator=gen) < 0.6)
+    w[..., 0] += (w.sum(-1) == 0).float()
+    p = w / w.sum(-1, keepdim=True)
+    qw = torch.rand(b, k, v, generator=gen) * (torch.rand(b, k, v, generator=gen) < 0.6)
+    qw[..., 0] += (qw.sum(-1) == 0).float() if k else 0.0
+    q = qw / qw.sum(-1, keepdim=True) if k else qw
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    m = torch.randint(0, k + 1, (b,), generator=gen)
+    use_q = draw(st.booleans())
+    return p, drafts, q if use_q else None, m, seed
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_property_emitted_run_is_a_draft_prefix_plus_one_supported_token(batch):
+    p, drafts, q, m, seed = batch
+    b, k = drafts.shape
+    gens = [torch.Generator().manual_seed(seed + r) for r in range(b)]
+    tokens, num_accepted = rejection_sample(p, drafts, q, gens, m)
+    assert tokens.shape == (b, k + 1) and num_accepted.shape == (b,)
+    for r in range(b):
+        a = int(num_accepted[r])
+        assert 0 <= a <= int(m[r])
+        assert tokens[r, :a].tolist() == drafts[r, :a].tolist()  # accepted drafts, in order
+        for j in range(a):  # an accepted draft is never one the target forbids
+            assert p[r, j, drafts[r, j]] > 0
+        last = int(tokens[r, a])
+        assert 0 <= last < p.shape[2] and p[r, a, last] > 0  # the sampled token is allowed
+        assert bool((tokens[r, a + 1 :] == -1).all())
+    # Same generators' seeds: the same result.
+    again = rejection_sample(p, drafts, q, [torch.Generator().manual_seed(seed + r) for r in range(b)], m)
+    assert torch.equal(again[0], tokens) and torch.equal(again[1], num_accepted)

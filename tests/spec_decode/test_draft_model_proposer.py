@@ -288,3 +288,51 @@ def test_recompute_with_prefix_hit_on_other_blocks(driver, models):
     driver.prefill(0, d.get_len() - 8)
     for accept in [1, K]:
         check(driver, draft_hf, 0, accept)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fuzz_random_events_never_leave_stale_kv(driver, models, seed):
+    """Random acceptances, plain decodes (the draft is not fed), recompute preemptions (with
+    the blocks overwritten meanwhile, and sometimes a prefix hit on the first blocks) and swap
+    round trips, in any order: every greedy proposal equals the draft model's own continuation."""
+    import random
+
+    rng = random.Random(seed)
+    draft_hf = models[2]
+    driver.add(0, [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 12))])
+    d = driver.data[0]
+    driver.prefill(0, d.get_len())
+    hits = 0
+    for _ in range(14):
+        event = rng.choice(["spec", "spec", "spec", "plain", "recompute", "swap"])
+        if event == "spec":
+            check(driver, draft_hf, 0, rng.randrange(0, K + 1))
+        elif event == "plain":  # a step without speculation: the target decodes alone
+            driver.step([driver.md(0, False, 1)])
+            d.update_num_computed_tokens(1)
+            d.append_token_id(rng.randrange(3, VOCAB))
+        elif event == "recompute":
+            old = driver.tables[0]
+            # A prefix-cache hit keeps the first full blocks (cached: nobody writes them); the
+            # rest are freed and written by others meanwhile.
+            full = (d.get_len() - 1) // BS  # full blocks before the last token
+            keep = rng.randrange(1, full + 1) if full and rng.random() < 0.5 else 0
+            hits += keep > 0
+            driver.p.cache_engine.device_cache[:, :, :, old[keep:]] = rng.random()
+            driver.alloc.free.extend(old[keep:])
+            driver.tables[0] = old[:keep]
+            d.reset_state_for_recompute()
+            d.set_num_computed_tokens(keep * BS)
+            end = d.get_len()  # chunked re-prefill of prompt + outputs (samples a token at the end)
+            while d.get_num_computed_tokens() < end:
+                driver.prefill(0, min(rng.randrange(1, 9), end - d.get_num_computed_tokens()))
+        else:
+            table = driver.tables[0]
+            driver.step([], blocks_to_swap_out={b: i for i, b in enumerate(table)})
+            driver.p.cache_engine.device_cache[:, :, :, table] = rng.random()
+            driver.alloc.free.extend(table)
+            new = [driver.alloc.free.pop(0) for _ in table]
+            driver.tables[0] = new
+            driver.step([], blocks_to_swap_in={i: b for i, b in enumerate(new)})
+    assert d.get_len() < 250
+    print(f"seed {seed}: {hits} prefix hits after recompute")

@@ -320,6 +320,10 @@ class EngineArgs:
     #: ``SpeculativeConfig`` fields as a dict or a JSON object string; None = off.
     speculative_config: dict | str | None = None
 
+    def __post_init__(self) -> None:
+        # A bad speculative_config is refused here, before any model is loaded.
+        self.create_speculative_config()
+
     @classmethod
     def field_names(cls) -> list:
         return [f.name for f in fields(cls)]

@@ -1,0 +1,395 @@
+"""Speculative decoding end to end on the tiny random-weight Llama: greedy output with
+speculation equals speculation off token for token under every kind of scheduling pressure,
+blocks are conserved after every step, and stops / limits / logprobs inside an accepted run
+behave as without speculation."""
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sequence import ExecuteModelRequest
+from kvserve.spec_decode.interfaces import Proposal, Proposer
+
+K = 4
+MAX_NEW = 48
+ENGINE = dict(device="cpu", dtype="float32", seed=0)
+#: Repetitive prompts: the tiny model's greedy output repeats parts of them (and of itself)
+#: often enough that prompt lookup hits (asserted below: acceptance > 0).
+PROMPTS = [
+    [7] * 10,
+    [100, 200] * 5,
+    [11, 12, 13, 14, 15] * 3,
+    [3000, 4000, 5000] * 4 + [6000],
+    [42] * 3 + [43] * 3 + [42] * 3,
+    [900, 901, 902, 903] * 2,
+]
+
+
+def ngram(**kw):
+    cfg = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    cfg["disable_below_acceptance_rate"] = 0.0
+    cfg.update(kw)
+    return cfg
+
+
+def make_engine(model_dir, spec=None, **kw):
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **kw)
+    )
+
+
+def greedy(max_tokens=MAX_NEW, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def check_blocks(engine):
+    bm = engine.scheduler.block_manager
+    bm.check_invariants()  # conservation + ref counts == table references, both pools
+    st = engine.get_kv_cache_stats()
+    assert 0 <= st["num_free_gpu_blocks"] <= st["num_gpu_blocks"]
+
+
+def drain(engine, requests=(), max_steps=3000, on_step=None):
+    """Add ``(request_id, prompt_ids, params)``, step to the end checking blocks after every
+    step; returns the final outputs by id and the number of steps."""
+    for rid, ids, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    finals = {}
+    for step in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals, "a request finished twice"
+                finals[out.request_id] = out
+        check_blocks(engine)
+        if on_step is not None:
+            on_step(step)
+    else:
+        raise AssertionError("engine did not drain")
+    st = engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"], st
+    assert st["num_free_cpu_blocks"] == st["num_cpu_blocks"], st
+    s = engine.scheduler
+    assert not s.waiting and not s.running and not s.swapped
+    return finals, step
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Speculation off, roomy cache: request id -> output token ids."""
+    eng = make_engine(tiny_llama_dir, num_gpu_blocks=256, block_size=4)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    return {rid: out.outputs[0].token_ids for rid, out in finals.items()}
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own greedy continuation (computed beforehand): with exact
+    verification and KV rollback every draft is accepted."""
+
+    def __init__(self, continuations: dict[tuple, list[int]]):
+        self.continuations = continuations
+        self.freed: list[int] = []
+
+    def propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:
+        out = {}
+        for md in req.seq_group_metadata_list:
+            m = min(k, md.num_speculative_tokens)
+            if md.is_prompt or m < 1:
+                continue
+            for sid, data in md.seq_data.items():
+                ref = self.continuations[tuple(data.prompt_token_ids)]
+                n = data.get_output_len()
+                assert data.output_token_ids == ref[:n], "the sequence left the reference"
+                if ref[n : n + m]:
+                    out[sid] = Proposal(ref[n : n + m])
+        return out
+
+    def free(self, seq_ids):
+        self.freed.extend(seq_ids)
+
+
+def with_oracle(engine, reference):
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    engine.executor.proposer = oracle
+    return oracle
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_ngram_speculation_equals_off_in_every_mode(tiny_llama_dir, reference, chunked, prefix, mode):
+    """Chunked prefill x prefix caching x preemption mode, with a cache small enough to
+    preempt: n-gram speculation gives the same tokens as speculation off, drafts are accepted,
+    and blocks are conserved after every step."""
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(),
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=24 if chunked else None,
+    )
+    reqs = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+
+    def later(step):
+        # the same prompts again once theirs are computed: prefix-cache hits
+        if step == 4:
+            eng.add_request("again0", {"prompt_token_ids": PROMPTS[0]}, greedy())
+            eng.add_request("again2", {"prompt_token_ids": PROMPTS[2]}, greedy())
+
+    finals, _ = drain(eng, reqs, on_step=later)
+    assert len(finals) == len(PROMPTS) + 2
+    for rid, out in finals.items():
+        assert out.outcome == "finished", (rid, out.error)
+        ref = reference["r" + rid[-1]] if rid.startswith("again") else reference[rid]
+        assert out.outputs[0].token_ids == ref, rid
+    stats = eng.get_kv_cache_stats()
+    assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
+    assert eng.stats.spec_num_draft_tokens > 0
+    assert eng.stats.spec_num_accepted_tokens > 0, "repetitive prompts must get drafts accepted"
+    assert sum(o.spec_num_accepted_tokens for o in finals.values()) == eng.stats.spec_num_accepted_tokens
+    if prefix:
+        assert stats["prefix_cache_hits"] > 0
+
+
+def test_target_as_its_own_proposer_accepts_every_draft(tiny_llama_dir, reference):
+    """An oracle proposer (the target's own greedy continuation) gets 100% acceptance: the
+    verification and the KV rollback are exact. Each step emits K + 1 tokens."""
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=256)
+    oracle = with_oracle(eng, reference)
+    finals, steps = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+        assert out.spec_num_draft_tokens > 0
+        assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens, rid
+    assert eng.stats.spec_acceptance_rate == 1.0
+    assert eng.stats.spec_mean_accepted_length > K  # K accepted + the bonus, but the last step
+    # one prefill step (first token), then K + 1 tokens per verify step
+    assert steps == 1 + -(-(MAX_NEW - 1) // (K + 1))
+    assert len(set(oracle.freed)) == len(PROMPTS)  # the proposer hears of every ended sequence
+
+
+def test_oracle_under_preemption_and_prefix_caching(tiny_llama_dir, reference):
+    """Full acceptance also when groups are preempted (recompute) and blocks are shared by the
+    prefix cache: rollback never leaves a stale slot that is read later."""
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(),
+        block_size=4,
+        num_gpu_blocks=40,
+        preemption_mode="recompute",
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+    )
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+        assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens
+    assert eng.get_kv_cache_stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("cut", [2, 7, 13])
+def test_stop_token_id_inside_an_accepted_run(tiny_llama_dir, reference, cut):
+    """A stop token id drafted (and accepted) in the middle of a run: the output ends at it
+    (included, as without speculation) and nothing after it is emitted."""
+    ref = reference["r1"]
+    stop_tok = ref[cut]
+    first = ref.index(stop_tok)
+    assert cut % (K + 1) != K  # not the run's last token
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [("r1", PROMPTS[1], greedy(stop_token_ids=[stop_tok]))])
+    out = finals["r1"].outputs[0]
+    assert out.token_ids == ref[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 9, 12])
+def test_max_tokens_inside_an_accepted_run(tiny_llama_dir, reference, max_tokens):
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [("r2", PROMPTS[2], greedy(max_tokens=max_tokens))])
+    out = finals["r2"].outputs[0]
+    assert out.token_ids == reference["r2"][:max_tokens]
+    assert out.finish_reason == "length"
+    # drafts past max_tokens are never proposed
+    assert finals["r2"].spec_num_draft_tokens <= max(0, max_tokens - 2)
+
+
+def test_max_model_len_inside_an_accepted_run(tiny_llama_dir, reference):
+    """The context limit falls inside a run: lookahead is clipped, output stops at the limit."""
+    prompt = PROMPTS[0]
+    limit = len(prompt) + 11
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128, max_model_len=limit)
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [("r0", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=11))])
+    out = finals["r0"].outputs[0]
+    assert out.token_ids == reference["r0"][:11]
+    assert out.finish_reason == "length"
+
+
+def test_stop_string_inside_an_accepted_run(tiny_llama_dir, reference):
+    """A stop string completed by a token in the middle of a run: same text and tokens as
+    speculation off."""
+    eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
+    tok = eng_off.tokenizer
+    ref = reference["r3"]
+    # the text of a token in the middle of a run, that does not occur earlier in the output
+    target = None
+    for j in range(6, 30):
+        piece = tok.decode([ref[j]])
+        if len(piece.strip()) >= 2 and piece not in tok.decode(ref[:j]) and j % (K + 1) != K:
+            target = piece
+            break
+    assert target is not None
+    params = greedy(stop=[target])
+    off, _ = drain(eng_off, [("r3", PROMPTS[3], params)])
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    on, _ = drain(eng, [("r3", PROMPTS[3], greedy(stop=[target]))])
+    a, b = on["r3"].outputs[0], off["r3"].outputs[0]
+    assert a.finish_reason == "stop" and a.stop_reason == target
+    assert a.text == b.text and target not in a.text
+    assert a.token_ids == b.token_ids
+    assert on["r3"].spec_num_accepted_tokens > 0
+
+
+def test_logprobs_for_every_emitted_token(tiny_llama_dir, reference):
+    eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
+    off, _ = drain(eng_off, [("r4", PROMPTS[4], greedy(logprobs=3))])
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    on, _ = drain(eng, [("r4", PROMPTS[4], greedy(logprobs=3))])
+    a, b = on["r4"].outputs[0], off["r4"].outputs[0]
+    assert a.token_ids == b.token_ids == reference["r4"]
+    assert len(a.logprobs) == len(a.token_ids)
+    for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
+        assert tok in la and set(la) == set(lb)
+        for t in la:
+            assert la[t] == pytest.approx(lb[t], abs=1e-3)
+    assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-2)
+
+
+def test_n_greater_than_one_with_speculation(tiny_llama_dir, reference):
+    """n > 1 groups decode in lockstep and are not speculated; their output is unchanged and
+    single-sequence requests beside them still speculate."""
+    eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
+    params = dict(n=2, temperature=0.0, ignore_eos=True, max_tokens=20)
+    off, _ = drain(eng_off, [("multi", PROMPTS[2], SamplingParams(**params))])
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    on, _ = drain(eng, [("multi", PROMPTS[2], SamplingParams(**params)), ("r0", PROMPTS[0], greedy())])
+    assert [c.token_ids for c in on["multi"].outputs] == [c.token_ids for c in off["multi"].outputs]
+    assert on["multi"].spec_num_draft_tokens == 0
+    assert on["r0"].outputs[0].token_ids == reference["r0"]
+    assert on["r0"].spec_num_accepted_tokens > 0
+
+
+def test_abort_mid_run_frees_everything(tiny_llama_dir, reference):
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=64)
+    with_oracle(eng, reference)
+
+    def abort_some(step):
+        if step == 3:
+            eng.abort_request(["r1", "r3"])
+
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)], on_step=abort_some)
+    assert finals["r1"].outcome == finals["r3"].outcome == "aborted"
+    for rid in ("r0", "r2", "r4", "r5"):
+        assert finals[rid].outcome == "finished"
+        assert finals[rid].outputs[0].token_ids == reference[rid]
+    # an aborted request's tokens are a prefix of its reference
+    for rid in ("r1", "r3"):
+        toks = finals[rid].outputs[0].token_ids
+        assert 0 < len(toks) < MAX_NEW and toks == reference[rid][: len(toks)]
+
+
+def test_disable_by_batch_size(tiny_llama_dir, reference):
+    """More running sequences than ``disable_by_batch_size``: no step speculates (no lookahead
+    slot reserved); alone, a request speculates."""
+    eng = make_engine(tiny_llama_dir, ngram(disable_by_batch_size=2), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    seen = []
+    orig = eng.scheduler.schedule
+
+    def schedule():
+        metas, out = orig()
+        running = sum(g.num_unfinished_seqs() for g in eng.scheduler.running)
+        seen.append((running, max((m.num_speculative_tokens for m in metas), default=0)))
+        return metas, out
+
+    eng.scheduler.schedule = schedule
+    reqs = [(f"r{i}", PROMPTS[i], greedy(max_tokens=MAX_NEW)) for i in (0, 1, 2)]
+    finals, _ = drain(eng, reqs)
+    assert sum(o.spec_num_draft_tokens for o in finals.values()) == 0
+    assert all(k == 0 for _, k in seen)
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+    # two requests (== the limit) speculate
+    finals, _ = drain(eng, [(f"r{i}", PROMPTS[i], greedy()) for i in (3, 4)])
+    assert all(o.spec_num_accepted_tokens > 0 for o in finals.values())
+
+
+def test_low_acceptance_switches_a_request_off(tiny_llama_dir, reference):
+    """A request whose acceptance stays below ``disable_below_acceptance_rate`` stops
+    speculating after ``acceptance_window`` drafted tokens; the output is unchanged."""
+    spec = ngram(disable_below_acceptance_rate=0.99, acceptance_window=K)
+    eng = make_engine(tiny_llama_dir, spec, block_size=4, num_gpu_blocks=128)
+    free_run = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    ids = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+    finals, _ = drain(eng, ids)
+    unlimited, _ = drain(free_run, ids)
+    switched = 0
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+        u = unlimited[rid]
+        if u.spec_num_accepted_tokens < 0.99 * u.spec_num_draft_tokens and u.spec_num_draft_tokens >= 2 * K:
+            # the window closed with a rate under the floor: speculation stopped early
+            assert out.spec_num_draft_tokens < u.spec_num_draft_tokens, rid
+            switched += 1
+    assert switched > 0
+
+
+def test_structured_output_requests_do_not_speculate(tiny_llama_dir):
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    params = greedy(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(ab)+"))
+    params.ignore_eos = False
+    finals, _ = drain(eng, [("c", [100, 200] * 5, params)])
+    assert finals["c"].spec_num_draft_tokens == 0
+    assert "".join(finals["c"].outputs[0].text).startswith("ab")
+
+
+def _rejection_sampler_available() -> bool:
+    import torch
+
+    from kvserve.spec_decode.rejection_sampler import rejection_sample
+
+    try:
+        rejection_sample(torch.full((1, 2, 4), 0.25), torch.zeros(1, 1, dtype=torch.long), None, [None])
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir):
+    if not _rejection_sampler_available():
+        pytest.skip("rejection_sample is not implemented on this branch")
+    outs = []
+    for _ in range(2):
+        eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+        params = SamplingParams(max_tokens=30, temperature=0.8, seed=123, ignore_eos=True, logprobs=0)
+        finals, _ = drain(eng, [("s", PROMPTS[1], params)])
+        out = finals["s"].outputs[0]
+        assert len(out.logprobs) == len(out.token_ids) == 30
+        outs.append(out.token_ids)
+    assert outs[0] == outs[1]

@@ -27,8 +27,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        if f.name == "speculative_config":
-            base = str  # a JSON object, parsed (and checked) by SpeculativeConfig.from_value
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif f.name == "speculative_config":

@@ -29,13 +29,20 @@ from kvserve.sim.executor import SimulatedExecutor
 VOCAB = 49152
 
 
-def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: CostModel | None = None) -> dict:
+def simulate(
+    args: EngineArgs,
+    requests: list[wl.BenchRequest],
+    cost_model: CostModel | None = None,
+    acceptance: dict | AcceptanceModel | None = None,
+) -> dict:
     """Run ``requests`` (arrival_s on the virtual clock) to completion; returns a summary dict
     with TTFT/TPOT/e2e/queue-time statistics (seconds), throughput and preemption counts.
 
     ``num_gpu_blocks`` must be set (there is no memory to derive it from); ``num_cpu_blocks``
-    defaults to the same. ``args.speculative_config`` may carry an acceptance model
-    (``kvserve.sim.acceptance``); the summary then reports the speculation counters.
+    defaults to the same. With ``args.speculative_config``, ``acceptance`` is the acceptance
+    model: an ``AcceptanceModel`` or the simulator's keys of the JSON (``acceptance_rate`` /
+    ``mean_accepted_len``, ``draft_step_s``: ``kvserve.sim.acceptance``; ``split_speculative_config``
+    separates them from the engine's); the summary then reports the speculation counters.
 
     Raises:
         ValueError: a bad setting (naming the field), e.g. speculation without an acceptance
@@ -53,10 +60,11 @@ def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: Cost
         # nor is its budget: the V0 default, not the CPU engine's 2,048 -- else the same
         # simulation would give other results on a CPU host than on a CUDA host
         args.max_num_batched_tokens = CHUNKED_PREFILL_TOKENS
-    engine_spec, sim_spec = split_speculative_config(args.speculative_config)
-    args.speculative_config = engine_spec
     spec = args.create_speculative_config()
-    acceptance = AcceptanceModel.from_config(sim_spec, spec.num_speculative_tokens) if spec else None
+    if spec is None:
+        acceptance = None
+    elif not isinstance(acceptance, AcceptanceModel):
+        acceptance = AcceptanceModel.from_config(acceptance or {}, spec.num_speculative_tokens)
     model_config, cache_config, scheduler_config = args.create_configs(args.max_model_len or 8192)
     clock = VirtualClock()
     executor = SimulatedExecutor(
@@ -179,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         for r, t in zip(requests, wl.generate_arrivals(len(requests), ns.request_rate)):
             r.arrival_s = t
     try:
-        summary = simulate(engine_args_from(ns), requests)
+        # The acceptance model's keys are the simulator's: the rest is the engine's config.
+        engine_spec, sim_spec = split_speculative_config(ns.speculative_config)
+        ns.speculative_config = engine_spec
+        summary = simulate(engine_args_from(ns), requests, acceptance=sim_spec)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

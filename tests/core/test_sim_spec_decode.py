@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvserve.benchmarks.workload import BenchRequest
 from kvserve.config import EngineArgs, SpeculativeConfig
 from kvserve.sampling_params import SamplingParams
-from kvserve.sim.acceptance import AcceptanceModel, alpha_for_mean
+from kvserve.sim.acceptance import AcceptanceModel, alpha_for_mean, split_speculative_config
 from kvserve.sim.cli import main, simulate
 from tests.core.simutil import Harness, configs, prompt_of
 
@@ -33,8 +33,11 @@ def _requests(n, prompt_len=40, output_len=12):
 
 
 def _sim(spec, reqs, **kw):
-    args = EngineArgs(num_gpu_blocks=512, block_size=16, max_model_len=2048, speculative_config=spec, **kw)
-    return simulate(args, reqs)
+    engine_spec, sim_spec = split_speculative_config(spec)
+    args = EngineArgs(
+        num_gpu_blocks=512, block_size=16, max_model_len=2048, speculative_config=engine_spec, **kw
+    )
+    return simulate(args, reqs, acceptance=sim_spec)
 
 
 def spec(**kw):

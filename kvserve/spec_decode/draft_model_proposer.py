@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from kvserve.config import SpeculativeConfig
-from kvserve.model_executor.sampler import apply_top_k_top_p_min_p
-from kvserve.sampling_params import SamplingParams
+from kvserve.model_executor.sampler import Sampler
 from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.worker.cache_engine import CacheEngine
@@ -332,7 +331,7 @@ class DraftModelProposer(Proposer):
             return
         idx = torch.tensor(rand, device=logits.device)
         params = [items[i].md.sampling_params for i in rand]
-        probs = sampling_probs(logits.index_select(0, idx), params)
+        probs = Sampler.sampling_probs(logits.index_select(0, idx), params)  # as the target's
         for row, i in enumerate(rand):
             gen = items[i].md.generator
             noise = torch.empty(
@@ -343,18 +342,3 @@ class DraftModelProposer(Proposer):
             token = int((probs[row] / noise).argmax())
             items[i].drafts.append(token)
             items[i].probs.append(probs[row])
-
-
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution a random request samples from: ``softmax`` of ``logits / temperature``
-    after top-k, top-p and min-p. ``logits`` float32 ``[R, V]``; returns float32 ``[R, V]``."""
-    temps = torch.tensor([float(p.temperature) for p in params], device=logits.device)
-    x = logits / temps.unsqueeze(1)
-    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
-        x = apply_top_k_top_p_min_p(
-            x,
-            torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([float(p.top_p) for p in params]),
-            torch.tensor([float(p.min_p) for p in params]),
-        )
-    return x.softmax(dim=-1)

@@ -19,7 +19,8 @@ default the target itself: no smaller model with this tokenizer exists offline h
 measures the draft path's cost per proposed token, not a realistic speed-up). Each method gets
 its own engine; a warm-up request runs before timing. Reports per scenario and method: output
 tok/s, mean TPOT (ms), the speed-up over ``off``, acceptance rate and mean accepted length
-(tokens per verification), as a table and as JSON (``--json-out``).
+(tokens per verification) and, for the draft model, its milliseconds per proposed token (its
+forwards, catch-up included), as a table and as JSON (``--json-out``).
 
 Greedy (temperature 0), so every method must give the same tokens: the run checks it and
 reports mismatches (a speculation bug, or a near-tie of float summation order).
@@ -168,6 +169,8 @@ def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
     from kvserve import SamplingParams
 
     stats = llm.llm_engine.stats
+    proposer = getattr(llm.llm_engine.executor, "proposer", None)
+    p0 = (getattr(proposer, "propose_seconds", 0.0), getattr(proposer, "num_proposed_tokens", 0))
     d0 = (getattr(stats, "spec_num_drafts", 0), getattr(stats, "spec_num_draft_tokens", 0))
     a0 = getattr(stats, "spec_num_accepted_tokens", 0)
     outs = []
@@ -183,6 +186,8 @@ def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
     drafts = getattr(stats, "spec_num_drafts", 0) - d0[0]
     draft_tokens = getattr(stats, "spec_num_draft_tokens", 0) - d0[1]
     accepted = getattr(stats, "spec_num_accepted_tokens", 0) - a0
+    propose_s = getattr(proposer, "propose_seconds", 0.0) - p0[0]
+    proposed = getattr(proposer, "num_proposed_tokens", 0) - p0[1]
     return {
         "seconds": secs,
         "output_tokens": n_out,
@@ -193,6 +198,8 @@ def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
         "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_len": 1 + accepted / drafts if drafts else None,
+        # a draft model's cost: its forwards (catch-up included) per token it proposed
+        "draft_ms_per_proposed_token": 1000 * propose_s / proposed if proposed else None,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
     }
 
@@ -280,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     None if r["speedup"] is None else f"{r['speedup']:.2f}x",
                     r["acceptance_rate"],
                     r["mean_accepted_len"],
+                    r["draft_ms_per_proposed_token"],
                     r["same_tokens_as_off"],
                 ]
             )
@@ -294,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vs off",
                 "accept",
                 "mean acc len",
+                "draft ms/tok",
                 "same",
             ],
             rows,

@@ -32,6 +32,7 @@ seeded requests draw from their own generator.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -150,6 +151,9 @@ class DraftModelProposer(Proposer):
         #: Tokens fed to the draft model so far (prefill, catch-up and drafts), for tests and
         #: overhead accounting.
         self.num_fed_tokens = 0
+        #: Seconds spent in ``propose`` and drafts proposed (the benchmark's overhead figure).
+        self.propose_seconds = 0.0
+        self.num_proposed_tokens = 0
         if getattr(worker, "cache_engine", None) is not None:
             self._ensure_cache()
 
@@ -235,6 +239,15 @@ class DraftModelProposer(Proposer):
         """Run the step's prefill chunks and catch-up on the draft, then draft up to
         ``min(k, md.num_speculative_tokens)`` tokens (less when ``max_tokens`` is nearer) for
         each speculating single-sequence decode. Returns seq_id -> ``Proposal``."""
+        t0 = time.perf_counter()
+        try:
+            proposals = self._propose(req, k)
+        finally:
+            self.propose_seconds += time.perf_counter() - t0
+        self.num_proposed_tokens += sum(len(p.token_ids) for p in proposals.values())
+        return proposals
+
+    def _propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:
         _, runner = self._ensure_cache()
         items: list[_Item] = []
         for md in req.seq_group_metadata_list:

@@ -43,6 +43,7 @@ def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
         d = scen["draft"]
         assert d["num_draft_tokens"] > 0 and d["acceptance_rate"] == 1.0
         assert 1.0 < d["mean_accepted_len"] <= 5.0
+        assert d["draft_ms_per_proposed_token"] > 0 and scen["ngram"]["draft_ms_per_proposed_token"] is None
     lines = [json.loads(x) for x in wl.read_text().splitlines()]
     assert len(lines) == 2 and all(x["output_len"] == 6 and x["prompt_token_ids"] for x in lines)
     meta = json.loads((tmp_path / "w.jsonl.meta.json").read_text())

@@ -23,7 +23,8 @@ block numbers they were written to. At each step:
   past the accepted run were computed from rejected tokens.
 
 Plain (non-speculating) decodes are not fed: the draft catches up the next time the sequence
-speculates. Greedy requests get greedy drafts (``probs=None``: a deterministic proposal); random
+speculates. A step's first draft forward feeds at most ``max_catch_up_tokens`` (the target's
+step budget); a sequence further behind is fed that much and proposes in a later step. Greedy requests get greedy drafts (``probs=None``: a deterministic proposal); random
 requests get drafts sampled from the draft's distribution under the request's temperature,
 top-k, top-p and min-p, with those distributions (``Proposal.probs``) for rejection sampling;
 seeded requests draw from their own generator.
@@ -151,6 +152,10 @@ class DraftModelProposer(Proposer):
         #: Tokens fed to the draft model so far (prefill, catch-up and drafts), for tests and
         #: overhead accounting.
         self.num_fed_tokens = 0
+        #: Most tokens the draft's first forward of a step feeds (prefill chunks and catch-up),
+        #: so catching up after a long prefix-cache hit or a pause in speculation is spread
+        #: over steps instead of one outsize forward: the target's step budget.
+        self.max_catch_up_tokens = max(int(sc.max_num_batched_tokens) if sc is not None else 2048, self.k + 1)
         #: Seconds spent in ``propose`` and drafts proposed (the benchmark's overhead figure).
         self.propose_seconds = 0.0
         self.num_proposed_tokens = 0
@@ -250,6 +255,7 @@ class DraftModelProposer(Proposer):
     def _propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:
         _, runner = self._ensure_cache()
         items: list[_Item] = []
+        budget = self.max_catch_up_tokens  # tokens of the step's first draft forward
         for md in req.seq_group_metadata_list:
             speculating = not md.is_prompt and md.num_speculative_tokens > 0 and len(md.seq_data) == 1
             if not md.is_prompt and not speculating:
@@ -260,20 +266,29 @@ class DraftModelProposer(Proposer):
                 st.pending = None
                 c = data.get_num_computed_tokens()
                 v = self._valid_prefix(st, table, c)
+                st.valid = v
                 if md.is_prompt:
-                    end = c + md.token_chunk_size
+                    end = min(c + md.token_chunk_size, v + budget)
                     if end > v:
                         items.append(_Item(md, sid, data, table, v, end, 0))
+                        budget -= end - v
                     continue
                 length = data.get_len()
                 m = min(k, md.num_speculative_tokens)
                 max_tokens = md.sampling_params.max_tokens
                 if max_tokens is not None:  # drafts past max_tokens could never be emitted
                     m = min(m, max_tokens - data.get_output_len() - 1)
-                if m >= 1:
-                    items.append(_Item(md, sid, data, table, v, length, m))
-                else:
-                    st.valid = v  # nothing fed; keep what is still valid
+                if m < 1:
+                    continue
+                if length - v > budget:
+                    # Too far behind (a long prefix-cache hit, a recompute, many steps without
+                    # speculation): catch up by at most the budget now, propose in a later step.
+                    if budget > 0:
+                        items.append(_Item(md, sid, data, table, v, v + budget, 0))
+                        budget = 0
+                    continue
+                items.append(_Item(md, sid, data, table, v, length, m))
+                budget -= length - v
         if not items:
             return {}
         caches = self.cache_engine.gpu_cache if self.cache_engine is not None else None

@@ -336,3 +336,21 @@ def test_fuzz_random_events_never_leave_stale_kv(driver, models, seed):
             driver.step([], blocks_to_swap_in={i: b for i, b in enumerate(new)})
     assert d.get_len() < 250
     print(f"seed {seed}: {hits} prefix hits after recompute")
+
+
+def test_catch_up_is_spread_over_steps(driver, models):
+    """A sequence far behind (here: 32 tokens the draft never saw, a prefix-cache hit) is fed
+    at most ``max_catch_up_tokens`` per step and proposes once it has caught up."""
+    draft_hf = models[2]
+    driver.p.max_catch_up_tokens = 12
+    driver.add(0, [(7 * j) % 200 + 3 for j in range(33)])
+    driver.data[0].set_num_computed_tokens(32)  # hit on 8 blocks
+    driver.prefill(0, 1)  # fed positions 0..11 of 0..32
+    assert driver.p.num_fed_tokens == 12
+    # length 34: 22 missing > 12: fed 12..23, no proposal
+    assert driver.step([driver.md(0, False, 1, spec=K)]) == {}
+    assert driver.p.num_fed_tokens == 24
+    driver.data[0].update_num_computed_tokens(1)
+    driver.data[0].append_token_id(9)
+    check(driver, draft_hf, 0, 1)  # length 35: 11 missing: fed, then proposes
+    assert driver.p.num_fed_tokens == 24 + 11 + K - 1

@@ -20,6 +20,7 @@ back to the last accepted position, and those slots are overwritten by later ste
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,8 @@ from kvserve.spec_decode.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
     from kvserve.config import SpeculativeConfig
+
+logger = logging.getLogger("kvserve.spec_decode")
 
 
 def build_proposer(spec_config: SpeculativeConfig, worker: Any) -> Proposer:
@@ -100,6 +103,8 @@ class SpecDecodeWorker:
         self.proposer = proposer
         self.spec_config = spec_config
         self.k = spec_config.num_speculative_tokens
+        self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
+        self._warned_bad_proposal = False
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes this object lacks: the wrapped worker's.
@@ -126,7 +131,15 @@ class SpecDecodeWorker:
         if not metas:
             return []
         speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
-        proposals = self.proposer.propose(req, self.k) if speculating else {}
+        proposals: dict[int, Proposal] = {}
+        if speculating:
+            try:
+                proposals = self.proposer.propose(req, self.k)
+            except Exception:
+                # Drafts are optional: a failing proposer costs this step its speedup, never
+                # a request its answer.
+                logger.exception("the proposer failed; this step decodes without speculation")
+                proposals = {}
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
@@ -159,6 +172,8 @@ class SpecDecodeWorker:
             if m < 1:
                 continue
             drafts = [int(t) for t in p.token_ids[:m]]
+            if not self._valid_proposal(drafts, p, m):
+                continue
             vdata = SequenceData([])
             vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
             vdata.output_token_ids = data.output_token_ids + drafts
@@ -169,6 +184,21 @@ class SpecDecodeWorker:
             probs = p.probs[:m] if p.probs is not None else None
             verify.append(_Verify(i, sid, data, drafts, probs))
         return run_metas, verify
+
+    def _valid_proposal(self, drafts: list[int], p: Proposal, m: int) -> bool:
+        """Drafts inside the vocabulary and, if given, draft probabilities of shape
+        ``[>= m, vocab]``; anything else is dropped (that sequence decodes plainly)."""
+        V = self.vocab_size
+        ok = all(0 <= t < V for t in drafts) if V is not None else all(t >= 0 for t in drafts)
+        if ok and p.probs is not None:
+            shape = tuple(p.probs.shape)
+            ok = len(shape) == 2 and shape[0] >= m and (V is None or shape[1] == V)
+        if not ok and not self._warned_bad_proposal:
+            self._warned_bad_proposal = True
+            logger.warning(
+                "dropped a malformed proposal (token ids outside the vocabulary or bad probs shape)"
+            )
+        return ok
 
     def _verify(
         self,

@@ -4,6 +4,8 @@ blocks are conserved after every step, and stops / limits / logprobs inside an a
 behave as without speculation."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve import SamplingParams
 from kvserve.config import EngineArgs
@@ -393,3 +395,82 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir):
         assert len(out.logprobs) == len(out.token_ids) == 30
         outs.append(out.token_ids)
     assert outs[0] == outs[1]
+
+
+class _Corrupting(Proposer):
+    """The oracle's drafts with a random tail of garbage (random ids), random lengths."""
+
+    def __init__(self, oracle, rng, vocab):
+        self.oracle, self.rng, self.vocab = oracle, rng, vocab
+
+    def propose(self, req, k):
+        out = self.oracle.propose(req, k)
+        for sid, p in out.items():
+            keep = self.rng.randint(0, len(p.token_ids))
+            garbage = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(0, k))]
+            out[sid] = Proposal((p.token_ids[:keep] + garbage)[: self.rng.randint(1, k)])
+        return out
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    chunked=st.booleans(),
+    prefix=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    k=st.integers(1, 6),
+)
+def test_any_drafts_leave_greedy_output_unchanged(tiny_llama_dir, reference, seed, chunked, prefix, mode, k):
+    """Fuzz: drafts that are partly right and partly random, of random lengths, under a tiny
+    cache in any mode, never change the greedy output; blocks are conserved every step."""
+    import random
+
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(num_speculative_tokens=k),
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=24 if chunked else None,
+    )
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    eng.executor.proposer = _Corrupting(oracle, random.Random(seed), 49152)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert eng.stats.spec_num_accepted_tokens > 0
+
+
+class _Broken(Proposer):
+    def __init__(self, how):
+        self.how = how
+
+    def propose(self, req, k):
+        if self.how == "raises":
+            raise RuntimeError("proposer bug")
+        bad = {"out_of_vocab": [49152 + 5], "negative": [-1], "bad_probs": [5]}[self.how]
+        probs = None
+        if self.how == "bad_probs":
+            import torch
+
+            probs = torch.zeros(1, 7)
+        return {
+            sid: Proposal(bad, probs)
+            for md in req.seq_group_metadata_list
+            if md.num_speculative_tokens
+            for sid in md.seq_data
+        }
+
+
+@pytest.mark.parametrize("how", ["raises", "out_of_vocab", "negative", "bad_probs"])
+def test_a_broken_proposer_never_costs_a_request_its_answer(tiny_llama_dir, reference, how):
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    eng.executor.proposer = _Broken(how)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy(max_tokens=12)) for i, p in enumerate(PROMPTS[:3])])
+    for rid, out in finals.items():
+        assert out.outcome == "finished"
+        assert out.outputs[0].token_ids == reference[rid][:12]
+        assert out.spec_num_draft_tokens == 0

@@ -474,3 +474,26 @@ def test_a_broken_proposer_never_costs_a_request_its_answer(tiny_llama_dir, refe
         assert out.outcome == "finished"
         assert out.outputs[0].token_ids == reference[rid][:12]
         assert out.spec_num_draft_tokens == 0
+
+
+def test_priority_preemption_with_speculation(tiny_llama_dir, reference):
+    """Under the priority policy, late high-priority requests preempt running speculating ones;
+    every answer is unchanged."""
+    eng = make_engine(
+        tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=40, num_cpu_blocks=64, policy="priority"
+    )
+    with_oracle(eng, reference)
+    first = [(f"r{i}", PROMPTS[i], greedy()) for i in (0, 1, 2, 3)]
+
+    def later(step):
+        if step == 3:
+            for i in (4, 5):
+                eng.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[i]}, greedy(), priority=-1)
+
+    for rid, ids, params in first:
+        eng.add_request(rid, {"prompt_token_ids": ids}, params, priority=5)
+    finals, _ = drain(eng, on_step=later)
+    assert sorted(finals) == [f"r{i}" for i in range(6)]
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert eng.get_kv_cache_stats()["num_preemptions"] > 0

@@ -261,3 +261,17 @@ def test_random_acceptance_conserves_blocks_and_drains(seed, CP, PC, PM, G, k):
     stats = bm.get_stats()
     assert stats["num_free_gpu_blocks"] == G
     assert stats["num_free_cpu_blocks"] == 64
+
+
+def test_lookahead_counts_against_the_token_budget():
+    """A speculative decode feeds 1 + lookahead tokens: the step budget counts them, and a
+    decode gets only the lookahead that fits."""
+    cc, sc = configs(G=128, BS=4, lookahead=4, T=12)
+    sched = Scheduler(sc, cc)
+    for i in range(3):
+        sched.add_seq_group(make_group(f"g{i}", prompt_of(i, 4), max_tokens=8))
+    _step(sched, accept=0)
+    metas, out = sched.schedule()
+    # 12 tokens: the first two decodes take 5 each, the third what is left (2: 1 + 1 slot)
+    assert [m.num_speculative_tokens for m in metas] == [4, 4, 1]
+    assert out.num_batched_tokens == 12

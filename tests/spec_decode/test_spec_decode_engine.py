@@ -497,3 +497,49 @@ def test_priority_preemption_with_speculation(tiny_llama_dir, reference):
     for rid, out in finals.items():
         assert out.outputs[0].token_ids == reference[rid], rid
     assert eng.get_kv_cache_stats()["num_preemptions"] > 0
+
+
+def test_sampling_rows_go_to_rejection_sample_with_padding_and_generators(
+    tiny_llama_dir, reference, monkeypatch
+):
+    """The worker's side of the rejection-sampler contract: padded [B, k+1, V] target
+    probabilities (each row a distribution), the drafts, None draft probs for n-gram, per-row
+    draft counts and the request's own generator; what it returns is emitted as is."""
+    import torch
+
+    from kvserve.spec_decode import spec_decode_worker
+
+    calls = []
+
+    def fake(target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None):
+        B, k1, V = target_probs.shape
+        assert draft_token_ids.shape == (B, k1 - 1) and draft_probs is None
+        assert len(generators) == B and num_draft_tokens.shape == (B,)
+        for b in range(B):
+            m = int(num_draft_tokens[b])
+            assert torch.allclose(target_probs[b, : m + 1].sum(-1), torch.ones(m + 1), atol=1e-4)
+        calls.append((num_draft_tokens.tolist(), [g is not None for g in generators]))
+        # accept every draft, then emit the target's most likely token as the "bonus"
+        tokens = torch.full((B, k1), -1, dtype=torch.long)
+        for b in range(B):
+            m = int(num_draft_tokens[b])
+            tokens[b, :m] = draft_token_ids[b, :m]
+            tokens[b, m] = target_probs[b, m].argmax()
+        return tokens, num_draft_tokens.clone()
+
+    monkeypatch.setattr(spec_decode_worker, "rejection_sample", fake)
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    # top_k=1: the sampling distribution is a point mass on the argmax, so the fake's choices
+    # equal greedy decoding and the output can be checked against the reference
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.5, top_k=1, ignore_eos=True, seed=7 if i == 0 else None)
+        for i in range(2)
+    ]
+    finals, _ = drain(eng, [(f"r{i}", PROMPTS[i], params[i]) for i in range(2)])
+    for i in range(2):
+        out = finals[f"r{i}"]
+        assert out.outputs[0].token_ids == reference[f"r{i}"][:20]
+        assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens > 0
+    assert calls and any(len(c[0]) == 2 for c in calls)
+    assert all(c[1] == [True, False] for c in calls if len(c[0]) == 2)  # r0 is seeded

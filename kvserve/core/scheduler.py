@@ -521,9 +521,8 @@ class Scheduler:
     def _get_num_lookahead_slots(self, g: SequenceGroup, st: _Step, live: list[Sequence]) -> int:
         """Lookahead slots for decoding group ``g`` this step: ``num_lookahead_slots``, fewer
         near ``max_model_len`` (the verified positions must exist), 0 when the step does not
-        speculate, the group has several live sequences (they advance in lockstep, so they
-        cannot accept different numbers of drafts) or the engine switched it off."""
-        if not st.speculate or g.spec_decode_disabled or len(live) != 1:
+        speculate or the engine switched the group off."""
+        if not st.speculate or g.spec_decode_disabled or not live:
             return 0
         room = self.scheduler_config.max_model_len - live[0].get_len()
         return max(0, min(self.num_lookahead_slots, room))

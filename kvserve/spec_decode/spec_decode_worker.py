@@ -84,8 +84,9 @@ class _Verify:
     index: int  # metadata index
     seq_id: int
     data: SequenceData
-    drafts: list[int]
-    draft_probs: torch.Tensor | None
+    drafts: list[int]  # padded to the group's chunk
+    num_real: int  # the proposer's drafts among them (a prefix); only those may be accepted
+    draft_probs: torch.Tensor | None  # [num_real, V] or None
 
 
 class SpecDecodeWorker:
@@ -158,6 +159,39 @@ class SpecDecodeWorker:
         verify: list[_Verify] = []
         if not proposals:
             return run_metas, verify
+        for i, md in enumerate(metas):
+            if md.is_prompt or md.num_speculative_tokens < 1:
+                continue
+            limit = min(md.num_speculative_tokens, self.k)
+            max_tokens = md.sampling_params.max_tokens
+            real: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+            for sid, data in md.seq_data.items():
+                p = proposals.get(sid)
+                m = limit if p is None else min(len(p.token_ids), limit)
+                if max_tokens is not None:  # drafts past max_tokens could never be emitted
+                    m = min(m, max_tokens - data.get_output_len() - 1)
+                if p is None or m < 1:
+                    continue
+                drafts = [int(t) for t in p.token_ids[:m]]
+                if self._valid_proposal(drafts, p, m):
+                    real[sid] = (drafts, p.probs[:m] if p.probs is not None else None)
+            if not real:
+                continue
+            # The group's sequences share one chunk size (they advance in lockstep): shorter
+            # proposals are padded; padding is never accepted.
+            m = max(len(d) for d, _ in real.values())
+            seq_data = {}
+            for sid, data in md.seq_data.items():
+                drafts, probs = real.get(sid, ([], None))
+                padded = drafts + [0] * (m - len(drafts))
+                vdata = SequenceData([])
+                vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
+                vdata.output_token_ids = data.output_token_ids + padded
+                vdata.set_num_computed_tokens(data.get_num_computed_tokens())
+                seq_data[sid] = vdata
+                verify.append(_Verify(i, sid, data, padded, len(drafts), probs))
+            run_metas[i] = dataclasses.replace(md, seq_data=seq_data, token_chunk_size=m + 1, do_sample=False)
+        return run_metas, verify
         for i, md in enumerate(metas):
             if md.is_prompt or md.num_speculative_tokens < 1 or len(md.seq_data) != 1:
                 continue
@@ -253,17 +287,23 @@ class SpecDecodeWorker:
             if metas[v.index].sampling_params.is_greedy:
                 t = argmax[offsets[n] : offsets[n] + len(v.drafts) + 1]
                 a = 0
-                while a < len(v.drafts) and v.drafts[a] == t[a]:
+                while a < v.num_real and v.drafts[a] == t[a]:
                     a += 1
                 emitted[n] = t[: a + 1]
         if random_ids:
             emitted.update(self._rejection(metas, verify, random_ids, offsets, adjusted))
 
+        # A group with several sequences emits as many tokens for each as the one that
+        # accepted fewest (lockstep); cutting a verified run short keeps every kept token's
+        # distribution (each is drawn given the tokens before it).
+        shortest: dict[int, int] = {}
+        for n, v in enumerate(verify):
+            shortest[v.index] = min(shortest.get(v.index, len(emitted[n])), len(emitted[n]))
         accepted: dict[int, int] = {}
         for n, v in enumerate(verify):
             md = metas[v.index]
             params = md.sampling_params
-            toks = emitted[n]
+            toks = emitted[n][: shortest[v.index]]
             base = offsets[n]
             lp_rows = torch.arange(base, base + len(toks), device=logp.device)
             lps = logp[lp_rows, torch.tensor(toks, device=logp.device)].tolist()
@@ -286,13 +326,12 @@ class SpecDecodeWorker:
             ]
             first = samples[0]
             first.spec_tokens = samples[1:]
-            first.num_draft_tokens = len(v.drafts)
+            first.num_draft_tokens = v.num_real
             first.num_accepted_tokens = len(toks) - 1
-            outputs[v.index] = CompletionSequenceGroupOutput(
-                samples=[first],
-                spec_num_draft_tokens=len(v.drafts),
-                spec_num_accepted_tokens=len(toks) - 1,
-            )
+            group_out = outputs[v.index]  # (empty from the runner: a verify chunk samples nothing)
+            group_out.samples.append(first)
+            group_out.spec_num_draft_tokens += v.num_real
+            group_out.spec_num_accepted_tokens += len(toks) - 1
             accepted[v.seq_id] = len(toks) - 1
         return accepted
 
@@ -305,7 +344,7 @@ class SpecDecodeWorker:
         adjusted: torch.Tensor,
     ) -> dict[int, list[int]]:
         """Rejection-sample the random rows ``ids`` (indices into ``verify``) in one call."""
-        k = max(len(verify[n].drafts) for n in ids)
+        k = max(1, max(verify[n].num_real for n in ids))
         B, V = len(ids), adjusted.shape[1]
         device = adjusted.device
         target = torch.zeros(B, k + 1, V, dtype=torch.float32, device=device)
@@ -316,12 +355,12 @@ class SpecDecodeWorker:
         generators = []
         for b, n in enumerate(ids):
             v = verify[n]
-            m = len(v.drafts)
+            m = v.num_real
             params = metas[v.index].sampling_params
             target[b, : m + 1] = Sampler.sampling_probs(
                 adjusted[offsets[n] : offsets[n] + m + 1], [params] * (m + 1)
             )
-            draft_ids[b, :m] = torch.tensor(v.drafts, dtype=torch.long)
+            draft_ids[b, :m] = torch.tensor(v.drafts[:m], dtype=torch.long)
             counts[b] = m
             if draft_probs is not None:
                 if v.draft_probs is not None:

@@ -281,8 +281,8 @@ def test_logprobs_for_every_emitted_token(tiny_llama_dir, reference):
 
 
 def test_n_greater_than_one_with_speculation(tiny_llama_dir, reference):
-    """n > 1 groups decode in lockstep and are not speculated; their output is unchanged and
-    single-sequence requests beside them still speculate."""
+    """n > 1 groups speculate in lockstep (each sample emits as many tokens as the one that
+    accepted fewest); their output is unchanged, beside a single-sequence request."""
     eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
     params = dict(n=2, temperature=0.0, ignore_eos=True, max_tokens=20)
     off, _ = drain(eng_off, [("multi", PROMPTS[2], SamplingParams(**params))])
@@ -290,7 +290,8 @@ def test_n_greater_than_one_with_speculation(tiny_llama_dir, reference):
     with_oracle(eng, reference)
     on, _ = drain(eng, [("multi", PROMPTS[2], SamplingParams(**params)), ("r0", PROMPTS[0], greedy())])
     assert [c.token_ids for c in on["multi"].outputs] == [c.token_ids for c in off["multi"].outputs]
-    assert on["multi"].spec_num_draft_tokens == 0
+    assert on["multi"].outputs[0].token_ids == reference["r2"][:20]
+    assert on["multi"].spec_num_accepted_tokens > 0
     assert on["r0"].outputs[0].token_ids == reference["r0"]
     assert on["r0"].spec_num_accepted_tokens > 0
 
@@ -543,3 +544,44 @@ def test_sampling_rows_go_to_rejection_sample_with_padding_and_generators(
         assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens > 0
     assert calls and any(len(c[0]) == 2 for c in calls)
     assert all(c[1] == [True, False] for c in calls if len(c[0]) == 2)  # r0 is seeded
+
+
+def test_samples_of_one_group_accepting_different_counts_stay_in_lockstep(
+    tiny_llama_dir, reference, monkeypatch
+):
+    """n = 2 sampled: when the rejection sampler accepts different numbers of drafts for the two
+    samples, both emit as many tokens as the shorter one; lengths stay equal every step."""
+    import random
+
+    import torch
+
+    from kvserve.spec_decode import spec_decode_worker
+
+    rng = random.Random(3)
+
+    def fake(target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None):
+        B, k1, _ = target_probs.shape
+        tokens = torch.full((B, k1), -1, dtype=torch.long)
+        acc = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            a = rng.randint(0, int(num_draft_tokens[b]))
+            tokens[b, :a] = draft_token_ids[b, :a]
+            tokens[b, a] = target_probs[b, a].argmax()  # top_k=1: the only token it may draw
+            acc[b] = a
+        return tokens, acc
+
+    monkeypatch.setattr(spec_decode_worker, "rejection_sample", fake)
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+
+    def lockstep(_):
+        for g in eng.scheduler.running:
+            assert len({s.get_len() for s in g.get_unfinished_seqs()}) == 1
+
+    params = SamplingParams(n=2, max_tokens=30, temperature=1.0, top_k=1, ignore_eos=True, logprobs=0)
+    finals, _ = drain(eng, [("m", PROMPTS[2], params)], on_step=lockstep)
+    out = finals["m"]
+    for c in out.outputs:
+        assert c.token_ids == reference["r2"][:30]
+        assert len(c.logprobs) == 30
+    assert 0 < out.spec_num_accepted_tokens < out.spec_num_draft_tokens

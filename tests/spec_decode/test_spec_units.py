@@ -187,7 +187,7 @@ def test_disable_by_batch_size_and_per_group_switches():
     assert {m.request_id: m.num_speculative_tokens for m in metas} == {"g0": 2, "g1": 0}
 
 
-def test_groups_with_several_live_sequences_do_not_speculate():
+def test_groups_with_several_live_sequences_speculate_together():
     cc, sc = configs(G=128, BS=4, lookahead=2, C=32)
     sched = Scheduler(sc, cc)
     g = make_group("multi", prompt_of(1, 5), n=2, max_tokens=6)
@@ -202,7 +202,9 @@ def test_groups_with_several_live_sequences_do_not_speculate():
     for s in g.get_seqs():
         s.append_token_id(3)
     metas, out = sched.schedule()
-    assert metas[0].num_speculative_tokens == 0
+    assert metas[0].num_speculative_tokens == 2 and len(metas[0].seq_data) == 2
+    for s in g.get_seqs():  # both got slots for positions len-1 .. len+1
+        assert len(sched.block_manager.get_block_table(s)) * 4 >= s.get_len() + 2
 
 
 def test_lookahead_is_dropped_before_anyone_is_preempted():

@@ -115,7 +115,16 @@ class SpecDecodeWorker:
 
     def free_seqs(self, seq_ids: list[int]) -> None:
         """Forward ended sequences to the proposer (``Proposer.free``)."""
-        self.proposer.free(seq_ids)
+        self._call_proposer("free", seq_ids)
+
+    def _call_proposer(self, hook: str, *args: Any) -> Any:
+        """Call a proposer hook; a failure is logged, never raised. Drafts only ever save
+        steps (every one is verified), so a proposer in a bad state costs speed, not answers."""
+        try:
+            return getattr(self.proposer, hook)(*args)
+        except Exception:
+            logger.exception("the proposer's %s failed; this step decodes without its drafts", hook)
+            return None
 
     # ------------------------------------------------------------------ step
     def execute_model(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
@@ -127,20 +136,14 @@ class SpecDecodeWorker:
                 exceptions as ``Worker.execute_model``.
         """
         self.worker.apply_block_moves(req)
-        self.proposer.apply_block_moves(req)
+        self._call_proposer("apply_block_moves", req)
         metas = req.seq_group_metadata_list
         if not metas:
             return []
         speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
         proposals: dict[int, Proposal] = {}
         if speculating:
-            try:
-                proposals = self.proposer.propose(req, self.k)
-            except Exception:
-                # Drafts are optional: a failing proposer costs this step its speedup, never
-                # a request its answer.
-                logger.exception("the proposer failed; this step decodes without speculation")
-                proposals = {}
+            proposals = self._call_proposer("propose", req, self.k) or {}
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
@@ -148,7 +151,7 @@ class SpecDecodeWorker:
         outputs = runner.sample(run_metas, inp, hidden)
         if verify:
             accepted = self._verify(metas, verify, inp, hidden, outputs)
-            self.proposer.on_verified(accepted)
+            self._call_proposer("on_verified", accepted)
         return outputs
 
     def _verify_chunks(

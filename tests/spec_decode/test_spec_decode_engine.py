@@ -449,10 +449,24 @@ class _Broken(Proposer):
     def __init__(self, how):
         self.how = how
 
+    def apply_block_moves(self, req):
+        if self.how == "hooks_raise":
+            raise RuntimeError("proposer bug")
+
+    def on_verified(self, num_accepted):
+        if self.how == "hooks_raise":
+            raise RuntimeError("proposer bug")
+
+    def free(self, seq_ids):
+        if self.how == "hooks_raise":
+            raise RuntimeError("proposer bug")
+
     def propose(self, req, k):
         if self.how == "raises":
             raise RuntimeError("proposer bug")
-        bad = {"out_of_vocab": [49152 + 5], "negative": [-1], "bad_probs": [5]}[self.how]
+        bad = {"hooks_raise": [5, 6], "out_of_vocab": [49152 + 5], "negative": [-1], "bad_probs": [5]}[
+            self.how
+        ]
         probs = None
         if self.how == "bad_probs":
             import torch
@@ -466,7 +480,7 @@ class _Broken(Proposer):
         }
 
 
-@pytest.mark.parametrize("how", ["raises", "out_of_vocab", "negative", "bad_probs"])
+@pytest.mark.parametrize("how", ["raises", "hooks_raise", "out_of_vocab", "negative", "bad_probs"])
 def test_a_broken_proposer_never_costs_a_request_its_answer(tiny_llama_dir, reference, how):
     eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
     eng.executor.proposer = _Broken(how)
@@ -474,7 +488,8 @@ def test_a_broken_proposer_never_costs_a_request_its_answer(tiny_llama_dir, refe
     for rid, out in finals.items():
         assert out.outcome == "finished"
         assert out.outputs[0].token_ids == reference[rid][:12]
-        assert out.spec_num_draft_tokens == 0
+        # malformed drafts are dropped; well-formed ones are verified even when hooks fail
+        assert (out.spec_num_draft_tokens > 0) == (how == "hooks_raise")
 
 
 def test_priority_preemption_with_speculation(tiny_llama_dir, reference):

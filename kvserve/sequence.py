@@ -435,7 +435,9 @@ class SequenceOutput:
     ones after it, in order, each a ``SequenceOutput`` with the same ``parent_seq_id`` and an
     empty ``spec_tokens``. Emitted tokens = ``[self] + spec_tokens``: the accepted drafts, then
     the target's own token (the correction of the first rejected draft, or the bonus token
-    when all were accepted), so ``len(spec_tokens) == num_accepted_tokens``.
+    when all were accepted), so ``len(spec_tokens) == num_accepted_tokens``. (The samples of an
+    ``n > 1`` group stay in lockstep: each is cut to the group's shortest run, so its last token
+    may be an accepted draft; ``num_accepted_tokens`` counts what it emits.)
     ``num_draft_tokens``: drafts verified for this sequence this step (0 = not speculated);
     ``num_accepted_tokens``: how many of them the verifier accepted (a prefix). The engine
     appends them one by one and stops at the first that ends the sequence (nothing after a

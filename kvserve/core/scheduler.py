@@ -160,7 +160,8 @@ class SchedulerOutputs:
     Attributes:
         scheduled_seq_groups: prefills first, then decodes; same order as the metadata list.
         num_prefill_groups: how many of them are prefills (whole or chunk).
-        num_batched_tokens: tokens fed this step (<= max_num_batched_tokens).
+        num_batched_tokens: tokens fed this step (<= max_num_batched_tokens), each decode's
+            lookahead slots included (the positions a speculative decode verifies).
         blocks_to_swap_in: CPU block -> GPU block.
         blocks_to_swap_out: GPU block -> CPU block.
         blocks_to_copy: source GPU block -> destination GPU blocks (copy-on-write).
@@ -520,9 +521,8 @@ class Scheduler:
     def _get_num_lookahead_slots(self, g: SequenceGroup, st: _Step, live: list[Sequence]) -> int:
         """Lookahead slots for decoding group ``g`` this step: ``num_lookahead_slots``, fewer
         near ``max_model_len`` (the verified positions must exist), 0 when the step does not
-        speculate, the group has several live sequences (they advance in lockstep, so they
-        cannot accept different numbers of drafts) or the engine switched it off."""
-        if not st.speculate or g.spec_decode_disabled or len(live) != 1:
+        speculate or the engine switched the group off."""
+        if not st.speculate or g.spec_decode_disabled or not live:
             return 0
         room = self.scheduler_config.max_model_len - live[0].get_len()
         return max(0, min(self.num_lookahead_slots, room))
@@ -810,7 +810,11 @@ class Scheduler:
                 continue
             scheduled = True
             reserve = self._reserved_against(g, st) if st.reserved else 0
-            lookahead = self._get_num_lookahead_slots(g, st, live) if st.speculate else 0
+            lookahead = 0
+            if st.speculate:
+                # verified positions are fed tokens too: they count against the step's budget
+                room = budget.remaining_token_budget() // n_tokens - 1
+                lookahead = max(0, min(self._get_num_lookahead_slots(g, st, live), room))
             while True:
                 copies = bm.try_append_slots(g, lookahead, reserve)
                 if copies is not None:
@@ -851,7 +855,7 @@ class Scheduler:
             if copies:
                 st.add_copies(copies)
             out.decode_seq_groups.append(ScheduledSequenceGroup(g, 1, lookahead))
-            budget.add_num_batched_tokens(rid, n_tokens)
+            budget.add_num_batched_tokens(rid, n_tokens * (1 + lookahead))
             kept.append(g)
         # Groups preempted after being passed over stay out; everything else remains running.
         self.running = deque(g for g in kept if g.request_id not in st.preempted_ids)
@@ -873,7 +877,11 @@ class Scheduler:
             g = ranked[0]
             lookahead = 0
             if st.speculate and not g.is_prefill():
-                lookahead = self._get_num_lookahead_slots(g, st, g.get_seqs(SequenceStatus.SWAPPED))
+                n_live = max(1, g.num_seqs(SequenceStatus.SWAPPED))
+                room = budget.remaining_token_budget() // n_live - 1
+                lookahead = max(
+                    0, min(self._get_num_lookahead_slots(g, st, g.get_seqs(SequenceStatus.SWAPPED)), room)
+                )
             status = bm.can_swap_in(g, lookahead, ignore_watermark=not self.running)
             if lookahead and status != AllocStatus.OK:
                 lookahead = 0  # speculate less rather than wait
@@ -898,7 +906,7 @@ class Scheduler:
                 n_tokens = chunk * len(live)
             else:
                 chunk, capped = 1, False
-                n_tokens = len(live)
+                n_tokens = len(live) * (1 + lookahead)
             if n_tokens <= 0 or not budget.can_schedule(
                 num_new_tokens=n_tokens, num_new_seqs=g.get_max_num_running_seqs()
             ):

@@ -20,6 +20,7 @@ back to the last accepted position, and those slots are overwritten by later ste
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,8 @@ from kvserve.spec_decode.rejection_sampler import rejection_sample
 
 if TYPE_CHECKING:
     from kvserve.config import SpeculativeConfig
+
+logger = logging.getLogger("kvserve.spec_decode")
 
 
 def build_proposer(spec_config: SpeculativeConfig, worker: Any) -> Proposer:
@@ -81,8 +84,9 @@ class _Verify:
     index: int  # metadata index
     seq_id: int
     data: SequenceData
-    drafts: list[int]
-    draft_probs: torch.Tensor | None
+    drafts: list[int]  # padded to the group's chunk
+    num_real: int  # the proposer's drafts among them (a prefix); only those may be accepted
+    draft_probs: torch.Tensor | None  # [num_real, V] or None
 
 
 class SpecDecodeWorker:
@@ -100,6 +104,8 @@ class SpecDecodeWorker:
         self.proposer = proposer
         self.spec_config = spec_config
         self.k = spec_config.num_speculative_tokens
+        self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
+        self._warned_bad_proposal = False
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes this object lacks: the wrapped worker's.
@@ -109,7 +115,16 @@ class SpecDecodeWorker:
 
     def free_seqs(self, seq_ids: list[int]) -> None:
         """Forward ended sequences to the proposer (``Proposer.free``)."""
-        self.proposer.free(seq_ids)
+        self._call_proposer("free", seq_ids)
+
+    def _call_proposer(self, hook: str, *args: Any) -> Any:
+        """Call a proposer hook; a failure is logged, never raised. Drafts only ever save
+        steps (every one is verified), so a proposer in a bad state costs speed, not answers."""
+        try:
+            return getattr(self.proposer, hook)(*args)
+        except Exception:
+            logger.exception("the proposer's %s failed; this step decodes without its drafts", hook)
+            return None
 
     # ------------------------------------------------------------------ step
     def execute_model(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
@@ -121,12 +136,14 @@ class SpecDecodeWorker:
                 exceptions as ``Worker.execute_model``.
         """
         self.worker.apply_block_moves(req)
-        self.proposer.apply_block_moves(req)
+        self._call_proposer("apply_block_moves", req)
         metas = req.seq_group_metadata_list
         if not metas:
             return []
         speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
-        proposals = self.proposer.propose(req, self.k) if speculating else {}
+        proposals: dict[int, Proposal] = {}
+        if speculating:
+            proposals = self._call_proposer("propose", req, self.k) or {}
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
@@ -134,7 +151,7 @@ class SpecDecodeWorker:
         outputs = runner.sample(run_metas, inp, hidden)
         if verify:
             accepted = self._verify(metas, verify, inp, hidden, outputs)
-            self.proposer.on_verified(accepted)
+            self._call_proposer("on_verified", accepted)
         return outputs
 
     def _verify_chunks(
@@ -145,6 +162,39 @@ class SpecDecodeWorker:
         verify: list[_Verify] = []
         if not proposals:
             return run_metas, verify
+        for i, md in enumerate(metas):
+            if md.is_prompt or md.num_speculative_tokens < 1:
+                continue
+            limit = min(md.num_speculative_tokens, self.k)
+            max_tokens = md.sampling_params.max_tokens
+            real: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+            for sid, data in md.seq_data.items():
+                p = proposals.get(sid)
+                m = limit if p is None else min(len(p.token_ids), limit)
+                if max_tokens is not None:  # drafts past max_tokens could never be emitted
+                    m = min(m, max_tokens - data.get_output_len() - 1)
+                if p is None or m < 1:
+                    continue
+                drafts = [int(t) for t in p.token_ids[:m]]
+                if self._valid_proposal(drafts, p, m):
+                    real[sid] = (drafts, p.probs[:m] if p.probs is not None else None)
+            if not real:
+                continue
+            # The group's sequences share one chunk size (they advance in lockstep): shorter
+            # proposals are padded; padding is never accepted.
+            m = max(len(d) for d, _ in real.values())
+            seq_data = {}
+            for sid, data in md.seq_data.items():
+                drafts, probs = real.get(sid, ([], None))
+                padded = drafts + [0] * (m - len(drafts))
+                vdata = SequenceData([])
+                vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
+                vdata.output_token_ids = data.output_token_ids + padded
+                vdata.set_num_computed_tokens(data.get_num_computed_tokens())
+                seq_data[sid] = vdata
+                verify.append(_Verify(i, sid, data, padded, len(drafts), probs))
+            run_metas[i] = dataclasses.replace(md, seq_data=seq_data, token_chunk_size=m + 1, do_sample=False)
+        return run_metas, verify
         for i, md in enumerate(metas):
             if md.is_prompt or md.num_speculative_tokens < 1 or len(md.seq_data) != 1:
                 continue
@@ -159,6 +209,8 @@ class SpecDecodeWorker:
             if m < 1:
                 continue
             drafts = [int(t) for t in p.token_ids[:m]]
+            if not self._valid_proposal(drafts, p, m):
+                continue
             vdata = SequenceData([])
             vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
             vdata.output_token_ids = data.output_token_ids + drafts
@@ -169,6 +221,21 @@ class SpecDecodeWorker:
             probs = p.probs[:m] if p.probs is not None else None
             verify.append(_Verify(i, sid, data, drafts, probs))
         return run_metas, verify
+
+    def _valid_proposal(self, drafts: list[int], p: Proposal, m: int) -> bool:
+        """Drafts inside the vocabulary and, if given, draft probabilities of shape
+        ``[>= m, vocab]``; anything else is dropped (that sequence decodes plainly)."""
+        V = self.vocab_size
+        ok = all(0 <= t < V for t in drafts) if V is not None else all(t >= 0 for t in drafts)
+        if ok and p.probs is not None:
+            shape = tuple(p.probs.shape)
+            ok = len(shape) == 2 and shape[0] >= m and (V is None or shape[1] == V)
+        if not ok and not self._warned_bad_proposal:
+            self._warned_bad_proposal = True
+            logger.warning(
+                "dropped a malformed proposal (token ids outside the vocabulary or bad probs shape)"
+            )
+        return ok
 
     def _verify(
         self,
@@ -223,17 +290,23 @@ class SpecDecodeWorker:
             if metas[v.index].sampling_params.is_greedy:
                 t = argmax[offsets[n] : offsets[n] + len(v.drafts) + 1]
                 a = 0
-                while a < len(v.drafts) and v.drafts[a] == t[a]:
+                while a < v.num_real and v.drafts[a] == t[a]:
                     a += 1
                 emitted[n] = t[: a + 1]
         if random_ids:
             emitted.update(self._rejection(metas, verify, random_ids, offsets, adjusted))
 
+        # A group with several sequences emits as many tokens for each as the one that
+        # accepted fewest (lockstep); cutting a verified run short keeps every kept token's
+        # distribution (each is drawn given the tokens before it).
+        shortest: dict[int, int] = {}
+        for n, v in enumerate(verify):
+            shortest[v.index] = min(shortest.get(v.index, len(emitted[n])), len(emitted[n]))
         accepted: dict[int, int] = {}
         for n, v in enumerate(verify):
             md = metas[v.index]
             params = md.sampling_params
-            toks = emitted[n]
+            toks = emitted[n][: shortest[v.index]]
             base = offsets[n]
             lp_rows = torch.arange(base, base + len(toks), device=logp.device)
             lps = logp[lp_rows, torch.tensor(toks, device=logp.device)].tolist()
@@ -256,13 +329,12 @@ class SpecDecodeWorker:
             ]
             first = samples[0]
             first.spec_tokens = samples[1:]
-            first.num_draft_tokens = len(v.drafts)
+            first.num_draft_tokens = v.num_real
             first.num_accepted_tokens = len(toks) - 1
-            outputs[v.index] = CompletionSequenceGroupOutput(
-                samples=[first],
-                spec_num_draft_tokens=len(v.drafts),
-                spec_num_accepted_tokens=len(toks) - 1,
-            )
+            group_out = outputs[v.index]  # (empty from the runner: a verify chunk samples nothing)
+            group_out.samples.append(first)
+            group_out.spec_num_draft_tokens += v.num_real
+            group_out.spec_num_accepted_tokens += len(toks) - 1
             accepted[v.seq_id] = len(toks) - 1
         return accepted
 
@@ -275,7 +347,7 @@ class SpecDecodeWorker:
         adjusted: torch.Tensor,
     ) -> dict[int, list[int]]:
         """Rejection-sample the random rows ``ids`` (indices into ``verify``) in one call."""
-        k = max(len(verify[n].drafts) for n in ids)
+        k = max(1, max(verify[n].num_real for n in ids))
         B, V = len(ids), adjusted.shape[1]
         device = adjusted.device
         target = torch.zeros(B, k + 1, V, dtype=torch.float32, device=device)
@@ -286,12 +358,12 @@ class SpecDecodeWorker:
         generators = []
         for b, n in enumerate(ids):
             v = verify[n]
-            m = len(v.drafts)
+            m = v.num_real
             params = metas[v.index].sampling_params
             target[b, : m + 1] = Sampler.sampling_probs(
                 adjusted[offsets[n] : offsets[n] + m + 1], [params] * (m + 1)
             )
-            draft_ids[b, :m] = torch.tensor(v.drafts, dtype=torch.long)
+            draft_ids[b, :m] = torch.tensor(v.drafts[:m], dtype=torch.long)
             counts[b] = m
             if draft_probs is not None:
                 if v.draft_probs is not None:

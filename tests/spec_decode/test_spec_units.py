@@ -187,7 +187,7 @@ def test_disable_by_batch_size_and_per_group_switches():
     assert {m.request_id: m.num_speculative_tokens for m in metas} == {"g0": 2, "g1": 0}
 
 
-def test_groups_with_several_live_sequences_do_not_speculate():
+def test_groups_with_several_live_sequences_speculate_together():
     cc, sc = configs(G=128, BS=4, lookahead=2, C=32)
     sched = Scheduler(sc, cc)
     g = make_group("multi", prompt_of(1, 5), n=2, max_tokens=6)
@@ -202,7 +202,9 @@ def test_groups_with_several_live_sequences_do_not_speculate():
     for s in g.get_seqs():
         s.append_token_id(3)
     metas, out = sched.schedule()
-    assert metas[0].num_speculative_tokens == 0
+    assert metas[0].num_speculative_tokens == 2 and len(metas[0].seq_data) == 2
+    for s in g.get_seqs():  # both got slots for positions len-1 .. len+1
+        assert len(sched.block_manager.get_block_table(s)) * 4 >= s.get_len() + 2
 
 
 def test_lookahead_is_dropped_before_anyone_is_preempted():
@@ -261,3 +263,17 @@ def test_random_acceptance_conserves_blocks_and_drains(seed, CP, PC, PM, G, k):
     stats = bm.get_stats()
     assert stats["num_free_gpu_blocks"] == G
     assert stats["num_free_cpu_blocks"] == 64
+
+
+def test_lookahead_counts_against_the_token_budget():
+    """A speculative decode feeds 1 + lookahead tokens: the step budget counts them, and a
+    decode gets only the lookahead that fits."""
+    cc, sc = configs(G=128, BS=4, lookahead=4, T=12)
+    sched = Scheduler(sc, cc)
+    for i in range(3):
+        sched.add_seq_group(make_group(f"g{i}", prompt_of(i, 4), max_tokens=8))
+    _step(sched, accept=0)
+    metas, out = sched.schedule()
+    # 12 tokens: the first two decodes take 5 each, the third what is left (2: 1 + 1 slot)
+    assert [m.num_speculative_tokens for m in metas] == [4, 4, 1]
+    assert out.num_batched_tokens == 12

@@ -193,10 +193,15 @@ class DraftModelProposer(Proposer):
         """Mirror the step's swap-out, swap-in and copies on the draft cache, and follow the
         moved blocks in the recorded tables (so swapped sequences keep their draft K/V)."""
         cache, _ = self._ensure_cache()
-        with torch.inference_mode():
-            cache.swap_out(req.blocks_to_swap_out)
-            cache.swap_in(req.blocks_to_swap_in)
-            cache.copy(req.blocks_to_copy)
+        try:
+            with torch.inference_mode():
+                cache.swap_out(req.blocks_to_swap_out)
+                cache.swap_in(req.blocks_to_swap_in)
+                cache.copy(req.blocks_to_copy)
+        except Exception:
+            # Some moves may be half applied: trust nothing the draft computed before.
+            self._seqs.clear()
+            raise
         if req.blocks_to_swap_out:
             out = req.blocks_to_swap_out
             for st in self._seqs.values():
@@ -243,7 +248,7 @@ class DraftModelProposer(Proposer):
     def propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:
         """Run the step's prefill chunks and catch-up on the draft, then draft up to
         ``min(k, md.num_speculative_tokens)`` tokens (less when ``max_tokens`` is nearer) for
-        each speculating single-sequence decode. Returns seq_id -> ``Proposal``."""
+        sequence of each speculating decode. Returns seq_id -> ``Proposal``."""
         t0 = time.perf_counter()
         try:
             proposals = self._propose(req, k)
@@ -257,7 +262,7 @@ class DraftModelProposer(Proposer):
         items: list[_Item] = []
         budget = self.max_catch_up_tokens  # tokens of the step's first draft forward
         for md in req.seq_group_metadata_list:
-            speculating = not md.is_prompt and md.num_speculative_tokens > 0 and len(md.seq_data) == 1
+            speculating = not md.is_prompt and md.num_speculative_tokens > 0
             if not md.is_prompt and not speculating:
                 continue  # a plain decode: the draft catches up when it next speculates
             for sid, data in md.seq_data.items():

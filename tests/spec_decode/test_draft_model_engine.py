@@ -168,3 +168,23 @@ def test_sampled_requests_with_a_seed_repeat(tiny_llama_dir, prompts):
     assert again["r0"].outputs[0].token_ids == first["r2"].outputs[0].token_ids
     assert engine.stats.spec_num_accepted_tokens > 0
     assert len({tuple(o.outputs[0].token_ids) for o in first.values()}) == len(batch)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_n_greater_than_one_with_a_draft_model(tiny_llama_dir, random_draft_dir, prompts, reference, mode):
+    """n = 2 greedy samples fork one prefill (copy-on-write of the shared last block, mirrored
+    on the draft cache) and speculate in lockstep: both equal speculation off, with the target
+    as its own draft (every draft accepted) and with a random one, under preemption."""
+
+    def params(i):
+        return SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+    for draft_dir in (tiny_llama_dir, random_draft_dir):
+        engine = make_engine(tiny_llama_dir, draft(draft_dir), **PRESSURE, preemption_mode=mode)
+        finals = drain(engine, prompts[:4], params)
+        for r, o in finals.items():
+            assert [c.token_ids for c in o.outputs] == [reference[r]] * 2
+        s = engine.stats
+        assert s.spec_num_draft_tokens > 0
+        if draft_dir == tiny_llama_dir:
+            assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens

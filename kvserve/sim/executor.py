@@ -287,17 +287,29 @@ class SimulatedExecutor:
         results: list[CompletionSequenceGroupOutput] = []
         for mi, meta in enumerate(req.seq_group_metadata_list):
             out = CompletionSequenceGroupOutput()
-            if meta.do_sample:
+            if meta.do_sample and mi in num_drafts:
+                m = num_drafts[mi]
+                reads = {}
+                for sid in sorted(meta.seq_data):
+                    data = meta.seq_data[sid]
+                    end = data.get_num_computed_tokens() + meta.token_chunk_size
+                    reads[sid] = (
+                        self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end),
+                        end,
+                    )
+                # A group's sequences advance in lockstep: all emit as many as the one that
+                # accepted fewest (as the real verifier does).
+                a = min(self._num_accepted(read, m) for read, _ in reads.values())
+                for sid, (read, end) in reads.items():
+                    sample = self._verify(read, meta.block_tables[sid], end, m, a, sid)
+                    out.samples.append(sample)
+                    out.spec_num_draft_tokens += m
+                    out.spec_num_accepted_tokens += a
+            elif meta.do_sample:
                 for sid in sorted(meta.seq_data):
                     data = meta.seq_data[sid]
                     end = data.get_num_computed_tokens() + meta.token_chunk_size
                     read = self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end)
-                    if mi in num_drafts:
-                        sample = self._verify(read, data, meta.block_tables[sid], end, num_drafts[mi], sid)
-                        out.samples.append(sample)
-                        out.spec_num_draft_tokens += sample.num_draft_tokens
-                        out.spec_num_accepted_tokens += sample.num_accepted_tokens
-                        continue
                     for i in range(max(1, meta.num_samples)):
                         out.samples.append(
                             SequenceOutput(
@@ -326,12 +338,18 @@ class SimulatedExecutor:
             nxt = [read[0] + 1] + nxt[2:]
         return nxt
 
-    def _verify(self, read: list[int], data, table: list[int], end: int, m: int, sid: int) -> SequenceOutput:
-        """A verification of ``m`` drafts for the sequence whose context up to ``end`` is
-        ``read``: draw the accepted count, emit that many chain tokens + one, and write the
-        accepted drafts (and markers for the rejected ones) into the shadow cache."""
-        u = _mix64(token_hash(read, _ACCEPT_SALT)) / float(1 << 64)
-        a = self.acceptance.num_accepted(u, m) if self.acceptance is not None else 0
+    def _num_accepted(self, read: list[int], m: int) -> int:
+        """The acceptance model's count for a verification of ``m`` drafts after ``read``."""
+        if self.acceptance is None:
+            return 0
+        return self.acceptance.num_accepted(_mix64(token_hash(read, _ACCEPT_SALT)) / float(1 << 64), m)
+
+    def _verify(
+        self, read: list[int], table: list[int], end: int, m: int, a: int, sid: int
+    ) -> SequenceOutput:
+        """A verification of ``m`` drafts, ``a`` of them accepted, for the sequence whose
+        context up to ``end`` is ``read``: emit ``a + 1`` chain tokens and write the accepted
+        drafts (and markers for the rejected ones) into the shadow cache."""
         tokens: list[int] = []
         for j in range(a + 1):
             tok = self._sample(read, 0)

@@ -181,9 +181,14 @@ def _run(cc, sc, requests, accept: AcceptanceModel | None, spec_cfg: Speculative
     h.engine.speculative_config = spec_cfg
     for rid, prompt, params in requests:
         h.add(rid, {"prompt_token_ids": prompt}, params)
-    h.run()
+
+    def lockstep(h, _step):  # a group's live sequences always have one length
+        for g in h.scheduler.running:
+            assert len({s.get_len() for s in g.get_unfinished_seqs()}) <= 1, g.request_id
+
+    h.run(on_step=lockstep)
     h.assert_idle()
-    return h, {rid: o.outputs[0].token_ids for rid, o in h.outputs.items()}
+    return h, {rid: [c.token_ids for c in o.outputs] for rid, o in h.outputs.items()}
 
 
 def _workload(n, seed, max_tokens=24):
@@ -193,13 +198,11 @@ def _workload(n, seed, max_tokens=24):
     reqs = []
     for i in range(n):
         prompt = prompt_of(i % 3, rng.randrange(3, 30))  # shared heads for prefix caching
-        reqs.append(
-            (
-                f"r{i}",
-                prompt,
-                SamplingParams(max_tokens=rng.randrange(1, max_tokens), temperature=0.0, ignore_eos=True),
-            )
+        n = 2 if rng.random() < 0.25 else 1  # n > 1 speculates in lockstep
+        params = SamplingParams(
+            n=n, max_tokens=rng.randrange(1, max_tokens), temperature=0.0 if n == 1 else 1.0, ignore_eos=True
         )
+        reqs.append((f"r{i}", prompt, params))
     return reqs
 
 

@@ -354,3 +354,25 @@ def test_catch_up_is_spread_over_steps(driver, models):
     driver.data[0].append_token_id(9)
     check(driver, draft_hf, 0, 1)  # length 35: 11 missing: fed, then proposes
     assert driver.p.num_fed_tokens == 24 + 11 + K - 1
+
+
+def test_failed_block_moves_drop_all_draft_state(driver, models, monkeypatch):
+    """A swap that fails half way leaves the draft cache unknown: the proposer forgets what it
+    computed (and re-feeds) instead of reading it."""
+    draft_hf = models[2]
+    driver.add(0, list(range(50, 61)))
+    driver.prefill(0, 11)
+    check(driver, draft_hf, 0, 1)
+    cache = driver.p.cache_engine
+
+    def broken(mapping):
+        cache.device_cache.fill_(0.25)  # half applied: garbage everywhere
+        raise RuntimeError("swap failed")
+
+    monkeypatch.setattr(cache, "swap_in", broken)
+    with pytest.raises(RuntimeError, match="swap failed"):
+        driver.step([], blocks_to_swap_in={0: driver.alloc.free[-1]})
+    monkeypatch.undo()
+    fed = driver.p.num_fed_tokens
+    check(driver, draft_hf, 0, 2)
+    assert driver.p.num_fed_tokens - fed == driver.data[0].get_len() - 3 + K - 1  # everything re-fed

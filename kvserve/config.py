@@ -6,7 +6,9 @@ Every invalid value raises ``ValueError`` naming the field and the allowed range
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 #: Step budget (tokens) of chunked prefill when none is given (vLLM V0's default).
 CHUNKED_PREFILL_TOKENS = 512
@@ -139,7 +141,11 @@ class SchedulerConfig:
         long_prefill_token_threshold: with chunked prefill, the most tokens one prompt may take
             in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
         max_waiting: bound on the waiting queue (the server answers 503 past it); ``None`` = no bound.
-        num_lookahead_slots: extra slots reserved per decode (speculative decoding hook; 0).
+        num_lookahead_slots: KV slots reserved per decoding sequence beyond its next token, for
+            speculative decoding (``SpeculativeConfig.num_speculative_tokens``; 0 = off).
+            Prefills reserve none.
+        spec_decode_disable_by_batch_size: with lookahead slots, a step with more running
+            sequences than this reserves none (plain decode for all); ``None`` = never.
         delay_factor: vLLM V0's prompt delay (>= 0, unitless): while groups are running, new
             prompts are admitted only once the oldest waiting one has waited longer than
             ``delay_factor`` times the latency of the last step that admitted prompts, so
@@ -158,6 +164,7 @@ class SchedulerConfig:
     max_waiting: int | None = None
     num_lookahead_slots: int = 0
     delay_factor: float = 0.0
+    spec_decode_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.preemption_mode, str):
@@ -181,6 +188,100 @@ class SchedulerConfig:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots!r}.")
         if not isinstance(self.delay_factor, (int, float)) or not 0 <= self.delay_factor < float("inf"):
             raise ValueError(f"delay_factor must be a finite number >= 0, got {self.delay_factor!r}.")
+        _positive_int("spec_decode_disable_by_batch_size", self.spec_decode_disable_by_batch_size, True)
+
+
+#: Speculation methods ``SpeculativeConfig.method`` accepts.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` names).
+
+    Each decoding sequence gets up to ``num_speculative_tokens`` proposed tokens per step; the
+    target model scores all of them plus one more position in one forward and keeps the longest
+    accepted prefix plus one token of its own (Leviathan et al. 2023; Chen et al. 2023).
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup over prompt + output so far, Saxena 2023) or
+            ``"draft_model"`` (a small local HF Llama-family model sharing the tokenizer).
+        num_speculative_tokens: proposed tokens per sequence per step (k, 1..64).
+        prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram only;
+            1 <= min <= max <= 64).
+        model: the draft model's local HF directory (required for, and only for, draft_model).
+        disable_by_batch_size: a step with more running sequences than this does not speculate
+            (no lookahead slots, plain decode); ``None`` = always speculate.
+        disable_below_acceptance_rate: a request whose own acceptance rate (accepted / drafted
+            tokens) is below this once it has drafted ``acceptance_window`` tokens stops
+            speculating for the rest of its life (0.0 = never), in [0, 1].
+        acceptance_window: drafted tokens before that rule is applied (>= 1).
+
+    Raises:
+        ValueError: a bad value, naming the field (``speculative_config.<field>``) and the limit.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    disable_below_acceptance_rate: float = 0.1
+    acceptance_window: int = 32
+
+    def __post_init__(self) -> None:
+        f = "speculative_config."
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"{f}method must be one of {'|'.join(SPECULATIVE_METHODS)}, got {self.method!r}."
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+                raise ValueError(f"{f}{name} must be an integer in [1, 64], got {v!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"{f}prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})."
+            )
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"{f}model is required for method 'draft_model' (a local HF directory).")
+        elif self.model is not None:
+            raise ValueError(f"{f}model is only used by method 'draft_model', got method {self.method!r}.")
+        _positive_int(f"{f}disable_by_batch_size", self.disable_by_batch_size, allow_none=True)
+        r = self.disable_below_acceptance_rate
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"{f}disable_below_acceptance_rate must be a number in [0, 1], got {r!r}.")
+        _positive_int(f"{f}acceptance_window", self.acceptance_window)
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """Parse ``value``: a ``SpeculativeConfig``, a dict of its fields, a JSON object string
+        (the CLI's ``--speculative-config``), or None / ``""`` (off).
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a bad value (naming the field).
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        known = {fl.name for fl in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config.{unknown[0]} is not a known field (known: {', '.join(sorted(known))})."
+            )
+        return cls(**value)
 
 
 @dataclass
@@ -216,13 +317,25 @@ class EngineArgs:
     max_waiting: int | None = None
     watermark: float = 0.01
     delay_factor: float = 0.0
+    #: ``SpeculativeConfig`` fields as a dict or a JSON object string; None = off.
+    speculative_config: dict | str | None = None
+
+    def __post_init__(self) -> None:
+        # A bad speculative_config is refused here, before any model is loaded.
+        self.create_speculative_config()
 
     @classmethod
     def field_names(cls) -> list:
         return [f.name for f in fields(cls)]
 
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (None = off). Raises ValueError naming the field."""
+        return SpeculativeConfig.from_value(self.speculative_config)
+
     def create_configs(self, model_max_len: int, sliding_window: int | None = None):
-        """Returns ``(ModelConfig, CacheConfig, SchedulerConfig)``.
+        """Returns ``(ModelConfig, CacheConfig, SchedulerConfig)``; with ``speculative_config``
+        the scheduler config reserves ``num_speculative_tokens`` lookahead slots per decode
+        (``create_speculative_config`` gives the rest).
 
         Raises:
             ValueError: if ``max_model_len`` exceeds the model's ``max_position_embeddings``
@@ -240,6 +353,7 @@ class EngineArgs:
         # rows, so (as vLLM's CPU backend) prompts are chunked into 2,048-token steps mixed with
         # decodes: first tokens stream out while later prompts prefill (docs/benchmarks.md).
         # CUDA keeps vLLM V0's default: whole prompts, budget = max_model_len.
+        spec = self.create_speculative_config()
         on_cpu = model_config.resolved_device() == "cpu"
         chunked = on_cpu if self.enable_chunked_prefill is None else self.enable_chunked_prefill
         budget = self.max_num_batched_tokens
@@ -266,5 +380,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting=self.max_waiting,
             delay_factor=self.delay_factor,
+            num_lookahead_slots=spec.num_speculative_tokens if spec else 0,
+            spec_decode_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
         )
         return model_config, cache_config, scheduler_config

@@ -65,6 +65,8 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def outcome(self) -> str | None:

@@ -298,6 +298,12 @@ class SequenceGroup:
         self.prompt_logprobs: PromptLogprobs | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
         )
+        # Speculative decoding: drafted / accepted tokens over the request's life, and whether
+        # it speculates no more (set by the engine: structured output, low acceptance). The
+        # scheduler reserves no lookahead slots for a disabled group.
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_decode_disabled = False
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -414,26 +420,56 @@ class SequenceGroupMetadata:
     # (``SequenceGroup.prompt_logits_needed_from``); None: none.
     prompt_logprobs_from: int | None = None
     token_bitmask: Any = None
+    # Speculative decoding: lookahead slots the scheduler reserved for this decode, i.e. the
+    # most tokens that may be proposed and verified for each of its sequences this step
+    # (0 = plain decode). Positions ``len - 1 .. len - 1 + num_speculative_tokens`` have slots.
+    num_speculative_tokens: int = 0
 
 
 @dataclass
 class SequenceOutput:
-    """One sampled token for one sequence: ``parent_seq_id`` is the sequence it extends."""
+    """One sampled token for one sequence: ``parent_seq_id`` is the sequence it extends.
+
+    Speculative decoding (a verified step) emits several tokens for one sequence: this object
+    carries the first (``output_token``, ``logprob``, ``top_logprobs``) and ``spec_tokens`` the
+    ones after it, in order, each a ``SequenceOutput`` with the same ``parent_seq_id`` and an
+    empty ``spec_tokens``. Emitted tokens = ``[self] + spec_tokens``: the accepted drafts, then
+    the target's own token (the correction of the first rejected draft, or the bonus token
+    when all were accepted), so ``len(spec_tokens) == num_accepted_tokens``. (The samples of an
+    ``n > 1`` group stay in lockstep: each is cut to the group's shortest run, so its last token
+    may be an accepted draft; ``num_accepted_tokens`` counts what it emits.)
+    ``num_draft_tokens``: drafts verified for this sequence this step (0 = not speculated);
+    ``num_accepted_tokens``: how many of them the verifier accepted (a prefix). The engine
+    appends them one by one and stops at the first that ends the sequence (nothing after a
+    stop is emitted), then rolls ``num_computed_tokens`` back to the last accepted position.
+    """
 
     parent_seq_id: int
     output_token: int
     logprob: float = 0.0
     top_logprobs: dict[int, float] | None = None
+    spec_tokens: list[SequenceOutput] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def emitted(self) -> list[SequenceOutput]:
+        """All tokens this output emits, in order (``[self] + spec_tokens``)."""
+        return [self, *self.spec_tokens] if self.spec_tokens else [self]
 
 
 @dataclass
 class CompletionSequenceGroupOutput:
     """Samples of one scheduled group in one step (empty when ``do_sample`` was False), and
-    the prompt logprobs of prompt tokens ``prompt_logprobs_start ..`` computed this step."""
+    the prompt logprobs of prompt tokens ``prompt_logprobs_start ..`` computed this step.
+
+    ``spec_num_draft_tokens`` / ``spec_num_accepted_tokens``: the step's drafted and accepted
+    tokens summed over the group's samples (0 / 0 when it did not speculate)."""
 
     samples: list[SequenceOutput] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs_start: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class BlockMoveError(RuntimeError):

@@ -9,6 +9,7 @@ COMMANDS = {
     "serve": ("kvserve.benchmarks.serve", "online load generator for an OpenAI-compatible server"),
     "cold-start": ("kvserve.benchmarks.cold_start", "process start -> first token, twice"),
     "plot": ("kvserve.benchmarks.plots", "redraw plots from a benchmark JSON"),
+    "spec-decode": ("kvserve.benchmarks.spec_decode", "speculation off vs n-gram vs draft model"),
 }
 
 

@@ -145,10 +145,12 @@ class SchedulingBudget:
 @dataclass
 class ScheduledSequenceGroup:
     """A group scheduled this step; ``token_chunk_size`` tokens per live sequence (1 for a
-    decode, the chunk length for a prefill)."""
+    decode, the chunk length for a prefill); ``num_lookahead_slots``: slots reserved past the
+    decode's token for speculative decoding (0 for prefills and plain decodes)."""
 
     seq_group: SequenceGroup
     token_chunk_size: int
+    num_lookahead_slots: int = 0
 
 
 @dataclass
@@ -158,12 +160,14 @@ class SchedulerOutputs:
     Attributes:
         scheduled_seq_groups: prefills first, then decodes; same order as the metadata list.
         num_prefill_groups: how many of them are prefills (whole or chunk).
-        num_batched_tokens: tokens fed this step (<= max_num_batched_tokens).
+        num_batched_tokens: tokens fed this step (<= max_num_batched_tokens), each decode's
+            lookahead slots included (the positions a speculative decode verifies).
         blocks_to_swap_in: CPU block -> GPU block.
         blocks_to_swap_out: GPU block -> CPU block.
         blocks_to_copy: source GPU block -> destination GPU blocks (copy-on-write).
         ignored_seq_groups: groups rejected this step (FINISHED_IGNORED, with ``ignored_reason``).
-        num_lookahead_slots: extra slots reserved per decode.
+        num_lookahead_slots: the most lookahead slots any decode got this step (0 = no decode
+            speculates); each group's own count is ``ScheduledSequenceGroup.num_lookahead_slots``.
         running_queue_size: len(running) after this step's decisions.
         preempted: groups preempted (recompute or swap) this step.
     """
@@ -239,6 +243,7 @@ class _Step:
         "capped",
         "reserved",
         "passed_delay",
+        "speculate",
     )
 
     def __init__(self, now: float, swapped_at_start: tuple[SequenceGroup, ...] = ()) -> None:
@@ -256,6 +261,7 @@ class _Step:
         # freed blocks are theirs, not for the growth of running groups they outrank.
         self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
         self.passed_delay = True  # delay_factor: new prompts may be admitted this step
+        self.speculate = False  # decodes may reserve lookahead slots this step
 
     def add_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -492,6 +498,7 @@ class Scheduler:
                     generator=g.generator,
                     computed_block_nums=computed,
                     prompt_logprobs_from=g.prompt_logits_needed_from() if is_prompt else None,
+                    num_speculative_tokens=0 if is_prompt else ssg.num_lookahead_slots,
                 )
             )
         return metas, out
@@ -500,6 +507,25 @@ class Scheduler:
         if self.scheduler_config.chunked_prefill_enabled:
             return self._schedule_chunked_prefill()
         return self._schedule_default()
+
+    def _new_step(self) -> _Step:
+        st = _Step(self.clock(), tuple(self.swapped))
+        st.passed_delay = self._passed_delay(st.now)
+        if self.num_lookahead_slots:
+            limit = self.scheduler_config.spec_decode_disable_by_batch_size
+            # vLLM's disable_by_batch_size: a busy step is weight-read bound no more, so
+            # verifying drafts would cost more than the tokens it saves.
+            st.speculate = limit is None or sum(g.num_unfinished_seqs() for g in self.running) <= limit
+        return st
+
+    def _get_num_lookahead_slots(self, g: SequenceGroup, st: _Step, live: list[Sequence]) -> int:
+        """Lookahead slots for decoding group ``g`` this step: ``num_lookahead_slots``, fewer
+        near ``max_model_len`` (the verified positions must exist), 0 when the step does not
+        speculate or the engine switched the group off."""
+        if not st.speculate or g.spec_decode_disabled or not live:
+            return 0
+        room = self.scheduler_config.max_model_len - live[0].get_len()
+        return max(0, min(self.num_lookahead_slots, room))
 
     def _new_budget(self) -> SchedulingBudget:
         budget = SchedulingBudget(
@@ -514,8 +540,7 @@ class Scheduler:
 
     def _schedule_default(self) -> SchedulerOutputs:
         """V0 path: whole prompts first; decodes (and swap-ins) only in steps without any."""
-        st = _Step(self.clock(), tuple(self.swapped))
-        st.passed_delay = self._passed_delay(st.now)
+        st = self._new_step()
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -531,8 +556,7 @@ class Scheduler:
     def _schedule_chunked_prefill(self) -> SchedulerOutputs:
         """Sarathi-Serve path: decodes, running prefills, swap-ins, then new prompts, all
         under one token budget; leftover budget tops up chunks cut by the long-prefill cap."""
-        st = _Step(self.clock(), tuple(self.swapped))
-        st.passed_delay = self._passed_delay(st.now)
+        st = self._new_step()
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
@@ -574,7 +598,7 @@ class Scheduler:
             blocks_to_swap_out=st.blocks_to_swap_out,
             blocks_to_copy=st.blocks_to_copy,
             ignored_seq_groups=self._take_rejected() + prefills.ignored_seq_groups + st.ignored,
-            num_lookahead_slots=self.num_lookahead_slots if decode_groups else 0,
+            num_lookahead_slots=max((s.num_lookahead_slots for s in decode_groups), default=0),
             running_queue_size=len(self.running),
             preempted=len(st.preempted) + len(st.swapped_out),
         )
@@ -745,7 +769,6 @@ class Scheduler:
         victims = list(ranked)  # lowest rank at the end
         done: set[str] = set()
         kept: list[SequenceGroup] = []  # stay in running (scheduled or not)
-        lookahead = self.num_lookahead_slots
         for g in order:
             rid = g.request_id
             if rid in done:
@@ -787,10 +810,19 @@ class Scheduler:
                 continue
             scheduled = True
             reserve = self._reserved_against(g, st) if st.reserved else 0
+            lookahead = 0
+            if st.speculate:
+                # verified positions are fed tokens too: they count against the step's budget
+                room = budget.remaining_token_budget() // n_tokens - 1
+                lookahead = max(0, min(self._get_num_lookahead_slots(g, st, live), room))
             while True:
                 copies = bm.try_append_slots(g, lookahead, reserve)
                 if copies is not None:
                     break
+                if lookahead:
+                    # Speculate less before preempting anyone: the lookahead is optional.
+                    lookahead = 0
+                    continue
                 victim = None
                 while victims:
                     v = victims.pop()
@@ -822,8 +854,8 @@ class Scheduler:
                 continue
             if copies:
                 st.add_copies(copies)
-            out.decode_seq_groups.append(ScheduledSequenceGroup(g, 1))
-            budget.add_num_batched_tokens(rid, n_tokens)
+            out.decode_seq_groups.append(ScheduledSequenceGroup(g, 1, lookahead))
+            budget.add_num_batched_tokens(rid, n_tokens * (1 + lookahead))
             kept.append(g)
         # Groups preempted after being passed over stay out; everything else remains running.
         self.running = deque(g for g in kept if g.request_id not in st.preempted_ids)
@@ -839,12 +871,21 @@ class Scheduler:
         if not self.swapped:
             return out
         bm = self.block_manager
-        lookahead = self.num_lookahead_slots
         ranked = self.policy.sort_by_priority(st.now, self.swapped)
         remaining: deque[SequenceGroup] = deque()
         while ranked:
             g = ranked[0]
+            lookahead = 0
+            if st.speculate and not g.is_prefill():
+                n_live = max(1, g.num_seqs(SequenceStatus.SWAPPED))
+                room = budget.remaining_token_budget() // n_live - 1
+                lookahead = max(
+                    0, min(self._get_num_lookahead_slots(g, st, g.get_seqs(SequenceStatus.SWAPPED)), room)
+                )
             status = bm.can_swap_in(g, lookahead, ignore_watermark=not self.running)
+            if lookahead and status != AllocStatus.OK:
+                lookahead = 0  # speculate less rather than wait
+                status = bm.can_swap_in(g, 0, ignore_watermark=not self.running)
             if status == AllocStatus.LATER:
                 break
             if status == AllocStatus.NEVER:
@@ -865,7 +906,7 @@ class Scheduler:
                 n_tokens = chunk * len(live)
             else:
                 chunk, capped = 1, False
-                n_tokens = len(live)
+                n_tokens = len(live) * (1 + lookahead)
             if n_tokens <= 0 or not budget.can_schedule(
                 num_new_tokens=n_tokens, num_new_seqs=g.get_max_num_running_seqs()
             ):
@@ -874,7 +915,7 @@ class Scheduler:
             bm.swap_in(g, out.blocks_to_swap_in)
             for s in live:
                 s.status = SequenceStatus.RUNNING
-            ssg = ScheduledSequenceGroup(g, chunk)
+            ssg = ScheduledSequenceGroup(g, chunk, 0 if is_prefill else lookahead)
             if is_prefill:
                 out.prefill_seq_groups.append(ssg)
                 if capped:

@@ -7,9 +7,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.fault_isolation import bisect_failures
 from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
@@ -52,6 +52,9 @@ class LLMEngine:
         clock: seconds; ``time.time`` for real runs, the simulator's virtual clock otherwise.
         vocab_size: for validating token ids (None = no check).
         eos_token_id: the model's end-of-sequence id (None = no EOS).
+        speculative_config: speculative decoding settings (the executor verifies; the engine
+            appends every emitted token, counts drafts and switches a request's speculation
+            off when its acceptance stays low), or None.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.time,
         vocab_size: int | None = None,
         eos_token_id: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -75,6 +79,7 @@ class LLMEngine:
         self.clock = clock
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.speculative_config = speculative_config
         self.scheduler = Scheduler(scheduler_config, cache_config, clock=clock)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
@@ -126,11 +131,17 @@ class LLMEngine:
             hf_config.max_position_embeddings, sliding_window
         )
         model_config.model = str(model_dir)
+        spec_config = args.create_speculative_config()
         worker = Worker(model_config, cache_config, scheduler_config)
         num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
         cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         worker.init_cache(num_gpu_blocks, num_cpu_blocks)
         worker.warm_up()
+        executor: Any = worker
+        if spec_config is not None:
+            from kvserve.spec_decode.spec_decode_worker import SpecDecodeWorker, build_proposer
+
+            executor = SpecDecodeWorker(worker, build_proposer(spec_config, worker), spec_config)
         tokenizer = load_tokenizer(model_dir)
         eos = hf_config.eos_token_id
         if isinstance(eos, list):
@@ -141,10 +152,11 @@ class LLMEngine:
             model_config,
             cache_config,
             scheduler_config,
-            executor=worker,
+            executor=executor,
             tokenizer=tokenizer,
             vocab_size=hf_config.vocab_size,
             eos_token_id=eos,
+            speculative_config=spec_config,
         )
 
     # ------------------------------------------------------------------ requests
@@ -189,6 +201,9 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority,
         )
+        if params.structured_outputs is not None:
+            # Drafts are not checked against the grammar: constrained requests never speculate.
+            group.spec_decode_disabled = True
         if params.seed is not None:
             import torch
 
@@ -381,7 +396,6 @@ class LLMEngine:
     def _process_samples(
         self, group: SequenceGroup, result: CompletionSequenceGroupOutput, now: float
     ) -> None:
-        params = group.sampling_params
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
         group.metrics.last_token_time = now
@@ -402,28 +416,69 @@ class LLMEngine:
         else:
             targets = [group.seqs_dict[s.parent_seq_id] for s in samples]
         max_tokens = self._max_tokens[group.request_id]
+        num_emitted = 0
         for seq, sample in zip(targets, samples):
-            seq.append_token_id(
-                sample.output_token,
-                sample.logprob,
-                sample.top_logprobs if params.logprobs is not None else None,
-            )
-            grammar_done = False
-            if self._structured is not None:
-                grammar_done = self._structured.accept_token(seq.seq_id, sample.output_token)
-            new_text = ""
-            if self.detokenizer is not None:
-                new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
-            self.stop_checker.maybe_stop(seq, params, new_text, max_tokens)
-            if grammar_done and not seq.is_finished():
-                # The constraint is complete: only EOS could follow, so end here (a step saved;
-                # with ignore_eos the EOS would not end it at all).
-                seq.status = SequenceStatus.FINISHED_STOPPED
+            emitted = sample.emitted()
+            appended = 0
+            for tok in emitted:
+                appended += 1
+                self._append_token(group, seq, tok, max_tokens)
+                if seq.is_finished():
+                    break  # nothing after a stop is emitted
+            num_emitted += appended
             if seq.is_finished():
                 self.scheduler.free_seq(seq)
                 if self._structured is not None:
                     self._structured.free(seq.seq_id)
-        self.stats.on_tokens(len(samples))
+            elif appended > 1:
+                # The verify chunk computed the K/V of the accepted drafts (the tokens appended
+                # before the last); the last one's slot holds a rejected draft (or nothing) and
+                # is overwritten when it is fed next step.
+                seq.data.update_num_computed_tokens(appended - 1)
+        self.stats.on_tokens(num_emitted)
+        if result.spec_num_draft_tokens:
+            self._account_speculation(group, result, samples)
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, sample, max_tokens: int) -> None:
+        """Append one emitted token to ``seq``: structured-output matcher, detokenizer, stop
+        checks (the sequence may finish here)."""
+        params = group.sampling_params
+        seq.append_token_id(
+            sample.output_token,
+            sample.logprob,
+            sample.top_logprobs if params.logprobs is not None else None,
+        )
+        grammar_done = False
+        if self._structured is not None:
+            grammar_done = self._structured.accept_token(seq.seq_id, sample.output_token)
+        new_text = ""
+        if self.detokenizer is not None:
+            new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
+        self.stop_checker.maybe_stop(seq, params, new_text, max_tokens)
+        if grammar_done and not seq.is_finished():
+            # The constraint is complete: only EOS could follow, so end here (a step saved;
+            # with ignore_eos the EOS would not end it at all).
+            seq.status = SequenceStatus.FINISHED_STOPPED
+
+    def _account_speculation(
+        self, group: SequenceGroup, result: CompletionSequenceGroupOutput, samples
+    ) -> None:
+        """Count the step's drafts (request and engine) and switch the request's speculation
+        off for good once its acceptance rate stays below the configured floor."""
+        group.spec_num_draft_tokens += result.spec_num_draft_tokens
+        group.spec_num_accepted_tokens += result.spec_num_accepted_tokens
+        for sample in samples:
+            if sample.num_draft_tokens:
+                self.stats.on_speculation(sample.num_draft_tokens, sample.num_accepted_tokens)
+        cfg = self.speculative_config
+        if (
+            cfg is not None
+            and cfg.disable_below_acceptance_rate > 0
+            and group.spec_num_draft_tokens >= cfg.acceptance_window
+            and group.spec_num_accepted_tokens
+            < cfg.disable_below_acceptance_rate * group.spec_num_draft_tokens
+        ):
+            group.spec_decode_disabled = True
 
     # ------------------------------------------------------------------ outputs
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
@@ -458,6 +513,8 @@ class LLMEngine:
             error=group.error or group.ignored_reason,
             num_cached_tokens=group.num_cached_tokens or 0,
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            spec_num_draft_tokens=group.spec_num_draft_tokens,
+            spec_num_accepted_tokens=group.spec_num_accepted_tokens,
         )
 
     def _finish_request(self, group: SequenceGroup) -> RequestOutput:
@@ -467,6 +524,9 @@ class LLMEngine:
         if self._structured is not None:
             for seq in group.get_seqs():
                 self._structured.free(seq.seq_id)
+        free_seqs = getattr(self.executor, "free_seqs", None)
+        if free_seqs is not None:  # a speculating executor's per-sequence proposer state
+            free_seqs([seq.seq_id for seq in group.get_seqs()])
         self._groups.pop(group.request_id, None)
         self._max_tokens.pop(group.request_id, None)
         self.stats.on_request_finished(group, out)

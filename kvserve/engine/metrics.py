@@ -27,6 +27,13 @@ class EngineStats:
     queue_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
     timeline: deque[tuple[float, int, int, int, float]] = field(default_factory=lambda: deque(maxlen=100_000))
     listeners: list = field(default_factory=list)
+    # Speculative decoding: verified sequence-steps ("drafts"), drafted and accepted tokens,
+    # and per draft position how often it was accepted (position i counts when drafts 0..i
+    # all were).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     def on_request_added(self, prompt_len: int) -> None:
         self.num_requests_added += 1
@@ -38,6 +45,28 @@ class EngineStats:
 
     def on_tokens(self, n: int) -> None:
         self.num_generation_tokens += n
+
+    def on_speculation(self, num_draft: int, num_accepted: int) -> None:
+        """One sequence's verification: ``num_draft`` drafts, the first ``num_accepted`` kept."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft
+        self.spec_num_accepted_tokens += num_accepted
+        if len(self.spec_accepted_per_pos) < num_draft:
+            self.spec_accepted_per_pos.extend([0] * (num_draft - len(self.spec_accepted_per_pos)))
+        for i in range(num_accepted):
+            self.spec_accepted_per_pos[i] += 1
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0.0 before any draft)."""
+        return (
+            self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+        )
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: 1 + accepted / verifications (0.0 before any)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     def on_request_finished(self, group, out) -> None:
         m = group.metrics

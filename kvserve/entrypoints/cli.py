@@ -29,6 +29,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "speculative_config":
+            parser.add_argument(
+                flag,
+                type=str,
+                default=None,
+                metavar="JSON",
+                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+            )
         else:
             parser.add_argument(
                 flag,
@@ -64,7 +72,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_start, wall_start = time.perf_counter(), time.time()
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    try:
+        llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    except ValueError as e:  # a bad engine setting (named in the message)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t_loaded = time.perf_counter()
     if ns.prompt:
         outs = llm.generate(ns.prompt, params, use_tqdm=False)

@@ -381,11 +381,13 @@ class Sampler:
             tok, lp = tok.repeat_interleave(rep), lp.repeat_interleave(rep)
         return tok.tolist(), lp.tolist(), {}
 
-    def _general_path(self, logits: torch.Tensor, rows: list[_Row]):
+    @staticmethod
+    def adjust(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Step 1 of the pipeline (penalties, logit_bias, min_tokens) on float32 ``[R, V]``
+        logits, one row per ``rows`` entry. Returns ``logits`` itself when nothing applies, else
+        an adjusted copy."""
         device = logits.device
-        num_rows, vocab = logits.shape
-
-        # 1. Adjust (penalties, logit_bias, min_tokens) -> ``adjusted`` (a copy if touched).
+        vocab = logits.shape[1]
         adjusted = logits
         pen_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if pen_rows:
@@ -420,6 +422,31 @@ class Sampler:
                 adjusted = adjusted.clone()
             sup_t = [t for r in rows for t in r.suppressed]
             adjusted[torch.tensor(sup_r, device=device), torch.tensor(sup_t, device=device)] = float("-inf")
+
+        return adjusted
+
+    @staticmethod
+    def sampling_probs(adjusted: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, then top-k / top-p /
+        min-p truncation, then softmax. ``adjusted``: float32 ``[R, V]`` (step 1 applied),
+        ``params``: the ``R`` rows' params (none greedy). Returns float32 ``[R, V]``."""
+        device = adjusted.device
+        temps = torch.tensor([float(p.temperature) for p in params], device=device)
+        x = adjusted / temps.unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            x = apply_top_k_top_p_min_p(
+                x,
+                torch.tensor([p.top_k for p in params], dtype=torch.long),
+                torch.tensor([float(p.top_p) for p in params]),
+                torch.tensor([float(p.min_p) for p in params]),
+            )
+        return x.softmax(dim=-1)
+
+    def _general_path(self, logits: torch.Tensor, rows: list[_Row]):
+        device = logits.device
+        num_rows, vocab = logits.shape
+
+        adjusted = self.adjust(logits, rows)
 
         # 2. Choose tokens. Samples are laid out row by row, num_samples each.
         counts = [r.num_samples for r in rows]
@@ -474,16 +501,7 @@ class Sampler:
         vocab = adjusted.shape[1]
         sub = [rows[i] for i in random]
         x = adjusted[torch.tensor(random, device=device)]
-        temps = torch.tensor([float(r.params.temperature) for r in sub], device=device)
-        x = x / temps.unsqueeze(1)
-        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in sub):
-            x = apply_top_k_top_p_min_p(
-                x,
-                torch.tensor([r.params.top_k for r in sub], dtype=torch.long),
-                torch.tensor([float(r.params.top_p) for r in sub]),
-                torch.tensor([float(r.params.min_p) for r in sub]),
-            )
-        probs = x.softmax(dim=-1)
+        probs = Sampler.sampling_probs(x, [r.params for r in sub])
         sub_counts = [counts[i] for i in random]
         if any(c > 1 for c in sub_counts):
             probs = probs.repeat_interleave(torch.tensor(sub_counts, device=device), dim=0)

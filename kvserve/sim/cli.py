@@ -4,6 +4,9 @@ The engine (``LLMEngine``), scheduler and block manager are the production ones;
 executor is replaced by ``SimulatedExecutor`` and wall time by its virtual clock, so a what-if
 study (policy, cache size, chunked prefill, preemption mode) runs in seconds for hours of
 trace. Prints a latency table (and writes it as JSON with ``--json-out``).
+
+``--speculative-config`` takes the engine's JSON plus an acceptance model (``acceptance_rate``
+or ``mean_accepted_len``, optionally ``draft_step_s``; see ``kvserve.sim.acceptance``).
 """
 
 from __future__ import annotations
@@ -19,18 +22,31 @@ from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from
 from kvserve.sampling_params import SamplingParams
+from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
 from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
 
 VOCAB = 49152
 
 
-def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: CostModel | None = None) -> dict:
+def simulate(
+    args: EngineArgs,
+    requests: list[wl.BenchRequest],
+    cost_model: CostModel | None = None,
+    acceptance: dict | AcceptanceModel | None = None,
+) -> dict:
     """Run ``requests`` (arrival_s on the virtual clock) to completion; returns a summary dict
     with TTFT/TPOT/e2e/queue-time statistics (seconds), throughput and preemption counts.
 
     ``num_gpu_blocks`` must be set (there is no memory to derive it from); ``num_cpu_blocks``
-    defaults to the same.
+    defaults to the same. With ``args.speculative_config``, ``acceptance`` is the acceptance
+    model: an ``AcceptanceModel`` or the simulator's keys of the JSON (``acceptance_rate`` /
+    ``mean_accepted_len``, ``draft_step_s``: ``kvserve.sim.acceptance``; ``split_speculative_config``
+    separates them from the engine's); the summary then reports the speculation counters.
+
+    Raises:
+        ValueError: a bad setting (naming the field), e.g. speculation without an acceptance
+            model.
     """
     if args.num_gpu_blocks is None:
         raise ValueError(
@@ -44,13 +60,30 @@ def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: Cost
         # nor is its budget: the V0 default, not the CPU engine's 2,048 -- else the same
         # simulation would give other results on a CPU host than on a CUDA host
         args.max_num_batched_tokens = CHUNKED_PREFILL_TOKENS
+    spec = args.create_speculative_config()
+    if spec is None:
+        acceptance = None
+    elif not isinstance(acceptance, AcceptanceModel):
+        acceptance = AcceptanceModel.from_config(acceptance or {}, spec.num_speculative_tokens)
     model_config, cache_config, scheduler_config = args.create_configs(args.max_model_len or 8192)
     clock = VirtualClock()
     executor = SimulatedExecutor(
-        VOCAB, cost_model, cache_config=cache_config, check_kv=False, strict=False, clock=clock
+        VOCAB,
+        cost_model,
+        cache_config=cache_config,
+        check_kv=False,
+        strict=False,
+        clock=clock,
+        acceptance=acceptance,
     )
     engine = LLMEngine(
-        model_config, cache_config, scheduler_config, executor=executor, clock=clock, vocab_size=VOCAB
+        model_config,
+        cache_config,
+        scheduler_config,
+        executor=executor,
+        clock=clock,
+        vocab_size=VOCAB,
+        speculative_config=spec,
     )
     pending = sorted(requests, key=lambda r: r.arrival_s)
     finals, rejected, i = [], 0, 0
@@ -74,7 +107,7 @@ def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: Cost
     duration = clock.now()
     out_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
     metrics = [o.metrics for o in finals]
-    return {
+    summary = {
         "num_requests": len(requests),
         "finished": sum(o.outcome == "finished" for o in finals),
         "ignored": sum(o.outcome == "rejected" for o in finals),
@@ -87,7 +120,20 @@ def simulate(args: EngineArgs, requests: list[wl.BenchRequest], cost_model: Cost
         "tpot_s": summarize(m.tpot(len(o.outputs[0].token_ids)) for m, o in zip(metrics, finals)),
         "e2e_s": summarize(m.e2e_latency for m in metrics),
         "queue_s": summarize(m.queue_time for m in metrics),
+        "num_steps": executor.num_steps,
     }
+    if spec is not None:
+        st = engine.stats
+        summary["spec_decode"] = {
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "model_mean_accepted_len": acceptance.mean_accepted_len if acceptance else None,
+            "num_drafts": st.spec_num_drafts,
+            "num_draft_tokens": st.spec_num_draft_tokens,
+            "num_accepted_tokens": st.spec_num_accepted_tokens,
+            "acceptance_rate": st.spec_acceptance_rate,
+            "mean_accepted_len": st.spec_mean_accepted_length,
+        }
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +186,25 @@ def main(argv: list[str] | None = None) -> int:
             requests = wl.load_workload(path, ns.num_requests)
         for r, t in zip(requests, wl.generate_arrivals(len(requests), ns.request_rate)):
             r.arrival_s = t
-    summary = simulate(engine_args_from(ns), requests)
+    try:
+        # The acceptance model's keys are the simulator's: the rest is the engine's config.
+        engine_spec, sim_spec = split_speculative_config(ns.speculative_config)
+        ns.speculative_config = engine_spec
+        summary = simulate(engine_args_from(ns), requests, acceptance=sim_spec)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
     print(
         f"simulated {summary['num_requests']} requests in {summary['duration_s']:.1f} virtual s: "
         f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
         f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s"
     )
+    sd = summary.get("spec_decode")
+    if sd:
+        print(
+            f"speculative decoding: {sd['num_draft_tokens']} drafts, acceptance {sd['acceptance_rate']:.3f}, "
+            f"mean accepted length {sd['mean_accepted_len']:.2f}, {summary['num_steps']} steps"
+        )
     print(f"{'metric':10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
         s = summary[key]

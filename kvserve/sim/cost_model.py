@@ -7,7 +7,10 @@ seconds one engine step takes::
         + context_token_s * context_tokens
 
 where ``context_tokens`` is the number of KV positions the decodes attend over (sum of their
-lengths). Swapping adds ``swap_block_s`` per block moved.
+lengths). Swapping adds ``swap_block_s`` per block moved. A speculative verification is a
+decode whose forward also takes its ``m`` drafts: those extra query tokens
+(``num_verify_tokens``) cost ``prefill_token_s`` each, what any token processed in a forward
+costs, while its context is read once (``context_tokens`` counts it once).
 
 Default coefficients: a least-squares fit (weighted by 1/t, i.e. relative error) to the
 measured Llama-2-70B, H100-80GB, tensor-parallel 4 rows of SplitwiseSim's performance model
@@ -51,8 +54,11 @@ class CostModel:
         num_decode_seqs: int,
         num_context_tokens: int,
         num_swapped_blocks: int = 0,
+        num_verify_tokens: int = 0,
     ) -> float:
-        """Seconds for one step. All counts are >= 0; an empty step costs 0."""
+        """Seconds for one step. All counts are >= 0; an empty step costs 0.
+        ``num_verify_tokens``: drafts verified this step (query tokens beyond each decode's
+        one)."""
         if num_prefill_tokens == 0 and num_decode_seqs == 0 and num_swapped_blocks == 0:
             return 0.0
         return (
@@ -61,6 +67,7 @@ class CostModel:
             + self.decode_seq_s * num_decode_seqs
             + self.context_token_s * num_context_tokens
             + self.swap_block_s * num_swapped_blocks
+            + self.prefill_token_s * num_verify_tokens
         )
 
 

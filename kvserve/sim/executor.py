@@ -19,17 +19,35 @@ CPU block, the token id written in each slot. Each step it
    prefix-cache bug shows up as a different token (or, with ``strict``, as an immediate
    ``KVCacheCorruption`` naming the sequence and position).
 
-Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)``.
+Speculative decoding (``acceptance``, an ``AcceptanceModel``): a decode whose metadata
+reserves ``num_speculative_tokens = m`` lookahead slots is a verification of ``m`` drafts (fewer
+when ``max_tokens`` is nearer, as the real verifier does). The model draws how many are accepted
+(``a``, from a uniform that is a hash of the context, so runs repeat); the step emits ``a + 1``
+tokens in the engine's format (``SequenceOutput.spec_tokens``), which are the next ``a + 1``
+tokens the hash chain above gives -- the very tokens decoding without speculation samples, so
+output never depends on speculation. The shadow cache gets the accepted drafts' tokens at
+positions ``L .. L+a-1`` and a marker that is no token (-2) in the rejected drafts' slots: a
+later read of one of those before it is rewritten (a missed rollback of
+``num_computed_tokens``) is a ``KVCacheCorruption``.
+
+Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)``; a
+verification adds its ``m`` extra query tokens (``num_verify_tokens``) and the step the
+proposer's ``m * draft_step_s``.
 """
 
 from __future__ import annotations
 
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
+from kvserve.sim.acceptance import AcceptanceModel
 from kvserve.sim.cost_model import CostModel, VirtualClock
 
 _MASK = (1 << 64) - 1
 _FNV_PRIME = 0x100000001B3
 _FNV_OFFSET = 0xCBF29CE484222325
+#: Shadow-cache content of a rejected draft's slot: no token id, so reading it is corruption.
+REJECTED_DRAFT = -2
+#: Salt of the hash that draws a verification's acceptance.
+_ACCEPT_SALT = 0x5BEC
 
 
 class KVCacheCorruption(AssertionError):
@@ -48,6 +66,16 @@ def token_hash(tokens, salt: int = 0) -> int:
     return h
 
 
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: FNV's high bits barely depend on a short input, and the
+    acceptance draw reads them (as a uniform in [0, 1))."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 class SimulatedExecutor:
     """Executor with a cost model instead of a model.
 
@@ -64,6 +92,9 @@ class SimulatedExecutor:
             (length, last token) -- for long trace replays).
         strict: raise ``KVCacheCorruption`` as soon as a read-back differs from the sequence.
         clock: a ``VirtualClock`` to advance (a new one at 0.0 by default).
+        acceptance: how many drafts a verification accepts (speculative decoding; see the
+            module docstring). ``None``: decodes that reserve lookahead slots still decode one
+            token (nothing is accepted).
 
     Attributes:
         clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals.
@@ -85,6 +116,7 @@ class SimulatedExecutor:
         strict: bool = True,
         allow_eos: bool = False,
         clock: VirtualClock | None = None,
+        acceptance: AcceptanceModel | None = None,
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
@@ -105,6 +137,7 @@ class SimulatedExecutor:
         self.strict = strict
         self.allow_eos = allow_eos
         self.clock = clock if clock is not None else VirtualClock()
+        self.acceptance = acceptance
         self.gpu: dict[int, list[int | None]] = {}
         self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
@@ -171,9 +204,13 @@ class SimulatedExecutor:
         self._validate_maps(req)
         # -- validate the rows and plan the writes
         writes: dict[tuple, int] = {}
-        prefill_tokens = decode_seqs = context_tokens = 0
-        for meta in req.seq_group_metadata_list:
+        prefill_tokens = decode_seqs = context_tokens = verify_tokens = draft_steps = 0
+        num_drafts: dict[int, int] = {}  # metadata index -> drafts verified per sequence
+        for mi, meta in enumerate(req.seq_group_metadata_list):
             chunk = meta.token_chunk_size
+            m = 0 if meta.is_prompt else meta.num_speculative_tokens
+            if m < 0:
+                raise InvalidExecuteRequest(f"{meta.request_id}: num_speculative_tokens {m} < 0")
             if chunk < 1:
                 raise InvalidExecuteRequest(
                     f"{meta.request_id}: token_chunk_size {chunk} < 1 (zero-token prefill)"
@@ -196,16 +233,16 @@ class SimulatedExecutor:
                         f"{meta.request_id}/seq {sid}: do_sample={meta.do_sample} "
                         f"but chunk ends at {c + chunk} of {n}"
                     )
-                if self.max_model_len is not None and c + chunk > self.max_model_len:
+                if self.max_model_len is not None and c + chunk + m > self.max_model_len:
                     raise InvalidExecuteRequest(
-                        f"{meta.request_id}/seq {sid}: position {c + chunk - 1} "
+                        f"{meta.request_id}/seq {sid}: position {c + chunk + m - 1} "
                         f">= max_model_len {self.max_model_len}"
                     )
                 table = meta.block_tables.get(sid)
-                if table is None or len(table) * bs < c + chunk:
+                if table is None or len(table) * bs < c + chunk + m:
                     raise InvalidExecuteRequest(
                         f"{meta.request_id}/seq {sid}: block table "
-                        f"{table} too short for positions < {c + chunk}"
+                        f"{table} too short for positions < {c + chunk + m}"
                     )
                 for b in table:
                     self._check_range("block table", b, self.num_gpu_blocks)
@@ -225,6 +262,15 @@ class SimulatedExecutor:
                 else:
                     decode_seqs += 1
                     context_tokens += n
+            if m and meta.do_sample:
+                mt = meta.sampling_params.max_tokens
+                out_len = max(d.get_output_len() for d in meta.seq_data.values())
+                if mt is not None:  # drafts past max_tokens could never be emitted
+                    m = min(m, mt - out_len - 1)
+                if m >= 1:
+                    num_drafts[mi] = m
+                    verify_tokens += m * len(meta.seq_data)
+                    draft_steps = max(draft_steps, m)
         # -- block moves, in the documented order
         if self.check_kv:
             for g, c in req.blocks_to_swap_out.items():
@@ -239,9 +285,27 @@ class SimulatedExecutor:
                 self._block(self.gpu, b)[slot] = tok
         # -- sample
         results: list[CompletionSequenceGroupOutput] = []
-        for meta in req.seq_group_metadata_list:
+        for mi, meta in enumerate(req.seq_group_metadata_list):
             out = CompletionSequenceGroupOutput()
-            if meta.do_sample:
+            if meta.do_sample and mi in num_drafts:
+                m = num_drafts[mi]
+                reads = {}
+                for sid in sorted(meta.seq_data):
+                    data = meta.seq_data[sid]
+                    end = data.get_num_computed_tokens() + meta.token_chunk_size
+                    reads[sid] = (
+                        self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end),
+                        end,
+                    )
+                # A group's sequences advance in lockstep: all emit as many as the one that
+                # accepted fewest (as the real verifier does).
+                a = min(self._num_accepted(read, m) for read, _ in reads.values())
+                for sid, (read, end) in reads.items():
+                    sample = self._verify(read, meta.block_tables[sid], end, m, a, sid)
+                    out.samples.append(sample)
+                    out.spec_num_draft_tokens += m
+                    out.spec_num_accepted_tokens += a
+            elif meta.do_sample:
                 for sid in sorted(meta.seq_data):
                     data = meta.seq_data[sid]
                     end = data.get_num_computed_tokens() + meta.token_chunk_size
@@ -255,11 +319,53 @@ class SimulatedExecutor:
             results.append(out)
         # -- time
         swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
-        dt = self.cost_model.step_time(prefill_tokens, decode_seqs, context_tokens, swapped)
+        dt = self.cost_model.step_time(prefill_tokens, decode_seqs, context_tokens, swapped, verify_tokens)
+        if draft_steps and self.acceptance is not None:
+            dt += draft_steps * self.acceptance.draft_step_s
         self.clock.advance(dt)
         self.busy_time_s += dt
         self.num_steps += 1
         return results
+
+    def _next_read(self, read: list[int], end: int, token: int) -> list[int]:
+        """The read-back key ``_read_context`` gives at ``end + 1`` once ``token`` sits at
+        position ``end`` (what the next decode without speculation would hash)."""
+        if not self.check_kv:
+            return [end + 1, token]
+        nxt = read + [token]
+        if self.sliding_window is not None and end + 1 - self.sliding_window > read[0]:
+            # the window moved one position: drop the oldest token, bump the start
+            nxt = [read[0] + 1] + nxt[2:]
+        return nxt
+
+    def _num_accepted(self, read: list[int], m: int) -> int:
+        """The acceptance model's count for a verification of ``m`` drafts after ``read``."""
+        if self.acceptance is None:
+            return 0
+        return self.acceptance.num_accepted(_mix64(token_hash(read, _ACCEPT_SALT)) / float(1 << 64), m)
+
+    def _verify(
+        self, read: list[int], table: list[int], end: int, m: int, a: int, sid: int
+    ) -> SequenceOutput:
+        """A verification of ``m`` drafts, ``a`` of them accepted, for the sequence whose
+        context up to ``end`` is ``read``: emit ``a + 1`` chain tokens and write the accepted
+        drafts (and markers for the rejected ones) into the shadow cache."""
+        tokens: list[int] = []
+        for j in range(a + 1):
+            tok = self._sample(read, 0)
+            tokens.append(tok)
+            if j < a:
+                read = self._next_read(read, end + j, tok)
+        if self.check_kv:
+            bs = self.block_size
+            for j in range(m):  # draft j+1 sits at position end + j
+                pos = end + j
+                self._block(self.gpu, table[pos // bs])[pos % bs] = tokens[j] if j < a else REJECTED_DRAFT
+        first, *rest = [SequenceOutput(parent_seq_id=sid, output_token=t, logprob=-1.0) for t in tokens]
+        first.spec_tokens = rest
+        first.num_draft_tokens = m
+        first.num_accepted_tokens = a
+        return first
 
     def _read_context(self, request_id: str, sid: int, data, table: list[int], end: int) -> list[int]:
         """Token ids of positions [start, end) read back through the block table (start > 0

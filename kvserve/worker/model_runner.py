@@ -411,10 +411,31 @@ class ModelRunner:
         prompt positions of requests asking for prompt logprobs: ``[Q, vocab]`` more, for those
         rows only), and sample. Returns one ``CompletionSequenceGroupOutput`` per metadata
         entry."""
+        inp, hidden = self.forward(metadata, kv_caches)
+        return self.sample(metadata, inp, hidden)
+
+    @torch.inference_mode()
+    def forward(
+        self, metadata: Seq[SequenceGroupMetadata], kv_caches: list[torch.Tensor] | None
+    ) -> tuple[ModelInput | None, torch.Tensor | None]:
+        """Run the model over all scheduled tokens (K/V written to the cache). Returns the
+        inputs (``seq_rows`` maps each sequence to its rows) and the final hidden states
+        ``[T, hidden]``, or ``(None, None)`` when nothing is scheduled."""
         inp = self.prepare_inputs(metadata)
         if inp is None:
+            return None, None
+        return inp, self.model(inp.input_ids, inp.positions, kv_caches, inp.attn)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        metadata: Seq[SequenceGroupMetadata],
+        inp: ModelInput | None,
+        hidden: torch.Tensor | None,
+    ) -> list[CompletionSequenceGroupOutput]:
+        """Logits of the sampled rows (and prompt-logprob rows) of a ``forward``, sampled."""
+        if inp is None or hidden is None:
             return self.sampler(None, list(metadata))
-        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn)
         logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
         outputs = self.sampler(logits, list(metadata))
         if inp.prompt_rows is not None and inp.prompt_targets is not None:

@@ -266,6 +266,20 @@ class Worker:
                 exception comes from preparing, running or sampling the forward, after the block
                 moves were applied: the engine may then re-run groups of the batch without them.
         """
+        self.apply_block_moves(req)
+        if not req.seq_group_metadata_list:
+            return []
+        assert self.runner is not None and self.cache_engine is not None
+        self.before_step()
+        return self.runner.execute(req.seq_group_metadata_list, self.cache_engine.gpu_cache)
+
+    def apply_block_moves(self, req: ExecuteModelRequest) -> None:
+        """Apply ``req``'s swap-out, swap-in, then copies to the KV cache.
+
+        Raises:
+            RuntimeError: ``init_cache`` was not called.
+            BlockMoveError: a move failed.
+        """
         if self.cache_engine is None or self.runner is None:
             raise RuntimeError("Worker.init_cache() must be called before execute_model()")
         try:
@@ -275,8 +289,9 @@ class Worker:
                 self.cache_engine.copy(req.blocks_to_copy)
         except Exception as e:
             raise BlockMoveError(f"applying the step's block moves failed: {e!r}") from e
-        if not req.seq_group_metadata_list:
-            return []
+
+    def before_step(self) -> None:
+        """Per-step housekeeping before a forward (periodic CPU thread re-calibration)."""
         self._steps += 1
         if self.device == "cpu" and (
             self._steps >= RECALIBRATE_EVERY_STEPS
@@ -284,4 +299,3 @@ class Worker:
         ):
             self.num_threads = calibrate_threads(_cpu_count())
             self._steps, self._calibrated_at = 0, time.monotonic()
-        return self.runner.execute(req.seq_group_metadata_list, self.cache_engine.gpu_cache)

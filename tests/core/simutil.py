@@ -153,7 +153,7 @@ class Harness:
         for ssg, m in zip(out.scheduled_seq_groups, metas):
             assert ssg.token_chunk_size >= 1
             assert m.request_id == ssg.seq_group.request_id
-            total += ssg.token_chunk_size * len(m.seq_data)
+            total += (ssg.token_chunk_size + ssg.num_lookahead_slots) * len(m.seq_data)
             for d in m.seq_data.values():
                 assert d.get_num_computed_tokens() + ssg.token_chunk_size <= sc.max_model_len
         assert total == out.num_batched_tokens, (total, out.num_batched_tokens)

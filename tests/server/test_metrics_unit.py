@@ -18,6 +18,12 @@ def _fake_engine():
         num_steps=9,
         finished_by_reason=Counter({"length": 2, "stop": 1}),
         listeners=[],
+        spec_num_drafts=4,
+        spec_num_draft_tokens=16,
+        spec_num_accepted_tokens=10,
+        spec_accepted_per_pos=[4, 3, 2, 1],
+        spec_acceptance_rate=10 / 16,
+        spec_mean_accepted_length=1 + 10 / 4,
     )
     kv = {
         "num_gpu_blocks": 10,
@@ -28,7 +34,9 @@ def _fake_engine():
         "prefix_cache_hit_rate": 0.25,
         "num_preemptions": 3,
     }
-    return SimpleNamespace(scheduler=scheduler, stats=stats, get_kv_cache_stats=lambda: kv)
+    return SimpleNamespace(
+        scheduler=scheduler, stats=stats, get_kv_cache_stats=lambda: kv, speculative_config=object()
+    )
 
 
 def _samples(text):
@@ -94,3 +102,37 @@ def test_every_alias_names_an_exported_family():
         assert "kvserve:" + base in families, base
         for alias in aliases:
             assert alias in families, alias
+
+
+def test_spec_decode_metrics():
+    """The acceptance counters, rate, mean accepted length and per-position acceptance, under
+    both names; none of them without speculative decoding."""
+    engine = _fake_engine()
+    samples = _samples(ServerMetrics(engine, "m").render().decode())
+    for prefix in ("kvserve:", "vllm:"):
+        assert samples[(prefix + "spec_decode_num_drafts_total", ())] == 4
+        assert samples[(prefix + "spec_decode_num_draft_tokens_total", ())] == 16
+        assert samples[(prefix + "spec_decode_num_accepted_tokens_total", ())] == 10
+        assert samples[(prefix + "spec_decode_num_emitted_tokens_total", ())] == 14
+        assert samples[(prefix + "spec_decode_draft_acceptance_rate", ())] == 10 / 16
+        for pos, count in enumerate([4, 3, 2, 1]):
+            key = (prefix + "spec_decode_num_accepted_tokens_per_pos_total", (("position", str(pos)),))
+            assert samples[key] == count
+    assert samples[("kvserve:spec_decode_mean_accepted_length", ())] == 3.5
+    assert not any(k[0].startswith("vllm:spec_decode_mean") for k in samples)
+    engine.speculative_config = None
+    assert not any("spec_decode" in k[0] for k in _samples(ServerMetrics(engine, "m").render().decode()))
+
+
+def test_engine_stats_count_speculation():
+    from kvserve.engine.metrics import EngineStats
+
+    st = EngineStats()
+    assert st.spec_acceptance_rate == 0.0 and st.spec_mean_accepted_length == 0.0
+    st.on_speculation(4, 2)
+    st.on_speculation(3, 3)
+    st.on_speculation(2, 0)
+    assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens) == (3, 9, 5)
+    assert st.spec_accepted_per_pos == [2, 2, 1, 0]
+    assert st.spec_acceptance_rate == 5 / 9
+    assert st.spec_mean_accepted_length == 1 + 5 / 3

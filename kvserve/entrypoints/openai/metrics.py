@@ -16,7 +16,13 @@ Exported:
   ``kvserve:http_responses_total{endpoint,status}``;
 - histograms ``kvserve:time_to_first_token_seconds``, ``kvserve:time_per_output_token_seconds``,
   ``kvserve:e2e_request_latency_seconds``, ``kvserve:request_queue_time_seconds``,
-  ``kvserve:request_prompt_tokens``, ``kvserve:request_generation_tokens``.
+  ``kvserve:request_prompt_tokens``, ``kvserve:request_generation_tokens``;
+- with speculative decoding: counters ``kvserve:spec_decode_num_drafts_total`` (verified
+  sequence-steps), ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total``,
+  ``..._num_emitted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}`` (how often
+  draft position ``position`` (0-based) was accepted), gauges
+  ``kvserve:spec_decode_draft_acceptance_rate`` (accepted / drafted) and
+  ``kvserve:spec_decode_mean_accepted_length`` (tokens emitted per verification, kvserve only).
 
 Every metric is defined once, under ``kvserve:``; ``VLLM_ALIASES`` names the ones vLLM also has
 and the ``vllm:`` names they are exported under too (V0's names, plus V1's
@@ -56,6 +62,12 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
     "request_prompt_tokens": ("vllm:request_prompt_tokens",),
     "request_generation_tokens": ("vllm:request_generation_tokens",),
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "spec_decode_num_emitted_tokens": ("vllm:spec_decode_num_emitted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+    "spec_decode_draft_acceptance_rate": ("vllm:spec_decode_draft_acceptance_rate",),
 }
 
 _TTFT_BUCKETS = (
@@ -192,6 +204,8 @@ class _EngineCollector:
             "kvserve:num_requests_added", "Requests accepted by the engine.", stats.num_requests_added
         )
         yield counter("kvserve:engine_steps", "Engine steps that ran the model.", stats.num_steps)
+        if getattr(self.engine, "speculative_config", None) is not None:
+            yield from self._spec_decode(stats, counter, gauge, labels, values)
         success = CounterMetricFamily(
             "kvserve:request_success",
             "Finished requests by finish reason.",
@@ -200,6 +214,43 @@ class _EngineCollector:
         for reason, count in sorted(dict(stats.finished_by_reason).items()):
             success.add_metric(values + [str(reason)], float(count))
         yield success
+
+    @staticmethod
+    def _spec_decode(stats, counter, gauge, labels, values) -> Iterable:
+        yield counter(
+            "kvserve:spec_decode_num_drafts", "Sequence-steps that verified drafts.", stats.spec_num_drafts
+        )
+        yield counter(
+            "kvserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_num_draft_tokens
+        )
+        yield counter(
+            "kvserve:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the target model.",
+            stats.spec_num_accepted_tokens,
+        )
+        yield counter(
+            "kvserve:spec_decode_num_emitted_tokens",
+            "Tokens emitted by verification steps (accepted drafts plus one per step).",
+            stats.spec_num_accepted_tokens + stats.spec_num_drafts,
+        )
+        per_pos = CounterMetricFamily(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by draft position (0-based).",
+            labels=labels + ["position"],
+        )
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric(values + [str(pos)], float(count))
+        yield per_pos
+        yield gauge(
+            "kvserve:spec_decode_draft_acceptance_rate",
+            "Accepted / proposed draft tokens, 0..1.",
+            stats.spec_acceptance_rate,
+        )
+        yield gauge(
+            "kvserve:spec_decode_mean_accepted_length",
+            "Tokens emitted per verification step (1 + accepted drafts).",
+            stats.spec_mean_accepted_length,
+        )
 
 
 def _renamed(family: Metric, name: str) -> Metric:

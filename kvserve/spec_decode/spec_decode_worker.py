@@ -1,0 +1,379 @@
+"""``SpecDecodeWorker``: speculative decoding around a ``Worker``.
+
+Per step: apply the block moves (target and proposer), ask the proposer for drafts, then run
+ONE target forward in which every speculating sequence is a verify chunk of ``m + 1`` query
+tokens (its last token and its ``m`` drafts, at positions ``len - 1 .. len - 1 + m``, attending
+to its paged context: the chunked-prefill attention path), mixed with the step's prefill
+chunks and plain decodes. The logits of all ``m + 1`` positions are verified:
+
+* greedy rows accept the longest prefix of drafts equal to the target's argmax at each
+  position, plus the target's token after it (the correction, or the bonus token when all
+  were accepted), so the output equals decoding without speculation;
+* random rows go through ``rejection_sample`` (the output distribution stays the target's).
+
+Each verified position gets the request's logit processing with the drafts before it counted
+as output (penalties, ``min_tokens``, ``logit_bias``), and every emitted token its logprob.
+The K/V written for rejected drafts are never read: the engine rolls ``num_computed_tokens``
+back to the last accepted position, and those slots are overwritten by later steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.model_executor.sampler import Sampler, _Row
+from kvserve.sequence import (
+    CompletionSequenceGroupOutput,
+    ExecuteModelRequest,
+    SequenceData,
+    SequenceGroupMetadata,
+    SequenceOutput,
+)
+from kvserve.spec_decode.interfaces import Proposal, Proposer
+from kvserve.spec_decode.rejection_sampler import rejection_sample
+
+if TYPE_CHECKING:
+    from kvserve.config import SpeculativeConfig
+
+logger = logging.getLogger("kvserve.spec_decode")
+
+
+def build_proposer(spec_config: SpeculativeConfig, worker: Any) -> Proposer:
+    """The proposer ``spec_config.method`` names. ``draft_model`` is
+    ``kvserve.spec_decode.draft_model_proposer.DraftModelProposer(spec_config, worker)`` (it
+    loads ``spec_config.model`` and sizes its own KV cache like ``worker``'s).
+
+    Raises:
+        ValueError: the method is not available (naming ``speculative_config.method``).
+    """
+    if spec_config.method == "ngram":
+        from kvserve.spec_decode.ngram_proposer import NGramProposer
+
+        return NGramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+    if spec_config.method == "draft_model":
+        try:
+            from kvserve.spec_decode.draft_model_proposer import DraftModelProposer  # type: ignore
+        except ImportError as e:
+            raise ValueError(f"speculative_config.method 'draft_model' is not available: {e}") from None
+        return DraftModelProposer(spec_config, worker)
+    raise ValueError(f"speculative_config.method {spec_config.method!r} is not supported.")
+
+
+class _PositionData:
+    """A sequence's data as seen at verified position ``j``: its output plus the first ``j``
+    drafts (what the sampler's logit processing reads)."""
+
+    __slots__ = ("prompt_token_ids", "output_token_ids", "_out_len")
+
+    def __init__(self, data: SequenceData, drafts: list[int], j: int, with_tokens: bool):
+        self.prompt_token_ids = data.prompt_token_ids
+        # The token lists are only read by penalties; build them only then.
+        self.output_token_ids = data.output_token_ids + drafts[:j] if with_tokens else data.output_token_ids
+        self._out_len = data.get_output_len() + j
+
+    def get_output_len(self) -> int:
+        return self._out_len
+
+
+@dataclasses.dataclass
+class _Verify:
+    index: int  # metadata index
+    seq_id: int
+    data: SequenceData
+    drafts: list[int]  # padded to the group's chunk
+    num_real: int  # the proposer's drafts among them (a prefix); only those may be accepted
+    draft_probs: torch.Tensor | None  # [num_real, V] or None
+
+
+class SpecDecodeWorker:
+    """A ``Worker`` that speculates (see the module docstring). Everything else (cache sizing,
+    ``init_cache``, ``warm_up``, ``hf_config``...) is the wrapped worker's.
+
+    Args:
+        worker: a ``kvserve.worker.worker.Worker``.
+        proposer: drafts per sequence (``Proposer``).
+        spec_config: ``num_speculative_tokens`` is the most drafts per sequence per step.
+    """
+
+    def __init__(self, worker: Any, proposer: Proposer, spec_config: SpeculativeConfig):
+        self.worker = worker
+        self.proposer = proposer
+        self.spec_config = spec_config
+        self.k = spec_config.num_speculative_tokens
+        self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
+        self._warned_bad_proposal = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes this object lacks: the wrapped worker's.
+        if name == "worker":
+            raise AttributeError(name)
+        return getattr(self.worker, name)
+
+    def free_seqs(self, seq_ids: list[int]) -> None:
+        """Forward ended sequences to the proposer (``Proposer.free``)."""
+        self._call_proposer("free", seq_ids)
+
+    def _call_proposer(self, hook: str, *args: Any) -> Any:
+        """Call a proposer hook; a failure is logged, never raised. Drafts only ever save
+        steps (every one is verified), so a proposer in a bad state costs speed, not answers."""
+        try:
+            return getattr(self.proposer, hook)(*args)
+        except Exception:
+            logger.exception("the proposer's %s failed; this step decodes without its drafts", hook)
+            return None
+
+    # ------------------------------------------------------------------ step
+    def execute_model(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
+        """Like ``Worker.execute_model``; a verified decode's output carries its emitted
+        tokens (``SequenceOutput.spec_tokens``) and the step's draft / accepted counts.
+
+        Raises:
+            BlockMoveError: applying the block moves failed (nothing was run); other
+                exceptions as ``Worker.execute_model``.
+        """
+        self.worker.apply_block_moves(req)
+        self._call_proposer("apply_block_moves", req)
+        metas = req.seq_group_metadata_list
+        if not metas:
+            return []
+        speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
+        proposals: dict[int, Proposal] = {}
+        if speculating:
+            proposals = self._call_proposer("propose", req, self.k) or {}
+        run_metas, verify = self._verify_chunks(metas, proposals)
+        runner = self.worker.runner
+        self.worker.before_step()
+        inp, hidden = runner.forward(run_metas, self.worker.cache_engine.gpu_cache)
+        outputs = runner.sample(run_metas, inp, hidden)
+        if verify:
+            accepted = self._verify(metas, verify, inp, hidden, outputs)
+            self._call_proposer("on_verified", accepted)
+        return outputs
+
+    def _verify_chunks(
+        self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]
+    ) -> tuple[list[SequenceGroupMetadata], list[_Verify]]:
+        """The step's metadata with each speculating decode replaced by its verify chunk."""
+        run_metas = list(metas)
+        verify: list[_Verify] = []
+        if not proposals:
+            return run_metas, verify
+        for i, md in enumerate(metas):
+            if md.is_prompt or md.num_speculative_tokens < 1:
+                continue
+            limit = min(md.num_speculative_tokens, self.k)
+            max_tokens = md.sampling_params.max_tokens
+            real: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+            for sid, data in md.seq_data.items():
+                p = proposals.get(sid)
+                m = limit if p is None else min(len(p.token_ids), limit)
+                if max_tokens is not None:  # drafts past max_tokens could never be emitted
+                    m = min(m, max_tokens - data.get_output_len() - 1)
+                if p is None or m < 1:
+                    continue
+                drafts = [int(t) for t in p.token_ids[:m]]
+                if self._valid_proposal(drafts, p, m):
+                    real[sid] = (drafts, p.probs[:m] if p.probs is not None else None)
+            if not real:
+                continue
+            # The group's sequences share one chunk size (they advance in lockstep): shorter
+            # proposals are padded; padding is never accepted.
+            m = max(len(d) for d, _ in real.values())
+            seq_data = {}
+            for sid, data in md.seq_data.items():
+                drafts, probs = real.get(sid, ([], None))
+                padded = drafts + [0] * (m - len(drafts))
+                vdata = SequenceData([])
+                vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
+                vdata.output_token_ids = data.output_token_ids + padded
+                vdata.set_num_computed_tokens(data.get_num_computed_tokens())
+                seq_data[sid] = vdata
+                verify.append(_Verify(i, sid, data, padded, len(drafts), probs))
+            run_metas[i] = dataclasses.replace(md, seq_data=seq_data, token_chunk_size=m + 1, do_sample=False)
+        return run_metas, verify
+        for i, md in enumerate(metas):
+            if md.is_prompt or md.num_speculative_tokens < 1 or len(md.seq_data) != 1:
+                continue
+            ((sid, data),) = md.seq_data.items()
+            p = proposals.get(sid)
+            if p is None or not p.token_ids:
+                continue
+            m = min(len(p.token_ids), md.num_speculative_tokens, self.k)
+            max_tokens = md.sampling_params.max_tokens
+            if max_tokens is not None:  # drafts past max_tokens could never be emitted
+                m = min(m, max_tokens - data.get_output_len() - 1)
+            if m < 1:
+                continue
+            drafts = [int(t) for t in p.token_ids[:m]]
+            if not self._valid_proposal(drafts, p, m):
+                continue
+            vdata = SequenceData([])
+            vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
+            vdata.output_token_ids = data.output_token_ids + drafts
+            vdata.set_num_computed_tokens(data.get_num_computed_tokens())
+            run_metas[i] = dataclasses.replace(
+                md, seq_data={sid: vdata}, token_chunk_size=m + 1, do_sample=False
+            )
+            probs = p.probs[:m] if p.probs is not None else None
+            verify.append(_Verify(i, sid, data, drafts, probs))
+        return run_metas, verify
+
+    def _valid_proposal(self, drafts: list[int], p: Proposal, m: int) -> bool:
+        """Drafts inside the vocabulary and, if given, draft probabilities of shape
+        ``[>= m, vocab]``; anything else is dropped (that sequence decodes plainly)."""
+        V = self.vocab_size
+        ok = all(0 <= t < V for t in drafts) if V is not None else all(t >= 0 for t in drafts)
+        if ok and p.probs is not None:
+            shape = tuple(p.probs.shape)
+            ok = len(shape) == 2 and shape[0] >= m and (V is None or shape[1] == V)
+        if not ok and not self._warned_bad_proposal:
+            self._warned_bad_proposal = True
+            logger.warning(
+                "dropped a malformed proposal (token ids outside the vocabulary or bad probs shape)"
+            )
+        return ok
+
+    def _verify(
+        self,
+        metas: list[SequenceGroupMetadata],
+        verify: list[_Verify],
+        inp: Any,
+        hidden: torch.Tensor,
+        outputs: list[CompletionSequenceGroupOutput],
+    ) -> dict[int, int]:
+        """Score every verify chunk's positions, accept, fill ``outputs``. Returns seq_id ->
+        accepted drafts."""
+        runner = self.worker.runner
+        sampler: Sampler = runner.sampler
+        hidden_rows: list[int] = []
+        for v in verify:
+            start, end = inp.seq_rows[v.seq_id]
+            assert end - start == len(v.drafts) + 1, (v.seq_id, start, end, len(v.drafts))
+            hidden_rows.extend(range(start, end))
+        logits = runner.model.compute_logits(
+            hidden.index_select(0, torch.tensor(hidden_rows, dtype=torch.long, device=hidden.device))
+        ).float()
+        vocab = logits.shape[1]
+        rows: list[_Row] = []
+        for v in verify:
+            md = metas[v.index]
+            params = md.sampling_params
+            for j in range(len(v.drafts) + 1):
+                pdata = _PositionData(v.data, v.drafts, j, params.needs_penalties)
+                rows.append(
+                    _Row(
+                        v.index,
+                        v.seq_id,
+                        1,
+                        params,
+                        pdata,
+                        sampler._suppressed_ids(params, pdata, vocab),
+                        None,
+                    )  # type: ignore[arg-type]
+                )
+        adjusted = Sampler.adjust(logits, rows)
+        logp = adjusted.log_softmax(dim=-1)
+        argmax = adjusted.argmax(dim=-1).tolist()
+
+        offsets: list[int] = []
+        off = 0
+        for v in verify:
+            offsets.append(off)
+            off += len(v.drafts) + 1
+        emitted: dict[int, list[int]] = {}  # verify index -> emitted token ids
+        random_ids = [n for n, v in enumerate(verify) if not metas[v.index].sampling_params.is_greedy]
+        for n, v in enumerate(verify):
+            if metas[v.index].sampling_params.is_greedy:
+                t = argmax[offsets[n] : offsets[n] + len(v.drafts) + 1]
+                a = 0
+                while a < v.num_real and v.drafts[a] == t[a]:
+                    a += 1
+                emitted[n] = t[: a + 1]
+        if random_ids:
+            emitted.update(self._rejection(metas, verify, random_ids, offsets, adjusted))
+
+        # A group with several sequences emits as many tokens for each as the one that
+        # accepted fewest (lockstep); cutting a verified run short keeps every kept token's
+        # distribution (each is drawn given the tokens before it).
+        shortest: dict[int, int] = {}
+        for n, v in enumerate(verify):
+            shortest[v.index] = min(shortest.get(v.index, len(emitted[n])), len(emitted[n]))
+        accepted: dict[int, int] = {}
+        for n, v in enumerate(verify):
+            md = metas[v.index]
+            params = md.sampling_params
+            toks = emitted[n][: shortest[v.index]]
+            base = offsets[n]
+            lp_rows = torch.arange(base, base + len(toks), device=logp.device)
+            lps = logp[lp_rows, torch.tensor(toks, device=logp.device)].tolist()
+            tops: list[dict[int, float] | None] = [None] * len(toks)
+            if params.logprobs is not None:
+                kk = min(vocab, params.logprobs)
+                vals = ids = None
+                if kk > 0:
+                    tv, ti = logp[lp_rows].topk(kk, dim=-1)
+                    vals, ids = tv.tolist(), ti.tolist()
+                for j, tok in enumerate(toks):
+                    top: dict[int, float] = (
+                        dict(zip(ids[j], vals[j])) if ids is not None and vals is not None else {}
+                    )
+                    top.setdefault(tok, lps[j])
+                    tops[j] = top
+            samples = [
+                SequenceOutput(parent_seq_id=v.seq_id, output_token=tok, logprob=lp, top_logprobs=top)
+                for tok, lp, top in zip(toks, lps, tops)
+            ]
+            first = samples[0]
+            first.spec_tokens = samples[1:]
+            first.num_draft_tokens = v.num_real
+            first.num_accepted_tokens = len(toks) - 1
+            group_out = outputs[v.index]  # (empty from the runner: a verify chunk samples nothing)
+            group_out.samples.append(first)
+            group_out.spec_num_draft_tokens += v.num_real
+            group_out.spec_num_accepted_tokens += len(toks) - 1
+            accepted[v.seq_id] = len(toks) - 1
+        return accepted
+
+    def _rejection(
+        self,
+        metas: list[SequenceGroupMetadata],
+        verify: list[_Verify],
+        ids: list[int],
+        offsets: list[int],
+        adjusted: torch.Tensor,
+    ) -> dict[int, list[int]]:
+        """Rejection-sample the random rows ``ids`` (indices into ``verify``) in one call."""
+        k = max(1, max(verify[n].num_real for n in ids))
+        B, V = len(ids), adjusted.shape[1]
+        device = adjusted.device
+        target = torch.zeros(B, k + 1, V, dtype=torch.float32, device=device)
+        draft_ids = torch.zeros(B, k, dtype=torch.long, device=device)
+        counts = torch.zeros(B, dtype=torch.long, device=device)
+        any_probs = any(verify[n].draft_probs is not None for n in ids)
+        draft_probs = torch.zeros(B, k, V, dtype=torch.float32, device=device) if any_probs else None
+        generators = []
+        for b, n in enumerate(ids):
+            v = verify[n]
+            m = v.num_real
+            params = metas[v.index].sampling_params
+            target[b, : m + 1] = Sampler.sampling_probs(
+                adjusted[offsets[n] : offsets[n] + m + 1], [params] * (m + 1)
+            )
+            draft_ids[b, :m] = torch.tensor(v.drafts[:m], dtype=torch.long)
+            counts[b] = m
+            if draft_probs is not None:
+                if v.draft_probs is not None:
+                    draft_probs[b, :m] = v.draft_probs.to(device=device, dtype=torch.float32)
+                else:  # a proposer without a distribution: a point mass on each draft
+                    draft_probs[b, torch.arange(m), draft_ids[b, :m]] = 1.0
+            generators.append(metas[v.index].generator)
+        tokens, num_acc = rejection_sample(target, draft_ids, draft_probs, generators, counts)
+        out: dict[int, list[int]] = {}
+        tok_list, acc_list = tokens.tolist(), num_acc.tolist()
+        for b, n in enumerate(ids):
+            out[n] = [int(t) for t in tok_list[b][: int(acc_list[b]) + 1]]
+        return out

@@ -1,0 +1,190 @@
+"""Draft-model speculation end to end on the tiny random-weight Llama.
+
+With the target as its own draft every greedy draft is accepted (verification and the KV
+rollback of both caches are exact); with an unrelated random-weight draft almost none is. In
+both cases the output equals speculation off token for token, under chunked prefill x prefix
+caching x preemption (recompute, swap) with a cache small enough to preempt, and the blocks
+are conserved after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+
+K = 4
+MAX_NEW = 24
+ENGINE = dict(device="cpu", dtype="float32", seed=0)
+PROMPT_LENS = [3, 17, 33, 9, 21]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    ps = [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    shared = ps[2][:24]  # full blocks for prefix caching to reuse
+    ps += [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 11)]
+    return ps
+
+
+@pytest.fixture(scope="module")
+def random_draft_dir(tmp_path_factory, default_tokenizer_dir):
+    """A 1-layer random-weight Llama with other weights than the target (same vocabulary)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(123)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    path = tmp_path_factory.mktemp("random-draft")
+    model.save_pretrained(path)
+    return path
+
+
+def make_engine(model_dir, spec=None, **kw):
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **kw)
+    )
+
+
+def greedy():
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def drain(engine, prompts, params_for=lambda i: greedy(), max_steps=3000):
+    """Run all prompts to the end, checking block conservation after every step; returns
+    request id -> final output."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params_for(i))
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals
+                finals[out.request_id] = out
+        engine.scheduler.block_manager.check_invariants()
+    else:
+        raise AssertionError("engine did not drain")
+    st = engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"], st
+    assert st["num_free_cpu_blocks"] == st["num_cpu_blocks"], st
+    return finals
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, prompts):
+    finals = drain(make_engine(tiny_llama_dir, num_gpu_blocks=256, block_size=4), prompts)
+    return {r: o.outputs[0].token_ids for r, o in finals.items()}
+
+
+def draft(model_dir, **kw):
+    cfg = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
+    cfg["disable_below_acceptance_rate"] = 0.0  # keep speculating, however bad the draft
+    cfg.update(kw)
+    return cfg
+
+
+PRESSURE = dict(block_size=4, num_gpu_blocks=30, num_cpu_blocks=64)
+
+
+def run_pressure(target_dir, draft_dir, prompts, chunked, prefix, mode):
+    engine = make_engine(
+        target_dir,
+        draft(draft_dir),
+        **PRESSURE,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=24 if chunked else None,
+    )
+    finals = drain(engine, prompts)
+    stats = engine.get_kv_cache_stats()
+    assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
+    if prefix:
+        assert stats["prefix_cache_hits"] > 0
+    return engine, finals
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_target_as_its_own_draft_accepts_every_greedy_draft(
+    tiny_llama_dir, prompts, reference, chunked, prefix, mode
+):
+    engine, finals = run_pressure(tiny_llama_dir, tiny_llama_dir, prompts, chunked, prefix, mode)
+    assert {r: o.outputs[0].token_ids for r, o in finals.items()} == reference
+    s = engine.stats
+    assert s.spec_num_draft_tokens > 0
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens, (
+        f"acceptance {s.spec_num_accepted_tokens}/{s.spec_num_draft_tokens}: the draft read stale K/V "
+        "or verification is not exact"
+    )
+    for o in finals.values():
+        assert o.spec_num_draft_tokens > 0 and o.spec_num_accepted_tokens == o.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_draft_accepts_almost_nothing_and_changes_nothing(
+    tiny_llama_dir, random_draft_dir, prompts, reference, chunked, prefix, mode
+):
+    engine, finals = run_pressure(tiny_llama_dir, random_draft_dir, prompts, chunked, prefix, mode)
+    assert {r: o.outputs[0].token_ids for r, o in finals.items()} == reference
+    s = engine.stats
+    assert s.spec_num_draft_tokens > 0
+    assert s.spec_num_accepted_tokens <= 0.05 * s.spec_num_draft_tokens
+
+
+def test_sampled_requests_with_a_seed_repeat(tiny_llama_dir, prompts):
+    """Random sampling through rejection sampling with draft probabilities: a seeded request
+    gives the same tokens twice, whatever else is in the batch."""
+
+    def params(i):
+        return SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True)
+
+    engine = make_engine(tiny_llama_dir, draft(tiny_llama_dir), num_gpu_blocks=256, block_size=4)
+    batch = prompts[:4]
+    first = drain(engine, batch, params)
+    again = drain(engine, batch[2:3], lambda i: params(2))
+    assert again["r0"].outputs[0].token_ids == first["r2"].outputs[0].token_ids
+    assert engine.stats.spec_num_accepted_tokens > 0
+    assert len({tuple(o.outputs[0].token_ids) for o in first.values()}) == len(batch)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_n_greater_than_one_with_a_draft_model(tiny_llama_dir, random_draft_dir, prompts, reference, mode):
+    """n = 2 greedy samples fork one prefill (copy-on-write of the shared last block, mirrored
+    on the draft cache) and speculate in lockstep: both equal speculation off, with the target
+    as its own draft (every draft accepted) and with a random one, under preemption."""
+
+    def params(i):
+        return SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+    for draft_dir in (tiny_llama_dir, random_draft_dir):
+        engine = make_engine(tiny_llama_dir, draft(draft_dir), **PRESSURE, preemption_mode=mode)
+        finals = drain(engine, prompts[:4], params)
+        for r, o in finals.items():
+            assert [c.token_ids for c in o.outputs] == [reference[r]] * 2
+        s = engine.stats
+        assert s.spec_num_draft_tokens > 0
+        if draft_dir == tiny_llama_dir:
+            assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens

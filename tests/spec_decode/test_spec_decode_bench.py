@@ -1,0 +1,50 @@
+"""The speculative-decoding benchmark runs end to end on the tiny model (a smoke size), builds
+its input-grounded workload from real text and reports what it promises."""
+
+from __future__ import annotations
+
+import json
+
+from kvserve.benchmarks.spec_decode import TASKS, build_workload, main
+
+
+def test_workload_is_input_grounded_and_fixed_length(default_tokenizer_dir):
+    from kvserve.transformers_utils.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_tokenizer_dir)
+    reqs = build_workload(tok, 6, prompt_len=40, output_len=9)
+    assert len(reqs) == 6 and all(r.output_len == 9 for r in reqs)
+    for i, r in enumerate(reqs):
+        task = TASKS[i % len(TASKS)][0]
+        assert {"repeat": "Repeat", "summarise": "Summarise", "edit": "renamed"}[task] in r.prompt
+        # the chat template wraps a passage of at most 40 tokens plus the instruction
+        assert 40 < r.prompt_len < 40 + 80
+    assert "def " in reqs[2].prompt  # the edit task quotes real code
+    assert len({tuple(r.prompt_token_ids) for r in reqs}) == 6
+
+
+def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
+    out, wl = tmp_path / "r.json", tmp_path / "w.jsonl"
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--scenarios", "single,concurrent"]
+    argv += ["--num-requests", "2", "--concurrency", "2", "--prompt-len", "24", "--output-len", "6"]
+    argv += ["--json-out", str(out), "--write-workload", str(wl)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "mean acc len" in table and "ngram" in table and "draft" in table
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"single", "concurrent"}
+    for scen in res.values():
+        assert set(scen) == {"off", "ngram", "draft"}
+        assert scen["off"]["num_draft_tokens"] == 0 and scen["off"]["speedup"] == 1.0
+        for r in scen.values():
+            assert r["output_tokens"] == 2 * 6 and r["output_tok_s"] > 0
+            assert r["same_tokens_as_off"] is True
+        # the target as its own draft: every greedy draft accepted
+        d = scen["draft"]
+        assert d["num_draft_tokens"] > 0 and d["acceptance_rate"] == 1.0
+        assert 1.0 < d["mean_accepted_len"] <= 5.0
+        assert d["draft_ms_per_proposed_token"] > 0 and scen["ngram"]["draft_ms_per_proposed_token"] is None
+    lines = [json.loads(x) for x in wl.read_text().splitlines()]
+    assert len(lines) == 2 and all(x["output_len"] == 6 and x["prompt_token_ids"] for x in lines)
+    meta = json.loads((tmp_path / "w.jsonl.meta.json").read_text())
+    assert meta["n"] == 2 and len(meta["sha256"]) == 64

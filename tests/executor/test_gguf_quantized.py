@@ -242,9 +242,11 @@ def test_quantization_setting_is_validated(tmp_path):
     from kvserve.config import ModelConfig
     from kvserve.model_executor.model_loader import resolve_model_dir
 
-    with pytest.raises(ValueError, match="quantization must be 'gguf' or unset, got 'awq'"):
+    with pytest.raises(
+        ValueError, match=re.escape("quantization must be one of gguf|int8 or unset, got 'awq'")
+    ):
         ModelConfig(quantization="awq")
-    with pytest.raises(ValueError, match="quantization must be one of gguf"):
+    with pytest.raises(ValueError, match="quantization must be one of gguf, int8"):
         resolve_model_dir(None, "int3")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):

@@ -112,6 +112,31 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
     return dequantize_blocks(weight.data, weight.qtype)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
+    """``weight`` ``[out, in]`` (float, CPU) as Q8_0 blocks: per 32 weights a float16 scale
+    ``d = max|w| / 127`` and ``q = round(w / d)``, bit-identical to ggml's reference Q8_0
+    quantizer (the ``gguf`` package's), so each weight is off by at most ``d / 2`` (plus the
+    scale's float16 rounding).
+
+    Raises:
+        ValueError: not a 2-D CPU float tensor, or ``in`` not a positive multiple of 32.
+    """
+    if weight.dim() != 2 or not weight.dtype.is_floating_point or weight.device.type != "cpu":
+        raise ValueError(
+            f"quantize_q8_0: need a 2-D CPU float weight, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    n, k = weight.shape
+    if k <= 0 or k % BLOCK_ELEMS:
+        raise ValueError(f"quantize_q8_0: in_features={k} is not a positive multiple of {BLOCK_ELEMS}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK_ELEMS, BLOCK_ELEMS)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
+    scaled = blocks * inv  # rounded half away from zero, as ggml's reference quantizer
+    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)
+    data = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1)
+    return QuantWeight(data, "q8_0", k)
+
+
 def _check(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> None:
     if (
         x.dim() != 2

@@ -277,6 +277,25 @@ class LlamaForCausalLM(nn.Module):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
 
+    def quantize_linear_weights_int8(self) -> None:
+        """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its Q8_0 form
+        (``quant_gemm.quantize_q8_0``: int8 with a scale per 32 weights), after
+        ``load_weights`` and instead of ``prepack_linear_weights``; the embedding table stays
+        float (a tied LM head gets its own quantized copy). CPU only.
+
+        Raises:
+            ValueError: off CPU, or a linear layer whose ``in_features`` is not a multiple of 32.
+        """
+        if self.embed_tokens.device.type != "cpu":
+            raise ValueError("quantization='int8' runs on CPU only")
+        names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
+        names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
+        names.append((self, "lm_head"))
+        for module, name in names:
+            q = quant_gemm.quantize_q8_0(getattr(module, name))
+            module._parameters.pop(name, None)  # a plain attribute from now on
+            setattr(module, name, q)
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,

@@ -9,8 +9,15 @@ tok/s (prefill included), TTFT. The table gives medians, the weight bytes one de
 (linear layers + LM head) and the bandwidth that implies (bytes / TPOT: how close a step is to
 the memory-bandwidth roof), plus load time and the resident-memory growth of each load.
 
-    python benchmarks/quantized.py                       # 4 engines x 5 rounds, 128 new tokens
+    python benchmarks/quantized.py                       # 5 engines x 5 rounds, 128 new tokens
     python benchmarks/quantized.py --rounds 3 --max-tokens 64 --json-out q.json
+    python benchmarks/quantized.py --kernels      # the GEMV/GEMM kernels alone: GB/s, GFMA/s
+
+``--kernels`` times each quantized kernel and the float32 panel GEMM on the default model's
+largest shapes (gate/up 3072 x 576, the LM head 49152 x 576; the LM head's weights exceed the
+caches in every format) at 1, 8 and 64 rows, on 1 and 2 threads, best of 15 calls: the weight
+bytes streamed per second say whether a GEMV is at the memory-bandwidth roof (the float32
+kernel at 1 row is) or compute-bound.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ PATHS = {
     "bfloat16": dict(dtype="bfloat16"),
     "gguf float32": dict(dtype="float32", quantization="gguf"),
     "gguf bfloat16": dict(dtype="bfloat16", quantization="gguf"),
+    "int8 float32": dict(dtype="float32", quantization="int8"),
 }
 
 
@@ -58,13 +66,75 @@ def step_weight_bytes(model) -> int:
     return total
 
 
+def kernels() -> list[dict]:
+    """Best-of-15 time of each kernel per shape, rows and threads (see the module doc)."""
+    import torch
+
+    from kvserve.model_executor.layers import native_gemm
+    from kvserve.model_executor.layers import quant_gemm as qg
+
+    out = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for n, k in ((3072, 576), (49152, 576)):
+            w32 = torch.randn(n, k) * 0.05
+            weights = {"float32": (native_gemm.PanelWeight(w32), n * k * 4)}
+            for qt in qg.BLOCK_BYTES:
+                from gguf import GGMLQuantizationType
+                from gguf.quants import quantize
+
+                q = quantize(w32.numpy(), GGMLQuantizationType[qt.upper()])
+                qw = qg.QuantWeight(torch.from_numpy(q), qt, k)
+                weights[qt] = (qw, qw.nbytes)
+            for m in (1, 8, 64):
+                x = torch.randn(m, k)
+                for name, (w, nbytes) in weights.items():
+                    f = native_gemm.linear if name == "float32" else qg.linear
+                    f(x, w)
+                    best = min(_timed(f, x, w) for _ in range(15))
+                    row = {
+                        "kernel": name,
+                        "threads": threads,
+                        "n": n,
+                        "k": k,
+                        "rows": m,
+                        "ms": best * 1e3,
+                        "weights_gb_s": nbytes / best / 1e9,
+                        "gfma_s": m * n * k / best / 1e9,
+                    }
+                    out.append(row)
+                    print(
+                        f"{name:<8} threads={threads} {n:>5}x{k} rows={m:<3} {row['ms']:8.3f} ms "
+                        f"{row['weights_gb_s']:6.1f} GB/s {row['gfma_s']:6.1f} GFMA/s",
+                        flush=True,
+                    )
+    return out
+
+
+def _timed(f, x, w) -> float:
+    t = time.perf_counter()
+    f(x, w)
+    return time.perf_counter() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
     ap.add_argument("--json-out")
+    ap.add_argument("--kernels", action="store_true", help="time the kernels alone (see the module doc)")
     args = ap.parse_args(argv)
+    if args.kernels:
+        rows = kernels()
+        if args.json_out:
+            from kvserve.benchmarks.common import system_info
+
+            with open(args.json_out, "w") as f:
+                json.dump(
+                    {"benchmark": "quant_gemm_kernels", "system": system_info(), "results": rows}, f, indent=1
+                )
+        return 0
 
     from kvserve import LLM, SamplingParams
     from kvserve.benchmarks.common import system_info
@@ -73,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     engines, info = {}, {}
     for name in names:
         rss0, t0 = _rss_mib(), time.perf_counter()
-        llm = LLM(num_gpu_blocks=64, max_num_seqs=1, **PATHS[name])
+        llm = LLM(num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1, **PATHS[name])
         model = llm.llm_engine.executor.model
         info[name] = {
             "load_s": time.perf_counter() - t0,

@@ -309,3 +309,17 @@ def test_default_model_quantized_load_is_not_materialised_in_float():
     assert r.returncode == 0, r.stderr[-2000:]
     base_kib, peak_kib = map(int, r.stdout.split()[-2:])
     assert (peak_kib - base_kib) / 1024 < 450, (base_kib, peak_kib)
+
+
+def test_quantization_cli_flag():
+    import argparse
+
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args([])).quantization is None
+    assert engine_args_from(p.parse_args(["--quantization", "gguf"])).quantization == "gguf"
+    assert engine_args_from(p.parse_args(["--quantization", "int8"])).quantization == "int8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "awq"])

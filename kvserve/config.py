@@ -49,7 +49,7 @@ class ModelConfig:
         max_model_len: context length in tokens (prompt + output); ``None`` = the model's
             ``max_position_embeddings``.
         quantization: ``None`` (float weights); ``"gguf"``: ``model`` is a GGUF file (or the
-            default model's) whose Q8_0 / Q4_0 / Q4_1 weights run quantized; ``"int8"``: any
+            default model's) whose Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weights run quantized; ``"int8"``: any
             float checkpoint, its linear weights quantized at load to int8 (Q8_0 blocks: a
             scale per 32 weights), weight-only. Both CPU only.
     """

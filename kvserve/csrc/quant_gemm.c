@@ -10,6 +10,10 @@
  *   Q4_0 (18 bytes): d, uint8 qs[16];                   w[i] = d * (nibble(i) - 8)
  *   Q4_1 (20 bytes): d, m, uint8 qs[16];                w[i] = d * nibble(i) + m
  * where nibble(i) is the low nibble of qs[i] for i < 16 and the high nibble of qs[i - 16] else.
+ * The K-quants Q4_K / Q5_K / Q6_K have superblocks of 256 weights with 6-bit (Q6_K: int8)
+ * scales per 32 (16) weights (dequant_kchunk below); the kernels treat every type as chunks of
+ * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
+ * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
  * Algorithm: the activations stay float32 (bfloat16 ones are widened on load), so the result
  * equals dequantize-then-matmul up to float32 rounding (no int8 activations as in llama.cpp,
@@ -34,8 +38,8 @@
 #include <immintrin.h>
 #endif
 
-enum { QT_Q8_0 = 0, QT_Q4_0 = 1, QT_Q4_1 = 2 };
-#define QK 32 /* weights per block */
+enum { QT_Q8_0 = 0, QT_Q4_0 = 1, QT_Q4_1 = 2, QT_Q4_K = 3, QT_Q5_K = 4, QT_Q6_K = 5 };
+#define QK 32 /* weights per chunk: the unit the kernels dequantize (a block, or 1/8 of a K-quant one) */
 #define NC 3  /* output columns per tile */
 #define MR 8  /* rows of x per tile */
 
@@ -74,7 +78,18 @@ static inline v16i widen_s8(const uint8_t* p) {
 #endif
 }
 
-static inline int block_bytes(const int qt) { return qt == QT_Q8_0 ? 34 : qt == QT_Q4_0 ? 18 : 20; }
+static inline int block_bytes(const int qt) {
+    switch (qt) {
+    case QT_Q8_0: return 34;
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
+    default: return 210; /* Q6_K */
+    }
+}
+/* 32-weight chunks per block: K-quants have superblocks of 256. */
+static inline int block_chunks(const int qt) { return qt >= QT_Q4_K ? 8 : 1; }
 
 /* IEEE half -> float (the block scales). */
 static inline float fp16_to_f32(const uint8_t* p) {
@@ -107,10 +122,66 @@ static inline float fp16_to_f32(const uint8_t* p) {
 #endif
 }
 
-/* The 32 weights of block `b` as two 16-lane vectors (elements 0-15, 16-31). The type is a
-   compile-time constant at every call site (always_inline), so the switch folds away. */
-static inline __attribute__((always_inline)) void dequant_block(const int qt, const uint8_t* b, v16* w0,
-                                                                v16* w1) {
+/* Scale and minimum (6 bits each) of sub-block j of a Q4_K / Q5_K superblock: ggml packs the
+   8 pairs into 12 bytes, the low 6 bits of bytes 0-7 for j < 4, the rest split over nibbles of
+   bytes 8-11 and the top 2 bits of bytes 0-7. */
+static inline void scale_min_k4(const int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* The K-quant chunk s (0-7: weights 32 s .. 32 s + 31) of superblock b (ggml-common.h):
+   Q4_K (144 bytes): d, dmin, scales[12], qs[128]; chunks 2i / 2i + 1 are the low / high nibbles
+     of qs[32 i .. 32 i + 31]; w = d * sc_s * q - dmin * m_s.
+   Q5_K (176 bytes): as Q4_K with qh[32] after scales: bit s of qh[l] adds 16 to q.
+   Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], d (last); per half h = s / 4 (128
+     weights) and quarter t = s % 4: q = (ql[64 h + 32 (t & 1) + l] >> 4 (t >= 2)) & 0xF
+     | ((qh[32 h + l] >> 2 t) & 3) << 4, w = d * scales[8 h + 2 t + l / 16] * (q - 32). */
+static inline __attribute__((always_inline)) void dequant_kchunk(const int qt, const uint8_t* b, const int s,
+                                                                 v16* w0, v16* w1) {
+    if (qt == QT_Q6_K) {
+        const int h = s >> 2, t = s & 3;
+        const float d = fp16_to_f32(b + 208);
+        const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* sc = (const int8_t*)(b + 192 + 8 * h + 2 * t);
+        const int sl = t >= 2 ? 4 : 0, sh = 2 * t;
+        const v16i q0 = ((widen_u8(ql) >> sl) & 0xF) | (((widen_u8(qh) >> sh) & 3) << 4);
+        const v16i q1 = ((widen_u8(ql + 16) >> sl) & 0xF) | (((widen_u8(qh + 16) >> sh) & 3) << 4);
+        *w0 = __builtin_convertvector(q0 - 32, v16) * (d * sc[0]);
+        *w1 = __builtin_convertvector(q1 - 32, v16) * (d * sc[1]);
+        return;
+    }
+    const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
+    int sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    const float ds = d * sc, dm = dmin * m;
+    const uint8_t* qs = b + (qt == QT_Q5_K ? 48 : 16) + 32 * (s >> 1);
+    const int shift = (s & 1) * 4;
+    v16i q0 = (widen_u8(qs) >> shift) & 0xF, q1 = (widen_u8(qs + 16) >> shift) & 0xF;
+    if (qt == QT_Q5_K) {
+        q0 |= ((widen_u8(b + 16) >> s) & 1) << 4;
+        q1 |= ((widen_u8(b + 32) >> s) & 1) << 4;
+    }
+    *w0 = __builtin_convertvector(q0, v16) * ds - dm;
+    *w1 = __builtin_convertvector(q1, v16) * ds - dm;
+}
+
+/* The 32 weights of chunk j of a row (blocks of type qt from `row`) as two 16-lane vectors
+   (elements 0-15, 16-31). The type is a compile-time constant at every call site
+   (always_inline), so the switches fold away. */
+static inline __attribute__((always_inline)) void dequant_block(const int qt, const uint8_t* row,
+                                                                const int64_t j, v16* w0, v16* w1) {
+    if (qt >= QT_Q4_K) {
+        dequant_kchunk(qt, row + (j >> 3) * block_bytes(qt), (int)(j & 7), w0, w1);
+        return;
+    }
+    const uint8_t* b = row + j * block_bytes(qt);
     const float d = fp16_to_f32(b);
     if (qt == QT_Q8_0) {
         *w0 = __builtin_convertvector(widen_s8(b + 2), v16) * d;

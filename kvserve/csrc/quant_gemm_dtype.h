@@ -12,14 +12,13 @@ CAT(qtile_, SFX)(const int qt, const int mr, const int nc, const ELEM* x, const 
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
         for (int c = 0; c < NC; ++c) acc[r][c] = (v16){};
-    const int bb = block_bytes(qt);
     const int64_t nb = K / QK;
     for (int64_t j = 0; j < nb; ++j) {
         const ELEM* xj = x + j * QK;
 #pragma GCC unroll 4
         for (int c = 0; c < nc; ++c) {
             v16 w0, w1;
-            dequant_block(qt, w + c * row_bytes + j * bb, &w0, &w1);
+            dequant_block(qt, w + c * row_bytes, j, &w0, &w1);
             /* x straight from L1 (a memory operand of the FMA): no registers held for it */
 #pragma GCC unroll 8
             for (int r = 0; r < mr; ++r) {
@@ -36,7 +35,7 @@ CAT(qtile_, SFX)(const int qt, const int mr, const int nc, const ELEM* x, const 
 }
 
 /* Thread tid of nth's share of y[M, N] = x[M, K] @ W^T (+ bias[N]) for W [N, K] in blocks of
-   type qt (K % 32 == 0). The threads split the column tiles; rows go in chunks of ~256 KB of x
+   type qt (K a multiple of its block). The threads split the column tiles; rows go in chunks of ~256 KB of x
    (as float32), so a chunk stays in L2 while the thread's weight tiles pass over it. Called
    from inside the parallel region of each exported function: GCC outlines a parallel region
    before inlining, so one inside this function would see qt as a variable and keep the
@@ -44,7 +43,7 @@ CAT(qtile_, SFX)(const int qt, const int mr, const int nc, const ELEM* x, const 
 static inline __attribute__((always_inline)) void
 CAT(qgemm_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, const int64_t M,
                  const int64_t N, const int64_t K, const int tid, const int nth) {
-    const int64_t row_bytes = K / QK * block_bytes(qt);
+    const int64_t row_bytes = K / QK / block_chunks(qt) * block_bytes(qt);
     const int64_t tiles = (N + NC - 1) / NC;
     int64_t mc = K > 0 ? ((int64_t)(1 << 16) / K) / MR * MR : MR;
     if (mc < MR) mc = MR;
@@ -87,14 +86,13 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
                                                                    const int64_t* ids, const int64_t n,
                                                                    const int64_t K, ELEM* out, const int tid,
                                                                    const int nth) {
-    const int bb = block_bytes(qt);
-    const int64_t row_bytes = K / QK * bb;
+    const int64_t row_bytes = K / QK / block_chunks(qt) * block_bytes(qt);
     for (int64_t i = n * tid / nth; i < n * (tid + 1) / nth; ++i) {
         const uint8_t* row = w + ids[i] * row_bytes;
         ELEM* o = out + i * K;
         for (int64_t j = 0; j < K / QK; ++j) {
             v16 w0, w1;
-            dequant_block(qt, row + j * bb, &w0, &w1);
+            dequant_block(qt, row, j, &w0, &w1);
             CAT(st16_, SFX)(o + j * QK, w0);
             CAT(st16_, SFX)(o + j * QK + 16, w1);
         }
@@ -115,4 +113,7 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
 QUANT_EXPORTS(q8_0, QT_Q8_0)
 QUANT_EXPORTS(q4_0, QT_Q4_0)
 QUANT_EXPORTS(q4_1, QT_Q4_1)
+QUANT_EXPORTS(q4_k, QT_Q4_K)
+QUANT_EXPORTS(q5_k, QT_Q5_K)
+QUANT_EXPORTS(q6_k, QT_Q6_K)
 #undef QUANT_EXPORTS

@@ -93,7 +93,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
                 else f"oneDNN ({bf16_isa}) via torch"
             ),
         },
-        "linear, gguf Q8_0|Q4_0|Q4_1": {
+        "linear, gguf quantized": {
             d: (
                 f"kvserve quantized GEMM ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
                 if quant_gemm.available()

@@ -2,7 +2,7 @@
 (``quantization="gguf"``).
 
 Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
-``quant_gemm.BLOCK_BYTES`` (Q8_0, Q4_0, Q4_1) stay in their GGUF blocks (``QuantWeight``) and
+``quant_gemm.BLOCK_BYTES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (``QuantWeight``) and
 run on the kernels of ``csrc/quant_gemm.c``. Everything else (float tensors, norms, and
 quantized types without a kernel) is dequantized once at load into the model dtype, with one
 log line per type. A fused weight (q/k/v, gate/up) stays quantized only when all its parts
@@ -78,7 +78,9 @@ def _float_array(path: Path, t, logged: set) -> np.ndarray:
 def _rows(t, perm_heads: int | None) -> np.ndarray:
     """The quantized bytes of ``t`` as ``[out, row_bytes]``, q/k rows in HF order."""
     out, inp = _shape(t)
-    rows = np.asarray(t.data).reshape(out, inp // quant_gemm.BLOCK_ELEMS * quant_gemm.BLOCK_BYTES[_qtype(t)])
+    qtype = _qtype(t)
+    assert qtype is not None
+    rows = np.asarray(t.data).reshape(out, quant_gemm.row_bytes(qtype, inp))
     if perm_heads is not None:
         rows = rows[unpermute_qk(np.arange(out), perm_heads)]
     return rows

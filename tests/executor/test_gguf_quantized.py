@@ -25,6 +25,7 @@ from kvserve.model_executor.gguf_loader import load_gguf_model
 from kvserve.model_executor.layers import quant_gemm
 from kvserve.worker.model_runner import ModelRunner
 from tests.executor.helpers import ToyAllocator, ToySeq, llama_config, save_tiny
+from tests.executor.test_quant_gemm import K_QUANTS, random_kquant_blocks
 
 HF_TO_GGUF = {v: k for k, v in gguf_convert._GLOBAL_MAP.items()}
 LAYER_TO_GGUF = {v: k for k, v in gguf_convert._LAYER_MAP.items()}
@@ -48,6 +49,7 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(path, hf_model, cfg, qtype_of, shape_override=None) -> None:
     """Write ``hf_model`` as a llama GGUF; ``qtype_of(hf_name)`` picks each 2-D tensor's type."""
     w = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -72,6 +74,9 @@ def write_gguf(path, hf_model, cfg, qtype_of, shape_override=None) -> None:
         qt = qtype_of(name) if a.ndim == 2 else T.F32
         if qt == T.F32:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+        elif qt.name.lower() in K_QUANTS:  # the gguf package cannot quantize to these
+            blocks = random_kquant_blocks(qt.name.lower(), a.shape[0], a.shape[1], rng)
+            w.add_tensor(gguf_name(name), blocks, raw_dtype=qt)
         else:
             w.add_tensor(gguf_name(name), quantize(a, qt), raw_dtype=qt)
     w.write_header_to_file()
@@ -158,6 +163,25 @@ def test_quantized_load_equals_float_model_on_dequantized_weights(tiny, qtype, d
     assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
     if dtype == torch.float32:
         assert greedy(m, ids, 6) == greedy(ref, ids, 6)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+def test_k_quant_load_equals_float_model_on_dequantized_weights(tmp_path, qtype):
+    """The K-quants (superblocks of 256: hidden and intermediate sizes of 256 here), q/k rows
+    permuted as whole superblock rows; logits and greedy tokens equal the float reference."""
+    cfg = llama_config(hidden_size=256, intermediate_size=256, vocab_size=128, tie_word_embeddings=True)
+    hf = save_tiny(tmp_path / "hf", cfg)
+    path = tmp_path / "k.gguf"
+    write_gguf(path, hf, cfg, lambda n: qtype)
+    m = load_gguf_model(path, torch.float32, "cpu")
+    assert m.layers[1].self_attn.qkv_weight.qtype == qtype.name.lower()
+    assert isinstance(m.embed_tokens, quant_gemm.QuantWeight)
+    ref = reference_model(path, cfg)
+    ids = [5, 17, 3, 99, 42, 8, 8, 120, 1]
+    got, want = prefill_logits(m, ids), prefill_logits(ref, ids)
+    # random superblocks make large weights (logits ~1e3): float32 rounding, relative
+    assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max())), (got - want).abs().max()
+    assert greedy(m, ids, 4) == greedy(ref, ids, 4)
 
 
 def test_mixed_and_unkernelled_types_are_dequantized_at_load_with_a_log_line(tiny, caplog):

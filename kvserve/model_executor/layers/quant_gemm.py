@@ -1,7 +1,7 @@
 """Linear layers and embedding lookups on GGUF block-quantized weights (``QuantWeight``).
 
 The weight stays in llama.cpp's block layout (``kvserve/csrc/quant_gemm.c`` gives the formats
-and the algorithm): ``[out_features, in_features / 32 * block_bytes]`` uint8, one row per
+and the algorithm): ``[out_features, row_bytes(qtype, in_features)]`` uint8, one row per
 output feature, so a row permutation (llama.cpp's q/k order) is a plain row gather. The C
 kernels dequantize in registers; without them (``KVSERVE_NATIVE=0``, no compiler) the torch
 fallback dequantizes the weight on every call (slow, but the same values).
@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
 
-#: Weights per block of every supported type.
+#: Weights per block of the 32-weight types (the unit of ``quantize_q8_0``).
 BLOCK_ELEMS = 32
-#: Supported GGUF types (lower-case ggml names) -> bytes per block of 32 weights.
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+#: Supported GGUF types (lower-case ggml names) -> bytes per block.
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+#: Weights per block: 32, or 256 for the K-quants' superblocks.
+BLOCK_WEIGHTS = {t: 256 if t.endswith("_k") else 32 for t in BLOCK_BYTES}
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights (a multiple of ``BLOCK_WEIGHTS[qtype]``)."""
+    return in_features // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -44,11 +53,12 @@ class QuantWeight:
     Args:
         data: ``[out_features, in_features / 32 * BLOCK_BYTES[qtype]]`` uint8 CPU tensor.
         qtype: a key of ``BLOCK_BYTES``.
-        in_features: weights per row (a multiple of 32).
+        in_features: weights per row (a multiple of ``BLOCK_WEIGHTS[qtype]``: 32, or 256 for
+            the K-quants).
 
     Raises:
-        ValueError: unknown ``qtype``, ``in_features`` not a multiple of 32, or ``data`` of the
-            wrong dtype, device or row length.
+        ValueError: unknown ``qtype``, ``in_features`` not a multiple of the block, or ``data``
+            of the wrong dtype, device or row length.
     """
 
     __slots__ = ("data", "qtype", "out_features", "in_features")
@@ -56,17 +66,20 @@ class QuantWeight:
     def __init__(self, data: torch.Tensor, qtype: str, in_features: int):
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"QuantWeight: type {qtype!r} is not one of {sorted(BLOCK_BYTES)}")
-        if in_features <= 0 or in_features % BLOCK_ELEMS:
-            raise ValueError(f"QuantWeight: in_features={in_features} is not a positive multiple of 32")
-        row_bytes = in_features // BLOCK_ELEMS * BLOCK_BYTES[qtype]
+        block = BLOCK_WEIGHTS[qtype]
+        if in_features <= 0 or in_features % block:
+            raise ValueError(
+                f"QuantWeight: {qtype} in_features={in_features} is not a positive multiple of {block}"
+            )
+        nbytes = row_bytes(qtype, in_features)
         if (
             data.dtype != torch.uint8
             or data.dim() != 2
-            or data.shape[1] != row_bytes
+            or data.shape[1] != nbytes
             or data.device.type != "cpu"
         ):
             raise ValueError(
-                f"QuantWeight: {qtype} data must be a CPU uint8 [out, {row_bytes}] tensor, got "
+                f"QuantWeight: {qtype} data must be a CPU uint8 [out, {nbytes}] tensor, got "
                 f"{tuple(data.shape)} {data.dtype} on {data.device}"
             )
         self.data = data.contiguous()
@@ -94,6 +107,12 @@ def dequantize_blocks(data: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 ``[rows, blocks * 32]`` from ``data`` ``[rows, blocks * BLOCK_BYTES[qtype]]`` uint8
     (the torch reference of the kernels' dequantization)."""
     rows = data.shape[0]
+    if BLOCK_WEIGHTS[qtype] != 32:  # K-quants: the gguf package's numpy reference
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        arr = gguf_dequantize(data.numpy(), GGMLQuantizationType[qtype.upper()])
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(rows, -1)
     b = data.reshape(rows, -1, BLOCK_BYTES[qtype])
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
     if qtype == "q8_0":

@@ -347,3 +347,25 @@ def test_quantization_cli_flag():
     assert engine_args_from(p.parse_args(["--quantization", "int8"])).quantization == "int8"
     with pytest.raises(SystemExit):
         p.parse_args(["--quantization", "awq"])
+
+
+def test_benchmark_counts_the_weight_bytes_a_decode_step_reads(tiny):
+    """``benchmarks/quantized.py``'s bandwidth column: quantized blocks count their bytes,
+    float weights 4 (float32) bytes per weight; the tied LM head is read once per step."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_quantized", Path(__file__).resolve().parents[2] / "benchmarks" / "quantized.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg, hf, tmp = tiny
+    path = tmp / "m.gguf"
+    write_gguf(path, hf, cfg, lambda n: T.Q4_1)
+    m = load_gguf_model(path, torch.float32, "cpu")
+    per_layer = (64 + 2 * 32) * 64 + 64 * 64 + 2 * 96 * 64 + 64 * 96  # qkv, o, gate/up, down weights
+    q4_1 = 20 / 32  # bytes per weight
+    assert bench.step_weight_bytes(m) == (2 * per_layer + 128 * 64) * q4_1
+    ref = reference_model(path, cfg)
+    assert bench.step_weight_bytes(ref) == (2 * per_layer + 128 * 64) * 4

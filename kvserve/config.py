@@ -48,6 +48,10 @@ class ModelConfig:
         seed: global RNG seed.
         max_model_len: context length in tokens (prompt + output); ``None`` = the model's
             ``max_position_embeddings``.
+        quantization: ``None`` (float weights); ``"gguf"``: ``model`` is a GGUF file (or the
+            default model's) whose Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weights run quantized; ``"int8"``: any
+            float checkpoint, its linear weights quantized at load to int8 (Q8_0 blocks: a
+            scale per 32 weights), weight-only. Both CPU only.
     """
 
     model: str | None = None
@@ -55,6 +59,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -62,6 +67,8 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto|cpu|cuda, got {self.device!r}.")
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.quantization not in (None, "gguf", "int8"):
+            raise ValueError(f"quantization must be one of gguf|int8 or unset, got {self.quantization!r}.")
 
     def resolved_device(self) -> str:
         """``cpu`` or ``cuda``. Raises ValueError if ``cuda`` is asked for and absent."""
@@ -317,6 +324,7 @@ class EngineArgs:
     max_waiting: int | None = None
     watermark: float = 0.01
     delay_factor: float = 0.0
+    quantization: str | None = None
     #: ``SpeculativeConfig`` fields as a dict or a JSON object string; None = off.
     speculative_config: dict | str | None = None
 
@@ -347,7 +355,12 @@ class EngineArgs:
                 f"max_model_len={max_len} is larger than the model's max_position_embeddings={model_max_len}."
             )
         model_config = ModelConfig(
-            model=self.model, dtype=self.dtype, device=self.device, seed=self.seed, max_model_len=max_len
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            max_model_len=max_len,
+            quantization=self.quantization,
         )
         # On CPU a step's cost grows with its tokens and the GEMMs are most efficient at ~2-3k
         # rows, so (as vLLM's CPU backend) prompts are chunked into 2,048-token steps mixed with

@@ -16,6 +16,8 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
         assert (lib["loaded"] and lib["path"]) or (not lib["loaded"] and lib["failure"]), lib
     assert set(r["cpu_features"]) == set(doctor.CPU_FEATURES)
     assert r["paths"]["linear"]["float32"].startswith("kvserve panel GEMM") == libs["kv_gemm"]["loaded"]
+    quant = r["paths"]["linear, gguf quantized"]["float32"]
+    assert quant.startswith("kvserve quantized GEMM") == libs["kv_quant_gemm"]["loaded"]
     assert 1 <= r["threads"]["chosen"] <= r["threads"]["cores_usable"]
     assert r["threads"]["why"]
 

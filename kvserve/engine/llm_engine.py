@@ -118,11 +118,11 @@ class LLMEngine:
         invalid setting."""
         from transformers import AutoConfig
 
-        from kvserve.model_executor.model_loader import resolve_model_dir
+        from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.transformers_utils.tokenizer import load_tokenizer
         from kvserve.worker.worker import Worker
 
-        model_dir = resolve_model_dir(args.model)
+        model_dir = resolve_model_dir(args.model, args.quantization)
         hf_config = AutoConfig.from_pretrained(model_dir)
         sliding_window = getattr(hf_config, "sliding_window", None)
         if getattr(hf_config, "use_sliding_window", True) is False:
@@ -130,7 +130,8 @@ class LLMEngine:
         model_config, cache_config, scheduler_config = args.create_configs(
             hf_config.max_position_embeddings, sliding_window
         )
-        model_config.model = str(model_dir)
+        # quantized GGUF: the weights stay in the file (model_dir holds config and tokenizer)
+        model_config.model = str(gguf_file_for(args.model)) if args.quantization == "gguf" else str(model_dir)
         spec_config = args.create_speculative_config()
         worker = Worker(model_config, cache_config, scheduler_config)
         num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()

@@ -46,6 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     "device": ["auto", "cpu", "cuda"],
                     "dtype": ["auto", "float32", "bfloat16", "float16"],
                     "preemption_mode": ["recompute", "swap"],
+                    "quantization": ["gguf", "int8"],
                 }.get(f.name),
             )
 

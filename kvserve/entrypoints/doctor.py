@@ -72,6 +72,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         native_gemm,
         native_ops,
         native_prefill_attention,
+        quant_gemm,
     )
 
     amx = amx_gemm.available()
@@ -91,6 +92,14 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
                 if amx
                 else f"oneDNN ({bf16_isa}) via torch"
             ),
+        },
+        "linear, gguf quantized": {
+            d: (
+                f"kvserve quantized GEMM ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+                if quant_gemm.available()
+                else "torch: dequantized on every call (slow)"
+            )
+            for d in ("float32", "bfloat16")
         },
         "decode attention": {
             "float32": f"kvserve paged kernel ({vec})" if native_attention.available() else torch_,

@@ -214,14 +214,12 @@ def _clean_stale_tmp(root: Path) -> None:
             pass
 
 
-def converted_dir(gguf_path: Path) -> Path:
-    """The cached HF directory for ``gguf_path``, converting it first when absent.
+def _cached(final: Path, write, complete) -> Path:
+    """``final`` once ``complete(final)``, writing it first with ``write(tmp_dir)`` when absent.
 
-    Concurrent callers may both convert; the first rename wins and the other copy is dropped.
+    Concurrent callers may both write; the first rename wins and the other copy is dropped.
     """
-    gguf_path = Path(gguf_path).resolve()
-    final = cache_dir_for(gguf_path)
-    if is_complete(final):
+    if complete(final):
         return final
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
@@ -230,16 +228,56 @@ def converted_dir(gguf_path: Path) -> Path:
         shutil.rmtree(final, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
-        convert_gguf(gguf_path, tmp)
+        write(tmp)
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not is_complete(final):
+            if not complete(final):
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    """The cached HF directory for ``gguf_path``, converting it first when absent."""
+    gguf_path = Path(gguf_path).resolve()
+    return _cached(cache_dir_for(gguf_path), lambda tmp: convert_gguf(gguf_path, tmp), is_complete)
+
+
+def write_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """Write ``config.json`` and the tokenizer files of ``gguf_path`` (no weights) into
+    ``out_dir``: what ``quantization="gguf"`` needs beside the GGUF file itself.
+
+    Raises:
+        ValueError: not a llama GGUF.
+    """
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    cfg = build_config(reader, any(t.name == "output.weight" for t in reader.tensors))
+    del reader
+    cfg.save_pretrained(str(out_dir))
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out_dir))
+
+
+def metadata_dir(gguf_path: Path) -> Path:
+    """The cached directory of ``write_metadata`` for ``gguf_path`` (``<converted dir>-meta``).
+
+    Raises:
+        ValueError: the file cannot be read as a llama GGUF (naming it).
+    """
+    from kvserve.model_executor.gguf_loader import open_gguf
+
+    gguf_path = Path(gguf_path).resolve()
+    final = cache_dir_for(gguf_path)
+    final = final.with_name(final.name + "-meta")
+    if not (final / "config.json").is_file():
+        open_gguf(gguf_path)  # a clear error naming the file before transformers reads it
+    return _cached(final, lambda tmp: write_metadata(gguf_path, tmp), lambda d: (d / "config.json").is_file())

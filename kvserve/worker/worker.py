@@ -119,6 +119,7 @@ class Worker:
     ):
         from kvserve.model_executor.model_loader import (
             get_sliding_window,
+            gguf_file_for,
             load_hf_config,
             load_model,
             resolve_model_dir,
@@ -137,9 +138,22 @@ class Worker:
         if self.device == "cpu":
             keep_freed_memory()  # no page faults on every step's activations (see cpu_malloc)
         torch.manual_seed(model_config.seed)
-        self.model_dir = resolve_model_dir(model_config.model)
+        self.model_dir = resolve_model_dir(model_config.model, model_config.quantization)
         self.hf_config = load_hf_config(self.model_dir)
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.hf_config)
+        if model_config.quantization == "gguf":
+            from kvserve.model_executor.gguf_loader import load_gguf_model
+
+            gguf_file = gguf_file_for(model_config.model)
+            assert gguf_file is not None  # resolve_model_dir checked it
+            self.model = load_gguf_model(gguf_file, self.dtype, self.device, self.hf_config)
+        else:
+            self.model = load_model(
+                self.model_dir,
+                self.dtype,
+                self.device,
+                self.hf_config,
+                quantization=model_config.quantization,
+            )
         #: Attention window (tokens) the runner masks with: the cache config's (the block
         #: manager may recycle blocks outside it) or else the model's own.
         self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)

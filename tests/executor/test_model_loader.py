@@ -1,6 +1,7 @@
 """Model directory resolution, weight loading errors, GGUF conversion and its cache."""
 
 import os
+import re
 import time
 
 import pytest
@@ -170,3 +171,49 @@ def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     with open(fake, "ab") as f:  # changed content -> new key
         f.write(b"more")
     assert gguf_convert.converted_dir(fake) != d1
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+)
+def test_fused_part_with_too_few_rows_is_refused(tmp_path, name):
+    """Found with the GGUF loader: a q/k/v or gate/up tensor shorter than its part of the
+    fused weight passed the shape check as a prefix of the part, leaving rows unwritten."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path, llama_config())
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors[name] = tensors[name][:-2].clone()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(name)}.*has shape \({tensors[name].shape[0]}, 64\), expected"
+    ):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
+def test_quantized_hf_checkpoint_is_refused_naming_its_quant_method(tmp_path, method):
+    import json
+
+    save_tiny(tmp_path, llama_config())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"quant_method='{method}'.*cannot load"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32])
+def test_integer_tensor_under_a_float_weight_name_is_refused(tmp_path, dtype):
+    """Found in issue 20: int8 tensors under plain weight names loaded silently as garbage."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path, llama_config())
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = torch.zeros(tensors[name].shape, dtype=dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}.*integer.*expected a float weight"):
+        load_model(tmp_path, torch.float32, "cpu")

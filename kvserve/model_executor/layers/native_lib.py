@@ -43,7 +43,14 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 #: for a sanitizer build; part of the build key, so such builds never mix with normal ones).
 EXTRA_CFLAGS_ENV = "KVSERVE_NATIVE_CFLAGS"
 #: The modules whose ``_LIB`` is a kernel library (``all_libraries``).
-KERNEL_MODULES = ("native_gemm", "amx_gemm", "native_attention", "native_ops", "native_prefill_attention")
+KERNEL_MODULES = (
+    "native_gemm",
+    "amx_gemm",
+    "native_attention",
+    "native_ops",
+    "native_prefill_attention",
+    "quant_gemm",
+)
 
 
 def compile_command(source: str, output: str | Path, extra_flags: Sequence[str] = ()) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops
+from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops, quant_gemm
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
@@ -32,7 +32,9 @@ def _head_dim(cfg) -> int:
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
     or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight``,
-    ``amx_gemm.AmxWeight`` or oneDNN's)."""
+    ``amx_gemm.AmxWeight`` or oneDNN's), or a GGUF-quantized ``quant_gemm.QuantWeight``."""
+    if isinstance(weight, quant_gemm.QuantWeight):
+        return quant_gemm.linear(x, weight, bias)
     if isinstance(weight, amx_gemm.AmxWeight):
         if x.shape[0] <= amx_gemm.MAX_ROWS:
             return amx_gemm.linear(x, weight, bias)
@@ -57,7 +59,8 @@ def prepack_weight(weight: torch.Tensor):
       ``amx_gemm.MAX_ROWS`` tokens) holding the oneDNN copy for larger steps: two copies of
       each weight, the price of both speeds.
 
-    Returns ``weight`` unchanged off CPU, for other dtypes, or when neither kernel is available.
+    Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), or when
+    neither kernel is available.
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return weight
@@ -243,7 +246,10 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[T, hidden_size]`` in the model dtype.
         """
-        x = F.embedding(input_ids, self.embed_tokens)
+        if isinstance(self.embed_tokens, quant_gemm.QuantWeight):
+            x = quant_gemm.embedding(input_ids, self.embed_tokens, self.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
         if self.use_native_decode and native_decode.applies(self, kv_caches, meta, x.shape[0]):
             return native_decode.forward_layers(self, x, cos, sin, kv_caches, meta)
@@ -270,6 +276,25 @@ class LlamaForCausalLM(nn.Module):
             if packed is not getattr(module, name):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
+
+    def quantize_linear_weights_int8(self) -> None:
+        """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its Q8_0 form
+        (``quant_gemm.quantize_q8_0``: int8 with a scale per 32 weights), after
+        ``load_weights`` and instead of ``prepack_linear_weights``; the embedding table stays
+        float (a tied LM head gets its own quantized copy). CPU only.
+
+        Raises:
+            ValueError: off CPU, or a linear layer whose ``in_features`` is not a multiple of 32.
+        """
+        if self.embed_tokens.device.type != "cpu":
+            raise ValueError("quantization='int8' runs on CPU only")
+        names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
+        names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
+        names.append((self, "lm_head"))
+        for module, name in names:
+            q = quant_gemm.quantize_q8_0(getattr(module, name))
+            module._parameters.pop(name, None)  # a plain attribute from now on
+            setattr(module, name, q)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -304,11 +329,22 @@ class LlamaForCausalLM(nn.Module):
         if dst is None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         param, row0 = dst
-        n = shape[0] if shape else 0
-        target = param.data[row0 : row0 + n] if row0 is not None else param.data
+        # a fused part has the rows up to the next part's start (or the end): a shorter tensor
+        # must not pass as a prefix of them
+        target = (
+            param.data[row0 : row0 + self._part_rows(name, param, row0)] if row0 is not None else param.data
+        )
         if tuple(target.shape) != tuple(shape):
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target
+
+    def _part_rows(self, name: str, param, row0: int) -> int:
+        """Rows of the fused ``param`` that checkpoint tensor ``name`` fills from ``row0``."""
+        layer = self.layers[int(name.split(".")[2])]
+        a, inter = layer.self_attn, layer.mlp.inter
+        if param is a.qkv_weight or param is a.qkv_bias:
+            return a.q_size if row0 == 0 else a.kv_size
+        return inter  # gate / up
 
     def check_all_loaded(self, loaded) -> None:
         """Raises ValueError naming the expected weights absent from ``loaded`` (a set of names)."""

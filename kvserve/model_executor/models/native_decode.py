@@ -22,15 +22,24 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model_executor.layers import amx_gemm, native_attention, native_gemm, native_ops
+from kvserve.model_executor.layers import amx_gemm, native_attention, native_gemm, native_ops, quant_gemm
 from kvserve.model_executor.layers.attention import AttentionMetadata
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX
 
 
-def _gemm_call(weight, bias: torch.Tensor | None, rows: int):
+def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype):
     """``(fn, weight_ptr, bias_ptr, out_features, in_features, is_panel)`` for a native GEMM of
     ``rows`` rows, or ``None`` when ``weight`` has none."""
     b = None if bias is None else bias.data_ptr()
+    if isinstance(weight, quant_gemm.QuantWeight) and quant_gemm.available():
+        return (
+            quant_gemm._LIB.fn(f"quant_gemm_{weight.qtype}_{DTYPE_SUFFIX[dtype]}"),
+            weight.data.data_ptr(),
+            b,
+            weight.out_features,
+            weight.in_features,
+            False,
+        )
     if isinstance(weight, amx_gemm.AmxWeight) and rows <= amx_gemm.MAX_ROWS and amx_gemm.available():
         return (
             amx_gemm._LIB.fn("amx_gemm_bf16"),
@@ -74,7 +83,7 @@ def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata
         return False
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     return all(
-        _gemm_call(w, None, num_tokens) is not None
+        _gemm_call(w, None, num_tokens, model.dtype) is not None
         for w in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
     )
 
@@ -125,7 +134,7 @@ def forward_layers(
     table_p, nbmax, kstart_p, kend_p = p(nd.table), nd.table.shape[1], p(nd.kstart), p(nd.kend)
 
     def gemm(weight, bias, src, dst):
-        fn, w, b, n, k, panel = _gemm_call(weight, bias, T)
+        fn, w, b, n, k, panel = _gemm_call(weight, bias, T, x.dtype)
         if panel:  # float32 panels: x is its own float32 scratch
             fn(p(src), p(src), w, b, p(dst), T, n, k, nt)
         else:

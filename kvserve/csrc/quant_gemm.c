@@ -1,0 +1,203 @@
+/*
+ * Linear layers on GGUF block-quantized weights: y = x @ W^T (+ b), W dequantized in registers.
+ *
+ * Why: a batch-1 decode step reads every weight once, so its speed is the memory bandwidth
+ * divided by the bytes per weight (float32 4, bfloat16 2, Q8_0 1.0625, Q4_0 0.5625, Q4_1 0.625).
+ * The weights stay in llama.cpp's block layout (ggml-common.h of llama.cpp; the GGUF file
+ * format): a row of K weights is K / 32 blocks of 32, each one float16 scale d (and, for Q4_1,
+ * a float16 minimum m) followed by the quants:
+ *   Q8_0 (34 bytes): d, int8 q[32];                     w[i] = d * q[i]
+ *   Q4_0 (18 bytes): d, uint8 qs[16];                   w[i] = d * (nibble(i) - 8)
+ *   Q4_1 (20 bytes): d, m, uint8 qs[16];                w[i] = d * nibble(i) + m
+ * where nibble(i) is the low nibble of qs[i] for i < 16 and the high nibble of qs[i - 16] else.
+ * The K-quants Q4_K / Q5_K / Q6_K have superblocks of 256 weights with 6-bit (Q6_K: int8)
+ * scales per 32 (16) weights (dequant_kchunk below); the kernels treat every type as chunks of
+ * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
+ * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
+ *
+ * Algorithm: the activations stay float32 (bfloat16 ones are widened on load), so the result
+ * equals dequantize-then-matmul up to float32 rounding (no int8 activations as in llama.cpp,
+ * whose kernels quantize x too). Tiles of MR (<= 8) rows of x by NC = 3 output columns: per
+ * block of 32 the kernel widens the quants of each column into two 16-lane float vectors
+ * (w = q * d + m) and multiplies them into its MR accumulators, x read from L1 as the FMAs'
+ * memory operands (24 accumulators + 2 weight vectors fit AVX-512's 32 registers); each
+ * accumulator is summed horizontally at the end. The 3 weight rows of a tile (~1 KB for
+ * K = 576) stay in L1 while every row tile of a ~256 KB chunk of x passes over them; the
+ * threads split the output columns. GCC vector extensions (kv_vec.h): one AVX-512 register per
+ * vector with -march=native on an AVX-512 CPU, two AVX2 registers otherwise, scalar code
+ * elsewhere. Measured on one core of this project's AVX-512 VM (SmolLM2-135M shapes): ~10
+ * GFMA/s at 1 row (the dequantization is the cost: ~6 GB/s of Q4_1 per core), ~39 GFMA/s at
+ * 8-64 rows (float32 panels: ~90 at 64); MR = 4, NC = 4 gave 28 at 64 rows.
+ *
+ * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
+ * Measured: benchmarks/quantized.py, docs/benchmarks.md.
+ */
+#include "kv_vec.h"
+#include <omp.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { QT_Q8_0 = 0, QT_Q4_0 = 1, QT_Q4_1 = 2, QT_Q4_K = 3, QT_Q5_K = 4, QT_Q6_K = 5 };
+#define QK 32 /* weights per chunk: the unit the kernels dequantize (a block, or 1/8 of a K-quant one) */
+#define NC 3  /* output columns per tile */
+#define MR 8  /* rows of x per tile */
+
+/* 16 bytes at p widened to 16 int32 lanes, zero- (u8) or sign-extended (s8). By intrinsics:
+   GCC 12 turns the generic __builtin_convertvector of a byte vector into scalar code. */
+static inline v16i widen_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i*)p);
+    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    v16i r;
+    memcpy(&r, &lo, 32);
+    memcpy((char*)&r + 32, &hi, 32);
+    return r;
+#else
+    v16i r;
+    for (int i = 0; i < 16; ++i) r[i] = p[i];
+    return r;
+#endif
+}
+static inline v16i widen_s8(const uint8_t* p) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i*)p);
+    const __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    v16i r;
+    memcpy(&r, &lo, 32);
+    memcpy((char*)&r + 32, &hi, 32);
+    return r;
+#else
+    v16i r;
+    for (int i = 0; i < 16; ++i) r[i] = (int8_t)p[i];
+    return r;
+#endif
+}
+
+static inline int block_bytes(const int qt) {
+    switch (qt) {
+    case QT_Q8_0: return 34;
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q4_K: return 144;
+    case QT_Q5_K: return 176;
+    default: return 210; /* Q6_K */
+    }
+}
+/* 32-weight chunks per block: K-quants have superblocks of 256. */
+static inline int block_chunks(const int qt) { return qt >= QT_Q4_K ? 8 : 1; }
+
+/* IEEE half -> float (the block scales). */
+static inline float fp16_to_f32(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                man <<= 1;
+                ++e;
+            } while (!(man & 0x400u));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* Scale and minimum (6 bits each) of sub-block j of a Q4_K / Q5_K superblock: ggml packs the
+   8 pairs into 12 bytes, the low 6 bits of bytes 0-7 for j < 4, the rest split over nibbles of
+   bytes 8-11 and the top 2 bits of bytes 0-7. */
+static inline void scale_min_k4(const int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* The K-quant chunk s (0-7: weights 32 s .. 32 s + 31) of superblock b (ggml-common.h):
+   Q4_K (144 bytes): d, dmin, scales[12], qs[128]; chunks 2i / 2i + 1 are the low / high nibbles
+     of qs[32 i .. 32 i + 31]; w = d * sc_s * q - dmin * m_s.
+   Q5_K (176 bytes): as Q4_K with qh[32] after scales: bit s of qh[l] adds 16 to q.
+   Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], d (last); per half h = s / 4 (128
+     weights) and quarter t = s % 4: q = (ql[64 h + 32 (t & 1) + l] >> 4 (t >= 2)) & 0xF
+     | ((qh[32 h + l] >> 2 t) & 3) << 4, w = d * scales[8 h + 2 t + l / 16] * (q - 32). */
+static inline __attribute__((always_inline)) void dequant_kchunk(const int qt, const uint8_t* b, const int s,
+                                                                 v16* w0, v16* w1) {
+    if (qt == QT_Q6_K) {
+        const int h = s >> 2, t = s & 3;
+        const float d = fp16_to_f32(b + 208);
+        const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* sc = (const int8_t*)(b + 192 + 8 * h + 2 * t);
+        const int sl = t >= 2 ? 4 : 0, sh = 2 * t;
+        const v16i q0 = ((widen_u8(ql) >> sl) & 0xF) | (((widen_u8(qh) >> sh) & 3) << 4);
+        const v16i q1 = ((widen_u8(ql + 16) >> sl) & 0xF) | (((widen_u8(qh + 16) >> sh) & 3) << 4);
+        *w0 = __builtin_convertvector(q0 - 32, v16) * (d * sc[0]);
+        *w1 = __builtin_convertvector(q1 - 32, v16) * (d * sc[1]);
+        return;
+    }
+    const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
+    int sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    const float ds = d * sc, dm = dmin * m;
+    const uint8_t* qs = b + (qt == QT_Q5_K ? 48 : 16) + 32 * (s >> 1);
+    const int shift = (s & 1) * 4;
+    v16i q0 = (widen_u8(qs) >> shift) & 0xF, q1 = (widen_u8(qs + 16) >> shift) & 0xF;
+    if (qt == QT_Q5_K) {
+        q0 |= ((widen_u8(b + 16) >> s) & 1) << 4;
+        q1 |= ((widen_u8(b + 32) >> s) & 1) << 4;
+    }
+    *w0 = __builtin_convertvector(q0, v16) * ds - dm;
+    *w1 = __builtin_convertvector(q1, v16) * ds - dm;
+}
+
+/* The 32 weights of chunk j of a row (blocks of type qt from `row`) as two 16-lane vectors
+   (elements 0-15, 16-31). The type is a compile-time constant at every call site
+   (always_inline), so the switches fold away. */
+static inline __attribute__((always_inline)) void dequant_block(const int qt, const uint8_t* row,
+                                                                const int64_t j, v16* w0, v16* w1) {
+    if (qt >= QT_Q4_K) {
+        dequant_kchunk(qt, row + (j >> 3) * block_bytes(qt), (int)(j & 7), w0, w1);
+        return;
+    }
+    const uint8_t* b = row + j * block_bytes(qt);
+    const float d = fp16_to_f32(b);
+    if (qt == QT_Q8_0) {
+        *w0 = __builtin_convertvector(widen_s8(b + 2), v16) * d;
+        *w1 = __builtin_convertvector(widen_s8(b + 18), v16) * d;
+        return;
+    }
+    const v16i qs = widen_u8(b + (qt == QT_Q4_1 ? 4 : 2)), q0 = qs & 0xF, q1 = qs >> 4;
+    if (qt == QT_Q4_0) {
+        *w0 = __builtin_convertvector(q0 - 8, v16) * d;
+        *w1 = __builtin_convertvector(q1 - 8, v16) * d;
+    } else {
+        const float m = fp16_to_f32(b + 2);
+        *w0 = __builtin_convertvector(q0, v16) * d + m;
+        *w1 = __builtin_convertvector(q1, v16) * d + m;
+    }
+}
+
+#define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
+#include "kv_instantiate.h"

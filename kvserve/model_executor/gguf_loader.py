@@ -1,0 +1,201 @@
+"""Build ``LlamaForCausalLM`` straight from a GGUF file, keeping its quantized weights quantized
+(``quantization="gguf"``).
+
+Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
+``quant_gemm.BLOCK_BYTES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (``QuantWeight``) and
+run on the kernels of ``csrc/quant_gemm.c``. Everything else (float tensors, norms, and
+quantized types without a kernel) is dequantized once at load into the model dtype, with one
+log line per type. A fused weight (q/k/v, gate/up) stays quantized only when all its parts
+share one supported type.
+
+llama.cpp's q/k row permutation (``gguf_convert.unpermute_qk``) is undone on the quantized
+rows: a whole row of blocks moves with its output feature, so it is a row gather of bytes.
+
+No weight is materialised in float unless it is dequantized as above: the model's float
+parameters of quantized weights are allocated but never written, then dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.model_executor.gguf_convert import build_config, hf_tensor_name, unpermute_qk
+from kvserve.model_executor.layers import quant_gemm
+
+logger = logging.getLogger("kvserve.gguf")
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path``.
+
+    Raises:
+        ValueError: naming the file, when it is not a readable GGUF file (bad magic, truncated,
+            an unknown tensor type).
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        msg = str(e)
+        if "GGMLQuantizationType" in msg:
+            raise ValueError(f"GGUF file {str(path)!r} has a tensor of unknown type: {msg}") from None
+        raise ValueError(
+            f"GGUF file {str(path)!r} cannot be read (truncated or corrupt?): {type(e).__name__}: {msg}"
+        ) from None
+
+
+def _qtype(t) -> str | None:
+    name = t.tensor_type.name.lower()
+    return name if name in quant_gemm.BLOCK_BYTES else None
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(int(s) for s in reversed(list(t.shape)))  # ggml lists dims innermost first
+
+
+def _float_array(path: Path, t, logged: set) -> np.ndarray:
+    """The tensor dequantized to float32 in torch order."""
+    from gguf.quants import dequantize
+
+    kind = t.tensor_type.name
+    if kind not in ("F32", "F16", "BF16") and kind not in logged:
+        logged.add(kind)
+        logger.info("%s: %s tensors have no quantized kernel; dequantized to float at load", path.name, kind)
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"GGUF file {str(path)!r}: tensor {t.name!r} has type {kind}, which cannot be read"
+        ) from None
+    return np.asarray(arr, dtype=np.float32).reshape(_shape(t))
+
+
+def _rows(t, perm_heads: int | None) -> np.ndarray:
+    """The quantized bytes of ``t`` as ``[out, row_bytes]``, q/k rows in HF order."""
+    out, inp = _shape(t)
+    qtype = _qtype(t)
+    assert qtype is not None
+    rows = np.asarray(t.data).reshape(out, quant_gemm.row_bytes(qtype, inp))
+    if perm_heads is not None:
+        rows = rows[unpermute_qk(np.arange(out), perm_heads)]
+    return rows
+
+
+def _set(module, attr: str, value) -> None:
+    module._parameters.pop(attr, None)  # a plain attribute from now on
+    setattr(module, attr, value)
+
+
+def load_gguf_model(
+    gguf_path: Path, dtype: torch.dtype, device: str, hf_config=None, max_position: int | None = None
+):
+    """``LlamaForCausalLM`` with the weights of ``gguf_path``, quantized ones kept quantized.
+
+    Args:
+        gguf_path: a llama-architecture GGUF file.
+        dtype: activation (and float weight) dtype: float32 or bfloat16.
+        device: must be ``"cpu"`` (the kernels are CPU kernels).
+        hf_config: the model's config (default: built from the GGUF metadata).
+    Raises:
+        ValueError: another device or dtype; a file that cannot be read; a tensor with an
+            unexpected name, shape or type; a missing tensor (each naming the file and tensor).
+    """
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+    if device != "cpu":
+        raise ValueError(f"quantization='gguf' runs on CPU only, got device={device!r}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization='gguf' needs dtype float32 or bfloat16, got {dtype}")
+    path = Path(gguf_path)
+    reader = open_gguf(path)
+    try:
+        tensors = {}
+        for t in reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name is not None:
+                tensors[name] = t
+    except ValueError as e:
+        raise ValueError(f"GGUF file {str(path)!r}: {e}") from None
+    cfg = hf_config if hf_config is not None else build_config(reader, "lm_head.weight" in tensors)
+    logged: set = set()
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg, dtype=dtype, device="cpu", max_position=max_position)
+        loaded: set[str] = set()
+        groups = []
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            groups += [
+                (
+                    a,
+                    "qkv_weight",
+                    [
+                        (p + "self_attn.q_proj.weight", a.num_heads),
+                        (p + "self_attn.k_proj.weight", a.num_kv_heads),
+                        (p + "self_attn.v_proj.weight", None),
+                    ],
+                ),
+                (a, "o_weight", [(p + "self_attn.o_proj.weight", None)]),
+                (
+                    layer.mlp,
+                    "gate_up_weight",
+                    [(p + "mlp.gate_proj.weight", None), (p + "mlp.up_proj.weight", None)],
+                ),
+                (layer.mlp, "down_weight", [(p + "mlp.down_proj.weight", None)]),
+            ]
+        groups.append((model, "embed_tokens", [("model.embed_tokens.weight", None)]))
+        if not model.tie_word_embeddings:
+            groups.append((model, "lm_head", [("lm_head.weight", None)]))
+        grouped = {name for _, _, parts in groups for name, _ in parts}
+        for module, attr, parts in groups:
+            present = [(tensors[n], n, h) for n, h in parts if n in tensors]
+            if len(present) != len(parts):
+                continue  # check_all_loaded names what is missing
+            targets = []
+            for t, n, _ in present:
+                try:
+                    targets.append(model.weight_target(n, _shape(t)))
+                except ValueError as e:
+                    raise ValueError(f"GGUF file {str(path)!r}: tensor {t.name!r}: {e}") from None
+            types = {_qtype(t) for t, _, _ in present}
+            if len(types) == 1 and None not in types:
+                rows = np.concatenate([_rows(t, h) for t, _, h in present])  # a copy: owns its memory
+                qw = quant_gemm.QuantWeight(torch.from_numpy(rows), types.pop(), _shape(present[0][0])[1])
+                _set(module, attr, qw)
+                if attr == "embed_tokens" and model.tie_word_embeddings:
+                    _set(model, "lm_head", qw)
+            else:
+                for (t, _, h), target in zip(present, targets):
+                    arr = _float_array(path, t, logged)
+                    if h is not None:
+                        arr = unpermute_qk(arr, h)
+                    target.copy_(torch.from_numpy(np.array(arr, dtype=np.float32, order="C")))
+            loaded.update(n for _, n, _ in present)
+        for name, t in tensors.items():
+            if name in grouped:
+                continue
+            try:
+                target = model.weight_target(name, _shape(t))
+            except ValueError as e:
+                raise ValueError(f"GGUF file {str(path)!r}: tensor {t.name!r}: {e}") from None
+            if target is None:
+                continue
+            arr = _float_array(path, t, logged)
+            if name.endswith("q_proj.bias"):
+                arr = unpermute_qk(arr, cfg.num_attention_heads)
+            elif name.endswith("k_proj.bias"):
+                arr = unpermute_qk(arr, cfg.num_key_value_heads)
+            target.copy_(torch.from_numpy(np.array(arr, dtype=np.float32, order="C")))
+            loaded.add(name)
+        try:
+            model.check_all_loaded(loaded)
+        except ValueError as e:
+            raise ValueError(f"GGUF file {str(path)!r}: {e}") from None
+        model.prepack_linear_weights()
+    model.eval()
+    return model

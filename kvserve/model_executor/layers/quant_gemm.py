@@ -1,0 +1,227 @@
+"""Linear layers and embedding lookups on GGUF block-quantized weights (``QuantWeight``).
+
+The weight stays in llama.cpp's block layout (``kvserve/csrc/quant_gemm.c`` gives the formats
+and the algorithm): ``[out_features, row_bytes(qtype, in_features)]`` uint8, one row per
+output feature, so a row permutation (llama.cpp's q/k order) is a plain row gather. The C
+kernels dequantize in registers; without them (``KVSERVE_NATIVE=0``, no compiler) the torch
+fallback dequantizes the weight on every call (slow, but the same values).
+
+Activations are float32 or bfloat16; sums are float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
+
+#: Weights per block of the 32-weight types (the unit of ``quantize_q8_0``).
+BLOCK_ELEMS = 32
+#: Supported GGUF types (lower-case ggml names) -> bytes per block.
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+#: Weights per block: 32, or 256 for the K-quants' superblocks.
+BLOCK_WEIGHTS = {t: 256 if t.endswith("_k") else 32 for t in BLOCK_BYTES}
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights (a multiple of ``BLOCK_WEIGHTS[qtype]``)."""
+    return in_features // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGS: dict[str, list] = {}
+for _t in BLOCK_BYTES:
+    for _s in DTYPE_SUFFIX.values():
+        _SIGS[f"quant_gemm_{_t}_{_s}"] = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+        _SIGS[f"quant_rows_{_t}_{_s}"] = [_P, _P, _I, _I, _P, ctypes.c_int]
+_LIB = NativeLibrary("kv_quant_gemm", "quant_gemm.c", _SIGS)
+
+
+def available() -> bool:
+    """Whether the kernels built and loaded (False with ``KVSERVE_NATIVE=0`` or no C compiler)."""
+    return _LIB.available()
+
+
+class QuantWeight:
+    """A linear (or embedding) weight ``[out_features, in_features]`` in GGUF blocks.
+
+    Args:
+        data: ``[out_features, in_features / 32 * BLOCK_BYTES[qtype]]`` uint8 CPU tensor.
+        qtype: a key of ``BLOCK_BYTES``.
+        in_features: weights per row (a multiple of ``BLOCK_WEIGHTS[qtype]``: 32, or 256 for
+            the K-quants).
+
+    Raises:
+        ValueError: unknown ``qtype``, ``in_features`` not a multiple of the block, or ``data``
+            of the wrong dtype, device or row length.
+    """
+
+    __slots__ = ("data", "qtype", "out_features", "in_features")
+
+    def __init__(self, data: torch.Tensor, qtype: str, in_features: int):
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"QuantWeight: type {qtype!r} is not one of {sorted(BLOCK_BYTES)}")
+        block = BLOCK_WEIGHTS[qtype]
+        if in_features <= 0 or in_features % block:
+            raise ValueError(
+                f"QuantWeight: {qtype} in_features={in_features} is not a positive multiple of {block}"
+            )
+        nbytes = row_bytes(qtype, in_features)
+        if (
+            data.dtype != torch.uint8
+            or data.dim() != 2
+            or data.shape[1] != nbytes
+            or data.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"QuantWeight: {qtype} data must be a CPU uint8 [out, {nbytes}] tensor, got "
+                f"{tuple(data.shape)} {data.dtype} on {data.device}"
+            )
+        self.data = data.contiguous()
+        self.qtype = qtype
+        self.out_features, self.in_features = int(data.shape[0]), int(in_features)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def dequantize_blocks(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 ``[rows, blocks * 32]`` from ``data`` ``[rows, blocks * BLOCK_BYTES[qtype]]`` uint8
+    (the torch reference of the kernels' dequantization)."""
+    rows = data.shape[0]
+    if BLOCK_WEIGHTS[qtype] != 32:  # K-quants: the gguf package's numpy reference
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        arr = gguf_dequantize(data.numpy(), GGMLQuantizationType[qtype.upper()])
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(rows, -1)
+    b = data.reshape(rows, -1, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+    if qtype == "q8_0":
+        q = b[..., 2:34].contiguous().view(torch.int8).float()
+        return (q * d).reshape(rows, -1)
+    qs = b[..., (4 if qtype == "q4_1" else 2) :]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()
+    if qtype == "q4_0":
+        return ((q - 8) * d).reshape(rows, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    return (q * d + m).reshape(rows, -1)
+
+
+def dequantize(weight: QuantWeight) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight (a new tensor)."""
+    return dequantize_blocks(weight.data, weight.qtype)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
+    """``weight`` ``[out, in]`` (float, CPU) as Q8_0 blocks: per 32 weights a float16 scale
+    ``d = max|w| / 127`` and ``q = round(w / d)``, bit-identical to ggml's reference Q8_0
+    quantizer (the ``gguf`` package's), so each weight is off by at most ``d / 2`` (plus the
+    scale's float16 rounding).
+
+    Raises:
+        ValueError: not a 2-D CPU float tensor, or ``in`` not a positive multiple of 32.
+    """
+    if weight.dim() != 2 or not weight.dtype.is_floating_point or weight.device.type != "cpu":
+        raise ValueError(
+            f"quantize_q8_0: need a 2-D CPU float weight, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    n, k = weight.shape
+    if k <= 0 or k % BLOCK_ELEMS:
+        raise ValueError(f"quantize_q8_0: in_features={k} is not a positive multiple of {BLOCK_ELEMS}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK_ELEMS, BLOCK_ELEMS)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
+    scaled = blocks * inv  # rounded half away from zero, as ggml's reference quantizer
+    q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)
+    data = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1)
+    return QuantWeight(data, "q8_0", k)
+
+
+def _check(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+    if (
+        x.dim() != 2
+        or x.shape[1] != weight.in_features
+        or x.dtype not in DTYPE_SUFFIX
+        or x.device.type != "cpu"
+        or (
+            bias is not None
+            and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype or bias.device.type != "cpu")
+        )
+    ):
+        raise ValueError(
+            f"quantized linear: x {tuple(x.shape)} {x.dtype} on {x.device}, {weight.qtype} weight "
+            f"{tuple(weight.shape)}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)} "
+            "do not fit (x must be a CPU float32/bfloat16 [T, in] tensor)"
+        )
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` for ``x`` ``[T, in]`` (CPU float32 or bfloat16); returns ``[T, out]``
+    in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device).
+    """
+    _check(x, weight, bias)
+    if not available():
+        return F.linear(x, dequantize(weight).to(x.dtype), bias)
+    x = x.contiguous()  # (referenced until the call returns)
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    _LIB.fn(f"quant_gemm_{weight.qtype}_{DTYPE_SUFFIX[x.dtype]}")(
+        x.data_ptr(),
+        weight.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        weight.out_features,
+        weight.in_features,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def embedding(ids: torch.Tensor, weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``) of the weight, dequantized: ``[T, in_features]`` in ``dtype``
+    (float32 or bfloat16).
+
+    Raises:
+        IndexError: an id outside ``[0, out_features)`` (as ``F.embedding``).
+        ValueError: ``ids`` not 1-D, or an unsupported ``dtype``.
+    """
+    if ids.dim() != 1 or dtype not in DTYPE_SUFFIX:
+        raise ValueError(f"quantized embedding: ids {tuple(ids.shape)} / dtype {dtype} not supported")
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.out_features):
+        raise IndexError(f"token id out of range [0, {weight.out_features})")
+    if not available():
+        return dequantize_blocks(weight.data.index_select(0, ids), weight.qtype).to(dtype)
+    out = torch.empty(ids.numel(), weight.in_features, dtype=dtype)
+    _LIB.fn(f"quant_rows_{weight.qtype}_{DTYPE_SUFFIX[dtype]}")(
+        weight.data.data_ptr(),
+        ids.data_ptr(),
+        ids.numel(),
+        weight.in_features,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

@@ -17,8 +17,10 @@ Reported: output tok/s of each run and the ratios (issue 14's target: >= 0.9); t
 view (built once) and the compile time of each new schema (``--num-schemas`` distinct schemas
 compiled cold); mask time per constrained token: the llguidance fill (on the worker thread,
 overlapped with the forward), the part of it the step waited for, and the sampler's masking
-(collecting the step's masks + applying them, fused into greedy where it can). JSON with
-``--json-out``.
+(collecting the step's masks, which includes that wait, + applying them, fused into greedy
+where it can), and the share of the run's time that fill + sampler masking take (an upper bound
+on the constraint's cost that holds up on a loaded machine, where tok/s ratios scatter).
+JSON with ``--json-out``.
 
 Run: ``.venv/bin/python benchmarks/structured_output.py [--dtype bfloat16] [--mask-impl both]
 [--num-prompts 16] [--repeats 2] [--json-out F]``.
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                 "fill_ms_per_token": 1e3 * (after["fill_s"] - before["fill_s"]) / max(rows, 1),
                 "wait_ms_per_token": 1e3 * (after["wait_s"] - before["wait_s"]) / max(rows, 1),
                 "sampler_mask_ms_per_token": 1e3 * timer.seconds / max(rows, 1),
+                # mask work (fill + sampler part) over the run's time: an upper bound on the
+                # constraint's cost that a machine's load scales on both sides
+                "mask_share": (after["fill_s"] - before["fill_s"] + timer.seconds) / secs,
             }
         )
         if lengths is None:
@@ -205,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         "compile_s_per_new_schema_mean": statistics.mean(compile_s) if compile_s else None,
     }
     print(
-        f"{'run':22} {'rep':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'fill':>6} {'wait':>6} {'mask':>6}"
+        f"{'run':22} {'rep':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'fill':>6} {'wait':>6} {'mask':>6} {'share':>6}"
     )
     for r in runs:
         extra = (
             f" {r['fill_ms_per_token']:6.3f} {r['wait_ms_per_token']:6.3f} {r['sampler_mask_ms_per_token']:6.3f}"
+            f" {100 * r['mask_share']:5.1f}%"
             if "mask_rows" in r
             else ""
         )
@@ -217,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['run']:22} {r['repeat']:3d} {r['output_tokens']:7d} {r['seconds']:8.1f} "
             f"{r['output_tok_s']:7.1f}{extra}"
         )
-    print("(fill / wait / mask: ms per constrained token)")
+    print(
+        "(fill / wait / mask: ms per constrained token, wait part of mask; share: fill + mask over the run time)"
+    )
     for k, v in ratios.items():
         print(
             f"{k} / unconstrained: {', '.join(f'{x:.3f}' for x in v)} (median {statistics.median(v):.3f}; target >= 0.9)"

@@ -14,12 +14,12 @@ in torch (bit expansion + ``masked_fill_``, then the greedy kernel: what ran bef
 ``native_bitmask`` kernels), alternating, so before/after come from one process and one load.
 
 Reported: output tok/s of each run and the ratios (issue 14's target: >= 0.9); the tokenizer
-view (built once) and the compile time of each new schema (``--num-schemas`` distinct schemas
-compiled cold) and its first mask (llguidance builds part of a grammar lazily); mask time
-per constrained token: the llguidance fill (on the worker thread,
-overlapped with the forward), the part of it the step waited for, and the sampler's masking
-(collecting the step's masks, which includes that wait, + applying them, fused into greedy
-where it can), and the share of the run's time that fill + sampler masking take (an upper bound
+view (built once), the compile time of each new schema (``--num-schemas`` distinct schemas
+compiled cold) and its first mask (llguidance builds part of a grammar lazily); per constrained
+token: the llguidance fill (on the worker thread, overlapped with the forward), the part of it
+the step waited for, the sampler's masking (collecting the step's masks, which includes that
+wait, and applying them, fused into greedy where it can) and the engine's part (starting each
+fill, advancing the matchers); and the share of the run's time that these take (an upper bound
 on the constraint's cost that holds up on a loaded machine, where tok/s ratios scatter).
 JSON with ``--json-out``.
 
@@ -50,24 +50,14 @@ def _schema_variant(i: int) -> dict:
     return {"type": "object", "properties": props, "required": sorted(props)}
 
 
-class _SamplerTimer:
-    """Wall time of the sampler's structured-output part (wait + collect + mask kernels)."""
+class _Timer:
+    """Wall time of some functions, summed (a call nested in another timed one counts once)."""
 
-    def __init__(self):
-        from kvserve.model_executor import layers, sampler
-        from kvserve.structured_output import bitmask
-
+    def __init__(self, targets):
         self.seconds = 0.0
         self._depth = 0
         self._patched = []
-        nb = layers.native_bitmask
-        for owner, name in (
-            (sampler.Sampler, "_collect_constraints"),
-            (nb, "greedy_sample_masked"),
-            (nb, "apply_token_bitmask_"),
-            (bitmask, "apply_token_bitmask_torch_"),
-            (sampler, "apply_token_bitmask_"),
-        ):
+        for owner, name in targets:
             self._wrap(owner, name)
 
     def _wrap(self, owner, name):
@@ -136,7 +126,27 @@ def main(argv: list[str] | None = None) -> int:
         SamplingParams(max_tokens=r.output_len, temperature=0, structured_outputs=so) for r in requests
     ]
     _run(llm, requests[:2], constrained[:2])  # warm-up
-    timer = _SamplerTimer()
+    from kvserve.model_executor import sampler
+    from kvserve.structured_output import bitmask
+    from kvserve.structured_output import manager as manager_mod
+
+    # the sampler's part: waiting for + collecting the step's masks, applying them
+    timer = _Timer(
+        [
+            (sampler.Sampler, "_collect_constraints"),
+            (native_bitmask, "greedy_sample_masked"),
+            (native_bitmask, "apply_token_bitmask_"),
+            (bitmask, "apply_token_bitmask_torch_"),
+            (sampler, "apply_token_bitmask_"),
+        ]
+    )
+    # the engine's part: starting each step's fill, advancing the matchers by the new tokens
+    engine_timer = _Timer(
+        [
+            (manager_mod.StructuredOutputManager, "prepare_step"),
+            (manager_mod.StructuredOutputManager, "accept_token"),
+        ]
+    )
     real_supported = native_bitmask.supported
     impls = ["native", "torch"] if ns.mask_impl == "both" else [ns.mask_impl]
 
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         native_bitmask.supported = real_supported if impl == "native" else (lambda *a: False)
         try:
             before = manager.stats.as_dict()
-            timer.seconds = 0.0
+            timer.seconds = engine_timer.seconds = 0.0
             secs, lens = _run(llm, requests, constrained)
         finally:
             native_bitmask.supported = real_supported
@@ -165,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                 "fill_ms_per_token": 1e3 * (after["fill_s"] - before["fill_s"]) / max(rows, 1),
                 "wait_ms_per_token": 1e3 * (after["wait_s"] - before["wait_s"]) / max(rows, 1),
                 "sampler_mask_ms_per_token": 1e3 * timer.seconds / max(rows, 1),
-                # mask work (fill + sampler part) over the run's time: an upper bound on the
+                "engine_ms_per_token": 1e3 * engine_timer.seconds / max(rows, 1),
+                # constraint work (fill + sampler + engine parts) over the run's time: a bound on the
                 # constraint's cost that a machine's load scales on both sides
-                "mask_share": (after["fill_s"] - before["fill_s"] + timer.seconds) / secs,
+                "mask_share": (after["fill_s"] - before["fill_s"] + timer.seconds + engine_timer.seconds)
+                / secs,
             }
         )
         if lengths is None:
@@ -220,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         "first_mask_s_per_new_schema": first_mask_s,
     }
     print(
-        f"{'run':22} {'rep':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'fill':>6} {'wait':>6} {'mask':>6} {'share':>6}"
+        f"{'run':22} {'rep':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'fill':>6} {'wait':>6} {'mask':>6} {'engine':>6} {'share':>6}"
     )
     for r in runs:
         extra = (
             f" {r['fill_ms_per_token']:6.3f} {r['wait_ms_per_token']:6.3f} {r['sampler_mask_ms_per_token']:6.3f}"
+            f" {r['engine_ms_per_token']:6.3f}"
             f" {100 * r['mask_share']:5.1f}%"
             if "mask_rows" in r
             else ""
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['output_tok_s']:7.1f}{extra}"
         )
     print(
-        "(fill / wait / mask: ms per constrained token, wait part of mask; share: fill + mask over the run time)"
+        "(fill / wait / mask / engine: ms per constrained token, wait part of mask; share: their sum over the run time)"
     )
     for k, v in ratios.items():
         print(

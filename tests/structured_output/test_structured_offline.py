@@ -277,3 +277,45 @@ def test_allowed_tokens_bit_layout():
     assert a.shape == (2, 66)
     assert a[0].nonzero().flatten().tolist() == [0, 2, 63]
     assert a[1].nonzero().flatten().tolist() == [32]
+
+
+def test_fused_greedy_mask_gives_the_tokens_and_logprobs_of_the_torch_mask(llms, monkeypatch):
+    """The sampler's fused path (mask inside the greedy kernel) against masking in torch, on a
+    batch mixing constrained, unconstrained and n = 2 greedy rows."""
+    from kvserve.model_executor.layers import native_bitmask
+
+    if not native_bitmask.available():
+        pytest.skip("native bitmask kernels not built")
+    llm = llms["plain"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 5},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["a", "n"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=30, temperature=0, n=2, structured_outputs=StructuredOutputsParams(regex="[a-f]{3,9}")
+        ),
+    ]
+
+    def run():
+        outs = llm.generate(["p", "q", "r"], params, use_tqdm=False)
+        return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+    calls = []
+    real = native_bitmask.greedy_sample_masked
+    monkeypatch.setattr(native_bitmask, "greedy_sample_masked", lambda *a: calls.append(1) or real(*a))
+    fused = run()
+    assert calls, "the fused path did not run"
+    monkeypatch.setattr(native_bitmask, "supported", lambda *a: False)
+    unfused = run()
+    assert [[t for t, _ in o] for o in fused] == [[t for t, _ in o] for o in unfused]
+    for fo, uo in zip(fused, unfused):
+        for (_, flp), (_, ulp) in zip(fo, uo):
+            assert flp == pytest.approx(ulp, rel=1e-5, abs=1e-4)

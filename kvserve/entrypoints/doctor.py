@@ -69,6 +69,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     from kvserve.model_executor.layers import (
         amx_gemm,
         native_attention,
+        native_bitmask,
         native_gemm,
         native_ops,
         native_prefill_attention,
@@ -123,6 +124,13 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         },
         "greedy sampling": {
             "float32 logits": "kvserve kernel" if native_ops.available() else "torch argmax + log_softmax",
+        },
+        "structured-output token masks": {
+            "float32 logits": (
+                "kvserve kernel (greedy fused)"
+                if native_bitmask.available()
+                else "torch bit expansion + masked_fill"
+            ),
         },
     }
 

@@ -16,6 +16,9 @@ Pipeline, applied per row with that row's ``SamplingParams`` (all vectorised acr
    logits of every token their grammar forbids set to ``-inf`` (one batched pass over all
    constrained rows of the step, ``structured_output.bitmask``), before everything below, so
    greedy, random sampling and the reported logprobs all see the constrained distribution.
+   When every row takes the greedy fast path (below) on CPU float32 logits, the masks are
+   instead applied inside the greedy kernel (``native_bitmask.greedy_sample_masked``: same
+   tokens and logprobs, no pass writing ``-inf``).
 1. *Adjust* the logits (only rows that ask for it; otherwise untouched):
    a. repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019, eq. in
       section 4.1, with the sign fix used by HF transformers: positive logits are divided by
@@ -60,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model_executor.layers import native_ops
+from kvserve.model_executor.layers import native_bitmask, native_ops
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     CompletionSequenceGroupOutput,
@@ -307,19 +310,28 @@ class Sampler:
             return outputs
         if logits.dtype != torch.float32:
             logits = logits.float()
-        self._apply_constraints(logits, seq_group_metadata_list)
-
-        if all(
+        constraint = self._collect_constraints(seq_group_metadata_list)
+        greedy_only = all(
             r.params.is_greedy
             and not r.params.needs_penalties
             and not r.params.logit_bias
             and not r.suppressed
             and r.params.logprobs is None
             for r in rows
-        ):
-            tokens, sample_lp, top = self._greedy_fast_path(logits, rows)
+        )
+        if greedy_only and constraint is not None and native_bitmask.supported(logits, constraint[1]):
+            # Mask fused into the greedy pass: the constrained rows are neither written nor,
+            # where the grammar allows little, read in full.
+            tokens, sample_lp, top = self._greedy_masked_path(logits, rows, *constraint)
         else:
-            tokens, sample_lp, top = self._general_path(logits, rows)
+            if constraint is not None:
+                row_ids, bitmask = constraint
+                idx = None if len(row_ids) == logits.shape[0] else torch.tensor(row_ids, dtype=torch.long)
+                apply_token_bitmask_(logits, idx, bitmask)
+            if greedy_only:
+                tokens, sample_lp, top = self._greedy_fast_path(logits, rows)
+            else:
+                tokens, sample_lp, top = self._general_path(logits, rows)
 
         # Assemble outputs (one Python loop over rows; each row has num_samples samples).
         s = 0
@@ -341,9 +353,12 @@ class Sampler:
         return outputs
 
     @staticmethod
-    def _apply_constraints(logits: torch.Tensor, metadata_list: list[SequenceGroupMetadata]) -> None:
-        """Mask (in place) the rows of constrained groups with their grammar's bitmask: one
-        concatenated int32 bitmask for all of them, one masked fill."""
+    def _collect_constraints(
+        metadata_list: list[SequenceGroupMetadata],
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The logits rows of constrained groups and their grammars' masks, concatenated
+        (int32 ``[len(rows), W]``, row ``i`` for logits row ``rows[i]``); None when no row is
+        constrained. Waits for the step's mask fill."""
         row_ids: list[int] = []
         masks: list[torch.Tensor] = []
         row = 0
@@ -361,10 +376,8 @@ class Sampler:
                 row_ids.extend(range(row, row + n))
             row += n
         if not masks:
-            return
-        bitmask = masks[0] if len(masks) == 1 else torch.cat(masks)
-        rows = None if len(row_ids) == logits.shape[0] else torch.tensor(row_ids, dtype=torch.long)
-        apply_token_bitmask_(logits, rows, bitmask)
+            return None
+        return row_ids, masks[0] if len(masks) == 1 else torch.cat(masks)
 
     # -- paths -------------------------------------------------------------------------------
     @staticmethod
@@ -375,9 +388,25 @@ class Sampler:
         else:
             tok = logits.argmax(dim=-1)
             lp = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        return Sampler._expand_greedy(tok, lp, rows)
+
+    @staticmethod
+    def _greedy_masked_path(
+        logits: torch.Tensor, rows: list[_Row], row_ids: list[int], bitmask: torch.Tensor
+    ):
+        """The greedy fast path with the constrained rows' masks applied inside the kernel
+        (``logits`` is left unmasked)."""
+        mask_rows = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+        mask_rows[torch.tensor(row_ids, dtype=torch.int64)] = torch.arange(len(row_ids), dtype=torch.int64)
+        tok, lp = native_bitmask.greedy_sample_masked(logits, bitmask, mask_rows)
+        return Sampler._expand_greedy(tok, lp, rows)
+
+    @staticmethod
+    def _expand_greedy(tok: torch.Tensor, lp: torch.Tensor, rows: list[_Row]):
+        """Per-row greedy results repeated ``num_samples`` times, as Python lists."""
         counts = [r.num_samples for r in rows]
         if any(c > 1 for c in counts):
-            rep = torch.tensor(counts, device=logits.device)
+            rep = torch.tensor(counts, device=tok.device)
             tok, lp = tok.repeat_interleave(rep), lp.repeat_interleave(rep)
         return tok.tolist(), lp.tolist(), {}
 

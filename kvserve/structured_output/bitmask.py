@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model_executor.layers import native_bitmask
+
 # byte value -> its 8 bits, least significant first: expanding a bitmask is one gather.
 _BYTE_BITS = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)], dtype=torch.bool)
 _tables: dict[torch.device, torch.Tensor] = {}
@@ -40,11 +42,23 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
     """Set the logits of disallowed tokens to ``-inf``, in place.
 
+    The C kernel (``native_bitmask``) for contiguous CPU float32 logits, else torch.
+
     Args:
         logits: float ``[N, V]``.
         rows: int64 ``[R]`` rows of ``logits`` that ``bitmask`` constrains (``None``: all ``N``).
         bitmask: int32 ``[R, ceil(V / 32)]`` (any device; moved to the logits' device).
     """
+    if native_bitmask.supported(logits, bitmask):
+        native_bitmask.apply_token_bitmask_(logits, rows, bitmask)
+        return
+    apply_token_bitmask_torch_(logits, rows, bitmask)
+
+
+def apply_token_bitmask_torch_(
+    logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor
+) -> None:
+    """``apply_token_bitmask_`` in torch (any device and float dtype): the reference of the kernel."""
     bitmask = bitmask.to(logits.device)
     if rows is None:
         logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[1]), float("-inf"))

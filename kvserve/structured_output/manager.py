@@ -18,6 +18,7 @@ sampler reads (waiting for the fill) and applies in one batched pass.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,15 +34,42 @@ class GrammarError(ValueError):
     that request only)."""
 
 
+class MaskStats:
+    """Running totals of the mask work (for benchmarks and metrics; seconds of wall time).
+
+    Attributes:
+        steps: steps with at least one constrained row.
+        rows: mask rows filled (one per constrained sequence and step: one sampled token each).
+        fill_s: time the worker thread spent filling masks (llguidance), overlapped with the forward.
+        wait_s: time the step waited for a fill still running after the forward.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.rows = 0
+        self.fill_s = 0.0
+        self.wait_s = 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "rows": self.rows, "fill_s": self.fill_s, "wait_s": self.wait_s}
+
+
 class StepBitmask:
     """One step's bitmask, int32 ``[rows, words]``, filled by a worker thread."""
 
-    def __init__(self, tensor: torch.Tensor, future: Future):
+    def __init__(self, tensor: torch.Tensor, future: Future, stats: MaskStats | None = None):
         self.tensor = tensor
         self._future = future
+        self._stats = stats
 
     def wait(self) -> None:
         """Block until the fill is done; re-raises its exception."""
+        if self._stats is not None and not self._future.done():
+            t0 = time.perf_counter()
+            try:
+                self._future.result()
+            finally:
+                self._stats.wait_s += time.perf_counter() - t0
         self._future.result()
 
 
@@ -84,6 +112,7 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
         self._lock = threading.Lock()
+        self.stats = MaskStats()
 
     # ---------------------------------------------------------------- lifecycle of a sequence
     def compile(self, params: StructuredOutputsParams) -> None:
@@ -153,7 +182,9 @@ class StructuredOutputManager:
             jobs.extend((m, start + j) for j, m in enumerate(ms))
             start += len(ms)
         future = self._thread_pool().submit(self._fill, jobs, tensor)
-        step = StepBitmask(tensor, future)
+        step = StepBitmask(tensor, future, self.stats)
+        self.stats.steps += 1
+        self.stats.rows += num_rows
         for md, s, n, ms in views:
             md.token_bitmask = GroupBitmask(step, s, n, md.request_id, ms)
         return step
@@ -170,4 +201,8 @@ class StructuredOutputManager:
     def _fill(self, jobs: list[tuple[Any, int]], tensor: torch.Tensor) -> None:
         from llguidance.torch import fill_next_token_bitmask_par
 
-        fill_next_token_bitmask_par(self._executor, jobs, tensor)
+        t0 = time.perf_counter()
+        try:
+            fill_next_token_bitmask_par(self._executor, jobs, tensor)
+        finally:
+            self.stats.fill_s += time.perf_counter() - t0

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.structured_output import allowed_tokens
+from tests.structured_output.strategies import JSON_SCHEMAS, max_tokens_for, satisfiable
+from tests.structured_output.strategies import REGEXES as RANDOM_REGEXES
 
 ENGINE = dict(device="cpu", dtype="float32")
 
@@ -18,8 +20,9 @@ ENGINE = dict(device="cpu", dtype="float32")
 # caching, chunked prefill with small steps.
 MODES = {
     "plain": dict(num_gpu_blocks=128),
-    "recompute": dict(num_gpu_blocks=12, block_size=4, preemption_mode="recompute", max_num_seqs=8),
-    "swap": dict(num_gpu_blocks=12, block_size=4, num_cpu_blocks=64, preemption_mode="swap", max_num_seqs=8),
+    # 40 blocks of 4 tokens: one sequence of the longest allowed output fits, a batch does not
+    "recompute": dict(num_gpu_blocks=40, block_size=4, preemption_mode="recompute", max_num_seqs=8),
+    "swap": dict(num_gpu_blocks=40, block_size=4, num_cpu_blocks=256, preemption_mode="swap", max_num_seqs=8),
     "prefix_chunked": dict(
         num_gpu_blocks=128,
         enable_prefix_caching=True,
@@ -84,27 +87,50 @@ def _check_json(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)
 
 
+#: Longest output a generated schema may need (tokens): the prompt plus it fits the tiny cache.
+MAX_SCHEMA_TOKENS = 120
+
+
+def _generated(schemas: list) -> list:
+    return [x for x in schemas if max_tokens_for(x) <= MAX_SCHEMA_TOKENS]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    schemas=st.lists(SCHEMAS, min_size=2, max_size=2),
-    regexes=st.lists(REGEXES, min_size=1, max_size=2),
+    hand=st.lists(SCHEMAS, min_size=1, max_size=2).map(_generated),
+    generated=st.lists(JSON_SCHEMAS, min_size=4, max_size=7).map(_generated),
+    regexes=st.lists(st.one_of(REGEXES, RANDOM_REGEXES), min_size=2, max_size=4),
     seed=st.integers(0, 1000),
 )
-def test_random_schemas_and_regexes_always_validate(llms, mode, schemas, regexes, seed):
+def test_random_schemas_and_regexes_always_validate(llms, mode, hand, generated, regexes, seed):
+    """Many random constraints in one engine run (greedy and sampled, n = 1 and 2, beside
+    unconstrained requests that fill the cache): every constrained output validates (jsonschema,
+    re.fullmatch) and ends ``stop``; a schema llguidance refuses is a ValueError naming the field
+    before anything is queued (only unsatisfiable schemas are refused); nothing leaks."""
     llm = llms[mode]
+    eng = llm.llm_engine
     prompts, params, checks = [], [], []
-    for i, schema in enumerate(schemas):
+    for i, schema in enumerate(hand + generated):
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        try:
+            eng.structured_output.compile(so)
+        except ValueError as e:
+            assert "structured_outputs.json" in str(e)
+            assert not satisfiable(schema), (schema, str(e))
+            with pytest.raises(ValueError, match=re.escape("structured_outputs.json")):
+                llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
+            continue
         prompts.append(f"J{i}")
         params.append(
             SamplingParams(
-                max_tokens=220,
+                max_tokens=max_tokens_for(schema),  # enough for any instance: never ends "length"
                 temperature=0 if i % 2 == 0 else 1.0,
                 seed=seed + i,
-                n=1 if i % 2 == 0 else 2,
+                n=1 if i % 3 else 2,
                 # no free whitespace: a random model favours blank tokens and would spend its
                 # budget on them (the default whitespace is checked elsewhere)
-                structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                structured_outputs=so,
             )
         )
         checks.append(lambda t, s=schema: _check_json(t, s))
@@ -113,23 +139,33 @@ def test_random_schemas_and_regexes_always_validate(llms, mode, schemas, regexes
         params.append(
             SamplingParams(
                 max_tokens=60,
-                temperature=0.8,
+                temperature=0.8 if j % 2 else 0,
                 seed=seed,
-                n=2,
+                n=2 if j % 2 else 1,
                 structured_outputs=StructuredOutputsParams(regex=rx),
             )
         )
         checks.append(lambda t, rx=rx: re.fullmatch(rx, t) or pytest.fail(f"{t!r} does not match {rx!r}"))
+    # Unconstrained neighbours that hold blocks for ~100 tokens: the tiny caches must preempt.
+    for k in range(3):
+        prompts.append(f"free {k}")
+        params.append(SamplingParams(max_tokens=100, temperature=1.0, seed=seed + k, ignore_eos=True))
+        checks.append(None)
+    preempted = eng.get_kv_cache_stats()["num_preemptions"]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, check in zip(outs, checks):
         assert out.outcome == "finished", out.error
         for c in out.outputs:
+            if check is None:
+                assert len(c.token_ids) == 100
+                continue
             assert c.finish_reason == "stop", (c.text, c.finish_reason)
             check(c.text)
-    eng = llm.llm_engine
     assert eng.structured_output.num_live == 0
     st_ = eng.get_kv_cache_stats()
     assert st_["num_free_gpu_blocks"] == st_["num_gpu_blocks"]
+    if mode in ("recompute", "swap"):
+        assert st_["num_preemptions"] > preempted
 
 
 def test_choice_grammar_and_json_object(llms):
@@ -241,3 +277,45 @@ def test_allowed_tokens_bit_layout():
     assert a.shape == (2, 66)
     assert a[0].nonzero().flatten().tolist() == [0, 2, 63]
     assert a[1].nonzero().flatten().tolist() == [32]
+
+
+def test_fused_greedy_mask_gives_the_tokens_and_logprobs_of_the_torch_mask(llms, monkeypatch):
+    """The sampler's fused path (mask inside the greedy kernel) against masking in torch, on a
+    batch mixing constrained, unconstrained and n = 2 greedy rows."""
+    from kvserve.model_executor.layers import native_bitmask
+
+    if not native_bitmask.available():
+        pytest.skip("native bitmask kernels not built")
+    llm = llms["plain"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 5},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["a", "n"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=30, temperature=0, n=2, structured_outputs=StructuredOutputsParams(regex="[a-f]{3,9}")
+        ),
+    ]
+
+    def run():
+        outs = llm.generate(["p", "q", "r"], params, use_tqdm=False)
+        return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+    calls = []
+    real = native_bitmask.greedy_sample_masked
+    monkeypatch.setattr(native_bitmask, "greedy_sample_masked", lambda *a: calls.append(1) or real(*a))
+    fused = run()
+    assert calls, "the fused path did not run"
+    monkeypatch.setattr(native_bitmask, "supported", lambda *a: False)
+    unfused = run()
+    assert [[t for t, _ in o] for o in fused] == [[t for t, _ in o] for o in unfused]
+    for fo, uo in zip(fused, unfused):
+        for (_, flp), (_, ulp) in zip(fo, uo):
+            assert flp == pytest.approx(ulp, rel=1e-5, abs=1e-4)

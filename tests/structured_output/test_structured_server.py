@@ -4,12 +4,16 @@ still succeeds; the official client's ``chat.completions.parse`` works."""
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from tests.server_harness import running_server
+from tests.structured_output.strategies import JSON_SCHEMAS, REGEXES, max_tokens_for, satisfiable
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +110,43 @@ def test_openai_client_parse_with_pydantic_model(server):
     )
     p = r.choices[0].message.parsed
     assert isinstance(p, Point) and -5 <= p.x <= 5 and len(p.label) <= 4
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    schemas=st.lists(
+        JSON_SCHEMAS.filter(lambda s: satisfiable(s) and max_tokens_for(s) <= 120), min_size=3, max_size=4
+    ),
+    regexes=st.lists(REGEXES, min_size=2, max_size=3),
+)
+def test_random_constraints_streamed_and_not_always_validate(server, schemas, regexes):
+    """Random JSON schemas (hypothesis-jsonschema) and regexes over /v1/completions, sent at once
+    (one batch), each streamed and not: every text validates and finishes ``stop``."""
+    jobs = []
+    for i, schema in enumerate(schemas):
+        so = {"json": schema, "disable_any_whitespace": True}
+        check = lambda t, s=schema: jsonschema.validate(json.loads(t), s)  # noqa: E731
+        jobs += [(f"J{i}", so, max_tokens_for(schema), stream, check) for stream in (False, True)]
+    for j, rx in enumerate(regexes):
+        check = lambda t, rx=rx: re.fullmatch(rx, t) or pytest.fail(f"{t!r} does not match {rx!r}")  # noqa: E731
+        jobs += [(f"R{j}", {"regex": rx}, 60, stream, check) for stream in (False, True)]
+    client = server.client()
+
+    def run(job):
+        prompt, so, max_tokens, stream, _ = job
+        kw = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.7, seed=3)
+        if not stream:
+            c = client.completions.create(**kw, extra_body={"structured_outputs": so}).choices[0]
+            return c.text, c.finish_reason
+        text, reason = "", None
+        for chunk in client.completions.create(**kw, stream=True, extra_body={"structured_outputs": so}):
+            for c in chunk.choices:
+                text += c.text
+                reason = c.finish_reason or reason
+        return text, reason
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for job, (text, reason) in zip(jobs, results):
+        assert reason == "stop", (job[:2], text, reason)
+        job[4](text)

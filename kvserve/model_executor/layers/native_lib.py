@@ -50,6 +50,7 @@ KERNEL_MODULES = (
     "native_ops",
     "native_prefill_attention",
     "quant_gemm",
+    "native_bitmask",
 )
 
 

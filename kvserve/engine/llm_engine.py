@@ -418,6 +418,7 @@ class LLMEngine:
             targets = [group.seqs_dict[s.parent_seq_id] for s in samples]
         max_tokens = self._max_tokens[group.request_id]
         num_emitted = 0
+        advanced = False
         for seq, sample in zip(targets, samples):
             emitted = sample.emitted()
             appended = 0
@@ -436,6 +437,11 @@ class LLMEngine:
                 # before the last); the last one's slot holds a rejected draft (or nothing) and
                 # is overwritten when it is fed next step.
                 seq.data.update_num_computed_tokens(appended - 1)
+                advanced = True
+        if advanced:
+            # Blocks the accepted drafts completed enter the prefix cache (and are deduplicated)
+            # now, before the next step is scheduled, as blocks a plain decode completes do.
+            self.scheduler.block_manager.mark_blocks_as_computed(group)
         self.stats.on_tokens(num_emitted)
         if result.spec_num_draft_tokens:
             self._account_speculation(group, result, samples)

@@ -4,6 +4,8 @@
 * ``plot_latency_vs_rate``: p50/p99 TTFT, TPOT, E2E and goodput against request rate (a sweep).
 * ``plot_timeline``: running / waiting / swapped requests and KV-cache use over time (offline
   run: ``llm_engine.stats.timeline``; server run: scraped ``/metrics``).
+* ``plot_spec_decode``: output tok/s of each speculative-decoding method relative to
+  speculation off, per scenario (one panel per saved ``bench spec-decode`` result).
 
 ``python -m kvserve.benchmarks.plots RESULT.json --out-dir D`` redraws them from a saved result.
 """
@@ -138,9 +140,40 @@ def plot_timeline(tl: dict, path, title: str = "") -> str:
     return _save(fig, path)
 
 
+def plot_spec_decode(results: dict[str, dict], path) -> str:
+    """Grouped bars: for each panel (a label, e.g. the dtype, -> a ``bench spec-decode`` JSON's
+    ``results``: scenario -> method -> figures), each method's ``output_tok_s`` divided by the
+    same scenario's ``off`` run, one bar group per scenario; a line at 1.0."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 3.6), squeeze=False)
+    for ax, (label, by_scen) in zip(axes[0], results.items()):
+        scens = list(by_scen)
+        methods = [m for m in dict.fromkeys(m for s in scens for m in by_scen[s]) if m != "off"]
+        width = 0.8 / max(1, len(methods))
+        for j, m in enumerate(methods):
+            ys = []
+            for s in scens:
+                base = by_scen[s].get("off", {}).get("output_tok_s")
+                r = by_scen[s].get(m, {}).get("output_tok_s")
+                ys.append(r / base if base and r else 0.0)
+            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(scens))]
+            bars = ax.bar(xs, ys, width, label=m)
+            ax.bar_label(bars, fmt="%.2fx", fontsize=8)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(scens)), scens)
+        ax.set_ylabel("output tok/s vs speculation off")
+        ax.set_title(label)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plots_from_result(result: dict, out_dir) -> list[str]:
-    """All plots a saved ``bench throughput`` / ``bench serve`` JSON supports."""
+    """All plots a saved ``bench throughput`` / ``bench serve`` / ``bench spec-decode`` JSON
+    supports."""
     out = []
+    if result.get("benchmark") == "spec_decode":
+        label = f"spec decode, {result.get('args', {}).get('dtype', '')}"
+        out.append(plot_spec_decode({label: result["results"]}, Path(out_dir) / "spec_decode.png"))
     if result.get("benchmark") == "throughput" and result.get("kvserve", {}).get("timeline"):
         out.append(plot_timeline(result["kvserve"]["timeline"], Path(out_dir) / "throughput_timeline.png"))
     runs = result.get("runs") or []

@@ -312,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         for by_method in results.values():
             for r in by_method.values():
                 r.pop("token_ids", None)
-        write_json(ns.json_out, {"args": vars(ns), "system": system_info(), "results": results})
+        write_json(
+            ns.json_out,
+            {"benchmark": "spec_decode", "args": vars(ns), "system": system_info(), "results": results},
+        )
     return 0
 
 

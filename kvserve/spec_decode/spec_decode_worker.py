@@ -195,32 +195,6 @@ class SpecDecodeWorker:
                 verify.append(_Verify(i, sid, data, padded, len(drafts), probs))
             run_metas[i] = dataclasses.replace(md, seq_data=seq_data, token_chunk_size=m + 1, do_sample=False)
         return run_metas, verify
-        for i, md in enumerate(metas):
-            if md.is_prompt or md.num_speculative_tokens < 1 or len(md.seq_data) != 1:
-                continue
-            ((sid, data),) = md.seq_data.items()
-            p = proposals.get(sid)
-            if p is None or not p.token_ids:
-                continue
-            m = min(len(p.token_ids), md.num_speculative_tokens, self.k)
-            max_tokens = md.sampling_params.max_tokens
-            if max_tokens is not None:  # drafts past max_tokens could never be emitted
-                m = min(m, max_tokens - data.get_output_len() - 1)
-            if m < 1:
-                continue
-            drafts = [int(t) for t in p.token_ids[:m]]
-            if not self._valid_proposal(drafts, p, m):
-                continue
-            vdata = SequenceData([])
-            vdata.prompt_token_ids = data.prompt_token_ids  # shared, read only
-            vdata.output_token_ids = data.output_token_ids + drafts
-            vdata.set_num_computed_tokens(data.get_num_computed_tokens())
-            run_metas[i] = dataclasses.replace(
-                md, seq_data={sid: vdata}, token_chunk_size=m + 1, do_sample=False
-            )
-            probs = p.probs[:m] if p.probs is not None else None
-            verify.append(_Verify(i, sid, data, drafts, probs))
-        return run_metas, verify
 
     def _valid_proposal(self, drafts: list[int], p: Proposal, m: int) -> bool:
         """Drafts inside the vocabulary and, if given, draft probabilities of shape

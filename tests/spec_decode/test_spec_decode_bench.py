@@ -31,7 +31,8 @@ def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "mean acc len" in table and "ngram" in table and "draft" in table
-    res = json.loads(out.read_text())["results"]
+    saved = json.loads(out.read_text())
+    res = saved["results"]
     assert set(res) == {"single", "concurrent"}
     for scen in res.values():
         assert set(scen) == {"off", "ngram", "draft"}
@@ -48,3 +49,9 @@ def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert len(lines) == 2 and all(x["output_len"] == 6 and x["prompt_token_ids"] for x in lines)
     meta = json.loads((tmp_path / "w.jsonl.meta.json").read_text())
     assert meta["n"] == 2 and len(meta["sha256"]) == 64
+
+    # the saved result redraws as the speedup plot
+    from kvserve.benchmarks.plots import plots_from_result
+
+    (png,) = plots_from_result(saved, tmp_path / "plots")
+    assert png.endswith("spec_decode.png") and (tmp_path / "plots" / "spec_decode.png").stat().st_size > 1000

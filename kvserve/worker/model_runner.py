@@ -4,7 +4,12 @@ Batch layout (internal; the sampler sees rows in metadata order):
 
 * rows ``[0, P)``: the multi-token chunks (prefills), one sequence after another;
 * rows ``[P, P + B)``: single-token queries (decodes, and 1-token prefill chunks), attended
-  together in one batched masked attention.
+  together in one batched masked attention. With the native decode kernel, a short decode
+  chunk of ``n > 1`` tokens (a speculative verify chunk) is expanded into ``n`` single-token
+  rows: row ``i`` is position ``c+i`` and attends keys ``0 .. c+i`` through the block table.
+  This is exact because every row's K/V is written to the cache before the layer's attention
+  runs, and it keeps a step of decodes and verify chunks on the fast pure-decode path. (Not on
+  the torch decode path: it sorts rows by length, which would split a sequence's rows.)
 
 For sequence ``s`` with ``c = num_computed_tokens`` and chunk ``n`` the runner feeds tokens
 ``c .. c+n-1`` at positions ``c .. c+n-1``, writes their K/V to slots
@@ -52,6 +57,10 @@ def _chunk_tokens(data: SequenceData, c: int, n: int) -> list[int]:
 #: block-rows (one block of K and V for one sequence); used to trade padding for calls.
 BUCKET_OVERHEAD_BLOCK_ROWS = 24
 MAX_DECODE_BUCKETS = 4
+#: Longest non-prompt chunk run as single-token decode rows (see the module doc); longer ones
+#: (never a verify chunk with a sane lookahead) stay chunks, where one prefill attention call
+#: reading the context once is cheaper than a decode row per token.
+MAX_EXPANDED_DECODE_CHUNK = 16
 
 
 def split_buckets(
@@ -211,7 +220,7 @@ class ModelRunner:
         d_pos: list[int] = []
         d_slots: list[int] = []
         d_tables: list[list] = []
-        d_sids: list[int] = []
+        d_sids: list[tuple[int, int, int]] = []  # (seq_id, first decode index, count)
         p_sids: list[int] = []
         order: list[tuple[bool, int]] = []  # (is_decode, index) per sampled row
         # prompt logprobs: (group index, is_decode, first row or decode index, first position,
@@ -222,6 +231,7 @@ class ModelRunner:
             n = md.token_chunk_size
             if n < 1:
                 raise ValueError(f"request {md.request_id}: token_chunk_size={n} (must be >= 1)")
+            as_decode = n == 1 or (self.use_native and not md.is_prompt and n <= MAX_EXPANDED_DECODE_CHUNK)
             for sid, data in md.seq_data.items():
                 c = data.get_num_computed_tokens()
                 if c + n > data.get_len():
@@ -241,17 +251,25 @@ class ModelRunner:
                     lo = max(c, md.prompt_logprobs_from)
                     hi = min(c + n, data.get_prompt_len() - 1)
                     if lo < hi:
-                        base = len(d_tokens) if n == 1 else len(p_tokens) + lo - c
+                        base = (len(d_tokens) if as_decode else len(p_tokens)) + lo - c
                         k = md.sampling_params.prompt_logprobs
-                        pl_spans.append((g, n == 1, base, lo, hi - lo, k))
+                        pl_spans.append((g, as_decode, base, lo, hi - lo, k))
                         pl_targets.extend(data.prompt_token_ids[lo + 1 : hi + 1])
                 if n == 1:
                     p = data.get_prompt_len()
+                    d_sids.append((sid, len(d_tokens), 1))
                     d_tokens.append(data.output_token_ids[c - p] if c >= p else data.prompt_token_ids[c])
                     d_pos.append(c)
                     d_slots.append(table[c // bs] * bs + c % bs)
                     d_tables.append(table)
-                    d_sids.append(sid)
+                    if md.do_sample:
+                        order.append((True, len(d_tokens) - 1))
+                elif as_decode:  # n rows at positions c .. c+n-1, sharing the block table
+                    d_sids.append((sid, len(d_tokens), n))
+                    d_tokens.extend(_chunk_tokens(data, c, n))
+                    d_pos.extend(range(c, c + n))
+                    d_slots.extend(table[q // bs] * bs + q % bs for q in range(c, c + n))
+                    d_tables.extend([table] * n)
                     if md.do_sample:
                         order.append((True, len(d_tokens) - 1))
                 else:
@@ -382,8 +400,10 @@ class ModelRunner:
         meta.slot_mapping = torch.from_numpy(slots.astype(np.int64, copy=False)).to(dev)
         rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
         seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}
-        for sid, r in zip(d_sids, d_row.tolist()):
-            seq_rows[sid] = (P + r, P + r + 1)
+        for sid, i, cnt in d_sids:
+            # an expanded chunk only runs natively, where rows keep their order (d_row[i] == i)
+            r = int(d_row[i])
+            seq_rows[sid] = (P + r, P + r + cnt)
         input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
         inp = ModelInput(
             input_ids=input_ids.to(dev),

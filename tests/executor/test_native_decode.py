@@ -9,7 +9,16 @@ import torch
 
 from kvserve.model_executor.layers import amx_gemm
 from kvserve.model_executor.models import llama, native_decode
-from tests.executor.helpers import VOCAB, ToyAllocator, ToySeq, advance, llama_config, make_worker, save_tiny
+from tests.executor.helpers import (
+    VOCAB,
+    ToyAllocator,
+    ToySeq,
+    advance,
+    all_logits,
+    llama_config,
+    make_worker,
+    save_tiny,
+)
 
 
 def _qwen2_config():
@@ -98,3 +107,70 @@ def test_prefill_and_mixed_steps_take_the_module_path(tmp_path, monkeypatch):
         inp = r.prepare_inputs(md)
         r.model(inp.input_ids, inp.positions, w.cache_engine.gpu_cache, inp.attn)
     assert calls == []
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_verify_chunks_take_native_decode_path_with_chunk_path_logits(tmp_path, monkeypatch, window):
+    """A step of plain decodes and speculative verify chunks (non-prompt chunks of m+1 tokens)
+    runs as single-token decode rows on the native decode path, and every fed token's logits
+    match the chunk (prefill attention) path; with a sliding window too, past the window."""
+    from transformers import MistralConfig
+
+    from kvserve.worker import model_runner
+
+    cfg = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=window,
+        tie_word_embeddings=False,
+    )
+    save_tiny(tmp_path, cfg)
+    w = make_worker(tmp_path, block_size=4, num_gpu_blocks=128, sliding_window=window, native=True)
+    rng = random.Random(3)
+    alloc = ToyAllocator(128)
+    seqs = [ToySeq([rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 20))]) for _ in range(4)]
+    md = [s.metadata(s.data.get_prompt_len(), alloc, 4) for s in seqs]
+    r = w.runner
+    cache = w.cache_engine.gpu_cache
+    with torch.inference_mode():
+        inp = r.prepare_inputs(md)
+        r.model(inp.input_ids, inp.positions, cache, inp.attn)
+    advance(md)
+    for s in seqs:
+        s.data.append_token_id(rng.randrange(3, VOCAB))
+    # seqs 0 and 2 verify 3 and 4 drafts (crossing block boundaries); 1 and 3 decode plainly
+    chunk = {0: 4, 1: 1, 2: 5, 3: 1}
+    for i, n in chunk.items():
+        for _ in range(n - 1):
+            seqs[i].data.append_token_id(rng.randrange(3, VOCAB))
+    md = [s.metadata(chunk[i], alloc, 4, do_sample=chunk[i] == 1) for i, s in enumerate(seqs)]
+    assert not any(m.is_prompt for m in md)
+    calls = []
+    real = native_decode.forward_layers
+    monkeypatch.setattr(native_decode, "forward_layers", lambda *a: calls.append(1) or real(*a))
+    snapshot = [c.clone() for c in cache]
+    got = all_logits(w, md)
+    assert len(calls) == 1, "a step of decodes and verify chunks must take the native decode path"
+    got_cache = [c.clone() for c in cache]
+    for c, s0 in zip(cache, snapshot):
+        c.copy_(s0)
+    monkeypatch.setattr(model_runner, "MAX_EXPANDED_DECODE_CHUNK", 1)  # verify chunks stay chunks
+    inp = r.prepare_inputs(md)
+    assert inp.attn.native_decode is not None and len(inp.attn.prefills) == 2
+    want = all_logits(w, md)
+    assert len(calls) == 1  # the chunk path is the module path
+    for i, s in enumerate(seqs):
+        g, e = got[s.seq_id], want[s.seq_id]
+        assert g.shape == e.shape == (chunk[i], VOCAB)
+        assert torch.allclose(g, e, atol=1e-4, rtol=1e-4), f"seq {i}: max diff {(g - e).abs().max()}"
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cache, got_cache))
+    # the sampled rows (plain decodes) are the right ones
+    with torch.inference_mode():
+        monkeypatch.setattr(model_runner, "MAX_EXPANDED_DECODE_CHUNK", 16)
+        lg = r.compute_logits(md, cache)
+    assert torch.allclose(lg, torch.stack([got[seqs[1].seq_id][0], got[seqs[3].seq_id][0]]), atol=1e-4)

@@ -131,6 +131,42 @@ class CacheConfig:
         _positive_int("sliding_window", self.sliding_window, allow_none=True)
 
 
+#: Largest LoRA rank ``LoRAConfig.max_lora_rank`` accepts.
+MAX_LORA_RANK_LIMIT = 512
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving limits (vLLM's ``LoRAConfig`` names).
+
+    Attributes:
+        max_loras: distinct adapters one step may hold (device slots; >= 1). The scheduler
+            defers, in order, groups whose adapter would exceed it.
+        max_lora_rank: the largest adapter rank accepted (1..``MAX_LORA_RANK_LIMIT``); a
+            larger adapter is refused when it is added.
+        max_cpu_loras: adapters kept loaded in the CPU LRU cache (>= ``max_loras``; ``None`` =
+            ``max_loras``).
+
+    Raises:
+        ValueError: a bad value, naming the field and the limit.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("max_loras", self.max_loras)
+        r = self.max_lora_rank
+        if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_LORA_RANK_LIMIT:
+            raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_LORA_RANK_LIMIT}], got {r!r}.")
+        _positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+
 @dataclass
 class SchedulerConfig:
     """Batching limits and scheduling behaviour.
@@ -327,10 +363,16 @@ class EngineArgs:
     quantization: str | None = None
     #: ``SpeculativeConfig`` fields as a dict or a JSON object string; None = off.
     speculative_config: dict | str | None = None
+    #: Multi-LoRA serving (``create_lora_config``); the limits are ``LoRAConfig``'s.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        # A bad speculative_config is refused here, before any model is loaded.
+        # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()
+        self.create_lora_config()
 
     @classmethod
     def field_names(cls) -> list:
@@ -339,6 +381,14 @@ class EngineArgs:
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The parsed ``speculative_config`` (None = off). Raises ValueError naming the field."""
         return SpeculativeConfig.from_value(self.speculative_config)
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The ``LoRAConfig`` when ``enable_lora`` (None otherwise). Raises ValueError naming the field."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
+        )
 
     def create_configs(self, model_max_len: int, sliding_window: int | None = None):
         """Returns ``(ModelConfig, CacheConfig, SchedulerConfig)``; with ``speculative_config``

@@ -1,0 +1,1 @@
+"""Multi-LoRA serving: adapter requests, PEFT loading, device slots, the batched LoRA linear."""

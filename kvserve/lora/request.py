@@ -1,0 +1,42 @@
+"""``LoRARequest``: which adapter a request runs with (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A request for one LoRA adapter of the base model.
+
+    Attributes:
+        lora_name: the adapter's public name (the server's ``"model"`` field chooses it).
+        lora_int_id: a unique integer id >= 1 (0 means "no adapter" inside the engine); the
+            scheduler counts distinct ids per step and the prefix cache keys blocks by it.
+        lora_path: a local PEFT directory (``adapter_config.json`` +
+            ``adapter_model.safetensors``).
+
+    Raises:
+        ValueError: an empty ``lora_name`` or ``lora_path``, or ``lora_int_id`` < 1.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_request.lora_name must be a non-empty string, got {self.lora_name!r}.")
+        if (
+            not isinstance(self.lora_int_id, int)
+            or isinstance(self.lora_int_id, bool)
+            or self.lora_int_id < 1
+        ):
+            raise ValueError(f"lora_request.lora_int_id must be an integer >= 1, got {self.lora_int_id!r}.")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_request.lora_path must be a non-empty path, got {self.lora_path!r}.")
+
+    @property
+    def adapter_id(self) -> int:
+        """``lora_int_id`` (vLLM's alias)."""
+        return self.lora_int_id

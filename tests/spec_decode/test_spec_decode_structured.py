@@ -8,12 +8,15 @@ every output validates; a draft the grammar forbids is never accepted; blocks ar
 after every step and every matcher is freed at the end."""
 
 import json
+import random
 import re
 from types import SimpleNamespace
 
 import jsonschema
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.spec_decode.interfaces import Proposal, Proposer
@@ -56,7 +59,7 @@ PROMPTS = {
     "choice": [42] * 3 + [43] * 3 + [42] * 3,
     "json": [3000, 4000, 5000] * 4 + [6000],
 }
-FREE_PROMPT = [7] * 10  # an unconstrained neighbour
+FREE = {"free": [7] * 10, "free2": [900, 901, 902, 903] * 2}  # unconstrained neighbours
 
 
 def so(name):
@@ -70,8 +73,12 @@ def params(name, n=1, temperature=0.0, seed=None):
 
 
 def requests(n=1):
-    reqs = [(name, PROMPTS[name], params(name, n=n)) for name in CONSTRAINTS]
-    reqs.append(("free", FREE_PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+    # The unconstrained neighbours first: under a tiny cache the later (constrained) arrivals
+    # are the ones preempted.
+    reqs = [
+        (rid, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for rid, p in FREE.items()
+    ]
+    reqs += [(name, PROMPTS[name], params(name, n=n)) for name in CONSTRAINTS]
     return reqs
 
 
@@ -112,9 +119,10 @@ class Oracle(Proposer):
     the target's choice); ``poison`` replaces the draft at that index with a token the grammar
     forbids there. Records the accepted counts it is told of."""
 
-    def __init__(self, eng, reference, wrong=False, poison=None):
+    def __init__(self, eng, reference, wrong=False, poison=None, rng=None):
         self.eng = eng
-        self.conts = {tuple(PROMPTS.get(rid, FREE_PROMPT)): (rid, toks[0]) for rid, toks in reference.items()}
+        self.rng = rng  # random.Random: each draft replaced by a random id with probability 0.3
+        self.conts = {tuple({**PROMPTS, **FREE}[rid]): (rid, toks[0]) for rid, toks in reference.items()}
         self.wrong, self.poison = wrong, poison
         self.accepted: list[int] = []
         self.poisoned = 0
@@ -135,6 +143,8 @@ class Oracle(Proposer):
                     continue
                 if self.wrong:
                     drafts = [(t + 1) % vocab for t in drafts]
+                elif self.rng is not None:
+                    drafts = [self.rng.randrange(vocab) if self.rng.random() < 0.3 else t for t in drafts]
                 elif self.poison is not None and rid in CONSTRAINTS and len(drafts) > self.poison:
                     drafts[self.poison] = self._forbidden(rid, data.output_token_ids + drafts[: self.poison])
                     self.poisoned += 1
@@ -153,8 +163,9 @@ class Oracle(Proposer):
 
 MODES = {
     "plain": dict(num_gpu_blocks=256),
-    "recompute": dict(num_gpu_blocks=24, preemption_mode="recompute"),
-    "swap": dict(num_gpu_blocks=24, num_cpu_blocks=128, preemption_mode="swap"),
+    # 16 blocks of 4 tokens: one unconstrained neighbour (and its lookahead) fits, not two
+    "recompute": dict(num_gpu_blocks=16, preemption_mode="recompute"),
+    "swap": dict(num_gpu_blocks=16, num_cpu_blocks=128, preemption_mode="swap"),
     "prefix_chunked": dict(
         num_gpu_blocks=256, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16
     ),
@@ -166,12 +177,13 @@ def test_greedy_constrained_ngram_speculation_equals_off(tiny_llama_dir, referen
     eng = make_engine(tiny_llama_dir, ngram(), block_size=4, **MODES[mode])
 
     def later(step):
-        if step == 3:  # the same prompt again once its blocks are computed: prefix-cache hits
-            eng.add_request("ab", {"prompt_token_ids": PROMPTS["ab"]}, params("ab"))
+        if step == 8:  # the same prompt again once its blocks are computed: prefix-cache hits
+            eng.add_request("ab again", {"prompt_token_ids": PROMPTS["ab"]}, params("ab"))
 
-    reqs = [r for r in requests() if r[0] != "ab"]
-    finals, _ = drain(eng, reqs, on_step=later)
+    finals, _ = drain(eng, requests(), on_step=later)
+    again = finals.pop("ab again")
     check_against(finals, reference[1])
+    check_against({"ab": again}, reference[1])
     check_freed(eng)
     assert sum(finals[r].spec_num_draft_tokens for r in CONSTRAINTS) > 0, (
         "constrained requests must speculate"
@@ -222,6 +234,18 @@ def test_a_draft_the_grammar_forbids_is_never_accepted(tiny_llama_dir, reference
         assert sum(finals[r].spec_num_accepted_tokens for r in CONSTRAINTS) > 0
     else:
         assert sum(finals[r].spec_num_accepted_tokens for r in CONSTRAINTS) == 0
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), mode=st.sampled_from(list(MODES)))
+def test_any_drafts_leave_constrained_greedy_output_unchanged(tiny_llama_dir, reference, seed, mode):
+    """Property: reference drafts with random ids mixed in (most of them forbidden by the
+    grammar, some allowed but wrong) never change greedy constrained output, in any mode."""
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, **MODES[mode])
+    eng.executor.proposer = Oracle(eng, reference[1], rng=random.Random(seed))
+    finals, _ = drain(eng, requests())
+    check_against(finals, reference[1])
+    check_freed(eng)
 
 
 def test_n_greater_than_one_greedy_equals_off(tiny_llama_dir, reference):

@@ -119,8 +119,10 @@ class Oracle(Proposer):
     the target's choice); ``poison`` replaces the draft at that index with a token the grammar
     forbids there. Records the accepted counts it is told of."""
 
-    def __init__(self, eng, reference, wrong=False, poison=None, rng=None):
+    def __init__(self, eng, reference, wrong=False, poison=None, rng=None, overrun=False):
         self.eng = eng
+        self.overrun = overrun  # propose past the end of the reference (its start again)
+        self.overran = 0
         self.rng = rng  # random.Random: each draft replaced by a random id with probability 0.3
         self.conts = {tuple({**PROMPTS, **FREE}[rid]): (rid, toks[0]) for rid, toks in reference.items()}
         self.wrong, self.poison = wrong, poison
@@ -138,7 +140,8 @@ class Oracle(Proposer):
                 rid, ref = self.conts[tuple(data.prompt_token_ids)]
                 n = data.get_output_len()
                 assert data.output_token_ids == ref[:n], "the sequence left the reference"
-                drafts = list(ref[n : n + m])
+                drafts = list((ref + ref if self.overrun else ref)[n : n + m])
+                self.overran += self.overrun and n + m > len(ref)
                 if not drafts:
                     continue
                 if self.wrong:
@@ -234,6 +237,18 @@ def test_a_draft_the_grammar_forbids_is_never_accepted(tiny_llama_dir, reference
         assert sum(finals[r].spec_num_accepted_tokens for r in CONSTRAINTS) > 0
     else:
         assert sum(finals[r].spec_num_accepted_tokens for r in CONSTRAINTS) == 0
+
+
+def test_a_grammar_completed_inside_an_accepted_run_ends_the_output_there(tiny_llama_dir, reference):
+    """Right drafts that run on past the end of the output (the output again): the run is cut
+    where the grammar completes and nothing after it is emitted."""
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=256)
+    eng.executor.proposer = oracle = Oracle(eng, reference[1], overrun=True)
+    finals, _ = drain(eng, requests())
+    check_against(finals, reference[1])
+    check_freed(eng)
+    assert oracle.overran > 0
+    assert sum(finals[r].spec_num_accepted_tokens for r in CONSTRAINTS) > 0
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

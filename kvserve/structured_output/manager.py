@@ -97,13 +97,20 @@ class VerifyMasks:
     """
 
     def __init__(
-        self, future: Future, tensor: torch.Tensor, starts: list[int], request_id: str, matchers: list
+        self,
+        future: Future,
+        tensor: torch.Tensor,
+        starts: list[int],
+        request_id: str,
+        matchers: list,
+        stats: MaskStats | None = None,
     ):
         self._future = future
         self._tensor = tensor
         self._starts = starts
         self.request_id = request_id
         self._matchers = matchers
+        self._stats = stats
 
     def get(self, j: int) -> tuple[int, torch.Tensor]:
         """``(allowed_j, int32 [allowed_j + 1, words])`` for sequence ``j`` (waits for the job).
@@ -111,6 +118,12 @@ class VerifyMasks:
         Raises:
             GrammarError: a matcher of this group is in an error state.
         """
+        if self._stats is not None and not self._future.done():
+            t0 = time.perf_counter()
+            try:
+                self._future.exception()
+            finally:
+                self._stats.wait_s += time.perf_counter() - t0
         allowed: list[int] = self._future.result()
         for m in self._matchers:
             if m.is_error():
@@ -273,7 +286,7 @@ class StructuredOutputManager:
         future = self._thread_pool().submit(self._fill_verify, matchers, drafts, starts, tensor)
         step._verify_jobs.append(future)
         self.stats.rows += total
-        return VerifyMasks(future, tensor, starts, request_id, matchers)
+        return VerifyMasks(future, tensor, starts, request_id, matchers, self.stats)
 
     def _fill_verify(
         self, matchers: list, drafts: list[list[int]], starts: list[int], tensor: torch.Tensor

@@ -349,3 +349,25 @@ def test_verify_masks_are_the_matcher_states_after_each_draft(manager):
         md2.token_bitmask.verify_masks([[ab], [ab]])
     mgr.free(1)
     assert mgr.num_live == 0
+
+
+def test_a_grammar_fault_in_a_verify_step_fails_only_that_request(tiny_llama_dir, reference, monkeypatch):
+    """A matcher fault while verifying one request's drafts ends that request ``failed`` (its
+    blocks and matcher freed); the others' output is unchanged."""
+    from kvserve.structured_output import GrammarError, VerifyMasks
+
+    real_get = VerifyMasks.get
+
+    def get(self, j):
+        if self.request_id == "json":
+            raise GrammarError("request json: injected matcher fault")
+        return real_get(self, j)
+
+    monkeypatch.setattr(VerifyMasks, "get", get)
+    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=256)
+    eng.executor.proposer = Oracle(eng, reference[1])
+    finals, _ = drain(eng, requests())
+    bad = finals.pop("json")
+    assert bad.outcome == "failed" and "injected matcher fault" in bad.error
+    check_against(finals, reference[1])
+    check_freed(eng)

@@ -403,7 +403,8 @@ class SequenceGroupMetadata:
 
     ``token_bitmask`` is set by the engine (never the scheduler) for a group under a
     structured-output constraint: an object whose ``rows()`` gives the int32 bitmask
-    ``[len(seq_data), ceil(vocab / 32)]`` of the tokens each sequence may sample next.
+    ``[len(seq_data), ceil(vocab / 32)]`` of the tokens each sequence may sample next, and
+    whose ``verify_masks(drafts)`` gives the masks of a speculative verify chunk.
     """
 
     request_id: str

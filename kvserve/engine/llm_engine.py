@@ -202,9 +202,6 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority,
         )
-        if params.structured_outputs is not None:
-            # Drafts are not checked against the grammar: constrained requests never speculate.
-            group.spec_decode_disabled = True
         if params.seed is not None:
             import torch
 

@@ -13,6 +13,11 @@ chunks and plain decodes. The logits of all ``m + 1`` positions are verified:
 
 Each verified position gets the request's logit processing with the drafts before it counted
 as output (penalties, ``min_tokens``, ``logit_bias``), and every emitted token its logprob.
+A constrained (structured-output) sequence's drafts are checked against its grammar and each
+verified position gets that position's mask (``GroupBitmask.verify_masks``: computed on the
+grammar thread during the forward, applied before the logit processing as the sampler does);
+only drafts the grammar allows can be accepted, so every emitted token is grammar-valid and
+greedy output equals decoding without speculation.
 The K/V written for rejected drafts are never read: the engine rolls ``num_computed_tokens``
 back to the last accepted position, and those slots are overwritten by later steps.
 """
@@ -35,6 +40,7 @@ from kvserve.sequence import (
 )
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.spec_decode.rejection_sampler import rejection_sample
+from kvserve.structured_output.bitmask import apply_token_bitmask_
 
 if TYPE_CHECKING:
     from kvserve.config import SpeculativeConfig
@@ -87,6 +93,8 @@ class _Verify:
     drafts: list[int]  # padded to the group's chunk
     num_real: int  # the proposer's drafts among them (a prefix); only those may be accepted
     draft_probs: torch.Tensor | None  # [num_real, V] or None
+    masks: Any = None  # (VerifyMasks, position in the group) for a constrained sequence
+    num_allowed: int = -1  # of the real drafts, those its grammar allows (set in _verify)
 
 
 class SpecDecodeWorker:
@@ -183,8 +191,13 @@ class SpecDecodeWorker:
             # The group's sequences share one chunk size (they advance in lockstep): shorter
             # proposals are padded; padding is never accepted.
             m = max(len(d) for d, _ in real.values())
+            masks = None
+            if md.token_bitmask is not None:
+                # Constrained: the grammar check and the per-position masks run on the
+                # grammar thread while the forward runs.
+                masks = md.token_bitmask.verify_masks([real.get(sid, ([], None))[0] for sid in md.seq_data])
             seq_data = {}
-            for sid, data in md.seq_data.items():
+            for j, (sid, data) in enumerate(md.seq_data.items()):
                 drafts, probs = real.get(sid, ([], None))
                 padded = drafts + [0] * (m - len(drafts))
                 vdata = SequenceData([])
@@ -192,7 +205,9 @@ class SpecDecodeWorker:
                 vdata.output_token_ids = data.output_token_ids + padded
                 vdata.set_num_computed_tokens(data.get_num_computed_tokens())
                 seq_data[sid] = vdata
-                verify.append(_Verify(i, sid, data, padded, len(drafts), probs))
+                verify.append(
+                    _Verify(i, sid, data, padded, len(drafts), probs, None if masks is None else (masks, j))
+                )
             run_metas[i] = dataclasses.replace(md, seq_data=seq_data, token_chunk_size=m + 1, do_sample=False)
         return run_metas, verify
 
@@ -232,6 +247,12 @@ class SpecDecodeWorker:
             hidden.index_select(0, torch.tensor(hidden_rows, dtype=torch.long, device=hidden.device))
         ).float()
         vocab = logits.shape[1]
+        offsets: list[int] = []
+        off = 0
+        for v in verify:
+            offsets.append(off)
+            off += len(v.drafts) + 1
+        self._apply_grammar(verify, offsets, logits)
         rows: list[_Row] = []
         for v in verify:
             md = metas[v.index]
@@ -253,18 +274,13 @@ class SpecDecodeWorker:
         logp = adjusted.log_softmax(dim=-1)
         argmax = adjusted.argmax(dim=-1).tolist()
 
-        offsets: list[int] = []
-        off = 0
-        for v in verify:
-            offsets.append(off)
-            off += len(v.drafts) + 1
         emitted: dict[int, list[int]] = {}  # verify index -> emitted token ids
         random_ids = [n for n, v in enumerate(verify) if not metas[v.index].sampling_params.is_greedy]
         for n, v in enumerate(verify):
             if metas[v.index].sampling_params.is_greedy:
                 t = argmax[offsets[n] : offsets[n] + len(v.drafts) + 1]
                 a = 0
-                while a < v.num_real and v.drafts[a] == t[a]:
+                while a < v.num_allowed and v.drafts[a] == t[a]:
                     a += 1
                 emitted[n] = t[: a + 1]
         if random_ids:
@@ -312,6 +328,24 @@ class SpecDecodeWorker:
             accepted[v.seq_id] = len(toks) - 1
         return accepted
 
+    @staticmethod
+    def _apply_grammar(verify: list[_Verify], offsets: list[int], logits: torch.Tensor) -> None:
+        """Set each verify entry's ``num_allowed`` and mask the logits rows of its positions
+        ``0 .. num_allowed`` with its grammar (in place; unconstrained entries untouched)."""
+        row_ids: list[int] = []
+        parts: list[torch.Tensor] = []
+        for n, v in enumerate(verify):
+            v.num_allowed = v.num_real
+            if v.masks is None:
+                continue
+            vm, j = v.masks
+            allowed, rows = vm.get(j)
+            v.num_allowed = min(v.num_real, allowed)
+            parts.append(rows[: v.num_allowed + 1])
+            row_ids.extend(range(offsets[n], offsets[n] + v.num_allowed + 1))
+        if parts:
+            apply_token_bitmask_(logits, torch.tensor(row_ids, dtype=torch.long), torch.cat(parts))
+
     def _rejection(
         self,
         metas: list[SequenceGroupMetadata],
@@ -321,7 +355,7 @@ class SpecDecodeWorker:
         adjusted: torch.Tensor,
     ) -> dict[int, list[int]]:
         """Rejection-sample the random rows ``ids`` (indices into ``verify``) in one call."""
-        k = max(1, max(verify[n].num_real for n in ids))
+        k = max(1, max(verify[n].num_allowed for n in ids))
         B, V = len(ids), adjusted.shape[1]
         device = adjusted.device
         target = torch.zeros(B, k + 1, V, dtype=torch.float32, device=device)
@@ -332,7 +366,7 @@ class SpecDecodeWorker:
         generators = []
         for b, n in enumerate(ids):
             v = verify[n]
-            m = v.num_real
+            m = v.num_allowed
             params = metas[v.index].sampling_params
             target[b, : m + 1] = Sampler.sampling_probs(
                 adjusted[offsets[n] : offsets[n] + m + 1], [params] * (m + 1)
@@ -341,7 +375,7 @@ class SpecDecodeWorker:
             counts[b] = m
             if draft_probs is not None:
                 if v.draft_probs is not None:
-                    draft_probs[b, :m] = v.draft_probs.to(device=device, dtype=torch.float32)
+                    draft_probs[b, :m] = v.draft_probs[:m].to(device=device, dtype=torch.float32)
                 else:  # a proposer without a distribution: a point mass on each draft
                     draft_probs[b, torch.arange(m), draft_ids[b, :m]] = 1.0
             generators.append(metas[v.index].generator)

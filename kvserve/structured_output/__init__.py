@@ -4,7 +4,13 @@ batched token bitmask the sampler applies. The scheduler knows nothing of this r
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.bitmask import allowed_tokens, apply_token_bitmask_, bitmask_words
 from kvserve.structured_output.compiler import GrammarCompiler, grammar_text
-from kvserve.structured_output.manager import GrammarError, GroupBitmask, StructuredOutputManager
+from kvserve.structured_output.manager import (
+    GrammarError,
+    GroupBitmask,
+    StructuredOutputManager,
+    VerifyMasks,
+    allowed_prefix,
+)
 
 __all__ = [
     "GrammarCompiler",
@@ -12,6 +18,8 @@ __all__ = [
     "GroupBitmask",
     "StructuredOutputManager",
     "StructuredOutputsParams",
+    "VerifyMasks",
+    "allowed_prefix",
     "allowed_tokens",
     "apply_token_bitmask_",
     "bitmask_words",

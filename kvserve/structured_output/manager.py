@@ -13,6 +13,14 @@ constrained rows of the step on a worker thread (llguidance computes masks witho
 parallel across matchers), so it overlaps the forward; each constrained group's
 ``SequenceGroupMetadata.token_bitmask`` gets a ``GroupBitmask`` view of its rows, which the
 sampler reads (waiting for the fill) and applies in one batched pass.
+
+A constrained group that speculates asks its ``GroupBitmask`` for ``verify_masks(drafts)``:
+one job, queued on the same (single) grammar thread after the step's fill, cuts each
+sequence's drafts at the first one its grammar does not allow (or after the one that
+completes it) and fills one mask row per verified position (position ``i``: the matcher after
+``drafts[:i]``), rolling the matcher back after. The forward runs meanwhile; the verify step
+reads the rows (``VerifyMasks.get``). The matchers themselves only ever advance through
+``accept_token``, over the tokens the engine emits.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ class MaskStats:
 
     Attributes:
         steps: steps with at least one constrained row.
-        rows: mask rows filled (one per constrained sequence and step: one sampled token each).
+        rows: mask rows filled (one per constrained sequence and step, plus one per verified
+            draft position of a speculating one).
         fill_s: time the worker thread spent filling masks (llguidance), overlapped with the forward.
         wait_s: time the step waited for a fill still running after the forward.
     """
@@ -55,22 +64,72 @@ class MaskStats:
 
 
 class StepBitmask:
-    """One step's bitmask, int32 ``[rows, words]``, filled by a worker thread."""
+    """One step's bitmask, int32 ``[rows, words]``, filled by a worker thread (and the step's
+    verify-mask jobs, queued after it)."""
 
     def __init__(self, tensor: torch.Tensor, future: Future, stats: MaskStats | None = None):
         self.tensor = tensor
         self._future = future
         self._stats = stats
+        self._verify_jobs: list[Future] = []
 
     def wait(self) -> None:
-        """Block until the fill is done; re-raises its exception."""
+        """Block until the fill and every verify-mask job of the step are done (no matcher
+        may advance before); re-raises the first exception."""
+        futures = [self._future, *self._verify_jobs]
+        if self._stats is not None and not all(f.done() for f in futures):
+            t0 = time.perf_counter()
+            try:
+                for f in futures:
+                    f.exception()
+            finally:
+                self._stats.wait_s += time.perf_counter() - t0
+        for f in futures:
+            f.result()
+
+
+class VerifyMasks:
+    """The mask rows of one constrained group's verify chunks (``GroupBitmask.verify_masks``).
+
+    For the group's sequence ``j`` (``seq_data`` order) with drafts ``d_j``: ``allowed_j``,
+    how many leading drafts the grammar allows (cut at the first it forbids, and after the one
+    that completes it: the sequence ends there), and rows for positions ``0 .. allowed_j``.
+    """
+
+    def __init__(
+        self,
+        future: Future,
+        tensor: torch.Tensor,
+        starts: list[int],
+        request_id: str,
+        matchers: list,
+        stats: MaskStats | None = None,
+    ):
+        self._future = future
+        self._tensor = tensor
+        self._starts = starts
+        self.request_id = request_id
+        self._matchers = matchers
+        self._stats = stats
+
+    def get(self, j: int) -> tuple[int, torch.Tensor]:
+        """``(allowed_j, int32 [allowed_j + 1, words])`` for sequence ``j`` (waits for the job).
+
+        Raises:
+            GrammarError: a matcher of this group is in an error state.
+        """
         if self._stats is not None and not self._future.done():
             t0 = time.perf_counter()
             try:
-                self._future.result()
+                self._future.exception()
             finally:
                 self._stats.wait_s += time.perf_counter() - t0
-        self._future.result()
+        allowed: list[int] = self._future.result()
+        for m in self._matchers:
+            if m.is_error():
+                raise GrammarError(f"request {self.request_id}: grammar matcher error: {m.get_error()}")
+        start = self._starts[j]
+        return allowed[j], self._tensor[start : start + allowed[j] + 1]
 
 
 class GroupBitmask:
@@ -80,11 +139,20 @@ class GroupBitmask:
         request_id: the group's request (for error messages).
     """
 
-    def __init__(self, step: StepBitmask, start: int, count: int, request_id: str, matchers: list):
+    def __init__(
+        self,
+        step: StepBitmask,
+        start: int,
+        count: int,
+        request_id: str,
+        matchers: list,
+        manager: StructuredOutputManager | None = None,
+    ):
         self._step = step
         self._start, self._count = start, count
         self.request_id = request_id
         self._matchers = matchers
+        self._manager = manager
 
     def rows(self) -> torch.Tensor:
         """int32 ``[num_seqs, words]`` (waits for the step's fill).
@@ -97,6 +165,21 @@ class GroupBitmask:
             if m.is_error():
                 raise GrammarError(f"request {self.request_id}: grammar matcher error: {m.get_error()}")
         return self._step.tensor[self._start : self._start + self._count]
+
+    def verify_masks(self, drafts: list[list[int]]) -> VerifyMasks:
+        """Start checking ``drafts`` (one list per sequence, ``seq_data`` order; ``[]``: none)
+        and filling their verify chunks' masks on the grammar thread; returns at once.
+
+        Raises:
+            ValueError: ``drafts`` does not have one list per sequence of the group.
+        """
+        if len(drafts) != self._count:
+            raise ValueError(
+                f"request {self.request_id}: {len(drafts)} draft lists for {self._count} sequences"
+            )
+        if self._manager is None:
+            raise ValueError(f"request {self.request_id}: this bitmask has no manager to fill verify masks")
+        return self._manager._verify_masks(self._step, self.request_id, self._matchers, drafts)
 
 
 class StructuredOutputManager:
@@ -186,8 +269,46 @@ class StructuredOutputManager:
         self.stats.steps += 1
         self.stats.rows += num_rows
         for md, s, n, ms in views:
-            md.token_bitmask = GroupBitmask(step, s, n, md.request_id, ms)
+            md.token_bitmask = GroupBitmask(step, s, n, md.request_id, ms, self)
         return step
+
+    def _verify_masks(
+        self, step: StepBitmask, request_id: str, matchers: list, drafts: list[list[int]]
+    ) -> VerifyMasks:
+        starts, total = [], 0
+        for d in drafts:
+            starts.append(total)
+            total += len(d) + 1
+        # -1 (all allowed) where a row is never written: only positions past a cut, never read.
+        tensor = torch.full((total, bitmask_words(self.compiler.vocab_size)), -1, dtype=torch.int32)
+        # The pool has one thread: this job runs after the step's fill, which reads the same
+        # matchers, and before any later step's.
+        future = self._thread_pool().submit(self._fill_verify, matchers, drafts, starts, tensor)
+        step._verify_jobs.append(future)
+        self.stats.rows += total
+        return VerifyMasks(future, tensor, starts, request_id, matchers, self.stats)
+
+    def _fill_verify(
+        self, matchers: list, drafts: list[list[int]], starts: list[int], tensor: torch.Tensor
+    ) -> list[int]:
+        from llguidance.torch import (
+            fill_next_token_bitmask_par,
+            fill_next_token_bitmask_par_with_draft_tokens,
+        )
+
+        t0 = time.perf_counter()
+        try:
+            allowed = [allowed_prefix(m, d) for m, d in zip(matchers, drafts)]
+            # llguidance takes only non-empty drafts here; a sequence with none gets one row.
+            with_drafts = [(m, s, d[:a]) for m, s, d, a in zip(matchers, starts, drafts, allowed) if a]
+            plain = [(m, s) for m, s, a in zip(matchers, starts, allowed) if not a]
+            if with_drafts:
+                fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, tensor)
+            if plain:
+                fill_next_token_bitmask_par(self._executor, plain, tensor)
+            return allowed
+        finally:
+            self.stats.fill_s += time.perf_counter() - t0
 
     def _thread_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -206,3 +327,20 @@ class StructuredOutputManager:
             fill_next_token_bitmask_par(self._executor, jobs, tensor)
         finally:
             self.stats.fill_s += time.perf_counter() - t0
+
+
+def allowed_prefix(matcher: Any, drafts: list[int]) -> int:
+    """How many leading ``drafts`` the matcher allows, stopping after one that completes the
+    grammar (nothing is emitted after it). The matcher is left as it was.
+
+    Raises:
+        GrammarError: the matcher could not be rolled back (an llguidance fault).
+    """
+    n = 0
+    for t in drafts:
+        if matcher.is_stopped() or matcher.try_consume_tokens([int(t)]) != 1:
+            break
+        n += 1
+    if n and not matcher.rollback(n):
+        raise GrammarError(f"cannot roll the grammar matcher back by {n} tokens: {matcher.get_error()}")
+    return n

@@ -30,13 +30,13 @@ def references(tiny_hf_model, prompts):
     return [hf_greedy(tiny_hf_model, p, MAX_NEW) for p in prompts]
 
 
-def run_engine(engine, requests, check_every_step=True, max_steps=5000):
+def run_engine(engine, requests, check_every_step=True, max_steps=5000, on_step=None):
     """Add ``(request_id, prompt_ids, params)`` and step to the end; returns final outputs by id.
-    Checks block accounting after every step."""
+    Checks block accounting after every step, then calls ``on_step(step_index)`` if given."""
     for rid, ids, params in requests:
         engine.add_request(rid, {"prompt_token_ids": ids}, params)
     finals = {}
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
@@ -47,6 +47,8 @@ def run_engine(engine, requests, check_every_step=True, max_steps=5000):
             st = engine.get_kv_cache_stats()
             assert 0 <= st["num_free_gpu_blocks"] <= st["num_gpu_blocks"]
             assert 0 <= st["num_free_cpu_blocks"] <= st["num_cpu_blocks"]
+        if on_step is not None:
+            on_step(step)
     else:
         raise AssertionError("engine did not drain")
     assert_idle(engine)

@@ -14,6 +14,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sequence import ExecuteModelRequest
 from kvserve.spec_decode.interfaces import Proposal, Proposer
+from tests.test_e2e_tiny import run_engine
 
 K = 4
 MAX_NEW = 48
@@ -55,29 +56,18 @@ def check_blocks(engine):
 
 
 def drain(engine, requests=(), max_steps=3000, on_step=None):
-    """Add ``(request_id, prompt_ids, params)``, step to the end checking blocks after every
-    step; returns the final outputs by id and the number of steps."""
-    for rid, ids, params in requests:
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    finals = {}
-    for step in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finals, "a request finished twice"
-                finals[out.request_id] = out
+    """``run_engine`` checking the block tables after every step; returns the final outputs by
+    id and the number of steps taken."""
+    steps = []
+
+    def each_step(step):
         check_blocks(engine)
+        steps.append(step)
         if on_step is not None:
             on_step(step)
-    else:
-        raise AssertionError("engine did not drain")
-    st = engine.get_kv_cache_stats()
-    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"], st
-    assert st["num_free_cpu_blocks"] == st["num_cpu_blocks"], st
-    s = engine.scheduler
-    assert not s.waiting and not s.running and not s.swapped
-    return finals, step
+
+    finals = run_engine(engine, requests, max_steps=max_steps, on_step=each_step)
+    return finals, len(steps)
 
 
 @pytest.fixture(scope="module")

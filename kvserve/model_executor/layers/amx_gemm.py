@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from kvserve.model_executor.layers.native_lib import NativeLibrary
+from kvserve.model_executor.layers.native_lib import NativeLibrary, check_linear_inputs
 
 #: Output columns per group (two 16-column B tiles) and input features per tile (32 bf16).
 GROUP_COLS = 32
@@ -111,21 +111,14 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None)
         ValueError: ``x`` or ``bias`` does not match the weight.
         RuntimeError: AMX is not available (check ``available()``).
     """
-    if (
-        x.dim() != 2
-        or x.shape[1] != weight.in_features
-        or x.dtype != torch.bfloat16
-        or x.device.type != "cpu"
-        or (
-            bias is not None
-            and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16 or not bias.is_cpu)
-        )
-    ):
-        raise ValueError(
-            f"amx linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
-            f"{tuple(weight.shape)}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)} "
-            f"do not fit"
-        )
+    check_linear_inputs(
+        x,
+        bias,
+        weight.in_features,
+        weight.out_features,
+        (torch.bfloat16,),
+        f"amx linear, weight {tuple(weight.shape)}",
+    )
     if not available():
         raise RuntimeError("AMX tiles are not available in this process")
     x = x.contiguous()  # referenced until the call returns

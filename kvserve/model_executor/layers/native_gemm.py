@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
+from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary, check_linear_inputs
 
 #: Output columns per packed panel: 3 AVX-512 vectors of float32.
 PANEL_WIDTH = 48
@@ -78,21 +78,14 @@ def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = Non
     Raises:
         ValueError: ``x`` or ``bias`` does not match the weight in shape, dtype or device.
     """
-    if (
-        x.dim() != 2
-        or x.shape[1] != weight.in_features
-        or x.dtype != weight.dtype
-        or x.device.type != "cpu"
-        or (
-            bias is not None
-            and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype or bias.device.type != "cpu")
-        )
-    ):
-        raise ValueError(
-            f"native linear: x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
-            f"{tuple(weight.shape)} {weight.dtype}, bias "
-            f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit"
-        )
+    check_linear_inputs(
+        x,
+        bias,
+        weight.in_features,
+        weight.out_features,
+        (weight.dtype,),
+        f"native linear, weight {tuple(weight.shape)} {weight.dtype}",
+    )
     m = x.shape[0]
     if weight.in_features == 0:  # an empty sum: torch gives the bias (or zeros)
         y = torch.zeros(m, weight.out_features, dtype=x.dtype)

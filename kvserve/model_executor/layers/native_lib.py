@@ -137,7 +137,9 @@ class NativeLibrary:
                 compile_command(self.source, tmp / lib_name),
                 check=True,
                 capture_output=True,
-                timeout=120,
+                # generous: a sanitizer build of the largest source on a busy 2-core host
+                # took over 120 s
+                timeout=600,
             )
             try:
                 os.rename(tmp, final)
@@ -191,3 +193,35 @@ def all_libraries() -> list[NativeLibrary]:
     import importlib
 
     return [importlib.import_module(f"{__package__}.{m}")._LIB for m in KERNEL_MODULES]
+
+
+def check_linear_inputs(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    in_features: int,
+    out_features: int,
+    dtypes: tuple,
+    what: str,
+) -> None:
+    """The argument check every native linear shares: ``x`` a 2-D CPU ``[T, in_features]``
+    tensor of one of ``dtypes``, ``bias`` None or CPU ``[out_features]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: naming ``what`` (the kernel and its weight) and every argument's shape/dtype.
+    """
+    if (
+        x.dim() == 2
+        and x.shape[1] == in_features
+        and x.dtype in dtypes
+        and x.device.type == "cpu"
+        and (
+            bias is None
+            or (bias.shape == (out_features,) and bias.dtype == x.dtype and bias.device.type == "cpu")
+        )
+    ):
+        return
+    raise ValueError(
+        f"{what}: x {tuple(x.shape)} {x.dtype} on {x.device}, bias "
+        f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit "
+        f"(x must be a CPU {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} [T, {in_features}] tensor)"
+    )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
+from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary, check_linear_inputs
 
 #: Weights per block of the 32-weight types (the unit of ``quantize_q8_0``).
 BLOCK_ELEMS = 32
@@ -156,24 +156,6 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight(data, "q8_0", k)
 
 
-def _check(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> None:
-    if (
-        x.dim() != 2
-        or x.shape[1] != weight.in_features
-        or x.dtype not in DTYPE_SUFFIX
-        or x.device.type != "cpu"
-        or (
-            bias is not None
-            and (bias.shape != (weight.out_features,) or bias.dtype != x.dtype or bias.device.type != "cpu")
-        )
-    ):
-        raise ValueError(
-            f"quantized linear: x {tuple(x.shape)} {x.dtype} on {x.device}, {weight.qtype} weight "
-            f"{tuple(weight.shape)}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)} "
-            "do not fit (x must be a CPU float32/bfloat16 [T, in] tensor)"
-        )
-
-
 def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x`` ``[T, in]`` (CPU float32 or bfloat16); returns ``[T, out]``
     in ``x``'s dtype.
@@ -181,7 +163,14 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     Raises:
         ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device).
     """
-    _check(x, weight, bias)
+    check_linear_inputs(
+        x,
+        bias,
+        weight.in_features,
+        weight.out_features,
+        tuple(DTYPE_SUFFIX),
+        f"quantized linear, {weight.qtype} weight {tuple(weight.shape)}",
+    )
     if not available():
         return F.linear(x, dequantize(weight).to(x.dtype), bias)
     x = x.contiguous()  # (referenced until the call returns)

@@ -1,0 +1,133 @@
+"""Start the Ray runtime (or join a cluster) and the engine replicas; build the driver's
+front engine (tokenizer, configs and validation, no model, no KV cache).
+
+Ray is imported here, and only when ``data_parallel_size > 1`` asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.config import EngineArgs
+
+logger = logging.getLogger("kvserve.distributed")
+
+#: How long replicas may take to load their model before the launch fails (seconds).
+REPLICA_START_TIMEOUT_S = 600.0
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(
+            "data_parallel_size > 1 runs its replicas on Ray, which is not installed: "
+            "pip install 'kvserve[ray]' (or pip install ray)."
+        ) from None
+    return ray
+
+
+def init_ray(address: str | None, num_replicas: int) -> Any:
+    """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``), or start a local runtime
+    when None (with at least ``num_replicas`` CPUs, so every replica can be placed). A runtime
+    already initialised in this process is used as it is. Returns the ``ray`` module.
+
+    Raises:
+        ValueError: Ray is not installed, or the cluster cannot be reached (naming the address).
+    """
+    ray = _import_ray()
+    if ray.is_initialized():
+        return ray
+    try:
+        if address is None:
+            ray.init(
+                num_cpus=max(num_replicas, os.cpu_count() or 1),
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+            )
+        else:
+            ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError) as e:
+        raise ValueError(f"ray_address {address!r}: cannot connect to the Ray cluster ({e}).") from None
+    return ray
+
+
+def replica_actor_options(engine_args: EngineArgs) -> dict[str, Any]:
+    """Ray actor options of one replica: restarted by Ray when its process dies (a request in
+    flight then fails, never re-runs silently), spread over the cluster's nodes, one CPU (and
+    one GPU when the engine runs on CUDA)."""
+    opts: dict[str, Any] = {
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "num_cpus": 1,
+        "scheduling_strategy": "SPREAD",
+    }
+    device = engine_args.device
+    if device == "cuda" or (device == "auto" and _cuda_available()):
+        opts["num_gpus"] = 1
+    return opts
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class ReplicaSet:
+    """The replicas' actor handles and what each reported at start (``EngineReplica.info``)."""
+
+    actors: list[Any]
+    infos: list[dict[str, Any]]
+
+
+def start_replicas(engine_args: EngineArgs, model_name: str) -> ReplicaSet:
+    """Start ``engine_args.data_parallel_size`` replicas (each ``engine_args.replica_args()``)
+    and wait until every one has loaded its model.
+
+    Raises:
+        ValueError: Ray missing or unreachable, or a replica failed to start (its error).
+    """
+    from kvserve.distributed.replica import EngineReplica
+
+    n = engine_args.data_parallel_size
+    ray = init_ray(engine_args.ray_address, n)
+    actor_cls = ray.remote(EngineReplica)
+    opts = replica_actor_options(engine_args)
+    args = engine_args.replica_args()
+    actors = [actor_cls.options(**opts).remote(args, i, model_name) for i in range(n)]
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=REPLICA_START_TIMEOUT_S)
+    except Exception as e:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        cause = getattr(e, "cause", None)
+        raise ValueError(f"a data-parallel replica failed to start: {cause or e}") from None
+    for i, info in enumerate(infos):
+        logger.info("replica %d: pid %d on %s", i, info["pid"], info["node"])
+    return ReplicaSet(actors, infos)
+
+
+def build_front_engine(engine_args: EngineArgs, info: dict[str, Any]):
+    """An ``LLMEngine`` without an executor, mirroring a replica's configs (``info``) with the
+    tokenizer loaded here: the server and ``LLM`` validate and tokenize with it exactly as the
+    single-process engine does; it never steps."""
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.model_executor.model_loader import resolve_model_dir
+    from kvserve.transformers_utils.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_dir(engine_args.model, engine_args.quantization))
+    return LLMEngine(
+        info["model_config"],
+        info["cache_config"],
+        info["scheduler_config"],
+        executor=None,
+        tokenizer=tokenizer,
+        vocab_size=info["vocab_size"],
+        eos_token_id=info["eos_token_id"],
+        speculative_config=info["speculative_config"],
+    )

@@ -44,6 +44,7 @@ def init_ray(address: str | None, num_replicas: int) -> Any:
     try:
         if address is None:
             ray.init(
+                address="local",  # a runtime of our own, even if a cluster runs on this machine
                 num_cpus=max(num_replicas, os.cpu_count() or 1),
                 include_dashboard=False,
                 logging_level=logging.WARNING,

@@ -14,6 +14,9 @@ import pytest
 from tests.distributed.conftest import ENGINE_KWARGS
 from tests.server_harness import running_server
 
+# ~75 s on 2 shared cores: a Ray runtime, two replicas, a reference server
+pytestmark = pytest.mark.slow
+
 API_KEY = "dp-key"
 MODEL = "tiny-dp"
 PROMPTS = [

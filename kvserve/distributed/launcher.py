@@ -30,6 +30,36 @@ def _import_ray():
     return ray
 
 
+#: How long the pre-flight check waits for a cluster address to accept a connection (seconds).
+CONNECT_CHECK_TIMEOUT_S = 5.0
+
+
+def check_ray_address(address: str) -> None:
+    """Fail fast on a cluster address nothing answers at: Ray's own client keeps retrying the
+    head for minutes. ``auto`` / ``local`` are left to Ray; ``HOST:PORT`` (or
+    ``ray://HOST:PORT``) must accept a TCP connection within ``CONNECT_CHECK_TIMEOUT_S``.
+
+    Raises:
+        ValueError: a malformed address, or nothing listening there (naming ``ray_address``).
+    """
+    import socket
+
+    if address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"ray_address must be 'auto' or HOST:PORT (e.g. 10.0.0.1:6379), got {address!r}.")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_CHECK_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"ray_address {address!r}: no Ray head answers at {host}:{port} ({e}); start one with "
+            "`ray start --head --port PORT` on that machine."
+        ) from None
+
+
 def init_ray(address: str | None, num_replicas: int) -> Any:
     """Join the Ray cluster at ``address`` (``auto``, ``HOST:PORT``), or start a local runtime
     when None (with at least ``num_replicas`` CPUs, so every replica can be placed). A runtime
@@ -39,6 +69,8 @@ def init_ray(address: str | None, num_replicas: int) -> Any:
         ValueError: Ray is not installed, or the cluster cannot be reached (naming the address).
     """
     ray = _import_ray()
+    if address is not None:
+        check_ray_address(address)
     if ray.is_initialized():
         return ray
     try:

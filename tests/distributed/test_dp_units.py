@@ -60,3 +60,35 @@ def test_merge_replica_families_labels_every_sample():
         if s.name.endswith("_total")
     }
     assert ok == {("0", "stop"): 5, ("1", "stop"): 7}
+
+
+def test_bad_ray_address_fails_fast_naming_the_field():
+    import socket
+    import time
+
+    from kvserve.distributed.launcher import check_ray_address
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"ray_address '127.0.0.1:{port}': no Ray head answers"):
+        check_ray_address(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 6
+    for bad in ("nohost", "host:", ":6379", "host:port"):
+        with pytest.raises(ValueError, match="ray_address must be 'auto' or HOST:PORT"):
+            check_ray_address(bad)
+    check_ray_address("auto")  # left to Ray
+
+
+def test_bad_ray_address_is_a_cli_error_before_any_replica_starts(tiny_llama_dir):
+    import socket
+
+    from kvserve.entrypoints.openai.api_server import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pytest.importorskip("ray")
+    argv = ["--model", str(tiny_llama_dir), "--data-parallel-size", "2", "--ray-address", f"127.0.0.1:{port}"]
+    assert main(argv) == 2

@@ -88,14 +88,15 @@ def init_ray(address: str | None, num_replicas: int) -> Any:
     return ray
 
 
-def replica_actor_options(engine_args: EngineArgs) -> dict[str, Any]:
+def replica_actor_options(engine_args: EngineArgs, num_cpus: int = 1) -> dict[str, Any]:
     """Ray actor options of one replica: restarted by Ray when its process dies (a request in
-    flight then fails, never re-runs silently), spread over the cluster's nodes, one CPU (and
-    one GPU when the engine runs on CUDA)."""
+    flight then fails, never re-runs silently), spread over the cluster's nodes, ``num_cpus``
+    CPUs (Ray sets the actor's ``OMP_NUM_THREADS`` to it, so it is the replica's thread count)
+    and one GPU when the engine runs on CUDA."""
     opts: dict[str, Any] = {
         "max_restarts": -1,
         "max_task_retries": 0,
-        "num_cpus": 1,
+        "num_cpus": num_cpus,
         "scheduling_strategy": "SPREAD",
     }
     device = engine_args.device
@@ -130,7 +131,9 @@ def start_replicas(engine_args: EngineArgs, model_name: str) -> ReplicaSet:
     n = engine_args.data_parallel_size
     ray = init_ray(engine_args.ray_address, n)
     actor_cls = ray.remote(EngineReplica)
-    opts = replica_actor_options(engine_args)
+    # the cluster's CPUs shared evenly: each replica's engine threads get cores of their own
+    per_replica = max(1, int(ray.cluster_resources().get("CPU", n)) // n)
+    opts = replica_actor_options(engine_args, per_replica)
     args = engine_args.replica_args()
     actors = [actor_cls.options(**opts).remote(args, i, model_name) for i in range(n)]
     try:

@@ -9,7 +9,8 @@ per replica, an LRU of the prompt block hashes recently routed there (the chaine
 ``core.block_manager.chain_block_hashes``, so a hash stands for its whole prefix) and sends a
 request to the replica with the longest run of matching leading blocks, unless that replica has
 more than ``balance_threshold`` outstanding requests over the least-loaded one; with no match,
-or past the threshold, the least-loaded replica takes it (and so starts caching that prefix).
+or past the threshold, the least-loaded replica takes it (and so starts caching that prefix;
+among equally loaded ones, the one caching fewest blocks).
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ class PrefixAwareRouter(Router):
 
     def select(self, prompt_token_ids, loads, healthy) -> int:
         up = _up_replicas(healthy)
-        least = _least_loaded(loads, up)
+        # among the least loaded, the one caching least (SGLang's "smallest tree"): at low
+        # load new prefixes then spread over the replicas' caches instead of piling on one
+        least = min(up, key=lambda i: (loads[i], len(self._lru[i]), i))
         scores = {i: self.match_blocks(i, prompt_token_ids) for i in up}
         best = max(up, key=lambda i: (scores[i], -loads[i], -i))
         if scores[best] == 0:

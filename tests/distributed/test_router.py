@@ -63,6 +63,20 @@ def test_prefix_router_spreads_distinct_prompts_by_load():
     assert r.num_prefix_routed == 0
 
 
+def test_prefix_router_idle_replicas_share_new_prefixes():
+    """At no load (every request ends before the next), distinct prompts alternate: the
+    least-loaded tie goes to the replica caching fewest blocks."""
+    r = PrefixAwareRouter(2, BS)
+    chosen = []
+    for i in range(4):
+        p = _prompt(50 + i, 2, [])
+        idx = r.select(p, [0, 0], [True, True])
+        r.on_routed(idx, p)
+        chosen.append(idx)
+    assert chosen == [0, 1, 0, 1]
+    assert r.select(_prompt(51, 2, [1]), [0, 0], [True, True]) == 1  # its prefix is there
+
+
 def test_prefix_router_prefers_longest_match():
     r = PrefixAwareRouter(2, BS, balance_threshold=10)
     short, long_ = _prompt(1, 2, []), _prompt(1, 6, [])

@@ -77,6 +77,11 @@ class EngineReplica:
         """Stream one request's outputs (the last has ``finished=True``). Raises ValueError
         (invalid input, duplicate id) before anything is queued."""
         self._ensure_started()
+        so = getattr(params, "structured_outputs", None)
+        if so is not None:
+            # compiled here, on a worker thread, as the server does: the engine thread then
+            # finds it in the cache at add_request instead of compiling inside a step
+            await asyncio.to_thread(self.engine.structured_output.compile, so)
         async for out in self.async_engine.generate(prompt, params, request_id, priority=priority):
             yield out
 

@@ -137,6 +137,18 @@ def test_dp_errors_api_key_and_models_as_single_process(dp_server):
     with pytest.raises(openai.AuthenticationError):
         dp_server.client(api_key="wrong").completions.create(model=MODEL, prompt="hi", max_tokens=4)
     assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, n=2
+    )
+    assert [c.finish_reason for c in chat.choices] == ["length", "length"]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy, twice
+    choice = client.completions.create(
+        model=MODEL,
+        prompt="Pick one:",
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )
+    assert choice.choices[0].text in ("red", "blue")
     with dp_server.http() as h:
         assert h.get("/health").json() == {"status": "ok"}
         tok = h.post("/tokenize", json={"prompt": "hello world"}).json()

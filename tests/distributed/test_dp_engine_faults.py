@@ -211,3 +211,29 @@ def test_random_replica_deaths_every_request_ends_one_way(n_replicas, n_requests
     assert dp.num_in_flight == 0 and dp.num_waiting == 0
     if death_rate == 0.0:
         assert results == ["finished"] * n_requests
+
+
+def test_num_waiting_counts_requests_without_output_yet():
+    """The server's ``max_waiting`` check reads ``num_waiting``: sent, nothing back yet."""
+    gate = asyncio.Event()
+
+    class _Slow(_Stream):
+        async def __aiter__(self):
+            await gate.wait()
+            async for ref in super().__aiter__():
+                yield ref
+
+    rep = FakeReplica(lambda rid: None, n_tokens=2)
+    rep.generate = _Method(lambda prompt, params, rid, prio: _Slow(rid, 2, None))
+    dp = _engine([rep])
+
+    async def main():
+        task = asyncio.ensure_future(_collect(dp, "w1"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert dp.num_waiting == 1 and dp.num_in_flight == 1
+        gate.set()
+        outs = await task
+        assert outs[-1].finished and dp.num_waiting == 0 and dp.num_in_flight == 0
+
+    asyncio.run(main())

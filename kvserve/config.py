@@ -368,11 +368,35 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    #: Data parallelism (``kvserve.distributed``): this many engine replicas on Ray, each with
+    #: its own KV cache; 1 = this process only (Ray is never imported).
+    data_parallel_size: int = 1
+    #: Ray cluster to join (``auto``, ``HOST:PORT``); None = start a local Ray runtime.
+    ray_address: str | None = None
+    #: How a request picks its replica: ``prefix`` (longest cached prefix within the balance
+    #: threshold), ``least-loaded`` or ``round-robin``.
+    router: str = "prefix"
+    #: ``prefix`` router: the best-matching replica is skipped for the least-loaded one when it
+    #: has more than this many outstanding requests over it.
+    router_balance_threshold: int = 8
 
     def __post_init__(self) -> None:
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()
         self.create_lora_config()
+        _positive_int("data_parallel_size", self.data_parallel_size)
+        if self.router not in ("prefix", "least-loaded", "round-robin"):
+            raise ValueError(f"router must be one of prefix|least-loaded|round-robin, got {self.router!r}.")
+        rbt = self.router_balance_threshold
+        if not isinstance(rbt, int) or isinstance(rbt, bool) or rbt < 0:
+            raise ValueError(f"router_balance_threshold must be an integer >= 0, got {rbt!r}.")
+
+    def replica_args(self) -> EngineArgs:
+        """The settings of one data-parallel replica: these, with ``data_parallel_size=1`` (the
+        other fields, tensor parallelism's included, pass through as they are)."""
+        import dataclasses
+
+        return dataclasses.replace(self, data_parallel_size=1)
 
     @classmethod
     def field_names(cls) -> list:

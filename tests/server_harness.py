@@ -86,17 +86,22 @@ def running_server(
     *,
     limits=None,
     keep_alive_timeout_s: float = 5.0,
+    async_engine=None,
     **app_kwargs,
 ):
     """Build the engine from ``engine_args``, serve ``build_app(...)`` until the block exits,
     with the uvicorn config and server class ``kvserve serve`` uses (``limits``: a
-    ``ConnectionLimits``; the shutdown drain of ``GracefulServer``)."""
+    ``ConnectionLimits``; the shutdown drain of ``GracefulServer``). ``async_engine``: serve
+    this one instead (e.g. a data-parallel engine; ``engine_args`` is then unused)."""
     from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.openai.api_server import GracefulServer, build_app, uvicorn_config
 
-    engine = LLMEngine.from_engine_args(engine_args)
-    async_engine = AsyncLLMEngine(engine)
+    if async_engine is None:
+        engine = LLMEngine.from_engine_args(engine_args)
+        async_engine = AsyncLLMEngine(engine)
+    else:
+        engine = async_engine.engine
     app = build_app(async_engine, model_name, api_key=api_key, **app_kwargs)
     sock = _free_socket()
     port = sock.getsockname()[1]

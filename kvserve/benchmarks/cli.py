@@ -10,6 +10,10 @@ COMMANDS = {
     "cold-start": ("kvserve.benchmarks.cold_start", "process start -> first token, twice"),
     "plot": ("kvserve.benchmarks.plots", "redraw plots from a benchmark JSON"),
     "spec-decode": ("kvserve.benchmarks.spec_decode", "speculation off vs n-gram vs draft model"),
+    "data-parallel": (
+        "kvserve.benchmarks.data_parallel",
+        "one engine vs DP replicas per router on a shared-prefix trace",
+    ),
 }
 
 

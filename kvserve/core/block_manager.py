@@ -86,6 +86,25 @@ class AllocationPlan:
     _cow_last: bool = False
 
 
+def chain_block_hashes(
+    token_ids: Seq[int], block_size: int, start: int = 0, parent: int | None = None
+) -> list[int]:
+    """Chained content hashes of the full blocks ``start, start + 1, ...`` of ``token_ids``.
+
+    Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)``; its hash is
+    ``hash((parent, tuple(tokens)))`` where ``parent`` is block ``i - 1``'s hash (``None`` for
+    block 0; pass the hash of block ``start - 1`` when ``start > 0``). Equal hashes mean equal
+    prefixes, which is what the prefix cache and the data-parallel router match on. Only full
+    blocks are hashed (a trailing partial block is not). Values are stable within one process
+    only (``hash(None)`` is per process on Python < 3.12): never send them to another.
+    """
+    hashes: list[int] = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -149,12 +168,10 @@ class BlockSpaceManager:
         """Chained content hashes of ``seq``'s first ``num_blocks`` full blocks."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
-            tokens = seq.get_token_ids()
-            bs = self.block_size
-            parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), num_blocks):
-                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
-                hashes.append(parent)
+            tokens = seq.get_token_ids()[: num_blocks * self.block_size]
+            hashes.extend(
+                chain_block_hashes(tokens, self.block_size, len(hashes), hashes[-1] if hashes else None)
+            )
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 
     def _cache_hits(self, seq: Sequence) -> list[PhysicalBlock]:

@@ -47,6 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     "dtype": ["auto", "float32", "bfloat16", "float16"],
                     "preemption_mode": ["recompute", "swap"],
                     "quantization": ["gguf", "int8"],
+                    "router": ["prefix", "least-loaded", "round-robin"],
                 }.get(f.name),
             )
 

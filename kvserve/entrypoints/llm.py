@@ -31,8 +31,22 @@ class LLM:
             raise ValueError(
                 f"unknown engine argument(s): {sorted(unknown)}; valid ones are {EngineArgs.field_names()}."
             )
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        self._dp = None
+        if args.data_parallel_size > 1:
+            # replicas on Ray; llm_engine is then the front engine (tokenizer, validation)
+            from kvserve.distributed import start_data_parallel_engine
+
+            self._dp = start_data_parallel_engine(args)
+            self.llm_engine = self._dp.engine
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the data-parallel replicas (no-op for one engine in this process)."""
+        if self._dp is not None:
+            self._dp.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -76,6 +90,10 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
         engine = self.llm_engine
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
+        if self._dp is not None:
+            from kvserve.distributed.dp_engine import run_batch
+
+            return run_batch(self._dp, list(zip(ids, prompts, params_list, priorities)), use_tqdm)
         added = []
         try:
             for rid, prompt, params, prio in zip(ids, prompts, params_list, priorities):

@@ -228,7 +228,9 @@ def build_app(
     completion = OpenAIServingCompletion(async_engine, names, **serving_kwargs)
     chat = OpenAIServingChat(async_engine, names, tool_call_parser=tool_call_parser, **serving_kwargs)
     engine = async_engine.engine
-    metrics = ServerMetrics(engine, served_model_name)
+    # a data-parallel engine aggregates its replicas' metrics (kvserve.distributed)
+    make_metrics = getattr(async_engine, "make_metrics", None)
+    metrics = make_metrics(served_model_name) if make_metrics else ServerMetrics(engine, served_model_name)
     started_here = {"value": False}
 
     @contextlib.asynccontextmanager
@@ -356,6 +358,9 @@ def build_app(
     @app.get("/metrics")
     async def prometheus_metrics():
         """Prometheus text exposition."""
+        refresh = getattr(metrics, "refresh", None)
+        if refresh is not None:  # data parallel: fetch the replicas' families first
+            await refresh()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -593,15 +598,22 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     try:
         engine_args = engine_args_from(ns)
-        engine = LLMEngine.from_engine_args(engine_args)
+        if engine_args.data_parallel_size > 1:
+            # N replicas on Ray behind this one endpoint (Ray is imported only here)
+            from kvserve.distributed import start_data_parallel_engine
+
+            async_engine = start_data_parallel_engine(engine_args, name)
+            engine = async_engine.engine
+        else:
+            engine = LLMEngine.from_engine_args(engine_args)
+            async_engine = AsyncLLMEngine(engine)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     aliases = [ns.model] if ns.model else []
-    async_engine = AsyncLLMEngine(engine)
     app = build_app(
         async_engine,
         name,
@@ -636,12 +648,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logger.info(
-        "serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks)",
+        "serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks%s)",
         name,
         ns.host,
         ns.port,
         engine.scheduler_config.max_model_len,
         engine.cache_config.num_gpu_blocks,
+        f" per replica, {engine_args.data_parallel_size} replicas, router {engine_args.router}"
+        if engine_args.data_parallel_size > 1
+        else "",
     )
     GracefulServer(config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)).run()
     logger.info("server stopped")

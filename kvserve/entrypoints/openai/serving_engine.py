@@ -568,8 +568,10 @@ class OpenAIServing:
         limit = getattr(self.engine.scheduler_config, "max_waiting", None)
         if limit is not None:
             inbox = getattr(self.async_engine, "_inbox", None)
+            # a data-parallel engine counts the requests its replicas have not answered yet
+            queued = getattr(self.async_engine, "num_waiting", None)
             waiting = (
-                len(self.engine.scheduler.waiting)
+                (len(self.engine.scheduler.waiting) if queued is None else queued)
                 + (inbox.qsize() if inbox is not None else 0)
                 + self.pending.value
             )

@@ -1,0 +1,337 @@
+"""The driver's engine for data parallelism: ``AsyncLLMEngine``'s interface over N replicas.
+
+``DataParallelAsyncEngine`` is what the OpenAI server (and ``LLM(data_parallel_size=N)``) hands
+requests to. Each request goes to the replica its ``Router`` picks from the prompt's token ids
+and the replicas' outstanding requests; the replica (a Ray actor, ``replica.EngineReplica``)
+streams its ``RequestOutput``s back. ``engine`` is the front engine (``launcher``): tokenizer,
+configs and validation, exactly those of a replica, so every server route validates as the
+single-process server does.
+
+Replica death: Ray restarts a dead replica's actor (``max_restarts``); meanwhile it is marked
+down, so the router sends nothing there, and it is back (its prefix record cleared) once the
+new process answers. A request on it that had streamed nothing yet is sent to another replica;
+one that had streamed tokens ends with ``ReplicaDiedError`` (a 503 ``engine_dead`` answer, or an
+error event in a stream), since its output cannot be resumed elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.distributed.router import Router
+from kvserve.engine.async_llm_engine import EngineDeadError
+from kvserve.engine.input_processor import PromptType
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.distributed")
+
+#: Seconds between liveness pings of each replica (deaths between requests are seen this soon).
+HEALTH_CHECK_INTERVAL_S = 1.0
+#: A ping not answered within this many seconds marks the replica down.
+HEALTH_CHECK_TIMEOUT_S = 30.0
+
+
+class ReplicaDiedError(EngineDeadError):
+    """The replica running a request died after the request had streamed output."""
+
+
+@dataclass
+class ReplicaState:
+    """Driver-side view of one replica."""
+
+    index: int
+    actor: Any
+    pid: int
+    node: str
+    healthy: bool = True
+    outstanding: int = 0  # requests sent and not yet ended
+    routed: int = 0  # requests ever sent here
+    restarts: int = 0
+    recovering: asyncio.Task | None = None
+
+
+def _unwrap(ray, e: BaseException) -> BaseException:
+    """The exception a replica raised (Ray wraps it in a ``RayTaskError``)."""
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            return cause
+    return e
+
+
+class DataParallelAsyncEngine:
+    """``AsyncLLMEngine``'s interface (``generate``, ``abort``, ``start``, ``shutdown``,
+    ``num_in_flight``, ``errored``, ``engine``) over data-parallel replicas.
+
+    Args:
+        front_engine: the driver's ``LLMEngine`` without an executor (``launcher.build_front_engine``).
+        actors: the replicas' Ray actor handles (``launcher.start_replicas``).
+        infos: what each replica reported at start (``pid``, ``node``).
+        router: picks a replica per request.
+        model_name: the ``model_name`` metrics label.
+    """
+
+    def __init__(self, front_engine, actors: list, infos: list[dict], router: Router, model_name: str = ""):
+        import ray
+
+        self._ray = ray
+        self.engine = front_engine
+        self.router = router
+        self.model_name = model_name
+        self.replicas = [
+            ReplicaState(i, a, int(info["pid"]), str(info["node"]))
+            for i, (a, info) in enumerate(zip(actors, infos))
+        ]
+        self.errored: BaseException | None = None
+        self._thread: Any = None  # the server's lifespan starts an engine whose _thread is None
+        self._supervisor: asyncio.Task | None = None
+        self._inflight: dict[str, int] = {}  # request id -> replica index
+        self._waiting: set[str] = set()  # sent, no output yet
+        self.num_retried = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the health checks on the running event loop."""
+        self._thread = self  # the server reads _thread.is_alive() for /health
+        self._supervisor = asyncio.ensure_future(self._watch())
+
+    def is_alive(self) -> bool:
+        """True while at least one replica is up."""
+        return any(r.healthy for r in self.replicas)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the health checks and the replicas (in-flight requests should have ended)."""
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        for r in self.replicas:
+            if r.recovering is not None:
+                r.recovering.cancel()
+            with contextlib.suppress(Exception):
+                self._ray.kill(r.actor, no_restart=True)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests sent to a replica that have produced no output yet (the server's
+        ``max_waiting`` check counts these)."""
+        return len(self._waiting)
+
+    def loads(self) -> list[int]:
+        return [r.outstanding for r in self.replicas]
+
+    def healthy(self) -> list[bool]:
+        return [r.healthy for r in self.replicas]
+
+    # ---------------------------------------------------------------- replica health
+    def mark_down(self, index: int, reason: BaseException | str) -> None:
+        """Replica ``index`` died: route nothing there until its replacement answers."""
+        r = self.replicas[index]
+        if not r.healthy:
+            return
+        logger.warning("replica %d (pid %d) is down: %s; waiting for its replacement", index, r.pid, reason)
+        r.healthy = False
+        self.router.reset_replica(index)
+        with contextlib.suppress(RuntimeError):  # no running loop: checked again at next use
+            r.recovering = asyncio.ensure_future(self._recover(r))
+
+    async def _recover(self, r: ReplicaState) -> None:
+        ray = self._ray
+        while True:
+            try:
+                pid = await asyncio.wait_for(r.actor.ping.remote(), HEALTH_CHECK_TIMEOUT_S)
+            except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+                await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+                continue
+            # Ray restarted the actor: a new process with an empty KV cache
+            self.router.reset_replica(r.index)
+            r.pid, r.healthy, r.recovering = int(pid), True, None
+            r.restarts += 1
+            logger.warning("replica %d is back (pid %d, restart %d)", r.index, r.pid, r.restarts)
+            return
+
+    async def _watch(self) -> None:
+        ray = self._ray
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+            for r in self.replicas:
+                if not r.healthy:
+                    continue
+                try:
+                    pid = await asyncio.wait_for(r.actor.ping.remote(), HEALTH_CHECK_TIMEOUT_S)
+                except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+                    self.mark_down(r.index, e)
+                    continue
+                if int(pid) != r.pid:  # restarted between two pings
+                    self.router.reset_replica(r.index)
+                    r.pid = int(pid)
+                    r.restarts += 1
+
+    # ---------------------------------------------------------------- requests
+    @staticmethod
+    def _prompt_ids(prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, list):
+            return list(prompt)
+        return []  # a text prompt (not from the server): routed by load alone
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs from the replica the router picks.
+
+        Raises:
+            ValueError: invalid input or a duplicate id (the replica's own check).
+            EngineDeadError: no replica is up.
+            ReplicaDiedError: its replica died after it had streamed output.
+        """
+        ray = self._ray
+        if request_id in self._inflight:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        ids = self._prompt_ids(prompt)
+        attempts = 0
+        while True:
+            attempts += 1
+            if not self.is_alive():
+                raise EngineDeadError("no data-parallel replica is up")
+            idx = self.router.select(ids, self.loads(), self.healthy())
+            self.router.on_routed(idx, ids)
+            r = self.replicas[idx]
+            r.outstanding += 1
+            r.routed += 1
+            self._inflight[request_id] = idx
+            self._waiting.add(request_id)
+            streamed = False
+            finished = False
+            try:
+                gen = r.actor.generate.options(num_returns="streaming").remote(
+                    prompt, params, request_id, priority
+                )
+                async for ref in gen:
+                    out = await ref
+                    if not streamed:
+                        streamed = True
+                        self._waiting.discard(request_id)
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+                # a stream that ends without a finished output: the replica went away
+                raise ray.exceptions.RayActorError()
+            except ray.exceptions.RayActorError as e:
+                self.mark_down(idx, e)
+                if streamed:
+                    raise ReplicaDiedError(
+                        f"replica {idx} died while running request {request_id} (after it had "
+                        "streamed output); retry the request"
+                    ) from None
+                if attempts > len(self.replicas):
+                    raise EngineDeadError(f"request {request_id}: every replica tried has died") from None
+                self.num_retried += 1
+                logger.warning("request %s: replica %d died before any output; retrying", request_id, idx)
+                continue
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrap(ray, e) from None
+            finally:
+                r.outstanding -= 1
+                self._inflight.pop(request_id, None)
+                self._waiting.discard(request_id)
+                if not finished and r.healthy:
+                    # the caller went away (or an error): free its blocks on the replica now
+                    self._abort_on(idx, request_id)
+
+    def _abort_on(self, idx: int, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            self.replicas[idx].actor.abort.remote(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already ended); its stream ends with ``abort``."""
+        idx = self._inflight.get(request_id)
+        if idx is not None:
+            self._abort_on(idx, request_id)
+
+    # ---------------------------------------------------------------- observability
+    async def replica_calls(self, method: str, timeout_s: float = 5.0) -> list[tuple[int, Any]]:
+        """``(index, result)`` of ``method()`` on every replica that is up and answers in time."""
+        ray = self._ray
+        live = [r for r in self.replicas if r.healthy]
+
+        async def one(r: ReplicaState):
+            try:
+                return r.index, await asyncio.wait_for(getattr(r.actor, method).remote(), timeout_s)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                return r.index, None
+
+        results = await asyncio.gather(*(one(r) for r in live))
+        return [(i, v) for i, v in results if v is not None]
+
+    def make_metrics(self, model_name: str):
+        """The server's ``/metrics`` for this engine (``dp_metrics.DataParallelMetrics``)."""
+        from kvserve.distributed.dp_metrics import DataParallelMetrics
+
+        return DataParallelMetrics(self, model_name)
+
+
+def run_batch(
+    dp: DataParallelAsyncEngine,
+    requests: list[tuple[str, PromptType, SamplingParams, int]],
+    use_tqdm: bool = False,
+) -> list[RequestOutput]:
+    """``LLM.generate`` over replicas: validate every ``(request_id, prompt, params,
+    priority)`` with the front engine first (a ``ValueError`` before anything is sent, as with
+    one engine), then run them all concurrently; returns the final outputs in request order.
+
+    Prompts go to the replicas as token ids (tokenized here), so the router sees their
+    prefixes. A request whose replica died after streaming ends ``failed`` with the error.
+    """
+    from tqdm.auto import tqdm
+
+    from kvserve.engine.input_processor import tokenize_prompt
+    from kvserve.field_limits import LIMITS
+
+    front = dp.engine
+    prepared = []
+    for rid, prompt, params, prio in requests:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+        LIMITS["priority"].check("priority", prio)
+        text, ids = tokenize_prompt(prompt, front.tokenizer)
+        front.validate(ids, params)
+        prepared.append((rid, {"prompt": text, "prompt_token_ids": ids}, params, prio))
+
+    async def run_all() -> dict[str, RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prepared), desc="Generating", unit="req", disable=not use_tqdm)
+
+        async def one(rid, prompt, params, prio):
+            last = None
+            try:
+                async for out in dp.generate(prompt, params, rid, priority=prio):
+                    last = out
+            except EngineDeadError as e:  # its replica died mid-stream: ends failed, alone
+                outs = last.outputs if last is not None else [CompletionOutput(0, "", [])]
+                for o in outs:
+                    o.finish_reason = "error"
+                last = RequestOutput(
+                    rid, prompt["prompt"], prompt["prompt_token_ids"], outs, finished=True, error=str(e)
+                )
+            final[rid] = last
+            bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(*p) for p in prepared))
+        finally:
+            bar.close()
+        return final
+
+    final = asyncio.run(run_all())
+    return [final[rid] for rid, *_ in prepared]

@@ -34,6 +34,11 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (``tensor_parallel_size > 1``); idempotent, and
+        done at interpreter exit anyway. The ``LLM`` cannot generate afterwards."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

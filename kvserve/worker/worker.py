@@ -146,7 +146,7 @@ class Worker:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        from kvserve.distributed.parallel_state import TensorParallelGroup, free_port
+        from kvserve.worker.parallel_state import TensorParallelGroup, free_port
 
         self.parallel_config = parallel_config or ParallelConfig(tensor_parallel_size=tp_world_size or 1)
         self.rank = rank
@@ -283,7 +283,7 @@ class Worker:
 
     @staticmethod
     def _peer_timeout() -> float:
-        from kvserve.distributed.parallel_state import collective_timeout_s
+        from kvserve.worker.parallel_state import collective_timeout_s
 
         return collective_timeout_s()
 

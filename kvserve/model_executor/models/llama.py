@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         hf_config: a transformers config (LlamaConfig / Qwen2Config / MistralConfig ...).
         dtype: parameter and activation dtype; device: ``"cpu"`` / ``"cuda"``.
         max_position: length of the rotary tables (``max_position_embeddings`` by default).
-        tp: this rank's ``kvserve.distributed.parallel_state.TensorParallelGroup`` (None = one
+        tp: this rank's ``kvserve.worker.parallel_state.TensorParallelGroup`` (None = one
             process). Megatron-style: q/k/v and gate/up column-parallel, o and down
             row-parallel with an all-reduce after each; ``num_kv_heads`` (and so the KV cache)
             is this rank's share. The embedding table is replicated on every rank; the LM head

@@ -1,1 +1,0 @@
-"""Tensor-parallel process groups (``parallel_state``) and the collectives the model calls."""

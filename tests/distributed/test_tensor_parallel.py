@@ -103,6 +103,23 @@ def test_tp2_logits_match_tp1(tiny_llama_dir, prompts):
                 assert abs(va - vb) < 1e-3
 
 
+@pytest.mark.parametrize("kw", [dict(quantization="int8"), dict(dtype="bfloat16")], ids=["int8", "bfloat16"])
+def test_tp2_int8_and_bfloat16_equal_tp1(tiny_llama_dir, prompts, kw):
+    """int8 shards quantize the same Q8_0 blocks as the whole weight (shards split on 32-column
+    boundaries); bfloat16 activations are all-reduced in float32."""
+    engine_kw = {**ENGINE, **kw, "num_gpu_blocks": 128}
+    params = greedy(max_tokens=6)
+    batch = [{"prompt_token_ids": p} for p in prompts[:3]]
+    one = LLM(model=str(tiny_llama_dir), **engine_kw)
+    a = [o.outputs[0].token_ids for o in one.generate(batch, params, use_tqdm=False)]
+    llm = LLM(model=str(tiny_llama_dir), **engine_kw, tensor_parallel_size=2)
+    try:
+        b = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert a == b
+
+
 def test_killed_peer_rank_is_a_clear_error_not_a_hang(tiny_llama_dir, prompts):
     llm = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=64, tensor_parallel_size=2)
     procs = _peer_procs(llm)

@@ -10,7 +10,8 @@ Each engine (``LLMEngine``, float32 on CPU; gloo between the ranks) runs, per sh
 The all-reduce share is what the driver (rank 0) spent inside ``TensorParallelGroup.all_reduce``
 (two per layer: after o and after down) over those steps, divided by their wall time. It
 includes the wait for the slower rank, so on an oversubscribed machine it also measures load
-imbalance, not only the transfer.
+imbalance, not only the transfer; the "transfer" column times the same all-reduces (same
+shape, same count) with every rank doing nothing else (``Worker.time_all_reduce``).
 
 The model is a random-weight Llama (default: 8 heads / 4 KV heads of 64, hidden 512,
 intermediate 1536, ``--layers`` 30, vocab 49152: SmolLM2-135M's size with head counts that
@@ -129,6 +130,8 @@ def measure(engine, shape: str, context: int, steps: int, seed: int) -> dict:
                 ar_s += s1 - s0
     else:
         raise ValueError(f"shape {shape!r}: expected decode:B or prefill:N")
+    # every shape's step has n rows (n decodes, or one n-token prompt)
+    pure = engine.executor.time_all_reduce(n)
     step = statistics.median(times)
     mean = sum(times) / len(times)
     return {
@@ -136,6 +139,9 @@ def measure(engine, shape: str, context: int, steps: int, seed: int) -> dict:
         "all_reduce_ms": ar_s / len(times) * 1e3,
         "all_reduce_share": (ar_s / len(times)) / mean if mean else 0.0,
         "all_reduce_calls": ar_calls // len(times),
+        # the same all-reduces with every rank idle: the transfer alone (the rest is waiting)
+        "all_reduce_transfer_ms": pure * (ar_calls // len(times)) * 1e3,
+        "all_reduce_transfer_share": pure * (ar_calls // len(times)) / mean if mean else 0.0,
     }
 
 
@@ -172,13 +178,17 @@ def main(argv=None) -> int:
         finally:
             engine.shutdown()
     base = {r["shape"]: r["step_ms"] for r in rows if r["tp"] == 1}
-    print("\n| shape | TP | step ms | vs TP=1 | all-reduce ms/step | all-reduce share | calls/step |")
+    print(
+        "\n| shape | TP | step ms | vs TP=1 | all-reduce ms/step (share) | of which transfer "
+        "(share) | calls/step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         rel = f"{base[r['shape']] / r['step_ms']:.2f}x" if r["shape"] in base else "-"
         print(
-            f"| {r['shape']} | {r['tp']} | {r['step_ms']:.1f} | {rel} | {r['all_reduce_ms']:.1f} | "
-            f"{100 * r['all_reduce_share']:.0f}% | {r['all_reduce_calls']} |"
+            f"| {r['shape']} | {r['tp']} | {r['step_ms']:.1f} | {rel} | {r['all_reduce_ms']:.1f} "
+            f"({100 * r['all_reduce_share']:.0f}%) | {r['all_reduce_transfer_ms']:.1f} "
+            f"({100 * r['all_reduce_transfer_share']:.0f}%) | {r['all_reduce_calls']} |"
         )
     if ns.json_out:
         meta = {

@@ -287,6 +287,25 @@ class Worker:
 
         return collective_timeout_s()
 
+    def time_all_reduce(self, rows: int, reps: int = 20) -> float:
+        """Mean seconds of one all-reduce of a ``[rows, hidden_size]`` activation over the
+        ranks, all of them doing nothing else (the transfer cost alone, for the benchmark);
+        0.0 at T = 1."""
+        return self._on_all_ranks("time_all_reduce", rows, reps)
+
+    def time_all_reduce_local(self, rows: int, reps: int = 20) -> float:
+        """``time_all_reduce`` on this rank."""
+        if self.tp is None:
+            return 0.0
+        x = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        self.tp.barrier()
+        t = time.perf_counter()
+        for _ in range(reps):
+            self.tp.all_reduce(x)
+        dt = (time.perf_counter() - t) / reps
+        self.tp.stats.reset()
+        return dt
+
     def shutdown(self) -> None:
         """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1."""
         if self.peers is not None:

@@ -26,6 +26,10 @@ from kvserve.worker.tp_executor import PeerError, TensorParallelPeers, for_peers
 _GIB = 1 << 30
 logger = logging.getLogger(__name__)
 
+#: Seconds the driver waits for its peers' answers after its own part of a step raised
+#: (they answer at once unless stuck in an all-reduce the driver never reached).
+PEER_SETTLE_S = 10.0
+
 
 #: Re-measure the best CPU thread count after this many steps or seconds, whichever comes
 #: first (the machine's load changes; a calibration costs ~10-50 ms).
@@ -172,6 +176,8 @@ class Worker:
         self.hf_config = load_hf_config(self.model_dir)
         self.tp: TensorParallelGroup | None = None
         self.peers: TensorParallelPeers | None = None
+        #: Why this driver can run no more steps (its ranks went out of step), or None.
+        self.broken: str | None = None
         if self.tp_size > 1:
             if model_config.quantization == "gguf":
                 raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1.")
@@ -266,15 +272,27 @@ class Worker:
         local = getattr(self, method + "_local")
         if self.peers is None:
             return local(*args)
+        if self.broken:
+            raise PeerError(self.broken)
         peer_args = (for_peers(args[0]),) if method == "execute_model" else args
         self.peers.send(method + "_local", *peer_args)
         try:
             out = local(*args)
-        except BaseException:
+        except BaseException as e:
+            # The peers normally fail the same way (bad input reaches every rank) or have
+            # finished (the driver failed while sampling). If they do not answer soon, the
+            # driver failed inside the forward and they wait in an all-reduce it will never
+            # join: the ranks are out of step for good, so stop them (bounded, and every
+            # later step fails at once naming the cause) rather than wait out the timeout.
             try:
-                self.peers.collect(self._peer_timeout())
+                self.peers.collect(PEER_SETTLE_S)
             except PeerError as pe:
-                logger.warning("%s", pe)
+                logger.error("tensor-parallel ranks out of step after %r on the driver: %s", e, pe)
+                self.peers.shutdown()
+                self.broken = (
+                    f"the tensor-parallel ranks went out of step when the driver failed inside a "
+                    f"forward ({type(e).__name__}: {e}); restart the engine"
+                )
             raise
         errors = self.peers.collect(self._peer_timeout())
         if errors:

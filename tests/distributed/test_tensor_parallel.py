@@ -19,8 +19,12 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU"
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_cpu_blocks=64)
 CONFIGS = {
-    "chunked_recompute": dict(
-        num_gpu_blocks=24, preemption_mode="recompute", enable_chunked_prefill=True, max_num_batched_tokens=16
+    "chunked_prefix_recompute": dict(
+        num_gpu_blocks=24,
+        preemption_mode="recompute",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
     ),
     "chunked_swap": dict(
         num_gpu_blocks=24, preemption_mode="swap", enable_chunked_prefill=True, max_num_batched_tokens=24
@@ -39,7 +43,9 @@ def prompts():
     import random
 
     rng = random.Random(1)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    ps = [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    # two more sharing a 24-token prefix with the third (full blocks for prefix caching)
+    return ps + [ps[2][:24] + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 13)]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +80,8 @@ def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(tiny_llama_dir,
         assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
         if "swap" in name:
             assert stats["num_swap_preemptions"] > 0
+        if "prefix" in name:
+            assert stats["prefix_cache_hits"] > 0
         # TP=1 and TP=2 agree token for token up to transformers' first near-tie
         for ours, ref, base in zip(_tokens(finals, len(prompts)), references, tp1):
             compare(ours, Reference(base, ref.near_tie_step))
@@ -84,8 +92,9 @@ def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(tiny_llama_dir,
 
 
 def test_tp2_logits_match_tp1(tiny_llama_dir, prompts):
-    """Beyond greedy tokens: the sampled logprobs of TP=2 equal TP=1 to float32 rounding."""
-    params = greedy(max_tokens=4, logprobs=5)
+    """Beyond greedy tokens: the sampled and prompt logprobs of TP=2 equal TP=1 to float32
+    rounding."""
+    params = greedy(max_tokens=4, logprobs=5, prompt_logprobs=2)
     batch = [{"prompt_token_ids": p} for p in prompts[:3]]
     one = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128)
     a = one.generate(batch, params, use_tqdm=False)
@@ -96,6 +105,13 @@ def test_tp2_logits_match_tp1(tiny_llama_dir, prompts):
         llm.shutdown()
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.prompt_logprobs is not None and y.prompt_logprobs is not None
+        assert len(x.prompt_logprobs) == len(y.prompt_logprobs)
+        for px, py in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert px.keys() == py.keys()
+            for t in px:
+                va, vb = (float(getattr(v[t], "logprob", v[t])) for v in (px, py))
+                assert abs(va - vb) < 1e-3
         for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert lx.keys() == ly.keys()
             for t in lx:
@@ -187,6 +203,19 @@ def test_more_ranks_than_cuda_devices_is_refused(tiny_llama_dir, monkeypatch):
     cfg = load_hf_config(tiny_llama_dir)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 CUDA devices .* only 1"):
         ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cuda")
+
+
+def test_cli_flag_reaches_engine_args():
+    import argparse
+
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--tensor-parallel-size", "2"])
+    assert engine_args_from(ns).create_parallel_config().tensor_parallel_size == 2
+    with pytest.raises(SystemExit):  # not an integer: argparse refuses it
+        parser.parse_args(["--tensor-parallel-size", "two"])
 
 
 @pytest.mark.parametrize("bad", [0, -1, 65, 1.5, True, "2"])

@@ -64,8 +64,13 @@ class PeerError(RuntimeError):
 def _peer_main(rank: int, world_size: int, port: int, configs: tuple, conn) -> None:
     """A peer rank's process: build the ``Worker`` shard, then serve the driver's calls until
     ``shutdown`` or until the driver's end of the pipe closes."""
+    import signal
+
     from kvserve.worker.worker import Worker
 
+    # Ctrl-C reaches the whole process group: the driver decides when its peers stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn.send(("started", None))  # imports done: the driver may now wait in the rendezvous
     try:
         worker = Worker(*configs, rank=rank, tp_world_size=world_size, tp_port=port)
     except BaseException as e:  # the driver reports it
@@ -179,6 +184,36 @@ class TensorParallelPeers:
             if status != "ok":
                 errors.append(f"rank {rank}: {msg}")
         return errors
+
+    def wait_started(self) -> None:
+        """Wait until every peer process is up (its imports done, about to join the group), so
+        that one that dies at start (an import error, a script without a ``__main__`` guard)
+        is reported at once rather than after the rendezvous timeout.
+
+        Raises:
+            PeerError: a peer exited first, naming its rank and exit code.
+        """
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (conn, p) in enumerate(zip(self._conns, self._procs), start=1):
+            while not conn.poll(0.2):
+                if not p.is_alive():
+                    raise PeerError(
+                        f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                        "while starting (a script that starts tensor-parallel engines needs an "
+                        "`if __name__ == '__main__':` guard)"
+                    )
+                if time.monotonic() > deadline:
+                    raise PeerError(
+                        f"tensor-parallel worker rank {rank} did not start within {START_TIMEOUT_S:g} s"
+                    )
+            try:
+                status, _ = conn.recv()
+            except (EOFError, OSError) as e:
+                raise PeerError(
+                    f"tensor-parallel worker rank {rank} closed its pipe while starting: {e!r}"
+                ) from e
+            if status != "started":
+                raise PeerError(f"tensor-parallel worker rank {rank} sent {status!r} before starting")
 
     def wait_ready(self) -> None:
         """Raises PeerError if a peer failed to load its shard (with its message)."""

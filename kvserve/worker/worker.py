@@ -192,6 +192,8 @@ class Worker:
                 self.peers.start()
             assert tp_port is not None
             try:
+                if self.peers is not None:
+                    self.peers.wait_started()
                 self.tp = TensorParallelGroup(rank, self.tp_size, tp_port, self.device)
             except BaseException:
                 self.shutdown()

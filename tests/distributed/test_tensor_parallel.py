@@ -91,9 +91,18 @@ def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(tiny_llama_dir,
     assert not any(p.is_alive() for p in procs), "peer ranks outlived shutdown"
 
 
-def test_tp2_logits_match_tp1(tiny_llama_dir, prompts):
+def test_tp2_logits_match_tp1(tiny_llama_dir, prompts, monkeypatch):
     """Beyond greedy tokens: the sampled and prompt logprobs of TP=2 equal TP=1 to float32
-    rounding."""
+    rounding; the decode steps run on the native decode path (with its all-reduces)."""
+    from kvserve.model_executor.models import native_decode
+
+    native_steps = []
+    real = native_decode.forward_layers
+    monkeypatch.setattr(
+        native_decode,
+        "forward_layers",
+        lambda model, *a: native_steps.append(model.tp_size) or real(model, *a),
+    )
     params = greedy(max_tokens=4, logprobs=5, prompt_logprobs=2)
     batch = [{"prompt_token_ids": p} for p in prompts[:3]]
     one = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128)
@@ -103,6 +112,7 @@ def test_tp2_logits_match_tp1(tiny_llama_dir, prompts):
         b = llm.generate(batch, params, use_tqdm=False)
     finally:
         llm.shutdown()
+    assert 1 in native_steps and 2 in native_steps, native_steps
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.prompt_logprobs is not None and y.prompt_logprobs is not None

@@ -327,6 +327,64 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+#: Largest ``tensor_parallel_size`` accepted (a sanity bound: every rank is a process).
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+
+@dataclass
+class ParallelConfig:
+    """How one engine is spread over processes (vLLM's name and field).
+
+    Attributes:
+        tensor_parallel_size: ranks that each hold a 1/T shard of every layer (attention
+            heads and KV heads, MLP columns) and of the KV cache (by KV head); the driver (rank
+            0) schedules and samples, the others run their shard of each forward.
+
+    Raises:
+        ValueError: a size below 1 or above ``MAX_TENSOR_PARALLEL_SIZE``, naming the field.
+    """
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        t = self.tensor_parallel_size
+        if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {t!r}."
+            )
+
+    def verify_with_model(self, hf_config, device: str) -> None:
+        """Check that the model's shapes and the devices allow this split.
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` does not divide ``num_attention_heads``,
+                ``num_key_value_heads`` or ``intermediate_size`` (the message names the counts
+                and T), or (CUDA) T is larger than the number of visible devices.
+        """
+        t = self.tensor_parallel_size
+        if t == 1:
+            return
+        heads = int(hf_config.num_attention_heads)
+        kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        if heads % t or kv % t:
+            raise ValueError(
+                f"tensor_parallel_size={t} must divide both num_attention_heads={heads} and "
+                f"num_key_value_heads={kv} (each rank holds heads/T query and KV heads)."
+            )
+        inter = int(hf_config.intermediate_size)
+        if inter % t:
+            raise ValueError(f"tensor_parallel_size={t} must divide intermediate_size={inter}.")
+        if device == "cuda":
+            import torch
+
+            n = torch.cuda.device_count()
+            if t > n:
+                raise ValueError(
+                    f"tensor_parallel_size={t} needs {t} CUDA devices (one per rank), but only {n} "
+                    "are visible."
+                )
+
+
 @dataclass
 class EngineArgs:
     """All engine settings by their public names (``LLM(**kwargs)``, CLI ``--kebab-case``).
@@ -379,6 +437,8 @@ class EngineArgs:
     #: ``prefix`` router: the best-matching replica is skipped for the least-loaded one when it
     #: has more than this many outstanding requests over it.
     router_balance_threshold: int = 8
+    #: Ranks per engine (``ParallelConfig``); 1 = one process.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
@@ -390,6 +450,7 @@ class EngineArgs:
         rbt = self.router_balance_threshold
         if not isinstance(rbt, int) or isinstance(rbt, bool) or rbt < 0:
             raise ValueError(f"router_balance_threshold must be an integer >= 0, got {rbt!r}.")
+        self.create_parallel_config()
 
     def replica_args(self) -> EngineArgs:
         """The settings of one data-parallel replica: these, with ``data_parallel_size=1`` (the
@@ -397,6 +458,22 @@ class EngineArgs:
         import dataclasses
 
         return dataclasses.replace(self, data_parallel_size=1)
+
+    def create_parallel_config(self) -> ParallelConfig:
+        """The ``ParallelConfig``. Raises ValueError naming the field, also for settings
+        the tensor-parallel path does not run (``quantization='gguf'``, speculative decoding)."""
+        pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        if pc.tensor_parallel_size > 1:
+            if self.quantization == "gguf":
+                raise ValueError(
+                    "quantization='gguf' is not supported with tensor_parallel_size > 1 (its weights "
+                    "stay in GGUF blocks, which are not sharded); use quantization='int8' or none."
+                )
+            if self.speculative_config:
+                raise ValueError("speculative_config is not supported with tensor_parallel_size > 1.")
+            if self.enable_lora:
+                raise ValueError("enable_lora is not supported with tensor_parallel_size > 1.")
+        return pc
 
     @classmethod
     def field_names(cls) -> list:

@@ -140,3 +140,4 @@ def running_server(
         srv.should_exit = True
         thread.join(30)
         sock.close()
+        engine.shutdown()  # tensor-parallel peer ranks, if any

@@ -92,7 +92,8 @@ def replica_actor_options(engine_args: EngineArgs, num_cpus: int = 1) -> dict[st
     """Ray actor options of one replica: restarted by Ray when its process dies (a request in
     flight then fails, never re-runs silently), spread over the cluster's nodes, ``num_cpus``
     CPUs (Ray sets the actor's ``OMP_NUM_THREADS`` to it, so it is the replica's thread count)
-    and one GPU when the engine runs on CUDA."""
+    and, when the engine runs on CUDA, one GPU per tensor-parallel rank (the replica's driver
+    spawns its peer ranks inside the actor's reservation)."""
     opts: dict[str, Any] = {
         "max_restarts": -1,
         "max_task_retries": 0,
@@ -101,7 +102,7 @@ def replica_actor_options(engine_args: EngineArgs, num_cpus: int = 1) -> dict[st
     }
     device = engine_args.device
     if device == "cuda" or (device == "auto" and _cuda_available()):
-        opts["num_gpus"] = 1
+        opts["num_gpus"] = engine_args.tensor_parallel_size
     return opts
 
 

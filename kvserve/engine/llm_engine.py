@@ -133,11 +133,17 @@ class LLMEngine:
         # quantized GGUF: the weights stay in the file (model_dir holds config and tokenizer)
         model_config.model = str(gguf_file_for(args.model)) if args.quantization == "gguf" else str(model_dir)
         spec_config = args.create_speculative_config()
-        worker = Worker(model_config, cache_config, scheduler_config)
-        num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
-        cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-        worker.init_cache(num_gpu_blocks, num_cpu_blocks)
-        worker.warm_up()
+        parallel_config = args.create_parallel_config()
+        parallel_config.verify_with_model(hf_config, model_config.resolved_device())
+        worker = Worker(model_config, cache_config, scheduler_config, parallel_config)
+        try:
+            num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
+            cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+            worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+            worker.warm_up()
+        except BaseException:
+            worker.shutdown()  # tensor-parallel peers must not outlive a failed start
+            raise
         executor: Any = worker
         if spec_config is not None:
             from kvserve.spec_decode.spec_decode_worker import SpecDecodeWorker, build_proposer
@@ -226,6 +232,13 @@ class LLMEngine:
         return len(self._groups)
 
     # ------------------------------------------------------------------ the step
+    def shutdown(self) -> None:
+        """Release the executor's processes (the tensor-parallel peer ranks); idempotent. The
+        engine runs no step afterwards. Also done at interpreter exit."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + model iteration; returns outputs of every request that got a
         new token, finished, was aborted since the last step, or was ignored (rejected).

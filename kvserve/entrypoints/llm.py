@@ -44,9 +44,12 @@ class LLM:
         self._counter = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the data-parallel replicas (no-op for one engine in this process)."""
+        """Stop the data-parallel replicas and the engine's tensor-parallel worker processes
+        (``tensor_parallel_size > 1``); idempotent, and done at interpreter exit anyway. The
+        ``LLM`` cannot generate afterwards."""
         if self._dp is not None:
             self._dp.shutdown()
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

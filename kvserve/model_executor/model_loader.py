@@ -194,6 +194,8 @@ def read_safetensors_into(model, model_dir: Path) -> None:
             tensor for a float weight (never cast into garbage).
     """
     loaded = set()
+    # a tensor-parallel rank copies a slice of each sharded tensor: read it whole first
+    sharded = getattr(model, "tp_size", 1) > 1
     for path in _shard_paths(model_dir):
         with open(path, "rb", buffering=0) as f:
             head = f.read(8)
@@ -224,7 +226,8 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                 begin, end = info["data_offsets"]
                 f.seek(base + begin)
                 if (
-                    target.device.type == "cpu"
+                    not sharded
+                    and target.device.type == "cpu"
                     and target.dtype == src_dtype
                     and target.is_contiguous()
                     and target.numel() * target.element_size() == end - begin
@@ -241,7 +244,7 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                         raise ValueError(f"{path}: tensor {name!r} is truncated")
                     got += k
                 if dst is not target:
-                    target.copy_(dst)
+                    target.copy_(model.shard_weight(name, dst) if sharded else dst)
                 loaded.add(name)
     model.check_all_loaded(loaded)
 
@@ -253,9 +256,11 @@ def load_model(
     hf_config=None,
     max_position: int | None = None,
     quantization: str | None = None,
+    tp=None,
 ):
     """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights;
     ``quantization="int8"`` then quantizes its linear weights to Q8_0 (weight-only, CPU).
+    ``tp``: this rank's tensor-parallel group (it loads only its shard; see ``LlamaForCausalLM``).
 
     Raises:
         ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights;
@@ -266,7 +271,7 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
     with torch.no_grad():
-        model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position)
+        model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
         read_safetensors_into(model, model_dir)
         if quantization == "int8":
             model.quantize_linear_weights_int8()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
 import torch
 
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     BlockMoveError,
@@ -20,8 +21,14 @@ from kvserve.sequence import (
 from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
 from kvserve.worker.cpu_malloc import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.tp_executor import PeerError, TensorParallelPeers, for_peers, threads_per_rank
 
 _GIB = 1 << 30
+logger = logging.getLogger(__name__)
+
+#: Seconds the driver waits for its peers' answers after its own part of a step raised
+#: (they answer at once unless stuck in an all-reduce the driver never reached).
+PEER_SETTLE_S = 10.0
 
 
 #: Re-measure the best CPU thread count after this many steps or seconds, whichever comes
@@ -103,12 +110,22 @@ class Worker:
             and how the model runs.
         cache_config: block size, pool sizes (counts or GiB), sliding window.
         scheduler_config: batching limits (unused by the worker beyond validation).
+        parallel_config: ``tensor_parallel_size`` T > 1 makes this worker the driver (rank 0)
+            of T ranks: it starts ranks 1..T-1 (``tp_executor``), holds its own 1/T shard, and
+            forwards every call that touches the model or the cache to the peers; only it
+            samples. ``kv_cache_memory_gib`` is then per rank (each rank's blocks hold KH/T
+            heads, so the block count grows with T).
+        rank, tp_world_size, tp_port: set by ``tp_executor`` for a peer rank only.
 
     Attributes:
         hf_config: the model's transformers config. model_dir: the resolved directory.
+        tp: this rank's ``TensorParallelGroup`` (None at T = 1). peers: the driver's
+            ``TensorParallelPeers`` (None at T = 1 and on the peers).
 
     Raises:
-        ValueError: bad model path or unsupported architecture (from the loader).
+        ValueError: bad model path or unsupported architecture (from the loader); a T that
+            does not divide the head counts, or more ranks than CUDA devices.
+        PeerError: a peer rank failed to start (its message is included).
     """
 
     def __init__(
@@ -116,6 +133,11 @@ class Worker:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
+        *,
+        rank: int = 0,
+        tp_world_size: int | None = None,
+        tp_port: int | None = None,
     ):
         from kvserve.model_executor.model_loader import (
             get_sliding_window,
@@ -128,18 +150,54 @@ class Worker:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        from kvserve.worker.parallel_state import TensorParallelGroup, free_port
+
+        self.parallel_config = parallel_config or ParallelConfig(tensor_parallel_size=tp_world_size or 1)
+        self.rank = rank
+        self.tp_size = self.parallel_config.tensor_parallel_size
+        self.is_driver = rank == 0
         self.device = model_config.resolved_device()
         self.dtype = model_config.resolved_dtype()
         self._steps = 0
         self._calibrated_at = time.monotonic()
-        self.num_threads = (
-            calibrate_threads(_cpu_count()) if self.device == "cpu" else torch.get_num_threads()
-        )
+        if self.device == "cpu" and self.tp_size > 1:
+            # the ranks share the cores: an even split, fixed (a calibration per rank would
+            # measure the others' load)
+            torch.set_num_threads(threads_per_rank(_cpu_count(), self.tp_size))
+            self.num_threads = torch.get_num_threads()
+        else:
+            self.num_threads = (
+                calibrate_threads(_cpu_count()) if self.device == "cpu" else torch.get_num_threads()
+            )
         if self.device == "cpu":
             keep_freed_memory()  # no page faults on every step's activations (see cpu_malloc)
         torch.manual_seed(model_config.seed)
         self.model_dir = resolve_model_dir(model_config.model, model_config.quantization)
         self.hf_config = load_hf_config(self.model_dir)
+        self.tp: TensorParallelGroup | None = None
+        self.peers: TensorParallelPeers | None = None
+        #: Why this driver can run no more steps (its ranks went out of step), or None.
+        self.broken: str | None = None
+        if self.tp_size > 1:
+            if model_config.quantization == "gguf":
+                raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1.")
+            if self.device == "cuda":
+                torch.cuda.set_device(rank)  # "cuda" is this rank's device from here on
+            if self.is_driver:
+                self.parallel_config.verify_with_model(self.hf_config, self.device)
+                tp_port = free_port()
+                self.peers = TensorParallelPeers(
+                    self.tp_size, tp_port, (model_config, cache_config, scheduler_config)
+                )
+                self.peers.start()
+            assert tp_port is not None
+            try:
+                if self.peers is not None:
+                    self.peers.wait_started()
+                self.tp = TensorParallelGroup(rank, self.tp_size, tp_port, self.device)
+            except BaseException:
+                self.shutdown()
+                raise
         if model_config.quantization == "gguf":
             from kvserve.model_executor.gguf_loader import load_gguf_model
 
@@ -147,13 +205,20 @@ class Worker:
             assert gguf_file is not None  # resolve_model_dir checked it
             self.model = load_gguf_model(gguf_file, self.dtype, self.device, self.hf_config)
         else:
-            self.model = load_model(
-                self.model_dir,
-                self.dtype,
-                self.device,
-                self.hf_config,
-                quantization=model_config.quantization,
-            )
+            try:
+                self.model = load_model(
+                    self.model_dir,
+                    self.dtype,
+                    self.device,
+                    self.hf_config,
+                    quantization=model_config.quantization,
+                    tp=self.tp,
+                )
+                if self.peers is not None:
+                    self.peers.wait_ready()
+            except BaseException:
+                self.shutdown()
+                raise
         #: Attention window (tokens) the runner masks with: the cache config's (the block
         #: manager may recycle blocks outside it) or else the model's own.
         self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)
@@ -197,8 +262,91 @@ class Worker:
                 )
         return gpu, cpu
 
+    def _on_all_ranks(self, method: str, *args):
+        """Run ``self.<method>_local(*args)`` here and (driver at T > 1) on every peer with the
+        same arguments (``peer_args`` if given), then wait for the peers; returns the local
+        result.
+
+        Raises:
+            the local exception (after the peers answered), else PeerError naming the peers
+            that failed, died or hung.
+        """
+        local = getattr(self, method + "_local")
+        if self.peers is None:
+            return local(*args)
+        if self.broken:
+            raise PeerError(self.broken)
+        peer_args = (for_peers(args[0]),) if method == "execute_model" else args
+        self.peers.send(method + "_local", *peer_args)
+        try:
+            out = local(*args)
+        except BaseException as e:
+            # The peers normally fail the same way (bad input reaches every rank) or have
+            # finished (the driver failed while sampling). If they do not answer soon, the
+            # driver failed inside the forward and they wait in an all-reduce it will never
+            # join: the ranks are out of step for good, so stop them (bounded, and every
+            # later step fails at once naming the cause) rather than wait out the timeout.
+            try:
+                self.peers.collect(PEER_SETTLE_S)
+            except PeerError as pe:
+                logger.error("tensor-parallel ranks out of step after %r on the driver: %s", e, pe)
+                self.peers.shutdown()
+                self.broken = (
+                    f"the tensor-parallel ranks went out of step when the driver failed inside a "
+                    f"forward ({type(e).__name__}: {e}); restart the engine"
+                )
+            raise
+        errors = self.peers.collect(self._peer_timeout())
+        if errors:
+            raise PeerError(f"{method} failed on tensor-parallel worker(s): " + "; ".join(errors))
+        return out
+
+    @staticmethod
+    def _peer_timeout() -> float:
+        from kvserve.worker.parallel_state import collective_timeout_s
+
+        return collective_timeout_s()
+
+    def time_all_reduce(self, rows: int, reps: int = 20) -> float:
+        """Mean seconds of one all-reduce of a ``[rows, hidden_size]`` activation over the
+        ranks, all of them doing nothing else (the transfer cost alone, for the benchmark);
+        0.0 at T = 1."""
+        return self._on_all_ranks("time_all_reduce", rows, reps)
+
+    def time_all_reduce_local(self, rows: int, reps: int = 20) -> float:
+        """``time_all_reduce`` on this rank."""
+        if self.tp is None:
+            return 0.0
+        x = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        self.tp.barrier()
+        t = time.perf_counter()
+        for _ in range(reps):
+            self.tp.all_reduce(x)
+        dt = (time.perf_counter() - t) / reps
+        self.tp.stats.reset()
+        return dt
+
+    def shutdown(self) -> None:
+        """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1."""
+        if self.peers is not None:
+            self.peers.shutdown()
+        self.close_group()
+
+    def close_group(self) -> None:
+        """Drop this rank's tensor-parallel group (its sockets close)."""
+        if self.tp is not None:
+            self.tp.close()
+
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the KV cache (zero-filled) and the model runner."""
+        """Allocate the KV cache (zero-filled) and the model runner, on every rank.
+
+        Raises:
+            PeerError: a peer rank failed to allocate its shard of the cache.
+        """
+        self._on_all_ranks("init_cache", num_gpu_blocks, num_cpu_blocks)
+
+    def init_cache_local(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """``init_cache`` on this rank only."""
         from kvserve.model_executor.sampler import Sampler
 
         m = self.model
@@ -242,6 +390,10 @@ class Worker:
         Raises:
             RuntimeError: ``init_cache`` was not called.
         """
+        return self._on_all_ranks("warm_up")
+
+    def warm_up_local(self) -> float:
+        """``warm_up`` on this rank only (the peers run the same forward, without sampling)."""
         if self.cache_engine is None or self.runner is None:
             raise RuntimeError("Worker.init_cache() must be called before warm_up()")
         if self.device == "cpu" and self.dtype == torch.float32:
@@ -265,7 +417,7 @@ class Worker:
             {0: list(range(-(-n // bs)))},
             token_chunk_size=n,
         )
-        self.runner.execute([md], self.cache_engine.gpu_cache)
+        self._run([md])
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ step
@@ -279,13 +431,25 @@ class Worker:
             BlockMoveError: applying the swaps or copies failed (nothing was run). Any other
                 exception comes from preparing, running or sampling the forward, after the block
                 moves were applied: the engine may then re-run groups of the batch without them.
+            PeerError: (T > 1) a peer rank died, hung or failed this step.
         """
+        return self._on_all_ranks("execute_model", req)
+
+    def execute_model_local(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
+        """``execute_model`` on this rank only (a peer runs the forward and returns ``[]``)."""
         self.apply_block_moves(req)
         if not req.seq_group_metadata_list:
             return []
-        assert self.runner is not None and self.cache_engine is not None
         self.before_step()
-        return self.runner.execute(req.seq_group_metadata_list, self.cache_engine.gpu_cache)
+        return self._run(req.seq_group_metadata_list)
+
+    def _run(self, metadata: list[SequenceGroupMetadata]) -> list[CompletionSequenceGroupOutput]:
+        """Forward ``metadata`` on this rank; the driver also samples (peers return ``[]``)."""
+        assert self.runner is not None and self.cache_engine is not None
+        if self.is_driver:
+            return self.runner.execute(metadata, self.cache_engine.gpu_cache)
+        self.runner.forward(metadata, self.cache_engine.gpu_cache)
+        return []
 
     def apply_block_moves(self, req: ExecuteModelRequest) -> None:
         """Apply ``req``'s swap-out, swap-in, then copies to the KV cache.
@@ -307,9 +471,13 @@ class Worker:
     def before_step(self) -> None:
         """Per-step housekeeping before a forward (periodic CPU thread re-calibration)."""
         self._steps += 1
-        if self.device == "cpu" and (
-            self._steps >= RECALIBRATE_EVERY_STEPS
-            or time.monotonic() - self._calibrated_at >= RECALIBRATE_EVERY_S
+        if (
+            self.device == "cpu"
+            and self.tp_size == 1
+            and (
+                self._steps >= RECALIBRATE_EVERY_STEPS
+                or time.monotonic() - self._calibrated_at >= RECALIBRATE_EVERY_S
+            )
         ):
             self.num_threads = calibrate_threads(_cpu_count())
             self._steps, self._calibrated_at = 0, time.monotonic()

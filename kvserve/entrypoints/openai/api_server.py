@@ -645,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
             log_level=ns.log_level,
         )
     except ValueError as e:
+        engine.shutdown()
         print(f"error: {e}", file=sys.stderr)
         return 2
     logger.info(
@@ -658,7 +659,12 @@ def main(argv: list[str] | None = None) -> int:
         if engine_args.data_parallel_size > 1
         else "",
     )
-    GracefulServer(config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)).run()
+    try:
+        GracefulServer(
+            config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)
+        ).run()
+    finally:
+        engine.shutdown()  # the tensor-parallel peer ranks, if any
     logger.info("server stopped")
     return 0
 

@@ -81,11 +81,22 @@ def _linear_weight(out_f: int, in_f: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(out_f, in_f, dtype=dtype, device=device), requires_grad=False)
 
 
+def _tp_size(tp) -> int:
+    return 1 if tp is None else int(tp.world_size)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device):
+    """Self-attention; with a tensor-parallel group ``tp`` of size T this rank holds heads
+    ``[r*H/T, (r+1)*H/T)`` and KV heads ``[r*KH/T, (r+1)*KH/T)`` (column-parallel q/k/v) and the
+    matching 1/T of o's input columns (row-parallel o), whose partial outputs are summed over the
+    ranks (``tp.all_reduce``)."""
+
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        t = _tp_size(tp)
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // t
+        self.num_kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // t
         self.head_dim = _head_dim(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -132,13 +143,18 @@ class LlamaAttention(nn.Module):
         k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         o = self.attn.forward(q, k, v, kv_cache, meta, kv_written=fused)
-        return linear(o, self.o_weight, self.o_bias)
+        out = linear(o, self.o_weight, self.o_bias)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, dtype, device):
+    """SwiGLU MLP; with a tensor-parallel group ``tp`` of size T this rank holds 1/T of the
+    intermediate columns (column-parallel gate/up, row-parallel down, outputs all-reduced)."""
+
+    def __init__(self, cfg, dtype, device, tp=None):
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.tp = tp
+        self.inter = cfg.intermediate_size // _tp_size(tp)
         self.gate_up_weight = _linear_weight(2 * self.inter, cfg.hidden_size, dtype, device)
         self.down_weight = _linear_weight(cfg.hidden_size, self.inter, dtype, device)
         act = getattr(cfg, "hidden_act", "silu")
@@ -156,7 +172,8 @@ class LlamaMLP(nn.Module):
         else:
             g = F.silu(gu[:, : self.inter])
             g.mul_(gu[:, self.inter :])
-        return linear(g, self.down_weight)
+        out = linear(g, self.down_weight)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -169,10 +186,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device):
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rope, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.self_attn = LlamaAttention(cfg, rope, dtype, device, tp)
+        self.mlp = LlamaMLP(cfg, dtype, device, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -194,23 +211,41 @@ class LlamaForCausalLM(nn.Module):
         hf_config: a transformers config (LlamaConfig / Qwen2Config / MistralConfig ...).
         dtype: parameter and activation dtype; device: ``"cpu"`` / ``"cuda"``.
         max_position: length of the rotary tables (``max_position_embeddings`` by default).
+        tp: this rank's ``kvserve.worker.parallel_state.TensorParallelGroup`` (None = one
+            process). Megatron-style: q/k/v and gate/up column-parallel, o and down
+            row-parallel with an all-reduce after each; ``num_kv_heads`` (and so the KV cache)
+            is this rank's share. The embedding table is replicated on every rank; the LM head
+            lives on the driver (rank 0) only, which alone computes logits and samples.
 
     Raises:
-        ValueError: for unsupported activations or rope scaling types.
+        ValueError: for unsupported activations or rope scaling types, or a ``tp`` size that
+            does not divide the head counts or ``intermediate_size``.
     """
 
     #: Run pure-decode CPU steps as straight native calls (``native_decode``): same kernels,
     #: same results, without the per-op Python. False forces the module path.
     use_native_decode = True
 
-    def __init__(self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None):
+    def __init__(
+        self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
+    ):
         super().__init__()
         cfg = hf_config
         self.config = cfg
         self.dtype = dtype
+        self.tp = tp
+        self.tp_size = _tp_size(tp)
+        self.tp_rank = 0 if tp is None else int(tp.rank)
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        if heads % self.tp_size or kv_heads % self.tp_size or cfg.intermediate_size % self.tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp_size} must divide num_attention_heads={heads}, "
+                f"num_key_value_heads={kv_heads} and intermediate_size={cfg.intermediate_size}."
+            )
         self.num_layers = cfg.num_hidden_layers
         self.head_dim = _head_dim(cfg)
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_kv_heads = kv_heads // self.tp_size
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
@@ -218,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rope, dtype, device) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
@@ -270,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         # a tied lm_head is the embedding Parameter itself: it is replaced by a packed copy
-        names.append((self, "lm_head"))
+        names += self._lm_head_names()
         for module, name in names:
             packed = prepack_weight(getattr(module, name))
             if packed is not getattr(module, name):
@@ -290,13 +325,75 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("quantization='int8' runs on CPU only")
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
-        names.append((self, "lm_head"))
+        names += self._lm_head_names()
         for module, name in names:
             q = quant_gemm.quantize_q8_0(getattr(module, name))
             module._parameters.pop(name, None)  # a plain attribute from now on
             setattr(module, name, q)
 
+    def _lm_head_names(self) -> list:
+        """``[(self, "lm_head")]`` on the rank that computes logits; on the other
+        tensor-parallel ranks the LM head is dropped instead (they never compute logits)."""
+        if self.tp_rank == 0:
+            return [(self, "lm_head")]
+        self._parameters.pop("lm_head", None)
+        self.lm_head = None
+        return []
+
     # ------------------------------------------------------------------ weights
+    #: Checkpoint tensor name suffix -> the dimension a tensor-parallel rank takes 1/T of
+    #: (0: output rows, column-parallel; 1: input columns, row-parallel).
+    _SHARD_DIMS = {
+        "self_attn.q_proj.weight": 0,
+        "self_attn.k_proj.weight": 0,
+        "self_attn.v_proj.weight": 0,
+        "self_attn.q_proj.bias": 0,
+        "self_attn.k_proj.bias": 0,
+        "self_attn.v_proj.bias": 0,
+        "mlp.gate_proj.weight": 0,
+        "mlp.up_proj.weight": 0,
+        "self_attn.o_proj.weight": 1,
+        "mlp.down_proj.weight": 1,
+    }
+
+    def _shard_dim(self, name: str) -> int | None:
+        if self.tp_size == 1 or not name.startswith("model.layers."):
+            return None
+        rest = name.split(".", 3)[-1]
+        return self._SHARD_DIMS.get(rest)
+
+    def shard_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this rank's part of checkpoint tensor ``name`` of full ``shape`` (the
+        full shape at TP=1 and for replicated tensors)."""
+        dim = self._shard_dim(name)
+        if dim is None or dim >= len(shape):
+            return tuple(shape)
+        out = list(shape)
+        out[dim] //= self.tp_size
+        return tuple(out)
+
+    def shard_weight(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full checkpoint tensor ``t`` named ``name``: a contiguous
+        1/T slice along its shard dimension; o's bias only on rank 0 (zeros elsewhere, so the
+        all-reduce adds it once); ``t`` itself for replicated tensors and at TP=1.
+
+        Raises:
+            ValueError: the shard dimension does not divide by the tensor-parallel size.
+        """
+        if self.tp_size > 1 and name.endswith("self_attn.o_proj.bias"):
+            return t if self.tp_rank == 0 else torch.zeros_like(t)
+        dim = self._shard_dim(name)
+        if dim is None or dim >= t.dim():
+            return t
+        n = t.shape[dim]
+        if n % self.tp_size:
+            raise ValueError(
+                f"weight {name!r} has {n} entries along dim {dim}, not divisible by "
+                f"tensor_parallel_size={self.tp_size}"
+            )
+        k = n // self.tp_size
+        return t.narrow(dim, self.tp_rank * k, k)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors (``model.layers.0.self_attn.q_proj.weight`` ...) in,
         casting to the model dtype and fusing q/k/v and gate/up.
@@ -309,14 +406,16 @@ class LlamaForCausalLM(nn.Module):
             target = self.weight_target(name, tuple(t.shape))
             if target is None:
                 continue
-            target.copy_(t)
+            target.copy_(self.shard_weight(name, t))
             loaded.add(name)
         self.check_all_loaded(loaded)
 
     def weight_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The parameter view that checkpoint tensor ``name`` (of ``shape``) is copied into
-        (a contiguous row range of a fused parameter for q/k/v and gate/up), or ``None`` for
-        tensors that are ignored (``rotary_emb.inv_freq``, a tied ``lm_head.weight``).
+        """The parameter view that checkpoint tensor ``name`` (of its full ``shape``) is copied
+        into (a contiguous row range of a fused parameter for q/k/v and gate/up), or ``None`` for
+        tensors that are ignored (``rotary_emb.inv_freq``, a tied ``lm_head.weight``). Under
+        tensor parallelism the view holds ``shard_shape(name, shape)``: copy
+        ``shard_weight(name, tensor)`` into it.
 
         Raises:
             ValueError: unknown name or a shape mismatch.
@@ -334,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         target = (
             param.data[row0 : row0 + self._part_rows(name, param, row0)] if row0 is not None else param.data
         )
-        if tuple(target.shape) != tuple(shape):
+        if tuple(target.shape) != self.shard_shape(name, tuple(shape)):
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target
 

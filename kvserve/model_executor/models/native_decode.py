@@ -9,7 +9,9 @@ step, the activations live in nine buffers allocated once per step and reused by
 and each layer is nine ctypes calls with integer arguments.
 
 The kernels and their order are those of ``LlamaForCausalLM``'s module path, so the hidden
-states are bit-identical to it (``tests/executor/test_native_decode.py``).
+states are bit-identical to it (``tests/executor/test_native_decode.py``). Under tensor
+parallelism every rank runs its shard's layers here too (H/T heads, KV heads and MLP columns per
+rank: the kernels take any shape), with the same all-reduce after o and down as the module path.
 
 Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed for a native
 kernel that takes this step's row count (``native_gemm.PanelWeight``, or
@@ -112,6 +114,7 @@ def forward_layers(
     H, KH, D = a0.num_heads, a0.num_kv_heads, a0.head_dim
     G = H // KH
     inter = model.layers[0].mlp.inter
+    tp = getattr(model, "tp", None)
     nd = meta.native_decode
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = meta.slot_mapping.contiguous()
@@ -187,6 +190,8 @@ def forward_layers(
             nt,
         )
         gemm(attn.o_weight, attn.o_bias, attn_out, o)
+        if tp is not None:  # row-parallel o: sum the ranks' partial outputs
+            tp.all_reduce(o)
         rms(
             p(o),
             p(residual),
@@ -200,6 +205,8 @@ def forward_layers(
         gemm(mlp.gate_up_weight, None, h, gate_up)
         silu(p(gate_up), p(act), T, inter, nt)
         gemm(mlp.down_weight, None, act, mlp_out)
+        if tp is not None:  # row-parallel down
+            tp.all_reduce(mlp_out)
     out = new(T, hidden)
     rms(p(mlp_out), p(residual), p(model.norm.weight), p(out), T, hidden, model.norm.eps, nt)
     return out

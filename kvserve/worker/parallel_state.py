@@ -1,0 +1,115 @@
+"""One engine's tensor-parallel group: its ranks, and the all-reduce the sharded layers call.
+
+Each engine at ``tensor_parallel_size > 1`` gets its own ``TensorParallelGroup``: a
+``torch.distributed`` process group (gloo on CPU, NCCL on CUDA) built straight from a
+``TCPStore`` on 127.0.0.1 rather than the process-global default group, so that two engines
+(a TP=1 reference and a TP=2 engine in one test process, or the replicas of a data-parallel
+deployment) never share or clash over ``init_process_group``'s global state.
+
+The model layers only ever call ``TensorParallelGroup.all_reduce`` (after the row-parallel o
+and down projections); the group counts the calls and the seconds they take, which is the
+all-reduce share the tensor-parallel benchmark reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+#: Seconds a collective may wait for a peer rank before it fails (a rank that died or hangs);
+#: ``KVSERVE_TP_TIMEOUT_S`` overrides. Idle engines never wait in a collective: step inputs
+#: travel over pipes (``kvserve.worker.tp_executor``), so an idle server never times out.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def collective_timeout_s() -> float:
+    """The collective timeout in seconds (``KVSERVE_TP_TIMEOUT_S`` or ``DEFAULT_TIMEOUT_S``)."""
+    return float(os.environ.get("KVSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the group's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class AllReduceStats:
+    """Calls and wall seconds spent in ``all_reduce`` on this rank since the last ``reset``."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    elements: int = 0
+
+    def reset(self) -> None:
+        self.calls, self.seconds, self.elements = 0, 0.0, 0
+
+
+class TensorParallelGroup:
+    """This process's rank in one engine's tensor-parallel group.
+
+    Args:
+        rank: 0 (the driver, which also hosts the store) .. ``world_size - 1``.
+        world_size: the tensor-parallel size T (>= 2).
+        port: the ``TCPStore`` port on 127.0.0.1 (rank 0 listens on it).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one device per rank: ``cuda:<rank>``).
+        timeout_s: how long a collective or the rendezvous waits for the others.
+
+    Raises:
+        RuntimeError: the rendezvous did not complete within ``timeout_s`` (a rank never came).
+    """
+
+    def __init__(self, rank: int, world_size: int, port: int, device: str, timeout_s: float | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.stats = AllReduceStats()
+        timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
+        self._store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+        if device == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, opts)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over all ranks in place (every rank gets the sum); returns ``t``.
+
+        gloo has no bfloat16 / float16 sum on every build, so those are summed in float32 (the
+        partial sums are float32 in the kernels anyway) and cast back.
+
+        Raises:
+            RuntimeError: a peer rank died or did not join within the timeout.
+        """
+        t0 = time.perf_counter()
+        if self.device == "cpu" and t.dtype != torch.float32:
+            buf = t.float()
+            self.pg.allreduce([buf]).wait()
+            t.copy_(buf)
+        else:
+            self.pg.allreduce([t]).wait()
+        self.stats.calls += 1
+        self.stats.elements += t.numel()
+        self.stats.seconds += time.perf_counter() - t0
+        return t
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives (a tiny all-reduce, so it works on both backends)."""
+        x = torch.zeros(1, device=self.device)
+        self.pg.allreduce([x]).wait()
+
+    def close(self) -> None:
+        """Drop the process group and the store (the sockets close; peers' collectives fail)."""
+        self.pg = None  # type: ignore[assignment]
+        self._store = None  # type: ignore[assignment]

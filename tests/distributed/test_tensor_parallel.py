@@ -1,0 +1,246 @@
+"""Tensor parallelism on CPU (gloo, one thread per rank): greedy output at TP=2 equals TP=1 and
+transformers under preemption (recompute and swap) and chunked prefill; peers never outlive
+their engine; a dead peer is a clear error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvserve import LLM
+from kvserve.config import EngineArgs, ParallelConfig
+from tests.golden import TEST_DEVICE, Reference, compare, hf_greedy
+from tests.test_e2e_tiny import MAX_NEW, PROMPT_LENS, check_all, greedy, run_engine
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
+
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_cpu_blocks=64)
+CONFIGS = {
+    "chunked_prefix_recompute": dict(
+        num_gpu_blocks=24,
+        preemption_mode="recompute",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    ),
+    "chunked_swap": dict(
+        num_gpu_blocks=24, preemption_mode="swap", enable_chunked_prefill=True, max_num_batched_tokens=24
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_rank(monkeypatch):
+    # two ranks on this 2-core machine: one OpenMP thread each
+    monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    import random
+
+    rng = random.Random(1)
+    ps = [[rng.randrange(3, 49152) for _ in range(n)] for n in PROMPT_LENS]
+    # two more sharing a 24-token prefix with the third (full blocks for prefix caching)
+    return ps + [ps[2][:24] + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 13)]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_hf_model, prompts):
+    return [hf_greedy(tiny_hf_model, p, MAX_NEW) for p in prompts]
+
+
+def _peer_procs(llm):
+    return list(llm.llm_engine.executor.peers._procs)
+
+
+def _tokens(finals, n):
+    return [finals[f"r{i}"].outputs[0].token_ids for i in range(n)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(tiny_llama_dir, prompts, references, name):
+    cfg = CONFIGS[name]
+    requests = [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
+    one = LLM(model=str(tiny_llama_dir), **ENGINE, **cfg)
+    tp1 = _tokens(run_engine(one.llm_engine, requests), len(prompts))
+
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, **cfg, tensor_parallel_size=2)
+    procs = _peer_procs(llm)
+    try:
+        engine = llm.llm_engine
+        assert engine.executor.model.num_kv_heads == 1  # 2 KV heads over 2 ranks
+        assert engine.executor.cache_engine.device_cache.shape[2] == 1
+        finals = run_engine(engine, requests)
+        check_all(finals, references)
+        stats = engine.get_kv_cache_stats()
+        assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
+        if "swap" in name:
+            assert stats["num_swap_preemptions"] > 0
+        if "prefix" in name:
+            assert stats["prefix_cache_hits"] > 0
+        # TP=1 and TP=2 agree token for token up to transformers' first near-tie
+        for ours, ref, base in zip(_tokens(finals, len(prompts)), references, tp1):
+            compare(ours, Reference(base, ref.near_tie_step))
+        assert engine.executor.tp.stats.calls > 0  # the shards really were summed
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs), "peer ranks outlived shutdown"
+
+
+def test_tp2_logits_match_tp1(tiny_llama_dir, prompts, monkeypatch):
+    """Beyond greedy tokens: the sampled and prompt logprobs of TP=2 equal TP=1 to float32
+    rounding; the decode steps run on the native decode path (with its all-reduces)."""
+    from kvserve.model_executor.models import native_decode
+
+    native_steps = []
+    real = native_decode.forward_layers
+    monkeypatch.setattr(
+        native_decode,
+        "forward_layers",
+        lambda model, *a: native_steps.append(model.tp_size) or real(model, *a),
+    )
+    params = greedy(max_tokens=4, logprobs=5, prompt_logprobs=2)
+    batch = [{"prompt_token_ids": p} for p in prompts[:3]]
+    one = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128)
+    a = one.generate(batch, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128, tensor_parallel_size=2)
+    try:
+        b = llm.generate(batch, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert 1 in native_steps and 2 in native_steps, native_steps
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.prompt_logprobs is not None and y.prompt_logprobs is not None
+        assert len(x.prompt_logprobs) == len(y.prompt_logprobs)
+        for px, py in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert px.keys() == py.keys()
+            for t in px:
+                va, vb = (float(getattr(v[t], "logprob", v[t])) for v in (px, py))
+                assert abs(va - vb) < 1e-3
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            for t in lx:
+                va, vb = (float(getattr(v[t], "logprob", v[t])) for v in (lx, ly))
+                assert abs(va - vb) < 1e-3
+
+
+@pytest.mark.parametrize("kw", [dict(quantization="int8"), dict(dtype="bfloat16")], ids=["int8", "bfloat16"])
+def test_tp2_int8_and_bfloat16_equal_tp1(tiny_llama_dir, prompts, kw):
+    """int8 shards quantize the same Q8_0 blocks as the whole weight (shards split on 32-column
+    boundaries); bfloat16 activations are all-reduced in float32."""
+    engine_kw = {**ENGINE, **kw, "num_gpu_blocks": 128}
+    params = greedy(max_tokens=6)
+    batch = [{"prompt_token_ids": p} for p in prompts[:3]]
+    one = LLM(model=str(tiny_llama_dir), **engine_kw)
+    a = [o.outputs[0].token_ids for o in one.generate(batch, params, use_tqdm=False)]
+    llm = LLM(model=str(tiny_llama_dir), **engine_kw, tensor_parallel_size=2)
+    try:
+        b = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert a == b
+
+
+def test_killed_peer_rank_is_a_clear_error_not_a_hang(tiny_llama_dir, prompts):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=64, tensor_parallel_size=2)
+    procs = _peer_procs(llm)
+    try:
+        pid = procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        procs[0].join(10)
+        assert not procs[0].is_alive()
+        t = time.monotonic()
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:2]], greedy(max_tokens=3), use_tqdm=False
+        )
+        assert time.monotonic() - t < 30
+        for o in outs:
+            assert o.outcome == "failed"
+            assert "tensor-parallel worker rank 1" in (o.error or "")
+            assert str(pid) in (o.error or "")
+        # every block came back
+        st = llm.llm_engine.get_kv_cache_stats()
+        assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.slow
+def test_default_model_tp3_matches_tp1(default_model_dir):
+    """SmolLM2-135M has 9 heads and 3 KV heads: T=3 divides both (T=2 does not)."""
+    params = greedy(max_tokens=4)
+    prompt = [{"prompt_token_ids": [1, 504, 3458, 282, 4649, 314]}]
+    one = LLM(model=str(default_model_dir), device="cpu", dtype="float32", num_gpu_blocks=32)
+    ref = one.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(
+        model=str(default_model_dir), device="cpu", dtype="float32", num_gpu_blocks=32, tensor_parallel_size=3
+    )
+    procs = _peer_procs(llm)
+    try:
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    assert out == ref
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_tp_size_that_does_not_divide_heads_names_both_counts(default_model_dir):
+    from kvserve.model_executor.model_loader import load_hf_config
+
+    cfg = load_hf_config(default_model_dir)
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 must divide both num_attention_heads=9 and num_key_value_heads=3",
+    ):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu")
+    # through the engine too, before any rank is started
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        LLM(model=str(default_model_dir), device="cpu", tensor_parallel_size=2)
+
+
+def test_more_ranks_than_cuda_devices_is_refused(tiny_llama_dir, monkeypatch):
+    import torch
+
+    from kvserve.model_executor.model_loader import load_hf_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = load_hf_config(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 CUDA devices .* only 1"):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cuda")
+
+
+def test_cli_flag_reaches_engine_args():
+    import argparse
+
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--tensor-parallel-size", "2"])
+    assert engine_args_from(ns).create_parallel_config().tensor_parallel_size == 2
+    with pytest.raises(SystemExit):  # not an integer: argparse refuses it
+        parser.parse_args(["--tensor-parallel-size", "two"])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, 1.5, True, "2"])
+def test_tensor_parallel_size_out_of_range_names_field(bad):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer in \\[1, 64\\]"):
+        EngineArgs(tensor_parallel_size=bad)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(quantization="gguf"), "quantization='gguf'"),
+        (dict(speculative_config={"method": "ngram"}), "speculative_config"),
+    ],
+)
+def test_unsupported_combinations_refused_before_loading(kw, field):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(tensor_parallel_size=2, **kw)

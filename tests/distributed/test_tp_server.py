@@ -1,0 +1,53 @@
+"""The OpenAI server over a TP=2 engine: completions and streams equal the single-process
+engine's greedy output; a bad request is still a 400; the peer ranks stop with the server."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineArgs
+from tests.golden import TEST_DEVICE
+from tests.server_harness import running_server
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
+
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks=96)
+PROMPTS = [[5, 17, 900, 31, 4000, 12], [77, 3, 1200, 8, 9], [3000, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+def test_tp2_server_completions_and_streams_equal_single_process(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
+    one = LLM(model=str(tiny_llama_dir), **ENGINE)
+    ref = [
+        o.outputs[0].text
+        for o in one.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
+    args = EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE)
+    with running_server(args, "tiny") as srv:
+        procs = list(srv.engine.executor.peers._procs)
+        client = srv.client()
+        for p, want in zip(PROMPTS, ref):
+            got = client.completions.create(
+                model="tiny", prompt=p, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+            )
+            assert got.choices[0].text == want
+            stream = client.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=8,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        with srv.http() as h:
+            r = h.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": -1})
+            assert r.status_code == 400
+        stats = srv.wait_idle()
+        assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert not any(p.is_alive() for p in procs), "peer ranks outlived the server"

@@ -117,7 +117,8 @@ class SimulatedExecutor:
             token (nothing is accepted).
 
     Attributes:
-        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals.
+        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals;
+        ``num_lora_adapter_steps``: the steps' distinct LoRA adapters, summed.
     """
 
     def __init__(
@@ -162,6 +163,7 @@ class SimulatedExecutor:
         self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
         self.busy_time_s = 0.0
+        self.num_lora_adapter_steps = 0  # sum over steps of the step's distinct adapters
         self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
         self.record = False
 
@@ -346,6 +348,7 @@ class SimulatedExecutor:
         # -- time
         swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
         num_loras = len({m.lora_int_id for m in req.seq_group_metadata_list} - {0})
+        self.num_lora_adapter_steps += num_loras
         dt = self.cost_model.step_time(
             prefill_tokens, decode_seqs, context_tokens, swapped, verify_tokens, num_loras
         )

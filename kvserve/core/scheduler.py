@@ -52,6 +52,11 @@ where it is (the head of its queue keeps its order) while the groups behind it a
 considered, and admitted in a later step once a running adapter's last group has left. Groups
 without an adapter (``lora_int_id == 0``) never count. Under a rank policy a waiting group is
 never the reason for a priority preemption while its adapter would be deferred.
+Starvation guard (ours): vLLM's rule alone lets a steady stream of one running adapter's
+requests keep its slot forever. Once a waiting group has been deferred in
+``LORA_MAX_DEFERRALS`` admission passes, the groups ranked behind it that run with an adapter
+are deferred too (groups without one still pass), so the running adapters drain and it gets
+the first free slot.
 
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
@@ -79,6 +84,9 @@ logger = logging.getLogger("kvserve.scheduler")
 THRASH_PREEMPTIONS = 2
 #: Cap on the margin multiplier (blocks per live sequence).
 MAX_MARGIN_FACTOR = 4
+#: Admission passes a waiting group may be deferred for its adapter before the groups behind it
+#: that run with an adapter are held back too (so a slot drains for it).
+LORA_MAX_DEFERRALS = 16
 
 
 # ====================================================================== budget
@@ -355,6 +363,8 @@ class Scheduler:
         self.prev_time = 0.0
         self.prev_prompt = False
         self.last_prompt_latency = 0.0
+        # request_id -> admission passes the waiting group was deferred for its adapter.
+        self._lora_deferrals: dict[str, int] = {}
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -422,6 +432,7 @@ class Scheduler:
             queue.clear()
             queue.extend(keep)
         for g in aborted:
+            self._lora_deferrals.pop(g.request_id, None)
             for seq in g.get_seqs():
                 if not seq.is_finished():
                     seq.status = SequenceStatus.FINISHED_ABORTED
@@ -1066,6 +1077,10 @@ class Scheduler:
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)
+        starving = False  # a group above was deferred too long: hold adapters back for it
+        if len(self._lora_deferrals) > len(self.waiting):
+            live_ids = {g.request_id for g in self.waiting}
+            self._lora_deferrals = {k: v for k, v in self._lora_deferrals.items() if k in live_ids}
         for g in ranked:
             rid = g.request_id
             if rid in st.preempted_ids:
@@ -1106,8 +1121,14 @@ class Scheduler:
                 continue
             if not self._swapped_allows(g, st):
                 break
+            if starving and g.lora_int_id > 0:
+                continue  # keeps no slot busy while a starved group above waits for one
             if not self._lora_fits(g, st.curr_loras):
-                continue  # deferred until one of the step's adapters leaves ``running``
+                # Deferred until one of the step's adapters leaves ``running``.
+                n = self._lora_deferrals.get(rid, 0) + 1
+                self._lora_deferrals[rid] = n
+                starving = starving or n > LORA_MAX_DEFERRALS
+                continue
             plan = bm.plan_allocation(g)
             if plan.status == AllocStatus.NEVER:
                 self._ignore(
@@ -1163,6 +1184,7 @@ class Scheduler:
             budget.add_num_seqs(rid, g.get_max_num_running_seqs())
             admitted.add(rid)
             st.reserved.pop(rid, None)
+            self._lora_deferrals.pop(rid, None)
             self._lora_add(g, st.curr_loras)
             self.running.append(g)
         if admitted:

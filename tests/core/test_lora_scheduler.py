@@ -168,6 +168,65 @@ def test_swapped_groups_over_max_loras_wait_in_order(CP):
     assert last["a"] < first["b"] and last["d"] < first["b"] and last["b"] < first["c"]
 
 
+# ---------------------------------------------------------------- starvation guard
+def _stream_run(monkeypatch, limit):
+    """max_loras=1; a new adapter-1 request every step for 120 steps; one adapter-2 request
+    arrives at step 1. Returns (step b was first scheduled or None, the scheduler)."""
+    from kvserve.core import scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "LORA_MAX_DEFERRALS", limit)
+    cc, sc = configs(G=256, S=8, T=64, CP=True)  # decodes and new prompts share every step
+    sched = Scheduler(sc, cc, LoRAConfig(max_loras=1))
+    b_step = None
+    for step in range(400):
+        if step < 120:
+            sched.add_seq_group(
+                make_group(
+                    f"a{step}", prompt_of(step, 4), max_tokens=3, arrival_time=step, lora_request=lora(1)
+                )
+            )
+        if step == 1:
+            sched.add_seq_group(
+                make_group("b", prompt_of(999, 4), max_tokens=3, arrival_time=1.5, lora_request=lora(2))
+            )
+        _, out = sched_step(sched)
+        assert len(loras_of(out)) <= 1
+        if b_step is None and "b" in ids(out):
+            b_step = step
+        if step >= 120 and not sched.has_unfinished_seqs():
+            break
+    assert not sched.has_unfinished_seqs()
+    return b_step, sched
+
+
+def test_a_deferred_group_is_not_starved_by_a_stream_of_the_running_adapter(monkeypatch):
+    from kvserve.core.scheduler import LORA_MAX_DEFERRALS
+
+    b_step, sched = _stream_run(monkeypatch, LORA_MAX_DEFERRALS)
+    # deferred LORA_MAX_DEFERRALS times (once per step), then the running adapter-1 groups
+    # drain (at most 5 steps each)
+    assert b_step is not None and b_step <= 1 + LORA_MAX_DEFERRALS + 1 + 5, b_step
+    assert not sched._lora_deferrals
+    # Without the guard (vLLM's rule alone) it waits for the whole stream to end.
+    b_step_unguarded, _ = _stream_run(monkeypatch, 10**9)
+    assert b_step_unguarded > 120
+
+
+def test_starvation_guard_lets_groups_without_an_adapter_pass(monkeypatch):
+    from kvserve.core import scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "LORA_MAX_DEFERRALS", 0)
+    cc, sc = configs(G=64, S=8, T=64, CP=True)
+    sched = Scheduler(sc, cc, LoRAConfig(max_loras=1))
+    sched.add_seq_group(make_group("a", prompt_of(0, 4), max_tokens=4, lora_request=lora(1)))
+    sched_step(sched)
+    for i, (rid, lid) in enumerate([("b", 2), ("a2", 1), ("base", 0)]):
+        sched.add_seq_group(make_group(rid, prompt_of(i + 1, 4), arrival_time=i + 1, lora_request=lora(lid)))
+    _, out = sched_step(sched)
+    # b is starved at once (limit 0): a2 (adapter 1, behind it) waits, the base group passes.
+    assert set(ids(out)) == {"a", "base"} and waiting_ids(sched) == ["b", "a2"]
+
+
 # ---------------------------------------------------------------- priority policy
 @pytest.mark.parametrize("high_adapter,preempts", [(2, False), (1, True), (0, True)])
 def test_priority_preemption_is_not_triggered_for_a_group_whose_adapter_must_wait(high_adapter, preempts):

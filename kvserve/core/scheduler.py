@@ -658,7 +658,7 @@ class Scheduler:
             for ssg in prefill_groups + decode_groups:
                 if ssg.seq_group.lora_request is not None:
                     lora_requests.add(ssg.seq_group.lora_request)
-            assert len(lora_requests) <= self.lora_config.max_loras, lora_requests
+            assert len({r.lora_int_id for r in lora_requests}) <= self.lora_config.max_loras, lora_requests
         return SchedulerOutputs(
             scheduled_seq_groups=prefill_groups + decode_groups,
             num_prefill_groups=len(prefill_groups),
@@ -690,6 +690,7 @@ class Scheduler:
         says why."""
         started = any(seq.get_output_len() for seq in g.get_seqs())
         g.ignored_reason = reason
+        self._lora_deferrals.pop(g.request_id, None)
         status = SequenceStatus.FINISHED_LENGTH_CAPPED if started else SequenceStatus.FINISHED_IGNORED
         for seq in g.get_seqs():
             if not seq.is_finished():

@@ -446,3 +446,62 @@ def test_property_random_adapters_tiny_caches_invariants(w):
     for lid in range(4):
         firsts = [h.outputs[rid].metrics.first_scheduled_time for rid, x in added if x == lid]
         assert firsts == sorted(firsts), (lid, firsts)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lora_workloads(),
+    st.lists(st.integers(0, 4), min_size=10, max_size=10),  # priorities
+    st.lists(st.one_of(st.none(), st.integers(0, 12)), min_size=10, max_size=10),  # abort steps
+)
+def test_property_priority_policy_and_aborts_with_adapters(w, prios, aborts):
+    """Under the priority policy, with some requests aborted at random steps (waiting,
+    deferred, running or swapped): every step holds <= max_loras adapters, every request ends
+    exactly once (finished or aborted), blocks are conserved and all freed at the end, and no
+    deferral count outlives its request."""
+    cc, sc = configs(
+        BS=w["BS"],
+        G=w["G"],
+        C=64 if w["PM"] == "swap" else 0,
+        S=4,
+        T=32,
+        L=24,
+        CP=w["CP"],
+        PC=w["PC"],
+        PM=w["PM"],
+        policy="priority",
+        max_num_partial_prefills=4,
+    )
+    h = Harness(cc, sc, lora_config=LoRAConfig(max_loras=w["max_loras"]))
+    pending = sorted(enumerate(w["reqs"]), key=lambda x: (x[1][0], x[0]))
+    added = []
+    steps = 0
+    while pending or h.engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= steps:
+            i, (_, lid, fam, plen, mt) = pending.pop(0)
+            params = SamplingParams(
+                max_tokens=min(mt, sc.max_model_len - plen), temperature=0, ignore_eos=True
+            )
+            h.add(
+                f"r{i}",
+                {"prompt_token_ids": prompt_of(fam, plen)},
+                params,
+                priority=prios[i],
+                lora_request=lora(lid),
+            )
+            added.append(f"r{i}")
+        for rid in added:
+            i = int(rid[1:])
+            if aborts[i] == steps and rid not in h.num_final:
+                h.engine.abort_request(rid)
+        h.step()
+        steps += 1
+        assert steps < 2000, "did not drain"
+    h.assert_idle()
+    assert not h.scheduler._lora_deferrals
+    assert all(h.num_final.get(rid) == 1 for rid in added), h.num_final
+    for rid in added:
+        o = h.outputs[rid]
+        assert o.outcome in ("finished", "aborted"), (rid, o.outcome, o.error)
+        if o.outcome == "aborted":
+            assert aborts[int(rid[1:])] is not None

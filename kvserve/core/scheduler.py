@@ -475,6 +475,20 @@ class Scheduler:
         stats["num_swap_preemptions"] = self.num_swap_preemptions
         return stats
 
+    def get_lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` fields: ``max_lora`` (``max_loras``; 0 when LoRA is
+        off), ``running_lora_adapters`` and ``waiting_lora_adapters`` (sorted adapter names of
+        the groups in ``running``, and in ``waiting`` or ``swapped``)."""
+
+        def names(*queues: Iterable[SequenceGroup]) -> list[str]:
+            return sorted({g.lora_request.lora_name for q in queues for g in q if g.lora_request is not None})
+
+        return {
+            "max_lora": self.lora_config.max_loras if self.lora_config is not None else 0,
+            "running_lora_adapters": names(self.running),
+            "waiting_lora_adapters": names(self.waiting, self.swapped),
+        }
+
     def reset_prefix_cache(self) -> bool:
         """Drop unreferenced cached blocks. True if no cached block remains."""
         return self.block_manager.reset_prefix_cache()

@@ -55,6 +55,20 @@ def test_group_lora_int_id_reaches_its_sequences_forks_and_metadata():
     assert out.lora_requests == {lora(3)} and out.num_loras == 1
 
 
+def test_lora_stats_name_running_and_waiting_adapters():
+    cc, sc = configs(G=64, S=8, T=64)
+    sched = Scheduler(sc, cc, LoRAConfig(max_loras=1))
+    for i, lid in enumerate([2, 1, 0, 2]):
+        sched.add_seq_group(make_group(f"r{i}", prompt_of(i, 8), arrival_time=i, lora_request=lora(lid)))
+    sched_step(sched)
+    assert sched.get_lora_stats() == {
+        "max_lora": 1,
+        "running_lora_adapters": ["adapter2"],
+        "waiting_lora_adapters": ["adapter1"],
+    }
+    assert Scheduler(sc, cc).get_lora_stats()["max_lora"] == 0
+
+
 # ---------------------------------------------------------------- waiting: defer in order
 @pytest.mark.parametrize("CP", [False, True])
 def test_prefill_defers_groups_over_max_loras_without_reordering(CP):

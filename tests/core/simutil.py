@@ -76,6 +76,13 @@ def make_group(
     )
 
 
+def lora(i: int):
+    """LoRA adapter ``i`` as a ``LoRARequest`` (None for 0: the base model)."""
+    from kvserve.lora.request import LoRARequest
+
+    return LoRARequest(f"adapter{i}", i, f"/adapters/{i}") if i else None
+
+
 def prompt_of(i: int, length: int) -> list[int]:
     """A distinct, deterministic prompt for request ``i``."""
     return [(i * 7919 + j * 31 + 1) % VOCAB for j in range(length)]

@@ -10,17 +10,11 @@ from hypothesis import strategies as st
 from kvserve.config import LoRAConfig, PreemptionMode
 from kvserve.core.block_manager import BlockSpaceManager
 from kvserve.core.scheduler import Scheduler, _Step
-from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import SequenceStatus
 from kvserve.sim.executor import KVCacheCorruption, SimulatedExecutor
-from tests.core.simutil import Harness, configs, make_group, prompt_of
+from tests.core.simutil import Harness, configs, lora, make_group, prompt_of
 from tests.core.test_scheduler import ids, sched_step
-
-
-def lora(i: int) -> LoRARequest | None:
-    """Adapter ``i`` (None for 0: the base model)."""
-    return LoRARequest(f"adapter{i}", i, f"/adapters/{i}") if i else None
 
 
 def waiting_ids(sched):

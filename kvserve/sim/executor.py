@@ -43,6 +43,7 @@ proposer's ``m * draft_step_s``.
 
 from __future__ import annotations
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.acceptance import AcceptanceModel
 from kvserve.sim.cost_model import CostModel, VirtualClock
@@ -166,6 +167,23 @@ class SimulatedExecutor:
         self.num_lora_adapter_steps = 0  # sum over steps of the step's distinct adapters
         self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
         self.record = False
+        self.loras: dict[int, LoRARequest] = {}  # "loaded" adapters: there are no weights
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (the executor interface; nothing is read from its path).
+        False if its id was registered already."""
+        new = lora_request.lora_int_id not in self.loras
+        self.loras[lora_request.lora_int_id] = lora_request
+        return new
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it was not registered."""
+        return self.loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters."""
+        return set(self.loras)
 
     # ------------------------------------------------------------------ helpers
     def _block(self, pool: dict[int, list[int | None]], n: int) -> list[int | None]:

@@ -74,6 +74,15 @@ def test_trace_and_workload_lora_id_column(tmp_path):
         load_workload(wl)
 
 
+def test_simulated_executor_has_the_executor_lora_interface():
+    from kvserve.sim.executor import SimulatedExecutor
+
+    ex = SimulatedExecutor(100)
+    a = sim_lora_request(3)
+    assert ex.add_lora(a) and not ex.add_lora(a) and ex.list_loras() == {3}
+    assert ex.remove_lora(3) and not ex.remove_lora(3) and ex.list_loras() == set()
+
+
 def test_cost_model_adds_the_per_adapter_term():
     cm = CostModel()
     base = cm.step_time(100, 4, 400)

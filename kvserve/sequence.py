@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 
 
@@ -142,6 +143,8 @@ class Sequence:
     """One sample of a request: its tokens, status, and detokenization state.
 
     ``block_size`` is in tokens; ``n_blocks`` is how many KV blocks its tokens span.
+    ``lora_int_id`` is the adapter its K/V are computed with (0 = the base model; set from
+    the group): the prefix cache keys its blocks by it.
     """
 
     def __init__(
@@ -151,9 +154,11 @@ class Sequence:
         block_size: int,
         eos_token_id: int | None = None,
         prompt: str | None = None,
+        lora_int_id: int = 0,
     ):
         self.seq_id = seq_id
         self.data = SequenceData(prompt_token_ids)
+        self.lora_int_id = lora_int_id
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.prompt = prompt
@@ -205,7 +210,12 @@ class Sequence:
     def fork(self, new_seq_id: int) -> Sequence:
         """A child with the same tokens and text so far (shares KV via ``block_manager.fork``)."""
         child = Sequence(
-            new_seq_id, self.data.prompt_token_ids, self.block_size, self.eos_token_id, self.prompt
+            new_seq_id,
+            self.data.prompt_token_ids,
+            self.block_size,
+            self.eos_token_id,
+            self.prompt,
+            lora_int_id=self.lora_int_id,
         )
         child.data = self.data.copy()
         child.status = self.status
@@ -269,6 +279,8 @@ class SequenceGroup:
         priority: integer, lower value is served first under the ``priority`` policy.
         generator: a ``torch.Generator`` when ``sampling_params.seed`` is set (created by
             the engine; the scheduler never touches it).
+        lora_request: the LoRA adapter the request runs with (None = the base model); its
+            sequences get its ``lora_int_id``.
     """
 
     def __init__(
@@ -278,8 +290,12 @@ class SequenceGroup:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
+        self.lora_request = lora_request
+        for seq in seqs:
+            seq.lora_int_id = self.lora_int_id
         self.seqs_dict: dict[int, Sequence] = {s.seq_id: s for s in seqs}
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
@@ -306,6 +322,11 @@ class SequenceGroup:
         self.spec_decode_disabled = False
 
     # -- queries -------------------------------------------------------------------
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 without one (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
     @property
     def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).data.prompt_token_ids
@@ -372,6 +393,7 @@ class SequenceGroup:
             s.data.update_num_computed_tokens(num_new_computed_tokens)
 
     def add(self, seq: Sequence) -> None:
+        seq.lora_int_id = self.lora_int_id
         self.seqs_dict[seq.seq_id] = seq
 
     def remove(self, seq_id: int) -> None:
@@ -405,6 +427,9 @@ class SequenceGroupMetadata:
     structured-output constraint: an object whose ``rows()`` gives the int32 bitmask
     ``[len(seq_data), ceil(vocab / 32)]`` of the tokens each sequence may sample next, and
     whose ``verify_masks(drafts)`` gives the masks of a speculative verify chunk.
+
+    ``lora_request`` (set by the scheduler from the group) is the adapter every sequence of the
+    group runs with; None = the base model.
     """
 
     request_id: str
@@ -425,6 +450,12 @@ class SequenceGroupMetadata:
     # most tokens that may be proposed and verified for each of its sequences this step
     # (0 = plain decode). Positions ``len - 1 .. len - 1 + num_speculative_tokens`` have slots.
     num_speculative_tokens: int = 0
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 without one."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
 
 @dataclass

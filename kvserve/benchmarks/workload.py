@@ -16,6 +16,9 @@
   ``max_output_len`` (if given) and at ``max_model_len - 1``; the input is then capped at
   ``max_input_len`` (if given) and at ``max_model_len - output_len``, so every request fits
   ``input + output <= max_model_len``. Every clipped request is counted in the run's JSON.
+* **LoRA adapters** (the simulator): an optional ``lora_id`` column (CSV) or key (JSONL traces
+  and workload files) gives each request's adapter id, an integer >= 0 (0 or empty = the base
+  model).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class BenchRequest:
     prompt: str | None = None
     arrival_s: float = 0.0
     id: int = 0
+    lora_id: int = 0  # LoRA adapter id (0 = the base model)
 
     @property
     def prompt_len(self) -> int:
@@ -54,12 +58,31 @@ class BenchRequest:
 
 @dataclass
 class TraceRecord:
-    """One trace row: arrival (s from the first row, None when the file has no times), lengths."""
+    """One trace row: arrival (s from the first row, None when the file has no times), lengths,
+    and its ``lora_id`` column (0 = the base model, also when the file has none)."""
 
     arrival_s: float | None
     input_len: int
     output_len: int
     hash_ids: list[int] | None = None
+    lora_id: int = 0
+
+
+def parse_lora_id(value, where: str) -> int:
+    """A ``lora_id`` cell: an integer >= 0; empty or missing is 0 (the base model).
+
+    Raises:
+        ValueError: anything else, naming ``where`` (file and row) and the value.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return 0
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if isinstance(value, bool) or n < 0 or (isinstance(value, float) and value != n):
+        raise ValueError(f"{where}: lora_id must be an integer >= 0 (0 = no adapter), got {value!r}")
+    return n
 
 
 @dataclass
@@ -101,6 +124,7 @@ def load_workload(path, num_prompts: int | None = None) -> list[BenchRequest]:
                     prompt=obj.get("prompt"),
                     arrival_s=float(obj.get("arrival_s", 0.0) or 0.0),
                     id=int(obj.get("id", len(reqs))),
+                    lora_id=parse_lora_id(obj.get("lora_id"), f"{path}:{i + 1}"),
                 )
             )
             if num_prompts is not None and len(reqs) >= num_prompts:
@@ -227,7 +251,7 @@ def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
     records: list[TraceRecord] = []
     if fmt == "mooncake":
         with open(path) as f:
-            for line in f:
+            for n, line in enumerate(f, 1):
                 if line.strip():
                     o = json.loads(line)
                     records.append(
@@ -236,11 +260,12 @@ def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
                             int(o["input_length"]),
                             int(o["output_length"]),
                             list(o.get("hash_ids") or []) or None,
+                            parse_lora_id(o.get("lora_id"), f"{path}:{n}"),
                         )
                     )
     else:
         with open(path, newline="") as f:
-            for row in csv.DictReader(f):
+            for n, row in enumerate(csv.DictReader(f), 2):
                 if fmt == "azure":
                     records.append(
                         TraceRecord(
@@ -265,6 +290,7 @@ def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
                     )
                 else:
                     raise ValueError(f"unknown trace format {fmt!r}")
+                records[-1].lora_id = parse_lora_id(row.get("lora_id"), f"{path}:{n}")
     if records and records[0].arrival_s is not None:
         t0 = min(r.arrival_s for r in records)
         for r in records:
@@ -283,7 +309,7 @@ def select_trace(
     if records and records[0].arrival_s is not None:
         end = math.inf if duration_s is None else start_s + duration_s
         sel = [
-            TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids)
+            TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids, r.lora_id)
             for r in records
             if start_s <= r.arrival_s < end
         ]
@@ -307,7 +333,11 @@ def scale_arrivals(records: list[TraceRecord], time_scale: float) -> list[TraceR
         raise ValueError(f"time scale must be >= 0, got {time_scale}")
     return [
         TraceRecord(
-            None if r.arrival_s is None else r.arrival_s * time_scale, r.input_len, r.output_len, r.hash_ids
+            None if r.arrival_s is None else r.arrival_s * time_scale,
+            r.input_len,
+            r.output_len,
+            r.hash_ids,
+            r.lora_id,
         )
         for r in records
     ]
@@ -373,5 +403,9 @@ def trace_to_requests(
                 ids.extend(corpus_window(corpus, int(rng.integers(len(corpus))), inp - len(ids)))
         else:
             ids = corpus_window(corpus, int(rng.integers(len(corpus))), inp)
-        reqs.append(BenchRequest(prompt_token_ids=ids, output_len=out, arrival_s=r.arrival_s or 0.0, id=i))
+        reqs.append(
+            BenchRequest(
+                prompt_token_ids=ids, output_len=out, arrival_s=r.arrival_s or 0.0, id=i, lora_id=r.lora_id
+            )
+        )
     return reqs, report

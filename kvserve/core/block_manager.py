@@ -24,6 +24,9 @@ chain under pressure shrinks to its longest still-usable head (evicting a head f
 leave the rest of the chain unreachable while it still occupies memory). A completed block
 whose content is already cached in another block is replaced by that block (deduplicated), and
 a swapped-in sequence re-registers its blocks, so every cached block's prefix stays cached.
+The chain of a sequence running with a LoRA adapter starts from the adapter's id
+(``Sequence.lora_int_id``): the same tokens give other K/V under another adapter, so blocks are
+shared only between sequences of the same adapter (or both of the base model).
 
 Sliding window (``sliding_window`` tokens): once every position of a block is outside the
 window of the next query, the block is released; its table entry then repeats the number of
@@ -33,6 +36,7 @@ a block the sequence still holds (the runner masks those positions, so any valid
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -86,22 +90,31 @@ class AllocationPlan:
     _cow_last: bool = False
 
 
+def lora_chain_seed(lora_int_id: int) -> Hashable | None:
+    """The ``parent`` of block 0's hash for a sequence running with adapter ``lora_int_id``:
+    None for the base model (0), so its hashes are unchanged by LoRA support; a value no block
+    hash equals otherwise, so chains of different adapters never meet."""
+    return ("lora", lora_int_id) if lora_int_id else None
+
+
 def chain_block_hashes(
-    token_ids: Seq[int], block_size: int, start: int = 0, parent: int | None = None
+    token_ids: Seq[int], block_size: int, start: int = 0, parent: Hashable | None = None
 ) -> list[int]:
     """Chained content hashes of the full blocks ``start, start + 1, ...`` of ``token_ids``.
 
     Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)``; its hash is
-    ``hash((parent, tuple(tokens)))`` where ``parent`` is block ``i - 1``'s hash (``None`` for
-    block 0; pass the hash of block ``start - 1`` when ``start > 0``). Equal hashes mean equal
+    ``hash((parent, tuple(tokens)))`` where ``parent`` is block ``i - 1``'s hash (for block 0:
+    ``lora_chain_seed(lora_int_id)``, None for the base model; pass the hash of block
+    ``start - 1`` when ``start > 0``). Equal hashes mean equal
     prefixes, which is what the prefix cache and the data-parallel router match on. Only full
     blocks are hashed (a trailing partial block is not). Values are stable within one process
     only (``hash(None)`` is per process on Python < 3.12): never send them to another.
     """
     hashes: list[int] = []
     for i in range(start, len(token_ids) // block_size):
-        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
-        hashes.append(parent)
+        h = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        hashes.append(h)
+        parent = h
     return hashes
 
 
@@ -165,13 +178,14 @@ class BlockSpaceManager:
 
     # ================================================================== hashing
     def _get_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Chained content hashes of ``seq``'s first ``num_blocks`` full blocks."""
+        """Chained content hashes of ``seq``'s first ``num_blocks`` full blocks; the first
+        block's hash is seeded with ``seq.lora_int_id`` when it runs with an adapter (the base
+        model's chain is seeded with None, as before adapters existed)."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
             tokens = seq.get_token_ids()[: num_blocks * self.block_size]
-            hashes.extend(
-                chain_block_hashes(tokens, self.block_size, len(hashes), hashes[-1] if hashes else None)
-            )
+            parent = hashes[-1] if hashes else lora_chain_seed(seq.lora_int_id)
+            hashes.extend(chain_block_hashes(tokens, self.block_size, len(hashes), parent))
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 
     def _cache_hits(self, seq: Sequence) -> list[PhysicalBlock]:

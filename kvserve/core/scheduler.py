@@ -45,6 +45,19 @@ groups it outranks may not grow into them (a decode that would needs to preempt 
 when it is passed over (the partial-prefill limit), no lower-ranked waiting group is admitted
 with them -- it would only be preempted again once the higher-ranked group gets its turn.
 
+Multi-LoRA (``lora_config``, vLLM V0's rule): a step holds at most ``max_loras`` distinct
+adapters. The adapters of ``running`` count first (``_Step.curr_loras``); a waiting or swapped
+group whose adapter is not among them while ``max_loras`` are already taken is *deferred*: left
+where it is (the head of its queue keeps its order) while the groups behind it are still
+considered, and admitted in a later step once a running adapter's last group has left. Groups
+without an adapter (``lora_int_id == 0``) never count. Under a rank policy a waiting group is
+never the reason for a priority preemption while its adapter would be deferred.
+Starvation guard (ours): vLLM's rule alone lets a steady stream of one running adapter's
+requests keep its slot forever. Once a waiting group has been deferred in
+``LORA_MAX_DEFERRALS`` admission passes, the groups ranked behind it that run with an adapter
+are deferred too (groups without one still pass), so the running adapters drain and it gets
+the first free slot.
+
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
 every scheduled prefill feeds >= 1 token; no token is scheduled at a position
@@ -59,9 +72,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvserve.config import CacheConfig, PreemptionMode, SchedulerConfig
+from kvserve.config import CacheConfig, LoRAConfig, PreemptionMode, SchedulerConfig
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
 from kvserve.core.policy import Policy, PolicyFactory
+from kvserve.lora.request import LoRARequest
 from kvserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 logger = logging.getLogger("kvserve.scheduler")
@@ -70,6 +84,9 @@ logger = logging.getLogger("kvserve.scheduler")
 THRASH_PREEMPTIONS = 2
 #: Cap on the margin multiplier (blocks per live sequence).
 MAX_MARGIN_FACTOR = 4
+#: Admission passes a waiting group may be deferred for its adapter before the groups behind it
+#: that run with an adapter are held back too (so a slot drains for it).
+LORA_MAX_DEFERRALS = 16
 
 
 # ====================================================================== budget
@@ -170,6 +187,8 @@ class SchedulerOutputs:
             speculates); each group's own count is ``ScheduledSequenceGroup.num_lookahead_slots``.
         running_queue_size: len(running) after this step's decisions.
         preempted: groups preempted (recompute or swap) this step.
+        lora_requests: the distinct adapters of the scheduled groups (at most
+            ``LoRAConfig.max_loras``; empty without LoRA).
     """
 
     scheduled_seq_groups: list[ScheduledSequenceGroup]
@@ -182,6 +201,12 @@ class SchedulerOutputs:
     num_lookahead_slots: int
     running_queue_size: int
     preempted: int = 0
+    lora_requests: set[LoRARequest] = field(default_factory=set)
+
+    @property
+    def num_loras(self) -> int:
+        """Distinct adapters in the step."""
+        return len(self.lora_requests)
 
     def is_empty(self) -> bool:
         """Nothing to run and no block to move (ignored groups do not count)."""
@@ -244,6 +269,7 @@ class _Step:
         "reserved",
         "passed_delay",
         "speculate",
+        "curr_loras",
     )
 
     def __init__(self, now: float, swapped_at_start: tuple[SequenceGroup, ...] = ()) -> None:
@@ -262,6 +288,8 @@ class _Step:
         self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
         self.passed_delay = True  # delay_factor: new prompts may be admitted this step
         self.speculate = False  # decodes may reserve lookahead slots this step
+        # Adapter ids (> 0) held by the step so far; None when LoRA is off.
+        self.curr_loras: set[int] | None = None
 
     def add_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -276,6 +304,8 @@ class Scheduler:
         scheduler_config: batching limits, mode, policy.
         cache_config: block size and pool sizes; ``num_gpu_blocks`` / ``num_cpu_blocks`` must
             already be ints (``num_cpu_blocks`` None is taken as 0).
+        lora_config: multi-LoRA limits (``max_loras`` distinct adapters per step), or None:
+            adapters are not counted.
         clock: seconds (``time.time``, or the simulator's virtual clock).
 
     Raises:
@@ -286,6 +316,7 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
+        lora_config: LoRAConfig | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not isinstance(cache_config.num_gpu_blocks, int) or cache_config.num_gpu_blocks < 1:
@@ -295,6 +326,7 @@ class Scheduler:
             )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        self.lora_config = lora_config
         self.clock = clock
         if scheduler_config.chunked_prefill_enabled:
             self.prompt_limit = scheduler_config.max_model_len
@@ -331,6 +363,8 @@ class Scheduler:
         self.prev_time = 0.0
         self.prev_prompt = False
         self.last_prompt_latency = 0.0
+        # request_id -> admission passes the waiting group was deferred for its adapter.
+        self._lora_deferrals: dict[str, int] = {}
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -398,6 +432,7 @@ class Scheduler:
             queue.clear()
             queue.extend(keep)
         for g in aborted:
+            self._lora_deferrals.pop(g.request_id, None)
             for seq in g.get_seqs():
                 if not seq.is_finished():
                     seq.status = SequenceStatus.FINISHED_ABORTED
@@ -439,6 +474,20 @@ class Scheduler:
         stats["num_recompute_preemptions"] = self.num_recompute_preemptions
         stats["num_swap_preemptions"] = self.num_swap_preemptions
         return stats
+
+    def get_lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` fields: ``max_lora`` (``max_loras``; 0 when LoRA is
+        off), ``running_lora_adapters`` and ``waiting_lora_adapters`` (sorted adapter names of
+        the groups in ``running``, and in ``waiting`` or ``swapped``)."""
+
+        def names(*queues: Iterable[SequenceGroup]) -> list[str]:
+            return sorted({g.lora_request.lora_name for q in queues for g in q if g.lora_request is not None})
+
+        return {
+            "max_lora": self.lora_config.max_loras if self.lora_config is not None else 0,
+            "running_lora_adapters": names(self.running),
+            "waiting_lora_adapters": names(self.waiting, self.swapped),
+        }
 
     def reset_prefix_cache(self) -> bool:
         """Drop unreferenced cached blocks. True if no cached block remains."""
@@ -499,6 +548,7 @@ class Scheduler:
                     computed_block_nums=computed,
                     prompt_logprobs_from=g.prompt_logits_needed_from() if is_prompt else None,
                     num_speculative_tokens=0 if is_prompt else ssg.num_lookahead_slots,
+                    lora_request=g.lora_request,
                 )
             )
         return metas, out
@@ -517,6 +567,29 @@ class Scheduler:
             # verifying drafts would cost more than the tokens it saves.
             st.speculate = limit is None or sum(g.num_unfinished_seqs() for g in self.running) <= limit
         return st
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora_config is not None
+
+    def _running_loras(self) -> set[int] | None:
+        """Adapter ids of the groups in ``running`` (None when LoRA is off)."""
+        if self.lora_config is None:
+            return None
+        return {g.lora_int_id for g in self.running if g.lora_int_id > 0}
+
+    def _lora_fits(self, g: SequenceGroup, loras: set[int] | None) -> bool:
+        """Whether ``g`` may join a step already holding ``loras``: no adapter, one the step
+        holds, or a free slot under ``max_loras``."""
+        if loras is None or self.lora_config is None:
+            return True
+        lora = g.lora_int_id
+        return lora == 0 or lora in loras or len(loras) < self.lora_config.max_loras
+
+    @staticmethod
+    def _lora_add(g: SequenceGroup, loras: set[int] | None) -> None:
+        if loras is not None and g.lora_int_id > 0:
+            loras.add(g.lora_int_id)
 
     def _get_num_lookahead_slots(self, g: SequenceGroup, st: _Step, live: list[Sequence]) -> int:
         """Lookahead slots for decoding group ``g`` this step: ``num_lookahead_slots``, fewer
@@ -544,12 +617,14 @@ class Scheduler:
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
+        st.curr_loras = self._running_loras()
         prefills = self._schedule_prefills(budget, st, enable_chunking=False)
         running = SchedulerRunningOutputs()
         swapped_in = SchedulerSwappedInOutputs()
         if not prefills.seq_groups:
             running = self._schedule_running(budget, st, enable_chunking=False)
             if not st.preempted_ids:
+                st.curr_loras = self._running_loras()  # preempted groups hold no slot
                 swapped_in = self._schedule_swapped(budget, st, enable_chunking=False)
         return self._finish_step(budget, st, prefills, running, swapped_in)
 
@@ -561,6 +636,8 @@ class Scheduler:
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
         running = self._schedule_running(budget, st, enable_chunking=True)
+        # Running groups' adapters count first; preempted groups hold no slot.
+        st.curr_loras = self._running_loras()
         swapped_in = SchedulerSwappedInOutputs()
         if not st.preempted_ids:
             swapped_in = self._schedule_swapped(budget, st, enable_chunking=True)
@@ -590,6 +667,12 @@ class Scheduler:
         prefill_groups = prefills.seq_groups + running.prefill_seq_groups + swapped_in.prefill_seq_groups
         decode_groups = running.decode_seq_groups + swapped_in.decode_seq_groups
         assert budget.num_batched_tokens <= self.scheduler_config.max_num_batched_tokens
+        lora_requests: set[LoRARequest] = set()
+        if self.lora_config is not None:
+            for ssg in prefill_groups + decode_groups:
+                if ssg.seq_group.lora_request is not None:
+                    lora_requests.add(ssg.seq_group.lora_request)
+            assert len({r.lora_int_id for r in lora_requests}) <= self.lora_config.max_loras, lora_requests
         return SchedulerOutputs(
             scheduled_seq_groups=prefill_groups + decode_groups,
             num_prefill_groups=len(prefill_groups),
@@ -601,6 +684,7 @@ class Scheduler:
             num_lookahead_slots=max((s.num_lookahead_slots for s in decode_groups), default=0),
             running_queue_size=len(self.running),
             preempted=len(st.preempted) + len(st.swapped_out),
+            lora_requests=lora_requests,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -620,6 +704,7 @@ class Scheduler:
         says why."""
         started = any(seq.get_output_len() for seq in g.get_seqs())
         g.ignored_reason = reason
+        self._lora_deferrals.pop(g.request_id, None)
         status = SequenceStatus.FINISHED_LENGTH_CAPPED if started else SequenceStatus.FINISHED_IGNORED
         for seq in g.get_seqs():
             if not seq.is_finished():
@@ -708,6 +793,9 @@ class Scheduler:
         victims = list(self.policy.sort_by_priority(now, self.running))  # tail = lowest
         free = bm.get_num_free_gpu_blocks()
         seqs = budget.num_curr_seqs
+        # Adapters the groups counted so far would hold: a group whose adapter would be
+        # deferred preempts nobody (the slot it needs is not freed by taking blocks).
+        loras = self._running_loras()
         for wg in waiting:
             if not victims:
                 return
@@ -717,6 +805,7 @@ class Scheduler:
                 or live[0].get_len() > self.prompt_limit
                 and not live[0].get_output_len()
                 or not self._swapped_allows(wg, st)
+                or not self._lora_fits(wg, loras)
             ):
                 continue
             plan = bm.plan_allocation(wg)
@@ -727,6 +816,7 @@ class Scheduler:
             if need_blocks <= 0 and need_seqs <= 0:
                 free -= plan.cost
                 seqs += wg.get_max_num_running_seqs()
+                self._lora_add(wg, loras)
                 continue
             chosen = []
             gain_blocks = gain_seqs = 0
@@ -746,6 +836,7 @@ class Scheduler:
                 budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
                 self._preempt(v, st)
             st.reserved[wg.request_id] = (wg, plan.cost)
+            self._lora_add(wg, loras)
             free = bm.get_num_free_gpu_blocks() - plan.cost
             seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
 
@@ -866,7 +957,9 @@ class Scheduler:
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
     ) -> SchedulerSwappedInOutputs:
         """Swap groups back in, in rank order, while blocks (plus watermark) and budget allow.
-        A group that can never fit is rejected (``infeasible_seq_groups`` -> ignored)."""
+        A group that can never fit is rejected (``infeasible_seq_groups`` -> ignored). A group
+        whose adapter would exceed ``max_loras`` is deferred: it stays in ``swapped``, in its
+        place, and the groups behind it are still considered."""
         out = SchedulerSwappedInOutputs(num_lookahead_slots=self.num_lookahead_slots)
         if not self.swapped:
             return out
@@ -875,6 +968,9 @@ class Scheduler:
         remaining: deque[SequenceGroup] = deque()
         while ranked:
             g = ranked[0]
+            if not self._lora_fits(g, st.curr_loras):
+                ranked.popleft()  # deferred: stays in self.swapped, order unchanged
+                continue
             lookahead = 0
             if st.speculate and not g.is_prefill():
                 n_live = max(1, g.num_seqs(SequenceStatus.SWAPPED))
@@ -928,6 +1024,7 @@ class Scheduler:
                 out.decode_seq_groups.append(ssg)
             budget.add_num_batched_tokens(g.request_id, n_tokens)
             budget.add_num_seqs(g.request_id, g.get_max_num_running_seqs())
+            self._lora_add(g, st.curr_loras)
             self.running.append(g)
         remaining.extend(ranked)
         infeasible = {g.request_id for g in out.infeasible_seq_groups}
@@ -976,7 +1073,9 @@ class Scheduler:
         ``max_num_partial_prefills`` are; otherwise it is skipped for prompts that complete.
         Under a rank policy a group skipped that way keeps the blocks it needs: the groups
         behind it (lower-ranked) are admitted only with what is left beyond them, so blocks
-        freed by preempting for it never go to a group it outranks.
+        freed by preempting for it never go to a group it outranks. A group whose adapter would
+        exceed ``max_loras`` is deferred (left in place, holding nothing; vLLM V0's
+        leftover-waiting rule) and the groups behind it are still considered.
         """
         out = SchedulerPrefillOutputs()
         if not self.waiting or not st.passed_delay:
@@ -993,6 +1092,10 @@ class Scheduler:
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)
+        starving = False  # a group above was deferred too long: hold adapters back for it
+        if len(self._lora_deferrals) > len(self.waiting):
+            live_ids = {g.request_id for g in self.waiting}
+            self._lora_deferrals = {k: v for k, v in self._lora_deferrals.items() if k in live_ids}
         for g in ranked:
             rid = g.request_id
             if rid in st.preempted_ids:
@@ -1033,6 +1136,14 @@ class Scheduler:
                 continue
             if not self._swapped_allows(g, st):
                 break
+            if starving and g.lora_int_id > 0:
+                continue  # keeps no slot busy while a starved group above waits for one
+            if not self._lora_fits(g, st.curr_loras):
+                # Deferred until one of the step's adapters leaves ``running``.
+                n = self._lora_deferrals.get(rid, 0) + 1
+                self._lora_deferrals[rid] = n
+                starving = starving or n > LORA_MAX_DEFERRALS
+                continue
             plan = bm.plan_allocation(g)
             if plan.status == AllocStatus.NEVER:
                 self._ignore(
@@ -1088,6 +1199,8 @@ class Scheduler:
             budget.add_num_seqs(rid, g.get_max_num_running_seqs())
             admitted.add(rid)
             st.reserved.pop(rid, None)
+            self._lora_deferrals.pop(rid, None)
+            self._lora_add(g, st.curr_loras)
             self.running.append(g)
         if admitted:
             self.prev_prompt = True

@@ -9,13 +9,21 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvserve.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineArgs,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.fault_isolation import bisect_failures
 from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.field_limits import LIMITS
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
@@ -55,6 +63,8 @@ class LLMEngine:
         speculative_config: speculative decoding settings (the executor verifies; the engine
             appends every emitted token, counts drafts and switches a request's speculation
             off when its acceptance stays low), or None.
+        lora_config: multi-LoRA limits (the scheduler holds at most ``max_loras`` adapters per
+            step), or None: requests may not name an adapter.
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class LLMEngine:
         vocab_size: int | None = None,
         eos_token_id: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -80,7 +91,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.speculative_config = speculative_config
-        self.scheduler = Scheduler(scheduler_config, cache_config, clock=clock)
+        self.lora_config = lora_config
+        self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
         self.stats = EngineStats()
@@ -164,6 +176,7 @@ class LLMEngine:
             vocab_size=hf_config.vocab_size,
             eos_token_id=eos,
             speculative_config=spec_config,
+            lora_config=args.create_lora_config(),
         )
 
     # ------------------------------------------------------------------ requests
@@ -174,15 +187,26 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request (it joins ``waiting``).
+        """Validate and queue a request (it joins ``waiting``). ``lora_request``: the adapter it
+        runs with (None = the base model).
 
         Raises:
             ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
                 ``n > max_num_seqs``, prompt + max_tokens > max_model_len (see
                 ``validate_request``), a ``structured_outputs`` constraint that does not
-                compile (naming its field). Nothing is queued when it raises.
+                compile (naming its field), a ``lora_request`` that is not a ``LoRARequest`` or
+                given while LoRA is off. Nothing is queued when it raises.
         """
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+            if self.lora_config is None:
+                raise ValueError(
+                    f"lora_request {lora_request.lora_name!r} given but LoRA is not enabled "
+                    f"(enable_lora=True, --enable-lora)."
+                )
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         if not isinstance(params, SamplingParams):
@@ -207,6 +231,7 @@ class LLMEngine:
             params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority,
+            lora_request=lora_request,
         )
         if params.seed is not None:
             import torch

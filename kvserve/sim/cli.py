@@ -7,6 +7,11 @@ trace. Prints a latency table (and writes it as JSON with ``--json-out``).
 
 ``--speculative-config`` takes the engine's JSON plus an acceptance model (``acceptance_rate``
 or ``mean_accepted_len``, optionally ``draft_step_s``; see ``kvserve.sim.acceptance``).
+
+Multi-LoRA: each request's adapter comes from the trace's ``lora_id`` column or, with
+``--num-loras N``, is drawn from ``--lora-dist uniform|zipf`` (``--lora-zipf-alpha``) over
+adapters ``1..N`` (``kvserve.sim.lora``); the scheduler then holds at most ``--max-loras``
+adapters per step, and the cost model adds ``lora_adapter_s`` per adapter in a step.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
 from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
+from kvserve.sim.lora import LORA_DISTRIBUTIONS, draw_lora_ids, sim_lora_request
 
 VOCAB = 49152
 
@@ -44,6 +50,10 @@ def simulate(
     ``mean_accepted_len``, ``draft_step_s``: ``kvserve.sim.acceptance``; ``split_speculative_config``
     separates them from the engine's); the summary then reports the speculation counters.
 
+    Requests with a ``lora_id`` run with that adapter (LoRA is switched on for them when
+    ``enable_lora`` is unset; ``max_loras`` limits the adapters per step); the summary then
+    has a ``lora`` section (adapters, mean adapters per step, TTFT and e2e per adapter).
+
     Raises:
         ValueError: a bad setting (naming the field), e.g. speculation without an acceptance
             model.
@@ -60,6 +70,9 @@ def simulate(
         # nor is its budget: the V0 default, not the CPU engine's 2,048 -- else the same
         # simulation would give other results on a CPU host than on a CUDA host
         args.max_num_batched_tokens = CHUNKED_PREFILL_TOKENS
+    if any(r.lora_id for r in requests):
+        args.enable_lora = True  # the simulator loads no weights: any adapter id "exists"
+    lora_config = args.create_lora_config()
     spec = args.create_speculative_config()
     if spec is None:
         acceptance = None
@@ -84,6 +97,7 @@ def simulate(
         clock=clock,
         vocab_size=VOCAB,
         speculative_config=spec,
+        lora_config=lora_config,
     )
     pending = sorted(requests, key=lambda r: r.arrival_s)
     finals, rejected, i = [], 0, 0
@@ -96,6 +110,7 @@ def simulate(
                     {"prompt_token_ids": r.prompt_token_ids},
                     SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
                     arrival_time=r.arrival_s,
+                    lora_request=sim_lora_request(r.lora_id) if lora_config is not None else None,
                 )
             except ValueError:
                 rejected += 1
@@ -122,6 +137,20 @@ def simulate(
         "queue_s": summarize(m.queue_time for m in metrics),
         "num_steps": executor.num_steps,
     }
+    if lora_config is not None:
+        adapter_of = {str(r.id): r.lora_id for r in requests}
+        by_adapter: dict[int, list] = {}
+        for o in finals:
+            by_adapter.setdefault(adapter_of.get(o.request_id, 0), []).append(o.metrics)
+        summary["lora"] = {
+            "max_loras": lora_config.max_loras,
+            "num_adapters": len({r.lora_id for r in requests} - {0}),
+            "mean_adapters_per_step": executor.num_lora_adapter_steps / max(1, executor.num_steps),
+            "ttft_s_by_adapter": {k: summarize(m.ttft for m in ms) for k, ms in sorted(by_adapter.items())},
+            "e2e_s_by_adapter": {
+                k: summarize(m.e2e_latency for m in ms) for k, ms in sorted(by_adapter.items())
+            },
+        }
     if spec is not None:
         st = engine.stats
         summary["spec_decode"] = {
@@ -154,6 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         help="for --workload: Poisson arrivals at this rate (inf = all at t=0)",
     )
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--num-loras",
+        type=int,
+        default=None,
+        help="draw each request's LoRA adapter from N adapters (ids 1..N; overrides a trace's lora_id column)",
+    )
+    ap.add_argument("--lora-dist", default="uniform", choices=LORA_DISTRIBUTIONS, help="with --num-loras")
+    ap.add_argument(
+        "--lora-zipf-alpha", type=float, default=1.0, help="--lora-dist zipf: adapter k has weight k**-alpha"
+    )
     add_engine_args(ap)
     ap.set_defaults(num_gpu_blocks=2048, max_model_len=8192)
     ns = ap.parse_args(argv)
@@ -186,6 +225,14 @@ def main(argv: list[str] | None = None) -> int:
             requests = wl.load_workload(path, ns.num_requests)
         for r, t in zip(requests, wl.generate_arrivals(len(requests), ns.request_rate)):
             r.arrival_s = t
+    if ns.num_loras is not None:
+        try:
+            lora_ids = draw_lora_ids(len(requests), ns.num_loras, ns.lora_dist, ns.lora_zipf_alpha, ns.seed)
+        except ValueError as e:
+            print(f"Error: {e}", file=sys.stderr)
+            return 2
+        for r, lid in zip(requests, lora_ids):
+            r.lora_id = lid
     try:
         # The acceptance model's keys are the simulator's: the rest is the engine's config.
         engine_spec, sim_spec = split_speculative_config(ns.speculative_config)
@@ -204,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"speculative decoding: {sd['num_draft_tokens']} drafts, acceptance {sd['acceptance_rate']:.3f}, "
             f"mean accepted length {sd['mean_accepted_len']:.2f}, {summary['num_steps']} steps"
+        )
+    lo = summary.get("lora")
+    if lo:
+        print(
+            f"LoRA: {lo['num_adapters']} adapters, max_loras {lo['max_loras']}, "
+            f"{lo['mean_adapters_per_step']:.2f} adapters per step"
         )
     print(f"{'metric':10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):

@@ -12,6 +12,10 @@ decode whose forward also takes its ``m`` drafts: those extra query tokens
 (``num_verify_tokens``) cost ``prefill_token_s`` each, what any token processed in a forward
 costs, while its context is read once (``context_tokens`` counts it once).
 
+Multi-LoRA: a step holding ``num_loras`` distinct adapters adds ``lora_adapter_s`` per adapter
+(the batched LoRA linear runs one segment per adapter in every layer). The default 0.5 ms is a
+PLACEHOLDER, not a measurement: set it from a measured run before trusting LoRA what-ifs.
+
 Default coefficients: a least-squares fit (weighted by 1/t, i.e. relative error) to the
 measured Llama-2-70B, H100-80GB, tensor-parallel 4 rows of SplitwiseSim's performance model
 (``../shared/traces/calibration/splitwise_sim_perf_model.csv``; Patel et al., "Splitwise",
@@ -39,7 +43,8 @@ class CostModel:
 
     Attributes (seconds): ``base_s`` fixed per-step cost; ``prefill_token_s`` per prefill
     token; ``decode_seq_s`` per decoding sequence; ``context_token_s`` per KV position read by
-    decodes; ``swap_block_s`` per block swapped in or out.
+    decodes; ``swap_block_s`` per block swapped in or out; ``lora_adapter_s`` per distinct
+    LoRA adapter in the step (a placeholder until measured; see the module docstring).
     """
 
     base_s: float = 2.79450670e-02
@@ -47,6 +52,7 @@ class CostModel:
     decode_seq_s: float = 1.92680266e-04
     context_token_s: float = 2.72815994e-07
     swap_block_s: float = 2.0e-05
+    lora_adapter_s: float = 5.0e-04
 
     def step_time(
         self,
@@ -55,10 +61,11 @@ class CostModel:
         num_context_tokens: int,
         num_swapped_blocks: int = 0,
         num_verify_tokens: int = 0,
+        num_loras: int = 0,
     ) -> float:
         """Seconds for one step. All counts are >= 0; an empty step costs 0.
         ``num_verify_tokens``: drafts verified this step (query tokens beyond each decode's
-        one)."""
+        one); ``num_loras``: distinct LoRA adapters the step's groups run with."""
         if num_prefill_tokens == 0 and num_decode_seqs == 0 and num_swapped_blocks == 0:
             return 0.0
         return (
@@ -68,6 +75,7 @@ class CostModel:
             + self.context_token_s * num_context_tokens
             + self.swap_block_s * num_swapped_blocks
             + self.prefill_token_s * num_verify_tokens
+            + self.lora_adapter_s * num_loras
         )
 
 

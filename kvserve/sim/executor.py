@@ -30,13 +30,20 @@ positions ``L .. L+a-1`` and a marker that is no token (-2) in the rejected draf
 later read of one of those before it is rewritten (a missed rollback of
 ``num_computed_tokens``) is a ``KVCacheCorruption``.
 
-Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)``; a
+LoRA: a slot written for a group running with an adapter holds the token tagged with the
+adapter's id (``kv_entry``), as real K/V depends on the adapter; reading it back for another
+adapter (or the base model) is a ``KVCacheCorruption``, so a prefix-cache block shared across
+adapters is caught, and sampled tokens depend on the adapter as a real model's would.
+
+Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)`` (with the
+step's distinct adapters as ``num_loras``); a
 verification adds its ``m`` extra query tokens (``num_verify_tokens``) and the step the
 proposer's ``m * draft_step_s``.
 """
 
 from __future__ import annotations
 
+from kvserve.lora.request import LoRARequest
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.acceptance import AcceptanceModel
 from kvserve.sim.cost_model import CostModel, VirtualClock
@@ -56,6 +63,20 @@ class KVCacheCorruption(AssertionError):
 
 class InvalidExecuteRequest(AssertionError):
     """The request violates an executor invariant (bad chunk, block maps, positions)."""
+
+
+def kv_entry(token: int, lora_int_id: int) -> int:
+    """The shadow-cache content of a slot holding ``token``'s K/V computed with adapter
+    ``lora_int_id`` (0 = the base model: the token id itself)."""
+    return token if lora_int_id == 0 else token + (lora_int_id << 32)
+
+
+def _describe_entry(entry: int | None) -> str:
+    """A shadow-cache slot in words (for corruption messages)."""
+    if entry is None or entry < 0:
+        return repr(entry)
+    lora, token = entry >> 32, entry & 0xFFFFFFFF
+    return f"token {token}" + (f" of adapter {lora}" if lora else "")
 
 
 def token_hash(tokens, salt: int = 0) -> int:
@@ -97,7 +118,8 @@ class SimulatedExecutor:
             token (nothing is accepted).
 
     Attributes:
-        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals.
+        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals;
+        ``num_lora_adapter_steps``: the steps' distinct LoRA adapters, summed.
     """
 
     def __init__(
@@ -142,8 +164,26 @@ class SimulatedExecutor:
         self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
         self.busy_time_s = 0.0
+        self.num_lora_adapter_steps = 0  # sum over steps of the step's distinct adapters
         self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
         self.record = False
+        self.loras: dict[int, LoRARequest] = {}  # "loaded" adapters: there are no weights
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (the executor interface; nothing is read from its path).
+        False if its id was registered already."""
+        new = lora_request.lora_int_id not in self.loras
+        self.loras[lora_request.lora_int_id] = lora_request
+        return new
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it was not registered."""
+        return self.loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters."""
+        return set(self.loras)
 
     # ------------------------------------------------------------------ helpers
     def _block(self, pool: dict[int, list[int | None]], n: int) -> list[int | None]:
@@ -248,15 +288,17 @@ class SimulatedExecutor:
                     self._check_range("block table", b, self.num_gpu_blocks)
                 if self.check_kv:
                     toks = data.get_token_ids()
+                    lora = meta.lora_int_id
                     for pos in range(c, c + chunk):
                         key = (table[pos // bs], pos % bs)
+                        entry = kv_entry(toks[pos], lora)
                         prev = writes.get(key)
-                        if prev is not None and prev != toks[pos]:
+                        if prev is not None and prev != entry:
                             raise InvalidExecuteRequest(
                                 f"{meta.request_id}/seq {sid}: slot {key} written with two different "
-                                f"tokens in one step (missing copy-on-write)"
+                                f"tokens (or adapters) in one step (missing copy-on-write)"
                             )
-                        writes[key] = toks[pos]
+                        writes[key] = entry
                 if meta.is_prompt:
                     prefill_tokens += chunk
                 else:
@@ -294,14 +336,16 @@ class SimulatedExecutor:
                     data = meta.seq_data[sid]
                     end = data.get_num_computed_tokens() + meta.token_chunk_size
                     reads[sid] = (
-                        self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end),
+                        self._read_context(
+                            meta.request_id, sid, data, meta.block_tables[sid], end, meta.lora_int_id
+                        ),
                         end,
                     )
                 # A group's sequences advance in lockstep: all emit as many as the one that
                 # accepted fewest (as the real verifier does).
                 a = min(self._num_accepted(read, m) for read, _ in reads.values())
                 for sid, (read, end) in reads.items():
-                    sample = self._verify(read, meta.block_tables[sid], end, m, a, sid)
+                    sample = self._verify(read, meta.block_tables[sid], end, m, a, sid, meta.lora_int_id)
                     out.samples.append(sample)
                     out.spec_num_draft_tokens += m
                     out.spec_num_accepted_tokens += a
@@ -309,7 +353,9 @@ class SimulatedExecutor:
                 for sid in sorted(meta.seq_data):
                     data = meta.seq_data[sid]
                     end = data.get_num_computed_tokens() + meta.token_chunk_size
-                    read = self._read_context(meta.request_id, sid, data, meta.block_tables[sid], end)
+                    read = self._read_context(
+                        meta.request_id, sid, data, meta.block_tables[sid], end, meta.lora_int_id
+                    )
                     for i in range(max(1, meta.num_samples)):
                         out.samples.append(
                             SequenceOutput(
@@ -319,7 +365,11 @@ class SimulatedExecutor:
             results.append(out)
         # -- time
         swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
-        dt = self.cost_model.step_time(prefill_tokens, decode_seqs, context_tokens, swapped, verify_tokens)
+        num_loras = len({m.lora_int_id for m in req.seq_group_metadata_list} - {0})
+        self.num_lora_adapter_steps += num_loras
+        dt = self.cost_model.step_time(
+            prefill_tokens, decode_seqs, context_tokens, swapped, verify_tokens, num_loras
+        )
         if draft_steps and self.acceptance is not None:
             dt += draft_steps * self.acceptance.draft_step_s
         self.clock.advance(dt)
@@ -327,12 +377,12 @@ class SimulatedExecutor:
         self.num_steps += 1
         return results
 
-    def _next_read(self, read: list[int], end: int, token: int) -> list[int]:
+    def _next_read(self, read: list[int], end: int, token: int, lora_int_id: int = 0) -> list[int]:
         """The read-back key ``_read_context`` gives at ``end + 1`` once ``token`` sits at
         position ``end`` (what the next decode without speculation would hash)."""
         if not self.check_kv:
-            return [end + 1, token]
-        nxt = read + [token]
+            return [end + 1, token] + ([lora_int_id] if lora_int_id else [])
+        nxt = read + [kv_entry(token, lora_int_id)]
         if self.sliding_window is not None and end + 1 - self.sliding_window > read[0]:
             # the window moved one position: drop the oldest token, bump the start
             nxt = [read[0] + 1] + nxt[2:]
@@ -345,7 +395,7 @@ class SimulatedExecutor:
         return self.acceptance.num_accepted(_mix64(token_hash(read, _ACCEPT_SALT)) / float(1 << 64), m)
 
     def _verify(
-        self, read: list[int], table: list[int], end: int, m: int, a: int, sid: int
+        self, read: list[int], table: list[int], end: int, m: int, a: int, sid: int, lora_int_id: int = 0
     ) -> SequenceOutput:
         """A verification of ``m`` drafts, ``a`` of them accepted, for the sequence whose
         context up to ``end`` is ``read``: emit ``a + 1`` chain tokens and write the accepted
@@ -355,34 +405,40 @@ class SimulatedExecutor:
             tok = self._sample(read, 0)
             tokens.append(tok)
             if j < a:
-                read = self._next_read(read, end + j, tok)
+                read = self._next_read(read, end + j, tok, lora_int_id)
         if self.check_kv:
             bs = self.block_size
             for j in range(m):  # draft j+1 sits at position end + j
                 pos = end + j
-                self._block(self.gpu, table[pos // bs])[pos % bs] = tokens[j] if j < a else REJECTED_DRAFT
+                self._block(self.gpu, table[pos // bs])[pos % bs] = (
+                    kv_entry(tokens[j], lora_int_id) if j < a else REJECTED_DRAFT
+                )
         first, *rest = [SequenceOutput(parent_seq_id=sid, output_token=t, logprob=-1.0) for t in tokens]
         first.spec_tokens = rest
         first.num_draft_tokens = m
         first.num_accepted_tokens = a
         return first
 
-    def _read_context(self, request_id: str, sid: int, data, table: list[int], end: int) -> list[int]:
-        """Token ids of positions [start, end) read back through the block table (start > 0
-        only with a sliding window), checked against the sequence under ``strict``."""
+    def _read_context(
+        self, request_id: str, sid: int, data, table: list[int], end: int, lora_int_id: int = 0
+    ) -> list[int]:
+        """Slot contents (``kv_entry``) of positions [start, end) read back through the block
+        table (start > 0 only with a sliding window), checked against the sequence's tokens
+        under adapter ``lora_int_id`` when ``strict``."""
         toks = data.get_token_ids()
         if not self.check_kv:
-            return [end, toks[end - 1]]
+            return [end, toks[end - 1]] + ([lora_int_id] if lora_int_id else [])
         bs = self.block_size
         start = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
         read: list[int] = [start]
         for pos in range(start, end):
             blk = self.gpu.get(table[pos // bs])
             tok = None if blk is None else blk[pos % bs]
-            if self.strict and tok != toks[pos]:
+            if self.strict and tok != kv_entry(toks[pos], lora_int_id):
                 raise KVCacheCorruption(
                     f"{request_id}/seq {sid}: position {pos} (block {table[pos // bs]}, slot "
-                    f"{pos % bs}) holds {tok!r}, expected token {toks[pos]}"
+                    f"{pos % bs}) holds {_describe_entry(tok)}, expected "
+                    f"{_describe_entry(kv_entry(toks[pos], lora_int_id))}"
                 )
             read.append(-1 if tok is None else tok)
         return read

@@ -62,14 +62,25 @@ def make_group(
     max_tokens: int = 16,
     arrival_time: float = 0.0,
     priority: int = 0,
+    lora_request=None,
     **kw,
 ) -> SequenceGroup:
-    """A SequenceGroup as the engine would build it (one prompt sequence)."""
+    """A SequenceGroup as the engine would build it (one prompt sequence), with
+    ``lora_request`` (a ``LoRARequest`` or None)."""
     params = SamplingParams(
         n=n, max_tokens=max_tokens, temperature=0.0 if n == 1 else 1.0, ignore_eos=True, **kw
     )
     seq = Sequence(next_seq_id(), prompt, block_size)
-    return SequenceGroup(request_id, [seq], params, arrival_time=arrival_time, priority=priority)
+    return SequenceGroup(
+        request_id, [seq], params, arrival_time=arrival_time, priority=priority, lora_request=lora_request
+    )
+
+
+def lora(i: int):
+    """LoRA adapter ``i`` as a ``LoRARequest`` (None for 0: the base model)."""
+    from kvserve.lora.request import LoRARequest
+
+    return LoRARequest(f"adapter{i}", i, f"/adapters/{i}") if i else None
 
 
 def prompt_of(i: int, length: int) -> list[int]:
@@ -83,7 +94,7 @@ class Harness:
     ``history`` keeps, per step, (SchedulerOutputs, {request_id: queue name before the step}).
     """
 
-    def __init__(self, cc: CacheConfig, sc: SchedulerConfig, check_kv: bool = True):
+    def __init__(self, cc: CacheConfig, sc: SchedulerConfig, check_kv: bool = True, lora_config=None):
         from kvserve.engine.llm_engine import LLMEngine
 
         self.cc, self.sc = cc, sc
@@ -96,6 +107,7 @@ class Harness:
             sc,
             executor=self.executor,
             clock=self.executor.clock,
+            lora_config=lora_config,
         )
         self.scheduler: Scheduler = self.engine.scheduler
         self.history: list[SchedulerOutputs] = []
@@ -103,6 +115,7 @@ class Harness:
         self.finished_order: list[str] = []
         self.num_final: dict[str, int] = {}
         self.admitted_while_swapped = 0
+        self.lora_steps: list[set[int]] = []  # per step: the adapter ids it held (LoRA on)
         # The engine turns an executor exception into a "failed" request (fault isolation);
         # here that would hide a bookkeeping bug the simulator caught, so it fails the test
         # unless a test injects faults on purpose.
@@ -123,8 +136,15 @@ class Harness:
 
         sched.schedule = schedule
 
-    def add(self, request_id, prompt, params, priority=0, arrival_time=None):
-        self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, priority=priority)
+    def add(self, request_id, prompt, params, priority=0, arrival_time=None, lora_request=None):
+        self.engine.add_request(
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            priority=priority,
+            lora_request=lora_request,
+        )
 
     # ------------------------------------------------------------------ checks
     def check_queues(self):
@@ -163,9 +183,27 @@ class Harness:
             ]
             self.admitted_while_swapped += len(newly)
         self.check_queues()
+        self.check_loras(out, metas)
         bm = self.scheduler.block_manager
         bm.check_invariants()
         assert bm.get_num_free_cpu_blocks() <= (self.cc.num_cpu_blocks or 0)
+
+    def check_loras(self, out: SchedulerOutputs, metas):
+        """The step's adapters are its groups' (metadata included) and, like the adapters of
+        everything in ``running``, at most ``max_loras``."""
+        step = {ssg.seq_group.lora_request for ssg in out.scheduled_seq_groups} - {None}
+        assert out.lora_requests == step, (out.lora_requests, step)
+        assert [m.lora_request for m in metas] == [
+            ssg.seq_group.lora_request for ssg in out.scheduled_seq_groups
+        ]
+        lc = self.scheduler.lora_config
+        if lc is None:
+            assert not step
+            return
+        assert len(step) <= lc.max_loras, step
+        running = {g.lora_int_id for g in self.scheduler.running} - {0}
+        assert len(running) <= lc.max_loras, running
+        self.lora_steps.append({r.lora_int_id for r in step})
 
     # ------------------------------------------------------------------ driving
     def step(self):

@@ -1,8 +1,9 @@
 """Hypothesis stateful test: random arrivals, lengths, n, priorities and aborts on tiny caches,
 in every mode (chunked prefill on/off x prefix caching on/off x preemption default/recompute/
-swap x fcfs/priority). After every step the Harness checks the DESIGN.md invariants (one queue
+swap x fcfs/priority x LoRA off / max_loras 1 or 2 with requests for random adapters).
+After every step the Harness checks the DESIGN.md invariants (one queue
 per live group, token/seq budgets, block conservation on both pools, >= 1 token per prefill,
-no position >= max_model_len); at the end every request has ended exactly once, nothing is in
+no position >= max_model_len, <= max_loras adapters per step); at the end every request has ended exactly once, nothing is in
 use, and every output equals the no-pressure answer (an oracle computed from the simulator's
 sampling function alone), or a prefix of it for aborted/ignored requests."""
 
@@ -10,24 +11,26 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from kvserve.config import LoRAConfig
 from kvserve.sampling_params import SamplingParams
-from kvserve.sim.executor import SimulatedExecutor
-from tests.core.simutil import VOCAB, Harness, configs, prompt_of
+from kvserve.sim.executor import SimulatedExecutor, kv_entry
+from tests.core.simutil import VOCAB, Harness, configs, lora, prompt_of
 
 L = 32
 BASE = prompt_of(999, L)  # shared prefix pool (prefix-cache hits, block-aligned full hits)
 _ORACLE = SimulatedExecutor(VOCAB)
 
 
-def oracle(prompt, n, max_tokens):
+def oracle(prompt, n, max_tokens, lora_int_id=0):
     """What any correct schedule must produce: completion i's first token is sample i of the
-    prompt, later tokens are the greedy-like hash of everything so far."""
+    prompt, later tokens are the greedy-like hash of everything so far (as K/V of adapter
+    ``lora_int_id``)."""
     outs = []
     for i in range(n):
         toks = list(prompt)
         out = []
         for k in range(max_tokens):
-            t = _ORACLE._sample([0] + toks, i if k == 0 else 0)
+            t = _ORACLE._sample([0] + [kv_entry(x, lora_int_id) for x in toks], i if k == 0 else 0)
             out.append(t)
             toks.append(t)
         outs.append(out)
@@ -50,8 +53,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         S=st.integers(1, 6),
         T=st.integers(8, 40),
         partial=st.integers(1, 2),
+        max_loras=st.sampled_from([None, 1, 2]),
     )
-    def setup(self, cp, pc, pm, policy, BS, G, C, S, T, partial):
+    def setup(self, cp, pc, pm, policy, BS, G, C, S, T, partial, max_loras):
         cc, sc = configs(
             BS=BS,
             G=G,
@@ -65,7 +69,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             policy=policy,
             max_num_partial_prefills=partial,
         )
-        self.h = Harness(cc, sc)
+        self.h = Harness(cc, sc, lora_config=None if max_loras is None else LoRAConfig(max_loras=max_loras))
         self.reqs = {}
         self.aborted = set()
         self.counter = 0
@@ -77,8 +81,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         prio=st.integers(0, 2),
         shared=st.booleans(),
         seed=st.integers(0, 50),
+        adapter=st.integers(0, 3),
     )
-    def add(self, plen, n, mt, prio, shared, seed):
+    def add(self, plen, n, mt, prio, shared, seed, adapter):
         mt = min(mt, L - plen)
         n = min(n, self.h.sc.max_num_seqs)
         prompt = BASE[:plen] if shared else prompt_of(seed, plen)
@@ -87,8 +92,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         params = SamplingParams(
             n=n, max_tokens=mt, temperature=0.0 if n == 1 else 1.0, seed=seed, ignore_eos=True
         )
-        self.h.add(rid, prompt, params, priority=prio)
-        self.reqs[rid] = (prompt, n, mt)
+        if self.h.scheduler.lora_config is None:
+            adapter = 0
+        self.h.add(rid, prompt, params, priority=prio, lora_request=lora(adapter))
+        self.reqs[rid] = (prompt, n, mt, adapter)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -112,10 +119,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         h.assert_idle()
         cc = h.cc
         bs, G = cc.block_size, cc.num_gpu_blocks
-        for rid, (prompt, n, mt) in self.reqs.items():
+        for rid, (prompt, n, mt, adapter) in self.reqs.items():
             assert h.num_final.get(rid) == 1, (rid, h.num_final.get(rid))
             out = h.outputs[rid]
-            ref = oracle(prompt, n, mt)
+            ref = oracle(prompt, n, mt, adapter)
             toks = [list(c.token_ids) for c in out.outputs]
             reasons = {c.finish_reason for c in out.outputs}
             if rid in self.aborted and reasons <= {"abort", "length", None}:

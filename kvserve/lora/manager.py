@@ -58,7 +58,7 @@ class LoRAManager:
         self.max_loras = lora_config.max_loras
         self.rmax = lora_config.max_lora_rank
         self._cpu: OrderedDict[int, tuple[LoRARequest, LoRAModel]] = OrderedDict()
-        self._slot_ids: list[int | None] = [None] * self.max_loras
+        self._slots: list[LoRARequest | None] = [None] * self.max_loras  # what each slot holds
         self._slot_used: list[float] = [0.0] * self.max_loras
         self._use_counter = 0.0
         self.last_load_s = 0.0
@@ -114,6 +114,11 @@ class LoRAManager:
             lora_request.lora_path, lora_request.lora_int_id, self.shapes, self.rmax, self.dtype
         )
         self.last_load_s = time.perf_counter() - t
+        # a slot may still hold this id from before a CPU eviction, perhaps from another path:
+        # it is refilled from the new copy when next needed
+        self._slots = [
+            None if r is not None and r.lora_int_id == lora_request.lora_int_id else r for r in self._slots
+        ]
         self._cpu[lora_request.lora_int_id] = (lora_request, model)
         max_cpu = self.config.max_cpu_loras or self.max_loras
         while len(self._cpu) > max_cpu:
@@ -124,22 +129,22 @@ class LoRAManager:
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the CPU cache and its device slot; False when it was not loaded."""
         found = self._cpu.pop(lora_int_id, None) is not None
-        for s, held in enumerate(self._slot_ids):
-            if held == lora_int_id:
-                self._slot_ids[s] = None
+        for s, held in enumerate(self._slots):
+            if held is not None and held.lora_int_id == lora_int_id:
+                self._slots[s] = None
                 found = True
         return found
 
     def list_loras(self) -> set[int]:
         """Ids of the adapters loaded (CPU cache or a device slot)."""
-        return set(self._cpu) | {i for i in self._slot_ids if i is not None}
+        return set(self._cpu) | {r.lora_int_id for r in self._slots if r is not None}
 
     def slot_of(self, lora_int_id: int) -> int | None:
         """The device slot holding ``lora_int_id`` now, or None."""
-        try:
-            return self._slot_ids.index(lora_int_id)
-        except ValueError:
-            return None
+        for s, held in enumerate(self._slots):
+            if held is not None and held.lora_int_id == lora_int_id:
+                return s
+        return None
 
     # ------------------------------------------------------------------ device slots
     def activate(self, lora_requests: list[LoRARequest]) -> dict[int, int]:
@@ -162,13 +167,18 @@ class LoRAManager:
         missing = []
         for lid in wanted:
             s = self.slot_of(lid)
+            if s is not None and self._slots[s] != wanted[lid]:
+                # the slot holds this id from another path (the CPU copy was evicted and the
+                # id reused): refill it, and let add_lora refuse a conflict it still knows of
+                self._slots[s] = None
+                s = None
             if s is None:
                 missing.append(lid)
             else:
                 out[lid] = s
                 self._slot_used[s] = self._use_counter
         for lid in missing:
-            free = [s for s in range(self.max_loras) if self._slot_ids[s] is None]
+            free = [s for s in range(self.max_loras) if self._slots[s] is None]
             if free:
                 s = free[0]
             else:  # the least recently used slot this step does not need
@@ -183,7 +193,7 @@ class LoRAManager:
 
     @torch.inference_mode()
     def _load_slot(self, slot: int, req: LoRARequest) -> None:
-        self._slot_ids[slot] = None  # (not valid while half-written)
+        self._slots[slot] = None  # (not valid while half-written)
         self.add_lora(req)
         _, model = self._cpu[req.lora_int_id]
         R = self.rmax
@@ -197,5 +207,5 @@ class LoRAManager:
             r = la.shape[0]
             a[slot, :, i * R : i * R + r].copy_(la.t())
             b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
-        self._slot_ids[slot] = req.lora_int_id
+        self._slots[slot] = req
         self.num_slot_loads += 1

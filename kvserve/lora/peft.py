@@ -119,6 +119,10 @@ def _target_names(target_modules) -> set[str] | None:
         if target_modules in TARGET_MODULES:
             return {target_modules}
         return None  # a regex over module names: the weight names say what it matched
+    if not isinstance(target_modules, list):
+        raise ValueError(
+            f"adapter_config.json: target_modules must be a list of names or a string, got {target_modules!r}."
+        )
     names = set()
     for t in target_modules:
         leaf = str(t).rsplit(".", 1)[-1]

@@ -179,3 +179,17 @@ def test_slots_keep_resident_adapters_and_replace_the_least_recently_used(tmp_pa
     assert got == {3: first[1], 2: first[2]} and mgr.num_slot_loads == 3
     with pytest.raises(RuntimeError, match="3 distinct LoRA adapters; max_loras=2"):
         mgr.activate([r1, r2, r3])
+
+
+def test_reloading_an_id_from_another_path_after_eviction_refills_its_slot(tmp_path):
+    model, mgr = _manager(max_loras=1, max_cpu_loras=1)
+    r1 = _req(tmp_path, 1)
+    mgr.activate([r1])
+    mgr.add_lora(_req(tmp_path, 2))  # evicts 1 from the CPU cache; slot 0 still holds 1
+    assert mgr.slot_of(1) == 0
+    mgr.remove_lora(2)
+    new1 = LoRARequest("l1", 1, _adapter(tmp_path, "new1", seed=99))
+    mgr.activate([new1])
+    a = model.layers[0].self_attn.lora_stacks["qkv"][0]
+    new_a = mgr._cpu[1][1].weights[(0, "q_proj")][0]
+    assert torch.equal(a[0, :, : new_a.shape[0]], new_a.t()) and mgr.num_slot_loads == 2

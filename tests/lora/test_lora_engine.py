@@ -202,3 +202,32 @@ def test_fuzzed_adapter_dirs_load_or_raise_value_error(tmp_path_factory, shapes,
     except ValueError:
         return
     assert m.rank == 4 and m.weights
+
+
+def test_async_engine_streams_with_an_adapter_and_reports_a_bad_one(llm, good, tmp_path):
+    """The server's engine front passes ``lora_request`` through; a bad adapter is the
+    caller's ValueError and the loop keeps serving."""
+    import asyncio
+
+    from kvserve.engine.async_llm_engine import AsyncLLMEngine
+
+    ref = _tokens(llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False, lora_request=good))[0]
+
+    async def main():
+        ae = AsyncLLMEngine(llm.llm_engine)
+        ae.start()
+        try:
+            with pytest.raises(ValueError, match="has no adapter_config.json"):
+                async for _ in ae.generate(
+                    PROMPTS[0], PARAMS, "bad", lora_request=LoRARequest("b", 77, str(tmp_path))
+                ):
+                    pass
+            last = None
+            async for out in ae.generate(PROMPTS[0], PARAMS, "ok", lora_request=good):
+                last = out
+            return last
+        finally:
+            ae.shutdown()
+
+    last = asyncio.run(main())
+    assert last.finished and last.outputs[0].token_ids == ref

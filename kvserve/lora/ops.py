@@ -6,9 +6,11 @@ Serving", 2023): once per step the rows with an adapter are grouped by slot
 (``LoRAMapping``: one permutation and a list of ``(slot, start, end)`` segments); each target
 linear then gathers those rows once, runs two small matmuls per *active slot* (shrink to the
 rank, expand to the output; a loop over at most ``max_loras`` slots, never over requests or
-tokens) into one scratch buffer, and scatters the deltas back with one ``index_add_``. When
-every row has an adapter and the rows are already in slot order the gather and scatter are
-skipped. ``scale`` is folded into ``B`` at load. Plain torch ops: float32 and bfloat16, CPU and
+tokens) into one scratch buffer with a zero row at its end, gathers that back into batch order
+(base rows read the zero row) and adds it to the output: CPU ``index_add_`` measured several
+times slower than ``index_select`` for decode-sized shapes, so it is kept for steps where few
+rows have an adapter (``SCATTER_BELOW``). When
+every row has an adapter and the rows are already in slot order both gathers are skipped. ``scale`` is folded into ``B`` at load. Plain torch ops: float32 and bfloat16, CPU and
 CUDA alike.
 """
 
@@ -18,6 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+#: Scatter the deltas with ``index_add_`` when fewer than 1 in ``SCATTER_BELOW`` rows has an
+#: adapter (it touches only those rows); otherwise gather them into batch order and add densely.
+SCATTER_BELOW = 4
 
 
 @dataclass
@@ -29,6 +35,8 @@ class LoRAMapping:
         rows: int64 tensor ``[N]`` (on the model's device): the rows with a slot, grouped by
             slot (stable: batch order within a slot).
         segments: ``(slot, start, end)``: ``rows[start:end]`` run slot ``slot``.
+        inverse: int64 tensor ``[T]``: row ``t``'s index in ``rows``, or ``len(rows)`` for a base
+            row (the zero row of the op's scratch).
         contiguous: ``rows == arange(T)``: every row has an adapter and they are in slot order,
             so the op reads ``x`` and adds into ``out`` in place.
     """
@@ -37,6 +45,7 @@ class LoRAMapping:
     rows: torch.Tensor
     segments: list[tuple[int, int, int]]
     contiguous: bool
+    inverse: torch.Tensor
 
     @classmethod
     def build(cls, row_slots: np.ndarray, device: torch.device | str = "cpu") -> LoRAMapping | None:
@@ -54,7 +63,15 @@ class LoRAMapping:
         ends = np.concatenate((bounds, [len(rows)]))
         segments = [(int(sorted_slots[a]), int(a), int(b)) for a, b in zip(starts, ends)]
         contiguous = len(rows) == len(row_slots) and bool((rows == np.arange(len(rows))).all())
-        return cls(row_slots, torch.from_numpy(rows).to(device), segments, contiguous)
+        inverse = np.full(len(row_slots), len(rows), dtype=np.int64)
+        inverse[rows] = np.arange(len(rows))
+        return cls(
+            row_slots,
+            torch.from_numpy(rows).to(device),
+            segments,
+            contiguous,
+            torch.from_numpy(inverse).to(device),
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -98,11 +115,14 @@ def add_lora(
     xs = x if mapping.contiguous else x.index_select(0, mapping.rows)
     n = xs.shape[0]
     mid = torch.empty(n, a.shape[2], dtype=x.dtype, device=x.device)
-    delta = torch.empty(n, b.shape[2], dtype=out.dtype, device=out.device)
+    delta = torch.empty(n + 1, b.shape[2], dtype=out.dtype, device=out.device)
     for s, lo, hi in mapping.segments:
         torch.mm(xs[lo:hi], a[s], out=mid[lo:hi])
         torch.mm(mid[lo:hi], b[s], out=delta[lo:hi])
     if mapping.contiguous:
-        out.add_(delta)
+        out.add_(delta[:n])
+    elif n * SCATTER_BELOW < T:  # few adapter rows (e.g. one adapter prompt in a big prefill)
+        out.index_add_(0, mapping.rows, delta[:n])
     else:
-        out.index_add_(0, mapping.rows, delta)
+        delta[n].zero_()
+        out.add_(delta.index_select(0, mapping.inverse))

@@ -42,6 +42,16 @@ def test_add_lora_equals_per_row_reference(rows, rank, fin, fout, seed):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+def test_add_lora_few_adapter_rows_scatter_path():
+    rows = [-1] * 30 + [1, -1, 0]  # 2 of 33 rows: the index_add_ path
+    g = torch.Generator().manual_seed(2)
+    x, out = torch.randn(33, 8, generator=g), torch.randn(33, 6, generator=g)
+    a, b = torch.randn(2, 8, 3, generator=g), torch.randn(2, 3, 6, generator=g)
+    ref = _reference(out, x, a, b, rows)
+    add_lora(out, x, a, b, LoRAMapping.build(np.asarray(rows)))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_lora_dtypes_on_test_device(dtype):
     g = torch.Generator().manual_seed(1)
@@ -66,6 +76,7 @@ def test_add_lora_dtypes_on_test_device(dtype):
 def test_mapping_groups_rows_by_slot_in_batch_order():
     m = LoRAMapping.build(np.asarray([1, -1, 0, 1, 0, -1]))
     assert m.rows.tolist() == [2, 4, 0, 3]
+    assert m.inverse.tolist() == [2, 4, 0, 3, 1, 4]  # base rows -> 4, the zero row
     assert m.segments == [(0, 0, 2), (1, 2, 4)]
     assert not m.contiguous and m.active_slots() == [0, 1]
     assert LoRAMapping.build(np.asarray([0, 0, 1])).contiguous

@@ -7,7 +7,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora.request import LoRARequest
-from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 from tests.golden import TEST_DEVICE, compare, hf_greedy
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter, peft_reference
 from tests.test_e2e_tiny import assert_idle
@@ -57,13 +57,14 @@ def _lora_of(adapters, i):
     [
         dict(),  # native decode + native prefill kernels (CPU)
         dict(enable_chunked_prefill=True, max_num_batched_tokens=24),  # prefill chunks mixed with decodes
-        "module-path",  # no native decode: every step on the module path
+        "module-path",  # no native decode: every step on the module path, MLP in row chunks
     ],
     ids=["default", "chunked", "module-path"],
 )
 def test_mixed_adapters_equal_peft(tiny_llama_dir, adapters, prompts, references, mode, monkeypatch):
     if mode == "module-path":
         monkeypatch.setattr(LlamaForCausalLM, "use_native_decode", False)
+        monkeypatch.setattr(LlamaMLP, "CHUNK_ROWS", 16)  # the MLP's row chunks slice the slot map
         mode = dict()
     llm = LLM(model=str(tiny_llama_dir), max_loras=3, **ENGINE, **mode)
     outs = llm.generate(
@@ -136,3 +137,19 @@ def test_bfloat16_adapters_run_and_differ_from_base(tiny_llama_dir, adapters, pr
     assert all(o.outcome == "finished" for o in with_lora)
     assert with_lora[3].outputs[0].token_ids == plain[3].outputs[0].token_ids
     assert any(w.outputs[0].token_ids != p.outputs[0].token_ids for w, p in zip(with_lora[:3], plain[:3]))
+
+
+def test_speculative_decoding_with_adapters_equals_peft(tiny_llama_dir, adapters, prompts, references):
+    """Verify chunks run the request's adapter too: n-gram speculation keeps greedy output."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(model=str(tiny_llama_dir), max_loras=3, speculative_config=spec, **ENGINE)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=[_lora_of(adapters, i) for i in range(len(prompts))],
+    )
+    for o, ref in zip(outs, references):
+        compare(o.outputs[0].token_ids, ref)
+    assert llm.llm_engine.stats.spec_num_draft_tokens > 0  # verify chunks did run
+    assert_idle(llm.llm_engine)

@@ -231,3 +231,8 @@ def test_async_engine_streams_with_an_adapter_and_reports_a_bad_one(llm, good, t
 
     last = asyncio.run(main())
     assert last.finished and last.outputs[0].token_ids == ref
+
+
+def test_lora_with_tensor_parallelism_is_refused_at_start(tiny_llama_dir):
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size"):
+        LLM(model=str(tiny_llama_dir), enable_lora=True, tensor_parallel_size=2)

@@ -324,7 +324,7 @@ class SequenceGroup:
     # -- queries -------------------------------------------------------------------
     @property
     def lora_int_id(self) -> int:
-        """The adapter's id, 0 without one (vLLM's convention)."""
+        """The adapter's id, 0 when the request runs the base model."""
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property

@@ -1,4 +1,4 @@
-"""``kvserve bench throughput | serve | cold-start | plot``."""
+"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
         "kvserve.benchmarks.data_parallel",
         "one engine vs DP replicas per router on a shared-prefix trace",
     ),
+    "lora": ("kvserve.benchmarks.lora", "multi-LoRA serving vs the same run without adapters"),
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.openmp_pool import release_calling_thread_pool
@@ -76,10 +77,16 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- requests
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Raises ValueError (invalid input, duplicate id) before
-        queueing, EngineDeadError if the loop died."""
+        """Stream outputs of one request (with ``lora_request``'s adapter, None: the base
+        model). Raises ValueError (invalid input, duplicate id, an adapter that does not load)
+        before queueing, EngineDeadError if the loop died."""
         if self.errored is not None:
             raise EngineDeadError(f"engine loop stopped: {self.errored!r}")
         if request_id in self._streams:
@@ -87,7 +94,7 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._inbox.put(("add", request_id, prompt, params, priority, accepted))
+        self._inbox.put(("add", request_id, prompt, params, priority, accepted, lora_request))
         self._wakeup.set()
         # Validation runs on the engine thread (the engine is single-threaded).
         try:
@@ -144,9 +151,11 @@ class AsyncLLMEngine:
                 self.engine.abort_request(aborts)
                 aborts = []
             if msg[0] == "add":
-                _, rid, prompt, params, priority, accepted = msg
+                _, rid, prompt, params, priority, accepted, *lora = msg
                 try:
-                    self.engine.add_request(rid, prompt, params, priority=priority)
+                    self.engine.add_request(
+                        rid, prompt, params, priority=priority, lora_request=lora[0] if lora else None
+                    )
                     loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid input: reported to the caller, never fatal
                     err = e if isinstance(e, ValueError) else ValueError(str(e))

@@ -63,8 +63,8 @@ class LLMEngine:
         speculative_config: speculative decoding settings (the executor verifies; the engine
             appends every emitted token, counts drafts and switches a request's speculation
             off when its acceptance stays low), or None.
-        lora_config: multi-LoRA limits (the scheduler holds at most ``max_loras`` adapters per
-            step), or None: requests may not name an adapter.
+        lora_config: multi-LoRA limits when LoRA is enabled (the executor then has
+            ``add_lora`` / ``remove_lora`` / ``list_loras``), or None.
     """
 
     def __init__(
@@ -147,7 +147,10 @@ class LLMEngine:
         spec_config = args.create_speculative_config()
         parallel_config = args.create_parallel_config()
         parallel_config.verify_with_model(hf_config, model_config.resolved_device())
-        worker = Worker(model_config, cache_config, scheduler_config, parallel_config)
+        lora_config = args.create_lora_config()
+        worker = Worker(
+            model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config
+        )
         try:
             num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
             cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
@@ -176,7 +179,7 @@ class LLMEngine:
             vocab_size=hf_config.vocab_size,
             eos_token_id=eos,
             speculative_config=spec_config,
-            lora_config=args.create_lora_config(),
+            lora_config=lora_config,
         )
 
     # ------------------------------------------------------------------ requests
@@ -189,15 +192,18 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request (it joins ``waiting``). ``lora_request``: the adapter it
-        runs with (None = the base model).
+        """Validate and queue a request (it joins ``waiting``).
+
+        ``lora_request``: the adapter it runs with (None: the base model); an adapter not
+        loaded yet is loaded and validated here, so a bad one fails this call only.
 
         Raises:
             ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
                 ``n > max_num_seqs``, prompt + max_tokens > max_model_len (see
                 ``validate_request``), a ``structured_outputs`` constraint that does not
-                compile (naming its field), a ``lora_request`` that is not a ``LoRARequest`` or
-                given while LoRA is off. Nothing is queued when it raises.
+                compile (naming its field), a ``lora_request`` that is not a ``LoRARequest``, given
+                while LoRA is off, or whose adapter does not load (naming the path or the limit).
+                Nothing is queued when it raises.
         """
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
@@ -214,6 +220,8 @@ class LLMEngine:
         LIMITS["priority"].check("priority", priority)
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         seq = Sequence(
             next_seq_id(),
             prompt_ids,
@@ -241,6 +249,36 @@ class LLMEngine:
         self._max_tokens[request_id] = max_tokens
         self.stats.on_request_added(len(prompt_ids))
         self.scheduler.add_seq_group(group)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (validated) so requests can use it; False if it was loaded already.
+
+        Raises:
+            ValueError: LoRA is not enabled, ``lora_request`` is not a ``LoRARequest``, or the
+                adapter is invalid (a missing file names the path, a too large rank
+                ``max_lora_rank``).
+        """
+        if self.lora_config is None:
+            raise ValueError(
+                "lora_request was given but LoRA is not enabled; start the engine with enable_lora=True."
+            )
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        return bool(self.executor.add_lora(lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False if it was not loaded. (A live request using it reloads it
+        from its path when it is next scheduled.) Raises ValueError when LoRA is off."""
+        if self.lora_config is None:
+            raise ValueError("LoRA is not enabled (enable_lora=False).")
+        return bool(self.executor.remove_lora(lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        """Ids of the loaded adapters (empty when LoRA is off)."""
+        if self.lora_config is None:
+            return set()
+        return set(self.executor.list_loras())
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort live requests (any queue). Their blocks are freed at once; one final output

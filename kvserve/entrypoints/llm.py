@@ -10,6 +10,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -60,18 +61,23 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; returns one ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a string, ``{"prompt_token_ids": [...]}``, or a list of those.
         ``sampling_params``: one for all, or a list with one per prompt.
+        ``lora_request``: one adapter for all prompts, or a list with one entry (a
+        ``LoRARequest`` or None for the base model) per prompt; needs ``enable_lora=True``.
         A prompt the scheduler can never run (too long for ``prompt_limit`` or the KV cache)
         comes back finished with ``finish_reason == "ignored"`` and ``error`` saying why; a
         request whose step failed inside the engine comes back with ``outcome == "failed"``
         (``finish_reason == "error"``, ``error`` naming it), and the others are unaffected.
 
         Raises:
-            ValueError: for any invalid prompt or params; then nothing is queued.
+            ValueError: for any invalid prompt or params (an adapter that does not load, a
+                ``lora_request`` list of the wrong length or while LoRA is off); then nothing is
+                queued.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -91,6 +97,7 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
+        loras = self._lora_list(lora_request, len(prompts))
         engine = self.llm_engine
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         if self._dp is not None:
@@ -99,8 +106,8 @@ class LLM:
             return run_batch(self._dp, list(zip(ids, prompts, params_list, priorities)), use_tqdm)
         added = []
         try:
-            for rid, prompt, params, prio in zip(ids, prompts, params_list, priorities):
-                engine.add_request(rid, prompt, params, priority=prio)
+            for rid, prompt, params, prio, lora in zip(ids, prompts, params_list, priorities, loras):
+                engine.add_request(rid, prompt, params, priority=prio, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)
@@ -108,6 +115,23 @@ class LLM:
                 engine.step()
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def _lora_list(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One ``lora_request`` entry per prompt. Raises ValueError: a list of the wrong
+        length, an entry that is not a ``LoRARequest``, or an adapter while LoRA is off."""
+        if lora_request is None:
+            return [None] * n
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts.")
+        for x in loras:
+            if x is not None and not isinstance(x, LoRARequest):
+                raise ValueError(f"lora_request entries must be LoRARequest or None, got {type(x).__name__}.")
+        if any(x is not None for x in loras) and self.llm_engine.lora_config is None:
+            raise ValueError(
+                "lora_request was given but LoRA is not enabled; create the LLM with enable_lora=True."
+            )
+        return loras
 
     def beam_search(
         self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False
@@ -162,9 +186,11 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Like ``generate`` for chat conversations (lists of ``{"role", "content"}``),
-        rendered with the tokenizer's chat template (transformers ``apply_chat_template``)."""
+        rendered with the tokenizer's chat template (transformers ``apply_chat_template``);
+        ``lora_request`` as in ``generate``, one per conversation."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         tok = self.get_tokenizer()
@@ -176,7 +202,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

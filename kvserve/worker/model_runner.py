@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve.lora.ops import LoRAMapping
 from kvserve.model_executor.layers import native_attention, native_prefill_attention
 from kvserve.model_executor.layers.attention import (
     AttentionMetadata,
@@ -147,6 +148,9 @@ class ModelRunner:
     #: Attend multi-token chunks with ``native_prefill_attention`` when ``use_native`` holds
     #: (False: one torch SDPA call per chunk and layer).
     native_prefill = True
+    #: A ``kvserve.lora.manager.LoRAManager`` when LoRA is enabled: each step's adapters get
+    #: device slots (``activate``) and the batch a per-row slot map (``meta.lora``).
+    lora_manager = None
 
     def __init__(
         self,
@@ -227,10 +231,15 @@ class ModelRunner:
         # count, k) per chunk that asks, and the prompt token after each of those positions
         pl_spans: list[tuple[int, bool, int, int, int, int]] = []
         pl_targets: list[int] = []
+        # LoRA: the slot of every row (-1 = base model), in the row order of p / d tokens
+        slot_of = self._lora_slots(metadata)
+        p_lora: list[int] = []
+        d_lora: list[int] = []
         for g, md in enumerate(metadata):
             n = md.token_chunk_size
             if n < 1:
                 raise ValueError(f"request {md.request_id}: token_chunk_size={n} (must be >= 1)")
+            lslot = -1 if md.lora_request is None or slot_of is None else slot_of[md.lora_request.lora_int_id]
             as_decode = n == 1 or (self.use_native and not md.is_prompt and n <= MAX_EXPANDED_DECODE_CHUNK)
             for sid, data in md.seq_data.items():
                 c = data.get_num_computed_tokens()
@@ -255,6 +264,8 @@ class ModelRunner:
                         k = md.sampling_params.prompt_logprobs
                         pl_spans.append((g, as_decode, base, lo, hi - lo, k))
                         pl_targets.extend(data.prompt_token_ids[lo + 1 : hi + 1])
+                if slot_of is not None:
+                    (d_lora if as_decode else p_lora).extend([lslot] * n)
                 if n == 1:
                     p = data.get_prompt_len()
                     d_sids.append((sid, len(d_tokens), 1))
@@ -364,6 +375,8 @@ class ModelRunner:
             d_row = np.empty(B, dtype=np.int64)
             d_row[perm] = np.arange(B)  # decode i -> its row offset after sorting
             d_tokens = [d_tokens[i] for i in perm]
+            if d_lora:
+                d_lora = [d_lora[i] for i in perm]
             positions[P:] = ctx[perm]
             slots[P:] = slots[P:][perm]
             ends_b = split_buckets(nblk[perm])
@@ -398,6 +411,8 @@ class ModelRunner:
         write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
         meta.write_idx = torch.from_numpy(write_idx).to(dev)
         meta.slot_mapping = torch.from_numpy(slots.astype(np.int64, copy=False)).to(dev)
+        if slot_of:
+            meta.lora = LoRAMapping.build(np.asarray(p_lora + d_lora, dtype=np.int64), dev)
         rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
         seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}
         for sid, i, cnt in d_sids:
@@ -421,6 +436,20 @@ class ModelRunner:
             inp.prompt_targets = torch.tensor(pl_targets, dtype=torch.long)
             inp.prompt_spans = [(g, lo, count, k) for g, _, _, lo, count, k in pl_spans]
         return inp
+
+    def _lora_slots(self, metadata: Seq[SequenceGroupMetadata]) -> dict[int, int] | None:
+        """``lora_int_id`` -> device slot for the step's adapters (loaded into slots now), or
+        None without a LoRA manager.
+
+        Raises:
+            ValueError: a group asks for an adapter while LoRA is not enabled.
+        """
+        reqs = [md.lora_request for md in metadata if md.lora_request is not None]
+        if self.lora_manager is None:
+            if reqs:
+                raise ValueError(f"request asks for LoRA adapter {reqs[0].lora_name!r}; LoRA is not enabled")
+            return None
+        return self.lora_manager.activate(reqs)
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()

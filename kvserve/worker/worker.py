@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from kvserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvserve.lora.request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     BlockMoveError,
@@ -116,6 +117,9 @@ class Worker:
             samples. ``kv_cache_memory_gib`` is then per rank (each rank's blocks hold KH/T
             heads, so the block count grows with T).
         rank, tp_world_size, tp_port: set by ``tp_executor`` for a peer rank only.
+        lora_config: multi-LoRA limits (``None``: LoRA off). Adapters are loaded into a CPU
+            cache by ``add_lora`` and copied into device slots as steps need them. Not with
+            tensor parallelism (the slots hold whole, unsharded adapters).
 
     Attributes:
         hf_config: the model's transformers config. model_dir: the resolved directory.
@@ -138,6 +142,7 @@ class Worker:
         rank: int = 0,
         tp_world_size: int | None = None,
         tp_port: int | None = None,
+        lora_config: LoRAConfig | None = None,
     ):
         from kvserve.model_executor.model_loader import (
             get_sliding_window,
@@ -156,6 +161,10 @@ class Worker:
         self.rank = rank
         self.tp_size = self.parallel_config.tensor_parallel_size
         self.is_driver = rank == 0
+        self.lora_config = lora_config
+        self.lora_manager = None
+        if lora_config is not None and self.tp_size > 1:
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size={self.tp_size} (use 1)")
         self.device = model_config.resolved_device()
         self.dtype = model_config.resolved_dtype()
         self._steps = 0
@@ -224,6 +233,39 @@ class Worker:
         self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        if lora_config is not None:
+            if model_config.quantization is not None:
+                raise ValueError(
+                    f"enable_lora is not supported with quantization={model_config.quantization!r}"
+                )
+            from kvserve.lora.manager import LoRAManager
+            from kvserve.lora.peft import ModelShapes
+
+            self.lora_manager = LoRAManager(
+                self.model, lora_config, ModelShapes.from_hf_config(self.hf_config)
+            )
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load (and validate) an adapter into the CPU cache; False if it was loaded already.
+
+        Raises:
+            ValueError: LoRA is not enabled, or the adapter is invalid (naming the path / limit).
+        """
+        return self._loras().add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (CPU cache and device slot); False if it was not loaded."""
+        return self._loras().remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the loaded adapters."""
+        return self._loras().list_loras()
+
+    def _loras(self):
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled (enable_lora=False)")
+        return self.lora_manager
 
     # ------------------------------------------------------------------ cache sizing
     def bytes_per_block(self) -> int:
@@ -371,6 +413,7 @@ class Worker:
             Sampler(eos_token_id=eos),
             self.device,
         )
+        self.runner.lora_manager = self.lora_manager
 
     def warm_up(self) -> float:
         """Run one throw-away prefill step of ``max_num_batched_tokens`` tokens (at most

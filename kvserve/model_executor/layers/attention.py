@@ -25,6 +25,7 @@ viewed as ``[2 * kv_heads * num_blocks, block_size * head_dim]``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,8 @@ class AttentionMetadata:
             ``native_decode`` when the native CPU kernel is used.
         workspace: flat buffer reused by every layer for gathered K/V (avoids allocating and
             page-faulting tens of MB per layer); ``None`` = allocate.
+        lora: the step's ``kvserve.lora.ops.LoRAMapping`` (rows per adapter slot), or ``None``
+            when no row runs an adapter. (Carried here because every layer reads it.)
     """
 
     write_idx: torch.Tensor
@@ -140,6 +143,7 @@ class AttentionMetadata:
     native_decode: NativeDecode | None = None
     native_prefill: NativePrefill | None = None
     workspace: torch.Tensor | None = None
+    lora: Any = None
 
 
 class PagedAttention:

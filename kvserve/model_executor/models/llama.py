@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.lora.ops import add_lora
 from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops, quant_gemm
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
@@ -85,11 +86,23 @@ def _tp_size(tp) -> int:
     return 1 if tp is None else int(tp.world_size)
 
 
+def _lora(module, target: str, x: torch.Tensor, out: torch.Tensor, lora) -> None:
+    """Add the step's LoRA deltas of ``module``'s ``target`` linear to ``out`` in place
+    (``lora``: the step's ``LoRAMapping`` or None; ``module.lora_stacks`` set by the
+    ``LoRAManager``; LoRA runs without tensor parallelism only, so before any all-reduce)."""
+    if lora is not None:
+        a, b = module.lora_stacks[target]
+        add_lora(out, x, a, b, lora)
+
+
 class LlamaAttention(nn.Module):
     """Self-attention; with a tensor-parallel group ``tp`` of size T this rank holds heads
     ``[r*H/T, (r+1)*H/T)`` and KV heads ``[r*KH/T, (r+1)*KH/T)`` (column-parallel q/k/v) and the
     matching 1/T of o's input columns (row-parallel o), whose partial outputs are summed over the
     ranks (``tp.all_reduce``)."""
+
+    #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.LoRAManager``.
+    lora_stacks: dict | None = None
 
     def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None):
         super().__init__()
@@ -129,6 +142,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        _lora(self, "qkv", x, qkv, meta.lora)
         fused = native_ops.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
         if fused:  # rotary + cache write in one native pass
             qk = native_ops.rope_write_kv(
@@ -144,12 +158,16 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         o = self.attn.forward(q, k, v, kv_cache, meta, kv_written=fused)
         out = linear(o, self.o_weight, self.o_bias)
+        _lora(self, "o", o, out, meta.lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP; with a tensor-parallel group ``tp`` of size T this rank holds 1/T of the
     intermediate columns (column-parallel gate/up, row-parallel down, outputs all-reduced)."""
+
+    #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.LoRAManager``.
+    lora_stacks: dict | None = None
 
     def __init__(self, cfg, dtype, device, tp=None):
         super().__init__()
@@ -165,23 +183,27 @@ class LlamaMLP(nn.Module):
     #: (peak memory) without hurting GEMM efficiency.
     CHUNK_ROWS = 2048
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gu = linear(x, self.gate_up_weight)
+        _lora(self, "gate_up", x, gu, lora)
         if native_ops.supported(gu):
             g = native_ops.silu_and_mul(gu)  # one pass instead of silu + mul
         else:
             g = F.silu(gu[:, : self.inter])
             g.mul_(gu[:, self.inter :])
         out = linear(g, self.down_weight)
+        _lora(self, "down", g, out, lora)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; ``lora``: the step's ``LoRAMapping`` or None."""
         T = x.shape[0]
         if T <= self.CHUNK_ROWS:
-            return self._forward(x)
+            return self._forward(x, lora)
         out = torch.empty_like(x)
         for i in range(0, T, self.CHUNK_ROWS):
-            out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS])
+            part = None if lora is None else lora.slice(i, min(i + self.CHUNK_ROWS, T))
+            out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS], part)
         return out
 
 
@@ -201,7 +223,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):

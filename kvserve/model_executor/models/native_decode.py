@@ -17,13 +17,15 @@ Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed
 kernel that takes this step's row count (``native_gemm.PanelWeight``, or
 ``amx_gemm.AmxWeight`` up to ``amx_gemm.MAX_ROWS`` rows), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), and the native ops available. Otherwise the
-module path runs.
+module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
+GEMM, as the module path does (``kvserve.lora.ops.add_lora``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvserve.lora.ops import add_lora
 from kvserve.model_executor.layers import amx_gemm, native_attention, native_gemm, native_ops, quant_gemm
 from kvserve.model_executor.layers.attention import AttentionMetadata
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX
@@ -136,12 +138,17 @@ def forward_layers(
     cos_p, sin_p, slots_p = p(cos), p(sin), p(slots)
     table_p, nbmax, kstart_p, kend_p = p(nd.table), nd.table.shape[1], p(nd.kstart), p(nd.kend)
 
-    def gemm(weight, bias, src, dst):
+    lora = meta.lora
+
+    def gemm(weight, bias, src, dst, module=None, target=""):
         fn, w, b, n, k, panel = _gemm_call(weight, bias, T, x.dtype)
         if panel:  # float32 panels: x is its own float32 scratch
             fn(p(src), p(src), w, b, p(dst), T, n, k, nt)
         else:
             fn(p(src), w, b, p(dst), T, n, k, nt)
+        if lora is not None:
+            la, lb = module.lora_stacks[target]
+            add_lora(dst, src, la, lb, lora)
 
     for i, layer in enumerate(model.layers):
         attn, mlp, cache = layer.self_attn, layer.mlp, kv_caches[i]
@@ -167,7 +174,7 @@ def forward_layers(
                 layer.input_layernorm.eps,
                 nt,
             )
-        gemm(attn.qkv_weight, attn.qkv_bias, h, qkv)
+        gemm(attn.qkv_weight, attn.qkv_bias, h, qkv, attn, "qkv")
         NB, BS = cache.shape[2], cache.shape[3]
         rope(p(qkv), cos_p, sin_p, p(qk), p(cache), slots_p, T, H, KH, D, NB * BS, nt)
         # q heads straight from qk's rows ((H + KH) * D apart); k/v are already in the cache
@@ -189,7 +196,7 @@ def forward_layers(
             attn.attn.scale,
             nt,
         )
-        gemm(attn.o_weight, attn.o_bias, attn_out, o)
+        gemm(attn.o_weight, attn.o_bias, attn_out, o, attn, "o")
         if tp is not None:  # row-parallel o: sum the ranks' partial outputs
             tp.all_reduce(o)
         rms(
@@ -202,9 +209,9 @@ def forward_layers(
             layer.post_attention_layernorm.eps,
             nt,
         )
-        gemm(mlp.gate_up_weight, None, h, gate_up)
+        gemm(mlp.gate_up_weight, None, h, gate_up, mlp, "gate_up")
         silu(p(gate_up), p(act), T, inter, nt)
-        gemm(mlp.down_weight, None, act, mlp_out)
+        gemm(mlp.down_weight, None, act, mlp_out, mlp, "down")
         if tp is not None:  # row-parallel down
             tp.all_reduce(mlp_out)
     out = new(T, hidden)

@@ -1,0 +1,211 @@
+"""Where adapters live: a CPU LRU of loaded adapters and ``max_loras`` device slots.
+
+Device slots are stacked tensors per decoder layer and fused target linear (``qkv``, ``o``,
+``gate_up``, ``down``): ``A`` ``[max_loras, in, parts * max_lora_rank]`` and ``B``
+``[max_loras, parts * max_lora_rank, out]``, zero-padded. A fused linear's part ``i`` (q, k, v
+of ``qkv``; gate, up of ``gate_up``) owns rank columns ``[i * max_lora_rank, ...)`` of ``A``
+and, in ``B``, those rank rows times its own output columns (block-diagonal), so one shrink and
+one expand per slot give every part's delta in its column range of the fused output. A part
+the adapter does not target stays zero.
+
+``activate`` gives every adapter of a step a slot (at most ``max_loras`` distinct ones: the
+scheduler's guarantee), keeping adapters already in a slot and replacing the least recently
+used others. The CPU cache holds up to ``max_cpu_loras`` adapters, least recently used evicted
+first; an adapter evicted there but asked for again is read from its directory once more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+
+from kvserve.config import LoRAConfig
+from kvserve.lora.peft import LoRAModel, ModelShapes, load_peft_adapter
+from kvserve.lora.request import LoRARequest
+
+logger = logging.getLogger("kvserve.lora")
+
+#: fused target -> its PEFT parts in column order.
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoRAManager:
+    """CPU cache + device slots of LoRA adapters for one model.
+
+    Args:
+        model: a ``LlamaForCausalLM``; its attention and MLP modules get ``lora_stacks``
+            (fused target -> ``(A, B)``) pointing at the slot tensors.
+        lora_config: the limits (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``).
+        shapes: the model's linear shapes (``ModelShapes.from_hf_config``).
+
+    Attributes:
+        last_load_s: seconds the last adapter read from disk took.
+    """
+
+    def __init__(self, model, lora_config: LoRAConfig, shapes: ModelShapes):
+        self.config = lora_config
+        self.shapes = shapes
+        self.dtype = model.dtype
+        self.device = model.embed_tokens.device
+        self.max_loras = lora_config.max_loras
+        self.rmax = lora_config.max_lora_rank
+        self._cpu: OrderedDict[int, tuple[LoRARequest, LoRAModel]] = OrderedDict()
+        self._slots: list[LoRARequest | None] = [None] * self.max_loras  # what each slot holds
+        self._slot_used: list[float] = [0.0] * self.max_loras
+        self._use_counter = 0.0
+        self.last_load_s = 0.0
+        self.num_slot_loads = 0
+        # part -> (fused target, column offset in the fused output)
+        self._offsets: dict[str, tuple[str, int, int]] = {}
+        for fused, parts in FUSED_PARTS.items():
+            col = 0
+            for i, p in enumerate(parts):
+                self._offsets[p] = (fused, i, col)
+                col += shapes.in_out[p][1]
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        S, R = self.max_loras, self.rmax
+        for layer in model.layers:
+            st = {}
+            for fused, parts in FUSED_PARTS.items():
+                fin = shapes.in_out[parts[0]][0]
+                fout = sum(shapes.in_out[p][1] for p in parts)
+                kw = {"dtype": self.dtype, "device": self.device}
+                st[fused] = (
+                    torch.zeros(S, fin, len(parts) * R, **kw),
+                    torch.zeros(S, len(parts) * R, fout, **kw),
+                )
+            self.stacks.append(st)
+            layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
+            layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}
+
+    # ------------------------------------------------------------------ CPU cache
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load ``lora_request``'s adapter into the CPU cache (validated) unless it is there.
+
+        Returns:
+            True when it was read now, False when it was already loaded.
+        Raises:
+            ValueError: the adapter is invalid (``load_peft_adapter``), or its ``lora_int_id``
+                is loaded from another path or under another name.
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        have = self._cpu.get(lora_request.lora_int_id)
+        if have is not None:
+            known = have[0]
+            if (known.lora_path, known.lora_name) != (lora_request.lora_path, lora_request.lora_name):
+                raise ValueError(
+                    f"lora_request.lora_int_id={lora_request.lora_int_id} is already loaded as "
+                    f"{known.lora_name!r} from {known.lora_path!r}; use another id for "
+                    f"{lora_request.lora_name!r} ({lora_request.lora_path!r})."
+                )
+            self._cpu.move_to_end(lora_request.lora_int_id)
+            return False
+        t = time.perf_counter()
+        model = load_peft_adapter(
+            lora_request.lora_path, lora_request.lora_int_id, self.shapes, self.rmax, self.dtype
+        )
+        self.last_load_s = time.perf_counter() - t
+        # a slot may still hold this id from before a CPU eviction, perhaps from another path:
+        # it is refilled from the new copy when next needed
+        self._slots = [
+            None if r is not None and r.lora_int_id == lora_request.lora_int_id else r for r in self._slots
+        ]
+        self._cpu[lora_request.lora_int_id] = (lora_request, model)
+        max_cpu = self.config.max_cpu_loras or self.max_loras
+        while len(self._cpu) > max_cpu:
+            evicted, _ = self._cpu.popitem(last=False)
+            logger.info("LoRA %d evicted from the CPU cache (max_cpu_loras=%d)", evicted, max_cpu)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the CPU cache and its device slot; False when it was not loaded."""
+        found = self._cpu.pop(lora_int_id, None) is not None
+        for s, held in enumerate(self._slots):
+            if held is not None and held.lora_int_id == lora_int_id:
+                self._slots[s] = None
+                found = True
+        return found
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded (CPU cache or a device slot)."""
+        return set(self._cpu) | {r.lora_int_id for r in self._slots if r is not None}
+
+    def slot_of(self, lora_int_id: int) -> int | None:
+        """The device slot holding ``lora_int_id`` now, or None."""
+        for s, held in enumerate(self._slots):
+            if held is not None and held.lora_int_id == lora_int_id:
+                return s
+        return None
+
+    # ------------------------------------------------------------------ device slots
+    def activate(self, lora_requests: list[LoRARequest]) -> dict[int, int]:
+        """Give each distinct adapter of a step a device slot (loading it when needed).
+
+        Returns:
+            ``lora_int_id`` -> slot.
+        Raises:
+            RuntimeError: more than ``max_loras`` distinct adapters (the scheduler never
+                schedules that).
+            ValueError: an adapter that has to be read again no longer validates.
+        """
+        wanted: dict[int, LoRARequest] = {}
+        for r in lora_requests:
+            wanted.setdefault(r.lora_int_id, r)
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step has {len(wanted)} distinct LoRA adapters; max_loras={self.max_loras}")
+        self._use_counter += 1
+        out: dict[int, int] = {}
+        missing = []
+        for lid in wanted:
+            s = self.slot_of(lid)
+            if s is not None and self._slots[s] != wanted[lid]:
+                # the slot holds this id from another path (the CPU copy was evicted and the
+                # id reused): refill it, and let add_lora refuse a conflict it still knows of
+                self._slots[s] = None
+                s = None
+            if s is None:
+                missing.append(lid)
+            else:
+                out[lid] = s
+                self._slot_used[s] = self._use_counter
+        for lid in missing:
+            free = [s for s in range(self.max_loras) if self._slots[s] is None]
+            if free:
+                s = free[0]
+            else:  # the least recently used slot this step does not need
+                s = min(
+                    (s for s in range(self.max_loras) if self._slot_used[s] < self._use_counter),
+                    key=lambda s: self._slot_used[s],
+                )
+            self._load_slot(s, wanted[lid])
+            out[lid] = s
+            self._slot_used[s] = self._use_counter
+        return out
+
+    @torch.inference_mode()
+    def _load_slot(self, slot: int, req: LoRARequest) -> None:
+        self._slots[slot] = None  # (not valid while half-written)
+        self.add_lora(req)
+        _, model = self._cpu[req.lora_int_id]
+        R = self.rmax
+        for st in self.stacks:
+            for a, b in st.values():
+                a[slot].zero_()
+                b[slot].zero_()
+        for (layer, part), (la, lb) in model.weights.items():
+            fused, i, col = self._offsets[part]
+            a, b = self.stacks[layer][fused]
+            r = la.shape[0]
+            a[slot, :, i * R : i * R + r].copy_(la.t())
+            b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
+        self._slots[slot] = req
+        self.num_slot_loads += 1

@@ -1,0 +1,265 @@
+"""Reading and validating a PEFT LoRA adapter directory.
+
+A PEFT directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
+``target_modules`` ...) and ``adapter_model.safetensors`` with one ``lora_A`` ``[r, in]`` and
+one ``lora_B`` ``[out, r]`` per adapted linear, under names like
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. PEFT adds
+``scale * B(A(x))`` to the linear's output, ``scale = lora_alpha / r`` (``lora_alpha /
+sqrt(r)`` with rsLoRA). Everything that would change that formula (DoRA, trained biases,
+``modules_to_save``, per-module rank or alpha patterns) is refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+#: The Llama-family linears an adapter may target -> (our fused module, part index in it).
+TARGET_MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$"
+)
+
+
+@dataclass
+class LoRAModel:
+    """One adapter's weights on CPU, per decoder layer and target linear.
+
+    Attributes:
+        lora_int_id: the request's id; rank: the largest rank of its linears.
+        scaling: ``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA), already folded into ``B``.
+        weights: ``(layer, target_module)`` -> ``(A [r, in], scaling * B [out, r])`` in the
+            model dtype (``target_module`` a PEFT name such as ``"q_proj"``).
+        path: the directory it was read from.
+    """
+
+    lora_int_id: int
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    path: str = ""
+
+    def num_bytes(self) -> int:
+        """Bytes held by the weights."""
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The base model's linear shapes a LoRA must match.
+
+    Attributes:
+        num_layers: decoder layers; in_out: PEFT target name -> ``(in_features, out_features)``.
+    """
+
+    num_layers: int
+    in_out: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> ModelShapes:
+        """Shapes of a Llama-family transformers config."""
+        hidden = cfg.hidden_size
+        heads = cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or hidden // heads
+        kv = (getattr(cfg, "num_key_value_heads", None) or heads) * hd
+        q = heads * hd
+        inter = cfg.intermediate_size
+        return cls(
+            cfg.num_hidden_layers,
+            {
+                "q_proj": (hidden, q),
+                "k_proj": (hidden, kv),
+                "v_proj": (hidden, kv),
+                "o_proj": (q, hidden),
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            },
+        )
+
+
+def _target_names(target_modules) -> set[str] | None:
+    """The PEFT target names ``target_modules`` lists (None: a regex, checked by the weights).
+
+    Raises:
+        ValueError: a name that is not one of ``TARGET_MODULES``.
+    """
+    if target_modules is None:
+        raise ValueError("adapter_config.json: target_modules is missing.")
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            return set(TARGET_MODULES)
+        if target_modules in TARGET_MODULES:
+            return {target_modules}
+        return None  # a regex over module names: the weight names say what it matched
+    if not isinstance(target_modules, list):
+        raise ValueError(
+            f"adapter_config.json: target_modules must be a list of names or a string, got {target_modules!r}."
+        )
+    names = set()
+    for t in target_modules:
+        leaf = str(t).rsplit(".", 1)[-1]
+        if leaf not in TARGET_MODULES:
+            raise ValueError(
+                f"adapter_config.json: target_modules has {t!r}; supported target modules are "
+                f"{sorted(TARGET_MODULES)}."
+            )
+        names.add(leaf)
+    return names
+
+
+def read_adapter_config(path: str) -> dict:
+    """``adapter_config.json`` of ``path``, validated (see the module doc).
+
+    Raises:
+        ValueError: a missing or unreadable file, a non-LoRA adapter, or an unsupported field,
+            naming the path and the field.
+    """
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise ValueError(f"lora_path {path!r} is not a directory.")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"lora_path {path!r} has no {CONFIG_FILE}.")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: not readable JSON ({e}).") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object.")
+    ptype = cfg.get("peft_type", "LORA")
+    if str(ptype).upper() != "LORA":
+        raise ValueError(f"{cfg_path}: peft_type={ptype!r}; only LORA adapters are supported.")
+    refused = (
+        ("use_dora", lambda v: bool(v), "DoRA adapters are not supported"),
+        ("bias", lambda v: v not in (None, "none"), "only bias='none' is supported"),
+        ("lora_bias", lambda v: bool(v), "trained LoRA biases are not supported"),
+        ("modules_to_save", lambda v: bool(v), "fully trained extra modules are not supported"),
+        ("rank_pattern", lambda v: bool(v), "per-module ranks are not supported"),
+        ("alpha_pattern", lambda v: bool(v), "per-module alphas are not supported"),
+        ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out layouts are not supported"),
+    )
+    for key, bad, why in refused:
+        if key in cfg and bad(cfg[key]):
+            raise ValueError(f"{cfg_path}: {key}={cfg[key]!r}: {why}.")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"{cfg_path}: r must be a positive integer, got {r!r}.")
+    alpha = cfg.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{cfg_path}: lora_alpha must be a finite number, got {alpha!r}.")
+    _target_names(cfg.get("target_modules"))
+    return cfg
+
+
+def load_peft_adapter(
+    path: str,
+    lora_int_id: int,
+    shapes: ModelShapes,
+    max_lora_rank: int,
+    dtype: torch.dtype = torch.float32,
+) -> LoRAModel:
+    """Read and validate the PEFT adapter in directory ``path`` for a model of ``shapes``.
+
+    Returns:
+        a ``LoRAModel`` whose tensors are on CPU in ``dtype`` (the scale folded into ``B`` in
+        float32 first).
+    Raises:
+        ValueError: a missing directory or file (naming the path), a rank above
+            ``max_lora_rank`` (naming it), an unsupported config field or target module, a
+            weight name that is not a known LoRA weight, a shape that does not match the model,
+            or an ``A`` without its ``B``.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = read_adapter_config(path)
+    r_cfg: int = cfg["r"]
+    if r_cfg > max_lora_rank:
+        raise ValueError(f"LoRA rank {r_cfg} of {path!r} is above max_lora_rank={max_lora_rank}.")
+    wpath = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(wpath):
+        raise ValueError(f"lora_path {path!r} has no {WEIGHTS_FILE}.")
+    try:
+        tensors = load_file(wpath)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{wpath}: not a readable safetensors file ({e}).") from e
+    targets = _target_names(cfg.get("target_modules"))
+    alpha = float(cfg.get("lora_alpha", 8))
+    scaling = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _KEY.match(name)
+        if m is None:
+            raise ValueError(f"{wpath}: {name!r} is not a LoRA weight of a decoder-layer linear.")
+        layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in TARGET_MODULES or _PARENT[module] != parent:
+            raise ValueError(
+                f"{wpath}: {name!r} targets {parent}.{module}; supported target modules are "
+                f"{sorted(TARGET_MODULES)}."
+            )
+        if targets is not None and module not in targets:
+            raise ValueError(f"{wpath}: {name!r} targets {module}, which target_modules does not list.")
+        if layer >= shapes.num_layers:
+            raise ValueError(f"{wpath}: {name!r} is for layer {layer}; the model has {shapes.num_layers}.")
+        parts.setdefault((layer, module), {})[ab] = t
+    if not parts:
+        raise ValueError(f"{wpath}: no LoRA weights.")
+    model = LoRAModel(lora_int_id=lora_int_id, rank=0, scaling=scaling, path=path)
+    for (layer, module), ab in sorted(parts.items()):
+        where = f"{wpath}: layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: has lora_{'A' if 'A' in ab else 'B'} without its pair.")
+        a, b = ab["A"], ab["B"]
+        fin, fout = shapes.in_out[module]
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != fin
+            or b.shape[0] != fout
+            or a.shape[0] != b.shape[1]
+        ):
+            raise ValueError(
+                f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+                f"model's [r, {fin}] / [{fout}, r]."
+            )
+        r = a.shape[0]
+        if r > max_lora_rank:
+            raise ValueError(f"{where}: LoRA rank {r} is above max_lora_rank={max_lora_rank}.")
+        if r != r_cfg:
+            raise ValueError(f"{where}: rank {r} differs from adapter_config.json r={r_cfg}.")
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise ValueError(f"{where}: LoRA weights must be floating point, got {a.dtype} / {b.dtype}.")
+        model.weights[(layer, module)] = (
+            a.to(dtype).contiguous(),
+            (b.float() * scaling).to(dtype).contiguous(),
+        )
+        model.rank = max(model.rank, r)
+    return model

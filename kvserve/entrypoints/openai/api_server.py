@@ -391,8 +391,11 @@ def build_app(
     async def unload_lora_adapter(request: Request):
         """Stop serving ``lora_name`` (404 if not loaded); running requests finish with it."""
         req = await read_json_body(request, UnloadLoRAAdapterRequest, max_body_bytes)
-        lora = await models.unload_lora_adapter(req.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' unloaded.", status_code=200)
+        lora, running = await models.unload_lora_adapter(req.lora_name)
+        text = f"Success: LoRA adapter '{lora.lora_name}' unloaded."
+        if running:
+            text += f" {running} running request(s) finish with it first."
+        return PlainTextResponse(text, status_code=200)
 
     @app.get("/health")
     async def health():

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.engine.async_llm_engine import EngineDeadError
 from kvserve.entrypoints.openai.serving_engine import APIError
 from kvserve.lora.request import LoRARequest
 
@@ -252,15 +253,20 @@ class OpenAIServingModels:
             await self.async_engine.add_lora(req)
         except ValueError as e:
             raise APIError(str(e), 400, param="lora_path", code="invalid_lora_adapter") from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, type="service_unavailable", code="engine_dead") from None
         finally:
             self._loading.discard(name)
         self._register(req, None)
         logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, req.lora_int_id)
         return req
 
-    async def unload_lora_adapter(self, name: str) -> LoRARequest:
+    async def unload_lora_adapter(self, name: str) -> tuple[LoRARequest, int]:
         """``POST /v1/unload_lora_adapter``: stop serving ``name``; the engine drops the
         weights now, or when the last request running with them ends.
+
+        Returns:
+            The adapter, and how many engine requests were still running with it.
 
         Raises:
             APIError: 400 when LoRA is off, 404 when no adapter has that name.
@@ -273,15 +279,16 @@ class OpenAIServingModels:
                 f"The LoRA adapter {name!r} is not loaded.", 404, param="lora_name", code="lora_not_found"
             )
         adapter.unloaded = True
-        if adapter.users == 0:
+        users = adapter.users
+        if users == 0:
             await self._drop(adapter)
         logger.info(
             "LoRA adapter %r unloaded (id %d%s)",
             name,
             adapter.request.lora_int_id,
-            f"; {adapter.users} running request(s) finish with it" if adapter.users else "",
+            f"; {users} running request(s) finish with it" if users else "",
         )
-        return adapter.request
+        return adapter.request, users
 
 
 def _log_failure(future: asyncio.Future) -> None:

@@ -301,6 +301,36 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(server, offline, a
     _still_serving(server)
 
 
+def test_a_client_gone_after_the_unload_releases_the_adapter(server, adapter_dir):
+    """A stream whose adapter was unloaded meanwhile, then dropped by its client: the request
+    is aborted, and the engine drops the adapter; no KV block stays in use."""
+    path = adapter_dir("drop", seed=9)
+    with server.http() as h:
+        assert (
+            h.post("/v1/load_lora_adapter", json={"lora_name": "drop", "lora_path": path}).status_code == 200
+        )
+        lora_id = server.app.state.models.resolve("drop").lora_int_id
+        stream = server.client().completions.create(
+            model="drop",
+            prompt=PROMPT,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        r = h.post("/v1/unload_lora_adapter", json={"lora_name": "drop"})
+        assert r.status_code == 200 and "1 running request(s)" in r.text
+        assert lora_id in server.engine.list_loras()
+        stream.close()
+    deadline = time.time() + 10
+    while lora_id in server.engine.list_loras() and time.time() < deadline:
+        time.sleep(0.05)
+    assert lora_id not in server.engine.list_loras()
+    server.wait_idle()
+    _still_serving(server)
+
+
 def test_a_request_admitted_before_the_unload_is_refused_with_404(server, adapter_dir):
 
     from kvserve.entrypoints.openai.serving_engine import APIError

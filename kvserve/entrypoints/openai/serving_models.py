@@ -189,7 +189,7 @@ class OpenAIServingModels:
             )
         if name in self._adapters or name in self._loading:
             raise APIError(
-                f"The LoRA adapter {name!r} is already loaded; unload it first.",
+                f"The LoRA adapter {name!r} is already loaded (or being loaded); unload it first.",
                 400,
                 param="lora_name",
                 code="lora_already_loaded",

@@ -193,6 +193,41 @@ def test_concurrent_requests_with_different_adapters_each_get_their_own(server, 
     server.wait_idle()
 
 
+def test_prompt_batches_beam_search_and_tokenize_take_the_adapter(server, offline, modules):
+    from kvserve import SamplingParams
+    from kvserve.lora.request import LoRARequest
+
+    sql = LoRARequest("sql-ref", next(_offline_ids), modules[0].path)
+    prompts = [PROMPT, "Once upon a time"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    refs = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False, lora_request=sql)]
+    with server.http() as h:
+        body = {
+            "model": "sql",
+            "prompt": prompts,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = h.post("/v1/completions", json=body).json()
+        assert [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])] == refs
+        assert r["model"] == "sql"
+        beam = {
+            "model": "sql",
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "use_beam_search": True,
+            "n": 2,
+            "best_of": 2,
+        }
+        r = h.post("/v1/completions", json=beam)
+        assert r.status_code == 200 and r.json()["model"] == "sql" and len(r.json()["choices"]) == 2
+        r = h.post("/tokenize", json={"model": "sql", "prompt": PROMPT})
+        assert r.status_code == 200 and r.json()["count"] > 0
+    assert all(a.users == 0 for a in server.app.state.models._by_id.values())
+    server.wait_idle()
+
+
 def test_models_lists_the_adapters_with_their_parent(server, modules):
     with server.http() as h:
         data = h.get("/v1/models").json()["data"]

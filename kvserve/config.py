@@ -445,6 +445,9 @@ class EngineArgs:
         self.create_speculative_config()
         self.create_lora_config()
         _positive_int("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size > 1 and self.enable_lora:
+            # replicas take no lora_request and have no adapter routes yet
+            raise ValueError("enable_lora is not supported with data_parallel_size > 1.")
         if self.router not in ("prefix", "least-loaded", "round-robin"):
             raise ValueError(f"router must be one of prefix|least-loaded|round-robin, got {self.router!r}.")
         rbt = self.router_balance_threshold

@@ -32,6 +32,15 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
+def _resolve_value(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 class EngineDeadError(RuntimeError):
     """The background loop stopped after an unexpected error."""
 
@@ -123,6 +132,35 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
 
+    # ---------------------------------------------------------------- adapters
+    def submit(self, fn, *args) -> asyncio.Future:
+        """Run ``fn(*args)`` on the engine thread, between steps and in inbox order (after
+        the adds and aborts queued before it); the future gets its result or exception.
+        Must be called on the event loop of ``start()``. Before ``start()`` (no step can
+        run) it runs at once; a dead loop gives ``EngineDeadError``."""
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        if self.errored is not None:
+            future.set_exception(EngineDeadError(f"engine loop stopped: {self.errored!r}"))
+            return future
+        if self._thread is None or not self._thread.is_alive():
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:
+                future.set_exception(e)
+            return future
+        self._inbox.put(("call", fn, args, future))
+        self._wakeup.set()
+        return future
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """``LLMEngine.add_lora`` on the engine thread (the adapter is read and validated
+        there, between steps). Raises ValueError naming the path or the limit."""
+        return bool(await self.submit(self.engine.add_lora, lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """``LLMEngine.remove_lora`` on the engine thread; False if it was not loaded."""
+        return bool(await self.submit(self.engine.remove_lora, lora_int_id))
+
     # ---------------------------------------------------------------- engine thread
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -150,7 +188,14 @@ class AsyncLLMEngine:
             if aborts:  # keep the inbox order: aborts queued before this add come first
                 self.engine.abort_request(aborts)
                 aborts = []
-            if msg[0] == "add":
+            if msg[0] == "call":
+                _, fn, args, future = msg
+                try:
+                    result, error = fn(*args), None
+                except Exception as e:  # reported to the caller, never fatal
+                    result, error = None, e
+                loop.call_soon_threadsafe(_resolve_value, future, result, error)
+            elif msg[0] == "add":
                 _, rid, prompt, params, priority, accepted, *lora = msg
                 try:
                     self.engine.add_request(

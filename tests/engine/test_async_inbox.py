@@ -69,3 +69,46 @@ def test_aborts_and_adds_keep_their_inbox_order():
     ae._drain_inbox()
     assert set(engine._groups) == {"new"}
     loop.close()
+
+
+def test_submit_calls_keep_their_inbox_order():
+    """A call (adapter load/unload) queued after an abort runs after it: an unload that
+    follows a disconnected request's abort never finds that request still queued."""
+    engine, ae = _engine()
+    loop = ae._loop
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": prompt_of(1, 5)}, params)
+    ae.abort("r")
+    fut = loop.create_future()
+    ae._inbox.put(("call", lambda: "r" in engine._groups, (), fut))
+    ae._drain_inbox()
+    assert loop.run_until_complete(fut) is False
+    loop.close()
+
+
+def test_submit_runs_on_the_engine_thread_and_reports_errors():
+    """``submit`` runs between steps on the engine thread; its result or exception reaches
+    the caller; before ``start`` it runs at once."""
+    import threading
+
+    import pytest
+
+    engine, ae = _engine()
+    ae._loop.close()
+
+    async def main():
+        assert await ae.submit(lambda: threading.current_thread().name) == threading.current_thread().name
+        ae.start()
+        try:
+            assert await ae.submit(lambda: threading.current_thread().name) == "kvserve-engine"
+
+            def boom():
+                raise ValueError("lora_path '/x' is not a directory.")
+
+            with pytest.raises(ValueError, match="is not a directory"):
+                await ae.submit(boom)
+            assert await ae.submit(lambda a, b: a + b, 2, 3) == 5
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())

@@ -10,7 +10,10 @@ from kvserve.entrypoints.openai.metrics import VLLM_ALIASES, ServerMetrics
 
 
 def _fake_engine():
-    scheduler = SimpleNamespace(running=[1, 2], waiting=[1], swapped=[], num_preemptions=3)
+    lora_stats = {"max_lora": 2, "running_lora_adapters": ["chat", "sql"], "waiting_lora_adapters": ["fr"]}
+    scheduler = SimpleNamespace(
+        running=[1, 2], waiting=[1], swapped=[], num_preemptions=3, get_lora_stats=lambda: lora_stats
+    )
     stats = SimpleNamespace(
         num_prompt_tokens=40,
         num_generation_tokens=12,
@@ -35,7 +38,12 @@ def _fake_engine():
         "num_preemptions": 3,
     }
     return SimpleNamespace(
-        scheduler=scheduler, stats=stats, get_kv_cache_stats=lambda: kv, speculative_config=object()
+        scheduler=scheduler,
+        stats=stats,
+        get_kv_cache_stats=lambda: kv,
+        speculative_config=object(),
+        lora_config=SimpleNamespace(max_loras=2),
+        list_loras=lambda: {1, 2, 3},
     )
 
 
@@ -136,3 +144,16 @@ def test_engine_stats_count_speculation():
     assert st.spec_accepted_per_pos == [2, 2, 1, 0]
     assert st.spec_acceptance_rate == 5 / 9
     assert st.spec_mean_accepted_length == 1 + 5 / 3
+
+
+def test_lora_metrics_count_adapters_and_name_running_and_waiting_ones():
+    engine = _fake_engine()
+    samples = _samples(ServerMetrics(engine, "m", num_lora_adapters=lambda: 5).render().decode())
+    assert samples[("kvserve:lora_adapters_loaded", ())] == 5
+    labels = (("max_lora", "2"), ("running_lora_adapters", "chat,sql"), ("waiting_lora_adapters", "fr"))
+    for name in ("vllm:lora_requests_info", "kvserve:lora_requests_info"):
+        assert samples[(name, labels)] > 1.7e9  # the scrape time, as vLLM sets it
+    # without the server's count: the engine's loaded adapters
+    assert _samples(ServerMetrics(engine, "m").render().decode())[("kvserve:lora_adapters_loaded", ())] == 3
+    engine.lora_config = None
+    assert not any("lora" in k[0] for k in _samples(ServerMetrics(engine, "m").render().decode()))

@@ -4,8 +4,8 @@
 server, and in tests); ``main(argv)`` loads the engine and runs it under uvicorn.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-(``/v1/models/{id}``), ``GET /health``, ``GET /version``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /metrics``. Errors use the OpenAI body
+(``/v1/models/{id}``), ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``. Errors use the OpenAI body
 ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the field and the
 limit), 401 missing/wrong API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when ``--api-key``
 is set), 404 unknown model or route, 413 body over ``--max-body-bytes``, 503 + ``Retry-After``
@@ -34,7 +34,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
 from kvserve.entrypoints.openai.http_protocol import (
@@ -53,10 +53,12 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, chat_template_ids, render_messages
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -70,6 +72,11 @@ from kvserve.entrypoints.openai.serving_engine import (
     encode_text,
     read_json_body,
 )
+from kvserve.entrypoints.openai.serving_models import (
+    LoRAModulePath,
+    OpenAIServingModels,
+    parse_lora_module,
+)
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
 from kvserve.transformers_utils.tokenizer_bounds import token_text_bound
 
@@ -81,6 +88,8 @@ _KNOWN_PATHS = {
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/health",
     "/version",
     "/tokenize",
@@ -191,6 +200,7 @@ def build_app(
     retry_after_s: int = 1,
     shutdown_grace_s: float = 30.0,
     tool_call_parser: str = DEFAULT_TOOL_PARSER,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -210,6 +220,12 @@ def build_app(
             the engine thread is stopped.
         tool_call_parser: the ``tool_parsers`` format read for ``tool_choice: "auto"``
             (ValueError if unknown).
+        lora_modules: LoRA adapters served from the start (``--lora-modules``), loaded and
+            validated here, before the engine loop runs.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``; ``lora_modules`` while LoRA is off, or
+            one that does not load (naming it, and the path or the limit).
     """
     state = ServerState()
     names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
@@ -218,7 +234,14 @@ def build_app(
     # whose length alone proves it too long is refused before it is tokenized.
     pool = OffloadPool()
     text_bound = token_text_bound(async_engine.engine.tokenizer)
+    models = OpenAIServingModels(async_engine, names, model_root=async_engine.engine.model_config.model)
+    if lora_modules:
+        thread = getattr(async_engine, "_thread", None)
+        if thread is not None and thread.is_alive():
+            raise ValueError("lora_modules are loaded before the engine loop starts; build the app first.")
+        models.load_startup(lora_modules)
     serving_kwargs = dict(
+        models=models,
         request_logger=req_logger,
         server_state=state,
         retry_after_s=retry_after_s,
@@ -230,7 +253,11 @@ def build_app(
     engine = async_engine.engine
     # a data-parallel engine aggregates its replicas' metrics (kvserve.distributed)
     make_metrics = getattr(async_engine, "make_metrics", None)
-    metrics = make_metrics(served_model_name) if make_metrics else ServerMetrics(engine, served_model_name)
+    metrics = (
+        make_metrics(served_model_name)
+        if make_metrics
+        else ServerMetrics(engine, served_model_name, num_lora_adapters=models.num_adapters)
+    )
     started_here = {"value": False}
 
     @contextlib.asynccontextmanager
@@ -262,6 +289,7 @@ def build_app(
     app.state.server_state = state
     app.state.metrics = metrics
     app.state.async_engine = async_engine
+    app.state.models = models
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
@@ -325,16 +353,49 @@ def build_app(
             max_model_len=engine.scheduler_config.max_model_len,
         )
 
+    def _lora_card(lora, parent: str) -> ModelCard:
+        return ModelCard(
+            id=lora.lora_name,
+            root=lora.lora_path,
+            parent=parent,
+            max_model_len=engine.scheduler_config.max_model_len,
+        )
+
     @app.get("/v1/models")
     async def list_models():
-        """The served model."""
-        return JSONResponse(ModelList(data=[_card(served_model_name)]).model_dump())
+        """The served model, then one card per LoRA adapter (``parent``: its base model)."""
+        cards = [_card(served_model_name)] + [_lora_card(r, p) for r, p in models.adapters()]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
         """One model by name (404 if unknown)."""
-        completion.check_model(model_id)
-        return JSONResponse(_card(served_model_name).model_dump())
+        lora = models.resolve(model_id)
+        if lora is None:
+            return JSONResponse(_card(served_model_name).model_dump())
+        parent = next(p for r, p in models.adapters() if r.lora_int_id == lora.lora_int_id)
+        return JSONResponse(_lora_card(lora, parent).model_dump())
+
+    # ------------------------------------------------------------------ LoRA adapters
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """Load a PEFT adapter and serve it under ``lora_name`` (400: LoRA off, name taken,
+        invalid adapter)."""
+        req = await read_json_body(request, LoadLoRAAdapterRequest, max_body_bytes)
+        lora = await models.load_lora_adapter(req.lora_name, req.lora_path)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{lora.lora_name}' loaded (id {lora.lora_int_id}).", status_code=200
+        )
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """Stop serving ``lora_name`` (404 if not loaded); running requests finish with it."""
+        req = await read_json_body(request, UnloadLoRAAdapterRequest, max_body_bytes)
+        lora, running = await models.unload_lora_adapter(req.lora_name)
+        text = f"Success: LoRA adapter '{lora.lora_name}' unloaded."
+        if running:
+            text += f" {running} running request(s) finish with it first."
+        return PlainTextResponse(text, status_code=200)
 
     @app.get("/health")
     async def health():
@@ -481,6 +542,15 @@ def make_arg_parser() -> argparse.ArgumentParser:
         choices=tool_parser_names(),
         help="format of the model's tool calls, read for tool_choice 'auto' (default: %(default)s)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start (needs --enable-lora): name=path, or JSON "
+        '\'{"name": "sql", "path": "/p", "base_model_name": "..."}\'',
+    )
     add_engine_args(p)
     return p
 
@@ -592,7 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.cli import engine_args_from
 
-    ns = make_arg_parser().parse_args(argv)
+    parser = make_arg_parser()
+    ns = parser.parse_args(argv)
+    if ns.lora_modules and not ns.enable_lora:
+        parser.error("--lora-modules needs --enable-lora (LoRA is off).")
     logging.basicConfig(
         level=getattr(logging, ns.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -614,18 +687,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     aliases = [ns.model] if ns.model else []
-    app = build_app(
-        async_engine,
-        name,
-        ns.api_key,
-        extra_model_names=aliases,
-        max_body_bytes=ns.max_body_bytes,
-        log_requests=ns.request_log,
-        log_prompts=ns.log_prompts,
-        retry_after_s=ns.retry_after_s,
-        shutdown_grace_s=5.0,
-        tool_call_parser=ns.tool_call_parser,
-    )
+    try:
+        app = build_app(
+            async_engine,
+            name,
+            ns.api_key,
+            extra_model_names=aliases,
+            max_body_bytes=ns.max_body_bytes,
+            log_requests=ns.request_log,
+            log_prompts=ns.log_prompts,
+            retry_after_s=ns.retry_after_s,
+            shutdown_grace_s=5.0,
+            tool_call_parser=ns.tool_call_parser,
+            lora_modules=ns.lora_modules or (),
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     state = app.state.server_state
     grace = max(0.0, ns.shutdown_grace_s)
     try:

@@ -22,7 +22,11 @@ Exported:
   ``..._num_emitted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}`` (how often
   draft position ``position`` (0-based) was accepted), gauges
   ``kvserve:spec_decode_draft_acceptance_rate`` (accepted / drafted) and
-  ``kvserve:spec_decode_mean_accepted_length`` (tokens emitted per verification, kvserve only).
+  ``kvserve:spec_decode_mean_accepted_length`` (tokens emitted per verification, kvserve only);
+- with LoRA (``--enable-lora``): gauge ``kvserve:lora_adapters_loaded`` (adapters served by
+  name, kvserve only) and vLLM's ``kvserve:lora_requests_info`` (value: the scrape time; labels
+  ``running_lora_adapters``, ``waiting_lora_adapters`` (comma-separated adapter names) and
+  ``max_lora``).
 
 Every metric is defined once, under ``kvserve:``; ``VLLM_ALIASES`` names the ones vLLM also has
 and the ``vllm:`` names they are exported under too (V0's names, plus V1's
@@ -33,7 +37,8 @@ engine steps, HTTP responses) have no alias.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -51,6 +56,7 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "num_requests_swapped": ("vllm:num_requests_swapped",),
     "gpu_cache_usage_perc": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
     "cpu_cache_usage_perc": ("vllm:cpu_cache_usage_perc",),
+    "lora_requests_info": ("vllm:lora_requests_info",),
     "gpu_prefix_cache_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
     "num_preemptions": ("vllm:num_preemptions",),
     "prompt_tokens": ("vllm:prompt_tokens",),
@@ -137,10 +143,12 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class _EngineCollector:
     """Reads queue lengths, cache usage and the engine's cumulative counters at scrape time."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, num_lora_adapters: Callable[[], int] | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.num_lora_adapters = num_lora_adapters
         self._last_kv: dict = {}
+        self._last_lora: dict = {}
 
     def _kv_stats(self) -> dict:
         try:  # the engine thread may be mid-step; a failed read keeps the previous values
@@ -206,6 +214,8 @@ class _EngineCollector:
         yield counter("kvserve:engine_steps", "Engine steps that ran the model.", stats.num_steps)
         if getattr(self.engine, "speculative_config", None) is not None:
             yield from self._spec_decode(stats, counter, gauge, labels, values)
+        if getattr(self.engine, "lora_config", None) is not None:
+            yield from self._lora(gauge)
         success = CounterMetricFamily(
             "kvserve:request_success",
             "Finished requests by finish reason.",
@@ -214,6 +224,31 @@ class _EngineCollector:
         for reason, count in sorted(dict(stats.finished_by_reason).items()):
             success.add_metric(values + [str(reason)], float(count))
         yield success
+
+    def _lora(self, gauge) -> Iterable:
+        count = (
+            self.num_lora_adapters() if self.num_lora_adapters is not None else len(self.engine.list_loras())
+        )
+        yield gauge("kvserve:lora_adapters_loaded", "LoRA adapters served (by name).", count)
+        try:  # the engine thread may be changing the queues; a failed read keeps the last one
+            self._last_lora = dict(self.engine.scheduler.get_lora_stats())
+        except Exception as e:  # pragma: no cover - timing dependent
+            logger.debug("LoRA stats unavailable: %r", e)
+        st = self._last_lora
+        info = GaugeMetricFamily(
+            "kvserve:lora_requests_info",
+            "Running and waiting LoRA adapters (value: the scrape time).",
+            labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [
+                ",".join(st.get("running_lora_adapters", [])),
+                str(st.get("max_lora", self.engine.lora_config.max_loras)),
+                ",".join(st.get("waiting_lora_adapters", [])),
+            ],
+            time.time(),
+        )
+        yield info
 
     @staticmethod
     def _spec_decode(stats, counter, gauge, labels, values) -> Iterable:
@@ -286,14 +321,16 @@ class ServerMetrics:
         engine: the ``LLMEngine`` (its ``stats.listeners`` gets a hook; call ``close()`` to
             remove it).
         model_name: the ``model_name`` label.
+        num_lora_adapters: how many LoRA adapters the server serves (default: the engine's
+            ``list_loras()``); read at scrape time when LoRA is enabled.
     """
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, num_lora_adapters: Callable[[], int] | None = None):
         self.engine = engine
         self.model_name = model_name
         # ``source`` holds the definitions; ``registry`` (what is rendered) adds the aliases.
         self.source = CollectorRegistry(auto_describe=False)
-        self.source.register(_EngineCollector(engine, model_name))
+        self.source.register(_EngineCollector(engine, model_name, num_lora_adapters))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_AliasingCollector(self.source))
         lbl = ["model_name"]

@@ -270,6 +270,20 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's names): serve the PEFT adapter in
+    directory ``lora_path`` under the model name ``lora_name``."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """Body of ``POST /v1/unload_lora_adapter``: stop serving the adapter ``lora_name``."""
+
+    lora_name: StrictStr = Field(min_length=1)
+
+
 # ---------------------------------------------------------------------------- responses
 class ErrorInfo(BaseModel):
     """The ``error`` object of an OpenAI error body."""
@@ -469,6 +483,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvserve"
     root: str | None = None
+    #: a LoRA adapter's base model (None for the base model itself)
+    parent: str | None = None
     max_model_len: int | None = None
 
 

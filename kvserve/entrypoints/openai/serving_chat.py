@@ -166,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one chat request (JSON or an SSE stream)."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         plan = plan_tools(req, self.tool_parser_cls)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(
@@ -225,7 +225,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         sub = await self.prepare_prompt(text, params, rename, chat=True)
         reservation = self.check_capacity(1)
-        rec = self.new_record("chatcmpl", params.n, [sub])
+        rec = self.new_record("chatcmpl", params.n, [sub], lora)
         if self.request_logger.log_prompts:
             rec.prompts = [text]
         priority = req.priority or 0
@@ -250,7 +250,9 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan,
     ) -> dict:
         try:
-            async for idx, out in self.generate_all([sub], params, priority, reservation):
+            async for idx, out in self.generate_all(
+                [sub], params, priority, reservation, lora_request=rec.lora_request
+            ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out, "messages")
@@ -280,7 +282,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionResponse(
             id=rec.request_id,
-            model=self.model_name,
+            model=self.response_model(rec),
             choices=choices,
             usage=rec.usage(),
             prompt_logprobs=self.prompt_logprobs_json(out.prompt_logprobs),
@@ -308,7 +310,11 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(choices, usage=None) -> str:
             return sse(
                 ChatCompletionStreamResponse(
-                    id=rec.request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                    id=rec.request_id,
+                    created=created,
+                    model=self.response_model(rec),
+                    choices=choices,
+                    usage=usage,
                 )
             )
 
@@ -317,7 +323,9 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(
                     [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                 )
-            async for idx, out in self.generate_all([sub], params, priority, reservation):
+            async for idx, out in self.generate_all(
+                [sub], params, priority, reservation, lora_request=rec.lora_request
+            ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out, "messages")

@@ -35,6 +35,7 @@ from kvserve.entrypoints.openai.serving_engine import (
 )
 from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from kvserve.field_limits import check_count
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -77,10 +78,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one completions request (JSON or an SSE stream)."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         n = 1 if req.n is None else req.n
         if req.use_beam_search:
-            return await self.beam_search_completion(req, raw_request)
+            return await self.beam_search_completion(req, raw_request, lora)
         if req.best_of is not None and req.best_of != n:
             raise APIError(
                 f"best_of must equal n ({n}) when set (beam search is not supported), got {req.best_of}.",
@@ -99,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._split_prompts(req.prompt)
         subs = [await self.prepare_prompt(p, params) for p in prompts]
         reservation = self.check_capacity(len(subs))
-        rec = self.new_record("cmpl", n, subs)
+        rec = self.new_record("cmpl", n, subs, lora)
         priority = req.priority or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
@@ -111,7 +112,9 @@ class OpenAIServingCompletion(OpenAIServing):
             reservation,
         )
 
-    async def beam_search_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+    async def beam_search_completion(
+        self, req: CompletionRequest, raw_request: Request, lora: LoRARequest | None = None
+    ) -> Response:
         """``use_beam_search``: beam search of width ``best_of`` (or ``n``) per prompt
         (``kvserve.entrypoints.beam_search``); the ``n`` best hypotheses become the choices.
         Not streamed; only ``max_tokens``, ``ignore_eos``, ``length_penalty``, ``echo`` and
@@ -164,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
         probe = self.make_sampling_params(dict(max_tokens=req.max_tokens, logprobs=2 * width))
         subs = [await self.prepare_prompt(p, probe) for p in self._split_prompts(req.prompt)]
         reservation = self.check_capacity(len(subs))
-        rec = self.new_record("cmpl", n, subs)
+        rec = self.new_record("cmpl", n, subs, lora)
         eos = self.engine.eos_token_id
         limit = self.engine.scheduler_config.max_model_len
         searches = [
@@ -187,7 +190,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 tops: list[list] = [[] for _ in searches]
                 finals: dict[int, Any] = {}
                 try:
-                    async for idx, out in self.generate_all(step_subs, searches[0].sampling_params(), 0):
+                    async for idx, out in self.generate_all(
+                        step_subs, searches[0].sampling_params(), 0, lora_request=lora
+                    ):
                         if out.finished:
                             if out.outcome != "finished":
                                 raise self.rejected_error(out)
@@ -220,7 +225,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 total_tokens=rec.prompt_tokens + completion_tokens,
             )
             return CompletionResponse(
-                id=rec.request_id, model=self.model_name, choices=choices, usage=usage
+                id=rec.request_id, model=self.response_model(rec), choices=choices, usage=usage
             ).model_dump()
 
         return await self.respond(raw_request, False, None, run, rec, reservation)
@@ -254,7 +259,9 @@ class OpenAIServingCompletion(OpenAIServing):
         reservation: Reservation,
     ) -> dict:
         try:
-            async for idx, out in self.generate_all(subs, params, priority, reservation):
+            async for idx, out in self.generate_all(
+                subs, params, priority, reservation, lora_request=rec.lora_request
+            ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out)
@@ -285,7 +292,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         return CompletionResponse(
-            id=rec.request_id, model=self.model_name, choices=choices, usage=rec.usage()
+            id=rec.request_id, model=self.response_model(rec), choices=choices, usage=rec.usage()
         ).model_dump()
 
     def _stream(
@@ -307,12 +314,18 @@ class OpenAIServingCompletion(OpenAIServing):
         def chunk(choices, usage=None) -> str:
             return sse(
                 CompletionStreamResponse(
-                    id=rec.request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                    id=rec.request_id,
+                    created=created,
+                    model=self.response_model(rec),
+                    choices=choices,
+                    usage=usage,
                 )
             )
 
         async def events():
-            async for idx, out in self.generate_all(subs, params, priority, reservation):
+            async for idx, out in self.generate_all(
+                subs, params, priority, reservation, lora_request=rec.lora_request
+            ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out)

@@ -31,6 +31,7 @@ from kvserve.engine.input_processor import tokenize_prompt
 from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
 from kvserve.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, ErrorInfo, ErrorResponse, UsageInfo
 from kvserve.field_limits import LIMITS
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.transformers_utils.tokenizer_bounds import TokenTextBound
@@ -56,6 +57,8 @@ _FIELD_RULES = {
     "tokens": f"a list of token ids ({LIMITS['token_id'].rule()})",
     "logit_bias": f"a map of token id -> {LIMITS['logit_bias'].rule()}",
     "messages": "a list of {role, content} messages",
+    "lora_name": "a non-empty string (the adapter's model name)",
+    "lora_path": "a non-empty string (a PEFT adapter directory)",
 }
 
 # Type tags pydantic puts into error locations of union members; not part of the field path.
@@ -417,6 +420,8 @@ class RequestRecord:
     first_token_time: float | None = None
     status: str = "ok"
     prompts: list[str | None] | None = None
+    #: the adapter the request runs with (None: the base model)
+    lora_request: LoRARequest | None = None
 
     def observe(self, idx: int, out: RequestOutput) -> None:
         """Remember the newest output of sub-request ``idx``."""
@@ -476,6 +481,8 @@ class RequestLogger:
             "e2e_s": round(now - rec.arrival, 4),
             "finish_reasons": reasons,
         }
+        if rec.lora_request is not None:
+            line["lora"] = rec.lora_request.lora_name
         if self.log_prompts and rec.prompts is not None:
             line["prompts"] = rec.prompts
         request_logger.info(json.dumps(line, separators=(",", ":")))
@@ -493,6 +500,8 @@ class OpenAIServing:
         retry_after_s: the ``Retry-After`` of a 503.
         pool: where heavy prompt work runs (default: a pool of its own).
         text_bound: the tokenizer's ``TokenTextBound`` (None: no refusal by length alone).
+        models: the server's ``OpenAIServingModels`` (base names and LoRA adapters; default:
+            one of its own over ``served_model_names``, without adapters).
     """
 
     endpoint = "?"
@@ -506,7 +515,13 @@ class OpenAIServing:
         retry_after_s: int = 1,
         pool: OffloadPool | None = None,
         text_bound: TokenTextBound | None = None,
+        models=None,
     ):
+        if models is None:
+            from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+
+            models = OpenAIServingModels(async_engine, served_model_names)
+        self.models = models
         self.async_engine = async_engine
         self.pool = pool or OffloadPool()
         self.text_bound = text_bound
@@ -534,15 +549,18 @@ class OpenAIServing:
         return self.served_model_names[0]
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is None or a served model name."""
-        if name is not None and name not in self.served_model_names:
-            raise APIError(
-                f"The model '{name}' does not exist; this server serves {self.served_model_names[0]!r}.",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter ``name`` chooses (None: the base model, or no name given).
+
+        Raises:
+            APIError: 404 ``model_not_found`` unless ``name`` is a served model name or a
+                loaded LoRA adapter.
+        """
+        return self.models.resolve(name)
+
+    def response_model(self, rec: RequestRecord) -> str:
+        """The ``model`` of a response: the adapter's name, else the served model name."""
+        return rec.lora_request.lora_name if rec.lora_request is not None else self.model_name
 
     def check_capacity(self, num_requests: int = 1) -> Reservation:
         """503 with ``Retry-After`` when shutting down or when the waiting queue (``waiting`` +
@@ -689,10 +707,25 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         reservation: Reservation | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every sub-request concurrently; yield ``(sub_index, RequestOutput)`` as outputs
-        arrive. Closing or cancelling the iterator aborts whatever is still running."""
+        """Run every sub-request concurrently (with ``lora_request``'s adapter, None: the
+        base model); yield ``(sub_index, RequestOutput)`` as outputs arrive. Closing or
+        cancelling the iterator aborts whatever is still running.
+
+        Raises:
+            APIError: 404 when the adapter was unloaded after the request was admitted.
+        """
         queue: asyncio.Queue = asyncio.Queue()
+        if lora_request is not None:
+            try:
+                # one use per sub-request, each released once its task is over (after its
+                # abort, if any, is queued), so an unload waits for them
+                self.models.acquire(lora_request, len(subs))
+            except APIError:
+                if reservation is not None:
+                    reservation.release()
+                raise
 
         inflight = getattr(self.server_state, "inflight", None)
 
@@ -705,7 +738,7 @@ class OpenAIServing:
                 reservation.consume()
             try:
                 async for out in self.async_engine.generate(
-                    prompt, params, sub.request_id, priority=priority
+                    prompt, params, sub.request_id, priority=priority, lora_request=lora_request
                 ):
                     queue.put_nowait((idx, out, None))
                 queue.put_nowait((idx, None, None))
@@ -718,6 +751,10 @@ class OpenAIServing:
                     inflight.discard(sub.request_id)
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
+        if lora_request is not None:
+            # a done callback runs even for a task cancelled before it started
+            for t in tasks:
+                t.add_done_callback(lambda _t, r=lora_request: self.models.release(r))
         try:
             remaining = len(tasks)
             while remaining:
@@ -833,8 +870,11 @@ class OpenAIServing:
                 rec.status = "client_disconnected"
             self.request_logger.log(rec)
 
-    def new_record(self, prefix: str, n: int, subs: list[SubRequest]) -> RequestRecord:
-        """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt)."""
+    def new_record(
+        self, prefix: str, n: int, subs: list[SubRequest], lora_request: LoRARequest | None = None
+    ) -> RequestRecord:
+        """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt); ``lora_request``:
+        the adapter the request runs with."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         for i, s in enumerate(subs):
             s.request_id = f"{rid}-{i}"
@@ -843,6 +883,7 @@ class OpenAIServing:
             endpoint=self.endpoint,
             n=n,
             prompt_tokens=sum(len(s.prompt_token_ids) for s in subs),
+            lora_request=lora_request,
         )
         if self.request_logger.log_prompts:
             rec.prompts = [s.prompt_text for s in subs]

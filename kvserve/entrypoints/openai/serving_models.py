@@ -1,0 +1,296 @@
+"""The names the server answers to: the base model (and its aliases) and the LoRA adapters.
+
+``OpenAIServingModels`` maps a request's ``"model"`` to ``None`` (the base model) or the
+adapter's ``LoRARequest``, lists ``/v1/models``, and loads / unloads adapters at run time
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``).
+
+Adapter ids are given by the server: 1, 2, ... in load order, never reused within a process
+(so a name loaded again after an unload is a new adapter to the engine and its prefix cache).
+
+Unloading an adapter that requests are using: the name goes at once (new requests naming it
+get 404; a request admitted before the unload but not yet queued is refused with that 404),
+the requests already in the engine finish with it, and the engine drops its weights when the
+last of them ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.engine.async_llm_engine import EngineDeadError
+from kvserve.entrypoints.openai.serving_engine import APIError
+from kvserve.lora.request import LoRARequest
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """One ``--lora-modules`` entry: the public ``name``, the PEFT directory ``path`` and,
+    optionally, the ``base_model_name`` reported as its ``parent`` (default: the served name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """``name=path`` or vLLM's JSON form ``{"name", "path", "base_model_name"?}``.
+
+    Raises:
+        argparse.ArgumentTypeError: neither form, an empty name or path, or unknown JSON keys
+            (argparse reports it naming ``--lora-modules``).
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+        if not isinstance(obj, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        unknown = sorted(set(obj) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown key(s) {unknown} in {text!r} (allowed: name, path, base_model_name)"
+            )
+        name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+        if base is not None and (not isinstance(base, str) or not base):
+            raise argparse.ArgumentTypeError(f"base_model_name must be a non-empty string in {text!r}")
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+        base = None
+    if not isinstance(name, str) or not name.strip():
+        raise argparse.ArgumentTypeError(f"the adapter name is empty in {text!r}")
+    if not isinstance(path, str) or not path.strip():
+        raise argparse.ArgumentTypeError(f"the adapter path is empty in {text!r}")
+    return LoRAModulePath(name.strip(), path.strip(), base)
+
+
+@dataclass
+class _Adapter:
+    request: LoRARequest
+    parent: str
+    users: int = 0  # engine requests in flight with it
+    unloaded: bool = False  # name gone; the engine drops it when ``users`` reaches 0
+
+
+class OpenAIServingModels:
+    """The served names and the loaded LoRA adapters of one server.
+
+    Args:
+        async_engine: the ``AsyncLLMEngine`` (its ``engine.lora_config`` is None when LoRA is
+            off).
+        base_model_names: the names of the base model (the first is reported; the others,
+            e.g. the model path, are accepted as aliases).
+        model_root: ``root`` of the base model's card (its path).
+    """
+
+    def __init__(self, async_engine, base_model_names: Sequence[str], model_root: str | None = None):
+        self.async_engine = async_engine
+        self.base_model_names = list(base_model_names)
+        self.model_root = model_root
+        self._adapters: dict[str, _Adapter] = {}
+        self._by_id: dict[int, _Adapter] = {}  # includes unloaded ones still in use
+        self._loading: set[str] = set()
+        self._next_id = 1
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def base_model_name(self) -> str:
+        """The reported base model name."""
+        return self.base_model_names[0]
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine was started with LoRA (``--enable-lora``)."""
+        return self.async_engine.engine.lora_config is not None
+
+    def adapters(self) -> list[tuple[LoRARequest, str]]:
+        """The loaded adapters (load order) with the ``parent`` each reports."""
+        return [(a.request, a.parent) for a in self._adapters.values()]
+
+    def num_adapters(self) -> int:
+        """How many adapters are loaded (by name)."""
+        return len(self._adapters)
+
+    # ------------------------------------------------------------------ requests
+    def resolve(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model or no name).
+
+        Raises:
+            APIError: 404 ``model_not_found`` for any other name.
+        """
+        if name is None or name in self.base_model_names:
+            return None
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise self._not_found(name)
+        return adapter.request
+
+    def _not_found(self, name: str) -> APIError:
+        known = [self.base_model_name] + list(self._adapters)
+        return APIError(
+            f"The model '{name}' does not exist; this server serves {', '.join(repr(n) for n in known)}.",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def acquire(self, lora_request: LoRARequest, n: int = 1) -> None:
+        """Count ``n`` engine requests about to run with ``lora_request`` (released one by
+        one with ``release``), so an unload waits for them.
+
+        Raises:
+            APIError: 404 when the adapter was unloaded since the request named it.
+        """
+        adapter = self._by_id.get(lora_request.lora_int_id)
+        if adapter is None or adapter.unloaded:
+            raise APIError(
+                f"The model '{lora_request.lora_name}' was unloaded before this request could start.",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        adapter.users += n
+
+    def release(self, lora_request: LoRARequest) -> None:
+        """One engine request with ``lora_request`` ended (it is out of the engine, or its
+        abort is queued before anything this queues). The last user of an unloaded adapter
+        has the engine drop it."""
+        adapter = self._by_id.get(lora_request.lora_int_id)
+        if adapter is None:
+            return
+        adapter.users = max(0, adapter.users - 1)
+        if adapter.unloaded and adapter.users == 0:
+            self._drop(adapter)
+
+    def _drop(self, adapter: _Adapter) -> asyncio.Future:
+        self._by_id.pop(adapter.request.lora_int_id, None)
+        future = self.async_engine.submit(self.async_engine.engine.remove_lora, adapter.request.lora_int_id)
+        future.add_done_callback(_log_failure)
+        return future
+
+    # ------------------------------------------------------------------ load / unload
+    def _check_new_name(self, name: str) -> None:
+        if name in self.base_model_names:
+            raise APIError(
+                f"lora_name {name!r} is the base model's name; choose another.",
+                400,
+                param="lora_name",
+                code="invalid_value",
+            )
+        if name in self._adapters or name in self._loading:
+            raise APIError(
+                f"The LoRA adapter {name!r} is already loaded (or being loaded); unload it first.",
+                400,
+                param="lora_name",
+                code="lora_already_loaded",
+            )
+
+    def _disabled(self) -> APIError:
+        return APIError(
+            "LoRA is not enabled on this server; start it with --enable-lora to load adapters.",
+            400,
+            param="lora_name",
+            code="lora_not_enabled",
+        )
+
+    def _new_request(self, name: str, path: str) -> LoRARequest:
+        lora_id = self._next_id
+        self._next_id += 1  # never reused, even when the load fails
+        try:
+            return LoRARequest(name, lora_id, path)
+        except ValueError as e:
+            param = "lora_name" if "lora_name" in str(e) else "lora_path"
+            raise APIError(str(e), 400, param=param, code="invalid_value") from None
+
+    def _register(self, req: LoRARequest, parent: str | None) -> None:
+        adapter = _Adapter(req, parent or self.base_model_name)
+        self._adapters[req.lora_name] = adapter
+        self._by_id[req.lora_int_id] = adapter
+
+    def load_startup(self, modules: Sequence[LoRAModulePath]) -> None:
+        """Load the ``--lora-modules`` adapters (validated), before the engine loop runs.
+
+        Raises:
+            ValueError: LoRA is off, a name is repeated or the base model's, or an adapter
+                does not load (the message names the module, and the path or the limit).
+        """
+        if modules and not self.lora_enabled:
+            raise ValueError("--lora-modules needs --enable-lora (LoRA is off).")
+        for m in modules:
+            try:
+                self._check_new_name(m.name)
+                req = self._new_request(m.name, m.path)
+                self.async_engine.engine.add_lora(req)
+            except (APIError, ValueError) as e:
+                raise ValueError(f"--lora-modules {m.name}={m.path}: {e}") from None
+            self._register(req, m.base_model_name)
+            logger.info("LoRA adapter %r loaded from %s (id %d)", m.name, m.path, req.lora_int_id)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """``POST /v1/load_lora_adapter``: read and validate the adapter (on the engine
+        thread, between steps), then serve it under ``name``.
+
+        Raises:
+            APIError: 400 when LoRA is off, ``name`` is taken, or the adapter is invalid (the
+                message names the path or the limit, e.g. ``max_lora_rank``).
+        """
+        if not self.lora_enabled:
+            raise self._disabled()
+        self._check_new_name(name)
+        req = self._new_request(name, path)
+        self._loading.add(name)  # a concurrent load of the same name is refused meanwhile
+        try:
+            await self.async_engine.add_lora(req)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="lora_path", code="invalid_lora_adapter") from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, type="service_unavailable", code="engine_dead") from None
+        finally:
+            self._loading.discard(name)
+        self._register(req, None)
+        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, req.lora_int_id)
+        return req
+
+    async def unload_lora_adapter(self, name: str) -> tuple[LoRARequest, int]:
+        """``POST /v1/unload_lora_adapter``: stop serving ``name``; the engine drops the
+        weights now, or when the last request running with them ends.
+
+        Returns:
+            The adapter, and how many engine requests were still running with it.
+
+        Raises:
+            APIError: 400 when LoRA is off, 404 when no adapter has that name.
+        """
+        if not self.lora_enabled:
+            raise self._disabled()
+        adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            raise APIError(
+                f"The LoRA adapter {name!r} is not loaded.", 404, param="lora_name", code="lora_not_found"
+            )
+        adapter.unloaded = True
+        users = adapter.users
+        if users == 0:
+            await self._drop(adapter)
+        logger.info(
+            "LoRA adapter %r unloaded (id %d%s)",
+            name,
+            adapter.request.lora_int_id,
+            f"; {users} running request(s) finish with it" if users else "",
+        )
+        return adapter.request, users
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("removing a LoRA adapter from the engine failed: %r", future.exception())

@@ -167,20 +167,7 @@ class TensorParallelPeers:
         errors = []
         deadline = time.monotonic() + timeout_s
         for rank, (conn, p) in enumerate(zip(self._conns, self._procs), start=1):
-            while not conn.poll(0.2):
-                if not p.is_alive():
-                    raise PeerError(
-                        f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
-                        f"{p.exitcode} during the step"
-                    )
-                if time.monotonic() > deadline:
-                    raise PeerError(
-                        f"tensor-parallel worker rank {rank} did not answer within {timeout_s:g} s"
-                    )
-            try:
-                status, msg = conn.recv()
-            except (EOFError, OSError) as e:
-                raise PeerError(f"tensor-parallel worker rank {rank} closed its pipe: {e!r}") from e
+            status, msg = self._receive(rank, conn, p, deadline, timeout_s, "during the step")
             if status != "ok":
                 errors.append(f"rank {rank}: {msg}")
         return errors
@@ -195,25 +182,36 @@ class TensorParallelPeers:
         """
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (conn, p) in enumerate(zip(self._conns, self._procs), start=1):
-            while not conn.poll(0.2):
-                if not p.is_alive():
-                    raise PeerError(
-                        f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
-                        "while starting (a script that starts tensor-parallel engines needs an "
-                        "`if __name__ == '__main__':` guard)"
-                    )
-                if time.monotonic() > deadline:
-                    raise PeerError(
-                        f"tensor-parallel worker rank {rank} did not start within {START_TIMEOUT_S:g} s"
-                    )
-            try:
-                status, _ = conn.recv()
-            except (EOFError, OSError) as e:
-                raise PeerError(
-                    f"tensor-parallel worker rank {rank} closed its pipe while starting: {e!r}"
-                ) from e
+            status, _ = self._receive(
+                rank,
+                conn,
+                p,
+                deadline,
+                START_TIMEOUT_S,
+                "while starting (a script that starts tensor-parallel engines needs an "
+                "`if __name__ == '__main__':` guard)",
+            )
             if status != "started":
                 raise PeerError(f"tensor-parallel worker rank {rank} sent {status!r} before starting")
+
+    @staticmethod
+    def _receive(rank: int, conn, p, deadline: float, timeout_s: float, when: str):
+        """Rank ``rank``'s next ``(status, message)`` from its pipe, polled so that a dead peer
+        or a passed ``deadline`` (``time.monotonic()``) is a ``PeerError`` naming the rank and
+        ``when`` it happened, never a hang."""
+        while not conn.poll(0.2):
+            if not p.is_alive():
+                raise PeerError(
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode} {when}"
+                )
+            if time.monotonic() > deadline:
+                raise PeerError(
+                    f"tensor-parallel worker rank {rank} did not answer within {timeout_s:g} s {when}"
+                )
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            raise PeerError(f"tensor-parallel worker rank {rank} closed its pipe {when}: {e!r}") from e
 
     def wait_ready(self) -> None:
         """Raises PeerError if a peer failed to load its shard (with its message)."""

@@ -30,7 +30,8 @@ positions ``L .. L+a-1`` and a marker that is no token (-2) in the rejected draf
 later read of one of those before it is rewritten (a missed rollback of
 ``num_computed_tokens``) is a ``KVCacheCorruption``.
 
-Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)``; a
+Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_cost(step_shape(req))``
+(the same ``StepShape`` the profiler measures the real worker by); a
 verification adds its ``m`` extra query tokens (``num_verify_tokens``) and the step the
 proposer's ``m * draft_step_s``.
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.acceptance import AcceptanceModel
 from kvserve.sim.cost_model import CostModel, VirtualClock
+from kvserve.sim.step_shape import step_shape
 
 _MASK = (1 << 64) - 1
 _FNV_PRIME = 0x100000001B3
@@ -204,7 +206,7 @@ class SimulatedExecutor:
         self._validate_maps(req)
         # -- validate the rows and plan the writes
         writes: dict[tuple, int] = {}
-        prefill_tokens = decode_seqs = context_tokens = verify_tokens = draft_steps = 0
+        verify_tokens = draft_steps = 0
         num_drafts: dict[int, int] = {}  # metadata index -> drafts verified per sequence
         for mi, meta in enumerate(req.seq_group_metadata_list):
             chunk = meta.token_chunk_size
@@ -257,11 +259,6 @@ class SimulatedExecutor:
                                 f"tokens in one step (missing copy-on-write)"
                             )
                         writes[key] = toks[pos]
-                if meta.is_prompt:
-                    prefill_tokens += chunk
-                else:
-                    decode_seqs += 1
-                    context_tokens += n
             if m and meta.do_sample:
                 mt = meta.sampling_params.max_tokens
                 out_len = max(d.get_output_len() for d in meta.seq_data.values())
@@ -318,8 +315,9 @@ class SimulatedExecutor:
                         )
             results.append(out)
         # -- time
-        swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
-        dt = self.cost_model.step_time(prefill_tokens, decode_seqs, context_tokens, swapped, verify_tokens)
+        shape = step_shape(req)
+        shape.verify_tokens = verify_tokens
+        dt = self.cost_model.step_cost(shape)
         if draft_steps and self.acceptance is not None:
             dt += draft_steps * self.acceptance.draft_step_s
         self.clock.advance(dt)

@@ -14,6 +14,7 @@ COMMANDS = {
         "kvserve.benchmarks.data_parallel",
         "one engine vs DP replicas per router on a shared-prefix trace",
     ),
+    "fidelity": ("kvserve.benchmarks.fidelity", "one trace through the real engine and the simulator"),
 }
 
 

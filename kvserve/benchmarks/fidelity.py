@@ -92,7 +92,9 @@ def samples_ms(res: ReplayResult) -> dict[str, list[float]]:
     return out
 
 
-def print_comparison(real: dict, sim: dict, err: dict, out=sys.stdout) -> None:
+def print_comparison(real: dict, sim: dict, err: dict, out=None) -> None:
+    """The side-by-side table (stdout by default)."""
+    out = out or sys.stdout
     print(f"{'metric':14}{'real':>11}{'simulated':>11}{'rel err':>9}", file=out)
     for k in LATENCY_KEYS:
         for q in STAT_KEYS:

@@ -328,8 +328,9 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
     }
 
 
-def print_fit(data: dict, out=sys.stdout) -> None:
-    """The coefficients and the fit's error per shape class, as a table."""
+def print_fit(data: dict, out=None) -> None:
+    """The coefficients and the fit's error per shape class, as a table (stdout by default)."""
+    out = out or sys.stdout
     print("coefficients:", file=out)
     for k, v in data["coefficients"].items():
         print(f"  {k:16} {v:.4g}", file=out)

@@ -176,6 +176,6 @@ def test_same_trace_same_seed_same_simulation(tmp_path):
     """Determinism: two runs of one trace with one seed give identical summaries."""
     cm = parse_cost_model(profile_data(), "p.json").cost_model
     args = dict(num_gpu_blocks=24, max_model_len=512, seed=3)  # tight: preemptions too
-    a = simulate(EngineArgs(**args), _requests(30), cost_model=cm)
-    b = simulate(EngineArgs(**args), _requests(30), cost_model=cm)
-    assert a == b and a["finished"] == 30
+    a = simulate(EngineArgs(**args), _requests(30, output_len=40, rate=500.0), cost_model=cm)
+    b = simulate(EngineArgs(**args), _requests(30, output_len=40, rate=500.0), cost_model=cm)
+    assert a == b and a["finished"] == 30 and a["num_preemptions"] > 0

@@ -47,12 +47,15 @@ def profile_data(**over) -> dict:
     return data
 
 
-def _requests(n=20):
+def _requests(n=20, output_len=6, rate=20.0):
     return [
         BenchRequest(
-            prompt_token_ids=[(7 * i + j) % 900 + 3 for j in range(30 + i)], output_len=6, arrival_s=t, id=i
+            prompt_token_ids=[(7 * i + j) % 900 + 3 for j in range(30 + i)],
+            output_len=output_len,
+            arrival_s=t,
+            id=i,
         )
-        for i, t in enumerate(generate_arrivals(n, 20.0, seed=1))
+        for i, t in enumerate(generate_arrivals(n, rate, seed=1))
     ]
 
 

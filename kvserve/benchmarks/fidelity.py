@@ -187,13 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
     ap.add_argument("--workload-seed", type=int, default=0, help="seed for the synthesised prompts")
     ap.add_argument("--cost-model", default=None, help="profile JSON (kvserve profile); default: profile now")
-    ap.add_argument(
-        "--profile-grid", choices=["default", "small"], default="default", help="grid when profiling now"
-    )
     ap.add_argument("--profile-out", default=None, help="where to save the profile made now")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--plot", default=None, help="PNG of the latency CDFs, real vs simulated")
     ap.add_argument("--no-progress", action="store_true")
+    from kvserve.sim.profile import add_grid_args
+
+    add_grid_args(ap, prefix="profile-")  # the grid when profiling now (no --cost-model)
     add_engine_args(ap)
     return ap
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.cli import engine_args_from
     from kvserve.sim.cost_model_file import load_cost_model, parse_cost_model, save_cost_model
-    from kvserve.sim.profile import ProfileGrid, profile_engine
+    from kvserve.sim.profile import grid_from_args, profile_engine
 
     ns = build_parser().parse_args(argv)
     if not Path(ns.trace).is_file():
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if not requests:
             raise ValueError(f"--trace {ns.trace}: no requests selected")
         if cm_file is None:
-            grid = ProfileGrid.small() if ns.profile_grid == "small" else ProfileGrid()
+            grid = grid_from_args(ns, prefix="profile-")
             data = profile_engine(engine, args, grid, progress=not ns.no_progress)
             if ns.profile_out:
                 save_cost_model(ns.profile_out, data)

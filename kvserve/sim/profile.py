@@ -55,6 +55,23 @@ class ProfileGrid:
     swap_blocks: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
     repeats: int = 2
 
+    def override(self, **lists) -> ProfileGrid:
+        """A copy with the given fields replaced (None values are left as they are).
+
+        Raises:
+            ValueError: a list with a value < 1, or a count < 0, naming the field.
+        """
+        g = dataclasses.replace(self)
+        for name, v in lists.items():
+            if v is None:
+                continue
+            vals = v if isinstance(v, list) else [v]
+            low = 0 if name == "long_prompt_chunks" else 1
+            if not vals or any(x < low for x in vals):
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+            setattr(g, name, v)
+        return g
+
     @classmethod
     def small(cls) -> ProfileGrid:
         return cls(
@@ -346,6 +363,45 @@ def print_fit(data: dict, out=None) -> None:
         )
 
 
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {s!r}") from e
+
+
+def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--[prefix]grid small|default`` and comma-list overrides of ``ProfileGrid``'s fields."""
+    g = ap.add_argument_group("profile grid")
+    g.add_argument(
+        f"--{prefix}grid",
+        choices=["default", "small"],
+        default="default",
+        help="small: seconds (smoke runs, tests)",
+    )
+    for name in ("prefill_lens", "prefill_batch", "context_lens", "batch_sizes", "mixed_prefill_lens"):
+        g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=_int_list, default=None, metavar="N,N,...")
+    for name in ("decode_steps", "repeats", "long_prompt_chunks"):
+        g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=int, default=None)
+
+
+def grid_from_args(ns: argparse.Namespace, prefix: str = "") -> ProfileGrid:
+    """The ``ProfileGrid`` ``add_grid_args``' flags describe. Raises ValueError (bad value)."""
+    p = prefix.replace("-", "_")
+    grid = ProfileGrid.small() if getattr(ns, f"{p}grid") == "small" else ProfileGrid()
+    names = (
+        "prefill_lens",
+        "prefill_batch",
+        "context_lens",
+        "batch_sizes",
+        "mixed_prefill_lens",
+        "decode_steps",
+        "repeats",
+        "long_prompt_chunks",
+    )
+    return grid.override(**{n: getattr(ns, p + n) for n in names})
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvserve.entrypoints.cli import add_engine_args, engine_args_from
 
@@ -353,20 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvserve profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", required=True, help="cost-model JSON to write")
-    ap.add_argument(
-        "--grid", choices=["default", "small"], default="default", help="small: seconds (smoke runs, tests)"
-    )
-    ap.add_argument("--repeats", type=int, default=None, help="times each shape of the grid runs")
     ap.add_argument("--no-progress", action="store_true")
+    add_grid_args(ap)
     add_engine_args(ap)
     ns = ap.parse_args(argv)
-    grid = ProfileGrid.small() if ns.grid == "small" else ProfileGrid()
-    if ns.repeats is not None:
-        if ns.repeats < 1:
-            print(f"Error: --repeats must be >= 1, got {ns.repeats}", file=sys.stderr)
-            return 2
-        grid.repeats = ns.repeats
     try:
+        grid = grid_from_args(ns)
         data = profile(engine_args_from(ns), grid, progress=not ns.no_progress)
         save_cost_model(ns.out, data)
     except ValueError as e:

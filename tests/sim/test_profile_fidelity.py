@@ -129,7 +129,10 @@ def test_relative_error_and_preemption_agreement():
 
 def test_profile_cli_bad_flags(tmp_path, capsys):
     assert profile_main(["--out", str(tmp_path / "p.json"), "--repeats", "0"]) == 2
-    assert "--repeats" in capsys.readouterr().err
+    assert "repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert profile_main(["--out", str(tmp_path / "p.json"), "--prefill-lens", "64,0"]) == 2
+    assert "prefill_lens must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
     # a malformed profile is refused when parsed, not when used
     with pytest.raises(ValueError, match="schema"):
         parse_cost_model({"schema": "nope"})

@@ -204,7 +204,9 @@ class Profiler:
             return
         ids = [self._add(L, out) for _ in range(b)]
         seen: set[str] = set()
-        while len(seen) < b:  # every decoder past its prompt
+        for _ in range(10_000):  # until every decoder is past its prompt
+            if len(seen) >= b:
+                break
             seen.update(o.request_id for o in self._step() if o.outputs and o.outputs[0].token_ids)
         for p in lens:
             self._add(p, 1)

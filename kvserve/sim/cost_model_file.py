@@ -99,10 +99,17 @@ class CostModelFile:
         return dict(self.data.get("engine") or {})
 
     def samples(self) -> list[tuple[StepShape, float]]:
-        """The profile's measured steps (empty when the file has none)."""
+        """The profile's measured steps (empty when the file has none).
+
+        Raises:
+            ValueError: ``profile.samples`` is malformed.
+        """
         out = []
-        for s in (self.data.get("profile") or {}).get("samples") or []:
-            out.append((StepShape(**s["shape"]), float(s["t"])))
+        try:
+            for s in (self.data.get("profile") or {}).get("samples") or []:
+                out.append((StepShape(**s["shape"]), float(s["t"])))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{self.path}: profile.samples is malformed ({e!r})") from e
         return out
 
     def check_engine_args(self, args) -> None:
@@ -179,6 +186,23 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     values = {k: _num(coef, k, f"{path}: coefficients") for k in ("base_s", *FEATURES) if k in coef}
     if "base_s" not in values:
         raise ValueError(f"{path}: coefficients: missing field 'base_s'")
+    eng = data.get("engine")
+    if eng is not None:
+        if not isinstance(eng, dict):
+            raise ValueError(f"{path}: engine must be an object, got {type(eng).__name__}")
+        for key in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "num_gpu_blocks",
+            "num_cpu_blocks",
+        ):
+            v = eng.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{path}: engine.{key} must be an integer >= 0, got {v!r}")
+        v = eng.get("enable_chunked_prefill")
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{path}: engine.enable_chunked_prefill must be true or false, got {v!r}")
     host = data["host"] if isinstance(data["host"], dict) else {}
     hw = host.get("gpu") or f"{host.get('cpu', '?')}, {host.get('threads', '?')} threads"
     info = {

@@ -2,8 +2,11 @@
 
 import copy
 import json
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.benchmarks.workload import BenchRequest, generate_arrivals
 from kvserve.config import EngineArgs
@@ -92,6 +95,9 @@ def test_round_trip_keeps_coefficients_and_names_the_source(tmp_path):
         (lambda d: d["coefficients"].update(warp_s=1.0), "warp_s"),
         (lambda d: d["coefficients"].pop("base_s"), "base_s"),
         (lambda d: d.pop("fit_error"), "fit_error"),
+        (lambda d: d.update(engine=[1, 2]), "engine"),
+        (lambda d: d["engine"].update(num_gpu_blocks=-3), "engine.num_gpu_blocks"),
+        (lambda d: d["engine"].update(enable_chunked_prefill="yes"), "engine.enable_chunked_prefill"),
     ],
 )
 def test_malformed_file_is_an_error_naming_the_field(mutate, field):
@@ -182,3 +188,52 @@ def test_same_trace_same_seed_same_simulation(tmp_path):
     a = simulate(EngineArgs(**args), _requests(30, output_len=40, rate=500.0), cost_model=cm)
     b = simulate(EngineArgs(**args), _requests(30, output_len=40, rate=500.0), cost_model=cm)
     assert a == b and a["finished"] == 30 and a["num_preemptions"] > 0
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    path=st.sampled_from(
+        [(), ("model",), ("coefficients",), ("host",), ("engine",)]
+        + [(k,) for k in profile_data()]
+        + [("coefficients", k) for k in profile_data()["coefficients"]]
+    ),
+    value=_json_values,
+)
+def test_any_corrupted_field_is_a_value_error_or_accepted(path, value):
+    """Fuzz: replacing any field (or the whole object) by any JSON value either loads a cost
+    model with finite, non-negative coefficients or raises ValueError; never another exception."""
+    data = copy.deepcopy(profile_data())
+    if not path:
+        data = value
+    else:
+        obj = data
+        for k in path[:-1]:
+            obj = obj[k]
+        obj[path[-1]] = value
+    try:
+        f = parse_cost_model(data, "fuzz.json")
+    except ValueError:
+        return
+    cm = f.cost_model
+    assert all(math.isfinite(v) and v >= 0 for v in cm.coefficients().values())
+    assert f.block_size >= 1 and cm.describe() and isinstance(f.engine, dict)
+    try:
+        f.samples()
+    except ValueError:
+        pass
+
+
+def test_simulate_cli_missing_cost_model_file(capsys):
+    assert simulate_main(["--cost-model", "/nonexistent/p.json"]) == 2
+    assert "--cost-model /nonexistent/p.json: no such file" in capsys.readouterr().err

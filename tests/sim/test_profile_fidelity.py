@@ -136,3 +136,14 @@ def test_profile_cli_bad_flags(tmp_path, capsys):
     # a malformed profile is refused when parsed, not when used
     with pytest.raises(ValueError, match="schema"):
         parse_cost_model({"schema": "nope"})
+
+
+def test_bench_fidelity_bad_flags_are_one_line_errors(tmp_path, capsys):
+    assert fidelity.main(["--trace", "/nonexistent.csv"]) == 2
+    assert "--trace /nonexistent.csv: no such file" in capsys.readouterr().err
+    trace = str(_trace(tmp_path))
+    assert fidelity.main(["--trace", trace, "--num-requests", "0"]) == 2
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    assert fidelity.main(["--trace", trace, "--cost-model", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "Traceback" not in err

@@ -9,6 +9,7 @@
 #   DTYPES=float32 TRACES=azure CONFIGS=default bash benchmarks/fidelity.sh   # one cell
 #   NUM_REQUESTS=300 MAX_IN=512 MAX_OUT=128 SMALL_KV_BLOCKS=96 AZURE_SCALE=1 MOONCAKE_SCALE=2
 #   SMOKE=1: small grid, 40 requests, lengths 256/32 (minutes; for checking the script)
+#   SIM_SPEED_REQUESTS=0 skips the simulator-speed runs
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -52,8 +53,11 @@ for dt in $DTYPES; do
         done
     done
 done
-"$PY" benchmarks/sim_speed.py --num-requests 10000 2>&1 | tee "$OUT/sim_speed_builtin.log"
-first="$(echo "$DTYPES" | awk '{print $1}')"
-"$PY" benchmarks/sim_speed.py --num-requests 10000 --cost-model "$OUT/profile_$first.json" 2>&1 \
-    | tee "$OUT/sim_speed_profile.log"
+SPEED_N="${SIM_SPEED_REQUESTS:-10000}"  # 0 skips the speed runs
+if [ "$SPEED_N" != 0 ]; then
+    "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" 2>&1 | tee "$OUT/sim_speed_builtin.log"
+    first="$(echo "$DTYPES" | awk '{print $1}')"
+    "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" --cost-model "$OUT/profile_$first.json" 2>&1 \
+        | tee "$OUT/sim_speed_profile.log"
+fi
 echo "[fidelity] done: $OUT"

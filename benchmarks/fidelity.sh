@@ -3,7 +3,7 @@
 # meanwhile (2 cores). For each dtype: profile the default model (default grid), then replay
 # each trace through the real engine and the simulator in two configurations (default KV cache;
 # a small one that forces preemption); then the simulator's speed on 10,000 requests.
-# Results (profiles, JSON, CDF plots, logs) go to $OUT (default benchmarks/results/fidelity-<date>).
+# Results (profiles, JSON, CDF plots, logs, summary.md: the table for docs/benchmarks.md) go to $OUT (default benchmarks/results/fidelity-<date>).
 #
 #   bash benchmarks/fidelity.sh                       # ~1.5-2 h on 2 quiet cores
 #   DTYPES=float32 TRACES=azure CONFIGS=default bash benchmarks/fidelity.sh   # one cell
@@ -53,6 +53,8 @@ for dt in $DTYPES; do
         done
     done
 done
+"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null) \
+    | tee "$OUT/summary.md"
 SPEED_N="${SIM_SPEED_REQUESTS:-10000}"  # 0 skips the speed runs
 if [ "$SPEED_N" != 0 ]; then
     "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" 2>&1 | tee "$OUT/sim_speed_builtin.log"

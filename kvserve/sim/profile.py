@@ -158,6 +158,13 @@ class Profiler:
     def _fits(self, prompt_len: int, out: int) -> bool:
         return prompt_len + out <= self.max_len
 
+    def _fits_cache(self, num_seqs: int, seq_len: int) -> bool:
+        """``num_seqs`` sequences of ``seq_len`` tokens fit the KV cache at once (a decode
+        scenario that preempts would measure recomputes, not decodes)."""
+        bs = self.engine.cache_config.block_size
+        blocks = self.engine.cache_config.num_gpu_blocks or 0
+        return num_seqs * -(-seq_len // bs) <= blocks * 0.9
+
     # -- scenarios
     def warm_up(self) -> None:
         """One small prefill and a few decodes, not recorded (first-call costs)."""
@@ -178,7 +185,11 @@ class Profiler:
                     items.append(("prefill", (i * self.budget, 1)))
             for L in g.context_lens:
                 for b in g.batch_sizes:
-                    if self._fits(L, g.decode_steps + 1) and b <= self.engine.scheduler_config.max_num_seqs:
+                    if (
+                        self._fits(L, g.decode_steps + 1)
+                        and b <= self.engine.scheduler_config.max_num_seqs
+                        and self._fits_cache(b, L + g.decode_steps + 1)
+                    ):
                         items.append(("decode", (L, b)))
             if self.chunked:
                 for b in g.mixed_batch_sizes:
@@ -200,7 +211,7 @@ class Profiler:
         L = min(self.grid.context_lens)
         lens = [p for p in self.grid.mixed_prefill_lens if p + b <= self.budget and self._fits(p, 1)]
         out = 2 * len(lens) + 4
-        if not lens or not self._fits(L, out):
+        if not lens or not self._fits(L, out) or not self._fits_cache(b + 1, max(L + out, max(lens) + 1)):
             return
         ids = [self._add(L, out) for _ in range(b)]
         seen: set[str] = set()
@@ -309,6 +320,9 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
         prof.run()
     finally:
         engine.executor = prof.rec.inner
+        # the swap samples moved arbitrary content through free blocks: no cached block may
+        # be reused after them
+        engine.reset_prefix_cache()
     wall_s = time.perf_counter() - t1
     cm = fit_cost_model(prof.samples)
     cm.swap_block_s, swap_err = fit_swap(prof.swap_samples)

@@ -58,6 +58,8 @@ def replay(
     t0 = clock()
     i = 0
     lens: dict[int, int] = {}
+    # the engine's count is cumulative: an engine that ran (was profiled) before has some
+    preempted0 = engine.get_kv_cache_stats()["num_preemptions"]
     for _ in range(max_steps):
         if i >= len(pending) and not engine.has_unfinished_requests():
             break
@@ -101,7 +103,7 @@ def replay(
     else:
         raise RuntimeError(f"replay did not finish within {max_steps} steps")
     res.duration_s = clock() - t0
-    res.total_preemptions = engine.get_kv_cache_stats()["num_preemptions"]
+    res.total_preemptions = engine.get_kv_cache_stats()["num_preemptions"] - preempted0
     return res
 
 

@@ -155,7 +155,10 @@ def _cost_model_for(ns: argparse.Namespace) -> CostModel:
     from kvserve.sim.cost_model_file import load_cost_model
 
     f = load_cost_model(ns.cost_model)
-    f.check_engine_args(engine_args_from(ns))
+    # only the fields the profile pins (the simulator's speculation keys are not the engine's)
+    f.check_engine_args(
+        EngineArgs(model=ns.model, dtype=ns.dtype, block_size=ns.block_size, quantization=ns.quantization)
+    )
     prof = f.engine
     if ns.enable_chunked_prefill is None and prof.get("enable_chunked_prefill") is not None:
         ns.enable_chunked_prefill = prof["enable_chunked_prefill"]

@@ -237,3 +237,15 @@ def test_any_corrupted_field_is_a_value_error_or_accepted(path, value):
 def test_simulate_cli_missing_cost_model_file(capsys):
     assert simulate_main(["--cost-model", "/nonexistent/p.json"]) == 2
     assert "--cost-model /nonexistent/p.json: no such file" in capsys.readouterr().err
+
+
+def test_simulate_cli_cost_model_with_speculation(tmp_path, capsys):
+    """The acceptance-model keys of --speculative-config are the simulator's, not the engine's:
+    checking the profile against the flags must not choke on them."""
+    path = tmp_path / "p.json"
+    save_cost_model(path, profile_data())
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "mean_accepted_len": 2.0}'
+    assert (
+        simulate_main(["--cost-model", str(path), "--num-requests", "4", "--speculative-config", spec]) == 0
+    )
+    assert "speculative decoding:" in capsys.readouterr().out

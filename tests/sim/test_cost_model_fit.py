@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.sim.cost_model import FEATURES, CostModel, fit_cost_model, fit_errors
-from kvserve.sim.executor import SimulatedExecutor
+from kvserve.sim.executor import InvalidExecuteRequest, SimulatedExecutor
 from kvserve.sim.step_shape import StepShape, step_shape
 
 
@@ -164,3 +164,11 @@ def test_builtin_cost_model_says_it_is_not_this_machine():
     assert "Llama-2-70B" in d and "H100" in d and "not this machine" in d
     assert set(CostModel().coefficients()) == {"base_s", *FEATURES}
     assert not math.isnan(CostModel().step_time(10, 1, 10))
+
+
+def test_block_table_entry_out_of_range_is_named():
+    ex = SimulatedExecutor(100, block_size=4, num_gpu_blocks=8)
+    with pytest.raises(InvalidExecuteRequest, match="block table block 8 out of range"):
+        ex.execute_model(ExecuteModelRequest([_meta("a", SequenceData([1, 2, 3, 4, 5]), [0, 8], 5)]))
+    with pytest.raises(InvalidExecuteRequest, match="block table block -1 out of range"):
+        ex.execute_model(ExecuteModelRequest([_meta("a", SequenceData([1, 2, 3]), [-1], 3)]))

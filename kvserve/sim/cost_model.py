@@ -155,8 +155,8 @@ def fit_cost_model(
     by 1/prediction, so noisy repeats of one shape are fitted at their mean). Coefficients are kept
     >= 0 (a cost cannot be negative): a feature whose coefficient comes out negative is dropped
     and the rest refitted, until all are >= 0. Features that are 0 in every sample are left
-    at 0. With ``trim``, steps whose relative residual exceeds ``trim`` times the median one
-    (and 10%) after the first fit -- a step slowed by another process on a shared host -- are
+    at 0. With ``trim``, steps whose |log(measured / predicted)| exceeds ``trim`` times the
+    median one (and log 1.1) after the first fit -- a step slowed by another process on a shared host -- are
     left out of the rest. ``info`` of the result is empty (the caller names the source).
 
     Raises:
@@ -180,10 +180,12 @@ def fit_cost_model(
         # under-prediction costs at most 100%), 1/prediction weights fit their mean.
         w = 1.0 / np.maximum(pred, ys.min())
         if trim and it == 0:
-            rel = np.abs(pred - ys) / ys
-            bound = max(trim * float(np.median(rel)), 0.10)
-            if (rel <= bound).sum() >= len(names) + 1:
-                keep = rel <= bound
+            # on a log scale: a step 10x slower than predicted is as far out as one 10x
+            # faster (a relative error could never exceed 100% for the slow one)
+            dev = np.abs(np.log(ys / np.maximum(pred, 1e-12)))
+            bound = max(trim * float(np.median(dev)), float(np.log(1.1)))
+            if (dev <= bound).sum() >= len(names) + 1:
+                keep = dev <= bound
     fields = {n: 0.0 for n in FEATURES}
     fields.update(coef)
     return CostModel(base_s=base, info={}, **fields)

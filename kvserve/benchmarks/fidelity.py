@@ -150,6 +150,7 @@ def run_fidelity(engine, args, requests: list[wl.BenchRequest], cost_model) -> d
         "finished": {"real": rs["num_finished"], "simulated": ss["num_finished"]},
         "duration_s": {"real": rs["duration_s"], "simulated": ss["duration_s"]},
         "num_steps": {"real": rs["num_steps"], "simulated": ss["num_steps"]},
+        "num_extrapolated_steps": ss["num_extrapolated_steps"],
         "wall_s": {"real": real_wall, "simulated": sim_wall},
         "cost_model": cost_model.describe(),
         "_samples": {"real": samples_ms(real_res), "simulated": samples_ms(sim_res)},
@@ -253,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         f"({result['wall_s']['simulated']:.2f} s to simulate)"
     )
     print_comparison(result["real"], result["simulated"], result["relative_error"])
+    if result["num_extrapolated_steps"]:
+        print(
+            f"note: {result['num_extrapolated_steps']} simulated steps were larger than any profiled "
+            f"(their times are extrapolated: profile a larger grid)"
+        )
     pa = result["preempted_requests"]
     print(
         f"preempted requests: real {pa['real']}, simulated {pa['simulated']}, both {pa['both']} (Jaccard {pa['jaccard']:.2f})"

@@ -126,6 +126,7 @@ def simulate(
         "e2e_s": summarize(m.e2e_latency for m in metrics),
         "queue_s": summarize(m.queue_time for m in metrics),
         "num_steps": executor.num_steps,
+        "num_extrapolated_steps": executor.num_extrapolated_steps,
     }
     if spec is not None:
         st = engine.stats
@@ -244,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
         f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s"
     )
+    if summary["num_extrapolated_steps"]:
+        print(
+            f"note: {summary['num_extrapolated_steps']} of {summary['num_steps']} steps were larger than any the "
+            f"cost model was profiled on (prompt tokens, attention span, decodes or context): their times are "
+            f"extrapolated; profile with a larger grid (--prefill-lens, --context-lens, --batch-sizes)"
+        )
     sd = summary.get("spec_decode")
     if sd:
         print(

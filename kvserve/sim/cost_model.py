@@ -87,6 +87,20 @@ class CostModel:
     sample_s: float = 0.0
     copy_block_s: float = 0.0
     info: dict = field(default_factory=lambda: dict(BUILTIN_INFO), compare=False)
+    #: the largest value of each ``StepShape`` count the coefficients were fitted on (None:
+    #: unknown); ``outside_range`` flags steps past them (extrapolation)
+    ranges: dict | None = field(default=None, compare=False)
+
+    def outside_range(self, shape: StepShape, slack: float = 1.25) -> bool:
+        """True when ``shape`` has a count more than ``slack`` times the largest profiled one
+        (prompt tokens, attention pairs, decodes, context tokens): its cost is extrapolated."""
+        if not self.ranges:
+            return False
+        for attr in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens"):
+            top = self.ranges.get(attr)
+            if top is not None and getattr(shape, attr) > slack * top:
+                return True
+        return False
 
     def step_time(
         self,

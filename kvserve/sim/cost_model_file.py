@@ -213,7 +213,13 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     }
     fields = {k: 0.0 for k in FEATURES}
     fields.update(values)
-    return CostModelFile(CostModel(info=info, **fields), data, path)
+    ranges = (data.get("profile") or {}).get("ranges") if isinstance(data.get("profile"), dict) else None
+    if ranges is not None and (
+        not isinstance(ranges, dict)
+        or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in ranges.values())
+    ):
+        raise ValueError(f"{path}: profile.ranges must be an object of numbers")
+    return CostModelFile(CostModel(info=info, ranges=ranges, **fields), data, path)
 
 
 def load_cost_model(path) -> CostModelFile:

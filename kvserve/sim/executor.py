@@ -99,7 +99,8 @@ class SimulatedExecutor:
             token (nothing is accepted).
 
     Attributes:
-        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals.
+        clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals;
+            ``num_extrapolated_steps``: steps larger than any the cost model was profiled on.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class SimulatedExecutor:
         self.gpu: dict[int, list[int | None]] = {}
         self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
+        self.num_extrapolated_steps = 0  # steps past the cost model's profiled shapes
         self.busy_time_s = 0.0
         self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
         self.record = False
@@ -323,6 +325,8 @@ class SimulatedExecutor:
         shape = step_shape(req)
         shape.verify_tokens = verify_tokens
         dt = self.cost_model.step_cost(shape)
+        if self.cost_model.outside_range(shape):
+            self.num_extrapolated_steps += 1
         if draft_steps and self.acceptance is not None:
             dt += draft_steps * self.acceptance.draft_step_s
         self.clock.advance(dt)

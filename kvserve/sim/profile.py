@@ -355,6 +355,11 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
             "load_s": 0.0,
             "wall_s": wall_s,
             "num_steps": len(prof.samples),
+            # the largest of each count measured: a simulation past them extrapolates
+            "ranges": {
+                k: max((getattr(sh, k) for sh, _ in prof.samples), default=0)
+                for k in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens")
+            },
             "samples": [{"shape": s.as_dict(), "t": t} for s, t in prof.samples],
             "swap_samples": [{"blocks": n, "t": t} for n, t in prof.swap_samples],
         },

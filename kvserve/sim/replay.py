@@ -39,6 +39,7 @@ class ReplayResult:
     duration_s: float = 0.0
     total_preemptions: int = 0
     num_steps: int = 0
+    num_extrapolated_steps: int = 0  # simulated steps past the profiled shapes (0 for real runs)
 
 
 def replay(
@@ -104,6 +105,7 @@ def replay(
         raise RuntimeError(f"replay did not finish within {max_steps} steps")
     res.duration_s = clock() - t0
     res.total_preemptions = engine.get_kv_cache_stats()["num_preemptions"] - preempted0
+    res.num_extrapolated_steps = int(getattr(engine.executor, "num_extrapolated_steps", 0))
     return res
 
 
@@ -143,6 +145,7 @@ def summarize_replay(res: ReplayResult) -> dict:
         "preempted_ids": sorted(rid for rid, k in res.preemptions.items() if k),
         "output_tok_s": out_tokens / res.duration_s if res.duration_s else 0.0,
         "num_steps": res.num_steps,
+        "num_extrapolated_steps": res.num_extrapolated_steps,
     }
 
 

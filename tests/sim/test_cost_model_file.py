@@ -45,6 +45,14 @@ def profile_data(**over) -> dict:
             "sample_s": 1e-4,
         },
         "fit_error": {"all": {"n": 10, "mean": 0.05, "p90": 0.1, "max": 0.2, "bias": 0.0}},
+        "profile": {
+            "ranges": {
+                "prefill_tokens": 4096,
+                "prefill_attn_pairs": 1e5,
+                "decode_seqs": 64,
+                "context_tokens": 1e5,
+            }
+        },
     }
     data.update(over)
     return data
@@ -249,3 +257,24 @@ def test_simulate_cli_cost_model_with_speculation(tmp_path, capsys):
         simulate_main(["--cost-model", str(path), "--num-requests", "4", "--speculative-config", spec]) == 0
     )
     assert "speculative decoding:" in capsys.readouterr().out
+
+
+def test_steps_past_the_profiled_shapes_are_counted_and_noted(tmp_path, capsys):
+    """A profile of short prompts says so when a simulation prefills longer ones."""
+    small = profile_data(profile={"ranges": {"prefill_tokens": 16, "prefill_attn_pairs": 0.1}})
+    cm = parse_cost_model(small, "p.json").cost_model
+    s = simulate(EngineArgs(num_gpu_blocks=64, max_model_len=512), _requests(5), cost_model=cm)
+    assert s["num_extrapolated_steps"] >= 5  # every prompt (30+ tokens) is past 16 * 1.25
+    roomy = parse_cost_model(profile_data(), "p.json").cost_model
+    assert (
+        simulate(EngineArgs(num_gpu_blocks=64, max_model_len=512), _requests(5), cost_model=roomy)[
+            "num_extrapolated_steps"
+        ]
+        == 0
+    )
+    path = tmp_path / "p.json"
+    save_cost_model(path, small)
+    assert simulate_main(["--cost-model", str(path), "--num-requests", "4"]) == 0
+    assert "larger than any the cost model was profiled on" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="profile.ranges"):
+        parse_cost_model(profile_data(profile={"ranges": {"decode_seqs": "many"}}), "p.json")

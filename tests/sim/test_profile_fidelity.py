@@ -1,6 +1,7 @@
 """``kvserve profile`` and ``kvserve bench fidelity`` on the tiny random model (seconds)."""
 
 import json
+import math
 import statistics
 
 import pytest
@@ -21,7 +22,8 @@ def tiny_profile(tiny_llama_dir, tmp_path_factory):
     args = EngineArgs(
         model=str(tiny_llama_dir), num_gpu_blocks=48, max_model_len=256, dtype="float32", device="cpu"
     )
-    data = profile(args, ProfileGrid.small(), progress=False)
+    # three repeats: tiny-model steps take milliseconds, and medians need a few of each
+    data = profile(args, ProfileGrid.small().override(repeats=3), progress=False)
     path = tmp_path_factory.mktemp("profile") / "tiny.json"
     save_cost_model(path, data)
     return data, path
@@ -39,30 +41,78 @@ def test_profile_records_what_it_measured_and_on_what(tiny_profile, tiny_llama_d
     # the long-prompt chunks attend over earlier ones: the quadratic feature varies
     assert len({s.prefill_attn_pairs for s, _ in f.samples()}) > 3
     assert {"prefill", "decode", "mixed", "swap", "all"} <= set(data["fit_error"])
-    assert len(data["profile"]["swap_samples"]) == 4
+    assert len(data["profile"]["swap_samples"]) == 3 * 4
     assert all(v >= 0 for v in data["coefficients"].values()) and data["coefficients"]["base_s"] > 0
 
 
 def test_fitted_model_predicts_its_own_profile(tiny_profile):
-    """The fit predicts the profile it came from: per shape class, the median predicted step
-    within 50% of the median measured one, and the median step's error under 50% (tiny-model
-    steps are a few ms on a shared 2-core host, where another process can stall one for
-    seconds; medians are what such a stall does not move)."""
+    """The fit predicts the profile it came from, within what this host allows: the typical
+    step (median of |log(predicted / measured)|) within a factor of 2, and per shape class the
+    median predicted step within a factor of 3 of the median measured one. Tiny-model steps
+    take a few ms on a 2-core host shared by several developers, where another process can
+    make one 2-5x slower; the exact check is the next test, on a clock that is the truth."""
     data, path = tiny_profile
     f = load_cost_model(path)
     samples = f.samples()
     err = fit_errors(f.cost_model, samples)["all"]
     assert err["n"] == len(samples) == data["profile"]["num_steps"] >= 20
-    assert err["p50"] < 0.5, err
+    logs = [abs(math.log(f.cost_model.step_cost(s) / t)) for s, t in samples]
+    assert statistics.median(logs) < math.log(2.0), err
     for cls in ("prefill", "decode", "mixed"):
         got = [(f.cost_model.step_cost(s), t) for s, t in samples if s.shape_class == cls]
         pred, meas = statistics.median(p for p, _ in got), statistics.median(t for _, t in got)
-        assert 0.5 < pred / meas < 1.5, (cls, pred, meas)
+        assert 1 / 3 < pred / meas < 3.0, (cls, pred, meas)
     # refitting the stored samples gives the stored coefficients (the file is self-contained)
     refit = fit_cost_model(samples)
     for k, v in data["coefficients"].items():
         if k != "swap_block_s":  # fitted apart, from the swap samples
             assert getattr(refit, k) == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_profiler_recovers_a_known_cost_from_the_real_engine(tiny_llama_dir):
+    """The profiler's shapes are those of the steps the real engine ran, and the fit recovers
+    the cost that produced the times: a timer that advances by a known cost of the step just
+    recorded stands in for the wall clock (no noise, so the bound is tight)."""
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.profile import Profiler
+
+    truth = CostModel(
+        base_s=0.003,
+        prefill_token_s=2e-5,
+        prefill_attn_s=4e-4,
+        decode_seq_s=6e-4,
+        context_token_s=1e-6,
+        info={},
+    )
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(tiny_llama_dir), num_gpu_blocks=48, max_model_len=256, dtype="float32", device="cpu"
+        )
+    )
+    prof = Profiler(engine, ProfileGrid.small(), progress=False)
+    clock = {"t": 0.0, "calls": 0}
+
+    def timer():
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0 and prof.rec.last is not None:  # the "after" read of a step
+            clock["t"] += truth.step_cost(prof.rec.last)
+        return clock["t"]
+
+    prof.timer = timer
+    prof.warm_up()
+    for kind, arg in prof.scenarios():
+        if kind == "prefill":
+            prof.run_prefill(*arg)
+        elif kind == "decode":
+            prof.run_decode(*arg)
+        elif kind == "mixed":
+            prof.run_mixed(*arg)
+    assert {s.shape_class for s, _ in prof.samples} >= {"prefill", "decode", "mixed"}
+    fit = fit_cost_model(prof.samples)
+    errs = fit_errors(fit, prof.samples)
+    assert errs["all"]["max"] < 0.01, errs
+    assert fit.prefill_attn_s == pytest.approx(4e-4, rel=0.05)
 
 
 def _trace(tmp_path, n=12):

@@ -15,6 +15,7 @@ COMMANDS = {
         "one engine vs DP replicas per router on a shared-prefix trace",
     ),
     "lora": ("kvserve.benchmarks.lora", "multi-LoRA serving vs the same run without adapters"),
+    "fidelity": ("kvserve.benchmarks.fidelity", "one trace through the real engine and the simulator"),
 }
 
 

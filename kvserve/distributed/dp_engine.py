@@ -185,15 +185,24 @@ class DataParallelAsyncEngine:
         return []  # a text prompt (not from the server): routed by load alone
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs from the replica the router picks.
+        """Stream one request's outputs from the replica the router picks (the single engine's
+        signature; ``lora_request`` must be None: replicas serve no adapters).
 
         Raises:
-            ValueError: invalid input or a duplicate id (the replica's own check).
+            ValueError: invalid input, a duplicate id (the replica's own check), or a
+                ``lora_request``.
             EngineDeadError: no replica is up.
             ReplicaDiedError: its replica died after it had streamed output.
         """
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported with data_parallel_size > 1.")
         ray = self._ray
         if request_id in self._inflight:
             raise ValueError(f"request_id {request_id!r} is already in use.")

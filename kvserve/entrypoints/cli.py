@@ -1,4 +1,4 @@
-"""``kvserve generate | serve | bench | simulate | doctor``."""
+"""``kvserve generate | serve | bench | simulate | profile | doctor``."""
 
 from __future__ import annotations
 
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
         ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve, cold-start, plot)"),
         ("simulate", "kvserve.sim.cli", "replay a trace on the simulator"),
+        ("profile", "kvserve.sim.profile", "measure this host's engine steps; write a cost model"),
         (
             "doctor",
             "kvserve.entrypoints.doctor",

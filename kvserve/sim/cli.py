@@ -5,6 +5,11 @@ executor is replaced by ``SimulatedExecutor`` and wall time by its virtual clock
 study (policy, cache size, chunked prefill, preemption mode) runs in seconds for hours of
 trace. Prints a latency table (and writes it as JSON with ``--json-out``).
 
+``--cost-model FILE`` uses a profile of a real host (``kvserve profile``) instead of the built-in
+Llama-2-70B/H100 fit; the simulation's block size, dtype and model must be the profile's, and an
+unset chunked prefill / step budget / KV-cache size takes the profiled engine's. The output's
+first line always names the cost model in use.
+
 ``--speculative-config`` takes the engine's JSON plus an acceptance model (``acceptance_rate``
 or ``mean_accepted_len``, optionally ``draft_step_s``; see ``kvserve.sim.acceptance``).
 
@@ -136,6 +141,7 @@ def simulate(
         "e2e_s": summarize(m.e2e_latency for m in metrics),
         "queue_s": summarize(m.queue_time for m in metrics),
         "num_steps": executor.num_steps,
+        "num_extrapolated_steps": executor.num_extrapolated_steps,
     }
     if lora_config is not None:
         adapter_of = {str(r.id): r.lora_id for r in requests}
@@ -163,6 +169,36 @@ def simulate(
             "mean_accepted_len": st.spec_mean_accepted_length,
         }
     return summary
+
+
+def _cost_model_for(ns: argparse.Namespace) -> CostModel:
+    """The ``--cost-model`` file's model, checked against the engine flags (which get the
+    profiled engine's settings where unset), or the built-in one.
+
+    Raises:
+        ValueError: a malformed file or one profiled for another block size, dtype or model.
+    """
+    if not ns.cost_model:
+        if ns.num_gpu_blocks is None:
+            ns.num_gpu_blocks = 2048
+        return CostModel()
+    from kvserve.sim.cost_model_file import load_cost_model
+
+    f = load_cost_model(ns.cost_model)
+    # only the fields the profile pins (the simulator's speculation keys are not the engine's)
+    f.check_engine_args(
+        EngineArgs(model=ns.model, dtype=ns.dtype, block_size=ns.block_size, quantization=ns.quantization)
+    )
+    prof = f.engine
+    if ns.enable_chunked_prefill is None and prof.get("enable_chunked_prefill") is not None:
+        ns.enable_chunked_prefill = prof["enable_chunked_prefill"]
+        if ns.max_num_batched_tokens is None:
+            ns.max_num_batched_tokens = prof.get("max_num_batched_tokens")
+    if ns.num_gpu_blocks is None:
+        ns.num_gpu_blocks = prof.get("num_gpu_blocks") or 2048
+    if ns.num_cpu_blocks is None and prof.get("num_cpu_blocks"):
+        ns.num_cpu_blocks = prof["num_cpu_blocks"]
+    return f.cost_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,9 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--lora-zipf-alpha", type=float, default=1.0, help="--lora-dist zipf: adapter k has weight k**-alpha"
     )
+    ap.add_argument(
+        "--cost-model", default=None, help="cost-model JSON from `kvserve profile` (default: built-in fit)"
+    )
     add_engine_args(ap)
-    ap.set_defaults(num_gpu_blocks=2048, max_model_len=8192)
+    ap.set_defaults(num_gpu_blocks=None, max_model_len=8192)
     ns = ap.parse_args(argv)
+    try:
+        cost_model = _cost_model_for(ns)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    print(f"cost model: {cost_model.describe()}")
     try:
         corpus = wl.load_corpus()
     except ValueError as e:
@@ -237,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         # The acceptance model's keys are the simulator's: the rest is the engine's config.
         engine_spec, sim_spec = split_speculative_config(ns.speculative_config)
         ns.speculative_config = engine_spec
-        summary = simulate(engine_args_from(ns), requests, acceptance=sim_spec)
+        summary = simulate(engine_args_from(ns), requests, cost_model=cost_model, acceptance=sim_spec)
+        summary["cost_model"] = cost_model.describe()
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
@@ -246,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
         f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s"
     )
+    if summary["num_extrapolated_steps"]:
+        print(
+            f"note: {summary['num_extrapolated_steps']} of {summary['num_steps']} steps were larger than any the "
+            f"cost model was profiled on (prompt tokens, attention span, decodes or context): their times are "
+            f"extrapolated; profile with a larger grid (--prefill-lens, --context-lens, --batch-sizes)"
+        )
     sd = summary.get("spec_decode")
     if sd:
         print(

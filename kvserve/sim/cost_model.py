@@ -24,17 +24,50 @@ prefill tokens -> ``prompt_time``) and a decode step (``batch_size`` seqs over
 ``batch_size * (prompt_size + token_size / 2)`` context tokens -> ``token_time``). Rows with
 more than 16,384 prefill tokens per batch are left out of the fit (prefill turns superlinear
 there). Mean absolute relative error of the fit on the rows used: 8.6% (max 29%); across
-all 105 rows: 9.0%. ``fit_splitwise_csv`` refits for any model/hardware/TP in the file.
+all 105 rows: 9.0%. ``fit_splitwise_csv`` refits for any model/hardware/TP in the file. That default describes
+another model on other hardware: ``kvserve profile`` measures this host (``kvserve.sim.profile``)
+and ``CostModel.from_file`` loads the result.
+
+Richer terms, all zero in the default (fitted from a profile, ``fit_cost_model``): per prompt
+chunk (``prefill_seq_s``), per 1,000 causal attention pairs of prompt chunks
+(``prefill_attn_s``: the term quadratic in chunk length), per sampled row (``sample_s``), per
+copied block (``copy_block_s``). ``step_cost(StepShape)`` uses them all; ``step_time`` is the
+old call with the four counts.
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvserve.shared_data import shared_dir
+from kvserve.sim.step_shape import StepShape
 
 SPLITWISE_CSV = str(shared_dir() / "traces" / "calibration" / "splitwise_sim_perf_model.csv")
+
+
+#: Coefficient name -> the ``StepShape`` count it multiplies (``base_s`` multiplies 1).
+FEATURES: dict[str, str] = {
+    "prefill_token_s": "prefill_tokens",
+    "prefill_seq_s": "prefill_seqs",
+    "prefill_attn_s": "prefill_attn_pairs",
+    "decode_seq_s": "decode_seqs",
+    "context_token_s": "context_tokens",
+    "sample_s": "sampled_rows",
+    "swap_block_s": "swapped_blocks",
+    "copy_block_s": "copied_blocks",
+    "lora_adapter_s": "loras",
+}
+
+#: Where the default coefficients come from (printed in every simulation header).
+BUILTIN_INFO = {
+    "model": "Llama-2-70B",
+    "hardware": "4x H100-80GB (tensor parallel 4)",
+    "dtype": "float16",
+    "source": "built-in fit to SplitwiseSim's performance model (not this machine; "
+    "`kvserve profile` measures this one)",
+}
 
 
 @dataclass
@@ -43,8 +76,12 @@ class CostModel:
 
     Attributes (seconds): ``base_s`` fixed per-step cost; ``prefill_token_s`` per prefill
     token; ``decode_seq_s`` per decoding sequence; ``context_token_s`` per KV position read by
-    decodes; ``swap_block_s`` per block swapped in or out; ``lora_adapter_s`` per distinct
-    LoRA adapter in the step (a placeholder until measured; see the module docstring).
+    decodes; ``swap_block_s`` per block swapped in or out; ``prefill_seq_s`` per prompt chunk;
+    ``prefill_attn_s`` per 1,000 attention pairs of prompt chunks; ``sample_s`` per sampled
+    row; ``copy_block_s`` per copied block;
+    ``lora_adapter_s`` per distinct LoRA adapter in the step (built-in: a placeholder until
+    measured; a profile without adapters fits it as 0). ``info``: where the coefficients come from
+    (``model``, ``hardware``, ``dtype``, ``source``; see ``describe``).
     """
 
     base_s: float = 2.79450670e-02
@@ -53,6 +90,25 @@ class CostModel:
     context_token_s: float = 2.72815994e-07
     swap_block_s: float = 2.0e-05
     lora_adapter_s: float = 5.0e-04
+    prefill_seq_s: float = 0.0
+    prefill_attn_s: float = 0.0
+    sample_s: float = 0.0
+    copy_block_s: float = 0.0
+    info: dict = field(default_factory=lambda: dict(BUILTIN_INFO), compare=False)
+    #: the largest value of each ``StepShape`` count the coefficients were fitted on (None:
+    #: unknown); ``outside_range`` flags steps past them (extrapolation)
+    ranges: dict | None = field(default=None, compare=False)
+
+    def outside_range(self, shape: StepShape, slack: float = 1.25) -> bool:
+        """True when ``shape`` has a count more than ``slack`` times the largest profiled one
+        (prompt tokens, attention pairs, decodes, context tokens): its cost is extrapolated."""
+        if not self.ranges:
+            return False
+        for attr in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens"):
+            top = self.ranges.get(attr)
+            if top is not None and getattr(shape, attr) > slack * top:
+                return True
+        return False
 
     def step_time(
         self,
@@ -66,17 +122,153 @@ class CostModel:
         """Seconds for one step. All counts are >= 0; an empty step costs 0.
         ``num_verify_tokens``: drafts verified this step (query tokens beyond each decode's
         one); ``num_loras``: distinct LoRA adapters the step's groups run with."""
-        if num_prefill_tokens == 0 and num_decode_seqs == 0 and num_swapped_blocks == 0:
-            return 0.0
-        return (
-            self.base_s
-            + self.prefill_token_s * num_prefill_tokens
-            + self.decode_seq_s * num_decode_seqs
-            + self.context_token_s * num_context_tokens
-            + self.swap_block_s * num_swapped_blocks
-            + self.prefill_token_s * num_verify_tokens
-            + self.lora_adapter_s * num_loras
+        return self.step_cost(
+            StepShape(
+                prefill_tokens=num_prefill_tokens,
+                decode_seqs=num_decode_seqs,
+                context_tokens=num_context_tokens,
+                swapped_blocks=num_swapped_blocks,
+                verify_tokens=num_verify_tokens,
+                loras=num_loras,
+            )
         )
+
+    def step_cost(self, shape: StepShape) -> float:
+        """Seconds for a step of ``shape``: ``base_s`` plus each coefficient times its count
+        (``FEATURES``); verified drafts cost ``prefill_token_s`` each. An empty step costs 0."""
+        if shape.is_empty:
+            return 0.0
+        t = self.base_s + self.prefill_token_s * shape.verify_tokens
+        for coef, attr in FEATURES.items():
+            t += getattr(self, coef) * getattr(shape, attr)
+        return t
+
+    def coefficients(self) -> dict[str, float]:
+        """``{"base_s": ..., <each FEATURES name>: ...}``."""
+        return {"base_s": self.base_s, **{k: getattr(self, k) for k in FEATURES}}
+
+    def describe(self) -> str:
+        """One line naming the model, hardware, dtype and source of the coefficients."""
+        i = self.info or {}
+        return (
+            f"{i.get('model', '?')}, {i.get('hardware', '?')}, {i.get('dtype', '?')} "
+            f"(from {i.get('source', '?')})"
+        )
+
+    @classmethod
+    def from_file(cls, path) -> CostModel:
+        """Load a cost-model file written by ``kvserve profile`` (``kvserve.sim.cost_model_file``).
+
+        Raises:
+            ValueError: unreadable, malformed or of another schema version (naming the field).
+        """
+        from kvserve.sim.cost_model_file import load_cost_model
+
+        return load_cost_model(path).cost_model
+
+
+def fit_cost_model(
+    samples: Sequence[tuple[StepShape, float]],
+    features: Sequence[str] | None = None,
+    trim: float | None = 3.0,
+) -> CostModel:
+    """Least-squares fit of ``base_s`` and the ``FEATURES`` coefficients to measured steps.
+
+    ``samples``: (shape, seconds) pairs. The residuals are weighted by 1/t, so the fit minimises
+    relative error: a 20 ms decode step matters as much as a 1 s prefill (first by 1/t, then
+    by 1/prediction, so noisy repeats of one shape are fitted at their mean). Coefficients are kept
+    >= 0 (a cost cannot be negative): a feature whose coefficient comes out negative is dropped
+    and the rest refitted, until all are >= 0. Features that are 0 in every sample are left
+    at 0. With ``trim``, steps whose |log(measured / predicted)| exceeds ``trim`` times the
+    median one (and log 1.1) after the first fit -- a step slowed by another process on a shared host -- are
+    left out of the rest. ``info`` of the result is empty (the caller names the source).
+
+    Raises:
+        ValueError: fewer samples than coefficients, or a non-positive time.
+    """
+    import numpy as np
+
+    names = list(features) if features is not None else list(FEATURES)
+    ys = np.array([t for _, t in samples], dtype=float)
+    if len(samples) < len(names) + 1:
+        raise ValueError(f"need at least {len(names) + 1} measured steps to fit, got {len(samples)}")
+    if (ys <= 0).any() or not np.isfinite(ys).all():
+        raise ValueError("measured step times must be finite and > 0")
+    cols = {n: np.array([float(getattr(s, FEATURES[n])) for s, _ in samples]) for n in names}
+    keep = np.ones(len(ys), dtype=bool)
+    w = 1.0 / ys
+    for it in range(4):
+        base, coef = _fit_nonneg(ys[keep], {n: c[keep] for n, c in cols.items()}, w[keep])
+        pred = base + sum(coef.get(n, 0.0) * cols[n] for n in names)
+        # Reweight by the prediction: 1/t weights favour the fastest of noisy repeats (an
+        # under-prediction costs at most 100%), 1/prediction weights fit their mean.
+        w = 1.0 / np.maximum(pred, ys.min())
+        if trim and it == 0:
+            # on a log scale: a step 10x slower than predicted is as far out as one 10x
+            # faster (a relative error could never exceed 100% for the slow one)
+            dev = np.abs(np.log(ys / np.maximum(pred, 1e-12)))
+            bound = max(trim * float(np.median(dev)), float(np.log(1.1)))
+            if (dev <= bound).sum() >= len(names) + 1:
+                keep = dev <= bound
+    fields = {n: 0.0 for n in FEATURES}
+    fields.update(coef)
+    return CostModel(base_s=base, info={}, **fields)
+
+
+def _fit_nonneg(ys, cols: dict, w) -> tuple[float, dict[str, float]]:
+    """``w``-weighted least squares of ``ys`` on an intercept and ``cols`` with every
+    coefficient >= 0 (drop the most negative and refit; no intercept if it comes out < 0)."""
+    import numpy as np
+
+    active = [n for n, c in cols.items() if c.any()]
+    intercept = True
+    while True:
+        parts = ([np.ones(len(ys))] if intercept else []) + [cols[n] for n in active]
+        if not parts:
+            return 0.0, {}
+        x = np.column_stack(parts)
+        sol, *_ = np.linalg.lstsq(x * w[:, None], ys * w, rcond=None)
+        b0 = float(sol[0]) if intercept else 0.0
+        rest = sol[1:] if intercept else sol
+        neg = [(float(c) * float(np.abs(cols[n]).max()), n) for n, c in zip(active, rest) if c < 0]
+        if not neg and b0 >= 0:
+            return b0, {n: float(c) for n, c in zip(active, rest)}
+        if neg:
+            active.remove(min(neg)[1])  # the most negative contribution goes first
+        else:
+            intercept = False
+
+
+def fit_errors(model: CostModel, samples: Sequence[tuple[StepShape, float]]) -> dict[str, dict]:
+    """Relative error ``|predicted - measured| / measured`` of ``model`` on ``samples``, per
+    ``StepShape.shape_class`` and ``all``: ``{"n", "mean", "p50", "p90", "max", "bias",
+    "total"}`` (bias: mean signed error, > 0 means the model predicts too slow; total: signed
+    error of the summed time, what a replay's clock accumulates)."""
+    from kvserve.benchmarks.stats import percentile
+
+    by: dict[str, list[float]] = {}
+    sums: dict[str, list[float]] = {}
+    for shape, t in samples:
+        p = model.step_cost(shape)
+        e = (p - t) / t
+        for k in (shape.shape_class, "all"):
+            by.setdefault(k, []).append(e)
+            acc = sums.setdefault(k, [0.0, 0.0])
+            acc[0] += p
+            acc[1] += t
+    out = {}
+    for k, es in sorted(by.items()):
+        a = [abs(e) for e in es]
+        out[k] = {
+            "n": len(es),
+            "mean": sum(a) / len(a),
+            "p50": percentile(a, 50),
+            "p90": percentile(a, 90),
+            "max": max(a),
+            "bias": sum(es) / len(es),
+            "total": (sums[k][0] - sums[k][1]) / sums[k][1],
+        }
+    return out
 
 
 def fit_splitwise_csv(
@@ -116,6 +308,12 @@ def fit_splitwise_csv(
         prefill_token_s=float(coef[1]),
         decode_seq_s=float(coef[2]),
         context_token_s=float(coef[3]),
+        info={
+            "model": model,
+            "hardware": f"{hardware} (tensor parallel {tensor_parallel})",
+            "dtype": "float16",
+            "source": f"fit to {path}",
+        },
     )
 
 

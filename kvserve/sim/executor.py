@@ -35,8 +35,9 @@ adapter's id (``kv_entry``), as real K/V depends on the adapter; reading it back
 adapter (or the base model) is a ``KVCacheCorruption``, so a prefix-cache block shared across
 adapters is caught, and sampled tokens depend on the adapter as a real model's would.
 
-Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_time(...)`` (with the
-step's distinct adapters as ``num_loras``); a
+Time: each step advances ``clock`` (a ``VirtualClock``) by ``cost_model.step_cost(step_shape(req))``
+(the same ``StepShape`` the profiler measures the real worker by; its ``loras`` counts the
+step's distinct adapters); a
 verification adds its ``m`` extra query tokens (``num_verify_tokens``) and the step the
 proposer's ``m * draft_step_s``.
 """
@@ -47,6 +48,7 @@ from kvserve.lora.request import LoRARequest
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.acceptance import AcceptanceModel
 from kvserve.sim.cost_model import CostModel, VirtualClock
+from kvserve.sim.step_shape import step_shape
 
 _MASK = (1 << 64) - 1
 _FNV_PRIME = 0x100000001B3
@@ -120,6 +122,7 @@ class SimulatedExecutor:
     Attributes:
         clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals;
         ``num_lora_adapter_steps``: the steps' distinct LoRA adapters, summed.
+            ``num_extrapolated_steps``: steps larger than any the cost model was profiled on.
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class SimulatedExecutor:
         self.gpu: dict[int, list[int | None]] = {}
         self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
+        self.num_extrapolated_steps = 0  # steps past the cost model's profiled shapes
         self.busy_time_s = 0.0
         self.num_lora_adapter_steps = 0  # sum over steps of the step's distinct adapters
         self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
@@ -244,7 +248,7 @@ class SimulatedExecutor:
         self._validate_maps(req)
         # -- validate the rows and plan the writes
         writes: dict[tuple, int] = {}
-        prefill_tokens = decode_seqs = context_tokens = verify_tokens = draft_steps = 0
+        verify_tokens = draft_steps = 0
         num_drafts: dict[int, int] = {}  # metadata index -> drafts verified per sequence
         for mi, meta in enumerate(req.seq_group_metadata_list):
             chunk = meta.token_chunk_size
@@ -284,8 +288,13 @@ class SimulatedExecutor:
                         f"{meta.request_id}/seq {sid}: block table "
                         f"{table} too short for positions < {c + chunk + m}"
                     )
-                for b in table:
-                    self._check_range("block table", b, self.num_gpu_blocks)
+                # min/max first (C speed: long replays check every table every step); the
+                # per-entry check only to name the offending block
+                if table and (
+                    min(table) < 0 or (self.num_gpu_blocks is not None and max(table) >= self.num_gpu_blocks)
+                ):
+                    for b in table:
+                        self._check_range("block table", b, self.num_gpu_blocks)
                 if self.check_kv:
                     toks = data.get_token_ids()
                     lora = meta.lora_int_id
@@ -299,11 +308,6 @@ class SimulatedExecutor:
                                 f"tokens (or adapters) in one step (missing copy-on-write)"
                             )
                         writes[key] = entry
-                if meta.is_prompt:
-                    prefill_tokens += chunk
-                else:
-                    decode_seqs += 1
-                    context_tokens += n
             if m and meta.do_sample:
                 mt = meta.sampling_params.max_tokens
                 out_len = max(d.get_output_len() for d in meta.seq_data.values())
@@ -364,12 +368,12 @@ class SimulatedExecutor:
                         )
             results.append(out)
         # -- time
-        swapped = len(req.blocks_to_swap_in) + len(req.blocks_to_swap_out)
-        num_loras = len({m.lora_int_id for m in req.seq_group_metadata_list} - {0})
-        self.num_lora_adapter_steps += num_loras
-        dt = self.cost_model.step_time(
-            prefill_tokens, decode_seqs, context_tokens, swapped, verify_tokens, num_loras
-        )
+        shape = step_shape(req)
+        shape.verify_tokens = verify_tokens
+        self.num_lora_adapter_steps += shape.loras
+        dt = self.cost_model.step_cost(shape)
+        if self.cost_model.outside_range(shape):
+            self.num_extrapolated_steps += 1
         if draft_steps and self.acceptance is not None:
             dt += draft_steps * self.acceptance.draft_step_s
         self.clock.advance(dt)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Simulator fidelity (issue 18), the whole benchmark in one command; nothing else should run
+# meanwhile (2 cores). For each dtype: profile the default model (default grid), then replay
+# each trace through the real engine and the simulator in two configurations (default KV cache;
+# a small one that forces preemption); then the simulator's speed on 10,000 requests.
+# Results (profiles, JSON, CDF plots, logs, summary.md: the table for docs/benchmarks.md) go to $OUT (default benchmarks/results/fidelity-<date>).
+#
+#   bash benchmarks/fidelity.sh                       # ~1.5-2 h on 2 quiet cores
+#   DTYPES=float32 TRACES=azure CONFIGS=default bash benchmarks/fidelity.sh   # one cell
+#   NUM_REQUESTS=300 MAX_IN=512 MAX_OUT=128 SMALL_KV_BLOCKS=96 AZURE_SCALE=1 MOONCAKE_SCALE=2
+#   SMOKE=1: small grid, 40 requests, lengths 256/32 (minutes; for checking the script)
+#   SIM_SPEED_REQUESTS=0 skips the simulator-speed runs
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="${KVSERVE_PYTHON:-$REPO/.venv/bin/python}"
+SHARED="${KVSERVE_SHARED_DIR:-$REPO/../shared}"
+OUT="${OUT:-$REPO/benchmarks/results/fidelity-$(date +%Y%m%d-%H%M%S)}"
+DTYPES="${DTYPES:-float32 bfloat16}"
+TRACES="${TRACES:-azure mooncake}"
+CONFIGS="${CONFIGS:-default small_kv}"
+if [ -n "${SMOKE:-}" ]; then
+    GRID=(--grid small --prefill-lens 16,64,256 --context-lens 32,128 --batch-sizes 1,4,8)
+    NUM_REQUESTS="${NUM_REQUESTS:-40}"; MAX_IN="${MAX_IN:-256}"; MAX_OUT="${MAX_OUT:-32}"
+else
+    GRID=(${GRID_ARGS:-})
+    NUM_REQUESTS="${NUM_REQUESTS:-300}"; MAX_IN="${MAX_IN:-512}"; MAX_OUT="${MAX_OUT:-128}"
+fi
+SMALL_KV_BLOCKS="${SMALL_KV_BLOCKS:-96}"
+AZURE_SCALE="${AZURE_SCALE:-1}"
+MOONCAKE_SCALE="${MOONCAKE_SCALE:-2}"
+mkdir -p "$OUT"
+echo "[fidelity] results in $OUT"
+
+trace_path() { case "$1" in
+    azure) echo "$SHARED/traces/azure_llm_2023/AzureLLMInferenceTrace_code.csv" ;;
+    mooncake) echo "$SHARED/traces/mooncake_fast25/synthetic_trace.jsonl" ;; esac; }
+trace_scale() { case "$1" in azure) echo "$AZURE_SCALE" ;; mooncake) echo "$MOONCAKE_SCALE" ;; esac; }
+config_args() { case "$1" in default) echo "" ;; small_kv) echo "--num-gpu-blocks $SMALL_KV_BLOCKS" ;; esac; }
+
+for dt in $DTYPES; do
+    "$PY" -m kvserve.entrypoints.cli profile --dtype "$dt" "${GRID[@]}" --out "$OUT/profile_$dt.json" \
+        2>&1 | tee "$OUT/profile_$dt.log"
+    for tr in $TRACES; do
+        for cfg in $CONFIGS; do
+            name="${tr}_${cfg}_$dt"
+            # shellcheck disable=SC2046
+            "$PY" -m kvserve.benchmarks.cli fidelity --dtype "$dt" $(config_args "$cfg") \
+                --cost-model "$OUT/profile_$dt.json" --trace "$(trace_path "$tr")" \
+                --num-requests "$NUM_REQUESTS" --time-scale "$(trace_scale "$tr")" \
+                --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --no-progress \
+                --json-out "$OUT/$name.json" --plot "$OUT/$name.png" 2>&1 | tee "$OUT/$name.log"
+        done
+    done
+done
+"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null) \
+    | tee "$OUT/summary.md"
+SPEED_N="${SIM_SPEED_REQUESTS:-10000}"  # 0 skips the speed runs
+if [ "$SPEED_N" != 0 ]; then
+    "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" 2>&1 | tee "$OUT/sim_speed_builtin.log"
+    first="$(echo "$DTYPES" | awk '{print $1}')"
+    "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" --cost-model "$OUT/profile_$first.json" 2>&1 \
+        | tee "$OUT/sim_speed_profile.log"
+fi
+echo "[fidelity] done: $OUT"

@@ -1,0 +1,53 @@
+"""Markdown tables of ``kvserve bench fidelity`` results (for docs/benchmarks.md).
+
+One row per result file: the target metrics (TTFT and TPOT p50 / p90, e2e p50) real and
+simulated with the relative error, preemptions and how many of the same requests were preempted;
+a cell over the 10% target is marked with "!".
+
+Usage: python benchmarks/fidelity_report.py R1.json [R2.json ...]   (label = file name)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+CELLS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"), ("e2e_s", "p50"))
+TARGET = 0.10
+
+
+def _cell(res: dict, key: str, q: str) -> str:
+    r, s, e = res["real"][key][q], res["simulated"][key][q], res["relative_error"][key][q]
+    if r is None or s is None:
+        return "-"
+    mark = "" if e is not None and abs(e) <= TARGET else " !"
+    err = f"{e:+.0%}" if e is not None else "-"
+    return f"{r:.3g} / {s:.3g} ({err}{mark})"
+
+
+def table(paths: list[str]) -> str:
+    head = ["run"] + [f"{k[:-2].upper()} {q}" for k, q in CELLS] + ["preemptions", "same preempted"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in paths:
+        res = json.loads(Path(p).read_text())
+        pre = res["preempted_requests"]
+        row = [Path(p).stem] + [_cell(res, k, q) for k, q in CELLS]
+        row.append(f"{res['real']['num_preemptions']} / {res['simulated']['num_preemptions']}")
+        row.append(f"{pre['both']} of {pre['real']} / {pre['simulated']} (Jaccard {pre['jaccard']:.2f})")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print("cells: real / simulated seconds (relative error; ! = over 10%)\n")
+    print(table(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""``kvserve bench fidelity``: the same timed requests through the real engine and the simulator.
+
+Both sides get identical inputs: the trace's arrival times (times ``--time-scale``), prompts of
+the trace's (capped) lengths cut from the shared corpus, ``max_tokens`` = the trace's output
+length with ``ignore_eos`` and greedy sampling, and the same engine settings: the simulator is
+built from the real engine's resolved configs (block counts, step budget, chunked prefill,
+policy, preemption mode). The real engine is ``LLMEngine`` in this process on the wall clock
+(what ``LLM`` and the server run); the simulator is the same engine class on
+``SimulatedExecutor`` with the profiled cost model (``--cost-model``; without one the real
+engine is profiled first, ``--profile-grid``). One loop (``kvserve.sim.replay``) drives both.
+
+Prints TTFT, TPOT, inter-token latency, end-to-end latency and queue time (mean, p50, p90,
+p99), preemptions and output throughput side by side with the relative error
+``(simulated - real) / real``, and how many of the requests preempted on one side were
+preempted on the other. ``--json-out`` writes ``{"real": S, "simulated": S, "relative_error":
+S, ...}``; ``--plot`` a CDF plot (real vs simulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvserve.benchmarks import workload as wl
+from kvserve.benchmarks.common import system_info, write_json
+from kvserve.sim.replay import (
+    LATENCY_KEYS,
+    STAT_KEYS,
+    ReplayResult,
+    sim_replay,
+    summarize_replay,
+    wall_replay,
+)
+
+#: keys of a side's summary ``S`` in the JSON (``--json-out``)
+SUMMARY_KEYS = (*LATENCY_KEYS, "num_preemptions", "output_tok_s")
+
+
+def side(summary: dict) -> dict:
+    """The JSON's ``S``: each latency ``{mean, p50, p90, p99}`` (seconds), ``num_preemptions``,
+    ``output_tok_s``."""
+    out: dict = {k: {q: summary[k].get(q) for q in STAT_KEYS} for k in LATENCY_KEYS}
+    out["num_preemptions"] = summary["num_preemptions"]
+    out["output_tok_s"] = summary["output_tok_s"]
+    return out
+
+
+def _rel(sim, real):
+    if sim is None or real is None:
+        return None
+    if real == 0:
+        return 0.0 if sim == 0 else None  # undefined: shown as "-"
+    return (sim - real) / real
+
+
+def relative_error(real: dict, sim: dict) -> dict:
+    """``(simulated - real) / real`` for every number of ``side``'s layout (None where the real
+    value is 0 and the simulated one is not, or either is missing)."""
+    out: dict = {k: {q: _rel(sim[k][q], real[k][q]) for q in STAT_KEYS} for k in LATENCY_KEYS}
+    out["num_preemptions"] = _rel(sim["num_preemptions"], real["num_preemptions"])
+    out["output_tok_s"] = _rel(sim["output_tok_s"], real["output_tok_s"])
+    return out
+
+
+def preemption_agreement(real_ids: list[int], sim_ids: list[int]) -> dict:
+    """How far the two sides preempted the same requests: counts and the Jaccard index of the
+    two sets (1.0 when both preempted none)."""
+    a, b = set(real_ids), set(sim_ids)
+    union = a | b
+    return {
+        "real": len(a),
+        "simulated": len(b),
+        "both": len(a & b),
+        "jaccard": len(a & b) / len(union) if union else 1.0,
+    }
+
+
+def samples_ms(res: ReplayResult) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT, e2e (ms) of finished requests, for the CDF plot."""
+    out: dict[str, list[float]] = {"ttft_ms": [], "tpot_ms": [], "e2e_ms": []}
+    for rid, o in res.outcome.items():
+        tt = res.token_times.get(rid) or []
+        if o != "finished" or not tt:
+            continue
+        a = res.arrival[rid]
+        out["ttft_ms"].append((tt[0] - a) * 1000)
+        out["e2e_ms"].append((tt[-1] - a) * 1000)
+        if len(tt) > 1:
+            out["tpot_ms"].append((tt[-1] - tt[0]) / (len(tt) - 1) * 1000)
+    return out
+
+
+def print_comparison(real: dict, sim: dict, err: dict, out=None) -> None:
+    """The side-by-side table (stdout by default)."""
+    out = out or sys.stdout
+    print(f"{'metric':14}{'real':>11}{'simulated':>11}{'rel err':>9}", file=out)
+    for k in LATENCY_KEYS:
+        for q in STAT_KEYS:
+            r, s, e = real[k][q], sim[k][q], err[k][q]
+            print(
+                f"{k + ' ' + q:14}"
+                + (f"{r:11.4f}" if r is not None else f"{'-':>11}")
+                + (f"{s:11.4f}" if s is not None else f"{'-':>11}")
+                + (f"{e:9.1%}" if e is not None else f"{'-':>9}"),
+                file=out,
+            )
+    for k in ("num_preemptions", "output_tok_s"):
+        e = err[k]
+        print(
+            f"{k:14}{real[k]:11.2f}{sim[k]:11.2f}" + (f"{e:9.1%}" if e is not None else f"{'-':>9}"), file=out
+        )
+
+
+def load_requests(ns) -> tuple[list[wl.BenchRequest], dict]:
+    """The trace's first ``--num-requests`` rows, arrivals scaled, lengths capped."""
+    try:
+        corpus = wl.load_corpus()
+    except ValueError:
+        corpus = [3 + (i * 7919) % 40000 for i in range(1 << 17)]
+    records = wl.scale_arrivals(
+        wl.select_trace(wl.load_trace(ns.trace), num_requests=ns.num_requests), ns.time_scale
+    )
+    if records and records[0].arrival_s is None:
+        raise ValueError(f"--trace {ns.trace}: the trace has no arrival times")
+    reqs, clip = wl.trace_to_requests(
+        records, corpus, ns.max_model_len_cap, ns.max_input_len, ns.max_output_len, seed=ns.workload_seed
+    )
+    return reqs, clip.as_dict()
+
+
+def run_fidelity(engine, args, requests: list[wl.BenchRequest], cost_model) -> dict:
+    """Replay ``requests`` on ``engine`` (real, idle, warmed up) and on the simulator with
+    ``cost_model`` and the engine's configs; returns the comparison (the JSON's layout)."""
+    t0 = time.perf_counter()
+    real_res = wall_replay(engine, requests)
+    real_wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    configs = (engine.model_config, engine.cache_config, engine.scheduler_config)
+    sim_res = sim_replay(configs, cost_model, engine.vocab_size or 49152, requests)
+    sim_wall = time.perf_counter() - t1
+    rs, ss = summarize_replay(real_res), summarize_replay(sim_res)
+    real, sim = side(rs), side(ss)
+    return {
+        "real": real,
+        "simulated": sim,
+        "relative_error": relative_error(real, sim),
+        "preempted_requests": preemption_agreement(rs["preempted_ids"], ss["preempted_ids"]),
+        "finished": {"real": rs["num_finished"], "simulated": ss["num_finished"]},
+        "duration_s": {"real": rs["duration_s"], "simulated": ss["duration_s"]},
+        "num_steps": {"real": rs["num_steps"], "simulated": ss["num_steps"]},
+        "num_extrapolated_steps": ss["num_extrapolated_steps"],
+        "wall_s": {"real": real_wall, "simulated": sim_wall},
+        "cost_model": cost_model.describe(),
+        "_samples": {"real": samples_ms(real_res), "simulated": samples_ms(sim_res)},
+    }
+
+
+def _warm_up(engine, prompt_ids: list[int]) -> None:
+    """Two small requests before the clock starts (first-call costs), as the profiler does."""
+    from kvserve.sampling_params import SamplingParams
+
+    for i in range(2):
+        engine.add_request(
+            f"fidelity-warmup-{i}",
+            {"prompt_token_ids": prompt_ids[:32]},
+            SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    ap = argparse.ArgumentParser(
+        prog="kvserve bench fidelity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--trace", required=True, help="trace with arrival times (azure csv, vidur csv, mooncake jsonl)"
+    )
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
+    ap.add_argument("--max-input-len", type=int, default=None, help="cap prompt lengths")
+    ap.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
+    ap.add_argument("--workload-seed", type=int, default=0, help="seed for the synthesised prompts")
+    ap.add_argument("--cost-model", default=None, help="profile JSON (kvserve profile); default: profile now")
+    ap.add_argument("--profile-out", default=None, help="where to save the profile made now")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--plot", default=None, help="PNG of the latency CDFs, real vs simulated")
+    ap.add_argument("--no-progress", action="store_true")
+    from kvserve.sim.profile import add_grid_args
+
+    add_grid_args(ap, prefix="profile-")  # the grid when profiling now (no --cost-model)
+    add_engine_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.entrypoints.cli import engine_args_from
+    from kvserve.sim.cost_model_file import load_cost_model, parse_cost_model, save_cost_model
+    from kvserve.sim.profile import grid_from_args, profile_engine
+
+    ns = build_parser().parse_args(argv)
+    if not Path(ns.trace).is_file():
+        print(f"Error: --trace {ns.trace}: no such file", file=sys.stderr)
+        return 2
+    for name in ("num_requests", "max_input_len", "max_output_len"):
+        v = getattr(ns, name)
+        if v is not None and v < 1:
+            print(f"Error: --{name.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+    if not ns.time_scale >= 0:
+        print(f"Error: --time-scale must be >= 0, got {ns.time_scale}", file=sys.stderr)
+        return 2
+    args = engine_args_from(ns)
+    try:
+        cm_file = load_cost_model(ns.cost_model) if ns.cost_model else None
+        if cm_file is not None:
+            cm_file.check_engine_args(args)
+        engine = LLMEngine.from_engine_args(args)
+        ns.max_model_len_cap = engine.scheduler_config.max_model_len
+        requests, clip = load_requests(ns)
+        if not requests:
+            raise ValueError(f"--trace {ns.trace}: no requests selected")
+        if cm_file is None:
+            grid = grid_from_args(ns, prefix="profile-")
+            data = profile_engine(engine, args, grid, progress=not ns.no_progress)
+            if ns.profile_out:
+                save_cost_model(ns.profile_out, data)
+            cm_file = parse_cost_model(data, ns.profile_out or "<profiled now>")
+        _warm_up(engine, requests[0].prompt_token_ids)
+        print(f"cost model: {cm_file.cost_model.describe()}")
+        print(f"replaying {len(requests)} requests through the real engine (wall clock) ...", flush=True)
+        result = run_fidelity(engine, args, requests, cm_file.cost_model)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    samples = result.pop("_samples")
+    result["trace"] = {
+        "path": ns.trace,
+        "num_requests": len(requests),
+        "time_scale": ns.time_scale,
+        "clip": clip,
+    }
+    result["system"] = system_info()
+    print(
+        f"real: {result['finished']['real']} finished in {result['duration_s']['real']:.1f} s; simulated: "
+        f"{result['finished']['simulated']} in {result['duration_s']['simulated']:.1f} virtual s "
+        f"({result['wall_s']['simulated']:.2f} s to simulate)"
+    )
+    print_comparison(result["real"], result["simulated"], result["relative_error"])
+    if result["num_extrapolated_steps"]:
+        print(
+            f"note: {result['num_extrapolated_steps']} simulated steps were larger than any profiled "
+            f"(their times are extrapolated: profile a larger grid)"
+        )
+    pa = result["preempted_requests"]
+    print(
+        f"preempted requests: real {pa['real']}, simulated {pa['simulated']}, both {pa['both']} (Jaccard {pa['jaccard']:.2f})"
+    )
+    if ns.json_out:
+        write_json(ns.json_out, result)
+    if ns.plot:
+        from kvserve.benchmarks.plots import plot_latency_cdfs
+
+        print(
+            f"wrote {plot_latency_cdfs(samples, ns.plot, title='real vs simulated: ' + Path(ns.trace).name)}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

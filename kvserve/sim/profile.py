@@ -1,0 +1,455 @@
+"""``kvserve profile``: measure this host's engine steps and fit the simulator's cost model.
+
+The profiler builds the real engine (``LLMEngine.from_engine_args``: real weights, real KV
+cache, the engine flags given) and runs crafted requests through ``LLMEngine.step`` while a thin
+wrapper around the executor records each step's ``StepShape``. Each sample is the wall time of
+a *whole* ``step()``: scheduling, block moves, the forward, sampling, appending tokens and stop
+checks -- what the simulator's virtual clock has to advance by. The grid:
+
+* **prefill**: ``k`` prompts of ``p`` tokens at once (``k * p`` within the step budget), and
+  prompts longer than the budget (chunked: later chunks attend over earlier ones);
+* **decode**: ``b`` sequences of context ``L`` decoding together for ``--decode-steps`` steps
+  (the prefill steps that start them are samples too);
+* **mixed** (chunked prefill): a prompt chunk of ``p`` tokens joining ``b`` running decodes;
+* **swap**: ``n`` blocks swapped out and in through the worker (``Worker.execute_model`` with
+  only the block maps): fitted apart, per block, since those calls have no step around them.
+
+Fit (``fit_cost_model``, 1/t-weighted least squares, coefficients >= 0). Why these terms: on
+this engine a step is Python work per step and per scheduled group (scheduling, metadata,
+sampling, detokenizing: ``base_s``, ``prefill_seq_s``, ``sample_s``), GEMMs linear in the
+query tokens (``prefill_token_s`` for prompt tokens; ``decode_seq_s`` for decodes, which on CPU
+run on the separate native decode path), prefill attention quadratic in chunk length (causal
+pairs: ``prefill_attn_s``) and decode attention linear in the KV positions read
+(``context_token_s``). The per-class errors in the file say how well that holds here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+
+from kvserve.config import EngineArgs
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import ExecuteModelRequest
+from kvserve.sim.cost_model import CostModel, fit_cost_model, fit_errors
+from kvserve.sim.cost_model_file import SCHEMA, SCHEMA_VERSION, host_info, model_identity, save_cost_model
+from kvserve.sim.step_shape import StepShape, step_shape
+
+
+@dataclass
+class ProfileGrid:
+    """Which step shapes to measure (token counts are clipped to the engine's budget and
+    ``max_model_len``). ``small()`` is a grid of seconds for tests and smoke runs."""
+
+    prefill_lens: list[int] = field(default_factory=lambda: [16, 64, 256, 1024, 2048])
+    prefill_batch: list[int] = field(default_factory=lambda: [1, 2, 4])
+    long_prompt_chunks: int = 3
+    context_lens: list[int] = field(default_factory=lambda: [32, 256, 1024])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 48])
+    decode_steps: int = 8
+    mixed_prefill_lens: list[int] = field(default_factory=lambda: [16, 128, 512])
+    mixed_batch_sizes: list[int] = field(default_factory=lambda: [2, 16])
+    swap_blocks: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
+    repeats: int = 2
+
+    def override(self, **lists) -> ProfileGrid:
+        """A copy with the given fields replaced (None values are left as they are).
+
+        Raises:
+            ValueError: a list with a value < 1, or a count < 0, naming the field.
+        """
+        g = dataclasses.replace(self)
+        for name, v in lists.items():
+            if v is None:
+                continue
+            vals = v if isinstance(v, list) else [v]
+            low = 0 if name == "long_prompt_chunks" else 1
+            if not vals or any(x < low for x in vals):
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+            setattr(g, name, v)
+        return g
+
+    @classmethod
+    def small(cls) -> ProfileGrid:
+        return cls(
+            prefill_lens=[8, 32, 96],
+            prefill_batch=[1, 2],
+            long_prompt_chunks=0,
+            context_lens=[16, 64],
+            batch_sizes=[1, 4],
+            decode_steps=4,
+            mixed_prefill_lens=[8, 32],
+            mixed_batch_sizes=[2],
+            swap_blocks=[1, 4],
+            repeats=1,
+        )
+
+
+class _RecordingExecutor:
+    """Passes every call to the real executor; remembers the shape of the last step run."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.last: StepShape | None = None
+
+    def execute_model(self, req: ExecuteModelRequest):
+        self.last = step_shape(req)
+        return self.inner.execute_model(req)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Profiler:
+    """Runs the grid on a real engine; ``samples`` are (StepShape, seconds) of whole steps,
+    ``swap_samples`` (blocks moved, seconds) of bare swap calls."""
+
+    def __init__(self, engine, grid: ProfileGrid, progress: bool = True) -> None:
+        self.engine = engine
+        self.grid = grid
+        self.rec = _RecordingExecutor(engine.executor)
+        engine.executor = self.rec
+        self.samples: list[tuple[StepShape, float]] = []
+        self.swap_samples: list[tuple[int, float]] = []
+        self.progress = progress
+        #: seconds, read before and after each measured call (a test may substitute its own)
+        self.timer = time.perf_counter
+        self._n = 0
+        sc = engine.scheduler_config
+        self.budget = sc.max_num_batched_tokens
+        self.max_len = sc.max_model_len
+        self.chunked = sc.chunked_prefill_enabled
+        vocab = engine.vocab_size or 1000
+        self._vocab = vocab
+
+    # -- helpers
+    def _prompt(self, n: int) -> list[int]:
+        # distinct prompts (no prefix sharing even with prefix caching on)
+        self._n += 1
+        base = self._n * 7919
+        return [3 + (base + j * 31) % (self._vocab - 3) for j in range(n)]
+
+    def _add(self, prompt_len: int, max_tokens: int) -> str:
+        rid = f"profile-{self._n}"
+        self.engine.add_request(
+            rid,
+            {"prompt_token_ids": self._prompt(prompt_len)},
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        )
+        return rid
+
+    def _step(self, record: bool = True) -> list:
+        self.rec.last = None
+        t0 = self.timer()
+        outs = self.engine.step()
+        dt = self.timer() - t0
+        if record and self.rec.last is not None and not self.rec.last.is_empty:
+            self.samples.append((self.rec.last, dt))
+        return outs
+
+    def _drain(self, record: bool = True, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished_requests():
+                return
+            self._step(record)
+        raise RuntimeError("profile scenario did not finish")
+
+    def _fits(self, prompt_len: int, out: int) -> bool:
+        return prompt_len + out <= self.max_len
+
+    def _fits_cache(self, num_seqs: int, seq_len: int) -> bool:
+        """``num_seqs`` sequences of ``seq_len`` tokens fit the KV cache at once (a decode
+        scenario that preempts would measure recomputes, not decodes)."""
+        bs = self.engine.cache_config.block_size
+        blocks = self.engine.cache_config.num_gpu_blocks or 0
+        return num_seqs * -(-seq_len // bs) <= blocks * 0.9
+
+    # -- scenarios
+    def warm_up(self) -> None:
+        """One small prefill and a few decodes, not recorded (first-call costs)."""
+        for _ in range(2):
+            self._add(min(64, self.max_len - 8), 4)
+        self._drain(record=False)
+
+    def scenarios(self) -> list[tuple[str, object]]:
+        g = self.grid
+        items: list[tuple[str, object]] = []
+        for _ in range(g.repeats):
+            for p in g.prefill_lens:
+                for k in g.prefill_batch:
+                    if k * p <= self.budget and self._fits(p, 1):
+                        items.append(("prefill", (p, k)))
+            for i in range(2, g.long_prompt_chunks + 1):
+                if self.chunked and self._fits(i * self.budget, 1):
+                    items.append(("prefill", (i * self.budget, 1)))
+            for L in g.context_lens:
+                for b in g.batch_sizes:
+                    if (
+                        self._fits(L, g.decode_steps + 1)
+                        and b <= self.engine.scheduler_config.max_num_seqs
+                        and self._fits_cache(b, L + g.decode_steps + 1)
+                    ):
+                        items.append(("decode", (L, b)))
+            if self.chunked:
+                for b in g.mixed_batch_sizes:
+                    items.append(("mixed", (b,)))
+            items.append(("swap", None))
+        return items
+
+    def run_prefill(self, p: int, k: int) -> None:
+        for _ in range(k):
+            self._add(p, 1)
+        self._drain()
+
+    def run_decode(self, L: int, b: int) -> None:
+        for _ in range(b):
+            self._add(L, self.grid.decode_steps + 1)
+        self._drain()
+
+    def run_mixed(self, b: int) -> None:
+        L = min(self.grid.context_lens)
+        lens = [p for p in self.grid.mixed_prefill_lens if p + b <= self.budget and self._fits(p, 1)]
+        out = 2 * len(lens) + 4
+        if not lens or not self._fits(L, out) or not self._fits_cache(b + 1, max(L + out, max(lens) + 1)):
+            return
+        ids = [self._add(L, out) for _ in range(b)]
+        seen: set[str] = set()
+        for _ in range(10_000):  # until every decoder is past its prompt
+            if len(seen) >= b:
+                break
+            seen.update(o.request_id for o in self._step() if o.outputs and o.outputs[0].token_ids)
+        for p in lens:
+            self._add(p, 1)
+            self._step()  # the new prompt's chunk alongside the b decodes
+            self._step()
+        self.engine.abort_request(ids)
+        self._drain()
+
+    def run_swap(self) -> None:
+        worker = getattr(self.rec.inner, "worker", self.rec.inner)
+        ng = self.engine.cache_config.num_gpu_blocks or 0
+        nc = self.engine.cache_config.num_cpu_blocks or 0
+        for n in self.grid.swap_blocks:
+            n = min(n, ng, nc)
+            if n < 1:
+                continue
+            # free blocks at the top of both pools: their content does not matter here
+            gpu = list(range(ng - n, ng))
+            cpu = list(range(nc - n, nc))
+            for maps in (
+                {"blocks_to_swap_out": dict(zip(gpu, cpu))},
+                {"blocks_to_swap_in": dict(zip(cpu, gpu))},
+            ):
+                t0 = self.timer()
+                worker.execute_model(ExecuteModelRequest([], **maps))
+                self.swap_samples.append((n, self.timer() - t0))
+
+    def run(self) -> None:
+        """Warm up, then every scenario of the grid (with a progress bar on stderr)."""
+        from tqdm.auto import tqdm
+
+        self.warm_up()
+        items = self.scenarios()
+        for kind, arg in tqdm(items, desc="profiling steps", disable=not self.progress, file=sys.stderr):
+            if kind == "prefill":
+                self.run_prefill(*arg)  # type: ignore[misc]
+            elif kind == "decode":
+                self.run_decode(*arg)  # type: ignore[misc]
+            elif kind == "mixed":
+                self.run_mixed(*arg)  # type: ignore[misc]
+            else:
+                self.run_swap()
+
+
+def fit_swap(samples: list[tuple[int, float]]) -> tuple[float, dict | None]:
+    """Seconds per swapped block: least squares of time on blocks with an intercept (the call's
+    own overhead, which a real step already pays in ``base_s``); its relative error on the
+    marginal time. ``(0.0, None)`` without samples."""
+    import numpy as np
+
+    if len({n for n, _ in samples}) < 2:
+        return 0.0, None
+    x = np.array([[1.0, n] for n, _ in samples])
+    y = np.array([t for _, t in samples])
+    sol, *_ = np.linalg.lstsq(x, y, rcond=None)
+    per = max(float(sol[1]), 0.0)
+    pred = sol[0] + per * x[:, 1]
+    rel = (pred - y) / y
+    a = np.abs(rel)
+    return per, {
+        "n": len(y),
+        "mean": float(a.mean()),
+        "p50": float(np.median(a)),
+        "p90": float(np.percentile(a, 90)),
+        "max": float(a.max()),
+        "bias": float(rel.mean()),
+        "total": float((pred.sum() - y.sum()) / y.sum()),
+    }
+
+
+def profile(args: EngineArgs, grid: ProfileGrid | None = None, progress: bool = True) -> dict:
+    """Build the engine ``args`` describe, profile it and return the cost-model file's JSON
+    object (``kvserve.sim.cost_model_file``).
+
+    Raises:
+        ValueError: a bad engine setting (naming the field), or too few measured steps.
+    """
+    from kvserve.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(args)
+    data = profile_engine(engine, args, grid, progress)
+    data["profile"]["load_s"] = time.perf_counter() - t0 - data["profile"]["wall_s"]
+    return data
+
+
+def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, progress: bool = True) -> dict:
+    """Profile an already built real ``engine`` (built from ``args``; it is left idle, with its
+    own executor back in place) and return the cost-model file's JSON object.
+
+    Raises:
+        ValueError: too few measured steps to fit.
+    """
+    import kvserve
+
+    grid = grid or ProfileGrid()
+    prof = Profiler(engine, grid, progress=progress)
+    t1 = time.perf_counter()
+    try:
+        prof.run()
+    finally:
+        engine.executor = prof.rec.inner
+        # the swap samples moved arbitrary content through free blocks: no cached block may
+        # be reused after them
+        engine.reset_prefix_cache()
+    wall_s = time.perf_counter() - t1
+    cm = fit_cost_model(prof.samples)
+    cm.swap_block_s, swap_err = fit_swap(prof.swap_samples)
+    errors = fit_errors(cm, prof.samples)
+    if swap_err is not None:
+        errors["swap"] = swap_err
+    mc, cc, sc = engine.model_config, engine.cache_config, engine.scheduler_config
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kvserve_version": kvserve.__version__,
+        "model": model_identity(args.model, args.quantization),
+        "dtype": str(mc.resolved_dtype()).replace("torch.", ""),
+        "block_size": cc.block_size,
+        "device": mc.resolved_device(),
+        "host": host_info(),
+        "engine": {
+            "enable_chunked_prefill": sc.chunked_prefill_enabled,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_num_seqs": sc.max_num_seqs,
+            "max_model_len": sc.max_model_len,
+            "num_gpu_blocks": cc.num_gpu_blocks,
+            "num_cpu_blocks": cc.num_cpu_blocks,
+        },
+        "coefficients": cm.coefficients(),
+        "fit_error": errors,
+        "profile": {
+            "grid": dataclasses.asdict(grid),
+            "load_s": 0.0,
+            "wall_s": wall_s,
+            "num_steps": len(prof.samples),
+            # the largest of each count measured: a simulation past them extrapolates
+            "ranges": {
+                k: max((getattr(sh, k) for sh, _ in prof.samples), default=0)
+                for k in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens")
+            },
+            "samples": [{"shape": s.as_dict(), "t": t} for s, t in prof.samples],
+            "swap_samples": [{"blocks": n, "t": t} for n, t in prof.swap_samples],
+        },
+    }
+
+
+def print_fit(data: dict, out=None) -> None:
+    """The coefficients and the fit's error per shape class, as a table (stdout by default)."""
+    out = out or sys.stdout
+    print("coefficients:", file=out)
+    for k, v in data["coefficients"].items():
+        print(f"  {k:16} {v:.4g}", file=out)
+    print(
+        f"{'class':10}{'steps':>7}{'mean err':>10}{'p50 err':>10}{'p90 err':>10}{'max err':>10}{'total':>9}",
+        file=out,
+    )
+    for k, e in data["fit_error"].items():
+        print(
+            f"{k:10}{e['n']:>7}{e['mean']:>10.1%}{e['p50']:>10.1%}{e['p90']:>10.1%}{e['max']:>10.1%}"
+            f"{e['total']:>+9.1%}",
+            file=out,
+        )
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {s!r}") from e
+
+
+def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--[prefix]grid small|default`` and comma-list overrides of ``ProfileGrid``'s fields."""
+    g = ap.add_argument_group("profile grid")
+    g.add_argument(
+        f"--{prefix}grid",
+        choices=["default", "small"],
+        default="default",
+        help="small: seconds (smoke runs, tests)",
+    )
+    for name in ("prefill_lens", "prefill_batch", "context_lens", "batch_sizes", "mixed_prefill_lens"):
+        g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=_int_list, default=None, metavar="N,N,...")
+    for name in ("decode_steps", "repeats", "long_prompt_chunks"):
+        g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=int, default=None)
+
+
+def grid_from_args(ns: argparse.Namespace, prefix: str = "") -> ProfileGrid:
+    """The ``ProfileGrid`` ``add_grid_args``' flags describe. Raises ValueError (bad value)."""
+    p = prefix.replace("-", "_")
+    grid = ProfileGrid.small() if getattr(ns, f"{p}grid") == "small" else ProfileGrid()
+    names = (
+        "prefill_lens",
+        "prefill_batch",
+        "context_lens",
+        "batch_sizes",
+        "mixed_prefill_lens",
+        "decode_steps",
+        "repeats",
+        "long_prompt_chunks",
+    )
+    return grid.override(**{n: getattr(ns, p + n) for n in names})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    ap = argparse.ArgumentParser(
+        prog="kvserve profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", required=True, help="cost-model JSON to write")
+    ap.add_argument("--no-progress", action="store_true")
+    add_grid_args(ap)
+    add_engine_args(ap)
+    ns = ap.parse_args(argv)
+    try:
+        grid = grid_from_args(ns)
+        data = profile(engine_args_from(ns), grid, progress=not ns.no_progress)
+        save_cost_model(ns.out, data)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    p = data["profile"]
+    print(
+        f"profiled {p['num_steps']} steps in {p['wall_s']:.1f} s ({data['model']['name']}, {data['dtype']}, "
+        f"{data['host']['cpu']}); wrote {ns.out}"
+    )
+    print_fit(data)
+    return 0
+
+
+__all__ = ["CostModel", "ProfileGrid", "Profiler", "profile", "profile_engine", "fit_swap", "main"]

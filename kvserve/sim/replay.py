@@ -1,0 +1,185 @@
+"""Replay timed requests through an ``LLMEngine``: the real one on the wall clock or the
+simulated one on its virtual clock, with one loop, so both sides see the same inputs the same way.
+
+The loop: add every request whose arrival time has come (``arrival_time`` = start + its
+``arrival_s``, so queueing counts from the trace's time, not from when the loop noticed it),
+``step()``, note the time each request's output grew, repeat; when nothing runs, wait for the
+next arrival (sleep on the wall clock; jump on the virtual one). Requests are greedy with
+``ignore_eos`` and ``max_tokens = output_len``, so both sides generate the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.benchmarks.stats import summarize
+from kvserve.benchmarks.workload import BenchRequest
+from kvserve.sampling_params import SamplingParams
+
+#: the statistics kept of each latency (seconds)
+STAT_KEYS = ("mean", "p50", "p90", "p99")
+LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+
+
+@dataclass
+class ReplayResult:
+    """Per request (by ``BenchRequest.id``): arrival, first scheduled, token times (each
+    output growth after a step), preemptions, outcome; plus run totals (seconds from start)."""
+
+    arrival: dict[int, float] = field(default_factory=dict)
+    first_scheduled: dict[int, float | None] = field(default_factory=dict)
+    token_times: dict[int, list[float]] = field(default_factory=dict)
+    num_tokens: dict[int, int] = field(default_factory=dict)
+    preemptions: dict[int, int] = field(default_factory=dict)
+    outcome: dict[int, str] = field(default_factory=dict)
+    rejected: int = 0
+    duration_s: float = 0.0
+    total_preemptions: int = 0
+    num_steps: int = 0
+    num_extrapolated_steps: int = 0  # simulated steps past the profiled shapes (0 for real runs)
+
+
+def replay(
+    engine,
+    requests: list[BenchRequest],
+    clock: Callable[[], float],
+    wait_until: Callable[[float], None],
+    max_steps: int = 10_000_000,
+) -> ReplayResult:
+    """Run ``requests`` through ``engine`` (whose clock is ``clock``) until all have ended.
+
+    Raises:
+        RuntimeError: more than ``max_steps`` steps (a stuck engine), never a hang.
+    """
+    res = ReplayResult()
+    pending = sorted(requests, key=lambda r: (r.arrival_s, r.id))
+    t0 = clock()
+    i = 0
+    lens: dict[int, int] = {}
+    # the engine's count is cumulative: an engine that ran (was profiled) before has some
+    preempted0 = engine.get_kv_cache_stats()["num_preemptions"]
+    for _ in range(max_steps):
+        if i >= len(pending) and not engine.has_unfinished_requests():
+            break
+        now = clock()
+        while i < len(pending) and t0 + pending[i].arrival_s <= now:
+            r = pending[i]
+            res.arrival[r.id] = pending[i].arrival_s
+            try:
+                engine.add_request(
+                    str(r.id),
+                    {"prompt_token_ids": r.prompt_token_ids},
+                    SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
+                    arrival_time=t0 + r.arrival_s,
+                )
+                res.token_times[r.id] = []
+            except ValueError:
+                res.rejected += 1
+                res.outcome[r.id] = "rejected"
+            i += 1
+        if not engine.has_unfinished_requests():
+            wait_until(t0 + pending[i].arrival_s)
+            continue
+        outs = engine.step()
+        res.num_steps += 1
+        t = clock() - t0
+        for o in outs:
+            rid = int(o.request_id)
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            grew = n - lens.get(rid, 0)
+            if grew > 0:
+                res.token_times[rid].extend([t] * grew)
+                lens[rid] = n
+            if o.finished:
+                res.outcome[rid] = o.outcome
+                res.num_tokens[rid] = n
+                m = o.metrics
+                res.preemptions[rid] = m.num_preemptions
+                res.first_scheduled[rid] = (
+                    None if m.first_scheduled_time is None else m.first_scheduled_time - t0
+                )
+    else:
+        raise RuntimeError(f"replay did not finish within {max_steps} steps")
+    res.duration_s = clock() - t0
+    res.total_preemptions = engine.get_kv_cache_stats()["num_preemptions"] - preempted0
+    res.num_extrapolated_steps = int(getattr(engine.executor, "num_extrapolated_steps", 0))
+    return res
+
+
+def summarize_replay(res: ReplayResult) -> dict:
+    """``{"ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s": {n, mean, p50, p90, p99, ...},
+    "num_preemptions", "preempted_ids", "output_tok_s", "num_finished", "duration_s"}``.
+
+    TTFT: first token - arrival; TPOT: (last token - first token) / (tokens - 1); ITL: every
+    gap between successive token times of a request (0 within one multi-token step); e2e: last
+    token - arrival; queue: first scheduled - arrival. Only finished requests count.
+    """
+    done = [rid for rid, o in res.outcome.items() if o == "finished"]
+    ttft, tpot, itl, e2e, queue = [], [], [], [], []
+    for rid in done:
+        tt = res.token_times.get(rid) or []
+        if not tt:
+            continue
+        a = res.arrival[rid]
+        ttft.append(tt[0] - a)
+        e2e.append(tt[-1] - a)
+        if len(tt) > 1:
+            tpot.append((tt[-1] - tt[0]) / (len(tt) - 1))
+            itl.extend(b - a_ for a_, b in zip(tt, tt[1:]))
+        fs = res.first_scheduled.get(rid)
+        if fs is not None:
+            queue.append(fs - a)
+    out_tokens = sum(res.num_tokens.get(rid, 0) for rid in done)
+    return {
+        "num_finished": len(done),
+        "duration_s": res.duration_s,
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot),
+        "itl_s": summarize(itl),
+        "e2e_s": summarize(e2e),
+        "queue_s": summarize(queue),
+        "num_preemptions": res.total_preemptions,
+        "preempted_ids": sorted(rid for rid, k in res.preemptions.items() if k),
+        "output_tok_s": out_tokens / res.duration_s if res.duration_s else 0.0,
+        "num_steps": res.num_steps,
+        "num_extrapolated_steps": res.num_extrapolated_steps,
+    }
+
+
+def wall_replay(engine, requests: list[BenchRequest]) -> ReplayResult:
+    """``replay`` on the wall clock (the engine's own ``clock``), sleeping while idle."""
+
+    def wait_until(t: float) -> None:
+        d = t - engine.clock()
+        if d > 0:
+            time.sleep(d)
+
+    return replay(engine, requests, engine.clock, wait_until)
+
+
+def simulated_engine(engine_configs: tuple, cost_model, vocab_size: int):
+    """An ``LLMEngine`` on a ``SimulatedExecutor`` with copies of ``(model_config, cache_config,
+    scheduler_config)`` -- e.g. the real engine's, block counts included -- and its virtual
+    clock. Returns ``(engine, clock)``."""
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sim.cost_model import VirtualClock
+    from kvserve.sim.executor import SimulatedExecutor
+
+    mc, cc, sc = (copy.deepcopy(c) for c in engine_configs)
+    clock = VirtualClock()
+    executor = SimulatedExecutor(
+        vocab_size, cost_model, cache_config=cc, check_kv=False, strict=False, clock=clock
+    )
+    engine = LLMEngine(mc, cc, sc, executor=executor, clock=clock, vocab_size=vocab_size)
+    return engine, clock
+
+
+def sim_replay(
+    engine_configs: tuple, cost_model, vocab_size: int, requests: list[BenchRequest]
+) -> ReplayResult:
+    """``replay`` on a simulated engine (``simulated_engine``); idle time is skipped."""
+    engine, clock = simulated_engine(engine_configs, cost_model, vocab_size)
+    return replay(engine, requests, clock, clock.set)

@@ -1,0 +1,280 @@
+"""The cost-model file: round trip, malformed and mismatched files, ``simulate --cost-model``."""
+
+import copy
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.benchmarks.workload import BenchRequest, generate_arrivals
+from kvserve.config import EngineArgs
+from kvserve.sim.cli import main as simulate_main
+from kvserve.sim.cli import simulate
+from kvserve.sim.cost_model import CostModel
+from kvserve.sim.cost_model_file import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    load_cost_model,
+    model_identity,
+    parse_cost_model,
+    save_cost_model,
+)
+
+
+def profile_data(**over) -> dict:
+    """A valid file's object, as ``kvserve profile`` writes it (no measurements)."""
+    data = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": "2026-01-01T00:00:00Z",
+        "kvserve_version": "0.1.0",
+        "model": {"name": "m", "path": "/nowhere/m", "config_sha256": "ab" * 32, "quantization": None},
+        "dtype": "float32",
+        "block_size": 16,
+        "device": "cpu",
+        "host": {"cpu": "Test CPU 9000", "cores": 2, "threads": 2, "flags": ["avx2"]},
+        "engine": {"enable_chunked_prefill": True, "max_num_batched_tokens": 256, "num_gpu_blocks": 96},
+        "coefficients": {
+            "base_s": 0.004,
+            "prefill_token_s": 1e-4,
+            "prefill_attn_s": 2e-5,
+            "decode_seq_s": 5e-4,
+            "context_token_s": 1e-7,
+            "sample_s": 1e-4,
+        },
+        "fit_error": {"all": {"n": 10, "mean": 0.05, "p90": 0.1, "max": 0.2, "bias": 0.0}},
+        "profile": {
+            "ranges": {
+                "prefill_tokens": 4096,
+                "prefill_attn_pairs": 1e5,
+                "decode_seqs": 64,
+                "context_tokens": 1e5,
+            }
+        },
+    }
+    data.update(over)
+    return data
+
+
+def _requests(n=20, output_len=6, rate=20.0):
+    return [
+        BenchRequest(
+            prompt_token_ids=[(7 * i + j) % 900 + 3 for j in range(30 + i)],
+            output_len=output_len,
+            arrival_s=t,
+            id=i,
+        )
+        for i, t in enumerate(generate_arrivals(n, rate, seed=1))
+    ]
+
+
+def test_round_trip_keeps_coefficients_and_names_the_source(tmp_path):
+    path = tmp_path / "p.json"
+    save_cost_model(path, profile_data())
+    f = load_cost_model(path)
+    cm = f.cost_model
+    assert cm.base_s == 0.004 and cm.prefill_attn_s == 2e-5 and cm.swap_block_s == 0.0
+    assert (f.block_size, f.dtype, f.engine["max_num_batched_tokens"]) == (16, "float32", 256)
+    d = cm.describe()
+    assert "m," in d and "Test CPU 9000" in d and "float32" in d and str(path) in d
+    # the same file simulates the same numbers as the same coefficients given directly
+    args = dict(num_gpu_blocks=64, max_model_len=512)
+    direct = CostModel(info={}, **{**{k: 0.0 for k in cm.coefficients()}, **profile_data()["coefficients"]})
+    assert simulate(EngineArgs(**args), _requests(), cost_model=cm) == simulate(
+        EngineArgs(**args), _requests(), cost_model=direct
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda d: d.update(schema="other"), "schema"),
+        (lambda d: d.update(schema_version=99), "schema_version"),
+        (lambda d: d.pop("block_size"), "block_size"),
+        (lambda d: d.update(block_size=0), "block_size"),
+        (lambda d: d.update(block_size="16"), "block_size"),
+        (lambda d: d.pop("model"), "model"),
+        (lambda d: d.update(model="m"), "model"),
+        (lambda d: d["coefficients"].update(base_s=-1.0), "base_s"),
+        (lambda d: d["coefficients"].update(decode_seq_s="fast"), "decode_seq_s"),
+        (lambda d: d["coefficients"].update(decode_seq_s=float("nan")), "decode_seq_s"),
+        (lambda d: d["coefficients"].update(warp_s=1.0), "warp_s"),
+        (lambda d: d["coefficients"].pop("base_s"), "base_s"),
+        (lambda d: d.pop("fit_error"), "fit_error"),
+        (lambda d: d.update(engine=[1, 2]), "engine"),
+        (lambda d: d["engine"].update(num_gpu_blocks=-3), "engine.num_gpu_blocks"),
+        (lambda d: d["engine"].update(enable_chunked_prefill="yes"), "engine.enable_chunked_prefill"),
+    ],
+)
+def test_malformed_file_is_an_error_naming_the_field(mutate, field):
+    data = copy.deepcopy(profile_data())
+    mutate(data)
+    with pytest.raises(ValueError, match=field):
+        parse_cost_model(data, "bad.json")
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_cost_model(tmp_path / "missing.json")
+    p = tmp_path / "junk.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="not a JSON cost-model file"):
+        load_cost_model(p)
+    p.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_cost_model(p)
+
+
+def test_mismatched_block_size_or_dtype_is_an_error_naming_it():
+    f = parse_cost_model(profile_data(), "p.json")
+    with pytest.raises(ValueError, match="^block_size: .*profiled with block_size 16.*uses 32"):
+        f.check_engine_args(EngineArgs(block_size=32))
+    with pytest.raises(ValueError, match="^dtype: .*float32.*bfloat16"):
+        f.check_engine_args(EngineArgs(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="^quantization: "):
+        f.check_engine_args(EngineArgs(quantization="int8"))
+    f.check_engine_args(EngineArgs())  # auto dtype, no model named: fine
+
+
+def test_other_model_is_an_error_naming_it(tiny_llama_dir, tmp_path):
+    ident = model_identity(str(tiny_llama_dir))
+    f = parse_cost_model(profile_data(model=ident), "p.json")
+    f.check_engine_args(EngineArgs(model=str(tiny_llama_dir)))  # the same model: fine
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (other / "config.json").write_text(json.dumps(cfg))
+    for w in tiny_llama_dir.glob("*.safetensors"):
+        (other / w.name).symlink_to(w)
+    with pytest.raises(ValueError, match="^model: .*config differs"):
+        f.check_engine_args(EngineArgs(model=str(other)))
+
+
+def test_simulate_cli_names_the_cost_model_and_takes_profiled_defaults(tmp_path, capsys, monkeypatch):
+    from kvserve.sim import cli
+
+    path = tmp_path / "p.json"
+    save_cost_model(path, profile_data())
+    seen = []
+    real = cli.simulate
+
+    def spy(args, *a, **kw):
+        seen.append((args.enable_chunked_prefill, args.max_num_batched_tokens, args.num_gpu_blocks))
+        return real(args, *a, **kw)
+
+    monkeypatch.setattr(cli, "simulate", spy)
+    out = tmp_path / "s.json"
+    assert simulate_main(["--cost-model", str(path), "--num-requests", "8", "--json-out", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("cost model: m, Test CPU 9000") and "float32" in first
+    assert seen == [(True, 256, 96)]
+    assert json.loads(out.read_text())["cost_model"].startswith("m, Test CPU 9000")
+    # built-in: the header says so
+    assert simulate_main(["--num-requests", "4"]) == 0
+    assert "not this machine" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_simulate_cli_bad_cost_model_is_one_line_error(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    save_cost_model(path, profile_data())
+    assert simulate_main(["--cost-model", str(path), "--block-size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "block_size" in err and "Traceback" not in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(profile_data(schema_version=0)))
+    assert simulate_main(["--cost-model", str(bad)]) == 2
+    assert "schema_version" in capsys.readouterr().err
+
+
+def test_same_trace_same_seed_same_simulation(tmp_path):
+    """Determinism: two runs of one trace with one seed give identical summaries."""
+    cm = parse_cost_model(profile_data(), "p.json").cost_model
+    args = dict(num_gpu_blocks=24, max_model_len=512, seed=3)  # tight: preemptions too
+    a = simulate(EngineArgs(**args), _requests(30, output_len=40, rate=500.0), cost_model=cm)
+    b = simulate(EngineArgs(**args), _requests(30, output_len=40, rate=500.0), cost_model=cm)
+    assert a == b and a["finished"] == 30 and a["num_preemptions"] > 0
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    path=st.sampled_from(
+        [(), ("model",), ("coefficients",), ("host",), ("engine",)]
+        + [(k,) for k in profile_data()]
+        + [("coefficients", k) for k in profile_data()["coefficients"]]
+    ),
+    value=_json_values,
+)
+def test_any_corrupted_field_is_a_value_error_or_accepted(path, value):
+    """Fuzz: replacing any field (or the whole object) by any JSON value either loads a cost
+    model with finite, non-negative coefficients or raises ValueError; never another exception."""
+    data = copy.deepcopy(profile_data())
+    if not path:
+        data = value
+    else:
+        obj = data
+        for k in path[:-1]:
+            obj = obj[k]
+        obj[path[-1]] = value
+    try:
+        f = parse_cost_model(data, "fuzz.json")
+    except ValueError:
+        return
+    cm = f.cost_model
+    assert all(math.isfinite(v) and v >= 0 for v in cm.coefficients().values())
+    assert f.block_size >= 1 and cm.describe() and isinstance(f.engine, dict)
+    try:
+        f.samples()
+    except ValueError:
+        pass
+
+
+def test_simulate_cli_missing_cost_model_file(capsys):
+    assert simulate_main(["--cost-model", "/nonexistent/p.json"]) == 2
+    assert "--cost-model /nonexistent/p.json: no such file" in capsys.readouterr().err
+
+
+def test_simulate_cli_cost_model_with_speculation(tmp_path, capsys):
+    """The acceptance-model keys of --speculative-config are the simulator's, not the engine's:
+    checking the profile against the flags must not choke on them."""
+    path = tmp_path / "p.json"
+    save_cost_model(path, profile_data())
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "mean_accepted_len": 2.0}'
+    assert (
+        simulate_main(["--cost-model", str(path), "--num-requests", "4", "--speculative-config", spec]) == 0
+    )
+    assert "speculative decoding:" in capsys.readouterr().out
+
+
+def test_steps_past_the_profiled_shapes_are_counted_and_noted(tmp_path, capsys):
+    """A profile of short prompts says so when a simulation prefills longer ones."""
+    small = profile_data(profile={"ranges": {"prefill_tokens": 16, "prefill_attn_pairs": 0.1}})
+    cm = parse_cost_model(small, "p.json").cost_model
+    s = simulate(EngineArgs(num_gpu_blocks=64, max_model_len=512), _requests(5), cost_model=cm)
+    assert s["num_extrapolated_steps"] >= 5  # every prompt (30+ tokens) is past 16 * 1.25
+    roomy = parse_cost_model(profile_data(), "p.json").cost_model
+    assert (
+        simulate(EngineArgs(num_gpu_blocks=64, max_model_len=512), _requests(5), cost_model=roomy)[
+            "num_extrapolated_steps"
+        ]
+        == 0
+    )
+    path = tmp_path / "p.json"
+    save_cost_model(path, small)
+    assert simulate_main(["--cost-model", str(path), "--num-requests", "4"]) == 0
+    assert "larger than any the cost model was profiled on" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="profile.ranges"):
+        parse_cost_model(profile_data(profile={"ranges": {"decode_seqs": "many"}}), "p.json")

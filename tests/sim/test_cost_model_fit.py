@@ -1,0 +1,174 @@
+"""The richer cost model: step shapes, the fit, and the simulated executor's use of both."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+from kvserve.sim.cost_model import FEATURES, CostModel, fit_cost_model, fit_errors
+from kvserve.sim.executor import InvalidExecuteRequest, SimulatedExecutor
+from kvserve.sim.step_shape import StepShape, step_shape
+
+
+def _meta(rid, data, table, chunk, is_prompt=True, sid=0):
+    return SequenceGroupMetadata(
+        request_id=rid,
+        is_prompt=is_prompt,
+        seq_data={sid: data},
+        sampling_params=SamplingParams(),
+        block_tables={sid: table},
+        token_chunk_size=chunk,
+        do_sample=not is_prompt or data.get_num_computed_tokens() + chunk == data.get_len(),
+    )
+
+
+def test_step_shape_counts_chunks_decodes_pairs_and_moves():
+    first = SequenceData(list(range(10)))  # a chunk of 4 after 6 computed: not the last
+    first.update_num_computed_tokens(4)
+    whole = SequenceData(list(range(3)))
+    dec = SequenceData(list(range(7)))
+    dec.update_num_computed_tokens(6)
+    req = ExecuteModelRequest(
+        [
+            _meta("a", first, [0, 1, 2], 4),
+            _meta("b", whole, [3], 3),
+            _meta("c", dec, [4, 5], 1, is_prompt=False),
+        ],
+        blocks_to_swap_out={7: 1},
+        blocks_to_swap_in={2: 8},
+        blocks_to_copy={5: [9, 10]},
+    )
+    s = step_shape(req)
+    assert (s.prefill_tokens, s.prefill_seqs, s.decode_seqs, s.context_tokens) == (7, 2, 1, 7)
+    # chunk of 4 after 4: 4*4 + 4*5/2 = 26 pairs; whole prompt of 3: 6 pairs
+    assert s.prefill_attn_pairs == pytest.approx((26 + 6) / 1000)
+    assert s.sampled_rows == 2  # "a" ends mid-prompt: no sample
+    assert (s.swapped_blocks, s.copied_blocks) == (2, 2)
+    assert s.shape_class == "swap"
+
+
+def test_shape_classes():
+    assert StepShape(prefill_tokens=5, prefill_seqs=1).shape_class == "prefill"
+    assert StepShape(decode_seqs=2, context_tokens=9).shape_class == "decode"
+    assert StepShape(prefill_tokens=5, decode_seqs=2).shape_class == "mixed"
+    assert StepShape().shape_class == "empty" and CostModel().step_cost(StepShape()) == 0.0
+
+
+def _grid_shapes():
+    shapes = []
+    for p in (0, 16, 128, 512):
+        for b in (0, 1, 8, 32):
+            for ctx in (32, 512):
+                if p == 0 and b == 0:
+                    continue
+                k = 1 if p else 0
+                shapes.append(
+                    StepShape(
+                        prefill_tokens=p,
+                        prefill_seqs=k,
+                        prefill_attn_pairs=p * (p + 1) / 2000,
+                        decode_seqs=b,
+                        context_tokens=b * ctx,
+                        sampled_rows=b + k,
+                    )
+                )
+    return shapes
+
+
+def test_fit_recovers_the_coefficients_of_noiseless_steps():
+    truth = CostModel(
+        base_s=0.01,
+        prefill_token_s=2e-4,
+        prefill_seq_s=0.0,
+        prefill_attn_s=3e-4,
+        decode_seq_s=1e-3,
+        context_token_s=2e-6,
+        sample_s=0.0,
+        swap_block_s=0.0,
+    )
+    samples = [(s, truth.step_cost(s)) for s in _grid_shapes()]
+    fit = fit_cost_model(samples)
+    for k, v in truth.coefficients().items():
+        assert getattr(fit, k) == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert fit_errors(fit, samples)["all"]["max"] < 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    base=st.floats(1e-4, 0.1),
+    tok=st.floats(1e-6, 1e-3),
+    attn=st.floats(0.0, 1e-3),
+    seq=st.floats(1e-5, 1e-2),
+    ctx=st.floats(0.0, 1e-5),
+)
+def test_fit_reproduces_any_nonnegative_linear_cost(base, tok, attn, seq, ctx):
+    """Property: for any coefficients >= 0, the fit of exact step times predicts them (the
+    features may trade off where they are collinear; the predictions may not)."""
+    truth = CostModel(
+        base_s=base,
+        prefill_token_s=tok,
+        prefill_attn_s=attn,
+        decode_seq_s=seq,
+        context_token_s=ctx,
+        swap_block_s=0.0,
+    )
+    samples = [(s, truth.step_cost(s)) for s in _grid_shapes()]
+    fit = fit_cost_model(samples)
+    assert all(v >= 0 for v in fit.coefficients().values())
+    assert fit_errors(fit, samples)["all"]["max"] < 1e-3
+
+
+def test_fit_ignores_steps_slowed_by_another_process():
+    """A shared host slows a few steps a lot: the trimmed fit stays on the others."""
+    truth = CostModel(base_s=0.01, prefill_token_s=1e-4, decode_seq_s=1e-3, context_token_s=0.0)
+    samples = [(s, truth.step_cost(s)) for s in _grid_shapes()]
+    samples = [(s, t * (5.0 if i % 9 == 0 else 1.0)) for i, (s, t) in enumerate(samples)]
+    fit = fit_cost_model(samples)
+    assert fit.base_s == pytest.approx(0.01, rel=0.02)
+    assert fit.prefill_token_s == pytest.approx(1e-4, rel=0.02)
+
+
+def test_fit_never_gives_negative_coefficients():
+    # times that fall with context would want a negative context_token_s
+    samples = [
+        (StepShape(decode_seqs=1, context_tokens=c, sampled_rows=1), 0.02 - c * 1e-6)
+        for c in range(10, 200, 10)
+    ]
+    fit = fit_cost_model(samples)
+    assert all(v >= 0 for v in fit.coefficients().values()) and fit.context_token_s == 0.0
+
+
+def test_fit_needs_enough_positive_samples():
+    with pytest.raises(ValueError, match="at least"):
+        fit_cost_model([(StepShape(decode_seqs=1), 0.1)])
+    with pytest.raises(ValueError, match="> 0"):
+        fit_cost_model([(StepShape(decode_seqs=i + 1), 0.0) for i in range(20)])
+
+
+def test_simulated_executor_charges_the_quadratic_prefill_term():
+    cm = CostModel(base_s=0.0, prefill_token_s=0.0, decode_seq_s=0.0, context_token_s=0.0, prefill_attn_s=1.0)
+    times = []
+    for n in (8, 16):
+        ex = SimulatedExecutor(100, cm, block_size=4, num_gpu_blocks=8)
+        ex.execute_model(ExecuteModelRequest([_meta("a", SequenceData(list(range(n))), [0, 1, 2, 3], n)]))
+        times.append(ex.clock.now())
+    assert times == [pytest.approx(8 * 9 / 2000), pytest.approx(16 * 17 / 2000)]
+    assert times[1] / times[0] > 3.5  # ~quadratic, not linear
+
+
+def test_builtin_cost_model_says_it_is_not_this_machine():
+    d = CostModel().describe()
+    assert "Llama-2-70B" in d and "H100" in d and "not this machine" in d
+    assert set(CostModel().coefficients()) == {"base_s", *FEATURES}
+    assert not math.isnan(CostModel().step_time(10, 1, 10))
+
+
+def test_block_table_entry_out_of_range_is_named():
+    ex = SimulatedExecutor(100, block_size=4, num_gpu_blocks=8)
+    with pytest.raises(InvalidExecuteRequest, match="block table block 8 out of range"):
+        ex.execute_model(ExecuteModelRequest([_meta("a", SequenceData([1, 2, 3, 4, 5]), [0, 8], 5)]))
+    with pytest.raises(InvalidExecuteRequest, match="block table block -1 out of range"):
+        ex.execute_model(ExecuteModelRequest([_meta("a", SequenceData([1, 2, 3]), [-1], 3)]))

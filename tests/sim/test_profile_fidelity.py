@@ -1,0 +1,199 @@
+"""``kvserve profile`` and ``kvserve bench fidelity`` on the tiny random model (seconds)."""
+
+import json
+
+import pytest
+
+from kvserve.benchmarks import fidelity
+from kvserve.config import EngineArgs
+from kvserve.sim.cost_model import fit_cost_model, fit_errors
+from kvserve.sim.cost_model_file import load_cost_model, model_identity, parse_cost_model, save_cost_model
+from kvserve.sim.profile import ProfileGrid, profile
+from kvserve.sim.profile import main as profile_main
+
+ENGINE = ["--num-gpu-blocks", "48", "--max-model-len", "256", "--dtype", "float32", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_llama_dir, tmp_path_factory):
+    """One small-grid profile of the tiny model, saved as a file."""
+    args = EngineArgs(
+        model=str(tiny_llama_dir), num_gpu_blocks=48, max_model_len=256, dtype="float32", device="cpu"
+    )
+    # three repeats: tiny-model steps take milliseconds, and medians need a few of each
+    data = profile(args, ProfileGrid.small().override(repeats=3), progress=False)
+    path = tmp_path_factory.mktemp("profile") / "tiny.json"
+    save_cost_model(path, data)
+    return data, path
+
+
+def test_profile_records_what_it_measured_and_on_what(tiny_profile, tiny_llama_dir):
+    data, path = tiny_profile
+    f = load_cost_model(path)
+    assert data["model"]["config_sha256"] == model_identity(str(tiny_llama_dir))["config_sha256"]
+    assert (data["dtype"], data["block_size"], data["device"]) == ("float32", 16, "cpu")
+    assert data["host"]["cpu"] and data["host"]["cores"] >= 1 and data["kvserve_version"]
+    classes = {s.shape_class for s, _ in f.samples()}
+    assert {"prefill", "decode", "mixed"} <= classes  # chunked prefill is on for CPU
+    assert data["engine"]["enable_chunked_prefill"] is True
+    # the long-prompt chunks attend over earlier ones: the quadratic feature varies
+    assert len({s.prefill_attn_pairs for s, _ in f.samples()}) > 3
+    assert {"prefill", "decode", "mixed", "swap", "all"} <= set(data["fit_error"])
+    assert len(data["profile"]["swap_samples"]) == 3 * 4
+    assert all(v >= 0 for v in data["coefficients"].values()) and data["coefficients"]["base_s"] > 0
+
+
+def test_fitted_model_predicts_its_own_profile(tiny_profile):
+    """The file's fit errors are the fitted model's errors on the file's own measurements, and
+    refitting those measurements gives its coefficients. How small the errors are depends on the
+    host: tiny-model steps take a few ms, and on a 2-core host shared by several developers
+    another process stalls many of them 2-10x, so no bound on real timings holds there; the
+    bound (every step within 1%) is held by the next test, on a timer that is the truth."""
+    data, path = tiny_profile
+    f = load_cost_model(path)
+    samples = f.samples()
+    err = fit_errors(f.cost_model, samples)
+    assert err["all"]["n"] == len(samples) == data["profile"]["num_steps"] >= 20
+    for cls, e in err.items():
+        assert e == pytest.approx(data["fit_error"][cls]), cls
+    # refitting the stored samples gives the stored coefficients (the file is self-contained)
+    refit = fit_cost_model(samples)
+    for k, v in data["coefficients"].items():
+        if k != "swap_block_s":  # fitted apart, from the swap samples
+            assert getattr(refit, k) == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_profiler_recovers_a_known_cost_from_the_real_engine(tiny_llama_dir):
+    """The profiler's shapes are those of the steps the real engine ran, and the fit recovers
+    the cost that produced the times: a timer that advances by a known cost of the step just
+    recorded stands in for the wall clock (no noise, so the bound is tight)."""
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.profile import Profiler
+
+    truth = CostModel(
+        base_s=0.003,
+        prefill_token_s=2e-5,
+        prefill_attn_s=4e-4,
+        decode_seq_s=6e-4,
+        context_token_s=1e-6,
+        info={},
+    )
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(tiny_llama_dir), num_gpu_blocks=48, max_model_len=256, dtype="float32", device="cpu"
+        )
+    )
+    prof = Profiler(engine, ProfileGrid.small(), progress=False)
+    clock = {"t": 0.0, "calls": 0}
+
+    def timer():
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0 and prof.rec.last is not None:  # the "after" read of a step
+            clock["t"] += truth.step_cost(prof.rec.last)
+        return clock["t"]
+
+    prof.timer = timer
+    prof.warm_up()
+    for kind, arg in prof.scenarios():
+        if kind == "prefill":
+            prof.run_prefill(*arg)
+        elif kind == "decode":
+            prof.run_decode(*arg)
+        elif kind == "mixed":
+            prof.run_mixed(*arg)
+    assert {s.shape_class for s, _ in prof.samples} >= {"prefill", "decode", "mixed"}
+    fit = fit_cost_model(prof.samples)
+    errs = fit_errors(fit, prof.samples)
+    assert errs["all"]["max"] < 0.01, errs
+    assert fit.prefill_attn_s == pytest.approx(4e-4, rel=0.05)
+
+
+def _trace(tmp_path, n=12):
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(n):
+        lines.append(f"2023-11-16 18:17:{i // 10:02d}.{i % 10}000000,{20 + 9 * i},{3 + i % 5}")
+    p = tmp_path / "trace.csv"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_bench_fidelity_end_to_end(tiny_profile, tiny_llama_dir, tmp_path, capsys):
+    _, path = tiny_profile
+    out, png = tmp_path / "f.json", tmp_path / "cdf.png"
+    argv = [
+        "--model",
+        str(tiny_llama_dir),
+        *ENGINE,
+        "--trace",
+        str(_trace(tmp_path)),
+        "--cost-model",
+        str(path),
+    ]
+    argv += ["--num-requests", "10", "--max-input-len", "64", "--json-out", str(out), "--plot", str(png)]
+    assert fidelity.main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("cost model: ") and "ttft_s p50" in text and "preempted requests" in text
+    res = json.loads(out.read_text())
+    assert set(res) >= {"real", "simulated", "relative_error"}
+    for s in (res["real"], res["simulated"], res["relative_error"]):
+        assert set(s) == {"ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "num_preemptions", "output_tok_s"}
+        assert set(s["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+    assert res["finished"] == {"real": 10, "simulated": 10}
+    for side in ("real", "simulated"):
+        assert 0 < res[side]["ttft_s"]["p50"] <= res[side]["e2e_s"]["p50"]
+    r, s = res["real"]["tpot_s"]["p50"], res["simulated"]["tpot_s"]["p50"]
+    assert res["relative_error"]["tpot_s"]["p50"] == pytest.approx((s - r) / r)
+    assert res["trace"]["clip"]["max_input_len"] == 64 and res["trace"]["clip"]["input_clipped"] > 0
+    assert png.stat().st_size > 1000
+
+
+def test_bench_fidelity_refuses_a_mismatched_profile(tiny_profile, tiny_llama_dir, tmp_path, capsys):
+    data, _ = tiny_profile
+    other = dict(data, block_size=32)
+    p = tmp_path / "bs32.json"
+    save_cost_model(p, other)
+    argv = ["--model", str(tiny_llama_dir), *ENGINE, "--trace", str(_trace(tmp_path)), "--cost-model", str(p)]
+    assert fidelity.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "block_size" in err and "Traceback" not in err
+
+
+def test_relative_error_and_preemption_agreement():
+    real = {k: {q: 2.0 for q in fidelity.STAT_KEYS} for k in fidelity.LATENCY_KEYS}
+    real.update(num_preemptions=0, output_tok_s=10.0)
+    sim = json.loads(json.dumps(real))
+    sim["ttft_s"]["p50"] = 2.2
+    sim["num_preemptions"] = 3
+    e = fidelity.relative_error(real, sim)
+    assert e["ttft_s"]["p50"] == pytest.approx(0.1) and e["ttft_s"]["p90"] == 0.0
+    assert e["num_preemptions"] is None  # 3 against 0: no ratio, shown as "-"
+    assert fidelity.preemption_agreement([1, 2, 3], [2, 3, 4]) == {
+        "real": 3,
+        "simulated": 3,
+        "both": 2,
+        "jaccard": 0.5,
+    }
+    assert fidelity.preemption_agreement([], [])["jaccard"] == 1.0
+
+
+def test_profile_cli_bad_flags(tmp_path, capsys):
+    assert profile_main(["--out", str(tmp_path / "p.json"), "--repeats", "0"]) == 2
+    assert "repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert profile_main(["--out", str(tmp_path / "p.json"), "--prefill-lens", "64,0"]) == 2
+    assert "prefill_lens must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+    # a malformed profile is refused when parsed, not when used
+    with pytest.raises(ValueError, match="schema"):
+        parse_cost_model({"schema": "nope"})
+
+
+def test_bench_fidelity_bad_flags_are_one_line_errors(tmp_path, capsys):
+    assert fidelity.main(["--trace", "/nonexistent.csv"]) == 2
+    assert "--trace /nonexistent.csv: no such file" in capsys.readouterr().err
+    trace = str(_trace(tmp_path))
+    assert fidelity.main(["--trace", trace, "--num-requests", "0"]) == 2
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    assert fidelity.main(["--trace", trace, "--cost-model", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "Traceback" not in err

@@ -73,6 +73,8 @@ def _grid_shapes():
                         decode_seqs=b,
                         context_tokens=b * ctx,
                         sampled_rows=b + k,
+                        # adapters in some steps, independent of the other counts
+                        loras=min(b, 2) if ctx == 512 else 0,
                     )
                 )
     return shapes

@@ -111,3 +111,23 @@ def test_load_unload_storm_with_requests_never_5xx_and_leaves_the_engine_idle(se
     with server.http() as h:
         assert _text(h, "chat") == ref_chat and _text(h, "sql") == ref_sql
     server.wait_idle()
+
+
+def test_loading_a_nan_adapter_is_400_naming_the_tensor(server, tmp_path, shapes):  # noqa: F811
+    from tests.lora.adapters import lora_tensors, write_adapter
+
+    t = lora_tensors(shapes.num_layers, shapes.in_out, 4, ("q_proj",))
+    t["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"][1, 2] = float("nan")
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    path = write_adapter(tmp_path / "nan", cfg, t)
+    with server.http() as h:
+        r = h.post("/v1/load_lora_adapter", json={"lora_name": "nan", "lora_path": path})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "lora_path" and "q_proj: lora_B is not finite" in err["message"]
+        assert "nan" not in [m["id"] for m in h.get("/v1/models").json()["data"]]
+        assert (
+            h.post("/v1/completions", json={"model": "nan", "prompt": "hi", "max_tokens": 2}).status_code
+            == 404
+        )
+    server.wait_idle()

@@ -105,3 +105,27 @@ def test_nan_adapter_is_refused_before_queueing_and_the_engine_keeps_serving(tin
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=good)]
     assert after == before and all(len(x) == 5 for x in after)
     assert_idle(llm.llm_engine)
+
+
+def test_max_loras_whose_slots_exceed_memory_is_a_value_error_naming_the_fields(monkeypatch):
+    """The device slots are allocated up front: a max_loras / max_lora_rank whose slots do not
+    fit in memory is refused naming both and the bytes, not left to the allocator (or the OOM
+    killer)."""
+    import psutil
+
+    from kvserve.config import LoRAConfig
+    from kvserve.lora.manager import LoRAManager
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+    from tests.lora.test_lora_adapters import CFG
+
+    model = LlamaForCausalLM(CFG)
+    avail = psutil.virtual_memory().available
+    # 16-wide hidden, 2 layers, rank 512: ~0.5 MB per slot; enough slots to pass the RAM free now
+    per_slot = LoRAManager.slot_bytes(SHAPES, 512, torch.float32)
+    n = avail // per_slot + 10
+    with pytest.raises(ValueError, match=r"max_loras=\d+ .*max_lora_rank=512.* bytes"):
+        LoRAManager(model, LoRAConfig(n, 512, n), SHAPES)
+    small = LoRAManager(model, LoRAConfig(2, 4, 2), SHAPES)
+    assert small.stacks[0]["qkv"][0].shape[0] == 2
+    allocated = sum(t.nbytes for st in small.stacks for ab in st.values() for t in ab)
+    assert allocated == 2 * LoRAManager.slot_bytes(SHAPES, 4, torch.float32)

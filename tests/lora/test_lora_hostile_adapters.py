@@ -4,6 +4,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.lora.peft import load_peft_adapter
 from tests.lora.adapters import lora_tensors, write_adapter
@@ -129,3 +131,30 @@ def test_max_loras_whose_slots_exceed_memory_is_a_value_error_naming_the_fields(
     assert small.stacks[0]["qkv"][0].shape[0] == 2
     allocated = sum(t.nbytes for st in small.stacks for ab in st.values() for t in ab)
     assert allocated == 2 * LoRAManager.slot_bytes(SHAPES, 4, torch.float32)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    poison=st.lists(
+        st.tuples(
+            st.integers(0, 3), st.integers(0, 63), st.sampled_from([float("nan"), float("inf"), -3e38])
+        ),
+        max_size=3,
+    ),
+    alpha=st.sampled_from([1.0, 16.0, 1e6, 1e30, 1e300]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_fuzzed_non_finite_weights_and_alpha_load_finite_or_raise(tmp_path_factory, poison, alpha, dtype):
+    t = lora_tensors(2, SHAPES.in_out, 4, ("q_proj", "v_proj"))
+    keys = sorted(t)
+    for k, i, v in poison:
+        flat = t[keys[k]].view(-1)
+        flat[i % flat.numel()] = v
+    p = write_adapter(tmp_path_factory.mktemp("fz"), _config(lora_alpha=alpha), t)
+    try:
+        m = load_peft_adapter(p, 1, SHAPES, 16, dtype)
+    except ValueError as e:
+        assert "not finite" in str(e) and "adapter_model.safetensors: layer" in str(e)
+        return
+    for a, b in m.weights.values():
+        assert bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())

@@ -72,3 +72,33 @@ def test_one_slot_many_adapters_tiny_cache_with_aborts_every_request_ends(tiny_l
         solo = llm.generate([prompt], PARAMS, use_tqdm=False, lora_request=lora)[0]
         assert out.outputs[0].token_ids == solo.outputs[0].token_ids, rid
     assert_idle(eng)
+
+
+def test_prefix_cache_never_serves_one_adapters_blocks_to_another(tiny_llama_dir, tmp_path):
+    shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 64, "target_modules": ["k_proj", "v_proj"]}
+    loras = [
+        LoRARequest(
+            f"p{i}",
+            i,
+            write_adapter(
+                tmp_path / f"p{i}",
+                cfg,
+                lora_tensors(shapes.num_layers, shapes.in_out, 4, ("k_proj", "v_proj"), seed=i),
+            ),
+        )
+        for i in (1, 2)
+    ]
+    prompt = {"prompt_token_ids": list(range(20, 37))}  # 4 full blocks of 4 and one token
+    kw = dict(model=str(tiny_llama_dir), enable_lora=True, max_loras=1, max_lora_rank=4, block_size=4)
+    cached = LLM(enable_prefix_caching=True, **kw)
+    got = {}
+    for lora in [None, loras[0], loras[1], None, loras[0]]:
+        out = cached.generate([prompt], PARAMS, use_tqdm=False, lora_request=lora)[0]
+        got.setdefault(lora and lora.lora_name, []).append(out.outputs[0].token_ids)
+    assert cached.llm_engine.get_kv_cache_stats()["prefix_cache_hit_rate"] > 0  # it did reuse
+    plain = LLM(enable_prefix_caching=False, **kw)
+    for lora in [None, loras[0], loras[1]]:
+        ref = plain.generate([prompt], PARAMS, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+        assert all(t == ref for t in got[lora and lora.lora_name]), lora
+    assert len({tuple(v[0]) for v in got.values()}) == 3  # the adapters do change the output

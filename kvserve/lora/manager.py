@@ -72,6 +72,16 @@ class LoRAManager:
                 col += shapes.in_out[p][1]
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         S, R = self.max_loras, self.rmax
+        # every slot is allocated (and zeroed) now: refuse limits whose slots cannot fit, by
+        # name, instead of leaving it to the allocator or the OOM killer
+        need = S * self.slot_bytes(shapes, R, self.dtype)
+        free = _free_memory_bytes(self.device)
+        if free is not None and need > free:
+            raise ValueError(
+                f"max_loras={S} with max_lora_rank={R} needs {need} bytes of LoRA slots "
+                f"({self.slot_bytes(shapes, R, self.dtype)} per slot), but only {free} bytes are "
+                f"free on {self.device}; lower max_loras or max_lora_rank."
+            )
         for layer in model.layers:
             st = {}
             for fused, parts in FUSED_PARTS.items():
@@ -85,6 +95,17 @@ class LoRAManager:
             self.stacks.append(st)
             layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
             layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}
+
+    @staticmethod
+    def slot_bytes(shapes: ModelShapes, max_lora_rank: int, dtype: torch.dtype) -> int:
+        """Bytes one device slot takes: ``A`` ``[in, parts * R]`` and ``B`` ``[parts * R, out]``
+        of every fused target in every layer, in ``dtype``."""
+        per_layer = 0
+        for parts in FUSED_PARTS.values():
+            fin = shapes.in_out[parts[0]][0]
+            fout = sum(shapes.in_out[p][1] for p in parts)
+            per_layer += len(parts) * max_lora_rank * (fin + fout)
+        return per_layer * shapes.num_layers * torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ CPU cache
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -209,3 +230,16 @@ class LoRAManager:
             b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
         self._slots[slot] = req
         self.num_slot_loads += 1
+
+
+def _free_memory_bytes(device: torch.device | str) -> int | None:
+    """Free memory on ``device`` (CPU: available RAM; CUDA: free device memory), or None
+    when it cannot be told."""
+    try:
+        if torch.device(device).type == "cuda":
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # unknown: let the allocation decide
+        return None

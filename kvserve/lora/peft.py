@@ -195,7 +195,7 @@ def load_peft_adapter(
         ValueError: a missing directory or file (naming the path), a rank above
             ``max_lora_rank`` (naming it), an unsupported config field or target module, a
             weight name that is not a known LoRA weight, a shape that does not match the model,
-            or an ``A`` without its ``B``.
+            an ``A`` without its ``B``, or a weight that is NaN/inf in ``dtype`` once scaled.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -257,9 +257,16 @@ def load_peft_adapter(
             raise ValueError(f"{where}: rank {r} differs from adapter_config.json r={r_cfg}.")
         if not (a.is_floating_point() and b.is_floating_point()):
             raise ValueError(f"{where}: LoRA weights must be floating point, got {a.dtype} / {b.dtype}.")
-        model.weights[(layer, module)] = (
-            a.to(dtype).contiguous(),
-            (b.float() * scaling).to(dtype).contiguous(),
-        )
+        a_dev = a.to(dtype).contiguous()
+        b_dev = (b.float() * scaling).to(dtype).contiguous()
+        # a NaN/inf weight (stored, or from a scale that overflows ``dtype``) would turn every
+        # logit of the request's rows into NaN: refuse it here, where it can still be named
+        for ab_name, w in (("lora_A", a_dev), ("lora_B", b_dev)):
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(
+                    f"{where}: {ab_name} is not finite in {dtype} (a NaN/inf weight, or "
+                    f"lora_alpha={alpha!r} / r={r_cfg} scaling it past the dtype's range)."
+                )
+        model.weights[(layer, module)] = (a_dev, b_dev)
         model.rank = max(model.rank, r)
     return model

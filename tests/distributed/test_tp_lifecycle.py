@@ -1,0 +1,94 @@
+"""TP=2 engine lifecycle under careless use: an abort mid-stream, a request that fails
+validation, shutdown twice, and an LLM dropped without shutdown: the engine keeps serving,
+every request ends, and no peer process outlives its engine."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import psutil
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.golden import TEST_DEVICE
+from tests.test_e2e_tiny import assert_idle
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
+
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks=32, num_cpu_blocks=16)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12, 13]}]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_rank(monkeypatch):
+    monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
+
+
+def _children() -> set[int]:
+    """Child python processes, less multiprocessing's resource tracker (it lives as long as
+    this interpreter, whatever the engine does)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _wait_gone(pids: set[int], timeout: float = 30.0) -> set[int]:
+    deadline = time.time() + timeout
+    alive = set(pids)
+    while alive and time.time() < deadline:
+        alive = {
+            p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        }
+        time.sleep(0.1)
+    return alive
+
+
+def test_tp2_abort_bad_request_and_double_shutdown(tiny_llama_dir):
+    before = _children()
+    llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE)
+    peers = _children() - before
+    assert peers == {p.pid for p in llm.llm_engine.executor.peers._procs}
+    try:
+        ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        eng = llm.llm_engine
+        eng.add_request("keep", PROMPTS[0], GREEDY)
+        eng.add_request("cut", PROMPTS[1], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        ends = {}
+        for step in range(200):
+            if not eng.has_unfinished_requests():
+                break
+            if step == 2:
+                eng.abort_request("cut")
+            for out in eng.step():
+                if out.finished:
+                    ends[out.request_id] = out
+        assert ends["cut"].outcome == "aborted" and len(ends["cut"].outputs[0].token_ids) < 50
+        assert ends["keep"].outcome == "finished" and ends["keep"].outputs[0].token_ids == ref[0]
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=-1), use_tqdm=False)
+        with pytest.raises(ValueError):
+            llm.generate([{"prompt_token_ids": [10**9]}], GREEDY, use_tqdm=False)
+        assert_idle(eng)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == ref
+    finally:
+        llm.shutdown()
+    llm.shutdown()  # a second shutdown is a no-op, not an error or a hang
+    assert not _wait_gone(peers), "peer ranks outlived shutdown"
+
+
+def test_tp2_llm_dropped_without_shutdown_stops_its_peers(tiny_llama_dir):
+    before = _children()
+    llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE)
+    peers = _children() - before
+    assert peers == {p.pid for p in llm.llm_engine.executor.peers._procs}
+    assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    del llm
+    gc.collect()
+    assert not _wait_gone(peers), "peer ranks outlived their garbage-collected LLM"

@@ -56,3 +56,22 @@ def test_llm_data_parallel_bad_model_path_is_a_value_error(ray_runtime, tmp_path
 
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model=str(tmp_path / "missing"), data_parallel_size=2)
+
+
+def test_llm_data_parallel_composes_with_tensor_parallel(ray_runtime, tiny_llama_dir):
+    """DP=2 x TP=2 (four worker processes: each replica's driver spawns its peer rank inside
+    its Ray actor) gives the single engine's greedy outputs in order."""
+    from kvserve import LLM, SamplingParams
+
+    kw = dict(model=str(tiny_llama_dir), **ENGINE_KWARGS)
+    prompts = [f"Item {i}: the colour of the sky is" for i in range(4)]
+    params = SamplingParams(max_tokens=5, temperature=0)
+    expected = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(data_parallel_size=2, tensor_parallel_size=2, **kw)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert all(o.outcome == "finished" for o in outs)
+        assert all(r.routed >= 1 for r in llm._dp.replicas)
+    finally:
+        llm.shutdown()

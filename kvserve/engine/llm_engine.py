@@ -206,13 +206,7 @@ class LLMEngine:
                 Nothing is queued when it raises.
         """
         if lora_request is not None:
-            if not isinstance(lora_request, LoRARequest):
-                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
-            if self.lora_config is None:
-                raise ValueError(
-                    f"lora_request {lora_request.lora_name!r} given but LoRA is not enabled "
-                    f"(enable_lora=True, --enable-lora)."
-                )
+            self._check_lora_request(lora_request)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         if not isinstance(params, SamplingParams):
@@ -221,7 +215,7 @@ class LLMEngine:
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
         if lora_request is not None:
-            self.add_lora(lora_request)
+            self.executor.add_lora(lora_request)  # checked above
         seq = Sequence(
             next_seq_id(),
             prompt_ids,
@@ -259,13 +253,18 @@ class LLMEngine:
                 adapter is invalid (a missing file names the path, a too large rank
                 ``max_lora_rank``).
         """
-        if self.lora_config is None:
-            raise ValueError(
-                "lora_request was given but LoRA is not enabled; start the engine with enable_lora=True."
-            )
+        self._check_lora_request(lora_request)
+        return bool(self.executor.add_lora(lora_request))
+
+    def _check_lora_request(self, lora_request) -> None:
+        """Raises ValueError unless ``lora_request`` is a ``LoRARequest`` and LoRA is enabled."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
-        return bool(self.executor.add_lora(lora_request))
+        if self.lora_config is None:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r} given but LoRA is not enabled "
+                "(start the engine with enable_lora=True, --enable-lora)."
+            )
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unload an adapter; False if it was not loaded. (A live request using it reloads it

@@ -50,6 +50,8 @@ class LoRAManager:
 
     Attributes:
         last_load_s: seconds the last adapter read from disk took.
+        num_slot_loads, slot_load_s: device slot fills so far and the seconds they took in
+            all (copies from the CPU cache, plus any disk read they needed).
     """
 
     def __init__(self, model, lora_config: LoRAConfig, shapes: ModelShapes):
@@ -67,6 +69,7 @@ class LoRAManager:
         self._use_counter = 0.0
         self.last_load_s = 0.0
         self.num_slot_loads = 0
+        self.slot_load_s = 0.0
         # part -> (fused target, column offset in the fused output)
         self._offsets: dict[str, tuple[str, int, int]] = {}
         for fused, parts in FUSED_PARTS.items():
@@ -218,6 +221,7 @@ class LoRAManager:
 
     @torch.inference_mode()
     def _load_slot(self, slot: int, req: LoRARequest) -> None:
+        t = time.perf_counter()
         self._slots[slot] = None  # (not valid while half-written)
         self.add_lora(req)
         _, model = self._cpu[req.lora_int_id]
@@ -234,6 +238,7 @@ class LoRAManager:
             b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
         self._slots[slot] = req
         self.num_slot_loads += 1
+        self.slot_load_s += time.perf_counter() - t
 
 
 def _free_memory_bytes(device: torch.device | str) -> int | None:

@@ -386,6 +386,10 @@ class Scheduler:
             self._rejected.append(seq_group)
             return
         if self.lora_config is not None:
+            if len(self._lora_order) > 2 * self.get_num_unfinished_seq_groups() + 64:
+                # drop ended groups' entries (amortised: at most every other add)
+                queued = {g.request_id for q in (self.waiting, self.running, self.swapped) for g in q}
+                self._lora_order = {k: v for k, v in self._lora_order.items() if k in queued}
             self._lora_order[seq_group.request_id] = self._num_added
             self._num_added += 1
         self.waiting.append(seq_group)
@@ -1108,9 +1112,6 @@ class Scheduler:
         if len(self._lora_deferrals) > len(self.waiting):
             live_ids = {g.request_id for g in self.waiting}
             self._lora_deferrals = {k: v for k, v in self._lora_deferrals.items() if k in live_ids}
-        if len(self._lora_order) > 2 * (len(self.waiting) + len(self.running) + len(self.swapped)) + 64:
-            queued = {g.request_id for q in (self.waiting, self.running, self.swapped) for g in q}
-            self._lora_order = {k: v for k, v in self._lora_order.items() if k in queued}
         for g in ranked:
             rid = g.request_id
             if rid in st.preempted_ids:

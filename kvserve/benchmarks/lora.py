@@ -7,11 +7,15 @@ cut it), all requests at once, greedy, ``ignore_eos``. Scenarios (``--scenarios`
 - ``lora4``: requests spread round-robin over 4 random adapters of rank ``--rank`` on all
   target modules (q/k/v/o/gate/up/down), ``max_loras=4``;
 - ``lora16``: the same over 16 adapters with ``max_loras=4``: adapters cycle through the
-  device slots (``max_cpu_loras=16``, all loaded before timing).
+  device slots (``max_cpu_loras=16``, all loaded before timing);
+- ``base16``: no adapters, ``max_num_seqs=16``: the batch lora16 is bounded by (4 slots x the
+  4 requests per adapter that a 64-request w64 has), so ``lora16`` vs ``base16`` is the cost
+  of LoRA itself and ``base16`` vs ``base`` the cost of the slot limit. Not run by default.
 
 Per dtype (``--dtypes``) and scenario: output tok/s, its ratio to ``base`` (the issue's targets:
->= 0.8x for ``lora4``, >= 0.7x for ``lora16``), device slot loads, and the mean adapter load
-time (reading and validating one PEFT directory). ``--profile-steps N`` (default 2) profiles N
+>= 0.8x for ``lora4``, >= 0.7x for ``lora16``), device slot loads and their mean time
+(copying a cached adapter into a slot), and the mean adapter load time (reading and
+validating one PEFT directory). ``--profile-steps N`` (default 2) profiles N
 steps of the batch with ``torch.profiler`` after the timed run and reports the share of the
 step spent in the LoRA op (``lora.add_lora``). Adapters are random PEFT directories written
 under ``--adapter-dir`` (a temporary one by default). Prints a table; ``--json-out`` writes it.
@@ -31,7 +35,8 @@ from kvserve.benchmarks.common import fmt_table, system_info, write_json
 from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SCENARIOS = {"base": (0, 0), "lora4": (4, 4), "lora16": (16, 4)}  # name -> (adapters, max_loras)
+#: name -> (adapters, max_loras, max_num_seqs or None for the engine default)
+SCENARIOS = {"base": (0, 0, None), "lora4": (4, 4, None), "lora16": (16, 4, None), "base16": (0, 0, 16)}
 
 
 def write_random_adapter(path: Path, shapes, rank: int, seed: int, targets=ALL_TARGETS) -> str:
@@ -171,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in [d for d in ns.dtypes.split(",") if d]:
         results[dtype] = {}
         for scen in scenarios:
-            n_adapters, max_loras = SCENARIOS[scen]
+            n_adapters, max_loras, max_seqs = SCENARIOS[scen]
             kw: dict[str, Any] = {"model": ns.model, "dtype": dtype, "device": ns.device}
+            if max_seqs is not None:
+                kw["max_num_seqs"] = max_seqs
             if n_adapters:
                 kw.update(
                     enable_lora=True, max_loras=max_loras, max_lora_rank=ns.rank, max_cpu_loras=n_adapters
@@ -188,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             _run(llm, reqs[:1], None if loras is None else loras[:1])  # warm-up
             r = _run(llm, reqs, loras)
             r["adapters"], r["max_loras"] = n_adapters, max_loras
+            r["max_num_seqs"] = llm.llm_engine.scheduler.scheduler_config.max_num_seqs
             r["adapter_load_ms"] = 1000 * sum(load_s) / len(load_s) if load_s else None
             mgr = getattr(llm.llm_engine.executor, "lora_manager", None)
             r["slot_loads"] = mgr.num_slot_loads if mgr is not None else 0
+            r["slot_load_ms"] = (
+                1000 * mgr.slot_load_s / mgr.num_slot_loads if mgr and mgr.num_slot_loads else None
+            )
             if n_adapters and ns.profile_steps > 0:
                 sub = reqs[: min(len(reqs), 64)]
                 r["profile"] = _profile_lora_share(llm, sub, loras[: len(sub)], ns.profile_steps)
@@ -214,13 +225,14 @@ def main(argv: list[str] | None = None) -> int:
                     None if r["vs_base"] is None else f"{r['vs_base']:.2f}x",
                     r["adapter_load_ms"],
                     r["slot_loads"],
+                    r["slot_load_ms"],
                     prof.get("lora_ms_per_step"),
                     None if prof.get("lora_share") is None else f"{100 * prof['lora_share']:.1f}%",
                     r["failed"],
                 ]
             )
     headers = ["dtype", "scenario", "adapters", "max_loras", "out tok", "out tok/s", "vs base"]
-    headers += ["load ms", "slot loads", "lora ms/step", "lora share", "failed"]
+    headers += ["load ms", "slot loads", "slot ms", "lora ms/step", "lora share", "failed"]
     print(fmt_table(headers, rows))
     if ns.json_out:
         write_json(

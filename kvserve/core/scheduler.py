@@ -55,8 +55,11 @@ never the reason for a priority preemption while its adapter would be deferred.
 Starvation guard (ours): vLLM's rule alone lets a steady stream of one running adapter's
 requests keep its slot forever. Once a waiting group has been deferred in
 ``LORA_MAX_DEFERRALS`` admission passes, the groups ranked behind it that run with an adapter
-are deferred too (groups without one still pass), so the running adapters drain and it gets
-the first free slot.
+and were queued after its first deferral are deferred too (groups without one still pass), so
+the running adapters drain and it gets the first free slot. Groups queued before that moment
+still join an adapter the step holds: they are finitely many, so the wait stays bounded, and
+holding them back would leave the slots of a burst (e.g. 16 adapters' requests arriving at
+once for 4 slots) running one request each instead of all of their adapter's.
 
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
@@ -363,8 +366,12 @@ class Scheduler:
         self.prev_time = 0.0
         self.prev_prompt = False
         self.last_prompt_latency = 0.0
-        # request_id -> admission passes the waiting group was deferred for its adapter.
-        self._lora_deferrals: dict[str, int] = {}
+        # request_id -> (admission passes the waiting group was deferred for its adapter,
+        # ``_num_added`` at its first deferral: the starvation guard's cutoff).
+        self._lora_deferrals: dict[str, tuple[int, int]] = {}
+        # LoRA on: request_id -> its place in the order groups were added (pruned lazily).
+        self._lora_order: dict[str, int] = {}
+        self._num_added = 0
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -378,6 +385,13 @@ class Scheduler:
             self._ignore(seq_group, reason)
             self._rejected.append(seq_group)
             return
+        if self.lora_config is not None:
+            if len(self._lora_order) > 2 * self.get_num_unfinished_seq_groups() + 64:
+                # drop ended groups' entries (amortised: at most every other add)
+                queued = {g.request_id for q in (self.waiting, self.running, self.swapped) for g in q}
+                self._lora_order = {k: v for k, v in self._lora_order.items() if k in queued}
+            self._lora_order[seq_group.request_id] = self._num_added
+            self._num_added += 1
         self.waiting.append(seq_group)
 
     def _never_schedulable(self, g: SequenceGroup) -> str | None:
@@ -1092,7 +1106,9 @@ class Scheduler:
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)
-        starving = False  # a group above was deferred too long: hold adapters back for it
+        # A group above was deferred too long: adapter groups queued at or after this point in
+        # ``_lora_order`` (its first deferral) are held back for it; None: nobody starves.
+        cutoff: int | None = None
         if len(self._lora_deferrals) > len(self.waiting):
             live_ids = {g.request_id for g in self.waiting}
             self._lora_deferrals = {k: v for k, v in self._lora_deferrals.items() if k in live_ids}
@@ -1136,13 +1152,14 @@ class Scheduler:
                 continue
             if not self._swapped_allows(g, st):
                 break
-            if starving and g.lora_int_id > 0:
+            if cutoff is not None and g.lora_int_id > 0 and self._lora_order.get(rid, cutoff) >= cutoff:
                 continue  # keeps no slot busy while a starved group above waits for one
             if not self._lora_fits(g, st.curr_loras):
                 # Deferred until one of the step's adapters leaves ``running``.
-                n = self._lora_deferrals.get(rid, 0) + 1
-                self._lora_deferrals[rid] = n
-                starving = starving or n > LORA_MAX_DEFERRALS
+                n, mark = self._lora_deferrals.get(rid, (0, self._num_added))
+                self._lora_deferrals[rid] = (n + 1, mark)
+                if n + 1 > LORA_MAX_DEFERRALS:
+                    cutoff = mark if cutoff is None else min(cutoff, mark)
                 continue
             plan = bm.plan_allocation(g)
             if plan.status == AllocStatus.NEVER:

@@ -9,6 +9,7 @@ import time
 import typing
 
 from kvserve.config import EngineArgs
+from kvserve.lora.modules import parse_lora_module
 
 DEMO_CHATS = [
     "What is the capital of France?",
@@ -56,6 +57,42 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def _generate_lora_request(ns: argparse.Namespace):
+    """The ``LoRARequest`` ``kvserve generate`` runs every prompt with, from ``--lora-modules``
+    and ``--lora-name`` (the only module when one is given and no name), or None.
+
+    Raises:
+        ValueError: ``--lora-modules`` without ``--enable-lora``, ``--lora-name`` without
+            ``--lora-modules`` or naming none of them, several modules and no ``--lora-name``,
+            or a name given twice.
+    """
+    from kvserve.lora.request import LoRARequest
+
+    modules = ns.lora_modules or []
+    if not modules:
+        if ns.lora_name is not None:
+            raise ValueError(f"--lora-name {ns.lora_name!r} needs --lora-modules NAME=PATH (none given).")
+        return None
+    if not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (LoRA is off).")
+    names = [m.name for m in modules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--lora-modules: adapter name(s) {dup} given more than once.")
+    if ns.lora_name is None:
+        if len(modules) > 1:
+            raise ValueError(
+                f"--lora-modules gives {len(modules)} adapters {names}: pick one with --lora-name."
+            )
+        chosen = modules[0]
+    else:
+        found = [m for m in modules if m.name == ns.lora_name]
+        if not found:
+            raise ValueError(f"--lora-name {ns.lora_name!r} is not among --lora-modules {names}.")
+        chosen = found[0]
+    return LoRARequest(chosen.name, 1, chosen.path)
+
+
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
@@ -73,20 +110,29 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        lora = _generate_lora_request(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t_start, wall_start = time.perf_counter(), time.time()
     try:
         llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    except ValueError as e:  # a bad engine setting (named in the message)
+        if lora is not None:  # read and validated now: a bad adapter fails before generating
+            llm.llm_engine.add_lora(lora)
+    except ValueError as e:  # a bad engine setting or adapter (named in the message)
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_loaded = time.perf_counter()
     if ns.prompt:
-        outs = llm.generate(ns.prompt, params, use_tqdm=False)
+        outs = llm.generate(ns.prompt, params, use_tqdm=False, lora_request=lora)
         labels = ns.prompt
     else:
         chats = [[{"role": "user", "content": c}] for c in DEMO_CHATS]
-        outs = llm.chat(chats, params, use_tqdm=False)
+        outs = llm.chat(chats, params, use_tqdm=False, lora_request=lora)
         labels = DEMO_CHATS
+    if lora is not None:
+        print(f"(LoRA adapter {lora.lora_name!r} from {lora.lora_path})")
     t_done = time.perf_counter()
     n_tokens = 0
     for label, out in zip(labels, outs):
@@ -124,6 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (needs --enable-lora), as `kvserve serve` takes them: name=path or JSON",
+    )
+    gen.add_argument(
+        "--lora-name",
+        default=None,
+        metavar="NAME",
+        help="the --lora-modules adapter every prompt runs with (default: the only one given)",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 

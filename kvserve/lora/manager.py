@@ -2,7 +2,8 @@
 
 Device slots are stacked tensors per decoder layer and fused target linear (``qkv``, ``o``,
 ``gate_up``, ``down``): ``A`` ``[max_loras, in, parts * max_lora_rank]`` and ``B``
-``[max_loras, parts * max_lora_rank, out]``, zero-padded. A fused linear's part ``i`` (q, k, v
+``[max_loras, parts * max_lora_rank, out]``, zero-padded, in the model's dtype (float32 on CPU
+for a bfloat16/float16 model: ``kvserve.lora.ops.lora_compute_dtype``). A fused linear's part ``i`` (q, k, v
 of ``qkv``; gate, up of ``gate_up``) owns rank columns ``[i * max_lora_rank, ...)`` of ``A``
 and, in ``B``, those rank rows times its own output columns (block-diagonal), so one shrink and
 one expand per slot give every part's delta in its column range of the fused output. A part
@@ -23,6 +24,7 @@ from collections import OrderedDict
 import torch
 
 from kvserve.config import LoRAConfig
+from kvserve.lora.ops import lora_compute_dtype
 from kvserve.lora.peft import LoRAModel, ModelShapes, load_peft_adapter
 from kvserve.lora.request import LoRARequest
 
@@ -48,13 +50,17 @@ class LoRAManager:
 
     Attributes:
         last_load_s: seconds the last adapter read from disk took.
+        num_slot_loads, slot_load_s: device slot fills so far and the seconds they took in
+            all (copies from the CPU cache, plus any disk read they needed).
     """
 
     def __init__(self, model, lora_config: LoRAConfig, shapes: ModelShapes):
         self.config = lora_config
         self.shapes = shapes
-        self.dtype = model.dtype
+        self.dtype = model.dtype  # adapters are validated (and cached on CPU) in it
         self.device = model.embed_tokens.device
+        # the slots' dtype: float32 on CPU for a bfloat16/float16 model (``lora_compute_dtype``)
+        self.slot_dtype = lora_compute_dtype(self.dtype, self.device)
         self.max_loras = lora_config.max_loras
         self.rmax = lora_config.max_lora_rank
         self._cpu: OrderedDict[int, tuple[LoRARequest, LoRAModel]] = OrderedDict()
@@ -63,6 +69,7 @@ class LoRAManager:
         self._use_counter = 0.0
         self.last_load_s = 0.0
         self.num_slot_loads = 0
+        self.slot_load_s = 0.0
         # part -> (fused target, column offset in the fused output)
         self._offsets: dict[str, tuple[str, int, int]] = {}
         for fused, parts in FUSED_PARTS.items():
@@ -74,12 +81,12 @@ class LoRAManager:
         S, R = self.max_loras, self.rmax
         # every slot is allocated (and zeroed) now: refuse limits whose slots cannot fit, by
         # name, instead of leaving it to the allocator or the OOM killer
-        need = S * self.slot_bytes(shapes, R, self.dtype)
+        need = S * self.slot_bytes(shapes, R, self.slot_dtype)
         free = _free_memory_bytes(self.device)
         if free is not None and need > free:
             raise ValueError(
                 f"max_loras={S} with max_lora_rank={R} needs {need} bytes of LoRA slots "
-                f"({self.slot_bytes(shapes, R, self.dtype)} per slot), but only {free} bytes are "
+                f"({self.slot_bytes(shapes, R, self.slot_dtype)} per slot), but only {free} bytes are "
                 f"free on {self.device}; lower max_loras or max_lora_rank."
             )
         for layer in model.layers:
@@ -87,7 +94,7 @@ class LoRAManager:
             for fused, parts in FUSED_PARTS.items():
                 fin = shapes.in_out[parts[0]][0]
                 fout = sum(shapes.in_out[p][1] for p in parts)
-                kw = {"dtype": self.dtype, "device": self.device}
+                kw = {"dtype": self.slot_dtype, "device": self.device}
                 st[fused] = (
                     torch.zeros(S, fin, len(parts) * R, **kw),
                     torch.zeros(S, len(parts) * R, fout, **kw),
@@ -99,7 +106,7 @@ class LoRAManager:
     @staticmethod
     def slot_bytes(shapes: ModelShapes, max_lora_rank: int, dtype: torch.dtype) -> int:
         """Bytes one device slot takes: ``A`` ``[in, parts * R]`` and ``B`` ``[parts * R, out]``
-        of every fused target in every layer, in ``dtype``."""
+        of every fused target in every layer, in ``dtype`` (the slot dtype: ``lora_compute_dtype``)."""
         per_layer = 0
         for parts in FUSED_PARTS.values():
             fin = shapes.in_out[parts[0]][0]
@@ -214,6 +221,7 @@ class LoRAManager:
 
     @torch.inference_mode()
     def _load_slot(self, slot: int, req: LoRARequest) -> None:
+        t = time.perf_counter()
         self._slots[slot] = None  # (not valid while half-written)
         self.add_lora(req)
         _, model = self._cpu[req.lora_int_id]
@@ -230,6 +238,7 @@ class LoRAManager:
             b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
         self._slots[slot] = req
         self.num_slot_loads += 1
+        self.slot_load_s += time.perf_counter() - t
 
 
 def _free_memory_bytes(device: torch.device | str) -> int | None:

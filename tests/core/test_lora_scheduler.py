@@ -211,6 +211,8 @@ def test_a_deferred_group_is_not_starved_by_a_stream_of_the_running_adapter(monk
     from kvserve.core.scheduler import LORA_MAX_DEFERRALS
 
     b_step, sched = _stream_run(monkeypatch, LORA_MAX_DEFERRALS)
+    # 121 requests went through; the add-order of ended ones is dropped as new ones come
+    assert len(sched._lora_order) <= 2 * 8 + 64 + 1, len(sched._lora_order)
     # deferred LORA_MAX_DEFERRALS times (once per step), then the running adapter-1 groups
     # drain (at most 5 steps each)
     assert b_step is not None and b_step <= 1 + LORA_MAX_DEFERRALS + 1 + 5, b_step
@@ -228,11 +230,77 @@ def test_starvation_guard_lets_groups_without_an_adapter_pass(monkeypatch):
     sched = Scheduler(sc, cc, LoRAConfig(max_loras=1))
     sched.add_seq_group(make_group("a", prompt_of(0, 4), max_tokens=4, lora_request=lora(1)))
     sched_step(sched)
-    for i, (rid, lid) in enumerate([("b", 2), ("a2", 1), ("base", 0)]):
-        sched.add_seq_group(make_group(rid, prompt_of(i + 1, 4), arrival_time=i + 1, lora_request=lora(lid)))
+    sched.add_seq_group(make_group("b", prompt_of(1, 4), arrival_time=1, lora_request=lora(2)))
+    sched_step(sched)  # b is deferred, and starved at once (limit 0)
+    for i, (rid, lid) in enumerate([("a2", 1), ("base", 0)]):
+        sched.add_seq_group(make_group(rid, prompt_of(i + 2, 4), arrival_time=i + 2, lora_request=lora(lid)))
     _, out = sched_step(sched)
-    # b is starved at once (limit 0): a2 (adapter 1, behind it) waits, the base group passes.
+    # a2 (adapter 1, queued after b's first deferral) waits; the base group passes.
     assert set(ids(out)) == {"a", "base"} and waiting_ids(sched) == ["b", "a2"]
+
+
+def test_starvation_guard_still_lets_groups_queued_before_it_join_their_running_adapter(monkeypatch):
+    """Groups queued before the starved group's first deferral are finitely many: they still
+    join an adapter the step holds (the batch of a burst stays full); later ones wait."""
+    from kvserve.core import scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "LORA_MAX_DEFERRALS", 0)
+    cc, sc = configs(G=64, S=8, T=64, CP=True)
+    sched = Scheduler(sc, cc, LoRAConfig(max_loras=1))
+    for i, (rid, lid) in enumerate([("a", 1), ("b", 2), ("a2", 1)]):
+        sched.add_seq_group(
+            make_group(rid, prompt_of(i, 4), max_tokens=4, arrival_time=i, lora_request=lora(lid))
+        )
+    _, out = sched_step(sched)
+    assert set(ids(out)) == {"a", "a2"} and waiting_ids(sched) == ["b"]
+    sched.add_seq_group(make_group("a3", prompt_of(3, 4), arrival_time=3, lora_request=lora(1)))
+    _, out = sched_step(sched)
+    assert set(ids(out)) == {"a", "a2"} and waiting_ids(sched) == ["b", "a3"]
+
+
+def _burst_run(n_adapters, max_loras=4, n=64, max_tokens=(24, 40, 8, 56)):
+    """``n`` requests at once, round-robin over ``n_adapters`` adapters (0: none), output
+    lengths cycling through ``max_tokens``, on the simulator. Returns the harness after it ran."""
+    cc, sc = configs(BS=4, G=2048, S=64, T=512, L=256, CP=True)
+    lc = LoRAConfig(max_loras=max_loras) if n_adapters else None
+    h = Harness(cc, sc, check_kv=False, lora_config=lc)
+    for i in range(n):
+        params = SamplingParams(max_tokens=max_tokens[i % len(max_tokens)], temperature=0.0, ignore_eos=True)
+        h.add(
+            f"r{i}",
+            {"prompt_token_ids": prompt_of(i, 12)},
+            params,
+            lora_request=lora(i % n_adapters + 1) if n_adapters else None,
+        )
+    h.run()
+    h.assert_idle()
+    return h
+
+
+def test_a_burst_over_more_adapters_than_slots_fills_each_slot_with_all_its_adapters_requests():
+    """64 requests over 16 adapters at once, 4 slots, past the guard's deferral limit: an
+    adapter's first step runs all 4 of its requests, no step holds fewer than 4 adapters while
+    a request still waits (a slot left by an adapter is taken in the very next step), and the
+    run takes about the steps the slot limit implies."""
+    h = _burst_run(16)
+    first: dict[str, int] = {}
+    for k, out in enumerate(h.history):
+        for ssg in out.scheduled_seq_groups:
+            first.setdefault(ssg.seq_group.request_id, k)
+    assert len(first) == 64
+    for k, out in enumerate(h.history):
+        if any(f > k for f in first.values()):  # some request still waits in step k
+            assert len(loras_of(out)) == 4, (k, loras_of(out))
+    for lid in range(1, 17):
+        rids = [f"r{i}" for i in range(64) if i % 16 + 1 == lid]
+        assert len({first[r] for r in rids}) == 1, (lid, [first[r] for r in rids])
+    # 4 rounds of 4 adapters, each held for its longest request (56 tokens) plus its prefill
+    # step; holding the queued requests back one per adapter took about 4x as many steps.
+    assert len(h.history) <= 4 * (56 + 2), len(h.history)
+
+
+def test_a_burst_over_as_many_adapters_as_slots_runs_like_no_adapters():
+    assert len(_burst_run(4).history) == len(_burst_run(0).history)
 
 
 # ---------------------------------------------------------------- priority policy
@@ -513,3 +581,37 @@ def test_property_priority_policy_and_aborts_with_adapters(w, prios, aborts):
         assert o.outcome in ("finished", "aborted"), (rid, o.outcome, o.error)
         if o.outcome == "aborted":
             assert aborts[int(rid[1:])] is not None
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_adapters=st.integers(1, 10),
+    max_loras=st.integers(1, 4),
+    lens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    n=st.integers(1, 32),
+    limit=st.sampled_from([0, 2, 16]),
+)
+def test_property_a_burst_never_idles_a_slot_or_holds_back_a_held_adapters_requests(
+    n_adapters, max_loras, lens, n, limit
+):
+    """Any burst (all requests queued at once, room for all in the budget): every request
+    finishes, no step holds fewer than ``max_loras`` adapters while one still waits, and none
+    waits whose adapter the step holds (the starvation guard never thins a burst's slots)."""
+    from kvserve.core import scheduler as scheduler_mod
+
+    old = scheduler_mod.LORA_MAX_DEFERRALS
+    scheduler_mod.LORA_MAX_DEFERRALS = limit
+    try:
+        h = _burst_run(n_adapters, max_loras=max_loras, n=n, max_tokens=tuple(lens))
+    finally:
+        scheduler_mod.LORA_MAX_DEFERRALS = old
+    assert all(h.outputs[f"r{i}"].outcome == "finished" for i in range(n))
+    first: dict[str, int] = {}
+    for k, out in enumerate(h.history):
+        for ssg in out.scheduled_seq_groups:
+            first.setdefault(ssg.seq_group.request_id, k)
+    for k, out in enumerate(h.history):
+        if any(f > k for f in first.values()):
+            assert len(loras_of(out)) == max_loras, (k, loras_of(out))
+        waiting_adapters = {i % n_adapters + 1 for i in range(n) if first[f"r{i}"] > k}
+        assert not waiting_adapters & loras_of(out), (k, waiting_adapters, loras_of(out))

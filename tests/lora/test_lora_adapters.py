@@ -193,3 +193,21 @@ def test_reloading_an_id_from_another_path_after_eviction_refills_its_slot(tmp_p
     a = model.layers[0].self_attn.lora_stacks["qkv"][0]
     new_a = mgr._cpu[1][1].weights[(0, "q_proj")][0]
     assert torch.equal(a[0, :, : new_a.shape[0]], new_a.t()) and mgr.num_slot_loads == 2
+
+
+def test_bfloat16_model_on_cpu_keeps_float32_slots_holding_the_validated_weights(tmp_path):
+    """bfloat16 on CPU: slots in float32 (the op computes in it), filled from the adapter as
+    validated in bfloat16 (upcast exactly); the slot memory check counts float32 bytes."""
+    model = LlamaForCausalLM(CFG, dtype=torch.bfloat16)
+    mgr = LoRAManager(model, LoRAConfig(1, 4, 1), SHAPES)
+    assert mgr.dtype == torch.bfloat16 and mgr.slot_dtype == torch.float32
+    r = LoRARequest("x", 3, _adapter(tmp_path, "x", r=2, targets=("q_proj",)))
+    s = mgr.activate([r])[3]
+    a, _ = model.layers[0].self_attn.lora_stacks["qkv"]
+    la, _ = mgr._cpu[3][1].weights[(0, "q_proj")]
+    assert a.dtype == torch.float32 and la.dtype == torch.bfloat16
+    assert torch.equal(a[s, :, :2], la.t().float())
+    per_slot = LoRAManager.slot_bytes(SHAPES, 4, torch.float32)
+    assert (
+        sum(t.numel() * t.element_size() for st in mgr.stacks for ab in st.values() for t in ab) == per_slot
+    )

@@ -28,7 +28,7 @@ def test_lora_bench_tiny_run(tiny_llama_dir, tmp_path, capsys):
             "--profile-steps",
             "1",
             "--scenarios",
-            "base,lora4,lora16",
+            "base,lora4,lora16,base16",
             "--json-out",
             str(out),
         ]
@@ -44,4 +44,8 @@ def test_lora_bench_tiny_run(tiny_llama_dir, tmp_path, capsys):
         assert r["vs_base"] > 0 and r["adapter_load_ms"] > 0
         assert 0 < r["profile"]["lora_share"] < 1
     # 16 adapters through 4 slots: slots were refilled
-    assert res["lora16"]["slot_loads"] > 4
+    assert res["lora16"]["slot_loads"] > 4 and res["lora16"]["slot_load_ms"] > 0
+    # base16: no adapters, the batch capped at 16 sequences
+    assert res["base16"]["adapters"] == 0 and res["base16"]["output_tokens"] == 15
+    assert res["base16"]["max_num_seqs"] == 16 and res["base"]["max_num_seqs"] > 16
+    assert res["base16"]["slot_loads"] == 0 and res["base16"]["slot_load_ms"] is None

@@ -97,3 +97,39 @@ def test_add_lora_refuses_mismatched_shapes():
         add_lora(torch.zeros(3, 4), torch.zeros(3, 5), torch.zeros(1, 5, 2), torch.zeros(1, 2, 4), m)
     with pytest.raises(ValueError, match="do not fit"):
         add_lora(torch.zeros(2, 4), torch.zeros(2, 5), torch.zeros(1, 6, 2), torch.zeros(1, 2, 4), m)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(st.integers(-1, 3), min_size=1, max_size=40),
+    rank=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_add_lora_bfloat16_rows_with_float32_slots_round_once(rows, rank, seed):
+    """The CPU bfloat16 path (``lora_compute_dtype``): bfloat16 ``x``/``out``, float32 ``A``/``B``.
+    The delta is computed in float32 from the bfloat16 rows and rounded once with the sum: each
+    value is within two bfloat16 roundings of the exact result; base rows stay bit for bit."""
+    from kvserve.lora.ops import lora_compute_dtype
+
+    assert lora_compute_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert lora_compute_dtype(torch.float32, "cpu") == torch.float32
+    assert lora_compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    T, S, fin, fout = len(rows), 4, 24, 20
+    x = torch.randn(T, fin, generator=g).bfloat16()
+    out = torch.randn(T, fout, generator=g).bfloat16()
+    a = torch.randn(S, fin, rank, generator=g) * 0.2
+    b = torch.randn(S, rank, fout, generator=g) * 0.2
+    mapping = LoRAMapping.build(np.asarray(rows))
+    if mapping is None:
+        return
+    ref = _reference(out, x, a, b, rows)
+    before = out.clone()
+    add_lora(out, x, a, b, mapping)
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    # one rounding of the delta to bfloat16, one of the sum (2**-8 relative each)
+    bound = 2.0**-8 * (ref.abs() + (ref - before.double()).abs()) + 1e-6
+    assert bool((err <= bound).all()), float((err - bound).max())
+    base = [t for t, s in enumerate(rows) if s < 0]
+    assert torch.equal(out[base], before[base])

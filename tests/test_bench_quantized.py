@@ -215,6 +215,32 @@ def test_summarize_rows_ratios_against_llama_cpp_and_bf16():
     assert "1.25x" in table and "2.00x" in table and "llama.cpp" in table
 
 
+def test_check_targets_pass_fail_and_skips_what_did_not_run():
+    runs = {
+        "bfloat16": _runs(50.0, 40.0),
+        "gguf float32": _runs(95.0, 70.0),  # 1.9x bf16, 0.95x llama.cpp decode
+        "int8 float32": _runs(80.0, 60.0),  # 1.6x bf16: below 1.7x
+        q.PEER_ROW: _runs(100.0, 70.0),
+    }
+    checks = {(c["path"], c["ratio"]): c for c in q.check_targets(q.summarize_rows(runs, {}))}
+    assert checks[("gguf float32", "x_bf16_decode")]["pass"] is True
+    assert checks[("gguf float32", "x_llama_cpp_decode")]["pass"] is False
+    assert checks[("gguf float32", "x_llama_cpp_overall")]["value"] == pytest.approx(1.0)
+    assert checks[("gguf float32", "x_llama_cpp_overall")]["pass"] is True  # the bound is inclusive
+    assert checks[("int8 float32", "x_bf16_decode")]["pass"] is False
+    assert not any(p == "gguf bfloat16" for p, _ in checks)  # did not run
+    text = q.format_targets(list(checks.values()))
+    assert "FAIL  gguf float32" in text and "(goal 1.3x)" in text and "PASS" in text
+    w = q.w64_ratios(
+        [
+            {"path": "bfloat16", "output_tokens_per_s": 100.0},
+            {"path": "gguf float32", "output_tokens_per_s": 99.0},
+        ]
+    )
+    (c,) = q.check_targets(w, q.W64_TARGETS)
+    assert c["path"] == "gguf float32" and c["pass"] is False
+
+
 def test_summarize_rows_without_peer_or_bf16_has_no_ratios():
     rows = q.summarize_rows({"gguf float32": _runs(100.0, 80.0)}, {})
     assert rows[0]["x_llama_cpp_decode"] is None and rows[0]["x_bf16_decode"] is None

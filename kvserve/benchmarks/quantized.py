@@ -13,9 +13,10 @@ layers + LM head) and the bandwidth that implies, load time and memory (kvserve:
 growth of each load in this process; llama-server: its own RSS and peak RSS from /proc).
 
 ``--w64``: ``../shared/workloads/w64.jsonl`` (64 requests at once, continuous batching) through
-kvserve bfloat16, ``--quantization gguf`` and ``--quantization int8``, one engine after the
-other, and with ``--peer llama.cpp`` through llama-server with ``-np`` slots (all requests sent
-at once): output tok/s and ratios against bfloat16.
+kvserve bfloat16, ``--quantization gguf`` and ``--quantization int8``, each in its own child
+process (so peak RSS and load time are per format), and with ``--peer llama.cpp`` through
+llama-server with ``-np`` slots (all requests sent at once, continuous batching on its side too):
+output tok/s and ratios against bfloat16.
 
 The llama-server binary comes from ``bash benchmarks/llama_cpp/setup.sh``.
 """
@@ -23,7 +24,6 @@ The llama-server binary comes from ``bash benchmarks/llama_cpp/setup.sh``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -74,6 +74,7 @@ def add_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     ap.add_argument("--peer-parallel", type=int, default=64, help="--w64: llama-server -np slots")
     ap.add_argument("--json-out", default=None, help="write the results here as JSON")
+    ap.add_argument("--w64-one", default=None, help=argparse.SUPPRESS)  # run_w64's child
     return ap
 
 
@@ -169,6 +170,43 @@ def summarize_rows(runs: dict[str, list[dict]], info: dict[str, dict]) -> list[d
                 b = base[k] if base else None
                 r[f"{prefix}_{k.removesuffix('_tok_s')}"] = r[k] / b if b and r[k] is not None else None
     return rows
+
+
+#: The issue's batch-1 bounds: (row, ratio key of summarize_rows, bound, goal or None).
+BATCH1_TARGETS = (
+    ("gguf float32", "x_llama_cpp_decode", 1.0, 1.3),
+    ("gguf float32", "x_llama_cpp_overall", 1.0, 1.3),
+    ("gguf bfloat16", "x_llama_cpp_decode", 1.0, 1.3),
+    ("gguf bfloat16", "x_llama_cpp_overall", 1.0, 1.3),
+    ("gguf float32", "x_bf16_decode", 1.8, None),
+    ("gguf bfloat16", "x_bf16_decode", 1.8, None),
+    ("int8 float32", "x_bf16_decode", 1.7, None),
+)
+#: The issue's w64 bounds: output tok/s over kvserve bfloat16's.
+W64_TARGETS = (("gguf float32", "x_bf16", 1.0, None), ("int8 float32", "x_bf16", 1.0, None))
+
+
+def check_targets(rows: list[dict], targets=BATCH1_TARGETS) -> list[dict]:
+    """Each bound whose row and ratio were measured: ``{"path", "ratio", "value", "bound",
+    "goal", "pass"}`` (rows or ratios that did not run are left out)."""
+    by = {r["path"]: r for r in rows}
+    out = []
+    for path, key, bound, goal in targets:
+        v = by.get(path, {}).get(key)
+        if v is not None:
+            out.append(
+                {"path": path, "ratio": key, "value": v, "bound": bound, "goal": goal, "pass": v >= bound}
+            )
+    return out
+
+
+def format_targets(checks: list[dict]) -> str:
+    """One line per checked bound: PASS / FAIL, value, bound (and goal)."""
+    return "\n".join(
+        f"{'PASS' if c['pass'] else 'FAIL'}  {c['path']:<14} {c['ratio']:<20} {c['value']:.2f}x "
+        f">= {c['bound']:.1f}x" + (f" (goal {c['goal']:.1f}x)" if c["goal"] else "")
+        for c in checks
+    )
 
 
 def _x(v) -> str | None:
@@ -316,8 +354,11 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         if server:
             server.stop()
     rows = summarize_rows(runs, info)
+    checks = check_targets(rows)
     print()
     print(format_table(rows))
+    if checks:
+        print(format_targets(checks))
     return {
         "benchmark": "quantized_batch1",
         "system": system_info(),
@@ -329,6 +370,7 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         "peer_threads": peer_threads(args) if args.peer else None,
         "peer_last_response": recorded_response,
         "results": rows,
+        "targets": checks,
     }
 
 
@@ -394,45 +436,70 @@ def format_w64_table(rows: list[dict]) -> str:
     return fmt_table(headers, body)
 
 
-def run_w64(args: argparse.Namespace, names: list[str]) -> dict:
-    """Each kvserve format over the workload, one after the other, then the peer."""
+def w64_one(name: str, path: Path, num_prompts: int | None) -> dict:
+    """One kvserve format over the workload in this process (run in a child by :func:`run_w64`,
+    so that its peak RSS and load time are that format's alone)."""
     from kvserve.benchmarks.common import peak_rss_mib
     from kvserve.benchmarks.throughput import run_kvserve
+    from kvserve.benchmarks.workload import load_workload
+
+    reqs = load_workload(path, num_prompts)
+    res = run_kvserve(reqs, dict(PATHS[name]), use_tqdm=False)
+    res.pop("_llm")
+    keep = ("output_tokens_per_s", "elapsed_s", "load_s", "output_tokens", "requests_short_of_output_len")
+    return {"path": name, **{k: res[k] for k in keep}, "peak_rss_mib": peak_rss_mib()}
+
+
+def run_w64(args: argparse.Namespace, names: list[str]) -> dict:
+    """Each kvserve format over the workload in its own child process, one after the other,
+    then the peer."""
+    import json
+    import subprocess
+    import tempfile
+
     from kvserve.benchmarks.workload import default_workload_path, load_workload
 
     path = Path(args.workload) if args.workload else default_workload_path()
     reqs = load_workload(path, args.num_prompts)
     rows = []
     for name in names:
-        res = run_kvserve(reqs, dict(PATHS[name]), use_tqdm=False)
-        res.pop("_llm")
-        gc.collect()
-        rows.append(
-            {
-                "path": name,
-                **{k: res[k] for k in ("output_tokens_per_s", "elapsed_s", "load_s", "output_tokens")},
-                # getrusage peak of the whole process: it can only grow from one format to the next
-                "peak_rss_mib": peak_rss_mib(),
-                "requests_short_of_output_len": res["requests_short_of_output_len"],
-            }
-        )
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            cmd = [sys.executable, "-m", "kvserve.benchmarks.quantized", "--w64-one", name]
+            cmd += ["--workload", str(path), "--json-out", str(out)]
+            if args.num_prompts:
+                cmd += ["--num-prompts", str(args.num_prompts)]
+            proc = subprocess.run(cmd)
+            if proc.returncode != 0 or not out.is_file():
+                raise RuntimeError(f"--w64 {name!r}: the child process failed (exit {proc.returncode})")
+            rows.append(json.loads(out.read_text()))
         print(f"{name}: {rows[-1]['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr, flush=True)
     if args.peer:
         rows.append(run_peer_w64(args, reqs))
     rows = w64_ratios(rows)
+    checks = check_targets(rows, W64_TARGETS)
     print()
     print(format_w64_table(rows))
+    if checks:
+        print(format_targets(checks))
     return {
         "benchmark": "quantized_w64",
         "system": system_info(),
         "workload": str(path),
         "num_requests": len(reqs),
         "results": rows,
+        "targets": checks,
     }
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs what ``args`` asks for (batch 1 or ``--w64``); 2 on a bad flag or a missing peer."""
+    if args.w64_one:
+        from kvserve.benchmarks.workload import default_workload_path
+
+        row = w64_one(args.w64_one, Path(args.workload or default_workload_path()), args.num_prompts)
+        write_json(args.json_out, row)
+        return 0
     try:
         names = check_args(args)
     except ValueError as e:

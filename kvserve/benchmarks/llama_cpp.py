@@ -10,6 +10,7 @@ own ``timings`` block. Nothing here imports torch or kvserve's engine.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -91,14 +92,15 @@ def parse_timings(resp: dict, wall_s: float | None = None) -> CompletionTiming:
 
     def num(name: str) -> float:
         v = t.get(name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
-            raise ValueError(f"llama-server timings.{name} must be a non-negative number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"llama-server timings.{name} must be a finite non-negative number, got {v!r}")
         return float(v)
 
     n_prompt, prompt_ms = int(num("prompt_n")), num("prompt_ms")
     n_out, pred_ms = int(num("predicted_n")), num("predicted_ms")
     per_tok = t.get("predicted_per_token_ms")
-    server_tpot = float(per_tok) / 1e3 if isinstance(per_tok, (int, float)) and n_out > 0 else None
+    finite = isinstance(per_tok, (int, float)) and not isinstance(per_tok, bool) and math.isfinite(per_tok)
+    server_tpot = float(per_tok) / 1e3 if finite and n_out > 0 else None
     return CompletionTiming(
         prompt_tokens=n_prompt,
         output_tokens=n_out,

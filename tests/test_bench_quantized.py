@@ -37,6 +37,8 @@ def test_parse_timings_on_recorded_llama_server_response():
     # kvserve's TPOT: the steps after the first token
     assert got.tpot_s == pytest.approx(t["predicted_ms"] / 1e3 / (t["predicted_n"] - 1))
     assert got.server_tpot_s == pytest.approx(t["predicted_per_token_ms"] / 1e3)
+    # the built llama-server counts decode steps the same way (the first token is free)
+    assert got.server_tpot_s == pytest.approx(got.tpot_s, rel=1e-6)
     assert got.decode_tok_s == pytest.approx(1e3 * (t["predicted_n"] - 1) / t["predicted_ms"])
     assert got.overall_tok_s == pytest.approx(t["predicted_n"] / 2.0)
     run = got.as_run()

@@ -41,8 +41,10 @@ class CompletionTiming:
 
     Times in seconds. ``tpot_s`` follows kvserve's definition: decode time divided by
     ``output_tokens - 1`` (llama-server's ``predicted_ms`` starts when the prompt is done, so it
-    covers the steps after the first token; its own ``predicted_per_token_ms`` divides by all
-    ``output_tokens`` and is kept as ``server_tpot_s``)."""
+    covers the steps after the first token, which comes from the prompt's logits). The server's
+    own ``predicted_per_token_ms`` is kept as ``server_tpot_s``: the llama.cpp that setup.sh
+    builds divides by ``predicted_n - 1`` too, so both agree; older ones divided by
+    ``predicted_n``."""
 
     prompt_tokens: int
     output_tokens: int

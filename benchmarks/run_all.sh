@@ -5,6 +5,8 @@
 #   bash benchmarks/run_all.sh                 # all (~45-60 min on 2 cores, most of it transformers bs=1)
 #   STEPS="offline vllm_offline" bash benchmarks/run_all.sh
 #   STEPS: offline baseline vllm_offline serve vllm_serve cold_start plots (default: all of them)
+#          quantized (opt-in, ~20 min): batch-1 gguf/int8 vs float/bfloat16 vs llama.cpp's llama-server,
+#          then w64 per format; needs bash benchmarks/llama_cpp/setup.sh (or NO_PEER=1)
 #   NO_BASELINE=1 skips transformers; WORKLOAD=... changes the workload (default shared w64).
 # Needs the vLLM venv for the vllm_* steps: bash benchmarks/vllm_cpu/setup.sh
 set -uo pipefail
@@ -66,6 +68,14 @@ if has vllm_serve; then
 fi
 if has cold_start; then
     "$PY" -m kvserve.benchmarks.cli cold-start --json-out "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
+fi
+if has quantized; then
+    peer=(--peer llama.cpp)
+    [ -n "${NO_PEER:-}" ] && peer=()
+    "$PY" -m kvserve.benchmarks.cli quantized --rounds 5 --max-tokens 128 "${peer[@]}" \
+        --json-out "$OUT/quantized_batch1.json" 2>&1 | tee "$OUT/quantized_batch1.log"
+    "$PY" -m kvserve.benchmarks.cli quantized --w64 --workload "$WORKLOAD" "${peer[@]}" \
+        --json-out "$OUT/quantized_w64.json" 2>&1 | tee "$OUT/quantized_w64.log"
 fi
 if has plots && [ -f "$OUT/serve_kvserve.json" ] && [ -f "$OUT/serve_vllm.json" ]; then
     "$PY" -m kvserve.benchmarks.plots "$OUT/serve_kvserve.json" "$OUT/serve_vllm.json" --out-dir "$OUT/compare"

@@ -1,4 +1,4 @@
-"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora``."""
+"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | ...``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ COMMANDS = {
     ),
     "lora": ("kvserve.benchmarks.lora", "multi-LoRA serving vs the same run without adapters"),
     "fidelity": ("kvserve.benchmarks.fidelity", "one trace through the real engine and the simulator"),
+    "quantized": (
+        "kvserve.benchmarks.quantized",
+        "batch-1 decode of gguf/int8 vs float32/bfloat16 (and llama.cpp), or w64 per format",
+    ),
 }
 
 

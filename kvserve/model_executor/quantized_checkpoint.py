@@ -31,8 +31,7 @@ Repacking (tolerances stated against the format's own dequantization in float64)
   compute too).
 - int8 -> Q8_0 (``d = float16(scale)``): exact for float16 scales; other scale dtypes are off
   by the float16 rounding of the scale (relative ``2^-11``). A scale float16 cannot hold (below
-  its normal range or above 65504) makes the layer be requantized from its dequantized values
-  by ``quantize_q8_0`` instead (logged; error at most half a Q8_0 step).
+  its normal range or above 65504) makes the layer run dequantized in float instead (logged).
 
 A module whose quantized tensors are absent is read as float (``modules_to_not_convert``,
 ``ignore``: usually the LM head). A fused weight (q/k/v, gate/up) whose parts do not share one
@@ -428,6 +427,31 @@ def _ct_scales(scale: torch.Tensor, out_f: int, in_f: int, per: int, what: str) 
     return s.repeat_interleave(gs // per if s.shape[1] > 1 else in_f // per, dim=1)
 
 
+def repack_int8(w: torch.Tensor, scale: torch.Tensor, what: str, swhere: str, logged: set):
+    """Q8_0 blocks of ``w = scale * q`` for int8 ``q`` ``[out, in]`` and a compressed-tensors
+    ``weight_scale`` (per tensor, channel or group of a multiple of 32): ``d = float16(scale)``
+    when float16 holds every scale to ``2^-10`` relative; else (scales below float16's normal
+    range or above 65504, which no Q8_0 block can carry) the dequantized float32 weight,
+    logged once per load in ``logged``.
+
+    Raises:
+        ValueError: ``in`` not a multiple of 32, or scales that do not fit (naming ``what`` /
+            ``swhere``).
+    """
+    out_f, in_f = w.shape
+    if in_f % BLOCK_ELEMS:
+        raise ValueError(f"{what}: in_features={in_f} is not a multiple of {BLOCK_ELEMS}")
+    d = _ct_scales(scale, out_f, in_f, BLOCK_ELEMS, swhere)
+    d16 = d.half()
+    fits = bool(torch.isfinite(d16).all()) and bool(((d16.float() - d).abs() <= d.abs() * 2.0**-10).all())
+    if fits:
+        return quant_pack.pack_q8_0(w, d16)
+    if "q8_0 requantized" not in logged:
+        logged.add("q8_0 requantized")
+        logger.info("%s: scales outside float16's range: dequantized to float at load", swhere)
+    return (w.float().view(out_f, -1, BLOCK_ELEMS) * d.unsqueeze(-1)).reshape(out_f, in_f)
+
+
 def _load_compressed(ts: _Tensors, prefix: str, out_f: int, in_f: int, logged: set):
     wname = prefix + ".weight"
     w = ts.get(wname, prefix + ".weight_scale")
@@ -441,18 +465,7 @@ def _load_compressed(ts: _Tensors, prefix: str, out_f: int, in_f: int, logged: s
                 f"{ts.where(prefix + '.weight_zero_point')}: non-zero zero points (asymmetric) are not supported"
             )
     if w.dtype == torch.int8:
-        if in_f % BLOCK_ELEMS:
-            raise ValueError(f"{ts.where(wname)}: in_features={in_f} is not a multiple of {BLOCK_ELEMS}")
-        d = _ct_scales(scale, out_f, in_f, BLOCK_ELEMS, swhere)
-        d16 = d.half()
-        fits = bool(torch.isfinite(d16).all()) and bool(((d16.float() - d).abs() <= d.abs() * 2.0**-10).all())
-        if fits:
-            return quant_pack.pack_q8_0(w, d16)
-        if "q8_0 requantized" not in logged:
-            logged.add("q8_0 requantized")
-            logger.info("%s: scales outside float16's range: requantized to Q8_0 from float", swhere)
-        deq = (w.float().view(out_f, -1, BLOCK_ELEMS) * d.unsqueeze(-1)).reshape(out_f, in_f)
-        return quant_gemm.quantize_q8_0(deq)
+        return repack_int8(w, scale, ts.where(wname), swhere, logged)
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is not None and w.dtype == fp8:
         if "fp8" not in logged:

@@ -127,6 +127,51 @@ def test_repacked_4bit_kernel_property(method, out_blocks, in_blocks, group, sym
     _check_4bit_kernel(method, 8 * out_blocks, 32 * in_blocks, group, sym, desc_act, rows, seed)
 
 
+@native
+@settings(max_examples=25, deadline=None)
+@given(
+    out_f=st.integers(1, 70),
+    in_blocks=st.integers(1, 8),
+    strategy=st.sampled_from(["channel", "group32", "group64", "tensor"]),
+    scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    rows=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_repacked_int8_kernel_equals_float64_dequantize_then_matmul(
+    out_f, in_blocks, strategy, scale_dtype, rows, seed
+):
+    """compressed-tensors int8 -> Q8_0: the kernel's float32 sums against float64, plus the
+    float16 rounding of non-float16 scales (``2^-11`` relative per weight)."""
+    in_f = 32 * in_blocks
+    if strategy == "group64" and in_f % 64:
+        strategy = "group32"
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+    cols = {"channel": 1, "group32": in_f // 32, "group64": in_f // 64, "tensor": 0}[strategy]
+    shape = (1,) if cols == 0 else (out_f, cols)
+    scale = (torch.rand(shape, generator=g, dtype=torch.float64) + 0.5).mul(1e-3).to(scale_dtype)
+    qw = qck.repack_int8(q, scale, "w", "s", set())
+    assert qw.qtype == "q8_0"
+    s = scale.double().reshape(-1, 1) if cols == 0 else scale.double()
+    wd = q.double() * (s if cols <= 1 else s.repeat_interleave(in_f // cols, dim=1))
+    x = torch.randn(rows, in_f, generator=g)
+    y = quant_gemm.linear(x, qw).double().numpy()
+    xd = x.double().numpy()
+    ref = xd @ wd.numpy().T
+    absprod = np.abs(xd) @ np.abs(wd.numpy()).T
+    tol = 64 * EPS32 * absprod + (0 if scale_dtype == torch.float16 else 2.0**-11 * absprod) + 1e-12
+    assert (np.abs(y - ref) <= tol).all()
+
+
+def test_int8_scales_outside_float16_run_dequantized(caplog):
+    q = torch.randint(-128, 128, (4, 64), dtype=torch.int8)
+    scale = torch.full((4, 1), 1e-9)  # under float16's subnormals: a Q8_0 block would hold 0
+    with caplog.at_level(logging.INFO, logger="kvserve.quantized_checkpoint"):
+        w = qck.repack_int8(q, scale, "w", "s", set())
+    assert "dequantized to float at load" in caplog.text
+    assert isinstance(w, torch.Tensor) and torch.equal(w, (q.double() * scale.double()).float())
+
+
 def test_act_order_groups_that_split_a_block_are_refused():
     g_idx = torch.arange(64) // 16  # groups of 16 channels: not whole 32-blocks
     with pytest.raises(ValueError, match="whole blocks of 32"):
@@ -450,3 +495,42 @@ def test_llm_generates_from_a_gptq_dir_and_equals_transformers(tmp_path, tiny, d
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, ids, 5)
     with pytest.raises(ValueError, match="enable_lora is not supported with quantization='gptq'"):
         LLM(model=str(qdir), max_model_len=64, enable_lora=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    method=st.sampled_from(["gptq", "awq", "compressed-tensors"]),
+    which=st.integers(0, 10_000),
+    mutation=st.sampled_from(["drop", "shape", "dtype", "values"]),
+    seed=st.integers(0, 2**16),
+)
+def test_corrupted_quantized_checkpoint_loads_or_raises_value_error(
+    tmp_path_factory, tiny, method, which, mutation, seed
+):
+    """Fuzz: one tensor of a valid checkpoint dropped, reshaped, retyped or filled with random
+    values: the load either succeeds or raises ValueError naming a tensor, never another error."""
+    qdir = tmp_path_factory.mktemp("fuzz")
+    quantize_dir(
+        tiny, qdir, tmp_path_factory.mktemp("fuzzf"), method, group_size=32, desc_act=method == "gptq"
+    )
+    t = load_file(str(qdir / "model.safetensors"))
+    name = sorted(t)[which % len(t)]
+    g = torch.Generator().manual_seed(seed)
+    if mutation == "drop":
+        t.pop(name)
+    elif mutation == "shape":
+        n = t[name].numel()
+        t[name] = t[name].reshape(-1)[: max(1, n - 8)].clone()
+    elif mutation == "dtype":
+        t[name] = t[name].to(torch.float16 if not t[name].dtype.is_floating_point else torch.int32)
+    else:
+        t[name] = torch.randint(-(2**31), 2**31 - 1, t[name].shape, generator=g, dtype=torch.int64).to(
+            t[name].dtype
+        )
+    save_file(t, str(qdir / "model.safetensors"))
+    try:
+        m = load_model(qdir, torch.float32, "cpu")
+    except ValueError as e:
+        assert "tensor" in str(e) or "weight" in str(e), str(e)
+        return
+    prefill_logits(m, PROMPTS[1])  # a loaded model runs

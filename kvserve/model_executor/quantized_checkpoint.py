@@ -446,8 +446,8 @@ def repack_int8(w: torch.Tensor, scale: torch.Tensor, what: str, swhere: str, lo
     fits = bool(torch.isfinite(d16).all()) and bool(((d16.float() - d).abs() <= d.abs() * 2.0**-10).all())
     if fits:
         return quant_pack.pack_q8_0(w, d16)
-    if "q8_0 requantized" not in logged:
-        logged.add("q8_0 requantized")
+    if "int8 scales beyond float16" not in logged:
+        logged.add("int8 scales beyond float16")
         logger.info("%s: scales outside float16's range: dequantized to float at load", swhere)
     return (w.float().view(out_f, -1, BLOCK_ELEMS) * d.unsqueeze(-1)).reshape(out_f, in_f)
 

@@ -534,3 +534,8 @@ def test_corrupted_quantized_checkpoint_loads_or_raises_value_error(
         assert "tensor" in str(e) or "weight" in str(e), str(e)
         return
     prefill_logits(m, PROMPTS[1])  # a loaded model runs
+
+
+def test_quantized_checkpoint_needs_float32_or_bfloat16(gptq_dir):
+    with pytest.raises(ValueError, match="quantization 'gptq' needs dtype float32 or bfloat16"):
+        load_model(gptq_dir, torch.float16, "cpu")

@@ -71,8 +71,9 @@ def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> QuantWeight:
 _CANDIDATES = ((0.0, 0.0), (0.04, 0.0), (0.0, 0.04))
 #: Least-squares refits of ``(d, m)`` per candidate (each evaluated).
 _REFITS = 2
-#: Rows quantized at a time (bounds the search's temporaries: ~rows * in * 4 bytes * a few).
-_ROWS_PER_CHUNK = 1024
+#: Weights quantized at a time: bounds the search's temporaries (a few times 4 bytes each)
+#: while keeping the number of tensor operations, whose fixed cost dominates small ones, low.
+_WEIGHTS_PER_CHUNK = 1 << 22
 
 
 def _q4_1_eval(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
@@ -145,8 +146,9 @@ def quantize_q4_1(weight: torch.Tensor) -> QuantWeight:
     codes = torch.empty(n, k, dtype=torch.uint8)
     ds = torch.empty(n, k // BLOCK_ELEMS, dtype=torch.float16)
     ms = torch.empty_like(ds)
-    for r0 in range(0, n, _ROWS_PER_CHUNK):
-        r1 = min(n, r0 + _ROWS_PER_CHUNK)
+    rows = max(1, _WEIGHTS_PER_CHUNK // k)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
         blocks = weight[r0:r1].detach().float().reshape(-1, BLOCK_ELEMS)
         d, m = _search_q4_1(blocks)
         _, _, q, _ = _q4_1_eval(blocks, d, m)

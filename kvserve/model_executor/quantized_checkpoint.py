@@ -3,7 +3,8 @@ in ``config.json``), repacked at load into GGUF blocks so that ``csrc/quant_gemm
 
 Formats read (our own unpacking, from the formats' descriptions):
 
-- GPTQ (``quant_method="gptq"``), 4-bit: per linear module ``qweight`` int32 ``[in/8, out]``
+- GPTQ (``quant_method="gptq"``), 4-bit (8-bit symmetric likewise, 4 values per word, as
+  Q8_0 blocks): per linear module ``qweight`` int32 ``[in/8, out]``
   (input row ``i`` in nibble ``i % 8`` of word ``i // 8``), ``qzeros`` int32 ``[groups, out/8]``
   (output column ``j`` in nibble ``j % 8``), ``scales`` float16 ``[groups, out]``, ``g_idx``
   int32 ``[in]`` (the group of each input channel), optional ``bias``. Weight
@@ -76,7 +77,7 @@ class QuantScheme:
 
     Attributes:
         method: one of ``SUPPORTED_QUANT_METHODS``.
-        bits: weight bits (4 for GPTQ / AWQ, 8 for compressed-tensors).
+        bits: weight bits (4 or 8 for GPTQ, 4 for AWQ, 8 for compressed-tensors).
         group_size: input channels per scale (GPTQ / AWQ); -1 = one group per output channel.
         zero_offset: added to the stored zeros (1 for GPTQ's ``checkpoint_format="gptq"``).
         ignored: what of the config is not applied (logged at load), e.g. activation
@@ -133,9 +134,9 @@ def parse_quantization_config(qc, where: str) -> QuantScheme:
     method = str(qc.get("quant_method", "<missing>")).lower()
     if method == "gptq":
         bits = qc.get("bits")
-        if bits != 4:
+        if bits not in (4, 8) or isinstance(bits, bool):
             raise ValueError(
-                f"{where}: GPTQ quantization_config bits={bits!r} is not supported (supported: 4)"
+                f"{where}: GPTQ quantization_config bits={bits!r} is not supported (supported: 4, 8)"
             )
         fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
         if fmt not in _GPTQ_FORMATS:
@@ -144,7 +145,7 @@ def parse_quantization_config(qc, where: str) -> QuantScheme:
                 f"{', '.join(_GPTQ_FORMATS)})"
             )
         gs = _group_size(qc.get("group_size", -1), where, "group_size")
-        return QuantScheme("gptq", 4, gs, zero_offset=1 if fmt == "gptq" else 0)
+        return QuantScheme("gptq", int(bits), gs, zero_offset=1 if fmt == "gptq" else 0)
     if method == "awq":
         bits = qc.get("bits", qc.get("w_bit"))
         if bits != 4:
@@ -228,33 +229,46 @@ def _parse_compressed_tensors(qc: dict, where: str) -> QuantScheme:
 
 
 # --------------------------------------------------------------------------------- unpacking
-def unpack_int32_rows(packed: torch.Tensor) -> torch.Tensor:
-    """4-bit values of int32 words packed along dim 0: ``[R, C]`` -> uint8 ``[8R, C]``, value
-    ``8r + i`` in nibble ``i`` (bits ``4i..4i+3``) of word ``r`` (GPTQ's ``qweight``)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
-    vals = (packed.to(torch.int32).unsqueeze(1) >> shifts) & 0xF
+def unpack_int32_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """``bits``-bit values (4 or 8) of int32 words packed along dim 0: ``[R, C]`` -> uint8
+    ``[R * 32 / bits, C]``, value ``r * 32 / bits + i`` in bits ``bits*i ..`` of word ``r``
+    (GPTQ's ``qweight``)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(1, per, 1)
+    vals = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return vals.reshape(-1, packed.shape[1]).to(torch.uint8)
 
 
-def unpack_int32_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """4-bit values of int32 words packed along dim 1: ``[R, C]`` -> uint8 ``[R, 8C]``; column
-    ``8c + j`` sits in nibble ``j`` of word ``c`` (GPTQ's ``qzeros``), or, with ``order``, in the
-    nibble ``i`` where ``order[i] == j`` (AWQ's)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 1, 8)
-    vals = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [R, C, nibble]
+def unpack_int32_cols(
+    packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4
+) -> torch.Tensor:
+    """``bits``-bit values (4 or 8) of int32 words packed along dim 1: ``[R, C]`` -> uint8
+    ``[R, C * 32 / bits]``; column ``c * 32 / bits + j`` sits in field ``j`` of word ``c``
+    (GPTQ's ``qzeros``), or, with ``order``, in the field ``i`` where ``order[i] == j`` (AWQ's
+    4-bit order)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(1, 1, per)
+    vals = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, C, field]
     if order is not None:
-        inverse = [order.index(j) for j in range(8)]
+        inverse = [order.index(j) for j in range(per)]
         vals = vals[..., inverse]
     return vals.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
-def repack_4bit(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, what: str
+def repack_grouped(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    what: str,
+    bits: int = 4,
 ) -> tuple[quant_gemm.QuantWeight, torch.Tensor | None]:
-    """Q4_1 blocks of ``w[o, i] = scales[g, o] * (codes[o, i] - zeros[g, o])``, ``g = g_idx[i]``.
+    """Blocks of ``w[o, i] = scales[g, o] * (codes[o, i] - zeros[g, o])``, ``g = g_idx[i]``:
+    Q4_1 for 4 bits (``d = scale``, ``m = -scale * zero``), Q8_0 for 8 bits (``d = scale``,
+    codes ``q - 128``: symmetric only).
 
     Args:
-        codes: uint8 ``[out, in]`` in ``[0, 15]``.
+        codes: uint8 ``[out, in]`` in ``[0, 2^bits)``.
         scales: ``[groups, out]`` float; zeros: ``[groups, out]`` integers (offset applied).
         g_idx: ``[in]`` group of each input channel.
         what: named in errors (file and tensor).
@@ -263,14 +277,15 @@ def repack_4bit(
         is not already sorted (``perm``: int64 ``[in]``, column ``j`` = input ``perm[j]``;
         ``None`` when no permutation is needed).
     Raises:
-        ValueError: ``in`` not a multiple of 32, a ``g_idx`` value outside ``[0, groups)``, or a
-            group whose channels do not fill whole 32-column blocks.
+        ValueError: ``in`` not a multiple of 32, a ``g_idx`` value outside ``[0, groups)``, a
+            group whose channels do not fill whole 32-column blocks, or (8 bits) a zero point
+            other than 128.
     """
     n, k = codes.shape
     groups = scales.shape[0]
     if k % BLOCK_ELEMS:
         raise ValueError(
-            f"{what}: in_features={k} is not a multiple of {BLOCK_ELEMS} (needed for Q4_1 blocks)"
+            f"{what}: in_features={k} is not a multiple of {BLOCK_ELEMS} (needed for 32-weight blocks)"
         )
     g = g_idx.to(torch.int64)
     if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
@@ -290,6 +305,12 @@ def repack_4bit(
         )
     bg = block_groups[:, 0]
     d = scales.float()[bg].t()  # [out, blocks]
+    if bits == 8:
+        if bool((zeros != 128).any()):
+            raise ValueError(
+                f"{what}: 8-bit zero points must all be 128 (symmetric); asymmetric 8-bit is not supported"
+            )
+        return quant_pack.pack_q8_0(codes.to(torch.int16) - 128, d), perm
     m = -d * zeros.float()[bg].t()
     return quant_pack.pack_q4_1(codes, d, m), perm
 
@@ -359,9 +380,13 @@ def _load_gptq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f:
     qname = prefix + ".qweight"
     qweight = ts.get(qname, qname)
     _expect_int32(qweight, ts.where(qname))
-    _expect_shape(qweight, (in_f // 8, out_f), ts.where(qname) + " (GPTQ 4-bit: [in/8, out])")
-    if in_f % 8 or out_f % 8:
-        raise ValueError(f"{ts.where(qname)}: in and out features must be multiples of 8 for packed 4-bit")
+    bits = scheme.bits
+    per = 32 // bits
+    _expect_shape(qweight, (in_f // per, out_f), ts.where(qname) + f" (GPTQ {bits}-bit: [in/{per}, out])")
+    if in_f % per or out_f % per:
+        raise ValueError(
+            f"{ts.where(qname)}: in and out features must be multiples of {per} for packed {bits}-bit"
+        )
     groups = _groups_of(scheme.group_size, in_f)
     scales = ts.get(prefix + ".scales", qname)
     _expect_shape(scales, (groups, out_f), ts.where(prefix + ".scales"))
@@ -369,7 +394,7 @@ def _load_gptq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f:
         raise ValueError(f"{ts.where(prefix + '.scales')} has dtype {scales.dtype}, expected float")
     qzeros = ts.get(prefix + ".qzeros", qname)
     _expect_int32(qzeros, ts.where(prefix + ".qzeros"))
-    _expect_shape(qzeros, (groups, out_f // 8), ts.where(prefix + ".qzeros"))
+    _expect_shape(qzeros, (groups, out_f // per), ts.where(prefix + ".qzeros"))
     if prefix + ".g_idx" in ts:
         g_idx = ts.get(prefix + ".g_idx", qname)
         _expect_shape(g_idx, (in_f,), ts.where(prefix + ".g_idx"))
@@ -379,9 +404,9 @@ def _load_gptq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f:
         g_idx = torch.zeros(in_f, dtype=torch.int64)
         if scheme.group_size != -1:
             g_idx = torch.arange(in_f) // scheme.group_size
-    codes = unpack_int32_rows(qweight).t()  # [out, in]
-    zeros = unpack_int32_cols(qzeros).to(torch.int32) + scheme.zero_offset
-    return repack_4bit(codes, scales, zeros, g_idx, ts.where(qname))
+    codes = unpack_int32_rows(qweight, bits).t()  # [out, in]
+    zeros = unpack_int32_cols(qzeros, bits=bits).to(torch.int32) + scheme.zero_offset
+    return repack_grouped(codes, scales, zeros, g_idx, ts.where(qname), bits)
 
 
 def _load_awq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f: int):
@@ -406,7 +431,7 @@ def _load_awq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f: 
         if scheme.group_size == -1
         else torch.arange(in_f) // scheme.group_size
     )
-    return repack_4bit(codes, scales, zeros, g_idx, ts.where(qname))
+    return repack_grouped(codes, scales, zeros, g_idx, ts.where(qname))
 
 
 def _ct_scales(scale: torch.Tensor, out_f: int, in_f: int, per: int, what: str) -> torch.Tensor:
@@ -631,7 +656,7 @@ def _declared_shape(ts: _Tensors, prefix: str, scheme: QuantScheme) -> tuple[int
     if len(shape) != 2:
         raise ValueError(f"{ts.where(main)} has shape {shape}, expected 2 dimensions")
     if scheme.method == "gptq":
-        return int(shape[1]), int(shape[0]) * 8
+        return int(shape[1]), int(shape[0]) * (32 // scheme.bits)
     if scheme.method == "awq":
         return int(shape[1]) * 8, int(shape[0])
     return int(shape[0]), int(shape[1])

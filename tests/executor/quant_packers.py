@@ -20,32 +20,38 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def pack_along_rows(vals: np.ndarray) -> np.ndarray:
-    """int32 ``[R / 8, C]``: value of row ``8r + i`` in bits ``4i..4i+3`` of word ``r``."""
-    v = vals.astype(np.uint32).reshape(-1, 8, vals.shape[1])
+def pack_along_rows(vals: np.ndarray, bits: int = 4) -> np.ndarray:
+    """int32 ``[R / p, C]`` (``p = 32 / bits``): value of row ``p*r + i`` in bits
+    ``bits*i ..`` of word ``r``."""
+    p = 32 // bits
+    v = vals.astype(np.uint32).reshape(-1, p, vals.shape[1])
     word = np.zeros((v.shape[0], v.shape[2]), dtype=np.uint32)
-    for i in range(8):
-        word |= v[:, i, :] << np.uint32(4 * i)
+    for i in range(p):
+        word |= v[:, i, :] << np.uint32(bits * i)
     return word.view(np.int32)
 
 
-def pack_along_cols(vals: np.ndarray, order=tuple(range(8))) -> np.ndarray:
-    """int32 ``[R, C / 8]``: nibble ``i`` of word ``c`` holds column ``8c + order[i]``."""
-    v = vals.astype(np.uint32).reshape(vals.shape[0], -1, 8)
+def pack_along_cols(vals: np.ndarray, order=None, bits: int = 4) -> np.ndarray:
+    """int32 ``[R, C / p]``: field ``i`` of word ``c`` holds column ``p*c + order[i]``."""
+    p = 32 // bits
+    order = order or tuple(range(p))
+    v = vals.astype(np.uint32).reshape(vals.shape[0], -1, p)
     word = np.zeros(v.shape[:2], dtype=np.uint32)
-    for i in range(8):
-        word |= v[:, :, order[i]] << np.uint32(4 * i)
+    for i in range(p):
+        word |= v[:, :, order[i]] << np.uint32(bits * i)
     return word.view(np.int32)
 
 
-def random_4bit(rng, out_f: int, in_f: int, group_size: int, sym: bool, perm=None):
-    """Random codes ``[out, in]``, float16 scales and zeros ``[groups, out]``, ``g_idx``
-    ``[in]`` (act-order when ``perm`` is given: channel ``perm[j]`` in group ``j // gs``)."""
+def random_4bit(rng, out_f: int, in_f: int, group_size: int, sym: bool, perm=None, bits: int = 4):
+    """Random ``bits``-bit codes ``[out, in]``, float16 scales and zeros ``[groups, out]``,
+    ``g_idx`` ``[in]`` (act-order when ``perm`` is given: channel ``perm[j]`` in group
+    ``j // gs``)."""
     gs = in_f if group_size == -1 else group_size
     groups = -(-in_f // gs)
-    codes = rng.integers(0, 16, (out_f, in_f))
-    scales = (rng.uniform(0.5, 1.5, (groups, out_f)) * 0.01).astype(np.float16)
-    zeros = np.full((groups, out_f), 8) if sym else rng.integers(0, 16, (groups, out_f))
+    top = 1 << bits
+    codes = rng.integers(0, top, (out_f, in_f))
+    scales = (rng.uniform(0.5, 1.5, (groups, out_f)) * 0.16 / top).astype(np.float16)
+    zeros = np.full((groups, out_f), top // 2) if sym else rng.integers(0, top, (groups, out_f))
     if perm is None:
         g_idx = np.arange(in_f) // gs
     else:
@@ -61,13 +67,13 @@ def dequant_4bit(codes, scales, zeros, g_idx) -> np.ndarray:
     return s * (codes - z)
 
 
-def gptq_tensors(codes, scales, zeros, g_idx, v2: bool = False) -> dict[str, torch.Tensor]:
+def gptq_tensors(codes, scales, zeros, g_idx, v2: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
     """``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` of one module (v1 stores zero - 1, so
     its zeros must lie in ``[1, 15]``)."""
-    stored = zeros if v2 else (zeros - 1) & 0xF
+    stored = zeros if v2 else (zeros - 1) & ((1 << bits) - 1)
     return {
-        "qweight": torch.from_numpy(pack_along_rows(codes.T.copy())),
-        "qzeros": torch.from_numpy(pack_along_cols(stored)),
+        "qweight": torch.from_numpy(pack_along_rows(codes.T.copy(), bits)),
+        "qzeros": torch.from_numpy(pack_along_cols(stored, bits=bits)),
         "scales": torch.from_numpy(scales.copy()),
         "g_idx": torch.from_numpy(g_idx.astype(np.int32)),
     }
@@ -103,6 +109,7 @@ def quantize_dir(
     ct_strategy: str = "channel",
     ct_type: str = "int",
     extra_config: dict | None = None,
+    bits: int = 4,
 ):
     """Write ``qdir`` (``method``: gptq / awq / compressed-tensors) and its dequantized float
     twin ``fdir`` from ``hf_model`` (a tiny float transformers model); returns the float
@@ -122,12 +129,12 @@ def quantize_dir(
             if desc_act:
                 key = (p.rsplit(".", 1)[0], in_f) if shared_perm else p
                 perm = perms.setdefault(key, rng.permutation(in_f))
-            codes, scales, zeros, g_idx = random_4bit(rng, out_f, in_f, group_size, sym, perm)
+            codes, scales, zeros, g_idx = random_4bit(rng, out_f, in_f, group_size, sym, perm, bits)
             if method == "gptq" and not v2:
                 zeros = np.maximum(zeros, 1)  # v1 stores zero - 1 in 4 bits: 0 cannot be stored
             sd[p + ".weight"] = torch.from_numpy(dequant_4bit(codes, scales, zeros, g_idx)).float()
             parts = (
-                gptq_tensors(codes, scales, zeros, g_idx, v2)
+                gptq_tensors(codes, scales, zeros, g_idx, v2, bits)
                 if method == "gptq"
                 else awq_tensors(codes, scales, zeros)
             )
@@ -164,7 +171,7 @@ def quantize_dir(
     if method == "gptq":
         qc = {
             "quant_method": "gptq",
-            "bits": 4,
+            "bits": bits,
             "group_size": group_size,
             "desc_act": desc_act,
             "sym": sym,

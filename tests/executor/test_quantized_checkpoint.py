@@ -64,22 +64,26 @@ def _load_hf(path):
 
 # ------------------------------------------------------------------ kernels on repacked weights
 def _check_4bit_kernel(method, out_f, in_f, group_size, sym, desc_act, m_rows, seed):
+    """``method``: gptq, awq, or gptq8 (8-bit symmetric GPTQ -> Q8_0: exact repack)."""
     rng = np.random.default_rng(seed)
     perm = rng.permutation(in_f) if desc_act else None
-    codes, scales, zeros, g_idx = random_4bit(rng, out_f, in_f, group_size, sym, perm)
+    bits = 8 if method == "gptq8" else 4
+    sym = sym or bits == 8
+    codes, scales, zeros, g_idx = random_4bit(rng, out_f, in_f, group_size, sym, perm, bits)
     wd = dequant_4bit(codes, scales, zeros, g_idx)  # float64 reference
-    if method == "gptq":
+    if method.startswith("gptq"):
         zeros = np.maximum(zeros, 1)  # v1 format: zero 0 cannot be stored
         wd = dequant_4bit(codes, scales, zeros, g_idx)
-        t = gptq_tensors(codes, scales, zeros, g_idx)
-        qcodes = qck.unpack_int32_rows(t["qweight"]).t()
-        qzeros = qck.unpack_int32_cols(t["qzeros"]).to(torch.int32) + 1
-        qw, p = qck.repack_4bit(qcodes, t["scales"], qzeros, t["g_idx"], "test")
+        t = gptq_tensors(codes, scales, zeros, g_idx, bits=bits)
+        qcodes = qck.unpack_int32_rows(t["qweight"], bits).t()
+        qzeros = qck.unpack_int32_cols(t["qzeros"], bits=bits).to(torch.int32) + 1
+        qw, p = qck.repack_grouped(qcodes, t["scales"], qzeros, t["g_idx"], "test", bits)
+        assert qw.qtype == ("q8_0" if bits == 8 else "q4_1")
     else:
         t = awq_tensors(codes, scales, zeros)
         qcodes = qck.unpack_int32_cols(t["qweight"], qck._AWQ_ORDER).t()
         qzeros = qck.unpack_int32_cols(t["qzeros"], qck._AWQ_ORDER)
-        qw, p = qck.repack_4bit(qcodes, t["scales"], qzeros, torch.from_numpy(g_idx), "test")
+        qw, p = qck.repack_grouped(qcodes, t["scales"], qzeros, torch.from_numpy(g_idx), "test")
     assert (p is not None) == (desc_act and not np.array_equal(np.sort(g_idx), g_idx))
     weight = qw if p is None else InputPermutedWeight(qw, p)
     x = torch.randn(m_rows, in_f, generator=torch.Generator().manual_seed(seed))
@@ -88,14 +92,14 @@ def _check_4bit_kernel(method, out_f, in_f, group_size, sym, desc_act, m_rows, s
     y = linear(x, weight).double().numpy()
     xd = x.double().numpy()
     ref = xd @ wd.T
-    sz = np.abs(scales.astype(np.float64) * zeros)[g_idx].T  # |scale * zero| per weight
+    sz = np.abs(scales.astype(np.float64) * zeros)[g_idx].T * (bits == 4)  # |scale * zero| (Q4_1's m)
     tol = 64 * EPS32 * (np.abs(xd) @ np.abs(wd).T) + 2.0**-11 * (np.abs(xd) @ sz.T) + 1e-12
     err = np.abs(y - ref)
     assert (err <= tol).all(), f"worst {float((err / tol).max()):.2f} x tolerance"
 
 
 @native
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq8"])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 def test_repacked_4bit_kernel_equals_float64_dequantize_then_matmul(method, group_size):
     # in 160: 160 / 64 and 160 / 128 leave ragged last groups; out 40: not a multiple of 16
@@ -111,7 +115,7 @@ def test_gptq_act_order_kernel_with_input_permutation_equals_float64(group_size)
 @native
 @settings(max_examples=25, deadline=None)
 @given(
-    method=st.sampled_from(["gptq", "awq"]),
+    method=st.sampled_from(["gptq", "awq", "gptq8"]),
     out_blocks=st.integers(1, 12),
     in_blocks=st.integers(1, 10),
     group=st.sampled_from([32, 64, 128, -1]),
@@ -175,11 +179,11 @@ def test_int8_scales_outside_float16_run_dequantized(caplog):
 def test_act_order_groups_that_split_a_block_are_refused():
     g_idx = torch.arange(64) // 16  # groups of 16 channels: not whole 32-blocks
     with pytest.raises(ValueError, match="whole blocks of 32"):
-        qck.repack_4bit(
+        qck.repack_grouped(
             torch.zeros(8, 64, dtype=torch.uint8), torch.ones(4, 8), torch.zeros(4, 8), g_idx, "t"
         )
     with pytest.raises(ValueError, match=r"g_idx values must lie in \[0, 4\)"):
-        qck.repack_4bit(
+        qck.repack_grouped(
             torch.zeros(8, 64, dtype=torch.uint8),
             torch.ones(4, 8),
             torch.zeros(4, 8),
@@ -190,6 +194,8 @@ def test_act_order_groups_that_split_a_block_are_refused():
 
 # ------------------------------------------------------------------ whole checkpoints
 GPTQ_VARIANTS = [
+    dict(group_size=64, sym=True, bits=8),
+    dict(group_size=32, sym=True, bits=8, desc_act=True),
     dict(group_size=128, sym=True),
     dict(group_size=32, sym=False),
     dict(group_size=64, sym=False, v2=True),
@@ -222,7 +228,7 @@ def test_gptq_dir_greedy_equals_transformers_on_dequantized_dir(tmp_path, tiny, 
     assert isinstance(qkv, InputPermutedWeight) == bool(kw.get("desc_act") and 0 < gs < 64)
     assert isinstance(down, InputPermutedWeight) == bool(kw.get("desc_act") and 0 < gs < 96)
     for w in (qkv, down):
-        assert getattr(w, "weight", w).qtype == "q4_1"
+        assert getattr(w, "weight", w).qtype == ("q8_0" if kw.get("bits") == 8 else "q4_1")
     assert isinstance(m.lm_head, quant_gemm.QuantWeight) == bool(kw.get("quantize_lm_head"))
 
 
@@ -331,7 +337,16 @@ def gptq_dir(tmp_path, tiny):
     return qdir
 
 
-@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_gptq_8bit_asymmetric_is_refused_naming_the_tensor(tmp_path, tiny):
+    qdir = tmp_path / "q"
+    quantize_dir(tiny, qdir, tmp_path / "f", "gptq", bits=8, sym=False)
+    with pytest.raises(
+        ValueError, match=r"model.safetensors: tensor '.*qweight': 8-bit zero points must all be 128"
+    ):
+        load_model(qdir, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 16])
 def test_gptq_dir_with_unsupported_bits_is_refused_naming_the_file(gptq_dir, bits):
     _edit_config(gptq_dir, bits=bits)
     with pytest.raises(

@@ -194,11 +194,17 @@ def quantize_dir(
             "group_size": 32 if ct_strategy == "group" else None,
             "dynamic": False,
         }
+        fmt = "float-quantized" if ct_type == "float" else "int-quantized"
         qc = {
             "quant_method": "compressed-tensors",
-            "format": "float-quantized" if ct_type == "float" else "int-quantized",
+            "format": fmt,
             "config_groups": {
-                "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": None,
+                    "format": fmt,
+                }
             },
             "ignore": ["lm_head"],
             "quantization_status": "compressed",

@@ -114,8 +114,8 @@ def test_int4_model_equals_float_model_on_the_quantized_weights(tmp_path, tied):
 
 @pytest.mark.slow
 def test_default_model_int4_perplexity_within_three_percent_of_float():
-    """The default model's GGUF is itself mostly Q4_1, so its layers requantize almost exactly;
-    the tied head (Q8_0 in the GGUF) carries most of the int4 error."""
+    """Measured on this text (127 tokens): float32 43.33, int4 44.36 (1.024x); plain min/max
+    Q4_1 without the scale search gave 45.86 (1.058x, over the 3% bound)."""
     from kvserve.model_executor.model_loader import resolve_model_dir
     from kvserve.transformers_utils.tokenizer import load_tokenizer
 

@@ -110,8 +110,9 @@ def load_hf_config(model_dir: Path):
 
     Raises:
         ValueError: an architecture this engine does not implement, or a quantized checkpoint
-            whose ``quantization_config`` is not supported (``quantized_checkpoint``: GPTQ /
-            AWQ 4-bit and compressed-tensors 8-bit are; the method or field is named).
+            whose ``quantization_config`` is not supported (``quantized_checkpoint``: GPTQ 4-bit
+            and symmetric 8-bit, AWQ 4-bit and compressed-tensors 8-bit are; the method or
+            field is named).
     """
     from transformers import AutoConfig
 

@@ -681,7 +681,8 @@ def _install(module, attr: str, parts: list, prefixes: list[str], logged: set) -
             qw = quant_gemm.QuantWeight(data, weights[0].qtype, weights[0].in_features)
         _set(module, attr, qw if perms[0] is None else InputPermutedWeight(qw, perms[0]))
         return
-    if None not in kinds or len(kinds) > 1:
+    # fp8 parts (already float) need no word; mixed block types or input orders do
+    if kinds != {None}:
         key = "mixed " + attr
         if key not in logged:
             logged.add(key)

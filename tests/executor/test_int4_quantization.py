@@ -80,6 +80,10 @@ def test_pack_q4_1_and_q8_0_dequantize_to_their_definitions():
     c8 = torch.from_numpy(rng.integers(-128, 128, (5, 96)))
     want8 = c8.float() * d.float().repeat_interleave(32, 1)
     assert torch.equal(quant_gemm.dequantize(quant_pack.pack_q8_0(c8, d)), want8)
+    # scales given as a strided view (a transposed [1, out], as the GPTQ repack makes them)
+    d1 = torch.from_numpy(rng.standard_normal((1, 5))).half().t()
+    c1 = c8[:, :32]
+    assert torch.equal(quant_gemm.dequantize(quant_pack.pack_q8_0(c1, d1)), c1.float() * d1.float())
     with pytest.raises(ValueError, match=r"codes must lie in \[0, 15\]"):
         quant_pack.pack_q4_1(codes + 1, d, m)
     with pytest.raises(ValueError, match=r"scales must be \[5, 3\]"):

@@ -107,6 +107,13 @@ def test_repacked_4bit_kernel_equals_float64_dequantize_then_matmul(method, grou
 
 
 @native
+def test_gptq_8bit_layer_of_one_block_repacks():
+    """Found by the property test: in_features 32 (one block per row) made the scales a
+    strided [out, 1] view that the Q8_0 packer could not reinterpret as bytes."""
+    _check_4bit_kernel("gptq8", 8, 32, 32, False, False, 1, 0)
+
+
+@native
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 def test_gptq_act_order_kernel_with_input_permutation_equals_float64(group_size):
     _check_4bit_kernel("gptq", 24, 192, group_size, True, True, 3, 1)

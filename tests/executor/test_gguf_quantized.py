@@ -267,9 +267,12 @@ def test_quantization_setting_is_validated(tmp_path):
     from kvserve.model_executor.model_loader import resolve_model_dir
 
     with pytest.raises(
-        ValueError, match=re.escape("quantization must be one of gguf|int8 or unset, got 'awq'")
+        ValueError,
+        match=re.escape(
+            "quantization must be one of gguf|int8|int4|gptq|awq|compressed-tensors or unset, got 'awq4'"
+        ),
     ):
-        ModelConfig(quantization="awq")
+        ModelConfig(quantization="awq4")
     with pytest.raises(ValueError, match="quantization must be one of gguf, int8"):
         resolve_model_dir(None, "int3")
     (tmp_path / "config.json").write_text("{}")
@@ -344,9 +347,10 @@ def test_quantization_cli_flag():
     add_engine_args(p)
     assert engine_args_from(p.parse_args([])).quantization is None
     assert engine_args_from(p.parse_args(["--quantization", "gguf"])).quantization == "gguf"
-    assert engine_args_from(p.parse_args(["--quantization", "int8"])).quantization == "int8"
+    for method in ("int8", "int4", "gptq", "awq", "compressed-tensors"):
+        assert engine_args_from(p.parse_args(["--quantization", method])).quantization == method
     with pytest.raises(SystemExit):
-        p.parse_args(["--quantization", "awq"])
+        p.parse_args(["--quantization", "bitsandbytes"])
 
 
 def test_benchmark_counts_the_weight_bytes_a_decode_step_reads(tiny):

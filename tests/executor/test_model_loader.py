@@ -192,15 +192,37 @@ def test_fused_part_with_too_few_rows_is_refused(tmp_path, name):
         load_model(tmp_path, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes"])
-def test_quantized_hf_checkpoint_is_refused_naming_its_quant_method(tmp_path, method):
+@pytest.mark.parametrize("method", ["bitsandbytes", "hqq", "exl2", "fbgemm_fp8", None])
+def test_unsupported_quantized_hf_checkpoint_is_refused_naming_its_quant_method(tmp_path, method):
     import json
 
     save_tiny(tmp_path, llama_config())
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": method, "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=rf"quant_method='{method}'.*cannot load"):
+    with pytest.raises(
+        ValueError, match=rf"config.json: quantization_config quant_method={method!r} is not supported"
+    ):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(
+    "qc",
+    [
+        {"quant_method": "gptq", "bits": 4, "group_size": 128},
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+    ],
+)
+def test_quantized_config_over_float_weights_is_refused(tmp_path, qc):
+    """A config declaring GPTQ / AWQ over a checkpoint without any packed tensor: no silent
+    float load under a quantized label."""
+    import json
+
+    save_tiny(tmp_path, llama_config())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"declares quant_method='{qc['quant_method']}' but no module has"):
         load_model(tmp_path, torch.float32, "cpu")
 
 

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.lora.ops import add_lora
-from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops, quant_gemm
+from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops, quant_gemm, quant_pack
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
+from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from kvserve.model_executor.models import native_decode
@@ -33,7 +34,10 @@ def _head_dim(cfg) -> int:
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
     or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight``,
-    ``amx_gemm.AmxWeight`` or oneDNN's), or a GGUF-quantized ``quant_gemm.QuantWeight``."""
+    ``amx_gemm.AmxWeight`` or oneDNN's), a GGUF-quantized ``quant_gemm.QuantWeight``, or one
+    whose input columns were permuted at load (``InputPermutedWeight``: GPTQ act-order)."""
+    if isinstance(weight, InputPermutedWeight):
+        x, weight = weight.gather(x), weight.weight
     if isinstance(weight, quant_gemm.QuantWeight):
         return quant_gemm.linear(x, weight, bias)
     if isinstance(weight, amx_gemm.AmxWeight):
@@ -334,22 +338,29 @@ class LlamaForCausalLM(nn.Module):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
 
-    def quantize_linear_weights_int8(self) -> None:
-        """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its Q8_0 form
-        (``quant_gemm.quantize_q8_0``: int8 with a scale per 32 weights), after
-        ``load_weights`` and instead of ``prepack_linear_weights``; the embedding table stays
-        float (a tied LM head gets its own quantized copy). CPU only.
+    def quantize_linear_weights(self, method: str) -> None:
+        """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its block-quantized
+        form, after ``load_weights`` and instead of ``prepack_linear_weights``; the embedding
+        table stays float (a tied LM head gets its own quantized copy). CPU only.
 
+        Args:
+            method: ``"int8"``: Q8_0 (``quant_gemm.quantize_q8_0``: int8 with a scale per 32
+                weights); ``"int4"``: Q4_1 (``quant_pack.quantize_q4_1``: 4-bit codes with a
+                scale and offset per 32 weights, searched for the lowest squared error).
         Raises:
-            ValueError: off CPU, or a linear layer whose ``in_features`` is not a multiple of 32.
+            ValueError: an unknown ``method``, off CPU, or a linear layer whose ``in_features``
+                is not a multiple of 32.
         """
+        quantize = {"int8": quant_gemm.quantize_q8_0, "int4": quant_pack.quantize_q4_1}.get(method)
+        if quantize is None:
+            raise ValueError(f"quantize_linear_weights: method must be int8 or int4, got {method!r}")
         if self.embed_tokens.device.type != "cpu":
-            raise ValueError("quantization='int8' runs on CPU only")
+            raise ValueError(f"quantization={method!r} runs on CPU only")
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         names += self._lm_head_names()
         for module, name in names:
-            q = quant_gemm.quantize_q8_0(getattr(module, name))
+            q = quantize(getattr(module, name))
             module._parameters.pop(name, None)  # a plain attribute from now on
             setattr(module, name, q)
 

@@ -485,10 +485,10 @@ class ModelRunner:
         """Logits of the sampled rows (and prompt-logprob rows) of a ``forward``, sampled."""
         if inp is None or hidden is None:
             return self.sampler(None, list(metadata))
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+        logits, pl_logits = self.logits(inp, hidden)
+        assert logits is not None, "only the driver rank samples"
         outputs = self.sampler(logits, list(metadata))
-        if inp.prompt_rows is not None and inp.prompt_targets is not None:
-            pl_logits = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows))
+        if pl_logits is not None and inp.prompt_targets is not None:
             ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]
             entries = prompt_logprobs(pl_logits, inp.prompt_targets, ks)
             row = 0
@@ -497,6 +497,20 @@ class ModelRunner:
                 outputs[g].prompt_logprobs_start = lo + 1
                 row += count
         return outputs
+
+    @torch.inference_mode()
+    def logits(
+        self, inp: ModelInput, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """float32 logits ``[N, vocab]`` of the sampled rows and ``[Q, vocab]`` of the
+        prompt-logprob rows (None without any) of a ``forward``. Under tensor parallelism every
+        rank calls it after the same forward (the LM head's vocabulary slices meet in a gather
+        per call, in this order); the other ranks get ``(None, None)``."""
+        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+        pl_logits = None
+        if inp.prompt_rows is not None:
+            pl_logits = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows))
+        return logits, pl_logits
 
     @torch.inference_mode()
     def compute_logits(

@@ -6,8 +6,9 @@ T-1 peer processes (``torch.multiprocessing``, spawn), each a ``Worker`` of rank
 ``TensorParallelGroup`` (gloo on CPU, NCCL on CUDA). The scheduler runs once, in the engine
 that owns the driver; every step the driver sends each peer the same step (the
 ``ExecuteModelRequest``: metadata and the blocks to swap in / out / copy), then runs its own
-shard, and all ranks meet in the all-reduces of the forward. Only the driver computes logits
-and samples.
+shard, and all ranks meet in the all-reduces of the forward and in the gather of the
+vocab-parallel logits (the driver's ``compute_logits`` calls, the peers' ``ModelRunner.logits``).
+Only the driver samples.
 
 Why pipes for the step inputs and not a collective broadcast: a peer blocks on its pipe while
 the engine is idle, for as long as the server has no requests, with no timeout to expire; and
@@ -23,6 +24,7 @@ the next step as a ``RuntimeError`` naming its rank, pid and exit code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -41,16 +43,27 @@ START_TIMEOUT_S = 300.0
 #: Seconds ``shutdown`` waits for peers to exit by themselves before terminating them.
 STOP_GRACE_S = 5.0
 
-# The peers need no sampling settings: only what shapes the forward travels.
-_PEER_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+@functools.lru_cache(maxsize=64)
+def _peer_params(prompt_logprobs: int | None) -> SamplingParams:
+    # The peers need no sampling settings: only what shapes the forward and which rows get
+    # logits (the prompt-logprob rows join the LM head's gather too).
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs)
 
 
 def for_peers(req: ExecuteModelRequest) -> ExecuteModelRequest:
     """``req`` with what only the driver uses (sampling settings, seeded generators, grammar
-    bitmasks, prompt-logprob requests) stripped, so that it pickles and stays small."""
+    bitmasks) stripped, so that it pickles and stays small. What picks the rows that get
+    logits stays (``do_sample``, ``prompt_logprobs_from`` and the prompt-logprobs count): every
+    rank computes its slice of the same logits."""
     mds = [
         dataclasses.replace(
-            md, sampling_params=_PEER_PARAMS, generator=None, token_bitmask=None, prompt_logprobs_from=None
+            md,
+            sampling_params=_peer_params(
+                md.sampling_params.prompt_logprobs if md.prompt_logprobs_from is not None else None
+            ),
+            generator=None,
+            token_bitmask=None,
         )
         for md in req.seq_group_metadata_list
     ]

@@ -480,7 +480,8 @@ class Worker:
         return self._on_all_ranks("execute_model", req)
 
     def execute_model_local(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
-        """``execute_model`` on this rank only (a peer runs the forward and returns ``[]``)."""
+        """``execute_model`` on this rank only (a peer runs the forward and its LM head slice,
+        and returns ``[]``)."""
         self.apply_block_moves(req)
         if not req.seq_group_metadata_list:
             return []
@@ -488,11 +489,14 @@ class Worker:
         return self._run(req.seq_group_metadata_list)
 
     def _run(self, metadata: list[SequenceGroupMetadata]) -> list[CompletionSequenceGroupOutput]:
-        """Forward ``metadata`` on this rank; the driver also samples (peers return ``[]``)."""
+        """Forward ``metadata`` on this rank; the driver also samples (peers compute their
+        vocabulary slice of the same logits for the driver's gather, and return ``[]``)."""
         assert self.runner is not None and self.cache_engine is not None
         if self.is_driver:
             return self.runner.execute(metadata, self.cache_engine.gpu_cache)
-        self.runner.forward(metadata, self.cache_engine.gpu_cache)
+        inp, hidden = self.runner.forward(metadata, self.cache_engine.gpu_cache)
+        if inp is not None and hidden is not None:
+            self.runner.logits(inp, hidden)
         return []
 
     def apply_block_moves(self, req: ExecuteModelRequest) -> None:

@@ -1,5 +1,6 @@
 """Weight sharding without processes: every rank's part of a checkpoint tensor, put back
-together, is the whole tensor; each rank's model holds 1/T of the heads, KV heads and MLP."""
+together, is the whole tensor; each rank's model holds 1/T of the heads, KV heads and MLP, and
+ceil(vocab / T) rows of the embedding and the LM head."""
 
 from __future__ import annotations
 
@@ -61,8 +62,10 @@ def test_shards_reassemble_to_the_checkpoint_tensor(t, kv_mult, group, head_dim,
             assert tuple(p.shape) == m.shard_shape(name, tuple(w.shape))
             target = m.weight_target(name, tuple(w.shape))
             assert target is not None and tuple(target.shape) == tuple(p.shape)
-        if "norm" in name or "embed" in name:  # replicated
+        if "norm" in name:  # replicated
             assert all(torch.equal(p, w) for p in parts)
+        elif "embed" in name:  # vocab rows, zero-padded to a multiple of T
+            assert torch.equal(torch.cat(parts)[: w.shape[0]], w)
         else:
             dim = 1 if ("o_proj" in name or "down_proj" in name) else 0
             assert torch.equal(torch.cat(parts, dim=dim), w)
@@ -80,8 +83,79 @@ def test_tp_size_not_dividing_intermediate_is_refused():
         _model(4, 0, 4, 4, 4, 10)
 
 
-def test_driver_keeps_the_lm_head_peers_drop_it():
-    a, b = _model(2, 0, 4, 2, 4, 8), _model(2, 1, 4, 2, 4, 8)
-    a.prepack_linear_weights()
-    b.prepack_linear_weights()
-    assert a.lm_head is not None and b.lm_head is None
+class _OneRank:
+    """A tensor-parallel group stand-in for one rank of an in-process test: ``all_reduce``
+    keeps the partial (the test sums the ranks), ``gather`` returns ``parts`` on rank 0."""
+
+    def __init__(self, rank: int, world_size: int, parts=None):
+        self.rank, self.world_size, self.parts = rank, world_size, parts
+
+    def all_reduce(self, t):
+        return t
+
+    def gather(self, t):
+        return None if self.rank else [t] + list(self.parts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 70), t=st.integers(1, 5), data=st.data())
+def test_vocab_shards_cover_the_vocabulary_once(vocab, t, data):
+    """Every token id is in exactly one rank's range; the embedding lookups summed over the
+    ranks equal the full table's; the gathered logits equal the full LM head's, padding
+    dropped."""
+    from kvserve.model_executor.layers import vocab_parallel as vp
+
+    shards = [vp.VocabShard.of(vocab, t, r) for r in range(t)]
+    assert all(s.rows == -(-vocab // t) for s in shards)
+    assert shards[0].padded_vocab % t == 0 and shards[0].padded_vocab >= vocab
+    owners = [sum(s.start <= i < s.end for s in shards) for i in range(vocab)]
+    assert owners == [1] * vocab
+    table = torch.randn(vocab, 8)
+    parts = [s.take(table) for s in shards]
+    assert all(p.shape == (s.rows, 8) for p, s in zip(parts, shards))
+    assert torch.equal(torch.cat(parts)[:vocab], table)
+    assert not torch.cat(parts)[vocab:].any()  # the padding rows are zeros
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12)))
+    summed = sum(vp.embedding(ids, p, s, _OneRank(s.rank, t)) for p, s in zip(parts, shards))
+    assert torch.equal(summed, torch.nn.functional.embedding(ids, table))
+    hidden = torch.randn(3, 8)
+    locals_ = [hidden @ p.T for p in parts]
+    assert vp.gather_logits(locals_[1 % t], shards[1 % t], _OneRank(1, t)) is None or t == 1
+    full = vp.gather_logits(locals_[0], shards[0], _OneRank(0, t, locals_[1:]))
+    assert full is not None and full.shape == (3, vocab) and full.is_contiguous()
+    torch.testing.assert_close(full, hidden @ table.T)
+
+
+def test_bad_vocab_shard_is_refused():
+    from kvserve.model_executor.layers.vocab_parallel import VocabShard
+
+    with pytest.raises(ValueError, match="rank=2"):
+        VocabShard.of(10, 2, 2)
+    with pytest.raises(ValueError, match="expected 10 vocabulary rows, got 9"):
+        VocabShard.of(10, 2, 0).take(torch.zeros(9, 4))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_rank_holds_its_vocab_rows_of_the_embedding_and_lm_head(tied):
+    """Vocab 33 over 2 ranks: 17 rows each (rank 1: 16 real + 1 zero row); tied, the LM head
+    is the rank's own embedding rows (one shard, packed into the GEMM's layout)."""
+    cfg = llama_config(
+        vocab_size=33, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    full = {"model.embed_tokens.weight": torch.randn(33, 16), "lm_head.weight": torch.randn(33, 16)}
+    models = [LlamaForCausalLM(cfg, tp=SimpleNamespace(rank=r, world_size=2)) for r in range(2)]
+    for r, m in enumerate(models):
+        assert m.embed_tokens.shape == (17, 16)
+        assert (m.lm_head is m.embed_tokens) == tied
+        for name, w in full.items():
+            target = m.weight_target(name, (33, 16))
+            if tied and name == "lm_head.weight":
+                assert target is None  # the embedding rows serve as the head
+                continue
+            assert target is not None and target.shape == (17, 16)
+            target.copy_(m.shard_weight(name, w))
+            assert torch.equal(target[: 17 - r], w[17 * r : 17 * r + 17 - r])
+        with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(32, 16\)"):
+            m.weight_target("model.embed_tokens.weight", (32, 16))
+        assert m.lm_head.shape == (17, 16)

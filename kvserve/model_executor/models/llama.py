@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.lora.ops import add_lora
-from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops, quant_gemm, quant_pack
+from kvserve.model_executor.layers import (
+    amx_gemm,
+    native_gemm,
+    native_ops,
+    quant_gemm,
+    quant_pack,
+    vocab_parallel,
+)
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
@@ -240,8 +247,12 @@ class LlamaForCausalLM(nn.Module):
         tp: this rank's ``kvserve.worker.parallel_state.TensorParallelGroup`` (None = one
             process). Megatron-style: q/k/v and gate/up column-parallel, o and down
             row-parallel with an all-reduce after each; ``num_kv_heads`` (and so the KV cache)
-            is this rank's share. The embedding table is replicated on every rank; the LM head
-            lives on the driver (rank 0) only, which alone computes logits and samples.
+            is this rank's share. The embedding table and the LM head are vocab-parallel
+            (``layers.vocab_parallel``): each rank holds ``ceil(vocab / T)`` rows of each
+            (``vocab_shard``; zero rows pad the vocabulary to a multiple of T), the embedding
+            output is all-reduced and the logits are gathered on the driver (rank 0), which
+            alone samples. A tied LM head is the rank's embedding rows (one table shard, plus
+            the packed or quantized copy the GEMM reads).
 
     Raises:
         ValueError: for unsupported activations or rope scaling types, or a ``tp`` size that
@@ -273,10 +284,13 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = _head_dim(cfg)
         self.num_kv_heads = kv_heads // self.tp_size
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        #: This rank's vocabulary rows of the embedding and the LM head (all of them at T = 1).
+        self.vocab_shard = vocab_parallel.VocabShard.of(cfg.vocab_size, self.tp_size, self.tp_rank)
+        vocab_rows = self.vocab_shard.rows
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
         self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
@@ -286,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens
             if self.tie_word_embeddings
             else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+                torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
         )
 
@@ -309,6 +323,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if isinstance(self.embed_tokens, quant_gemm.QuantWeight):
             x = quant_gemm.embedding(input_ids, self.embed_tokens, self.dtype)
+        elif self.tp is not None:
+            x = vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
@@ -320,9 +336,17 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``."""
-        return linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``.
+
+        Under tensor parallelism every rank must call it with the same N (each computes its
+        vocabulary slice, gathered on the driver): the driver gets the full logits, the other
+        ranks ``None``.
+        """
+        local = linear(hidden, self.lm_head).float()
+        if self.tp is None:
+            return local
+        return vocab_parallel.gather_logits(local, self.vocab_shard, self.tp)
 
     def prepack_linear_weights(self) -> None:
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
@@ -331,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         # a tied lm_head is the embedding Parameter itself: it is replaced by a packed copy
-        names += self._lm_head_names()
+        names.append((self, "lm_head"))
         for module, name in names:
             packed = prepack_weight(getattr(module, name))
             if packed is not getattr(module, name):
@@ -358,20 +382,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"quantization={method!r} runs on CPU only")
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
-        names += self._lm_head_names()
+        names.append((self, "lm_head"))
         for module, name in names:
             q = quantize(getattr(module, name))
             module._parameters.pop(name, None)  # a plain attribute from now on
             setattr(module, name, q)
-
-    def _lm_head_names(self) -> list:
-        """``[(self, "lm_head")]`` on the rank that computes logits; on the other
-        tensor-parallel ranks the LM head is dropped instead (they never compute logits)."""
-        if self.tp_rank == 0:
-            return [(self, "lm_head")]
-        self._parameters.pop("lm_head", None)
-        self.lm_head = None
-        return []
 
     # ------------------------------------------------------------------ weights
     #: Checkpoint tensor name suffix -> the dimension a tensor-parallel rank takes 1/T of
@@ -389,8 +404,15 @@ class LlamaForCausalLM(nn.Module):
         "mlp.down_proj.weight": 1,
     }
 
+    #: Checkpoint tensors split by vocabulary rows (``vocab_shard``).
+    _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
     def _shard_dim(self, name: str) -> int | None:
-        if self.tp_size == 1 or not name.startswith("model.layers."):
+        if self.tp_size == 1:
+            return None
+        if name in self._VOCAB_TENSORS:
+            return 0
+        if not name.startswith("model.layers."):
             return None
         rest = name.split(".", 3)[-1]
         return self._SHARD_DIMS.get(rest)
@@ -402,22 +424,30 @@ class LlamaForCausalLM(nn.Module):
         if dim is None or dim >= len(shape):
             return tuple(shape)
         out = list(shape)
-        out[dim] //= self.tp_size
+        if name in self._VOCAB_TENSORS:
+            # a tensor of the wrong vocabulary gets a shape no target has (the caller names it)
+            out[0] = self.vocab_shard.rows if shape[0] == self.vocab_shard.vocab_size else -1
+        else:
+            out[dim] //= self.tp_size
         return tuple(out)
 
     def shard_weight(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor ``t`` named ``name``: a contiguous
-        1/T slice along its shard dimension; o's bias only on rank 0 (zeros elsewhere, so the
-        all-reduce adds it once); ``t`` itself for replicated tensors and at TP=1.
+        1/T slice along its shard dimension; the embedding's and LM head's ``vocab_shard`` rows
+        (zero-padded); o's bias only on rank 0 (zeros elsewhere, so the all-reduce adds it
+        once); ``t`` itself for replicated tensors and at TP=1.
 
         Raises:
-            ValueError: the shard dimension does not divide by the tensor-parallel size.
+            ValueError: the shard dimension does not divide by the tensor-parallel size, or a
+                vocabulary tensor without ``vocab_size`` rows.
         """
         if self.tp_size > 1 and name.endswith("self_attn.o_proj.bias"):
             return t if self.tp_rank == 0 else torch.zeros_like(t)
         dim = self._shard_dim(name)
         if dim is None or dim >= t.dim():
             return t
+        if name in self._VOCAB_TENSORS:
+            return self.vocab_shard.take(t)
         n = t.shape[dim]
         if n % self.tp_size:
             raise ValueError(

@@ -1,0 +1,105 @@
+"""Vocab-parallel embedding and LM head (Megatron's split of the vocabulary over the ranks).
+
+With a tensor-parallel group of size T, rank r holds rows ``[r*S, (r+1)*S)`` of the embedding
+table and of the LM head, ``S = ceil(vocab / T)``; the vocabulary is padded with zero rows to
+``T*S``, so only the last rank(s) hold padding.
+
+- Embedding: each rank looks up the ids in its range (ids outside it give zero rows) and the
+  partial ``[tokens, hidden]`` results are summed over the ranks (one all-reduce per forward).
+  Ids are validated against the vocabulary before they reach the model
+  (``engine.input_processor``), so no id falls in the padding or outside every range.
+- LM head: each rank computes its ``[N, S]`` float32 slice of the logits and the driver (rank
+  0) gathers them into ``[N, vocab]``; the padded columns are dropped there, never sampled.
+
+Measured on the shared 2-core CPU machine (gloo over loopback, float32, one thread per rank),
+the extra all-reduce of the embedding output costs about as much as one of the 2 x layers
+all-reduces every forward already does (``docs/DESIGN.md``, tensor parallelism): for a 30-layer
+model it adds 1 call to 60; in exchange each rank holds 1/T of the table instead of all of it
+(49152 x 576 float32 = 108 MiB for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+    """One rank's range of the vocabulary.
+
+    Attributes:
+        vocab_size: the model's vocabulary V. world_size: T. rank: r.
+        rows: ``S = ceil(V / T)`` rows per rank (V at T = 1).
+        start: the first token id this rank holds, ``r * S``.
+        end: one past the last real token id it holds, ``min((r + 1) * S, V)`` (may equal
+            ``start`` for a rank that holds only padding, when T > V / S).
+    """
+
+    vocab_size: int
+    world_size: int
+    rank: int
+    rows: int
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, vocab_size: int, world_size: int, rank: int) -> VocabShard:
+        """Rank ``rank``'s shard of a ``vocab_size`` vocabulary over ``world_size`` ranks.
+
+        Raises:
+            ValueError: ``vocab_size < 1``, ``world_size < 1`` or ``rank`` outside ``[0, T)``.
+        """
+        if vocab_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"bad vocab shard: vocab_size={vocab_size}, world_size={world_size}, rank={rank}"
+            )
+        rows = -(-vocab_size // world_size)
+        start = min(rank * rows, vocab_size)
+        return cls(vocab_size, world_size, rank, rows, start, min(start + rows, vocab_size))
+
+    @property
+    def padded_vocab(self) -> int:
+        """``T * S``: the vocabulary padded to a multiple of T."""
+        return self.world_size * self.rows
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[S, ...]`` rows of the full ``[V, ...]`` tensor ``full`` (a view when no
+        padding is needed, else a copy with zero rows appended).
+
+        Raises:
+            ValueError: ``full`` does not have V rows.
+        """
+        if full.shape[0] != self.vocab_size:
+            raise ValueError(f"expected {self.vocab_size} vocabulary rows, got {full.shape[0]}")
+        part = full[self.start : self.end]
+        if part.shape[0] == self.rows:
+            return part
+        pad = full.new_zeros((self.rows - part.shape[0], *full.shape[1:]))
+        return torch.cat([part, pad])
+
+
+def embedding(input_ids: torch.Tensor, table: torch.Tensor, shard: VocabShard, tp) -> torch.Tensor:
+    """Embedding rows ``[T, hidden]`` of ``input_ids`` (int64 ``[T]``, in ``[0, V)``) looked up
+    in this rank's ``table`` ``[S, hidden]`` and summed over the ranks (``tp.all_reduce``):
+    every rank returns the full rows."""
+    local = input_ids - shard.start
+    outside = (local < 0) | (local >= shard.end - shard.start)
+    x = F.embedding(local.masked_fill(outside, 0), table)
+    x.masked_fill_(outside.unsqueeze(1), 0)
+    return tp.all_reduce(x)
+
+
+def gather_logits(local: torch.Tensor, shard: VocabShard, tp) -> torch.Tensor | None:
+    """The full float32 logits ``[N, V]`` on rank 0 from every rank's ``local`` ``[N, S]``
+    slice (``tp.gather``); ``None`` on the other ranks. Every rank must call it with the same
+    N (the same rows), as the forward's collectives."""
+    parts = tp.gather(local.contiguous())
+    if parts is None:
+        return None
+    full = torch.cat(parts, dim=1)
+    if full.shape[1] != shard.vocab_size:
+        full = full[:, : shard.vocab_size].contiguous()  # the padding is never sampled
+    return full

@@ -159,3 +159,17 @@ def test_every_rank_holds_its_vocab_rows_of_the_embedding_and_lm_head(tied):
         with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(32, 16\)"):
             m.weight_target("model.embed_tokens.weight", (32, 16))
         assert m.lm_head.shape == (17, 16)
+
+
+def test_a_step_without_logit_rows_skips_the_gather():
+    """Only mid-prompt chunks scheduled: no rank enters the gather (each sees N = 0)."""
+    from kvserve.model_executor.layers import vocab_parallel as vp
+
+    class NoGather(_OneRank):
+        def gather(self, t):
+            raise AssertionError("gather called with no rows")
+
+    s0, s1 = vp.VocabShard.of(33, 2, 0), vp.VocabShard.of(33, 2, 1)
+    out = vp.gather_logits(torch.empty(0, 17), s0, NoGather(0, 2))
+    assert out is not None and out.shape == (0, 33)
+    assert vp.gather_logits(torch.empty(0, 17), s1, NoGather(1, 2)) is None

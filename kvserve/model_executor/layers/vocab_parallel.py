@@ -96,6 +96,8 @@ def gather_logits(local: torch.Tensor, shard: VocabShard, tp) -> torch.Tensor | 
     """The full float32 logits ``[N, V]`` on rank 0 from every rank's ``local`` ``[N, S]``
     slice (``tp.gather``); ``None`` on the other ranks. Every rank must call it with the same
     N (the same rows), as the forward's collectives."""
+    if local.shape[0] == 0:  # N comes from the step's metadata, the same on every rank
+        return None if tp.rank else local.new_empty((0, shard.vocab_size))
     parts = tp.gather(local.contiguous())
     if parts is None:
         return None

@@ -369,6 +369,25 @@ class Worker:
         self.tp.stats.reset()
         return dt
 
+    def time_gather(self, rows: int, reps: int = 20) -> float:
+        """Mean seconds of one gather of a ``[rows, vocab / T]`` float32 logits slice from every
+        rank to the driver, all ranks doing nothing else (the LM head's transfer alone, for the
+        benchmark); 0.0 at T = 1."""
+        return self._on_all_ranks("time_gather", rows, reps)
+
+    def time_gather_local(self, rows: int, reps: int = 20) -> float:
+        """``time_gather`` on this rank."""
+        if self.tp is None:
+            return 0.0
+        x = torch.zeros(rows, self.model.vocab_shard.rows, dtype=torch.float32, device=self.device)
+        self.tp.barrier()
+        t = time.perf_counter()
+        for _ in range(reps):
+            self.tp.gather(x)
+        dt = (time.perf_counter() - t) / reps
+        self.tp.gather_stats.reset()
+        return dt
+
     def shutdown(self) -> None:
         """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1."""
         if self.peers is not None:

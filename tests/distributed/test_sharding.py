@@ -4,6 +4,7 @@ ceil(vocab / T) rows of the embedding and the LM head."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,15 @@ from kvserve.model_executor.models.llama import LlamaForCausalLM
 from tests.executor.helpers import llama_config
 
 SHARDED_ROWS = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
+
+
+def _shard_embedding_env(on: bool):
+    """The embedding layout override (``vocab_parallel.SHARD_EMBEDDING_ENV``) set to ``on``."""
+    from unittest import mock
+
+    from kvserve.model_executor.layers.vocab_parallel import SHARD_EMBEDDING_ENV
+
+    return mock.patch.dict(os.environ, {SHARD_EMBEDDING_ENV: "1" if on else "0"})
 
 
 def _model(t: int, rank: int, heads: int, kv: int, head_dim: int, inter: int) -> LlamaForCausalLM:
@@ -36,8 +46,9 @@ def _model(t: int, rank: int, heads: int, kv: int, head_dim: int, inter: int) ->
     group=st.integers(1, 3),
     head_dim=st.sampled_from([4, 8]),
     inter_mult=st.integers(1, 3),
+    shard_embedding=st.booleans(),
 )
-def test_shards_reassemble_to_the_checkpoint_tensor(t, kv_mult, group, head_dim, inter_mult):
+def test_shards_reassemble_to_the_checkpoint_tensor(t, kv_mult, group, head_dim, inter_mult, shard_embedding):
     kv = t * kv_mult
     heads = kv * group
     inter = 4 * t * inter_mult
@@ -51,8 +62,10 @@ def test_shards_reassemble_to_the_checkpoint_tensor(t, kv_mult, group, head_dim,
         "model.layers.0.input_layernorm.weight": torch.randn(hidden),
         "model.embed_tokens.weight": torch.randn(32, hidden),
     }
-    models = [_model(t, r, heads, kv, head_dim, inter) for r in range(t)]
+    with _shard_embedding_env(shard_embedding):
+        models = [_model(t, r, heads, kv, head_dim, inter) for r in range(t)]
     for m in models:
+        assert m.shard_embedding == shard_embedding
         assert m.num_kv_heads == kv // t
         assert m.layers[0].self_attn.num_heads == heads // t
         assert m.layers[0].mlp.inter == inter // t
@@ -62,10 +75,11 @@ def test_shards_reassemble_to_the_checkpoint_tensor(t, kv_mult, group, head_dim,
             assert tuple(p.shape) == m.shard_shape(name, tuple(w.shape))
             target = m.weight_target(name, tuple(w.shape))
             assert target is not None and tuple(target.shape) == tuple(p.shape)
-        if "norm" in name:  # replicated
+        if "norm" in name or ("embed" in name and not shard_embedding):  # replicated
             assert all(torch.equal(p, w) for p in parts)
         elif "embed" in name:  # vocab rows, zero-padded to a multiple of T
             assert torch.equal(torch.cat(parts)[: w.shape[0]], w)
+            assert not torch.cat(parts)[w.shape[0] :].any()
         else:
             dim = 1 if ("o_proj" in name or "down_proj" in name) else 0
             assert torch.equal(torch.cat(parts, dim=dim), w)
@@ -135,30 +149,38 @@ def test_bad_vocab_shard_is_refused():
         VocabShard.of(10, 2, 0).take(torch.zeros(9, 4))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_every_rank_holds_its_vocab_rows_of_the_embedding_and_lm_head(tied):
-    """Vocab 33 over 2 ranks: 17 rows each (rank 1: 16 real + 1 zero row); tied, the LM head
-    is the rank's own embedding rows (one shard, packed into the GEMM's layout)."""
+@pytest.mark.parametrize("shard_embedding", [False, True], ids=["replicated_embedding", "sharded_embedding"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_rank_holds_its_vocab_rows_of_the_lm_head(tied, shard_embedding):
+    """Vocab 33 over 2 ranks: 17 LM head rows each (rank 1: 16 real + 1 zero row). The
+    embedding is all 33 rows (padded to 34) when replicated, the same 17 when sharded; tied,
+    the LM head is this rank's rows of the embedding table (the same memory)."""
     cfg = llama_config(
         vocab_size=33, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
     )  # fmt: skip
     full = {"model.embed_tokens.weight": torch.randn(33, 16), "lm_head.weight": torch.randn(33, 16)}
-    models = [LlamaForCausalLM(cfg, tp=SimpleNamespace(rank=r, world_size=2)) for r in range(2)]
+    with _shard_embedding_env(shard_embedding):
+        models = [LlamaForCausalLM(cfg, tp=SimpleNamespace(rank=r, world_size=2)) for r in range(2)]
     for r, m in enumerate(models):
-        assert m.embed_tokens.shape == (17, 16)
-        assert (m.lm_head is m.embed_tokens) == tied
+        assert m.embed_tokens.shape == ((17, 16) if shard_embedding else (34, 16))
+        assert m.lm_head.shape == (17, 16)
+        if tied:  # no copy: the head's memory is the table's
+            assert m.lm_head.data_ptr() == m.embed_tokens[0 if shard_embedding else 17 * r].data_ptr()
         for name, w in full.items():
             target = m.weight_target(name, (33, 16))
             if tied and name == "lm_head.weight":
                 assert target is None  # the embedding rows serve as the head
                 continue
-            assert target is not None and target.shape == (17, 16)
+            assert target is not None
             target.copy_(m.shard_weight(name, w))
-            assert torch.equal(target[: 17 - r], w[17 * r : 17 * r + 17 - r])
+        head = full["model.embed_tokens.weight" if tied else "lm_head.weight"][17 * r : 17 * r + 17]
+        assert torch.equal(m.lm_head[: len(head)], head)
+        assert not m.lm_head[len(head) :].any()  # rank 1's padding row
+        if not shard_embedding:
+            assert torch.equal(m.embed_tokens[:33], full["model.embed_tokens.weight"])
         with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(32, 16\)"):
             m.weight_target("model.embed_tokens.weight", (32, 16))
-        assert m.lm_head.shape == (17, 16)
 
 
 def test_a_step_without_logit_rows_skips_the_gather():

@@ -49,15 +49,30 @@ def prompts():
     return ps + [ps[2][:24] + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 13)]
 
 
-#: The tiny models: ``untied`` (vocab 49152) and ``tied_odd_vocab`` (tied, vocab 49153).
-MODELS = {"untied": "tiny_llama_dir", "tied_odd_vocab": "tiny_llama_tied_odd_vocab_dir"}
+#: The tiny models: ``untied`` (vocab 49152) and ``tied_odd_vocab`` (tied, vocab 49153), with
+#: the CPU's replicated embedding, and the second with the embedding sharded too (CUDA's layout).
+MODELS = {
+    "untied": "tiny_llama_dir",
+    "tied_odd_vocab": "tiny_llama_tied_odd_vocab_dir",
+    "tied_odd_vocab-sharded_embedding": "tiny_llama_tied_odd_vocab_dir",
+}
 _REFERENCES: dict = {}
 
 
-def _model_and_references(request, which: str, prompts):
-    """The model directory named by ``MODELS[which]`` and transformers' greedy references for
-    ``prompts`` (computed once per model)."""
-    path = request.getfixturevalue(MODELS[which])
+def _use_model(request, which: str, monkeypatch) -> str:
+    """The model directory of ``MODELS[which]``, with the embedding layout it asks for set for
+    the TP engines started after this (their peers inherit the environment)."""
+    from kvserve.model_executor.layers.vocab_parallel import SHARD_EMBEDDING_ENV
+
+    monkeypatch.setenv(SHARD_EMBEDDING_ENV, "1" if which.endswith("sharded_embedding") else "0")
+    return request.getfixturevalue(MODELS[which])
+
+
+def _model_and_references(request, which: str, prompts, monkeypatch):
+    """``_use_model`` and transformers' greedy references for ``prompts`` (computed once per
+    model)."""
+    path = _use_model(request, which, monkeypatch)
+    which = MODELS[which]
     if which not in _REFERENCES:
         import torch
         from transformers import AutoModelForCausalLM
@@ -75,10 +90,13 @@ def _tokens(finals, n):
     return [finals[f"r{i}"].outputs[0].token_ids for i in range(n)]
 
 
-@pytest.mark.parametrize("which", list(MODELS))
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(request, prompts, name, which):
-    model_dir, references = _model_and_references(request, which, prompts)
+@pytest.mark.parametrize(
+    "name, which",
+    [(name, which) for name in CONFIGS for which in list(MODELS)[:2]]
+    + [("chunked_prefix_recompute", "tied_odd_vocab-sharded_embedding")],
+)
+def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(request, prompts, name, which, monkeypatch):
+    model_dir, references = _model_and_references(request, which, prompts, monkeypatch)
     cfg = CONFIGS[name]
     requests = [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
     one = LLM(model=str(model_dir), **ENGINE, **cfg)
@@ -92,8 +110,10 @@ def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(request, prompt
         assert model.num_kv_heads == 1  # 2 KV heads over 2 ranks
         assert engine.executor.cache_engine.device_cache.shape[2] == 1
         vocab = model.config.vocab_size
-        assert model.embed_tokens.shape[0] == -(-vocab // 2)  # the driver's vocab rows only
-        assert model.tie_word_embeddings == (which == "tied_odd_vocab")
+        half = -(-vocab // 2)
+        assert model.lm_head.out_features == half  # the driver's vocab rows only (packed)
+        assert model.embed_tokens.shape[0] == (half if which.endswith("sharded_embedding") else 2 * half)
+        assert model.tie_word_embeddings == which.startswith("tied")
         finals = run_engine(engine, requests)
         check_all(finals, references)
         stats = engine.get_kv_cache_stats()
@@ -126,7 +146,7 @@ def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
         "forward_layers",
         lambda model, *a: native_steps.append(model.tp_size) or real(model, *a),
     )
-    tiny_llama_dir = request.getfixturevalue(MODELS[which])
+    tiny_llama_dir = _use_model(request, which, monkeypatch)
     params = greedy(max_tokens=4, logprobs=5, prompt_logprobs=2)
     batch = [{"prompt_token_ids": p} for p in prompts[:3]]
     one = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128)
@@ -141,7 +161,7 @@ def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
     finally:
         llm.shutdown()
     assert 1 in native_steps and 2 in native_steps, native_steps
-    vocab = 49153 if which == "tied_odd_vocab" else 49152
+    vocab = 49152 if which == "untied" else 49153
     # the gathered logits: every row of the step, the real vocabulary, no padding column
     assert widths and all(w[1] == vocab for w in widths), widths
     assert widths[0][0] == 3 and widths[-1][0] == 3
@@ -170,11 +190,11 @@ def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
     ],
     ids=["int8", "bfloat16", "int8-tied_odd_vocab"],
 )
-def test_tp2_int8_and_bfloat16_equal_tp1(request, prompts, kw, which):
+def test_tp2_int8_and_bfloat16_equal_tp1(request, prompts, kw, which, monkeypatch):
     """int8 shards quantize the same Q8_0 blocks as the whole weight (shards split on 32-column
     boundaries; the LM head's vocab rows are whole rows); bfloat16 activations are all-reduced
     in float32."""
-    tiny_llama_dir = request.getfixturevalue(MODELS[which])
+    tiny_llama_dir = _use_model(request, which, monkeypatch)
     engine_kw = {**ENGINE, **kw, "num_gpu_blocks": 128}
     params = greedy(max_tokens=6)
     batch = [{"prompt_token_ids": p} for p in prompts[:3]]

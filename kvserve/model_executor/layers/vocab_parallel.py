@@ -1,29 +1,58 @@
-"""Vocab-parallel embedding and LM head (Megatron's split of the vocabulary over the ranks).
+"""Vocab-parallel LM head and embedding (Megatron's split of the vocabulary over the ranks).
 
-With a tensor-parallel group of size T, rank r holds rows ``[r*S, (r+1)*S)`` of the embedding
-table and of the LM head, ``S = ceil(vocab / T)``; the vocabulary is padded with zero rows to
-``T*S``, so only the last rank(s) hold padding.
+With a tensor-parallel group of size T, rank r holds rows ``[r*S, (r+1)*S)`` of the LM head
+(and, where the embedding is sharded, of the embedding table), ``S = ceil(vocab / T)``; the
+vocabulary is padded with zero rows to ``T*S``, so only the last rank(s) hold padding.
 
-- Embedding: each rank looks up the ids in its range (ids outside it give zero rows) and the
-  partial ``[tokens, hidden]`` results are summed over the ranks (one all-reduce per forward).
-  Ids are validated against the vocabulary before they reach the model
+- LM head (always, at T > 1): each rank computes its ``[N, S]`` float32 slice of the logits of
+  the rows that need them (the sampler's rows, then any prompt-logprob rows) and the driver
+  (rank 0) gathers them into ``[N, vocab]``; the padded columns are dropped there, never
+  sampled.
+- Embedding (``embedding_is_sharded``): each rank looks up the ids in its range (ids outside it
+  give zero rows) and the partial ``[tokens, hidden]`` results are summed over the ranks (one
+  all-reduce per forward). Ids are validated against the vocabulary before they reach the model
   (``engine.input_processor``), so no id falls in the padding or outside every range.
-- LM head: each rank computes its ``[N, S]`` float32 slice of the logits and the driver (rank
-  0) gathers them into ``[N, vocab]``; the padded columns are dropped there, never sampled.
 
-Measured on the shared 2-core CPU machine (gloo over loopback, float32, one thread per rank),
-the extra all-reduce of the embedding output costs about as much as one of the 2 x layers
-all-reduces every forward already does (``docs/DESIGN.md``, tensor parallelism): for a 30-layer
-model it adds 1 call to 60; in exchange each rank holds 1/T of the table instead of all of it
-(49152 x 576 float32 = 108 MiB for SmolLM2-135M).
+Why the embedding stays replicated on CPU: measured on the shared 2-core machine (load average
+~8, gloo over loopback, float32, hidden 512, vocab 49152, one thread per rank), the replicated
+lookup takes 5-15 us for 1-128 tokens (0.37 ms for 512), while the sharded one takes a masked
+lookup (30-270 us) plus an all-reduce of ``[tokens, 512]`` of 0.4-2.7 ms (1.3 ms at 512): one
+more of the forward's latency-bound collectives (2 x layers + 1 instead of 2 x layers), paid on
+every step, to save ``(T - 1) / T`` of a table that host memory holds easily (49152 x 512
+float32 = 96 MiB per rank). On CUDA, where device memory is the limit and an NCCL all-reduce
+costs microseconds, the table is sharded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
+
+#: Environment override of ``embedding_is_sharded``: ``1`` shards the table, ``0`` replicates it.
+SHARD_EMBEDDING_ENV = "KVSERVE_TP_SHARD_EMBEDDING"
+
+
+def embedding_is_sharded(tp, device) -> bool:
+    """Whether a model under the tensor-parallel group ``tp`` (None: one process) on ``device``
+    splits its embedding table by vocabulary rows: on CUDA yes (device memory is what runs out;
+    an NCCL all-reduce of ``[tokens, hidden]`` is cheap), on CPU no (see the module docstring
+    for the measurement). ``KVSERVE_TP_SHARD_EMBEDDING`` (``0`` / ``1``) overrides, for every
+    rank (the peers inherit the environment).
+
+    Raises:
+        ValueError: the override is neither ``0`` nor ``1``.
+    """
+    if tp is None:
+        return False
+    env = os.environ.get(SHARD_EMBEDDING_ENV)
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"{SHARD_EMBEDDING_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    return str(device).startswith("cuda")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,12 +247,13 @@ class LlamaForCausalLM(nn.Module):
         tp: this rank's ``kvserve.worker.parallel_state.TensorParallelGroup`` (None = one
             process). Megatron-style: q/k/v and gate/up column-parallel, o and down
             row-parallel with an all-reduce after each; ``num_kv_heads`` (and so the KV cache)
-            is this rank's share. The embedding table and the LM head are vocab-parallel
-            (``layers.vocab_parallel``): each rank holds ``ceil(vocab / T)`` rows of each
-            (``vocab_shard``; zero rows pad the vocabulary to a multiple of T), the embedding
-            output is all-reduced and the logits are gathered on the driver (rank 0), which
-            alone samples. A tied LM head is the rank's embedding rows (one table shard, plus
-            the packed or quantized copy the GEMM reads).
+            is this rank's share. The LM head is vocab-parallel (``layers.vocab_parallel``):
+            each rank holds ``ceil(vocab / T)`` rows of it (``vocab_shard``; zero rows pad the
+            vocabulary to a multiple of T) and the logits are gathered on the driver (rank 0),
+            which alone samples. The embedding table is replicated on CPU and vocab-parallel
+            (looked up in range, all-reduced) on CUDA (``vocab_parallel.embedding_is_sharded``);
+            a tied LM head is this rank's rows of that table, a view of it (the GEMM reads a
+            packed or quantized copy of those rows).
 
     Raises:
         ValueError: for unsupported activations or rope scaling types, or a ``tp`` size that
@@ -284,25 +285,32 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = _head_dim(cfg)
         self.num_kv_heads = kv_heads // self.tp_size
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        #: This rank's vocabulary rows of the embedding and the LM head (all of them at T = 1).
+        #: This rank's vocabulary rows of the LM head (and of a sharded embedding); all at T = 1.
         self.vocab_shard = vocab_parallel.VocabShard.of(cfg.vocab_size, self.tp_size, self.tp_rank)
-        vocab_rows = self.vocab_shard.rows
+        #: Whether the embedding table is vocab-parallel too (else replicated on every rank).
+        self.shard_embedding = vocab_parallel.embedding_is_sharded(tp, device)
+        head_rows = self.vocab_shard.rows
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
+        # a replicated table is padded to T * S rows (zeros) so that a tied head is a view of it
+        embed_rows = head_rows if self.shard_embedding else self.vocab_shard.padded_vocab
         self.embed_tokens = nn.Parameter(
-            torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(embed_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        if embed_rows > cfg.vocab_size and not self.shard_embedding:
+            self.embed_tokens.data[cfg.vocab_size :].zero_()
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            self.embed_tokens
-            if self.tie_word_embeddings
-            else nn.Parameter(
-                torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(head_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
-        )
+        elif embed_rows == head_rows:  # TP = 1, or a sharded table: the head is the table
+            self.lm_head = self.embed_tokens
+        else:  # this rank's rows of the replicated table, filled as the table is loaded
+            self.lm_head = self.embed_tokens.data[self.vocab_shard.start : self.vocab_shard.start + head_rows]
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -323,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if isinstance(self.embed_tokens, quant_gemm.QuantWeight):
             x = quant_gemm.embedding(input_ids, self.embed_tokens, self.dtype)
-        elif self.tp is not None:
+        elif self.shard_embedding:
             x = vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
@@ -404,13 +412,16 @@ class LlamaForCausalLM(nn.Module):
         "mlp.down_proj.weight": 1,
     }
 
-    #: Checkpoint tensors split by vocabulary rows (``vocab_shard``).
-    _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+    def _vocab_sharded(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is split by vocabulary rows (``vocab_shard``)."""
+        return self.tp_size > 1 and (
+            name == "lm_head.weight" or (name == "model.embed_tokens.weight" and self.shard_embedding)
+        )
 
     def _shard_dim(self, name: str) -> int | None:
         if self.tp_size == 1:
             return None
-        if name in self._VOCAB_TENSORS:
+        if self._vocab_sharded(name):
             return 0
         if not name.startswith("model.layers."):
             return None
@@ -424,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
         if dim is None or dim >= len(shape):
             return tuple(shape)
         out = list(shape)
-        if name in self._VOCAB_TENSORS:
+        if self._vocab_sharded(name):
             # a tensor of the wrong vocabulary gets a shape no target has (the caller names it)
             out[0] = self.vocab_shard.rows if shape[0] == self.vocab_shard.vocab_size else -1
         else:
@@ -433,8 +444,8 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_weight(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor ``t`` named ``name``: a contiguous
-        1/T slice along its shard dimension; the embedding's and LM head's ``vocab_shard`` rows
-        (zero-padded); o's bias only on rank 0 (zeros elsewhere, so the all-reduce adds it
+        1/T slice along its shard dimension; the LM head's (and a sharded embedding's)
+        ``vocab_shard`` rows (zero-padded); o's bias only on rank 0 (zeros elsewhere, so the all-reduce adds it
         once); ``t`` itself for replicated tensors and at TP=1.
 
         Raises:
@@ -446,7 +457,7 @@ class LlamaForCausalLM(nn.Module):
         dim = self._shard_dim(name)
         if dim is None or dim >= t.dim():
             return t
-        if name in self._VOCAB_TENSORS:
+        if self._vocab_sharded(name):
             return self.vocab_shard.take(t)
         n = t.shape[dim]
         if n % self.tp_size:
@@ -496,6 +507,8 @@ class LlamaForCausalLM(nn.Module):
         target = (
             param.data[row0 : row0 + self._part_rows(name, param, row0)] if row0 is not None else param.data
         )
+        if name == "model.embed_tokens.weight" and not self._vocab_sharded(name):
+            target = target[: self.vocab_shard.vocab_size]  # the rest is the padding
         if tuple(target.shape) != self.shard_shape(name, tuple(shape)):
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target

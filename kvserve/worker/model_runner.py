@@ -40,19 +40,7 @@ from kvserve.model_executor.layers.attention import (
     PrefillChunk,
 )
 from kvserve.model_executor.sampler import prompt_logprobs
-from kvserve.sequence import CompletionSequenceGroupOutput, SequenceData, SequenceGroupMetadata
-
-
-def _chunk_tokens(data: SequenceData, c: int, n: int) -> list[int]:
-    """``data.get_token_ids()[c:c+n]`` without concatenating prompt and output lists."""
-    prompt, out = data.prompt_token_ids, data.output_token_ids
-    p = len(prompt)
-    if c >= p:
-        return out[c - p : c - p + n]
-    if c + n <= p:
-        return prompt[c : c + n]
-    return prompt[c:] + out[: c + n - p]
-
+from kvserve.sequence import CompletionSequenceGroupOutput, SequenceGroupMetadata
 
 #: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
 #: block-rows (one block of K and V for one sequence); used to trade padding for calls.
@@ -263,13 +251,12 @@ class ModelRunner:
                         base = (len(d_tokens) if as_decode else len(p_tokens)) + lo - c
                         k = md.sampling_params.prompt_logprobs
                         pl_spans.append((g, as_decode, base, lo, hi - lo, k))
-                        pl_targets.extend(data.prompt_token_ids[lo + 1 : hi + 1])
+                        pl_targets.extend(data.token_range(lo + 1, hi + 1))
                 if slot_of is not None:
                     (d_lora if as_decode else p_lora).extend([lslot] * n)
                 if n == 1:
-                    p = data.get_prompt_len()
                     d_sids.append((sid, len(d_tokens), 1))
-                    d_tokens.append(data.output_token_ids[c - p] if c >= p else data.prompt_token_ids[c])
+                    d_tokens.append(data.token_at(c))
                     d_pos.append(c)
                     d_slots.append(table[c // bs] * bs + c % bs)
                     d_tables.append(table)
@@ -277,14 +264,14 @@ class ModelRunner:
                         order.append((True, len(d_tokens) - 1))
                 elif as_decode:  # n rows at positions c .. c+n-1, sharing the block table
                     d_sids.append((sid, len(d_tokens), n))
-                    d_tokens.extend(_chunk_tokens(data, c, n))
+                    d_tokens.extend(data.token_range(c, c + n))
                     d_pos.extend(range(c, c + n))
                     d_slots.extend(table[q // bs] * bs + q % bs for q in range(c, c + n))
                     d_tables.extend([table] * n)
                     if md.do_sample:
                         order.append((True, len(d_tokens) - 1))
                 else:
-                    p_tokens.extend(_chunk_tokens(data, c, n))
+                    p_tokens.extend(data.token_range(c, c + n))
                     pos = np.arange(c, c + n, dtype=np.int64)
                     tbl = np.asarray(table[c // bs : last // bs + 1], dtype=np.int64)
                     p_pos.append(pos)

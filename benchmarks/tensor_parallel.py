@@ -9,8 +9,8 @@ Each engine (``LLMEngine``, float32 on CPU; gloo between the ranks) runs, per sh
   one step that prefills it.
 
 The all-reduce share is what the driver (rank 0) spent inside ``TensorParallelGroup.all_reduce``
-(one after the vocab-parallel embedding, then two per layer: after o and after down) over those
-steps, divided by their wall time. It includes the wait for the slower rank, so on an
+(two per layer: after o and after down; one more after the embedding where it is sharded, on
+CUDA or with ``KVSERVE_TP_SHARD_EMBEDDING=1``) over those steps, divided by their wall time. It includes the wait for the slower rank, so on an
 oversubscribed machine it also measures load imbalance, not only the transfer; the "transfer"
 column times the same all-reduces (same shape, same count) with every rank doing nothing else
 (``Worker.time_all_reduce``). The gather share is the same for ``TensorParallelGroup.gather``:

@@ -277,6 +277,24 @@ def test_more_ranks_than_cuda_devices_is_refused(tiny_llama_dir, monkeypatch):
         ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cuda")
 
 
+def test_engine_refuses_more_ranks_than_cuda_devices_before_starting_any(tiny_llama_dir, monkeypatch):
+    """Through ``LLM``: the clear error comes from the engine, before a peer process is spawned
+    (here with CUDA faked present with one device)."""
+    import torch
+
+    from kvserve.worker import tp_executor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    started = []
+    monkeypatch.setattr(tp_executor.TensorParallelPeers, "start", lambda self: started.append(self))
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 needs 2 CUDA devices .* only 1 are visible"
+    ):
+        LLM(model=str(tiny_llama_dir), device="cuda", tensor_parallel_size=2)
+    assert started == []
+
+
 def test_cli_flag_reaches_engine_args():
     import argparse
 

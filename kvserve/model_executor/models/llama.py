@@ -362,7 +362,8 @@ class LlamaForCausalLM(nn.Module):
         A tied LM head gets its own packed copy (the embedding table stays plain)."""
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
-        # a tied lm_head is the embedding Parameter itself: it is replaced by a packed copy
+        # a tied lm_head is the embedding Parameter (or, replicated under TP, a view of this
+        # rank's rows of it): it is replaced by a packed copy
         names.append((self, "lm_head"))
         for module, name in names:
             packed = prepack_weight(getattr(module, name))

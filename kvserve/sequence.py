@@ -110,9 +110,12 @@ class SequenceData:
         return self.output_token_ids[i - p] if i >= p else self.prompt_token_ids[i]
 
     def token_range(self, lo: int, hi: int) -> list[int]:
-        """``get_token_ids()[lo:hi]`` without concatenating the prompt and output lists."""
+        """``get_token_ids()[lo:hi]`` for ``0 <= lo``, without concatenating the prompt and
+        output lists."""
         prompt, out = self.prompt_token_ids, self.output_token_ids
         p = len(prompt)
+        if hi <= lo:  # empty, like the slice (and no negative index into the outputs)
+            return []
         if lo >= p:
             return out[lo - p : hi - p]
         if hi <= p:

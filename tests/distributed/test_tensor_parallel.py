@@ -158,6 +158,11 @@ def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
     runner.sampler = lambda logits, mds: widths.append(tuple(logits.shape)) or sampler(logits, mds)
     try:
         b = llm.generate(batch, params, use_tqdm=False)
+        gathers = llm.llm_engine.executor.tp.gather_stats.calls
+        assert gathers >= 4 + 1  # one per step (4 tokens), one more for the prompt logprobs
+        # the benchmark's idle transfer timings run on every rank and leave the counters clean
+        assert llm.llm_engine.executor.time_gather(3, reps=2) > 0
+        assert llm.llm_engine.executor.tp.gather_stats.calls == 0
     finally:
         llm.shutdown()
     assert 1 in native_steps and 2 in native_steps, native_steps

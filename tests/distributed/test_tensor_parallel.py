@@ -192,11 +192,12 @@ def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
         (dict(quantization="int8"), "untied"),
         (dict(dtype="bfloat16"), "untied"),
         (dict(quantization="int8"), "tied_odd_vocab"),
+        (dict(quantization="int4"), "tied_odd_vocab"),
     ],
-    ids=["int8", "bfloat16", "int8-tied_odd_vocab"],
+    ids=["int8", "bfloat16", "int8-tied_odd_vocab", "int4-tied_odd_vocab"],
 )
 def test_tp2_int8_and_bfloat16_equal_tp1(request, prompts, kw, which, monkeypatch):
-    """int8 shards quantize the same Q8_0 blocks as the whole weight (shards split on 32-column
+    """int8 / int4 shards quantize the same Q8_0 / Q4_1 blocks as the whole weight (shards split on 32-column
     boundaries; the LM head's vocab rows are whole rows); bfloat16 activations are all-reduced
     in float32."""
     tiny_llama_dir = _use_model(request, which, monkeypatch)

@@ -1,4 +1,5 @@
-"""Tensor-parallel step time: TP=T against TP=1 at a few batch shapes, with the all-reduce share.
+"""Tensor-parallel step time: TP=T against TP=1 at a few batch shapes, with the all-reduce and
+gather shares.
 
 Each engine (``LLMEngine``, float32 on CPU; gloo between the ranks) runs, per shape:
 
@@ -8,10 +9,14 @@ Each engine (``LLMEngine``, float32 on CPU; gloo between the ranks) runs, per sh
   one step that prefills it.
 
 The all-reduce share is what the driver (rank 0) spent inside ``TensorParallelGroup.all_reduce``
-(two per layer: after o and after down) over those steps, divided by their wall time. It
-includes the wait for the slower rank, so on an oversubscribed machine it also measures load
-imbalance, not only the transfer; the "transfer" column times the same all-reduces (same
-shape, same count) with every rank doing nothing else (``Worker.time_all_reduce``).
+(two per layer: after o and after down; one more after the embedding where it is sharded, on
+CUDA or with ``KVSERVE_TP_SHARD_EMBEDDING=1``) over those steps, divided by their wall time. It includes the wait for the slower rank, so on an
+oversubscribed machine it also measures load imbalance, not only the transfer; the "transfer"
+column times the same all-reduces (same shape, same count) with every rank doing nothing else
+(``Worker.time_all_reduce``). The gather share is the same for ``TensorParallelGroup.gather``:
+the vocab-parallel LM head's ``[rows, vocab / T]`` float32 logits slices collected on the
+driver, one per step (only the sampled rows: B for ``decode:B``, 1 for ``prefill:N``), with its
+idle transfer time from ``Worker.time_gather``.
 
 The model is a random-weight Llama (default: 8 heads / 4 KV heads of 64, hidden 512,
 intermediate 1536, ``--layers`` 30, vocab 49152: SmolLM2-135M's size with head counts that
@@ -78,14 +83,18 @@ def _engine(model: str, tp: int, max_len: int):
     )
 
 
-def _ar(engine) -> tuple[int, float]:
+def _ar(engine) -> tuple[int, float, int, float]:
+    """The driver's ``(all-reduce calls, seconds, gather calls, seconds)`` so far."""
     tp = getattr(engine.executor, "tp", None)
-    return (0, 0.0) if tp is None else (tp.stats.calls, tp.stats.seconds)
+    if tp is None:
+        return (0, 0.0, 0, 0.0)
+    return (tp.stats.calls, tp.stats.seconds, tp.gather_stats.calls, tp.gather_stats.seconds)
 
 
 def measure(engine, shape: str, context: int, steps: int, seed: int) -> dict:
-    """One shape's ``{step_ms, all_reduce_ms, all_reduce_share, all_reduce_calls}`` (medians
-    of the step time; all-reduce totals over the timed steps divided by their count)."""
+    """One shape's ``{step_ms, all_reduce_ms, all_reduce_share, all_reduce_calls, gather_ms,
+    gather_share, gather_calls, ...}`` (medians of the step time; collective totals over the
+    timed steps divided by their count)."""
     import random
 
     from kvserve.sampling_params import SamplingParams
@@ -93,7 +102,16 @@ def measure(engine, shape: str, context: int, steps: int, seed: int) -> dict:
     rng = random.Random(seed)
     kind, n = shape.split(":")
     n = int(n)
-    times, ar_s, ar_calls = [], 0.0, 0
+    times: list[float] = []
+    tot = [0, 0.0, 0, 0.0]  # all-reduce calls, seconds, gather calls, seconds
+
+    def timed_step():
+        before = _ar(engine)
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        return dt, [b - a for a, b in zip(before, _ar(engine))]
+
     prompt = lambda k: {"prompt_token_ids": [rng.randrange(3, 49000) for _ in range(k)]}  # noqa: E731
     if kind == "decode":
         params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
@@ -103,13 +121,9 @@ def measure(engine, shape: str, context: int, steps: int, seed: int) -> dict:
             engine.step()
         engine.step()  # first all-decode step (warm)
         for _ in range(steps):
-            c0, s0 = _ar(engine)
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-            c1, s1 = _ar(engine)
-            ar_calls += c1 - c0
-            ar_s += s1 - s0
+            dt, d = timed_step()
+            times.append(dt)
+            tot = [x + y for x, y in zip(tot, d)]
         engine.abort_request([f"d{i}" for i in range(n)])
         while engine.has_unfinished_requests():
             engine.step()
@@ -117,31 +131,39 @@ def measure(engine, shape: str, context: int, steps: int, seed: int) -> dict:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for i in range(steps + 1):
             engine.add_request(f"p{i}", prompt(n), params)
-            c0, s0 = _ar(engine)
-            t = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t
-            c1, s1 = _ar(engine)
+            dt, d = timed_step()
             while engine.has_unfinished_requests():
                 engine.step()
             if i:  # the first is warm-up
                 times.append(dt)
-                ar_calls += c1 - c0
-                ar_s += s1 - s0
+                tot = [x + y for x, y in zip(tot, d)]
     else:
         raise ValueError(f"shape {shape!r}: expected decode:B or prefill:N")
-    # every shape's step has n rows (n decodes, or one n-token prompt)
+    # every shape's step has n rows (n decodes, or one n-token prompt) and samples
+    # n rows (decode) or 1 (prefill)
     pure = engine.executor.time_all_reduce(n)
+    pure_gather = engine.executor.time_gather(n if kind == "decode" else 1)
     step = statistics.median(times)
     mean = sum(times) / len(times)
+    k = len(times)
+    ar_calls, ar_s, g_calls, g_s = tot[0] // k, tot[1] / k, tot[2] // k, tot[3] / k
+
+    def share(seconds: float) -> float:
+        return seconds / mean if mean else 0.0
+
     return {
         "step_ms": step * 1e3,
-        "all_reduce_ms": ar_s / len(times) * 1e3,
-        "all_reduce_share": (ar_s / len(times)) / mean if mean else 0.0,
-        "all_reduce_calls": ar_calls // len(times),
+        "all_reduce_ms": ar_s * 1e3,
+        "all_reduce_share": share(ar_s),
+        "all_reduce_calls": ar_calls,
         # the same all-reduces with every rank idle: the transfer alone (the rest is waiting)
-        "all_reduce_transfer_ms": pure * (ar_calls // len(times)) * 1e3,
-        "all_reduce_transfer_share": pure * (ar_calls // len(times)) / mean if mean else 0.0,
+        "all_reduce_transfer_ms": pure * ar_calls * 1e3,
+        "all_reduce_transfer_share": share(pure * ar_calls),
+        "gather_ms": g_s * 1e3,
+        "gather_share": share(g_s),
+        "gather_calls": g_calls,
+        "gather_transfer_ms": pure_gather * g_calls * 1e3,
+        "gather_transfer_share": share(pure_gather * g_calls),
     }
 
 
@@ -180,15 +202,17 @@ def main(argv=None) -> int:
     base = {r["shape"]: r["step_ms"] for r in rows if r["tp"] == 1}
     print(
         "\n| shape | TP | step ms | vs TP=1 | all-reduce ms/step (share) | of which transfer "
-        "(share) | calls/step |"
+        "(share) | calls/step | gather ms/step (share) | of which transfer (share) | calls/step |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rel = f"{base[r['shape']] / r['step_ms']:.2f}x" if r["shape"] in base else "-"
         print(
             f"| {r['shape']} | {r['tp']} | {r['step_ms']:.1f} | {rel} | {r['all_reduce_ms']:.1f} "
             f"({100 * r['all_reduce_share']:.0f}%) | {r['all_reduce_transfer_ms']:.1f} "
-            f"({100 * r['all_reduce_transfer_share']:.0f}%) | {r['all_reduce_calls']} |"
+            f"({100 * r['all_reduce_transfer_share']:.0f}%) | {r['all_reduce_calls']} "
+            f"| {r['gather_ms']:.2f} ({100 * r['gather_share']:.1f}%) | {r['gather_transfer_ms']:.2f} "
+            f"({100 * r['gather_transfer_share']:.1f}%) | {r['gather_calls']} |"
         )
     if ns.json_out:
         meta = {

@@ -104,6 +104,24 @@ class SequenceData:
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
+    def token_at(self, i: int) -> int:
+        """``get_token_ids()[i]`` for ``0 <= i < get_len()``."""
+        p = len(self.prompt_token_ids)
+        return self.output_token_ids[i - p] if i >= p else self.prompt_token_ids[i]
+
+    def token_range(self, lo: int, hi: int) -> list[int]:
+        """``get_token_ids()[lo:hi]`` for ``0 <= lo``, without concatenating the prompt and
+        output lists."""
+        prompt, out = self.prompt_token_ids, self.output_token_ids
+        p = len(prompt)
+        if hi <= lo:  # empty, like the slice (and no negative index into the outputs)
+            return []
+        if lo >= p:
+            return out[lo - p : hi - p]
+        if hi <= p:
+            return prompt[lo:hi]
+        return prompt[lo:] + out[: hi - p]
+
     def get_num_computed_tokens(self) -> int:
         return self._num_computed_tokens
 

@@ -40,19 +40,7 @@ from kvserve.model_executor.layers.attention import (
     PrefillChunk,
 )
 from kvserve.model_executor.sampler import prompt_logprobs
-from kvserve.sequence import CompletionSequenceGroupOutput, SequenceData, SequenceGroupMetadata
-
-
-def _chunk_tokens(data: SequenceData, c: int, n: int) -> list[int]:
-    """``data.get_token_ids()[c:c+n]`` without concatenating prompt and output lists."""
-    prompt, out = data.prompt_token_ids, data.output_token_ids
-    p = len(prompt)
-    if c >= p:
-        return out[c - p : c - p + n]
-    if c + n <= p:
-        return prompt[c : c + n]
-    return prompt[c:] + out[: c + n - p]
-
+from kvserve.sequence import CompletionSequenceGroupOutput, SequenceGroupMetadata
 
 #: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
 #: block-rows (one block of K and V for one sequence); used to trade padding for calls.
@@ -263,13 +251,12 @@ class ModelRunner:
                         base = (len(d_tokens) if as_decode else len(p_tokens)) + lo - c
                         k = md.sampling_params.prompt_logprobs
                         pl_spans.append((g, as_decode, base, lo, hi - lo, k))
-                        pl_targets.extend(data.prompt_token_ids[lo + 1 : hi + 1])
+                        pl_targets.extend(data.token_range(lo + 1, hi + 1))
                 if slot_of is not None:
                     (d_lora if as_decode else p_lora).extend([lslot] * n)
                 if n == 1:
-                    p = data.get_prompt_len()
                     d_sids.append((sid, len(d_tokens), 1))
-                    d_tokens.append(data.output_token_ids[c - p] if c >= p else data.prompt_token_ids[c])
+                    d_tokens.append(data.token_at(c))
                     d_pos.append(c)
                     d_slots.append(table[c // bs] * bs + c % bs)
                     d_tables.append(table)
@@ -277,14 +264,14 @@ class ModelRunner:
                         order.append((True, len(d_tokens) - 1))
                 elif as_decode:  # n rows at positions c .. c+n-1, sharing the block table
                     d_sids.append((sid, len(d_tokens), n))
-                    d_tokens.extend(_chunk_tokens(data, c, n))
+                    d_tokens.extend(data.token_range(c, c + n))
                     d_pos.extend(range(c, c + n))
                     d_slots.extend(table[q // bs] * bs + q % bs for q in range(c, c + n))
                     d_tables.extend([table] * n)
                     if md.do_sample:
                         order.append((True, len(d_tokens) - 1))
                 else:
-                    p_tokens.extend(_chunk_tokens(data, c, n))
+                    p_tokens.extend(data.token_range(c, c + n))
                     pos = np.arange(c, c + n, dtype=np.int64)
                     tbl = np.asarray(table[c // bs : last // bs + 1], dtype=np.int64)
                     p_pos.append(pos)
@@ -485,10 +472,10 @@ class ModelRunner:
         """Logits of the sampled rows (and prompt-logprob rows) of a ``forward``, sampled."""
         if inp is None or hidden is None:
             return self.sampler(None, list(metadata))
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+        logits, pl_logits = self.logits(inp, hidden)
+        assert logits is not None, "only the driver rank samples"
         outputs = self.sampler(logits, list(metadata))
-        if inp.prompt_rows is not None and inp.prompt_targets is not None:
-            pl_logits = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows))
+        if pl_logits is not None and inp.prompt_targets is not None:
             ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]
             entries = prompt_logprobs(pl_logits, inp.prompt_targets, ks)
             row = 0
@@ -497,6 +484,20 @@ class ModelRunner:
                 outputs[g].prompt_logprobs_start = lo + 1
                 row += count
         return outputs
+
+    @torch.inference_mode()
+    def logits(
+        self, inp: ModelInput, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """float32 logits ``[N, vocab]`` of the sampled rows and ``[Q, vocab]`` of the
+        prompt-logprob rows (None without any) of a ``forward``. Under tensor parallelism every
+        rank calls it after the same forward (the LM head's vocabulary slices meet in a gather
+        per call, in this order); the other ranks get ``(None, None)``."""
+        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_rows))
+        pl_logits = None
+        if inp.prompt_rows is not None:
+            pl_logits = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows))
+        return logits, pl_logits
 
     @torch.inference_mode()
     def compute_logits(

@@ -6,9 +6,11 @@ Each engine at ``tensor_parallel_size > 1`` gets its own ``TensorParallelGroup``
 (a TP=1 reference and a TP=2 engine in one test process, or the replicas of a data-parallel
 deployment) never share or clash over ``init_process_group``'s global state.
 
-The model layers only ever call ``TensorParallelGroup.all_reduce`` (after the row-parallel o
-and down projections); the group counts the calls and the seconds they take, which is the
-all-reduce share the tensor-parallel benchmark reports.
+The model layers call ``TensorParallelGroup.all_reduce`` (after the vocab-parallel embedding
+and the row-parallel o and down projections) and ``TensorParallelGroup.gather`` (the
+vocab-parallel LM head's logits, to the driver); the group counts the calls and the seconds
+they take (``stats``, ``gather_stats``), which are the all-reduce and gather shares the
+tensor-parallel benchmark reports.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def free_port() -> int:
 
 
 @dataclasses.dataclass
-class AllReduceStats:
-    """Calls and wall seconds spent in ``all_reduce`` on this rank since the last ``reset``."""
+class CollectiveStats:
+    """Calls, wall seconds and elements (sent by this rank) of one kind of collective on this
+    rank since the last ``reset``."""
 
     calls: int = 0
     seconds: float = 0.0
@@ -50,6 +53,11 @@ class AllReduceStats:
 
     def reset(self) -> None:
         self.calls, self.seconds, self.elements = 0, 0.0, 0
+
+    def add(self, elements: int, seconds: float) -> None:
+        self.calls += 1
+        self.elements += elements
+        self.seconds += seconds
 
 
 class TensorParallelGroup:
@@ -70,7 +78,9 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.stats = AllReduceStats()
+        #: ``all_reduce`` calls (embedding, o, down); ``gather_stats``: ``gather`` calls (logits).
+        self.stats = CollectiveStats()
+        self.gather_stats = CollectiveStats()
         timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
         self._store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
         if device == "cuda":
@@ -99,10 +109,28 @@ class TensorParallelGroup:
             t.copy_(buf)
         else:
             self.pg.allreduce([t]).wait()
-        self.stats.calls += 1
-        self.stats.elements += t.numel()
-        self.stats.seconds += time.perf_counter() - t0
+        self.stats.add(t.numel(), time.perf_counter() - t0)
         return t
+
+    def gather(self, t: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Collect every rank's ``t`` (same shape and dtype on all ranks) on rank ``dst``:
+        returns the T tensors in rank order there, ``None`` on the other ranks.
+
+        Raises:
+            RuntimeError: a peer rank died or did not join within the timeout.
+        """
+        t0 = time.perf_counter()
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        if self.rank == dst:
+            out: list[torch.Tensor] | None = [torch.empty_like(t) for _ in range(self.world_size)]
+            self.pg.gather([out], [t], opts).wait()
+        else:
+            out = None
+            self.pg.gather([], [t], opts).wait()
+        self.gather_stats.add(t.numel(), time.perf_counter() - t0)
+        return out
 
     def barrier(self) -> None:
         """Wait until every rank arrives (a tiny all-reduce, so it works on both backends)."""

@@ -6,8 +6,9 @@ T-1 peer processes (``torch.multiprocessing``, spawn), each a ``Worker`` of rank
 ``TensorParallelGroup`` (gloo on CPU, NCCL on CUDA). The scheduler runs once, in the engine
 that owns the driver; every step the driver sends each peer the same step (the
 ``ExecuteModelRequest``: metadata and the blocks to swap in / out / copy), then runs its own
-shard, and all ranks meet in the all-reduces of the forward. Only the driver computes logits
-and samples.
+shard, and all ranks meet in the all-reduces of the forward and in the gather of the
+vocab-parallel logits (the driver's ``compute_logits`` calls, the peers' ``ModelRunner.logits``).
+Only the driver samples.
 
 Why pipes for the step inputs and not a collective broadcast: a peer blocks on its pipe while
 the engine is idle, for as long as the server has no requests, with no timeout to expire; and
@@ -23,6 +24,7 @@ the next step as a ``RuntimeError`` naming its rank, pid and exit code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -32,7 +34,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.sequence import ExecuteModelRequest
+from kvserve.sequence import ExecuteModelRequest, SequenceData
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +43,87 @@ START_TIMEOUT_S = 300.0
 #: Seconds ``shutdown`` waits for peers to exit by themselves before terminating them.
 STOP_GRACE_S = 5.0
 
-# The peers need no sampling settings: only what shapes the forward travels.
-_PEER_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+class SequenceWindow:
+    """What a peer's ``ModelRunner`` reads of one ``SequenceData`` in one step: its lengths,
+    its computed count and the tokens of ``[start, start + len(tokens))`` (the step's chunk and
+    the token after it, the last prompt-logprob target), instead of every token of the
+    sequence. The runner reads tokens only through ``token_at`` / ``token_range``, which this
+    class serves from the window.
+
+    Why: the step reaches each peer pickled; whole token lists made that grow with the
+    context (32 decoding sequences of 4,096 tokens: 406 KiB, about 10 ms to pickle and 17 ms to
+    unpickle per step), windows keep it a few tokens per sequence.
+    """
+
+    __slots__ = ("start", "tokens", "prompt_len", "length", "num_computed")
+
+    def __init__(self, data: SequenceData, chunk: int):
+        c = data.get_num_computed_tokens()
+        self.start = c
+        self.tokens = data.token_range(c, c + chunk + 1)
+        self.prompt_len = data.get_prompt_len()
+        self.length = data.get_len()
+        self.num_computed = c
+
+    def get_num_computed_tokens(self) -> int:
+        return self.num_computed
+
+    def get_len(self) -> int:
+        return self.length
+
+    def get_prompt_len(self) -> int:
+        return self.prompt_len
+
+    def token_range(self, lo: int, hi: int) -> list[int]:
+        """Tokens ``lo .. hi - 1`` of the sequence.
+
+        Raises:
+            IndexError: the range leaves the window (a runner reading outside its chunk).
+        """
+        a, b = lo - self.start, min(hi, self.length) - self.start
+        if a < 0 or b > len(self.tokens):
+            raise IndexError(
+                f"tokens {lo}..{hi} are outside this step's window {self.start}..{self.start + len(self.tokens)}"
+            )
+        return self.tokens[a:b]
+
+    def token_at(self, i: int) -> int:
+        """Token ``i`` of the sequence (IndexError outside the window)."""
+        return self.token_range(i, i + 1)[0]
+
+    def __getstate__(self):
+        return (self.start, self.tokens, self.prompt_len, self.length, self.num_computed)
+
+    def __setstate__(self, state) -> None:
+        self.start, self.tokens, self.prompt_len, self.length, self.num_computed = state
+
+
+@functools.lru_cache(maxsize=64)
+def _peer_params(prompt_logprobs: int | None) -> SamplingParams:
+    # The peers need no sampling settings: only what shapes the forward and which rows get
+    # logits (the prompt-logprob rows join the LM head's gather too).
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs)
 
 
 def for_peers(req: ExecuteModelRequest) -> ExecuteModelRequest:
     """``req`` with what only the driver uses (sampling settings, seeded generators, grammar
-    bitmasks, prompt-logprob requests) stripped, so that it pickles and stays small."""
+    bitmasks) stripped and each sequence's tokens cut to the step's ``SequenceWindow``, so
+    that it pickles and stays small whatever the context length. What picks the rows that get
+    logits stays (``do_sample``, ``prompt_logprobs_from`` and the prompt-logprobs count): every
+    rank computes its slice of the same logits."""
     mds = [
         dataclasses.replace(
-            md, sampling_params=_PEER_PARAMS, generator=None, token_bitmask=None, prompt_logprobs_from=None
+            md,
+            seq_data={
+                sid: SequenceWindow(data, md.token_chunk_size)  # read like SequenceData by the runner
+                for sid, data in md.seq_data.items()
+            },
+            sampling_params=_peer_params(
+                md.sampling_params.prompt_logprobs if md.prompt_logprobs_from is not None else None
+            ),
+            generator=None,
+            token_bitmask=None,
         )
         for md in req.seq_group_metadata_list
     ]

@@ -369,6 +369,25 @@ class Worker:
         self.tp.stats.reset()
         return dt
 
+    def time_gather(self, rows: int, reps: int = 20) -> float:
+        """Mean seconds of one gather of a ``[rows, vocab / T]`` float32 logits slice from every
+        rank to the driver, all ranks doing nothing else (the LM head's transfer alone, for the
+        benchmark); 0.0 at T = 1."""
+        return self._on_all_ranks("time_gather", rows, reps)
+
+    def time_gather_local(self, rows: int, reps: int = 20) -> float:
+        """``time_gather`` on this rank."""
+        if self.tp is None:
+            return 0.0
+        x = torch.zeros(rows, self.model.vocab_shard.rows, dtype=torch.float32, device=self.device)
+        self.tp.barrier()
+        t = time.perf_counter()
+        for _ in range(reps):
+            self.tp.gather(x)
+        dt = (time.perf_counter() - t) / reps
+        self.tp.gather_stats.reset()
+        return dt
+
     def shutdown(self) -> None:
         """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1."""
         if self.peers is not None:
@@ -480,7 +499,8 @@ class Worker:
         return self._on_all_ranks("execute_model", req)
 
     def execute_model_local(self, req: ExecuteModelRequest) -> list[CompletionSequenceGroupOutput]:
-        """``execute_model`` on this rank only (a peer runs the forward and returns ``[]``)."""
+        """``execute_model`` on this rank only (a peer runs the forward and its LM head slice,
+        and returns ``[]``)."""
         self.apply_block_moves(req)
         if not req.seq_group_metadata_list:
             return []
@@ -488,11 +508,14 @@ class Worker:
         return self._run(req.seq_group_metadata_list)
 
     def _run(self, metadata: list[SequenceGroupMetadata]) -> list[CompletionSequenceGroupOutput]:
-        """Forward ``metadata`` on this rank; the driver also samples (peers return ``[]``)."""
+        """Forward ``metadata`` on this rank; the driver also samples (peers compute their
+        vocabulary slice of the same logits for the driver's gather, and return ``[]``)."""
         assert self.runner is not None and self.cache_engine is not None
         if self.is_driver:
             return self.runner.execute(metadata, self.cache_engine.gpu_cache)
-        self.runner.forward(metadata, self.cache_engine.gpu_cache)
+        inp, hidden = self.runner.forward(metadata, self.cache_engine.gpu_cache)
+        if inp is not None and hidden is not None:
+            self.runner.logits(inp, hidden)
         return []
 
     def apply_block_moves(self, req: ExecuteModelRequest) -> None:

@@ -22,3 +22,31 @@ def ray_runtime():
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
     ray.shutdown()
+
+
+#: A vocabulary not divisible by 2 or 3 (the LM head's vocab shards need padding).
+ODD_VOCAB = 49153
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_odd_vocab_dir(tmp_path_factory, default_tokenizer_dir):
+    """The tiny random Llama of ``tests/conftest.py`` with tied embeddings (the default
+    model's layout: the LM head is the embedding table) and a vocabulary of ``ODD_VOCAB``."""
+    from transformers import LlamaConfig
+
+    from tests.conftest import _save_tiny
+
+    config = LlamaConfig(
+        vocab_size=ODD_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama-tied-odd", config)

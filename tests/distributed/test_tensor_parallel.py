@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, one thread per rank): greedy output at TP=2 equals TP=1 and
-transformers under preemption (recompute and swap) and chunked prefill; peers never outlive
-their engine; a dead peer is a clear error, never a hang."""
+transformers under preemption (recompute and swap) and chunked prefill, for untied and tied
+embeddings and a vocabulary that does not divide by T (vocab-parallel LM head); peers never
+outlive their engine; a dead peer is a clear error, never a hang."""
 
 from __future__ import annotations
 
@@ -48,9 +49,37 @@ def prompts():
     return ps + [ps[2][:24] + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 13)]
 
 
-@pytest.fixture(scope="module")
-def references(tiny_hf_model, prompts):
-    return [hf_greedy(tiny_hf_model, p, MAX_NEW) for p in prompts]
+#: The tiny models: ``untied`` (vocab 49152) and ``tied_odd_vocab`` (tied, vocab 49153), with
+#: the CPU's replicated embedding, and the second with the embedding sharded too (CUDA's layout).
+MODELS = {
+    "untied": "tiny_llama_dir",
+    "tied_odd_vocab": "tiny_llama_tied_odd_vocab_dir",
+    "tied_odd_vocab-sharded_embedding": "tiny_llama_tied_odd_vocab_dir",
+}
+_REFERENCES: dict = {}
+
+
+def _use_model(request, which: str, monkeypatch) -> str:
+    """The model directory of ``MODELS[which]``, with the embedding layout it asks for set for
+    the TP engines started after this (their peers inherit the environment)."""
+    from kvserve.model_executor.layers.vocab_parallel import SHARD_EMBEDDING_ENV
+
+    monkeypatch.setenv(SHARD_EMBEDDING_ENV, "1" if which.endswith("sharded_embedding") else "0")
+    return request.getfixturevalue(MODELS[which])
+
+
+def _model_and_references(request, which: str, prompts, monkeypatch):
+    """``_use_model`` and transformers' greedy references for ``prompts`` (computed once per
+    model)."""
+    path = _use_model(request, which, monkeypatch)
+    which = MODELS[which]
+    if which not in _REFERENCES:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE).eval()
+        _REFERENCES[which] = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    return path, _REFERENCES[which]
 
 
 def _peer_procs(llm):
@@ -61,19 +90,30 @@ def _tokens(finals, n):
     return [finals[f"r{i}"].outputs[0].token_ids for i in range(n)]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(tiny_llama_dir, prompts, references, name):
+@pytest.mark.parametrize(
+    "name, which",
+    [(name, which) for name in CONFIGS for which in list(MODELS)[:2]]
+    + [("chunked_prefix_recompute", "tied_odd_vocab-sharded_embedding")],
+)
+def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(request, prompts, name, which, monkeypatch):
+    model_dir, references = _model_and_references(request, which, prompts, monkeypatch)
     cfg = CONFIGS[name]
     requests = [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
-    one = LLM(model=str(tiny_llama_dir), **ENGINE, **cfg)
+    one = LLM(model=str(model_dir), **ENGINE, **cfg)
     tp1 = _tokens(run_engine(one.llm_engine, requests), len(prompts))
 
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE, **cfg, tensor_parallel_size=2)
+    llm = LLM(model=str(model_dir), **ENGINE, **cfg, tensor_parallel_size=2)
     procs = _peer_procs(llm)
     try:
         engine = llm.llm_engine
-        assert engine.executor.model.num_kv_heads == 1  # 2 KV heads over 2 ranks
+        model = engine.executor.model
+        assert model.num_kv_heads == 1  # 2 KV heads over 2 ranks
         assert engine.executor.cache_engine.device_cache.shape[2] == 1
+        vocab = model.config.vocab_size
+        half = -(-vocab // 2)
+        assert model.lm_head.out_features == half  # the driver's vocab rows only (packed)
+        assert model.embed_tokens.shape[0] == (half if which.endswith("sharded_embedding") else 2 * half)
+        assert model.tie_word_embeddings == which.startswith("tied")
         finals = run_engine(engine, requests)
         check_all(finals, references)
         stats = engine.get_kv_cache_stats()
@@ -86,14 +126,17 @@ def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(tiny_llama_dir,
         for ours, ref, base in zip(_tokens(finals, len(prompts)), references, tp1):
             compare(ours, Reference(base, ref.near_tie_step))
         assert engine.executor.tp.stats.calls > 0  # the shards really were summed
+        assert engine.executor.tp.gather_stats.calls > 0  # and the logits slices gathered
     finally:
         llm.shutdown()
     assert not any(p.is_alive() for p in procs), "peer ranks outlived shutdown"
 
 
-def test_tp2_logits_match_tp1(tiny_llama_dir, prompts, monkeypatch):
+@pytest.mark.parametrize("which", list(MODELS))
+def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
     """Beyond greedy tokens: the sampled and prompt logprobs of TP=2 equal TP=1 to float32
-    rounding; the decode steps run on the native decode path (with its all-reduces)."""
+    rounding (every token id of the vocabulary, padding never sampled); the decode steps run
+    on the native decode path (with its all-reduces)."""
     from kvserve.model_executor.models import native_decode
 
     native_steps = []
@@ -103,16 +146,30 @@ def test_tp2_logits_match_tp1(tiny_llama_dir, prompts, monkeypatch):
         "forward_layers",
         lambda model, *a: native_steps.append(model.tp_size) or real(model, *a),
     )
+    tiny_llama_dir = _use_model(request, which, monkeypatch)
     params = greedy(max_tokens=4, logprobs=5, prompt_logprobs=2)
     batch = [{"prompt_token_ids": p} for p in prompts[:3]]
     one = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128)
     a = one.generate(batch, params, use_tqdm=False)
     llm = LLM(model=str(tiny_llama_dir), **ENGINE, num_gpu_blocks=128, tensor_parallel_size=2)
+    widths = []
+    runner = llm.llm_engine.executor.runner
+    sampler = runner.sampler
+    runner.sampler = lambda logits, mds: widths.append(tuple(logits.shape)) or sampler(logits, mds)
     try:
         b = llm.generate(batch, params, use_tqdm=False)
+        gathers = llm.llm_engine.executor.tp.gather_stats.calls
+        assert gathers >= 4 + 1  # one per step (4 tokens), one more for the prompt logprobs
+        # the benchmark's idle transfer timings run on every rank and leave the counters clean
+        assert llm.llm_engine.executor.time_gather(3, reps=2) > 0
+        assert llm.llm_engine.executor.tp.gather_stats.calls == 0
     finally:
         llm.shutdown()
     assert 1 in native_steps and 2 in native_steps, native_steps
+    vocab = 49152 if which == "untied" else 49153
+    # the gathered logits: every row of the step, the real vocabulary, no padding column
+    assert widths and all(w[1] == vocab for w in widths), widths
+    assert widths[0][0] == 3 and widths[-1][0] == 3
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.prompt_logprobs is not None and y.prompt_logprobs is not None
@@ -129,10 +186,21 @@ def test_tp2_logits_match_tp1(tiny_llama_dir, prompts, monkeypatch):
                 assert abs(va - vb) < 1e-3
 
 
-@pytest.mark.parametrize("kw", [dict(quantization="int8"), dict(dtype="bfloat16")], ids=["int8", "bfloat16"])
-def test_tp2_int8_and_bfloat16_equal_tp1(tiny_llama_dir, prompts, kw):
-    """int8 shards quantize the same Q8_0 blocks as the whole weight (shards split on 32-column
-    boundaries); bfloat16 activations are all-reduced in float32."""
+@pytest.mark.parametrize(
+    "kw, which",
+    [
+        (dict(quantization="int8"), "untied"),
+        (dict(dtype="bfloat16"), "untied"),
+        (dict(quantization="int8"), "tied_odd_vocab"),
+        (dict(quantization="int4"), "tied_odd_vocab"),
+    ],
+    ids=["int8", "bfloat16", "int8-tied_odd_vocab", "int4-tied_odd_vocab"],
+)
+def test_tp2_int8_and_bfloat16_equal_tp1(request, prompts, kw, which, monkeypatch):
+    """int8 / int4 shards quantize the same Q8_0 / Q4_1 blocks as the whole weight (shards split on 32-column
+    boundaries; the LM head's vocab rows are whole rows); bfloat16 activations are all-reduced
+    in float32."""
+    tiny_llama_dir = _use_model(request, which, monkeypatch)
     engine_kw = {**ENGINE, **kw, "num_gpu_blocks": 128}
     params = greedy(max_tokens=6)
     batch = [{"prompt_token_ids": p} for p in prompts[:3]]
@@ -215,6 +283,24 @@ def test_more_ranks_than_cuda_devices_is_refused(tiny_llama_dir, monkeypatch):
         ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cuda")
 
 
+def test_engine_refuses_more_ranks_than_cuda_devices_before_starting_any(tiny_llama_dir, monkeypatch):
+    """Through ``LLM``: the clear error comes from the engine, before a peer process is spawned
+    (here with CUDA faked present with one device)."""
+    import torch
+
+    from kvserve.worker import tp_executor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    started = []
+    monkeypatch.setattr(tp_executor.TensorParallelPeers, "start", lambda self: started.append(self))
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 needs 2 CUDA devices .* only 1 are visible"
+    ):
+        LLM(model=str(tiny_llama_dir), device="cuda", tensor_parallel_size=2)
+    assert started == []
+
+
 def test_cli_flag_reaches_engine_args():
     import argparse
 
@@ -237,7 +323,7 @@ def test_tensor_parallel_size_out_of_range_names_field(bad):
 @pytest.mark.parametrize(
     "kw, field",
     [
-        (dict(quantization="gguf"), "quantization='gguf'"),
+        (dict(quantization="gguf"), "quantization='gguf' is not supported with tensor_parallel_size > 1"),
         (dict(speculative_config={"method": "ngram"}), "speculative_config"),
     ],
 )

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.lora.ops import add_lora
-from kvserve.model_executor.layers import amx_gemm, native_gemm, native_ops, quant_gemm, quant_pack
+from kvserve.model_executor.layers import (
+    amx_gemm,
+    native_gemm,
+    native_ops,
+    quant_gemm,
+    quant_pack,
+    vocab_parallel,
+)
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
@@ -240,8 +247,13 @@ class LlamaForCausalLM(nn.Module):
         tp: this rank's ``kvserve.worker.parallel_state.TensorParallelGroup`` (None = one
             process). Megatron-style: q/k/v and gate/up column-parallel, o and down
             row-parallel with an all-reduce after each; ``num_kv_heads`` (and so the KV cache)
-            is this rank's share. The embedding table is replicated on every rank; the LM head
-            lives on the driver (rank 0) only, which alone computes logits and samples.
+            is this rank's share. The LM head is vocab-parallel (``layers.vocab_parallel``):
+            each rank holds ``ceil(vocab / T)`` rows of it (``vocab_shard``; zero rows pad the
+            vocabulary to a multiple of T) and the logits are gathered on the driver (rank 0),
+            which alone samples. The embedding table is replicated on CPU and vocab-parallel
+            (looked up in range, all-reduced) on CUDA (``vocab_parallel.embedding_is_sharded``);
+            a tied LM head is this rank's rows of that table, a view of it (the GEMM reads a
+            packed or quantized copy of those rows).
 
     Raises:
         ValueError: for unsupported activations or rope scaling types, or a ``tp`` size that
@@ -273,22 +285,32 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = _head_dim(cfg)
         self.num_kv_heads = kv_heads // self.tp_size
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        #: This rank's vocabulary rows of the LM head (and of a sharded embedding); all at T = 1.
+        self.vocab_shard = vocab_parallel.VocabShard.of(cfg.vocab_size, self.tp_size, self.tp_rank)
+        #: Whether the embedding table is vocab-parallel too (else replicated on every rank).
+        self.shard_embedding = vocab_parallel.embedding_is_sharded(tp, device)
+        head_rows = self.vocab_shard.rows
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
+        # a replicated table is padded to T * S rows (zeros) so that a tied head is a view of it
+        embed_rows = head_rows if self.shard_embedding else self.vocab_shard.padded_vocab
         self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(embed_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        if embed_rows > cfg.vocab_size and not self.shard_embedding:
+            self.embed_tokens.data[cfg.vocab_size :].zero_()
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            self.embed_tokens
-            if self.tie_word_embeddings
-            else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(head_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
-        )
+        elif embed_rows == head_rows:  # TP = 1, or a sharded table: the head is the table
+            self.lm_head = self.embed_tokens
+        else:  # this rank's rows of the replicated table, filled as the table is loaded
+            self.lm_head = self.embed_tokens.data[self.vocab_shard.start : self.vocab_shard.start + head_rows]
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -309,6 +331,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if isinstance(self.embed_tokens, quant_gemm.QuantWeight):
             x = quant_gemm.embedding(input_ids, self.embed_tokens, self.dtype)
+        elif self.shard_embedding:
+            x = vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
@@ -320,9 +344,17 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``."""
-        return linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits ``[N, vocab_size]`` for hidden states ``[N, hidden_size]``.
+
+        Under tensor parallelism every rank must call it with the same N (each computes its
+        vocabulary slice, gathered on the driver): the driver gets the full logits, the other
+        ranks ``None``.
+        """
+        local = linear(hidden, self.lm_head).float()
+        if self.tp is None:
+            return local
+        return vocab_parallel.gather_logits(local, self.vocab_shard, self.tp)
 
     def prepack_linear_weights(self) -> None:
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
@@ -330,8 +362,9 @@ class LlamaForCausalLM(nn.Module):
         A tied LM head gets its own packed copy (the embedding table stays plain)."""
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
-        # a tied lm_head is the embedding Parameter itself: it is replaced by a packed copy
-        names += self._lm_head_names()
+        # a tied lm_head is the embedding Parameter (or, replicated under TP, a view of this
+        # rank's rows of it): it is replaced by a packed copy
+        names.append((self, "lm_head"))
         for module, name in names:
             packed = prepack_weight(getattr(module, name))
             if packed is not getattr(module, name):
@@ -358,20 +391,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"quantization={method!r} runs on CPU only")
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
-        names += self._lm_head_names()
+        names.append((self, "lm_head"))
         for module, name in names:
             q = quantize(getattr(module, name))
             module._parameters.pop(name, None)  # a plain attribute from now on
             setattr(module, name, q)
-
-    def _lm_head_names(self) -> list:
-        """``[(self, "lm_head")]`` on the rank that computes logits; on the other
-        tensor-parallel ranks the LM head is dropped instead (they never compute logits)."""
-        if self.tp_rank == 0:
-            return [(self, "lm_head")]
-        self._parameters.pop("lm_head", None)
-        self.lm_head = None
-        return []
 
     # ------------------------------------------------------------------ weights
     #: Checkpoint tensor name suffix -> the dimension a tensor-parallel rank takes 1/T of
@@ -389,8 +413,18 @@ class LlamaForCausalLM(nn.Module):
         "mlp.down_proj.weight": 1,
     }
 
+    def _vocab_sharded(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is split by vocabulary rows (``vocab_shard``)."""
+        return self.tp_size > 1 and (
+            name == "lm_head.weight" or (name == "model.embed_tokens.weight" and self.shard_embedding)
+        )
+
     def _shard_dim(self, name: str) -> int | None:
-        if self.tp_size == 1 or not name.startswith("model.layers."):
+        if self.tp_size == 1:
+            return None
+        if self._vocab_sharded(name):
+            return 0
+        if not name.startswith("model.layers."):
             return None
         rest = name.split(".", 3)[-1]
         return self._SHARD_DIMS.get(rest)
@@ -402,22 +436,30 @@ class LlamaForCausalLM(nn.Module):
         if dim is None or dim >= len(shape):
             return tuple(shape)
         out = list(shape)
-        out[dim] //= self.tp_size
+        if self._vocab_sharded(name):
+            # a tensor of the wrong vocabulary gets a shape no target has (the caller names it)
+            out[0] = self.vocab_shard.rows if shape[0] == self.vocab_shard.vocab_size else -1
+        else:
+            out[dim] //= self.tp_size
         return tuple(out)
 
     def shard_weight(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor ``t`` named ``name``: a contiguous
-        1/T slice along its shard dimension; o's bias only on rank 0 (zeros elsewhere, so the
-        all-reduce adds it once); ``t`` itself for replicated tensors and at TP=1.
+        1/T slice along its shard dimension; the LM head's (and a sharded embedding's)
+        ``vocab_shard`` rows (zero-padded); o's bias only on rank 0 (zeros elsewhere, so the all-reduce adds it
+        once); ``t`` itself for replicated tensors and at TP=1.
 
         Raises:
-            ValueError: the shard dimension does not divide by the tensor-parallel size.
+            ValueError: the shard dimension does not divide by the tensor-parallel size, or a
+                vocabulary tensor without ``vocab_size`` rows.
         """
         if self.tp_size > 1 and name.endswith("self_attn.o_proj.bias"):
             return t if self.tp_rank == 0 else torch.zeros_like(t)
         dim = self._shard_dim(name)
         if dim is None or dim >= t.dim():
             return t
+        if self._vocab_sharded(name):
+            return self.vocab_shard.take(t)
         n = t.shape[dim]
         if n % self.tp_size:
             raise ValueError(
@@ -466,6 +508,8 @@ class LlamaForCausalLM(nn.Module):
         target = (
             param.data[row0 : row0 + self._part_rows(name, param, row0)] if row0 is not None else param.data
         )
+        if name == "model.embed_tokens.weight" and not self._vocab_sharded(name):
+            target = target[: self.vocab_shard.vocab_size]  # the rest is the padding
         if tuple(target.shape) != self.shard_shape(name, tuple(shape)):
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target

@@ -33,6 +33,8 @@
  * Measured: benchmarks/quantized.py, docs/benchmarks.md.
  */
 #include "kv_vec.h"
+#include "quant_dot8.h"
+#include "transpose16.h"
 #include <omp.h>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -199,5 +201,40 @@ static inline __attribute__((always_inline)) void dequant_block(const int qt, co
     }
 }
 
+/* int8-activation kernels (quant_dot8.h): tiles of MR8 rows by NC8 columns. */
+#define MR8 4
+#define NC8 4
+#define PW 48 /* panel width of the large-batch path (output columns per dequantized panel) */
+
+/* Bytes per row of the quantized activations: per pair of 32-blocks 64 int8 quants, then (after
+   all quants) 16 float lanes of d_x and 16 of the block-sum term (quant_gemm_dtype.h's
+   act8_quant_row); a multiple of 64, so every row's quants stay 64-byte aligned. */
+static inline int64_t act8_row_bytes(const int64_t K) { return (K / QK + 1) / 2 * 192; }
+
+/* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
+   quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x),
+   kept between calls (OpenMP's threads persist) so a call does not page-fault a fresh mmap;
+   NULL when out of memory. */
+static void* scratch(const int slot, const size_t bytes) {
+    static __thread void* buf[3];
+    static __thread size_t cap[3];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        const size_t n = (bytes + 63) / 64 * 64;
+        buf[slot] = aligned_alloc(64, n);
+        cap[slot] = buf[slot] ? n : 0;
+    }
+    return buf[slot];
+}
+
+static inline v16 vabs16(const v16 x) { return (v16)((v16i)x & 0x7fffffff); }
+/* Lanes of `hi` from b, the others from a (scalars broadcast). */
+static inline v16 select16(const v16i hi, const float a, const float b) {
+    return (v16)((((v16i)((v16){} + a)) & ~hi) | (((v16i)((v16){} + b)) & hi));
+}
+
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
 #include "kv_instantiate.h"
+
+/* Which int8 dot product the act8 kernels compiled to: 2 AVX-512 VNNI, 1 AVX2, 0 scalar. */
+int quant_act8_isa(void) { return DOT8_ISA; }

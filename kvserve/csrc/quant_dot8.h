@@ -59,12 +59,14 @@ static inline int dot8_pos(const int qt, const int h, const int i) {
     return h * 32 + i;
 }
 /* Whether lane l (0..15) of dot8's result belongs to block j + 1. */
-static inline int dot8_lane_hi(const int qt, const int l) { return dot8_permuted(qt) ? (l >> 2) & 1 : l >> 3; }
+static inline int dot8_lane_hi(const int qt, const int l) {
+    return dot8_permuted(qt) ? (l >> 2) & 1 : l >> 3;
+}
 
 /* Quants of block j (qs: its 16 nibble bytes or 32 int8) and, when two, of block j + 1
    (qs1 = qs + block bytes); never reads block j + 1 otherwise. */
-static inline __attribute__((always_inline)) wpair load_pair(const int qt, const uint8_t* qs, const uint8_t* qs1,
-                                                             const int two) {
+static inline __attribute__((always_inline)) wpair load_pair(const int qt, const uint8_t* qs,
+                                                             const uint8_t* qs1, const int two) {
 #if DOT8_ISA == 2
     if (qt == DOT8_Q8_0) {
         const __m256i a = _mm256_loadu_si256((const __m256i*)qs);
@@ -86,10 +88,10 @@ static inline __attribute__((always_inline)) wpair load_pair(const int qt, const
     const __m128i m = _mm_set1_epi8(0x0F);
     const __m128i a = _mm_loadu_si128((const __m128i*)qs);
     const __m128i b = two ? _mm_loadu_si128((const __m128i*)qs1) : _mm_setzero_si128();
-    p.a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(a, m)), _mm_and_si128(_mm_srli_epi16(a, 4), m),
-                                  1);
-    p.b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)), _mm_and_si128(_mm_srli_epi16(b, 4), m),
-                                  1);
+    p.a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(a, m)),
+                                  _mm_and_si128(_mm_srli_epi16(a, 4), m), 1);
+    p.b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)),
+                                  _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
     return p;
 #else
     wpair p;

@@ -233,6 +233,28 @@ static inline v16 select16(const v16i hi, const float a, const float b) {
     return (v16)((((v16i)((v16){} + a)) & ~hi) | (((v16i)((v16){} + b)) & hi));
 }
 
+/* The scales d (and Q4_1's minima m) of blocks b and b + bb (0 for a missing second block) as
+   lane vectors of the pair layout (hi: the second block's lanes). With F16C and AVX-512 the four
+   halves convert in one instruction and two lane permutes spread them (the bytes after Q4_0's /
+   Q8_0's d are quants, read but unused); scalar conversions and blends elsewhere. */
+static inline __attribute__((always_inline)) void pair_scales(const int qt, const uint8_t* b,
+                                                              const int64_t bb, const int two, const v16i hi,
+                                                              v16* dw, v16* mw) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    (void)qt;
+    uint32_t lo = 0, up = 0;
+    memcpy(&lo, b, 4);
+    if (two) memcpy(&up, b + bb, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)lo), (int)up, 1)); /* d0 m0 d1 m1 */
+    const __m512i idx = (__m512i)(hi & 2);
+    *dw = (v16)_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
+    *mw = (v16)_mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(1)), _mm512_castps128_ps512(f));
+#else
+    *dw = select16(hi, fp16_to_f32(b), two ? fp16_to_f32(b + bb) : 0.0f);
+    *mw = qt == QT_Q4_1 ? select16(hi, fp16_to_f32(b + 2), two ? fp16_to_f32(b + bb + 2) : 0.0f) : (v16){};
+#endif
+}
+
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
 #include "kv_instantiate.h"
 

@@ -155,28 +155,26 @@ CAT(qpair8_, SFX)(const int qt, const int mr, const int nc, const int64_t p, con
     for (int c = 0; c < nc; ++c) {
         const uint8_t* b = w + c * row_bytes + 2 * p * bb;
         const wpair wp = load_pair(qt, b + qoff, b + bb + qoff, two);
-        const v16 dw = select16(hi, fp16_to_f32(b), two ? fp16_to_f32(b + bb) : 0.0f);
-        v16 mw = {};
-        if (qt == QT_Q4_1) mw = select16(hi, fp16_to_f32(b + 2), two ? fp16_to_f32(b + bb + 2) : 0.0f);
+        v16 dw, mw;
+        pair_scales(qt, b, bb, two, hi, &dw, &mw);
 #pragma GCC unroll 4
         for (int r = 0; r < mr; ++r) {
             const uint8_t* xr = xa + r * xstride;
             const v16 dx = *(const v16*)(xr + np * 64 + p * 64);
             const v16 xc = *(const v16*)(xr + np * 128 + p * 64);
             const v16 t = __builtin_convertvector(dot8(qt, wp, (const int8_t*)(xr + p * 64)), v16) * dx;
-            if (qt == QT_Q4_1)
-                acc[r][c] += dw * t + mw * xc;
-            else
-                acc[r][c] += dw * (t - xc);
+            if (qt == QT_Q4_1) acc[r][c] += dw * t + mw * xc;
+            else acc[r][c] += dw * (t - xc);
         }
     }
 }
 
 /* mr (<= MR8) quantized rows (xa, xstride bytes apart) times nc (<= NC8) weight rows. */
-static inline __attribute__((always_inline)) void
-CAT(qtile8_, SFX)(const int qt, const int mr, const int nc, const uint8_t* xa, const int64_t xstride,
-                  const int64_t K, const uint8_t* w, const int64_t row_bytes, const ELEM* bias, ELEM* y,
-                  const int64_t ldy) {
+static inline __attribute__((always_inline)) void CAT(qtile8_, SFX)(const int qt, const int mr, const int nc,
+                                                                    const uint8_t* xa, const int64_t xstride,
+                                                                    const int64_t K, const uint8_t* w,
+                                                                    const int64_t row_bytes, const ELEM* bias,
+                                                                    ELEM* y, const int64_t ldy) {
     v16 acc[MR8][NC8];
 #pragma GCC unroll 4
     for (int r = 0; r < MR8; ++r)
@@ -185,7 +183,8 @@ CAT(qtile8_, SFX)(const int qt, const int mr, const int nc, const uint8_t* xa, c
     v16i hi;
     for (int l = 0; l < 16; ++l) hi[l] = dot8_lane_hi(qt, l) ? -1 : 0;
     const int64_t nb = K / QK, np = (nb + 1) / 2;
-    for (int64_t p = 0; p < nb / 2; ++p) CAT(qpair8_, SFX)(qt, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
+    for (int64_t p = 0; p < nb / 2; ++p)
+        CAT(qpair8_, SFX)(qt, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
     if (nb & 1) CAT(qpair8_, SFX)(qt, mr, nc, nb / 2, 0, xa, xstride, np, w, row_bytes, hi, acc);
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < nc; ++c) {
@@ -200,7 +199,8 @@ static inline __attribute__((always_inline)) void
 CAT(qgemm8_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, const int64_t M,
                   const int64_t N, const int64_t K, uint8_t* xa, const int tid, const int nth) {
     const int64_t xs = act8_row_bytes(K);
-    for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r) CAT(act8_quant_row_, SFX)(qt, x + r * K, K, xa + r * xs);
+    for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
+        CAT(act8_quant_row_, SFX)(qt, x + r * K, K, xa + r * xs);
 #pragma omp barrier
     const int64_t row_bytes = K / QK * block_bytes(qt);
     const int64_t tiles = (N + NC8 - 1) / NC8;
@@ -267,9 +267,10 @@ static inline __attribute__((always_inline)) void CAT(qpanel_dequant_, SFX)(cons
 
 /* mr (<= 8) rows of float32 x times a [K, PW] panel: 8 x 3 accumulator vectors, per input
    feature 3 weight vectors and one broadcast x value per row. */
-static inline __attribute__((always_inline)) void
-CAT(pkernel_, SFX)(const int mr, const int64_t K, const float* x, const float* wp, const ELEM* bias, ELEM* y,
-                   const int64_t ldy, const int ncols) {
+static inline __attribute__((always_inline)) void CAT(pkernel_, SFX)(const int mr, const int64_t K,
+                                                                     const float* x, const float* wp,
+                                                                     const ELEM* bias, ELEM* y,
+                                                                     const int64_t ldy, const int ncols) {
     v16 a0[8], a1[8], a2[8];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; ++r) a0[r] = a1[r] = a2[r] = (v16){};
@@ -303,9 +304,11 @@ CAT(pkernel_, SFX)(const int mr, const int64_t K, const float* x, const float* w
    float32 (x itself for float32, else filled here by all threads), buf the thread's [K, PW]
    panel. The threads split the panels; rows go in chunks of ~256 KB of xf, and a panel is
    dequantized once per chunk (so once per call up to 256 KB / 4K rows). */
-static inline __attribute__((always_inline)) void
-CAT(qpanel_, SFX)(const int qt, const ELEM* x, float* xf, const uint8_t* w, const ELEM* bias, ELEM* y,
-                  const int64_t M, const int64_t N, const int64_t K, float* buf, const int tid, const int nth) {
+static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt, const ELEM* x, float* xf,
+                                                                    const uint8_t* w, const ELEM* bias,
+                                                                    ELEM* y, const int64_t M, const int64_t N,
+                                                                    const int64_t K, float* buf,
+                                                                    const int tid, const int nth) {
     if ((const void*)xf != (const void*)x) {
         for (int64_t i = M * K * tid / nth; i < M * K * (tid + 1) / nth; ++i) xf[i] = CAT(ld1_, SFX)(x + i);
 #pragma omp barrier
@@ -355,10 +358,9 @@ CAT(qpanel_, SFX)(const int qt, const ELEM* x, float* xf, const uint8_t* w, cons
         int failed = 0;                                                                                      \
         _Pragma("omp parallel num_threads(nthreads)") {                                                      \
             float* buf = (float*)scratch(1, (size_t)K * PW * 4);                                             \
-            if (!buf) {                                                                                      \
-                _Pragma("omp atomic write") failed = 1;                                                      \
-            }                                                                                                \
-            CAT(qpanel_, SFX)(QT, x, xf, w, bias, y, M, N, K, buf, omp_get_thread_num(), omp_get_num_threads()); \
+            if (!buf) { _Pragma("omp atomic write") failed = 1; }                                            \
+            CAT(qpanel_, SFX)(QT, x, xf, w, bias, y, M, N, K, buf, omp_get_thread_num(),                     \
+                              omp_get_num_threads());                                                        \
         }                                                                                                    \
         return failed ? -1 : 0;                                                                              \
     }                                                                                                        \

@@ -247,6 +247,18 @@ def pick_kernel(rows: int, qtype: str) -> str:
     return "tile"
 
 
+def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | None = None):
+    """The C function ``linear`` calls for ``rows`` rows of ``dtype`` activations (``kernel``:
+    as ``linear``'s); arguments ``(x, w, bias, y, M, N, K, nthreads)``, returning nonzero when
+    it could not allocate its scratch (nothing written). The kernels must be available."""
+    kind = kernel or pick_kernel(rows, weight.qtype)
+    prefix = "quant_gemm_" if kind == "tile" else f"quant_gemm_{kind}_"
+    fn = _LIB.fn(f"{prefix}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
+    if kind != "tile" and fn.restype is not ctypes.c_int:
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def linear(
     x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *, kernel: str | None = None
 ) -> torch.Tensor:
@@ -263,7 +275,9 @@ def linear(
             unknown ``kernel`` / ``act8`` on another type.
         MemoryError: the kernel's scratch buffer could not be allocated.
     """
-    if kernel is not None and (kernel not in _KERNELS or (kernel == "act8" and weight.qtype not in ACT8_TYPES)):
+    if kernel is not None and (
+        kernel not in _KERNELS or (kernel == "act8" and weight.qtype not in ACT8_TYPES)
+    ):
         raise ValueError(f"quantized linear: kernel {kernel!r} is not one of {_KERNELS} for {weight.qtype}")
     check_linear_inputs(
         x,
@@ -279,11 +293,7 @@ def linear(
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     kind = kernel or pick_kernel(x.shape[0], weight.qtype)
-    prefix = "quant_gemm_" if kind == "tile" else f"quant_gemm_{kind}_"
-    fn = _LIB.fn(f"{prefix}{weight.qtype}_{DTYPE_SUFFIX[x.dtype]}")
-    if kind != "tile" and fn.restype is not ctypes.c_int:
-        fn.restype = ctypes.c_int
-    rc = fn(
+    rc = kernel_fn(weight, x.shape[0], x.dtype, kind)(
         x.data_ptr(),
         weight.data.data_ptr(),
         None if bias is None else bias.data_ptr(),

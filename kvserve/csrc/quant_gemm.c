@@ -15,19 +15,41 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Algorithm: the activations stay float32 (bfloat16 ones are widened on load), so the result
- * equals dequantize-then-matmul up to float32 rounding (no int8 activations as in llama.cpp,
- * whose kernels quantize x too). Tiles of MR (<= 8) rows of x by NC = 3 output columns: per
- * block of 32 the kernel widens the quants of each column into two 16-lane float vectors
- * (w = q * d + m) and multiplies them into its MR accumulators, x read from L1 as the FMAs'
- * memory operands (24 accumulators + 2 weight vectors fit AVX-512's 32 registers); each
- * accumulator is summed horizontally at the end. The 3 weight rows of a tile (~1 KB for
- * K = 576) stay in L1 while every row tile of a ~256 KB chunk of x passes over them; the
- * threads split the output columns. GCC vector extensions (kv_vec.h): one AVX-512 register per
- * vector with -march=native on an AVX-512 CPU, two AVX2 registers otherwise, scalar code
- * elsewhere. Measured on one core of this project's AVX-512 VM (SmolLM2-135M shapes): ~10
- * GFMA/s at 1 row (the dequantization is the cost: ~6 GB/s of Q4_1 per core), ~39 GFMA/s at
- * 8-64 rows (float32 panels: ~90 at 64); MR = 4, NC = 4 gave 28 at 64 rows.
+ * Three kernels per type; quant_gemm.py's pick_kernel chooses per call (rows, mode):
+ *
+ * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
+ * widened on load), so the result equals dequantize-then-matmul up to float32 rounding. Tiles
+ * of MR (<= 8) rows of x by NC = 3 output columns: per block of 32 the kernel widens the quants
+ * of each column into two 16-lane float vectors (w = q * d + m) and multiplies them into its MR
+ * accumulators, x read from L1 as the FMAs' memory operands (24 accumulators + 2 weight vectors
+ * fit AVX-512's 32 registers); each accumulator is summed horizontally at the end. The 3 weight
+ * rows of a tile (~1 KB for K = 576) stay in L1 while every row tile of a ~256 KB chunk of x
+ * passes over them; the threads split the output columns. GCC vector extensions (kv_vec.h): one
+ * AVX-512 register per vector with -march=native on an AVX-512 CPU, two AVX2 registers
+ * otherwise, scalar code elsewhere. Measured (one core, SmolLM2-135M's 3072 x 576): ~10 GFMA/s
+ * at 1 row (the dequantization is the cost: ~6 GB/s of Q4_1), ~39 GFMA/s at 8 rows.
+ *
+ * 2. quant_gemm_act8_* (Q8_0, Q4_0, Q4_1; int8 activations, as llama.cpp's kernels): each row
+ * of x is first quantized per 32-block to int8 with a float32 scale d_x (act8_quant_row in
+ * quant_gemm_dtype.h; d_x = max|x| / 127, round to nearest even), stored in the pair layout of
+ * quant_dot8.h with its per-lane scales and block-sum terms. Then per pair of blocks and weight
+ * row: unpack 64 quants to bytes once (Q4: one shift, insert and AND), one vpdpbusd per row of
+ * x (64 u8 x s8 products into 16 int32 lanes, 8 per block), and in float32 per lane
+ * acc += d_w (d_x dot - c) (c = OFF d_x sum(q_x) / 8 undoes the unsigned offset of the weight
+ * bytes: Q4_0 8, Q8_0 128) or, for Q4_1, acc += d_w d_x dot + m c (c = d_x sum(q_x) / 8: the
+ * minimum times the activation sum). Integer products are exact, so the result is the float64
+ * product of the quantized activations and the weights up to float32 rounding of the scaled
+ * sums. Tiles of MR8 = 4 rows by NC8 = 4 columns (16 accumulators). AVX2: maddubs + madd
+ * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. Measured (one core,
+ * 3072 x 576, 1 row): Q8_0 21 GFMA/s (22 GB/s of weights; tile 12), Q4_0 24 (tile 10), Q4_1
+ * 20 (tile 10); at 8 rows 38-50 GFMA/s (tile 38-42).
+ *
+ * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
+ * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16
+ * register transposes turn dequantized rows into panel rows) and an 8 x 48 outer-product
+ * micro-kernel (as gemm.c's) runs every 8 rows of x over it; rows in chunks of ~256 KB of x,
+ * the panel re-dequantized per chunk. Measured (one core, 3072 x 576, 64 rows): 53-57 GFMA/s
+ * against float32 gemm.c's 60 and the tile kernel's 14-30 (int8 activations: 25-34).
  *
  * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
  * Measured: benchmarks/quantized.py, docs/benchmarks.md.

@@ -17,6 +17,15 @@ from tests.executor.helpers import llama_config, save_tiny
 from tests.executor.test_gguf_quantized import greedy, prefill_logits
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float_activations():
+    """The references here are float-activation results: run the quantized kernels in that
+    mode (int8 activations are checked by perplexity and test_quant_act8.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant_gemm.ACT_ENV, "float")
+        yield
+
+
 def test_quantize_q8_0_is_bit_identical_to_the_reference_quantizer():
     w = np.random.default_rng(0).standard_normal((70, 160)).astype(np.float32)
     w[0, :32] = 0  # an all-zero block (scale 0)
@@ -112,7 +121,9 @@ def decode_perplexity(model, ids: list[int]) -> float:
 
     cfg = model.config
     blocks = len(ids) // 4 + 2
-    ce = CacheEngine(cfg.num_hidden_layers, model.num_kv_heads, model.head_dim, 4, blocks, 0, model.dtype, "cpu")
+    ce = CacheEngine(
+        cfg.num_hidden_layers, model.num_kv_heads, model.head_dim, 4, blocks, 0, model.dtype, "cpu"
+    )
     runner = ModelRunner(model, 4, blocks, None, sampler=None)
     seq, alloc, nll = ToySeq(ids[:1]), ToyAllocator(blocks), 0.0
     for nxt in ids[1:]:

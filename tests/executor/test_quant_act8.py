@@ -52,7 +52,9 @@ def check_act8(qw, wd, x, bias=None, threads=1):
     if x.dtype == torch.bfloat16:
         tol = tol + 2.0**-8 * np.abs(ref)
     err = np.abs(y.double().numpy() - ref)
-    assert (err <= tol).all(), f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    assert (err <= tol).all(), (
+        f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    )
 
 
 def check_panel(qw, wd, x, bias=None, threads=1):
@@ -67,7 +69,9 @@ def check_panel(qw, wd, x, bias=None, threads=1):
     if x.dtype == torch.bfloat16:
         tol = tol + 2.0**-8 * np.abs(ref)
     err = np.abs(y.double().numpy() - ref)
-    assert (err <= tol).all(), f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    assert (err <= tol).all(), (
+        f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    )
 
 
 def test_quantize_activations_rounds_each_block_to_127_steps():
@@ -222,7 +226,9 @@ def test_act8_fallback_builds_equal_the_reference(tmp_path, march, isa):
     (this host runs both), give the same results as the VNNI kernel's reference."""
     from kvserve.model_executor.layers import native_lib
 
-    env = dict(os.environ, KVSERVE_CACHE_DIR=str(tmp_path), **{native_lib.EXTRA_CFLAGS_ENV: f"-O1 -march={march}"})
+    env = dict(
+        os.environ, KVSERVE_CACHE_DIR=str(tmp_path), **{native_lib.EXTRA_CFLAGS_ENV: f"-O1 -march={march}"}
+    )
     env.pop("KVSERVE_NATIVE", None)
     r = subprocess.run(
         [sys.executable, "-c", SUBPROCESS_CHECK.format(isa=isa)],

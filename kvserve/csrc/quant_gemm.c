@@ -240,9 +240,9 @@ static inline int64_t act8_row_bytes(const int64_t K) { return (K / QK + 1) / 2 
 static void* scratch(const int slot, const size_t bytes) {
     static __thread void* buf[3];
     static __thread size_t cap[3];
-    if (cap[slot] < bytes) {
+    if (cap[slot] < bytes || !buf[slot]) { /* (0 rows: still a buffer, so NULL means no memory) */
         free(buf[slot]);
-        const size_t n = (bytes + 63) / 64 * 64;
+        const size_t n = (bytes + 64) / 64 * 64;
         buf[slot] = aligned_alloc(64, n);
         cap[slot] = buf[slot] ? n : 0;
     }

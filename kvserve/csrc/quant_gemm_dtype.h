@@ -354,7 +354,7 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
     int CAT(quant_gemm_panel_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,     \
                                              int64_t M, int64_t N, int64_t K, int nthreads) {                \
         float* xf = sizeof(ELEM) == 4 ? (float*)(void*)x : (float*)scratch(2, (size_t)(M * K) * 4);          \
-        if (!xf) return -1;                                                                                  \
+        if (sizeof(ELEM) != 4 && !xf) return -1; /* (float32 x: an empty one may be NULL) */                 \
         int failed = 0;                                                                                      \
         _Pragma("omp parallel num_threads(nthreads)") {                                                      \
             float* buf = (float*)scratch(1, (size_t)K * PW * 4);                                             \

@@ -175,6 +175,15 @@ def test_act8_and_float_modes_agree_to_the_activation_rounding():
     assert float(diff.abs().max()) > 0  # the modes do differ: the int8 path really ran
 
 
+@native
+@pytest.mark.parametrize("kernel", ["tile", "act8", "panel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_give_an_empty_result_for_every_kernel(kernel, dtype):
+    qw, _ = make_weight("q4_1", 5, 64, seed=0)
+    y = quant_gemm.linear(torch.empty(0, 64, dtype=dtype), qw, kernel=kernel)
+    assert y.shape == (0, 5) and y.dtype == dtype
+
+
 def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
     assert quant_gemm.activation_mode() == "int8"

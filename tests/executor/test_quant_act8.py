@@ -198,13 +198,19 @@ def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     assert quant_gemm.activation_mode() == want
 
 
-def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch):
+def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch, tmp_path):
     monkeypatch.setenv(quant_gemm.ACT_ENV, "int4")
     with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT='int4'.*float.*int8"):
         quant_gemm.activation_mode()
     qw, _ = make_weight("q8_0", 4, 32, seed=0)
     with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT"):
         quant_gemm.linear(torch.randn(1, 32), qw)
+    from kvserve.model_executor.model_loader import load_model
+    from tests.executor.helpers import llama_config, save_tiny
+
+    save_tiny(tmp_path, llama_config())
+    with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT='int4'"):  # at load, before any request
+        load_model(tmp_path, torch.float32, "cpu", quantization="int8")
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
     with pytest.raises(ValueError, match="kernel 'act8'.*q4_k"):
         quant_gemm.linear(torch.randn(1, 256), make_weight("q4_k", 4, 256, seed=0)[0], kernel="act8")

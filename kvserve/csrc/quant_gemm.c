@@ -15,24 +15,48 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Algorithm: the activations stay float32 (bfloat16 ones are widened on load), so the result
- * equals dequantize-then-matmul up to float32 rounding (no int8 activations as in llama.cpp,
- * whose kernels quantize x too). Tiles of MR (<= 8) rows of x by NC = 3 output columns: per
- * block of 32 the kernel widens the quants of each column into two 16-lane float vectors
- * (w = q * d + m) and multiplies them into its MR accumulators, x read from L1 as the FMAs'
- * memory operands (24 accumulators + 2 weight vectors fit AVX-512's 32 registers); each
- * accumulator is summed horizontally at the end. The 3 weight rows of a tile (~1 KB for
- * K = 576) stay in L1 while every row tile of a ~256 KB chunk of x passes over them; the
- * threads split the output columns. GCC vector extensions (kv_vec.h): one AVX-512 register per
- * vector with -march=native on an AVX-512 CPU, two AVX2 registers otherwise, scalar code
- * elsewhere. Measured on one core of this project's AVX-512 VM (SmolLM2-135M shapes): ~10
- * GFMA/s at 1 row (the dequantization is the cost: ~6 GB/s of Q4_1 per core), ~39 GFMA/s at
- * 8-64 rows (float32 panels: ~90 at 64); MR = 4, NC = 4 gave 28 at 64 rows.
+ * Three kernels per type; quant_gemm.py's pick_kernel chooses per call (rows, mode):
+ *
+ * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
+ * widened on load), so the result equals dequantize-then-matmul up to float32 rounding. Tiles
+ * of MR (<= 8) rows of x by NC = 3 output columns: per block of 32 the kernel widens the quants
+ * of each column into two 16-lane float vectors (w = q * d + m) and multiplies them into its MR
+ * accumulators, x read from L1 as the FMAs' memory operands (24 accumulators + 2 weight vectors
+ * fit AVX-512's 32 registers); each accumulator is summed horizontally at the end. The 3 weight
+ * rows of a tile (~1 KB for K = 576) stay in L1 while every row tile of a ~256 KB chunk of x
+ * passes over them; the threads split the output columns. GCC vector extensions (kv_vec.h): one
+ * AVX-512 register per vector with -march=native on an AVX-512 CPU, two AVX2 registers
+ * otherwise, scalar code elsewhere. Measured (one core, SmolLM2-135M's 3072 x 576): ~10 GFMA/s
+ * at 1 row (the dequantization is the cost: ~6 GB/s of Q4_1), ~39 GFMA/s at 8 rows.
+ *
+ * 2. quant_gemm_act8_* (Q8_0, Q4_0, Q4_1; int8 activations, as llama.cpp's kernels): each row
+ * of x is first quantized per 32-block to int8 with a float32 scale d_x (act8_quant_row in
+ * quant_gemm_dtype.h; d_x = max|x| / 127, round to nearest even), stored in the pair layout of
+ * quant_dot8.h with its per-lane scales and block-sum terms. Then per pair of blocks and weight
+ * row: unpack 64 quants to bytes once (Q4: one shift, insert and AND), one vpdpbusd per row of
+ * x (64 u8 x s8 products into 16 int32 lanes, 8 per block), and in float32 per lane
+ * acc += d_w (d_x dot - c) (c = OFF d_x sum(q_x) / 8 undoes the unsigned offset of the weight
+ * bytes: Q4_0 8, Q8_0 128) or, for Q4_1, acc += d_w d_x dot + m c (c = d_x sum(q_x) / 8: the
+ * minimum times the activation sum). Integer products are exact, so the result is the float64
+ * product of the quantized activations and the weights up to float32 rounding of the scaled
+ * sums. Tiles of MR8 = 4 rows by NC8 = 4 columns (16 accumulators). AVX2: maddubs + madd
+ * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. Measured (one core,
+ * 3072 x 576, 1 row): Q8_0 21 GFMA/s (22 GB/s of weights; tile 12), Q4_0 24 (tile 10), Q4_1
+ * 20 (tile 10); at 8 rows 38-50 GFMA/s (tile 38-42).
+ *
+ * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
+ * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16
+ * register transposes turn dequantized rows into panel rows) and an 8 x 48 outer-product
+ * micro-kernel (as gemm.c's) runs every 8 rows of x over it; rows in chunks of ~256 KB of x,
+ * the panel re-dequantized per chunk. Measured (one core, 3072 x 576, 64 rows): 53-57 GFMA/s
+ * against float32 gemm.c's 60 and the tile kernel's 14-30 (int8 activations: 25-34).
  *
  * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
  * Measured: benchmarks/quantized.py, docs/benchmarks.md.
  */
 #include "kv_vec.h"
+#include "quant_dot8.h"
+#include "transpose16.h"
 #include <omp.h>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -199,5 +223,62 @@ static inline __attribute__((always_inline)) void dequant_block(const int qt, co
     }
 }
 
+/* int8-activation kernels (quant_dot8.h): tiles of MR8 rows by NC8 columns. */
+#define MR8 4
+#define NC8 4
+#define PW 48 /* panel width of the large-batch path (output columns per dequantized panel) */
+
+/* Bytes per row of the quantized activations: per pair of 32-blocks 64 int8 quants, then (after
+   all quants) 16 float lanes of d_x and 16 of the block-sum term (quant_gemm_dtype.h's
+   act8_quant_row); a multiple of 64, so every row's quants stay 64-byte aligned. */
+static inline int64_t act8_row_bytes(const int64_t K) { return (K / QK + 1) / 2 * 192; }
+
+/* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
+   quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x),
+   kept between calls (OpenMP's threads persist) so a call does not page-fault a fresh mmap;
+   NULL when out of memory. */
+static void* scratch(const int slot, const size_t bytes) {
+    static __thread void* buf[3];
+    static __thread size_t cap[3];
+    if (cap[slot] < bytes || !buf[slot]) { /* (0 rows: still a buffer, so NULL means no memory) */
+        free(buf[slot]);
+        const size_t n = (bytes + 64) / 64 * 64;
+        buf[slot] = aligned_alloc(64, n);
+        cap[slot] = buf[slot] ? n : 0;
+    }
+    return buf[slot];
+}
+
+static inline v16 vabs16(const v16 x) { return (v16)((v16i)x & 0x7fffffff); }
+/* Lanes of `hi` from b, the others from a (scalars broadcast). */
+static inline v16 select16(const v16i hi, const float a, const float b) {
+    return (v16)((((v16i)((v16){} + a)) & ~hi) | (((v16i)((v16){} + b)) & hi));
+}
+
+/* The scales d (and Q4_1's minima m) of blocks b and b + bb (0 for a missing second block) as
+   lane vectors of the pair layout (hi: the second block's lanes). With F16C and AVX-512 the four
+   halves convert in one instruction and two lane permutes spread them (the bytes after Q4_0's /
+   Q8_0's d are quants, read but unused); scalar conversions and blends elsewhere. */
+static inline __attribute__((always_inline)) void pair_scales(const int qt, const uint8_t* b,
+                                                              const int64_t bb, const int two, const v16i hi,
+                                                              v16* dw, v16* mw) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    (void)qt;
+    uint32_t lo = 0, up = 0;
+    memcpy(&lo, b, 4);
+    if (two) memcpy(&up, b + bb, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)lo), (int)up, 1)); /* d0 m0 d1 m1 */
+    const __m512i idx = (__m512i)(hi & 2);
+    *dw = (v16)_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(f));
+    *mw = (v16)_mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(1)), _mm512_castps128_ps512(f));
+#else
+    *dw = select16(hi, fp16_to_f32(b), two ? fp16_to_f32(b + bb) : 0.0f);
+    *mw = qt == QT_Q4_1 ? select16(hi, fp16_to_f32(b + 2), two ? fp16_to_f32(b + bb + 2) : 0.0f) : (v16){};
+#endif
+}
+
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
 #include "kv_instantiate.h"
+
+/* Which int8 dot product the act8 kernels compiled to: 2 AVX-512 VNNI, 1 AVX2, 0 scalar. */
+int quant_act8_isa(void) { return DOT8_ISA; }

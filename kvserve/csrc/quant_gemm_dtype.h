@@ -99,16 +99,285 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
     }
 }
 
+/* ---- int8 activations (Q8_0, Q4_0, Q4_1) ---------------------------------------------------- */
+
+/* One row of x (K floats) quantized per 32-block j as llama.cpp's Q8 activations, with a float32
+   scale: d = max|x| / 127, q = rint(x * (1 / d)) (nearest even; q = 0 when d = 0), s = sum(q).
+   Written to `out` (act8_row_bytes(K)): per pair p of blocks the 64 quants in the pair layout
+   (quant_dot8.h; the blocks past the end zero), then 16 lanes of d per pair (d of the block the
+   lane belongs to), then 16 lanes of c = OFF' * d * s / 8 (a block's 8 lanes sum to OFF' d s;
+   OFF' = 1 for Q4_1, whose minimum multiplies d s, else the pair layout's OFF). */
+static inline __attribute__((always_inline)) void CAT(act8_quant_row_, SFX)(const int qt, const ELEM* x,
+                                                                            const int64_t K, uint8_t* out) {
+    const int64_t nb = K / QK, np = (nb + 1) / 2;
+    int8_t* xq = (int8_t*)out;
+    float* dx = (float*)(out + np * 64);
+    float* xc = dx + np * 16;
+    const float off = qt == QT_Q4_1 ? 1.0f : (float)dot8_offset(qt);
+    for (int64_t p = 0; p < np; ++p) {
+        for (int h = 0; h < 2; ++h) {
+            const int64_t j = 2 * p + h;
+            int8_t* q = xq + p * 64;
+            float d = 0.0f, c = 0.0f;
+            if (j < nb) {
+                const v16 a = CAT(ld16_, SFX)(x + j * QK), b = CAT(ld16_, SFX)(x + j * QK + 16);
+                d = hmax16(vmax(vabs16(a), vabs16(b))) / 127.0f;
+                const float id = d > 0.0f ? 1.0f / d : 0.0f;
+                const v16i qa = rint16_i32(a * id), qb = rint16_i32(b * id);
+                int s = 0;
+                for (int i = 0; i < 16; ++i) {
+                    q[dot8_pos(qt, h, i)] = (int8_t)qa[i];
+                    q[dot8_pos(qt, h, i + 16)] = (int8_t)qb[i];
+                    s += qa[i] + qb[i];
+                }
+                c = off * (float)s * d * 0.125f;
+            } else {
+                for (int i = 0; i < 32; ++i) q[dot8_pos(qt, h, i)] = 0;
+            }
+            for (int l = 0; l < 16; ++l)
+                if (dot8_lane_hi(qt, l) == h) {
+                    dx[p * 16 + l] = d;
+                    xc[p * 16 + l] = c;
+                }
+        }
+    }
+}
+
+/* Pair p of blocks (`two`: whether block 2p + 1 exists) of nc weight rows into the mr x nc
+   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0) or d_w d_x dot8 + m c (Q4_1). */
+static inline __attribute__((always_inline)) void
+CAT(qpair8_, SFX)(const int qt, const int mr, const int nc, const int64_t p, const int two, const uint8_t* xa,
+                  const int64_t xstride, const int64_t np, const uint8_t* w, const int64_t row_bytes, v16i hi,
+                  v16 acc[MR8][NC8]) {
+    const int64_t bb = block_bytes(qt);
+    const int qoff = qt == QT_Q4_1 ? 4 : 2;
+#pragma GCC unroll 4
+    for (int c = 0; c < nc; ++c) {
+        const uint8_t* b = w + c * row_bytes + 2 * p * bb;
+        const wpair wp = load_pair(qt, b + qoff, b + bb + qoff, two);
+        v16 dw, mw;
+        pair_scales(qt, b, bb, two, hi, &dw, &mw);
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; ++r) {
+            const uint8_t* xr = xa + r * xstride;
+            const v16 dx = *(const v16*)(xr + np * 64 + p * 64);
+            const v16 xc = *(const v16*)(xr + np * 128 + p * 64);
+            const v16 t = __builtin_convertvector(dot8(qt, wp, (const int8_t*)(xr + p * 64)), v16) * dx;
+            if (qt == QT_Q4_1) acc[r][c] += dw * t + mw * xc;
+            else acc[r][c] += dw * (t - xc);
+        }
+    }
+}
+
+/* mr (<= MR8) quantized rows (xa, xstride bytes apart) times nc (<= NC8) weight rows. */
+static inline __attribute__((always_inline)) void CAT(qtile8_, SFX)(const int qt, const int mr, const int nc,
+                                                                    const uint8_t* xa, const int64_t xstride,
+                                                                    const int64_t K, const uint8_t* w,
+                                                                    const int64_t row_bytes, const ELEM* bias,
+                                                                    ELEM* y, const int64_t ldy) {
+    v16 acc[MR8][NC8];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR8; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC8; ++c) acc[r][c] = (v16){};
+    v16i hi;
+    for (int l = 0; l < 16; ++l) hi[l] = dot8_lane_hi(qt, l) ? -1 : 0;
+    const int64_t nb = K / QK, np = (nb + 1) / 2;
+    for (int64_t p = 0; p < nb / 2; ++p)
+        CAT(qpair8_, SFX)(qt, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
+    if (nb & 1) CAT(qpair8_, SFX)(qt, mr, nc, nb / 2, 0, xa, xstride, np, w, row_bytes, hi, acc);
+    for (int r = 0; r < mr; ++r)
+        for (int c = 0; c < nc; ++c) {
+            const float b = bias ? CAT(ld1_, SFX)(bias + c) : 0.0f;
+            CAT(st1_, SFX)(y + r * ldy + c, hsum16(acc[r][c]) + b);
+        }
+}
+
+/* Thread tid of nth's share of y = x @ W^T (+ bias) with x quantized to int8 first (each thread
+   its share of rows, into xa: M x act8_row_bytes(K)), then the column tiles split as qgemm. */
+static inline __attribute__((always_inline)) void
+CAT(qgemm8_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, const int64_t M,
+                  const int64_t N, const int64_t K, uint8_t* xa, const int tid, const int nth) {
+    const int64_t xs = act8_row_bytes(K);
+    for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
+        CAT(act8_quant_row_, SFX)(qt, x + r * K, K, xa + r * xs);
+#pragma omp barrier
+    const int64_t row_bytes = K / QK * block_bytes(qt);
+    const int64_t tiles = (N + NC8 - 1) / NC8;
+    int64_t mc = ((int64_t)(1 << 17) / xs) / MR8 * MR8;
+    if (mc < MR8) mc = MR8;
+    const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m_end = m0 + mc < M ? m0 + mc : M;
+        for (int64_t t = t_begin; t < t_end; ++t) {
+            const int64_t n = t * NC8;
+            const int nc = N - n < NC8 ? (int)(N - n) : NC8;
+            const uint8_t* wt = w + n * row_bytes;
+            const ELEM* bt = bias ? bias + n : NULL;
+            for (int64_t m = m0; m < m_end; m += MR8) {
+                const int mr = m_end - m < MR8 ? (int)(m_end - m) : MR8;
+                const uint8_t* xm = xa + m * xs;
+                ELEM* ym = y + m * N + n;
+                if (nc == NC8) {
+                    switch (mr) {
+                    case 4: CAT(qtile8_, SFX)(qt, 4, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    case 3: CAT(qtile8_, SFX)(qt, 3, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    case 2: CAT(qtile8_, SFX)(qt, 2, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    default: CAT(qtile8_, SFX)(qt, 1, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    }
+                } else {
+                    CAT(qtile8_, SFX)(qt, mr, nc, xm, xs, K, wt, row_bytes, bt, ym, N);
+                }
+            }
+        }
+    }
+}
+
+/* ---- large batch: a dequantized float32 panel and an outer-product micro-kernel ---------------- */
+
+/* Columns n0 .. n0 + ncols - 1 (ncols <= PW) of W dequantized into buf [K, PW] (the PW weights of
+   one input feature contiguous, columns past ncols zero): per 16 columns and 32-chunk, the
+   16 x 32 weights dequantized as rows and turned into 32 rows of 16 columns by two 16 x 16
+   register transposes. */
+static inline __attribute__((always_inline)) void CAT(qpanel_dequant_, SFX)(const int qt, const uint8_t* w,
+                                                                            const int64_t row_bytes,
+                                                                            const int ncols, const int64_t K,
+                                                                            float* buf) {
+    for (int g = 0; g < PW / 16; ++g) {
+        for (int64_t j = 0; j < K / QK; ++j) {
+            v16 a[16], b[16];
+            for (int i = 0; i < 16; ++i) {
+                if (g * 16 + i < ncols) {
+                    dequant_block(qt, w + (g * 16 + i) * row_bytes, j, &a[i], &b[i]);
+                } else {
+                    a[i] = (v16){};
+                    b[i] = (v16){};
+                }
+            }
+            transpose16(a);
+            transpose16(b);
+            float* o = buf + j * QK * PW + g * 16;
+            for (int i = 0; i < 16; ++i) {
+                *(v16*)(o + i * PW) = a[i];
+                *(v16*)(o + (i + 16) * PW) = b[i];
+            }
+        }
+    }
+}
+
+/* mr (<= 8) rows of float32 x times a [K, PW] panel: 8 x 3 accumulator vectors, per input
+   feature 3 weight vectors and one broadcast x value per row. */
+static inline __attribute__((always_inline)) void CAT(pkernel_, SFX)(const int mr, const int64_t K,
+                                                                     const float* x, const float* wp,
+                                                                     const ELEM* bias, ELEM* y,
+                                                                     const int64_t ldy, const int ncols) {
+    v16 a0[8], a1[8], a2[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; ++r) a0[r] = a1[r] = a2[r] = (v16){};
+    for (int64_t k = 0; k < K; ++k) {
+        const float* wk = wp + k * PW;
+        const v16 w0 = *(const v16*)wk, w1 = *(const v16*)(wk + 16), w2 = *(const v16*)(wk + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; ++r) {
+            const float xv = x[r * K + k];
+            a0[r] += xv * w0;
+            a1[r] += xv * w1;
+            a2[r] += xv * w2;
+        }
+    }
+    float bb[PW] = {0};
+    if (bias)
+        for (int j = 0; j < ncols; ++j) bb[j] = CAT(ld1_, SFX)(bias + j);
+    const v16 b0 = *(const v16*)bb, b1 = *(const v16*)(bb + 16), b2 = *(const v16*)(bb + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; ++r) {
+        ELEM t[PW];
+        ELEM* o = ncols == PW ? y + r * ldy : t;
+        CAT(st16_, SFX)(o, a0[r] + b0);
+        CAT(st16_, SFX)(o + 16, a1[r] + b1);
+        CAT(st16_, SFX)(o + 32, a2[r] + b2);
+        if (ncols != PW) memcpy(y + r * ldy, t, ncols * sizeof(ELEM));
+    }
+}
+
+/* Thread tid of nth's share of y = x @ W^T (+ bias) through dequantized panels: xf is x as
+   float32 (x itself for float32, else filled here by all threads), buf the thread's [K, PW]
+   panel. The threads split the panels; rows go in chunks of ~256 KB of xf, and a panel is
+   dequantized once per chunk (so once per call up to 256 KB / 4K rows). */
+static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt, const ELEM* x, float* xf,
+                                                                    const uint8_t* w, const ELEM* bias,
+                                                                    ELEM* y, const int64_t M, const int64_t N,
+                                                                    const int64_t K, float* buf,
+                                                                    const int tid, const int nth) {
+    if ((const void*)xf != (const void*)x) {
+        for (int64_t i = M * K * tid / nth; i < M * K * (tid + 1) / nth; ++i) xf[i] = CAT(ld1_, SFX)(x + i);
+#pragma omp barrier
+    }
+    if (!buf) return;
+    const int64_t row_bytes = K / QK / block_chunks(qt) * block_bytes(qt);
+    const int64_t P = (N + PW - 1) / PW;
+    int64_t mc = K > 0 ? ((int64_t)(1 << 16) / K) & ~(int64_t)7 : 8;
+    if (mc < 8) mc = 8;
+    const int64_t p_begin = P * tid / nth, p_end = P * (tid + 1) / nth;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m_end = m0 + mc < M ? m0 + mc : M;
+        for (int64_t p = p_begin; p < p_end; ++p) {
+            const int ncols = N - p * PW < PW ? (int)(N - p * PW) : PW;
+            CAT(qpanel_dequant_, SFX)(qt, w + p * PW * row_bytes, row_bytes, ncols, K, buf);
+            const ELEM* bp = bias ? bias + p * PW : NULL;
+            for (int64_t m = m0; m < m_end; m += 8) {
+                const float* xm = xf + m * K;
+                ELEM* ym = y + m * N + p * PW;
+                switch (m_end - m < 8 ? (int)(m_end - m) : 8) {
+                case 8: CAT(pkernel_, SFX)(8, K, xm, buf, bp, ym, N, ncols); break;
+                case 7: CAT(pkernel_, SFX)(7, K, xm, buf, bp, ym, N, ncols); break;
+                case 6: CAT(pkernel_, SFX)(6, K, xm, buf, bp, ym, N, ncols); break;
+                case 5: CAT(pkernel_, SFX)(5, K, xm, buf, bp, ym, N, ncols); break;
+                case 4: CAT(pkernel_, SFX)(4, K, xm, buf, bp, ym, N, ncols); break;
+                case 3: CAT(pkernel_, SFX)(3, K, xm, buf, bp, ym, N, ncols); break;
+                case 2: CAT(pkernel_, SFX)(2, K, xm, buf, bp, ym, N, ncols); break;
+                default: CAT(pkernel_, SFX)(1, K, xm, buf, bp, ym, N, ncols); break;
+                }
+            }
+        }
+    }
+}
+
+/* The exported functions return 0, or -1 when a scratch buffer could not be allocated (nothing
+   written to y then). */
 #define QUANT_EXPORTS(NAME, QT)                                                                              \
     void CAT(quant_gemm_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,          \
                                         int64_t M, int64_t N, int64_t K, int nthreads) {                     \
         _Pragma("omp parallel num_threads(nthreads)")                                                        \
             CAT(qgemm_, SFX)(QT, x, w, bias, y, M, N, K, omp_get_thread_num(), omp_get_num_threads());       \
     }                                                                                                        \
+    int CAT(quant_gemm_panel_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,     \
+                                             int64_t M, int64_t N, int64_t K, int nthreads) {                \
+        float* xf = sizeof(ELEM) == 4 ? (float*)(void*)x : (float*)scratch(2, (size_t)(M * K) * 4);          \
+        if (sizeof(ELEM) != 4 && !xf) return -1; /* (float32 x: an empty one may be NULL) */                 \
+        int failed = 0;                                                                                      \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                      \
+            float* buf = (float*)scratch(1, (size_t)K * PW * 4);                                             \
+            if (!buf) { _Pragma("omp atomic write") failed = 1; }                                            \
+            CAT(qpanel_, SFX)(QT, x, xf, w, bias, y, M, N, K, buf, omp_get_thread_num(),                     \
+                              omp_get_num_threads());                                                        \
+        }                                                                                                    \
+        return failed ? -1 : 0;                                                                              \
+    }                                                                                                        \
     void CAT(quant_rows_##NAME##_, SFX)(const uint8_t* w, const int64_t* ids, int64_t n, int64_t K,          \
                                         ELEM* out, int nthreads) {                                           \
         _Pragma("omp parallel num_threads(nthreads)")                                                        \
             CAT(qrows_, SFX)(QT, w, ids, n, K, out, omp_get_thread_num(), omp_get_num_threads());            \
+    }
+/* int8 activations: the 32-weight block types only. */
+#define ACT8_EXPORTS(NAME, QT)                                                                               \
+    int CAT(quant_gemm_act8_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,      \
+                                            int64_t M, int64_t N, int64_t K, int nthreads) {                 \
+        uint8_t* xa = (uint8_t*)scratch(0, (size_t)(M * act8_row_bytes(K)));                                 \
+        if (!xa) return -1;                                                                                  \
+        _Pragma("omp parallel num_threads(nthreads)")                                                        \
+            CAT(qgemm8_, SFX)(QT, x, w, bias, y, M, N, K, xa, omp_get_thread_num(), omp_get_num_threads());  \
+        return 0;                                                                                            \
     }
 QUANT_EXPORTS(q8_0, QT_Q8_0)
 QUANT_EXPORTS(q4_0, QT_Q4_0)
@@ -116,4 +385,8 @@ QUANT_EXPORTS(q4_1, QT_Q4_1)
 QUANT_EXPORTS(q4_k, QT_Q4_K)
 QUANT_EXPORTS(q5_k, QT_Q5_K)
 QUANT_EXPORTS(q6_k, QT_Q6_K)
+ACT8_EXPORTS(q8_0, QT_Q8_0)
+ACT8_EXPORTS(q4_0, QT_Q4_0)
+ACT8_EXPORTS(q4_1, QT_Q4_1)
 #undef QUANT_EXPORTS
+#undef ACT8_EXPORTS

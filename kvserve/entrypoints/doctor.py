@@ -27,6 +27,16 @@ CPU_FEATURES = {
 }
 
 
+def _quant_act_mode() -> str:
+    """The quantized GEMMs' activation mode, or what is wrong with ``KVSERVE_QUANT_ACT``."""
+    from kvserve.model_executor.layers import quant_gemm
+
+    try:
+        return quant_gemm.activation_mode()
+    except ValueError as e:
+        return f"invalid ({e})"
+
+
 def _compiler() -> dict:
     from kvserve.model_executor.layers import native_lib
 
@@ -96,7 +106,9 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         },
         "linear, gguf quantized": {
             d: (
-                f"kvserve quantized GEMM ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+                f"kvserve quantized GEMM ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'}; "
+                f"< {quant_gemm.PANEL_ROWS} rows: {_quant_act_mode()} activations, int8 dot products "
+                f"{quant_gemm.act8_isa()}; more rows: dequantized float32 panels)"
                 if quant_gemm.available()
                 else "torch: dequantized on every call (slow)"
             )

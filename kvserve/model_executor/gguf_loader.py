@@ -103,7 +103,8 @@ def load_gguf_model(
         hf_config: the model's config (default: built from the GGUF metadata).
     Raises:
         ValueError: another device or dtype; a file that cannot be read; a tensor with an
-            unexpected name, shape or type; a missing tensor (each naming the file and tensor).
+            unexpected name, shape or type; a missing tensor (each naming the file and tensor);
+            ``KVSERVE_QUANT_ACT`` neither ``float`` nor ``int8``.
     """
     from kvserve.model_executor.models.llama import LlamaForCausalLM
 
@@ -111,6 +112,7 @@ def load_gguf_model(
         raise ValueError(f"quantization='gguf' runs on CPU only, got device={device!r}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantization='gguf' needs dtype float32 or bfloat16, got {dtype}")
+    quant_gemm.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
     path = Path(gguf_path)
     reader = open_gguf(path)
     try:

@@ -127,6 +127,15 @@ def greedy(model, ids: list[int], steps: int) -> list[int]:
     return out
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float_activations():
+    """The references here are float-activation results: run the quantized kernels in that
+    mode (int8 activations are checked by perplexity and test_quant_act8.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant_gemm.ACT_ENV, "float")
+        yield
+
+
 FUSED_PART = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
 
 

@@ -17,6 +17,17 @@ from tests.executor.test_gguf_quantized import greedy, prefill_logits
 from tests.executor.test_int8_quantization import TEXT, perplexity
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float_activations():
+    """The references here are float-activation results: run the quantized kernels in that
+    mode (int8 activations are checked in test_quant_act8.py and by perplexity)."""
+    from kvserve.model_executor.layers import quant_gemm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant_gemm.ACT_ENV, "float")
+        yield
+
+
 def minmax_block_errors(w: torch.Tensor) -> torch.Tensor:
     """Squared error per 32-block of plain min/max Q4_1 (float16 d, m), the search's baseline."""
     b = w.double().reshape(-1, 32)

@@ -17,6 +17,15 @@ from tests.executor.helpers import llama_config, save_tiny
 from tests.executor.test_gguf_quantized import greedy, prefill_logits
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float_activations():
+    """The references here are float-activation results: run the quantized kernels in that
+    mode (int8 activations are checked by perplexity and test_quant_act8.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant_gemm.ACT_ENV, "float")
+        yield
+
+
 def test_quantize_q8_0_is_bit_identical_to_the_reference_quantizer():
     w = np.random.default_rng(0).standard_normal((70, 160)).astype(np.float32)
     w[0, :32] = 0  # an all-zero block (scale 0)
@@ -101,3 +110,48 @@ def test_default_model_gguf_bfloat16_perplexity_within_one_percent_of_float():
     cfg = load_hf_config(resolve_model_dir(None, "gguf"))
     p_bf16 = perplexity(load_gguf_model(default_gguf_path(), torch.bfloat16, "cpu", cfg), ids)
     assert abs(p_bf16 / p_float - 1) < 0.01, (p_bf16, p_float)
+
+
+def decode_perplexity(model, ids: list[int]) -> float:
+    """Perplexity of ``ids`` fed one token per step through the paged cache (teacher forcing):
+    every step is a 1-row decode step, the shape the int8-activation kernels serve."""
+    from kvserve.worker.cache_engine import CacheEngine
+    from kvserve.worker.model_runner import ModelRunner
+    from tests.executor.helpers import ToyAllocator, ToySeq
+
+    cfg = model.config
+    blocks = len(ids) // 4 + 2
+    ce = CacheEngine(
+        cfg.num_hidden_layers, model.num_kv_heads, model.head_dim, 4, blocks, 0, model.dtype, "cpu"
+    )
+    runner = ModelRunner(model, 4, blocks, None, sampler=None)
+    seq, alloc, nll = ToySeq(ids[:1]), ToyAllocator(blocks), 0.0
+    for nxt in ids[1:]:
+        inp = runner.prepare_inputs([seq.metadata(1, alloc, 4)])
+        with torch.inference_mode():
+            logits = model.compute_logits(model(inp.input_ids, inp.positions, ce.gpu_cache, inp.attn)[-1:])
+        nll -= float(torch.log_softmax(logits.double(), dim=-1)[0, nxt])
+        seq.data.update_num_computed_tokens(1)
+        seq.data.append_token_id(nxt, 0.0)
+    return math.exp(nll / (len(ids) - 1))
+
+
+@pytest.mark.slow
+def test_default_model_gguf_int8_activations_perplexity_within_one_percent_of_float_activations(monkeypatch):
+    """The shipped Q4_1 GGUF (Q8_0 LM head), decoded one token at a time: int8 activations
+    (``KVSERVE_QUANT_ACT=int8``) against float activations on the same weights."""
+    from kvserve.model_executor.gguf_loader import load_gguf_model
+    from kvserve.model_executor.model_loader import default_gguf_path, load_hf_config, resolve_model_dir
+    from kvserve.transformers_utils.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(resolve_model_dir(None))(TEXT).input_ids[:48]
+    cfg = load_hf_config(resolve_model_dir(None, "gguf"))
+    model = load_gguf_model(default_gguf_path(), torch.float32, "cpu", cfg)
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
+    p_float = decode_perplexity(model, ids)
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
+    p_int8 = decode_perplexity(model, ids)
+    assert 1 < p_float < 100, p_float
+    assert p_int8 != p_float  # the int8 kernels ran
+    print(f"decode perplexity: float activations {p_float:.4f}, int8 {p_int8:.4f}")
+    assert abs(p_int8 / p_float - 1) < 0.01, (p_int8, p_float)

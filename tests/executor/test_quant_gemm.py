@@ -26,6 +26,15 @@ native = pytest.mark.skipif(not quant_gemm.available(), reason="quant_gemm kerne
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float_activations():
+    """These tests check the float-activation kernels (``tile``, ``panel``): int8 activations
+    have their own reference (test_quant_act8.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant_gemm.ACT_ENV, "float")
+        yield
+
+
 def random_kquant_blocks(qtype: str, n: int, k: int, rng) -> np.ndarray:
     """``[n, k / 256 * block_bytes]`` random K-quant blocks (the gguf package cannot quantize
     to them): random quants, sub-block scales and high bits, float16 super-scales ~0.01."""

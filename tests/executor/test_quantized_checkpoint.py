@@ -40,6 +40,17 @@ native = pytest.mark.skipif(not quant_gemm.available(), reason="quant_gemm kerne
 PROMPTS = ([5, 17, 3, 99, 42, 8, 8, 120, 1, 200], [7, 7, 7, 1, 250, 33])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float_activations():
+    """The references here are float-activation results: run the quantized kernels in that
+    mode (int8 activations are checked in test_quant_act8.py and by perplexity)."""
+    from kvserve.model_executor.layers import quant_gemm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant_gemm.ACT_ENV, "float")
+        yield
+
+
 def hf_greedy(hf_model, ids: list[int], steps: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(

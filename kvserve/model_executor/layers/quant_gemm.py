@@ -6,12 +6,24 @@ output feature, so a row permutation (llama.cpp's q/k order) is a plain row gath
 kernels dequantize in registers; without them (``KVSERVE_NATIVE=0``, no compiler) the torch
 fallback dequantizes the weight on every call (slow, but the same values).
 
-Activations are float32 or bfloat16; sums are float32.
+Activations are float32 or bfloat16; sums are float32. Two ways to multiply them
+(``activation_mode``, env ``KVSERVE_QUANT_ACT``):
+
+- ``float``: the activations stay float; the result is dequantize-then-matmul up to float32
+  rounding.
+- ``int8`` (the default where the kernels use AVX-512 VNNI; Q8_0 / Q4_0 / Q4_1 weights only,
+  the K-quants always run ``float``): below ``PANEL_ROWS`` rows each activation row is
+  quantized per 32 elements as llama.cpp's Q8 activations (``quantize_activations``) and
+  multiplied with integer dot products, which changes the numerics by that rounding.
+
+From ``PANEL_ROWS`` rows on, both modes dequantize the weights once per call into float32
+panels and run a float micro-kernel (float activations).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -39,12 +51,61 @@ for _t in BLOCK_BYTES:
     for _s in DTYPE_SUFFIX.values():
         _SIGS[f"quant_gemm_{_t}_{_s}"] = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         _SIGS[f"quant_rows_{_t}_{_s}"] = [_P, _P, _I, _I, _P, ctypes.c_int]
+        _SIGS[f"quant_gemm_panel_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
+        if _t in ("q8_0", "q4_0", "q4_1"):
+            _SIGS[f"quant_gemm_act8_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
+_SIGS["quant_act8_isa"] = []
 _LIB = NativeLibrary("kv_quant_gemm", "quant_gemm.c", _SIGS)
+
+
+#: Weight types with an int8-activation kernel.
+ACT8_TYPES = ("q8_0", "q4_0", "q4_1")
+#: Rows from which ``linear`` runs the dequantized-panel kernel (benchmarks/quantized.py
+#: --kernels: the register-dequantizing kernels win below, the panels from here on).
+PANEL_ROWS = 16
+#: Environment variable choosing the activation mode (``float`` or ``int8``; unset: the default).
+ACT_ENV = "KVSERVE_QUANT_ACT"
+ACT_MODES = ("float", "int8")
+_KERNELS = ("tile", "act8", "panel")
 
 
 def available() -> bool:
     """Whether the kernels built and loaded (False with ``KVSERVE_NATIVE=0`` or no C compiler)."""
     return _LIB.available()
+
+
+def act8_isa() -> str | None:
+    """The int8 dot product the kernels were built with: ``"avx512-vnni"``, ``"avx2"``,
+    ``"scalar"``, or None without the kernels."""
+    if not available():
+        return None
+    fn = _LIB.fn("quant_act8_isa")
+    fn.restype = ctypes.c_int
+    return {2: "avx512-vnni", 1: "avx2"}.get(int(fn()), "scalar")
+
+
+_mode_cache: tuple[str | None, str] | None = None
+
+
+def activation_mode() -> str:
+    """``"int8"`` or ``"float"``: ``$KVSERVE_QUANT_ACT`` when set, else ``"int8"`` where the
+    kernels use AVX-512 VNNI and ``"float"`` elsewhere (re-read when the variable changes).
+
+    Raises:
+        ValueError: ``KVSERVE_QUANT_ACT`` set to something other than ``float`` / ``int8``.
+    """
+    global _mode_cache
+    raw = os.environ.get(ACT_ENV) or None
+    if _mode_cache is not None and _mode_cache[0] == raw:
+        return _mode_cache[1]
+    if raw is None:
+        mode = "int8" if act8_isa() == "avx512-vnni" else "float"
+    elif raw.strip().lower() in ACT_MODES:
+        mode = raw.strip().lower()
+    else:
+        raise ValueError(f"{ACT_ENV}={raw!r}: must be one of {list(ACT_MODES)}")
+    _mode_cache = (raw, mode)
+    return mode
 
 
 class QuantWeight:
@@ -156,13 +217,68 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight(data, "q8_0", k)
 
 
-def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 activations of the ``int8`` mode (the torch reference of the kernels' step):
+    per row and 32 elements ``d = max|x| / 127`` (float32), ``q = round(x * (1 / d))`` (to
+    nearest even; 0 where ``d = 0``).
+
+    Args:
+        x: ``[T, K]`` float32 or bfloat16, ``K`` a multiple of 32.
+
+    Returns:
+        ``q`` ``[T, K]`` int8 and ``d`` ``[T, K / 32]`` float32 (``x ~= q * d`` per block).
+    """
+    t, k = x.shape
+    blocks = x.float().reshape(t, k // BLOCK_ELEMS, BLOCK_ELEMS)
+    d = blocks.abs().amax(dim=-1) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
+    q = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8)
+    return q.reshape(t, k), d
+
+
+def pick_kernel(rows: int, qtype: str) -> str:
+    """Which kernel ``linear`` runs for ``rows`` activation rows on a ``qtype`` weight:
+    ``"panel"`` from ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on
+    ``ACT8_TYPES``, else ``"tile"`` (float activations, weights dequantized in registers)."""
+    if rows >= PANEL_ROWS:
+        return "panel"
+    if qtype in ACT8_TYPES and activation_mode() == "int8":
+        return "act8"
+    return "tile"
+
+
+def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | None = None):
+    """The C function ``linear`` calls for ``rows`` rows of ``dtype`` activations (``kernel``:
+    as ``linear``'s); arguments ``(x, w, bias, y, M, N, K, nthreads)``, returning nonzero when
+    it could not allocate its scratch (nothing written). The kernels must be available."""
+    kind = kernel or pick_kernel(rows, weight.qtype)
+    prefix = "quant_gemm_" if kind == "tile" else f"quant_gemm_{kind}_"
+    fn = _LIB.fn(f"{prefix}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
+    if kind != "tile" and fn.restype is not ctypes.c_int:
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def linear(
+    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *, kernel: str | None = None
+) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x`` ``[T, in]`` (CPU float32 or bfloat16); returns ``[T, out]``
     in ``x``'s dtype.
 
+    Args:
+        kernel: None (``pick_kernel``), or force ``"tile"``, ``"act8"`` (int8 activations;
+            ``ACT8_TYPES`` only) or ``"panel"`` (benchmarks, tests). Ignored without the
+            kernels (the torch fallback is float).
+
     Raises:
-        ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device).
+        ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device), or an
+            unknown ``kernel`` / ``act8`` on another type.
+        MemoryError: the kernel's scratch buffer could not be allocated.
     """
+    if kernel is not None and (
+        kernel not in _KERNELS or (kernel == "act8" and weight.qtype not in ACT8_TYPES)
+    ):
+        raise ValueError(f"quantized linear: kernel {kernel!r} is not one of {_KERNELS} for {weight.qtype}")
     check_linear_inputs(
         x,
         bias,
@@ -176,7 +292,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     x = x.contiguous()  # (referenced until the call returns)
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    _LIB.fn(f"quant_gemm_{weight.qtype}_{DTYPE_SUFFIX[x.dtype]}")(
+    kind = kernel or pick_kernel(x.shape[0], weight.qtype)
+    rc = kernel_fn(weight, x.shape[0], x.dtype, kind)(
         x.data_ptr(),
         weight.data.data_ptr(),
         None if bias is None else bias.data_ptr(),
@@ -186,6 +303,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         weight.in_features,
         torch.get_num_threads(),
     )
+    if rc:
+        raise MemoryError(f"quantized linear: no memory for the {kind} kernel's scratch ({tuple(x.shape)})")
     return y
 
 

@@ -381,14 +381,15 @@ class LlamaForCausalLM(nn.Module):
                 weights); ``"int4"``: Q4_1 (``quant_pack.quantize_q4_1``: 4-bit codes with a
                 scale and offset per 32 weights, searched for the lowest squared error).
         Raises:
-            ValueError: an unknown ``method``, off CPU, or a linear layer whose ``in_features``
-                is not a multiple of 32.
+            ValueError: an unknown ``method``, off CPU, a linear layer whose ``in_features``
+                is not a multiple of 32, or ``KVSERVE_QUANT_ACT`` neither ``float`` nor ``int8``.
         """
         quantize = {"int8": quant_gemm.quantize_q8_0, "int4": quant_pack.quantize_q4_1}.get(method)
         if quantize is None:
             raise ValueError(f"quantize_linear_weights: method must be int8 or int4, got {method!r}")
         if self.embed_tokens.device.type != "cpu":
             raise ValueError(f"quantization={method!r} runs on CPU only")
+        quant_gemm.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
         names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         names.append((self, "lm_head"))

@@ -37,7 +37,7 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
     b = None if bias is None else bias.data_ptr()
     if isinstance(weight, quant_gemm.QuantWeight) and quant_gemm.available():
         return (
-            quant_gemm._LIB.fn(f"quant_gemm_{weight.qtype}_{DTYPE_SUFFIX[dtype]}"),
+            quant_gemm.kernel_fn(weight, rows, dtype),
             weight.data.data_ptr(),
             b,
             weight.out_features,
@@ -144,8 +144,8 @@ def forward_layers(
         fn, w, b, n, k, panel = _gemm_call(weight, bias, T, x.dtype)
         if panel:  # float32 panels: x is its own float32 scratch
             fn(p(src), p(src), w, b, p(dst), T, n, k, nt)
-        else:
-            fn(p(src), w, b, p(dst), T, n, k, nt)
+        elif fn(p(src), w, b, p(dst), T, n, k, nt):  # only the quantized kernels return a status
+            raise MemoryError(f"native decode: no memory for a quantized GEMM's scratch ({T} rows)")
         if lora is not None:
             la, lb = module.lora_stacks[target]
             add_lora(dst, src, la, lb, lora)

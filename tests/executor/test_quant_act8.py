@@ -1,0 +1,258 @@
+"""The int8-activation kernels (``quant_gemm_act8_*``) and the dequantized-panel kernels
+(``quant_gemm_panel_*``) of ``csrc/quant_gemm.c``, and how ``quant_gemm.linear`` picks them.
+
+References (float64):
+- act8: ``xq @ W^T`` with ``xq = q * d`` the int8-quantized activations
+  (``quant_gemm.quantize_activations``, bit-identical to the kernel's step) and ``W`` the
+  dequantized weight. The kernel sums exact integer dot products scaled in float32, with the
+  weight offset of its pair layout (``quant_dot8.h``: up to 128 per quant) folded into float32
+  sums, so ``|y - ref| <= 64 eps32 (|xq| @ (|W| + 128 d_W)^T)`` elementwise.
+- panel: ``x @ W^T`` as the float tests of test_quant_gemm.py (float32 sums in another order).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.model_executor.layers import quant_gemm
+from tests.executor.test_quant_gemm import EPS32, make_weight
+
+native = pytest.mark.skipif(not quant_gemm.available(), reason="quant_gemm kernels unavailable")
+ACT8 = quant_gemm.ACT8_TYPES
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def block_scales(qw: quant_gemm.QuantWeight) -> np.ndarray:
+    """``[n, K]`` float64: each weight's block scale ``d`` repeated over its 32 weights."""
+    b = qw.data.reshape(qw.out_features, -1, quant_gemm.BLOCK_BYTES[qw.qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).double().abs().squeeze(-1)
+    return d.repeat_interleave(32, dim=1).numpy()
+
+
+def check_act8(qw, wd, x, bias=None, threads=1):
+    """The act8 kernel on ``x`` against the float64 reference of the module doc."""
+    torch.set_num_threads(threads)
+    try:
+        y = quant_gemm.linear(x, qw, bias, kernel="act8")
+    finally:
+        torch.set_num_threads(1)
+    assert y.shape == (x.shape[0], qw.out_features) and y.dtype == x.dtype
+    q, d = quant_gemm.quantize_activations(x)
+    xq = (q.double().reshape(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(x.shape).numpy()
+    ref = xq @ wd.T + (0 if bias is None else bias.double().numpy())
+    tol = 64 * EPS32 * (np.abs(xq) @ (np.abs(wd) + 128 * block_scales(qw)).T) + 1e-30
+    if x.dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * np.abs(ref)
+    err = np.abs(y.double().numpy() - ref)
+    assert (err <= tol).all(), (
+        f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    )
+
+
+def check_panel(qw, wd, x, bias=None, threads=1):
+    torch.set_num_threads(threads)
+    try:
+        y = quant_gemm.linear(x, qw, bias, kernel="panel")
+    finally:
+        torch.set_num_threads(1)
+    xd = x.double().numpy()
+    ref = xd @ wd.T + (0 if bias is None else bias.double().numpy())
+    tol = 64 * EPS32 * (np.abs(xd) @ np.abs(wd).T) + 1e-30
+    if x.dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * np.abs(ref)
+    err = np.abs(y.double().numpy() - ref)
+    assert (err <= tol).all(), (
+        f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    )
+
+
+def test_quantize_activations_rounds_each_block_to_127_steps():
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.54, 2.54, 32)
+    x[0, 40] = 1e-3  # alone in its block: q = 127
+    q, d = quant_gemm.quantize_activations(x)
+    assert d.shape == (2, 2) and q.dtype == torch.int8
+    assert d[0, 0] == torch.tensor(2.54) / 127 and d[0, 1] == torch.tensor(1e-3) / 127
+    assert q[0, 0] == -127 and q[0, 31] == 127 and q[0, 40] == 127 and int(q[0, 32:].abs().sum()) == 127
+    assert (d[1] == 0).all() and (q[1] == 0).all()  # a zero block: d = 0, q = 0 (no division)
+    err = (q.float().reshape(2, 2, 32) * d.unsqueeze(-1)).reshape(2, 64) - x
+    assert float(err.abs().max()) <= float(d.max()) / 2 * (1 + 1e-6)
+
+
+@native
+@pytest.mark.parametrize("qtype", ACT8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_act8_equals_float64_of_the_int8_activations_rows_1_to_300(qtype, dtype, threads):
+    """Ragged everywhere: 3 blocks (an odd count: the last pair has one block), 37 columns (not
+    a multiple of the 4-column tile), rows 1..300 (tile tails of 1-3 rows, several row chunks)."""
+    qw, wd = make_weight(qtype, 37, 96, seed=1)
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(37, generator=g).to(dtype)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 64, 65, 130, 300):
+        x = torch.randn(m, 96, generator=g).to(dtype)
+        check_act8(qw, wd, x, bias if m % 2 else None, threads)
+
+
+@native
+@pytest.mark.parametrize("qtype", sorted(quant_gemm.BLOCK_BYTES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_equals_dequantize_then_matmul_rows_1_to_300(qtype, dtype, threads):
+    """101 columns: two full 48-column panels and a ragged one of 5 (inside its first 16)."""
+    k = 2 * quant_gemm.BLOCK_WEIGHTS[qtype] if qtype.endswith("_k") else 160
+    qw, wd = make_weight(qtype, 101, k, seed=3)
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(101, generator=g).to(dtype)
+    for m in (1, 7, 8, 9, 16, 17, 64, 100, 300):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        check_panel(qw, wd, x, bias if m % 2 else None, threads)
+
+
+def random_blocks(qtype: str, n: int, nb: int, rng) -> np.ndarray:
+    """Random block bytes (any quant byte, -128 included for Q8_0), finite float16 scales of
+    mixed magnitude and sign (minima for Q4_1), some zero."""
+    bb = quant_gemm.BLOCK_BYTES[qtype]
+    data = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
+    scale = rng.standard_normal((n, nb, 2)) * 10.0 ** rng.integers(-4, 1, (n, nb, 2))
+    scale[rng.random((n, nb, 2)) < 0.1] = 0
+    data[..., 0:4] = scale.astype(np.float16).view(np.uint8).reshape(n, nb, 4)
+    if qtype == "q8_0":  # d, then 32 quants: restore the two bytes the minimum overwrote
+        data[..., 2:4] = rng.integers(0, 256, (n, nb, 2), dtype=np.uint8)
+    return data.reshape(n, -1)
+
+
+@native
+@settings(max_examples=60, deadline=None)
+@given(
+    qtype=st.sampled_from(ACT8),
+    m=st.integers(1, 20),
+    n=st.integers(1, 20),
+    blocks=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    bf16=st.booleans(),
+    xkind=st.sampled_from(["normal", "tiny", "huge", "sparse", "constant"]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_act8_property_random_blocks_and_activations(qtype, m, n, blocks, seed, bf16, xkind, threads):
+    """Arbitrary block bytes (every quant value, Q8_0's -128 included) and activations that are
+    tiny, huge, mostly zero (zero blocks: d = 0) or constant (every q = +-127)."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    data = random_blocks(qtype, n, blocks, rng)
+    qw = quant_gemm.QuantWeight(torch.from_numpy(data), qtype, k)
+    wd = quant_gemm.dequantize(qw).double().numpy()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    if xkind == "tiny":
+        x = x * 1e-30
+    elif xkind == "huge":
+        x = x * 1e30
+    elif xkind == "sparse":
+        x = x * torch.from_numpy(rng.random((m, k)) < 0.05)
+    elif xkind == "constant":
+        x = torch.full((m, k), float(rng.standard_normal()))
+    check_act8(qw, wd, x.to(torch.bfloat16) if bf16 else x, None, threads)
+
+
+@native
+def test_act8_and_float_modes_agree_to_the_activation_rounding():
+    """Both modes on the same weight: the int8 activations move each product by at most half a
+    step (d_x / 2 per element), so the results differ by at most (d_x / 2) @ |W|^T."""
+    qw, wd = make_weight("q4_1", 64, 576, seed=5)
+    x = torch.randn(3, 576)
+    _, d = quant_gemm.quantize_activations(x)
+    bound = (d.double().repeat_interleave(32, dim=1).numpy() / 2) @ np.abs(wd).T
+    diff = (quant_gemm.linear(x, qw, kernel="act8") - quant_gemm.linear(x, qw, kernel="tile")).double()
+    assert (diff.abs().numpy() <= bound * 1.001 + 1e-6).all()
+    assert float(diff.abs().max()) > 0  # the modes do differ: the int8 path really ran
+
+
+@native
+@pytest.mark.parametrize("kernel", ["tile", "act8", "panel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_give_an_empty_result_for_every_kernel(kernel, dtype):
+    qw, _ = make_weight("q4_1", 5, 64, seed=0)
+    y = quant_gemm.linear(torch.empty(0, 64, dtype=dtype), qw, kernel=kernel)
+    assert y.shape == (0, 5) and y.dtype == dtype
+
+
+def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
+    assert quant_gemm.activation_mode() == "int8"
+    assert [quant_gemm.pick_kernel(r, "q4_1") for r in (1, quant_gemm.PANEL_ROWS - 1)] == ["act8", "act8"]
+    assert quant_gemm.pick_kernel(quant_gemm.PANEL_ROWS, "q4_1") == "panel"
+    assert quant_gemm.pick_kernel(1, "q6_k") == "tile"  # no int8 kernel for the K-quants
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
+    assert quant_gemm.pick_kernel(1, "q8_0") == "tile"
+    assert quant_gemm.pick_kernel(300, "q8_0") == "panel"
+    monkeypatch.delenv(quant_gemm.ACT_ENV)
+    want = "int8" if quant_gemm.act8_isa() == "avx512-vnni" else "float"
+    assert quant_gemm.activation_mode() == want
+
+
+def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "int4")
+    with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT='int4'.*float.*int8"):
+        quant_gemm.activation_mode()
+    qw, _ = make_weight("q8_0", 4, 32, seed=0)
+    with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT"):
+        quant_gemm.linear(torch.randn(1, 32), qw)
+    from kvserve.model_executor.model_loader import load_model
+    from tests.executor.helpers import llama_config, save_tiny
+
+    save_tiny(tmp_path, llama_config())
+    with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT='int4'"):  # at load, before any request
+        load_model(tmp_path, torch.float32, "cpu", quantization="int8")
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
+    with pytest.raises(ValueError, match="kernel 'act8'.*q4_k"):
+        quant_gemm.linear(torch.randn(1, 256), make_weight("q4_k", 4, 256, seed=0)[0], kernel="act8")
+    with pytest.raises(ValueError, match="kernel 'fast'"):
+        quant_gemm.linear(torch.randn(1, 32), qw, kernel="fast")
+
+
+SUBPROCESS_CHECK = """
+import torch
+from kvserve.model_executor.layers import quant_gemm
+from tests.executor.test_quant_act8 import check_act8
+from tests.executor.test_quant_gemm import make_weight
+assert quant_gemm.act8_isa() == {isa!r}, quant_gemm.act8_isa()
+g = torch.Generator().manual_seed(0)
+for qtype in quant_gemm.ACT8_TYPES:
+    qw, wd = make_weight(qtype, 13, 160, seed=7)
+    for m in (1, 3, 6):
+        check_act8(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g))
+print("ok")
+"""
+
+
+@native
+@pytest.mark.slow
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64-v2", "scalar")])
+def test_act8_fallback_builds_equal_the_reference(tmp_path, march, isa):
+    """The AVX2 (maddubs, Q8_0's sign trick) and scalar dot products, built for an older target
+    (this host runs both), give the same results as the VNNI kernel's reference."""
+    from kvserve.model_executor.layers import native_lib
+
+    if os.environ.get(native_lib.EXTRA_CFLAGS_ENV) or "asan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("a sanitizer run (its own flags; the compiler must not run under ASan)")
+    env = dict(
+        os.environ, KVSERVE_CACHE_DIR=str(tmp_path), **{native_lib.EXTRA_CFLAGS_ENV: f"-O1 -march={march}"}
+    )
+    env.pop("KVSERVE_NATIVE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS_CHECK.format(isa=isa)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

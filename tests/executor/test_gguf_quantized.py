@@ -363,16 +363,10 @@ def test_quantization_cli_flag():
 
 
 def test_benchmark_counts_the_weight_bytes_a_decode_step_reads(tiny):
-    """``benchmarks/quantized.py``'s bandwidth column: quantized blocks count their bytes,
+    """``kvserve bench quantized``'s bandwidth column: quantized blocks count their bytes,
     float weights 4 (float32) bytes per weight; the tied LM head is read once per step."""
-    import importlib.util
-    from pathlib import Path
+    from kvserve.benchmarks import quantized as bench
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_quantized", Path(__file__).resolve().parents[2] / "benchmarks" / "quantized.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     cfg, hf, tmp = tiny
     path = tmp / "m.gguf"
     write_gguf(path, hf, cfg, lambda n: T.Q4_1)

@@ -51,6 +51,7 @@ PATHS = {
     "gguf float32": dict(dtype="float32", quantization="gguf"),
     "gguf bfloat16": dict(dtype="bfloat16", quantization="gguf"),
     "int8 float32": dict(dtype="float32", quantization="int8"),
+    "int4 float32": dict(dtype="float32", quantization="int4"),
 }
 #: Formats of the ``--w64`` run (bfloat16 is the baseline of its ratios).
 W64_PATHS = ("bfloat16", "gguf float32", "int8 float32")

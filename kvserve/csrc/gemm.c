@@ -32,7 +32,8 @@
  * bfloat16 weights also work (widened to float32 in registers, x widened once per call, the
  * output rounded to nearest even), but oneDNN's AMX GEMM beat it from ~8 rows and in the engine
  * (w64 run 0.79x the speed even when used only up to 32 rows), so llama.prepack_weight packs
- * float32 weights only.
+ * bfloat16 weights here only on CPUs with neither AMX nor AVX512-BF16, where oneDNN emulates
+ * bfloat16 and this kernel measured 1.4-1.7x its speed at 1 row, 2.9x at 5, 3.7x at 512.
  */
 #include "kv_vec.h"
 #include <omp.h>

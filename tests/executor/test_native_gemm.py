@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.model_executor.layers import native_gemm
 
@@ -81,3 +83,26 @@ def test_bfloat16_weights_are_panels_only_without_a_bfloat16_dot_product(monkeyp
     monkeypatch.setattr(kvserve.cpuinfo, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert not native_gemm.packs_bfloat16()
     assert not isinstance(llama.prepack_weight(w), native_gemm.PanelWeight)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    k=st.integers(1, 300),
+    m=st.integers(2, 20),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_row_is_bit_identical_whatever_the_row_count(n, k, m, bf16, seed):
+    """Why speculative greedy output equals decoding without it: a verify chunk's rows (k + 1
+    rows in one GEMM) must give exactly what each row gives alone (a decode), in float32 and
+    bfloat16 (the stream prefetch of <= 8-row steps and the row blocks must not change sums)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    pw = native_gemm.PanelWeight(w)
+    together = native_gemm.linear(x, pw, b)
+    for i in range(m):
+        assert torch.equal(together[i : i + 1], native_gemm.linear(x[i : i + 1], pw, b)), i

@@ -1,10 +1,13 @@
 /* The dtype-generic kernels of gemm.c, written with ELEM (storage type) and SFX (symbol
    suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
 /* mr (<= 8) rows of x times one 48-column panel, all K; while it runs, one cache line per k of
-   `pf` (up to pf_len bytes: the thread's next panel) is prefetched into L2. */
+   `pf` (up to pf_len bytes: the thread's next panel) is prefetched into L2, and, when `sp` is
+   set, the weight stream itself GEMM_STREAM_AHEAD bytes ahead of the k being read (up to
+   `sp_end`, the end of the thread's panels). */
 static inline __attribute__((always_inline)) void
 CAT(ukernel_, SFX)(const int mr, int64_t K, const float* x, int64_t ldx, const ELEM* w, const ELEM* bias,
-                   ELEM* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len) {
+                   ELEM* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len, const char* sp,
+                   const char* sp_end) {
     v16 a0[8], a1[8], a2[8];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; ++r) {
@@ -14,6 +17,13 @@ CAT(ukernel_, SFX)(const int mr, int64_t K, const float* x, int64_t ldx, const E
     }
     for (int64_t k = 0; k < K; ++k) {
         if (pf && k * 64 < pf_len) __builtin_prefetch(pf + k * 64, 0, 2);
+        if (sp) {
+            const char* a = sp + k * 48 * (int64_t)sizeof(ELEM);
+            if (a < sp_end) {
+                for (int64_t off = 0; off < 48 * (int64_t)sizeof(ELEM); off += 64)
+                    __builtin_prefetch(a + off, 0, GEMM_STREAM_HINT);
+            }
+        }
         const ELEM* wk = w + k * 48;
         const v16 w0 = CAT(ld16_, SFX)(wk), w1 = CAT(ld16_, SFX)(wk + 16), w2 = CAT(ld16_, SFX)(wk + 32);
 #pragma GCC unroll 8
@@ -68,6 +78,7 @@ void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, 
         }
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t p_begin = P * tid / nth, p_end = P * (tid + 1) / nth;
+        const char* w_end = (const char*)(w + p_end * K * 48);
         for (int64_t m0 = 0; m0 < M; m0 += mc) {
             const int64_t m_end = m0 + mc < M ? m0 + mc : M;
             for (int64_t p = p_begin; p < p_end; ++p) {
@@ -75,6 +86,9 @@ void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, 
                 const ELEM* bp = bias ? bias + p * 48 : NULL;
                 const int ncols = N - p * 48 < 48 ? (int)(N - p * 48) : 48;
                 const char* next = p + 1 < p_end ? (const char*)(wp + K * 48) : NULL;
+                // one 8-row block per panel (decode, verify chunks): nothing else prefetches
+                // the weights, so stream them ahead of the FMAs
+                const char* sp = m_end - m0 <= 8 ? (const char*)wp + GEMM_STREAM_AHEAD : NULL;
                 for (int64_t m = m0, blk = 0; m < m_end; m += 8, ++blk) {
                     const float* xm = xf + m * K;
                     ELEM* ym = y + m * N + p * 48;
@@ -82,14 +96,30 @@ void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, 
                     const char* pf = next && blk > 0 && pf_off < panel_bytes ? next + pf_off : NULL;
                     const int64_t pf_len = panel_bytes - pf_off;
                     switch (m_end - m < 8 ? (int)(m_end - m) : 8) {
-                    case 8: CAT(ukernel_, SFX)(8, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    case 7: CAT(ukernel_, SFX)(7, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    case 6: CAT(ukernel_, SFX)(6, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    case 5: CAT(ukernel_, SFX)(5, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    case 4: CAT(ukernel_, SFX)(4, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    case 3: CAT(ukernel_, SFX)(3, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    case 2: CAT(ukernel_, SFX)(2, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
-                    default: CAT(ukernel_, SFX)(1, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len); break;
+                    case 8:
+                        CAT(ukernel_, SFX)(8, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    case 7:
+                        CAT(ukernel_, SFX)(7, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    case 6:
+                        CAT(ukernel_, SFX)(6, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    case 5:
+                        CAT(ukernel_, SFX)(5, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    case 4:
+                        CAT(ukernel_, SFX)(4, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    case 3:
+                        CAT(ukernel_, SFX)(3, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    case 2:
+                        CAT(ukernel_, SFX)(2, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
+                    default:
+                        CAT(ukernel_, SFX)(1, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, sp, w_end);
+                        break;
                     }
                 }
             }

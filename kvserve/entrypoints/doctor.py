@@ -101,6 +101,8 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             "bfloat16": (
                 f"kvserve AMX tiles up to {amx_gemm.MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
                 if amx
+                else f"kvserve panel GEMM ({vec}, widened to float32)"
+                if native_gemm.packs_bfloat16()
                 else f"oneDNN ({bf16_isa}) via torch"
             ),
         },

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kvserve.model_executor.layers import amx_gemm
+from kvserve.model_executor.layers import amx_gemm, native_gemm
 from kvserve.model_executor.models import llama, native_decode
 from tests.executor.helpers import (
     VOCAB,
@@ -84,8 +84,10 @@ def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, monkey
         assert all(torch.equal(a, b) for a, b in zip(cache, want_cache))
         advance(md)
     # the native path ran every decode step where this host has a native GEMM for the dtype
-    # (bfloat16 needs AMX tiles; elsewhere its weights stay oneDNN's and the module path runs)
-    assert len(calls) == (6 if dtype == "float32" or amx_gemm.available() else 0)
+    # (bfloat16 needs AMX tiles or panels: with AVX512-BF16 but no AMX its weights stay
+    # oneDNN's and the module path runs)
+    native_bf16 = amx_gemm.available() or native_gemm.packs_bfloat16()
+    assert len(calls) == (6 if dtype == "float32" or native_bf16 else 0)
 
 
 def test_prefill_and_mixed_steps_take_the_module_path(tmp_path, monkeypatch):

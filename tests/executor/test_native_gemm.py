@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.model_executor.layers import native_gemm
 
@@ -57,3 +59,50 @@ def test_bad_inputs_are_named():
         native_gemm.PanelWeight(torch.randn(4))
     with pytest.raises(ValueError, match="PanelWeight"):
         native_gemm.PanelWeight(torch.randn(4, 4, dtype=torch.float16))
+
+
+def test_bfloat16_weights_are_panels_only_without_a_bfloat16_dot_product(monkeypatch):
+    """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (2.3x its 1-row time at 5 rows on
+    this project's VM): bfloat16 weights get panels there, and keep oneDNN where the CPU has
+    the dot product."""
+    import kvserve.cpuinfo
+    from kvserve.model_executor.layers import amx_gemm
+    from kvserve.model_executor.models import llama
+
+    if not native_gemm.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(amx_gemm, "available", lambda: False)
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    monkeypatch.setattr(kvserve.cpuinfo, "cpu_flags", lambda: {"avx512f"})
+    assert native_gemm.packs_bfloat16()
+    packed = llama.prepack_weight(w)
+    assert isinstance(packed, native_gemm.PanelWeight) and packed.dtype == torch.bfloat16
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    want = (x.float() @ w.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
+    monkeypatch.setattr(kvserve.cpuinfo, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert not native_gemm.packs_bfloat16()
+    assert not isinstance(llama.prepack_weight(w), native_gemm.PanelWeight)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    k=st.integers(1, 300),
+    m=st.integers(2, 20),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_row_is_bit_identical_whatever_the_row_count(n, k, m, bf16, seed):
+    """Why speculative greedy output equals decoding without it: a verify chunk's rows (k + 1
+    rows in one GEMM) must give exactly what each row gives alone (a decode), in float32 and
+    bfloat16 (the stream prefetch of <= 8-row steps and the row blocks must not change sums)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    pw = native_gemm.PanelWeight(w)
+    together = native_gemm.linear(x, pw, b)
+    for i in range(m):
+        assert torch.equal(together[i : i + 1], native_gemm.linear(x[i : i + 1], pw, b)), i

@@ -14,7 +14,7 @@ parallelism every rank runs its shard's layers here too (H/T heads, KV heads and
 rank: the kernels take any shape), with the same all-reduce after o and down as the module path.
 
 Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed for a native
-kernel that takes this step's row count (``native_gemm.PanelWeight``, or
+kernel that takes this step's row count (``native_gemm.PanelWeight`` of the model dtype, or
 ``amx_gemm.AmxWeight`` up to ``amx_gemm.MAX_ROWS`` rows), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), and the native ops available. Otherwise the
 module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
@@ -53,13 +53,9 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
             weight.in_features,
             False,
         )
-    if (
-        isinstance(weight, native_gemm.PanelWeight)
-        and weight.dtype == torch.float32
-        and native_gemm.available()
-    ):
+    if isinstance(weight, native_gemm.PanelWeight) and weight.dtype == dtype and native_gemm.available():
         return (
-            native_gemm._LIB.fn("gemm_f32"),
+            native_gemm._LIB.fn(f"gemm_{DTYPE_SUFFIX[dtype]}"),
             weight.panels.data_ptr(),
             b,
             weight.out_features,
@@ -140,10 +136,13 @@ def forward_layers(
 
     lora = meta.lora
 
+    # the panel GEMM reads float32 x: float32 x is its own, bfloat16 x is widened into this
+    xf = None if x.dtype == torch.float32 else torch.empty(T * max(hidden, H * D, inter), dtype=torch.float32)
+
     def gemm(weight, bias, src, dst, module=None, target=""):
         fn, w, b, n, k, panel = _gemm_call(weight, bias, T, x.dtype)
-        if panel:  # float32 panels: x is its own float32 scratch
-            fn(p(src), p(src), w, b, p(dst), T, n, k, nt)
+        if panel:
+            fn(p(src), p(src) if xf is None else p(xf), w, b, p(dst), T, n, k, nt)
         elif fn(p(src), w, b, p(dst), T, n, k, nt):  # only the quantized kernels return a status
             raise MemoryError(f"native decode: no memory for a quantized GEMM's scratch ({T} rows)")
         if lora is not None:

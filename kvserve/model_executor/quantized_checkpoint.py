@@ -387,14 +387,7 @@ def _load_gptq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f:
         raise ValueError(
             f"{ts.where(qname)}: in and out features must be multiples of {per} for packed {bits}-bit"
         )
-    groups = _groups_of(scheme.group_size, in_f)
-    scales = ts.get(prefix + ".scales", qname)
-    _expect_shape(scales, (groups, out_f), ts.where(prefix + ".scales"))
-    if not scales.dtype.is_floating_point:
-        raise ValueError(f"{ts.where(prefix + '.scales')} has dtype {scales.dtype}, expected float")
-    qzeros = ts.get(prefix + ".qzeros", qname)
-    _expect_int32(qzeros, ts.where(prefix + ".qzeros"))
-    _expect_shape(qzeros, (groups, out_f // per), ts.where(prefix + ".qzeros"))
+    scales, qzeros = _scales_and_qzeros(ts, prefix, qname, scheme, out_f, in_f, per)
     if prefix + ".g_idx" in ts:
         g_idx = ts.get(prefix + ".g_idx", qname)
         _expect_shape(g_idx, (in_f,), ts.where(prefix + ".g_idx"))
@@ -409,13 +402,13 @@ def _load_gptq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f:
     return repack_grouped(codes, scales, zeros, g_idx, ts.where(qname), bits)
 
 
-def _load_awq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f: int):
-    qname = prefix + ".qweight"
-    qweight = ts.get(qname, qname)
-    _expect_int32(qweight, ts.where(qname))
-    _expect_shape(qweight, (in_f, out_f // 8), ts.where(qname) + " (AWQ 4-bit: [in, out/8])")
-    if out_f % 8:
-        raise ValueError(f"{ts.where(qname)}: out features must be a multiple of 8 for packed 4-bit")
+def _scales_and_qzeros(ts, prefix: str, qname: str, scheme, out_f: int, in_f: int, per: int):
+    """A GPTQ / AWQ layer's ``scales`` (float ``[groups, out]``) and ``qzeros`` (int32
+    ``[groups, out / per]``, ``per`` codes packed in each int32), checked.
+
+    Raises:
+        ValueError: a missing tensor, a wrong shape or dtype (the message names file and tensor).
+    """
     groups = _groups_of(scheme.group_size, in_f)
     scales = ts.get(prefix + ".scales", qname)
     _expect_shape(scales, (groups, out_f), ts.where(prefix + ".scales"))
@@ -423,7 +416,18 @@ def _load_awq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f: 
         raise ValueError(f"{ts.where(prefix + '.scales')} has dtype {scales.dtype}, expected float")
     qzeros = ts.get(prefix + ".qzeros", qname)
     _expect_int32(qzeros, ts.where(prefix + ".qzeros"))
-    _expect_shape(qzeros, (groups, out_f // 8), ts.where(prefix + ".qzeros"))
+    _expect_shape(qzeros, (groups, out_f // per), ts.where(prefix + ".qzeros"))
+    return scales, qzeros
+
+
+def _load_awq(ts: _Tensors, prefix: str, scheme: QuantScheme, out_f: int, in_f: int):
+    qname = prefix + ".qweight"
+    qweight = ts.get(qname, qname)
+    _expect_int32(qweight, ts.where(qname))
+    _expect_shape(qweight, (in_f, out_f // 8), ts.where(qname) + " (AWQ 4-bit: [in, out/8])")
+    if out_f % 8:
+        raise ValueError(f"{ts.where(qname)}: out features must be a multiple of 8 for packed 4-bit")
+    scales, qzeros = _scales_and_qzeros(ts, prefix, qname, scheme, out_f, in_f, 8)
     codes = unpack_int32_cols(qweight, _AWQ_ORDER).t()  # [out, in]
     zeros = unpack_int32_cols(qzeros, _AWQ_ORDER)
     g_idx = (

@@ -358,7 +358,14 @@ class LlamaForCausalLM(nn.Module):
         vocabulary slice, gathered on the driver): the driver gets the full logits, the other
         ranks ``None``.
         """
-        local = linear(hidden, self.lm_head).float()
+        if isinstance(self.lm_head, quant_gemm.QuantWeight):
+            # the LM head reads float activations: int8-quantizing the final hidden state (its
+            # outlier channels) flips near-tie first tokens that the layers' GEMVs do not
+            local = quant_gemm.linear(
+                hidden, self.lm_head, kernel="tile" if len(hidden) < quant_gemm.PANEL_ROWS else None
+            ).float()
+        else:
+            local = linear(hidden, self.lm_head).float()
         if self.tp is None:
             return local
         return vocab_parallel.gather_logits(local, self.vocab_shard, self.tp)

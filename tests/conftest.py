@@ -45,9 +45,15 @@ def _save_tiny(tmp_path_factory, tokenizer_dir, name, config):
 def tiny_llama_dir(tmp_path_factory, default_tokenizer_dir):
     """A 2-layer random-weight Llama (GQA 4:2, vocab of the default tokenizer) with the
     default model's tokenizer, saved as safetensors."""
+    return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama", tiny_llama_config())
+
+
+def tiny_llama_config(**overrides):
+    """The ``LlamaConfig`` of ``tiny_llama_dir`` (2 layers, hidden 64, GQA 4:2, the default
+    tokenizer's vocabulary of 49,152, untied), with ``overrides`` applied."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -60,7 +66,7 @@ def tiny_llama_dir(tmp_path_factory, default_tokenizer_dir):
         bos_token_id=1,
         eos_token_id=2,
     )
-    return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama", config)
+    return LlamaConfig(**{**fields, **overrides})
 
 
 @pytest.fixture(scope="session")

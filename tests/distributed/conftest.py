@@ -32,21 +32,7 @@ ODD_VOCAB = 49153
 def tiny_llama_tied_odd_vocab_dir(tmp_path_factory, default_tokenizer_dir):
     """The tiny random Llama of ``tests/conftest.py`` with tied embeddings (the default
     model's layout: the LM head is the embedding table) and a vocabulary of ``ODD_VOCAB``."""
-    from transformers import LlamaConfig
+    from tests.conftest import _save_tiny, tiny_llama_config
 
-    from tests.conftest import _save_tiny
-
-    config = LlamaConfig(
-        vocab_size=ODD_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = tiny_llama_config(vocab_size=ODD_VOCAB, tie_word_embeddings=True)
     return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama-tied-odd", config)

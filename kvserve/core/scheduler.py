@@ -626,8 +626,9 @@ class Scheduler:
         waiting, preempt by recompute the running groups of the held adapter with the fewest
         (at most ``need // 2``), so that adapter's slot goes to the waiting one in this step.
         Only adapters whose groups all decode and were each turned over fewer than
-        ``max_slot_preemptions`` times qualify; ties go to the adapter whose earliest group
-        ranks lowest. At most one slot per step, none while anything is swapped (new groups
+        ``max_slot_preemptions`` times qualify (under a rank policy only if the waiting
+        adapter's first group strictly outranks them); ties go to the adapter whose earliest
+        group ranks lowest. At most one slot per step, none while anything is swapped (new groups
         would not be admitted) or new prompts are held back (``delay_factor``). Recompute,
         not swap: a swapped group would block admissions (B10) and the slot would not turn.
         The preempted groups go to the front of ``waiting`` and take a slot again in order."""
@@ -644,11 +645,12 @@ class Scheduler:
             return  # a slot is free already
         first = 0
         need = 0
+        head: SequenceGroup | None = None
         for g in self.policy.sort_by_priority(st.now, self.waiting):
             if g.request_id in st.preempted_ids or g.lora_int_id == 0 or g.lora_int_id in held:
                 continue
             if first == 0:
-                first = g.lora_int_id
+                first, head = g.lora_int_id, g
             if g.lora_int_id == first:
                 need += 1
         if need < 2:
@@ -660,7 +662,14 @@ class Scheduler:
             if 2 * len(groups) > need:
                 continue
             if any(
-                g.is_prefill() or self._slot_preemptions.get(g.request_id, 0) >= lc.max_slot_preemptions
+                g.is_prefill()
+                or self._slot_preemptions.get(g.request_id, 0) >= lc.max_slot_preemptions
+                # under a rank policy only for a group that outranks them (no priority inversion)
+                or (
+                    self.policy.preempts_by_rank
+                    and head is not None
+                    and not self.policy.outranks(st.now, head, g)
+                )
                 for g in groups
             ):
                 continue

@@ -101,6 +101,32 @@ def test_turnover_never_preempts_a_group_mid_prefill():
     assert waiting_ids(sched) == ["a", "b2"]
 
 
+@pytest.mark.parametrize("straggler_priority,turned", [(0, False), (5, True)])
+def test_turnover_under_priority_policy_only_for_a_group_that_outranks_the_straggler(
+    straggler_priority, turned
+):
+    cc, sc = configs(G=64, S=8, T=64, CP=True, policy="priority")
+    sched = Scheduler(sc, cc, LoRAConfig(max_loras=1, max_slot_preemptions=1))
+    sched.add_seq_group(
+        make_group("a", prompt_of(0, 8), max_tokens=12, priority=straggler_priority, lora_request=lora(1))
+    )
+    sched_step(sched)
+    for k in range(2):
+        sched.add_seq_group(
+            make_group(
+                f"b{k}",
+                prompt_of(k + 1, 8),
+                max_tokens=2,
+                arrival_time=1 + k,
+                priority=2,
+                lora_request=lora(2),
+            )
+        )
+    _, out = sched_step(sched)
+    assert ids(out) == (["b0", "b1"] if turned else ["a"])
+    assert sched.num_slot_preemptions == int(turned)
+
+
 # ---------------------------------------------------------------- property
 @st.composite
 def turnover_workloads(draw):

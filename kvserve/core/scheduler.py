@@ -676,7 +676,8 @@ class Scheduler:
             key = (len(groups), -min(ranked[g.request_id] for g in groups))
             if best is None or key < best:
                 best, victim = key, groups
-        for g in victim:
+        # lowest-ranked first: ``_finish_step`` puts them at the front of waiting in reverse
+        for g in sorted(victim, key=lambda g: ranked[g.request_id], reverse=True):
             self.running.remove(g)
             budget.subtract_num_seqs(g.request_id, g.get_max_num_running_seqs())
             live = self._live(g)

@@ -74,6 +74,29 @@ def test_turnover_preempts_the_lone_straggler_and_admits_the_waiting_adapter_in_
     assert sched.block_manager.get_num_free_gpu_blocks() == 64
 
 
+def test_turnover_takes_all_groups_of_the_adapter_and_keeps_their_order():
+    """Two running groups give way to four waiting ones (2 x 2 <= 4); they go back to the
+    front of ``waiting`` in their order and resume together."""
+    cc, sc = configs(G=64, S=8, T=64, CP=True)
+    sched = Scheduler(sc, cc, LoRAConfig(max_loras=1, max_slot_preemptions=1))
+    for k in range(2):
+        sched.add_seq_group(
+            make_group(f"a{k}", prompt_of(k, 8), max_tokens=12, arrival_time=k, lora_request=lora(1))
+        )
+    for k in range(4):
+        sched.add_seq_group(
+            make_group(f"b{k}", prompt_of(k + 2, 8), max_tokens=2, arrival_time=2 + k, lora_request=lora(2))
+        )
+    _, out = sched_step(sched)
+    assert ids(out) == ["a0", "a1"]
+    _, out = sched_step(sched)
+    assert ids(out) == ["b0", "b1", "b2", "b3"] and out.preempted == 2
+    assert waiting_ids(sched) == ["a0", "a1"]
+    sched_step(sched)
+    _, out = sched_step(sched)
+    assert ids(out) == ["a0", "a1"]
+
+
 @pytest.mark.parametrize("CP", [False, True])
 def test_turnover_off_or_too_little_waiting_work_keeps_vllm_rule(CP):
     for msp, waiting_b in [(0, 2), (1, 1)]:

@@ -286,3 +286,28 @@ def test_w64_over_16_adapters_4_slots_runs_within_4_percent_of_the_slot_bound():
     assert turned["slot_preemptions"] > 0 and turned["steps"] >= bound
     # what a slot runs per step is fixed by its adapter's lengths: turnover only moves it
     assert turned["slot_steps_by_groups"] == r["slot_steps_by_groups"]
+
+
+def test_lora_occupancy_cli_prints_each_run_and_writes_json(tmp_path, capsys):
+    import json
+
+    from kvserve.benchmarks.lora_occupancy import main
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(
+        "\n".join(
+            json.dumps({"prompt_token_ids": prompt_of(i, 10), "output_len": [20, 3][i % 2]}) for i in range(8)
+        )
+    )
+    out = tmp_path / "o.json"
+    rc = main(["--workload", str(wl), "--adapters", "4", "--max-loras", "2", "--slot-preemptions", "0,1"])
+    assert rc == 0
+    assert main(["--workload", str(wl), "--adapters", "4", "--max-loras", "2", "--json-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "base16" in text and "lora4" in text and "bound" in text
+    runs = json.loads(out.read_text())
+    assert [r["run"] for r in runs] == ["base", "base16", "lora4", "lora4", "lora4"]
+    lora0 = runs[2]
+    # adapters 1..4 each get requests i and i + 4: lengths 20 (even i) or 3; bound = (20+3+20+3) / 2
+    assert lora0["bound_steps"] == 23 and lora0["finished"] == 8 and lora0["steps"] >= 23
+    assert main(["--workload", str(tmp_path / "missing.jsonl")]) == 2

@@ -141,6 +141,8 @@ class CacheConfig:
 
 #: Largest LoRA rank ``LoRAConfig.max_lora_rank`` accepts.
 MAX_LORA_RANK_LIMIT = 512
+#: Upper bound of ``LoRAConfig.max_slot_preemptions`` (each one re-prefills the group).
+MAX_SLOT_PREEMPTIONS_LIMIT = 8
 
 
 @dataclass
@@ -154,6 +156,10 @@ class LoRAConfig:
             larger adapter is refused when it is added.
         max_cpu_loras: adapters kept loaded in the CPU LRU cache (>= ``max_loras``; ``None`` =
             ``max_loras``).
+        max_slot_preemptions: slot turnover (ours; 0 = off, vLLM V0's rule): how many times one
+            group may be preempted (by recompute) to free its adapter's slot for the first
+            adapter that waits for one, when all slots are held and that adapter has at least
+            twice as many groups waiting as the freed adapter has running (>= 0).
 
     Raises:
         ValueError: a bad value, naming the field and the limit.
@@ -162,9 +168,15 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    max_slot_preemptions: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("max_loras", self.max_loras)
+        m = self.max_slot_preemptions
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= MAX_SLOT_PREEMPTIONS_LIMIT:
+            raise ValueError(
+                f"max_slot_preemptions must be an integer in [0, {MAX_SLOT_PREEMPTIONS_LIMIT}], got {m!r}."
+            )
         r = self.max_lora_rank
         if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_LORA_RANK_LIMIT:
             raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_LORA_RANK_LIMIT}], got {r!r}.")
@@ -434,6 +446,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    #: ``LoRAConfig.max_slot_preemptions`` (0 = off).
+    max_slot_preemptions: int = 0
     #: Data parallelism (``kvserve.distributed``): this many engine replicas on Ray, each with
     #: its own KV cache; 1 = this process only (Ray is never imported).
     data_parallel_size: int = 1
@@ -500,7 +514,10 @@ class EngineArgs:
         if not self.enable_lora:
             return None
         return LoRAConfig(
-            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            max_slot_preemptions=self.max_slot_preemptions,
         )
 
     def create_configs(self, model_max_len: int, sliding_window: int | None = None):

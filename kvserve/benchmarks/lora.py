@@ -17,7 +17,9 @@ Per dtype (``--dtypes``) and scenario: output tok/s, its ratio to ``base`` (the 
 (copying a cached adapter into a slot), and the mean adapter load time (reading and
 validating one PEFT directory). ``--profile-steps N`` (default 2) profiles N
 steps of the batch with ``torch.profiler`` after the timed run and reports the share of the
-step spent in the LoRA op (``lora.add_lora``). Adapters are random PEFT directories written
+step spent in the LoRA op (``lora.add_lora``). ``--max-slot-preemptions N`` turns slot turnover
+on for the LoRA scenarios (``LoRAConfig.max_slot_preemptions``; default 0, vLLM's rule); the
+JSON records each run's ``slot_preemptions``. Adapters are random PEFT directories written
 under ``--adapter-dir`` (a temporary one by default). Prints a table; ``--json-out`` writes it.
 """
 
@@ -142,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=None, help="cap w64 output lengths")
     p.add_argument("--workload", default=None, help="a workload JSONL (default: shared w64)")
     p.add_argument("--profile-steps", type=int, default=2, help="steps profiled per LoRA scenario (0: none)")
+    p.add_argument(
+        "--max-slot-preemptions",
+        type=int,
+        default=0,
+        help="LoRA scenarios: LoRAConfig.max_slot_preemptions (slot turnover; default 0 = off)",
+    )
     p.add_argument("--adapter-dir", default=None)
     p.add_argument("--json-out", default=None)
     ns = p.parse_args(argv)
@@ -182,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                 kw["max_num_seqs"] = max_seqs
             if n_adapters:
                 kw.update(
-                    enable_lora=True, max_loras=max_loras, max_lora_rank=ns.rank, max_cpu_loras=n_adapters
+                    enable_lora=True,
+                    max_loras=max_loras,
+                    max_lora_rank=ns.rank,
+                    max_cpu_loras=n_adapters,
+                    max_slot_preemptions=ns.max_slot_preemptions,
                 )
             llm = LLM(**kw)
             adapters = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(n_adapters)]
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             r = _run(llm, reqs, loras)
             r["adapters"], r["max_loras"] = n_adapters, max_loras
             r["max_num_seqs"] = llm.llm_engine.scheduler.scheduler_config.max_num_seqs
+            r["slot_preemptions"] = llm.llm_engine.scheduler.num_slot_preemptions
             r["adapter_load_ms"] = 1000 * sum(load_s) / len(load_s) if load_s else None
             mgr = getattr(llm.llm_engine.executor, "lora_manager", None)
             r["slot_loads"] = mgr.num_slot_loads if mgr is not None else 0

@@ -60,6 +60,15 @@ the running adapters drain and it gets the first free slot. Groups queued before
 still join an adapter the step holds: they are finitely many, so the wait stays bounded, and
 holding them back would leave the slots of a burst (e.g. 16 adapters' requests arriving at
 once for 4 slots) running one request each instead of all of their adapter's.
+Slot turnover (ours, opt-in: ``LoRAConfig.max_slot_preemptions`` > 0): when every slot is held
+and the first adapter deferred in ``waiting`` has ``need`` >= 2 groups there, the held adapter
+with the fewest running groups (at most ``need // 2``, all decoding, none turned over
+``max_slot_preemptions`` times yet) is preempted by recompute, so its slot serves the waiting
+adapter in the same step; its groups go to the front of ``waiting`` and resume in order when a
+slot frees. It moves slot time to where more groups share it (lower TTFT when adapters
+stream in) but cannot shorten a burst: an adapter holds a slot for at least its longest
+request's decode steps whoever runs when, so a burst takes at least the sum of those over
+``max_loras`` steps, which FCFS already comes close to (``kvserve/benchmarks/lora_occupancy``).
 
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
@@ -372,6 +381,10 @@ class Scheduler:
         # LoRA on: request_id -> its place in the order groups were added (pruned lazily).
         self._lora_order: dict[str, int] = {}
         self._num_added = 0
+        # request_id -> times the group was preempted to turn its adapter's slot over
+        # (``LoRAConfig.max_slot_preemptions``); dropped when the group ends.
+        self._slot_preemptions: dict[str, int] = {}
+        self.num_slot_preemptions = 0  # cumulative
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -447,6 +460,7 @@ class Scheduler:
             queue.extend(keep)
         for g in aborted:
             self._lora_deferrals.pop(g.request_id, None)
+            self._slot_preemptions.pop(g.request_id, None)
             for seq in g.get_seqs():
                 if not seq.is_finished():
                     seq.status = SequenceStatus.FINISHED_ABORTED
@@ -474,6 +488,7 @@ class Scheduler:
         keep: deque[SequenceGroup] = deque()
         for g in self.running:
             if g.is_finished():
+                self._slot_preemptions.pop(g.request_id, None)
                 for seq in g.get_seqs():
                     self.block_manager.free(seq)
             else:
@@ -605,6 +620,79 @@ class Scheduler:
         if loras is not None and g.lora_int_id > 0:
             loras.add(g.lora_int_id)
 
+    def _turn_over_lora_slot(self, budget: SchedulingBudget, st: _Step) -> None:
+        """Slot turnover (``LoRAConfig.max_slot_preemptions`` > 0): when every slot is held
+        and the first adapter deferred in ``waiting`` (rank order) has ``need`` groups
+        waiting, preempt by recompute the running groups of the held adapter with the fewest
+        (at most ``need // 2``), so that adapter's slot goes to the waiting one in this step.
+        Only adapters whose groups all decode and were each turned over fewer than
+        ``max_slot_preemptions`` times qualify (under a rank policy only if the waiting
+        adapter's first group strictly outranks them); ties go to the adapter whose earliest
+        group ranks lowest. At most one slot per step, none while anything is swapped (new groups
+        would not be admitted) or new prompts are held back (``delay_factor``). Recompute,
+        not swap: a swapped group would block admissions (B10) and the slot would not turn.
+        The preempted groups go to the front of ``waiting`` and take a slot again in order."""
+        lc = self.lora_config
+        if lc is None or lc.max_slot_preemptions <= 0 or not self.waiting or not self.running:
+            return
+        if self.swapped or st.swapped_at_start or not st.passed_delay:
+            return
+        held: dict[int, list[SequenceGroup]] = {}
+        for g in self.running:
+            if g.lora_int_id > 0:
+                held.setdefault(g.lora_int_id, []).append(g)
+        if len(held) < lc.max_loras:
+            return  # a slot is free already
+        first = 0
+        need = 0
+        head: SequenceGroup | None = None
+        for g in self.policy.sort_by_priority(st.now, self.waiting):
+            if g.request_id in st.preempted_ids or g.lora_int_id == 0 or g.lora_int_id in held:
+                continue
+            if first == 0:
+                first, head = g.lora_int_id, g
+            if g.lora_int_id == first:
+                need += 1
+        if need < 2:
+            return
+        ranked = {g.request_id: i for i, g in enumerate(self.policy.sort_by_priority(st.now, self.running))}
+        best: tuple[int, int] | None = None
+        victim: list[SequenceGroup] = []
+        for groups in held.values():
+            if 2 * len(groups) > need:
+                continue
+            if any(
+                g.is_prefill()
+                or self._slot_preemptions.get(g.request_id, 0) >= lc.max_slot_preemptions
+                # under a rank policy only for a group that outranks them (no priority inversion)
+                or (
+                    self.policy.preempts_by_rank
+                    and head is not None
+                    and not self.policy.outranks(st.now, head, g)
+                )
+                for g in groups
+            ):
+                continue
+            key = (len(groups), -min(ranked[g.request_id] for g in groups))
+            if best is None or key < best:
+                best, victim = key, groups
+        # lowest-ranked first: ``_finish_step`` puts them at the front of waiting in reverse
+        for g in sorted(victim, key=lambda g: ranked[g.request_id], reverse=True):
+            self.running.remove(g)
+            budget.subtract_num_seqs(g.request_id, g.get_max_num_running_seqs())
+            live = self._live(g)
+            for seq in live:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.data.reset_state_for_recompute()
+            st.preempted.append(g)
+            st.preempted_ids.add(g.request_id)
+            g.metrics.num_preemptions += 1
+            self._slot_preemptions[g.request_id] = self._slot_preemptions.get(g.request_id, 0) + 1
+            self.num_preemptions += 1
+            self.num_recompute_preemptions += 1
+            self.num_slot_preemptions += 1
+
     def _get_num_lookahead_slots(self, g: SequenceGroup, st: _Step, live: list[Sequence]) -> int:
         """Lookahead slots for decoding group ``g`` this step: ``num_lookahead_slots``, fewer
         near ``max_model_len`` (the verified positions must exist), 0 when the step does not
@@ -631,6 +719,7 @@ class Scheduler:
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
+        self._turn_over_lora_slot(budget, st)
         st.curr_loras = self._running_loras()
         prefills = self._schedule_prefills(budget, st, enable_chunking=False)
         running = SchedulerRunningOutputs()
@@ -649,6 +738,7 @@ class Scheduler:
         budget = self._new_budget()
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
+        self._turn_over_lora_slot(budget, st)
         running = self._schedule_running(budget, st, enable_chunking=True)
         # Running groups' adapters count first; preempted groups hold no slot.
         st.curr_loras = self._running_loras()
@@ -719,6 +809,7 @@ class Scheduler:
         started = any(seq.get_output_len() for seq in g.get_seqs())
         g.ignored_reason = reason
         self._lora_deferrals.pop(g.request_id, None)
+        self._slot_preemptions.pop(g.request_id, None)
         status = SequenceStatus.FINISHED_LENGTH_CAPPED if started else SequenceStatus.FINISHED_IGNORED
         for seq in g.get_seqs():
             if not seq.is_finished():

@@ -141,6 +141,7 @@ def simulate(
         "e2e_s": summarize(m.e2e_latency for m in metrics),
         "queue_s": summarize(m.queue_time for m in metrics),
         "num_steps": executor.num_steps,
+        "mean_groups_per_step": executor.num_scheduled_groups / max(1, executor.num_steps),
         "num_extrapolated_steps": executor.num_extrapolated_steps,
     }
     if lora_config is not None:
@@ -152,6 +153,8 @@ def simulate(
             "max_loras": lora_config.max_loras,
             "num_adapters": len({r.lora_id for r in requests} - {0}),
             "mean_adapters_per_step": executor.num_lora_adapter_steps / max(1, executor.num_steps),
+            "slot_steps_by_groups": dict(sorted(executor.lora_slot_steps.items())),
+            "num_slot_preemptions": engine.scheduler.num_slot_preemptions,
             "ttft_s_by_adapter": {k: summarize(m.ttft for m in ms) for k, ms in sorted(by_adapter.items())},
             "e2e_s_by_adapter": {
                 k: summarize(m.e2e_latency for m in ms) for k, ms in sorted(by_adapter.items())
@@ -308,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if lo:
         print(
             f"LoRA: {lo['num_adapters']} adapters, max_loras {lo['max_loras']}, "
-            f"{lo['mean_adapters_per_step']:.2f} adapters per step"
+            f"{lo['mean_adapters_per_step']:.2f} adapters and {summary['mean_groups_per_step']:.2f} groups per step, "
+            f"slot-steps by groups in the slot {lo['slot_steps_by_groups']}, "
+            f"{lo['num_slot_preemptions']} slot turnover preemptions"
         )
     print(f"{'metric':10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):

@@ -121,7 +121,10 @@ class SimulatedExecutor:
 
     Attributes:
         clock: the virtual clock; ``num_steps``, ``busy_time_s``: totals;
-        ``num_lora_adapter_steps``: the steps' distinct LoRA adapters, summed.
+        ``num_lora_adapter_steps``: the steps' distinct LoRA adapters, summed;
+        ``num_scheduled_groups``: the steps' scheduled groups, summed;
+        ``lora_slot_steps``: adapter slot occupancy, ``{groups: slot-steps}`` (one count per
+        step and adapter in it, keyed by how many of the step's groups run with that adapter).
             ``num_extrapolated_steps``: steps larger than any the cost model was profiled on.
     """
 
@@ -169,6 +172,8 @@ class SimulatedExecutor:
         self.num_extrapolated_steps = 0  # steps past the cost model's profiled shapes
         self.busy_time_s = 0.0
         self.num_lora_adapter_steps = 0  # sum over steps of the step's distinct adapters
+        self.num_scheduled_groups = 0
+        self.lora_slot_steps: dict[int, int] = {}
         self.requests: list[ExecuteModelRequest] = []  # kept only when record=True
         self.record = False
         self.loras: dict[int, LoRARequest] = {}  # "loaded" adapters: there are no weights
@@ -371,6 +376,13 @@ class SimulatedExecutor:
         shape = step_shape(req)
         shape.verify_tokens = verify_tokens
         self.num_lora_adapter_steps += shape.loras
+        self.num_scheduled_groups += len(req.seq_group_metadata_list)
+        per_adapter: dict[int, int] = {}
+        for meta in req.seq_group_metadata_list:
+            if meta.lora_int_id > 0:
+                per_adapter[meta.lora_int_id] = per_adapter.get(meta.lora_int_id, 0) + 1
+        for n in per_adapter.values():
+            self.lora_slot_steps[n] = self.lora_slot_steps.get(n, 0) + 1
         dt = self.cost_model.step_cost(shape)
         if self.cost_model.outside_range(shape):
             self.num_extrapolated_steps += 1

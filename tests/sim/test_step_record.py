@@ -106,3 +106,75 @@ def test_replay_without_record_keeps_no_steps_and_puts_the_executor_back():
     assert res.steps == [] and engine.executor is inner
     res = replay(engine, _burst(2, output_len=3, first_id=10), clock, clock.set, record_steps=True)
     assert res.steps and engine.executor is inner
+
+
+def _profile_on_simulator(grid, blocks=1456):
+    """The profiler's scenarios on a simulated engine with the default engine's configs (the
+    virtual clock stands in for the wall clock): which shapes a grid measures, in seconds."""
+    from kvserve.config import EngineArgs
+    from kvserve.sim.profile import Profiler
+    from kvserve.sim.replay import simulated_engine
+
+    configs = EngineArgs(num_gpu_blocks=blocks, num_cpu_blocks=728, device="cpu").create_configs(8192)
+    engine, clock = simulated_engine(configs, CostModel(), 49152)
+    prof = Profiler(engine, grid, progress=False)
+    prof.timer = clock
+    prof.warm_up()
+    for kind, arg in prof.scenarios():
+        if kind == "prefill":
+            prof.run_prefill(*arg)
+        elif kind == "decode":
+            prof.run_decode(*arg)
+        elif kind == "mixed":
+            prof.run_mixed(*arg)
+    return prof
+
+
+def test_default_grid_measures_the_steps_a_loaded_default_replay_runs():
+    """Regression: the default grid's largest decode batch (48 decodes, 15,425 KV positions) and
+    mixed steps (at most 512 prompt tokens beside 16 decodes) were below the steps a loaded
+    default replay spends most of its time in (a ~2,000-token chunked step with 48-59 decodes
+    over ~20,000-23,000 positions): 59 of 362 steps, half the simulated time, were extrapolated."""
+    from kvserve.sim.profile import ProfileGrid
+
+    prof = _profile_on_simulator(ProfileGrid(repeats=1))
+    shapes = [s for s, _ in prof.samples]
+    assert max(s.decode_seqs for s in shapes) >= 64
+    assert 1.25 * max(s.context_tokens for s in shapes) >= 23_000
+    full_mixed = [
+        s for s in shapes if s.shape_class == "mixed" and s.decode_seqs >= 48 and s.prefill_tokens >= 1900
+    ]
+    assert full_mixed, "no full chunked-prefill step with many decodes riding along"
+    assert all(s.prefill_tokens + s.decode_seqs <= prof.budget for s in shapes)
+    cm = CostModel(
+        ranges={
+            k: max(getattr(s, k) for s in shapes)
+            for k in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens")
+        }
+    )
+    loaded = StepShape(
+        prefill_tokens=2000, prefill_seqs=7, prefill_attn_pairs=431.0, decode_seqs=59, context_tokens=22_758
+    )
+    assert not cm.outside_range(loaded)
+
+
+def test_decode_scenario_decodes_its_whole_batch_together():
+    """Regression: decoders generated ``decode_steps + 1`` tokens, so with a chunked prefill of
+    several steps the first ones finished before the last started and the batch of ``b`` was
+    never measured decoding together."""
+    from kvserve.sim.profile import ProfileGrid
+
+    grid = ProfileGrid(
+        prefill_lens=[16],
+        prefill_batch=[1],
+        long_prompt_chunks=0,
+        context_lens=[288],
+        batch_sizes=[64],
+        decode_steps=4,
+        mixed_batch_sizes=[1],
+        mixed_prefill_lens=[16],
+        repeats=1,
+    )
+    prof = _profile_on_simulator(grid)
+    full = [s for s, _ in prof.samples if s.shape_class == "decode" and s.decode_seqs == 64]
+    assert len(full) >= 4 and all(s.context_tokens >= 64 * 288 for s in full)

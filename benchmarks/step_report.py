@@ -4,7 +4,7 @@ Sets every recorded real step against a cost model (a ``kvserve profile`` file; 
 profile the run used is not stored, so name it) by shape class, step size and both, with the
 summed signed error against the step's own wall time and against the whole loop iteration, the
 time outside the executor (scheduling, output processing), outside the step (the replay loop)
-and in GC.
+and in GC; then the cost model's terms refitted to the replay's own steps beside the profile's.
 
 Usage: python benchmarks/step_report.py STEPS.json --cost-model PROFILE.json [--json-out R.json]
 """
@@ -16,7 +16,7 @@ import json
 import sys
 
 from kvserve.sim.cost_model_file import load_cost_model
-from kvserve.sim.step_record import compare_steps, load_steps, print_comparison
+from kvserve.sim.step_record import compare_steps, load_steps, print_comparison, print_refit, refit_steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     rep = compare_steps(records, cm)
     print(f"{len(records)} steps of {meta.get('trace', {}).get('path', '?')}; cost model {cm.describe()}")
     print_comparison(rep)
+    refit = refit_steps(records, cm)
+    if refit is not None:
+        print("cost model refitted to the replay's own steps (a coefficient far from the profile's")
+        print("names the cost the profile does not see):")
+        print_refit(refit)
+        rep["refit"] = refit
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump(rep, f, indent=1)

@@ -9,7 +9,9 @@ time that fell inside the iteration (``gc_s``) and the queue lengths the schedul
 
 ``compare_steps`` sets each record's measured time against a cost model's prediction, per
 shape class and per step size, so the steps the model gets wrong (and by how much of the total
-clock) can be found; ``save_steps``/``load_steps`` write and read the records (JSON).
+clock) can be found; ``refit_steps`` fits the cost model's terms to the replay's own steps, so
+the coefficient that differs from the profile's says which cost the profile does not see;
+``save_steps``/``load_steps`` write and read the records (JSON).
 """
 
 from __future__ import annotations
@@ -201,3 +203,34 @@ def print_comparison(report: dict, out=None) -> None:
         print(f"-- {section}", file=out)
         for k, g in report[section].items():
             print(row(k, g), file=out)
+
+
+def refit_steps(records: Sequence[StepRecord], cost_model, min_steps: int = 20) -> dict | None:
+    """The cost model's terms fitted (``fit_cost_model``) to the records' loop times (what the
+    real clock advanced by per step) beside ``cost_model``'s coefficients:
+    ``{"profile": {name: s}, "replay": {name: s}, "fit_error": fit_errors of the refit}``;
+    None with fewer than ``min_steps`` records (too few to fit). Swap and copy terms are not
+    refitted (a replay's swaps ride inside steps)."""
+    from kvserve.sim.cost_model import FEATURES, fit_cost_model, fit_errors
+
+    samples = [(r.shape, r.loop_s or r.step_s) for r in records if (r.loop_s or r.step_s) > 0]
+    if len(samples) < max(min_steps, len(FEATURES) + 1):
+        return None
+    fit = fit_cost_model(samples)
+    return {
+        "profile": cost_model.coefficients(),
+        "replay": fit.coefficients(),
+        "fit_error": fit_errors(fit, samples),
+    }
+
+
+def print_refit(refit: dict, out=None) -> None:
+    """``refit_steps``' result as a table (stdout by default)."""
+    import sys
+
+    out = out or sys.stdout
+    print(f"{'coefficient':18}{'profile':>12}{'replay fit':>12}", file=out)
+    for k, v in refit["profile"].items():
+        print(f"{k:18}{v:12.4g}{refit['replay'][k]:12.4g}", file=out)
+    e = refit["fit_error"]["all"]
+    print(f"replay fit on its own steps: p50 error {e['p50']:.1%}, summed {e['total']:+.1%}", file=out)

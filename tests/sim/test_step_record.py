@@ -178,3 +178,25 @@ def test_decode_scenario_decodes_its_whole_batch_together():
     prof = _profile_on_simulator(grid)
     full = [s for s, _ in prof.samples if s.shape_class == "decode" and s.decode_seqs == 64]
     assert len(full) >= 4 and all(s.context_tokens >= 64 * 288 for s in full)
+
+
+def test_refit_of_replay_steps_recovers_the_cost_that_timed_them():
+    """The refit names the cost the profile misses: steps timed by a known model whose
+    per-decode cost is twice the profile's give back that per-decode cost."""
+    from kvserve.sim.step_record import refit_steps
+
+    profile = CostModel(base_s=0.02, prefill_token_s=1e-3, decode_seq_s=1e-3, context_token_s=3e-6, info={})
+    truth = CostModel(base_s=0.02, prefill_token_s=1e-3, decode_seq_s=2e-3, context_token_s=3e-6, info={})
+    recs = []
+    for i in range(60):
+        p, d, c = (i * 37) % 2000 if i % 3 else 0, 1 + (i * 13) % 60, 0
+        c = d * (100 + (i * 53) % 400)
+        shape = StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=d, context_tokens=c)
+        t = truth.step_cost(shape)
+        recs.append(StepRecord(shape, t, t, t))
+    out = refit_steps(recs, profile)
+    assert out is not None and out["profile"]["decode_seq_s"] == pytest.approx(1e-3)
+    assert out["replay"]["decode_seq_s"] == pytest.approx(2e-3, rel=0.02)
+    assert out["replay"]["prefill_token_s"] == pytest.approx(1e-3, rel=0.02)
+    assert out["fit_error"]["all"]["max"] < 0.01
+    assert refit_steps(recs[:5], profile) is None

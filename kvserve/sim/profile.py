@@ -24,6 +24,13 @@ query tokens (``prefill_token_s`` for prompt tokens; ``decode_seq_s`` for decode
 run on the separate native decode path), prefill attention quadratic in chunk length (causal
 pairs: ``prefill_attn_s``) and decode attention linear in the KV positions read
 (``context_token_s``). The per-class errors in the file say how well that holds here.
+
+No term for time outside ``step()``: step records of a real replay (``bench fidelity
+--steps-out``) put the replay loop's own work and Python GC at ~0.01% of the time, and
+scheduling plus output processing (inside ``step()``, so in these samples) at ~0.1%, with 300
+requests queued. The default grid is sized to the steps a loaded default replay spends its time
+in (full 2,048-token chunked steps of several prompt chunks with ~50-60 decodes over ~20,000 KV
+positions): an extrapolated cost there was half the simulated time of the first quiet run.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ pairs: ``prefill_attn_s``) and decode attention linear in the KV positions read
 
 No term for time outside ``step()``: step records of a real replay (``bench fidelity
 --steps-out``) put the replay loop's own work and Python GC at ~0.01% of the time, and
-scheduling plus output processing (inside ``step()``, so in these samples) at ~0.1%, with 300
-requests queued. The default grid is sized to the steps a loaded default replay spends its time
+scheduling plus output processing (inside ``step()``, so in these samples) at ~0.1%, with up to
+~100 requests queued. The default grid is sized to the steps a loaded default replay spends its time
 in (full 2,048-token chunked steps of several prompt chunks with ~50-60 decodes over ~20,000 KV
 positions): an extrapolated cost there was half the simulated time of the first quiet run.
 """

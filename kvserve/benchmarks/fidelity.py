@@ -13,7 +13,10 @@ Prints TTFT, TPOT, inter-token latency, end-to-end latency and queue time (mean,
 p99), preemptions and output throughput side by side with the relative error
 ``(simulated - real) / real``, and how many of the requests preempted on one side were
 preempted on the other. ``--json-out`` writes ``{"real": S, "simulated": S, "relative_error":
-S, ...}``; ``--plot`` a CDF plot (real vs simulated).
+S, ...}``; ``--plot`` a CDF plot (real vs simulated). ``--steps-out FILE`` writes a record of
+every real step (``kvserve.sim.step_record``: shape, wall time of the step, the executor call
+and the loop iteration, GC) and prints predicted vs measured step time by shape class and size
+(``benchmarks/step_report.py FILE --cost-model PROFILE`` prints it again, for any profile).
 """
 
 from __future__ import annotations
@@ -130,11 +133,14 @@ def load_requests(ns) -> tuple[list[wl.BenchRequest], dict]:
     return reqs, clip.as_dict()
 
 
-def run_fidelity(engine, args, requests: list[wl.BenchRequest], cost_model) -> dict:
+def run_fidelity(
+    engine, args, requests: list[wl.BenchRequest], cost_model, record_steps: bool = False
+) -> dict:
     """Replay ``requests`` on ``engine`` (real, idle, warmed up) and on the simulator with
-    ``cost_model`` and the engine's configs; returns the comparison (the JSON's layout)."""
+    ``cost_model`` and the engine's configs; returns the comparison (the JSON's layout; with
+    ``record_steps`` also ``"_steps"``: the real side's ``StepRecord`` list)."""
     t0 = time.perf_counter()
-    real_res = wall_replay(engine, requests)
+    real_res = wall_replay(engine, requests, record_steps=record_steps)
     real_wall = time.perf_counter() - t0
     t1 = time.perf_counter()
     configs = (engine.model_config, engine.cache_config, engine.scheduler_config)
@@ -154,6 +160,7 @@ def run_fidelity(engine, args, requests: list[wl.BenchRequest], cost_model) -> d
         "wall_s": {"real": real_wall, "simulated": sim_wall},
         "cost_model": cost_model.describe(),
         "_samples": {"real": samples_ms(real_res), "simulated": samples_ms(sim_res)},
+        "_steps": real_res.steps,
     }
 
 
@@ -190,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-model", default=None, help="profile JSON (kvserve profile); default: profile now")
     ap.add_argument("--profile-out", default=None, help="where to save the profile made now")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--steps-out", default=None, help="JSON of every real step (shape, wall times) for step_report.py"
+    )
     ap.add_argument("--plot", default=None, help="PNG of the latency CDFs, real vs simulated")
     ap.add_argument("--no-progress", action="store_true")
     from kvserve.sim.profile import add_grid_args
@@ -236,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         _warm_up(engine, requests[0].prompt_token_ids)
         print(f"cost model: {cm_file.cost_model.describe()}")
         print(f"replaying {len(requests)} requests through the real engine (wall clock) ...", flush=True)
-        result = run_fidelity(engine, args, requests, cm_file.cost_model)
+        result = run_fidelity(engine, args, requests, cm_file.cost_model, record_steps=bool(ns.steps_out))
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
     samples = result.pop("_samples")
+    steps = result.pop("_steps")
     result["trace"] = {
         "path": ns.trace,
         "num_requests": len(requests),
@@ -265,6 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.json_out:
         write_json(ns.json_out, result)
+    if ns.steps_out:
+        from kvserve.sim.step_record import compare_steps, save_steps
+        from kvserve.sim.step_record import print_comparison as print_steps
+
+        save_steps(
+            ns.steps_out,
+            steps,
+            {"trace": result["trace"], "cost_model": cm_file.cost_model.coefficients(), "engine": vars(args)},
+        )
+        print(f"wrote {len(steps)} step records to {ns.steps_out}; predicted vs measured step time:")
+        print_steps(compare_steps(steps, cm_file.cost_model))
     if ns.plot:
         from kvserve.benchmarks.plots import plot_latency_cdfs
 

@@ -9,8 +9,11 @@ checks -- what the simulator's virtual clock has to advance by. The grid:
 * **prefill**: ``k`` prompts of ``p`` tokens at once (``k * p`` within the step budget), and
   prompts longer than the budget (chunked: later chunks attend over earlier ones);
 * **decode**: ``b`` sequences of context ``L`` decoding together for ``--decode-steps`` steps
-  (the prefill steps that start them are samples too);
-* **mixed** (chunked prefill): a prompt chunk of ``p`` tokens joining ``b`` running decodes;
+  (the prefill steps that start them are samples too; each generates as many more tokens as
+  those steps, so the whole batch decodes together);
+* **mixed** (chunked prefill): a prompt chunk of ``p`` tokens joining ``b`` running decodes of
+  context ``mixed_context_len`` (``p`` clipped to the budget the decodes leave: the full
+  chunked-prefill step with many decodes that a loaded replay mostly runs);
 * **swap**: ``n`` blocks swapped out and in through the worker (``Worker.execute_model`` with
   only the block maps): fitted apart, per block, since those calls have no step around them.
 
@@ -21,6 +24,13 @@ query tokens (``prefill_token_s`` for prompt tokens; ``decode_seq_s`` for decode
 run on the separate native decode path), prefill attention quadratic in chunk length (causal
 pairs: ``prefill_attn_s``) and decode attention linear in the KV positions read
 (``context_token_s``). The per-class errors in the file say how well that holds here.
+
+No term for time outside ``step()``: step records of a real replay (``bench fidelity
+--steps-out``) put the replay loop's own work and Python GC at ~0.01% of the time, and
+scheduling plus output processing (inside ``step()``, so in these samples) at ~0.1%, with up to
+~100 requests queued. The default grid is sized to the steps a loaded default replay spends its time
+in (full 2,048-token chunked steps of several prompt chunks with ~50-60 decodes over ~20,000 KV
+positions): an extrapolated cost there was half the simulated time of the first quiet run.
 """
 
 from __future__ import annotations
@@ -47,11 +57,16 @@ class ProfileGrid:
     prefill_lens: list[int] = field(default_factory=lambda: [16, 64, 256, 1024, 2048])
     prefill_batch: list[int] = field(default_factory=lambda: [1, 2, 4])
     long_prompt_chunks: int = 3
-    context_lens: list[int] = field(default_factory=lambda: [32, 256, 1024])
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 48])
+    # 64 decodes of ~300 tokens (~19,000 KV positions, ~85% of the default cache): the batch a
+    # loaded default replay runs (up to ~60-70 decodes over ~23,000 positions) is within 1.25x
+    context_lens: list[int] = field(default_factory=lambda: [32, 288, 1024])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     decode_steps: int = 8
-    mixed_prefill_lens: list[int] = field(default_factory=lambda: [16, 128, 512])
-    mixed_batch_sizes: list[int] = field(default_factory=lambda: [2, 16])
+    # the last one is clipped to the budget left by the decodes: a full chunked-prefill step
+    # with many decodes riding along, the step a loaded replay spends most of its time in
+    mixed_prefill_lens: list[int] = field(default_factory=lambda: [16, 128, 512, 2048])
+    mixed_batch_sizes: list[int] = field(default_factory=lambda: [2, 16, 64])
+    mixed_context_len: int = 192
     swap_blocks: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
     repeats: int = 2
 
@@ -83,6 +98,7 @@ class ProfileGrid:
             decode_steps=4,
             mixed_prefill_lens=[8, 32],
             mixed_batch_sizes=[2],
+            mixed_context_len=16,
             swap_blocks=[1, 4],
             repeats=1,
         )
@@ -160,12 +176,12 @@ class Profiler:
     def _fits(self, prompt_len: int, out: int) -> bool:
         return prompt_len + out <= self.max_len
 
-    def _fits_cache(self, num_seqs: int, seq_len: int) -> bool:
-        """``num_seqs`` sequences of ``seq_len`` tokens fit the KV cache at once (a decode
-        scenario that preempts would measure recomputes, not decodes)."""
+    def _fits_cache(self, num_seqs: int, seq_len: int, extra_len: int = 0) -> bool:
+        """``num_seqs`` sequences of ``seq_len`` tokens (and one of ``extra_len``) fit the KV
+        cache at once (a scenario that preempts would measure recomputes, not decodes)."""
         bs = self.engine.cache_config.block_size
         blocks = self.engine.cache_config.num_gpu_blocks or 0
-        return num_seqs * -(-seq_len // bs) <= blocks * 0.9
+        return num_seqs * -(-seq_len // bs) + -(-extra_len // bs) <= blocks * 0.9
 
     # -- scenarios
     def warm_up(self) -> None:
@@ -187,10 +203,11 @@ class Profiler:
                     items.append(("prefill", (i * self.budget, 1)))
             for L in g.context_lens:
                 for b in g.batch_sizes:
+                    out = self._decode_tokens(L, b)
                     if (
-                        self._fits(L, g.decode_steps + 1)
+                        self._fits(L, out)
                         and b <= self.engine.scheduler_config.max_num_seqs
-                        and self._fits_cache(b, L + g.decode_steps + 1)
+                        and self._fits_cache(b, L + out)
                     ):
                         items.append(("decode", (L, b)))
             if self.chunked:
@@ -204,16 +221,26 @@ class Profiler:
             self._add(p, 1)
         self._drain()
 
+    def _decode_tokens(self, L: int, b: int) -> int:
+        """Tokens each of ``b`` decoders of context ``L`` generates: ``decode_steps`` more than
+        the steps their prompts take (chunked prefill of ``b * L`` tokens), so all ``b`` decode
+        together for ``decode_steps`` steps (otherwise the first ones finish before the last
+        one starts and the full batch is never measured)."""
+        return self.grid.decode_steps + 1 + -(-b * L // max(1, self.budget))
+
     def run_decode(self, L: int, b: int) -> None:
+        out = self._decode_tokens(L, b)
         for _ in range(b):
-            self._add(L, self.grid.decode_steps + 1)
+            self._add(L, out)
         self._drain()
 
     def run_mixed(self, b: int) -> None:
-        L = min(self.grid.context_lens)
-        lens = [p for p in self.grid.mixed_prefill_lens if p + b <= self.budget and self._fits(p, 1)]
+        L = self.grid.mixed_context_len
+        # chunks longer than the budget the decodes leave are clipped to it (a full step)
+        lens = sorted({min(p, self.budget - b) for p in self.grid.mixed_prefill_lens})
+        lens = [p for p in lens if p >= 1 and self._fits(p, 1)]
         out = 2 * len(lens) + 4
-        if not lens or not self._fits(L, out) or not self._fits_cache(b + 1, max(L + out, max(lens) + 1)):
+        if not lens or not self._fits(L, out) or not self._fits_cache(b, L + out, max(lens) + 1):
             return
         ids = [self._add(L, out) for _ in range(b)]
         seen: set[str] = set()
@@ -393,6 +420,18 @@ def _int_list(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {s!r}") from e
 
 
+#: ``ProfileGrid`` fields with a command-line flag (comma lists / single integers)
+LIST_FIELDS = (
+    "prefill_lens",
+    "prefill_batch",
+    "context_lens",
+    "batch_sizes",
+    "mixed_prefill_lens",
+    "mixed_batch_sizes",
+)
+INT_FIELDS = ("decode_steps", "repeats", "long_prompt_chunks", "mixed_context_len")
+
+
 def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     """``--[prefix]grid small|default`` and comma-list overrides of ``ProfileGrid``'s fields."""
     g = ap.add_argument_group("profile grid")
@@ -402,9 +441,9 @@ def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
         default="default",
         help="small: seconds (smoke runs, tests)",
     )
-    for name in ("prefill_lens", "prefill_batch", "context_lens", "batch_sizes", "mixed_prefill_lens"):
+    for name in LIST_FIELDS:
         g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=_int_list, default=None, metavar="N,N,...")
-    for name in ("decode_steps", "repeats", "long_prompt_chunks"):
+    for name in INT_FIELDS:
         g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=int, default=None)
 
 
@@ -412,17 +451,7 @@ def grid_from_args(ns: argparse.Namespace, prefix: str = "") -> ProfileGrid:
     """The ``ProfileGrid`` ``add_grid_args``' flags describe. Raises ValueError (bad value)."""
     p = prefix.replace("-", "_")
     grid = ProfileGrid.small() if getattr(ns, f"{p}grid") == "small" else ProfileGrid()
-    names = (
-        "prefill_lens",
-        "prefill_batch",
-        "context_lens",
-        "batch_sizes",
-        "mixed_prefill_lens",
-        "decode_steps",
-        "repeats",
-        "long_prompt_chunks",
-    )
-    return grid.override(**{n: getattr(ns, p + n) for n in names})
+    return grid.override(**{n: getattr(ns, p + n) for n in LIST_FIELDS + INT_FIELDS})
 
 
 def main(argv: list[str] | None = None) -> int:

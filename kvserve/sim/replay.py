@@ -6,11 +6,16 @@ The loop: add every request whose arrival time has come (``arrival_time`` = star
 ``step()``, note the time each request's output grew, repeat; when nothing runs, wait for the
 next arrival (sleep on the wall clock; jump on the virtual one). Requests are greedy with
 ``ignore_eos`` and ``max_tokens = output_len``, so both sides generate the same number of tokens.
+
+With ``record_steps`` the loop also keeps a ``StepRecord`` per step (``kvserve.sim.step_record``:
+the step's shape, wall times of the step, the executor call and the loop iteration, GC pauses):
+what ``compare_steps`` sets against the cost model.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +23,9 @@ from dataclasses import dataclass, field
 from kvserve.benchmarks.stats import summarize
 from kvserve.benchmarks.workload import BenchRequest
 from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import ExecuteModelRequest
+from kvserve.sim.step_record import StepRecord
+from kvserve.sim.step_shape import StepShape, step_shape
 
 #: the statistics kept of each latency (seconds)
 STAT_KEYS = ("mean", "p50", "p90", "p99")
@@ -40,6 +48,44 @@ class ReplayResult:
     total_preemptions: int = 0
     num_steps: int = 0
     num_extrapolated_steps: int = 0  # simulated steps past the profiled shapes (0 for real runs)
+    steps: list[StepRecord] = field(default_factory=list)  # with ``record_steps``
+
+
+class _StepTimer:
+    """Wraps an engine's executor: the shape and wall time of the last ``execute_model``."""
+
+    def __init__(self, inner, timer: Callable[[], float]) -> None:
+        self.inner = inner
+        self.timer = timer
+        self.last: StepShape | None = None
+        self.exec_s = 0.0
+
+    def execute_model(self, req: ExecuteModelRequest):
+        self.last = step_shape(req)
+        t0 = self.timer()
+        try:
+            return self.inner.execute_model(req)
+        finally:
+            self.exec_s += self.timer() - t0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _GCTimer:
+    """Seconds spent in Python's garbage collector while installed (``gc.callbacks``)."""
+
+    def __init__(self, timer: Callable[[], float]) -> None:
+        self.timer = timer
+        self.total = 0.0
+        self._t0: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = self.timer()
+        elif self._t0 is not None:
+            self.total += self.timer() - self._t0
+            self._t0 = None
 
 
 def replay(
@@ -48,12 +94,31 @@ def replay(
     clock: Callable[[], float],
     wait_until: Callable[[float], None],
     max_steps: int = 10_000_000,
+    record_steps: bool = False,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> ReplayResult:
     """Run ``requests`` through ``engine`` (whose clock is ``clock``) until all have ended.
+
+    ``record_steps``: keep a ``StepRecord`` per step in ``ReplayResult.steps``, timed by
+    ``timer`` (seconds; the executor is wrapped for the run and put back after).
 
     Raises:
         RuntimeError: more than ``max_steps`` steps (a stuck engine), never a hang.
     """
+    if not record_steps:
+        return _replay(engine, requests, clock, wait_until, max_steps, None)
+    st = _StepTimer(engine.executor, timer)
+    gct = _GCTimer(timer)
+    engine.executor = st
+    gc.callbacks.append(gct)
+    try:
+        return _replay(engine, requests, clock, wait_until, max_steps, (st, gct))
+    finally:
+        gc.callbacks.remove(gct)
+        engine.executor = st.inner
+
+
+def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult:
     res = ReplayResult()
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.id))
     t0 = clock()
@@ -61,7 +126,21 @@ def replay(
     lens: dict[int, int] = {}
     # the engine's count is cumulative: an engine that ran (was profiled) before has some
     preempted0 = engine.get_kv_cache_stats()["num_preemptions"]
+    open_rec: tuple[StepRecord, float, float] | None = None  # record, iteration start, gc then
+
+    def close(now_t: float) -> None:
+        # the iteration that stepped ends where the next one starts
+        if open_rec is not None:
+            r, start, gc0 = open_rec
+            r.loop_s = now_t - start
+            r.gc_s = rec[1].total - gc0
+            res.steps.append(r)
+
     for _ in range(max_steps):
+        if rec is not None:
+            it_start = rec[0].timer()
+            close(it_start)
+            open_rec = None
         if i >= len(pending) and not engine.has_unfinished_requests():
             break
         now = clock()
@@ -83,7 +162,17 @@ def replay(
         if not engine.has_unfinished_requests():
             wait_until(t0 + pending[i].arrival_s)
             continue
+        if rec is not None:
+            sched = engine.scheduler
+            queues = (len(sched.waiting), len(sched.running), len(sched.swapped))
+            rec[0].last, rec[0].exec_s = None, 0.0
+            s0 = rec[0].timer()
         outs = engine.step()
+        if rec is not None:
+            step_s = rec[0].timer() - s0
+            if rec[0].last is not None and not rec[0].last.is_empty:
+                r = StepRecord(rec[0].last, step_s, rec[0].exec_s, 0.0, 0.0, *queues)
+                open_rec = (r, it_start, rec[1].total)
         res.num_steps += 1
         t = clock() - t0
         for o in outs:
@@ -103,6 +192,8 @@ def replay(
                 )
     else:
         raise RuntimeError(f"replay did not finish within {max_steps} steps")
+    if rec is not None:
+        close(rec[0].timer())
     res.duration_s = clock() - t0
     res.total_preemptions = engine.get_kv_cache_stats()["num_preemptions"] - preempted0
     res.num_extrapolated_steps = int(getattr(engine.executor, "num_extrapolated_steps", 0))
@@ -149,15 +240,16 @@ def summarize_replay(res: ReplayResult) -> dict:
     }
 
 
-def wall_replay(engine, requests: list[BenchRequest]) -> ReplayResult:
-    """``replay`` on the wall clock (the engine's own ``clock``), sleeping while idle."""
+def wall_replay(engine, requests: list[BenchRequest], record_steps: bool = False) -> ReplayResult:
+    """``replay`` on the wall clock (the engine's own ``clock``), sleeping while idle;
+    ``record_steps`` as in ``replay`` (timed by ``time.perf_counter``)."""
 
     def wait_until(t: float) -> None:
         d = t - engine.clock()
         if d > 0:
             time.sleep(d)
 
-    return replay(engine, requests, engine.clock, wait_until)
+    return replay(engine, requests, engine.clock, wait_until, record_steps=record_steps)
 
 
 def simulated_engine(engine_configs: tuple, cost_model, vocab_size: int):
@@ -178,8 +270,14 @@ def simulated_engine(engine_configs: tuple, cost_model, vocab_size: int):
 
 
 def sim_replay(
-    engine_configs: tuple, cost_model, vocab_size: int, requests: list[BenchRequest]
+    engine_configs: tuple,
+    cost_model,
+    vocab_size: int,
+    requests: list[BenchRequest],
+    record_steps: bool = False,
 ) -> ReplayResult:
-    """``replay`` on a simulated engine (``simulated_engine``); idle time is skipped."""
+    """``replay`` on a simulated engine (``simulated_engine``); idle time is skipped.
+    ``record_steps``: step records timed by the virtual clock (``step_s`` = the cost model's
+    time of each step)."""
     engine, clock = simulated_engine(engine_configs, cost_model, vocab_size)
-    return replay(engine, requests, clock, clock.set)
+    return replay(engine, requests, clock, clock.set, record_steps=record_steps, timer=clock)

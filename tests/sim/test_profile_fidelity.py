@@ -130,10 +130,20 @@ def test_bench_fidelity_end_to_end(tiny_profile, tiny_llama_dir, tmp_path, capsy
         "--cost-model",
         str(path),
     ]
+    steps = tmp_path / "steps.json"
     argv += ["--num-requests", "10", "--max-input-len", "64", "--json-out", str(out), "--plot", str(png)]
+    argv += ["--steps-out", str(steps)]
     assert fidelity.main(argv) == 0
     text = capsys.readouterr().out
     assert text.startswith("cost model: ") and "ttft_s p50" in text and "preempted requests" in text
+    assert "predicted vs measured step time" in text and "-- by_class" in text
+    from kvserve.sim.step_record import load_steps
+
+    recs, meta = load_steps(steps)
+    assert 0 < len(recs) <= json.loads(out.read_text())["num_steps"]["real"]
+    assert meta["trace"]["num_requests"] == 10
+    for r in recs:
+        assert 0 < r.exec_s <= r.step_s <= r.loop_s and not r.shape.is_empty
     res = json.loads(out.read_text())
     assert set(res) >= {"real", "simulated", "relative_error"}
     for s in (res["real"], res["simulated"], res["relative_error"]):

@@ -493,7 +493,7 @@ class EngineArgs:
                 raise ValueError(
                     f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
                     "(its weights stay in quantized blocks, which are not sharded); use "
-                    "quantization='int8' / 'int4' on a float checkpoint, or none."
+                    "quantization='int8' or quantization='int4' on a float checkpoint, or none."
                 )
             if self.speculative_config:
                 raise ValueError("speculative_config is not supported with tensor_parallel_size > 1.")

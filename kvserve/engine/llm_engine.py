@@ -146,7 +146,9 @@ class LLMEngine:
         model_config.model = str(gguf_file_for(args.model)) if args.quantization == "gguf" else str(model_dir)
         spec_config = args.create_speculative_config()
         parallel_config = args.create_parallel_config()
-        parallel_config.verify_with_model(hf_config, model_config.resolved_device())
+        parallel_config.verify_with_model(
+            hf_config, model_config.resolved_device(), quantization=args.quantization
+        )
         lora_config = args.create_lora_config()
         worker = Worker(
             model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config

@@ -193,7 +193,9 @@ class Worker:
             if self.device == "cuda":
                 torch.cuda.set_device(rank)  # "cuda" is this rank's device from here on
             if self.is_driver:
-                self.parallel_config.verify_with_model(self.hf_config, self.device)
+                self.parallel_config.verify_with_model(
+                    self.hf_config, self.device, quantization=model_config.quantization
+                )
                 tp_port = free_port()
                 self.peers = TensorParallelPeers(
                     self.tp_size, tp_port, (model_config, cache_config, scheduler_config)

@@ -295,6 +295,12 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def dead_reason(self) -> str | None:
+        """Why this engine can run no more steps (its executor lost a tensor-parallel peer
+        rank, or its ranks went out of step), or None while it can."""
+        fn = getattr(self.executor, "dead_reason", None)
+        return fn() if fn is not None else None
+
     # ------------------------------------------------------------------ the step
     def shutdown(self) -> None:
         """Release the executor's processes (the tensor-parallel peer ranks); idempotent. The

@@ -346,6 +346,18 @@ class Worker:
             raise PeerError(f"{method} failed on tensor-parallel worker(s): " + "; ".join(errors))
         return out
 
+    def dead_reason(self) -> str | None:
+        """Why this driver can run no more steps (a peer rank exited, or the ranks went out of
+        step), or None (always None at T = 1)."""
+        if self.broken:
+            return self.broken
+        if self.peers is not None:
+            try:
+                self.peers.check_alive()
+            except PeerError as e:
+                return str(e)
+        return None
+
     @staticmethod
     def _peer_timeout() -> float:
         from kvserve.worker.parallel_state import collective_timeout_s

@@ -198,6 +198,18 @@ class Worker:
         if self.tp_size > 1:
             if model_config.quantization == "gguf":
                 raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1.")
+            from kvserve.model_executor.quantized_checkpoint import quant_method_of
+
+            method = quant_method_of(self.hf_config)
+            if model_config.quantization is None and method is not None:
+                # found in config.json (no quantization= given): refused as the setting is,
+                # before any peer process starts
+                raise ValueError(
+                    f"the checkpoint's quantization_config (quant_method {method!r}) is not supported "
+                    "with tensor_parallel_size > 1 (its weights stay in quantized blocks, which are "
+                    "not sharded); use a float checkpoint (quantization='int8' or "
+                    "quantization='int4' quantize it at load)."
+                )
             if self.device == "cuda":
                 torch.cuda.set_device(rank)  # "cuda" is this rank's device from here on
             if self.is_driver:

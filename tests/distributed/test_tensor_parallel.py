@@ -397,3 +397,29 @@ def test_quantized_tp_shape_check_accepts_exactly_whole_blocks(heads, head_dim, 
         assert ok
     except ValueError as e:
         assert not ok and "32" in str(e)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantized_checkpoint_found_in_config_refused_at_tp2_before_any_peer_starts(
+    tiny_llama_dir, tmp_path, monkeypatch, method
+):
+    """Without ``quantization=`` the method comes from the checkpoint's config.json; at T > 1
+    it is refused as the flag is, before a peer process is spawned (was after every rank had
+    started and loaded)."""
+    import json
+    import shutil
+
+    from kvserve.worker import tp_executor
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+    (model / "config.json").write_text(json.dumps(cfg))
+    started = []
+    monkeypatch.setattr(tp_executor.TensorParallelPeers, "start", lambda self: started.append(self))
+    with pytest.raises(
+        ValueError, match=rf"quant_method '{method}'\) is not supported with tensor_parallel_size > 1"
+    ):
+        LLM(model=str(model), device="cpu", tensor_parallel_size=2)
+    assert started == []

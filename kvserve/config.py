@@ -373,13 +373,19 @@ class ParallelConfig:
                 f"tensor_parallel_size must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {t!r}."
             )
 
-    def verify_with_model(self, hf_config, device: str) -> None:
+    def verify_with_model(self, hf_config, device: str, quantization: str | None = None) -> None:
         """Check that the model's shapes and the devices allow this split.
+
+        Args:
+            quantization: the engine's ``quantization`` (``int8`` / ``int4`` quantize each
+                rank's shard in blocks of 32 input columns).
 
         Raises:
             ValueError: ``tensor_parallel_size`` does not divide ``num_attention_heads``,
                 ``num_key_value_heads`` or ``intermediate_size`` (the message names the counts
-                and T), or (CUDA) T is larger than the number of visible devices.
+                and T); with ``int8`` / ``int4``, a row-parallel shard (o_proj, down_proj) whose
+                input columns are not whole 32-weight blocks; or (CUDA) T is larger than the
+                number of visible devices.
         """
         t = self.tensor_parallel_size
         if t == 1:
@@ -394,6 +400,23 @@ class ParallelConfig:
         inter = int(hf_config.intermediate_size)
         if inter % t:
             raise ValueError(f"tensor_parallel_size={t} must divide intermediate_size={inter}.")
+        if quantization in ("int8", "int4"):
+            # o_proj and down_proj are split by input columns: each rank's slice is quantized
+            # on its own, so it must be whole blocks (the column-parallel ones keep all columns)
+            head_dim = int(getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads)
+            q_cols = heads * head_dim
+            bad = [
+                f"{what} {full}/{t} = {full // t}"
+                for what, full in (("o_proj", q_cols), ("down_proj intermediate_size", inter))
+                if (full // t) % 32
+            ]
+            if bad:
+                block = "Q8_0" if quantization == "int8" else "Q4_1"
+                raise ValueError(
+                    f"quantization={quantization!r} with tensor_parallel_size={t} needs each rank's "
+                    f"input columns to be whole {block} blocks of 32: {', '.join(bad)}; use a "
+                    "tensor_parallel_size that keeps them so, or no quantization."
+                )
         if device == "cuda":
             import torch
 
@@ -493,7 +516,7 @@ class EngineArgs:
                 raise ValueError(
                     f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
                     "(its weights stay in quantized blocks, which are not sharded); use "
-                    "quantization='int8' / 'int4' on a float checkpoint, or none."
+                    "quantization='int8' or quantization='int4' on a float checkpoint, or none."
                 )
             if self.speculative_config:
                 raise ValueError("speculative_config is not supported with tensor_parallel_size > 1.")

@@ -236,8 +236,13 @@ class DataParallelAsyncEngine:
                         return
                 # a stream that ends without a finished output: the replica went away
                 raise ray.exceptions.RayActorError()
-            except ray.exceptions.RayActorError as e:
-                self.mark_down(idx, e)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                cause = _unwrap(ray, e)
+                if isinstance(e, ray.exceptions.RayTaskError) and not isinstance(cause, EngineDeadError):
+                    raise cause from None  # the request's own error (a ValueError)
+                # the actor died, or lives with an engine that can run no more steps (its
+                # ping then ends the process, so Ray replaces it): a dead replica either way
+                self.mark_down(idx, cause)
                 if streamed:
                     raise ReplicaDiedError(
                         f"replica {idx} died while running request {request_id} (after it had "
@@ -248,8 +253,6 @@ class DataParallelAsyncEngine:
                 self.num_retried += 1
                 logger.warning("request %s: replica %d died before any output; retrying", request_id, idx)
                 continue
-            except ray.exceptions.RayTaskError as e:
-                raise _unwrap(ray, e) from None
             finally:
                 r.outstanding -= 1
                 self._inflight.pop(request_id, None)

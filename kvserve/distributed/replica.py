@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,7 +69,16 @@ class EngineReplica:
         }
 
     async def ping(self) -> int:
-        """Liveness: the process id (so a replaced replica shows a new one)."""
+        """Liveness: the process id (so a replaced replica shows a new one). A replica whose
+        engine loop has stopped for good (``errored``: e.g. a tensor-parallel peer rank died)
+        ends its process instead (exit code 70), so that Ray starts a fresh one."""
+        if getattr(self.async_engine, "errored", None) is not None:
+            print(
+                f"replica {getattr(self, 'replica_id', '?')}: engine dead ({self.async_engine.errored}); exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(70)
         return os.getpid()
 
     async def generate(

@@ -8,6 +8,7 @@ per-request ``asyncio.Queue``s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -97,7 +98,7 @@ class AsyncLLMEngine:
         model). Raises ValueError (invalid input, duplicate id, an adapter that does not load)
         before queueing, EngineDeadError if the loop died."""
         if self.errored is not None:
-            raise EngineDeadError(f"engine loop stopped: {self.errored!r}")
+            raise self._dead_error()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         stream: asyncio.Queue = asyncio.Queue()
@@ -140,7 +141,7 @@ class AsyncLLMEngine:
         run) it runs at once; a dead loop gives ``EngineDeadError``."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         if self.errored is not None:
-            future.set_exception(EngineDeadError(f"engine loop stopped: {self.errored!r}"))
+            future.set_exception(self._dead_error())
             return future
         if self._thread is None or not self._thread.is_alive():
             try:
@@ -206,6 +207,51 @@ class AsyncLLMEngine:
                     err = e if isinstance(e, ValueError) else ValueError(str(e))
                     loop.call_soon_threadsafe(_resolve, accepted, err)
 
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh ``EngineDeadError`` saying why the loop stopped (``errored``)."""
+        e = self.errored
+        return EngineDeadError(str(e) if isinstance(e, EngineDeadError) else f"engine loop stopped: {e!r}")
+
+    def _die(self, error: BaseException) -> None:
+        """Stop for good on ``error``: every request in flight, and every add and call still
+        in the inbox, gets an ``EngineDeadError`` (none waits for an answer that cannot
+        come); the engine's requests are aborted so their blocks are freed."""
+        loop = self._loop
+        assert loop is not None
+        dead = (
+            error
+            if isinstance(error, EngineDeadError)
+            else EngineDeadError(f"engine loop stopped: {error!r}")
+        )
+        self.errored = dead
+        self.engine.abort_request(list(self.engine._groups))
+        with contextlib.suppress(Exception):  # frees the aborted groups' blocks (no forward runs)
+            self.engine.step()
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "add":
+                loop.call_soon_threadsafe(_resolve, msg[5], dead)
+            elif msg[0] == "call":
+                loop.call_soon_threadsafe(_resolve_value, msg[3], None, dead)
+        loop.call_soon_threadsafe(self._fail_streams, dead)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        # on the event loop, which owns ``_streams``; after the outputs delivered before it
+        for stream in list(self._streams.values()):
+            stream.put_nowait(error)
+
+    def _check_alive(self) -> bool:
+        """False (after ``_die``) when the engine can run no more steps."""
+        reason = self.engine.dead_reason()
+        if reason is None:
+            return True
+        logger.error("the engine can run no more steps: %s", reason)
+        self._die(EngineDeadError(reason))
+        return False
+
     def _run(self) -> None:
         engine = self.engine
         loop = self._loop
@@ -215,6 +261,8 @@ class AsyncLLMEngine:
             self._drain_inbox()
             if not engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.5)
+                if not self._check_alive():  # e.g. a peer rank died while idle
+                    return
                 continue
             try:
                 outputs = engine.step()
@@ -225,12 +273,20 @@ class AsyncLLMEngine:
                 try:
                     engine.step()  # flush the abort outputs and free blocks
                 except Exception:
-                    self.errored = e
+                    self._die(e)
+                    return
                 for rid in ids:
                     err = RuntimeError(f"internal error while running request {rid}: {e!r}")
                     loop.call_soon_threadsafe(self._deliver, rid, err)
-                if self.errored is not None:
+                if not self._check_alive():
                     return
                 continue
+            reason = engine.dead_reason()
             for out in outputs:
+                if reason is not None and out.outcome == "failed":
+                    continue  # failed by the death: answered engine-dead below instead
                 loop.call_soon_threadsafe(self._deliver, out.request_id, out)
+            if reason is not None:
+                logger.error("the engine can run no more steps: %s", reason)
+                self._die(EngineDeadError(reason))
+                return

@@ -146,7 +146,9 @@ class LLMEngine:
         model_config.model = str(gguf_file_for(args.model)) if args.quantization == "gguf" else str(model_dir)
         spec_config = args.create_speculative_config()
         parallel_config = args.create_parallel_config()
-        parallel_config.verify_with_model(hf_config, model_config.resolved_device())
+        parallel_config.verify_with_model(
+            hf_config, model_config.resolved_device(), quantization=args.quantization
+        )
         lora_config = args.create_lora_config()
         worker = Worker(
             model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config
@@ -292,6 +294,12 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
+
+    def dead_reason(self) -> str | None:
+        """Why this engine can run no more steps (its executor lost a tensor-parallel peer
+        rank, or its ranks went out of step), or None while it can."""
+        fn = getattr(self.executor, "dead_reason", None)
+        return fn() if fn is not None else None
 
     # ------------------------------------------------------------------ the step
     def shutdown(self) -> None:

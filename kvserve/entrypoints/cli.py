@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 import typing
@@ -67,6 +68,46 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def _flag_patterns() -> list[tuple[re.Pattern, str]]:
+    out = []
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        name = re.escape(f.name)
+        # ``name='v'`` / ``name=v``: the flag and its value as typed
+        value = r"=(?:'([^']*)'|\"([^\"]*)\"|([^\s,;)]+))"
+        out.append((re.compile(rf"(?<![\w.\-'\"]){name}{value}"), flag))
+        # the bare name: only an identifier with an underscore is surely the field (``model``,
+        # ``device`` or ``quantization`` alone are also plain words), those only before "must"
+        bare = rf"{name}(?!\w|\.\w|=)" if "_" in f.name else rf"{name}(?= must\b)"
+        out.append((re.compile(rf"(?<![\w.\-'\"]){bare}"), flag))
+    return out
+
+
+_FLAG_PATTERNS: list[tuple[re.Pattern, str]] | None = None
+
+
+def flag_names(message: str) -> str:
+    """``message`` (an engine error worded for ``LLM(...)``) with each ``EngineArgs`` keyword
+    written as the command-line flag the user typed: ``tensor_parallel_size=3`` ->
+    ``--tensor-parallel-size 3``, ``quantization='gptq'`` -> ``--quantization gptq``,
+    ``data_parallel_size must`` -> ``--data-parallel-size must``. Longer identifiers
+    (``quantization_config``, ``speculative_config.method``) stay as they are."""
+    global _FLAG_PATTERNS
+    if _FLAG_PATTERNS is None:
+        _FLAG_PATTERNS = _flag_patterns()
+
+    def sub(flag: str):
+        def repl(m: re.Match) -> str:
+            vals = [g for g in m.groups() if g is not None]
+            return f"{flag} {vals[0]}" if vals else flag
+
+        return repl
+
+    for pattern, flag in _FLAG_PATTERNS:
+        message = pattern.sub(sub(flag), message)
+    return message
+
+
 def _generate_lora_request(ns: argparse.Namespace):
     """The ``LoRARequest`` ``kvserve generate`` runs every prompt with, from ``--lora-modules``
     and ``--lora-name`` (the only module when one is given and no name), or None.
@@ -103,6 +144,10 @@ def _generate_lora_request(ns: argparse.Namespace):
     return LoRARequest(chosen.name, 1, chosen.path)
 
 
+class _AdapterError(ValueError):
+    """A ``--lora-modules`` adapter that does not load (its message names the module)."""
+
+
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
@@ -129,9 +174,15 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     try:
         llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
         if lora is not None:  # read and validated now: a bad adapter fails before generating
-            llm.llm_engine.add_lora(lora)
-    except ValueError as e:  # a bad engine setting or adapter (named in the message)
+            try:
+                llm.llm_engine.add_lora(lora)
+            except ValueError as e:  # as `kvserve serve` names a bad module
+                raise _AdapterError(f"--lora-modules {lora.lora_name}={lora.lora_path}: {e}") from None
+    except _AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a bad engine setting (named in the message, as its flag)
+        print(f"error: {flag_names(str(e))}", file=sys.stderr)
         return 2
     t_loaded = time.perf_counter()
     if ns.prompt:
@@ -226,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_names(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -102,6 +102,14 @@ def choose_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> Thread
     return ThreadChoice(best, why)
 
 
+def _host_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (None where it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 class Worker:
     """Model + KV cache on one device.
 
@@ -190,10 +198,24 @@ class Worker:
         if self.tp_size > 1:
             if model_config.quantization == "gguf":
                 raise ValueError("quantization='gguf' is not supported with tensor_parallel_size > 1.")
+            from kvserve.model_executor.quantized_checkpoint import quant_method_of
+
+            method = quant_method_of(self.hf_config)
+            if model_config.quantization is None and method is not None:
+                # found in config.json (no quantization= given): refused as the setting is,
+                # before any peer process starts
+                raise ValueError(
+                    f"the checkpoint's quantization_config (quant_method {method!r}) is not supported "
+                    "with tensor_parallel_size > 1 (its weights stay in quantized blocks, which are "
+                    "not sharded); use a float checkpoint (quantization='int8' or "
+                    "quantization='int4' quantize it at load)."
+                )
             if self.device == "cuda":
                 torch.cuda.set_device(rank)  # "cuda" is this rank's device from here on
             if self.is_driver:
-                self.parallel_config.verify_with_model(self.hf_config, self.device)
+                self.parallel_config.verify_with_model(
+                    self.hf_config, self.device, quantization=model_config.quantization
+                )
                 tp_port = free_port()
                 self.peers = TensorParallelPeers(
                     self.tp_size, tp_port, (model_config, cache_config, scheduler_config)
@@ -295,6 +317,7 @@ class Worker:
                     f"kv_cache_memory_gib={cc.kv_cache_memory_gib} is smaller than one KV block ({bpb} bytes)"
                 )
         cpu = cc.num_cpu_blocks if cc.num_cpu_blocks is not None else int(cc.swap_space_gib * _GIB // bpb)
+        self._check_host_memory(gpu, cpu, bpb)
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             if gpu * bpb > free:
@@ -304,6 +327,38 @@ class Worker:
                     "or num_gpu_blocks"
                 )
         return gpu, cpu
+
+    def _check_host_memory(self, gpu: int, cpu: int, bpb: int) -> None:
+        """Refuse pools that host memory cannot hold (the swap pool always, the device pool
+        too on CPU; every rank holds its own shard of both), naming the setting to lower,
+        rather than fail in the allocator. Physical memory is the bound (not what is free
+        now: that moves with the other processes of the machine).
+
+        Raises:
+            ValueError: the host pools exceed the machine's physical memory.
+        """
+        total = _host_memory_bytes()
+        if total is None:
+            return
+        cc = self.cache_config
+        on_host = [(cpu, "num_cpu_blocks" if cc.num_cpu_blocks is not None else "swap_space_gib")]
+        if self.device == "cpu":
+            on_host.insert(
+                0, (gpu, "num_gpu_blocks" if cc.num_gpu_blocks is not None else "kv_cache_memory_gib")
+            )
+        need = sum(n for n, _ in on_host) * bpb * self.tp_size
+        if need <= total:
+            return
+        # name the pool that is over the bound by itself, else both
+        over = [name for n, name in on_host if n * bpb * self.tp_size > total] or [
+            name for _, name in on_host
+        ]
+        ranks = f", on each of {self.tp_size} ranks" if self.tp_size > 1 else ""
+        pools = f"{gpu} blocks + {cpu} swap blocks" if self.device == "cpu" else f"{cpu} swap blocks"
+        raise ValueError(
+            f"the KV cache needs {need / _GIB:.2f} GiB of host memory ({pools} of {bpb} bytes{ranks}) but this machine has {total / _GIB:.2f} GiB of host memory; "
+            f"lower {' or '.join(over)}"
+        )
 
     def _on_all_ranks(self, method: str, *args):
         """Run ``self.<method>_local(*args)`` here and (driver at T > 1) on every peer with the
@@ -343,6 +398,18 @@ class Worker:
         if errors:
             raise PeerError(f"{method} failed on tensor-parallel worker(s): " + "; ".join(errors))
         return out
+
+    def dead_reason(self) -> str | None:
+        """Why this driver can run no more steps (a peer rank exited, or the ranks went out of
+        step), or None (always None at T = 1)."""
+        if self.broken:
+            return self.broken
+        if self.peers is not None:
+            try:
+                self.peers.check_alive()
+            except PeerError as e:
+                return str(e)
+        return None
 
     @staticmethod
     def _peer_timeout() -> float:

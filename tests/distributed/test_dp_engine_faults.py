@@ -237,3 +237,45 @@ def test_num_waiting_counts_requests_without_output_yet():
         assert outs[-1].finished and dp.num_waiting == 0 and dp.num_in_flight == 0
 
     asyncio.run(main())
+
+
+def test_replica_whose_engine_died_is_marked_down_and_the_request_retried_elsewhere():
+    """A replica process that is alive but whose engine can run no more steps (e.g. one of
+    its tensor-parallel peer ranks died) answers ``EngineDeadError``: it is a dead replica
+    (marked down, replaced) and a request that had streamed nothing runs on another one,
+    instead of the endpoint answering 503 while a healthy replica is idle."""
+    dead_engine = ray.exceptions.RayTaskError(
+        "generate", "tb", EngineDeadError("tensor-parallel worker rank 1 (pid 7) exited with code -9")
+    )
+    sick, ok = FakeReplica(lambda rid: None, error=dead_engine), FakeReplica(lambda rid: None)
+    dp = _engine([sick, ok])
+
+    async def main():
+        outs = await _collect(dp, "r1")
+        await asyncio.sleep(0)
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert dp.num_retried == 1
+    assert dp.replicas[0].restarts == 1  # replaced (its ping answered with a new pid)
+    assert [r.outstanding for r in dp.replicas] == [0, 0] and dp.num_in_flight == 0
+
+
+def test_replica_ping_exits_the_process_when_its_engine_is_dead(monkeypatch):
+    """The replica's liveness answer is its engine's: a dead engine loop ends the actor's
+    process (exit code 70), so Ray starts a fresh replica (new peer ranks, empty cache)."""
+    from kvserve.distributed import replica as replica_mod
+
+    exits = []
+    monkeypatch.setattr(replica_mod.os, "_exit", lambda code: exits.append(code))
+    r = replica_mod.EngineReplica.__new__(replica_mod.EngineReplica)
+
+    class _AE:
+        errored = None
+
+    r.async_engine = _AE()
+    assert asyncio.run(r.ping()) == replica_mod.os.getpid() and exits == []
+    r.async_engine.errored = EngineDeadError("rank 1 died")
+    asyncio.run(r.ping())
+    assert exits == [70]

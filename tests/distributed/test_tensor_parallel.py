@@ -10,6 +10,8 @@ import signal
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvserve import LLM
 from kvserve.config import EngineArgs, ParallelConfig
@@ -330,3 +332,94 @@ def test_tensor_parallel_size_out_of_range_names_field(bad):
 def test_unsupported_combinations_refused_before_loading(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineArgs(tensor_parallel_size=2, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_48_column_shards_dir(tmp_path_factory, default_tokenizer_dir):
+    """The tiny Llama with hidden 96 (head_dim 24) and intermediate 96: at T=2 each rank's o_proj
+    and down_proj take 48 input columns, not a whole number of 32-weight quantization blocks."""
+    from tests.conftest import _save_tiny, tiny_llama_config
+
+    config = tiny_llama_config(hidden_size=96, intermediate_size=96, vocab_size=1000)
+    return _save_tiny(tmp_path_factory, default_tokenizer_dir, "tiny-llama-48-col", config)
+
+
+@pytest.mark.parametrize("quant, block", [("int8", "Q8_0"), ("int4", "Q4_1")])
+def test_int8_int4_shards_off_the_32_column_blocks_refused_before_any_peer_starts(
+    tiny_llama_48_column_shards_dir, monkeypatch, quant, block
+):
+    from kvserve.model_executor.model_loader import load_hf_config
+    from kvserve.worker import tp_executor
+
+    cfg = load_hf_config(tiny_llama_48_column_shards_dir)
+    want = (
+        rf"quantization='{quant}' with tensor_parallel_size=2 needs each rank's input columns to be "
+        rf"whole {block} blocks of 32: o_proj 96/2 = 48, down_proj intermediate_size 96/2 = 48"
+    )
+    with pytest.raises(ValueError, match=want):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu", quantization=quant)
+    ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu")  # float shards: any width
+    started = []
+    monkeypatch.setattr(tp_executor.TensorParallelPeers, "start", lambda self: started.append(self))
+    with pytest.raises(ValueError, match=want):
+        LLM(
+            model=str(tiny_llama_48_column_shards_dir),
+            device="cpu",
+            quantization=quant,
+            tensor_parallel_size=2,
+        )
+    assert started == []
+
+
+@given(
+    heads=st.sampled_from([2, 4, 8]),
+    head_dim=st.sampled_from([8, 16, 24, 32, 64]),
+    inter=st.integers(1, 40).map(lambda k: 16 * k),
+    t=st.sampled_from([2, 4]),
+    quant=st.sampled_from(["int8", "int4", None]),
+)
+def test_quantized_tp_shape_check_accepts_exactly_whole_blocks(heads, head_dim, inter, t, quant):
+    """The check refuses exactly the splits whose row-parallel shards (o_proj, down_proj) are
+    not whole 32-column blocks; unquantized splits are never refused for it."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=inter,
+    )
+    if heads % t or inter % t:
+        return
+    ok = quant is None or ((heads // t) * head_dim % 32 == 0 and (inter // t) % 32 == 0)
+    try:
+        ParallelConfig(tensor_parallel_size=t).verify_with_model(cfg, "cpu", quantization=quant)
+        assert ok
+    except ValueError as e:
+        assert not ok and "32" in str(e)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantized_checkpoint_found_in_config_refused_at_tp2_before_any_peer_starts(
+    tiny_llama_dir, tmp_path, monkeypatch, method
+):
+    """Without ``quantization=`` the method comes from the checkpoint's config.json; at T > 1
+    it is refused as the flag is, before a peer process is spawned (was after every rank had
+    started and loaded)."""
+    import json
+    import shutil
+
+    from kvserve.worker import tp_executor
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+    (model / "config.json").write_text(json.dumps(cfg))
+    started = []
+    monkeypatch.setattr(tp_executor.TensorParallelPeers, "start", lambda self: started.append(self))
+    with pytest.raises(
+        ValueError, match=rf"quant_method '{method}'\) is not supported with tensor_parallel_size > 1"
+    ):
+        LLM(model=str(model), device="cpu", tensor_parallel_size=2)
+    assert started == []

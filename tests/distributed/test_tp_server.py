@@ -51,3 +51,35 @@ def test_tp2_server_completions_and_streams_equal_single_process(tiny_llama_dir,
         stats = srv.wait_idle()
         assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     assert not any(p.is_alive() for p in procs), "peer ranks outlived the server"
+
+
+def test_tp2_server_dead_peer_is_503_engine_dead_and_health_503(tiny_llama_dir, monkeypatch):
+    """A dead peer rank leaves the engine unable to run any step: the server says so (503
+    ``engine_dead`` naming the rank, ``/health`` 503 so an orchestrator restarts it), in bounded
+    time, instead of answering every request 500 while ``/health`` says ok."""
+    import os
+    import signal
+    import time
+
+    monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
+    args = EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **ENGINE)
+    with running_server(args, "tiny") as srv:
+        peer = srv.engine.executor.peers._procs[0]
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3}
+        with srv.http(timeout=30) as h:
+            assert h.post("/v1/completions", json=body).status_code == 200
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.join(10)
+            t = time.monotonic()
+            for _ in range(2):  # the request that meets the death, and one after it
+                r = h.post("/v1/completions", json=body)
+                assert r.status_code == 503, r.text
+                err = r.json()["error"]
+                assert err["code"] == "engine_dead" and "tensor-parallel worker rank 1" in err["message"]
+            with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                text = "".join(r.iter_lines())
+            assert r.status_code == 503 and "engine_dead" in text, text
+            assert h.get("/health").status_code == 503
+            assert time.monotonic() - t < 30
+        st = srv.engine.get_kv_cache_stats()
+        assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]

@@ -112,3 +112,48 @@ def test_submit_runs_on_the_engine_thread_and_reports_errors():
             ae.shutdown()
 
     asyncio.run(main())
+
+
+def test_executor_that_dies_stops_the_loop_and_fails_every_request_engine_dead():
+    """An executor that can run no more steps (``dead_reason``: a tensor-parallel peer died)
+    stops the loop: the requests in flight, one queued in the inbox meanwhile and every later
+    one get ``EngineDeadError`` naming the cause (never a wait for an answer that cannot come);
+    the blocks are freed."""
+    from kvserve.engine.async_llm_engine import EngineDeadError
+
+    engine, ae = _engine()
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    reason: list[str] = []
+    engine.dead_reason = lambda: reason[0] if reason else None  # type: ignore[method-assign]
+
+    async def main():
+        ae.start(asyncio.get_running_loop())
+        results: dict[str, object] = {}
+
+        async def run(rid):
+            try:
+                async for out in ae.generate({"prompt_token_ids": prompt_of(3, 5)}, params, rid):
+                    if rid == "first" and len(out.outputs[0].token_ids) == 2:
+                        reason.append("tensor-parallel worker rank 1 (pid 7) exited with code -9")
+                results[rid] = "finished"
+            except EngineDeadError as e:
+                results[rid] = str(e)
+
+        await asyncio.wait_for(asyncio.gather(run("first"), run("second")), 10)
+        await asyncio.wait_for(run("later"), 10)
+        return results
+
+    loop = ae._loop
+    ae._loop = None
+    try:
+        results = asyncio.run(main())
+    finally:
+        loop.close()
+    assert set(results) == {"first", "second", "later"}
+    assert all("rank 1 (pid 7)" in str(v) for v in results.values()), results
+    assert isinstance(ae.errored, EngineDeadError)
+    ae._thread.join(5)
+    assert not ae._thread.is_alive()
+    assert engine.get_num_unfinished_requests() == 0
+    st = engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]

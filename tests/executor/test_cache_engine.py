@@ -97,3 +97,34 @@ def test_determine_num_blocks(tmp_path):
         from kvserve.sequence import ExecuteModelRequest
 
         w.execute_model(ExecuteModelRequest([]))
+
+
+@pytest.mark.parametrize(
+    "cache, field",
+    [
+        (dict(kv_cache_memory_gib=100000.0), "kv_cache_memory_gib"),
+        (dict(num_gpu_blocks=10**10), "num_gpu_blocks"),
+        (dict(num_gpu_blocks=8, swap_space_gib=100000.0), "swap_space_gib"),
+        (dict(num_gpu_blocks=8, num_cpu_blocks=10**10), "num_cpu_blocks"),
+    ],
+)
+def test_kv_pools_larger_than_host_memory_are_a_value_error_naming_the_field(tmp_path, cache, field):
+    """On CPU both pools live in host memory: more than it has is refused naming the setting
+    (was the allocator's RuntimeError, a traceback on the command line)."""
+    from kvserve.config import ModelConfig
+    from kvserve.worker.worker import Worker
+    from tests.executor.helpers import llama_config, save_tiny
+
+    save_tiny(tmp_path, llama_config())
+    w = Worker(ModelConfig(model=str(tmp_path), device="cpu"), CacheConfig(block_size=16, **cache))
+    with pytest.raises(ValueError, match=rf"GiB of host memory.*lower {field}"):
+        w.determine_num_blocks()
+
+
+def test_engine_with_a_kv_pool_beyond_host_memory_is_a_value_error(tmp_path):
+    from kvserve import LLM
+    from tests.executor.helpers import llama_config, save_tiny
+
+    save_tiny(tmp_path, llama_config())
+    with pytest.raises(ValueError, match="kv_cache_memory_gib"):
+        LLM(model=str(tmp_path), device="cpu", kv_cache_memory_gib=100000.0)

@@ -76,6 +76,20 @@ def test_generate_bad_adapter_path_exits_2_naming_it(tiny_llama_dir, tmp_path, c
     assert missing in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["missing", "not_an_adapter"])
+def test_generate_adapter_that_does_not_load_names_the_flag_and_module(
+    tiny_llama_dir, tmp_path, kind, capsys
+):
+    # as `kvserve serve` words it: the flag, the module, then why
+    path = tmp_path / "nope"
+    if kind == "not_an_adapter":
+        path.mkdir()
+    argv = ["generate", "--prompt", PROMPT, *_engine_flags(tiny_llama_dir), "--enable-lora"]
+    assert cli.main([*argv, "--lora-modules", f"sql={path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --lora-modules sql={path}: " in err, err
+
+
 def test_generate_malformed_lora_module_is_an_argparse_error(tiny_llama_dir, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", *_engine_flags(tiny_llama_dir), "--enable-lora", "--lora-modules", "noequals"])

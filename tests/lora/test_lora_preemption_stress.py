@@ -14,8 +14,15 @@ from tests.test_e2e_tiny import assert_idle
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_one_slot_many_adapters_tiny_cache_with_aborts_every_request_ends(tiny_llama_dir, tmp_path, mode):
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [("swap", "float32"), ("recompute", "float32"), ("swap", "bfloat16"), ("recompute", "bfloat16")],
+)
+def test_one_slot_many_adapters_tiny_cache_with_aborts_every_request_ends(
+    tiny_llama_dir, tmp_path, mode, dtype
+):
+    """bfloat16 too: its adapters' slots and deltas are float32 (the swapped / recomputed
+    requests must get the same float32 deltas back)."""
     shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "down_proj"]}
     loras = [
@@ -32,6 +39,7 @@ def test_one_slot_many_adapters_tiny_cache_with_aborts_every_request_ends(tiny_l
     ]
     llm = LLM(
         model=str(tiny_llama_dir),
+        dtype=dtype,
         enable_lora=True,
         max_loras=1,
         max_cpu_loras=1,

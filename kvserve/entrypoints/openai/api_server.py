@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvserve serve``; returns the exit status."""
     from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.entrypoints.cli import engine_args_from
+    from kvserve.entrypoints.cli import engine_args_from, flag_names
 
     parser = make_arg_parser()
     ns = parser.parse_args(argv)
@@ -683,8 +683,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             engine = LLMEngine.from_engine_args(engine_args)
             async_engine = AsyncLLMEngine(engine)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # named as the flag the user typed
+        print(f"error: {flag_names(str(e))}", file=sys.stderr)
         return 2
     aliases = [ns.model] if ns.model else []
     try:

@@ -42,12 +42,9 @@ def test_every_library_builds_and_loads_on_this_host():
         assert lib.available(), f"{lib.name}: {lib.failure_reason()}"
 
 
-def _asan_runtime() -> str | None:
-    out = subprocess.run([CC, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    return out if os.path.isabs(out) and os.path.exists(out) else None
-
-
-@pytest.mark.skipif(_asan_runtime() is None, reason="the compiler has no AddressSanitizer runtime")
+@pytest.mark.skipif(
+    native_builds.asan_runtime() is None, reason="the compiler has no AddressSanitizer runtime"
+)
 def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
     # Build without the ASan runtime preloaded (the compiler must not run under it) ...
     failed = native_builds.build([native_builds.SANITIZE])[native_builds.SANITIZE]
@@ -55,7 +52,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
     env = native_builds.env(native_builds.SANITIZE)
     # ... then load the instrumented libraries into a Python that has it first.
     env.update(
-        LD_PRELOAD=_asan_runtime(),
+        LD_PRELOAD=native_builds.asan_runtime(),
         ASAN_OPTIONS="detect_leaks=0",  # CPython and torch keep allocations until exit
         UBSAN_OPTIONS="print_stacktrace=1",
     )

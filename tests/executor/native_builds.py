@@ -57,6 +57,8 @@ def build(lib):
         lib.build()
     except subprocess.CalledProcessError as e:
         return lib.source + ":\\n" + (e.stderr or b"").decode(errors="replace")[-3000:]
+    except subprocess.TimeoutExpired as e:
+        return f"{lib.source}: the compiler took over {e.timeout:.0f} s"
     return None
 
 with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -120,7 +122,7 @@ def _collect(key: tuple[str, tuple[str, ...]], p: subprocess.Popen) -> None:
     # generous: a sanitizer build of the largest source on a busy 2-core host took over 120 s
     out, err = p.communicate(timeout=900)
     if p.returncode != 0:
-        raise subprocess.CalledProcessError(p.returncode, p.args, out, err)
+        raise RuntimeError(f"the build subprocess for {key} exited {p.returncode}:\n{err[-3000:]}")
     _built[key] = json.loads(out.strip().splitlines()[-1])
 
 
@@ -190,7 +192,7 @@ def build(flag_sets: Sequence[str], sources: Sequence[str] = ()) -> dict[str, li
         flags -> the compiler errors (``"<source>:\\n<stderr tail>"``), empty when all built.
 
     Raises:
-        subprocess.CalledProcessError: a build subprocess itself failed (no compiler, ...).
+        RuntimeError: a build subprocess itself failed (no compiler, ...), with its stderr.
     """
     key_sources = tuple(sorted(sources))
     for f in flag_sets:

@@ -24,42 +24,45 @@ PARAMS = [
 BAD = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
+@pytest.fixture(scope="module")
+def tp2_llm(tiny_llama_dir):
+    """One TP=2 engine for the module (a start costs ~10 s on 2 cores): the poisoned-sampling
+    test leaves it serving (it checks that), the forward-fault test, last, breaks and stops it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSERVE_NUM_THREADS", "1")  # two ranks on 2 cores: one OpenMP thread each
+        llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    yield llm
+    llm.shutdown()
 
 
 def _tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
-def test_tp2_poisoned_sampling_fails_only_that_request(tiny_llama_dir, monkeypatch):
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
-    try:
-        clean = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-        runner = llm.llm_engine.executor.runner
-        monkeypatch.setattr(runner, "sampler", poisoned_sampler(runner.sampler))
-        outs = llm.generate(
-            PROMPTS[:1] + [[POISON, 3, 4]] + PROMPTS[1:], PARAMS[:1] + [BAD] + PARAMS[1:], use_tqdm=False
-        )
-        bad = outs.pop(1)
-        assert bad.outcome == "failed" and "poisoned" in (bad.error or "")
-        assert [o.outcome for o in outs] == ["finished"] * 3
-        assert _tokens(outs) == clean
-        st = llm.llm_engine.get_kv_cache_stats()
-        assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
-        monkeypatch.undo()
-        assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == clean
-    finally:
-        llm.shutdown()
+def test_tp2_poisoned_sampling_fails_only_that_request(tp2_llm, monkeypatch):
+    llm = tp2_llm
+    clean = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    runner = llm.llm_engine.executor.runner
+    monkeypatch.setattr(runner, "sampler", poisoned_sampler(runner.sampler))
+    outs = llm.generate(
+        PROMPTS[:1] + [[POISON, 3, 4]] + PROMPTS[1:], PARAMS[:1] + [BAD] + PARAMS[1:], use_tqdm=False
+    )
+    bad = outs.pop(1)
+    assert bad.outcome == "failed" and "poisoned" in (bad.error or "")
+    assert [o.outcome for o in outs] == ["finished"] * 3
+    assert _tokens(outs) == clean
+    st = llm.llm_engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
+    monkeypatch.undo()
+    assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == clean
 
 
-def test_tp2_fault_inside_the_drivers_forward_is_bounded_and_clear(tiny_llama_dir, monkeypatch):
+def test_tp2_fault_inside_the_drivers_forward_is_bounded_and_clear(tp2_llm, monkeypatch):
     from kvserve.worker import tp_executor, worker
 
     monkeypatch.setattr(worker, "PEER_SETTLE_S", 2.0)  # keep the test short: the bound, not its size
     monkeypatch.setattr(tp_executor, "STOP_GRACE_S", 1.0)
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    llm = tp2_llm
     procs = list(llm.llm_engine.executor.peers._procs)
     try:
         runner = llm.llm_engine.executor.runner

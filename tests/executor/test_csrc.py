@@ -6,23 +6,17 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from kvserve.model_executor.layers import native_lib
+from tests.executor import native_builds
 
 CC = os.environ.get("CC", "cc")
 pytestmark = pytest.mark.skipif(shutil.which(CC) is None, reason=f"no C compiler ({CC})")
 SOURCES = sorted(p.name for p in native_lib.CSRC_DIR.glob("*.c"))
 REPO = Path(__file__).resolve().parents[2]
-#: -march targets: the host; AVX2 only (the fallback of kv_vec.h, two registers per vector);
-#: Sapphire Rapids (the AMX and AVX512-BF16 paths, compiled even where this CPU lacks them).
-#: (-march, extra flags). GCC spends ~90 s at -O3 splitting prefill attention's 16-lane vectors
-#: for AVX2; -O1 still runs the flow analyses behind -Wmaybe-uninitialized and friends.
-MARCHES = (("native", ()), ("x86-64-v3", ("-O1",)), ("sapphirerapids", ()))
-SANITIZE = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined"
 
 
 def test_every_c_file_is_a_kernel_library():
@@ -31,20 +25,11 @@ def test_every_c_file_is_a_kernel_library():
     assert sorted(lib.source for lib in native_lib.all_libraries()) == SOURCES
 
 
-def _compile(source: str, march: str, flags: tuple[str, ...], out_dir: Path) -> tuple[str, str, int, str]:
-    cmd = native_lib.compile_command(
-        source, out_dir / f"{march}-{source}.so", ["-Wall", "-Wextra", "-Werror", f"-march={march}", *flags]
-    )
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    return source, march, r.returncode, r.stderr
-
-
-def test_every_kernel_compiles_with_all_warnings_as_errors(tmp_path, monkeypatch):
-    monkeypatch.delenv(native_lib.EXTRA_CFLAGS_ENV, raising=False)
-    jobs = [(s, m, f) for s in SOURCES for m, f in MARCHES]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda job: _compile(*job, tmp_path), jobs))
-    failed = [f"{s} -march={m}:\n{err[-3000:]}" for s, m, rc, err in results if rc != 0]
+def test_every_kernel_compiles_with_all_warnings_as_errors():
+    """Every source builds with ``-Wall -Wextra -Werror`` for each ``native_builds.WERROR_FLAGS``
+    target (those builds stay in the session folder for later tests)."""
+    results = native_builds.build(list(native_builds.WERROR_FLAGS.values()))
+    failed = [f"{flags}: {err}" for flags, errs in results.items() for err in errs]
     assert not failed, "\n\n".join(failed)
 
 
@@ -57,23 +42,17 @@ def test_every_library_builds_and_loads_on_this_host():
         assert lib.available(), f"{lib.name}: {lib.failure_reason()}"
 
 
-def _asan_runtime() -> str | None:
-    out = subprocess.run([CC, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    return out if os.path.isabs(out) and os.path.exists(out) else None
-
-
-@pytest.mark.skipif(_asan_runtime() is None, reason="the compiler has no AddressSanitizer runtime")
-def test_kernel_tests_pass_under_address_and_undefined_sanitizers(tmp_path):
-    env = dict(os.environ, KVSERVE_CACHE_DIR=str(tmp_path), **{native_lib.EXTRA_CFLAGS_ENV: SANITIZE})
-    env.pop("KVSERVE_NATIVE", None)
+@pytest.mark.skipif(
+    native_builds.asan_runtime() is None, reason="the compiler has no AddressSanitizer runtime"
+)
+def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
     # Build without the ASan runtime preloaded (the compiler must not run under it) ...
-    build = (
-        "from kvserve.model_executor.layers import native_lib\nfor l in native_lib.all_libraries(): l.build()"
-    )
-    subprocess.run([sys.executable, "-c", build], env=env, check=True, cwd=REPO, timeout=600)
+    failed = native_builds.build([native_builds.SANITIZE])[native_builds.SANITIZE]
+    assert not failed, "\n\n".join(failed)
+    env = native_builds.env(native_builds.SANITIZE)
     # ... then load the instrumented libraries into a Python that has it first.
     env.update(
-        LD_PRELOAD=_asan_runtime(),
+        LD_PRELOAD=native_builds.asan_runtime(),
         ASAN_OPTIONS="detect_leaks=0",  # CPython and torch keep allocations until exit
         UBSAN_OPTIONS="print_stacktrace=1",
     )

@@ -226,12 +226,37 @@ static inline __attribute__((always_inline)) void dequant_block(const int qt, co
 /* int8-activation kernels (quant_dot8.h): tiles of MR8 rows by NC8 columns. */
 #define MR8 4
 #define NC8 4
+/* Software prefetch of the weight stream of the 1-row kernels (tile, act8): a decode step's
+   weights come from L3 or DRAM (96 MB per step for the default model's Q4_1 file), and the
+   hardware prefetcher alone held a 1-row act8 GEMV to ~5.7 GB/s on one core where it runs at
+   ~13 GB/s from L2; asking for the tile ~PF_BYTES ahead (into L1) brought it to ~8.5 GB/s
+   (60 distinct 3072 x 576 Q4_1 weights in turn; docs/benchmarks.md). A thread's column tiles are
+   contiguous rows, so "ahead" is a plain address offset. */
+#ifndef PF_BYTES
+#define PF_BYTES 12288
+#endif
+/* Tiles of tile_bytes each that make up PF_BYTES (at least one; PF_BYTES = 0: no prefetch). */
+static inline int64_t prefetch_tiles(const int64_t tile_bytes) {
+    if (PF_BYTES <= 0) return INT64_MAX;
+    const int64_t t = tile_bytes > 0 ? PF_BYTES / tile_bytes : 1;
+    return t > 0 ? t : 1;
+}
+/* Prefetch the tile `ahead` tiles past wt when the thread has that many left (`left`, wt's
+   included). */
+static inline void prefetch_tile(const uint8_t* wt, const int64_t tile_bytes, const int64_t ahead,
+                                 const int64_t left) {
+    if (ahead >= left) return;
+    const uint8_t* p = wt + ahead * tile_bytes;
+    for (int64_t o = 0; o < tile_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
 #define PW 48 /* panel width of the large-batch path (output columns per dequantized panel) */
 
-/* Bytes per row of the quantized activations: per pair of 32-blocks 64 int8 quants, then (after
-   all quants) 16 float lanes of d_x and 16 of the block-sum term (quant_gemm_dtype.h's
+/* Bytes per row of the quantized activations: per pair of 32-blocks 64 int8 quants per plane, then
+   (after all quants) 16 float lanes of d_x and 16 of the block-sum term (quant_gemm_dtype.h's
    act8_quant_row); a multiple of 64, so every row's quants stay 64-byte aligned. */
-static inline int64_t act8_row_bytes(const int64_t K) { return (K / QK + 1) / 2 * 192; }
+static inline int64_t act8_row_bytes(const int64_t K, const int planes) {
+    return (K / QK + 1) / 2 * (64 * planes + 128);
+}
 
 /* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
    quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x),

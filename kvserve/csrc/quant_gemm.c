@@ -15,7 +15,7 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type; quant_gemm.py's pick_kernel chooses per call (rows, mode):
+ * Three kernels per type (and act16, 2b); quant_gemm.py's pick_kernel chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
  * widened on load), so the result equals dequantize-then-matmul up to float32 rounding. Tiles
@@ -43,6 +43,13 @@
  * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. Measured (one core,
  * 3072 x 576, 1 row): Q8_0 21 GFMA/s (22 GB/s of weights; tile 12), Q4_0 24 (tile 10), Q4_1
  * 20 (tile 10); at 8 rows 38-50 GFMA/s (tile 38-42).
+ *
+ * 2b. quant_gemm_act16_* (the same types; the LM head in the int8 mode): as act8 with the rounding
+ * residual of each activation quantized again on the step d_x / 254 into a second int8 plane
+ * (x ~= d_x (q + q2 / 254), within d_x / 508 per element), each weight pair's unpacked bytes
+ * multiplied with both planes: one int8 plane of the final hidden state flipped near-tie tokens,
+ * two keep the float result to ~2^-16 of a block's largest value at about act8's speed when the
+ * weights stream from memory (49,152 x 576 Q8_0, one core: 2.6 ms against the tile kernel's 3.3).
  *
  * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
  * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16

@@ -15,7 +15,7 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type; quant_gemm.py's pick_kernel chooses per call (rows, mode):
+ * Three kernels per type (and act16, 2b); quant_gemm.py's pick_kernel chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
  * widened on load), so the result equals dequantize-then-matmul up to float32 rounding. Tiles
@@ -43,6 +43,13 @@
  * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. Measured (one core,
  * 3072 x 576, 1 row): Q8_0 21 GFMA/s (22 GB/s of weights; tile 12), Q4_0 24 (tile 10), Q4_1
  * 20 (tile 10); at 8 rows 38-50 GFMA/s (tile 38-42).
+ *
+ * 2b. quant_gemm_act16_* (the same types; the LM head in the int8 mode): as act8 with the rounding
+ * residual of each activation quantized again on the step d_x / 254 into a second int8 plane
+ * (x ~= d_x (q + q2 / 254), within d_x / 508 per element), each weight pair's unpacked bytes
+ * multiplied with both planes: one int8 plane of the final hidden state flipped near-tie tokens,
+ * two keep the float result to ~2^-16 of a block's largest value at about act8's speed when the
+ * weights stream from memory (49,152 x 576 Q8_0, one core: 2.6 ms against the tile kernel's 3.3).
  *
  * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
  * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16
@@ -226,12 +233,37 @@ static inline __attribute__((always_inline)) void dequant_block(const int qt, co
 /* int8-activation kernels (quant_dot8.h): tiles of MR8 rows by NC8 columns. */
 #define MR8 4
 #define NC8 4
+/* Software prefetch of the weight stream of the 1-row kernels (tile, act8): a decode step's
+   weights come from L3 or DRAM (96 MB per step for the default model's Q4_1 file), and the
+   hardware prefetcher alone held a 1-row act8 GEMV to ~5.7 GB/s on one core where it runs at
+   ~13 GB/s from L2; asking for the tile ~PF_BYTES ahead (into L1) brought it to ~8.5 GB/s
+   (60 distinct 3072 x 576 Q4_1 weights in turn; docs/benchmarks.md). A thread's column tiles are
+   contiguous rows, so "ahead" is a plain address offset. */
+#ifndef PF_BYTES
+#define PF_BYTES 12288
+#endif
+/* Tiles of tile_bytes each that make up PF_BYTES (at least one; PF_BYTES = 0: no prefetch). */
+static inline int64_t prefetch_tiles(const int64_t tile_bytes) {
+    if (PF_BYTES <= 0) return INT64_MAX;
+    const int64_t t = tile_bytes > 0 ? PF_BYTES / tile_bytes : 1;
+    return t > 0 ? t : 1;
+}
+/* Prefetch the tile `ahead` tiles past wt when the thread has that many left (`left`, wt's
+   included). */
+static inline void prefetch_tile(const uint8_t* wt, const int64_t tile_bytes, const int64_t ahead,
+                                 const int64_t left) {
+    if (ahead >= left) return;
+    const uint8_t* p = wt + ahead * tile_bytes;
+    for (int64_t o = 0; o < tile_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
 #define PW 48 /* panel width of the large-batch path (output columns per dequantized panel) */
 
-/* Bytes per row of the quantized activations: per pair of 32-blocks 64 int8 quants, then (after
-   all quants) 16 float lanes of d_x and 16 of the block-sum term (quant_gemm_dtype.h's
+/* Bytes per row of the quantized activations: per pair of 32-blocks 64 int8 quants per plane, then
+   (after all quants) 16 float lanes of d_x and 16 of the block-sum term (quant_gemm_dtype.h's
    act8_quant_row); a multiple of 64, so every row's quants stay 64-byte aligned. */
-static inline int64_t act8_row_bytes(const int64_t K) { return (K / QK + 1) / 2 * 192; }
+static inline int64_t act8_row_bytes(const int64_t K, const int planes) {
+    return (K / QK + 1) / 2 * (64 * planes + 128);
+}
 
 /* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
    quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x),

@@ -49,6 +49,7 @@ CAT(qgemm_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias
     if (mc < MR) mc = MR;
     {
         const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
+        const int64_t pf_tiles = prefetch_tiles(NC * row_bytes);
         for (int64_t m0 = 0; m0 < M; m0 += mc) {
             const int64_t m_end = m0 + mc < M ? m0 + mc : M;
             for (int64_t t = t_begin; t < t_end; ++t) {
@@ -56,6 +57,7 @@ CAT(qgemm_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias
                 const int nc = N - n < NC ? (int)(N - n) : NC;
                 const uint8_t* wt = w + n * row_bytes;
                 const ELEM* bt = bias ? bias + n : NULL;
+                if (m0 == 0) prefetch_tile(wt, NC * row_bytes, pf_tiles, t_end - t);
                 for (int64_t m = m0; m < m_end; m += MR) {
                     const int mr = m_end - m < MR ? (int)(m_end - m) : MR;
                     const ELEM* xm = x + m * K;
@@ -103,21 +105,26 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
 
 /* One row of x (K floats) quantized per 32-block j as llama.cpp's Q8 activations, with a float32
    scale: d = max|x| / 127, q = rint(x * (1 / d)) (nearest even; q = 0 when d = 0), s = sum(q).
-   Written to `out` (act8_row_bytes(K)): per pair p of blocks the 64 quants in the pair layout
-   (quant_dot8.h; the blocks past the end zero), then 16 lanes of d per pair (d of the block the
-   lane belongs to), then 16 lanes of c = OFF' * d * s / 8 (a block's 8 lanes sum to OFF' d s;
-   OFF' = 1 for Q4_1, whose minimum multiplies d s, else the pair layout's OFF). */
-static inline __attribute__((always_inline)) void CAT(act8_quant_row_, SFX)(const int qt, const ELEM* x,
-                                                                            const int64_t K, uint8_t* out) {
+   With planes = 2 (the act16 kernels) the rounding residual r = x - d q is quantized again on
+   the finer step d / 254 (q2 = rint(r * 254 / d), |q2| <= 127 as |r| <= d / 2), so
+   x ~= d (q + q2 / 254) to within d / 508 (~2^-16 of the block's largest |x|), and
+   s = sum(q) + sum(q2) / 254. Written to `out` (act8_row_bytes(K, planes)): per pair p of blocks
+   the 64 quants of plane 0 in the pair layout (quant_dot8.h; the blocks past the end zero), then
+   those of plane 1, then 16 lanes of d per pair (d of the block the lane belongs to), then 16
+   lanes of c = OFF' * d * s / 8 (a block's 8 lanes sum to OFF' d s; OFF' = 1 for Q4_1, whose
+   minimum multiplies d s, else the pair layout's OFF). */
+static inline __attribute__((always_inline)) void
+CAT(act8_quant_row_, SFX)(const int qt, const int planes, const ELEM* x, const int64_t K, uint8_t* out) {
     const int64_t nb = K / QK, np = (nb + 1) / 2;
     int8_t* xq = (int8_t*)out;
-    float* dx = (float*)(out + np * 64);
+    float* dx = (float*)(out + np * 64 * planes);
     float* xc = dx + np * 16;
     const float off = qt == QT_Q4_1 ? 1.0f : (float)dot8_offset(qt);
     for (int64_t p = 0; p < np; ++p) {
         for (int h = 0; h < 2; ++h) {
             const int64_t j = 2 * p + h;
             int8_t* q = xq + p * 64;
+            int8_t* q2 = xq + np * 64 + p * 64;
             float d = 0.0f, c = 0.0f;
             if (j < nb) {
                 const v16 a = CAT(ld16_, SFX)(x + j * QK), b = CAT(ld16_, SFX)(x + j * QK + 16);
@@ -130,9 +137,28 @@ static inline __attribute__((always_inline)) void CAT(act8_quant_row_, SFX)(cons
                     q[dot8_pos(qt, h, i + 16)] = (int8_t)qb[i];
                     s += qa[i] + qb[i];
                 }
-                c = off * (float)s * d * 0.125f;
+                float s2 = 0.0f;
+                if (planes == 2) {
+                    /* residuals in float32 (exact enough: |r| <= d / 2 up to rounding), then clamped:
+                       a rounding at the edge must not wrap an int8 */
+                    const v16 ra = a - __builtin_convertvector(qa, v16) * d;
+                    const v16 rb = b - __builtin_convertvector(qb, v16) * d;
+                    const v16i ua = rint16_i32(ra * (id * 254.0f)), ub = rint16_i32(rb * (id * 254.0f));
+                    int t = 0;
+                    for (int i = 0; i < 16; ++i) {
+                        const int va = ua[i] > 127 ? 127 : ua[i] < -127 ? -127 : ua[i];
+                        const int vb = ub[i] > 127 ? 127 : ub[i] < -127 ? -127 : ub[i];
+                        q2[dot8_pos(qt, h, i)] = (int8_t)va;
+                        q2[dot8_pos(qt, h, i + 16)] = (int8_t)vb;
+                        t += va + vb;
+                    }
+                    s2 = (float)t * (1.0f / 254.0f);
+                }
+                c = off * ((float)s + s2) * d * 0.125f;
             } else {
                 for (int i = 0; i < 32; ++i) q[dot8_pos(qt, h, i)] = 0;
+                if (planes == 2)
+                    for (int i = 0; i < 32; ++i) q2[dot8_pos(qt, h, i)] = 0;
             }
             for (int l = 0; l < 16; ++l)
                 if (dot8_lane_hi(qt, l) == h) {
@@ -144,11 +170,12 @@ static inline __attribute__((always_inline)) void CAT(act8_quant_row_, SFX)(cons
 }
 
 /* Pair p of blocks (`two`: whether block 2p + 1 exists) of nc weight rows into the mr x nc
-   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0) or d_w d_x dot8 + m c (Q4_1). */
+   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0) or d_w d_x dot8 + m c (Q4_1), with
+   dot8 = dot8(plane 0) + dot8(plane 1) / 254 for two planes. */
 static inline __attribute__((always_inline)) void
-CAT(qpair8_, SFX)(const int qt, const int mr, const int nc, const int64_t p, const int two, const uint8_t* xa,
-                  const int64_t xstride, const int64_t np, const uint8_t* w, const int64_t row_bytes, v16i hi,
-                  v16 acc[MR8][NC8]) {
+CAT(qpair8_, SFX)(const int qt, const int planes, const int mr, const int nc, const int64_t p, const int two,
+                  const uint8_t* xa, const int64_t xstride, const int64_t np, const uint8_t* w,
+                  const int64_t row_bytes, v16i hi, v16 acc[MR8][NC8]) {
     const int64_t bb = block_bytes(qt);
     const int qoff = qt == QT_Q4_1 ? 4 : 2;
 #pragma GCC unroll 4
@@ -160,9 +187,13 @@ CAT(qpair8_, SFX)(const int qt, const int mr, const int nc, const int64_t p, con
 #pragma GCC unroll 4
         for (int r = 0; r < mr; ++r) {
             const uint8_t* xr = xa + r * xstride;
-            const v16 dx = *(const v16*)(xr + np * 64 + p * 64);
-            const v16 xc = *(const v16*)(xr + np * 128 + p * 64);
-            const v16 t = __builtin_convertvector(dot8(qt, wp, (const int8_t*)(xr + p * 64)), v16) * dx;
+            const v16 dx = *(const v16*)(xr + np * 64 * planes + p * 64);
+            const v16 xc = *(const v16*)(xr + np * 64 * (planes + 1) + p * 64);
+            v16 t = __builtin_convertvector(dot8(qt, wp, (const int8_t*)(xr + p * 64)), v16);
+            if (planes == 2)
+                t += __builtin_convertvector(dot8(qt, wp, (const int8_t*)(xr + np * 64 + p * 64)), v16) *
+                    (1.0f / 254.0f);
+            t *= dx;
             if (qt == QT_Q4_1) acc[r][c] += dw * t + mw * xc;
             else acc[r][c] += dw * (t - xc);
         }
@@ -170,11 +201,10 @@ CAT(qpair8_, SFX)(const int qt, const int mr, const int nc, const int64_t p, con
 }
 
 /* mr (<= MR8) quantized rows (xa, xstride bytes apart) times nc (<= NC8) weight rows. */
-static inline __attribute__((always_inline)) void CAT(qtile8_, SFX)(const int qt, const int mr, const int nc,
-                                                                    const uint8_t* xa, const int64_t xstride,
-                                                                    const int64_t K, const uint8_t* w,
-                                                                    const int64_t row_bytes, const ELEM* bias,
-                                                                    ELEM* y, const int64_t ldy) {
+static inline __attribute__((always_inline)) void
+CAT(qtile8_, SFX)(const int qt, const int planes, const int mr, const int nc, const uint8_t* xa,
+                  const int64_t xstride, const int64_t K, const uint8_t* w, const int64_t row_bytes,
+                  const ELEM* bias, ELEM* y, const int64_t ldy) {
     v16 acc[MR8][NC8];
 #pragma GCC unroll 4
     for (int r = 0; r < MR8; ++r)
@@ -184,8 +214,8 @@ static inline __attribute__((always_inline)) void CAT(qtile8_, SFX)(const int qt
     for (int l = 0; l < 16; ++l) hi[l] = dot8_lane_hi(qt, l) ? -1 : 0;
     const int64_t nb = K / QK, np = (nb + 1) / 2;
     for (int64_t p = 0; p < nb / 2; ++p)
-        CAT(qpair8_, SFX)(qt, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
-    if (nb & 1) CAT(qpair8_, SFX)(qt, mr, nc, nb / 2, 0, xa, xstride, np, w, row_bytes, hi, acc);
+        CAT(qpair8_, SFX)(qt, planes, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
+    if (nb & 1) CAT(qpair8_, SFX)(qt, planes, mr, nc, nb / 2, 0, xa, xstride, np, w, row_bytes, hi, acc);
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < nc; ++c) {
             const float b = bias ? CAT(ld1_, SFX)(bias + c) : 0.0f;
@@ -193,20 +223,23 @@ static inline __attribute__((always_inline)) void CAT(qtile8_, SFX)(const int qt
         }
 }
 
-/* Thread tid of nth's share of y = x @ W^T (+ bias) with x quantized to int8 first (each thread
-   its share of rows, into xa: M x act8_row_bytes(K)), then the column tiles split as qgemm. */
+/* Thread tid of nth's share of y = x @ W^T (+ bias) with x quantized to int8 first (`planes` int8
+   planes; each thread its share of rows, into xa: M x act8_row_bytes(K, planes)), then the column
+   tiles split as qgemm. */
 static inline __attribute__((always_inline)) void
-CAT(qgemm8_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, const int64_t M,
-                  const int64_t N, const int64_t K, uint8_t* xa, const int tid, const int nth) {
-    const int64_t xs = act8_row_bytes(K);
+CAT(qgemm8_, SFX)(const int qt, const int planes, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,
+                  const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
+                  const int nth) {
+    const int64_t xs = act8_row_bytes(K, planes);
     for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
-        CAT(act8_quant_row_, SFX)(qt, x + r * K, K, xa + r * xs);
+        CAT(act8_quant_row_, SFX)(qt, planes, x + r * K, K, xa + r * xs);
 #pragma omp barrier
     const int64_t row_bytes = K / QK * block_bytes(qt);
     const int64_t tiles = (N + NC8 - 1) / NC8;
     int64_t mc = ((int64_t)(1 << 17) / xs) / MR8 * MR8;
     if (mc < MR8) mc = MR8;
     const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
+    const int64_t pf_tiles = prefetch_tiles(NC8 * row_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m_end = m0 + mc < M ? m0 + mc : M;
         for (int64_t t = t_begin; t < t_end; ++t) {
@@ -214,19 +247,22 @@ CAT(qgemm8_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bia
             const int nc = N - n < NC8 ? (int)(N - n) : NC8;
             const uint8_t* wt = w + n * row_bytes;
             const ELEM* bt = bias ? bias + n : NULL;
+            if (m0 == 0) prefetch_tile(wt, NC8 * row_bytes, pf_tiles, t_end - t);
             for (int64_t m = m0; m < m_end; m += MR8) {
                 const int mr = m_end - m < MR8 ? (int)(m_end - m) : MR8;
                 const uint8_t* xm = xa + m * xs;
                 ELEM* ym = y + m * N + n;
                 if (nc == NC8) {
                     switch (mr) {
-                    case 4: CAT(qtile8_, SFX)(qt, 4, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
-                    case 3: CAT(qtile8_, SFX)(qt, 3, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
-                    case 2: CAT(qtile8_, SFX)(qt, 2, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
-                    default: CAT(qtile8_, SFX)(qt, 1, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    case 4: CAT(qtile8_, SFX)(qt, planes, 4, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    case 3: CAT(qtile8_, SFX)(qt, planes, 3, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    case 2: CAT(qtile8_, SFX)(qt, planes, 2, NC8, xm, xs, K, wt, row_bytes, bt, ym, N); break;
+                    default:
+                        CAT(qtile8_, SFX)(qt, planes, 1, NC8, xm, xs, K, wt, row_bytes, bt, ym, N);
+                        break;
                     }
                 } else {
-                    CAT(qtile8_, SFX)(qt, mr, nc, xm, xs, K, wt, row_bytes, bt, ym, N);
+                    CAT(qtile8_, SFX)(qt, planes, mr, nc, xm, xs, K, wt, row_bytes, bt, ym, N);
                 }
             }
         }
@@ -369,14 +405,15 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
         _Pragma("omp parallel num_threads(nthreads)")                                                        \
             CAT(qrows_, SFX)(QT, w, ids, n, K, out, omp_get_thread_num(), omp_get_num_threads());            \
     }
-/* int8 activations: the 32-weight block types only. */
-#define ACT8_EXPORTS(NAME, QT)                                                                               \
-    int CAT(quant_gemm_act8_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,      \
-                                            int64_t M, int64_t N, int64_t K, int nthreads) {                 \
-        uint8_t* xa = (uint8_t*)scratch(0, (size_t)(M * act8_row_bytes(K)));                                 \
+/* int8 activations (act8: one plane; act16: two, x ~= d (q + q2 / 254)): the 32-weight block types
+   only. */
+#define ACT8_EXPORTS(NAME, QT, KIND, PLANES)                                                                 \
+    int CAT(quant_gemm_##KIND##_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,  \
+                                                int64_t M, int64_t N, int64_t K, int nthreads) {             \
+        uint8_t* xa = (uint8_t*)scratch(0, (size_t)(M * act8_row_bytes(K, PLANES)));                         \
         if (!xa) return -1;                                                                                  \
-        _Pragma("omp parallel num_threads(nthreads)")                                                        \
-            CAT(qgemm8_, SFX)(QT, x, w, bias, y, M, N, K, xa, omp_get_thread_num(), omp_get_num_threads());  \
+        _Pragma("omp parallel num_threads(nthreads)") CAT(qgemm8_, SFX)(                                     \
+            QT, PLANES, x, w, bias, y, M, N, K, xa, omp_get_thread_num(), omp_get_num_threads());            \
         return 0;                                                                                            \
     }
 QUANT_EXPORTS(q8_0, QT_Q8_0)
@@ -385,8 +422,11 @@ QUANT_EXPORTS(q4_1, QT_Q4_1)
 QUANT_EXPORTS(q4_k, QT_Q4_K)
 QUANT_EXPORTS(q5_k, QT_Q5_K)
 QUANT_EXPORTS(q6_k, QT_Q6_K)
-ACT8_EXPORTS(q8_0, QT_Q8_0)
-ACT8_EXPORTS(q4_0, QT_Q4_0)
-ACT8_EXPORTS(q4_1, QT_Q4_1)
+ACT8_EXPORTS(q8_0, QT_Q8_0, act8, 1)
+ACT8_EXPORTS(q4_0, QT_Q4_0, act8, 1)
+ACT8_EXPORTS(q4_1, QT_Q4_1, act8, 1)
+ACT8_EXPORTS(q8_0, QT_Q8_0, act16, 2)
+ACT8_EXPORTS(q4_0, QT_Q4_0, act16, 2)
+ACT8_EXPORTS(q4_1, QT_Q4_1, act16, 2)
 #undef QUANT_EXPORTS
 #undef ACT8_EXPORTS

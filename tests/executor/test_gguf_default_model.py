@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvserve.model_executor import gguf_convert
+from kvserve.model_executor.layers import quant_gemm
 from kvserve.model_executor.model_loader import default_gguf_path
 
 pytestmark = pytest.mark.slow  # ~40 s on 2 cores: converts the GGUF and loads it through transformers
@@ -67,3 +68,22 @@ def test_our_model_on_converted_weights_matches_transformers_gguf(converted, hf_
         assert ref.abs().max() > 5
     # the model is sensible: greedy continuation of the first prompt
     assert tok.decode(int(got[seqs[0].seq_id][-1].argmax())).strip() == "Paris"
+
+
+@pytest.mark.skipif(not quant_gemm.available(), reason="no quantized kernels")
+def test_default_gguf_int8_mode_first_tokens_equal_float_mode_on_the_france_prompt(monkeypatch):
+    """The int8 mode's LM head (two int8 planes) keeps the float mode's greedy answer on the
+    demo prompt that one int8 plane had turned into a loop."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=str(default_gguf_path()), quantization="gguf", dtype="float32")
+    try:
+        sp = SamplingParams(max_tokens=8, temperature=0)
+        out = {}
+        for mode in ("float", "int8"):
+            monkeypatch.setenv("KVSERVE_QUANT_ACT", mode)
+            out[mode] = llm.generate([PROMPTS[0]], sp)[0].outputs[0]
+        assert out["float"].text.startswith(" Paris"), out["float"].text
+        assert out["int8"].token_ids[:4] == out["float"].token_ids[:4], (out["int8"].text, out["float"].text)
+    finally:
+        llm.shutdown()

@@ -57,6 +57,30 @@ def check_act8(qw, wd, x, bias=None, threads=1):
     )
 
 
+def check_act16(qw, wd, x, bias=None, threads=1):
+    """The act16 kernel on ``x`` against the float64 product of the unquantized activations:
+    the two planes leave at most d / 508 per element (``quantize_activations2``), plus the
+    act8 kernels' float32 rounding of the scaled sums."""
+    torch.set_num_threads(threads)
+    try:
+        y = quant_gemm.linear(x, qw, bias, kernel="act16")
+    finally:
+        torch.set_num_threads(1)
+    assert y.shape == (x.shape[0], qw.out_features) and y.dtype == x.dtype
+    xd = x.double().numpy()
+    ref = xd @ wd.T + (0 if bias is None else bias.double().numpy())
+    _, d = quant_gemm.quantize_activations(x)
+    step = d.double().repeat_interleave(32, dim=1).numpy()
+    tol = (step / 508) @ np.abs(wd).T * (1 + 1e-3)
+    tol = tol + 64 * EPS32 * ((np.abs(xd) + step) @ (np.abs(wd) + 128 * block_scales(qw)).T) + 1e-30
+    if x.dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * np.abs(ref)
+    err = np.abs(y.double().numpy() - ref)
+    assert (err <= tol).all(), (
+        f"{qw.qtype} {tuple(x.shape)}: worst {float((err / tol).max()):.2f} x tolerance"
+    )
+
+
 def check_panel(qw, wd, x, bias=None, threads=1):
     torch.set_num_threads(threads)
     try:
@@ -100,6 +124,56 @@ def test_act8_equals_float64_of_the_int8_activations_rows_1_to_300(qtype, dtype,
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 64, 65, 130, 300):
         x = torch.randn(m, 96, generator=g).to(dtype)
         check_act8(qw, wd, x, bias if m % 2 else None, threads)
+
+
+def test_quantize_activations2_leaves_at_most_d_over_508_per_element():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 96, generator=g) * torch.tensor([1e-3, 1.0, 50.0, 0.0]).unsqueeze(1)
+    q, q2, d = quant_gemm.quantize_activations2(x)
+    assert q2.dtype == torch.int8 and int(q2.abs().max()) <= 127 and (q2[3] == 0).all()
+    back = ((q.float() + q2.float() / 254).reshape(4, 3, 32) * d.unsqueeze(-1)).reshape(4, 96)
+    step = d.repeat_interleave(32, dim=1)
+    assert ((back - x).abs() <= step / 508 * 1.01 + 1e-30).all()
+    one = ((q.float().reshape(4, 3, 32) * d.unsqueeze(-1)).reshape(4, 96) - x).abs()
+    assert float((back - x).abs().max()) < float(one.max()) / 50  # the second plane does refine
+
+
+@native
+@pytest.mark.parametrize("qtype", ACT8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_act16_is_within_d_over_508_of_the_float_activations_rows_1_to_65(qtype, dtype, threads):
+    """Ragged as the act8 test: 3 blocks, 37 columns, row tails of 1-3, a second row chunk."""
+    qw, wd = make_weight(qtype, 37, 96, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(37, generator=g).to(dtype)
+    for m in (1, 2, 3, 4, 5, 9, 15, 17, 65):
+        x = (torch.randn(m, 96, generator=g) * 4).to(dtype)
+        check_act16(qw, wd, x, bias if m % 2 else None, threads)
+
+
+@native
+@settings(max_examples=40, deadline=None)
+@given(
+    qtype=st.sampled_from(ACT8),
+    m=st.integers(1, 12),
+    n=st.integers(1, 20),
+    blocks=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    xkind=st.sampled_from(["normal", "tiny", "huge", "sparse", "constant"]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_act16_property_random_blocks_and_activations(qtype, m, n, blocks, seed, xkind, threads):
+    """Arbitrary block bytes and activations tiny, huge, mostly zero or constant (residual 0)."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    qw = quant_gemm.QuantWeight(torch.from_numpy(random_blocks(qtype, n, blocks, rng)), qtype, k)
+    wd = quant_gemm.dequantize(qw).double().numpy()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    x = {"tiny": x * 1e-30, "huge": x * 1e30, "sparse": x * torch.from_numpy(rng.random((m, k)) < 0.05)}.get(
+        xkind, torch.full((m, k), float(rng.standard_normal())) if xkind == "constant" else x
+    )
+    check_act16(qw, wd, x, None, threads)
 
 
 @native
@@ -176,7 +250,7 @@ def test_act8_and_float_modes_agree_to_the_activation_rounding():
 
 
 @native
-@pytest.mark.parametrize("kernel", ["tile", "act8", "panel"])
+@pytest.mark.parametrize("kernel", ["tile", "act8", "act16", "panel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_rows_give_an_empty_result_for_every_kernel(kernel, dtype):
     qw, _ = make_weight("q4_1", 5, 64, seed=0)
@@ -190,7 +264,10 @@ def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     assert [quant_gemm.pick_kernel(r, "q4_1") for r in (1, quant_gemm.PANEL_ROWS - 1)] == ["act8", "act8"]
     assert quant_gemm.pick_kernel(quant_gemm.PANEL_ROWS, "q4_1") == "panel"
     assert quant_gemm.pick_kernel(1, "q6_k") == "tile"  # no int8 kernel for the K-quants
+    assert [quant_gemm.head_kernel(r, "q8_0") for r in (1, quant_gemm.PANEL_ROWS)] == ["act16", None]
+    assert quant_gemm.head_kernel(1, "q6_k") == "tile"
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
+    assert quant_gemm.head_kernel(1, "q8_0") == "tile"
     assert quant_gemm.pick_kernel(1, "q8_0") == "tile"
     assert quant_gemm.pick_kernel(300, "q8_0") == "panel"
     monkeypatch.delenv(quant_gemm.ACT_ENV)
@@ -214,6 +291,8 @@ def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch, t
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
     with pytest.raises(ValueError, match="kernel 'act8'.*q4_k"):
         quant_gemm.linear(torch.randn(1, 256), make_weight("q4_k", 4, 256, seed=0)[0], kernel="act8")
+    with pytest.raises(ValueError, match="kernel 'act16'.*q4_k"):
+        quant_gemm.linear(torch.randn(1, 256), make_weight("q4_k", 4, 256, seed=0)[0], kernel="act16")
     with pytest.raises(ValueError, match="kernel 'fast'"):
         quant_gemm.linear(torch.randn(1, 32), qw, kernel="fast")
 
@@ -221,7 +300,7 @@ def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch, t
 SUBPROCESS_CHECK = """
 import torch
 from kvserve.model_executor.layers import quant_gemm
-from tests.executor.test_quant_act8 import check_act8
+from tests.executor.test_quant_act8 import check_act16, check_act8
 from tests.executor.test_quant_gemm import make_weight
 assert quant_gemm.act8_isa() == {isa!r}, quant_gemm.act8_isa()
 g = torch.Generator().manual_seed(0)
@@ -229,6 +308,7 @@ for qtype in quant_gemm.ACT8_TYPES:
     qw, wd = make_weight(qtype, 13, 160, seed=7)
     for m in (1, 3, 6):
         check_act8(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g))
+        check_act16(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g))
 print("ok")
 """
 

@@ -359,10 +359,11 @@ class LlamaForCausalLM(nn.Module):
         ranks ``None``.
         """
         if isinstance(self.lm_head, quant_gemm.QuantWeight):
-            # the LM head reads float activations: int8-quantizing the final hidden state (its
-            # outlier channels) flips near-tie first tokens that the layers' GEMVs do not
+            # never one int8 plane: int8-quantizing the final hidden state (its outlier
+            # channels) flips near-tie first tokens that the layers' GEMVs do not; two planes
+            # (~2^-16 of a block's largest value) keep the float result and stream faster
             local = quant_gemm.linear(
-                hidden, self.lm_head, kernel="tile" if len(hidden) < quant_gemm.PANEL_ROWS else None
+                hidden, self.lm_head, kernel=quant_gemm.head_kernel(len(hidden), self.lm_head.qtype)
             ).float()
         else:
             local = linear(hidden, self.lm_head).float()

@@ -65,6 +65,14 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
     return None
 
 
+#: The tensor holding each native weight kind's bytes (the pointer ``_gemm_call`` passes).
+_WEIGHT_BYTES = {
+    quant_gemm.QuantWeight: "data",
+    amx_gemm.AmxWeight: "tiles",
+    native_gemm.PanelWeight: "panels",
+}
+
+
 def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata, num_tokens: int) -> bool:
     """True when ``forward_layers`` can run this step (see the module doc)."""
     nd = meta.native_decode
@@ -139,8 +147,18 @@ def forward_layers(
     # the panel GEMM reads float32 x: float32 x is its own, bfloat16 x is widened into this
     xf = None if x.dtype == torch.float32 else torch.empty(T * max(hidden, H * D, inter), dtype=torch.float32)
 
+    # the kernel of each kind of weight, resolved once per step (its lookup cost ~3-6 us a call)
+    resolved: dict = {}
+
     def gemm(weight, bias, src, dst, module=None, target=""):
-        fn, w, b, n, k, panel = _gemm_call(weight, bias, T, x.dtype)
+        key = (type(weight), getattr(weight, "qtype", None), getattr(weight, "dtype", None))
+        hit = resolved.get(key)
+        if hit is None:
+            fn, _, _, _, _, panel = _gemm_call(weight, bias, T, x.dtype)
+            hit = resolved[key] = (fn, panel, _WEIGHT_BYTES[type(weight)])
+        fn, panel, attr = hit
+        w, n, k = getattr(weight, attr).data_ptr(), weight.out_features, weight.in_features
+        b = None if bias is None else bias.data_ptr()
         if panel:
             fn(p(src), p(src) if xf is None else p(xf), w, b, p(dst), T, n, k, nt)
         elif fn(p(src), w, b, p(dst), T, n, k, nt):  # only the quantized kernels return a status

@@ -13,6 +13,17 @@ rows have an adapter (``SCATTER_BELOW``). When
 every row has an adapter and the rows are already in slot order both gathers are skipped. ``scale`` is folded into ``B`` at load. Plain torch ops: float32 and bfloat16, CPU and
 CUDA alike.
 
+Stacked form, for small steps (``use_stacked``: ``rows x k <= STACKED_MAX_ROW_SLOTS``, ``k`` =
+highest active slot + 1): every row runs through slots ``0..k-1`` at once,
+``out.addmm_((x @ A_cat[:, :k*R]) * M, B_cat[:k*R])`` with ``A_cat [in, S*R]`` a view of the
+manager's ``[in, S, R]`` storage and ``M`` the step's row mask (ones in the row's slot columns,
+zeros for other slots and base rows, so those add exactly 0 and no gather is needed): 3 torch
+calls per linear instead of ~2 per slot plus gathers. Why the limit: the form does ``k``-fold
+shrink and expand FLOPs; measured on one core (rank 16, the default model's shapes, under load)
+it wins ~1.2-1.3x per layer at 8 rows over 2-4 slots and loses from ``rows x k ~ 64`` on. In a
+whole decode step (8 rows, 4 adapters) the gain was below the machine's noise
+(docs/benchmarks.md).
+
 Compute dtype (``lora_compute_dtype``): on CPU a bfloat16 or float16 model keeps its slots in
 float32 and the op upcasts the gathered rows once, runs both matmuls in float32 and casts the
 delta back once before adding it. Why: without AVX512-BF16/AMX, torch's small bfloat16 matmuls

@@ -8,7 +8,9 @@ steps are timed in four configurations: the engine without LoRA, the LoRA
 engine (``max_loras=4``, rank 16 on all seven targets, random adapters) with base rows, with
 all rows on one adapter, and with the rows round-robin over 4 adapters. Prints min / median
 milliseconds of the step's thread CPU time (steadier than wall time on a shared machine; with
-more than one thread the other threads' time is not counted, so use one).
+more than one thread the other threads' time is not counted, so use one). ``--compare-segment``
+adds the 1- and 4-adapter cells with the LoRA op's stacked form off, then 4 adapters with it on
+again (alternating twice, best of each), for a before/after within one run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="8,32")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--compare-segment",
+        action="store_true",
+        help="also time the 1- and 4-adapter cells with the op's stacked form off (segment form "
+        "only), alternately with it on, in the same run",
+    )
     ns = p.parse_args(argv)
 
     from transformers import AutoConfig
@@ -73,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ads = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(4)]
     for a in ads:
         lo.llm_engine.add_lora(a)
-    print("rows | no LoRA | LoRA engine, base rows | 1 adapter | 4 adapters   (ms: min / median)")
+    head = "rows | no LoRA | LoRA engine, base rows | 1 adapter | 4 adapters"
+    if ns.compare_segment:
+        head += " | segment only: 1 adapter | 4 adapters | default again: 4 adapters"
+    print(head + "   (ms: min / median)")
     for rows in [int(r) for r in ns.rows.split(",") if r]:
         cells = [
             measure(base, rows, None),
@@ -81,6 +92,18 @@ def main(argv: list[str] | None = None) -> int:
             measure(lo, rows, ads[:1]),
             measure(lo, rows, ads),
         ]
+        if ns.compare_segment:
+            from kvserve.lora import ops
+
+            keep = ops.STACKED_MAX_ROW_SLOTS
+            seg1, seg4, stk4 = [], [], []
+            for _ in range(2):  # alternately segment-only and the default choice
+                ops.STACKED_MAX_ROW_SLOTS = 0
+                seg1.append(measure(lo, rows, ads[:1]))
+                seg4.append(measure(lo, rows, ads))
+                ops.STACKED_MAX_ROW_SLOTS = keep
+                stk4.append(measure(lo, rows, ads))
+            cells += [min(seg1), min(seg4), min(stk4)]
         print(f"{rows} | " + " | ".join(f"{a:.1f} / {b:.1f}" for a, b in cells), flush=True)
     import shutil
 

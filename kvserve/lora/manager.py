@@ -2,7 +2,8 @@
 
 Device slots are stacked tensors per decoder layer and fused target linear (``qkv``, ``o``,
 ``gate_up``, ``down``): ``A`` ``[max_loras, in, parts * max_lora_rank]`` and ``B``
-``[max_loras, parts * max_lora_rank, out]``, zero-padded, in the model's dtype (float32 on CPU
+``[max_loras, parts * max_lora_rank, out]``, zero-padded (``A`` stored ``[in, max_loras, ...]``
+so that all slots side by side are one matrix: ``kvserve.lora.ops.stacked_views``), in the model's dtype (float32 on CPU
 for a bfloat16/float16 model: ``kvserve.lora.ops.lora_compute_dtype``). A fused linear's part ``i`` (q, k, v
 of ``qkv``; gate, up of ``gate_up``) owns rank columns ``[i * max_lora_rank, ...)`` of ``A``
 and, in ``B``, those rank rows times its own output columns (block-diagonal), so one shrink and
@@ -95,8 +96,10 @@ class LoRAManager:
                 fin = shapes.in_out[parts[0]][0]
                 fout = sum(shapes.in_out[p][1] for p in parts)
                 kw = {"dtype": self.slot_dtype, "device": self.device}
+                # A is stored [in, S, w] and handed out as its [S, in, w] view: then every
+                # slot's A side by side, [in, S * w], is a view too (the op's stacked form)
                 st[fused] = (
-                    torch.zeros(S, fin, len(parts) * R, **kw),
+                    torch.zeros(fin, S, len(parts) * R, **kw).permute(1, 0, 2),
                     torch.zeros(S, len(parts) * R, fout, **kw),
                 )
             self.stacks.append(st)

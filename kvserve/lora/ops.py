@@ -13,6 +13,17 @@ rows have an adapter (``SCATTER_BELOW``). When
 every row has an adapter and the rows are already in slot order both gathers are skipped. ``scale`` is folded into ``B`` at load. Plain torch ops: float32 and bfloat16, CPU and
 CUDA alike.
 
+Stacked form, for small steps (``use_stacked``: ``rows x k <= STACKED_MAX_ROW_SLOTS``, ``k`` =
+highest active slot + 1): every row runs through slots ``0..k-1`` at once,
+``out.addmm_((x @ A_cat[:, :k*R]) * M, B_cat[:k*R])`` with ``A_cat [in, S*R]`` a view of the
+manager's ``[in, S, R]`` storage and ``M`` the step's row mask (ones in the row's slot columns,
+zeros for other slots and base rows, so those add exactly 0 and no gather is needed): 3 torch
+calls per linear instead of ~2 per slot plus gathers. Why the limit: the form does ``k``-fold
+shrink and expand FLOPs; measured on one core (rank 16, the default model's shapes, under load)
+it wins ~1.2-1.3x per layer at 8 rows over 2-4 slots and loses from ``rows x k ~ 64`` on. In a
+whole decode step (8 rows, 4 adapters) the gain was below the machine's noise
+(docs/benchmarks.md).
+
 Compute dtype (``lora_compute_dtype``): on CPU a bfloat16 or float16 model keeps its slots in
 float32 and the op upcasts the gathered rows once, runs both matmuls in float32 and casts the
 delta back once before adding it. Why: without AVX512-BF16/AMX, torch's small bfloat16 matmuls
@@ -24,7 +35,7 @@ so the extra casts cost little; the deltas are also more exact than bfloat16 one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +43,9 @@ import torch
 #: Scatter the deltas with ``index_add_`` when fewer than 1 in ``SCATTER_BELOW`` rows has an
 #: adapter (it touches only those rows); otherwise gather them into batch order and add densely.
 SCATTER_BELOW = 4
+
+#: Run the stacked form while ``rows * stacked slots`` is at most this (``use_stacked``).
+STACKED_MAX_ROW_SLOTS = 32
 
 
 def lora_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -62,6 +76,8 @@ class LoRAMapping:
     segments: list[tuple[int, int, int]]
     contiguous: bool
     inverse: torch.Tensor
+    #: (rank width, dtype) -> the stacked path's row mask, built once per step (``row_mask``)
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, row_slots: np.ndarray, device: torch.device | str = "cpu") -> LoRAMapping | None:
@@ -97,13 +113,46 @@ class LoRAMapping:
         """The slots this step uses."""
         return [s for s, _, _ in self.segments]
 
+    @property
+    def num_stacked_slots(self) -> int:
+        """``k``: the stacked path computes slots ``0 .. k-1`` (the highest active slot + 1)."""
+        return self.segments[-1][0] + 1
+
+    def row_mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``M [T, k * width]`` (``k = num_stacked_slots``): 1 in the ``width`` columns of row
+        ``t``'s slot, 0 elsewhere and in base rows; cached per ``(width, dtype)`` for the step."""
+        key = (width, dtype)
+        m = self._masks.get(key)
+        if m is None:
+            k = self.num_stacked_slots
+            onehot = np.zeros((self.num_tokens, k, width), dtype=np.float32)
+            has = self.row_slots >= 0
+            onehot[np.nonzero(has)[0], self.row_slots[has]] = 1.0
+            m = torch.from_numpy(onehot.reshape(self.num_tokens, k * width)).to(self.rows.device, dtype)
+            self._masks[key] = m
+        return m
+
     def slice(self, start: int, end: int) -> LoRAMapping | None:
         """The mapping of rows ``[start, end)`` alone (for a layer that runs the batch in chunks)."""
         return LoRAMapping.build(self.row_slots[start:end], self.rows.device)
 
 
+def stacked_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A_cat [in, S * R]`` and ``B_cat [S * R, out]``: every slot's ``A`` side by side along
+    the rank and every slot's ``B`` stacked along it (slot ``s`` owns columns / rows
+    ``[s * R, (s + 1) * R)``). Views when ``a`` is stored ``[in, S, R]`` (``a.permute(1, 0, 2)``,
+    as ``LoRAManager`` allocates it) and ``b`` is contiguous; otherwise copies."""
+    S, fin, R = a.shape
+    return a.permute(1, 0, 2).reshape(fin, S * R), b.reshape(S * R, b.shape[2])
+
+
 def add_lora(
-    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mapping: LoRAMapping,
+    path: str | None = None,
 ) -> None:
     """``out[t] += (x[t] @ a[s_t]) @ b[s_t]`` in place for the rows of ``mapping``.
 
@@ -115,8 +164,11 @@ def add_lora(
             compute dtype (``lora_compute_dtype``): the rows are cast to it, and the delta
             back to ``out``'s dtype once.
         mapping: the step's rows per slot; ``mapping.num_tokens == T``.
+        path: ``"stacked"`` or ``"segment"`` to force one (tests, benchmarks); None chooses
+            by ``use_stacked``.
     Raises:
-        ValueError: mismatched shapes (checked cheaply: row counts and feature sizes).
+        ValueError: mismatched shapes (checked cheaply: row counts and feature sizes), or an
+            unknown ``path``.
     """
     T = x.shape[0]
     if mapping.num_tokens != T or out.shape[0] != T:
@@ -126,6 +178,49 @@ def add_lora(
             f"add_lora: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit x {tuple(x.shape)} -> "
             f"out {tuple(out.shape)}"
         )
+    if path is None:
+        path = "stacked" if use_stacked(mapping) else "segment"
+    if path == "stacked":
+        _add_lora_stacked(out, x, a, b, mapping)
+    elif path == "segment":
+        _add_lora_segments(out, x, a, b, mapping)
+    else:
+        raise ValueError(f"add_lora: path must be 'stacked', 'segment' or None, got {path!r}")
+
+
+def use_stacked(mapping: LoRAMapping) -> bool:
+    """Whether the step runs the stacked form: ``T * k <= STACKED_MAX_ROW_SLOTS`` (``T`` rows,
+    ``k`` = highest active slot + 1), i.e. while the ``k``-fold shrink and expand FLOPs of
+    computing every slot for every row cost less than the segment form's per-slot torch calls
+    and gathers; and not when the segment form is two matmuls already (one slot, every row on
+    it)."""
+    if mapping.contiguous and len(mapping.segments) == 1:
+        return False
+    return mapping.num_tokens * mapping.num_stacked_slots <= STACKED_MAX_ROW_SLOTS
+
+
+def _add_lora_stacked(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping
+) -> None:
+    # every row through slots 0..k-1 at once; the mask zeroes the columns of other slots (and
+    # every column of a base row), so no gather or scatter: 3 torch calls (+ casts) per linear
+    cdt = a.dtype
+    R = a.shape[2]
+    a_cat, b_cat = stacked_views(a, b)
+    w = mapping.num_stacked_slots * R
+    xs = x if x.dtype == cdt else x.to(cdt)
+    h = torch.mm(xs, a_cat[:, :w])
+    h.mul_(mapping.row_mask(R, cdt))
+    if cdt == out.dtype:
+        out.addmm_(h, b_cat[:w])
+    else:
+        out.add_(torch.mm(h, b_cat[:w]).to(out.dtype))
+
+
+def _add_lora_segments(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping
+) -> None:
+    T = x.shape[0]
     cdt = a.dtype
     same = cdt == out.dtype
     if mapping.contiguous:

@@ -211,3 +211,20 @@ def test_bfloat16_model_on_cpu_keeps_float32_slots_holding_the_validated_weights
     assert (
         sum(t.numel() * t.element_size() for st in mgr.stacks for ab in st.values() for t in ab) == per_slot
     )
+
+
+def test_manager_slots_are_laid_out_for_the_stacked_form(tmp_path):
+    """Every target's ``A`` is the ``[S, in, R]`` view of ``[in, S, R]`` storage, so the op's
+    ``A_cat``/``B_cat`` are views (no copy to keep in step) that see a slot as it is loaded."""
+    from kvserve.lora.ops import stacked_views
+
+    _, mgr = _manager()
+    s = mgr.activate([_req(tmp_path, 1)])[1]
+    for st in mgr.stacks:
+        for a, b in st.values():
+            a_cat, b_cat = stacked_views(a, b)
+            w = a.shape[2]
+            assert a_cat.data_ptr() == a.data_ptr() and b_cat.data_ptr() == b.data_ptr()
+            assert torch.equal(a_cat[:, s * w : (s + 1) * w], a[s])
+            assert torch.equal(b_cat[s * w : (s + 1) * w], b[s])
+    assert any(bool(a[s].abs().sum() > 0) for st in mgr.stacks for a, _ in st.values())

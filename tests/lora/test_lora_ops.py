@@ -133,3 +133,102 @@ def test_add_lora_bfloat16_rows_with_float32_slots_round_once(rows, rank, seed):
     assert bool((err <= bound).all()), float((err - bound).max())
     base = [t for t, s in enumerate(rows) if s < 0]
     assert torch.equal(out[base], before[base])
+
+
+def _padded_slots(g, S, fin, fout, rmax, ranks, cdt, stale_slot=None):
+    """Slots laid out as ``LoRAManager`` lays them out (``A`` stored ``[in, S, R]``), slot ``s``
+    of rank ``ranks[s]`` zero-padded to ``rmax``; ``stale_slot`` holds weights no row uses."""
+    a = torch.zeros(fin, S, rmax, dtype=cdt).permute(1, 0, 2)
+    b = torch.zeros(S, rmax, fout, dtype=cdt)
+    for s, r in enumerate(ranks):
+        if r or s == stale_slot:
+            r = r or rmax
+            a[s, :, :r] = (torch.randn(fin, r, generator=g) * 0.3).to(cdt)
+            b[s, :r, :] = (torch.randn(r, fout, generator=g) * 0.3).to(cdt)
+    return a, b
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    T=st.integers(1, 300),
+    used=st.lists(st.integers(-1, 3), min_size=1, max_size=4),
+    ranks=st.lists(st.integers(1, 8), min_size=4, max_size=4),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_stacked_equals_segment_equals_float64_reference(T, used, ranks, bf16, seed):
+    """Random slot assignments with base rows (-1), slots no row uses (one holding stale
+    weights), ranks below ``max_lora_rank``, 1..300 rows, float32 and bfloat16 models (float32
+    slots, as on CPU): both forms agree with a float64 reference and with each other, and base
+    rows stay bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    S, fin, fout, rmax = 4, 20, 12, 8
+    dt = torch.bfloat16 if bf16 else torch.float32
+    row_slots = np.asarray([used[int(i)] for i in torch.randint(len(used), (T,), generator=g)])
+    stale = next((s for s in range(S) if s not in used), None)
+    a, b = _padded_slots(g, S, fin, fout, rmax, ranks, torch.float32, stale_slot=stale)
+    x = torch.randn(T, fin, generator=g).to(dt)
+    out0 = torch.randn(T, fout, generator=g).to(dt)
+    mapping = LoRAMapping.build(row_slots)
+    if mapping is None:
+        assert (row_slots < 0).all()
+        return
+    ref = _reference(out0, x, a, b, row_slots)
+    res = {}
+    for path in ("segment", "stacked"):
+        out = out0.clone()
+        add_lora(out, x, a, b, mapping, path=path)
+        assert out.dtype == dt
+        res[path] = out
+        if dt == torch.float32:
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+        else:  # two bfloat16 roundings (the delta, the sum)
+            bound = 2.0**-8 * (ref.abs() + (ref - out0.double()).abs()) + 1e-6
+            assert bool(((out.double() - ref).abs() <= bound).all())
+        base = row_slots < 0
+        assert torch.equal(out[base], out0[base])
+    if dt == torch.float32:
+        torch.testing.assert_close(res["stacked"], res["segment"], rtol=1e-5, atol=1e-5)
+    else:  # the float32 deltas differ in summation order only: at most one bfloat16 step apart
+        diff = (res["stacked"].double() - res["segment"].double()).abs()
+        assert bool((diff <= 2.0**-7 * res["segment"].double().abs() + 1e-6).all())
+
+
+def test_stacked_views_are_views_of_the_manager_layout():
+    from kvserve.lora.ops import stacked_views
+
+    a = torch.zeros(6, 3, 4).permute(1, 0, 2)  # [S=3, in=6, R=4] over [in, S, R] storage
+    b = torch.zeros(3, 4, 5)
+    a_cat, b_cat = stacked_views(a, b)
+    assert a_cat.shape == (6, 12) and b_cat.shape == (12, 5)
+    assert a_cat.data_ptr() == a.data_ptr() and b_cat.data_ptr() == b.data_ptr()
+    a[1, 2, 3] = 7.0  # slot 1's column 3 is A_cat's column 1 * 4 + 3
+    b[2, 1, 4] = 5.0
+    assert a_cat[2, 7] == 7.0 and b_cat[9, 4] == 5.0
+
+
+def test_row_mask_marks_each_rows_slot_columns_up_to_the_highest_active_slot():
+    m = LoRAMapping.build(np.asarray([1, -1, 0, 1]))
+    assert m.num_stacked_slots == 2
+    mask = m.row_mask(2, torch.float32)
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1]]
+    assert m.row_mask(2, torch.float32) is mask  # built once per step
+    assert LoRAMapping.build(np.asarray([-1, 2])).row_mask(1, torch.float32).tolist() == [
+        [0, 0, 0],
+        [0, 0, 1],
+    ]
+
+
+def test_add_lora_chooses_stacked_for_small_steps_and_segments_for_large():
+    from kvserve.lora.ops import STACKED_MAX_ROW_SLOTS, use_stacked
+
+    assert use_stacked(LoRAMapping.build(np.arange(8) % 4))
+    assert not use_stacked(LoRAMapping.build(np.zeros(8, dtype=np.int64)))  # two matmuls already
+    assert use_stacked(LoRAMapping.build(np.asarray([0, -1, 0])))
+    big = np.arange(STACKED_MAX_ROW_SLOTS + 4) % 4
+    assert not use_stacked(LoRAMapping.build(big))
+    with pytest.raises(ValueError, match="path must be"):
+        m = LoRAMapping.build(np.asarray([0]))
+        add_lora(
+            torch.zeros(1, 2), torch.zeros(1, 3), torch.zeros(1, 3, 1), torch.zeros(1, 1, 2), m, path="x"
+        )

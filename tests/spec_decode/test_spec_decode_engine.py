@@ -597,3 +597,73 @@ def test_samples_of_one_group_accepting_different_counts_stay_in_lockstep(
         assert c.token_ids == reference["r2"][:30]
         assert len(c.logprobs) == 30
     assert 0 < out.spec_num_accepted_tokens < out.spec_num_draft_tokens
+
+
+class _FixedCost:
+    """A step-cost model frozen at ``a + b * rows`` (learning disabled), so the dynamic
+    policy's choices depend on the acceptance estimates only, not on this machine's timings."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def observe(self, rows, seconds):
+        pass
+
+    def cost(self, rows):
+        return self.a + self.b * rows
+
+
+@pytest.mark.parametrize("row_cost", [0.0, 0.12, 10.0])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_dynamic_per_sequence_draft_lengths_keep_greedy_output_and_blocks_exact(
+    tiny_llama_dir, reference, row_cost, mode
+):
+    """The dynamic policy gives different sequences different draft lengths in one step
+    (0 included) under preemption: greedy output still equals speculation off, blocks are
+    conserved every step, no sequence gets more drafts than its slots; rows that cost more
+    than drafts return mean nothing is drafted at all."""
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(),
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+    )
+    pol = eng.executor.policy
+    assert pol is not None  # dynamic is the default
+    pol.cost_model = _FixedCost(1.0, row_cost)
+    seen: list[dict[int, int]] = []
+    real_allocate = pol._allocate
+
+    def recording(metas, cands):
+        ks = real_allocate(metas, cands)
+        for c in cands:
+            assert 0 <= ks[c.seq_id] <= c.max_drafts <= K
+        seen.append(ks)
+        return ks
+
+    pol._allocate = recording
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    drafted = sum(out.spec_num_draft_tokens for out in finals.values())
+    if row_cost == 10.0:
+        assert drafted == 0 and all(sum(ks.values()) == 0 for ks in seen)
+    elif row_cost == 0.0:
+        assert drafted > 0 and eng.stats.spec_mean_draft_length > 1.0
+    else:
+        assert drafted > 0
+        # some step split its drafts: one sequence drafted, another in the same step did not
+        assert any(len(set(ks.values())) > 1 for ks in seen)
+    assert eng.stats.spec_num_draft_opportunities > 0
+    assert 0.0 <= eng.stats.spec_mean_draft_length <= K
+
+
+def test_dynamic_false_keeps_the_fixed_k_behaviour(tiny_llama_dir, reference):
+    eng = make_engine(tiny_llama_dir, ngram(dynamic=False), block_size=4, num_gpu_blocks=128)
+    assert eng.executor.policy is None
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert sum(out.spec_num_draft_tokens for out in finals.values()) > 0

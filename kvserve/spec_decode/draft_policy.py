@@ -8,6 +8,11 @@ Per step the scheduler has reserved ``md.num_speculative_tokens`` lookahead slot
 speculating decode; the policy only decides how many of them to fill, so the scheduler, block
 manager, rollback and prefix hashes are exactly as with a fixed k (a sequence given 0 drafts
 is a plain decode whose slots go unused, as when the n-gram finds nothing).
+
+A seeded sampled request (``seed`` set, temperature > 0) always gets its full proposal: its
+draft lengths decide how its generator is consumed by rejection sampling, and lengths chosen
+from this machine's timings would make the same seed give different text on another run.
+Greedy output does not depend on the lengths at all.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ def step_rows(metas: list[SequenceGroupMetadata]) -> int:
 def base_rows(metas: list[SequenceGroupMetadata]) -> int:
     """Query rows of the step before any draft: prefill chunks plus one row per decode."""
     return sum((md.token_chunk_size if md.is_prompt else 1) * len(md.seq_data) for md in metas)
+
+
+def _pinned(md: SequenceGroupMetadata) -> bool:
+    """Whether the group's draft lengths must not depend on timings (a seeded sampled request)."""
+    params = md.sampling_params
+    return params.seed is not None and not params.is_greedy
 
 
 def _draft_cap(md: SequenceGroupMetadata, seq_output_len: int, k: int) -> int:
@@ -83,10 +94,12 @@ class DynamicDraftPolicy:
         self.num_chosen_drafts = 0
         self._match_len: dict[int, int | None] = {}  # seq_id -> class of this step's drafts
 
-    def _allocate(self, metas: list[SequenceGroupMetadata], cands: list[DraftCandidate]) -> dict[int, int]:
+    def _allocate(
+        self, metas: list[SequenceGroupMetadata], cands: list[DraftCandidate], pinned_rows: int = 0
+    ) -> dict[int, int]:
         self.num_decisions += 1
         self.num_candidates += len(cands)
-        base = base_rows(metas)
+        base = base_rows(metas) + pinned_rows
         cost = self.cost_model.cost
         ks = allocate_draft_lengths(cands, base, cost, depth_cost=self.depth_cost_s)
         observed = getattr(self.cost_model, "is_observed", None)
@@ -110,6 +123,8 @@ class DynamicDraftPolicy:
         from kvserve.spec_decode.interfaces import Proposal
 
         cands: list[DraftCandidate] = []
+        out: dict[int, Proposal] = {}
+        pinned_rows = 0
         for md in metas:
             if md.is_prompt or md.num_speculative_tokens < 1:
                 continue
@@ -117,15 +132,18 @@ class DynamicDraftPolicy:
                 p = proposals.get(sid)
                 if p is None or not p.token_ids:
                     continue
+                self._match_len[sid] = p.match_len
+                if _pinned(md):
+                    out[sid] = p
+                    pinned_rows += len(p.token_ids)
+                    continue
                 cap = min(len(p.token_ids), _draft_cap(md, data.get_output_len(), self.k))
                 if cap < 1:
                     continue
-                self._match_len[sid] = p.match_len
                 cands.append(DraftCandidate(sid, cap, self.estimator.estimate(sid, p.match_len)))
         if not cands:
-            return {}
-        ks = self._allocate(metas, cands)
-        out: dict[int, Proposal] = {}
+            return out
+        ks = self._allocate(metas, cands, pinned_rows)
         for sid, m in ks.items():
             if m > 0:
                 p = proposals[sid]
@@ -139,20 +157,23 @@ class DynamicDraftPolicy:
         drafts this step). Blocks and slots are untouched (the scheduler reserved them)."""
         metas = req.seq_group_metadata_list
         cands: list[DraftCandidate] = []
+        pinned_rows = 0
         for md in metas:
             if md.is_prompt or md.num_speculative_tokens < 1:
                 continue
             for sid, data in md.seq_data.items():
                 cap = _draft_cap(md, data.get_output_len(), self.k)
-                if cap >= 1:
-                    self._match_len[sid] = None
+                self._match_len[sid] = None
+                if _pinned(md):
+                    pinned_rows += cap
+                elif cap >= 1:
                     cands.append(DraftCandidate(sid, cap, self.estimator.estimate(sid, None)))
         if not cands:
             return req
-        ks = self._allocate(metas, cands)
+        ks = self._allocate(metas, cands, pinned_rows)
         new_metas = []
         for md in metas:
-            if md.is_prompt or md.num_speculative_tokens < 1:
+            if md.is_prompt or md.num_speculative_tokens < 1 or _pinned(md):
                 new_metas.append(md)
                 continue
             m = max((ks.get(sid, 0) for sid in md.seq_data), default=0)

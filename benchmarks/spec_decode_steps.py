@@ -29,7 +29,7 @@ def _spec(method: str, k: int, lo: int, hi: int) -> dict | None:
     if method == "off":
         return None
     cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
-    cfg["dynamic"] = method == "dynamic"
+    cfg["dynamic"] = method.startswith("dynamic")
     return cfg
 
 
@@ -78,7 +78,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--methods", default="off,fixed,dynamic")
+    p.add_argument("--methods", default="off,fixed,dynamic", help="also: dynamic-nofallback")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -114,6 +114,9 @@ def main() -> int:
                 speculative_config=spec,
             )
         )
+        if m == "dynamic-nofallback":  # dynamic lengths without the 1-gram fallback
+            proposer = engines[m].executor.proposer
+            proposer.fallback_min = proposer.prompt_lookup_min
         _run(engines[m], reqs[:1], "warm")
     best: dict[int, dict[str, dict]] = {b: {} for b in batches}
     n = 0

@@ -279,6 +279,13 @@ class SpeculativeConfig:
             tokens) is below this once it has drafted ``acceptance_window`` tokens stops
             speculating for the rest of its life (0.0 = never), in [0, 1].
         acceptance_window: drafted tokens before that rule is applied (>= 1).
+        dynamic: True (default): each step the worker chooses how many of its
+            ``num_speculative_tokens`` slots each sequence fills (0 included) to maximise
+            expected tokens per second, from an online step-cost model and per-sequence
+            acceptance estimates (``kvserve/spec_decode/goodput.py``); with ``ngram`` a
+            sequence with no match at ``prompt_lookup_min`` may also get a 1-gram match's
+            drafts where that pays. False: every sequence gets up to ``num_speculative_tokens``
+            drafts every step (the fixed-k behaviour).
 
     Raises:
         ValueError: a bad value, naming the field (``speculative_config.<field>``) and the limit.
@@ -292,9 +299,12 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     disable_below_acceptance_rate: float = 0.1
     acceptance_window: int = 32
+    dynamic: bool = True
 
     def __post_init__(self) -> None:
         f = "speculative_config."
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"{f}dynamic must be true or false, got {self.dynamic!r}.")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"{f}method must be one of {'|'.join(SPECULATIVE_METHODS)}, got {self.method!r}."

@@ -513,13 +513,16 @@ class CompletionSequenceGroupOutput:
     the prompt logprobs of prompt tokens ``prompt_logprobs_start ..`` computed this step.
 
     ``spec_num_draft_tokens`` / ``spec_num_accepted_tokens``: the step's drafted and accepted
-    tokens summed over the group's samples (0 / 0 when it did not speculate)."""
+    tokens summed over the group's samples (0 / 0 when it did not speculate).
+    ``spec_num_eligible_seqs``: the group's sequences that had lookahead slots this step
+    (could have been given drafts), 0 when it had none."""
 
     samples: list[SequenceOutput] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs_start: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_eligible_seqs: int = 0
 
 
 class BlockMoveError(RuntimeError):

@@ -14,7 +14,9 @@ Scenarios (``--scenarios``):
 - ``w64``: the shared w64 workload offline, all at once (not input-grounded: the auto-off
   rules must keep speculation from costing throughput there).
 
-Methods (``--methods``): ``off``; ``ngram`` (prompt lookup); ``draft`` (``--draft-model``, by
+Methods (``--methods``): ``off``; ``ngram`` (prompt lookup, dynamic draft lengths: the
+default policy); ``ngram-fixed`` (``"dynamic": false``: up to k drafts every step); ``draft``
+/ ``draft-fixed`` (a draft model, dynamic / fixed; ``--draft-model``, by
 default the target itself: no smaller model with this tokenizer exists offline here, so this
 measures the draft path's cost per proposed token, not a realistic speed-up). Each method gets
 its own engine; a warm-up request runs before timing. Reports per scenario and method: output
@@ -148,19 +150,25 @@ def write_workload(path: Path, reqs: list[BenchRequest], args: dict[str, Any]) -
 def _spec_config(method: str, ns: argparse.Namespace) -> dict | None:
     if method == "off":
         return None
-    if method == "ngram":
+    if method in ("ngram", "ngram-fixed"):
         return {
             "method": "ngram",
             "num_speculative_tokens": ns.num_speculative_tokens,
             "prompt_lookup_min": ns.prompt_lookup_min,
             "prompt_lookup_max": ns.prompt_lookup_max,
+            "dynamic": method == "ngram",
         }
-    if method == "draft":
+    if method in ("draft", "draft-fixed"):
         from kvserve.model_executor.model_loader import resolve_model_dir
 
         model = ns.draft_model or str(resolve_model_dir(ns.model))
-        return {"method": "draft_model", "model": model, "num_speculative_tokens": ns.num_speculative_tokens}
-    raise ValueError(f"--methods: unknown method {method!r} (off, ngram, draft)")
+        return {
+            "method": "draft_model",
+            "model": model,
+            "num_speculative_tokens": ns.num_speculative_tokens,
+            "dynamic": method == "draft",
+        }
+    raise ValueError(f"--methods: unknown method {method!r} (off, ngram, ngram-fixed, draft, draft-fixed)")
 
 
 def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
@@ -172,6 +180,7 @@ def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
     proposer = getattr(llm.llm_engine.executor, "proposer", None)
     p0 = (getattr(proposer, "propose_seconds", 0.0), getattr(proposer, "num_proposed_tokens", 0))
     d0 = (getattr(stats, "spec_num_drafts", 0), getattr(stats, "spec_num_draft_tokens", 0))
+    o0 = getattr(stats, "spec_num_draft_opportunities", 0)
     a0 = getattr(stats, "spec_num_accepted_tokens", 0)
     outs = []
     t0 = time.perf_counter()
@@ -186,6 +195,7 @@ def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
     drafts = getattr(stats, "spec_num_drafts", 0) - d0[0]
     draft_tokens = getattr(stats, "spec_num_draft_tokens", 0) - d0[1]
     accepted = getattr(stats, "spec_num_accepted_tokens", 0) - a0
+    opportunities = getattr(stats, "spec_num_draft_opportunities", 0) - o0
     propose_s = getattr(proposer, "propose_seconds", 0.0) - p0[0]
     proposed = getattr(proposer, "num_proposed_tokens", 0) - p0[1]
     return {
@@ -198,6 +208,8 @@ def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
         "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_len": 1 + accepted / drafts if drafts else None,
+        # drafted tokens per decode sequence-step with lookahead slots (the dynamic choice)
+        "mean_draft_len": draft_tokens / opportunities if opportunities else None,
         # a draft model's cost: its forwards (catch-up included) per token it proposed
         "draft_ms_per_proposed_token": 1000 * propose_s / proposed if proposed else None,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
@@ -287,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     None if r["speedup"] is None else f"{r['speedup']:.2f}x",
                     r["acceptance_rate"],
                     r["mean_accepted_len"],
+                    r["mean_draft_len"],
                     r["draft_ms_per_proposed_token"],
                     r["same_tokens_as_off"],
                 ]
@@ -302,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vs off",
                 "accept",
                 "mean acc len",
+                "draft len",
                 "draft ms/tok",
                 "same",
             ],

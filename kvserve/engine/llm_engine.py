@@ -523,6 +523,8 @@ class LLMEngine:
             # now, before the next step is scheduled, as blocks a plain decode completes do.
             self.scheduler.block_manager.mark_blocks_as_computed(group)
         self.stats.on_tokens(num_emitted)
+        if result.spec_num_eligible_seqs:
+            self.stats.on_draft_opportunities(result.spec_num_eligible_seqs)
         if result.spec_num_draft_tokens:
             self._account_speculation(group, result, samples)
 

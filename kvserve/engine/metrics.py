@@ -34,6 +34,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Decode sequence-steps that had lookahead slots (could have been given drafts): with the
+    # dynamic draft-length policy, drafted tokens / this is its mean chosen draft length.
+    spec_num_draft_opportunities: int = 0
 
     def on_request_added(self, prompt_len: int) -> None:
         self.num_requests_added += 1
@@ -55,6 +58,20 @@ class EngineStats:
             self.spec_accepted_per_pos.extend([0] * (num_draft - len(self.spec_accepted_per_pos)))
         for i in range(num_accepted):
             self.spec_accepted_per_pos[i] += 1
+
+    def on_draft_opportunities(self, n: int) -> None:
+        """``n`` decode sequences of a step had lookahead slots."""
+        self.spec_num_draft_opportunities += n
+
+    @property
+    def spec_mean_draft_length(self) -> float:
+        """Drafted tokens per decode sequence-step with lookahead slots (0.0 before any): the
+        mean draft length the proposer / dynamic policy chose, 0..num_speculative_tokens."""
+        return (
+            self.spec_num_draft_tokens / self.spec_num_draft_opportunities
+            if self.spec_num_draft_opportunities
+            else 0.0
+        )
 
     @property
     def spec_acceptance_rate(self) -> float:

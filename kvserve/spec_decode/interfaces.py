@@ -30,10 +30,13 @@ class Proposal:
             distribution the ``j``-th draft was sampled from (after the request's temperature
             and truncation, the same transform the target's distribution gets), or None for a
             method without one (n-gram lookup: a point mass on each draft).
+        match_len: for n-gram lookup, the length of the matched suffix (a longer match is
+            likelier to be accepted: the dynamic draft-length policy's prior); None otherwise.
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    match_len: int | None = None
 
 
 class Proposer(ABC):
@@ -43,7 +46,15 @@ class Proposer(ABC):
     proposed: a proposer with its own KV cache mirrors the target's swaps and copies, as it
     shares the target's block tables), then ``propose(req, k)``, then after verification
     ``on_verified``. ``free`` is called when sequences end.
+
+    ``proposes_cheaply``: True (the default) when proposing the full ``k`` costs next to
+    nothing (n-gram lookup), so the dynamic draft-length policy asks for full proposals and
+    then cuts them; False for a proposer whose cost grows with the drafts (a draft model): the
+    policy then chooses the lengths first and passes them as each decode metadata entry's
+    ``num_speculative_tokens`` (0: that group gets no drafts this step).
     """
+
+    proposes_cheaply: bool = True
 
     @abstractmethod
     def propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:

@@ -20,9 +20,14 @@ def ngram_lookup(token_ids: list[int], n_min: int, n_max: int, k: int) -> list[i
     continuation). Returns ``[]`` when nothing matches, ``k < 1`` or the sequence is too short.
     Cost: ``O(len(token_ids) * n)`` vectorised.
     """
+    return ngram_lookup_with_len(token_ids, n_min, n_max, k)[0]
+
+
+def ngram_lookup_with_len(token_ids: list[int], n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
+    """``ngram_lookup`` and the matched ``n`` (0 when nothing matched)."""
     L = len(token_ids)
     if k < 1 or L < n_min + 1:
-        return []
+        return [], 0
     arr = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         suffix = arr[L - n :]
@@ -31,8 +36,8 @@ def ngram_lookup(token_ids: list[int], n_min: int, n_max: int, k: int) -> list[i
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[0]) + n
-            return arr[start : start + k].tolist()
-    return []
+            return arr[start : start + k].tolist(), n
+    return [], 0
 
 
 class NGramProposer(Proposer):
@@ -40,15 +45,21 @@ class NGramProposer(Proposer):
 
     Args:
         prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried (1 <= min <= max).
+        fallback_min: when nothing matches at ``n >= prompt_lookup_min``, also try the sizes
+            ``prompt_lookup_min - 1 .. fallback_min`` (None: no fallback). The proposal's
+            ``match_len`` says which ``n`` matched, so the dynamic draft-length policy can
+            weigh a short match's lower acceptance.
     """
 
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, fallback_min: int | None = None):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}"
             )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+        lo = prompt_lookup_min if fallback_min is None else max(1, min(fallback_min, prompt_lookup_min))
+        self.fallback_min = lo
 
     def propose(self, req: ExecuteModelRequest, k: int) -> dict[int, Proposal]:
         """Drafts for every sequence of a speculating decode (see ``Proposer.propose``)."""
@@ -58,7 +69,10 @@ class NGramProposer(Proposer):
             if md.is_prompt or m < 1:
                 continue
             for sid, data in md.seq_data.items():
-                drafts = ngram_lookup(data.get_token_ids(), self.prompt_lookup_min, self.prompt_lookup_max, m)
+                ids = data.get_token_ids()
+                drafts, n = ngram_lookup_with_len(ids, self.prompt_lookup_min, self.prompt_lookup_max, m)
+                if not drafts and self.fallback_min < self.prompt_lookup_min:
+                    drafts, n = ngram_lookup_with_len(ids, self.fallback_min, self.prompt_lookup_min - 1, m)
                 if drafts:
-                    out[sid] = Proposal(drafts)
+                    out[sid] = Proposal(drafts, match_len=n)
         return out

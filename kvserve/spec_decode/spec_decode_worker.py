@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,7 @@ from kvserve.sequence import (
     SequenceGroupMetadata,
     SequenceOutput,
 )
+from kvserve.spec_decode.draft_policy import DynamicDraftPolicy, step_rows
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.spec_decode.rejection_sampler import rejection_sample
 from kvserve.structured_output.bitmask import apply_token_bitmask_
@@ -59,7 +61,10 @@ def build_proposer(spec_config: SpeculativeConfig, worker: Any) -> Proposer:
     if spec_config.method == "ngram":
         from kvserve.spec_decode.ngram_proposer import NGramProposer
 
-        return NGramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+        # With dynamic draft lengths a 1-gram match is offered too where nothing longer matched:
+        # the policy's acceptance prior for it is low, so it is drafted only where that pays.
+        fallback = 1 if spec_config.dynamic else None
+        return NGramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, fallback)
     if spec_config.method == "draft_model":
         try:
             from kvserve.spec_decode.draft_model_proposer import DraftModelProposer  # type: ignore
@@ -104,7 +109,9 @@ class SpecDecodeWorker:
     Args:
         worker: a ``kvserve.worker.worker.Worker``.
         proposer: drafts per sequence (``Proposer``).
-        spec_config: ``num_speculative_tokens`` is the most drafts per sequence per step.
+        spec_config: ``num_speculative_tokens`` is the most drafts per sequence per step;
+            ``dynamic`` chooses each step's lengths with a ``DynamicDraftPolicy``
+            (``self.policy``; None: always up to ``num_speculative_tokens``).
     """
 
     def __init__(self, worker: Any, proposer: Proposer, spec_config: SpeculativeConfig):
@@ -112,6 +119,9 @@ class SpecDecodeWorker:
         self.proposer = proposer
         self.spec_config = spec_config
         self.k = spec_config.num_speculative_tokens
+        self.policy: DynamicDraftPolicy | None = (
+            DynamicDraftPolicy(self.k) if getattr(spec_config, "dynamic", False) else None
+        )
         self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
         self._warned_bad_proposal = False
 
@@ -122,8 +132,10 @@ class SpecDecodeWorker:
         return getattr(self.worker, name)
 
     def free_seqs(self, seq_ids: list[int]) -> None:
-        """Forward ended sequences to the proposer (``Proposer.free``)."""
+        """Forward ended sequences to the proposer (``Proposer.free``) and the policy."""
         self._call_proposer("free", seq_ids)
+        if self.policy is not None:
+            self.policy.free(seq_ids)
 
     def _call_proposer(self, hook: str, *args: Any) -> Any:
         """Call a proposer hook; a failure is logged, never raised. Drafts only ever save
@@ -151,16 +163,52 @@ class SpecDecodeWorker:
         speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
         proposals: dict[int, Proposal] = {}
         if speculating:
-            proposals = self._call_proposer("propose", req, self.k) or {}
+            proposals = self._propose(req)
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
+        t0 = time.perf_counter()
         inp, hidden = runner.forward(run_metas, self.worker.cache_engine.gpu_cache)
         outputs = runner.sample(run_metas, inp, hidden)
+        accepted: dict[int, int] = {}
         if verify:
             accepted = self._verify(metas, verify, inp, hidden, outputs)
             self._call_proposer("on_verified", accepted)
+        if speculating:
+            for md, out in zip(metas, outputs):
+                if not md.is_prompt and md.num_speculative_tokens > 0:
+                    out.spec_num_eligible_seqs = len(md.seq_data)
+        if self.policy is not None:
+            # The step's cost as the policy sees it: the forward, sampling and verification
+            # (sampling and .tolist() synchronise an accelerator).
+            self.policy.observe_step(step_rows(run_metas), time.perf_counter() - t0)
+            if verify:
+                self.policy.observe_verified({v.seq_id: v.num_real for v in verify if v.num_real}, accepted)
         return outputs
+
+    def _propose(self, req: ExecuteModelRequest) -> dict[int, Proposal]:
+        """The step's proposals: the proposer's as they are (fixed k), or cut / limited to the
+        lengths the dynamic policy chooses."""
+        policy = self.policy
+        if policy is None:
+            return self._call_proposer("propose", req, self.k) or {}
+        if getattr(self.proposer, "proposes_cheaply", True):
+            full = self._call_proposer("propose", req, self.k) or {}
+            try:
+                return policy.cut_proposals(req.seq_group_metadata_list, full)
+            except Exception:
+                logger.exception("the draft-length policy failed; this step uses the full proposals")
+                return full
+        try:
+            limited = policy.limit_request(req)
+        except Exception:
+            logger.exception("the draft-length policy failed; this step proposes up to k drafts")
+            limited = req
+        t0 = time.perf_counter()
+        proposals = self._call_proposer("propose", limited, self.k) or {}
+        depth = max((len(p.token_ids) for p in proposals.values()), default=0)
+        policy.observe_proposer(depth, time.perf_counter() - t0)
+        return proposals
 
     def _verify_chunks(
         self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]

@@ -98,6 +98,10 @@ def reference(tiny_llama_dir, prompts):
 def draft(model_dir, **kw):
     cfg = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
     cfg["disable_below_acceptance_rate"] = 0.0  # keep speculating, however bad the draft
+    # Fixed k: these tests check the draft's own cache (catch-up, validity, copies), which
+    # needs it to draft every step; the dynamic policy would rightly refuse a draft that costs
+    # as much as the target. Dynamic with a draft model: test_dynamic_draft_model_* below.
+    cfg["dynamic"] = False
     cfg.update(kw)
     return cfg
 
@@ -188,3 +192,31 @@ def test_n_greater_than_one_with_a_draft_model(tiny_llama_dir, random_draft_dir,
         assert s.spec_num_draft_tokens > 0
         if draft_dir == tiny_llama_dir:
             assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+
+
+def test_dynamic_draft_model_lengths_equal_off_under_pressure(
+    tiny_llama_dir, random_draft_dir, prompts, reference
+):
+    """The dynamic policy chooses each step's draft lengths before the draft model runs
+    (passed as ``num_speculative_tokens``, 0 = none): greedy output equals speculation off and
+    blocks stay consistent under preemption, whether rows look free (full drafts) or dear
+    (nothing drafted: the draft model only catches up later)."""
+    from tests.spec_decode.test_spec_decode_engine import _FixedCost
+
+    for row_cost, draft_dir in ((0.0, tiny_llama_dir), (0.0, random_draft_dir), (None, tiny_llama_dir)):
+        engine = make_engine(
+            tiny_llama_dir, draft(draft_dir, dynamic=True), **PRESSURE, preemption_mode="recompute"
+        )
+        pol = engine.executor.policy
+        pol.cost_model = _FixedCost(1.0, row_cost)
+        pol.observe_proposer = lambda depth, seconds: None  # the draft's cost: not this test's point
+        finals = drain(engine, prompts)
+        for r, o in finals.items():
+            assert o.outputs[0].token_ids == reference[r], (row_cost, r)
+        s = engine.stats
+        if row_cost == 0.0:
+            assert s.spec_num_draft_tokens > 0 and s.spec_mean_draft_length > 1.0
+            if draft_dir == tiny_llama_dir:
+                assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens
+        else:
+            assert s.spec_num_draft_tokens == 0 and s.spec_num_draft_opportunities > 0

@@ -3,6 +3,7 @@ speculation equals speculation off token for token under every kind of schedulin
 blocks are conserved after every step, and stops / limits / logprobs inside an accepted run
 behave as without speculation."""
 
+import math
 import re
 
 import pytest
@@ -154,8 +155,9 @@ def test_greedy_ngram_speculation_equals_off_in_every_mode(tiny_llama_dir, refer
 
 def test_target_as_its_own_proposer_accepts_every_draft(tiny_llama_dir, reference):
     """An oracle proposer (the target's own greedy continuation) gets 100% acceptance: the
-    verification and the KV rollback are exact. Each step emits K + 1 tokens."""
-    eng = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=256)
+    verification and the KV rollback are exact. Each step emits K + 1 tokens (fixed k: the
+    step count is the point; the dynamic policy may draft fewer where rows are dear)."""
+    eng = make_engine(tiny_llama_dir, ngram(dynamic=False), block_size=4, num_gpu_blocks=256)
     oracle = with_oracle(eng, reference)
     finals, steps = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
     for rid, out in finals.items():
@@ -335,10 +337,11 @@ def test_disable_by_batch_size(tiny_llama_dir, reference):
 
 def test_low_acceptance_switches_a_request_off(tiny_llama_dir, reference):
     """A request whose acceptance stays below ``disable_below_acceptance_rate`` stops
-    speculating after ``acceptance_window`` drafted tokens; the output is unchanged."""
-    spec = ngram(disable_below_acceptance_rate=0.99, acceptance_window=K)
+    speculating after ``acceptance_window`` drafted tokens; the output is unchanged (fixed k:
+    the rule needs drafts to judge, which the dynamic policy may withhold on the tiny model)."""
+    spec = ngram(disable_below_acceptance_rate=0.99, acceptance_window=K, dynamic=False)
     eng = make_engine(tiny_llama_dir, spec, block_size=4, num_gpu_blocks=128)
-    free_run = make_engine(tiny_llama_dir, ngram(), block_size=4, num_gpu_blocks=128)
+    free_run = make_engine(tiny_llama_dir, ngram(dynamic=False), block_size=4, num_gpu_blocks=128)
     ids = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
     finals, _ = drain(eng, ids)
     unlimited, _ = drain(free_run, ids)
@@ -597,3 +600,81 @@ def test_samples_of_one_group_accepting_different_counts_stay_in_lockstep(
         assert c.token_ids == reference["r2"][:30]
         assert len(c.logprobs) == 30
     assert 0 < out.spec_num_accepted_tokens < out.spec_num_draft_tokens
+
+
+class _FixedCost:
+    """A step-cost model frozen at ``a + b * rows`` (learning disabled), so the dynamic
+    policy's choices depend on the acceptance estimates only, not on this machine's timings.
+    ``b = None``: ``e ** rows``, where every extra row multiplies the cost by e and no draft
+    can pay (k drafts add at most k tokens to n >= 1: ``1 + k / n < e ** k``)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def observe(self, rows, seconds):
+        pass
+
+    def cost(self, rows):
+        if self.b is None:
+            return math.exp(min(rows, 700))
+        return self.a + self.b * rows
+
+
+@pytest.mark.parametrize("row_cost", [0.0, 0.12, None])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_dynamic_per_sequence_draft_lengths_keep_greedy_output_and_blocks_exact(
+    tiny_llama_dir, reference, row_cost, mode
+):
+    """The dynamic policy gives different sequences different draft lengths in one step
+    (0 included) under preemption: greedy output still equals speculation off, blocks are
+    conserved every step, no sequence gets more drafts than its slots; rows that cost more
+    than drafts return mean nothing is drafted at all."""
+    eng = make_engine(
+        tiny_llama_dir,
+        ngram(),
+        block_size=4,
+        num_gpu_blocks=40,
+        num_cpu_blocks=64,
+        preemption_mode=mode,
+    )
+    pol = eng.executor.policy
+    assert pol is not None  # dynamic is the default
+    pol.cost_model = _FixedCost(1.0, row_cost)
+    seen: list[dict[int, int]] = []
+    seen_caps: list[dict[int, int]] = []
+    real_allocate = pol._allocate
+
+    def recording(metas, cands, pinned_rows=0):
+        ks = real_allocate(metas, cands, pinned_rows)
+        for c in cands:
+            assert 0 <= ks[c.seq_id] <= c.max_drafts <= K
+        seen.append(ks)
+        seen_caps.append({c.seq_id: c.max_drafts for c in cands})
+        return ks
+
+    pol._allocate = recording
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    drafted = sum(out.spec_num_draft_tokens for out in finals.values())
+    if row_cost is None:
+        assert drafted == 0 and all(sum(ks.values()) == 0 for ks in seen)
+    elif row_cost == 0.0:
+        # free rows: every matched sequence drafts its whole proposal
+        assert drafted > 0 and pol.mean_draft_length >= 1.0
+        assert all(ks[c] == n for ks, n_by in zip(seen, seen_caps) for c, n in n_by.items())
+    else:
+        assert drafted > 0
+        # some step split its drafts: one sequence drafted, another in the same step did not
+        assert any(len(set(ks.values())) > 1 for ks in seen)
+    assert eng.stats.spec_num_draft_opportunities > 0
+    assert 0.0 <= eng.stats.spec_mean_draft_length <= K
+
+
+def test_dynamic_false_keeps_the_fixed_k_behaviour(tiny_llama_dir, reference):
+    eng = make_engine(tiny_llama_dir, ngram(dynamic=False), block_size=4, num_gpu_blocks=128)
+    assert eng.executor.policy is None
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert sum(out.spec_num_draft_tokens for out in finals.values()) > 0

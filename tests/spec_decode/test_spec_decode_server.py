@@ -52,6 +52,18 @@ def test_streamed_and_whole_answers_equal_speculation_off(server, reference_text
     assert drafted and float(drafted[0].split()[-1]) > 0
     assert accepted and float(accepted[0].split()[-1]) > 0
     assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+    # the dynamic policy's choice: drafted tokens per decode sequence-step that had slots
+    values = {
+        ln.split("{")[0].split()[0]: float(ln.split()[-1])
+        for ln in metrics.splitlines()
+        if ln.startswith("kvserve:spec_decode_") and "position=" not in ln
+    }
+    opportunities = values["kvserve:spec_decode_num_draft_opportunities_total"]
+    assert opportunities > 0
+    assert values["kvserve:spec_decode_mean_draft_length"] == pytest.approx(
+        values["kvserve:spec_decode_num_draft_tokens_total"] / opportunities
+    )
+    assert 0 < values["kvserve:spec_decode_mean_draft_length"] <= 4
 
 
 def test_abort_by_disconnect_mid_stream_frees_blocks(server):

@@ -22,7 +22,10 @@ Exported:
   ``..._num_emitted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}`` (how often
   draft position ``position`` (0-based) was accepted), gauges
   ``kvserve:spec_decode_draft_acceptance_rate`` (accepted / drafted) and
-  ``kvserve:spec_decode_mean_accepted_length`` (tokens emitted per verification, kvserve only);
+  ``kvserve:spec_decode_mean_accepted_length`` (tokens emitted per verification, kvserve only),
+  counter ``kvserve:spec_decode_num_draft_opportunities_total`` (decode sequence-steps with
+  lookahead slots) and gauge ``kvserve:spec_decode_mean_draft_length`` (drafted tokens per such
+  sequence-step: the draft length the dynamic policy chose; kvserve only);
 - with LoRA (``--enable-lora``): gauge ``kvserve:lora_adapters_loaded`` (adapters served by
   name, kvserve only) and vLLM's ``kvserve:lora_requests_info`` (value: the scrape time; labels
   ``running_lora_adapters``, ``waiting_lora_adapters`` (comma-separated adapter names) and
@@ -285,6 +288,16 @@ class _EngineCollector:
             "kvserve:spec_decode_mean_accepted_length",
             "Tokens emitted per verification step (1 + accepted drafts).",
             stats.spec_mean_accepted_length,
+        )
+        yield counter(
+            "kvserve:spec_decode_num_draft_opportunities",
+            "Decode sequence-steps that had lookahead slots (could have been given drafts).",
+            stats.spec_num_draft_opportunities,
+        )
+        yield gauge(
+            "kvserve:spec_decode_mean_draft_length",
+            "Draft tokens per decode sequence-step with lookahead slots (the chosen draft length).",
+            stats.spec_mean_draft_length,
         )
 
 

@@ -1,0 +1,218 @@
+"""``DynamicDraftPolicy``: the per-step draft lengths of ``SpeculativeConfig.dynamic``.
+
+It turns a step's metadata (and, for a cheap proposer, its full proposals) into the
+``goodput.allocate_draft_lengths`` problem, and learns from what the step cost and what was
+accepted. It knows nothing of tensors: the ``SpecDecodeWorker`` times the forward and reports.
+
+Per step the scheduler has reserved ``md.num_speculative_tokens`` lookahead slots per
+speculating decode; the policy only decides how many of them to fill, so the scheduler, block
+manager, rollback and prefix hashes are exactly as with a fixed k (a sequence given 0 drafts
+is a plain decode whose slots go unused, as when the n-gram finds nothing).
+
+A seeded sampled request (``seed`` set, temperature > 0) always gets its full proposal: its
+draft lengths decide how its generator is consumed by rejection sampling, and lengths chosen
+from this machine's timings would make the same seed give different text on another run.
+Greedy output does not depend on the lengths at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from kvserve.spec_decode.goodput import (
+    AcceptanceEstimator,
+    DraftCandidate,
+    StepCostModel,
+    allocate_draft_lengths,
+)
+
+if TYPE_CHECKING:
+    from kvserve.sequence import ExecuteModelRequest, SequenceGroupMetadata
+    from kvserve.spec_decode.interfaces import Proposal
+
+
+def step_rows(metas: list[SequenceGroupMetadata]) -> int:
+    """Query rows of a forward over ``metas`` (prefill chunk tokens, decode / verify chunks)."""
+    return sum(max(1, md.token_chunk_size) * len(md.seq_data) for md in metas)
+
+
+def base_rows(metas: list[SequenceGroupMetadata]) -> int:
+    """Query rows of the step before any draft: prefill chunks plus one row per decode."""
+    return sum((md.token_chunk_size if md.is_prompt else 1) * len(md.seq_data) for md in metas)
+
+
+def _pinned(md: SequenceGroupMetadata) -> bool:
+    """Whether the group's draft lengths must not depend on timings (a seeded sampled request)."""
+    params = md.sampling_params
+    return params.seed is not None and not params.is_greedy
+
+
+def _draft_cap(md: SequenceGroupMetadata, seq_output_len: int, k: int) -> int:
+    """Most drafts a decode's sequence may get: its slots, ``k``, and no draft past
+    ``max_tokens`` (it could never be emitted)."""
+    m = min(k, md.num_speculative_tokens)
+    max_tokens = md.sampling_params.max_tokens
+    if max_tokens is not None:
+        m = min(m, max_tokens - seq_output_len - 1)
+    return max(0, m)
+
+
+class DynamicDraftPolicy:
+    """Chooses per-sequence draft lengths each step (see the module docstring).
+
+    Args:
+        k: ``num_speculative_tokens`` (the most drafts per sequence).
+        cost_model: the step-cost model (default ``StepCostModel()``).
+        estimator: the acceptance estimator (default ``AcceptanceEstimator()``).
+        explore_interval: every this many steps that had candidates, one sequence's worth of
+            drafts beyond the chosen allocation is added, so row counts the model has never seen
+            get measured (0: never).
+        warmup_steps: the first steps' times are not learned from (they include one-time
+            costs: lazy initialisation, first-touch of the weights and the KV cache).
+
+    Counters (for metrics and benchmarks): ``num_decisions`` (steps with candidates),
+    ``num_candidates`` (sequence-steps considered), ``num_chosen_drafts`` (drafts chosen).
+    """
+
+    def __init__(
+        self,
+        k: int,
+        cost_model: StepCostModel | None = None,
+        estimator: AcceptanceEstimator | None = None,
+        explore_interval: int = 16,
+        warmup_steps: int = 2,
+    ):
+        self.k = k
+        self.cost_model = cost_model or StepCostModel()
+        self.estimator = estimator or AcceptanceEstimator()
+        self.explore_interval = explore_interval
+        self._warmup_left = warmup_steps
+        self.depth_cost_s = 0.0  # seconds per draft position of a sequential proposer (EMA)
+        self.num_decisions = 0
+        self.num_candidates = 0
+        self.num_chosen_drafts = 0
+        self._match_len: dict[int, int | None] = {}  # seq_id -> class of this step's drafts
+
+    def _allocate(
+        self, metas: list[SequenceGroupMetadata], cands: list[DraftCandidate], pinned_rows: int = 0
+    ) -> dict[int, int]:
+        self.num_decisions += 1
+        self.num_candidates += len(cands)
+        base = base_rows(metas) + pinned_rows
+        cost = self.cost_model.cost
+        ks = allocate_draft_lengths(cands, base, cost, depth_cost=self.depth_cost_s)
+        observed = getattr(self.cost_model, "is_observed", None)
+        if (
+            self.explore_interval > 0
+            and self.num_decisions % self.explore_interval == 0
+            and observed is not None
+            and not observed(base + sum(ks.values()) + self.k)
+        ):
+            # Measure a row count the model has only extrapolated to (one sequence's drafts
+            # more than the optimum); once seen, the estimate there is measured, not guessed.
+            ks = allocate_draft_lengths(cands, base, cost, depth_cost=self.depth_cost_s, explore_extra=self.k)
+        self.num_chosen_drafts += sum(ks.values())
+        return ks
+
+    def cut_proposals(
+        self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]
+    ) -> dict[int, Proposal]:
+        """For a cheap proposer: cut the step's full proposals to the chosen lengths
+        (sequences given 0 drafts are left out: they decode plainly)."""
+        from kvserve.spec_decode.interfaces import Proposal
+
+        cands: list[DraftCandidate] = []
+        out: dict[int, Proposal] = {}
+        pinned_rows = 0
+        for md in metas:
+            if md.is_prompt or md.num_speculative_tokens < 1:
+                continue
+            for sid, data in md.seq_data.items():
+                p = proposals.get(sid)
+                if p is None or not p.token_ids:
+                    continue
+                self._match_len[sid] = p.match_len
+                if _pinned(md):
+                    out[sid] = p
+                    pinned_rows += len(p.token_ids)
+                    continue
+                cap = min(len(p.token_ids), _draft_cap(md, data.get_output_len(), self.k))
+                if cap < 1:
+                    continue
+                cands.append(DraftCandidate(sid, cap, self.estimator.estimate(sid, p.match_len)))
+        if not cands:
+            return out
+        ks = self._allocate(metas, cands, pinned_rows)
+        for sid, m in ks.items():
+            if m > 0:
+                p = proposals[sid]
+                probs = p.probs[:m] if p.probs is not None else None
+                out[sid] = Proposal(list(p.token_ids[:m]), probs, p.match_len)
+        return out
+
+    def limit_request(self, req: ExecuteModelRequest) -> ExecuteModelRequest:
+        """For a costly proposer: the step's request with each speculating decode's
+        ``num_speculative_tokens`` set to its chosen length (the group's largest; 0: no
+        drafts this step). Blocks and slots are untouched (the scheduler reserved them)."""
+        metas = req.seq_group_metadata_list
+        cands: list[DraftCandidate] = []
+        pinned_rows = 0
+        for md in metas:
+            if md.is_prompt or md.num_speculative_tokens < 1:
+                continue
+            for sid, data in md.seq_data.items():
+                cap = _draft_cap(md, data.get_output_len(), self.k)
+                self._match_len[sid] = None
+                if _pinned(md):
+                    pinned_rows += cap
+                elif cap >= 1:
+                    cands.append(DraftCandidate(sid, cap, self.estimator.estimate(sid, None)))
+        if not cands:
+            return req
+        ks = self._allocate(metas, cands, pinned_rows)
+        new_metas = []
+        for md in metas:
+            if md.is_prompt or md.num_speculative_tokens < 1 or _pinned(md):
+                new_metas.append(md)
+                continue
+            m = max((ks.get(sid, 0) for sid in md.seq_data), default=0)
+            new_metas.append(
+                md if m == md.num_speculative_tokens else dataclasses.replace(md, num_speculative_tokens=m)
+            )
+        return dataclasses.replace(req, seq_group_metadata_list=new_metas)
+
+    # ------------------------------------------------------------------ learning
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A target forward (with its verification) of ``rows`` query rows took ``seconds``."""
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return
+        self.cost_model.observe(rows, seconds)
+
+    def observe_proposer(self, depth: int, seconds: float) -> None:
+        """A costly proposer drafted ``depth`` positions (its sequential forwards) in
+        ``seconds``."""
+        if depth >= 1 and seconds > 0:
+            per = seconds / depth
+            self.depth_cost_s = (
+                per if self.depth_cost_s == 0.0 else self.depth_cost_s + 0.2 * (per - self.depth_cost_s)
+            )
+
+    def observe_verified(self, drafted: dict[int, int], accepted: dict[int, int]) -> None:
+        """seq_id -> drafts verified this step, and -> how many were accepted."""
+        for sid, m in drafted.items():
+            self.estimator.observe(sid, self._match_len.get(sid), m, accepted.get(sid, 0))
+        self._match_len.clear()
+
+    def free(self, seq_ids) -> None:
+        """Forget ended sequences."""
+        seq_ids = list(seq_ids)
+        self.estimator.free(seq_ids)
+        for sid in seq_ids:
+            self._match_len.pop(sid, None)
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Drafts chosen per candidate sequence-step so far (0.0 before any)."""
+        return self.num_chosen_drafts / self.num_candidates if self.num_candidates else 0.0

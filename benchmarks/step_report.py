@@ -12,9 +12,9 @@ Usage: python benchmarks/step_report.py STEPS.json --cost-model PROFILE.json [--
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from kvserve.benchmarks.common import write_json
 from kvserve.sim.cost_model_file import load_cost_model
 from kvserve.sim.step_record import compare_steps, load_steps, print_comparison, print_refit, refit_steps
 
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print_refit(refit)
         rep["refit"] = refit
     if ns.json_out:
-        with open(ns.json_out, "w") as f:
-            json.dump(rep, f, indent=1)
+        write_json(ns.json_out, rep)
     return 0
 
 

@@ -20,12 +20,11 @@ length``: steps >= that sum / ``max_loras`` (and >= the longest request).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table
+from kvserve.benchmarks.common import fmt_table, write_json
 from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
 
 #: The CPU engine's defaults for the default model (float32, 1 GiB KV cache, block 16).
@@ -134,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     headers += ["sim tok/s", "TTFT mean", "TTFT p99", "e2e max"]
     print(fmt_table(headers, rows))
     if ns.json_out:
-        with open(ns.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(ns.json_out, results)
     return 0
 
 

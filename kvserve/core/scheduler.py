@@ -680,17 +680,8 @@ class Scheduler:
         for g in sorted(victim, key=lambda g: ranked[g.request_id], reverse=True):
             self.running.remove(g)
             budget.subtract_num_seqs(g.request_id, g.get_max_num_running_seqs())
-            live = self._live(g)
-            for seq in live:
-                self.block_manager.free(seq)
-                seq.status = SequenceStatus.WAITING
-                seq.data.reset_state_for_recompute()
-            st.preempted.append(g)
-            st.preempted_ids.add(g.request_id)
-            g.metrics.num_preemptions += 1
+            self._preempt(g, st, PreemptionMode.RECOMPUTE, warn=False)
             self._slot_preemptions[g.request_id] = self._slot_preemptions.get(g.request_id, 0) + 1
-            self.num_preemptions += 1
-            self.num_recompute_preemptions += 1
             self.num_slot_preemptions += 1
 
     def _get_num_lookahead_slots(self, g: SequenceGroup, st: _Step, live: list[Sequence]) -> int:
@@ -836,10 +827,15 @@ class Scheduler:
             capped = True
         return chunk, capped
 
-    def _preempt(self, g: SequenceGroup, st: _Step) -> PreemptionMode:
+    def _preempt(
+        self, g: SequenceGroup, st: _Step, mode: PreemptionMode | None = None, warn: bool = True
+    ) -> PreemptionMode:
         """Preempt a running group; returns the mode used. RECOMPUTE groups are queued for
-        the front of ``waiting`` at the end of the step; SWAP groups join ``swapped`` now."""
-        mode = self.scheduler_config.preemption_mode
+        the front of ``waiting`` at the end of the step; SWAP groups join ``swapped`` now.
+        ``mode`` forces one (else the configured one); ``warn=False`` skips the "cache too
+        small" log line (slot turnover preempts by choice, not for want of blocks)."""
+        if mode is None:
+            mode = self.scheduler_config.preemption_mode
         live = self._live(g)
         if mode is None:
             mode = PreemptionMode.RECOMPUTE if len(live) == 1 else PreemptionMode.SWAP
@@ -862,7 +858,7 @@ class Scheduler:
         st.preempted_ids.add(g.request_id)
         g.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        if self.num_preemptions == 1 or self.num_preemptions % 100 == 0:
+        if warn and (self.num_preemptions == 1 or self.num_preemptions % 100 == 0):
             logger.warning(
                 "preempted request %s by %s (cumulative preemptions: %d); the KV cache "
                 "is too small for the load",

@@ -281,14 +281,18 @@ class Profiler:
         self.warm_up()
         items = self.scenarios()
         for kind, arg in tqdm(items, desc="profiling steps", disable=not self.progress, file=sys.stderr):
-            if kind == "prefill":
-                self.run_prefill(*arg)  # type: ignore[misc]
-            elif kind == "decode":
-                self.run_decode(*arg)  # type: ignore[misc]
-            elif kind == "mixed":
-                self.run_mixed(*arg)  # type: ignore[misc]
-            else:
-                self.run_swap()
+            self.run_scenario(kind, arg)
+
+    def run_scenario(self, kind: str, arg) -> None:
+        """One item of ``scenarios()``: ``kind`` is prefill, decode, mixed or swap."""
+        if kind == "prefill":
+            self.run_prefill(*arg)
+        elif kind == "decode":
+            self.run_decode(*arg)
+        elif kind == "mixed":
+            self.run_mixed(*arg)
+        else:
+            self.run_swap()
 
 
 def fit_swap(samples: list[tuple[int, float]]) -> tuple[float, dict | None]:

@@ -476,13 +476,11 @@ def lora_workloads(draw):
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lora_workloads())
-def test_property_random_adapters_tiny_caches_invariants(w):
-    """Random arrivals of groups with random adapters on random tiny caches: every step holds
-    <= max_loras adapters (Harness.check_loras), every group finishes, admission is FCFS
-    within an adapter, blocks are conserved (checked every step) and all freed at the end,
-    and the simulator's adapter-tagged shadow cache sees no cross-adapter block."""
+def run_lora_workload(w, lora_config, on_step=None):
+    """Drive workload ``w`` (``lora_workloads``' layout) through a ``Harness`` on its tiny
+    cache until it drains (bounded), calling ``on_step(h)`` after every step; asserts every
+    group finished and admission was FCFS within each adapter. Returns ``(h, added)``, the
+    harness and ``[(request_id, adapter id)]`` in arrival order."""
     cc, sc = configs(
         BS=w["BS"],
         G=w["G"],
@@ -495,7 +493,7 @@ def test_property_random_adapters_tiny_caches_invariants(w):
         PM=w["PM"],
         max_num_partial_prefills=4,
     )
-    h = Harness(cc, sc, lora_config=LoRAConfig(max_loras=w["max_loras"]))
+    h = Harness(cc, sc, lora_config=lora_config)
     pending = sorted(enumerate(w["reqs"]), key=lambda x: (x[1][0], x[0]))
     added = []
     steps = 0
@@ -513,15 +511,28 @@ def test_property_random_adapters_tiny_caches_invariants(w):
             )
             added.append((f"r{i}", lid))
         h.step()
+        if on_step is not None:
+            on_step(h)
         steps += 1
         assert steps < 2000, "did not drain"
     h.assert_idle()
     assert all(h.outputs[rid].outcome == "finished" for rid, _ in added), {
         rid: (h.outputs[rid].outcome, h.outputs[rid].error) for rid, _ in added
     }
-    for lid in range(4):
+    for lid in {x for _, x in added}:
         firsts = [h.outputs[rid].metrics.first_scheduled_time for rid, x in added if x == lid]
         assert firsts == sorted(firsts), (lid, firsts)
+    return h, added
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lora_workloads())
+def test_property_random_adapters_tiny_caches_invariants(w):
+    """Random arrivals of groups with random adapters on random tiny caches: every step holds
+    <= max_loras adapters (Harness.check_loras), every group finishes, admission is FCFS
+    within an adapter, blocks are conserved (checked every step) and all freed at the end,
+    and the simulator's adapter-tagged shadow cache sees no cross-adapter block."""
+    run_lora_workload(w, LoRAConfig(max_loras=w["max_loras"]))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

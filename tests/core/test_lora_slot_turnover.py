@@ -15,11 +15,8 @@ from kvserve.config import EngineArgs, LoRAConfig
 from kvserve.core.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
 from tests.core.simutil import Harness, configs, lora, make_group, prompt_of
+from tests.core.test_lora_scheduler import run_lora_workload, waiting_ids
 from tests.core.test_scheduler import ids, sched_step
-
-
-def waiting_ids(sched):
-    return [g.request_id for g in sched.waiting]
 
 
 # ---------------------------------------------------------------- config
@@ -188,49 +185,16 @@ def test_property_turnover_random_arrivals_invariants_and_same_tokens(w, msp):
     those of the same run with turnover off (preemption never changes tokens)."""
 
     def run(m):
-        cc, sc = configs(
-            BS=w["BS"],
-            G=w["G"],
-            C=64 if w["PM"] == "swap" else 0,
-            S=4,
-            T=32,
-            L=24,
-            CP=w["CP"],
-            PC=w["PC"],
-            PM=w["PM"],
-            max_num_partial_prefills=4,
-        )
-        h = Harness(cc, sc, lora_config=LoRAConfig(max_loras=w["max_loras"], max_slot_preemptions=m))
-        sched = h.scheduler
         counts: dict[str, int] = {}
-        pending = sorted(enumerate(w["reqs"]), key=lambda x: (x[1][0], x[0]))
-        added = []
-        steps = 0
-        while pending or h.engine.has_unfinished_requests():
-            while pending and pending[0][1][0] <= steps:
-                i, (_, lid, fam, plen, mt) = pending.pop(0)
-                params = SamplingParams(
-                    max_tokens=min(mt, sc.max_model_len - plen), temperature=0, ignore_eos=True
-                )
-                h.add(
-                    f"r{i}",
-                    {"prompt_token_ids": prompt_of(fam, plen)},
-                    params,
-                    arrival_time=float(len(added)),
-                    lora_request=lora(lid),
-                )
-                added.append((f"r{i}", lid))
-            h.step()
-            for rid, c in sched._slot_preemptions.items():
+
+        def note_turnovers(h):
+            for rid, c in h.scheduler._slot_preemptions.items():
                 counts[rid] = max(counts.get(rid, 0), c)
-            steps += 1
-            assert steps < 2000, "did not drain"
-        h.assert_idle()
+
+        lc = LoRAConfig(max_loras=w["max_loras"], max_slot_preemptions=m)
+        h, added = run_lora_workload(w, lc, on_step=note_turnovers)
+        sched = h.scheduler
         assert not sched._slot_preemptions
-        assert all(h.outputs[rid].outcome == "finished" for rid, _ in added)
-        for lid in range(5):
-            firsts = [h.outputs[rid].metrics.first_scheduled_time for rid, x in added if x == lid]
-            assert firsts == sorted(firsts), (lid, firsts)
         assert all(c <= m for c in counts.values()), counts
         assert sum(counts.values()) == sched.num_slot_preemptions
         return {rid: h.tokens(rid) for rid, _ in added}, sched.num_slot_preemptions

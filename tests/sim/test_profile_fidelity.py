@@ -96,12 +96,8 @@ def test_profiler_recovers_a_known_cost_from_the_real_engine(tiny_llama_dir):
     prof.timer = timer
     prof.warm_up()
     for kind, arg in prof.scenarios():
-        if kind == "prefill":
-            prof.run_prefill(*arg)
-        elif kind == "decode":
-            prof.run_decode(*arg)
-        elif kind == "mixed":
-            prof.run_mixed(*arg)
+        if kind != "swap":
+            prof.run_scenario(kind, arg)
     assert {s.shape_class for s, _ in prof.samples} >= {"prefill", "decode", "mixed"}
     fit = fit_cost_model(prof.samples)
     errs = fit_errors(fit, prof.samples)

@@ -121,12 +121,8 @@ def _profile_on_simulator(grid, blocks=1456):
     prof.timer = clock
     prof.warm_up()
     for kind, arg in prof.scenarios():
-        if kind == "prefill":
-            prof.run_prefill(*arg)
-        elif kind == "decode":
-            prof.run_decode(*arg)
-        elif kind == "mixed":
-            prof.run_mixed(*arg)
+        if kind != "swap":
+            prof.run_scenario(kind, arg)
     return prof
 
 

@@ -60,6 +60,9 @@ def test_async_engine_start_releases_the_callers_pool(monkeypatch):
         def has_unfinished_requests(self):
             return False
 
+        def dead_reason(self):
+            return None
+
     async def run():
         eng = async_llm_engine.AsyncLLMEngine(_Idle())
         eng.start()

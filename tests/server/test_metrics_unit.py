@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.engine.metrics import EngineStats
 from kvserve.entrypoints.openai.metrics import VLLM_ALIASES, ServerMetrics
 
 
@@ -14,20 +15,20 @@ def _fake_engine():
     scheduler = SimpleNamespace(
         running=[1, 2], waiting=[1], swapped=[], num_preemptions=3, get_lora_stats=lambda: lora_stats
     )
-    stats = SimpleNamespace(
+    # the real stats class, so a property the exporter reads cannot be missing from the fake
+    stats = EngineStats(
         num_prompt_tokens=40,
         num_generation_tokens=12,
         num_requests_added=5,
         num_steps=9,
         finished_by_reason=Counter({"length": 2, "stop": 1}),
-        listeners=[],
         spec_num_drafts=4,
         spec_num_draft_tokens=16,
         spec_num_accepted_tokens=10,
         spec_accepted_per_pos=[4, 3, 2, 1],
-        spec_acceptance_rate=10 / 16,
-        spec_mean_accepted_length=1 + 10 / 4,
+        spec_num_draft_opportunities=8,
     )
+    assert stats.spec_acceptance_rate == 10 / 16 and stats.spec_mean_accepted_length == 1 + 10 / 4
     kv = {
         "num_gpu_blocks": 10,
         "num_free_gpu_blocks": 6,

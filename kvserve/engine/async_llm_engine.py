@@ -227,6 +227,8 @@ class AsyncLLMEngine:
         self.engine.abort_request(list(self.engine._groups))
         with contextlib.suppress(Exception):  # frees the aborted groups' blocks (no forward runs)
             self.engine.step()
+        if loop.is_closed():  # the caller's loop is gone: nobody is left to answer
+            return
         while True:
             try:
                 msg = self._inbox.get_nowait()

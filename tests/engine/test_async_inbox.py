@@ -125,6 +125,19 @@ def test_executor_that_dies_stops_the_loop_and_fails_every_request_engine_dead()
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     reason: list[str] = []
     engine.dead_reason = lambda: reason[0] if reason else None  # type: ignore[method-assign]
+    real_step = engine.step
+    steps = [0]
+
+    def step():
+        # the peer dies after the second step, on the engine thread: a consumer-side trigger
+        # would race the loop, which can run all 50 steps before the first stream is read
+        out = real_step()
+        steps[0] += 1
+        if steps[0] == 2:
+            reason.append("tensor-parallel worker rank 1 (pid 7) exited with code -9")
+        return out
+
+    engine.step = step  # type: ignore[method-assign]
 
     async def main():
         ae.start(asyncio.get_running_loop())
@@ -132,9 +145,8 @@ def test_executor_that_dies_stops_the_loop_and_fails_every_request_engine_dead()
 
         async def run(rid):
             try:
-                async for out in ae.generate({"prompt_token_ids": prompt_of(3, 5)}, params, rid):
-                    if rid == "first" and len(out.outputs[0].token_ids) == 2:
-                        reason.append("tensor-parallel worker rank 1 (pid 7) exited with code -9")
+                async for _ in ae.generate({"prompt_token_ids": prompt_of(3, 5)}, params, rid):
+                    pass
                 results[rid] = "finished"
             except EngineDeadError as e:
                 results[rid] = str(e)

@@ -313,6 +313,54 @@ def configs_from_record(args_dict: dict, resolved: dict | None, profile_engine: 
     return args.create_configs(args.max_model_len or 8192, window), notes
 
 
+#: the metrics the fidelity target is set on (docs/benchmarks.md): (latency, statistic)
+TARGETS = (
+    ("ttft_s", "p50"),
+    ("ttft_s", "p90"),
+    ("tpot_s", "p50"),
+    ("tpot_s", "p90"),
+    ("e2e_s", "p50"),
+    ("e2e_s", "p90"),
+)
+
+
+def real_vs_real(a: dict, b: dict) -> dict:
+    """Two real runs of one cell (``--json-out`` files ``a`` and ``b``) set against each other:
+    ``{"relative_difference": S ((b - a) / a, ``side``'s layout), "targets": {"ttft_s p50": d,
+    ...}, "max_abs_target": the largest |d| of ``TARGETS``, "duration_s", "num_steps": [a, b],
+    "preempted_requests": agreement or None}`` -- the host's noise floor: no simulator can be
+    closer to one real run than the two real runs are to each other.
+
+    Raises:
+        ValueError: either lacks a real side, or they replay different traces.
+    """
+    for name, r in (("A", a), ("B", b)):
+        if not isinstance(r, dict) or not isinstance(r.get("real"), dict):
+            raise ValueError(f"{name}: not a bench fidelity result (no 'real' field)")
+    ta, tb = a.get("trace") or {}, b.get("trace") or {}
+    for key in ("path", "num_requests", "time_scale", "clip"):
+        va, vb = ta.get(key), tb.get(key)
+        if key == "path":  # relative to each run's directory: the file name must match
+            va, vb = Path(str(va)).name, Path(str(vb)).name
+        if va != vb:
+            raise ValueError(
+                f"the runs replay different requests: trace {key} {ta.get(key)!r} vs {tb.get(key)!r}"
+            )
+    diff = relative_error(a["real"], b["real"])
+    targets = {f"{k} {q}": diff[k][q] for k, q in TARGETS}
+    known = [abs(v) for v in targets.values() if v is not None]
+    ids_a = (a.get("preempted_ids") or {}).get("real")
+    ids_b = (b.get("preempted_ids") or {}).get("real")
+    return {
+        "relative_difference": diff,
+        "targets": targets,
+        "max_abs_target": max(known) if known else None,
+        "duration_s": [(a.get("duration_s") or {}).get("real"), (b.get("duration_s") or {}).get("real")],
+        "num_steps": [(a.get("num_steps") or {}).get("real"), (b.get("num_steps") or {}).get("real")],
+        "preempted_requests": None if ids_a is None or ids_b is None else preemption_agreement(ids_a, ids_b),
+    }
+
+
 def _warm_up(engine, prompt_ids: list[int]) -> None:
     """Two small requests before the clock starts (first-call costs), as the profiler does."""
     from kvserve.sampling_params import SamplingParams

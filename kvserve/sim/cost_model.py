@@ -170,7 +170,7 @@ class CostModel:
 def fit_cost_model(
     samples: Sequence[tuple[StepShape, float]],
     features: Sequence[str] | None = None,
-    trim: float | None = 5.0,
+    trim: float | None = 10.0,
 ) -> CostModel:
     """Least-squares fit of ``base_s`` and the ``FEATURES`` coefficients to measured steps,
     aimed at each shape's *mean* time.
@@ -190,9 +190,11 @@ def fit_cost_model(
     >= 0. Features that are 0 in every sample are left at 0.
 
     ``trim``: after the first pass, steps more than ``trim`` times slower or faster than
-    predicted are left out of the rest (default 5: only gross outliers, e.g. a step stalled for
-    a second by the host). Slow steps within that are part of what a replay sees, so they stay
-    in the mean; ``None`` keeps every step. ``info`` of the result is empty (the caller names
+    predicted are left out of the coefficients (default 10: only gross outliers, e.g. a 30 ms
+    step stalled for a second by the host), and their time beyond the prediction is put back as
+    one factor on every coefficient (a stall hits a step with a chance in proportion to its
+    length), so the summed prediction still counts them. Slow steps within the bound are part
+    of what a replay sees and stay in the mean; ``None`` keeps every step. ``info`` of the result is empty (the caller names
     the source).
 
     Raises:
@@ -215,12 +217,23 @@ def fit_cost_model(
         base, coef = _fit_nonneg(ys[keep], {n: c[keep] for n, c in cols.items()}, w[keep])
         pred = base + sum(coef.get(n, 0.0) * cols[n] for n in names)
         w = 1.0 / np.maximum(pred, ys.min())
+        # trim against the first pass: its 1/t weights keep it on the fast majority even when
+        # stalls are frequent (a mean fit would follow them and flag nothing)
         if trim and it == 0:
             # a ratio both ways: a step 10x slower than predicted is as far out as one 10x faster
             ratio = ys / np.maximum(pred, 1e-12)
             inside = (ratio <= trim) & (ratio >= 1.0 / trim)
             if inside.sum() >= len(names) + 1:
                 keep = inside
+    if not keep.all():
+        # the trimmed steps leave the coefficients (one stall must not bend one shape's line)
+        # but not the clock: their time beyond the prediction is spread over every step in
+        # proportion to its length, as a stall from outside hits a step with a chance in
+        # proportion to how long it runs
+        scale = 1.0 + float((ys[~keep] - pred[~keep]).sum()) / float(pred.sum())
+        if scale > 0:
+            base *= scale
+            coef = {n: c * scale for n, c in coef.items()}
     fields = {n: 0.0 for n in FEATURES}
     fields.update(coef)
     return CostModel(base_s=base, info={}, **fields)

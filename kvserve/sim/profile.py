@@ -18,7 +18,7 @@ checks -- what the simulator's virtual clock has to advance by. The grid:
   only the block maps): fitted apart, per block, since those calls have no step around them.
 
 Fit (``fit_cost_model``: relative least squares aimed at each shape's mean time, only gross
-outliers (> 5x) trimmed, coefficients >= 0; the mean because a replay's clock sums step costs).
+outliers (> 10x) trimmed, coefficients >= 0; the mean because a replay's clock sums step costs).
 ``kvserve profile --refit OLD.json --out NEW.json`` refits a file's stored measurements with
 the current fit (no engine is built). Why these terms: on
 this engine a step is Python work per step and per scheduled group (scheduling, metadata,
@@ -412,10 +412,10 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
 
 
 #: how ``fit_cost_model`` fits (recorded in each file's ``fit``)
-FIT_METHOD = "mean: relative least squares, 1/prediction weights, trim 5x"
+FIT_METHOD = "mean: relative least squares, 1/prediction weights, trim 10x"
 
 
-def refit_profile(data: dict, trim: float | None = 5.0) -> dict:
+def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
     """A copy of a cost-model file's object (``data``) with its coefficients and fit errors
     refitted from its stored measurements (``profile.samples``, ``profile.swap_samples``) by
     the current ``fit_cost_model``; ``fit`` says how and when (the previous fit is kept as
@@ -442,7 +442,7 @@ def refit_profile(data: dict, trim: float | None = 5.0) -> dict:
     out["coefficients"] = cm.coefficients()
     out["fit_error"] = errors
     out["fit"] = {
-        "method": FIT_METHOD if trim == 5.0 else f"{FIT_METHOD.rsplit(',', 1)[0]}, trim {trim}",
+        "method": FIT_METHOD if trim == 10.0 else f"{FIT_METHOD.rsplit(',', 1)[0]}, trim {trim}",
         "refitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "previous_coefficients": data["coefficients"],
     }

@@ -11,7 +11,7 @@ from kvserve.sim.step_record import StepRecord
 from kvserve.sim.step_shape import StepShape
 
 
-def _bursts(num_bursts=3, per_burst=4, gap=0.4, output_len=16):
+def _bursts(num_bursts=3, per_burst=4, gap=0.6, output_len=16):
     """Bursts of requests arriving together, ``gap`` seconds apart (the tiny model drains a
     burst in tens of ms, so each burst meets an idle engine: which step an arrival joins is not
     a race between the two clocks)."""

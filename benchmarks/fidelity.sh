@@ -22,6 +22,12 @@
 # and takes 10 min a cell). The small-KV cells are bound by the 96-block cache at any scale.
 #   SMOKE=1: small grid, 40 requests, lengths 256/32 (minutes; for checking the script)
 #   SIM_SPEED_REQUESTS=0 skips the simulator-speed runs
+#   REPEAT_REAL=1: each cell runs a second time (<cell>_rep2.*, same profile) and
+#       benchmarks/fidelity_noise.py writes <cell>_noise.txt: real-vs-real differences of the
+#       targets, the host's noise floor (doubles each cell's time)
+# Every cell's JSON also holds the oracle replay (the simulator charged the real steps' measured
+# times); a later cost model is judged against these recorded runs without re-running them:
+#   kvserve bench fidelity --real-from <cell>.json --real-steps <cell>_steps.json --cost-model NEW.json
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -65,10 +71,21 @@ for dt in $DTYPES; do
                 2>&1 | tee "$OUT/$name.log"
             "$PY" benchmarks/step_report.py "$OUT/${name}_steps.json" --cost-model "$OUT/profile_$dt.json" \
                 >"$OUT/${name}_steps.txt" 2>&1
+            if [ -n "${REPEAT_REAL:-}" ] && [ "${REPEAT_REAL}" != 0 ]; then
+                rep="${name}_rep2"
+                # shellcheck disable=SC2046
+                "$PY" -m kvserve.benchmarks.cli fidelity --dtype "$dt" $(config_args "$cfg") \
+                    --cost-model "$OUT/profile_$dt.json" --trace "$(trace_path "$tr")" \
+                    --num-requests "$NUM_REQUESTS" --time-scale "$(trace_scale "$tr")" \
+                    --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --no-progress \
+                    --json-out "$OUT/$rep.json" --steps-out "$OUT/${rep}_steps.json" 2>&1 | tee "$OUT/$rep.log"
+                "$PY" benchmarks/fidelity_noise.py "$OUT/$name.json" "$OUT/$rep.json" \
+                    --json-out "$OUT/${name}_noise.json" 2>&1 | tee "$OUT/${name}_noise.txt"
+            fi
         done
     done
 done
-"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null | grep -v _steps.json) \
+"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null | grep -v -e _steps.json -e _noise.json) \
     | tee "$OUT/summary.md"
 SPEED_N="${SIM_SPEED_REQUESTS:-10000}"  # 0 skips the speed runs
 if [ "$SPEED_N" != 0 ]; then

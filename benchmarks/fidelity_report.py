@@ -2,7 +2,8 @@
 
 One row per result file: the target metrics (TTFT and TPOT p50 / p90, e2e p50) real and
 simulated with the relative error, preemptions and how many of the same requests were preempted;
-a cell over the 10% target is marked with "!".
+a cell over the 10% target is marked with "!". Files with an oracle replay (runs with
+``--steps-out``) add its largest target error and how many steps took another shape.
 
 Usage: python benchmarks/fidelity_report.py R1.json [R2.json ...]   (label = file name)
 """
@@ -27,14 +28,28 @@ def _cell(res: dict, key: str, q: str) -> str:
 
 
 def table(paths: list[str]) -> str:
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    oracle = any("oracle" in r for r in results)
     head = ["run"] + [f"{k[:-2].upper()} {q}" for k, q in CELLS] + ["preemptions", "same preempted"]
+    if oracle:
+        head.append("oracle: largest error, steps diverged")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in paths:
-        res = json.loads(Path(p).read_text())
+    for p, res in zip(paths, results):
         pre = res["preempted_requests"]
         row = [Path(p).stem] + [_cell(res, k, q) for k, q in CELLS]
         row.append(f"{res['real']['num_preemptions']} / {res['simulated']['num_preemptions']}")
-        row.append(f"{pre['both']} of {pre['real']} / {pre['simulated']} (Jaccard {pre['jaccard']:.2f})")
+        jac = f"{pre['jaccard']:.2f}" if pre.get("jaccard") is not None else "-"
+        row.append(
+            f"{pre.get('both') if pre.get('both') is not None else '-'} of {pre['real']} / {pre['simulated']} (Jaccard {jac})"
+        )
+        if oracle:
+            o = res.get("oracle")
+            if o is None:
+                row.append("-")
+            else:
+                errs = [abs(e) for k, q in CELLS if (e := o["relative_error"][k][q]) is not None]
+                st = o["steps"]
+                row.append(f"{max(errs, default=0.0):.2%}, {st['num_diverged']} of {st['real_steps']}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -16,7 +16,16 @@ preempted on the other. ``--json-out`` writes ``{"real": S, "simulated": S, "rel
 S, ...}``; ``--plot`` a CDF plot (real vs simulated). ``--steps-out FILE`` writes a record of
 every real step (``kvserve.sim.step_record``: shape, wall time of the step, the executor call
 and the loop iteration, GC) and prints predicted vs measured step time by shape class and size
-(``benchmarks/step_report.py FILE --cost-model PROFILE`` prints it again, for any profile).
+(``benchmarks/step_report.py FILE --cost-model PROFILE`` prints it again, for any profile) and
+runs the *oracle* replay (``kvserve.sim.oracle``): the simulator charged each real step's
+measured time, which separates the simulation's own error (should be ~0) from the cost model's.
+
+``--real-from RESULT.json`` runs no real engine: it takes the real side (its latencies, the
+trace, time scale, caps and engine settings) from an earlier run's ``--json-out`` and simulates
+the same requests with ``--cost-model``, so a changed cost model (or fit) is judged against a
+recorded quiet run; with ``--real-steps STEPS.json`` (that run's ``--steps-out``) the oracle runs
+too. Files written before the engine settings were recorded need the run's engine flags again,
+or ``--real-steps`` (whose meta holds them); unset KV-cache sizes then come from the profile's.
 """
 
 from __future__ import annotations
@@ -133,6 +142,82 @@ def load_requests(ns) -> tuple[list[wl.BenchRequest], dict]:
     return reqs, clip.as_dict()
 
 
+def requests_from_result(result: dict, path: str = "<result>") -> tuple[list[wl.BenchRequest], dict]:
+    """The requests of a recorded run (its JSON's ``trace``: path, count, time scale, caps,
+    workload seed), rebuilt as ``load_requests`` built them.
+
+    Raises:
+        ValueError: the file lacks the trace fields, or the trace is gone.
+    """
+    import argparse
+
+    try:
+        tr = result["trace"]
+        clip = tr["clip"]
+        ns = argparse.Namespace(
+            trace=tr["path"],
+            num_requests=int(tr["num_requests"]),
+            time_scale=float(tr["time_scale"]),
+            max_input_len=clip.get("max_input_len"),
+            max_output_len=clip.get("max_output_len"),
+            max_model_len_cap=int(clip["max_model_len"]),
+            workload_seed=int(tr.get("workload_seed", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a bench fidelity result (trace field {e})") from e
+    if not Path(ns.trace).is_file():
+        raise ValueError(f"{path}: its trace {ns.trace} is not there")
+    return load_requests(ns)
+
+
+def oracle_comparison(real: dict, configs: tuple, records, vocab_size: int, requests, fallback) -> dict:
+    """The oracle replay (``kvserve.sim.oracle``) of recorded steps against the real side
+    ``real`` (``side``'s layout): ``{"simulated": S, "relative_error": S, "steps": the step
+    comparison, "preempted_ids", "mode", "resync_s", "num_past_records", "duration_s"}``."""
+    from kvserve.sim.oracle import oracle_replay
+
+    res, cost, steps = oracle_replay(configs, records, vocab_size, requests, fallback=fallback)
+    summ = summarize_replay(res)
+    sim = side(summ)
+    return {
+        "simulated": sim,
+        "relative_error": relative_error(real, sim),
+        "steps": steps,
+        "preempted_ids": summ["preempted_ids"],
+        "mode": cost.describe(),
+        "resync_s": cost.resync_s,
+        "num_past_records": cost.num_past_records,
+        "duration_s": summ["duration_s"],
+    }
+
+
+def print_oracle(o: dict, out=None) -> None:
+    """The oracle's errors on the target metrics and its step check, a few lines."""
+    out = out or sys.stdout
+    e = o["relative_error"]
+
+    def pct(v):
+        return f"{v:+.2%}" if v is not None else "-"
+
+    print(f"oracle replay ({o['mode']}):", file=out)
+    print(
+        "  error vs real: "
+        + ", ".join(
+            f"{k[:-2].upper()} {q} {pct(e[k][q])}"
+            for k in ("ttft_s", "tpot_s", "e2e_s")
+            for q in ("p50", "p90")
+        ),
+        file=out,
+    )
+    st = o["steps"]
+    print(
+        f"  steps: real {st['real_steps']}, simulated {st['simulated_steps']}, "
+        f"{st['num_diverged']} with another shape"
+        + (f" (first: {st['why']})" if st["why"] else " (same steps, same shapes, same order)"),
+        file=out,
+    )
+
+
 def run_fidelity(
     engine, args, requests: list[wl.BenchRequest], cost_model, record_steps: bool = False
 ) -> dict:
@@ -159,8 +244,120 @@ def run_fidelity(
         "num_extrapolated_steps": ss["num_extrapolated_steps"],
         "wall_s": {"real": real_wall, "simulated": sim_wall},
         "cost_model": cost_model.describe(),
+        "preempted_ids": {"real": rs["preempted_ids"], "simulated": ss["preempted_ids"]},
         "_samples": {"real": samples_ms(real_res), "simulated": samples_ms(sim_res)},
         "_steps": real_res.steps,
+    }
+
+
+def engine_record(engine, args) -> dict:
+    """What a re-simulation needs of the real engine (``--real-from``): the engine flags
+    (``args``: ``EngineArgs``), the settings they resolved to (KV-cache sizes, step budget,
+    chunked prefill, ``max_model_len``, sliding window) and the vocabulary size."""
+    import dataclasses
+
+    cc, sc = engine.cache_config, engine.scheduler_config
+    return {
+        "args": {f.name: getattr(args, f.name) for f in dataclasses.fields(args)},
+        "resolved": {
+            "num_gpu_blocks": cc.num_gpu_blocks,
+            "num_cpu_blocks": cc.num_cpu_blocks,
+            "sliding_window": cc.sliding_window,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "enable_chunked_prefill": sc.chunked_prefill_enabled,
+            "max_model_len": sc.max_model_len,
+        },
+        "vocab_size": engine.vocab_size or 49152,
+    }
+
+
+def configs_from_record(args_dict: dict, resolved: dict | None, profile_engine: dict | None = None):
+    """The real engine's ``(model_config, cache_config, scheduler_config)`` rebuilt without a
+    model: ``args_dict`` (the engine flags) with ``resolved`` filled in (``engine_record``);
+    without ``resolved`` (older files), unset KV-cache sizes, step budget, chunked prefill and
+    ``max_model_len`` are the profiled engine's (``profile_engine``: the cost-model file's
+    ``engine``; the same host's default engine). Returns ``(configs, notes)``: notes name each
+    value taken from the profile.
+
+    Raises:
+        ValueError: a setting is out of range, or a KV-cache size is known from neither.
+    """
+    import dataclasses
+
+    from kvserve.config import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    kw = {k: v for k, v in (args_dict or {}).items() if k in names}
+    notes: list[str] = []
+    if resolved is not None:
+        kw.update(
+            num_gpu_blocks=resolved["num_gpu_blocks"],
+            num_cpu_blocks=resolved["num_cpu_blocks"],
+            max_num_batched_tokens=resolved["max_num_batched_tokens"],
+            enable_chunked_prefill=resolved["enable_chunked_prefill"],
+            max_model_len=resolved["max_model_len"],
+        )
+        window = resolved.get("sliding_window")
+    else:
+        window = None
+        prof = profile_engine or {}
+        keys = ("num_gpu_blocks", "num_cpu_blocks", "max_num_batched_tokens", "max_model_len")
+        for key in (*keys, "enable_chunked_prefill"):
+            if kw.get(key) is None and prof.get(key) is not None:
+                kw[key] = prof[key]
+                notes.append(f"{key} {prof[key]} (the profiled engine's: the run did not record it)")
+        for key in ("num_gpu_blocks", "num_cpu_blocks"):
+            if kw.get(key) is None:
+                raise ValueError(f"{key}: not recorded by the run and not in the profile's engine")
+    args = EngineArgs(**kw)
+    return args.create_configs(args.max_model_len or 8192, window), notes
+
+
+#: the metrics the fidelity target is set on (docs/benchmarks.md): (latency, statistic)
+TARGETS = (
+    ("ttft_s", "p50"),
+    ("ttft_s", "p90"),
+    ("tpot_s", "p50"),
+    ("tpot_s", "p90"),
+    ("e2e_s", "p50"),
+    ("e2e_s", "p90"),
+)
+
+
+def real_vs_real(a: dict, b: dict) -> dict:
+    """Two real runs of one cell (``--json-out`` files ``a`` and ``b``) set against each other:
+    ``{"relative_difference": S ((b - a) / a, ``side``'s layout), "targets": {"ttft_s p50": d,
+    ...}, "max_abs_target": the largest |d| of ``TARGETS``, "duration_s", "num_steps": [a, b],
+    "preempted_requests": agreement or None}`` -- the host's noise floor: no simulator can be
+    closer to one real run than the two real runs are to each other.
+
+    Raises:
+        ValueError: either lacks a real side, or they replay different traces.
+    """
+    for name, r in (("A", a), ("B", b)):
+        if not isinstance(r, dict) or not isinstance(r.get("real"), dict):
+            raise ValueError(f"{name}: not a bench fidelity result (no 'real' field)")
+    ta, tb = a.get("trace") or {}, b.get("trace") or {}
+    for key in ("path", "num_requests", "time_scale", "clip"):
+        va, vb = ta.get(key), tb.get(key)
+        if key == "path":  # relative to each run's directory: the file name must match
+            va, vb = Path(str(va)).name, Path(str(vb)).name
+        if va != vb:
+            raise ValueError(
+                f"the runs replay different requests: trace {key} {ta.get(key)!r} vs {tb.get(key)!r}"
+            )
+    diff = relative_error(a["real"], b["real"])
+    targets = {f"{k} {q}": diff[k][q] for k, q in TARGETS}
+    known = [abs(v) for v in targets.values() if v is not None]
+    ids_a = (a.get("preempted_ids") or {}).get("real")
+    ids_b = (b.get("preempted_ids") or {}).get("real")
+    return {
+        "relative_difference": diff,
+        "targets": targets,
+        "max_abs_target": max(known) if known else None,
+        "duration_s": [(a.get("duration_s") or {}).get("real"), (b.get("duration_s") or {}).get("real")],
+        "num_steps": [(a.get("num_steps") or {}).get("real"), (b.get("num_steps") or {}).get("real")],
+        "preempted_requests": None if ids_a is None or ids_b is None else preemption_agreement(ids_a, ids_b),
     }
 
 
@@ -187,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
-        "--trace", required=True, help="trace with arrival times (azure csv, vidur csv, mooncake jsonl)"
+        "--trace", default=None, help="trace with arrival times (azure csv, vidur csv, mooncake jsonl)"
     )
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
@@ -201,12 +398,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps-out", default=None, help="JSON of every real step (shape, wall times) for step_report.py"
     )
     ap.add_argument("--plot", default=None, help="PNG of the latency CDFs, real vs simulated")
+    ap.add_argument(
+        "--real-from",
+        default=None,
+        metavar="RESULT.json",
+        help="no real run: take the real side from this earlier --json-out and simulate with --cost-model",
+    )
+    ap.add_argument(
+        "--real-steps",
+        default=None,
+        metavar="STEPS.json",
+        help="with --real-from: that run's --steps-out (the oracle replay; engine flags of older files)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     from kvserve.sim.profile import add_grid_args
 
     add_grid_args(ap, prefix="profile-")  # the grid when profiling now (no --cost-model)
     add_engine_args(ap)
     return ap
+
+
+def _print_result(result: dict) -> None:
+    """The comparison a run (or a re-simulation) prints."""
+    print_comparison(result["real"], result["simulated"], result["relative_error"])
+    if result["num_extrapolated_steps"]:
+        print(
+            f"note: {result['num_extrapolated_steps']} simulated steps were larger than any profiled "
+            f"(their times are extrapolated: profile a larger grid)"
+        )
+    pa = result["preempted_requests"]
+    jac = f"{pa['jaccard']:.2f}" if pa.get("jaccard") is not None else "- (ids not recorded)"
+    print(
+        f"preempted requests: real {pa['real']}, simulated {pa['simulated']}, both {pa.get('both', '-')} "
+        f"(Jaccard {jac})"
+    )
+    if "oracle" in result:
+        print_oracle(result["oracle"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.sim.profile import grid_from_args, profile_engine
 
     ns = build_parser().parse_args(argv)
+    if ns.real_from:
+        return _main_real_from(ns)
+    if ns.real_steps:
+        print("Error: --real-steps goes with --real-from (a live run records its own steps)", file=sys.stderr)
+        return 2
+    if not ns.trace:
+        print("Error: --trace is required (or --real-from RESULT.json)", file=sys.stderr)
+        return 2
     if not Path(ns.trace).is_file():
         print(f"Error: --trace {ns.trace}: no such file", file=sys.stderr)
         return 2
@@ -256,24 +491,23 @@ def main(argv: list[str] | None = None) -> int:
         "path": ns.trace,
         "num_requests": len(requests),
         "time_scale": ns.time_scale,
+        "workload_seed": ns.workload_seed,
         "clip": clip,
     }
+    result["engine"] = engine_record(engine, args)
+    result["samples_ms"] = {"real": samples["real"]}
+    if steps:
+        configs = (engine.model_config, engine.cache_config, engine.scheduler_config)
+        result["oracle"] = oracle_comparison(
+            result["real"], configs, steps, result["engine"]["vocab_size"], requests, cm_file.cost_model
+        )
     result["system"] = system_info()
     print(
         f"real: {result['finished']['real']} finished in {result['duration_s']['real']:.1f} s; simulated: "
         f"{result['finished']['simulated']} in {result['duration_s']['simulated']:.1f} virtual s "
         f"({result['wall_s']['simulated']:.2f} s to simulate)"
     )
-    print_comparison(result["real"], result["simulated"], result["relative_error"])
-    if result["num_extrapolated_steps"]:
-        print(
-            f"note: {result['num_extrapolated_steps']} simulated steps were larger than any profiled "
-            f"(their times are extrapolated: profile a larger grid)"
-        )
-    pa = result["preempted_requests"]
-    print(
-        f"preempted requests: real {pa['real']}, simulated {pa['simulated']}, both {pa['both']} (Jaccard {pa['jaccard']:.2f})"
-    )
+    _print_result(result)
     if ns.json_out:
         write_json(ns.json_out, result)
     if ns.steps_out:
@@ -293,6 +527,133 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"wrote {plot_latency_cdfs(samples, ns.plot, title='real vs simulated: ' + Path(ns.trace).name)}"
         )
+    return 0
+
+
+def _load_result(path: str) -> dict:
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"--real-from {path}: no such file") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--real-from {path}: not a JSON file ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("real"), dict) or "trace" not in data:
+        raise ValueError(f"--real-from {path}: not a bench fidelity result (no 'real' and 'trace' fields)")
+    missing = [k for k in SUMMARY_KEYS if k not in data["real"]]
+    if missing:
+        raise ValueError(f"--real-from {path}: real side lacks {missing}")
+    return data
+
+
+def resimulate(recorded: dict, cm_file, args_dict: dict, steps=None, path: str = "<result>") -> dict:
+    """The real side of a recorded run (``recorded``: its ``--json-out``) against a new
+    simulation of the same requests with ``cm_file`` (a loaded cost-model file); ``args_dict``:
+    the engine flags when the file has none; ``steps``: that run's step records (then the
+    oracle runs too). Returns the JSON's layout, plus ``real_from`` and ``notes``.
+
+    Raises:
+        ValueError: a malformed file, a trace that is gone, a mismatched profile.
+    """
+    from kvserve.config import EngineArgs
+
+    rec_engine = recorded.get("engine") or {}
+    args_dict = rec_engine.get("args") or args_dict
+    kw = {k: args_dict.get(k) for k in ("model", "dtype", "block_size", "quantization")}
+    cm_file.check_engine_args(EngineArgs(**{k: v for k, v in kw.items() if v is not None}))
+    configs, notes = configs_from_record(args_dict, rec_engine.get("resolved"), cm_file.engine)
+    vocab = int(rec_engine.get("vocab_size") or 49152)
+    requests, _ = requests_from_result(recorded, path)
+    t1 = time.perf_counter()
+    sim_res = sim_replay(configs, cm_file.cost_model, vocab, requests)
+    sim_wall = time.perf_counter() - t1
+    ss = summarize_replay(sim_res)
+    real, sim = recorded["real"], side(ss)
+    real_ids = (recorded.get("preempted_ids") or {}).get("real")
+    if real_ids is not None:
+        agree = preemption_agreement(real_ids, ss["preempted_ids"])
+    else:  # older files kept counts only
+        agree = {
+            "real": recorded.get("preempted_requests", {}).get("real"),
+            "simulated": len(ss["preempted_ids"]),
+        }
+        agree.update(both=None, jaccard=None)
+    out = {
+        "real": real,
+        "simulated": sim,
+        "relative_error": relative_error(real, sim),
+        "preempted_requests": agree,
+        "finished": {"real": recorded.get("finished", {}).get("real"), "simulated": ss["num_finished"]},
+        "duration_s": {"real": recorded.get("duration_s", {}).get("real"), "simulated": ss["duration_s"]},
+        "num_steps": {"real": recorded.get("num_steps", {}).get("real"), "simulated": ss["num_steps"]},
+        "num_extrapolated_steps": ss["num_extrapolated_steps"],
+        "wall_s": {"simulated": sim_wall},
+        "cost_model": cm_file.cost_model.describe(),
+        "preempted_ids": {"real": real_ids, "simulated": ss["preempted_ids"]},
+        "trace": recorded["trace"],
+        "engine": rec_engine or {"args": args_dict},
+        "real_from": path,
+        "real_system": recorded.get("system"),
+        "notes": notes,
+        "_samples": {
+            "real": (recorded.get("samples_ms") or {}).get("real"),
+            "simulated": samples_ms(sim_res),
+        },
+    }
+    if steps is not None:
+        out["oracle"] = oracle_comparison(real, configs, steps, vocab, requests, cm_file.cost_model)
+    return out
+
+
+def _main_real_from(ns) -> int:
+    import dataclasses
+
+    from kvserve.config import EngineArgs
+    from kvserve.sim.cost_model_file import load_cost_model
+    from kvserve.sim.step_record import load_steps
+
+    if not ns.cost_model:
+        print("Error: --real-from needs --cost-model (there is no engine to profile)", file=sys.stderr)
+        return 2
+    try:
+        recorded = _load_result(ns.real_from)
+        cm_file = load_cost_model(ns.cost_model)
+        steps, meta = load_steps(ns.real_steps) if ns.real_steps else (None, {})
+        flags = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+        # a file without engine settings: the steps file's meta has them, else the flags given
+        args_dict = meta.get("engine") or flags
+        result = resimulate(recorded, cm_file, args_dict, steps, ns.real_from)
+        if not recorded.get("engine") and not meta.get("engine"):
+            result["notes"].insert(
+                0,
+                f"{ns.real_from} does not record its engine settings: the engine flags given here are "
+                "used (give the run's own, e.g. --num-gpu-blocks, or its --real-steps file)",
+            )
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    samples = result.pop("_samples")
+    result["system"] = system_info()
+    print(f"cost model: {cm_file.cost_model.describe()}")
+    print(
+        f"real side from {ns.real_from} (recorded {(result['real_system'] or {}).get('time', '?')}); "
+        f"simulated {result['finished']['simulated']} requests in {result['duration_s']['simulated']:.1f} "
+        f"virtual s ({result['wall_s']['simulated']:.2f} s to simulate)"
+    )
+    for n in result["notes"]:
+        print(f"note: {n}")
+    _print_result(result)
+    if ns.json_out:
+        write_json(ns.json_out, result)
+    if ns.plot:
+        if samples["real"] is None:
+            print(f"note: no plot: {ns.real_from} has no per-request samples (written before they were kept)")
+        else:
+            from kvserve.benchmarks.plots import plot_latency_cdfs
+
+            title = "recorded real vs re-simulated: " + Path(result["trace"]["path"]).name
+            print(f"wrote {plot_latency_cdfs(samples, ns.plot, title=title)}")
     return 0
 
 

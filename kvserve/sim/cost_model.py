@@ -170,21 +170,35 @@ class CostModel:
 def fit_cost_model(
     samples: Sequence[tuple[StepShape, float]],
     features: Sequence[str] | None = None,
-    trim: float | None = 3.0,
+    trim: float | None = 10.0,
 ) -> CostModel:
-    """Least-squares fit of ``base_s`` and the ``FEATURES`` coefficients to measured steps.
+    """Least-squares fit of ``base_s`` and the ``FEATURES`` coefficients to measured steps,
+    aimed at each shape's *mean* time.
 
-    ``samples``: (shape, seconds) pairs. The residuals are weighted by 1/t, so the fit minimises
-    relative error: a 20 ms decode step matters as much as a 1 s prefill (first by 1/t, then
-    by 1/prediction, so noisy repeats of one shape are fitted at their mean). Coefficients are kept
-    >= 0 (a cost cannot be negative): a feature whose coefficient comes out negative is dropped
-    and the rest refitted, until all are >= 0. Features that are 0 in every sample are left
-    at 0. With ``trim``, steps whose |log(measured / predicted)| exceeds ``trim`` times the
-    median one (and log 1.1) after the first fit -- a step slowed by another process on a shared host -- are
-    left out of the rest. ``info`` of the result is empty (the caller names the source).
+    Why the mean: a replay's virtual clock is the sum of its step costs, so a model that
+    predicts the typical (fast) step of a noisy host under-predicts every latency built from
+    that sum. On a host whose speed drifts by tens of percent over minutes, a fit that favoured
+    the fast repeats (or trimmed the slow ones) under-predicted its own profile's summed time by
+    8-11%; this one is within ~1% (docs/benchmarks.md, "simulator fidelity").
+
+    How: residuals are relative (weighted by 1/t on the first pass, so a 20 ms decode step
+    matters as much as a 1 s prefill), then by 1/prediction on the passes after it: with the
+    weight fixed by the previous pass, the repeats of one shape are fitted at their mean (1/t
+    weights would pull it toward the fastest one: an under-prediction costs at most 100%, an
+    over-prediction any amount). Coefficients are kept >= 0 (a cost cannot be negative): a
+    feature whose coefficient comes out negative is dropped and the rest refitted, until all are
+    >= 0. Features that are 0 in every sample are left at 0.
+
+    ``trim``: after the first pass, steps more than ``trim`` times slower or faster than
+    predicted are left out of the coefficients (default 10: only gross outliers, e.g. a 30 ms
+    step stalled for a second by the host), and their time beyond the prediction is put back as
+    one factor on every coefficient (a stall hits a step with a chance in proportion to its
+    length), so the summed prediction still counts them. Slow steps within the bound are part
+    of what a replay sees and stay in the mean; ``None`` keeps every step. ``info`` of the result is empty (the caller names
+    the source).
 
     Raises:
-        ValueError: fewer samples than coefficients, or a non-positive time.
+        ValueError: fewer samples than coefficients, a non-positive time, or ``trim`` <= 1.
     """
     import numpy as np
 
@@ -194,22 +208,32 @@ def fit_cost_model(
         raise ValueError(f"need at least {len(names) + 1} measured steps to fit, got {len(samples)}")
     if (ys <= 0).any() or not np.isfinite(ys).all():
         raise ValueError("measured step times must be finite and > 0")
+    if trim is not None and not trim > 1:
+        raise ValueError(f"trim must be > 1 (a ratio of measured to predicted time), got {trim}")
     cols = {n: np.array([float(getattr(s, FEATURES[n])) for s, _ in samples]) for n in names}
     keep = np.ones(len(ys), dtype=bool)
     w = 1.0 / ys
     for it in range(4):
         base, coef = _fit_nonneg(ys[keep], {n: c[keep] for n, c in cols.items()}, w[keep])
         pred = base + sum(coef.get(n, 0.0) * cols[n] for n in names)
-        # Reweight by the prediction: 1/t weights favour the fastest of noisy repeats (an
-        # under-prediction costs at most 100%), 1/prediction weights fit their mean.
         w = 1.0 / np.maximum(pred, ys.min())
+        # trim against the first pass: its 1/t weights keep it on the fast majority even when
+        # stalls are frequent (a mean fit would follow them and flag nothing)
         if trim and it == 0:
-            # on a log scale: a step 10x slower than predicted is as far out as one 10x
-            # faster (a relative error could never exceed 100% for the slow one)
-            dev = np.abs(np.log(ys / np.maximum(pred, 1e-12)))
-            bound = max(trim * float(np.median(dev)), float(np.log(1.1)))
-            if (dev <= bound).sum() >= len(names) + 1:
-                keep = dev <= bound
+            # a ratio both ways: a step 10x slower than predicted is as far out as one 10x faster
+            ratio = ys / np.maximum(pred, 1e-12)
+            inside = (ratio <= trim) & (ratio >= 1.0 / trim)
+            if inside.sum() >= len(names) + 1:
+                keep = inside
+    if not keep.all():
+        # the trimmed steps leave the coefficients (one stall must not bend one shape's line)
+        # but not the clock: their time beyond the prediction is spread over every step in
+        # proportion to its length, as a stall from outside hits a step with a chance in
+        # proportion to how long it runs
+        scale = 1.0 + float((ys[~keep] - pred[~keep]).sum()) / float(pred.sum())
+        if scale > 0:
+            base *= scale
+            coef = {n: c * scale for n, c in coef.items()}
     fields = {n: 0.0 for n in FEATURES}
     fields.update(coef)
     return CostModel(base_s=base, info={}, **fields)

@@ -17,7 +17,10 @@ checks -- what the simulator's virtual clock has to advance by. The grid:
 * **swap**: ``n`` blocks swapped out and in through the worker (``Worker.execute_model`` with
   only the block maps): fitted apart, per block, since those calls have no step around them.
 
-Fit (``fit_cost_model``, 1/t-weighted least squares, coefficients >= 0). Why these terms: on
+Fit (``fit_cost_model``: relative least squares aimed at each shape's mean time, only gross
+outliers (> 10x) trimmed, coefficients >= 0; the mean because a replay's clock sums step costs).
+``kvserve profile --refit OLD.json --out NEW.json`` refits a file's stored measurements with
+the current fit (no engine is built). Why these terms: on
 this engine a step is Python work per step and per scheduled group (scheduling, metadata,
 sampling, detokenizing: ``base_s``, ``prefill_seq_s``, ``sample_s``), GEMMs linear in the
 query tokens (``prefill_token_s`` for prompt tokens; ``decode_seq_s`` for decodes, which on CPU
@@ -69,6 +72,10 @@ class ProfileGrid:
     mixed_context_len: int = 192
     swap_blocks: list[int] = field(default_factory=lambda: [1, 8, 32, 128])
     repeats: int = 2
+    # scenarios (all repeats) run in an order shuffled with this seed, so a slow phase of a
+    # host whose speed drifts over minutes falls on every shape class, not on one (None: grid
+    # order, each class in turn)
+    order_seed: int | None = 0
 
     def override(self, **lists) -> ProfileGrid:
         """A copy with the given fields replaced (None values are left as they are).
@@ -81,7 +88,7 @@ class ProfileGrid:
             if v is None:
                 continue
             vals = v if isinstance(v, list) else [v]
-            low = 0 if name == "long_prompt_chunks" else 1
+            low = 0 if name in ("long_prompt_chunks", "order_seed") else 1
             if not vals or any(x < low for x in vals):
                 raise ValueError(f"{name} must be >= {low}, got {v}")
             setattr(g, name, v)
@@ -214,6 +221,10 @@ class Profiler:
                 for b in g.mixed_batch_sizes:
                     items.append(("mixed", (b,)))
             items.append(("swap", None))
+        if g.order_seed is not None:
+            import random
+
+            random.Random(g.order_seed).shuffle(items)
         return items
 
     def run_prefill(self, p: int, k: int) -> None:
@@ -383,6 +394,7 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
         },
         "coefficients": cm.coefficients(),
         "fit_error": errors,
+        "fit": {"method": FIT_METHOD},
         "profile": {
             "grid": dataclasses.asdict(grid),
             "load_s": 0.0,
@@ -397,6 +409,44 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
             "swap_samples": [{"blocks": n, "t": t} for n, t in prof.swap_samples],
         },
     }
+
+
+#: how ``fit_cost_model`` fits (recorded in each file's ``fit``)
+FIT_METHOD = "mean: relative least squares, 1/prediction weights, trim 10x"
+
+
+def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
+    """A copy of a cost-model file's object (``data``) with its coefficients and fit errors
+    refitted from its stored measurements (``profile.samples``, ``profile.swap_samples``) by
+    the current ``fit_cost_model``; ``fit`` says how and when (the previous fit is kept as
+    ``fit.previous_coefficients``).
+
+    Raises:
+        ValueError: a malformed file or too few stored samples.
+    """
+    import copy
+
+    from kvserve.sim.cost_model_file import parse_cost_model
+
+    f = parse_cost_model(data)
+    samples = f.samples()
+    cm = fit_cost_model(samples, trim=trim)
+    swaps = [(int(s["blocks"]), float(s["t"])) for s in (data.get("profile") or {}).get("swap_samples") or []]
+    cm.swap_block_s, swap_err = (
+        fit_swap(swaps) if swaps else (data["coefficients"].get("swap_block_s", 0.0), None)
+    )
+    errors = fit_errors(cm, samples)
+    if swap_err is not None:
+        errors["swap"] = swap_err
+    out = copy.deepcopy(data)
+    out["coefficients"] = cm.coefficients()
+    out["fit_error"] = errors
+    out["fit"] = {
+        "method": FIT_METHOD if trim == 10.0 else f"{FIT_METHOD.rsplit(',', 1)[0]}, trim {trim}",
+        "refitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "previous_coefficients": data["coefficients"],
+    }
+    return out
 
 
 def print_fit(data: dict, out=None) -> None:
@@ -433,7 +483,7 @@ LIST_FIELDS = (
     "mixed_prefill_lens",
     "mixed_batch_sizes",
 )
-INT_FIELDS = ("decode_steps", "repeats", "long_prompt_chunks", "mixed_context_len")
+INT_FIELDS = ("decode_steps", "repeats", "long_prompt_chunks", "mixed_context_len", "order_seed")
 
 
 def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -466,9 +516,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", required=True, help="cost-model JSON to write")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--refit",
+        default=None,
+        metavar="PROFILE.json",
+        help="measure nothing: refit this file's stored measurements with the current fit, write --out",
+    )
     add_grid_args(ap)
     add_engine_args(ap)
     ns = ap.parse_args(argv)
+    if ns.refit:
+        from kvserve.sim.cost_model_file import load_cost_model
+
+        try:
+            data = refit_profile(load_cost_model(ns.refit).data)
+            save_cost_model(ns.out, data)
+        except ValueError as e:
+            print(f"Error: {e}", file=sys.stderr)
+            return 2
+        print(
+            f"refitted {len(data['profile']['samples'])} stored steps of {ns.refit} ({FIT_METHOD}); wrote {ns.out}"
+        )
+        print_fit(data)
+        return 0
     try:
         grid = grid_from_args(ns)
         data = profile(engine_args_from(ns), grid, progress=not ns.no_progress)
@@ -485,4 +555,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["CostModel", "ProfileGrid", "Profiler", "profile", "profile_engine", "fit_swap", "main"]
+__all__ = [
+    "CostModel",
+    "ProfileGrid",
+    "Profiler",
+    "profile",
+    "profile_engine",
+    "fit_swap",
+    "refit_profile",
+    "main",
+]

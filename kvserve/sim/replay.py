@@ -171,7 +171,7 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult
         if rec is not None:
             step_s = rec[0].timer() - s0
             if rec[0].last is not None and not rec[0].last.is_empty:
-                r = StepRecord(rec[0].last, step_s, rec[0].exec_s, 0.0, 0.0, *queues)
+                r = StepRecord(rec[0].last, step_s, rec[0].exec_s, 0.0, 0.0, *queues, start_s=now - t0)
                 open_rec = (r, it_start, rec[1].total)
         res.num_steps += 1
         t = clock() - t0

@@ -43,6 +43,9 @@ class StepRecord:
             next iteration's start): what the real side's clock advances by per step.
         gc_s: Python GC pauses within the iteration.
         num_waiting / num_running / num_swapped: the scheduler's queues before the step.
+        start_s: the replay clock when the iteration checked for arrived requests, seconds
+            from the replay's start (None in records written before it was kept): lets an
+            oracle replay (``kvserve.sim.oracle``) start each step where the real one started.
     """
 
     shape: StepShape
@@ -53,6 +56,7 @@ class StepRecord:
     num_waiting: int = 0
     num_running: int = 0
     num_swapped: int = 0
+    start_s: float | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -66,7 +70,8 @@ class StepRecord:
             shape = StepShape(**d["shape"])
             rest = {k: d[k] for k in ("step_s", "exec_s", "loop_s", "gc_s") if k in d}
             q = {k: int(d[k]) for k in ("num_waiting", "num_running", "num_swapped") if k in d}
-            return cls(shape=shape, **{k: float(v) for k, v in rest.items()}, **q)
+            start = None if d.get("start_s") is None else float(d["start_s"])
+            return cls(shape=shape, **{k: float(v) for k, v in rest.items()}, **q, start_s=start)
         except KeyError as e:
             raise ValueError(f"step record: missing field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:

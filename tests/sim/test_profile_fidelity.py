@@ -1,6 +1,7 @@
 """``kvserve profile`` and ``kvserve bench fidelity`` on the tiny random model (seconds)."""
 
 import json
+import re
 
 import pytest
 
@@ -203,3 +204,128 @@ def test_bench_fidelity_bad_flags_are_one_line_errors(tmp_path, capsys):
     assert fidelity.main(["--trace", trace, "--cost-model", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "Traceback" not in err
+
+
+def _flat(side):
+    out = {}
+    for k, v in side.items():
+        if isinstance(v, dict):
+            out.update({f"{k} {q}": x for q, x in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
+def test_real_from_round_trips(tiny_profile, tiny_llama_dir, tmp_path, capsys):
+    """A live run's JSON and steps re-simulated with the same profile (no real engine) give the
+    same simulated side, the same errors and the same oracle: the requests and the engine's
+    configs are rebuilt exactly. A file without the engine record (written before it was kept)
+    takes the settings from its steps file and the KV-cache sizes from the profile."""
+    _, path = tiny_profile
+    out, steps = tmp_path / "f.json", tmp_path / "steps.json"
+    trace = _trace(tmp_path, n=16)
+    argv = ["--model", str(tiny_llama_dir), *ENGINE, "--trace", str(trace), "--cost-model", str(path)]
+    argv += [
+        "--num-requests",
+        "14",
+        "--max-input-len",
+        "96",
+        "--json-out",
+        str(out),
+        "--steps-out",
+        str(steps),
+    ]
+    assert fidelity.main(argv) == 0
+    assert "oracle replay" in capsys.readouterr().out
+    live = json.loads(out.read_text())
+    assert live["oracle"]["steps"]["num_diverged"] == 0, live["oracle"]["steps"]["why"]
+    assert live["engine"]["resolved"]["num_gpu_blocks"] == 48
+    again = tmp_path / "again.json"
+    argv2 = [
+        "--real-from",
+        str(out),
+        "--real-steps",
+        str(steps),
+        "--cost-model",
+        str(path),
+        "--json-out",
+        str(again),
+    ]
+    assert fidelity.main(argv2) == 0
+    text = capsys.readouterr().out
+    assert "real side from" in text and "ttft_s p50" in text and "oracle replay" in text
+    re_ = json.loads(again.read_text())
+    assert re_["real"] == live["real"] and re_["real_from"] == str(out)
+    assert _flat(re_["simulated"]) == pytest.approx(_flat(live["simulated"]))
+    assert _flat(re_["relative_error"]) == pytest.approx(_flat(live["relative_error"]))
+    assert re_["preempted_requests"] == live["preempted_requests"]
+    assert _flat(re_["oracle"]["simulated"]) == pytest.approx(_flat(live["oracle"]["simulated"]))
+    assert re_["oracle"]["steps"]["num_diverged"] == 0 and re_["notes"] == []
+    # an older file: no engine record, no per-request samples
+    old = {k: v for k, v in live.items() if k not in ("engine", "samples_ms", "preempted_ids")}
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(old))
+    assert (
+        fidelity.main(["--real-from", str(old_path), "--real-steps", str(steps), "--cost-model", str(path)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "the profiled engine's" in text and "Jaccard - (ids not recorded)" in text
+    sims = re.findall(r"ttft_s p50 +[\d.]+ +([\d.]+)", text)
+    assert sims and float(sims[0]) == pytest.approx(live["simulated"]["ttft_s"]["p50"], abs=1e-4)
+
+
+def test_real_from_bad_input_is_one_line_errors(tiny_profile, tmp_path, capsys):
+    _, path = tiny_profile
+    assert fidelity.main(["--real-from", str(tmp_path / "none.json"), "--cost-model", str(path)]) == 2
+    assert "--real-from" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"simulated": {}}')
+    assert fidelity.main(["--real-from", str(bad), "--cost-model", str(path)]) == 2
+    assert "not a bench fidelity result" in capsys.readouterr().err
+    assert fidelity.main(["--real-from", str(bad)]) == 2
+    assert "needs --cost-model" in capsys.readouterr().err
+    assert fidelity.main(["--real-steps", str(bad), "--trace", str(_trace(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "--real-steps goes with --real-from" in err and "Traceback" not in err
+
+
+def test_refit_profile_refits_the_stored_measurements(tiny_profile, tmp_path, capsys):
+    data, path = tiny_profile
+    assert data["fit"]["method"].startswith("mean")
+    out = tmp_path / "refit.json"
+    assert profile_main(["--refit", str(path), "--out", str(out)]) == 0
+    assert "refitted" in capsys.readouterr().out
+    f = load_cost_model(out)
+    fit = fit_cost_model(f.samples())
+    for k, v in f.data["coefficients"].items():
+        if k != "swap_block_s":
+            assert v == pytest.approx(getattr(fit, k), rel=1e-9, abs=1e-15), k
+    assert f.data["fit"]["previous_coefficients"] == data["coefficients"]
+    assert f.data["fit_error"]["all"] == pytest.approx(fit_errors(f.cost_model, f.samples())["all"])
+    assert profile_main(["--refit", str(tmp_path / "none.json"), "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_profile_scenarios_are_interleaved_by_a_seed():
+    """Seeded shuffle: a slow phase of a drifting host falls on every shape class; the same
+    seed gives the same order, None the grid order (all prefills first)."""
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.profile import Profiler
+    from kvserve.sim.replay import simulated_engine
+
+    configs = EngineArgs(
+        num_gpu_blocks=512, num_cpu_blocks=64, max_model_len=2048, device="cpu"
+    ).create_configs(2048)
+    orders = {}
+    for seed in (0, 0, 1, None):
+        engine, _ = simulated_engine(configs, CostModel(), 1000)
+        prof = Profiler(engine, ProfileGrid.small().override(repeats=2), progress=False)
+        prof.grid.order_seed = seed
+        orders.setdefault(seed, []).append(prof.scenarios())
+    assert orders[0][0] == orders[0][1] != orders[1][0]
+    assert sorted(map(repr, orders[0][0])) == sorted(map(repr, orders[None][0]))
+    kinds = [k for k, _ in orders[None][0]]
+    assert kinds[: kinds.index("decode")] == ["prefill"] * kinds.index("decode")
+    first_half = {k for k, _ in orders[0][0][: len(kinds) // 2]}
+    assert first_half >= {"prefill", "decode"}

@@ -3,8 +3,18 @@
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Every property test runs without a per-example deadline and without the too-slow health
+# check: both are wall-clock limits, which a loaded CI machine (steps 10x slower) trips on
+# examples that are fast when quiet; a deadline exceeded once and met on the replay is
+# reported as a Flaky failure. Explicit ``@settings`` inherit this profile.
+settings.register_profile(
+    "kvserve", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("kvserve")
 
 
 @pytest.fixture(scope="session")

@@ -50,8 +50,10 @@ class RunningServer:
         headers.update(kw.pop("headers", {}))
         return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 120), **kw)
 
-    def wait_idle(self, timeout: float = 20.0) -> dict:
-        """Wait until the engine has no request and no KV block in use; return the KV stats."""
+    def wait_idle(self, timeout: float = 120.0) -> dict:
+        """Wait until the engine has no request and no KV block in use; return the KV stats.
+        It returns as soon as that holds: the generous ``timeout`` (s) costs nothing when the
+        engine is quick and keeps a loaded CI machine from failing a correct server."""
         deadline = time.time() + timeout
         stats = None
         while time.time() < deadline:
@@ -69,6 +71,38 @@ class RunningServer:
             f"{self.engine.get_num_unfinished_requests()} in_flight="
             f"{self.async_engine.num_in_flight} kv={stats}"
         )
+
+    @contextlib.contextmanager
+    def engine_held(self, timeout: float = 120.0):
+        """Inside the block, once a step has produced text the engine runs no further step
+        until the block exits (or ``timeout`` s pass): a request that streams its first chunk
+        inside the block is still running at its next check, however fast the engine and
+        however slow the test's own thread. The event loop keeps serving meanwhile, and work
+        queued for the engine thread (aborts, adapter calls) waits for the held step."""
+        engine = self.engine
+        real_step = engine.step
+        patched_before = "step" in vars(engine)
+        produced, release = threading.Event(), threading.Event()
+
+        def step():
+            if produced.is_set():
+                release.wait(timeout)
+            outs = real_step()
+            # text, not just a token id: a stream sends no chunk for a token that decodes to
+            # nothing yet, so holding before the first text would hold the first chunk too
+            if any(c.text for o in outs for c in o.outputs):
+                produced.set()
+            return outs
+
+        engine.step = step
+        try:
+            yield
+        finally:
+            if patched_before:
+                engine.step = real_step
+            else:
+                del engine.step  # the class's method again
+            release.set()
 
 
 def _free_socket():

@@ -28,7 +28,10 @@ _SCRIPT = textwrap.dedent("""
         x.exp()  # a parallel region: libgomp starts 1 worker for the main thread
     before = threads()
     ok = release_calling_thread_pool()
-    time.sleep(0.2)  # the workers exit asynchronously
+    # the workers exit asynchronously: wait for it (bounded) instead of guessing how long
+    deadline = time.monotonic() + 60
+    while threads() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
     print(ok, before, threads())
 """)
 

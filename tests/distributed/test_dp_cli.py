@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.server.test_shutdown import _free_port, _stream, _wait_healthy
+from tests.server.test_shutdown import _stream, _wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,6 @@ def test_serve_data_parallel_drains_on_sigterm_and_exits_0(tmp_path, tiny_llama_
     pytest.importorskip("ray")
     import httpx
 
-    port = _free_port()
     log = open(tmp_path / "serve.log", "w+")
     cmd = [
         sys.executable,
@@ -39,7 +38,7 @@ def test_serve_data_parallel_drains_on_sigterm_and_exits_0(tmp_path, tiny_llama_
         "--model",
         str(tiny_llama_dir),
         "--port",
-        str(port),
+        "0",  # the kernel's choice, read from the log: no race for a free port
         "--data-parallel-size",
         "2",
         "--router",
@@ -55,7 +54,7 @@ def test_serve_data_parallel_drains_on_sigterm_and_exits_0(tmp_path, tiny_llama_
         cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false")
     )
     try:
-        _wait_healthy(proc, port, log, timeout=240)
+        port = _wait_healthy(proc, log, timeout=300)
         log.seek(0)
         pids = [int(p) for p in re.findall(r"replica \d: pid (\d+)", log.read())]
         assert len(pids) == 2 and all(_alive(p) for p in pids)

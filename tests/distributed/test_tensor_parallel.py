@@ -228,7 +228,7 @@ def test_killed_peer_rank_is_a_clear_error_not_a_hang(tiny_llama_dir, prompts):
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts[:2]], greedy(max_tokens=3), use_tqdm=False
         )
-        assert time.monotonic() - t < 30
+        assert time.monotonic() - t < 60  # a hang waits out the 120 s collective timeout
         for o in outs:
             assert o.outcome == "failed"
             assert "tensor-parallel worker rank 1" in (o.error or "")

@@ -69,7 +69,7 @@ def test_tp2_fault_inside_the_drivers_forward_is_bounded_and_clear(tp2_llm, monk
         monkeypatch.setattr(runner, "model", PoisonedModel(runner.model))
         t = time.monotonic()
         outs = llm.generate([[POISON, 3, 4]] + PROMPTS[:2], [BAD] + PARAMS[:2], use_tqdm=False)
-        assert time.monotonic() - t < 30
+        assert time.monotonic() - t < 60  # a hang waits out the 120 s collective timeout
         assert all(o.outcome == "failed" for o in outs)
         assert any("out of step" in (o.error or "") for o in outs)
         st = llm.llm_engine.get_kv_cache_stats()

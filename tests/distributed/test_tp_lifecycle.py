@@ -28,11 +28,13 @@ def _one_thread_per_rank(monkeypatch):
 
 def _children() -> set[int]:
     """Child python processes, less multiprocessing's resource tracker (it lives as long as
-    this interpreter, whatever the engine does)."""
+    this interpreter, whatever the engine does) and the session's Ray runtime (its raylet
+    starts and reaps worker processes on its own schedule)."""
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
+            cmd = " ".join(p.cmdline())
+            if "resource_tracker" not in cmd and "ray::" not in cmd and "/ray/" not in cmd:
                 out.add(p.pid)
         except psutil.Error:
             pass

@@ -66,7 +66,7 @@ def test_tp2_server_dead_peer_is_503_engine_dead_and_health_503(tiny_llama_dir, 
     with running_server(args, "tiny") as srv:
         peer = srv.engine.executor.peers._procs[0]
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3}
-        with srv.http(timeout=30) as h:
+        with srv.http(timeout=120) as h:
             assert h.post("/v1/completions", json=body).status_code == 200
             os.kill(peer.pid, signal.SIGKILL)
             peer.join(10)
@@ -80,6 +80,6 @@ def test_tp2_server_dead_peer_is_503_engine_dead_and_health_503(tiny_llama_dir, 
                 text = "".join(r.iter_lines())
             assert r.status_code == 503 and "engine_dead" in text, text
             assert h.get("/health").status_code == 503
-            assert time.monotonic() - t < 30
+            assert time.monotonic() - t < 60  # a hang waits out the 120 s collective timeout
         st = srv.engine.get_kv_cache_stats()
         assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]

@@ -309,26 +309,31 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(server, offline, a
         )
         lora_id = server.app.state.models.resolve("busy").lora_int_id
         client = server.client()
-        stream = client.completions.create(
-            model="busy",
-            prompt=PROMPT,
-            max_tokens=long,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        it = iter(stream)
-        first = next(it)
-        r = h.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
-        # the stream has 119 tokens to go: the unload is deferred until it ends
-        assert r.status_code == 200 and "1 running request(s) finish with it first" in r.text
-        err = _error(h.post("/v1/completions", json={"model": "busy", "prompt": "hi", "max_tokens": 2}), 404)
-        assert err["code"] == "model_not_found"
+        # held after its first token: the unload meets the stream still running, however
+        # quickly the tiny model could produce the other 119 tokens
+        with server.engine_held():
+            stream = client.completions.create(
+                model="busy",
+                prompt=PROMPT,
+                max_tokens=long,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            it = iter(stream)
+            first = next(it)
+            r = h.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
+            # the stream has 119 tokens to go: the unload is deferred until it ends
+            assert r.status_code == 200 and "1 running request(s) finish with it first" in r.text
+            err = _error(
+                h.post("/v1/completions", json={"model": "busy", "prompt": "hi", "max_tokens": 2}), 404
+            )
+            assert err["code"] == "model_not_found"
         rest = list(it)
         text = "".join(c.choices[0].text for c in [first, *rest] if c.choices)
         assert rest[-1].choices[0].finish_reason == "length"
         assert text == ref
-    deadline = time.time() + 10
+    deadline = time.time() + 60
     while lora_id in server.engine.list_loras() and time.time() < deadline:
         time.sleep(0.05)
     assert lora_id not in server.engine.list_loras()
@@ -345,20 +350,23 @@ def test_a_client_gone_after_the_unload_releases_the_adapter(server, adapter_dir
             h.post("/v1/load_lora_adapter", json={"lora_name": "drop", "lora_path": path}).status_code == 200
         )
         lora_id = server.app.state.models.resolve("drop").lora_int_id
-        stream = server.client().completions.create(
-            model="drop",
-            prompt=PROMPT,
-            max_tokens=200,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        r = h.post("/v1/unload_lora_adapter", json={"lora_name": "drop"})
-        assert r.status_code == 200 and "1 running request(s)" in r.text
-        assert lora_id in server.engine.list_loras()
-        stream.close()
-    deadline = time.time() + 10
+        # held after its first token: the request is still running at the unload and when
+        # its client goes (the abort is applied once the hold ends)
+        with server.engine_held():
+            stream = server.client().completions.create(
+                model="drop",
+                prompt=PROMPT,
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            next(iter(stream))
+            r = h.post("/v1/unload_lora_adapter", json={"lora_name": "drop"})
+            assert r.status_code == 200 and "1 running request(s)" in r.text
+            assert lora_id in server.engine.list_loras()
+            stream.close()
+    deadline = time.time() + 60
     while lora_id in server.engine.list_loras() and time.time() < deadline:
         time.sleep(0.05)
     assert lora_id not in server.engine.list_loras()
@@ -453,7 +461,7 @@ def test_bad_load_and_unload_bodies(server, route, body, status, param, code):
 def test_both_routes_need_the_api_key(server):
     import httpx
 
-    with httpx.Client(base_url=server.url, timeout=30) as h:
+    with httpx.Client(base_url=server.url, timeout=120) as h:
         for route, body in (
             ("load", {"lora_name": "k", "lora_path": "/x"}),
             ("unload", {"lora_name": "sql"}),

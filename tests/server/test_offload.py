@@ -121,7 +121,7 @@ def test_pool_refuses_past_its_queue_and_counts_abandoned_jobs_until_they_end():
     release = threading.Event()
 
     async def main():
-        first = asyncio.ensure_future(pool.run(1, release.wait, 5))
+        first = asyncio.ensure_future(pool.run(1, release.wait, 60))  # set below, long before
         second = asyncio.ensure_future(pool.run(1, lambda: 2))
         await asyncio.sleep(0.05)
         assert pool.jobs == 2
@@ -151,20 +151,33 @@ def server():
         yield s
 
 
+#: Upper bound (ms) on one ``/health`` answer while a refused request is handled. The work it
+#: guards against takes seconds on a quiet machine (tokenizing 4 MB: ~3 s; pydantic validating
+#: 100k messages: 2.7 s); a second leaves a loaded CI machine (10x slower steps) room.
+HEALTH_BOUND_MS = 1000
+
+
 class _HealthProbe:
-    """Pings ``/health`` on a keep-alive connection in a thread; latencies in ms."""
+    """Pings ``/health`` on a keep-alive connection in a thread; latencies in ms, and each
+    ping's (start, end) in ``time.perf_counter`` seconds."""
 
     def __init__(self, url):
-        self.url, self.lat, self.stop = url, [], threading.Event()
+        self.url, self.lat, self.spans, self.stop = url, [], [], threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        with httpx.Client(base_url=self.url, timeout=10) as c:
+        with httpx.Client(base_url=self.url, timeout=60) as c:
             while not self.stop.is_set():
                 t = time.perf_counter()
                 assert c.get("/health").status_code == 200
-                self.lat.append((time.perf_counter() - t) * 1000)
+                end = time.perf_counter()
+                self.lat.append((end - t) * 1000)
+                self.spans.append((t, end))
                 time.sleep(0.01)
+
+    def during(self, start: float, end: float) -> list[float]:
+        """Latencies (ms) of the pings that started within ``[start, end]``."""
+        return [(e - s) * 1000 for s, e in list(self.spans) if start <= s <= end]
 
     def __enter__(self):
         self.thread.start()
@@ -173,15 +186,29 @@ class _HealthProbe:
 
     def __exit__(self, *exc):
         self.stop.set()
-        self.thread.join(10)
+        self.thread.join(60)
 
 
-def test_huge_prompt_is_refused_before_tokenizing_and_health_stays_fast(server):
+@pytest.fixture
+def encoded_lengths(monkeypatch):
+    """The character count of every text the server tokenizes (``encode_text``), in order."""
+    from kvserve.entrypoints.openai import serving_engine
+
+    lengths: list[int] = []
+    real = serving_engine.encode_text
+
+    def spy(tokenizer, text, add_special_tokens=True):
+        lengths.append(len(text))
+        return real(tokenizer, text, add_special_tokens)
+
+    monkeypatch.setattr(serving_engine, "encode_text", spy)
+    return lengths
+
+
+def test_huge_prompt_is_refused_before_tokenizing_and_health_stays_fast(server, encoded_lengths):
     prompt = "The quick brown fox jumps over the lazy dog. " * 90_000  # ~4 MB
-    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=30) as c:
-        t = time.perf_counter()
+    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=60) as c:
         rs = [c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}) for _ in range(3)]
-        elapsed = time.perf_counter() - t
         chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})
     for r in rs:
         assert r.status_code == 400, r.text
@@ -193,31 +220,41 @@ def test_huge_prompt_is_refused_before_tokenizing_and_health_stays_fast(server):
         )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
     assert chat.json()["error"]["code"] == "context_length_exceeded"
-    # refused without tokenizing 4 MB (~3 s of tokenizer time each)
-    assert elapsed < 3.0, elapsed
-    assert len(probe.lat) >= 5 and max(probe.lat) < 100, sorted(probe.lat)[-5:]
+    # refused without tokenizing 4 MB (~3 s of tokenizer time each): never handed to the
+    # tokenizer at all (a check of the call, not of the clock)
+    assert not [n for n in encoded_lengths if n >= len(prompt)], encoded_lengths
+    assert len(probe.lat) >= 5 and max(probe.lat) < HEALTH_BOUND_MS, sorted(probe.lat)[-5:]
     assert server.engine.stats.num_requests_added == 0 or server.wait_idle()
 
 
 def test_long_tokenization_runs_off_the_event_loop(server):
     # /tokenize has no length limit: 1.5 MB of text is tokenized (~1 s), on the pool
     text = "Pack my box with five dozen liquor jugs. " * 36_000
-    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=60) as c:
+    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=120) as c:
+        t0 = time.perf_counter()
         r = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        t1 = time.perf_counter()
         r2 = c.post("/detokenize", json={"tokens": r.json()["tokens"]})
+        t2 = time.perf_counter()
     assert r.status_code == 200 and r.json()["count"] == len(
         server.engine.tokenizer(text, add_special_tokens=False).input_ids
     )
     assert r2.status_code == 200 and r2.json()["prompt"] == text
     assert len(probe.lat) >= 10
-    assert statistics.median(probe.lat) < 20 and max(probe.lat) < 250, sorted(probe.lat)[-5:]
+    # Judged against each request's own duration, which a loaded machine stretches as much as
+    # the pings: work done on the event loop would hold one ping for most of its request.
+    for start, end in ((t0, t1), (t1, t2)):
+        lat = probe.during(start, end)
+        assert len(lat) >= 3, (end - start, lat)  # /health was answered while it ran
+        assert statistics.median(lat) < (end - start) * 1000 / 20, (end - start, sorted(lat)[-5:])
+        assert max(lat) < (end - start) * 1000 / 3, (end - start, sorted(lat)[-5:])
 
 
 def test_prompt_just_under_the_bound_is_tokenized_and_judged_by_its_tokens(server):
     bound = token_text_bound(server.engine.tokenizer)
     n_chars = int((MAX_MODEL_LEN - 1) * bound.max_chars_per_token)  # not provably too long
     prompt = ("word " * n_chars)[:n_chars]
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     # the engine's own check on the real token count, not the character bound
@@ -226,7 +263,7 @@ def test_prompt_just_under_the_bound_is_tokenized_and_judged_by_its_tokens(serve
 
 def test_long_token_id_prompt_is_refused_before_its_ids_are_scanned(server):
     r = httpx.post(
-        server.url + "/v1/completions", json={"prompt": [1] * 500_000, "max_tokens": 4}, timeout=30
+        server.url + "/v1/completions", json={"prompt": [1] * 500_000, "max_tokens": 4}, timeout=120
     )
     assert r.status_code == 400
     err = r.json()["error"]
@@ -249,7 +286,7 @@ def test_chat_through_render_then_tokenize_equals_the_template_ids(server):
     r = httpx.post(
         server.url + "/v1/chat/completions",
         json={"messages": conv, "max_tokens": 2, "temperature": 0},
-        timeout=30,
+        timeout=120,
     )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(direct)
 
@@ -262,11 +299,11 @@ def test_a_huge_conversation_is_refused_from_the_raw_body_and_health_stays_fast(
     # JSON encoding would stall its event loop through the GIL
     body = json.dumps({"messages": messages, "max_tokens": 2}).encode()
     headers = {"content-type": "application/json"}
-    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=30) as c:
+    with _HealthProbe(server.url) as probe, httpx.Client(base_url=server.url, timeout=60) as c:
         rs = [c.post("/v1/chat/completions", content=body, headers=headers) for _ in range(3)]
         ok = c.post("/v1/chat/completions", json={"messages": messages[:3], "max_tokens": 2})
     for r in rs:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "messages" and "10000" in r.json()["error"]["message"]
     assert ok.status_code == 200, ok.text
-    assert len(probe.lat) >= 5 and max(probe.lat) < 100, sorted(probe.lat)[-5:]
+    assert len(probe.lat) >= 5 and max(probe.lat) < HEALTH_BOUND_MS, sorted(probe.lat)[-5:]

@@ -352,7 +352,7 @@ def test_B06_server_context_window(server):
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 break
-    server.wait_idle(10)
+    server.wait_idle()
     assert gen_tokens(server) - before < 200
     # (f) omitted: the completions default (16, as in the OpenAI API)
     r = server.client().completions.create(
@@ -512,26 +512,39 @@ def test_max_waiting_gives_503_with_retry_after(server):
                     started.set()
             results.append(resp.status_code)
 
+    answered: list = []
+    four_answered = threading.Event()
+
+    async def fire():
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+        ) as ac:
+
+            async def one():
+                r = await ac.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": n_ids(server, 150), "max_tokens": 2}
+                )
+                answered.append(r)
+                if len(answered) == 4:
+                    four_answered.set()
+                return r
+
+            return await asyncio.gather(*[one() for _ in range(6)])
+
+    burst_out: list = []
     try:
         t = threading.Thread(target=blocker)
-        t.start()
-        assert started.wait(30)
-
-        async def fire():
-            async with httpx.AsyncClient(
-                base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
-            ) as ac:
-                return await asyncio.gather(
-                    *[
-                        ac.post(
-                            "/v1/completions",
-                            json={"model": MODEL, "prompt": n_ids(server, 150), "max_tokens": 2},
-                        )
-                        for i in range(6)
-                    ]
-                )
-
-        responses = asyncio.run(fire())
+        burst = threading.Thread(target=lambda: burst_out.extend(asyncio.run(fire())))
+        # held after the blocker's first token until four of the burst are answered: the burst
+        # meets the blocker still holding its blocks, however fast it could finish its 30
+        # tokens (the two admitted requests then wait for the engine, answered after the hold)
+        with server.engine_held():
+            t.start()
+            assert started.wait(60)
+            burst.start()
+            assert four_answered.wait(120), [r.status_code for r in answered]
+        burst.join(120)
+        responses = burst_out
         t.join(60)
     finally:
         engine.scheduler_config.max_waiting = None
@@ -567,7 +580,7 @@ def test_non_streaming_disconnect_aborts(server):
     while gen_tokens(server) - before < 3 and time.time() < deadline:
         time.sleep(0.01)
     s.close()
-    server.wait_idle(5)
+    server.wait_idle()
     assert gen_tokens(server) - before < 100
 
 
@@ -589,7 +602,7 @@ def test_B18_server_disconnect_n2_stream(server):
         if seen >= 3:
             break
     stream.close()
-    stats = server.wait_idle(5)
+    stats = server.wait_idle()
     assert gen_tokens(server) - before < 100  # 2 x 200 would have been generated otherwise
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     assert not server.engine._groups and not server.async_engine._streams
@@ -624,7 +637,7 @@ def test_64_concurrent_streams_quarter_disconnect(server):
     results = asyncio.run(run())
     done = [r for r in results if r[0] == "done"]
     assert len(done) == 48 and all(r[2] in ("stop", "length") and r[1] for r in done)
-    stats = server.wait_idle(10)
+    stats = server.wait_idle()
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"] == 48
     assert sum(server.engine.stats.finished_by_reason.values()) - before_finished == 64
     print(f"64 streams in {time.time() - t0:.1f}s")
@@ -772,22 +785,24 @@ def test_no_pending_admission_is_leaked(server):
 
 
 def test_metrics_gauges_while_a_request_runs(server):
-    stream = server.client().completions.create(
-        model=MODEL,
-        prompt=PARIS_PROMPT,
-        max_tokens=40,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    it = iter(stream)
-    next(it)
-    _, during = scrape(server)
-    assert during["kvserve:num_requests_running"] == 1
-    assert 0 < during["kvserve:gpu_cache_usage_perc"] <= 1
-    assert during["kvserve:num_free_gpu_blocks"] < during["kvserve:num_gpu_blocks"]
-    stream.close()
-    server.wait_idle(5)
+    # held after its first token: the scrape cannot race the engine finishing the request
+    with server.engine_held():
+        stream = server.client().completions.create(
+            model=MODEL,
+            prompt=PARIS_PROMPT,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        it = iter(stream)
+        next(it)
+        _, during = scrape(server)
+        assert during["kvserve:num_requests_running"] == 1
+        assert 0 < during["kvserve:gpu_cache_usage_perc"] <= 1
+        assert during["kvserve:num_free_gpu_blocks"] < during["kvserve:num_gpu_blocks"]
+        stream.close()
+    server.wait_idle()
     _, after = scrape(server)
     assert after["kvserve:num_requests_running"] == 0 and after["kvserve:gpu_cache_usage_perc"] == 0
     assert after['kvserve:request_success_total{"finished_reason": "abort"}'] >= 1

@@ -3,8 +3,8 @@
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,14 +16,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# uvicorn's start-up line; with ``--port 0`` it names the port the kernel gave the server
+_LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 def _start(grace: float, tmp_path, name: str):
-    port = _free_port()
+    """``kvserve serve`` on a port of the kernel's choosing (``--port 0``: no free port picked
+    here that another process could take before the server binds it)."""
     log = open(tmp_path / f"{name}.log", "w+")
     cmd = [
         sys.executable,
@@ -31,7 +30,7 @@ def _start(grace: float, tmp_path, name: str):
         "kvserve.entrypoints.cli",
         "serve",
         "--port",
-        str(port),
+        "0",
         "--num-gpu-blocks",
         "32",
         "--max-model-len",
@@ -44,22 +43,44 @@ def _start(grace: float, tmp_path, name: str):
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false")
     )
-    return proc, port, log
+    return proc, log
 
 
-def _wait_healthy(proc, port, log, timeout=120):
+def _wait_healthy(proc, log, timeout=300) -> int:
+    """The port of the server ``proc`` (read from its ``log``) once ``/health`` answers 200."""
     deadline = time.time() + timeout
+    port = None
     while time.time() < deadline:
         if proc.poll() is not None:
             log.seek(0)
             raise AssertionError(f"server exited early ({proc.returncode}):\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if port is None:
+            log.seek(0)
+            m = _LISTENING.search(log.read())
+            port = int(m.group(1)) if m else None
+        if port is not None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    return port
+            except httpx.HTTPError:
+                pass
         time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
+    log.seek(0)
+    raise AssertionError(f"server did not become healthy:\n{log.read()[-3000:]}")
+
+
+def _wait_draining(port, timeout=60):
+    """Until the server on ``port`` shows it took the signal: ``/health`` answers 503 (draining)
+    or nothing listens any more. A fixed sleep raced a loaded machine's signal handling."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503:
+                return
+        except (httpx.ConnectError, httpx.RemoteProtocolError):  # the listening socket is closed
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server on port {port} never started draining")
 
 
 def _stream(port, max_tokens, first_chunk: threading.Event, result: dict):
@@ -90,11 +111,11 @@ def _stream(port, max_tokens, first_chunk: threading.Event, result: dict):
 def test_sigterm_finishes_in_flight_then_exits_0_and_aborts_past_grace(tmp_path):
     # Two servers load in parallel: one with a long grace (in-flight request finishes), one with
     # a short grace and a long request (it is aborted when the grace runs out).
-    long_proc, long_port, long_log = _start(30.0, tmp_path, "long")
-    short_proc, short_port, short_log = _start(1.0, tmp_path, "short")
+    long_proc, long_log = _start(30.0, tmp_path, "long")
+    short_proc, short_log = _start(1.0, tmp_path, "short")
     try:
-        _wait_healthy(long_proc, long_port, long_log)
-        _wait_healthy(short_proc, short_port, short_log)
+        long_port = _wait_healthy(long_proc, long_log)
+        short_port = _wait_healthy(short_proc, short_log)
         runs = {}
         for name, port, max_tokens in (("long", long_port, 24), ("short", short_port, 200)):
             ev, res = threading.Event(), {}
@@ -105,13 +126,13 @@ def test_sigterm_finishes_in_flight_then_exits_0_and_aborts_past_grace(tmp_path)
         t_sig = time.time()
         long_proc.send_signal(signal.SIGTERM)
         short_proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        _wait_draining(long_port)
         # stopped accepting: new connections are refused (or answered 503 while draining)
         try:
             code = httpx.post(
                 f"http://127.0.0.1:{long_port}/v1/completions",
                 json={"prompt": "hi", "max_tokens": 2},
-                timeout=5,
+                timeout=120,
             ).status_code
             assert code == 503
         except httpx.ConnectError:

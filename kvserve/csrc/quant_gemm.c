@@ -15,7 +15,8 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type (and act16, 2b); quant_gemm.py's pick_kernel chooses per call (rows, mode):
+ * Three kernels per type (and act16, 2b, and Q8_0's x4 kernels, 2c); quant_gemm.py's pick_kernel
+ * chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
  * widened on load), so the result equals dequantize-then-matmul up to float32 rounding. Tiles
@@ -50,6 +51,15 @@
  * multiplied with both planes: one int8 plane of the final hidden state flipped near-tie tokens,
  * two keep the float result to ~2^-16 of a block's largest value at about act8's speed when the
  * weights stream from memory (49,152 x 576 Q8_0, one core: 2.6 ms against the tile kernel's 3.3).
+ *
+ * 2c. quant_gemm_act8x4_q8_0_* / quant_gemm_act16x4_q8_0_* (Q8_0 in the int8 mode, below the panel
+ * rows): act8 / act16 on the weight repacked at load into the x4 layout of quant_x4.h (four rows
+ * interleaved per block, quants offset to unsigned, scales apart), the activations quantized
+ * with int32 seeds that cancel the offset inside vpdpbusd: per block of four rows two aligned
+ * 64-byte loads and two vpdpbusd, then per row two conversions, multiplies and FMAs (the GGUF
+ * layout's act8 needed about twice the vector operations per weight). The threads split the
+ * groups of four rows. Same values as act8 / act16 up to float32 rounding (the integer dot
+ * products are exact in both). Measured: benchmarks/int8_gemv.py, docs/benchmarks.md.
  *
  * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
  * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16
@@ -309,8 +319,57 @@ static inline __attribute__((always_inline)) void pair_scales(const int qt, cons
 #endif
 }
 
+#include "quant_x4.h"
+
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
 #include "kv_instantiate.h"
 
 /* Which int8 dot product the act8 kernels compiled to: 2 AVX-512 VNNI, 1 AVX2, 0 scalar. */
 int quant_act8_isa(void) { return DOT8_ISA; }
+
+/* The x4 kernels' software prefetch distance in bytes of weights ahead (0: none; negative
+   values count as 0); returns the previous value. For benchmarks: not thread-safe against a
+   running kernel. */
+int quant_x4_set_prefetch(int bytes) {
+    const int old = x4_prefetch_bytes;
+    x4_prefetch_bytes = bytes > 0 ? bytes : 0;
+    return old;
+}
+
+/* Reads `bytes` at p (a multiple of 64 is read fully; a tail under 64 is skipped) with 64-byte
+   loads on nthreads threads, each a contiguous share, and returns an XOR of what it read (so the
+   loads cannot be dropped): the memory-bandwidth ceiling a GEMV over the same bytes could reach
+   (benchmarks/int8_gemv.py). prefetch: bytes ahead to prefetch in software (0: the hardware
+   prefetcher alone). */
+uint64_t quant_stream_read(const uint8_t* p, int64_t bytes, int nthreads, int64_t prefetch) {
+    const int64_t lines = bytes / 64;
+    uint64_t result = 0;
+#pragma omp parallel num_threads(nthreads) reduction(^ : result)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int64_t b = lines * tid / nth, e = lines * (tid + 1) / nth;
+        v16i a0 = {}, a1 = {};
+        int64_t i = b;
+        for (; i + 1 < e; i += 2) {
+            if (prefetch > 0) {
+                __builtin_prefetch(p + i * 64 + prefetch, 0, 3);
+                __builtin_prefetch(p + i * 64 + 64 + prefetch, 0, 3);
+            }
+            v16i v0, v1;
+            memcpy(&v0, p + i * 64, 64);
+            memcpy(&v1, p + i * 64 + 64, 64);
+            a0 ^= v0;
+            a1 ^= v1;
+        }
+        if (i < e) {
+            v16i v0;
+            memcpy(&v0, p + i * 64, 64);
+            a0 ^= v0;
+        }
+        a0 ^= a1;
+        uint64_t r = 0;
+        for (int l = 0; l < 16; ++l) r ^= (uint64_t)(uint32_t)a0[l] << (l & 1 ? 32 : 0);
+        result ^= r;
+    }
+    return result;
+}

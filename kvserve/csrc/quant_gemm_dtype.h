@@ -103,6 +103,41 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
 
 /* ---- int8 activations (Q8_0, Q4_0, Q4_1) ---------------------------------------------------- */
 
+/* Block xb (32 elements of x) quantized as below: q (natural order) and, with planes = 2, the
+   residual plane q2; returns d and sets *s = sum(q), *t = sum(q2) (0 for one plane). */
+static inline __attribute__((always_inline)) float
+CAT(act8_quant_block_, SFX)(const int planes, const ELEM* xb, int8_t q[QK], int8_t q2[QK], int* s, int* t) {
+    const v16 a = CAT(ld16_, SFX)(xb), b = CAT(ld16_, SFX)(xb + 16);
+    const float d = hmax16(vmax(vabs16(a), vabs16(b))) / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    const v16i qa = rint16_i32(a * id), qb = rint16_i32(b * id);
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) {
+        q[i] = (int8_t)qa[i];
+        q[i + 16] = (int8_t)qb[i];
+        sum += qa[i] + qb[i];
+    }
+    *s = sum;
+    *t = 0;
+    if (planes == 2) {
+        /* residuals in float32 (exact enough: |r| <= d / 2 up to rounding), then clamped: a
+           rounding at the edge must not wrap an int8 */
+        const v16 ra = a - __builtin_convertvector(qa, v16) * d;
+        const v16 rb = b - __builtin_convertvector(qb, v16) * d;
+        const v16i ua = rint16_i32(ra * (id * 254.0f)), ub = rint16_i32(rb * (id * 254.0f));
+        int tt = 0;
+        for (int i = 0; i < 16; ++i) {
+            const int va = ua[i] > 127 ? 127 : ua[i] < -127 ? -127 : ua[i];
+            const int vb = ub[i] > 127 ? 127 : ub[i] < -127 ? -127 : ub[i];
+            q2[i] = (int8_t)va;
+            q2[i + 16] = (int8_t)vb;
+            tt += va + vb;
+        }
+        *t = tt;
+    }
+    return d;
+}
+
 /* One row of x (K floats) quantized per 32-block j as llama.cpp's Q8 activations, with a float32
    scale: d = max|x| / 127, q = rint(x * (1 / d)) (nearest even; q = 0 when d = 0), s = sum(q).
    With planes = 2 (the act16 kernels) the rounding residual r = x - d q is quantized again on
@@ -127,31 +162,13 @@ CAT(act8_quant_row_, SFX)(const int qt, const int planes, const ELEM* x, const i
             int8_t* q2 = xq + np * 64 + p * 64;
             float d = 0.0f, c = 0.0f;
             if (j < nb) {
-                const v16 a = CAT(ld16_, SFX)(x + j * QK), b = CAT(ld16_, SFX)(x + j * QK + 16);
-                d = hmax16(vmax(vabs16(a), vabs16(b))) / 127.0f;
-                const float id = d > 0.0f ? 1.0f / d : 0.0f;
-                const v16i qa = rint16_i32(a * id), qb = rint16_i32(b * id);
-                int s = 0;
-                for (int i = 0; i < 16; ++i) {
-                    q[dot8_pos(qt, h, i)] = (int8_t)qa[i];
-                    q[dot8_pos(qt, h, i + 16)] = (int8_t)qb[i];
-                    s += qa[i] + qb[i];
-                }
+                int8_t bq[QK], bq2[QK];
+                int s, t;
+                d = CAT(act8_quant_block_, SFX)(planes, x + j * QK, bq, bq2, &s, &t);
+                for (int i = 0; i < QK; ++i) q[dot8_pos(qt, h, i)] = bq[i];
                 float s2 = 0.0f;
                 if (planes == 2) {
-                    /* residuals in float32 (exact enough: |r| <= d / 2 up to rounding), then clamped:
-                       a rounding at the edge must not wrap an int8 */
-                    const v16 ra = a - __builtin_convertvector(qa, v16) * d;
-                    const v16 rb = b - __builtin_convertvector(qb, v16) * d;
-                    const v16i ua = rint16_i32(ra * (id * 254.0f)), ub = rint16_i32(rb * (id * 254.0f));
-                    int t = 0;
-                    for (int i = 0; i < 16; ++i) {
-                        const int va = ua[i] > 127 ? 127 : ua[i] < -127 ? -127 : ua[i];
-                        const int vb = ub[i] > 127 ? 127 : ub[i] < -127 ? -127 : ub[i];
-                        q2[dot8_pos(qt, h, i)] = (int8_t)va;
-                        q2[dot8_pos(qt, h, i + 16)] = (int8_t)vb;
-                        t += va + vb;
-                    }
+                    for (int i = 0; i < QK; ++i) q2[dot8_pos(qt, h, i)] = bq2[i];
                     s2 = (float)t * (1.0f / 254.0f);
                 }
                 c = off * ((float)s + s2) * d * 0.125f;
@@ -265,6 +282,120 @@ CAT(qgemm8_, SFX)(const int qt, const int planes, const ELEM* x, const uint8_t* 
                     CAT(qtile8_, SFX)(qt, planes, mr, nc, xm, xs, K, wt, row_bytes, bt, ym, N);
                 }
             }
+        }
+    }
+}
+
+/* ---- int8 activations on the x4 layout (Q8_0; quant_x4.h) ------------------------------------ */
+
+/* One row of x quantized for the x4 kernels (act8_quant_block's values) into `out`
+   (x4_act_bytes(nb, planes): quants per plane, the vpdpbusd seeds per plane, then d_x). */
+static inline __attribute__((always_inline)) void CAT(x4_quant_row_, SFX)(const int planes, const ELEM* x,
+                                                                          const int64_t K, uint8_t* out) {
+    const int64_t nb = K / QK;
+    int8_t* q = (int8_t*)out;
+    int32_t* seed = (int32_t*)(out + planes * nb * QK);
+    float* dx = (float*)(out + 2 * planes * nb * QK);
+    for (int64_t j = 0; j < nb; ++j) {
+        int s, t;
+        int8_t* q1 = q + j * QK;
+        int8_t* q2 = planes == 2 ? q + (nb + j) * QK : q1; /* (one plane: never written) */
+        dx[j] = CAT(act8_quant_block_, SFX)(planes, x + j * QK, q1, q2, &s, &t);
+        if (planes == 2)
+            for (int l = 0; l < 8; ++l)
+                seed[(nb + j) * 8 + l] = -128 * (q2[4 * l] + q2[4 * l + 1] + q2[4 * l + 2] + q2[4 * l + 3]);
+        for (int l = 0; l < 8; ++l)
+            seed[j * 8 + l] = -128 * (q1[4 * l] + q1[4 * l + 1] + q1[4 * l + 2] + q1[4 * l + 3]);
+    }
+}
+
+/* mr (<= X4_MR) quantized rows (xa, xs bytes apart) times one group of four weight rows (wq: its
+   nb * 128 quant bytes, ws: its nb * 8 scale bytes): y[r * ldy + i] = x_r . w_i (+ b_i) for
+   i < nc. pf: the quants of a later group to prefetch, two lines per block (NULL: none). */
+static inline __attribute__((always_inline)) void
+CAT(qtile_x4_, SFX)(const int planes, const int mr, const int nc, const uint8_t* xa, const int64_t xs,
+                    const int64_t nb, const uint8_t* wq, const uint8_t* ws, const uint8_t* pf,
+                    const ELEM* bias, ELEM* y, const int64_t ldy) {
+    v16 acc[X4_MR][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < X4_MR; ++r) acc[r][0] = acc[r][1] = (v16){};
+    for (int64_t j = 0; j < nb; ++j) {
+        if (pf) {
+            __builtin_prefetch(pf + j * 128, 0, 3);
+            __builtin_prefetch(pf + j * 128 + 64, 0, 3);
+        }
+        v16 sa, sb;
+        x4_scales(ws + j * 8, &sa, &sb);
+        const uint8_t* w = wq + j * 128;
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; ++r) {
+            const uint8_t* xr = xa + r * xs;
+            const int8_t* q = (const int8_t*)xr + j * QK;
+            const int32_t* seed = (const int32_t*)(xr + planes * nb * QK) + j * 8;
+            const float dx = ((const float*)(xr + 2 * planes * nb * QK))[j];
+            v16 ta = __builtin_convertvector(x4_dot2(w, q, seed), v16);
+            v16 tb = __builtin_convertvector(x4_dot2(w + 64, q, seed), v16);
+            if (planes == 2) {
+                const int8_t* q2 = q + nb * QK;
+                const int32_t* seed2 = seed + nb * 8;
+                ta += __builtin_convertvector(x4_dot2(w, q2, seed2), v16) * (1.0f / 254.0f);
+                tb += __builtin_convertvector(x4_dot2(w + 64, q2, seed2), v16) * (1.0f / 254.0f);
+            }
+            acc[r][0] += ta * (sa * dx);
+            acc[r][1] += tb * (sb * dx);
+        }
+    }
+    for (int r = 0; r < mr; ++r) {
+        float out[4];
+        x4_reduce(acc[r][0], acc[r][1], out);
+        for (int i = 0; i < nc; ++i)
+            CAT(st1_, SFX)(y + r * ldy + i, out[i] + (bias ? CAT(ld1_, SFX)(bias + i) : 0.0f));
+    }
+}
+
+/* Thread tid of nth's share of y = x @ W^T (+ bias) for W [N, K] in the x4 layout: x quantized
+   first into xa (M x x4_act_bytes): with `own` (few rows) every thread quantizes all rows into its
+   own xa, which costs less than the barrier it saves (~18 blocks a row at K = 576), else each
+   its share of rows into a shared xa, then a barrier. Then the threads split the groups of four
+   weight rows; per group every 4-row tile of x passes over its weights (~2.4 KB for K = 576:
+   they stay in L1), the weights of the group ~x4_prefetch_bytes ahead prefetched during the
+   first tile. */
+static inline __attribute__((always_inline)) void
+CAT(qgemm_x4_, SFX)(const int planes, const int own, const ELEM* x, const uint8_t* w, const ELEM* bias,
+                    ELEM* y, const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
+                    const int nth) {
+    const int64_t nb = K / QK, xs = x4_act_bytes(nb, planes);
+    if (own) {
+        for (int64_t r = 0; r < M; ++r) CAT(x4_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
+    } else {
+        for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
+            CAT(x4_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
+#pragma omp barrier
+    }
+    const int64_t G = (N + X4_ROWS - 1) / X4_ROWS, gq = nb * 128, gs = nb * 8;
+    const uint8_t* scales = w + G * gq;
+    const int64_t g_begin = G * tid / nth, g_end = G * (tid + 1) / nth;
+    const int64_t pfb = x4_prefetch_bytes;
+    const int64_t ahead = pfb <= 0 ? INT64_MAX : (pfb / (gq + gs) > 0 ? pfb / (gq + gs) : 1);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+        const int64_t n = g * X4_ROWS;
+        const int nc = N - n < X4_ROWS ? (int)(N - n) : X4_ROWS;
+        const uint8_t* wq = w + g * gq;
+        const uint8_t* ws = scales + g * gs;
+        const uint8_t* pf = ahead < g_end - g ? wq + ahead * gq : NULL;
+        if (pf)
+            for (int64_t o = 0; o < gs; o += 64) __builtin_prefetch(ws + ahead * gs + o, 0, 3);
+        const ELEM* bg = bias ? bias + n : NULL;
+        for (int64_t m = 0; m < M; m += X4_MR) {
+            const uint8_t* xm = xa + m * xs;
+            ELEM* ym = y + m * N + n;
+            switch (M - m < X4_MR ? (int)(M - m) : X4_MR) {
+            case 4: CAT(qtile_x4_, SFX)(planes, 4, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            case 3: CAT(qtile_x4_, SFX)(planes, 3, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            case 2: CAT(qtile_x4_, SFX)(planes, 2, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            default: CAT(qtile_x4_, SFX)(planes, 1, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            }
+            pf = NULL; /* the first tile brought the later group in */
         }
     }
 }
@@ -416,6 +547,28 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
             QT, PLANES, x, w, bias, y, M, N, K, xa, omp_get_thread_num(), omp_get_num_threads());            \
         return 0;                                                                                            \
     }
+/* int8 activations on the x4 layout (act8x4: one plane, act16x4: two), Q8_0 only. Up to X4_MR rows
+   each thread quantizes x into its own scratch (qgemm_x4's `own`): a thread without memory then
+   writes nothing, the others their share of y, and the call returns -1. */
+#define X4_EXPORTS(KIND, PLANES)                                                                             \
+    int CAT(quant_gemm_##KIND##_q8_0_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,      \
+                                            int64_t M, int64_t N, int64_t K, int nthreads) {                 \
+        const size_t xbytes = (size_t)(M * x4_act_bytes(K / QK, PLANES));                                    \
+        const int own = M <= X4_MR;                                                                          \
+        uint8_t* shared = own ? NULL : (uint8_t*)scratch(0, xbytes);                                         \
+        if (!own && !shared) return -1;                                                                      \
+        int failed = 0;                                                                                      \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                      \
+            uint8_t* xa = own ? (uint8_t*)scratch(0, xbytes) : shared;                                       \
+            if (!xa) {                                                                                       \
+                _Pragma("omp atomic write") failed = 1;                                                      \
+            } else {                                                                                         \
+                CAT(qgemm_x4_, SFX)(PLANES, own, x, w, bias, y, M, N, K, xa, omp_get_thread_num(),           \
+                                    omp_get_num_threads());                                                  \
+            }                                                                                                \
+        }                                                                                                    \
+        return failed ? -1 : 0;                                                                              \
+    }
 QUANT_EXPORTS(q8_0, QT_Q8_0)
 QUANT_EXPORTS(q4_0, QT_Q4_0)
 QUANT_EXPORTS(q4_1, QT_Q4_1)
@@ -428,5 +581,8 @@ ACT8_EXPORTS(q4_1, QT_Q4_1, act8, 1)
 ACT8_EXPORTS(q8_0, QT_Q8_0, act16, 2)
 ACT8_EXPORTS(q4_0, QT_Q4_0, act16, 2)
 ACT8_EXPORTS(q4_1, QT_Q4_1, act16, 2)
+X4_EXPORTS(act8x4, 1)
+X4_EXPORTS(act16x4, 2)
 #undef QUANT_EXPORTS
 #undef ACT8_EXPORTS
+#undef X4_EXPORTS

@@ -171,6 +171,8 @@ def load_gguf_model(
                 _set(module, attr, qw)
                 if attr == "embed_tokens" and model.tie_word_embeddings:
                     _set(model, "lm_head", qw)
+                if attr != "embed_tokens" or model.tie_word_embeddings:  # (a GEMM weight)
+                    quant_gemm.prepare(qw)
             else:
                 for (t, _, h), target in zip(present, targets):
                     arr = _float_array(path, t, logged)

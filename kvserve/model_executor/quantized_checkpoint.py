@@ -683,6 +683,7 @@ def _install(module, attr: str, parts: list, prefixes: list[str], logged: set) -
         else:
             data = torch.cat([w.data for w in weights])
             qw = quant_gemm.QuantWeight(data, weights[0].qtype, weights[0].in_features)
+        quant_gemm.prepare(qw)
         _set(module, attr, qw if perms[0] is None else InputPermutedWeight(qw, perms[0]))
         return
     # fp8 parts (already float) need no word; mixed block types or input orders do

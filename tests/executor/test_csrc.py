@@ -78,6 +78,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
         "tests/executor/test_amx_gemm.py",
         "tests/executor/test_quant_gemm.py",
         "tests/executor/test_quant_act8.py",
+        "tests/executor/test_quant_x4.py",
         "tests/executor/test_native_bitmask.py",
     ]
     r = subprocess.run(

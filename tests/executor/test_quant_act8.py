@@ -37,11 +37,12 @@ def block_scales(qw: quant_gemm.QuantWeight) -> np.ndarray:
     return d.repeat_interleave(32, dim=1).numpy()
 
 
-def check_act8(qw, wd, x, bias=None, threads=1):
-    """The act8 kernel on ``x`` against the float64 reference of the module doc."""
+def check_act8(qw, wd, x, bias=None, threads=1, kernel="act8"):
+    """The act8 kernel (or ``kernel``: act8_gguf) on ``x`` against the float64 reference of the
+    module doc."""
     torch.set_num_threads(threads)
     try:
-        y = quant_gemm.linear(x, qw, bias, kernel="act8")
+        y = quant_gemm.linear(x, qw, bias, kernel=kernel)
     finally:
         torch.set_num_threads(1)
     assert y.shape == (x.shape[0], qw.out_features) and y.dtype == x.dtype
@@ -57,13 +58,13 @@ def check_act8(qw, wd, x, bias=None, threads=1):
     )
 
 
-def check_act16(qw, wd, x, bias=None, threads=1):
-    """The act16 kernel on ``x`` against the float64 product of the unquantized activations:
-    the two planes leave at most d / 508 per element (``quantize_activations2``), plus the
-    act8 kernels' float32 rounding of the scaled sums."""
+def check_act16(qw, wd, x, bias=None, threads=1, kernel="act16"):
+    """The act16 kernel (or ``kernel``: act16_gguf) on ``x`` against the float64 product of the
+    unquantized activations: the two planes leave at most d / 508 per element
+    (``quantize_activations2``), plus the act8 kernels' float32 rounding of the scaled sums."""
     torch.set_num_threads(threads)
     try:
-        y = quant_gemm.linear(x, qw, bias, kernel="act16")
+        y = quant_gemm.linear(x, qw, bias, kernel=kernel)
     finally:
         torch.set_num_threads(1)
     assert y.shape == (x.shape[0], qw.out_features) and y.dtype == x.dtype
@@ -266,7 +267,13 @@ def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     assert quant_gemm.pick_kernel(1, "q6_k") == "tile"  # no int8 kernel for the K-quants
     assert [quant_gemm.head_kernel(r, "q8_0") for r in (1, quant_gemm.PANEL_ROWS)] == ["act16", None]
     assert quant_gemm.head_kernel(1, "q6_k") == "tile"
+    # Q8_0's int8 kernels read the x4 copy below the panel rows; everything else the GGUF bytes
+    assert [quant_gemm.weight_attr(r, "q8_0") for r in (1, quant_gemm.PANEL_ROWS)] == ["x4", "data"]
+    assert quant_gemm.weight_attr(1, "q8_0", "act16") == "x4"
+    assert quant_gemm.weight_attr(1, "q8_0", "act8_gguf") == "data"
+    assert quant_gemm.weight_attr(1, "q4_1") == "data"
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
+    assert quant_gemm.weight_attr(1, "q8_0") == "data"
     assert quant_gemm.head_kernel(1, "q8_0") == "tile"
     assert quant_gemm.pick_kernel(1, "q8_0") == "tile"
     assert quant_gemm.pick_kernel(300, "q8_0") == "panel"
@@ -307,8 +314,9 @@ g = torch.Generator().manual_seed(0)
 for qtype in quant_gemm.ACT8_TYPES:
     qw, wd = make_weight(qtype, 13, 160, seed=7)
     for m in (1, 3, 6):
-        check_act8(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g))
-        check_act16(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g))
+        for k8, k16 in (("act8", "act16"), ("act8_gguf", "act16_gguf")):  # Q8_0: x4, then GGUF
+            check_act8(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g), 1, k8)
+            check_act16(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g), 1, k16)
 print("ok")
 """
 

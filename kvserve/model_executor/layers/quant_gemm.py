@@ -16,6 +16,13 @@ Activations are float32 or bfloat16; sums are float32. Two ways to multiply them
   quantized per 32 elements as llama.cpp's Q8 activations (``quantize_activations``) and
   multiplied with integer dot products, which changes the numerics by that rounding.
 
+Q8_0 weights in the ``int8`` mode run on a second copy of their bytes repacked for the int8 GEMV
+(``QuantWeight.x4``, ``pack_x4``: four rows interleaved per block, ``csrc/quant_x4.h``), built
+at load (``prepare``) or on first use: ``act8`` / ``act16`` on a Q8_0 weight read it (the
+kernels ``act8_gguf`` / ``act16_gguf`` force the GGUF-layout ones, for comparisons). It costs
+the weight's bytes once more in memory (``data`` stays for the embedding lookup, the panels
+and the float mode).
+
 The LM head (``head_kernel``) never reads one int8 plane: in the ``int8`` mode it runs
 ``act16``, the activations as two int8 planes (``quantize_activations2``: the rounding residual
 quantized again on a 254 times finer step, ~2^-16 of each block's largest value, finer than
@@ -61,7 +68,12 @@ for _t in BLOCK_BYTES:
         if _t in ("q8_0", "q4_0", "q4_1"):
             _SIGS[f"quant_gemm_act8_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
             _SIGS[f"quant_gemm_act16_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
+for _s in DTYPE_SUFFIX.values():
+    _SIGS[f"quant_gemm_act8x4_q8_0_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    _SIGS[f"quant_gemm_act16x4_q8_0_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
 _SIGS["quant_act8_isa"] = []
+_SIGS["quant_x4_set_prefetch"] = [ctypes.c_int]
+_SIGS["quant_stream_read"] = [_P, _I, ctypes.c_int, _I]
 _LIB = NativeLibrary("kv_quant_gemm", "quant_gemm.c", _SIGS)
 
 
@@ -73,7 +85,11 @@ PANEL_ROWS = 16
 #: Environment variable choosing the activation mode (``float`` or ``int8``; unset: the default).
 ACT_ENV = "KVSERVE_QUANT_ACT"
 ACT_MODES = ("float", "int8")
-_KERNELS = ("tile", "act8", "act16", "panel")
+_KERNELS = ("tile", "act8", "act16", "panel", "act8_gguf", "act16_gguf")
+#: Kernels on int8 activations (``ACT8_TYPES`` only).
+_INT8_KERNELS = ("act8", "act16", "act8_gguf", "act16_gguf")
+#: Weight rows per group of the x4 layout (``pack_x4``).
+X4_ROWS = 4
 
 
 def available() -> bool:
@@ -129,7 +145,7 @@ class QuantWeight:
             of the wrong dtype, device or row length.
     """
 
-    __slots__ = ("data", "qtype", "out_features", "in_features")
+    __slots__ = ("data", "qtype", "out_features", "in_features", "_x4")
 
     def __init__(self, data: torch.Tensor, qtype: str, in_features: int):
         if qtype not in BLOCK_BYTES:
@@ -153,6 +169,21 @@ class QuantWeight:
         self.data = data.contiguous()
         self.qtype = qtype
         self.out_features, self.in_features = int(data.shape[0]), int(in_features)
+        self._x4: torch.Tensor | None = None
+
+    @property
+    def x4(self) -> torch.Tensor:
+        """The Q8_0 bytes repacked for the int8 GEMV (``pack_x4``), made on first use and kept
+        (``data`` must not change afterwards).
+
+        Raises:
+            ValueError: not a Q8_0 weight.
+        """
+        if self._x4 is None:
+            if self.qtype != "q8_0":
+                raise ValueError(f"QuantWeight.x4: only Q8_0 weights repack, not {self.qtype}")
+            self._x4 = pack_x4(self.data, self.in_features)
+        return self._x4
 
     @property
     def dtype(self) -> torch.dtype:
@@ -169,6 +200,36 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def pack_x4(data: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The x4 layout (``csrc/quant_x4.h``) of Q8_0 blocks ``data`` ``[n, in_features / 32 * 34]``:
+    1-D uint8 of ``ceil(n / 4) * (in_features / 32) * 136`` bytes, per group of 4 rows and block
+    the 4 rows' quants plus 128 (32 bytes each), then every group's float16 scales (4 per block);
+    rows past ``n`` are zero weights."""
+    n, nb = data.shape[0], in_features // BLOCK_ELEMS
+    g, full = (n + X4_ROWS - 1) // X4_ROWS, n // X4_ROWS
+    out = torch.empty(g * nb * (X4_ROWS * BLOCK_BYTES["q8_0"]), dtype=torch.uint8)
+    q = out[: g * nb * X4_ROWS * BLOCK_ELEMS].view(g, nb, X4_ROWS, BLOCK_ELEMS)
+    d = out[g * nb * X4_ROWS * BLOCK_ELEMS :].view(g, nb, X4_ROWS, 2)
+    b = data.reshape(n, nb, BLOCK_BYTES["q8_0"])
+    # strided views straight into the output: no weight-sized temporaries (load RSS)
+    q[:full] = b[: full * X4_ROWS, :, 2:].reshape(full, X4_ROWS, nb, BLOCK_ELEMS).transpose(1, 2)
+    d[:full] = b[: full * X4_ROWS, :, :2].reshape(full, X4_ROWS, nb, 2).transpose(1, 2)
+    if full < g:  # the last, partial group: zero weights in the rows past n
+        q[full] = 0
+        d[full] = 0
+        q[full, :, : n - full * X4_ROWS] = b[full * X4_ROWS :, :, 2:].transpose(0, 1)
+        d[full, :, : n - full * X4_ROWS] = b[full * X4_ROWS :, :, :2].transpose(0, 1)
+    q.bitwise_xor_(128)  # q + 128 as a byte
+    return out
+
+
+def prepare(weight: QuantWeight) -> None:
+    """Make at load what the kernels of the current mode will read on first use: the x4 copy of
+    a Q8_0 weight in the ``int8`` mode (so the first decode step does not pay for it)."""
+    if weight.qtype == "q8_0" and available() and activation_mode() == "int8":
+        weight.x4  # noqa: B018 (made and kept)
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -284,13 +345,35 @@ def pick_kernel(rows: int, qtype: str) -> str:
     return "tile"
 
 
+def _symbol(kind: str, qtype: str) -> str:
+    """The C symbol prefix of kernel ``kind`` on a ``qtype`` weight (act8 / act16 of Q8_0: the x4
+    layout's)."""
+    if kind == "tile":
+        return "quant_gemm_"
+    if kind in ("act8", "act16") and qtype == "q8_0":
+        return f"quant_gemm_{kind}x4_"
+    return f"quant_gemm_{kind.removesuffix('_gguf')}_"
+
+
+def weight_attr(rows: int, qtype: str, kernel: str | None = None) -> str:
+    """The ``QuantWeight`` attribute holding the bytes kernel ``kernel`` (None: ``pick_kernel``)
+    reads for ``rows`` rows of a ``qtype`` weight: ``"x4"`` for act8 / act16 on Q8_0, else
+    ``"data"``."""
+    return "x4" if _symbol(kernel or pick_kernel(rows, qtype), qtype).endswith("x4_") else "data"
+
+
+def kernel_weight(weight: QuantWeight, rows: int, kernel: str | None = None) -> torch.Tensor:
+    """The bytes ``kernel_fn``'s function reads (``weight_attr``)."""
+    return getattr(weight, weight_attr(rows, weight.qtype, kernel))
+
+
 def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | None = None):
     """The C function ``linear`` calls for ``rows`` rows of ``dtype`` activations (``kernel``:
-    as ``linear``'s); arguments ``(x, w, bias, y, M, N, K, nthreads)``, returning nonzero when
-    it could not allocate its scratch (nothing written). The kernels must be available."""
+    as ``linear``'s); arguments ``(x, w, bias, y, M, N, K, nthreads)`` with ``w`` the bytes of
+    ``kernel_weight``, returning nonzero when it could not allocate its scratch (nothing
+    written). The kernels must be available."""
     kind = kernel or pick_kernel(rows, weight.qtype)
-    prefix = "quant_gemm_" if kind == "tile" else f"quant_gemm_{kind}_"
-    fn = _LIB.fn(f"{prefix}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
+    fn = _LIB.fn(f"{_symbol(kind, weight.qtype)}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
     if kind != "tile" and fn.restype is not ctypes.c_int:
         fn.restype = ctypes.c_int
     return fn
@@ -304,9 +387,10 @@ def linear(
 
     Args:
         kernel: None (``pick_kernel``), or force ``"tile"``, ``"act8"`` (int8 activations;
-            ``ACT8_TYPES`` only), ``"act16"`` (two int8 planes, ``quantize_activations2``;
-            ``ACT8_TYPES`` only) or ``"panel"`` (benchmarks, tests, the LM head). Ignored
-            without the kernels (the torch fallback is float).
+            ``ACT8_TYPES`` only; Q8_0 on its x4 copy), ``"act16"`` (two int8 planes,
+            ``quantize_activations2``; ``ACT8_TYPES`` only), ``"act8_gguf"`` / ``"act16_gguf"``
+            (the same on the GGUF layout, Q8_0 included) or ``"panel"`` (benchmarks, tests, the
+            LM head). Ignored without the kernels (the torch fallback is float).
 
     Raises:
         ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device), or an
@@ -314,7 +398,7 @@ def linear(
         MemoryError: the kernel's scratch buffer could not be allocated.
     """
     if kernel is not None and (
-        kernel not in _KERNELS or (kernel in ("act8", "act16") and weight.qtype not in ACT8_TYPES)
+        kernel not in _KERNELS or (kernel in _INT8_KERNELS and weight.qtype not in ACT8_TYPES)
     ):
         raise ValueError(f"quantized linear: kernel {kernel!r} is not one of {_KERNELS} for {weight.qtype}")
     check_linear_inputs(
@@ -333,7 +417,7 @@ def linear(
     kind = kernel or pick_kernel(x.shape[0], weight.qtype)
     rc = kernel_fn(weight, x.shape[0], x.dtype, kind)(
         x.data_ptr(),
-        weight.data.data_ptr(),
+        kernel_weight(weight, x.shape[0], kind).data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         x.shape[0],
@@ -344,6 +428,23 @@ def linear(
     if rc:
         raise MemoryError(f"quantized linear: no memory for the {kind} kernel's scratch ({tuple(x.shape)})")
     return y
+
+
+def set_x4_prefetch(nbytes: int) -> int:
+    """Set the x4 kernels' software prefetch distance (bytes of weights ahead; 0: none) and
+    return the previous one (benchmarks; not while a kernel runs). Kernels must be available."""
+    fn = _LIB.fn("quant_x4_set_prefetch")
+    fn.restype = ctypes.c_int
+    return int(fn(int(nbytes)))
+
+
+def stream_read(t: torch.Tensor, threads: int, prefetch: int = 0) -> int:
+    """Read every 64 bytes of contiguous CPU tensor ``t`` once on ``threads`` threads (the
+    bandwidth ceiling of a GEMV over the same bytes; ``prefetch``: software prefetch distance in
+    bytes, 0 none); returns an XOR of the bytes read. Kernels must be available."""
+    fn = _LIB.fn("quant_stream_read")
+    fn.restype = ctypes.c_uint64
+    return int(fn(t.data_ptr(), t.numel() * t.element_size(), threads, prefetch))
 
 
 def embedding(ids: torch.Tensor, weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -410,6 +410,7 @@ class LlamaForCausalLM(nn.Module):
         names.append((self, "lm_head"))
         for module, name in names:
             q = quantize(getattr(module, name))
+            quant_gemm.prepare(q)
             module._parameters.pop(name, None)  # a plain attribute from now on
             setattr(module, name, q)
 

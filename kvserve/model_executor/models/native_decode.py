@@ -38,7 +38,7 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
     if isinstance(weight, quant_gemm.QuantWeight) and quant_gemm.available():
         return (
             quant_gemm.kernel_fn(weight, rows, dtype),
-            weight.data.data_ptr(),
+            quant_gemm.kernel_weight(weight, rows).data_ptr(),
             b,
             weight.out_features,
             weight.in_features,
@@ -65,7 +65,8 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
     return None
 
 
-#: The tensor holding each native weight kind's bytes (the pointer ``_gemm_call`` passes).
+#: The tensor holding each native weight kind's bytes (the pointer ``_gemm_call`` passes; a
+#: ``QuantWeight``'s depends on the kernel: ``quant_gemm.weight_attr``).
 _WEIGHT_BYTES = {
     quant_gemm.QuantWeight: "data",
     amx_gemm.AmxWeight: "tiles",
@@ -155,7 +156,11 @@ def forward_layers(
         hit = resolved.get(key)
         if hit is None:
             fn, _, _, _, _, panel = _gemm_call(weight, bias, T, x.dtype)
-            hit = resolved[key] = (fn, panel, _WEIGHT_BYTES[type(weight)])
+            if isinstance(weight, quant_gemm.QuantWeight):
+                attr = quant_gemm.weight_attr(T, weight.qtype)
+            else:
+                attr = _WEIGHT_BYTES[type(weight)]
+            hit = resolved[key] = (fn, panel, attr)
         fn, panel, attr = hit
         w, n, k = getattr(weight, attr).data_ptr(), weight.out_features, weight.in_features
         b = None if bias is None else bias.data_ptr()

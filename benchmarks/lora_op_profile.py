@@ -19,6 +19,8 @@ the glue (whole minus its components: Python, views, argument checks, dispatch),
 kernel, and the step's metadata (``LoRAMapping.build`` and, for the stacked form, its masks).
 """
 
+# The timing thunks close over loop variables on purpose: each is called within its iteration.
+# ruff: noqa: B023
 from __future__ import annotations
 
 import argparse
@@ -61,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             bounds.append(bounds[-1] + shapes.in_out[q][1])
         targets[fused] = (fin, bounds[-1], len(parts), tuple(bounds))
     have_native = native_lora.available()
-    print(f"{L} layers, targets {', '.join(f'{k} {v[0]}->{v[1]}' for k, v in targets.items())}, rank {R}, "
-          f"{ns.slots} adapters; native kernel: {'yes' if have_native else native_lora.failure_reason()}")
+    print(
+        f"{L} layers, targets {', '.join(f'{k} {v[0]}->{v[1]}' for k, v in targets.items())}, rank {R}, "
+        f"{ns.slots} adapters; native kernel: {'yes' if have_native else native_lora.failure_reason()}"
+    )
     g = torch.Generator().manual_seed(0)
 
     for dname in ns.dtypes.split(","):
@@ -126,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                 parts = {
                     "shrink": shrink,
                     "expand": expand,
-                    "mask/gather": lambda: (x.index_select(0, m.rows), out.add_(delta.index_select(0, m.inverse)))
-                    if cdt == dt
-                    else (x.index_select(0, m.rows), delta.to(dt).index_select(0, m.inverse)),
+                    "mask/gather": lambda: (
+                        (x.index_select(0, m.rows), out.add_(delta.index_select(0, m.inverse)))
+                        if cdt == dt
+                        else (x.index_select(0, m.rows), delta.to(dt).index_select(0, m.inverse))
+                    ),
                 }
                 if cdt != dt:
                     parts["cast in"] = lambda: x.index_select(0, m.rows).to(cdt)
@@ -201,9 +207,16 @@ def main(argv: list[str] | None = None) -> int:
                 for c in tot:
                     tot[c] += vals[c]
                 fast = min(vals["native"], vals.get("native16", float("inf")))
-                print(f"{k} | " + " | ".join(f"{vals[c]:.0f}" for c in shown) + f" | {vals['torch op'] / fast:.2f}x")
+                print(
+                    f"{k} | "
+                    + " | ".join(f"{vals[c]:.0f}" for c in shown)
+                    + f" | {vals['torch op'] / fast:.2f}x"
+                )
             fast = min(tot["native"], tot.get("native16", float("inf")))
-            print("all | " + " | ".join(f"{tot[c]:.0f}" for c in shown) + f" | {tot['torch op'] / fast:.2f}x", flush=True)
+            print(
+                "all | " + " | ".join(f"{tot[c]:.0f}" for c in shown) + f" | {tot['torch op'] / fast:.2f}x",
+                flush=True,
+            )
     return 0
 
 

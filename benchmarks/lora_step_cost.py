@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         for a in ads:
             lo_torch.llm_engine.add_lora(a)
         keep = ops.NATIVE_MAX_ROWS
-        print("rows | no LoRA | LoRA engine, base rows | 4 adapters, torch op | 4 adapters, native op   (ms: min / median)")
+        print(
+            "rows | no LoRA | LoRA engine, base rows | 4 adapters, torch op | 4 adapters, native op   (ms: min / median)"
+        )
         for rows in [int(r) for r in ns.rows.split(",") if r]:
             got: list[list[tuple[float, float]]] = [[], [], [], []]
             for _ in range(ns.alternate):

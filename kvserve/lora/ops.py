@@ -59,8 +59,10 @@ SCATTER_BELOW = 4
 #: Run the stacked form while ``rows * stacked slots`` is at most this (``use_stacked``).
 STACKED_MAX_ROW_SLOTS = 32
 
-#: Run the native kernel for steps of at most this many rows (``use_native``; 0 = never).
-NATIVE_MAX_ROWS = 256
+#: Run the native kernel for steps of at most this many rows (``use_native``; 0 = never): it
+#: measured 2-4x faster than the torch forms from 8 to 1024 rows (docs/benchmarks.md); larger
+#: steps (long prefills) were not measured and keep the torch forms.
+NATIVE_MAX_ROWS = 1024
 
 
 def lora_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:

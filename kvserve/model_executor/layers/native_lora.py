@@ -17,7 +17,26 @@ from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
 
 _p, _i64, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGS = {
-    f"lora_add_{xs}_w{ws}": [_p, _i64, _p, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i]
+    f"lora_add_{xs}_w{ws}": [
+        _p,
+        _i64,
+        _p,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _p,
+        _p,
+        _p,
+        _i64,
+        _i,
+    ]
     for xs in DTYPE_SUFFIX.values()
     for ws in DTYPE_SUFFIX.values()
 }

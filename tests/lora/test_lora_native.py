@@ -26,7 +26,9 @@ def _manager_slots(g, S, fin, widths, R, wdt, garbage_off_diagonal):
     a = (torch.randn(fin, S, P * R, generator=g) * 0.3).to(wdt).permute(1, 0, 2)
     b_clean = torch.zeros(S, P * R, bounds[-1])
     for p in range(P):
-        b_clean[:, p * R : (p + 1) * R, bounds[p] : bounds[p + 1]] = torch.randn(S, R, widths[p], generator=g) * 0.3
+        b_clean[:, p * R : (p + 1) * R, bounds[p] : bounds[p + 1]] = (
+            torch.randn(S, R, widths[p], generator=g) * 0.3
+        )
     b_clean = b_clean.to(wdt)
     b = b_clean.clone()
     if garbage_off_diagonal:
@@ -127,7 +129,9 @@ def test_add_lora_chooses_native_for_small_cpu_steps(monkeypatch):
     a, b = torch.randn(4, 32, 16), torch.randn(4, 16, 16)
     assert ops.use_native(out, x, a, b)
     assert not ops.use_native(out.half(), x.half(), a.half(), b.half())  # float16: torch forms
-    assert not ops.use_native(out, x, a.transpose(1, 2).contiguous().transpose(1, 2), b)  # A's rank not innermost
+    assert not ops.use_native(
+        out, x, a.transpose(1, 2).contiguous().transpose(1, 2), b
+    )  # A's rank not innermost
     chosen = out.clone()
     add_lora(chosen, x, a, b, m)
     forced = out.clone()
@@ -164,7 +168,9 @@ def test_native_bfloat16_slots_give_the_float32_slots_deltas_bit_for_bit():
     g = torch.Generator().manual_seed(5)
     row_slots = np.asarray([t % 4 - 1 for t in range(21)])
     mapping = LoRAMapping.build(row_slots)
-    a16, b16, _, bounds = _manager_slots(g, 4, 96, [64, 32, 32], 16, torch.bfloat16, garbage_off_diagonal=True)
+    a16, b16, _, bounds = _manager_slots(
+        g, 4, 96, [64, 32, 32], 16, torch.bfloat16, garbage_off_diagonal=True
+    )
     a32, b32 = a16.float(), b16.float()
     x = torch.randn(21, 96, generator=g).bfloat16()
     out0 = torch.randn(21, bounds[-1], generator=g).bfloat16()

@@ -11,6 +11,12 @@ milliseconds of the step's thread CPU time (steadier than wall time on a shared 
 more than one thread the other threads' time is not counted, so use one). ``--compare-segment``
 adds the 1- and 4-adapter cells with the LoRA op's stacked form off, then 4 adapters with it on
 again (alternating twice, best of each), for a before/after within one run.
+``--compare-native`` instead times, alternately ``--alternate`` times (best of each): the engine
+without LoRA, the LoRA engine with base rows, 4 adapters on the torch forms of the op (a third
+engine built as without the kernel, so a bfloat16 model keeps float32 slots, and
+``ops.NATIVE_MAX_ROWS = 0``) and 4 adapters on the native kernel; e.g.
+
+    KVSERVE_NUM_THREADS=1 python benchmarks/lora_step_cost.py --rows 8,16,64 --compare-native [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the 1- and 4-adapter cells with the op's stacked form off (segment form "
         "only), alternately with it on, in the same run",
     )
+    p.add_argument(
+        "--compare-native",
+        action="store_true",
+        help="time no-LoRA / base rows / 4 adapters torch op / 4 adapters native kernel, alternately",
+    )
+    p.add_argument("--alternate", type=int, default=3, help="rounds of --compare-native")
     ns = p.parse_args(argv)
 
     from transformers import AutoConfig
@@ -81,6 +93,38 @@ def main(argv: list[str] | None = None) -> int:
     ads = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(4)]
     for a in ads:
         lo.llm_engine.add_lora(a)
+    if ns.compare_native:
+        from kvserve.lora import ops
+        from kvserve.model_executor.layers import native_lora
+
+        # the op as before the kernel: torch forms on the slots they chose (float32 for a
+        # bfloat16 model: ``ops.lora_slot_dtype`` without the kernel)
+        real = native_lora.available
+        native_lora.available = lambda: False
+        try:
+            lo_torch = LLM(dtype=ns.dtype, enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4)
+        finally:
+            native_lora.available = real
+        for a in ads:
+            lo_torch.llm_engine.add_lora(a)
+        keep = ops.NATIVE_MAX_ROWS
+        print(
+            "rows | no LoRA | LoRA engine, base rows | 4 adapters, torch op | 4 adapters, native op   (ms: min / median)"
+        )
+        for rows in [int(r) for r in ns.rows.split(",") if r]:
+            got: list[list[tuple[float, float]]] = [[], [], [], []]
+            for _ in range(ns.alternate):
+                got[0].append(measure(base, rows, None))
+                got[1].append(measure(lo, rows, None))
+                ops.NATIVE_MAX_ROWS = 0
+                got[2].append(measure(lo_torch, rows, ads))
+                ops.NATIVE_MAX_ROWS = keep
+                got[3].append(measure(lo, rows, ads))
+            print(f"{rows} | " + " | ".join(f"{a:.1f} / {b:.1f}" for a, b in map(min, got)), flush=True)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     head = "rows | no LoRA | LoRA engine, base rows | 1 adapter | 4 adapters"
     if ns.compare_segment:
         head += " | segment only: 1 adapter | 4 adapters | default again: 4 adapters"

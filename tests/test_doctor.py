@@ -18,6 +18,7 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
     assert r["paths"]["linear"]["float32"].startswith("kvserve panel GEMM") == libs["kv_gemm"]["loaded"]
     quant = r["paths"]["linear, gguf quantized"]["float32"]
     assert quant.startswith("kvserve quantized GEMM") == libs["kv_quant_gemm"]["loaded"]
+    assert r["paths"]["LoRA deltas"]["bfloat16"].startswith("kvserve kernel") == libs["kv_lora"]["loaded"]
     assert 1 <= r["threads"]["chosen"] <= r["threads"]["cores_usable"]
     assert r["threads"]["why"]
 

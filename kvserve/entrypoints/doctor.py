@@ -81,6 +81,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         native_attention,
         native_bitmask,
         native_gemm,
+        native_lora,
         native_ops,
         native_prefill_attention,
         quant_gemm,
@@ -139,6 +140,14 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         "greedy sampling": {
             "float32 logits": "kvserve kernel" if native_ops.available() else "torch argmax + log_softmax",
         },
+        "LoRA deltas": {
+            d: (
+                f"kvserve kernel ({vec}) up to {_lora_native_rows()} rows, torch above (float32)"
+                if native_lora.available()
+                else "torch (float32 on CPU)"
+            )
+            for d in ("float32", "bfloat16")
+        },
         "structured-output token masks": {
             "float32 logits": (
                 "kvserve kernel (greedy fused)"
@@ -147,6 +156,12 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             ),
         },
     }
+
+
+def _lora_native_rows() -> int:
+    from kvserve.lora.ops import NATIVE_MAX_ROWS
+
+    return NATIVE_MAX_ROWS
 
 
 def _threads() -> dict:

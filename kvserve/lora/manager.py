@@ -4,7 +4,8 @@ Device slots are stacked tensors per decoder layer and fused target linear (``qk
 ``gate_up``, ``down``): ``A`` ``[max_loras, in, parts * max_lora_rank]`` and ``B``
 ``[max_loras, parts * max_lora_rank, out]``, zero-padded (``A`` stored ``[in, max_loras, ...]``
 so that all slots side by side are one matrix: ``kvserve.lora.ops.stacked_views``), in the model's dtype (float32 on CPU
-for a bfloat16/float16 model: ``kvserve.lora.ops.lora_compute_dtype``). A fused linear's part ``i`` (q, k, v
+for a float16 model, and for a bfloat16 one without the native kernel:
+``kvserve.lora.ops.lora_slot_dtype``). A fused linear's part ``i`` (q, k, v
 of ``qkv``; gate, up of ``gate_up``) owns rank columns ``[i * max_lora_rank, ...)`` of ``A``
 and, in ``B``, those rank rows times its own output columns (block-diagonal), so one shrink and
 one expand per slot give every part's delta in its column range of the fused output. A part
@@ -25,9 +26,10 @@ from collections import OrderedDict
 import torch
 
 from kvserve.config import LoRAConfig
-from kvserve.lora.ops import lora_compute_dtype
+from kvserve.lora.ops import lora_slot_dtype
 from kvserve.lora.peft import LoRAModel, ModelShapes, load_peft_adapter
 from kvserve.lora.request import LoRARequest
+from kvserve.model_executor.layers import native_lora
 
 logger = logging.getLogger("kvserve.lora")
 
@@ -45,7 +47,8 @@ class LoRAManager:
 
     Args:
         model: a ``LlamaForCausalLM``; its attention and MLP modules get ``lora_stacks``
-            (fused target -> ``(A, B)``) pointing at the slot tensors.
+            (fused target -> ``(A, B)``) pointing at the slot tensors, and ``lora_parts``
+            (fused target -> its parts' output column bounds, ``part_bounds``).
         lora_config: the limits (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``).
         shapes: the model's linear shapes (``ModelShapes.from_hf_config``).
 
@@ -60,8 +63,11 @@ class LoRAManager:
         self.shapes = shapes
         self.dtype = model.dtype  # adapters are validated (and cached on CPU) in it
         self.device = model.embed_tokens.device
-        # the slots' dtype: float32 on CPU for a bfloat16/float16 model (``lora_compute_dtype``)
-        self.slot_dtype = lora_compute_dtype(self.dtype, self.device)
+        if torch.device(self.device).type == "cpu":
+            native_lora.available()  # build the op's kernel now, not inside the first step
+        # the slots' dtype: the model's, or float32 on CPU where only torch computes them
+        # (``lora_slot_dtype``)
+        self.slot_dtype = lora_slot_dtype(self.dtype, self.device)
         self.max_loras = lora_config.max_loras
         self.rmax = lora_config.max_lora_rank
         self._cpu: OrderedDict[int, tuple[LoRARequest, LoRAModel]] = OrderedDict()
@@ -90,6 +96,13 @@ class LoRAManager:
                 f"({self.slot_bytes(shapes, R, self.slot_dtype)} per slot), but only {free} bytes are "
                 f"free on {self.device}; lower max_loras or max_lora_rank."
             )
+        # fused target -> its parts' output column bounds (the op skips B's zero blocks)
+        self.part_bounds: dict[str, tuple[int, ...]] = {}
+        for fused, parts in FUSED_PARTS.items():
+            bounds = [0]
+            for p in parts:
+                bounds.append(bounds[-1] + shapes.in_out[p][1])
+            self.part_bounds[fused] = tuple(bounds)
         for layer in model.layers:
             st = {}
             for fused, parts in FUSED_PARTS.items():
@@ -105,11 +118,13 @@ class LoRAManager:
             self.stacks.append(st)
             layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
             layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}
+            layer.self_attn.lora_parts = {k: self.part_bounds[k] for k in ("qkv", "o")}
+            layer.mlp.lora_parts = {k: self.part_bounds[k] for k in ("gate_up", "down")}
 
     @staticmethod
     def slot_bytes(shapes: ModelShapes, max_lora_rank: int, dtype: torch.dtype) -> int:
         """Bytes one device slot takes: ``A`` ``[in, parts * R]`` and ``B`` ``[parts * R, out]``
-        of every fused target in every layer, in ``dtype`` (the slot dtype: ``lora_compute_dtype``)."""
+        of every fused target in every layer, in ``dtype`` (the slot dtype: ``lora_slot_dtype``)."""
         per_layer = 0
         for parts in FUSED_PARTS.values():
             fin = shapes.in_out[parts[0]][0]

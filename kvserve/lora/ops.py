@@ -24,13 +24,23 @@ it wins ~1.2-1.3x per layer at 8 rows over 2-4 slots and loses from ``rows x k ~
 whole decode step (8 rows, 4 adapters) the gain was below the machine's noise
 (docs/benchmarks.md).
 
-Compute dtype (``lora_compute_dtype``): on CPU a bfloat16 or float16 model keeps its slots in
-float32 and the op upcasts the gathered rows once, runs both matmuls in float32 and casts the
-delta back once before adding it. Why: without AVX512-BF16/AMX, torch's small bfloat16 matmuls
+Compute dtype (``lora_compute_dtype``): on CPU the torch forms of a bfloat16 or float16 model
+upcast the gathered rows once, run both matmuls in float32 and cast the delta back once before
+adding it; the slots are float32 there (``lora_slot_dtype``), or bfloat16 ones widened per call
+when the native kernel (which widens them in registers) exists. Why: without AVX512-BF16/AMX, torch's small bfloat16 matmuls
 take an unpacked path that measured 3-6x slower than float32 at these shapes (rank 16,
 ``[n, 576] @ [576, 48]`` then ``[n, 48] @ [48, 960]``), and a float32 delta added straight into
 a bfloat16 output another 2-4x slower than casting it first. The rows and the rank are small,
 so the extra casts cost little; the deltas are also more exact than bfloat16 ones.
+
+Native form, for small CPU steps (``use_native``: ``rows <= NATIVE_MAX_ROWS`` and the C kernel
+built, ``kvserve.model_executor.layers.native_lora``): one C call per linear streams each active
+slot's ``A`` and ``B`` once per 8 rows of that slot, keeping the rows' partial sums in
+registers, and reads only each fused part's diagonal block of ``B`` (``parts``: the output
+column bounds of q/k/v or gate/up; without them the whole block-diagonal ``B``, zeros included,
+as the torch forms do). Why: at decode sizes the op is a stream over the slots' weights, which
+torch's small matmuls read at a fraction of the memory bandwidth and with ~5-7 us of dispatch
+each (the measured breakdown: docs/benchmarks.md, eleventh session).
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvserve.model_executor.layers import native_lora
+
 #: Scatter the deltas with ``index_add_`` when fewer than 1 in ``SCATTER_BELOW`` rows has an
 #: adapter (it touches only those rows); otherwise gather them into batch order and add densely.
 SCATTER_BELOW = 4
@@ -47,13 +59,31 @@ SCATTER_BELOW = 4
 #: Run the stacked form while ``rows * stacked slots`` is at most this (``use_stacked``).
 STACKED_MAX_ROW_SLOTS = 32
 
+#: Run the native kernel for steps of at most this many rows (``use_native``; 0 = never): it
+#: measured 2-4x faster than the torch forms from 8 to 1024 rows (docs/benchmarks.md); larger
+#: steps (long prefills) were not measured and keep the torch forms.
+NATIVE_MAX_ROWS = 1024
+
 
 def lora_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The dtype LoRA slots are kept and computed in for a model of ``dtype`` on ``device``:
-    float32 on CPU for bfloat16/float16 models (see the module docstring), else ``dtype``."""
+    """The dtype the torch forms compute LoRA deltas in for a model (or slots) of ``dtype`` on
+    ``device``: float32 on CPU for bfloat16/float16 (see the module docstring), else ``dtype``."""
     if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
+
+
+def lora_slot_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype ``LoRAManager`` keeps the slots of a ``dtype`` model on ``device`` in: the model
+    dtype, except float32 on CPU for a bfloat16 model without the native kernel and for a
+    float16 one (``lora_compute_dtype``). Why bfloat16 slots with the kernel: the adapters are
+    validated and cached in the model dtype, so bfloat16 slots hold exactly the values float32
+    ones would, the kernel widens them exactly in registers (bit-identical deltas), and a
+    decode step streams half the bytes; the torch forms (large steps) widen them per call."""
+    cdt = lora_compute_dtype(dtype, device)
+    if cdt != dtype and dtype == torch.bfloat16 and native_lora.available():
+        return dtype
+    return cdt
 
 
 @dataclass
@@ -69,6 +99,7 @@ class LoRAMapping:
             row (the zero row of the op's scratch).
         contiguous: ``rows == arange(T)``: every row has an adapter and they are in slot order,
             so the op reads ``x`` and adds into ``out`` in place.
+        segs: int64 CPU tensor ``[len(segments), 3]``: ``segments`` for the native kernel.
     """
 
     row_slots: np.ndarray
@@ -76,6 +107,7 @@ class LoRAMapping:
     segments: list[tuple[int, int, int]]
     contiguous: bool
     inverse: torch.Tensor
+    segs: torch.Tensor
     #: (rank width, dtype) -> the stacked path's row mask, built once per step (``row_mask``)
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -103,6 +135,7 @@ class LoRAMapping:
             segments,
             contiguous,
             torch.from_numpy(inverse).to(device),
+            torch.tensor(segments, dtype=torch.int64),
         )
 
     @property
@@ -153,6 +186,7 @@ def add_lora(
     b: torch.Tensor,
     mapping: LoRAMapping,
     path: str | None = None,
+    parts: tuple[int, ...] | None = None,
 ) -> None:
     """``out[t] += (x[t] @ a[s_t]) @ b[s_t]`` in place for the rows of ``mapping``.
 
@@ -160,15 +194,19 @@ def add_lora(
         out: ``[T, out_features]``, the base linear's output (written in place).
         x: ``[T, in_features]``, the linear's input, in ``out``'s dtype.
         a: ``[slots, in_features, R]``; b: ``[slots, R, out_features]`` (scale folded in);
-            slots never loaded are zeros. On ``x``'s device, in ``x``'s dtype or in a wider
-            compute dtype (``lora_compute_dtype``): the rows are cast to it, and the delta
-            back to ``out``'s dtype once.
+            slots never loaded are zeros. On ``x``'s device, in the slot dtype
+            (``lora_slot_dtype``: ``x``'s, or float32); every form computes in
+            ``lora_compute_dtype`` (float32 on CPU), the delta rounded to ``out``'s dtype once.
         mapping: the step's rows per slot; ``mapping.num_tokens == T``.
-        path: ``"stacked"`` or ``"segment"`` to force one (tests, benchmarks); None chooses
-            by ``use_stacked``.
+        path: ``"native"``, ``"stacked"`` or ``"segment"`` to force one (tests, benchmarks);
+            None chooses: ``use_native``, else ``use_stacked``.
+        parts: the output column bounds of a fused linear's parts (``(0, q, q + kv, q + 2 kv)``
+            for qkv: ``P + 1`` increasing ints), whose rank columns are ``a.shape[2] / P`` wide
+            each, ``b`` block-diagonal over them (``LoRAManager``'s layout): the native form then
+            skips ``b``'s zero blocks. None: one part, all of ``b``.
     Raises:
-        ValueError: mismatched shapes (checked cheaply: row counts and feature sizes), or an
-            unknown ``path``.
+        ValueError: mismatched shapes (checked cheaply: row counts and feature sizes), an
+            unknown ``path``, or ``"native"`` forced where the kernel does not apply.
     """
     T = x.shape[0]
     if mapping.num_tokens != T or out.shape[0] != T:
@@ -178,14 +216,31 @@ def add_lora(
             f"add_lora: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit x {tuple(x.shape)} -> "
             f"out {tuple(out.shape)}"
         )
-    if path is None:
+    if path is None or path == "native":
+        if (path is not None or T <= NATIVE_MAX_ROWS) and native_lora.lora_add(
+            out, x, a, b, (0, out.shape[1]) if parts is None else parts, mapping.rows, mapping.segs
+        ):
+            return
+        if path is not None:
+            raise ValueError(
+                f"add_lora: path='native' but the kernel does not take out {out.dtype} on {out.device}, "
+                f"x {x.dtype} strides {x.stride()}, A {a.dtype} strides {a.stride()}, B {b.dtype} "
+                f"(not supported: CPU float32/bfloat16, innermost dimensions contiguous, the library "
+                f"built: {native_lora.failure_reason() or 'yes'})"
+            )
         path = "stacked" if use_stacked(mapping) else "segment"
     if path == "stacked":
         _add_lora_stacked(out, x, a, b, mapping)
     elif path == "segment":
         _add_lora_segments(out, x, a, b, mapping)
     else:
-        raise ValueError(f"add_lora: path must be 'stacked', 'segment' or None, got {path!r}")
+        raise ValueError(f"add_lora: path must be 'native', 'stacked', 'segment' or None, got {path!r}")
+
+
+def use_native(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the step runs the native kernel: at most ``NATIVE_MAX_ROWS`` rows and tensors it
+    takes (``native_lora.supported``: CPU, float32/bfloat16, the library built)."""
+    return x.shape[0] <= NATIVE_MAX_ROWS and native_lora.supported(out, x, a, b)
 
 
 def use_stacked(mapping: LoRAMapping) -> bool:
@@ -204,32 +259,45 @@ def _add_lora_stacked(
 ) -> None:
     # every row through slots 0..k-1 at once; the mask zeroes the columns of other slots (and
     # every column of a base row), so no gather or scatter: 3 torch calls (+ casts) per linear
-    cdt = a.dtype
+    cdt = lora_compute_dtype(a.dtype, a.device)
     R = a.shape[2]
     a_cat, b_cat = stacked_views(a, b)
     w = mapping.num_stacked_slots * R
+    aw, bw = a_cat[:, :w], b_cat[:w]
+    if aw.dtype != cdt:  # bfloat16 slots: widened exactly (``lora_slot_dtype``)
+        aw, bw = aw.to(cdt), bw.to(cdt)
     xs = x if x.dtype == cdt else x.to(cdt)
-    h = torch.mm(xs, a_cat[:, :w])
+    h = torch.mm(xs, aw)
     h.mul_(mapping.row_mask(R, cdt))
     if cdt == out.dtype:
-        out.addmm_(h, b_cat[:w])
+        out.addmm_(h, bw)
     else:
-        out.add_(torch.mm(h, b_cat[:w]).to(out.dtype))
+        out.add_(torch.mm(h, bw).to(out.dtype))
 
 
 def _add_lora_segments(
     out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping
 ) -> None:
     T = x.shape[0]
-    cdt = a.dtype
+    cdt = lora_compute_dtype(a.dtype, a.device)
     same = cdt == out.dtype
+    if a.dtype != cdt:  # bfloat16 slots: widened exactly (``lora_slot_dtype``), per slot used
+
+        def ab(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return a[s].to(cdt), b[s].to(cdt)
+    else:
+
+        def ab(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return a[s], b[s]
+
     if mapping.contiguous:
         xs = x if x.dtype == cdt else x.to(cdt)
         for s, lo, hi in mapping.segments:
+            a_s, b_s = ab(s)
             if same:
-                out[lo:hi].addmm_(torch.mm(xs[lo:hi], a[s]), b[s])
+                out[lo:hi].addmm_(torch.mm(xs[lo:hi], a_s), b_s)
             else:  # one segment's delta at a time: the float32 temporary stays small
-                out[lo:hi].add_(torch.mm(torch.mm(xs[lo:hi], a[s]), b[s]).to(out.dtype))
+                out[lo:hi].add_(torch.mm(torch.mm(xs[lo:hi], a_s), b_s).to(out.dtype))
         return
     xs = x.index_select(0, mapping.rows)
     if xs.dtype != cdt:
@@ -238,8 +306,9 @@ def _add_lora_segments(
     mid = torch.empty(n, a.shape[2], dtype=cdt, device=x.device)
     delta = torch.empty(n + 1, b.shape[2], dtype=cdt, device=out.device)
     for s, lo, hi in mapping.segments:
-        torch.mm(xs[lo:hi], a[s], out=mid[lo:hi])
-        torch.mm(mid[lo:hi], b[s], out=delta[lo:hi])
+        a_s, b_s = ab(s)
+        torch.mm(xs[lo:hi], a_s, out=mid[lo:hi])
+        torch.mm(mid[lo:hi], b_s, out=delta[lo:hi])
     if n * SCATTER_BELOW < T:  # few adapter rows (e.g. one adapter prompt in a big prefill)
         out.index_add_(0, mapping.rows, delta[:n] if same else delta[:n].to(out.dtype))
     else:

@@ -195,22 +195,44 @@ def test_reloading_an_id_from_another_path_after_eviction_refills_its_slot(tmp_p
     assert torch.equal(a[0, :, : new_a.shape[0]], new_a.t()) and mgr.num_slot_loads == 2
 
 
-def test_bfloat16_model_on_cpu_keeps_float32_slots_holding_the_validated_weights(tmp_path):
-    """bfloat16 on CPU: slots in float32 (the op computes in it), filled from the adapter as
-    validated in bfloat16 (upcast exactly); the slot memory check counts float32 bytes."""
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_model_on_cpu_keeps_slots_in_the_slot_dtype_holding_the_validated_weights(
+    tmp_path, monkeypatch, native
+):
+    """bfloat16 on CPU: slots in bfloat16 where the native kernel runs the op (it widens them
+    exactly), else in float32 (the torch forms compute in it); either way filled from the
+    adapter as validated in bfloat16, exactly; the slot memory check counts the slot dtype."""
+    from kvserve.model_executor.layers import native_lora
+
+    if native and not native_lora.available():
+        pytest.skip(f"no native LoRA kernel: {native_lora.failure_reason()}")
+    if not native:
+        monkeypatch.setattr(native_lora, "available", lambda: False)
+    want = torch.bfloat16 if native else torch.float32
     model = LlamaForCausalLM(CFG, dtype=torch.bfloat16)
     mgr = LoRAManager(model, LoRAConfig(1, 4, 1), SHAPES)
-    assert mgr.dtype == torch.bfloat16 and mgr.slot_dtype == torch.float32
+    assert mgr.dtype == torch.bfloat16 and mgr.slot_dtype == want
     r = LoRARequest("x", 3, _adapter(tmp_path, "x", r=2, targets=("q_proj",)))
     s = mgr.activate([r])[3]
     a, _ = model.layers[0].self_attn.lora_stacks["qkv"]
     la, _ = mgr._cpu[3][1].weights[(0, "q_proj")]
-    assert a.dtype == torch.float32 and la.dtype == torch.bfloat16
-    assert torch.equal(a[s, :, :2], la.t().float())
-    per_slot = LoRAManager.slot_bytes(SHAPES, 4, torch.float32)
+    assert a.dtype == want and la.dtype == torch.bfloat16
+    assert torch.equal(a[s, :, :2], la.t().to(want))
+    per_slot = LoRAManager.slot_bytes(SHAPES, 4, want)
     assert (
         sum(t.numel() * t.element_size() for st in mgr.stacks for ab in st.values() for t in ab) == per_slot
     )
+
+
+def test_manager_gives_each_module_its_parts_column_bounds():
+    model, mgr = _manager()
+    q, kv = SHAPES.in_out["q_proj"][1], SHAPES.in_out["k_proj"][1]
+    inter = SHAPES.in_out["gate_proj"][1]
+    assert mgr.part_bounds["qkv"] == (0, q, q + kv, q + 2 * kv)
+    assert mgr.part_bounds["gate_up"] == (0, inter, 2 * inter)
+    assert mgr.part_bounds["o"] == (0, SHAPES.in_out["o_proj"][1])
+    assert model.layers[0].self_attn.lora_parts == {k: mgr.part_bounds[k] for k in ("qkv", "o")}
+    assert model.layers[1].mlp.lora_parts == {k: mgr.part_bounds[k] for k in ("gate_up", "down")}
 
 
 def test_manager_slots_are_laid_out_for_the_stacked_form(tmp_path):

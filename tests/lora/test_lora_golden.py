@@ -58,10 +58,16 @@ def _lora_of(adapters, i):
         dict(),  # native decode + native prefill kernels (CPU)
         dict(enable_chunked_prefill=True, max_num_batched_tokens=24),  # prefill chunks mixed with decodes
         "module-path",  # no native decode: every step on the module path, MLP in row chunks
+        "torch-lora-op",  # the LoRA op's torch forms instead of its kernel at every size
     ],
-    ids=["default", "chunked", "module-path"],
+    ids=["default", "chunked", "module-path", "torch-lora-op"],
 )
 def test_mixed_adapters_equal_peft(tiny_llama_dir, adapters, prompts, references, mode, monkeypatch):
+    if mode == "torch-lora-op":
+        from kvserve.lora import ops
+
+        monkeypatch.setattr(ops, "NATIVE_MAX_ROWS", 0)
+        mode = dict()
     if mode == "module-path":
         monkeypatch.setattr(LlamaForCausalLM, "use_native_decode", False)
         monkeypatch.setattr(LlamaMLP, "CHUNK_ROWS", 16)  # the MLP's row chunks slice the slot map

@@ -110,7 +110,7 @@ def _lora(module, target: str, x: torch.Tensor, out: torch.Tensor, lora) -> None
     ``LoRAManager``; LoRA runs without tensor parallelism only, so before any all-reduce)."""
     if lora is not None:
         a, b = module.lora_stacks[target]
-        add_lora(out, x, a, b, lora)
+        add_lora(out, x, a, b, lora, parts=None if module.lora_parts is None else module.lora_parts[target])
 
 
 class LlamaAttention(nn.Module):
@@ -121,6 +121,8 @@ class LlamaAttention(nn.Module):
 
     #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.LoRAManager``.
     lora_stacks: dict | None = None
+    #: fused target -> its parts' output column bounds (``LoRAManager.part_bounds``).
+    lora_parts: dict | None = None
 
     def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None):
         super().__init__()
@@ -186,6 +188,8 @@ class LlamaMLP(nn.Module):
 
     #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.LoRAManager``.
     lora_stacks: dict | None = None
+    #: fused target -> its parts' output column bounds (``LoRAManager.part_bounds``).
+    lora_parts: dict | None = None
 
     def __init__(self, cfg, dtype, device, tp=None):
         super().__init__()

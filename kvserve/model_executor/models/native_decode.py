@@ -170,7 +170,9 @@ def forward_layers(
             raise MemoryError(f"native decode: no memory for a quantized GEMM's scratch ({T} rows)")
         if lora is not None:
             la, lb = module.lora_stacks[target]
-            add_lora(dst, src, la, lb, lora)
+            add_lora(
+                dst, src, la, lb, lora, parts=None if module.lora_parts is None else module.lora_parts[target]
+            )
 
     for i, layer in enumerate(model.layers):
         attn, mlp, cache = layer.self_attn, layer.mlp, kv_caches[i]

@@ -40,7 +40,7 @@ registers, and reads only each fused part's diagonal block of ``B`` (``parts``: 
 column bounds of q/k/v or gate/up; without them the whole block-diagonal ``B``, zeros included,
 as the torch forms do). Why: at decode sizes the op is a stream over the slots' weights, which
 torch's small matmuls read at a fraction of the memory bandwidth and with ~5-7 us of dispatch
-each (the measured breakdown: docs/benchmarks.md, eleventh session).
+each (the measured breakdown: docs/benchmarks.md, tenth session).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
     assert r["paths"]["linear"]["float32"].startswith("kvserve panel GEMM") == libs["kv_gemm"]["loaded"]
     quant = r["paths"]["linear, gguf quantized"]["float32"]
     assert quant.startswith("kvserve quantized GEMM") == libs["kv_quant_gemm"]["loaded"]
+    step = r["paths"]["decoder layers of a pure-decode step"]["float32"]
+    if libs["kv_ops"]["loaded"] and libs["kv_attention"]["loaded"]:
+        assert step.startswith("one kvserve call") == libs["kv_decode_layers"]["loaded"], step
     assert 1 <= r["threads"]["chosen"] <= r["threads"]["cores_usable"]
     assert r["threads"]["why"]
 

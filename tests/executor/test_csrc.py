@@ -80,6 +80,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
         "tests/executor/test_quant_act8.py",
         "tests/executor/test_quant_x4.py",
         "tests/executor/test_native_bitmask.py",
+        "tests/executor/test_native_layers.py",
     ]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],

@@ -51,6 +51,7 @@ KERNEL_MODULES = (
     "native_prefill_attention",
     "quant_gemm",
     "native_bitmask",
+    "native_layers",
 )
 
 

@@ -19,6 +19,9 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
     quant = r["paths"]["linear, gguf quantized"]["float32"]
     assert quant.startswith("kvserve quantized GEMM") == libs["kv_quant_gemm"]["loaded"]
     assert r["paths"]["LoRA deltas"]["bfloat16"].startswith("kvserve kernel") == libs["kv_lora"]["loaded"]
+    step = r["paths"]["decoder layers of a pure-decode step"]["float32"]
+    if libs["kv_ops"]["loaded"] and libs["kv_attention"]["loaded"]:
+        assert step.startswith("one kvserve call") == libs["kv_decode_layers"]["loaded"], step
     assert 1 <= r["threads"]["chosen"] <= r["threads"]["cores_usable"]
     assert r["threads"]["why"]
 

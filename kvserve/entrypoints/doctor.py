@@ -82,6 +82,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         native_bitmask,
         native_gemm,
         native_lora,
+        native_layers,
         native_ops,
         native_prefill_attention,
         quant_gemm,
@@ -135,6 +136,16 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         },
         "rms_norm, silu_and_mul, rope + KV write": {
             d: f"kvserve fused kernels ({vec})" if native_ops.available() else torch_
+            for d in ("float32", "bfloat16")
+        },
+        "decoder layers of a pure-decode step": {
+            d: (
+                "one kvserve call for all layers (per-layer calls with LoRA or tensor parallelism)"
+                if native_layers.available()
+                else f"per-layer kvserve calls ({native_layers.failure_reason()})"
+            )
+            if native_ops.available() and native_attention.available()
+            else "the module path (no native ops or decode attention)"
             for d in ("float32", "bfloat16")
         },
         "greedy sampling": {

@@ -81,6 +81,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
         "tests/executor/test_quant_x4.py",
         "tests/executor/test_native_bitmask.py",
         "tests/lora/test_lora_native.py",
+        "tests/executor/test_native_layers.py",
     ]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],

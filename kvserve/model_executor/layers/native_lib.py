@@ -52,6 +52,7 @@ KERNEL_MODULES = (
     "quant_gemm",
     "native_bitmask",
     "native_lora",
+    "native_layers",
 )
 
 

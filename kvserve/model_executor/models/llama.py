@@ -274,6 +274,10 @@ class LlamaForCausalLM(nn.Module):
     #: Run pure-decode CPU steps as straight native calls (``native_decode``): same kernels,
     #: same results, without the per-op Python. False forces the module path.
     use_native_decode = True
+    #: Run those steps as one native call for all layers (``native_layers``) where no LoRA
+    #: adapter or tensor parallelism needs Python between the kernels; False keeps the
+    #: per-layer calls (the same results).
+    fuse_native_decode = True
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None

@@ -19,14 +19,39 @@ kernel that takes this step's row count (``native_gemm.PanelWeight`` of the mode
 native attention kernel (``meta.native_decode``), and the native ops available. Otherwise the
 module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
 GEMM, as the module path does (``kvserve.lora.ops.add_lora``).
+
+Two forms of the same sequence:
+
+- one C call for the whole step (``native_layers``, ``csrc/decode_layers.c``): every layer and
+  the final norm, the kernels resolved once per model and step regime into a dispatch table
+  (``_StepPlan``: per layer and weight the kernel of its format -- quantized tile / int8
+  activations / panels, AMX tiles, float panels -- its weight bytes and bias), the activation
+  buffers allocated with it. It runs every step ``applies`` admits (any row count: batched
+  decodes, speculative verify rows expanded to decode rows) without LoRA adapters and without
+  tensor parallelism, where the model's ``fuse_native_decode`` is True (the default).
+- the per-layer loop below (nine ctypes calls per layer), for steps with LoRA adapters or under
+  tensor parallelism (their deltas and all-reduces are Python operations between the GEMMs),
+  and where the fused library is unavailable.
+
+Both give bit-identical hidden states (``tests/executor/test_native_layers.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import weakref
+
 import torch
 
 from kvserve.lora.ops import add_lora
-from kvserve.model_executor.layers import amx_gemm, native_attention, native_gemm, native_ops, quant_gemm
+from kvserve.model_executor.layers import (
+    amx_gemm,
+    native_attention,
+    native_gemm,
+    native_layers,
+    native_ops,
+    quant_gemm,
+)
 from kvserve.model_executor.layers.attention import AttentionMetadata
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX
 
@@ -113,7 +138,39 @@ def forward_layers(
         meta: the step's metadata; ``applies`` must have returned True for it.
     Returns:
         ``[T, hidden]`` hidden states after the final norm, in the model dtype.
+
+    Raises:
+        ValueError: the step's index tensors are not contiguous int64.
+        MemoryError: a quantized GEMM could not allocate its scratch.
     """
+    nd = meta.native_decode
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = meta.slot_mapping.contiguous()
+    for name, t in (("table", nd.table), ("kstart", nd.kstart), ("kend", nd.kend), ("slot_mapping", slots)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"native decode: {name} must be contiguous int64, got {t.dtype} {t.stride()}")
+    if (
+        meta.lora is None
+        and getattr(model, "tp", None) is None
+        and getattr(model, "fuse_native_decode", True)
+    ):
+        plan = step_plan(model, x.shape[0], kv_caches)
+        if plan is not None:
+            return plan.run(x, cos, sin, slots, nd)
+    return _forward_per_layer(model, x, cos, sin, slots, kv_caches, meta)
+
+
+def _forward_per_layer(
+    model,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """``forward_layers`` as nine native calls per layer (LoRA deltas and all-reduces between
+    them); arguments checked by ``forward_layers``."""
     T, hidden = x.shape
     sfx = DTYPE_SUFFIX[model.dtype]
     nt = torch.get_num_threads()
@@ -123,11 +180,6 @@ def forward_layers(
     inter = model.layers[0].mlp.inter
     tp = getattr(model, "tp", None)
     nd = meta.native_decode
-    cos, sin = cos.contiguous(), sin.contiguous()
-    slots = meta.slot_mapping.contiguous()
-    for name, t in (("table", nd.table), ("kstart", nd.kstart), ("kend", nd.kend), ("slot_mapping", slots)):
-        if t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"native decode: {name} must be contiguous int64, got {t.dtype} {t.stride()}")
     new = lambda *shape: torch.empty(*shape, dtype=x.dtype)  # noqa: E731
     residual = x  # F.embedding's fresh output: updated in place from here on
     h, o, mlp_out = new(T, hidden), new(T, hidden), new(T, hidden)
@@ -241,3 +293,229 @@ def forward_layers(
     out = new(T, hidden)
     rms(p(mlp_out), p(residual), p(model.norm.weight), p(out), T, hidden, model.norm.eps, nt)
     return out
+
+
+# ---------------------------------------------------------------- the one-call step
+
+
+def _gemm_entry(entry: native_layers.DLGemm, weight, bias: torch.Tensor | None, rows: int, dtype) -> bool:
+    """Fill ``entry`` with ``weight``'s kernel for ``rows`` rows (the one ``_gemm_call`` picks);
+    False when it has none."""
+    call = _gemm_call(weight, bias, rows, dtype)
+    if call is None:
+        return False
+    fn, w, b, n, k, panel = call
+    if panel:
+        kind = native_layers.PANEL
+    elif isinstance(weight, quant_gemm.QuantWeight):
+        tile = quant_gemm.pick_kernel(rows, weight.qtype) == "tile"
+        kind = native_layers.TILE if tile else native_layers.STATUS
+    else:
+        kind = native_layers.AMX
+    entry.fn, entry.kind, entry.w, entry.bias, entry.n, entry.k = (
+        native_layers.fn_address(fn),
+        kind,
+        w,
+        b,
+        n,
+        k,
+    )
+    return True
+
+
+class _StepPlan:
+    """The dispatch table of ``native_layers``' one-call step for one model and step regime
+    (every row count that picks the same kernels: ``_regime``), with the activation buffers.
+
+    It references every tensor whose address it holds (weights, biases, norms, caches,
+    buffers), so none is freed while the C side may read it.
+    """
+
+    def __init__(self, model, rows: int):
+        dtype = model.dtype
+        a0, m0 = model.layers[0].self_attn, model.layers[0].mlp
+        self.H, self.KH, self.D, self.inter = a0.num_heads, a0.num_kv_heads, a0.head_dim, m0.inter
+        self.hidden = model.embed_tokens.shape[1]
+        self.dtype = dtype
+        self.keep: list = []  # everything the table points into
+        self.ok = self._fill(model, rows)
+
+    def _fill(self, model, rows: int) -> bool:
+        sfx = DTYPE_SUFFIX[self.dtype]
+        L = len(model.layers)
+        self.layers = (native_layers.DLLayer * L)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp, e = layer.self_attn, layer.mlp, self.layers[i]
+            if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter) != (
+                self.H,
+                self.KH,
+                self.D,
+                self.inter,
+            ):
+                return False
+            for entry, weight, bias in (
+                (e.qkv, attn.qkv_weight, attn.qkv_bias),
+                (e.o, attn.o_weight, attn.o_bias),
+                (e.gate_up, mlp.gate_up_weight, None),
+                (e.down, mlp.down_weight, None),
+            ):
+                if not _gemm_entry(entry, weight, bias, rows, self.dtype):
+                    return False
+                self.keep += [weight, bias]
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            for t in (n1.weight, n2.weight, attn.qkv_bias, attn.o_bias):
+                if t is not None and (t.dtype != self.dtype or not t.is_contiguous()):
+                    return False
+            e.in_norm, e.post_norm = n1.weight.data_ptr(), n2.weight.data_ptr()
+            e.in_eps, e.post_eps, e.scale = n1.eps, n2.eps, attn.attn.scale
+            self.keep += [n1.weight, n2.weight]
+        if model.norm.weight.dtype != self.dtype or not model.norm.weight.is_contiguous():
+            return False
+        fn = native_layers.fn_address
+        self.struct = m = native_layers.DLModel()
+        m.rms = fn(native_ops._LIB.fn(f"rms_norm_{sfx}"))
+        m.rope = fn(native_ops._LIB.fn(f"rope_write_kv_{sfx}"))
+        m.silu = fn(native_ops._LIB.fn(f"silu_and_mul_{sfx}"))
+        m.attend = fn(native_attention._LIB.fn(f"kv_paged_decode_attention_{sfx}"))
+        m.layers = ctypes.cast(self.layers, ctypes.POINTER(native_layers.DLLayer))
+        m.num_layers, m.hidden, m.H, m.KH, m.D, m.inter = L, self.hidden, self.H, self.KH, self.D, self.inter
+        m.final_norm, m.final_eps = model.norm.weight.data_ptr(), model.norm.eps
+        self.keep.append(model.norm.weight)
+        self.addr = ctypes.addressof(m)
+        self.fn = native_layers.step_fn(self.dtype)
+        self.cache_ptrs: list[int] = []
+        self.caches: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []
+        self._grow(rows)
+        return True
+
+    def _grow(self, rows: int) -> None:
+        """Activation buffers for at least ``rows`` rows (a power of two: few regrowths)."""
+        rows = 1 << (rows - 1).bit_length()
+        H, KH, D, hidden, inter = self.H, self.KH, self.D, self.hidden, self.inter
+        new = lambda n: torch.empty(rows * n, dtype=self.dtype)  # noqa: E731
+        names = ("h", "o", "mlp_out", "qkv", "qk", "attn_out", "gate_up", "act")
+        sizes = (hidden, hidden, hidden, (H + 2 * KH) * D, (H + KH) * D, H * D, 2 * inter, inter)
+        self.buffers = [new(n) for n in sizes]
+        m = self.struct
+        for name, buf in zip(names, self.buffers):
+            setattr(m, name, buf.data_ptr())
+        xf = None
+        if self.dtype != torch.float32:  # the panel GEMM widens bfloat16 x into this
+            xf = torch.empty(rows * max(hidden, H * D, inter), dtype=torch.float32)
+            self.buffers.append(xf)
+        m.xf = None if xf is None else xf.data_ptr()
+        m.max_rows = rows
+
+    def bind_caches(self, kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
+        """Point every layer at its cache (``[2, KH, NB, BS, D]``, contiguous, the model dtype).
+
+        Raises:
+            ValueError: a cache of another count, shape, dtype or layout.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"native decode: {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        for i, c in enumerate(kv_caches):
+            if (
+                c.dim() != 5
+                or c.shape[0] != 2
+                or c.shape[1] != self.KH
+                or c.shape[4] != self.D
+                or c.dtype != self.dtype
+                or not c.is_contiguous()
+            ):
+                raise ValueError(
+                    f"native decode: layer {i}'s KV cache {tuple(c.shape)} {c.dtype} is not a contiguous "
+                    f"[2, {self.KH}, blocks, block_size, {self.D}] {self.dtype} tensor"
+                )
+            e = self.layers[i]
+            e.cache, e.nb, e.bs = ptrs[i], c.shape[2], c.shape[3]
+        self.caches, self.cache_ptrs = list(kv_caches), ptrs
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, nd
+    ) -> torch.Tensor:
+        """The step for embedded tokens ``x`` ``[T, hidden]`` (updated in place, as the
+        residual); returns the hidden states after the final norm (a new ``[T, hidden]``)."""
+        T = x.shape[0]
+        if T > self.struct.max_rows:
+            self._grow(T)
+        out = torch.empty(T, self.hidden, dtype=x.dtype)
+        p = torch.Tensor.data_ptr
+        rc = self.fn(
+            self.addr,
+            T,
+            p(cos),
+            p(sin),
+            p(slots),
+            p(nd.table),
+            nd.table.shape[1],
+            p(nd.kstart),
+            p(nd.kend),
+            p(x),
+            p(out),
+            torch.get_num_threads(),
+        )
+        if rc == native_layers.ENOMEM:
+            raise MemoryError(f"native decode: no memory for a quantized GEMM's scratch ({T} rows)")
+        if rc:
+            raise RuntimeError(
+                f"native decode: the one-call step refused its dispatch table ({rc}, {T} rows)"
+            )
+        return out
+
+
+#: model -> ``(sentinel, {regime: _StepPlan or None}, quantized)``: the plans of each model,
+#: dropped when its linear weights are replaced (prepacked or quantized again: the sentinel is
+#: its first and last linear weight objects and its dtype).
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _regime(rows: int, quantized: bool) -> tuple:
+    """What decides the kernels ``_gemm_call`` picks for ``rows`` rows: the quantized kernels'
+    row threshold and activation mode, the AMX kernel's row limit."""
+    return (
+        rows >= quant_gemm.PANEL_ROWS,
+        rows <= amx_gemm.MAX_ROWS,
+        quant_gemm.activation_mode() if quantized else None,
+    )
+
+
+def step_plan(model, rows: int, kv_caches: list[torch.Tensor]) -> _StepPlan | None:
+    """The one-call step's dispatch table for ``rows`` rows of ``model``, its caches bound to
+    ``kv_caches``; None when the fused library is unavailable or a layer has no native kernel
+    for this step (then the per-layer path runs)."""
+    layers = model.layers
+    sentinel = (layers[0].self_attn.qkv_weight, layers[-1].mlp.down_weight, model.dtype)
+    hit = _PLANS.get(model)
+    if (
+        hit is None
+        or hit[0][0] is not sentinel[0]
+        or hit[0][1] is not sentinel[1]
+        or hit[0][2] != sentinel[2]
+    ):
+        if not native_layers.available():
+            return None
+        quantized = any(
+            isinstance(w, quant_gemm.QuantWeight)
+            for layer in layers
+            for w in (
+                layer.self_attn.qkv_weight,
+                layer.self_attn.o_weight,
+                layer.mlp.gate_up_weight,
+                layer.mlp.down_weight,
+            )
+        )
+        hit = _PLANS[model] = (sentinel, {}, quantized)
+    regime = _regime(rows, hit[2])
+    plans = hit[1]
+    plan = plans.get(regime, False)
+    if plan is False:
+        built = _StepPlan(model, rows)
+        plan = plans[regime] = built if built.ok else None
+    if plan is None:
+        return None
+    ptrs = [c.data_ptr() for c in kv_caches]
+    if ptrs != plan.cache_ptrs:
+        plan.bind_caches(kv_caches, ptrs)
+    return plan

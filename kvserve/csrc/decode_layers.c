@@ -1,0 +1,96 @@
+/*
+ * Every decoder layer of a pure-decode step (and the final norm) in one call.
+ *
+ * Why: native_decode.py's per-layer path makes nine ctypes calls per layer (two RMSNorms, four
+ * GEMMs, rotary + cache write, attention, SiLU-and-mul), 270 for the default model's 30 layers;
+ * each costs a few microseconds of argument conversion and Python around it, ~2 ms of a
+ * batch-1 step (12.6 % of a gguf step in a profile, the GEMVs 75 %). This file runs the same
+ * sequence in C:
+ *
+ *   h = norm(residual (+= mlp_out of the layer before))
+ *   qkv = h @ Wqkv^T (+ b); rope(q, k), k and v written to their cache slots
+ *   attn = decode attention from the paged cache; o = attn @ Wo^T (+ b)
+ *   h = norm(residual += o); gate_up = h @ Wgu^T; act = silu(gate) * up; mlp_out = act @ Wd^T
+ *   ... every layer, then out = norm(residual += mlp_out)
+ *
+ * with the kernels of the other libraries (ops.c, decode_attention.c, gemm.c, amx_gemm.c,
+ * quant_gemm.c) called through function pointers that the Python side resolves once per model
+ * and step regime (a dispatch table: per layer and weight the kernel of its format, its weight
+ * bytes, bias and shape; dl_model / dl_layer / dl_gemm below) -- no kernel is compiled twice,
+ * and each keeps its own threads (OpenMP) and ISA paths (AVX-512, AVX2, scalar). The kernels,
+ * arguments and order are the per-layer path's, so the result is bit-identical to it.
+ *
+ * The activations live in buffers of the dispatch table (allocated once, for max_rows rows);
+ * residual (the embedded tokens) is updated in place. Nothing here is vectorised: the work is
+ * in the kernels.
+ *
+ * Not covered (the per-layer path runs): LoRA deltas and tensor-parallel all-reduces between
+ * the GEMMs (Python operations).
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kv_vec.h"
+
+/* A kernel entry point: stored as this generic function pointer type, called through its real
+   one (conversions between function pointer types are well defined in C). */
+typedef void (*dl_fn)(void);
+
+/* How a GEMM kernel is called (all compute y[M, N] = x[M, K] @ W^T (+ bias)):
+   DL_TILE    void f(x, w, bias, y, M, N, K, nthreads)       quant_gemm_<type> (float activations)
+   DL_STATUS  int f(x, w, bias, y, M, N, K, nthreads)        quant_gemm_{act8,act16,panel}_<type>:
+                                                             nonzero = no memory for its scratch
+   DL_PANEL   void f(x, xf, w, bias, y, M, N, K, nthreads)   gemm_<dtype> (packed float panels)
+   DL_AMX     void f(x, w, bias, y, M, N, K, nthreads)       amx_gemm_bf16 (bfloat16 only) */
+typedef void (*dl_amx_fn)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
+                          int64_t, int);
+enum { DL_TILE = 0, DL_STATUS = 1, DL_PANEL = 2, DL_AMX = 3 };
+
+/* decode_layers_* results */
+enum { DL_OK = 0, DL_ENOMEM = -1, DL_EINVAL = -2 };
+
+typedef struct {
+    dl_fn fn;
+    int64_t kind;     /* DL_* above */
+    const void* w;    /* the weight's bytes in the kernel's layout */
+    const void* bias; /* [n] in the storage dtype, or NULL */
+    int64_t n, k;     /* out_features, in_features */
+} dl_gemm;
+
+typedef struct {
+    const void* in_norm;   /* [hidden] input_layernorm weight */
+    const void* post_norm; /* [hidden] post_attention_layernorm weight */
+    float in_eps, post_eps;
+    dl_gemm qkv, o, gate_up, down;
+    void* cache;    /* [2, KH, nb, bs, D] this layer's KV cache */
+    int64_t nb, bs; /* blocks, block size */
+    float scale;    /* softmax scale */
+} dl_layer;
+
+typedef struct {
+    dl_fn rms, rope, silu, attend; /* the storage dtype's rms_norm, rope_write_kv, silu_and_mul,
+                                      kv_paged_decode_attention */
+    const dl_layer* layers;
+    int64_t num_layers, hidden, H, KH, D, inter;
+    const void* final_norm; /* [hidden] */
+    float final_eps;
+    int64_t max_rows; /* rows each buffer below holds */
+    /* [max_rows, hidden] x3, [max_rows, (H + 2 KH) D], [max_rows, H + KH, D], [max_rows, H D],
+       [max_rows, 2 inter], [max_rows, inter] */
+    void *h, *o, *mlp_out, *qkv, *qk, *attn_out, *gate_up, *act;
+    float* xf; /* [max_rows, max(hidden, H D, inter)] float32: x widened for the panel GEMM
+                  (bfloat16 only; NULL for float32) */
+} dl_model;
+
+#define KV_DTYPE_TEMPLATE "decode_layers_dtype.h"
+#include "kv_instantiate.h"
+
+/* sizeof of the structs, for the Python side's layout check (it refuses to run on a mismatch) */
+int64_t decode_layers_struct_sizes(int64_t which) {
+    switch (which) {
+    case 0: return (int64_t)sizeof(dl_gemm);
+    case 1: return (int64_t)sizeof(dl_layer);
+    case 2: return (int64_t)sizeof(dl_model);
+    default: return -1;
+    }
+}

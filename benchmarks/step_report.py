@@ -16,7 +16,14 @@ import sys
 
 from kvserve.benchmarks.common import write_json
 from kvserve.sim.cost_model_file import load_cost_model
-from kvserve.sim.step_record import compare_steps, load_steps, print_comparison, print_refit, refit_steps
+from kvserve.sim.step_record import (
+    check_recorded_engine,
+    compare_steps,
+    load_steps,
+    print_comparison,
+    print_refit,
+    refit_steps,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,12 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     try:
         records, meta = load_steps(ns.steps)
-        cm = load_cost_model(ns.cost_model).cost_model
+        cm_file = load_cost_model(ns.cost_model)
+        check_recorded_engine(meta, cm_file)
+        cm = cm_file.cost_model
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
     rep = compare_steps(records, cm)
-    print(f"{len(records)} steps of {meta.get('trace', {}).get('path', '?')}; cost model {cm.describe()}")
+    trace = meta.get("trace")
+    where = trace.get("path", "?") if isinstance(trace, dict) else "?"
+    print(f"{len(records)} steps of {where}; cost model {cm.describe()}")
     print_comparison(rep)
     refit = refit_steps(records, cm)
     if refit is not None:

@@ -11,7 +11,10 @@ Replica death: Ray restarts a dead replica's actor (``max_restarts``); meanwhile
 down, so the router sends nothing there, and it is back (its prefix record cleared) once the
 new process answers. A request on it that had streamed nothing yet is sent to another replica;
 one that had streamed tokens ends with ``ReplicaDiedError`` (a 503 ``engine_dead`` answer, or an
-error event in a stream), since its output cannot be resumed elsewhere.
+error event in a stream), since its output cannot be resumed elsewhere. A replica that does not
+answer within ``RECOVERY_TIMEOUT_S`` of being marked down (Ray's restarts used up, its node
+gone, a model that no longer loads) is given up on: dead for good, its actor killed, never
+routed to again; the others serve on and ``/health`` reports it (``replica_states``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +39,9 @@ logger = logging.getLogger("kvserve.distributed")
 HEALTH_CHECK_INTERVAL_S = 1.0
 #: A ping not answered within this many seconds marks the replica down.
 HEALTH_CHECK_TIMEOUT_S = 30.0
+#: A replica down for this many seconds without answering a ping is dead for good (its
+#: replacement loads the model, which takes seconds to minutes: this leaves room for that).
+RECOVERY_TIMEOUT_S = 600.0
 
 
 class ReplicaDiedError(EngineDeadError):
@@ -50,6 +57,8 @@ class ReplicaState:
     pid: int
     node: str
     healthy: bool = True
+    dead: bool = False  # given up on (not back within the recovery timeout): never routed again
+    down_since: float = 0.0  # clock() when last marked down
     outstanding: int = 0  # requests sent and not yet ended
     routed: int = 0  # requests ever sent here
     restarts: int = 0
@@ -75,12 +84,32 @@ class DataParallelAsyncEngine:
         infos: what each replica reported at start (``pid``, ``node``).
         router: picks a replica per request.
         model_name: the ``model_name`` metrics label.
+        recovery_timeout_s: seconds a replica marked down may take to answer again before it
+            is marked dead for good (``RECOVERY_TIMEOUT_S``).
+        health_check_interval_s, health_check_timeout_s: the pings' period and deadline.
+        clock: monotonic seconds (tests inject one).
     """
 
-    def __init__(self, front_engine, actors: list, infos: list[dict], router: Router, model_name: str = ""):
+    def __init__(
+        self,
+        front_engine,
+        actors: list,
+        infos: list[dict],
+        router: Router,
+        model_name: str = "",
+        *,
+        recovery_timeout_s: float = RECOVERY_TIMEOUT_S,
+        health_check_interval_s: float = HEALTH_CHECK_INTERVAL_S,
+        health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
+        clock=time.monotonic,
+    ):
         import ray
 
         self._ray = ray
+        self.recovery_timeout_s = recovery_timeout_s
+        self.health_check_interval_s = health_check_interval_s
+        self.health_check_timeout_s = health_check_timeout_s
+        self._clock = clock
         self.engine = front_engine
         self.router = router
         self.model_name = model_name
@@ -131,25 +160,48 @@ class DataParallelAsyncEngine:
     def healthy(self) -> list[bool]:
         return [r.healthy for r in self.replicas]
 
+    def replica_states(self) -> list[str]:
+        """Each replica's state: ``"up"``, ``"recovering"`` (down, its replacement awaited) or
+        ``"dead"`` (not back within ``recovery_timeout_s``: given up on)."""
+        return ["up" if r.healthy else "dead" if r.dead else "recovering" for r in self.replicas]
+
     # ---------------------------------------------------------------- replica health
     def mark_down(self, index: int, reason: BaseException | str) -> None:
         """Replica ``index`` died: route nothing there until its replacement answers."""
         r = self.replicas[index]
-        if not r.healthy:
+        if not r.healthy or r.dead:
             return
         logger.warning("replica %d (pid %d) is down: %s; waiting for its replacement", index, r.pid, reason)
         r.healthy = False
+        r.down_since = self._clock()
         self.router.reset_replica(index)
-        with contextlib.suppress(RuntimeError):  # no running loop: checked again at next use
-            r.recovering = asyncio.ensure_future(self._recover(r))
+        self._resume_recovery()
+
+    def _resume_recovery(self) -> None:
+        """Make sure every replica that is down (not given up on) has its recovery running: a
+        ``generate`` batch of ``LLM`` runs on an event loop of its own, which takes any task
+        still pending with it when it ends; the next call starts it again (same deadline)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no running loop: started at the next generate
+            return
+        for r in self.replicas:
+            if r.healthy or r.dead or (r.recovering is not None and not r.recovering.done()):
+                continue
+            r.recovering = loop.create_task(self._recover(r))
 
     async def _recover(self, r: ReplicaState) -> None:
         ray = self._ray
+        deadline = r.down_since + self.recovery_timeout_s
         while True:
+            left = deadline - self._clock()
+            if left <= 0:
+                self._give_up(r)
+                return
             try:
-                pid = await asyncio.wait_for(r.actor.ping.remote(), HEALTH_CHECK_TIMEOUT_S)
-            except (asyncio.TimeoutError, ray.exceptions.RayActorError):
-                await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+                pid = await asyncio.wait_for(r.actor.ping.remote(), min(self.health_check_timeout_s, left))
+            except (asyncio.TimeoutError, ray.exceptions.RayError):  # any failed ping: try again
+                await asyncio.sleep(max(0.0, min(self.health_check_interval_s, deadline - self._clock())))
                 continue
             # Ray restarted the actor: a new process with an empty KV cache
             self.router.reset_replica(r.index)
@@ -158,15 +210,29 @@ class DataParallelAsyncEngine:
             logger.warning("replica %d is back (pid %d, restart %d)", r.index, r.pid, r.restarts)
             return
 
+    def _give_up(self, r: ReplicaState) -> None:
+        """``r`` did not come back in time: dead for good (its actor killed, so a late restart
+        holds no resources nobody routes to); the other replicas serve on."""
+        r.dead, r.recovering = True, None
+        logger.error(
+            "replica %d did not come back within %.0f s; giving up on it (%d of %d replicas up)",
+            r.index,
+            self.recovery_timeout_s,
+            sum(x.healthy for x in self.replicas),
+            len(self.replicas),
+        )
+        with contextlib.suppress(Exception):
+            self._ray.kill(r.actor, no_restart=True)
+
     async def _watch(self) -> None:
         ray = self._ray
         while True:
-            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+            await asyncio.sleep(self.health_check_interval_s)
             for r in self.replicas:
                 if not r.healthy:
                     continue
                 try:
-                    pid = await asyncio.wait_for(r.actor.ping.remote(), HEALTH_CHECK_TIMEOUT_S)
+                    pid = await asyncio.wait_for(r.actor.ping.remote(), self.health_check_timeout_s)
                 except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
                     self.mark_down(r.index, e)
                     continue
@@ -207,6 +273,7 @@ class DataParallelAsyncEngine:
         if request_id in self._inflight:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         ids = self._prompt_ids(prompt)
+        self._resume_recovery()
         attempts = 0
         while True:
             attempts += 1

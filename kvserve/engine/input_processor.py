@@ -64,17 +64,24 @@ def validate_request(
     max_model_len: int,
     max_num_seqs: int,
     max_num_batched_tokens: int | None = None,
+    tokenizer_size: int | None = None,
 ) -> int:
     """Checks one request against the model and engine limits; returns effective max_tokens.
+
+    ``tokenizer_size``: ``len(tokenizer)`` (None: no tokenizer). A ``logit_bias`` key must be
+    a token both the model and the tokenizer have, ``[0, min(vocab_size, tokenizer_size))``:
+    a model whose vocabulary is padded past its tokenizer's (or a tokenizer with added tokens
+    the model lacks) has ids that decode to nothing, so a bias pushing one made empty text.
 
     ``max_tokens=None`` resolves to ``max_model_len - prompt_len`` (generation runs to the end
     of the context and finishes with ``length``).
 
     Raises:
         ValueError: naming the field and the limit: token ids outside ``[0, vocab_size)``,
+            ``logit_bias`` keys outside the tokens both model and tokenizer have,
             ``n > max_num_seqs`` or ``n > max_num_batched_tokens`` (its n sequences decode a
             token each per step: a wider group would never fit a step and hang),
-            prompt + max_tokens > max_model_len, logit_bias / stop ids outside the vocabulary,
+            prompt + max_tokens > max_model_len, stop ids outside the vocabulary,
             ``top_k`` above the vocabulary size, ``min_tokens`` above the effective max_tokens
             (``max_model_len - prompt_len`` when ``max_tokens`` is None).
     """
@@ -83,18 +90,23 @@ def validate_request(
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}.")
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids or []),
-            ("logit_bias", [int(k) for k in (params.logit_bias or {})]),
-        ):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"{name} must be token ids in [0, {vocab_size}); got {bad[:5]}.")
+        bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}.")
         if params.top_k > vocab_size:
             raise ValueError(
                 f"top_k must be -1 (disable) or an integer in [1, {vocab_size}] (the vocabulary "
                 f"size), got {params.top_k}."
             )
+    sizes = [v for v in (vocab_size, tokenizer_size) if v is not None]
+    if sizes and params.logit_bias:
+        limit = min(sizes)
+        bad = sorted(t for t in params.logit_bias if t >= limit)
+        if bad:
+            which = "the model's vocabulary" if limit == vocab_size else "the tokenizer's vocabulary"
+            if len(set(sizes)) > 1:
+                which = f"tokens both the model (vocab_size {vocab_size}) and its tokenizer ({tokenizer_size}) have"
+            raise ValueError(f"logit_bias must be token ids in [0, {limit}) ({which}); got {bad[:5]}.")
     if params.n > max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({max_num_seqs}), got {params.n}.")
     if max_num_batched_tokens is not None and params.n > max_num_batched_tokens:

@@ -87,6 +87,8 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.executor = executor
         self.tokenizer = tokenizer
+        # ids at or past it decode to nothing (``validate_request``: logit_bias keys)
+        self.tokenizer_size = len(tokenizer) if tokenizer is not None else None
         self.clock = clock
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -643,6 +645,7 @@ class LLMEngine:
             max_model_len=sc.max_model_len,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
+            tokenizer_size=self.tokenizer_size,
         )
 
     def check_admissible(self, prompt_len: int) -> str | None:

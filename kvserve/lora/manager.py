@@ -162,9 +162,9 @@ class LoRAManager:
         self.last_load_s = time.perf_counter() - t
         # a slot may still hold this id from before a CPU eviction, perhaps from another path:
         # it is refilled from the new copy when next needed
-        self._slots = [
-            None if r is not None and r.lora_int_id == lora_request.lora_int_id else r for r in self._slots
-        ]
+        for s, held in enumerate(self._slots):
+            if held is not None and held.lora_int_id == lora_request.lora_int_id:
+                self._clear_slot(s)
         self._cpu[lora_request.lora_int_id] = (lora_request, model)
         max_cpu = self.config.max_cpu_loras or self.max_loras
         while len(self._cpu) > max_cpu:
@@ -173,13 +173,24 @@ class LoRAManager:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the CPU cache and its device slot; False when it was not loaded."""
+        """Drop an adapter from the CPU cache and its device slot (zeroed); False when it was
+        not loaded."""
         found = self._cpu.pop(lora_int_id, None) is not None
         for s, held in enumerate(self._slots):
             if held is not None and held.lora_int_id == lora_int_id:
-                self._slots[s] = None
+                self._clear_slot(s)
                 found = True
         return found
+
+    @torch.inference_mode()
+    def _clear_slot(self, slot: int) -> None:
+        """Mark ``slot`` free and zero its weights: the stacked op multiplies every slot below
+        the highest active one, so a freed slot must hold exactly zeros, not its last adapter."""
+        self._slots[slot] = None
+        for st in self.stacks:
+            for a, b in st.values():
+                a[slot].zero_()
+                b[slot].zero_()
 
     def list_loras(self) -> set[int]:
         """Ids of the adapters loaded (CPU cache or a device slot)."""
@@ -240,14 +251,10 @@ class LoRAManager:
     @torch.inference_mode()
     def _load_slot(self, slot: int, req: LoRARequest) -> None:
         t = time.perf_counter()
-        self._slots[slot] = None  # (not valid while half-written)
+        self._clear_slot(slot)  # (not valid while half-written)
         self.add_lora(req)
         _, model = self._cpu[req.lora_int_id]
         R = self.rmax
-        for st in self.stacks:
-            for a, b in st.values():
-                a[slot].zero_()
-                b[slot].zero_()
         for (layer, part), (la, lb) in model.weights.items():
             fused, i, col = self._offsets[part]
             a, b = self.stacks[layer][fused]

@@ -17,7 +17,9 @@ Stacked form, for small steps (``use_stacked``: ``rows x k <= STACKED_MAX_ROW_SL
 highest active slot + 1): every row runs through slots ``0..k-1`` at once,
 ``out.addmm_((x @ A_cat[:, :k*R]) * M, B_cat[:k*R])`` with ``A_cat [in, S*R]`` a view of the
 manager's ``[in, S, R]`` storage and ``M`` the step's row mask (ones in the row's slot columns,
-zeros for other slots and base rows, so those add exactly 0 and no gather is needed): 3 torch
+zeros for other slots and base rows, so those add exactly 0 and no gather is needed; applied
+as a fill of the zero columns, so another slot's inf is dropped, not turned into nan; freed
+slots are zeroed by the manager, so ``B_cat``'s rows of slots no row uses are finite): 3 torch
 calls per linear instead of ~2 per slot plus gathers. Why the limit: the form does ``k``-fold
 shrink and expand FLOPs; measured on one core (rank 16, the default model's shapes, under load)
 it wins ~1.2-1.3x per layer at 8 rows over 2-4 slots and loses from ``rows x k ~ 64`` on. In a
@@ -165,6 +167,16 @@ class LoRAMapping:
             self._masks[key] = m
         return m
 
+    def drop_mask(self, width: int) -> torch.Tensor:
+        """bool ``[T, k * width]``: ``row_mask``'s zeros (the columns the stacked form must
+        zero: other slots', every column of a base row); cached per ``width`` for the step."""
+        key = (width, torch.bool)
+        m = self._masks.get(key)
+        if m is None:
+            m = self.row_mask(width, torch.float32) == 0
+            self._masks[key] = m
+        return m
+
     def slice(self, start: int, end: int) -> LoRAMapping | None:
         """The mapping of rows ``[start, end)`` alone (for a layer that runs the batch in chunks)."""
         return LoRAMapping.build(self.row_slots[start:end], self.rows.device)
@@ -268,7 +280,9 @@ def _add_lora_stacked(
         aw, bw = aw.to(cdt), bw.to(cdt)
     xs = x if x.dtype == cdt else x.to(cdt)
     h = torch.mm(xs, aw)
-    h.mul_(mapping.row_mask(R, cdt))
+    # filled, not multiplied by the 0/1 mask: another slot's columns may overflow to inf for
+    # this row (an adapter of huge but finite weights), and inf * 0 = nan would reach the row
+    h.masked_fill_(mapping.drop_mask(R), 0.0)
     if cdt == out.dtype:
         out.addmm_(h, bw)
     else:

@@ -17,9 +17,11 @@ the coefficient that differs from the profile's says which cost the profile does
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 from kvserve.sim.step_shape import StepShape
 
@@ -64,18 +66,59 @@ class StepRecord:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> StepRecord:
-        """The inverse of ``as_dict``. Raises ValueError naming a missing or bad field."""
+    def from_dict(cls, d: dict, where: str = "step record") -> StepRecord:
+        """The inverse of ``as_dict``.
+
+        Raises:
+            ValueError: naming the field (``where.field``): not an object, a missing
+                ``shape`` or ``step_s``, an unknown field, or a value that is not a finite
+                number >= 0 (an integer for the counts).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}")
+        for key in ("shape", "step_s"):
+            if key not in d:
+                raise ValueError(f"{where}: missing field {key!r}")
+        shape_d = d["shape"]
+        if not isinstance(shape_d, dict):
+            raise ValueError(f"{where}.shape: must be an object, got {type(shape_d).__name__}")
+        kinds = {f.name: f.type for f in fields(StepShape)}
+        unknown = sorted(set(shape_d) - set(kinds))
+        if unknown:
+            raise ValueError(f"{where}.shape: unknown field(s) {unknown}")
+        shape = StepShape(
+            **{k: _count(v, f"{where}.shape.{k}", kinds[k] != "float") for k, v in shape_d.items()}
+        )
+        times = {
+            k: _count(d[k], f"{where}.{k}", False) for k in ("step_s", "exec_s", "loop_s", "gc_s") if k in d
+        }
+        q = {
+            k: _count(d[k], f"{where}.{k}", True)
+            for k in ("num_waiting", "num_running", "num_swapped")
+            if k in d
+        }
+        start = d.get("start_s")
+        start_s = None if start is None else _count(start, f"{where}.start_s", False)
+        return cls(shape=shape, **times, **q, start_s=start_s)
+
+
+def _count(v, where: str, integer: bool):
+    """``v`` when it is a finite number >= 0 (an integer when ``integer``), else ValueError
+    naming ``where``."""
+    ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float)) and v >= 0
+    if ok and not integer:
         try:
-            shape = StepShape(**d["shape"])
-            rest = {k: d[k] for k in ("step_s", "exec_s", "loop_s", "gc_s") if k in d}
-            q = {k: int(d[k]) for k in ("num_waiting", "num_running", "num_swapped") if k in d}
-            start = None if d.get("start_s") is None else float(d["start_s"])
-            return cls(shape=shape, **{k: float(v) for k, v in rest.items()}, **q, start_s=start)
-        except KeyError as e:
-            raise ValueError(f"step record: missing field {e.args[0]!r}") from e
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"step record: bad field ({e})") from e
+            v = float(v)
+        except OverflowError:  # an integer past float's range
+            ok = False
+        ok = ok and math.isfinite(v)
+    if not ok:
+        want = "an integer >= 0" if integer else "a finite number >= 0"
+        raise ValueError(f"{where} must be {want}, got {v!r}")
+    return v
 
 
 def save_steps(path, records: Sequence[StepRecord], meta: dict | None = None) -> None:
@@ -97,7 +140,7 @@ def load_steps(path) -> tuple[list[StepRecord], dict]:
     """
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read step records ({e})") from e
     if not isinstance(data, dict) or data.get("schema") != STEPS_SCHEMA:
         raise ValueError(f"{path}: not a step-record file (schema must be {STEPS_SCHEMA!r})")
@@ -105,7 +148,40 @@ def load_steps(path) -> tuple[list[StepRecord], dict]:
         raise ValueError(
             f"{path}: schema_version {data.get('schema_version')!r}, expected {STEPS_SCHEMA_VERSION}"
         )
-    return [StepRecord.from_dict(d) for d in data.get("steps", [])], data.get("meta", {})
+    steps, meta = data.get("steps", []), data.get("meta", {})
+    if not isinstance(steps, list):
+        raise ValueError(f"{path}: steps must be a list of step records, got {type(steps).__name__}")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: meta must be an object, got {type(meta).__name__}")
+    return [StepRecord.from_dict(d, f"{path}: steps[{i}]") for i, d in enumerate(steps)], meta
+
+
+def check_recorded_engine(meta: dict, cm_file) -> None:
+    """Refuse to set records against a cost model profiled for another engine: ``meta``'s
+    ``engine`` (the fidelity run's engine arguments) must match ``cm_file`` (a
+    ``CostModelFile``) as ``CostModelFile.check_engine_args`` requires of a simulation
+    (``block_size``; ``dtype`` unless auto; ``quantization`` when set; ``model`` when the
+    recorded path exists here). Fields the records lack are not checked.
+
+    Raises:
+        ValueError: naming the mismatched field.
+    """
+    eng = meta.get("engine")
+    if not isinstance(eng, dict):
+        return
+    model = eng.get("model")
+    args = SimpleNamespace(
+        block_size=eng.get("block_size", cm_file.block_size),
+        dtype=eng.get("dtype"),
+        quantization=eng.get("quantization"),
+        model=model if isinstance(model, str) and Path(model).exists() else None,
+    )
+    try:
+        cm_file.check_engine_args(args)
+    except ValueError as e:
+        raise ValueError(
+            f"the step records were made with another engine than the cost model's: {e}"
+        ) from None
 
 
 def size_bin(shape: StepShape) -> str:

@@ -15,9 +15,12 @@ theorem of both papers), so speculation never changes what a request samples, on
 forwards it takes. A proposer without probabilities (n-gram lookup) is a point mass ``q = 1[d]``:
 acceptance is then ``p(d)`` and the residual is ``p`` with ``d`` removed.
 
-Randomness: each row draws ``k`` uniforms and one ``V``-wide exponential vector, always the same
-amount whatever is accepted, so a seeded request's stream advances identically from run to run
-and does not depend on the other rows of the batch. Rows without a generator share one draw
+Randomness: each row draws ``draws_per_row`` uniforms (the most drafts a row may ever have:
+``num_speculative_tokens``; by default the call's ``k``) and one ``V``-wide exponential vector,
+always the same amount whatever is accepted and whatever the other rows draft, so a seeded
+request's stream advances identically from run to run and does not depend on the other rows of
+the batch (with the call's ``k``, the step's largest draft count, a seeded row beside a row with
+more drafts drew more than alone and its later tokens changed). Rows without a generator share one draw
 from the global RNG of the probabilities' device.
 """
 
@@ -66,6 +69,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     generators: list[torch.Generator | None],
     num_draft_tokens: torch.Tensor | None = None,
+    draws_per_row: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts and sample the token after it.
 
@@ -88,14 +92,16 @@ def rejection_sample(
             of that row comes from it, so a seeded request's output does not depend on the
             batch) or None (the global RNG of the tensors' device).
         num_draft_tokens: int64 ``[B]`` drafts per row (``0 <= m_b <= k``), or None (all ``k``).
+        draws_per_row: uniforms each row draws (``>= k``; None: ``k``). Pass the largest ``k``
+            any step can have, so a seeded row's draws do not depend on the step's other rows.
     Returns:
         ``(token_ids int64 [B, k+1], num_accepted int64 [B])``: row ``b`` emits
         ``token_ids[b, : num_accepted[b] + 1]`` (the accepted drafts then the sampled token);
         entries after it are ``-1``. ``0 <= num_accepted[b] <= m_b``.
     Raises:
         ValueError: shapes or ``len(generators)`` do not agree, ``num_draft_tokens`` outside
-            ``[0, k]``, or a draft id (within a row's ``m_b``) outside ``[0, V)``; the message
-            names the argument.
+            ``[0, k]``, a draft id (within a row's ``m_b``) outside ``[0, V)``, or
+            ``draws_per_row < k``; the message names the argument.
     """
     if target_probs.dim() != 3:
         raise ValueError(f"target_probs must be [B, k+1, V], got shape {tuple(target_probs.shape)}")
@@ -132,7 +138,10 @@ def rejection_sample(
         raise ValueError(f"draft_token_ids must be in [0, {vocab}) within each row's num_draft_tokens")
     safe = torch.where(valid, drafts, torch.zeros_like(drafts))  # padding is never read
 
-    uniforms = _per_row_draws(generators, (k,), "uniform", device)  # [B, k]
+    draws = k if draws_per_row is None else int(draws_per_row)
+    if draws < k:
+        raise ValueError(f"draws_per_row must be >= k = {k} (the most drafts of a row), got {draws_per_row}")
+    uniforms = _per_row_draws(generators, (draws,), "uniform", device)[:, :k]  # [B, k]
     noise = _per_row_draws(generators, (vocab,), "exponential", device)  # [B, V]
 
     p_draft = p[:, :k].gather(2, safe.unsqueeze(2)).squeeze(2).double()  # p_j(x_j), [B, k]

@@ -427,7 +427,11 @@ class SpecDecodeWorker:
                 else:  # a proposer without a distribution: a point mass on each draft
                     draft_probs[b, torch.arange(m), draft_ids[b, :m]] = 1.0
             generators.append(metas[v.index].generator)
-        tokens, num_acc = rejection_sample(target, draft_ids, draft_probs, generators, counts)
+        # every row draws for k = num_speculative_tokens drafts, whatever this step's largest
+        # count: a seeded row's stream must not depend on what the other rows draft
+        tokens, num_acc = rejection_sample(
+            target, draft_ids, draft_probs, generators, counts, draws_per_row=self.k
+        )
         out: dict[int, list[int]] = {}
         tok_list, acc_list = tokens.tolist(), num_acc.tolist()
         for b, n in enumerate(ids):

@@ -527,7 +527,10 @@ def test_sampling_rows_go_to_rejection_sample_with_padding_and_generators(
 
     calls = []
 
-    def fake(target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None):
+    def fake(
+        target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None, draws_per_row=None
+    ):
+        assert draws_per_row == K  # every row draws for k drafts, whatever the step's largest
         B, k1, V = target_probs.shape
         assert draft_token_ids.shape == (B, k1 - 1) and draft_probs is None
         assert len(generators) == B and num_draft_tokens.shape == (B,)
@@ -574,7 +577,9 @@ def test_samples_of_one_group_accepting_different_counts_stay_in_lockstep(
 
     rng = random.Random(3)
 
-    def fake(target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None):
+    def fake(
+        target_probs, draft_token_ids, draft_probs, generators, num_draft_tokens=None, draws_per_row=None
+    ):
         B, k1, _ = target_probs.shape
         tokens = torch.full((B, k1), -1, dtype=torch.long)
         acc = torch.zeros(B, dtype=torch.long)

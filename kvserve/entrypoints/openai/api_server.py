@@ -399,16 +399,23 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        """200 while the engine loop is alive and the server is not draining, else 503."""
+        """200 while the engine loop is alive and the server is not draining, else 503. Data
+        parallel: 200 while a replica is up, ``{"status": "degraded", "replicas": [...]}``
+        (each ``up``, ``recovering`` or ``dead``) while some other one is not."""
         thread = getattr(async_engine, "_thread", None)
+        replica_states = getattr(async_engine, "replica_states", None)
+        states = replica_states() if replica_states is not None else None
         if async_engine.errored is not None or (thread is not None and not thread.is_alive()):
-            return APIError(
-                "engine loop is not running", 503, type="service_unavailable", code="engine_dead"
-            ).to_response()
+            message = "engine loop is not running"
+            if states is not None:
+                message = f"no data-parallel replica is up (replicas: {', '.join(states)})"
+            return APIError(message, 503, type="service_unavailable", code="engine_dead").to_response()
         if state.draining:
             return APIError(
                 "the server is shutting down", 503, type="service_unavailable", code="shutting_down"
             ).to_response()
+        if states is not None and any(st != "up" for st in states):
+            return JSONResponse({"status": "degraded", "replicas": states})
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

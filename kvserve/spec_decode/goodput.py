@@ -7,7 +7,8 @@ Three pieces, each pure Python and device-free:
 - ``StepCostModel``: seconds of a target forward with ``R`` query rows, learned online from
   the step times the worker sees: decode-only steps and steps with a prompt chunk apart, one
   set per thread count; per row bucket the lower quartile of its recent samples, and over
-  those a convex non-decreasing fit ``a + b R + c max(0, R - R0)`` (``fit_hinge``).
+  those a non-decreasing fit ``a + b R + [R > R0] (d + c (R - R0))`` (``fit_kink``; the
+  convex ``fit_hinge`` without the jump).
 - ``AcceptanceEstimator``: per sequence, the probability that each next draft is accepted
   given the ones before it were (a geometric model), from that sequence's decayed counts,
   shrunk towards a prior per proposer and per n-gram match length (itself learned online over
@@ -400,9 +401,9 @@ class StepCostModel:
     prompt chunk (hundreds of rows on the prefill path, cheaper per row). Interpolating
     between the two made 9-40-row bfloat16 verify steps look cheap (issue 13). Each class
     keeps, per row bucket, its last ``WINDOW`` samples; the bucket's level is their lower
-    quartile (wall-clock noise on a shared machine only ever adds time), and the cost is a
-    fit of ``a + b * R + c * max(0, R - R0)`` (``fit_hinge``: convex, non-decreasing)
-    over the levels, weighted by samples over squared level (relative error). With one
+    quartile (noise on a shared machine only ever adds time), and the cost is a fit of
+    ``a + b R + [R > R0] (d + c (R - R0))`` (``fit_kink``: non-decreasing; ``kink=False``:
+    ``fit_hinge``, convex) over the levels, weighted by samples over squared level (relative error). With one
     bucket the slope is ``prior_row_fraction`` times its level (prompt steps: proportional
     to the rows); with none, the prior (prompt steps: the decode curve). ``set_regime`` keeps one set of curves per thread
     count (a step at 1 thread and at 2 costs differently).

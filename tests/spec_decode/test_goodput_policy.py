@@ -490,7 +490,7 @@ def test_policy_trace_records_decisions_and_costs():
     assert spec["pred_base_s"] == pytest.approx(0.02) and spec["pred_s"] > spec["pred_base_s"]
 
 
-def test_kink_fit_recovers_a_jump_at_the_break_and_the_model_uses_it():
+def test_kink_fit_recovers_a_jump_at_the_break_and_the_model_uses_it_when_asked():
     # The measured bfloat16 shape at batch 8 (thread CPU ms): 8 rows 50, 9 rows 74, then
     # ~1.1 ms a row: a jump of 24 ms at the kernel's 8-row path switch.
     true = lambda r: 0.040 + 0.00125 * r + (0.023 + 0.0011 * (r - 8) if r > 8 else 0.0)  # noqa: E731
@@ -503,7 +503,7 @@ def test_kink_fit_recovers_a_jump_at_the_break_and_the_model_uses_it():
         pytest.approx(0.0011),
         pytest.approx(0.023),
     )
-    cm = StepCostModel()
+    cm = StepCostModel(kink=True)
     for r in rows:
         cm.observe(r, true(r))
     for r in range(1, 49):

@@ -417,8 +417,8 @@ class StepCostModel:
             False (default): the convex hinge only (``fit_hinge``). Measured at batch 8 in
             bfloat16 under load, the kink put its break at 7 rows, the plain 8-row step past
             the jump, so the jump was not charged to the drafts: it drafted 6.7 per step
-            and ran at 0.93x speculation off; the hinge over-prices the rows past the jump
-            a little and drafted in 3 of 46 steps (1.01x).
+            and ran at 0.93x speculation off; the hinge spreads the jump over the rows past
+            it (1.01x with wall-clock samples, 0.72-0.80x with CPU-time ones: open).
 
     ``cost(R)`` is positive and non-decreasing in ``R``.
     """

@@ -149,13 +149,10 @@ class DynamicDraftPolicy:
         if samples is not None and not prefill and samples(base, False) < BASE_SAMPLES:
             # Every draft is priced against the plain step of this batch, so that step must
             # be measured, more than once (one stalled sample made drafts look free, and a
-            # batch that always drafts never times it again): no drafts when the curve is
-            # still the prior and this step was never timed, and every BASE_EVERY-th
-            # decision until it has BASE_SAMPLES samples.
-            params = getattr(cm, "params", None)
-            unfitted = params is None or params(False) is None
-            never = samples(base, False) == 0
-            if (never and unfitted) or (self.explore_interval > 0 and self.num_decisions % BASE_EVERY == 0):
+            # batch that always drafts never times it again): no drafts every BASE_EVERY-th
+            # decision until it has BASE_SAMPLES samples (a short request's first steps
+            # still draft: a tight cache may give it lookahead slots only then).
+            if self.explore_interval > 0 and self.num_decisions % BASE_EVERY == 0:
                 ks = {c.seq_id: 0 for c in cands}
         elif (
             self.explore_interval > 0

@@ -464,15 +464,15 @@ def test_policy_values_every_decoding_sequence_not_only_the_candidates():
     assert len(one.cut_proposals([metas[0]], {0: Proposal([1, 2, 3, 4], match_len=4)})[0].token_ids) == 4
 
 
-def test_policy_times_the_plain_step_before_trusting_a_prior():
-    pol = DynamicDraftPolicy(4, explore_interval=0, warmup_steps=0)
+def test_policy_times_the_plain_step_until_it_has_samples():
+    pol = DynamicDraftPolicy(4, explore_interval=16, warmup_steps=0)
     metas = [_decode_md(1)]
     props = {1: Proposal([1, 2, 3, 4], match_len=4)}
-    assert pol.cut_proposals(metas, props) == {}  # nothing timed yet: a plain step first
-    pol.observe_step(1, 0.02)
-    assert len(pol.cut_proposals(metas, props)[1].token_ids) == 4  # the prior: rows are cheap
-    pol.observe_step(5, 0.021)
-    assert len(pol.cut_proposals(metas, props)[1].token_ids) == 4  # and measured so
+    got = [len(pol.cut_proposals(metas, props).get(1, Proposal([])).token_ids) for _ in range(8)]
+    assert got == [4, 4, 4, 0, 4, 4, 4, 0]  # every 4th decision a plain step (prior: cheap rows)
+    for _ in range(4):
+        pol.observe_step(1, 0.02)
+    assert all(len(pol.cut_proposals(metas, props)[1].token_ids) == 4 for _ in range(8))
 
 
 def test_policy_trace_records_decisions_and_costs():

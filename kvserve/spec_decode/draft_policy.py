@@ -25,6 +25,7 @@ from kvserve.spec_decode.goodput import (
     DraftCandidate,
     StepCostModel,
     allocate_draft_lengths,
+    step_goodput,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +41,22 @@ def step_rows(metas: list[SequenceGroupMetadata]) -> int:
 def base_rows(metas: list[SequenceGroupMetadata]) -> int:
     """Query rows of the step before any draft: prefill chunks plus one row per decode."""
     return sum((md.token_chunk_size if md.is_prompt else 1) * len(md.seq_data) for md in metas)
+
+
+#: Samples of a batch's plain (draft-free) step the policy wants before it stops forcing
+#: one every ``BASE_EVERY``-th decision at that batch.
+BASE_SAMPLES = 4
+BASE_EVERY = 4
+
+
+def decode_seqs(metas: list[SequenceGroupMetadata]) -> int:
+    """Decoding sequences of a step (each emits at least one token)."""
+    return sum(len(md.seq_data) for md in metas if not md.is_prompt)
+
+
+def has_prompt(metas: list[SequenceGroupMetadata]) -> bool:
+    """Whether the step holds a prompt chunk (the cost model's other step class)."""
+    return any(md.is_prompt for md in metas)
 
 
 def _pinned(md: SequenceGroupMetadata) -> bool:
@@ -70,6 +87,12 @@ class DynamicDraftPolicy:
             get measured (0: never).
         warmup_steps: the first steps' times are not learned from (they include one-time
             costs: lazy initialisation, first-touch of the weights and the KV cache).
+        margin: the drafts' modelled extra cost is counted ``1 + margin`` times
+            (``allocate_draft_lengths``): a safety factor against the cost model's error.
+
+    ``trace``: set to a list to get one dict per step (rows, seconds, and for steps with a
+    decision the base rows, candidates, drafts chosen and the predicted costs): what the
+    benchmarks print; None (default) records nothing.
 
     Counters (for metrics and benchmarks): ``num_decisions`` (steps with candidates),
     ``num_candidates`` (sequence-steps considered), ``num_chosen_drafts`` (drafts chosen).
@@ -82,12 +105,18 @@ class DynamicDraftPolicy:
         estimator: AcceptanceEstimator | None = None,
         explore_interval: int = 16,
         warmup_steps: int = 2,
+        margin: float = 0.1,
     ):
         self.k = k
         self.cost_model = cost_model or StepCostModel()
         self.estimator = estimator or AcceptanceEstimator()
         self.explore_interval = explore_interval
         self._warmup_left = warmup_steps
+        self.margin = margin
+        # The cost signal: thread CPU time (set by the worker on CPU devices) or wall clock.
+        self.use_cpu_time = False
+        self.trace: list[dict] | None = None
+        self._pending: dict | None = None
         self.depth_cost_s = 0.0  # seconds per draft position of a sequential proposer (EMA)
         self.num_decisions = 0
         self.num_candidates = 0
@@ -100,19 +129,57 @@ class DynamicDraftPolicy:
         self.num_decisions += 1
         self.num_candidates += len(cands)
         base = base_rows(metas) + pinned_rows
-        cost = self.cost_model.cost
-        ks = allocate_draft_lengths(cands, base, cost, depth_cost=self.depth_cost_s)
-        observed = getattr(self.cost_model, "is_observed", None)
-        if (
+        prefill = has_prompt(metas)
+        cm = self.cost_model
+
+        def cost(rows: int) -> float:
+            return cm.cost(rows, prefill)
+
+        # Tokens the step emits without drafts: one per decoding sequence. A step with a
+        # prompt chunk is valued at the decode-only rate (its prompt work is paid anyway):
+        # a draft there must buy tokens faster than a plain decode step does.
+        n_dec = decode_seqs(metas)
+        tokens: float = float(max(n_dec, len(cands)))
+        if prefill and n_dec > 0:
+            tokens = cost(base) * n_dec / cm.cost(n_dec, False)
+        depth = self.depth_cost_s
+        ks = allocate_draft_lengths(cands, base, cost, depth, margin=self.margin, base_tokens=tokens)
+        observed = getattr(cm, "is_observed", None)
+        samples = getattr(cm, "num_samples", None)
+        if samples is not None and not prefill and samples(base, False) < BASE_SAMPLES:
+            # Every draft is priced against the plain step of this batch, so that step must
+            # be measured, more than once (one stalled sample made drafts look free, and a
+            # batch that always drafts never times it again): no drafts every BASE_EVERY-th
+            # decision until it has BASE_SAMPLES samples (a short request's first steps
+            # still draft: a tight cache may give it lookahead slots only then).
+            if self.explore_interval > 0 and self.num_decisions % BASE_EVERY == 0:
+                ks = {c.seq_id: 0 for c in cands}
+        elif (
             self.explore_interval > 0
             and self.num_decisions % self.explore_interval == 0
             and observed is not None
-            and not observed(base + sum(ks.values()) + self.k)
+            and not observed(base + sum(ks.values()) + self.k, prefill)
         ):
             # Measure a row count the model has only extrapolated to (one sequence's drafts
-            # more than the optimum); once seen, the estimate there is measured, not guessed.
-            ks = allocate_draft_lengths(cands, base, cost, depth_cost=self.depth_cost_s, explore_extra=self.k)
-        self.num_chosen_drafts += sum(ks.values())
+            # more than the optimum), unless that is expected to cost more than a tenth of
+            # the step's goodput (exploring then costs < 1% over explore_interval steps).
+            more = allocate_draft_lengths(
+                cands, base, cost, depth, explore_extra=self.k, margin=self.margin, base_tokens=tokens
+            )
+            g_best = step_goodput(cands, ks, base, cost, depth, tokens)
+            if step_goodput(cands, more, base, cost, depth, tokens) >= 0.9 * g_best:
+                ks = more
+        n = sum(ks.values())
+        self.num_chosen_drafts += n
+        if self.trace is not None:
+            self._pending = {
+                "base_rows": base,
+                "prefill": prefill,
+                "cands": [(c.max_drafts, round(c.p_accept, 3)) for c in cands],
+                "drafts": n,
+                "pred_base_s": cost(base),
+                "pred_s": cost(base + n),
+            }
         return ks
 
     def cut_proposals(
@@ -183,12 +250,28 @@ class DynamicDraftPolicy:
         return dataclasses.replace(req, seq_group_metadata_list=new_metas)
 
     # ------------------------------------------------------------------ learning
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A target forward (with its verification) of ``rows`` query rows took ``seconds``."""
+    def observe_step(
+        self, rows: int, seconds: float, prefill: bool = False, cpu_seconds: float | None = None
+    ) -> None:
+        """A target forward (with its verification) of ``rows`` query rows took ``seconds``
+        of wall-clock time and ``cpu_seconds`` of the calling thread's CPU time (learned
+        instead when ``use_cpu_time``); ``prefill``: the step had a prompt chunk."""
+        if self.trace is not None:
+            entry = self._pending or {}
+            entry.update(rows=rows, prefill=prefill, wall_s=seconds, cpu_s=cpu_seconds)
+            self.trace.append(entry)
+        self._pending = None
         if self._warmup_left > 0:
             self._warmup_left -= 1
             return
-        self.cost_model.observe(rows, seconds)
+        signal = cpu_seconds if self.use_cpu_time and cpu_seconds is not None else seconds
+        self.cost_model.observe(rows, signal, prefill)
+
+    def set_regime(self, regime: object) -> None:
+        """The forwards from now on run under ``regime`` (the worker's thread count)."""
+        set_regime = getattr(self.cost_model, "set_regime", None)
+        if set_regime is not None:
+            set_regime(regime)
 
     def observe_proposer(self, depth: int, seconds: float) -> None:
         """A costly proposer drafted ``depth`` positions (its sequential forwards) in
@@ -204,6 +287,10 @@ class DynamicDraftPolicy:
         for sid, m in drafted.items():
             self.estimator.observe(sid, self._match_len.get(sid), m, accepted.get(sid, 0))
         self._match_len.clear()
+        if self.trace:
+            self.trace[-1].update(
+                verified=sum(drafted.values()), accepted=sum(accepted.get(s, 0) for s in drafted)
+            )
 
     def free(self, seq_ids) -> None:
         """Forget ended sequences."""

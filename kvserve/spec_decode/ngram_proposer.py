@@ -18,25 +18,63 @@ def ngram_lookup(token_ids: list[int], n_min: int, n_max: int, k: int) -> list[i
     Tries ``n = n_max .. n_min`` (longest first: a longer match predicts better); for the first
     ``n`` that matches, takes the earliest occurrence (Saxena's choice: it leaves the longest
     continuation). Returns ``[]`` when nothing matches, ``k < 1`` or the sequence is too short.
-    Cost: ``O(len(token_ids) * n)`` vectorised.
+    Cost: ``O(len(token_ids) + matches * n_max)`` vectorised (``suffix_matches``).
     """
     return ngram_lookup_with_len(token_ids, n_min, n_max, k)[0]
 
 
 def ngram_lookup_with_len(token_ids: list[int], n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
     """``ngram_lookup`` and the matched ``n`` (0 when nothing matched)."""
-    L = len(token_ids)
-    if k < 1 or L < n_min + 1:
+    if k < 1 or len(token_ids) < n_min + 1:
         return [], 0
     arr = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = arr[L - n :]
-        # windows starting at 0 .. L-n-1: each has at least one token after it
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return arr[start : start + k].tolist(), n
+    ends, ml = suffix_matches(arr, n_max)
+    return lookup_in_matches(arr, ends, ml, n_min, n_max, k)
+
+
+def suffix_matches(arr: np.ndarray, n_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every earlier position ``i <= L - 2`` holding the last token, and how many tokens of
+    the sequence's suffix (at most ``min(n_max, L - 1)``) end there.
+
+    One comparison over the sequence, then one over the surviving candidates per extra
+    token of match: ``O(L + candidates * n_max)``, where trying each ``n`` with its own
+    window comparison (the first version) cost ``O(L * n)`` per ``n``.
+
+    Returns:
+        ``(ends, lengths)``: int64 arrays of equal length, ``ends`` ascending.
+    """
+    L = int(arr.shape[0])
+    if L < 2:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    ends = np.flatnonzero(arr[: L - 1] == arr[L - 1])
+    lengths = np.ones(ends.shape[0], dtype=np.int64)
+    live = np.arange(ends.shape[0])
+    for j in range(1, min(n_max, L - 1)):
+        pos = ends[live] - j
+        keep = pos >= 0
+        live, pos = live[keep], pos[keep]
+        live = live[arr[pos] == arr[L - 1 - j]]
+        if live.size == 0:
+            break
+        lengths[live] += 1
+    return ends, lengths
+
+
+def lookup_in_matches(
+    arr: np.ndarray, ends: np.ndarray, lengths: np.ndarray, n_min: int, n_max: int, k: int
+) -> tuple[list[int], int]:
+    """``ngram_lookup_with_len`` from ``suffix_matches``'s result (``n_max`` at most the one
+    it was computed with): the largest ``n`` in ``[n_min, n_max]`` some position matches,
+    the earliest such position, and up to ``k`` tokens after it."""
+    if k < 1 or ends.size == 0:
+        return [], 0
+    top = int(lengths.max())
+    for n in range(min(n_max, top), n_min - 1, -1):
+        hit = np.flatnonzero(lengths >= n)
+        if hit.size:
+            i = int(ends[hit[0]])
+            return arr[i + 1 : i + 1 + k].tolist(), n
     return [], 0
 
 
@@ -70,9 +108,18 @@ class NGramProposer(Proposer):
                 continue
             for sid, data in md.seq_data.items():
                 ids = data.get_token_ids()
-                drafts, n = ngram_lookup_with_len(ids, self.prompt_lookup_min, self.prompt_lookup_max, m)
+                if len(ids) < self.fallback_min + 1:
+                    continue
+                # One match scan serves both the n-gram sizes and the fallback's.
+                arr = np.asarray(ids, dtype=np.int64)
+                ends, lengths = suffix_matches(arr, self.prompt_lookup_max)
+                drafts, n = lookup_in_matches(
+                    arr, ends, lengths, self.prompt_lookup_min, self.prompt_lookup_max, m
+                )
                 if not drafts and self.fallback_min < self.prompt_lookup_min:
-                    drafts, n = ngram_lookup_with_len(ids, self.fallback_min, self.prompt_lookup_min - 1, m)
+                    drafts, n = lookup_in_matches(
+                        arr, ends, lengths, self.fallback_min, self.prompt_lookup_min - 1, m
+                    )
                 if drafts:
                     out[sid] = Proposal(drafts, match_len=n)
         return out

@@ -39,7 +39,7 @@ from kvserve.sequence import (
     SequenceGroupMetadata,
     SequenceOutput,
 )
-from kvserve.spec_decode.draft_policy import DynamicDraftPolicy, step_rows
+from kvserve.spec_decode.draft_policy import DynamicDraftPolicy, has_prompt, step_rows
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.spec_decode.rejection_sampler import rejection_sample
 from kvserve.structured_output.bitmask import apply_token_bitmask_
@@ -122,6 +122,13 @@ class SpecDecodeWorker:
         self.policy: DynamicDraftPolicy | None = (
             DynamicDraftPolicy(self.k) if getattr(spec_config, "dynamic", False) else None
         )
+        if self.policy is not None:
+            # On CPU the policy learns from the engine thread's CPU time: on the shared 2-core
+            # machine wall-clock step times were 3-6x the CPU time and swung by more than the
+            # draft rows cost, while CPU time per row count was stable; descheduling stretches
+            # every step alike, so the ratios the policy needs are the same. (On an
+            # accelerator the CPU time of a synchronising thread says nothing: wall clock.)
+            self.policy.use_cpu_time = str(getattr(worker, "device", "cpu")).startswith("cpu")
         self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
         self._warned_bad_proposal = False
 
@@ -167,7 +174,10 @@ class SpecDecodeWorker:
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
-        t0 = time.perf_counter()
+        if self.policy is not None:
+            # One cost curve per thread count: the worker re-calibrates it under load.
+            self.policy.set_regime(getattr(self.worker, "num_threads", None))
+        t0, c0 = time.perf_counter(), time.thread_time()
         inp, hidden = runner.forward(run_metas, self.worker.cache_engine.gpu_cache)
         outputs = runner.sample(run_metas, inp, hidden)
         accepted: dict[int, int] = {}
@@ -181,7 +191,12 @@ class SpecDecodeWorker:
         if self.policy is not None:
             # The step's cost as the policy sees it: the forward, sampling and verification
             # (sampling and .tolist() synchronise an accelerator).
-            self.policy.observe_step(step_rows(run_metas), time.perf_counter() - t0)
+            self.policy.observe_step(
+                step_rows(run_metas),
+                time.perf_counter() - t0,
+                has_prompt(run_metas),
+                time.thread_time() - c0,
+            )
             if verify:
                 self.policy.observe_verified({v.seq_id: v.num_real for v in verify if v.num_real}, accepted)
         return outputs
@@ -319,7 +334,6 @@ class SpecDecodeWorker:
                     )  # type: ignore[arg-type]
                 )
         adjusted = Sampler.adjust(logits, rows)
-        logp = adjusted.log_softmax(dim=-1)
         argmax = adjusted.argmax(dim=-1).tolist()
 
         emitted: dict[int, list[int]] = {}  # verify index -> emitted token ids
@@ -340,20 +354,30 @@ class SpecDecodeWorker:
         shortest: dict[int, int] = {}
         for n, v in enumerate(verify):
             shortest[v.index] = min(shortest.get(v.index, len(emitted[n])), len(emitted[n]))
+        # Log-probabilities of the emitted tokens only: one logsumexp over their rows (the
+        # rows after a rejection need none, and a full log_softmax wrote all V of every row).
+        kept = [emitted[n][: shortest[v.index]] for n, v in enumerate(verify)]
+        sel_rows = [offsets[n] + j for n, toks in enumerate(kept) for j in range(len(toks))]
+        sel = torch.tensor(sel_rows, dtype=torch.long, device=adjusted.device)
+        sel_logits = adjusted.index_select(0, sel)
+        lse = sel_logits.logsumexp(dim=-1)
+        flat_toks = torch.tensor([t for toks in kept for t in toks], dtype=torch.long, device=adjusted.device)
+        all_lps = (sel_logits.gather(1, flat_toks.unsqueeze(1)).squeeze(1) - lse).tolist()
         accepted: dict[int, int] = {}
+        first_row = 0
         for n, v in enumerate(verify):
             md = metas[v.index]
             params = md.sampling_params
-            toks = emitted[n][: shortest[v.index]]
-            base = offsets[n]
-            lp_rows = torch.arange(base, base + len(toks), device=logp.device)
-            lps = logp[lp_rows, torch.tensor(toks, device=logp.device)].tolist()
+            toks = kept[n]
+            r0, first_row = first_row, first_row + len(toks)
+            lps = all_lps[r0:first_row]
             tops: list[dict[int, float] | None] = [None] * len(toks)
             if params.logprobs is not None:
                 kk = min(vocab, params.logprobs)
                 vals = ids = None
                 if kk > 0:
-                    tv, ti = logp[lp_rows].topk(kk, dim=-1)
+                    tv, ti = sel_logits[r0:first_row].topk(kk, dim=-1)
+                    tv = tv - lse[r0:first_row].unsqueeze(1)
                     vals, ids = tv.tolist(), ti.tolist()
                 for j, tok in enumerate(toks):
                     top: dict[int, float] = (

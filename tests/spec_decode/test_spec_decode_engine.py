@@ -616,10 +616,10 @@ class _FixedCost:
     def __init__(self, a, b):
         self.a, self.b = a, b
 
-    def observe(self, rows, seconds):
+    def observe(self, rows, seconds, prefill=False):
         pass
 
-    def cost(self, rows):
+    def cost(self, rows, prefill=False):
         if self.b is None:
             return math.exp(min(rows, 700))
         return self.a + self.b * rows

@@ -277,3 +277,22 @@ def test_lookahead_counts_against_the_token_budget():
     # 12 tokens: the first two decodes take 5 each, the third what is left (2: 1 + 1 slot)
     assert [m.num_speculative_tokens for m in metas] == [4, 4, 1]
     assert out.num_batched_tokens == 12
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=60), st.integers(1, 6))
+def test_suffix_matches_counts_each_earlier_match_length(tokens, n_max):
+    import numpy as np
+
+    from kvserve.spec_decode.ngram_proposer import suffix_matches
+
+    ends, lengths = suffix_matches(np.asarray(tokens, dtype=np.int64), n_max)
+    L = len(tokens)
+    expected = {}
+    for i in range(L - 1):
+        n = 0
+        while n < min(n_max, L - 1) and i - n >= 0 and tokens[i - n] == tokens[L - 1 - n]:
+            n += 1
+        if n:
+            expected[i] = n
+    assert dict(zip(ends.tolist(), lengths.tolist())) == expected

@@ -27,14 +27,15 @@ def _one_thread_per_rank(monkeypatch):
 
 
 def _children() -> set[int]:
-    """Child python processes, less multiprocessing's resource tracker (it lives as long as
-    this interpreter, whatever the engine does) and the session's Ray runtime (its raylet
-    starts and reaps worker processes on its own schedule)."""
+    """Child processes started by multiprocessing's spawn (how the TP peers start), less its
+    resource tracker (it lives as long as this interpreter, whatever the engine does). Not
+    the session's Ray runtime (its raylet starts and reaps workers on its own schedule) nor
+    the background kernel builds (a python -c and its compilers, started at any time)."""
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
-            if "resource_tracker" not in cmd and "ray::" not in cmd and "/ray/" not in cmd:
+            if "spawn_main" in cmd and "resource_tracker" not in cmd:
                 out.add(p.pid)
         except psutil.Error:
             pass

@@ -32,6 +32,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from spec_decode_steps import add_workload_args  # noqa: E402  (a sibling script: its shared flags)
 
 
 def _engine(ns, spec):
@@ -189,17 +192,9 @@ def _curve(trace) -> dict[int, dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    add_workload_args(p, dtype="bfloat16", rounds=2, output_len=48)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--sweep-rounds", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--prompt-lookup-max", type=int, default=5)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=0.5)
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--curve-from", default=None, help="take the sweep's curve from an earlier --json-out")
     p.add_argument("--show", type=int, default=40, help="decision steps printed")

@@ -74,19 +74,25 @@ def _run(engine, reqs, tag: str) -> dict:
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser, dtype: str, rounds: int, output_len: int) -> None:
+    """The flags the per-step speculative benchmarks share: model, dtype, rounds, lengths, the
+    n-gram proposer's settings and the KV cache size (GiB)."""
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--methods", default="off,fixed,dynamic", help="also: dynamic-nofallback")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=output_len)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--kv-cache-memory-gib", type=float, default=0.5)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p, dtype="float32", rounds=3, output_len=64)
+    p.add_argument("--methods", default="off,fixed,dynamic", help="also: dynamic-nofallback")
+    p.add_argument("--batches", default="1,8")
     p.add_argument("--json-out", default=None)
     ns = p.parse_args()
 

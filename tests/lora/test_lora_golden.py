@@ -148,6 +148,7 @@ def test_bfloat16_adapters_run_and_differ_from_base(tiny_llama_dir, adapters, pr
 def test_speculative_decoding_with_adapters_equals_peft(tiny_llama_dir, adapters, prompts, references):
     """Verify chunks run the request's adapter too: n-gram speculation keeps greedy output."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec["dynamic"] = False  # every step drafts: the check needs verify chunks to run
     llm = LLM(model=str(tiny_llama_dir), max_loras=3, speculative_config=spec, **ENGINE)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],

@@ -101,6 +101,7 @@ def test_sampled_tokens_follow_the_target_distribution(models, method):
         }
     if spec:
         spec["disable_below_acceptance_rate"] = 0.0
+        spec["dynamic"] = False  # every step drafts: acceptance must be exercised
     llm = LLM(
         model=str(target_dir), device="cpu", dtype="float32", speculative_config=spec, num_gpu_blocks=4096
     )

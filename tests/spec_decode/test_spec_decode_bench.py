@@ -28,6 +28,9 @@ def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
     argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--scenarios", "single,concurrent"]
     argv += ["--num-requests", "2", "--concurrency", "2", "--prompt-len", "24", "--output-len", "6"]
     argv += ["--json-out", str(out), "--write-workload", str(wl)]
+    # the dynamic policy may rightly draft nothing on a host where a verify step costs too much
+    # (it did on CI), so the accepted-draft checks use the fixed-k draft method
+    argv += ["--methods", "off,ngram,draft,draft-fixed"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "mean acc len" in table and "ngram" in table and "draft" in table
@@ -35,13 +38,15 @@ def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
     res = saved["results"]
     assert set(res) == {"single", "concurrent"}
     for scen in res.values():
-        assert set(scen) == {"off", "ngram", "draft"}
+        assert set(scen) == {"off", "ngram", "draft", "draft-fixed"}
         assert scen["off"]["num_draft_tokens"] == 0 and scen["off"]["speedup"] == 1.0
         for r in scen.values():
             assert r["output_tokens"] == 2 * 6 and r["output_tok_s"] > 0
             assert r["same_tokens_as_off"] is True
         # the target as its own draft: every greedy draft accepted
-        d = scen["draft"]
+        if scen["draft"]["num_draft_tokens"]:
+            assert scen["draft"]["acceptance_rate"] == 1.0
+        d = scen["draft-fixed"]
         assert d["num_draft_tokens"] > 0 and d["acceptance_rate"] == 1.0
         assert 1.0 < d["mean_accepted_len"] <= 5.0
         assert d["draft_ms_per_proposed_token"] > 0 and scen["ngram"]["draft_ms_per_proposed_token"] is None

@@ -27,7 +27,10 @@
  * weight stream GEMM_STREAM_AHEAD bytes ahead itself. Without it the FMAs of each extra row
  * added to the memory time instead of hiding under it: the default model's 30 layers + LM head
  * at 5 rows took 1.37x the 1-row time on one thread; with it 1.06-1.08x (2048 B ahead: 1.18x,
- * 8192: 1.07-1.11x; measured on the 2-core AVX-512F VM under load, thread CPU time).
+ * 8192: 1.07-1.11x; measured on the 2-core AVX-512F VM under load, thread CPU time). Steps of
+ * 9-16 rows (batch-8 verify steps) have two blocks a panel, whose second prefetches only a third
+ * of the next float32 panel: there the first block streams too (60 layers of the default model's
+ * shapes, 2 threads, benchmarks/gemm_micro.py: 9 rows 51.4 -> 34.2 ms, the 8-row time 30-32 ms).
  *
  * bfloat16 weights also work (widened to float32 in registers, x widened once per call, the
  * output rounded to nearest even), but oneDNN's AMX GEMM beat it from ~8 rows and in the engine

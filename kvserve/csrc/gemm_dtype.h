@@ -86,10 +86,14 @@ void CAT(gemm_, SFX)(const ELEM* x, float* xf, const ELEM* w, const ELEM* bias, 
                 const ELEM* bp = bias ? bias + p * 48 : NULL;
                 const int ncols = N - p * 48 < 48 ? (int)(N - p * 48) : 48;
                 const char* next = p + 1 < p_end ? (const char*)(wp + K * 48) : NULL;
-                // one 8-row block per panel (decode, verify chunks): nothing else prefetches
-                // the weights, so stream them ahead of the FMAs
-                const char* sp = m_end - m0 <= 8 ? (const char*)wp + GEMM_STREAM_AHEAD : NULL;
+                // The blocks after the first prefetch one cache line per k of the next panel:
+                // too few of them (a decode or verify step of <= 8 rows has none; 9-16 rows of
+                // float32 have one, a third of a panel) leave the first block waiting on memory,
+                // so that block streams the weights ahead of its FMAs itself.
+                const int64_t nblk = (m_end - m0 + 7) / 8;
+                const int stream_first = (nblk - 1) * K * 64 < panel_bytes;
                 for (int64_t m = m0, blk = 0; m < m_end; m += 8, ++blk) {
+                    const char* sp = blk == 0 && stream_first ? (const char*)wp + GEMM_STREAM_AHEAD : NULL;
                     const float* xm = xf + m * K;
                     ELEM* ym = y + m * N + p * 48;
                     const int64_t pf_off = (blk - 1) * K * 64;

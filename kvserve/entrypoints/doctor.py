@@ -152,11 +152,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             "float32 logits": "kvserve kernel" if native_ops.available() else "torch argmax + log_softmax",
         },
         "LoRA deltas": {
-            d: (
-                f"kvserve kernel ({vec}) up to {_lora_native_rows()} rows, torch above (float32)"
-                if native_lora.available()
-                else "torch (float32 on CPU)"
-            )
+            d: (_lora_native_text(vec) if native_lora.available() else "torch (float32 on CPU)")
             for d in ("float32", "bfloat16")
         },
         "structured-output token masks": {
@@ -169,10 +165,14 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     }
 
 
-def _lora_native_rows() -> int:
+def _lora_native_text(vec: str) -> str:
+    import sys
+
     from kvserve.lora.ops import NATIVE_MAX_ROWS
 
-    return NATIVE_MAX_ROWS
+    if NATIVE_MAX_ROWS >= sys.maxsize:
+        return f"kvserve kernel ({vec}), every step size"
+    return f"kvserve kernel ({vec}) up to {NATIVE_MAX_ROWS} rows, torch above (float32)"
 
 
 def _threads() -> dict:

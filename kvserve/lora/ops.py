@@ -35,7 +35,7 @@ take an unpacked path that measured 3-6x slower than float32 at these shapes (ra
 a bfloat16 output another 2-4x slower than casting it first. The rows and the rank are small,
 so the extra casts cost little; the deltas are also more exact than bfloat16 ones.
 
-Native form, for small CPU steps (``use_native``: ``rows <= NATIVE_MAX_ROWS`` and the C kernel
+Native form, for CPU steps (``use_native``: ``rows <= NATIVE_MAX_ROWS``, no limit by default, and the C kernel
 built, ``kvserve.model_executor.layers.native_lora``): one C call per linear streams each active
 slot's ``A`` and ``B`` once per 8 rows of that slot, keeping the rows' partial sums in
 registers, and reads only each fused part's diagonal block of ``B`` (``parts``: the output
@@ -47,6 +47,7 @@ each (the measured breakdown: docs/benchmarks.md, tenth session).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,9 +63,12 @@ SCATTER_BELOW = 4
 STACKED_MAX_ROW_SLOTS = 32
 
 #: Run the native kernel for steps of at most this many rows (``use_native``; 0 = never): it
-#: measured 2-4x faster than the torch forms from 8 to 1024 rows (docs/benchmarks.md); larger
-#: steps (long prefills) were not measured and keep the torch forms.
-NATIVE_MAX_ROWS = 1024
+#: measured 2-4x faster than the torch forms from 8 to 1024 rows (tenth session) and 3.0x at
+#: 2048 (eleventh: a chunked-prefill step of the default 2048-token budget, float32, 4
+#: adapters; docs/benchmarks.md). Its work is linear in the rows (chunks of 8 rows per slot,
+#: each slot's weights re-read per chunk from cache), so there is no size at which the torch
+#: forms win: no limit by default; tests set it to force the torch forms.
+NATIVE_MAX_ROWS = sys.maxsize
 
 
 def lora_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:

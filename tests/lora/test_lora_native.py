@@ -95,7 +95,7 @@ def test_native_add_lora_equals_float64_reference_reading_only_diagonal_blocks(
     assert torch.equal(out[base], out0[base])
 
 
-@pytest.mark.parametrize("rows", [1, 8, 16, 64])
+@pytest.mark.parametrize("rows", [1, 8, 16, 64, 2048])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_equals_segment_form_at_the_default_models_shapes(rows, dtype):
     """The default model's qkv (576 -> 576 + 192 + 192, three parts) and down (1536 -> 576)
@@ -137,6 +137,8 @@ def test_add_lora_chooses_native_for_small_cpu_steps(monkeypatch):
     forced = out.clone()
     add_lora(forced, x, a, b, m, path="native")
     assert torch.equal(chosen, forced)
+    # no row limit by default: a 2048-token prefill chunk runs the kernel too
+    assert ops.use_native(torch.zeros(4096, 16), torch.randn(4096, 32), a, b)
     monkeypatch.setattr(ops, "NATIVE_MAX_ROWS", 7)
     assert not ops.use_native(out, x, a, b)
 

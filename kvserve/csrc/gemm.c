@@ -31,6 +31,12 @@
  * 9-16 rows (batch-8 verify steps) have two blocks a panel, whose second prefetches only a third
  * of the next float32 panel: there the first block streams too (60 layers of the default model's
  * shapes, 2 threads, benchmarks/gemm_micro.py: 9 rows 51.4 -> 34.2 ms, the 8-row time 30-32 ms).
+ * Since then 9-16 rows run as two blocks of balanced size (12 = 6 + 6) that each prefetch a slice
+ * of the next panel in proportion to their rows, so the memory stream runs under both blocks'
+ * FMAs; only the thread's first panel streams in its first block (12 rows 0.92-0.96x the time,
+ * 16 rows 0.97-0.98x, 9 rows level; bit-identical; on an AMD EPYC 2-core VM where 1 row took
+ * 20 ms, 8 rows 25, 16 rows 36 and 512 rows ran at ~206 GFLOP/s, the FMA peak: from 24 rows
+ * (~185 GFLOP/s) the kernel is FMA-bound and keeps the scheme above).
  *
  * bfloat16 weights also work (widened to float32 in registers, x widened once per call, the
  * output rounded to nearest even), but oneDNN's AMX GEMM beat it from ~8 rows and in the engine
@@ -43,6 +49,9 @@
 
 #ifndef GEMM_STREAM_AHEAD
 #define GEMM_STREAM_AHEAD 4096
+#endif
+#ifndef GEMM_PF_NEXT /* 0: no software prefetch of the next panel (for measuring it) */
+#define GEMM_PF_NEXT 1
 #endif
 #ifndef GEMM_STREAM_HINT
 #define GEMM_STREAM_HINT 2

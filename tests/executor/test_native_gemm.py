@@ -13,14 +13,15 @@ pytestmark = pytest.mark.skipif(not native_gemm.available(), reason="no C compil
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 37), (48, 16), (7, 3), (1, 1)])
 def test_matches_reference(dtype, n, k):
-    """Every row-block edge (1-8 rows left over), padded last panels and the bias."""
+    """Every row-block edge (1-8 rows left over; 9-16 rows in two balanced blocks, 10 = 5 + 5,
+    15 = 8 + 7, that share the next panel's prefetch), padded last panels and the bias."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     pw = native_gemm.PanelWeight(w)
     assert pw.panels.shape == (-(-n // 48), k, 48) and pw.shape == (n, k)
     assert torch.equal(pw.unpack(), w)
-    for m in [1, 2, 3, 7, 8, 9, 16, 17, 61]:
+    for m in [1, 2, 3, 7, 8, 9, 10, 12, 15, 16, 17, 24, 61]:
         x = torch.randn(m, k, generator=g).to(dtype)
         for bias in (None, b):
             ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
@@ -89,14 +90,14 @@ def test_bfloat16_weights_are_panels_only_without_a_bfloat16_dot_product(monkeyp
 @given(
     n=st.integers(1, 200),
     k=st.integers(1, 300),
-    m=st.integers(2, 20),
+    m=st.integers(2, 48),
     bf16=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_a_row_is_bit_identical_whatever_the_row_count(n, k, m, bf16, seed):
     """Why speculative greedy output equals decoding without it: a verify chunk's rows (k + 1
     rows in one GEMM) must give exactly what each row gives alone (a decode), in float32 and
-    bfloat16 (the stream prefetch of <= 8-row steps and the row blocks must not change sums)."""
+    bfloat16 (the prefetches and the balanced row blocks of up to 48 rows must not change sums)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g).to(dtype)

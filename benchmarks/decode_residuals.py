@@ -92,6 +92,11 @@ def group_residuals(rows: list[dict]) -> dict:
                 continue
             k = _bucket(v, edges) if edges else str(v)
             by.setdefault(k, []).append(r)
+        if edges:  # buckets in edge order, the overflow last
+            labels = [f"<={e:g}" for e in edges] + [f">{edges[-1]:g}"]
+            by = {k: by[k] for k in labels if k in by}
+        else:
+            by = dict(sorted(by.items()))
         out[name] = {
             k: {
                 "n": len(g),

@@ -22,6 +22,10 @@
 # and takes 10 min a cell). The small-KV cells are bound by the 96-block cache at any scale.
 #   SMOKE=1: small grid, 40 requests, lengths 256/32 (minutes; for checking the script)
 #   SIM_SPEED_REQUESTS=0 skips the simulator-speed runs
+#   PROFILE_EACH=1: no profile shared by the cells: each cell profiles its engine right before
+#       its replay, in the same process (quick grid: the default shapes once, ~2 min), and is
+#       simulated with that profile (<cell>_profile.json): the host's drift over the previous
+#       cells no longer reaches it (PROFILE_EACH_GRID overrides the grid flags)
 #   REPEAT_REAL=1: each cell runs a second time (<cell>_rep2.*, same profile) and
 #       benchmarks/fidelity_noise.py writes <cell>_noise.txt: real-vs-real differences of the
 #       targets, the host's noise floor (doubles each cell's time)
@@ -56,26 +60,43 @@ trace_path() { case "$1" in
 trace_scale() { case "$1" in azure) echo "$AZURE_SCALE" ;; mooncake) echo "$MOONCAKE_SCALE" ;; esac; }
 config_args() { case "$1" in default) echo "" ;; small_kv) echo "--num-gpu-blocks $SMALL_KV_BLOCKS" ;; esac; }
 
+PROFILE_EACH="${PROFILE_EACH:-0}"
+if [ -n "${SMOKE:-}" ]; then
+    EACH_GRID=(${PROFILE_EACH_GRID:---profile-grid small})
+else
+    EACH_GRID=(${PROFILE_EACH_GRID:---profile-grid quick})
+fi
 for dt in $DTYPES; do
-    "$PY" -m kvserve.entrypoints.cli profile --dtype "$dt" "${GRID[@]}" --out "$OUT/profile_$dt.json" \
-        2>&1 | tee "$OUT/profile_$dt.log"
+    if [ "$PROFILE_EACH" != 0 ]; then
+        echo "[fidelity] PROFILE_EACH: every cell profiles its own engine first (${EACH_GRID[*]})"
+    else
+        "$PY" -m kvserve.entrypoints.cli profile --dtype "$dt" "${GRID[@]}" --out "$OUT/profile_$dt.json" \
+            2>&1 | tee "$OUT/profile_$dt.log"
+    fi
     for tr in $TRACES; do
         for cfg in $CONFIGS; do
             name="${tr}_${cfg}_$dt"
+            if [ "$PROFILE_EACH" != 0 ]; then
+                prof="$OUT/${name}_profile.json"
+                cm_args=("${EACH_GRID[@]}" --profile-out "$prof")
+            else
+                prof="$OUT/profile_$dt.json"
+                cm_args=(--cost-model "$prof")
+            fi
             # shellcheck disable=SC2046
             "$PY" -m kvserve.benchmarks.cli fidelity --dtype "$dt" $(config_args "$cfg") \
-                --cost-model "$OUT/profile_$dt.json" --trace "$(trace_path "$tr")" \
+                "${cm_args[@]}" --trace "$(trace_path "$tr")" \
                 --num-requests "$NUM_REQUESTS" --time-scale "$(trace_scale "$tr")" \
                 --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --no-progress \
                 --json-out "$OUT/$name.json" --plot "$OUT/$name.png" --steps-out "$OUT/${name}_steps.json" \
                 2>&1 | tee "$OUT/$name.log"
-            "$PY" benchmarks/step_report.py "$OUT/${name}_steps.json" --cost-model "$OUT/profile_$dt.json" \
+            "$PY" benchmarks/step_report.py "$OUT/${name}_steps.json" --cost-model "$prof" \
                 >"$OUT/${name}_steps.txt" 2>&1
             if [ -n "${REPEAT_REAL:-}" ] && [ "${REPEAT_REAL}" != 0 ]; then
                 rep="${name}_rep2"
                 # shellcheck disable=SC2046
                 "$PY" -m kvserve.benchmarks.cli fidelity --dtype "$dt" $(config_args "$cfg") \
-                    --cost-model "$OUT/profile_$dt.json" --trace "$(trace_path "$tr")" \
+                    --cost-model "$prof" --trace "$(trace_path "$tr")" \
                     --num-requests "$NUM_REQUESTS" --time-scale "$(trace_scale "$tr")" \
                     --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --no-progress \
                     --json-out "$OUT/$rep.json" --steps-out "$OUT/${rep}_steps.json" 2>&1 | tee "$OUT/$rep.log"
@@ -85,13 +106,14 @@ for dt in $DTYPES; do
         done
     done
 done
-"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null | grep -v -e _steps.json -e _noise.json) \
+"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null | grep -v -e _steps.json -e _noise.json -e _profile.json) \
     | tee "$OUT/summary.md"
 SPEED_N="${SIM_SPEED_REQUESTS:-10000}"  # 0 skips the speed runs
 if [ "$SPEED_N" != 0 ]; then
     "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" 2>&1 | tee "$OUT/sim_speed_builtin.log"
     first="$(echo "$DTYPES" | awk '{print $1}')"
-    "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" --cost-model "$OUT/profile_$first.json" 2>&1 \
+    first_prof="$(ls "$OUT"/profile_"$first".json "$OUT"/*_"$first"_profile.json 2>/dev/null | head -1)"
+    "$PY" benchmarks/sim_speed.py --num-requests "$SPEED_N" --cost-model "$first_prof" 2>&1 \
         | tee "$OUT/sim_speed_profile.log"
 fi
 echo "[fidelity] done: $OUT"

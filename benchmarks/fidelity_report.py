@@ -3,7 +3,9 @@
 One row per result file: the target metrics (TTFT and TPOT p50 / p90, e2e p50) real and
 simulated with the relative error, preemptions and how many of the same requests were preempted;
 a cell over the 10% target is marked with "!". Files with an oracle replay (runs with
-``--steps-out``) add its largest target error and how many steps took another shape.
+``--steps-out``) add its largest target error and how many steps took another shape. A cell
+with a noise report beside it (``<cell>_noise.json``, ``fidelity.sh`` with ``REPEAT_REAL=1``)
+adds the host's noise floor: the largest target difference between its two real runs.
 
 Usage: python benchmarks/fidelity_report.py R1.json [R2.json ...]   (label = file name)
 """
@@ -27,14 +29,27 @@ def _cell(res: dict, key: str, q: str) -> str:
     return f"{r:.3g} / {s:.3g} ({err}{mark})"
 
 
+def noise_floor(path: str) -> float | None:
+    """The largest real-vs-real target difference of ``path``'s cell (its ``_noise.json``,
+    ``benchmarks/fidelity_noise.py``), or None when there is none."""
+    p = Path(path)
+    f = p.with_name(p.stem + "_noise.json")
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text()).get("max_abs_target")
+
+
 def table(paths: list[str]) -> str:
     results = [json.loads(Path(p).read_text()) for p in paths]
     oracle = any("oracle" in r for r in results)
+    noise = [noise_floor(p) for p in paths]
     head = ["run"] + [f"{k[:-2].upper()} {q}" for k, q in CELLS] + ["preemptions", "same preempted"]
     if oracle:
         head.append("oracle: largest error, steps diverged")
+    if any(n is not None for n in noise):
+        head.append("noise: real vs real, largest")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p, res in zip(paths, results):
+    for p, res, n in zip(paths, results, noise):
         pre = res["preempted_requests"]
         row = [Path(p).stem] + [_cell(res, k, q) for k, q in CELLS]
         row.append(f"{res['real']['num_preemptions']} / {res['simulated']['num_preemptions']}")
@@ -50,6 +65,8 @@ def table(paths: list[str]) -> str:
                 errs = [abs(e) for k, q in CELLS if (e := o["relative_error"][k][q]) is not None]
                 st = o["steps"]
                 row.append(f"{max(errs, default=0.0):.2%}, {st['num_diverged']} of {st['real_steps']}")
+        if any(n is not None for n in noise):
+            row.append(f"{n:.0%}" if n is not None else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

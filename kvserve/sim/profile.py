@@ -95,6 +95,12 @@ class ProfileGrid:
         return g
 
     @classmethod
+    def quick(cls) -> ProfileGrid:
+        """The default shapes measured once each (half the default's time, ~2 min on this
+        host): short enough to re-profile right before each run on a host whose speed drifts."""
+        return cls(repeats=1)
+
+    @classmethod
     def small(cls) -> ProfileGrid:
         return cls(
             prefill_lens=[8, 32, 96],
@@ -491,9 +497,10 @@ def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     g = ap.add_argument_group("profile grid")
     g.add_argument(
         f"--{prefix}grid",
-        choices=["default", "small"],
+        choices=["default", "quick", "small"],
         default="default",
-        help="small: seconds (smoke runs, tests)",
+        help="quick: the default shapes once (half the time: a re-profile right before a run); "
+        "small: seconds (smoke runs, tests)",
     )
     for name in LIST_FIELDS:
         g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=_int_list, default=None, metavar="N,N,...")
@@ -504,7 +511,8 @@ def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
 def grid_from_args(ns: argparse.Namespace, prefix: str = "") -> ProfileGrid:
     """The ``ProfileGrid`` ``add_grid_args``' flags describe. Raises ValueError (bad value)."""
     p = prefix.replace("-", "_")
-    grid = ProfileGrid.small() if getattr(ns, f"{p}grid") == "small" else ProfileGrid()
+    name = getattr(ns, f"{p}grid")
+    grid = {"small": ProfileGrid.small, "quick": ProfileGrid.quick}.get(name, ProfileGrid)()
     return grid.override(**{n: getattr(ns, p + n) for n in LIST_FIELDS + INT_FIELDS})
 
 

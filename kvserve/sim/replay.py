@@ -51,6 +51,30 @@ class ReplayResult:
     steps: list[StepRecord] = field(default_factory=list)  # with ``record_steps``
 
 
+def decode_extent(req: ExecuteModelRequest) -> dict:
+    """What the cost model's counts leave out of a step's decodes, for ``StepRecord``:
+    ``max_context_len`` (the longest decode's KV positions; the decode attention splits work
+    per sequence, so one long sequence can bound a step) and ``context_blocks`` (KV blocks the
+    decodes read)."""
+    longest, blocks = 0, 0
+    for meta in req.seq_group_metadata_list:
+        if meta.is_prompt:
+            continue
+        for sid, data in meta.seq_data.items():
+            longest = max(longest, data.get_len())
+            blocks += len((meta.block_tables or {}).get(sid, ()))
+    return {"max_context_len": longest, "context_blocks": blocks}
+
+
+def _torch_threads() -> int | None:
+    try:
+        import torch
+
+        return int(torch.get_num_threads())
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+
+
 class _StepTimer:
     """Wraps an engine's executor: the shape and wall time of the last ``execute_model``."""
 
@@ -59,14 +83,18 @@ class _StepTimer:
         self.timer = timer
         self.last: StepShape | None = None
         self.exec_s = 0.0
+        self.extra: dict = {}
 
     def execute_model(self, req: ExecuteModelRequest):
         self.last = step_shape(req)
+        self.extra = decode_extent(req)
         t0 = self.timer()
         try:
             return self.inner.execute_model(req)
         finally:
             self.exec_s += self.timer() - t0
+            # the worker re-chooses its thread count every 20 s (after the call: it does so first)
+            self.extra["num_threads"] = _torch_threads()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -171,7 +199,9 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult
         if rec is not None:
             step_s = rec[0].timer() - s0
             if rec[0].last is not None and not rec[0].last.is_empty:
-                r = StepRecord(rec[0].last, step_s, rec[0].exec_s, 0.0, 0.0, *queues, start_s=now - t0)
+                r = StepRecord(
+                    rec[0].last, step_s, rec[0].exec_s, 0.0, 0.0, *queues, start_s=now - t0, **rec[0].extra
+                )
                 open_rec = (r, it_start, rec[1].total)
         res.num_steps += 1
         t = clock() - t0

@@ -48,6 +48,9 @@ class StepRecord:
         start_s: the replay clock when the iteration checked for arrived requests, seconds
             from the replay's start (None in records written before it was kept): lets an
             oracle replay (``kvserve.sim.oracle``) start each step where the real one started.
+        max_context_len: the longest decode's KV positions (None in older records).
+        context_blocks: KV blocks the decodes read (None in older records).
+        num_threads: torch's thread count after the step (the worker re-chooses it every 20 s).
     """
 
     shape: StepShape
@@ -59,6 +62,9 @@ class StepRecord:
     num_running: int = 0
     num_swapped: int = 0
     start_s: float | None = None
+    max_context_len: int | None = None
+    context_blocks: int | None = None
+    num_threads: int | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -102,7 +108,12 @@ class StepRecord:
         }
         start = d.get("start_s")
         start_s = None if start is None else _count(start, f"{where}.start_s", False)
-        return cls(shape=shape, **times, **q, start_s=start_s)
+        ext = {
+            k: _count(d[k], f"{where}.{k}", True)
+            for k in ("max_context_len", "context_blocks", "num_threads")
+            if d.get(k) is not None
+        }
+        return cls(shape=shape, **times, **q, start_s=start_s, **ext)
 
 
 def _count(v, where: str, integer: bool):

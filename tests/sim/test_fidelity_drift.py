@@ -1,0 +1,128 @@
+"""What the eleventh session added against the host's drift and for the decode residuals: the
+step records' decode extent and thread count, the quick profile grid (a re-profile right before
+each cell), the noise column of the fidelity report, and the decode residual report."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.benchmarks.fidelity import relative_error
+from kvserve.sim.cost_model import CostModel
+from kvserve.sim.profile import ProfileGrid, add_grid_args, grid_from_args
+from kvserve.sim.replay import sim_replay
+from kvserve.sim.step_record import load_steps, save_steps
+
+from .test_fidelity_noise import _result
+from .test_replay import _burst, _configs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_records_keep_the_longest_decode_its_blocks_and_the_thread_count(tmp_path):
+    res = sim_replay(_configs(64), CostModel(), 1000, _burst(4, output_len=5), record_steps=True)
+    decodes = [r for r in res.steps if r.shape.shape_class == "decode"]
+    assert decodes
+    for r in decodes:
+        b = r.shape.decode_seqs
+        # the longest is at least the mean and at most the sum; one block holds <= 16 positions
+        assert r.shape.context_tokens / b <= r.max_context_len <= r.shape.context_tokens
+        assert r.context_blocks * 16 >= r.shape.context_tokens and r.context_blocks >= b
+        assert isinstance(r.num_threads, int) and r.num_threads >= 1
+    p = tmp_path / "steps.json"
+    save_steps(p, res.steps)
+    back, _ = load_steps(p)
+    assert back == res.steps
+    # records written before these fields existed still load (None)
+    data = json.loads(p.read_text())
+    for d in data["steps"]:
+        for k in ("max_context_len", "context_blocks", "num_threads"):
+            d.pop(k)
+    p.write_text(json.dumps(data))
+    old, _ = load_steps(p)
+    assert all(r.max_context_len is None and r.num_threads is None for r in old)
+
+
+def test_quick_grid_is_the_default_shapes_once():
+    ap = argparse.ArgumentParser()
+    add_grid_args(ap, prefix="profile-")
+    quick = grid_from_args(ap.parse_args(["--profile-grid", "quick"]), prefix="profile-")
+    default = ProfileGrid()
+    assert quick.repeats == 1 < default.repeats
+    assert quick.override(repeats=default.repeats) == default
+    assert (
+        grid_from_args(
+            ap.parse_args(["--profile-grid", "quick", "--profile-repeats", "3"]), "profile-"
+        ).repeats
+        == 3
+    )
+
+
+def _fidelity_result(scale_sim: float) -> dict:
+    r = _result(1.0)
+    sim = json.loads(json.dumps(r["real"]))
+    for k, v in sim.items():
+        if isinstance(v, dict):
+            sim[k] = {q: x * scale_sim for q, x in v.items()}
+    r.update(
+        simulated=sim,
+        relative_error=relative_error(r["real"], sim),
+        preempted_requests={"real": 2, "simulated": 2, "both": 2, "jaccard": 1.0},
+    )
+    return r
+
+
+def test_report_shows_each_cells_noise_floor_when_it_was_measured(tmp_path):
+    a, b = tmp_path / "azure_default_float32.json", tmp_path / "mooncake_default_float32.json"
+    a.write_text(json.dumps(_fidelity_result(1.05)))
+    b.write_text(json.dumps(_fidelity_result(0.8)))
+    (tmp_path / "azure_default_float32_noise.json").write_text(json.dumps({"max_abs_target": 0.23}))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fidelity_report.py"), str(a), str(b)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("| ")]
+    assert "noise: real vs real" in lines[0]
+    assert lines[1].endswith("| 23% |") and "(+5%)" in lines[1]
+    assert lines[2].endswith("| - |") and "(-20% !)" in lines[2]
+
+
+def test_decode_residuals_groups_the_decode_steps_by_feature(tmp_path):
+    from tests.sim.test_cost_model_file import profile_data
+
+    cm = CostModel(base_s=0.01, decode_seq_s=0.001, context_token_s=1e-6)
+    res = sim_replay(_configs(64), cm, 1000, _burst(6, output_len=8), record_steps=True)
+    steps = tmp_path / "steps.json"
+    save_steps(steps, res.steps)
+    prof = profile_data()
+    prof["coefficients"] = {**prof["coefficients"], **cm.coefficients()}
+    pp = tmp_path / "p.json"
+    pp.write_text(json.dumps(prof))
+    out = tmp_path / "r.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "decode_residuals.py"),
+            str(steps),
+            "--cost-model",
+            str(pp),
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    rep = json.loads(out.read_text())
+    # the steps were timed by the same model: every group is predicted exactly
+    for feature in rep["real"].values():
+        for g in feature.values():
+            assert g["err"] == pytest.approx(0.0, abs=1e-9) and g["ratio_p50"] == pytest.approx(1.0)
+    assert rep["real"]["previous step"]

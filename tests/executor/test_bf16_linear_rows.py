@@ -1,0 +1,40 @@
+"""A bfloat16 linear gives each row the same result whatever the step's row count.
+
+Why: greedy output with speculation on must equal speculation off. Off, a single-sequence decode
+step is a 1-row GEMM; on, the same row sits inside a (k+1)-row verify chunk. oneDNN's 1-row
+bfloat16 kernel sums in another order than its 2+-row one (in_features 1536: about one output
+in 600 rounds to a neighbouring bfloat16), which flipped near-tie tokens of SmolLM2-135M in
+``kvserve bench spec-decode --dtype bfloat16``.
+"""
+
+import pytest
+import torch
+
+from kvserve.model_executor.models.llama import linear, prepack_weight
+
+
+def _onednn_weight(w: torch.Tensor):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN not available")
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    except (RuntimeError, AttributeError) as e:
+        pytest.skip(f"oneDNN cannot reorder a bfloat16 weight here: {e}")
+
+
+@pytest.mark.parametrize("pack", ["onednn", "prepack"])
+@pytest.mark.parametrize("in_f,out_f", [(1536, 576), (576, 1536)])
+def test_row_result_independent_of_row_count(pack, in_f, out_f):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.02).bfloat16()
+    wp = _onednn_weight(w) if pack == "onednn" else prepack_weight(w)
+    x = (
+        torch.nn.functional.silu(torch.randn(64, in_f, generator=g)) * torch.randn(64, in_f, generator=g)
+    ).bfloat16()
+    full = linear(x, wp)
+    for i in range(64):
+        one = linear(x[i : i + 1], wp)
+        assert one.shape == (1, out_f)
+        assert torch.equal(one[0], full[i]), f"row {i}: 1-row result differs from the 64-row one"
+    for m in (2, 5, 9):  # verify-chunk sizes
+        assert torch.equal(linear(x[:m], wp), full[:m])

@@ -105,6 +105,8 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
                 if amx
                 else f"kvserve panel GEMM ({vec}, widened to float32)"
                 if native_gemm.packs_bfloat16()
+                else f"kvserve panel GEMM up to {native_gemm.BF16_DOT_MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
+                if native_gemm.available()
                 else f"oneDNN ({bf16_isa}) via torch"
             ),
         },

@@ -62,10 +62,10 @@ def test_bad_inputs_are_named():
         native_gemm.PanelWeight(torch.randn(4, 4, dtype=torch.float16))
 
 
-def test_bfloat16_weights_are_panels_only_without_a_bfloat16_dot_product(monkeypatch):
+def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_product_exists(monkeypatch):
     """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (2.3x its 1-row time at 5 rows on
-    this project's VM): bfloat16 weights get panels there, and keep oneDNN where the CPU has
-    the dot product."""
+    this project's VM): bfloat16 weights get panels there for every step; where the CPU has the
+    dot product, panels for steps of up to BF16_DOT_MAX_ROWS rows and oneDNN above."""
     import kvserve.cpuinfo
     from kvserve.model_executor.layers import amx_gemm
     from kvserve.model_executor.models import llama
@@ -83,7 +83,18 @@ def test_bfloat16_weights_are_panels_only_without_a_bfloat16_dot_product(monkeyp
     torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
     monkeypatch.setattr(kvserve.cpuinfo, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert not native_gemm.packs_bfloat16()
-    assert not isinstance(llama.prepack_weight(w), native_gemm.PanelWeight)
+    # with the dot product: panels for decode-sized steps, oneDNN's copy above
+    packed = llama.prepack_weight(w)
+    assert isinstance(packed, native_gemm.PanelWeight) and packed.max_rows == native_gemm.BF16_DOT_MAX_ROWS
+    assert packed.takes(packed.max_rows) and not packed.takes(packed.max_rows + 1)
+    calls = []
+    real = native_gemm.linear
+    monkeypatch.setattr(native_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (packed.max_rows, packed.max_rows + 1):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        want = (x.float() @ w.float().T).to(torch.bfloat16)
+        torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
+    assert calls == [packed.max_rows]
 
 
 @settings(max_examples=25, deadline=None)

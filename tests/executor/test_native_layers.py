@@ -41,7 +41,7 @@ BLOCK, NUM_BLOCKS = 4, 1024
 def native_here(fmt: str) -> bool:
     """Whether this host runs ``fmt`` on native GEMMs (bfloat16: AMX tiles or panels)."""
     if fmt == "bfloat16":
-        return amx_gemm.available() or native_gemm.packs_bfloat16()
+        return amx_gemm.available() or native_gemm.available()
     return fmt == "float32" or quant_gemm.available()
 
 
@@ -190,9 +190,14 @@ def test_fused_step_bit_identical_to_per_layer_calls(fmt, rows, act, seed):
         with count_fused() as calls:
             got, got_cache = run(w, inp, fused=True)
         want, want_cache = run(w, inp, fused=False)
-    amx_past_limit = fmt == "bfloat16" and rows > amx_gemm.MAX_ROWS and amx_gemm.available()
-    # bfloat16 on AMX past its row limit runs oneDNN: the module path, neither native form
-    assert calls == ([] if amx_past_limit else [rows])
+    # bfloat16 past the AMX tiles' or (with AVX512-BF16) the panels' row limit runs oneDNN:
+    # the module path, neither native form
+    past_limit = fmt == "bfloat16" and (
+        rows > amx_gemm.MAX_ROWS
+        if amx_gemm.available()
+        else not native_gemm.packs_bfloat16() and rows > native_gemm.BF16_DOT_MAX_ROWS
+    )
+    assert calls == ([] if past_limit else [rows])
     assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max()}"
     assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
 

@@ -32,14 +32,26 @@ def available() -> bool:
 
 
 def packs_bfloat16() -> bool:
-    """Whether ``llama.prepack_weight`` packs bfloat16 weights here (hosts without AMX): the
-    kernels are available and the CPU has no AVX512-BF16 dot product (oneDNN then emulates
-    bfloat16). On such a host (2-core AVX-512F VM, one thread, the default model's 30 layers +
-    LM head) this kernel took 0.6-0.7x oneDNN's time at 1 row, 0.34x at 5 and 0.27x at 512; with
-    AVX512-BF16 oneDNN's dot-product kernel was not measured against it, so it stays there."""
+    """Whether ``llama.prepack_weight`` packs bfloat16 weights here for every step size (hosts
+    without AMX): the kernels are available and the CPU has no AVX512-BF16 dot product (oneDNN
+    then emulates bfloat16). On such a host (2-core AVX-512F VM, one thread, the default model's
+    30 layers + LM head) this kernel took 0.6-0.7x oneDNN's time at 1 row, 0.34x at 5 and 0.27x
+    at 512. With AVX512-BF16 (and no AMX) the panels take only steps of up to
+    ``BF16_DOT_MAX_ROWS`` rows."""
     from kvserve.cpuinfo import cpu_flags
 
     return available() and "avx512_bf16" not in cpu_flags()
+
+
+#: On a CPU with AVX512-BF16 but no AMX, bfloat16 steps of up to this many rows run the panels
+#: and larger ones oneDNN's dot-product kernel (``PanelWeight.large``). 60 layers of the default
+#: model's shapes on a 2-core AMD EPYC, quiet (benchmarks/gemm_micro.py --dtype bfloat16, median
+#: of alternating passes): panels took 0.60-0.75x oneDNN's time at 1-8 rows (weight-bound: the
+#: same bytes, streamed better), 1.01-1.08x at 12-16 and 1.25-1.43x at 24-64 (oneDNN's bfloat16
+#: dot product does twice the FMAs per instruction). Up to 16 rows the panels also keep the step
+#: on ``native_decode``'s one-call path (~6 ms of Python per step saved at 8 sequences) and a
+#: batch-8 verify step on the same kernel as its plain decode steps (rows round alike).
+BF16_DOT_MAX_ROWS = 16
 
 
 class PanelWeight:
@@ -49,11 +61,15 @@ class PanelWeight:
         panels: ``[ceil(out / 48), in, 48]`` contiguous CPU tensor (float32 or bfloat16), the
             padding columns zero.
         out_features, in_features: the original ``[out, in]`` shape.
+        large: None, or the weight for steps of more than ``max_rows`` rows (oneDNN's packed
+            copy on CPUs whose bfloat16 dot product beats the panels there): two copies, the
+            price of both speeds (as ``amx_gemm.AmxWeight``).
+        max_rows: the most rows the panels take when ``large`` is set (else None: any).
     """
 
-    __slots__ = ("panels", "out_features", "in_features")
+    __slots__ = ("panels", "out_features", "in_features", "large", "max_rows")
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, large=None, max_rows: int | None = None):
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in DTYPE_SUFFIX:
             raise ValueError(
                 f"PanelWeight: need a 2-D CPU float32/bfloat16 weight, got "
@@ -65,6 +81,12 @@ class PanelWeight:
         padded[:n] = weight.detach()
         self.panels = padded.view(p, PANEL_WIDTH, k).transpose(1, 2).contiguous()
         self.out_features, self.in_features = n, k
+        self.large = large
+        self.max_rows = max_rows if large is not None else None
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs on the panels (else on ``large``)."""
+        return self.max_rows is None or rows <= self.max_rows
 
     @property
     def dtype(self) -> torch.dtype:

@@ -52,7 +52,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
             return amx_gemm.linear(x, weight, bias)
         weight = weight.large
     if isinstance(weight, native_gemm.PanelWeight):
-        return native_gemm.linear(x, weight, bias)
+        if weight.takes(x.shape[0]):
+            return native_gemm.linear(x, weight, bias)
+        weight = weight.large
     if weight.is_mkldnn:
         if x.shape[0] == 1:
             # oneDNN's 1-row kernel sums in another order than its 2+-row one (bfloat16; seen at
@@ -81,7 +83,9 @@ def prepack_weight(weight: torch.Tensor):
       Without AMX and without AVX512-BF16 (oneDNN emulates bfloat16 there):
       ``native_gemm.PanelWeight`` for every step size (``native_gemm.packs_bfloat16``: 1.4-1.7x
       oneDNN's speed at 1 row, 2.9x at 5, 3.7x at 512), so decode and verify steps also stay on
-      ``native_decode``.
+      ``native_decode``. With AVX512-BF16 but no AMX: ``native_gemm.PanelWeight`` for steps of
+      up to ``native_gemm.BF16_DOT_MAX_ROWS`` rows (1.3-1.7x oneDNN's speed at 1-8 rows, level at 12-16),
+      holding oneDNN's copy for larger ones (compute-bound: its dot product wins).
 
     Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), or when
     neither kernel is available.
@@ -101,6 +105,8 @@ def prepack_weight(weight: torch.Tensor):
             pass
     if amx:
         return amx_gemm.AmxWeight(weight, large=large)
+    if native_gemm.available():
+        return native_gemm.PanelWeight(weight, large=large, max_rows=native_gemm.BF16_DOT_MAX_ROWS)
     return large
 
 

@@ -14,8 +14,8 @@ parallelism every rank runs its shard's layers here too (H/T heads, KV heads and
 rank: the kernels take any shape), with the same all-reduce after o and down as the module path.
 
 Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed for a native
-kernel that takes this step's row count (``native_gemm.PanelWeight`` of the model dtype, or
-``amx_gemm.AmxWeight`` up to ``amx_gemm.MAX_ROWS`` rows), all rows single-token decodes on the
+kernel that takes this step's row count (``native_gemm.PanelWeight`` of the model dtype, up to
+its ``max_rows`` if set, or ``amx_gemm.AmxWeight`` up to ``amx_gemm.MAX_ROWS`` rows), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), and the native ops available. Otherwise the
 module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
 GEMM, as the module path does (``kvserve.lora.ops.add_lora``).
@@ -78,7 +78,12 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
             weight.in_features,
             False,
         )
-    if isinstance(weight, native_gemm.PanelWeight) and weight.dtype == dtype and native_gemm.available():
+    if (
+        isinstance(weight, native_gemm.PanelWeight)
+        and weight.dtype == dtype
+        and weight.takes(rows)
+        and native_gemm.available()
+    ):
         return (
             native_gemm._LIB.fn(f"gemm_{DTYPE_SUFFIX[dtype]}"),
             weight.panels.data_ptr(),
@@ -477,6 +482,7 @@ def _regime(rows: int, quantized: bool) -> tuple:
     return (
         rows >= quant_gemm.PANEL_ROWS,
         rows <= amx_gemm.MAX_ROWS,
+        rows <= native_gemm.BF16_DOT_MAX_ROWS,
         quant_gemm.activation_mode() if quantized else None,
     )
 

@@ -247,7 +247,9 @@ def test_long_tokenization_runs_off_the_event_loop(server):
         lat = probe.during(start, end)
         assert len(lat) >= 3, (end - start, lat)  # /health was answered while it ran
         assert statistics.median(lat) < (end - start) * 1000 / 20, (end - start, sorted(lat)[-5:])
-        assert max(lat) < (end - start) * 1000 / 3, (end - start, sorted(lat)[-5:])
+    # The worst ping only for the ~1 s tokenization: /detokenize lasts ~0.2 s, and parsing its
+    # 360,000-id JSON body on the loop (the web framework's, inherent) held one ping 84 ms on CI.
+    assert max(probe.during(t0, t1)) < (t1 - t0) * 1000 / 3, (t1 - t0, sorted(probe.during(t0, t1))[-5:])
 
 
 def test_prompt_just_under_the_bound_is_tokenized_and_judged_by_its_tokens(server):

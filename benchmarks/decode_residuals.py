@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 from kvserve.benchmarks.common import write_json
 from kvserve.benchmarks.stats import percentile
-from kvserve.sim.cost_model_file import load_cost_model
-from kvserve.sim.step_record import StepRecord, load_steps
+from kvserve.sim.step_record import StepRecord, load_replay
 
 
 def _bucket(v: float, edges: tuple) -> str:
@@ -160,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None)
     ns = ap.parse_args(argv)
     try:
-        records, _ = load_steps(ns.steps)
-        cm_file = load_cost_model(ns.cost_model)
+        records, _, cm_file = load_replay(ns.steps, ns.cost_model)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

@@ -15,11 +15,9 @@ import argparse
 import sys
 
 from kvserve.benchmarks.common import write_json
-from kvserve.sim.cost_model_file import load_cost_model
 from kvserve.sim.step_record import (
-    check_recorded_engine,
     compare_steps,
-    load_steps,
+    load_replay,
     print_comparison,
     print_refit,
     refit_steps,
@@ -33,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None)
     ns = ap.parse_args(argv)
     try:
-        records, meta = load_steps(ns.steps)
-        cm_file = load_cost_model(ns.cost_model)
-        check_recorded_engine(meta, cm_file)
+        records, meta, cm_file = load_replay(ns.steps, ns.cost_model)
         cm = cm_file.cost_model
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)

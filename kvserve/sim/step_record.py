@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
+from kvserve.sim.cost_model_file import load_cost_model
 from kvserve.sim.step_shape import StepShape
 
 STEPS_SCHEMA = "kvserve-steps"
@@ -193,6 +194,20 @@ def check_recorded_engine(meta: dict, cm_file) -> None:
         raise ValueError(
             f"the step records were made with another engine than the cost model's: {e}"
         ) from None
+
+
+def load_replay(steps_path, cost_model_path):
+    """A recorded replay and the cost model to set it against, checked to belong together:
+    ``(records, meta, cm_file)`` from ``load_steps(steps_path)``, ``load_cost_model`` and
+    ``check_recorded_engine`` (what every step report reads first).
+
+    Raises:
+        ValueError: either file is malformed, or the records' engine is not the profile's.
+    """
+    records, meta = load_steps(steps_path)
+    cm_file = load_cost_model(cost_model_path)
+    check_recorded_engine(meta, cm_file)
+    return records, meta, cm_file
 
 
 def size_bin(shape: StepShape) -> str:

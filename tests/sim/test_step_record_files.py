@@ -19,7 +19,7 @@ from kvserve.sim.step_record import StepRecord, check_recorded_engine, load_step
 from kvserve.sim.step_shape import StepShape
 from tests.sim.test_cost_model_file import profile_data
 
-REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_report.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _valid(engine=None) -> dict:
@@ -141,10 +141,25 @@ def test_recorded_engine_must_match_the_cost_model():
         check_recorded_engine({"engine": {"block_size": 16, "quantization": "int8"}}, cm)
 
 
-def _report(*args):
+def _report(*args, script="step_report.py"):
     return subprocess.run(
-        [sys.executable, str(REPORT), *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(BENCH / script), *map(str, args)], capture_output=True, text=True, timeout=120
     )
+
+
+def test_decode_residuals_refuses_a_profile_of_another_engine(tmp_path):
+    prof = _write(tmp_path, profile_data(), "prof.json")
+    ok = _report(_write(tmp_path, _valid(), "ok.json"), "--cost-model", prof, script="decode_residuals.py")
+    assert ok.returncode == 0, ok.stderr
+    assert "1 decode steps of 2" in ok.stdout
+    bad = _report(
+        _write(tmp_path, _valid(engine={"block_size": 16, "dtype": "bfloat16"}), "bf.json"),
+        "--cost-model",
+        prof,
+        script="decode_residuals.py",
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.startswith("Error:") and "dtype" in bad.stderr, bad.stderr
 
 
 def test_step_report_exits_2_naming_the_problem_never_a_traceback(tmp_path):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 import time
 
 import torch
@@ -35,11 +34,13 @@ def collective_timeout_s() -> float:
     return float(os.environ.get("KVSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for the group's store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def host_store(world_size: int, timeout_s: float | None = None) -> dist.TCPStore:
+    """Rank 0's ``TCPStore`` on 127.0.0.1, listening on a port the OS picks as it binds (read it
+    from ``.port`` and hand it to the other ranks). Why: a port found free and bound later can be
+    taken in between by another process (two engines starting at once). Does not wait for the
+    other ranks: ``TensorParallelGroup``'s rendezvous does, within its timeout."""
+    timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
 
 
 @dataclasses.dataclass
@@ -67,6 +68,7 @@ class TensorParallelGroup:
         rank: 0 (the driver, which also hosts the store) .. ``world_size - 1``.
         world_size: the tensor-parallel size T (>= 2).
         port: the ``TCPStore`` port on 127.0.0.1 (rank 0 listens on it).
+        store: rank 0's store from ``host_store`` (required on rank 0, None on the others).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one device per rank: ``cuda:<rank>``).
         timeout_s: how long a collective or the rendezvous waits for the others.
 
@@ -74,7 +76,15 @@ class TensorParallelGroup:
         RuntimeError: the rendezvous did not complete within ``timeout_s`` (a rank never came).
     """
 
-    def __init__(self, rank: int, world_size: int, port: int, device: str, timeout_s: float | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        port: int,
+        device: str,
+        timeout_s: float | None = None,
+        store: dist.TCPStore | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -82,7 +92,9 @@ class TensorParallelGroup:
         self.stats = CollectiveStats()
         self.gather_stats = CollectiveStats()
         timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
-        self._store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+        if (store is None) != (rank != 0):
+            raise ValueError(f"rank {rank}: the store is rank 0's own (host_store), the others connect to it")
+        self._store = store or dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         if device == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

@@ -163,7 +163,7 @@ class Worker:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        from kvserve.worker.parallel_state import TensorParallelGroup, free_port
+        from kvserve.worker.parallel_state import TensorParallelGroup, host_store
 
         self.parallel_config = parallel_config or ParallelConfig(tensor_parallel_size=tp_world_size or 1)
         self.rank = rank
@@ -212,11 +212,13 @@ class Worker:
                 )
             if self.device == "cuda":
                 torch.cuda.set_device(rank)  # "cuda" is this rank's device from here on
+            store = None  # rank 0 hosts it
             if self.is_driver:
                 self.parallel_config.verify_with_model(
                     self.hf_config, self.device, quantization=model_config.quantization
                 )
-                tp_port = free_port()
+                store = host_store(self.tp_size)
+                tp_port = store.port
                 self.peers = TensorParallelPeers(
                     self.tp_size, tp_port, (model_config, cache_config, scheduler_config)
                 )
@@ -225,7 +227,7 @@ class Worker:
             try:
                 if self.peers is not None:
                     self.peers.wait_started()
-                self.tp = TensorParallelGroup(rank, self.tp_size, tp_port, self.device)
+                self.tp = TensorParallelGroup(rank, self.tp_size, tp_port, self.device, store=store)
             except BaseException:
                 self.shutdown()
                 raise

@@ -95,3 +95,20 @@ def test_tp2_llm_dropped_without_shutdown_stops_its_peers(tiny_llama_dir):
     del llm
     gc.collect()
     assert not _wait_gone(peers), "peer ranks outlived their garbage-collected LLM"
+
+
+def test_rank0_store_holds_its_port_from_the_start():
+    """The driver's store is bound when its port is read (no window for another process to take
+    the port before the rendezvous), two engines get two ports, and only rank 0 may host."""
+    import socket
+
+    from kvserve.worker.parallel_state import TensorParallelGroup, host_store
+
+    a, b = host_store(2, 5.0), host_store(2, 5.0)
+    assert a.port > 0 and b.port > 0 and a.port != b.port
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", a.port))
+    with pytest.raises(ValueError, match="rank 0"):
+        TensorParallelGroup(0, 2, a.port, "cpu", timeout_s=1.0)
+    with pytest.raises(ValueError, match="rank 1"):
+        TensorParallelGroup(1, 2, a.port, "cpu", timeout_s=1.0, store=a)

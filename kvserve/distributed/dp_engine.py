@@ -225,21 +225,24 @@ class DataParallelAsyncEngine:
             self._ray.kill(r.actor, no_restart=True)
 
     async def _watch(self) -> None:
-        ray = self._ray
         while True:
             await asyncio.sleep(self.health_check_interval_s)
-            for r in self.replicas:
-                if not r.healthy:
-                    continue
-                try:
-                    pid = await asyncio.wait_for(r.actor.ping.remote(), self.health_check_timeout_s)
-                except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
-                    self.mark_down(r.index, e)
-                    continue
-                if int(pid) != r.pid:  # restarted between two pings
-                    self.router.reset_replica(r.index)
-                    r.pid = int(pid)
-                    r.restarts += 1
+            # all at once: one hung replica must not delay the others' checks by its timeout
+            await asyncio.gather(*(self._ping(r) for r in self.replicas if r.healthy))
+
+    async def _ping(self, r: ReplicaState) -> None:
+        """One liveness check of a healthy replica: marks it down when the ping fails or times
+        out, and resets its routing state when Ray restarted it since the last ping."""
+        ray = self._ray
+        try:
+            pid = await asyncio.wait_for(r.actor.ping.remote(), self.health_check_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+            self.mark_down(r.index, e)
+            return
+        if int(pid) != r.pid:  # restarted between two pings
+            self.router.reset_replica(r.index)
+            r.pid = int(pid)
+            r.restarts += 1
 
     # ---------------------------------------------------------------- requests
     @staticmethod

@@ -183,3 +183,26 @@ def test_health_reports_degraded_then_dead_replicas(tiny_llama_dir):
             time.sleep(0.02)
         h = c.get("/health")
         assert h.status_code == 503 and "replicas: dead, dead" in h.json()["error"]["message"]
+
+
+def test_a_hung_replica_does_not_delay_the_others_health_checks():
+    """The watcher pinged replicas one after another: a ping that hangs held every later
+    replica's check for the whole ping timeout (30 s by default). All are pinged at once now:
+    a replica that dies beside a hung one is marked down within a few intervals."""
+    hung, dead = FakeReplica(lambda rid: None), FakeReplica(lambda rid: None)
+    hung.ping = _Method(_Gone(hang=True))
+    dead.ping = _Method(_Gone())
+    dp, _ = _engine([hung, dead], timeout_s=60.0)
+    dp.health_check_timeout_s = 5.0
+
+    async def main():
+        dp.start()
+        try:
+            t0 = time.monotonic()
+            await _until(lambda: not dp.replicas[1].healthy, limit_s=2.0)
+            return time.monotonic() - t0
+        finally:
+            dp._supervisor.cancel()
+
+    took = asyncio.run(main())
+    assert took < 2.0 and dp.replicas[0].healthy  # the hung one: still within its timeout

@@ -44,6 +44,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvserve.engine")
 
 
+class _ShutDownExecutor:
+    """What ``LLMEngine.executor`` is after ``shutdown``: every use but ``shutdown`` raises."""
+
+    def shutdown(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"the engine was shut down (executor.{name} is gone)")
+
+
 class LLMEngine:
     """Continuous-batching engine: a ``Scheduler`` plus an executor (real model or simulator).
 
@@ -208,7 +218,10 @@ class LLMEngine:
                 compile (naming its field), a ``lora_request`` that is not a ``LoRARequest``, given
                 while LoRA is off, or whose adapter does not load (naming the path or the limit).
                 Nothing is queued when it raises.
+            RuntimeError: the engine was shut down.
         """
+        if isinstance(self.executor, _ShutDownExecutor):
+            raise RuntimeError("the engine was shut down; it takes no new requests")
         if lora_request is not None:
             self._check_lora_request(lora_request)
         if request_id in self._groups:
@@ -305,11 +318,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def shutdown(self) -> None:
-        """Release the executor's processes (the tensor-parallel peer ranks); idempotent. The
-        engine runs no step afterwards. Also done at interpreter exit."""
+        """Release the executor: its processes (the tensor-parallel peer ranks), and its weights
+        and KV cache once nothing else holds them; idempotent. The engine runs no step
+        afterwards (one raises ``RuntimeError``). Also done at interpreter exit.
+
+        Why drop the executor: objects that outlive the engine (an HTTP app's route closures,
+        which FastAPI keeps in a process-wide cache) would otherwise keep the model in memory
+        for the life of the process."""
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
+        self.executor = _ShutDownExecutor()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + model iteration; returns outputs of every request that got a

@@ -1,7 +1,8 @@
-/* Q8_0 weights repacked for the int8-activation GEMV of small batches ("x4" layout; quant_gemm.c's
-   act8x4 / act16x4 kernels, built from a GGUF Q8_0 weight by quant_gemm.py's pack_x4).
+/* Q8_0 and Q4_1 weights repacked for the int8-activation GEMV of small batches ("x4" layout;
+   quant_gemm.c's act8x4 / act16x4 kernels, built from a GGUF weight by quant_gemm.py's pack_x4;
+   the Q4_1 layout and its helpers are in the second half of this file).
 
-   Why: the GGUF block (a float16 scale, then 32 int8 quants: 34 bytes) is a poor unit for a
+   Q8_0. Why: the GGUF block (a float16 scale, then 32 int8 quants: 34 bytes) is a poor unit for a
    64-byte vector unit. The act8 kernel of the GGUF layout spent per pair of blocks and weight
    row two unaligned loads, an insert, an XOR (the unsigned offset vpdpbusd needs), two float16
    loads, a conversion and two permutes for the scales, and four float operations on the int32
@@ -107,6 +108,12 @@ static inline void x4_reduce(const v16 a, const v16 b, float out[4]) {
 }
 
 /* ---- Q4_1 in the x4 layout ------------------------------------------------------------------
+
+   Why: the GGUF-layout act8 kernel unpacks each row's pair of 20-byte blocks on its own (two
+   unaligned 16-byte loads, an insert, a shift and an AND, two float16 pairs converted and
+   permuted per row and pair) and ran a 1-row decode step's Q4_1 layers at ~60% of the x4 Q8_0
+   kernel's bytes per second. Here the unpacking and the scale conversion happen once per block
+   of four rows, and all loads are of whole 64-byte lines.
 
    Layout of W [N, K] (nb = K / 32, G = ceil(N / 4); rows past N have quants 0, d = m = 0):
      quants: G * nb * 64 bytes; group g, block j: the 16 GGUF quant bytes of rows 4g .. 4g + 3 in

@@ -16,12 +16,15 @@ Activations are float32 or bfloat16; sums are float32. Two ways to multiply them
   quantized per 32 elements as llama.cpp's Q8 activations (``quantize_activations``) and
   multiplied with integer dot products, which changes the numerics by that rounding.
 
-Q8_0 weights in the ``int8`` mode run on a second copy of their bytes repacked for the int8 GEMV
-(``QuantWeight.x4``, ``pack_x4``: four rows interleaved per block, ``csrc/quant_x4.h``), built
-at load (``prepare``) or on first use: ``act8`` / ``act16`` on a Q8_0 weight read it (the
-kernels ``act8_gguf`` / ``act16_gguf`` force the GGUF-layout ones, for comparisons). It costs
-the weight's bytes once more in memory (``data`` stays for the embedding lookup, the panels
-and the float mode).
+Q8_0 and Q4_1 weights in the ``int8`` mode run on a copy of their bytes repacked for the int8
+GEMV (``QuantWeight.x4``, ``pack_x4``: four rows interleaved per block, scales apart,
+``csrc/quant_x4.h``), built at load (``prepare``) or on first use: ``act8`` / ``act16`` on
+them read it (the kernels ``act8_gguf`` / ``act16_gguf`` force the GGUF-layout ones, for
+comparisons; ``KVSERVE_QUANT_X4=0`` makes Q4_1's default ones the GGUF-layout kernels again).
+A Q8_0 weight keeps ``data`` beside it (the embedding lookup, the panels and the float mode
+read it: the weight's bytes once more in memory). A Q4_1 GEMM weight keeps only the x4 copy
+(``QuantWeight.drop_gguf``; the same size as the GGUF bytes): its panels read x4 too, and a
+kernel of the GGUF layout (the float mode's) rebuilds ``data`` on first use.
 
 The LM head (``head_kernel``) never reads one int8 plane: in the ``int8`` mode it runs
 ``act16``, the activations as two int8 planes (``quantize_activations2``: the rounding residual

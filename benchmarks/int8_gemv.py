@@ -82,8 +82,10 @@ def _cases(n: int, k: int, copies: int, budget_mb: float, head: bool, qtype: str
     for label, kern in ((f"int8 x4 ({kind})", kind), (f"int8 gguf ({kind})", f"{kind}_gguf")):
         fn = qg.kernel_fn(qws[0], 1, torch.float32, kern)
         ptrs = [qg.kernel_weight(w, 1, kern).data_ptr() for w in qws]
-        cases[label] = (
-            lambda i, t, fn=fn, ptrs=ptrs: fn(x32.data_ptr(), ptrs[i], None, y32.data_ptr(), 1, n, k, t),
+        cases[label] = (  # (qws: the weights stay alive while their raw pointers are called)
+            lambda i, t, fn=fn, ptrs=ptrs, qws=qws: fn(
+                x32.data_ptr(), ptrs[i], None, y32.data_ptr(), 1, n, k, t
+            ),
             qbytes,
             nq,
         )

@@ -111,8 +111,8 @@ static inline void x4_reduce(const v16 a, const v16 b, float out[4]) {
 
    Why: the GGUF-layout act8 kernel unpacks each row's pair of 20-byte blocks on its own (two
    unaligned 16-byte loads, an insert, a shift and an AND, two float16 pairs converted and
-   permuted per row and pair) and ran a 1-row decode step's Q4_1 layers at ~60% of the x4 Q8_0
-   kernel's bytes per second. Here the unpacking and the scale conversion happen once per block
+   permuted per row and pair) and ran a decode step's Q4_1 layers at about half the x4 Q8_0
+   kernel's bytes per second in one run (8.8 against 16.7 GB/s; docs/benchmarks.md). Here the unpacking and the scale conversion happen once per block
    of four rows, and all loads are of whole 64-byte lines.
 
    Layout of W [N, K] (nb = K / 32, G = ceil(N / 4); rows past N have quants 0, d = m = 0):

@@ -4,20 +4,24 @@ of the step (scheduler, outputs, Python around them: TPOT minus ``execute``).
 
 Per format (``kvserve bench quantized``'s paths) one engine runs ``--rounds`` greedy requests of
 ``--max-tokens`` tokens; the phases are wrapped with ``perf_counter_ns`` (and the calling
-thread's CPU time) and their medians per decode step printed, the prefill step left out.
+thread's CPU time) and their medians per decode step printed, the prefill step left out, with
+the layers' weight bytes over their time (GB/s). ``--compare-x4``: each GGUF path also runs
+first with ``KVSERVE_QUANT_X4=0`` (its Q4_1 weights on the GGUF-layout int8 kernels), the engines
+one after the other in this process.
 
 Usage: python benchmarks/decode_phase_split.py [--paths "bfloat16,gguf float32,int8 float32"]
-       [--rounds 2] [--max-tokens 128]
+       [--rounds 2] [--max-tokens 128] [--compare-x4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
-from kvserve.benchmarks.quantized import PATHS, prompt_token_ids
+from kvserve.benchmarks.quantized import PATHS, prompt_token_ids, step_weight_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="bfloat16,gguf float32,int8 float32", help=f"subset of {list(PATHS)}")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--compare-x4", action="store_true", help="GGUF paths also with KVSERVE_QUANT_X4=0 first")
     ns = ap.parse_args(argv)
     names = [p.strip() for p in ns.paths.split(",") if p.strip()]
     if not names or any(n not in PATHS for n in names) or ns.rounds < 1 or ns.max_tokens < 2:
@@ -53,8 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     wrap(llama.LlamaForCausalLM, "compute_logits", "head")
     wrap(model_runner.ModelRunner, "execute", "execute")
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
+    runs = []
     for name in names:
+        if ns.compare_x4 and PATHS[name].get("quantization") == "gguf":
+            runs.append((f"{name} (KVSERVE_QUANT_X4=0)", name, "0"))
+        runs.append((name, name, None))
+    for label, name, x4 in runs:
+        if x4 is None:
+            os.environ.pop("KVSERVE_QUANT_X4", None)
+        else:
+            os.environ["KVSERVE_QUANT_X4"] = x4
         llm = LLM(num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1, **PATHS[name])
+        model = llm.llm_engine.executor.model
+        layer_bytes = step_weight_bytes(model) - step_weight_bytes(model, layers=False)
         _, ids = prompt_token_ids(llm)
         llm.generate(
             [{"prompt_token_ids": ids}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False
@@ -69,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                 steps.setdefault(k, []).extend(v[1:])
         med = {k: statistics.median(v) for k, v in steps.items() if v}
         other = med.get("execute", 0.0) - med.get("layers", 0.0) - med.get("head", 0.0)
+        gbs = layer_bytes / (med["layers"] * 1e6) if med.get("layers") else 0.0
         print(
-            f"{name}: {1e3 / med['TPOT']:.1f} tok/s, TPOT {med['TPOT']:.2f} ms = layers {med.get('layers', 0):.2f}"
+            f"{label}: {1e3 / med['TPOT']:.1f} tok/s, TPOT {med['TPOT']:.2f} ms = layers {med.get('layers', 0):.2f}"
+            f" ({layer_bytes / 1e6:.1f} MB, {gbs:.1f} GB/s)"
             f" + head {med.get('head', 0):.2f} + rest of execute {other:.2f}"
             f" + outside execute {med['TPOT'] - med.get('execute', 0):.2f}",
             flush=True,

@@ -6,7 +6,9 @@ Shapes: the default model's (SmolLM2-135M): q/o 576->576, k/v 576->192, gate/up 
 actually runs. Kernels (1 activation row, float32 activations unless named):
 - ``int8 x4``: act8 on the x4 copy (the int8 mode's kernel; ``act16 x4`` for the LM head, two
   int8 planes, as ``compute_logits`` runs it);
-- ``int8 gguf``: act8 (LM head: act16) on the GGUF Q8_0 layout (the previous kernel);
+- ``int8 gguf``: act8 (LM head: act16) on the GGUF layout (the previous kernel);
+  the weights Q8_0, or Q4_1 with ``--qtype q4_1`` (random codes, scales and minima; the default
+  model's layer type);
 - ``float32``: gemm.c's panels; ``bfloat16``: the engine's 1-row bfloat16 kernel (amx_gemm where
   AMX exists, else gemm.c's bfloat16 panels), bfloat16 activations;
 - ``read``: ``quant_stream_read`` over the int8 weights' bytes (the ceiling; with the x4
@@ -20,6 +22,7 @@ calls (as native_decode makes them); the kernels alternate per round; best and m
     python benchmarks/int8_gemv.py                          # 1 and 2 threads, every shape
     python benchmarks/int8_gemv.py --threads 1 --shapes lm_head --json-out g.json
     python benchmarks/int8_gemv.py --prefetch 0,4096,12288,24576   # tune the x4 prefetch
+    python benchmarks/int8_gemv.py --qtype q4_1 --threads 2 --shapes qkv_fused,gate_up_fused,down
 """
 
 from __future__ import annotations
@@ -54,23 +57,35 @@ def _copies(nbytes: int, want: int, budget_mb: float) -> int:
     return max(2, min(want, int(budget_mb * 1e6 // max(nbytes, 1))))
 
 
-def _cases(n: int, k: int, copies: int, budget_mb: float, head: bool) -> dict:
+def _weight(qtype: str, n: int, k: int):
+    """A random ``qtype`` weight ``[n, k]`` (Q8_0 of Gaussian weights; Q4_1 of random codes)."""
+    if qtype == "q8_0":
+        return qg.quantize_q8_0(torch.randn(n, k) * 0.05)
+    from kvserve.model_executor.layers.quant_pack import pack_q4_1
+
+    d = torch.rand(n, k // 32) * 0.01
+    return pack_q4_1(torch.randint(0, 16, (n, k), dtype=torch.uint8), d, -7.5 * d)
+
+
+def _cases(n: int, k: int, copies: int, budget_mb: float, head: bool, qtype: str = "q8_0") -> dict:
     """name -> (call(i, threads): run copy i once, weight bytes per call, copies)."""
     torch.manual_seed(n * 7 + k)
     x32 = torch.randn(1, k)
     x16 = x32.to(torch.bfloat16)
     y32 = torch.empty(1, n)
     y16 = torch.empty(1, n, dtype=torch.bfloat16)
-    qbytes = n * qg.row_bytes("q8_0", k)
+    qbytes = n * qg.row_bytes(qtype, k)
     nq = _copies(qbytes, copies, budget_mb)
-    qws = [qg.quantize_q8_0(torch.randn(n, k) * 0.05) for _ in range(nq)]
+    qws = [_weight(qtype, n, k) for _ in range(nq)]
     kind = "act16" if head else "act8"
     cases = {}
     for label, kern in ((f"int8 x4 ({kind})", kind), (f"int8 gguf ({kind})", f"{kind}_gguf")):
         fn = qg.kernel_fn(qws[0], 1, torch.float32, kern)
         ptrs = [qg.kernel_weight(w, 1, kern).data_ptr() for w in qws]
-        cases[label] = (
-            lambda i, t, fn=fn, ptrs=ptrs: fn(x32.data_ptr(), ptrs[i], None, y32.data_ptr(), 1, n, k, t),
+        cases[label] = (  # (qws: the weights stay alive while their raw pointers are called)
+            lambda i, t, fn=fn, ptrs=ptrs, qws=qws: fn(
+                x32.data_ptr(), ptrs[i], None, y32.data_ptr(), 1, n, k, t
+            ),
             qbytes,
             nq,
         )
@@ -120,7 +135,9 @@ def _cases(n: int, k: int, copies: int, budget_mb: float, head: bool) -> dict:
     return cases
 
 
-def measure(shapes, thread_counts, copies: int, rounds: int, budget_mb: float) -> list[dict]:
+def measure(
+    shapes, thread_counts, copies: int, rounds: int, budget_mb: float, qtype: str = "q8_0"
+) -> list[dict]:
     """One row per shape, threads and kernel (see the module doc)."""
     out = []
     null = qg._LIB.fn("quant_stream_read")
@@ -132,7 +149,7 @@ def measure(shapes, thread_counts, copies: int, rounds: int, budget_mb: float) -
     print(f"ctypes call overhead (a 1-thread call reading nothing): {overhead_us:.2f} us", flush=True)
     for name in shapes:  # the weights are made once per shape, for every thread count
         n, k = SHAPES[name]
-        cases = _cases(n, k, copies, budget_mb, head=name == "lm_head")
+        cases = _cases(n, k, copies, budget_mb, head=name == "lm_head", qtype=qtype)
         for threads in thread_counts:
             torch.set_num_threads(threads)
             times: dict[str, list[float]] = {c: [] for c in cases}
@@ -154,6 +171,7 @@ def measure(shapes, thread_counts, copies: int, rounds: int, budget_mb: float) -
                     "k": k,
                     "threads": threads,
                     "kernel": c,
+                    "qtype": qtype,
                     "copies": nc,
                     "weight_bytes": nbytes,
                     "best_us": best * 1e6,
@@ -231,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prefetch", help="instead: sweep the x4 prefetch distance (comma-separated bytes)")
+    ap.add_argument("--qtype", default="q8_0", choices=list(qg.X4_TYPES), help="weight type (not --prefetch)")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
     if not qg.available() or not native_gemm.available():
@@ -244,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         dists = [int(d) for d in args.prefetch.split(",")]
         rows = prefetch_sweep(dists, shapes, threads, args.copies, args.rounds, args.budget_mb)
     else:
-        rows = measure(shapes, threads, args.copies, args.rounds, args.budget_mb)
+        rows = measure(shapes, threads, args.copies, args.rounds, args.budget_mb, args.qtype)
     if args.json_out:
         from kvserve.benchmarks.common import system_info
 

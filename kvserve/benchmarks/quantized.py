@@ -136,8 +136,9 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def step_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every linear weight and the LM head."""
+def step_weight_bytes(model, layers: bool = True) -> int:
+    """Bytes of weights one decode step reads: every linear weight and the LM head (only the LM
+    head with ``layers=False``)."""
     from kvserve.model_executor.layers.quant_gemm import QuantWeight
 
     def nbytes(w) -> int:
@@ -147,7 +148,7 @@ def step_weight_bytes(model) -> int:
         return out * inp * w.dtype.itemsize
 
     total = nbytes(model.lm_head)
-    for layer in model.layers:
+    for layer in model.layers if layers else ():
         a, m = layer.self_attn, layer.mlp
         total += sum(nbytes(w) for w in (a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight))
     return total

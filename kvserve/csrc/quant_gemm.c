@@ -15,7 +15,7 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type (and act16, 2b, and Q8_0's x4 kernels, 2c); quant_gemm.py's pick_kernel
+ * Three kernels per type (and act16, 2b, and Q8_0's / Q4_1's x4 kernels, 2c); quant_gemm.py's pick_kernel
  * chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
@@ -52,14 +52,21 @@
  * two keep the float result to ~2^-16 of a block's largest value at about act8's speed when the
  * weights stream from memory (49,152 x 576 Q8_0, one core: 2.6 ms against the tile kernel's 3.3).
  *
- * 2c. quant_gemm_act8x4_q8_0_* / quant_gemm_act16x4_q8_0_* (Q8_0 in the int8 mode, below the panel
- * rows): act8 / act16 on the weight repacked at load into the x4 layout of quant_x4.h (four rows
- * interleaved per block, quants offset to unsigned, scales apart), the activations quantized
- * with int32 seeds that cancel the offset inside vpdpbusd: per block of four rows two aligned
- * 64-byte loads and two vpdpbusd, then per row two conversions, multiplies and FMAs (the GGUF
- * layout's act8 needed about twice the vector operations per weight). The threads split the
- * groups of four rows. Same values as act8 / act16 up to float32 rounding (the integer dot
- * products are exact in both). Measured: benchmarks/int8_gemv.py, docs/benchmarks.md.
+ * 2c. quant_gemm_act8x4_{q8_0,q4_1}_* / quant_gemm_act16x4_{q8_0,q4_1}_* (Q8_0 and Q4_1 in the
+ * int8 mode, below the panel rows): act8 / act16 on the weight repacked at load into the x4
+ * layout of quant_x4.h (four rows interleaved per block, scales apart). Q8_0: quants offset to
+ * unsigned, the activations quantized with int32 seeds that cancel the offset inside vpdpbusd:
+ * per block of four rows two aligned 64-byte loads and two vpdpbusd, then per row two
+ * conversions, multiplies and FMAs (the GGUF layout's act8 needed about twice the vector
+ * operations per weight). Q4_1: one 64-byte load holds the 16 nibble bytes of each of the four
+ * rows; an AND and a shift + AND split it into elements 0-15 and 16-31 of every row (once for
+ * all activation rows), each times the matching activation half broadcast to the four 128-bit
+ * lanes: two vpdpbusd per block, row and activation row, then one conversion, a multiply and
+ * two FMAs (d_w d_x dot, and the minimum's m_w d_x sum(q_x) / 4 per lane). The threads split
+ * the groups of four rows. Same values as act8 / act16 up to float32 rounding (the integer dot
+ * products are exact in both). A Q4_1 GEMM weight keeps only this copy (quant_gemm.py's
+ * prepare): quant_gemm_panelx4_q4_1_* runs the panels of 3. on it. Measured:
+ * benchmarks/int8_gemv.py (--qtype q4_1), docs/benchmarks.md.
  *
  * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
  * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16

@@ -400,22 +400,120 @@ CAT(qgemm_x4_, SFX)(const int planes, const int own, const ELEM* x, const uint8_
     }
 }
 
+/* ---- int8 activations on the x4 layout of Q4_1 (quant_x4.h) --------------------------------- */
+
+/* One row of x quantized for the Q4_1 x4 kernels (act8_quant_block's values) into `out`
+   (x4_act_bytes(nb, planes): quants per plane, then d_x, then c = d_x (s + t / 254) / 4). */
+static inline __attribute__((always_inline)) void CAT(x4q_quant_row_, SFX)(const int planes, const ELEM* x,
+                                                                           const int64_t K, uint8_t* out) {
+    const int64_t nb = K / QK;
+    int8_t* q = (int8_t*)out;
+    float* dx = (float*)(out + planes * nb * QK);
+    float* cx = dx + nb;
+    for (int64_t j = 0; j < nb; ++j) {
+        int s, t;
+        int8_t* q1 = q + j * QK;
+        int8_t* q2 = planes == 2 ? q + (nb + j) * QK : q1; /* (one plane: never written) */
+        const float d = CAT(act8_quant_block_, SFX)(planes, x + j * QK, q1, q2, &s, &t);
+        dx[j] = d;
+        cx[j] = d * ((float)s + (planes == 2 ? (float)t * (1.0f / 254.0f) : 0.0f)) * 0.25f;
+    }
+}
+
+/* mr (<= X4_MR) quantized rows (xa, xs bytes apart) times one group of four Q4_1 weight rows
+   (wq: its nb * 64 quant bytes, ws: its nb * 16 scale bytes): y[r * ldy + i] = x_r . w_i (+ b_i)
+   for i < nc; per lane acc += d_w d_x dot + m_w c. pf: the quants of a later group to prefetch
+   (NULL: none). */
+static inline __attribute__((always_inline)) void
+CAT(qtile_x4q_, SFX)(const int planes, const int mr, const int nc, const uint8_t* xa, const int64_t xs,
+                     const int64_t nb, const uint8_t* wq, const uint8_t* ws, const uint8_t* pf,
+                     const ELEM* bias, ELEM* y, const int64_t ldy) {
+    v16 acc[X4_MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < X4_MR; ++r) acc[r] = (v16){};
+    for (int64_t j = 0; j < nb; ++j) {
+        if (pf) __builtin_prefetch(pf + j * 64, 0, 3);
+        v16 dw, mw;
+        x4q_scales(ws + j * 16, &dw, &mw);
+        const x4q_block b = x4q_unpack(wq + j * 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; ++r) {
+            const uint8_t* xr = xa + r * xs;
+            const float* dx = (const float*)(xr + planes * nb * QK);
+            v16 t = __builtin_convertvector(x4q_dot(&b, (const int8_t*)xr + j * QK), v16);
+            if (planes == 2)
+                t += __builtin_convertvector(x4q_dot(&b, (const int8_t*)xr + (nb + j) * QK), v16) *
+                    (1.0f / 254.0f);
+            acc[r] += t * (dw * dx[j]);
+            acc[r] += mw * dx[nb + j];
+        }
+    }
+    for (int r = 0; r < mr; ++r) {
+        float out[4];
+        x4q_reduce(acc[r], out);
+        for (int i = 0; i < nc; ++i)
+            CAT(st1_, SFX)(y + r * ldy + i, out[i] + (bias ? CAT(ld1_, SFX)(bias + i) : 0.0f));
+    }
+}
+
+/* qgemm_x4 for Q4_1 weights in the x4 layout (the same thread split, quantization and prefetch). */
+static inline __attribute__((always_inline)) void
+CAT(qgemm_x4q_, SFX)(const int planes, const int own, const ELEM* x, const uint8_t* w, const ELEM* bias,
+                     ELEM* y, const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
+                     const int nth) {
+    const int64_t nb = K / QK, xs = x4_act_bytes(nb, planes);
+    if (own) {
+        for (int64_t r = 0; r < M; ++r) CAT(x4q_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
+    } else {
+        for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
+            CAT(x4q_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
+#pragma omp barrier
+    }
+    const int64_t G = (N + X4_ROWS - 1) / X4_ROWS, gq = nb * 64, gs = nb * 16;
+    const uint8_t* scales = w + G * gq;
+    const int64_t g_begin = G * tid / nth, g_end = G * (tid + 1) / nth;
+    const int64_t pfb = x4_prefetch_bytes;
+    const int64_t ahead = pfb <= 0 ? INT64_MAX : (pfb / (gq + gs) > 0 ? pfb / (gq + gs) : 1);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+        const int64_t n = g * X4_ROWS;
+        const int nc = N - n < X4_ROWS ? (int)(N - n) : X4_ROWS;
+        const uint8_t* wq = w + g * gq;
+        const uint8_t* ws = scales + g * gs;
+        const uint8_t* pf = ahead < g_end - g ? wq + ahead * gq : NULL;
+        if (pf)
+            for (int64_t o = 0; o < gs; o += 64) __builtin_prefetch(ws + ahead * gs + o, 0, 3);
+        const ELEM* bg = bias ? bias + n : NULL;
+        for (int64_t m = 0; m < M; m += X4_MR) {
+            const uint8_t* xm = xa + m * xs;
+            ELEM* ym = y + m * N + n;
+            switch (M - m < X4_MR ? (int)(M - m) : X4_MR) {
+            case 4: CAT(qtile_x4q_, SFX)(planes, 4, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            case 3: CAT(qtile_x4q_, SFX)(planes, 3, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            case 2: CAT(qtile_x4q_, SFX)(planes, 2, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            default: CAT(qtile_x4q_, SFX)(planes, 1, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            }
+            pf = NULL; /* the first tile brought the later group in */
+        }
+    }
+}
+
 /* ---- large batch: a dequantized float32 panel and an outer-product micro-kernel ---------------- */
 
 /* Columns n0 .. n0 + ncols - 1 (ncols <= PW) of W dequantized into buf [K, PW] (the PW weights of
    one input feature contiguous, columns past ncols zero): per 16 columns and 32-chunk, the
    16 x 32 weights dequantized as rows and turned into 32 rows of 16 columns by two 16 x 16
-   register transposes. */
-static inline __attribute__((always_inline)) void CAT(qpanel_dequant_, SFX)(const int qt, const uint8_t* w,
-                                                                            const int64_t row_bytes,
-                                                                            const int ncols, const int64_t K,
-                                                                            float* buf) {
+   register transposes. W: GGUF rows row_bytes apart, or with x4 a Q4_1 weight in the x4 layout
+   of G groups (quant_x4.h). */
+static inline __attribute__((always_inline)) void
+CAT(qpanel_dequant_, SFX)(const int qt, const int x4, const uint8_t* w, const int64_t row_bytes,
+                          const int64_t n0, const int64_t G, const int ncols, const int64_t K, float* buf) {
     for (int g = 0; g < PW / 16; ++g) {
         for (int64_t j = 0; j < K / QK; ++j) {
             v16 a[16], b[16];
             for (int i = 0; i < 16; ++i) {
                 if (g * 16 + i < ncols) {
-                    dequant_block(qt, w + (g * 16 + i) * row_bytes, j, &a[i], &b[i]);
+                    if (x4) x4q_dequant(w, G, K / QK, n0 + g * 16 + i, j, &a[i], &b[i]);
+                    else dequant_block(qt, w + (n0 + g * 16 + i) * row_bytes, j, &a[i], &b[i]);
                 } else {
                     a[i] = (v16){};
                     b[i] = (v16){};
@@ -471,11 +569,10 @@ static inline __attribute__((always_inline)) void CAT(pkernel_, SFX)(const int m
    float32 (x itself for float32, else filled here by all threads), buf the thread's [K, PW]
    panel. The threads split the panels; rows go in chunks of ~256 KB of xf, and a panel is
    dequantized once per chunk (so once per call up to 256 KB / 4K rows). */
-static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt, const ELEM* x, float* xf,
-                                                                    const uint8_t* w, const ELEM* bias,
-                                                                    ELEM* y, const int64_t M, const int64_t N,
-                                                                    const int64_t K, float* buf,
-                                                                    const int tid, const int nth) {
+static inline __attribute__((always_inline)) void
+CAT(qpanel_, SFX)(const int qt, const int x4, const ELEM* x, float* xf, const uint8_t* w, const ELEM* bias,
+                  ELEM* y, const int64_t M, const int64_t N, const int64_t K, float* buf, const int tid,
+                  const int nth) {
     if ((const void*)xf != (const void*)x) {
         for (int64_t i = M * K * tid / nth; i < M * K * (tid + 1) / nth; ++i) xf[i] = CAT(ld1_, SFX)(x + i);
 #pragma omp barrier
@@ -490,7 +587,8 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
         const int64_t m_end = m0 + mc < M ? m0 + mc : M;
         for (int64_t p = p_begin; p < p_end; ++p) {
             const int ncols = N - p * PW < PW ? (int)(N - p * PW) : PW;
-            CAT(qpanel_dequant_, SFX)(qt, w + p * PW * row_bytes, row_bytes, ncols, K, buf);
+            CAT(qpanel_dequant_, SFX)(qt, x4, w, row_bytes, p * PW, (N + X4_ROWS - 1) / X4_ROWS, ncols, K,
+                                      buf);
             const ELEM* bp = bias ? bias + p * PW : NULL;
             for (int64_t m = m0; m < m_end; m += 8) {
                 const float* xm = xf + m * K;
@@ -526,7 +624,7 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
         _Pragma("omp parallel num_threads(nthreads)") {                                                      \
             float* buf = (float*)scratch(1, (size_t)K * PW * 4);                                             \
             if (!buf) { _Pragma("omp atomic write") failed = 1; }                                            \
-            CAT(qpanel_, SFX)(QT, x, xf, w, bias, y, M, N, K, buf, omp_get_thread_num(),                     \
+            CAT(qpanel_, SFX)(QT, 0, x, xf, w, bias, y, M, N, K, buf, omp_get_thread_num(),                  \
                               omp_get_num_threads());                                                        \
         }                                                                                                    \
         return failed ? -1 : 0;                                                                              \
@@ -547,12 +645,12 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
             QT, PLANES, x, w, bias, y, M, N, K, xa, omp_get_thread_num(), omp_get_num_threads());            \
         return 0;                                                                                            \
     }
-/* int8 activations on the x4 layout (act8x4: one plane, act16x4: two), Q8_0 only. Up to X4_MR rows
-   each thread quantizes x into its own scratch (qgemm_x4's `own`): a thread without memory then
-   writes nothing, the others their share of y, and the call returns -1. */
-#define X4_EXPORTS(KIND, PLANES)                                                                             \
-    int CAT(quant_gemm_##KIND##_q8_0_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,      \
-                                            int64_t M, int64_t N, int64_t K, int nthreads) {                 \
+/* int8 activations on the x4 layout (act8x4: one plane, act16x4: two; Q8_0: qgemm_x4, Q4_1:
+   qgemm_x4q). Up to X4_MR rows each thread quantizes x into its own scratch (`own`): a thread
+   without memory then writes nothing, the others their share of y, and the call returns -1. */
+#define X4_EXPORTS(KIND, NAME, GEMM, PLANES)                                                                 \
+    int CAT(quant_gemm_##KIND##_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,  \
+                                                int64_t M, int64_t N, int64_t K, int nthreads) {             \
         const size_t xbytes = (size_t)(M * x4_act_bytes(K / QK, PLANES));                                    \
         const int own = M <= X4_MR;                                                                          \
         uint8_t* shared = own ? NULL : (uint8_t*)scratch(0, xbytes);                                         \
@@ -563,8 +661,8 @@ static inline __attribute__((always_inline)) void CAT(qpanel_, SFX)(const int qt
             if (!xa) {                                                                                       \
                 _Pragma("omp atomic write") failed = 1;                                                      \
             } else {                                                                                         \
-                CAT(qgemm_x4_, SFX)(PLANES, own, x, w, bias, y, M, N, K, xa, omp_get_thread_num(),           \
-                                    omp_get_num_threads());                                                  \
+                CAT(GEMM, SFX)(PLANES, own, x, w, bias, y, M, N, K, xa, omp_get_thread_num(),                \
+                               omp_get_num_threads());                                                       \
             }                                                                                                \
         }                                                                                                    \
         return failed ? -1 : 0;                                                                              \
@@ -581,8 +679,28 @@ ACT8_EXPORTS(q4_1, QT_Q4_1, act8, 1)
 ACT8_EXPORTS(q8_0, QT_Q8_0, act16, 2)
 ACT8_EXPORTS(q4_0, QT_Q4_0, act16, 2)
 ACT8_EXPORTS(q4_1, QT_Q4_1, act16, 2)
-X4_EXPORTS(act8x4, 1)
-X4_EXPORTS(act16x4, 2)
+X4_EXPORTS(act8x4, q8_0, qgemm_x4_, 1)
+X4_EXPORTS(act16x4, q8_0, qgemm_x4_, 2)
+X4_EXPORTS(act8x4, q4_1, qgemm_x4q_, 1)
+X4_EXPORTS(act16x4, q4_1, qgemm_x4q_, 2)
+/* The panels on a Q4_1 weight in the x4 layout (when only that copy is kept). */
+int CAT(quant_gemm_panelx4_q4_1_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, int64_t M,
+                                       int64_t N, int64_t K, int nthreads) {
+    float* xf = sizeof(ELEM) == 4 ? (float*)(void*)x : (float*)scratch(2, (size_t)(M * K) * 4);
+    if (sizeof(ELEM) != 4 && !xf) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* buf = (float*)scratch(1, (size_t)K * PW * 4);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        CAT(qpanel_, SFX)(QT_Q4_1, 1, x, xf, w, bias, y, M, N, K, buf, omp_get_thread_num(),
+                          omp_get_num_threads());
+    }
+    return failed ? -1 : 0;
+}
 #undef QUANT_EXPORTS
 #undef ACT8_EXPORTS
 #undef X4_EXPORTS

@@ -1,7 +1,8 @@
-/* Q8_0 weights repacked for the int8-activation GEMV of small batches ("x4" layout; quant_gemm.c's
-   act8x4 / act16x4 kernels, built from a GGUF Q8_0 weight by quant_gemm.py's pack_x4).
+/* Q8_0 and Q4_1 weights repacked for the int8-activation GEMV of small batches ("x4" layout;
+   quant_gemm.c's act8x4 / act16x4 kernels, built from a GGUF weight by quant_gemm.py's pack_x4;
+   the Q4_1 layout and its helpers are in the second half of this file).
 
-   Why: the GGUF block (a float16 scale, then 32 int8 quants: 34 bytes) is a poor unit for a
+   Q8_0. Why: the GGUF block (a float16 scale, then 32 int8 quants: 34 bytes) is a poor unit for a
    64-byte vector unit. The act8 kernel of the GGUF layout spent per pair of blocks and weight
    row two unaligned loads, an insert, an XOR (the unsigned offset vpdpbusd needs), two float16
    loads, a conversion and two permutes for the scales, and four float operations on the int32
@@ -104,6 +105,137 @@ static inline void x4_reduce(const v16 a, const v16 b, float out[4]) {
     c = c + __builtin_shufflevector(c, c, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     c = c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     for (int i = 0; i < 4; ++i) out[i] = c[4 * i];
+}
+
+/* ---- Q4_1 in the x4 layout ------------------------------------------------------------------
+
+   Why: the GGUF-layout act8 kernel unpacks each row's pair of 20-byte blocks on its own (two
+   unaligned 16-byte loads, an insert, a shift and an AND, two float16 pairs converted and
+   permuted per row and pair) and ran a decode step's Q4_1 layers at about half the x4 Q8_0
+   kernel's bytes per second in one run (8.8 against 16.7 GB/s; docs/benchmarks.md). Here the unpacking and the scale conversion happen once per block
+   of four rows, and all loads are of whole 64-byte lines.
+
+   Layout of W [N, K] (nb = K / 32, G = ceil(N / 4); rows past N have quants 0, d = m = 0):
+     quants: G * nb * 64 bytes; group g, block j: the 16 GGUF quant bytes of rows 4g .. 4g + 3 in
+             turn (byte ((g nb + j) 4 + i) 16 + b of row 4g + i: element b in its low nibble,
+             element b + 16 in its high one, as in the GGUF block);
+     scales: after the quants, G * nb * 8 float16: at ((g nb + j) 8) d of rows 4g .. 4g + 3,
+             then m of the same rows.
+   The same bytes as the GGUF weight when N is a multiple of 4 (80 per block of four rows).
+   One 64-byte load holds block j of all four rows: an AND gives elements 0-15 of each row (16
+   bytes apiece, so 4 dot-product lanes per row), a shift and an AND elements 16-31, and the
+   activation block's two halves broadcast to the four 128-bit lanes of a register feed all four
+   rows: per block of four rows and activation row 2 vpdpbusd (the weights are unsigned 0..15:
+   no offset to undo), the unpacking once for all activation rows. The minimum's term m sum(x)
+   is one FMA per block with the activation sum c = d_x sum(q_x) / 4 (per lane: a row's 4 lanes
+   add up to m d_x sum(q_x)).
+
+   Activations (one row of K, x4_act_bytes): per plane nb * 32 int8 quants in natural order,
+   then nb float32 d_x, then nb float32 c (d_x (sum(q) + sum(q2) / 254) / 4). */
+
+/* Block j of a group's four rows (64 bytes at w) unpacked for x4q_dot: lo = elements 0-15 of
+   rows 0-3 (16 bytes each), hi = elements 16-31. */
+typedef struct {
+#if DOT8_ISA == 2
+    __m512i lo, hi;
+#elif DOT8_ISA == 1
+    __m256i lo[2], hi[2]; /* rows 0-1, rows 2-3 */
+#else
+    uint8_t lo[64], hi[64];
+#endif
+} x4q_block;
+
+static inline __attribute__((always_inline)) x4q_block x4q_unpack(const uint8_t* w) {
+    x4q_block b;
+#if DOT8_ISA == 2
+    const __m512i v = _mm512_loadu_si512((const void*)w), m = _mm512_set1_epi8(0x0F);
+    b.lo = _mm512_and_si512(v, m);
+    b.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+#elif DOT8_ISA == 1
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * h));
+        b.lo[h] = _mm256_and_si256(v, m);
+        b.hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    }
+#else
+    for (int i = 0; i < 64; ++i) {
+        b.lo[i] = w[i] & 15;
+        b.hi[i] = w[i] >> 4;
+    }
+#endif
+    return b;
+}
+
+/* An unpacked block times one activation block (32 int8 at x): 16 int32 lanes, lanes 4i .. 4i + 3
+   row i's, lane 4i + l = sum over b < 4 of the products of elements 4l + b and 16 + 4l + b (exact:
+   |sum| <= 8 * 15 * 128). */
+static inline __attribute__((always_inline)) v16i x4q_dot(const x4q_block* b, const int8_t* x) {
+#if DOT8_ISA == 2
+    const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x));
+    const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(x + 16)));
+    return (v16i)_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), b->lo, xl), b->hi, xh);
+#elif DOT8_ISA == 1
+    const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)x));
+    const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(x + 16)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    v16i r;
+    for (int h = 0; h < 2; ++h) {
+        /* u8 0..15 times s8: each int16 pair sum within 2 * 15 * 128, two of them within int16 */
+        const __m256i s =
+            _mm256_add_epi16(_mm256_maddubs_epi16(b->lo[h], xl), _mm256_maddubs_epi16(b->hi[h], xh));
+        const __m256i p = _mm256_madd_epi16(s, ones);
+        memcpy((char*)&r + 32 * h, &p, 32);
+    }
+    return r;
+#else
+    v16i r;
+    for (int l = 0; l < 16; ++l) {
+        int s = 0;
+        for (int k = 0; k < 4; ++k) {
+            const int e = 4 * (l & 3) + k; /* element of the row in this lane */
+            s += b->lo[4 * l + k] * x[e] + b->hi[4 * l + k] * x[16 + e];
+        }
+        r[l] = s;
+    }
+    return r;
+#endif
+}
+
+/* The float16 d and m of block j of a group's four rows (16 bytes at s) as lane vectors:
+   lanes 4i .. 4i + 3 row i's. */
+static inline __attribute__((always_inline)) void x4q_scales(const uint8_t* s, v16* d, v16* m) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    const __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)));
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    *d = (v16)_mm512_permutexvar_ps(idx, f);
+    *m = (v16)_mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(4)), f);
+#else
+    for (int l = 0; l < 16; ++l) {
+        (*d)[l] = fp16_to_f32(s + 2 * (l >> 2));
+        (*m)[l] = fp16_to_f32(s + 8 + 2 * (l >> 2));
+    }
+#endif
+}
+
+/* The four row sums of a Q4_1 x4 accumulator (lanes 4i .. 4i + 3: row i) into out[0..3]. */
+static inline void x4q_reduce(const v16 a, float out[4]) {
+    v16 c = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    c = c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    for (int i = 0; i < 4; ++i) out[i] = c[4 * i];
+}
+
+/* Block j of row r of a Q4_1 x4 weight (w: its start, G groups of nb blocks) dequantized as
+   dequant_block does the GGUF one (the panels' source when only the x4 copy is kept). */
+static inline __attribute__((always_inline)) void x4q_dequant(const uint8_t* w, const int64_t G,
+                                                              const int64_t nb, const int64_t r,
+                                                              const int64_t j, v16* w0, v16* w1) {
+    const int64_t g = r >> 2, i = r & 3;
+    const uint8_t* s = w + G * nb * 64 + (g * nb + j) * 16;
+    const float d = fp16_to_f32(s + 2 * i), m = fp16_to_f32(s + 8 + 2 * i);
+    const v16i qs = widen_u8(w + ((g * nb + j) * 4 + i) * 16);
+    *w0 = __builtin_convertvector(qs & 0xF, v16) * d + m;
+    *w1 = __builtin_convertvector(qs >> 4, v16) * d + m;
 }
 
 /* Software prefetch distance of the x4 kernels in bytes of weights ahead (0: none); a runtime

@@ -172,7 +172,7 @@ def load_gguf_model(
                 if attr == "embed_tokens" and model.tie_word_embeddings:
                     _set(model, "lm_head", qw)
                 if attr != "embed_tokens" or model.tie_word_embeddings:  # (a GEMM weight)
-                    quant_gemm.prepare(qw)
+                    quant_gemm.prepare(qw, gemm_only=attr != "embed_tokens")  # (a lookup reads data)
             else:
                 for (t, _, h), target in zip(present, targets):
                     arr = _float_array(path, t, logged)

@@ -139,12 +139,16 @@ def decode_perplexity(model, ids: list[int]) -> float:
 @pytest.mark.slow
 def test_default_model_gguf_int8_activations_perplexity_within_one_percent_of_float_activations(monkeypatch):
     """The shipped Q4_1 GGUF (Q8_0 LM head), decoded one token at a time: int8 activations
-    (``KVSERVE_QUANT_ACT=int8``) against float activations on the same weights."""
+    (``KVSERVE_QUANT_ACT=int8``) against float activations on the same weights, over the whole
+    text (127 tokens). Its first 48 tokens alone are too few: a float32 rounding difference flips
+    the int8 rounding of some activations, which moved their ratio by 0.17% between two int8
+    kernels that agree to ~3e-7 (the Q4_1 x4 and GGUF-layout act8: -1.03% and -0.87% there;
+    +0.58% and +0.45% over the whole text)."""
     from kvserve.model_executor.gguf_loader import load_gguf_model
     from kvserve.model_executor.model_loader import default_gguf_path, load_hf_config, resolve_model_dir
     from kvserve.transformers_utils.tokenizer import load_tokenizer
 
-    ids = load_tokenizer(resolve_model_dir(None))(TEXT).input_ids[:48]
+    ids = load_tokenizer(resolve_model_dir(None))(TEXT).input_ids
     cfg = load_hf_config(resolve_model_dir(None, "gguf"))
     model = load_gguf_model(default_gguf_path(), torch.float32, "cpu", cfg)
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")

@@ -50,6 +50,8 @@ def check_act8(qw, wd, x, bias=None, threads=1, kernel="act8"):
     xq = (q.double().reshape(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(x.shape).numpy()
     ref = xq @ wd.T + (0 if bias is None else bias.double().numpy())
     tol = 64 * EPS32 * (np.abs(xq) @ (np.abs(wd) + 128 * block_scales(qw)).T) + 1e-30
+    if bias is not None:  # the bias added in float32: one more rounding of the result
+        tol = tol + EPS32 * np.abs(ref)
     if x.dtype == torch.bfloat16:
         tol = tol + 2.0**-8 * np.abs(ref)
     err = np.abs(y.double().numpy() - ref)
@@ -267,13 +269,26 @@ def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     assert quant_gemm.pick_kernel(1, "q6_k") == "tile"  # no int8 kernel for the K-quants
     assert [quant_gemm.head_kernel(r, "q8_0") for r in (1, quant_gemm.PANEL_ROWS)] == ["act16", None]
     assert quant_gemm.head_kernel(1, "q6_k") == "tile"
-    # Q8_0's int8 kernels read the x4 copy below the panel rows; everything else the GGUF bytes
-    assert [quant_gemm.weight_attr(r, "q8_0") for r in (1, quant_gemm.PANEL_ROWS)] == ["x4", "data"]
-    assert quant_gemm.weight_attr(1, "q8_0", "act16") == "x4"
-    assert quant_gemm.weight_attr(1, "q8_0", "act8_gguf") == "data"
-    assert quant_gemm.weight_attr(1, "q4_1") == "data"
+    # Q8_0's and Q4_1's int8 kernels read the x4 copy below the panel rows; the panels the GGUF
+    # bytes, unless a Q4_1 weight holds only x4; everything else the GGUF bytes
+    q8, _ = make_weight("q8_0", 4, 32, seed=0)
+    q41, _ = make_weight("q4_1", 4, 32, seed=0)
+    q40, _ = make_weight("q4_0", 4, 32, seed=0)
+    assert [quant_gemm.weight_attr(q8, r) for r in (1, quant_gemm.PANEL_ROWS)] == ["x4", "data"]
+    assert quant_gemm.weight_attr(q8, 1, "act16") == "x4"
+    assert quant_gemm.weight_attr(q8, 1, "act8_gguf") == "data"
+    assert [quant_gemm.weight_attr(q41, r) for r in (1, quant_gemm.PANEL_ROWS)] == ["x4", "data"]
+    assert quant_gemm.weight_attr(q41, 1, "act16_gguf") == "data"
+    assert quant_gemm.weight_attr(q40, 1) == "data"
+    q41.drop_gguf()
+    assert quant_gemm.weight_attr(q41, quant_gemm.PANEL_ROWS) == "x4"
+    assert quant_gemm.weight_attr(q41, 1, "tile") == "data"
+    monkeypatch.setenv(quant_gemm.X4_ENV, "0")  # the comparison switch: Q4_1 on the GGUF kernels
+    assert quant_gemm.weight_attr(q41, 1) == "data"
+    assert quant_gemm.weight_attr(q8, 1) == "x4"
+    monkeypatch.delenv(quant_gemm.X4_ENV)
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
-    assert quant_gemm.weight_attr(1, "q8_0") == "data"
+    assert quant_gemm.weight_attr(q8, 1) == "data"
     assert quant_gemm.head_kernel(1, "q8_0") == "tile"
     assert quant_gemm.pick_kernel(1, "q8_0") == "tile"
     assert quant_gemm.pick_kernel(300, "q8_0") == "panel"
@@ -307,16 +322,20 @@ def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch, t
 SUBPROCESS_CHECK = """
 import torch
 from kvserve.model_executor.layers import quant_gemm
-from tests.executor.test_quant_act8 import check_act16, check_act8
+from tests.executor.test_quant_act8 import check_act16, check_act8, check_panel
 from tests.executor.test_quant_gemm import make_weight
 assert quant_gemm.act8_isa() == {isa!r}, quant_gemm.act8_isa()
 g = torch.Generator().manual_seed(0)
 for qtype in quant_gemm.ACT8_TYPES:
     qw, wd = make_weight(qtype, 13, 160, seed=7)
     for m in (1, 3, 6):
-        for k8, k16 in (("act8", "act16"), ("act8_gguf", "act16_gguf")):  # Q8_0: x4, then GGUF
+        for k8, k16 in (("act8", "act16"), ("act8_gguf", "act16_gguf")):  # Q8_0, Q4_1: x4, then GGUF
             check_act8(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g), 1, k8)
             check_act16(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g), 1, k16)
+    if qtype == "q4_1":  # the panels on the x4 copy alone
+        qw.drop_gguf()
+        check_panel(qw, wd, torch.randn(20, 160, generator=g), torch.randn(13, generator=g), 2)
+        assert qw.layout == "x4"
 print("ok")
 """
 

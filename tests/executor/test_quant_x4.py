@@ -1,9 +1,11 @@
-"""The x4 layout of Q8_0 weights (``quant_gemm.pack_x4``, ``csrc/quant_x4.h``) and its int8
-kernels, beyond the float64 reference checks of test_quant_act8.py (which run them as
-``kernel="act8"`` / ``"act16"`` on every Q8_0 case there, and the GGUF-layout kernels as
-``act8_gguf`` / ``act16_gguf``): where each byte goes, that a row's result depends on neither the
-batch it came in, the thread count nor the prefetch distance, and the streaming-read ceiling
-of benchmarks/int8_gemv.py."""
+"""The x4 layout of Q8_0 and Q4_1 weights (``quant_gemm.pack_x4``, ``csrc/quant_x4.h``) and its
+int8 kernels, beyond the float64 reference checks of test_quant_act8.py (which run them as
+``kernel="act8"`` / ``"act16"`` on every Q8_0 and Q4_1 case there, and the GGUF-layout kernels as
+``act8_gguf`` / ``act16_gguf``): where each byte goes, the float64 reference on ragged shapes
+(K not a multiple of 128, N not a multiple of 4) at 1..PANEL_ROWS - 1 rows and 1-2 threads, that
+a row's result depends on neither the batch it came in, the thread count nor the prefetch
+distance, the Q4_1 weight that keeps only its x4 copy (panels, rebuilt GGUF bytes, ``prepare``),
+and the streaming-read ceiling of benchmarks/int8_gemv.py."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model_executor.layers import quant_gemm
-from tests.executor.test_quant_act8 import check_act8, check_act16, random_blocks
+from tests.executor.test_quant_act8 import check_act8, check_act16, check_panel, random_blocks
 
 native = pytest.mark.skipif(not quant_gemm.available(), reason="quant_gemm kernels unavailable")
 
@@ -28,7 +30,7 @@ def q8_weight(n: int, nb: int, seed: int) -> quant_gemm.QuantWeight:
 @pytest.mark.parametrize("nb", [1, 3])
 def test_pack_x4_puts_each_quant_and_scale_where_the_layout_says(n, nb):
     qw = q8_weight(n, nb, seed=n * 10 + nb)
-    packed = quant_gemm.pack_x4(qw.data, qw.in_features).numpy()
+    packed = quant_gemm.pack_x4(qw.data, "q8_0", qw.in_features).numpy()
     g = (n + 3) // 4
     assert packed.dtype == np.uint8 and packed.shape == (g * nb * 136,)
     blocks = qw.data.numpy().reshape(n, nb, 34)
@@ -46,12 +48,49 @@ def test_pack_x4_puts_each_quant_and_scale_where_the_layout_says(n, nb):
                 assert (got_q == 0).all() and (got_d == 0).all(), (r, j)
 
 
-def test_x4_copy_is_made_once_and_only_for_q8_0(monkeypatch):
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("nb", [1, 3])
+def test_pack_x4_q4_1_puts_each_nibble_byte_and_scale_where_the_layout_says(n, nb):
+    rng = np.random.default_rng(n * 10 + nb)
+    qw = quant_gemm.QuantWeight(torch.from_numpy(random_blocks("q4_1", n, nb, rng)), "q4_1", 32 * nb)
+    packed = quant_gemm.pack_x4(qw.data, "q4_1", qw.in_features).numpy()
+    g = (n + 3) // 4
+    assert packed.dtype == np.uint8 and packed.shape == (g * nb * 80,)
+    blocks = qw.data.numpy().reshape(n, nb, 20)
+    quants, scales = packed[: g * nb * 64], packed[g * nb * 64 :]
+    for r in range(4 * g):
+        gi, i = divmod(r, 4)
+        for j in range(nb):
+            at = (gi * nb + j) * 4 + i
+            got_q = quants[at * 16 : at * 16 + 16]
+            s = (gi * nb + j) * 16
+            got_d, got_m = scales[s + 2 * i : s + 2 * i + 2], scales[s + 8 + 2 * i : s + 8 + 2 * i + 2]
+            if r < n:
+                assert (got_q == blocks[r, j, 4:]).all(), (r, j)
+                assert (got_d == blocks[r, j, 0:2]).all() and (got_m == blocks[r, j, 2:4]).all(), (r, j)
+            else:  # padding rows: zero quants, zero scale and minimum
+                assert (got_q == 0).all() and (got_d == 0).all() and (got_m == 0).all(), (r, j)
+
+
+@pytest.mark.parametrize("qtype", quant_gemm.X4_TYPES)
+@pytest.mark.parametrize("n", [1, 4, 7, 9])
+def test_unpack_x4_gives_back_the_gguf_bytes(qtype, n):
+    rng = np.random.default_rng(n)
+    data = torch.from_numpy(random_blocks(qtype, n, 5, rng))
+    packed = quant_gemm.pack_x4(data, qtype, 160)
+    assert torch.equal(quant_gemm.unpack_x4(packed, qtype, n, 160), data)
+    with pytest.raises(ValueError, match="q4_0 has no x4 layout"):
+        quant_gemm.pack_x4(data, "q4_0", 160)
+
+
+def test_x4_copy_is_made_once_and_only_for_q8_0_and_q4_1(monkeypatch):
     qw = q8_weight(6, 2, seed=0)
     assert qw.x4 is qw.x4
     q41 = quant_gemm.QuantWeight(torch.zeros(4, 20, dtype=torch.uint8), "q4_1", 32)
-    with pytest.raises(ValueError, match="only Q8_0.*q4_1"):
-        q41.x4  # noqa: B018
+    assert q41.x4 is q41.x4 and q41.layout == "gguf+x4"
+    q40 = quant_gemm.QuantWeight(torch.zeros(4, 18, dtype=torch.uint8), "q4_0", 32)
+    with pytest.raises(ValueError, match="only.*q8_0.*q4_1.*not q4_0"):
+        q40.x4  # noqa: B018
     monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
     fresh = q8_weight(6, 2, seed=0)
     quant_gemm.prepare(fresh)
@@ -77,6 +116,7 @@ def _rows_alone_and_threads(qw, x, kernel):
 @native
 @settings(max_examples=40, deadline=None)
 @given(
+    qtype=st.sampled_from(quant_gemm.X4_TYPES),
     m=st.integers(1, 15),
     n=st.integers(1, 23),
     nb=st.integers(1, 9),
@@ -84,10 +124,11 @@ def _rows_alone_and_threads(qw, x, kernel):
     kernel=st.sampled_from(["act8", "act16"]),
     bf16=st.booleans(),
 )
-def test_x4_row_result_is_independent_of_batch_and_threads(m, n, nb, seed, kernel, bf16):
+def test_x4_row_result_is_independent_of_batch_and_threads(qtype, m, n, nb, seed, kernel, bf16):
     """Bit for bit: a row's outputs do not depend on which 4-row tile it sat in, on the tile's
     size, on the thread split of the groups, or on a ragged last group."""
-    qw = q8_weight(n, nb, seed)
+    rng = np.random.default_rng(seed)
+    qw = quant_gemm.QuantWeight(torch.from_numpy(random_blocks(qtype, n, nb, rng)), qtype, 32 * nb)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, 32 * nb, generator=g) * 3).to(torch.bfloat16 if bf16 else torch.float32)
     one, two, alone = _rows_alone_and_threads(qw, x, kernel)
@@ -95,9 +136,93 @@ def test_x4_row_result_is_independent_of_batch_and_threads(m, n, nb, seed, kerne
 
 
 @native
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, quant_gemm.PANEL_ROWS - 1),
+    n=st.integers(1, 41),
+    nb=st.integers(1, 13),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+    bf16=st.booleans(),
+)
+def test_x4_q4_1_equals_float64_of_the_int8_activations_on_ragged_shapes(m, n, nb, seed, threads, bf16):
+    """act8 / act16 on the Q4_1 x4 copy within test_quant_act8's float64 bounds, for K = 32..416
+    (mostly not a multiple of 128), N not a multiple of 4, every row count below the panels, 1-2
+    threads; and equal to the GGUF-layout kernels' result up to float32 rounding of the sums."""
+    rng = np.random.default_rng(seed)
+    k = 32 * nb
+    qw = quant_gemm.QuantWeight(torch.from_numpy(random_blocks("q4_1", n, nb, rng)), "q4_1", k)
+    wd = quant_gemm.dequantize(qw).double().numpy()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32) * 3)
+    x = x.to(torch.bfloat16) if bf16 else x
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(x.dtype)
+    check_act8(qw, wd, x, bias, threads)
+    check_act16(qw, wd, x, None, threads)
+    assert qw.layout == "gguf+x4"  # the x4 kernels ran (the copy made on first use)
+
+
+@native
+@pytest.mark.parametrize("n,k", [(37, 96), (13, 416), (101, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_1_keeping_only_x4_runs_every_kernel_and_rebuilds_the_gguf_bytes(n, k, dtype):
+    """After drop_gguf: the panels read the x4 copy (bit-identical to the GGUF panels, within the
+    float64 bound), act8 is unchanged, and a kernel of the GGUF layout (tile) rebuilds ``data``
+    byte for byte."""
+    from tests.executor.test_quant_gemm import make_weight
+
+    qw, wd = make_weight("q4_1", n, k, seed=n + k)
+    original = qw.data.clone()
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(r, k, generator=g).to(dtype) for r in (1, 5, quant_gemm.PANEL_ROWS, 40)]
+    bias = torch.randn(n, generator=g).to(dtype)
+    want = [quant_gemm.linear(x, qw, bias) for x in xs]  # act8 on x4, panels on the GGUF bytes
+    qw.drop_gguf()
+    assert qw.layout == "x4" and qw._data is None
+    assert qw.resident_bytes == qw.x4.numel() == ((n + 3) // 4) * (k // 32) * 80
+    for x, y in zip(xs, want):
+        assert torch.equal(quant_gemm.linear(x, qw, bias), y), x.shape
+    assert qw.layout == "x4"
+    check_panel(qw, wd, xs[-1], bias, 2)
+    tile = quant_gemm.linear(xs[0], qw, kernel="tile")  # reads data: rebuilt from x4
+    assert qw.layout == "gguf+x4" and torch.equal(qw.data, original)
+    qw2, _ = make_weight("q4_1", n, k, seed=n + k)
+    assert torch.equal(tile, quant_gemm.linear(xs[0], qw2, kernel="tile"))
+
+
+def test_prepare_keeps_only_x4_for_q4_1_gemm_weights_in_the_int8_mode(monkeypatch):
+    from tests.executor.test_quant_gemm import make_weight
+
+    def fresh(qtype):
+        return make_weight(qtype, 8, 64, seed=1)[0]
+
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
+    w = fresh("q4_1")
+    quant_gemm.prepare(w)
+    assert w.layout == ("x4" if quant_gemm.available() else "gguf")
+    w = fresh("q4_1")
+    quant_gemm.prepare(w, gemm_only=False)  # also an embedding table: the lookup reads data
+    assert w.layout == ("gguf+x4" if quant_gemm.available() else "gguf")
+    w = fresh("q8_0")
+    quant_gemm.prepare(w)  # Q8_0's panels read data: both copies
+    assert w.layout == ("gguf+x4" if quant_gemm.available() else "gguf")
+    monkeypatch.setenv(quant_gemm.X4_ENV, "0")
+    w = fresh("q4_1")
+    quant_gemm.prepare(w)
+    assert w.layout == "gguf"
+    assert quant_gemm.kernel_weight(w, 1) is w.data  # act8 on the GGUF layout
+    monkeypatch.delenv(quant_gemm.X4_ENV)
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "float")
+    w = fresh("q4_1")
+    quant_gemm.prepare(w)
+    assert w.layout == "gguf"
+
+
+@native
+@pytest.mark.parametrize("qtype", quant_gemm.X4_TYPES)
 @pytest.mark.parametrize("kernel", ["act8", "act16"])
-def test_x4_prefetch_distance_does_not_change_results(kernel):
-    qw = q8_weight(203, 18, seed=4)  # 51 groups: several prefetch distances in range
+def test_x4_prefetch_distance_does_not_change_results(qtype, kernel):
+    rng = np.random.default_rng(4)  # 51 groups: several prefetch distances in range
+    qw = quant_gemm.QuantWeight(torch.from_numpy(random_blocks(qtype, 203, 18, rng)), qtype, 576)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
     want = quant_gemm.linear(x, qw, kernel=kernel)
     old = quant_gemm.set_x4_prefetch(0)
@@ -111,13 +236,14 @@ def test_x4_prefetch_distance_does_not_change_results(kernel):
 
 
 @native
+@pytest.mark.parametrize("qtype", quant_gemm.X4_TYPES)
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152 // 64, 576)])
-def test_x4_on_the_model_shapes_equals_the_reference(n, k):
+def test_x4_on_the_model_shapes_equals_the_reference(qtype, n, k):
     """The default model's GEMV shapes (the LM head's rows cut to 768): act8 and act16 within
     test_quant_act8's float64 bounds, at 1 and 2 rows."""
     from tests.executor.test_quant_gemm import make_weight
 
-    qw, wd = make_weight("q8_0", n, k, seed=n + k)
+    qw, wd = make_weight(qtype, n, k, seed=n + k)
     g = torch.Generator().manual_seed(6)
     for m in (1, 2):
         check_act8(qw, wd, torch.randn(m, k, generator=g), None, 2)
@@ -138,10 +264,13 @@ def test_stream_read_xors_every_64_bit_word_of_the_full_lines(threads, prefetch)
 @native
 @pytest.mark.parametrize("kernel", ["act8", "act16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_x4_zero_rows_or_zero_outputs_give_empty_results(kernel, dtype):
-    qw = q8_weight(5, 2, seed=1)
+@pytest.mark.parametrize("qtype", quant_gemm.X4_TYPES)
+def test_x4_zero_rows_or_zero_outputs_give_empty_results(kernel, dtype, qtype):
+    rng = np.random.default_rng(1)
+    qw = quant_gemm.QuantWeight(torch.from_numpy(random_blocks(qtype, 5, 2, rng)), qtype, 64)
     y = quant_gemm.linear(torch.empty(0, 64, dtype=dtype), qw, kernel=kernel)
     assert y.shape == (0, 5) and y.dtype == dtype
-    empty = quant_gemm.QuantWeight(torch.empty(0, 68, dtype=torch.uint8), "q8_0", 64)
+    rb = quant_gemm.row_bytes(qtype, 64)
+    empty = quant_gemm.QuantWeight(torch.empty(0, rb, dtype=torch.uint8), qtype, 64)
     y = quant_gemm.linear(torch.randn(3, 64).to(dtype), empty, kernel=kernel)
     assert y.shape == (3, 0)

@@ -16,12 +16,15 @@ Activations are float32 or bfloat16; sums are float32. Two ways to multiply them
   quantized per 32 elements as llama.cpp's Q8 activations (``quantize_activations``) and
   multiplied with integer dot products, which changes the numerics by that rounding.
 
-Q8_0 weights in the ``int8`` mode run on a second copy of their bytes repacked for the int8 GEMV
-(``QuantWeight.x4``, ``pack_x4``: four rows interleaved per block, ``csrc/quant_x4.h``), built
-at load (``prepare``) or on first use: ``act8`` / ``act16`` on a Q8_0 weight read it (the
-kernels ``act8_gguf`` / ``act16_gguf`` force the GGUF-layout ones, for comparisons). It costs
-the weight's bytes once more in memory (``data`` stays for the embedding lookup, the panels
-and the float mode).
+Q8_0 and Q4_1 weights in the ``int8`` mode run on a copy of their bytes repacked for the int8
+GEMV (``QuantWeight.x4``, ``pack_x4``: four rows interleaved per block, scales apart,
+``csrc/quant_x4.h``), built at load (``prepare``) or on first use: ``act8`` / ``act16`` on
+them read it (the kernels ``act8_gguf`` / ``act16_gguf`` force the GGUF-layout ones, for
+comparisons; ``KVSERVE_QUANT_X4=0`` makes Q4_1's default ones the GGUF-layout kernels again).
+A Q8_0 weight keeps ``data`` beside it (the embedding lookup, the panels and the float mode
+read it: the weight's bytes once more in memory). A Q4_1 GEMM weight keeps only the x4 copy
+(``QuantWeight.drop_gguf``; the same size as the GGUF bytes): its panels read x4 too, and a
+kernel of the GGUF layout (the float mode's) rebuilds ``data`` on first use.
 
 The LM head (``head_kernel``) never reads one int8 plane: in the ``int8`` mode it runs
 ``act16``, the activations as two int8 planes (``quantize_activations2``: the rounding residual
@@ -69,8 +72,10 @@ for _t in BLOCK_BYTES:
             _SIGS[f"quant_gemm_act8_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
             _SIGS[f"quant_gemm_act16_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
 for _s in DTYPE_SUFFIX.values():
-    _SIGS[f"quant_gemm_act8x4_q8_0_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
-    _SIGS[f"quant_gemm_act16x4_q8_0_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    for _t in ("q8_0", "q4_1"):
+        _SIGS[f"quant_gemm_act8x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+        _SIGS[f"quant_gemm_act16x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    _SIGS[f"quant_gemm_panelx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
 _SIGS["quant_act8_isa"] = []
 _SIGS["quant_x4_set_prefetch"] = [ctypes.c_int]
 _SIGS["quant_stream_read"] = [_P, _I, ctypes.c_int, _I]
@@ -90,6 +95,11 @@ _KERNELS = ("tile", "act8", "act16", "panel", "act8_gguf", "act16_gguf")
 _INT8_KERNELS = ("act8", "act16", "act8_gguf", "act16_gguf")
 #: Weight rows per group of the x4 layout (``pack_x4``).
 X4_ROWS = 4
+#: Types with an x4 layout (``pack_x4``) that ``act8`` / ``act16`` read.
+X4_TYPES = ("q8_0", "q4_1")
+#: Environment variable: ``0`` keeps Q4_1 weights on their GGUF-layout int8 kernels (no x4 copy;
+#: for comparisons), anything else or unset: the x4 layout.
+X4_ENV = "KVSERVE_QUANT_X4"
 
 
 def available() -> bool:
@@ -145,7 +155,7 @@ class QuantWeight:
             of the wrong dtype, device or row length.
     """
 
-    __slots__ = ("data", "qtype", "out_features", "in_features", "_x4")
+    __slots__ = ("_data", "qtype", "out_features", "in_features", "_x4")
 
     def __init__(self, data: torch.Tensor, qtype: str, in_features: int):
         if qtype not in BLOCK_BYTES:
@@ -166,24 +176,53 @@ class QuantWeight:
                 f"QuantWeight: {qtype} data must be a CPU uint8 [out, {nbytes}] tensor, got "
                 f"{tuple(data.shape)} {data.dtype} on {data.device}"
             )
-        self.data = data.contiguous()
+        self._data: torch.Tensor | None = data.contiguous()
         self.qtype = qtype
         self.out_features, self.in_features = int(data.shape[0]), int(in_features)
         self._x4: torch.Tensor | None = None
 
     @property
+    def data(self) -> torch.Tensor:
+        """The GGUF-layout bytes ``[out_features, row_bytes]`` uint8. After ``drop_gguf`` they
+        are rebuilt from the x4 copy on first use (``unpack_x4``) and kept again."""
+        if self._data is None:
+            assert self._x4 is not None
+            self._data = unpack_x4(self._x4, self.qtype, self.out_features, self.in_features)
+        return self._data
+
+    @property
     def x4(self) -> torch.Tensor:
-        """The Q8_0 bytes repacked for the int8 GEMV (``pack_x4``), made on first use and kept
-        (``data`` must not change afterwards).
+        """The bytes repacked for the int8 GEMV (``pack_x4``; Q8_0 and Q4_1), made on first use
+        and kept (``data`` must not change afterwards).
 
         Raises:
-            ValueError: not a Q8_0 weight.
+            ValueError: not a type of ``X4_TYPES``.
         """
         if self._x4 is None:
-            if self.qtype != "q8_0":
-                raise ValueError(f"QuantWeight.x4: only Q8_0 weights repack, not {self.qtype}")
-            self._x4 = pack_x4(self.data, self.in_features)
+            if self.qtype not in X4_TYPES:
+                raise ValueError(f"QuantWeight.x4: only {list(X4_TYPES)} weights repack, not {self.qtype}")
+            self._x4 = pack_x4(self.data, self.qtype, self.in_features)
         return self._x4
+
+    def drop_gguf(self) -> None:
+        """Keep only the x4 copy of a Q4_1 weight (made here if missing), freeing the GGUF bytes:
+        the int8 kernels and the panels read x4 (the float tile kernel and the embedding lookup
+        would rebuild ``data``). No-op for other types (Q8_0's panels read ``data``)."""
+        if self.qtype == "q4_1":
+            self.x4  # noqa: B018 (made and kept)
+            self._data = None
+
+    @property
+    def layout(self) -> str:
+        """Which copies the weight holds: ``"gguf"``, ``"gguf+x4"`` or ``"x4"``."""
+        if self._data is None:
+            return "x4"
+        return "gguf" if self._x4 is None else "gguf+x4"
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the copies held (``data`` and / or ``x4``)."""
+        return sum(t.numel() for t in (self._data, self._x4) if t is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -191,7 +230,7 @@ class QuantWeight:
 
     @property
     def device(self) -> torch.device:
-        return self.data.device
+        return torch.device("cpu")  # (checked at construction; not ``data``: that may be rebuilt)
 
     @property
     def shape(self) -> torch.Size:
@@ -199,37 +238,99 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        """Bytes of one copy in the GGUF layout (what one pass over the weight reads)."""
+        return self.out_features * row_bytes(self.qtype, self.in_features)
 
 
-def pack_x4(data: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The x4 layout (``csrc/quant_x4.h``) of Q8_0 blocks ``data`` ``[n, in_features / 32 * 34]``:
-    1-D uint8 of ``ceil(n / 4) * (in_features / 32) * 136`` bytes, per group of 4 rows and block
-    the 4 rows' quants plus 128 (32 bytes each), then every group's float16 scales (4 per block);
-    rows past ``n`` are zero weights."""
-    n, nb = data.shape[0], in_features // BLOCK_ELEMS
+def _x4_views(out: np.ndarray, qtype: str, g: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """The quant and scale regions of x4 bytes ``out`` (uint8 numpy) as ``[g, nb, 4]`` items of
+    a row's block quants (``V32`` / ``V16``) and ``[g, nb, s, 4]`` int16 (Q8_0: ``s = 1``, d; Q4_1:
+    ``s = 2``, d then m): copies item by item, not byte by byte (~20x faster at load than torch's
+    byte-strided copies)."""
+    qb, ns = (32, 1) if qtype == "q8_0" else (16, 2)
+    nq = g * nb * X4_ROWS * qb
+    return out[:nq].view(f"V{qb}").reshape(g, nb, X4_ROWS), out[nq:].view("<i2").reshape(g, nb, ns, X4_ROWS)
+
+
+def _gguf_views(b: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF blocks ``b`` ``[n, nb * BLOCK_BYTES]`` uint8 (numpy) as their quants ``[n, nb]`` items
+    and their header ``[n, nb, s]`` int16 (d, and m for Q4_1), as ``_x4_views``'s."""
+    n, nb = b.shape[0], b.shape[1] // BLOCK_BYTES[qtype]
+    if qtype == "q8_0":
+        blk = b.view(np.dtype([("d", "<i2"), ("q", "V32")])).reshape(n, nb)
+        return blk["q"], blk["d"][..., None]
+    blk = b.view(np.dtype([("dm", "<i2", (2,)), ("q", "V16")])).reshape(n, nb)
+    return blk["q"], blk["dm"]
+
+
+def pack_x4(data: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The x4 layout (``csrc/quant_x4.h``) of Q8_0 or Q4_1 blocks ``data``
+    ``[n, in_features / 32 * BLOCK_BYTES[qtype]]``: 1-D uint8 of
+    ``ceil(n / 4) * (in_features / 32) * 4 * BLOCK_BYTES[qtype]`` bytes, per group of 4 rows and
+    block the 4 rows' quants (Q8_0: 32 bytes each, plus 128; Q4_1: the 16 GGUF nibble bytes
+    each), then every group's float16 scales (Q8_0: 4 d per block; Q4_1: 4 d, then 4 m); rows
+    past ``n`` are zero weights.
+
+    Raises:
+        ValueError: ``qtype`` not in ``X4_TYPES``.
+    """
+    if qtype not in X4_TYPES:
+        raise ValueError(f"pack_x4: {qtype} has no x4 layout (only {list(X4_TYPES)})")
+    n, nb, bb = data.shape[0], in_features // BLOCK_ELEMS, BLOCK_BYTES[qtype]
     g, full = (n + X4_ROWS - 1) // X4_ROWS, n // X4_ROWS
-    out = torch.empty(g * nb * (X4_ROWS * BLOCK_BYTES["q8_0"]), dtype=torch.uint8)
-    q = out[: g * nb * X4_ROWS * BLOCK_ELEMS].view(g, nb, X4_ROWS, BLOCK_ELEMS)
-    d = out[g * nb * X4_ROWS * BLOCK_ELEMS :].view(g, nb, X4_ROWS, 2)
-    b = data.reshape(n, nb, BLOCK_BYTES["q8_0"])
+    out = torch.empty(g * nb * X4_ROWS * bb, dtype=torch.uint8)
+    q, d = _x4_views(out.numpy(), qtype, g, nb)
+    bq, bd = _gguf_views(data.contiguous().numpy().reshape(n, nb * bb), qtype)
     # strided views straight into the output: no weight-sized temporaries (load RSS)
-    q[:full] = b[: full * X4_ROWS, :, 2:].reshape(full, X4_ROWS, nb, BLOCK_ELEMS).transpose(1, 2)
-    d[:full] = b[: full * X4_ROWS, :, :2].reshape(full, X4_ROWS, nb, 2).transpose(1, 2)
+    q[:full] = bq[: full * X4_ROWS].reshape(full, X4_ROWS, nb).transpose(0, 2, 1)
+    d[:full] = bd[: full * X4_ROWS].reshape(full, X4_ROWS, nb, d.shape[2]).transpose(0, 2, 3, 1)
     if full < g:  # the last, partial group: zero weights in the rows past n
-        q[full] = 0
+        r = n - full * X4_ROWS
+        q[full] = np.zeros(1, q.dtype)
         d[full] = 0
-        q[full, :, : n - full * X4_ROWS] = b[full * X4_ROWS :, :, 2:].transpose(0, 1)
-        d[full, :, : n - full * X4_ROWS] = b[full * X4_ROWS :, :, :2].transpose(0, 1)
-    q.bitwise_xor_(128)  # q + 128 as a byte
+        q[full, :, :r] = bq[full * X4_ROWS :].T
+        d[full, :, :, :r] = bd[full * X4_ROWS :].transpose(1, 2, 0)
+    if qtype == "q8_0":
+        out[: g * nb * X4_ROWS * 32].bitwise_xor_(128)  # q + 128 as a byte
     return out
 
 
-def prepare(weight: QuantWeight) -> None:
-    """Make at load what the kernels of the current mode will read on first use: the x4 copy of
-    a Q8_0 weight in the ``int8`` mode (so the first decode step does not pay for it)."""
-    if weight.qtype == "q8_0" and available() and activation_mode() == "int8":
+def unpack_x4(x4: torch.Tensor, qtype: str, n: int, in_features: int) -> torch.Tensor:
+    """The GGUF blocks ``[n, in_features / 32 * BLOCK_BYTES[qtype]]`` uint8 of x4 bytes ``x4``
+    (the inverse of ``pack_x4``; a new tensor)."""
+    nb, bb = in_features // BLOCK_ELEMS, BLOCK_BYTES[qtype]
+    g = (n + X4_ROWS - 1) // X4_ROWS
+    q, d = _x4_views(x4.numpy(), qtype, g, nb)
+    out = torch.empty(g * X4_ROWS, nb * bb, dtype=torch.uint8)
+    oq, od = _gguf_views(out.numpy(), qtype)
+    # (splitting the first dimension: views, so the assignments land in ``out``)
+    oq.reshape(g, X4_ROWS, nb)[:] = q.transpose(0, 2, 1)
+    od.reshape(g, X4_ROWS, nb, d.shape[2])[:] = d.transpose(0, 3, 1, 2)
+    if qtype == "q8_0":
+        out.view(g * X4_ROWS, nb, bb)[..., 2:] ^= 128
+    return out[:n].contiguous()
+
+
+def x4_enabled() -> bool:
+    """Whether Q4_1 weights use the x4 layout (``$KVSERVE_QUANT_X4`` is not ``0``)."""
+    return os.environ.get(X4_ENV, "1").strip() != "0"
+
+
+def prepare(weight: QuantWeight, gemm_only: bool = True) -> None:
+    """Make at load what the kernels of the current mode will read, so the first decode step
+    does not pay for it: in the ``int8`` mode the x4 copy of a Q8_0 weight (kept beside
+    ``data``: the panels read that), and of a Q4_1 one, whose GGUF bytes are then freed when
+    ``gemm_only`` (nothing but the int8 kernels and the panels reads the weight; False for a
+    table that is also an embedding, whose lookup reads ``data``) and ``x4_enabled()``."""
+    if not available() or activation_mode() != "int8":
+        return
+    if weight.qtype == "q8_0":
         weight.x4  # noqa: B018 (made and kept)
+    elif weight.qtype == "q4_1" and x4_enabled():
+        if gemm_only:
+            weight.drop_gguf()
+        else:
+            weight.x4  # noqa: B018
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -345,26 +446,30 @@ def pick_kernel(rows: int, qtype: str) -> str:
     return "tile"
 
 
-def _symbol(kind: str, qtype: str) -> str:
-    """The C symbol prefix of kernel ``kind`` on a ``qtype`` weight (act8 / act16 of Q8_0: the x4
-    layout's)."""
+def _symbol(kind: str, qtype: str, layout: str = "gguf") -> str:
+    """The C symbol prefix of kernel ``kind`` on a ``qtype`` weight holding ``layout``
+    (``QuantWeight.layout``): act8 / act16 of Q8_0, and of Q4_1 while ``x4_enabled()``, run the
+    x4 layout's; the panels of a Q4_1 weight holding only x4 its x4 panels."""
     if kind == "tile":
         return "quant_gemm_"
-    if kind in ("act8", "act16") and qtype == "q8_0":
+    if kind in ("act8", "act16") and (qtype == "q8_0" or (qtype == "q4_1" and x4_enabled())):
         return f"quant_gemm_{kind}x4_"
+    if kind == "panel" and layout == "x4":
+        return "quant_gemm_panelx4_"
     return f"quant_gemm_{kind.removesuffix('_gguf')}_"
 
 
-def weight_attr(rows: int, qtype: str, kernel: str | None = None) -> str:
+def weight_attr(weight: QuantWeight, rows: int, kernel: str | None = None) -> str:
     """The ``QuantWeight`` attribute holding the bytes kernel ``kernel`` (None: ``pick_kernel``)
-    reads for ``rows`` rows of a ``qtype`` weight: ``"x4"`` for act8 / act16 on Q8_0, else
+    reads for ``rows`` rows of ``weight``: ``"x4"`` for the x4 kernels (``_symbol``), else
     ``"data"``."""
-    return "x4" if _symbol(kernel or pick_kernel(rows, qtype), qtype).endswith("x4_") else "data"
+    kind = kernel or pick_kernel(rows, weight.qtype)
+    return "x4" if "x4_" in _symbol(kind, weight.qtype, weight.layout) else "data"
 
 
 def kernel_weight(weight: QuantWeight, rows: int, kernel: str | None = None) -> torch.Tensor:
     """The bytes ``kernel_fn``'s function reads (``weight_attr``)."""
-    return getattr(weight, weight_attr(rows, weight.qtype, kernel))
+    return getattr(weight, weight_attr(weight, rows, kernel))
 
 
 def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | None = None):
@@ -373,7 +478,7 @@ def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | 
     ``kernel_weight``, returning nonzero when it could not allocate its scratch (nothing
     written). The kernels must be available."""
     kind = kernel or pick_kernel(rows, weight.qtype)
-    fn = _LIB.fn(f"{_symbol(kind, weight.qtype)}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
+    fn = _LIB.fn(f"{_symbol(kind, weight.qtype, weight.layout)}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
     if kind != "tile" and fn.restype is not ctypes.c_int:
         fn.restype = ctypes.c_int
     return fn

@@ -209,12 +209,17 @@ def _forward_per_layer(
     resolved: dict = {}
 
     def gemm(weight, bias, src, dst, module=None, target=""):
-        key = (type(weight), getattr(weight, "qtype", None), getattr(weight, "dtype", None))
+        key = (
+            type(weight),
+            getattr(weight, "qtype", None),
+            getattr(weight, "dtype", None),
+            getattr(weight, "layout", None),
+        )
         hit = resolved.get(key)
         if hit is None:
             fn, _, _, _, _, panel = _gemm_call(weight, bias, T, x.dtype)
             if isinstance(weight, quant_gemm.QuantWeight):
-                attr = quant_gemm.weight_attr(T, weight.qtype)
+                attr = quant_gemm.weight_attr(weight, T)
             else:
                 attr = _WEIGHT_BYTES[type(weight)]
             hit = resolved[key] = (fn, panel, attr)
@@ -484,6 +489,7 @@ def _regime(rows: int, quantized: bool) -> tuple:
         rows <= amx_gemm.MAX_ROWS,
         rows <= native_gemm.BF16_DOT_MAX_ROWS,
         quant_gemm.activation_mode() if quantized else None,
+        quant_gemm.x4_enabled() if quantized else None,
     )
 
 

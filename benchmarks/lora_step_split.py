@@ -10,7 +10,9 @@ carry a prompt chunk ("prefill", mixed with decodes under chunked prefill) and i
 steps, by batched-token bucket; the mean groups and distinct adapters per decode step (time
 outside ``step`` is not counted). A scenario written ``NAME@N`` runs with the LoRA op's
 ``ops.NATIVE_MAX_ROWS = N`` (e.g. ``lora4@1024``: the native kernel only up to 1024 rows, the
-torch forms for larger prefill steps, as before the eleventh session). Read the differences between scenarios of one run only
+torch forms for larger prefill steps, as before the eleventh session); ``NAME@unfused`` runs
+LoRA decode steps on the per-layer native path (``native_decode.FUSE_LORA = False``, as before
+the twelfth session) instead of the one-call step. Read the differences between scenarios of one run only
 (the host's speed drifts). ``--json-out`` writes the per-step records.
 """
 
@@ -123,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = [write_random_adapter(adir / f"adapter{i}", shapes, ns.rank, seed=i) for i in range(n_max)]
     records = {}
     from kvserve.lora import ops
+    from kvserve.model_executor.models import native_decode
 
     default_max_rows = ops.NATIVE_MAX_ROWS
     for label in scenarios:
-        scen, _, max_rows = label.partition("@")
-        ops.NATIVE_MAX_ROWS = int(max_rows) if max_rows else default_max_rows
+        scen, _, variant = label.partition("@")
+        native_decode.FUSE_LORA = variant != "unfused"
+        ops.NATIVE_MAX_ROWS = int(variant) if variant.isdigit() else default_max_rows
         n_adapters, max_loras, max_seqs = SCENARIOS[scen]
         kw: dict = {"dtype": ns.dtype}
         if max_seqs is not None:

@@ -95,6 +95,48 @@ def test_native_add_lora_equals_float64_reference_reading_only_diagonal_blocks(
     assert torch.equal(out[base], out0[base])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(-1, 3), min_size=1, max_size=300),
+    P=st.integers(1, 3),
+    R=st.integers(1, 40),
+    fin=st.integers(1, 80),
+    widths=st.lists(st.integers(1, 150), min_size=3, max_size=3),
+    x_bf16=st.booleans(),
+    w_bf16=st.booleans(),
+    threads=st.sampled_from([2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_split_over_threads_is_bit_identical_to_one_thread(
+    rows, P, R, fin, widths, x_bf16, w_bf16, threads, seed
+):
+    """Small steps on several threads split each chunk's shrink (16-column blocks) and expand
+    (48-column blocks) over the threads (``lora_add_split``, up to 32 chunks; more: whole
+    chunks per thread): the same FMA chains per element, so the result equals the one-thread
+    kernel's bit for bit -- 1-38 chunks (both forms), parts wider than a 48-column block,
+    ranks and widths off the vector sizes."""
+    g = torch.Generator().manual_seed(seed)
+    xdt = torch.bfloat16 if x_bf16 else torch.float32
+    wdt = torch.bfloat16 if w_bf16 else torch.float32
+    a, b, _, bounds = _manager_slots(g, 4, fin, widths[:P], R, wdt, garbage_off_diagonal=False)
+    mapping = LoRAMapping.build(np.asarray(rows))
+    if mapping is None:
+        return
+    x = torch.randn(len(rows), fin, generator=g).to(xdt)
+    out0 = torch.randn(len(rows), bounds[-1], generator=g).to(xdt)
+    got = {}
+    keep = torch.get_num_threads()
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            got[n] = out0.clone()
+            add_lora(got[n], x, a, b, mapping, path="native", parts=bounds)
+    finally:
+        torch.set_num_threads(keep)
+    assert torch.equal(got[1], got[threads])
+    assert not torch.equal(got[1], out0)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 16, 64, 2048])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_equals_segment_form_at_the_default_models_shapes(rows, dtype):

@@ -239,7 +239,8 @@ int LK(lora_add)(const X_ELEM* x, int64_t ldx, X_ELEM* out, int64_t ldo, const W
     for (int64_t g = 0; g < nseg; ++g) nchunks += (segs[3 * g + 2] - segs[3 * g + 1] + LORA_MR - 1) / LORA_MR;
     if (nchunks == 0) return 0;
     const int64_t w = P * R;
-    if (nthreads > 1 && nchunks <= LORA_SPLIT_MAX_CHUNKS)
+    /* (chunks a multiple of the threads balance as whole chunks: no barrier to pay) */
+    if (nthreads > 1 && nchunks <= LORA_SPLIT_MAX_CHUNKS && nchunks % nthreads)
         return LK(lora_add_split)(x, ldx, out, ldo, a, a_slot, a_row, b, b_slot, b_row, in, P, R, cols, rows,
                                   segs, nseg, nchunks, nthreads);
     const int nt = nchunks >= 2 && nthreads > 1 ? (int)(nchunks < nthreads ? nchunks : nthreads) : 1;

@@ -117,8 +117,8 @@ def test_native_split_over_threads_is_bit_identical_to_one_thread(
     rows, P, R, fin, widths, x_bf16, w_bf16, threads, seed
 ):
     """Small steps on several threads split each chunk's shrink (16-column blocks) and expand
-    (48-column blocks) over the threads (``lora_add_split``, up to 32 chunks; more: whole
-    chunks per thread): the same FMA chains per element, so the result equals the one-thread
+    (48-column blocks) over the threads (``lora_add_split``, up to 32 chunks not a multiple of
+    the threads; otherwise whole chunks per thread): the same FMA chains per element, so the result equals the one-thread
     kernel's bit for bit -- 1-38 chunks (both forms), parts wider than a 48-column block,
     ranks and widths off the vector sizes."""
     g = torch.Generator().manual_seed(seed)

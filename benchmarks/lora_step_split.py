@@ -8,9 +8,12 @@ scenario in one process, timing every ``LLMEngine.step`` (wall seconds, ``time.p
 with the step's scheduler output, and prints per scenario: steps and seconds in steps that
 carry a prompt chunk ("prefill", mixed with decodes under chunked prefill) and in pure-decode
 steps, by batched-token bucket; the mean groups and distinct adapters per decode step (time
-outside ``step`` is not counted). A scenario written ``NAME@N`` runs with the LoRA op's
+outside ``step`` is not counted), and the seconds the one-call decode steps spent in the LoRA
+kernel (their own clock: ``native_decode.lora_kernel_seconds``). A scenario written ``NAME@N`` runs with the LoRA op's
 ``ops.NATIVE_MAX_ROWS = N`` (e.g. ``lora4@1024``: the native kernel only up to 1024 rows, the
-torch forms for larger prefill steps, as before the eleventh session). Read the differences between scenarios of one run only
+torch forms for larger prefill steps, as before the eleventh session); ``NAME@unfused`` runs
+LoRA decode steps on the per-layer native path (``native_decode.FUSE_LORA = False``, as before
+the twelfth session) instead of the one-call step. Read the differences between scenarios of one run only
 (the host's speed drifts). ``--json-out`` writes the per-step records.
 """
 
@@ -123,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = [write_random_adapter(adir / f"adapter{i}", shapes, ns.rank, seed=i) for i in range(n_max)]
     records = {}
     from kvserve.lora import ops
+    from kvserve.model_executor.models import native_decode
 
     default_max_rows = ops.NATIVE_MAX_ROWS
     for label in scenarios:
-        scen, _, max_rows = label.partition("@")
-        ops.NATIVE_MAX_ROWS = int(max_rows) if max_rows else default_max_rows
+        scen, _, variant = label.partition("@")
+        native_decode.FUSE_LORA = variant != "unfused"
+        ops.NATIVE_MAX_ROWS = int(variant) if variant.isdigit() else default_max_rows
         n_adapters, max_loras, max_seqs = SCENARIOS[scen]
         kw: dict = {"dtype": ns.dtype}
         if max_seqs is not None:
@@ -140,12 +145,16 @@ def main(argv: list[str] | None = None) -> int:
             llm.llm_engine.add_lora(a)
         loras = [adapters[i % n_adapters] if n_adapters else None for i in range(len(reqs))]
         run_scenario(llm, reqs[:1], loras[:1])  # warm-up
+        model = llm.llm_engine.executor.model
+        k0 = native_decode.lora_kernel_seconds(model)
         steps = run_scenario(llm, reqs, loras)
+        kernel_s = native_decode.lora_kernel_seconds(model) - k0
         records[label] = steps
         sm = summarize(steps)
         print(
             f"{ns.dtype} {label}: {sm['steps']} steps, {sm['seconds']:.2f} s; decode steps: "
-            f"{sm['decode_groups']:.1f} groups, {sm['decode_loras']:.2f} adapters on average"
+            f"{sm['decode_groups']:.1f} groups, {sm['decode_loras']:.2f} adapters on average; LoRA kernel "
+            f"inside one-call decode steps: {kernel_s:.2f} s"
         )
         for k, (n, s) in sm["by"].items():
             print(f"    {k:>16}: {n:5d} steps {s:8.2f} s  {1000 * s / n:8.1f} ms/step")

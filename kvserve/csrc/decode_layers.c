@@ -24,11 +24,18 @@
  * residual (the embedded tokens) is updated in place. Nothing here is vectorised: the work is
  * in the kernels.
  *
- * Not covered (the per-layer path runs): LoRA deltas and tensor-parallel all-reduces between
- * the GEMMs (Python operations).
+ * LoRA: a step with adapter rows (dl_model.lora_nseg > 0) adds each target's batched delta
+ * right after its GEMM by lora.c's kernel (dl_model.lora, the slots' dl_lora entries per layer,
+ * the step's rows and (slot, start, end) segments), the per-layer path's call with the same
+ * arguments: bit-identical to it, without its ~120 Python add_lora calls (and 270 ctypes calls)
+ * per step.
+ *
+ * Not covered (the per-layer path runs): tensor-parallel all-reduces between the GEMMs (Python
+ * operations).
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "kv_vec.h"
 
@@ -57,6 +64,18 @@ typedef struct {
     int64_t n, k;     /* out_features, in_features */
 } dl_gemm;
 
+/* One target's LoRA slots (lora.c's lora_add arguments): slot s's A element (j, c) at
+   a[s * a_slot + j * a_row + c] (input feature j, rank column c < P * R), B element (r, n) at
+   b[s * b_slot + r * b_row + n]; part p owns rank columns [p R, (p + 1) R) and output columns
+   [cols[p], cols[p + 1]). a == NULL: no delta for this target. */
+typedef struct {
+    const void* a;
+    const void* b;
+    int64_t a_slot, a_row, b_slot, b_row;
+    int64_t P, R;
+    const int64_t* cols; /* [P + 1] */
+} dl_lora;
+
 typedef struct {
     const void* in_norm;   /* [hidden] input_layernorm weight */
     const void* post_norm; /* [hidden] post_attention_layernorm weight */
@@ -65,6 +84,7 @@ typedef struct {
     void* cache;    /* [2, KH, nb, bs, D] this layer's KV cache */
     int64_t nb, bs; /* blocks, block size */
     float scale;    /* softmax scale */
+    dl_lora lora_qkv, lora_o, lora_gate_up, lora_down;
 } dl_layer;
 
 typedef struct {
@@ -78,8 +98,15 @@ typedef struct {
     /* [max_rows, hidden] x3, [max_rows, (H + 2 KH) D], [max_rows, H + KH, D], [max_rows, H D],
        [max_rows, 2 inter], [max_rows, inter] */
     void *h, *o, *mlp_out, *qkv, *qk, *attn_out, *gate_up, *act;
-    float* xf; /* [max_rows, max(hidden, H D, inter)] float32: x widened for the panel GEMM
+    float* xf;                /* [max_rows, max(hidden, H D, inter)] float32: x widened for the panel GEMM
                   (bfloat16 only; NULL for float32) */
+    dl_fn lora;               /* lora_add_<dtype>_w<slot dtype> (lora.c), or NULL */
+    int64_t lora_wbf16;       /* the slots' dtype: 1 bfloat16, 0 float32 */
+    const int64_t* lora_rows; /* this step's rows with a slot, grouped by slot */
+    const int64_t* lora_segs; /* [lora_nseg, 3] (slot, start, end) over lora_rows */
+    int64_t lora_nseg;        /* 0: no LoRA rows in this step */
+    double lora_seconds;      /* wall seconds in the LoRA kernel calls, accumulated over steps
+                                 (benchmarks read the per-step LoRA cost from it) */
 } dl_model;
 
 #define KV_DTYPE_TEMPLATE "decode_layers_dtype.h"
@@ -91,6 +118,7 @@ int64_t decode_layers_struct_sizes(int64_t which) {
     case 0: return (int64_t)sizeof(dl_gemm);
     case 1: return (int64_t)sizeof(dl_layer);
     case 2: return (int64_t)sizeof(dl_model);
+    case 3: return (int64_t)sizeof(dl_lora);
     default: return -1;
     }
 }

@@ -30,9 +30,20 @@
  * rounded once to out's dtype. Weights may be float32 or bfloat16 (the slot dtype), activations
  * float32 or bfloat16 (the model dtype): symbols lora_add_<x>_w<weight>.
  *
- * Threads: the chunks (LORA_MR rows of one slot) are split over the threads; a step with one
- * chunk runs on the calling thread. Returns 1 (nothing written) when the scratch rows (LORA_MR
- * x (in + P * R) floats per thread) cannot be allocated, else 0.
+ * Threads: a small step (up to LORA_SPLIT_MAX_CHUNKS chunks of LORA_MR rows of one slot, not a
+ * multiple of the thread count) on 2+ threads splits every chunk's shrink in 16-rank-column
+ * blocks and its expand in 48-output-column blocks over the threads, a barrier between
+ * (lora_add_split): a decode step of 1 or 3 adapters kept one thread idle for a third to all of
+ * its LoRA time when whole chunks were the unit (2 or 4 chunks still are: balanced, and the split
+ * measured 0.1-0.4 ms per step slower there, benchmarks/lora_kernel_stream.py). The
+ * splits fall on the register tiles' own column boundaries, so each element is the same FMA
+ * chain as on one thread: the result does not depend on the thread count. Larger steps split
+ * whole chunks over the threads (many chunks balance by themselves). Returns 1 (nothing
+ * written) when the scratch rows (LORA_MR x (in + P * R) floats per thread, or per chunk in the
+ * split form) cannot be allocated, else 0.
+ *
+ * Called per target linear by native_lora.py (the per-layer paths) and by decode_layers.c's
+ * one-call decode step, which passes the step's rows and segments once for all 120 calls.
  */
 #include <omp.h>
 
@@ -40,6 +51,11 @@
 
 /* Rows per register tile: 8 rows x 3 vectors = 24 of the 32 AVX-512 registers. */
 #define LORA_MR 8
+
+/* Steps of up to this many chunks (LORA_MR rows of one slot), not a multiple of the threads, on
+   2+ threads run the split form (lora_add_split: the blocks of every chunk over the threads);
+   more chunks are whole chunks per thread, which balances by itself. */
+#define LORA_SPLIT_MAX_CHUNKS 32
 
 /* A broadcast (without the `+ 0.0f` that `(v16){} + s` costs: that is no identity for -0.0). */
 static inline v16 splat16(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }

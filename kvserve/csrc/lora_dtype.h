@@ -127,8 +127,102 @@ static void LK(expand)(const float* h, int64_t ldh, int mr, int64_t R, const W_E
         }
 }
 
+/* Rows lo .. lo + mr - 1 of `rows` (one chunk of one slot): their output row pointers into
+   outr (rows past mr point at the first: never written, but defined) and, widened to float32,
+   their inputs into xs ([mr, in]). */
+static void LK(chunk_rows)(const X_ELEM* x, int64_t ldx, X_ELEM* out, int64_t ldo, const int64_t* rows,
+                           int64_t lo, int mr, int64_t in, float* xs, X_ELEM** outr) {
+    for (int m = 0; m < LORA_MR; ++m) {
+        const int64_t t = rows[lo + (m < mr ? m : 0)];
+        outr[m] = out + t * ldo;
+        if (m >= mr) continue;
+        const X_ELEM* xr = x + t * ldx;
+        int64_t j = 0;
+        for (; j + 16 <= in; j += 16) st16_f32(xs + m * in + j, LDX16(xr + j));
+        for (; j < in; ++j) xs[m * in + j] = LDX1(xr + j);
+    }
+}
+
+/* lora_add for a small step on several threads (lora.c's header comment: "Threads"): the
+   chunks' shrinks split over the threads in 16-rank-column blocks, then, after a barrier, their
+   expands in 48-output-column blocks, so 1 or 3 chunks keep 2 threads busy as 2 or 4 do. Each
+   thread takes one contiguous range of the blocks and runs each chunk's share of it as one
+   shrink / expand call over those columns: the splits fall on the tiles' own boundaries (16 and
+   48 columns from a part's start), so every element is the same FMA chain as in the one-thread
+   form, bit for bit. Scratch: every chunk's widened rows and rank sums (nchunks * LORA_MR *
+   (in + P * R) floats). */
+static int LK(lora_add_split)(const X_ELEM* x, int64_t ldx, X_ELEM* out, int64_t ldo, const W_ELEM* a,
+                              int64_t a_slot, int64_t a_row, const W_ELEM* b, int64_t b_slot, int64_t b_row,
+                              int64_t in, int64_t P, int64_t R, const int64_t* cols, const int64_t* rows,
+                              const int64_t* segs, int64_t nseg, int64_t nchunks, int nthreads) {
+    const int64_t w = P * R, nsv = (w + 15) / 16;
+    int64_t cslot[LORA_SPLIT_MAX_CHUNKS], clo[LORA_SPLIT_MAX_CHUNKS];
+    int cmr[LORA_SPLIT_MAX_CHUNKS];
+    int64_t nc = 0;
+    for (int64_t g = 0; g < nseg; ++g)
+        for (int64_t lo = segs[3 * g + 1]; lo < segs[3 * g + 2]; lo += LORA_MR, ++nc) {
+            cslot[nc] = segs[3 * g];
+            clo[nc] = lo;
+            cmr[nc] = (int)(segs[3 * g + 2] - lo < LORA_MR ? segs[3 * g + 2] - lo : LORA_MR);
+        }
+    int64_t nexp = 0; /* 48-column expand blocks per chunk, over all parts */
+    for (int64_t p = 0; p < P; ++p) nexp += (cols[p + 1] - cols[p] + 47) / 48;
+    const int64_t per_chunk = LORA_MR * (in + w);
+    float* scratch = (float*)malloc(sizeof(float) * (size_t)(nchunks * per_chunk));
+    X_ELEM** outr = (X_ELEM**)malloc(sizeof(X_ELEM*) * (size_t)(nchunks * LORA_MR));
+    if (!scratch || !outr) {
+        free(scratch);
+        free(outr);
+        return 1;
+    }
+    const int nt = nthreads;
+#pragma omp parallel num_threads(nt)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (int64_t ci = 0; ci < nchunks; ++ci)
+            LK(chunk_rows)(x, ldx, out, ldo, rows, clo[ci], cmr[ci], in, scratch + ci * per_chunk,
+                           outr + ci * LORA_MR);
+        /* (the implicit barrier: every chunk's rows widened) shrink blocks [lo, hi) of
+           nchunks * nsv, chunk-major */
+        int64_t lo = nchunks * nsv * tid / nth, hi = nchunks * nsv * (tid + 1) / nth;
+        while (lo < hi) {
+            const int64_t ci = lo / nsv, v0 = lo % nsv, v1 = (hi - ci * nsv < nsv ? hi - ci * nsv : nsv);
+            const int64_t c0 = 16 * v0, c1 = (16 * v1 < w ? 16 * v1 : w);
+            float* xs = scratch + ci * per_chunk;
+            LK(shrink)(xs, cmr[ci], in, a + cslot[ci] * a_slot + c0, a_row, c1 - c0, xs + LORA_MR * in + c0,
+                       w);
+            lo = ci * nsv + v1;
+        }
+#pragma omp barrier
+        /* expand blocks [lo, hi) of nchunks * nexp: chunk-major, then part, then 48 columns */
+        lo = nchunks * nexp * tid / nth;
+        hi = nchunks * nexp * (tid + 1) / nth;
+        while (lo < hi) {
+            const int64_t ci = lo / nexp;
+            int64_t k = lo % nexp, p = 0, nb;
+            for (;; ++p) { /* block k of the chunk -> its part p and block within it */
+                nb = (cols[p + 1] - cols[p] + 47) / 48;
+                if (k < nb) break;
+                k -= nb;
+            }
+            const int64_t take = (nb - k < hi - lo ? nb - k : hi - lo); /* blocks of part p */
+            const int64_t n0 = cols[p] + 48 * k,
+                          n1 = (cols[p] + 48 * (k + take) < cols[p + 1]) ? cols[p] + 48 * (k + take)
+                                                                         : cols[p + 1];
+            const float* h = scratch + ci * per_chunk + LORA_MR * in;
+            LK(expand)(h + p * R, w, cmr[ci], R, b + cslot[ci] * b_slot + p * R * b_row + n0, b_row,
+                       outr + ci * LORA_MR, n0, n1 - n0);
+            lo += take;
+        }
+    }
+    free(scratch);
+    free(outr);
+    return 0;
+}
+
 /* The batched LoRA delta of one fused linear (lora.c's header comment). Returns 0, or 1 (nothing
-   written) when there is no memory for the threads' scratch rows.
+   written) when there is no memory for the scratch rows.
 
    x: [T, in] activations, row stride ldx; out: [T, >= cols[P]], row stride ldo (in place).
    a: slot s's A element (j, c) (input feature j, rank column c < P * R) at
@@ -143,7 +237,12 @@ int LK(lora_add)(const X_ELEM* x, int64_t ldx, X_ELEM* out, int64_t ldo, const W
                  int nthreads) {
     int64_t nchunks = 0;
     for (int64_t g = 0; g < nseg; ++g) nchunks += (segs[3 * g + 2] - segs[3 * g + 1] + LORA_MR - 1) / LORA_MR;
+    if (nchunks == 0) return 0;
     const int64_t w = P * R;
+    /* (chunks a multiple of the threads balance as whole chunks: no barrier to pay) */
+    if (nthreads > 1 && nchunks <= LORA_SPLIT_MAX_CHUNKS && nchunks % nthreads)
+        return LK(lora_add_split)(x, ldx, out, ldo, a, a_slot, a_row, b, b_slot, b_row, in, P, R, cols, rows,
+                                  segs, nseg, nchunks, nthreads);
     const int nt = nchunks >= 2 && nthreads > 1 ? (int)(nchunks < nthreads ? nchunks : nthreads) : 1;
     /* per thread: the chunk's rows of x widened to float32 (the shrink reads each one in
        times), then their rank sums; on the heap, as `in` may be large */
@@ -164,15 +263,7 @@ int LK(lora_add)(const X_ELEM* x, int64_t ldx, X_ELEM* out, int64_t ldo, const W
         const int64_t slot = segs[3 * g], lo = segs[3 * g + 1] + k * LORA_MR, end = segs[3 * g + 2];
         const int mr = (int)(end - lo < LORA_MR ? end - lo : LORA_MR);
         X_ELEM* outr[LORA_MR];
-        for (int m = 0; m < LORA_MR; ++m) { /* rows past mr: never read, but defined */
-            const int64_t t = rows[lo + (m < mr ? m : 0)];
-            outr[m] = out + t * ldo;
-            if (m >= mr) continue;
-            const X_ELEM* xr = x + t * ldx;
-            int64_t j = 0;
-            for (; j + 16 <= in; j += 16) st16_f32(xs + m * in + j, LDX16(xr + j));
-            for (; j < in; ++j) xs[m * in + j] = LDX1(xr + j);
-        }
+        LK(chunk_rows)(x, ldx, out, ldo, rows, lo, mr, in, xs, outr);
         LK(shrink)(xs, mr, in, a + slot * a_slot, a_row, w, h, w);
         for (int64_t p = 0; p < P; ++p)
             LK(expand)(h + p * R, w, mr, R, b + slot * b_slot + p * R * b_row + cols[p], b_row, outr, cols[p],

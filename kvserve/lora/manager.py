@@ -2,8 +2,10 @@
 
 Device slots are stacked tensors per decoder layer and fused target linear (``qkv``, ``o``,
 ``gate_up``, ``down``): ``A`` ``[max_loras, in, parts * max_lora_rank]`` and ``B``
-``[max_loras, parts * max_lora_rank, out]``, zero-padded (``A`` stored ``[in, max_loras, ...]``
-so that all slots side by side are one matrix: ``kvserve.lora.ops.stacked_views``), in the model's dtype (float32 on CPU
+``[max_loras, parts * max_lora_rank, out]``, zero-padded (``A`` stored slot by slot where the
+native kernel runs, so that it streams one contiguous block per slot; elsewhere stored
+``[in, max_loras, ...]`` so that all slots side by side are one matrix for the torch stacked
+form: ``kvserve.lora.ops.stacked_views``), in the model's dtype (float32 on CPU
 for a float16 model, and for a bfloat16 one without the native kernel:
 ``kvserve.lora.ops.lora_slot_dtype``). A fused linear's part ``i`` (q, k, v
 of ``qkv``; gate, up of ``gate_up``) owns rank columns ``[i * max_lora_rank, ...)`` of ``A``
@@ -86,6 +88,10 @@ class LoRAManager:
                 col += shapes.in_out[p][1]
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         S, R = self.max_loras, self.rmax
+        #: A stored slot by slot ([S, in, w]: one slot's A one contiguous block, the native
+        #: kernel's stream) where the kernel runs, else [in, S, w] (the torch stacked form's
+        #: all-slots view); handed out as [S, in, w] either way
+        self.slot_major_a = torch.device(self.device).type == "cpu" and native_lora.available()
         # every slot is allocated (and zeroed) now: refuse limits whose slots cannot fit, by
         # name, instead of leaving it to the allocator or the OOM killer
         need = S * self.slot_bytes(shapes, R, self.slot_dtype)
@@ -109,12 +115,12 @@ class LoRAManager:
                 fin = shapes.in_out[parts[0]][0]
                 fout = sum(shapes.in_out[p][1] for p in parts)
                 kw = {"dtype": self.slot_dtype, "device": self.device}
-                # A is stored [in, S, w] and handed out as its [S, in, w] view: then every
-                # slot's A side by side, [in, S * w], is a view too (the op's stacked form)
-                st[fused] = (
-                    torch.zeros(fin, S, len(parts) * R, **kw).permute(1, 0, 2),
-                    torch.zeros(S, len(parts) * R, fout, **kw),
-                )
+                w = len(parts) * R
+                if self.slot_major_a:
+                    a = torch.zeros(S, fin, w, **kw)
+                else:  # [in, S, w] storage: every slot's A side by side, [in, S * w], is a view
+                    a = torch.zeros(fin, S, w, **kw).permute(1, 0, 2)
+                st[fused] = (a, torch.zeros(S, w, fout, **kw))
             self.stacks.append(st)
             layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
             layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}

@@ -329,9 +329,10 @@ def test_step_refuses_a_bad_dispatch_table():
 
 def test_layout_check_matches_the_c_structs():
     sizes = native_layers._LIB.fn("decode_layers_struct_sizes")
-    assert [sizes(i) for i in range(3)] == [
+    assert [sizes(i) for i in range(4)] == [
         ctypes.sizeof(native_layers.DLGemm),
         ctypes.sizeof(native_layers.DLLayer),
         ctypes.sizeof(native_layers.DLModel),
+        ctypes.sizeof(native_layers.DLLora),
     ]
-    assert sizes(3) == -1
+    assert sizes(4) == -1

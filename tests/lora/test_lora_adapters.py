@@ -235,18 +235,28 @@ def test_manager_gives_each_module_its_parts_column_bounds():
     assert model.layers[1].mlp.lora_parts == {k: mgr.part_bounds[k] for k in ("gate_up", "down")}
 
 
-def test_manager_slots_are_laid_out_for_the_stacked_form(tmp_path):
-    """Every target's ``A`` is the ``[S, in, R]`` view of ``[in, S, R]`` storage, so the op's
-    ``A_cat``/``B_cat`` are views (no copy to keep in step) that see a slot as it is loaded."""
+@pytest.mark.parametrize("native", [True, False])
+def test_manager_slots_are_laid_out_for_the_op(tmp_path, monkeypatch, native):
+    """Where the native kernel runs, every target's ``A`` is stored slot by slot (``[S, in, R]``
+    contiguous: one block per slot for the kernel's stream); elsewhere it is the ``[S, in, R]``
+    view of ``[in, S, R]`` storage, so the torch stacked form's ``A_cat``/``B_cat`` are views (no
+    copy to keep in step) that see a slot as it is loaded. Either way ``stacked_views`` shows
+    each slot as loaded."""
     from kvserve.lora.ops import stacked_views
+    from kvserve.model_executor.layers import native_lora
 
+    if native and not native_lora.available():
+        pytest.skip(f"no native LoRA kernel: {native_lora.failure_reason()}")
+    monkeypatch.setattr(native_lora, "available", lambda: native)
     _, mgr = _manager()
+    assert mgr.slot_major_a == native
     s = mgr.activate([_req(tmp_path, 1)])[1]
     for st in mgr.stacks:
         for a, b in st.values():
             a_cat, b_cat = stacked_views(a, b)
             w = a.shape[2]
-            assert a_cat.data_ptr() == a.data_ptr() and b_cat.data_ptr() == b.data_ptr()
+            assert a.is_contiguous() == native and a[s].is_contiguous() == native
+            assert (a_cat.data_ptr() == a.data_ptr()) != native and b_cat.data_ptr() == b.data_ptr()
             assert torch.equal(a_cat[:, s * w : (s + 1) * w], a[s])
             assert torch.equal(b_cat[s * w : (s + 1) * w], b[s])
     assert any(bool(a[s].abs().sum() > 0) for st in mgr.stacks for a, _ in st.values())

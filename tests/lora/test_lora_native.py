@@ -16,14 +16,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _manager_slots(g, S, fin, widths, R, wdt, garbage_off_diagonal):
-    """Slots laid out as ``LoRAManager`` lays them out: ``A`` stored ``[in, S, P * R]``, ``B``
+def _manager_slots(g, S, fin, widths, R, wdt, garbage_off_diagonal, slot_major=False):
+    """Slots laid out as ``LoRAManager`` lays them out: ``A`` stored ``[in, S, P * R]`` (or
+    ``[S, in, P * R]`` with ``slot_major``, as where the kernel runs), ``B``
     ``[S, P * R, sum(widths)]`` block-diagonal over the parts. With ``garbage_off_diagonal``
     the off-diagonal blocks hold large values (a kernel that reads them is caught); returns
     ``a``, ``b`` and ``b_clean`` (those blocks zero), and the parts' column bounds."""
     P = len(widths)
     bounds = tuple(int(c) for c in np.concatenate(([0], np.cumsum(widths))))
-    a = (torch.randn(fin, S, P * R, generator=g) * 0.3).to(wdt).permute(1, 0, 2)
+    if slot_major:
+        a = (torch.randn(S, fin, P * R, generator=g) * 0.3).to(wdt)
+    else:
+        a = (torch.randn(fin, S, P * R, generator=g) * 0.3).to(wdt).permute(1, 0, 2)
     b_clean = torch.zeros(S, P * R, bounds[-1])
     for p in range(P):
         b_clean[:, p * R : (p + 1) * R, bounds[p] : bounds[p + 1]] = (
@@ -57,20 +61,22 @@ def _reference(out, x, a, b, row_slots):
     x_bf16=st.booleans(),
     w_bf16=st.booleans(),
     threads=st.sampled_from([1, 2]),
+    slot_major=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_native_add_lora_equals_float64_reference_reading_only_diagonal_blocks(
-    rows, P, R, fin, widths, x_bf16, w_bf16, threads, seed
+    rows, P, R, fin, widths, x_bf16, w_bf16, threads, slot_major, seed
 ):
     """Ranks and widths around the kernel's 16-column vectors and 8-row tiles (tails, several
-    tiles per slot), 1-3 parts, every activation/weight dtype pair, 1 and 2 threads: the delta
+    tiles per slot), 1-3 parts, every activation/weight dtype pair, 1 and 2 threads, both
+    layouts of ``A``: the delta
     is the float64 one rounded once, the off-diagonal blocks of ``B`` are never read, and rows
     without a slot stay bit for bit."""
     g = torch.Generator().manual_seed(seed)
     S = 4
     xdt = torch.bfloat16 if x_bf16 else torch.float32
     wdt = torch.bfloat16 if w_bf16 else torch.float32
-    a, b, b_clean, bounds = _manager_slots(g, S, fin, widths[:P], R, wdt, garbage_off_diagonal=P > 1)
+    a, b, b_clean, bounds = _manager_slots(g, S, fin, widths[:P], R, wdt, P > 1, slot_major)
     T = len(rows)
     x = torch.randn(T, fin, generator=g).to(xdt)
     out0 = torch.randn(T, bounds[-1], generator=g).to(xdt)
@@ -93,6 +99,48 @@ def test_native_add_lora_equals_float64_reference_reading_only_diagonal_blocks(
     assert bool((err <= bound).all()), float((err - bound).max())
     base = np.asarray(rows) < 0
     assert torch.equal(out[base], out0[base])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(-1, 3), min_size=1, max_size=300),
+    P=st.integers(1, 3),
+    R=st.integers(1, 40),
+    fin=st.integers(1, 80),
+    widths=st.lists(st.integers(1, 150), min_size=3, max_size=3),
+    x_bf16=st.booleans(),
+    w_bf16=st.booleans(),
+    threads=st.sampled_from([2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_split_over_threads_is_bit_identical_to_one_thread(
+    rows, P, R, fin, widths, x_bf16, w_bf16, threads, seed
+):
+    """Small steps on several threads split each chunk's shrink (16-column blocks) and expand
+    (48-column blocks) over the threads (``lora_add_split``, up to 32 chunks not a multiple of
+    the threads; otherwise whole chunks per thread): the same FMA chains per element, so the result equals the one-thread
+    kernel's bit for bit -- 1-38 chunks (both forms), parts wider than a 48-column block,
+    ranks and widths off the vector sizes."""
+    g = torch.Generator().manual_seed(seed)
+    xdt = torch.bfloat16 if x_bf16 else torch.float32
+    wdt = torch.bfloat16 if w_bf16 else torch.float32
+    a, b, _, bounds = _manager_slots(g, 4, fin, widths[:P], R, wdt, garbage_off_diagonal=False)
+    mapping = LoRAMapping.build(np.asarray(rows))
+    if mapping is None:
+        return
+    x = torch.randn(len(rows), fin, generator=g).to(xdt)
+    out0 = torch.randn(len(rows), bounds[-1], generator=g).to(xdt)
+    got = {}
+    keep = torch.get_num_threads()
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            got[n] = out0.clone()
+            add_lora(got[n], x, a, b, mapping, path="native", parts=bounds)
+    finally:
+        torch.set_num_threads(keep)
+    assert torch.equal(got[1], got[threads])
+    assert not torch.equal(got[1], out0)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 16, 64, 2048])

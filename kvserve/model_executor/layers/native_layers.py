@@ -28,9 +28,27 @@ class DLGemm(ctypes.Structure):
     _fields_ = [("fn", _p), ("kind", _i64), ("w", _p), ("bias", _p), ("n", _i64), ("k", _i64)]
 
 
+class DLLora(ctypes.Structure):
+    """One target's LoRA slots as ``lora.c``'s ``lora_add`` reads them: ``A`` / ``B`` data
+    pointers (``a`` 0: no delta for this target) and element strides (slot, row), the fused
+    parts ``P``, the rank per part ``R`` and the parts' ``P + 1`` output column bounds."""
+
+    _fields_ = [
+        ("a", _p),
+        ("b", _p),
+        ("a_slot", _i64),
+        ("a_row", _i64),
+        ("b_slot", _i64),
+        ("b_row", _i64),
+        ("P", _i64),
+        ("R", _i64),
+        ("cols", _p),
+    ]
+
+
 class DLLayer(ctypes.Structure):
     """One decoder layer: norm weights and eps, the four GEMMs, its KV cache
-    (``[2, KH, nb, bs, D]``) and the softmax scale."""
+    (``[2, KH, nb, bs, D]``), the softmax scale and each GEMM's LoRA slots."""
 
     _fields_ = [
         ("in_norm", _p),
@@ -45,12 +63,19 @@ class DLLayer(ctypes.Structure):
         ("nb", _i64),
         ("bs", _i64),
         ("scale", _f),
+        ("lora_qkv", DLLora),
+        ("lora_o", DLLora),
+        ("lora_gate_up", DLLora),
+        ("lora_down", DLLora),
     ]
 
 
 class DLModel(ctypes.Structure):
     """The step's kernels, the layers, shapes, the final norm and the activation buffers
-    (``max_rows`` rows each; ``xf`` float32, bfloat16 models only)."""
+    (``max_rows`` rows each; ``xf`` float32, bfloat16 models only); the LoRA kernel
+    (``lora``, its slots' dtype ``lora_wbf16``) and the step's LoRA rows and segments
+    (``lora_nseg`` 0: none), set before each call; ``lora_seconds``: wall seconds the C side
+    spent in the LoRA kernel, accumulated over calls."""
 
     _fields_ = [
         ("rms", _p),
@@ -76,6 +101,12 @@ class DLModel(ctypes.Structure):
         ("gate_up", _p),
         ("act", _p),
         ("xf", _p),
+        ("lora", _p),
+        ("lora_wbf16", _i64),
+        ("lora_rows", _p),
+        ("lora_segs", _p),
+        ("lora_nseg", _i64),
+        ("lora_seconds", ctypes.c_double),
     ]
 
 
@@ -97,10 +128,11 @@ def available() -> bool:
         else:
             sizes = _LIB.fn("decode_layers_struct_sizes")
             sizes.restype = ctypes.c_int64
-            _layout_ok = [sizes(i) for i in range(3)] == [
+            _layout_ok = [sizes(i) for i in range(4)] == [
                 ctypes.sizeof(DLGemm),
                 ctypes.sizeof(DLLayer),
                 ctypes.sizeof(DLModel),
+                ctypes.sizeof(DLLora),
             ]
     return _layout_ok
 

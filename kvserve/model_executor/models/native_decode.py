@@ -27,11 +27,15 @@ Two forms of the same sequence:
   (``_StepPlan``: per layer and weight the kernel of its format -- quantized tile / int8
   activations / panels, AMX tiles, float panels -- its weight bytes and bias), the activation
   buffers allocated with it. It runs every step ``applies`` admits (any row count: batched
-  decodes, speculative verify rows expanded to decode rows) without LoRA adapters and without
-  tensor parallelism, where the model's ``fuse_native_decode`` is True (the default).
-- the per-layer loop below (nine ctypes calls per layer), for steps with LoRA adapters or under
-  tensor parallelism (their deltas and all-reduces are Python operations between the GEMMs),
-  and where the fused library is unavailable.
+  decodes, speculative verify rows expanded to decode rows) without tensor parallelism, where
+  the model's ``fuse_native_decode`` is True (the default). Steps with LoRA adapters run it too
+  when the native LoRA kernel takes the slots (``_lora_entries``: CPU, float32/bfloat16, up to
+  ``ops.NATIVE_MAX_ROWS`` rows): the dispatch table holds every target's slot pointers, the step
+  passes its rows and segments, and the C side calls ``lora.c``'s kernel after each GEMM as the
+  per-layer loop's ``add_lora`` does (~120 Python op calls and ~270 ctypes calls per step saved).
+- the per-layer loop below (nine ctypes calls per layer), under tensor parallelism (its
+  all-reduces are Python operations between the GEMMs), for LoRA steps the kernel does not
+  take, and where the fused library is unavailable.
 
 Both give bit-identical hidden states (``tests/executor/test_native_layers.py``).
 """
@@ -43,17 +47,23 @@ import weakref
 
 import torch
 
+from kvserve.lora import ops as lora_ops
 from kvserve.lora.ops import add_lora
 from kvserve.model_executor.layers import (
     amx_gemm,
     native_attention,
     native_gemm,
     native_layers,
+    native_lora,
     native_ops,
     quant_gemm,
 )
 from kvserve.model_executor.layers.attention import AttentionMetadata
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX
+
+#: Run LoRA steps on the one-call step (False: the per-layer path, as before the twelfth
+#: session; benchmarks/lora_step_split.py compares the two in one run).
+FUSE_LORA = True
 
 
 def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype):
@@ -154,14 +164,15 @@ def forward_layers(
     for name, t in (("table", nd.table), ("kstart", nd.kstart), ("kend", nd.kend), ("slot_mapping", slots)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"native decode: {name} must be contiguous int64, got {t.dtype} {t.stride()}")
+    lora = meta.lora
     if (
-        meta.lora is None
-        and getattr(model, "tp", None) is None
+        getattr(model, "tp", None) is None
         and getattr(model, "fuse_native_decode", True)
+        and (lora is None or (FUSE_LORA and x.shape[0] <= lora_ops.NATIVE_MAX_ROWS))
     ):
         plan = step_plan(model, x.shape[0], kv_caches)
-        if plan is not None:
-            return plan.run(x, cos, sin, slots, nd)
+        if plan is not None and (lora is None or plan.has_lora):
+            return plan.run(x, cos, sin, slots, nd, lora)
     return _forward_per_layer(model, x, cos, sin, slots, kv_caches, meta)
 
 
@@ -343,6 +354,7 @@ class _StepPlan:
 
     def __init__(self, model, rows: int):
         dtype = model.dtype
+        self.has_lora = False  # every target's LoRA slots in the table (``_lora_entries``)
         a0, m0 = model.layers[0].self_attn, model.layers[0].mlp
         self.H, self.KH, self.D, self.inter = a0.num_heads, a0.num_kv_heads, a0.head_dim, m0.inter
         self.hidden = model.embed_tokens.shape[1]
@@ -391,12 +403,65 @@ class _StepPlan:
         m.num_layers, m.hidden, m.H, m.KH, m.D, m.inter = L, self.hidden, self.H, self.KH, self.D, self.inter
         m.final_norm, m.final_eps = model.norm.weight.data_ptr(), model.norm.eps
         self.keep.append(model.norm.weight)
+        self.has_lora = self._lora_entries(model)
         self.addr = ctypes.addressof(m)
         self.fn = native_layers.step_fn(self.dtype)
         self.cache_ptrs: list[int] = []
         self.caches: list[torch.Tensor] = []
         self.buffers: list[torch.Tensor] = []
         self._grow(rows)
+        return True
+
+    def _lora_entries(self, model) -> bool:
+        """Fill every layer's LoRA entries from the slots ``LoRAManager`` attached
+        (``lora_stacks``, ``lora_parts``) and the model's LoRA kernel; False (entries left
+        empty: LoRA steps run the per-layer path) when the model has no slots or the kernel
+        does not take them (``native_lora.supported``: dtypes, contiguous innermost dimensions,
+        the library built; and one slot dtype, ``A``'s input features the GEMM's)."""
+        attn0 = model.layers[0].self_attn
+        if attn0.lora_stacks is None or not native_lora.available():
+            return False
+        entries = []
+        slot_dtype = attn0.lora_stacks["qkv"][0].dtype
+        probe = torch.empty(1, 1, dtype=self.dtype)
+        for i, layer in enumerate(model.layers):
+            e = self.layers[i]
+            for module, target, entry, gemm in (
+                (layer.self_attn, "qkv", e.lora_qkv, e.qkv),
+                (layer.self_attn, "o", e.lora_o, e.o),
+                (layer.mlp, "gate_up", e.lora_gate_up, e.gate_up),
+                (layer.mlp, "down", e.lora_down, e.down),
+            ):
+                if module.lora_stacks is None or target not in module.lora_stacks:
+                    return False
+                a, b = module.lora_stacks[target]
+                cols = (0, gemm.n) if module.lora_parts is None else tuple(module.lora_parts[target])
+                P = len(cols) - 1
+                if (
+                    a.dtype != slot_dtype
+                    or not native_lora.supported(probe, probe, a, b)
+                    or a.shape[1] != gemm.k
+                    or a.shape[2] % P
+                    or tuple(b.shape[:2]) != (a.shape[0], a.shape[2])
+                    or cols[-1] > min(gemm.n, b.shape[2])
+                ):
+                    return False
+                ct = torch.tensor(cols, dtype=torch.int64)
+                entries.append((entry, a, b, P, ct))
+        for entry, a, b, P, ct in entries:
+            entry.a, entry.b = a.data_ptr(), b.data_ptr()
+            entry.a_slot, entry.a_row, entry.b_slot, entry.b_row = (
+                a.stride(0),
+                a.stride(1),
+                b.stride(0),
+                b.stride(1),
+            )
+            entry.P, entry.R, entry.cols = P, a.shape[2] // P, ct.data_ptr()
+            self.keep += [a, b, ct]
+        sfx = DTYPE_SUFFIX[self.dtype]
+        m = self.struct
+        m.lora = native_layers.fn_address(native_lora._LIB.fn(f"lora_add_{sfx}_w{DTYPE_SUFFIX[slot_dtype]}"))
+        m.lora_wbf16 = int(slot_dtype == torch.bfloat16)
         return True
 
     def _grow(self, rows: int) -> None:
@@ -443,13 +508,34 @@ class _StepPlan:
         self.caches, self.cache_ptrs = list(kv_caches), ptrs
 
     def run(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, nd
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, nd, lora=None
     ) -> torch.Tensor:
         """The step for embedded tokens ``x`` ``[T, hidden]`` (updated in place, as the
-        residual); returns the hidden states after the final norm (a new ``[T, hidden]``)."""
+        residual); returns the hidden states after the final norm (a new ``[T, hidden]``).
+        ``lora``: the step's ``LoRAMapping`` (its rows and segments, read during the call), or
+        None; only with ``has_lora``.
+
+        Raises:
+            ValueError: ``lora`` given to a plan without LoRA entries, or of another row count.
+        """
         T = x.shape[0]
         if T > self.struct.max_rows:
             self._grow(T)
+        m = self.struct
+        if lora is None:
+            m.lora_nseg = 0
+        else:
+            if not self.has_lora or lora.num_tokens != T:
+                raise ValueError(
+                    f"native decode: a LoRA mapping of {lora.num_tokens} rows for a {T}-row step "
+                    f"(plan has LoRA entries: {self.has_lora})"
+                )
+            # (LoRAMapping builds both contiguous int64, rows and slots in range)
+            m.lora_rows, m.lora_segs, m.lora_nseg = (
+                lora.rows.data_ptr(),
+                lora.segs.data_ptr(),
+                lora.segs.shape[0],
+            )
         out = torch.empty(T, self.hidden, dtype=x.dtype)
         p = torch.Tensor.data_ptr
         rc = self.fn(
@@ -466,8 +552,11 @@ class _StepPlan:
             p(out),
             torch.get_num_threads(),
         )
+        m.lora_nseg = 0  # (the mapping's arrays are not the table's to keep)
         if rc == native_layers.ENOMEM:
-            raise MemoryError(f"native decode: no memory for a quantized GEMM's scratch ({T} rows)")
+            raise MemoryError(
+                f"native decode: no memory for a quantized GEMM's or LoRA kernel's scratch ({T} rows)"
+            )
         if rc:
             raise RuntimeError(
                 f"native decode: the one-call step refused its dispatch table ({rc}, {T} rows)"
@@ -477,7 +566,8 @@ class _StepPlan:
 
 #: model -> ``(sentinel, {regime: _StepPlan or None}, quantized)``: the plans of each model,
 #: dropped when its linear weights are replaced (prepacked or quantized again: the sentinel is
-#: its first and last linear weight objects and its dtype).
+#: its first and last linear weight objects and its dtype) or LoRA slots are attached (the
+#: first layer's ``lora_stacks`` object).
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -493,18 +583,35 @@ def _regime(rows: int, quantized: bool) -> tuple:
     )
 
 
+def lora_kernel_seconds(model) -> float:
+    """Wall seconds the one-call steps of ``model`` have spent in the LoRA kernel so far (all
+    its plans; ``DLModel.lora_seconds``; 0.0 for None or a model without plans): what a profile of LoRA steps counts as the LoRA op
+    there, the calls being made from C."""
+    hit = None if model is None else _PLANS.get(model)
+    if hit is None:
+        return 0.0
+    return sum(p.struct.lora_seconds for p in hit[1].values() if p is not None)
+
+
 def step_plan(model, rows: int, kv_caches: list[torch.Tensor]) -> _StepPlan | None:
     """The one-call step's dispatch table for ``rows`` rows of ``model``, its caches bound to
     ``kv_caches``; None when the fused library is unavailable or a layer has no native kernel
     for this step (then the per-layer path runs)."""
     layers = model.layers
-    sentinel = (layers[0].self_attn.qkv_weight, layers[-1].mlp.down_weight, model.dtype)
+    # (the LoRA slots too: a manager attached after a plan was built gets new plans)
+    sentinel = (
+        layers[0].self_attn.qkv_weight,
+        layers[-1].mlp.down_weight,
+        model.dtype,
+        layers[0].self_attn.lora_stacks,
+    )
     hit = _PLANS.get(model)
     if (
         hit is None
         or hit[0][0] is not sentinel[0]
         or hit[0][1] is not sentinel[1]
         or hit[0][2] != sentinel[2]
+        or hit[0][3] is not sentinel[3]
     ):
         if not native_layers.available():
             return None

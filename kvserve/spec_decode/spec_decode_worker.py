@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.model_executor.layers import native_ops
 from kvserve.model_executor.sampler import Sampler, _Row
 from kvserve.sequence import (
     CompletionSequenceGroupOutput,
@@ -179,11 +180,18 @@ class SpecDecodeWorker:
             self.policy.set_regime(getattr(self.worker, "num_threads", None))
         t0, c0 = time.perf_counter(), time.thread_time()
         inp, hidden = runner.forward(run_metas, self.worker.cache_engine.gpu_cache)
-        outputs = runner.sample(run_metas, inp, hidden)
         accepted: dict[int, int] = {}
-        if verify:
-            accepted = self._verify(metas, verify, inp, hidden, outputs)
+        if verify and inp is not None and hidden is not None:
+            # One LM head call for the sampled rows and every verify position (each call
+            # reads all of the head's weights).
+            n_sampled = int(inp.sample_rows.shape[0])
+            with torch.inference_mode():
+                logits, pl_logits = runner.logits(inp, hidden, self._verify_rows(verify, inp))
+                outputs = runner.sample_logits(run_metas, inp, logits[:n_sampled], pl_logits)
+                accepted = self._verify(metas, verify, logits[n_sampled:], outputs)
             self._call_proposer("on_verified", accepted)
+        else:
+            outputs = runner.sample(run_metas, inp, hidden)
         if speculating:
             for md, out in zip(metas, outputs):
                 if not md.is_prompt and md.num_speculative_tokens > 0:
@@ -289,26 +297,29 @@ class SpecDecodeWorker:
             )
         return ok
 
-    def _verify(
-        self,
-        metas: list[SequenceGroupMetadata],
-        verify: list[_Verify],
-        inp: Any,
-        hidden: torch.Tensor,
-        outputs: list[CompletionSequenceGroupOutput],
-    ) -> dict[int, int]:
-        """Score every verify chunk's positions, accept, fill ``outputs``. Returns seq_id ->
-        accepted drafts."""
-        runner = self.worker.runner
-        sampler: Sampler = runner.sampler
+    @staticmethod
+    def _verify_rows(verify: list[_Verify], inp: Any) -> torch.Tensor:
+        """int64 indices of the forward's rows of every verify position, in ``verify`` order
+        (``len(drafts) + 1`` per entry)."""
         hidden_rows: list[int] = []
         for v in verify:
             start, end = inp.seq_rows[v.seq_id]
             assert end - start == len(v.drafts) + 1, (v.seq_id, start, end, len(v.drafts))
             hidden_rows.extend(range(start, end))
-        logits = runner.model.compute_logits(
-            hidden.index_select(0, torch.tensor(hidden_rows, dtype=torch.long, device=hidden.device))
-        ).float()
+        return torch.tensor(hidden_rows, dtype=torch.long, device=inp.sample_rows.device)
+
+    def _verify(
+        self,
+        metas: list[SequenceGroupMetadata],
+        verify: list[_Verify],
+        logits: torch.Tensor,
+        outputs: list[CompletionSequenceGroupOutput],
+    ) -> dict[int, int]:
+        """Score every verify chunk's positions (``logits``: float32 ``[sum(len(drafts) + 1),
+        vocab]``, the rows of ``_verify_rows``), accept, fill ``outputs``. Returns seq_id ->
+        accepted drafts."""
+        sampler: Sampler = self.worker.runner.sampler
+        logits = logits.float()
         vocab = logits.shape[1]
         offsets: list[int] = []
         off = 0
@@ -334,10 +345,18 @@ class SpecDecodeWorker:
                     )  # type: ignore[arg-type]
                 )
         adjusted = Sampler.adjust(logits, rows)
-        argmax = adjusted.argmax(dim=-1).tolist()
+        random_ids = [n for n, v in enumerate(verify) if not metas[v.index].sampling_params.is_greedy]
+        # All greedy: the sampler's fused argmax + logsumexp pass over the rows (the plain
+        # decode's own kernel, so an emitted token's logprob is computed as without
+        # speculation); torch's argmax over [rows, V] alone cost ~3 ms at 40 rows.
+        greedy_lps: list[float] | None = None
+        if not random_ids and native_ops.supported(adjusted):
+            tok, lp = native_ops.greedy_sample(adjusted)
+            argmax, greedy_lps = tok.tolist(), lp.tolist()
+        else:
+            argmax = adjusted.argmax(dim=-1).tolist()
 
         emitted: dict[int, list[int]] = {}  # verify index -> emitted token ids
-        random_ids = [n for n, v in enumerate(verify) if not metas[v.index].sampling_params.is_greedy]
         for n, v in enumerate(verify):
             if metas[v.index].sampling_params.is_greedy:
                 t = argmax[offsets[n] : offsets[n] + len(v.drafts) + 1]
@@ -358,11 +377,18 @@ class SpecDecodeWorker:
         # rows after a rejection need none, and a full log_softmax wrote all V of every row).
         kept = [emitted[n][: shortest[v.index]] for n, v in enumerate(verify)]
         sel_rows = [offsets[n] + j for n, toks in enumerate(kept) for j in range(len(toks))]
-        sel = torch.tensor(sel_rows, dtype=torch.long, device=adjusted.device)
-        sel_logits = adjusted.index_select(0, sel)
-        lse = sel_logits.logsumexp(dim=-1)
-        flat_toks = torch.tensor([t for toks in kept for t in toks], dtype=torch.long, device=adjusted.device)
-        all_lps = (sel_logits.gather(1, flat_toks.unsqueeze(1)).squeeze(1) - lse).tolist()
+        want_top = any(metas[v.index].sampling_params.logprobs is not None for v in verify)
+        if greedy_lps is not None and not want_top:
+            # every kept token is its row's argmax: greedy_sample gave its logprob
+            all_lps = [greedy_lps[r] for r in sel_rows]
+        else:
+            sel = torch.tensor(sel_rows, dtype=torch.long, device=adjusted.device)
+            sel_logits = adjusted.index_select(0, sel)
+            lse = sel_logits.logsumexp(dim=-1)
+            flat_toks = torch.tensor(
+                [t for toks in kept for t in toks], dtype=torch.long, device=adjusted.device
+            )
+            all_lps = (sel_logits.gather(1, flat_toks.unsqueeze(1)).squeeze(1) - lse).tolist()
         accepted: dict[int, int] = {}
         first_row = 0
         for n, v in enumerate(verify):

@@ -353,53 +353,6 @@ CAT(qtile_x4_, SFX)(const int planes, const int mr, const int nc, const uint8_t*
     }
 }
 
-/* Thread tid of nth's share of y = x @ W^T (+ bias) for W [N, K] in the x4 layout: x quantized
-   first into xa (M x x4_act_bytes): with `own` (few rows) every thread quantizes all rows into its
-   own xa, which costs less than the barrier it saves (~18 blocks a row at K = 576), else each
-   its share of rows into a shared xa, then a barrier. Then the threads split the groups of four
-   weight rows; per group every 4-row tile of x passes over its weights (~2.4 KB for K = 576:
-   they stay in L1), the weights of the group ~x4_prefetch_bytes ahead prefetched during the
-   first tile. */
-static inline __attribute__((always_inline)) void
-CAT(qgemm_x4_, SFX)(const int planes, const int own, const ELEM* x, const uint8_t* w, const ELEM* bias,
-                    ELEM* y, const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
-                    const int nth) {
-    const int64_t nb = K / QK, xs = x4_act_bytes(nb, planes);
-    if (own) {
-        for (int64_t r = 0; r < M; ++r) CAT(x4_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
-    } else {
-        for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
-            CAT(x4_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
-#pragma omp barrier
-    }
-    const int64_t G = (N + X4_ROWS - 1) / X4_ROWS, gq = nb * 128, gs = nb * 8;
-    const uint8_t* scales = w + G * gq;
-    const int64_t g_begin = G * tid / nth, g_end = G * (tid + 1) / nth;
-    const int64_t pfb = x4_prefetch_bytes;
-    const int64_t ahead = pfb <= 0 ? INT64_MAX : (pfb / (gq + gs) > 0 ? pfb / (gq + gs) : 1);
-    for (int64_t g = g_begin; g < g_end; ++g) {
-        const int64_t n = g * X4_ROWS;
-        const int nc = N - n < X4_ROWS ? (int)(N - n) : X4_ROWS;
-        const uint8_t* wq = w + g * gq;
-        const uint8_t* ws = scales + g * gs;
-        const uint8_t* pf = ahead < g_end - g ? wq + ahead * gq : NULL;
-        if (pf)
-            for (int64_t o = 0; o < gs; o += 64) __builtin_prefetch(ws + ahead * gs + o, 0, 3);
-        const ELEM* bg = bias ? bias + n : NULL;
-        for (int64_t m = 0; m < M; m += X4_MR) {
-            const uint8_t* xm = xa + m * xs;
-            ELEM* ym = y + m * N + n;
-            switch (M - m < X4_MR ? (int)(M - m) : X4_MR) {
-            case 4: CAT(qtile_x4_, SFX)(planes, 4, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            case 3: CAT(qtile_x4_, SFX)(planes, 3, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            case 2: CAT(qtile_x4_, SFX)(planes, 2, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            default: CAT(qtile_x4_, SFX)(planes, 1, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            }
-            pf = NULL; /* the first tile brought the later group in */
-        }
-    }
-}
-
 /* ---- int8 activations on the x4 layout of Q4_1 (quant_x4.h) --------------------------------- */
 
 /* One row of x quantized for the Q4_1 x4 kernels (act8_quant_block's values) into `out`
@@ -456,20 +409,32 @@ CAT(qtile_x4q_, SFX)(const int planes, const int mr, const int nc, const uint8_t
     }
 }
 
-/* qgemm_x4 for Q4_1 weights in the x4 layout (the same thread split, quantization and prefetch). */
+/* The per-type parts of qgemm_x4_drive (q41: a compile-time constant, so each branch folds away). */
+#define X4_QUANT_ROW(r)                                                                                      \
+    (q41 ? CAT(x4q_quant_row_, SFX)(planes, x + (r) * K, K, xa + (r) * xs)                                   \
+         : CAT(x4_quant_row_, SFX)(planes, x + (r) * K, K, xa + (r) * xs))
+#define X4_TILE(MR)                                                                                          \
+    (q41 ? CAT(qtile_x4q_, SFX)(planes, MR, nc, xm, xs, nb, wq, ws, pf, bg, ym, N)                           \
+         : CAT(qtile_x4_, SFX)(planes, MR, nc, xm, xs, nb, wq, ws, pf, bg, ym, N))
+/* Thread tid of nth's share of y = x @ W^T (+ bias) for W [N, K] in the x4 layout: x quantized
+   first into xa (M x x4_act_bytes): with `own` (few rows) every thread quantizes all rows into its
+   own xa, which costs less than the barrier it saves (~18 blocks a row at K = 576), else each
+   its share of rows into a shared xa, then a barrier. Then the threads split the groups of four
+   weight rows; per group every 4-row tile of x passes over its weights (~2.4 KB for K = 576:
+   they stay in L1), the weights of the group ~x4_prefetch_bytes ahead prefetched during the
+   first tile. */
 static inline __attribute__((always_inline)) void
-CAT(qgemm_x4q_, SFX)(const int planes, const int own, const ELEM* x, const uint8_t* w, const ELEM* bias,
-                     ELEM* y, const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
-                     const int nth) {
+CAT(qgemm_x4_drive_, SFX)(const int q41, const int planes, const int own, const ELEM* x, const uint8_t* w,
+                          const ELEM* bias, ELEM* y, const int64_t M, const int64_t N, const int64_t K,
+                          uint8_t* xa, const int tid, const int nth) {
     const int64_t nb = K / QK, xs = x4_act_bytes(nb, planes);
     if (own) {
-        for (int64_t r = 0; r < M; ++r) CAT(x4q_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
+        for (int64_t r = 0; r < M; ++r) X4_QUANT_ROW(r);
     } else {
-        for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
-            CAT(x4q_quant_row_, SFX)(planes, x + r * K, K, xa + r * xs);
+        for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r) X4_QUANT_ROW(r);
 #pragma omp barrier
     }
-    const int64_t G = (N + X4_ROWS - 1) / X4_ROWS, gq = nb * 64, gs = nb * 16;
+    const int64_t G = (N + X4_ROWS - 1) / X4_ROWS, gq = nb * (q41 ? 64 : 128), gs = nb * (q41 ? 16 : 8);
     const uint8_t* scales = w + G * gq;
     const int64_t g_begin = G * tid / nth, g_end = G * (tid + 1) / nth;
     const int64_t pfb = x4_prefetch_bytes;
@@ -487,14 +452,30 @@ CAT(qgemm_x4q_, SFX)(const int planes, const int own, const ELEM* x, const uint8
             const uint8_t* xm = xa + m * xs;
             ELEM* ym = y + m * N + n;
             switch (M - m < X4_MR ? (int)(M - m) : X4_MR) {
-            case 4: CAT(qtile_x4q_, SFX)(planes, 4, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            case 3: CAT(qtile_x4q_, SFX)(planes, 3, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            case 2: CAT(qtile_x4q_, SFX)(planes, 2, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
-            default: CAT(qtile_x4q_, SFX)(planes, 1, nc, xm, xs, nb, wq, ws, pf, bg, ym, N); break;
+            case 4: X4_TILE(4); break;
+            case 3: X4_TILE(3); break;
+            case 2: X4_TILE(2); break;
+            default: X4_TILE(1); break;
             }
             pf = NULL; /* the first tile brought the later group in */
         }
     }
+}
+#undef X4_QUANT_ROW
+#undef X4_TILE
+
+/* qgemm_x4_drive on a Q8_0 (qgemm_x4_) or a Q4_1 (qgemm_x4q_) weight in its x4 layout. */
+static inline __attribute__((always_inline)) void
+CAT(qgemm_x4_, SFX)(const int planes, const int own, const ELEM* x, const uint8_t* w, const ELEM* bias,
+                    ELEM* y, const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
+                    const int nth) {
+    CAT(qgemm_x4_drive_, SFX)(0, planes, own, x, w, bias, y, M, N, K, xa, tid, nth);
+}
+static inline __attribute__((always_inline)) void
+CAT(qgemm_x4q_, SFX)(const int planes, const int own, const ELEM* x, const uint8_t* w, const ELEM* bias,
+                     ELEM* y, const int64_t M, const int64_t N, const int64_t K, uint8_t* xa, const int tid,
+                     const int nth) {
+    CAT(qgemm_x4_drive_, SFX)(1, planes, own, x, w, bias, y, M, N, K, xa, tid, nth);
 }
 
 /* ---- large batch: a dequantized float32 panel and an outer-product micro-kernel ---------------- */

@@ -243,10 +243,14 @@ def test_long_tokenization_runs_off_the_event_loop(server):
     assert len(probe.lat) >= 10
     # Judged against each request's own duration, which a loaded machine stretches as much as
     # the pings: work done on the event loop would hold one ping for most of its request.
-    for start, end in ((t0, t1), (t1, t2)):
+    # Work on the loop would hold a ping sent during it for about half the request on average
+    # (median ~ duration / 2). /detokenize lasts only ~0.2 s, so its few pings also meet the
+    # loop's own parse of its JSON body: a median of 13 ms against a /20 bound of 9 ms failed a
+    # clean-clone run, hence /5 for it (still far below what work on the loop would give).
+    for start, end, div in ((t0, t1, 20), (t1, t2, 5)):
         lat = probe.during(start, end)
         assert len(lat) >= 3, (end - start, lat)  # /health was answered while it ran
-        assert statistics.median(lat) < (end - start) * 1000 / 20, (end - start, sorted(lat)[-5:])
+        assert statistics.median(lat) < (end - start) * 1000 / div, (end - start, sorted(lat)[-5:])
     # The worst ping only for the ~1 s tokenization: /detokenize lasts ~0.2 s, and parsing its
     # 360,000-id JSON body on the loop (the web framework's, inherent) held one ping 84 ms on CI.
     assert max(probe.during(t0, t1)) < (t1 - t0) * 1000 / 3, (t1 - t0, sorted(probe.during(t0, t1))[-5:])

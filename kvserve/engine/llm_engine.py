@@ -111,6 +111,10 @@ class LLMEngine:
         # request_id -> live group; request_id -> effective max_tokens. Emptied as requests end.
         self._groups: dict[str, SequenceGroup] = {}
         self._max_tokens: dict[str, int] = {}
+        # lora_int_id -> [the LoRARequest its live groups run with, how many]: an id may be
+        # read again from its path once evicted, so a request giving it another adapter
+        # would change (or fail) the ones already queued with it
+        self._live_loras: dict[int, list] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()  # the server compiles on a worker thread
@@ -216,7 +220,8 @@ class LLMEngine:
                 ``n > max_num_seqs``, prompt + max_tokens > max_model_len (see
                 ``validate_request``), a ``structured_outputs`` constraint that does not
                 compile (naming its field), a ``lora_request`` that is not a ``LoRARequest``, given
-                while LoRA is off, or whose adapter does not load (naming the path or the limit).
+                while LoRA is off, whose adapter does not load (naming the path or the limit),
+                or whose ``lora_int_id`` live requests use with another name or path.
                 Nothing is queued when it raises.
             RuntimeError: the engine was shut down.
         """
@@ -232,6 +237,7 @@ class LLMEngine:
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
         if lora_request is not None:
+            self._check_lora_id(lora_request)
             self.executor.add_lora(lora_request)  # checked above
         seq = Sequence(
             next_seq_id(),
@@ -258,6 +264,8 @@ class LLMEngine:
             group.generator = torch.Generator(device=self._device()).manual_seed(params.seed)
         self._groups[request_id] = group
         self._max_tokens[request_id] = max_tokens
+        if lora_request is not None:
+            self._live_loras.setdefault(lora_request.lora_int_id, [lora_request, 0])[1] += 1
         self.stats.on_request_added(len(prompt_ids))
         self.scheduler.add_seq_group(group)
 
@@ -266,11 +274,13 @@ class LLMEngine:
         """Load an adapter (validated) so requests can use it; False if it was loaded already.
 
         Raises:
-            ValueError: LoRA is not enabled, ``lora_request`` is not a ``LoRARequest``, or the
+            ValueError: LoRA is not enabled, ``lora_request`` is not a ``LoRARequest``, the
                 adapter is invalid (a missing file names the path, a too large rank
-                ``max_lora_rank``).
+                ``max_lora_rank``), or live requests use its ``lora_int_id`` with another
+                name or path.
         """
         self._check_lora_request(lora_request)
+        self._check_lora_id(lora_request)
         return bool(self.executor.add_lora(lora_request))
 
     def _check_lora_request(self, lora_request) -> None:
@@ -281,6 +291,18 @@ class LLMEngine:
             raise ValueError(
                 f"lora_request {lora_request.lora_name!r} given but LoRA is not enabled "
                 "(start the engine with enable_lora=True, --enable-lora)."
+            )
+
+    def _check_lora_id(self, lora_request: LoRARequest) -> None:
+        """Raises ValueError when live requests run with ``lora_request.lora_int_id`` under
+        another name or path (the adapter cache alone cannot tell once it evicted the id)."""
+        live = self._live_loras.get(lora_request.lora_int_id)
+        if live is not None and live[0] != lora_request:
+            known, n = live
+            raise ValueError(
+                f"lora_request.lora_int_id={lora_request.lora_int_id} is in use by {n} live "
+                f"request(s) with {known.lora_name!r} from {known.lora_path!r}; use another id "
+                f"for {lora_request.lora_name!r} ({lora_request.lora_path!r})."
             )
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -637,7 +659,12 @@ class LLMEngine:
         free_seqs = getattr(self.executor, "free_seqs", None)
         if free_seqs is not None:  # a speculating executor's per-sequence proposer state
             free_seqs([seq.seq_id for seq in group.get_seqs()])
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None and group.lora_request is not None:
+            live = self._live_loras.get(group.lora_request.lora_int_id)
+            if live is not None:
+                live[1] -= 1
+                if live[1] <= 0:
+                    del self._live_loras[group.lora_request.lora_int_id]
         self._max_tokens.pop(group.request_id, None)
         self.stats.on_request_finished(group, out)
         return out

@@ -6,7 +6,9 @@ one ``lora_B`` ``[out, r]`` per adapted linear, under names like
 ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. PEFT adds
 ``scale * B(A(x))`` to the linear's output, ``scale = lora_alpha / r`` (``lora_alpha /
 sqrt(r)`` with rsLoRA). Everything that would change that formula (DoRA, trained biases,
-``modules_to_save``, per-module rank or alpha patterns) is refused, not ignored.
+``modules_to_save``, per-module rank or alpha patterns, activated LoRA, replicated layers,
+QA-LoRA, BD-LoRA, trained token embeddings, LoRA on parameters, Arrow, KaSA, MonteCLoRA) is
+refused, not ignored.
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ def read_adapter_config(path: str) -> dict:
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
+        # RecursionError: arrays or objects nested past the parser's depth (a hostile file
+        # would otherwise end the server's load request with a 500)
         raise ValueError(f"{cfg_path}: not readable JSON ({e}).") from e
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object.")
@@ -165,6 +169,17 @@ def read_adapter_config(path: str) -> dict:
         ("rank_pattern", lambda v: bool(v), "per-module ranks are not supported"),
         ("alpha_pattern", lambda v: bool(v), "per-module alphas are not supported"),
         ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out layouts are not supported"),
+        # PEFT options that change the forward pass beyond ``scale * B(A(x))`` on every token:
+        # loading their A / B as a plain LoRA would serve other outputs without a word
+        ("alora_invocation_tokens", lambda v: bool(v), "activated LoRA (aLoRA) is not supported"),
+        ("layer_replication", lambda v: bool(v), "replicated layers are not supported"),
+        ("use_qalora", lambda v: bool(v), "QA-LoRA adapters are not supported"),
+        ("use_bdlora", lambda v: bool(v), "block-diagonal LoRA (BD-LoRA) is not supported"),
+        ("trainable_token_indices", lambda v: bool(v), "trained token embeddings are not supported"),
+        ("target_parameters", lambda v: bool(v), "LoRA on parameters (not linears) is not supported"),
+        ("arrow_config", lambda v: bool(v), "Arrow routing is not supported"),
+        ("kasa_config", lambda v: bool(v), "KaSA adapters are not supported"),
+        ("monteclora_config", lambda v: bool(v), "MonteCLoRA adapters are not supported"),
     )
     for key, bad, why in refused:
         if key in cfg and bad(cfg[key]):
@@ -229,7 +244,12 @@ def load_peft_adapter(
             raise ValueError(f"{wpath}: {name!r} targets {module}, which target_modules does not list.")
         if layer >= shapes.num_layers:
             raise ValueError(f"{wpath}: {name!r} is for layer {layer}; the model has {shapes.num_layers}.")
-        parts.setdefault((layer, module), {})[ab] = t
+        got = parts.setdefault((layer, module), {})
+        if ab in got:
+            # e.g. ``...lora_A.weight`` and ``...lora_A.default.weight``: which one PEFT would
+            # apply is not ours to guess
+            raise ValueError(f"{wpath}: layer {layer} {module} has more than one lora_{ab} ({name!r}).")
+        got[ab] = t
     if not parts:
         raise ValueError(f"{wpath}: no LoRA weights.")
     model = LoRAModel(lora_int_id=lora_int_id, rank=0, scaling=scaling, path=path)

@@ -146,6 +146,42 @@ def test_adapter_vanishing_from_disk_after_eviction_fails_only_its_request(llm, 
     assert_idle(eng)
 
 
+def test_an_id_reused_for_another_adapter_while_requests_hold_it_is_refused(llm, tmp_path, shapes):
+    """Once an id is evicted from the CPU cache, the cache would read another adapter under
+    it; a request queued with the first adapter would then run with the second's weights,
+    or fail in its step. The engine refuses the second while the first's requests live
+    (add_request and add_lora alike), and takes it once they have ended."""
+    eng = llm.llm_engine
+    first = LoRARequest("first", 41, _good(tmp_path, shapes, "first", seed=11))
+    other = LoRARequest("other", 41, _good(tmp_path, shapes, "other", seed=12))
+    ref = _tokens(llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False, lora_request=first))[0]
+    eng.remove_lora(41)  # out of its device slot too
+    eng.add_request("held", PROMPTS[0], PARAMS, lora_request=first)
+    for i in (42, 43):  # max_cpu_loras=2: id 41 is evicted from the CPU cache
+        eng.add_lora(LoRARequest(f"e{i}", i, _good(tmp_path, shapes, f"e{i}", seed=i)))
+    assert 41 not in eng.list_loras()
+    with pytest.raises(ValueError, match=r"lora_int_id=41 is in use by 1 live request\(s\) with 'first'"):
+        eng.add_request("thief", PROMPTS[1], PARAMS, lora_request=other)
+    with pytest.raises(ValueError, match=r"lora_int_id=41 is in use .*use another id for 'other'"):
+        eng.add_lora(other)
+    eng.add_request("same", PROMPTS[0], PARAMS, lora_request=first)  # the same adapter is fine
+    finals = {}
+    for _ in range(100):
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
+    assert set(finals) == {"held", "same"}
+    assert all(f.outcome == "finished" and f.outputs[0].token_ids == ref for f in finals.values())
+    assert_idle(eng)
+    assert eng._live_loras == {}
+    # no request holds id 41 now: once unloaded it may name another adapter again
+    eng.remove_lora(41)
+    assert len(_tokens(llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False, lora_request=other))[0]) == 6
+    assert eng._live_loras == {}
+
+
 def test_remove_lora_unloads_and_a_later_request_reloads(llm, tmp_path, shapes):
     eng = llm.llm_engine
     r = LoRARequest("rm", 30, _good(tmp_path, shapes, "rm", seed=3))

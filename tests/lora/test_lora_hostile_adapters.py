@@ -158,3 +158,48 @@ def test_fuzzed_non_finite_weights_and_alpha_load_finite_or_raise(tmp_path_facto
         return
     for a, b in m.weights.values():
         assert bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
+
+
+def test_config_nested_past_the_parsers_depth_is_a_value_error(tmp_path):
+    p = _adapter(tmp_path, "deep")
+    with open(os.path.join(p, "adapter_config.json"), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"adapter_config.json: not readable JSON"):
+        load_peft_adapter(p, 1, SHAPES, 16)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("alora_invocation_tokens", [1, 2], "activated LoRA"),
+        ("layer_replication", [[0, 2], [0, 2]], "replicated layers"),
+        ("use_qalora", True, "QA-LoRA"),
+        ("use_bdlora", {"target_modules_bd_a": ["q_proj"]}, "BD-LoRA"),
+        ("trainable_token_indices", [3, 4], "trained token embeddings"),
+        ("target_parameters", ["mlp.experts.gate_up_proj"], "LoRA on parameters"),
+        ("arrow_config", {"top_k": 2}, "Arrow"),
+        ("kasa_config", {}, None),  # empty: off
+        ("monteclora_config", {"n": 4}, "MonteCLoRA"),
+    ],
+)
+def test_peft_options_that_change_the_forward_are_refused_by_name(tmp_path, field, value, match):
+    """Plain A / B weights but a config whose forward is not ``scale * B(A(x))`` on every
+    token (aLoRA only adapts tokens after its invocation, ...): serving them as a plain LoRA
+    would give other outputs than PEFT without a word."""
+    p = _adapter(tmp_path, "v", **{field: value})
+    if match is None:
+        load_peft_adapter(p, 1, SHAPES, 16)
+        return
+    with pytest.raises(ValueError, match=rf"{field}=.*{match}"):
+        load_peft_adapter(p, 1, SHAPES, 16)
+
+
+def test_two_weights_for_one_lora_matrix_are_refused(tmp_path):
+    """``...lora_A.weight`` and ``...lora_A.default.weight`` of one linear: the second used to
+    replace the first silently."""
+    t = lora_tensors(2, SHAPES.in_out, 4, ("q_proj",))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    t[key.replace("lora_A.weight", "lora_A.default.weight")] = t[key] * 5
+    p = write_adapter(tmp_path / "dup", _config(target_modules=["q_proj"]), t)
+    with pytest.raises(ValueError, match=r"layer 0 q_proj has more than one lora_A"):
+        load_peft_adapter(p, 1, SHAPES, 16)

@@ -403,6 +403,9 @@ def test_a_request_admitted_before_the_unload_is_refused_with_404(server, adapte
         ("no-config", lambda err, path: path in err["message"] and "adapter_config.json" in err["message"]),
         ("missing-dir", lambda err, path: path in err["message"] and "not a directory" in err["message"]),
         ("target", lambda err, path: "embed_tokens" in err["message"]),
+        # nested past the JSON parser's depth: was a RecursionError, a 500
+        ("deep-json", lambda err, path: path in err["message"] and "not readable JSON" in err["message"]),
+        ("alora", lambda err, path: "alora_invocation_tokens" in err["message"]),
     ],
 )
 def test_bad_adapter_load_is_400_naming_the_limit_or_path(server, tmp_path, shapes, kind, check):
@@ -415,6 +418,12 @@ def test_bad_adapter_load_is_400_naming_the_limit_or_path(server, tmp_path, shap
         (tmp_path / kind).mkdir()
     elif kind == "target":
         write_adapter(path, _cfg(targets=["q_proj", "embed_tokens"]), {})
+    elif kind == "deep-json":
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "alora":
+        t = lora_tensors(shapes.num_layers, shapes.in_out, 4, TARGETS)
+        write_adapter(path, _cfg(alora_invocation_tokens=[5, 6]), t)
     loaded = set(server.engine.list_loras())
     with server.http() as h:
         err = _error(

@@ -162,7 +162,8 @@ class Sequence:
 
     ``block_size`` is in tokens; ``n_blocks`` is how many KV blocks its tokens span.
     ``lora_int_id`` is the adapter its K/V are computed with (0 = the base model; set from
-    the group): the prefix cache keys its blocks by it.
+    the group, with ``lora_request``, None for the base model or a sequence outside a group):
+    the prefix cache keys its blocks by both.
     """
 
     def __init__(
@@ -177,6 +178,7 @@ class Sequence:
         self.seq_id = seq_id
         self.data = SequenceData(prompt_token_ids)
         self.lora_int_id = lora_int_id
+        self.lora_request: LoRARequest | None = None
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.prompt = prompt
@@ -235,6 +237,7 @@ class Sequence:
             self.prompt,
             lora_int_id=self.lora_int_id,
         )
+        child.lora_request = self.lora_request
         child.data = self.data.copy()
         child.status = self.status
         child.output_text = self.output_text
@@ -314,6 +317,7 @@ class SequenceGroup:
         self.lora_request = lora_request
         for seq in seqs:
             seq.lora_int_id = self.lora_int_id
+            seq.lora_request = lora_request
         self.seqs_dict: dict[int, Sequence] = {s.seq_id: s for s in seqs}
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
@@ -412,6 +416,7 @@ class SequenceGroup:
 
     def add(self, seq: Sequence) -> None:
         seq.lora_int_id = self.lora_int_id
+        seq.lora_request = self.lora_request
         self.seqs_dict[seq.seq_id] = seq
 
     def remove(self, seq_id: int) -> None:

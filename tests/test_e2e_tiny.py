@@ -62,6 +62,7 @@ def assert_idle(engine):
     s = engine.scheduler
     assert not s.waiting and not s.running and not s.swapped
     assert not engine._groups and not engine._max_tokens
+    assert not getattr(engine, "_live_loras", None)  # no adapter id held by a request
 
 
 def greedy(max_tokens=MAX_NEW, **kw):

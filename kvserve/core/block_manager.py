@@ -90,11 +90,13 @@ class AllocationPlan:
     _cow_last: bool = False
 
 
-def lora_chain_seed(lora_int_id: int) -> Hashable | None:
-    """The ``parent`` of block 0's hash for a sequence running with adapter ``lora_int_id``:
-    None for the base model (0), so its hashes are unchanged by LoRA support; a value no block
-    hash equals otherwise, so chains of different adapters never meet."""
-    return ("lora", lora_int_id) if lora_int_id else None
+def lora_chain_seed(lora_int_id: int, lora_request: Hashable | None = None) -> Hashable | None:
+    """The ``parent`` of block 0's hash for a sequence running with adapter ``lora_int_id``
+    (``lora_request``: its ``LoRARequest``, name and path included): None for the base model
+    (0), so its hashes are unchanged by LoRA support; a value no block hash equals otherwise,
+    so chains of different adapters never meet, also when an id unloaded from the engine
+    comes back naming another adapter (its old blocks may still be cached)."""
+    return ("lora", lora_int_id, lora_request) if lora_int_id else None
 
 
 def chain_block_hashes(
@@ -179,12 +181,12 @@ class BlockSpaceManager:
     # ================================================================== hashing
     def _get_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chained content hashes of ``seq``'s first ``num_blocks`` full blocks; the first
-        block's hash is seeded with ``seq.lora_int_id`` when it runs with an adapter (the base
+        block's hash is seeded with ``seq``'s adapter when it runs with one (the base
         model's chain is seeded with None, as before adapters existed)."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
             tokens = seq.get_token_ids()[: num_blocks * self.block_size]
-            parent = hashes[-1] if hashes else lora_chain_seed(seq.lora_int_id)
+            parent = hashes[-1] if hashes else lora_chain_seed(seq.lora_int_id, seq.lora_request)
             hashes.extend(chain_block_hashes(tokens, self.block_size, len(hashes), parent))
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 

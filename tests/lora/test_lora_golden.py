@@ -160,3 +160,33 @@ def test_speculative_decoding_with_adapters_equals_peft(tiny_llama_dir, adapters
         compare(o.outputs[0].token_ids, ref)
     assert llm.llm_engine.stats.spec_num_draft_tokens > 0  # verify chunks did run
     assert_idle(llm.llm_engine)
+
+
+@pytest.mark.parametrize("alpha, rslora", [(0.0, False), (-16.0, False), (-3.5, True)])
+def test_zero_and_negative_alpha_equal_peft(tiny_hf_model, tiny_llama_dir, prompts, tmp_path, alpha, rslora):
+    """lora_alpha 0 (the adapter adds nothing) and negative (it subtracts) are valid PEFT
+    configs: served as PEFT computes them, not refused and not clamped."""
+    base = tiny_hf_model.cpu()
+    path = make_peft_adapter(
+        base, tmp_path / "a", 4, ["q_proj", "v_proj", "gate_proj"], alpha, rslora, seed=9
+    )
+    ref_model = peft_reference(base, path).to(TEST_DEVICE)
+    tiny_hf_model.to(TEST_DEVICE)
+    refs = [hf_greedy(ref_model, p, MAX_NEW) for p in prompts[:3]]
+    llm = LLM(model=str(tiny_llama_dir), max_loras=1, **ENGINE)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:3]],
+        SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=LoRARequest("a", 1, path),
+    )
+    for o, ref in zip(outs, refs):
+        compare(o.outputs[0].token_ids, ref)
+    if alpha == 0.0:  # scale 0: exactly the base model
+        plain = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:3]],
+            SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert_idle(llm.llm_engine)

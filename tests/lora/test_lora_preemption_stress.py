@@ -110,3 +110,40 @@ def test_prefix_cache_never_serves_one_adapters_blocks_to_another(tiny_llama_dir
         ref = plain.generate([prompt], PARAMS, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
         assert all(t == ref for t in got[lora and lora.lora_name]), lora
     assert len({tuple(v[0]) for v in got.values()}) == 3  # the adapters do change the output
+
+
+def test_an_unloaded_id_naming_another_adapter_never_hits_the_old_adapters_blocks(tiny_llama_dir, tmp_path):
+    """remove_lora, then the same lora_int_id for another adapter (allowed once no request
+    holds it): the blocks the first adapter left in the prefix cache were keyed by the id
+    alone, so the second one's prompt hit all of them and decoded from the first adapter's
+    K/V. Same prompt, same id: the second adapter's tokens equal a cache-free run."""
+    shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 64, "target_modules": ["k_proj", "v_proj"]}
+    first, second = (
+        LoRARequest(
+            name,
+            7,
+            write_adapter(
+                tmp_path / name,
+                cfg,
+                lora_tensors(shapes.num_layers, shapes.in_out, 4, ("k_proj", "v_proj"), seed=seed),
+            ),
+        )
+        for name, seed in (("first", 1), ("second", 2))
+    )
+    prompt = {"prompt_token_ids": list(range(20, 37))}  # 4 full blocks of 4 and one token
+    kw = dict(model=str(tiny_llama_dir), enable_lora=True, max_loras=1, max_lora_rank=4, block_size=4)
+    cached = LLM(enable_prefix_caching=True, **kw)
+    cached.generate([prompt], PARAMS, use_tqdm=False, lora_request=first)
+    assert cached.llm_engine.remove_lora(7)
+    out = cached.generate([prompt], PARAMS, use_tqdm=False, lora_request=second)[0]
+    assert out.num_cached_tokens == 0  # nothing of the first adapter's was reused
+    again = cached.generate([prompt], PARAMS, use_tqdm=False, lora_request=second)[0]
+    assert again.num_cached_tokens == 16  # the second adapter's own blocks are
+    plain = LLM(enable_prefix_caching=False, **kw)
+    ref = plain.generate([prompt], PARAMS, use_tqdm=False, lora_request=second)[0].outputs[0].token_ids
+    plain.llm_engine.remove_lora(7)
+    first_ref = plain.generate([prompt], PARAMS, use_tqdm=False, lora_request=first)[0].outputs[0].token_ids
+    assert ref != first_ref  # the adapters do change the output
+    assert out.outputs[0].token_ids == ref and again.outputs[0].token_ids == ref
+    assert_idle(cached.llm_engine)

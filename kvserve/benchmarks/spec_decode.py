@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--w64-prompts", type=int, default=None, help="first N w64 requests (default all)")
     p.add_argument("--w64-max-output", type=int, default=None, help="cap w64 output lengths")
-    p.add_argument("--num-speculative-tokens", type=int, default=8, help="k: the most drafts per sequence and step")
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=8, help="k: the most drafts per sequence and step"
+    )
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--write-workload", default=None, help="also write the input-grounded workload JSONL here")

@@ -247,7 +247,7 @@ class SpecDecodeWorker:
 
                 cap = uniform_kernel_rows(model)
             self._row_cap = cap
-        return self._row_cap  # type: ignore[return-value]
+        return None if self._row_cap is False else self._row_cap
 
     def _cap_rows(
         self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]

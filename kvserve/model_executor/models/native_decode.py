@@ -133,6 +133,7 @@ def uniform_kernel_rows(model) -> int | None:
         weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
     limit: int | None = None
     for w in weights:
+        lim: int | None
         if isinstance(w, amx_gemm.AmxWeight):
             lim = amx_gemm.MAX_ROWS
         elif isinstance(w, native_gemm.PanelWeight):

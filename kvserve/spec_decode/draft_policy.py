@@ -122,6 +122,9 @@ class DynamicDraftPolicy:
         self.num_candidates = 0
         self.num_chosen_drafts = 0
         self._match_len: dict[int, int | None] = {}  # seq_id -> class of this step's drafts
+        #: most query rows a step may have with its drafts (None: no cap); the worker sets it
+        #: to the rows past which the target's kernels change (``uniform_kernel_rows``)
+        self.max_rows: int | None = None
 
     def _allocate(
         self, metas: list[SequenceGroupMetadata], cands: list[DraftCandidate], pinned_rows: int = 0
@@ -143,7 +146,10 @@ class DynamicDraftPolicy:
         if prefill and n_dec > 0:
             tokens = cost(base) * n_dec / cm.cost(n_dec, False)
         depth = self.depth_cost_s
-        ks = allocate_draft_lengths(cands, base, cost, depth, margin=self.margin, base_tokens=tokens)
+        cap = None if self.max_rows is None else max(0, self.max_rows - base)
+        ks = allocate_draft_lengths(
+            cands, base, cost, depth, max_total=cap, margin=self.margin, base_tokens=tokens
+        )
         observed = getattr(cm, "is_observed", None)
         samples = getattr(cm, "num_samples", None)
         if samples is not None and not prefill and samples(base, False) < BASE_SAMPLES:
@@ -164,7 +170,14 @@ class DynamicDraftPolicy:
             # more than the optimum), unless that is expected to cost more than a tenth of
             # the step's goodput (exploring then costs < 1% over explore_interval steps).
             more = allocate_draft_lengths(
-                cands, base, cost, depth, explore_extra=self.k, margin=self.margin, base_tokens=tokens
+                cands,
+                base,
+                cost,
+                depth,
+                max_total=cap,
+                explore_extra=self.k,
+                margin=self.margin,
+                base_tokens=tokens,
             )
             g_best = step_goodput(cands, ks, base, cost, depth, tokens)
             if step_goodput(cands, more, base, cost, depth, tokens) >= 0.9 * g_best:

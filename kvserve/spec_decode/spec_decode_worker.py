@@ -40,7 +40,7 @@ from kvserve.sequence import (
     SequenceGroupMetadata,
     SequenceOutput,
 )
-from kvserve.spec_decode.draft_policy import DynamicDraftPolicy, has_prompt, step_rows
+from kvserve.spec_decode.draft_policy import DynamicDraftPolicy, base_rows, has_prompt, step_rows
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.spec_decode.rejection_sampler import rejection_sample
 from kvserve.structured_output.bitmask import apply_token_bitmask_
@@ -132,6 +132,7 @@ class SpecDecodeWorker:
             self.policy.use_cpu_time = str(getattr(worker, "device", "cpu")).startswith("cpu")
         self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
         self._warned_bad_proposal = False
+        self._row_cap: int | None | bool = False  # False: not computed yet (``_max_rows``)
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes this object lacks: the wrapped worker's.
@@ -171,7 +172,9 @@ class SpecDecodeWorker:
         speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
         proposals: dict[int, Proposal] = {}
         if speculating:
-            proposals = self._propose(req)
+            if self.policy is not None:
+                self.policy.max_rows = self._max_rows()
+            proposals = self._cap_rows(metas, self._propose(req))
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
@@ -232,6 +235,50 @@ class SpecDecodeWorker:
         depth = max((len(p.token_ids) for p in proposals.values()), default=0)
         policy.observe_proposer(depth, time.perf_counter() - t0)
         return proposals
+
+    def _max_rows(self) -> int | None:
+        """The most rows a step may have with its drafts: the target's
+        ``native_decode.uniform_kernel_rows`` (None: no cap, e.g. float32), computed once."""
+        if self._row_cap is False:
+            model = getattr(getattr(self.worker, "runner", None), "model", None)
+            cap = None
+            if model is not None and hasattr(model, "layers") and hasattr(model, "lm_head"):
+                from kvserve.model_executor.models.native_decode import uniform_kernel_rows
+
+                cap = uniform_kernel_rows(model)
+            self._row_cap = cap
+        return None if self._row_cap is False else self._row_cap
+
+    def _cap_rows(
+        self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]
+    ) -> dict[int, Proposal]:
+        """``proposals`` cut so that the step's rows (prefill chunks, one per decode, and every
+        group's padded drafts) stay within ``_max_rows``: past it the target's kernels change
+        and an accepted draft's K/V would not be the plain decode's, so greedy output could
+        drift from speculation off. Groups in metadata order take what is left; a step whose
+        plain rows already exceed the cap verifies nothing."""
+        cap = self._max_rows()
+        if cap is None or not proposals:
+            return proposals
+        budget = cap - base_rows(metas)
+        out: dict[int, Proposal] = {}
+        for md in metas:
+            if md.is_prompt or md.num_speculative_tokens < 1:
+                continue
+            ps = {sid: proposals[sid] for sid in md.seq_data if sid in proposals and proposals[sid].token_ids}
+            if not ps:
+                continue
+            # the group's sequences share one chunk length (padded): m rows for each
+            n = len(md.seq_data)
+            m = min(max(len(p.token_ids) for p in ps.values()), max(0, budget) // n)
+            if m < 1:
+                continue
+            budget -= m * n
+            for sid, p in ps.items():
+                out[sid] = Proposal(
+                    list(p.token_ids[:m]), None if p.probs is None else p.probs[:m], p.match_len
+                )
+        return out
 
     def _verify_chunks(
         self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]

@@ -60,3 +60,19 @@ def test_bench_smoke_on_tiny_model(tiny_llama_dir, tmp_path, capsys):
 
     (png,) = plots_from_result(saved, tmp_path / "plots")
     assert png.endswith("spec_decode.png") and (tmp_path / "plots" / "spec_decode.png").stat().st_size > 1000
+
+
+def test_bench_rounds_alternate_and_report_the_best(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--scenarios", "single"]
+    argv += ["--num-requests", "2", "--prompt-len", "24", "--output-len", "5", "--methods", "off,ngram-fixed"]
+    argv += ["--rounds", "2", "--num-speculative-tokens", "3", "--json-out", str(out)]
+    assert main(argv) == 0
+    assert "each of the 2 rounds" in capsys.readouterr().out
+    res = json.loads(out.read_text())["results"]["single"]
+    for r in res.values():
+        rounds = r["rounds_output_tok_s"]
+        assert len(rounds) == 2 and r["output_tok_s"] == max(rounds) > 0
+        assert r["output_tokens"] == 2 * 5 and r["same_tokens_as_off"] is True
+    assert res["ngram-fixed"]["speedup"] == res["ngram-fixed"]["output_tok_s"] / res["off"]["output_tok_s"]
+    assert main(argv[:-2] + ["--rounds", "0"]) == 2

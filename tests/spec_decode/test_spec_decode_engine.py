@@ -683,3 +683,61 @@ def test_dynamic_false_keeps_the_fixed_k_behaviour(tiny_llama_dir, reference):
     for rid, out in finals.items():
         assert out.outputs[0].token_ids == reference[rid], rid
     assert sum(out.spec_num_draft_tokens for out in finals.values()) > 0
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_steps_never_cross_the_kernel_row_limit(tiny_llama_dir, reference, dynamic):
+    """Where the target's kernels change past some row count (bfloat16: AMX tiles or panels up
+    to 64 / 16 rows, oneDNN above, which rounds differently), a speculative step keeps its rows
+    within it: the drafts are cut, and a step whose plain rows already exceed it verifies
+    nothing; greedy output equals speculation off and drafts are still accepted."""
+    eng = make_engine(tiny_llama_dir, ngram(dynamic=dynamic), block_size=4, num_gpu_blocks=128)
+    ex = eng.executor
+    if dynamic:
+        ex.policy.cost_model = _FixedCost(1.0, 0.0)  # free rows: the cap is what limits drafts
+    cap = len(PROMPTS) + 3
+    ex._row_cap = cap
+    runner = ex.worker.runner
+    real_forward = runner.forward
+    seen: list[tuple[int, int, bool]] = []  # (rows, plain rows, has a verify chunk)
+
+    def forward(metas, caches):
+        rows = sum(md.token_chunk_size * len(md.seq_data) for md in metas)
+        plain = sum((md.token_chunk_size if md.is_prompt else 1) * len(md.seq_data) for md in metas)
+        seen.append((rows, plain, rows > plain))
+        return real_forward(metas, caches)
+
+    runner.forward = forward
+    finals, _ = drain(eng, [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for rid, out in finals.items():
+        assert out.outputs[0].token_ids == reference[rid], rid
+    assert all(rows <= cap for rows, _, verify in seen if verify)
+    assert any(verify and rows == cap for rows, _, verify in seen)  # drafts were cut to fit
+    assert any(plain > cap for _, plain, _ in seen)  # (the prefill steps) ...
+    assert not any(verify for _, plain, verify in seen if plain >= cap)  # ... verified nothing
+    assert sum(out.spec_num_accepted_tokens for out in finals.values()) > 0
+
+
+def test_uniform_kernel_rows_is_the_smallest_switching_weight():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvserve.model_executor.layers import native_gemm
+    from kvserve.model_executor.models.native_decode import uniform_kernel_rows
+
+    def panel(max_rows=None):
+        w = torch.randn(48, 32)
+        return native_gemm.PanelWeight(w, large=None if max_rows is None else w, max_rows=max_rows)
+
+    def model(head, down):
+        layer = SimpleNamespace(
+            self_attn=SimpleNamespace(qkv_weight=panel(), o_weight=panel()),
+            mlp=SimpleNamespace(gate_up_weight=panel(), down_weight=down),
+        )
+        return SimpleNamespace(lm_head=head, layers=[layer, layer])
+
+    assert uniform_kernel_rows(model(panel(), panel())) is None  # float32 panels: any rows
+    assert uniform_kernel_rows(model(panel(), panel(16))) == 16
+    assert uniform_kernel_rows(model(panel(24), panel(16))) == 16
+    assert uniform_kernel_rows(model(torch.randn(48, 32), panel())) is None  # plain / oneDNN

@@ -114,6 +114,37 @@ _WEIGHT_BYTES = {
 }
 
 
+def uniform_kernel_rows(model) -> int | None:
+    """The most rows a step may have for every linear layer (LM head included) to run the same
+    kernel as at one row, or None when the kernel does not depend on the row count.
+
+    Why: a row's numbers are bit-identical across steps only while its kernels are; past this
+    count a bfloat16 step leaves ``amx_gemm`` (``amx_gemm.MAX_ROWS``) or the bfloat16 panels
+    (``PanelWeight.max_rows``) for oneDNN, which rounds some outputs differently (the default
+    model's gate/up projection: 1 row in 8 differs). A speculative step that crosses it computes
+    the K/V of accepted drafts with other numbers than the plain decode steps would, and greedy
+    output drifts from speculation off (issue 13: 3 of 8 requests at 8 concurrent in bfloat16).
+    float32 panels take every row count: None. Quantized weights: None (their kernels switch at
+    ``quant_gemm.PANEL_ROWS``, not covered here).
+    """
+    weights = [model.lm_head]
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
+    limit: int | None = None
+    for w in weights:
+        lim: int | None
+        if isinstance(w, amx_gemm.AmxWeight):
+            lim = amx_gemm.MAX_ROWS
+        elif isinstance(w, native_gemm.PanelWeight):
+            lim = w.max_rows
+        else:
+            lim = None
+        if lim is not None:
+            limit = lim if limit is None else min(limit, lim)
+    return limit
+
+
 def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata, num_tokens: int) -> bool:
     """True when ``forward_layers`` can run this step (see the module doc)."""
     nd = meta.native_decode

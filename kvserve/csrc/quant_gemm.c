@@ -283,12 +283,13 @@ static inline int64_t act8_row_bytes(const int64_t K, const int planes) {
 }
 
 /* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
-   quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x),
+   quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x, 3 and
+   4: the AMX kernel's B tiles of x and dequantized A tiles),
    kept between calls (OpenMP's threads persist) so a call does not page-fault a fresh mmap;
    NULL when out of memory. */
 static void* scratch(const int slot, const size_t bytes) {
-    static __thread void* buf[3];
-    static __thread size_t cap[3];
+    static __thread void* buf[5];
+    static __thread size_t cap[5];
     if (cap[slot] < bytes || !buf[slot]) { /* (0 rows: still a buffer, so NULL means no memory) */
         free(buf[slot]);
         const size_t n = (bytes + 64) / 64 * 64;
@@ -327,9 +328,20 @@ static inline __attribute__((always_inline)) void pair_scales(const int qt, cons
 }
 
 #include "quant_x4.h"
+#include "quant_amx.h"
 
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
 #include "kv_instantiate.h"
+
+/* 1 when the AMX kernels (quant_amx.h) were built (the CPU may still refuse the tiles: the caller
+   asks amx_gemm's amx_init first), else 0. */
+int quant_amx_built(void) {
+#ifdef QAMX
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Which int8 dot product the act8 kernels compiled to: 2 AVX-512 VNNI, 1 AVX2, 0 scalar. */
 int quant_act8_isa(void) { return DOT8_ISA; }

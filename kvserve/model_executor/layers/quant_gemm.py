@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.model_executor.layers import amx_gemm
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary, check_linear_inputs
 
 #: Weights per block of the 32-weight types (the unit of ``quantize_q8_0``).
@@ -76,6 +77,10 @@ for _s in DTYPE_SUFFIX.values():
         _SIGS[f"quant_gemm_act8x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
         _SIGS[f"quant_gemm_act16x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
     _SIGS[f"quant_gemm_panelx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    _SIGS[f"quant_gemm_amxx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    for _t in BLOCK_BYTES:
+        _SIGS[f"quant_gemm_amx_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+_SIGS["quant_amx_built"] = []
 _SIGS["quant_act8_isa"] = []
 _SIGS["quant_x4_set_prefetch"] = [ctypes.c_int]
 _SIGS["quant_stream_read"] = [_P, _I, ctypes.c_int, _I]
@@ -90,7 +95,7 @@ PANEL_ROWS = 16
 #: Environment variable choosing the activation mode (``float`` or ``int8``; unset: the default).
 ACT_ENV = "KVSERVE_QUANT_ACT"
 ACT_MODES = ("float", "int8")
-_KERNELS = ("tile", "act8", "act16", "panel", "act8_gguf", "act16_gguf")
+_KERNELS = ("tile", "act8", "act16", "panel", "amx", "act8_gguf", "act16_gguf")
 #: Kernels on int8 activations (``ACT8_TYPES`` only).
 _INT8_KERNELS = ("act8", "act16", "act8_gguf", "act16_gguf")
 #: Weight rows per group of the x4 layout (``pack_x4``).
@@ -100,6 +105,17 @@ X4_TYPES = ("q8_0", "q4_1")
 #: Environment variable: ``0`` keeps Q4_1 weights on their GGUF-layout int8 kernels (no x4 copy;
 #: for comparisons), anything else or unset: the x4 layout.
 X4_ENV = "KVSERVE_QUANT_X4"
+
+
+#: Rows from which ``linear`` runs the AMX kernel (weights dequantized into bfloat16 tiles,
+#: ``csrc/quant_amx.h``) where ``amx_enabled()``; tuned with benchmarks/quantized.py --kernels.
+AMX_ROWS = 16
+#: Weight types the AMX kernel serves (``amx_enabled()``); the others keep the float panels.
+AMX_TYPES = tuple(BLOCK_BYTES)
+#: Environment variable: ``0`` turns the AMX kernel off (the float panels run from
+#: ``PANEL_ROWS`` rows, as on a CPU without AMX; for A/B comparisons), unset or anything else: on
+#: where ``amx_supported()``.
+AMX_ENV = "KVSERVE_QUANT_AMX"
 
 
 def available() -> bool:
@@ -115,6 +131,28 @@ def act8_isa() -> str | None:
     fn = _LIB.fn("quant_act8_isa")
     fn.restype = ctypes.c_int
     return {2: "avx512-vnni", 1: "avx2"}.get(int(fn()), "scalar")
+
+
+_amx_ok: bool | None = None
+
+
+def amx_supported() -> bool:
+    """Whether the AMX kernel can run here: the kernels built with AMX and this CPU and Linux
+    grant the process the tile state (``amx_gemm.available()``)."""
+    global _amx_ok
+    if _amx_ok is None:
+        _amx_ok = False
+        if available() and amx_gemm.available():
+            fn = _LIB.fn("quant_amx_built")
+            fn.restype = ctypes.c_int
+            _amx_ok = int(fn()) == 1
+    return _amx_ok
+
+
+def amx_enabled() -> bool:
+    """Whether ``pick_kernel`` chooses the AMX kernel from ``AMX_ROWS`` rows: ``amx_supported()``
+    and ``$KVSERVE_QUANT_AMX`` is not ``0``."""
+    return os.environ.get(AMX_ENV, "1").strip() != "0" and amx_supported()
 
 
 _mode_cache: tuple[str | None, str] | None = None
@@ -437,8 +475,11 @@ def head_kernel(rows: int, qtype: str) -> str | None:
 
 def pick_kernel(rows: int, qtype: str) -> str:
     """Which kernel ``linear`` runs for ``rows`` activation rows on a ``qtype`` weight:
-    ``"panel"`` from ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on
-    ``ACT8_TYPES``, else ``"tile"`` (float activations, weights dequantized in registers)."""
+    ``"amx"`` from ``AMX_ROWS`` rows on ``AMX_TYPES`` where ``amx_enabled()``, ``"panel"`` from
+    ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on ``ACT8_TYPES``, else ``"tile"``
+    (float activations, weights dequantized in registers)."""
+    if rows >= AMX_ROWS and qtype in AMX_TYPES and amx_enabled():
+        return "amx"
     if rows >= PANEL_ROWS:
         return "panel"
     if qtype in ACT8_TYPES and activation_mode() == "int8":
@@ -456,6 +497,8 @@ def _symbol(kind: str, qtype: str, layout: str = "gguf") -> str:
         return f"quant_gemm_{kind}x4_"
     if kind == "panel" and layout == "x4":
         return "quant_gemm_panelx4_"
+    if kind == "amx":
+        return "quant_gemm_amxx4_" if layout == "x4" else "quant_gemm_amx_"
     return f"quant_gemm_{kind.removesuffix('_gguf')}_"
 
 
@@ -494,8 +537,9 @@ def linear(
         kernel: None (``pick_kernel``), or force ``"tile"``, ``"act8"`` (int8 activations;
             ``ACT8_TYPES`` only; Q8_0 on its x4 copy), ``"act16"`` (two int8 planes,
             ``quantize_activations2``; ``ACT8_TYPES`` only), ``"act8_gguf"`` / ``"act16_gguf"``
-            (the same on the GGUF layout, Q8_0 included) or ``"panel"`` (benchmarks, tests, the
-            LM head). Ignored without the kernels (the torch fallback is float).
+            (the same on the GGUF layout, Q8_0 included), ``"panel"`` (benchmarks, tests, the
+            LM head) or ``"amx"`` (``amx_supported()`` only, whatever ``$KVSERVE_QUANT_AMX``).
+            Ignored without the kernels (the torch fallback is float).
 
     Raises:
         ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device), or an
@@ -506,6 +550,8 @@ def linear(
         kernel not in _KERNELS or (kernel in _INT8_KERNELS and weight.qtype not in ACT8_TYPES)
     ):
         raise ValueError(f"quantized linear: kernel {kernel!r} is not one of {_KERNELS} for {weight.qtype}")
+    if kernel == "amx" and available() and not amx_supported():
+        raise ValueError("quantized linear: kernel 'amx' needs AMX tiles (amx_supported() is False)")
     check_linear_inputs(
         x,
         bias,

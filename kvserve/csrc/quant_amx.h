@@ -41,6 +41,11 @@
 #include "amx_tiles.h"
 
 #define QAMX_MB 256 /* rows of x per L2-resident block (amx_gemm.c's MB_ROWS) */
+/* Software prefetch distance of the weight stream in bytes (the quants; x4 scales a quarter of
+   it): the dequantization walks each thread's weights front to back, and asking for the line
+   4 KB ahead took the 30 layers' Q8_0 GEMMs at 16 rows from ~15.4 to ~13.0 ms (a prefetch of
+   the group after next, 20-50 KB ahead, changed nothing; 12 and 32 KB did no better). */
+#define QAMX_PF 4096
 
 /* Block j of a Q4_1 x4 group of four rows (q: its 64 quant bytes, sc: its 16 scale bytes) as four
    A-tile rows (o, o + 32, o + 64, o + 96). A row has only 16 values, d q + m for q = 0..15, so
@@ -87,6 +92,8 @@ static inline __attribute__((always_inline)) void qamx_dequant(const int qt, con
             uint16_t* o = buf + ((j * 2 + (r >> 4)) * 16 + (r & 15)) * 32;
             if (n0 + r < N) {
                 const int64_t u = (n0 + r) / 4 * nb + j; /* the group's block */
+                _mm_prefetch((const char*)w + u * 64 + QAMX_PF, _MM_HINT_T0);
+                if ((u & 3) == 0) _mm_prefetch((const char*)scales + u * 16 + QAMX_PF / 4, _MM_HINT_T0);
                 qamx_q41x4(w + u * 64, scales + u * 16, o);
             } else {
                 for (int i = 0; i < 4; ++i) _mm512_store_si512((void*)(o + 32 * i), _mm512_setzero_si512());
@@ -100,6 +107,9 @@ static inline __attribute__((always_inline)) void qamx_dequant(const int qt, con
         __m512i v = _mm512_setzero_si512();
         if (n0 + r < N) {
             v16 a, b;
+            if ((j & 1) == 0) /* (a line per two blocks: Q8_0's 34 bytes, Q4's 18-20) */
+                _mm_prefetch((const char*)w + (n0 + r) * row_bytes + j * block_bytes(qt) + QAMX_PF,
+                             _MM_HINT_T0);
             dequant_block(qt, w + (n0 + r) * row_bytes, j, &a, &b);
             v = (__m512i)_mm512_cvtne2ps_pbh((__m512)b, (__m512)a); /* [a (k 0-15), b (k 16-31)] */
         }
@@ -108,15 +118,6 @@ static inline __attribute__((always_inline)) void qamx_dequant(const int qt, con
     }
 }
 
-#ifndef QAMX_PF_HINT
-#define QAMX_PF_HINT _MM_HINT_T0
-#endif
-#ifndef QAMX_PF_AHEAD
-#define QAMX_PF_AHEAD 2
-#endif
-static inline void qamx_prefetch(const uint8_t* p, const int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, QAMX_PF_HINT);
-}
 #endif
 
 #endif /* KV_QUANT_AMX_H */

@@ -74,24 +74,16 @@ CAT(qamx_gemm_, SFX)(const int qt, const int x4, const ELEM* x, const uint8_t* w
     if (g0 >= g1) return;
     const int64_t row_bytes = K / QK / block_chunks(qt) * block_bytes(qt);
     const int64_t G4 = (N + X4_ROWS - 1) / X4_ROWS;
-    /* the bytes of one group of 32 rows, per stream (x4: quants, then scales), and their slice
-       prefetched per 32 input features */
-    const int64_t s1 = x4 ? 8 * nb * 64 : 32 * row_bytes, s2 = x4 ? 8 * nb * 16 : 0;
-    const int64_t step1 = (s1 / KC + 63) / 64 * 64, step2 = (s2 / KC + 63) / 64 * 64;
-    const uint8_t* scales = w + G4 * nb * 64;
     float acc[4 * 256] __attribute__((aligned(64)));
     config_tiles();
     for (int64_t mb = 0; mb < M; mb += QAMX_MB) {
         const int64_t mrows = M - mb < QAMX_MB ? M - mb : QAMX_MB, mp = (mrows + 15) / 16 * 16;
         CAT(qamx_pack_, SFX)(x, M, mb, mp, K, xl);
-        if (mb == 0 && g0 + 1 < g1) qamx_prefetch(w + (g0 + 1) * s1, s1);
         qamx_dequant(qt, x4, w, row_bytes, G4, N, g0 * 32, nb, 0, 32 * nb, wl);
         for (int64_t g = g0; g < g1; ++g) {
+            const int next = g + 1 < g1;
             uint16_t* cur = wl + ((g - g0) & 1) * 32 * K;
             uint16_t* nxt = wl + (((g - g0) & 1) ^ 1) * 32 * K;
-            const int next = g + 1 < g1, far = QAMX_PF_AHEAD > 0 && mb == 0 && g + QAMX_PF_AHEAD < g1;
-            const uint8_t* pf1 = w + (g + QAMX_PF_AHEAD) * s1;
-            const uint8_t* pf2 = scales + (g + QAMX_PF_AHEAD) * s2;
             for (int64_t m = 0; m < mp; m += 32) {
                 const int two = mp - m >= 32; /* 32 rows, else the last 16 */
                 const uint16_t* xb = xl + (m / 16) * KC * 512;
@@ -103,7 +95,6 @@ CAT(qamx_gemm_, SFX)(const int qt, const int x4, const ELEM* x, const uint8_t* w
                 }
                 for (int64_t kc = 0; kc < KC; ++kc) {
                     const uint16_t* a = cur + kc * 1024;
-#ifndef QAMX_XP_NOTILE
                     _tile_loadd(4, a, 64);
                     _tile_loadd(5, a + 512, 64);
                     _tile_loadd(6, xb + kc * 512, 64);
@@ -114,18 +105,9 @@ CAT(qamx_gemm_, SFX)(const int qt, const int x4, const ELEM* x, const uint8_t* w
                         _tile_dpbf16ps(2, 4, 7);
                         _tile_dpbf16ps(3, 5, 7);
                     }
-#endif
-#ifndef QAMX_XP_NODQ
-                    if (m == 0) {
-                        if (next)
-                            qamx_dequant(qt, x4, w, row_bytes, G4, N, (g + 1) * 32, nb, 32 * kc, 32 * kc + 32,
-                                         nxt);
-                        if (far) {
-                            qamx_prefetch(pf1 + kc * step1, step1);
-                            if (x4) qamx_prefetch(pf2 + kc * step2, step2);
-                        }
-                    }
-#endif
+                    if (m == 0 && next)
+                        qamx_dequant(qt, x4, w, row_bytes, G4, N, (g + 1) * 32, nb, 32 * kc, 32 * kc + 32,
+                                     nxt);
                 }
                 _tile_stored(0, acc, 64);
                 _tile_stored(1, acc + 256, 64);

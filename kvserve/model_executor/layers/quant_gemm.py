@@ -108,10 +108,13 @@ X4_ENV = "KVSERVE_QUANT_X4"
 
 
 #: Rows from which ``linear`` runs the AMX kernel (weights dequantized into bfloat16 tiles,
-#: ``csrc/quant_amx.h``) where ``amx_enabled()``; tuned with benchmarks/quantized.py --kernels.
-AMX_ROWS = 16
-#: Weight types the AMX kernel serves (``amx_enabled()``); the others keep the float panels.
-AMX_TYPES = tuple(BLOCK_BYTES)
+#: ``csrc/quant_amx.h``) where ``amx_enabled()``, per weight type. Its cost hardly grows with
+#: the rows below ~32 (the dequantization is the work) while the int8 GEMV's grows with each row:
+#: on the 30 layers of SmolLM2-135M (benchmarks/quantized.py --kernels) they are level at ~8
+#: rows for Q4_1 and ~12 for Q8_0; the other types have no x4 GEMV and keep ``PANEL_ROWS``.
+AMX_ROWS = {t: {"q4_1": 8, "q8_0": 12}.get(t, PANEL_ROWS) for t in BLOCK_BYTES}
+#: Weight types the AMX kernel serves (every type: it dequantizes with the float kernels' code).
+AMX_TYPES = tuple(AMX_ROWS)
 #: Environment variable: ``0`` turns the AMX kernel off (the float panels run from
 #: ``PANEL_ROWS`` rows, as on a CPU without AMX; for A/B comparisons), unset or anything else: on
 #: where ``amx_supported()``.
@@ -150,9 +153,11 @@ def amx_supported() -> bool:
 
 
 def amx_enabled() -> bool:
-    """Whether ``pick_kernel`` chooses the AMX kernel from ``AMX_ROWS`` rows: ``amx_supported()``
-    and ``$KVSERVE_QUANT_AMX`` is not ``0``."""
-    return os.environ.get(AMX_ENV, "1").strip() != "0" and amx_supported()
+    """Whether ``pick_kernel`` chooses the AMX kernel from ``AMX_ROWS`` rows: in the ``int8``
+    activation mode (the ``float`` mode keeps dequantize-then-matmul up to float32 rounding; the
+    AMX kernel rounds weights and activations to bfloat16, finer than the int8 mode's activation
+    quantization), where ``amx_supported()`` and ``$KVSERVE_QUANT_AMX`` is not ``0``."""
+    return os.environ.get(AMX_ENV, "1").strip() != "0" and activation_mode() == "int8" and amx_supported()
 
 
 _mode_cache: tuple[str | None, str] | None = None
@@ -466,19 +471,19 @@ def quantize_activations2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def head_kernel(rows: int, qtype: str) -> str | None:
     """The kernel of the LM head (``compute_logits``) for ``rows`` rows of a ``qtype`` weight:
-    ``"act16"`` below ``PANEL_ROWS`` rows in the ``int8`` mode on ``ACT8_TYPES``, ``"tile"``
-    below ``PANEL_ROWS`` otherwise, None (``pick_kernel``: the panels) from there on."""
-    if rows >= PANEL_ROWS:
+    None (``pick_kernel``) where that picks ``"amx"`` or from ``PANEL_ROWS`` rows (the panels),
+    else ``"act16"`` in the ``int8`` mode on ``ACT8_TYPES`` and ``"tile"`` otherwise."""
+    if rows >= PANEL_ROWS or pick_kernel(rows, qtype) == "amx":
         return None
     return "act16" if qtype in ACT8_TYPES and activation_mode() == "int8" else "tile"
 
 
 def pick_kernel(rows: int, qtype: str) -> str:
     """Which kernel ``linear`` runs for ``rows`` activation rows on a ``qtype`` weight:
-    ``"amx"`` from ``AMX_ROWS`` rows on ``AMX_TYPES`` where ``amx_enabled()``, ``"panel"`` from
+    ``"amx"`` from ``AMX_ROWS[qtype]`` rows where ``amx_enabled()``, ``"panel"`` from
     ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on ``ACT8_TYPES``, else ``"tile"``
     (float activations, weights dequantized in registers)."""
-    if rows >= AMX_ROWS and qtype in AMX_TYPES and amx_enabled():
+    if qtype in AMX_TYPES and rows >= AMX_ROWS[qtype] and amx_enabled():
         return "amx"
     if rows >= PANEL_ROWS:
         return "panel"

@@ -576,7 +576,9 @@ def _regime(rows: int, quantized: bool) -> tuple:
     row thresholds, activation mode and AMX switch, the AMX kernel's row limit."""
     return (
         rows >= quant_gemm.PANEL_ROWS,
-        rows >= quant_gemm.AMX_ROWS and quant_gemm.amx_enabled() if quantized else None,
+        tuple(rows >= r for r in sorted(set(quant_gemm.AMX_ROWS.values())))
+        if quantized and quant_gemm.amx_enabled()
+        else None,
         rows <= amx_gemm.MAX_ROWS,
         rows <= native_gemm.BF16_DOT_MAX_ROWS,
         quant_gemm.activation_mode() if quantized else None,

@@ -44,7 +44,8 @@
 /* Software prefetch distance of the weight stream in bytes (the quants; x4 scales a quarter of
    it): the dequantization walks each thread's weights front to back, and asking for the line
    4 KB ahead took the 30 layers' Q8_0 GEMMs at 16 rows from ~15.4 to ~13.0 ms (a prefetch of
-   the group after next, 20-50 KB ahead, changed nothing; 12 and 32 KB did no better). */
+   the group after next, 20-50 KB ahead, changed nothing; 2, 8, 12, 16 and 32 KB did no better). */
+
 #define QAMX_PF 4096
 
 /* Block j of a Q4_1 x4 group of four rows (q: its 64 quant bytes, sc: its 16 scale bytes) as four

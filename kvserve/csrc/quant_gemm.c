@@ -15,7 +15,7 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type (and act16, 2b, and Q8_0's / Q4_1's x4 kernels, 2c); quant_gemm.py's pick_kernel
+ * Three kernels per type (and act16, 2b, Q8_0's / Q4_1's x4 kernels, 2c, and AMX, 4); quant_gemm.py's pick_kernel
  * chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
@@ -74,6 +74,10 @@
  * micro-kernel (as gemm.c's) runs every 8 rows of x over it; rows in chunks of ~256 KB of x,
  * the panel re-dequantized per chunk. Measured (one core, 3072 x 576, 64 rows): 53-57 GFMA/s
  * against float32 gemm.c's 60 and the tile kernel's 14-30 (int8 activations: 25-34).
+ *
+ * 4. quant_gemm_amx_* / quant_gemm_amxx4_q4_1_* (every type; the int8 mode on AMX CPUs, from
+ * quant_gemm.py's AMX_ROWS): the weights dequantized into bfloat16 AMX tiles and multiplied with
+ * TDPBF16PS, float32 sums (quant_amx.h: layout, tolerance, measurements).
  *
  * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
  * Measured: benchmarks/quantized.py, docs/benchmarks.md.

@@ -32,8 +32,22 @@ quantized again on a 254 times finer step, ~2^-16 of each block's largest value,
 bfloat16), whose integer dot products stream the weights about twice as fast as the
 float-activation kernel; in the ``float`` mode the float kernel.
 
-From ``PANEL_ROWS`` rows on, both modes dequantize the weights once per call into float32
-panels and run a float micro-kernel (float activations).
+Many rows on AMX (``amx_enabled()``: the ``int8`` mode, a CPU and kernel build with AMX tiles,
+``$KVSERVE_QUANT_AMX`` not ``0``): from ``AMX_ROWS[qtype]`` rows (Q4_1 8, Q8_0 12, else
+``PANEL_ROWS``; where the int8 GEMV's cost, growing with each row, passes the AMX kernel's) the
+``amx`` kernel (``csrc/quant_amx.h``) dequantizes each group of 32 weight rows once per call
+into bfloat16 AMX tiles (w = d q + m in float32, rounded to nearest even) and multiplies them
+with TDPBF16PS against the activations rounded to bfloat16, float32 sums (Intel's AMX
+programming reference). Its error against float64 dequantize-then-matmul is at most
+``(2 u + u^2) sum |x w| + (K + 1) 2^-24 sum |x w|`` per output (``u = 2^-8``; ``u`` alone for
+bfloat16 x), plus ``u |y|`` for a bfloat16 output (tests/executor/test_quant_amx.py). It reads
+the GGUF bytes, or a Q4_1 weight's x4 copy when that is all it holds. Measured (30 SmolLM2
+layers' GEMMs, benchmarks/quantized.py --layer-kernels): Q4_1 1.4-1.7x and Q8_0 1.1-1.2x the
+bfloat16 AMX kernel at 8-64 rows, 2.5-3x the float32 panels.
+
+Otherwise (the ``float`` mode, no AMX, or ``KVSERVE_QUANT_AMX=0``), from ``PANEL_ROWS`` rows on
+the weights are dequantized once per call into float32 panels and a float micro-kernel runs
+(float activations).
 """
 
 from __future__ import annotations

@@ -11,14 +11,25 @@ what is measured and how); the llama-server binary comes from ``benchmarks/llama
     python benchmarks/quantized.py --peer llama.cpp --json-out q.json   # + llama-server, same GGUF
     python benchmarks/quantized.py --w64 --peer llama.cpp --json-out w.json
     python benchmarks/quantized.py --kernels      # the GEMV/GEMM kernels alone: GB/s, GFMA/s
+    python benchmarks/quantized.py --layer-kernels --json-out l.json   # 30 layers' GEMMs per step
 
 ``--kernels`` times each quantized kernel (each of ``quant_gemm.linear``'s kernels forced:
-``tile``, ``act8``, ``panel``), the float32 panel GEMM and the bfloat16 linear on the default
+``tile``, ``act8``, ``panel``, and ``amx`` where AMX exists), the float32 panel GEMM and the bfloat16 linear on the default
 model's largest shapes (gate/up 3072 x 576, the LM head 49152 x 576; the LM head's weights
 exceed the caches in every format) at 1, 8, 64 and 256 rows (``--kernel-rows``), on 1 and 2
 threads (``--kernel-threads``), best of 15 calls taken alternately: the weight
 bytes streamed per second say whether a GEMV is at the memory-bandwidth roof (the float32
 kernel at 1 row is) or compute-bound.
+
+``--layer-kernels`` times one pass over the GEMMs of all 30 SmolLM2-135M layers (q/k/v 960 x
+576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536; each layer its own random weights, so a
+pass streams them from memory as a decode step does) at 4-64 rows (``--kernel-rows``, default
+4,8,12,16,24,32,64), on all threads: bfloat16 on AMX tiles (``amx_gemm``, what a bfloat16 model
+runs up to 64 rows) against the Q4_1 (x4 layout, as the int8 mode keeps it) and Q8_0 weights on
+each of their kernels (``amx``: dequantized into bfloat16 AMX tiles; ``act8``: the int8 GEMV;
+``panel``: float32 panels), best of ``--kernel-reps`` passes taken alternately, bfloat16
+activations: where the AMX kernel takes over from the int8 GEMV (``quant_gemm.AMX_ROWS``) and
+how it compares with bfloat16.
 """
 
 from __future__ import annotations
@@ -66,8 +77,10 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
 
                 q = quantize(w32.numpy(), GGMLQuantizationType[qt.upper()])
                 qw = qg.QuantWeight(torch.from_numpy(q), qt, k)
-                for kern in ("tile", "act8", "panel"):
-                    if kern == "act8" and qt not in qg.ACT8_TYPES:
+                for kern in ("tile", "act8", "panel", "amx"):
+                    if (kern == "act8" and qt not in qg.ACT8_TYPES) or (
+                        kern == "amx" and not qg.amx_supported()
+                    ):
                         continue
                     cases[f"{qt} {kern}"] = (
                         functools.partial(qg.linear, kernel=kern),
@@ -104,6 +117,67 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
     return out
 
 
+#: The GEMM shapes (out, in) of one SmolLM2-135M layer.
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def layer_kernels(rows=(4, 8, 12, 16, 24, 32, 64), layers: int = 30, repeats: int = 5) -> list[dict]:
+    """Best-of-``repeats`` time of one pass over ``layers`` layers' GEMMs per kernel and row
+    count (see the module doc); rows ``{"kernel", "rows", "ms", "x_bf16"}``."""
+    import torch
+
+    from kvserve.model_executor.layers import amx_gemm
+    from kvserve.model_executor.layers import quant_gemm as qg
+
+    if not (amx_gemm.available() and qg.amx_supported()):
+        raise SystemExit("--layer-kernels needs AMX tiles (amx_gemm and the quantized AMX kernel)")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    g = torch.Generator().manual_seed(0)
+    weights = []  # per layer and shape: (bf16 AMX weight, Q4_1 x4-only, Q8_0)
+    for _ in range(layers):
+        for n, k in LAYER_SHAPES:
+            w = (torch.randn(n, k, generator=g) * 0.05).numpy()
+            q41 = qg.QuantWeight(torch.from_numpy(quantize(w, GGMLQuantizationType.Q4_1)), "q4_1", k)
+            q41.drop_gguf()
+            q8 = qg.QuantWeight(torch.from_numpy(quantize(w, GGMLQuantizationType.Q8_0)), "q8_0", k)
+            q8.x4  # noqa: B018 (its int8 GEMV's copy, made before timing)
+            weights.append((amx_gemm.AmxWeight(torch.from_numpy(w).to(torch.bfloat16)), q41, q8))
+    kinds = {"bfloat16": None}
+    for qt in ("q4_1", "q8_0"):
+        for kern in ("amx", "act8", "panel"):
+            kinds[f"{qt} {kern}"] = (1 if qt == "q4_1" else 2, kern)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in LAYER_SHAPES}}
+
+        def run(kind, xs=xs) -> float:
+            t = time.perf_counter()
+            for ws in weights:
+                x = xs[ws[0].in_features]
+                if kind is None:
+                    amx_gemm.linear(x, ws[0])
+                else:
+                    qg.linear(x, ws[kind[0]], kernel=kind[1])
+            return time.perf_counter() - t
+
+        best = {name: float("inf") for name in kinds}
+        for kind in kinds.values():
+            run(kind)
+        for _ in range(repeats):
+            for name, kind in kinds.items():
+                best[name] = min(best[name], run(kind))
+        for name, t in best.items():
+            out.append({"kernel": name, "rows": m, "ms": t * 1e3, "x_bf16": best["bfloat16"] / t})
+        print(
+            f"rows={m:<3} "
+            + "  ".join(f"{n} {best[n] * 1e3:6.2f} ms ({best['bfloat16'] / best[n]:.2f}x)" for n in kinds),
+            flush=True,
+        )
+    return out
+
+
 def _timed(f, x, w) -> float:
     t = time.perf_counter()
     f(x, w)
@@ -118,7 +192,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", action="store_true", help="time the kernels alone (see the module doc)")
     ap.add_argument("--kernel-rows", default="1,8,64,256", help="--kernels: comma-separated row counts")
     ap.add_argument("--kernel-threads", default="1,2", help="--kernels: comma-separated thread counts")
+    ap.add_argument("--layer-kernels", action="store_true", help="30 layers' GEMMs per kernel (module doc)")
+    ap.add_argument("--kernel-reps", type=int, default=5, help="--layer-kernels: passes per kernel")
     args = ap.parse_args(argv)
+    if args.layer_kernels:
+        rows = layer_kernels(
+            tuple(int(r) for r in args.kernel_rows.split(","))
+            if args.kernel_rows != "1,8,64,256"
+            else (4, 8, 12, 16, 24, 32, 64),
+            repeats=args.kernel_reps,
+        )
+        if args.json_out:
+            from kvserve.benchmarks.common import system_info
+
+            with open(args.json_out, "w") as f:
+                json.dump(
+                    {"benchmark": "quant_layer_kernels", "system": system_info(), "results": rows},
+                    f,
+                    indent=1,
+                )
+        return 0
     if args.kernels:
         rows = kernels(
             tuple(int(r) for r in args.kernel_rows.split(",")),

@@ -15,7 +15,7 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type (and act16, 2b, and Q8_0's / Q4_1's x4 kernels, 2c); quant_gemm.py's pick_kernel
+ * Three kernels per type (and act16, 2b, Q8_0's / Q4_1's x4 kernels, 2c, and AMX, 4); quant_gemm.py's pick_kernel
  * chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
@@ -74,6 +74,10 @@
  * micro-kernel (as gemm.c's) runs every 8 rows of x over it; rows in chunks of ~256 KB of x,
  * the panel re-dequantized per chunk. Measured (one core, 3072 x 576, 64 rows): 53-57 GFMA/s
  * against float32 gemm.c's 60 and the tile kernel's 14-30 (int8 activations: 25-34).
+ *
+ * 4. quant_gemm_amx_* / quant_gemm_amxx4_q4_1_* (every type; the int8 mode on AMX CPUs, from
+ * quant_gemm.py's AMX_ROWS): the weights dequantized into bfloat16 AMX tiles and multiplied with
+ * TDPBF16PS, float32 sums (quant_amx.h: layout, tolerance, measurements).
  *
  * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
  * Measured: benchmarks/quantized.py, docs/benchmarks.md.
@@ -283,12 +287,13 @@ static inline int64_t act8_row_bytes(const int64_t K, const int planes) {
 }
 
 /* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
-   quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x),
+   quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x, 3 and
+   4: the AMX kernel's B tiles of x and dequantized A tiles),
    kept between calls (OpenMP's threads persist) so a call does not page-fault a fresh mmap;
    NULL when out of memory. */
 static void* scratch(const int slot, const size_t bytes) {
-    static __thread void* buf[3];
-    static __thread size_t cap[3];
+    static __thread void* buf[5];
+    static __thread size_t cap[5];
     if (cap[slot] < bytes || !buf[slot]) { /* (0 rows: still a buffer, so NULL means no memory) */
         free(buf[slot]);
         const size_t n = (bytes + 64) / 64 * 64;
@@ -327,9 +332,20 @@ static inline __attribute__((always_inline)) void pair_scales(const int qt, cons
 }
 
 #include "quant_x4.h"
+#include "quant_amx.h"
 
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"
 #include "kv_instantiate.h"
+
+/* 1 when the AMX kernels (quant_amx.h) were built (the CPU may still refuse the tiles: the caller
+   asks amx_gemm's amx_init first), else 0. */
+int quant_amx_built(void) {
+#ifdef QAMX
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Which int8 dot product the act8 kernels compiled to: 2 AVX-512 VNNI, 1 AVX2, 0 scalar. */
 int quant_act8_isa(void) { return DOT8_ISA; }

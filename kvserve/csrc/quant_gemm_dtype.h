@@ -685,3 +685,5 @@ int CAT(quant_gemm_panelx4_q4_1_, SFX)(const ELEM* x, const uint8_t* w, const EL
 #undef QUANT_EXPORTS
 #undef ACT8_EXPORTS
 #undef X4_EXPORTS
+
+#include "quant_amx_dtype.h"

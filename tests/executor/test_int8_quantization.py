@@ -159,3 +159,41 @@ def test_default_model_gguf_int8_activations_perplexity_within_one_percent_of_fl
     assert p_int8 != p_float  # the int8 kernels ran
     print(f"decode perplexity: float activations {p_float:.4f}, int8 {p_int8:.4f}")
     assert abs(p_int8 / p_float - 1) < 0.01, (p_int8, p_float)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not quant_gemm.amx_supported(), reason="no AMX tiles here (or no kernels)")
+@pytest.mark.parametrize(
+    "quantization,dtype",
+    [("gguf", torch.bfloat16), ("gguf", torch.float32), ("int8", torch.bfloat16)],
+)
+def test_default_model_amx_prefill_perplexity_within_one_percent_of_float(quantization, dtype, monkeypatch):
+    """The prefill of the whole text (127 rows) in the int8 mode: every linear layer and the LM
+    head on the AMX kernel (weights and activations rounded to bfloat16), against the float32
+    model, and against the same quantized model on the float panels (``KVSERVE_QUANT_AMX=0``)."""
+    from kvserve.model_executor.gguf_loader import load_gguf_model
+    from kvserve.model_executor.model_loader import default_gguf_path, load_hf_config, resolve_model_dir
+    from kvserve.transformers_utils.tokenizer import load_tokenizer
+
+    d = resolve_model_dir(None)
+    ids = load_tokenizer(d)(TEXT).input_ids
+    p_float = perplexity(load_model(d, torch.float32, "cpu"), ids)
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
+    if quantization == "gguf":
+        model = load_gguf_model(
+            default_gguf_path(), dtype, "cpu", load_hf_config(resolve_model_dir(None, "gguf"))
+        )
+    else:
+        model = load_model(d, dtype, "cpu", quantization="int8")
+    picked: list[str] = []
+    pick = quant_gemm.pick_kernel
+    monkeypatch.setattr(quant_gemm, "pick_kernel", lambda r, t: picked.append(pick(r, t)) or picked[-1])
+    p_amx = perplexity(model, ids)
+    assert picked and set(picked) == {"amx"}, set(picked)
+    monkeypatch.setenv(quant_gemm.AMX_ENV, "0")
+    picked.clear()
+    p_panel = perplexity(model, ids)
+    assert "amx" not in picked
+    print(f"{quantization} {dtype}: perplexity float {p_float:.4f}, AMX {p_amx:.4f}, panels {p_panel:.4f}")
+    assert p_amx != p_panel
+    assert abs(p_amx / p_float - 1) < 0.01, (p_amx, p_float)

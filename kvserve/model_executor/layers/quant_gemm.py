@@ -32,8 +32,22 @@ quantized again on a 254 times finer step, ~2^-16 of each block's largest value,
 bfloat16), whose integer dot products stream the weights about twice as fast as the
 float-activation kernel; in the ``float`` mode the float kernel.
 
-From ``PANEL_ROWS`` rows on, both modes dequantize the weights once per call into float32
-panels and run a float micro-kernel (float activations).
+Many rows on AMX (``amx_enabled()``: the ``int8`` mode, a CPU and kernel build with AMX tiles,
+``$KVSERVE_QUANT_AMX`` not ``0``): from ``AMX_ROWS[qtype]`` rows (Q4_1 8, Q8_0 12, else
+``PANEL_ROWS``; where the int8 GEMV's cost, growing with each row, passes the AMX kernel's) the
+``amx`` kernel (``csrc/quant_amx.h``) dequantizes each group of 32 weight rows once per call
+into bfloat16 AMX tiles (w = d q + m in float32, rounded to nearest even) and multiplies them
+with TDPBF16PS against the activations rounded to bfloat16, float32 sums (Intel's AMX
+programming reference). Its error against float64 dequantize-then-matmul is at most
+``(2 u + u^2) sum |x w| + (K + 1) 2^-24 sum |x w|`` per output (``u = 2^-8``; ``u`` alone for
+bfloat16 x), plus ``u |y|`` for a bfloat16 output (tests/executor/test_quant_amx.py). It reads
+the GGUF bytes, or a Q4_1 weight's x4 copy when that is all it holds. Measured (30 SmolLM2
+layers' GEMMs, benchmarks/quantized.py --layer-kernels): Q4_1 1.4-1.7x and Q8_0 1.1-1.2x the
+bfloat16 AMX kernel at 8-64 rows, 2.5-3x the float32 panels.
+
+Otherwise (the ``float`` mode, no AMX, or ``KVSERVE_QUANT_AMX=0``), from ``PANEL_ROWS`` rows on
+the weights are dequantized once per call into float32 panels and a float micro-kernel runs
+(float activations).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.model_executor.layers import amx_gemm
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary, check_linear_inputs
 
 #: Weights per block of the 32-weight types (the unit of ``quantize_q8_0``).
@@ -76,6 +91,10 @@ for _s in DTYPE_SUFFIX.values():
         _SIGS[f"quant_gemm_act8x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
         _SIGS[f"quant_gemm_act16x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
     _SIGS[f"quant_gemm_panelx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    _SIGS[f"quant_gemm_amxx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    for _t in BLOCK_BYTES:
+        _SIGS[f"quant_gemm_amx_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+_SIGS["quant_amx_built"] = []
 _SIGS["quant_act8_isa"] = []
 _SIGS["quant_x4_set_prefetch"] = [ctypes.c_int]
 _SIGS["quant_stream_read"] = [_P, _I, ctypes.c_int, _I]
@@ -90,7 +109,7 @@ PANEL_ROWS = 16
 #: Environment variable choosing the activation mode (``float`` or ``int8``; unset: the default).
 ACT_ENV = "KVSERVE_QUANT_ACT"
 ACT_MODES = ("float", "int8")
-_KERNELS = ("tile", "act8", "act16", "panel", "act8_gguf", "act16_gguf")
+_KERNELS = ("tile", "act8", "act16", "panel", "amx", "act8_gguf", "act16_gguf")
 #: Kernels on int8 activations (``ACT8_TYPES`` only).
 _INT8_KERNELS = ("act8", "act16", "act8_gguf", "act16_gguf")
 #: Weight rows per group of the x4 layout (``pack_x4``).
@@ -100,6 +119,20 @@ X4_TYPES = ("q8_0", "q4_1")
 #: Environment variable: ``0`` keeps Q4_1 weights on their GGUF-layout int8 kernels (no x4 copy;
 #: for comparisons), anything else or unset: the x4 layout.
 X4_ENV = "KVSERVE_QUANT_X4"
+
+
+#: Rows from which ``linear`` runs the AMX kernel (weights dequantized into bfloat16 tiles,
+#: ``csrc/quant_amx.h``) where ``amx_enabled()``, per weight type. Its cost hardly grows with
+#: the rows below ~32 (the dequantization is the work) while the int8 GEMV's grows with each row:
+#: on the 30 layers of SmolLM2-135M (benchmarks/quantized.py --kernels) they are level at ~8
+#: rows for Q4_1 and ~12 for Q8_0; the other types have no x4 GEMV and keep ``PANEL_ROWS``.
+AMX_ROWS = {t: {"q4_1": 8, "q8_0": 12}.get(t, PANEL_ROWS) for t in BLOCK_BYTES}
+#: Weight types the AMX kernel serves (every type: it dequantizes with the float kernels' code).
+AMX_TYPES = tuple(AMX_ROWS)
+#: Environment variable: ``0`` turns the AMX kernel off (the float panels run from
+#: ``PANEL_ROWS`` rows, as on a CPU without AMX; for A/B comparisons), unset or anything else: on
+#: where ``amx_supported()``.
+AMX_ENV = "KVSERVE_QUANT_AMX"
 
 
 def available() -> bool:
@@ -115,6 +148,30 @@ def act8_isa() -> str | None:
     fn = _LIB.fn("quant_act8_isa")
     fn.restype = ctypes.c_int
     return {2: "avx512-vnni", 1: "avx2"}.get(int(fn()), "scalar")
+
+
+_amx_ok: bool | None = None
+
+
+def amx_supported() -> bool:
+    """Whether the AMX kernel can run here: the kernels built with AMX and this CPU and Linux
+    grant the process the tile state (``amx_gemm.available()``)."""
+    global _amx_ok
+    if _amx_ok is None:
+        _amx_ok = False
+        if available() and amx_gemm.available():
+            fn = _LIB.fn("quant_amx_built")
+            fn.restype = ctypes.c_int
+            _amx_ok = int(fn()) == 1
+    return _amx_ok
+
+
+def amx_enabled() -> bool:
+    """Whether ``pick_kernel`` chooses the AMX kernel from ``AMX_ROWS`` rows: in the ``int8``
+    activation mode (the ``float`` mode keeps dequantize-then-matmul up to float32 rounding; the
+    AMX kernel rounds weights and activations to bfloat16, finer than the int8 mode's activation
+    quantization), where ``amx_supported()`` and ``$KVSERVE_QUANT_AMX`` is not ``0``."""
+    return os.environ.get(AMX_ENV, "1").strip() != "0" and activation_mode() == "int8" and amx_supported()
 
 
 _mode_cache: tuple[str | None, str] | None = None
@@ -428,17 +485,20 @@ def quantize_activations2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def head_kernel(rows: int, qtype: str) -> str | None:
     """The kernel of the LM head (``compute_logits``) for ``rows`` rows of a ``qtype`` weight:
-    ``"act16"`` below ``PANEL_ROWS`` rows in the ``int8`` mode on ``ACT8_TYPES``, ``"tile"``
-    below ``PANEL_ROWS`` otherwise, None (``pick_kernel``: the panels) from there on."""
-    if rows >= PANEL_ROWS:
+    None (``pick_kernel``) where that picks ``"amx"`` or from ``PANEL_ROWS`` rows (the panels),
+    else ``"act16"`` in the ``int8`` mode on ``ACT8_TYPES`` and ``"tile"`` otherwise."""
+    if rows >= PANEL_ROWS or pick_kernel(rows, qtype) == "amx":
         return None
     return "act16" if qtype in ACT8_TYPES and activation_mode() == "int8" else "tile"
 
 
 def pick_kernel(rows: int, qtype: str) -> str:
     """Which kernel ``linear`` runs for ``rows`` activation rows on a ``qtype`` weight:
-    ``"panel"`` from ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on
-    ``ACT8_TYPES``, else ``"tile"`` (float activations, weights dequantized in registers)."""
+    ``"amx"`` from ``AMX_ROWS[qtype]`` rows where ``amx_enabled()``, ``"panel"`` from
+    ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on ``ACT8_TYPES``, else ``"tile"``
+    (float activations, weights dequantized in registers)."""
+    if qtype in AMX_TYPES and rows >= AMX_ROWS[qtype] and amx_enabled():
+        return "amx"
     if rows >= PANEL_ROWS:
         return "panel"
     if qtype in ACT8_TYPES and activation_mode() == "int8":
@@ -456,6 +516,8 @@ def _symbol(kind: str, qtype: str, layout: str = "gguf") -> str:
         return f"quant_gemm_{kind}x4_"
     if kind == "panel" and layout == "x4":
         return "quant_gemm_panelx4_"
+    if kind == "amx":
+        return "quant_gemm_amxx4_" if layout == "x4" else "quant_gemm_amx_"
     return f"quant_gemm_{kind.removesuffix('_gguf')}_"
 
 
@@ -494,8 +556,9 @@ def linear(
         kernel: None (``pick_kernel``), or force ``"tile"``, ``"act8"`` (int8 activations;
             ``ACT8_TYPES`` only; Q8_0 on its x4 copy), ``"act16"`` (two int8 planes,
             ``quantize_activations2``; ``ACT8_TYPES`` only), ``"act8_gguf"`` / ``"act16_gguf"``
-            (the same on the GGUF layout, Q8_0 included) or ``"panel"`` (benchmarks, tests, the
-            LM head). Ignored without the kernels (the torch fallback is float).
+            (the same on the GGUF layout, Q8_0 included), ``"panel"`` (benchmarks, tests, the
+            LM head) or ``"amx"`` (``amx_supported()`` only, whatever ``$KVSERVE_QUANT_AMX``).
+            Ignored without the kernels (the torch fallback is float).
 
     Raises:
         ValueError: ``x`` or ``bias`` does not fit the weight (shape, dtype, device), or an
@@ -506,6 +569,8 @@ def linear(
         kernel not in _KERNELS or (kernel in _INT8_KERNELS and weight.qtype not in ACT8_TYPES)
     ):
         raise ValueError(f"quantized linear: kernel {kernel!r} is not one of {_KERNELS} for {weight.qtype}")
+    if kernel == "amx" and available() and not amx_supported():
+        raise ValueError("quantized linear: kernel 'amx' needs AMX tiles (amx_supported() is False)")
     check_linear_inputs(
         x,
         bias,

@@ -604,9 +604,12 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _regime(rows: int, quantized: bool) -> tuple:
     """What decides the kernels ``_gemm_call`` picks for ``rows`` rows: the quantized kernels'
-    row threshold and activation mode, the AMX kernel's row limit."""
+    row thresholds, activation mode and AMX switch, the AMX kernel's row limit."""
     return (
         rows >= quant_gemm.PANEL_ROWS,
+        tuple(rows >= r for r in sorted(set(quant_gemm.AMX_ROWS.values())))
+        if quantized and quant_gemm.amx_enabled()
+        else None,
         rows <= amx_gemm.MAX_ROWS,
         rows <= native_gemm.BF16_DOT_MAX_ROWS,
         quant_gemm.activation_mode() if quantized else None,

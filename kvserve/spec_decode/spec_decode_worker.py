@@ -132,7 +132,7 @@ class SpecDecodeWorker:
             self.policy.use_cpu_time = str(getattr(worker, "device", "cpu")).startswith("cpu")
         self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
         self._warned_bad_proposal = False
-        self._row_cap: int | None | bool = False  # False: not computed yet (``_max_rows``)
+        self._row_cap: tuple[int | None] | None = None  # (cap,) once ``_max_rows`` computed it
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes this object lacks: the wrapped worker's.
@@ -239,15 +239,15 @@ class SpecDecodeWorker:
     def _max_rows(self) -> int | None:
         """The most rows a step may have with its drafts: the target's
         ``native_decode.uniform_kernel_rows`` (None: no cap, e.g. float32), computed once."""
-        if self._row_cap is False:
+        if self._row_cap is None:
             model = getattr(getattr(self.worker, "runner", None), "model", None)
             cap = None
             if model is not None and hasattr(model, "layers") and hasattr(model, "lm_head"):
                 from kvserve.model_executor.models.native_decode import uniform_kernel_rows
 
                 cap = uniform_kernel_rows(model)
-            self._row_cap = cap
-        return None if self._row_cap is False else self._row_cap
+            self._row_cap = (cap,)
+        return self._row_cap[0]
 
     def _cap_rows(
         self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]

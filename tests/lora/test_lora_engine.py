@@ -49,6 +49,18 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _run_to_end(eng, max_steps=100):
+    """Step ``eng`` until no request is left (at most ``max_steps``); request_id -> final output."""
+    finals = {}
+    for _ in range(max_steps):
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
+    return finals
+
+
 def test_lora_request_without_enable_lora_is_refused(tiny_llama_dir, tmp_path, shapes):
     plain = LLM(model=str(tiny_llama_dir))
     req = LoRARequest("a", 1, _good(tmp_path, shapes))
@@ -111,13 +123,7 @@ def test_bad_adapter_while_others_run_ends_only_its_request(llm, good, tmp_path)
     eng.step()
     with pytest.raises(ValueError, match="has no adapter_config.json"):
         eng.add_request("r2", PROMPTS[0], PARAMS, lora_request=LoRARequest("x", 5, str(tmp_path)))
-    finals = {}
-    for _ in range(100):
-        for o in eng.step():
-            if o.finished:
-                finals[o.request_id] = o
-        if not eng.has_unfinished_requests():
-            break
+    finals = _run_to_end(eng)
     assert set(finals) == {"r0", "r1"}
     assert [finals["r0"].outputs[0].token_ids, finals["r1"].outputs[0].token_ids] == ref
     assert_idle(eng)
@@ -134,13 +140,7 @@ def test_adapter_vanishing_from_disk_after_eviction_fails_only_its_request(llm, 
     assert 20 not in eng.list_loras()
     shutil.rmtree(a.lora_path)
     eng.add_request("ok", PROMPTS[1], PARAMS, lora_request=b)
-    finals = {}
-    for _ in range(100):
-        for o in eng.step():
-            if o.finished:
-                finals[o.request_id] = o
-        if not eng.has_unfinished_requests():
-            break
+    finals = _run_to_end(eng)
     assert finals["victim"].outcome == "failed" and a.lora_path in finals["victim"].error
     assert finals["ok"].outcome == "finished" and len(finals["ok"].outputs[0].token_ids) == 6
     assert_idle(eng)
@@ -165,13 +165,7 @@ def test_an_id_reused_for_another_adapter_while_requests_hold_it_is_refused(llm,
     with pytest.raises(ValueError, match=r"lora_int_id=41 is in use .*use another id for 'other'"):
         eng.add_lora(other)
     eng.add_request("same", PROMPTS[0], PARAMS, lora_request=first)  # the same adapter is fine
-    finals = {}
-    for _ in range(100):
-        for o in eng.step():
-            if o.finished:
-                finals[o.request_id] = o
-        if not eng.has_unfinished_requests():
-            break
+    finals = _run_to_end(eng)
     assert set(finals) == {"held", "same"}
     assert all(f.outcome == "finished" and f.outputs[0].token_ids == ref for f in finals.values())
     assert_idle(eng)

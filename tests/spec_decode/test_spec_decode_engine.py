@@ -696,7 +696,7 @@ def test_steps_never_cross_the_kernel_row_limit(tiny_llama_dir, reference, dynam
     if dynamic:
         ex.policy.cost_model = _FixedCost(1.0, 0.0)  # free rows: the cap is what limits drafts
     cap = len(PROMPTS) + 3
-    ex._row_cap = cap
+    ex._row_cap = (cap,)
     runner = ex.worker.runner
     real_forward = runner.forward
     seen: list[tuple[int, int, bool]] = []  # (rows, plain rows, has a verify chunk)

@@ -373,3 +373,15 @@ def test_bench_cli_usage_and_unknown_command(capsys):
     assert main(["--help"]) == 0
     assert "throughput" in capsys.readouterr().out
     assert main(["nope"]) == 2
+
+
+def test_top_level_help_lists_every_bench_command(capsys):
+    from kvserve.benchmarks.cli import COMMANDS
+    from kvserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps (and may hyphen-break) the line
+    bench_line = out.split("bench benchmarks (", 1)[1].split(")", 1)[0].replace("- ", "-")
+    assert [c.strip() for c in bench_line.split(",")] == list(COMMANDS)

@@ -26,6 +26,22 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
     assert r["threads"]["why"]
 
 
+def test_doctor_says_whether_lora_decode_steps_stay_in_the_one_call(capsys, monkeypatch):
+    from kvserve.model_executor.layers import native_layers, native_lora
+    from kvserve.model_executor.models import native_decode
+
+    def step_text() -> str:
+        assert doctor.main(["--json"]) == 0
+        return json.loads(capsys.readouterr().out)["paths"]["decoder layers of a pure-decode step"]["float32"]
+
+    if not (native_layers.available() and native_lora.available()):
+        assert "LoRA deltas included" not in step_text()
+        return
+    assert "LoRA deltas included" in step_text()  # FUSE_LORA: LoRA steps run the fused call
+    monkeypatch.setattr(native_decode, "FUSE_LORA", False)
+    assert "per-layer calls with LoRA" in step_text()
+
+
 def test_doctor_says_a_fixed_thread_count_comes_from_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("KVSERVE_NUM_THREADS", "1")
     assert cli.main(["doctor"]) == 0

@@ -9,6 +9,7 @@ import sys
 import time
 import typing
 
+from kvserve.benchmarks.cli import COMMANDS as BENCH_COMMANDS
 from kvserve.config import QUANTIZATION_CHOICES, EngineArgs
 from kvserve.lora.modules import parse_lora_module
 
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, module, helptext in (
         ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
-        ("bench", "kvserve.benchmarks.cli", "benchmarks (throughput, serve, cold-start, plot)"),
+        ("bench", "kvserve.benchmarks.cli", f"benchmarks ({', '.join(BENCH_COMMANDS)})"),
         ("simulate", "kvserve.sim.cli", "replay a trace on the simulator"),
         ("profile", "kvserve.sim.profile", "measure this host's engine steps; write a cost model"),
         (

@@ -142,7 +142,8 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         },
         "decoder layers of a pure-decode step": {
             d: (
-                "one kvserve call for all layers (per-layer calls with LoRA or tensor parallelism)"
+                f"one kvserve call for all layers ({_fused_decode_lora_text()}; per-layer calls under "
+                "tensor parallelism)"
                 if native_layers.available()
                 else f"per-layer kvserve calls ({native_layers.failure_reason()})"
             )
@@ -165,6 +166,16 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             ),
         },
     }
+
+
+def _fused_decode_lora_text() -> str:
+    """Whether a pure-decode step with LoRA adapters stays in the one native call."""
+    from kvserve.model_executor.layers import native_lora
+    from kvserve.model_executor.models import native_decode
+
+    if native_decode.FUSE_LORA and native_lora.available():
+        return "LoRA deltas included"
+    return "per-layer calls with LoRA"
 
 
 def _lora_native_text(vec: str) -> str:

@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     sd = summary.get("spec_decode")
     if sd:
         print(
-            f"speculative decoding: {sd['num_draft_tokens']} drafts, acceptance {sd['acceptance_rate']:.3f}, "
+            f"speculative decoding: {sd['num_drafts']} drafts of {sd['num_draft_tokens']} tokens, "
+            f"acceptance {sd['acceptance_rate']:.3f}, "
             f"mean accepted length {sd['mean_accepted_len']:.2f}, {summary['num_steps']} steps"
         )
     lo = summary.get("lora")

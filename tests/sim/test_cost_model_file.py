@@ -253,10 +253,14 @@ def test_simulate_cli_cost_model_with_speculation(tmp_path, capsys):
     path = tmp_path / "p.json"
     save_cost_model(path, profile_data())
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "mean_accepted_len": 2.0}'
-    assert (
-        simulate_main(["--cost-model", str(path), "--num-requests", "4", "--speculative-config", spec]) == 0
-    )
-    assert "speculative decoding:" in capsys.readouterr().out
+    out_json = tmp_path / "s.json"
+    args = ["--cost-model", str(path), "--num-requests", "4", "--speculative-config", spec]
+    assert simulate_main([*args, "--json-out", str(out_json)]) == 0
+    sd = json.loads(out_json.read_text())["spec_decode"]
+    assert 0 < sd["num_drafts"] < sd["num_draft_tokens"]  # k = 2: a draft is 1-2 tokens
+    # the printed line counts drafts (verifications) and their tokens apart, as the JSON does
+    line = f"speculative decoding: {sd['num_drafts']} drafts of {sd['num_draft_tokens']} tokens,"
+    assert line in capsys.readouterr().out
 
 
 def test_steps_past_the_profiled_shapes_are_counted_and_noted(tmp_path, capsys):

@@ -293,24 +293,36 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
         }
     elif scaling not in (None, "none"):
         raise ValueError(f"{where}: GGUF rope scaling {scaling!r} is not supported")
-    cfg = LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=_required_int(reader, "llama.feed_forward_length", where),
-        num_hidden_layers=_required_int(reader, "llama.block_count", where),
-        num_attention_heads=n_head,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", n_head)),
-        head_dim=int(head_dim),
-        max_position_embeddings=_required_int(reader, "llama.context_length", where),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_parameters=rope,
-        tie_word_embeddings=not has_output,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
-        attention_bias=False,
-    )
+    ffn = _required_int(reader, "llama.feed_forward_length", where)
+    blocks = _required_int(reader, "llama.block_count", where)
+    ctx = _required_int(reader, "llama.context_length", where)
+    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
+    if isinstance(n_kv, bool) or not isinstance(n_kv, (int, np.integer)) or n_kv <= 0 or n_head % n_kv:
+        raise ValueError(
+            f"{where}: metadata key 'llama.attention.head_count_kv' must be a positive divisor of "
+            f"'llama.attention.head_count' ({n_head}), got {n_kv!r}"
+        )
+    try:
+        cfg = LlamaConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=blocks,
+            num_attention_heads=n_head,
+            num_key_value_heads=int(n_kv),
+            head_dim=int(head_dim),
+            max_position_embeddings=ctx,
+            rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_parameters=rope,
+            tie_word_embeddings=not has_output,
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+            unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+            attention_bias=False,
+        )
+    except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
+        raise ValueError(f"{where}: its metadata describes no valid Llama model: {e}") from None
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "float32"
     return cfg

@@ -33,11 +33,14 @@ def _tokenizer_fields() -> dict:
     return {k: (f.contents(), f.types[0]) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
 
-def write_tiny_gguf(path, hf_model, cfg, qtype=T.Q8_0, skip_keys=(), skip_tensors=(), tokenizer=True):
+def write_tiny_gguf(
+    path, hf_model, cfg, qtype=T.Q8_0, skip_keys=(), skip_tensors=(), tokenizer=True, metadata=None
+):
     """``hf_model`` as a llama GGUF the way llama.cpp writes it (q/k rows permuted), linear
     weights and the embedding in ``qtype``, with the default model's tokenizer metadata
     (vocabulary 49,152: ``cfg.vocab_size`` must match) unless ``tokenizer`` is False; metadata
-    keys in ``skip_keys`` and HF tensors in ``skip_tensors`` are left out."""
+    keys in ``skip_keys`` and HF tensors in ``skip_tensors`` are left out; ``metadata``
+    overrides ``llama.*`` values (``{key: value}``)."""
     from gguf.quants import quantize
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -53,7 +56,7 @@ def write_tiny_gguf(path, hf_model, cfg, qtype=T.Q8_0, skip_keys=(), skip_tensor
     }
     for key, (add, value) in adders.items():
         if key not in skip_keys:
-            add(value)
+            add((metadata or {}).get(key, value))
     for key, (value, vtype) in (_tokenizer_fields() if tokenizer else {}).items():
         if key in skip_keys:
             continue
@@ -211,6 +214,35 @@ def test_gguf_missing_metadata_is_named(tmp_path, tiny_hf, skip, message):
     write_tiny_gguf(path, hf, cfg, skip_keys=skip)
     for msg in _both_paths(path):
         assert re.search(rf"GGUF file '[^']*partial\.gguf'.*{message}", msg), msg
+
+
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        (
+            {"llama.attention.head_count_kv": 3},
+            r"metadata key 'llama\.attention\.head_count_kv' must be a positive divisor of ",
+        ),
+        (
+            {"llama.attention.head_count_kv": 0},
+            r"metadata key 'llama\.attention\.head_count_kv' must be a positive divisor of ",
+        ),
+        (
+            {"llama.attention.head_count": 3, "llama.attention.head_count_kv": 3},
+            r"its metadata describes no valid Llama model: .*not a multiple of the number of attention heads",
+        ),
+        ({"llama.block_count": 0}, r"metadata key 'llama\.block_count' must be a positive integer, got 0"),
+    ],
+    ids=["kv-heads-3", "kv-heads-0", "heads-3", "blocks-0"],
+)
+def test_gguf_inconsistent_metadata_is_named(tmp_path, tiny_hf, metadata, message):
+    """Found here: heads that do not divide were a transformers ``StrictDataclass...Error``
+    (not a ValueError) or an error without the file's name."""
+    cfg, hf = tiny_hf
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, hf, cfg, metadata=metadata)
+    for msg in _both_paths(path):
+        assert re.search(rf"GGUF file '[^']*odd\.gguf': {message}", msg, re.S), msg
 
 
 def test_gguf_of_another_architecture_names_the_file(tmp_path):

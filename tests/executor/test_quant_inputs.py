@@ -390,3 +390,30 @@ def test_int_quantization_refuses_float16_at_load(tmp_path, method):
         ValueError, match=rf"quantization='{method}' needs dtype float32 or bfloat16.*got torch\.float16"
     ):
         load_model(tmp_path, torch.float16, "cpu", quantization=method)
+
+
+@pytest.mark.parametrize("method", [None, "gptq"])
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        (
+            '{"weight_map": {"x": "model-00001-of-00002.safetensors"}}',
+            r"names shard\(s\) missing from .*model-00001-of-00002",
+        ),
+        ("{not json", r"cannot be read as a JSON object"),
+        ("[]", r"cannot be read as a JSON object"),
+        ('{"weight_map": ["a"]}', r"'weight_map' must be an object"),
+    ],
+    ids=["missing-shard", "not-json", "list", "weight_map-list"],
+)
+def test_broken_shard_index_is_named(tmp_path, tiny_float, method, index, message):
+    """Found here: an index naming a missing shard was a ``FileNotFoundError`` (float
+    checkpoints), a list a ``TypeError``, bad JSON a message without the file."""
+    d = tmp_path / "m"
+    if method is None:
+        tiny_float.save_pretrained(d)
+    else:
+        quantize_dir(tiny_float, d, tmp_path / "f", method, group_size=32)
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json.*{message}"):
+        load_model(d, torch.float32, "cpu")

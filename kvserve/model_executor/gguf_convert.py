@@ -255,6 +255,13 @@ def _required_int(reader, key: str, where: str) -> int:
     return int(v)
 
 
+def check_architecture(reader, where: str) -> None:
+    """Raises ValueError naming ``where`` unless ``general.architecture`` is ``llama``."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{where}: only llama-architecture GGUF files are supported, got {arch!r}")
+
+
 def build_config(reader, has_output: bool, where: str = "GGUF file"):
     """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata.
 
@@ -266,9 +273,7 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
     """
     from transformers import LlamaConfig
 
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{where}: only llama-architecture GGUF files are supported, got {arch!r}")
+    check_architecture(reader, where)
     hidden = _required_int(reader, "llama.embedding_length", where)
     n_head = _required_int(reader, "llama.attention.head_count", where)
     vocab = _field(reader, "llama.vocab_size")
@@ -424,6 +429,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     where = _where(gguf_path)
     reader = open_gguf(gguf_path)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
+    check_architecture(reader, where)
     check_tokenizer_metadata(reader, where)
     cfg = build_config(reader, has_output, where)
     check_tensors(reader, cfg, where)
@@ -489,6 +495,7 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     """
     where = _where(gguf_path)
     reader = open_gguf(gguf_path)
+    check_architecture(reader, where)
     check_tokenizer_metadata(reader, where)
     cfg = build_config(reader, any(t.name == "output.weight" for t in reader.tensors), where)
     del reader

@@ -18,9 +18,11 @@ leaves a half-written cache behind.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +33,140 @@ import numpy as np
 CONVERTER_VERSION = "1"
 #: Temporary conversion directories older than this (seconds) are treated as abandoned.
 _STALE_TMP_S = 6 * 3600
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path``.
+
+    Raises:
+        ValueError: naming the file, when it is not a readable GGUF file: bad magic, a
+            truncated header / metadata entry / tensor info / tensor data (naming the entry or
+            tensor where the file ends), a duplicated tensor name, an unknown tensor type
+            (naming the tensor and its type id).
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        try:
+            why = gguf_layout_error(Path(path))
+        except Exception:  # the diagnosis is best effort: fall back to the reader's words
+            why = None
+        why = why or f"{type(e).__name__}: {e}"
+        if "GGMLQuantizationType" in str(e) or "unknown type" in why:
+            raise ValueError(f"GGUF file {str(path)!r} has a tensor of unknown type: {why}") from None
+        raise ValueError(f"GGUF file {str(path)!r} cannot be read (truncated or corrupt?): {why}") from None
+
+
+#: Bytes of a fixed-size GGUF metadata value, by value type id (8 = string, 9 = array: variable).
+_GGUF_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_layout_error(path: Path) -> str | None:
+    """What is wrong with the layout of GGUF file ``path`` (version 2 or 3, little-endian), or
+    ``None`` when the header, metadata, tensor infos and tensor data all fit in the file.
+
+    Walks the file as the GGUF specification lays it out: magic, version, tensor and metadata
+    counts; each metadata key and typed value; each tensor's name, dims, type id and data
+    offset; then checks every tensor's data lies inside the file. Reads only the header (a
+    memory map), so it is cheap on multi-GB files.
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    if size < 24:
+        return f"the {size}-byte file is shorter than a GGUF header (24 bytes)"
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            return f"no GGUF magic (the file starts with {bytes(m[:4])!r}, expected b'GGUF')"
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version not in (2, 3):
+            return f"GGUF version {version} is not supported (2 or 3)"
+        pos = 24
+
+        def need(n: int, what: str) -> None:
+            if pos + n > size:
+                raise _Truncated(f"{what} is truncated: the file ends at byte {size}")
+
+        def string(what: str) -> str:
+            nonlocal pos
+            need(8, what)
+            (n,) = struct.unpack_from("<Q", m, pos)
+            need(8 + n, what)
+            out = bytes(m[pos + 8 : pos + 8 + n]).decode("utf-8", "replace")
+            pos += 8 + n
+            return out
+
+        def value(vtype: int, what: str) -> None:
+            nonlocal pos
+            if vtype == 8:
+                string(what)
+            elif vtype == 9:
+                need(12, what)
+                etype, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if etype in _GGUF_VALUE_BYTES:
+                    need(count * _GGUF_VALUE_BYTES[etype], what)
+                    pos += count * _GGUF_VALUE_BYTES[etype]
+                else:
+                    for _ in range(count):
+                        value(etype, what)
+            elif vtype in _GGUF_VALUE_BYTES:
+                need(_GGUF_VALUE_BYTES[vtype], what)
+                pos += _GGUF_VALUE_BYTES[vtype]
+            else:
+                raise _Truncated(f"{what} has unknown value type {vtype}")
+
+        alignment = 32
+        try:
+            for i in range(n_kv):
+                key = string(f"metadata entry {i} of {n_kv}")
+                what = f"metadata entry {i} of {n_kv} ({key!r})"
+                need(4, what)
+                (vtype,) = struct.unpack_from("<I", m, pos)
+                pos += 4
+                if key == "general.alignment" and vtype == 4:
+                    need(4, what)
+                    alignment = struct.unpack_from("<I", m, pos)[0] or 32
+                value(vtype, what)
+            infos = []
+            for i in range(n_tensors):
+                name = string(f"tensor info {i} of {n_tensors}")
+                what = f"tensor info {i} of {n_tensors} ({name!r})"
+                need(4, what)
+                (n_dims,) = struct.unpack_from("<I", m, pos)
+                need(4 + 8 * n_dims + 12, what)
+                dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+                ttype, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 12
+                infos.append((name, dims, ttype, offset))
+        except _Truncated as e:
+            return str(e)
+    data_start = -(-pos // alignment) * alignment
+    seen: set[str] = set()
+    for name, dims, ttype, offset in infos:
+        if name in seen:
+            return f"tensor {name!r} appears twice"
+        seen.add(name)
+        try:
+            block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            return f"tensor {name!r} has unknown type id {ttype}"
+        n = 1
+        for d in dims:
+            n *= d
+        end = data_start + offset + n // block * type_bytes
+        if end > size:
+            return (
+                f"tensor {name!r} ({GGMLQuantizationType(ttype).name}, shape {list(reversed(dims))}) "
+                f"is truncated: its data ends at byte {end}, the file at byte {size}"
+            )
+    return None
+
+
+class _Truncated(Exception):
+    pass
 
 
 def cache_root() -> Path:
@@ -110,17 +246,42 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
-def build_config(reader, has_output: bool):
-    """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata."""
-    from transformers import LlamaConfig
+def _required_int(reader, key: str, where: str) -> int:
+    v = _field(reader, key)
+    if v is None:
+        raise ValueError(f"{where}: metadata key {key!r} is missing (needed to build the model config)")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) <= 0:
+        raise ValueError(f"{where}: metadata key {key!r} must be a positive integer, got {v!r}")
+    return int(v)
 
+
+def check_architecture(reader, where: str) -> None:
+    """Raises ValueError naming ``where`` unless ``general.architecture`` is ``llama``."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    n_head = int(_field(reader, "llama.attention.head_count"))
+        raise ValueError(f"{where}: only llama-architecture GGUF files are supported, got {arch!r}")
+
+
+def build_config(reader, has_output: bool, where: str = "GGUF file"):
+    """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata.
+
+    Args:
+        where: names the file in errors (e.g. ``"GGUF file '/p/m.gguf'"``).
+    Raises:
+        ValueError: another architecture, or a missing / non-positive ``llama.*`` size key
+            (naming ``where`` and the key).
+    """
+    from transformers import LlamaConfig
+
+    check_architecture(reader, where)
+    hidden = _required_int(reader, "llama.embedding_length", where)
+    n_head = _required_int(reader, "llama.attention.head_count", where)
     vocab = _field(reader, "llama.vocab_size")
     if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise ValueError(
+                f"{where}: neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens' is in its metadata"
+            )
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = (
         _field(reader, "llama.attention.key_length")
@@ -136,25 +297,37 @@ def build_config(reader, has_output: bool):
             "rope_theta": rope["rope_theta"],
         }
     elif scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
-    cfg = LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
-        num_attention_heads=n_head,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", n_head)),
-        head_dim=int(head_dim),
-        max_position_embeddings=int(_field(reader, "llama.context_length")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_parameters=rope,
-        tie_word_embeddings=not has_output,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
-        attention_bias=False,
-    )
+        raise ValueError(f"{where}: GGUF rope scaling {scaling!r} is not supported")
+    ffn = _required_int(reader, "llama.feed_forward_length", where)
+    blocks = _required_int(reader, "llama.block_count", where)
+    ctx = _required_int(reader, "llama.context_length", where)
+    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
+    if isinstance(n_kv, bool) or not isinstance(n_kv, (int, np.integer)) or n_kv <= 0 or n_head % n_kv:
+        raise ValueError(
+            f"{where}: metadata key 'llama.attention.head_count_kv' must be a positive divisor of "
+            f"'llama.attention.head_count' ({n_head}), got {n_kv!r}"
+        )
+    try:
+        cfg = LlamaConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=blocks,
+            num_attention_heads=n_head,
+            num_key_value_heads=int(n_kv),
+            head_dim=int(head_dim),
+            max_position_embeddings=ctx,
+            rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_parameters=rope,
+            tie_word_embeddings=not has_output,
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+            unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+            attention_bias=False,
+        )
+    except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
+        raise ValueError(f"{where}: its metadata describes no valid Llama model: {e}") from None
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "float32"
     return cfg
@@ -183,25 +356,88 @@ def dequantize_tensors(reader, cfg) -> dict[str, object]:
     return out
 
 
+def _where(gguf_path: Path) -> str:
+    return f"GGUF file {str(gguf_path)!r}"
+
+
+def check_tensors(reader, cfg, where: str) -> None:
+    """Check the GGUF tensors' names and shapes against the model ``cfg`` describes, on a
+    ``meta``-device model (nothing is allocated), before anything is converted or cached.
+
+    Raises:
+        ValueError: naming ``where`` and the GGUF tensor: a name without an HF Llama
+            counterpart, a shape the config does not expect, or expected weights missing.
+    """
+    import torch
+
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg, torch.float32, "meta")
+    loaded = set()
+    for t in reader.tensors:
+        try:
+            name = hf_tensor_name(t.name)
+            if name is None:
+                continue
+            model.weight_target(name, tuple(int(s) for s in reversed(list(t.shape))))
+        except ValueError as e:
+            raise ValueError(f"{where}: tensor {t.name!r}: {e}") from None
+        loaded.add(name)
+    try:
+        model.check_all_loaded(loaded)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def check_tokenizer_metadata(reader, where: str) -> None:
+    """Raises ValueError naming ``where`` and the key when the GGUF metadata lacks what
+    transformers' GGUF tokenizer loader reads (``tokenizer.ggml.model``, ``tokenizer.ggml.tokens``;
+    ``merges`` for a ``gpt2`` (BPE) tokenizer, ``scores`` for a ``llama`` (SentencePiece) one)."""
+    model = _field(reader, "tokenizer.ggml.model")
+    needed = ["tokenizer.ggml.model", "tokenizer.ggml.tokens"]
+    needed += {"gpt2": ["tokenizer.ggml.merges"], "llama": ["tokenizer.ggml.scores"]}.get(model, [])
+    missing = [k for k in needed if k not in reader.fields]
+    if missing:
+        raise ValueError(
+            f"{where} has no tokenizer: metadata key(s) {', '.join(map(repr, missing))} missing "
+            "(kvserve takes the tokenizer and chat template from the GGUF metadata)"
+        )
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # transformers raises KeyError / ValueError / ... on odd metadata
+        raise ValueError(
+            f"{_where(gguf_path)}: its tokenizer metadata cannot be loaded: {type(e).__name__}: {e}"
+        ) from None
+    tok.save_pretrained(str(out_dir))
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write the HF directory for ``gguf_path`` into (existing, empty) ``out_dir``.
 
     Raises:
-        ValueError: not a llama GGUF, or a tensor without a HF counterpart.
+        ValueError: naming the file (and the tensor or metadata key): not a readable GGUF, not
+            llama, missing config or tokenizer metadata, or a tensor without a HF counterpart,
+            of the wrong shape, or missing (all checked before anything is written).
     """
-    import gguf
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    where = _where(gguf_path)
+    reader = open_gguf(gguf_path)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    cfg = build_config(reader, has_output)
+    check_architecture(reader, where)
+    check_tokenizer_metadata(reader, where)
+    cfg = build_config(reader, has_output, where)
+    check_tensors(reader, cfg, where)
     tensors = dequantize_tensors(reader, cfg)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     cfg.save_pretrained(str(out_dir))
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tok.save_pretrained(str(out_dir))
+    _save_tokenizer(gguf_path, out_dir)
 
 
 def _clean_stale_tmp(root: Path) -> None:
@@ -254,17 +490,17 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     ``out_dir``: what ``quantization="gguf"`` needs beside the GGUF file itself.
 
     Raises:
-        ValueError: not a llama GGUF.
+        ValueError: naming the file: not a readable llama GGUF, or missing config or
+            tokenizer metadata.
     """
-    import gguf
-    from transformers import AutoTokenizer
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    cfg = build_config(reader, any(t.name == "output.weight" for t in reader.tensors))
+    where = _where(gguf_path)
+    reader = open_gguf(gguf_path)
+    check_architecture(reader, where)
+    check_tokenizer_metadata(reader, where)
+    cfg = build_config(reader, any(t.name == "output.weight" for t in reader.tensors), where)
     del reader
     cfg.save_pretrained(str(out_dir))
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tok.save_pretrained(str(out_dir))
+    _save_tokenizer(gguf_path, out_dir)
 
 
 def metadata_dir(gguf_path: Path) -> Path:
@@ -273,11 +509,7 @@ def metadata_dir(gguf_path: Path) -> Path:
     Raises:
         ValueError: the file cannot be read as a llama GGUF (naming it).
     """
-    from kvserve.model_executor.gguf_loader import open_gguf
-
     gguf_path = Path(gguf_path).resolve()
     final = cache_dir_for(gguf_path)
     final = final.with_name(final.name + "-meta")
-    if not (final / "config.json").is_file():
-        open_gguf(gguf_path)  # a clear error naming the file before transformers reads it
     return _cached(final, lambda tmp: write_metadata(gguf_path, tmp), lambda d: (d / "config.json").is_file())

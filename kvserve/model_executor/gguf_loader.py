@@ -23,30 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.model_executor.gguf_convert import build_config, hf_tensor_name, unpermute_qk
+from kvserve.model_executor.gguf_convert import build_config, hf_tensor_name, open_gguf, unpermute_qk
 from kvserve.model_executor.layers import quant_gemm
 
 logger = logging.getLogger("kvserve.gguf")
-
-
-def open_gguf(path: Path):
-    """A ``gguf.GGUFReader`` of ``path``.
-
-    Raises:
-        ValueError: naming the file, when it is not a readable GGUF file (bad magic, truncated,
-            an unknown tensor type).
-    """
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:
-        msg = str(e)
-        if "GGMLQuantizationType" in msg:
-            raise ValueError(f"GGUF file {str(path)!r} has a tensor of unknown type: {msg}") from None
-        raise ValueError(
-            f"GGUF file {str(path)!r} cannot be read (truncated or corrupt?): {type(e).__name__}: {msg}"
-        ) from None
 
 
 def _qtype(t) -> str | None:
@@ -123,7 +103,8 @@ def load_gguf_model(
                 tensors[name] = t
     except ValueError as e:
         raise ValueError(f"GGUF file {str(path)!r}: {e}") from None
-    cfg = hf_config if hf_config is not None else build_config(reader, "lm_head.weight" in tensors)
+    where = f"GGUF file {str(path)!r}"
+    cfg = hf_config if hf_config is not None else build_config(reader, "lm_head.weight" in tensors, where)
     logged: set = set()
     with torch.no_grad():
         model = LlamaForCausalLM(cfg, dtype=dtype, device="cpu", max_position=max_position)

@@ -102,7 +102,26 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
         missing.append("*.safetensors weights")
     if missing:
         raise ValueError(f"model directory {str(path)!r} is missing {' and '.join(missing)}")
+    check_config_json(path / "config.json")
     return path.resolve()
+
+
+def check_config_json(path: Path) -> None:
+    """Raises ValueError naming ``path`` when it is not a JSON object, or when its
+    ``quantization_config`` is present but not an object (transformers would fail on it with
+    an AttributeError deep inside, before any of our checks)."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+    qc = cfg.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(
+            f"{path}: quantization_config must be an object (with a quant_method), got "
+            f"{type(qc).__name__} {json.dumps(qc)[:80]}"
+        )
 
 
 def load_hf_config(model_dir: Path):
@@ -118,6 +137,7 @@ def load_hf_config(model_dir: Path):
 
     from kvserve.model_executor.quantized_checkpoint import parse_quantization_config
 
+    check_config_json(Path(model_dir) / "config.json")
     cfg = AutoConfig.from_pretrained(str(model_dir))
     qc = getattr(cfg, "quantization_config", None)
     if qc:  # refuses an unsupported method, bit width or layout, naming it
@@ -175,11 +195,27 @@ _ST_DTYPES = {
 
 
 def _shard_paths(model_dir: Path):
+    """The safetensors shards of ``model_dir``: those its ``model.safetensors.index.json``
+    names, else every ``*.safetensors``.
+
+    Raises:
+        ValueError: naming the index file: not JSON, no ``weight_map`` object of file names, or
+            a shard it names that is not in the directory.
+    """
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / f for f in files]
-    return sorted(model_dir.glob("*.safetensors"))
+    if not index.is_file():
+        return sorted(model_dir.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{index} cannot be read as a JSON object: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name")
+    paths = [model_dir / f for f in sorted(set(weight_map.values()))]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"{index} names shard(s) missing from {model_dir}: {', '.join(missing[:4])}")
+    return paths
 
 
 def read_safetensors_into(model, model_dir: Path) -> None:
@@ -213,7 +249,10 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                 if name == "__metadata__":
                     continue
                 shape = tuple(info["shape"])
-                target = model.weight_target(name, shape)
+                try:
+                    target = model.weight_target(name, shape)
+                except ValueError as e:
+                    raise ValueError(f"{path}: {e}") from None
                 if target is None:
                     continue
                 src_dtype = _ST_DTYPES.get(info["dtype"])
@@ -248,7 +287,10 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                 if dst is not target:
                     target.copy_(model.shard_weight(name, dst) if sharded else dst)
                 loaded.add(name)
-    model.check_all_loaded(loaded)
+    try:
+        model.check_all_loaded(loaded)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
 
 
 def load_model(

@@ -101,11 +101,16 @@ def quant_method_of(hf_config) -> str | None:
     return str(method).lower() if method is not None else "<missing>"
 
 
-def _as_dict(qc) -> dict:
+def _as_dict(qc, where: str) -> dict:
     if isinstance(qc, dict):
         return qc
     to_dict = getattr(qc, "to_dict", None)
-    return dict(to_dict()) if callable(to_dict) else dict(vars(qc))
+    if callable(to_dict):
+        return dict(to_dict())
+    raise ValueError(
+        f"{where}: quantization_config must be an object (with a quant_method), got "
+        f"{type(qc).__name__} {qc!r:.80}"
+    )
 
 
 def _group_size(value, where: str, field: str) -> int:
@@ -130,7 +135,7 @@ def parse_quantization_config(qc, where: str) -> QuantScheme:
             ``version`` or ``zero_point=False``, compressed-tensors ``format``, weight type,
             strategy or asymmetric weights.
     """
-    qc = _as_dict(qc)
+    qc = _as_dict(qc, where)
     method = str(qc.get("quant_method", "<missing>")).lower()
     if method == "gptq":
         bits = qc.get("bits")
@@ -367,6 +372,14 @@ def _expect_shape(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         raise ValueError(f"{what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
+def _expect_finite(t: torch.Tensor, what: str) -> None:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{what} has {int(bad.sum())} non-finite value(s) (NaN or inf) of {t.numel()}: a corrupt checkpoint"
+        )
+
+
 def _expect_int32(t: torch.Tensor, what: str) -> None:
     if t.dtype != torch.int32:
         raise ValueError(f"{what} has dtype {t.dtype}, expected int32 (packed 4-bit values)")
@@ -414,6 +427,7 @@ def _scales_and_qzeros(ts, prefix: str, qname: str, scheme, out_f: int, in_f: in
     _expect_shape(scales, (groups, out_f), ts.where(prefix + ".scales"))
     if not scales.dtype.is_floating_point:
         raise ValueError(f"{ts.where(prefix + '.scales')} has dtype {scales.dtype}, expected float")
+    _expect_finite(scales, ts.where(prefix + ".scales"))
     qzeros = ts.get(prefix + ".qzeros", qname)
     _expect_int32(qzeros, ts.where(prefix + ".qzeros"))
     _expect_shape(qzeros, (groups, out_f // per), ts.where(prefix + ".qzeros"))
@@ -443,6 +457,7 @@ def _ct_scales(scale: torch.Tensor, out_f: int, in_f: int, per: int, what: str) 
     channel ``[out, 1]`` or per group ``[out, in / group_size]``)."""
     if not scale.dtype.is_floating_point:
         raise ValueError(f"{what} has dtype {scale.dtype}, expected float")
+    _expect_finite(scale, what)
     s = scale.float()
     if s.numel() == 1:
         return s.reshape(1, 1).expand(out_f, in_f // per)
@@ -609,7 +624,11 @@ def load_quantized_checkpoint(model, model_dir: Path, scheme: QuantScheme) -> No
                     t = ts.get(name, _main_tensor(quantized[0], scheme))
                     model.weight_target(name, tuple(t.shape))
                     if not t.dtype.is_floating_point:
-                        raise ValueError(f"{ts.where(name)} is {t.dtype} (integer), expected a float weight")
+                        raise ValueError(
+                            f"{ts.where(name)} is {t.dtype} (integer), expected a float weight "
+                            f"(its {_main_tensor(p, scheme).rsplit('.', 1)[1]} is missing, while "
+                            f"{_main_tensor(quantized[0], scheme)!r} is there)"
+                        )
                     parts.append((t.float(), None))
                     consumed.add(name)
                 loaded.add(name)

@@ -418,18 +418,44 @@ class LlamaForCausalLM(nn.Module):
                 weights); ``"int4"``: Q4_1 (``quant_pack.quantize_q4_1``: 4-bit codes with a
                 scale and offset per 32 weights, searched for the lowest squared error).
         Raises:
-            ValueError: an unknown ``method``, off CPU, a linear layer whose ``in_features``
-                is not a multiple of 32, or ``KVSERVE_QUANT_ACT`` neither ``float`` nor ``int8``.
+            ValueError: an unknown ``method``, off CPU, a model dtype other than float32 /
+                bfloat16, linear layers whose ``in_features`` is not a multiple of 32 (naming
+                them, checked before any is quantized), or ``KVSERVE_QUANT_ACT`` neither
+                ``float`` nor ``int8``.
         """
         quantize = {"int8": quant_gemm.quantize_q8_0, "int4": quant_pack.quantize_q4_1}.get(method)
         if quantize is None:
             raise ValueError(f"quantize_linear_weights: method must be int8 or int4, got {method!r}")
         if self.embed_tokens.device.type != "cpu":
             raise ValueError(f"quantization={method!r} runs on CPU only")
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"quantization={method!r} needs dtype float32 or bfloat16 (its kernels' activations), "
+                f"got {self.dtype}"
+            )
         quant_gemm.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
-        names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
-        names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
+        names, labels = [], []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            names += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]
+            labels += [p + "self_attn.q_proj/k_proj/v_proj", p + "self_attn.o_proj"]
+            names += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
+            labels += [p + "mlp.gate_proj/up_proj", p + "mlp.down_proj"]
         names.append((self, "lm_head"))
+        labels.append("lm_head")
+        ragged = [
+            f"{label} (in_features={getattr(m, n).shape[-1]})"
+            for (m, n), label in zip(names, labels)
+            if getattr(m, n).shape[-1] % quant_gemm.BLOCK_ELEMS
+        ]
+        if ragged:
+            block = "Q8_0" if method == "int8" else "Q4_1"
+            raise ValueError(
+                f"quantization={method!r} needs every linear layer's in_features to be a multiple of "
+                f"{quant_gemm.BLOCK_ELEMS} ({block} blocks of {quant_gemm.BLOCK_ELEMS} weights); not so for "
+                f"{len(ragged)} layer(s): {', '.join(ragged[:4])}{f' and {len(ragged) - 4} more' if len(ragged) > 4 else ''}. "
+                "Run this model without quantization."
+            )
         for module, name in names:
             q = quantize(getattr(module, name))
             quant_gemm.prepare(q)

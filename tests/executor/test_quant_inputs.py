@@ -11,6 +11,7 @@ file can be complete and still be refused for exactly one defect.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -27,8 +28,10 @@ from tests.executor.quant_packers import quantize_dir
 from tests.executor.test_gguf_quantized import T, gguf_name, permute_qk
 
 
+@functools.cache
 def _tokenizer_fields() -> dict:
-    """The default model's ``tokenizer.*`` metadata: ``{key: (value, value type)}``."""
+    """The default model's ``tokenizer.*`` metadata: ``{key: (value, value type)}`` (read once:
+    parsing the 49,152-token vocabulary takes seconds)."""
     reader = gguf.GGUFReader(str(default_gguf_path()))
     return {k: (f.contents(), f.types[0]) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 

@@ -27,12 +27,13 @@
  * the bias is added in float32, then rounded once to bfloat16 (nearest even, as torch).
  *
  * Measured (this project's 2-core Xeon, AVX512-BF16 without AMX; benchmarks/gemm_micro.py
- * --dtype bfloat16 --kernel bf16dot panels, 30 layers of SmolLM2-135M's shapes): the same time as
- * the float32-widening panels at 1-8 rows (weight-bound), 0.80-0.88x their speed from 12 rows on
- * (187 GFLOP/s at 256 rows against the panels' 237) and 1.02-1.16x oneDNN's bfloat16 matmul at
- * 64-256 rows. The reason is the instruction: on this CPU one 512-bit VDPBF16PS issues every ~2
- * cycles (1.7 G/s per core, at any width) against two FMAs per cycle (7 G/s), so it does 0.47-0.51x
- * the FMAs' multiply-adds (bf16dot_speed below) and the kernel runs at ~88% of its peak (the
+ * --dtype bfloat16 --kernel bf16dot panels, 30 layers of SmolLM2-135M's shapes, medians): the
+ * same time as the float32-widening panels at 1-4 rows (weight-bound), 0.78-0.96x their speed
+ * from 8 rows on (194 GFLOP/s at 256 rows against the panels' 230), and level with oneDNN's
+ * bfloat16 matmul at 256-1,024 rows (0.98-1.00x: the same instruction). The reason is the
+ * instruction: on this CPU one 512-bit VDPBF16PS issues every ~2 cycles (1.7 G/s per core, at
+ * any width) against two FMAs per cycle (7 G/s), so it does 0.47-0.51x the FMAs' multiply-adds
+ * (bf16dot_speed below), and the kernel runs at ~91% of its peak (the
  * compiled 8-row loop: 66 instructions per pair, 24 of them VDPBF16PS). So the engine does not
  * run it: where the probe finds the dot product slower than FMAs, bfloat16 weights take the
  * panels at every step size (native_gemm.packs_bfloat16); where it is faster (AMD Zen 4, whose

@@ -39,7 +39,7 @@ def packs_bfloat16() -> bool:
     one thread, the default model's 30 layers + LM head) this kernel took 0.6-0.7x oneDNN's
     time at 1 row, 0.34x at 5 and 0.27x at 512. On this project's 2-core Xeon with AVX512-BF16
     but a VDPBF16PS of half the FMAs' multiply-adds per cycle, 60 layers of the default model's
-    shapes (benchmarks/gemm_micro.py --dtype bfloat16): 0.59-0.76x oneDNN's time at 1-1,024
+    shapes (benchmarks/gemm_micro.py --dtype bfloat16): 0.61-0.85x oneDNN's time at 1-1,024
     rows (docs/benchmarks.md, 2026-12-03). Where the dot product is fast (AMD Zen 4) the panels
     take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
     from kvserve import cpuinfo

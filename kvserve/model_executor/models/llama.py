@@ -84,7 +84,7 @@ def prepack_weight(weight: torch.Tensor):
       (``native_gemm.packs_bfloat16``): ``native_gemm.PanelWeight`` for every step size, one
       copy -- without AVX512-BF16 oneDNN emulates bfloat16 (the panels: 1.4-1.7x its speed at 1
       row, 2.9x at 5, 3.7x at 512); with a slow VDPBF16PS (``bf16dot_gemm.dot_beats_fma``
-      False: this project's Xeon) they run 1.3-1.7x oneDNN's bfloat16 matmul at 1-1,024 rows --
+      False: this project's Xeon) they run 1.2-1.6x oneDNN's bfloat16 matmul at 1-1,024 rows --
       so decode and verify steps of any batch also stay on ``native_decode``. With a fast
       AVX512-BF16 dot product and no AMX (AMD Zen 4): ``native_gemm.PanelWeight`` for steps of
       up to ``native_gemm.BF16_DOT_MAX_ROWS`` rows (1.3-1.7x oneDNN's speed at 1-8 rows, level

@@ -1,15 +1,19 @@
-"""Micro benchmark of the CPU linear layers: ours (``native_gemm`` panels, or ``amx_gemm`` tiles
-for bfloat16 with ``--kernel amx``) against oneDNN's prepacked matmul, on the four GEMM shapes of each SmolLM2-135M layer (q/k/v 960x576, o 576x576,
-gate/up 3072x576, down 576x1536), random weights.
+"""Micro benchmark of the CPU linear layers: ours (``native_gemm`` panels; for bfloat16 also
+``amx_gemm`` tiles with ``--kernel amx`` and ``bf16dot_gemm``'s AVX512-BF16 dot product with
+``--kernel bf16dot``) against oneDNN's prepacked matmul, on the four GEMM shapes of each
+SmolLM2-135M layer (q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536), random weights.
 
-Both run in one process, alternating, so the machine's load affects both alike; the table gives
-the minimum and median time of one pass over all layers and the median of the per-pass ratios.
+All run in one process, alternating (the order rotates each pass), so the machine's load affects
+them alike; the table gives the minimum and median time of one pass over all layers per kernel,
+and each kernel's median of the per-pass ratios to oneDNN. ``--kernel`` takes several kernels
+(``--kernel bf16dot panels``: both against oneDNN; the JSON's ``ours_*`` fields are the first).
 ``--layers 120`` (4x the model, 1.7 GB in float32) keeps the weights out of the last-level cache,
 as in a real step where the KV cache and activations evict them.
 
     python benchmarks/gemm_micro.py                          # float32, 1-2,048 rows
     python benchmarks/gemm_micro.py --rows 1 8 59 --layers 120 --json-out gemm.json
     python benchmarks/gemm_micro.py --dtype bfloat16 --kernel amx --rows 1 16 64 128
+    python benchmarks/gemm_micro.py --dtype bfloat16 --kernel bf16dot panels --rows 16 64 256
 """
 
 from __future__ import annotations
@@ -25,9 +29,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from kvserve.model_executor.layers import amx_gemm, native_gemm
+from kvserve.model_executor.layers import amx_gemm, bf16dot_gemm, native_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+#: --kernel name -> (pack, run, available, bfloat16 only)
+KERNELS = {
+    "panels": (native_gemm.PanelWeight, native_gemm.linear, native_gemm.available, False),
+    "amx": (amx_gemm.AmxWeight, amx_gemm.linear, amx_gemm.available, True),
+    "bf16dot": (bf16dot_gemm.DotWeight, bf16dot_gemm.linear, bf16dot_gemm.available, True),
+}
 
 
 def main() -> None:
@@ -43,34 +53,34 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument(
         "--kernel",
-        choices=["panels", "amx"],
-        default="panels",
-        help="ours: native_gemm panels (float32/bfloat16) or amx_gemm tiles (bfloat16)",
+        nargs="+",
+        choices=list(KERNELS),
+        default=["panels"],
+        help="ours: native_gemm panels (float32/bfloat16), amx_gemm tiles or the bf16dot_gemm "
+        "dot product (bfloat16); several: each against oneDNN",
     )
     ap.add_argument("--reps", type=int, default=6, help="alternating passes per row count")
     ap.add_argument("--json-out", help="write the table as JSON here")
     args = ap.parse_args()
-    if args.kernel == "amx" and (args.dtype != "bfloat16" or not amx_gemm.available()):
-        sys.exit("--kernel amx needs --dtype bfloat16 and a CPU and kernel with AMX tiles")
-    if args.kernel == "panels" and not native_gemm.available():
-        sys.exit("native_gemm is unavailable (no C compiler, or KVSERVE_NATIVE=0)")
-    pack, run = (
-        (amx_gemm.AmxWeight, amx_gemm.linear)
-        if args.kernel == "amx"
-        else (native_gemm.PanelWeight, native_gemm.linear)
-    )
+    kernels = list(dict.fromkeys(args.kernel))
+    for name in kernels:
+        avail, need_bf16 = KERNELS[name][2:]
+        if need_bf16 and args.dtype != "bfloat16":
+            sys.exit(f"--kernel {name} needs --dtype bfloat16")
+        if not avail():
+            sys.exit(f"--kernel {name}: unavailable on this CPU/build (see kvserve doctor)")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).to(dtype) for n, k in SHAPES] for _ in range(args.layers)]
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in weights]
-    ours = [[pack(w) for w in ws] for ws in weights]
+    packed = {name: [[KERNELS[name][0](w) for w in ws] for ws in weights] for name in kernels}
     del weights
     flops_per_row = 2 * args.layers * sum(n * k for n, k in SHAPES)
     rows = []
-    print(
-        f"{'rows':>6} {'oneDNN min/med ms':>18} {args.kernel + ' min/med ms':>18} {args.kernel + ' GFLOP/s':>15} "
-        f"{'speedup (median)':>17}"
-    )
+    head = f"{'rows':>6} {'oneDNN min/med ms':>18}"
+    for name in kernels:
+        head += f" {name + ' min/med ms':>20} {name + ' GFLOP/s':>16} {'vs oneDNN':>9}"
+    print(head)
     for m in args.rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in SHAPES}}
         fns = {
@@ -78,40 +88,52 @@ def main() -> None:
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                 for ws in onednn
                 for w, (_, k) in zip(ws, SHAPES)
-            ],
-            "ours": lambda xs=xs: [run(xs[w.in_features], w) for ws in ours for w in ws],
+            ]
         }
+        for name in kernels:
+            run = KERNELS[name][1]
+            fns[name] = lambda xs=xs, run=run, ws_=packed[name]: [
+                run(xs[w.in_features], w) for ws in ws_ for w in ws
+            ]
         times = {k: [] for k in fns}
         for f in fns.values():
             f()  # warm-up (oneDNN primitive creation)
+        order = list(fns)
         for i in range(args.reps):
-            for name in list(fns) if i % 2 == 0 else list(fns)[::-1]:
+            for name in order[i % len(order) :] + order[: i % len(order)]:
                 t = time.perf_counter()
                 fns[name]()
                 times[name].append(time.perf_counter() - t)
-        ratio = statistics.median(a / b for a, b in zip(times["onednn"], times["ours"]))
         row = {
             "rows": m,
             "onednn_min_s": min(times["onednn"]),
             "onednn_median_s": statistics.median(times["onednn"]),
-            "ours_min_s": min(times["ours"]),
-            "ours_median_s": statistics.median(times["ours"]),
-            "ours_gflops": flops_per_row * m / min(times["ours"]) / 1e9,
-            "speedup_median": ratio,
         }
+        line = f"{m:>6} {row['onednn_min_s'] * 1e3:>8.1f}/{row['onednn_median_s'] * 1e3:<9.1f}"
+        for j, name in enumerate(kernels):
+            ratio = statistics.median(a / b for a, b in zip(times["onednn"], times[name]))
+            stats = {
+                "min_s": min(times[name]),
+                "median_s": statistics.median(times[name]),
+                "gflops": flops_per_row * m / min(times[name]) / 1e9,
+                "speedup_median": ratio,
+            }
+            row.update({f"{name}_{k}": v for k, v in stats.items()})
+            if j == 0:
+                row.update({f"ours_{k}" if k != "speedup_median" else k: v for k, v in stats.items()})
+            line += (
+                f" {stats['min_s'] * 1e3:>10.1f}/{stats['median_s'] * 1e3:<9.1f}"
+                f" {stats['gflops']:>16.1f} {ratio:>8.2f}x"
+            )
         rows.append(row)
-        print(
-            f"{m:>6} {row['onednn_min_s'] * 1e3:>8.1f}/{row['onednn_median_s'] * 1e3:<9.1f} "
-            f"{row['ours_min_s'] * 1e3:>8.1f}/{row['ours_median_s'] * 1e3:<9.1f} "
-            f"{row['ours_gflops']:>15.1f} {ratio:>16.2f}x",
-            flush=True,
-        )
+        print(line, flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
                 {
                     "dtype": args.dtype,
-                    "kernel": args.kernel,
+                    "kernel": kernels[0],
+                    "kernels": kernels,
                     "layers": args.layers,
                     "threads": torch.get_num_threads(),
                     "rows": rows,

@@ -103,7 +103,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             "bfloat16": (
                 f"kvserve AMX tiles up to {amx_gemm.MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
                 if amx
-                else f"kvserve panel GEMM ({vec}, widened to float32)"
+                else f"kvserve panel GEMM ({vec}, widened to float32), every step size{_dot_note(flags)}"
                 if native_gemm.packs_bfloat16()
                 else f"kvserve panel GEMM up to {native_gemm.BF16_DOT_MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
                 if native_gemm.available()
@@ -176,6 +176,19 @@ def _fused_decode_lora_text() -> str:
     if native_decode.FUSE_LORA and native_lora.available():
         return "LoRA deltas included"
     return "per-layer calls with LoRA"
+
+
+def _dot_note(flags: set[str]) -> str:
+    """Why the panels beat the CPU's own bfloat16 dot product, where it has one."""
+    from kvserve.model_executor.layers import bf16dot_gemm, native_gemm
+
+    if "avx512_bf16" not in flags:
+        return ""
+    return (
+        f" (this CPU's VDPBF16PS: {bf16dot_gemm.dot_speed():.2f}x the multiply-adds per second of "
+        f"its float32 FMAs; above {bf16dot_gemm.DOT_FAST}x steps of more than "
+        f"{native_gemm.BF16_DOT_MAX_ROWS} rows would run oneDNN's dot product)"
+    )
 
 
 def _lora_native_text(vec: str) -> str:

@@ -73,6 +73,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
         "tests/executor/test_native_ops.py",
         "tests/executor/test_native_attention.py",
         "tests/executor/test_native_gemm.py",
+        "tests/executor/test_bf16dot_gemm.py",
         "tests/executor/test_native_prefill_attention.py",
         "tests/adversarial/test_native_gemm_edges.py",
         "tests/executor/test_amx_gemm.py",

@@ -64,10 +64,11 @@ def test_bad_inputs_are_named():
 
 def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_product_exists(monkeypatch):
     """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (2.3x its 1-row time at 5 rows on
-    this project's VM): bfloat16 weights get panels there for every step; where the CPU has the
-    dot product, panels for steps of up to BF16_DOT_MAX_ROWS rows and oneDNN above."""
+    this project's VM): bfloat16 weights get panels there for every step; where the CPU has a
+    dot product faster than its FMAs, panels for steps of up to BF16_DOT_MAX_ROWS rows and
+    oneDNN above."""
     import kvserve.cpuinfo
-    from kvserve.model_executor.layers import amx_gemm
+    from kvserve.model_executor.layers import amx_gemm, bf16dot_gemm
     from kvserve.model_executor.models import llama
 
     if not native_gemm.available():
@@ -82,6 +83,9 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
     want = (x.float() @ w.float().T).to(torch.bfloat16)
     torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
     monkeypatch.setattr(kvserve.cpuinfo, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    # with a dot product faster than FMAs (tests/executor/test_bf16dot_gemm.py: a slow one)
+    monkeypatch.setattr(bf16dot_gemm, "built", lambda: True)
+    monkeypatch.setattr(bf16dot_gemm, "dot_speed", lambda: 2.0)
     assert not native_gemm.packs_bfloat16()
     # with the dot product: panels for decode-sized steps, oneDNN's copy above
     packed = llama.prepack_weight(w)

@@ -33,24 +33,36 @@ def available() -> bool:
 
 def packs_bfloat16() -> bool:
     """Whether ``llama.prepack_weight`` packs bfloat16 weights here for every step size (hosts
-    without AMX): the kernels are available and the CPU has no AVX512-BF16 dot product (oneDNN
-    then emulates bfloat16). On such a host (2-core AVX-512F VM, one thread, the default model's
-    30 layers + LM head) this kernel took 0.6-0.7x oneDNN's time at 1 row, 0.34x at 5 and 0.27x
-    at 512. With AVX512-BF16 (and no AMX) the panels take only steps of up to
-    ``BF16_DOT_MAX_ROWS`` rows."""
-    from kvserve.cpuinfo import cpu_flags
+    without AMX): the kernels are available and the CPU has no bfloat16 dot product faster than
+    its float32 FMAs -- none at all (no AVX512-BF16: oneDNN emulates bfloat16), or a slow one
+    (``bf16dot_gemm.dot_beats_fma`` False). On a host without AVX512-BF16 (2-core AVX-512F VM,
+    one thread, the default model's 30 layers + LM head) this kernel took 0.6-0.7x oneDNN's
+    time at 1 row, 0.34x at 5 and 0.27x at 512. On this project's 2-core Xeon with AVX512-BF16
+    but a VDPBF16PS of half the FMAs' multiply-adds per cycle, 60 layers of the default model's
+    shapes (benchmarks/gemm_micro.py --dtype bfloat16): 0.61-0.85x oneDNN's time at 1-1,024
+    rows (docs/benchmarks.md, 2026-12-03). Where the dot product is fast (AMD Zen 4) the panels
+    take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
+    from kvserve import cpuinfo
+    from kvserve.model_executor.layers import bf16dot_gemm
 
-    return available() and "avx512_bf16" not in cpu_flags()
+    if not available():
+        return False
+    if "avx512_bf16" not in cpuinfo.cpu_flags():
+        return True
+    # with AVX512-BF16: unknown speed (kernel not built, e.g. an older compiler) keeps oneDNN
+    return bf16dot_gemm.available() and not bf16dot_gemm.dot_beats_fma()
 
 
-#: On a CPU with AVX512-BF16 but no AMX, bfloat16 steps of up to this many rows run the panels
-#: and larger ones oneDNN's dot-product kernel (``PanelWeight.large``). 60 layers of the default
-#: model's shapes on a 2-core AMD EPYC, quiet (benchmarks/gemm_micro.py --dtype bfloat16, median
-#: of alternating passes): panels took 0.60-0.75x oneDNN's time at 1-8 rows (weight-bound: the
-#: same bytes, streamed better), 1.01-1.08x at 12-16 and 1.25-1.43x at 24-64 (oneDNN's bfloat16
-#: dot product does twice the FMAs per instruction). Up to 16 rows the panels also keep the step
-#: on ``native_decode``'s one-call path (~6 ms of Python per step saved at 8 sequences) and a
-#: batch-8 verify step on the same kernel as its plain decode steps (rows round alike).
+#: On a CPU with a fast AVX512-BF16 dot product (``bf16dot_gemm.dot_beats_fma``) and no AMX,
+#: bfloat16 steps of up to this many rows run the panels and larger ones oneDNN's dot-product
+#: kernel (``PanelWeight.large``). 60 layers of the default model's shapes on a 2-core AMD EPYC,
+#: quiet (benchmarks/gemm_micro.py --dtype bfloat16, median of alternating passes): panels took
+#: 0.60-0.75x oneDNN's time at 1-8 rows (weight-bound: the same bytes, streamed better),
+#: 1.01-1.08x at 12-16 and 1.25-1.43x at 24-64 (oneDNN's bfloat16 dot product does twice the
+#: FMAs per instruction). Up to 16 rows the panels also keep the step on ``native_decode``'s
+#: one-call path (~6 ms of Python per step saved at 8 sequences) and a batch-8 verify step on
+#: the same kernel as its plain decode steps (rows round alike). Where the dot product is slow
+#: (``packs_bfloat16``) the panels take every step.
 BF16_DOT_MAX_ROWS = 16
 
 

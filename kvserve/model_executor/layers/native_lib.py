@@ -45,6 +45,7 @@ EXTRA_CFLAGS_ENV = "KVSERVE_NATIVE_CFLAGS"
 #: The modules whose ``_LIB`` is a kernel library (``all_libraries``).
 KERNEL_MODULES = (
     "native_gemm",
+    "bf16dot_gemm",
     "amx_gemm",
     "native_attention",
     "native_ops",

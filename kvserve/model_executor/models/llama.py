@@ -80,12 +80,15 @@ def prepack_weight(weight: torch.Tensor):
       ``in % 32 == 0``, also ``amx_gemm.AmxWeight`` (our tile kernel, for steps of up to
       ``amx_gemm.MAX_ROWS`` tokens) holding the oneDNN copy for larger steps: two copies of
       each weight, the price of both speeds.
-      Without AMX and without AVX512-BF16 (oneDNN emulates bfloat16 there):
-      ``native_gemm.PanelWeight`` for every step size (``native_gemm.packs_bfloat16``: 1.4-1.7x
-      oneDNN's speed at 1 row, 2.9x at 5, 3.7x at 512), so decode and verify steps also stay on
-      ``native_decode``. With AVX512-BF16 but no AMX: ``native_gemm.PanelWeight`` for steps of
-      up to ``native_gemm.BF16_DOT_MAX_ROWS`` rows (1.3-1.7x oneDNN's speed at 1-8 rows, level at 12-16),
-      holding oneDNN's copy for larger ones (compute-bound: its dot product wins).
+      Without AMX, where the CPU has no bfloat16 dot product faster than its float32 FMAs
+      (``native_gemm.packs_bfloat16``): ``native_gemm.PanelWeight`` for every step size, one
+      copy -- without AVX512-BF16 oneDNN emulates bfloat16 (the panels: 1.4-1.7x its speed at 1
+      row, 2.9x at 5, 3.7x at 512); with a slow VDPBF16PS (``bf16dot_gemm.dot_beats_fma``
+      False: this project's Xeon) they run 1.2-1.6x oneDNN's bfloat16 matmul at 1-1,024 rows --
+      so decode and verify steps of any batch also stay on ``native_decode``. With a fast
+      AVX512-BF16 dot product and no AMX (AMD Zen 4): ``native_gemm.PanelWeight`` for steps of
+      up to ``native_gemm.BF16_DOT_MAX_ROWS`` rows (1.3-1.7x oneDNN's speed at 1-8 rows, level
+      at 12-16), holding oneDNN's copy for larger ones (compute-bound: its dot product wins).
 
     Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), or when
     neither kernel is available.

@@ -1,0 +1,257 @@
+/*
+ * bfloat16 linear layers of many rows on AVX512-BF16 without AMX: y = x @ W^T (+ b) with
+ * VDPBF16PS, the weight packed once into column panels of input-feature pairs.
+ *
+ * Why: on CPUs with AVX512-BF16 but no AMX tiles (Intel Xeons whose AMX is off, AMD Zen 4)
+ * bfloat16 steps of many rows ran oneDNN's bfloat16 matmul, which on this project's 2-core Xeon
+ * took 1.4-1.5x the time of our float32-widening panels (gemm.c) at 16-256 rows. VDPBF16PS
+ * (Intel SDM vol. 2, "VDPBF16PS") adds to each of 16 float32 lanes the products of one pair of
+ * bfloat16 values of each source: two multiply-adds per lane per instruction where an FMA does
+ * one, so the compute-bound steps (prefill, large batches) can run at up to twice the float32
+ * rate. Each product of two bfloat16 values is exact in float32 (8 + 8 significant bits); the
+ * instruction adds the two products one after the other, rounding each sum to nearest even,
+ * and treats denormal inputs and results as zero whatever MXCSR says.
+ *
+ * Layout: W [N, K] becomes panels [P, KP, 48, 2] (P = ceil(N / 48), KP = ceil(K / 2), zero
+ * padded): element [p, kp, j, e] = W[48 p + j, 2 kp + e]. One input-feature pair of a panel is
+ * 192 bytes, three 64-byte vectors of 16 column pairs each: the same pair order as the AMX B
+ * tiles (amx_gemm.c), 48 columns wide instead of 16.
+ *
+ * Micro-kernel: 8 rows x 48 columns = 24 float32 accumulator vectors; per pair it loads the 3
+ * weight vectors once and, per row, broadcasts the 32 bits (x[r, 2kp], x[r, 2kp + 1]) and
+ * issues 3 VDPBF16PS: 27 of the 32 vector registers, 11 loads and 24 dot products per pair (the
+ * float32 panels' kernel: 11 loads and 24 FMAs per input feature, half the work). x is read as
+ * it is (bfloat16 rows, no widening pass); with K odd the last pair's second half is a zero read
+ * apart (never the next row's first value). Sums over pairs run in order, so a row's result
+ * does not depend on the other rows of the call (what speculative decoding's equality needs);
+ * the bias is added in float32, then rounded once to bfloat16 (nearest even, as torch).
+ *
+ * Measured (this project's 2-core Xeon, AVX512-BF16 without AMX; benchmarks/gemm_micro.py
+ * --dtype bfloat16 --kernel bf16dot panels, 30 layers of SmolLM2-135M's shapes, medians): the
+ * same time as the float32-widening panels at 1-4 rows (weight-bound), 0.78-0.96x their speed
+ * from 8 rows on (194 GFLOP/s at 256 rows against the panels' 230), and level with oneDNN's
+ * bfloat16 matmul at 256-1,024 rows (0.98-1.00x: the same instruction). The reason is the
+ * instruction: on this CPU one 512-bit VDPBF16PS issues every ~2 cycles (1.7 G/s per core, at
+ * any width) against two FMAs per cycle (7 G/s), so it does 0.47-0.51x the FMAs' multiply-adds
+ * (bf16dot_speed below), and the kernel runs at ~91% of its peak (the
+ * compiled 8-row loop: 66 instructions per pair, 24 of them VDPBF16PS). So the engine does not
+ * run it: where the probe finds the dot product slower than FMAs, bfloat16 weights take the
+ * panels at every step size (native_gemm.packs_bfloat16); where it is faster (AMD Zen 4, whose
+ * steps past 16 rows oneDNN's dot product won, measured) oneDNN keeps them until this kernel is
+ * measured against it on such a CPU (gemm_micro.py --kernel bf16dot panels).
+ *
+ * Outer loops as gemm.c: threads split the panels; rows go in chunks of ~512 KB of x (in L2
+ * while every panel of the thread passes over it) of balanced <= 8-row blocks; a step of one
+ * block (<= 8 rows) streams its weights GEMM_STREAM_AHEAD bytes ahead, one of more blocks
+ * prefetches the thread's next panel in slices proportional to each block's rows.
+ */
+#include "kv_vec.h"
+#include <omp.h>
+
+#ifndef GEMM_STREAM_AHEAD
+#define GEMM_STREAM_AHEAD 4096
+#endif
+#define PAIR_BYTES 192 /* 48 columns x 2 bfloat16 */
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* 24 independent accumulators (zmm0-23, zeroed), sources zmm30/31 (zero), n iterations of 24
+   instructions `op` (GNU as .irp repeats a line per register): its throughput, not its latency. */
+#define REGS "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23"
+#define TIMED_LOOP(op)                                                                                       \
+    "vpxord %%zmm30, %%zmm30, %%zmm30\n\tvpxord %%zmm31, %%zmm31, %%zmm31\n\t"                               \
+    ".irp r," REGS "\n\tvpxord %%zmm\\r, %%zmm\\r, %%zmm\\r\n\t.endr\n\t"                                    \
+    "1:\n\t.irp r," REGS "\n\t" op " %%zmm30, %%zmm31, %%zmm\\r\n\t.endr\n\t"                                \
+    "dec %0\n\tjnz 1b\n\tvzeroupper"
+#define CLOBBERS                                                                                             \
+    "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",        \
+        "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22",   \
+        "xmm23", "xmm30", "xmm31", "cc"
+
+static double run_loop(int dot, int64_t n) {
+    const double t0 = omp_get_wtime();
+    if (dot) __asm__ volatile(TIMED_LOOP("vdpbf16ps") : "+r"(n)::CLOBBERS);
+    else __asm__ volatile(TIMED_LOOP("vfmadd231ps") : "+r"(n)::CLOBBERS);
+    return omp_get_wtime() - t0;
+}
+#endif
+
+/* VDPBF16PS's multiply-adds per second over VFMADD231PS's on the calling core (512-bit, both
+   throughput-bound: 24 independent accumulators), best of 5 interleaved runs of ~1 ms, or 0
+   where the kernel is not built. On this project's 2-core Xeon (AVX512-BF16, no AMX) 0.47-0.51: one
+   VDPBF16PS per ~2 cycles against two FMAs per cycle, so the dot product does fewer
+   multiply-adds per cycle than the float32 panels and never beats them. */
+double bf16dot_speed(void) {
+#if defined(__AVX512BF16__)
+    const int64_t n = 20000;
+    double dot = 1e30, fma = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+        const double d = run_loop(1, n), f = run_loop(0, n);
+        if (d < dot) dot = d;
+        if (f < fma) fma = f;
+    }
+    return dot > 0 ? 2.0 * fma / dot : 0.0;
+#else
+    return 0.0;
+#endif
+}
+
+/* 1 when this build has the dot-product kernel (compiled for a CPU with AVX512-BF16). */
+int bf16dot_built(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __m512 bcast_pair(const uint16_t* p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return (__m512)_mm512_set1_epi32((int)u);
+}
+
+/* mr (<= 8) rows of x (row stride ldx elements) times one panel, all KP pairs; K odd: the last
+   pair holds x[r, K - 1] alone. pf / pf_len / pf_step: this block's slice of the next panel,
+   prefetched pf_step bytes per pair; sp: stream this panel's own weights ahead (up to sp_end). */
+static inline __attribute__((always_inline)) void
+ukernel(const int mr, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
+        uint16_t* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len, int64_t pf_step, const char* sp,
+        const char* sp_end) {
+    __m512 a0[8], a1[8], a2[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; ++r) {
+        a0[r] = _mm512_setzero_ps();
+        a1[r] = _mm512_setzero_ps();
+        a2[r] = _mm512_setzero_ps();
+    }
+    const int64_t full = K / 2;
+    for (int64_t kp = 0; kp < full; ++kp) {
+        if (pf && kp * pf_step < pf_len) {
+            const char* a = pf + kp * pf_step;
+            __builtin_prefetch(a, 0, 2);
+            if (pf_step > 64) __builtin_prefetch(a + 64, 0, 2);
+            if (pf_step > 128) __builtin_prefetch(a + 128, 0, 2);
+        }
+        if (sp) {
+            const char* a = sp + kp * PAIR_BYTES;
+            if (a < sp_end) {
+                __builtin_prefetch(a, 0, 2);
+                __builtin_prefetch(a + 64, 0, 2);
+                __builtin_prefetch(a + 128, 0, 2);
+            }
+        }
+        const uint16_t* wk = w + kp * 96;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; ++r) {
+            const __m512bh b = (__m512bh)bcast_pair(x + r * ldx + 2 * kp);
+            a0[r] = _mm512_dpbf16_ps(a0[r], b, w0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], b, w1);
+            a2[r] = _mm512_dpbf16_ps(a2[r], b, w2);
+        }
+    }
+    if (K & 1) { /* the last pair: (x[r, K - 1], 0) against (W[n, K - 1], 0) */
+        const uint16_t* wk = w + full * 96;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; ++r) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + 2 * full]);
+            a0[r] = _mm512_dpbf16_ps(a0[r], b, w0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], b, w1);
+            a2[r] = _mm512_dpbf16_ps(a2[r], b, w2);
+        }
+    }
+    v16 b0 = {}, b1 = {}, b2 = {};
+    if (bias) {
+        uint16_t bb[48] = {0};
+        memcpy(bb, bias, ncols * sizeof(uint16_t));
+        b0 = ld16_bf16(bb);
+        b1 = ld16_bf16(bb + 16);
+        b2 = ld16_bf16(bb + 32);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; ++r) {
+        uint16_t* yr = y + r * ldy;
+        const v16 c0 = (v16)a0[r] + b0, c1 = (v16)a1[r] + b1, c2 = (v16)a2[r] + b2;
+        if (ncols == 48) {
+            st16_bf16(yr, c0);
+            st16_bf16(yr + 16, c1);
+            st16_bf16(yr + 32, c2);
+        } else {
+            uint16_t t[48];
+            st16_bf16(t, c0);
+            st16_bf16(t + 16, c1);
+            st16_bf16(t + 32, c2);
+            memcpy(yr, t, ncols * sizeof(uint16_t));
+        }
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]), all bfloat16; w: panels [ceil(N / 48), ceil(K / 2), 48, 2].
+   Never called where bf16dot_built() is 0 (the wrapper keeps to oneDNN there). */
+void bf16dot_gemm(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
+                  int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX512BF16__)
+    const int64_t P = (N + 47) / 48, KP = (K + 1) / 2;
+    const int64_t panel_bytes = KP * PAIR_BYTES;
+    int64_t mc = K > 0 ? ((int64_t)(1 << 18) / K) & ~(int64_t)7 : 8;
+    if (mc < 8) mc = 8;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p_begin = P * tid / nth, p_end = P * (tid + 1) / nth;
+        const char* w_end = (const char*)(w + p_end * KP * 96);
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            const int64_t m_end = m0 + mc < M ? m0 + mc : M, rows = m_end - m0;
+            const int64_t nblk = (rows + 7) / 8, base = rows / nblk, extra = rows % nblk;
+            for (int64_t p = p_begin; p < p_end; ++p) {
+                const uint16_t* wp = w + p * KP * 96;
+                const uint16_t* bp = bias ? bias + p * 48 : NULL;
+                const int ncols = N - p * 48 < 48 ? (int)(N - p * 48) : 48;
+                const char* next = nblk > 1 && p + 1 < p_end ? (const char*)(wp + KP * 96) : NULL;
+                for (int64_t m = m0, blk = 0; m < m_end; ++blk) {
+                    const int mr = (int)(base + (blk < extra));
+                    /* one block: it streams its weights; more: the first panel of a chunk, which
+                       nothing prefetched, streams in the first block */
+                    const char* sp =
+                        blk == 0 && (nblk == 1 || p == p_begin) ? (const char*)wp + GEMM_STREAM_AHEAD : NULL;
+                    const uint16_t* xm = x + m * K;
+                    uint16_t* ym = y + m * N + p * 48;
+                    const char* pf = NULL;
+                    int64_t pf_len = 0, pf_step = 64;
+                    if (next) {
+                        const int64_t off = (panel_bytes * (m - m0) / rows) & ~(int64_t)63;
+                        pf_len = ((panel_bytes * (m + mr - m0) / rows + 63) & ~(int64_t)63) - off;
+                        pf_step = ((pf_len + KP - 1) / KP + 63) & ~(int64_t)63;
+                        if (pf_step > PAIR_BYTES) pf_step = PAIR_BYTES;
+                        pf = next + off;
+                    }
+                    switch (mr) {
+                    case 8: ukernel(8, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    case 7: ukernel(7, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    case 6: ukernel(6, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    case 5: ukernel(5, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    case 4: ukernel(4, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    case 3: ukernel(3, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    case 2: ukernel(2, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
+                    default:
+                        ukernel(1, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end);
+                        break;
+                    }
+                    m += mr;
+                }
+            }
+        }
+    }
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+#endif
+}

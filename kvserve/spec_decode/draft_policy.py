@@ -147,6 +147,15 @@ class DynamicDraftPolicy:
             tokens = cost(base) * n_dec / cm.cost(n_dec, False)
         depth = self.depth_cost_s
         cap = None if self.max_rows is None else max(0, self.max_rows - base)
+        seen = getattr(cm, "max_observed_rows", None)
+        if seen is not None:
+            # Ramp up: at most twice the plain step's rows (or one sequence's drafts more), or
+            # twice the most rows measured so far. The cost model only extrapolates above what
+            # it has seen, and a cold start that drafted for every sequence at once paid for a
+            # step many times the plain one where rows are dear (12 sequences x 4 drafts at
+            # 25% of the step a row: 13x), more than all the later steps could win back.
+            ramp = max(self.k, base, 2 * seen(prefill) - base)
+            cap = ramp if cap is None else min(cap, ramp)
         ks = allocate_draft_lengths(
             cands, base, cost, depth, max_total=cap, margin=self.margin, base_tokens=tokens
         )

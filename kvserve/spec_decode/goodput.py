@@ -469,6 +469,11 @@ class StepCostModel:
         """Samples ever taken in ``rows``'s bucket of the class (current regime)."""
         return self._curve(prefill).count.get(_bucket(rows), 0)
 
+    def max_observed_rows(self, prefill: bool = False) -> int:
+        """The largest row-count bucket observed so far in the class (current regime); 0 if none."""
+        keys = self._curve(prefill).keys
+        return keys[-1] if keys else 0
+
     def is_observed(self, rows: int, prefill: bool = False) -> bool:
         """Whether ``rows``'s bucket has a sample in the class (current regime)."""
         return _bucket(rows) in self._curve(prefill).window

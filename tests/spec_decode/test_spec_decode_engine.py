@@ -584,7 +584,10 @@ def test_samples_of_one_group_accepting_different_counts_stay_in_lockstep(
         tokens = torch.full((B, k1), -1, dtype=torch.long)
         acc = torch.zeros(B, dtype=torch.long)
         for b in range(B):
-            a = rng.randint(0, int(num_draft_tokens[b]))
+            # different counts for the two samples, never none (a policy that sees nothing
+            # accepted stops drafting, and the test would check no verification at all)
+            n = int(num_draft_tokens[b])
+            a = rng.randint(min(n, 1), n)
             tokens[b, :a] = draft_token_ids[b, :a]
             tokens[b, a] = target_probs[b, a].argmax()  # top_k=1: the only token it may draw
             acc[b] = a

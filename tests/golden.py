@@ -30,8 +30,11 @@ class Reference:
     near_tie_step: int | None
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> Reference:
-    """Greedy ``generate`` of one prompt (batch of one: no padding), with the per-step logits."""
+def hf_greedy_logits(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy ``generate`` of one prompt (batch of one: no padding): the new token ids and each
+    step's logits (``[vocab]`` float32, on the CPU)."""
     with torch.inference_mode():
         dev = model.device
         out = model.generate(
@@ -45,10 +48,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=No
             eos_token_id=eos_token_id,
             pad_token_id=0,
         )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    return out.sequences[0, len(prompt_ids) :].tolist(), [lg[0].float().cpu() for lg in out.logits]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> Reference:
+    """Greedy ``generate`` of one prompt (``hf_greedy_logits``) with its first near-tie step."""
+    tokens, logits = hf_greedy_logits(model, prompt_ids, max_new_tokens, eos_token_id)
     near = None
-    for step, logits in enumerate(out.logits):
-        top2 = torch.topk(logits[0].float(), 2).values
+    for step, lg in enumerate(logits):
+        top2 = torch.topk(lg, 2).values
         if float(top2[0] - top2[1]) < NEAR_TIE:
             near = step
             break

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import kvserve.cpuinfo
 from kvserve.model_executor.layers import amx_gemm, bf16dot_gemm, native_gemm
 from kvserve.model_executor.models import llama
+from tests.golden import hf_greedy_logits
 
 REPO = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(not bf16dot_gemm.available(), reason="no AVX512-BF16 build/CPU")
@@ -279,20 +280,7 @@ def test_tiny_llama_bfloat16_greedy_equals_transformers(tiny_llama_dir, monkeypa
     ref_model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 21, 13, 34, 9, 27)]
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = ref_model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
-                min_new_tokens=MAX_NEW,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            refs.append((out.sequences[0, len(p) :].tolist(), [lg[0].float() for lg in out.logits]))
+    refs = [hf_greedy_logits(ref_model, p, MAX_NEW) for p in prompts]
     llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="bfloat16")
     try:
         outs = llm.generate(

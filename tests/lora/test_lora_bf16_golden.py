@@ -13,7 +13,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora.request import LoRARequest
-from tests.golden import TEST_DEVICE
+from tests.golden import TEST_DEVICE, hf_greedy_logits
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter, peft_reference
 from tests.test_e2e_tiny import assert_idle
 
@@ -23,21 +23,6 @@ MAX_NEW = 12
 #: a bfloat16 near-tie: our token's reference logit this close to the reference's best
 BF16_NEAR_TIE = 0.05
 SPECS = [(8, ALL_TARGETS, False), (4, ["q_proj", "v_proj", "down_proj"], True)]
-
-
-def _greedy_with_logits(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt], device=model.device),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
-            max_new_tokens=MAX_NEW,
-            min_new_tokens=MAX_NEW,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), [lg[0].float().cpu() for lg in out.logits]
 
 
 def compare_bf16(ours: list[int], ref: tuple[list[int], list[torch.Tensor]]) -> int | None:
@@ -77,11 +62,13 @@ def test_bfloat16_mixed_adapters_equal_peft_bfloat16_up_to_near_ties(tiny_llama_
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 21, 13, 34, 9, 27)]
     which = [i % 3 for i in range(len(prompts))]  # adapter 1, adapter 2, base
-    refs = [_greedy_with_logits(models[w], p) for w, p in zip(which, prompts)]
+    refs = [hf_greedy_logits(models[w], p, MAX_NEW) for w, p in zip(which, prompts)]
     # each adapter changes the bfloat16 reference (the test could not pass by ignoring them)
     for w in (0, 1):
         i = which.index(w)
-        assert refs[i][0] != _greedy_with_logits(models[2], prompts[i])[0], f"adapter {w + 1} changes nothing"
+        assert refs[i][0] != hf_greedy_logits(models[2], prompts[i], MAX_NEW)[0], (
+            f"adapter {w + 1} changes nothing"
+        )
     llm = LLM(
         model=str(tiny_llama_dir),
         device=TEST_DEVICE,

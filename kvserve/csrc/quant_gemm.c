@@ -288,12 +288,12 @@ static inline int64_t act8_row_bytes(const int64_t K, const int planes) {
 
 /* A 64-byte aligned scratch buffer of at least `bytes`, one per calling thread and slot (0: the
    quantized activations, 1: a thread's dequantized panel, 2: float32 copies of bfloat16 x, 3 and
-   4: the AMX kernel's B tiles of x and dequantized A tiles),
+   4: the AMX kernel's B tiles of x and dequantized A tiles, 5: a thread's VNNI int8 panel),
    kept between calls (OpenMP's threads persist) so a call does not page-fault a fresh mmap;
    NULL when out of memory. */
 static void* scratch(const int slot, const size_t bytes) {
-    static __thread void* buf[5];
-    static __thread size_t cap[5];
+    static __thread void* buf[6];
+    static __thread size_t cap[6];
     if (cap[slot] < bytes || !buf[slot]) { /* (0 rows: still a buffer, so NULL means no memory) */
         free(buf[slot]);
         const size_t n = (bytes + 64) / 64 * 64;
@@ -332,6 +332,7 @@ static inline __attribute__((always_inline)) void pair_scales(const int qt, cons
 }
 
 #include "quant_x4.h"
+#include "quant_vnni.h"
 #include "quant_amx.h"
 
 #define KV_DTYPE_TEMPLATE "quant_gemm_dtype.h"

@@ -687,3 +687,4 @@ int CAT(quant_gemm_panelx4_q4_1_, SFX)(const ELEM* x, const uint8_t* w, const EL
 #undef X4_EXPORTS
 
 #include "quant_amx_dtype.h"
+#include "quant_vnni_dtype.h"

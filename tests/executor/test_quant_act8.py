@@ -263,6 +263,7 @@ def test_zero_rows_give_an_empty_result_for_every_kernel(kernel, dtype):
 
 def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     monkeypatch.setenv(quant_gemm.AMX_ENV, "0")  # the routes without AMX (test_quant_amx.py: with)
+    monkeypatch.setenv(quant_gemm.VNNI_ENV, "0")  # and the float panels (test_quant_vnni.py: VNNI)
     monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
     assert quant_gemm.activation_mode() == "int8"
     assert [quant_gemm.pick_kernel(r, "q4_1") for r in (1, quant_gemm.PANEL_ROWS - 1)] == ["act8", "act8"]

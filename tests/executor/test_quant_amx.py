@@ -144,8 +144,10 @@ def test_pick_kernel_runs_amx_from_its_rows_in_the_int8_mode_only(monkeypatch):
     assert quant_gemm.weight_attr(q41, 64) == "data" and quant_gemm.weight_attr(q8, 64) == "data"
     q41.drop_gguf()
     assert quant_gemm.weight_attr(q41, 64) == "x4"
-    # the switch: the old routes (panels from PANEL_ROWS, int8 GEMV below)
+    # the switch: the old routes (panels from PANEL_ROWS, int8 GEMV below; the VNNI many-row
+    # kernel off too: test_quant_vnni.py)
     monkeypatch.setenv(quant_gemm.AMX_ENV, "0")
+    monkeypatch.setenv(quant_gemm.VNNI_ENV, "0")
     assert not quant_gemm.amx_enabled()
     assert quant_gemm.pick_kernel(64, "q4_1") == "panel"
     assert quant_gemm.pick_kernel(quant_gemm.AMX_ROWS["q4_1"], "q4_1") == "act8"
@@ -160,8 +162,9 @@ def test_pick_kernel_runs_amx_from_its_rows_in_the_int8_mode_only(monkeypatch):
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
 def test_linear_routes_both_ways_and_the_results_differ_only_by_the_bfloat16_rounding(qtype, monkeypatch):
     """The default route at 64 rows is the AMX kernel; with ``KVSERVE_QUANT_AMX=0`` it is the
-    float panels again (bit-identical to ``kernel="panel"``)."""
+    float panels again (bit-identical to ``kernel="panel"``; the VNNI many-row kernel off)."""
     monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
+    monkeypatch.setenv(quant_gemm.VNNI_ENV, "0")
     qw, wd = make_weight(qtype, 96, 192, seed=2)
     x = torch.randn(64, 192, generator=torch.Generator().manual_seed(2))
     on = quant_gemm.linear(x, qw)
@@ -180,6 +183,7 @@ def test_without_amx_the_panels_run_and_a_forced_amx_kernel_is_refused(monkeypat
     machine), so the routes are the old ones and ``kernel="amx"`` is a clear error."""
     monkeypatch.setattr(quant_gemm, "_amx_ok", False)
     monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
+    monkeypatch.setenv(quant_gemm.VNNI_ENV, "0")  # (the VNNI route: test_quant_vnni.py)
     assert not quant_gemm.amx_enabled()
     assert quant_gemm.pick_kernel(64, "q4_1") == "panel"
     assert quant_gemm.pick_kernel(quant_gemm.PANEL_ROWS - 1, "q8_0") == "act8"

@@ -92,6 +92,8 @@ for _s in DTYPE_SUFFIX.values():
         _SIGS[f"quant_gemm_act16x4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
     _SIGS[f"quant_gemm_panelx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
     _SIGS[f"quant_gemm_amxx4_q4_1_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
+    for _t in ("q8_0", "q4_1"):
+        _SIGS[f"quant_gemm_vnnix4_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
     for _t in BLOCK_BYTES:
         _SIGS[f"quant_gemm_amx_{_t}_{_s}"] = _SIGS[f"quant_gemm_q8_0_{_s}"]
 _SIGS["quant_amx_built"] = []
@@ -109,7 +111,7 @@ PANEL_ROWS = 16
 #: Environment variable choosing the activation mode (``float`` or ``int8``; unset: the default).
 ACT_ENV = "KVSERVE_QUANT_ACT"
 ACT_MODES = ("float", "int8")
-_KERNELS = ("tile", "act8", "act16", "panel", "amx", "act8_gguf", "act16_gguf")
+_KERNELS = ("tile", "act8", "act16", "panel", "amx", "vnni", "act8_gguf", "act16_gguf")
 #: Kernels on int8 activations (``ACT8_TYPES`` only).
 _INT8_KERNELS = ("act8", "act16", "act8_gguf", "act16_gguf")
 #: Weight rows per group of the x4 layout (``pack_x4``).
@@ -133,6 +135,18 @@ AMX_TYPES = tuple(AMX_ROWS)
 #: ``PANEL_ROWS`` rows, as on a CPU without AMX; for A/B comparisons), unset or anything else: on
 #: where ``amx_supported()``.
 AMX_ENV = "KVSERVE_QUANT_AMX"
+#: Weight types of the VNNI many-row kernel (``csrc/quant_vnni.h``: it reads the x4 layout).
+VNNI_TYPES = X4_TYPES
+#: Rows from which ``linear`` runs the VNNI kernel where ``vnni_enabled``: its cost grows
+#: slowly with the rows (the per-call repack of the weights is the fixed part) while the x4
+#: GEMV's grows with each row; on SmolLM2-135M's four GEMM shapes (bfloat16 x, 2 threads, the
+#: AVX512-BF16 Xeon without AMX of docs/benchmarks.md) they are level at ~5 rows for Q8_0 and
+#: ~6 for Q4_1 (0.180 / 0.191 ms and 0.211 / 0.219 ms at 6 rows), the VNNI kernel 1.4x / 1.2x
+#: faster at 12 rows and ~2x the float panels from 16.
+VNNI_ROWS = {"q8_0": 6, "q4_1": 8}
+#: Environment variable: ``0`` turns the VNNI many-row kernel off (the float panels run from
+#: ``PANEL_ROWS`` rows; for A/B comparisons), unset or anything else: on where ``vnni_enabled()``.
+VNNI_ENV = "KVSERVE_QUANT_VNNI"
 
 
 def available() -> bool:
@@ -172,6 +186,22 @@ def amx_enabled() -> bool:
     AMX kernel rounds weights and activations to bfloat16, finer than the int8 mode's activation
     quantization), where ``amx_supported()`` and ``$KVSERVE_QUANT_AMX`` is not ``0``."""
     return os.environ.get(AMX_ENV, "1").strip() != "0" and activation_mode() == "int8" and amx_supported()
+
+
+def vnni_enabled(qtype: str) -> bool:
+    """Whether ``pick_kernel`` chooses the VNNI many-row kernel (``csrc/quant_vnni.h``: int8
+    activations, integer sums) from ``VNNI_ROWS[qtype]`` rows of a ``qtype`` weight: in the
+    ``int8`` mode, kernels built with AVX-512 VNNI, ``qtype`` in ``VNNI_TYPES`` (Q4_1 while
+    ``x4_enabled()``: the kernel reads the x4 copy), and ``$KVSERVE_QUANT_VNNI`` not ``0``. AMX,
+    where enabled, comes first (``pick_kernel``). The many-row numerics are then the act8
+    kernels' (the same int8 activations) instead of the float panels'."""
+    return (
+        qtype in VNNI_TYPES
+        and (qtype == "q8_0" or x4_enabled())
+        and os.environ.get(VNNI_ENV, "1").strip() != "0"
+        and activation_mode() == "int8"
+        and act8_isa() == "avx512-vnni"
+    )
 
 
 _mode_cache: tuple[str | None, str] | None = None
@@ -485,20 +515,28 @@ def quantize_activations2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def head_kernel(rows: int, qtype: str) -> str | None:
     """The kernel of the LM head (``compute_logits``) for ``rows`` rows of a ``qtype`` weight:
-    None (``pick_kernel``) where that picks ``"amx"`` or from ``PANEL_ROWS`` rows (the panels),
+    ``"act16"`` / ``"panel"`` (below / from ``PANEL_ROWS``) where ``pick_kernel`` picks
+    ``"vnni"`` (one int8 plane), None (``pick_kernel``)
+    where that picks ``"amx"`` or from ``PANEL_ROWS`` rows (the panels),
     else ``"act16"`` in the ``int8`` mode on ``ACT8_TYPES`` and ``"tile"`` otherwise."""
-    if rows >= PANEL_ROWS or pick_kernel(rows, qtype) == "amx":
+    kind = pick_kernel(rows, qtype)
+    if kind == "vnni":  # (one int8 plane: act16's two, or the panels' float activations)
+        return "act16" if rows < PANEL_ROWS else "panel"
+    if rows >= PANEL_ROWS or kind == "amx":
         return None
     return "act16" if qtype in ACT8_TYPES and activation_mode() == "int8" else "tile"
 
 
 def pick_kernel(rows: int, qtype: str) -> str:
     """Which kernel ``linear`` runs for ``rows`` activation rows on a ``qtype`` weight:
-    ``"amx"`` from ``AMX_ROWS[qtype]`` rows where ``amx_enabled()``, ``"panel"`` from
-    ``PANEL_ROWS`` rows, else ``"act8"`` in the ``int8`` mode on ``ACT8_TYPES``, else ``"tile"``
+    ``"amx"`` from ``AMX_ROWS[qtype]`` rows where ``amx_enabled()``, ``"vnni"`` from
+    ``VNNI_ROWS[qtype]`` rows where ``vnni_enabled(qtype)``, ``"panel"`` from ``PANEL_ROWS``
+    rows, else ``"act8"`` in the ``int8`` mode on ``ACT8_TYPES``, else ``"tile"``
     (float activations, weights dequantized in registers)."""
     if qtype in AMX_TYPES and rows >= AMX_ROWS[qtype] and amx_enabled():
         return "amx"
+    if qtype in VNNI_ROWS and rows >= VNNI_ROWS[qtype] and vnni_enabled(qtype):
+        return "vnni"
     if rows >= PANEL_ROWS:
         return "panel"
     if qtype in ACT8_TYPES and activation_mode() == "int8":
@@ -518,6 +556,8 @@ def _symbol(kind: str, qtype: str, layout: str = "gguf") -> str:
         return "quant_gemm_panelx4_"
     if kind == "amx":
         return "quant_gemm_amxx4_" if layout == "x4" else "quant_gemm_amx_"
+    if kind == "vnni":
+        return "quant_gemm_vnnix4_"
     return f"quant_gemm_{kind.removesuffix('_gguf')}_"
 
 
@@ -571,6 +611,11 @@ def linear(
         raise ValueError(f"quantized linear: kernel {kernel!r} is not one of {_KERNELS} for {weight.qtype}")
     if kernel == "amx" and available() and not amx_supported():
         raise ValueError("quantized linear: kernel 'amx' needs AMX tiles (amx_supported() is False)")
+    if kernel == "vnni" and available() and (weight.qtype not in VNNI_TYPES or act8_isa() != "avx512-vnni"):
+        raise ValueError(
+            f"quantized linear: kernel 'vnni' needs a {list(VNNI_TYPES)} weight and AVX-512 VNNI kernels "
+            f"(got {weight.qtype}, {act8_isa()})"
+        )
     check_linear_inputs(
         x,
         bias,

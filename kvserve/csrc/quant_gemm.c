@@ -79,6 +79,12 @@
  * quant_gemm.py's AMX_ROWS): the weights dequantized into bfloat16 AMX tiles and multiplied with
  * TDPBF16PS, float32 sums (quant_amx.h: layout, tolerance, measurements).
  *
+ * 5. quant_gemm_vnnix4_{q8_0,q4_1}_* (the int8 mode where the kernels have AVX-512 VNNI, from
+ * quant_gemm.py's VNNI_ROWS; AMX comes first where enabled): the x4 copy repacked per call into
+ * int8 panels whose 16 lanes are output features and int8 activations per 32-block, summed
+ * exactly with vpdpbusd (64 multiply-adds per instruction) and scaled once per block
+ * (quant_vnni.h: layout, cost, measurements).
+ *
  * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
  * Measured: benchmarks/quantized.py, docs/benchmarks.md.
  */

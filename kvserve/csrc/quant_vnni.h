@@ -39,9 +39,9 @@
 
 #include "quant_x4.h"
 
-#define VN_NV 3             /* 16-feature vectors per panel */
+#define VN_NV 3            /* 16-feature vectors per panel */
 #define VN_NR (16 * VN_NV) /* output features per panel */
-#define VN_MR 4             /* activation rows per micro-kernel tile */
+#define VN_MR 4            /* activation rows per micro-kernel tile */
 
 /* Bytes of one quantized activation row (a multiple of 64). */
 static inline int64_t vnni_act_bytes(const int64_t nb) { return (nb * 40 + 63) / 64 * 64; }
@@ -53,8 +53,9 @@ static inline int64_t vnni_panel_bytes(const int64_t nb) { return nb * (8 * VN_N
 /* Features n0 .. n0 + ncols - 1 of a Q8_0 (q41 = 0) or Q4_1 weight's x4 bytes w (G groups of
    four rows, nb blocks) repacked into the panel at pq (layout above; d_w at pd, m_w at pm). */
 static inline __attribute__((always_inline)) void vnni_pack(const int q41, const uint8_t* w, const int64_t G,
-                                                            const int64_t nb, const int64_t n0, const int ncols,
-                                                            uint8_t* pq, float* pd, float* pm) {
+                                                            const int64_t nb, const int64_t n0,
+                                                            const int ncols, uint8_t* pq, float* pd,
+                                                            float* pm) {
     const int64_t gq = q41 ? 64 : 128; /* quant bytes per group and block */
     const uint8_t* scales = w + G * nb * gq;
     const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -73,14 +74,17 @@ static inline __attribute__((always_inline)) void vnni_pack(const int q41, const
                     if (q41) {
                         const uint8_t* p = w + ((g * nb + j) * 4 + i) * 16;
                         const __m128i b0 = _mm_loadu_si128((const __m128i*)p);
-                        const __m128i b1 = two ? _mm_loadu_si128((const __m128i*)(p + 64)) : _mm_setzero_si128();
+                        const __m128i b1 =
+                            two ? _mm_loadu_si128((const __m128i*)(p + 64)) : _mm_setzero_si128();
                         r = _mm512_inserti32x4(_mm512_castsi128_si512(b0), b0, 1);
                         r = _mm512_inserti32x4(_mm512_inserti32x4(r, b1, 2), b1, 3);
                         r = _mm512_and_si512(_mm512_srlv_epi16(r, shift), nib);
                     } else {
                         const uint8_t* p = w + ((g * nb + j) * 4 + i) * 32;
-                        const __m256i b1 = two ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
-                        r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)), b1, 1);
+                        const __m256i b1 =
+                            two ? _mm256_loadu_si256((const __m256i*)(p + 128)) : _mm256_setzero_si256();
+                        r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
+                                               b1, 1);
                     }
                 }
                 rows[f] = (v16)r;
@@ -100,7 +104,9 @@ static inline __attribute__((always_inline)) void vnni_pack(const int q41, const
                 if (q41) memcpy(m + 4 * t, s + 8, 8);
             }
             _mm512_store_ps(pd + j * VN_NR + 16 * v, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d)));
-            if (q41) _mm512_store_ps(pm + j * VN_NR + 16 * v, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)m)));
+            if (q41)
+                _mm512_store_ps(pm + j * VN_NR + 16 * v,
+                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)m)));
         }
     }
 }

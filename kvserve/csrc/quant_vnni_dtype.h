@@ -41,7 +41,8 @@ CAT(vnni_kernel_, SFX)(const int q41, const int mr, const int64_t nb, const uint
         __m512i s[VN_MR][VN_NV];
 #pragma GCC unroll 4
         for (int r = 0; r < mr; ++r) {
-            const __m512i seed = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(((const int32_t*)(dx[r] + nb))[j]);
+            const __m512i seed =
+                q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(((const int32_t*)(dx[r] + nb))[j]);
 #pragma GCC unroll 3
             for (int v = 0; v < VN_NV; ++v) s[r][v] = seed;
         }
@@ -50,7 +51,8 @@ CAT(vnni_kernel_, SFX)(const int q41, const int mr, const int64_t nb, const uint
         for (int c = 0; c < 8; ++c) {
             __m512i wv[VN_NV];
 #pragma GCC unroll 3
-            for (int v = 0; v < VN_NV; ++v) wv[v] = _mm512_load_si512((const void*)(wj + (c * VN_NV + v) * 64));
+            for (int v = 0; v < VN_NV; ++v)
+                wv[v] = _mm512_load_si512((const void*)(wj + (c * VN_NV + v) * 64));
 #pragma GCC unroll 4
             for (int r = 0; r < mr; ++r) {
                 int32_t q4;
@@ -101,9 +103,11 @@ CAT(vnni_kernel_, SFX)(const int q41, const int mr, const int64_t nb, const uint
    buffer `panel` once per chunk, then every VN_MR rows of the chunk pass over it. */
 static inline __attribute__((always_inline)) void
 CAT(qvnni_, SFX)(const int q41, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, const int64_t M,
-                 const int64_t N, const int64_t K, uint8_t* xa, uint8_t* panel, const int tid, const int nth) {
+                 const int64_t N, const int64_t K, uint8_t* xa, uint8_t* panel, const int tid,
+                 const int nth) {
     const int64_t nb = K / QK, xs = vnni_act_bytes(nb);
-    for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r) CAT(vnni_quant_row_, SFX)(q41, x + r * K, K, xa + r * xs);
+    for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
+        CAT(vnni_quant_row_, SFX)(q41, x + r * K, K, xa + r * xs);
 #pragma omp barrier
     if (!panel) return;
     const int64_t G = (N + X4_ROWS - 1) / X4_ROWS, P = (N + VN_NR - 1) / VN_NR;

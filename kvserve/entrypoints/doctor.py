@@ -27,6 +27,21 @@ CPU_FEATURES = {
 }
 
 
+def _quant_many_rows() -> str:
+    """The quantized GEMMs of many rows (``quant_gemm.pick_kernel``'s routes above the GEMV)."""
+    from kvserve.model_executor.layers import quant_gemm
+
+    if quant_gemm.amx_enabled():
+        return f"AMX bfloat16 tiles from {quant_gemm.AMX_ROWS['q4_1']} (Q4_1) / {quant_gemm.AMX_ROWS['q8_0']} (Q8_0) rows"
+    if quant_gemm.vnni_enabled("q8_0"):
+        rows = quant_gemm.VNNI_ROWS
+        return (
+            f"VNNI int8 panels from {rows['q8_0']} (Q8_0) / {rows['q4_1']} (Q4_1) rows, "
+            f"other types dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
+        )
+    return "dequantized float32 panels"
+
+
 def _quant_act_mode() -> str:
     """The quantized GEMMs' activation mode, or what is wrong with ``KVSERVE_QUANT_ACT``."""
     from kvserve.model_executor.layers import quant_gemm
@@ -113,8 +128,8 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         "linear, gguf quantized": {
             d: (
                 f"kvserve quantized GEMM ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'}; "
-                f"< {quant_gemm.PANEL_ROWS} rows: {_quant_act_mode()} activations, int8 dot products "
-                f"{quant_gemm.act8_isa()}; more rows: dequantized float32 panels)"
+                f"few rows: {_quant_act_mode()} activations, int8 dot products "
+                f"{quant_gemm.act8_isa()}; more rows: {_quant_many_rows()})"
                 if quant_gemm.available()
                 else "torch: dequantized on every call (slow)"
             )

@@ -49,7 +49,9 @@ def weight(qtype: str, n: int, nb: int, seed: int, x4_only: bool = False):
 )
 @example("q4_1", 5, 49, 3, 1, 2, False, True)  # one ragged panel (49 = 48 + 1), an odd block count
 @example("q8_0", 17, 97, 1, 2, 2, True, False)  # a 4-row tail, a lone block, a partial group of four
-def test_vnni_equals_float64_of_the_int8_activations_on_ragged_shapes(qtype, m, n, nb, seed, threads, bf16, bias):
+def test_vnni_equals_float64_of_the_int8_activations_on_ragged_shapes(
+    qtype, m, n, nb, seed, threads, bf16, bias
+):
     qw, wd = weight(qtype, n, nb, seed, x4_only=qtype == "q4_1" and seed % 2 == 0)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -97,7 +99,9 @@ def test_pick_kernel_takes_vnni_from_vnni_rows_in_the_int8_mode_but_not_for_the_
     for qtype in quant_gemm.VNNI_TYPES:
         low = quant_gemm.VNNI_ROWS[qtype]
         assert 1 < low <= rows
-        assert [quant_gemm.pick_kernel(r, qtype) for r in (low - 1, low, rows, 300)] == ["act8"] + ["vnni"] * 3
+        assert [quant_gemm.pick_kernel(r, qtype) for r in (low - 1, low, rows, 300)] == ["act8"] + [
+            "vnni"
+        ] * 3
         # never one int8 plane for the logits: act16 below the panel rows, the panels from there
         assert [quant_gemm.head_kernel(r, qtype) for r in (low - 1, low, rows)] == ["act16", "act16", "panel"]
     for qtype in ("q4_0", "q4_k", "q6_k"):  # no x4 layout: the float panels

@@ -45,9 +45,18 @@ the GGUF bytes, or a Q4_1 weight's x4 copy when that is all it holds. Measured (
 layers' GEMMs, benchmarks/quantized.py --layer-kernels): Q4_1 1.4-1.7x and Q8_0 1.1-1.2x the
 bfloat16 AMX kernel at 8-64 rows, 2.5-3x the float32 panels.
 
-Otherwise (the ``float`` mode, no AMX, or ``KVSERVE_QUANT_AMX=0``), from ``PANEL_ROWS`` rows on
-the weights are dequantized once per call into float32 panels and a float micro-kernel runs
-(float activations).
+Many rows with AVX-512 VNNI and no AMX (``vnni_enabled``: the ``int8`` mode, Q8_0 and Q4_1 on
+their x4 copy, ``$KVSERVE_QUANT_VNNI`` not ``0``): from ``VNNI_ROWS[qtype]`` rows (Q8_0 6, Q4_1
+8) the ``vnni`` kernel (``csrc/quant_vnni.h``) repacks each 48 weight rows once per call (per
+~256 KB of activation rows) into int8 panels whose vector lanes are output features and sums
+the int8 activations (the act8 kernels' per-32-block quantization) times the weight bytes
+exactly with vpdpbusd, one conversion and scaling per block: the act8 numerics at ~2x the float
+panels' speed at 16-256 rows (benchmarks in ``VNNI_ROWS``). The LM head keeps ``act16`` / the
+panels (``head_kernel``).
+
+Otherwise (the ``float`` mode, other weight types, no AMX nor VNNI, or both switched off), from
+``PANEL_ROWS`` rows on the weights are dequantized once per call into float32 panels and a float
+micro-kernel runs (float activations).
 """
 
 from __future__ import annotations
@@ -597,7 +606,9 @@ def linear(
             ``ACT8_TYPES`` only; Q8_0 on its x4 copy), ``"act16"`` (two int8 planes,
             ``quantize_activations2``; ``ACT8_TYPES`` only), ``"act8_gguf"`` / ``"act16_gguf"``
             (the same on the GGUF layout, Q8_0 included), ``"panel"`` (benchmarks, tests, the
-            LM head) or ``"amx"`` (``amx_supported()`` only, whatever ``$KVSERVE_QUANT_AMX``).
+            LM head), ``"amx"`` (``amx_supported()`` only, whatever ``$KVSERVE_QUANT_AMX``) or
+            ``"vnni"`` (``VNNI_TYPES`` with AVX-512 VNNI kernels, whatever
+            ``$KVSERVE_QUANT_VNNI``; int8 activations).
             Ignored without the kernels (the torch fallback is float).
 
     Raises:

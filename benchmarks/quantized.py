@@ -14,7 +14,7 @@ what is measured and how); the llama-server binary comes from ``benchmarks/llama
     python benchmarks/quantized.py --layer-kernels --json-out l.json   # 30 layers' GEMMs per step
 
 ``--kernels`` times each quantized kernel (each of ``quant_gemm.linear``'s kernels forced:
-``tile``, ``act8``, ``panel``, and ``amx`` where AMX exists), the float32 panel GEMM and the bfloat16 linear on the default
+``tile``, ``act8``, ``panel``, ``amx`` where AMX exists, ``vnni`` where AVX-512 VNNI does), the float32 panel GEMM and the bfloat16 linear on the default
 model's largest shapes (gate/up 3072 x 576, the LM head 49152 x 576; the LM head's weights
 exceed the caches in every format) at 1, 8, 64 and 256 rows (``--kernel-rows``), on 1 and 2
 threads (``--kernel-threads``), best of 15 calls taken alternately: the weight
@@ -24,12 +24,14 @@ kernel at 1 row is) or compute-bound.
 ``--layer-kernels`` times one pass over the GEMMs of all 30 SmolLM2-135M layers (q/k/v 960 x
 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536; each layer its own random weights, so a
 pass streams them from memory as a decode step does) at 4-64 rows (``--kernel-rows``, default
-4,8,12,16,24,32,64), on all threads: bfloat16 on AMX tiles (``amx_gemm``, what a bfloat16 model
-runs up to 64 rows) against the Q4_1 (x4 layout, as the int8 mode keeps it) and Q8_0 weights on
-each of their kernels (``amx``: dequantized into bfloat16 AMX tiles; ``act8``: the int8 GEMV;
-``panel``: float32 panels), best of ``--kernel-reps`` passes taken alternately, bfloat16
-activations: where the AMX kernel takes over from the int8 GEMV (``quant_gemm.AMX_ROWS``) and
-how it compares with bfloat16.
+4,8,12,16,24,32,64), on all threads: bfloat16 as a bfloat16 model runs it (``llama.linear`` on
+``prepack_weight``'s form: AMX tiles, bfloat16 panels or oneDNN, whichever this CPU takes)
+against the Q4_1 (x4 layout, as the int8 mode keeps it) and Q8_0 weights on each of their
+kernels (``amx``: dequantized into bfloat16 AMX tiles, where AMX exists; ``vnni``: int8 panels
+and vpdpbusd, where AVX-512 VNNI exists; ``act8``: the int8 GEMV; ``panel``: float32 panels),
+best of ``--kernel-reps`` passes taken alternately, bfloat16 activations: where the many-row
+kernels take over from the int8 GEMV (``quant_gemm.AMX_ROWS``, ``VNNI_ROWS``) and how they
+compare with bfloat16.
 """
 
 from __future__ import annotations
@@ -77,9 +79,11 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
 
                 q = quantize(w32.numpy(), GGMLQuantizationType[qt.upper()])
                 qw = qg.QuantWeight(torch.from_numpy(q), qt, k)
-                for kern in ("tile", "act8", "panel", "amx"):
-                    if (kern == "act8" and qt not in qg.ACT8_TYPES) or (
-                        kern == "amx" and not qg.amx_supported()
+                for kern in ("tile", "act8", "panel", "amx", "vnni"):
+                    if (
+                        (kern == "act8" and qt not in qg.ACT8_TYPES)
+                        or (kern == "amx" and not qg.amx_supported())
+                        or (kern == "vnni" and (qt not in qg.VNNI_TYPES or qg.act8_isa() != "avx512-vnni"))
                     ):
                         continue
                     cases[f"{qt} {kern}"] = (
@@ -126,11 +130,11 @@ def layer_kernels(rows=(4, 8, 12, 16, 24, 32, 64), layers: int = 30, repeats: in
     count (see the module doc); rows ``{"kernel", "rows", "ms", "x_bf16"}``."""
     import torch
 
-    from kvserve.model_executor.layers import amx_gemm
     from kvserve.model_executor.layers import quant_gemm as qg
+    from kvserve.model_executor.models.llama import linear, prepack_weight
 
-    if not (amx_gemm.available() and qg.amx_supported()):
-        raise SystemExit("--layer-kernels needs AMX tiles (amx_gemm and the quantized AMX kernel)")
+    if not qg.available():
+        raise SystemExit("--layer-kernels needs the quantized kernels")
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -143,10 +147,13 @@ def layer_kernels(rows=(4, 8, 12, 16, 24, 32, 64), layers: int = 30, repeats: in
             q41.drop_gguf()
             q8 = qg.QuantWeight(torch.from_numpy(quantize(w, GGMLQuantizationType.Q8_0)), "q8_0", k)
             q8.x4  # noqa: B018 (its int8 GEMV's copy, made before timing)
-            weights.append((amx_gemm.AmxWeight(torch.from_numpy(w).to(torch.bfloat16)), q41, q8))
+            weights.append((prepack_weight(torch.from_numpy(w).to(torch.bfloat16)), q41, q8))
+    kernels = ["act8", "panel"]
+    kernels += ["amx"] if qg.amx_supported() else []
+    kernels += ["vnni"] if qg.act8_isa() == "avx512-vnni" else []
     kinds = {"bfloat16": None}
     for qt in ("q4_1", "q8_0"):
-        for kern in ("amx", "act8", "panel"):
+        for kern in kernels:
             kinds[f"{qt} {kern}"] = (1 if qt == "q4_1" else 2, kern)
     out = []
     for m in rows:
@@ -155,9 +162,9 @@ def layer_kernels(rows=(4, 8, 12, 16, 24, 32, 64), layers: int = 30, repeats: in
         def run(kind, xs=xs) -> float:
             t = time.perf_counter()
             for ws in weights:
-                x = xs[ws[0].in_features]
+                x = xs[ws[1].in_features]
                 if kind is None:
-                    amx_gemm.linear(x, ws[0])
+                    linear(x, ws[0])
                 else:
                     qg.linear(x, ws[kind[0]], kernel=kind[1])
             return time.perf_counter() - t

@@ -74,6 +74,21 @@ def _unwrap(ray, e: BaseException) -> BaseException:
     return e
 
 
+def _raise_if_cancelling() -> None:
+    """Re-raise a cancellation of the current task that ``asyncio.wait_for`` swallowed.
+
+    Before Python 3.12, ``wait_for`` returns (or raises) its inner result instead of
+    ``CancelledError`` when the task is cancelled just as the inner call finishes: a ping that
+    fails at once then looked like one more failed ping, and a cancelled recovery went on pinging
+    until its deadline (``recovery_timeout_s``, 60 s in a test). Raises ``CancelledError`` when
+    the current task has a cancellation pending (``Task.cancelling``, Python 3.11+; on 3.10 it
+    does nothing)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
+
+
 class DataParallelAsyncEngine:
     """``AsyncLLMEngine``'s interface (``generate``, ``abort``, ``start``, ``shutdown``,
     ``num_in_flight``, ``errored``, ``engine``) over data-parallel replicas.
@@ -201,6 +216,7 @@ class DataParallelAsyncEngine:
             try:
                 pid = await asyncio.wait_for(r.actor.ping.remote(), min(self.health_check_timeout_s, left))
             except (asyncio.TimeoutError, ray.exceptions.RayError):  # any failed ping: try again
+                _raise_if_cancelling()
                 await asyncio.sleep(max(0.0, min(self.health_check_interval_s, deadline - self._clock())))
                 continue
             # Ray restarted the actor: a new process with an empty KV cache
@@ -237,6 +253,7 @@ class DataParallelAsyncEngine:
         try:
             pid = await asyncio.wait_for(r.actor.ping.remote(), self.health_check_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+            _raise_if_cancelling()
             self.mark_down(r.index, e)
             return
         if int(pid) != r.pid:  # restarted between two pings

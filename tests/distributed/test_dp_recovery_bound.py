@@ -206,3 +206,27 @@ def test_a_hung_replica_does_not_delay_the_others_health_checks():
 
     took = asyncio.run(main())
     assert took < 2.0 and dp.replicas[0].healthy  # the hung one: still within its timeout
+
+
+def test_a_cancelled_recovery_stops_whenever_the_cancel_lands():
+    """Found by the test above taking 60 s (its recovery timeout): ``asyncio.wait_for`` (before
+    Python 3.12) swallows a cancel that lands just as its ping fails, and the recovery took it
+    for one more failed ping, pinging on until its deadline after ``shutdown`` (or the event
+    loop's end) cancelled it. A cancel at any point of the retry loop must end it."""
+    dead = _dead_replica()
+    dead.ping_fn.armed = True  # every ping fails at once
+    dp, _ = _engine([dead, FakeReplica(lambda rid: None)], timeout_s=60.0)
+    r = dp.replicas[0]
+
+    async def main():
+        for ticks in range(8):  # cancel after 0..7 loop turns: inside wait_for and inside sleep
+            r.down_since = dp._clock()
+            task = asyncio.get_running_loop().create_task(dp._recover(r))
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            assert task in done and task.cancelled(), f"recovery survived a cancel after {ticks} turns"
+        assert dead.ping_fn.calls > 0
+
+    asyncio.run(main())

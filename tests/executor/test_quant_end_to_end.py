@@ -2,9 +2,10 @@
 quantized-then-dequantized weights:
 
 - a tiny llama GGUF written with the ``gguf`` package (Q8_0 linear weights, the default
-  model's tokenizer metadata), run both ways (converted to float; ``quantization="gguf"``),
-  against transformers' own GGUF loader (``gguf_file=``: its dequantization, not ours), also
-  with a KV cache so small that requests are preempted and recomputed;
+  model's tokenizer metadata cut to 2,048 tokens), run both ways (converted to float;
+  ``quantization="gguf"``), against transformers' own GGUF loader (``gguf_file=``: its
+  dequantization, not ours), also with a KV cache so small that requests are preempted and
+  recomputed;
 - ``quantization="int8"`` on a float checkpoint, against transformers on that checkpoint's
   linear weights passed through the ``gguf`` package's reference Q8_0 quantizer and back.
 
@@ -45,8 +46,8 @@ def float_activations(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _decisive_tiny(path):
-    cfg = llama_config(**TINY)
+def _decisive_tiny(path, **overrides):
+    cfg = llama_config(**{**TINY, **overrides})
     hf = save_tiny(path, cfg).cpu()
     with torch.no_grad():
         hf.lm_head.weight.mul_(20.0)
@@ -66,11 +67,16 @@ def _hf_greedy(model, tok, prompts) -> list[list[int]]:
     return out
 
 
-def _kvserve_greedy(model: str, prompts, **kw) -> list[list[int]]:
+def _kvserve_greedy(model: str, prompts, preempted: list | None = None, **kw) -> list[list[int]]:
+    """Greedy ``STEPS`` tokens per prompt from ``LLM(model=model, **kw)``; appends the engine's
+    preemption count to ``preempted`` when given."""
     llm = LLM(model=model, **kw)
     try:
         sp = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        if preempted is not None:
+            preempted.append(llm.llm_engine.get_kv_cache_stats()["num_preemptions"])
+        return out
     finally:
         llm.shutdown()
 
@@ -85,10 +91,16 @@ def test_tiny_gguf_through_llm_equals_transformers_gguf_loader_both_ways(tmp_pat
     assert len({tuple(w) for w in want}) == len(PROMPTS)  # the prompts lead to different text
     assert _kvserve_greedy(str(path), PROMPTS) == want
     assert _kvserve_greedy(str(path), PROMPTS, quantization="gguf") == want
-    # 6 blocks of 4 tokens: each request fits (<= 24 tokens), all three together do not, so
-    # requests are preempted and recomputed; the tokens stay the same
-    small = _kvserve_greedy(str(path), PROMPTS, quantization="gguf", num_gpu_blocks=6, block_size=4)
+    # a KV cache of 4-token blocks that holds the longest request (prompt + STEPS) but not all
+    # three together, so requests are preempted and recomputed; the tokens stay the same
+    need = [-(-(len(tok(p).input_ids) + STEPS) // 4) for p in PROMPTS]
+    assert sum(need) > max(need), need
+    preempted: list[int] = []
+    small = _kvserve_greedy(
+        str(path), PROMPTS, preempted, quantization="gguf", num_gpu_blocks=max(need), block_size=4
+    )
     assert small == want
+    assert preempted[0] > 0, need
 
 
 def _q8_0_roundtrip(w: torch.Tensor) -> torch.Tensor:
@@ -104,7 +116,7 @@ def test_int8_greedy_equals_transformers_on_reference_q8_0_weights(tmp_path, def
     kvserve: a wrong scale, rounding or block layout in kvserve's quantizer or kernels moves the
     logits (checked by hand: each Q8_0 scale off by 1% fails the logits check, though not the
     greedy tokens)."""
-    _, hf = _decisive_tiny(tmp_path / "float")
+    _, hf = _decisive_tiny(tmp_path / "float", vocab_size=49152)  # the default tokenizer's
     tok = AutoTokenizer.from_pretrained(default_tokenizer_dir)
     tok.save_pretrained(tmp_path / "float")
     with torch.no_grad():

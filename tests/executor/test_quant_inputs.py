@@ -5,8 +5,9 @@ on every path that reads it (``LLM(model=x.gguf)`` converts to float first, ``qu
 ``load_model``), never an ``IndexError`` / ``KeyError`` / ``AttributeError`` from inside numpy,
 the ``gguf`` package or transformers, and never a silent load of garbage.
 
-GGUF files here carry the default model's tokenizer metadata (``write_tiny_gguf``), so a
-file can be complete and still be refused for exactly one defect.
+GGUF files here carry a complete tokenizer (``write_tiny_gguf``: the default model's
+byte-level BPE cut to its first ``SMALL_VOCAB`` tokens), so a file can be complete and still be
+refused for exactly one defect.
 """
 
 from __future__ import annotations
@@ -27,21 +28,48 @@ from tests.executor.helpers import llama_config, save_tiny
 from tests.executor.quant_packers import quantize_dir
 from tests.executor.test_gguf_quantized import T, gguf_name, permute_qk
 
+# The GGUF fixtures' vocabulary: the default model's first 2,048 tokens (17 special tokens, the
+# byte alphabet, then tokens in merge order). Converting a GGUF's tokenizer (transformers builds a
+# fast tokenizer from the metadata) costs seconds at the default 49,152 tokens and every
+# refused-file test converts one; none of them is about the default vocabulary.
+SMALL_VOCAB = 2048
+
 
 @functools.cache
-def _tokenizer_fields() -> dict:
+def _default_tokenizer_fields() -> dict:
     """The default model's ``tokenizer.*`` metadata: ``{key: (value, value type)}`` (read once:
     parsing the 49,152-token vocabulary takes seconds)."""
     reader = gguf.GGUFReader(str(default_gguf_path()))
     return {k: (f.contents(), f.types[0]) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
 
+@functools.cache
+def _tokenizer_fields(vocab: int = SMALL_VOCAB) -> dict:
+    """The default model's ``tokenizer.*`` metadata cut to its first ``vocab`` tokens:
+    ``tokens`` / ``token_type`` truncated, ``merges`` limited to those whose two parts and result
+    are all kept (a merge-ordered BPE vocabulary, so the cut is a complete BPE tokenizer of its
+    own; special token ids 0-16 stay as they are). ``{key: (value, value type)}``."""
+    fields = dict(_default_tokenizer_fields())
+    tokens, ttype = fields["tokenizer.ggml.tokens"]
+    kept = set(tokens[:vocab])
+    fields["tokenizer.ggml.tokens"] = (tokens[:vocab], ttype)
+    types, ttype = fields["tokenizer.ggml.token_type"]
+    fields["tokenizer.ggml.token_type"] = (types[:vocab], ttype)
+    merges, mtype = fields["tokenizer.ggml.merges"]
+    pairs = (m.split(" ", 1) for m in merges)
+    fields["tokenizer.ggml.merges"] = (
+        [f"{a} {b}" for a, b in pairs if a in kept and b in kept and a + b in kept],
+        mtype,
+    )
+    return fields
+
+
 def write_tiny_gguf(
     path, hf_model, cfg, qtype=T.Q8_0, skip_keys=(), skip_tensors=(), tokenizer=True, metadata=None
 ):
     """``hf_model`` as a llama GGUF the way llama.cpp writes it (q/k rows permuted), linear
-    weights and the embedding in ``qtype``, with the default model's tokenizer metadata
-    (vocabulary 49,152: ``cfg.vocab_size`` must match) unless ``tokenizer`` is False; metadata
+    weights and the embedding in ``qtype``, with the default model's tokenizer metadata cut to
+    ``SMALL_VOCAB`` tokens (``cfg.vocab_size`` must match) unless ``tokenizer`` is False; metadata
     keys in ``skip_keys`` and HF tensors in ``skip_tensors`` are left out; ``metadata``
     overrides ``llama.*`` values (``{key: value}``)."""
     from gguf.quants import quantize
@@ -87,7 +115,7 @@ def write_tiny_gguf(
     w.close()
 
 
-TINY = dict(hidden_size=64, intermediate_size=96, vocab_size=49152)
+TINY = dict(hidden_size=64, intermediate_size=96, vocab_size=SMALL_VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +159,14 @@ def _layout(path):
 
 
 def test_good_tiny_gguf_loads_on_both_paths(good_gguf):
-    """The control: the file the other tests break is fine as written."""
+    """The control: the file the other tests break is fine as written (its cut vocabulary a
+    working tokenizer too)."""
+    from transformers import AutoTokenizer
+
     assert (resolve_model_dir(str(good_gguf)) / "model.safetensors").is_file()
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(str(good_gguf)))
+    text = "Once upon a time, in a small village by the sea,"
+    assert len(tok) == SMALL_VOCAB and tok.decode(tok(text).input_ids) == text
     assert (resolve_model_dir(str(good_gguf), "gguf") / "config.json").is_file()
     load_gguf_model(good_gguf, torch.float32, "cpu")
 

@@ -58,8 +58,12 @@ def random_draft_dir(tmp_path_factory, default_tokenizer_dir):
 
 
 def make_engine(model_dir, spec=None, **kw):
+    """An ``LLMEngine`` on ``model_dir`` with ``ENGINE``, ``spec`` and ``kw``, its KV pools sized
+    by ``pool_sizes`` (the default pools make the per-step block check walk ~200,000 blocks)."""
+    from tests.spec_decode.test_spec_decode_engine import pool_sizes
+
     return LLMEngine.from_engine_args(
-        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **kw)
+        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **pool_sizes(kw))
     )
 
 

@@ -39,9 +39,28 @@ def ngram(**kw):
     return cfg
 
 
+#: The device pool of an engine whose test does not size it (16,384 tokens at the default
+#: block size: far more than any test here holds at once). The defaults (1 GiB device pool,
+#: 0.5 GiB swap) hold ~200,000 blocks of the tiny model, and ``check_blocks`` walks every block
+#: of both pools after every step: that walk was most of these tests' time.
+DEFAULT_GPU_BLOCKS = 1024
+
+
+def pool_sizes(kw: dict) -> dict:
+    """``kw`` with ``num_gpu_blocks`` (default ``DEFAULT_GPU_BLOCKS``) and ``num_cpu_blocks``
+    (default 4x the device pool: a swap-out never falls back to recompute for want of CPU
+    blocks) filled in where unset."""
+    kw = dict(kw)
+    kw.setdefault("num_gpu_blocks", DEFAULT_GPU_BLOCKS)
+    kw.setdefault("num_cpu_blocks", 4 * kw["num_gpu_blocks"])
+    return kw
+
+
 def make_engine(model_dir, spec=None, **kw):
+    """An ``LLMEngine`` on ``model_dir`` with ``ENGINE``, ``spec`` and ``kw``, its KV pools sized
+    by ``pool_sizes``."""
     return LLMEngine.from_engine_args(
-        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **kw)
+        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, **pool_sizes(kw))
     )
 
 

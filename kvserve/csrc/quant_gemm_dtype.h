@@ -104,12 +104,27 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
 /* ---- int8 activations (Q8_0, Q4_0, Q4_1) ---------------------------------------------------- */
 
 /* Block xb (32 elements of x) quantized as below: q (natural order) and, with planes = 2, the
-   residual plane q2; returns d and sets *s = sum(q), *t = sum(q2) (0 for one plane). */
+   residual plane q2; returns d and sets *s = sum(q), *t = sum(q2) (0 for one plane).
+   A block holding a NaN returns d = NaN (vmax alone would skip it) and one holding an infinity
+   d = inf, both with q = q2 = 0: the row's outputs are then NaN (0 times a NaN / inf scale), as
+   the float kernels' NaN in, NaN out, not finite values of int8 conversions of NaN (INT_MIN) summed
+   into a wrapped (undefined) int. A subnormal d (max|x| below 127 * 2^-126: 1 / d overflows)
+   leaves q = 0 too, the block then counting as zero (its terms are below 2^-119 |w|). */
 static inline __attribute__((always_inline)) float
 CAT(act8_quant_block_, SFX)(const int planes, const ELEM* xb, int8_t q[QK], int8_t q2[QK], int* s, int* t) {
     const v16 a = CAT(ld16_, SFX)(xb), b = CAT(ld16_, SFX)(xb + 16);
-    const float d = hmax16(vmax(vabs16(a), vabs16(b))) / 127.0f;
-    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    const v16i nan = (a != a) | (b != b);
+    int any_nan = 0;
+    for (int i = 0; i < 16; ++i) any_nan |= nan[i];
+    const float d = any_nan ? __builtin_nanf("") : hmax16(vmax(vabs16(a), vabs16(b))) / 127.0f;
+    /* normal and finite only (NaN compares false): else q = 0 (a * 0 is NaN for NaN / inf a) */
+    if (!(d >= 0x1p-126f && d <= 0x1p127f)) {
+        memset(q, 0, QK);
+        if (planes == 2) memset(q2, 0, QK);
+        *s = *t = 0;
+        return d;
+    }
+    const float id = 1.0f / d;
     const v16i qa = rint16_i32(a * id), qb = rint16_i32(b * id);
     int sum = 0;
     for (int i = 0; i < 16; ++i) {
@@ -139,7 +154,8 @@ CAT(act8_quant_block_, SFX)(const int planes, const ELEM* xb, int8_t q[QK], int8
 }
 
 /* One row of x (K floats) quantized per 32-block j as llama.cpp's Q8 activations, with a float32
-   scale: d = max|x| / 127, q = rint(x * (1 / d)) (nearest even; q = 0 when d = 0), s = sum(q).
+   scale: d = max|x| / 127, q = rint(x * (1 / d)) (nearest even; q = 0 when d = 0, subnormal or
+   not finite: NaN for a block with a NaN, inf with an infinity), s = sum(q).
    With planes = 2 (the act16 kernels) the rounding residual r = x - d q is quantized again on
    the finer step d / 254 (q2 = rint(r * 254 / d), |q2| <= 127 as |r| <= d / 2), so
    x ~= d (q + q2 / 254) to within d / 508 (~2^-16 of the block's largest |x|), and

@@ -336,3 +336,25 @@ def test_layout_check_matches_the_c_structs():
         ctypes.sizeof(native_layers.DLLora),
     ]
     assert sizes(4) == -1
+
+
+@pytest.mark.skipif(
+    not quant_gemm.available() or quant_gemm.act8_isa() != "avx512-vnni", reason="no VNNI kernels here"
+)
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_plans_follow_the_vnni_row_threshold_and_switch(qtype):
+    """The one-call step's plans are cached per regime (``native_decode._regime``): a step of
+    ``VNNI_ROWS`` to ``PANEL_ROWS - 1`` rows after one of fewer rows (and back), and a step after
+    ``KVSERVE_QUANT_VNNI`` changed, must run the kernels the per-layer path picks for them (the
+    VNNI kernel or not), bit for bit, not a plan built for the other side."""
+    if qtype not in QTYPES:
+        pytest.skip(f"{qtype} not among this file's formats")
+    w = worker(qtype)
+    low = quant_gemm.VNNI_ROWS[qtype]
+    with env(quant_gemm.ACT_ENV, "int8"), env(quant_gemm.AMX_ENV, "0"):
+        for rows, vnni in [(2, "1"), (low, "1"), (2, "1"), (low + 1, "0"), (20, "1"), (20, "0"), (low, "1")]:
+            with env(quant_gemm.VNNI_ENV, vnni):
+                inp = decode_inputs(w, rows, seed=rows)
+                got, _ = run(w, inp, fused=True)
+                want, _ = run(w, inp, fused=False)
+                assert torch.equal(got, want), (rows, vnni, (got - want).abs().max())

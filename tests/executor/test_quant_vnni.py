@@ -121,3 +121,36 @@ def test_vnni_refuses_a_weight_type_without_the_x4_layout():
     qw, _ = weight("q4_0", 8, 2, seed=1)
     with pytest.raises(ValueError, match="vnni"):
         quant_gemm.linear(torch.randn(16, 64), qw, kernel="vnni")
+
+
+@vnni
+@pytest.mark.parametrize("qtype", quant_gemm.VNNI_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["vnni", "act8", "act16"])
+def test_a_nonfinite_or_subnormal_activation_block_stays_in_its_row(qtype, dtype, kernel):
+    """A NaN anywhere in a 32-block (also where the max of |x| would skip it) or an infinity makes
+    the block's scale NaN / inf and its quants 0, so that row's outputs are all NaN (as the float
+    kernels' NaN in, NaN out) rather than finite values of wrapped integer sums; a block whose
+    scale max|x| / 127 is subnormal (1 / d would overflow) quantizes to zero, as an all-zero block.
+    The other rows are bit for bit those of a batch without the odd rows."""
+    qw, _ = weight(qtype, 50, 3, seed=11)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(5))
+    x[2, 20] = float("nan")  # in the second 16 of block 0
+    x[4, 37] = float("nan")  # in the first 16 of block 1
+    x[5, 70] = float("inf")
+    x[6, 64] = -float("inf")
+    x[7, :32] = torch.linspace(-1e-39, 1e-39, 32)  # d ~ 8e-42: subnormal
+    x = x.to(dtype)
+    y = quant_gemm.linear(x, qw, kernel=kernel)
+    for r in (2, 4, 5, 6):
+        assert torch.isnan(y[r]).all(), (r, y[r])
+    zeroed = x[7:8].clone()
+    zeroed[0, :32] = 0
+    assert torch.equal(y[7:8], quant_gemm.linear(zeroed, qw, kernel=kernel))
+    keep = [0, 1, 3, 8]
+    assert torch.equal(y[keep], quant_gemm.linear(x[keep], qw, kernel=kernel)[: len(keep)])
+    assert torch.isfinite(y[keep]).all()
+    # the torch reference of the activations agrees: quants 0 in those blocks, d NaN / inf
+    q, d = quant_gemm.quantize_activations(x.float())
+    assert (q[[2, 4, 5, 6, 7]].reshape(5, 3, 32)[[0, 1, 2, 3, 4], [0, 1, 2, 2, 0]] == 0).all()
+    assert d[2, 0].isnan() and d[4, 1].isnan() and d[5, 2].isinf() and d[6, 2].isinf()

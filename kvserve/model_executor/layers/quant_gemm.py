@@ -485,7 +485,9 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 activations of the ``int8`` mode (the torch reference of the kernels' step):
     per row and 32 elements ``d = max|x| / 127`` (float32), ``q = round(x * (1 / d))`` (to
-    nearest even; 0 where ``d = 0``).
+    nearest even; 0 where ``d`` is 0, subnormal (``1 / d`` would overflow: the block counts as
+    zero) or not finite: ``d`` NaN for a block holding a NaN, inf for one holding an infinity, so
+    the products of that row are NaN).
 
     Args:
         x: ``[T, K]`` float32 or bfloat16, ``K`` a multiple of 32.
@@ -495,9 +497,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     t, k = x.shape
     blocks = x.float().reshape(t, k // BLOCK_ELEMS, BLOCK_ELEMS)
-    d = blocks.abs().amax(dim=-1) / 127
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros((), dtype=torch.float32))
-    q = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8)
+    d = blocks.abs().amax(dim=-1) / 127  # (amax propagates NaN)
+    ok = (d >= torch.finfo(torch.float32).tiny) & torch.isfinite(d)
+    inv = torch.where(ok, 1.0 / d, torch.zeros((), dtype=torch.float32))
+    zero = torch.zeros((), dtype=torch.float32)
+    q = torch.round(torch.where(ok.unsqueeze(-1), blocks * inv.unsqueeze(-1), zero)).to(torch.int8)
     return q.reshape(t, k), d
 
 
@@ -517,8 +521,10 @@ def quantize_activations2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     q, d = quantize_activations(x)
     blocks = x.float().reshape(t, k // BLOCK_ELEMS, BLOCK_ELEMS)
     r = blocks - q.float().reshape(blocks.shape) * d.unsqueeze(-1)
-    inv = torch.where(d > 0, 254.0 / d, torch.zeros((), dtype=torch.float32))
-    q2 = torch.round(r * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    ok = (d >= torch.finfo(torch.float32).tiny) & torch.isfinite(d)  # (else q = q2 = 0)
+    inv = torch.where(ok, 254.0 / d, torch.zeros((), dtype=torch.float32))
+    r = torch.where(ok.unsqueeze(-1), r * inv.unsqueeze(-1), torch.zeros((), dtype=torch.float32))
+    q2 = torch.round(r).clamp(-127, 127).to(torch.int8)
     return q, q2.reshape(t, k), d
 
 

@@ -604,11 +604,18 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _regime(rows: int, quantized: bool) -> tuple:
     """What decides the kernels ``_gemm_call`` picks for ``rows`` rows: the quantized kernels'
-    row thresholds, activation mode and AMX switch, the AMX kernel's row limit."""
+    row thresholds, activation mode, AMX switch and VNNI kernel (``VNNI_ROWS``, per type), the
+    AMX kernel's row limit."""
     return (
         rows >= quant_gemm.PANEL_ROWS,
         tuple(rows >= r for r in sorted(set(quant_gemm.AMX_ROWS.values())))
         if quantized and quant_gemm.amx_enabled()
+        else None,
+        tuple(
+            quant_gemm.vnni_enabled(t) and rows >= quant_gemm.VNNI_ROWS[t]
+            for t in sorted(quant_gemm.VNNI_ROWS)
+        )
+        if quantized
         else None,
         rows <= amx_gemm.MAX_ROWS,
         rows <= native_gemm.BF16_DOT_MAX_ROWS,

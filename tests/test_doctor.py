@@ -48,3 +48,30 @@ def test_doctor_says_a_fixed_thread_count_comes_from_the_environment(capsys, mon
     out = capsys.readouterr().out
     assert "Threads: 1 of" in out and "KVSERVE_NUM_THREADS=1" in out
     assert "Kernel libraries:" in out and "kvserve/csrc/gemm.c" in out
+
+
+def test_doctor_reports_the_quantized_activation_mode_and_a_bad_one(capsys, monkeypatch):
+    from kvserve.model_executor.layers import quant_gemm
+
+    def quant_text() -> str:
+        assert doctor.main(["--json"]) == 0
+        return json.loads(capsys.readouterr().out)["paths"]["linear, gguf quantized"]["float32"]
+
+    if not quant_gemm.available():
+        assert quant_text() == "torch: dequantized on every call (slow)"
+        return
+    # a bad value is reported (the doctor is where a user looks), not a traceback
+    monkeypatch.setenv("KVSERVE_QUANT_ACT", "bogus")
+    text = quant_text()
+    assert "KVSERVE_QUANT_ACT='bogus'" in text and "refuses to load" in text, text
+    monkeypatch.setenv("KVSERVE_QUANT_ACT", "float")
+    text = quant_text()
+    assert "few rows: float activations" in text and "int8" not in text, text
+    assert text.endswith(f"more rows: dequantized float32 panels from {quant_gemm.PANEL_ROWS})"), text
+    monkeypatch.setenv("KVSERVE_QUANT_ACT", "int8")
+    text = quant_text()
+    assert f"few rows: int8 activations, int8 dot products {quant_gemm.act8_isa()}" in text, text
+    if quant_gemm.vnni_enabled("q8_0") and not quant_gemm.amx_enabled():
+        assert f"VNNI int8 panels from {quant_gemm.VNNI_ROWS['q8_0']} / " in text, text
+        monkeypatch.setenv("KVSERVE_QUANT_X4", "0")  # Q4_1 leaves the VNNI kernel
+        assert f"VNNI int8 panels from {quant_gemm.VNNI_ROWS['q8_0']} (Q8_0) rows" in quant_text()

@@ -27,29 +27,34 @@ CPU_FEATURES = {
 }
 
 
-def _quant_many_rows() -> str:
-    """The quantized GEMMs of many rows (``quant_gemm.pick_kernel``'s routes above the GEMV)."""
+def _quant_gemm_path(flags: set[str]) -> str:
+    """The quantized GEMMs' route on this host (``quant_gemm.pick_kernel``'s choices), or what
+    is wrong with ``KVSERVE_QUANT_ACT`` (a quantized model then refuses to load)."""
     from kvserve.model_executor.layers import quant_gemm
 
+    vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "scalar"
+    try:
+        mode = quant_gemm.activation_mode()
+    except ValueError as e:
+        return f"kvserve quantized GEMM ({vec}); {e}: a quantized model refuses to load"
+    if mode == "int8":
+        few = f"int8 activations, int8 dot products {quant_gemm.act8_isa()}"
+    else:
+        few = "float activations, weights dequantized in registers"
     if quant_gemm.amx_enabled():
-        return f"AMX bfloat16 tiles from {quant_gemm.AMX_ROWS['q4_1']} (Q4_1) / {quant_gemm.AMX_ROWS['q8_0']} (Q8_0) rows"
-    if quant_gemm.vnni_enabled("q8_0"):
-        rows = quant_gemm.VNNI_ROWS
-        return (
-            f"VNNI int8 panels from {rows['q8_0']} (Q8_0) / {rows['q4_1']} (Q4_1) rows, "
+        rows = quant_gemm.AMX_ROWS
+        many = f"AMX bfloat16 tiles from {rows['q4_1']} (Q4_1) / {rows['q8_0']} (Q8_0) rows"
+    elif quant_gemm.vnni_enabled("q8_0"):  # (Q4_1 too unless KVSERVE_QUANT_X4=0)
+        vnni = [t for t in quant_gemm.VNNI_TYPES if quant_gemm.vnni_enabled(t)]
+        many = (
+            "VNNI int8 panels from "
+            + " / ".join(str(quant_gemm.VNNI_ROWS[t]) for t in vnni)
+            + f" ({' / '.join(t.upper() for t in vnni)}) rows, "
             f"other types dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
         )
-    return "dequantized float32 panels"
-
-
-def _quant_act_mode() -> str:
-    """The quantized GEMMs' activation mode, or what is wrong with ``KVSERVE_QUANT_ACT``."""
-    from kvserve.model_executor.layers import quant_gemm
-
-    try:
-        return quant_gemm.activation_mode()
-    except ValueError as e:
-        return f"invalid ({e})"
+    else:
+        many = f"dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
+    return f"kvserve quantized GEMM ({vec}; few rows: {few}; more rows: {many})"
 
 
 def _compiler() -> dict:
@@ -126,13 +131,9 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             ),
         },
         "linear, gguf quantized": {
-            d: (
-                f"kvserve quantized GEMM ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'}; "
-                f"few rows: {_quant_act_mode()} activations, int8 dot products "
-                f"{quant_gemm.act8_isa()}; more rows: {_quant_many_rows()})"
-                if quant_gemm.available()
-                else "torch: dequantized on every call (slow)"
-            )
+            d: _quant_gemm_path(flags)
+            if quant_gemm.available()
+            else "torch: dequantized on every call (slow)"
             for d in ("float32", "bfloat16")
         },
         "decode attention": {

@@ -3,7 +3,7 @@ float32 and bfloat16 paths on the default model (SmolLM2-135M-Instruct: its ship
 whose token embedding / tied LM head is Q8_0), optionally against llama.cpp's ``llama-server`` on
 the same file (``--peer llama.cpp``), and the w64 workload offline per format (``--w64``).
 
-Everything but ``--kernels`` is ``kvserve bench quantized`` (``kvserve/benchmarks/quantized.py``:
+Everything but ``--kernels`` and ``--layer-kernels`` is ``kvserve bench quantized`` (``kvserve/benchmarks/quantized.py``:
 what is measured and how); the llama-server binary comes from ``benchmarks/llama_cpp/setup.sh``.
 
     python benchmarks/quantized.py                       # 5 engines x 5 rounds, 128 new tokens
@@ -197,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_args(ap)
     ap.add_argument("--kernels", action="store_true", help="time the kernels alone (see the module doc)")
-    ap.add_argument("--kernel-rows", default="1,8,64,256", help="--kernels: comma-separated row counts")
+    ap.add_argument(
+        "--kernel-rows",
+        default="1,8,64,256",
+        help="--kernels / --layer-kernels: comma-separated row counts (defaults: 1,8,64,256 / 4,8,12,16,24,32,64)",
+    )
     ap.add_argument("--kernel-threads", default="1,2", help="--kernels: comma-separated thread counts")
     ap.add_argument("--layer-kernels", action="store_true", help="30 layers' GEMMs per kernel (module doc)")
     ap.add_argument("--kernel-reps", type=int, default=5, help="--layer-kernels: passes per kernel")

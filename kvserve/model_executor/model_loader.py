@@ -71,7 +71,7 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
         the directory (absolute path).
     Raises:
         ValueError: an unknown ``quantization``; ``"gguf"`` without a GGUF file; the path does
-            not exist, is not a directory, or lacks ``config.json`` or safetensors weights (the
+            not exist (also with ``"gguf"``), is not a directory, or lacks ``config.json`` or safetensors weights (the
             message names the path and what is missing).
     """
     from kvserve.model_executor import gguf_convert
@@ -83,6 +83,8 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
     gguf_file = gguf_file_for(model)
     if quantization == "gguf":
         if gguf_file is None:
+            if not Path(str(model)).expanduser().exists():  # (a typo: say so, not "not a .gguf")
+                raise ValueError(f"model path {str(Path(str(model)).expanduser())!r} does not exist")
             raise ValueError(f"quantization='gguf' needs a .gguf model file, got model={model!r}")
         return gguf_convert.metadata_dir(gguf_file)
     if gguf_file is not None:

@@ -287,6 +287,9 @@ def test_quantization_setting_is_validated(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
         resolve_model_dir(str(tmp_path), "gguf")
+    missing = tmp_path / "typo.gguf"  # a .gguf name that is not there: named as missing
+    with pytest.raises(ValueError, match=re.escape(f"model path '{missing}' does not exist")):
+        resolve_model_dir(str(missing), "gguf")
 
 
 # ---------------------------------------------------------------- the default model (slow)

@@ -202,17 +202,20 @@ def test_default_model_amx_prefill_perplexity_within_one_percent_of_float(quanti
 @pytest.mark.slow
 @pytest.mark.skipif(quant_gemm.act8_isa() != "avx512-vnni", reason="no AVX-512 VNNI kernels here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_default_model_vnni_prefill_perplexity_within_two_percent_of_float_activations(dtype, monkeypatch):
+def test_default_model_vnni_prefill_perplexity_within_one_percent_of_float(dtype, monkeypatch):
     """The prefill of the whole text (127 rows) of the shipped Q4_1 GGUF on the VNNI int8 panels
-    (``csrc/quant_vnni.h``; AMX off, so it runs on AMX CPUs too) against the same model on the
-    float32 panels (``KVSERVE_QUANT_VNNI=0``: float activations). Measured on the AVX512-BF16
-    Xeon without AMX: float32 43.632 vs 43.328 (+0.70%), bfloat16 43.936 vs 43.448 (+1.12%);
-    the int8 activations of prefill cost more than those of decode (+0.58% in the decode test)."""
+    (``csrc/quant_vnni.h``; AMX off, so it runs on AMX CPUs too) against the float model of the
+    same dtype (the issue's bound: int8 activations within 1% of the float path), and against
+    the same quantized model on the float32 panels (``KVSERVE_QUANT_VNNI=0``: float
+    activations). Measured on the AVX512-BF16 Xeon without AMX: float32 43.632 vs float 43.328
+    (+0.70%; panels 43.328), bfloat16 43.936 vs float 43.668 (+0.61%; panels 43.448)."""
     from kvserve.model_executor.gguf_loader import load_gguf_model
     from kvserve.model_executor.model_loader import default_gguf_path, load_hf_config, resolve_model_dir
     from kvserve.transformers_utils.tokenizer import load_tokenizer
 
-    ids = load_tokenizer(resolve_model_dir(None))(TEXT).input_ids
+    d = resolve_model_dir(None)
+    ids = load_tokenizer(d)(TEXT).input_ids
+    p_float = perplexity(load_model(d, dtype, "cpu"), ids)
     monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
     monkeypatch.setenv(quant_gemm.AMX_ENV, "0")
     model = load_gguf_model(
@@ -227,7 +230,7 @@ def test_default_model_vnni_prefill_perplexity_within_two_percent_of_float_activ
     picked.clear()
     p_panel = perplexity(model, ids)
     assert picked and "vnni" not in picked, set(picked)
-    print(f"{dtype}: prefill perplexity VNNI {p_vnni:.4f}, float32 panels {p_panel:.4f}")
-    assert 1 < p_panel < 100, p_panel
+    print(f"{dtype}: prefill perplexity float {p_float:.4f}, VNNI {p_vnni:.4f}, float32 panels {p_panel:.4f}")
+    assert 1 < p_float < 100, p_float
     assert p_vnni != p_panel  # int8 activations ran
-    assert abs(p_vnni / p_panel - 1) < 0.02, (p_vnni, p_panel)
+    assert abs(p_vnni / p_float - 1) < 0.01, (p_vnni, p_float)

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", action="store_true", help="time the kernels alone (see the module doc)")
     ap.add_argument(
         "--kernel-rows",
-        default="1,8,64,256",
+        default=None,
         help="--kernels / --layer-kernels: comma-separated row counts (defaults: 1,8,64,256 / 4,8,12,16,24,32,64)",
     )
     ap.add_argument("--kernel-threads", default="1,2", help="--kernels: comma-separated thread counts")
@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.layer_kernels:
         rows = layer_kernels(
-            tuple(int(r) for r in args.kernel_rows.split(","))
-            if args.kernel_rows != "1,8,64,256"
-            else (4, 8, 12, 16, 24, 32, 64),
+            tuple(int(r) for r in (args.kernel_rows or "4,8,12,16,24,32,64").split(",")),
             repeats=args.kernel_reps,
         )
         if args.json_out:
@@ -225,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.kernels:
         rows = kernels(
-            tuple(int(r) for r in args.kernel_rows.split(",")),
+            tuple(int(r) for r in (args.kernel_rows or "1,8,64,256").split(",")),
             tuple(int(t) for t in args.kernel_threads.split(",")),
         )
         if args.json_out:

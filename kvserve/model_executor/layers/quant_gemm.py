@@ -144,8 +144,6 @@ AMX_TYPES = tuple(AMX_ROWS)
 #: ``PANEL_ROWS`` rows, as on a CPU without AMX; for A/B comparisons), unset or anything else: on
 #: where ``amx_supported()``.
 AMX_ENV = "KVSERVE_QUANT_AMX"
-#: Weight types of the VNNI many-row kernel (``csrc/quant_vnni.h``: it reads the x4 layout).
-VNNI_TYPES = X4_TYPES
 #: Rows from which ``linear`` runs the VNNI kernel where ``vnni_enabled``: its cost grows
 #: slowly with the rows (the per-call repack of the weights is the fixed part) while the x4
 #: GEMV's grows with each row; on SmolLM2-135M's four GEMM shapes (bfloat16 x, 2 threads, the
@@ -153,6 +151,8 @@ VNNI_TYPES = X4_TYPES
 #: ~6 for Q4_1 (0.180 / 0.191 ms and 0.211 / 0.219 ms at 6 rows), the VNNI kernel 1.4x / 1.2x
 #: faster at 12 rows and ~2x the float panels from 16.
 VNNI_ROWS = {"q8_0": 6, "q4_1": 8}
+#: Weight types of the VNNI many-row kernel (``csrc/quant_vnni.h``: it reads the x4 layout).
+VNNI_TYPES = tuple(VNNI_ROWS)
 #: Environment variable: ``0`` turns the VNNI many-row kernel off (the float panels run from
 #: ``PANEL_ROWS`` rows; for A/B comparisons), unset or anything else: on where ``vnni_enabled()``.
 VNNI_ENV = "KVSERVE_QUANT_VNNI"
@@ -163,14 +163,18 @@ def available() -> bool:
     return _LIB.available()
 
 
+_isa: str | None = None
+
+
 def act8_isa() -> str | None:
     """The int8 dot product the kernels were built with: ``"avx512-vnni"``, ``"avx2"``,
-    ``"scalar"``, or None without the kernels."""
-    if not available():
-        return None
-    fn = _LIB.fn("quant_act8_isa")
-    fn.restype = ctypes.c_int
-    return {2: "avx512-vnni", 1: "avx2"}.get(int(fn()), "scalar")
+    ``"scalar"``, or None without the kernels (asked once: ``pick_kernel`` reads it per call)."""
+    global _isa
+    if _isa is None and available():
+        fn = _LIB.fn("quant_act8_isa")
+        fn.restype = ctypes.c_int
+        _isa = {2: "avx512-vnni", 1: "avx2"}.get(int(fn()), "scalar")
+    return _isa
 
 
 _amx_ok: bool | None = None
@@ -530,10 +534,10 @@ def quantize_activations2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def head_kernel(rows: int, qtype: str) -> str | None:
     """The kernel of the LM head (``compute_logits``) for ``rows`` rows of a ``qtype`` weight:
-    ``"act16"`` / ``"panel"`` (below / from ``PANEL_ROWS``) where ``pick_kernel`` picks
-    ``"vnni"`` (one int8 plane), None (``pick_kernel``)
-    where that picks ``"amx"`` or from ``PANEL_ROWS`` rows (the panels),
-    else ``"act16"`` in the ``int8`` mode on ``ACT8_TYPES`` and ``"tile"`` otherwise."""
+    never one int8 plane, so ``"act16"`` / ``"panel"`` (below / from ``PANEL_ROWS`` rows) where
+    ``pick_kernel`` picks ``"vnni"``; None (``pick_kernel``) where that picks ``"amx"`` or from
+    ``PANEL_ROWS`` rows (the panels); else ``"act16"`` in the ``int8`` mode on ``ACT8_TYPES`` and
+    ``"tile"`` otherwise."""
     kind = pick_kernel(rows, qtype)
     if kind == "vnni":  # (one int8 plane: act16's two, or the panels' float activations)
         return "act16" if rows < PANEL_ROWS else "panel"
@@ -550,7 +554,7 @@ def pick_kernel(rows: int, qtype: str) -> str:
     (float activations, weights dequantized in registers)."""
     if qtype in AMX_TYPES and rows >= AMX_ROWS[qtype] and amx_enabled():
         return "amx"
-    if qtype in VNNI_ROWS and rows >= VNNI_ROWS[qtype] and vnni_enabled(qtype):
+    if rows >= VNNI_ROWS.get(qtype, rows + 1) and vnni_enabled(qtype):
         return "vnni"
     if rows >= PANEL_ROWS:
         return "panel"

@@ -603,24 +603,17 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _regime(rows: int, quantized: bool) -> tuple:
-    """What decides the kernels ``_gemm_call`` picks for ``rows`` rows: the quantized kernels'
-    row thresholds, activation mode, AMX switch and VNNI kernel (``VNNI_ROWS``, per type), the
-    AMX kernel's row limit."""
+    """What decides the kernels ``_gemm_call`` picks for ``rows`` rows: for a quantized model the
+    kernel ``quant_gemm.pick_kernel`` picks per weight type (so every one of its row thresholds,
+    its mode and switches) and the x4 switch (which bytes they read); the AMX kernel's and the
+    bfloat16 panels' row limits."""
     return (
         rows >= quant_gemm.PANEL_ROWS,
-        tuple(rows >= r for r in sorted(set(quant_gemm.AMX_ROWS.values())))
-        if quantized and quant_gemm.amx_enabled()
-        else None,
-        tuple(
-            quant_gemm.vnni_enabled(t) and rows >= quant_gemm.VNNI_ROWS[t]
-            for t in sorted(quant_gemm.VNNI_ROWS)
-        )
+        (tuple(quant_gemm.pick_kernel(rows, t) for t in quant_gemm.BLOCK_BYTES), quant_gemm.x4_enabled())
         if quantized
         else None,
         rows <= amx_gemm.MAX_ROWS,
         rows <= native_gemm.BF16_DOT_MAX_ROWS,
-        quant_gemm.activation_mode() if quantized else None,
-        quant_gemm.x4_enabled() if quantized else None,
     )
 
 

@@ -33,6 +33,23 @@ chunk (``prefill_seq_s``), per 1,000 causal attention pairs of prompt chunks
 (``prefill_attn_s``: the term quadratic in chunk length), per sampled row (``sample_s``), per
 copied block (``copy_block_s``). ``step_cost(StepShape)`` uses them all; ``step_time`` is the
 old call with the four counts.
+
+Two refinements a profile fits and the default leaves off, each from this engine's measured
+steps (docs/benchmarks.md, "simulator fidelity"):
+
+* ``decode_knots`` ``{K: s}``: a decode-only step pays ``s`` more per decode past ``K`` (a
+  hinge). Decode steps are bound by streaming the weights once, whatever the batch, until the
+  GEMMs' row blocks fill and each extra row starts to cost compute: the measured time per
+  decode is flat to a few decodes, then steeper, a convex curve a single line through batches
+  1..64 over-predicts in the middle (+7% summed over a preempting replay's batches of 2-8).
+  Mixed steps are left out: their GEMM rows are mostly prompt tokens.
+* ``attention_split`` ``(kv_heads, threads)``: the decode attention kernel hands one work item
+  per (sequence, KV head) to ``threads`` threads, so a step of ``b`` decodes runs
+  ``ceil(b * kv_heads / threads)`` rounds of equal-length items: its context costs
+  ``context_tokens * ceil(b*KH/T) * T / (b*KH)`` per-token units (``context_feature``). With
+  SmolLM2's 3 KV heads on 2 threads, one decode keeps a thread idle a third of the time (4/3
+  per token), two or more hardly any: a line through context tokens alone, fitted mostly on
+  batch-1 decodes, over-charges the long-context small batches of a preempting replay.
 """
 
 from __future__ import annotations
@@ -60,6 +77,35 @@ FEATURES: dict[str, str] = {
     "lora_adapter_s": "loras",
 }
 
+
+def _decode_only(shape: StepShape) -> bool:
+    """A step of decodes alone (no prompt chunk, no speculative drafts): where a knot applies."""
+    return shape.decode_seqs > 0 and shape.prefill_tokens == 0 and shape.verify_tokens == 0
+
+
+def context_feature(shape: StepShape, attention_split: tuple[int, int] | None) -> float:
+    """The decode-attention count ``context_token_s`` multiplies: ``shape.context_tokens``,
+    scaled by the idle share of the last round of work items when ``attention_split`` =
+    ``(kv_heads, threads)`` is known (module docstring): ``ceil(b*KH/T) * T / (b*KH)`` for
+    ``b`` decodes, 1 when ``b*KH`` is a multiple of ``T``."""
+    if not attention_split or shape.decode_seqs == 0:
+        return float(shape.context_tokens)
+    kv_heads, threads = attention_split
+    items = shape.decode_seqs * kv_heads
+    return shape.context_tokens * (-(-items // threads)) * threads / items
+
+
+def decode_knot_candidates(samples: Sequence[tuple[StepShape, float]], min_count: int = 3) -> list[int]:
+    """Knots to offer ``fit_cost_model``: the decode batch sizes of the decode-only samples seen
+    at least ``min_count`` times, less the smallest and the largest (a hinge at either end has
+    no measured batch on one side to fix it)."""
+    counts: dict[int, int] = {}
+    for shape, _ in samples:
+        if _decode_only(shape):
+            counts[shape.decode_seqs] = counts.get(shape.decode_seqs, 0) + 1
+    sizes = sorted(b for b, n in counts.items() if n >= min_count)
+    return sizes[1:-1]
+
 #: Where the default coefficients come from (printed in every simulation header).
 BUILTIN_INFO = {
     "model": "Llama-2-70B",
@@ -80,8 +126,10 @@ class CostModel:
     ``prefill_attn_s`` per 1,000 attention pairs of prompt chunks; ``sample_s`` per sampled
     row; ``copy_block_s`` per copied block;
     ``lora_adapter_s`` per distinct LoRA adapter in the step (built-in: a placeholder until
-    measured; a profile without adapters fits it as 0). ``info``: where the coefficients come from
-    (``model``, ``hardware``, ``dtype``, ``source``; see ``describe``).
+    measured; a profile without adapters fits it as 0). ``decode_knots``: ``{K: seconds per
+    decode past K}`` in decode-only steps; ``attention_split``: ``(kv_heads, threads)`` of the
+    decode attention's work split, or None (both: module docstring). ``info``: where the
+    coefficients come from (``model``, ``hardware``, ``dtype``, ``source``; see ``describe``).
     """
 
     base_s: float = 2.79450670e-02
@@ -94,6 +142,8 @@ class CostModel:
     prefill_attn_s: float = 0.0
     sample_s: float = 0.0
     copy_block_s: float = 0.0
+    decode_knots: dict[int, float] = field(default_factory=dict)
+    attention_split: tuple[int, int] | None = None
     info: dict = field(default_factory=lambda: dict(BUILTIN_INFO), compare=False)
     #: the largest value of each ``StepShape`` count the coefficients were fitted on (None:
     #: unknown); ``outside_range`` flags steps past them (extrapolation)
@@ -135,12 +185,20 @@ class CostModel:
 
     def step_cost(self, shape: StepShape) -> float:
         """Seconds for a step of ``shape``: ``base_s`` plus each coefficient times its count
-        (``FEATURES``); verified drafts cost ``prefill_token_s`` each. An empty step costs 0."""
+        (``FEATURES``; the context count through ``context_feature``), plus the decode knots;
+        verified drafts cost ``prefill_token_s`` each. An empty step costs 0."""
         if shape.is_empty:
             return 0.0
         t = self.base_s + self.prefill_token_s * shape.verify_tokens
         for coef, attr in FEATURES.items():
-            t += getattr(self, coef) * getattr(shape, attr)
+            if coef == "context_token_s":
+                t += self.context_token_s * context_feature(shape, self.attention_split)
+            else:
+                t += getattr(self, coef) * getattr(shape, attr)
+        if self.decode_knots and _decode_only(shape):
+            for k, s in self.decode_knots.items():
+                if shape.decode_seqs > k:
+                    t += s * (shape.decode_seqs - k)
         return t
 
     def coefficients(self) -> dict[str, float]:
@@ -171,6 +229,8 @@ def fit_cost_model(
     samples: Sequence[tuple[StepShape, float]],
     features: Sequence[str] | None = None,
     trim: float | None = 10.0,
+    decode_knots: Sequence[int] = (),
+    attention_split: tuple[int, int] | None = None,
 ) -> CostModel:
     """Least-squares fit of ``base_s`` and the ``FEATURES`` coefficients to measured steps,
     aimed at each shape's *mean* time.
@@ -197,20 +257,46 @@ def fit_cost_model(
     of what a replay sees and stay in the mean; ``None`` keeps every step. ``info`` of the result is empty (the caller names
     the source).
 
+    ``decode_knots``: batch sizes ``K`` at which the decode-only line may bend upward (a
+    coefficient >= 0 per decode past ``K``; ``decode_knot_candidates`` picks them from the
+    profile); a knot fitted as 0 is left out of the result. ``attention_split``: ``(kv_heads,
+    threads)``; the context count is taken through ``context_feature`` with it (module docstring).
+
     Raises:
-        ValueError: fewer samples than coefficients, a non-positive time, or ``trim`` <= 1.
+        ValueError: fewer samples than coefficients, a non-positive time, ``trim`` <= 1, or a
+            knot or split value < 1.
     """
     import numpy as np
 
     names = list(features) if features is not None else list(FEATURES)
+    knots = sorted({int(k) for k in decode_knots})
+    if any(k < 1 for k in knots):
+        raise ValueError(f"decode_knots must be >= 1, got {list(decode_knots)}")
+    if attention_split is not None and (len(attention_split) != 2 or min(attention_split) < 1):
+        raise ValueError(f"attention_split must be (kv_heads >= 1, threads >= 1), got {attention_split}")
     ys = np.array([t for _, t in samples], dtype=float)
-    if len(samples) < len(names) + 1:
-        raise ValueError(f"need at least {len(names) + 1} measured steps to fit, got {len(samples)}")
+    if len(samples) < len(names) + len(knots) + 1:
+        raise ValueError(
+            f"need at least {len(names) + len(knots) + 1} measured steps to fit, got {len(samples)}"
+        )
     if (ys <= 0).any() or not np.isfinite(ys).all():
         raise ValueError("measured step times must be finite and > 0")
     if trim is not None and not trim > 1:
         raise ValueError(f"trim must be > 1 (a ratio of measured to predicted time), got {trim}")
-    cols = {n: np.array([float(getattr(s, FEATURES[n])) for s, _ in samples]) for n in names}
+    cols = {
+        n: np.array(
+            [
+                context_feature(s, attention_split) if n == "context_token_s" else float(getattr(s, FEATURES[n]))
+                for s, _ in samples
+            ]
+        )
+        for n in names
+    }
+    for k in knots:
+        cols[f"knot_{k}"] = np.array(
+            [float(max(0, s.decode_seqs - k)) if _decode_only(s) else 0.0 for s, _ in samples]
+        )
+    names = list(cols)
     keep = np.ones(len(ys), dtype=bool)
     w = 1.0 / ys
     for it in range(4):
@@ -235,8 +321,15 @@ def fit_cost_model(
             base *= scale
             coef = {n: c * scale for n, c in coef.items()}
     fields = {n: 0.0 for n in FEATURES}
-    fields.update(coef)
-    return CostModel(base_s=base, info={}, **fields)
+    fields.update({n: c for n, c in coef.items() if n in FEATURES})
+    fitted_knots = {k: coef[f"knot_{k}"] for k in knots if coef.get(f"knot_{k}", 0.0) > 0}
+    return CostModel(
+        base_s=base,
+        info={},
+        decode_knots=fitted_knots,
+        attention_split=tuple(attention_split) if attention_split else None,
+        **fields,
+    )
 
 
 def _fit_nonneg(ys, cols: dict, w) -> tuple[float, dict[str, float]]:

@@ -10,8 +10,13 @@ A JSON object (``SCHEMA_VERSION`` 1)::
      "host": {"cpu": "...", "cores": 2, "affinity": 2, "threads": 2, "flags": ["avx2", ...]},
      "engine": {"enable_chunked_prefill": true, "max_num_batched_tokens": 2048, ...},
      "coefficients": {"base_s": ..., "prefill_token_s": ..., ...},
+     "decode_knots": {"8": ...}, "attention_split": {"kv_heads": 3, "threads": 2},
      "fit_error": {"prefill": {"n", "mean", "p90", "max", "bias"}, "decode": ..., "all": ...},
      "profile": {"wall_s": ..., "samples": [{"shape": {...StepShape}, "t": seconds}, ...]}}
+
+``decode_knots`` (seconds per decode past each batch size, in decode-only steps) and
+``attention_split`` (the decode attention's work split) are optional: a file without them
+simulates with neither (``CostModel``'s docstring says what they model).
 
 ``engine`` holds the step-budget settings the profile ran with; the simulator takes them as
 its defaults (the profiled device is this host, not the simulator's generic one). ``profile``
@@ -150,6 +155,55 @@ def _num(obj: dict, key: str, where: str) -> float:
     return float(v)
 
 
+def _knots(obj, path: str) -> dict[int, float]:
+    """``decode_knots`` of a file: ``{"<batch size>": seconds, ...}`` -> ``{int: float}``."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: decode_knots must be an object of batch size -> seconds")
+    out = {}
+    for k, v in obj.items():
+        if not str(k).isdigit() or int(k) < 1:
+            raise ValueError(f"{path}: decode_knots: a key must be a batch size >= 1, got {k!r}")
+        out[int(k)] = _num(obj, k, f"{path}: decode_knots")
+    return out
+
+
+def _split(obj, path: str) -> tuple[int, int] | None:
+    """``attention_split`` of a file: ``{"kv_heads": n, "threads": n}`` -> ``(n, n)``."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: attention_split must be an object with kv_heads and threads")
+    vals = []
+    for key in ("kv_heads", "threads"):
+        v = obj.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{path}: attention_split.{key} must be an integer >= 1, got {v!r}")
+        vals.append(v)
+    return vals[0], vals[1]
+
+
+def model_kv_heads(model_dir) -> int | None:
+    """``num_key_value_heads`` (or ``num_attention_heads``) of the ``config.json`` in
+    ``model_dir``; None when it cannot be read."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def fit_extras(cm: CostModel) -> dict:
+    """The file fields of ``cm``'s knots and attention split (those it has)."""
+    out: dict = {}
+    if cm.decode_knots:
+        out["decode_knots"] = {str(k): v for k, v in sorted(cm.decode_knots.items())}
+    if cm.attention_split:
+        out["attention_split"] = {"kv_heads": cm.attention_split[0], "threads": cm.attention_split[1]}
+    return out
+
+
 def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     """Validate a cost-model JSON object (see module docstring).
 
@@ -213,6 +267,8 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     }
     fields = {k: 0.0 for k in FEATURES}
     fields.update(values)
+    fields["decode_knots"] = _knots(data.get("decode_knots"), path)
+    fields["attention_split"] = _split(data.get("attention_split"), path)
     ranges = (data.get("profile") or {}).get("ranges") if isinstance(data.get("profile"), dict) else None
     if ranges is not None and (
         not isinstance(ranges, dict)

@@ -47,8 +47,16 @@ from dataclasses import dataclass, field
 from kvserve.config import EngineArgs
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest
-from kvserve.sim.cost_model import CostModel, fit_cost_model, fit_errors
-from kvserve.sim.cost_model_file import SCHEMA, SCHEMA_VERSION, host_info, model_identity, save_cost_model
+from kvserve.sim.cost_model import CostModel, decode_knot_candidates, fit_cost_model, fit_errors
+from kvserve.sim.cost_model_file import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    fit_extras,
+    host_info,
+    model_identity,
+    model_kv_heads,
+    save_cost_model,
+)
 from kvserve.sim.step_shape import StepShape, step_shape
 
 
@@ -63,7 +71,8 @@ class ProfileGrid:
     # 64 decodes of ~300 tokens (~19,000 KV positions, ~85% of the default cache): the batch a
     # loaded default replay runs (up to ~60-70 decodes over ~23,000 positions) is within 1.25x
     context_lens: list[int] = field(default_factory=lambda: [32, 288, 1024])
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    # every doubling: the decode line bends (decode_knots) where the measured batches say
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     decode_steps: int = 8
     # the last one is clipped to the budget left by the decodes: a full chunked-prefill step
     # with many decodes riding along, the step a loaded replay spends most of its time in
@@ -374,7 +383,9 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
         # be reused after them
         engine.reset_prefix_cache()
     wall_s = time.perf_counter() - t1
-    cm = fit_cost_model(prof.samples)
+    model = model_identity(args.model, args.quantization)
+    host = host_info()
+    cm = _fit(prof.samples, _split_of(model_kv_heads(model["path"]), host.get("threads")))
     cm.swap_block_s, swap_err = fit_swap(prof.swap_samples)
     errors = fit_errors(cm, prof.samples)
     if swap_err is not None:
@@ -385,11 +396,11 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "kvserve_version": kvserve.__version__,
-        "model": model_identity(args.model, args.quantization),
+        "model": model,
         "dtype": str(mc.resolved_dtype()).replace("torch.", ""),
         "block_size": cc.block_size,
         "device": mc.resolved_device(),
-        "host": host_info(),
+        "host": host,
         "engine": {
             "enable_chunked_prefill": sc.chunked_prefill_enabled,
             "max_num_batched_tokens": sc.max_num_batched_tokens,
@@ -399,6 +410,7 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
             "num_cpu_blocks": cc.num_cpu_blocks,
         },
         "coefficients": cm.coefficients(),
+        **fit_extras(cm),
         "fit_error": errors,
         "fit": {"method": FIT_METHOD},
         "profile": {
@@ -418,7 +430,21 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
 
 
 #: how ``fit_cost_model`` fits (recorded in each file's ``fit``)
-FIT_METHOD = "mean: relative least squares, 1/prediction weights, trim 10x"
+FIT_METHOD = "mean: relative least squares, 1/prediction weights, decode knots, attention split, trim 10x"
+
+
+def _split_of(kv_heads: int | None, threads) -> tuple[int, int] | None:
+    """The decode attention's ``(kv_heads, threads)``, or None when either is unknown."""
+    if not kv_heads or not isinstance(threads, int) or threads < 1:
+        return None
+    return kv_heads, threads
+
+
+def _fit(samples, attention_split, trim: float | None = 10.0) -> CostModel:
+    """``fit_cost_model`` with the knots the samples offer and the attention split."""
+    return fit_cost_model(
+        samples, trim=trim, decode_knots=decode_knot_candidates(samples), attention_split=attention_split
+    )
 
 
 def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
@@ -436,7 +462,10 @@ def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
 
     f = parse_cost_model(data)
     samples = f.samples()
-    cm = fit_cost_model(samples, trim=trim)
+    split = f.cost_model.attention_split or _split_of(
+        model_kv_heads((data.get("model") or {}).get("path", "")), (data.get("host") or {}).get("threads")
+    )
+    cm = _fit(samples, split, trim=trim)
     swaps = [(int(s["blocks"]), float(s["t"])) for s in (data.get("profile") or {}).get("swap_samples") or []]
     cm.swap_block_s, swap_err = (
         fit_swap(swaps) if swaps else (data["coefficients"].get("swap_block_s", 0.0), None)
@@ -445,7 +474,10 @@ def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
     if swap_err is not None:
         errors["swap"] = swap_err
     out = copy.deepcopy(data)
+    out.pop("decode_knots", None)
+    out.pop("attention_split", None)
     out["coefficients"] = cm.coefficients()
+    out.update(fit_extras(cm))
     out["fit_error"] = errors
     out["fit"] = {
         "method": FIT_METHOD if trim == 10.0 else f"{FIT_METHOD.rsplit(',', 1)[0]}, trim {trim}",
@@ -461,6 +493,11 @@ def print_fit(data: dict, out=None) -> None:
     print("coefficients:", file=out)
     for k, v in data["coefficients"].items():
         print(f"  {k:16} {v:.4g}", file=out)
+    for k, v in (data.get("decode_knots") or {}).items():
+        print(f"  {'decode past ' + k:16} {v:.4g}  (per decode, decode-only steps)", file=out)
+    split = data.get("attention_split")
+    if split:
+        print(f"  attention split  {split['kv_heads']} KV heads over {split['threads']} threads", file=out)
     print(
         f"{'class':10}{'steps':>7}{'mean err':>10}{'p50 err':>10}{'p90 err':>10}{'max err':>10}{'total':>9}",
         file=out,

@@ -323,7 +323,7 @@ def refit_steps(records: Sequence[StepRecord], cost_model, min_steps: int = 20) 
     samples = [(r.shape, r.loop_s or r.step_s) for r in records if (r.loop_s or r.step_s) > 0]
     if len(samples) < max(min_steps, len(FEATURES) + 1):
         return None
-    fit = fit_cost_model(samples)
+    fit = fit_cost_model(samples, attention_split=getattr(cost_model, "attention_split", None))
     return {
         "profile": cost_model.coefficients(),
         "replay": fit.coefficients(),

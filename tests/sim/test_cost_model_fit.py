@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
-from kvserve.sim.cost_model import FEATURES, CostModel, fit_cost_model, fit_errors
+from kvserve.sim.cost_model import (
+    FEATURES,
+    CostModel,
+    context_feature,
+    decode_knot_candidates,
+    fit_cost_model,
+    fit_errors,
+)
 from kvserve.sim.executor import InvalidExecuteRequest, SimulatedExecutor
 from kvserve.sim.step_shape import StepShape, step_shape
 
@@ -121,6 +128,68 @@ def test_fit_reproduces_any_nonnegative_linear_cost(base, tok, attn, seq, ctx):
     fit = fit_cost_model(samples)
     assert all(v >= 0 for v in fit.coefficients().values())
     assert fit_errors(fit, samples)["all"]["max"] < 1e-3
+
+
+def _decode_grid(batches=(1, 2, 4, 8, 16, 32, 64), contexts=(32, 288, 1024), steps=3):
+    """Decode-only steps (repeated ``steps`` times, as a profile's decode runs) and a few prefills."""
+    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1, sampled_rows=1) for p in (16, 64, 256, 1024)]
+    for b in batches:
+        for L in contexts:
+            shapes += [StepShape(decode_seqs=b, context_tokens=b * L, sampled_rows=b)] * steps
+    return shapes
+
+
+def test_decode_knots_recover_a_convex_batch_curve():
+    """Time per decode flat to 8 decodes, then 3x steeper (the weight-streaming GEMM filling its
+    row blocks): a line through the batches misses the middle; knots at the measured batches
+    fit it exactly, and leave mixed steps on the line."""
+    truth = CostModel(base_s=0.02, prefill_token_s=1e-4, decode_seq_s=2e-4, context_token_s=1e-7,
+                      swap_block_s=0.0, lora_adapter_s=0.0, decode_knots={8: 4e-4})
+    shapes = _decode_grid()
+    samples = [(s, truth.step_cost(s)) for s in shapes]
+    assert decode_knot_candidates(samples) == [2, 4, 8, 16, 32]
+    line = fit_cost_model(samples)
+    mid = [(s, t) for s, t in samples if s.decode_seqs in (8, 16)]
+    assert fit_errors(line, mid)["all"]["total"] > 0.03  # the line over-predicts the bend
+    knotted = fit_cost_model(samples, decode_knots=decode_knot_candidates(samples))
+    assert fit_errors(knotted, samples)["all"]["max"] < 1e-6
+    assert knotted.decode_knots == pytest.approx({8: 4e-4}, rel=1e-4)
+    # a mixed step's decodes pay no knot: its GEMM rows are mostly prompt tokens
+    mixed = StepShape(prefill_tokens=100, prefill_seqs=1, decode_seqs=32, context_tokens=3200, sampled_rows=33)
+    assert knotted.step_cost(mixed) == pytest.approx(
+        CostModel(**{**knotted.coefficients(), "decode_knots": {}}).step_cost(mixed)
+    )
+
+
+def test_knot_candidates_skip_the_ends_and_rare_batches():
+    rare = [(StepShape(decode_seqs=3, context_tokens=30), 0.1)] * 2  # seen twice: not a candidate
+    samples = [(s, 0.1) for s in _decode_grid(batches=(1, 4, 16, 64))] + rare
+    assert decode_knot_candidates(samples) == [4, 16]
+    with pytest.raises(ValueError, match="decode_knots"):
+        fit_cost_model(samples, decode_knots=[0])
+
+
+def test_attention_split_charges_the_idle_last_round():
+    # 3 KV heads over 2 threads: one decode runs 2 rounds for 3 items (4/3 per token), two run 3 for 6
+    one = StepShape(decode_seqs=1, context_tokens=900)
+    two = StepShape(decode_seqs=2, context_tokens=1800)
+    assert context_feature(one, (3, 2)) == pytest.approx(1200)
+    assert context_feature(two, (3, 2)) == pytest.approx(1800)
+    assert context_feature(StepShape(decode_seqs=3, context_tokens=900), (3, 2)) == pytest.approx(1000)
+    assert context_feature(one, None) == 900 and context_feature(one, (3, 1)) == 900
+    assert context_feature(StepShape(prefill_tokens=5, prefill_seqs=1), (3, 2)) == 0
+
+
+def test_fit_with_the_attention_split_recovers_one_per_token_cost():
+    truth = CostModel(base_s=0.02, prefill_token_s=1e-4, decode_seq_s=2e-4, context_token_s=2e-6,
+                      swap_block_s=0.0, lora_adapter_s=0.0, attention_split=(3, 2))
+    samples = [(s, truth.step_cost(s)) for s in _decode_grid(batches=(1, 3, 5, 16))]
+    plain = fit_cost_model(samples)
+    assert fit_errors(plain, samples)["all"]["max"] > 0.01  # no line fits the odd batches
+    split = fit_cost_model(samples, attention_split=(3, 2))
+    assert split.context_token_s == pytest.approx(2e-6, rel=1e-6)
+    assert split.attention_split == (3, 2)
+    assert fit_errors(split, samples)["all"]["max"] < 1e-6
 
 
 def test_fit_keeps_gross_stalls_out_of_the_line_but_in_the_sum():

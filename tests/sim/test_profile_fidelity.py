@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.benchmarks import fidelity
 from kvserve.config import EngineArgs
-from kvserve.sim.cost_model import fit_cost_model, fit_errors
+from kvserve.sim.cost_model import decode_knot_candidates, fit_cost_model, fit_errors
 from kvserve.sim.cost_model_file import load_cost_model, model_identity, parse_cost_model, save_cost_model
 from kvserve.sim.profile import ProfileGrid, profile
 from kvserve.sim.profile import main as profile_main
@@ -28,6 +28,14 @@ def tiny_profile(tiny_llama_dir, tmp_path_factory):
     return data, path
 
 
+def _refit(f):
+    """The profile's own fit of a loaded file's samples (knots and attention split included)."""
+    samples = f.samples()
+    return fit_cost_model(
+        samples, decode_knots=decode_knot_candidates(samples), attention_split=f.cost_model.attention_split
+    )
+
+
 def test_profile_records_what_it_measured_and_on_what(tiny_profile, tiny_llama_dir):
     data, path = tiny_profile
     f = load_cost_model(path)
@@ -42,6 +50,10 @@ def test_profile_records_what_it_measured_and_on_what(tiny_profile, tiny_llama_d
     assert {"prefill", "decode", "mixed", "swap", "all"} <= set(data["fit_error"])
     assert len(data["profile"]["swap_samples"]) == 3 * 4
     assert all(v >= 0 for v in data["coefficients"].values()) and data["coefficients"]["base_s"] > 0
+    # the decode attention's work split: the model's KV heads over the threads it ran on
+    kv_heads = json.loads((tiny_llama_dir / "config.json").read_text())["num_key_value_heads"]
+    assert data["attention_split"] == {"kv_heads": kv_heads, "threads": data["host"]["threads"]}
+    assert f.cost_model.attention_split == (kv_heads, data["host"]["threads"])
 
 
 def test_fitted_model_predicts_its_own_profile(tiny_profile):
@@ -58,7 +70,7 @@ def test_fitted_model_predicts_its_own_profile(tiny_profile):
     for cls, e in err.items():
         assert e == pytest.approx(data["fit_error"][cls]), cls
     # refitting the stored samples gives the stored coefficients (the file is self-contained)
-    refit = fit_cost_model(samples)
+    refit = _refit(f)
     for k, v in data["coefficients"].items():
         if k != "swap_block_s":  # fitted apart, from the swap samples
             assert getattr(refit, k) == pytest.approx(v, rel=1e-6, abs=1e-12), k
@@ -297,7 +309,7 @@ def test_refit_profile_refits_the_stored_measurements(tiny_profile, tmp_path, ca
     assert profile_main(["--refit", str(path), "--out", str(out)]) == 0
     assert "refitted" in capsys.readouterr().out
     f = load_cost_model(out)
-    fit = fit_cost_model(f.samples())
+    fit = _refit(f)
     for k, v in f.data["coefficients"].items():
         if k != "swap_block_s":
             assert v == pytest.approx(getattr(fit, k), rel=1e-9, abs=1e-15), k

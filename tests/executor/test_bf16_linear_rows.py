@@ -11,7 +11,7 @@ row count, a row rounds alike on each side of the switch (not across it: docs/DE
 import pytest
 import torch
 
-from kvserve.model_executor.models.llama import MKLDNN_ROW_BUCKET, linear, mkldnn_rows, prepack_weight
+from kvserve.model_executor.models.llama import linear, prepack_weight
 
 
 def _onednn_weight(w: torch.Tensor):
@@ -61,25 +61,3 @@ def test_row_result_independent_of_row_count(pack, in_f, out_f):
     if switch < 64:  # past the switch: the larger kernel agrees with itself
         full = linear(x, wp)
         assert torch.equal(linear(x[: switch + 1], wp), full[: switch + 1])
-
-
-def test_onednn_row_counts_are_bucketed():
-    """oneDNN compiles a primitive per row count: steps past 64 rows use at most 64 counts up to
-    2,048 tokens, none more than 31 rows over."""
-    assert [mkldnn_rows(m) for m in (1, 64, 65, 96, 97, 437, 2048)] == [1, 64, 96, 96, 128, 448, 2048]
-    counts = {mkldnn_rows(m) for m in range(65, 2049)}
-    assert len(counts) <= 2048 // MKLDNN_ROW_BUCKET
-    assert all(0 <= mkldnn_rows(m) - m < MKLDNN_ROW_BUCKET for m in range(1, 4097))
-
-
-@pytest.mark.parametrize("m", [65, 100, 437, 1000])
-def test_padded_rows_give_each_row_the_unpadded_result(m):
-    """The zero rows a padded step adds change no real row's output, and are not returned."""
-    g = torch.Generator().manual_seed(1)
-    w = (torch.randn(1536, 576, generator=g) * 0.02).bfloat16()
-    wp = _onednn_weight(w)
-    x = torch.randn(m, 576, generator=g).bfloat16()
-    want = torch.ops.mkldnn._linear_pointwise(x, wp, None, "none", [], "")
-    got = linear(x, wp)
-    assert got.shape == (m, 1536) and got.is_contiguous()
-    assert torch.equal(got, want)

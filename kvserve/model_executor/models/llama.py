@@ -38,24 +38,6 @@ def _head_dim(cfg) -> int:
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
 
 
-#: oneDNN builds (JIT-compiles) one primitive per distinct GEMM shape, row count included, and
-#: keeps them in an LRU cache: a step of a new token count paid ~3 ms per weight shape, ~12 ms a
-#: step for SmolLM2's four (bfloat16 on AMX: prompt-bearing steps of a replay, whose token counts
-#: rarely repeat, ran 12-40% slower than the same shapes profiled; docs/benchmarks.md,
-#: seventeenth session). Steps of more than ``MKLDNN_PAD_ABOVE`` rows are padded with zero rows
-#: to a multiple of ``MKLDNN_ROW_BUCKET``: at most 64 row counts up to 2,048 tokens, all cached
-#: after their first use, for <= 31 wasted rows (~3% of a 500-token step). Smaller steps keep
-#: their count (at most 64 of them; on AMX they run on ``amx_gemm``).
-MKLDNN_ROW_BUCKET = 32
-MKLDNN_PAD_ABOVE = 64
-
-
-def mkldnn_rows(m: int) -> int:
-    """The row count a ``linear`` of ``m`` rows hands oneDNN: ``m`` up to ``MKLDNN_PAD_ABOVE``,
-    else ``m`` rounded up to a multiple of ``MKLDNN_ROW_BUCKET``."""
-    return m if m <= MKLDNN_PAD_ABOVE else -(-m // MKLDNN_ROW_BUCKET) * MKLDNN_ROW_BUCKET
-
-
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
     or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight``,
@@ -74,13 +56,6 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
             return native_gemm.linear(x, weight, bias)
         weight = weight.large
     if weight.is_mkldnn:
-        m = x.shape[0]
-        rows = mkldnn_rows(m)
-        if rows != m:
-            # a row count oneDNN has a primitive for: the zero rows' outputs are dropped
-            xp = x.new_zeros(rows, x.shape[1])
-            xp[:m] = x
-            return torch.ops.mkldnn._linear_pointwise(xp, weight, bias, "none", [], "")[:m]
         if x.shape[0] == 1:
             # oneDNN's 1-row kernel sums in another order than its 2+-row one (bfloat16; seen at
             # in_features 1536, not 576: ~1 output in 600 rounds differently), so a decode step

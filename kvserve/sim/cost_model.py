@@ -106,6 +106,7 @@ def decode_knot_candidates(samples: Sequence[tuple[StepShape, float]], min_count
     sizes = sorted(b for b, n in counts.items() if n >= min_count)
     return sizes[1:-1]
 
+
 #: Where the default coefficients come from (printed in every simulation header).
 BUILTIN_INFO = {
     "model": "Llama-2-70B",
@@ -286,7 +287,9 @@ def fit_cost_model(
     cols = {
         n: np.array(
             [
-                context_feature(s, attention_split) if n == "context_token_s" else float(getattr(s, FEATURES[n]))
+                context_feature(s, attention_split)
+                if n == "context_token_s"
+                else float(getattr(s, FEATURES[n]))
                 for s, _ in samples
             ]
         )

@@ -162,7 +162,7 @@ def _knots(obj, path: str) -> dict[int, float]:
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: decode_knots must be an object of batch size -> seconds")
     out = {}
-    for k, v in obj.items():
+    for k in obj:
         if not str(k).isdigit() or int(k) < 1:
             raise ValueError(f"{path}: decode_knots: a key must be a batch size >= 1, got {k!r}")
         out[int(k)] = _num(obj, k, f"{path}: decode_knots")

@@ -89,7 +89,9 @@ def test_round_trip_keeps_coefficients_and_names_the_source(tmp_path):
 
 def test_round_trip_keeps_knots_and_attention_split(tmp_path):
     path = tmp_path / "p.json"
-    save_cost_model(path, profile_data(decode_knots={"8": 3e-4}, attention_split={"kv_heads": 3, "threads": 2}))
+    save_cost_model(
+        path, profile_data(decode_knots={"8": 3e-4}, attention_split={"kv_heads": 3, "threads": 2})
+    )
     cm = load_cost_model(path).cost_model
     assert cm.decode_knots == {8: 3e-4} and cm.attention_split == (3, 2)
     # a file without them simulates with neither

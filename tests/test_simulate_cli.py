@@ -1,5 +1,7 @@
 """`kvserve simulate`: the production engine + scheduler on the simulated executor."""
 
+import json
+
 import pytest
 
 from kvserve.benchmarks.workload import BenchRequest, default_workload_path, generate_arrivals
@@ -81,3 +83,223 @@ def test_step_budget_does_not_depend_on_the_host(monkeypatch):
         reqs,
     )
     assert seen == [(False, 1024), (True, 512), (True, 300)]
+
+
+# ----------------------------------------------------------------------------- bad input
+VIDUR = "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+
+
+def _err(capsys) -> str:
+    """stderr of a run that failed: one line, no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("empty.csv", "", "empty trace file"),
+        ("header.csv", VIDUR, "the trace has no rows"),
+        (
+            "cols.csv",
+            "TIMESTAMP,ContextTokens\n2023-11-16 18:17:03.1,100\n",
+            "lacks column(s) GeneratedTokens",
+        ),
+        (
+            "nonnum.csv",
+            VIDUR + "0.0,100,20\n1.0,abc,20\n",
+            ":3: num_prefill_tokens must be an integer >= 0, got 'abc'",
+        ),
+        ("neglen.csv", VIDUR + "0.0,100,-20\n", ":2: num_decode_tokens must be an integer >= 0, got '-20'"),
+        ("negtime.csv", VIDUR + "-1.5,100,20\n", ":2: arrived_at must be a finite number >= 0, got '-1.5'"),
+        ("nan.csv", VIDUR + "0.0,nan,20\n", ":2: num_prefill_tokens must be an integer >= 0, got 'nan'"),
+        ("inf.csv", VIDUR + "inf,1,20\n", ":2: arrived_at must be a finite number >= 0, got 'inf'"),
+        ("short.csv", VIDUR + "0.0,100\n", ":2: missing value for num_decode_tokens"),
+        ("long.csv", VIDUR + "0.0,100,20,4\n", ":2: 4 cells, the header has 3"),
+        ("azure.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nnoon,1,2\n", ":2: TIMESTAMP must be a time"),
+        (
+            "m.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1}\n',
+            ":2: missing field 'input_length'",
+        ),
+        (
+            "bad.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 2}\n{oops\n',
+            ":2: not valid JSON",
+        ),
+        ("list.jsonl", "[1, 2]\n", ":1: a JSONL trace line must be a JSON object, got list"),
+        (
+            "neg.jsonl",
+            '{"timestamp": -5, "input_length": 5, "output_length": 2}\n',
+            ":1: timestamp must be a finite number >= 0",
+        ),
+        (
+            "hash.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": "x"}\n',
+            ":1: hash_ids must be",
+        ),
+    ],
+)
+def test_malformed_trace_is_a_one_line_error_naming_file_line_and_field(tmp_path, capsys, name, text, match):
+    p = tmp_path / name
+    p.write_text(text)
+    assert main(["--trace", str(p), "--num-gpu-blocks", "64"]) == 2
+    err = _err(capsys)
+    assert f"Error: --trace {p}" in err and match in err, err
+
+
+def test_unreadable_trace_and_workload_files(tmp_path, capsys):
+    binary = tmp_path / "bin.csv"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["--trace", str(binary)]) == 2
+    assert "not a UTF-8 text trace file" in _err(capsys)
+    assert main(["--trace", str(tmp_path)]) == 2
+    assert "is a folder, not a trace file" in _err(capsys)
+    assert main(["--workload", str(tmp_path / "none.jsonl")]) == 2
+    assert "--workload" in (err := _err(capsys)) and "no such workload file" in err
+    wl = tmp_path / "w.jsonl"
+    for text, match in [
+        ("[1]\n", ":1: a workload line must be a JSON object"),
+        ('{"prompt_token_ids": [1], "output_len": 0}\n', ":1: output_len must be an integer >= 1"),
+        (
+            '{"prompt_token_ids": [1, -2], "output_len": 3}\n',
+            ":1: prompt_token_ids must be a list of integers",
+        ),
+        ('{"prompt_token_ids": [1], "output_len": 3, "arrival_s": "soon"}\n', ":1: arrival_s must be"),
+        ("\n", "no requests in the file"),
+    ]:
+        wl.write_text(text)
+        assert main(["--workload", str(wl)]) == 2
+        err = _err(capsys)
+        assert "--workload" in err and match in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--time-scale", "nan"], "--time-scale must be a finite number >= 0"),
+        (["--time-scale", "inf"], "--time-scale must be a finite number >= 0"),
+        (["--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
+        (["--request-rate", "nan"], "--request-rate must be a finite number > 0 or inf"),
+        (["--request-rate", "0"], "--request-rate must be a finite number > 0 or inf"),
+        (["--request-rate=-inf"], "--request-rate must be a finite number > 0 or inf"),
+        (["--num-loras", "2", "--lora-dist", "zipf", "--lora-zipf-alpha", "nan"], "--lora-zipf-alpha"),
+        (["--num-requests", "0"], "--num-requests must be an integer >= 1, got 0"),
+        (["--num-requests", "-1"], "--num-requests must be an integer >= 1, got -1"),
+        (["--num-gpu-blocks", "0"], "--num-gpu-blocks must be an integer >= 1"),
+        (["--num-gpu-blocks", "100000000000"], "--num-gpu-blocks must be an integer >= 1 and <= 4,194,304"),
+        (["--num-cpu-blocks", "-1"], "--num-cpu-blocks must be an integer >= 0"),
+        (["--num-cpu-blocks", "5000000"], "--num-cpu-blocks must be an integer >= 0 and <= 4,194,304"),
+        (["--max-model-len", "0"], "--max-model-len must be an integer >= 2"),
+        (["--num-loras", "0"], "--num-loras must be an integer >= 1"),
+        (["--num-loras", "100000000"], "--num-loras must be an integer >= 1 and <= 1,048,576"),
+        # flags the mode would ignore
+        (["--time-scale", "2"], "--time-scale applies to --trace only"),
+        (["--lora-dist", "zipf"], "--lora-dist goes with --num-loras"),
+        (["--num-loras", "3", "--lora-zipf-alpha", "2"], "--lora-zipf-alpha goes with --lora-dist zipf"),
+        (["--kv-cache-memory-gib", "4"], "--kv-cache-memory-gib does not apply to a simulation"),
+        (["--swap-space-gib", "nan"], "--swap-space-gib does not apply to a simulation"),
+        (["--device", "cuda"], "--device does not apply to a simulation"),
+        (["--data-parallel-size", "2"], "--data-parallel-size is not simulated"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size is not simulated"),
+        (["--model", "x", "--dtype", "float32"], "--model, --dtype applies with --cost-model FILE only"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_naming_the_flag(argv, match, capsys, monkeypatch):
+    from kvserve.sim import cli
+
+    monkeypatch.setattr(cli, "simulate", lambda *a, **kw: pytest.fail("ran despite a bad flag"))
+    assert main(["--num-requests", "4", *argv]) == 2
+    err = _err(capsys)
+    assert match in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
+        (["--block-size", "0"], "--block-size must be an integer >= 1"),
+        (["--watermark", "nan"], "--watermark must be in [0, 1)"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be an integer >= 1"),
+    ],
+)
+def test_bad_engine_flags_are_named_as_flags(argv, match, capsys):
+    """The engine's own checks (``EngineArgs`` and its configs) word errors by field name;
+    the simulator names the flag typed."""
+    assert main(["--num-requests", "2", *argv]) == 2
+    err = _err(capsys)
+    assert match in err, err
+
+
+def _timed_and_untimed_traces(tmp_path):
+    timed = tmp_path / "timed.csv"
+    timed.write_text(VIDUR + "".join(f"{i * 0.5},{20 + i},{4}\n" for i in range(6)))
+    untimed = tmp_path / "lengths.csv"
+    untimed.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{20 + i},4\n" for i in range(6)))
+    return timed, untimed
+
+
+def test_a_rate_with_timed_trace_or_a_time_scale_without_times_is_an_error(tmp_path, capsys):
+    timed, untimed = _timed_and_untimed_traces(tmp_path)
+    assert main(["--trace", str(timed), "--request-rate", "3"]) == 2
+    assert "--request-rate does not apply to --trace" in _err(capsys)
+    assert main(["--trace", str(untimed), "--time-scale", "3"]) == 2
+    assert "--time-scale does not apply to --trace" in _err(capsys)
+
+
+def test_length_only_trace_takes_its_arrivals_from_the_request_rate(tmp_path, capsys):
+    """Before, a length-only trace ran every request at t=0 whatever --request-rate said."""
+    _, untimed = _timed_and_untimed_traces(tmp_path)
+    out = tmp_path / "s.json"
+    argv = [
+        "--trace",
+        str(untimed),
+        "--num-gpu-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+        "--json-out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    burst = json.loads(out.read_text())["duration_s"]
+    assert main([*argv, "--request-rate", "0.5"]) == 0
+    assert json.loads(out.read_text())["duration_s"] > burst + 2  # 6 arrivals, ~2 s apart (seeded)
+
+
+def test_output_path_is_checked_before_the_run_and_written_whole(tmp_path, capsys, monkeypatch):
+    from kvserve.sim import cli
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    monkeypatch.setattr(cli, "simulate", lambda *a, **kw: pytest.fail("ran despite a bad --json-out"))
+    assert main(["--num-requests", "2", "--json-out", str(a_file / "s.json")]) == 2
+    assert f"--json-out {a_file / 's.json'}: {a_file} is not a folder" in _err(capsys)
+    assert main(["--num-requests", "2", "--json-out", str(tmp_path)]) == 2
+    assert "is a folder, not a file path" in _err(capsys)
+    monkeypatch.undo()
+    out = tmp_path / "new" / "s.json"  # missing folders are created
+    assert main(["--num-requests", "2", "--num-gpu-blocks", "64", "--json-out", str(out)]) == 0
+    assert json.loads(out.read_text())["num_requests"] == 2
+    assert [p.name for p in out.parent.iterdir()] == ["s.json"]  # no temporary file left
+
+
+def test_atomic_write_never_leaves_half_a_file(tmp_path):
+    from kvserve.benchmarks.common import atomic_write, write_json
+
+    p = tmp_path / "r.json"
+    write_json(p, {"a": 1})
+
+    def crash(tmp):
+        with open(tmp, "w") as f:
+            f.write('{"a": ')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(p, crash)
+    assert json.loads(p.read_text()) == {"a": 1}  # the old file, whole
+    assert [q.name for q in tmp_path.iterdir()] == ["r.json"]
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "s.json", {"a": object.__new__(type("X", (), {"__str__": None}))})
+    assert [q.name for q in tmp_path.iterdir()] == ["r.json"]

@@ -28,11 +28,15 @@ def _plt():
 
 
 def _save(fig, path) -> str:
+    from kvserve.benchmarks.common import atomic_write
+
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(p, dpi=110)
-    _plt().close(fig)
+    try:
+        # the temporary file keeps the suffix: savefig infers the format from it
+        atomic_write(p, lambda tmp: fig.savefig(tmp, dpi=110))
+    finally:
+        _plt().close(fig)
     return str(p)
 
 

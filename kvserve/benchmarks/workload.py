@@ -107,28 +107,35 @@ def load_workload(path, num_prompts: int | None = None) -> list[BenchRequest]:
     """Requests of a workload JSONL file (the first ``num_prompts`` when given).
 
     Raises:
-        ValueError: a line without ``prompt_token_ids`` or ``output_len``.
+        ValueError: an unreadable file, a line that is not a JSON object, one without
+            ``prompt_token_ids`` (a list of integers >= 0) or ``output_len`` (an integer >= 1),
+            or a bad ``arrival_s`` / ``id`` / ``lora_id`` (naming the file, line and field).
     """
     reqs: list[BenchRequest] = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if "prompt_token_ids" not in obj or "output_len" not in obj:
-                raise ValueError(f"{path}:{i + 1}: a workload line needs prompt_token_ids and output_len")
-            reqs.append(
-                BenchRequest(
-                    prompt_token_ids=list(obj["prompt_token_ids"]),
-                    output_len=int(obj["output_len"]),
-                    prompt=obj.get("prompt"),
-                    arrival_s=float(obj.get("arrival_s", 0.0) or 0.0),
-                    id=int(obj.get("id", len(reqs))),
-                    lora_id=parse_lora_id(obj.get("lora_id"), f"{path}:{i + 1}"),
-                )
+    for i, line in _text_lines(path, "workload"):
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        obj = _json_object(line, where, "a workload line")
+        if "prompt_token_ids" not in obj or "output_len" not in obj:
+            raise ValueError(f"{where}: a workload line needs prompt_token_ids and output_len")
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
+        ):
+            raise ValueError(f"{where}: prompt_token_ids must be a list of integers >= 0")
+        reqs.append(
+            BenchRequest(
+                prompt_token_ids=list(ids),
+                output_len=_count_field(obj.get("output_len"), "output_len", where, lo=1),
+                prompt=obj.get("prompt"),
+                arrival_s=_time_field(obj.get("arrival_s", 0.0) or 0.0, "arrival_s", where),
+                id=_count_field(obj.get("id", len(reqs)), "id", where, lo=0),
+                lora_id=parse_lora_id(obj.get("lora_id"), where),
             )
-            if num_prompts is not None and len(reqs) >= num_prompts:
-                break
+        )
+        if num_prompts is not None and len(reqs) >= num_prompts:
+            break
     return reqs
 
 
@@ -210,27 +217,122 @@ def generate_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 
 
 
 # ---------------------------------------------------------------- traces
+#: the columns (keys) each trace format needs, as ``detect_trace_format`` tells them apart
+TRACE_COLUMNS = {
+    "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "vidur": ("arrived_at", "num_prefill_tokens", "num_decode_tokens"),
+    "lengths": ("num_prefill_tokens", "num_decode_tokens"),
+    "mooncake": ("timestamp", "input_length", "output_length"),
+}
+
+
+def _text_lines(path, what: str):
+    """``(line number, line)`` of a text file, read whole first.
+
+    Raises:
+        ValueError: the file cannot be read or is not UTF-8 text (naming it).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such {what} file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a folder, not a {what} file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the {what} file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 text {what} file ({e.reason} at byte {e.start})") from None
+    return enumerate(text.splitlines(), 1)
+
+
+def _json_object(line: str, where: str, what: str) -> dict:
+    """One JSONL line, which must be an object.
+
+    Raises:
+        ValueError: not JSON, or not an object (naming ``where``: file and line).
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: {what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _number(value, field: str, where: str, want: str) -> float:
+    """A cell / value as a finite float (strings are parsed, bools refused).
+
+    Raises:
+        ValueError: missing, empty, not a number, nan or inf (naming ``where`` and ``field``).
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{where}: missing value for {field} ({want})")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {field} must be {want}, got {value!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{where}: {field} must be {want}, got {value!r}")
+    return x
+
+
+def _count_field(value, field: str, where: str, lo: int = 0) -> int:
+    """A token count (``>= lo``; a CSV's ``100.0`` is 100, a fraction is truncated as before).
+
+    Raises:
+        ValueError: not a finite number >= ``lo`` (naming ``where`` and ``field``).
+    """
+    want = f"an integer >= {lo}"
+    x = _number(value, field, where, want)
+    if x < lo:
+        raise ValueError(f"{where}: {field} must be {want}, got {value!r}")
+    return int(x)
+
+
+def _time_field(value, field: str, where: str) -> float:
+    """An arrival time: a finite number >= 0.
+
+    Raises:
+        ValueError: otherwise (naming ``where`` and ``field``).
+    """
+    x = _number(value, field, where, "a finite number >= 0")
+    if x < 0:
+        raise ValueError(f"{where}: {field} must be a finite number >= 0, got {value!r}")
+    return x
+
+
 def detect_trace_format(path) -> str:
     """``azure`` | ``vidur`` | ``mooncake`` | ``lengths`` from the header / first line.
 
     Raises:
-        ValueError: an unknown layout.
+        ValueError: an unreadable or empty file, or an unknown layout (naming the columns a
+            near format lacks).
     """
-    with open(path) as f:
-        first = f.readline().strip()
-    if first.startswith("{"):
-        obj = json.loads(first)
-        if {"timestamp", "input_length", "output_length"} <= set(obj):
+    first = next((line.strip() for _, line in _text_lines(path, "trace")), "")
+    if not first:
+        raise ValueError(f"{path}: empty trace file (the first line must be a CSV header or a JSON object)")
+    if first.startswith(("{", "[")):
+        obj = _json_object(first, f"{path}:1", "a JSONL trace line")
+        missing = [k for k in TRACE_COLUMNS["mooncake"] if k not in obj]
+        if not missing:
             return "mooncake"
-        raise ValueError(f"{path}: JSONL trace without timestamp/input_length/output_length")
-    cols = [c.strip() for c in first.split(",")]
-    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(cols):
-        return "azure"
-    if {"arrived_at", "num_prefill_tokens", "num_decode_tokens"} <= set(cols):
-        return "vidur"
-    if {"num_prefill_tokens", "num_decode_tokens"} <= set(cols):
-        return "lengths"
-    raise ValueError(f"{path}: unknown trace format (header {first[:120]!r})")
+        raise ValueError(f"{path}:1: JSONL trace line lacks field(s) {', '.join(missing)}")
+    cols = {c.strip() for c in first.split(",")}
+    for fmt in ("azure", "vidur", "lengths"):
+        if set(TRACE_COLUMNS[fmt]) <= cols:
+            return fmt
+    # the format whose columns it shares most: name what it lacks
+    near = max(("azure", "vidur"), key=lambda f: len(set(TRACE_COLUMNS[f]) & cols))
+    missing = [c for c in TRACE_COLUMNS[near] if c not in cols]
+    hint = (
+        f"; {'an Azure' if near == 'azure' else 'a Vidur'} trace lacks column(s) {', '.join(missing)}"
+        if len(missing) < len(TRACE_COLUMNS[near])
+        else ""
+    )
+    raise ValueError(f"{path}: unknown trace format (header {first[:120]!r}{hint})")
 
 
 def _parse_azure_time(s: str) -> float:
@@ -238,60 +340,85 @@ def _parse_azure_time(s: str) -> float:
     s = s.strip()
     main, _, frac = s.partition(".")
     t = datetime.strptime(main, "%Y-%m-%d %H:%M:%S").timestamp()
+    if frac and not frac.isdigit():
+        raise ValueError(f"fractional seconds {frac!r}")
     return t + (float("0." + frac) if frac else 0.0)
+
+
+def _azure_time(value, where: str) -> float:
+    if value is None or not value.strip():
+        raise ValueError(f"{where}: missing value for TIMESTAMP")
+    try:
+        return _parse_azure_time(value)
+    except ValueError:
+        raise ValueError(
+            f"{where}: TIMESTAMP must be a time like 2023-11-16 18:17:03.9799600, got {value!r}"
+        ) from None
+
+
+def _mooncake_record(o: dict, where: str) -> TraceRecord:
+    for key in TRACE_COLUMNS["mooncake"]:
+        if key not in o:
+            raise ValueError(f"{where}: missing field {key!r}")
+    hash_ids = o.get("hash_ids")
+    if hash_ids is not None and (
+        not isinstance(hash_ids, list)
+        or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hash_ids)
+    ):
+        raise ValueError(f"{where}: hash_ids must be a list of integers >= 0")
+    return TraceRecord(
+        _time_field(o["timestamp"], "timestamp", where) / 1000.0,
+        _count_field(o["input_length"], "input_length", where),
+        _count_field(o["output_length"], "output_length", where),
+        list(hash_ids or []) or None,
+        parse_lora_id(o.get("lora_id"), where),
+    )
+
+
+def _csv_record(fmt: str, row: dict, where: str) -> TraceRecord:
+    if None in row:  # more cells than the header has columns
+        raise ValueError(f"{where}: {len(row) - 1 + len(row[None])} cells, the header has {len(row) - 1}")
+    if fmt == "azure":
+        return TraceRecord(
+            _azure_time(row["TIMESTAMP"], where),
+            _count_field(row["ContextTokens"], "ContextTokens", where),
+            _count_field(row["GeneratedTokens"], "GeneratedTokens", where),
+        )
+    if fmt in ("vidur", "lengths"):
+        return TraceRecord(
+            _time_field(row["arrived_at"], "arrived_at", where) if fmt == "vidur" else None,
+            _count_field(row["num_prefill_tokens"], "num_prefill_tokens", where),
+            _count_field(row["num_decode_tokens"], "num_decode_tokens", where),
+        )
+    raise ValueError(f"unknown trace format {fmt!r}")
 
 
 def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
     """Rows of a trace file in file order, arrival times relative to the first row (s).
 
     Raises:
-        ValueError: unknown format or a malformed row.
+        ValueError: an unreadable or empty file, an unknown format, a trace without rows, or a
+            malformed row: a missing or extra cell, a value that is not a number, a negative
+            length or time, nan or inf (naming the file, the line and the field).
     """
     fmt = detect_trace_format(path) if fmt == "auto" else fmt
     records: list[TraceRecord] = []
+    lines = _text_lines(path, "trace")
     if fmt == "mooncake":
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    o = json.loads(line)
-                    records.append(
-                        TraceRecord(
-                            float(o["timestamp"]) / 1000.0,
-                            int(o["input_length"]),
-                            int(o["output_length"]),
-                            list(o.get("hash_ids") or []) or None,
-                            parse_lora_id(o.get("lora_id"), f"{path}:{n}"),
-                        )
-                    )
+        for n, line in lines:
+            if line.strip():
+                where = f"{path}:{n}"
+                records.append(_mooncake_record(_json_object(line, where, "a JSONL trace line"), where))
     else:
-        with open(path, newline="") as f:
-            for n, row in enumerate(csv.DictReader(f), 2):
-                if fmt == "azure":
-                    records.append(
-                        TraceRecord(
-                            _parse_azure_time(row["TIMESTAMP"]),
-                            int(row["ContextTokens"]),
-                            int(row["GeneratedTokens"]),
-                        )
-                    )
-                elif fmt == "vidur":
-                    records.append(
-                        TraceRecord(
-                            float(row["arrived_at"]),
-                            int(float(row["num_prefill_tokens"])),
-                            int(float(row["num_decode_tokens"])),
-                        )
-                    )
-                elif fmt == "lengths":
-                    records.append(
-                        TraceRecord(
-                            None, int(float(row["num_prefill_tokens"])), int(float(row["num_decode_tokens"]))
-                        )
-                    )
-                else:
-                    raise ValueError(f"unknown trace format {fmt!r}")
-                records[-1].lora_id = parse_lora_id(row.get("lora_id"), f"{path}:{n}")
-    if records and records[0].arrival_s is not None:
+        numbered = [(n, line) for n, line in lines if line.strip()]
+        reader = csv.DictReader(line for _, line in numbered)
+        for (n, _), row in zip(numbered[1:], reader):
+            where = f"{path}:{n}"
+            records.append(_csv_record(fmt, row, where))
+            records[-1].lora_id = parse_lora_id(row.get("lora_id"), where)
+    if not records:
+        raise ValueError(f"{path}: the trace has no rows (only a header)")
+    if records[0].arrival_s is not None:
         t0 = min(r.arrival_s for r in records)
         for r in records:
             r.arrival_s -= t0

@@ -32,15 +32,19 @@ _HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--kebab-case`` flag per ``EngineArgs`` field, typed from its annotation."""
+def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, str] | None = None) -> None:
+    """One ``--kebab-case`` flag per ``EngineArgs`` field, typed from its annotation;
+    ``help_overrides``: field name -> help text where a command uses the field its own way."""
+    helps = {**_HELP, **(help_overrides or {})}
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name)
+            )
         elif f.name == "speculative_config":
             parser.add_argument(
                 flag,
@@ -61,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     "quantization": list(QUANTIZATION_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],
                 }.get(f.name),
-                help=_HELP.get(f.name),
+                help=helps.get(f.name),
             )
 
 

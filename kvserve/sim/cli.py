@@ -17,6 +17,12 @@ Multi-LoRA: each request's adapter comes from the trace's ``lora_id`` column or,
 ``--num-loras N``, is drawn from ``--lora-dist uniform|zipf`` (``--lora-zipf-alpha``) over
 adapters ``1..N`` (``kvserve.sim.lora``); the scheduler then holds at most ``--max-loras``
 adapters per step, and the cost model adds ``lora_adapter_s`` per adapter in a step.
+
+Arrivals: a trace with arrival times keeps them (times ``--time-scale``); a ``--workload`` or a
+length-only trace gets ``--request-rate`` arrivals. Bad input -- a malformed trace (named by
+file, line and field), a value out of range, a flag the chosen mode would ignore (e.g.
+``--request-rate`` with a timed trace, engine memory flags), an output path that cannot be
+written -- is a one-line ``Error:`` and exit status 2 before anything runs.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import sys
 from pathlib import Path
 
 from kvserve.benchmarks import workload as wl
+from kvserve.benchmarks.common import check_output_path, write_text_atomic
 from kvserve.benchmarks.stats import summarize
 from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
+from kvserve.sim.cli_checks import check_float, check_int, flag_of, given_dests, refuse_unused
 from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
 from kvserve.sim.lora import LORA_DISTRIBUTIONS, draw_lora_ids, sim_lora_request
@@ -204,6 +212,110 @@ def _cost_model_for(ns: argparse.Namespace) -> CostModel:
     return f.cost_model
 
 
+#: The most KV blocks a simulated pool (``--num-gpu-blocks``, ``--num-cpu-blocks``) may have:
+#: the block manager keeps ~150 bytes of Python bookkeeping per block (no KV memory), so 2**22
+#: blocks are ~0.6 GiB and ~2 s to set up per pool -- and 67M tokens at block size 16, far past
+#: any real device's cache. A larger count is a typo that would exhaust memory, not a what-if.
+MAX_SIM_BLOCKS = 1 << 22
+#: The most adapters ``--num-loras`` may draw from (each has a weight in memory).
+MAX_SIM_LORAS = 1 << 20
+
+#: engine flags a simulation has no use for, and why (an error rather than ignored)
+_NOT_SIMULATED = (
+    (
+        ("kv_cache_memory_gib", "swap_space_gib"),
+        "does not apply to a simulation (no memory is allocated): give --num-gpu-blocks / --num-cpu-blocks",
+    ),
+    (
+        ("device",),
+        "does not apply to a simulation: the simulated device is the cost model's, not this machine's",
+    ),
+    (
+        ("data_parallel_size", "ray_address", "router", "router_balance_threshold", "tensor_parallel_size"),
+        "is not simulated (one engine on one device: the cost model's)",
+    ),
+)
+
+
+def _check_flags(ns: argparse.Namespace, given: set[str]) -> None:
+    """The simulator's own flags and the engine flags it uses, checked before anything runs;
+    a flag the chosen mode would ignore is an error.
+
+    Raises:
+        ValueError: naming the flag, its limit and the value.
+    """
+    check_int("--num-requests", ns.num_requests)
+    check_float("--time-scale", ns.time_scale, lo=0.0, lo_open=False, meaning="0 = every request at t=0")
+    if ns.request_rate is not None:
+        check_float("--request-rate", ns.request_rate, allow_inf=True, meaning="inf = all at t=0")
+    if not ns.trace:
+        refuse_unused(
+            given, ("time_scale",), "applies to --trace only (a workload's arrivals come from --request-rate)"
+        )
+    if ns.num_loras is None:
+        refuse_unused(given, ("lora_dist", "lora_zipf_alpha"), "goes with --num-loras N (none given)")
+    else:
+        check_int("--num-loras", ns.num_loras, hi=MAX_SIM_LORAS)
+        if ns.lora_dist != "zipf":
+            refuse_unused(given, ("lora_zipf_alpha",), "goes with --lora-dist zipf")
+    for name in ("num_gpu_blocks", "num_cpu_blocks"):
+        v = getattr(ns, name)
+        if v is not None:
+            check_int(
+                flag_of(name),
+                v,
+                lo=1 if name == "num_gpu_blocks" else 0,
+                hi=MAX_SIM_BLOCKS,
+                why="the simulator's cap: larger pools exhaust its memory",
+            )
+    if ns.max_model_len is not None:
+        check_int("--max-model-len", ns.max_model_len, lo=2)
+    for dests, why in _NOT_SIMULATED:
+        refuse_unused(given, dests, why)
+    if not ns.cost_model:
+        refuse_unused(
+            given,
+            ("model", "dtype", "quantization"),
+            "applies with --cost-model FILE only (the built-in cost model is a fixed Llama-2-70B/H100 fit)",
+        )
+    if ns.json_out:
+        check_output_path("--json-out", ns.json_out)
+
+
+def _trace_requests(ns: argparse.Namespace, given: set[str], corpus: list[int]) -> list[wl.BenchRequest]:
+    """The ``--trace``'s requests: its arrival times times ``--time-scale``, or (a length-only
+    trace) arrivals at ``--request-rate``.
+
+    Raises:
+        ValueError: a malformed trace (naming file, line and field), or a flag its kind of
+            trace ignores (``--request-rate`` with arrival times, ``--time-scale`` without).
+    """
+    records = wl.select_trace(wl.load_trace(ns.trace), num_requests=ns.num_requests)
+    timed = records[0].arrival_s is not None
+    if timed:
+        refuse_unused(
+            given,
+            ("request_rate",),
+            f"does not apply to --trace {ns.trace}, which has its own arrival times (scale them with --time-scale)",
+        )
+    else:
+        refuse_unused(
+            given,
+            ("time_scale",),
+            f"does not apply to --trace {ns.trace}, which has no arrival times (give --request-rate)",
+        )
+    requests, _ = wl.trace_to_requests(wl.scale_arrivals(records, ns.time_scale), corpus, ns.max_model_len)
+    if not timed:
+        _set_arrivals(requests, ns.request_rate)
+    return requests
+
+
+def _set_arrivals(requests: list[wl.BenchRequest], rate: float | None) -> None:
+    rate = float("inf") if rate is None else rate
+    for r, t in zip(requests, wl.generate_arrivals(len(requests), rate)):
+        r.arrival_s = t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvserve simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -213,20 +325,27 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", help="trace file (azure csv, vidur csv, mooncake jsonl) from ../shared/traces"
     )
     src.add_argument("--workload", help="workload jsonl (token ids, output_len)")
-    ap.add_argument("--num-requests", type=int, default=1000)
-    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
+    ap.add_argument("--num-requests", type=int, default=1000, help="at most this many requests (>= 1)")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--trace with arrival times: multiply them by this (>= 0; 0 = all at t=0)",
+    )
     ap.add_argument(
         "--request-rate",
         type=float,
-        default=float("inf"),
-        help="for --workload: Poisson arrivals at this rate (inf = all at t=0)",
+        default=None,
+        help="--workload, or a --trace without arrival times: Poisson arrivals at this rate "
+        "(> 0 or inf; default inf = all at t=0)",
     )
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", default=None, help="write the summary here (checked before the run)")
     ap.add_argument(
         "--num-loras",
         type=int,
         default=None,
-        help="draw each request's LoRA adapter from N adapters (ids 1..N; overrides a trace's lora_id column)",
+        help=f"draw each request's LoRA adapter from N adapters (ids 1..N, N <= {MAX_SIM_LORAS:,}; overrides "
+        "a trace's lora_id column)",
     )
     ap.add_argument("--lora-dist", default="uniform", choices=LORA_DISTRIBUTIONS, help="with --num-loras")
     ap.add_argument(
@@ -235,10 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cost-model", default=None, help="cost-model JSON from `kvserve profile` (default: built-in fit)"
     )
-    add_engine_args(ap)
+    cap = f"at most {MAX_SIM_BLOCKS:,} in a simulation (its bookkeeping is ~150 bytes a block)"
+    add_engine_args(
+        ap,
+        help_overrides={
+            "num_gpu_blocks": f"KV blocks of the simulated device (default: the profile's, else 2048; {cap})",
+            "num_cpu_blocks": f"swap blocks (default: --num-gpu-blocks; {cap})",
+            "model": "with --cost-model: must be the profiled model",
+        },
+    )
     ap.set_defaults(num_gpu_blocks=None, max_model_len=8192)
     ns = ap.parse_args(argv)
     try:
+        _check_flags(ns, given := given_dests(ap, argv, ns))
         cost_model = _cost_model_for(ns)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
@@ -250,29 +378,35 @@ def main(argv: list[str] | None = None) -> int:
         # Simulated tokens are never read as text: any ids do; say why real ones are not used.
         print(f"note: {e}; using synthetic prompt token ids")
         corpus = [3 + (i * 7919) % (VOCAB - 3) for i in range(1 << 17)]
-    if ns.trace:
-        if not Path(ns.trace).is_file():
-            print(
-                f"Error: --trace {ns.trace}: no such file (shared traces live in ../shared/traces beside the "
-                f"checkout, or $KVSERVE_SHARED_DIR/traces)",
-                file=sys.stderr,
-            )
-            return 2
-        records = wl.scale_arrivals(
-            wl.select_trace(wl.load_trace(ns.trace), num_requests=ns.num_requests), ns.time_scale
-        )
-        requests, _ = wl.trace_to_requests(records, corpus, ns.max_model_len)
-    else:
-        path = ns.workload or wl.default_workload_path()
-        if ns.workload is None and not path.is_file():
-            print(
-                f"note: {path} not found; simulating {ns.num_requests} synthetic requests (200 prompt + 128 output tokens)"
-            )
-            requests = wl.synthetic_requests(ns.num_requests, 200, 128, corpus)
+    try:
+        if ns.trace:
+            if not Path(ns.trace).is_file() and not Path(ns.trace).is_dir():
+                raise ValueError(
+                    f"--trace {ns.trace}: no such file (shared traces live in ../shared/traces beside the "
+                    f"checkout, or $KVSERVE_SHARED_DIR/traces)"
+                )
+            try:
+                requests = _trace_requests(ns, given, corpus)
+            except ValueError as e:  # the file's errors start with its path: name the flag too
+                raise ValueError(f"--trace {e}" if str(e).startswith(str(ns.trace)) else str(e)) from None
         else:
-            requests = wl.load_workload(path, ns.num_requests)
-        for r, t in zip(requests, wl.generate_arrivals(len(requests), ns.request_rate)):
-            r.arrival_s = t
+            path = ns.workload or wl.default_workload_path()
+            if ns.workload is None and not path.is_file():
+                print(
+                    f"note: {path} not found; simulating {ns.num_requests} synthetic requests (200 prompt + 128 output tokens)"
+                )
+                requests = wl.synthetic_requests(ns.num_requests, 200, 128, corpus)
+            else:
+                try:
+                    requests = wl.load_workload(path, ns.num_requests)
+                except ValueError as e:
+                    raise ValueError(f"--workload {e}") from None
+                if not requests:
+                    raise ValueError(f"--workload {path}: no requests in the file")
+            _set_arrivals(requests, ns.request_rate)
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
     if ns.num_loras is not None:
         try:
             lora_ids = draw_lora_ids(len(requests), ns.num_loras, ns.lora_dist, ns.lora_zipf_alpha, ns.seed)
@@ -287,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         ns.speculative_config = engine_spec
         summary = simulate(engine_args_from(ns), requests, cost_model=cost_model, acceptance=sim_spec)
         summary["cost_model"] = cost_model.describe()
-    except ValueError as e:
-        print(f"Error: {e}", file=sys.stderr)
+    except ValueError as e:  # an engine setting: named as the flag typed
+        print(f"Error: {flag_names(str(e))}", file=sys.stderr)
         return 2
     print(
         f"simulated {summary['num_requests']} requests in {summary['duration_s']:.1f} virtual s: "
@@ -321,5 +455,5 @@ def main(argv: list[str] | None = None) -> int:
         s = summary[key]
         print(f"{key:10}" + "".join(f"{(s.get(q) or 0):10.3f}" for q in ("mean", "p50", "p90", "p99")))
     if ns.json_out:
-        Path(ns.json_out).write_text(json.dumps(summary, indent=2))
+        write_text_atomic(ns.json_out, json.dumps(summary, indent=2))
     return 0

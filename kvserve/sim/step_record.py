@@ -134,14 +134,17 @@ def _count(v, where: str, integer: bool):
 
 
 def save_steps(path, records: Sequence[StepRecord], meta: dict | None = None) -> None:
-    """Write ``records`` (and ``meta``, e.g. the trace and engine) as one JSON object."""
+    """Write ``records`` (and ``meta``, e.g. the trace and engine) as one JSON object,
+    atomically (``kvserve.benchmarks.common.atomic_write``)."""
+    from kvserve.benchmarks.common import write_text_atomic
+
     data = {
         "schema": STEPS_SCHEMA,
         "schema_version": STEPS_SCHEMA_VERSION,
         "meta": meta or {},
         "steps": [r.as_dict() for r in records],
     }
-    Path(path).write_text(json.dumps(data, default=str))
+    write_text_atomic(path, json.dumps(data, default=str))
 
 
 def load_steps(path) -> tuple[list[StepRecord], dict]:

@@ -50,6 +50,13 @@ steps (docs/benchmarks.md, "simulator fidelity"):
   SmolLM2's 3 KV heads on 2 threads, one decode keeps a thread idle a third of the time (4/3
   per token), two or more hardly any: a line through context tokens alone, fitted mostly on
   batch-1 decodes, over-charges the long-context small batches of a preempting replay.
+* ``prefill_knots`` ``{K: s}``: a step carrying prompt tokens pays ``s`` per row of its
+  forward (prompt tokens, decodes and drafts) up to ``K``, ``min(rows, K) * s``: the time per
+  prompt token falls as the step grows (a concave curve). oneDNN's bfloat16 GEMMs run their
+  larger row counts on better-filled tiles: on this project's AMX Xeon a 2,048-token step cost
+  ~0.09 ms a token past 1,024 and ~0.2 ms below 512, and one line through the profile's many
+  2,048-token chunks under-predicted the replay's 100-1,000-token steps by 15-35% (and so its
+  TTFT). float32 runs this project's own panels, linear in rows: its knots fit as ~0.
 """
 
 from __future__ import annotations
@@ -83,6 +90,14 @@ def _decode_only(shape: StepShape) -> bool:
     return shape.decode_seqs > 0 and shape.prefill_tokens == 0 and shape.verify_tokens == 0
 
 
+def prompt_rows(shape: StepShape) -> int:
+    """The GEMM rows of a step that carries prompt tokens (prompt tokens + decodes + drafts),
+    0 for a step without: what ``prefill_knots`` count."""
+    if shape.prefill_tokens == 0:
+        return 0
+    return shape.prefill_tokens + shape.decode_seqs + shape.verify_tokens
+
+
 def context_feature(shape: StepShape, attention_split: tuple[int, int] | None) -> float:
     """The decode-attention count ``context_token_s`` multiplies: ``shape.context_tokens``,
     scaled by the idle share of the last round of work items when ``attention_split`` =
@@ -107,6 +122,23 @@ def decode_knot_candidates(samples: Sequence[tuple[StepShape, float]], min_count
     return sizes[1:-1]
 
 
+def prefill_knot_candidates(samples: Sequence[tuple[StepShape, float]]) -> list[int]:
+    """Knots to offer ``fit_cost_model`` as ``prefill_knots``: every power of two strictly
+    between the smallest and the largest ``prompt_rows`` of the prompt-bearing samples (the
+    GEMMs' efficiency changes with their row blocks, which double; a knot at either end has no
+    measured step on one side to fix it)."""
+    rows = [prompt_rows(s) for s, _ in samples if s.prefill_tokens > 0]
+    if not rows:
+        return []
+    lo, hi = min(rows), max(rows)
+    out, k = [], 1
+    while k < hi:
+        if k > lo:
+            out.append(k)
+        k *= 2
+    return out
+
+
 #: Where the default coefficients come from (printed in every simulation header).
 BUILTIN_INFO = {
     "model": "Llama-2-70B",
@@ -128,7 +160,8 @@ class CostModel:
     row; ``copy_block_s`` per copied block;
     ``lora_adapter_s`` per distinct LoRA adapter in the step (built-in: a placeholder until
     measured; a profile without adapters fits it as 0). ``decode_knots``: ``{K: seconds per
-    decode past K}`` in decode-only steps; ``attention_split``: ``(kv_heads, threads)`` of the
+    decode past K}`` in decode-only steps; ``prefill_knots``: ``{K: seconds per forward row up
+    to K}`` in steps carrying prompt tokens; ``attention_split``: ``(kv_heads, threads)`` of the
     decode attention's work split, or None (both: module docstring). ``info``: where the
     coefficients come from (``model``, ``hardware``, ``dtype``, ``source``; see ``describe``).
     """
@@ -144,6 +177,7 @@ class CostModel:
     sample_s: float = 0.0
     copy_block_s: float = 0.0
     decode_knots: dict[int, float] = field(default_factory=dict)
+    prefill_knots: dict[int, float] = field(default_factory=dict)
     attention_split: tuple[int, int] | None = None
     info: dict = field(default_factory=lambda: dict(BUILTIN_INFO), compare=False)
     #: the largest value of each ``StepShape`` count the coefficients were fitted on (None:
@@ -186,7 +220,8 @@ class CostModel:
 
     def step_cost(self, shape: StepShape) -> float:
         """Seconds for a step of ``shape``: ``base_s`` plus each coefficient times its count
-        (``FEATURES``; the context count through ``context_feature``), plus the decode knots;
+        (``FEATURES``; the context count through ``context_feature``), plus the decode and
+        prefill knots;
         verified drafts cost ``prefill_token_s`` each. An empty step costs 0."""
         if shape.is_empty:
             return 0.0
@@ -200,6 +235,9 @@ class CostModel:
             for k, s in self.decode_knots.items():
                 if shape.decode_seqs > k:
                     t += s * (shape.decode_seqs - k)
+        if self.prefill_knots and shape.prefill_tokens:
+            rows = prompt_rows(shape)
+            t += sum(s * min(rows, k) for k, s in self.prefill_knots.items())
         return t
 
     def coefficients(self) -> dict[str, float]:
@@ -232,6 +270,7 @@ def fit_cost_model(
     trim: float | None = 10.0,
     decode_knots: Sequence[int] = (),
     attention_split: tuple[int, int] | None = None,
+    prefill_knots: Sequence[int] = (),
 ) -> CostModel:
     """Least-squares fit of ``base_s`` and the ``FEATURES`` coefficients to measured steps,
     aimed at each shape's *mean* time.
@@ -260,7 +299,9 @@ def fit_cost_model(
 
     ``decode_knots``: batch sizes ``K`` at which the decode-only line may bend upward (a
     coefficient >= 0 per decode past ``K``; ``decode_knot_candidates`` picks them from the
-    profile); a knot fitted as 0 is left out of the result. ``attention_split``: ``(kv_heads,
+    profile); a knot fitted as 0 (under 1 ns a step) is left out of the result. ``prefill_knots``: row counts ``K``
+    below which a prompt-bearing step's rows cost more (a coefficient >= 0 per row up to ``K``:
+    a concave line; ``prefill_knot_candidates``). ``attention_split``: ``(kv_heads,
     threads)``; the context count is taken through ``context_feature`` with it (module docstring).
 
     Raises:
@@ -273,13 +314,15 @@ def fit_cost_model(
     knots = sorted({int(k) for k in decode_knots})
     if any(k < 1 for k in knots):
         raise ValueError(f"decode_knots must be >= 1, got {list(decode_knots)}")
+    pknots = sorted({int(k) for k in prefill_knots})
+    if any(k < 1 for k in pknots):
+        raise ValueError(f"prefill_knots must be >= 1, got {list(prefill_knots)}")
     if attention_split is not None and (len(attention_split) != 2 or min(attention_split) < 1):
         raise ValueError(f"attention_split must be (kv_heads >= 1, threads >= 1), got {attention_split}")
     ys = np.array([t for _, t in samples], dtype=float)
-    if len(samples) < len(names) + len(knots) + 1:
-        raise ValueError(
-            f"need at least {len(names) + len(knots) + 1} measured steps to fit, got {len(samples)}"
-        )
+    need = len(names) + len(knots) + len(pknots) + 1
+    if len(samples) < need:
+        raise ValueError(f"need at least {need} measured steps to fit, got {len(samples)}")
     if (ys <= 0).any() or not np.isfinite(ys).all():
         raise ValueError("measured step times must be finite and > 0")
     if trim is not None and not trim > 1:
@@ -299,6 +342,8 @@ def fit_cost_model(
         cols[f"knot_{k}"] = np.array(
             [float(max(0, s.decode_seqs - k)) if _decode_only(s) else 0.0 for s, _ in samples]
         )
+    for k in pknots:
+        cols[f"pknot_{k}"] = np.array([float(min(prompt_rows(s), k)) for s, _ in samples])
     names = list(cols)
     keep = np.ones(len(ys), dtype=bool)
     w = 1.0 / ys
@@ -325,11 +370,14 @@ def fit_cost_model(
             coef = {n: c * scale for n, c in coef.items()}
     fields = {n: 0.0 for n in FEATURES}
     fields.update({n: c for n, c in coef.items() if n in FEATURES})
-    fitted_knots = {k: coef[f"knot_{k}"] for k in knots if coef.get(f"knot_{k}", 0.0) > 0}
+    # a knot whose largest share of a step is under a nanosecond is rounding, not a bend
+    fitted_knots = {k: c for k in knots if (c := coef.get(f"knot_{k}", 0.0)) * cols[f"knot_{k}"].max() > 1e-9}
+    fitted_pknots = {k: c for k in pknots if (c := coef.get(f"pknot_{k}", 0.0)) * k > 1e-9}
     return CostModel(
         base_s=base,
         info={},
         decode_knots=fitted_knots,
+        prefill_knots=fitted_pknots,
         attention_split=tuple(attention_split) if attention_split else None,
         **fields,
     )

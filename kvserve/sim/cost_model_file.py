@@ -10,13 +10,14 @@ A JSON object (``SCHEMA_VERSION`` 1)::
      "host": {"cpu": "...", "cores": 2, "affinity": 2, "threads": 2, "flags": ["avx2", ...]},
      "engine": {"enable_chunked_prefill": true, "max_num_batched_tokens": 2048, ...},
      "coefficients": {"base_s": ..., "prefill_token_s": ..., ...},
-     "decode_knots": {"8": ...}, "attention_split": {"kv_heads": 3, "threads": 2},
+     "decode_knots": {"8": ...}, "prefill_knots": {"512": ...}, "attention_split": {"kv_heads": 3, "threads": 2},
      "fit_error": {"prefill": {"n", "mean", "p90", "max", "bias"}, "decode": ..., "all": ...},
      "profile": {"wall_s": ..., "samples": [{"shape": {...StepShape}, "t": seconds}, ...]}}
 
-``decode_knots`` (seconds per decode past each batch size, in decode-only steps) and
-``attention_split`` (the decode attention's work split) are optional: a file without them
-simulates with neither (``CostModel``'s docstring says what they model).
+``decode_knots`` (seconds per decode past each batch size, in decode-only steps),
+``prefill_knots`` (seconds per forward row up to each row count, in steps carrying prompt tokens)
+and ``attention_split`` (the decode attention's work split) are optional: a file without them
+simulates with none (``CostModel``'s docstring says what they model).
 
 ``engine`` holds the step-budget settings the profile ran with; the simulator takes them as
 its defaults (the profiled device is this host, not the simulator's generic one). ``profile``
@@ -155,17 +156,18 @@ def _num(obj: dict, key: str, where: str) -> float:
     return float(v)
 
 
-def _knots(obj, path: str) -> dict[int, float]:
-    """``decode_knots`` of a file: ``{"<batch size>": seconds, ...}`` -> ``{int: float}``."""
+def _knots(obj, path: str, name: str = "decode_knots", unit: str = "batch size") -> dict[int, float]:
+    """``decode_knots`` (or ``prefill_knots``, keyed by row count) of a file:
+    ``{"<count>": seconds, ...}`` -> ``{int: float}``."""
     if obj is None:
         return {}
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: decode_knots must be an object of batch size -> seconds")
+        raise ValueError(f"{path}: {name} must be an object of {unit} -> seconds")
     out = {}
     for k in obj:
         if not str(k).isdigit() or int(k) < 1:
-            raise ValueError(f"{path}: decode_knots: a key must be a batch size >= 1, got {k!r}")
-        out[int(k)] = _num(obj, k, f"{path}: decode_knots")
+            raise ValueError(f"{path}: {name}: a key must be a {unit} >= 1, got {k!r}")
+        out[int(k)] = _num(obj, k, f"{path}: {name}")
     return out
 
 
@@ -195,10 +197,12 @@ def model_kv_heads(model_dir) -> int | None:
 
 
 def fit_extras(cm: CostModel) -> dict:
-    """The file fields of ``cm``'s knots and attention split (those it has)."""
+    """The file fields of ``cm``'s decode and prefill knots and attention split (those it has)."""
     out: dict = {}
     if cm.decode_knots:
         out["decode_knots"] = {str(k): v for k, v in sorted(cm.decode_knots.items())}
+    if cm.prefill_knots:
+        out["prefill_knots"] = {str(k): v for k, v in sorted(cm.prefill_knots.items())}
     if cm.attention_split:
         out["attention_split"] = {"kv_heads": cm.attention_split[0], "threads": cm.attention_split[1]}
     return out
@@ -268,6 +272,7 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     fields = {k: 0.0 for k in FEATURES}
     fields.update(values)
     fields["decode_knots"] = _knots(data.get("decode_knots"), path)
+    fields["prefill_knots"] = _knots(data.get("prefill_knots"), path, "prefill_knots", "row count")
     fields["attention_split"] = _split(data.get("attention_split"), path)
     ranges = (data.get("profile") or {}).get("ranges") if isinstance(data.get("profile"), dict) else None
     if ranges is not None and (

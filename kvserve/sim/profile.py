@@ -47,7 +47,13 @@ from dataclasses import dataclass, field
 from kvserve.config import EngineArgs
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest
-from kvserve.sim.cost_model import CostModel, decode_knot_candidates, fit_cost_model, fit_errors
+from kvserve.sim.cost_model import (
+    CostModel,
+    decode_knot_candidates,
+    fit_cost_model,
+    fit_errors,
+    prefill_knot_candidates,
+)
 from kvserve.sim.cost_model_file import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -205,6 +211,14 @@ class Profiler:
         blocks = self.engine.cache_config.num_gpu_blocks or 0
         return num_seqs * -(-seq_len // bs) + -(-extra_len // bs) <= blocks * 0.9
 
+    def _cache_room(self, num_seqs: int, seq_len: int) -> int:
+        """Tokens one more sequence may hold beside ``num_seqs`` of ``seq_len`` within
+        ``_fits_cache``'s bound (<= 0: none)."""
+        bs = self.engine.cache_config.block_size
+        blocks = self.engine.cache_config.num_gpu_blocks or 0
+        free = int(blocks * 0.9) - num_seqs * -(-seq_len // bs)
+        return free * bs - 1
+
     # -- scenarios
     def warm_up(self) -> None:
         """One small prefill and a few decodes, not recorded (first-call costs)."""
@@ -262,11 +276,13 @@ class Profiler:
 
     def run_mixed(self, b: int) -> None:
         L = self.grid.mixed_context_len
-        # chunks longer than the budget the decodes leave are clipped to it (a full step)
-        lens = sorted({min(p, self.budget - b) for p in self.grid.mixed_prefill_lens})
+        # chunks longer than the budget the decodes leave are clipped to it (a full step), and
+        # to the cache the decodes leave: a small cache still measures its mixed steps
+        out = 2 * len(self.grid.mixed_prefill_lens) + 4
+        room = self._cache_room(b, L + out)
+        lens = sorted({min(p, self.budget - b, room) for p in self.grid.mixed_prefill_lens})
         lens = [p for p in lens if p >= 1 and self._fits(p, 1)]
-        out = 2 * len(lens) + 4
-        if not lens or not self._fits(L, out) or not self._fits_cache(b, L + out, max(lens) + 1):
+        if not lens or not self._fits(L, out):
             return
         ids = [self._add(L, out) for _ in range(b)]
         seen: set[str] = set()
@@ -430,7 +446,10 @@ def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, pr
 
 
 #: how ``fit_cost_model`` fits (recorded in each file's ``fit``)
-FIT_METHOD = "mean: relative least squares, 1/prediction weights, decode knots, attention split, trim 10x"
+FIT_METHOD = (
+    "mean: relative least squares, 1/prediction weights, decode knots, prefill knots, attention split, "
+    "trim 10x"
+)
 
 
 def _split_of(kv_heads: int | None, threads) -> tuple[int, int] | None:
@@ -441,9 +460,14 @@ def _split_of(kv_heads: int | None, threads) -> tuple[int, int] | None:
 
 
 def _fit(samples, attention_split, trim: float | None = 10.0) -> CostModel:
-    """``fit_cost_model`` with the knots the samples offer and the attention split."""
+    """``fit_cost_model`` with the decode and prefill knots the samples offer and the attention
+    split."""
     return fit_cost_model(
-        samples, trim=trim, decode_knots=decode_knot_candidates(samples), attention_split=attention_split
+        samples,
+        trim=trim,
+        decode_knots=decode_knot_candidates(samples),
+        prefill_knots=prefill_knot_candidates(samples),
+        attention_split=attention_split,
     )
 
 
@@ -474,8 +498,8 @@ def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
     if swap_err is not None:
         errors["swap"] = swap_err
     out = copy.deepcopy(data)
-    out.pop("decode_knots", None)
-    out.pop("attention_split", None)
+    for key in ("decode_knots", "prefill_knots", "attention_split"):
+        out.pop(key, None)
     out["coefficients"] = cm.coefficients()
     out.update(fit_extras(cm))
     out["fit_error"] = errors
@@ -495,6 +519,8 @@ def print_fit(data: dict, out=None) -> None:
         print(f"  {k:16} {v:.4g}", file=out)
     for k, v in (data.get("decode_knots") or {}).items():
         print(f"  {'decode past ' + k:16} {v:.4g}  (per decode, decode-only steps)", file=out)
+    for k, v in (data.get("prefill_knots") or {}).items():
+        print(f"  {'rows up to ' + k:16} {v:.4g}  (per forward row, steps with prompt tokens)", file=out)
     split = data.get("attention_split")
     if split:
         print(f"  attention split  {split['kv_heads']} KV heads over {split['threads']} threads", file=out)

@@ -90,19 +90,27 @@ def test_round_trip_keeps_coefficients_and_names_the_source(tmp_path):
 def test_round_trip_keeps_knots_and_attention_split(tmp_path):
     path = tmp_path / "p.json"
     save_cost_model(
-        path, profile_data(decode_knots={"8": 3e-4}, attention_split={"kv_heads": 3, "threads": 2})
+        path,
+        profile_data(
+            decode_knots={"8": 3e-4},
+            prefill_knots={"512": 2e-4},
+            attention_split={"kv_heads": 3, "threads": 2},
+        ),
     )
     cm = load_cost_model(path).cost_model
     assert cm.decode_knots == {8: 3e-4} and cm.attention_split == (3, 2)
-    # a file without them simulates with neither
+    assert cm.prefill_knots == {512: 2e-4}
+    # a file without them simulates with none
     plain = load_cost_model(save_and(tmp_path / "q.json", profile_data())).cost_model
-    assert plain.decode_knots == {} and plain.attention_split is None
+    assert plain.decode_knots == {} and plain.prefill_knots == {} and plain.attention_split is None
     from kvserve.sim.step_shape import StepShape
 
     b12 = StepShape(decode_seqs=12, context_tokens=1200, sampled_rows=12)
     b1 = StepShape(decode_seqs=1, context_tokens=900, sampled_rows=1)
     assert cm.step_cost(b12) - plain.step_cost(b12) == pytest.approx(4 * 3e-4)  # 4 decodes past 8
     assert cm.step_cost(b1) - plain.step_cost(b1) == pytest.approx(300 * 1e-7)  # 900 -> 1200 units
+    chunk = StepShape(prefill_tokens=600, prefill_seqs=1, prefill_attn_pairs=180.3, sampled_rows=1)
+    assert cm.step_cost(chunk) - plain.step_cost(chunk) == pytest.approx(512 * 2e-4)  # rows capped at 512
 
 
 def save_and(path, data):
@@ -133,6 +141,8 @@ def save_and(path, data):
         (lambda d: d.update(decode_knots={"eight": 1e-4}), "decode_knots"),
         (lambda d: d.update(decode_knots={"0": 1e-4}), "decode_knots"),
         (lambda d: d.update(decode_knots={"8": -1e-4}), "decode_knots"),
+        (lambda d: d.update(prefill_knots={"x": 1e-4}), "prefill_knots"),
+        (lambda d: d.update(prefill_knots={"512": float("inf")}), "prefill_knots"),
         (lambda d: d.update(attention_split={"kv_heads": 0, "threads": 2}), "attention_split.kv_heads"),
         (lambda d: d.update(attention_split={"kv_heads": 3}), "attention_split.threads"),
         (lambda d: d.update(attention_split=[3, 2]), "attention_split"),

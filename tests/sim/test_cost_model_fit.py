@@ -15,6 +15,8 @@ from kvserve.sim.cost_model import (
     decode_knot_candidates,
     fit_cost_model,
     fit_errors,
+    prefill_knot_candidates,
+    prompt_rows,
 )
 from kvserve.sim.executor import InvalidExecuteRequest, SimulatedExecutor
 from kvserve.sim.step_shape import StepShape, step_shape
@@ -168,6 +170,72 @@ def test_decode_knots_recover_a_convex_batch_curve():
     assert knotted.step_cost(mixed) == pytest.approx(
         CostModel(**{**knotted.coefficients(), "decode_knots": {}}).step_cost(mixed)
     )
+
+
+def _prompt_grid():
+    """Prompt-bearing steps: single chunks of 16..2048 tokens, batched chunks, mixed steps."""
+    shapes = []
+    for n in (16, 64, 256, 1024, 2048):
+        for seqs in (1, 2, 4):
+            per = n // seqs
+            shapes.append(
+                StepShape(
+                    prefill_tokens=n,
+                    prefill_seqs=seqs,
+                    prefill_attn_pairs=seqs * per * (per + 1) / 2000,
+                    sampled_rows=seqs,
+                )
+            )
+    for n in (16, 128, 512, 2000):
+        for b in (2, 16, 64):
+            shapes.append(
+                StepShape(
+                    prefill_tokens=n,
+                    prefill_seqs=1,
+                    prefill_attn_pairs=n * (n + 1) / 2000,
+                    decode_seqs=b,
+                    context_tokens=192 * b,
+                    sampled_rows=b + 1,
+                )
+            )
+    return shapes + _decode_grid()
+
+
+def test_prefill_knots_recover_a_concave_token_curve():
+    """Time per prompt token 3x higher below 512 rows than past them (bfloat16 GEMMs filling
+    their tiles better as the step grows): one line misses the 100-1,000-token steps; knots at
+    the powers of two fit it exactly, and leave decode-only steps alone."""
+    truth = CostModel(
+        base_s=0.01,
+        prefill_token_s=1e-4,
+        prefill_seq_s=2e-3,
+        prefill_attn_s=7e-5,
+        decode_seq_s=2e-4,
+        context_token_s=1e-7,
+        swap_block_s=0.0,
+        lora_adapter_s=0.0,
+        prefill_knots={512: 2e-4},
+    )
+    samples = [(s, truth.step_cost(s)) for s in _prompt_grid()]
+    # 16 rows the fewest, 2,064 the most (2,000 prompt tokens + 64 decodes)
+    assert prefill_knot_candidates(samples) == [32, 64, 128, 256, 512, 1024, 2048]
+    line = fit_cost_model(samples)
+    mid = [(s, t) for s, t in samples if 100 <= prompt_rows(s) <= 600]
+    assert fit_errors(line, mid)["all"]["total"] < -0.05  # the line under-predicts them
+    knotted = fit_cost_model(samples, prefill_knots=prefill_knot_candidates(samples))
+    assert fit_errors(knotted, samples)["all"]["max"] < 1e-6
+    assert knotted.prefill_knots == pytest.approx({512: 2e-4}, rel=1e-4)
+    # rows are the forward's: a mixed step's decodes count, a decode-only step pays no knot
+    mixed = StepShape(prefill_tokens=100, prefill_seqs=1, decode_seqs=32, context_tokens=3200)
+    assert prompt_rows(mixed) == 132
+    plain = CostModel(**{**knotted.coefficients(), "prefill_knots": {}})
+    assert knotted.step_cost(mixed) - plain.step_cost(mixed) == pytest.approx(132 * 2e-4, rel=1e-4)
+    dec = StepShape(decode_seqs=32, context_tokens=3200, sampled_rows=32)
+    assert knotted.step_cost(dec) == pytest.approx(plain.step_cost(dec))
+    decodes = [(s, 0.1) for s in _decode_grid() if not s.prefill_tokens]
+    assert prefill_knot_candidates(decodes) == []
+    with pytest.raises(ValueError, match="prefill_knots"):
+        fit_cost_model(samples, prefill_knots=[0])
 
 
 def test_knot_candidates_skip_the_ends_and_rare_batches():

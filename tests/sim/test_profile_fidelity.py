@@ -7,7 +7,12 @@ import pytest
 
 from kvserve.benchmarks import fidelity
 from kvserve.config import EngineArgs
-from kvserve.sim.cost_model import decode_knot_candidates, fit_cost_model, fit_errors
+from kvserve.sim.cost_model import (
+    decode_knot_candidates,
+    fit_cost_model,
+    fit_errors,
+    prefill_knot_candidates,
+)
 from kvserve.sim.cost_model_file import load_cost_model, model_identity, parse_cost_model, save_cost_model
 from kvserve.sim.profile import ProfileGrid, profile
 from kvserve.sim.profile import main as profile_main
@@ -32,7 +37,10 @@ def _refit(f):
     """The profile's own fit of a loaded file's samples (knots and attention split included)."""
     samples = f.samples()
     return fit_cost_model(
-        samples, decode_knots=decode_knot_candidates(samples), attention_split=f.cost_model.attention_split
+        samples,
+        decode_knots=decode_knot_candidates(samples),
+        prefill_knots=prefill_knot_candidates(samples),
+        attention_split=f.cost_model.attention_split,
     )
 
 
@@ -341,3 +349,26 @@ def test_profile_scenarios_are_interleaved_by_a_seed():
     assert kinds[: kinds.index("decode")] == ["prefill"] * kinds.index("decode")
     first_half = {k for k, _ in orders[0][0][: len(kinds) // 2]}
     assert first_half >= {"prefill", "decode"}
+
+
+def test_mixed_steps_are_profiled_in_a_small_cache():
+    """A cache too small for the grid's 2,048-token chunk beside the decodes still gets mixed
+    steps: the chunks are clipped to the room the decodes leave (none preempts), and batches
+    that do not fit are skipped."""
+    from kvserve.sim.cost_model import CostModel
+    from kvserve.sim.profile import Profiler
+    from kvserve.sim.replay import simulated_engine
+
+    configs = EngineArgs(
+        num_gpu_blocks=96, num_cpu_blocks=64, max_model_len=2048, device="cpu", block_size=16
+    ).create_configs(2048)
+    engine, _ = simulated_engine(configs, CostModel(), 1000)
+    prof = Profiler(engine, ProfileGrid(), progress=False)
+    for b in ProfileGrid().mixed_batch_sizes:
+        prof.run_mixed(b)
+    mixed = [s for s, _ in prof.samples if s.shape_class == "mixed"]
+    assert {s.decode_seqs for s in mixed} == {2}  # 16 or 64 decodes of 192+ tokens do not fit
+    assert max(s.prefill_tokens for s in mixed) > 512  # clipped, not dropped
+    # 2 decodes of 204 tokens hold 26 blocks; the chunk + its token fit the 86-block bound
+    assert all(-(-(s.prefill_tokens + 1) // 16) <= int(96 * 0.9) - 26 for s in mixed)
+    assert engine.scheduler.num_preemptions == 0

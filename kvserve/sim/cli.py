@@ -237,6 +237,25 @@ _NOT_SIMULATED = (
 )
 
 
+def _check_blocks(ns: argparse.Namespace, source: str = "") -> None:
+    """``--num-gpu-blocks`` >= 1 and ``--num-cpu-blocks`` >= 0, both at most ``MAX_SIM_BLOCKS``
+    (``source``: where an unset flag's value came from, for the message).
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    for name in ("num_gpu_blocks", "num_cpu_blocks"):
+        v = getattr(ns, name)
+        if v is not None:
+            check_int(
+                flag_of(name) + source,
+                v,
+                lo=1 if name == "num_gpu_blocks" else 0,
+                hi=MAX_SIM_BLOCKS,
+                why="the simulator's cap: larger pools exhaust its memory",
+            )
+
+
 def _check_flags(ns: argparse.Namespace, given: set[str]) -> None:
     """The simulator's own flags and the engine flags it uses, checked before anything runs;
     a flag the chosen mode would ignore is an error.
@@ -258,16 +277,7 @@ def _check_flags(ns: argparse.Namespace, given: set[str]) -> None:
         check_int("--num-loras", ns.num_loras, hi=MAX_SIM_LORAS)
         if ns.lora_dist != "zipf":
             refuse_unused(given, ("lora_zipf_alpha",), "goes with --lora-dist zipf")
-    for name in ("num_gpu_blocks", "num_cpu_blocks"):
-        v = getattr(ns, name)
-        if v is not None:
-            check_int(
-                flag_of(name),
-                v,
-                lo=1 if name == "num_gpu_blocks" else 0,
-                hi=MAX_SIM_BLOCKS,
-                why="the simulator's cap: larger pools exhaust its memory",
-            )
+    _check_blocks(ns)
     if ns.max_model_len is not None:
         check_int("--max-model-len", ns.max_model_len, lo=2)
     for dests, why in _NOT_SIMULATED:
@@ -368,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_flags(ns, given := given_dests(ap, argv, ns))
         cost_model = _cost_model_for(ns)
+        if ns.cost_model:  # unset block counts are now the profile's
+            _check_blocks(ns, f" (or the engine of --cost-model {ns.cost_model})")
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

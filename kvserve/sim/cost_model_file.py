@@ -112,9 +112,9 @@ class CostModelFile:
         """
         out = []
         try:
-            for s in (self.data.get("profile") or {}).get("samples") or []:
-                out.append((StepShape(**s["shape"]), float(s["t"])))
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            for i, s in enumerate((self.data.get("profile") or {}).get("samples") or []):
+                out.append((StepShape(**s["shape"]), _num(s, "t", f"{self.path}: profile.samples[{i}]")))
+        except (AttributeError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path}: profile.samples is malformed ({e!r})") from e
         return out
 
@@ -149,10 +149,26 @@ class CostModelFile:
                 )
 
 
-def _num(obj: dict, key: str, where: str) -> float:
+#: The largest coefficient a file may hold, in seconds: each is the cost of one unit of a step
+#: (the step itself, a token, a sequence, a block...), so one over an hour is a corrupted or
+#: mis-scaled file (milliseconds or microseconds written as seconds), not a measurement.
+MAX_COEFFICIENT_S = 3600.0
+
+
+def _num(obj: dict, key: str, where: str, hi: float | None = MAX_COEFFICIENT_S) -> float:
+    """``obj[key]``: a finite number in ``[0, hi]`` (seconds, for ``hi``'s default).
+
+    Raises:
+        ValueError: otherwise, naming ``where`` and ``key``.
+    """
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{where}: {key} must be a finite number >= 0, got {v!r}")
+    if hi is not None and v > hi:
+        raise ValueError(
+            f"{where}: {key} must be at most {hi:g} s (a cost of one unit of a step above an hour is "
+            f"not a measurement: a corrupted or mis-scaled file), got {v!r}"
+        )
     return float(v)
 
 
@@ -213,8 +229,9 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
 
     Raises:
         ValueError: not an object, another schema or version, a missing field, a coefficient
-            that is not a finite number >= 0, a block size that is not a positive integer
-            (the message names the file and the field).
+            or decode knot that is not a finite number in ``[0, MAX_COEFFICIENT_S]``, a block
+            size that is not a positive integer, an engine setting out of range, profile ranges
+            that are not finite numbers >= 0 (the message names the file and the field).
     """
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a cost-model file is a JSON object, got {type(data).__name__}")
@@ -256,8 +273,9 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
             "num_cpu_blocks",
         ):
             v = eng.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{path}: engine.{key} must be an integer >= 0, got {v!r}")
+            low = 0 if key == "num_cpu_blocks" else 1  # the profiled engine had a step, a cache
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"{path}: engine.{key} must be an integer >= {low}, got {v!r}")
         v = eng.get("enable_chunked_prefill")
         if v is not None and not isinstance(v, bool):
             raise ValueError(f"{path}: engine.enable_chunked_prefill must be true or false, got {v!r}")
@@ -277,9 +295,12 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     ranges = (data.get("profile") or {}).get("ranges") if isinstance(data.get("profile"), dict) else None
     if ranges is not None and (
         not isinstance(ranges, dict)
-        or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in ranges.values())
+        or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+            for v in ranges.values()
+        )
     ):
-        raise ValueError(f"{path}: profile.ranges must be an object of numbers")
+        raise ValueError(f"{path}: profile.ranges must be an object of finite numbers >= 0")
     return CostModelFile(CostModel(info=info, ranges=ranges, **fields), data, path)
 
 

@@ -146,6 +146,22 @@ def save_and(path, data):
         (lambda d: d.update(attention_split={"kv_heads": 0, "threads": 2}), "attention_split.kv_heads"),
         (lambda d: d.update(attention_split={"kv_heads": 3}), "attention_split.threads"),
         (lambda d: d.update(attention_split=[3, 2]), "attention_split"),
+        # absurd: a unit's cost above an hour (MAX_COEFFICIENT_S), infinities, negatives
+        (lambda d: d["coefficients"].update(base_s=3601.0), "base_s must be at most 3600 s"),
+        (lambda d: d["coefficients"].update(prefill_token_s=1e300), "prefill_token_s must be at most"),
+        (lambda d: d["coefficients"].update(sample_s=float("inf")), "sample_s must be a finite number"),
+        (
+            lambda d: d["coefficients"].update(context_token_s=-1e-9),
+            "context_token_s must be a finite number >= 0",
+        ),
+        (lambda d: d.update(decode_knots={"8": 7200.0}), "decode_knots: 8 must be at most"),
+        (lambda d: d.update(decode_knots={"8": float("nan")}), "decode_knots: 8 must be a finite"),
+        (
+            lambda d: d["engine"].update(max_num_batched_tokens=0),
+            "engine.max_num_batched_tokens must be an integer >= 1",
+        ),
+        (lambda d: d["profile"]["ranges"].update(decode_seqs=float("nan")), "profile.ranges"),
+        (lambda d: d["profile"]["ranges"].update(decode_seqs=-1), "profile.ranges"),
     ],
 )
 def test_malformed_file_is_an_error_naming_the_field(mutate, field):
@@ -280,6 +296,41 @@ def test_any_corrupted_field_is_a_value_error_or_accepted(path, value):
         f.samples()
     except ValueError:
         pass
+
+
+def test_stored_samples_with_bad_times_are_named(tmp_path):
+    data = profile_data()
+    data["profile"]["samples"] = [{"shape": {"prefill_tokens": 8}, "t": -0.5}]
+    with pytest.raises(ValueError, match=r"profile.samples\[0\]: t must be a finite number >= 0"):
+        parse_cost_model(data, "p.json").samples()
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (
+            lambda d: d["coefficients"].update(decode_seq_s=5000.0),
+            "coefficients: decode_seq_s must be at most 3600 s",
+        ),
+        (
+            lambda d: d["coefficients"].update(base_s=-0.1),
+            "coefficients: base_s must be a finite number >= 0",
+        ),
+        (
+            lambda d: d["engine"].update(num_gpu_blocks=10**9),
+            "--num-gpu-blocks (or the engine of --cost-model",
+        ),
+    ],
+)
+def test_simulate_cli_refuses_absurd_cost_models(tmp_path, capsys, mutate, match):
+    data = profile_data()
+    mutate(data)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))  # as a hand-edited file: not through save_cost_model's check
+    assert simulate_main(["--cost-model", str(path), "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and str(path) in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_simulate_cli_missing_cost_model_file(capsys):

@@ -363,32 +363,50 @@ def fit_swap(samples: list[tuple[int, float]]) -> tuple[float, dict | None]:
     }
 
 
-def profile(args: EngineArgs, grid: ProfileGrid | None = None, progress: bool = True) -> dict:
+def profile(
+    args: EngineArgs,
+    grid: ProfileGrid | None = None,
+    progress: bool = True,
+    flags: dict[str, str] | None = None,
+) -> dict:
     """Build the engine ``args`` describe, profile it and return the cost-model file's JSON
-    object (``kvserve.sim.cost_model_file``).
+    object (``kvserve.sim.cost_model_file``); ``flags``: as ``profile_engine``'s.
 
     Raises:
-        ValueError: a bad engine setting (naming the field), or too few measured steps.
+        ValueError: a bad engine setting (naming the field), grid values given by flag that
+            do not fit the engine, or too few measured steps.
     """
     from kvserve.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(args)
-    data = profile_engine(engine, args, grid, progress)
+    data = profile_engine(engine, args, grid, progress, flags)
     data["profile"]["load_s"] = time.perf_counter() - t0 - data["profile"]["wall_s"]
     return data
 
 
-def profile_engine(engine, args: EngineArgs, grid: ProfileGrid | None = None, progress: bool = True) -> dict:
+def profile_engine(
+    engine,
+    args: EngineArgs,
+    grid: ProfileGrid | None = None,
+    progress: bool = True,
+    flags: dict[str, str] | None = None,
+) -> dict:
     """Profile an already built real ``engine`` (built from ``args``; it is left idle, with its
-    own executor back in place) and return the cost-model file's JSON object.
+    own executor back in place) and return the cost-model file's JSON object. ``flags``: the
+    grid fields given on the command line (``grid_flags``), checked against the engine's
+    limits before anything is measured (``check_grid_fits``).
 
     Raises:
-        ValueError: too few measured steps to fit.
+        ValueError: grid values given by flag that do not fit the engine, or too few measured
+            steps to fit.
     """
     import kvserve
 
     grid = grid or ProfileGrid()
+    if flags:
+        sc0 = engine.scheduler_config
+        check_grid_fits(grid, flags, sc0.max_model_len, sc0.max_num_seqs)
     prof = Profiler(engine, grid, progress=progress)
     t1 = time.perf_counter()
     try:
@@ -536,11 +554,25 @@ def print_fit(data: dict, out=None) -> None:
         )
 
 
-def _int_list(s: str) -> list[int]:
+def _int_list(flag: str, s: str) -> list[int]:
+    """A comma list flag's value: integers >= 1, at least one.
+
+    Raises:
+        ValueError: empty, an item that is not an integer, or one < 1 (naming ``flag``).
+    """
+    items = [x.strip() for x in s.split(",")]
+    if not any(items):
+        raise ValueError(f"{flag} must be a comma-separated list of integers >= 1, got {s!r} (empty)")
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {s!r}") from e
+        vals = [int(x) for x in items]
+    except ValueError:
+        bad = next(x for x in items if not x.lstrip("+-").isdigit())
+        raise ValueError(
+            f"{flag} must be a comma-separated list of integers >= 1, got {bad!r} in {s!r}"
+        ) from None
+    if any(v < 1 for v in vals):
+        raise ValueError(f"{flag} must be a comma-separated list of integers >= 1, got {s!r}")
+    return vals
 
 
 #: ``ProfileGrid`` fields with a command-line flag (comma lists / single integers)
@@ -566,26 +598,91 @@ def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
         "small: seconds (smoke runs, tests)",
     )
     for name in LIST_FIELDS:
-        g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=_int_list, default=None, metavar="N,N,...")
+        g.add_argument(
+            f"--{prefix}{name.replace('_', '-')}",
+            default=None,
+            metavar="N,N,...",
+            help=f"integers >= 1{_LIMIT_HELP.get(name, '')}",
+        )
     for name in INT_FIELDS:
         g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=int, default=None)
 
 
+#: grid fields an engine limit bounds (``check_grid_fits``), and the help text that says so
+_LIMIT_HELP = {
+    "prefill_lens": "; each < the engine's max_model_len",
+    "context_lens": "; each < the engine's max_model_len",
+    "mixed_prefill_lens": "; each < the engine's max_model_len",
+    "batch_sizes": "; each <= --max-num-seqs",
+    "mixed_batch_sizes": "; each <= --max-num-seqs",
+}
+
+
+def grid_flags(ns: argparse.Namespace, prefix: str = "") -> dict[str, str]:
+    """``ProfileGrid`` field -> its flag, for the grid flags given (``check_grid_fits``)."""
+    p = prefix.replace("-", "_")
+    return {
+        n: f"--{prefix}{n.replace('_', '-')}"
+        for n in LIST_FIELDS + INT_FIELDS
+        if getattr(ns, p + n) is not None
+    }
+
+
 def grid_from_args(ns: argparse.Namespace, prefix: str = "") -> ProfileGrid:
-    """The ``ProfileGrid`` ``add_grid_args``' flags describe. Raises ValueError (bad value)."""
+    """The ``ProfileGrid`` ``add_grid_args``' flags describe.
+
+    Raises:
+        ValueError: a bad value (an empty list, a non-integer, a value < 1, a count < 0),
+            naming the flag.
+    """
     p = prefix.replace("-", "_")
     name = getattr(ns, f"{p}grid")
     grid = {"small": ProfileGrid.small, "quick": ProfileGrid.quick}.get(name, ProfileGrid)()
-    return grid.override(**{n: getattr(ns, p + n) for n in LIST_FIELDS + INT_FIELDS})
+    values: dict = {}
+    for n in LIST_FIELDS + INT_FIELDS:
+        v, flag = getattr(ns, p + n), f"--{prefix}{n.replace('_', '-')}"
+        if isinstance(v, str):
+            v = _int_list(flag, v)
+        try:
+            grid.override(**{n: v})  # the field's own check (None: unset)
+        except ValueError as e:  # "<field> must be ...": name the flag instead
+            raise ValueError(str(e).replace(n, flag, 1)) from None
+        values[n] = v
+    return grid.override(**values)
+
+
+def check_grid_fits(grid: ProfileGrid, flags: dict[str, str], max_model_len: int, max_num_seqs: int) -> None:
+    """The grid values given by flag (``flags``: field -> flag, ``grid_flags``) must fit the
+    engine: prompt and context lengths < ``max_model_len``, batch sizes <= ``max_num_seqs``
+    (the profiler would skip them silently; the default grid's are clipped and skipped so).
+
+    Raises:
+        ValueError: naming the flag, the value and the limit.
+    """
+    for name, flag in flags.items():
+        v = getattr(grid, name)
+        vals = v if isinstance(v, list) else [v]
+        if name in ("prefill_lens", "context_lens", "mixed_prefill_lens", "mixed_context_len"):
+            over = [x for x in vals if x >= max_model_len]
+            limit = f"< the engine's max_model_len {max_model_len} (a prompt must leave room to generate)"
+        elif name in ("batch_sizes", "mixed_batch_sizes"):
+            over = [x for x in vals if x > max_num_seqs]
+            limit = f"<= --max-num-seqs {max_num_seqs} (larger batches never run at once)"
+        else:
+            continue
+        if over:
+            raise ValueError(f"{flag} values must be {limit}, got {', '.join(map(str, over))}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+    from kvserve.benchmarks.common import check_output_path
+    from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
+    from kvserve.sim.cli_checks import given_dests, refuse_unused
 
     ap = argparse.ArgumentParser(
         prog="kvserve profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--out", required=True, help="cost-model JSON to write")
+    ap.add_argument("--out", required=True, help="cost-model JSON to write (checked before profiling)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument(
         "--refit",
@@ -596,6 +693,18 @@ def main(argv: list[str] | None = None) -> int:
     add_grid_args(ap)
     add_engine_args(ap)
     ns = ap.parse_args(argv)
+    try:
+        check_output_path("--out", ns.out)
+        if ns.refit:  # no engine is built: every grid and engine flag would be ignored
+            given = given_dests(ap, argv, ns)
+            refuse_unused(
+                given - {"out", "refit", "no_progress"},
+                sorted(given),
+                "does not apply with --refit (it measures nothing: the file's stored steps are refitted)",
+            )
+    except ValueError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
     if ns.refit:
         from kvserve.sim.cost_model_file import load_cost_model
 
@@ -612,10 +721,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         grid = grid_from_args(ns)
-        data = profile(engine_args_from(ns), grid, progress=not ns.no_progress)
+        data = profile(engine_args_from(ns), grid, progress=not ns.no_progress, flags=grid_flags(ns))
         save_cost_model(ns.out, data)
-    except ValueError as e:
-        print(f"Error: {e}", file=sys.stderr)
+    except ValueError as e:  # engine settings' errors name fields: say the flags
+        print(f"Error: {flag_names(str(e))}", file=sys.stderr)
         return 2
     p = data["profile"]
     print(

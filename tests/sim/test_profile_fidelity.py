@@ -208,11 +208,75 @@ def test_profile_cli_bad_flags(tmp_path, capsys):
     assert profile_main(["--out", str(tmp_path / "p.json"), "--repeats", "0"]) == 2
     assert "repeats must be >= 1, got 0" in capsys.readouterr().err
     assert profile_main(["--out", str(tmp_path / "p.json"), "--prefill-lens", "64,0"]) == 2
-    assert "prefill_lens must be >= 1" in capsys.readouterr().err
+    assert (
+        "--prefill-lens must be a comma-separated list of integers >= 1, got '64,0'"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "p.json").exists()
     # a malformed profile is refused when parsed, not when used
     with pytest.raises(ValueError, match="schema"):
         parse_cost_model({"schema": "nope"})
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (
+            ["--prefill-lens", ""],
+            "--prefill-lens must be a comma-separated list of integers >= 1, got '' (empty)",
+        ),
+        (["--batch-sizes", ","], "--batch-sizes must be a comma-separated list of integers >= 1"),
+        (
+            ["--context-lens", "32,x"],
+            "--context-lens must be a comma-separated list of integers >= 1, got 'x'",
+        ),
+        (
+            ["--mixed-batch-sizes", "2,-4"],
+            "--mixed-batch-sizes must be a comma-separated list of integers >= 1",
+        ),
+        (["--prefill-batch", "1.5"], "--prefill-batch must be"),
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--decode-steps", "-2"], "--decode-steps must be >= 1"),
+        (["--long-prompt-chunks", "-1"], "--long-prompt-chunks must be >= 0"),
+        (["--out", "/"], "--out /: is a folder"),
+    ],
+)
+def test_profile_cli_bad_grid_flags_name_the_flag(tmp_path, capsys, monkeypatch, argv, match):
+    from kvserve.sim import profile as prof
+
+    monkeypatch.setattr(prof, "profile", lambda *a, **kw: pytest.fail("profiled despite a bad flag"))
+    assert profile_main(["--out", str(tmp_path / "p.json"), *argv]) == 2
+    assert match in _one_line(capsys)
+
+
+def test_profile_cli_grid_values_past_the_engine_limits(tiny_llama_dir, tmp_path, capsys):
+    """Values given by flag that the engine cannot run (the profiler would skip them without a
+    word) are errors before any step is measured; the default grid's are clipped as before."""
+    base = ["--out", str(tmp_path / "p.json"), "--model", str(tiny_llama_dir), *ENGINE, "--grid", "small"]
+    assert profile_main([*base, "--prefill-lens", "8,256,300"]) == 2
+    err = _one_line(capsys)
+    assert "--prefill-lens values must be < the engine's --max-model-len 256" in err and "got 256, 300" in err
+    assert profile_main([*base, "--batch-sizes", "1,512", "--max-num-seqs", "8"]) == 2
+    assert "--batch-sizes values must be <= --max-num-seqs 8 (larger batches never run at once), got 512" in (
+        _one_line(capsys)
+    )
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_refit_refuses_flags_it_would_ignore(tiny_profile, tmp_path, capsys):
+    _, path = tiny_profile
+    out = str(tmp_path / "r.json")
+    assert (
+        profile_main(["--refit", str(path), "--out", out, "--batch-sizes", "1,2", "--dtype", "float32"]) == 2
+    )
+    err = _one_line(capsys)
+    assert "--batch-sizes, --dtype does not apply with --refit" in err
 
 
 def test_bench_fidelity_bad_flags_are_one_line_errors(tmp_path, capsys):

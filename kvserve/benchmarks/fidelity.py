@@ -26,6 +26,11 @@ the same requests with ``--cost-model``, so a changed cost model (or fit) is jud
 recorded quiet run; with ``--real-steps STEPS.json`` (that run's ``--steps-out``) the oracle runs
 too. Files written before the engine settings were recorded need the run's engine flags again,
 or ``--real-steps`` (whose meta holds them); unset KV-cache sizes then come from the profile's.
+``--real-steps`` must be the ``--real-from`` run's (same trace, same engine arguments); flags the
+re-simulation would ignore (the trace's, ``--steps-out``, the ``--profile-*`` grid, engine flags
+when the files record the run's) are errors, as are ``--profile-out`` and the grid flags with
+``--cost-model``. Bad input is a one-line ``Error:`` (exit status 2) before the engine is built;
+output paths are checked first and every file is written whole (atomically).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import time
 from pathlib import Path
 
 from kvserve.benchmarks import workload as wl
-from kvserve.benchmarks.common import system_info, write_json
+from kvserve.benchmarks.common import check_output_path, system_info, write_json
+from kvserve.sim.cli_checks import check_float, check_int, flag_of, given_dests, refuse_unused
 from kvserve.sim.replay import (
     LATENCY_KEYS,
     STAT_KEYS,
@@ -418,6 +424,52 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+#: the flags that choose and shape the live run's requests (a --real-from run takes its own)
+_TRACE_FLAGS = ("trace", "num_requests", "time_scale", "max_input_len", "max_output_len", "workload_seed")
+#: the flags of the output files a run writes
+_OUT_FLAGS = ("json_out", "steps_out", "plot", "profile_out")
+
+
+def _profile_dests(ns) -> list[str]:
+    """The ``--profile-*`` grid flags' destinations (``add_grid_args(prefix="profile-")``)."""
+    return [k for k in vars(ns) if k.startswith("profile_") and k != "profile_out"]
+
+
+def _check_outputs(ns) -> None:
+    """Every output path given can be written (before a run of minutes).
+
+    Raises:
+        ValueError: naming the flag (``check_output_path``).
+    """
+    for dest in _OUT_FLAGS:
+        path = getattr(ns, dest, None)
+        if path:
+            check_output_path(flag_of(dest), path)
+
+
+def _check_live_flags(ns, given: set[str]) -> None:
+    """A live run's own flags, before the engine is built.
+
+    Raises:
+        ValueError: a value out of range, a flag the run would ignore (``--profile-out`` and the
+            ``--profile-*`` grid with ``--cost-model``), or an output path that cannot be
+            written, naming the flag.
+    """
+    check_int("--num-requests", ns.num_requests)
+    for name in ("max_input_len", "max_output_len"):
+        if getattr(ns, name) is not None:
+            check_int(flag_of(name), getattr(ns, name))
+    check_int("--workload-seed", ns.workload_seed, lo=0)
+    check_float("--time-scale", ns.time_scale, lo=0.0, lo_open=False, meaning="0 = every request at t=0")
+    if ns.cost_model:
+        refuse_unused(
+            given,
+            ["profile_out", *_profile_dests(ns)],
+            "does not apply with --cost-model (nothing is profiled: the file's cost model is used)",
+        )
+    _check_outputs(ns)
+
+
 def _print_result(result: dict) -> None:
     """The comparison a run (or a re-simulation) prints."""
     print_comparison(result["real"], result["simulated"], result["relative_error"])
@@ -438,13 +490,15 @@ def _print_result(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.entrypoints.cli import engine_args_from
+    from kvserve.entrypoints.cli import engine_args_from, flag_names
     from kvserve.sim.cost_model_file import load_cost_model, parse_cost_model, save_cost_model
-    from kvserve.sim.profile import grid_from_args, profile_engine
+    from kvserve.sim.profile import grid_flags, grid_from_args, profile_engine
 
-    ns = build_parser().parse_args(argv)
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    given = given_dests(ap, argv, ns)
     if ns.real_from:
-        return _main_real_from(ns)
+        return _main_real_from(ns, given)
     if ns.real_steps:
         print("Error: --real-steps goes with --real-from (a live run records its own steps)", file=sys.stderr)
         return 2
@@ -454,27 +508,29 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(ns.trace).is_file():
         print(f"Error: --trace {ns.trace}: no such file", file=sys.stderr)
         return 2
-    for name in ("num_requests", "max_input_len", "max_output_len"):
-        v = getattr(ns, name)
-        if v is not None and v < 1:
-            print(f"Error: --{name.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
-            return 2
-    if not ns.time_scale >= 0:
-        print(f"Error: --time-scale must be >= 0, got {ns.time_scale}", file=sys.stderr)
+    try:
+        _check_live_flags(ns, given)
+        args = engine_args_from(ns)
+        args.create_configs(args.max_model_len or 1 << 31)  # the settings' ranges, before a model loads
+    except ValueError as e:
+        print(f"Error: {flag_names(str(e))}", file=sys.stderr)
         return 2
-    args = engine_args_from(ns)
     try:
         cm_file = load_cost_model(ns.cost_model) if ns.cost_model else None
         if cm_file is not None:
             cm_file.check_engine_args(args)
         engine = LLMEngine.from_engine_args(args)
         ns.max_model_len_cap = engine.scheduler_config.max_model_len
-        requests, clip = load_requests(ns)
+        try:
+            requests, clip = load_requests(ns)
+        except ValueError as e:  # the file's errors start with its path: name the flag too
+            raise ValueError(f"--trace {e}" if str(e).startswith(str(ns.trace)) else str(e)) from None
         if not requests:
             raise ValueError(f"--trace {ns.trace}: no requests selected")
         if cm_file is None:
             grid = grid_from_args(ns, prefix="profile-")
-            data = profile_engine(engine, args, grid, progress=not ns.no_progress)
+            flags = grid_flags(ns, prefix="profile-")
+            data = profile_engine(engine, args, grid, progress=not ns.no_progress, flags=flags)
             if ns.profile_out:
                 save_cost_model(ns.profile_out, data)
             cm_file = parse_cost_model(data, ns.profile_out or "<profiled now>")
@@ -606,7 +662,36 @@ def resimulate(recorded: dict, cm_file, args_dict: dict, steps=None, path: str =
     return out
 
 
-def _main_real_from(ns) -> int:
+def _check_steps_match(recorded: dict, meta: dict, real_from: str, real_steps: str) -> None:
+    """``--real-steps`` must be the steps file of the ``--real-from`` run: the same trace
+    (file name, request count, time scale, caps) and, where both record them, the same engine
+    arguments.
+
+    Raises:
+        ValueError: naming both flags and the first field that differs.
+    """
+    rt, st = recorded.get("trace") or {}, meta.get("trace")
+    if isinstance(st, dict):
+        for key in ("path", "num_requests", "time_scale", "workload_seed", "clip"):
+            a, b = rt.get(key), st.get(key)
+            if key == "path":
+                a, b = Path(str(a)).name, Path(str(b)).name
+            if key in rt and key in st and a != b:
+                raise ValueError(
+                    f"--real-steps {real_steps} records another run than --real-from {real_from}: "
+                    f"trace {key} {st.get(key)!r} vs {rt.get(key)!r}"
+                )
+    ra, sa = (recorded.get("engine") or {}).get("args"), meta.get("engine")
+    if isinstance(ra, dict) and isinstance(sa, dict):
+        for key in sorted(set(ra) & set(sa)):
+            if str(ra[key]) != str(sa[key]):  # the steps file's meta went through str()
+                raise ValueError(
+                    f"--real-steps {real_steps} records another engine than --real-from {real_from}: "
+                    f"{key} {sa[key]!r} vs {ra[key]!r}"
+                )
+
+
+def _main_real_from(ns, given: set[str] = frozenset()) -> int:
     import dataclasses
 
     from kvserve.config import EngineArgs
@@ -616,14 +701,38 @@ def _main_real_from(ns) -> int:
     if not ns.cost_model:
         print("Error: --real-from needs --cost-model (there is no engine to profile)", file=sys.stderr)
         return 2
+    engine_dests = [f.name for f in dataclasses.fields(EngineArgs)]
     try:
+        why = "does not apply with --real-from (the recorded run's is used)"
+        refuse_unused(given, _TRACE_FLAGS, why)
+        refuse_unused(
+            given, ["steps_out", "profile_out", *_profile_dests(ns)], "does not apply with --real-from"
+        )
+        _check_outputs(ns)
+        if not Path(ns.real_from).is_file():
+            raise ValueError(f"--real-from {ns.real_from}: no such file")
         recorded = _load_result(ns.real_from)
         cm_file = load_cost_model(ns.cost_model)
-        steps, meta = load_steps(ns.real_steps) if ns.real_steps else (None, {})
+        try:
+            steps, meta = load_steps(ns.real_steps) if ns.real_steps else (None, {})
+        except ValueError as e:
+            raise ValueError(f"--real-steps {e}") from None
+        if ns.real_steps:
+            _check_steps_match(recorded, meta, ns.real_from, ns.real_steps)
+        if recorded.get("engine") or meta.get("engine"):  # the engine flags would be ignored
+            refuse_unused(
+                given,
+                engine_dests,
+                f"does not apply: {ns.real_from if recorded.get('engine') else ns.real_steps} records "
+                "the run's engine settings, which are used",
+            )
         flags = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
         # a file without engine settings: the steps file's meta has them, else the flags given
         args_dict = meta.get("engine") or flags
-        result = resimulate(recorded, cm_file, args_dict, steps, ns.real_from)
+        try:
+            result = resimulate(recorded, cm_file, args_dict, steps, ns.real_from)
+        except ValueError as e:  # the recorded run's own errors start with its path
+            raise ValueError(f"--real-from {e}" if str(e).startswith(str(ns.real_from)) else str(e)) from None
         if not recorded.get("engine") and not meta.get("engine"):
             result["notes"].insert(
                 0,

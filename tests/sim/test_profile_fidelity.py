@@ -284,10 +284,125 @@ def test_bench_fidelity_bad_flags_are_one_line_errors(tmp_path, capsys):
     assert "--trace /nonexistent.csv: no such file" in capsys.readouterr().err
     trace = str(_trace(tmp_path))
     assert fidelity.main(["--trace", trace, "--num-requests", "0"]) == 2
-    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    assert "--num-requests must be an integer >= 1, got 0" in capsys.readouterr().err
     assert fidelity.main(["--trace", trace, "--cost-model", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--time-scale", "nan"], "--time-scale must be a finite number >= 0"),
+        (["--time-scale", "inf"], "--time-scale must be a finite number >= 0"),
+        (["--time-scale=-2"], "--time-scale must be a finite number >= 0"),
+        (["--max-input-len", "0"], "--max-input-len must be an integer >= 1"),
+        (["--workload-seed", "-1"], "--workload-seed must be an integer >= 0"),
+        (
+            ["--cost-model", "p.json", "--profile-out", "q.json"],
+            "--profile-out does not apply with --cost-model",
+        ),
+        (
+            ["--cost-model", "p.json", "--profile-batch-sizes", "1,2"],
+            "--profile-batch-sizes does not apply with",
+        ),
+        (["--json-out", "{file}/f.json"], "--json-out {file}/f.json: {file} is not a folder"),
+        (["--steps-out", "{tmp}"], "--steps-out {tmp}: is a folder"),
+        (["--plot", "{file}/p.png"], "--plot {file}/p.png: {file} is not a folder"),
+        (["--num-gpu-blocks", "0"], "--num-gpu-blocks must be an integer >= 1"),
+    ],
+)
+def test_bench_fidelity_bad_flags_fail_before_the_engine_is_built(tmp_path, capsys, monkeypatch, argv, match):
+    from kvserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", lambda *a: pytest.fail("built the engine"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    fill = {"file": str(a_file), "tmp": str(tmp_path)}
+    argv = [a.format(**fill) for a in argv]
+    assert fidelity.main(["--trace", str(_trace(tmp_path)), *argv]) == 2
+    assert match.format(**fill) in _one_line(capsys)
+
+
+def test_bench_fidelity_malformed_trace_names_file_line_and_field(
+    tiny_profile, tiny_llama_dir, tmp_path, capsys
+):
+    _, path = tiny_profile
+    trace = _trace(tmp_path)
+    trace.write_text(trace.read_text() + "2023-11-16 18:17:09.0,-4,2\n")
+    argv = ["--model", str(tiny_llama_dir), *ENGINE, "--trace", str(trace), "--cost-model", str(path)]
+    assert fidelity.main(argv) == 2
+    assert f"--trace {trace}:14: ContextTokens must be an integer >= 0, got '-4'" in _one_line(capsys)
+
+
+def _recorded(tmp_path, trace_path, **engine_args):
+    """A minimal --json-out of a live run (the fields --real-from reads first)."""
+    from kvserve.sim.replay import LATENCY_KEYS
+
+    real = {k: {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0} for k in LATENCY_KEYS}
+    real.update(num_preemptions=0, output_tok_s=1.0)
+    trace = {
+        "path": str(trace_path),
+        "num_requests": 12,
+        "time_scale": 1.0,
+        "workload_seed": 0,
+        "clip": {"max_model_len": 256, "max_input_len": None, "max_output_len": None},
+    }
+    res = {"real": real, "trace": trace, "engine": {"args": {"block_size": 16, **engine_args}}}
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps(res))
+    return p, trace
+
+
+def test_real_from_and_real_steps_are_checked_against_each_other(tiny_profile, tmp_path, capsys):
+    from kvserve.sim.step_record import save_steps
+
+    _, prof = tiny_profile
+    run, trace = _recorded(tmp_path, _trace(tmp_path), num_gpu_blocks=48)
+    base = ["--real-from", str(run), "--cost-model", str(prof)]
+    steps = tmp_path / "steps.json"
+    save_steps(steps, [], {"trace": {**trace, "num_requests": 14}, "engine": {"block_size": 16}})
+    assert fidelity.main([*base, "--real-steps", str(steps)]) == 2
+    err = _one_line(capsys)
+    assert (
+        f"--real-steps {steps} records another run than --real-from {run}: trace num_requests 14 vs 12" in err
+    )
+    save_steps(steps, [], {"trace": trace, "engine": {"block_size": 16, "num_gpu_blocks": 96}})
+    assert fidelity.main([*base, "--real-steps", str(steps)]) == 2
+    assert (
+        "records another engine than --real-from" in (err := _one_line(capsys)) and "num_gpu_blocks 96" in err
+    )
+    steps.write_text("[1, 2]")
+    assert fidelity.main([*base, "--real-steps", str(steps)]) == 2
+    assert f"--real-steps {steps}: not a step-record file" in _one_line(capsys)
+    assert fidelity.main([*base, "--real-steps", str(tmp_path / "none.json")]) == 2
+    assert "--real-steps" in _one_line(capsys)
+    run.write_text("{truncated")
+    assert fidelity.main(base) == 2
+    assert f"--real-from {run}: not a JSON file" in _one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--num-requests", "5"], "--num-requests does not apply with --real-from"),
+        (["--time-scale", "2"], "--time-scale does not apply with --real-from"),
+        (["--trace", "t.csv"], "--trace does not apply with --real-from"),
+        (["--steps-out", "s.json"], "--steps-out does not apply with --real-from"),
+        (["--profile-grid", "small"], "--profile-grid does not apply with --real-from"),
+        (
+            ["--num-gpu-blocks", "64"],
+            "--num-gpu-blocks does not apply: {run} records the run's engine settings",
+        ),
+        (["--json-out", "{run}/x.json"], "--json-out {run}/x.json: {run} is not a folder"),
+    ],
+)
+def test_real_from_refuses_flags_it_would_ignore(tiny_profile, tmp_path, capsys, argv, match):
+    _, prof = tiny_profile
+    run, _ = _recorded(tmp_path, _trace(tmp_path))
+    argv = [a.format(run=run) for a in argv]
+    assert fidelity.main(["--real-from", str(run), "--cost-model", str(prof), *argv]) == 2
+    assert match.format(run=run) in _one_line(capsys)
 
 
 def _flat(side):

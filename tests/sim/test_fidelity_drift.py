@@ -93,6 +93,54 @@ def test_report_shows_each_cells_noise_floor_when_it_was_measured(tmp_path):
     assert lines[2].endswith("| - |") and "(-20% !)" in lines[2]
 
 
+def _report(*paths):
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fidelity_report.py"), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_report_refuses_a_file_of_another_shape_in_one_line(tmp_path):
+    """A profile (or any other JSON) given by mistake: a one-line error saying which file and
+    what shape was expected, exit status 2, never a traceback."""
+    from kvserve.sim.cost_model_file import SCHEMA
+
+    good = tmp_path / "cell.json"
+    good.write_text(json.dumps(_fidelity_result(1.05)))
+    broken_oracle = _fidelity_result(1.0)
+    broken_oracle["oracle"] = {"relative_error": {}}
+    no_number = _fidelity_result(1.0)
+    no_number["real"]["ttft_s"]["p50"] = "fast"
+    cases = [
+        (
+            {"schema": SCHEMA, "coefficients": {}},
+            "a cost-model profile (`kvserve profile`), expected a `kvserve bench fidelity --json-out` result",
+        ),
+        ({"schema": "kvserve-steps", "steps": []}, "a step-record file (--steps-out)"),
+        ([1, 2, 3], "expected a `kvserve bench fidelity --json-out` result"),
+        ({"real": {}}, "it lacks simulated, relative_error, preempted_requests"),
+        (no_number, "real.ttft_s.p50 is not a number"),
+        (broken_oracle, "its oracle lacks relative_error / steps"),
+    ]
+    for data, match in cases:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(data))
+        run = _report(good, bad)
+        assert run.returncode == 2, run.stdout
+        assert run.stderr.startswith(f"Error: {bad}: ") and match in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1 and run.stdout == ""
+    (tmp_path / "bad.json").write_text("{not json")
+    run = _report(tmp_path / "bad.json")
+    assert run.returncode == 2 and "not JSON" in run.stderr and "Traceback" not in run.stderr
+    run = _report(tmp_path / "missing.json")
+    assert run.returncode == 2 and "missing.json: no such file" in run.stderr
+    (tmp_path / "cell_noise.json").write_text("[]")
+    run = _report(good)
+    assert run.returncode == 2 and "cell_noise.json: expected a fidelity_noise.py report" in run.stderr
+
+
 def test_decode_residuals_groups_the_decode_steps_by_feature(tmp_path):
     from tests.sim.test_cost_model_file import profile_data
 

@@ -44,8 +44,11 @@ def base_rows(metas: list[SequenceGroupMetadata]) -> int:
 
 
 #: Samples of a batch's plain (draft-free) step the policy wants before it stops forcing
-#: one every ``BASE_EVERY``-th decision at that batch.
+#: one every ``BASE_EVERY``-th decision at that batch; up to ``BASE_SAMPLES_MAX`` while the
+#: two fastest still differ by more than ``BASE_AGREE`` (all were slowed by the host).
 BASE_SAMPLES = 4
+BASE_SAMPLES_MAX = 8
+BASE_AGREE = 0.03
 BASE_EVERY = 4
 
 
@@ -149,24 +152,26 @@ class DynamicDraftPolicy:
         cap = None if self.max_rows is None else max(0, self.max_rows - base)
         seen = getattr(cm, "max_observed_rows", None)
         if seen is not None:
-            # Ramp up: at most twice the plain step's rows (or one sequence's drafts more), or
-            # twice the most rows measured so far. The cost model only extrapolates above what
-            # it has seen, and a cold start that drafted for every sequence at once paid for a
-            # step many times the plain one where rows are dear (12 sequences x 4 drafts at
-            # 25% of the step a row: 13x), more than all the later steps could win back.
-            ramp = max(self.k, base, 2 * seen(prefill) - base)
+            # Ramp up: at most a quarter of the plain step's rows (or one sequence's drafts)
+            # past the most rows measured so far, or past the plain step. The cost model only
+            # extrapolates above what it has seen, and a cold start that drafted for every
+            # sequence at once paid for a step many times the plain one where rows are dear
+            # (12 sequences x 4 drafts at 25% of the step a row: 13x); doubling the rows
+            # measured still let one noisy early fit draft 18 rows at 28% each (a 6x step).
+            ramp = max(seen(prefill), base) + max(self.k, base // 4) - base
             cap = ramp if cap is None else min(cap, ramp)
         ks = allocate_draft_lengths(
             cands, base, cost, depth, max_total=cap, margin=self.margin, base_tokens=tokens
         )
         observed = getattr(cm, "is_observed", None)
         samples = getattr(cm, "num_samples", None)
-        if samples is not None and not prefill and samples(base, False) < BASE_SAMPLES:
+        if samples is not None and not prefill and self._base_unsettled(base):
             # Every draft is priced against the plain step of this batch, so that step must
             # be measured, more than once (one stalled sample made drafts look free, and a
             # batch that always drafts never times it again): no drafts every BASE_EVERY-th
-            # decision until it has BASE_SAMPLES samples (a short request's first steps
-            # still draft: a tight cache may give it lookahead slots only then).
+            # decision until it has BASE_SAMPLES samples, more while they disagree (a short
+            # request's first steps still draft: a tight cache may give it lookahead slots
+            # only then).
             if self.explore_interval > 0 and self.num_decisions % BASE_EVERY == 0:
                 ks = {c.seq_id: 0 for c in cands}
         elif (
@@ -203,6 +208,24 @@ class DynamicDraftPolicy:
                 "pred_s": cost(base + n),
             }
         return ks
+
+    def _base_unsettled(self, base: int) -> bool:
+        """Whether the plain step of ``base`` rows needs more samples: fewer than
+        ``BASE_SAMPLES``, or fewer than ``BASE_SAMPLES_MAX`` whose two fastest differ by more
+        than ``BASE_AGREE`` (a host's stalls only add time, so two fast samples that agree
+        are the step's own cost; four stalled ones priced it 20% high, and every draft
+        looked cheap against it: 0.90x speculation off)."""
+        cm = self.cost_model
+        n = cm.num_samples(base, False)
+        if n < BASE_SAMPLES:
+            return True
+        if n >= BASE_SAMPLES_MAX:
+            return False
+        fastest = getattr(cm, "fastest", None)
+        if fastest is None:
+            return False
+        two = fastest(base, 2, False)
+        return len(two) == 2 and two[1] > two[0] * (1 + BASE_AGREE)
 
     def cut_proposals(
         self, metas: list[SequenceGroupMetadata], proposals: dict[int, Proposal]

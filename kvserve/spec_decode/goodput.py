@@ -474,6 +474,10 @@ class StepCostModel:
         keys = self._curve(prefill).keys
         return keys[-1] if keys else 0
 
+    def fastest(self, rows: int, n: int, prefill: bool = False) -> list[float]:
+        """The ``n`` fastest samples kept in ``rows``'s bucket (ascending; fewer if it has fewer)."""
+        return sorted(self._curve(prefill).window.get(_bucket(rows), []))[:n]
+
     def is_observed(self, rows: int, prefill: bool = False) -> bool:
         """Whether ``rows``'s bucket has a sample in the class (current regime)."""
         return _bucket(rows) in self._curve(prefill).window

@@ -8,12 +8,13 @@ import os
 
 # oneDNN (bfloat16 GEMMs; float32 ones where the native kernels are off) builds and caches one
 # primitive per distinct row count and weight shape, ~0.7 MB each, by default up to 1,024 in
-# each of two caches; a server meets ever-new step sizes, so that grew the process by over 1 GB
-# (tests/adversarial/test_step_size_memory.py). A bound of 128 keeps the last ~25 step sizes
-# (5 weight shapes each) warm. Read at oneDNN's first use, hence set before torch is imported;
-# a user's own setting wins.
+# each of two caches. ``llama.linear`` pads a step's rows to one of ~40 buckets up to 2,048 rows
+# (``row_buckets``), which bounds how many exist (a server's ever-new step sizes once grew the
+# process by over 1 GB: tests/adversarial/test_step_size_memory.py); 256 entries hold every
+# bucket of the 4-5 weight shapes, so none is rebuilt. Read at oneDNN's first use, hence set
+# before torch is imported; a user's own setting wins.
 for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-    os.environ.setdefault(_var, "128")
+    os.environ.setdefault(_var, "256")
 
 from kvserve.config import EngineArgs  # noqa: E402
 from kvserve.outputs import CompletionOutput, RequestOutput  # noqa: E402

@@ -30,6 +30,7 @@ from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAtte
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from kvserve.model_executor.layers.row_buckets import pad_rows
 from kvserve.model_executor.models import native_decode
 
 
@@ -64,7 +65,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
             return torch.ops.mkldnn._linear_pointwise(
                 x.expand(2, -1).contiguous(), weight, bias, "none", [], ""
             )[:1]
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        # padded to a row bucket: a new row count costs oneDNN a primitive build (row_buckets)
+        rows = x.shape[0]
+        return torch.ops.mkldnn._linear_pointwise(pad_rows(x), weight, bias, "none", [], "")[:rows]
     return F.linear(x, weight, bias)
 
 

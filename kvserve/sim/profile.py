@@ -74,12 +74,19 @@ class ProfileGrid:
     prefill_lens: list[int] = field(default_factory=lambda: [16, 64, 256, 1024, 2048])
     prefill_batch: list[int] = field(default_factory=lambda: [1, 2, 4])
     long_prompt_chunks: int = 3
-    # 64 decodes of ~300 tokens (~19,000 KV positions, ~85% of the default cache): the batch a
-    # loaded default replay runs (up to ~60-70 decodes over ~23,000 positions) is within 1.25x
-    context_lens: list[int] = field(default_factory=lambda: [32, 288, 1024])
+    # 64 decodes of ~300 tokens (256 + the warm-in and measured steps: ~19,500 KV positions,
+    # ~85% of the default cache): the batch a loaded default replay runs (up to ~60-70 decodes
+    # over ~23,000 positions) is within 1.25x
+    context_lens: list[int] = field(default_factory=lambda: [32, 256, 1024])
     # every doubling: the decode line bends (decode_knots) where the measured batches say
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     decode_steps: int = 8
+    # decode steps run, unrecorded, between a decode scenario's prompts and its measured steps:
+    # a decode right after a prompt step (or an idle pause) is slower and speeds up over the
+    # next ~100 steps (bfloat16 SmolLM2-135M, 1 sequence: 11.7 -> 8.7 ms; float32 19.8 -> 17.2
+    # ms), and a loaded replay's decodes run mostly 16-255 steps after the last prompt (with
+    # none, the profile measured steps 1-8 and over-predicted those by 10-14%)
+    decode_warm_steps: int = 32
     # the last one is clipped to the budget left by the decodes: a full chunked-prefill step
     # with many decodes riding along, the step a loaded replay spends most of its time in
     mixed_prefill_lens: list[int] = field(default_factory=lambda: [16, 128, 512, 2048])
@@ -103,7 +110,7 @@ class ProfileGrid:
             if v is None:
                 continue
             vals = v if isinstance(v, list) else [v]
-            low = 0 if name in ("long_prompt_chunks", "order_seed") else 1
+            low = 0 if name in ("long_prompt_chunks", "order_seed", "decode_warm_steps") else 1
             if not vals or any(x < low for x in vals):
                 raise ValueError(f"{name} must be >= {low}, got {v}")
             setattr(g, name, v)
@@ -124,6 +131,7 @@ class ProfileGrid:
             context_lens=[16, 64],
             batch_sizes=[1, 4],
             decode_steps=4,
+            decode_warm_steps=2,
             mixed_prefill_lens=[8, 32],
             mixed_batch_sizes=[2],
             mixed_context_len=16,
@@ -266,13 +274,23 @@ class Profiler:
         the steps their prompts take (chunked prefill of ``b * L`` tokens), so all ``b`` decode
         together for ``decode_steps`` steps (otherwise the first ones finish before the last
         one starts and the full batch is never measured)."""
-        return self.grid.decode_steps + 1 + -(-b * L // max(1, self.budget))
+        g = self.grid
+        return g.decode_warm_steps + g.decode_steps + 1 + -(-b * L // max(1, self.budget))
 
     def run_decode(self, L: int, b: int) -> None:
         out = self._decode_tokens(L, b)
         for _ in range(b):
             self._add(L, out)
-        self._drain()
+        warm = self.grid.decode_warm_steps
+        for _ in range(100_000):
+            if not self.engine.has_unfinished_requests():
+                return
+            n = len(self.samples)
+            self._step()
+            if warm and len(self.samples) > n and self.samples[-1][0].prefill_tokens == 0:
+                self.samples.pop()  # one of the warm-in decodes
+                warm -= 1
+        raise RuntimeError("profile scenario did not finish")
 
     def run_mixed(self, b: int) -> None:
         L = self.grid.mixed_context_len
@@ -584,7 +602,7 @@ LIST_FIELDS = (
     "mixed_prefill_lens",
     "mixed_batch_sizes",
 )
-INT_FIELDS = ("decode_steps", "repeats", "long_prompt_chunks", "mixed_context_len", "order_seed")
+INT_FIELDS = ("decode_steps", "decode_warm_steps", "repeats", "long_prompt_chunks", "mixed_context_len", "order_seed")
 
 
 def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:

@@ -1,5 +1,6 @@
 """Per-step records of a replay (``kvserve.sim.step_record``) and the predicted-vs-measured report."""
 
+import dataclasses
 import json
 
 import pytest
@@ -164,16 +165,23 @@ def test_decode_scenario_decodes_its_whole_batch_together():
         prefill_lens=[16],
         prefill_batch=[1],
         long_prompt_chunks=0,
-        context_lens=[288],
+        context_lens=[256],
         batch_sizes=[64],
         decode_steps=4,
+        decode_warm_steps=6,
         mixed_batch_sizes=[1],
         mixed_prefill_lens=[16],
         repeats=1,
     )
-    prof = _profile_on_simulator(grid)
-    full = [s for s, _ in prof.samples if s.shape_class == "decode" and s.decode_seqs == 64]
-    assert len(full) >= 4 and all(s.context_tokens >= 64 * 288 for s in full)
+    first = {}
+    for warm in (0, 6):
+        prof = _profile_on_simulator(dataclasses.replace(grid, decode_warm_steps=warm))
+        full = [s for s, _ in prof.samples if s.shape_class == "decode" and s.decode_seqs == 64]
+        assert len(full) == 4  # decode_steps of them, all 64 decoding together
+        assert all(s.context_tokens >= 64 * 256 for s in full)
+        first[warm] = min(s.context_tokens for s in full)
+    # the first 6 decode-only steps (64 positions each) are the unrecorded warm-in
+    assert first[6] - first[0] == 6 * 64
 
 
 def test_refit_of_replay_steps_recovers_the_cost_that_timed_them():

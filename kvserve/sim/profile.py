@@ -602,7 +602,14 @@ LIST_FIELDS = (
     "mixed_prefill_lens",
     "mixed_batch_sizes",
 )
-INT_FIELDS = ("decode_steps", "decode_warm_steps", "repeats", "long_prompt_chunks", "mixed_context_len", "order_seed")
+INT_FIELDS = (
+    "decode_steps",
+    "decode_warm_steps",
+    "repeats",
+    "long_prompt_chunks",
+    "mixed_context_len",
+    "order_seed",
+)
 
 
 def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:

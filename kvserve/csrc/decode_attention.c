@@ -56,5 +56,30 @@ static inline v16 hsum16x16(const v16* a) {
     return __builtin_shufflevector(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
+#define MAXR 16 /* rows of one verify chunk in a work item */
+
+/* Groups rows 0 .. B-1 into runs of one sequence's consecutive query positions -- a verify
+   chunk of speculative decoding: the same kstart, kend rising by one, and the same blocks for
+   every key a row attends (checked, so rows of different sequences grouped by chance read the
+   same memory) -- each chunk cut into equal parts of at most rmax rows. Group i is rows
+   starts[i] .. starts[i + 1] - 1; returns the number of groups (B when no rows group: plain
+   decodes, or a sliding window). */
+static int64_t verify_rows(const int64_t* table, int64_t nbmax, const int64_t* kstart, const int64_t* kend,
+                           int64_t B, int64_t BS, int64_t rmax, int64_t* starts) {
+    int64_t ng = 0;
+    for (int64_t b = 0; b < B;) {
+        int64_t e = b + 1;
+        while (e < B && kstart[e] == kstart[b] && kend[b] > kstart[b] && kend[e] == kend[e - 1] + 1 &&
+               !memcmp(table + e * nbmax, table + (e - 1) * nbmax,
+                       sizeof(int64_t) * (size_t)((kend[e - 1] - 1) / BS - kstart[b] / BS + 1)))
+            ++e;
+        const int64_t n = e - b, parts = (n + rmax - 1) / rmax;
+        for (int64_t i = 0; i < parts; ++i) starts[ng++] = b + i * n / parts;
+        b = e;
+    }
+    starts[ng] = B;
+    return ng;
+}
+
 #define KV_DTYPE_TEMPLATE "decode_attention_dtype.h"
 #include "kv_instantiate.h"

@@ -53,27 +53,61 @@ static void CAT(generic_, SFX)(const ELEM* q, int64_t qs, const ELEM* cache, con
     }
 }
 
-/* One (sequence, KV head) work item of the fast path. Always inlined, so the calls below with
-   literal G and C get copies whose query and accumulator vectors live in registers. */
+/* Scores of keys kp[0 .. e-1] (e < 16) for the G query heads of qv (scaled, C vectors each):
+   one horizontal sum per key and head, into s[g * Lp + j]. */
+static inline __attribute__((always_inline)) void CAT(tail_, SFX)(const v16* qv, const ELEM* const* kp,
+                                                                  int64_t e, const int64_t G, const int64_t C,
+                                                                  float* s, int64_t Lp) {
+    for (int64_t j = 0; j < e; ++j) {
+        v16 kc[MAXC];
+        for (int64_t c = 0; c < C; ++c) kc[c] = CAT(ld16_, SFX)(kp[j] + 16 * c);
+        for (int64_t g = 0; g < G; ++g) {
+            const v16* qg = qv + g * C;
+            v16 t = qg[0] * kc[0];
+            for (int64_t c = 1; c < C; ++c) t += qg[c] * kc[c];
+            s[g * Lp + j] = hsum16(t);
+        }
+    }
+}
+
+/* One work item of the fast path: KV head h of rows b0 .. b0+R-1, which are one sequence's
+   consecutive query positions (R = 1: a decode; R > 1: a verify chunk, see verify_rows), so
+   each key and value row is read once for all R. Each row's arithmetic is exactly that of the
+   row alone (R = 1): its keys in the same 16-key blocks and tail, its own softmax and its own
+   value sums in key order, so a verify row equals the decode of the same position bit for bit.
+   Always inlined, so the calls below with literal G, C and R = 1 get copies whose query and
+   accumulator vectors live in registers. */
 static inline __attribute__((always_inline)) void
-CAT(item_, SFX)(int64_t w, const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
-                const int64_t* kstart, const int64_t* kend, ELEM* out, int64_t KH, const int64_t G,
-                const int64_t C, int64_t NB, int64_t BS, float scale) {
+CAT(item_, SFX)(int64_t b0, const int64_t R, int64_t h, const ELEM* q, int64_t qs, const ELEM* cache,
+                const int64_t* table, int64_t nbmax, const int64_t* kstart, const int64_t* kend, ELEM* out,
+                int64_t KH, const int64_t G, const int64_t C, int64_t NB, int64_t BS, float scale) {
     const int64_t D = 16 * C;
     const int64_t v_off = KH * NB * BS * D;
-    const int64_t b = w / KH, h = w % KH;
-    const int64_t s0 = kstart[b], s1 = kend[b], L = s1 - s0;
-    ELEM* ob = out + w * G * D;
-    if (L <= 0) {
+    const int64_t bl = b0 + R - 1; /* the last row: the most keys, and the table read */
+    const int64_t s0 = kstart[b0], s1 = kend[bl], L = s1 - s0;
+    if (L <= 0) { /* only ever R = 1 (verify_rows needs keys) */
+        ELEM* ob = out + (b0 * KH + h) * G * D;
         for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, (v16){});
         return;
     }
     const int64_t Lp = (L + 15) & ~(int64_t)15;
-    float* sc = (float*)aligned_alloc(64, sizeof(float) * (size_t)(G * Lp));
-    v16 qv[MAXG * MAXC];
-    const ELEM* qsrc = q + b * qs + h * G * D;
-    for (int64_t i = 0; i < G * C; ++i) qv[i] = CAT(ld16_, SFX)(qsrc + 16 * i) * scale;
-    const int64_t* tb = table + b * nbmax;
+    const int64_t GC = G * C;
+    /* Per row: scores [G][Lp] (row r's own Lr <= L of them used), scaled queries, accumulators. */
+    float* sc = (float*)aligned_alloc(64, sizeof(float) * (size_t)(R * G * Lp));
+    /* qv: scaled float queries; qb: the bfloat16 queries as stored, 32 a vector (vdpbf16ps). */
+    v16 qv1[MAXG * MAXC], acc1[MAXG * MAXC], qb1[MAXG * MAXC / 2];
+    v16* heap = R == 1 ? NULL : (v16*)aligned_alloc(64, sizeof(v16) * (size_t)(5 * R * GC / 2));
+    /* Row r's vectors (R = 1: the arrays above, named directly so they stay in registers). */
+#define QV(r) (R == 1 ? qv1 : heap + (r) * GC)
+#define ACC(r) (R == 1 ? acc1 : heap + R * GC + (r) * GC)
+#define QB(r) (R == 1 ? qb1 : heap + 2 * R * GC + (r) * (GC / 2))
+    for (int64_t r = 0; r < R; ++r) {
+        const ELEM* qsrc = q + (b0 + r) * qs + h * G * D;
+        for (int64_t i = 0; i < GC; ++i) QV(r)[i] = CAT(ld16_, SFX)(qsrc + 16 * i) * scale;
+        if (sizeof(ELEM) == 2)
+            for (int64_t i = 0; i < GC / 2; ++i) memcpy(QB(r) + i, qsrc + 32 * i, 64);
+    }
+    const int64_t* tb = table + bl * nbmax;
     const int64_t fb = s0 / BS;
     const ELEM* kbase = cache + h * NB * BS * D;
     /* Rows are reached through a (block index, offset) cursor -- no division per key -- and
@@ -102,115 +136,139 @@ CAT(item_, SFX)(int64_t w, const ELEM* q, int64_t qs, const ELEM* cache, const i
         for (int64_t off = bi ? 0 : off0; off < BS; ++off)
             for (int64_t o = 0; o < row_bytes; o += 64)
                 __builtin_prefetch((const char*)ROW(kbase, bi, off) + o);
-    int64_t p = s0, kbi = 0, koff = off0;
-    /* 16 keys at a time: widen them once into kf, then one transposing reduction per
-       query head gives their 16 scores (instead of 16 horizontal sums). */
+    int64_t kbi = 0, koff = off0;
+    /* 16 keys at a time: a row whose keys fill the block gets their 16 scores from one
+       transposing reduction per query head (instead of 16 horizontal sums); a row whose keys
+       end inside a block takes its last keys one by one (R = 1: the last block's). */
+    const ELEM* kp[16];
+    int64_t p = s0;
+#define TAILS(rlo)                                                                                           \
+    for (int64_t r = (rlo); r < R; ++r) {                                                                    \
+        const int64_t e = kend[b0 + r] - p; /* row r's keys in this block */                                 \
+        if (e > 0 && e < 16) CAT(tail_, SFX)(QV(r), kp, e, G, C, sc + r * G * Lp + (p - s0), Lp);            \
+    }
+    for (; p + 16 <= s1; p += 16) {
 #if defined(__AVX512BF16__)
-    /* bfloat16 with AVX512-BF16: vdpbf16ps multiplies bf16 pairs exactly and adds them in
-       float32, so the keys need no widening and half the instructions; q is used unscaled
-       (as stored) and the scale applied to the 16 scores. */
-    if (sizeof(ELEM) == 2 && C % 2 == 0) {
-        __m512bh qb[MAXG * MAXC / 2];
-        for (int64_t i = 0; i < G * C / 2; ++i)
-            qb[i] = (__m512bh)_mm512_loadu_si512((const void*)(qsrc + 32 * i));
-        for (; p + 16 <= s1; p += 16) {
+        /* bfloat16 with AVX512-BF16: vdpbf16ps multiplies bf16 pairs exactly and adds them in
+           float32, so the keys need no widening and half the instructions; q is used unscaled
+           (as stored) and the scale applied to the 16 scores. */
+        if (sizeof(ELEM) == 2 && C % 2 == 0) {
             __m512bh kb[16 * MAXC / 2];
             for (int64_t j = 0; j < 16; ++j) {
-                const ELEM* k = ROW(kbase, kbi, koff);
+                kp[j] = ROW(kbase, kbi, koff);
                 for (int64_t c = 0; c < C / 2; ++c)
-                    kb[j * (C / 2) + c] = (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c));
+                    kb[j * (C / 2) + c] = (__m512bh)_mm512_loadu_si512((const void*)(kp[j] + 32 * c));
                 PREFETCH_AHEAD(kbase, kbi, koff);
                 ADVANCE(kbi, koff);
             }
-            for (int64_t g = 0; g < G; ++g) {
-                const __m512bh* qg = qb + g * (C / 2);
-                v16 a[16];
-                for (int64_t j = 0; j < 16; ++j) {
-                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], kb[j * (C / 2)]);
-                    for (int64_t c = 1; c < C / 2; ++c)
-                        acc = _mm512_dpbf16_ps(acc, qg[c], kb[j * (C / 2) + c]);
-                    a[j] = (v16)acc;
+            for (int64_t r = 0; r < R; ++r) {
+                if (r < R - 1 && kend[b0 + r] - p < 16) continue;
+                float* sr = sc + r * G * Lp + (p - s0);
+                for (int64_t g = 0; g < G; ++g) {
+                    const v16* qg = QB(r) + g * (C / 2);
+                    v16 a[16];
+                    for (int64_t j = 0; j < 16; ++j) {
+                        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qg[0], kb[j * (C / 2)]);
+                        for (int64_t c = 1; c < C / 2; ++c)
+                            t = _mm512_dpbf16_ps(t, (__m512bh)qg[c], kb[j * (C / 2) + c]);
+                        a[j] = (v16)t;
+                    }
+                    *(v16*)(sr + g * Lp) = hsum16x16(a) * scale;
                 }
-                *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a) * scale;
             }
+            if (R > 1) TAILS(0);
+            continue;
         }
-    }
 #endif
-    for (; p + 16 <= s1; p += 16) {
         v16 kf[16 * MAXC];
         for (int64_t j = 0; j < 16; ++j) {
-            const ELEM* k = ROW(kbase, kbi, koff);
-            for (int64_t c = 0; c < C; ++c) kf[j * C + c] = CAT(ld16_, SFX)(k + 16 * c);
+            kp[j] = ROW(kbase, kbi, koff);
+            for (int64_t c = 0; c < C; ++c) kf[j * C + c] = CAT(ld16_, SFX)(kp[j] + 16 * c);
             PREFETCH_AHEAD(kbase, kbi, koff);
             ADVANCE(kbi, koff);
         }
-        for (int64_t g = 0; g < G; ++g) {
-            const v16* qg = qv + g * C;
-            v16 a[16];
-            for (int64_t j = 0; j < 16; ++j) {
-                v16 acc = qg[0] * kf[j * C];
-                for (int64_t c = 1; c < C; ++c) acc += qg[c] * kf[j * C + c];
-                a[j] = acc;
+        for (int64_t r = 0; r < R; ++r) {
+            if (r < R - 1 && kend[b0 + r] - p < 16) continue;
+            float* sr = sc + r * G * Lp + (p - s0);
+            for (int64_t g = 0; g < G; ++g) {
+                const v16* qg = QV(r) + g * C;
+                v16 a[16];
+                for (int64_t j = 0; j < 16; ++j) {
+                    v16 t = qg[0] * kf[j * C];
+                    for (int64_t c = 1; c < C; ++c) t += qg[c] * kf[j * C + c];
+                    a[j] = t;
+                }
+                *(v16*)(sr + g * Lp) = hsum16x16(a);
             }
-            *(v16*)(sc + g * Lp + (p - s0)) = hsum16x16(a);
         }
+        if (R > 1) TAILS(0);
     }
-    for (; p < s1; ++p) {
-        const ELEM* k = ROW(kbase, kbi, koff);
-        ADVANCE(kbi, koff);
-        v16 kc[MAXC];
-        for (int64_t c = 0; c < C; ++c) kc[c] = CAT(ld16_, SFX)(k + 16 * c);
+    if (p < s1) {
+        for (int64_t j = 0; j < s1 - p; ++j) {
+            kp[j] = ROW(kbase, kbi, koff);
+            ADVANCE(kbi, koff);
+        }
+        TAILS(0);
+    }
+#undef TAILS
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t Lr = kend[b0 + r] - s0, Lpr = (Lr + 15) & ~(int64_t)15;
         for (int64_t g = 0; g < G; ++g) {
-            const v16* qg = qv + g * C;
-            v16 acc = qg[0] * kc[0];
-            for (int64_t c = 1; c < C; ++c) acc += qg[c] * kc[c];
-            sc[g * Lp + (p - s0)] = hsum16(acc);
+            float* s = sc + (r * G + g) * Lp;
+            for (int64_t i = Lr; i < Lpr; ++i) s[i] = -INFINITY;
+            v16 mv = *(v16*)s;
+            for (int64_t i = 16; i < Lpr; i += 16) {
+                v16 x = *(v16*)(s + i);
+                mv = vmax(x, mv);
+            }
+            float m = mv[0];
+            for (int i = 1; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
+            v16 sumv = (v16){};
+            for (int64_t i = 0; i < Lpr; i += 16) {
+                v16 x = exp16(*(v16*)(s + i) - m);
+                *(v16*)(s + i) = x;
+                sumv += x;
+            }
+            const float inv = 1.0f / hsum16(sumv);
+            for (int64_t i = 0; i < Lpr; i += 16) *(v16*)(s + i) *= inv;
         }
     }
-    for (int64_t g = 0; g < G; ++g) {
-        float* s = sc + g * Lp;
-        for (int64_t i = L; i < Lp; ++i) s[i] = -INFINITY;
-        v16 mv = *(v16*)s;
-        for (int64_t i = 16; i < Lp; i += 16) {
-            v16 x = *(v16*)(s + i);
-            mv = vmax(x, mv);
-        }
-        float m = mv[0];
-        for (int i = 1; i < 16; ++i) m = mv[i] > m ? mv[i] : m;
-        v16 sumv = (v16){};
-        for (int64_t i = 0; i < Lp; i += 16) {
-            v16 e = exp16(*(v16*)(s + i) - m);
-            *(v16*)(s + i) = e;
-            sumv += e;
-        }
-        const float inv = 1.0f / hsum16(sumv);
-        for (int64_t i = 0; i < Lp; i += 16) *(v16*)(s + i) *= inv;
-    }
-    v16 acc[MAXG * MAXC];
-    for (int64_t i = 0; i < G * C; ++i) acc[i] = (v16){};
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < GC; ++i) ACC(r)[i] = (v16){};
     const ELEM* vbase = cache + v_off + h * NB * BS * D;
     for (int64_t bi = 0; bi < PF && bi < nbi; ++bi)
         for (int64_t off = bi ? 0 : off0; off < BS; ++off)
             for (int64_t o = 0; o < row_bytes; o += 64)
                 __builtin_prefetch((const char*)ROW(vbase, bi, off) + o);
     int64_t vbi = 0, voff = off0;
-    for (p = s0; p < s1; ++p) {
+    for (int64_t p = s0; p < s1; ++p) {
         const ELEM* v = ROW(vbase, vbi, voff);
         PREFETCH_AHEAD(vbase, vbi, voff);
         ADVANCE(vbi, voff);
         v16 vc[MAXC];
         for (int64_t c = 0; c < C; ++c) vc[c] = CAT(ld16_, SFX)(v + 16 * c);
-        for (int64_t g = 0; g < G; ++g) {
-            const float a = sc[g * Lp + (p - s0)];
-            v16* ag = acc + g * C;
-            for (int64_t c = 0; c < C; ++c) ag[c] += a * vc[c];
+        /* rows are in key order: row r has key p iff p < kend[b0 + r] (the last row has all) */
+        for (int64_t r = R - 1; r >= 0; --r) {
+            if (r < R - 1 && p >= kend[b0 + r]) break;
+            for (int64_t g = 0; g < G; ++g) {
+                const float a = sc[(r * G + g) * Lp + (p - s0)];
+                v16* ag = ACC(r) + g * C;
+                for (int64_t c = 0; c < C; ++c) ag[c] += a * vc[c];
+            }
         }
     }
 #undef PF
 #undef ROW
 #undef PREFETCH_AHEAD
 #undef ADVANCE
-    for (int64_t i = 0; i < G * C; ++i) CAT(st16_, SFX)(ob + 16 * i, acc[i]);
+    for (int64_t r = 0; r < R; ++r) {
+        ELEM* ob = out + ((b0 + r) * KH + h) * G * D;
+        for (int64_t i = 0; i < GC; ++i) CAT(st16_, SFX)(ob + 16 * i, ACC(r)[i]);
+    }
+#undef QV
+#undef ACC
+#undef QB
+    free(heap);
     free(sc);
 }
 
@@ -224,9 +282,27 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM*
         return;
     }
     const int64_t C = D / 16;
+    /* Work items: whole verify chunks (up to MAXR rows) where that leaves at least 4 items a
+       thread, else single rows. A chunk's rows share their key and value reads but each costs
+       its own compute, so they pay where the reads do not fit the cache (8 sequences of 3-5
+       rows at 450 keys: 1.27x the single rows, bfloat16, 2 threads) and lose where a thread
+       would wait on a long item (1 sequence of 3-9 rows: 0.90-0.95x). */
+    int64_t* starts = (int64_t*)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    int64_t ng = verify_rows(table, nbmax, kstart, kend, B, BS, MAXR, starts);
+    if (ng < B && ng * KH < 4 * (int64_t)nthreads)
+        ng = verify_rows(table, nbmax, kstart, kend, B, BS, 1, starts);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t w = 0; w < B * KH; ++w) {
-#define ITEM(g, c) CAT(item_, SFX)(w, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale)
+    for (int64_t w = 0; w < ng * KH; ++w) {
+        const int64_t b0 = starts[w / KH], R = starts[w / KH + 1] - b0, h = w % KH;
+#define ITEM(g, c)                                                                                           \
+    do {                                                                                                     \
+        if (R == 1)                                                                                          \
+            CAT(item_, SFX)(b0, 1, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS,       \
+                            scale);                                                                          \
+        else                                                                                                 \
+            CAT(item_, SFX)(b0, R, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS,       \
+                            scale);                                                                          \
+    } while (0)
         /* Common shapes (head_dim 64 or 128; 1-8 query heads per KV head) as constants. */
         if (C == 4 && G == 3) ITEM(3, 4);
         else if (C == 4 && G == 1) ITEM(1, 4);
@@ -237,4 +313,5 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM*
         else ITEM(G, C);
 #undef ITEM
     }
+    free(starts);
 }

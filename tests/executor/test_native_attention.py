@@ -102,3 +102,82 @@ def test_q_rows_may_be_strided(dtype):
     a = na.paged_decode_attention(q, cache, table, ks, ke, 0.125)
     b = na.paged_decode_attention(q.contiguous(), cache, table, ks, ke, 0.125)
     assert torch.equal(a, b)
+
+
+def _verify_batch(g, seqs, KH, G, D, BS, NB, dtype, shared_blocks=False):
+    """Rows of ``seqs`` = [(kstart, first query position, rows)]: a verify chunk each, the
+    table rows padded with zeros past their blocks (as the model runner pads them)."""
+    cache = torch.randn(2, KH, NB, BS, D, generator=g).to(dtype)
+    perm = torch.randperm(NB, generator=g).tolist()
+    rows = []
+    for i, (ks, pos, n) in enumerate(seqs):
+        blocks = perm[: (pos + n) // BS + 1] if shared_blocks else perm[i * 40 : (i + 1) * 40]
+        rows += [(ks, p + 1, blocks[ks // BS : p // BS + 1]) for p in range(pos, pos + n)]
+    nbmax = max(len(t) for _, _, t in rows)
+    table = torch.zeros(len(rows), nbmax, dtype=torch.long)
+    for r, (_, _, t) in enumerate(rows):
+        table[r, : len(t)] = torch.tensor(t)
+    kstart = torch.tensor([ks for ks, _, _ in rows])
+    kend = torch.tensor([ke for _, ke, _ in rows])
+    q = torch.randn(len(rows), KH, G, D, generator=g).to(dtype)
+    return q, cache, table, kstart, kend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 4, 128, 16), (1, 2, 32, 4), (2, 5, 48, 8)])
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_verify_chunk_rows_equal_each_row_alone(KH, G, D, BS, dtype, threads):
+    """A verify chunk's rows (one sequence's consecutive positions: the kernel reads their keys
+    once for all of them) give bit for bit what each row gives alone as a decode, across
+    16-key block boundaries, for chunks of 1-20 rows (split into work items of up to 16) and a
+    window's kstart; every row also matches the torch reference."""
+    g = torch.Generator().manual_seed(KH * 31 + G + threads)
+    seqs = [(0, 5, 9), (0, 14, 3), (0, 31, 1), (BS, 40, 20), (0, 0, 4), (0, 63, 2)]
+    q, cache, table, kstart, kend = _verify_batch(g, seqs, KH, G, D, BS, 600, dtype)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = na.paged_decode_attention(q, cache, table, kstart, kend, 0.3)
+        for b in range(q.shape[0]):
+            alone = na.paged_decode_attention(
+                q[b : b + 1].contiguous(),
+                cache,
+                table[b : b + 1].contiguous(),
+                kstart[b : b + 1],
+                kend[b : b + 1],
+                0.3,
+            )
+            assert torch.equal(got[b], alone[0]), b
+    finally:
+        torch.set_num_threads(old)
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(kstart[b]), int(kend[b]))
+        blk = table[b, (pos - int(kstart[b]) // BS * BS) // BS]
+        K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
+        ref = F.scaled_dot_product_attention(q[b].float(), K, V, scale=0.3)
+        assert (got[b].float() - ref).abs().max() <= TOLERANCE[dtype], b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rows_of_other_sequences_never_read_each_others_blocks(dtype):
+    """Consecutive rows with consecutive kend but other blocks (two sequences whose lengths
+    differ by one), or sharing only a prefix of blocks, each read their own table row."""
+    g = torch.Generator().manual_seed(5)
+    KH, G, D, BS = 3, 3, 64, 16
+    # the same positions as one chunk, but each row another sequence's blocks
+    q, cache, table, kstart, kend = _verify_batch(
+        g, [(0, 40, 1), (0, 41, 1), (0, 42, 1)], KH, G, D, BS, 300, dtype
+    )
+    # and rows sharing their blocks (a prefix-cached pair) except where a table differs
+    q2, _, table2, kstart2, kend2 = _verify_batch(
+        g, [(0, 20, 3)], KH, G, D, BS, 300, dtype, shared_blocks=True
+    )
+    table2[2, 1] = int(table2[2, 1]) + 1  # row 2's second block is another one
+    for qq, tt, ks, ke in ((q, table, kstart, kend), (q2, table2, kstart2, kend2)):
+        got = na.paged_decode_attention(qq, cache, tt, ks, ke, 0.3)
+        for b in range(qq.shape[0]):
+            pos = torch.arange(0, int(ke[b]))
+            blk = tt[b, pos // BS]
+            K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
+            ref = F.scaled_dot_product_attention(qq[b].float(), K, V, scale=0.3)
+            assert (got[b].float() - ref).abs().max() <= TOLERANCE[dtype], b

@@ -276,8 +276,9 @@ class SpeculativeConfig:
         disable_by_batch_size: a step with more running sequences than this does not speculate
             (no lookahead slots, plain decode); ``None`` = always speculate.
         disable_below_acceptance_rate: a request whose own acceptance rate (accepted / drafted
-            tokens) is below this once it has drafted ``acceptance_window`` tokens stops
-            speculating for the rest of its life (0.0 = never), in [0, 1].
+            tokens) is below this over ``acceptance_window`` drafted tokens pauses speculating
+            for ``acceptance_window * 2**pauses`` output tokens, then speculates again and is
+            judged on its new drafts (0.0 = never), in [0, 1].
         acceptance_window: drafted tokens before that rule is applied (>= 1).
         dynamic: True (default): each step the worker chooses how many of its
             ``num_speculative_tokens`` slots each sequence fills (0 included) to maximise

@@ -337,11 +337,18 @@ class SequenceGroup:
             [None] if sampling_params.prompt_logprobs is not None else None
         )
         # Speculative decoding: drafted / accepted tokens over the request's life, and whether
-        # it speculates no more (set by the engine: structured output, low acceptance). The
-        # scheduler reserves no lookahead slots for a disabled group.
+        # it speculates not now (set by the engine while its acceptance is low: see
+        # LLMEngine._account_speculation). The scheduler reserves no lookahead slots for a
+        # disabled group.
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_decode_disabled = False
+        # The low-acceptance rule's state: drafted / accepted since speculation last resumed,
+        # pauses so far, and the output length at which the current pause ends.
+        self.spec_window_draft_tokens = 0
+        self.spec_window_accepted_tokens = 0
+        self.spec_num_pauses = 0
+        self.spec_resume_at: int | None = None
 
     # -- queries -------------------------------------------------------------------
     @property

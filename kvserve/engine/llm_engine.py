@@ -54,6 +54,11 @@ class _ShutDownExecutor:
         raise RuntimeError(f"the engine was shut down (executor.{name} is gone)")
 
 
+def _output_len(group: SequenceGroup) -> int:
+    """Tokens the group has generated (its samples advance together under speculation)."""
+    return max((seq.get_output_len() for seq in group.get_seqs()), default=0)
+
+
 class LLMEngine:
     """Continuous-batching engine: a ``Scheduler`` plus an executor (real model or simulator).
 
@@ -570,6 +575,8 @@ class LLMEngine:
             self.stats.on_draft_opportunities(result.spec_num_eligible_seqs)
         if result.spec_num_draft_tokens:
             self._account_speculation(group, result, samples)
+        elif group.spec_decode_disabled:
+            self._maybe_resume_speculation(group)
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, sample, max_tokens: int) -> None:
         """Append one emitted token to ``seq``: structured-output matcher, detokenizer, stop
@@ -595,10 +602,11 @@ class LLMEngine:
     def _account_speculation(
         self, group: SequenceGroup, result: CompletionSequenceGroupOutput, samples
     ) -> None:
-        """Count the step's drafts (request and engine) and switch the request's speculation
-        off for good once its acceptance rate stays below the configured floor."""
+        """Count the step's drafts (request and engine) and apply the low-acceptance rule."""
         group.spec_num_draft_tokens += result.spec_num_draft_tokens
         group.spec_num_accepted_tokens += result.spec_num_accepted_tokens
+        group.spec_window_draft_tokens += result.spec_num_draft_tokens
+        group.spec_window_accepted_tokens += result.spec_num_accepted_tokens
         for sample in samples:
             if sample.num_draft_tokens:
                 self.stats.on_speculation(sample.num_draft_tokens, sample.num_accepted_tokens)
@@ -606,11 +614,25 @@ class LLMEngine:
         if (
             cfg is not None
             and cfg.disable_below_acceptance_rate > 0
-            and group.spec_num_draft_tokens >= cfg.acceptance_window
-            and group.spec_num_accepted_tokens
-            < cfg.disable_below_acceptance_rate * group.spec_num_draft_tokens
+            and group.spec_window_draft_tokens >= cfg.acceptance_window
+            and group.spec_window_accepted_tokens
+            < cfg.disable_below_acceptance_rate * group.spec_window_draft_tokens
         ):
+            # Paused, not ended: what a request generates changes (an answer that starts
+            # in its own words may go on to quote its input, or to repeat itself), so it
+            # speculates again after acceptance_window * 2**pauses more output tokens and is
+            # judged afresh; a request that never accepts wastes O(log length) windows.
             group.spec_decode_disabled = True
+            group.spec_resume_at = _output_len(group) + cfg.acceptance_window * 2**group.spec_num_pauses
+            group.spec_num_pauses += 1
+
+    @staticmethod
+    def _maybe_resume_speculation(group: SequenceGroup) -> None:
+        """End a low-acceptance pause once the group has generated past its end."""
+        if group.spec_resume_at is not None and _output_len(group) >= group.spec_resume_at:
+            group.spec_decode_disabled = False
+            group.spec_resume_at = None
+            group.spec_window_draft_tokens = group.spec_window_accepted_tokens = 0
 
     # ------------------------------------------------------------------ outputs
     def _make_output(self, group: SequenceGroup) -> RequestOutput:

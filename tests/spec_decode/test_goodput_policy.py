@@ -83,7 +83,9 @@ def test_allocator_is_optimal_for_one_sequence(m, p, base, a, b):
     cands = [DraftCandidate(0, m, p)]
     got = goodput(cands, allocate_draft_lengths(cands, base, cost), base, cost)
     best = max(goodput(cands, {0: k}, base, cost) for k in range(m + 1))
-    assert got >= best * (1 - 1e-9)
+    # the allocator takes a draft only for more than 1e-9 relative gain (a 1e-9 acceptance
+    # at no cost gained exactly that and failed a 1e-9 tolerance here on rounding)
+    assert got >= best * (1 - 1e-6)
 
 
 def test_allocator_matches_brute_force_on_small_batches():

@@ -355,7 +355,7 @@ def test_disable_by_batch_size(tiny_llama_dir, reference):
 
 
 def test_low_acceptance_switches_a_request_off(tiny_llama_dir, reference):
-    """A request whose acceptance stays below ``disable_below_acceptance_rate`` stops
+    """A request whose acceptance stays below ``disable_below_acceptance_rate`` pauses
     speculating after ``acceptance_window`` drafted tokens; the output is unchanged (fixed k:
     the rule needs drafts to judge, which the dynamic policy may withhold on the tiny model)."""
     spec = ngram(disable_below_acceptance_rate=0.99, acceptance_window=K, dynamic=False)
@@ -369,10 +369,56 @@ def test_low_acceptance_switches_a_request_off(tiny_llama_dir, reference):
         assert out.outputs[0].token_ids == reference[rid]
         u = unlimited[rid]
         if u.spec_num_accepted_tokens < 0.99 * u.spec_num_draft_tokens and u.spec_num_draft_tokens >= 2 * K:
-            # the window closed with a rate under the floor: speculation stopped early
-            assert out.spec_num_draft_tokens < u.spec_num_draft_tokens, rid
-            switched += 1
+            # the window closed with a rate under the floor: speculation paused (resuming
+            # later, so a request that drafts rarely may draft as often as without the rule)
+            assert out.spec_num_draft_tokens <= u.spec_num_draft_tokens, rid
+            switched += out.spec_num_draft_tokens < u.spec_num_draft_tokens
     assert switched > 0
+
+
+class _WrongThenRight(Proposer):
+    """Wrong drafts (the oracle's, each id + 1) while the sequence has fewer than ``switch``
+    output tokens, the oracle's own after; records the output length at every proposal."""
+
+    def __init__(self, oracle, switch):
+        self.oracle, self.switch, self.proposed_at = oracle, switch, []
+
+    def propose(self, req, k):
+        out = self.oracle.propose(req, k)
+        for md in req.seq_group_metadata_list:
+            for sid, data in md.seq_data.items():
+                if sid in out:
+                    n = data.get_output_len()
+                    self.proposed_at.append(n)
+                    if n < self.switch:
+                        out[sid] = Proposal([t + 1 for t in out[sid].token_ids])
+        return out
+
+
+def test_low_acceptance_pauses_a_request_and_it_resumes(tiny_llama_dir, reference):
+    """A request whose acceptance is below ``disable_below_acceptance_rate`` over
+    ``acceptance_window`` drafted tokens pauses speculation for ``acceptance_window *
+    2**pauses`` output tokens, then speculates again and is judged afresh: drafts that turn
+    good are used (a request that starts in its own words and then quotes its input)."""
+    window = K
+    spec = ngram(disable_below_acceptance_rate=0.5, acceptance_window=window, dynamic=False)
+    eng = make_engine(tiny_llama_dir, spec, block_size=4, num_gpu_blocks=128)
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    prop = eng.executor.proposer = _WrongThenRight(oracle, switch=12)
+    finals, _ = drain(eng, [("r0", PROMPTS[0], greedy())])
+    out = finals["r0"]
+    assert out.outputs[0].token_ids == reference["r0"]
+    at = prop.proposed_at
+    # a wrong window (K drafts at output 1, one token emitted), then a pause of K tokens;
+    # wrong again, a pause of 2K: the pauses double while the drafts are wrong
+    wrong = [n for n in at if n < 12]
+    assert wrong[0] == 1 and len(wrong) >= 2, at
+    gaps = [b - a for a, b in zip(wrong, wrong[1:])]
+    assert gaps == [1 + window * 2**i for i in range(len(gaps))], at
+    # once right, drafts come every step (K accepted, K + 1 emitted) until max_tokens
+    right = [n for n in at if n >= 12]
+    assert right and all(b - a == K + 1 for a, b in zip(right, right[1:])), at
+    assert out.spec_num_accepted_tokens >= (MAX_NEW - right[0]) * K // (K + 1) - K
 
 
 def test_structured_output_requests_speculate(tiny_llama_dir):

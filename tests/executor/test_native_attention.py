@@ -181,3 +181,63 @@ def test_rows_of_other_sequences_never_read_each_others_blocks(dtype):
             K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
             ref = F.scaled_dot_product_attention(qq[b].float(), K, V, scale=0.3)
             assert (got[b].float() - ref).abs().max() <= TOLERANCE[dtype], b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("KH,G,D,BS", [(2, 16, 256, 16), (2, 4, 64, 8)])
+def test_verify_chunks_beside_empty_rows_shared_prefixes_and_long_contexts(KH, G, D, BS, dtype):
+    """The grouping's edges, each row bit for bit what it gives alone (and, through single rows,
+    what the batch gives with too few items a thread to group): a chunk of 18 rows over more
+    than 4096 keys (two work items of 9), an empty row (kend == kstart) right after it and at
+    the end, a window start inside a block, a chunk followed by a row of another sequence whose
+    blocks are the chunk's own (prefix-cached: it may join, reading the same memory), then by
+    one whose blocks differ inside the chunk's keys (it may not), a sliding window's rows (kend
+    and kstart rising together, the same table row: they may not), and table rows padded with
+    zeros well past their blocks."""
+    g = torch.Generator().manual_seed(D + G)
+    NB = 4600 // BS + 40
+    cache = torch.randn(2, KH, NB, BS, D, generator=g).to(dtype)
+    perm = torch.randperm(NB, generator=g).tolist()
+    a, b = perm[: 4518 // BS + 1], perm[4518 // BS + 1 : 4518 // BS + 13]
+    other = list(b)
+    other[13 // BS + 1] = perm[-1]  # differs from b inside the keys b's rows read
+    # (kstart, kend, the sequence's blocks by absolute block index)
+    rows = [(0, p + 1, a) for p in range(4500, 4518)] + [(7, 7, a)]
+    rows += [(13, p + 1, b) for p in range(60, 65)] + [(13, 66, b), (13, 67, other), (0, 1, a)]
+    rows += [(p - 19, p + 1, a) for p in range(100, 104)] + [(0, 0, a)]  # a window of 20
+    table = torch.zeros(len(rows), 4520 // BS + 8, dtype=torch.long)
+    for r, (ks, ke, blocks) in enumerate(rows):
+        t = blocks[ks // BS : (ke - 1) // BS + 1] if ke > ks else []
+        table[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+    kstart = torch.tensor([ks for ks, _, _ in rows])
+    kend = torch.tensor([ke for _, ke, _ in rows])
+    q = torch.randn(len(rows), KH, G, D, generator=g).to(dtype)
+    scale = D**-0.5
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 11 groups x 2 KV heads: grouped
+        got = na.paged_decode_attention(q, cache, table, kstart, kend, scale)
+        torch.set_num_threads(8)  # < 4 items a thread: single rows
+        single = na.paged_decode_attention(q, cache, table, kstart, kend, scale)
+        torch.set_num_threads(1)
+        for r in range(len(rows)):
+            alone = na.paged_decode_attention(
+                q[r : r + 1].contiguous(),
+                cache,
+                table[r : r + 1].contiguous(),
+                kstart[r : r + 1],
+                kend[r : r + 1],
+                scale,
+            )
+            assert torch.equal(got[r], alone[0]) and torch.equal(single[r], alone[0]), r
+    finally:
+        torch.set_num_threads(old)
+    for r, (ks, ke, blocks) in enumerate(rows):
+        if ke == ks:
+            assert not got[r].any(), r
+            continue
+        pos = torch.arange(ks, ke)
+        blk = torch.tensor(blocks)[pos // BS]
+        K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
+        ref = F.scaled_dot_product_attention(q[r].float(), K, V, scale=scale)
+        assert (got[r].float() - ref).abs().max() <= TOLERANCE[dtype], r

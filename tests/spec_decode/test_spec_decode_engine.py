@@ -421,6 +421,58 @@ def test_low_acceptance_pauses_a_request_and_it_resumes(tiny_llama_dir, referenc
     assert out.spec_num_accepted_tokens >= (MAX_NEW - right[0]) * K // (K + 1) - K
 
 
+class _WrongInPhases(Proposer):
+    """The oracle's drafts, wrong (each id + 1) while the sequence's output length is in
+    ``[0, 10)`` mod 20: a request pauses, resumes into wrong drafts, pauses longer, and resumes
+    into right ones."""
+
+    def __init__(self, oracle):
+        self.oracle = oracle
+
+    def propose(self, req, k):
+        out = self.oracle.propose(req, k)
+        for md in req.seq_group_metadata_list:
+            for sid, data in md.seq_data.items():
+                if sid in out and data.get_output_len() % 20 < 10:
+                    out[sid] = Proposal([t + 1 for t in out[sid].token_ids])
+        return out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_paused_requests_under_preemption_abort_and_parallel_samples(tiny_llama_dir, reference, mode):
+    """Low-acceptance pauses beside preemption (a cache too small for the batch), an n = 2
+    request (its samples' drafts judged together) and a request aborted while paused: every
+    answer equals speculation off, blocks are conserved after every step (``drain``), and every
+    request that finishes had drafts accepted, which it only gets after resuming (its first
+    drafts are all wrong)."""
+    spec = ngram(disable_below_acceptance_rate=0.5, acceptance_window=2, dynamic=False)
+    eng = make_engine(
+        tiny_llama_dir, spec, block_size=4, num_gpu_blocks=40, num_cpu_blocks=64, preemption_mode=mode
+    )
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    eng.executor.proposer = _WrongInPhases(oracle)
+    pauses = {}
+
+    def watch(step):
+        for g in [*eng.scheduler.running, *eng.scheduler.waiting, *eng.scheduler.swapped]:
+            pauses[g.request_id] = max(pauses.get(g.request_id, 0), g.spec_num_pauses)
+            if g.request_id == "r3" and g.spec_decode_disabled:
+                eng.abort_request("r3")
+
+    multi = SamplingParams(n=2, temperature=0.0, ignore_eos=True, max_tokens=40)
+    reqs = [(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)] + [("multi", PROMPTS[2], multi)]
+    finals, _ = drain(eng, reqs, on_step=watch)
+    assert finals["r3"].outcome == "aborted"
+    for rid, out in finals.items():
+        if rid == "r3":
+            continue
+        assert out.outcome == "finished", (rid, out.error)
+        ref = reference["r2"][:40] if rid == "multi" else reference[rid]
+        assert [c.token_ids for c in out.outputs] == [ref] * len(out.outputs), rid
+        assert pauses[rid] >= 2 and out.spec_num_accepted_tokens > 0, (rid, pauses)
+    assert eng.get_kv_cache_stats()["num_preemptions"] > 0
+
+
 def test_structured_output_requests_speculate(tiny_llama_dir):
     """Constrained requests speculate too (their drafts checked against the grammar: see
     test_spec_decode_structured.py)."""

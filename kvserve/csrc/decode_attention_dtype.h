@@ -104,7 +104,7 @@ CAT(item_, SFX)(int64_t b0, const int64_t R, int64_t h, const ELEM* q, int64_t q
     for (int64_t r = 0; r < R; ++r) {
         const ELEM* qsrc = q + (b0 + r) * qs + h * G * D;
         for (int64_t i = 0; i < GC; ++i) QV(r)[i] = CAT(ld16_, SFX)(qsrc + 16 * i) * scale;
-        if (sizeof(ELEM) == 2)
+        if (sizeof(ELEM) == 2 && C % 2 == 0) /* read by the vdpbf16ps path only */
             for (int64_t i = 0; i < GC / 2; ++i) memcpy(QB(r) + i, qsrc + 32 * i, 64);
     }
     const int64_t* tb = table + bl * nbmax;
@@ -142,8 +142,8 @@ CAT(item_, SFX)(int64_t b0, const int64_t R, int64_t h, const ELEM* q, int64_t q
        end inside a block takes its last keys one by one (R = 1: the last block's). */
     const ELEM* kp[16];
     int64_t p = s0;
-#define TAILS(rlo)                                                                                           \
-    for (int64_t r = (rlo); r < R; ++r) {                                                                    \
+#define TAILS                                                                                                \
+    for (int64_t r = 0; r < R; ++r) {                                                                        \
         const int64_t e = kend[b0 + r] - p; /* row r's keys in this block */                                 \
         if (e > 0 && e < 16) CAT(tail_, SFX)(QV(r), kp, e, G, C, sc + r * G * Lp + (p - s0), Lp);            \
     }
@@ -176,7 +176,7 @@ CAT(item_, SFX)(int64_t b0, const int64_t R, int64_t h, const ELEM* q, int64_t q
                     *(v16*)(sr + g * Lp) = hsum16x16(a) * scale;
                 }
             }
-            if (R > 1) TAILS(0);
+            if (R > 1) TAILS;
             continue;
         }
 #endif
@@ -201,14 +201,14 @@ CAT(item_, SFX)(int64_t b0, const int64_t R, int64_t h, const ELEM* q, int64_t q
                 *(v16*)(sr + g * Lp) = hsum16x16(a);
             }
         }
-        if (R > 1) TAILS(0);
+        if (R > 1) TAILS;
     }
     if (p < s1) {
         for (int64_t j = 0; j < s1 - p; ++j) {
             kp[j] = ROW(kbase, kbi, koff);
             ADVANCE(kbi, koff);
         }
-        TAILS(0);
+        TAILS;
     }
 #undef TAILS
     for (int64_t r = 0; r < R; ++r) {

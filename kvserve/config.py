@@ -276,7 +276,8 @@ class SpeculativeConfig:
         disable_by_batch_size: a step with more running sequences than this does not speculate
             (no lookahead slots, plain decode); ``None`` = always speculate.
         disable_below_acceptance_rate: a request whose own acceptance rate (accepted / drafted
-            tokens) is below this over ``acceptance_window`` drafted tokens pauses speculating
+            tokens) is below this over a window of ``acceptance_window`` drafted tokens (each
+            window counted afresh) pauses speculating
             for ``acceptance_window * 2**pauses`` output tokens, then speculates again and is
             judged on its new drafts (0.0 = never), in [0, 1].
         acceptance_window: drafted tokens before that rule is applied (>= 1).

@@ -343,8 +343,8 @@ class SequenceGroup:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_decode_disabled = False
-        # The low-acceptance rule's state: drafted / accepted since speculation last resumed,
-        # pauses so far, and the output length at which the current pause ends.
+        # The low-acceptance rule's state: drafted / accepted in the current window, pauses
+        # so far, and the output length at which the current pause ends.
         self.spec_window_draft_tokens = 0
         self.spec_window_accepted_tokens = 0
         self.spec_num_pauses = 0

@@ -612,12 +612,19 @@ class LLMEngine:
                 self.stats.on_speculation(sample.num_draft_tokens, sample.num_accepted_tokens)
         cfg = self.speculative_config
         if (
-            cfg is not None
-            and cfg.disable_below_acceptance_rate > 0
-            and group.spec_window_draft_tokens >= cfg.acceptance_window
-            and group.spec_window_accepted_tokens
-            < cfg.disable_below_acceptance_rate * group.spec_window_draft_tokens
+            cfg is None
+            or cfg.disable_below_acceptance_rate <= 0
+            or group.spec_window_draft_tokens < cfg.acceptance_window
         ):
+            return
+        # Judged per window of acceptance_window drafts (then counted afresh), so a request
+        # that accepted well early and stops accepting pauses within one window.
+        low = (
+            group.spec_window_accepted_tokens
+            < cfg.disable_below_acceptance_rate * group.spec_window_draft_tokens
+        )
+        group.spec_window_draft_tokens = group.spec_window_accepted_tokens = 0
+        if low:
             # Paused, not ended: what a request generates changes (an answer that starts
             # in its own words may go on to quote its input, or to repeat itself), so it
             # speculates again after acceptance_window * 2**pauses more output tokens and is
@@ -632,7 +639,6 @@ class LLMEngine:
         if group.spec_resume_at is not None and _output_len(group) >= group.spec_resume_at:
             group.spec_decode_disabled = False
             group.spec_resume_at = None
-            group.spec_window_draft_tokens = group.spec_window_accepted_tokens = 0
 
     # ------------------------------------------------------------------ outputs
     def _make_output(self, group: SequenceGroup) -> RequestOutput:

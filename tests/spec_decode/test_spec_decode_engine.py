@@ -378,10 +378,11 @@ def test_low_acceptance_switches_a_request_off(tiny_llama_dir, reference):
 
 class _WrongThenRight(Proposer):
     """Wrong drafts (the oracle's, each id + 1) while the sequence has fewer than ``switch``
-    output tokens, the oracle's own after; records the output length at every proposal."""
+    output tokens, the oracle's own after (``right_first``: the other way round); records the
+    output length at every proposal."""
 
-    def __init__(self, oracle, switch):
-        self.oracle, self.switch, self.proposed_at = oracle, switch, []
+    def __init__(self, oracle, switch, right_first=False):
+        self.oracle, self.switch, self.right_first, self.proposed_at = oracle, switch, right_first, []
 
     def propose(self, req, k):
         out = self.oracle.propose(req, k)
@@ -390,7 +391,7 @@ class _WrongThenRight(Proposer):
                 if sid in out:
                     n = data.get_output_len()
                     self.proposed_at.append(n)
-                    if n < self.switch:
+                    if (n < self.switch) != self.right_first:
                         out[sid] = Proposal([t + 1 for t in out[sid].token_ids])
         return out
 
@@ -471,6 +472,23 @@ def test_paused_requests_under_preemption_abort_and_parallel_samples(tiny_llama_
         assert [c.token_ids for c in out.outputs] == [ref] * len(out.outputs), rid
         assert pauses[rid] >= 2 and out.spec_num_accepted_tokens > 0, (rid, pauses)
     assert eng.get_kv_cache_stats()["num_preemptions"] > 0
+
+
+def test_acceptance_is_judged_per_window_not_over_the_requests_life(tiny_llama_dir, reference):
+    """A request that accepted every draft so far and then stops accepting pauses after one
+    window of ``acceptance_window`` bad drafts, not once its lifetime rate has fallen."""
+    spec = ngram(disable_below_acceptance_rate=0.5, acceptance_window=K, dynamic=False)
+    eng = make_engine(tiny_llama_dir, spec, block_size=4, num_gpu_blocks=128)
+    oracle = OracleProposer({tuple(p): reference[f"r{i}"] for i, p in enumerate(PROMPTS)})
+    prop = eng.executor.proposer = _WrongThenRight(oracle, switch=16, right_first=True)
+    finals, _ = drain(eng, [("r0", PROMPTS[0], greedy())])
+    assert finals["r0"].outputs[0].token_ids == reference["r0"]
+    at = prop.proposed_at
+    right = [n for n in at if n < 16]
+    wrong = [n for n in at if n >= 16]
+    assert len(right) >= 3, at  # K accepted each: the lifetime rate stays >= 0.5 for 3 windows
+    # the first bad window pauses K tokens: the next proposal is 1 + K tokens later
+    assert wrong[1] - wrong[0] == 1 + K, at
 
 
 def test_structured_output_requests_speculate(tiny_llama_dir):

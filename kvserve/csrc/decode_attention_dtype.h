@@ -313,8 +313,10 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM*
        would wait on a long item (1 sequence of 3-9 rows: 0.90-0.95x). */
     int64_t* starts = (int64_t*)malloc(sizeof(int64_t) * (size_t)(B + 1));
     int64_t ng = verify_rows(table, nbmax, kstart, kend, B, BS, MAXR, starts);
-    if (ng < B && ng * KH < 4 * (int64_t)nthreads)
-        ng = verify_rows(table, nbmax, kstart, kend, B, BS, 1, starts);
+    if (ng < B && ng * KH < 4 * (int64_t)nthreads) { /* single rows */
+        for (int64_t i = 0; i <= B; ++i) starts[i] = i;
+        ng = B;
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t w = 0; w < ng * KH; ++w) {
         const int64_t b0 = starts[w / KH], R = starts[w / KH + 1] - b0, h = w % KH;

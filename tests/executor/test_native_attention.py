@@ -104,6 +104,24 @@ def test_q_rows_may_be_strided(dtype):
     assert torch.equal(a, b)
 
 
+def _row_alone(q, cache, table, kstart, kend, scale, r):
+    """The kernel on row ``r`` of a batch by itself (a decode of that position): ``[KH, G, D]``."""
+    return na.paged_decode_attention(
+        q[r : r + 1].contiguous(),
+        cache,
+        table[r : r + 1].contiguous(),
+        kstart[r : r + 1],
+        kend[r : r + 1],
+        scale,
+    )[0]
+
+
+def _reference(q_row, cache, blk, pos, BS, scale):
+    """torch attention of ``q_row`` [KH, G, D] over keys ``pos`` held in blocks ``blk``, float32."""
+    K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
+    return F.scaled_dot_product_attention(q_row.float(), K, V, scale=scale)
+
+
 def _verify_batch(g, seqs, KH, G, D, BS, NB, dtype, shared_blocks=False):
     """Rows of ``seqs`` = [(kstart, first query position, rows)]: a verify chunk each, the
     table rows padded with zeros past their blocks (as the model runner pads them)."""
@@ -139,22 +157,12 @@ def test_verify_chunk_rows_equal_each_row_alone(KH, G, D, BS, dtype, threads):
     try:
         got = na.paged_decode_attention(q, cache, table, kstart, kend, 0.3)
         for b in range(q.shape[0]):
-            alone = na.paged_decode_attention(
-                q[b : b + 1].contiguous(),
-                cache,
-                table[b : b + 1].contiguous(),
-                kstart[b : b + 1],
-                kend[b : b + 1],
-                0.3,
-            )
-            assert torch.equal(got[b], alone[0]), b
+            assert torch.equal(got[b], _row_alone(q, cache, table, kstart, kend, 0.3, b)), b
     finally:
         torch.set_num_threads(old)
     for b in range(q.shape[0]):
         pos = torch.arange(int(kstart[b]), int(kend[b]))
-        blk = table[b, (pos - int(kstart[b]) // BS * BS) // BS]
-        K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
-        ref = F.scaled_dot_product_attention(q[b].float(), K, V, scale=0.3)
+        ref = _reference(q[b], cache, table[b, pos // BS - int(kstart[b]) // BS], pos, BS, 0.3)
         assert (got[b].float() - ref).abs().max() <= TOLERANCE[dtype], b
 
 
@@ -177,9 +185,7 @@ def test_rows_of_other_sequences_never_read_each_others_blocks(dtype):
         got = na.paged_decode_attention(qq, cache, tt, ks, ke, 0.3)
         for b in range(qq.shape[0]):
             pos = torch.arange(0, int(ke[b]))
-            blk = tt[b, pos // BS]
-            K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
-            ref = F.scaled_dot_product_attention(qq[b].float(), K, V, scale=0.3)
+            ref = _reference(qq[b], cache, tt[b, pos // BS], pos, BS, 0.3)
             assert (got[b].float() - ref).abs().max() <= TOLERANCE[dtype], b
 
 
@@ -221,15 +227,8 @@ def test_verify_chunks_beside_empty_rows_shared_prefixes_and_long_contexts(KH, G
         single = na.paged_decode_attention(q, cache, table, kstart, kend, scale)
         torch.set_num_threads(1)
         for r in range(len(rows)):
-            alone = na.paged_decode_attention(
-                q[r : r + 1].contiguous(),
-                cache,
-                table[r : r + 1].contiguous(),
-                kstart[r : r + 1],
-                kend[r : r + 1],
-                scale,
-            )
-            assert torch.equal(got[r], alone[0]) and torch.equal(single[r], alone[0]), r
+            alone = _row_alone(q, cache, table, kstart, kend, scale, r)
+            assert torch.equal(got[r], alone) and torch.equal(single[r], alone), r
     finally:
         torch.set_num_threads(old)
     for r, (ks, ke, blocks) in enumerate(rows):
@@ -237,7 +236,5 @@ def test_verify_chunks_beside_empty_rows_shared_prefixes_and_long_contexts(KH, G
             assert not got[r].any(), r
             continue
         pos = torch.arange(ks, ke)
-        blk = torch.tensor(blocks)[pos // BS]
-        K, V = (cache[i][:, blk, pos % BS].float() for i in (0, 1))
-        ref = F.scaled_dot_product_attention(q[r].float(), K, V, scale=scale)
+        ref = _reference(q[r], cache, torch.tensor(blocks)[pos // BS], pos, BS, scale)
         assert (got[r].float() - ref).abs().max() <= TOLERANCE[dtype], r

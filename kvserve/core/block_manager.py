@@ -592,6 +592,19 @@ class BlockSpaceManager:
         return self._move(tables, self.cpu, self.gpu, moved)
 
     # ================================================================== release
+    def release_lookahead(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks past those its tokens occupy: lookahead blocks a verification
+        left unfilled (its drafts rejected). Held, they counted against the group in every
+        later fit check, so a tight cache capped a request earlier than without speculation.
+        They hold no computed or hashed slot. No-op without a GPU table."""
+        table = self.block_tables.get(seq.seq_id)
+        keep = _cdiv(seq.get_len(), self.block_size)
+        if table is None or len(table) <= keep or any(b is not None and b.device != GPU for b in table):
+            return
+        self._free_table(table[keep:])
+        del table[keep:]
+        self._ids.pop(seq.seq_id, None)
+
     def free(self, seq: Sequence) -> None:
         """Drop every block reference of ``seq`` (GPU or CPU). No-op if it holds none."""
         table = self.block_tables.pop(seq.seq_id, None)

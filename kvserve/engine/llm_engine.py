@@ -573,6 +573,8 @@ class LLMEngine:
         self.stats.on_tokens(num_emitted)
         if result.spec_num_eligible_seqs:
             self.stats.on_draft_opportunities(result.spec_num_eligible_seqs)
+            for seq in group.get_unfinished_seqs():
+                self.scheduler.block_manager.release_lookahead(seq)
         if result.spec_num_draft_tokens:
             self._account_speculation(group, result, samples)
         elif group.spec_decode_disabled:

@@ -133,3 +133,16 @@ def test_speculation_under_a_tiny_cache_changes_nothing_but_speed(tiny_llama_dir
     assert wrong == off, (kw, reqs)
     right, _, _, _ = _run(tiny_llama_dir, spec, kw, reqs, _Reference(cont, wrong=False))
     assert right == off, (kw, reqs)
+
+
+def test_rejected_drafts_blocks_are_released_before_the_next_fit_check(tiny_llama_dir):
+    """A fuzz case (seed 707: n=2 groups in 10 blocks of 4, chunked prefill, recompute) where
+    the lookahead blocks of rejected drafts, still held, made a group look like it could never
+    take its next token: r3 was length-capped after 12 tokens instead of 16."""
+    kw, reqs, k = _case(707)
+    off, finals, _, _ = _run(tiny_llama_dir, None, kw, reqs)
+    cont = {tuple(p): finals[rid].outputs[0].token_ids for rid, p, _ in reqs if rid in finals}
+    wrong, _, _, _ = _run(
+        tiny_llama_dir, ngram(num_speculative_tokens=k), kw, reqs, _Reference(cont, wrong=True)
+    )
+    assert wrong == off

@@ -214,6 +214,23 @@ class BlockSpaceManager:
             n += 1
         return n
 
+    def _prefill_layout(self, seqs: list[Sequence]) -> tuple[list[int], int]:
+        """Per sequence, the leading full blocks it shares with ``seqs[0]`` (0 for the first),
+        and the distinct blocks a prefill of all their tokens needs (shared ones counted once)."""
+        first = seqs[0]
+        n_blocks = _cdiv(first.get_len(), self.block_size)
+        num_full = first.get_len() // self.block_size
+        shared = [0] + [self._num_shared_with_first(first, s, num_full) for s in seqs[1:]]
+        return shared, n_blocks + sum(n_blocks - k for k in shared[1:])
+
+    def fits_once_recomputed(self, seq_group: SequenceGroup) -> bool:
+        """Whether the group's live sequences, freed and prefilled again, fit the usable pool
+        (the test ``plan_allocation`` makes for NEVER). Forked siblings hold private copies of
+        blocks whose tokens they came to agree on; a re-prefill shares those again, so a group
+        that ``can_ever_append_slots`` rejects may still go on after a recompute."""
+        _, required = self._prefill_layout(self._live_seqs(seq_group))
+        return required <= self.num_total_gpu_blocks - self.watermark_blocks
+
     def plan_allocation(self, seq_group: SequenceGroup) -> AllocationPlan:
         """Decide (without side effects) whether the group's live sequences fit now.
 
@@ -223,12 +240,7 @@ class BlockSpaceManager:
         """
         seqs = self._live_seqs(seq_group)
         bs = self.block_size
-        first = seqs[0]
-        length = first.get_len()
-        n_blocks = _cdiv(length, bs)
-        num_full = length // bs
-        shared = [0] + [self._num_shared_with_first(first, s, num_full) for s in seqs[1:]]
-        required = n_blocks + sum(n_blocks - k for k in shared[1:])
+        shared, required = self._prefill_layout(seqs)
         usable = self.num_total_gpu_blocks - self.watermark_blocks
 
         hits: list[list[PhysicalBlock]] = [[] for _ in seqs]

@@ -1024,7 +1024,13 @@ class Scheduler:
                 if victim is None or victim is g:
                     budget.subtract_num_seqs(rid, g.get_max_num_running_seqs())
                     scheduled = False
-                    if not bm.can_ever_append_slots(g, lookahead):
+                    if bm.can_ever_append_slots(g, lookahead):
+                        self._preempt(g, st)
+                    elif len(live) > 1 and bm.fits_once_recomputed(g):
+                        # Its forked sequences agree on blocks they hold apart: a re-prefill
+                        # shares them, and yields a token, so this always makes progress.
+                        self._preempt(g, st, PreemptionMode.RECOMPUTE)
+                    else:
                         # Even alone it cannot take its next token: end it, don't thrash.
                         held = bm.get_num_freeable_blocks(g)
                         self._ignore(
@@ -1036,8 +1042,6 @@ class Scheduler:
                         )
                         st.ignored.append(g)
                         st.preempted_ids.add(rid)
-                    else:
-                        self._preempt(g, st)
                     break
                 done.add(victim.request_id)
                 budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())

@@ -4,6 +4,7 @@ speculation off."""
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -135,14 +136,30 @@ def test_speculation_under_a_tiny_cache_changes_nothing_but_speed(tiny_llama_dir
     assert right == off, (kw, reqs)
 
 
-def test_rejected_drafts_blocks_are_released_before_the_next_fit_check(tiny_llama_dir):
-    """A fuzz case (seed 707: n=2 groups in 10 blocks of 4, chunked prefill, recompute) where
-    the lookahead blocks of rejected drafts, still held, made a group look like it could never
-    take its next token: r3 was length-capped after 12 tokens instead of 16."""
+@pytest.mark.parametrize("wrong", [True, False])
+def test_fuzz_seed_707_ends_every_request_as_speculation_off(tiny_llama_dir, wrong):
+    """A fuzz case (n=2 groups in 10 blocks of 4, chunked prefill, recompute) with two faults.
+    Rejected drafts: their lookahead blocks, still held, made r3 look like it could never take
+    its next token (capped after 12 tokens instead of 16). Accepted drafts: r4, preempted at
+    another point than with speculation off, shared fewer blocks between its two identical
+    sequences and was capped after 17 tokens instead of 21 (the cap depended on history)."""
     kw, reqs, k = _case(707)
     off, finals, _, _ = _run(tiny_llama_dir, None, kw, reqs)
     cont = {tuple(p): finals[rid].outputs[0].token_ids for rid, p, _ in reqs if rid in finals}
-    wrong, _, _, _ = _run(
-        tiny_llama_dir, ngram(num_speculative_tokens=k), kw, reqs, _Reference(cont, wrong=True)
-    )
-    assert wrong == off
+    on, _, _, _ = _run(tiny_llama_dir, ngram(num_speculative_tokens=k), kw, reqs, _Reference(cont, wrong))
+    assert on == off
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forked_sequences_that_agree_are_recomputed_to_share_blocks_not_capped(tiny_llama_dir, mode):
+    """Greedy n=2 forks after its one-block prompt, so its two identical sequences hold their
+    own copies of every later block: 1 + 7 + 7 blocks for 31 tokens, more than the 10 in the
+    cache. Re-prefilled they share every full block, so the group is recomputed (in either
+    mode) instead of being length-capped, and ends with all its tokens."""
+    reqs = [("r", [34, 31, 34, 31], dict(max_tokens=27, n=2, temperature=0.0, ignore_eos=True))]
+    big, _, _, _ = _run(tiny_llama_dir, None, dict(block_size=4, num_gpu_blocks=64), reqs)
+    kw = dict(block_size=4, num_gpu_blocks=10, num_cpu_blocks=32, preemption_mode=mode)
+    small, _, _, (recomputes, _) = _run(tiny_llama_dir, None, kw, reqs)
+    assert [len(t) for t, _ in small["r"][1]] == [27, 27]
+    assert small == big
+    assert recomputes >= 1

@@ -1071,6 +1071,7 @@ class Scheduler:
         bm = self.block_manager
         ranked = self.policy.sort_by_priority(st.now, self.swapped)
         remaining: deque[SequenceGroup] = deque()
+        recomputed: set[str] = set()
         while ranked:
             g = ranked[0]
             if not self._lora_fits(g, st.curr_loras):
@@ -1091,6 +1092,12 @@ class Scheduler:
                 break
             if status == AllocStatus.NEVER:
                 ranked.popleft()
+                if g.num_seqs(SequenceStatus.SWAPPED) > 1 and bm.fits_once_recomputed(g):
+                    # As for a running group that outgrows the cache: its forked sequences
+                    # hold apart blocks a re-prefill shares, so recompute it, don't cap it.
+                    self._recompute_swapped(g, st)
+                    recomputed.add(g.request_id)
+                    continue
                 n = bm.get_num_swapped_blocks(g)
                 self._ignore(
                     g,
@@ -1132,12 +1139,21 @@ class Scheduler:
             self._lora_add(g, st.curr_loras)
             self.running.append(g)
         remaining.extend(ranked)
-        infeasible = {g.request_id for g in out.infeasible_seq_groups}
-        swapped_in = {ssg.seq_group.request_id for ssg in out.decode_seq_groups + out.prefill_seq_groups}
-        self.swapped = deque(
-            g for g in self.swapped if g.request_id not in infeasible and g.request_id not in swapped_in
-        )
+        gone = recomputed | {g.request_id for g in out.infeasible_seq_groups}
+        gone |= {ssg.seq_group.request_id for ssg in out.decode_seq_groups + out.prefill_seq_groups}
+        self.swapped = deque(g for g in self.swapped if g.request_id not in gone)
         return out
+
+    def _recompute_swapped(self, g: SequenceGroup, st: _Step) -> None:
+        """Turn a swapped group into a recompute-preempted one: its CPU blocks are dropped
+        and it is prefilled again from its tokens (front of ``waiting`` at the end of the
+        step). Counted as no new preemption: it was preempted when it was swapped out."""
+        for seq in g.get_seqs(SequenceStatus.SWAPPED):
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.data.reset_state_for_recompute()
+        st.preempted.append(g)
+        st.preempted_ids.add(g.request_id)
 
     # ------------------------------------------------------------------ waiting
     def _reserved_against(self, g: SequenceGroup, st: _Step) -> int:

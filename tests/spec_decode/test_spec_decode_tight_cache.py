@@ -163,3 +163,20 @@ def test_forked_sequences_that_agree_are_recomputed_to_share_blocks_not_capped(t
     assert [len(t) for t, _ in small["r"][1]] == [27, 27]
     assert small == big
     assert recomputes >= 1
+
+
+def test_a_forked_group_that_cannot_swap_back_in_is_recomputed_not_capped(tiny_llama_dir):
+    """Swap mode: greedy n=3 'a' (three identical sequences, each with its own copy of every
+    block after the prompt) is swapped out as the victim of the older 'b' while it holds 4 of
+    the 6 blocks; swapping back in needs those 4 plus 3 for its next token, more than the
+    cache. Re-prefilled it shares its identical blocks, so it is recomputed, as when it outgrows
+    the cache while running, and ends as it does alone (13 tokens), not capped after 5: the
+    cap must not depend on which group was preempted when."""
+    a = ("a", [34, 31, 34, 31], dict(max_tokens=40, n=3, temperature=0.0, ignore_eos=True))
+    b = ("b", [5, 6, 7, 8], dict(max_tokens=40, temperature=0.0, ignore_eos=True))
+    kw = dict(block_size=4, num_gpu_blocks=6, num_cpu_blocks=64, preemption_mode="swap")
+    alone, _, _, _ = _run(tiny_llama_dir, None, kw, [a])
+    both, _, _, (_, swaps) = _run(tiny_llama_dir, None, kw, [b, a])
+    assert swaps >= 1
+    assert [len(t) for t, _ in alone["a"][1]] == [13, 13, 13]
+    assert both["a"] == alone["a"]

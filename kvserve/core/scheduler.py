@@ -842,11 +842,7 @@ class Scheduler:
         if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(g):
             mode = PreemptionMode.RECOMPUTE  # not enough CPU blocks: fall back, never fail
         if mode == PreemptionMode.RECOMPUTE:
-            for seq in live:
-                self.block_manager.free(seq)
-                seq.status = SequenceStatus.WAITING
-                seq.data.reset_state_for_recompute()
-            st.preempted.append(g)
+            self._requeue_for_recompute(g, live, st)
             self.num_recompute_preemptions += 1
         else:
             self.block_manager.swap_out(g, st.blocks_to_swap_out)
@@ -1144,15 +1140,19 @@ class Scheduler:
         self.swapped = deque(g for g in self.swapped if g.request_id not in gone)
         return out
 
-    def _recompute_swapped(self, g: SequenceGroup, st: _Step) -> None:
-        """Turn a swapped group into a recompute-preempted one: its CPU blocks are dropped
-        and it is prefilled again from its tokens (front of ``waiting`` at the end of the
-        step). Counted as no new preemption: it was preempted when it was swapped out."""
-        for seq in g.get_seqs(SequenceStatus.SWAPPED):
+    def _requeue_for_recompute(self, g: SequenceGroup, seqs: list[Sequence], st: _Step) -> None:
+        """Free ``seqs``' blocks (GPU or CPU) and queue ``g`` to be prefilled again from its
+        tokens (front of ``waiting`` at the end of the step)."""
+        for seq in seqs:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.WAITING
             seq.data.reset_state_for_recompute()
         st.preempted.append(g)
+
+    def _recompute_swapped(self, g: SequenceGroup, st: _Step) -> None:
+        """Turn a swapped group into a recompute-preempted one. Counted as no new preemption:
+        it was preempted when it was swapped out."""
+        self._requeue_for_recompute(g, g.get_seqs(SequenceStatus.SWAPPED), st)
         st.preempted_ids.add(g.request_id)
 
     # ------------------------------------------------------------------ waiting

@@ -20,6 +20,7 @@ from torch import nn
 from kvserve.lora.ops import add_lora
 from kvserve.model_executor.layers import (
     amx_gemm,
+    huge_pages,
     native_gemm,
     native_ops,
     quant_gemm,
@@ -408,11 +409,15 @@ class LlamaForCausalLM(nn.Module):
         # a tied lm_head is the embedding Parameter (or, replicated under TP, a view of this
         # rank's rows of it): it is replaced by a packed copy
         names.append((self, "lm_head"))
+        packed_weights = []
         for module, name in names:
             packed = prepack_weight(getattr(module, name))
             if packed is not getattr(module, name):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
+                packed_weights.append(packed)
+        # The kernels' streams (AMX tiles, float panels) into 2 MiB pages: 1.1-1.2x at decode.
+        huge_pages.move_weights(packed_weights, ("tiles", "panels"))
 
     def quantize_linear_weights(self, method: str) -> None:
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its block-quantized

@@ -218,16 +218,17 @@ class BlockSpaceManager:
         """Per sequence, the leading full blocks it shares with ``seqs[0]`` (0 for the first),
         and the distinct blocks a prefill of all their tokens needs (shared ones counted once)."""
         first = seqs[0]
-        n_blocks = _cdiv(first.get_len(), self.block_size)
-        num_full = first.get_len() // self.block_size
-        shared = [0] + [self._num_shared_with_first(first, s, num_full) for s in seqs[1:]]
+        length = first.get_len()
+        n_blocks = _cdiv(length, self.block_size)
+        shared = [0] + [self._num_shared_with_first(first, s, length // self.block_size) for s in seqs[1:]]
         return shared, n_blocks + sum(n_blocks - k for k in shared[1:])
 
     def fits_once_recomputed(self, seq_group: SequenceGroup) -> bool:
         """Whether the group's live sequences, freed and prefilled again, fit the usable pool
-        (the test ``plan_allocation`` makes for NEVER). Forked siblings hold private copies of
-        blocks whose tokens they came to agree on; a re-prefill shares those again, so a group
-        that ``can_ever_append_slots`` rejects may still go on after a recompute."""
+        (the test ``plan_allocation`` makes for NEVER). Forked sequences hold private copies of
+        every block written after the fork, equal tokens or not; a re-prefill shares the leading
+        full blocks whose tokens equal the first sequence's, so a group that
+        ``can_ever_append_slots`` rejects may still go on after a recompute."""
         _, required = self._prefill_layout(self._live_seqs(seq_group))
         return required <= self.num_total_gpu_blocks - self.watermark_blocks
 
@@ -611,7 +612,11 @@ class BlockSpaceManager:
         They hold no computed or hashed slot. No-op without a GPU table."""
         table = self.block_tables.get(seq.seq_id)
         keep = _cdiv(seq.get_len(), self.block_size)
-        if table is None or len(table) <= keep or any(b is not None and b.device != GPU for b in table):
+        if (
+            table is None
+            or len(table) <= keep
+            or any(b is not None and b.device != GPU for b in table[keep:])
+        ):
             return
         self._free_table(table[keep:])
         del table[keep:]

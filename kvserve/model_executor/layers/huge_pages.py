@@ -31,7 +31,7 @@ ENV = "KVSERVE_HUGE_PAGES"
 
 def enabled() -> bool:
     """False when ``KVSERVE_HUGE_PAGES=0`` or the platform has no ``MADV_HUGEPAGE``."""
-    return os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    return os.environ.get(ENV, "1").strip() != "0" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def _arena(nbytes: int) -> torch.Tensor | None:

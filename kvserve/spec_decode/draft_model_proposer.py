@@ -211,6 +211,16 @@ class DraftModelProposer(Proposer):
             for st in self._seqs.values():
                 st.table = [back.get(-1 - b, b) if b < 0 else b for b in st.table]
         self._copies = req.blocks_to_copy
+        # A sequence recomputed after preemption comes back as a prompt with its computed
+        # count reset, possibly in the very block numbers it held (other sequences may have
+        # written draft K/V there meanwhile): cap its validity here, in every step, because a
+        # step without a speculating decode never reaches ``propose``.
+        for md in req.seq_group_metadata_list:
+            if md.is_prompt:
+                for sid, data in md.seq_data.items():
+                    st = self._seqs.get(sid)
+                    if st is not None:
+                        st.valid = min(st.valid, data.get_num_computed_tokens())
 
     # ------------------------------------------------------------------ state
     def _valid_prefix(self, st: _SeqState, table: list[int], num_computed: int) -> int:

@@ -48,6 +48,20 @@ def test_pool_refcount_and_conservation():
         pool.allocate()
 
 
+def test_pool_hands_out_the_lowest_free_block_first():
+    """Freed blocks are reused lowest number first, so a prompt allocated after churn gets a
+    run of consecutive blocks where one is free (not the blocks freed longest ago)."""
+    pool = BlockPool("gpu", 8)
+    blocks = [pool.allocate() for _ in range(8)]
+    assert [b.block_number for b in blocks] == list(range(8))
+    for n in (6, 2, 7, 3, 5):
+        pool.free(blocks[n])
+    assert [pool.allocate().block_number for _ in range(3)] == [2, 3, 5]
+    pool.free(blocks[0])
+    assert [pool.allocate().block_number for _ in range(3)] == [0, 6, 7]
+    pool.check_invariants()
+
+
 def test_evictor_is_lru():
     pool = BlockPool("gpu", 4, enable_caching=True)
     blocks = [pool.allocate() for _ in range(4)]

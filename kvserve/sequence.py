@@ -84,6 +84,9 @@ class SequenceData:
         self._num_computed_tokens = 0
         self._stage = SequenceStage.PREFILL
         self.cumulative_logprob = 0.0
+        #: Recompute preemptions so far: each freed every block of the sequence, so state kept
+        #: about its K/V elsewhere (the draft model's) is void once this changes.
+        self.num_recomputes = 0
 
     def append_token_id(self, token_id: int, logprob: float = 0.0) -> None:
         self.output_token_ids.append(token_id)
@@ -141,6 +144,7 @@ class SequenceData:
         """Forget the cached K/V (recompute preemption): everything gets prefilled again."""
         self._num_computed_tokens = 0
         self._stage = SequenceStage.PREFILL
+        self.num_recomputes += 1
 
     def get_num_uncomputed_tokens(self) -> int:
         return self.get_len() - self._num_computed_tokens
@@ -154,6 +158,7 @@ class SequenceData:
         new._num_computed_tokens = self._num_computed_tokens
         new._stage = self._stage
         new.cumulative_logprob = self.cumulative_logprob
+        new.num_recomputes = self.num_recomputes
         return new
 
 

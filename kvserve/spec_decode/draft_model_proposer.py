@@ -9,11 +9,14 @@ Validity (the draft must never read stale K/V). Per sequence the proposer record
 how many leading positions hold K/V that the draft wrote for *this* sequence's tokens, and the
 block numbers they were written to. At each step:
 
-- ``valid`` is capped by the target's ``num_computed_tokens`` (the truth: after a recompute
-  preemption it is 0 or a prefix-cache hit, and tokens before it never change), and by the
-  first block whose number differs from the recorded one (a prefix-cache hit on blocks another
-  sequence computed, or new blocks after a recompute); swaps and copies translate the recorded
-  numbers, so a swapped-out and swapped-in sequence keeps its draft K/V.
+- ``valid`` is capped by the target's ``num_computed_tokens`` (tokens before it never change),
+  and by the first block whose number differs from the recorded one (a prefix-cache hit on
+  blocks another sequence computed); swaps and copies translate the recorded numbers, so a
+  swapped-out and swapped-in sequence keeps its draft K/V.
+- a sequence recomputed after preemption (``SequenceData.num_recomputes`` changed) starts over
+  at 0, even where it finds its old block numbers again: its blocks were freed, and a
+  prefix-cache hit may be on a block that was evicted, written by another sequence's draft and
+  then recomputed for this content on the target alone (by a request the draft never saw).
 - the draft then feeds whatever it is missing: for a prefill chunk ``c .. c+n-1`` of the step
   it feeds ``valid .. c+n-1``; for a speculating decode of length ``L`` it feeds
   ``valid .. L-1`` (usually one token, two after a fully accepted run: the last draft is never
@@ -59,6 +62,8 @@ class _SeqState:
     #: ``(L, fed)`` of the last proposal awaiting ``on_verified``: the length at proposal and
     #: how many drafts were fed back to the draft model (their K/V written at ``L, L+1, ..``).
     pending: tuple[int, int] | None = None
+    #: The sequence's ``SequenceData.num_recomputes`` when this state began.
+    recomputes: int = 0
 
 
 @dataclasses.dataclass
@@ -211,16 +216,16 @@ class DraftModelProposer(Proposer):
             for st in self._seqs.values():
                 st.table = [back.get(-1 - b, b) if b < 0 else b for b in st.table]
         self._copies = req.blocks_to_copy
-        # A sequence recomputed after preemption comes back as a prompt with its computed
-        # count reset, possibly in the very block numbers it held (other sequences may have
-        # written draft K/V there meanwhile): cap its validity here, in every step, because a
-        # step without a speculating decode never reaches ``propose``.
+        # A sequence recomputed after preemption comes back as a prompt, possibly in the very
+        # block numbers it held, even as prefix-cache hits whose draft K/V are not its own
+        # (module docstring): forget its draft state here, in every step, because a step
+        # without a speculating decode never reaches ``propose``.
         for md in req.seq_group_metadata_list:
             if md.is_prompt:
                 for sid, data in md.seq_data.items():
                     st = self._seqs.get(sid)
-                    if st is not None:
-                        st.valid = min(st.valid, data.get_num_computed_tokens())
+                    if st is not None and st.recomputes != data.num_recomputes:
+                        self._seqs[sid] = _SeqState(recomputes=data.num_recomputes)
 
     # ------------------------------------------------------------------ state
     def _valid_prefix(self, st: _SeqState, table: list[int], num_computed: int) -> int:
@@ -277,7 +282,9 @@ class DraftModelProposer(Proposer):
                 continue  # a plain decode: the draft catches up when it next speculates
             for sid, data in md.seq_data.items():
                 table = md.block_tables[sid]
-                st = self._seqs.setdefault(sid, _SeqState())
+                st = self._seqs.get(sid)
+                if st is None or st.recomputes != data.num_recomputes:
+                    st = self._seqs[sid] = _SeqState(recomputes=data.num_recomputes)
                 st.pending = None
                 c = data.get_num_computed_tokens()
                 v = self._valid_prefix(st, table, c)

@@ -224,3 +224,71 @@ def test_dynamic_draft_model_lengths_equal_off_under_pressure(
                 assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens
         else:
             assert s.spec_num_draft_tokens == 0 and s.spec_num_draft_opportunities > 0
+
+
+def _reused_block_schedule(engine):
+    """X and A (lower priority) run; F preempts A by recompute (priority) at step 4 and ends;
+    E, A's first block plus one token, is prefilled as soon as F has ended; A comes back.
+    Returns request id -> final output."""
+    rng = random.Random(5)
+
+    def toks(n):
+        return [rng.randrange(3, 49152) for _ in range(n)]
+
+    pa, px, pf = toks(5), toks(4), toks(12)
+    pe = pa[:4] + toks(1)
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    engine.add_request("X", {"prompt_token_ids": px}, params(14), priority=0)
+    engine.add_request("A", {"prompt_token_ids": pa}, params(30), priority=1)
+    finals = {}
+    added_e = False
+    for step in range(300):
+        if step == 4:
+            engine.add_request("F", {"prompt_token_ids": pf}, params(3), priority=0)
+        if "F" in finals and not added_e:
+            engine.add_request("E", {"prompt_token_ids": pe}, params(1), priority=0)
+            added_e = True
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        engine.scheduler.block_manager.check_invariants()
+    assert set(finals) == {"X", "A", "F", "E"}
+    return finals
+
+
+def test_prefix_hit_after_recompute_on_a_reused_block_number_is_not_trusted(tiny_llama_dir):
+    """A recomputed sequence can get a prefix-cache hit on a block with its *old* number whose
+    draft K/V are not its own: 8 blocks of 4, lowest free block first, no chunked prefill (a
+    prefill step never runs the draft). F preempts A by recompute and takes A's first block
+    (evicted) as its last, where F's draft catch-up writes F's K/V; E recomputes A's first
+    block into that same number on the target only (E ends after its prefill, the draft never
+    sees it) and registers it; A comes back with a prefix hit on it. The block number and the
+    target's K/V are A's, the draft's are F's: the draft must re-feed, not trust them
+    (acceptance was 22/29 with the target as its own draft)."""
+    kw = dict(
+        block_size=4,
+        num_gpu_blocks=8,
+        num_cpu_blocks=16,
+        enable_prefix_caching=True,
+        preemption_mode="recompute",
+        policy="priority",
+        enable_chunked_prefill=False,
+    )
+    off = _reused_block_schedule(make_engine(tiny_llama_dir, **kw))
+    engine = make_engine(tiny_llama_dir, draft(tiny_llama_dir, num_speculative_tokens=2), **kw)
+    on = _reused_block_schedule(engine)
+    assert {r: o.outputs[0].token_ids for r, o in on.items()} == {
+        r: o.outputs[0].token_ids for r, o in off.items()
+    }
+    stats = engine.get_kv_cache_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    s = engine.stats
+    assert s.spec_num_draft_tokens > 0
+    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens, (
+        f"acceptance {s.spec_num_accepted_tokens}/{s.spec_num_draft_tokens}: the draft read stale K/V"
+    )

@@ -290,6 +290,26 @@ def test_recompute_with_prefix_hit_on_other_blocks(driver, models):
         check(driver, draft_hf, 0, accept)
 
 
+def test_recompute_with_prefix_hit_on_its_old_block_numbers_overwritten_meanwhile(driver, models):
+    # After a recompute preemption the target finds the first 8 tokens cached in blocks with
+    # the sequence's *old* numbers; meanwhile they were evicted, written by another sequence's
+    # draft, and recomputed for these tokens on the target alone (by a request the draft never
+    # saw, e.g. one that ended with its prefill). The numbers match, the draft K/V are not its.
+    draft_hf = models[2]
+    driver.add(0, list(range(140, 151)))
+    driver.prefill(0, 11)
+    check(driver, draft_hf, 0, K)
+    old = driver.tables[0]
+    driver.p.cache_engine.device_cache[:, :, :, old] = 0.5  # the other sequence's draft K/V
+    d = driver.data[0]
+    d.reset_state_for_recompute()
+    driver.tables[0] = old[:2]
+    d.set_num_computed_tokens(8)
+    driver.prefill(0, d.get_len() - 8)
+    for accept in [1, K]:
+        check(driver, draft_hf, 0, accept)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fuzz_random_events_never_leave_stale_kv(driver, models, seed):
     """Random acceptances, plain decodes (the draft is not fed), recompute preemptions (with

@@ -108,6 +108,9 @@ class DraftModelProposer(Proposer):
             follow).
     """
 
+    #: A forward per draft: the dynamic policy chooses each sequence's length before proposing.
+    proposes_cheaply = False
+
     def __init__(self, spec_config: SpeculativeConfig, worker: Any):
         from kvserve.model_executor.model_loader import (
             get_sliding_window,

@@ -114,8 +114,8 @@ class BlockPool:
     def allocate(self) -> PhysicalBlock:
         """A fresh private block with ``ref_count == 1`` and no hash.
 
-        Takes the lowest-numbered never-used/uncached block first; otherwise evicts the least recently used
-        cached block (dropping its hash entry).
+        Takes the lowest-numbered never-used/uncached block first; otherwise evicts the least
+        recently used cached block (dropping its hash entry).
 
         Raises:
             NoFreeBlocksError: nothing free and nothing evictable.

@@ -219,16 +219,6 @@ class DraftModelProposer(Proposer):
             for st in self._seqs.values():
                 st.table = [back.get(-1 - b, b) if b < 0 else b for b in st.table]
         self._copies = req.blocks_to_copy
-        # A sequence recomputed after preemption comes back as a prompt, possibly in the very
-        # block numbers it held, even as prefix-cache hits whose draft K/V are not its own
-        # (module docstring): forget its draft state here, in every step, because a step
-        # without a speculating decode never reaches ``propose``.
-        for md in req.seq_group_metadata_list:
-            if md.is_prompt:
-                for sid, data in md.seq_data.items():
-                    st = self._seqs.get(sid)
-                    if st is not None and st.recomputes != data.num_recomputes:
-                        self._seqs[sid] = _SeqState(recomputes=data.num_recomputes)
 
     # ------------------------------------------------------------------ state
     def _valid_prefix(self, st: _SeqState, table: list[int], num_computed: int) -> int:
@@ -286,6 +276,8 @@ class DraftModelProposer(Proposer):
             for sid, data in md.seq_data.items():
                 table = md.block_tables[sid]
                 st = self._seqs.get(sid)
+                # The counter, not a step that saw the re-prefill (steps without a speculating
+                # decode never reach ``propose``), says the sequence was recomputed meanwhile.
                 if st is None or st.recomputes != data.num_recomputes:
                     st = self._seqs[sid] = _SeqState(recomputes=data.num_recomputes)
                 st.pending = None

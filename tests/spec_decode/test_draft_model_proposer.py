@@ -174,6 +174,19 @@ def test_prefix_hit_on_blocks_another_sequence_computed(driver, models):
     check(driver, draft_hf, 0, 1)
 
 
+def _recompute_with_8_cached(driver, draft_hf, hit_blocks):
+    """Sequence 0 is recomputed and finds its first 8 tokens cached in ``hit_blocks``, whose
+    draft K/V are junk (another sequence's); it must still draft as the draft model would."""
+    driver.p.cache_engine.device_cache[:, :, :, hit_blocks] = 0.5
+    d = driver.data[0]
+    d.reset_state_for_recompute()
+    driver.tables[0] = list(hit_blocks)
+    d.set_num_computed_tokens(8)
+    driver.prefill(0, d.get_len() - 8)
+    for accept in [1, K]:
+        check(driver, draft_hf, 0, accept)
+
+
 def test_recompute_onto_overwritten_blocks(driver, models):
     draft_hf = models[2]
     driver.add(0, list(range(60, 70)))
@@ -280,14 +293,7 @@ def test_recompute_with_prefix_hit_on_other_blocks(driver, models):
     driver.prefill(0, 11)
     check(driver, draft_hf, 0, K)
     other = [driver.alloc.free.pop() for _ in range(2)]
-    driver.p.cache_engine.device_cache[:, :, :, other] = 0.5  # whatever the draft holds there
-    d = driver.data[0]
-    d.reset_state_for_recompute()
-    driver.tables[0] = list(other)
-    d.set_num_computed_tokens(8)
-    driver.prefill(0, d.get_len() - 8)
-    for accept in [1, K]:
-        check(driver, draft_hf, 0, accept)
+    _recompute_with_8_cached(driver, draft_hf, other)
 
 
 def test_recompute_with_prefix_hit_on_its_old_block_numbers_overwritten_meanwhile(driver, models):
@@ -299,15 +305,7 @@ def test_recompute_with_prefix_hit_on_its_old_block_numbers_overwritten_meanwhil
     driver.add(0, list(range(140, 151)))
     driver.prefill(0, 11)
     check(driver, draft_hf, 0, K)
-    old = driver.tables[0]
-    driver.p.cache_engine.device_cache[:, :, :, old] = 0.5  # the other sequence's draft K/V
-    d = driver.data[0]
-    d.reset_state_for_recompute()
-    driver.tables[0] = old[:2]
-    d.set_num_computed_tokens(8)
-    driver.prefill(0, d.get_len() - 8)
-    for accept in [1, K]:
-        check(driver, draft_hf, 0, accept)
+    _recompute_with_8_cached(driver, draft_hf, driver.tables[0][:2])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -78,24 +78,31 @@ def move_weights(holders: list[object], attrs: tuple[str, ...]) -> int:
     if not enabled():
         return 0
     found: list[tuple[object, str, torch.Tensor]] = []
-    seen: set[int] = set()
     for h in holders:
         for a in attrs:
             t = getattr(h, a, None)
-            if _movable(t) and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            if _movable(t):
                 found.append((h, a, t))
-    if not found:
+
+    # one copy per distinct tensor (contiguous: address, dtype and shape say which); holders
+    # that share one share its copy
+    def key(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t.dtype, tuple(t.shape))
+
+    distinct = list({key(t): t for _, _, t in found}.values())
+    if not distinct:
         return 0
-    sizes = [(t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for _, _, t in found]
+    sizes = [(t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in distinct]
     arena = _arena(sum(sizes))
     if arena is None:
         return 0
+    copies: dict[tuple, torch.Tensor] = {}
     pos = 0
-    for (h, a, t), size in zip(found, sizes):
-        nbytes = t.numel() * t.element_size()
-        dst = arena[pos : pos + nbytes].view(t.dtype).view(t.shape)
+    for t, size in zip(distinct, sizes):
+        dst = arena[pos : pos + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         dst.copy_(t)
-        setattr(h, a, dst)
+        copies[key(t)] = dst
         pos += size
+    for h, a, t in found:
+        setattr(h, a, copies[key(t)])
     return pos

@@ -91,7 +91,11 @@ def _results(out: Path) -> tuple[dict, dict[str, list]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF directory (default: the default model)")
-    p.add_argument("--lmeval-venv", default=os.environ.get("LMEVAL_VENV", "/work/lmeval-venv"))
+    p.add_argument(
+        "--lmeval-venv",
+        default=os.environ.get("LMEVAL_VENV", str(Path(__file__).resolve().parents[2] / ".lmeval-venv")),
+        help="lm-eval's venv (default: .lmeval-venv in the repository, where setup.sh puts it)",
+    )
     p.add_argument("--json-out", default=None)
     p.add_argument("--num-concurrent", type=int, default=4)
     ns = p.parse_args(argv)

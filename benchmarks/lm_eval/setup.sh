@@ -2,13 +2,14 @@
 # A separate virtual environment with lm-evaluation-harness (PyPI `lm-eval`: its `api` extra for
 # the OpenAI-style client, `hf` for its transformers backend, the reference run).
 #
-#   bash benchmarks/lm_eval/setup.sh            # venv at /work/lmeval-venv
+#   bash benchmarks/lm_eval/setup.sh            # venv at .lmeval-venv in the repository
 #   LMEVAL_VENV=/some/where bash benchmarks/lm_eval/setup.sh
 #
 # Kept outside kvserve's environment on purpose: lm-eval pulls datasets, evaluate, scikit-learn,
 # sacrebleu and more, none of which kvserve or its tests need.
 set -euo pipefail
-LMEVAL_VENV="${LMEVAL_VENV:-/work/lmeval-venv}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+LMEVAL_VENV="${LMEVAL_VENV:-$REPO/.lmeval-venv}"
 PYTHON="${PYTHON:-python3}"
 [ -x "$LMEVAL_VENV/bin/python" ] || "$PYTHON" -m venv "$LMEVAL_VENV"
 "$LMEVAL_VENV/bin/python" -m pip install -q --upgrade pip >/dev/null

@@ -4,7 +4,9 @@ result beyond bfloat16 rounding."""
 import pytest
 import torch
 
-from kvserve.model_executor.layers.row_buckets import EXACT_ROWS, onednn_rows, pad_rows
+from kvserve.model_executor.layers import amx_gemm, native_gemm
+from kvserve.model_executor.layers.row_buckets import EXACT_ROWS, buckets, onednn_rows, pad_rows
+from kvserve.model_executor.models import llama
 from kvserve.model_executor.models.llama import linear
 
 
@@ -46,3 +48,52 @@ def test_padded_onednn_linear_matches_float32(rows):
     assert out.shape == (rows, 96) and out.is_contiguous()
     ref = x.float() @ w.float().T + b.float()
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(1, 1), (2, 300), (65, 2048), (100, 130), (17, 4096)])
+def test_buckets_lists_each_bucket_once(lo, hi):
+    assert buckets(lo, hi) == sorted({onednn_rows(r) for r in range(lo, hi + 1)})
+    assert buckets(hi + 1, hi) == []
+
+
+def _onednn_from(weight, limit: int) -> int | None:
+    """The fewest rows at which ``linear`` sends ``weight`` to oneDNN, None when it never does."""
+    if isinstance(weight, amx_gemm.AmxWeight):
+        return amx_gemm.MAX_ROWS + 1
+    if isinstance(weight, native_gemm.PanelWeight):
+        return None if weight.large is None else weight.max_rows + 1
+    return 2 if getattr(weight, "is_mkldnn", False) else None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_warm_row_buckets_runs_each_onednn_gemm_a_step_can_meet(dtype, monkeypatch):
+    """Every (weight shape, row bucket) a step of up to ``max_rows`` rows sends to oneDNN is run
+    once, and nothing else: the LM head only up to 256 rows (sampled rows), weights on our own
+    kernels (float32 panels) not at all."""
+    from tests.conftest import tiny_llama_config
+
+    cfg = tiny_llama_config(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    model = llama.LlamaForCausalLM(cfg, dtype, "cpu")
+    model.prepack_linear_weights()
+    a, m = model.layers[0].self_attn, model.layers[0].mlp
+    expected = []
+    for w, limit in [
+        (a.qkv_weight, 300),
+        (a.o_weight, 300),
+        (m.gate_up_weight, 300),
+        (m.down_weight, 300),
+    ] + [(model.lm_head, 256)]:
+        lo = _onednn_from(w, limit)
+        if lo is not None:
+            expected += [(id(w), r) for r in buckets(lo, limit)]
+    calls = []
+    real = llama.linear
+    monkeypatch.setattr(
+        llama, "linear", lambda x, w, b=None: calls.append((id(w), x.shape[0])) or real(x, w, b)
+    )
+    assert model.warm_row_buckets(300) == len(calls)
+    assert sorted(calls) == sorted(expected)
+    if dtype == torch.float32:
+        assert calls == []  # our own panels at every row count: no oneDNN primitive to build
+    elif amx_gemm.available():  # AMX tiles up to 64 rows, oneDNN's copy above
+        assert len(calls) == 4 * len(buckets(65, 300)) + len(buckets(65, 256)) == 4 * 18 + 16

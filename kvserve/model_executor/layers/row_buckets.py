@@ -11,7 +11,9 @@ what ran before it (which the simulator cannot know).
 
 ``onednn_rows`` pads to 8 buckets per doubling (at most 1/8 more rows, 1/16 on average) above 16
 rows: 40 buckets from 65 to 2,048 rows, so after a run's first minutes every step finds its
-primitives cached.
+primitives cached -- or from the first step, with ``buckets`` enumerated at start-up
+(``LlamaForCausalLM.warm_row_buckets``): a bucket met for the first time in a replay still cost
+1.08-1.19x its repeats at 65-1,024 rows (bfloat16, AMX Xeon; ~1.0 once warmed).
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def onednn_rows(rows: int) -> int:
         return rows
     step = max(1, (1 << ((rows - 1).bit_length() - 1)) // BUCKETS_PER_DOUBLING)
     return -(-rows // step) * step
+
+
+def buckets(lo: int, hi: int) -> list[int]:
+    """The distinct ``onednn_rows`` values of row counts ``lo..hi`` (ascending): the GEMM row
+    counts steps of that many rows can run at (for ``lo=65, hi=2048``: 40)."""
+    out: list[int] = []
+    r = max(1, lo)
+    while r <= hi:
+        b = onednn_rows(r)
+        out.append(b)
+        r = b + 1
+    return out
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAtte
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
-from kvserve.model_executor.layers.row_buckets import pad_rows
+from kvserve.model_executor.layers.row_buckets import buckets, pad_rows
 from kvserve.model_executor.models import native_decode
 
 
@@ -418,6 +418,47 @@ class LlamaForCausalLM(nn.Module):
                 packed_weights.append(packed)
         # The kernels' streams (AMX tiles, float panels) into 2 MiB pages: 1.1-1.2x at decode.
         huge_pages.move_weights(packed_weights, ("tiles", "panels"))
+
+    def warm_row_buckets(self, max_rows: int) -> int:
+        """Run every oneDNN GEMM primitive a step of up to ``max_rows`` rows can need, once, on
+        zeros: each weight shape of a layer (all layers share them) at each row bucket
+        (``row_buckets.buckets``) that ``linear`` sends to oneDNN, and the LM head at the buckets
+        of up to ``min(max_rows, 256)`` rows (sampled rows). Why: oneDNN builds a primitive the
+        first time it meets a row count, and that step ran 1.08-1.19x its repeats (bfloat16,
+        65-1,024 rows; ``docs/benchmarks.md``): a server's first minutes were slower than the
+        rest, and the simulator's profile (which measures repeats) under-predicted them.
+
+        Weights on our own kernels at a row count (``native_gemm``, ``amx_gemm``, quantized
+        ones) skip it. Returns the number of GEMMs run (0 off CPU or when nothing reaches oneDNN).
+        """
+        if not self.layers or self.embed_tokens.device.type != "cpu":
+            return 0
+        a, m = self.layers[0].self_attn, self.layers[0].mlp
+        pairs = [
+            (a.qkv_weight, a.qkv_bias),
+            (a.o_weight, a.o_bias),
+            (m.gate_up_weight, None),
+            (m.down_weight, None),
+        ]
+        runs = 0
+        for (weight, bias), limit in [(p, max_rows) for p in pairs] + [
+            ((self.lm_head, None), min(max_rows, 256))
+        ]:
+            onednn = weight
+            if isinstance(weight, amx_gemm.AmxWeight | native_gemm.PanelWeight):
+                onednn = weight.large
+            if not isinstance(onednn, torch.Tensor) or not onednn.is_mkldnn:
+                continue
+            lo = 2
+            if isinstance(weight, amx_gemm.AmxWeight):
+                lo = amx_gemm.MAX_ROWS + 1
+            elif isinstance(weight, native_gemm.PanelWeight):
+                lo = (weight.max_rows or limit) + 1
+            in_features = weight.in_features if hasattr(weight, "in_features") else onednn.shape[1]
+            for rows in buckets(lo, limit):
+                linear(torch.zeros(rows, in_features, dtype=onednn.dtype), weight, bias)
+                runs += 1
+        return runs
 
     def quantize_linear_weights(self, method: str) -> None:
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its block-quantized

@@ -346,7 +346,7 @@ class SpeculativeConfig:
                 return None
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
@@ -355,6 +355,13 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(
                 f"speculative_config.{unknown[0]} is not a known field (known: {', '.join(sorted(known))})."
+            )
+        method = value.get("method", cls.method)
+        lookup = sorted(k for k in ("prompt_lookup_min", "prompt_lookup_max") if k in value)
+        if lookup and method != "ngram" and method in SPECULATIVE_METHODS:
+            # as model with ngram: a field the method would ignore is refused, not dropped
+            raise ValueError(
+                f"speculative_config.{lookup[0]} is only used by method 'ngram', got method {method!r}."
             )
         return cls(**value)
 

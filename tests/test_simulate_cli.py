@@ -1,6 +1,7 @@
 """`kvserve simulate`: the production engine + scheduler on the simulated executor."""
 
 import json
+import re
 
 import pytest
 
@@ -303,3 +304,65 @@ def test_atomic_write_never_leaves_half_a_file(tmp_path):
     with pytest.raises(TypeError):
         write_json(tmp_path / "s.json", {"a": object.__new__(type("X", (), {"__str__": None}))})
     assert [q.name for q in tmp_path.iterdir()] == ["r.json"]
+
+
+_VIDUR = "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        # rows out of order were re-based on the first row: negative arrival times, silently
+        (
+            "unsorted.csv",
+            _VIDUR + "10,20,3\n5,20,3\n20,20,3\n",
+            r"unsorted.csv:3: arrives before the row above",
+        ),
+        # arrays / objects nested past the JSON parser's depth: RecursionError traceback
+        ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", r"deep.jsonl:1: not valid JSON"),
+        # an integer past Python's digit limit: an error naming neither file nor line
+        (
+            "big.jsonl",
+            '{"timestamp": 0, "input_length": ' + "9" * 5000 + ', "output_length": 3}\n',
+            r"big.jsonl:1: not valid JSON",
+        ),
+        # lora_id 1e999 is inf in JSON: OverflowError traceback
+        (
+            "inf.jsonl",
+            '{"timestamp": 0, "input_length": 5, "output_length": 3, "lora_id": 1e999}\n',
+            r"inf.jsonl:1: lora_id must be an integer >= 0",
+        ),
+    ],
+)
+def test_malformed_trace_is_a_one_line_error_naming_the_line(tmp_path, capsys, name, text, match):
+    p = tmp_path / name
+    p.write_text(text)
+    assert main(["--trace", str(p), "--num-gpu-blocks", "64"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.startswith("Error: --trace ") and "Traceback" not in err
+
+
+def test_deeply_nested_workload_line_is_a_one_line_error(tmp_path, capsys):
+    p = tmp_path / "w.jsonl"
+    p.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert main(["--workload", str(p), "--num-gpu-blocks", "64"]) == 2
+    assert "w.jsonl:1: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"prompt_token_ids": [], "output_len": 3}',  # an empty prompt
+        '{"prompt_token_ids": [1, 2, 99999999999], "output_len": 3}',  # a token past the vocabulary
+    ],
+)
+def test_last_requests_rejected_at_admission_end_the_run(tmp_path, capsys, line):
+    """Requests the engine refuses at admission are counted as rejected; when the last arrivals
+    were all refused the run ends (was IndexError: the idle engine jumped to a next arrival past
+    the end)."""
+    p = tmp_path / "w.jsonl"
+    p.write_text('{"prompt_token_ids": [5, 6, 7], "output_len": 2}\n' + line + "\n")
+    out = tmp_path / "s.json"
+    assert main(["--workload", str(p), "--num-gpu-blocks", "64", "--json-out", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["finished"] == 1 and s["rejected_at_admission"] == 1

@@ -593,8 +593,8 @@ def _load_result(path: str) -> dict:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError as e:
         raise ValueError(f"--real-from {path}: no such file") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--real-from {path}: not a JSON file ({e})") from e
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+        raise ValueError(f"--real-from {path}: not a JSON file ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("real"), dict) or "trace" not in data:
         raise ValueError(f"--real-from {path}: not a bench fidelity result (no 'real' and 'trace' fields)")
     missing = [k for k in SUMMARY_KEYS if k not in data["real"]]

@@ -78,7 +78,7 @@ def parse_lora_id(value, where: str) -> int:
         return 0
     try:
         n = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: inf (1e999 in JSON)
         n = -1
     if isinstance(value, bool) or n < 0 or (isinstance(value, float) and value != n):
         raise ValueError(f"{where}: lora_id must be an integer >= 0 (0 = no adapter), got {value!r}")
@@ -255,6 +255,10 @@ def _json_object(line: str, where: str, what: str) -> dict:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError: an integer past Python's digit limit; RecursionError: arrays or objects
+        # nested past the parser's depth
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: {what} must be a JSON object, got {type(obj).__name__}")
     return obj
@@ -399,25 +403,34 @@ def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
     Raises:
         ValueError: an unreadable or empty file, an unknown format, a trace without rows, or a
             malformed row: a missing or extra cell, a value that is not a number, a negative
-            length or time, nan or inf (naming the file, the line and the field).
+            length or time, nan or inf, a row arriving before the one above it (naming the
+            file, the line and the field).
     """
     fmt = detect_trace_format(path) if fmt == "auto" else fmt
     records: list[TraceRecord] = []
+    wheres: list[str] = []
     lines = _text_lines(path, "trace")
     if fmt == "mooncake":
         for n, line in lines:
             if line.strip():
-                where = f"{path}:{n}"
+                wheres.append(where := f"{path}:{n}")
                 records.append(_mooncake_record(_json_object(line, where, "a JSONL trace line"), where))
     else:
         numbered = [(n, line) for n, line in lines if line.strip()]
         reader = csv.DictReader(line for _, line in numbered)
         for (n, _), row in zip(numbered[1:], reader):
-            where = f"{path}:{n}"
+            wheres.append(where := f"{path}:{n}")
             records.append(_csv_record(fmt, row, where))
             records[-1].lora_id = parse_lora_id(row.get("lora_id"), where)
     if not records:
         raise ValueError(f"{path}: the trace has no rows (only a header)")
+    for k in range(1, len(records) if records[0].arrival_s is not None else 0):
+        # rows out of order would be re-based and cut (--num-requests) in file order: negative
+        # arrival times, a selection that is not the first arrivals
+        if records[k].arrival_s < records[k - 1].arrival_s:
+            raise ValueError(
+                f"{wheres[k]}: arrives before the row above it (a trace's rows must be in arrival order)"
+            )
     if records[0].arrival_s is not None:
         t0 = min(r.arrival_s for r in records)
         for r in records:

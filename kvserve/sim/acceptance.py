@@ -130,7 +130,7 @@ def split_speculative_config(value: Any) -> tuple[dict[str, Any] | None, dict[st
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
             raise ValueError(f"speculative_config is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")

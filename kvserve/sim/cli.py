@@ -129,6 +129,8 @@ def simulate(
                 rejected += 1
             i += 1
         if not engine.has_unfinished_requests():
+            if i == len(pending):  # the last arrivals were all rejected at admission
+                break
             clock.set(pending[i].arrival_s)  # idle: jump to the next arrival
             continue
         finals.extend(o for o in engine.step() if o.finished)

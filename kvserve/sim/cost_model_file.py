@@ -108,14 +108,39 @@ class CostModelFile:
         """The profile's measured steps (empty when the file has none).
 
         Raises:
-            ValueError: ``profile.samples`` is malformed.
+            ValueError: ``profile.samples`` is malformed: not a list of ``{"shape", "t"}``, a
+                shape field that is not a count of ``StepShape`` (a finite number in
+                ``[0, MAX_SHAPE_COUNT]``), a time that is not a finite number in ``[0, 3600]``.
         """
         out = []
         try:
             for i, s in enumerate((self.data.get("profile") or {}).get("samples") or []):
-                out.append((StepShape(**s["shape"]), _num(s, "t", f"{self.path}: profile.samples[{i}]")))
+                where = f"{self.path}: profile.samples[{i}]"
+                shape = s["shape"]
+                for k in shape:  # not a dict: TypeError/AttributeError below
+                    _num(shape, k, f"{where}.shape", hi=MAX_SHAPE_COUNT)
+                out.append((StepShape(**shape), _num(s, "t", where)))
         except (AttributeError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path}: profile.samples is malformed ({e!r})") from e
+        return out
+
+    def swap_samples(self) -> list[tuple[int, float]]:
+        """The profile's measured swap calls ``(blocks, seconds)`` (empty when none).
+
+        Raises:
+            ValueError: ``profile.swap_samples`` is not a list of ``{"blocks": integer >= 0,
+                "t": seconds}`` (naming the entry and the field).
+        """
+        out = []
+        try:
+            for i, s in enumerate((self.data.get("profile") or {}).get("swap_samples") or []):
+                where = f"{self.path}: profile.swap_samples[{i}]"
+                n = s.get("blocks")
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    raise ValueError(f"{where}: blocks must be an integer >= 0, got {n!r}")
+                out.append((n, _num(s, "t", where)))
+        except (AttributeError, TypeError) as e:
+            raise ValueError(f"{self.path}: profile.swap_samples is malformed ({e!r})") from e
         return out
 
     def check_engine_args(self, args) -> None:
@@ -153,6 +178,9 @@ class CostModelFile:
 #: (the step itself, a token, a sequence, a block...), so one over an hour is a corrupted or
 #: mis-scaled file (milliseconds or microseconds written as seconds), not a measurement.
 MAX_COEFFICIENT_S = 3600.0
+#: The largest count a stored step shape may hold (tokens, sequences, thousands of attention
+#: pairs): far past any step; a larger one is a corrupted file, and would overflow the fit.
+MAX_SHAPE_COUNT = 1e15
 
 
 def _num(obj: dict, key: str, where: str, hi: float | None = MAX_COEFFICIENT_S) -> float:
@@ -164,6 +192,8 @@ def _num(obj: dict, key: str, where: str, hi: float | None = MAX_COEFFICIENT_S) 
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{where}: {key} must be a finite number >= 0, got {v!r}")
+    if hi is not None and v > hi and hi != MAX_COEFFICIENT_S:
+        raise ValueError(f"{where}: {key} must be at most {hi:g} (a corrupted file), got {v!r}")
     if hi is not None and v > hi:
         raise ValueError(
             f"{where}: {key} must be at most {hi:g} s (a cost of one unit of a step above an hour is "
@@ -315,8 +345,10 @@ def load_cost_model(path) -> CostModelFile:
         raise ValueError(f"--cost-model {path}: no such file")
     try:
         data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON cost-model file ({e})") from e
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError: not JSON (JSONDecodeError, not UTF-8, an integer past the digit limit);
+        # RecursionError: arrays or objects nested past the parser's depth
+        raise ValueError(f"{path}: not a JSON cost-model file ({e})") from None
     return parse_cost_model(data, str(path))
 
 

@@ -526,7 +526,7 @@ def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
         model_kv_heads((data.get("model") or {}).get("path", "")), (data.get("host") or {}).get("threads")
     )
     cm = _fit(samples, split, trim=trim)
-    swaps = [(int(s["blocks"]), float(s["t"])) for s in (data.get("profile") or {}).get("swap_samples") or []]
+    swaps = f.swap_samples()
     cm.swap_block_s, swap_err = (
         fit_swap(swaps) if swaps else (data["coefficients"].get("swap_block_s", 0.0), None)
     )

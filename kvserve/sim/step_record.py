@@ -155,8 +155,8 @@ def load_steps(path) -> tuple[list[StepRecord], dict]:
     """
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read step records ({e})") from e
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+        raise ValueError(f"{path}: cannot read step records ({e})") from None
     if not isinstance(data, dict) or data.get("schema") != STEPS_SCHEMA:
         raise ValueError(f"{path}: not a step-record file (schema must be {STEPS_SCHEMA!r})")
     if data.get("schema_version") != STEPS_SCHEMA_VERSION:

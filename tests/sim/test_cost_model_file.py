@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -373,3 +374,52 @@ def test_steps_past_the_profiled_shapes_are_counted_and_noted(tmp_path, capsys):
     assert "larger than any the cost model was profiled on" in capsys.readouterr().out
     with pytest.raises(ValueError, match="profile.ranges"):
         parse_cost_model(profile_data(profile={"ranges": {"decode_seqs": "many"}}), "p.json")
+
+
+def test_deeply_nested_or_huge_number_file_is_an_error_naming_it(tmp_path, capsys):
+    """JSON nested past the parser's depth (was RecursionError: a traceback) or an integer past
+    Python's digit limit (a message naming neither file nor field) is a one-line error."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="deep.json: not a JSON cost-model file"):
+        load_cost_model(deep)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(profile_data()).replace('"block_size": 16', '"block_size": ' + "1" * 5000))
+    assert simulate_main(["--cost-model", str(big), "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{big}: not a JSON cost-model file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "profile, match",
+    [
+        (
+            {"samples": [{"shape": {"prefill_tokens": "x"}, "t": 0.1}]},
+            r"samples\[0\].shape: prefill_tokens must be",
+        ),
+        (
+            {"samples": [{"shape": {"prefill_attn_pairs": math.nan}, "t": 0.1}]},
+            r"samples\[0\].shape: prefill_attn_pairs",
+        ),
+        ({"samples": [{"shape": {"decode_seqs": -3}, "t": 0.1}]}, r"samples\[0\].shape: decode_seqs must be"),
+        ({"samples": [{"shape": {"decode_seqs": 1e308}, "t": 0.1}]}, r"decode_seqs must be at most 1e\+15"),
+        ({"swap_samples": [{"t": 0.1}]}, r"swap_samples\[0\]: blocks must be an integer >= 0, got None"),
+        ({"swap_samples": [{"blocks": "x", "t": 0.1}]}, r"swap_samples\[0\]: blocks must be"),
+        ({"swap_samples": [{"blocks": 4, "t": -1}]}, r"swap_samples\[0\]: t must be a finite number >= 0"),
+        ({"swap_samples": 5}, r"profile.swap_samples is malformed"),
+    ],
+)
+def test_refit_of_malformed_stored_measurements_names_the_entry(tmp_path, capsys, profile, match):
+    """``kvserve profile --refit``: a stored step shape or swap sample that is not a count was a
+    TypeError / KeyError traceback (or numpy's "SVD did not converge"): now exit 2 naming it."""
+    from kvserve.sim.profile import main as profile_main
+
+    data = profile_data()
+    ok = {"prefill_tokens": 8, "prefill_seqs": 1, "decode_seqs": 2, "context_tokens": 90, "sampled_rows": 3}
+    data["profile"]["samples"] = [{"shape": ok, "t": 0.01}] * 12
+    data["profile"].update(copy.deepcopy(profile))
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(data))
+    assert profile_main(["--out", str(tmp_path / "o.json"), "--refit", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err

@@ -32,6 +32,17 @@ from tests.core.simutil import configs, make_group, prompt_of
         ({"num_spec_tokens": 3}, "speculative_config.num_spec_tokens"),
         ("{not json", "speculative_config"),
         ("[1, 2]", "speculative_config"),
+        # a field the method ignores is refused, as model with ngram (was silently dropped)
+        (
+            {"method": "draft_model", "model": "/x", "prompt_lookup_min": 2},
+            "speculative_config.prompt_lookup_min",
+        ),
+        (
+            {"method": "draft_model", "model": "/x", "prompt_lookup_max": 2},
+            "speculative_config.prompt_lookup_max",
+        ),
+        # nested past the JSON parser's depth (was RecursionError)
+        ("[" * 100_000 + "]" * 100_000, "speculative_config is not valid JSON"),
     ],
 )
 def test_bad_speculative_config_names_the_field(value, field):

@@ -19,9 +19,9 @@ import os
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
 
-from kvserve.config import EngineArgs  # noqa: E402
-from kvserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from kvserve.config import EngineArgs
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [

@@ -366,3 +366,7 @@ def test_last_requests_rejected_at_admission_end_the_run(tmp_path, capsys, line)
     assert main(["--workload", str(p), "--num-gpu-blocks", "64", "--json-out", str(out)]) == 0
     s = json.loads(out.read_text())
     assert s["finished"] == 1 and s["rejected_at_admission"] == 1
+    # and says why (the engine's own error, once per distinct reason)
+    ((reason, n),) = s["rejection_reasons"].items()
+    assert n == 1 and ("prompt" in reason or "token" in reason)
+    assert f"rejected at admission (1): {reason}" in capsys.readouterr().out

@@ -114,6 +114,16 @@ def check_output_path(flag: str, path) -> None:
         raise ValueError(f"{flag} {path}: folder {parent} is not writable")
     if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"{flag} {path}: the file exists and is not writable")
+    # what access() cannot see (root on a read-only or pseudo file system such as /proc): a
+    # file created there and removed, as atomic_write will
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".kvserve-check.")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create a file in {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def atomic_write(path, write) -> None:

@@ -113,7 +113,8 @@ def simulate(
         lora_config=lora_config,
     )
     pending = sorted(requests, key=lambda r: r.arrival_s)
-    finals, rejected, i = [], 0, 0
+    finals, i = [], 0
+    rejected: dict[str, int] = {}  # the engine's refusal -> how many requests got it
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival_s <= clock.now():
             r = pending[i]
@@ -125,8 +126,8 @@ def simulate(
                     arrival_time=r.arrival_s,
                     lora_request=sim_lora_request(r.lora_id) if lora_config is not None else None,
                 )
-            except ValueError:
-                rejected += 1
+            except ValueError as e:
+                rejected[str(e)] = rejected.get(str(e), 0) + 1
             i += 1
         if not engine.has_unfinished_requests():
             if i == len(pending):  # the last arrivals were all rejected at admission
@@ -141,7 +142,8 @@ def simulate(
         "num_requests": len(requests),
         "finished": sum(o.outcome == "finished" for o in finals),
         "ignored": sum(o.outcome == "rejected" for o in finals),
-        "rejected_at_admission": rejected,
+        "rejected_at_admission": sum(rejected.values()),
+        "rejection_reasons": rejected,
         "duration_s": duration,
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / duration if duration else 0.0,
@@ -443,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
         f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s"
     )
+    reasons = sorted(summary["rejection_reasons"].items(), key=lambda kv: -kv[1])
+    for reason, n in reasons[:3]:
+        print(f"rejected at admission ({n}): {reason}")
+    if len(reasons) > 3:
+        print(f"rejected at admission: {len(reasons) - 3} more reasons (--json-out lists them)")
     if summary["num_extrapolated_steps"]:
         print(
             f"note: {summary['num_extrapolated_steps']} of {summary['num_steps']} steps were larger than any the "

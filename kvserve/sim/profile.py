@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -747,10 +748,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grid = grid_from_args(ns)
         data = profile(engine_args_from(ns), grid, progress=not ns.no_progress, flags=grid_flags(ns))
-        save_cost_model(ns.out, data)
     except ValueError as e:  # engine settings' errors name fields: say the flags
         print(f"Error: {flag_names(str(e))}", file=sys.stderr)
         return 2
+    try:
+        save_cost_model(ns.out, data)
+    except OSError as e:  # checked before the run, but a disk can fill or a folder go meanwhile
+        import tempfile
+
+        fd, spare = tempfile.mkstemp(prefix="kvserve-profile-", suffix=".json")
+        os.close(fd)
+        save_cost_model(spare, data)
+        print(
+            f"Error: --out {ns.out}: cannot write it ({e.strerror or e}); the profile is in {spare}",
+            file=sys.stderr,
+        )
+        return 1
     p = data["profile"]
     print(
         f"profiled {p['num_steps']} steps in {p['wall_s']:.1f} s ({data['model']['name']}, {data['dtype']}, "

@@ -1,6 +1,7 @@
 """``kvserve profile`` and ``kvserve bench fidelity`` on the tiny random model (seconds)."""
 
 import json
+import os
 import re
 
 import pytest
@@ -245,6 +246,11 @@ def _one_line(capsys) -> str:
         (["--decode-steps", "-2"], "--decode-steps must be >= 1"),
         (["--long-prompt-chunks", "-1"], "--long-prompt-chunks must be >= 0"),
         (["--out", "/"], "--out /: is a folder"),
+        # root passes access() there; creating a file is what fails
+        (
+            ["--out", "/proc/kvserve-profile.json"],
+            "--out /proc/kvserve-profile.json: cannot create a file in /proc",
+        ),
     ],
 )
 def test_profile_cli_bad_grid_flags_name_the_flag(tmp_path, capsys, monkeypatch, argv, match):
@@ -551,3 +557,31 @@ def test_mixed_steps_are_profiled_in_a_small_cache():
     # 2 decodes of 204 tokens hold 26 blocks; the chunk + its token fit the 86-block bound
     assert all(-(-(s.prefill_tokens + 1) // 16) <= int(96 * 0.9) - 26 for s in mixed)
     assert engine.scheduler.num_preemptions == 0
+
+
+def test_profile_cli_keeps_the_measurements_when_out_cannot_be_written_after_the_run(
+    tmp_path, capsys, monkeypatch
+):
+    """--out was writable when checked, and is not when the run ends (a full disk, a removed
+    folder): exit 1 naming --out, and the profile is saved elsewhere, whole, not lost."""
+    from kvserve.benchmarks.common import write_json
+    from kvserve.sim import profile as prof
+
+    data = {"stand-in": "for a measured profile"}
+    monkeypatch.setattr(prof, "profile", lambda *a, **kw: data)
+    out = tmp_path / "p.json"
+
+    def save(path, d):
+        if str(path) == str(out):
+            raise OSError(28, "No space left on device")
+        write_json(path, d)  # the real one would refuse the stand-in
+
+    monkeypatch.setattr(prof, "save_cost_model", save)
+    assert profile_main(["--out", str(out)]) == 1
+    err = _one_line(capsys)
+    assert err.startswith(
+        f"Error: --out {out}: cannot write it (No space left on device); the profile is in "
+    )
+    spare = err.rsplit(" ", 1)[1].strip()
+    assert json.loads(open(spare).read()) == data
+    os.unlink(spare)

@@ -508,11 +508,11 @@ def _fit(samples, attention_split, trim: float | None = 10.0) -> CostModel:
     )
 
 
-def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
-    """A copy of a cost-model file's object (``data``) with its coefficients and fit errors
-    refitted from its stored measurements (``profile.samples``, ``profile.swap_samples``) by
-    the current ``fit_cost_model``; ``fit`` says how and when (the previous fit is kept as
-    ``fit.previous_coefficients``).
+def refit_profile(data: dict, trim: float | None = 10.0, path: str = "<cost model>") -> dict:
+    """A copy of a cost-model file's object (``data``, read from ``path``, which errors name)
+    with its coefficients and fit errors refitted from its stored measurements
+    (``profile.samples``, ``profile.swap_samples``) by the current ``fit_cost_model``; ``fit``
+    says how and when (the previous fit is kept as ``fit.previous_coefficients``).
 
     Raises:
         ValueError: a malformed file or too few stored samples.
@@ -521,7 +521,7 @@ def refit_profile(data: dict, trim: float | None = 10.0) -> dict:
 
     from kvserve.sim.cost_model_file import parse_cost_model
 
-    f = parse_cost_model(data)
+    f = parse_cost_model(data, path)
     samples = f.samples()
     split = f.cost_model.attention_split or _split_of(
         model_kv_heads((data.get("model") or {}).get("path", "")), (data.get("host") or {}).get("threads")
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.sim.cost_model_file import load_cost_model
 
         try:
-            data = refit_profile(load_cost_model(ns.refit).data)
+            data = refit_profile(load_cost_model(ns.refit).data, path=ns.refit)
             save_cost_model(ns.out, data)
         except ValueError as e:
             print(f"Error: {e}", file=sys.stderr)

@@ -423,3 +423,4 @@ def test_refit_of_malformed_stored_measurements_names_the_entry(tmp_path, capsys
     assert profile_main(["--out", str(tmp_path / "o.json"), "--refit", str(p)]) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and "Traceback" not in err
+    assert str(p) in err  # the file given to --refit, not "<cost model>"

@@ -192,9 +192,9 @@ def _num(obj: dict, key: str, where: str, hi: float | None = MAX_COEFFICIENT_S) 
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{where}: {key} must be a finite number >= 0, got {v!r}")
-    if hi is not None and v > hi and hi != MAX_COEFFICIENT_S:
-        raise ValueError(f"{where}: {key} must be at most {hi:g} (a corrupted file), got {v!r}")
     if hi is not None and v > hi:
+        if hi != MAX_COEFFICIENT_S:
+            raise ValueError(f"{where}: {key} must be at most {hi:g} (a corrupted file), got {v!r}")
         raise ValueError(
             f"{where}: {key} must be at most {hi:g} s (a cost of one unit of a step above an hour is "
             f"not a measurement: a corrupted or mis-scaled file), got {v!r}"

@@ -13,7 +13,9 @@ kernel (their own clock: ``native_decode.lora_kernel_seconds``). A scenario writ
 ``ops.NATIVE_MAX_ROWS = N`` (e.g. ``lora4@1024``: the native kernel only up to 1024 rows, the
 torch forms for larger prefill steps, as before the eleventh session); ``NAME@unfused`` runs
 LoRA decode steps on the per-layer native path (``native_decode.FUSE_LORA = False``, as before
-the twelfth session) instead of the one-call step. Read the differences between scenarios of one run only
+the twelfth session) instead of the one-call step; ``NAME@slots`` schedules, loads and slots the
+adapters as ``NAME`` does but runs every step as a base-model step (the model runner builds no
+LoRA mapping): the slot rule's cost alone, i.e. the scenario's time if the LoRA op were free. Read the differences between scenarios of one run only
 (the host's speed drifts). ``--json-out`` writes the per-step records.
 """
 
@@ -127,12 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     records = {}
     from kvserve.lora import ops
     from kvserve.model_executor.models import native_decode
+    from kvserve.worker import model_runner
+
+    class _NoMapping:  # ``@slots``: every step a base-model step, the scheduling unchanged
+        @staticmethod
+        def build(*args, **kwargs):
+            return None
+
+    real_mapping = model_runner.LoRAMapping
 
     default_max_rows = ops.NATIVE_MAX_ROWS
     for label in scenarios:
         scen, _, variant = label.partition("@")
         native_decode.FUSE_LORA = variant != "unfused"
         ops.NATIVE_MAX_ROWS = int(variant) if variant.isdigit() else default_max_rows
+        model_runner.LoRAMapping = _NoMapping if variant == "slots" else real_mapping
         n_adapters, max_loras, max_seqs = SCENARIOS[scen]
         kw: dict = {"dtype": ns.dtype}
         if max_seqs is not None:

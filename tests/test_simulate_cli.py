@@ -48,10 +48,13 @@ def test_cli_runs_on_workload(tmp_path, capsys):
     assert out.exists()
 
 
-def test_missing_trace_file_is_a_one_line_error(capsys):
+def test_missing_trace_file_is_a_one_line_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSERVE_SHARED_DIR", str(tmp_path / "data"))
     assert main(["--trace", "/nonexistent/trace.csv"]) == 2
     err = capsys.readouterr().err
     assert "--trace /nonexistent/trace.csv: no such file" in err and "Traceback" not in err
+    # the hint names the folders themselves, not the variable's name
+    assert str(tmp_path / "data" / "traces") in err and "$KVSERVE_SHARED_DIR" not in err
 
 
 def test_step_budget_does_not_depend_on_the_host(monkeypatch):

@@ -219,6 +219,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         + (f", first token {first - wall_start:.1f} s after start" if first else "")
         + ")"
     )
+    if ns.speculative_config:
+        drafts = sum(o.spec_num_draft_tokens for o in outs)
+        accepted = sum(o.spec_num_accepted_tokens for o in outs)
+        rate = f" ({accepted / drafts:.0%} accepted)" if drafts else ""
+        print(f"speculative decoding: {drafts} draft tokens proposed, {accepted} accepted{rate}")
     return 0
 
 

@@ -39,6 +39,7 @@ from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
 from kvserve.sampling_params import SamplingParams
+from kvserve.shared_data import shared_dir
 from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
 from kvserve.sim.cli_checks import check_float, check_int, flag_of, given_dests, refuse_unused
 from kvserve.sim.cost_model import CostModel, VirtualClock
@@ -398,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.trace:
             if not Path(ns.trace).is_file() and not Path(ns.trace).is_dir():
                 raise ValueError(
-                    f"--trace {ns.trace}: no such file (shared traces live in ../shared/traces beside the "
-                    f"checkout, or $KVSERVE_SHARED_DIR/traces)"
+                    f"--trace {ns.trace}: no such file (relative paths are from the current directory, "
+                    f"{Path.cwd()}; the shared traces are in {shared_dir() / 'traces'})"
                 )
             try:
                 requests = _trace_requests(ns, given, corpus)

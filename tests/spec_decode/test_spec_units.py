@@ -307,3 +307,30 @@ def test_suffix_matches_counts_each_earlier_match_length(tokens, n_max):
         if n:
             expected[i] = n
     assert dict(zip(ends.tolist(), lengths.tolist())) == expected
+
+
+def test_generate_cli_reports_the_draft_counts(tiny_llama_dir, capsys):
+    """``kvserve generate --speculative-config`` prints the run's draft and accepted tokens
+    (the requests' own counts summed). The target as its own greedy draft model: every draft
+    is accepted."""
+    import json
+    import re
+
+    from kvserve.entrypoints import cli
+
+    argv = ["generate", "--prompt", "Hello there", "--max-tokens", "16", "--ignore-eos"]
+    argv += ["--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
+    spec = {
+        "method": "draft_model",
+        "model": str(tiny_llama_dir),
+        "num_speculative_tokens": 3,
+        "dynamic": False,
+    }
+    assert cli.main([*argv, "--speculative-config", json.dumps(spec)]) == 0
+    m = re.search(
+        r"speculative decoding: (\d+) draft tokens proposed, (\d+) accepted \(100% accepted\)",
+        capsys.readouterr().out,
+    )
+    assert m is not None and int(m[1]) == int(m[2]) > 0
+    assert cli.main(argv) == 0  # without speculation: no such line
+    assert "speculative decoding:" not in capsys.readouterr().out

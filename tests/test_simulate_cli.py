@@ -373,3 +373,24 @@ def test_last_requests_rejected_at_admission_end_the_run(tmp_path, capsys, line)
     ((reason, n),) = s["rejection_reasons"].items()
     assert n == 1 and ("prompt" in reason or "token" in reason)
     assert f"rejected at admission (1): {reason}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["timed", "untimed", "workload"])
+def test_arrivals_stretched_past_float_resolution_are_an_error(tmp_path, capsys, kind):
+    """A --time-scale or --request-rate that puts the arrivals past 1e9 virtual seconds named,
+    not run: there the clock's float rounding swallows a step's milliseconds (TTFT came out 0)."""
+    timed, untimed = _timed_and_untimed_traces(tmp_path)
+    argv, flag = {
+        "timed": (["--trace", str(timed), "--time-scale", "1e300"], "--time-scale"),
+        "untimed": (["--trace", str(untimed), "--request-rate", "1e-300"], "--request-rate"),
+        "workload": (["--num-requests", "4", "--request-rate", "1e-300"], "--request-rate"),
+    }[kind]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert err.startswith(f"Error: {flag}: the last request would arrive at") and "at most 1e+09 s" in err, (
+        err
+    )
+    # a long but representable span still runs
+    ok = {"timed": ["--trace", str(timed), "--time-scale", "1e8"]}.get(kind)
+    if ok:
+        assert main([*ok, "--num-gpu-blocks", "256"]) == 0

@@ -224,6 +224,9 @@ def _cost_model_for(ns: argparse.Namespace) -> CostModel:
 MAX_SIM_BLOCKS = 1 << 22
 #: The most adapters ``--num-loras`` may draw from (each has a weight in memory).
 MAX_SIM_LORAS = 1 << 20
+#: Latest virtual arrival time (seconds) a run may have: float64 seconds keep sub-microsecond
+#: resolution up to here, beyond it a step's milliseconds vanish into the clock's rounding.
+MAX_ARRIVAL_S = 1e9
 
 #: engine flags a simulation has no use for, and why (an error rather than ignored)
 _NOT_SIMULATED = (
@@ -331,6 +334,21 @@ def _set_arrivals(requests: list[wl.BenchRequest], rate: float | None) -> None:
         r.arrival_s = t
 
 
+def _check_arrival_span(requests: list[wl.BenchRequest], flag: str) -> None:
+    """The last arrival must be at most ``MAX_ARRIVAL_S`` virtual seconds.
+
+    Raises:
+        ValueError: naming ``flag`` (the setting that stretched the arrivals), the last arrival
+            and the limit.
+    """
+    last = max((r.arrival_s or 0.0 for r in requests), default=0.0)
+    if last > MAX_ARRIVAL_S:
+        raise ValueError(
+            f"{flag}: the last request would arrive at {last:.3g} virtual s; at most {MAX_ARRIVAL_S:.0e} s "
+            f"(float seconds keep a step's microseconds only below that)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvserve simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -406,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                 requests = _trace_requests(ns, given, corpus)
             except ValueError as e:  # the file's errors start with its path: name the flag too
                 raise ValueError(f"--trace {e}" if str(e).startswith(str(ns.trace)) else str(e)) from None
+            _check_arrival_span(requests, "--request-rate" if "request_rate" in given else "--time-scale")
         else:
             path = ns.workload or wl.default_workload_path()
             if ns.workload is None and not path.is_file():
@@ -421,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not requests:
                     raise ValueError(f"--workload {path}: no requests in the file")
             _set_arrivals(requests, ns.request_rate)
+            _check_arrival_span(requests, "--request-rate")
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

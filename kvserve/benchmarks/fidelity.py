@@ -42,7 +42,14 @@ from pathlib import Path
 
 from kvserve.benchmarks import workload as wl
 from kvserve.benchmarks.common import check_output_path, system_info, write_json
-from kvserve.sim.cli_checks import check_float, check_int, flag_of, given_dests, refuse_unused
+from kvserve.sim.cli_checks import (
+    check_arrival_span,
+    check_float,
+    check_int,
+    flag_of,
+    given_dests,
+    refuse_unused,
+)
 from kvserve.sim.replay import (
     LATENCY_KEYS,
     STAT_KEYS,
@@ -54,6 +61,9 @@ from kvserve.sim.replay import (
 
 #: keys of a side's summary ``S`` in the JSON (``--json-out``)
 SUMMARY_KEYS = (*LATENCY_KEYS, "num_preemptions", "output_tok_s")
+#: Longest span of arrivals (seconds) a replay may have: the real side waits for them in real
+#: time, so a time scale stretching a trace past a day is a typo, not a run to wait for.
+MAX_REPLAY_S = 86400.0
 
 
 def side(summary: dict) -> dict:
@@ -142,6 +152,10 @@ def load_requests(ns) -> tuple[list[wl.BenchRequest], dict]:
     )
     if records and records[0].arrival_s is None:
         raise ValueError(f"--trace {ns.trace}: the trace has no arrival times")
+    # the real engine waits for each arrival in wall-clock time
+    check_arrival_span(
+        records, "--time-scale", MAX_REPLAY_S, "the real engine replays the arrivals in real time"
+    )
     reqs, clip = wl.trace_to_requests(
         records, corpus, ns.max_model_len_cap, ns.max_input_len, ns.max_output_len, seed=ns.workload_seed
     )

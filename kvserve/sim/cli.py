@@ -41,7 +41,14 @@ from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_name
 from kvserve.sampling_params import SamplingParams
 from kvserve.shared_data import shared_dir
 from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
-from kvserve.sim.cli_checks import check_float, check_int, flag_of, given_dests, refuse_unused
+from kvserve.sim.cli_checks import (
+    check_arrival_span,
+    check_float,
+    check_int,
+    flag_of,
+    given_dests,
+    refuse_unused,
+)
 from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
 from kvserve.sim.lora import LORA_DISTRIBUTIONS, draw_lora_ids, sim_lora_request
@@ -224,9 +231,6 @@ def _cost_model_for(ns: argparse.Namespace) -> CostModel:
 MAX_SIM_BLOCKS = 1 << 22
 #: The most adapters ``--num-loras`` may draw from (each has a weight in memory).
 MAX_SIM_LORAS = 1 << 20
-#: Latest virtual arrival time (seconds) a run may have: float64 seconds keep sub-microsecond
-#: resolution up to here, beyond it a step's milliseconds vanish into the clock's rounding.
-MAX_ARRIVAL_S = 1e9
 
 #: engine flags a simulation has no use for, and why (an error rather than ignored)
 _NOT_SIMULATED = (
@@ -334,21 +338,6 @@ def _set_arrivals(requests: list[wl.BenchRequest], rate: float | None) -> None:
         r.arrival_s = t
 
 
-def _check_arrival_span(requests: list[wl.BenchRequest], flag: str) -> None:
-    """The last arrival must be at most ``MAX_ARRIVAL_S`` virtual seconds.
-
-    Raises:
-        ValueError: naming ``flag`` (the setting that stretched the arrivals), the last arrival
-            and the limit.
-    """
-    last = max((r.arrival_s or 0.0 for r in requests), default=0.0)
-    if last > MAX_ARRIVAL_S:
-        raise ValueError(
-            f"{flag}: the last request would arrive at {last:.3g} virtual s; at most {MAX_ARRIVAL_S:.0e} s "
-            f"(float seconds keep a step's microseconds only below that)"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvserve simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -424,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                 requests = _trace_requests(ns, given, corpus)
             except ValueError as e:  # the file's errors start with its path: name the flag too
                 raise ValueError(f"--trace {e}" if str(e).startswith(str(ns.trace)) else str(e)) from None
-            _check_arrival_span(requests, "--request-rate" if "request_rate" in given else "--time-scale")
+            check_arrival_span(requests, "--request-rate" if "request_rate" in given else "--time-scale")
         else:
             path = ns.workload or wl.default_workload_path()
             if ns.workload is None and not path.is_file():
@@ -440,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not requests:
                     raise ValueError(f"--workload {path}: no requests in the file")
             _set_arrivals(requests, ns.request_rate)
-            _check_arrival_span(requests, "--request-rate")
+            check_arrival_span(requests, "--request-rate")
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

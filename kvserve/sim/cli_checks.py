@@ -36,6 +36,27 @@ def check_float(
         raise ValueError(f"{flag} must be {rule}{f' ({meaning})' if meaning else ''}, got {v!r}")
 
 
+#: Latest virtual arrival time (seconds) a simulation may have: float64 seconds keep
+#: sub-microsecond resolution up to here; beyond it a step's milliseconds vanish in rounding.
+MAX_ARRIVAL_S = 1e9
+
+
+def check_arrival_span(requests, flag: str, limit_s: float = MAX_ARRIVAL_S, why: str = "") -> None:
+    """The last of ``requests``' ``arrival_s`` (seconds; None counts as 0) must be at most
+    ``limit_s``.
+
+    Raises:
+        ValueError: naming ``flag`` (the setting that stretched the arrivals), the last
+            arrival and the limit (``why`` says why it is there; by default the float clock).
+    """
+    last = max((r.arrival_s or 0.0 for r in requests), default=0.0)
+    if last > limit_s:
+        why = why or "float seconds keep a step's microseconds only below that"
+        raise ValueError(
+            f"{flag}: the last request would arrive at {last:.3g} s; at most {limit_s:.3g} s ({why})"
+        )
+
+
 def check_int(flag: str, v, *, lo: int = 1, hi: int | None = None, why: str = "") -> None:
     """``v`` must be an integer in ``[lo, hi]`` (``hi``: a cap, ``why`` says why it is there).
 

@@ -585,3 +585,26 @@ def test_profile_cli_keeps_the_measurements_when_out_cannot_be_written_after_the
     spare = err.rsplit(" ", 1)[1].strip()
     assert json.loads(open(spare).read()) == data
     os.unlink(spare)
+
+
+def test_bench_fidelity_refuses_a_replay_stretched_past_a_day(tmp_path):
+    """The real side waits for every arrival in wall-clock time: a --time-scale that spreads the
+    trace's 1.1 s over more than a day is an error naming the flag, not a run that never ends."""
+    import argparse
+
+    ns = argparse.Namespace(
+        trace=str(_trace(tmp_path)),
+        num_requests=12,
+        time_scale=1e5,
+        max_model_len_cap=512,
+        max_input_len=None,
+        max_output_len=None,
+        workload_seed=0,
+    )
+    with pytest.raises(
+        ValueError, match=r"--time-scale: the last request would arrive at 1.1e\+05 s; at most 8.64e\+04 s"
+    ):
+        fidelity.load_requests(ns)
+    ns.time_scale = 1e4  # 11,000 s: long, but a replay someone may mean
+    reqs, _ = fidelity.load_requests(ns)
+    assert len(reqs) == 12 and max(r.arrival_s for r in reqs) == pytest.approx(1.1e4)

@@ -305,6 +305,27 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM*
                            nthreads);
         return;
     }
+#ifdef DA_AMX
+    if (sizeof(ELEM) == 2 && da_amx && (D == 32 || D == 64) && G <= 16 && BS % 16 == 0) {
+        /* bfloat16 on AMX tiles (da_item_amx): items of up to 16 / G rows of one sequence */
+        int64_t* st = (int64_t*)malloc(sizeof(int64_t) * (size_t)(B + 1));
+        const int64_t ng = st ? verify_rows(table, nbmax, kstart, kend, B, BS, 16 / G, st) : 0;
+        int failed = st == NULL;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+        {
+            config_tiles();
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t w = 0; w < ng * KH; ++w)
+                failed |= da_item_amx(st[w / KH], st[w / KH + 1] - st[w / KH], w % KH, (const uint16_t*)q, qs,
+                                      (const uint16_t*)cache, table, nbmax, kstart, kend, (uint16_t*)out, KH,
+                                      G, D, NB, BS, scale);
+            _tile_release();
+        }
+        free(st);
+        if (!failed) return;
+        /* no memory for an item's scratch: every row again on the AVX-512 path below */
+    }
+#endif
     const int64_t C = D / 16;
     /* Work items: whole verify chunks (up to MAXR rows) where that leaves at least 4 items a
        thread, else single rows. A chunk's rows share their key and value reads but each costs

@@ -10,6 +10,22 @@ pytestmark = pytest.mark.skipif(
     not na.available(), reason=f"native kernel unavailable: {na.failure_reason()}"
 )
 
+
+@pytest.fixture(autouse=True, params=["avx512", "amx"])
+def kernel_path(request):
+    """Every test on both bfloat16 paths: AVX-512 and AMX tiles (skipped where this CPU or
+    process has none; float32 never takes the AMX path, so it is run once)."""
+    if request.param == "amx":
+        if "dtype" in request.fixturenames and request.getfixturevalue("dtype") != torch.bfloat16:
+            pytest.skip("float32 has no AMX path")
+        if not na.set_amx(True):
+            pytest.skip("no AMX tiles on this CPU or in this process")
+    else:
+        na.set_amx(False)
+    yield request.param
+    na.set_amx(na.USE_AMX)
+
+
 # bfloat16 K/V/q are widened exactly and summed in float32, so the only extra error is the
 # output's rounding to bfloat16: half an ulp, 2**-9 relative, of values of magnitude <~ 3.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2**-8}
@@ -142,7 +158,9 @@ def _verify_batch(g, seqs, KH, G, D, BS, NB, dtype, shared_blocks=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("KH,G,D,BS", [(3, 3, 64, 16), (2, 4, 128, 16), (1, 2, 32, 4), (2, 5, 48, 8)])
+@pytest.mark.parametrize(
+    "KH,G,D,BS", [(3, 3, 64, 16), (2, 4, 128, 16), (1, 2, 32, 4), (2, 5, 48, 8), (1, 6, 32, 32)]
+)
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_verify_chunk_rows_equal_each_row_alone(KH, G, D, BS, dtype, threads):
     """A verify chunk's rows (one sequence's consecutive positions: the kernel reads their keys
@@ -190,7 +208,7 @@ def test_rows_of_other_sequences_never_read_each_others_blocks(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("KH,G,D,BS", [(2, 16, 256, 16), (2, 4, 64, 8)])
+@pytest.mark.parametrize("KH,G,D,BS", [(2, 16, 256, 16), (2, 4, 64, 8), (2, 16, 64, 16), (1, 3, 64, 32)])
 def test_verify_chunks_beside_empty_rows_shared_prefixes_and_long_contexts(KH, G, D, BS, dtype):
     """The grouping's edges, each row bit for bit what it gives alone (and, through single rows,
     what the batch gives with too few items a thread to group): a chunk of 18 rows over more
@@ -238,3 +256,21 @@ def test_verify_chunks_beside_empty_rows_shared_prefixes_and_long_contexts(KH, G
         pos = torch.arange(ks, ke)
         ref = _reference(q[r], cache, torch.tensor(blocks)[pos // BS], pos, BS, scale)
         assert (got[r].float() - ref).abs().max() <= TOLERANCE[dtype], r
+
+
+def test_amx_switch_takes_another_path(kernel_path):
+    """``set_amx`` really switches kernels where AMX exists: the two bfloat16 paths sum in other
+    orders, so over 8 sequences x 5 verify rows and 450 keys some outputs differ in their last
+    bit, while both stay within the reference tolerance (checked above). Where the CPU has no
+    AMX, ``set_amx(True)`` reports False and the kernel keeps one path."""
+    if kernel_path != "amx":
+        pytest.skip("compares the two paths once")
+    g = torch.Generator().manual_seed(3)
+    q, cache, table, kstart, kend = _verify_batch(
+        g, [(0, 445 + i, 5) for i in range(8)], 3, 3, 64, 16, 400, torch.bfloat16
+    )
+    amx = na.paged_decode_attention(q, cache, table, kstart, kend, 0.125)
+    assert na.set_amx(False) is False
+    avx = na.paged_decode_attention(q, cache, table, kstart, kend, 0.125)
+    assert not torch.equal(amx, avx)
+    assert (amx.float() - avx.float()).abs().max() <= 2 * TOLERANCE[torch.bfloat16]

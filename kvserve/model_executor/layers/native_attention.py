@@ -19,6 +19,7 @@ Kernel contract (all contiguous; q, cache and out of one dtype, float32 or bfloa
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -31,13 +32,41 @@ _ARGS = [_p, _i64, _p, _p, _i64, _p, _p, _p, *[_i64] * 6, ctypes.c_float, ctypes
 _LIB = NativeLibrary(
     "kv_attention",
     "decode_attention.c",
-    {f"kv_paged_decode_attention_{sfx}": _ARGS for sfx in DTYPE_SUFFIX.values()},
+    {
+        **{f"kv_paged_decode_attention_{sfx}": _ARGS for sfx in DTYPE_SUFFIX.values()},
+        "kv_decode_attention_set_amx": [ctypes.c_int],
+    },
 )
+
+
+#: Env var: ``0`` keeps bfloat16 decode attention on the AVX-512 path (A/B comparisons).
+AMX_ENV = "KVSERVE_ATTENTION_AMX"
+#: bfloat16 with head_dim 32 or 64 on AMX tiles where this CPU and process have them (the
+#: kernel's ``da_item_amx``: a verify chunk's rows cost about what one row costs; False: the
+#: AVX-512 path). Read when the library is first found available; ``set_amx`` changes it later.
+USE_AMX = os.environ.get(AMX_ENV, "1") != "0"
+_amx_state: bool | None = None
 
 
 def available() -> bool:
     """True when the native kernel is compiled and loaded."""
-    return _LIB.available()
+    if not _LIB.available():
+        return False
+    if _amx_state is None:
+        set_amx(USE_AMX)
+    return True
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX path on or off for every later call (also the one-call decode step's);
+    returns whether it is on: only where the library was built with AMX and the process may use
+    the tiles (``amx_gemm.available()`` asks Linux for them). The library must be available."""
+    global _amx_state
+    from kvserve.model_executor.layers import amx_gemm
+
+    _LIB.fn("kv_decode_attention_set_amx").restype = ctypes.c_int
+    _amx_state = bool(_LIB.fn("kv_decode_attention_set_amx")(int(bool(on) and amx_gemm.available())))
+    return _amx_state
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:

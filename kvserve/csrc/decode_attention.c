@@ -103,7 +103,10 @@ static int64_t verify_rows(const int64_t* table, int64_t nbmax, const int64_t* k
      S [lanes][keys] = Q [lanes][D] . K^T   (B: 16 keys' K rows as 32-bit d pairs, transposed)
      O [lanes][D]   += P [lanes][keys] . V  (B: V rows interleaved in key pairs; P split into a
                                              bfloat16 high part and the bfloat16 rounding of the
-                                             rest, two products, so P keeps ~16 bits, not 8)
+                                             rest, two products, so P keeps ~16 bits, not 8:
+                                             the split of Henry, Tang and Heinecke, "Leveraging
+                                             the bfloat16 Artificial Intelligence Datatype For
+                                             Higher-Precision Computations", ARITH 2019)
    The softmax runs per lane over its keys. A lane's arithmetic depends on its own query and
    keys only -- the same 16-key steps from the same first key, whatever the other lanes hold --
    so a verify row equals the decode of its position bit for bit, as on the AVX-512 path.
@@ -111,8 +114,8 @@ static int64_t verify_rows(const int64_t* table, int64_t nbmax, const int64_t* k
 static int da_amx = 0;
 
 /* Turns the AMX path on or off (on only where this library was built with AMX: -march=native
-   on an AMX CPU; the caller asks the kernel for the process's permission first). Returns the
-   state now in force. */
+   on an AMX CPU; the caller has asked Linux for the process's tiles first, amx_gemm.c's
+   amx_init). Returns the state now in force. */
 int kv_decode_attention_set_amx(int on) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     da_amx = on != 0;

@@ -131,10 +131,10 @@ int kv_decode_attention_set_amx(int on) {
 #include "amx_tiles.h"
 #include "transpose16.h"
 
-static inline float da_hmax(v16 v) {
-    float m = v[0];
-    for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
-    return m;
+/* Lanes of keys k0 .. k0 + 15 that a row attending keys s0 .. e - 1 reads (all ones / zero). */
+static inline v16i da_keys_in(int64_t k0, int64_t s0, int64_t e) {
+    const v16 p = (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (float)k0;
+    return (p >= (float)s0) & (p < (float)e);
 }
 
 /* Tiles (config_tiles: all 16 rows x 64 bytes): 0 S [16 lanes][16 keys] f32; 1 Q [16 lanes][32 d]
@@ -210,7 +210,6 @@ static int da_item_amx(int64_t b0, int64_t R, int64_t h, const uint16_t* q, int6
     /* Softmax numerators per lane, in place: keys outside [s0, the lane's end) exactly 0, as the
        padding to Lp. */
     v16 inv;
-    const v16 jv = (v16){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t n = 0; n < N; ++n) {
         float* sn = sc + n * Lp;
         const int64_t e = kend[b0 + n / G]; /* this lane's keys: s0 .. e - 1 */
@@ -218,21 +217,17 @@ static int da_item_amx(int64_t b0, int64_t R, int64_t h, const uint16_t* q, int6
         for (int64_t j = 0; j < 16 * nh; j += 16) {
             v16 x = *(v16*)(sn + j) * scale;
             if (a0 + j < s0 || a0 + j + 16 > e) {
-                const v16 p = jv + (float)(a0 + j);
-                x = (v16)(((v16i)x & ((p >= (float)s0) & (p < (float)e))) |
-                          ((v16i)((v16){} - INFINITY) & ~((p >= (float)s0) & (p < (float)e))));
+                const v16i in = da_keys_in(a0 + j, s0, e);
+                x = (v16)(((v16i)x & in) | ((v16i)((v16){} - INFINITY) & ~in));
             }
             *(v16*)(sn + j) = x;
             mv = vmax(mv, x);
         }
-        const float m = da_hmax(mv);
+        const float m = hmax16(mv);
         v16 lv = (v16){};
         for (int64_t j = 0; j < 16 * nh; j += 16) {
             v16 x = exp16(*(v16*)(sn + j) - m);
-            if (a0 + j < s0 || a0 + j + 16 > e) {
-                const v16 p = jv + (float)(a0 + j);
-                x = (v16)((v16i)x & ((p >= (float)s0) & (p < (float)e)));
-            }
+            if (a0 + j < s0 || a0 + j + 16 > e) x = (v16)((v16i)x & da_keys_in(a0 + j, s0, e));
             lv += x;
             *(v16*)(sn + j) = x;
         }

@@ -36,6 +36,15 @@ static inline v16 vmax(v16 a, v16 b) {
     return (v16)(((v16i)a & m) | ((v16i)b & ~m));
 }
 
+/* The largest of v's 16 lanes. */
+static inline float hmax16(v16 v) {
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
 /* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 Taylor in r, times 2^n
    (relative error ~1e-7). */
 static inline v16 exp16(v16 x) {

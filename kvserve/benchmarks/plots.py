@@ -176,8 +176,9 @@ def plots_from_result(result: dict, out_dir) -> list[str]:
     supports."""
     out = []
     if result.get("benchmark") == "spec_decode":
-        label = f"spec decode, {result.get('args', {}).get('dtype', '')}"
-        out.append(plot_spec_decode({label: result["results"]}, Path(out_dir) / "spec_decode.png"))
+        out.append(
+            plot_spec_decode({_spec_label(result, 0): result["results"]}, Path(out_dir) / "spec_decode.png")
+        )
     if result.get("benchmark") == "throughput" and result.get("kvserve", {}).get("timeline"):
         out.append(plot_timeline(result["kvserve"]["timeline"], Path(out_dir) / "throughput_timeline.png"))
     runs = result.get("runs") or []
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvserve bench plot",
         description="redraw plots from benchmark JSON files; with several `bench serve` "
-        "results (e.g. kvserve and vLLM) also plot them side by side",
+        "results (e.g. kvserve and vLLM) also plot them side by side, and several `bench "
+        "spec-decode` results (e.g. float32 and bfloat16) as one figure of panels",
     )
     p.add_argument("results", nargs="+")
     p.add_argument("--out-dir", default=".")
@@ -250,7 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     if len(serve) > 1:
         for path in plots_comparing(serve, ns.out_dir):
             print(path)
+    spec = [r for r in loaded if r.get("benchmark") == "spec_decode"]
+    if len(spec) > 1:  # one panel per run (e.g. per dtype), side by side
+        panels = {}
+        for i, r in enumerate(spec):
+            label = _spec_label(r, i)
+            panels[label if label not in panels else f"{label} ({i})"] = r["results"]
+        print(plot_spec_decode(panels, Path(ns.out_dir) / "spec_decode_compared.png"))
     return 0
+
+
+def _spec_label(result: dict, i: int) -> str:
+    """A ``bench spec-decode`` result's panel title: its dtype (or its index)."""
+    dtype = result.get("args", {}).get("dtype")
+    return f"spec decode, {dtype}" if dtype else f"spec decode, run {i}"
 
 
 if __name__ == "__main__":

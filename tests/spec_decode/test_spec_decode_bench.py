@@ -76,3 +76,20 @@ def test_bench_rounds_alternate_and_report_the_best(tiny_llama_dir, tmp_path, ca
         assert r["output_tokens"] == 2 * 5 and r["same_tokens_as_off"] is True
     assert res["ngram-fixed"]["speedup"] == res["ngram-fixed"]["output_tok_s"] / res["off"]["output_tok_s"]
     assert main(argv[:-2] + ["--rounds", "0"]) == 2
+
+
+def test_bench_plot_draws_several_spec_decode_runs_as_panels(tmp_path, capsys):
+    from kvserve.benchmarks.plots import main as plot_main
+
+    paths = []
+    for dtype, ngram in (("float32", 2.0), ("bfloat16", 2.5)):
+        by_method = {"off": {"output_tok_s": 10.0}, "ngram": {"output_tok_s": 10.0 * ngram}}
+        res = {"benchmark": "spec_decode", "args": {"dtype": dtype}, "results": {"single": by_method}}
+        paths.append(tmp_path / f"{dtype}.json")
+        paths[-1].write_text(json.dumps(res))
+    assert plot_main([str(p) for p in paths] + ["--out-dir", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert str(tmp_path / "out" / "spec_decode_compared.png") in printed
+    assert (tmp_path / "out" / "spec_decode_compared.png").stat().st_size > 1000
+    # each run also gets its own figure, in a folder per run
+    assert sum(p.endswith("spec_decode.png") for p in printed) == 2

@@ -385,3 +385,50 @@ def test_top_level_help_lists_every_bench_command(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps (and may hyphen-break) the line
     bench_line = out.split("bench benchmarks (", 1)[1].split(")", 1)[0].replace("- ", "-")
     assert [c.strip() for c in bench_line.split(",")] == list(COMMANDS)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["throughput", "--num-prompts", "2", "--input-len", "4", "--output-len", "2"],
+        ["cold-start"],
+        ["data-parallel", "--trace", "/nonexistent/trace.jsonl"],
+    ],
+)
+def test_bench_commands_reject_a_bad_engine_setting_before_loading(command, capsys):
+    """A bad engine flag is an ``error:`` line and exit 2, not a traceback (nor a model load)."""
+    from kvserve.benchmarks.cli import main
+
+    bad = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
+    assert main([*command, "--speculative-config", bad]) == 2
+    err = capsys.readouterr().err
+    assert "error: speculative_config.num_speculative_tokens must be an integer in [1, 64], got 0." in err
+    assert "Traceback" not in err
+
+
+def test_bench_data_parallel_missing_trace_is_an_error_naming_the_flag(capsys):
+    from kvserve.benchmarks.cli import main
+
+    assert main(["data-parallel", "--trace", "/nonexistent/trace.jsonl"]) == 2
+    assert "error: --trace /nonexistent/trace.jsonl: [Errno 2]" in capsys.readouterr().err
+
+
+def test_bench_throughput_reports_speculation_counts(tiny_llama_dir, tmp_path, capsys):
+    from kvserve.benchmarks.cli import main
+
+    out = tmp_path / "t.json"
+    # the target as its own draft, fixed k: every step drafts and every greedy draft is accepted
+    spec = {
+        "method": "draft_model",
+        "model": str(tiny_llama_dir),
+        "num_speculative_tokens": 3,
+        "dynamic": False,
+    }
+    argv = ["throughput", "--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "16"]
+    argv += ["--output-len", "9", "--no-baseline", "--no-tqdm", "--speculative-config", json.dumps(spec)]
+    assert main([*argv, "--json-out", str(out)]) == 0
+    sd = json.loads(out.read_text())["kvserve"]["spec_decode"]
+    assert sd["num_draft_tokens"] > 0 and sd["num_accepted_tokens"] == sd["num_draft_tokens"]
+    assert sd["acceptance_rate"] == 1.0
+    printed = capsys.readouterr().out
+    assert f"speculative decoding: {sd['num_draft_tokens']} draft tokens proposed" in printed

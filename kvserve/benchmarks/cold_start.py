@@ -57,7 +57,7 @@ def measure_once(engine_kwargs: dict, python: str = sys.executable, timeout_s: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.entrypoints.cli import add_engine_args, engine_args_from
+    from kvserve.entrypoints.cli import add_engine_args, checked_engine_args
 
     p = argparse.ArgumentParser(
         prog="kvserve bench cold-start",
@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     import dataclasses
 
-    kwargs = {k: v for k, v in dataclasses.asdict(engine_args_from(ns)).items()}
+    args = checked_engine_args(ns)
+    if args is None:
+        return 2
+    kwargs = dataclasses.asdict(args)
     tries = []
     for i in range(ns.tries):
         r = measure_once(kwargs)

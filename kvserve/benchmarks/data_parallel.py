@@ -192,12 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.entrypoints.cli import engine_args_from
+    from kvserve.entrypoints.cli import checked_engine_args
 
     ns = build_parser().parse_args(argv)
+    engine_args = checked_engine_args(ns)
+    if engine_args is None:
+        return 2
     trace = ns.trace or str(shared_dir() / DEFAULT_TRACE)
-    with open(trace) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(trace) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        hint = "" if ns.trace else " (the default trace: set $KVSERVE_SHARED_DIR or pass --trace)"
+        print(f"error: --trace {trace}: {e}{hint}", file=sys.stderr)
+        return 2
     reqs = shared_prefix_requests(
         records, load_corpus(), ns.groups, ns.singles, ns.block_tokens, ns.max_blocks, ns.max_output_len
     )
@@ -205,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         reqs = reqs[: ns.num_requests]
     for r, t in zip(reqs, generate_arrivals(len(reqs), ns.rate, seed=ns.seed)):
         r.arrival_s = t
-    engine_args = engine_args_from(ns)
     engine_args.enable_prefix_caching = True
     print(
         f"{len(reqs)} requests ({ns.groups} shared-prefix groups + distinct prompts), "

@@ -24,6 +24,10 @@ tok/s, mean TPOT (ms), the speed-up over ``off``, acceptance rate and mean accep
 (tokens per verification) and, for the draft model, its milliseconds per proposed token (its
 forwards, catch-up included), as a table and as JSON (``--json-out``).
 
+``--speculative-config JSON`` (the engine's field names, without ``method``) is applied over
+every speculating method's settings, e.g. ``'{"disable_by_batch_size": 16}'`` or
+``'{"prompt_lookup_min": 1}'``; ``--w64-workload`` names the w64 file (default: the shared one).
+
 ``--num-speculative-tokens`` (k, default 8) is the most drafts per sequence and step; with
 dynamic lengths it is only a cap (the policy fills fewer slots where they do not pay), and on
 this workload a strong n-gram match keeps being accepted past 4 tokens (issue 13: k = 8 gave
@@ -158,28 +162,65 @@ def write_workload(path: Path, reqs: list[BenchRequest], args: dict[str, Any]) -
     Path(str(path) + ".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def _overrides(value: str | None) -> dict[str, Any]:
+    """``--speculative-config``: a JSON object of ``SpeculativeConfig`` fields but ``method``.
+
+    Raises:
+        ValueError: not a JSON object, or it names ``method`` (``--methods`` chooses it).
+    """
+    if not value:
+        return {}
+    try:
+        extra = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(extra).__name__}")
+    if "method" in extra:
+        raise ValueError("--speculative-config: give the method with --methods, not 'method'")
+    return extra
+
+
 def _spec_config(method: str, ns: argparse.Namespace) -> dict | None:
+    """The engine's ``speculative_config`` for ``method`` (None for ``off``), with
+    ``--speculative-config``'s fields over the benchmark's own; checked here, before any model
+    loads.
+
+    Raises:
+        ValueError: an unknown method, or a bad field (naming ``speculative_config.<field>``).
+    """
+    from kvserve.config import SpeculativeConfig
+
     if method == "off":
         return None
     if method in ("ngram", "ngram-fixed"):
-        return {
+        cfg = {
             "method": "ngram",
             "num_speculative_tokens": ns.num_speculative_tokens,
             "prompt_lookup_min": ns.prompt_lookup_min,
             "prompt_lookup_max": ns.prompt_lookup_max,
             "dynamic": method == "ngram",
         }
-    if method in ("draft", "draft-fixed"):
+    elif method in ("draft", "draft-fixed"):
         from kvserve.model_executor.model_loader import resolve_model_dir
 
         model = ns.draft_model or str(resolve_model_dir(ns.model))
-        return {
+        cfg = {
             "method": "draft_model",
             "model": model,
             "num_speculative_tokens": ns.num_speculative_tokens,
             "dynamic": method == "draft",
         }
-    raise ValueError(f"--methods: unknown method {method!r} (off, ngram, ngram-fixed, draft, draft-fixed)")
+    else:
+        raise ValueError(
+            f"--methods: unknown method {method!r} (off, ngram, ngram-fixed, draft, draft-fixed)"
+        )
+    extra = _overrides(ns.speculative_config)
+    if cfg["method"] != "ngram":  # prompt lookup's fields mean nothing to a draft model
+        extra = {k: v for k, v in extra.items() if not k.startswith("prompt_lookup_")}
+    cfg.update(extra)
+    SpeculativeConfig.from_value(cfg)
+    return cfg
 
 
 def _run(llm, reqs: list[BenchRequest], batch: int) -> dict[str, Any]:
@@ -249,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="JSON: engine speculative_config fields (not method) over every speculating method's",
+    )
+    p.add_argument("--w64-workload", default=None, help="the w64 workload JSONL (default: the shared one)")
     p.add_argument("--write-workload", default=None, help="also write the input-grounded workload JSONL here")
     p.add_argument(
         "--rounds", type=int, default=1, help="runs of every scenario, methods in turn; best reported"
@@ -269,7 +316,21 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --scenarios: unknown {bad} (single, concurrent, w64)", file=sys.stderr)
         return 2
-    tok = load_tokenizer(resolve_model_dir(ns.model))
+    specs: dict[str, dict | None] = {}
+    for method in methods:
+        try:
+            specs[method] = _spec_config(method, ns)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if ns.w64_workload and "w64" in scenarios and not Path(ns.w64_workload).is_file():
+        print(f"error: --w64-workload {ns.w64_workload}: no such file", file=sys.stderr)
+        return 2
+    try:
+        tok = load_tokenizer(resolve_model_dir(ns.model))
+    except (ValueError, OSError) as e:
+        print(f"error: --model: {e}", file=sys.stderr)
+        return 2
     grounded = build_workload(tok, ns.num_requests, ns.prompt_len, ns.output_len)
     if ns.write_workload:
         write_workload(Path(ns.write_workload), grounded, vars(ns))
@@ -279,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if "concurrent" in scenarios:
         work["concurrent"] = (grounded, ns.concurrency)
     if "w64" in scenarios:
-        path = default_workload_path()
+        path = Path(ns.w64_workload) if ns.w64_workload else default_workload_path()
         if path.is_file():
             w64 = load_workload(path, ns.w64_prompts)
             if ns.w64_max_output:
@@ -287,15 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     r.output_len = min(r.output_len, ns.w64_max_output)
             work["w64"] = (w64, len(w64))
         else:
-            print(f"note: {path} not found; skipping the w64 scenario")
+            print(f"note: {path} not found; skipping the w64 scenario (--w64-workload names the file)")
 
-    specs: dict[str, dict | None] = {}
-    for method in methods:
-        try:
-            specs[method] = _spec_config(method, ns)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {m: [] for m in methods} for s in work}
 
     def engine(method: str):

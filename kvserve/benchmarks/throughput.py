@@ -145,6 +145,14 @@ def run_kvserve(
         res["tpot_ms"] = summarize(
             [o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outs if o.metrics and o.outputs], scale=1000
         )
+    if engine_kwargs.get("speculative_config"):  # the requests' own counts, this run only
+        drafted = sum(o.spec_num_draft_tokens for o in outs)
+        accepted = sum(o.spec_num_accepted_tokens for o in outs)
+        res["spec_decode"] = {
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+        }
     res["timeline"] = timeline_from_engine(llm, wall0, num_submitted=len(reqs))
     res["_llm"] = llm
     return res
@@ -294,7 +302,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    from kvserve.entrypoints.cli import engine_args_from
+    from kvserve.entrypoints.cli import checked_engine_args
 
     try:
         reqs, source = requests_from_args(ns)
@@ -306,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import dataclasses
 
-    engine_kwargs = dataclasses.asdict(engine_args_from(ns))
+    args = checked_engine_args(ns)
+    if args is None:
+        return 2
+    engine_kwargs = dataclasses.asdict(args)
     work = _work(reqs)
     print(
         f"workload: {source}: {work['num_requests']} requests, {work['prompt_tokens']} prompt + "
@@ -383,6 +394,13 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    if "spec_decode" in kv:
+        sd = kv["spec_decode"]
+        rate = "-" if sd["acceptance_rate"] is None else f"{sd['acceptance_rate']:.0%}"
+        print(
+            f"speculative decoding: {sd['num_draft_tokens']} draft tokens proposed, "
+            f"{sd['num_accepted_tokens']} accepted ({rate})"
+        )
     if kv["requests_short_of_output_len"]:
         print(
             f"warning: {kv['requests_short_of_output_len']} kvserve requests produced fewer than output_len tokens"

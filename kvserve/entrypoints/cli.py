@@ -70,7 +70,22 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The ``EngineArgs`` of ``add_engine_args``'s flags in ``ns``.
+
+    Raises:
+        ValueError: a setting out of its range (worded with the field's name).
+    """
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def checked_engine_args(ns: argparse.Namespace) -> EngineArgs | None:
+    """``engine_args_from(ns)``, or None after printing ``error: ...`` (the error worded with
+    the flags typed) to stderr: a command then exits 2 instead of showing a traceback."""
+    try:
+        return engine_args_from(ns)
+    except ValueError as e:
+        print(f"error: {flag_names(str(e))}", file=sys.stderr)
+        return None
 
 
 def _flag_patterns() -> list[tuple[re.Pattern, str]]:

@@ -93,3 +93,32 @@ def test_bench_plot_draws_several_spec_decode_runs_as_panels(tmp_path, capsys):
     assert (tmp_path / "out" / "spec_decode_compared.png").stat().st_size > 1000
     # each run also gets its own figure, in a folder per run
     assert sum(p.endswith("spec_decode.png") for p in printed) == 2
+
+
+def test_bench_speculative_config_applies_to_every_speculating_method(tiny_llama_dir, tmp_path):
+    """``--speculative-config`` reaches the engines (here: speculation off above batch 1, so
+    the 2-request batch drafts nothing while one at a time does) and the saved args."""
+    out = tmp_path / "r.json"
+    argv = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--scenarios", "single,concurrent"]
+    argv += ["--num-requests", "2", "--concurrency", "2", "--prompt-len", "24", "--output-len", "6"]
+    argv += ["--methods", "off,draft-fixed", "--json-out", str(out)]
+    argv += ["--speculative-config", json.dumps({"disable_by_batch_size": 1, "prompt_lookup_min": 1})]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["single"]["draft-fixed"]["num_draft_tokens"] > 0
+    assert res["concurrent"]["draft-fixed"]["num_draft_tokens"] == 0
+    assert res["concurrent"]["draft-fixed"]["same_tokens_as_off"] is True
+
+
+def test_bench_bad_speculative_config_or_w64_file_is_an_error_before_loading(tmp_path, capsys):
+    argv = ["--model", str(tmp_path / "no-model"), "--methods", "off,ngram"]
+    assert main([*argv, "--speculative-config", '{"acceptance_window": 0}']) == 2
+    assert "speculative_config.acceptance_window" in capsys.readouterr().err
+    assert main([*argv, "--speculative-config", '{"method": "draft_model"}']) == 2
+    assert "--methods" in capsys.readouterr().err
+    assert main([*argv, "--speculative-config", "[1]"]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+    assert main([*argv, "--w64-workload", str(tmp_path / "none.jsonl")]) == 2
+    assert "--w64-workload" in capsys.readouterr().err
+    assert main([*argv, "--scenarios", "single"]) == 2
+    assert "error: --model: model path" in capsys.readouterr().err

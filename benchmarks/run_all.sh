@@ -7,6 +7,8 @@
 #   STEPS: offline baseline vllm_offline serve vllm_serve cold_start plots (default: all of them)
 #          quantized (opt-in, ~20 min): batch-1 gguf/int8 vs float/bfloat16 vs llama.cpp's llama-server,
 #          then w64 per format; needs bash benchmarks/llama_cpp/setup.sh (or NO_PEER=1)
+#          spec_decode (opt-in, ~15 min): speculation off vs n-gram vs draft model (the target as its
+#          own draft), float32 and bfloat16: input-grounded 1 at a time and 8 at once, then w64
 #   NO_BASELINE=1 skips transformers; WORKLOAD=... changes the workload (default shared w64).
 # Needs the vLLM venv for the vllm_* steps: bash benchmarks/vllm_cpu/setup.sh
 set -uo pipefail
@@ -76,6 +78,16 @@ if has quantized; then
         --json-out "$OUT/quantized_batch1.json" 2>&1 | tee "$OUT/quantized_batch1.log"
     "$PY" -m kvserve.benchmarks.cli quantized --w64 --workload "$WORKLOAD" "${peer[@]}" \
         --json-out "$OUT/quantized_w64.json" 2>&1 | tee "$OUT/quantized_w64.log"
+fi
+if has spec_decode; then
+    for dt in float32 bfloat16; do
+        "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram,ngram-fixed,draft \
+            --scenarios single,concurrent --rounds 2 --json-out "$OUT/spec_decode_$dt.json" 2>&1 | tee "$OUT/spec_decode_$dt.log"
+        "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram --scenarios w64 \
+            --w64-workload "$WORKLOAD" --json-out "$OUT/spec_decode_w64_$dt.json" 2>&1 | tee "$OUT/spec_decode_w64_$dt.log"
+    done
+    "$PY" -m kvserve.benchmarks.plots "$OUT/spec_decode_float32.json" "$OUT/spec_decode_bfloat16.json" \
+        --out-dir "$OUT/spec_decode"
 fi
 if has plots && [ -f "$OUT/serve_kvserve.json" ] && [ -f "$OUT/serve_vllm.json" ]; then
     "$PY" -m kvserve.benchmarks.plots "$OUT/serve_kvserve.json" "$OUT/serve_vllm.json" --out-dir "$OUT/compare"

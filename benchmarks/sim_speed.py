@@ -1,5 +1,5 @@
 """How fast the simulator runs: N requests of the shared Azure code trace through ``simulate``
-(target: 10,000 requests in < 60 s). The trace has 8,818 rows; past its end it repeats, each
+(target: 10,000 requests in < 60 s). The trace has 8,819 rows; past its end it repeats, each
 repetition arriving after the previous one (so the request rate stays the trace's).
 
 Prints requests simulated per wall second and a JSON line.
@@ -51,7 +51,12 @@ def main() -> int:
     ap.set_defaults(num_gpu_blocks=None, max_model_len=8192)
     ns = ap.parse_args()
     cost_model = _cost_model_for(ns)
-    records = wl.scale_arrivals(tiled(wl.load_trace(ns.trace), ns.num_requests), ns.time_scale)
+    try:
+        trace = wl.load_trace(ns.trace)
+    except ValueError as e:
+        print(f"error: --trace {e} (or set $KVSERVE_SHARED_DIR to the shared folder)", file=sys.stderr)
+        return 2
+    records = wl.scale_arrivals(tiled(trace, ns.num_requests), ns.time_scale)
     corpus = [3 + (i * 7919) % 49000 for i in range(1 << 16)]
     requests, _ = wl.trace_to_requests(records, corpus, ns.max_model_len)
     t0 = time.perf_counter()

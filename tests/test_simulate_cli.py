@@ -394,3 +394,37 @@ def test_arrivals_stretched_past_float_resolution_are_an_error(tmp_path, capsys,
     ok = {"timed": ["--trace", str(timed), "--time-scale", "1e8"]}.get(kind)
     if ok:
         assert main([*ok, "--num-gpu-blocks", "256"]) == 0
+
+
+def test_requests_the_cache_can_never_hold_count_as_ignored_not_in_latencies(tmp_path, capsys):
+    """A request needing more blocks than the cache has is ignored: counted, its reason printed
+    once, and left out of every latency (its refusal is no end-to-end latency: e2e p50 was below
+    TTFT p50)."""
+    p = tmp_path / "w.jsonl"
+    rows = [{"prompt_token_ids": [5 + i] * 40, "output_len": 8, "arrival_s": 0.1 * i} for i in range(6)]
+    rows += [{"prompt_token_ids": [9] * 400, "output_len": 8, "arrival_s": 0.05 + 0.1 * i} for i in range(6)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "s.json"
+    assert (
+        main(["--workload", str(p), "--num-gpu-blocks", "8", "--block-size", "16", "--json-out", str(out)])
+        == 0
+    )
+    s = json.loads(out.read_text())
+    assert s["finished"] == 6 and s["ignored"] == 6
+    for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
+        assert s[key]["n"] == 6, key
+    assert s["e2e_s"]["p50"] >= s["ttft_s"]["p50"]
+    ((reason, n),) = s["ignored_reasons"].items()
+    assert n == 6 and "KV blocks" in reason
+    printed = capsys.readouterr().out
+    assert printed.count(reason) == 1 and f"ignored by the scheduler (6): {reason}" in printed
+    assert "requests/s simulated" in printed
+
+
+def test_folders_and_refit_files_are_named_by_their_flag(tmp_path, capsys):
+    from kvserve.sim.profile import main as profile_main
+
+    assert main(["--cost-model", str(tmp_path)]) == 2
+    assert f"--cost-model {tmp_path}: is a folder" in capsys.readouterr().err
+    assert profile_main(["--refit", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json")]) == 2
+    assert f"--refit {tmp_path / 'none.json'}: no such file" in capsys.readouterr().err

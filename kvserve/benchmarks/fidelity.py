@@ -723,6 +723,8 @@ def _main_real_from(ns, given: set[str] = frozenset()) -> int:
             given, ["steps_out", "profile_out", *_profile_dests(ns)], "does not apply with --real-from"
         )
         _check_outputs(ns)
+        if Path(ns.real_from).is_dir():
+            raise ValueError(f"--real-from {ns.real_from}: is a folder, not a recorded result")
         if not Path(ns.real_from).is_file():
             raise ValueError(f"--real-from {ns.real_from}: no such file")
         recorded = _load_result(ns.real_from)

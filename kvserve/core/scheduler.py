@@ -806,7 +806,8 @@ class Scheduler:
             if not seq.is_finished():
                 seq.status = status
             self.block_manager.free(seq)
-        logger.warning("%s request %s: %s", "length-capping" if started else "ignoring", g.request_id, reason)
+        # the engine logs the request's end (one line a request); this says which path ended it
+        logger.debug("%s request %s: %s", "length-capping" if started else "ignoring", g.request_id, reason)
 
     def _prefill_chunk(
         self, g: SequenceGroup, budget: SchedulingBudget, enable_chunking: bool, st: _Step

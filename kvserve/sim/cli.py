@@ -28,8 +28,11 @@ written -- is a one-line ``Error:`` and exit status 2 before anything runs.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 
 from kvserve.benchmarks import workload as wl
@@ -145,11 +148,15 @@ def simulate(
         finals.extend(o for o in engine.step() if o.finished)
     duration = clock.now()
     out_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    metrics = [o.metrics for o in finals]
+    # Latencies of finished requests only (as `bench fidelity` reports them): an ignored one's
+    # "end to end" is its refusal, which would pull e2e below TTFT.
+    done = [o for o in finals if o.outcome == "finished"]
+    metrics = [o.metrics for o in done]
     summary = {
         "num_requests": len(requests),
         "finished": sum(o.outcome == "finished" for o in finals),
         "ignored": sum(o.outcome == "rejected" for o in finals),
+        "ignored_reasons": dict(collections.Counter(o.error for o in finals if o.outcome == "rejected")),
         "rejected_at_admission": sum(rejected.values()),
         "rejection_reasons": rejected,
         "duration_s": duration,
@@ -157,7 +164,7 @@ def simulate(
         "output_tok_s": out_tokens / duration if duration else 0.0,
         "num_preemptions": engine.get_kv_cache_stats()["num_preemptions"],
         "ttft_s": summarize(m.ttft for m in metrics),
-        "tpot_s": summarize(m.tpot(len(o.outputs[0].token_ids)) for m, o in zip(metrics, finals)),
+        "tpot_s": summarize(m.tpot(len(o.outputs[0].token_ids)) for m, o in zip(metrics, done)),
         "e2e_s": summarize(m.e2e_latency for m in metrics),
         "queue_s": summarize(m.queue_time for m in metrics),
         "num_steps": executor.num_steps,
@@ -414,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:  # the file's errors start with its path: name the flag too
                 raise ValueError(f"--trace {e}" if str(e).startswith(str(ns.trace)) else str(e)) from None
             check_arrival_span(requests, "--request-rate" if "request_rate" in given else "--time-scale")
+            if len(requests) < ns.num_requests:
+                print(
+                    f"note: --trace {ns.trace} has {len(requests)} requests (< --num-requests {ns.num_requests})"
+                )
         else:
             path = ns.workload or wl.default_workload_path()
             if ns.workload is None and not path.is_file():
@@ -445,7 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         # The acceptance model's keys are the simulator's: the rest is the engine's config.
         engine_spec, sim_spec = split_speculative_config(ns.speculative_config)
         ns.speculative_config = engine_spec
+        # one warning per refused request is noise over thousands: the summary names each reason
+        logging.getLogger("kvserve.engine").setLevel(logging.ERROR)
+        t0 = time.perf_counter()
         summary = simulate(engine_args_from(ns), requests, cost_model=cost_model, acceptance=sim_spec)
+        summary["wall_s"] = time.perf_counter() - t0
         summary["cost_model"] = cost_model.describe()
     except ValueError as e:  # an engine setting: named as the flag typed
         print(f"Error: {flag_names(str(e))}", file=sys.stderr)
@@ -453,13 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"simulated {summary['num_requests']} requests in {summary['duration_s']:.1f} virtual s: "
         f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
-        f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s"
+        f"{summary['num_preemptions']} preemptions, {summary['output_tok_s']:.1f} output tok/s "
+        f"({summary['wall_s']:.1f} wall s: {summary['num_requests'] / max(summary['wall_s'], 1e-9):.0f} requests/s simulated)"
     )
-    reasons = sorted(summary["rejection_reasons"].items(), key=lambda kv: -kv[1])
-    for reason, n in reasons[:3]:
-        print(f"rejected at admission ({n}): {reason}")
-    if len(reasons) > 3:
-        print(f"rejected at admission: {len(reasons) - 3} more reasons (--json-out lists them)")
+    for what, key in (
+        ("ignored by the scheduler", "ignored_reasons"),
+        ("rejected at admission", "rejection_reasons"),
+    ):
+        reasons = sorted(summary[key].items(), key=lambda kv: -kv[1])
+        for reason, n in reasons[:3]:
+            print(f"{what} ({n}): {reason}")
+        if len(reasons) > 3:
+            print(f"{what}: {len(reasons) - 3} more reasons (--json-out lists them)")
     if summary["num_extrapolated_steps"]:
         print(
             f"note: {summary['num_extrapolated_steps']} of {summary['num_steps']} steps were larger than any the "

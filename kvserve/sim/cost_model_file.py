@@ -334,15 +334,17 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     return CostModelFile(CostModel(info=info, ranges=ranges, **fields), data, path)
 
 
-def load_cost_model(path) -> CostModelFile:
-    """Read and validate a cost-model file.
+def load_cost_model(path, flag: str = "--cost-model") -> CostModelFile:
+    """Read and validate a cost-model file; ``flag`` is the option that named it (errors say it).
 
     Raises:
-        ValueError: the file is missing, not JSON, or malformed (``parse_cost_model``).
+        ValueError: the file is missing or a folder, not JSON, or malformed (``parse_cost_model``).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, not a cost-model file")
     if not p.is_file():
-        raise ValueError(f"--cost-model {path}: no such file")
+        raise ValueError(f"{flag} {path}: no such file")
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError, RecursionError) as e:

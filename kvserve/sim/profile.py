@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.sim.cost_model_file import load_cost_model
 
         try:
-            data = refit_profile(load_cost_model(ns.refit).data, path=ns.refit)
+            data = refit_profile(load_cost_model(ns.refit, "--refit").data, path=ns.refit)
             save_cost_model(ns.out, data)
         except ValueError as e:
             print(f"Error: {e}", file=sys.stderr)

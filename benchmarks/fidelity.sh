@@ -36,6 +36,9 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="${KVSERVE_PYTHON:-$REPO/.venv/bin/python}"
+# one thread count for every profile and replay (else each engine measures its own under the
+# load of the moment, and a profile's step costs may be for another count than its replay's)
+export KVSERVE_NUM_THREADS="${KVSERVE_NUM_THREADS:-$(nproc)}"
 SHARED="${KVSERVE_SHARED_DIR:-$REPO/../shared}"
 OUT="${OUT:-$REPO/benchmarks/results/fidelity-$(date +%Y%m%d-%H%M%S)}"
 DTYPES="${DTYPES:-float32 bfloat16}"

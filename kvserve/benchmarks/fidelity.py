@@ -273,12 +273,17 @@ def run_fidelity(
 def engine_record(engine, args) -> dict:
     """What a re-simulation needs of the real engine (``--real-from``): the engine flags
     (``args``: ``EngineArgs``), the settings they resolved to (KV-cache sizes, step budget,
-    chunked prefill, ``max_model_len``, sliding window) and the vocabulary size."""
+    chunked prefill, ``max_model_len``, sliding window), the vocabulary size, and the model
+    (``model_identity``) and dtype it ran, which a later cost model must match."""
     import dataclasses
+
+    from kvserve.sim.cost_model_file import model_identity
 
     cc, sc = engine.cache_config, engine.scheduler_config
     return {
         "args": {f.name: getattr(args, f.name) for f in dataclasses.fields(args)},
+        "model": model_identity(args.model, args.quantization),
+        "dtype": str(engine.model_config.resolved_dtype()).replace("torch.", ""),
         "resolved": {
             "num_gpu_blocks": cc.num_gpu_blocks,
             "num_cpu_blocks": cc.num_cpu_blocks,
@@ -572,6 +577,17 @@ def main(argv: list[str] | None = None) -> int:
             result["real"], configs, steps, result["engine"]["vocab_size"], requests, cm_file.cost_model
         )
     result["system"] = system_info()
+    # The worker picks its thread count by measuring (again every few hundred steps): a profile
+    # taken under other load may hold another count, and its step costs then do not apply.
+    import torch
+
+    threads = {"profile": (cm_file.data.get("host") or {}).get("threads"), "real": torch.get_num_threads()}
+    result["threads"] = threads
+    if threads["profile"] is not None and threads["profile"] != threads["real"]:
+        print(
+            f"note: the cost model was profiled with {threads['profile']} threads, the real engine ended "
+            f"with {threads['real']} (the host's load differed; KVSERVE_NUM_THREADS fixes the count)"
+        )
     print(
         f"real: {result['finished']['real']} finished in {result['duration_s']['real']:.1f} s; simulated: "
         f"{result['finished']['simulated']} in {result['duration_s']['simulated']:.1f} virtual s "
@@ -632,6 +648,7 @@ def resimulate(recorded: dict, cm_file, args_dict: dict, steps=None, path: str =
     args_dict = rec_engine.get("args") or args_dict
     kw = {k: args_dict.get(k) for k in ("model", "dtype", "block_size", "quantization")}
     cm_file.check_engine_args(EngineArgs(**{k: v for k, v in kw.items() if v is not None}))
+    cm_file.check_recorded_run(rec_engine.get("model"), rec_engine.get("dtype"), path)
     configs, notes = configs_from_record(args_dict, rec_engine.get("resolved"), cm_file.engine)
     vocab = int(rec_engine.get("vocab_size") or 49152)
     requests, _ = requests_from_result(recorded, path)

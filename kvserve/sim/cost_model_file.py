@@ -173,6 +173,21 @@ class CostModelFile:
                     f"(config sha256 {str(want.get('config_sha256'))[:12]} vs {got['config_sha256'][:12]})"
                 )
 
+    def check_recorded_run(self, identity: dict | None, dtype: str | None, where: str) -> None:
+        """Raise ``ValueError`` when a recorded real run (``bench fidelity --json-out``: its
+        model's ``model_identity`` and resolved dtype; None in files written before they were
+        kept) ran another model or dtype than this profile measured. ``where`` names the file."""
+        want = self.data["model"]
+        if identity and identity.get("config_sha256") != want.get("config_sha256"):
+            raise ValueError(
+                f"model: {where} ran {identity.get('name')} ({identity.get('path')}), but the cost model "
+                f"{self.path} was profiled on {want.get('name')} ({want.get('path')}), whose config differs"
+            )
+        if dtype and dtype != self.dtype:
+            raise ValueError(
+                f"dtype: {where} ran in {dtype}, but the cost model {self.path} was profiled in {self.dtype}"
+            )
+
 
 #: The largest coefficient a file may hold, in seconds: each is the cost of one unit of a step
 #: (the step itself, a token, a sequence, a block...), so one over an hour is a corrupted or

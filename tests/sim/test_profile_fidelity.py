@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -466,6 +467,22 @@ def test_real_from_round_trips(tiny_profile, tiny_llama_dir, tmp_path, capsys):
     assert re_["preempted_requests"] == live["preempted_requests"]
     assert _flat(re_["oracle"]["simulated"]) == pytest.approx(_flat(live["oracle"]["simulated"]))
     assert re_["oracle"]["steps"]["num_diverged"] == 0 and re_["notes"] == []
+    # the run records the model and dtype it ran, so a cost model of another one is refused even
+    # where its flags named neither (the default model, --dtype auto)
+    assert live["engine"]["dtype"] == "float32" and live["engine"]["model"]["config_sha256"]
+    unnamed = tmp_path / "unnamed.json"
+    args = {**live["engine"]["args"], "model": None, "dtype": "auto"}
+    unnamed.write_text(json.dumps({**live, "engine": {**live["engine"], "args": args}}))
+    prof = json.loads(Path(path).read_text())
+    assert live["threads"]["profile"] == prof["host"]["threads"] and live["threads"]["real"] >= 1
+    for key, value, match in (
+        ("dtype", "bfloat16", f"dtype: {unnamed} ran in float32, but the cost model"),
+        ("model", {**prof["model"], "config_sha256": "0" * 64}, f"model: {unnamed} ran "),
+    ):
+        other = tmp_path / f"other_{key}.json"
+        other.write_text(json.dumps({**prof, key: value}))
+        assert fidelity.main(["--real-from", str(unnamed), "--cost-model", str(other)]) == 2
+        assert match in capsys.readouterr().err
     # an older file: no engine record, no per-request samples
     old = {k: v for k, v in live.items() if k not in ("engine", "samples_ms", "preempted_ids")}
     old_path = tmp_path / "old.json"

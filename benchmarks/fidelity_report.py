@@ -2,7 +2,8 @@
 
 One row per result file: the target metrics (TTFT and TPOT p50 / p90, e2e p50) real and
 simulated with the relative error, preemptions and how many of the same requests were preempted;
-a cell over the 10% target is marked with "!". Files with an oracle replay (runs with
+a cell over the 10% target is marked with "!" (preemptions too: counts more than 10% apart,
+``preemption_miss``). Files with an oracle replay (runs with
 ``--steps-out``) add its largest target error and how many steps took another shape. A cell
 with a noise report beside it (``<cell>_noise.json``, ``fidelity.sh`` with ``REPEAT_REAL=1``)
 adds the host's noise floor: the largest target difference between its two real runs.
@@ -30,6 +31,14 @@ def _cell(res: dict, key: str, q: str) -> str:
     mark = "" if e is not None and abs(e) <= TARGET else " !"
     err = f"{e:+.0%}" if e is not None else "-"
     return f"{r:.3g} / {s:.3g} ({err}{mark})"
+
+
+def preemption_miss(real: float, simulated: float) -> bool:
+    """Whether the preemption counts miss the target: more than 10% apart, relative to the
+    real count (any simulated preemption is a miss when the real run had none)."""
+    if real == 0:
+        return simulated != 0
+    return abs(simulated - real) / real > TARGET
 
 
 def noise_floor(path: str) -> float | None:
@@ -130,7 +139,8 @@ def table(paths: list[str]) -> str:
     for p, res, n in zip(paths, results, noise):
         pre = res["preempted_requests"]
         row = [Path(p).stem] + [_cell(res, k, q) for k, q in CELLS]
-        row.append(f"{res['real']['num_preemptions']} / {res['simulated']['num_preemptions']}")
+        rp, sp = res["real"]["num_preemptions"], res["simulated"]["num_preemptions"]
+        row.append(f"{rp} / {sp}" + (" !" if preemption_miss(rp, sp) else ""))
         jac = f"{pre['jaccard']:.2f}" if pre.get("jaccard") is not None else "-"
         row.append(
             f"{pre.get('both') if pre.get('both') is not None else '-'} of {pre['real']} / {pre['simulated']} (Jaccard {jac})"

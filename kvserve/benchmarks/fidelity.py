@@ -411,8 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--trace", default=None, help="trace with arrival times (azure csv, vidur csv, mooncake jsonl)"
     )
-    ap.add_argument("--num-requests", type=int, default=200)
-    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times by this")
+    ap.add_argument(
+        "--num-requests", type=int, default=200, help="the trace's first N requests (default 200)"
+    )
+    ap.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply trace arrival times by this (default 1)"
+    )
     ap.add_argument("--max-input-len", type=int, default=None, help="cap prompt lengths")
     ap.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
     ap.add_argument("--workload-seed", type=int, default=0, help="seed for the synthesised prompts")

@@ -623,15 +623,40 @@ def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
         help="quick: the default shapes once (half the time: a re-profile right before a run); "
         "small: seconds (smoke runs, tests)",
     )
+    default = ProfileGrid()
     for name in LIST_FIELDS:
         g.add_argument(
             f"--{prefix}{name.replace('_', '-')}",
             default=None,
             metavar="N,N,...",
-            help=f"integers >= 1{_LIMIT_HELP.get(name, '')}",
+            help=f"{_MEANING[name]}: integers >= 1{_LIMIT_HELP.get(name, '')} "
+            f"(default {','.join(map(str, getattr(default, name)))})",
         )
     for name in INT_FIELDS:
-        g.add_argument(f"--{prefix}{name.replace('_', '-')}", type=int, default=None)
+        g.add_argument(
+            f"--{prefix}{name.replace('_', '-')}",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"{_MEANING[name]} (default {getattr(default, name)})",
+        )
+
+
+#: what each grid flag sets (its help text)
+_MEANING = {
+    "prefill_lens": "prompt lengths profiled",
+    "prefill_batch": "prompts of one length prefilled together",
+    "context_lens": "context lengths of the decode steps",
+    "batch_sizes": "decodes per decode step",
+    "mixed_prefill_lens": "prompt chunk lengths joining running decodes",
+    "mixed_batch_sizes": "running decodes beside those chunks",
+    "decode_steps": "decode steps timed per decode shape",
+    "decode_warm_steps": "untimed decode steps before them",
+    "repeats": "passes over the grid",
+    "long_prompt_chunks": "prompts of 2..N step budgets (chunked prefill; 0 = none)",
+    "mixed_context_len": "context of the decodes in mixed steps",
+    "order_seed": "seed of the shuffled scenario order",
+}
 
 
 #: grid fields an engine limit bounds (``check_grid_fits``), and the help text that says so
@@ -709,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvserve profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", required=True, help="cost-model JSON to write (checked before profiling)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument(
         "--refit",
         default=None,

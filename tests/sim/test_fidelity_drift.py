@@ -174,3 +174,20 @@ def test_decode_residuals_groups_the_decode_steps_by_feature(tmp_path):
         for g in feature.values():
             assert g["err"] == pytest.approx(0.0, abs=1e-9) and g["ratio_p50"] == pytest.approx(1.0)
     assert rep["real"]["previous step"]
+
+
+def test_report_marks_preemption_counts_more_than_10_percent_apart(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from fidelity_report import preemption_miss
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert not preemption_miss(10, 11) and not preemption_miss(41, 38) and not preemption_miss(0, 0)
+    assert preemption_miss(8, 10) and preemption_miss(0, 1) and preemption_miss(10, 8)
+    r = _fidelity_result(1.0)
+    r["real"]["num_preemptions"], r["simulated"]["num_preemptions"] = 8, 10
+    path = tmp_path / "azure_small_kv_bfloat16.json"
+    path.write_text(json.dumps(r))
+    run = _report(path)
+    assert run.returncode == 0, run.stderr
+    assert "| 8 / 10 ! |" in run.stdout

@@ -172,8 +172,14 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate the draft KV cache (zero-filled) with the target's block counts."""
+        """Allocate the draft KV cache (zero-filled) with the target's block counts.
+
+        Raises:
+            ValueError: naming ``speculative_config.model``: the draft's pools and the
+                target's together exceed host memory (or, on CUDA, free device memory).
+        """
         m = self.model
+        self._check_memory(num_gpu_blocks, num_cpu_blocks)
         self.cache_engine = CacheEngine(
             m.num_layers,
             m.num_kv_heads,
@@ -187,6 +193,35 @@ class DraftModelProposer(Proposer):
         # The runner's sampler is unused: the proposer samples its own drafts.
         self.runner = ModelRunner(m, self.block_size, num_gpu_blocks, self.sliding_window, None, self.device)
         self._seqs.clear()
+
+    def _check_memory(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Refuse a draft cache that memory cannot hold beside the target's (as the target's
+        own pools are refused), rather than fail in the allocator."""
+        from kvserve.worker.cache_engine import bytes_per_block
+        from kvserve.worker.worker import _host_memory_bytes
+
+        m, gib = self.model, float(1 << 30)
+        draft_bpb = bytes_per_block(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        target_bpb = self._worker.bytes_per_block()
+        on_cpu = str(self.device).startswith("cpu")
+        host_blocks = num_cpu_blocks + (num_gpu_blocks if on_cpu else 0)
+        need = host_blocks * (draft_bpb + target_bpb)
+        total = _host_memory_bytes()
+        lower = "lower kv_cache_memory_gib / num_gpu_blocks or swap_space_gib, or use a smaller draft model"
+        if total is not None and need > total:
+            raise ValueError(
+                f"speculative_config.model: the draft model's KV cache ({num_gpu_blocks} + {num_cpu_blocks} "
+                f"blocks of {draft_bpb} bytes, as many as the target's) and the target's together need "
+                f"{need / gib:.2f} GiB of host memory, but this machine has {total / gib:.2f} GiB; {lower}"
+            )
+        if not on_cpu and torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            if num_gpu_blocks * draft_bpb > free:
+                raise ValueError(
+                    f"speculative_config.model: the draft model's KV cache needs "
+                    f"{num_gpu_blocks * draft_bpb / gib:.2f} GiB of device memory ({num_gpu_blocks} blocks) "
+                    f"but only {free / gib:.2f} GiB is free; {lower}"
+                )
 
     def _ensure_cache(self) -> tuple[CacheEngine, ModelRunner]:
         if self.cache_engine is None or self.runner is None:

@@ -292,3 +292,18 @@ def test_prefix_hit_after_recompute_on_a_reused_block_number_is_not_trusted(tiny
     assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens, (
         f"acceptance {s.spec_num_accepted_tokens}/{s.spec_num_draft_tokens}: the draft read stale K/V"
     )
+
+
+def test_a_draft_cache_memory_cannot_hold_is_an_error_naming_the_draft(
+    tiny_llama_dir, default_model_dir, monkeypatch
+):
+    """The draft's KV cache (as many blocks as the target's, at the draft's size per block) is
+    checked against host memory with the target's, as the target's own pools are: a large draft
+    beside a tiny target was an allocator traceback (96 GB asked for)."""
+    from kvserve.worker import worker
+
+    monkeypatch.setattr(worker, "_host_memory_bytes", lambda: 1 << 30)  # a 1 GiB host
+    spec = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 2}
+    # the tiny target's 20,000 blocks (160 MB) fit; the default model's (~14 GB) do not
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's KV cache .* GiB"):
+        make_engine(tiny_llama_dir, spec, num_gpu_blocks=20_000, num_cpu_blocks=16)

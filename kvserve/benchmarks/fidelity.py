@@ -478,6 +478,11 @@ def _check_live_flags(ns, given: set[str]) -> None:
             ``--profile-*`` grid with ``--cost-model``), or an output path that cannot be
             written, naming the flag.
     """
+    from kvserve.sim.profile import SPEC_NOT_PROFILED
+
+    # the simulated side replays without an acceptance model: a speculating real run would be
+    # compared with a simulation that never speculates
+    refuse_unused(given, ["speculative_config"], SPEC_NOT_PROFILED)
     check_int("--num-requests", ns.num_requests)
     for name in ("max_input_len", "max_output_len"):
         if getattr(ns, name) is not None:
@@ -738,6 +743,9 @@ def _main_real_from(ns, given: set[str] = frozenset()) -> int:
         return 2
     engine_dests = [f.name for f in dataclasses.fields(EngineArgs)]
     try:
+        from kvserve.sim.profile import SPEC_NOT_PROFILED
+
+        refuse_unused(given, ["speculative_config"], SPEC_NOT_PROFILED)
         why = "does not apply with --real-from (the recorded run's is used)"
         refuse_unused(given, _TRACE_FLAGS, why)
         refuse_unused(

@@ -18,6 +18,11 @@ removed before the rest becomes the engine's ``SpeculativeConfig``):
 ``"draft_step_s"`` (optional, seconds, default 0) charges each step that speculates for the
 proposer's forwards: ``m`` single-token draft steps (``m`` the most drafts of the step) cost
 ``m * draft_step_s`` (0 fits n-gram lookup; a draft model's measured step time otherwise).
+
+A simulation drafts ``num_speculative_tokens`` every decode step (fixed k: the engine's
+``dynamic`` lengths depend on measured step times, which the acceptance model does not give),
+so ``"dynamic": true`` and the n-gram lookup sizes are refused rather than ignored; a
+``draft_model``'s ``model`` is never loaded (``draft_step_s`` is its cost).
 """
 
 from __future__ import annotations
@@ -136,4 +141,17 @@ def split_speculative_config(value: Any) -> tuple[dict[str, Any] | None, dict[st
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
     engine = {k: v for k, v in value.items() if k not in SIM_KEYS}
     sim = {k: v for k, v in value.items() if k in SIM_KEYS}
+    # What the acceptance model stands for may not be given as well: it would be ignored.
+    lookup = sorted(k for k in ("prompt_lookup_min", "prompt_lookup_max") if k in engine)
+    if lookup:
+        raise ValueError(
+            f"{_F}{lookup[0]} does not apply to a simulation: no proposer runs, the acceptance model "
+            "stands for it"
+        )
+    if engine.get("dynamic") is True:
+        raise ValueError(
+            f"{_F}dynamic does not apply to a simulation: it drafts num_speculative_tokens every "
+            'decode step (fixed k; give "dynamic": false or leave it out)'
+        )
+    engine["dynamic"] = False
     return engine, sim

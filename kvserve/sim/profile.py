@@ -613,6 +613,13 @@ INT_FIELDS = (
 )
 
 
+#: why ``profile`` and ``bench fidelity`` refuse ``--speculative-config``
+SPEC_NOT_PROFILED = (
+    "does not apply: the cost model prices plain (non-speculating) steps; simulate speculation with "
+    "`kvserve simulate --speculative-config` and its acceptance model"
+)
+
+
 def add_grid_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     """``--[prefix]grid small|default`` and comma-list overrides of ``ProfileGrid``'s fields."""
     g = ap.add_argument_group("profile grid")
@@ -746,8 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     try:
         check_output_path("--out", ns.out)
+        given = given_dests(ap, argv, ns)
+        # the cost model prices plain steps; `simulate --speculative-config` adds speculation
+        refuse_unused(given, ["speculative_config"], SPEC_NOT_PROFILED)
         if ns.refit:  # no engine is built: every grid and engine flag would be ignored
-            given = given_dests(ap, argv, ns)
             refuse_unused(
                 given - {"out", "refit", "no_progress"},
                 sorted(given),

@@ -265,3 +265,22 @@ def test_a_missed_rollback_is_caught_by_the_shadow_cache():
     data.update_num_computed_tokens(1)  # wrong: position 8 was a rejected draft's slot
     with pytest.raises(KVCacheCorruption, match="position 8 .* holds -2"):
         ex.execute_model(ExecuteModelRequest([md(False, 1)]))
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"dynamic": True}, r"speculative_config\.dynamic does not apply to a simulation"),
+        ({"prompt_lookup_min": 1}, r"speculative_config\.prompt_lookup_min does not apply"),
+        ({"prompt_lookup_max": 5}, r"speculative_config\.prompt_lookup_max does not apply"),
+    ],
+)
+def test_fields_a_simulation_cannot_use_are_refused_not_ignored(extra, match):
+    """The simulator drafts k every step from its acceptance model: the engine's dynamic
+    lengths and the n-gram sizes would be silently ignored (the same result either way)."""
+    with pytest.raises(ValueError, match=match):
+        split_speculative_config({**spec(mean_accepted_len=2.0), **extra})
+    engine, _ = split_speculative_config({**spec(mean_accepted_len=2.0), "dynamic": False})
+    assert engine["dynamic"] is False
+    engine, _ = split_speculative_config(spec(mean_accepted_len=2.0))
+    assert engine["dynamic"] is False  # the engine's default (True) would not be what is simulated

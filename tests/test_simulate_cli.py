@@ -428,3 +428,14 @@ def test_folders_and_refit_files_are_named_by_their_flag(tmp_path, capsys):
     assert f"--cost-model {tmp_path}: is a folder" in capsys.readouterr().err
     assert profile_main(["--refit", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json")]) == 2
     assert f"--refit {tmp_path / 'none.json'}: no such file" in capsys.readouterr().err
+
+
+def test_profile_refuses_a_context_too_short_and_speculation(tiny_llama_dir, tmp_path, capsys):
+    from kvserve.sim.profile import main as profile_main
+
+    base = ["--model", str(tiny_llama_dir), "--grid", "small", "--out", str(tmp_path / "p.json")]
+    assert profile_main([*base, "--max-model-len", "8", "--no-progress"]) == 2
+    assert "--max-model-len 8 is too short to profile: at least 32 tokens" in capsys.readouterr().err
+    assert profile_main([*base, "--speculative-config", '{"method": "ngram"}']) == 2
+    assert "--speculative-config does not apply" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

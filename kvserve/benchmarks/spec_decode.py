@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=None, help="target model dir (default: the default model)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--draft-model", default=None, help="draft model dir (default: the target itself)")
     p.add_argument("--methods", default="off,ngram,draft")
     p.add_argument("--scenarios", default="single,concurrent,w64")
@@ -302,9 +302,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json-out", default=None)
     ns = p.parse_args(argv)
-    if ns.rounds < 1:
-        print(f"error: --rounds must be >= 1, got {ns.rounds}", file=sys.stderr)
-        return 2
+    for flag in (
+        "rounds",
+        "num_requests",
+        "concurrency",
+        "prompt_len",
+        "output_len",
+        "num_speculative_tokens",
+    ):
+        if getattr(ns, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}", file=sys.stderr)
+            return 2
+    for flag in ("w64_prompts", "w64_max_output"):
+        if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}", file=sys.stderr)
+            return 2
 
     from kvserve import LLM
     from kvserve.model_executor.model_loader import resolve_model_dir
@@ -312,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = [m for m in ns.methods.split(",") if m]
     scenarios = [s for s in ns.scenarios.split(",") if s]
+    if not methods or not scenarios:
+        print("error: --methods and --scenarios must each name at least one", file=sys.stderr)
+        return 2
     bad = [s for s in scenarios if s not in ("single", "concurrent", "w64")]
     if bad:
         print(f"error: --scenarios: unknown {bad} (single, concurrent, w64)", file=sys.stderr)
@@ -343,20 +358,33 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(ns.w64_workload) if ns.w64_workload else default_workload_path()
         if path.is_file():
             w64 = load_workload(path, ns.w64_prompts)
-            if ns.w64_max_output:
+            if ns.w64_max_output is not None:
                 for r in w64:
                     r.output_len = min(r.output_len, ns.w64_max_output)
             work["w64"] = (w64, len(w64))
         else:
             print(f"note: {path} not found; skipping the w64 scenario (--w64-workload names the file)")
 
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {m: [] for m in methods} for s in work}
-
     def engine(method: str):
         llm = LLM(model=ns.model, dtype=ns.dtype, speculative_config=specs[method])
         _run(llm, grounded[:1], 1)  # warm-up
         return llm
 
+    try:
+        return _measure(ns, methods, work, specs, engine)
+    except ValueError as e:  # the engine's (a draft model, a prompt past the context): named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _measure(ns: argparse.Namespace, methods: list[str], work: dict, specs: dict, engine) -> int:
+    """Build each method's engine (``engine(method)``), run every scenario of ``work``, print
+    the table and write the JSON; ``main``'s second half.
+
+    Raises:
+        ValueError: an engine refused its settings or a request.
+    """
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {m: [] for m in methods} for s in work}
     if ns.rounds == 1:
         for method in methods:
             llm = engine(method)

@@ -501,10 +501,13 @@ def main(argv: list[str] | None = None) -> int:
             f"slot-steps by groups in the slot {lo['slot_steps_by_groups']}, "
             f"{lo['num_slot_preemptions']} slot turnover preemptions"
         )
-    print(f"{'metric':10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    quantiles = ("mean", "p50", "p90", "p99")
+    print(f"{'metric':8}" + "".join(f" {q:>11}" for q in quantiles))
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
-        s = summary[key]
-        print(f"{key:10}" + "".join(f"{(s.get(q) or 0):10.3f}" for q in ("mean", "p50", "p90", "p99")))
+        s = summary[key]  # a space before every column: large values never run together
+        print(
+            f"{key:8}" + "".join(" -".rjust(12) if s.get(q) is None else f" {s[q]:11.3f}" for q in quantiles)
+        )
     if ns.json_out:
         write_text_atomic(ns.json_out, json.dumps(summary, indent=2))
     return 0

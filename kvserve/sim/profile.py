@@ -423,8 +423,13 @@ def profile_engine(
     import kvserve
 
     grid = grid or ProfileGrid()
+    sc0 = engine.scheduler_config
+    if sc0.max_model_len < MIN_PROFILE_LEN:
+        raise ValueError(
+            f"max_model_len={sc0.max_model_len} is too short to profile: at least {MIN_PROFILE_LEN} "
+            "tokens (the warm-up's and the smallest shapes' prompts and their outputs)"
+        )
     if flags:
-        sc0 = engine.scheduler_config
         check_grid_fits(grid, flags, sc0.max_model_len, sc0.max_num_seqs)
     prof = Profiler(engine, grid, progress=progress)
     t1 = time.perf_counter()
@@ -593,6 +598,10 @@ def _int_list(flag: str, s: str) -> list[int]:
         raise ValueError(f"{flag} must be a comma-separated list of integers >= 1, got {s!r}")
     return vals
 
+
+#: The shortest ``max_model_len`` a profile runs at (its warm-up prompts are up to 8 tokens
+#: short of it, and the small grid's shortest prompt is 16 tokens).
+MIN_PROFILE_LEN = 32
 
 #: ``ProfileGrid`` fields with a command-line flag (comma lists / single integers)
 LIST_FIELDS = (

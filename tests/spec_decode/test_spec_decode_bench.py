@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvserve.benchmarks.spec_decode import TASKS, build_workload, main
 
 
@@ -122,3 +124,31 @@ def test_bench_bad_speculative_config_or_w64_file_is_an_error_before_loading(tmp
     assert "--w64-workload" in capsys.readouterr().err
     assert main([*argv, "--scenarios", "single"]) == 2
     assert "error: --model: model path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+        (["--output-len", "0"], "--output-len must be >= 1, got 0"),
+        (["--num-requests", "-1"], "--num-requests must be >= 1, got -1"),
+        (["--w64-max-output", "0"], "--w64-max-output must be >= 1, got 0"),
+        (["--methods", ","], "--methods and --scenarios must each name at least one"),
+        (["--methods", "draft", "--draft-model", "/nonexistent/draft"], "speculative_config.model"),
+        (["--prompt-len", "400"], "leaves no room"),  # past the tiny model's 256-token context
+    ],
+)
+def test_bench_bad_flags_are_error_lines(tiny_llama_dir, extra, match, capsys):
+    argv = [
+        "--model",
+        str(tiny_llama_dir),
+        "--scenarios",
+        "single",
+        "--num-requests",
+        "1",
+        "--output-len",
+        "2",
+    ]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

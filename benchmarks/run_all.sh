@@ -81,7 +81,7 @@ if has quantized; then
 fi
 if has spec_decode; then
     for dt in float32 bfloat16; do
-        "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram,ngram-fixed,draft \
+        "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram,ngram-fixed,draft-fixed \
             --scenarios single,concurrent --rounds 2 --json-out "$OUT/spec_decode_$dt.json" 2>&1 | tee "$OUT/spec_decode_$dt.log"
         "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram --scenarios w64 \
             --w64-workload "$WORKLOAD" --json-out "$OUT/spec_decode_w64_$dt.json" 2>&1 | tee "$OUT/spec_decode_w64_$dt.log"

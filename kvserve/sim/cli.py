@@ -457,9 +457,14 @@ def main(argv: list[str] | None = None) -> int:
         engine_spec, sim_spec = split_speculative_config(ns.speculative_config)
         ns.speculative_config = engine_spec
         # one warning per refused request is noise over thousands: the summary names each reason
-        logging.getLogger("kvserve.engine").setLevel(logging.ERROR)
+        engine_log = logging.getLogger("kvserve.engine")
+        level = engine_log.level
+        engine_log.setLevel(logging.ERROR)
         t0 = time.perf_counter()
-        summary = simulate(engine_args_from(ns), requests, cost_model=cost_model, acceptance=sim_spec)
+        try:
+            summary = simulate(engine_args_from(ns), requests, cost_model=cost_model, acceptance=sim_spec)
+        finally:
+            engine_log.setLevel(level)
         summary["wall_s"] = time.perf_counter() - t0
         summary["cost_model"] = cost_model.describe()
     except ValueError as e:  # an engine setting: named as the flag typed

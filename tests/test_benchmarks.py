@@ -416,7 +416,10 @@ def test_bench_data_parallel_missing_trace_is_an_error_naming_the_flag(capsys):
 def test_bench_throughput_reports_speculation_counts(tiny_llama_dir, tmp_path, capsys):
     from kvserve.benchmarks.cli import main
 
-    out = tmp_path / "t.json"
+    out, workload = tmp_path / "t.json", tmp_path / "w.jsonl"
+    # a workload of its own (the synthetic one takes its token ids from the shared data folder)
+    rows = [{"id": i, "prompt_token_ids": list(range(100 + i, 116 + i)), "output_len": 9} for i in range(2)]
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # the target as its own draft, fixed k: every step drafts and every greedy draft is accepted
     spec = {
         "method": "draft_model",
@@ -424,8 +427,8 @@ def test_bench_throughput_reports_speculation_counts(tiny_llama_dir, tmp_path, c
         "num_speculative_tokens": 3,
         "dynamic": False,
     }
-    argv = ["throughput", "--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "16"]
-    argv += ["--output-len", "9", "--no-baseline", "--no-tqdm", "--speculative-config", json.dumps(spec)]
+    argv = ["throughput", "--model", str(tiny_llama_dir), "--workload", str(workload)]
+    argv += ["--no-baseline", "--no-tqdm", "--speculative-config", json.dumps(spec)]
     assert main([*argv, "--json-out", str(out)]) == 0
     sd = json.loads(out.read_text())["kvserve"]["spec_decode"]
     assert sd["num_draft_tokens"] > 0 and sd["num_accepted_tokens"] == sd["num_draft_tokens"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import sys
 import time
 
 from kvserve.benchmarks.common import current_rss_mib, fmt_table, peak_rss_mib, system_info, write_json
@@ -302,20 +303,20 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    import dataclasses
+
     from kvserve.entrypoints.cli import checked_engine_args
 
+    args = checked_engine_args(ns)  # the settings first: nothing is read for a bad one
+    if args is None:
+        return 2
     try:
         reqs, source = requests_from_args(ns)
         batch_sizes = [int(x) for x in ns.baseline_batch_sizes.split(",") if x.strip()]
         if any(b < 1 for b in batch_sizes):
             raise ValueError("--baseline-batch-sizes must be positive integers")
     except (ValueError, OSError) as e:
-        print(f"error: {e}")
-        return 2
-    import dataclasses
-
-    args = checked_engine_args(ns)
-    if args is None:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     engine_kwargs = dataclasses.asdict(args)
     work = _work(reqs)

@@ -258,6 +258,25 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+def json_object(value: dict | str | None, name: str = "speculative_config") -> dict | None:
+    """``value`` as a dict: a dict as it is, a JSON object string decoded, None or a blank
+    string None (``--speculative-config`` and its like).
+
+    Raises:
+        ValueError: not JSON, or not an object, naming ``name``.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")
+    return value
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` names).
@@ -339,17 +358,11 @@ class SpeculativeConfig:
         Raises:
             ValueError: not a JSON object, an unknown key, or a bad value (naming the field).
         """
-        if value is None or isinstance(value, cls):
+        if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        value = json_object(value)
+        if value is None:
+            return None
         known = {fl.name for fl in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

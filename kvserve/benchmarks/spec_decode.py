@@ -168,14 +168,9 @@ def _overrides(value: str | None) -> dict[str, Any]:
     Raises:
         ValueError: not a JSON object, or it names ``method`` (``--methods`` chooses it).
     """
-    if not value:
-        return {}
-    try:
-        extra = json.loads(value)
-    except ValueError as e:
-        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(extra, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {type(extra).__name__}")
+    from kvserve.config import json_object
+
+    extra = json_object(value, "--speculative-config") or {}
     if "method" in extra:
         raise ValueError("--speculative-config: give the method with --methods, not 'method'")
     return extra

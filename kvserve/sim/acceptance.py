@@ -27,9 +27,10 @@ so ``"dynamic": true`` and the n-gram lookup sizes are refused rather than ignor
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.config import json_object
 
 #: The keys of ``speculative_config`` that belong to the simulator (not the engine).
 SIM_KEYS = ("acceptance_rate", "mean_accepted_len", "draft_step_s")
@@ -130,15 +131,9 @@ def split_speculative_config(value: Any) -> tuple[dict[str, Any] | None, dict[st
     Raises:
         ValueError: not a JSON object.
     """
-    if value is None or (isinstance(value, str) and not value.strip()):
+    value = json_object(value)
+    if value is None:
         return None, {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
     engine = {k: v for k, v in value.items() if k not in SIM_KEYS}
     sim = {k: v for k, v in value.items() if k in SIM_KEYS}
     # What the acceptance model stands for may not be given as well: it would be ignored.

@@ -195,32 +195,28 @@ class DraftModelProposer(Proposer):
         self._seqs.clear()
 
     def _check_memory(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Refuse a draft cache that memory cannot hold beside the target's (as the target's
-        own pools are refused), rather than fail in the allocator."""
+        """Refuse a draft cache that memory cannot hold beside the target's, with the target's
+        own check (``Worker._check_host_memory``) over both caches' bytes per block, rather than
+        fail in the allocator."""
         from kvserve.worker.cache_engine import bytes_per_block
-        from kvserve.worker.worker import _host_memory_bytes
 
         m, gib = self.model, float(1 << 30)
         draft_bpb = bytes_per_block(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype)
-        target_bpb = self._worker.bytes_per_block()
-        on_cpu = str(self.device).startswith("cpu")
-        host_blocks = num_cpu_blocks + (num_gpu_blocks if on_cpu else 0)
-        need = host_blocks * (draft_bpb + target_bpb)
-        total = _host_memory_bytes()
-        lower = "lower kv_cache_memory_gib / num_gpu_blocks or swap_space_gib, or use a smaller draft model"
-        if total is not None and need > total:
-            raise ValueError(
-                f"speculative_config.model: the draft model's KV cache ({num_gpu_blocks} + {num_cpu_blocks} "
-                f"blocks of {draft_bpb} bytes, as many as the target's) and the target's together need "
-                f"{need / gib:.2f} GiB of host memory, but this machine has {total / gib:.2f} GiB; {lower}"
+        where = f"speculative_config.model: the draft model's KV cache ({draft_bpb} bytes a block, as many blocks as the target's)"
+        try:
+            self._worker._check_host_memory(
+                num_gpu_blocks, num_cpu_blocks, self._worker.bytes_per_block() + draft_bpb
             )
-        if not on_cpu and torch.cuda.is_available():
+        except ValueError as e:
+            raise ValueError(
+                f"{where} does not fit beside the target's: {e}, or use a smaller draft model"
+            ) from None
+        if not str(self.device).startswith("cpu") and torch.cuda.is_available():
             free, _ = torch.cuda.mem_get_info()
             if num_gpu_blocks * draft_bpb > free:
                 raise ValueError(
-                    f"speculative_config.model: the draft model's KV cache needs "
-                    f"{num_gpu_blocks * draft_bpb / gib:.2f} GiB of device memory ({num_gpu_blocks} blocks) "
-                    f"but only {free / gib:.2f} GiB is free; {lower}"
+                    f"{where} needs {num_gpu_blocks * draft_bpb / gib:.2f} GiB of device memory but only "
+                    f"{free / gib:.2f} GiB is free; lower kv_cache_memory_gib or num_gpu_blocks"
                 )
 
     def _ensure_cache(self) -> tuple[CacheEngine, ModelRunner]:

@@ -23,6 +23,10 @@ COMMANDS = {
 }
 
 
+#: Packages of the ``bench`` extra (pyproject.toml) that some bench commands import.
+BENCH_EXTRA_MODULES = frozenset({"matplotlib", "httpx", "accelerate"})
+
+
 def usage() -> str:
     lines = ["usage: kvserve bench {" + ",".join(COMMANDS) + "} [options]", ""]
     lines += [f"  {name:<11} {helptext}" for name, (_, helptext) in COMMANDS.items()]
@@ -41,7 +45,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    return importlib.import_module(COMMANDS[name][0]).main(rest)
+    try:
+        return importlib.import_module(COMMANDS[name][0]).main(rest)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing not in BENCH_EXTRA_MODULES:
+            raise
+        print(
+            f"error: `kvserve bench {name}` needs the optional package {missing!r}: install the "
+            "bench extra with `scripts/setup.sh bench` (or `pip install -e '.[bench]'`)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
   run: ``llm_engine.stats.timeline``; server run: scraped ``/metrics``).
 * ``plot_spec_decode``: output tok/s of each speculative-decoding method relative to
   speculation off, per scenario (one panel per saved ``bench spec-decode`` result).
+* ``plot_cold_start``: process start -> first token of each ``bench cold-start`` try, split into
+  its phases.
 
 ``python -m kvserve.benchmarks.plots RESULT.json --out-dir D`` redraws them from a saved result.
 """
@@ -171,10 +173,39 @@ def plot_spec_decode(results: dict[str, dict], path) -> str:
     return _save(fig, path)
 
 
+#: (JSON key, legend label) of the cold-start phases, in the order they happen.
+COLD_START_PHASES = (
+    ("interpreter_start_to_import_s", "interpreter start"),
+    ("build_llm_s", "import + LLM()"),
+    ("first_token_after_llm_s", "generate to first token"),
+)
+
+
+def plot_cold_start(tries: list[dict], path, target_s: float | None = None) -> str:
+    """Stacked bars, one per ``bench cold-start`` try: seconds from process start to the first
+    token, split into ``COLD_START_PHASES``; a dashed line at ``target_s`` when given."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [f"try {i + 1}" for i in range(len(tries))]
+    bottom = [0.0] * len(tries)
+    for key, label in COLD_START_PHASES:
+        ys = [float(t.get(key) or 0.0) for t in tries]
+        ax.bar(xs, ys, bottom=bottom, label=label)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    if target_s is not None:
+        ax.axhline(target_s, color="grey", lw=0.8, ls="--", label=f"target {target_s:g} s")
+    ax.set_ylabel("seconds from process start")
+    ax.set_title("cold start: process start -> first token")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plots_from_result(result: dict, out_dir) -> list[str]:
-    """All plots a saved ``bench throughput`` / ``bench serve`` / ``bench spec-decode`` JSON
-    supports."""
+    """All plots a saved ``bench throughput`` / ``bench serve`` / ``bench spec-decode`` /
+    ``bench cold-start`` JSON supports (an empty list: none)."""
     out = []
+    if result.get("benchmark") == "cold_start" and result.get("tries"):
+        out.append(plot_cold_start(result["tries"], Path(out_dir) / "cold_start.png", result.get("target_s")))
     if result.get("benchmark") == "spec_decode":
         out.append(
             plot_spec_decode({_spec_label(result, 0): result["results"]}, Path(out_dir) / "spec_decode.png")
@@ -242,12 +273,30 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     loaded = []
     for path in ns.results:
-        with open(path) as f:
-            loaded.append(json.load(f))
-    for i, res in enumerate(loaded):
+        try:
+            with open(path) as f:
+                res = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"error: {path}: cannot read a benchmark JSON: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(res, dict):
+            print(f"error: {path}: not a benchmark result (a JSON object)", file=sys.stderr)
+            return 2
+        loaded.append(res)
+    drawn = 0
+    for i, (path, res) in enumerate(zip(ns.results, loaded)):
         sub = Path(ns.out_dir) / (_slug(res.get("label") or f"result{i}") if len(loaded) > 1 else "")
-        for path in plots_from_result(res, sub):
-            print(path)
+        made = plots_from_result(res, sub)
+        for out in made:
+            print(out)
+        if not made:
+            kind = res.get("benchmark") or "unknown"
+            print(
+                f"note: {path}: nothing to plot in a {kind!r} result (plots exist for throughput with "
+                "a timeline, serve, spec-decode and cold-start results)",
+                file=sys.stderr,
+            )
+        drawn += len(made)
     serve = [r for r in loaded if r.get("benchmark") == "serve"]
     if len(serve) > 1:
         for path in plots_comparing(serve, ns.out_dir):
@@ -259,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             label = _spec_label(r, i)
             panels[label if label not in panels else f"{label} ({i})"] = r["results"]
         print(plot_spec_decode(panels, Path(ns.out_dir) / "spec_decode_compared.png"))
-    return 0
+        drawn += 1
+    return 0 if drawn else 1
 
 
 def _spec_label(result: dict, i: int) -> str:

@@ -46,3 +46,17 @@ def test_plot_names_an_unreadable_file(capsys, tmp_path):
     bad.write_text("{not json")
     assert plots.main([str(bad)]) == 2
     assert f"{bad}: cannot read a benchmark JSON" in capsys.readouterr().err
+
+
+def test_profiler_trace_lines_are_dropped_and_other_stderr_kept(capfd):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvserve.benchmarks.common import without_profiler_trace_lines
+
+    with without_profiler_trace_lines(), profile(activities=[ProfilerActivity.CPU]):
+        torch.ones(3).add_(1)
+        print("kept line", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "kept line" in err
+    assert "USDT:" not in err

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +28,28 @@ def current_rss_mib() -> float | None:
         return psutil.Process().memory_info().rss / 2**20
     except Exception:  # psutil missing
         return None
+
+
+@contextlib.contextmanager
+def without_profiler_trace_lines():
+    """Run the body with the torch profiler's ``USDT:`` trace lines (written by its C++ side
+    straight to file descriptor 2 at every start and stop) dropped from stderr; every other
+    line written to stderr meanwhile is passed through when the body ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [ln for ln in capture.read().splitlines(keepends=True) if not ln.startswith(b"USDT:")]
+            if kept:
+                sys.stderr.buffer.write(b"".join(kept))
+                sys.stderr.flush()
 
 
 def _version(pkg: str) -> str | None:

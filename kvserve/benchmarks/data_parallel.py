@@ -16,7 +16,9 @@ scheduled / prompt tokens; the block managers' own rate, which counts recomputes
 preemption again, is in the JSON), TTFT p50 /
 p99 (arrival to first token), end-to-end latency, output tokens/s and how the requests were
 spread. Prefix caching is on in every configuration; every replica has the single engine's KV
-cache size. ``--out`` writes the JSON.
+cache size. ``--num-requests`` cuts the workload keeping prefix groups whole (in trace order,
+while they fit; singles fill the rest), so a small cut still shares prefixes. ``--json-out``
+writes the JSON.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ def shared_prefix_requests(
     block_tokens: int,
     max_blocks: int,
     max_output_len: int,
+    num_requests: int | None = None,
 ) -> list[BenchRequest]:
     """The benchmark's requests from Mooncake rows (``hash_ids``, ``output_length``), see the
-    module doc. Raises ValueError when the trace has no ``hash_ids``."""
+    module doc; at most ``num_requests`` of them, cut by ``cut_keeping_groups``. Raises
+    ValueError when the trace has no ``hash_ids``."""
     rows = [r for r in records if r.get("hash_ids")]
     if not rows:
         raise ValueError("the trace has no hash_ids (a Mooncake JSONL trace is needed)")
@@ -62,6 +66,8 @@ def shared_prefix_requests(
         elif counts[head] == 1 and n_single < singles:
             chosen.append(r)
             n_single += 1
+    if num_requests is not None:
+        chosen = cut_keeping_groups(chosen, [r["hash_ids"][0] for r in chosen], num_requests)
     span = max(len(corpus) - block_tokens, 1)
     reqs = []
     for i, r in enumerate(chosen):
@@ -71,6 +77,25 @@ def shared_prefix_requests(
         out = max(1, min(int(r.get("output_length") or 1), max_output_len))
         reqs.append(BenchRequest(prompt_token_ids=ids, output_len=out, id=i))
     return reqs
+
+
+def cut_keeping_groups(rows: list, heads: list, limit: int) -> list:
+    """At most ``limit`` of ``rows`` (``heads[i]``: row i's prefix group key), in their order:
+    whole groups of two or more rows first, in order of first appearance, while they fit (the
+    first group that does not fit is cut to the room left, when that is two rows or more); rows
+    of a group of their own fill what is left."""
+    members = collections.defaultdict(list)
+    for i, h in enumerate(heads):
+        members[h].append(i)
+    keep: list[int] = []
+    for idx in members.values():
+        room = limit - len(keep)
+        if len(idx) > 1 and room >= 2:
+            keep.extend(idx[:room])
+    for idx in members.values():
+        if len(idx) == 1 and len(keep) < limit:
+            keep.extend(idx)
+    return [rows[i] for i in sorted(keep)]
 
 
 async def _replay(async_engine, reqs: list[BenchRequest], label: str) -> dict[str, Any]:
@@ -185,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals, requests/s")
     p.add_argument("--routers", default="prefix,round-robin", help="comma-separated routers to run")
     p.add_argument("--no-single", action="store_true", help="skip the one-engine baseline")
-    p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--json-out", "--out", dest="json_out", default=None, help="write the results JSON here")
     add_engine_args(p)
     p.set_defaults(enable_prefix_caching=True, data_parallel_size=2)
     return p
@@ -207,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --trace {trace}: {e}{hint}", file=sys.stderr)
         return 2
     reqs = shared_prefix_requests(
-        records, load_corpus(), ns.groups, ns.singles, ns.block_tokens, ns.max_blocks, ns.max_output_len
+        records,
+        load_corpus(),
+        ns.groups,
+        ns.singles,
+        ns.block_tokens,
+        ns.max_blocks,
+        ns.max_output_len,
+        ns.num_requests,
     )
-    if ns.num_requests is not None:
-        reqs = reqs[: ns.num_requests]
     for r, t in zip(reqs, generate_arrivals(len(reqs), ns.rate, seed=ns.seed)):
         r.arrival_s = t
     engine_args.enable_prefix_caching = True
@@ -249,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         "routed",
     ]
     print(fmt_table(headers, rows))
-    if ns.out:
+    if ns.json_out:
         write_json(
-            ns.out,
+            ns.json_out,
             {
                 "system": system_info(),
                 "args": vars(ns),

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table, system_info, write_json
+from kvserve.benchmarks.common import fmt_table, system_info, without_profiler_trace_lines, write_json
 from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,7 +99,7 @@ def _profile_lora_share(llm, reqs: list[BenchRequest], loras, steps: int) -> dic
     fused0 = native_decode.lora_kernel_seconds(model)
     try:
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with without_profiler_trace_lines(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 eng.step()
         wall = time.perf_counter() - t0

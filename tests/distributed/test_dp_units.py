@@ -33,6 +33,17 @@ def test_shared_prefix_requests_keep_the_trace_prefix_structure():
     assert [r.id for r in reqs] == list(range(5))
 
 
+def test_a_cut_keeps_prefix_groups_whole():
+    # trace order: single 1, single 2, group 7 (3 rows); a plain cut to 2 would keep two singles
+    rows = [_rows()[1], _rows()[3], _rows()[0], _rows()[2], _rows()[4]]
+    reqs = shared_prefix_requests(rows, CORPUS, 1, 2, 4, 3, 8, num_requests=2)
+    assert len(reqs) == 2
+    assert reqs[0].prompt_token_ids[:8] == reqs[1].prompt_token_ids[:8]  # both of group 7
+    reqs = shared_prefix_requests(rows, CORPUS, 1, 2, 4, 3, 8, num_requests=4)
+    # the whole group, then the first single; trace order kept
+    assert [len(r.prompt_token_ids) for r in reqs] == [4, 12, 12, 8]
+
+
 def test_shared_prefix_requests_need_hash_ids():
     with pytest.raises(ValueError, match="hash_ids"):
         shared_prefix_requests([{"input_length": 5}], CORPUS, 1, 1, 4, 3, 8)

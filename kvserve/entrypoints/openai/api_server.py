@@ -25,6 +25,7 @@ import hmac
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -618,6 +619,12 @@ class GracefulServer:
                 self.should_exit = True
                 start_grace_timer()
 
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if sockets is not None and self.started:
+                    # uvicorn names the address it listens on only for sockets it bound itself
+                    self._log_started_message(sockets)
+
             async def shutdown(self, sockets=None):
                 # however the exit was asked for (signal or should_exit): drain before uvicorn
                 # asks the connections to shut down, so they answer 503 meanwhile
@@ -627,9 +634,30 @@ class GracefulServer:
 
         self.server = _Server(config)
 
-    def run(self) -> None:
-        """Serve until a signal (blocking)."""
-        self.server.run()
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve until a signal (blocking); on ``sockets`` when given (already bound: see
+        ``bind_socket``), else on the config's host and port."""
+        self.server.run(sockets=sockets)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a ``:``), for uvicorn to
+    listen on. ``kvserve serve`` binds it before loading the model, so a port in use is an error
+    at once instead of after the load.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def uvicorn_config(
@@ -679,6 +707,14 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
+    try:
+        sock = bind_socket(ns.host, ns.port)
+    except OSError as e:
+        print(
+            f"error: --host {ns.host} --port {ns.port}: cannot listen there: {e.strerror or e}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine_args = engine_args_from(ns)
         if engine_args.data_parallel_size > 1:
@@ -745,9 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         else "",
     )
     try:
-        GracefulServer(
-            config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)
-        ).run()
+        GracefulServer(config, state, grace_s=grace, on_grace_over=lambda: state.abort_all(async_engine)).run(
+            sockets=[sock]
+        )
     finally:
         engine.shutdown()  # the tensor-parallel peer ranks, if any
     logger.info("server stopped")

@@ -149,3 +149,11 @@ def test_a_failed_load_frees_the_name_and_burns_its_id():
         assert req.lora_int_id == 2 and models.resolve("a") == req
 
     asyncio.run(run())
+
+
+def test_an_empty_model_name_is_the_served_model_and_others_are_404():
+    models = OpenAIServingModels(FakeAsyncEngine(), ["base"])
+    assert models.resolve("") is None and models.resolve(None) is None and models.resolve("base") is None
+    with pytest.raises(APIError) as e:
+        models.resolve(" ")
+    assert e.value.status == 404 and e.value.code == "model_not_found"

@@ -77,12 +77,13 @@ class OpenAIServingModels:
 
     # ------------------------------------------------------------------ requests
     def resolve(self, name: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names (None: the base model or no name).
+        """The adapter a request's ``model`` names (None: the base model, no name, or ``""``,
+        which vLLM also answers with the served model).
 
         Raises:
             APIError: 404 ``model_not_found`` for any other name.
         """
-        if name is None or name in self.base_model_names:
+        if not name or name in self.base_model_names:
             return None
         adapter = self._adapters.get(name)
         if adapter is None:

@@ -142,3 +142,58 @@ def test_prompt_logprobs_absent_unless_asked(tiny_llama_dir, prompts):
 def test_prompt_logprobs_out_of_range_names_the_field(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_prompt_logprobs_in_row_slices_equal_transformers(tiny_llama_dir, prompts, hf_logprobs, monkeypatch):
+    """The runner sends prompt-logprob rows through the LM head a slice at a time (bounded
+    memory): with 7-row slices, which cut the step's prompts mid-way, every position still
+    equals transformers', and no slice holds more than 7 rows."""
+    from kvserve.model_executor import sampler
+    from kvserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 7)
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_ROWS", 3)
+    slices = []
+    real = model_runner.prompt_logprobs
+
+    def recording(logits, targets, ks):
+        slices.append(logits.shape[0])
+        return real(logits, targets, ks)
+
+    monkeypatch.setattr(model_runner, "prompt_logprobs", recording)
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    finals = run_engine(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        check(finals[f"r{i}"].prompt_logprobs, p, hf_logprobs[i], k=K)
+    # every prompt position that scores a next token went through exactly one slice
+    assert sum(slices) == sum(len(p) - 1 for p in prompts)
+    assert max(slices) == 7 and len(slices) > len(prompts)
+    assert_idle(engine)
+
+
+def test_prompt_logprobs_function_slices_match_one_pass(monkeypatch):
+    """``sampler.prompt_logprobs`` in slices of 5 rows equals a whole-matrix log-softmax
+    reference (values, ranks and top-k ids) on random logits with ties."""
+    from kvserve.model_executor import sampler
+
+    g = torch.Generator().manual_seed(0)
+    Q, V = 23, 301
+    logits = torch.randn(Q, V, generator=g) * 4
+    logits[:, 7] = logits[:, 11]  # a tie in every row
+    targets = torch.randint(0, V, (Q,), generator=g)
+    ks = [int(x) for x in torch.randint(0, 6, (Q,), generator=g)]
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_ROWS", 5)
+    got = sampler.prompt_logprobs(logits, targets, ks)
+    logp = torch.log_softmax(logits, dim=-1)
+    assert len(got) == Q
+    for i in range(Q):
+        t = int(targets[i])
+        assert got[i][t].logprob == pytest.approx(float(logp[i, t]), abs=1e-5)
+        assert got[i][t].rank == int((logits[i] > logits[i, t]).sum()) + 1
+        top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in got[i].items() if lp.rank <= ks[i]))
+        ref_vals = logp[i].topk(ks[i]).values.tolist() if ks[i] else []
+        assert [r for r, _, _ in top] == list(range(1, ks[i] + 1))
+        for (_, tid, v), ref in zip(top, ref_vals):
+            assert v == pytest.approx(ref, abs=1e-5) and float(logp[i, tid]) == pytest.approx(v, abs=1e-5)

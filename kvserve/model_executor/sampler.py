@@ -180,30 +180,53 @@ def apply_top_k_top_p_min_p(
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+#: Prompt-logprob rows reduced at once: a slice's float32 temporaries (a ``> target`` mask, the
+#: log-sum-exp pass) are ``PROMPT_LOGPROB_ROWS x vocab``, whatever the number of rows asked for.
+PROMPT_LOGPROB_ROWS = 256
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
     """Prompt logprobs of ``Q`` prompt positions: the log-softmax of the raw logits (no
     penalties, temperature 1), the ``ks[i]`` most likely tokens plus the actual next token.
 
+    Works on ``PROMPT_LOGPROB_ROWS`` rows at a time and never builds the ``[Q, V]``
+    log-softmax: ``logp[i, t] = logits[i, t] - logsumexp(logits[i])`` is computed only for the
+    top-k values and the target, the top-k and the rank are taken on the raw logits (the same
+    order: subtracting one row constant is monotonic).
+
     Args:
-        logits: float32 ``[Q, V]``, row ``i`` the logits at a prompt position.
+        logits: float ``[Q, V]`` (float32 is used as is, other dtypes are upcast per slice),
+            row ``i`` the logits at a prompt position.
         targets: int64 ``[Q]``, the prompt token that follows each position.
         ks: per row, how many top tokens to report (0..V).
     Returns:
-        ``Q`` dicts ``{token_id: Logprob(logprob, rank)}`` (rank 1 = most likely); the target
-        is always present (``ks[i]`` or ``ks[i] + 1`` entries).
+        ``Q`` dicts ``{token_id: Logprob(logprob, rank)}`` (rank 1 = most likely: 1 + the
+        number of tokens with a strictly larger logit); the target is always present
+        (``ks[i]`` or ``ks[i] + 1`` entries).
     """
-    logits = logits.float()
-    logp = logits - logits.logsumexp(dim=-1, keepdim=True)
-    targets = targets.to(logp.device)
-    target_lp = logp.gather(1, targets.unsqueeze(1))  # [Q, 1]
-    ranks = ((logp > target_lp).sum(dim=1) + 1).tolist()
-    target_vals = target_lp.squeeze(1).tolist()
-    k = min(logp.shape[1], max(ks, default=0))
+    out: list[dict[int, Logprob]] = []
+    for s in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
+        e = min(s + PROMPT_LOGPROB_ROWS, logits.shape[0])
+        out.extend(_prompt_logprob_rows(logits[s:e], targets[s:e], ks[s:e]))
+    return out
+
+
+def _prompt_logprob_rows(
+    logits: torch.Tensor, targets: torch.Tensor, ks: list[int]
+) -> list[dict[int, Logprob]]:
+    """``prompt_logprobs`` of one slice of rows (see there)."""
+    x = logits.float()
+    lse = x.logsumexp(dim=-1)  # [C]
+    targets = targets.to(x.device)
+    target_x = x.gather(1, targets.unsqueeze(1))  # [C, 1]
+    ranks = (torch.count_nonzero(x > target_x, dim=1) + 1).tolist()
+    target_vals = (target_x.squeeze(1) - lse).tolist()
+    k = min(x.shape[1], max(ks, default=0))
     top_vals: list[list[float]] = [[] for _ in ks]
     top_ids: list[list[int]] = [[] for _ in ks]
     if k > 0:
-        vals, ids = logp.topk(k, dim=-1)
-        top_vals, top_ids = vals.tolist(), ids.tolist()
+        vals, ids = x.topk(k, dim=-1)
+        top_vals, top_ids = (vals - lse.unsqueeze(1)).tolist(), ids.tolist()
     out = []
     for i, (t, kk) in enumerate(zip(targets.tolist(), ks)):
         entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids[i][:kk], top_vals[i][:kk]))}

@@ -39,7 +39,7 @@ from kvserve.model_executor.layers.attention import (
     NativePrefill,
     PrefillChunk,
 )
-from kvserve.model_executor.sampler import prompt_logprobs
+from kvserve.model_executor.sampler import PROMPT_LOGPROB_ROWS, prompt_logprobs
 from kvserve.sequence import CompletionSequenceGroupOutput, SequenceGroupMetadata
 
 #: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
@@ -444,9 +444,9 @@ class ModelRunner:
         self, metadata: Seq[SequenceGroupMetadata], kv_caches: list[torch.Tensor] | None
     ) -> list[CompletionSequenceGroupOutput]:
         """Forward all scheduled tokens, compute float32 logits for the sampled rows (and the
-        prompt positions of requests asking for prompt logprobs: ``[Q, vocab]`` more, for those
-        rows only), and sample. Returns one ``CompletionSequenceGroupOutput`` per metadata
-        entry."""
+        prompt logprobs of the prompt positions of requests asking for them, in slices of
+        ``PROMPT_LOGPROB_ROWS`` rows: see ``logits``), and sample. Returns one
+        ``CompletionSequenceGroupOutput`` per metadata entry."""
         inp, hidden = self.forward(metadata, kv_caches)
         return self.sample(metadata, inp, hidden)
 
@@ -469,26 +469,26 @@ class ModelRunner:
         inp: ModelInput | None,
         hidden: torch.Tensor | None,
     ) -> list[CompletionSequenceGroupOutput]:
-        """Logits of the sampled rows (and prompt-logprob rows) of a ``forward``, sampled."""
+        """Logits of the sampled rows (and prompt logprobs) of a ``forward``, sampled."""
         if inp is None or hidden is None:
             return self.sampler(None, list(metadata))
-        logits, pl_logits = self.logits(inp, hidden)
-        return self.sample_logits(metadata, inp, logits, pl_logits)
+        logits, pl_entries = self.logits(inp, hidden)
+        return self.sample_logits(metadata, inp, logits, pl_entries)
 
     def sample_logits(
         self,
         metadata: Seq[SequenceGroupMetadata],
         inp: ModelInput,
         logits: torch.Tensor | None,
-        pl_logits: torch.Tensor | None,
+        pl_entries: list[dict] | None,
     ) -> list[CompletionSequenceGroupOutput]:
         """``sample``'s second half: sample ``logits`` (``[N, vocab]`` float32, one row per
-        sampled row of ``inp``, in order) and attach the prompt logprobs of ``pl_logits``."""
+        sampled row of ``inp``, in order) and attach ``pl_entries`` (``logits``' second
+        result: one prompt-logprob dict per row of ``inp.prompt_rows``)."""
         assert logits is not None, "only the driver rank samples"
         outputs = self.sampler(logits, list(metadata))
-        if pl_logits is not None and inp.prompt_targets is not None:
-            ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]
-            entries = prompt_logprobs(pl_logits, inp.prompt_targets, ks)
+        if pl_entries is not None:
+            entries = pl_entries
             row = 0
             for g, lo, count, _ in inp.prompt_spans:
                 outputs[g].prompt_logprobs = entries[row : row + count]
@@ -499,11 +499,19 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(
         self, inp: ModelInput, hidden: torch.Tensor, extra_rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """float32 logits ``[N, vocab]`` of the sampled rows and ``[Q, vocab]`` of the
-        prompt-logprob rows (None without any) of a ``forward``. Under tensor parallelism every
-        rank calls it after the same forward (the LM head's vocabulary slices meet in a gather
-        per call, in this order); the other ranks get ``(None, None)``.
+    ) -> tuple[torch.Tensor | None, list[dict] | None]:
+        """float32 logits ``[N, vocab]`` of the sampled rows and the prompt logprobs of the
+        ``Q`` prompt-logprob rows (``sampler.prompt_logprobs``: one ``{token_id: Logprob}``
+        per row of ``inp.prompt_rows``; None without any) of a ``forward``. Under tensor
+        parallelism every rank calls it after the same forward (the LM head's vocabulary
+        slices meet in a gather per call, in this order); the other ranks get
+        ``(None, None)``.
+
+        Prompt-logprob rows go through the LM head ``PROMPT_LOGPROB_ROWS`` at a time, each
+        slice reduced to its top-k before the next: the step holds at most one
+        ``[PROMPT_LOGPROB_ROWS, vocab]`` float32 slice (and its temporaries) instead of
+        ``[Q, vocab]`` (Q up to the step's token budget), and the work stays proportional to
+        the step's prompt rows, which the token budget bounds.
 
         ``extra_rows``: int64 indices of more rows of ``hidden`` (a speculative step's verify
         positions) whose logits follow the sampled rows' in the same LM head call
@@ -512,10 +520,17 @@ class ModelRunner:
         """
         rows = inp.sample_rows if extra_rows is None else torch.cat([inp.sample_rows, extra_rows])
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        pl_logits = None
-        if inp.prompt_rows is not None:
-            pl_logits = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows))
-        return logits, pl_logits
+        if inp.prompt_rows is None:
+            return logits, None
+        ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]
+        entries: list[dict] = []
+        for s in range(0, int(inp.prompt_rows.shape[0]), PROMPT_LOGPROB_ROWS):
+            e = s + PROMPT_LOGPROB_ROWS
+            part = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows[s:e]))
+            if part is not None:  # (the driver: every rank runs the same calls)
+                entries.extend(prompt_logprobs(part, inp.prompt_targets[s:e], ks[s:e]))
+            del part
+        return logits, entries if logits is not None else None
 
     @torch.inference_mode()
     def compute_logits(

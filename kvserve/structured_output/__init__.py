@@ -4,6 +4,7 @@ batched token bitmask the sampler applies. The scheduler knows nothing of this r
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.bitmask import allowed_tokens, apply_token_bitmask_, bitmask_words
 from kvserve.structured_output.compiler import GrammarCompiler, grammar_text
+from kvserve.structured_output.limits import DEFAULT_LIMITS, GrammarLimits, check_constraint
 from kvserve.structured_output.manager import (
     GrammarError,
     GroupBitmask,
@@ -13,8 +14,10 @@ from kvserve.structured_output.manager import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "GrammarCompiler",
     "GrammarError",
+    "GrammarLimits",
     "GroupBitmask",
     "StructuredOutputManager",
     "StructuredOutputsParams",
@@ -23,5 +26,6 @@ __all__ = [
     "allowed_tokens",
     "apply_token_bitmask_",
     "bitmask_words",
+    "check_constraint",
     "grammar_text",
 ]

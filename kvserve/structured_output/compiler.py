@@ -3,9 +3,33 @@
 llguidance (a Rust library with an abi3 wheel and no Python dependencies) turns a JSON schema,
 regex, choice list or Lark/GBNF grammar into an Earley parser over a lexer, and computes the set
 of tokens that keep the output a prefix of an accepted string (a bitmask, one bit per token).
-Building its tokenizer view is the one slow part (~1 s for a 49k vocabulary); it is done once,
-on the first constrained request. A compiled grammar is kept as a *template* matcher per
-constraint (an LRU of ``cache_size`` entries); each sequence gets a ``deep_copy`` of it.
+Building its tokenizer view is the one slow part; ``GrammarCompiler.warm_up`` builds it on a
+background thread when the engine starts (views are shared by compilers of the same tokenizer),
+so the first constrained request does not stall the others. A compiled grammar is kept as a
+*template* matcher per constraint (an LRU of ``cache_size`` entries); each sequence gets a
+``deep_copy`` of it.
+
+Compilation can never kill or hold the engine:
+
+- ``limits.check_constraint`` first holds the constraint to ``GrammarLimits`` (size, nesting,
+  definitions, ``$ref`` chains, alternatives, repetition counts, rules, choices, int64 bounds):
+  past one it is a ``ValueError`` naming the field and the limit, before llguidance runs.
+- llguidance's compile recurses over the grammar; it runs on a thread of its own started with
+  an explicit ``COMPILE_STACK_BYTES`` stack (``threading.stack_size`` set and restored under a
+  lock), never on the caller's (a server worker, ``LLM.generate``'s), whose default stack a deep
+  grammar overflows (a SIGSEGV: the whole process). llguidance's own ``ParserLimits`` bound its
+  lexer and parser work, with ``verbose_errors`` off so no parser state reaches a message.
+- The caller waits at most ``compile_timeout_s``; past it the constraint is a ``ValueError``
+  and the compile finishes (or not) on its own thread, holding one of ``max_compiling`` slots.
+- After compiling, the first token mask is computed: a constraint whose matcher is then in an
+  error state, or allows no token while not accepting, can never be matched (a ``ValueError``
+  naming the field), instead of failing its request in the middle of a step.
+
+A thread, not a worker process: the pre-checks bound every input shape known to recurse deeply,
+and the stack is many times what the deepest accepted shape needs, so the remaining risk a process
+would cover is an unknown crash in llguidance. A process would pay for that with a tokenizer
+view per worker, a second compile in the engine (a matcher cannot cross processes), and a
+process start or pool to keep alive; the thread costs one thread start per cache miss.
 """
 
 from __future__ import annotations
@@ -13,30 +37,53 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output.limits import (
+    DEFAULT_LIMITS,
+    GrammarLimits,
+    check_constraint,
+    check_nesting,
+    parse_json_schema,
+)
+
+#: Stack of a compile thread (virtual memory: only the pages a compile touches are used).
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
+#: Seconds a caller waits for one compile (first mask included) before the constraint is a 400.
+COMPILE_TIMEOUT_S = 10.0
+#: Compiles running at once (one past its timeout keeps its slot until it ends).
+MAX_COMPILING = 4
+
+_stack_lock = threading.Lock()
+# (tokenizer name, its length, vocab_size, eos id) -> llguidance tokenizer view (immutable, shared)
+_views: dict[tuple, Any] = {}
+_views_lock = threading.Lock()
+
+
+def start_large_stack_thread(target, name: str, stack_bytes: int = COMPILE_STACK_BYTES) -> threading.Thread:
+    """Start a daemon thread running ``target()`` with a ``stack_bytes`` stack.
+
+    ``threading.stack_size`` is process-wide: it is set, the thread started, and the previous
+    size restored, under a lock, so no other thread of this module sees the large size (a
+    thread started elsewhere in that instant gets a larger stack, which is harmless).
+    """
+    with _stack_lock:
+        old = threading.stack_size(stack_bytes)
+        try:
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    return t
+
 
 #: Whitespace allowed between JSON tokens unless ``whitespace_pattern`` says otherwise: any JSON
 #: whitespace, at most 24 characters (pretty-printing to depth 5 fits). Unbounded whitespace
 #: lets a model that favours it loop on blanks until ``max_tokens``.
 DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
-
-
-def _json_schema(params: StructuredOutputsParams) -> Any:
-    if params.json_object:
-        return {"type": "object"}
-    schema = params.json
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise ValueError(f"{params.field_name}: the JSON schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise ValueError(
-            f"{params.field_name}: a JSON schema must be an object, got {type(schema).__name__}."
-        )
-    return schema
 
 
 def _structural_tag_grammar(params: StructuredOutputsParams) -> str:
@@ -92,7 +139,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             options["whitespace_pattern"] = params.whitespace_pattern or DEFAULT_JSON_WHITESPACE
         try:
             return LLMatcher.grammar_from_json_schema(
-                json.dumps(_json_schema(params)), overrides=options or None
+                json.dumps(parse_json_schema(params)), overrides=options or None
             )
         except ValueError as e:
             raise ValueError(f"{params.field_name}: invalid JSON schema: {e}") from None
@@ -112,58 +159,112 @@ class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` into llguidance matchers for one tokenizer.
 
     Thread-safe: the server compiles on a worker thread before queueing a request, so the engine
-    thread only finds the result in the cache.
+    thread only finds the result in the cache. Every compile itself runs on a dedicated
+    large-stack thread (see the module docstring).
 
     Args:
         tokenizer: the engine's transformers fast tokenizer.
         vocab_size: the model's vocabulary (rows of the logits; may exceed the tokenizer's).
         eos_token_id: the model's EOS id: allowed exactly where the grammar accepts.
         cache_size: how many compiled constraints to keep (least recently used dropped).
+        limits: the pre-checks' bounds (``GrammarLimits``).
+        compile_timeout_s: seconds a caller waits for one compile before it is a ValueError.
+        max_compiling: compiles running at once; a caller waits for a slot within its timeout.
+
+    Attributes:
+        tokenizer_thread: the name of the thread that built the tokenizer view (None until
+            built; a view shared from another compiler keeps its builder's name).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, cache_size: int = 256):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_id: int | None,
+        cache_size: int = 256,
+        limits: GrammarLimits = DEFAULT_LIMITS,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        max_compiling: int = MAX_COMPILING,
+    ):
         self._hf_tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.eos_token_id = eos_token_id
         self.cache_size = cache_size
+        self.limits = limits
+        self.compile_timeout_s = float(compile_timeout_s)
+        self._slots = threading.BoundedSemaphore(max_compiling)
         self._ll_tokenizer: Any = None
+        self.tokenizer_thread: str | None = None
+        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._ll_limits: Any = None
         self.num_compiled = 0  # cache misses (tests and metrics)
 
-    def _tokenizer(self):
-        if self._ll_tokenizer is None:
-            import llguidance.hf
+    def _view_key(self) -> tuple:
+        tok = self._hf_tokenizer
+        return (getattr(tok, "name_or_path", id(tok)), len(tok), self.vocab_size, self.eos_token_id)
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
-            )
+    def _tokenizer(self):
+        """llguidance's view of the tokenizer (built once per tokenizer, process-wide)."""
+        if self._ll_tokenizer is not None:
+            return self._ll_tokenizer
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                key = self._view_key()
+                with _views_lock:
+                    view = _views.get(key)
+                if view is None:
+                    import llguidance.hf
+
+                    built = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+                    )
+                    with _views_lock:
+                        view = _views.setdefault(key, (built, threading.current_thread().name))
+                self._ll_tokenizer, self.tokenizer_thread = view
         return self._ll_tokenizer
+
+    def warm_up(self) -> threading.Thread:
+        """Build the tokenizer view on a background thread (``kvserve-grammar-warmup``) and
+        return it; a constraint compiled meanwhile waits for it. A failure is left for the
+        first compile to raise."""
+
+        def run() -> None:
+            try:
+                self._tokenizer()
+            except Exception:  # raised again by the first compile
+                pass
+
+        t = threading.Thread(target=run, name="kvserve-grammar-warmup", daemon=True)
+        t.start()
+        return t
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """The pre-checks alone (``limits.check_constraint``): no grammar engine runs.
+
+        Raises:
+            ValueError: naming ``params.field_name`` and the limit it is past.
+        """
+        check_constraint(params, self.limits)
 
     def compile(self, params: StructuredOutputsParams):
         """The template matcher of ``params`` (compiled now, or from the cache).
 
         Raises:
-            ValueError: naming ``params.field_name`` and llguidance's message, when the schema,
-                regex or grammar does not compile.
+            ValueError: naming ``params.field_name``: past a ``GrammarLimits`` bound, does not
+                compile (llguidance's message, without its parser state), can never be matched
+                (no first token allowed), or took longer than ``compile_timeout_s``.
         """
-        from llguidance import LLMatcher
-
+        check_nesting(params, self.limits)  # before cache_key parses or serializes a schema
         key = params.cache_key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            tokenizer = self._tokenizer()
-        text = grammar_text(params)
-        # Compiling drops the GIL (llguidance); done outside the lock so one slow grammar does
-        # not hold up another request's cached lookup.
-        matcher = LLMatcher(tokenizer, text, log_level=0)
-        if matcher.is_error():
-            # llguidance's message spans lines (with a caret under the position): one line here.
-            message = " ".join(x.strip() for x in matcher.get_error().splitlines() if x.strip("^ \t"))[:400]
-            raise ValueError(f"{params.field_name}: cannot compile the {params.kind} constraint: {message}")
+        check_constraint(params, self.limits)
+        matcher = self._compile_isolated(params)
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = matcher
@@ -172,7 +273,73 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
+    def _compile_isolated(self, params: StructuredOutputsParams):
+        """``_compile_now`` on a new large-stack thread; waits at most ``compile_timeout_s``."""
+        name = params.field_name
+        timeout = self.compile_timeout_s
+        if not self._slots.acquire(timeout=timeout):
+            raise ValueError(f"{name}: the grammar compiler is busy with other constraints; try again later.")
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._compile_now(params))
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
+            finally:
+                self._slots.release()
+
+        try:
+            start_large_stack_thread(run, "kvserve-grammar-compile")
+        except BaseException:
+            self._slots.release()
+            raise
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            raise ValueError(
+                f"{name}: compiling the {params.kind} constraint took longer than {timeout:g} s (limit)."
+            ) from None
+
+    def _compile_now(self, params: StructuredOutputsParams):
+        """Compile and check the first mask, on the calling thread (a large-stack one)."""
+        from llguidance import LLMatcher, LLParserLimits
+
+        tokenizer = self._tokenizer()
+        text = grammar_text(params)
+        if self._ll_limits is None:
+            self._ll_limits = LLParserLimits(verbose_errors=False)
+        # Compiling drops the GIL (llguidance); no lock is held, so one slow grammar does not
+        # hold up another request's cached lookup.
+        matcher = LLMatcher(tokenizer, text, log_level=0, limits=self._ll_limits)
+        if matcher.is_error():
+            raise ValueError(
+                f"{params.field_name}: cannot compile the {params.kind} constraint: "
+                f"{grammar_error_message(matcher.get_error())}"
+            )
+        probe = matcher.deep_copy()
+        mask = probe.compute_bitmask()
+        if probe.is_error() or (not any(mask) and not probe.is_accepting()):
+            raise ValueError(
+                f"{params.field_name}: the {params.kind} constraint can never be matched: no output "
+                "satisfies it (an empty language, a rule or $ref that never ends, or past the grammar "
+                "engine's limits)."
+            )
+        return matcher
+
     def new_matcher(self, params: StructuredOutputsParams):
         """A fresh matcher (at the start of the grammar) for one sequence. Raises like
         ``compile``."""
         return self.compile(params).deep_copy()
+
+
+def grammar_error_message(error: str) -> str:
+    """llguidance's error as one line: its caret lines and any parser-state block dropped."""
+    lines = []
+    for line in error.splitlines():
+        line = line.strip()
+        if line.startswith("<"):
+            break  # "<state>" / "<non-verbose/>": internals, never shown
+        if line.strip("^ \t"):
+            lines.append(line)
+    return " ".join(lines)[:400] or "the grammar engine rejected it"

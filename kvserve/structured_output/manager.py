@@ -34,12 +34,12 @@ import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.bitmask import bitmask_words
-from kvserve.structured_output.compiler import GrammarCompiler
+from kvserve.structured_output.compiler import GrammarCompiler, grammar_error_message
 
 
 class GrammarError(ValueError):
     """A constrained sequence's matcher rejected a token or is in an error state (a fault of
-    that request only)."""
+    that request only: the engine ends it ``failed`` with this message, no batch re-run)."""
 
 
 class MaskStats:
@@ -127,7 +127,7 @@ class VerifyMasks:
         allowed: list[int] = self._future.result()
         for m in self._matchers:
             if m.is_error():
-                raise GrammarError(f"request {self.request_id}: grammar matcher error: {m.get_error()}")
+                raise GrammarError(f"its grammar matcher failed: {grammar_error_message(m.get_error())}")
         start = self._starts[j]
         return allowed[j], self._tensor[start : start + allowed[j] + 1]
 
@@ -157,14 +157,19 @@ class GroupBitmask:
     def rows(self) -> torch.Tensor:
         """int32 ``[num_seqs, words]`` (waits for the step's fill).
 
-        Raises:
-            GrammarError: a matcher of this group is in an error state.
+        A matcher in an error state does not raise here (that would fail the whole batch's
+        forward): its row allows EOS only, and the engine ends the group after the step
+        (``StructuredOutputManager.faults``).
         """
         self._step.wait()
+        return self._step.tensor[self._start : self._start + self._count]
+
+    def fault(self) -> GrammarError | None:
+        """The error of the first matcher of this group in an error state, else None."""
         for m in self._matchers:
             if m.is_error():
-                raise GrammarError(f"request {self.request_id}: grammar matcher error: {m.get_error()}")
-        return self._step.tensor[self._start : self._start + self._count]
+                return GrammarError(f"its grammar matcher failed: {grammar_error_message(m.get_error())}")
+        return None
 
     def verify_masks(self, drafts: list[list[int]]) -> VerifyMasks:
         """Start checking ``drafts`` (one list per sequence, ``seq_data`` order; ``[]``: none)
@@ -228,11 +233,25 @@ class StructuredOutputManager:
         if m is None:
             return False
         if not m.consume_token(int(token_id)):
-            raise GrammarError(f"sequence {seq_id}: token {token_id} violates the grammar: {m.get_error()}")
+            raise GrammarError(
+                f"its grammar does not allow token {token_id}: {grammar_error_message(m.get_error())}"
+            )
         return m.is_stopped()
 
     def free(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
+
+    def faults(self, metas) -> dict[int, GrammarError]:
+        """``{index in metas: error}`` for the groups whose ``token_bitmask`` has a matcher in
+        an error state (call after the step's fill): the engine ends exactly those."""
+        out = {}
+        for i, md in enumerate(metas):
+            bitmask = getattr(md, "token_bitmask", None)
+            if isinstance(bitmask, GroupBitmask):
+                err = bitmask.fault()
+                if err is not None:
+                    out[i] = err
+        return out
 
     @property
     def num_live(self) -> int:
@@ -342,5 +361,7 @@ def allowed_prefix(matcher: Any, drafts: list[int]) -> int:
             break
         n += 1
     if n and not matcher.rollback(n):
-        raise GrammarError(f"cannot roll the grammar matcher back by {n} tokens: {matcher.get_error()}")
+        raise GrammarError(
+            f"cannot roll the grammar matcher back by {n} tokens: {grammar_error_message(matcher.get_error())}"
+        )
     return n

@@ -1,0 +1,435 @@
+"""Size and shape limits of a structured-output constraint, checked before the grammar engine sees it.
+
+llguidance compiles a grammar recursively (a chain of rules or ``$ref`` s deep enough overflows
+a thread's stack and kills the process) and takes some inputs it cannot serve well (repetition
+counts in the millions, thousands of alternatives in one Earley row, integer bounds outside
+int64, which it silently clamps). ``check_constraint`` walks the constraint in pure Python,
+iteratively (no recursion, so it cannot overflow either), and rejects what is past a
+``GrammarLimits`` bound with a ``ValueError`` naming the field and the limit (an HTTP 400).
+
+The checks are deliberately shape checks, not a second grammar engine: what passes them is
+compiled by llguidance on a thread with a large stack, with its own resource limits
+(``ParserLimits``), and its first token mask is computed before the constraint is accepted
+(``GrammarCompiler``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+from kvserve.field_limits import INT64_MAX, INT64_MIN
+from kvserve.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """The bounds ``check_constraint`` holds a constraint to (defaults: ``DEFAULT_LIMITS``).
+
+    Attributes:
+        max_bytes: UTF-8 bytes of the constraint's text (a JSON schema as JSON text, a regex, a
+            grammar, all choices together, a structural tag).
+        max_json_depth: nesting of a JSON schema document (objects and arrays).
+        max_defs: entries of ``$defs`` / ``definitions`` in one schema, all levels together.
+        max_ref_chain: the longest chain of ``$ref`` s one schema can follow, each definition
+            of a recursive group (definitions that reach each other) counted once.
+        max_alternatives: entries of one ``anyOf`` / ``oneOf`` / ``allOf`` / ``enum`` list.
+        max_repeat: a repetition count: ``{n,m}`` in a regex or grammar (counts of nested
+            repetitions multiplied), and a schema's ``minLength`` / ``maxLength`` /
+            ``minItems`` / ``maxItems`` / ``minProperties`` / ``maxProperties``.
+        max_rules: rules of a Lark / GBNF grammar.
+        max_choices: strings of a ``choice`` constraint.
+        max_choice_chars: characters of one choice.
+    """
+
+    max_bytes: int = 256 * 1024
+    max_json_depth: int = 128
+    max_defs: int = 1000
+    max_ref_chain: int = 128
+    max_alternatives: int = 1000
+    max_repeat: int = 10_000
+    max_rules: int = 1000
+    max_choices: int = 1000
+    max_choice_chars: int = 1024
+
+
+DEFAULT_LIMITS = GrammarLimits()
+
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# a JSON string (with escapes), removed before counting brackets
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]")
+# a rule's head: Lark ``name:`` / ``?name:`` / ``NAME.2:`` or GBNF ``name ::=``, at a line start
+_RULE_HEAD = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::(?!:)|::=)", re.M)
+# a Lark repetition operator ``item{n}`` / ``item{n,m}``
+_GRAMMAR_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _bad(field: str, message: str) -> ValueError:
+    return ValueError(f"{field}: {message}")
+
+
+def _check_bytes(field: str, text: str, limits: GrammarLimits, what: str) -> None:
+    # characters bound bytes from below; encode only when it may matter
+    if len(text) > limits.max_bytes or len(text.encode("utf-8", "surrogatepass")) > limits.max_bytes:
+        raise _bad(field, f"the {what} is longer than {limits.max_bytes} bytes (limit).")
+
+
+def json_text_depth(text: str) -> int:
+    """Nesting depth of JSON text (objects and arrays; brackets inside strings not counted),
+    without parsing it (Python's parser raises RecursionError on deep text)."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if not brackets:
+        return 0
+    return max(accumulate(1 if c in "[{" else -1 for c in brackets))
+
+
+def _object_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a Python JSON value, counted iteratively; stops past ``limit`` (a
+    self-referencing dict then reads as too deep, not as a hang)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, (list, tuple)):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((c, d + 1) for c in children)
+    return deepest
+
+
+def regex_repeat(pattern: str) -> int:
+    """The largest repetition count of a regex, counts of nested groups multiplied:
+    ``(a{10}){20}`` -> 200; ``{n,}`` counts ``n``. ``*``, ``+`` and ``?`` count 1 (they add no
+    states). Character classes and escapes are skipped; the regex is not validated here."""
+    # one entry per open group: the largest count inside it so far
+    stack = [1]
+    last = 1  # the count of the atom just closed (a group's inner count, else 1)
+    worst = 1
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            last = 1
+            continue
+        if c == "[":
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            last = 1
+            continue
+        if c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if c == ")":
+            last = stack.pop() if len(stack) > 1 else 1
+            stack[-1] = max(stack[-1], last)
+            i += 1
+            continue
+        if c == "{":
+            m = re.match(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", pattern[i:])
+            if m is not None:
+                hi = m.group(2)
+                count = int(hi) if hi else int(m.group(1))
+                total = count * last
+                worst = max(worst, total)
+                stack[-1] = max(stack[-1], total)
+                i += m.end()
+                last = 1
+                continue
+        last = 1
+        i += 1
+    return max(worst, *stack)
+
+
+def _check_regex(field: str, pattern: str, limits: GrammarLimits, what: str = "regex") -> None:
+    count = regex_repeat(pattern)
+    if count > limits.max_repeat:
+        raise _bad(field, f"the {what} repeats {count} times, more than {limits.max_repeat} (limit).")
+
+
+def _ref_target(ref: Any, defs: dict[str, str]) -> str | None:
+    """The definition (its JSON pointer) a ``$ref`` lands in, or "#" for the root; None for a
+    reference that is not local (the grammar engine rejects those itself)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    for pointer in defs:
+        if ref == pointer or ref.startswith(pointer + "/"):
+            return pointer
+    return "#"
+
+
+def _longest_ref_chain(edges: dict[str, set[str]]) -> int:
+    """The longest path through the ``$ref`` graph, each strongly connected group (recursion)
+    weighted by its size: an upper bound of how deep a depth-first compile can nest. Tarjan's
+    algorithm, iteratively, then a longest path over the groups (which form a DAG)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    comp: dict[str, int] = {}
+    sizes: list[int] = []
+    counter = 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                size = 0
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp[w] = len(sizes)
+                    size += 1
+                    if w == v:
+                        break
+                sizes.append(size)
+    # Tarjan numbers the groups in reverse topological order: successors come first.
+    succ: list[set[int]] = [set() for _ in sizes]
+    for v, ws in edges.items():
+        for w in ws:
+            if comp[v] != comp[w]:
+                succ[comp[v]].add(comp[w])
+    longest = [0] * len(sizes)
+    for c in range(len(sizes)):
+        longest[c] = sizes[c] + max((longest[s] for s in succ[c]), default=0)
+    return max(longest, default=0)
+
+
+def check_json_schema(field: str, schema: Any, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """Check a parsed JSON schema against ``limits`` (see ``GrammarLimits``) and that its
+    numeric bounds are finite (integer ones within int64).
+
+    Raises:
+        ValueError: naming ``field`` and the limit.
+    """
+    depth = _object_depth(schema, limits.max_json_depth)
+    if depth > limits.max_json_depth:
+        raise _bad(field, f"the JSON schema nests deeper than {limits.max_json_depth} levels (limit).")
+    # Pass 1: every definition's pointer (so refs can be resolved to the definition they land in).
+    defs: dict[str, str] = {}
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                sub = f"{path}/{key}"
+                if key in ("$defs", "definitions") and isinstance(value, dict):
+                    for name in value:
+                        defs[f"{sub}/{name}"] = f"{sub}/{name}"
+                stack.append((value, sub))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
+    if len(defs) > limits.max_defs:
+        raise _bad(
+            field, f"the JSON schema has {len(defs)} definitions, more than {limits.max_defs} (limit)."
+        )
+    # Pass 2: the per-node checks and the $ref graph (definition -> definitions it references).
+    edges: dict[str, set[str]] = {"#": set()}
+    edges.update((d, set()) for d in defs)
+    stack2: list[tuple[Any, str, str]] = [(schema, "#", "#")]
+    while stack2:
+        node, path, owner = stack2.pop()
+        if isinstance(node, list):
+            stack2.extend((v, f"{path}/{i}", owner) for i, v in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if path in defs:
+            owner = path
+        ref = node.get("$ref")
+        if ref is not None:
+            target = _ref_target(ref, defs)
+            if target is not None:
+                edges[owner].add(target)
+        for key in (*_COMBINATORS, "enum"):
+            alts = node.get(key)
+            if isinstance(alts, list) and len(alts) > limits.max_alternatives:
+                raise _bad(
+                    field,
+                    f"{key} at {path} has {len(alts)} entries, more than {limits.max_alternatives} (limit).",
+                )
+        for key in _COUNT_KEYWORDS:
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > limits.max_repeat:
+                raise _bad(field, f"{key} at {path} is {v}, more than {limits.max_repeat} (limit).")
+        types = node.get("type")
+        integer = types == "integer" or (isinstance(types, list) and "integer" in types)
+        for key in _BOUND_KEYWORDS:
+            v = node.get(key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise _bad(field, f"{key} at {path} is {v}, not a finite number.")
+            if integer and key != "multipleOf" and not INT64_MIN <= v <= INT64_MAX:
+                raise _bad(
+                    field,
+                    f"{key} at {path} is {v:g}, outside the 64-bit integer range "
+                    f"[-2**63, 2**63 - 1] of an integer schema (limit).",
+                )
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            _check_regex(field, pattern, limits, f"pattern at {path}")
+        props = node.get("patternProperties")
+        if isinstance(props, dict):
+            for p in props:
+                _check_regex(field, p, limits, f"patternProperties key at {path}")
+        for key, value in node.items():
+            if isinstance(value, (dict, list)):
+                stack2.append((value, f"{path}/{key}", owner))
+    chain = _longest_ref_chain(edges)
+    if chain > limits.max_ref_chain:
+        raise _bad(
+            field,
+            f"the JSON schema's $ref chains are {chain} definitions long, more than "
+            f"{limits.max_ref_chain} (limit).",
+        )
+
+
+def parse_json_schema(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> Any:
+    """The constraint's JSON schema as a Python value (``{"type": "object"}`` for
+    ``json_object``), its size and nesting checked before it is parsed or serialized.
+
+    Raises:
+        ValueError: naming ``params.field_name``: too long, too deep, not JSON, not an object.
+    """
+    field = params.field_name
+    if params.json_object:
+        return {"type": "object"}
+    schema = params.json
+    if isinstance(schema, str):
+        _check_bytes(field, schema, limits, "JSON schema")
+        if json_text_depth(schema) > limits.max_json_depth:
+            raise _bad(field, f"the JSON schema nests deeper than {limits.max_json_depth} levels (limit).")
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise _bad(field, f"the JSON schema is not valid JSON: {e}") from None
+    elif _object_depth(schema, limits.max_json_depth) > limits.max_json_depth:
+        raise _bad(field, f"the JSON schema nests deeper than {limits.max_json_depth} levels (limit).")
+    else:
+        try:
+            _check_bytes(field, json.dumps(schema), limits, "JSON schema")
+        except (TypeError, ValueError) as e:
+            if str(e).startswith(field):
+                raise
+            raise _bad(field, f"the JSON schema is not JSON data: {e}") from None
+    if not isinstance(schema, dict):
+        raise _bad(field, f"a JSON schema must be an object, got {type(schema).__name__}.")
+    return schema
+
+
+def _check_grammar(field: str, text: str, limits: GrammarLimits) -> None:
+    _check_bytes(field, text, limits, "grammar")
+    rules = len(_RULE_HEAD.findall(text))
+    if rules > limits.max_rules:
+        raise _bad(field, f"the grammar has {rules} rules, more than {limits.max_rules} (limit).")
+    for m in _GRAMMAR_REPEAT.finditer(text):
+        count = int(m.group(2) or m.group(1))
+        if count > limits.max_repeat:
+            raise _bad(field, f"the grammar repeats {count} times, more than {limits.max_repeat} (limit).")
+    for m in re.finditer(r"/((?:[^/\\\n]|\\.)+)/", text):
+        _check_regex(field, m.group(1), limits, "grammar's regex")
+
+
+def check_nesting(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """The cheap part of ``check_constraint``: a JSON schema's (or structural tag's) size and
+    nesting, so that parsing or serializing it (``cache_key``) cannot recurse too deep.
+
+    Raises:
+        ValueError: naming ``params.field_name`` and the limit it is past.
+    """
+    if params.kind == "json":
+        parse_json_schema(params, limits)
+    elif params.kind == "structural_tag":
+        text = params.structural_tag or ""
+        _check_bytes(params.field_name, text, limits, "structural tag")
+        if json_text_depth(text) > limits.max_json_depth:
+            raise _bad(
+                params.field_name,
+                f"the structural tag nests deeper than {limits.max_json_depth} levels (limit).",
+            )
+
+
+def check_constraint(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """Hold a constraint to ``limits`` (see ``GrammarLimits``); pure Python, no grammar engine
+    (safe in any process and on any thread).
+
+    Raises:
+        ValueError: naming ``params.field_name`` and the limit it is past.
+    """
+    field = params.field_name
+    kind = params.kind
+    if params.whitespace_pattern is not None:
+        _check_bytes(field, params.whitespace_pattern, limits, "whitespace_pattern")
+        _check_regex(field, params.whitespace_pattern, limits, "whitespace_pattern")
+    if kind in ("json", "json_object"):
+        check_json_schema(field, parse_json_schema(params, limits), limits)
+    elif kind == "regex":
+        _check_bytes(field, params.regex or "", limits, "regex")
+        _check_regex(field, params.regex or "", limits)
+    elif kind == "choice":
+        choices = params.choice or []
+        if len(choices) > limits.max_choices:
+            raise _bad(field, f"{len(choices)} choices, more than {limits.max_choices} (limit).")
+        longest = max(len(c) for c in choices)
+        if longest > limits.max_choice_chars:
+            raise _bad(
+                field, f"a choice has {longest} characters, more than {limits.max_choice_chars} (limit)."
+            )
+        _check_bytes(field, "".join(choices), limits, "choice list")
+    elif kind == "grammar":
+        _check_grammar(field, params.grammar or "", limits)
+    else:  # structural_tag
+        text = params.structural_tag or ""
+        _check_bytes(field, text, limits, "structural tag")
+        if json_text_depth(text) > limits.max_json_depth:
+            raise _bad(field, f"the structural tag nests deeper than {limits.max_json_depth} levels (limit).")
+        try:
+            spec = json.loads(text)
+        except ValueError:
+            return  # named by the compiler
+        structures = spec.get("structures") if isinstance(spec, dict) else None
+        if isinstance(structures, list):
+            for i, s in enumerate(structures):
+                if isinstance(s, dict) and isinstance(s.get("schema"), dict):
+                    check_json_schema(f"{field}.structures[{i}].schema", s["schema"], limits)

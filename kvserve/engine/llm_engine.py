@@ -59,6 +59,13 @@ def _output_len(group: SequenceGroup) -> int:
     return max((seq.get_output_len() for seq in group.get_seqs()), default=0)
 
 
+def _is_grammar_error(e: BaseException) -> bool:
+    """A constrained request's matcher failed (``structured_output.GrammarError``)."""
+    from kvserve.structured_output.manager import GrammarError
+
+    return isinstance(e, GrammarError)
+
+
 class LLMEngine:
     """Continuous-batching engine: a ``Scheduler`` plus an executor (real model or simulator).
 
@@ -123,6 +130,11 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()  # the server compiles on a worker thread
+        if tokenizer is not None and executor is not None:
+            # The grammar engine's tokenizer view, built on a background thread now rather than
+            # by the first constrained request (which would stall the requests behind it). Not
+            # on a data-parallel front engine (no executor): its replicas compile.
+            self.structured_output.compiler.warm_up()
 
     @property
     def structured_output(self) -> StructuredOutputManager:
@@ -137,10 +149,12 @@ class LLMEngine:
                 raise ValueError("structured_outputs needs a tokenizer; this engine has none.")
             from kvserve.structured_output import GrammarCompiler, StructuredOutputManager
 
-            vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
-            self._structured = StructuredOutputManager(
-                GrammarCompiler(self.tokenizer, vocab, self.eos_token_id)
-            )
+            with self._structured_lock:
+                if self._structured is None:
+                    vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+                    self._structured = StructuredOutputManager(
+                        GrammarCompiler(self.tokenizer, vocab, self.eos_token_id)
+                    )
         return self._structured
 
     # ------------------------------------------------------------------ construction
@@ -384,6 +398,12 @@ class LLMEngine:
                     masks.wait()  # no matcher advances while the fill may still read it
                 except Exception:
                     logger.exception("step %d: computing grammar masks failed", self.stats.num_steps)
+                # A matcher that failed while filling its mask ends its own group only (its row
+                # allowed EOS alone; the batch's forward and sampling went on).
+                for i, err in self._structured.faults(seq_group_metadata_list).items():
+                    if i not in faults:
+                        faults[i] = err
+                        results[i] = None
             self.stats.on_step(self.clock() - t0)
             if faults:
                 # The failed groups' chunks were not computed (or not trusted): never advance
@@ -411,7 +431,8 @@ class LLMEngine:
                 self._process_samples(group, result, now)
                 out = self._make_output(group) if not group.is_finished() else self._finish_request(group)
             except Exception as e:  # e.g. detokenizing or a stop check of this request
-                logger.exception("request %s: processing its samples failed", group.request_id)
+                if not _is_grammar_error(e):  # the request's constraint: one line, no traceback
+                    logger.exception("request %s: processing its samples failed", group.request_id)
                 out = self._fail_request(group, e)
             outputs.append(out)
         for group in sched_out.ignored_seq_groups:

@@ -13,6 +13,7 @@ the vocabulary, ``max_tokens`` and ``min_tokens`` vs ``max_model_len``) are chec
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -128,3 +129,33 @@ def check_count(name: str, n: int) -> None:
     ``MAX_ITEMS[name]``."""
     if n > MAX_ITEMS[name]:
         raise ValueError(f"{name} must have at most {MAX_ITEMS[name]} entries, got {n}.")
+
+
+#: Longest LoRA adapter name, in characters.
+MAX_LORA_NAME_CHARS = 128
+#: The rule of a LoRA adapter name, as error messages state it.
+LORA_NAME_RULE = (
+    f"1 to {MAX_LORA_NAME_CHARS} characters of A-Z, a-z, 0-9, '.', '_', ':', '/' or '-', "
+    "with no '..' path segment"
+)
+# A name is a model id clients send and logs print: a small character set keeps it free of
+# control characters (log lines forged with newlines), NUL and whitespace, and without ".."
+# segments it can never be read as a path out of a directory.
+_LORA_NAME = re.compile(rf"[A-Za-z0-9._:/-]{{1,{MAX_LORA_NAME_CHARS}}}")
+
+
+def lora_name_ok(name) -> bool:
+    """Whether ``name`` is a valid LoRA adapter name (``LORA_NAME_RULE``)."""
+    return isinstance(name, str) and _LORA_NAME.fullmatch(name) is not None and ".." not in name.split("/")
+
+
+def check_lora_name(field: str, name) -> None:
+    """Raises ValueError ``"<field> must be <LORA_NAME_RULE>, got <name>."`` (the name quoted
+    and cut to 64 characters) unless ``lora_name_ok(name)``."""
+    if not lora_name_ok(name):
+        shown = (
+            repr(name)
+            if not isinstance(name, str) or len(name) <= 64
+            else f"{name[:64]!r}... ({len(name)} characters)"
+        )
+        raise ValueError(f"{field} must be {LORA_NAME_RULE}, got {shown}.")

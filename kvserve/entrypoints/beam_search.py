@@ -24,11 +24,54 @@ do_sample=False)``), which this module re-states:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.field_limits import LIMITS
 from kvserve.sampling_params import SamplingParams
+
+
+def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> tuple[float, float]:
+    """The score ``cum_logprob / length ** length_penalty`` of a hypothesis (Hugging Face
+    transformers' and vLLM's), and its rank key.
+
+    The score is computed as transformers does wherever that is finite and nonzero (so scores
+    and ties are the same); where ``length ** length_penalty`` or the quotient over- or
+    underflows (``|length_penalty|`` up to float32's largest, the field's allowed range) it
+    saturates to ``-0.0`` / ``-inf`` instead of raising ``OverflowError`` /
+    ``ZeroDivisionError``. The key is ``(score, tie-break)``: for a saturated score the
+    tie-break is ``length_penalty * ln(length) - ln(-cum_logprob)``, a strictly increasing
+    function of the true score that float64 holds for every allowed value, so hypotheses whose
+    scores saturated to the same value still rank as their true scores do; ``cum_logprob = 0``
+    (score exactly 0, the best possible) gets ``+inf``; any other score gets 0.
+
+    Args:
+        cum_logprob: summed log-probability of the generated tokens (<= 0, may be ``-inf``).
+        length: generated tokens (>= 1).
+        length_penalty: the exponent (finite).
+
+    Returns:
+        The rank key ``(score, tie-break)``: its first member is the score; a larger key is a
+        better hypothesis.
+    """
+    try:
+        denom = float(length) ** length_penalty
+    except OverflowError:
+        denom = math.inf
+    if cum_logprob == 0.0:
+        score = 0.0
+    elif denom == 0.0:
+        score = -math.inf
+    else:
+        score = cum_logprob / denom
+    if cum_logprob == 0.0:
+        tie_break = math.inf
+    elif score == 0.0 or score == -math.inf:
+        tie_break = length_penalty * math.log(length) - math.log(-cum_logprob)
+    else:
+        tie_break = 0.0
+    return score, tie_break
 
 
 @dataclass
@@ -110,7 +153,8 @@ class BeamSearch:
     eos_token_id: int | None
     max_tokens: int
     beams: list[_Beam] = field(default_factory=list)
-    finished: list[tuple[float, _Beam, str]] = field(default_factory=list)
+    #: ``(rank key, score, beam, finish reason)``, best first (``length_penalized``)
+    finished: list[tuple[tuple[float, float], float, _Beam, str]] = field(default_factory=list)
     done: bool = False
     _improvable: bool = True
 
@@ -154,8 +198,9 @@ class BeamSearch:
             if rank >= B or not self._improvable or (pool_full and self.params.early_stopping is True):
                 continue
             reason = "stop" if (t == self.eos_token_id and not self.params.ignore_eos) else "length"
-            self.finished.append((cum / new_len**lp, beam, reason))
-        self.finished.sort(key=lambda f: -f[0])
+            key = length_penalized(cum, new_len, lp)
+            self.finished.append((key, key[0], beam, reason))
+        self.finished.sort(key=lambda f: f[0], reverse=True)
         del self.finished[B:]
         self.beams = live
         if not live:
@@ -167,7 +212,7 @@ class BeamSearch:
                 best_len = self.max_tokens
             else:
                 best_len = new_len
-            best_possible = live[0].cum / best_len**lp
+            best_possible = length_penalized(live[0].cum, best_len, lp)
             self._improvable = self._improvable and best_possible > self.finished[-1][0]
         if not self._improvable or (self.params.early_stopping is True and len(self.finished) >= B):
             self.done = True
@@ -183,6 +228,6 @@ class BeamSearch:
                 finish_reason=reason,
                 text=decode(b.tokens) if decode is not None else "",
             )
-            for score, b, reason in self.finished
+            for _, score, b, reason in self.finished
         ]
         return BeamSearchOutput(seqs)

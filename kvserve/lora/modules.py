@@ -7,6 +7,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from kvserve.field_limits import LORA_NAME_RULE, lora_name_ok
+
 
 @dataclass(frozen=True)
 class LoRAModulePath:
@@ -48,6 +50,8 @@ def parse_lora_module(text: str) -> LoRAModulePath:
         base = None
     if not isinstance(name, str) or not name.strip():
         raise argparse.ArgumentTypeError(f"the adapter name is empty in {text!r}")
+    if not lora_name_ok(name.strip()):
+        raise argparse.ArgumentTypeError(f"the adapter name must be {LORA_NAME_RULE}, in {text!r}")
     if not isinstance(path, str) or not path.strip():
         raise argparse.ArgumentTypeError(f"the adapter path is empty in {text!r}")
     return LoRAModulePath(name.strip(), path.strip(), base)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.field_limits import check_lora_name
+
+#: Longest ``lora_path``, in characters (Linux's PATH_MAX).
+MAX_LORA_PATH_CHARS = 4096
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -17,7 +22,9 @@ class LoRARequest:
             ``adapter_model.safetensors``).
 
     Raises:
-        ValueError: an empty ``lora_name`` or ``lora_path``, or ``lora_int_id`` < 1.
+        ValueError: a ``lora_name`` outside ``field_limits.LORA_NAME_RULE``, an empty
+            ``lora_path``, one with control characters (NUL, newlines) or longer than
+            ``MAX_LORA_PATH_CHARS``, or ``lora_int_id`` < 1.
     """
 
     lora_name: str
@@ -25,8 +32,7 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError(f"lora_request.lora_name must be a non-empty string, got {self.lora_name!r}.")
+        check_lora_name("lora_request.lora_name", self.lora_name)
         if (
             not isinstance(self.lora_int_id, int)
             or isinstance(self.lora_int_id, bool)
@@ -35,6 +41,14 @@ class LoRARequest:
             raise ValueError(f"lora_request.lora_int_id must be an integer >= 1, got {self.lora_int_id!r}.")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_request.lora_path must be a non-empty path, got {self.lora_path!r}.")
+        if len(self.lora_path) > MAX_LORA_PATH_CHARS or any(
+            ord(ch) < 32 or ord(ch) == 127 for ch in self.lora_path
+        ):
+            raise ValueError(
+                f"lora_request.lora_path must be at most {MAX_LORA_PATH_CHARS} characters without "
+                f"control characters (NUL, newlines), got {self.lora_path[:64]!r}"
+                f"{'...' if len(self.lora_path) > 64 else ''}."
+            )
 
     @property
     def adapter_id(self) -> int:

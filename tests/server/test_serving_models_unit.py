@@ -13,6 +13,20 @@ from hypothesis import strategies as st
 
 from kvserve.entrypoints.openai.serving_engine import APIError
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """Adapter-looking directories (the fake engine fails the one named ``bad``)."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for kind in ("ok", "bad"):
+        (root / kind).mkdir()
+        (root / kind / CONFIG_FILE).write_text("{}")
+        (root / kind / WEIGHTS_FILE).write_bytes(b"")
+        out[kind] = str(root / kind)
+    return out
 
 
 class FakeAsyncEngine:
@@ -63,7 +77,7 @@ OPS = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS)
-def test_random_load_unload_and_requests_keep_the_invariants(ops):
+def test_random_load_unload_and_requests_keep_the_invariants(dirs, ops):
     eng = FakeAsyncEngine()
     models = OpenAIServingModels(eng, ["base"])
     live: list = []  # LoRARequests of running requests
@@ -74,7 +88,7 @@ def test_random_load_unload_and_requests_keep_the_invariants(ops):
             if op == "load":
                 taken = name in [r.lora_name for r, _ in models.adapters()]
                 try:
-                    req = await models.load_lora_adapter(name, "/ok" if good else "/bad")
+                    req = await models.load_lora_adapter(name, dirs["ok" if good else "bad"])
                 except APIError as e:
                     assert e.status == 400
                     assert e.param == ("lora_name" if taken else "lora_path")
@@ -137,15 +151,15 @@ def test_lora_off_refuses_load_and_unload_with_400():
         models.load_startup([LoRAModulePath("a", "/ok")])
 
 
-def test_a_failed_load_frees_the_name_and_burns_its_id():
+def test_a_failed_load_frees_the_name_and_burns_its_id(dirs):
     eng = FakeAsyncEngine()
     models = OpenAIServingModels(eng, ["base"])
 
     async def run():
         with pytest.raises(APIError) as e:
-            await models.load_lora_adapter("a", "/bad")
-        assert e.value.code == "invalid_lora_adapter" and "/bad" in e.value.message
-        req = await models.load_lora_adapter("a", "/ok")
+            await models.load_lora_adapter("a", dirs["bad"])
+        assert e.value.code == "invalid_lora_adapter" and dirs["bad"] in e.value.message
+        req = await models.load_lora_adapter("a", dirs["ok"])
         assert req.lora_int_id == 2 and models.resolve("a") == req
 
     asyncio.run(run())

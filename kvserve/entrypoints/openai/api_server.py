@@ -119,6 +119,23 @@ class ServerState:
         return len(ids)
 
 
+def log_unexpected(exc: BaseException, method: str, path: str) -> None:
+    """One ERROR line for an exception no handler expected (its type, where, and the start of
+    its message); the traceback only at DEBUG level."""
+    logger.error("unhandled %s on %s %s: %.200s", type(exc).__name__, method, path, exc)
+    logger.debug("traceback of the unhandled error", exc_info=exc)
+
+
+def internal_error_response(exc: BaseException) -> JSONResponse:
+    """The client's 500 for an unexpected exception: its type only (details stay in the log)."""
+    return APIError(
+        f"Internal server error ({type(exc).__name__}); the server log has the details.",
+        500,
+        type="internal_server_error",
+        code="internal_error",
+    ).to_response()
+
+
 def _is_protected(path: str) -> bool:
     return path.startswith("/v1/") or path == "/v1" or path in ("/tokenize", "/detokenize")
 
@@ -186,7 +203,23 @@ class _EdgeMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
             return await err.to_response()(scope, receive, counting_send)
-        return await self.app(scope, receive, counting_send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await counting_send(message)
+
+        try:
+            return await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            # Caught here, not by Starlette's outermost handler (which answers and then
+            # re-raises, so uvicorn logged a full traceback per request): one log line, a
+            # clean 500 when nothing was sent yet, else the connection ends the response.
+            log_unexpected(exc, scope.get("method", "?"), path)
+            if not started:
+                await internal_error_response(exc)(scope, receive, counting_send)
 
 
 def build_app(
@@ -202,6 +235,7 @@ def build_app(
     shutdown_grace_s: float = 30.0,
     tool_call_parser: str = DEFAULT_TOOL_PARSER,
     lora_modules: Sequence[LoRAModulePath] = (),
+    allowed_lora_root: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -212,7 +246,8 @@ def build_app(
     Args:
         served_model_name: the name reported by ``/v1/models`` and accepted in ``model``.
         api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
-            ``Authorization: Bearer <api_key>`` (401 otherwise).
+            ``Authorization: Bearer <api_key>`` (401 otherwise); None: no authentication
+            (an empty or unsendable key is a ValueError, ``check_api_key``).
         extra_model_names: other names accepted in ``model`` (e.g. the model path).
         max_body_bytes: larger bodies get 413.
         log_requests / log_prompts: the per-request JSON log line, and whether it has prompts.
@@ -223,11 +258,16 @@ def build_app(
             (ValueError if unknown).
         lora_modules: LoRA adapters served from the start (``--lora-modules``), loaded and
             validated here, before the engine loop runs.
+        allowed_lora_root: adapters loaded at run time must be directories under it (None:
+            anywhere the server can read).
 
     Raises:
         ValueError: an unknown ``tool_call_parser``; ``lora_modules`` while LoRA is off, or
-            one that does not load (naming it, and the path or the limit).
+            one that does not load (naming it, and the path or the limit); an invalid
+            ``api_key``; an ``allowed_lora_root`` that is not a directory.
     """
+    if api_key is not None:
+        check_api_key(api_key)
     state = ServerState()
     names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
     req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts)
@@ -235,7 +275,12 @@ def build_app(
     # whose length alone proves it too long is refused before it is tokenized.
     pool = OffloadPool()
     text_bound = token_text_bound(async_engine.engine.tokenizer)
-    models = OpenAIServingModels(async_engine, names, model_root=async_engine.engine.model_config.model)
+    models = OpenAIServingModels(
+        async_engine,
+        names,
+        model_root=async_engine.engine.model_config.model,
+        allowed_lora_root=allowed_lora_root,
+    )
     if lora_modules:
         thread = getattr(async_engine, "_thread", None)
         if thread is not None and thread.is_alive():
@@ -330,8 +375,9 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(f"Internal server error: {exc!r}", 500, type="internal_server_error").to_response()
+        # a backstop: _EdgeMiddleware answers the app's unexpected errors before they get here
+        log_unexpected(exc, request.method, request.url.path)
+        return internal_error_response(exc)
 
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")
@@ -487,6 +533,31 @@ def build_app(
 
 
 # ---------------------------------------------------------------------- the process
+def check_api_key(key: str) -> str:
+    """``key`` if a client can ever send it, else ValueError saying why: an empty key would
+    turn authentication off without a word, and one with leading or trailing whitespace or
+    characters outside printable ASCII can never match a header (HTTP headers are latin-1 and
+    the token is stripped)."""
+    if key == "":
+        raise ValueError(
+            "the API key is empty, which would leave the server open; give a key, or leave "
+            "--api-key and $KVSERVE_API_KEY unset to serve without one."
+        )
+    if key != key.strip() or not all(" " <= ch <= "~" for ch in key):
+        raise ValueError(
+            "the API key must be printable ASCII without leading or trailing whitespace "
+            "(no client could send any other key in a header)."
+        )
+    return key
+
+
+def _api_key_arg(text: str) -> str:
+    try:
+        return check_api_key(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def make_arg_parser() -> argparse.ArgumentParser:
     """``kvserve serve`` flags: server flags plus every engine flag (``EngineArgs``)."""
     from kvserve.entrypoints.cli import add_engine_args
@@ -496,8 +567,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
+        type=_api_key_arg,  # argparse applies it to the environment default too
         default=os.environ.get("KVSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, unset = open)",
+        help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, unset = open); "
+        "printable ASCII without leading or trailing spaces, never empty",
     )
     p.add_argument(
         "--served-model-name",
@@ -558,6 +631,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="LoRA adapters served from the start (needs --enable-lora): name=path, or JSON "
         '\'{"name": "sql", "path": "/p", "base_model_name": "..."}\'',
+    )
+    p.add_argument(
+        "--allowed-lora-root",
+        default=None,
+        metavar="DIR",
+        help="adapters loaded at run time (/v1/load_lora_adapter) must be directories under DIR "
+        "(symlinks resolved); default: any directory the server can read",
     )
     add_engine_args(p)
     return p
@@ -701,6 +781,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.lora_modules and not ns.enable_lora:
         parser.error("--lora-modules needs --enable-lora (LoRA is off).")
+    if ns.allowed_lora_root is not None:
+        if not ns.enable_lora:
+            parser.error("--allowed-lora-root needs --enable-lora (LoRA is off).")
+        if not os.path.isdir(ns.allowed_lora_root):
+            parser.error(f"--allowed-lora-root {ns.allowed_lora_root!r} is not a directory.")
     logging.basicConfig(
         level=getattr(logging, ns.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -743,6 +828,7 @@ def main(argv: list[str] | None = None) -> int:
             shutdown_grace_s=5.0,
             tool_call_parser=ns.tool_call_parser,
             lora_modules=ns.lora_modules or (),
+            allowed_lora_root=ns.allowed_lora_root,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,8 +7,11 @@ hold the server's connections or memory for long.
   when it has sent part of a request, and the connection is closed; a connection that sent
   nothing is just closed. The handler of a request cut short this way sees a client disconnect.
 - **Connection cap.** Past ``max_connections`` open connections a new one gets a 503 with
-  ``Retry-After`` and is closed at once (uvicorn's own ``limit_concurrency`` only counts
-  connections that have sent a request, so idle or half-sent ones were never refused).
+  ``Retry-After`` and is closed as soon as its request line arrives (or after at most a second
+  without one); uvicorn's own ``limit_concurrency`` only counts connections that have sent a
+  request, so idle or half-sent ones were never refused. ``GET`` / ``HEAD`` of ``/health`` and
+  ``/metrics`` (``CAP_EXEMPT_PATHS``) are served anyway, one request per such connection, so
+  liveness probes and scrapes keep working while clients hold every connection.
 - **Write deadline.** While the client does not take what the server sends (the transport's
   write buffer stays over its high-water mark, uvicorn's ``pause_writing``), the buffer must
   shrink at least once every ``response_write_timeout_s``; a connection whose buffer made no
@@ -52,6 +55,12 @@ DEFAULT_REQUEST_READ_TIMEOUT_S = 10.0
 DEFAULT_RESPONSE_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 2048
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+
+#: Paths served past ``max_connections`` (GET / HEAD only): cheap, and what a supervisor needs
+#: to tell an overloaded server from a dead one.
+CAP_EXEMPT_PATHS = frozenset({b"/health", b"/metrics"})
+#: Most bytes read from a connection over the cap while waiting for its request line.
+_MAX_REQUEST_LINE = 8192
 
 # Scope key set on a request whose body did not arrive in time (its handler then sees a
 # disconnect and leaves the logging to this module).
@@ -136,35 +145,71 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             self._write_timer = None
             self._write_backlog = 0  # unsent bytes at the last write-deadline check
             self._refused = False
+            self._over_cap = False
+            self._head = b""  # what an over-the-cap connection sent before its request line ended
             self._bytes_seen = 0
             if len(self.connections) > self._limits.max_connections:
+                # not counted; refused once its request line shows it is not a health probe
                 self.connections.discard(self)
-                _refusals.log(
-                    "refused a connection from %s: %d connections open (max_connections %d)",
-                    _peer(self.client),
-                    len(self.connections),
-                    self._limits.max_connections,
-                )
-                body = _error_body(
-                    f"Too many open connections (max_connections {self._limits.max_connections}); "
-                    "retry later.",
-                    "service_unavailable",
-                    "too_many_connections",
-                )
-                transport.write(
-                    raw_response(503, "Service Unavailable", body, {"retry-after": str(retry_after_s)})
-                )
-                # Half-close and discard what the client sends until it closes (or a second
-                # passes): closing with its request unread would make the kernel answer with a
-                # reset, which can destroy the 503 before the client reads it.
-                self._refused = True
-                if transport.can_write_eof():
-                    transport.write_eof()
+                self._over_cap = True
                 self._read_timer = self.loop.call_later(
-                    min(1.0, self._limits.request_read_timeout_s), transport.close
+                    min(1.0, self._limits.request_read_timeout_s), self._refuse
                 )
                 return
             self._arm_read_timer()
+
+        def _refuse(self) -> None:
+            """Answer 503 ``too_many_connections`` and close (a connection over the cap)."""
+            self._cancel_read_timer()
+            self._over_cap = False
+            if self.transport.is_closing():
+                return
+            _refusals.log(
+                "refused a connection from %s: %d connections open (max_connections %d)",
+                _peer(self.client),
+                len(self.connections),
+                self._limits.max_connections,
+            )
+            body = _error_body(
+                f"Too many open connections (max_connections {self._limits.max_connections}); retry later.",
+                "service_unavailable",
+                "too_many_connections",
+            )
+            self.transport.write(
+                raw_response(503, "Service Unavailable", body, {"retry-after": str(retry_after_s)})
+            )
+            # Half-close and discard what the client sends until it closes (or a second
+            # passes): closing with its request unread would make the kernel answer with a
+            # reset, which can destroy the 503 before the client reads it.
+            self._refused = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._read_timer = self.loop.call_later(
+                min(1.0, self._limits.request_read_timeout_s), self.transport.close
+            )
+
+        def _over_cap_data(self, data: bytes) -> None:
+            """Bytes of a connection over the cap: once its request line is whole, serve it if
+            it is an exempt probe (``CAP_EXEMPT_PATHS``), else refuse it."""
+            self._head += data
+            line, sep, _ = self._head.partition(b"\r\n")
+            if not sep:
+                if len(self._head) > _MAX_REQUEST_LINE:
+                    self._refuse()
+                return
+            method, _, rest = line.partition(b" ")
+            target = rest.partition(b" ")[0].partition(b"?")[0]
+            if method not in (b"GET", b"HEAD") or target not in CAP_EXEMPT_PATHS:
+                self._refuse()
+                return
+            self._cancel_read_timer()
+            self._over_cap = False
+            self.connections.add(self)  # so that shutdown closes it too
+            self._arm_read_timer()
+            head, self._head = self._head, b""
+            self.data_received(head)
+            if self.cycle is not None:
+                self.cycle.keep_alive = False  # one probe, then the connection closes
 
         # ------------------------------------------------------------ read deadline
         def _arm_read_timer(self) -> None:
@@ -188,6 +233,9 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
+                return
+            if self._over_cap:
+                self._over_cap_data(data)
                 return
             self._bytes_seen += len(data)
             super().data_received(data)

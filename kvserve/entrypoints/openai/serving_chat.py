@@ -103,7 +103,7 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             "role": "system" if m.role == "developer" else m.role,
             "content": content or "",
         }
-        entry.update(template_message(m))
+        entry.update(template_message(m, i))
         conv.append(entry)
     return conv
 

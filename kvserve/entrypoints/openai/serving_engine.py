@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import pydantic_core
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -172,6 +173,86 @@ def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = Non
     return APIError(message, 400, param=param, code=code)
 
 
+#: Exceptions that parsing or checking one client's input can raise (``json``, pydantic, the
+#: chat template's jinja, the tokenizer, ``SamplingParams``): each is that input's fault, a 400
+#: naming the field, never a 500. (``UnicodeError`` is a ``ValueError``; ``OverflowError`` and
+#: ``ZeroDivisionError`` are ``ArithmeticError``s.)
+INPUT_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    ArithmeticError,
+    RecursionError,
+    MemoryError,
+)
+
+#: Deepest JSON nesting accepted, in the body and in JSON given as text inside a field (the
+#: fixed recursion limit of pydantic-core's parser, which reads both).
+MAX_JSON_DEPTH = 200
+
+#: Longest piece of a client's value quoted back in an error message (characters).
+MAX_QUOTED_CHARS = 128
+
+
+def quoted(value: Any, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters (``...`` and the full length appended), so an
+    error message never echoes a client's megabytes back."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def input_error(e: BaseException, param: str, what: str | None = None) -> APIError:
+    """The 400 for an ``INPUT_ERRORS`` exception raised by field ``param``'s value (``what``:
+    how the message names it, default ``param``); the message names the field and the cause,
+    and the depth or size limit when that is what was hit."""
+    what = what or param
+    if isinstance(e, RecursionError):
+        detail = f"nested too deeply (at most {MAX_JSON_DEPTH} levels)"
+    elif isinstance(e, MemoryError):
+        detail = "too large to process"
+    else:
+        detail = str(e)[:500] or type(e).__name__
+    return APIError(f"Invalid value for '{what}': {detail}.", 400, param=param, code="invalid_value")
+
+
+def json_depth(obj: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar: 0, ``[]``: 1), computed without recursion
+    so that any depth is measured."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        elif not isinstance(node, list):
+            continue
+        depth = max(depth, d)
+        stack.extend((child, d + 1) for child in node if isinstance(child, (dict, list)))
+    return depth
+
+
+def parse_json_text(text: str, param: str, what: str | None = None) -> Any:
+    """A field's JSON given as text (a schema in ``guided_json``, a tool call's ``arguments``),
+    parsed with the body's parser (pydantic-core) and so with the body's depth limit.
+
+    Raises:
+        APIError: 400 naming ``param`` (``what``: the path in the message) when the text is
+            nested deeper than ``MAX_JSON_DEPTH``.
+        ValueError: the text is not JSON (the caller decides whether that is an error).
+    """
+    try:
+        return pydantic_core.from_json(text)
+    except ValueError as e:
+        if "recursion limit exceeded" in str(e):
+            raise APIError(
+                f"Invalid value for '{what or param}': JSON nested more than {MAX_JSON_DEPTH} levels deep.",
+                400,
+                param=param,
+                code="invalid_value",
+            ) from None
+        raise
+
+
 def _error_path(err: dict) -> str:
     """``a.b[0].c`` of a pydantic error location (union type tags dropped; the last element of
     an unknown-field error is the client's field name, kept whatever it looks like)."""
@@ -188,7 +269,15 @@ def api_error_from_validation(e: ValidationError) -> APIError:
     errors = e.errors(include_url=False)
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return APIError(f"Request body is not valid JSON: {first.get('msg')}", 400, code="invalid_json")
+        msg = str(first.get("msg"))
+        if "recursion limit exceeded" in msg:
+            where = msg.rpartition(" at ")[2]
+            return APIError(
+                f"Request body is JSON nested more than {MAX_JSON_DEPTH} levels deep (at {where}).",
+                400,
+                code="invalid_json",
+            )
+        return APIError(f"Request body is not valid JSON: {msg}", 400, code="invalid_json")
     # An unknown field is named first: it is the one thing the client must change.
     unknown = [err for err in errors if err.get("type") == "extra_forbidden"]
     if unknown:
@@ -264,8 +353,15 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
     # names the field and its limit.
     try:
         obj = json.loads(bytes(body), parse_int=_clamped_int)
+        too_deep = json_depth(obj) > MAX_JSON_DEPTH  # the first parser's limit, which this one lacks
     except ValueError:
         raise APIError("Request body is not valid JSON.", 400, code="invalid_json") from None
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise APIError(
+            f"Request body is JSON nested more than {MAX_JSON_DEPTH} levels deep.", 400, code="invalid_json"
+        )
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -612,6 +708,9 @@ class OpenAIServing:
             return SamplingParams(**kwargs)
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
+        except INPUT_ERRORS as e:
+            param = param_from_message(str(e), rename) or "request"
+            raise input_error(e, param) from None
 
     async def offload(self, size: int, fn, *args):
         """``fn(*args)`` off the event loop when ``size`` (characters or tokens) is large
@@ -658,6 +757,10 @@ class OpenAIServing:
             await asyncio.to_thread(manager.compile, so)
         except ValueError as e:
             raise APIError(str(e), 400, param=so.field_name, code="invalid_grammar") from None
+        except INPUT_ERRORS as e:  # e.g. a schema too deep for the compiler's own recursion
+            err = input_error(e, so.field_name)
+            err.code = "invalid_grammar"
+            raise err from None
 
     async def prepare_prompt(
         self, prompt, params: SamplingParams, rename: dict[str, str] | None = None, chat: bool = False
@@ -690,6 +793,8 @@ class OpenAIServing:
             self.engine.validate(ids, params)
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None
+        except INPUT_ERRORS as e:  # the tokenizer's own failures on this text
+            raise input_error(e, param) from None
         reason = self.engine.check_admissible(len(ids))
         if reason is not None:
             raise APIError(

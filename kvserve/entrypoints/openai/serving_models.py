@@ -7,6 +7,13 @@ adapter's ``LoRARequest``, lists ``/v1/models``, and loads / unloads adapters at
 Adapter ids are given by the server: 1, 2, ... in load order, never reused within a process
 (so a name loaded again after an unload is a new adapter to the engine and its prefix cache).
 
+Adapter names follow ``field_limits.LORA_NAME_RULE`` wherever they enter (``--lora-modules``,
+``/v1/load_lora_adapter``, a request's ``model``). A run-time load's ``lora_path`` that is not a
+readable adapter directory gets one message whatever the reason (missing, not a directory, no
+adapter files, unreadable), so the endpoint cannot be used to learn which paths exist; with
+``allowed_lora_root`` (``--allowed-lora-root``) only directories under that root, symlinks
+resolved, may be loaded at run time.
+
 Unloading an adapter that requests are using: the name goes at once (new requests naming it
 get 404; a request admitted before the unload but not yet queued is refused with that 404),
 the requests already in the engine finish with it, and the engine drops its weights when the
@@ -17,12 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.engine.async_llm_engine import EngineDeadError
-from kvserve.entrypoints.openai.serving_engine import APIError
+from kvserve.entrypoints.openai.serving_engine import APIError, quoted
+from kvserve.field_limits import LORA_NAME_RULE, lora_name_ok
 from kvserve.lora.modules import LoRAModulePath, parse_lora_module  # noqa: F401 (re-exported)
+from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE
 from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger("kvserve.server")
@@ -45,12 +55,28 @@ class OpenAIServingModels:
         base_model_names: the names of the base model (the first is reported; the others,
             e.g. the model path, are accepted as aliases).
         model_root: ``root`` of the base model's card (its path).
+        allowed_lora_root: when set, ``load_lora_adapter`` loads only directories under it
+            (symlinks resolved); None: any directory the server can read.
+
+    Raises:
+        ValueError: ``allowed_lora_root`` is not an existing directory.
     """
 
-    def __init__(self, async_engine, base_model_names: Sequence[str], model_root: str | None = None):
+    def __init__(
+        self,
+        async_engine,
+        base_model_names: Sequence[str],
+        model_root: str | None = None,
+        allowed_lora_root: str | None = None,
+    ):
         self.async_engine = async_engine
         self.base_model_names = list(base_model_names)
         self.model_root = model_root
+        self.allowed_lora_root: str | None = None
+        if allowed_lora_root is not None:
+            if not os.path.isdir(allowed_lora_root):
+                raise ValueError(f"--allowed-lora-root {allowed_lora_root!r} is not a directory.")
+            self.allowed_lora_root = os.path.realpath(allowed_lora_root)
         self._adapters: dict[str, _Adapter] = {}
         self._by_id: dict[int, _Adapter] = {}  # includes unloaded ones still in use
         self._loading: set[str] = set()
@@ -81,7 +107,8 @@ class OpenAIServingModels:
         which vLLM also answers with the served model).
 
         Raises:
-            APIError: 404 ``model_not_found`` for any other name.
+            APIError: 404 ``model_not_found`` for any other name (the name quoted cut short;
+                one no adapter could have, ``LORA_NAME_RULE``, is told so).
         """
         if not name or name in self.base_model_names:
             return None
@@ -92,8 +119,12 @@ class OpenAIServingModels:
 
     def _not_found(self, name: str) -> APIError:
         known = [self.base_model_name] + list(self._adapters)
+        listed = ", ".join(repr(n) for n in known[:20]) + (
+            f" and {len(known) - 20} more" if len(known) > 20 else ""
+        )
+        rule = "" if lora_name_ok(name) else f" (a LoRA adapter name is {LORA_NAME_RULE})"
         return APIError(
-            f"The model '{name}' does not exist; this server serves {', '.join(repr(n) for n in known)}.",
+            f"The model {quoted(name, 64)} does not exist{rule}; this server serves {listed}.",
             404,
             param="model",
             code="model_not_found",
@@ -135,6 +166,13 @@ class OpenAIServingModels:
 
     # ------------------------------------------------------------------ load / unload
     def _check_new_name(self, name: str) -> None:
+        if not lora_name_ok(name):
+            raise APIError(
+                f"lora_name must be {LORA_NAME_RULE}, got {quoted(name, 64)}.",
+                400,
+                param="lora_name",
+                code="invalid_value",
+            )
         if name in self.base_model_names:
             raise APIError(
                 f"lora_name {name!r} is the base model's name; choose another.",
@@ -189,20 +227,59 @@ class OpenAIServingModels:
             except (APIError, ValueError) as e:
                 raise ValueError(f"--lora-modules {m.name}={m.path}: {e}") from None
             self._register(req, m.base_model_name)
-            logger.info("LoRA adapter %r loaded from %s (id %d)", m.name, m.path, req.lora_int_id)
+            logger.info("LoRA adapter %r loaded from %r (id %d)", m.name, m.path, req.lora_int_id)
+
+    def _checked_path(self, path: str) -> str:
+        """The path a run-time load reads: ``path`` itself, or its resolved form under
+        ``allowed_lora_root`` (so a symlink swapped after the check cannot redirect it).
+
+        Raises:
+            APIError: 400 ``invalid_lora_adapter`` naming ``lora_path``: outside the allowed
+                root (by the path as written), or not a readable adapter directory (one message
+                for every reason, symlinks out of the root included).
+        """
+        root = self.allowed_lora_root
+        where = f" under the allowed LoRA root {root!r}" if root is not None else ""
+        if root is not None:
+            lexical = os.path.normpath(os.path.join(root, path))
+            if os.path.commonpath([root, lexical]) != root:
+                raise APIError(
+                    f"lora_path {quoted(path, 256)} is outside the allowed LoRA root {root!r}.",
+                    400,
+                    param="lora_path",
+                    code="invalid_lora_adapter",
+                )
+        not_loadable = APIError(
+            f"lora_path {quoted(path, 256)} is not a loadable LoRA adapter: it must be a directory"
+            f"{where} holding {CONFIG_FILE} and {WEIGHTS_FILE}, readable by the server.",
+            400,
+            param="lora_path",
+            code="invalid_lora_adapter",
+        )
+        try:
+            real = os.path.realpath(os.path.join(root, path) if root is not None else path)
+            if root is not None and os.path.commonpath([root, real]) != root:
+                raise not_loadable
+            files = [os.path.join(real, CONFIG_FILE), os.path.join(real, WEIGHTS_FILE)]
+            if not os.path.isdir(real) or not all(os.path.isfile(f) and os.access(f, os.R_OK) for f in files):
+                raise not_loadable
+        except (OSError, ValueError):
+            raise not_loadable from None
+        return real if root is not None else path
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """``POST /v1/load_lora_adapter``: read and validate the adapter (on the engine
         thread, between steps), then serve it under ``name``.
 
         Raises:
-            APIError: 400 when LoRA is off, ``name`` is taken, or the adapter is invalid (the
-                message names the path or the limit, e.g. ``max_lora_rank``).
+            APIError: 400 when LoRA is off, ``name`` is invalid or taken, ``path`` is not a
+                readable adapter directory (under ``allowed_lora_root`` when set), or the
+                adapter is invalid (the message names the limit, e.g. ``max_lora_rank``).
         """
         if not self.lora_enabled:
             raise self._disabled()
         self._check_new_name(name)
-        req = self._new_request(name, path)
+        req = self._new_request(name, self._checked_path(path))
         self._loading.add(name)  # a concurrent load of the same name is refused meanwhile
         try:
             await self.async_engine.add_lora(req)
@@ -213,7 +290,7 @@ class OpenAIServingModels:
         finally:
             self._loading.discard(name)
         self._register(req, None)
-        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, req.lora_int_id)
+        logger.info("LoRA adapter %r loaded from %r (id %d)", name, req.lora_path, req.lora_int_id)
         return req
 
     async def unload_lora_adapter(self, name: str) -> tuple[LoRARequest, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from kvserve.entrypoints.openai.serving_engine import APIError
+from kvserve.entrypoints.openai.serving_engine import APIError, parse_json_text
 from kvserve.sampling_params import StructuredOutputsParams
 
 
@@ -73,11 +73,18 @@ def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
         names = [n for n, _ in sources]
         raise _bad(f"only one output constraint may be set per request, got {', '.join(names)}.", names[1])
     origin, kw = sources[0]
+    param = origin.split(".")[0] if origin.startswith("structured_outputs") else origin
+    for key in ("json", "structural_tag"):
+        if isinstance(kw.get(key), str):
+            # JSON given as text gets the body's depth limit (deeper text made the compiler's
+            # parser raise RecursionError); whether it is JSON at all is the compiler's to say
+            try:
+                parse_json_text(kw[key], param, origin)
+            except ValueError:
+                pass
     if req.guided_whitespace_pattern is not None and "whitespace_pattern" not in kw:
         kw["whitespace_pattern"] = req.guided_whitespace_pattern
     try:
         return StructuredOutputsParams(**kw, origin=origin)
     except ValueError as e:
-        raise _bad(
-            str(e), origin.split(".")[0] if origin.startswith("structured_outputs") else origin
-        ) from None
+        raise _bad(str(e), param) from None

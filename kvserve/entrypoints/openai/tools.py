@@ -14,7 +14,6 @@ constraint, the parser), and the tool calls of a choice built from its text, who
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from kvserve.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
-from kvserve.entrypoints.openai.serving_engine import APIError
+from kvserve.entrypoints.openai.serving_engine import APIError, parse_json_text
 from kvserve.entrypoints.openai.tool_parsers import ToolParser
 from kvserve.entrypoints.openai.tool_parsers.forced import NamedFunctionParser, RequiredToolsParser
 from kvserve.sampling_params import StructuredOutputsParams
@@ -151,15 +150,23 @@ def plan_tools(req: ChatCompletionRequest, parser_cls: type[ToolParser]) -> Tool
     return ToolPlan("named", template_tools, constraint, check, lambda: NamedFunctionParser(wanted), 1)
 
 
-def template_message(m) -> dict[str, Any]:
-    """The chat template's view of a message's tool fields: ``tool_calls`` with ``arguments``
-    decoded from JSON (templates write them with ``tojson``), ``tool_call_id``, ``name``."""
+def template_message(m, index: int = 0) -> dict[str, Any]:
+    """The chat template's view of message ``index``'s tool fields: ``tool_calls`` with
+    ``arguments`` decoded from JSON (templates write them with ``tojson``; text that is not JSON
+    stays text), ``tool_call_id``, ``name``.
+
+    Raises:
+        APIError: 400 naming ``messages`` when an ``arguments`` text is JSON nested deeper than
+            the body may be (``serving_engine.MAX_JSON_DEPTH``).
+    """
     out: dict[str, Any] = {}
     if m.tool_calls:
         calls = []
-        for c in m.tool_calls:
+        for j, c in enumerate(m.tool_calls):
             try:
-                args: Any = json.loads(c.function.arguments)
+                args: Any = parse_json_text(
+                    c.function.arguments, "messages", f"messages[{index}].tool_calls[{j}].function.arguments"
+                )
             except ValueError:
                 args = c.function.arguments
             calls.append(

@@ -8,7 +8,11 @@ trace. Prints a latency table (and writes it as JSON with ``--json-out``).
 ``--cost-model FILE`` uses a profile of a real host (``kvserve profile``) instead of the built-in
 Llama-2-70B/H100 fit; the simulation's block size, dtype and model must be the profile's, and an
 unset chunked prefill / step budget / KV-cache size takes the profiled engine's. The output's
-first line always names the cost model in use.
+first line always names the cost model in use. Steps larger than the profile measured are
+priced by a bounded extrapolation (``kvserve.sim.cost_model``) and reported in a WARNING block
+above and below the figures (how many steps, what share of the simulated time, how far past
+the profiled sizes); past 5% of the time the figures are called untrustworthy, and
+``--refuse-extrapolation`` then exits 2 instead of printing them.
 
 ``--speculative-config`` takes the engine's JSON plus an acceptance model (``acceptance_rate``
 or ``mean_accepted_len``, optionally ``draft_step_s``; see ``kvserve.sim.acceptance``).
@@ -54,6 +58,7 @@ from kvserve.sim.cli_checks import (
 )
 from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
+from kvserve.sim.extrapolation import TRUST_SHARE, extrapolation_report, warning_block
 from kvserve.sim.lora import LORA_DISTRIBUTIONS, draw_lora_ids, sim_lora_request
 
 VOCAB = 49152
@@ -66,7 +71,9 @@ def simulate(
     acceptance: dict | AcceptanceModel | None = None,
 ) -> dict:
     """Run ``requests`` (arrival_s on the virtual clock) to completion; returns a summary dict
-    with TTFT/TPOT/e2e/queue-time statistics (seconds), throughput and preemption counts.
+    with TTFT/TPOT/e2e/queue-time statistics (seconds), throughput and preemption counts, and
+    ``extrapolation`` (``kvserve.sim.extrapolation.extrapolation_report``: the steps priced
+    past the cost model's profiled range, and their share of the simulated time).
 
     ``num_gpu_blocks`` must be set (there is no memory to derive it from); ``num_cpu_blocks``
     defaults to the same. With ``args.speculative_config``, ``acceptance`` is the acceptance
@@ -170,6 +177,7 @@ def simulate(
         "num_steps": executor.num_steps,
         "mean_groups_per_step": executor.num_scheduled_groups / max(1, executor.num_steps),
         "num_extrapolated_steps": executor.num_extrapolated_steps,
+        "extrapolation": extrapolation_report(executor.cost_model, executor),
     }
     if lora_config is not None:
         adapter_of = {str(r.id): r.lora_id for r in requests}
@@ -383,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cost-model", default=None, help="cost-model JSON from `kvserve profile` (default: built-in fit)"
     )
+    ap.add_argument(
+        "--refuse-extrapolation",
+        action="store_true",
+        help=f"exit 2 (no figures) when more than {TRUST_SHARE:.0%} of the simulated time is in steps "
+        "larger than the cost model was profiled on (default: print the figures under a WARNING)",
+    )
     cap = f"at most {MAX_SIM_BLOCKS:,} in a simulation (its bookkeeping is ~150 bytes a block)"
     add_engine_args(
         ap,
@@ -470,6 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # an engine setting: named as the flag typed
         print(f"Error: {flag_names(str(e))}", file=sys.stderr)
         return 2
+    ex = summary["extrapolation"]
+    warning = warning_block(ex)
+    if ns.refuse_extrapolation and not ex["trustworthy"]:
+        print(f"Error: --refuse-extrapolation: no figures printed.\n{warning}", file=sys.stderr)
+        return 2
+    if warning:
+        print(warning)
     print(
         f"simulated {summary['num_requests']} requests in {summary['duration_s']:.1f} virtual s: "
         f"{summary['finished']} finished, {summary['ignored']} ignored, {summary['rejected_at_admission']} rejected, "
@@ -485,12 +506,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what} ({n}): {reason}")
         if len(reasons) > 3:
             print(f"{what}: {len(reasons) - 3} more reasons (--json-out lists them)")
-    if summary["num_extrapolated_steps"]:
-        print(
-            f"note: {summary['num_extrapolated_steps']} of {summary['num_steps']} steps were larger than any the "
-            f"cost model was profiled on (prompt tokens, attention span, decodes or context): their times are "
-            f"extrapolated; profile with a larger grid (--prefill-lens, --context-lens, --batch-sizes)"
-        )
     sd = summary.get("spec_decode")
     if sd:
         print(
@@ -513,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{key:8}" + "".join(" -".rjust(12) if s.get(q) is None else f" {s[q]:11.3f}" for q in quantiles)
         )
+    if warning:
+        print(warning)
     if ns.json_out:
         write_text_atomic(ns.json_out, json.dumps(summary, indent=2))
     return 0

@@ -57,11 +57,28 @@ steps (docs/benchmarks.md, "simulator fidelity"):
   ~0.09 ms a token past 1,024 and ~0.2 ms below 512, and one line through the profile's many
   2,048-token chunks under-predicted the replay's 100-1,000-token steps by 15-35% (and so its
   TTFT). float32 runs this project's own panels, linear in rows: its knots fit as ~0.
+
+Past the profiled range (``ranges``, the largest counts a profile measured) the prediction is
+bounded: its error grows at most linearly with how far the step is past the range. Every term
+but one is linear in a count, so the fit's own extrapolation is already linear (a coefficient
+off by x% is off by x% at any size). The attention-pairs term is the exception: pairs grow as
+the square of a chunk's length, and its coefficient is the least constrained of the fit (over
+a small profile's short chunks it is nearly collinear with the per-token and per-chunk terms
+and can absorb them), so a 2,048-token chunk after 6,000 cached tokens, ~3,000 times the pairs
+of a 96-token profiled chunk, multiplied that error ~3,000-fold. Past the largest mean pairs
+per chunk profiled (``E``), a chunk's pairs are therefore charged along the tangent of the
+quadratic at that edge, linear in the chunk's size ``r = sqrt(pairs / E)`` (its length, when
+chunk and context grow together): ``E * (2r - 1)`` per chunk (``CostModel.attention_pairs``).
+That keeps the fitted value and slope at the edge and is never more than the fitted quadratic
+(a tangent lies below a convex curve). Such figures are still extrapolated: ``outside_range``
+flags the steps, and ``kvserve simulate`` says how many and what share of the simulated time
+(``--refuse-extrapolation`` makes too large a share an error).
 """
 
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +86,25 @@ from kvserve.shared_data import shared_dir
 from kvserve.sim.step_shape import StepShape
 
 SPLITWISE_CSV = str(shared_dir() / "traces" / "calibration" / "splitwise_sim_perf_model.csv")
+
+
+#: The ``StepShape`` counts a profile records the largest of (``CostModel.ranges``): a step
+#: past one of them is extrapolated. ``prefill_attn_pairs`` is per step; the ranges also hold
+#: ``PAIRS_PER_CHUNK``, the largest mean pairs per prompt chunk (the edge
+#: ``CostModel.attention_pairs`` extrapolates from).
+RANGED = ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens")
+PAIRS_PER_CHUNK = "prefill_attn_pairs_per_chunk"
+
+
+def profile_ranges(shapes: Sequence[StepShape]) -> dict[str, float]:
+    """The largest of each ``RANGED`` count over ``shapes`` (0 when there are none) and the
+    largest mean attention pairs per prompt chunk (``PAIRS_PER_CHUNK``, 1,000-pair units): what
+    a profile stores as ``profile.ranges``."""
+    out: dict[str, float] = {k: max((getattr(s, k) for s in shapes), default=0) for k in RANGED}
+    out[PAIRS_PER_CHUNK] = max(
+        (s.prefill_attn_pairs / s.prefill_seqs for s in shapes if s.prefill_seqs > 0), default=0.0
+    )
+    return out
 
 
 #: Coefficient name -> the ``StepShape`` count it multiplies (``base_s`` multiplies 1).
@@ -180,20 +216,53 @@ class CostModel:
     prefill_knots: dict[int, float] = field(default_factory=dict)
     attention_split: tuple[int, int] | None = None
     info: dict = field(default_factory=lambda: dict(BUILTIN_INFO), compare=False)
-    #: the largest value of each ``StepShape`` count the coefficients were fitted on (None:
-    #: unknown); ``outside_range`` flags steps past them (extrapolation)
+    #: the largest value of each ``StepShape`` count the coefficients were fitted on
+    #: (``profile_ranges``; None: unknown); ``outside_range`` flags steps past them
+    #: (extrapolation) and ``attention_pairs`` bounds the attention term past them
     ranges: dict | None = field(default=None, compare=False)
 
     def outside_range(self, shape: StepShape, slack: float = 1.25) -> bool:
         """True when ``shape`` has a count more than ``slack`` times the largest profiled one
-        (prompt tokens, attention pairs, decodes, context tokens): its cost is extrapolated."""
+        (``RANGED``: prompt tokens, attention pairs, decodes, context tokens): its cost is
+        extrapolated."""
         if not self.ranges:
             return False
-        for attr in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens"):
+        for attr in RANGED:
             top = self.ranges.get(attr)
             if top is not None and getattr(shape, attr) > slack * top:
                 return True
         return False
+
+    def past_range(self, largest: dict[str, float]) -> list[tuple[str, float, float]]:
+        """``(count, largest seen, largest profiled)`` for each ``RANGED`` count whose value in
+        ``largest`` (count -> the largest seen, e.g. over a simulation's steps) is above the
+        profiled one; empty when ``ranges`` is unknown."""
+        if not self.ranges:
+            return []
+        out = []
+        for attr in RANGED:
+            top = self.ranges.get(attr)
+            seen = largest.get(attr, 0)
+            if top is not None and seen > top:
+                out.append((attr, seen, top))
+        return out
+
+    def attention_pairs(self, shape: StepShape) -> float:
+        """The attention-pairs count ``prefill_attn_s`` multiplies (1,000-pair units):
+        ``shape.prefill_attn_pairs`` within the profiled range; past the largest mean pairs per
+        chunk profiled ``E`` (``ranges[PAIRS_PER_CHUNK]``, else the per-step maximum of a file
+        written before that key), the tangent of the quadratic at that edge: ``n * E * (2r - 1)``
+        for ``n`` chunks of mean ``r**2 * E`` pairs, linear in the chunks' size and never above
+        the pairs themselves (module docstring). Unknown ranges: the pairs as they are."""
+        pairs = float(shape.prefill_attn_pairs)
+        n = shape.prefill_seqs
+        if not self.ranges or n < 1:
+            return pairs
+        edge = self.ranges.get(PAIRS_PER_CHUNK) or self.ranges.get("prefill_attn_pairs")
+        if not edge or pairs <= n * edge:
+            return pairs
+        r = math.sqrt(pairs / (n * edge))
+        return n * edge * (2.0 * r - 1.0)
 
     def step_time(
         self,
@@ -220,7 +289,8 @@ class CostModel:
 
     def step_cost(self, shape: StepShape) -> float:
         """Seconds for a step of ``shape``: ``base_s`` plus each coefficient times its count
-        (``FEATURES``; the context count through ``context_feature``), plus the decode and
+        (``FEATURES``; the context count through ``context_feature``, the attention pairs
+        through ``attention_pairs``: bounded past the profiled range), plus the decode and
         prefill knots;
         verified drafts cost ``prefill_token_s`` each. An empty step costs 0."""
         if shape.is_empty:
@@ -229,6 +299,8 @@ class CostModel:
         for coef, attr in FEATURES.items():
             if coef == "context_token_s":
                 t += self.context_token_s * context_feature(shape, self.attention_split)
+            elif coef == "prefill_attn_s":
+                t += self.prefill_attn_s * self.attention_pairs(shape)
             else:
                 t += getattr(self, coef) * getattr(shape, attr)
         if self.decode_knots and _decode_only(shape):

@@ -47,7 +47,7 @@ from __future__ import annotations
 from kvserve.lora.request import LoRARequest
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.acceptance import AcceptanceModel
-from kvserve.sim.cost_model import CostModel, VirtualClock
+from kvserve.sim.cost_model import RANGED, CostModel, VirtualClock
 from kvserve.sim.step_shape import step_shape
 
 _MASK = (1 << 64) - 1
@@ -125,7 +125,9 @@ class SimulatedExecutor:
         ``num_scheduled_groups``: the steps' scheduled groups, summed;
         ``lora_slot_steps``: adapter slot occupancy, ``{groups: slot-steps}`` (one count per
         step and adapter in it, keyed by how many of the step's groups run with that adapter).
-            ``num_extrapolated_steps``: steps larger than any the cost model was profiled on.
+            ``num_extrapolated_steps``: steps larger than any the cost model was profiled on
+            (``CostModel.outside_range``), ``extrapolated_time_s`` their summed cost;
+            ``largest``: the largest of each ``RANGED`` count over all steps.
     """
 
     def __init__(
@@ -170,6 +172,8 @@ class SimulatedExecutor:
         self.cpu: dict[int, list[int | None]] = {}
         self.num_steps = 0
         self.num_extrapolated_steps = 0  # steps past the cost model's profiled shapes
+        self.extrapolated_time_s = 0.0
+        self.largest: dict[str, float] = dict.fromkeys(RANGED, 0)
         self.busy_time_s = 0.0
         self.num_lora_adapter_steps = 0  # sum over steps of the step's distinct adapters
         self.num_scheduled_groups = 0
@@ -384,8 +388,11 @@ class SimulatedExecutor:
         for n in per_adapter.values():
             self.lora_slot_steps[n] = self.lora_slot_steps.get(n, 0) + 1
         dt = self.cost_model.step_cost(shape)
+        for attr in RANGED:
+            self.largest[attr] = max(self.largest[attr], getattr(shape, attr))
         if self.cost_model.outside_range(shape):
             self.num_extrapolated_steps += 1
+            self.extrapolated_time_s += dt
         if draft_steps and self.acceptance is not None:
             dt += draft_steps * self.acceptance.draft_step_s
         self.clock.advance(dt)

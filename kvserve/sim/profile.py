@@ -54,6 +54,7 @@ from kvserve.sim.cost_model import (
     fit_cost_model,
     fit_errors,
     prefill_knot_candidates,
+    profile_ranges,
 )
 from kvserve.sim.cost_model_file import (
     SCHEMA,
@@ -477,10 +478,7 @@ def profile_engine(
             "wall_s": wall_s,
             "num_steps": len(prof.samples),
             # the largest of each count measured: a simulation past them extrapolates
-            "ranges": {
-                k: max((getattr(sh, k) for sh, _ in prof.samples), default=0)
-                for k in ("prefill_tokens", "prefill_attn_pairs", "decode_seqs", "context_tokens")
-            },
+            "ranges": profile_ranges([sh for sh, _ in prof.samples]),
             "samples": [{"shape": s.as_dict(), "t": t} for s, t in prof.samples],
             "swap_samples": [{"blocks": n, "t": t} for n, t in prof.swap_samples],
         },
@@ -545,6 +543,8 @@ def refit_profile(data: dict, trim: float | None = 10.0, path: str = "<cost mode
     out["coefficients"] = cm.coefficients()
     out.update(fit_extras(cm))
     out["fit_error"] = errors
+    if samples and isinstance(out.get("profile"), dict):
+        out["profile"]["ranges"] = profile_ranges([sh for sh, _ in samples])
     out["fit"] = {
         "method": FIT_METHOD if trim == 10.0 else f"{FIT_METHOD.rsplit(',', 1)[0]}, trim {trim}",
         "refitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -371,7 +371,7 @@ def test_steps_past_the_profiled_shapes_are_counted_and_noted(tmp_path, capsys):
     path = tmp_path / "p.json"
     save_cost_model(path, small)
     assert simulate_main(["--cost-model", str(path), "--num-requests", "4"]) == 0
-    assert "larger than any the cost model was profiled on" in capsys.readouterr().out
+    assert "larger than any step the cost model was profiled on" in capsys.readouterr().out
     with pytest.raises(ValueError, match="profile.ranges"):
         parse_cost_model(profile_data(profile={"ranges": {"decode_seqs": "many"}}), "p.json")
 

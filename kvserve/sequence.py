@@ -347,6 +347,9 @@ class SequenceGroup:
         # disabled group.
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        # decode steps it had lookahead slots in but verified no drafts (skipped by reason in
+        # EngineStats.spec_skipped_by_reason)
+        self.spec_num_skipped_steps = 0
         self.spec_decode_disabled = False
         # The low-acceptance rule's state: drafted / accepted in the current window, pauses
         # so far, and the output length at which the current pause ends.
@@ -532,7 +535,10 @@ class CompletionSequenceGroupOutput:
     ``spec_num_draft_tokens`` / ``spec_num_accepted_tokens``: the step's drafted and accepted
     tokens summed over the group's samples (0 / 0 when it did not speculate).
     ``spec_num_eligible_seqs``: the group's sequences that had lookahead slots this step
-    (could have been given drafts), 0 when it had none."""
+    (could have been given drafts), 0 when it had none; ``spec_skipped``: of those, the ones
+    that verified no drafts, by reason (``SpecDecodeWorker._skip_reason``).
+    ``error``: set (no samples) when the group's step cannot be used, e.g. its logits held a
+    NaN or an infinity; the engine ends the group ``failed`` with this reason."""
 
     samples: list[SequenceOutput] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob]] | None = None
@@ -540,6 +546,8 @@ class CompletionSequenceGroupOutput:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_eligible_seqs: int = 0
+    spec_skipped: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
 
 
 class BlockMoveError(RuntimeError):

@@ -17,6 +17,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+class RequestFault(RuntimeError):
+    """A fault the executor pinned on one request itself (its step output carries the reason,
+    e.g. non-finite logits), so no bisection is needed; the message is that reason."""
+
+
 def bisect_failures(
     run: Callable[[list[T]], Sequence[R]],
     items: Sequence[T],

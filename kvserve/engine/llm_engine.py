@@ -18,7 +18,7 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.engine.detokenizer import Detokenizer
-from kvserve.engine.fault_isolation import bisect_failures
+from kvserve.engine.fault_isolation import RequestFault, bisect_failures
 from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
@@ -393,6 +393,18 @@ class LLMEngine:
             if self._structured is not None and self._structured.num_live:
                 masks = self._structured.prepare_step(seq_group_metadata_list)
             results, faults = self._execute(seq_group_metadata_list, sched_out)
+            for i, result in enumerate(results):
+                if result is not None and result.error is not None:
+                    # e.g. non-finite logits: its samples are missing, and the K/V it wrote
+                    # are not to be trusted (never entered in the prefix cache)
+                    lora = scheduled[i].seq_group.lora_request
+                    why = (
+                        result.error
+                        if lora is None
+                        else f"{result.error} with LoRA adapter {lora.lora_name!r}"
+                    )
+                    faults[i] = RequestFault(why)
+                    results[i] = None
             if masks is not None:
                 try:
                     masks.wait()  # no matcher advances while the fill may still read it
@@ -522,9 +534,13 @@ class LLMEngine:
             group.ignored_reason = reason
         else:
             status = SequenceStatus.FINISHED_FAILED
-            group.error = (
-                f"internal error while running request {group.request_id}: {type(error).__name__}: {error}"
-            )
+            if isinstance(error, RequestFault):
+                group.error = f"request {group.request_id} failed: {error}"
+            else:
+                group.error = (
+                    f"internal error while running request {group.request_id}: "
+                    f"{type(error).__name__}: {error}"
+                )
         logger.error(
             "request %s %s: %s", group.request_id, "rejected" if reason else "failed", reason or group.error
         )

@@ -25,6 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from kvserve.config import LoRAConfig
@@ -86,7 +87,6 @@ class LoRAManager:
             for i, p in enumerate(parts):
                 self._offsets[p] = (fused, i, col)
                 col += shapes.in_out[p][1]
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         S, R = self.max_loras, self.rmax
         #: A stored slot by slot ([S, in, w]: one slot's A one contiguous block, the native
         #: kernel's stream) where the kernel runs, else [in, S, w] (the torch stacked form's
@@ -109,23 +109,37 @@ class LoRAManager:
             for p in parts:
                 bounds.append(bounds[-1] + shapes.in_out[p][1])
             self.part_bounds[fused] = tuple(bounds)
+        self._model = model
+        self.stacks = self._zero_stacks(S)
+        self._attach(self.stacks)
         for layer in model.layers:
-            st = {}
-            for fused, parts in FUSED_PARTS.items():
-                fin = shapes.in_out[parts[0]][0]
-                fout = sum(shapes.in_out[p][1] for p in parts)
-                kw = {"dtype": self.slot_dtype, "device": self.device}
-                w = len(parts) * R
-                if self.slot_major_a:
-                    a = torch.zeros(S, fin, w, **kw)
-                else:  # [in, S, w] storage: every slot's A side by side, [in, S * w], is a view
-                    a = torch.zeros(fin, S, w, **kw).permute(1, 0, 2)
-                st[fused] = (a, torch.zeros(S, w, fout, **kw))
-            self.stacks.append(st)
-            layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
-            layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}
             layer.self_attn.lora_parts = {k: self.part_bounds[k] for k in ("qkv", "o")}
             layer.mlp.lora_parts = {k: self.part_bounds[k] for k in ("gate_up", "down")}
+
+    def _zero_stacks(self, num_slots: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Zeroed per-layer slot stacks of ``num_slots`` slots (the class doc's layout)."""
+        stacks = []
+        R = self.rmax
+        kw = {"dtype": self.slot_dtype, "device": self.device}
+        for _ in self._model.layers:
+            st = {}
+            for fused, parts in FUSED_PARTS.items():
+                fin = self.shapes.in_out[parts[0]][0]
+                fout = sum(self.shapes.in_out[p][1] for p in parts)
+                w = len(parts) * R
+                if self.slot_major_a:
+                    a = torch.zeros(num_slots, fin, w, **kw)
+                else:  # [in, S, w] storage: every slot's A side by side, [in, S * w], is a view
+                    a = torch.zeros(fin, num_slots, w, **kw).permute(1, 0, 2)
+                st[fused] = (a, torch.zeros(num_slots, w, fout, **kw))
+            stacks.append(st)
+        return stacks
+
+    def _attach(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Point the model's attention and MLP modules at ``stacks``."""
+        for layer, st in zip(self._model.layers, stacks):
+            layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
+            layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}
 
     @staticmethod
     def slot_bytes(shapes: ModelShapes, max_lora_rank: int, dtype: torch.dtype) -> int:
@@ -145,8 +159,9 @@ class LoRAManager:
         Returns:
             True when it was read now, False when it was already loaded.
         Raises:
-            ValueError: the adapter is invalid (``load_peft_adapter``), or its ``lora_int_id``
-                is loaded from another path or under another name.
+            ValueError: the adapter is invalid (``load_peft_adapter``), a probe forward with
+                it gives non-finite logits (``_probe``), or its ``lora_int_id`` is loaded from
+                another path or under another name.
         """
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
@@ -165,6 +180,7 @@ class LoRAManager:
         model = load_peft_adapter(
             lora_request.lora_path, lora_request.lora_int_id, self.shapes, self.rmax, self.dtype
         )
+        self._probe(lora_request, model)
         self.last_load_s = time.perf_counter() - t
         # a slot may still hold this id from before a CPU eviction, perhaps from another path:
         # it is refilled from the new copy when next needed
@@ -260,16 +276,107 @@ class LoRAManager:
         self._clear_slot(slot)  # (not valid while half-written)
         self.add_lora(req)
         _, model = self._cpu[req.lora_int_id]
-        R = self.rmax
-        for (layer, part), (la, lb) in model.weights.items():
-            fused, i, col = self._offsets[part]
-            a, b = self.stacks[layer][fused]
-            r = la.shape[0]
-            a[slot, :, i * R : i * R + r].copy_(la.t())
-            b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
+        self._copy_into(self.stacks, slot, model)
         self._slots[slot] = req
         self.num_slot_loads += 1
         self.slot_load_s += time.perf_counter() - t
+
+    def _copy_into(self, stacks, slot: int, model: LoRAModel) -> None:
+        """Copy ``model``'s weights into (zeroed) slot ``slot`` of ``stacks``: each part's
+        rank columns of ``A`` and its rank rows times output columns of ``B``."""
+        R = self.rmax
+        for (layer, part), (la, lb) in model.weights.items():
+            fused, i, col = self._offsets[part]
+            a, b = stacks[layer][fused]
+            r = la.shape[0]
+            a[slot, :, i * R : i * R + r].copy_(la.t())
+            b[slot, i * R : i * R + r, col : col + lb.shape[0]].copy_(lb.t())
+
+    #: Tokens of the probe forward every adapter passes when it is read (``_probe``).
+    PROBE_TOKENS = 8
+
+    @torch.inference_mode()
+    def _probe_fault(self, model: LoRAModel | None) -> str | None:
+        """Why a probe forward through the model with ``model``'s adapter on every row (None:
+        the base model) is broken, or None when it is sound.
+
+        The probe is a fixed prompt of ``PROBE_TOKENS`` token ids (drawn from a fixed seed), a
+        fresh prefill without a KV cache. Broken: a NaN/inf logit, or a residual stream whose
+        mean square (float32, per row) is not finite at some RMS norm -- there the norm scales
+        it by ``rsqrt(inf) = 0`` and every later value, the logits included, is zeros: finite
+        but meaningless. The adapter sits in a one-slot stack of its own, attached for this
+        forward only: the device slots are not touched.
+        """
+        from kvserve.lora.ops import LoRAMapping
+        from kvserve.model_executor.layers.attention import AttentionMetadata, PrefillChunk
+        from kvserve.model_executor.layers.rmsnorm import RMSNorm
+
+        m = self._model
+        T = self.PROBE_TOKENS
+        vocab = int(m.config.vocab_size)
+        ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).to(self.device)
+        positions = torch.arange(T, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(write_idx=None, prefills=[PrefillChunk(0, T, 0)], num_prefill_tokens=T)
+        overflowed: list[bool] = []
+
+        def check_norm_input(_mod, inputs, _out):
+            # with a residual the norm adds x into it in place and normalizes the sum
+            src = inputs[1] if len(inputs) > 1 and inputs[1] is not None else inputs[0]
+            if not overflowed and not bool(torch.isfinite(src.float().pow(2).mean(-1)).all()):
+                overflowed.append(True)
+
+        hooks = [
+            mod.register_forward_hook(check_norm_input) for mod in m.modules() if isinstance(mod, RMSNorm)
+        ]
+        probe = None
+        if model is not None:
+            probe = self._zero_stacks(1)
+            self._copy_into(probe, 0, model)
+            meta.lora = LoRAMapping.build(np.zeros(T, dtype=np.int64), self.device)
+            self._attach(probe)
+        try:
+            logits = m.compute_logits(m(ids, positions, None, meta))
+        finally:
+            for h in hooks:
+                h.remove()
+            if probe is not None:
+                self._attach(self.stacks)
+        if not bool(torch.isfinite(logits).all()):
+            return "non-finite logits (NaN or inf)"
+        if overflowed:
+            return (
+                "a residual stream too large to normalize (its mean square overflows float32 at an RMS norm)"
+            )
+        return None
+
+    def _probe(self, req: LoRARequest, model: LoRAModel) -> None:
+        """Refuse an adapter whose weights are finite but break the model's forward (huge
+        weights or ``lora_alpha``: the deltas overflow in attention or the residual stream).
+
+        A base model that fails the probe by itself gives no verdict on the adapter: it is
+        accepted with a warning (the sampler still fails any request whose logits are not
+        finite).
+
+        Raises:
+            ValueError: naming the adapter and the fault, when the probe forward with it is
+                broken (``_probe_fault``) and the base model's is not.
+        """
+        fault = self._probe_fault(model)
+        if fault is None:
+            return
+        base = self._probe_fault(None)
+        if base is not None:
+            logger.warning(
+                "LoRA adapter %r not probed: the base model alone gives %s on the probe prompt",
+                req.lora_name,
+                base,
+            )
+            return
+        raise ValueError(
+            f"LoRA adapter {req.lora_name!r} ({req.lora_path!r}): a probe forward of "
+            f"{self.PROBE_TOKENS} tokens through the model with it gives {fault} (the base model's "
+            f"does not); its weights or scaling (lora_alpha / r = {model.scaling:g}) are too large."
+        )
 
 
 def _free_memory_bytes(device: torch.device | str) -> int | None:

@@ -210,7 +210,8 @@ def load_peft_adapter(
         ValueError: a missing directory or file (naming the path), a rank above
             ``max_lora_rank`` (naming it), an unsupported config field or target module, a
             weight name that is not a known LoRA weight, a shape that does not match the model,
-            an ``A`` without its ``B``, or a weight that is NaN/inf in ``dtype`` once scaled.
+            an ``A`` without its ``B``, a scaling (``lora_alpha / r``) beyond ``dtype``'s range,
+            or a weight that is NaN/inf in ``dtype`` once scaled.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -229,6 +230,11 @@ def load_peft_adapter(
     targets = _target_names(cfg.get("target_modules"))
     alpha = float(cfg.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
+    if not abs(scaling) <= torch.finfo(dtype).max:
+        raise ValueError(
+            f"{os.path.join(path, CONFIG_FILE)}: lora_alpha={alpha!r} / r={r_cfg} gives a scaling of "
+            f"{scaling:g}, which is not finite in {dtype} (largest {torch.finfo(dtype).max:g})."
+        )
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         m = _KEY.match(name)

@@ -74,7 +74,18 @@ from kvserve.sequence import (
 )
 from kvserve.structured_output.bitmask import apply_token_bitmask_
 
-__all__ = ["Sampler", "apply_penalties", "apply_top_k_top_p_min_p", "prompt_logprobs"]
+__all__ = [
+    "NON_FINITE_LOGITS",
+    "Sampler",
+    "apply_penalties",
+    "apply_top_k_top_p_min_p",
+    "non_finite_rows",
+    "prompt_logprobs",
+]
+
+#: ``CompletionSequenceGroupOutput.error`` of a group whose logits held a NaN or an infinity:
+#: such a row is never sampled (argmax / softmax of it is meaningless).
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +246,22 @@ def _prompt_logprob_rows(
     return out
 
 
+def non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Indices of the rows of ``logits`` (float ``[N, V]``, any device) that hold a NaN or an
+    infinity, ascending.
+
+    One reduction over the step's logits: a row's sum is finite unless the row holds a NaN or
+    an infinity (or its finite values overflow when summed); only rows whose sum is not finite
+    are then checked element by element, so the overflow case is not reported.
+    """
+    bad = ~torch.isfinite(logits.sum(dim=1))
+    if not bool(bad.any()):
+        return []
+    rows = bad.nonzero().flatten()
+    exact = ~torch.isfinite(logits.index_select(0, rows)).all(dim=1)
+    return rows[exact].tolist()
+
+
 def _exponential(
     num: int, vocab: int, device: torch.device, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -321,7 +348,9 @@ class Sampler:
                 as in the module docstring. May be ``None`` or have 0 rows when no group samples.
             seq_group_metadata_list: the step's scheduled groups.
         Returns:
-            ``List[CompletionSequenceGroupOutput]``, one per metadata entry, in order.
+            ``List[CompletionSequenceGroupOutput]``, one per metadata entry, in order. A group
+            any of whose rows holds a NaN or an infinity gets no samples and ``error`` set to
+            ``NON_FINITE_LOGITS``; the other rows are sampled as without it.
         """
         outputs = [CompletionSequenceGroupOutput() for _ in seq_group_metadata_list]
         vocab = 0 if logits is None else logits.shape[-1]
@@ -333,6 +362,15 @@ class Sampler:
             return outputs
         if logits.dtype != torch.float32:
             logits = logits.float()
+        failed: set[int] = set()
+        bad = non_finite_rows(logits)
+        if bad:
+            failed = {rows[i].group_index for i in bad}
+            for g in failed:
+                outputs[g].error = NON_FINITE_LOGITS
+            # zeros keep the batched passes below defined for those rows; what they give for
+            # them is dropped, and every other row is computed independently of them
+            logits[torch.tensor(bad, dtype=torch.long, device=logits.device)] = 0.0
         constraint = self._collect_constraints(seq_group_metadata_list)
         greedy_only = all(
             r.params.is_greedy
@@ -359,6 +397,9 @@ class Sampler:
         # Assemble outputs (one Python loop over rows; each row has num_samples samples).
         s = 0
         for i, r in enumerate(rows):
+            if r.group_index in failed:
+                s += r.num_samples
+                continue
             out = outputs[r.group_index].samples
             for _ in range(r.num_samples):
                 tok, lp = tokens[s], sample_lp[s]

@@ -95,15 +95,19 @@ def test_rows_of_other_slots_never_see_a_poisoned_slot(rows, poisoned, sign, see
             torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5, msg=f"{path} row {t}")
 
 
-def test_removed_or_overflowing_adapter_never_changes_other_requests(tiny_llama_dir, tmp_path):
-    """Engine: an adapter of huge finite weights in slot 0 (accepted at load), a normal one in
-    slot 1. With it running, and after it is removed, the base model's and the normal
-    adapter's greedy tokens are those of runs without it; every request ends one way."""
+def test_removed_or_overflowing_adapter_never_changes_other_requests(tiny_llama_dir, tmp_path, monkeypatch):
+    """Engine: an adapter of huge finite weights in slot 0 (the load probe, which refuses it,
+    turned off: the op's row isolation is the line behind it), a normal one in slot 1. With it
+    running, and after it is removed, the base model's and the normal adapter's greedy tokens
+    are those of runs without it; every request ends one way."""
     from transformers import AutoConfig
 
     from kvserve import LLM, SamplingParams
+    from kvserve.lora.manager import LoRAManager
     from kvserve.lora.peft import ModelShapes
     from tests.test_e2e_tiny import assert_idle
+
+    monkeypatch.setattr(LoRAManager, "_probe", lambda self, req, model: None)
 
     shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "up_proj"]}

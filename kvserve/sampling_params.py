@@ -180,6 +180,10 @@ class SamplingParams:
       them does not reuse prefix-cache blocks for the positions it still needs (their logits
       are computed; its own blocks are still cached for later requests).
     - ``logit_bias``: token id -> additive bias in [-100, 100].
+    - ``cache_prefix``: the request's computed full KV blocks enter the prefix cache and it
+      reuses cached ones even when the engine runs without ``enable_prefix_caching`` (with it,
+      every request does). Beam search sets it: each step's beams are new one-token requests
+      that continue their parents' blocks instead of prefilling prompt and beam again.
     - ``structured_outputs``: a ``StructuredOutputsParams`` constraint (JSON schema, regex,
       choice, grammar): every sampled token keeps the output a prefix of a string the
       constraint accepts, and EOS is allowed only where it accepts. Not combinable with
@@ -213,6 +217,7 @@ class SamplingParams:
     logit_bias: dict | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    cache_prefix: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -250,7 +255,7 @@ class SamplingParams:
         return out
 
     def _verify(self) -> None:
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "cache_prefix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
         # Every numeric field against its one limit (``field_limits.LIMITS``, shared with the

@@ -104,3 +104,63 @@ def test_beam_search_params_errors_name_the_field(kw, field):
     base = dict(beam_width=2, max_tokens=4)
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**{**base, **kw})
+
+
+def test_beam_search_reuses_the_beams_blocks_without_prefix_caching(tiny_llama_dir, tiny_hf_model, prompts):
+    """On an engine without ``enable_prefix_caching`` each step's beams still continue their
+    parents' blocks (``cache_prefix``): the hypotheses equal transformers' and the tokens fed
+    through the model are far fewer than re-prefilling prompt + beam for every beam each
+    step, which the same search does when its requests do not reuse blocks."""
+    import dataclasses
+
+    from kvserve.entrypoints import beam_search as bs_mod
+
+    llm = LLM(model=str(tiny_llama_dir), device=TEST_DEVICE, dtype="float32", block_size=4)
+    engine = llm.llm_engine
+    assert not engine.cache_config.enable_prefix_caching
+    B, max_new = 3, 8
+    params = BeamSearchParams(beam_width=B, max_tokens=max_new)
+    lens: list[int] = []
+    add = engine.add_request
+
+    def recording(request_id, prompt, sp, *a, **kw):
+        lens.append(len(prompt["prompt_token_ids"]))
+        return add(request_id, prompt, sp, *a, **kw)
+
+    engine.add_request = recording
+
+    def run():
+        lens.clear()
+        before = engine.stats.num_batched_tokens
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+        return outs, engine.stats.num_batched_tokens - before, list(lens)
+
+    reused_outs, reused, reused_lens = run()
+    for p, out in zip(prompts, reused_outs):
+        ref = hf_beams(tiny_hf_model, p, B, max_new, 1.0, False, EOS)
+        assert [s.output_token_ids for s in out.sequences] == [t for t, _ in ref]
+        for s, (_, score) in zip(out.sequences, ref):
+            assert s.score == pytest.approx(score, abs=1e-4)
+    assert engine.get_kv_cache_stats()["prefix_cache_hits"] > 0
+    # the first step prefills each prompt; every later beam request computes only what follows
+    # its parent's last full block (at most block_size tokens)
+    first = sum(len(p) for p in prompts)
+    assert reused <= first + sum(min(n, 4) for n in reused_lens[len(prompts) :])
+
+    engine.reset_prefix_cache()
+    orig = bs_mod.BeamSearch.sampling_params
+    bs_mod.BeamSearch.sampling_params = lambda self: dataclasses.replace(orig(self), cache_prefix=False)
+    try:
+        plain_outs, plain, plain_lens = run()
+    finally:
+        bs_mod.BeamSearch.sampling_params = orig
+    assert plain_lens == reused_lens
+    assert plain == sum(plain_lens)  # every beam's prompt + tokens prefilled again
+    assert reused * 3 < plain
+    for a, b in zip(reused_outs, plain_outs):
+        # same hypotheses; scores agree to float32 rounding (a cached context is attended to
+        # from the cache instead of within one prefill chunk)
+        assert [s.output_token_ids for s in a.sequences] == [s.output_token_ids for s in b.sequences]
+        assert [s.score for s in a.sequences] == pytest.approx([s.score for s in b.sequences], abs=1e-5)
+    st = engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]

@@ -27,6 +27,10 @@ a swapped-in sequence re-registers its blocks, so every cached block's prefix st
 The chain of a sequence running with a LoRA adapter starts from the adapter's id
 (``Sequence.lora_int_id``): the same tokens give other K/V under another adapter, so blocks are
 shared only between sequences of the same adapter (or both of the base model).
+Without ``enable_caching`` a group whose ``sampling_params.cache_prefix`` is set still does both
+(its full blocks are registered, and it reuses registered blocks); every other group neither
+registers nor looks up, so its blocks and costs are those of an engine without caching. Beam
+search sets it: each step's beams are new requests that continue their parents' blocks.
 
 Sliding window (``sliding_window`` tokens): once every position of a block is outside the
 window of the next query, the block is released; its table entry then repeats the number of
@@ -134,7 +138,8 @@ class BlockSpaceManager:
         watermark: fraction of device blocks kept free when admitting new prefills or
             swapping in (``watermark_blocks = int(watermark * num_gpu_blocks)``).
         sliding_window: attention window in tokens, or None.
-        enable_caching: prefix caching on the device pool.
+        enable_caching: prefix caching on the device pool for every group (else only for
+            groups that ask for it, ``caches``).
 
     Raises:
         ValueError: for sizes out of range.
@@ -162,7 +167,8 @@ class BlockSpaceManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.sliding_window = sliding_window
         self.enable_caching = enable_caching
-        self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching)
+        # The pool can always register blocks: only groups that ``caches`` ever do.
+        self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching=True)
         self.cpu = BlockPool(CPU, self.num_total_cpu_blocks, False)
         self.block_tables: dict[int, BlockTable] = {}
         # seq_id -> block numbers as handed out by get_block_table (rebuilt after a change;
@@ -177,6 +183,11 @@ class BlockSpaceManager:
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def caches(self, seq_group: SequenceGroup) -> bool:
+        """Whether ``seq_group`` uses the prefix cache: ``enable_caching``, or its
+        ``sampling_params.cache_prefix``."""
+        return self.enable_caching or bool(getattr(seq_group.sampling_params, "cache_prefix", False))
 
     # ================================================================== hashing
     def _get_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -246,7 +257,7 @@ class BlockSpaceManager:
 
         hits: list[list[PhysicalBlock]] = [[] for _ in seqs]
         num_cached_blocks = 0
-        if self.enable_caching:
+        if self.caches(seq_group):
             hits = [self._cache_hits(s) for s in seqs]
             num_cached_blocks = min(len(h) for h in hits)
             need = seq_group.prompt_logits_needed_from()
@@ -373,7 +384,7 @@ class BlockSpaceManager:
                 first_table = table
         for b in held:
             self.gpu.free(b)
-        if self.enable_caching:
+        if self.caches(seq_group):
             self.prefix_cache_queries += length
             self.prefix_cache_hits += plan.num_cached_tokens
         if seq_group.num_cached_tokens is None:
@@ -665,11 +676,12 @@ class BlockSpaceManager:
         """After a step: enter newly completed full blocks of the group in the prefix cache,
         release blocks that left the sliding window, unpin copy-on-write sources."""
         self.release_pins()
+        caching = self.caches(seq_group)
         for seq in seq_group.get_unfinished_seqs():
             table = self.block_tables.get(seq.seq_id)
             if table is None:
                 continue
-            if self.enable_caching:
+            if caching:
                 n_full = min(seq.data.get_num_computed_tokens() // self.block_size, len(table))
                 start = self._num_marked.get(seq.seq_id, 0)
                 if n_full > start:

@@ -417,6 +417,7 @@ class LLMEngine:
                         faults[i] = err
                         results[i] = None
             self.stats.on_step(self.clock() - t0)
+            self.stats.num_batched_tokens += sched_out.num_batched_tokens
             if faults:
                 # The failed groups' chunks were not computed (or not trusted): never advance
                 # them or enter their blocks in the prefix cache.

@@ -19,6 +19,8 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    #: Tokens fed through the model (prefill chunks and decodes; what the scheduler batched).
+    num_batched_tokens: int = 0
     model_time_s: float = 0.0
     finished_by_reason: Counter = field(default_factory=Counter)
     ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))

@@ -2,9 +2,11 @@
 
 Each step, every live beam of every prompt is submitted as its own request (prompt + the beam's
 tokens, ``max_tokens=1``, greedy, ``logprobs = 2 * beam_width``): the engine returns the top
-``2 * beam_width`` next-token log-probabilities of each beam. With prefix caching on, a beam's
-re-submission finds its earlier blocks in the cache (the blocks its parent filled), so a step
-costs about one decode per beam plus the last partial block.
+``2 * beam_width`` next-token log-probabilities of each beam. The requests set
+``SamplingParams.cache_prefix``, so (whether or not the engine runs with
+``enable_prefix_caching``) a beam's re-submission finds its earlier blocks in the prefix cache
+(the blocks its parent filled) and a step computes, per beam, only the tokens past its last
+cached full block (at most ``block_size``) instead of prompt and beam again.
 
 The selection rule is Hugging Face transformers' beam search (``generate(num_beams=B,
 do_sample=False)``), which this module re-states:
@@ -166,9 +168,14 @@ class BeamSearch:
         return [] if self.done else [self.prompt_token_ids + b.tokens for b in self.beams]
 
     def sampling_params(self) -> SamplingParams:
-        """What each beam's one-token request asks the engine for."""
+        """What each beam's one-token request asks the engine for (``cache_prefix``: it reuses
+        the blocks of its parent's request)."""
         return SamplingParams(
-            max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * self.params.beam_width
+            max_tokens=1,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=2 * self.params.beam_width,
+            cache_prefix=True,
         )
 
     def advance(self, top_logprobs: list[dict[int, float]]) -> None:

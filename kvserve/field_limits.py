@@ -131,6 +131,82 @@ def check_count(name: str, n: int) -> None:
         raise ValueError(f"{name} must have at most {MAX_ITEMS[name]} entries, got {n}.")
 
 
+# Size caps of one request: an HTTP request with all of its prompts, an offline engine request
+# (``LLM.generate`` queues one per prompt), or one ``LLM.beam_search`` call. Each bounds work
+# that grows with a product of fields that are each within their own limit.
+#: Most sequences one request runs: prompts x ``n`` (each sample decodes every step and holds
+#: its own KV blocks), and prompts x ``best_of`` for beam search (every beam is a sequence).
+MAX_REQUEST_SEQUENCES = 1024
+#: Most prompt-logprob entries one request asks for: over its prompts, the positions that score
+#: a next prompt token (prompt tokens - 1) x (``prompt_logprobs`` + 1: the top ones plus the
+#: prompt token). 2**18 holds prompt_logprobs 20 on an 8,192-token prompt (172,032) or on a dozen
+#: 1,000-token prompts; each entry is a Python object and ~50 bytes of JSON in the response.
+MAX_PROMPT_LOGPROB_ENTRIES = 2**18
+#: Modelled cost of one prompt-logprob position, in prefill tokens: its row of the LM head
+#: (vocabulary x hidden multiply-adds, a quarter to a half of a small model's per-token work) and
+#: the log-softmax, rank and top-k passes over the vocabulary; 1 rounds that up.
+PROMPT_LOGPROB_ROW_COST = 1
+#: Most modelled prefill work one request may queue, in prefill-token equivalents
+#: (``prefill_cost``): the requests queued behind it wait for at most this much prefill of it.
+#: 2**18 holds 1,024 prompts of 256 tokens, 32 prompts of 8,192, or one 131,072-token prompt with
+#: prompt logprobs; a larger batch is split into several requests.
+MAX_REQUEST_PREFILL_COST = 2**18
+
+
+def prompt_logprob_entries(prompt_lens: list[int], prompt_logprobs: int | None) -> int:
+    """Prompt-logprob entries of a request (see ``MAX_PROMPT_LOGPROB_ENTRIES``); 0 without
+    ``prompt_logprobs``."""
+    if prompt_logprobs is None:
+        return 0
+    return sum(max(0, n - 1) for n in prompt_lens) * (prompt_logprobs + 1)
+
+
+def prefill_cost(prompt_lens: list[int], prompt_logprobs: int | None) -> int:
+    """Modelled prefill work of a request, in prefill-token equivalents: its prompt tokens,
+    plus ``PROMPT_LOGPROB_ROW_COST`` per prompt-logprob position. ``n`` does not multiply it
+    (a prompt is prefilled once and its samples fork its blocks)."""
+    rows = 0 if prompt_logprobs is None else sum(max(0, n - 1) for n in prompt_lens)
+    return sum(prompt_lens) + rows * PROMPT_LOGPROB_ROW_COST
+
+
+def check_request_size(
+    prompt_lens: list[int], n: int = 1, prompt_logprobs: int | None = None, best_of: int | None = None
+) -> None:
+    """Holds one request to ``MAX_REQUEST_SEQUENCES``, ``MAX_PROMPT_LOGPROB_ENTRIES`` and
+    ``MAX_REQUEST_PREFILL_COST``.
+
+    Args:
+        prompt_lens: the token count of each of its prompts.
+        n: samples per prompt; best_of: beams per prompt (beam search), or None.
+        prompt_logprobs: the request's ``prompt_logprobs`` (None: none asked for).
+
+    Raises:
+        ValueError: whose message starts with the field (``n``, ``best_of``, ``prompt_logprobs``
+            or ``prompt``) and names the limit and the request's value.
+    """
+    prompts = len(prompt_lens)
+    for name, width in (("n", n), ("best_of", best_of)):
+        if width is not None and prompts * width > MAX_REQUEST_SEQUENCES:
+            raise ValueError(
+                f"{name} x prompts must be at most {MAX_REQUEST_SEQUENCES} sequences per request, got "
+                f"{name}={width} x {prompts} prompt(s) = {prompts * width}."
+            )
+    entries = prompt_logprob_entries(prompt_lens, prompt_logprobs)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"prompt_logprobs must ask for at most {MAX_PROMPT_LOGPROB_ENTRIES} entries per request "
+            f"((prompt tokens - 1) x (prompt_logprobs + 1), over its prompts), got {entries} "
+            f"(prompt_logprobs={prompt_logprobs}, {sum(prompt_lens)} prompt tokens)."
+        )
+    cost = prefill_cost(prompt_lens, prompt_logprobs)
+    if cost > MAX_REQUEST_PREFILL_COST:
+        raise ValueError(
+            f"prompt must be at most {MAX_REQUEST_PREFILL_COST} prefill tokens per request (prompt "
+            f"tokens over its prompts, plus {PROMPT_LOGPROB_ROW_COST} per prompt-logprob position), "
+            f"got {cost}; split the prompts over several requests."
+        )
+
+
 #: Longest LoRA adapter name, in characters.
 MAX_LORA_NAME_CHARS = 128
 #: The rule of a LoRA adapter name, as error messages state it.

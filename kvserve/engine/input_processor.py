@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+from kvserve.field_limits import check_request_size
 from kvserve.sampling_params import SamplingParams
 
 PromptType = str | dict | list[int]
@@ -83,7 +84,10 @@ def validate_request(
             token each per step: a wider group would never fit a step and hang),
             prompt + max_tokens > max_model_len, stop ids outside the vocabulary,
             ``top_k`` above the vocabulary size, ``min_tokens`` above the effective max_tokens
-            (``max_model_len - prompt_len`` when ``max_tokens`` is None).
+            (``max_model_len - prompt_len`` when ``max_tokens`` is None), and the request size
+            caps of ``field_limits.check_request_size`` for this one prompt (``n`` past
+            ``MAX_REQUEST_SEQUENCES``, prompt-logprob entries past
+            ``MAX_PROMPT_LOGPROB_ENTRIES``, prefill cost past ``MAX_REQUEST_PREFILL_COST``).
     """
     prompt_len = len(prompt_token_ids)
     if vocab_size is not None:
@@ -116,6 +120,7 @@ def validate_request(
             f"prompt has {prompt_len} tokens, which leaves no room to generate within "
             f"max_model_len {max_model_len}."
         )
+    check_request_size([prompt_len], n=params.n, prompt_logprobs=params.prompt_logprobs)
     if params.max_tokens is None:
         effective = max_model_len - prompt_len
         if params.min_tokens > effective:

@@ -10,6 +10,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kvserve.field_limits import check_request_size
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -139,10 +140,13 @@ class LLM:
         """Beam search (transformers' rule, see ``kvserve.entrypoints.beam_search``) for each
         prompt, all prompts' beams batched together; returns one ``BeamSearchOutput`` per
         prompt (hypotheses best first). Each step submits every live beam as a one-token
-        request, so enable prefix caching for it to reuse the beams' blocks.
+        request that reuses its parent's KV blocks (``SamplingParams.cache_prefix``), with or
+        without ``enable_prefix_caching``.
 
         Raises:
-            ValueError: an invalid prompt, or a beam the engine rejected (e.g. too long).
+            ValueError: an invalid prompt, a beam the engine rejected (e.g. too long), or
+                prompts x ``beam_width`` (or their prefill cost) past the request size caps
+                (``field_limits.check_request_size``, naming ``best_of``, the beam width).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -159,6 +163,7 @@ class LLM:
                     f"({engine.scheduler_config.max_model_len})."
                 )
             searches.append(BeamSearch(ids, params, engine.eos_token_id, min(params.max_tokens, room)))
+        check_request_size([len(s.prompt_token_ids) for s in searches], best_of=params.beam_width)
         while True:
             requests = [(s, i, ids) for s in searches for i, ids in enumerate(s.pending())]
             if not requests:

@@ -34,7 +34,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     sse,
 )
 from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
-from kvserve.field_limits import check_count
+from kvserve.field_limits import check_count, check_request_size
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
@@ -71,6 +71,24 @@ def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
     )
 
 
+def check_size(req, prompt_lens: list[int], **fields) -> None:
+    """``field_limits.check_request_size`` over all of the request's prompts (``fields``: its
+    ``n``, ``prompt_logprobs``, ``best_of``).
+
+    Raises:
+        APIError: 400 naming the field and the limit; ``logprobs`` when the prompt logprobs
+            come from ``echo`` with ``logprobs`` rather than from ``prompt_logprobs``.
+    """
+    try:
+        check_request_size(prompt_lens, **fields)
+    except ValueError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        if param == "prompt_logprobs" and req.prompt_logprobs is None:
+            param, message = "logprobs", f"logprobs with echo (the prompt's logprobs): {message}"
+        raise APIError(message, 400, param=param, code="invalid_value") from None
+
+
 class OpenAIServingCompletion(OpenAIServing):
     """Handler of ``/v1/completions`` (see ``OpenAIServing`` for the admission order)."""
 
@@ -98,7 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.make_sampling_params(kwargs)
         await self.compile_constraint(params)
         prompts = self._split_prompts(req.prompt)
+        check_size(req, [1] * len(prompts), n=n)  # prompts x n, before tokenizing them
         subs = [await self.prepare_prompt(p, params) for p in prompts]
+        lens = [len(sub.prompt_token_ids) for sub in subs]
+        check_size(req, lens, n=n, prompt_logprobs=params.prompt_logprobs)
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs, lora)
         priority = req.priority or 0
@@ -165,7 +186,10 @@ class OpenAIServingCompletion(OpenAIServing):
             message = str(e).replace("beam_width", "best_of (the beam width)")
             raise APIError(message, 400, param="best_of" if "beam_width" in str(e) else None) from None
         probe = self.make_sampling_params(dict(max_tokens=req.max_tokens, logprobs=2 * width))
-        subs = [await self.prepare_prompt(p, probe) for p in self._split_prompts(req.prompt)]
+        prompts = self._split_prompts(req.prompt)
+        check_size(req, [1] * len(prompts), best_of=width)  # prompts x best_of, before tokenizing
+        subs = [await self.prepare_prompt(p, probe) for p in prompts]
+        check_size(req, [len(sub.prompt_token_ids) for sub in subs], best_of=width)
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs, lora)
         eos = self.engine.eos_token_id

@@ -16,6 +16,10 @@ COMMANDS = {
     ),
     "lora": ("kvserve.benchmarks.lora", "multi-LoRA serving vs the same run without adapters"),
     "fidelity": ("kvserve.benchmarks.fidelity", "one trace through the real engine and the simulator"),
+    "heavy-neighbours": (
+        "kvserve.benchmarks.heavy_neighbours",
+        "a neighbour's TTFT and the server's RSS beside heavy but legal requests",
+    ),
     "quantized": (
         "kvserve.benchmarks.quantized",
         "batch-1 decode of gguf/int8 vs float32/bfloat16 (and llama.cpp), or w64 per format",

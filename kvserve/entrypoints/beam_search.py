@@ -63,7 +63,7 @@ def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> 
         denom = math.inf
     if cum_logprob == 0.0:
         score = 0.0
-    elif denom == 0.0:
+    elif denom == 0.0 or cum_logprob == -math.inf:  # (-inf / inf would be NaN)
         score = -math.inf
     else:
         score = cum_logprob / denom

@@ -206,10 +206,10 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
             self._over_cap = False
             self.connections.add(self)  # so that shutdown closes it too
             self._arm_read_timer()
-            head, self._head = self._head, b""
+            # one probe, then the connection closes (h11 honours the header; the answer says so)
+            head = line + b"\r\nConnection: close\r\n" + self._head[len(line) + 2 :]
+            self._head = b""
             self.data_received(head)
-            if self.cycle is not None:
-                self.cycle.keep_alive = False  # one probe, then the connection closes
 
         # ------------------------------------------------------------ read deadline
         def _arm_read_timer(self) -> None:

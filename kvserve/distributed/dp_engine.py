@@ -348,6 +348,29 @@ class DataParallelAsyncEngine:
                     # the caller went away (or an error): free its blocks on the replica now
                     self._abort_on(idx, request_id)
 
+    async def compile_constraint(self, constraint) -> None:
+        """Compile a structured-output constraint (``StructuredOutputsParams``) on a replica
+        that is up, so that this (front) process never runs the grammar engine: its compile is
+        where a hostile constraint costs the most. The replica keeps it cached; the one the
+        request is routed to compiles it again if it is another. With no replica answering,
+        nothing is checked here (``generate`` then fails or retries as usual).
+
+        Raises:
+            ValueError: naming the constraint's field (the replica's compile error).
+        """
+        ray = self._ray
+        for r in self.replicas:
+            if not r.healthy:
+                continue
+            try:
+                await r.actor.compile_constraint.remote(constraint)
+                return
+            except ray.exceptions.RayError as e:
+                cause = _unwrap(ray, e)
+                if isinstance(cause, ValueError):
+                    raise cause from None
+                continue  # the replica died or failed: try the next one
+
     def _abort_on(self, idx: int, request_id: str) -> None:
         with contextlib.suppress(Exception):
             self.replicas[idx].actor.abort.remote(request_id)

@@ -89,11 +89,17 @@ class EngineReplica:
         self._ensure_started()
         so = getattr(params, "structured_outputs", None)
         if so is not None:
-            # compiled here, on a worker thread, as the server does: the engine thread then
+            # compiled here, off the event loop, as the server does: the engine thread then
             # finds it in the cache at add_request instead of compiling inside a step
-            await asyncio.to_thread(self.engine.structured_output.compile, so)
+            await self.compile_constraint(so)
         async for out in self.async_engine.generate(prompt, params, request_id, priority=priority):
             yield out
+
+    async def compile_constraint(self, constraint) -> None:
+        """Compile a ``StructuredOutputsParams`` here (cached for the request that follows), off
+        the event loop; the grammar compiler runs it on its own large-stack thread with a
+        timeout. Raises ValueError naming the constraint's field."""
+        await asyncio.to_thread(self.engine.structured_output.compile, constraint)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already ended); its stream ends with ``abort``."""

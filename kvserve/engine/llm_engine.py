@@ -535,7 +535,7 @@ class LLMEngine:
             group.ignored_reason = reason
         else:
             status = SequenceStatus.FINISHED_FAILED
-            if isinstance(error, RequestFault):
+            if isinstance(error, RequestFault) or _is_grammar_error(error):
                 group.error = f"request {group.request_id} failed: {error}"
             else:
                 group.error = (

@@ -48,6 +48,7 @@ from kvserve.structured_output.limits import (
     check_constraint,
     check_nesting,
     parse_json_schema,
+    rules_that_never_end,
 )
 
 #: Stack of a compile thread (virtual memory: only the pages a compile touches are used).
@@ -307,6 +308,8 @@ class GrammarCompiler:
 
         tokenizer = self._tokenizer()
         text = grammar_text(params)
+        if params.kind == "grammar":
+            _check_rules_end(params)
         if self._ll_limits is None:
             self._ll_limits = LLParserLimits(verbose_errors=False)
         # Compiling drops the GIL (llguidance); no lock is held, so one slow grammar does not
@@ -331,6 +334,24 @@ class GrammarCompiler:
         """A fresh matcher (at the start of the grammar) for one sequence. Raises like
         ``compile``."""
         return self.compile(params).deep_copy()
+
+
+def _check_rules_end(params: StructuredOutputsParams) -> None:
+    """Raises ValueError naming the field when a rule of the grammar reachable from ``start``
+    can never end (``limits.rules_that_never_end``; GBNF is read as llguidance's Lark form)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(params.grammar or "")
+    except Exception:  # malformed GBNF: grammar_text has named it already
+        return
+    never = rules_that_never_end(lark)
+    if never:
+        shown = ", ".join(never[:5]) + (f" and {len(never) - 5} more" if len(never) > 5 else "")
+        raise ValueError(
+            f"{params.field_name}: the grammar can never be matched: rule(s) {shown} never end "
+            "(every expansion needs the rule again)."
+        )
 
 
 def grammar_error_message(error: str) -> str:

@@ -433,3 +433,170 @@ def check_constraint(params: StructuredOutputsParams, limits: GrammarLimits = DE
             for i, s in enumerate(structures):
                 if isinstance(s, dict) and isinstance(s.get("schema"), dict):
                     check_json_schema(f"{field}.structures[{i}].schema", s["schema"], limits)
+
+
+# ---------------------------------------------------------------- rules that never end (Lark)
+_LARK_TOKEN = re.compile(
+    r"""\s+|(?P<str>"(?:[^"\\]|\\.)*"i?|'(?:[^'\\]|\\.)*'i?)|(?P<re>/(?:[^/\\\n]|\\.)+/[imsxlu]*)"""
+    r"""|(?P<rep>\{\s*\d+\s*(?:,\s*\d*\s*)?\})|(?P<range>\d+(?:\.\.\d+)?)|(?P<name>[A-Za-z_]\w*)"""
+    r"""|(?P<op>[|()\[\]?*+~])"""
+)
+_LARK_HEAD = re.compile(r"[?!]?(?P<name>[A-Za-z_]\w*)(?:\.-?\d+)?\s*:(?P<body>.*)", re.S)
+#: Deepest parenthesis nesting the analysis follows (deeper: it assumes the rule can end).
+_MAX_GROUP_NESTING = 64
+
+
+class _Unsure(Exception):
+    """Syntax the analysis does not model: every rule is then taken to be able to end."""
+
+
+def _lark_expr(tokens: list[tuple[str, str]], pos: int, depth: int, close: str | None):
+    """Parse ``alt ('|' alt)*`` from ``tokens[pos:]`` up to ``close``; returns (expr, pos).
+    An expr is ``("or", [alts])``, an alt ``("and", [items])``, an item ``("name", n)``,
+    ``("end",)`` (a terminal string or regex), ``("opt", expr)`` (may be empty) or a nested
+    expr."""
+    if depth > _MAX_GROUP_NESTING:
+        raise _Unsure
+    alts: list = []
+    items: list = []
+    while True:
+        if pos == len(tokens):
+            if close is not None:
+                raise _Unsure
+            break
+        kind, text = tokens[pos]
+        if kind == "op" and text == close:
+            pos += 1
+            break
+        if kind == "op" and text == "|":
+            alts.append(("and", items))
+            items = []
+            pos += 1
+            continue
+        if kind in ("str", "re"):
+            atom: Any = ("end",)
+            pos += 1
+        elif kind == "name":
+            atom = ("name", text)
+            pos += 1
+        elif kind == "op" and text in "([":
+            inner, pos = _lark_expr(tokens, pos + 1, depth + 1, ")" if text == "(" else "]")
+            atom = ("opt", inner) if text == "[" else inner
+        else:
+            raise _Unsure
+        # a quantifier that allows zero repetitions makes the item able to end
+        if pos < len(tokens):
+            k, t = tokens[pos]
+            if k == "op" and t in "?*+":
+                pos += 1
+                if t != "+":
+                    atom = ("opt", atom)
+            elif k == "rep":
+                pos += 1
+                if int(re.findall(r"\d+", t)[0]) == 0:
+                    atom = ("opt", atom)
+            elif k == "op" and t == "~":
+                if pos + 1 >= len(tokens) or tokens[pos + 1][0] != "range":
+                    raise _Unsure
+                if int(tokens[pos + 1][1].split("..")[0]) == 0:
+                    atom = ("opt", atom)
+                pos += 2
+        items.append(atom)
+    alts.append(("and", items))
+    return ("or", alts), pos
+
+
+def _can_end(expr, done: set[str], defined: set[str]) -> bool:
+    tag = expr[0]
+    if tag in ("end", "opt"):
+        return True
+    if tag == "name":
+        return expr[1] in done or expr[1] not in defined
+    if tag == "and":
+        return all(_can_end(x, done, defined) for x in expr[1])
+    return any(_can_end(x, done, defined) for x in expr[1])
+
+
+def _names(expr, out: set[str]) -> set[str]:
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if e[0] == "name":
+            out.add(e[1])
+        elif e[0] in ("and", "or"):
+            stack.extend(e[1])
+        elif e[0] == "opt":
+            stack.append(e[1])
+    return out
+
+
+def rules_that_never_end(lark: str) -> list[str]:
+    """Rules of a Lark grammar, reachable from ``start``, that derive no finite string (e.g.
+    ``a: "x" a``): output that enters one can never be completed. Sorted by name.
+
+    A conservative analysis of the common syntax (strings, regexes, rule and terminal names,
+    groups, ``[...]``, ``? * + {n,m} ~ n..m``, ``|``): any other syntax (``%`` directives but
+    ``%import`` / ``%ignore`` / ``%llguidance``, ``@`` sub-grammars, token ids) makes it report
+    nothing.
+    """
+    rules: dict[str, Any] = {}
+    current: str | None = None
+    bodies: dict[str, list[str]] = {}
+    for line in lark.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("//"):
+            continue
+        if stripped.startswith("%"):
+            if stripped.startswith(("%import", "%ignore", "%llguidance")):
+                current = None
+                continue
+            return []
+        head = _LARK_HEAD.match(stripped) if not stripped.startswith("|") else None
+        if head is not None:
+            current = head.group("name")
+            if current in bodies:
+                return []  # redefinition (e.g. ``%override``): not modelled
+            bodies[current] = [head.group("body")]
+        elif current is not None:
+            bodies[current].append(stripped)
+        else:
+            return []
+    try:
+        for name, parts in bodies.items():
+            tokens = []
+            text = " ".join(parts)
+            pos = 0
+            while pos < len(text):
+                m = _LARK_TOKEN.match(text, pos)
+                if m is None:
+                    raise _Unsure
+                pos = m.end()
+                if m.lastgroup is not None:
+                    tokens.append((m.lastgroup, m.group(m.lastgroup)))
+            rules[name], _ = _lark_expr(tokens, 0, 0, None)
+    except _Unsure:
+        return []
+    if "start" not in rules:
+        return []
+    defined = set(rules)
+    users: dict[str, set[str]] = {n: set() for n in rules}
+    for n, e in rules.items():
+        for used in _names(e, set()):
+            if used in users:
+                users[used].add(n)
+    # worklist: a rule is re-examined when one it uses is found able to end
+    done: set[str] = set()
+    todo = list(rules)
+    while todo:
+        n = todo.pop()
+        if n in done or not _can_end(rules[n], done, defined):
+            continue
+        done.add(n)
+        todo.extend(u for u in users[n] if u not in done)
+    reachable, stack = {"start"}, ["start"]
+    while stack:
+        for used in _names(rules[stack.pop()], set()):
+            if used in rules and used not in reachable:
+                reachable.add(used)
+                stack.append(used)
+    return sorted(reachable - done)

@@ -744,7 +744,8 @@ class OpenAIServing:
     async def compile_constraint(self, params: SamplingParams | StructuredOutputsParams | None) -> None:
         """Compile the request's structured-output constraint (``params.structured_outputs``,
         or the constraint itself) on a worker thread (cached per constraint), so the engine
-        thread only finds it in the cache at ``add_request``.
+        thread only finds it in the cache at ``add_request``. Under data parallelism a replica
+        compiles it (``DataParallelAsyncEngine.compile_constraint``).
 
         Raises:
             APIError: 400 naming the constraint's field when it does not compile.
@@ -753,8 +754,13 @@ class OpenAIServing:
         if so is None:
             return
         try:
-            manager = self.engine.structured_output
-            await asyncio.to_thread(manager.compile, so)
+            on_replica = getattr(self.async_engine, "compile_constraint", None)
+            if on_replica is not None:
+                # data parallel: a replica compiles it; this process never runs the grammar engine
+                await on_replica(so)
+            else:
+                manager = self.engine.structured_output
+                await asyncio.to_thread(manager.compile, so)
         except ValueError as e:
             raise APIError(str(e), 400, param=so.field_name, code="invalid_grammar") from None
         except INPUT_ERRORS as e:  # e.g. a schema too deep for the compiler's own recursion

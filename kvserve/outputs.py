@@ -67,6 +67,9 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    #: speculative decoding: decode steps (per sequence) that had lookahead slots but verified
+    #: no drafts (the dynamic policy's choice, no proposal, ...; /metrics counts them by reason)
+    spec_num_skipped_steps: int = 0
 
     @property
     def outcome(self) -> str | None:

@@ -611,6 +611,9 @@ class LLMEngine:
         self.stats.on_tokens(num_emitted)
         if result.spec_num_eligible_seqs:
             self.stats.on_draft_opportunities(result.spec_num_eligible_seqs)
+            if result.spec_skipped:
+                self.stats.on_draft_skips(result.spec_skipped)
+                group.spec_num_skipped_steps += sum(result.spec_skipped.values())
             for seq in group.get_unfinished_seqs():
                 self.scheduler.block_manager.release_lookahead(seq)
         if result.spec_num_draft_tokens:
@@ -715,6 +718,7 @@ class LLMEngine:
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             spec_num_draft_tokens=group.spec_num_draft_tokens,
             spec_num_accepted_tokens=group.spec_num_accepted_tokens,
+            spec_num_skipped_steps=group.spec_num_skipped_steps,
         )
 
     def _finish_request(self, group: SequenceGroup) -> RequestOutput:

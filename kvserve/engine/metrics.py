@@ -39,6 +39,8 @@ class EngineStats:
     # Decode sequence-steps that had lookahead slots (could have been given drafts): with the
     # dynamic draft-length policy, drafted tokens / this is its mean chosen draft length.
     spec_num_draft_opportunities: int = 0
+    # Of those, the ones that verified no drafts, by reason (SpecDecodeWorker._skip_reason).
+    spec_skipped_by_reason: Counter = field(default_factory=Counter)
 
     def on_request_added(self, prompt_len: int) -> None:
         self.num_requests_added += 1
@@ -64,6 +66,10 @@ class EngineStats:
     def on_draft_opportunities(self, n: int) -> None:
         """``n`` decode sequences of a step had lookahead slots."""
         self.spec_num_draft_opportunities += n
+
+    def on_draft_skips(self, by_reason: dict[str, int]) -> None:
+        """Decode sequences of a step that had lookahead slots but verified no drafts: reason -> count."""
+        self.spec_skipped_by_reason.update(by_reason)
 
     @property
     def spec_mean_draft_length(self) -> float:

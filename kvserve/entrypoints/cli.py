@@ -238,7 +238,21 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         drafts = sum(o.spec_num_draft_tokens for o in outs)
         accepted = sum(o.spec_num_accepted_tokens for o in outs)
         rate = f" ({accepted / drafts:.0%} accepted)" if drafts else ""
-        print(f"speculative decoding: {drafts} draft tokens proposed, {accepted} accepted{rate}")
+        line = f"speculative decoding: {drafts} draft tokens proposed, {accepted} accepted{rate}"
+        skipped = sum(o.spec_num_skipped_steps for o in outs)
+        if skipped:  # say why drafts were few (the policy's log line is INFO: not shown here)
+            stats = getattr(llm.llm_engine, "stats", None)
+            reasons = dict(getattr(stats, "spec_skipped_by_reason", None) or {})
+            why = ", ".join(f"{r}: {n}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+            line += f"; {skipped} decode steps with lookahead slots drafted nothing" + (
+                f" ({why})" if why else ""
+            )
+            if reasons.get("goodput"):
+                line += (
+                    "; goodput: the dynamic policy expected drafts to lower tokens/s "
+                    "(speculative_config.dynamic=false forces them)"
+                )
+        print(line)
     return 0
 
 

@@ -299,6 +299,15 @@ class _EngineCollector:
             "Draft tokens per decode sequence-step with lookahead slots (the chosen draft length).",
             stats.spec_mean_draft_length,
         )
+        skipped = CounterMetricFamily(
+            "kvserve:spec_decode_num_skipped_draft_opportunities",
+            "Decode sequence-steps with lookahead slots that verified no drafts, by reason (goodput: the "
+            "dynamic policy expected no gain; measuring_plain_step; row_cap; max_tokens; no_proposal).",
+            labels=labels + ["reason"],
+        )
+        for reason, count in sorted(stats.spec_skipped_by_reason.items()):
+            skipped.add_metric(values + [str(reason)], float(count))
+        yield skipped
 
 
 def _renamed(family: Metric, name: str) -> Metric:

@@ -13,11 +13,24 @@ A seeded sampled request (``seed`` set, temperature > 0) always gets its full pr
 draft lengths decide how its generator is consumed by rejection sampling, and lengths chosen
 from this machine's timings would make the same seed give different text on another run.
 Greedy output does not depend on the lengths at all.
+
+A speculating sequence given no drafts is a skipped draft opportunity, with a reason
+(``skip_reasons``, per step; the worker adds its own and the engine counts them by reason):
+``goodput`` (no draft length was expected to raise the step's tokens per second: a low
+acceptance estimate, or a draft model whose forwards cost about as much as the target's),
+``measuring_plain_step`` (a plain step timed so drafts can be priced against it) or
+``row_cap`` (the step's rows left no room for drafts). The first ``goodput`` or ``row_cap``
+skip of a request is logged at INFO with the figures behind it and how to force drafts
+(``speculative_config.dynamic=false``), at most one line per ``LOG_INTERVAL_S``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvserve.spec_decode.goodput import (
@@ -25,12 +38,26 @@ from kvserve.spec_decode.goodput import (
     DraftCandidate,
     StepCostModel,
     allocate_draft_lengths,
+    expected_tokens,
     step_goodput,
 )
 
 if TYPE_CHECKING:
     from kvserve.sequence import ExecuteModelRequest, SequenceGroupMetadata
     from kvserve.spec_decode.interfaces import Proposal
+
+logger = logging.getLogger("kvserve.spec_decode")
+
+#: Reasons a speculating sequence gets no drafts from the policy (module docstring).
+SKIP_GOODPUT = "goodput"
+SKIP_MEASURING = "measuring_plain_step"
+SKIP_ROW_CAP = "row_cap"
+
+#: At most one "drafting off" INFO line per this many seconds (each request is named once);
+#: the next line counts the requests left unnamed meanwhile.
+LOG_INTERVAL_S = 10.0
+#: Requests remembered as already named (the oldest are forgotten first).
+_LOGGED_MAX = 10_000
 
 
 def step_rows(metas: list[SequenceGroupMetadata]) -> int:
@@ -128,6 +155,13 @@ class DynamicDraftPolicy:
         #: most query rows a step may have with its drafts (None: no cap); the worker sets it
         #: to the rows past which the target's kernels change (``uniform_kernel_rows``)
         self.max_rows: int | None = None
+        #: this step's candidates given no drafts: seq_id -> reason (``SKIP_*``)
+        self.skip_reasons: dict[int, str] = {}
+        #: how the log names the proposer (the worker sets it: "draft model", "ngram")
+        self.proposer_label = "draft model"
+        self._logged: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._unlogged: set[str] = set()
+        self._last_log = float("-inf")
 
     def _allocate(
         self, metas: list[SequenceGroupMetadata], cands: list[DraftCandidate], pinned_rows: int = 0
@@ -165,6 +199,7 @@ class DynamicDraftPolicy:
         )
         observed = getattr(cm, "is_observed", None)
         samples = getattr(cm, "num_samples", None)
+        measuring = False
         if samples is not None and not prefill and self._base_unsettled(base):
             # Every draft is priced against the plain step of this batch, so that step must
             # be measured, more than once (one stalled sample made drafts look free, and a
@@ -174,6 +209,7 @@ class DynamicDraftPolicy:
             # only then).
             if self.explore_interval > 0 and self.num_decisions % BASE_EVERY == 0:
                 ks = {c.seq_id: 0 for c in cands}
+                measuring = True
         elif (
             self.explore_interval > 0
             and self.num_decisions % self.explore_interval == 0
@@ -196,6 +232,7 @@ class DynamicDraftPolicy:
             g_best = step_goodput(cands, ks, base, cost, depth, tokens)
             if step_goodput(cands, more, base, cost, depth, tokens) >= 0.9 * g_best:
                 ks = more
+        self._note_skips(metas, cands, ks, measuring, cap, lambda: (base, cost, depth, tokens, n_dec))
         n = sum(ks.values())
         self.num_chosen_drafts += n
         if self.trace is not None:
@@ -208,6 +245,93 @@ class DynamicDraftPolicy:
                 "pred_s": cost(base + n),
             }
         return ks
+
+    def _note_skips(
+        self,
+        metas: list[SequenceGroupMetadata],
+        cands: list[DraftCandidate],
+        ks: dict[int, int],
+        measuring: bool,
+        cap: int | None,
+        figures: Callable[[], tuple],
+    ) -> None:
+        """Record why each candidate given 0 drafts got none (``skip_reasons``) and name the
+        first ``goodput`` / ``row_cap`` skip of each request in the log (``figures``: the step's
+        ``(base rows, cost, depth cost, plain tokens, decodes)``, only evaluated to log)."""
+        skipped = [c for c in cands if ks.get(c.seq_id, 0) == 0]
+        if not skipped:
+            return
+        reason = (
+            SKIP_MEASURING if measuring else SKIP_ROW_CAP if cap is not None and cap <= 0 else SKIP_GOODPUT
+        )
+        for c in skipped:
+            self.skip_reasons[c.seq_id] = reason
+        if reason == SKIP_MEASURING or not logger.isEnabledFor(logging.INFO):
+            return
+        request_of = {sid: md.request_id for md in metas for sid in md.seq_data}
+        fresh = [c for c in skipped if request_of.get(c.seq_id) not in self._logged]
+        if not fresh:
+            return
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            self._unlogged.update(request_of.get(c.seq_id, "?") for c in fresh)
+            return
+        c = fresh[0]
+        rid = request_of.get(c.seq_id, "?")
+        self._last_log = now
+        self._logged[rid] = None
+        if len(self._logged) > _LOGGED_MAX:
+            self._logged.popitem(last=False)
+        self._unlogged.discard(rid)
+        others = len(self._unlogged)
+        self._unlogged.clear()
+        base, cost, depth, tokens, n_dec = figures()
+        if reason == SKIP_ROW_CAP:
+            why = (
+                f"the step's {base} rows leave no room for drafts under its cap of "
+                f"{self.max_rows if self.max_rows is not None else base} rows"
+            )
+        else:
+            m, ratio = self._best_uniform(cands, base, cost, depth, tokens)
+            why = (
+                f"the best draft length (k={m}) is expected to give {ratio:.2f}x the tokens/s of a plain "
+                f"step, not above 1.0: acceptance {c.p_accept:.2f} per draft (estimated), {n_dec} decodes "
+                f"in the batch, plain step {cost(base) * 1e3:.1f} ms, draft proposer "
+                f"{depth * 1e3:.1f} ms per position, drafts' extra target cost counted {1 + self.margin:.2f}x"
+            )
+        logger.info(
+            "%s: drafting off for request %s: %s; set speculative_config.dynamic=false to force up to "
+            "num_speculative_tokens=%d drafts every step%s",
+            self.proposer_label,
+            rid,
+            why,
+            self.k,
+            f" ({others} more requests had drafting off since the last such line)" if others else "",
+        )
+
+    def _best_uniform(
+        self,
+        cands: list[DraftCandidate],
+        base: int,
+        cost: Callable[[int], float],
+        depth: float,
+        tokens: float,
+    ) -> tuple[int, float]:
+        """``(m, ratio)``: the uniform draft length ``m`` (every candidate up to ``m``) with
+        the best expected tokens/s relative to the plain step, costed as the allocator does
+        (the drafts' extra target cost ``1 + margin`` times, the proposer ``depth`` per
+        position)."""
+        base_cost = max(cost(base), 1e-12)
+        plain = tokens / base_cost
+        best = (1, 0.0)
+        for m in range(1, max((c.max_drafts for c in cands), default=0) + 1):
+            ks = {c.seq_id: min(m, c.max_drafts) for c in cands}
+            gain = sum(expected_tokens(c.p_accept, ks[c.seq_id]) - 1.0 for c in cands)
+            t = base_cost + (1 + self.margin) * (cost(base + sum(ks.values())) - base_cost) + depth * m
+            ratio = (tokens + gain) / max(t, 1e-12) / plain
+            if ratio > best[1]:
+                best = (m, ratio)
+        return best
 
     def _base_unsettled(self, base: int) -> bool:
         """Whether the plain step of ``base`` rows needs more samples: fewer than
@@ -234,6 +358,7 @@ class DynamicDraftPolicy:
         (sequences given 0 drafts are left out: they decode plainly)."""
         from kvserve.spec_decode.interfaces import Proposal
 
+        self.skip_reasons = {}
         cands: list[DraftCandidate] = []
         out: dict[int, Proposal] = {}
         pinned_rows = 0
@@ -267,6 +392,7 @@ class DynamicDraftPolicy:
         """For a costly proposer: the step's request with each speculating decode's
         ``num_speculative_tokens`` set to its chosen length (the group's largest; 0: no
         drafts this step). Blocks and slots are untouched (the scheduler reserved them)."""
+        self.skip_reasons = {}
         metas = req.seq_group_metadata_list
         cands: list[DraftCandidate] = []
         pinned_rows = 0

@@ -130,6 +130,9 @@ class SpecDecodeWorker:
             # every step alike, so the ratios the policy needs are the same. (On an
             # accelerator the CPU time of a synchronising thread says nothing: wall clock.)
             self.policy.use_cpu_time = str(getattr(worker, "device", "cpu")).startswith("cpu")
+            self.policy.proposer_label = (
+                "draft model" if spec_config.method == "draft_model" else spec_config.method
+            )
         self.vocab_size: int | None = getattr(getattr(worker, "hf_config", None), "vocab_size", None)
         self._warned_bad_proposal = False
         self._row_cap: tuple[int | None] | None = None  # (cap,) once ``_max_rows`` computed it
@@ -171,10 +174,13 @@ class SpecDecodeWorker:
             return []
         speculating = any(md.num_speculative_tokens > 0 and not md.is_prompt for md in metas)
         proposals: dict[int, Proposal] = {}
+        proposed: set[int] = set()  # sequences the proposer drafted for, before the row cap
         if speculating:
             if self.policy is not None:
                 self.policy.max_rows = self._max_rows()
-            proposals = self._cap_rows(metas, self._propose(req))
+            raw = self._propose(req)
+            proposed = {sid for sid, p in raw.items() if p.token_ids}
+            proposals = self._cap_rows(metas, raw)
         run_metas, verify = self._verify_chunks(metas, proposals)
         runner = self.worker.runner
         self.worker.before_step()
@@ -196,9 +202,15 @@ class SpecDecodeWorker:
         else:
             outputs = runner.sample(run_metas, inp, hidden)
         if speculating:
+            verified = {v.seq_id for v in verify if v.num_real}
+            policy_reasons = self.policy.skip_reasons if self.policy is not None else {}
             for md, out in zip(metas, outputs):
                 if not md.is_prompt and md.num_speculative_tokens > 0:
                     out.spec_num_eligible_seqs = len(md.seq_data)
+                    for sid, data in md.seq_data.items():
+                        if sid not in verified:
+                            reason = self._skip_reason(md, data, policy_reasons.get(sid), sid in proposed)
+                            out.spec_skipped[reason] = out.spec_skipped.get(reason, 0) + 1
         if self.policy is not None:
             # The step's cost as the policy sees it: the forward, sampling and verification
             # (sampling and .tolist() synchronise an accelerator).
@@ -211,6 +223,21 @@ class SpecDecodeWorker:
             if verify:
                 self.policy.observe_verified({v.seq_id: v.num_real for v in verify if v.num_real}, accepted)
         return outputs
+
+    @staticmethod
+    def _skip_reason(
+        md: SequenceGroupMetadata, data: SequenceData, policy: str | None, proposed: bool
+    ) -> str:
+        """Why a sequence with lookahead slots verified no drafts this step: the policy's
+        reason (``draft_policy.SKIP_*``), ``max_tokens`` (one token left: a draft could never
+        be emitted), ``row_cap`` (the step's rows left no room for its drafts), or
+        ``no_proposal`` (the proposer had none: no n-gram match, or a proposer failure)."""
+        if policy is not None:
+            return policy
+        max_tokens = md.sampling_params.max_tokens
+        if max_tokens is not None and max_tokens - data.get_output_len() - 1 < 1:
+            return "max_tokens"
+        return "row_cap" if proposed else "no_proposal"
 
     def _propose(self, req: ExecuteModelRequest) -> dict[int, Proposal]:
         """The step's proposals: the proposer's as they are (fixed k), or cut / limited to the

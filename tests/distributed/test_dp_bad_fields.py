@@ -19,6 +19,8 @@ BAD = [
     {"prompt": "hi", "max_tokens": 300},
     {"prompt": "hi", "max_tokens": 2, "n": 3, "best_of": 2},
     {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "("}},
+    {"prompt": "hi", "max_tokens": 2, "guided_regex": "[^\\s\\S]"},
+    {"prompt": "hi", "max_tokens": 2, "guided_json": {"type": "integer", "maximum": 1e30}},
     {"prompt": "hi", "max_tokens": 2, "stop": [""] * 3},
     {"prompt": "hi", "max_tokens": 2, "model": "no-such-adapter"},
     {"prompt": "hi", "max_tokens": 2, "stream": True, "temperature": 1e39},

@@ -354,3 +354,63 @@ def test_a_matcher_in_an_error_state_at_the_mask_fill_ends_only_its_request(llm,
     assert finals["broken"].error.startswith("request broken failed: its grammar matcher failed")
     assert finals["fine"].outcome == "finished"
     assert len(finals["fine"].outputs[0].text) == 3 and set(finals["fine"].outputs[0].text) <= set("abc")
+
+
+# ---------------------------------------------------------------- data parallelism
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+
+    def remote(self, *args):
+        self.calls += 1
+
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class _Replica:
+    def __init__(self, fn):
+        self.compile_constraint = _Remote(fn)
+
+
+class _Front:
+    """A front engine whose grammar compiler must never be touched."""
+
+    @property
+    def structured_output(self):
+        raise AssertionError("the front process ran the grammar compiler")
+
+
+def test_data_parallel_front_has_a_replica_compile_and_never_compiles_itself():
+    import asyncio
+
+    ray = pytest.importorskip("ray")
+    from kvserve.distributed.dp_engine import DataParallelAsyncEngine
+    from kvserve.entrypoints.openai.serving_engine import APIError, OpenAIServing
+
+    def dead(so):
+        raise ray.exceptions.RayActorError()
+
+    def refuses(so):
+        raise ray.exceptions.RayTaskError(
+            "compile_constraint", "", ValueError(f"{so.field_name}: nope (limit).")
+        )
+
+    def accepts(so):
+        return None
+
+    so = P(regex="[^\\s\\S]", origin="guided_regex")
+    replicas = [_Replica(dead), _Replica(refuses)]
+    dp = DataParallelAsyncEngine(_Front(), replicas, [{"pid": 1, "node": "n"}] * 2, router=None)
+    serving = OpenAIServing(dp, ["m"], models=object())
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.compile_constraint(so))
+    assert e.value.status == 400 and e.value.param == "guided_regex", vars(e.value)
+    # the dead replica was passed over; the next one answered
+    assert [r.compile_constraint.calls for r in replicas] == [1, 1]
+    replicas[1].compile_constraint.fn = accepts
+    asyncio.run(serving.compile_constraint(so))
+    assert replicas[1].compile_constraint.calls == 2

@@ -81,6 +81,13 @@ def test_vllm_fields_on_completions(server, extra, check):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs.grammar"),
+        # compiles, but no output can ever match it (checked on the first token mask)
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+        ({"guided_grammar": 'start: a\na: "x" a'}, "guided_grammar"),
+        # past a limit of the grammar compiler
+        ({"guided_json": {"type": "integer", "minimum": 1e30}}, "guided_json"),
+        ({"guided_regex": "a{1000000}"}, "guided_regex"),
+        ({"guided_choice": [f"c{i}" for i in range(5000)]}, "guided_choice"),
     ],
 )
 def test_bad_constraint_is_400_naming_the_field_and_next_request_succeeds(server, extra, param):

@@ -115,8 +115,12 @@ class VerifyMasks:
     def get(self, j: int) -> tuple[int, torch.Tensor]:
         """``(allowed_j, int32 [allowed_j + 1, words])`` for sequence ``j`` (waits for the job).
 
+        A matcher in an error state does not raise here (that would fail the whole batch's
+        forward): it allows no draft and its one row allows EOS only; the engine ends the group
+        after the step (``StructuredOutputManager.faults``).
+
         Raises:
-            GrammarError: a matcher of this group is in an error state.
+            GrammarError: the job failed (a matcher could not be rolled back).
         """
         if self._stats is not None and not self._future.done():
             t0 = time.perf_counter()
@@ -125,9 +129,6 @@ class VerifyMasks:
             finally:
                 self._stats.wait_s += time.perf_counter() - t0
         allowed: list[int] = self._future.result()
-        for m in self._matchers:
-            if m.is_error():
-                raise GrammarError(f"its grammar matcher failed: {grammar_error_message(m.get_error())}")
         start = self._starts[j]
         return allowed[j], self._tensor[start : start + allowed[j] + 1]
 

@@ -49,8 +49,9 @@ def _quant_gemm_path(flags: set[str]) -> str:
         many = (
             "VNNI int8 panels from "
             + " / ".join(str(quant_gemm.VNNI_ROWS[t]) for t in vnni)
-            + f" ({' / '.join(t.upper() for t in vnni)}) rows, "
-            f"other types dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
+            + f" ({' / '.join(t.upper() for t in vnni)}) rows (bfloat16 up to "
+            f"{quant_gemm.VNNI_BF16_MAX_ROWS}), "
+            f"other types and larger bfloat16 steps dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
         )
     else:
         many = f"dequantized float32 panels from {quant_gemm.PANEL_ROWS}"

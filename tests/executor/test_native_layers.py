@@ -48,6 +48,23 @@ def native_here(fmt: str) -> bool:
 FORMATS_HERE = [f for f in FORMATS if native_here(f)]
 
 
+def fused_max_rows(model) -> tuple[int | None, str]:
+    """The most rows of a step that ``model``'s dense linear weights run natively, so that the
+    one-call step applies (None: any), and why. It depends on the CPU for bfloat16
+    (``llama.prepack_weight``): AMX tiles up to ``amx_gemm.MAX_ROWS`` rows, oneDNN above; no
+    AMX but a bfloat16 dot product faster than the FMAs (AMD Zen 4) the panels up to
+    ``native_gemm.BF16_DOT_MAX_ROWS``, oneDNN above; otherwise the panels at any row count."""
+    w = model.layers[0].self_attn.qkv_weight
+    if isinstance(w, amx_gemm.AmxWeight):
+        return amx_gemm.MAX_ROWS, "bfloat16 on AMX tiles: oneDNN above amx_gemm.MAX_ROWS rows"
+    if isinstance(w, native_gemm.PanelWeight) and w.max_rows is not None:
+        return w.max_rows, (
+            "bfloat16 without AMX and with a fast AVX512-BF16 dot product: oneDNN above "
+            "native_gemm.BF16_DOT_MAX_ROWS rows"
+        )
+    return None, "native kernels at every row count"
+
+
 @contextlib.contextmanager
 def env(name: str, value: str | None):
     old = os.environ.get(name)
@@ -91,6 +108,7 @@ def worker(fmt: str):
     """A worker on a tiny 2-layer model (hidden 256: the K-quants' superblock) whose linear
     weights are ``fmt``: the model dtype's packed weights, or random GGUF blocks; every other
     format's model has q/k/v and o biases."""
+    fmt, _, act_dtype = fmt.partition("@")  # "q8_0@bfloat16": GGUF blocks in a bfloat16 model
     bias = FORMATS.index(fmt) % 2 == 0
     cfg = llama_config(
         hidden_size=256,
@@ -104,7 +122,7 @@ def worker(fmt: str):
     path = tempfile.mkdtemp(prefix="kvserve-native-layers-")
     atexit.register(shutil.rmtree, path, True)
     save_tiny(path, cfg, seed=3)
-    dtype = "bfloat16" if fmt == "bfloat16" else "float32"
+    dtype = act_dtype or ("bfloat16" if fmt == "bfloat16" else "float32")
     w = make_worker(path, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS, native=True, dtype=dtype)
     if fmt in QTYPES:
         rng = np.random.default_rng(11)
@@ -190,16 +208,39 @@ def test_fused_step_bit_identical_to_per_layer_calls(fmt, rows, act, seed):
         with count_fused() as calls:
             got, got_cache = run(w, inp, fused=True)
         want, want_cache = run(w, inp, fused=False)
-    # bfloat16 past the AMX tiles' or (with AVX512-BF16) the panels' row limit runs oneDNN:
-    # the module path, neither native form
-    past_limit = fmt == "bfloat16" and (
-        rows > amx_gemm.MAX_ROWS
-        if amx_gemm.available()
-        else not native_gemm.packs_bfloat16() and rows > native_gemm.BF16_DOT_MAX_ROWS
-    )
+    # bfloat16 past the AMX tiles' or (with a fast AVX512-BF16) the panels' row limit runs
+    # oneDNN: the module path, neither native form
+    limit, _ = fused_max_rows(w.runner.model)
+    past_limit = limit is not None and rows > limit
     assert calls == ([] if past_limit else [rows])
     assert torch.equal(got, want), f"max diff {(got.float() - want.float()).abs().max()}"
     assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+
+
+@pytest.mark.skipif(not quant_gemm.available(), reason="no quantized kernels")
+@pytest.mark.parametrize("qtype", quant_gemm.VNNI_TYPES)
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_bfloat16_quantized_fused_step_bit_identical_on_every_int8_route(qtype, amx):
+    """A bfloat16 model on Q8_0 / Q4_1 weights in the int8 mode, with and without the AMX
+    kernel (without: VNNI up to ``VNNI_BF16_MAX_ROWS`` rows, float panels above, where the
+    kernels have VNNI): the one-call step reads the bytes of the kernel it calls and equals the
+    per-layer calls at each row regime (act8, VNNI / AMX, panels)."""
+    if amx == "1" and not quant_gemm.amx_supported():
+        pytest.skip("needs AMX tiles (the AMX route)")
+    w = worker(f"{qtype}@bfloat16")
+    with env(quant_gemm.ACT_ENV, "int8"), env(quant_gemm.AMX_ENV, amx):
+        picked = []
+        for rows in (2, quant_gemm.VNNI_BF16_MAX_ROWS, quant_gemm.PANEL_ROWS + 4):
+            picked.append(quant_gemm.pick_kernel(rows, qtype, torch.bfloat16))
+            inp = decode_inputs(w, rows, seed=rows)
+            with count_fused() as calls:
+                got, got_cache = run(w, inp, fused=True)
+            want, want_cache = run(w, inp, fused=False)
+            assert calls == [rows]
+            assert torch.equal(got, want), (rows, picked[-1])
+            assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+        middle = "amx" if amx == "1" else "vnni" if quant_gemm.vnni_enabled(qtype) else "act8"
+    assert picked == ["act8", middle, "amx" if amx == "1" else "panel"], picked
 
 
 @pytest.mark.parametrize("fmt", ["float32", *QTYPES])

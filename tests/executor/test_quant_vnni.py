@@ -104,6 +104,21 @@ def test_pick_kernel_takes_vnni_from_vnni_rows_in_the_int8_mode_but_not_for_the_
         ] * 3
         # never one int8 plane for the logits: act16 below the panel rows, the panels from there
         assert [quant_gemm.head_kernel(r, qtype) for r in (low - 1, low, rows)] == ["act16", "act16", "panel"]
+        # bfloat16 activations: int8 for decode-sized steps only, float panels for prefills
+        top = quant_gemm.VNNI_BF16_MAX_ROWS
+        assert [
+            quant_gemm.pick_kernel(r, qtype, torch.bfloat16) for r in (low - 1, low, top, top + 1, 300)
+        ] == [
+            "act8",
+            "vnni",
+            "vnni",
+            "panel",
+            "panel",
+        ]
+        # the bytes read follow the same choice (the panels read Q8_0's GGUF bytes, not x4)
+        qw, _ = weight(qtype, 8, 2, seed=3)
+        assert quant_gemm.weight_attr(qw, 300, dtype=torch.bfloat16) == "data"
+        assert quant_gemm.weight_attr(qw, 300) == "x4"
     for qtype in ("q4_0", "q4_k", "q6_k"):  # no x4 layout: the float panels
         assert quant_gemm.pick_kernel(rows, qtype) == "panel"
     monkeypatch.setenv(quant_gemm.X4_ENV, "0")  # Q4_1 on its GGUF bytes: no x4 copy to read

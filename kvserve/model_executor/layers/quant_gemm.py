@@ -52,7 +52,10 @@ their x4 copy, ``$KVSERVE_QUANT_VNNI`` not ``0``): from ``VNNI_ROWS[qtype]`` row
 the int8 activations (the act8 kernels' per-32-block quantization) times the weight bytes
 exactly with vpdpbusd, one conversion and scaling per block: the act8 numerics at ~2x the float
 panels' speed at 16-256 rows (benchmarks in ``VNNI_ROWS``). The LM head keeps ``act16`` / the
-panels (``head_kernel``).
+panels (``head_kernel``). bfloat16 activations take it only below ``PANEL_ROWS`` rows
+(``VNNI_BF16_MAX_ROWS``): a bfloat16 prefill on int8 activations missed the documented 1% of
+the float model's perplexity (tests/executor/test_int8_quantization.py), so from ``PANEL_ROWS``
+rows a bfloat16 step keeps float activations on the panels.
 
 Otherwise (the ``float`` mode, other weight types, no AMX nor VNNI, or both switched off), from
 ``PANEL_ROWS`` rows on the weights are dequantized once per call into float32 panels and a float
@@ -153,6 +156,14 @@ AMX_ENV = "KVSERVE_QUANT_AMX"
 VNNI_ROWS = {"q8_0": 6, "q4_1": 8}
 #: Weight types of the VNNI many-row kernel (``csrc/quant_vnni.h``: it reads the x4 layout).
 VNNI_TYPES = tuple(VNNI_ROWS)
+#: Most rows of bfloat16 activations ``pick_kernel`` gives the VNNI kernel; more (prefill) run
+#: the float panels. Why: int8 activations on top of bfloat16 rounding put the default model's
+#: prefill perplexity 1.0-1.8% above the float model's (the documented bound is 1%), varying
+#: with the attention kernel's rounding, while float activations stay within ~0.5% and the
+#: same int8 numerics in decode-sized steps (act8: one row; this kernel: up to this many) stayed
+#: within 0.5% (tests/executor/test_int8_quantization.py). float32 activations take it at any
+#: row count (within 0.7%).
+VNNI_BF16_MAX_ROWS = PANEL_ROWS - 1
 #: Environment variable: ``0`` turns the VNNI many-row kernel off (the float panels run from
 #: ``PANEL_ROWS`` rows; for A/B comparisons), unset or anything else: on where ``vnni_enabled()``.
 VNNI_ENV = "KVSERVE_QUANT_VNNI"
@@ -203,7 +214,8 @@ def amx_enabled() -> bool:
 
 def vnni_enabled(qtype: str) -> bool:
     """Whether ``pick_kernel`` chooses the VNNI many-row kernel (``csrc/quant_vnni.h``: int8
-    activations, integer sums) from ``VNNI_ROWS[qtype]`` rows of a ``qtype`` weight: in the
+    activations, integer sums) from ``VNNI_ROWS[qtype]`` rows of a ``qtype`` weight (bfloat16
+    activations: up to ``VNNI_BF16_MAX_ROWS`` rows): in the
     ``int8`` mode, kernels built with AVX-512 VNNI, ``qtype`` in ``VNNI_TYPES`` (Q4_1 while
     ``x4_enabled()``: the kernel reads the x4 copy), and ``$KVSERVE_QUANT_VNNI`` not ``0``. AMX,
     where enabled, comes first (``pick_kernel``). The many-row numerics are then the act8
@@ -546,15 +558,21 @@ def head_kernel(rows: int, qtype: str) -> str | None:
     return "act16" if qtype in ACT8_TYPES and activation_mode() == "int8" else "tile"
 
 
-def pick_kernel(rows: int, qtype: str) -> str:
-    """Which kernel ``linear`` runs for ``rows`` activation rows on a ``qtype`` weight:
-    ``"amx"`` from ``AMX_ROWS[qtype]`` rows where ``amx_enabled()``, ``"vnni"`` from
-    ``VNNI_ROWS[qtype]`` rows where ``vnni_enabled(qtype)``, ``"panel"`` from ``PANEL_ROWS``
-    rows, else ``"act8"`` in the ``int8`` mode on ``ACT8_TYPES``, else ``"tile"``
-    (float activations, weights dequantized in registers)."""
+def pick_kernel(rows: int, qtype: str, dtype: torch.dtype = torch.float32) -> str:
+    """Which kernel ``linear`` runs for ``rows`` activation rows of ``dtype`` on a ``qtype``
+    weight: ``"amx"`` from ``AMX_ROWS[qtype]`` rows where ``amx_enabled()``, ``"vnni"`` from
+    ``VNNI_ROWS[qtype]`` rows where ``vnni_enabled(qtype)`` (bfloat16: up to
+    ``VNNI_BF16_MAX_ROWS`` rows), ``"panel"`` from ``PANEL_ROWS`` rows, else ``"act8"`` in the
+    ``int8`` mode on ``ACT8_TYPES``, else ``"tile"`` (float activations, weights dequantized in
+    registers). Callers that run the kernel pass the activations' dtype here and to
+    ``kernel_fn`` / ``kernel_weight`` alike (the kernel decides which bytes are read)."""
     if qtype in AMX_TYPES and rows >= AMX_ROWS[qtype] and amx_enabled():
         return "amx"
-    if rows >= VNNI_ROWS.get(qtype, rows + 1) and vnni_enabled(qtype):
+    if (
+        rows >= VNNI_ROWS.get(qtype, rows + 1)
+        and (dtype != torch.bfloat16 or rows <= VNNI_BF16_MAX_ROWS)
+        and vnni_enabled(qtype)
+    ):
         return "vnni"
     if rows >= PANEL_ROWS:
         return "panel"
@@ -580,17 +598,21 @@ def _symbol(kind: str, qtype: str, layout: str = "gguf") -> str:
     return f"quant_gemm_{kind.removesuffix('_gguf')}_"
 
 
-def weight_attr(weight: QuantWeight, rows: int, kernel: str | None = None) -> str:
-    """The ``QuantWeight`` attribute holding the bytes kernel ``kernel`` (None: ``pick_kernel``)
-    reads for ``rows`` rows of ``weight``: ``"x4"`` for the x4 kernels (``_symbol``), else
-    ``"data"``."""
-    kind = kernel or pick_kernel(rows, weight.qtype)
+def weight_attr(
+    weight: QuantWeight, rows: int, kernel: str | None = None, dtype: torch.dtype = torch.float32
+) -> str:
+    """The ``QuantWeight`` attribute holding the bytes kernel ``kernel`` (None: ``pick_kernel``
+    for ``dtype`` activations) reads for ``rows`` rows of ``weight``: ``"x4"`` for the x4
+    kernels (``_symbol``), else ``"data"``."""
+    kind = kernel or pick_kernel(rows, weight.qtype, dtype)
     return "x4" if "x4_" in _symbol(kind, weight.qtype, weight.layout) else "data"
 
 
-def kernel_weight(weight: QuantWeight, rows: int, kernel: str | None = None) -> torch.Tensor:
-    """The bytes ``kernel_fn``'s function reads (``weight_attr``)."""
-    return getattr(weight, weight_attr(weight, rows, kernel))
+def kernel_weight(
+    weight: QuantWeight, rows: int, kernel: str | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The bytes ``kernel_fn``'s function reads (``weight_attr``; the same ``dtype``)."""
+    return getattr(weight, weight_attr(weight, rows, kernel, dtype))
 
 
 def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | None = None):
@@ -598,7 +620,7 @@ def kernel_fn(weight: QuantWeight, rows: int, dtype: torch.dtype, kernel: str | 
     as ``linear``'s); arguments ``(x, w, bias, y, M, N, K, nthreads)`` with ``w`` the bytes of
     ``kernel_weight``, returning nonzero when it could not allocate its scratch (nothing
     written). The kernels must be available."""
-    kind = kernel or pick_kernel(rows, weight.qtype)
+    kind = kernel or pick_kernel(rows, weight.qtype, dtype)
     fn = _LIB.fn(f"{_symbol(kind, weight.qtype, weight.layout)}{weight.qtype}_{DTYPE_SUFFIX[dtype]}")
     if kind != "tile" and fn.restype is not ctypes.c_int:
         fn.restype = ctypes.c_int
@@ -650,7 +672,7 @@ def linear(
     x = x.contiguous()  # (referenced until the call returns)
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    kind = kernel or pick_kernel(x.shape[0], weight.qtype)
+    kind = kernel or pick_kernel(x.shape[0], weight.qtype, x.dtype)
     rc = kernel_fn(weight, x.shape[0], x.dtype, kind)(
         x.data_ptr(),
         kernel_weight(weight, x.shape[0], kind).data_ptr(),

@@ -73,7 +73,7 @@ def _gemm_call(weight, bias: torch.Tensor | None, rows: int, dtype: torch.dtype)
     if isinstance(weight, quant_gemm.QuantWeight) and quant_gemm.available():
         return (
             quant_gemm.kernel_fn(weight, rows, dtype),
-            quant_gemm.kernel_weight(weight, rows).data_ptr(),
+            quant_gemm.kernel_weight(weight, rows, dtype=dtype).data_ptr(),
             b,
             weight.out_features,
             weight.in_features,
@@ -261,7 +261,7 @@ def _forward_per_layer(
         if hit is None:
             fn, _, _, _, _, panel = _gemm_call(weight, bias, T, x.dtype)
             if isinstance(weight, quant_gemm.QuantWeight):
-                attr = quant_gemm.weight_attr(weight, T)
+                attr = quant_gemm.weight_attr(weight, T, dtype=x.dtype)
             else:
                 attr = _WEIGHT_BYTES[type(weight)]
             hit = resolved[key] = (fn, panel, attr)
@@ -360,7 +360,7 @@ def _gemm_entry(entry: native_layers.DLGemm, weight, bias: torch.Tensor | None, 
     if panel:
         kind = native_layers.PANEL
     elif isinstance(weight, quant_gemm.QuantWeight):
-        tile = quant_gemm.pick_kernel(rows, weight.qtype) == "tile"
+        tile = quant_gemm.pick_kernel(rows, weight.qtype, dtype) == "tile"
         kind = native_layers.TILE if tile else native_layers.STATUS
     else:
         kind = native_layers.AMX
@@ -602,14 +602,17 @@ class _StepPlan:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _regime(rows: int, quantized: bool) -> tuple:
-    """What decides the kernels ``_gemm_call`` picks for ``rows`` rows: for a quantized model the
-    kernel ``quant_gemm.pick_kernel`` picks per weight type (so every one of its row thresholds,
-    its mode and switches) and the x4 switch (which bytes they read); the AMX kernel's and the
-    bfloat16 panels' row limits."""
+def _regime(rows: int, quantized: bool, dtype: torch.dtype) -> tuple:
+    """What decides the kernels ``_gemm_call`` picks for ``rows`` rows of ``dtype``: for a
+    quantized model the kernel ``quant_gemm.pick_kernel`` picks per weight type (so every one of
+    its row thresholds, its mode and switches) and the x4 switch (which bytes they read); the
+    AMX kernel's and the bfloat16 panels' row limits."""
     return (
         rows >= quant_gemm.PANEL_ROWS,
-        (tuple(quant_gemm.pick_kernel(rows, t) for t in quant_gemm.BLOCK_BYTES), quant_gemm.x4_enabled())
+        (
+            tuple(quant_gemm.pick_kernel(rows, t, dtype) for t in quant_gemm.BLOCK_BYTES),
+            quant_gemm.x4_enabled(),
+        )
         if quantized
         else None,
         rows <= amx_gemm.MAX_ROWS,
@@ -660,7 +663,7 @@ def step_plan(model, rows: int, kv_caches: list[torch.Tensor]) -> _StepPlan | No
             )
         )
         hit = _PLANS[model] = (sentinel, {}, quantized)
-    regime = _regime(rows, hit[2])
+    regime = _regime(rows, hit[2], model.dtype)
     plans = hit[1]
     plan = plans.get(regime, False)
     if plan is False:

@@ -363,7 +363,9 @@ def _check_grammar(field: str, text: str, limits: GrammarLimits) -> None:
     rules = len(_RULE_HEAD.findall(text))
     if rules > limits.max_rules:
         raise _bad(field, f"the grammar has {rules} rules, more than {limits.max_rules} (limit).")
-    for m in _GRAMMAR_REPEAT.finditer(text):
+    # quoted literals are text, not operators: "{99999}" in a string repeats nothing
+    unquoted = re.sub(r""""(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'""", '""', text)
+    for m in _GRAMMAR_REPEAT.finditer(unquoted):
         count = int(m.group(2) or m.group(1))
         if count > limits.max_repeat:
             raise _bad(field, f"the grammar repeats {count} times, more than {limits.max_repeat} (limit).")

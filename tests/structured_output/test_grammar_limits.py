@@ -84,6 +84,7 @@ def test_a_constraint_past_a_limit_is_a_value_error_naming_the_field_and_the_lim
         P(json={"type": "string", "maxLength": L.max_repeat}),
         P(regex=r"a\{99999\}[{]{3}"),  # escaped braces and a class are not repetitions
         P(regex="(a{100}){100}"),
+        P(grammar="start: \"{99999}\" | '{99999}'"),  # quoted: text, not a repetition
         P(choice=[f"c{i}" for i in range(L.max_choices)]),
         P(
             grammar="start: r0\n"

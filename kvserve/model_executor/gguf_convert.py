@@ -9,15 +9,22 @@ HF's "rotate half" RoPE layout (first half / second half of the head) to interle
 ``unpermute_qk`` applies the inverse so the weights match HF modelling code again.
 
 The result is cached under ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``) in
-``<gguf stem>-<12 hex digest of size, first and last MiB, converter version>/`` (content, not
-mtime, so every install of the same file shares one cache); it is written into a
-temporary directory next to it and renamed into place, so an interrupted conversion never
-leaves a half-written cache behind.
+``<gguf stem>-<16 hex digits of sha256(converter version, sha256 of the whole file)>/``
+(content, not name or mtime, so every install of the same file shares one cache and a different
+file never meets another's conversion). The whole-file hash is computed once per file version
+and remembered in ``<cache>/gguf-sha256.json`` under the file's path, size, mtime, ctime, inode
+and device (``file_sha256``), so an unchanged file is not read again on every start. The
+conversion is written into a temporary directory next to its final place and renamed into
+place, so an interrupted or failed conversion (a refused file, a full disk) never leaves a cache
+entry behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import json
 import mmap
 import os
 import re
@@ -31,6 +38,10 @@ import numpy as np
 
 #: Bump when the output format changes, so old caches are not reused.
 CONVERTER_VERSION = "1"
+#: The whole-file hash memo's file name under ``cache_root()`` (``file_sha256``).
+HASH_MEMO = "gguf-sha256.json"
+#: Entries the memo keeps (the oldest are dropped first).
+_HASH_MEMO_MAX = 256
 #: Temporary conversion directories older than this (seconds) are treated as abandoned.
 _STALE_TMP_S = 6 * 3600
 
@@ -175,17 +186,79 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvserve"
 
 
+def _memo_key(path: Path, st: os.stat_result) -> str:
+    """The memo key of one version of a file: any write to it changes its ctime (which, unlike
+    mtime, cannot be set back), a replacement its inode."""
+    return f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
+
+
+def _read_memo(memo: Path) -> dict[str, str]:
+    try:
+        with open(memo, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError):  # absent or unreadable: rebuilt as files are hashed
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and len(v) == 64}
+
+
+def _write_memo(memo: Path, entries: dict[str, str]) -> None:
+    """Replace the memo atomically (a temporary file renamed over it); a failure (read-only or
+    full disk) only costs a hash on a later start, so it is ignored, leaving no partial file."""
+    tmp = None
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{memo.name}-", dir=memo.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(entries, f)
+        os.replace(tmp, memo)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of the whole file ``path``, streamed (``hashlib.file_digest``).
+
+    Remembered in ``cache_root() / HASH_MEMO`` under the file's path, size, mtime, ctime, inode
+    and device: while none of them changes, the file is not read again. A file that changes
+    while it is read is hashed again (its new version's hash is what is remembered).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    memo = cache_root() / HASH_MEMO
+    for _ in range(3):
+        st = path.stat()
+        key = _memo_key(path, st)
+        entries = _read_memo(memo)
+        if key in entries:
+            return entries[key]
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if _memo_key(path, path.stat()) != key:
+            continue  # written meanwhile: the digest may mix two versions
+        entries = _read_memo(memo)  # (another process may have added entries meanwhile)
+        entries.pop(key, None)
+        entries[key] = digest
+        while len(entries) > _HASH_MEMO_MAX:
+            entries.pop(next(iter(entries)))
+        _write_memo(memo, entries)
+        return digest
+    raise OSError(errno.EBUSY, "the file kept changing while it was hashed", str(path))
+
+
 def cache_dir_for(gguf_path: Path) -> Path:
-    """Where the converted copy of ``gguf_path`` lives (keyed on its size and sampled content:
-    hashing the whole file would cost a second start ~0.3 s per 100 MB)."""
-    size = gguf_path.stat().st_size
-    h = hashlib.sha256(f"{size}:{CONVERTER_VERSION}:".encode())
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    digest = h.hexdigest()[:12]
-    return cache_root() / f"{gguf_path.stem}-{digest}"
+    """Where the converted copy of ``gguf_path`` lives: keyed on the sha256 of the whole file
+    (``file_sha256``, remembered across starts) and ``CONVERTER_VERSION``."""
+    h = hashlib.sha256(f"{CONVERTER_VERSION}:{file_sha256(gguf_path)}".encode())
+    return cache_root() / f"{gguf_path.stem}-{h.hexdigest()[:16]}"
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -450,20 +523,48 @@ def _clean_stale_tmp(root: Path) -> None:
             pass
 
 
+def _write_error(e: BaseException, final: Path) -> ValueError | None:
+    """The error to raise for ``e``, raised while writing cache entry ``final``, when it is a
+    failure of the disk (full, read-only, no permission) rather than of the file converted;
+    None otherwise. The safetensors writer reports an I/O failure as its own error type whose
+    message holds the OS error."""
+    if isinstance(e, ValueError):  # the converter's verdict on the file, already named
+        return None
+    text = str(e)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text:
+        why = "no space left on the device"
+    elif isinstance(e, OSError) or "os error" in text:
+        why = f"{type(e).__name__}: {e}"
+    else:
+        return None
+    return ValueError(
+        f"cannot write the converted model into the cache directory {str(final.parent)!r} ({why}); "
+        f"nothing was cached. Free space there, or set KVSERVE_CACHE_DIR to a writable directory "
+        f"with room."
+    )
+
+
 def _cached(final: Path, write, complete) -> Path:
     """``final`` once ``complete(final)``, writing it first with ``write(tmp_dir)`` when absent.
 
+    The entry is written into a temporary directory beside ``final`` and renamed into place:
+    whatever fails (``write`` refusing the file, a full disk) leaves no directory behind.
     Concurrent callers may both write; the first rename wins and the other copy is dropped.
+
+    Raises:
+        ValueError: ``write``'s own errors; or the cache cannot be written (a full disk, a
+            read-only or unwritable directory), naming the directory (``_write_error``).
     """
     if complete(final):
         return final
     root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_stale_tmp(root)
-    if final.exists():  # incomplete leftovers (should not happen with rename) -> redo
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    tmp = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_stale_tmp(root)
+        if final.exists():  # incomplete leftovers (should not happen with rename) -> redo
+            shutil.rmtree(final, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         write(tmp)
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
@@ -473,8 +574,13 @@ def _cached(final: Path, write, complete) -> Path:
         except OSError:
             if not complete(final):
                 raise
+    except Exception as e:
+        err = _write_error(e, final)
+        if err is None:
+            raise
+        raise err from e
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
@@ -490,14 +596,16 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     ``out_dir``: what ``quantization="gguf"`` needs beside the GGUF file itself.
 
     Raises:
-        ValueError: naming the file: not a readable llama GGUF, or missing config or
-            tokenizer metadata.
+        ValueError: naming the file: not a readable llama GGUF, missing config or tokenizer
+            metadata, or tensors whose names or shapes do not fit it (``check_tensors``: a
+            file the loader will refuse gets no cache entry either).
     """
     where = _where(gguf_path)
     reader = open_gguf(gguf_path)
     check_architecture(reader, where)
     check_tokenizer_metadata(reader, where)
     cfg = build_config(reader, any(t.name == "output.weight" for t in reader.tensors), where)
+    check_tensors(reader, cfg, where)
     del reader
     cfg.save_pretrained(str(out_dir))
     _save_tokenizer(gguf_path, out_dir)

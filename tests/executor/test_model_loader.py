@@ -155,7 +155,8 @@ def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_convert, "convert_gguf", crashing)
     with pytest.raises(RuntimeError):
         gguf_convert.converted_dir(fake)
-    assert list((tmp_path / "cache").iterdir()) == []
+    memo = gguf_convert.HASH_MEMO  # (the whole-file hash memo: not an entry)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [memo]
 
     def ok(src, out):
         calls.append(src)
@@ -166,7 +167,7 @@ def test_conversion_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     d1 = gguf_convert.converted_dir(fake)
     d2 = gguf_convert.converted_dir(fake)
     assert d1 == d2 and len(calls) == 1 and d1.name.startswith("Fake-")
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [d1.name]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([d1.name, memo])
     os.utime(fake, ns=(time.time_ns(), time.time_ns() + 10**9))  # same content, new mtime -> same key
     assert gguf_convert.converted_dir(fake) == d1
     with open(fake, "ab") as f:  # changed content -> new key

@@ -320,7 +320,7 @@ def test_gguf_float_path_checks_shapes_and_names_before_caching(tmp_path, tiny_h
         assert re.search(
             r"name\.gguf'.*'blk\.1\.attn_z\.weight' has no Hugging Face Llama counterpart", msg
         ), msg
-    assert not [p for p in (tmp_path / "cache").glob("*") if not p.name.endswith("-meta")]
+    assert not [p for p in (tmp_path / "cache").glob("*") if p.name != "gguf-sha256.json"]
 
 
 # ------------------------------------------------------------------ HF directories

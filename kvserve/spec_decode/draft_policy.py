@@ -116,7 +116,8 @@ class DynamicDraftPolicy:
             drafts beyond the chosen allocation is added, so row counts the model has never seen
             get measured (0: never).
         warmup_steps: the first steps' times are not learned from (they include one-time
-            costs: lazy initialisation, first-touch of the weights and the KV cache).
+            costs: lazy initialisation, first-touch of the weights and the KV cache); nor are
+            a costly proposer's first that many drafting calls (``observe_proposer``).
         margin: the drafts' modelled extra cost is counted ``1 + margin`` times
             (``allocate_draft_lengths``): a safety factor against the cost model's error.
 
@@ -142,6 +143,7 @@ class DynamicDraftPolicy:
         self.estimator = estimator or AcceptanceEstimator()
         self.explore_interval = explore_interval
         self._warmup_left = warmup_steps
+        self._proposer_warmup_left = warmup_steps
         self.margin = margin
         # The cost signal: thread CPU time (set by the worker on CPU devices) or wall clock.
         self.use_cpu_time = False
@@ -446,8 +448,14 @@ class DynamicDraftPolicy:
 
     def observe_proposer(self, depth: int, seconds: float) -> None:
         """A costly proposer drafted ``depth`` positions (its sequential forwards) in
-        ``seconds``."""
+        ``seconds``. The first ``warmup_steps`` such calls are not learned from: a draft
+        model's first forwards carry its one-time costs (and the catch-up of the prompt), and
+        a first call taken as the per-position cost priced the draft far above its steady
+        cost, which switched drafting off for good (with no drafts, nothing is measured again)."""
         if depth >= 1 and seconds > 0:
+            if self._proposer_warmup_left > 0:
+                self._proposer_warmup_left -= 1
+                return
             per = seconds / depth
             self.depth_cost_s = (
                 per if self.depth_cost_s == 0.0 else self.depth_cost_s + 0.2 * (per - self.depth_cost_s)

@@ -110,3 +110,17 @@ def test_a_draft_model_the_policy_finds_too_dear_is_logged_counted_and_forced_by
     # the only skips left: a request's last token (no draft could be emitted after it)
     assert set(st.spec_skipped_by_reason) <= {"max_tokens"}
     assert all(o.spec_num_draft_tokens > 0 for o in finals.values())
+
+
+def test_the_draft_models_first_calls_do_not_price_its_positions():
+    """A cold first drafting call (one-time costs, prompt catch-up) is not taken as the draft's
+    per-position cost: learned from, it priced drafts out for good (none, so no new sample)."""
+    pol = DynamicDraftPolicy(4, warmup_steps=2)
+    pol.observe_proposer(4, 2.0)
+    pol.observe_proposer(4, 1.0)
+    assert pol.depth_cost_s == 0.0
+    pol.observe_proposer(4, 0.08)
+    pol.observe_proposer(0, 5.0)  # no drafts: nothing learned
+    assert pol.depth_cost_s == pytest.approx(0.02)
+    pol.observe_proposer(2, 0.08)
+    assert pol.depth_cost_s == pytest.approx(0.02 + 0.2 * (0.04 - 0.02))

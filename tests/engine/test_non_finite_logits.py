@@ -73,3 +73,25 @@ def test_nan_request_fails_naming_the_cause_and_its_batch_neighbour_is_unaffecte
     again = llm.generate([good, {"prompt_token_ids": [5, 6, POISON, 8]}], params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == alone and again[1].outcome == "finished"
     assert_idle(llm.llm_engine)
+
+
+def test_http_nan_request_is_a_500_naming_the_cause_and_the_server_keeps_serving(tiny_llama_dir):
+    from kvserve.config import EngineArgs
+    from tests.server_harness import running_server
+
+    args = EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32", seed=0)
+    with running_server(args, "tiny") as s, s.http() as h:
+        s.engine.executor.model.embed_tokens.data[POISON] = float("nan")
+        body = {"model": "tiny", "max_tokens": 3, "temperature": 0}
+        r = h.post("/v1/completions", json={**body, "prompt": [5, POISON, 7]})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "engine_step_failed" and NON_FINITE_LOGITS in err["message"], err
+        with h.stream(
+            "POST", "/v1/completions", json={**body, "prompt": [5, POISON, 7], "stream": True}
+        ) as st:
+            text = "".join(st.iter_text())
+        assert NON_FINITE_LOGITS in text and "[DONE]" not in text.split(NON_FINITE_LOGITS)[0], text
+        r = h.post("/v1/completions", json={**body, "prompt": [5, 6, 7]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        s.wait_idle()

@@ -160,8 +160,8 @@ class LoRAManager:
             True when it was read now, False when it was already loaded.
         Raises:
             ValueError: the adapter is invalid (``load_peft_adapter``), a probe forward with
-                it gives non-finite logits (``_probe``), or its ``lora_int_id`` is loaded from
-                another path or under another name.
+                it breaks the model's outputs (``_probe``), or its ``lora_int_id`` is loaded
+                from another path or under another name.
         """
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")

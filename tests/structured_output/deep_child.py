@@ -3,13 +3,14 @@ default thread stack in the grammar compiler, sent to the compiler, ``LLM.genera
 HTTP server. A regression that crashes the process then fails the test instead of killing
 pytest. Prints one JSON object: what each call gave.
 
-Usage: ``python -m tests.structured_output.deep_child TOKENIZER_DIR MODEL_DIR``
+Usage: ``python -m tests.structured_output.deep_child MODEL_DIR``
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 #: Links of the deep shapes (each past its limit; a chain of this many ``$ref`` s overflowed an
 #: 8 MiB stack in the compiler before it ran on its own thread).
@@ -40,14 +41,19 @@ def _outcome(fn) -> dict:
         return {"ok": False, "error": str(e)}
 
 
-def main(tokenizer_dir: str, model_dir: str) -> None:
-    from transformers import AutoTokenizer
-
+def main(model_dir: str) -> None:
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
     from kvserve.structured_output import GrammarCompiler, GrammarLimits
 
     out: dict = {}
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_gpu_blocks=64, seed=0)
+    compiler = llm.llm_engine.structured_output.compiler
+    tok = llm.llm_engine.tokenizer  # the tiny model's copy of the default tokenizer
+    # nothing here asks the engine's compiler for its view: only its warm-up builds it
+    deadline = time.monotonic() + 120
+    while compiler.tokenizer_thread is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["tokenizer_thread"] = compiler.tokenizer_thread
     # The pre-checks off: the deep shapes reach llguidance, which must survive on its thread.
     off = GrammarLimits(
         max_bytes=10**8, max_json_depth=10**6, max_defs=10**6, max_ref_chain=10**6, max_rules=10**6
@@ -60,8 +66,6 @@ def main(tokenizer_dir: str, model_dir: str) -> None:
         lambda: bool(unchecked.compile(StructuredOutputsParams(grammar=deep_lark())))
     )
 
-    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_gpu_blocks=64, seed=0)
-    compiler = llm.llm_engine.structured_output.compiler
     shapes = {
         "defs": StructuredOutputsParams(json=deep_defs_schema()),
         "lark": StructuredOutputsParams(grammar=deep_lark()),
@@ -72,13 +76,10 @@ def main(tokenizer_dir: str, model_dir: str) -> None:
         out[f"offline_{name}"] = _outcome(lambda p=params: llm.generate(["x"], p)[0].outputs[0].text)
     good = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(regex="z+"))
     out["offline_after"] = _outcome(lambda: llm.generate(["x"], good)[0].outputs[0].text)
-    out["tokenizer_thread"] = compiler.tokenizer_thread
-    llm.shutdown()
 
-    from kvserve.config import EngineArgs
+    from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from tests.server_harness import running_server
 
-    args = EngineArgs(model=model_dir, device="cpu", dtype="float32", num_gpu_blocks=64, seed=0)
     bodies = {
         "defs": {
             "response_format": {
@@ -89,7 +90,8 @@ def main(tokenizer_dir: str, model_dir: str) -> None:
         "lark": {"guided_grammar": deep_lark()},
         "json_text": {"guided_json": deep_json_text()},
     }
-    with running_server(args, "tiny") as s, s.http() as h:
+    # the same engine behind the server (one model load)
+    with running_server(None, "tiny", async_engine=AsyncLLMEngine(llm.llm_engine)) as s, s.http() as h:
         for name, extra in bodies.items():
             r = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra})
             out[f"server_{name}"] = {"status": r.status_code, "error": r.json().get("error", {})}
@@ -100,4 +102,4 @@ def main(tokenizer_dir: str, model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

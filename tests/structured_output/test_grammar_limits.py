@@ -226,7 +226,7 @@ def test_compiles_run_on_a_large_stack_thread(compiler, monkeypatch):
 
 # ---------------------------------------------------------------- the deep shapes, in a child
 @pytest.fixture(scope="module")
-def deep(default_tokenizer_dir, tiny_llama_dir):
+def deep(tiny_llama_dir):
     """The child's results (``deep_child.py``); a crash there fails these tests, not pytest."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -235,7 +235,6 @@ def deep(default_tokenizer_dir, tiny_llama_dir):
             sys.executable,
             "-m",
             "tests.structured_output.deep_child",
-            str(default_tokenizer_dir),
             str(tiny_llama_dir),
         ],
         cwd=root,

@@ -23,7 +23,9 @@ Compilation can never kill or hold the engine:
   and the compile finishes (or not) on its own thread, holding one of ``max_compiling`` slots.
 - After compiling, the first token mask is computed: a constraint whose matcher is then in an
   error state, or allows no token while not accepting, can never be matched (a ``ValueError``
-  naming the field), instead of failing its request in the middle of a step.
+  naming the field), instead of failing its request in the middle of a step. A Lark / GBNF
+  rule reachable from ``start`` that derives no finite string (``a: "x" a``: the first mask
+  allows "x") is found by ``limits.rules_that_never_end`` and refused the same way.
 
 A thread, not a worker process: the pre-checks bound every input shape known to recurse deeply,
 and the stack is many times what the deepest accepted shape needs, so the remaining risk a process
@@ -59,7 +61,8 @@ COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILING = 4
 
 _stack_lock = threading.Lock()
-# (tokenizer name, its length, vocab_size, eos id) -> llguidance tokenizer view (immutable, shared)
+# (tokenizer name, its length, vocab_size, eos id) -> (llguidance tokenizer view, the name of the
+# thread that built it); a view is immutable and shared by every compiler of that tokenizer
 _views: dict[tuple, Any] = {}
 _views_lock = threading.Lock()
 

@@ -58,7 +58,8 @@ def main(model_dir: str) -> None:
     off = GrammarLimits(
         max_bytes=10**8, max_json_depth=10**6, max_defs=10**6, max_ref_chain=10**6, max_rules=10**6
     )
-    unchecked = GrammarCompiler(tok, len(tok), tok.eos_token_id, limits=off)
+    # a loaded machine must not turn "survived" into "timed out"
+    unchecked = GrammarCompiler(tok, len(tok), tok.eos_token_id, limits=off, compile_timeout_s=300)
     out["unchecked_defs"] = _outcome(
         lambda: bool(unchecked.compile(StructuredOutputsParams(json=deep_defs_schema())))
     )

@@ -158,11 +158,10 @@ VNNI_ROWS = {"q8_0": 6, "q4_1": 8}
 VNNI_TYPES = tuple(VNNI_ROWS)
 #: Most rows of bfloat16 activations ``pick_kernel`` gives the VNNI kernel; more (prefill) run
 #: the float panels. Why: int8 activations on top of bfloat16 rounding put the default model's
-#: prefill perplexity 1.0-1.8% above the float model's (the documented bound is 1%), varying
-#: with the attention kernel's rounding, while float activations stay within ~0.5% and the
-#: same int8 numerics in decode-sized steps (act8: one row; this kernel: up to this many) stayed
-#: within 0.5% (tests/executor/test_int8_quantization.py). float32 activations take it at any
-#: row count (within 0.7%).
+#: prefill perplexity past the documented 1% of the float model's (by how much depends on the
+#: attention kernel's rounding; tests/executor/test_int8_quantization.py), while float
+#: activations stay well within it, and so did the same int8 numerics over one-row decode
+#: steps (act8). float32 activations take it at any row count.
 VNNI_BF16_MAX_ROWS = PANEL_ROWS - 1
 #: Environment variable: ``0`` turns the VNNI many-row kernel off (the float panels run from
 #: ``PANEL_ROWS`` rows; for A/B comparisons), unset or anything else: on where ``vnni_enabled()``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -506,12 +507,26 @@ class LLMEngine:
                 if state is not None:
                     metas[i].generator.set_state(state)
 
+        retry_masks = []
+
         def run(sub: list[SequenceGroupMetadata]) -> list[CompletionSequenceGroupOutput]:
+            if self._structured is not None and any(md.token_bitmask is not None for md in sub):
+                # The step's one mask fill covers every constrained row, so a fill that raised
+                # would fail them all: each attempt fills its own rows again (no matcher has
+                # advanced since), which leaves a fill fault with the rows that cause it.
+                masks = self._structured.prepare_step(sub)
+                if masks is not None:
+                    retry_masks.append(masks)
             return self.executor.execute_model(
                 ExecuteModelRequest(seq_group_metadata_list=sub, num_lookahead_slots=lookahead)
             )
 
-        return bisect_failures(run, metas, first_error, before_attempt=restore)
+        try:
+            return bisect_failures(run, metas, first_error, before_attempt=restore)
+        finally:
+            for masks in retry_masks:  # no matcher advances while a fill may still read it
+                with contextlib.suppress(Exception):
+                    masks.wait()
 
     def _fail_swapped_out(self, sched_out: SchedulerOutputs, error: BaseException) -> None:
         """After failed block moves, end the groups swapped out this step (their CPU copies

@@ -145,7 +145,8 @@ def assert_nothing_left(engine) -> None:
 def scheduled_together(server, n: int, timeout: float = 60.0):
     """Inside the block, the served engine runs no step until ``n`` requests are queued (or
     ``timeout`` s pass), so requests sent at once from several threads share their steps, as
-    ``LLM.generate``'s do; the engine thread keeps taking requests meanwhile."""
+    ``LLM.generate``'s do; the engine thread keeps taking requests meanwhile. Yields an event
+    that opens the gate early when set."""
     engine = server.engine
     real_step = engine.step
     deadline = time.monotonic() + timeout
@@ -161,7 +162,7 @@ def scheduled_together(server, n: int, timeout: float = 60.0):
 
     engine.step = step
     try:
-        yield
+        yield opened
     finally:
         del engine.step  # the class's method again
 

@@ -225,18 +225,24 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]) 
 def _prompt_logprob_rows(
     logits: torch.Tensor, targets: torch.Tensor, ks: list[int]
 ) -> list[dict[int, Logprob]]:
-    """``prompt_logprobs`` of one slice of rows (see there)."""
+    """``prompt_logprobs`` of one slice of rows (see there). On CPU float32 logits one native
+    kernel (``native_ops.prompt_logprob_stats``) gives the log-sum-exp, the ranks and the top-k
+    in two passes over each row; elsewhere torch does (a pass and a temporary each)."""
     x = logits.float()
-    lse = x.logsumexp(dim=-1)  # [C]
     targets = targets.to(x.device)
     target_x = x.gather(1, targets.unsqueeze(1))  # [C, 1]
-    ranks = (torch.count_nonzero(x > target_x, dim=1) + 1).tolist()
-    target_vals = (target_x.squeeze(1) - lse).tolist()
     k = min(x.shape[1], max(ks, default=0))
     top_vals: list[list[float]] = [[] for _ in ks]
     top_ids: list[list[int]] = [[] for _ in ks]
-    if k > 0:
+    if native_ops.supported(x):
+        lse, rank, vals, ids = native_ops.prompt_logprob_stats(x, targets, k)
+        ranks = rank.tolist()
+    else:
+        lse = x.logsumexp(dim=-1)  # [C]
+        ranks = (torch.count_nonzero(x > target_x, dim=1) + 1).tolist()
         vals, ids = x.topk(k, dim=-1)
+    target_vals = (target_x.squeeze(1) - lse).tolist()
+    if k > 0:
         top_vals, top_ids = (vals - lse.unsqueeze(1)).tolist(), ids.tolist()
     out = []
     for i, (t, kk) in enumerate(zip(targets.tolist(), ks)):

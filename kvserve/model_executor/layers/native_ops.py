@@ -6,6 +6,7 @@ measurements in ``kvserve/csrc/ops.c``): each does in one pass what takes torch 
 - ``rope_write_kv``: rotary embedding of q and k from the fused qkv projection, the rotated k
   and the v written straight into their KV-cache slots.
 - ``greedy_sample``: per row the first index of the maximum and its log-probability.
+- ``prompt_logprob_stats``: per row the log-sum-exp, a target's rank and the top-k logits.
 
 All take contiguous CPU tensors, float32 or bfloat16 (``greedy_sample``: float32 logits).
 ``supported(t)`` says whether a tensor can take the native path; callers fall back to torch.
@@ -26,6 +27,7 @@ for _sfx in DTYPE_SUFFIX.values():
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
 _SIGS["greedy_sample_f32"] = [_p, _i64, _i64, _p, _p, _i]
+_SIGS["prompt_logprob_stats_f32"] = [_p, _i64, _i64, _p, _i64, _p, _p, _p, _p, _i]
 _LIB = NativeLibrary("kv_ops", "ops.c", _SIGS)
 
 
@@ -189,3 +191,52 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits.data_ptr(), N, V, tok.data_ptr(), lp.data_ptr(), torch.get_num_threads()
     )
     return tok, lp
+
+
+def prompt_logprob_stats(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What prompt logprobs report, per row of float32 ``logits`` ``[N, V]``, in two passes.
+
+    Args:
+        targets: int64 ``[N]`` in ``[0, V)``, the token whose rank each row reports.
+        k: how many of the largest logits to return (0..V).
+    Returns:
+        ``(lse float32 [N], rank int64 [N], top_vals float32 [N, k], top_ids int64 [N, k])``:
+        ``log(sum(exp(row)))``, ``1 + #(row > row[target])``, and the ``k`` largest logits in
+        descending order (ties: lower id first). A NaN logit counts as ``-inf``.
+    Raises:
+        ValueError: not a contiguous float32 CPU ``[N, V]`` tensor, targets not ``[N]`` ids in
+            range, ``k`` outside ``[0, V]``, or the library is unavailable.
+    """
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not supported(logits):
+        raise ValueError(
+            f"prompt_logprob_stats: need contiguous CPU float32 [N, V], got {tuple(logits.shape)} "
+            f"{logits.dtype} on {logits.device}"
+        )
+    N, V = logits.shape
+    targets = targets.to(device="cpu", dtype=torch.int64).contiguous()
+    if targets.shape != (N,) or (N and (int(targets.min()) < 0 or int(targets.max()) >= V)):
+        raise ValueError(
+            f"prompt_logprob_stats: targets must be [{N}] ids in [0, {V}), got {tuple(targets.shape)}"
+        )
+    if not 0 <= k <= V:
+        raise ValueError(f"prompt_logprob_stats: k must be in [0, {V}], got {k}")
+    kk = max(k, 1)  # the kernel keeps at least one
+    lse = torch.empty(N, dtype=torch.float32)
+    rank = torch.empty(N, dtype=torch.int64)
+    vals = torch.empty(N, kk, dtype=torch.float32)
+    ids = torch.empty(N, kk, dtype=torch.int64)
+    _LIB.fn("prompt_logprob_stats_f32")(
+        logits.data_ptr(),
+        N,
+        V,
+        targets.data_ptr(),
+        kk,
+        lse.data_ptr(),
+        rank.data_ptr(),
+        vals.data_ptr(),
+        ids.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return lse, rank, vals[:, :k], ids[:, :k]

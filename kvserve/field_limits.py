@@ -147,10 +147,11 @@ MAX_PROMPT_LOGPROB_ENTRIES = 2**18
 #: the log-softmax, rank and top-k passes over the vocabulary; 1 rounds that up.
 PROMPT_LOGPROB_ROW_COST = 1
 #: Most modelled prefill work one request may queue, in prefill-token equivalents
-#: (``prefill_cost``): the requests queued behind it wait for at most this much prefill of it.
-#: 2**18 holds 1,024 prompts of 256 tokens, 32 prompts of 8,192, or one 131,072-token prompt with
-#: prompt logprobs; a larger batch is split into several requests.
-MAX_REQUEST_PREFILL_COST = 2**18
+#: (``prefill_cost``): the requests queued behind it wait for at most this much prefill of it
+#: (at a prefill rate of R tokens/s, 2**17 / R seconds). 2**17 holds 1,024 prompts of 128
+#: tokens, 16 prompts of 8,192, or one prompt of 65,536 tokens with prompt logprobs (131,072
+#: without); a larger batch is split into several requests.
+MAX_REQUEST_PREFILL_COST = 2**17
 
 
 def prompt_logprob_entries(prompt_lens: list[int], prompt_logprobs: int | None) -> int:

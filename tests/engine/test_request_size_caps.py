@@ -25,7 +25,9 @@ def test_legitimate_sizes_pass():
     check_request_size([8192], prompt_logprobs=20)
     check_request_size([300] * 16, n=2, prompt_logprobs=20)
     # the largest prompt list at n=1, a single prompt at n=256, 64 prompts x 10 beams
-    check_request_size([256] * 1024)
+    check_request_size([128] * 1024)
+    check_request_size([8192] * 16)
+    check_request_size([65536], prompt_logprobs=0)
     check_request_size([100], n=256)
     check_request_size([300] * 64, best_of=10)
     assert prompt_logprob_entries([8192], 20) == 8191 * 21
@@ -39,7 +41,7 @@ def test_legitimate_sizes_pass():
         ([1] * 1024, dict(n=2), "n", MAX_REQUEST_SEQUENCES),
         ([1] * 103, dict(best_of=10), "best_of", MAX_REQUEST_SEQUENCES),
         ([8192] * 2, dict(prompt_logprobs=20), "prompt_logprobs", MAX_PROMPT_LOGPROB_ENTRIES),
-        ([257] * 1024, dict(), "prompt", MAX_REQUEST_PREFILL_COST),
+        ([129] * 1024, dict(), "prompt", MAX_REQUEST_PREFILL_COST),
         ([8192] * 20, dict(prompt_logprobs=0), "prompt", MAX_REQUEST_PREFILL_COST),
     ],
 )

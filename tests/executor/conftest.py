@@ -18,6 +18,8 @@ def pytest_collection_finish(session):
     plan: list[tuple[str, tuple[str, ...]]] = []
     if "test_every_kernel_compiles_with_all_warnings_as_errors" in names:
         plan += [(flags, ()) for flags in native_builds.WERROR_FLAGS.values()]
+    if "test_kernel_tests_pass_on_the_avx2_build" in names:
+        plan.append((native_builds.WERROR_FLAGS["x86-64-v3"], ()))
     if (
         "test_kernel_tests_pass_under_address_and_undefined_sanitizers" in names
         and native_builds.asan_runtime()

@@ -1,6 +1,7 @@
 """The C kernels in ``kvserve/csrc/`` as sources: every one compiles warning-free for the host,
-the AVX2 fallback and the AMX paths; every library loads where a compiler exists; and the
-kernel tests pass with the libraries built under AddressSanitizer and UBSan."""
+the AVX2 fallback and the AMX paths; every library loads where a compiler exists; the kernel
+tests pass with the libraries built under AddressSanitizer and UBSan, and on the AVX2 build
+(the kernels of CPUs without AVX-512, run here)."""
 
 import os
 import shutil
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve import cpuinfo
 from kvserve.model_executor.layers import native_lib
 from tests.executor import native_builds
 
@@ -86,6 +88,60 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
     ]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-4000:])
+    assert " passed" in r.stdout, r.stdout[-2000:]
+
+
+#: The kernel tests run on the AVX2 build: every library family with AVX2 code of its own (the
+#: float GEMM panels, norms and activations, decode and prefill attention, the quantized
+#: kernels' float and int8 paths, LoRA, the one-call step); the AVX-512-only kernels (VNNI,
+#: AMX, the bfloat16 dot product) skip there, as on such a CPU.
+AVX2_TESTS = [
+    "tests/executor/test_native_ops.py",
+    "tests/executor/test_native_gemm.py",
+    "tests/executor/test_quant_gemm.py",
+    "tests/executor/test_quant_x4.py",
+    "tests/executor/test_native_attention.py",
+    "tests/executor/test_native_prefill_attention.py",
+    "tests/executor/test_native_layers.py",
+    "tests/lora/test_lora_native.py",
+]
+
+_AVX2_PREMISE = """
+from kvserve.model_executor.layers import amx_gemm, bf16dot_gemm, native_lib, quant_gemm
+assert all(lib.available() for lib in native_lib.all_libraries())
+assert quant_gemm.act8_isa() == "avx2" and quant_gemm.activation_mode() == "float"
+assert not amx_gemm.available() and not bf16dot_gemm.built()
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpuinfo.has_avx2, reason="needs AVX2 (the build's target)")
+@pytest.mark.skipif(os.environ.get("KVSERVE_NATIVE") == "0", reason="KVSERVE_NATIVE=0")
+def test_kernel_tests_pass_on_the_avx2_build():
+    """CPUs with AVX2 and no AVX-512 (AMD Zen 1-3, Intel client cores) run other code than this
+    host's build: kv_vec.h's two registers per vector, quant_gemm.c's AVX2 dequantization and
+    dot products, the float-activation mode by default. The ``-Werror`` AVX2 build (reused)
+    runs the kernel tests of ``AVX2_TESTS`` against their float references."""
+    if os.environ.get(native_lib.EXTRA_CFLAGS_ENV) or "asan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("a sanitizer run (its own flags; the compiler must not run under ASan)")
+    flags = native_builds.WERROR_FLAGS["x86-64-v3"]
+    failed = native_builds.build([flags])[flags]
+    assert not failed, "\n\n".join(failed)
+    env = native_builds.env(flags)
+    r = subprocess.run(
+        [sys.executable, "-c", _AVX2_PREMISE], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *AVX2_TESTS],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve import cpuinfo
 from kvserve.model_executor.layers import quant_gemm
 from tests.executor.test_quant_gemm import EPS32, make_weight
 
@@ -340,6 +341,16 @@ for qtype in quant_gemm.ACT8_TYPES:
         qw.drop_gguf()
         check_panel(qw, wd, torch.randn(20, 160, generator=g), torch.randn(13, generator=g), 2)
         assert qw.layout == "x4"
+# the float-activation kernels of every type (the default mode where the kernels lack AVX-512
+# VNNI): the register tile below PANEL_ROWS rows, the panels from there
+import os
+from tests.executor.test_quant_gemm import check_linear
+os.environ[quant_gemm.ACT_ENV] = "float"
+for qtype in quant_gemm.BLOCK_BYTES:
+    for m in (3, quant_gemm.PANEL_ROWS + 4):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert quant_gemm.pick_kernel(m, qtype, dtype) == ("tile" if m < quant_gemm.PANEL_ROWS else "panel")
+            check_linear(qtype, m, 13, 256, seed=m, dtype=dtype)
 print("ok")
 """
 
@@ -349,7 +360,10 @@ print("ok")
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_act8_fallback_builds_equal_the_reference(isa):
     """The AVX2 (maddubs, Q8_0's sign trick) and scalar dot products, built for an older target
-    (this host runs both), give the same results as the VNNI kernel's reference."""
+    (this host runs both), give the same results as the VNNI kernel's reference; so do those
+    builds' float-activation kernels (tile, panels) for every weight type."""
+    if isa == "avx2" and not cpuinfo.has_avx2:
+        pytest.skip("needs AVX2 (this CPU cannot run the AVX2 build)")
     from kvserve.model_executor.layers import native_lib
     from tests.executor import native_builds
 

@@ -164,12 +164,14 @@ def test_x4_q4_1_equals_float64_of_the_int8_activations_on_ragged_shapes(m, n, n
 @native
 @pytest.mark.parametrize("n,k", [(37, 96), (13, 416), (101, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q4_1_keeping_only_x4_runs_every_kernel_and_rebuilds_the_gguf_bytes(n, k, dtype):
+def test_q4_1_keeping_only_x4_runs_every_kernel_and_rebuilds_the_gguf_bytes(n, k, dtype, monkeypatch):
     """After drop_gguf: the panels read the x4 copy (bit-identical to the GGUF panels, within the
     float64 bound), act8 is unchanged, and a kernel of the GGUF layout (tile) rebuilds ``data``
-    byte for byte."""
+    byte for byte. (The int8 mode forced: CPUs without AVX-512 VNNI default to float
+    activations, whose few-row kernel reads the GGUF bytes.)"""
     from tests.executor.test_quant_gemm import make_weight
 
+    monkeypatch.setenv(quant_gemm.ACT_ENV, "int8")
     qw, wd = make_weight("q4_1", n, k, seed=n + k)
     original = qw.data.clone()
     g = torch.Generator().manual_seed(7)

@@ -74,3 +74,43 @@ def test_bad_inputs_name_the_mismatch():
         amx_gemm.linear(
             torch.randn(2, 64).bfloat16(), packed, torch.zeros(8, dtype=torch.bfloat16, device="meta")
         )
+
+
+def test_gemm_amx_switch_packs_bfloat16_weights_as_without_amx(monkeypatch):
+    """``KVSERVE_GEMM_AMX=0`` (``amx_gemm.USE_FOR_GEMM``): ``prepack_weight`` packs a bfloat16
+    weight as on a CPU without AMX (the panels, with oneDNN's copy for large steps where the
+    bfloat16 dot product is fast), and ``linear`` on it is within bfloat16's bound of the float64
+    product at decode and prefill sizes: products of bfloat16 values are exact in float32, their
+    float32 sums (K = 128) err by at most K eps32 sum |x w|, and the output rounds once to
+    bfloat16 (2^-8 relative)."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from kvserve.model_executor.layers import native_gemm
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g).to(torch.bfloat16)
+    assert isinstance(llama.prepack_weight(w), amx_gemm.AmxWeight)
+    monkeypatch.setattr(amx_gemm, "USE_FOR_GEMM", False)
+    packed = llama.prepack_weight(w)
+    if native_gemm.available():
+        assert isinstance(packed, native_gemm.PanelWeight)
+    wd = w.double().numpy()
+    for rows in (1, 20, 100):
+        x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+        xd = x.double().numpy()
+        ref = xd @ wd.T
+        tol = 128 * float(np.finfo(np.float32).eps) * (np.abs(xd) @ np.abs(wd).T) + 2.0**-8 * np.abs(ref)
+        err = np.abs(llama.linear(x, packed).double().numpy() - ref)
+        assert (err <= tol).all(), (rows, float((err / tol).max()))
+    # the variable is what sets it (read at import), as KVSERVE_ATTENTION_AMX for both attentions
+    check = (
+        "from kvserve.model_executor.layers import amx_gemm, native_prefill_attention as npa\n"
+        "assert not amx_gemm.USE_FOR_GEMM and not npa.USE_AMX\n"
+    )
+    env = {**os.environ, amx_gemm.GEMM_ENV: "0", "KVSERVE_ATTENTION_AMX": "0"}
+    r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -217,6 +217,24 @@ def test_fused_step_bit_identical_to_per_layer_calls(fmt, rows, act, seed):
     assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
 
 
+@pytest.mark.skipif(not amx_gemm.available(), reason="needs AMX tiles (the route switched off here)")
+def test_bfloat16_fused_step_without_the_amx_gemm(monkeypatch):
+    """``KVSERVE_GEMM_AMX=0`` on an AMX host: the bfloat16 weights packed as on a CPU without
+    AMX (the panels; oneDNN past their row limit where the bfloat16 dot product is fast), and
+    the one-call step equal to the per-layer calls bit for bit wherever it applies."""
+    monkeypatch.setattr(amx_gemm, "USE_FOR_GEMM", False)
+    w = worker.__wrapped__("bfloat16")  # (a fresh worker: the cached one holds AMX tiles)
+    assert isinstance(w.runner.model.layers[0].self_attn.qkv_weight, native_gemm.PanelWeight)
+    limit, _ = fused_max_rows(w.runner.model)
+    for rows in (1, 20, 70):
+        inp = decode_inputs(w, rows, seed=rows)
+        with count_fused() as calls:
+            got, got_cache = run(w, inp, fused=True)
+        want, want_cache = run(w, inp, fused=False)
+        assert calls == ([] if limit is not None and rows > limit else [rows])
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+
+
 @pytest.mark.skipif(not quant_gemm.available(), reason="no quantized kernels")
 @pytest.mark.parametrize("qtype", quant_gemm.VNNI_TYPES)
 @pytest.mark.parametrize("amx", ["1", "0"])

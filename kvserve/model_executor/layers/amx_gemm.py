@@ -12,6 +12,7 @@ W[32 g + 16 t + n, 32 kc + 2 kp + e]``. Accumulation is float32, outputs rounded
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -25,6 +26,14 @@ K_TILE = 32
 #: gemm_micro.py --dtype bfloat16``) this kernel ran 1.1-1.35x oneDNN at 1-64 rows, 0.9-1.1x
 #: at 128, 0.87x at 256 and 0.74x at 2,048.
 MAX_ROWS = 64
+
+#: Environment variable: ``0`` keeps bfloat16 linear layers off this kernel (``llama.prepack_weight``
+#: packs them as on a CPU without AMX: the panels and/or oneDNN), for A/B comparisons and tests
+#: of those paths on an AMX host; the tiles stay available to attention and the quantized
+#: kernels (their own switches: ``KVSERVE_ATTENTION_AMX``, ``KVSERVE_QUANT_AMX``).
+GEMM_ENV = "KVSERVE_GEMM_AMX"
+#: ``$KVSERVE_GEMM_AMX`` is not ``0`` (read once, at import).
+USE_FOR_GEMM = os.environ.get(GEMM_ENV, "1").strip() != "0"
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LIB = NativeLibrary(

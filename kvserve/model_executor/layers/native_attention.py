@@ -39,7 +39,8 @@ _LIB = NativeLibrary(
 )
 
 
-#: Env var: ``0`` keeps bfloat16 decode attention on the AVX-512 path (A/B comparisons).
+#: Env var: ``0`` keeps bfloat16 decode and prefill attention (``native_prefill_attention``) on
+#: the AVX-512 path, as on a CPU without AMX (A/B comparisons, tests of that path).
 AMX_ENV = "KVSERVE_ATTENTION_AMX"
 #: bfloat16 with head_dim 32 or 64 on AMX tiles where this CPU and process have them (the
 #: kernel's ``da_item_amx``: a verify chunk's rows cost about what one row costs; False: the

@@ -34,7 +34,7 @@ import ctypes
 
 import torch
 
-from kvserve.model_executor.layers import amx_gemm
+from kvserve.model_executor.layers import amx_gemm, native_attention
 from kvserve.model_executor.layers.native_lib import DTYPE_SUFFIX, NativeLibrary
 
 #: Largest head_dim of the kernel (16 vectors of 16 floats per row).
@@ -55,8 +55,9 @@ _LIB = NativeLibrary(
 )
 
 #: bfloat16 with head_dim a multiple of 32 on AMX tiles when this CPU and process have them
-#: (False: the AVX-512 path, e.g. to compare the two).
-USE_AMX = True
+#: (False: the AVX-512 path, e.g. to compare the two): on unless ``$KVSERVE_ATTENTION_AMX`` is
+#: ``0`` (``native_attention.AMX_ENV``, read once there for both attention kernels).
+USE_AMX = native_attention.USE_AMX
 #: AMX path: most bytes of keys gathered (K rows and V^T, per chunk and KV head) at once; a call
 #: whose chunks need more takes them in batches (a chunk alone may exceed it).
 GATHER_BYTES = 64 << 20

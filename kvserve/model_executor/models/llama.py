@@ -81,9 +81,9 @@ def prepack_weight(weight: torch.Tensor):
     - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
       a bfloat16 weight on every call; prepacked, the 30 layers' GEMMs of SmolLM2-135M at 59 rows
       went 25.7 -> 20.7 ms, bit-identical. Where the process may use AMX tiles and
-      ``in % 32 == 0``, also ``amx_gemm.AmxWeight`` (our tile kernel, for steps of up to
-      ``amx_gemm.MAX_ROWS`` tokens) holding the oneDNN copy for larger steps: two copies of
-      each weight, the price of both speeds.
+      ``in % 32 == 0`` (and ``$KVSERVE_GEMM_AMX`` is not ``0``), also ``amx_gemm.AmxWeight``
+      (our tile kernel, for steps of up to ``amx_gemm.MAX_ROWS`` tokens) holding the oneDNN
+      copy for larger steps: two copies of each weight, the price of both speeds.
       Without AMX, where the CPU has no bfloat16 dot product faster than its float32 FMAs
       (``native_gemm.packs_bfloat16``): ``native_gemm.PanelWeight`` for every step size, one
       copy -- without AVX512-BF16 oneDNN emulates bfloat16 (the panels: 1.4-1.7x its speed at 1
@@ -101,7 +101,7 @@ def prepack_weight(weight: torch.Tensor):
         return weight
     if weight.dtype == torch.float32:
         return native_gemm.PanelWeight(weight) if native_gemm.available() else weight
-    amx = weight.shape[1] % amx_gemm.K_TILE == 0 and amx_gemm.available()
+    amx = weight.shape[1] % amx_gemm.K_TILE == 0 and amx_gemm.USE_FOR_GEMM and amx_gemm.available()
     if not amx and native_gemm.packs_bfloat16():
         return native_gemm.PanelWeight(weight)
     large = weight

@@ -224,8 +224,8 @@ class AsyncLLMEngine:
             else EngineDeadError(f"engine loop stopped: {error!r}")
         )
         self.errored = dead
-        self.engine.abort_request(list(self.engine._groups))
         with contextlib.suppress(Exception):  # frees the aborted groups' blocks (no forward runs)
+            self.engine.abort_request(list(self.engine._groups))
             self.engine.step()
         if loop.is_closed():  # the caller's loop is gone: nobody is left to answer
             return
@@ -254,13 +254,39 @@ class AsyncLLMEngine:
         self._die(EngineDeadError(reason))
         return False
 
+    def _recover(self, error: BaseException) -> bool:
+        """After a fault of the engine rather than of a request (a scheduler bug, an abort that
+        raised): every request in flight gets an internal error naming it, their blocks are
+        freed, and the loop keeps serving. When that fails too, stop for good (``_die``).
+        Returns False when the loop must stop."""
+        engine = self.engine
+        loop = self._loop
+        assert loop is not None
+        ids = list(engine._groups)
+        try:
+            engine.abort_request(ids)
+            engine.step()  # flush the abort outputs and free blocks
+        except Exception:
+            self._die(error)
+            return False
+        for rid in ids:
+            err = RuntimeError(f"internal error while running request {rid}: {error!r}")
+            loop.call_soon_threadsafe(self._deliver, rid, err)
+        return self._check_alive()
+
     def _run(self) -> None:
         engine = self.engine
         loop = self._loop
         assert loop is not None, "start() sets the loop before the thread runs"
         while not self._stopping:
             self._wakeup.clear()
-            self._drain_inbox()
+            try:
+                self._drain_inbox()
+            except Exception as e:  # e.g. an abort that raised: every stream would wait forever
+                logger.exception("engine inbox failed; aborting in-flight requests")
+                if not self._recover(e):
+                    return
+                continue
             if not engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=0.5)
                 if not self._check_alive():  # e.g. a peer rank died while idle
@@ -270,17 +296,7 @@ class AsyncLLMEngine:
                 outputs = engine.step()
             except Exception as e:  # a scheduler bug (step() isolates request faults): fail all, keep serving
                 logger.exception("engine step failed; aborting in-flight requests")
-                ids = list(engine._groups)
-                engine.abort_request(ids)
-                try:
-                    engine.step()  # flush the abort outputs and free blocks
-                except Exception:
-                    self._die(e)
-                    return
-                for rid in ids:
-                    err = RuntimeError(f"internal error while running request {rid}: {e!r}")
-                    loop.call_soon_threadsafe(self._deliver, rid, err)
-                if not self._check_alive():
+                if not self._recover(e):
                     return
                 continue
             reason = engine.dead_reason()

@@ -12,6 +12,7 @@ grammar's mask fill (on the structured-output thread) and its matcher.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -160,3 +161,77 @@ def test_server_fault_fails_only_its_request_and_keeps_serving(fault_server, cle
     assert [_answer(r) for r in _run_all(fault_server, SERVER_NEIGHBOURS)] == clean_server
     fault_server.wait_idle()
     assert_nothing_left(engine)
+
+
+# ------------------------------------------------------------------------------ engine thread
+@pytest.fixture
+def throwaway_server(fault_llm):
+    """``fault_llm``'s engine served by an asyncio loop and app of its own (no model load); the
+    engine outlives it, every request of it ended."""
+    from kvserve.engine.async_llm_engine import AsyncLLMEngine
+    from tests.server_harness import running_server
+
+    engine = fault_llm.llm_engine
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "shutdown", lambda: None)  # the harness shuts the engine down at exit
+        with running_server(None, "tiny", async_engine=AsyncLLMEngine(engine)) as s:
+            yield s
+    # (the test's patched abort_request is still in place here)
+    type(engine).abort_request(engine, list(engine._groups))
+    engine.step()
+    assert_nothing_left(engine)
+
+
+@pytest.mark.parametrize("times", [1, 10**9])
+def test_server_fault_outside_any_request_on_the_engine_thread_never_hangs(
+    request, clean_server, monkeypatch, times
+):
+    """An abort that raises (a fault of the engine, not of a request: once, or from then on) on
+    the engine thread, between steps: the requests in flight end (500 internal error, or 503
+    engine_dead when the engine cannot recover), none waits forever, and ``/health`` says
+    whether the engine still serves."""
+    if times == 1:
+        fault_server = request.getfixturevalue("fault_server")
+    else:  # the loop stops for good: serve the offline engine through a loop of its own
+        fault_server = request.getfixturevalue("throwaway_server")
+    engine = fault_server.engine
+    real_abort = engine.abort_request
+    calls = []
+
+    def abort_request(request_id):
+        calls.append(request_id)
+        if len(calls) <= times:
+            raise RuntimeError("abort bug")
+        return real_abort(request_id)
+
+    body = _body([5, 6, 7, 8, 9], max_tokens=8, ignore_eos=True)
+    with scheduled_together(fault_server, 2) as go, ThreadPoolExecutor(1) as pool:
+        # the neighbour is queued in the engine, its steps held back
+        running = pool.submit(_post, fault_server, body)
+        deadline = time.monotonic() + 60
+        while len(engine._groups) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        monkeypatch.setattr(engine, "abort_request", abort_request)
+        fault_server.async_engine.abort("gone")  # as for a client that went away
+        while not calls:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        go.set()
+        neighbour = running.result(timeout=60)
+    assert calls
+    health = fault_server.http().get("/health").status_code
+    if times == 1:  # recovered: in-flight requests failed, the next one is served
+        assert neighbour.status_code == 500 and "abort bug" in neighbour.json()["error"]["message"], (
+            neighbour.text
+        )
+        assert health == 200
+        monkeypatch.undo()
+        assert [_answer(r) for r in _run_all(fault_server, SERVER_NEIGHBOURS)] == clean_server
+        fault_server.wait_idle()
+        assert_nothing_left(engine)
+    else:  # the engine cannot abort: it stops and says so
+        assert neighbour.status_code == 503 and neighbour.json()["error"]["code"] == "engine_dead", (
+            neighbour.text
+        )
+        assert health == 503

@@ -41,8 +41,8 @@ class _FullDisk:
         self.room = room
         self.hits = 0
 
-    def take(self, n: int, name: str) -> int:
-        """Bytes of ``n`` that fit; raises ENOSPC (after the caller wrote them) when not all do."""
+    def take(self, n: int) -> int:
+        """How many of ``n`` bytes fit (the caller writes those, then raises ``fail``)."""
         fit = max(0, min(n, self.room))
         self.room -= fit
         return fit
@@ -60,7 +60,7 @@ class _FullDisk:
                 self._f, self._name = f, name
 
             def write(self, data):
-                fit = disk.take(len(data), self._name)
+                fit = disk.take(len(data))
                 self._f.write(data[:fit])
                 if fit < len(data):
                     raise disk.fail(self._name)
@@ -90,7 +90,7 @@ class _FullDisk:
         def save_file(tensors, filename, metadata=None):
             real_save(tensors, filename, metadata=metadata)
             size = os.path.getsize(filename)
-            fit = disk.take(size, filename)
+            fit = disk.take(size)
             if fit < size:
                 os.truncate(filename, fit)  # what a full disk leaves: the part that fit
                 raise disk.fail(filename)

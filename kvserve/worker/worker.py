@@ -390,11 +390,15 @@ class Worker:
                 self.peers.collect(PEER_SETTLE_S)
             except PeerError as pe:
                 logger.error("tensor-parallel ranks out of step after %r on the driver: %s", e, pe)
+                try:
+                    self.peers.check_alive()
+                    self.broken = (
+                        f"the tensor-parallel ranks went out of step when the driver failed inside a "
+                        f"forward ({type(e).__name__}: {e}); restart the engine"
+                    )
+                except PeerError as dead:  # the driver failed because a peer died: name it
+                    self.broken = str(dead)
                 self.peers.shutdown()
-                self.broken = (
-                    f"the tensor-parallel ranks went out of step when the driver failed inside a "
-                    f"forward ({type(e).__name__}: {e}); restart the engine"
-                )
             raise
         errors = self.peers.collect(self._peer_timeout())
         if errors:

@@ -519,7 +519,16 @@ class ModelRunner:
         (at batch 8 a second call was ~10% of a bfloat16 decode step).
         """
         rows = inp.sample_rows if extra_rows is None else torch.cat([inp.sample_rows, extra_rows])
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        h = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(h)
+        if logits is not None:
+            # An RMS norm whose input's mean square overflowed returns exactly 0 for the whole
+            # row (x * rsqrt(inf)): its logits are finite but meaningless (all equal). Such rows
+            # become NaN, so the sampler fails their request instead of sampling them.
+            n = int(inp.sample_rows.shape[0])
+            collapsed = (h[:n] == 0).all(dim=1)
+            if bool(collapsed.any()):
+                logits[:n][collapsed] = float("nan")
         if inp.prompt_rows is None:
             return logits, None
         ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]

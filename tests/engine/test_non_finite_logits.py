@@ -95,3 +95,19 @@ def test_http_nan_request_is_a_500_naming_the_cause_and_the_server_keeps_serving
         r = h.post("/v1/completions", json={**body, "prompt": [5, 6, 7]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         s.wait_idle()
+
+
+def test_an_overflowed_hidden_state_fails_its_request_instead_of_answering_junk(tiny_llama_dir):
+    # a finite but huge embedding row: its square overflows the RMS norms' mean square, which
+    # then return all-zero rows, so the logits are finite and all equal (a junk answer)
+    llm = LLM(model=str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    good = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    alone = llm.generate([good], params, use_tqdm=False)[0].outputs[0].token_ids
+    model = llm.llm_engine.executor.model
+    model.embed_tokens.data[POISON] = 1e30
+    outs = llm.generate([good, {"prompt_token_ids": [5, 6, POISON]}], params, use_tqdm=False)
+    assert [o.outcome for o in outs] == ["finished", "failed"]
+    assert outs[0].outputs[0].token_ids == alone
+    assert NON_FINITE_LOGITS in outs[1].error
+    assert_idle(llm.llm_engine)

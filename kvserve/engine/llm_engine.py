@@ -406,7 +406,7 @@ class LLMEngine:
                     )
                     faults[i] = RequestFault(why)
                     results[i] = None
-            if masks is not None:
+            if masks is not None and self._structured is not None:
                 try:
                     masks.wait()  # no matcher advances while the fill may still read it
                 except Exception:

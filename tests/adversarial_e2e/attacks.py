@@ -133,6 +133,25 @@ CRASH_CLASS = [
         param="guided_grammar",
         crash_class=True,
     ),
+    _c(
+        "3000-rule Lark grammar, streamed",
+        {"guided_grammar": deep_lark(), "stream": True},
+        param="guided_grammar",
+        crash_class=True,
+    ),
+    Attack(
+        "deep $defs chain (3000), chat, streamed",
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "stream": True,
+            **_schema_format(deep_defs_schema()),
+        },
+        400,
+        "response_format",
+        crash_class=True,
+    ),
     Attack(
         "100k-deep JSON in tool_call arguments",
         CHAT,

@@ -162,11 +162,16 @@ def single(model_dir: str, num_random: int) -> dict:
     # the same engine behind the server (one model load)
     with running_server(None, "tiny", async_engine=AsyncLLMEngine(engine), shutdown_grace_s=2.0) as s:
         solo = storm.solo(s.url)
+        finished_before = dict(engine.stats.finished_by_reason)
         result = storm.run_storm(s.url, ATTACKS, bodies)
         result["solo"] = solo
         result["after"] = storm.solo(s.url)  # the server still answers, as before
         s.wait_idle()
         result["state"] = engine_state(engine)
+        # how the storm's engine requests ended (finish reason -> count)
+        result["finished_by_reason"] = {
+            k: v - finished_before.get(k, 0) for k, v in engine.stats.finished_by_reason.items()
+        }
         result["server_thread_alive"] = any(
             t.name == "uvicorn-test" and t.is_alive() for t in threading.enumerate()
         )

@@ -113,3 +113,11 @@ def test_nothing_is_left_after_the_storm(storm):
     assert state["free_cpu_blocks"] == state["cpu_blocks"] == SERVER_KWARGS["num_cpu_blocks"]
     assert state["live_matchers"] == 0
     assert storm["errors_logged"] == []
+
+
+def test_every_engine_request_ended_finished_or_aborted(storm):
+    reasons = storm["finished_by_reason"]
+    assert set(reasons) <= {"length", "stop", "abort"}, reasons  # none failed
+    # the two streams whose clients left after the first chunk (and the client that gave up,
+    # unless its answer came first)
+    assert 2 <= reasons.get("abort", 0) <= 3, reasons

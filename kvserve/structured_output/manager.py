@@ -311,7 +311,7 @@ class StructuredOutputManager:
     def _fill_verify(
         self, matchers: list, drafts: list[list[int]], starts: list[int], tensor: torch.Tensor
     ) -> list[int]:
-        from llguidance.torch import (
+        from llguidance.numpy import (  # not llguidance.torch: see _fill
             fill_next_token_bitmask_par,
             fill_next_token_bitmask_par_with_draft_tokens,
         )
@@ -323,9 +323,9 @@ class StructuredOutputManager:
             with_drafts = [(m, s, d[:a]) for m, s, d, a in zip(matchers, starts, drafts, allowed) if a]
             plain = [(m, s) for m, s, a in zip(matchers, starts, allowed) if not a]
             if with_drafts:
-                fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, tensor)
+                fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, tensor.numpy())
             if plain:
-                fill_next_token_bitmask_par(self._executor, plain, tensor)
+                fill_next_token_bitmask_par(self._executor, plain, tensor.numpy())
             return allowed
         finally:
             self.stats.fill_s += time.perf_counter() - t0
@@ -340,11 +340,14 @@ class StructuredOutputManager:
             return self._pool
 
     def _fill(self, jobs: list[tuple[Any, int]], tensor: torch.Tensor) -> None:
-        from llguidance.torch import fill_next_token_bitmask_par
+        # llguidance.numpy's fill writes through the array's pointer as the torch one does; the
+        # torch module also builds a torch.compile kernel at import, which imports torch._dynamo:
+        # seconds on the grammar thread while the first constrained step waits for its masks.
+        from llguidance.numpy import fill_next_token_bitmask_par
 
         t0 = time.perf_counter()
         try:
-            fill_next_token_bitmask_par(self._executor, jobs, tensor)
+            fill_next_token_bitmask_par(self._executor, jobs, tensor.numpy())  # shares the memory
         finally:
             self.stats.fill_s += time.perf_counter() - t0
 

@@ -24,6 +24,7 @@ from kvserve.field_limits import (
     prefill_cost,
     prompt_logprob_entries,
 )
+from kvserve.structured_output import DEFAULT_LIMITS
 from tests.structured_output.deep_child import deep_defs_schema, deep_json_text, deep_lark
 
 #: Engine settings of the attacked server (tiny random Llama): a small KV pool (64 blocks of 8
@@ -178,6 +179,10 @@ CRASH_CLASS = [
 ]
 
 
+def _choices(n: int) -> list[str]:
+    return [f"c{i}" for i in range(n)]
+
+
 def _many_prompts(n: int) -> list[str]:
     return [f"{i}" for i in range(n)]
 
@@ -186,7 +191,27 @@ def _attacks() -> list[Attack]:
     stop_at_limit = [chr(0x4E00 + i) * MAX_STOP_CHARS for i in range(MAX_ITEMS["stop"])]
     beam = {"use_beam_search": True, "best_of": 2, "max_tokens": 3}
     per_prompt = MAX_REQUEST_SEQUENCES // MAX_NUM_SEQS
+    L = DEFAULT_LIMITS
+    at_limit_lark = (
+        "start: r0\n"
+        + "".join(f'r{i}: "x{i}" | r{i + 1}\n' for i in range(L.max_rules - 2))
+        + f'r{L.max_rules - 2}: "y"\n'
+    )
     out = [
+        # constraints at their limits: compiled and matched while everything else runs
+        _c(
+            f"{L.max_choices} choices, n {MAX_NUM_SEQS}",
+            {"guided_choice": _choices(L.max_choices), "n": MAX_NUM_SEQS},
+            200,
+        ),
+        _c(
+            f"anyOf of {L.max_alternatives}",
+            {"guided_json": {"anyOf": [{"const": f"v{i}"} for i in range(L.max_alternatives)]}},
+            200,
+        ),
+        _c(f"$ref chain of {L.max_ref_chain}", _schema_format(deep_defs_schema(L.max_ref_chain - 2)), 200),
+        _c(f"{L.max_rules}-rule Lark grammar", {"guided_grammar": at_limit_lark}, 200),
+        _c(f"regex repeating {L.max_repeat} times", {"guided_regex": f"[ab]{{{L.max_repeat}}}"}, 200),
         _c("a{1000000}", {"guided_regex": "a{1000000}"}, param="guided_regex"),
         _c("5000 choices", {"guided_choice": [f"c{i}" for i in range(5000)]}, param="guided_choice"),
         _c(

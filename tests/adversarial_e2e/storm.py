@@ -270,8 +270,10 @@ def run_storm(
     t0 = time.monotonic()
 
     def one_attack(a: Attack) -> dict:
+        start = time.monotonic()
         try:
             res = send(url, a, api_key)
+            res["seconds"] = time.monotonic() - start
         except httpx.HTTPError as e:
             return {"name": a.name, "route": a.route, "status": None, "problem": f"no answer: {e!r}"}
         res["problem"] = judge(res)

@@ -172,6 +172,9 @@ def single(model_dir: str, num_random: int) -> dict:
         result["finished_by_reason"] = {
             k: v - finished_before.get(k, 0) for k, v in engine.stats.finished_by_reason.items()
         }
+        # torch._dynamo (seconds to import) came in with llguidance.torch on the grammar thread
+        # while the first constrained step waited for its masks, holding every running request
+        result["dynamo_imported"] = "torch._dynamo" in sys.modules
         result["server_thread_alive"] = any(
             t.name == "uvicorn-test" and t.is_alive() for t in threading.enumerate()
         )

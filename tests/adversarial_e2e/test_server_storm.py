@@ -121,3 +121,13 @@ def test_every_engine_request_ended_finished_or_aborted(storm):
     # the two streams whose clients left after the first chunk (and the client that gave up,
     # unless its answer came first)
     assert 2 <= reasons.get("abort", 0) <= 3, reasons
+
+
+def test_constrained_steps_do_not_import_torch_dynamo(storm):
+    """The first constrained step once imported llguidance.torch on the grammar thread, whose
+    torch.compile kernel imports torch._dynamo: seconds during which that step waited for its
+    masks and every running request was held. The storm's constrained requests (the ones at
+    the limits) have run; nothing of the serving path imports it."""
+    got = _by_name(storm)
+    assert got["anyOf of 1000"]["status"] == 200 and got["anyOf of 1000"]["num_choices"] == 1
+    assert not storm["dynamo_imported"]

@@ -153,6 +153,25 @@ CRASH_CLASS = [
         "response_format",
         crash_class=True,
     ),
+    _c(
+        "3000-rule Lark in structured_outputs",
+        {"structured_outputs": {"grammar": deep_lark()}},
+        param="structured_outputs.grammar",
+        crash_class=True,
+    ),
+    Attack(
+        "deep $defs chain (3000) in a tool's parameters, tool_choice required",
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": deep_defs_schema()}}],
+            "tool_choice": "required",
+        },
+        400,
+        "tools",
+        crash_class=True,
+    ),
     Attack(
         "100k-deep JSON in tool_call arguments",
         CHAT,

@@ -11,7 +11,7 @@ but within every limit. The server these shapes are built for runs ``SERVER_KWAR
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.field_limits import (
     FLOAT32_MAX,
@@ -57,9 +57,10 @@ NEIGHBOUR_PROMPTS = [
 ]
 NEIGHBOUR_MAX_TOKENS = 16
 
-#: A prompt of about 100 tokens of the default tokenizer (long for ``MAX_MODEL_LEN``).
+#: A prompt of under ``LONG_PROMPT_TOKENS`` tokens of the default tokenizer (long for
+#: ``MAX_MODEL_LEN``; ``check_shapes_within_caps`` checks the bound).
 LONG_PROMPT = " ".join(f"word{i}" for i in range(35))
-LONG_PROMPT_TOKENS = 100  # an upper bound, checked by the tests against the tokenizer
+LONG_PROMPT_TOKENS = 100
 #: ``prompt_logprobs`` 20 on this many long prompts in one request.
 LOGPROB_PROMPTS = 8
 LONG_PROMPTS = [f"{i} {LONG_PROMPT}" for i in range(LOGPROB_PROMPTS)]
@@ -67,8 +68,6 @@ LONG_PROMPTS = [f"{i} {LONG_PROMPT}" for i in range(LOGPROB_PROMPTS)]
 LORA_NAMES = {"dotdot": "../../etc", "nul": "a\x00b", "newline": "a\nINFO forged", "100k": "m" * 100_000}
 
 DEEP_TOOL_ARGUMENTS = "[" * 100_000  # JSON text nested 100k deep, as a tool call's arguments
-
-P = "prompt"
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,6 @@ class Attack:
     param: str | None = None
     mode: str = "plain"
     crash_class: bool = False
-    tags: tuple[str, ...] = field(default=())
 
 
 #: Seconds an ``abort`` attack's client waits before it closes the connection.
@@ -250,7 +248,6 @@ def _attacks() -> list[Attack]:
             COMPLETIONS,
             {"prompt": LONG_PROMPTS, "max_tokens": 1, "prompt_logprobs": MAX_LOGPROBS},
             200,
-            tags=("prompt_logprobs",),
         ),
         Attack(
             f"echo + logprobs {MAX_LOGPROBS}",
@@ -353,7 +350,7 @@ class OfflineAttack:
         kind: ``"generate"``, ``"chat"`` (``prompt`` a conversation) or ``"beam_search"``.
         params: keyword arguments of ``SamplingParams`` (``structured_outputs`` as the keyword
             arguments of ``StructuredOutputsParams``), or of ``BeamSearchParams``.
-        field: the text the ValueError's message must start with; None: the call must succeed.
+        field: the field the ValueError's message must name; None: the call must succeed.
         lora: a ``LoRARequest`` name to send with it.
     """
 

@@ -8,10 +8,47 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
-#: Values of ``quantization`` (``None``: float weights, or a quantized checkpoint's own format).
-QUANTIZATION_CHOICES = ("gguf", "int8", "int4", "gptq", "awq", "compressed-tensors")
+#: Values of ``quantization``. ``None`` (unset): a ``.gguf`` file named as ``model`` runs its own
+#: quantized blocks where the rest of the configuration allows (``EngineArgs.resolve_quantization``),
+#: other models their float weights or a quantized checkpoint's own format; ``"none"``: float
+#: weights (a GGUF dequantized), the same as ``None`` everywhere past that choice.
+QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4", "gptq", "awq", "compressed-tensors")
+
+
+def _gguf_conflict_error(setting: str, why: str) -> ValueError:
+    return ValueError(
+        f"{setting} is not supported with quantization='gguf' ({why}); use "
+        "quantization='none' (or leave it unset) to run the GGUF dequantized to float."
+    )
+
+
+class QuantizationChoice(NamedTuple):
+    """What ``EngineArgs.resolve_quantization`` decided.
+
+    Attributes:
+        quantization: the value the worker runs (``ModelConfig.quantization``): ``"gguf"`` for a
+            GGUF's own blocks, ``None`` for float weights (or a quantized checkpoint's own
+            format), else the method asked for. Never ``"none"``.
+        gguf_float_reason: set when the model is a GGUF run dequantized to float: why (for the
+            start-up log line), else ``None``.
+    """
+
+    quantization: str | None
+    gguf_float_reason: str | None
+
+
+def is_gguf_path(model: str | None) -> bool:
+    """Whether ``model`` is an explicit path to an existing ``*.gguf`` file (the default model,
+    ``None`` / ``"default"``, is not)."""
+    import os
+
+    if model is None or model == "default":
+        return False
+    path = os.path.expanduser(model)
+    return path.lower().endswith(".gguf") and os.path.isfile(path)
+
 
 #: Step budget (tokens) of chunked prefill when none is given (vLLM V0's default).
 CHUNKED_PREFILL_TOKENS = 512
@@ -51,7 +88,10 @@ class ModelConfig:
         seed: global RNG seed.
         max_model_len: context length in tokens (prompt + output); ``None`` = the model's
             ``max_position_embeddings``.
-        quantization: ``None`` (float weights, or a checkpoint's own ``quantization_config``);
+        quantization: ``None`` or ``"none"`` (float weights: a GGUF dequantized, or a
+            checkpoint's own ``quantization_config``; ``"none"`` is stored as ``None``; the
+            engine's automatic choice for a ``.gguf`` file is made before, by
+            ``EngineArgs.resolve_quantization``);
             ``"gguf"``: ``model`` is a GGUF file (or the default model's) whose Q8_0 / Q4_0 /
             Q4_1 / Q4_K / Q5_K / Q6_K weights run quantized; ``"int8"`` / ``"int4"``: any float
             checkpoint, its linear weights quantized at load to int8 (Q8_0 blocks: a scale per
@@ -77,6 +117,8 @@ class ModelConfig:
             raise ValueError(
                 f"quantization must be one of {'|'.join(QUANTIZATION_CHOICES)} or unset, got {self.quantization!r}."
             )
+        if self.quantization == "none":
+            self.quantization = None  # float weights: what every loader reads from None
 
     def resolved_device(self) -> str:
         """``cpu`` or ``cuda``. Raises ValueError if ``cuda`` is asked for and absent."""
@@ -531,6 +573,77 @@ class EngineArgs:
         if not isinstance(rbt, int) or isinstance(rbt, bool) or rbt < 0:
             raise ValueError(f"router_balance_threshold must be an integer >= 0, got {rbt!r}.")
         self.create_parallel_config()
+        if self.quantization == "gguf":
+            # explicit: a setting the quantized path cannot run is refused before anything loads
+            # (device='auto' resolving to CUDA is found by resolve_quantization)
+            conflicts = self._gguf_conflicts(resolve_device=False)
+            if conflicts:
+                raise _gguf_conflict_error(*conflicts[0])
+
+    def _gguf_conflicts(self, resolve_device: bool = True) -> list[tuple[str, str]]:
+        """The settings that ``quantization='gguf'`` cannot run, as ``(setting, why)`` pairs.
+        ``resolve_device``: also resolve ``device='auto'`` (imports torch)."""
+        out = []
+        if self.device == "cuda":
+            out.append(("device='cuda'", "its kernels run on CPU only"))
+        elif self.device == "auto" and resolve_device:
+            if ModelConfig(device="auto").resolved_device() == "cuda":
+                out.append(("device='auto' (CUDA is available)", "its kernels run on CPU only"))
+        if self.dtype == "float16":
+            out.append(("dtype='float16'", "its kernels compute in float32 or bfloat16"))
+        if self.tensor_parallel_size != 1:
+            out.append(
+                (f"tensor_parallel_size={self.tensor_parallel_size}", "quantized blocks are not sharded")
+            )
+        if self.enable_lora:
+            out.append(("enable_lora=True", "LoRA adapters apply to float weights only"))
+        return out
+
+    def resolve_quantization(self) -> QuantizationChoice:
+        """What runs: a GGUF's own blocks or its float conversion, or ``quantization`` as given.
+
+        With ``quantization`` unset and ``model`` an explicit ``.gguf`` path, the file's
+        quantized blocks run (``"gguf"``, as in llama.cpp, Ollama and vLLM) unless a setting needs
+        float weights (``_gguf_conflicts``: CUDA, float16, tensor parallelism, LoRA) or the
+        quantized kernels are not built (their torch fallback dequantizes every weight on every
+        call); then the file is dequantized to float and ``gguf_float_reason`` says why. The
+        default model (``model`` unset) stays on its float conversion, which the golden tests
+        compare token for token with transformers. ``"none"`` is float weights.
+
+        Raises:
+            ValueError: ``quantization='gguf'`` with ``device='auto'`` resolving to CUDA (its
+                other conflicts are refused at construction), naming the setting.
+        """
+        q = self.quantization
+        default = self.model is None or self.model == "default"
+        gguf = default or is_gguf_path(self.model)
+        if q == "gguf":
+            conflicts = self._gguf_conflicts()
+            if conflicts:
+                raise _gguf_conflict_error(*conflicts[0])
+            return QuantizationChoice("gguf", None)
+        if q == "none":
+            return QuantizationChoice(None, "quantization='none'" if gguf else None)
+        if q is not None or not gguf:
+            return QuantizationChoice(q, None)
+        if default:
+            return QuantizationChoice(
+                None,
+                "the default model runs its float conversion, compared token for token with "
+                "transformers; quantization='gguf' runs its quantized blocks",
+            )
+        conflicts = self._gguf_conflicts()
+        if conflicts:
+            return QuantizationChoice(None, "; ".join(f"{setting}: {why}" for setting, why in conflicts))
+        from kvserve.model_executor.layers import quant_gemm
+
+        if not quant_gemm.available():
+            return QuantizationChoice(
+                None,
+                "the quantized kernels are not built (KVSERVE_NATIVE=0 or no C compiler): their "
+                "fallback would dequantize every weight on every call",
+            )
+        return QuantizationChoice("gguf", None)
 
     def replica_args(self) -> EngineArgs:
         """The settings of one data-parallel replica: these, with ``data_parallel_size=1`` (the

@@ -30,11 +30,12 @@ def start_data_parallel_engine(engine_args: EngineArgs, model_name: str = ""):
     from kvserve.distributed.router import make_router
 
     n = engine_args.data_parallel_size
-    # The model path is checked (and a GGUF converted once) here, before any replica starts,
+    # The model path is checked (and a GGUF converted or its metadata cached once, as the
+    # replicas will run it) here, before any replica starts,
     # so N replicas never race to convert it and a bad path fails fast.
     from kvserve.model_executor.model_loader import resolve_model_dir
 
-    resolve_model_dir(engine_args.model, engine_args.quantization)
+    resolve_model_dir(engine_args.model, engine_args.resolve_quantization().quantization)
     replicas = start_replicas(engine_args, model_name)
     front = build_front_engine(engine_args, replicas.infos[0])
     cache_blocks = front.cache_config.num_gpu_blocks or 4096

@@ -157,7 +157,9 @@ def build_front_engine(engine_args: EngineArgs, info: dict[str, Any]):
     from kvserve.model_executor.model_loader import resolve_model_dir
     from kvserve.transformers_utils.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model_dir(engine_args.model, engine_args.quantization))
+    tokenizer = load_tokenizer(
+        resolve_model_dir(engine_args.model, engine_args.resolve_quantization().quantization)
+    )
     return LLMEngine(
         info["model_config"],
         info["cache_config"],

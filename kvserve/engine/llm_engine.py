@@ -170,25 +170,56 @@ class LLMEngine:
         from kvserve.transformers_utils.tokenizer import load_tokenizer
         from kvserve.worker.worker import Worker
 
-        model_dir = resolve_model_dir(args.model, args.quantization)
+        # a .gguf runs its own blocks unless the settings need float weights (see there)
+        quantization, gguf_float_reason = args.resolve_quantization()
+        if gguf_float_reason is not None:  # said before a first conversion, which takes a while
+            dtype = ModelConfig(dtype=args.dtype, device=args.device).resolved_dtype()
+            logger.info(
+                "GGUF weights: dequantized to %s (because %s)",
+                str(dtype).removeprefix("torch."),
+                gguf_float_reason,
+            )
+        model_dir = resolve_model_dir(args.model, quantization)
         hf_config = AutoConfig.from_pretrained(model_dir)
+        if args.quantization == "none":
+            from kvserve.model_executor.quantized_checkpoint import quant_method_of
+
+            method = quant_method_of(hf_config)
+            if method is not None:
+                raise ValueError(
+                    f"quantization='none' asks for float weights, but the checkpoint in {str(model_dir)!r} "
+                    f"is quantized (quant_method {method!r}); leave quantization unset to run it."
+                )
         sliding_window = getattr(hf_config, "sliding_window", None)
         if getattr(hf_config, "use_sliding_window", True) is False:
             sliding_window = None  # Qwen2 configs carry a window they do not use
         model_config, cache_config, scheduler_config = args.create_configs(
             hf_config.max_position_embeddings, sliding_window
         )
+        model_config.quantization = quantization
         # quantized GGUF: the weights stay in the file (model_dir holds config and tokenizer)
-        model_config.model = str(gguf_file_for(args.model)) if args.quantization == "gguf" else str(model_dir)
+        model_config.model = str(gguf_file_for(args.model)) if quantization == "gguf" else str(model_dir)
         spec_config = args.create_speculative_config()
         parallel_config = args.create_parallel_config()
         parallel_config.verify_with_model(
-            hf_config, model_config.resolved_device(), quantization=args.quantization
+            hf_config, model_config.resolved_device(), quantization=quantization
         )
         lora_config = args.create_lora_config()
         worker = Worker(
             model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config
         )
+        if quantization == "gguf":
+            from kvserve.model_executor.model_loader import quantized_weight_types
+
+            types = ", ".join(
+                f"{t}: {n} weight{'s' if n > 1 else ''}"
+                for t, n in quantized_weight_types(worker.model).items()
+            )
+            logger.info(
+                "GGUF weights: running the file's quantized blocks (%s) from %s",
+                types or "none of its weights is of a quantized type",
+                model_config.model,
+            )
         try:
             num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
             cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks

@@ -25,9 +25,12 @@ DEMO_CHATS = [
 
 _HELP = {
     "quantization": (
-        "weight quantization (CPU): gguf = a .gguf file's blocks as they are; int8 / int4 = a float "
-        "checkpoint quantized at load (Q8_0 / Q4_1 per 32 weights); gptq / awq / compressed-tensors = "
-        "a checkpoint quantized so (also detected from its config.json when unset)"
+        "weight quantization (CPU): gguf = a .gguf file's blocks as they are (the default for "
+        "--model x.gguf where the other flags allow: CPU, dtype float32/bfloat16, one rank, no LoRA; "
+        "else it is dequantized, and the log says why); none = float weights (a .gguf dequantized "
+        "once, cached); int8 / int4 = a float checkpoint quantized at load (Q8_0 / Q4_1 per 32 "
+        "weights); gptq / awq / compressed-tensors = a checkpoint quantized so (also detected from "
+        "its config.json when unset)"
     ),
 }
 

@@ -38,8 +38,8 @@ def default_gguf_path() -> Path:
     return path
 
 
-#: Values of ``quantization`` (``ModelConfig``): ``None`` runs float weights (or a quantized
-#: checkpoint's own format, detected from its ``quantization_config``).
+#: Values of ``quantization`` (``ModelConfig``): ``None`` / ``"none"`` run float weights (or a
+#: quantized checkpoint's own format, detected from its ``quantization_config``).
 QUANTIZATION_METHODS = QUANTIZATION_CHOICES
 
 
@@ -54,6 +54,23 @@ def gguf_file_for(model: str | None) -> Path | None:
     return None
 
 
+def quantized_weight_types(model) -> dict[str, int]:
+    """How many weights of ``model`` (``LlamaForCausalLM``) run in quantized blocks, per block
+    type: ``{"Q4_1": 120, "Q8_0": 1}`` (a fused q/k/v or gate/up weight counts once, as does a
+    tied embedding and LM head); empty for a float model."""
+    from kvserve.model_executor.layers.quant_gemm import QuantWeight
+
+    seen: dict[int, str] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, QuantWeight):
+                seen[id(value)] = value.qtype.upper()
+    counts: dict[str, int] = {}
+    for qtype in seen.values():
+        counts[qtype] = counts.get(qtype, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def resolve_model_dir(model: str | None, quantization: str | None = None) -> Path:
     """A local Hugging Face model directory for ``model``.
 
@@ -64,7 +81,9 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
             with ``config.json`` and ``*.safetensors``.
         quantization: ``"gguf"``: ``model`` must be a GGUF file; the directory returned holds
             only its config and tokenizer (the weights are read from the GGUF file by
-            ``gguf_loader``), so nothing is dequantized to disk. ``"int8"`` / ``"int4"``: as
+            ``gguf_loader``), so nothing is dequantized to disk. ``None`` / ``"none"``: a GGUF
+            is converted to float (``EngineArgs.resolve_quantization`` makes the engine's
+            automatic choice before this). ``"int8"`` / ``"int4"``: as
             unset (the float weights are quantized at load). ``"gptq"`` / ``"awq"`` /
             ``"compressed-tensors"``: as unset (``load_model`` checks the checkpoint's format).
     Returns:

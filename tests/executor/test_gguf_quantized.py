@@ -278,11 +278,11 @@ def test_quantization_setting_is_validated(tmp_path):
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "quantization must be one of gguf|int8|int4|gptq|awq|compressed-tensors or unset, got 'awq4'"
+            "quantization must be one of none|gguf|int8|int4|gptq|awq|compressed-tensors or unset, got 'awq4'"
         ),
     ):
         ModelConfig(quantization="awq4")
-    with pytest.raises(ValueError, match="quantization must be one of gguf, int8"):
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, int8"):
         resolve_model_dir(None, "int3")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
@@ -359,8 +359,12 @@ def test_quantization_cli_flag():
     add_engine_args(p)
     assert engine_args_from(p.parse_args([])).quantization is None
     assert engine_args_from(p.parse_args(["--quantization", "gguf"])).quantization == "gguf"
-    for method in ("int8", "int4", "gptq", "awq", "compressed-tensors"):
+    for method in ("none", "int8", "int4", "gptq", "awq", "compressed-tensors"):
         assert engine_args_from(p.parse_args(["--quantization", method])).quantization == method
+    # "none" reaches the worker as None: the float path every loader takes
+    args = engine_args_from(p.parse_args(["--quantization", "none"]))
+    assert args.create_configs(256)[0].quantization is None
+    assert "none = float weights" in re.sub(r"\s+", " ", p.format_help())
     with pytest.raises(SystemExit):
         p.parse_args(["--quantization", "bitsandbytes"])
 
@@ -405,3 +409,177 @@ def test_lm_head_reads_two_int8_planes_not_one_in_the_int8_mode(tiny, monkeypatc
     assert ((got.double() - exact).abs() <= bound).all()
     one_plane = (quant_gemm.linear(hidden, m.lm_head, kernel="act8").double() - exact).abs().max()
     assert float((got.double() - exact).abs().max()) < float(one_plane) / 20  # two planes really ran
+
+
+# ---------------------------------------------------------------- which path a .gguf runs on
+
+
+@pytest.fixture(scope="module")
+def engine_gguf(tmp_path_factory):
+    """A tiny Q8_0 llama GGUF with tokenizer metadata, so that ``LLM`` can start on it."""
+    from tests.executor.test_quant_inputs import TINY, write_tiny_gguf
+
+    cfg = llama_config(**TINY)
+    hf = save_tiny(tmp_path_factory.mktemp("hf"), cfg).cpu()
+    path = tmp_path_factory.mktemp("gguf") / "engine.gguf"
+    write_tiny_gguf(path, hf, cfg, T.Q8_0)
+    return path
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A model cache of this test's own (what was converted can be checked), sharing the built
+    native kernels of the usual cache (they would be compiled again in a fresh one)."""
+    native = gguf_convert.cache_root() / "native"
+    native.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "native").symlink_to(native, target_is_directory=True)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(cache))
+    return cache
+
+
+def _cached_weights(cache) -> list:
+    return [p for d in cache.iterdir() if d.name != "native" for p in d.rglob("*.safetensors")]
+
+
+def _start(path, caplog, **kw):
+    """``LLM(model=path, **kw)``'s engine model and quantization, and its start-up log lines
+    about GGUF weights."""
+    from kvserve import LLM
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        llm = LLM(model=str(path), num_gpu_blocks=16, max_num_batched_tokens=64, **kw)
+    try:
+        engine = llm.llm_engine
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF weights:")]
+        return engine.executor.model, engine.model_config.quantization, lines
+    finally:
+        llm.shutdown()
+
+
+def _layer_weights(model):
+    for layer in model.layers:
+        yield from (layer.self_attn.qkv_weight, layer.self_attn.o_weight)
+        yield from (layer.mlp.gate_up_weight, layer.mlp.down_weight)
+
+
+def test_explicit_gguf_runs_its_quantized_blocks_when_quantization_is_unset(engine_gguf, own_cache, caplog):
+    model, quantization, lines = _start(engine_gguf, caplog)
+    assert quantization == "gguf"
+    assert all(isinstance(w, quant_gemm.QuantWeight) and w.qtype == "q8_0" for w in _layer_weights(model))
+    # 2 layers x (qkv, o, gate_up, down) + the embedding + the untied LM head
+    assert lines == [
+        f"GGUF weights: running the file's quantized blocks (Q8_0: 10 weights) from {engine_gguf.resolve()}"
+    ]
+    # nothing was dequantized to disk: the cache holds the config and tokenizer only
+    assert _cached_weights(own_cache) == []
+
+
+def test_quantization_none_runs_the_float_conversion(engine_gguf, own_cache, caplog):
+    model, quantization, lines = _start(engine_gguf, caplog, quantization="none")
+    assert quantization is None
+    assert not any(isinstance(w, quant_gemm.QuantWeight) for w in _layer_weights(model))
+    assert lines == ["GGUF weights: dequantized to float32 (because quantization='none')"]
+    assert len(_cached_weights(own_cache)) == 1  # the cached float conversion
+
+
+def test_a_setting_that_needs_float_weights_falls_back_to_the_float_conversion_and_says_why(
+    engine_gguf, own_cache, caplog
+):
+    """LoRA (the cheapest such setting to start) through the engine; the other settings through
+    the choice itself, which is all the engine reads."""
+    from kvserve.config import EngineArgs
+
+    model, quantization, lines = _start(engine_gguf, caplog, enable_lora=True)
+    assert quantization is None
+    assert not any(isinstance(w, quant_gemm.QuantWeight) for w in _layer_weights(model))
+    assert lines == [
+        "GGUF weights: dequantized to float32 "
+        "(because enable_lora=True: LoRA adapters apply to float weights only)"
+    ]
+    path = str(engine_gguf)
+    for kw, why in [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2: quantized blocks are not sharded"),
+        (dict(dtype="float16"), "dtype='float16': its kernels compute in float32 or bfloat16"),
+        (dict(device="cuda"), "device='cuda': its kernels run on CPU only"),
+    ]:
+        assert EngineArgs(model=path, **kw).resolve_quantization() == (None, why)
+    # settings the quantized path runs keep it
+    for kw in (
+        dict(dtype="bfloat16"),
+        dict(enable_prefix_caching=True),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    ):
+        assert EngineArgs(model=path, **kw).resolve_quantization() == ("gguf", None), kw
+
+
+def test_auto_device_on_cuda_and_missing_kernels_fall_back_explicit_gguf_refuses_cuda(
+    engine_gguf, monkeypatch
+):
+    from kvserve.config import EngineArgs
+
+    path = str(engine_gguf)
+    with monkeypatch.context() as mp:
+        mp.setattr(quant_gemm, "available", lambda: False)
+        quantization, why = EngineArgs(model=path).resolve_quantization()
+        assert quantization is None and "quantized kernels are not built" in why
+        # asked for explicitly, the slow fallback still runs
+        assert EngineArgs(model=path, quantization="gguf").resolve_quantization() == ("gguf", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineArgs(model=path).resolve_quantization() == (
+        None,
+        "device='auto' (CUDA is available): its kernels run on CPU only",
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape("device='auto' (CUDA is available) is not supported with quantization='gguf'"),
+    ):
+        EngineArgs(model=path, quantization="gguf").resolve_quantization()
+
+
+@pytest.mark.parametrize(
+    "kw, setting",
+    [
+        (dict(enable_lora=True), "enable_lora=True is not supported with quantization='gguf' (LoRA"),
+        (dict(dtype="float16"), "dtype='float16' is not supported with quantization='gguf' (its kernels"),
+        (dict(device="cuda"), "device='cuda' is not supported with quantization='gguf' (its kernels"),
+        (dict(tensor_parallel_size=2), "quantization='gguf' is not supported with tensor_parallel_size > 1"),
+    ],
+)
+def test_explicit_gguf_with_a_setting_it_cannot_run_is_an_error_naming_it(engine_gguf, kw, setting):
+    from kvserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match=re.escape(setting)):
+        EngineArgs(model=str(engine_gguf), quantization="gguf", **kw)
+
+
+def test_default_model_stays_on_its_float_conversion():
+    """The golden tests compare the default model with transformers on the same float weights:
+    unset quantization keeps it float; ``"gguf"`` still runs its blocks."""
+    from kvserve.config import EngineArgs
+
+    for model in (None, "default"):
+        quantization, why = EngineArgs(model=model).resolve_quantization()
+        assert quantization is None and why.startswith("the default model runs its float conversion")
+    assert EngineArgs(quantization="gguf").resolve_quantization() == ("gguf", None)
+    assert EngineArgs(quantization="none").resolve_quantization() == (None, "quantization='none'")
+
+
+def test_quantization_none_on_a_quantized_checkpoint_is_an_error_naming_it(tmp_path, own_cache):
+    """Such a checkpoint has no float weights to run: ``"none"`` is refused before its weights
+    are read (unset runs its own format)."""
+    import json
+
+    from kvserve import LLM
+
+    d = tmp_path / "gptq"
+    save_tiny(d, llama_config())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"quantization='none' asks for float weights, .*quant_method 'gptq'"
+    ):
+        LLM(model=str(d), quantization="none")

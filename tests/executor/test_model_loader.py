@@ -241,3 +241,45 @@ def test_integer_tensor_under_a_float_weight_name_is_refused(tmp_path, dtype):
     save_file(tensors, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{re.escape(name)}.*integer.*expected a float weight"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_quantization_none_resolves_to_the_float_conversion_and_unset_too(tmp_path, monkeypatch):
+    """At this level ``None`` and ``"none"`` both take a GGUF's float conversion (the engine's
+    automatic choice is made before, by ``EngineArgs.resolve_quantization``); ``"gguf"`` caches
+    no weights."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "Fake.gguf"
+    fake.write_bytes(b"GGUF")
+    calls = []
+
+    def convert(src, out):
+        calls.append(src)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
+    d = resolve_model_dir(str(fake), "none")
+    assert (d / "model.safetensors").is_file() and len(calls) == 1
+    assert resolve_model_dir(str(fake)) == d and len(calls) == 1
+    hf = tmp_path / "hf"
+    save_tiny(hf, llama_config())
+    assert resolve_model_dir(str(hf), "none") == hf.resolve()
+
+
+def test_quantized_weight_types_counts_each_quantized_weight_once(tmp_path):
+    """Per block type, a fused weight and a tied embedding / LM head once; none for a float model."""
+    import gguf
+
+    from kvserve.model_executor.gguf_loader import load_gguf_model
+    from kvserve.model_executor.model_loader import quantized_weight_types
+    from tests.executor.test_gguf_quantized import reference_model, write_gguf
+
+    T = gguf.GGMLQuantizationType
+    cfg = llama_config(hidden_size=64, intermediate_size=96, vocab_size=128, tie_word_embeddings=True)
+    hf = save_tiny(tmp_path / "hf", cfg)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf, cfg, lambda n: T.Q8_0 if "down_proj" in n else T.Q4_1)
+    model = load_gguf_model(path, torch.float32, "cpu")
+    # 2 layers: qkv, o, gate_up in Q4_1 and down in Q8_0; the tied embedding in Q4_1
+    assert quantized_weight_types(model) == {"Q4_1": 7, "Q8_0": 2}
+    assert quantized_weight_types(reference_model(path, cfg)) == {}

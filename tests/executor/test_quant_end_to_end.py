@@ -2,8 +2,8 @@
 quantized-then-dequantized weights:
 
 - a tiny llama GGUF written with the ``gguf`` package (Q8_0 linear weights, the default
-  model's tokenizer metadata cut to 2,048 tokens), run both ways (converted to float;
-  ``quantization="gguf"``), against transformers' own GGUF loader (``gguf_file=``: its
+  model's tokenizer metadata cut to 2,048 tokens), run both ways (converted to float,
+  ``quantization="none"``; ``quantization="gguf"``), against transformers' own GGUF loader (``gguf_file=``: its
   dequantization, not ours), also with a KV cache so small that requests are preempted and
   recomputed;
 - ``quantization="int8"`` on a float checkpoint, against transformers on that checkpoint's
@@ -89,7 +89,7 @@ def test_tiny_gguf_through_llm_equals_transformers_gguf_loader_both_ways(tmp_pat
     tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     want = _hf_greedy(ref_model.eval(), tok, PROMPTS)
     assert len({tuple(w) for w in want}) == len(PROMPTS)  # the prompts lead to different text
-    assert _kvserve_greedy(str(path), PROMPTS) == want
+    assert _kvserve_greedy(str(path), PROMPTS, quantization="none") == want
     assert _kvserve_greedy(str(path), PROMPTS, quantization="gguf") == want
     # a KV cache of 4-token blocks that holds the longest request (prompt + STEPS) but not all
     # three together, so requests are preempted and recomputed; the tokens stay the same

@@ -596,7 +596,7 @@ class EngineArgs:
                 (f"tensor_parallel_size={self.tensor_parallel_size}", "quantized blocks are not sharded")
             )
         if self.enable_lora:
-            out.append(("enable_lora=True", "LoRA adapters apply to float weights only"))
+            out.append(("enable_lora", "LoRA adapters apply to float weights only"))
         return out
 
     def resolve_quantization(self) -> QuantizationChoice:

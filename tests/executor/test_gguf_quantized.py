@@ -497,7 +497,7 @@ def test_a_setting_that_needs_float_weights_falls_back_to_the_float_conversion_a
     assert not any(isinstance(w, quant_gemm.QuantWeight) for w in _layer_weights(model))
     assert lines == [
         "GGUF weights: dequantized to float32 "
-        "(because enable_lora=True: LoRA adapters apply to float weights only)"
+        "(because enable_lora: LoRA adapters apply to float weights only)"
     ]
     path = str(engine_gguf)
     for kw, why in [
@@ -542,7 +542,7 @@ def test_auto_device_on_cuda_and_missing_kernels_fall_back_explicit_gguf_refuses
 @pytest.mark.parametrize(
     "kw, setting",
     [
-        (dict(enable_lora=True), "enable_lora=True is not supported with quantization='gguf' (LoRA"),
+        (dict(enable_lora=True), "enable_lora is not supported with quantization='gguf' (LoRA"),
         (dict(dtype="float16"), "dtype='float16' is not supported with quantization='gguf' (its kernels"),
         (dict(device="cuda"), "device='cuda' is not supported with quantization='gguf' (its kernels"),
         (dict(tensor_parallel_size=2), "quantization='gguf' is not supported with tensor_parallel_size > 1"),

@@ -240,7 +240,9 @@ class GrammarCompiler:
             except Exception:  # raised again by the first compile
                 pass
 
-        t = threading.Thread(target=run, name="kvserve-grammar-warmup", daemon=True)
+        # Not a daemon: a process that ends while the view is being built would otherwise
+        # tear the interpreter down under the grammar engine's native code (SIGSEGV at exit).
+        t = threading.Thread(target=run, name="kvserve-grammar-warmup", daemon=False)
         t.start()
         return t
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 import sys
 import time
@@ -194,8 +195,10 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_start, wall_start = time.perf_counter(), time.time()
+    weights = _WeightsLine()
     try:
-        llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+        with weights:
+            llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
         if lora is not None:  # read and validated now: a bad adapter fails before generating
             try:
                 llm.llm_engine.add_lora(lora)
@@ -208,6 +211,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         print(f"error: {flag_names(str(e))}", file=sys.stderr)
         return 2
     t_loaded = time.perf_counter()
+    for line in weights.lines:
+        print(f"({line})")
     if ns.prompt:
         outs = llm.generate(ns.prompt, params, use_tqdm=False, lora_request=lora)
         labels = ns.prompt
@@ -257,6 +262,34 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
                 )
         print(line)
     return 0
+
+
+class _WeightsLine(logging.Handler):
+    """While active (``with``), keeps the engine's INFO lines that say which weights a GGUF
+    runs on (``GGUF weights: ...``), for ``kvserve generate`` to print: it configures no
+    logging, so they would not be shown."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self._logger = logging.getLogger("kvserve.engine")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("GGUF weights:"):
+            self.lines.append(msg)
+
+    def __enter__(self) -> _WeightsLine:
+        self._level = self._logger.level
+        if not self._logger.isEnabledFor(logging.INFO):
+            self._logger.setLevel(logging.INFO)  # no handler prints INFO: only this one sees it
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
 
 
 def main(argv: list[str] | None = None) -> int:

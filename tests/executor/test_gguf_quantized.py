@@ -588,9 +588,19 @@ def test_quantization_none_on_a_quantized_checkpoint_is_an_error_naming_it(tmp_p
 def test_generate_prints_which_weights_a_gguf_runs_on(engine_gguf, own_cache, capsys):
     from kvserve.entrypoints.cli import main
 
-    argv = ["generate", "--model", str(engine_gguf), "--prompt", "a", "--max-tokens", "2", "--num-gpu-blocks", "16"]
+    argv = [
+        "generate",
+        "--model",
+        str(engine_gguf),
+        "--prompt",
+        "a",
+        "--max-tokens",
+        "2",
+        "--num-gpu-blocks",
+        "16",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert f"(GGUF weights: running the file's quantized blocks (Q8_0: " in out and str(engine_gguf) in out
+    assert "(GGUF weights: running the file's quantized blocks (Q8_0: " in out and str(engine_gguf) in out
     assert main([*argv, "--quantization", "none"]) == 0
     assert "(GGUF weights: dequantized to float32 (because quantization='none'" in capsys.readouterr().out

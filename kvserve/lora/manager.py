@@ -178,7 +178,12 @@ class LoRAManager:
             return False
         t = time.perf_counter()
         model = load_peft_adapter(
-            lora_request.lora_path, lora_request.lora_int_id, self.shapes, self.rmax, self.dtype
+            lora_request.lora_path,
+            lora_request.lora_int_id,
+            self.shapes,
+            self.rmax,
+            self.dtype,
+            allowed_root=lora_request.allowed_root,
         )
         self._probe(lora_request, model)
         self.last_load_s = time.perf_counter() - t

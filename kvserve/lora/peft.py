@@ -9,6 +9,11 @@ sqrt(r)`` with rsLoRA). Everything that would change that formula (DoRA, trained
 ``modules_to_save``, per-module rank or alpha patterns, activated LoRA, replicated layers,
 QA-LoRA, BD-LoRA, trained token embeddings, LoRA on parameters, Arrow, KaSA, MonteCLoRA) is
 refused, not ignored.
+
+Each file is opened only as a regular file (symlinks resolved; under ``allowed_root`` when one is
+given): a FIFO or a device such as ``/proc/kmsg`` would block the reading thread for good or
+never reach EOF. ``adapter_config.json`` is read up to ``MAX_ADAPTER_CONFIG_BYTES``, and the
+weights file up to what a valid adapter for the model could hold (``max_weights_file_bytes``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +48,11 @@ _PARENT = {
 }
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+
+#: Largest ``adapter_config.json`` read, in bytes (PEFT writes a few hundred).
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+#: Largest safetensors JSON header, in bytes (the safetensors format's own limit).
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$"
@@ -137,22 +148,126 @@ def _target_names(target_modules) -> set[str] | None:
     return names
 
 
-def read_adapter_config(path: str) -> dict:
-    """``adapter_config.json`` of ``path``, validated (see the module doc).
+class AdapterFileError(ValueError):
+    """An adapter directory or file that is missing, not a regular file (a FIFO, a device, a
+    directory), not openable, or that resolves outside the allowed root. The server answers
+    these at run time with its one "not a loadable LoRA adapter" message, so that it does not
+    tell which paths exist; the message here (for logs and offline use) says why."""
+
+
+def _open_regular(path: str, name: str, allowed_root: str | None) -> tuple[int, os.stat_result]:
+    """Open ``path/name`` for reading if it is a regular file (symlinks resolved) under
+    ``allowed_root`` (when given).
+
+    Returns:
+        the open file descriptor (the caller closes it) and its ``fstat``.
+    Raises:
+        AdapterFileError: naming the file and why.
+    """
+    fpath = os.path.join(path, name)
+    real = os.path.realpath(fpath)
+    root = os.path.realpath(allowed_root) if allowed_root is not None else None
+    if root is not None and os.path.commonpath([root, real]) != root:
+        raise AdapterFileError(f"{fpath} resolves to {real!r}, outside the allowed LoRA root {root!r}.")
+    # O_NONBLOCK: opening a FIFO with no writer would block; O_NOFOLLOW: the resolved path must
+    # not have become a symlink since
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)
+    except FileNotFoundError:
+        raise AdapterFileError(f"lora_path {path!r} has no {name}.") from None
+    except OSError as e:
+        raise AdapterFileError(f"{fpath}: cannot be opened ({e.strerror}).") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AdapterFileError(
+                f"{fpath} (resolved to {real!r}) is not a regular file (a FIFO, device or directory)."
+            )
+        if root is not None:
+            # a directory on the way swapped for a symlink after ``realpath``: see where the
+            # descriptor really points (Linux)
+            try:
+                opened = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                opened = real
+            if os.path.commonpath([root, opened]) != root:
+                raise AdapterFileError(f"{fpath} opened {opened!r}, outside the allowed LoRA root {root!r}.")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def max_weights_file_bytes(shapes: ModelShapes, max_lora_rank: int) -> int:
+    """Bytes of tensor data the largest valid adapter for ``shapes`` could hold: rank
+    ``max_lora_rank`` ``A`` and ``B`` for every target linear of every layer, in float64 (the
+    widest float dtype). The safetensors header is not counted."""
+    elems = sum(max_lora_rank * (fin + fout) for fin, fout in shapes.in_out.values())
+    return shapes.num_layers * elems * 8
+
+
+def _read_weights(path: str, shapes: ModelShapes, max_lora_rank: int, allowed_root: str | None) -> bytes:
+    """The bytes of ``path``'s weights file, once its size is checked against its header.
 
     Raises:
-        ValueError: a missing or unreadable file, a non-LoRA adapter, or an unsupported field,
-            naming the path and the field.
+        AdapterFileError: not a regular file (``_open_regular``).
+        ValueError: a header length that does not fit the file or passes
+            ``MAX_SAFETENSORS_HEADER_BYTES``, or tensor data larger than
+            ``max_weights_file_bytes``, naming the file and the limit.
+    """
+    wpath = os.path.join(path, WEIGHTS_FILE)
+    fd, st = _open_regular(path, WEIGHTS_FILE, allowed_root)
+    with os.fdopen(fd, "rb") as f:
+        # safetensors: an 8-byte little-endian header length, the JSON header, then the data
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{wpath}: not a readable safetensors file ({st.st_size} bytes, no header).")
+        n = int.from_bytes(head, "little")
+        if n > MAX_SAFETENSORS_HEADER_BYTES or 8 + n > st.st_size:
+            raise ValueError(
+                f"{wpath}: not a readable safetensors file (header of {n} bytes in a file of "
+                f"{st.st_size}; at most {MAX_SAFETENSORS_HEADER_BYTES})."
+            )
+        limit = max_weights_file_bytes(shapes, max_lora_rank)
+        if st.st_size - 8 - n > limit:
+            raise ValueError(
+                f"{wpath}: {st.st_size - 8 - n} bytes of tensor data, more than a LoRA of rank "
+                f"max_lora_rank={max_lora_rank} for this model can hold ({limit} bytes)."
+            )
+        # bounded by the size just checked, even if the file grows meanwhile
+        return head + f.read(st.st_size - 8)
+
+
+def read_adapter_config(path: str, allowed_root: str | None = None) -> dict:
+    """``adapter_config.json`` of ``path``, validated (see the module doc).
+
+    Args:
+        allowed_root: when set, the file must resolve (symlinks followed) under it.
+    Raises:
+        AdapterFileError: ``path`` is not a directory, or the file is missing, not a regular
+            file, not openable, or outside ``allowed_root``.
+        ValueError: a file larger than ``MAX_ADAPTER_CONFIG_BYTES``, not JSON, a non-LoRA
+            adapter, or an unsupported field, naming the path and the field or limit.
     """
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
-        raise ValueError(f"lora_path {path!r} is not a directory.")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"lora_path {path!r} has no {CONFIG_FILE}.")
+        raise AdapterFileError(f"lora_path {path!r} is not a directory.")
+    fd, st = _open_regular(path, CONFIG_FILE, allowed_root)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            # one byte past the limit: a file grown after the fstat is still caught
+            data = b"" if st.st_size > MAX_ADAPTER_CONFIG_BYTES else f.read(MAX_ADAPTER_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"{cfg_path}: not readable ({e.strerror}).") from e
+    if st.st_size > MAX_ADAPTER_CONFIG_BYTES or len(data) > MAX_ADAPTER_CONFIG_BYTES:
+        raise ValueError(
+            f"{cfg_path}: larger than {MAX_ADAPTER_CONFIG_BYTES} bytes, the limit for {CONFIG_FILE}."
+        )
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:
+        cfg = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
         # RecursionError: arrays or objects nested past the parser's depth (a hostile file
         # would otherwise end the server's load request with a 500)
         raise ValueError(f"{cfg_path}: not readable JSON ({e}).") from e
@@ -200,31 +315,39 @@ def load_peft_adapter(
     shapes: ModelShapes,
     max_lora_rank: int,
     dtype: torch.dtype = torch.float32,
+    allowed_root: str | None = None,
 ) -> LoRAModel:
     """Read and validate the PEFT adapter in directory ``path`` for a model of ``shapes``.
+
+    Args:
+        allowed_root: when set, each file read must resolve (symlinks followed) under it.
 
     Returns:
         a ``LoRAModel`` whose tensors are on CPU in ``dtype`` (the scale folded into ``B`` in
         float32 first).
     Raises:
-        ValueError: a missing directory or file (naming the path), a rank above
+        AdapterFileError: a missing directory or file, one that is not a regular file, or one
+            outside ``allowed_root`` (naming the path).
+        ValueError: an oversized config or weights file (naming the limit), a rank above
             ``max_lora_rank`` (naming it), an unsupported config field or target module, a
             weight name that is not a known LoRA weight, a shape that does not match the model,
             an ``A`` without its ``B``, a scaling (``lora_alpha / r``) beyond ``dtype``'s range,
             or a weight that is NaN/inf in ``dtype`` once scaled.
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    cfg = read_adapter_config(path)
+    cfg = read_adapter_config(path, allowed_root)
     r_cfg: int = cfg["r"]
     if r_cfg > max_lora_rank:
         raise ValueError(f"LoRA rank {r_cfg} of {path!r} is above max_lora_rank={max_lora_rank}.")
     wpath = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(wpath):
-        raise ValueError(f"lora_path {path!r} has no {WEIGHTS_FILE}.")
     try:
-        tensors = load_file(wpath)
+        data = _read_weights(path, shapes, max_lora_rank, allowed_root)
+    except OSError as e:
+        raise ValueError(f"{wpath}: not readable ({e.strerror}).") from e
+    try:
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{wpath}: not a readable safetensors file ({e}).") from e
     targets = _target_names(cfg.get("target_modules"))

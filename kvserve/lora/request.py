@@ -20,6 +20,9 @@ class LoRARequest:
             scheduler counts distinct ids per step and the prefix cache keys blocks by it.
         lora_path: a local PEFT directory (``adapter_config.json`` +
             ``adapter_model.safetensors``).
+        allowed_root: when set, every adapter file read (now, or again after a CPU-cache
+            eviction) must resolve, symlinks followed, under this directory (the server's
+            ``--allowed-lora-root``); None: no such bound.
 
     Raises:
         ValueError: a ``lora_name`` outside ``field_limits.LORA_NAME_RULE``, an empty
@@ -30,6 +33,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str
+    allowed_root: str | None = None
 
     def __post_init__(self) -> None:
         check_lora_name("lora_request.lora_name", self.lora_name)

@@ -10,9 +10,11 @@ Adapter ids are given by the server: 1, 2, ... in load order, never reused withi
 Adapter names follow ``field_limits.LORA_NAME_RULE`` wherever they enter (``--lora-modules``,
 ``/v1/load_lora_adapter``, a request's ``model``). A run-time load's ``lora_path`` that is not a
 readable adapter directory gets one message whatever the reason (missing, not a directory, no
-adapter files, unreadable), so the endpoint cannot be used to learn which paths exist; with
-``allowed_lora_root`` (``--allowed-lora-root``) only directories under that root, symlinks
-resolved, may be loaded at run time.
+adapter files, unreadable, an adapter file that is not a regular file), so the endpoint cannot be
+used to learn which paths exist (the reason goes to the server log); with ``allowed_lora_root``
+(``--allowed-lora-root``) only directories under that root, and adapter files that resolve under
+it too, symlinks resolved, may be loaded at run time (checked again each time the engine reads
+them).
 
 Unloading an adapter that requests are using: the name goes at once (new requests naming it
 get 404; a request admitted before the unload but not yet queued is refused with that 404),
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +35,7 @@ from kvserve.engine.async_llm_engine import EngineDeadError
 from kvserve.entrypoints.openai.serving_engine import APIError, quoted
 from kvserve.field_limits import LORA_NAME_RULE, lora_name_ok
 from kvserve.lora.modules import LoRAModulePath, parse_lora_module  # noqa: F401 (re-exported)
-from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE
+from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterFileError
 from kvserve.lora.request import LoRARequest
 
 logger = logging.getLogger("kvserve.server")
@@ -196,11 +199,11 @@ class OpenAIServingModels:
             code="lora_not_enabled",
         )
 
-    def _new_request(self, name: str, path: str) -> LoRARequest:
+    def _new_request(self, name: str, path: str, allowed_root: str | None = None) -> LoRARequest:
         lora_id = self._next_id
         self._next_id += 1  # never reused, even when the load fails
         try:
-            return LoRARequest(name, lora_id, path)
+            return LoRARequest(name, lora_id, path, allowed_root)
         except ValueError as e:
             param = "lora_name" if "lora_name" in str(e) else "lora_path"
             raise APIError(str(e), 400, param=param, code="invalid_value") from None
@@ -239,7 +242,6 @@ class OpenAIServingModels:
                 for every reason, symlinks out of the root included).
         """
         root = self.allowed_lora_root
-        where = f" under the allowed LoRA root {root!r}" if root is not None else ""
         if root is not None:
             lexical = os.path.normpath(os.path.join(root, path))
             if os.path.commonpath([root, lexical]) != root:
@@ -249,23 +251,37 @@ class OpenAIServingModels:
                     param="lora_path",
                     code="invalid_lora_adapter",
                 )
-        not_loadable = APIError(
-            f"lora_path {quoted(path, 256)} is not a loadable LoRA adapter: it must be a directory"
-            f"{where} holding {CONFIG_FILE} and {WEIGHTS_FILE}, readable by the server.",
-            400,
-            param="lora_path",
-            code="invalid_lora_adapter",
-        )
+        not_loadable = self._not_loadable(path)
         try:
             real = os.path.realpath(os.path.join(root, path) if root is not None else path)
             if root is not None and os.path.commonpath([root, real]) != root:
                 raise not_loadable
-            files = [os.path.join(real, CONFIG_FILE), os.path.join(real, WEIGHTS_FILE)]
-            if not os.path.isdir(real) or not all(os.path.isfile(f) and os.access(f, os.R_OK) for f in files):
+            if not os.path.isdir(real):
                 raise not_loadable
+            for name in (CONFIG_FILE, WEIGHTS_FILE):
+                # each file resolved on its own: a symlinked file may point out of the root, or
+                # at a FIFO or device whose read would hold the engine thread for good
+                f = os.path.realpath(os.path.join(real, name))
+                if root is not None and os.path.commonpath([root, f]) != root:
+                    raise not_loadable
+                if not stat.S_ISREG(os.stat(f).st_mode) or not os.access(f, os.R_OK):
+                    raise not_loadable
         except (OSError, ValueError):
             raise not_loadable from None
         return real if root is not None else path
+
+    def _not_loadable(self, path: str) -> APIError:
+        """The one answer for a run-time ``lora_path`` that is not a loadable adapter directory."""
+        root = self.allowed_lora_root
+        where = f" under the allowed LoRA root {root!r}" if root is not None else ""
+        return APIError(
+            f"lora_path {quoted(path, 256)} is not a loadable LoRA adapter: it must be a directory"
+            f"{where} holding {CONFIG_FILE} and {WEIGHTS_FILE} (regular files{where}), readable by "
+            "the server.",
+            400,
+            param="lora_path",
+            code="invalid_lora_adapter",
+        )
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """``POST /v1/load_lora_adapter``: read and validate the adapter (on the engine
@@ -279,10 +295,15 @@ class OpenAIServingModels:
         if not self.lora_enabled:
             raise self._disabled()
         self._check_new_name(name)
-        req = self._new_request(name, self._checked_path(path))
+        req = self._new_request(name, self._checked_path(path), self.allowed_lora_root)
         self._loading.add(name)  # a concurrent load of the same name is refused meanwhile
         try:
             await self.async_engine.add_lora(req)
+        except AdapterFileError as e:
+            # changed since ``_checked_path`` (or a check only the reader makes): the same
+            # answer as any other path that is not an adapter; the reason is for the operator
+            logger.warning("LoRA adapter %r not loaded from %r: %s", name, req.lora_path, e)
+            raise self._not_loadable(path) from None
         except ValueError as e:
             raise APIError(str(e), 400, param="lora_path", code="invalid_lora_adapter") from None
         except EngineDeadError as e:

@@ -68,9 +68,10 @@ class StreamOptions(_Request):
 
 
 class JsonSchemaSpec(_Request):
-    """``response_format.json_schema``: ``{"name", "description", "schema", "strict"}``."""
+    """``response_format.json_schema``: ``{"name", "description", "schema", "strict"}`` (any
+    other key is a 400 naming it)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: StrictStr | None = None
     description: StrictStr | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -95,7 +96,8 @@ class StructuredOutputsRequest(_Request):
     structural_tag: StrictStr | dict[str, Any] | None = None
     disable_any_whitespace: StrictBool | None = False
     whitespace_pattern: StrictStr | None = None
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # an unknown key (a misspelt kind, an option kvserve lacks) is a 400 naming it
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class _SamplingFields(_Request):
@@ -181,14 +183,31 @@ class MessageToolCall(_Request):
 class ChatMessage(_Request):
     """One conversation message. ``content`` may be a string or a list of text parts; an
     assistant message may carry ``tool_calls``, a ``tool`` message the ``tool_call_id`` it
-    answers."""
+    answers.
 
-    model_config = ConfigDict(extra="allow")
+    OpenAI's other assistant-message fields (``refusal``, ``audio``, ``function_call``,
+    ``annotations``) are accepted only empty (``null``, or ``[]`` for ``annotations``), the
+    shape a client gets back from a response and sends along in the history: a value in them
+    would be part of the conversation the template never shows, so it is a 400 naming it
+    (see ``ChatMessage.unused_fields``). Any other key is a 400 naming it."""
+
     role: StrictStr
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: StrictStr | None = None
+    refusal: StrictStr | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
+
+    def unused_fields(self) -> list[str]:
+        """The OpenAI message fields set to a value kvserve would not show the model."""
+        return [
+            name
+            for name in ("refusal", "audio", "function_call", "annotations")
+            if getattr(self, name) not in (None, [])
+        ]
 
 
 class FunctionDefinition(_Request):

@@ -61,7 +61,8 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
     Raises:
         APIError: 400 naming ``messages`` for an empty list, an unknown role, a non-text part
-            or a ``tool`` message without ``tool_call_id``.
+            or a ``tool`` message without ``tool_call_id``; naming ``messages[i].<field>`` for
+            a non-empty ``refusal`` / ``audio`` / ``function_call`` / ``annotations``.
     """
     if not messages:
         raise APIError(
@@ -78,6 +79,15 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 400,
                 param="messages",
                 code="invalid_value",
+            )
+        unused = m.unused_fields()
+        if unused:
+            raise APIError(
+                f"messages[{i}].{unused[0]} is accepted only empty (null): kvserve does not show it "
+                "to the model.",
+                400,
+                param=f"messages[{i}].{unused[0]}",
+                code="unsupported",
             )
         if m.role == "tool" and m.tool_call_id is None:
             raise APIError(

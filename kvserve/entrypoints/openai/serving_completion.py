@@ -22,7 +22,6 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    UsageInfo,
 )
 from kvserve.entrypoints.openai.serving_engine import (
     APIError,
@@ -36,13 +35,26 @@ from kvserve.entrypoints.openai.serving_engine import (
 from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from kvserve.field_limits import check_count, check_request_size
 from kvserve.lora.request import LoRARequest
-from kvserve.outputs import CompletionOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
 def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
     """SamplingParams keyword arguments from the fields completions and chat share
-    (``null`` means the default)."""
+    (``null`` means the default).
+
+    Raises:
+        APIError: 400 naming ``stream_options`` when it is set without ``stream=true`` (it
+            shapes the stream only; vLLM refuses it the same way), or naming the constraint
+            field that ``structured_outputs_from_request`` refuses.
+    """
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            "stream_options is only allowed with stream=true.",
+            400,
+            param="stream_options",
+            code="invalid_value",
+        )
 
     def pick(value, default):
         return default if value is None else value
@@ -138,8 +150,9 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> Response:
         """``use_beam_search``: beam search of width ``best_of`` (or ``n``) per prompt
         (``kvserve.entrypoints.beam_search``); the ``n`` best hypotheses become the choices.
-        Not streamed; only ``max_tokens``, ``ignore_eos``, ``length_penalty``, ``echo`` and
-        the prompt shape it; the other sampling fields must keep their defaults (else a 400)."""
+        Not streamed; only ``max_tokens``, ``ignore_eos``, ``length_penalty``, ``echo``,
+        ``skip_special_tokens``, ``priority`` and the prompt shape it; the other sampling and
+        output-constraint fields must keep their defaults (else a 400 naming the field)."""
         n = 1 if req.n is None else req.n
         width = req.best_of if req.best_of is not None else n
         if n > width:
@@ -164,6 +177,18 @@ class OpenAIServingCompletion(OpenAIServing):
             "frequency_penalty": bool(req.frequency_penalty),
             "repetition_penalty": req.repetition_penalty not in (None, 1),
             "seed": req.seed is not None,
+            "stream_options": req.stream_options is not None,
+            # beam search ranks the model's own distribution: an output constraint would not
+            # apply, so it is refused rather than ignored
+            "response_format": req.response_format is not None
+            and (req.response_format.type != "text" or req.response_format.json_schema is not None),
+            "structured_outputs": req.structured_outputs is not None,
+            "guided_json": req.guided_json is not None,
+            "guided_regex": req.guided_regex is not None,
+            "guided_choice": req.guided_choice is not None,
+            "guided_grammar": req.guided_grammar is not None,
+            "guided_whitespace_pattern": req.guided_whitespace_pattern is not None,
+            "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         }
         for name, bad in conflicts.items():
             if bad:
@@ -201,6 +226,13 @@ class OpenAIServingCompletion(OpenAIServing):
             for sub in subs
         ]
 
+        priority = req.priority or 0
+        skip_special = req.skip_special_tokens is not False
+        tok = self.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=skip_special) if tok is not None and ids else ""
+
         async def run() -> dict:
             step = 0
             while True:
@@ -215,7 +247,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals: dict[int, Any] = {}
                 try:
                     async for idx, out in self.generate_all(
-                        step_subs, searches[0].sampling_params(), 0, lora_request=lora
+                        step_subs, searches[0].sampling_params(), priority, lora_request=lora
                     ):
                         if out.finished:
                             if out.outcome != "finished":
@@ -230,26 +262,38 @@ class OpenAIServingCompletion(OpenAIServing):
                 for j, srch in enumerate(searches):
                     if tops[j]:
                         srch.advance(tops[j])
+                if rec.first_token_time is None:
+                    rec.first_token_time = time.time()  # the first step chose every beam's first token
                 step += 1
             choices = []
-            completion_tokens = 0
             for idx, (sub, srch) in enumerate(zip(subs, searches)):
                 prefix = self._echo_text(sub) if req.echo else ""
-                best = srch.output(self.decode).sequences[:n]
+                best = srch.output(decode).sequences[:n]
+                # the request log and usage read the returned beams as the request's outputs
+                rec.latest[idx] = RequestOutput(
+                    request_id=sub.request_id,
+                    prompt=sub.prompt_text,
+                    prompt_token_ids=sub.prompt_token_ids,
+                    outputs=[
+                        CompletionOutput(
+                            index=i,
+                            text=seq.text,
+                            token_ids=seq.output_token_ids,
+                            cumulative_logprob=seq.cum_logprob,
+                            finish_reason=seq.finish_reason,
+                        )
+                        for i, seq in enumerate(best)
+                    ],
+                    finished=True,
+                )
                 for i, seq in enumerate(best):
-                    completion_tokens += len(seq.output_token_ids)
                     choices.append(
                         CompletionChoice(
                             index=idx * n + i, text=prefix + seq.text, finish_reason=seq.finish_reason
                         )
                     )
-            usage = UsageInfo(
-                prompt_tokens=rec.prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=rec.prompt_tokens + completion_tokens,
-            )
             return CompletionResponse(
-                id=rec.request_id, model=self.response_model(rec), choices=choices, usage=usage
+                id=rec.request_id, model=self.response_model(rec), choices=choices, usage=rec.usage()
             ).model_dump()
 
         return await self.respond(raw_request, False, None, run, rec, reservation)

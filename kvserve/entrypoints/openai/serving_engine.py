@@ -253,6 +253,11 @@ def parse_json_text(text: str, param: str, what: str | None = None) -> Any:
         raise
 
 
+#: Unknown field names listed in one 400 (the rest are counted), and the characters kept of each.
+MAX_UNKNOWN_NAMES = 10
+MAX_NAME_CHARS = 100
+
+
 def _error_path(err: dict) -> str:
     """``a.b[0].c`` of a pydantic error location (union type tags dropped; the last element of
     an unknown-field error is the client's field name, kept whatever it looks like)."""
@@ -289,11 +294,15 @@ def api_error_from_validation(e: ValidationError) -> APIError:
     param = str(loc[0]) if loc else path
     if unknown:
         names = sorted({_error_path(err) for err in unknown})
+        # a body of many unknown keys must not get an error body as large as itself
+        listed = ", ".join(repr(n[:MAX_NAME_CHARS]) for n in names[:MAX_UNKNOWN_NAMES])
+        if len(names) > MAX_UNKNOWN_NAMES:
+            listed += f" and {len(names) - MAX_UNKNOWN_NAMES} more"
         return APIError(
-            f"Unknown field(s) {', '.join(repr(n) for n in names)}: not supported by this server "
+            f"Unknown field(s) {listed}: not supported by this server "
             "(a field kvserve does not implement is refused, never silently ignored).",
             400,
-            param=path,
+            param=path[:MAX_NAME_CHARS],
             code="unsupported_field",
         )
     if first.get("type") == "missing":

@@ -6,6 +6,12 @@ vLLM's ``structured_outputs`` object and its older ``guided_json`` / ``guided_re
 ``guided_choice`` / ``guided_grammar`` fields (``guided_whitespace_pattern`` applies to the JSON
 kinds). Each constraint remembers the field it came from, so a schema that does not compile is a
 400 naming that field.
+
+A field that the constraint would not read is a 400 naming it, never silently dropped:
+``guided_whitespace_pattern`` without a JSON constraint (or next to
+``structured_outputs.whitespace_pattern``), ``structured_outputs.whitespace_pattern`` /
+``disable_any_whitespace`` with a kind other than ``json`` / ``json_object`` (or both at once),
+and ``response_format.json_schema`` with a type other than ``json_schema``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
     """
     sources: list[tuple[str, dict]] = []
     rf = req.response_format
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise _bad(
+            f"response_format.json_schema is only read when response_format.type is 'json_schema', "
+            f"got type {rf.type!r}.",
+            "response_format",
+        )
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             sources.append(("response_format", {"json_object": True}))
@@ -67,7 +79,14 @@ def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
         value = getattr(req, name, None)
         if value is not None:
             sources.append((name, {key: value}))
+    wsp = req.guided_whitespace_pattern
     if not sources:
+        if wsp is not None:
+            raise _bad(
+                "guided_whitespace_pattern applies to a JSON constraint (guided_json, response_format "
+                "json_object / json_schema); none is set.",
+                "guided_whitespace_pattern",
+            )
         return None
     if len(sources) > 1:
         names = [n for n, _ in sources]
@@ -82,8 +101,34 @@ def structured_outputs_from_request(req) -> StructuredOutputsParams | None:
                 parse_json_text(kw[key], param, origin)
             except ValueError:
                 pass
-    if req.guided_whitespace_pattern is not None and "whitespace_pattern" not in kw:
-        kw["whitespace_pattern"] = req.guided_whitespace_pattern
+    json_kind = kw.get("json") is not None or bool(kw.get("json_object"))
+    if origin.startswith("structured_outputs"):
+        for opt in ("whitespace_pattern", "disable_any_whitespace"):
+            if kw.get(opt) and not json_kind:
+                raise _bad(
+                    f"structured_outputs.{opt} applies to the JSON kinds (json, json_object) only, "
+                    f"not to {origin}.",
+                    "structured_outputs",
+                )
+        if kw.get("whitespace_pattern") is not None and kw.get("disable_any_whitespace"):
+            raise _bad(
+                "structured_outputs.whitespace_pattern cannot be combined with "
+                "structured_outputs.disable_any_whitespace=true (which allows no whitespace).",
+                "structured_outputs",
+            )
+    if wsp is not None:
+        if not json_kind:
+            raise _bad(
+                f"guided_whitespace_pattern applies to a JSON constraint only, not to {origin}.",
+                "guided_whitespace_pattern",
+            )
+        if kw.get("whitespace_pattern") is not None or kw.get("disable_any_whitespace"):
+            raise _bad(
+                "guided_whitespace_pattern cannot be combined with structured_outputs' own "
+                "whitespace_pattern / disable_any_whitespace.",
+                "guided_whitespace_pattern",
+            )
+        kw["whitespace_pattern"] = wsp
     try:
         return StructuredOutputsParams(**kw, origin=origin)
     except ValueError as e:

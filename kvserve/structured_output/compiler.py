@@ -12,7 +12,8 @@ so the first constrained request does not stall the others. A compiled grammar i
 Compilation can never kill or hold the engine:
 
 - ``limits.check_constraint`` first holds the constraint to ``GrammarLimits`` (size, nesting,
-  definitions, ``$ref`` chains, alternatives, repetition counts, rules, choices, int64 bounds):
+  definitions, ``$ref`` chains, required ``$ref`` cycles, alternatives, optional properties,
+  repetition counts, rules, choices, int64 bounds):
   past one it is a ``ValueError`` naming the field and the limit, before llguidance runs.
 - llguidance's compile recurses over the grammar; it runs on a thread of its own started with
   an explicit ``COMPILE_STACK_BYTES`` stack (``threading.stack_size`` set and restored under a
@@ -26,6 +27,11 @@ Compilation can never kill or hold the engine:
   naming the field), instead of failing its request in the middle of a step. A Lark / GBNF
   rule reachable from ``start`` that derives no finite string (``a: "x" a``: the first mask
   allows "x") is found by ``limits.rules_that_never_end`` and refused the same way.
+- llguidance's parser limits (items in one Earley row, items per step) are only hit when a
+  token is consumed: the first ``FIRST_TOKENS_PROBED`` allowed tokens are consumed on copies
+  (``_check_first_tokens``), and a matcher that errs on one is a ``ValueError`` naming the field.
+  The pre-checks bound the shapes known to do this deeper in the output (optional properties
+  per object, alternatives per rule).
 
 A thread, not a worker process: the pre-checks bound every input shape known to recurse deeply,
 and the stack is many times what the deepest accepted shape needs, so the remaining risk a process
@@ -333,12 +339,49 @@ class GrammarCompiler:
                 "satisfies it (an empty language, a rule or $ref that never ends, or past the grammar "
                 "engine's limits)."
             )
+        _check_first_tokens(params, probe, mask)
         return matcher
 
     def new_matcher(self, params: StructuredOutputsParams):
         """A fresh matcher (at the start of the grammar) for one sequence. Raises like
         ``compile``."""
         return self.compile(params).deep_copy()
+
+
+#: Allowed first tokens consumed by the compile-time check (the lowest ids: the check is bounded).
+FIRST_TOKENS_PROBED = 32
+
+
+def _check_first_tokens(params: StructuredOutputsParams, matcher: Any, mask: bytes) -> None:
+    """Consume each of the first ``FIRST_TOKENS_PROBED`` allowed tokens on a copy of ``matcher``.
+
+    llguidance's ``ParserLimits`` (items in one Earley row, items per step) are hit when the
+    first token is consumed, not when the first mask is computed: an object of many optional
+    properties, thousands of alternatives in one rule, or a forced expansion too long to
+    fast-forward. Such a constraint would otherwise fail its request one step after it was
+    accepted.
+
+    Raises:
+        ValueError: naming ``params.field_name``, when a first token puts the matcher in its
+            error state.
+    """
+    words = memoryview(mask).cast("I")
+    probed = 0
+    for w, word in enumerate(words):
+        while word and probed < FIRST_TOKENS_PROBED:
+            low = word & -word
+            word ^= low
+            probed += 1
+            copy = matcher.deep_copy()
+            if not copy.consume_token(w * 32 + low.bit_length() - 1) or copy.is_error():
+                raise ValueError(
+                    f"{params.field_name}: the {params.kind} constraint is past the grammar engine's "
+                    f"limits at its first token ({grammar_error_message(copy.get_error())}); use fewer "
+                    "optional properties per object, fewer alternatives per rule, or shorter fixed "
+                    "expansions."
+                )
+        if probed >= FIRST_TOKENS_PROBED:
+            return
 
 
 def _check_rules_end(params: StructuredOutputsParams) -> None:

@@ -37,11 +37,15 @@ class GrammarLimits:
         max_defs: entries of ``$defs`` / ``definitions`` in one schema, all levels together.
         max_ref_chain: the longest chain of ``$ref`` s one schema can follow, each definition
             of a recursive group (definitions that reach each other) counted once.
-        max_alternatives: entries of one ``anyOf`` / ``oneOf`` / ``allOf`` / ``enum`` list.
+        max_alternatives: entries of one ``anyOf`` / ``oneOf`` / ``allOf`` / ``enum`` list, and
+            alternatives (``|``) of one grammar rule.
         max_repeat: a repetition count: ``{n,m}`` in a regex or grammar (counts of nested
             repetitions multiplied), and a schema's ``minLength`` / ``maxLength`` /
             ``minItems`` / ``maxItems`` / ``minProperties`` / ``maxProperties``.
         max_rules: rules of a Lark / GBNF grammar.
+        max_optional_properties: ``properties`` of one object schema not in its ``required``
+            (the grammar engine holds every optional property that may come next in one parser
+            row, a few items each).
         max_choices: strings of a ``choice`` constraint.
         max_choice_chars: characters of one choice.
     """
@@ -53,6 +57,7 @@ class GrammarLimits:
     max_alternatives: int = 1000
     max_repeat: int = 10_000
     max_rules: int = 1000
+    max_optional_properties: int = 400
     max_choices: int = 1000
     max_choice_chars: int = 1024
 
@@ -60,6 +65,7 @@ class GrammarLimits:
 DEFAULT_LIMITS = GrammarLimits()
 
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
+_DEFS_TABLES = ("$defs", "definitions")
 _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # a JSON string (with escapes), removed before counting brackets
@@ -235,6 +241,126 @@ def _longest_ref_chain(edges: dict[str, set[str]]) -> int:
     return max(longest, default=0)
 
 
+def definitions_that_never_end(schema: Any, defs: dict[str, str]) -> list[str]:
+    """Pointers (``#`` for the root) of a schema's root and definitions that no finite JSON value
+    matches because each of their values must contain another of them: a ``$ref`` cycle where
+    every step is required (a ``$ref``, an ``allOf`` entry, a ``required`` property, ``items`` /
+    the first ``prefixItems`` under ``minItems`` >= 1, every ``anyOf`` / ``oneOf`` alternative),
+    e.g. ``{"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}``.
+    ``defs`` maps each definition's pointer to itself (``check_json_schema``'s pass 1). Only
+    the root and definitions reachable from it by ``$ref`` are reported, sorted.
+
+    Each schema object is an AND of what it requires (an ``anyOf`` / ``oneOf`` an OR of its
+    alternatives); which can end is found by unit propagation over these gates (linear in the
+    schema's size, no recursion). Anything else (``not``, ``if``, a reference into the middle
+    of a definition, a remote one) is taken to be able to end.
+    """
+    need: list[int] = []  # per gate: inputs still unsatisfied (AND) or 1 (OR)
+    parents: list[list[int]] = []  # per gate: the gates it is an input of
+    gate_of: dict[str, int] = {}  # pointer -> gate of the schema object there
+    # (gate, the root or definition it requires, the root or definition the gate lies in)
+    refs: list[tuple[int, str, str]] = []
+
+    def new_gate() -> int:
+        need.append(0)
+        parents.append([])
+        return len(need) - 1
+
+    def wire(child: int, parent: int) -> None:
+        parents[child].append(parent)
+        need[parent] += 1
+
+    root = new_gate()
+    stack: list[tuple[Any, str, int, str]] = [(schema, "#", root, "#")]
+    while stack:
+        node, path, gate, owner = stack.pop()
+        gate_of[path] = gate
+        for key, value in node.items():
+            sub = f"{path}/{key}"
+            if key in _DEFS_TABLES and isinstance(value, dict):
+                for name, d in value.items():
+                    if isinstance(d, dict):
+                        stack.append((d, f"{sub}/{name}", new_gate(), f"{sub}/{name}"))
+            elif key == "properties" and isinstance(value, dict):
+                required = node.get("required")
+                required = set(required) if isinstance(required, list) else set()
+                for name, p in value.items():
+                    if isinstance(p, dict):
+                        child = new_gate()
+                        if name in required:
+                            wire(child, gate)
+                        stack.append((p, f"{sub}/{name}", child, owner))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref in defs):
+            refs.append((gate, ref, owner))
+            need[gate] += 1
+        for key in ("allOf", "anyOf", "oneOf"):
+            alts = node.get(key)
+            if not isinstance(alts, list):
+                continue
+            if key != "allOf" and not all(isinstance(x, dict) for x in alts):
+                alts = [x for x in alts if isinstance(x, dict)]
+                # a boolean alternative: the OR is met; the rest are walked as optional
+                for i, x in enumerate(alts):
+                    stack.append((x, f"{path}/alt/{i}", new_gate(), owner))
+                continue
+            target = gate
+            if key != "allOf" and alts:
+                target = new_gate()  # an OR: satisfied by its first satisfied alternative
+                wire(target, gate)
+                need[target] = 1
+            for i, a in enumerate(alts):
+                if isinstance(a, dict):
+                    child = new_gate()
+                    parents[child].append(target)
+                    if key == "allOf":
+                        need[gate] += 1
+                    stack.append((a, f"{path}/{key}/{i}", child, owner))
+        min_items = node.get("minItems")
+        min_items = min_items if isinstance(min_items, int) and not isinstance(min_items, bool) else 0
+        prefix = node.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        items = node.get("items")
+        for i, p in enumerate(prefix):
+            if isinstance(p, dict):
+                child = new_gate()
+                if i < min_items:
+                    wire(child, gate)
+                stack.append((p, f"{path}/prefixItems/{i}", child, owner))
+        if isinstance(items, dict):
+            child = new_gate()
+            if min_items > len(prefix):
+                wire(child, gate)
+            stack.append((items, f"{path}/items", child, owner))
+    for gate, target, _ in refs:
+        if target in gate_of:
+            parents[gate_of[target]].append(gate)
+        else:  # a definition under a keyword not walked here (say, in "not"): assumed to end
+            need[gate] -= 1
+    done = [False] * len(need)
+    queue = [g for g, n in enumerate(need) if n == 0]
+    while queue:
+        g = queue.pop()
+        if done[g]:
+            continue
+        done[g] = True
+        for p in parents[g]:
+            need[p] -= 1
+            if need[p] <= 0 and not done[p]:
+                queue.append(p)
+    # the root and the definitions it reaches by $ref
+    ref_from: dict[str, set[str]] = {}
+    for _, target, owner in refs:
+        ref_from.setdefault(owner, set()).add(target)
+    reached, todo = {"#"}, ["#"]
+    while todo:
+        for t in ref_from.get(todo.pop(), ()):
+            if t not in reached:
+                reached.add(t)
+                todo.append(t)
+    return sorted(p for p in reached if p in gate_of and not done[gate_of[p]])
+
+
 def check_json_schema(field: str, schema: Any, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
     """Check a parsed JSON schema against ``limits`` (see ``GrammarLimits``) and that its
     numeric bounds are finite (integer ones within int64).
@@ -306,6 +432,21 @@ def check_json_schema(field: str, schema: Any, limits: GrammarLimits = DEFAULT_L
                     f"{key} at {path} is {v:g}, outside the 64-bit integer range "
                     f"[-2**63, 2**63 - 1] of an integer schema (limit).",
                 )
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            required = node.get("required")
+            required = (
+                set(required)
+                if isinstance(required, list) and all(isinstance(r, str) for r in required)
+                else set()
+            )
+            optional = sum(1 for name in properties if name not in required)
+            if optional > limits.max_optional_properties:
+                raise _bad(
+                    field,
+                    f"properties at {path} has {optional} optional properties (not in required), more "
+                    f"than {limits.max_optional_properties} (limit).",
+                )
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             _check_regex(field, pattern, limits, f"pattern at {path}")
@@ -316,11 +457,19 @@ def check_json_schema(field: str, schema: Any, limits: GrammarLimits = DEFAULT_L
         for key, value in node.items():
             if isinstance(value, (dict, list)):
                 stack2.append((value, f"{path}/{key}", owner))
-    chain = _longest_ref_chain(edges)
+    never = definitions_that_never_end(schema, defs)
+    if never:
+        shown = ", ".join(never[:5]) + (f" and {len(never) - 5} more" if len(never) > 5 else "")
+        raise _bad(
+            field,
+            f"the JSON schema can never be matched: {shown} require(s) a value containing itself "
+            "(a $ref cycle through required properties, items or allOf), so no finite JSON matches.",
+        )
+    chain = _longest_ref_chain(edges) - 1  # references between the definitions and the root
     if chain > limits.max_ref_chain:
         raise _bad(
             field,
-            f"the JSON schema's $ref chains are {chain} definitions long, more than "
+            f"the JSON schema's $ref chains are {chain} references long, more than "
             f"{limits.max_ref_chain} (limit).",
         )
 
@@ -365,6 +514,18 @@ def _check_grammar(field: str, text: str, limits: GrammarLimits) -> None:
         raise _bad(field, f"the grammar has {rules} rules, more than {limits.max_rules} (limit).")
     # quoted literals are text, not operators: "{99999}" in a string repeats nothing
     unquoted = re.sub(r""""(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'""", '""', text)
+    heads = list(_RULE_HEAD.finditer(unquoted))
+    for i, head in enumerate(heads):
+        body = unquoted[head.end() : heads[i + 1].start() if i + 1 < len(heads) else len(unquoted)]
+        # regexes may hold "|" of their own
+        alternatives = re.sub(r"/(?:[^/\\\n]|\\.)+/", "", body).count("|") + 1
+        if alternatives > limits.max_alternatives:
+            name = head.group(0).strip().rstrip(":=").strip()
+            raise _bad(
+                field,
+                f"grammar rule {name} has {alternatives} alternatives, more than "
+                f"{limits.max_alternatives} (limit).",
+            )
     for m in _GRAMMAR_REPEAT.finditer(unquoted):
         count = int(m.group(2) or m.group(1))
         if count > limits.max_repeat:

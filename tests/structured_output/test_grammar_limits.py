@@ -23,10 +23,37 @@ def _chain(n: int) -> dict:
     return deep_defs_schema(n)
 
 
+def _props(n: int, required: int = 0) -> dict:
+    """An object of ``n + required`` integer properties, the first ``required`` of them required."""
+    names = [f"p{i}" for i in range(n + required)]
+    return {
+        "type": "object",
+        "properties": {k: {"type": "integer"} for k in names},
+        "required": names[:required],
+    }
+
+
+def _alternatives(n: int, rule: str = "start") -> str:
+    return f"{rule}: " + " | ".join(f'"w{i}"' for i in range(n))
+
+
 # (constraint, text the error must contain); every error also names the field
 PAST_A_LIMIT = [
     (P(json=deep_defs_schema()), f"more than {L.max_defs} (limit)"),
-    (P(json=_chain(L.max_ref_chain + 10)), f"$ref chains are {L.max_ref_chain + 12} definitions long"),
+    # root -> d0 -> ... -> d(n): n + 1 references
+    (P(json=_chain(L.max_ref_chain + 10)), f"$ref chains are {L.max_ref_chain + 11} references long"),
+    (
+        P(
+            json={
+                "type": "object",
+                "properties": {"inner": _props(L.max_optional_properties + 1, required=5)},
+                "required": ["inner"],
+            }
+        ),
+        f"properties at #/properties/inner has {L.max_optional_properties + 1} optional properties",
+    ),
+    (P(grammar=_alternatives(L.max_alternatives + 1)), f"has {L.max_alternatives + 1} alternatives"),
+    (P(grammar=_alternatives(20_000)), "grammar rule start has 20000 alternatives"),
     (P(json=deep_json_text(), origin="guided_json"), f"deeper than {L.max_json_depth} levels"),
     (P(json=json.loads(deep_json_text(L.max_json_depth))), f"deeper than {L.max_json_depth} levels"),
     (P(json={"type": "string", "description": "x" * L.max_bytes}), f"longer than {L.max_bytes} bytes"),
@@ -120,6 +147,57 @@ def test_ref_chain_counts_each_recursive_group_once():
     assert _longest_ref_chain({"r": set()}) == 1
 
 
+def test_ref_chain_counts_references():
+    check_constraint(P(json=_chain(L.max_ref_chain - 1)))  # exactly max_ref_chain references
+    with pytest.raises(ValueError, match=f"chains are {L.max_ref_chain + 1} references long"):
+        check_constraint(P(json=_chain(L.max_ref_chain)))
+
+
+NEVER_ENDS = [
+    # a required property that is the definition again
+    {
+        "$ref": "#/$defs/n",
+        "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+    },
+    {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+    # through a non-empty array, an allOf, both anyOf alternatives, and two definitions
+    {"type": "array", "minItems": 1, "items": {"allOf": [{"$ref": "#"}]}},
+    {
+        "anyOf": [{"$ref": "#/$defs/a"}, {"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1}],
+        "$defs": {
+            "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+            "b": {"oneOf": [{"$ref": "#/$defs/a"}]},
+        },
+    },
+    # an optional property that enters a definition which never ends
+    {
+        "type": "object",
+        "properties": {"x": {"$ref": "#/definitions/a"}},
+        "definitions": {
+            "a": {"type": "object", "properties": {"a": {"$ref": "#/definitions/a"}}, "required": ["a"]}
+        },
+    },
+]
+ENDS = [
+    {"type": "object", "properties": {"c": {"$ref": "#"}}},  # c optional
+    {"type": "object", "properties": {"c": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}, "required": ["c"]},
+    {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#"}}}, "required": ["c"]},
+    {"anyOf": [True, {"$ref": "#"}]},
+    {"type": "object", "properties": {"c": {"not": {"$ref": "#"}}}, "required": ["c"]},
+]
+
+
+@pytest.mark.parametrize("schema", NEVER_ENDS, ids=range(len(NEVER_ENDS)))
+def test_a_required_ref_cycle_can_never_be_matched(schema):
+    with pytest.raises(ValueError, match=r"^structured_outputs.json: .*can never be matched"):
+        check_constraint(P(json=schema))
+
+
+@pytest.mark.parametrize("schema", ENDS, ids=range(len(ENDS)))
+def test_a_ref_cycle_with_a_way_out_passes(schema):
+    check_constraint(P(json=schema))
+
+
 def test_rules_that_never_end():
     assert rules_that_never_end('start: a\na: "x" a') == ["a", "start"]
     assert rules_that_never_end('start: a | "y"\na: "x" a') == ["a"]
@@ -166,6 +244,46 @@ def test_a_constraint_that_can_never_be_matched_is_a_value_error_naming_the_fiel
     message = str(e.value)
     assert message.startswith(so.field_name + ":") and "can never be matched" in message, message
     assert "<" not in message and "state" not in message.lower(), message  # no parser internals
+
+
+# within every pre-check limit, but past llguidance's parser limits once the first token is consumed
+PAST_THE_PARSER_LIMITS = [
+    P(json=_props(L.max_optional_properties + 100), origin="guided_json"),
+    P(grammar="start: r0\n" + "".join(f"r{i}: r{i + 1} r{i + 1}\n" for i in range(60)) + 'r60: "a"'),
+    P(grammar='start: b{100}\nb: c{100}\nc: "a"{100}'),
+    P(
+        grammar="start: a | b\n"
+        + _alternatives(1000, "a")
+        + "\n"
+        + _alternatives(1000, "b").replace("w", "v")
+    ),
+]
+
+
+@pytest.mark.parametrize("so", PAST_THE_PARSER_LIMITS, ids=range(len(PAST_THE_PARSER_LIMITS)))
+def test_past_the_parser_limits_at_the_first_token_is_a_value_error(compiler, so):
+    relaxed = GrammarCompiler(
+        compiler._hf_tokenizer,
+        compiler.vocab_size,
+        compiler.eos_token_id,
+        limits=GrammarLimits(max_optional_properties=10_000),
+    )
+    with pytest.raises(ValueError) as e:
+        relaxed.compile(so)
+    message = str(e.value)
+    assert message.startswith(so.field_name + ":") and "limits at its first token" in message, message
+    assert "<" not in message, message
+
+
+def test_many_properties_within_the_limit_compile_and_walk(compiler):
+    # the most optional properties allowed, plus required ones: every property can be emitted
+    schema = _props(L.max_optional_properties, required=200)
+    m = compiler.new_matcher(P(json=schema))
+    tok = compiler._hf_tokenizer
+    text = json.dumps({k: i for i, k in enumerate(schema["properties"])}, separators=(",", ":"))
+    for t in tok.encode(text, add_special_tokens=False):
+        assert m.consume_token(t) and not m.is_error(), m.get_error()
+    assert m.is_accepting()
 
 
 def test_compile_errors_carry_no_parser_state(compiler):
@@ -248,9 +366,12 @@ def deep(tiny_llama_dir):
 
 
 def test_the_compiler_survives_deep_grammars_even_without_the_checks(deep):
-    # compiled on the large-stack thread: they compile (no crash) even past every limit
-    assert deep["unchecked_defs"] == {"ok": True, "value": True}
-    assert deep["unchecked_lark"] == {"ok": True, "value": True}
+    # compiled on the large-stack thread: they compile (no crash) even past every limit; the
+    # chains (items of every level in one parser row) then fail the first-token check, as a
+    # ValueError
+    for shape in ("unchecked_defs", "unchecked_lark"):
+        outcome = deep[shape]
+        assert not outcome["ok"] and "limits at its first token" in outcome["error"], outcome
 
 
 def test_deep_constraints_offline_are_value_errors_and_the_engine_serves_on(deep):
@@ -309,13 +430,17 @@ def _no_bisection(monkeypatch):
 
 
 def test_a_matcher_that_fails_mid_generation_ends_only_its_request(llm, monkeypatch):
-    """A choice list past the grammar engine's row limit (the pre-check relaxed to let it
-    through) fails when its first token is appended: that request ends ``failed`` with a clean
-    reason; the other request in the batch is untouched and nothing is bisected."""
+    """A choice list past the grammar engine's row limit (the pre-check and the compile-time
+    first-token check relaxed to let it through) fails when its first token is appended: that
+    request ends ``failed`` with a clean reason; the other request in the batch is untouched and
+    nothing is bisected."""
+    import kvserve.structured_output.compiler as compiler_module
+
     _no_bisection(monkeypatch)
     eng = llm.llm_engine
     compiler = eng.structured_output.compiler
     monkeypatch.setattr(compiler, "limits", GrammarLimits(max_choices=10**4))
+    monkeypatch.setattr(compiler_module, "FIRST_TOKENS_PROBED", 0)
     many = SamplingParams(max_tokens=4, structured_outputs=P(choice=[f"c{i}" for i in range(5000)]))
     plain = SamplingParams(max_tokens=4, temperature=0)
     eng.add_request("many", "x", many)

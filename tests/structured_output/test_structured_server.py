@@ -73,6 +73,9 @@ def test_vllm_fields_on_completions(server, extra, check):
             assert check(c["text"]), c
 
 
+MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
@@ -88,6 +91,23 @@ def test_vllm_fields_on_completions(server, extra, check):
         ({"guided_json": {"type": "integer", "minimum": 1e30}}, "guided_json"),
         ({"guided_regex": "a{1000000}"}, "guided_regex"),
         ({"guided_choice": [f"c{i}" for i in range(5000)]}, "guided_choice"),
+        ({"guided_json": MANY_OPTIONAL}, "guided_json"),
+        ({"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(20_000))}, "guided_grammar"),
+        # within every pre-check, past the grammar engine's limits once its first token is consumed
+        (
+            {
+                "guided_grammar": "start: r0\n"
+                + "".join(f"r{i}: r{i + 1} r{i + 1}\n" for i in range(60))
+                + 'r60: "a"'
+            },
+            "guided_grammar",
+        ),
+        ({"guided_grammar": 'start: b{100}\nb: c{100}\nc: "a"{100}'}, "guided_grammar"),
+        # a required property that is the schema again: no finite JSON matches
+        (
+            {"guided_json": {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}},
+            "guided_json",
+        ),
     ],
 )
 def test_bad_constraint_is_400_naming_the_field_and_next_request_succeeds(server, extra, param):
@@ -98,6 +118,95 @@ def test_bad_constraint_is_400_naming_the_field_and_next_request_succeeds(server
         ok = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "guided_regex": "z+"})
         assert ok.status_code == 200 and re.fullmatch("z+", ok.json()["choices"][0]["text"])
     server.wait_idle()
+
+
+def test_too_many_optional_properties_in_response_format_and_tools_are_400(server):
+    tool = {"type": "function", "function": {"name": "big", "parameters": MANY_OPTIONAL}}
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": MANY_OPTIONAL}}
+    msgs = [{"role": "user", "content": "hi"}]
+    with server.http() as h:
+        for extra, param in (
+            ({"response_format": rf}, "response_format"),
+            ({"tools": [tool], "tool_choice": "required"}, "tools"),
+        ):
+            r = h.post(
+                "/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 4, **extra}
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == param and "optional properties" in r.text, r.json()
+
+
+MAKE = {
+    "type": "object",
+    "properties": {"p": {"$ref": "#/$defs/pt"}, "q": {"$ref": "#/definitions/pt"}},
+    "required": ["p", "q"],
+    "additionalProperties": False,
+    "$defs": {"pt": {"enum": ["a", "b"]}},
+    "definitions": {"pt": {"type": "integer", "minimum": 0, "maximum": 9}},
+}
+# a recursive schema (refs to "#"), whose $defs name clashes with MAKE's
+TREE = {
+    "type": "object",
+    "properties": {
+        "pt": {"$ref": "#/$defs/pt"},
+        "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+    },
+    "required": ["pt"],
+    "additionalProperties": False,
+    "$defs": {"pt": {"type": "boolean"}},
+}
+
+
+def test_required_schema_hoists_each_tools_defs():
+    from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from kvserve.entrypoints.openai.tools import required_schema
+
+    req = ChatCompletionRequest(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        tools=[
+            {"type": "function", "function": {"name": "mk", "parameters": MAKE}},
+            {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+        ],
+    )
+    wrapper = required_schema(req.tools, True)
+    good = [
+        {"name": "mk", "parameters": {"p": "a", "q": 3}},
+        {"name": "tree", "parameters": {"pt": True, "kids": [{"pt": False}]}},
+    ]
+    jsonschema.validate(good, wrapper)
+    for bad in (
+        [{"name": "mk", "parameters": {"p": True, "q": 3}}],  # tree's pt, not mk's
+        [{"name": "mk", "parameters": {"p": "a", "q": "a"}}],  # $defs' pt, not definitions'
+        [{"name": "tree", "parameters": {"pt": True, "kids": [{"pt": "a"}]}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, wrapper)
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "mk"}}])
+def test_tool_schemas_with_defs_are_accepted_and_calls_validate(server, choice):
+    tools = [
+        {"type": "function", "function": {"name": "mk", "parameters": MAKE}},
+        {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+    ]
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 60,
+        "temperature": 0,
+    }
+    with server.http() as h:
+        r = h.post("/v1/chat/completions", json={**body, "tools": tools, "tool_choice": choice})
+    assert r.status_code == 200, r.text
+    if choice == "auto":
+        return  # the random model writes no tool-call block: only that the schemas are accepted
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls, r.json()
+    for c in calls:
+        jsonschema.validate(
+            json.loads(c["function"]["arguments"]), {"mk": MAKE, "tree": TREE}[c["function"]["name"]]
+        )
 
 
 class Point(BaseModel):

@@ -68,13 +68,93 @@ def _parameters(fn) -> dict[str, Any]:
     return fn.parameters if fn.parameters is not None else _NO_PARAMETERS
 
 
+_DEFS_KEYS = ("$defs", "definitions")
+
+
+def _pointer_segment(segment: str) -> str:
+    return segment.replace("~1", "/").replace("~0", "~")
+
+
+def _map_refs(value: Any, rewrite: Callable[[str], str]) -> Any:
+    """A copy of ``value`` with every string ``$ref`` passed through ``rewrite`` (the depth is
+    bounded by the request body's nesting limit)."""
+    if isinstance(value, dict):
+        return {
+            k: rewrite(v) if k == "$ref" and isinstance(v, str) else _map_refs(v, rewrite)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_map_refs(v, rewrite) for v in value]
+    return value
+
+
+def _has_local_ref(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            ref = v.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                return True
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def _embedded(name: str, schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (tool ``name``'s parameters) made to work nested inside another schema: its
+    root ``$defs`` / ``definitions`` move into ``defs`` (the wrapper's root ``$defs``) as
+    ``<name>.<n>``, and a reference to anything else of the tool (``#``, ``#/properties/...``)
+    goes to the tool's root, itself kept in ``defs`` as ``<name>``. Tool names hold no ``.``,
+    so no two tools' definitions can clash. A schema without local references is returned as
+    is."""
+    if not _has_local_ref(schema):
+        return schema
+    renamed: dict[tuple[str, str], str] = {}
+    for key in _DEFS_KEYS:
+        table = schema.get(key)
+        if isinstance(table, dict):
+            for def_name in table:
+                renamed[(key, def_name)] = f"{name}.{len(renamed)}"
+    used_root = False
+
+    def rewrite(ref: str) -> str:
+        nonlocal used_root
+        if not ref.startswith("#"):
+            return ref
+        parts = ref[1:].split("/")
+        if len(parts) >= 3 and parts[0] == "" and parts[1] in _DEFS_KEYS:
+            new = renamed.get((parts[1], _pointer_segment(parts[2])))
+            if new is not None:
+                return "/".join(["#", "$defs", new, *parts[3:]])
+        used_root = True
+        return f"#/$defs/{name}{ref[1:]}"
+
+    body = _map_refs(
+        {k: v for k, v in schema.items() if not (k in _DEFS_KEYS and isinstance(v, dict))}, rewrite
+    )
+    for (key, def_name), new in renamed.items():
+        defs[new] = _map_refs(schema[key][def_name], rewrite)
+    if not used_root:
+        return body
+    defs[name] = body
+    return {"$ref": f"#/$defs/{name}"}
+
+
 def required_schema(tools: list, parallel: bool) -> dict[str, Any]:
     """The JSON schema of ``tool_choice: "required"``: an array of one or more (exactly one
-    unless ``parallel``) ``{"name": <a tool's name>, "parameters": <that tool's schema>}``."""
+    unless ``parallel``) ``{"name": <a tool's name>, "parameters": <that tool's schema>}``.
+    Each tool's ``$defs`` / ``definitions`` move to the root ``$defs`` (``_embedded``), so its
+    ``$ref`` s still resolve inside the wrapper."""
+    defs: dict[str, Any] = {}
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t.function)},
+            "properties": {
+                "name": {"const": t.function.name},
+                "parameters": _embedded(t.function.name, _parameters(t.function), defs),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
@@ -87,6 +167,8 @@ def required_schema(tools: list, parallel: bool) -> dict[str, Any]:
     }
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

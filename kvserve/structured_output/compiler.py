@@ -55,6 +55,7 @@ from kvserve.structured_output.limits import (
     GrammarLimits,
     check_constraint,
     check_nesting,
+    grammar_expansion,
     parse_json_schema,
     rules_that_never_end,
 )
@@ -320,7 +321,7 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()
         text = grammar_text(params)
         if params.kind == "grammar":
-            _check_rules_end(params)
+            _check_rules_end(params, self.limits)
         if self._ll_limits is None:
             self._ll_limits = LLParserLimits(verbose_errors=False)
         # Compiling drops the GIL (llguidance); no lock is held, so one slow grammar does not
@@ -384,15 +385,24 @@ def _check_first_tokens(params: StructuredOutputsParams, matcher: Any, mask: byt
             return
 
 
-def _check_rules_end(params: StructuredOutputsParams) -> None:
+def _check_rules_end(params: StructuredOutputsParams, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
     """Raises ValueError naming the field when a rule of the grammar reachable from ``start``
-    can never end (``limits.rules_that_never_end``; GBNF is read as llguidance's Lark form)."""
+    can never end (``limits.rules_that_never_end``; GBNF is read as llguidance's Lark form), or
+    a rule's fixed expansion holds more than ``limits.max_repeat`` terminals
+    (``limits.grammar_expansion``)."""
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:
         lark = any_to_lark(params.grammar or "")
     except Exception:  # malformed GBNF: grammar_text has named it already
         return
+    expansion = grammar_expansion(lark)
+    if expansion > limits.max_repeat:
+        shown = f"{expansion}" if expansion < 1 << 62 else "more than 2**62"
+        raise ValueError(
+            f"{params.field_name}: the grammar repeats {shown} times across its rules (counts of "
+            f"referenced rules multiplied, sequences added), more than {limits.max_repeat} (limit)."
+        )
     never = rules_that_never_end(lark)
     if never:
         shown = ", ".join(never[:5]) + (f" and {len(never) - 5} more" if len(never) > 5 else "")

@@ -40,7 +40,9 @@ class GrammarLimits:
         max_alternatives: entries of one ``anyOf`` / ``oneOf`` / ``allOf`` / ``enum`` list, and
             alternatives (``|``) of one grammar rule.
         max_repeat: a repetition count: ``{n,m}`` in a regex or grammar (counts of nested
-            repetitions multiplied), and a schema's ``minLength`` / ``maxLength`` /
+            repetitions multiplied), the terminals of a grammar rule's fixed expansion
+            (``grammar_expansion``: repetitions multiplied and sequences added across rules),
+            and a schema's ``minLength`` / ``maxLength`` /
             ``minItems`` / ``maxItems`` / ``minProperties`` / ``maxProperties``.
         max_rules: rules of a Lark / GBNF grammar.
         max_optional_properties: ``properties`` of one object schema not in its ``required``
@@ -616,8 +618,8 @@ class _Unsure(Exception):
 def _lark_expr(tokens: list[tuple[str, str]], pos: int, depth: int, close: str | None):
     """Parse ``alt ('|' alt)*`` from ``tokens[pos:]`` up to ``close``; returns (expr, pos).
     An expr is ``("or", [alts])``, an alt ``("and", [items])``, an item ``("name", n)``,
-    ``("end",)`` (a terminal string or regex), ``("opt", expr)`` (may be empty) or a nested
-    expr."""
+    ``("end",)`` (a terminal string or regex), ``("opt", expr)`` (may be empty),
+    ``("rep", count, expr)`` (at most ``count`` times) or a nested expr."""
     if depth > _MAX_GROUP_NESTING:
         raise _Unsure
     alts: list = []
@@ -656,12 +658,16 @@ def _lark_expr(tokens: list[tuple[str, str]], pos: int, depth: int, close: str |
                     atom = ("opt", atom)
             elif k == "rep":
                 pos += 1
-                if int(re.findall(r"\d+", t)[0]) == 0:
+                counts = [int(x) for x in re.findall(r"\d+", t)]
+                atom = ("rep", max(counts), atom)
+                if counts[0] == 0:
                     atom = ("opt", atom)
             elif k == "op" and t == "~":
                 if pos + 1 >= len(tokens) or tokens[pos + 1][0] != "range":
                     raise _Unsure
-                if int(tokens[pos + 1][1].split("..")[0]) == 0:
+                counts = [int(x) for x in tokens[pos + 1][1].split("..")]
+                atom = ("rep", max(counts), atom)
+                if counts[0] == 0:
                     atom = ("opt", atom)
                 pos += 2
         items.append(atom)
@@ -675,6 +681,8 @@ def _can_end(expr, done: set[str], defined: set[str]) -> bool:
         return True
     if tag == "name":
         return expr[1] in done or expr[1] not in defined
+    if tag == "rep":
+        return _can_end(expr[2], done, defined)
     if tag == "and":
         return all(_can_end(x, done, defined) for x in expr[1])
     return any(_can_end(x, done, defined) for x in expr[1])
@@ -690,18 +698,14 @@ def _names(expr, out: set[str]) -> set[str]:
             stack.extend(e[1])
         elif e[0] == "opt":
             stack.append(e[1])
+        elif e[0] == "rep":
+            stack.append(e[2])
     return out
 
 
-def rules_that_never_end(lark: str) -> list[str]:
-    """Rules of a Lark grammar, reachable from ``start``, that derive no finite string (e.g.
-    ``a: "x" a``): output that enters one can never be completed. Sorted by name.
-
-    A conservative analysis of the common syntax (strings, regexes, rule and terminal names,
-    groups, ``[...]``, ``? * + {n,m} ~ n..m``, ``|``): any other syntax (``%`` directives but
-    ``%import`` / ``%ignore`` / ``%llguidance``, ``@`` sub-grammars, token ids) makes it report
-    nothing.
-    """
+def _parse_lark(lark: str) -> dict[str, Any] | None:
+    """``{rule name: expr}`` of a Lark grammar (``_lark_expr``'s form), or None for syntax not
+    modelled (see ``rules_that_never_end``)."""
     rules: dict[str, Any] = {}
     current: str | None = None
     bodies: dict[str, list[str]] = {}
@@ -713,17 +717,17 @@ def rules_that_never_end(lark: str) -> list[str]:
             if stripped.startswith(("%import", "%ignore", "%llguidance")):
                 current = None
                 continue
-            return []
+            return None
         head = _LARK_HEAD.match(stripped) if not stripped.startswith("|") else None
         if head is not None:
             current = head.group("name")
             if current in bodies:
-                return []  # redefinition (e.g. ``%override``): not modelled
+                return None  # redefinition (e.g. ``%override``): not modelled
             bodies[current] = [head.group("body")]
         elif current is not None:
             bodies[current].append(stripped)
         else:
-            return []
+            return None
     try:
         for name, parts in bodies.items():
             tokens = []
@@ -738,8 +742,75 @@ def rules_that_never_end(lark: str) -> list[str]:
                     tokens.append((m.lastgroup, m.group(m.lastgroup)))
             rules[name], _ = _lark_expr(tokens, 0, 0, None)
     except _Unsure:
-        return []
-    if "start" not in rules:
+        return None
+    return rules
+
+
+#: ``grammar_expansion`` stops counting here (a doubling per rule grows without bound).
+_EXPANSION_CAP = 1 << 62
+
+
+def grammar_expansion(lark: str) -> int:
+    """How many terminals the largest fixed expansion of a Lark grammar's rules holds, following
+    rule references: a sequence adds its items, alternatives take the largest, a repetition
+    multiplies by its largest count (``b: c{100}`` with ``c: "a"{100}`` is 10,000;
+    ``r0: r1 r1``, ``r1: r2 r2``, ... doubles per rule). A reference back into a recursive
+    group counts 1 (recursion is not a fixed expansion); ``*`` / ``+`` count 1. 0 for syntax
+    not modelled (as ``rules_that_never_end``).
+
+    The grammar engine forces (fast-forwards) a fixed expansion as a whole, and one past its
+    per-step item limit fails the request at that point of its output.
+    """
+    rules = _parse_lark(lark)
+    if not rules:
+        return 0
+    size: dict[str, int] = {}
+    on_stack: set[str] = set()
+
+    def measure(expr) -> int:
+        tag = expr[0]
+        if tag == "end":
+            return 1
+        if tag == "name":
+            return size.get(expr[1], 1)  # a rule being measured (recursion) or not defined
+        if tag == "opt":
+            return measure(expr[1])
+        if tag == "rep":
+            return min(expr[1] * measure(expr[2]), _EXPANSION_CAP)
+        parts = [measure(x) for x in expr[1]]
+        return min(sum(parts), _EXPANSION_CAP) if tag == "and" else max(parts, default=0)
+
+    # iterative post-order over the rule graph: a rule is measured after the rules it uses
+    for root in rules:
+        if root in size:
+            continue
+        work = [(root, iter(sorted(_names(rules[root], set()))))]
+        on_stack.add(root)
+        while work:
+            name, it = work[-1]
+            used = next(it, None)
+            if used is not None:
+                if used in rules and used not in size and used not in on_stack:
+                    on_stack.add(used)
+                    work.append((used, iter(sorted(_names(rules[used], set())))))
+                continue
+            work.pop()
+            on_stack.discard(name)
+            size[name] = measure(rules[name])
+    return max(size.values(), default=0)
+
+
+def rules_that_never_end(lark: str) -> list[str]:
+    """Rules of a Lark grammar, reachable from ``start``, that derive no finite string (e.g.
+    ``a: "x" a``): output that enters one can never be completed. Sorted by name.
+
+    A conservative analysis of the common syntax (strings, regexes, rule and terminal names,
+    groups, ``[...]``, ``? * + {n,m} ~ n..m``, ``|``): any other syntax (``%`` directives but
+    ``%import`` / ``%ignore`` / ``%llguidance``, ``@`` sub-grammars, token ids) makes it report
+    nothing.
+    """
+    rules = _parse_lark(lark)
+    if rules is None or "start" not in rules:
         return []
     defined = set(rules)
     users: dict[str, set[str]] = {n: set() for n in rules}

@@ -12,7 +12,12 @@ import pytest
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.structured_output import DEFAULT_LIMITS, GrammarCompiler, GrammarLimits, check_constraint
-from kvserve.structured_output.limits import _longest_ref_chain, regex_repeat, rules_that_never_end
+from kvserve.structured_output.limits import (
+    _longest_ref_chain,
+    grammar_expansion,
+    regex_repeat,
+    rules_that_never_end,
+)
 from tests.structured_output.deep_child import deep_defs_schema, deep_json_text, deep_lark
 
 L = DEFAULT_LIMITS
@@ -198,6 +203,38 @@ def test_a_ref_cycle_with_a_way_out_passes(schema):
     check_constraint(P(json=schema))
 
 
+def _fan_out(n: int, prefix: str = "") -> str:
+    return f"start: {prefix}r0\n" + "".join(f"r{i}: r{i + 1} r{i + 1}\n" for i in range(n)) + f'r{n}: "a"'
+
+
+def test_grammar_expansion_follows_references():
+    assert grammar_expansion('start: b{100}\nb: c{100}\nc: "a"{100}') == 10**6
+    assert grammar_expansion(_fan_out(10)) == 2**10
+    assert grammar_expansion('start: "a" ~ 3..5 "b"{2,4} | "c"') == 9
+    # recursion and unbounded repetition are not fixed expansions
+    assert grammar_expansion('start: a\na: "x" a | "y"') == 2
+    assert grammar_expansion('start: "x"* "y"+ "z"{7,}') == 9
+    assert grammar_expansion('start: "a"\n%regex {}') == 0  # syntax not modelled
+
+
+# past the repetition limit only across rules, behind a first token (so the first-token check
+# would not see it)
+ACROSS_RULES = [
+    P(grammar='start: ("q" | "z") b{100}\nb: c{100}\nc: "a"{100}'),
+    P(grammar=_fan_out(60, '("q" | "z") ')),
+    P(grammar='root ::= "q" b{100}\nb ::= c{101}\nc ::= "a"', origin="guided_grammar"),
+]
+
+
+@pytest.mark.parametrize("so", ACROSS_RULES, ids=range(len(ACROSS_RULES)))
+def test_repetition_across_rules_past_the_limit_is_a_value_error(compiler, so):
+    with pytest.raises(ValueError) as e:
+        compiler.compile(so)
+    message = str(e.value)
+    assert message.startswith(so.field_name + ":") and f"more than {L.max_repeat} (limit)" in message, message
+    assert "across its rules" in message, message
+
+
 def test_rules_that_never_end():
     assert rules_that_never_end('start: a\na: "x" a') == ["a", "start"]
     assert rules_that_never_end('start: a | "y"\na: "x" a') == ["a"]
@@ -249,7 +286,7 @@ def test_a_constraint_that_can_never_be_matched_is_a_value_error_naming_the_fiel
 # within every pre-check limit, but past llguidance's parser limits once the first token is consumed
 PAST_THE_PARSER_LIMITS = [
     P(json=_props(L.max_optional_properties + 100), origin="guided_json"),
-    P(grammar="start: r0\n" + "".join(f"r{i}: r{i + 1} r{i + 1}\n" for i in range(60)) + 'r60: "a"'),
+    P(grammar=_fan_out(60)),
     P(grammar='start: b{100}\nb: c{100}\nc: "a"{100}'),
     P(
         grammar="start: a | b\n"
@@ -266,7 +303,7 @@ def test_past_the_parser_limits_at_the_first_token_is_a_value_error(compiler, so
         compiler._hf_tokenizer,
         compiler.vocab_size,
         compiler.eos_token_id,
-        limits=GrammarLimits(max_optional_properties=10_000),
+        limits=GrammarLimits(max_optional_properties=10_000, max_repeat=10**30),
     )
     with pytest.raises(ValueError) as e:
         relaxed.compile(so)

@@ -93,12 +93,23 @@ MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "integer"} f
         ({"guided_choice": [f"c{i}" for i in range(5000)]}, "guided_choice"),
         ({"guided_json": MANY_OPTIONAL}, "guided_json"),
         ({"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(20_000))}, "guided_grammar"),
-        # within every pre-check, past the grammar engine's limits once its first token is consumed
+        # fixed expansions past the repetition limit across rules
         (
             {
                 "guided_grammar": "start: r0\n"
                 + "".join(f"r{i}: r{i + 1} r{i + 1}\n" for i in range(60))
                 + 'r60: "a"'
+            },
+            "guided_grammar",
+        ),
+        # within every pre-check, past the grammar engine's row limit once its first token is consumed
+        (
+            {
+                "guided_grammar": "start: a | b\n"
+                + "a: "
+                + " | ".join(f'"w{i}"' for i in range(1000))
+                + "\nb: "
+                + " | ".join(f'"v{i}"' for i in range(1000))
             },
             "guided_grammar",
         ),

@@ -636,8 +636,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "--allowed-lora-root",
         default=None,
         metavar="DIR",
-        help="adapters loaded at run time (/v1/load_lora_adapter) must be directories under DIR "
-        "(symlinks resolved); default: any directory the server can read",
+        help="adapters loaded at run time (/v1/load_lora_adapter): their directory and both "
+        "files must resolve (symlinks followed) under DIR; default: any the server can read",
     )
     add_engine_args(p)
     return p

@@ -30,7 +30,7 @@ every speculating method's settings, e.g. ``'{"disable_by_batch_size": 16}'`` or
 
 ``--num-speculative-tokens`` (k, default 8) is the most drafts per sequence and step; with
 dynamic lengths it is only a cap (the policy fills fewer slots where they do not pay), and on
-this workload a strong n-gram match keeps being accepted past 4 tokens (issue 13: k = 8 gave
+this workload a strong n-gram match keeps being accepted past 4 tokens (k = 8 gave
 2.20x against k = 4's 2.02x one request at a time in float32, level at 8 concurrent).
 
 ``--rounds N`` (default 1) builds every method's engine up front and runs the scenarios N

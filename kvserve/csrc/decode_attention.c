@@ -28,7 +28,7 @@
  * (up to 16) are the rows of one tile, so a verify chunk of R rows costs about what one row
  * costs. 30 layers, 8 sequences x R rows over 450 keys, 9 heads / 3 KV heads, head_dim 64, 2
  * threads, AVX-512 -> AMX (ms): R = 1 4.3 -> 4.0, 2: 6.8 -> 4.2, 3: 9.2 -> 4.8, 5: 12.8 -> 5.9,
- * 9: 20.9 -> 9.8 (docs/benchmarks.md, fifth session). Rows still equal their decodes bit for bit.
+ * 9: 20.9 -> 9.8 (docs/benchmarks.md). Rows still equal their decodes bit for bit.
  *
  * Other shapes use a plain scalar loop. There is one version per cache dtype, float32 and
  * bfloat16 (K/V and queries widened to float32 on load, but for the vdpbf16ps products; the

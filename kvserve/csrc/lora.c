@@ -20,7 +20,7 @@
  * manager stores a fused linear's B block-diagonal ([P*R, out]: part p's rank rows times its own
  * columns), so two thirds of qkv's B and half of gate_up's are zeros that torch multiplied.
  *
- * Measured (docs/benchmarks.md, tenth session, under load, one thread, the default model,
+ * Measured (docs/benchmarks.md, under load, one thread, the default model,
  * 4 rank-16 adapters): 2.0-2.4x faster than the torch forms per float32 step at 8-64 rows, 3x
  * with bfloat16 slots on a bfloat16 model, 2.6x at 1024 rows; it then streams the slots at
  * ~8-11 GB/s, what one core here reads beyond L2 at all (software prefetching: no change).

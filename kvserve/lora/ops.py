@@ -42,7 +42,7 @@ registers, and reads only each fused part's diagonal block of ``B`` (``parts``: 
 column bounds of q/k/v or gate/up; without them the whole block-diagonal ``B``, zeros included,
 as the torch forms do). Why: at decode sizes the op is a stream over the slots' weights, which
 torch's small matmuls read at a fraction of the memory bandwidth and with ~5-7 us of dispatch
-each (the measured breakdown: docs/benchmarks.md, tenth session).
+each (the measured breakdown is in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ SCATTER_BELOW = 4
 STACKED_MAX_ROW_SLOTS = 32
 
 #: Run the native kernel for steps of at most this many rows (``use_native``; 0 = never): it
-#: measured 2-4x faster than the torch forms from 8 to 1024 rows (tenth session) and 3.0x at
-#: 2048 (eleventh: a chunked-prefill step of the default 2048-token budget, float32, 4
+#: measured 2-4x faster than the torch forms from 8 to 1024 rows and 3.0x at
+#: 2048 (a chunked-prefill step of the default 2048-token budget, float32, 4
 #: adapters; docs/benchmarks.md). Its work is linear in the rows (chunks of 8 rows per slot,
 #: each slot's weights re-read per chunk from cache), so there is no size at which the torch
 #: forms win: no limit by default; tests set it to force the torch forms.

@@ -227,7 +227,7 @@ def fit_kink(
     with ``a, b, c, d >= 0`` (non-decreasing; convex only when ``d == 0``). A kernel that
     switches path past ``x0`` rows pays a step there: the CPU GEMM's one-block path (at
     most 8 rows, weights prefetched in software) against its multi-block path measured
-    +48% from 8 to 9 rows in bfloat16, then ~1 ms per row (issue 13).
+    +48% from 8 to 9 rows in bfloat16, then ~1 ms per row.
 
     Returns:
         ``(a, b, c, d, x0)``; ``(0, 0, 0, 0, 0)`` without points.
@@ -399,7 +399,7 @@ class StepCostModel:
     Two step classes are kept apart: decode-only steps (plain decodes and verify chunks: on
     CPU the native decode path, a few rows, weight-bound then compute-bound) and steps with a
     prompt chunk (hundreds of rows on the prefill path, cheaper per row). Interpolating
-    between the two made 9-40-row bfloat16 verify steps look cheap (issue 13). Each class
+    between the two made 9-40-row bfloat16 verify steps look cheap. Each class
     keeps, per row bucket, its last ``WINDOW`` samples; the bucket's level is their lower
     quartile (noise on a shared machine only ever adds time), and the cost is a fit of
     ``a + b R + c max(0, R - R0)`` (``fit_hinge``: convex, non-decreasing; ``kink=True``:

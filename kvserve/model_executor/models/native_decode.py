@@ -123,7 +123,7 @@ def uniform_kernel_rows(model) -> int | None:
     (``PanelWeight.max_rows``) for oneDNN, which rounds some outputs differently (the default
     model's gate/up projection: 1 row in 8 differs). A speculative step that crosses it computes
     the K/V of accepted drafts with other numbers than the plain decode steps would, and greedy
-    output drifts from speculation off (issue 13: 3 of 8 requests at 8 concurrent in bfloat16).
+    output drifts from speculation off (3 of 8 requests at 8 concurrent in bfloat16).
     float32 panels take every row count: None. Quantized weights: None (their kernels switch at
     ``quant_gemm.PANEL_ROWS``, not covered here).
     """

@@ -20,13 +20,8 @@ import pytest
 
 from kvserve.entrypoints.openai import api_server
 from kvserve.entrypoints.openai.http_protocol import ConnectionLimits
-from kvserve.entrypoints.openai.serving_engine import (
-    MAX_JSON_DEPTH,
-    APIError,
-    input_error,
-    json_depth,
-    parse_json_text,
-)
+from kvserve.entrypoints.openai.errors import MAX_JSON_DEPTH, APIError, parse_json_text
+from kvserve.entrypoints.openai.serving_engine import input_error, json_depth
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.field_limits import MAX_LORA_NAME_CHARS, check_lora_name, lora_name_ok
 from kvserve.lora.modules import parse_lora_module

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.engine.async_llm_engine import EngineDeadError
-from kvserve.entrypoints.openai.serving_engine import APIError, quoted
+from kvserve.entrypoints.openai.errors import APIError, quoted
 from kvserve.field_limits import LORA_NAME_RULE, lora_name_ok
 from kvserve.lora.modules import LoRAModulePath, parse_lora_module  # noqa: F401 (re-exported)
 from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterFileError

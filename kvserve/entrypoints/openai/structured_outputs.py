@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from kvserve.entrypoints.openai.serving_engine import APIError, parse_json_text
+from kvserve.entrypoints.openai.errors import APIError, parse_json_text
 from kvserve.sampling_params import StructuredOutputsParams
 
 

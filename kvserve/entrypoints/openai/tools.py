@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.entrypoints.openai.errors import APIError, parse_json_text
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -27,7 +28,6 @@ from kvserve.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
-from kvserve.entrypoints.openai.serving_engine import APIError, parse_json_text
 from kvserve.entrypoints.openai.tool_parsers import ToolParser
 from kvserve.entrypoints.openai.tool_parsers.forced import NamedFunctionParser, RequiredToolsParser
 from kvserve.sampling_params import StructuredOutputsParams

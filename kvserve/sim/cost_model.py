@@ -26,7 +26,7 @@ more than 16,384 prefill tokens per batch are left out of the fit (prefill turns
 there). Mean absolute relative error of the fit on the rows used: 8.6% (max 29%); across
 all 105 rows: 9.0%. ``fit_splitwise_csv`` refits for any model/hardware/TP in the file. That default describes
 another model on other hardware: ``kvserve profile`` measures this host (``kvserve.sim.profile``)
-and ``CostModel.from_file`` loads the result.
+and ``kvserve.sim.cost_model_file.load_cost_model`` loads the result.
 
 Richer terms, all zero in the default (fitted from a profile, ``fit_cost_model``): per prompt
 chunk (``prefill_seq_s``), per 1,000 causal attention pairs of prompt chunks
@@ -323,17 +323,6 @@ class CostModel:
             f"{i.get('model', '?')}, {i.get('hardware', '?')}, {i.get('dtype', '?')} "
             f"(from {i.get('source', '?')})"
         )
-
-    @classmethod
-    def from_file(cls, path) -> CostModel:
-        """Load a cost-model file written by ``kvserve profile`` (``kvserve.sim.cost_model_file``).
-
-        Raises:
-            ValueError: unreadable, malformed or of another schema version (naming the field).
-        """
-        from kvserve.sim.cost_model_file import load_cost_model
-
-        return load_cost_model(path).cost_model
 
 
 def fit_cost_model(

@@ -134,18 +134,16 @@ class PeerError(RuntimeError):
     """A tensor-parallel peer rank died, hung or raised."""
 
 
-def _peer_main(rank: int, world_size: int, port: int, configs: tuple, conn) -> None:
-    """A peer rank's process: build the ``Worker`` shard, then serve the driver's calls until
-    ``shutdown`` or until the driver's end of the pipe closes."""
+def _peer_main(rank: int, world_size: int, port: int, worker_cls: type, configs: tuple, conn) -> None:
+    """A peer rank's process: build the ``worker_cls`` shard (``Worker``), then serve the
+    driver's calls until ``shutdown`` or until the driver's end of the pipe closes."""
     import signal
-
-    from kvserve.worker.worker import Worker
 
     # Ctrl-C reaches the whole process group: the driver decides when its peers stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send(("started", None))  # imports done: the driver may now wait in the rendezvous
     try:
-        worker = Worker(*configs, rank=rank, tp_world_size=world_size, tp_port=port)
+        worker = worker_cls(*configs, rank=rank, tp_world_size=world_size, tp_port=port)
     except BaseException as e:  # the driver reports it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -173,15 +171,18 @@ class TensorParallelPeers:
 
     Args:
         world_size: T (>= 2). port: the group's store port (the driver listens on it).
+        worker_cls: the driver's ``Worker`` class, built in each peer (passed in, so that this
+            module, which ``worker`` imports, does not import it back).
         configs: ``(model_config, cache_config, scheduler_config)`` for each peer's ``Worker``.
 
     ``start`` spawns them (their ``Worker`` then connects to the group the driver creates);
     ``wait_ready`` waits until each has loaded its shard.
     """
 
-    def __init__(self, world_size: int, port: int, configs: tuple):
+    def __init__(self, world_size: int, port: int, worker_cls: type, configs: tuple):
         self.world_size = world_size
         self.port = port
+        self._worker_cls = worker_cls
         self._configs = configs
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -193,7 +194,7 @@ class TensorParallelPeers:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_peer_main,
-                args=(rank, self.world_size, self.port, self._configs, child),
+                args=(rank, self.world_size, self.port, self._worker_cls, self._configs, child),
                 name=f"kvserve-tp-rank{rank}",
                 daemon=True,
             )

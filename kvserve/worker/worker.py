@@ -220,7 +220,7 @@ class Worker:
                 store = host_store(self.tp_size)
                 tp_port = store.port
                 self.peers = TensorParallelPeers(
-                    self.tp_size, tp_port, (model_config, cache_config, scheduler_config)
+                    self.tp_size, tp_port, Worker, (model_config, cache_config, scheduler_config)
                 )
                 self.peers.start()
             assert tp_port is not None

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.envs import cache_root
+
 #: Bump when the output format changes, so old caches are not reused.
 CONVERTER_VERSION = "1"
 #: The whole-file hash memo's file name under ``cache_root()`` (``file_sha256``).
@@ -178,12 +180,6 @@ def gguf_layout_error(path: Path) -> str | None:
 
 class _Truncated(Exception):
     pass
-
-
-def cache_root() -> Path:
-    """``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``."""
-    env = os.environ.get("KVSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvserve"
 
 
 def _memo_key(path: Path, st: os.stat_result) -> str:

@@ -120,7 +120,7 @@ class NativeLibrary:
             OSError: no compiler, or the cache folder cannot be written.
         """
         if out_dir is None:
-            from kvserve.model_executor.gguf_convert import cache_root
+            from kvserve.envs import cache_root
 
             out_dir = cache_root() / "native"
         lib_name = f"{self.name}.so"

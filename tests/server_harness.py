@@ -3,6 +3,7 @@ for tests, and the handles tests use to reach it."""
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -175,3 +176,48 @@ def running_server(
         thread.join(30)
         sock.close()
         engine.shutdown()  # tensor-parallel peer ranks, if any
+
+
+class LogRecords(logging.Handler):
+    """Collects the records of the server's loggers while active (``with``): uvicorn's do not
+    reach the root logger. ``level``: the lowest level kept; ``kvserve_info``: lower the
+    ``kvserve`` logger to INFO meanwhile (restored after)."""
+
+    def __init__(
+        self,
+        names: tuple[str, ...] = ("uvicorn", "uvicorn.error", "kvserve"),
+        level: int = logging.DEBUG,
+        kvserve_info: bool = True,
+    ):
+        super().__init__(level=level)
+        self.names, self.kvserve_info = names, kvserve_info
+        self.records: list[logging.LogRecord] = []
+        self.mu = threading.Lock()
+
+    def emit(self, record):
+        with self.mu:
+            self.records.append(record)
+
+    def __enter__(self):
+        self.saved = {}
+        for name in self.names:
+            lg = logging.getLogger(name)
+            self.saved[name] = lg.level
+            lg.addHandler(self)
+            if name == "kvserve" and self.kvserve_info:
+                lg.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.names:
+            lg = logging.getLogger(name)
+            lg.removeHandler(self)
+            lg.setLevel(self.saved[name])
+
+    def text(self) -> str:
+        with self.mu:
+            return "\n".join(self.format(r) for r in self.records)
+
+    def matching(self, s: str) -> list[logging.LogRecord]:
+        with self.mu:
+            return [r for r in self.records if s in r.getMessage()]

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from tests.server_harness import running_server
+from tests.server_harness import LogRecords, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -40,30 +39,14 @@ ENGINE_KWARGS = dict(
 )
 
 
-class _Errors(logging.Handler):
-    """ERROR records of the server's loggers (an unhandled exception logs one)."""
-
-    def __init__(self):
-        super().__init__(level=logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-        self.mu = threading.Lock()
-
-    def emit(self, record):
-        with self.mu:
-            self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     from kvserve.config import EngineArgs
 
     root = tmp_path_factory.mktemp("lora-root")
     (root / "empty").mkdir()
-    errors = _Errors()
-    loggers = [logging.getLogger(n) for n in ("kvserve", "uvicorn.error")]
-    for lg in loggers:
-        lg.addHandler(errors)
-    try:
+    # ERROR records of the server's loggers (an unhandled exception logs one)
+    with LogRecords(("kvserve", "uvicorn.error"), logging.ERROR, kvserve_info=False) as errors:
         with running_server(
             EngineArgs(model=str(tiny_llama_dir), **ENGINE_KWARGS),
             "tiny",
@@ -73,9 +56,6 @@ def server(tiny_llama_dir, tmp_path_factory):
             s.errors = errors
             s.lora_root = root
             yield s
-    finally:
-        for lg in loggers:
-            lg.removeHandler(errors)
 
 
 # ---------------------------------------------------------------------------- values (JSON text)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvserve.entrypoints.openai.http_protocol import ConnectionLimits
-from tests.server_harness import running_server
+from tests.server_harness import LogRecords, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -38,45 +38,6 @@ def server():
         EngineArgs(**ENGINE_KWARGS), "m", limits=limits, keep_alive_timeout_s=KEEP_ALIVE_S
     ) as s:
         yield s
-
-
-class _Records(logging.Handler):
-    """Collects records of the server's loggers (uvicorn's do not reach the root logger)."""
-
-    NAMES = ("uvicorn", "uvicorn.error", "kvserve")
-
-    def __init__(self):
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-        self.mu = threading.Lock()
-
-    def emit(self, record):
-        with self.mu:
-            self.records.append(record)
-
-    def __enter__(self):
-        self.saved = {}
-        for name in self.NAMES:
-            lg = logging.getLogger(name)
-            self.saved[name] = lg.level
-            lg.addHandler(self)
-            if name == "kvserve":
-                lg.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc):
-        for name in self.NAMES:
-            lg = logging.getLogger(name)
-            lg.removeHandler(self)
-            lg.setLevel(self.saved[name])
-
-    def text(self) -> str:
-        with self.mu:
-            return "\n".join(self.format(r) for r in self.records)
-
-    def matching(self, s: str) -> list[logging.LogRecord]:
-        with self.mu:
-            return [r for r in self.records if s in r.getMessage()]
 
 
 def _connect(port: int) -> socket.socket:
@@ -144,7 +105,7 @@ def _health_ms(server) -> float:
 # ---------------------------------------------------------------------------- read deadline
 def test_half_body_gets_408_and_the_connection_closed(server):
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
-    with _Records() as rec:
+    with LogRecords() as rec:
         sock = _connect(server.port)
         t0 = time.monotonic()
         # Content-Length promises the whole body; only half of it is sent
@@ -268,7 +229,7 @@ def test_many_half_sent_requests_are_all_cut_and_health_stays_fast(server):
     # at once, the rest are cut at the read deadline; the server answers /health throughout
     socks = []
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
-    with _Records() as rec:
+    with LogRecords() as rec:
         for _ in range(MAX_CONNECTIONS * 3):
             try:
                 s = _connect(server.port)
@@ -295,7 +256,7 @@ def test_many_half_sent_requests_are_all_cut_and_health_stays_fast(server):
 def test_client_disconnect_mid_body_is_one_info_line_without_traceback(server):
     body = json.dumps({"prompt": "hello " * 50, "max_tokens": 2}).encode()
     n = 30
-    with _Records() as rec:
+    with LogRecords() as rec:
         for _ in range(n):
             s = _connect(server.port)
             s.sendall(_request("POST", "/v1/completions", body)[:-20])
@@ -316,7 +277,7 @@ def test_client_disconnect_mid_body_is_one_info_line_without_traceback(server):
 
 def test_client_disconnect_mid_stream_is_logged_once_without_traceback(server):
     payload = {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with _Records() as rec:
+    with LogRecords() as rec:
         # held after its first token: the request is still running when the client hangs up
         # (it cannot have finished its 200 tokens first, however slow this thread is)
         with server.engine_held():
@@ -395,7 +356,7 @@ def _tokenize_without_reading(port: int) -> socket.socket:
 
 
 def test_client_that_never_reads_its_answer_is_cut_after_the_write_timeout(server):
-    with _Records() as rec:
+    with LogRecords() as rec:
         sock = _tokenize_without_reading(server.port)
         try:
             deadline = time.monotonic() + 60
@@ -414,7 +375,7 @@ def test_client_that_never_reads_its_answer_is_cut_after_the_write_timeout(serve
 
 
 def test_slow_but_steady_reader_keeps_its_connection_past_the_write_timeout(server):
-    with _Records() as rec:
+    with LogRecords() as rec:
         sock = _tokenize_without_reading(server.port)
         try:
             data = b""

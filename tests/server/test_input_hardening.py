@@ -12,22 +12,21 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from kvserve.entrypoints.openai import api_server
-from kvserve.entrypoints.openai.http_protocol import ConnectionLimits
 from kvserve.entrypoints.openai.errors import MAX_JSON_DEPTH, APIError, parse_json_text
+from kvserve.entrypoints.openai.http_protocol import ConnectionLimits
 from kvserve.entrypoints.openai.serving_engine import input_error, json_depth
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.field_limits import MAX_LORA_NAME_CHARS, check_lora_name, lora_name_ok
 from kvserve.lora.modules import parse_lora_module
 from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE
 from kvserve.lora.request import LoRARequest
-from tests.server_harness import running_server
+from tests.server_harness import LogRecords, running_server
 
 
 # ---------------------------------------------------------------------------- --api-key
@@ -256,17 +255,6 @@ def test_input_errors_are_400_naming_the_field(exc, text):
 MAX_CONNECTIONS = 3
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-        self.mu = threading.Lock()
-
-    def emit(self, record):
-        with self.mu:
-            self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     from kvserve.config import EngineArgs
@@ -281,18 +269,11 @@ def test_an_unexpected_error_is_a_clean_500_and_one_log_line(server, monkeypatch
     def boom(name):
         raise KeyError("internal detail 0xdeadbeef")
 
-    records = _Records()
-    loggers = [logging.getLogger(n) for n in ("kvserve.server", "uvicorn.error")]
-    for lg in loggers:
-        lg.addHandler(records)
-    try:
+    with LogRecords(("kvserve.server", "uvicorn.error"), kvserve_info=False) as records:
         monkeypatch.setattr(server.app.state.models, "resolve", boom)
         with server.http() as h:
             r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         monkeypatch.undo()
-    finally:
-        for lg in loggers:
-            lg.removeHandler(records)
     assert r.status_code == 500
     err = r.json()["error"]
     assert err["type"] == "internal_server_error" and err["code"] == "internal_error"

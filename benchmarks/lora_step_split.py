@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.benchmarks.lora import SCENARIOS, write_random_adapter
     from kvserve.benchmarks.workload import default_workload_path, load_workload
     from kvserve.lora.peft import ModelShapes
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
     from kvserve.model_executor.model_loader import resolve_model_dir
 
     reqs = load_workload(default_workload_path(), ns.num_prompts)

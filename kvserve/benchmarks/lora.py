@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvserve import LLM
     from kvserve.lora.peft import ModelShapes
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
     from kvserve.model_executor.model_loader import resolve_model_dir
 
     scenarios = [s for s in ns.scenarios.split(",") if s]

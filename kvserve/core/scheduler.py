@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 from kvserve.config import CacheConfig, LoRAConfig, PreemptionMode, SchedulerConfig
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
 from kvserve.core.policy import Policy, PolicyFactory
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 logger = logging.getLogger("kvserve.scheduler")

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from kvserve.engine.input_processor import PromptType
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.openmp_pool import release_calling_thread_pool

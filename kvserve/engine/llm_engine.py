@@ -24,7 +24,7 @@ from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.field_limits import LIMITS
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (

@@ -141,7 +141,7 @@ def _generate_lora_request(ns: argparse.Namespace):
             ``--lora-modules`` or naming none of them, several modules and no ``--lora-name``,
             or a name given twice.
     """
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
 
     modules = ns.lora_modules or []
     if not modules:

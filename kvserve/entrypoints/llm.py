@@ -11,7 +11,7 @@ from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvserve.field_limits import check_request_size
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 

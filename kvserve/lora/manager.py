@@ -31,7 +31,7 @@ import torch
 from kvserve.config import LoRAConfig
 from kvserve.lora.ops import lora_slot_dtype
 from kvserve.lora.peft import LoRAModel, ModelShapes, load_peft_adapter
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.model_executor.layers import native_lora
 
 logger = logging.getLogger("kvserve.lora")

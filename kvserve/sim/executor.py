@@ -44,7 +44,7 @@ proposer's ``m * draft_step_s``.
 
 from __future__ import annotations
 
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest, SequenceOutput
 from kvserve.sim.acceptance import AcceptanceModel
 from kvserve.sim.cost_model import RANGED, CostModel, VirtualClock

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 
 #: ``--lora-dist`` choices.
 LORA_DISTRIBUTIONS = ("uniform", "zipf")

@@ -10,7 +10,7 @@ import time
 import torch
 
 from kvserve.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     BlockMoveError,

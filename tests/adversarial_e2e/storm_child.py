@@ -64,7 +64,7 @@ def run_offline(llm) -> dict:
     """Every ``OFFLINE_ATTACKS`` shape once: what it raised (type and message) or returned."""
     from kvserve import SamplingParams, StructuredOutputsParams
     from kvserve.entrypoints.beam_search import BeamSearchParams
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
     from tests.adversarial_e2e.attacks import NEIGHBOUR_PROMPTS, OFFLINE_ATTACKS
 
     before = _greedy(llm, NEIGHBOUR_PROMPTS)

@@ -78,7 +78,7 @@ def make_group(
 
 def lora(i: int):
     """LoRA adapter ``i`` as a ``LoRARequest`` (None for 0: the base model)."""
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
 
     return LoRARequest(f"adapter{i}", i, f"/adapters/{i}") if i else None
 

@@ -169,7 +169,7 @@ def test_fifo_adapter_is_refused_and_the_engine_keeps_serving(tiny_llama_dir, tm
 
     from kvserve import LLM, SamplingParams
     from kvserve.lora.peft import ModelShapes
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
     from tests.lora.adapters import lora_tensors, write_adapter
     from tests.test_e2e_tiny import assert_idle
 

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from kvserve.config import LoRAConfig
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.peft import ModelShapes, load_peft_adapter
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from tests.lora.adapters import lora_tensors, write_adapter
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints import cli
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter
 
 pytest.importorskip("peft")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from tests.golden import compare, hf_greedy
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter, peft_reference
 from tests.test_e2e_tiny import assert_idle

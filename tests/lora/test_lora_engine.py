@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora.peft import ModelShapes, load_peft_adapter
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from tests.lora.adapters import lora_tensors, write_adapter
 from tests.test_e2e_tiny import assert_idle
 

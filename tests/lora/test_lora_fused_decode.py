@@ -22,7 +22,7 @@ from kvserve.lora import ops
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.ops import LoRAMapping
 from kvserve.lora.peft import ModelShapes
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.model_executor.layers import native_layers, native_lora
 from kvserve.model_executor.models import native_decode
 from tests.executor.helpers import llama_config, make_worker, save_tiny

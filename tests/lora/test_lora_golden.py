@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 from tests.golden import TEST_DEVICE, compare, hf_greedy
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter, peft_reference

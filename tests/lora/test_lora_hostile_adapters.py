@@ -85,7 +85,7 @@ def test_nan_adapter_is_refused_before_queueing_and_the_engine_keeps_serving(tin
 
     from kvserve import LLM, SamplingParams
     from kvserve.lora.peft import ModelShapes
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
     from tests.test_e2e_tiny import assert_idle
 
     shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))

@@ -10,7 +10,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.peft import load_peft_adapter
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from tests.lora.adapters import lora_tensors, make_peft_adapter, write_adapter
 from tests.test_e2e_tiny import assert_idle
 

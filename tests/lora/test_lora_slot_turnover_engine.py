@@ -6,7 +6,7 @@ from transformers import AutoConfig
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora.peft import ModelShapes
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from tests.lora.adapters import lora_tensors, write_adapter
 from tests.test_e2e_tiny import assert_idle
 

@@ -25,7 +25,7 @@ from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.field_limits import MAX_LORA_NAME_CHARS, check_lora_name, lora_name_ok
 from kvserve.lora.modules import parse_lora_module
 from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from tests.server_harness import LogRecords, running_server
 
 

@@ -100,7 +100,7 @@ _offline_ids = iter(range(100, 10_000))
 def _reference(offline, path: str | None, chat: bool = False) -> str:
     """The offline API's greedy text for ``PROMPT`` (or ``MESSAGES``) with the adapter at ``path``."""
     from kvserve import SamplingParams
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     lora = LoRARequest(f"ref-{path}", next(_offline_ids), path) if path else None
@@ -195,7 +195,7 @@ def test_concurrent_requests_with_different_adapters_each_get_their_own(server, 
 
 def test_prompt_batches_beam_search_and_tokenize_take_the_adapter(server, offline, modules):
     from kvserve import SamplingParams
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
 
     sql = LoRARequest("sql-ref", next(_offline_ids), modules[0].path)
     prompts = [PROMPT, "Once upon a time"]
@@ -290,7 +290,7 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(server, offline, a
     adapter's weights (the same text as offline); the engine drops them afterwards."""
     path = adapter_dir("busy", seed=7)
     from kvserve import SamplingParams
-    from kvserve.lora.request import LoRARequest
+    from kvserve.lora_request import LoRARequest
 
     long = 120
     ref = (

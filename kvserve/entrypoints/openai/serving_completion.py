@@ -34,7 +34,7 @@ from kvserve.entrypoints.openai.serving_engine import (
 )
 from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from kvserve.field_limits import check_count, check_request_size
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 

@@ -35,7 +35,7 @@ from kvserve.entrypoints.openai.errors import (
 from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
 from kvserve.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, UsageInfo
 from kvserve.field_limits import LIMITS
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.transformers_utils.tokenizer_bounds import TokenTextBound

@@ -36,7 +36,7 @@ from kvserve.entrypoints.openai.errors import APIError, quoted
 from kvserve.field_limits import LORA_NAME_RULE, lora_name_ok
 from kvserve.lora.modules import LoRAModulePath, parse_lora_module  # noqa: F401 (re-exported)
 from kvserve.lora.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterFileError
-from kvserve.lora.request import LoRARequest
+from kvserve.lora_request import LoRARequest
 
 logger = logging.getLogger("kvserve.server")
 

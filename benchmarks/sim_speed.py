@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.benchmarks import workload as wl
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from
-from kvserve.shared_data import shared_dir
+from kvserve.envs import shared_dir
 from kvserve.sim.cli import _cost_model_for, simulate
 
 

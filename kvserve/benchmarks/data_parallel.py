@@ -35,7 +35,7 @@ from typing import Any
 from kvserve.benchmarks.common import fmt_table, system_info, write_json
 from kvserve.benchmarks.stats import percentile
 from kvserve.benchmarks.workload import BenchRequest, corpus_window, generate_arrivals, load_corpus
-from kvserve.shared_data import shared_dir
+from kvserve.envs import shared_dir
 
 DEFAULT_TRACE = "traces/mooncake_fast25/synthetic_trace.jsonl"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from kvserve.shared_data import shared_dir
+from kvserve.envs import shared_dir
 
 MOONCAKE_BLOCK_TOKENS = 512
 

@@ -2,7 +2,8 @@
 
 Prints the CPU's relevant instruction sets, the C compiler, each kernel library of
 ``kvserve/csrc/`` (built and loaded, or why not), which implementation every hot-path operation
-uses here per dtype, and the thread count the engine would choose now and why. ``--json`` prints
+uses here per dtype, the thread count the engine would choose now and why, and every
+``KVSERVE_*`` variable with its current value. ``--json`` prints
 the same as one JSON object. Nothing is loaded but the kernels (no model).
 """
 
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+from kvserve import envs
 from kvserve.cpuinfo import cpu_flags, cpu_model
 
 #: /proc/cpuinfo flags that decide a kernel path: name -> what it enables.
@@ -75,7 +77,7 @@ def _compiler() -> dict:
         "path": path,
         "version": version,
         "cflags": " ".join(native_lib.CFLAGS),
-        "extra_cflags": os.environ.get(native_lib.EXTRA_CFLAGS_ENV, ""),
+        "extra_cflags": envs.KVSERVE_NATIVE_CFLAGS,
     }
 
 
@@ -230,7 +232,7 @@ def gather() -> dict:
     from kvserve.model_executor.layers import amx_gemm
 
     flags = cpu_flags()
-    native_off = os.environ.get("KVSERVE_NATIVE", "1") == "0"
+    native_off = not envs.KVSERVE_NATIVE
     return {
         "cpu": cpu_model(),
         "python": sys.version.split()[0],
@@ -241,6 +243,7 @@ def gather() -> dict:
         "amx_granted": amx_gemm.available(),
         "paths": _paths(flags),
         "threads": _threads(),
+        "environment": envs.describe(),
     }
 
 
@@ -267,6 +270,10 @@ def _print(r: dict) -> None:
             print(f"  {op:40} {dtype:15} {impl}")
     t = r["threads"]
     print(f"\nThreads: {t['chosen']} of {t['cores_usable']} usable cores: {t['why']}")
+    print("\nEnvironment (kvserve.envs):")
+    for v in r["environment"]:
+        shown = f"{v['value']!r}" + ("" if v["set"] else " (unset)")
+        print(f"  {v['name']:28} {shown:22} {v['meaning']}")
 
 
 def main(argv: list[str] | None = None) -> int:

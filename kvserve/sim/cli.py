@@ -45,8 +45,8 @@ from kvserve.benchmarks.stats import summarize
 from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
+from kvserve.envs import shared_dir
 from kvserve.sampling_params import SamplingParams
-from kvserve.shared_data import shared_dir
 from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
 from kvserve.sim.cli_checks import (
     check_arrival_span,

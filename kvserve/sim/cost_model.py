@@ -82,7 +82,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvserve.shared_data import shared_dir
+from kvserve.envs import shared_dir
 from kvserve.sim.step_shape import StepShape
 
 SPLITWISE_CSV = str(shared_dir() / "traces" / "calibration" / "splitwise_sim_perf_model.csv")

@@ -26,6 +26,8 @@ import ctypes
 import ctypes.util
 import os
 
+from kvserve import envs
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 #: glibc's largest allowed mmap threshold on 64-bit (HEAP_MAX_SIZE / 2), bytes.
@@ -47,7 +49,7 @@ def keep_freed_memory() -> bool:
     if _applied:
         return True
     if (
-        os.environ.get("KVSERVE_MALLOC_TUNE") == "0"
+        not envs.KVSERVE_MALLOC_TUNE
         or "MALLOC_MMAP_THRESHOLD_" in os.environ
         or "MALLOC_TRIM_THRESHOLD_" in os.environ
         or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")

@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-#: Seconds a collective may wait for a peer rank before it fails (a rank that died or hangs);
-#: ``KVSERVE_TP_TIMEOUT_S`` overrides. Idle engines never wait in a collective: step inputs
-#: travel over pipes (``kvserve.worker.tp_executor``), so an idle server never times out.
-DEFAULT_TIMEOUT_S = 120.0
+from kvserve import envs
 
 
 def collective_timeout_s() -> float:
-    """The collective timeout in seconds (``KVSERVE_TP_TIMEOUT_S`` or ``DEFAULT_TIMEOUT_S``)."""
-    return float(os.environ.get("KVSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    """Seconds a collective may wait for a peer rank before it fails (a rank that died or
+    hangs): ``KVSERVE_TP_TIMEOUT_S``, default 120. Idle engines never wait in a collective (step
+    inputs travel over pipes, ``kvserve.worker.tp_executor``), so an idle server never times out."""
+    return envs.KVSERVE_TP_TIMEOUT_S
 
 
 def host_store(world_size: int, timeout_s: float | None = None) -> dist.TCPStore:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 import weakref
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from kvserve import envs
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest, SequenceData
 
@@ -323,7 +323,7 @@ def _stop(procs: list, conns: list) -> None:
 def threads_per_rank(num_cpus: int, world_size: int) -> int:
     """Torch / OpenMP threads for each of ``world_size`` ranks sharing ``num_cpus`` cores
     (``KVSERVE_NUM_THREADS`` overrides): the cores split evenly, at least one each."""
-    env = os.environ.get("KVSERVE_NUM_THREADS")
-    if env:
-        return max(1, int(env))
+    n = envs.KVSERVE_NUM_THREADS
+    if n is not None:
+        return n
     return max(1, num_cpus // world_size)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from kvserve import envs
 from kvserve.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvserve.lora_request import LoRARequest
 from kvserve.sampling_params import SamplingParams
@@ -66,11 +67,10 @@ def calibrate_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> int
 
 def choose_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> ThreadChoice:
     """``calibrate_threads`` with its reason: the override, a single core, or the two timings."""
-    env = os.environ.get("KVSERVE_NUM_THREADS")
-    if env:
-        n = max(1, int(env))
+    n = envs.KVSERVE_NUM_THREADS
+    if n is not None:
         torch.set_num_threads(n)
-        return ThreadChoice(n, f"fixed by KVSERVE_NUM_THREADS={env}")
+        return ThreadChoice(n, f"fixed by KVSERVE_NUM_THREADS={n}")
     if max_threads <= 1:
         torch.set_num_threads(1)
         return ThreadChoice(1, "one usable core")

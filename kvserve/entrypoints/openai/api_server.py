@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
+from kvserve import envs
 from kvserve.entrypoints.openai.http_protocol import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -568,7 +569,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         type=_api_key_arg,  # argparse applies it to the environment default too
-        default=os.environ.get("KVSERVE_API_KEY"),
+        default=envs.KVSERVE_API_KEY,
         help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY, unset = open); "
         "printable ASCII without leading or trailing spaces, never empty",
     )

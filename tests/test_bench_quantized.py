@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvserve.benchmarks import llama_cpp as lc
 from kvserve.benchmarks import quantized as q
-from kvserve.benchmarks.common import write_json
+from kvserve.workload.io import write_json
 
 RECORDED = Path(__file__).parent / "data" / "llama_server_completion.json"
 

@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
-from kvserve.benchmarks import workload as wl
 from kvserve.benchmarks.serve import LoadGenerator, parse_prometheus, plan_runs
-from kvserve.benchmarks.stats import SLO, RequestResult, goodput, percentile, summarize, summarize_results
+from kvserve.workload import workload as wl
+from kvserve.workload.stats import SLO, RequestResult, goodput, percentile, summarize, summarize_results
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -360,7 +360,7 @@ def test_load_generator_against_mock_server():
 
 
 def test_write_json_is_strict(tmp_path):
-    from kvserve.benchmarks.common import write_json
+    from kvserve.workload.io import write_json
 
     p = tmp_path / "sub" / "r.json"
     write_json(p, {"rate": math.inf, "xs": [1.0, float("nan")], "n": 3})

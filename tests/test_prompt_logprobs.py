@@ -9,8 +9,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.sequence import Logprob
+from tests.engine.test_e2e_tiny import assert_idle, run_engine
 from tests.golden import TEST_DEVICE
-from tests.test_e2e_tiny import assert_idle, run_engine
 
 ENGINE = dict(device=TEST_DEVICE, dtype="float32")
 K = 3

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from kvserve.benchmarks.workload import BenchRequest, default_workload_path, generate_arrivals
 from kvserve.config import EngineArgs
 from kvserve.sim.cli import main, simulate
+from kvserve.workload.workload import BenchRequest, default_workload_path, generate_arrivals
 
 
 def _requests(n, prompt_len=40, output_len=12, rate=5.0):
@@ -291,7 +291,7 @@ def test_output_path_is_checked_before_the_run_and_written_whole(tmp_path, capsy
 
 
 def test_atomic_write_never_leaves_half_a_file(tmp_path):
-    from kvserve.benchmarks.common import atomic_write, write_json
+    from kvserve.workload.io import atomic_write, write_json
 
     p = tmp_path / "r.json"
     write_json(p, {"a": 1})

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.benchmarks.lora_occupancy import assign_round_robin, occupancy, slot_bound_steps
-from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
 from kvserve.config import EngineArgs, LoRAConfig
 from kvserve.core.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
+from kvserve.workload.workload import BenchRequest, default_workload_path, load_workload
 from tests.core.simutil import Harness, configs, lora, make_group, prompt_of
 from tests.core.test_lora_scheduler import run_lora_workload, waiting_ids
 from tests.core.test_scheduler import ids, sched_step

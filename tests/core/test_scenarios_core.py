@@ -1,5 +1,5 @@
 """Failure scenarios of /work/shared/scenarios/README.md at the scheduler level, run on the
-simulated executor (the engine-level/real-model halves live in tests/test_scenarios_engine.py)."""
+simulated executor (the engine-level/real-model halves live in tests/engine/test_scenarios_engine.py)."""
 
 import pytest
 

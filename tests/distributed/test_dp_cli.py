@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.server.test_shutdown import _stream, _wait_healthy
+from tests.entrypoints.openai.test_shutdown import _stream, _wait_healthy
 
 pytestmark = pytest.mark.slow
 

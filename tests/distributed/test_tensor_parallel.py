@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from kvserve import LLM
 from kvserve.config import EngineArgs, ParallelConfig
+from tests.engine.test_e2e_tiny import MAX_NEW, PROMPT_LENS, check_all, greedy, run_engine
 from tests.golden import TEST_DEVICE, Reference, compare, hf_greedy
-from tests.test_e2e_tiny import MAX_NEW, PROMPT_LENS, check_all, greedy, run_engine
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
 

@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from kvserve import LLM, SamplingParams
+from tests.engine.test_e2e_tiny import assert_idle
 from tests.golden import TEST_DEVICE
-from tests.test_e2e_tiny import assert_idle
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
 

@@ -7,8 +7,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.sampler import NON_FINITE_LOGITS, Sampler, non_finite_rows
 from kvserve.sequence import SequenceData
-from tests.test_e2e_tiny import assert_idle
-from tests.test_sampler import EOS, md, tokens
+from tests.engine.test_e2e_tiny import assert_idle
+from tests.model_executor.test_sampler import EOS, md, tokens
 
 
 def test_non_finite_rows_names_exactly_the_rows_with_nan_or_inf():

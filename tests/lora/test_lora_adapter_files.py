@@ -17,8 +17,8 @@ from kvserve.lora.peft import (
     load_peft_adapter,
     max_weights_file_bytes,
 )
+from tests.entrypoints.openai.test_input_hardening import _FakeAsyncEngine, _load, _load_error
 from tests.lora.test_lora_adapters import SHAPES, _adapter
-from tests.server.test_input_hardening import _FakeAsyncEngine, _load, _load_error
 
 
 def _finishes(fn, *args, **kw):
@@ -170,8 +170,8 @@ def test_fifo_adapter_is_refused_and_the_engine_keeps_serving(tiny_llama_dir, tm
     from kvserve import LLM, SamplingParams
     from kvserve.lora.peft import ModelShapes
     from kvserve.lora_request import LoRARequest
+    from tests.engine.test_e2e_tiny import assert_idle
     from tests.lora.adapters import lora_tensors, write_adapter
-    from tests.test_e2e_tiny import assert_idle
 
     shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj"]}

@@ -13,9 +13,9 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora_request import LoRARequest
+from tests.engine.test_e2e_tiny import assert_idle
 from tests.golden import TEST_DEVICE, hf_greedy_logits
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter, peft_reference
-from tests.test_e2e_tiny import assert_idle
 
 pytest.importorskip("peft")
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.lora.peft import ModelShapes, load_peft_adapter
 from kvserve.lora_request import LoRARequest
+from tests.engine.test_e2e_tiny import assert_idle
 from tests.lora.adapters import lora_tensors, write_adapter
-from tests.test_e2e_tiny import assert_idle
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12, 13]}]

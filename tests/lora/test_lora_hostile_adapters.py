@@ -86,7 +86,7 @@ def test_nan_adapter_is_refused_before_queueing_and_the_engine_keeps_serving(tin
     from kvserve import LLM, SamplingParams
     from kvserve.lora.peft import ModelShapes
     from kvserve.lora_request import LoRARequest
-    from tests.test_e2e_tiny import assert_idle
+    from tests.engine.test_e2e_tiny import assert_idle
 
     shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(tiny_llama_dir))
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj"]}

@@ -11,8 +11,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.lora.manager import LoRAManager
 from kvserve.lora.peft import load_peft_adapter
 from kvserve.lora_request import LoRARequest
+from tests.engine.test_e2e_tiny import assert_idle
 from tests.lora.adapters import lora_tensors, make_peft_adapter, write_adapter
-from tests.test_e2e_tiny import assert_idle
 
 pytest.importorskip("peft")
 

@@ -7,8 +7,8 @@ from transformers import AutoConfig
 from kvserve import LLM, SamplingParams
 from kvserve.lora.peft import ModelShapes
 from kvserve.lora_request import LoRARequest
+from tests.engine.test_e2e_tiny import assert_idle
 from tests.lora.adapters import lora_tensors, write_adapter
-from tests.test_e2e_tiny import assert_idle
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

@@ -105,7 +105,7 @@ def test_removed_or_overflowing_adapter_never_changes_other_requests(tiny_llama_
     from kvserve import LLM, SamplingParams
     from kvserve.lora.manager import LoRAManager
     from kvserve.lora.peft import ModelShapes
-    from tests.test_e2e_tiny import assert_idle
+    from tests.engine.test_e2e_tiny import assert_idle
 
     monkeypatch.setattr(LoRAManager, "_probe", lambda self, req, model: None)
 

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.benchmarks.workload import BenchRequest, generate_arrivals
 from kvserve.config import EngineArgs
 from kvserve.sim.cli import main as simulate_main
 from kvserve.sim.cli import simulate
@@ -22,6 +21,7 @@ from kvserve.sim.cost_model_file import (
     parse_cost_model,
     save_cost_model,
 )
+from kvserve.workload.workload import BenchRequest, generate_arrivals
 
 
 def profile_data(**over) -> dict:

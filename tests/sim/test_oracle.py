@@ -2,13 +2,13 @@
 
 import pytest
 
-from kvserve.benchmarks.workload import BenchRequest
 from kvserve.config import EngineArgs
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.oracle import MeasuredStepCost, compare_step_sequences, oracle_replay
 from kvserve.sim.replay import sim_replay, summarize_replay, wall_replay
 from kvserve.sim.step_record import StepRecord
 from kvserve.sim.step_shape import StepShape
+from kvserve.workload.workload import BenchRequest
 
 
 def _bursts(num_bursts=3, per_burst=4, gap=0.6, output_len=16):

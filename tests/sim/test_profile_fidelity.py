@@ -581,8 +581,8 @@ def test_profile_cli_keeps_the_measurements_when_out_cannot_be_written_after_the
 ):
     """--out was writable when checked, and is not when the run ends (a full disk, a removed
     folder): exit 1 naming --out, and the profile is saved elsewhere, whole, not lost."""
-    from kvserve.benchmarks.common import write_json
     from kvserve.sim import profile as prof
+    from kvserve.workload.io import write_json
 
     data = {"stand-in": "for a measured profile"}
     monkeypatch.setattr(prof, "profile", lambda *a, **kw: data)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvserve.benchmarks.workload import BenchRequest
 from kvserve.config import EngineArgs
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.replay import replay, sim_replay, simulated_engine, summarize_replay
+from kvserve.workload.workload import BenchRequest
 
 
 def _configs(blocks):

@@ -15,7 +15,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sequence import ExecuteModelRequest
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.spec_decode.rejection_sampler import rejection_sample
-from tests.test_e2e_tiny import run_engine
+from tests.engine.test_e2e_tiny import run_engine
 
 V, K_MAX = 7, 5
 

@@ -6,8 +6,8 @@ token, drafts are accepted, and blocks are conserved after every step."""
 import pytest
 
 from kvserve import SamplingParams
+from tests.engine.test_e2e_tiny import run_engine
 from tests.spec_decode.test_spec_decode_engine import check_blocks, make_engine
-from tests.test_e2e_tiny import run_engine
 
 PASSAGE = (
     "The scheduler keeps three queues: waiting, running and swapped. Each step it admits new "

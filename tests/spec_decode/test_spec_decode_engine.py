@@ -15,7 +15,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sequence import ExecuteModelRequest
 from kvserve.spec_decode.interfaces import Proposal, Proposer
-from tests.test_e2e_tiny import run_engine
+from tests.engine.test_e2e_tiny import run_engine
 
 K = 4
 MAX_NEW = 48

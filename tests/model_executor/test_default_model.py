@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from tests.engine.test_e2e_tiny import assert_idle
 from tests.golden import compare, hf_greedy
-from tests.test_e2e_tiny import assert_idle
 
 PROMPTS = [
     "The capital of France is",

@@ -4,7 +4,7 @@ naming the field (adversarial finds: a 5000-digit number was a 400 naming nothin
 
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.entrypoints.openai.conftest import MODEL
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "seed", "n", "top_k", "priority"])

@@ -6,7 +6,7 @@ import json
 
 import jsonschema
 
-from tests.server.conftest import MODEL
+from tests.entrypoints.openai.conftest import MODEL
 
 WEATHER = {
     "type": "object",

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tests.server.test_lora_server import (  # noqa: F401 (fixtures)
+from tests.entrypoints.openai.test_lora_server import (  # noqa: F401 (fixtures)
     BASE,
     _engine_args,
     adapter_dir,

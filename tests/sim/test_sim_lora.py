@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 
-from kvserve.benchmarks.workload import BenchRequest, generate_arrivals, load_trace, load_workload
 from kvserve.config import EngineArgs
 from kvserve.sim.cli import main, simulate
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.lora import draw_lora_ids, sim_lora_request
+from kvserve.workload.workload import BenchRequest, generate_arrivals, load_trace, load_workload
 
 
 def _requests(lora_ids, prompt_len=48, output_len=16, rate=40.0):

@@ -9,7 +9,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.sequence import SequenceStatus
-from tests.test_e2e_tiny import assert_idle, run_engine
+from tests.engine.test_e2e_tiny import assert_idle, run_engine
 
 
 def _ids(n, seed):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.entrypoints.openai.protocol import HARMLESS_FIELDS
-from tests.server.conftest import MODEL
+from tests.entrypoints.openai.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import API_KEY, MAX_BODY_BYTES, MODEL
+from tests.entrypoints.openai.conftest import API_KEY, MAX_BODY_BYTES, MODEL
 
 pytestmark = pytest.mark.slow
 

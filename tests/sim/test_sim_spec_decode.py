@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.benchmarks.workload import BenchRequest
 from kvserve.config import EngineArgs, SpeculativeConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.acceptance import AcceptanceModel, alpha_for_mean, split_speculative_config
 from kvserve.sim.cli import main, simulate
+from kvserve.workload.workload import BenchRequest
 from tests.core.simutil import Harness, configs, prompt_of
 
 K = 4

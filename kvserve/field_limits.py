@@ -26,14 +26,14 @@ MAX_LOGPROBS = 20
 #: Smallest repetition_penalty (see LIMITS).
 MIN_REPETITION_PENALTY = 1e-6
 #: Most entries of the list-valued fields. Each is scanned per step or per token for every
-#: sequence of the request, so an unbounded list slows every request in the batch (measured: 400k
-#: stop strings made a neighbour's 40-token request 290x slower); past these it is a 400.
+#: sequence of the request, so an unbounded list slows every request in the batch; past these
+#: it is a 400.
 #: ``prompt``: prompts of one /v1/completions request (each becomes an engine request).
 MAX_ITEMS = {"stop": 64, "stop_token_ids": 1024, "logit_bias": 1024, "prompt": 1024}
 #: Longest stop string, in characters (a stream holds back that many characters).
 MAX_STOP_CHARS = 1024
 
-_NAMED = {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1", UINT64_MAX: "2**64 - 1"}
+_NAMED: dict[float, str] = {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1", UINT64_MAX: "2**64 - 1"}
 
 
 def _fmt(v: float) -> str:

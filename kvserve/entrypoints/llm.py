@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Sequence as Seq
+from typing import cast
 
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
@@ -14,6 +15,16 @@ from kvserve.field_limits import check_request_size
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+
+
+def _prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+    """One prompt or a sequence of prompts, as a list of prompts. A list of ints is one prompt
+    of token ids, not a batch."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [cast(PromptType, prompts)]
+    return list(cast(Seq[PromptType], prompts))
 
 
 class LLM:
@@ -80,11 +91,7 @@ class LLM:
                 ``lora_request`` list of the wrong length or while LoRA is off); then nothing is
                 queued.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -148,10 +155,7 @@ class LLM:
                 prompts x ``beam_width`` (or their prefill cost) past the request size caps
                 (``field_limits.check_request_size``, naming ``best_of``, the beam width).
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         engine = self.llm_engine
         searches = []
         for prompt in prompts:
@@ -176,7 +180,9 @@ class LLM:
             for (s, _, _), out in zip(requests, outs):
                 if out.outcome != "finished":
                     raise ValueError(f"beam search: a beam's step ended {out.outcome}: {out.error}")
-                tops.setdefault(id(s), []).append(out.outputs[0].logprobs[0])
+                logprobs = out.outputs[0].logprobs
+                assert logprobs is not None, "beam steps always ask for logprobs"
+                tops.setdefault(id(s), []).append(logprobs[0])
             for s in searches:
                 if id(s) in tops:
                     s.advance(tops[id(s)])

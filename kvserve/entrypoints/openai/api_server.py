@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -156,13 +157,16 @@ class _EdgeMiddleware:
         self.state = state
         self.retry_after_s = retry_after_s
 
-    def _authorized(self, scope) -> bool:
+    @staticmethod
+    def _authorized(scope, api_key: str) -> bool:
+        """Whether the request carries ``api_key`` as ``Authorization: Bearer`` or
+        ``X-Api-Key`` (compared in constant time)."""
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer":
             token = headers.get(b"x-api-key", b"").decode("latin-1")
-        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return hmac.compare_digest(token.strip().encode(), api_key.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -196,7 +200,7 @@ class _EdgeMiddleware:
             )
             return await err.to_response()(scope, receive, counting_send)
 
-        if self.api_key and _is_protected(path) and not self._authorized(scope):
+        if self.api_key and _is_protected(path) and not self._authorized(scope, self.api_key):
             err = APIError(
                 "Missing or invalid API key; send 'Authorization: Bearer <key>'.",
                 401,
@@ -287,7 +291,7 @@ def build_app(
         if thread is not None and thread.is_alive():
             raise ValueError("lora_modules are loaded before the engine loop starts; build the app first.")
         models.load_startup(lora_modules)
-    serving_kwargs = dict(
+    serving_kwargs: dict[str, Any] = dict(
         models=models,
         request_logger=req_logger,
         server_state=state,

@@ -29,6 +29,7 @@ second with a count, so a flood cannot flood the log.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -137,8 +138,11 @@ def make_protocol_class(limits: ConnectionLimits, retry_after_s: int = 1) -> typ
 
     class KvserveH11Protocol(H11Protocol):
         _limits = limits
+        # pending deadline checks (None: not armed)
+        _read_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             _set_nodelay(transport)
             self._read_timer = None

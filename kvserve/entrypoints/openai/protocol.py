@@ -26,13 +26,28 @@ from kvserve.field_limits import LIMITS
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
-def _limited(name: str) -> Any:
-    """The strict type of numeric field ``name`` constrained to ``LIMITS[name]``."""
+def _bounds(name: str, integer: bool) -> Any:
+    """The pydantic ``Field`` constraints of numeric field ``name``: the range of
+    ``LIMITS[name]``. ``integer`` states the field's kind as its annotation declares it
+    (``StrictInt`` or ``Number``); raises TypeError when it disagrees with ``LIMITS``, so the
+    static annotation and the shared limit cannot drift apart."""
     limit = LIMITS[name]
-    return Annotated[StrictInt if limit.integer else Number, Field(**limit.pydantic_bounds())]
+    if limit.integer != integer:
+        raise TypeError(f"{name}: LIMITS says integer={limit.integer}, the annotation {integer}")
+    return Field(**limit.pydantic_bounds())
 
 
-TokenId = _limited("token_id")
+def _int(name: str) -> Any:
+    """Metadata of an integer field: ``Annotated[StrictInt, _int(name)]``."""
+    return _bounds(name, integer=True)
+
+
+def _num(name: str) -> Any:
+    """Metadata of a real-valued field: ``Annotated[Number, _num(name)]``."""
+    return _bounds(name, integer=False)
+
+
+TokenId = Annotated[StrictInt, _int("token_id")]
 
 #: ``prompt`` of /v1/completions: text, a batch of texts, token ids, or a batch of token-id lists.
 PromptInput = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
@@ -104,28 +119,28 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat (OpenAI ones, then kvserve / vLLM extras)."""
 
     model: StrictStr | None = None
-    n: _limited("n") | None = 1
-    temperature: _limited("temperature") | None = None
-    top_p: _limited("top_p") | None = None
+    n: Annotated[StrictInt, _int("n")] | None = 1
+    temperature: Annotated[Number, _num("temperature")] | None = None
+    top_p: Annotated[Number, _num("top_p")] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: _limited("seed") | None = None
-    presence_penalty: _limited("presence_penalty") | None = 0.0
-    frequency_penalty: _limited("frequency_penalty") | None = 0.0
-    logit_bias: dict[str, _limited("logit_bias")] | None = None
+    seed: Annotated[StrictInt, _int("seed")] | None = None
+    presence_penalty: Annotated[Number, _num("presence_penalty")] | None = 0.0
+    frequency_penalty: Annotated[Number, _num("frequency_penalty")] | None = 0.0
+    logit_bias: dict[str, Annotated[Number, _num("logit_bias")]] | None = None
     user: StrictStr | None = None  # harmless (HARMLESS_FIELDS)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # extras
-    top_k: _limited("top_k") | None = None
-    min_p: _limited("min_p") | None = None
-    repetition_penalty: _limited("repetition_penalty") | None = None
+    top_k: Annotated[StrictInt, _int("top_k")] | None = None
+    min_p: Annotated[Number, _num("min_p")] | None = None
+    repetition_penalty: Annotated[Number, _num("repetition_penalty")] | None = None
     ignore_eos: StrictBool | None = False
-    min_tokens: _limited("min_tokens") | None = 0
+    min_tokens: Annotated[StrictInt, _int("min_tokens")] | None = 0
     stop_token_ids: list[TokenId] | None = None
-    priority: _limited("priority") | None = 0
+    priority: Annotated[StrictInt, _int("priority")] | None = 0
     include_stop_str_in_output: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
-    prompt_logprobs: _limited("prompt_logprobs") | None = None
+    prompt_logprobs: Annotated[StrictInt, _int("prompt_logprobs")] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
     response_format: ResponseFormat | None = None
@@ -148,14 +163,14 @@ class CompletionRequest(_SamplingFields):
     """
 
     prompt: PromptInput
-    max_tokens: _limited("max_tokens") | None = 16
-    logprobs: _limited("logprobs") | None = None
+    max_tokens: Annotated[StrictInt, _int("max_tokens")] | None = 16
+    logprobs: Annotated[StrictInt, _int("logprobs")] | None = None
     echo: StrictBool | None = False
-    best_of: _limited("best_of") | None = None
+    best_of: Annotated[StrictInt, _int("best_of")] | None = None
     suffix: StrictStr | None = None
     # vLLM's beam search fields: beam width = best_of (or n); the n best beams are returned
     use_beam_search: StrictBool | None = False
-    length_penalty: _limited("length_penalty") | None = 1.0
+    length_penalty: Annotated[Number, _num("length_penalty")] | None = 1.0
 
 
 class TextContentPart(_Request):
@@ -237,10 +252,9 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-#: Most messages in one conversation. Validating and rendering a message costs a few
-#: microseconds of held GIL each, so 100k small messages stalled every other connection for
-#: seconds; past the cap a request is a 400 naming ``messages`` and the cap, before any
-#: template rendering or tokenization.
+#: Most messages in one conversation. Validating and rendering each message holds the GIL, so
+#: an unbounded conversation stalls every other connection; past the cap a request is a 400
+#: naming ``messages`` and the cap, before any template rendering or tokenization.
 MAX_CHAT_MESSAGES = 10_000
 Messages = Annotated[list[ChatMessage], Field(max_length=MAX_CHAT_MESSAGES)]
 
@@ -254,10 +268,10 @@ class ChatCompletionRequest(_SamplingFields):
     """
 
     messages: Messages
-    max_tokens: _limited("max_tokens") | None = None
-    max_completion_tokens: _limited("max_completion_tokens") | None = None
+    max_tokens: Annotated[StrictInt, _int("max_tokens")] | None = None
+    max_completion_tokens: Annotated[StrictInt, _int("max_completion_tokens")] | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: _limited("top_logprobs") | None = None
+    top_logprobs: Annotated[StrictInt, _int("top_logprobs")] | None = None
     add_generation_prompt: StrictBool | None = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -17,9 +17,9 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import anyio
 from pydantic import BaseModel, ValidationError
@@ -126,12 +126,13 @@ def param_from_message(message: str, rename: dict[str, str] | None = None) -> st
     alone leaves no room (``"prompt has 40 tokens, which leaves no room ..."``).
     """
     rename = rename or {}
+    name: str | None
     if message.startswith("prompt") and "max_model_len" in message and "max_tokens" in message:
         name = "max_tokens"
     else:
         m = re.match(r"^([A-Za-z_]+)", message)
         name = m.group(1) if m else None
-        if name not in _SAMPLING_FIELDS:
+        if name is None or name not in _SAMPLING_FIELDS:
             return rename.get("prompt") if "prompt" in message else None
         if name == "prompt_token_ids":
             name = "prompt"
@@ -196,7 +197,7 @@ MAX_UNKNOWN_NAMES = 10
 MAX_NAME_CHARS = 100
 
 
-def _error_path(err: dict) -> str:
+def _error_path(err: Mapping[str, Any]) -> str:
     """``a.b[0].c`` of a pydantic error location (union type tags dropped; the last element of
     an unknown-field error is the client's field name, kept whatever it looks like)."""
     raw = list(err.get("loc", ()))
@@ -317,8 +318,8 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
 
 def _precheck_messages(model: type[BaseModel], body: bytearray) -> None:
     """A conversation far past ``MAX_CHAT_MESSAGES`` is refused from the raw bytes: pydantic
-    checks a list's length only after validating every item (100k messages held the event loop
-    ~180 ms). Every message has a ``"role"`` key, and inside a JSON string the quotes would be
+    checks a list's length only after validating every item, holding the event loop for all of
+    them. Every message has a ``"role"`` key, and inside a JSON string the quotes would be
     escaped, so the count of ``"role"`` bounds the number of messages from above; a count of
     twice the cap (slack for other objects with such a key) proves the request over it."""
     if "messages" not in model.model_fields or len(body) < 16 * MAX_CHAT_MESSAGES:
@@ -359,6 +360,12 @@ def decode_ids(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids)
 
 
+@overload
+def finite(x: float) -> float: ...
+@overload
+def finite(x: None) -> None: ...
+@overload
+def finite(x: float | None) -> float | None: ...
 def finite(x: float | None) -> float | None:
     """A logprob JSON can carry: ``-inf`` (or NaN) becomes -9999.0, as the OpenAI API does."""
     if x is None:
@@ -811,8 +818,9 @@ class OpenAIServing:
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
         if lora_request is not None:
             # a done callback runs even for a task cancelled before it started
+            adapter = lora_request
             for t in tasks:
-                t.add_done_callback(lambda _t, r=lora_request: self.models.release(r))
+                t.add_done_callback(lambda _t: self.models.release(adapter))
         try:
             remaining = len(tasks)
             while remaining:

@@ -21,9 +21,9 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from kvserve.benchmarks.common import write_json
-from kvserve.benchmarks.stats import percentile
 from kvserve.sim.step_record import StepRecord, load_replay
+from kvserve.workload.io import write_json
+from kvserve.workload.stats import percentile
 
 
 def _bucket(v: float, edges: tuple) -> str:

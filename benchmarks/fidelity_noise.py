@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvserve.benchmarks.common import write_json
 from kvserve.benchmarks.fidelity import LATENCY_KEYS, STAT_KEYS, real_vs_real
+from kvserve.workload.io import write_json
 
 
 def _pct(v) -> str:

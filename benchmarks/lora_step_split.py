@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvserve import LLM
     from kvserve.benchmarks.lora import SCENARIOS, write_random_adapter
-    from kvserve.benchmarks.workload import default_workload_path, load_workload
     from kvserve.lora.peft import ModelShapes
     from kvserve.lora_request import LoRARequest
     from kvserve.model_executor.model_loader import resolve_model_dir
+    from kvserve.workload.workload import default_workload_path, load_workload
 
     reqs = load_workload(default_workload_path(), ns.num_prompts)
     if ns.max_output:

@@ -27,8 +27,9 @@ import statistics
 import sys
 import time
 
-from kvserve.benchmarks.common import fmt_table, system_info, write_json
+from kvserve.benchmarks.common import fmt_table, system_info
 from kvserve.benchmarks.quantized import PATHS, prompt_token_ids
+from kvserve.workload.io import write_json
 
 DEFAULT_PATHS = ("bfloat16", "gguf float32", "gguf bfloat16", "int8 float32", "int4 float32")
 

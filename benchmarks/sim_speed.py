@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvserve.benchmarks import workload as wl
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from
 from kvserve.envs import shared_dir
 from kvserve.sim.cli import _cost_model_for, simulate
+from kvserve.workload import workload as wl
 
 
 def tiled(records: list[wl.TraceRecord], n: int) -> list[wl.TraceRecord]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.benchmarks.common import write_json
 from kvserve.sim.step_record import (
     compare_steps,
     load_replay,
@@ -22,6 +21,7 @@ from kvserve.sim.step_record import (
     print_refit,
     refit_steps,
 )
+from kvserve.workload.io import write_json
 
 
 def main(argv: list[str] | None = None) -> int:

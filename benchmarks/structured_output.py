@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
-    from kvserve.benchmarks.workload import default_workload_path, load_workload
     from kvserve.model_executor.layers import native_bitmask
+    from kvserve.workload.workload import default_workload_path, load_workload
 
     requests = load_workload(default_workload_path(), ns.num_prompts)
     llm = LLM(dtype=ns.dtype)

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import time
 
-from kvserve.benchmarks.common import system_info, write_json
+from kvserve.benchmarks.common import system_info
+from kvserve.workload.io import write_json
 
 CHILD = r"""
 import json, sys, time

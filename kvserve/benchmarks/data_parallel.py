@@ -32,10 +32,11 @@ import sys
 import time
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table, system_info, write_json
-from kvserve.benchmarks.stats import percentile
-from kvserve.benchmarks.workload import BenchRequest, corpus_window, generate_arrivals, load_corpus
+from kvserve.benchmarks.common import fmt_table, system_info
 from kvserve.envs import shared_dir
+from kvserve.workload.io import write_json
+from kvserve.workload.stats import percentile
+from kvserve.workload.workload import BenchRequest, corpus_window, generate_arrivals, load_corpus
 
 DEFAULT_TRACE = "traces/mooncake_fast25/synthetic_trace.jsonl"
 

@@ -40,8 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.benchmarks import workload as wl
-from kvserve.benchmarks.common import check_output_path, system_info, write_json
+from kvserve.benchmarks.common import system_info
 from kvserve.sim.cli_checks import (
     check_arrival_span,
     check_float,
@@ -58,6 +57,8 @@ from kvserve.sim.replay import (
     summarize_replay,
     wall_replay,
 )
+from kvserve.workload import workload as wl
+from kvserve.workload.io import check_output_path, write_json
 
 #: keys of a side's summary ``S`` in the JSON (``--json-out``)
 SUMMARY_KEYS = (*LATENCY_KEYS, "num_preemptions", "output_tok_s")

@@ -34,7 +34,8 @@ import subprocess
 import sys
 import time
 
-from kvserve.benchmarks.common import check_output_path, fmt_table, system_info, write_json
+from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.workload.io import check_output_path, write_json
 
 SCENARIOS = ("plain", "prompt_logprobs", "echo", "beam")
 

@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table, system_info, without_profiler_trace_lines, write_json
-from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
+from kvserve.benchmarks.common import fmt_table, system_info, without_profiler_trace_lines
+from kvserve.workload.io import write_json
+from kvserve.workload.workload import BenchRequest, default_workload_path, load_workload
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: name -> (adapters, max_loras, max_num_seqs or None for the engine default)

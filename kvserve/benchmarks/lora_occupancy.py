@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table, write_json
-from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
+from kvserve.benchmarks.common import fmt_table
+from kvserve.workload.io import write_json
+from kvserve.workload.workload import BenchRequest, default_workload_path, load_workload
 
 #: The CPU engine's defaults for the default model (float32, 1 GiB KV cache, block 16).
 CPU_ENGINE = {"num_gpu_blocks": 1456, "enable_chunked_prefill": True, "max_num_batched_tokens": 2048}

@@ -30,7 +30,7 @@ def _plt():
 
 
 def _save(fig, path) -> str:
-    from kvserve.benchmarks.common import atomic_write
+    from kvserve.workload.io import atomic_write
 
     p = Path(path)
     fig.tight_layout()

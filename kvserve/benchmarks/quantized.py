@@ -32,7 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvserve.benchmarks.common import fmt_table, system_info, write_json
+from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.workload.io import write_json
 
 #: The batch-1 request, rendered by the model's own chat template (``PROMPT`` is the fallback
 #: for a tokenizer without one).
@@ -503,7 +504,7 @@ def w64_one(name: str, path: Path, num_prompts: int | None) -> dict:
     so that its peak RSS and load time are that format's alone)."""
     from kvserve.benchmarks.common import peak_rss_mib
     from kvserve.benchmarks.throughput import run_kvserve
-    from kvserve.benchmarks.workload import load_workload
+    from kvserve.workload.workload import load_workload
 
     reqs = load_workload(path, num_prompts)
     res = run_kvserve(reqs, dict(PATHS[name]), use_tqdm=False)
@@ -519,7 +520,7 @@ def run_w64(args: argparse.Namespace, names: list[str]) -> dict:
     import subprocess
     import tempfile
 
-    from kvserve.benchmarks.workload import default_workload_path, load_workload
+    from kvserve.workload.workload import default_workload_path, load_workload
 
     path = Path(args.workload) if args.workload else default_workload_path()
     reqs = load_workload(path, args.num_prompts)
@@ -557,7 +558,7 @@ def run_w64(args: argparse.Namespace, names: list[str]) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Runs what ``args`` asks for (batch 1 or ``--w64``); 2 on a bad flag or a missing peer."""
     if args.w64_one:
-        from kvserve.benchmarks.workload import default_workload_path
+        from kvserve.workload.workload import default_workload_path
 
         row = w64_one(args.w64_one, Path(args.workload or default_workload_path()), args.num_prompts)
         write_json(args.json_out, row)

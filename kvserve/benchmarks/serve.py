@@ -13,7 +13,7 @@ second that met every ``--slo-*`` bound).
 
 Arrivals: ``--request-rate R`` with ``--burstiness B`` (gamma gaps, B=1 is Poisson, ``inf`` = all
 at once), or ``--trace FILE`` (its arrival times times ``--time-scale``; its input/output lengths,
-clipped to the context: see ``kvserve.benchmarks.workload``), optionally for each rate of
+clipped to the context: see ``kvserve.workload.workload``), optionally for each rate of
 ``--sweep-rates`` / each scale of ``--sweep-time-scales``. While a run lasts, ``GET /metrics`` is
 scraped for the queue and KV-cache gauges (``kvserve:*`` or ``vllm:*``) to draw a timeline.
 """
@@ -27,9 +27,10 @@ import math
 import sys
 import time
 
-from kvserve.benchmarks.common import fmt_table, system_info, write_json
-from kvserve.benchmarks.stats import SLO, RequestResult, summarize_results
-from kvserve.benchmarks.workload import (
+from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.workload.io import write_json
+from kvserve.workload.stats import SLO, RequestResult, summarize_results
+from kvserve.workload.workload import (
     BenchRequest,
     generate_arrivals,
     load_corpus,

@@ -54,8 +54,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table, system_info, write_json
-from kvserve.benchmarks.workload import BenchRequest, default_workload_path, load_workload
+from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.workload.io import write_json
+from kvserve.workload.workload import BenchRequest, default_workload_path, load_workload
 
 TASKS = (
     ("repeat", "Repeat the following passage exactly, word for word:\n\n{text}"),

@@ -16,8 +16,9 @@ import math
 import sys
 import time
 
-from kvserve.benchmarks.common import current_rss_mib, fmt_table, peak_rss_mib, system_info, write_json
-from kvserve.benchmarks.workload import (
+from kvserve.benchmarks.common import current_rss_mib, fmt_table, peak_rss_mib, system_info
+from kvserve.workload.io import write_json
+from kvserve.workload.workload import (
     BenchRequest,
     default_workload_path,
     load_corpus,
@@ -140,7 +141,7 @@ def run_kvserve(
         pass
     ttfts = [o.metrics.ttft for o in outs if o.metrics and o.metrics.ttft is not None]
     if ttfts:
-        from kvserve.benchmarks.stats import summarize
+        from kvserve.workload.stats import summarize
 
         res["ttft_ms"] = summarize(ttfts, scale=1000)
         res["tpot_ms"] = summarize(

@@ -39,9 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.benchmarks import workload as wl
-from kvserve.benchmarks.common import check_output_path, write_text_atomic
-from kvserve.benchmarks.stats import summarize
 from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
@@ -60,6 +57,9 @@ from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
 from kvserve.sim.extrapolation import TRUST_SHARE, extrapolation_report, warning_block
 from kvserve.sim.lora import LORA_DISTRIBUTIONS, draw_lora_ids, sim_lora_request
+from kvserve.workload import workload as wl
+from kvserve.workload.io import check_output_path, write_text_atomic
+from kvserve.workload.stats import summarize
 
 VOCAB = 49152
 

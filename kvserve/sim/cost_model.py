@@ -473,7 +473,7 @@ def fit_errors(model: CostModel, samples: Sequence[tuple[StepShape, float]]) -> 
     ``StepShape.shape_class`` and ``all``: ``{"n", "mean", "p50", "p90", "max", "bias",
     "total"}`` (bias: mean signed error, > 0 means the model predicts too slow; total: signed
     error of the summed time, what a replay's clock accumulates)."""
-    from kvserve.benchmarks.stats import percentile
+    from kvserve.workload.stats import percentile
 
     by: dict[str, list[float]] = {}
     sums: dict[str, list[float]] = {}

@@ -372,6 +372,6 @@ def load_cost_model(path, flag: str = "--cost-model") -> CostModelFile:
 def save_cost_model(path, data: dict) -> None:
     """Write ``data`` (already in the file's layout) as JSON, after validating it."""
     parse_cost_model(data, str(path))
-    from kvserve.benchmarks.common import write_json
+    from kvserve.workload.io import write_json
 
     write_json(path, data)

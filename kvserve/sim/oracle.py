@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvserve.benchmarks.workload import BenchRequest
 from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.replay import ReplayResult, replay, simulated_engine
 from kvserve.sim.step_record import StepRecord
 from kvserve.sim.step_shape import StepShape
+from kvserve.workload.workload import BenchRequest
 
 
 class MeasuredStepCost:

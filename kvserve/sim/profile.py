@@ -742,9 +742,9 @@ def check_grid_fits(grid: ProfileGrid, flags: dict[str, str], max_model_len: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.benchmarks.common import check_output_path
     from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
     from kvserve.sim.cli_checks import given_dests, refuse_unused
+    from kvserve.workload.io import check_output_path
 
     ap = argparse.ArgumentParser(
         prog="kvserve profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.benchmarks.stats import summarize
-from kvserve.benchmarks.workload import BenchRequest
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest
 from kvserve.sim.step_record import StepRecord
 from kvserve.sim.step_shape import StepShape, step_shape
+from kvserve.workload.stats import summarize
+from kvserve.workload.workload import BenchRequest
 
 #: the statistics kept of each latency (seconds)
 STAT_KEYS = ("mean", "p50", "p90", "p99")

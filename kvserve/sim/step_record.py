@@ -135,8 +135,8 @@ def _count(v, where: str, integer: bool):
 
 def save_steps(path, records: Sequence[StepRecord], meta: dict | None = None) -> None:
     """Write ``records`` (and ``meta``, e.g. the trace and engine) as one JSON object,
-    atomically (``kvserve.benchmarks.common.atomic_write``)."""
-    from kvserve.benchmarks.common import write_text_atomic
+    atomically (``kvserve.workload.io.atomic_write``)."""
+    from kvserve.workload.io import write_text_atomic
 
     data = {
         "schema": STEPS_SCHEMA,
@@ -223,7 +223,7 @@ def size_bin(shape: StepShape) -> str:
 
 
 def _group_stats(preds: list[float], recs: list[StepRecord]) -> dict:
-    from kvserve.benchmarks.stats import percentile
+    from kvserve.workload.stats import percentile
 
     step = sum(r.step_s for r in recs)
     loop = sum(r.loop_s for r in recs)

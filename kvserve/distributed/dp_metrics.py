@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from kvserve.entrypoints.openai.metrics import _AliasingCollector
+from kvserve.engine.prometheus import AliasingCollector
 
 
 def merge_replica_families(per_replica: list[tuple[int, list[Metric]]]) -> list[Metric]:
@@ -84,7 +84,7 @@ class DataParallelMetrics:
         self.source = CollectorRegistry(auto_describe=False)
         self.source.register(_ReplicaCollector(self))
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_AliasingCollector(self.source))
+        self.registry.register(AliasingCollector(self.source))
         self.http_responses = Counter(
             "kvserve:http_responses",
             "HTTP responses by endpoint and status.",

@@ -41,7 +41,7 @@ class EngineReplica:
     def __init__(self, engine_args: EngineArgs, replica_id: int, model_name: str):
         from kvserve.engine.async_llm_engine import AsyncLLMEngine
         from kvserve.engine.llm_engine import LLMEngine
-        from kvserve.entrypoints.openai.metrics import ServerMetrics
+        from kvserve.engine.prometheus import ServerMetrics
 
         self.replica_id = replica_id
         self.engine = LLMEngine.from_engine_args(engine_args)

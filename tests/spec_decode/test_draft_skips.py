@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvserve.entrypoints.openai.metrics import _EngineCollector
+from kvserve.engine.prometheus import EngineCollector
 from kvserve.sequence import ExecuteModelRequest
 from kvserve.spec_decode import draft_policy
 from kvserve.spec_decode.draft_policy import SKIP_GOODPUT, DynamicDraftPolicy
@@ -72,7 +72,7 @@ def prompts():
 def _skip_counter(engine) -> dict[str, float]:
     fam = next(
         m
-        for m in _EngineCollector(engine, "tiny").collect()
+        for m in EngineCollector(engine, "tiny").collect()
         if m.name == "kvserve:spec_decode_num_skipped_draft_opportunities"
     )
     return {s.labels["reason"]: s.value for s in fam.samples if s.name.endswith("_total")}

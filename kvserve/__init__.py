@@ -7,15 +7,14 @@ Public API: ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSear
 import os
 
 # oneDNN (bfloat16 GEMMs; float32 ones where the native kernels are off) builds and caches one
-# primitive per distinct row count and weight shape, ~0.7 MB each. ``llama.linear`` pads a
-# step's rows to one of ~40 buckets up to 2,048 rows (``row_buckets``), which bounds how many
-# exist (a server's ever-new step sizes once grew the process by over 1 GB:
-# tests/adversarial/test_step_size_memory.py). Those buckets of the 4-5 weight shapes, with
-# their reorders, are ~180 primitives: at a bound of 256 a replay rebuilt every one each time
-# round (ONEDNN_VERBOSE: 160 misses in 160 steps of the 40 buckets, again on the second pass)
-# and a step so slowed ran 1.1x; oneDNN's own default of 1,024 holds them all (0 misses). The
-# ideep cache (LRU_CACHE_CAPACITY) keeps kvserve's bound. Read at oneDNN's first use, hence set
-# before torch is imported; a user's own setting wins.
+# primitive per distinct row count and weight shape. ``llama.linear`` pads a step's rows to one
+# of ~40 buckets up to 2,048 rows (``row_buckets``), so ever-new step sizes do not grow the
+# cache, and the process, without bound (tests/adversarial/test_step_size_memory.py). Those
+# buckets of the model's few weight shapes, with their reorders, come to a few hundred
+# primitives: oneDNN's own default capacity of 1,024 holds them all, where a smaller bound
+# would evict and rebuild them in a cycle. The ideep cache (LRU_CACHE_CAPACITY) keeps
+# kvserve's bound. Read at oneDNN's first use, hence set before torch is imported; a user's
+# own setting wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
 

@@ -78,9 +78,8 @@ class BlockPool:
 
     Plain free blocks are handed out lowest number first (a heap), so a long-running engine
     keeps its K/V on the fewest pages, and blocks allocated together (a prompt's) mostly in
-    runs. A first-in-first-out list spreads a busy engine's blocks over the whole pool: decode
-    steps of 16 sequences at ~460 tokens then ran 1.16x slower (bfloat16, 2 threads;
-    ``docs/benchmarks.md``).
+    runs. A first-in-first-out list would spread a busy engine's blocks over the whole pool and
+    slow decode attention down (``docs/benchmarks.md``).
     """
 
     def __init__(self, device: str, num_blocks: int, enable_caching: bool = False) -> None:

@@ -630,7 +630,7 @@ class Scheduler:
         adapter's first group strictly outranks them); ties go to the adapter whose earliest
         group ranks lowest. At most one slot per step, none while anything is swapped (new groups
         would not be admitted) or new prompts are held back (``delay_factor``). Recompute,
-        not swap: a swapped group would block admissions (B10) and the slot would not turn.
+        not swap: a swapped group would block admissions and the slot would not turn.
         The preempted groups go to the front of ``waiting`` and take a slot again in order."""
         lc = self.lora_config
         if lc is None or lc.max_slot_preemptions <= 0 or not self.waiting or not self.running:
@@ -1203,7 +1203,7 @@ class Scheduler:
         if not self.waiting or not st.passed_delay:
             return out
         if (self.swapped or st.swapped_at_start) and not self.policy.preempts_by_rank:
-            # Swapped groups resume before anything new is admitted (B10), and not in the
+            # Swapped groups resume before anything new is admitted, and not in the
             # step that swaps them back in either.
             return out
         bm = self.block_manager

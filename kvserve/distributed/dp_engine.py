@@ -79,8 +79,8 @@ def _raise_if_cancelling() -> None:
 
     Before Python 3.12, ``wait_for`` returns (or raises) its inner result instead of
     ``CancelledError`` when the task is cancelled just as the inner call finishes: a ping that
-    fails at once then looked like one more failed ping, and a cancelled recovery went on pinging
-    until its deadline (``recovery_timeout_s``, 60 s in a test). Raises ``CancelledError`` when
+    fails at once then looks like one more failed ping, and a cancelled recovery would go on
+    pinging until its deadline (``recovery_timeout_s``). Raises ``CancelledError`` when
     the current task has a cancellation pending (``Task.cancelling``, Python 3.11+; on 3.10 it
     does nothing)."""
     task = asyncio.current_task()
@@ -435,7 +435,7 @@ def run_batch(
         bar = tqdm(total=len(prepared), desc="Generating", unit="req", disable=not use_tqdm)
 
         async def one(rid, prompt, params, prio):
-            last = None
+            last: RequestOutput | None = None
             try:
                 async for out in dp.generate(prompt, params, rid, priority=prio):
                     last = out
@@ -446,6 +446,7 @@ def run_batch(
                 last = RequestOutput(
                     rid, prompt["prompt"], prompt["prompt_token_ids"], outs, finished=True, error=str(e)
                 )
+            assert last is not None, "a request's stream ends with its final output"
             final[rid] = last
             bar.update(1)
 

@@ -69,7 +69,7 @@ class AsyncLLMEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         # The calling thread's idle OpenMP workers would slow every parallel region of the
-        # engine thread (libgomp's throttled spinning; see openmp_pool): ~30% of a CPU step.
+        # engine thread (libgomp's throttled spinning; see openmp_pool).
         release_calling_thread_pool()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()

@@ -139,8 +139,8 @@ class LLMEngine:
 
     @property
     def structured_output(self) -> StructuredOutputManager:
-        """The grammar compiler and per-sequence matchers (built on first use: the tokenizer
-        view of the grammar engine takes ~1 s to build).
+        """The grammar compiler and per-sequence matchers (built on first use: the grammar
+        engine's tokenizer view walks the whole vocabulary).
 
         Raises:
             ValueError: the engine has no tokenizer (token ids only).

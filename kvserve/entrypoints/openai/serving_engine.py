@@ -351,7 +351,7 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
 def decode_ids(tokenizer, token_ids: list[int]) -> str:
     """Text of ``token_ids`` (``tokenizer.decode``), through the Rust backend's batch decode
     when that gives the same text: it releases the GIL, so a long decode on a pool thread does
-    not stall the event loop (``decode`` holds it: ~0.15 s per million tokens)."""
+    not stall the event loop (``decode`` holds it for the whole decode)."""
     if not token_ids:
         return ""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -271,18 +271,21 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}."
             )
-        check_count("stop", len(self.stop))
-        check_count("stop_token_ids", len(self.stop_token_ids))
+        # lists since __post_init__
+        stop = self.stop or []
+        stop_token_ids = self.stop_token_ids or []
+        check_count("stop", len(stop))
+        check_count("stop_token_ids", len(stop_token_ids))
         if self.logit_bias:
             check_count("logit_bias", len(self.logit_bias))
-        if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in self.stop):
+        if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters each.")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}."
             )
         token_id = LIMITS["token_id"]
-        if not all(token_id.ok(t) for t in self.stop_token_ids):
+        if not all(token_id.ok(t) for t in stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be token ids ({token_id.rule()}), got {self.stop_token_ids!r}."
             )

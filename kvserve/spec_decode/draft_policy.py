@@ -189,11 +189,10 @@ class DynamicDraftPolicy:
         seen = getattr(cm, "max_observed_rows", None)
         if seen is not None:
             # Ramp up: at most a quarter of the plain step's rows (or one sequence's drafts)
-            # past the most rows measured so far, or past the plain step. The cost model only
-            # extrapolates above what it has seen, and a cold start that drafted for every
-            # sequence at once paid for a step many times the plain one where rows are dear
-            # (12 sequences x 4 drafts at 25% of the step a row: 13x); doubling the rows
-            # measured still let one noisy early fit draft 18 rows at 28% each (a 6x step).
+            # past the most rows timed so far, or past the plain step. The cost model only
+            # extrapolates above what it has seen: a cold start that drafted for every
+            # sequence at once would pay for a step many times the plain one where rows are
+            # dear, and even a doubling per step lets one noisy early fit draft far too many.
             ramp = max(seen(prefill), base) + max(self.k, base // 4) - base
             cap = ramp if cap is None else min(cap, ramp)
         ks = allocate_draft_lengths(
@@ -204,7 +203,7 @@ class DynamicDraftPolicy:
         measuring = False
         if samples is not None and not prefill and self._base_unsettled(base):
             # Every draft is priced against the plain step of this batch, so that step must
-            # be measured, more than once (one stalled sample made drafts look free, and a
+            # be timed, more than once (one stalled sample can make drafts look free, and a
             # batch that always drafts never times it again): no drafts every BASE_EVERY-th
             # decision until it has BASE_SAMPLES samples, more while they disagree (a short
             # request's first steps still draft: a tight cache may give it lookahead slots
@@ -450,8 +449,8 @@ class DynamicDraftPolicy:
         """A costly proposer drafted ``depth`` positions (its sequential forwards) in
         ``seconds``. The first ``warmup_steps`` such calls are not learned from: a draft
         model's first forwards carry its one-time costs (and the catch-up of the prompt), and
-        a first call taken as the per-position cost priced the draft far above its steady
-        cost, which switched drafting off for good (with no drafts, nothing is measured again)."""
+        a first call taken as the per-position cost would price the draft far above its steady
+        cost and switch drafting off for good (with no drafts, nothing is timed again)."""
         if depth >= 1 and seconds > 0:
             if self._proposer_warmup_left > 0:
                 self._proposer_warmup_left -= 1

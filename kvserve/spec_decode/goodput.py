@@ -126,8 +126,8 @@ def allocate_draft_lengths(
     for n, (neg_g, _idx, j) in enumerate(steps, start=1):
         tokens -= neg_g
         depth = max(depth, j)
-        c = base_cost + factor * (cost(base_rows + n) - base_cost) + depth_cost * depth
-        ratio = tokens / max(c, 1e-12)
+        step_cost = base_cost + factor * (cost(base_rows + n) - base_cost) + depth_cost * depth
+        ratio = tokens / max(step_cost, 1e-12)
         if ratio > best_ratio * (1.0 + 1e-9):
             best_ratio, best_len = ratio, n
     for _, idx, j in steps[: best_len + max(0, int(explore_extra))]:
@@ -226,8 +226,8 @@ def fit_kink(
     """``fit_hinge`` plus a jump at the break: ``y ~ a + b x + [x > x0] (d + c (x - x0))``
     with ``a, b, c, d >= 0`` (non-decreasing; convex only when ``d == 0``). A kernel that
     switches path past ``x0`` rows pays a step there: the CPU GEMM's one-block path (at
-    most 8 rows, weights prefetched in software) against its multi-block path measured
-    +48% from 8 to 9 rows in bfloat16, then ~1 ms per row.
+    most 8 rows, weights prefetched in software) gives way to its multi-block path at 9
+    rows, which costs a jump and then a steady amount per row.
 
     Returns:
         ``(a, b, c, d, x0)``; ``(0, 0, 0, 0, 0)`` without points.
@@ -347,7 +347,7 @@ class _Curve:
         self.keys: list[int] = []
         self.window: dict[int, list[float]] = {}
         self.count: dict[int, int] = {}
-        self.fit: tuple[float, float, float, float, int] | None = None
+        self.fit: tuple[float, float, float, float, float] | None = None
         self.stale = 0  # observations since the last fit
 
     def add(self, key: int, seconds: float) -> None:

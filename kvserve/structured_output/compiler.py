@@ -47,7 +47,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.limits import (
@@ -59,6 +59,9 @@ from kvserve.structured_output.limits import (
     parse_json_schema,
     rules_that_never_end,
 )
+
+if TYPE_CHECKING:  # llguidance is imported lazily at run time
+    from llguidance._lib import JsonCompileOptions
 
 #: Stack of a compile thread (virtual memory: only the pages a compile touches are used).
 COMPILE_STACK_BYTES = 256 * 1024 * 1024
@@ -143,7 +146,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
     kind = params.kind
     if kind in ("json", "json_object"):
-        options: dict[str, Any] = {}
+        options: JsonCompileOptions = {}
         if params.disable_any_whitespace:
             options["whitespace_flexible"] = False
         else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -105,6 +106,7 @@ def _object_depth(value: Any, limit: int) -> int:
     stack = [(value, 1)]
     while stack:
         v, d = stack.pop()
+        children: Iterable[Any]
         if isinstance(v, dict):
             children = v.values()
         elif isinstance(v, (list, tuple)):
@@ -306,15 +308,15 @@ def definitions_that_never_end(schema: Any, defs: dict[str, str]) -> list[str]:
                 for i, x in enumerate(alts):
                     stack.append((x, f"{path}/alt/{i}", new_gate(), owner))
                 continue
-            target = gate
+            input_of = gate  # the gate the alternatives feed
             if key != "allOf" and alts:
-                target = new_gate()  # an OR: satisfied by its first satisfied alternative
-                wire(target, gate)
-                need[target] = 1
+                input_of = new_gate()  # an OR: satisfied by its first satisfied alternative
+                wire(input_of, gate)
+                need[input_of] = 1
             for i, a in enumerate(alts):
                 if isinstance(a, dict):
                     child = new_gate()
-                    parents[child].append(target)
+                    parents[child].append(input_of)
                     if key == "allOf":
                         need[gate] += 1
                     stack.append((a, f"{path}/{key}/{i}", child, owner))

@@ -62,7 +62,7 @@ def _shrink_factor(normalizer: dict | None) -> float | None:
         if not src:
             return None
         return max(1.0, len(src) / max(1, len(dst))) if dst else None
-    return _NORMALIZER_SHRINK.get(kind)
+    return _NORMALIZER_SHRINK.get(kind) if kind is not None else None
 
 
 def _pre_tokenizer_safe(pre: dict | None) -> bool:
@@ -87,7 +87,7 @@ def _is_byte_level(pre: dict | None) -> bool:
 def token_text_bound(tokenizer) -> TokenTextBound | None:
     """The bound for a Hugging Face fast tokenizer, or None when it cannot be proved (a slow or
     unknown tokenizer, a model or normalizer that may drop or collapse text). Reads the whole
-    vocabulary once (~0.3 s for 50k tokens); call it at start-up, not per request."""
+    vocabulary once; call it at start-up, not per request."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

@@ -1,20 +1,19 @@
 """Keep a CPU engine's freed step buffers in the heap instead of returning them to the OS.
 
-A prefill step allocates and frees a few hundred MB of activations (a 2,048-token SmolLM2 step:
-the fused gate/up output alone is 12.6 MB per layer in bfloat16). By default glibc gives freed
+A prefill step allocates and frees large activation buffers (the fused gate/up output alone is
+tokens x 2 x intermediate size per layer). By default glibc gives freed
 memory back to the OS: blocks over its *dynamic* mmap threshold (128 KiB, raised to the largest
 block freed so far, at most 32 MiB) are unmapped on free, and free memory at the top of the
 heap beyond the dynamic trim threshold (twice the mmap threshold) is trimmed. So each step
-page-faults much of its activation memory in again: 5-40k minor faults per step of SmolLM2-135M
-on this project's 2-core VM (each fault zeroes a 4 KiB page). vLLM's CPU backend avoids the
-same cost by preloading tcmalloc.
+page-faults much of its activation memory in again, each minor fault zeroing a 4 KiB page.
+vLLM's CPU backend avoids the same cost by preloading tcmalloc.
 
 ``keep_freed_memory()`` fixes the mmap threshold at glibc's maximum (32 MiB: larger blocks are
 still mapped and unmapped) and the trim threshold at 1 GiB, so freed blocks stay in the heap for
-the next step: faults per step went to ~0, peak RSS unchanged (2.6 GB, bfloat16, w64 prompts).
+the next step: the steady state has next to no page faults per step, at the same peak RSS.
 Both are ``mallopt(3)`` settings (glibc manual, "Malloc Tunable Parameters"). Setting either
 disables glibc's dynamic adjustment of both, which is why they go together: the trim threshold
-alone made every block over 128 KiB an mmap (150k faults per step).
+alone would leave the mmap threshold at 128 KiB and make every larger block an mmap.
 
 The environment wins: nothing is changed when ``KVSERVE_MALLOC_TUNE=0`` or when the user set
 ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable.

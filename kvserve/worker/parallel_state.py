@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,19 @@ class CollectiveStats:
         self.seconds += seconds
 
 
+class _Collectives(Protocol):
+    """What ``TensorParallelGroup`` calls on its gloo or NCCL backend."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.GatherOptions,
+    ) -> dist.Work: ...
+
+
 class TensorParallelGroup:
     """This process's rank in one engine's tensor-parallel group.
 
@@ -93,15 +107,18 @@ class TensorParallelGroup:
         if (store is None) != (rank != 0):
             raise ValueError(f"rank {rank}: the store is rank 0's own (host_store), the others connect to it")
         self._store = store or dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        # torch's stubs declare these backends without their collectives (and Gloo without
+        # ``_Options``, the options class its constructor takes), hence the casts
+        self.pg: _Collectives
         if device == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = timeout
+            self.pg = cast(_Collectives, dist.ProcessGroupNCCL(self._store, rank, world_size, nccl_opts))
         else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, opts)
+            gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from the stub
+            gloo_opts._timeout = timeout
+            gloo_opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.pg = cast(_Collectives, dist.ProcessGroupGloo(self._store, rank, world_size, gloo_opts))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over all ranks in place (every rank gets the sum); returns ``t``.
@@ -133,9 +150,11 @@ class TensorParallelGroup:
         t = t.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = dst
+        out: list[torch.Tensor] | None
         if self.rank == dst:
-            out: list[torch.Tensor] | None = [torch.empty_like(t) for _ in range(self.world_size)]
-            self.pg.gather([out], [t], opts).wait()
+            gathered = [torch.empty_like(t) for _ in range(self.world_size)]
+            self.pg.gather([gathered], [t], opts).wait()
+            out = gathered
         else:
             out = None
             self.pg.gather([], [t], opts).wait()

@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch.multiprocessing as mp
 
@@ -51,9 +51,8 @@ class SequenceWindow:
     sequence. The runner reads tokens only through ``token_at`` / ``token_range``, which this
     class serves from the window.
 
-    Why: the step reaches each peer pickled; whole token lists made that grow with the
-    context (32 decoding sequences of 4,096 tokens: 406 KiB, about 10 ms to pickle and 17 ms to
-    unpickle per step), windows keep it a few tokens per sequence.
+    Why: the step reaches each peer pickled; whole token lists would make its size and its
+    pickling time grow with the context, windows keep it a few tokens per sequence.
     """
 
     __slots__ = ("start", "tokens", "prompt_len", "length", "num_computed")
@@ -116,7 +115,8 @@ def for_peers(req: ExecuteModelRequest) -> ExecuteModelRequest:
         dataclasses.replace(
             md,
             seq_data={
-                sid: SequenceWindow(data, md.token_chunk_size)  # read like SequenceData by the runner
+                # duck-typed: the runner reads only what SequenceWindow serves
+                sid: cast(SequenceData, SequenceWindow(data, md.token_chunk_size))
                 for sid, data in md.seq_data.items()
             },
             sampling_params=_peer_params(

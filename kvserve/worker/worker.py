@@ -34,7 +34,7 @@ PEER_SETTLE_S = 10.0
 
 
 #: Re-measure the best CPU thread count after this many steps or seconds, whichever comes
-#: first (the machine's load changes; a calibration costs ~10-50 ms).
+#: first (the machine's load changes; a calibration is a few small GEMMs).
 RECALIBRATE_EVERY_STEPS = 256
 RECALIBRATE_EVERY_S = 20.0
 
@@ -59,8 +59,9 @@ def calibrate_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> int
     workload fastest right now (set as torch's); ``KVSERVE_NUM_THREADS`` overrides.
 
     OpenMP intra-op parallelism collapses when other processes occupy the cores (a barrier
-    waits for a descheduled peer): on a busy 2-core machine one thread was measured 4x
-    faster than two, on an idle one two threads are ~1.7x faster. Cost: ~10-50 ms.
+    waits for a descheduled peer): on a busy machine with few cores one thread can beat
+    several, on an idle one several win; which holds is timed, not guessed. Cost: a few
+    small GEMMs per count.
     """
     return choose_threads(max_threads, hidden, reps).num_threads
 
@@ -80,8 +81,8 @@ def choose_threads(max_threads: int, hidden: int = 576, reps: int = 3) -> Thread
         w = torch.randn(4 * hidden, hidden)
         best_t = {max_threads: float("inf"), 1: float("inf")}
         # Alternate the two counts, best of each: a passing disturbance (another process's
-        # start or exit) then cannot make one count look slower than it is (measured once:
-        # one thread chosen on an idle machine, steps 2x slower until the next calibration).
+        # start or exit) then cannot make one count look slower than it is, which would keep
+        # a wrong count until the next calibration.
         for _ in range(reps):
             for n in best_t:
                 torch.set_num_threads(n)
@@ -511,16 +512,14 @@ class Worker:
     def warm_up(self) -> float:
         """Run one throw-away prefill step of ``max_num_batched_tokens`` tokens (at most
         ``max_model_len`` and the cache's slots) so that the first real step does not pay one-time
-        costs: oneDNN's primitive creation for that row count (~20 ms per new count for
-        SmolLM2-135M in bfloat16), page faults of a step's first activations, the native kernels'
-        per-thread scratch. vLLM warms up with a dummy run the same way. Its K/V land in blocks
-        the block manager has not handed out yet; they are written again before anything reads
-        them. Then every other row bucket a step can meet gets its oneDNN primitives
-        (``warm_row_buckets``: start-up 0.9 -> 1.7 s for SmolLM2-135M in bfloat16, 2,048 rows).
+        costs: oneDNN's primitive creation for that row count, page faults of a step's first
+        activations, the native kernels' per-thread scratch. vLLM warms up with a dummy run the
+        same way. Its K/V land in blocks the block manager has not handed out yet; they are
+        written again before anything reads them. Then every other row bucket a step can meet gets its oneDNN primitives
+        (``warm_row_buckets``, which lengthens start-up; docs/benchmarks.md).
 
-        Skipped for float32 on CPU: its GEMMs are our own kernel (no oneDNN primitives) and its
-        first steps measured the same with and without it (1.4-1.6 s each on w64), while it
-        would add ~1.8 s to start-up.
+        Skipped for float32 on CPU: its GEMMs are our own kernel (no oneDNN primitives), so its
+        first steps gain nothing from it, while it would lengthen start-up.
 
         Returns:
             seconds taken (0.0 when skipped, or with no scheduler config or cache).

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Simulator fidelity (issue 18), the whole benchmark in one command; nothing else should run
+# Simulator fidelity, the whole benchmark in one command; nothing else should run
 # meanwhile (2 cores). For each dtype: profile the default model (default grid), then replay
 # each trace through the real engine and the simulator in two configurations (default KV cache;
 # a small one that forces preemption); then the simulator's speed on 10,000 requests.
 # Results (profiles, JSON, CDF plots, logs, summary.md: the table for docs/benchmarks.md) go to $OUT (default benchmarks/results/fidelity-<date>).
 #
-# Each cell also writes <cell>_steps.json (every real step: shape, wall times) and
-# <cell>_steps.txt (predicted vs measured step time by shape class and size, step_report.py).
+# Each cell also writes <cell>_steps.json (every real step: shape, wall times); its log holds
+# predicted vs measured step time by shape class and size.
 #
 #   bash benchmarks/fidelity.sh                       # ~1 h on 2 quiet cores (both dtypes)
 #   DTYPES=float32 SIM_SPEED_REQUESTS=0 bash benchmarks/fidelity.sh   # the float32 pass, ~20-22 min:
@@ -27,7 +27,7 @@
 #       simulated with that profile (<cell>_profile.json): the host's drift over the previous
 #       cells no longer reaches it (PROFILE_EACH_GRID overrides the grid flags)
 #   REPEAT_REAL=1: each cell runs a second time (<cell>_rep2.*, same profile) and
-#       benchmarks/fidelity_noise.py writes <cell>_noise.txt: real-vs-real differences of the
+#       `kvserve bench fidelity-report --noise` writes <cell>_noise.txt: real-vs-real differences of the
 #       targets, the host's noise floor (doubles each cell's time)
 # Every cell's JSON also holds the oracle replay (the simulator charged the real steps' measured
 # times); a later cost model is judged against these recorded runs without re-running them:
@@ -73,7 +73,7 @@ for dt in $DTYPES; do
     if [ "$PROFILE_EACH" != 0 ]; then
         echo "[fidelity] PROFILE_EACH: every cell profiles its own engine first (${EACH_GRID[*]})"
     else
-        "$PY" -m kvserve.entrypoints.cli profile --dtype "$dt" "${GRID[@]}" --out "$OUT/profile_$dt.json" \
+        "$PY" -m kvserve profile --dtype "$dt" "${GRID[@]}" --out "$OUT/profile_$dt.json" \
             2>&1 | tee "$OUT/profile_$dt.log"
     fi
     for tr in $TRACES; do
@@ -87,29 +87,27 @@ for dt in $DTYPES; do
                 cm_args=(--cost-model "$prof")
             fi
             # shellcheck disable=SC2046
-            "$PY" -m kvserve.benchmarks.cli fidelity --dtype "$dt" $(config_args "$cfg") \
+            "$PY" -m kvserve bench fidelity --dtype "$dt" $(config_args "$cfg") \
                 "${cm_args[@]}" --trace "$(trace_path "$tr")" \
                 --num-requests "$NUM_REQUESTS" --time-scale "$(trace_scale "$tr")" \
                 --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --no-progress \
                 --json-out "$OUT/$name.json" --plot "$OUT/$name.png" --steps-out "$OUT/${name}_steps.json" \
                 2>&1 | tee "$OUT/$name.log"
-            "$PY" benchmarks/step_report.py "$OUT/${name}_steps.json" --cost-model "$prof" \
-                >"$OUT/${name}_steps.txt" 2>&1
             if [ -n "${REPEAT_REAL:-}" ] && [ "${REPEAT_REAL}" != 0 ]; then
                 rep="${name}_rep2"
                 # shellcheck disable=SC2046
-                "$PY" -m kvserve.benchmarks.cli fidelity --dtype "$dt" $(config_args "$cfg") \
+                "$PY" -m kvserve bench fidelity --dtype "$dt" $(config_args "$cfg") \
                     --cost-model "$prof" --trace "$(trace_path "$tr")" \
                     --num-requests "$NUM_REQUESTS" --time-scale "$(trace_scale "$tr")" \
                     --max-input-len "$MAX_IN" --max-output-len "$MAX_OUT" --no-progress \
                     --json-out "$OUT/$rep.json" --steps-out "$OUT/${rep}_steps.json" 2>&1 | tee "$OUT/$rep.log"
-                "$PY" benchmarks/fidelity_noise.py "$OUT/$name.json" "$OUT/$rep.json" \
+                "$PY" -m kvserve bench fidelity-report --noise "$OUT/$name.json" "$OUT/$rep.json" \
                     --json-out "$OUT/${name}_noise.json" 2>&1 | tee "$OUT/${name}_noise.txt"
             fi
         done
     done
 done
-"$PY" benchmarks/fidelity_report.py $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null | grep -v -e _steps.json -e _noise.json -e _profile.json) \
+"$PY" -m kvserve bench fidelity-report $(ls "$OUT"/*_default_*.json "$OUT"/*_small_kv_*.json 2>/dev/null | grep -v -e _steps.json -e _noise.json -e _profile.json) \
     | tee "$OUT/summary.md"
 SPEED_N="${SIM_SPEED_REQUESTS:-10000}"  # 0 skips the speed runs
 if [ "$SPEED_N" != 0 ]; then

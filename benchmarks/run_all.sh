@@ -38,7 +38,7 @@ if has offline; then
     for dt in float32 bfloat16; do
         extra=(--no-baseline)
         if [ "$dt" = float32 ] && has baseline && [ -z "${NO_BASELINE:-}" ]; then extra=(${BASELINE_ARGS:-}); fi
-        "$PY" -m kvserve.benchmarks.cli throughput --workload "$WORKLOAD" --dtype "$dt" "${extra[@]}" \
+        "$PY" -m kvserve bench throughput --workload "$WORKLOAD" --dtype "$dt" "${extra[@]}" \
             --json-out "$OUT/offline_kvserve_$dt.json" --plot-dir "$OUT/offline_$dt" 2>&1 | tee "$OUT/offline_kvserve_$dt.log"
     done
 fi
@@ -49,10 +49,10 @@ if has vllm_offline; then
     done
 fi
 if has serve; then
-    "$PY" -m kvserve.entrypoints.cli serve --port "$KV_PORT" ${KV_SERVE_ARGS:-} > "$OUT/kvserve_server.log" 2>&1 &
+    "$PY" -m kvserve serve --port "$KV_PORT" ${KV_SERVE_ARGS:-} > "$OUT/kvserve_server.log" 2>&1 &
     pid=$!
     if wait_up "http://127.0.0.1:$KV_PORT" 300; then
-        "$PY" -m kvserve.benchmarks.cli serve --base-url "http://127.0.0.1:$KV_PORT" --workload "$WORKLOAD" \
+        "$PY" -m kvserve bench serve --base-url "http://127.0.0.1:$KV_PORT" --workload "$WORKLOAD" \
             --request-rate inf --label kvserve --json-out "$OUT/serve_kvserve.json" --plot-dir "$OUT/serve_kvserve" \
             2>&1 | tee "$OUT/serve_kvserve.log"
     fi
@@ -62,28 +62,28 @@ if has vllm_serve; then
     bash benchmarks/vllm_cpu/serve.sh --port "$VLLM_PORT" ${VLLM_SERVE_ARGS:-} > "$OUT/vllm_server.log" 2>&1 &
     pid=$!
     if wait_up "http://127.0.0.1:$VLLM_PORT" 900; then
-        "$PY" -m kvserve.benchmarks.cli serve --base-url "http://127.0.0.1:$VLLM_PORT" --workload "$WORKLOAD" \
+        "$PY" -m kvserve bench serve --base-url "http://127.0.0.1:$VLLM_PORT" --workload "$WORKLOAD" \
             --request-rate inf --label vllm-cpu --json-out "$OUT/serve_vllm.json" --plot-dir "$OUT/serve_vllm" \
             2>&1 | tee "$OUT/serve_vllm.log"
     fi
     stop_pid "$pid"
 fi
 if has cold_start; then
-    "$PY" -m kvserve.benchmarks.cli cold-start --json-out "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
+    "$PY" -m kvserve bench cold-start --json-out "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
 fi
 if has quantized; then
     peer=(--peer llama.cpp)
     [ -n "${NO_PEER:-}" ] && peer=()
-    "$PY" -m kvserve.benchmarks.cli quantized --rounds 5 --max-tokens 128 "${peer[@]}" \
+    "$PY" -m kvserve bench quantized --rounds 5 --max-tokens 128 "${peer[@]}" \
         --json-out "$OUT/quantized_batch1.json" 2>&1 | tee "$OUT/quantized_batch1.log"
-    "$PY" -m kvserve.benchmarks.cli quantized --w64 --workload "$WORKLOAD" "${peer[@]}" \
+    "$PY" -m kvserve bench quantized --w64 --workload "$WORKLOAD" "${peer[@]}" \
         --json-out "$OUT/quantized_w64.json" 2>&1 | tee "$OUT/quantized_w64.log"
 fi
 if has spec_decode; then
     for dt in float32 bfloat16; do
-        "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram,ngram-fixed,draft-fixed \
+        "$PY" -m kvserve bench spec-decode --dtype "$dt" --methods off,ngram,ngram-fixed,draft-fixed \
             --scenarios single,concurrent --rounds 2 --json-out "$OUT/spec_decode_$dt.json" 2>&1 | tee "$OUT/spec_decode_$dt.log"
-        "$PY" -m kvserve.benchmarks.cli spec-decode --dtype "$dt" --methods off,ngram --scenarios w64 \
+        "$PY" -m kvserve bench spec-decode --dtype "$dt" --methods off,ngram --scenarios w64 \
             --w64-workload "$WORKLOAD" --json-out "$OUT/spec_decode_w64_$dt.json" 2>&1 | tee "$OUT/spec_decode_w64_$dt.log"
     done
     "$PY" -m kvserve.benchmarks.plots "$OUT/spec_decode_float32.json" "$OUT/spec_decode_bfloat16.json" \

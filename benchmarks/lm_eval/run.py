@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-m",
-            "kvserve.entrypoints.cli",
+            "kvserve",
             "serve",
             "--port",
             str(port),

@@ -15,7 +15,15 @@ COMMANDS = {
         "one engine vs DP replicas per router on a shared-prefix trace",
     ),
     "lora": ("kvserve.benchmarks.lora", "multi-LoRA serving vs the same run without adapters"),
+    "lora-occupancy": (
+        "kvserve.benchmarks.lora_occupancy",
+        "adapter-slot occupancy of the LoRA workload on the simulator (steps vs the slot bound)",
+    ),
     "fidelity": ("kvserve.benchmarks.fidelity", "one trace through the real engine and the simulator"),
+    "fidelity-report": (
+        "kvserve.benchmarks.fidelity_report",
+        "markdown table of fidelity results; --noise: two real runs of one cell",
+    ),
     "heavy-neighbours": (
         "kvserve.benchmarks.heavy_neighbours",
         "a neighbour's TTFT and the server's RSS beside heavy but legal requests",

@@ -16,7 +16,7 @@ preempted on the other. ``--json-out`` writes ``{"real": S, "simulated": S, "rel
 S, ...}``; ``--plot`` a CDF plot (real vs simulated). ``--steps-out FILE`` writes a record of
 every real step (``kvserve.sim.step_record``: shape, wall time of the step, the executor call
 and the loop iteration, GC) and prints predicted vs measured step time by shape class and size
-(``benchmarks/step_report.py FILE --cost-model PROFILE`` prints it again, for any profile) and
+(``--real-from`` with ``--real-steps FILE`` prints it again, for any ``--cost-model``) and
 runs the *oracle* replay (``kvserve.sim.oracle``): the simulator charged each real step's
 measured time, which separates the simulation's own error (should be ~0) from the cost model's.
 
@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-out", default=None, help="where to save the profile made now")
     ap.add_argument("--json-out", default=None)
     ap.add_argument(
-        "--steps-out", default=None, help="JSON of every real step (shape, wall times) for step_report.py"
+        "--steps-out", default=None, help="JSON of every real step (shape, wall times), for --real-steps"
     )
     ap.add_argument("--plot", default=None, help="PNG of the latency CDFs, real vs simulated")
     ap.add_argument(
@@ -799,6 +799,11 @@ def _main_real_from(ns, given: set[str] = frozenset()) -> int:
     for n in result["notes"]:
         print(f"note: {n}")
     _print_result(result)
+    if steps:
+        from kvserve.sim.step_record import compare_steps, print_comparison
+
+        print(f"{len(steps)} recorded steps; predicted vs measured step time:")
+        print_comparison(compare_steps(steps, cm_file.cost_model))
     if ns.json_out:
         write_json(ns.json_out, result)
     if ns.plot:

@@ -14,7 +14,7 @@ adapter is in every step that decodes one of its requests, so it holds a slot fo
 longest request's output length, and ``max_loras`` slots share ``sum over adapters of that
 length``: steps >= that sum / ``max_loras`` (and >= the longest request).
 
-    python benchmarks/lora_occupancy.py [--adapters 16 --max-loras 4 --slot-preemptions 0,1,2]
+    kvserve bench lora-occupancy [--adapters 16 --max-loras 4 --slot-preemptions 0,1,2]
 """
 
 from __future__ import annotations

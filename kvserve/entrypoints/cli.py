@@ -1,4 +1,6 @@
-"""``kvserve generate | serve | bench | simulate | profile | doctor``."""
+"""``kvserve generate | serve | doctor``: the product's commands. The ``kvserve`` console script
+(``kvserve.cli``) adds the tooling's commands (``bench``, ``simulate``, ``profile``) through
+``main(tools=...)``; this module never imports the tooling."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import sys
 import time
 import typing
 
-from kvserve.benchmarks.cli import COMMANDS as BENCH_COMMANDS
 from kvserve.config import QUANTIZATION_CHOICES, EngineArgs
 from kvserve.lora.modules import parse_lora_module
 
@@ -292,7 +293,12 @@ class _WeightsLine(logging.Handler):
         self._logger.setLevel(self._level)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, tools: typing.Sequence[tuple[str, str, str]] = ()) -> int:
+    """Run one ``kvserve`` command line; returns the exit status.
+
+    ``tools`` are extra ``(command, module, help)`` entries: ``command``'s arguments go to
+    ``module.main(argv)``, imported only when that command runs.
+    """
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -325,14 +331,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, module, helptext in (
         ("serve", "kvserve.entrypoints.openai.api_server", "OpenAI-compatible HTTP server"),
-        ("bench", "kvserve.benchmarks.cli", f"benchmarks ({', '.join(BENCH_COMMANDS)})"),
-        ("simulate", "kvserve.sim.cli", "replay a trace on the simulator"),
-        ("profile", "kvserve.sim.profile", "measure this host's engine steps; write a cost model"),
         (
             "doctor",
             "kvserve.entrypoints.doctor",
             "which kernels this host builds and uses, and the thread count",
         ),
+        *tools,
     ):
         p = sub.add_parser(name, help=helptext, add_help=False)
         p.set_defaults(module=module)

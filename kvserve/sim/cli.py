@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--refuse-extrapolation",
         action="store_true",
-        help=f"exit 2 (no figures) when more than {TRUST_SHARE:.0%} of the simulated time is in steps "
+        help=f"exit 2 (no figures) when more than {TRUST_SHARE * 100:.0f}%% of the simulated time is in steps "
         "larger than the cost model was profiled on (default: print the figures under a WARNING)",
     )
     cap = f"at most {MAX_SIM_BLOCKS:,} in a simulation (its bookkeeping is ~150 bytes a block)"

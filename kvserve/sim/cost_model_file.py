@@ -64,7 +64,7 @@ def model_identity(model: str | None, quantization: str | None = None) -> dict:
 def host_info() -> dict:
     """The CPU this profile was measured on: model name, cores, the thread count torch uses and
     the vector-ISA flags that decide which kernels run."""
-    from kvserve.cpuinfo import cpu_flags, cpu_model
+    from kvserve.ops.cpu import cpu_flags, cpu_model
 
     info: dict = {
         "cpu": cpu_model(),

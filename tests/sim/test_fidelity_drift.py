@@ -4,11 +4,7 @@ each cell), the noise column of the fidelity report, and the decode residual rep
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from kvserve.benchmarks.fidelity import relative_error
 from kvserve.sim.cost_model import CostModel
@@ -75,17 +71,12 @@ def _fidelity_result(scale_sim: float) -> dict:
     return r
 
 
-def test_report_shows_each_cells_noise_floor_when_it_was_measured(tmp_path):
+def test_report_shows_each_cells_noise_floor_when_it_was_measured(tmp_path, capsys):
     a, b = tmp_path / "azure_default_float32.json", tmp_path / "mooncake_default_float32.json"
     a.write_text(json.dumps(_fidelity_result(1.05)))
     b.write_text(json.dumps(_fidelity_result(0.8)))
     (tmp_path / "azure_default_float32_noise.json").write_text(json.dumps({"max_abs_target": 0.23}))
-    run = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "fidelity_report.py"), str(a), str(b)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = _report(capsys, a, b)
     assert run.returncode == 0, run.stderr
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("| ")]
     assert "noise: real vs real" in lines[0]
@@ -93,16 +84,16 @@ def test_report_shows_each_cells_noise_floor_when_it_was_measured(tmp_path):
     assert lines[2].endswith("| - |") and "(-20% !)" in lines[2]
 
 
-def _report(*paths):
-    return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "fidelity_report.py"), *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def _report(capsys, *paths):
+    """``kvserve bench fidelity-report PATHS``: its exit status and what it printed."""
+    from kvserve.benchmarks.fidelity_report import main
+
+    rc = main([str(p) for p in paths])
+    out, err = capsys.readouterr()
+    return argparse.Namespace(returncode=rc, stdout=out, stderr=err)
 
 
-def test_report_refuses_a_file_of_another_shape_in_one_line(tmp_path):
+def test_report_refuses_a_file_of_another_shape_in_one_line(tmp_path, capsys):
     """A profile (or any other JSON) given by mistake: a one-line error saying which file and
     what shape was expected, exit status 2, never a traceback."""
     from kvserve.sim.cost_model_file import SCHEMA
@@ -127,67 +118,31 @@ def test_report_refuses_a_file_of_another_shape_in_one_line(tmp_path):
     for data, match in cases:
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps(data))
-        run = _report(good, bad)
+        run = _report(capsys, good, bad)
         assert run.returncode == 2, run.stdout
         assert run.stderr.startswith(f"Error: {bad}: ") and match in run.stderr, run.stderr
         assert len(run.stderr.strip().splitlines()) == 1 and run.stdout == ""
     (tmp_path / "bad.json").write_text("{not json")
-    run = _report(tmp_path / "bad.json")
+    run = _report(capsys, tmp_path / "bad.json")
     assert run.returncode == 2 and "not JSON" in run.stderr and "Traceback" not in run.stderr
-    run = _report(tmp_path / "missing.json")
+    run = _report(capsys, tmp_path / "missing.json")
     assert run.returncode == 2 and "missing.json: no such file" in run.stderr
     (tmp_path / "cell_noise.json").write_text("[]")
-    run = _report(good)
-    assert run.returncode == 2 and "cell_noise.json: expected a fidelity_noise.py report" in run.stderr
-
-
-def test_decode_residuals_groups_the_decode_steps_by_feature(tmp_path):
-    from tests.sim.test_cost_model_file import profile_data
-
-    cm = CostModel(base_s=0.01, decode_seq_s=0.001, context_token_s=1e-6)
-    res = sim_replay(_configs(64), cm, 1000, _burst(6, output_len=8), record_steps=True)
-    steps = tmp_path / "steps.json"
-    save_steps(steps, res.steps)
-    prof = profile_data()
-    prof["coefficients"] = {**prof["coefficients"], **cm.coefficients()}
-    pp = tmp_path / "p.json"
-    pp.write_text(json.dumps(prof))
-    out = tmp_path / "r.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "decode_residuals.py"),
-            str(steps),
-            "--cost-model",
-            str(pp),
-            "--json-out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    run = _report(capsys, good)
+    assert (
+        run.returncode == 2 and "cell_noise.json: expected a `fidelity-report --noise` report" in run.stderr
     )
-    assert run.returncode == 0, run.stderr
-    rep = json.loads(out.read_text())
-    # the steps were timed by the same model: every group is predicted exactly
-    for feature in rep["real"].values():
-        for g in feature.values():
-            assert g["err"] == pytest.approx(0.0, abs=1e-9) and g["ratio_p50"] == pytest.approx(1.0)
-    assert rep["real"]["previous step"]
 
 
-def test_report_marks_preemption_counts_more_than_10_percent_apart(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from fidelity_report import preemption_miss
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+def test_report_marks_preemption_counts_more_than_10_percent_apart(tmp_path, capsys):
+    from kvserve.benchmarks.fidelity_report import preemption_miss
+
     assert not preemption_miss(10, 11) and not preemption_miss(41, 38) and not preemption_miss(0, 0)
     assert preemption_miss(8, 10) and preemption_miss(0, 1) and preemption_miss(10, 8)
     r = _fidelity_result(1.0)
     r["real"]["num_preemptions"], r["simulated"]["num_preemptions"] = 8, 10
     path = tmp_path / "azure_small_kv_bfloat16.json"
     path.write_text(json.dumps(r))
-    run = _report(path)
+    run = _report(capsys, path)
     assert run.returncode == 0, run.stderr
     assert "| 8 / 10 ! |" in run.stdout

@@ -1,8 +1,6 @@
 """The noise floor of bench fidelity: two real runs of one cell set against each other."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,39 +43,18 @@ def test_real_vs_real_gives_each_targets_relative_difference():
         real_vs_real({}, _result(1.0))
 
 
-def test_fidelity_noise_script_prints_and_writes_the_report(tmp_path):
+def test_fidelity_report_noise_prints_and_writes_the_report(tmp_path, capsys):
+    from kvserve.benchmarks.fidelity_report import main
+
     pa, pb, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "n.json"
     pa.write_text(json.dumps(_result(1.0, [1])))
     pb.write_text(json.dumps(_result(1.2, [1])))
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "fidelity_noise.py"),
-            str(pa),
-            str(pb),
-            "--json-out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stderr
-    assert (
-        "ttft_s p50" in run.stdout
-        and "+20.0%" in run.stdout
-        and "largest target difference: 20.0%" in run.stdout
-    )
+    assert main(["--noise", str(pa), str(pb), "--json-out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "ttft_s p50" in stdout and "+20.0%" in stdout and "largest target difference: 20.0%" in stdout
     assert json.loads(out.read_text())["max_abs_target"] == pytest.approx(0.2)
-    bad = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "fidelity_noise.py"),
-            str(pa),
-            str(tmp_path / "none.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2 and "Error:" in bad.stderr and "Traceback" not in bad.stderr
+    assert main(["--noise", str(pa), str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "Error:" in err and "Traceback" not in err
+    assert main(["--noise", str(pa)]) == 2
+    assert "exactly two result files" in capsys.readouterr().err

@@ -460,6 +460,7 @@ def test_real_from_round_trips(tiny_profile, tiny_llama_dir, tmp_path, capsys):
     assert fidelity.main(argv2) == 0
     text = capsys.readouterr().out
     assert "real side from" in text and "ttft_s p50" in text and "oracle replay" in text
+    assert "recorded steps; predicted vs measured step time:" in text
     re_ = json.loads(again.read_text())
     assert re_["real"] == live["real"] and re_["real_from"] == str(out)
     assert _flat(re_["simulated"]) == pytest.approx(_flat(live["simulated"]))

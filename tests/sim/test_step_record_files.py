@@ -1,13 +1,10 @@
 """Malformed and mismatched step-record files (``bench fidelity --steps-out``) for
-``load_steps`` and ``benchmarks/step_report.py``: a ``steps`` that is not a list, a ``meta`` or
-``trace`` that is not an object, or a shape count that is a string crashed with a traceback
-(``TypeError`` / ``AttributeError``, or later inside the report); a cost model profiled with
-another block size or dtype than the recorded engine gave a report without a word. Each is an
-error naming the field now (exit 2), and any file either loads or raises ``ValueError``."""
+``load_steps`` and ``load_replay``: a ``steps`` that is not a list, a ``meta`` or ``trace`` that
+is not an object, a shape count that is a string, or a cost model profiled with another block
+size or dtype than the recorded engine is a ``ValueError`` naming the field; any file either
+loads or raises ``ValueError``."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -141,44 +138,24 @@ def test_recorded_engine_must_match_the_cost_model():
         check_recorded_engine({"engine": {"block_size": 16, "quantization": "int8"}}, cm)
 
 
-def _report(*args, script="step_report.py"):
-    return subprocess.run(
-        [sys.executable, str(BENCH / script), *map(str, args)], capture_output=True, text=True, timeout=120
-    )
+def test_load_replay_refuses_a_bad_step_file_or_another_engine_naming_the_problem(tmp_path):
+    """The steps file and profile of a replay, read together: a malformed file or a profile of
+    another engine (block size, dtype) is one ValueError naming the field."""
+    from kvserve.sim.step_record import load_replay
 
-
-def test_decode_residuals_refuses_a_profile_of_another_engine(tmp_path):
     prof = _write(tmp_path, profile_data(), "prof.json")
-    ok = _report(_write(tmp_path, _valid(), "ok.json"), "--cost-model", prof, script="decode_residuals.py")
-    assert ok.returncode == 0, ok.stderr
-    assert "1 decode steps of 2" in ok.stdout
-    bad = _report(
-        _write(tmp_path, _valid(engine={"block_size": 16, "dtype": "bfloat16"}), "bf.json"),
-        "--cost-model",
-        prof,
-        script="decode_residuals.py",
-    )
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-    assert bad.stderr.startswith("Error:") and "dtype" in bad.stderr, bad.stderr
-
-
-def test_step_report_exits_2_naming_the_problem_never_a_traceback(tmp_path):
-    prof = _write(tmp_path, profile_data(), "prof.json")
-    ok = _report(_write(tmp_path, _valid(), "ok.json"), "--cost-model", prof)
-    assert ok.returncode == 0, ok.stderr
-    assert "2 steps of t.csv" in ok.stdout
+    records, meta, _ = load_replay(_write(tmp_path, _valid(), "ok.json"), prof)
+    assert len(records) == 2 and meta["trace"]["path"].endswith("t.csv")
+    records, meta, _ = load_replay(_write(tmp_path, {**_valid(), "meta": {"trace": [1]}}, "trace.json"), prof)
+    assert len(records) == 2
     cases = {
         "steps5.json": ({**_valid(), "steps": 5}, "steps must be a list"),
-        "trace.json": ({**_valid(), "meta": {"trace": [1]}}, None),
         "bs.json": (_valid(engine={"block_size": 8}), "block_size"),
+        "bf.json": (_valid(engine={"block_size": 16, "dtype": "bfloat16"}), "dtype"),
     }
     for name, (data, match) in cases.items():
-        r = _report(_write(tmp_path, data, name), "--cost-model", prof)
-        assert "Traceback" not in r.stderr, r.stderr
-        if match is None:
-            assert r.returncode == 0 and "2 steps of ?" in r.stdout
-        else:
-            assert r.returncode == 2 and r.stderr.startswith("Error:") and match in r.stderr, r.stderr
+        with pytest.raises(ValueError, match=match):
+            load_replay(_write(tmp_path, data, name), prof)
 
 
 def test_save_then_load_keeps_the_new_checks_happy(tmp_path):

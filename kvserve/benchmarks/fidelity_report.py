@@ -1,14 +1,20 @@
-"""Markdown tables of ``kvserve bench fidelity`` results (for docs/benchmarks.md).
+"""Markdown tables of ``kvserve bench fidelity`` results, and the host's noise floor.
 
-One row per result file: the target metrics (TTFT and TPOT p50 / p90, e2e p50) real and
-simulated with the relative error, preemptions and how many of the same requests were preempted;
-a cell over the 10% target is marked with "!" (preemptions too: counts more than 10% apart,
-``preemption_miss``). Files with an oracle replay (runs with
-``--steps-out``) add its largest target error and how many steps took another shape. A cell
-with a noise report beside it (``<cell>_noise.json``, ``fidelity.sh`` with ``REPEAT_REAL=1``)
-adds the host's noise floor: the largest target difference between its two real runs.
+``kvserve bench fidelity-report R1.json [R2.json ...]``: one row per result file (label = file
+name): the target metrics (TTFT and TPOT p50 / p90, e2e p50) real and simulated with the relative
+error, preemptions and how many of the same requests were preempted; a cell over the 10% target
+is marked with "!" (preemptions too: counts more than 10% apart, ``preemption_miss``). Files with
+an oracle replay (runs with ``--steps-out``) add its largest target error and how many steps took
+another shape. A cell with a noise report beside it (``<cell>_noise.json``) adds the host's noise
+floor: the largest target difference between its two real runs.
 
-Usage: python benchmarks/fidelity_report.py R1.json [R2.json ...]   (label = file name)
+``kvserve bench fidelity-report --noise A.json B.json [--json-out R.json]``: two real runs of the
+same cell set against each other: the relative difference ``(B - A) / A`` of the target metrics,
+then every latency statistic, preemptions and throughput, the runs' durations and step counts, and
+how many of the same requests each preempted. A simulator cannot be held closer to a real run than
+two real runs are to each other: on a host whose speed drifts, a queueing workload amplifies a few
+percent of step time into tens of percent of TTFT. ``benchmarks/fidelity.sh`` with
+``REPEAT_REAL=1`` runs every cell twice and writes this report as ``<cell>_noise.json``.
 
 A file of another shape (a profile, a step-record file, any other JSON) is a one-line error
 naming it and the shape expected (exit status 2).
@@ -16,15 +22,20 @@ naming it and the shape expected (exit status 2).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+from kvserve.benchmarks.fidelity import LATENCY_KEYS, STAT_KEYS, real_vs_real
+from kvserve.workload.io import write_json
 
 CELLS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("tpot_s", "p50"), ("tpot_s", "p90"), ("e2e_s", "p50"))
 TARGET = 0.10
 
 
-def _cell(res: dict, key: str, q: str) -> str:
+def _cell(res: dict[str, Any], key: str, q: str) -> str:
     r, s, e = res["real"][key][q], res["simulated"][key][q], res["relative_error"][key][q]
     if r is None or s is None:
         return "-"
@@ -43,7 +54,7 @@ def preemption_miss(real: float, simulated: float) -> bool:
 
 def noise_floor(path: str) -> float | None:
     """The largest real-vs-real target difference of ``path``'s cell (its ``_noise.json``,
-    ``benchmarks/fidelity_noise.py``), or None when there is none."""
+    ``--noise``), or None when there is none."""
     p = Path(path)
     f = p.with_name(p.stem + "_noise.json")
     if not f.is_file():
@@ -54,7 +65,9 @@ def noise_floor(path: str) -> float | None:
         raise ValueError(f"{f}: not a JSON noise report ({e})") from None
     v = data.get("max_abs_target") if isinstance(data, dict) else "?"
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise ValueError(f"{f}: expected a fidelity_noise.py report (max_abs_target a number), got {v!r}")
+        raise ValueError(
+            f"{f}: expected a `fidelity-report --noise` report (max_abs_target a number), got {v!r}"
+        )
     return v
 
 
@@ -65,7 +78,7 @@ EXPECTED = (
 )
 
 
-def _shape_error(path: str, data) -> str | None:
+def _shape_error(path: str, data: Any) -> str | None:
     """Why ``data`` (the JSON of ``path``) is not a fidelity result, or None when it is one."""
     if not isinstance(data, dict):
         return f"{path}: expected {EXPECTED}, got a JSON {type(data).__name__}"
@@ -101,7 +114,7 @@ def _shape_error(path: str, data) -> str | None:
     return None
 
 
-def load_result(path: str) -> dict:
+def load_result(path: str) -> dict[str, Any]:
     """A fidelity result file.
 
     Raises:
@@ -159,13 +172,66 @@ def table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print(__doc__, file=sys.stderr)
-        return 2
+def _pct(v: float | None) -> str:
+    return f"{v:+8.1%}" if v is not None else f"{'-':>8}"
+
+
+def noise_report(path_a: str, path_b: str, json_out: str | None = None) -> int:
+    """Print (and with ``json_out`` write) the real-vs-real report of two runs of one cell;
+    returns the exit status (2: a file unreadable or not a fidelity result)."""
     try:
-        text = table(args)
+        a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
+        rep = real_vs_real(a, b)
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    ta, tb = (r.get("system", {}).get("time", "?") for r in (a, b))
+    print(f"A: {path_a} ({ta})\nB: {path_b} ({tb})")
+    print(f"{'target':12}{'A':>10}{'B':>10}{'(B-A)/A':>9}")
+    for key, d in rep["targets"].items():
+        k, q = key.split()
+        print(f"{key:12}{a['real'][k][q]:10.4f}{b['real'][k][q]:10.4f}{_pct(d)}")
+    m = rep["max_abs_target"]
+    print(f"largest target difference: {m:.1%}" if m is not None else "largest target difference: -")
+    print("all statistics (B-A)/A:")
+    diff = rep["relative_difference"]
+    for k in LATENCY_KEYS:
+        print(f"  {k:8}" + "".join(f" {q} {_pct(diff[k][q])}" for q in STAT_KEYS))
+    print(f"  num_preemptions {_pct(diff['num_preemptions'])}  output_tok_s {_pct(diff['output_tok_s'])}")
+    da, db = rep["duration_s"]
+    if da and db:
+        print(
+            f"duration: {da:.1f} s vs {db:.1f} s ({(db - da) / da:+.1%}); "
+            f"steps {rep['num_steps'][0]} vs {rep['num_steps'][1]}"
+        )
+    pa = rep["preempted_requests"]
+    if pa is not None:
+        print(
+            f"preempted requests: A {pa['real']}, B {pa['simulated']}, both {pa['both']} (Jaccard {pa['jaccard']:.2f})"
+        )
+    if json_out:
+        write_json(json_out, rep)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvserve bench fidelity-report``; returns the exit status (2: a bad file)."""
+    ap = argparse.ArgumentParser(
+        prog="kvserve bench fidelity-report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("results", nargs="+", help="--json-out files of `kvserve bench fidelity`")
+    ap.add_argument("--noise", action="store_true", help="two real runs of one cell: A.json B.json")
+    ap.add_argument("--json-out", default=None, help="--noise: write the report here")
+    ns = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.noise:
+        if len(ns.results) != 2:
+            print("Error: --noise takes exactly two result files (A.json B.json)", file=sys.stderr)
+            return 2
+        return noise_report(ns.results[0], ns.results[1], ns.json_out)
+    try:
+        text = table(ns.results)
     except ValueError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

@@ -377,7 +377,7 @@ def test_bench_cli_usage_and_unknown_command(capsys):
 
 def test_top_level_help_lists_every_bench_command(capsys):
     from kvserve.benchmarks.cli import COMMANDS
-    from kvserve.entrypoints.cli import main
+    from kvserve.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--help"])

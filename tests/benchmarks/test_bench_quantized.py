@@ -18,7 +18,7 @@ from kvserve.benchmarks import llama_cpp as lc
 from kvserve.benchmarks import quantized as q
 from kvserve.workload.io import write_json
 
-RECORDED = Path(__file__).parent / "data" / "llama_server_completion.json"
+RECORDED = Path(__file__).parents[1] / "data" / "llama_server_completion.json"
 
 
 def _recorded() -> dict:
@@ -390,7 +390,7 @@ def test_default_binary_follows_env(monkeypatch, tmp_path):
 
 
 def test_setup_script_pins_the_version_the_module_expects():
-    setup = (Path(__file__).parents[1] / "benchmarks" / "llama_cpp" / "setup.sh").read_text()
+    setup = (Path(__file__).parents[2] / "benchmarks" / "llama_cpp" / "setup.sh").read_text()
     assert f'VER="${{LLAMA_CPP_PYTHON_VERSION:-{lc.LLAMA_CPP_PYTHON_VERSION}}}"' in setup
     for flag in ("-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DLLAMA_CURL=OFF"):
         assert flag in setup

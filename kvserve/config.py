@@ -599,7 +599,7 @@ class EngineArgs:
             out.append(("enable_lora", "LoRA adapters apply to float weights only"))
         return out
 
-    def resolve_quantization(self) -> QuantizationChoice:
+    def resolve_quantization(self, quantized_kernels: bool = True) -> QuantizationChoice:
         """What runs: a GGUF's own blocks or its float conversion, or ``quantization`` as given.
 
         With ``quantization`` unset and ``model`` an explicit ``.gguf`` path, the file's
@@ -609,6 +609,10 @@ class EngineArgs:
         call); then the file is dequantized to float and ``gguf_float_reason`` says why. The
         default model (``model`` unset) stays on its float conversion, which the golden tests
         compare token for token with transformers. ``"none"`` is float weights.
+
+        Args:
+            quantized_kernels: whether the quantized kernels are built (the engine passes
+                ``kvserve.ops.quant.available()``; this module imports no kernels).
 
         Raises:
             ValueError: ``quantization='gguf'`` with ``device='auto'`` resolving to CUDA (its
@@ -635,9 +639,7 @@ class EngineArgs:
         conflicts = self._gguf_conflicts()
         if conflicts:
             return QuantizationChoice(None, "; ".join(f"{setting}: {why}" for setting, why in conflicts))
-        from kvserve.model_executor.layers import quant_gemm
-
-        if not quant_gemm.available():
+        if not quantized_kernels:
             return QuantizationChoice(
                 None,
                 "the quantized kernels are not built (KVSERVE_NATIVE=0 or no C compiler): their "

@@ -104,7 +104,7 @@ for m in ("pydantic", "fastapi", "starlette", "uvicorn", "psutil", "gguf", "kvse
           "kvserve.entrypoints.openai.api_server", "kvserve.benchmarks.throughput"):
     mod = importlib.import_module(m)
     print(f"import {m}: ok ({getattr(mod, '__version__', '')} {getattr(mod, '__file__', '')})")
-import kvserve.model_executor.layers.native_attention as na
+import kvserve.ops.attention as na
 print("native kernel (must be off here):", na.available(), na.failure_reason())
 EOF
 }
@@ -134,7 +134,7 @@ EOF
 golden_tests() {
     KVSERVE_TEST_DEVICE=$DEV KVSERVE_TEST_TOKENIZER_DIR=$ASSETS/smollm2 \
         "$PY" -m pytest -v -rs -p no:cacheprovider --durations=8 --junitxml="$OUT/junit.xml" \
-        tests/model_executor/test_sampler.py tests/executor/test_model_runner.py tests/engine/test_e2e_tiny.py
+        tests/model_executor/test_sampler.py tests/model_executor/test_model_runner.py tests/engine/test_e2e_tiny.py
 }
 
 bench() {  # bench DTYPE BATCH_SIZES JSON

@@ -3,7 +3,7 @@
 import json
 
 from kvserve.entrypoints import cli, doctor
-from kvserve.model_executor.layers import native_lib
+from kvserve.ops import library as native_lib
 
 
 def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
@@ -27,8 +27,9 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
 
 
 def test_doctor_says_whether_lora_decode_steps_stay_in_the_one_call(capsys, monkeypatch):
-    from kvserve.model_executor.layers import native_layers, native_lora
-    from kvserve.model_executor.models import native_decode
+    from kvserve.model_executor.models import cpu_decode_step as native_decode
+    from kvserve.ops import decode_layers as native_layers
+    from kvserve.ops import lora as native_lora
 
     def step_text() -> str:
         assert doctor.main(["--json"]) == 0
@@ -51,7 +52,7 @@ def test_doctor_says_a_fixed_thread_count_comes_from_the_environment(capsys, mon
 
 
 def test_doctor_reports_the_quantized_activation_mode_and_a_bad_one(capsys, monkeypatch):
-    from kvserve.model_executor.layers import quant_gemm
+    from kvserve.ops import quant as quant_gemm
 
     def quant_text() -> str:
         assert doctor.main(["--json"]) == 0

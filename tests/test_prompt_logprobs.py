@@ -179,7 +179,7 @@ def test_prompt_logprobs_function_slices_match_one_pass(monkeypatch, native):
     reference (values, ranks and top-k ids) on random logits with ties, with the native
     kernel and with torch."""
     from kvserve.model_executor import sampler
-    from kvserve.model_executor.layers import native_ops
+    from kvserve.ops import elementwise as native_ops
 
     if native and not native_ops.available():
         pytest.skip(f"native kernels unavailable: {native_ops.failure_reason()}")
@@ -210,7 +210,7 @@ def test_prompt_logprobs_function_slices_match_one_pass(monkeypatch, native):
 def test_native_prompt_logprob_stats_edges():
     """The kernel on a vocabulary that is not a multiple of 16, NaN and -inf logits, ties,
     k = 0 and k = V, against torch on the same rows (NaN read as -inf)."""
-    from kvserve.model_executor.layers import native_ops
+    from kvserve.ops import elementwise as native_ops
 
     if not native_ops.available():
         pytest.skip(f"native kernels unavailable: {native_ops.failure_reason()}")

@@ -26,7 +26,7 @@
    is used as it is). Against the float64 product of the dequantized weights and x, each product
    is off by at most (2 u + u^2) |x w| (u = 2^-8, bfloat16's unit roundoff; 0 for x's part when
    x is bfloat16) and the float32 sum of K terms adds at most K 2^-24 sum |x w|; a bfloat16
-   output is rounded once more (u |y|). tests/executor/test_quant_amx.py checks that bound.
+   output is rounded once more (u |y|). tests/ops/test_quant_amx.py checks that bound.
 
    Scratch per thread: x in blocks of up to QAMX_MB rows as B tiles, [16-token block][K / 32]
    [16 pairs][16 tokens][2] (1 KB per tile; rows past M zero), and two dequantized groups of 32

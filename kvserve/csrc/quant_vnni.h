@@ -15,7 +15,7 @@
    first operand), the activations int8 per 32-block as the act8 kernels' (llama.cpp's Q8
    activations), so the integer sums are exact and the result is the float64 product of the
    quantized activations and the weights up to float32 rounding of the scaled block sums (the
-   numerics of the act8 kernels below PANEL_ROWS rows; tests/executor/test_quant_vnni.py).
+   numerics of the act8 kernels below PANEL_ROWS rows; tests/ops/test_quant_vnni.py).
 
    Panel of VN_NR output features n0 .. n0 + VN_NR - 1 (features past N zero) in a per-thread
    buffer, per 32-block j:

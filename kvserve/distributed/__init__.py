@@ -34,8 +34,9 @@ def start_data_parallel_engine(engine_args: EngineArgs, model_name: str = ""):
     # replicas will run it) here, before any replica starts,
     # so N replicas never race to convert it and a bad path fails fast.
     from kvserve.model_executor.model_loader import resolve_model_dir
+    from kvserve.ops import quant
 
-    resolve_model_dir(engine_args.model, engine_args.resolve_quantization().quantization)
+    resolve_model_dir(engine_args.model, engine_args.resolve_quantization(quant.available()).quantization)
     replicas = start_replicas(engine_args, model_name)
     front = build_front_engine(engine_args, replicas.infos[0])
     cache_blocks = front.cache_config.num_gpu_blocks or 4096

@@ -155,10 +155,11 @@ def build_front_engine(engine_args: EngineArgs, info: dict[str, Any]):
     single-process engine does; it never steps."""
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.model_executor.model_loader import resolve_model_dir
+    from kvserve.ops import quant
     from kvserve.transformers_utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(
-        resolve_model_dir(engine_args.model, engine_args.resolve_quantization().quantization)
+        resolve_model_dir(engine_args.model, engine_args.resolve_quantization(quant.available()).quantization)
     )
     return LLMEngine(
         info["model_config"],

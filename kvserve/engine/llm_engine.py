@@ -167,11 +167,12 @@ class LLMEngine:
         from transformers import AutoConfig
 
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
+        from kvserve.ops import quant
         from kvserve.transformers_utils.tokenizer import load_tokenizer
         from kvserve.worker.worker import Worker
 
         # a .gguf runs its own blocks unless the settings need float weights (see there)
-        quantization, gguf_float_reason = args.resolve_quantization()
+        quantization, gguf_float_reason = args.resolve_quantization(quant.available())
         if gguf_float_reason is not None:  # said before a first conversion, which takes a while
             dtype = ModelConfig(dtype=args.dtype, device=args.device).resolved_dtype()
             logger.info(

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from kvserve import envs
-from kvserve.cpuinfo import cpu_flags, cpu_model
+from kvserve.ops.cpu import cpu_flags, cpu_model
 
 #: /proc/cpuinfo flags that decide a kernel path: name -> what it enables.
 CPU_FEATURES = {
@@ -30,38 +30,38 @@ CPU_FEATURES = {
 
 
 def _quant_gemm_path(flags: set[str]) -> str:
-    """The quantized GEMMs' route on this host (``quant_gemm.pick_kernel``'s choices), or what
+    """The quantized GEMMs' route on this host (``quant.pick_kernel``'s choices), or what
     is wrong with ``KVSERVE_QUANT_ACT`` (a quantized model then refuses to load)."""
-    from kvserve.model_executor.layers import quant_gemm
+    from kvserve.ops import quant
 
     vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "scalar"
     try:
-        mode = quant_gemm.activation_mode()
+        mode = quant.activation_mode()
     except ValueError as e:
         return f"kvserve quantized GEMM ({vec}); {e}: a quantized model refuses to load"
     if mode == "int8":
-        few = f"int8 activations, int8 dot products {quant_gemm.act8_isa()}"
+        few = f"int8 activations, int8 dot products {quant.act8_isa()}"
     else:
         few = "float activations, weights dequantized in registers"
-    if quant_gemm.amx_enabled():
-        rows = quant_gemm.AMX_ROWS
+    if quant.amx_enabled():
+        rows = quant.AMX_ROWS
         many = f"AMX bfloat16 tiles from {rows['q4_1']} (Q4_1) / {rows['q8_0']} (Q8_0) rows"
-    elif quant_gemm.vnni_enabled("q8_0"):  # (Q4_1 too unless KVSERVE_QUANT_X4=0)
-        vnni = [t for t in quant_gemm.VNNI_TYPES if quant_gemm.vnni_enabled(t)]
+    elif quant.vnni_enabled("q8_0"):  # (Q4_1 too unless KVSERVE_QUANT_X4=0)
+        vnni = [t for t in quant.VNNI_TYPES if quant.vnni_enabled(t)]
         many = (
             "VNNI int8 panels from "
-            + " / ".join(str(quant_gemm.VNNI_ROWS[t]) for t in vnni)
+            + " / ".join(str(quant.VNNI_ROWS[t]) for t in vnni)
             + f" ({' / '.join(t.upper() for t in vnni)}) rows (bfloat16 up to "
-            f"{quant_gemm.VNNI_BF16_MAX_ROWS}), "
-            f"other types and larger bfloat16 steps dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
+            f"{quant.VNNI_BF16_MAX_ROWS}), "
+            f"other types and larger bfloat16 steps dequantized float32 panels from {quant.PANEL_ROWS}"
         )
     else:
-        many = f"dequantized float32 panels from {quant_gemm.PANEL_ROWS}"
+        many = f"dequantized float32 panels from {quant.PANEL_ROWS}"
     return f"kvserve quantized GEMM ({vec}; few rows: {few}; more rows: {many})"
 
 
 def _compiler() -> dict:
-    from kvserve.model_executor.layers import native_lib
+    from kvserve.ops import library
 
     cc = os.environ.get("CC", "cc")
     path = shutil.which(cc)
@@ -76,13 +76,13 @@ def _compiler() -> dict:
         "cc": cc,
         "path": path,
         "version": version,
-        "cflags": " ".join(native_lib.CFLAGS),
+        "cflags": " ".join(library.CFLAGS),
         "extra_cflags": envs.KVSERVE_NATIVE_CFLAGS,
     }
 
 
 def _libraries() -> list[dict]:
-    from kvserve.model_executor.layers import native_lib
+    from kvserve.ops import library
 
     return [
         {
@@ -92,26 +92,19 @@ def _libraries() -> list[dict]:
             "path": str(lib.path) if lib.path else None,
             "failure": lib.failure_reason(),
         }
-        for lib in native_lib.all_libraries()
+        for lib in library.all_libraries()
     ]
 
 
 def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     """Operation -> dtype -> the implementation the CPU engine uses for it on this host (the
     same tests as ``llama.prepack_weight``, ``attention`` and the model runner make)."""
-    from kvserve.model_executor.layers import (
-        amx_gemm,
-        native_attention,
-        native_bitmask,
-        native_gemm,
-        native_layers,
-        native_lora,
-        native_ops,
-        native_prefill_attention,
-        quant_gemm,
-    )
+    from kvserve.ops import attention as paged_attention
+    from kvserve.ops import bitmask as bitmask_kernel
+    from kvserve.ops import decode_layers, elementwise, gemm, gemm_amx, prefill_attention, quant
+    from kvserve.ops import lora as lora_kernel
 
-    amx = amx_gemm.available()
+    amx = gemm_amx.available()
     if {"amx_tile", "amx_bf16"} <= flags:
         bf16_isa = "AMX"
     elif "avx512_bf16" in flags:
@@ -122,65 +115,63 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     torch_ = "torch (no native kernel)"
     return {
         "linear": {
-            "float32": f"kvserve panel GEMM ({vec})" if native_gemm.available() else "oneDNN via torch",
+            "float32": f"kvserve panel GEMM ({vec})" if gemm.available() else "oneDNN via torch",
             "bfloat16": (
-                f"kvserve AMX tiles up to {amx_gemm.MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
+                f"kvserve AMX tiles up to {gemm_amx.MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
                 if amx
                 else f"kvserve panel GEMM ({vec}, widened to float32), every step size{_dot_note(flags)}"
-                if native_gemm.packs_bfloat16()
-                else f"kvserve panel GEMM up to {native_gemm.BF16_DOT_MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
-                if native_gemm.available()
+                if gemm.packs_bfloat16()
+                else f"kvserve panel GEMM up to {gemm.BF16_DOT_MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
+                if gemm.available()
                 else f"oneDNN ({bf16_isa}) via torch"
             ),
         },
         "linear, gguf quantized": {
-            d: _quant_gemm_path(flags)
-            if quant_gemm.available()
-            else "torch: dequantized on every call (slow)"
+            d: _quant_gemm_path(flags) if quant.available() else "torch: dequantized on every call (slow)"
             for d in ("float32", "bfloat16")
         },
         "decode attention": {
-            "float32": f"kvserve paged kernel ({vec})" if native_attention.available() else torch_,
+            "float32": f"kvserve paged kernel ({vec})" if paged_attention.available() else torch_,
             "bfloat16": (
                 f"kvserve paged kernel ({'vdpbf16ps' if 'avx512_bf16' in flags else vec + ', widened'})"
-                if native_attention.available()
+                if paged_attention.available()
                 else torch_
             ),
         },
         "prefill attention": {
-            "float32": f"kvserve flash kernel ({vec})" if native_prefill_attention.available() else torch_,
+            "float32": f"kvserve flash kernel ({vec})" if prefill_attention.available() else torch_,
             "bfloat16": (
                 ("kvserve flash kernel (AMX tiles)" if amx else f"kvserve flash kernel ({vec})")
-                if native_prefill_attention.available()
+                if prefill_attention.available()
                 else torch_
             ),
         },
         "rms_norm, silu_and_mul, rope + KV write": {
-            d: f"kvserve fused kernels ({vec})" if native_ops.available() else torch_
+            d: f"kvserve fused kernels ({vec})" if elementwise.available() else torch_
             for d in ("float32", "bfloat16")
         },
         "decoder layers of a pure-decode step": {
             d: (
                 f"one kvserve call for all layers ({_fused_decode_lora_text()}; per-layer calls under "
                 "tensor parallelism)"
-                if native_layers.available()
-                else f"per-layer kvserve calls ({native_layers.failure_reason()})"
+                if decode_layers.available()
+                else f"per-layer kvserve calls ({decode_layers.failure_reason()})"
             )
-            if native_ops.available() and native_attention.available()
+            if elementwise.available() and paged_attention.available()
             else "the module path (no native ops or decode attention)"
             for d in ("float32", "bfloat16")
         },
         "greedy sampling": {
-            "float32 logits": "kvserve kernel" if native_ops.available() else "torch argmax + log_softmax",
+            "float32 logits": "kvserve kernel" if elementwise.available() else "torch argmax + log_softmax",
         },
         "LoRA deltas": {
-            d: (_lora_native_text(vec) if native_lora.available() else "torch (float32 on CPU)")
+            d: (_lora_native_text(vec) if lora_kernel.available() else "torch (float32 on CPU)")
             for d in ("float32", "bfloat16")
         },
         "structured-output token masks": {
             "float32 logits": (
                 "kvserve kernel (greedy fused)"
-                if native_bitmask.available()
+                if bitmask_kernel.available()
                 else "torch bit expansion + masked_fill"
             ),
         },
@@ -189,31 +180,31 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
 
 def _fused_decode_lora_text() -> str:
     """Whether a pure-decode step with LoRA adapters stays in the one native call."""
-    from kvserve.model_executor.layers import native_lora
-    from kvserve.model_executor.models import native_decode
+    from kvserve.model_executor.models import cpu_decode_step
+    from kvserve.ops import lora as lora_kernel
 
-    if native_decode.FUSE_LORA and native_lora.available():
+    if cpu_decode_step.FUSE_LORA and lora_kernel.available():
         return "LoRA deltas included"
     return "per-layer calls with LoRA"
 
 
 def _dot_note(flags: set[str]) -> str:
     """Why the panels beat the CPU's own bfloat16 dot product, where it has one."""
-    from kvserve.model_executor.layers import bf16dot_gemm, native_gemm
+    from kvserve.ops import gemm, gemm_bf16dot
 
     if "avx512_bf16" not in flags:
         return ""
     return (
-        f" (this CPU's VDPBF16PS: {bf16dot_gemm.dot_speed():.2f}x the multiply-adds per second of "
-        f"its float32 FMAs; above {bf16dot_gemm.DOT_FAST}x steps of more than "
-        f"{native_gemm.BF16_DOT_MAX_ROWS} rows would run oneDNN's dot product)"
+        f" (this CPU's VDPBF16PS: {gemm_bf16dot.dot_speed():.2f}x the multiply-adds per second of "
+        f"its float32 FMAs; above {gemm_bf16dot.DOT_FAST}x steps of more than "
+        f"{gemm.BF16_DOT_MAX_ROWS} rows would run oneDNN's dot product)"
     )
 
 
 def _lora_native_text(vec: str) -> str:
     import sys
 
-    from kvserve.lora.ops import NATIVE_MAX_ROWS
+    from kvserve.model_executor.layers.lora import NATIVE_MAX_ROWS
 
     if NATIVE_MAX_ROWS >= sys.maxsize:
         return f"kvserve kernel ({vec}), every step size"
@@ -229,7 +220,7 @@ def _threads() -> dict:
 
 def gather() -> dict:
     """Everything ``kvserve doctor`` reports, as a JSON-serialisable dict."""
-    from kvserve.model_executor.layers import amx_gemm
+    from kvserve.ops import gemm_amx
 
     flags = cpu_flags()
     native_off = not envs.KVSERVE_NATIVE
@@ -240,7 +231,7 @@ def gather() -> dict:
         "native_disabled": native_off,
         "compiler": _compiler(),
         "libraries": _libraries(),
-        "amx_granted": amx_gemm.available(),
+        "amx_granted": gemm_amx.available(),
         "paths": _paths(flags),
         "threads": _threads(),
         "environment": envs.describe(),

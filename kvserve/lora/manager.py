@@ -5,9 +5,9 @@ Device slots are stacked tensors per decoder layer and fused target linear (``qk
 ``[max_loras, parts * max_lora_rank, out]``, zero-padded (``A`` stored slot by slot where the
 native kernel runs, so that it streams one contiguous block per slot; elsewhere stored
 ``[in, max_loras, ...]`` so that all slots side by side are one matrix for the torch stacked
-form: ``kvserve.lora.ops.stacked_views``), in the model's dtype (float32 on CPU
+form: ``kvserve.model_executor.layers.lora.stacked_views``), in the model's dtype (float32 on CPU
 for a float16 model, and for a bfloat16 one without the native kernel:
-``kvserve.lora.ops.lora_slot_dtype``). A fused linear's part ``i`` (q, k, v
+``kvserve.model_executor.layers.lora.lora_slot_dtype``). A fused linear's part ``i`` (q, k, v
 of ``qkv``; gate, up of ``gate_up``) owns rank columns ``[i * max_lora_rank, ...)`` of ``A``
 and, in ``B``, those rank rows times its own output columns (block-diagonal), so one shrink and
 one expand per slot give every part's delta in its column range of the fused output. A part
@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from kvserve.config import LoRAConfig
-from kvserve.lora.ops import lora_slot_dtype
 from kvserve.lora.peft import LoRAModel, ModelShapes, load_peft_adapter
 from kvserve.lora_request import LoRARequest
-from kvserve.model_executor.layers import native_lora
+from kvserve.model_executor.layers.lora import lora_slot_dtype
+from kvserve.ops import lora as lora_kernel
 
 logger = logging.getLogger("kvserve.lora")
 
@@ -67,7 +67,7 @@ class LoRAManager:
         self.dtype = model.dtype  # adapters are validated (and cached on CPU) in it
         self.device = model.embed_tokens.device
         if torch.device(self.device).type == "cpu":
-            native_lora.available()  # build the op's kernel now, not inside the first step
+            lora_kernel.available()  # build the op's kernel now, not inside the first step
         # the slots' dtype: the model's, or float32 on CPU where only torch computes them
         # (``lora_slot_dtype``)
         self.slot_dtype = lora_slot_dtype(self.dtype, self.device)
@@ -91,7 +91,7 @@ class LoRAManager:
         #: A stored slot by slot ([S, in, w]: one slot's A one contiguous block, the native
         #: kernel's stream) where the kernel runs, else [in, S, w] (the torch stacked form's
         #: all-slots view); handed out as [S, in, w] either way
-        self.slot_major_a = torch.device(self.device).type == "cpu" and native_lora.available()
+        self.slot_major_a = torch.device(self.device).type == "cpu" and lora_kernel.available()
         # every slot is allocated (and zeroed) now: refuse limits whose slots cannot fit, by
         # name, instead of leaving it to the allocator or the OOM killer
         need = S * self.slot_bytes(shapes, R, self.slot_dtype)
@@ -312,8 +312,8 @@ class LoRAManager:
         but meaningless. The adapter sits in a one-slot stack of its own, attached for this
         forward only: the device slots are not touched.
         """
-        from kvserve.lora.ops import LoRAMapping
         from kvserve.model_executor.layers.attention import AttentionMetadata, PrefillChunk
+        from kvserve.model_executor.layers.lora import LoRAMapping
         from kvserve.model_executor.layers.rmsnorm import RMSNorm
 
         m = self._model

@@ -2,7 +2,7 @@
 (``quantization="gguf"``).
 
 Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
-``quant_gemm.BLOCK_BYTES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (``QuantWeight``) and
+``quant.BLOCK_BYTES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (``QuantWeight``) and
 run on the kernels of ``csrc/quant_gemm.c``. Everything else (float tensors, norms, and
 quantized types without a kernel) is dequantized once at load into the model dtype, with one
 log line per type. A fused weight (q/k/v, gate/up) stays quantized only when all its parts
@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 from kvserve.model_executor.gguf_convert import build_config, hf_tensor_name, open_gguf, unpermute_qk
-from kvserve.model_executor.layers import quant_gemm
+from kvserve.ops import quant
 
 logger = logging.getLogger("kvserve.gguf")
 
 
 def _qtype(t) -> str | None:
     name = t.tensor_type.name.lower()
-    return name if name in quant_gemm.BLOCK_BYTES else None
+    return name if name in quant.BLOCK_BYTES else None
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -60,7 +60,7 @@ def _rows(t, perm_heads: int | None) -> np.ndarray:
     out, inp = _shape(t)
     qtype = _qtype(t)
     assert qtype is not None
-    rows = np.asarray(t.data).reshape(out, quant_gemm.row_bytes(qtype, inp))
+    rows = np.asarray(t.data).reshape(out, quant.row_bytes(qtype, inp))
     if perm_heads is not None:
         rows = rows[unpermute_qk(np.arange(out), perm_heads)]
     return rows
@@ -92,7 +92,7 @@ def load_gguf_model(
         raise ValueError(f"quantization='gguf' runs on CPU only, got device={device!r}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantization='gguf' needs dtype float32 or bfloat16, got {dtype}")
-    quant_gemm.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
+    quant.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
     path = Path(gguf_path)
     reader = open_gguf(path)
     try:
@@ -148,12 +148,12 @@ def load_gguf_model(
             types = {_qtype(t) for t, _, _ in present}
             if len(types) == 1 and None not in types:
                 rows = np.concatenate([_rows(t, h) for t, _, h in present])  # a copy: owns its memory
-                qw = quant_gemm.QuantWeight(torch.from_numpy(rows), types.pop(), _shape(present[0][0])[1])
+                qw = quant.QuantWeight(torch.from_numpy(rows), types.pop(), _shape(present[0][0])[1])
                 _set(module, attr, qw)
                 if attr == "embed_tokens" and model.tie_word_embeddings:
                     _set(model, "lm_head", qw)
                 if attr != "embed_tokens" or model.tie_word_embeddings:  # (a GEMM weight)
-                    quant_gemm.prepare(qw, gemm_only=attr != "embed_tokens")  # (a lookup reads data)
+                    quant.prepare(qw, gemm_only=attr != "embed_tokens")  # (a lookup reads data)
             else:
                 for (t, _, h), target in zip(present, targets):
                     arr = _float_array(path, t, logged)

@@ -59,7 +59,7 @@ def quantized_weight_types(model) -> dict[str, int]:
     """How many weights of ``model`` (``LlamaForCausalLM``) run in quantized blocks, per block
     type: ``{"Q4_1": 120, "Q8_0": 1}`` (a fused q/k/v or gate/up weight counts once, as does a
     tied embedding and LM head); empty for a float model."""
-    from kvserve.model_executor.layers.quant_gemm import QuantWeight
+    from kvserve.ops.quant import QuantWeight
 
     seen: dict[int, str] = {}
     for module in model.modules():

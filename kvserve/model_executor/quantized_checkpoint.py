@@ -50,9 +50,9 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model_executor.layers import quant_gemm, quant_pack
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
-from kvserve.model_executor.layers.quant_gemm import BLOCK_ELEMS
+from kvserve.ops import quant, quant_pack
+from kvserve.ops.quant import BLOCK_ELEMS
 
 logger = logging.getLogger("kvserve.quantized_checkpoint")
 
@@ -267,7 +267,7 @@ def repack_grouped(
     g_idx: torch.Tensor,
     what: str,
     bits: int = 4,
-) -> tuple[quant_gemm.QuantWeight, torch.Tensor | None]:
+) -> tuple[quant.QuantWeight, torch.Tensor | None]:
     """Blocks of ``w[o, i] = scales[g, o] * (codes[o, i] - zeros[g, o])``, ``g = g_idx[i]``:
     Q4_1 for 4 bits (``d = scale``, ``m = -scale * zero``), Q8_0 for 8 bits (``d = scale``,
     codes ``q - 128``: symmetric only).
@@ -544,7 +544,7 @@ def _to_float(weight, perm: torch.Tensor | None) -> torch.Tensor:
     """float32 ``[out, in]`` in the original input order."""
     if isinstance(weight, torch.Tensor):
         return weight.float()
-    w = quant_gemm.dequantize(weight)
+    w = quant.dequantize(weight)
     if perm is None:
         return w
     out = torch.empty_like(w)
@@ -695,14 +695,14 @@ def _install(module, attr: str, parts: list, prefixes: list[str], logged: set) -
         or (p is not None and perms[0] is not None and torch.equal(p, perms[0]))
         for p in perms
     )
-    kinds = {w.qtype if isinstance(w, quant_gemm.QuantWeight) else None for w in weights}
+    kinds = {w.qtype if isinstance(w, quant.QuantWeight) else None for w in weights}
     if len(kinds) == 1 and None not in kinds and same_perm:
         if len(weights) == 1:
             qw = weights[0]
         else:
             data = torch.cat([w.data for w in weights])
-            qw = quant_gemm.QuantWeight(data, weights[0].qtype, weights[0].in_features)
-        quant_gemm.prepare(qw)
+            qw = quant.QuantWeight(data, weights[0].qtype, weights[0].in_features)
+        quant.prepare(qw)
         _set(module, attr, qw if perms[0] is None else InputPermutedWeight(qw, perms[0]))
         return
     # fp8 parts (already float) need no word; mixed block types or input orders do

@@ -14,10 +14,10 @@ Pipeline, applied per row with that row's ``SamplingParams`` (all vectorised acr
 
 0. *Constrain* (structured outputs): rows whose metadata carries a ``token_bitmask`` get the
    logits of every token their grammar forbids set to ``-inf`` (one batched pass over all
-   constrained rows of the step, ``structured_output.bitmask``), before everything below, so
+   constrained rows of the step, ``model_executor.layers.bitmask``), before everything below, so
    greedy, random sampling and the reported logprobs all see the constrained distribution.
    When every row takes the greedy fast path (below) on CPU float32 logits, the masks are
-   instead applied inside the greedy kernel (``native_bitmask.greedy_sample_masked``: same
+   instead applied inside the greedy kernel (``bitmask_kernel.greedy_sample_masked``: same
    tokens and logprobs, no pass writing ``-inf``).
 1. *Adjust* the logits (only rows that ask for it; otherwise untouched):
    a. repetition penalty over prompt + output tokens (CTRL, Keskar et al. 2019, eq. in
@@ -63,7 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model_executor.layers import native_bitmask, native_ops
+from kvserve.model_executor.layers.bitmask import apply_token_bitmask_
+from kvserve.ops import bitmask as bitmask_kernel
+from kvserve.ops import elementwise
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     CompletionSequenceGroupOutput,
@@ -72,7 +74,6 @@ from kvserve.sequence import (
     SequenceGroupMetadata,
     SequenceOutput,
 )
-from kvserve.structured_output.bitmask import apply_token_bitmask_
 
 __all__ = [
     "NON_FINITE_LOGITS",
@@ -226,7 +227,7 @@ def _prompt_logprob_rows(
     logits: torch.Tensor, targets: torch.Tensor, ks: list[int]
 ) -> list[dict[int, Logprob]]:
     """``prompt_logprobs`` of one slice of rows (see there). On CPU float32 logits one native
-    kernel (``native_ops.prompt_logprob_stats``) gives the log-sum-exp, the ranks and the top-k
+    kernel (``elementwise.prompt_logprob_stats``) gives the log-sum-exp, the ranks and the top-k
     in two passes over each row; elsewhere torch does (a pass and a temporary each)."""
     x = logits.float()
     targets = targets.to(x.device)
@@ -234,8 +235,8 @@ def _prompt_logprob_rows(
     k = min(x.shape[1], max(ks, default=0))
     top_vals: list[list[float]] = [[] for _ in ks]
     top_ids: list[list[int]] = [[] for _ in ks]
-    if native_ops.supported(x):
-        lse, rank, vals, ids = native_ops.prompt_logprob_stats(x, targets, k)
+    if elementwise.supported(x):
+        lse, rank, vals, ids = elementwise.prompt_logprob_stats(x, targets, k)
         ranks = rank.tolist()
     else:
         lse = x.logsumexp(dim=-1)  # [C]
@@ -386,7 +387,7 @@ class Sampler:
             and r.params.logprobs is None
             for r in rows
         )
-        if greedy_only and constraint is not None and native_bitmask.supported(logits, constraint[1]):
+        if greedy_only and constraint is not None and bitmask_kernel.supported(logits, constraint[1]):
             # Mask fused into the greedy pass: the constrained rows are neither written nor,
             # where the grammar allows little, read in full.
             tokens, sample_lp, top = self._greedy_masked_path(logits, rows, *constraint)
@@ -453,8 +454,8 @@ class Sampler:
     @staticmethod
     def _greedy_fast_path(logits: torch.Tensor, rows: list[_Row]):
         """Every row greedy with nothing to adjust: one argmax (+ the sampled logprob)."""
-        if native_ops.supported(logits):
-            tok, lp = native_ops.greedy_sample(logits)  # one fused pass (argmax + logsumexp)
+        if elementwise.supported(logits):
+            tok, lp = elementwise.greedy_sample(logits)  # one fused pass (argmax + logsumexp)
         else:
             tok = logits.argmax(dim=-1)
             lp = logits.gather(1, tok.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
@@ -468,7 +469,7 @@ class Sampler:
         (``logits`` is left unmasked)."""
         mask_rows = torch.full((logits.shape[0],), -1, dtype=torch.int64)
         mask_rows[torch.tensor(row_ids, dtype=torch.int64)] = torch.arange(len(row_ids), dtype=torch.int64)
-        tok, lp = native_bitmask.greedy_sample_masked(logits, bitmask, mask_rows)
+        tok, lp = bitmask_kernel.greedy_sample_masked(logits, bitmask, mask_rows)
         return Sampler._expand_greedy(tok, lp, rows)
 
     @staticmethod

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.model_executor.layers import native_ops
+from kvserve.model_executor.layers.bitmask import apply_token_bitmask_
 from kvserve.model_executor.sampler import Sampler, _Row
+from kvserve.ops import elementwise
 from kvserve.sequence import (
     CompletionSequenceGroupOutput,
     ExecuteModelRequest,
@@ -43,7 +44,6 @@ from kvserve.sequence import (
 from kvserve.spec_decode.draft_policy import DynamicDraftPolicy, base_rows, has_prompt, step_rows
 from kvserve.spec_decode.interfaces import Proposal, Proposer
 from kvserve.spec_decode.rejection_sampler import rejection_sample
-from kvserve.structured_output.bitmask import apply_token_bitmask_
 
 if TYPE_CHECKING:
     from kvserve.config import SpeculativeConfig
@@ -265,12 +265,12 @@ class SpecDecodeWorker:
 
     def _max_rows(self) -> int | None:
         """The most rows a step may have with its drafts: the target's
-        ``native_decode.uniform_kernel_rows`` (None: no cap, e.g. float32), computed once."""
+        ``cpu_decode_step.uniform_kernel_rows`` (None: no cap, e.g. float32), computed once."""
         if self._row_cap is None:
             model = getattr(getattr(self.worker, "runner", None), "model", None)
             cap = None
             if model is not None and hasattr(model, "layers") and hasattr(model, "lm_head"):
-                from kvserve.model_executor.models.native_decode import uniform_kernel_rows
+                from kvserve.model_executor.models.cpu_decode_step import uniform_kernel_rows
 
                 cap = uniform_kernel_rows(model)
             self._row_cap = (cap,)
@@ -424,8 +424,8 @@ class SpecDecodeWorker:
         # decode's own kernel, so an emitted token's logprob is computed as without
         # speculation); torch's argmax over [rows, V] alone cost ~3 ms at 40 rows.
         greedy_lps: list[float] | None = None
-        if not random_ids and native_ops.supported(adjusted):
-            tok, lp = native_ops.greedy_sample(adjusted)
+        if not random_ids and elementwise.supported(adjusted):
+            tok, lp = elementwise.greedy_sample(adjusted)
             argmax, greedy_lps = tok.tolist(), lp.tolist()
         else:
             argmax = adjusted.argmax(dim=-1).tolist()

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from kvserve.model_executor.layers.bitmask import bitmask_words
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.structured_output.bitmask import bitmask_words
 from kvserve.structured_output.compiler import GrammarCompiler, grammar_error_message
 
 

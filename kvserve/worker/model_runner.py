@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserve.lora.ops import LoRAMapping
-from kvserve.model_executor.layers import native_attention, native_prefill_attention
 from kvserve.model_executor.layers.attention import (
     AttentionMetadata,
     DecodeBucket,
@@ -39,7 +37,10 @@ from kvserve.model_executor.layers.attention import (
     NativePrefill,
     PrefillChunk,
 )
+from kvserve.model_executor.layers.lora import LoRAMapping
 from kvserve.model_executor.sampler import PROMPT_LOGPROB_ROWS, prompt_logprobs
+from kvserve.ops import attention as paged_attention
+from kvserve.ops import prefill_attention
 from kvserve.sequence import CompletionSequenceGroupOutput, SequenceGroupMetadata
 
 #: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
@@ -129,11 +130,11 @@ class ModelRunner:
         use_native: decode attention with the native CPU kernel (``None`` = when available:
             CPU, float32 or bfloat16, compiled); else the torch gather + SDPA path. With it,
             multi-token chunks go to the native prefill kernel too, when that one takes the
-            model's head shape (``native_prefill_attention.supports``) and ``native_prefill``
+            model's head shape (``prefill_attention.supports``) and ``native_prefill``
             is True.
     """
 
-    #: Attend multi-token chunks with ``native_prefill_attention`` when ``use_native`` holds
+    #: Attend multi-token chunks with ``prefill_attention`` when ``use_native`` holds
     #: (False: one torch SDPA call per chunk and layer).
     native_prefill = True
     #: A ``kvserve.lora.manager.LoRAManager`` when LoRA is enabled: each step's adapters get
@@ -166,8 +167,8 @@ class ModelRunner:
         if use_native is None:
             use_native = (
                 self.device.type == "cpu"
-                and native_attention.supports_dtype(model.dtype)
-                and native_attention.available()
+                and paged_attention.supports_dtype(model.dtype)
+                and paged_attention.available()
             )
         self.use_native = bool(use_native)
         self._prefill_kernel_ok: bool | None = None  # decided on the first multi-token chunk
@@ -179,10 +180,8 @@ class ModelRunner:
         if self._prefill_kernel_ok is None:
             attn = self.model.layers[0].self_attn  # (all layers have one shape)
             self._prefill_kernel_ok = (
-                native_prefill_attention.supports(
-                    attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.dtype
-                )
-                and native_prefill_attention.available()
+                prefill_attention.supports(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.model.dtype)
+                and prefill_attention.available()
             )
         return self._prefill_kernel_ok
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvserve.model_executor.layers import native_gemm
+from kvserve.ops import gemm as native_gemm
 
 pytestmark = pytest.mark.skipif(not native_gemm.available(), reason="no C compiler / KVSERVE_NATIVE=0")
 

@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from tests.executor.helpers import llama_config, save_tiny
+from tests.model_executor.helpers import llama_config, save_tiny
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 
@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent("""
     import sys, torch
     from kvserve.model_executor.model_loader import load_model
     from kvserve.worker.model_runner import ModelRunner
-    from tests.executor.helpers import ToyAllocator, ToySeq
+    from tests.model_executor.helpers import ToyAllocator, ToySeq
 
     def rss_mb():
         return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20

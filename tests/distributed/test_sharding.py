@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model_executor.models.llama import LlamaForCausalLM
-from tests.executor.helpers import llama_config
+from tests.model_executor.helpers import llama_config
 
 SHARDED_ROWS = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
 

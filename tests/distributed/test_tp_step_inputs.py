@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.worker.tp_executor import SequenceWindow, for_peers
-from tests.executor.helpers import llama_config
+from tests.model_executor.helpers import llama_config
 
 BS = 4
 

@@ -23,8 +23,8 @@ from kvserve.model_executor.model_loader import resolve_model_dir
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from tests.executor.helpers import llama_config, save_tiny
-    from tests.executor.test_quant_inputs import SMALL_VOCAB, write_tiny_gguf
+    from tests.model_executor.helpers import llama_config, save_tiny
+    from tests.model_executor.test_quant_inputs import SMALL_VOCAB, write_tiny_gguf
 
     cfg = llama_config(hidden_size=64, intermediate_size=96, vocab_size=SMALL_VOCAB)
     hf = save_tiny(tmp_path_factory.mktemp("hf"), cfg).cpu()

@@ -202,7 +202,7 @@ def test_bfloat16_model_on_cpu_keeps_slots_in_the_slot_dtype_holding_the_validat
     """bfloat16 on CPU: slots in bfloat16 where the native kernel runs the op (it widens them
     exactly), else in float32 (the torch forms compute in it); either way filled from the
     adapter as validated in bfloat16, exactly; the slot memory check counts the slot dtype."""
-    from kvserve.model_executor.layers import native_lora
+    from kvserve.ops import lora as native_lora
 
     if native and not native_lora.available():
         pytest.skip(f"no native LoRA kernel: {native_lora.failure_reason()}")
@@ -242,8 +242,8 @@ def test_manager_slots_are_laid_out_for_the_op(tmp_path, monkeypatch, native):
     view of ``[in, S, R]`` storage, so the torch stacked form's ``A_cat``/``B_cat`` are views (no
     copy to keep in step) that see a slot as it is loaded. Either way ``stacked_views`` shows
     each slot as loaded."""
-    from kvserve.lora.ops import stacked_views
-    from kvserve.model_executor.layers import native_lora
+    from kvserve.model_executor.layers.lora import stacked_views
+    from kvserve.ops import lora as native_lora
 
     if native and not native_lora.available():
         pytest.skip(f"no native LoRA kernel: {native_lora.failure_reason()}")

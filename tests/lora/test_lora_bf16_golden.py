@@ -2,7 +2,7 @@
 transformers + peft in bfloat16, per request, up to near-ties.
 
 Both sides round differently in bfloat16 (summation order, kernels, and our LoRA deltas run in
-float32 on CPU: ``kvserve.lora.ops.lora_compute_dtype``), so the rule of ``tests/golden.py``
+float32 on CPU: ``kvserve.model_executor.layers.lora.lora_compute_dtype``), so the rule of ``tests/golden.py``
 (top-two logits within 1e-4) is too tight. Here a request may first differ from the reference
 only at a step where our token's reference logit is within ``BF16_NEAR_TIE`` of the reference's
 best one; from there the contexts differ and the comparison stops. A wrong or ignored adapter

@@ -18,15 +18,17 @@ import pytest
 import torch
 
 from kvserve.config import LoRAConfig
-from kvserve.lora import ops
 from kvserve.lora.manager import LoRAManager
-from kvserve.lora.ops import LoRAMapping
 from kvserve.lora.peft import ModelShapes
 from kvserve.lora_request import LoRARequest
-from kvserve.model_executor.layers import native_layers, native_lora
-from kvserve.model_executor.models import native_decode
-from tests.executor.helpers import llama_config, make_worker, save_tiny
-from tests.executor.test_native_layers import (
+from kvserve.model_executor.layers import lora as ops
+from kvserve.model_executor.layers.lora import LoRAMapping
+from kvserve.model_executor.models import cpu_decode_step as native_decode
+from kvserve.ops import decode_layers as native_layers
+from kvserve.ops import lora as native_lora
+from tests.lora.adapters import ALL_TARGETS, lora_tensors, write_adapter
+from tests.model_executor.helpers import llama_config, make_worker, save_tiny
+from tests.model_executor.test_cpu_decode_step_fused import (
     BLOCK,
     NUM_BLOCKS,
     count_fused,
@@ -34,7 +36,6 @@ from tests.executor.test_native_layers import (
     fused_max_rows,
     run,
 )
-from tests.lora.adapters import ALL_TARGETS, lora_tensors, write_adapter
 
 pytestmark = pytest.mark.skipif(
     not (native_layers.available() and native_lora.available()),

@@ -64,7 +64,7 @@ def _lora_of(adapters, i):
 )
 def test_mixed_adapters_equal_peft(tiny_llama_dir, adapters, prompts, references, mode, monkeypatch):
     if mode == "torch-lora-op":
-        from kvserve.lora import ops
+        from kvserve.model_executor.layers import lora as ops
 
         monkeypatch.setattr(ops, "NATIVE_MAX_ROWS", 0)
         mode = dict()

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.lora import ops
-from kvserve.lora.ops import LoRAMapping, add_lora
-from kvserve.model_executor.layers import native_lora
+from kvserve.model_executor.layers import lora as ops
+from kvserve.model_executor.layers.lora import LoRAMapping, add_lora
+from kvserve.ops import lora as native_lora
 
 pytestmark = pytest.mark.skipif(
     not native_lora.available(), reason=f"no native LoRA kernel: {native_lora.failure_reason()}"

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.lora.ops import LoRAMapping, add_lora
+from kvserve.model_executor.layers.lora import LoRAMapping, add_lora
 from tests.golden import TEST_DEVICE
 
 
@@ -109,7 +109,7 @@ def test_add_lora_bfloat16_rows_with_float32_slots_round_once(rows, rank, seed):
     """The CPU bfloat16 path (``lora_compute_dtype``): bfloat16 ``x``/``out``, float32 ``A``/``B``.
     The delta is computed in float32 from the bfloat16 rows and rounded once with the sum: each
     value is within two bfloat16 roundings of the exact result; base rows stay bit for bit."""
-    from kvserve.lora.ops import lora_compute_dtype
+    from kvserve.model_executor.layers.lora import lora_compute_dtype
 
     assert lora_compute_dtype(torch.bfloat16, "cpu") == torch.float32
     assert lora_compute_dtype(torch.float32, "cpu") == torch.float32
@@ -195,7 +195,7 @@ def test_stacked_equals_segment_equals_float64_reference(T, used, ranks, bf16, s
 
 
 def test_stacked_views_are_views_of_the_manager_layout():
-    from kvserve.lora.ops import stacked_views
+    from kvserve.model_executor.layers.lora import stacked_views
 
     a = torch.zeros(6, 3, 4).permute(1, 0, 2)  # [S=3, in=6, R=4] over [in, S, R] storage
     b = torch.zeros(3, 4, 5)
@@ -220,7 +220,7 @@ def test_row_mask_marks_each_rows_slot_columns_up_to_the_highest_active_slot():
 
 
 def test_add_lora_chooses_stacked_for_small_steps_and_segments_for_large():
-    from kvserve.lora.ops import STACKED_MAX_ROW_SLOTS, use_stacked
+    from kvserve.model_executor.layers.lora import STACKED_MAX_ROW_SLOTS, use_stacked
 
     assert use_stacked(LoRAMapping.build(np.arange(8) % 4))
     assert not use_stacked(LoRAMapping.build(np.zeros(8, dtype=np.int64)))  # two matmuls already

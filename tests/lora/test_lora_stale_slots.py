@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.lora.ops import LoRAMapping, add_lora
 from kvserve.lora_request import LoRARequest
+from kvserve.model_executor.layers.lora import LoRAMapping, add_lora
 from tests.lora.adapters import lora_tensors, write_adapter
 from tests.lora.test_lora_adapters import _manager, _req
 

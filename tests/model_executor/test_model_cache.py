@@ -171,8 +171,8 @@ def test_an_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch, fake_conver
 
 
 def test_a_gguf_with_a_zero_dimension_leaves_no_entry_on_either_path(tmp_path, cache):
-    from tests.executor.helpers import llama_config, save_tiny
-    from tests.executor.test_quant_inputs import TINY, T, write_tiny_gguf
+    from tests.model_executor.helpers import llama_config, save_tiny
+    from tests.model_executor.test_quant_inputs import TINY, T, write_tiny_gguf
 
     cfg = llama_config(**TINY)
     hf = save_tiny(tmp_path / "hf", cfg).cpu()

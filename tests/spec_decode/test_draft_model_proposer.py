@@ -13,7 +13,7 @@ from kvserve.config import SpeculativeConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from kvserve.spec_decode.draft_model_proposer import DraftModelProposer
-from tests.executor.helpers import ToyAllocator, llama_config, make_worker
+from tests.model_executor.helpers import ToyAllocator, llama_config, make_worker
 
 BS = 4
 K = 3

@@ -861,8 +861,8 @@ def test_uniform_kernel_rows_is_the_smallest_switching_weight():
 
     import torch
 
-    from kvserve.model_executor.layers import native_gemm
-    from kvserve.model_executor.models.native_decode import uniform_kernel_rows
+    from kvserve.model_executor.models.cpu_decode_step import uniform_kernel_rows
+    from kvserve.ops import gemm as native_gemm
 
     def panel(max_rows=None):
         w = torch.randn(48, 32)

@@ -282,7 +282,7 @@ def test_allowed_tokens_bit_layout():
 def test_fused_greedy_mask_gives_the_tokens_and_logprobs_of_the_torch_mask(llms, monkeypatch):
     """The sampler's fused path (mask inside the greedy kernel) against masking in torch, on a
     batch mixing constrained, unconstrained and n = 2 greedy rows."""
-    from kvserve.model_executor.layers import native_bitmask
+    from kvserve.ops import bitmask as native_bitmask
 
     if not native_bitmask.available():
         pytest.skip("native bitmask kernels not built")

@@ -13,8 +13,8 @@ runner: first the *multi-token* chunks (prefills), one after the other, then the
 split into a few buckets; each bucket is attended with one masked
 ``scaled_dot_product_attention`` whose keys are gathered through a padded block-table index
 (one ``index_select`` per bucket and layer for K and V together, into a reused workspace).
-On CPU the native kernels replace these when the runner asks for them: ``native_attention``
-for the single-token queries (``meta.native_decode``) and ``native_prefill_attention`` for all
+On CPU the native kernels replace these when the runner asks for them: ``paged_attention``
+for the single-token queries (``meta.native_decode``) and ``prefill_attention`` for all
 multi-token chunks at once, K/V read from the cache (``meta.native_prefill``).
 
 The gather index is built so the gathered tensor is already ``[B, kv_heads, L, head_dim]``
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvserve.model_executor.layers.native_attention import paged_decode_attention
-from kvserve.model_executor.layers.native_prefill_attention import paged_prefill_attention
+from kvserve.ops.attention import paged_decode_attention
+from kvserve.ops.prefill_attention import paged_prefill_attention
 
 
 @dataclass
@@ -77,7 +77,7 @@ class DecodeBucket:
 
 @dataclass
 class NativeDecode:
-    """Inputs of the native decode kernel (``native_attention``) for rows ``[start, end)``.
+    """Inputs of the native decode kernel (``paged_attention``) for rows ``[start, end)``.
 
     Attributes:
         table: int64 ``[B, nb]``; row ``b`` = block ids from block index ``kstart[b] // bs``.
@@ -93,7 +93,7 @@ class NativeDecode:
 
 @dataclass
 class NativePrefill:
-    """Inputs of the native prefill kernel (``native_prefill_attention``) for all multi-token
+    """Inputs of the native prefill kernel (``prefill_attention``) for all multi-token
     chunks (rows ``[0, num_prefill_tokens)``), built once per step and shared by all layers.
 
     Attributes:
@@ -130,7 +130,7 @@ class AttentionMetadata:
             ``native_decode`` when the native CPU kernel is used.
         workspace: flat buffer reused by every layer for gathered K/V (avoids allocating and
             page-faulting tens of MB per layer); ``None`` = allocate.
-        lora: the step's ``kvserve.lora.ops.LoRAMapping`` (rows per adapter slot), or ``None``
+        lora: the step's ``kvserve.model_executor.layers.lora.LoRAMapping`` (rows per adapter slot), or ``None``
             when no row runs an adapter. (Carried here because every layer reads it.)
     """
 
@@ -179,7 +179,7 @@ class PagedAttention:
             kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` or ``None``
                 (profiling run without a cache: only fresh prefills are allowed).
             meta: the step's ``AttentionMetadata``.
-            kv_written: ``k`` and ``v`` are already in the cache (``native_ops.rope_write_kv``).
+            kv_written: ``k`` and ``v`` are already in the cache (``elementwise.rope_write_kv``).
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype.
         """

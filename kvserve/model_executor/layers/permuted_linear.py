@@ -15,7 +15,7 @@ class InputPermutedWeight:
     """``weight`` (``[out, in]``, its columns in the order ``perm``) and ``perm``.
 
     Args:
-        weight: the column-permuted weight (a ``quant_gemm.QuantWeight``).
+        weight: the column-permuted weight (a ``quant.QuantWeight``).
         perm: int64 ``[in]``, a permutation of ``range(in)``: column ``j`` of ``weight`` is
             column ``perm[j]`` of the original weight.
     Raises:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.model_executor.layers import native_ops
+from kvserve.ops import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +37,10 @@ class RMSNorm(nn.Module):
         With ``residual`` given, first adds ``x`` into ``residual`` in place and returns
         ``(norm(residual), residual)`` -- the residual stream is updated where it lies. On CPU
         (contiguous ``[T, H]`` float32/bfloat16) this is one fused native pass
-        (``native_ops.rms_norm``), else torch ops.
+        (``elementwise.rms_norm``), else torch ops.
         """
-        if x.dim() == 2 and native_ops.supported(x, self.weight, *(() if residual is None else (residual,))):
-            out = native_ops.rms_norm(x, self.weight, self.eps, residual)
+        if x.dim() == 2 and elementwise.supported(x, self.weight, *(() if residual is None else (residual,))):
+            out = elementwise.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)

@@ -26,10 +26,11 @@ costs microseconds, the table is sharded.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
+
+from kvserve import envs
 
 #: Environment override of ``embedding_is_sharded``: ``1`` shards the table, ``0`` replicates it.
 SHARD_EMBEDDING_ENV = "KVSERVE_TP_SHARD_EMBEDDING"
@@ -47,11 +48,9 @@ def embedding_is_sharded(tp, device) -> bool:
     """
     if tp is None:
         return False
-    env = os.environ.get(SHARD_EMBEDDING_ENV)
-    if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"{SHARD_EMBEDDING_ENV} must be 0 or 1, got {env!r}")
-        return env == "1"
+    override: bool | None = envs.KVSERVE_TP_SHARD_EMBEDDING  # raises ValueError unless 0 / 1
+    if override is not None:
+        return override
     return str(device).startswith("cuda")
 
 

@@ -17,104 +17,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.lora.ops import add_lora
-from kvserve.model_executor.layers import (
-    amx_gemm,
-    huge_pages,
-    native_gemm,
-    native_ops,
-    quant_gemm,
-    quant_pack,
-    vocab_parallel,
-)
+from kvserve.model_executor.layers import vocab_parallel
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
-from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
+from kvserve.model_executor.layers.linear import (
+    QUANT_BLOCK,
+    QUANT_METHODS,
+    check_quant_activations,
+    linear,
+    lm_head_logits,
+    move_to_huge_pages,
+    onednn_rows,
+    prepack_weight,
+    quantize_weight,
+)
+from kvserve.model_executor.layers.lora import add_lora
 from kvserve.model_executor.layers.rmsnorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
-from kvserve.model_executor.layers.row_buckets import buckets, pad_rows
-from kvserve.model_executor.models import native_decode
+from kvserve.model_executor.layers.row_buckets import buckets
+from kvserve.model_executor.models import cpu_decode_step
+from kvserve.ops import elementwise, quant
 
 
 def _head_dim(cfg) -> int:
     hd = getattr(cfg, "head_dim", None)
     return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
-
-
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
-    or a weight prepacked by ``prepack_weight`` (``native_gemm.PanelWeight``,
-    ``amx_gemm.AmxWeight`` or oneDNN's), a GGUF-quantized ``quant_gemm.QuantWeight``, or one
-    whose input columns were permuted at load (``InputPermutedWeight``: GPTQ act-order)."""
-    if isinstance(weight, InputPermutedWeight):
-        x, weight = weight.gather(x), weight.weight
-    if isinstance(weight, quant_gemm.QuantWeight):
-        return quant_gemm.linear(x, weight, bias)
-    if isinstance(weight, amx_gemm.AmxWeight):
-        if x.shape[0] <= amx_gemm.MAX_ROWS:
-            return amx_gemm.linear(x, weight, bias)
-        weight = weight.large
-    if isinstance(weight, native_gemm.PanelWeight):
-        if weight.takes(x.shape[0]):
-            return native_gemm.linear(x, weight, bias)
-        weight = weight.large
-    if weight.is_mkldnn:
-        if x.shape[0] == 1:
-            # oneDNN's 1-row kernel sums in another order than its 2+-row one (bfloat16; seen at
-            # in_features 1536, not 576: ~1 output in 600 rounds differently), so a decode step
-            # would disagree with the same row inside a verify chunk and flip near-ties between
-            # speculation on and off; two copies of the row take the 2+-row kernel.
-            return torch.ops.mkldnn._linear_pointwise(
-                x.expand(2, -1).contiguous(), weight, bias, "none", [], ""
-            )[:1]
-        # padded to a row bucket: a new row count costs oneDNN a primitive build (row_buckets)
-        rows = x.shape[0]
-        return torch.ops.mkldnn._linear_pointwise(pad_rows(x), weight, bias, "none", [], "")[:rows]
-    return F.linear(x, weight, bias)
-
-
-def prepack_weight(weight: torch.Tensor):
-    """``weight`` ``[out, in]`` reordered once, at load, for the fastest CPU GEMM measured for its
-    dtype; ``linear`` dispatches on the result.
-
-    - float32: ``native_gemm.PanelWeight`` (our register-blocked kernel: 1.3-1.6x oneDNN's
-      prepacked matmul at 1-128 rows, level at 8,192; see ``native_gemm``).
-    - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
-      a bfloat16 weight on every call; prepacked, the 30 layers' GEMMs of SmolLM2-135M at 59 rows
-      went 25.7 -> 20.7 ms, bit-identical. Where the process may use AMX tiles and
-      ``in % 32 == 0`` (and ``$KVSERVE_GEMM_AMX`` is not ``0``), also ``amx_gemm.AmxWeight``
-      (our tile kernel, for steps of up to ``amx_gemm.MAX_ROWS`` tokens) holding the oneDNN
-      copy for larger steps: two copies of each weight, the price of both speeds.
-      Without AMX, where the CPU has no bfloat16 dot product faster than its float32 FMAs
-      (``native_gemm.packs_bfloat16``): ``native_gemm.PanelWeight`` for every step size, one
-      copy -- without AVX512-BF16 oneDNN emulates bfloat16 (the panels: 1.4-1.7x its speed at 1
-      row, 2.9x at 5, 3.7x at 512); with a slow VDPBF16PS (``bf16dot_gemm.dot_beats_fma``
-      False: this project's Xeon) they run 1.2-1.6x oneDNN's bfloat16 matmul at 1-1,024 rows --
-      so decode and verify steps of any batch also stay on ``native_decode``. With a fast
-      AVX512-BF16 dot product and no AMX (AMD Zen 4): ``native_gemm.PanelWeight`` for steps of
-      up to ``native_gemm.BF16_DOT_MAX_ROWS`` rows (1.3-1.7x oneDNN's speed at 1-8 rows, level
-      at 12-16), holding oneDNN's copy for larger ones (compute-bound: its dot product wins).
-
-    Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), or when
-    neither kernel is available.
-    """
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
-        return weight
-    if weight.dtype == torch.float32:
-        return native_gemm.PanelWeight(weight) if native_gemm.available() else weight
-    amx = weight.shape[1] % amx_gemm.K_TILE == 0 and amx_gemm.USE_FOR_GEMM and amx_gemm.available()
-    if not amx and native_gemm.packs_bfloat16():
-        return native_gemm.PanelWeight(weight)
-    large = weight
-    if torch.backends.mkldnn.is_available():
-        try:
-            large = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        except (RuntimeError, AttributeError):
-            pass
-    if amx:
-        return amx_gemm.AmxWeight(weight, large=large)
-    if native_gemm.available():
-        return native_gemm.PanelWeight(weight, large=large, max_rows=native_gemm.BF16_DOT_MAX_ROWS)
-    return large
 
 
 def _linear_weight(out_f: int, in_f: int, dtype, device) -> nn.Parameter:
@@ -184,9 +110,9 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         _lora(self, "qkv", x, qkv, meta.lora)
-        fused = native_ops.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
+        fused = elementwise.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
         if fused:  # rotary + cache write in one native pass
-            qk = native_ops.rope_write_kv(
+            qk = elementwise.rope_write_kv(
                 qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_cache, meta.slot_mapping
             )
         else:
@@ -229,8 +155,8 @@ class LlamaMLP(nn.Module):
     def _forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gu = linear(x, self.gate_up_weight)
         _lora(self, "gate_up", x, gu, lora)
-        if native_ops.supported(gu):
-            g = native_ops.silu_and_mul(gu)  # one pass instead of silu + mul
+        if elementwise.supported(gu):
+            g = elementwise.silu_and_mul(gu)  # one pass instead of silu + mul
         else:
             g = F.silu(gu[:, : self.inter])
             g.mul_(gu[:, self.inter :])
@@ -292,10 +218,10 @@ class LlamaForCausalLM(nn.Module):
             does not divide the head counts or ``intermediate_size``.
     """
 
-    #: Run pure-decode CPU steps as straight native calls (``native_decode``): same kernels,
+    #: Run pure-decode CPU steps as straight native calls (``cpu_decode_step``): same kernels,
     #: same results, without the per-op Python. False forces the module path.
     use_native_decode = True
-    #: Run those steps as one native call for all layers (``native_layers``) where no LoRA
+    #: Run those steps as one native call for all layers (``decode_layers``) where no LoRA
     #: adapter or tensor parallelism needs Python between the kernels; False keeps the
     #: per-layer calls (the same results).
     fuse_native_decode = True
@@ -365,15 +291,15 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[T, hidden_size]`` in the model dtype.
         """
-        if isinstance(self.embed_tokens, quant_gemm.QuantWeight):
-            x = quant_gemm.embedding(input_ids, self.embed_tokens, self.dtype)
+        if isinstance(self.embed_tokens, quant.QuantWeight):
+            x = quant.embedding(input_ids, self.embed_tokens, self.dtype)
         elif self.shard_embedding:
             x = vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
-        if self.use_native_decode and native_decode.applies(self, kv_caches, meta, x.shape[0]):
-            return native_decode.forward_layers(self, x, cos, sin, kv_caches, meta)
+        if self.use_native_decode and cpu_decode_step.applies(self, kv_caches, meta, x.shape[0]):
+            return cpu_decode_step.forward_layers(self, x, cos, sin, kv_caches, meta)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, None if kv_caches is None else kv_caches[i], meta)
@@ -387,15 +313,7 @@ class LlamaForCausalLM(nn.Module):
         vocabulary slice, gathered on the driver): the driver gets the full logits, the other
         ranks ``None``.
         """
-        if isinstance(self.lm_head, quant_gemm.QuantWeight):
-            # never one int8 plane: int8-quantizing the final hidden state (its outlier
-            # channels) flips near-tie first tokens that the layers' GEMVs do not; two planes
-            # (~2^-16 of a block's largest value) keep the float result and stream faster
-            local = quant_gemm.linear(
-                hidden, self.lm_head, kernel=quant_gemm.head_kernel(len(hidden), self.lm_head.qtype)
-            ).float()
-        else:
-            local = linear(hidden, self.lm_head).float()
+        local = lm_head_logits(hidden, self.lm_head)
         if self.tp is None:
             return local
         return vocab_parallel.gather_logits(local, self.vocab_shard, self.tp)
@@ -416,8 +334,7 @@ class LlamaForCausalLM(nn.Module):
                 module._parameters.pop(name, None)  # a plain attribute from now on
                 setattr(module, name, packed)
                 packed_weights.append(packed)
-        # The kernels' streams (AMX tiles, float panels) into 2 MiB pages: 1.1-1.2x at decode.
-        huge_pages.move_weights(packed_weights, ("tiles", "panels"))
+        move_to_huge_pages(packed_weights)
 
     def warm_row_buckets(self, max_rows: int) -> int:
         """Run every oneDNN GEMM primitive a step of up to ``max_rows`` rows can need, once, on
@@ -429,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
         server's first minutes were slower than the rest, and the simulator's profile (which
         measures repeats) under-predicted them.
 
-        Weights on our own kernels at a row count (``native_gemm``, ``amx_gemm``, quantized
+        Weights on our own kernels at a row count (``gemm``, ``gemm_amx``, quantized
         ones) skip it. Returns the number of GEMMs run (0 off CPU or when nothing reaches oneDNN).
         """
         if not self.layers or self.embed_tokens.device.type != "cpu":
@@ -445,16 +362,9 @@ class LlamaForCausalLM(nn.Module):
         for (weight, bias), limit in [(p, max_rows) for p in pairs] + [
             ((self.lm_head, None), min(max_rows, 256))
         ]:
-            onednn = weight
-            if isinstance(weight, amx_gemm.AmxWeight | native_gemm.PanelWeight):
-                onednn = weight.large
-            if not isinstance(onednn, torch.Tensor) or not onednn.is_mkldnn:
+            onednn, lo = onednn_rows(weight, limit)
+            if onednn is None:
                 continue
-            lo = 2
-            if isinstance(weight, amx_gemm.AmxWeight):
-                lo = amx_gemm.MAX_ROWS + 1
-            elif isinstance(weight, native_gemm.PanelWeight):
-                lo = (weight.max_rows or limit) + 1
             in_features = weight.in_features if hasattr(weight, "in_features") else onednn.shape[1]
             for rows in buckets(lo, limit):
                 linear(torch.zeros(rows, in_features, dtype=onednn.dtype), weight, bias)
@@ -467,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
         table stays float (a tied LM head gets its own quantized copy). CPU only.
 
         Args:
-            method: ``"int8"``: Q8_0 (``quant_gemm.quantize_q8_0``: int8 with a scale per 32
+            method: ``"int8"``: Q8_0 (``quant.quantize_q8_0``: int8 with a scale per 32
                 weights); ``"int4"``: Q4_1 (``quant_pack.quantize_q4_1``: 4-bit codes with a
                 scale and offset per 32 weights, searched for the lowest squared error).
         Raises:
@@ -476,8 +386,7 @@ class LlamaForCausalLM(nn.Module):
                 them, checked before any is quantized), or ``KVSERVE_QUANT_ACT`` neither
                 ``float`` nor ``int8``.
         """
-        quantize = {"int8": quant_gemm.quantize_q8_0, "int4": quant_pack.quantize_q4_1}.get(method)
-        if quantize is None:
+        if method not in QUANT_METHODS:
             raise ValueError(f"quantize_linear_weights: method must be int8 or int4, got {method!r}")
         if self.embed_tokens.device.type != "cpu":
             raise ValueError(f"quantization={method!r} runs on CPU only")
@@ -486,7 +395,7 @@ class LlamaForCausalLM(nn.Module):
                 f"quantization={method!r} needs dtype float32 or bfloat16 (its kernels' activations), "
                 f"got {self.dtype}"
             )
-        quant_gemm.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
+        check_quant_activations()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
         names, labels = [], []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -499,19 +408,18 @@ class LlamaForCausalLM(nn.Module):
         ragged = [
             f"{label} (in_features={getattr(m, n).shape[-1]})"
             for (m, n), label in zip(names, labels)
-            if getattr(m, n).shape[-1] % quant_gemm.BLOCK_ELEMS
+            if getattr(m, n).shape[-1] % QUANT_BLOCK
         ]
         if ragged:
-            block = "Q8_0" if method == "int8" else "Q4_1"
+            block = QUANT_METHODS[method][1]
             raise ValueError(
                 f"quantization={method!r} needs every linear layer's in_features to be a multiple of "
-                f"{quant_gemm.BLOCK_ELEMS} ({block} blocks of {quant_gemm.BLOCK_ELEMS} weights); not so for "
+                f"{QUANT_BLOCK} ({block} blocks of {QUANT_BLOCK} weights); not so for "
                 f"{len(ragged)} layer(s): {', '.join(ragged[:4])}{f' and {len(ragged) - 4} more' if len(ragged) > 4 else ''}. "
                 "Run this model without quantization."
             )
         for module, name in names:
-            q = quantize(getattr(module, name))
-            quant_gemm.prepare(q)
+            q = quantize_weight(getattr(module, name), method)
             module._parameters.pop(name, None)  # a plain attribute from now on
             setattr(module, name, q)
 

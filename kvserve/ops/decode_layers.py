@@ -1,0 +1,158 @@
+"""Every decoder layer of a pure-decode CPU step in one native call (``kvserve/csrc/decode_layers.c``:
+the sequence, why, and what it does not cover).
+
+The C side reads a dispatch table (``DLModel`` with one ``DLLayer`` per layer, one ``DLGemm``
+per weight): the entry points of the other kernel libraries as addresses (``fn_address``), the
+weights' and caches' data pointers, shapes, and the activation buffers. ``model_executor/models/cpu_decode_step.py``
+builds it once per model and step regime and calls ``step``; this module only holds the
+layout and the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from kvserve.ops.library import DTYPE_SUFFIX, NativeLibrary
+
+_p, _i64, _f, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+#: ``DLGemm.kind``: how the kernel is called (``decode_layers.c``'s ``DL_*``).
+TILE, STATUS, PANEL, AMX = 0, 1, 2, 3
+#: ``step`` results (``DL_OK``, ``DL_ENOMEM``, ``DL_EINVAL``).
+OK, ENOMEM, EINVAL = 0, -1, -2
+
+
+class DLGemm(ctypes.Structure):
+    """One weight's GEMM: kernel address, kind, weight bytes, bias (or 0), out / in features."""
+
+    _fields_ = [("fn", _p), ("kind", _i64), ("w", _p), ("bias", _p), ("n", _i64), ("k", _i64)]
+
+
+class DLLora(ctypes.Structure):
+    """One target's LoRA slots as ``lora.c``'s ``lora_add`` reads them: ``A`` / ``B`` data
+    pointers (``a`` 0: no delta for this target) and element strides (slot, row), the fused
+    parts ``P``, the rank per part ``R`` and the parts' ``P + 1`` output column bounds."""
+
+    _fields_ = [
+        ("a", _p),
+        ("b", _p),
+        ("a_slot", _i64),
+        ("a_row", _i64),
+        ("b_slot", _i64),
+        ("b_row", _i64),
+        ("P", _i64),
+        ("R", _i64),
+        ("cols", _p),
+    ]
+
+
+class DLLayer(ctypes.Structure):
+    """One decoder layer: norm weights and eps, the four GEMMs, its KV cache
+    (``[2, KH, nb, bs, D]``), the softmax scale and each GEMM's LoRA slots."""
+
+    _fields_ = [
+        ("in_norm", _p),
+        ("post_norm", _p),
+        ("in_eps", _f),
+        ("post_eps", _f),
+        ("qkv", DLGemm),
+        ("o", DLGemm),
+        ("gate_up", DLGemm),
+        ("down", DLGemm),
+        ("cache", _p),
+        ("nb", _i64),
+        ("bs", _i64),
+        ("scale", _f),
+        ("lora_qkv", DLLora),
+        ("lora_o", DLLora),
+        ("lora_gate_up", DLLora),
+        ("lora_down", DLLora),
+    ]
+
+
+class DLModel(ctypes.Structure):
+    """The step's kernels, the layers, shapes, the final norm and the activation buffers
+    (``max_rows`` rows each; ``xf`` float32, bfloat16 models only); the LoRA kernel
+    (``lora``, its slots' dtype ``lora_wbf16``) and the step's LoRA rows and segments
+    (``lora_nseg`` 0: none), set before each call; ``lora_seconds``: wall seconds the C side
+    spent in the LoRA kernel, accumulated over calls."""
+
+    _fields_ = [
+        ("rms", _p),
+        ("rope", _p),
+        ("silu", _p),
+        ("attend", _p),
+        ("layers", ctypes.POINTER(DLLayer)),
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("H", _i64),
+        ("KH", _i64),
+        ("D", _i64),
+        ("inter", _i64),
+        ("final_norm", _p),
+        ("final_eps", _f),
+        ("max_rows", _i64),
+        ("h", _p),
+        ("o", _p),
+        ("mlp_out", _p),
+        ("qkv", _p),
+        ("qk", _p),
+        ("attn_out", _p),
+        ("gate_up", _p),
+        ("act", _p),
+        ("xf", _p),
+        ("lora", _p),
+        ("lora_wbf16", _i64),
+        ("lora_rows", _p),
+        ("lora_segs", _p),
+        ("lora_nseg", _i64),
+        ("lora_seconds", ctypes.c_double),
+    ]
+
+
+# (model, T, cos, sin, slots, table, nbmax, kstart, kend, residual, out, nthreads) -> int
+_SIGS: dict[str, list] = {
+    f"decode_layers_{s}": [_p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _i] for s in DTYPE_SUFFIX.values()
+}
+_SIGS["decode_layers_struct_sizes"] = [_i64]
+_LIB = NativeLibrary("kv_decode_layers", "decode_layers.c", _SIGS)
+_layout_ok: bool | None = None
+
+
+def available() -> bool:
+    """True when the library is built and loaded and its struct layout is this module's."""
+    global _layout_ok
+    if _layout_ok is None:
+        if not _LIB.available():
+            _layout_ok = False
+        else:
+            sizes = _LIB.fn("decode_layers_struct_sizes")
+            sizes.restype = ctypes.c_int64
+            _layout_ok = [sizes(i) for i in range(4)] == [
+                ctypes.sizeof(DLGemm),
+                ctypes.sizeof(DLLayer),
+                ctypes.sizeof(DLModel),
+                ctypes.sizeof(DLLora),
+            ]
+    return _layout_ok
+
+
+def failure_reason() -> str | None:
+    if _LIB.failure_reason():
+        return _LIB.failure_reason()
+    if _layout_ok is False:
+        return "decode_layers.c's structs differ from decode_layers.py's"
+    return None
+
+
+def fn_address(fn) -> int:
+    """The address of a loaded ctypes function (for a dispatch-table entry)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def step_fn(dtype):
+    """The C step for the storage ``dtype`` (float32 or bfloat16), returning an ``int``."""
+    fn = _LIB.fn(f"decode_layers_{DTYPE_SUFFIX[dtype]}")
+    if fn.restype is not ctypes.c_int:
+        fn.restype = ctypes.c_int
+    return fn

@@ -1,0 +1,154 @@
+"""Linear layers on CPU with kvserve's own GEMM: ``y = x @ W^T (+ b)``, the weight packed once
+into column panels (``PanelWeight``). Used for float32 weights (``llama.prepack_weight``); the
+algorithm, the layout and the measurements that chose it are in ``kvserve/csrc/gemm.c``.
+
+Layout: ``W [N, K]`` becomes ``panels [ceil(N / 48), K, 48]`` (zero padded): panel ``p`` holds
+output columns ``48p .. 48p + 47``, the 48 weights of one input feature contiguous.
+float32 and bfloat16 both work (``gemm_f32`` / ``gemm_bf16``); sums are float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.ops.library import DTYPE_SUFFIX, NativeLibrary, check_linear_inputs
+
+#: Output columns per packed panel: 3 AVX-512 vectors of float32.
+PANEL_WIDTH = 48
+_MR = 8  # rows of x per micro-kernel call; 8 x 3 accumulators + 3 weights + 1 broadcast <= 32 registers
+
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGS = {f"gemm_{s}": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int] for s in DTYPE_SUFFIX.values()}
+_LIB = NativeLibrary("kv_gemm", "gemm.c", _SIGS)
+
+
+def available() -> bool:
+    """Whether the kernels built and loaded (False with ``KVSERVE_NATIVE=0`` or no C compiler)."""
+    return _LIB.available()
+
+
+def packs_bfloat16() -> bool:
+    """Whether ``llama.prepack_weight`` packs bfloat16 weights here for every step size (hosts
+    without AMX): the kernels are available and the CPU has no bfloat16 dot product faster than
+    its float32 FMAs -- none at all (no AVX512-BF16: oneDNN emulates bfloat16), or a slow one
+    (``gemm_bf16dot.dot_beats_fma`` False). On a host without AVX512-BF16 (2-core AVX-512F VM,
+    one thread, the default model's 30 layers + LM head) this kernel took 0.6-0.7x oneDNN's
+    time at 1 row, 0.34x at 5 and 0.27x at 512. On this project's 2-core Xeon with AVX512-BF16
+    but a VDPBF16PS of half the FMAs' multiply-adds per cycle, 60 layers of the default model's
+    shapes (benchmarks/gemm_micro.py --dtype bfloat16): 0.61-0.85x oneDNN's time at 1-1,024
+    rows (docs/benchmarks.md, 2026-12-03). Where the dot product is fast (AMD Zen 4) the panels
+    take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
+    from kvserve.ops import cpu, gemm_bf16dot
+
+    if not available():
+        return False
+    if "avx512_bf16" not in cpu.cpu_flags():
+        return True
+    # with AVX512-BF16: unknown speed (kernel not built, e.g. an older compiler) keeps oneDNN
+    return gemm_bf16dot.available() and not gemm_bf16dot.dot_beats_fma()
+
+
+#: On a CPU with a fast AVX512-BF16 dot product (``gemm_bf16dot.dot_beats_fma``) and no AMX,
+#: bfloat16 steps of up to this many rows run the panels and larger ones oneDNN's dot-product
+#: kernel (``PanelWeight.large``). 60 layers of the default model's shapes on a 2-core AMD EPYC,
+#: quiet (benchmarks/gemm_micro.py --dtype bfloat16, median of alternating passes): panels took
+#: 0.60-0.75x oneDNN's time at 1-8 rows (weight-bound: the same bytes, streamed better),
+#: 1.01-1.08x at 12-16 and 1.25-1.43x at 24-64 (oneDNN's bfloat16 dot product does twice the
+#: FMAs per instruction). Up to 16 rows the panels also keep the step on the fused decode step's
+#: one-call path (~6 ms of Python per step saved at 8 sequences) and a batch-8 verify step on
+#: the same kernel as its plain decode steps (rows round alike). Where the dot product is slow
+#: (``packs_bfloat16``) the panels take every step.
+BF16_DOT_MAX_ROWS = 16
+
+
+class PanelWeight:
+    """A linear weight ``[out_features, in_features]`` packed into column panels for ``linear``.
+
+    Attributes:
+        panels: ``[ceil(out / 48), in, 48]`` contiguous CPU tensor (float32 or bfloat16), the
+            padding columns zero.
+        out_features, in_features: the original ``[out, in]`` shape.
+        large: None, or the weight for steps of more than ``max_rows`` rows (oneDNN's packed
+            copy on CPUs whose bfloat16 dot product beats the panels there): two copies, the
+            price of both speeds (as ``gemm_amx.AmxWeight``).
+        max_rows: the most rows the panels take when ``large`` is set (else None: any).
+    """
+
+    __slots__ = ("panels", "out_features", "in_features", "large", "max_rows")
+
+    def __init__(self, weight: torch.Tensor, large=None, max_rows: int | None = None):
+        if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in DTYPE_SUFFIX:
+            raise ValueError(
+                f"PanelWeight: need a 2-D CPU float32/bfloat16 weight, got "
+                f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
+            )
+        n, k = weight.shape
+        p = -(-n // PANEL_WIDTH)
+        padded = weight.new_zeros(p * PANEL_WIDTH, k)
+        padded[:n] = weight.detach()
+        self.panels = padded.view(p, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+        self.out_features, self.in_features = n, k
+        self.large = large
+        self.max_rows = max_rows if large is not None else None
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs on the panels (else on ``large``)."""
+        return self.max_rows is None or rows <= self.max_rows
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.panels.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    def unpack(self) -> torch.Tensor:
+        """The plain ``[out, in]`` weight (a copy)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
+
+
+def linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` for ``x`` ``[T, in]`` (CPU, the weight's dtype); returns ``[T, out]``.
+
+    Raises:
+        ValueError: ``x`` or ``bias`` does not match the weight in shape, dtype or device.
+    """
+    check_linear_inputs(
+        x,
+        bias,
+        weight.in_features,
+        weight.out_features,
+        (weight.dtype,),
+        f"native linear, weight {tuple(weight.shape)} {weight.dtype}",
+    )
+    m = x.shape[0]
+    if weight.in_features == 0:  # an empty sum: torch gives the bias (or zeros)
+        y = torch.zeros(m, weight.out_features, dtype=x.dtype)
+        return y if bias is None else y + bias
+    # the contiguous copies must stay referenced until the C call returns
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty(m, weight.out_features, dtype=x.dtype)
+    xf = x if x.dtype == torch.float32 else torch.empty(m, weight.in_features, dtype=torch.float32)
+    _LIB.call(
+        f"gemm_{DTYPE_SUFFIX[x.dtype]}",
+        x,
+        xf,
+        weight.panels,
+        bias,
+        y,
+        m,
+        weight.out_features,
+        weight.in_features,
+        torch.get_num_threads(),
+    )
+    return y

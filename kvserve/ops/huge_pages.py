@@ -1,0 +1,109 @@
+"""Packed CPU weights in memory backed by 2 MiB pages (Linux transparent huge pages).
+
+Why: a decode step is bound by streaming every weight once. With 4 KiB pages the stream
+crosses a page every 4 KiB: a TLB entry each, and the hardware prefetchers stop at every page
+boundary. Measured here (AMX Xeon, 2 threads, SmolLM2-135M's 30 layers of bfloat16 AMX tiles,
+the same kernel on the same bytes, 4 KiB and 2 MiB backed copies alternated in one process):
+1 row 10.8 -> 9.0 ms, 8 rows 10.6 -> 9.3, 40 rows 15.0 -> 13.4, 64 rows 17.5 -> 14.7 (1.12-1.20x).
+
+Hosts whose transparent huge pages are ``madvise`` (common; ``never`` turns them off) give
+huge pages only to memory that asks: torch's allocator does not (except under
+``THP_MEM_ALLOC_ENABLE=1``, and then only for single allocations of 2 MiB or more, which most
+weights are not). So the weights are copied into one anonymous mapping advised
+``MADV_HUGEPAGE`` (``madvise(2)``). Where that is unavailable (not Linux, THP ``never``, the
+call fails) or ``KVSERVE_HUGE_PAGES=0``, nothing moves: the result is the same, only slower.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from kvserve import envs
+
+HUGE_PAGE = 1 << 21
+#: Each tensor starts on a 4 KiB boundary (the kernels need 64 bytes).
+ALIGN = 4096
+#: Tensors smaller than this stay where they are (norms, biases: not streamed at scale).
+MIN_BYTES = 64 * 1024
+ENV = "KVSERVE_HUGE_PAGES"
+
+
+def enabled() -> bool:
+    """False when ``KVSERVE_HUGE_PAGES=0`` or the platform has no ``MADV_HUGEPAGE``."""
+    return envs.KVSERVE_HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def _arena(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` uint8, starting on a 2 MiB boundary, in a mapping advised MADV_HUGEPAGE;
+    None where the advice is refused. The tensor keeps the mapping alive."""
+    size = (nbytes + 2 * HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        mm.close()
+        return None
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % HUGE_PAGE
+    return buf[start : start + nbytes]
+
+
+def _movable(t: object) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and t.numel() * t.element_size() >= MIN_BYTES
+    )
+
+
+def move_weights(holders: list[object], attrs: tuple[str, ...]) -> int:
+    """Copy the large CPU tensors found at ``holder.<attr>`` into one huge-page mapping and
+    point the holders at the copies (same dtype, shape and bytes).
+
+    Args:
+        holders: objects owning the weights (packed-weight objects: ``AmxWeight``,
+            ``PanelWeight``); attributes missing or not a contiguous strided CPU tensor of at
+            least ``MIN_BYTES`` are skipped.
+        attrs: the attribute names to look at on each holder.
+
+    Returns:
+        bytes moved (0 when disabled, refused, or nothing qualified).
+
+    Call before any kernel keeps a tensor's address (native step plans are built at the first
+    step, so after loading is safe).
+    """
+    if not enabled():
+        return 0
+    found: list[tuple[object, str, torch.Tensor]] = []
+    for h in holders:
+        for a in attrs:
+            t = getattr(h, a, None)
+            if _movable(t):
+                found.append((h, a, t))
+
+    # one copy per distinct tensor (contiguous: address, dtype and shape say which); holders
+    # that share one share its copy
+    def key(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t.dtype, tuple(t.shape))
+
+    distinct = list({key(t): t for _, _, t in found}.values())
+    if not distinct:
+        return 0
+    sizes = [(t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in distinct]
+    arena = _arena(sum(sizes))
+    if arena is None:
+        return 0
+    copies: dict[tuple, torch.Tensor] = {}
+    pos = 0
+    for t, size in zip(distinct, sizes):
+        dst = arena[pos : pos + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        copies[key(t)] = dst
+        pos += size
+    for h, a, t in found:
+        setattr(h, a, copies[key(t)])
+    return pos

@@ -1,0 +1,151 @@
+"""Fused native kernels (RMSNorm, SiLU-and-mul, greedy sampling) against their torch forms."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model_executor.layers.rmsnorm import RMSNorm
+from kvserve.ops import elementwise as ops
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason=f"native ops unavailable: {ops.failure_reason()}")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+def torch_rms_norm(x, w, eps):
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return n.to(x.dtype) * w
+
+
+@DTYPES
+@pytest.mark.parametrize("T,H", [(1, 576), (300, 576), (5, 24), (3, 37)])  # 37, 24: scalar tails
+def test_rms_norm_with_and_without_residual(T, H, dtype):
+    torch.manual_seed(T + H)
+    x = (torch.randn(T, H) * 3).to(dtype)
+    r = torch.randn(T, H).to(dtype)
+    w = torch.randn(H).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # one bfloat16 rounding of an O(1) value
+    got = ops.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype
+    assert torch.allclose(got.float(), torch_rms_norm(x, w, 1e-5).float(), atol=tol * 4, rtol=tol)
+    r2 = r.clone()
+    got = ops.rms_norm(x, w, 1e-5, residual=r2)
+    s = x + r
+    assert torch.equal(r2, s)  # the residual stream is updated exactly as torch adds
+    assert torch.allclose(got.float(), torch_rms_norm(s, w, 1e-5).float(), atol=tol * 4, rtol=tol)
+
+
+@DTYPES
+def test_rmsnorm_module_uses_native_path_with_same_result(dtype, monkeypatch):
+    torch.manual_seed(1)
+    m = RMSNorm(64, 1e-6, dtype)
+    m.weight.normal_()
+    x, r = torch.randn(7, 64).to(dtype), torch.randn(7, 64).to(dtype)
+    calls, real = [], ops.rms_norm
+    monkeypatch.setattr(ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    native_out, native_res = m(x, r.clone())
+    assert calls, "the module did not take the native path"
+    monkeypatch.setattr(ops, "supported", lambda *t: False)
+    torch_out, torch_res = m(x, r.clone())
+    assert torch.equal(native_res, torch_res)
+    assert torch.allclose(
+        native_out.float(), torch_out.float(), atol=1e-5 if dtype == torch.float32 else 0.05
+    )
+
+
+@DTYPES
+def test_silu_and_mul_far_negative_gates(dtype):
+    """Adversarial find: below -88 the clamped exp stopped cancelling the gate, so silu(-3e38)
+    came out -1.8 instead of -0. Gates across the range (16 of them: the vector loop) against
+    torch; -inf gives NaN like torch."""
+    g = torch.tensor(
+        [
+            -3e38,
+            -1e30,
+            -1e5,
+            -100.0,
+            -89.0,
+            -88.5,
+            -50.0,
+            -5.0,
+            0.0,
+            0.5,
+            5.0,
+            50.0,
+            88.5,
+            100.0,
+            1e30,
+            float("-inf"),
+        ]
+    )
+    gu = torch.cat([g, torch.full_like(g, 1.5)]).view(1, -1).to(dtype)
+    got, ref = ops.silu_and_mul(gu)[0].float(), (F.silu(gu[:, :16]) * gu[:, 16:])[0].float()
+    assert torch.isnan(got[-1]) and torch.isnan(ref[-1])
+    assert torch.allclose(got[:-1], ref[:-1], rtol=2**-7, atol=1e-30), (got, ref)
+
+
+@DTYPES
+@pytest.mark.parametrize("T,I", [(1, 1536), (64, 1536), (3, 40)])
+def test_silu_and_mul(T, I, dtype):
+    torch.manual_seed(T + I)
+    gu = (torch.randn(T, 2 * I) * 4).to(dtype)
+    ref = F.silu(gu[:, :I]) * gu[:, I:]
+    got = ops.silu_and_mul(gu)
+    assert got.shape == (T, I) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    else:  # both round silu to bfloat16 then the product: equal but for rare last-bit ties
+        assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+
+
+def test_greedy_sample_matches_argmax_and_log_softmax():
+    torch.manual_seed(3)
+    for N, V in [(1, 49152), (64, 49152), (5, 1000), (3, 13)]:
+        x = torch.randn(N, V) * 5
+        x[0, V // 2] = x[0].max() + 1.0  # a clear winner in the middle
+        if V > 40:
+            x[-1, 7] = x[-1, 40] = x[-1].max() + 2.0  # a tie: the first index wins, as torch.argmax
+        tok, lp = ops.greedy_sample(x)
+        assert torch.equal(tok, x.argmax(-1))
+        ref = torch.log_softmax(x, -1).gather(1, tok[:, None])[:, 0]
+        assert torch.allclose(lp, ref, atol=1e-5), (lp - ref).abs().max()
+
+
+def test_bad_inputs_raise_value_error():
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        ops.silu_and_mul(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="greedy_sample"):
+        ops.greedy_sample(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rms_norm"):
+        ops.rms_norm(torch.zeros(2, 4), torch.zeros(3), 1e-6)
+
+
+@DTYPES
+@pytest.mark.parametrize("H,KH,D", [(9, 3, 64), (4, 2, 40)])  # D=40: half=20, a scalar tail
+def test_rope_write_kv_matches_torch_rotary_and_cache_write(H, KH, D, dtype):
+    from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(H + D)
+    T, NB, BS = 6, 10, 4
+    rope = RotaryEmbedding(D, 128, {"rope_type": "default", "rope_theta": 10000.0}, dtype)
+    positions = torch.tensor([0, 1, 5, 17, 63, 127])
+    cos, sin = rope.lookup(positions)
+    qkv = torch.randn(T, (H + 2 * KH) * D).to(dtype)
+    cache = torch.zeros(2, KH, NB, BS, D, dtype=dtype)
+    slots = torch.tensor([3, 0, 39, 12, 13, 22])
+    got = ops.rope_write_kv(qkv, cos, sin, H, KH, D, cache, slots)
+    ref = RotaryEmbedding.apply(qkv[:, : (H + KH) * D].view(T, H + KH, D), cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2**-6
+    assert torch.allclose(got.float(), ref.float(), atol=tol * 4, rtol=tol)
+    flat = cache.view(2, KH, NB * BS, D)
+    v = qkv[:, (H + KH) * D :].view(T, KH, D)
+    for t in range(T):
+        assert torch.equal(flat[0, :, slots[t]], got[t, H:])  # rotated k
+        assert torch.equal(flat[1, :, slots[t]], v[t])  # v as projected
+    untouched = torch.ones(NB * BS, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, :, untouched].any()
+    # Without a cache: rotation only.
+    assert torch.equal(ops.rope_write_kv(qkv, cos, sin, H, KH, D, None, None), got)
+    with pytest.raises(ValueError, match="rope_write_kv"):
+        ops.rope_write_kv(qkv, cos, sin, H + 1, KH, D, cache, slots)

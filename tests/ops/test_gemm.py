@@ -1,0 +1,124 @@
+"""``gemm``: the panel-packed CPU GEMM against a float64 ``F.linear`` reference."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.ops import gemm
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="no C compiler / KVSERVE_NATIVE=0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 37), (48, 16), (7, 3), (1, 1)])
+def test_matches_reference(dtype, n, k):
+    """Every row-block edge (1-8 rows left over; 9-16 rows in two balanced blocks, 10 = 5 + 5,
+    15 = 8 + 7, that share the next panel's prefetch), padded last panels and the bias."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    pw = gemm.PanelWeight(w)
+    assert pw.panels.shape == (-(-n // 48), k, 48) and pw.shape == (n, k)
+    assert torch.equal(pw.unpack(), w)
+    for m in [1, 2, 3, 7, 8, 9, 10, 12, 15, 16, 17, 24, 61]:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        for bias in (None, b):
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = gemm.linear(x, pw, bias)
+            assert got.shape == (m, n) and got.dtype == dtype
+            # float32: sums in another order only; bfloat16: the output rounded once to bf16
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            assert (got.double() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
+
+
+def test_bfloat16_rounds_like_torch():
+    """bfloat16 products of exactly representable sums round to the same bf16 as torch."""
+    w = torch.tensor([[1.0, 2.0, 0.5], [3.0, -1.0, 0.25]], dtype=torch.bfloat16)
+    x = torch.tensor([[1.0, 1.0, 1.0], [2.0, 0.0, 4.0]], dtype=torch.bfloat16)
+    got = gemm.linear(x, gemm.PanelWeight(w))
+    assert torch.equal(got, torch.nn.functional.linear(x, w))
+
+
+def test_empty_input_and_noncontiguous_x():
+    w = torch.randn(50, 20)
+    pw = gemm.PanelWeight(w)
+    assert gemm.linear(torch.empty(0, 20), pw).shape == (0, 50)
+    x = torch.randn(20, 6).t()  # [6, 20], not contiguous
+    torch.testing.assert_close(gemm.linear(x, pw), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_named():
+    pw = gemm.PanelWeight(torch.randn(10, 4))
+    with pytest.raises(ValueError, match="native linear"):
+        gemm.linear(torch.randn(3, 5), pw)
+    with pytest.raises(ValueError, match="native linear"):
+        gemm.linear(torch.randn(3, 4, dtype=torch.float64), pw)
+    with pytest.raises(ValueError, match="native linear"):
+        gemm.linear(torch.randn(3, 4), pw, torch.randn(9))
+    with pytest.raises(ValueError, match="PanelWeight"):
+        gemm.PanelWeight(torch.randn(4))
+    with pytest.raises(ValueError, match="PanelWeight"):
+        gemm.PanelWeight(torch.randn(4, 4, dtype=torch.float16))
+
+
+def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_product_exists(monkeypatch):
+    """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (2.3x its 1-row time at 5 rows on
+    this project's VM): bfloat16 weights get panels there for every step; where the CPU has a
+    dot product faster than its FMAs, panels for steps of up to BF16_DOT_MAX_ROWS rows and
+    oneDNN above."""
+    import kvserve.ops.cpu
+    from kvserve.model_executor.models import llama
+    from kvserve.ops import gemm_amx, gemm_bf16dot
+
+    if not gemm.available():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(gemm_amx, "available", lambda: False)
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f"})
+    assert gemm.packs_bfloat16()
+    packed = llama.prepack_weight(w)
+    assert isinstance(packed, gemm.PanelWeight) and packed.dtype == torch.bfloat16
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    want = (x.float() @ w.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
+    monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    # with a dot product faster than FMAs (tests/ops/test_gemm_bf16dot.py: a slow one)
+    monkeypatch.setattr(gemm_bf16dot, "built", lambda: True)
+    monkeypatch.setattr(gemm_bf16dot, "dot_speed", lambda: 2.0)
+    assert not gemm.packs_bfloat16()
+    # with the dot product: panels for decode-sized steps, oneDNN's copy above
+    packed = llama.prepack_weight(w)
+    assert isinstance(packed, gemm.PanelWeight) and packed.max_rows == gemm.BF16_DOT_MAX_ROWS
+    assert packed.takes(packed.max_rows) and not packed.takes(packed.max_rows + 1)
+    calls = []
+    real = gemm.linear
+    monkeypatch.setattr(gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (packed.max_rows, packed.max_rows + 1):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        want = (x.float() @ w.float().T).to(torch.bfloat16)
+        torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
+    assert calls == [packed.max_rows]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    k=st.integers(1, 300),
+    m=st.integers(2, 48),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_row_is_bit_identical_whatever_the_row_count(n, k, m, bf16, seed):
+    """Why speculative greedy output equals decoding without it: a verify chunk's rows (k + 1
+    rows in one GEMM) must give exactly what each row gives alone (a decode), in float32 and
+    bfloat16 (the prefetches and the balanced row blocks of up to 48 rows must not change sums)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    pw = gemm.PanelWeight(w)
+    together = gemm.linear(x, pw, b)
+    for i in range(m):
+        assert torch.equal(together[i : i + 1], gemm.linear(x[i : i + 1], pw, b)), i

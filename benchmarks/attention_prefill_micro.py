@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.nn.functional as F
 
-from kvserve.model_executor.layers import native_prefill_attention as npa
+from kvserve.ops import prefill_attention as npa
 
 
 def chunk_lengths(n: int, total: int, seed: int):

@@ -29,7 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from kvserve.model_executor.layers import amx_gemm, bf16dot_gemm, native_gemm
+from kvserve.ops import gemm as native_gemm
+from kvserve.ops import gemm_amx as amx_gemm
+from kvserve.ops import gemm_bf16dot as bf16dot_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 #: --kernel name -> (pack, run, available, bfloat16 only)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The batched LoRA op (``kvserve.lora.ops.add_lora``) alone at the default model's shapes:
+"""The batched LoRA op (``kvserve.model_executor.layers.lora.add_lora``) alone at the default model's shapes:
 bfloat16 activations with the slots in bfloat16 (computing in bfloat16) vs in float32 (the CPU
 path, ``lora_compute_dtype``), and float32 for reference.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-from kvserve.lora.ops import LoRAMapping, add_lora
+from kvserve.model_executor.layers.lora import LoRAMapping, add_lora
 
 S, R = 4, 16
 TARGETS = {"qkv": (576, 3, 960), "o": (576, 1, 576), "gate_up": (576, 2, 3072), "down": (1536, 1, 576)}

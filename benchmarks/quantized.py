@@ -58,8 +58,8 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
     import torch
     import torch.nn.functional as F
 
-    from kvserve.model_executor.layers import native_gemm
-    from kvserve.model_executor.layers import quant_gemm as qg
+    from kvserve.ops import gemm as native_gemm
+    from kvserve.ops import quant as qg
 
     out = []
     for threads in thread_counts:
@@ -130,8 +130,8 @@ def layer_kernels(rows=(4, 8, 12, 16, 24, 32, 64), layers: int = 30, repeats: in
     count (see the module doc); rows ``{"kernel", "rows", "ms", "x_bf16"}``."""
     import torch
 
-    from kvserve.model_executor.layers import quant_gemm as qg
     from kvserve.model_executor.models.llama import linear, prepack_weight
+    from kvserve.ops import quant as qg
 
     if not qg.available():
         raise SystemExit("--layer-kernels needs the quantized kernels")

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
-    from kvserve.model_executor.layers import native_bitmask
+    from kvserve.ops import bitmask as native_bitmask
     from kvserve.workload.workload import default_workload_path, load_workload
 
     requests = load_workload(default_workload_path(), ns.num_prompts)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     _run(llm, requests[:2], constrained[:2])  # warm-up
     from kvserve.model_executor import sampler
-    from kvserve.structured_output import bitmask
+    from kvserve.model_executor.layers import bitmask
     from kvserve.structured_output import manager as manager_mod
 
     # the sampler's part: waiting for + collecting the step's masks, applying them

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvserve.cpuinfo import cpu_flags, cpu_model
+from kvserve.ops.cpu import cpu_flags, cpu_model
 
 
 def peak_rss_mib() -> float:

@@ -76,8 +76,9 @@ def _profile_lora_share(llm, reqs: list[BenchRequest], loras, steps: int) -> dic
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from kvserve import SamplingParams
-    from kvserve.lora import ops
-    from kvserve.model_executor.models import llama, native_decode
+    from kvserve.model_executor.layers import lora as ops
+    from kvserve.model_executor.models import cpu_decode_step as native_decode
+    from kvserve.model_executor.models import llama
 
     eng = llm.llm_engine
     ids = [f"prof-{i}" for i in range(len(reqs))]

@@ -143,7 +143,7 @@ def _rss_mib() -> float:
 def step_weight_bytes(model, layers: bool = True) -> int:
     """Bytes of weights one decode step reads: every linear weight and the LM head (only the LM
     head with ``layers=False``)."""
-    from kvserve.model_executor.layers.quant_gemm import QuantWeight
+    from kvserve.ops.quant import QuantWeight
 
     def nbytes(w) -> int:
         if isinstance(w, QuantWeight):

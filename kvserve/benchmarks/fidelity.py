@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from kvserve.benchmarks.common import system_info
@@ -732,7 +733,7 @@ def _check_steps_match(recorded: dict, meta: dict, real_from: str, real_steps: s
                 )
 
 
-def _main_real_from(ns, given: set[str] = frozenset()) -> int:
+def _main_real_from(ns: argparse.Namespace, given: AbstractSet[str] = frozenset()) -> int:
     import dataclasses
 
     from kvserve.config import EngineArgs

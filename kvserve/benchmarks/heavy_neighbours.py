@@ -105,7 +105,7 @@ async def stream_completion(client, model: str, prompt, max_tokens: int) -> dict
             now = time.perf_counter()
             if ttft is None:
                 ttft = now - t0
-            else:
+            elif last is not None:
                 max_gap = max(max_gap, now - last)
             last = now
     return {"status": 200, "ttft_s": ttft, "max_gap_s": max_gap, "e2e_s": time.perf_counter() - t0}

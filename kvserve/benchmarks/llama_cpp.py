@@ -101,8 +101,14 @@ def parse_timings(resp: dict, wall_s: float | None = None) -> CompletionTiming:
     n_prompt, prompt_ms = int(num("prompt_n")), num("prompt_ms")
     n_out, pred_ms = int(num("predicted_n")), num("predicted_ms")
     per_tok = t.get("predicted_per_token_ms")
-    finite = isinstance(per_tok, (int, float)) and not isinstance(per_tok, bool) and math.isfinite(per_tok)
-    server_tpot = float(per_tok) / 1e3 if finite and n_out > 0 else None
+    server_tpot = (
+        float(per_tok) / 1e3
+        if isinstance(per_tok, (int, float))
+        and not isinstance(per_tok, bool)
+        and math.isfinite(per_tok)
+        and n_out > 0
+        else None
+    )
     return CompletionTiming(
         prompt_tokens=n_prompt,
         output_tokens=n_out,

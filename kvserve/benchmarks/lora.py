@@ -212,20 +212,20 @@ def main(argv: list[str] | None = None) -> int:
                 load_s.append(time.perf_counter() - t)
             loras = [adapters[i % n_adapters] for i in range(len(reqs))] if n_adapters else None
             _run(llm, reqs[:1], None if loras is None else loras[:1])  # warm-up
-            r = _run(llm, reqs, loras)
-            r["adapters"], r["max_loras"] = n_adapters, max_loras
-            r["max_num_seqs"] = llm.llm_engine.scheduler.scheduler_config.max_num_seqs
-            r["slot_preemptions"] = llm.llm_engine.scheduler.num_slot_preemptions
-            r["adapter_load_ms"] = 1000 * sum(load_s) / len(load_s) if load_s else None
+            res = _run(llm, reqs, loras)
+            res["adapters"], res["max_loras"] = n_adapters, max_loras
+            res["max_num_seqs"] = llm.llm_engine.scheduler.scheduler_config.max_num_seqs
+            res["slot_preemptions"] = llm.llm_engine.scheduler.num_slot_preemptions
+            res["adapter_load_ms"] = 1000 * sum(load_s) / len(load_s) if load_s else None
             mgr = getattr(llm.llm_engine.executor, "lora_manager", None)
-            r["slot_loads"] = mgr.num_slot_loads if mgr is not None else 0
-            r["slot_load_ms"] = (
+            res["slot_loads"] = mgr.num_slot_loads if mgr is not None else 0
+            res["slot_load_ms"] = (
                 1000 * mgr.slot_load_s / mgr.num_slot_loads if mgr and mgr.num_slot_loads else None
             )
-            if n_adapters and ns.profile_steps > 0:
+            if loras is not None and ns.profile_steps > 0:
                 sub = reqs[: min(len(reqs), 64)]
-                r["profile"] = _profile_lora_share(llm, sub, loras[: len(sub)], ns.profile_steps)
-            results[dtype][scen] = r
+                res["profile"] = _profile_lora_share(llm, sub, loras[: len(sub)], ns.profile_steps)
+            results[dtype][scen] = res
             del llm
 
     rows = []

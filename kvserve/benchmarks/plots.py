@@ -18,6 +18,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _plt():
@@ -241,7 +242,7 @@ def plots_comparing(results: list[dict], out_dir) -> list[str]:
     ``server: run``) and, where any result has several rates, latency vs rate per server."""
     out = []
     cdfs = {}
-    by_server = {}
+    by_server: dict[str, list[dict[str, Any]]] = {}
     for res in results:
         name = res.get("label") or res.get("base_url") or "?"
         for r in res.get("runs") or []:

@@ -97,10 +97,10 @@ def render(d: Path) -> str:
                 f"{_f(s['tpot_ms']['p50'], 0)} | {_f(s['tpot_ms']['p99'], 0)} | {_f(s['itl_ms']['p50'], 0)} | "
                 f"{_f(s['e2e_ms']['p50'], 0)} | {_f(s['output_throughput'])} |"
             )
-    ref = VLLM_REFERENCE_ONLINE
+    online_ref = VLLM_REFERENCE_ONLINE
     out.append(
-        f"| vLLM CPU (reference) | {_f(ref['ttft_p50_ms'], 0)} | {_f(ref['ttft_p99_ms'], 0)} | "
-        f"{_f(ref['tpot_p50_ms'], 0)} | - | - | - | - |"
+        f"| vLLM CPU (reference) | {_f(online_ref['ttft_p50_ms'], 0)} | {_f(online_ref['ttft_p99_ms'], 0)} | "
+        f"{_f(online_ref['tpot_p50_ms'], 0)} | - | - | - | - |"
     )
     if "kvserve" in rows:
         s = rows["kvserve"]
@@ -108,7 +108,7 @@ def render(d: Path) -> str:
         bound = (
             (v["ttft_ms"]["p50"], v["ttft_ms"]["p99"], v["tpot_ms"]["p50"])
             if v
-            else (ref["ttft_p50_ms"], ref["ttft_p99_ms"], ref["tpot_p50_ms"])
+            else (online_ref["ttft_p50_ms"], online_ref["ttft_p99_ms"], online_ref["tpot_p50_ms"])
         )
         checks = [
             s["ttft_ms"]["p50"] <= bound[0],

@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvserve.benchmarks.common import fmt_table, system_info
 from kvserve.workload.io import write_json
@@ -38,6 +39,9 @@ from kvserve.workload.workload import (
     select_trace,
     trace_to_requests,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 GAUGES = {
     "running": ("num_requests_running",),
@@ -94,7 +98,7 @@ class LoadGenerator:
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self.tokenizer_dir = tokenizer_dir
-        self._tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self.metrics_interval_s = metrics_interval_s
         self.metrics_available: bool | None = None
         self.use_tqdm = use_tqdm
@@ -110,7 +114,9 @@ class LoadGenerator:
             from kvserve.model_executor.model_loader import resolve_model_dir
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(self.tokenizer_dir)))
-        req.prompt = self._tokenizer.decode(req.prompt_token_ids)
+        tokenizer = self._tokenizer
+        assert tokenizer is not None
+        req.prompt = str(tokenizer.decode(req.prompt_token_ids))
         return req.prompt
 
     def _body(self, req: BenchRequest, mode: str, max_tokens: int | None = None) -> dict:
@@ -253,7 +259,7 @@ class LoadGenerator:
 
         sem = asyncio.Semaphore(self.max_concurrency or len(reqs) or 1)
         bar = tqdm(total=len(reqs), desc=label, unit="req", disable=not self.use_tqdm, dynamic_ncols=True)
-        timeline = {"time_s": [], **{k: [] for k in GAUGES}}
+        timeline: dict[str, list[float]] = {"time_s": [], **{k: [] for k in GAUGES}}
         stop = asyncio.Event()
         t0 = time.perf_counter()
         scraper = (
@@ -465,9 +471,9 @@ async def amain(ns) -> int:
                     "time_scale": plan.get("time_scale"),
                     "summary": summary,
                     "samples": {
-                        "ttft_ms": [r.ttft * 1000 for r in ok],
+                        "ttft_ms": [r.ttft * 1000 for r in ok if r.ttft is not None],
                         "tpot_ms": [r.tpot * 1000 for r in ok if r.tpot is not None],
-                        "e2e_ms": [r.e2e * 1000 for r in ok],
+                        "e2e_ms": [r.e2e * 1000 for r in ok if r.e2e is not None],
                     },
                     "requests": [
                         {

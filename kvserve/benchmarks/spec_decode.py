@@ -404,9 +404,9 @@ def _measure(ns: argparse.Namespace, methods: list[str], work: dict, specs: dict
             results[scen][method] = best
 
     rows = []
-    for scen, by_method in results.items():
-        base = by_method.get("off")
-        for method, r in by_method.items():
+    for scen, best_by_method in results.items():
+        base = best_by_method.get("off")
+        for method, r in best_by_method.items():
             r["speedup"] = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
             r["same_tokens_as_off"] = (
                 None if base is None else all(t == base["token_ids"] for t in r["_all_token_ids"])
@@ -446,12 +446,12 @@ def _measure(ns: argparse.Namespace, methods: list[str], work: dict, specs: dict
     )
     if ns.rounds > 1:
         print(f"output tok/s of each of the {ns.rounds} rounds (the table: the best):")
-        for scen, by_method in results.items():
-            for method, r in by_method.items():
+        for scen, best_by_method in results.items():
+            for method, r in best_by_method.items():
                 print(f"  {scen} {method}: " + ", ".join(f"{x:.1f}" for x in r["rounds_output_tok_s"]))
     if ns.json_out:
-        for by_method in results.values():
-            for r in by_method.values():
+        for best_by_method in results.values():
+            for r in best_by_method.values():
                 r.pop("token_ids", None)
                 r.pop("_all_token_ids", None)
         write_json(

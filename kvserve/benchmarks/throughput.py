@@ -196,7 +196,9 @@ def run_transformers(
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    # transformers types ``PreTrainedModel.to`` through a decorator whose stub takes the model as
+    # the first argument; the call itself is the ordinary ``nn.Module.to``
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)  # type: ignore[arg-type]
     model.eval()
     load_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)

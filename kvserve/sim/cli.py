@@ -43,6 +43,7 @@ from kvserve.config import CHUNKED_PREFILL_TOKENS, EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.cli import add_engine_args, engine_args_from, flag_names
 from kvserve.envs import shared_dir
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sim.acceptance import AcceptanceModel, split_speculative_config
 from kvserve.sim.cli_checks import (
@@ -131,7 +132,8 @@ def simulate(
         lora_config=lora_config,
     )
     pending = sorted(requests, key=lambda r: r.arrival_s)
-    finals, i = [], 0
+    finals: list[RequestOutput] = []
+    i = 0
     rejected: dict[str, int] = {}  # the engine's refusal -> how many requests got it
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival_s <= clock.now():
@@ -158,7 +160,9 @@ def simulate(
     # Latencies of finished requests only (as `bench fidelity` reports them): an ignored one's
     # "end to end" is its refusal, which would pull e2e below TTFT.
     done = [o for o in finals if o.outcome == "finished"]
-    metrics = [o.metrics for o in done]
+    metrics = [o.metrics for o in done if o.metrics is not None]
+    if len(metrics) != len(done):
+        raise RuntimeError("a finished request without metrics: the engine records them for every request")
     summary = {
         "num_requests": len(requests),
         "finished": sum(o.outcome == "finished" for o in finals),

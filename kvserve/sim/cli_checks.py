@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 _UNSET = object()
 
@@ -82,7 +83,7 @@ def given_dests(ap: argparse.ArgumentParser, argv: list[str] | None, ns: argpars
     return {k for k, v in vars(probe).items() if v is not _UNSET}
 
 
-def refuse_unused(given: set[str], dests: Iterable[str], why: str) -> None:
+def refuse_unused(given: AbstractSet[str], dests: Iterable[str], why: str) -> None:
     """Raise when a flag the current mode ignores was given.
 
     Raises:

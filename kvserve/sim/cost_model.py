@@ -410,7 +410,7 @@ def fit_cost_model(
     w = 1.0 / ys
     for it in range(4):
         base, coef = _fit_nonneg(ys[keep], {n: c[keep] for n, c in cols.items()}, w[keep])
-        pred = base + sum(coef.get(n, 0.0) * cols[n] for n in names)
+        pred = sum((coef.get(n, 0.0) * cols[n] for n in names), np.full(len(ys), base))
         w = 1.0 / np.maximum(pred, ys.min())
         # trim against the first pass: its 1/t weights keep it on the fast majority even when
         # stalls are frequent (a mean fit would follow them and flag nothing)
@@ -437,9 +437,10 @@ def fit_cost_model(
     return CostModel(
         base_s=base,
         info={},
+        ranges=None,
         decode_knots=fitted_knots,
         prefill_knots=fitted_pknots,
-        attention_split=tuple(attention_split) if attention_split else None,
+        attention_split=(attention_split[0], attention_split[1]) if attention_split else None,
         **fields,
     )
 

@@ -334,9 +334,9 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
     }
     fields = {k: 0.0 for k in FEATURES}
     fields.update(values)
-    fields["decode_knots"] = _knots(data.get("decode_knots"), path)
-    fields["prefill_knots"] = _knots(data.get("prefill_knots"), path, "prefill_knots", "row count")
-    fields["attention_split"] = _split(data.get("attention_split"), path)
+    decode_knots = _knots(data.get("decode_knots"), path)
+    prefill_knots = _knots(data.get("prefill_knots"), path, "prefill_knots", "row count")
+    attention_split = _split(data.get("attention_split"), path)
     ranges = (data.get("profile") or {}).get("ranges") if isinstance(data.get("profile"), dict) else None
     if ranges is not None and (
         not isinstance(ranges, dict)
@@ -346,7 +346,15 @@ def parse_cost_model(data, path: str = "<cost model>") -> CostModelFile:
         )
     ):
         raise ValueError(f"{path}: profile.ranges must be an object of finite numbers >= 0")
-    return CostModelFile(CostModel(info=info, ranges=ranges, **fields), data, path)
+    model = CostModel(
+        info=info,
+        ranges=ranges,
+        decode_knots=decode_knots,
+        prefill_knots=prefill_knots,
+        attention_split=attention_split,
+        **fields,
+    )
+    return CostModelFile(model, data, path)
 
 
 def load_cost_model(path, flag: str = "--cost-model") -> CostModelFile:

@@ -328,12 +328,12 @@ class Profiler:
             # free blocks at the top of both pools: their content does not matter here
             gpu = list(range(ng - n, ng))
             cpu = list(range(nc - n, nc))
-            for maps in (
-                {"blocks_to_swap_out": dict(zip(gpu, cpu))},
-                {"blocks_to_swap_in": dict(zip(cpu, gpu))},
+            for req in (
+                ExecuteModelRequest([], blocks_to_swap_out=dict(zip(gpu, cpu))),
+                ExecuteModelRequest([], blocks_to_swap_in=dict(zip(cpu, gpu))),
             ):
                 t0 = self.timer()
-                worker.execute_model(ExecuteModelRequest([], **maps))
+                worker.execute_model(req)
                 self.swap_samples.append((n, self.timer() - t0))
 
     def run(self) -> None:

@@ -239,7 +239,11 @@ def summarize_replay(res: ReplayResult) -> dict:
     token - arrival; queue: first scheduled - arrival. Only finished requests count.
     """
     done = [rid for rid, o in res.outcome.items() if o == "finished"]
-    ttft, tpot, itl, e2e, queue = [], [], [], [], []
+    ttft: list[float] = []
+    tpot: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    queue: list[float] = []
     for rid in done:
         tt = res.token_times.get(rid) or []
         if not tt:

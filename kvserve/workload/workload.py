@@ -427,15 +427,26 @@ def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
     for k in range(1, len(records) if records[0].arrival_s is not None else 0):
         # rows out of order would be re-based and cut (--num-requests) in file order: negative
         # arrival times, a selection that is not the first arrivals
-        if records[k].arrival_s < records[k - 1].arrival_s:
+        if _arrival(records[k]) < _arrival(records[k - 1]):
             raise ValueError(
                 f"{wheres[k]}: arrives before the row above it (a trace's rows must be in arrival order)"
             )
     if records[0].arrival_s is not None:
-        t0 = min(r.arrival_s for r in records)
+        t0 = min(_arrival(r) for r in records)
         for r in records:
-            r.arrival_s -= t0
+            r.arrival_s = _arrival(r) - t0
     return records
+
+
+def _arrival(r: TraceRecord) -> float:
+    """``r.arrival_s`` in a trace whose rows carry times (a format gives every row one or none).
+
+    Raises:
+        ValueError: the row has no arrival time.
+    """
+    if r.arrival_s is None:
+        raise ValueError("a trace row without an arrival time among rows with one")
+    return r.arrival_s
 
 
 def select_trace(
@@ -451,12 +462,12 @@ def select_trace(
         sel = [
             TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids, r.lora_id)
             for r in records
-            if start_s <= r.arrival_s < end
+            if start_s <= _arrival(r) < end
         ]
         if sel:
-            t0 = sel[0].arrival_s
+            t0 = _arrival(sel[0])
             for r in sel:
-                r.arrival_s -= t0
+                r.arrival_s = _arrival(r) - t0
     else:
         sel = list(records)
     return sel[:num_requests] if num_requests is not None else sel

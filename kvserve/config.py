@@ -271,19 +271,32 @@ class SchedulerConfig:
     delay_factor: float = 0.0
     spec_decode_disable_by_batch_size: int | None = None
 
+    @staticmethod
+    def parse_preemption_mode(value: PreemptionMode | str | None) -> PreemptionMode | None:
+        """``value`` as a ``PreemptionMode``: a mode as it is, ``"recompute"`` / ``"swap"``
+        (any case) by name, None as None. Raises ValueError for any other string."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return PreemptionMode[value.upper()]
+        except KeyError:
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap' (or unset), got {value!r}."
+            ) from None
+
+    @staticmethod
+    def default_max_num_batched_tokens(chunked_prefill_enabled: bool, max_model_len: int) -> int:
+        """The step token budget when none is given: ``CHUNKED_PREFILL_TOKENS`` with chunked
+        prefill, else room for a whole prompt (``max_model_len``, at least 512)."""
+        return CHUNKED_PREFILL_TOKENS if chunked_prefill_enabled else max(max_model_len, 512)
+
     def __post_init__(self) -> None:
-        if isinstance(self.preemption_mode, str):
-            try:
-                self.preemption_mode = PreemptionMode[self.preemption_mode.upper()]
-            except KeyError:
-                raise ValueError(
-                    f"preemption_mode must be 'recompute' or 'swap' (or unset), got {self.preemption_mode!r}."
-                ) from None
+        self.preemption_mode = self.parse_preemption_mode(self.preemption_mode)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
-                CHUNKED_PREFILL_TOKENS if self.chunked_prefill_enabled else max(self.max_model_len, 512)
+            self.max_num_batched_tokens = self.default_max_num_batched_tokens(
+                self.chunked_prefill_enabled, self.max_model_len
             )
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
@@ -300,12 +313,12 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
-def json_object(value: dict | str | None, name: str = "speculative_config") -> dict | None:
+def json_object(value: object, name: str = "speculative_config") -> dict | None:
     """``value`` as a dict: a dict as it is, a JSON object string decoded, None or a blank
     string None (``--speculative-config`` and its like).
 
     Raises:
-        ValueError: not JSON, or not an object, naming ``name``.
+        ValueError: not JSON, or not an object (any other type included), naming ``name``.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -732,12 +745,14 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             watermark=self.watermark,
         )
+        if budget is None:
+            budget = SchedulerConfig.default_max_num_batched_tokens(chunked, max_len)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_len,
             chunked_prefill_enabled=chunked,
-            preemption_mode=self.preemption_mode,
+            preemption_mode=SchedulerConfig.parse_preemption_mode(self.preemption_mode),
             policy=self.policy,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,

@@ -68,7 +68,7 @@ def build_proposer(spec_config: SpeculativeConfig, worker: Any) -> Proposer:
         return NGramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, fallback)
     if spec_config.method == "draft_model":
         try:
-            from kvserve.spec_decode.draft_model_proposer import DraftModelProposer  # type: ignore
+            from kvserve.spec_decode.draft_model_proposer import DraftModelProposer
         except ImportError as e:
             raise ValueError(f"speculative_config.method 'draft_model' is not available: {e}") from None
         return DraftModelProposer(spec_config, worker)
@@ -124,11 +124,11 @@ class SpecDecodeWorker:
             DynamicDraftPolicy(self.k) if getattr(spec_config, "dynamic", False) else None
         )
         if self.policy is not None:
-            # On CPU the policy learns from the engine thread's CPU time: on the shared 2-core
-            # machine wall-clock step times were 3-6x the CPU time and swung by more than the
-            # draft rows cost, while CPU time per row count was stable; descheduling stretches
-            # every step alike, so the ratios the policy needs are the same. (On an
-            # accelerator the CPU time of a synchronising thread says nothing: wall clock.)
+            # On CPU the policy learns from the engine thread's CPU time: on a shared machine
+            # wall-clock step times swing by more than the draft rows cost, while CPU time per
+            # row count is stable; descheduling stretches every step alike, so the ratios the
+            # policy needs are the same. (On an accelerator the CPU time of a synchronising
+            # thread says nothing: wall clock.)
             self.policy.use_cpu_time = str(getattr(worker, "device", "cpu")).startswith("cpu")
             self.policy.proposer_label = (
                 "draft model" if spec_config.method == "draft_model" else spec_config.method
@@ -407,22 +407,23 @@ class SpecDecodeWorker:
             params = md.sampling_params
             for j in range(len(v.drafts) + 1):
                 pdata = _PositionData(v.data, v.drafts, j, params.needs_penalties)
+                # _PositionData stands in for SequenceData: it serves the sampler's reads
                 rows.append(
                     _Row(
                         v.index,
                         v.seq_id,
                         1,
                         params,
-                        pdata,
-                        sampler._suppressed_ids(params, pdata, vocab),
+                        pdata,  # type: ignore[arg-type]
+                        sampler._suppressed_ids(params, pdata, vocab),  # type: ignore[arg-type]
                         None,
-                    )  # type: ignore[arg-type]
+                    )
                 )
         adjusted = Sampler.adjust(logits, rows)
         random_ids = [n for n, v in enumerate(verify) if not metas[v.index].sampling_params.is_greedy]
         # All greedy: the sampler's fused argmax + logsumexp pass over the rows (the plain
         # decode's own kernel, so an emitted token's logprob is computed as without
-        # speculation); torch's argmax over [rows, V] alone cost ~3 ms at 40 rows.
+        # speculation); torch's separate argmax over [rows, V] would be a second full pass.
         greedy_lps: list[float] | None = None
         if not random_ids and elementwise.supported(adjusted):
             tok, lp = elementwise.greedy_sample(adjusted)
@@ -479,11 +480,11 @@ class SpecDecodeWorker:
                     tv, ti = sel_logits[r0:first_row].topk(kk, dim=-1)
                     tv = tv - lse[r0:first_row].unsqueeze(1)
                     vals, ids = tv.tolist(), ti.tolist()
-                for j, tok in enumerate(toks):
+                for j, token in enumerate(toks):
                     top: dict[int, float] = (
                         dict(zip(ids[j], vals[j])) if ids is not None and vals is not None else {}
                     )
-                    top.setdefault(tok, lps[j])
+                    top.setdefault(token, lps[j])
                     tops[j] = top
             samples = [
                 SequenceOutput(parent_seq_id=v.seq_id, output_token=tok, logprob=lp, top_logprobs=top)

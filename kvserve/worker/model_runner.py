@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from kvserve.model_executor.sampler import PROMPT_LOGPROB_ROWS, prompt_logprobs
 from kvserve.ops import attention as paged_attention
 from kvserve.ops import prefill_attention
 from kvserve.sequence import CompletionSequenceGroupOutput, SequenceGroupMetadata
+
+if TYPE_CHECKING:
+    from kvserve.lora.manager import LoRAManager
 
 #: Cost of one extra decode bucket per layer (a gather + an attention call), in padded
 #: block-rows (one block of K and V for one sequence); used to trade padding for calls.
@@ -139,7 +143,7 @@ class ModelRunner:
     native_prefill = True
     #: A ``kvserve.lora.manager.LoRAManager`` when LoRA is enabled: each step's adapters get
     #: device slots (``activate``) and the batch a per-row slot map (``meta.lora``).
-    lora_manager = None
+    lora_manager: LoRAManager | None = None
 
     def __init__(
         self,
@@ -530,13 +534,15 @@ class ModelRunner:
                 logits[:n][collapsed] = float("nan")
         if inp.prompt_rows is None:
             return logits, None
+        targets = inp.prompt_targets
+        assert targets is not None, "set together with prompt_rows"
         ks = [k for _, _, count, k in inp.prompt_spans for _ in range(count)]
         entries: list[dict] = []
         for s in range(0, int(inp.prompt_rows.shape[0]), PROMPT_LOGPROB_ROWS):
             e = s + PROMPT_LOGPROB_ROWS
             part = self.model.compute_logits(hidden.index_select(0, inp.prompt_rows[s:e]))
             if part is not None:  # (the driver: every rank runs the same calls)
-                entries.extend(prompt_logprobs(part, inp.prompt_targets[s:e], ks[s:e]))
+                entries.extend(prompt_logprobs(part, targets[s:e], ks[s:e]))
             del part
         return logits, entries if logits is not None else None
 

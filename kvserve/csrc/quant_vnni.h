@@ -5,8 +5,7 @@
    Why: from PANEL_ROWS rows the other kernels spend one float multiply-add per weight and row
    (the float32 panels: 16 per instruction) or, in the x4 GEMV, three float operations per
    vpdpbusd because its lanes are partial sums of four weight rows. vpdpbusd does 64
-   multiply-adds per instruction at about the FMA's rate (measured on the AVX512-BF16 Xeon
-   without AMX of docs/benchmarks.md: 6.50 against 6.89 G instructions/s per core). Here a
+   multiply-adds per instruction at about the FMA's issue rate. Here a
    register holds 16 output features times 4 consecutive inputs, so a 32-block of 16 features
    and one activation row is 8 vpdpbusd into one int32 accumulator, then one conversion and
    two float operations (d_w d_x; Q4_1 one more FMA for the minimum's m_w d_x sum(q_x)):

@@ -230,7 +230,7 @@ def test_quantized_config_over_float_weights_is_refused(tmp_path, qc):
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32])
 def test_integer_tensor_under_a_float_weight_name_is_refused(tmp_path, dtype):
-    """Found in issue 20: int8 tensors under plain weight names loaded silently as garbage."""
+    """int8/uint8/int32 tensors under plain float weight names are refused, not loaded as garbage."""
     from safetensors.torch import load_file, save_file
 
     save_tiny(tmp_path, llama_config())

@@ -1,6 +1,6 @@
-"""What the eleventh session added against the host's drift and for the decode residuals: the
-step records' decode extent and thread count, the quick profile grid (a re-profile right before
-each cell), the noise column of the fidelity report, and the decode residual report."""
+"""The simulator's defences against the host's drift and its decode residuals: the step records'
+decode extent and thread count, the quick profile grid (a re-profile right before each cell),
+the noise column of the fidelity report, and the decode residual report."""
 
 import argparse
 import json

@@ -434,7 +434,7 @@ def _simulate(batch, p_true, true_cost, steps=240, noise=0.0, seed=0, k=4):
     st.integers(0, 2**16),
 )
 def test_dynamic_policy_is_never_much_slower_than_off(batch, a, row_frac, hinge_frac, p, seed):
-    """The rule issue 13 asks for: when drafts do not pay the policy stops proposing them, so
+    """The policy's contract: when drafts do not pay the policy stops proposing them, so
     it keeps >= 0.96x speculation off whatever the batch, the cost curve and the acceptance
     (with one-sided stalls of up to 50%), its cold start included."""
     true = hinge(a, a * row_frac, a * hinge_frac, batch)
@@ -461,7 +461,7 @@ def test_policy_shortfalls_found_before_are_fixed(batch, a, row_frac, hinge_frac
     assert _simulate(batch, {i: p for i in range(batch)}, true, noise=0.5, seed=seed) >= 0.96
 
 
-@pytest.mark.xfail(strict=True, reason="known shortfall of the dynamic draft policy (open, issue 13)")
+@pytest.mark.xfail(strict=True, reason="known shortfall of the dynamic draft policy")
 @pytest.mark.parametrize(
     "batch,a,row_frac,hinge_frac,p,seed",
     [

@@ -13,14 +13,11 @@ vocabulary is padded with zero rows to ``T*S``, so only the last rank(s) hold pa
   all-reduce per forward). Ids are validated against the vocabulary before they reach the model
   (``engine.input_processor``), so no id falls in the padding or outside every range.
 
-Why the embedding stays replicated on CPU: measured on the shared 2-core machine (load average
-~8, gloo over loopback, float32, hidden 512, vocab 49152, one thread per rank), the replicated
-lookup takes 5-15 us for 1-128 tokens (0.37 ms for 512), while the sharded one takes a masked
-lookup (30-270 us) plus an all-reduce of ``[tokens, 512]`` of 0.4-2.7 ms (1.3 ms at 512): one
-more of the forward's latency-bound collectives (2 x layers + 1 instead of 2 x layers), paid on
-every step, to save ``(T - 1) / T`` of a table that host memory holds easily (49152 x 512
-float32 = 96 MiB per rank). On CUDA, where device memory is the limit and an NCCL all-reduce
-costs microseconds, the table is sharded.
+Why the embedding stays replicated on CPU: a replicated lookup costs microseconds, while the
+sharded one adds a masked lookup and an all-reduce of ``[tokens, hidden]`` to every forward (one
+more latency-bound collective: 2 x layers + 1 instead of 2 x layers), to save ``(T - 1) / T`` of
+a table that host memory holds easily. On CUDA, where device memory is the limit and an NCCL
+all-reduce is cheap, the table is sharded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 /*
- * Structured-output token masks applied to float32 logits rows (C/OpenMP, built by native_lib).
+ * Structured-output token masks applied to float32 logits rows (C/OpenMP, built by ops/library.py).
  *
  * A grammar's mask row is int32 [W]: bit t % 32 of word t / 32 is 1 when token t is allowed
  * (llguidance's layout, little-endian words); tokens at or past 32 * W are not allowed, and the

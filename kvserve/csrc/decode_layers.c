@@ -1,7 +1,7 @@
 /*
  * Every decoder layer of a pure-decode step (and the final norm) in one call.
  *
- * Why: native_decode.py's per-layer path makes nine ctypes calls per layer (two RMSNorms, four
+ * Why: cpu_decode_step.py's per-layer path makes nine ctypes calls per layer (two RMSNorms, four
  * GEMMs, rotary + cache write, attention, SiLU-and-mul), 270 for the default model's 30 layers;
  * each costs a few microseconds of argument conversion and Python around it, ~2 ms of a
  * batch-1 step (12.6 % of a gguf step in a profile, the GEMVs 75 %). This file runs the same

@@ -24,7 +24,7 @@ typedef int (*CAT(dl_lora_wbf16_, SFX))(const ELEM*, int64_t, ELEM*, int64_t, co
                                         const int64_t*, const int64_t*, const int64_t*, int64_t, int);
 
 /* y[T, g->n] += the LoRA delta of x[T, g->k] through lo's slots for the step's rows (lora.c's
-   lora_add, the call native_decode's per-layer path makes): DL_OK, or DL_ENOMEM (no memory for
+   lora_add, the call cpu_decode_step's per-layer path makes): DL_OK, or DL_ENOMEM (no memory for
    the kernel's scratch rows; y not written). Nothing when the step has no LoRA rows or the
    target no slots. */
 static int CAT(dl_lora_, SFX)(dl_model* m, const dl_lora* lo, const dl_gemm* g, const ELEM* x, ELEM* y,

@@ -36,7 +36,7 @@
  * (bf16dot_speed below), and the kernel runs at ~91% of its peak (the
  * compiled 8-row loop: 66 instructions per pair, 24 of them VDPBF16PS). So the engine does not
  * run it: where the probe finds the dot product slower than FMAs, bfloat16 weights take the
- * panels at every step size (native_gemm.packs_bfloat16); where it is faster (AMD Zen 4, whose
+ * panels at every step size (ops/gemm.py's packs_bfloat16); where it is faster (AMD Zen 4, whose
  * steps past 16 rows oneDNN's dot product won, measured) oneDNN keeps them until this kernel is
  * measured against it on such a CPU (gemm_micro.py --kernel bf16dot panels).
  *

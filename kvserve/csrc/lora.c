@@ -1,6 +1,6 @@
 /*
  * The batched LoRA delta of one fused target linear, for the small steps of decoding
- * (C/OpenMP, built by native_lib; wrapper kvserve/model_executor/layers/native_lora.py).
+ * (C/OpenMP, built by kvserve/ops/library.py; wrapper kvserve/ops/lora.py).
  *
  *   out[t, cols_p] += (x[t] @ A[s_t][:, p*R:(p+1)*R]) @ B[s_t][p*R:(p+1)*R, cols_p]
  *
@@ -35,14 +35,13 @@
  * blocks and its expand in 48-output-column blocks over the threads, a barrier between
  * (lora_add_split): a decode step of 1 or 3 adapters kept one thread idle for a third to all of
  * its LoRA time when whole chunks were the unit (2 or 4 chunks still are: balanced, and the split
- * measured 0.1-0.4 ms per step slower there, benchmarks/lora_kernel_stream.py). The
- * splits fall on the register tiles' own column boundaries, so each element is the same FMA
- * chain as on one thread: the result does not depend on the thread count. Larger steps split
- * whole chunks over the threads (many chunks balance by themselves). Returns 1 (nothing
- * written) when the scratch rows (LORA_MR x (in + P * R) floats per thread, or per chunk in the
- * split form) cannot be allocated, else 0.
+ * measured slower there). The splits fall on the register tiles' own column boundaries, so
+ * each element is the same FMA chain as on one thread: the result does not depend on the
+ * thread count. Larger steps split whole chunks over the threads (many chunks balance by
+ * themselves). Returns 1 (nothing written) when the scratch rows (LORA_MR x (in + P * R)
+ * floats per thread, or per chunk in the split form) cannot be allocated, else 0.
  *
- * Called per target linear by native_lora.py (the per-layer paths) and by decode_layers.c's
+ * Called per target linear by ops/lora.py (the per-layer paths) and by decode_layers.c's
  * one-call decode step, which passes the step's rows and segments once for all 120 calls.
  */
 #include <omp.h>

@@ -1,5 +1,5 @@
 /*
- * Fused CPU kernels for the elementwise parts of a step (C/OpenMP, built by native_lib).
+ * Fused CPU kernels for the elementwise parts of a step (C/OpenMP, built by ops/library.py).
  *
  * At 64 decode rows each torch elementwise op costs ~10-60 us of dispatch and a pass over memory;
  * a prefill of 6,000 tokens in bfloat16 spent ~40 % of its time in the RMSNorm, SiLU and dtype

@@ -15,7 +15,7 @@
  * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
  * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
  *
- * Three kernels per type (and act16, 2b, Q8_0's / Q4_1's x4 kernels, 2c, and AMX, 4); quant_gemm.py's pick_kernel
+ * Three kernels per type (and act16, 2b, Q8_0's / Q4_1's x4 kernels, 2c, and AMX, 4); ops/quant.py's pick_kernel
  * chooses per call (rows, mode):
  *
  * 1. quant_gemm_* ("tile", float activations): the activations stay float32 (bfloat16 ones are
@@ -64,9 +64,9 @@
  * lanes: two vpdpbusd per block, row and activation row, then one conversion, a multiply and
  * two FMAs (d_w d_x dot, and the minimum's m_w d_x sum(q_x) / 4 per lane). The threads split
  * the groups of four rows. Same values as act8 / act16 up to float32 rounding (the integer dot
- * products are exact in both). A Q4_1 GEMM weight keeps only this copy (quant_gemm.py's
+ * products are exact in both). A Q4_1 GEMM weight keeps only this copy (ops/quant.py's
  * prepare): quant_gemm_panelx4_q4_1_* runs the panels of 3. on it. Measured:
- * benchmarks/int8_gemv.py (--qtype q4_1), docs/benchmarks.md.
+ * benchmarks/quantized.py --kernels, docs/benchmarks.md.
  *
  * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
  * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16
@@ -76,11 +76,11 @@
  * against float32 gemm.c's 60 and the tile kernel's 14-30 (int8 activations: 25-34).
  *
  * 4. quant_gemm_amx_* / quant_gemm_amxx4_q4_1_* (every type; the int8 mode on AMX CPUs, from
- * quant_gemm.py's AMX_ROWS): the weights dequantized into bfloat16 AMX tiles and multiplied with
+ * ops/quant.py's AMX_ROWS): the weights dequantized into bfloat16 AMX tiles and multiplied with
  * TDPBF16PS, float32 sums (quant_amx.h: layout, tolerance, measurements).
  *
  * 5. quant_gemm_vnnix4_{q8_0,q4_1}_* (the int8 mode where the kernels have AVX-512 VNNI, from
- * quant_gemm.py's VNNI_ROWS; AMX comes first where enabled): the x4 copy repacked per call into
+ * ops/quant.py's VNNI_ROWS; AMX comes first where enabled): the x4 copy repacked per call into
  * int8 panels whose 16 lanes are output features and int8 activations per 32-block, summed
  * exactly with vpdpbusd (64 multiply-adds per instruction) and scaled once per block
  * (quant_vnni.h: layout, cost, measurements).
@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void pair_scales(const int qt, cons
 #include "kv_instantiate.h"
 
 /* 1 when the AMX kernels (quant_amx.h) were built (the CPU may still refuse the tiles: the caller
-   asks amx_gemm's amx_init first), else 0. */
+   asks amx_gemm.c's amx_init first), else 0. */
 int quant_amx_built(void) {
 #ifdef QAMX
     return 1;
@@ -369,7 +369,7 @@ int quant_x4_set_prefetch(int bytes) {
 /* Reads `bytes` at p (a multiple of 64 is read fully; a tail under 64 is skipped) with 64-byte
    loads on nthreads threads, each a contiguous share, and returns an XOR of what it read (so the
    loads cannot be dropped): the memory-bandwidth ceiling a GEMV over the same bytes could reach
-   (benchmarks/int8_gemv.py). prefetch: bytes ahead to prefetch in software (0: the hardware
+   (ops/quant.py's stream_read). prefetch: bytes ahead to prefetch in software (0: the hardware
    prefetcher alone). */
 uint64_t quant_stream_read(const uint8_t* p, int64_t bytes, int nthreads, int64_t prefetch) {
     const int64_t lines = bytes / 64;

@@ -1,5 +1,5 @@
 /* Q8_0 and Q4_1 weights repacked for the int8-activation GEMV of small batches ("x4" layout;
-   quant_gemm.c's act8x4 / act16x4 kernels, built from a GGUF weight by quant_gemm.py's pack_x4;
+   quant_gemm.c's act8x4 / act16x4 kernels, built from a GGUF weight by ops/quant.py's pack_x4;
    the Q4_1 layout and its helpers are in the second half of this file).
 
    Q8_0. Why: the GGUF block (a float16 scale, then 32 int8 quants: 34 bytes) is a poor unit for a
@@ -239,7 +239,8 @@ static inline __attribute__((always_inline)) void x4q_dequant(const uint8_t* w, 
 }
 
 /* Software prefetch distance of the x4 kernels in bytes of weights ahead (0: none); a runtime
-   value so benchmarks/int8_gemv.py can tune it without rebuilding (quant_x4_set_prefetch). */
+   value so a benchmark can tune it without rebuilding (quant_x4_set_prefetch: ops/quant.py's
+   set_x4_prefetch). */
 static int x4_prefetch_bytes = 12288;
 
 #endif /* KV_QUANT_X4_H */

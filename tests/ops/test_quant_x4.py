@@ -5,7 +5,7 @@ int8 kernels, beyond the float64 reference checks of test_quant_act8.py (which r
 (K not a multiple of 128, N not a multiple of 4) at 1..PANEL_ROWS - 1 rows and 1-2 threads, that
 a row's result depends on neither the batch it came in, the thread count nor the prefetch
 distance, the Q4_1 weight that keeps only its x4 copy (panels, rebuilt GGUF bytes, ``prepare``),
-and the streaming-read ceiling of benchmarks/int8_gemv.py."""
+and the streaming-read ceiling (``quant.stream_read``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Public API: ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSear
 import os
 
 # oneDNN (bfloat16 GEMMs; float32 ones where the native kernels are off) builds and caches one
-# primitive per distinct row count and weight shape. ``llama.linear`` pads a step's rows to one
+# primitive per distinct row count and weight shape. ``linear.linear`` pads a step's rows to one
 # of ~40 buckets up to 2,048 rows (``row_buckets``), so ever-new step sizes do not grow the
 # cache, and the process, without bound (tests/adversarial/test_step_size_memory.py). Those
 # buckets of the model's few weight shapes, with their reorders, come to a few hundred

@@ -18,7 +18,7 @@ Per dtype (``--dtypes``) and scenario: output tok/s, its ratio to ``base`` (the 
 validating one PEFT directory). ``--profile-steps N`` (default 2) profiles N
 steps of the batch with ``torch.profiler`` after the timed run and reports the share of the
 step spent in the LoRA op (``lora.add_lora`` calls, plus the LoRA kernel time the one-call
-decode step clocks itself: ``native_decode.lora_kernel_seconds``). ``--max-slot-preemptions N`` turns slot turnover
+decode step clocks itself: ``cpu_decode_step.lora_kernel_seconds``). ``--max-slot-preemptions N`` turns slot turnover
 on for the LoRA scenarios (``LoRAConfig.max_slot_preemptions``; default 0, vLLM's rule); the
 JSON records each run's ``slot_preemptions``. Adapters are random PEFT directories written
 under ``--adapter-dir`` (a temporary one by default). Prints a table; ``--json-out`` writes it.
@@ -77,8 +77,7 @@ def _profile_lora_share(llm, reqs: list[BenchRequest], loras, steps: int) -> dic
 
     from kvserve import SamplingParams
     from kvserve.model_executor.layers import lora as ops
-    from kvserve.model_executor.models import cpu_decode_step as native_decode
-    from kvserve.model_executor.models import llama
+    from kvserve.model_executor.models import cpu_decode_step, llama
 
     eng = llm.llm_engine
     ids = [f"prof-{i}" for i in range(len(reqs))]
@@ -96,9 +95,9 @@ def _profile_lora_share(llm, reqs: list[BenchRequest], loras, steps: int) -> dic
         with record_function("lora.add_lora"):
             return orig(*a, **kw)
 
-    llama.add_lora = native_decode.add_lora = timed
+    llama.add_lora = cpu_decode_step.add_lora = timed
     model = getattr(eng.executor, "model", None)
-    fused0 = native_decode.lora_kernel_seconds(model)
+    fused0 = cpu_decode_step.lora_kernel_seconds(model)
     try:
         t0 = time.perf_counter()
         with without_profiler_trace_lines(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -106,9 +105,9 @@ def _profile_lora_share(llm, reqs: list[BenchRequest], loras, steps: int) -> dic
                 eng.step()
         wall = time.perf_counter() - t0
     finally:
-        llama.add_lora = native_decode.add_lora = orig
+        llama.add_lora = cpu_decode_step.add_lora = orig
     # the one-call decode step calls the kernel from C: its own clock of those calls
-    fused_s = native_decode.lora_kernel_seconds(model) - fused0
+    fused_s = cpu_decode_step.lora_kernel_seconds(model) - fused0
     eng.abort_request(ids)
     while eng.has_unfinished_requests():
         eng.step()

@@ -98,7 +98,7 @@ def _libraries() -> list[dict]:
 
 def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     """Operation -> dtype -> the implementation the CPU engine uses for it on this host (the
-    same tests as ``llama.prepack_weight``, ``attention`` and the model runner make)."""
+    same tests as ``linear.prepack_weight``, ``attention`` and the model runner make)."""
     from kvserve.ops import attention as paged_attention
     from kvserve.ops import bitmask as bitmask_kernel
     from kvserve.ops import decode_layers, elementwise, gemm, gemm_amx, prefill_attention, quant

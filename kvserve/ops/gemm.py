@@ -1,5 +1,5 @@
 """Linear layers on CPU with kvserve's own GEMM: ``y = x @ W^T (+ b)``, the weight packed once
-into column panels (``PanelWeight``). Used for float32 weights (``llama.prepack_weight``); the
+into column panels (``PanelWeight``). Used for float32 weights (``linear.prepack_weight``); the
 algorithm, the layout and the measurements that chose it are in ``kvserve/csrc/gemm.c``.
 
 Layout: ``W [N, K]`` becomes ``panels [ceil(N / 48), K, 48]`` (zero padded): panel ``p`` holds
@@ -32,7 +32,7 @@ def available() -> bool:
 
 
 def packs_bfloat16() -> bool:
-    """Whether ``llama.prepack_weight`` packs bfloat16 weights here for every step size (hosts
+    """Whether ``linear.prepack_weight`` packs bfloat16 weights here for every step size (hosts
     without AMX): the kernels are available and the CPU has no bfloat16 dot product faster than
     its float32 FMAs -- none at all (no AVX512-BF16: oneDNN emulates bfloat16), or a slow one
     (``gemm_bf16dot.dot_beats_fma`` False). On a host without AVX512-BF16 (2-core AVX-512F VM,

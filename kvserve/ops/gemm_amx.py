@@ -21,13 +21,13 @@ from kvserve.ops.library import NativeLibrary, check_linear_inputs
 #: Output columns per group (two 16-column B tiles) and input features per tile (32 bf16).
 GROUP_COLS = 32
 K_TILE = 32
-#: Most rows (tokens) ``llama.linear`` sends here; larger steps (prefill) go to oneDNN, which
+#: Most rows (tokens) ``linear.linear`` sends here; larger steps (prefill) go to oneDNN, which
 #: blocks for cache reuse across many rows. On the 30 layers of SmolLM2-135M (``benchmarks/
 #: gemm_micro.py --dtype bfloat16``) this kernel ran 1.1-1.35x oneDNN at 1-64 rows, 0.9-1.1x
 #: at 128, 0.87x at 256 and 0.74x at 2,048.
 MAX_ROWS = 64
 
-#: Environment variable: ``0`` keeps bfloat16 linear layers off this kernel (``llama.prepack_weight``
+#: Environment variable: ``0`` keeps bfloat16 linear layers off this kernel (``linear.prepack_weight``
 #: packs them as on a CPU without AMX: the panels and/or oneDNN), for A/B comparisons and tests
 #: of those paths on an AMX host; the tiles stay available to attention and the quantized
 #: kernels (their own switches: ``KVSERVE_ATTENTION_AMX``, ``KVSERVE_QUANT_AMX``).

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 #: Row counts up to this are run as they are (few distinct values; and the 1-row case has its
-#: own rule in ``llama.linear``).
+#: own rule in ``linear.linear``).
 EXACT_ROWS = 16
 #: Buckets per doubling of the row count.
 BUCKETS_PER_DOUBLING = 8

@@ -56,8 +56,8 @@ from kvserve.ops import decode_layers, elementwise, gemm, gemm_amx, quant
 from kvserve.ops import lora as lora_kernel
 from kvserve.ops.library import DTYPE_SUFFIX
 
-#: Run LoRA steps on the one-call step (False: the per-layer path, as before the twelfth
-#: session; benchmarks/lora_step_split.py compares the two in one run).
+#: LoRA steps run on the one-call step; False sends them to the per-layer path, which runs the
+#: same kernels in the same order (bit-identical hidden states), so the two can be compared.
 FUSE_LORA = True
 
 

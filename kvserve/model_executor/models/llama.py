@@ -66,7 +66,7 @@ class LlamaAttention(nn.Module):
     matching 1/T of o's input columns (row-parallel o), whose partial outputs are summed over the
     ranks (``tp.all_reduce``)."""
 
-    #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.LoRAManager``.
+    #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.manager.LoRAManager``.
     lora_stacks: dict | None = None
     #: fused target -> its parts' output column bounds (``LoRAManager.part_bounds``).
     lora_parts: dict | None = None
@@ -133,7 +133,7 @@ class LlamaMLP(nn.Module):
     """SwiGLU MLP; with a tensor-parallel group ``tp`` of size T this rank holds 1/T of the
     intermediate columns (column-parallel gate/up, row-parallel down, outputs all-reduced)."""
 
-    #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.LoRAManager``.
+    #: fused target -> ``(A, B)`` device slot stacks, set by ``kvserve.lora.manager.LoRAManager``.
     lora_stacks: dict | None = None
     #: fused target -> its parts' output column bounds (``LoRAManager.part_bounds``).
     lora_parts: dict | None = None

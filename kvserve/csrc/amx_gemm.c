@@ -2,10 +2,10 @@
  * bfloat16 linear layers for decode-sized batches on Intel AMX tiles.
  *
  * Why: a decode step's GEMMs have few rows (1-64 tokens) and must read every weight once, so
- * their floor is memory bandwidth (~22 GB/s for the two cores here). oneDNN's bfloat16 matmul
- * (AMX too) read SmolLM2-135M's weights at ~14 GB/s at 1-8 rows and ~8.5 GB/s at 59 rows
- * (benchmarks/gemm_micro.py --dtype bfloat16). This kernel streams a layout made for tile
- * loads, one sequential stream per thread, and reuses each loaded weight tile for 32 rows.
+ * their floor is memory bandwidth, and oneDNN's bfloat16 matmul (AMX too) streams them well
+ * below it (docs/benchmarks.md, CPU kernels: benchmarks/gemm_micro.py --dtype bfloat16). This
+ * kernel streams a layout made for tile loads, one sequential stream per thread, and reuses each
+ * loaded weight tile for 32 rows.
  *
  * AMX (Intel Architecture Instruction Set Extensions Programming Reference, ch. 3): eight tile
  * registers of 16 rows x 64 bytes; TDPBF16PS C, A, B adds to C (16 x 16 float32) the
@@ -115,8 +115,8 @@ void amx_gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
                 }
             /* A group's chunks after its first run on its weights in cache while memory idles:
                they fetch the next group's lines meanwhile, spread over their k-slices, into L2
-               (into L1 they evicted the tiles those chunks read: slower). 33-96 rows of the
-               default model: 4-9% faster; up to 32 rows nothing changes. */
+               (into L1 they evicted the tiles those chunks read: slower). It helps steps of
+               more than one 32-row chunk; up to 32 rows there are no later chunks. */
             const int64_t later = ((mrows + 31) / 32 - 1) * KC; /* k-slices of later chunks */
             const int64_t lines = KC * 32;                      /* 64-byte lines of one group */
             const int64_t per = later ? (lines + later - 1) / later : 0;

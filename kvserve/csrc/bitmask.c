@@ -6,9 +6,9 @@
  * bits of the last word past the vocabulary V are ignored (V % 32 need not be 0).
  *
  * In torch, masking 64 rows of a 49,152-token vocabulary took a gather through a byte -> 8 bools
- * table (3 M bools), a negation, an index_select / masked_fill_ / index_copy_ round trip:
- * 0.9 ms per step on a quiet 2-core AVX-512 machine and 3.5 ms under load (profiled in
- * docs/benchmarks.md), plus a second pass of the greedy sampler over the masked rows. Here:
+ * table (3 M bools), a negation, an index_select / masked_fill_ / index_copy_ round trip, each
+ * a pass over memory (docs/benchmarks.md, CPU kernels), plus a second pass of the greedy sampler
+ * over the masked rows. Here:
  *
  * - apply_token_bitmask_f32: in place, per constrained row and 32-token word: an all-ones word is
  *   skipped, otherwise its two 16-lane halves are blended with -inf under the bits (one pass

@@ -12,23 +12,20 @@
  * after range reduction, relative error ~1e-7), value accumulators in registers. Cache rows are
  * reached through a (block, offset) cursor, with the row two blocks ahead prefetched; for
  * bfloat16 on CPUs with AVX512-BF16 the q.k products use vdpbf16ps (exact bf16 products,
- * float32 sums) instead of widening every key. Together these took decode attention over a
- * DRAM-resident cache from 10.3 to 11.6 GB/s (64 sequences of ~225 tokens) and from 12.9 to
- * 16.9 GB/s (8 of ~525), bfloat16.
+ * float32 sums) instead of widening every key: a DRAM-resident cache then streams closer to
+ * the memory's rate (docs/benchmarks.md, CPU kernels).
  *
  * Speculative decoding's verify chunks arrive as consecutive rows of one sequence (kend rising by
  * one, the same blocks): verify_rows finds them, and one work item per chunk and KV head reads
  * each key and value row once for all its rows, every row keeping the arithmetic it has alone
  * (bit-identical to a decode of that position). The reads are shared, the per-row compute is
- * not: 8 sequences x 3-5 rows over 450 keys ran 1.27-1.35x faster (bfloat16, 2 threads, 30
- * layers), a single sequence's chunk is better as single rows (items enough for the threads).
+ * not: several sequences' chunks gain, a single sequence's chunk is better as single rows (items
+ * enough for the threads).
  *
  * bfloat16 on CPUs and processes with AMX tiles (head_dim 32 or 64, block size a multiple of
  * 16) runs both products on tiles instead (da_item_amx below): a work item's rows x query heads
  * (up to 16) are the rows of one tile, so a verify chunk of R rows costs about what one row
- * costs. 30 layers, 8 sequences x R rows over 450 keys, 9 heads / 3 KV heads, head_dim 64, 2
- * threads, AVX-512 -> AMX (ms): R = 1 4.3 -> 4.0, 2: 6.8 -> 4.2, 3: 9.2 -> 4.8, 5: 12.8 -> 5.9,
- * 9: 20.9 -> 9.8 (docs/benchmarks.md). Rows still equal their decodes bit for bit.
+ * costs (docs/benchmarks.md, CPU kernels). Rows still equal their decodes bit for bit.
  *
  * Other shapes use a plain scalar loop. There is one version per cache dtype, float32 and
  * bfloat16 (K/V and queries widened to float32 on load, but for the vdpbf16ps products; the

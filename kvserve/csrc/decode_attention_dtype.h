@@ -287,7 +287,7 @@ CAT(item_, SFX)(int64_t b0, const int64_t R, int64_t h, const ELEM* q, int64_t q
     CAT(item_, SFX)(b0, R, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale)
 
 /* A work item of R > 1 rows, out of line: the loop below keeps only the single-row copies
-   inline (with both, single rows ran 3-7% slower: the larger loop body). */
+   inline (with both, single rows run slower: the larger loop body). */
 static __attribute__((noinline)) void CAT(rows_, SFX)(int64_t b0, int64_t R, int64_t h, const ELEM* q,
                                                       int64_t qs, const ELEM* cache, const int64_t* table,
                                                       int64_t nbmax, const int64_t* kstart,
@@ -329,9 +329,8 @@ void CAT(kv_paged_decode_attention_, SFX)(const ELEM* q, int64_t qs, const ELEM*
     const int64_t C = D / 16;
     /* Work items: whole verify chunks (up to MAXR rows) where that leaves at least 4 items a
        thread, else single rows. A chunk's rows share their key and value reads but each costs
-       its own compute, so they pay where the reads do not fit the cache (8 sequences of 3-5
-       rows at 450 keys: 1.27x the single rows, bfloat16, 2 threads) and lose where a thread
-       would wait on a long item (1 sequence of 3-9 rows: 0.90-0.95x). */
+       its own compute, so they pay where the reads do not fit the cache (several sequences'
+       chunks) and lose where a thread would wait on a long item (one sequence's chunk). */
     int64_t* starts = (int64_t*)malloc(sizeof(int64_t) * (size_t)(B + 1));
     int64_t ng = verify_rows(table, nbmax, kstart, kend, B, BS, MAXR, starts);
     if (ng < B && ng * KH < 4 * (int64_t)nthreads) { /* single rows */

@@ -3,9 +3,9 @@
  *
  * Why: cpu_decode_step.py's per-layer path makes nine ctypes calls per layer (two RMSNorms, four
  * GEMMs, rotary + cache write, attention, SiLU-and-mul), 270 for the default model's 30 layers;
- * each costs a few microseconds of argument conversion and Python around it, ~2 ms of a
- * batch-1 step (12.6 % of a gguf step in a profile, the GEMVs 75 %). This file runs the same
- * sequence in C:
+ * each costs a few microseconds of argument conversion and Python around it, a noticeable
+ * share of a batch-1 step whose GEMVs are short (docs/benchmarks.md, CPU kernels). This file
+ * runs the same sequence in C:
  *
  *   h = norm(residual (+= mlp_out of the layer before))
  *   qkv = h @ Wqkv^T (+ b); rope(q, k), k and v written to their cache slots

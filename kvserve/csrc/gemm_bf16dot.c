@@ -3,8 +3,8 @@
  * VDPBF16PS, the weight packed once into column panels of input-feature pairs.
  *
  * Why: on CPUs with AVX512-BF16 but no AMX tiles (Intel Xeons whose AMX is off, AMD Zen 4)
- * bfloat16 steps of many rows ran oneDNN's bfloat16 matmul, which on this project's 2-core Xeon
- * took 1.4-1.5x the time of our float32-widening panels (gemm.c) at 16-256 rows. VDPBF16PS
+ * bfloat16 steps of many rows otherwise run oneDNN's bfloat16 matmul or our float32-widening
+ * panels (gemm.c). VDPBF16PS
  * (Intel SDM vol. 2, "VDPBF16PS") adds to each of 16 float32 lanes the products of one pair of
  * bfloat16 values of each source: two multiply-adds per lane per instruction where an FMA does
  * one, so the compute-bound steps (prefill, large batches) can run at up to twice the float32
@@ -26,19 +26,15 @@
  * does not depend on the other rows of the call (what speculative decoding's equality needs);
  * the bias is added in float32, then rounded once to bfloat16 (nearest even, as torch).
  *
- * Measured (this project's 2-core Xeon, AVX512-BF16 without AMX; benchmarks/gemm_micro.py
- * --dtype bfloat16 --kernel bf16dot panels, 30 layers of SmolLM2-135M's shapes, medians): the
- * same time as the float32-widening panels at 1-4 rows (weight-bound), 0.78-0.96x their speed
- * from 8 rows on (194 GFLOP/s at 256 rows against the panels' 230), and level with oneDNN's
- * bfloat16 matmul at 256-1,024 rows (0.98-1.00x: the same instruction). The reason is the
- * instruction: on this CPU one 512-bit VDPBF16PS issues every ~2 cycles (1.7 G/s per core, at
- * any width) against two FMAs per cycle (7 G/s), so it does 0.47-0.51x the FMAs' multiply-adds
- * (bf16dot_speed below), and the kernel runs at ~91% of its peak (the
- * compiled 8-row loop: 66 instructions per pair, 24 of them VDPBF16PS). So the engine does not
- * run it: where the probe finds the dot product slower than FMAs, bfloat16 weights take the
- * panels at every step size (ops/gemm.py's packs_bfloat16); where it is faster (AMD Zen 4, whose
- * steps past 16 rows oneDNN's dot product won, measured) oneDNN keeps them until this kernel is
- * measured against it on such a CPU (gemm_micro.py --kernel bf16dot panels).
+ * Whether it pays depends on the CPU's VDPBF16PS rate. Where one issues every ~2 cycles against
+ * two FMAs per cycle (the no-AMX Xeon of docs/benchmarks.md), it does about half the FMAs'
+ * multiply-adds (bf16dot_speed below), so this kernel is no faster than the float32-widening
+ * panels and only level with oneDNN's bfloat16 matmul (the same instruction); the figures are in
+ * docs/benchmarks.md (CPU kernels, gemm_micro.py --dtype bfloat16 --kernel bf16dot panels). So
+ * the engine does not run it: where the probe finds the dot product slower than FMAs, bfloat16
+ * weights take the panels at every step size (ops/gemm.py's packs_bfloat16); where it is faster
+ * (AMD Zen 4, whose steps past 16 rows oneDNN's dot product wins) oneDNN keeps them until this
+ * kernel has been compared with it on such a CPU.
  *
  * Outer loops as gemm.c: threads split the panels; rows go in chunks of ~512 KB of x (in L2
  * while every panel of the thread passes over it) of balanced <= 8-row blocks; a step of one
@@ -78,10 +74,10 @@ static double run_loop(int dot, int64_t n) {
 #endif
 
 /* VDPBF16PS's multiply-adds per second over VFMADD231PS's on the calling core (512-bit, both
-   throughput-bound: 24 independent accumulators), best of 5 interleaved runs of ~1 ms, or 0
-   where the kernel is not built. On this project's 2-core Xeon (AVX512-BF16, no AMX) 0.47-0.51: one
-   VDPBF16PS per ~2 cycles against two FMAs per cycle, so the dot product does fewer
-   multiply-adds per cycle than the float32 panels and never beats them. */
+   throughput-bound: 24 independent accumulators), best of 5 interleaved runs, or 0 where the
+   kernel is not built. About 0.5 on a CPU that issues one VDPBF16PS per ~2 cycles against two
+   FMAs per cycle (the dot product then never beats the float32 panels), about 2 on one that
+   issues a VDPBF16PS per FMA slot. */
 double bf16dot_speed(void) {
 #if defined(__AVX512BF16__)
     const int64_t n = 20000;

@@ -35,26 +35,21 @@
  *   broadcast-FMAs k_j[d] x q^T[d] into 16 register accumulators; O row-major, P.V by
  *   register tiles of rows x head_dim (p broadcast, each v_j vector loaded once per
  *   tile). bfloat16 q is widened once per item, K and V once per step; vdpbf16ps for the
- *   scores (as in the decode kernel) measured 15 % slower here, compute-bound.
+ *   scores (as in the decode kernel) is slower here, where the work is compute-bound.
  * * AMX (bfloat16, head_dim a multiple of 32, CPU and process with AMX tiles; USE_AMX):
  *   both products on tiles, transposed so rows stay lanes: S^T = K . Q^T and
  *   O^T += V^T . P^T, in key steps of 32 (a full tile depth for P^T). P is rounded to bfloat16 for the second product, as torch's CPU
- *   flash attention does for bfloat16 (error measured on par with torch's bfloat16 SDPA);
+ *   flash attention does for bfloat16 (its error is on par with torch's bfloat16 SDPA);
  *   O^T is kept in float32. Rescaling is lazy (as in FlashAttention-4's conditional
  *   rescaling): a row's reference maximum moves only when a step's scores exceed it by more
  *   than PF_LAZY (e^8: p <= ~3e3, exact in float32), so most steps add V^T . P^T
  *   to O^T on the tiles, and only the others rescale it with AVX-512. Each chunk's keys are
  *   gathered once per call and KV head (K rows and V^T, pf_gather; at most GATHER_BYTES
- *   at a time) instead of copied and transposed by every tile that reads them. Both together,
- *   30 calls of the step below: 4 chunks of 512 tokens 80.6 -> 69.3 ms; 11 chunks of ~186 after
- *   512 cached tokens each 192.6 -> 162.0 ms; 11 fresh chunks of ~186 unchanged (~41 ms).
+ *   at a time) instead of copied and transposed by every tile that reads them. Both pay most
+ *   on long chunks and on chunks after cached context; short fresh chunks see no change.
  *
- * Outputs are rounded to nearest even on the bfloat16 store. On the 2-core machine of this
- * project (benchmarks/attention_prefill_micro.py: a SmolLM2-135M step of 11 chunks of ~186
- * tokens, 9 heads / 3 KV heads, head_dim 64, block size 16, 30 layers) this took 71 ms instead
- * of torch's 160 ms in float32 (187 vs 83 GFLOP/s, 2.3x) and 37 ms instead of 92 ms in bfloat16
- * (359 vs 145 GFLOP/s, 2.5x; 1.4x on the AVX-512 path); after 256 cached tokens per chunk
- * (chunked prefill: torch gathers and masks) 1.8x and 2.0x.
+ * Outputs are rounded to nearest even on the bfloat16 store. Its speed against the torch path
+ * is in docs/benchmarks.md (CPU kernels, benchmarks/attention_prefill_micro.py).
  *
  * Kernel contract (q rows may be any stride apart; everything else contiguous; q, cache and
  * out of one dtype, float32 or bfloat16; indices int64)::

@@ -4,7 +4,7 @@
    Why: from PANEL_ROWS rows on, the float panels (kernel 3) dequantize into float32 and multiply
    with AVX-512 FMAs (32 multiply-adds per cycle and core), while a bfloat16 model's steps run on
    AMX tiles (amx_gemm.c: one TDPBF16PS, 16 x 16 x 32 = 8,192 multiply-adds, every 16 cycles,
-   512 per cycle), so the quantized paths ran at about half the bfloat16 path's rate at w64.
+   512 per cycle), so the quantized paths' many-row steps fell far behind the bfloat16 path's.
    Here the weights are dequantized into bfloat16 tiles and multiplied on AMX.
 
    TDPBF16PS C, A, B (Intel Architecture Instruction Set Extensions Programming Reference, ch. 3):
@@ -42,9 +42,9 @@
 
 #define QAMX_MB 256 /* rows of x per L2-resident block (amx_gemm.c's MB_ROWS) */
 /* Software prefetch distance of the weight stream in bytes (the quants; x4 scales a quarter of
-   it): the dequantization walks each thread's weights front to back, and asking for the line
-   4 KB ahead took the 30 layers' Q8_0 GEMMs at 16 rows from ~15.4 to ~13.0 ms (a prefetch of
-   the group after next, 20-50 KB ahead, changed nothing; 2, 8, 12, 16 and 32 KB did no better). */
+   it): the dequantization walks each thread's weights front to back, and the hardware
+   prefetcher alone does not keep the lines ahead of it; shorter and longer distances, up to the
+   group after next, did no better (docs/benchmarks.md, CPU kernels). */
 
 #define QAMX_PF 4096
 
@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void qamx_q41x4(const uint8_t* q, c
 /* Items t0 .. t1 - 1 of weight rows n0 .. n0 + 31 dequantized into bfloat16 A-tile rows of buf
    ([K / 32][2][16][32]); rows at or past N zero. An item is one row's block j (32 weights), in
    the order of the bytes in memory, so the reads walk the group's bytes front to back (32
-   interleaved row streams per group ran ~1.5x slower from DRAM): GGUF rows (row_bytes apart):
+   interleaved row streams per group are slower from DRAM): GGUF rows (row_bytes apart):
    t = r nb + j; Q4_1 in the x4 layout of G groups of four (quant_x4.h): t = (r / 4 nb + j) 4 +
    r % 4 (t0, t1 multiples of 4). */
 static inline __attribute__((always_inline)) void qamx_dequant(const int qt, const int x4, const uint8_t* w,

@@ -39,7 +39,7 @@ CAT(qtile_, SFX)(const int qt, const int mr, const int nc, const ELEM* x, const 
    (as float32), so a chunk stays in L2 while the thread's weight tiles pass over it. Called
    from inside the parallel region of each exported function: GCC outlines a parallel region
    before inlining, so one inside this function would see qt as a variable and keep the
-   per-type branches in the inner loop (measured 4-20x slower). */
+   per-type branches in the inner loop (several times slower). */
 static inline __attribute__((always_inline)) void
 CAT(qgemm_, SFX)(const int qt, const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y, const int64_t M,
                  const int64_t N, const int64_t K, const int tid, const int nth) {

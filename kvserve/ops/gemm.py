@@ -1,6 +1,7 @@
 """Linear layers on CPU with kvserve's own GEMM: ``y = x @ W^T (+ b)``, the weight packed once
 into column panels (``PanelWeight``). Used for float32 weights (``linear.prepack_weight``); the
-algorithm, the layout and the measurements that chose it are in ``kvserve/csrc/gemm.c``.
+algorithm and the layout are in ``kvserve/csrc/gemm.c``, its speed in docs/benchmarks.md (CPU
+kernels).
 
 Layout: ``W [N, K]`` becomes ``panels [ceil(N / 48), K, 48]`` (zero padded): panel ``p`` holds
 output columns ``48p .. 48p + 47``, the 48 weights of one input feature contiguous.
@@ -35,13 +36,9 @@ def packs_bfloat16() -> bool:
     """Whether ``linear.prepack_weight`` packs bfloat16 weights here for every step size (hosts
     without AMX): the kernels are available and the CPU has no bfloat16 dot product faster than
     its float32 FMAs -- none at all (no AVX512-BF16: oneDNN emulates bfloat16), or a slow one
-    (``gemm_bf16dot.dot_beats_fma`` False). On a host without AVX512-BF16 (2-core AVX-512F VM,
-    one thread, the default model's 30 layers + LM head) this kernel took 0.6-0.7x oneDNN's
-    time at 1 row, 0.34x at 5 and 0.27x at 512. On this project's 2-core Xeon with AVX512-BF16
-    but a VDPBF16PS of half the FMAs' multiply-adds per cycle, 60 layers of the default model's
-    shapes (benchmarks/gemm_micro.py --dtype bfloat16): 0.61-0.85x oneDNN's time at 1-1,024
-    rows (docs/benchmarks.md, 2026-12-03). Where the dot product is fast (AMD Zen 4) the panels
-    take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
+    (``gemm_bf16dot.dot_beats_fma`` False). On both the panels beat oneDNN's bfloat16 matmul
+    at every row count (docs/benchmarks.md, CPU kernels). Where the dot product is fast (AMD
+    Zen 4) the panels take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
     from kvserve.ops import cpu, gemm_bf16dot
 
     if not available():
@@ -54,13 +51,12 @@ def packs_bfloat16() -> bool:
 
 #: On a CPU with a fast AVX512-BF16 dot product (``gemm_bf16dot.dot_beats_fma``) and no AMX,
 #: bfloat16 steps of up to this many rows run the panels and larger ones oneDNN's dot-product
-#: kernel (``PanelWeight.large``). 60 layers of the default model's shapes on a 2-core AMD EPYC,
-#: quiet (benchmarks/gemm_micro.py --dtype bfloat16, median of alternating passes): panels took
-#: 0.60-0.75x oneDNN's time at 1-8 rows (weight-bound: the same bytes, streamed better),
-#: 1.01-1.08x at 12-16 and 1.25-1.43x at 24-64 (oneDNN's bfloat16 dot product does twice the
-#: FMAs per instruction). Up to 16 rows the panels also keep the step on the fused decode step's
-#: one-call path (~6 ms of Python per step saved at 8 sequences) and a batch-8 verify step on
-#: the same kernel as its plain decode steps (rows round alike). Where the dot product is slow
+#: kernel (``PanelWeight.large``). Why: few rows are weight-bound, and the panels stream the
+#: same bytes better; from a few dozen rows the step is compute-bound and oneDNN's bfloat16 dot
+#: product does twice the multiply-adds per instruction; around 12-16 rows the two are level
+#: (docs/benchmarks.md, CPU kernels). Up to 16 rows the panels also keep the step on the fused
+#: decode step's one-call path (no Python per layer) and a batch-8 verify step on the same
+#: kernel as its plain decode steps (rows round alike). Where the dot product is slow
 #: (``packs_bfloat16``) the panels take every step.
 BF16_DOT_MAX_ROWS = 16
 

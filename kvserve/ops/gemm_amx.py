@@ -2,7 +2,8 @@
 
 ``AmxWeight`` packs a weight once into the tile layout; ``linear`` runs ``x @ W^T + b``.
 ``available()`` is True only where the kernel built with AMX and Linux granted this process the
-tile state. Layout, kernel and measurements: ``kvserve/csrc/amx_gemm.c``.
+tile state. Layout and kernel: ``kvserve/csrc/amx_gemm.c``; its speed: docs/benchmarks.md (CPU
+kernels).
 
 Layout: ``W [N, K]`` (``K % 32 == 0``; ``N`` padded to a multiple of 32 with zero rows) becomes
 ``tiles [N / 32, K / 32, 2, 16, 16, 2]``, element ``[g, kc, t, kp, n, e] =
@@ -22,9 +23,9 @@ from kvserve.ops.library import NativeLibrary, check_linear_inputs
 GROUP_COLS = 32
 K_TILE = 32
 #: Most rows (tokens) ``linear.linear`` sends here; larger steps (prefill) go to oneDNN, which
-#: blocks for cache reuse across many rows. On the 30 layers of SmolLM2-135M (``benchmarks/
-#: gemm_micro.py --dtype bfloat16``) this kernel ran 1.1-1.35x oneDNN at 1-64 rows, 0.9-1.1x
-#: at 128, 0.87x at 256 and 0.74x at 2,048.
+#: blocks for cache reuse across many rows: this kernel wins up to 64 rows, is level around 128
+#: and loses beyond (``benchmarks/gemm_micro.py --dtype bfloat16 --kernel amx``;
+#: docs/benchmarks.md, CPU kernels).
 MAX_ROWS = 64
 
 #: Environment variable: ``0`` keeps bfloat16 linear layers off this kernel (``linear.prepack_weight``

@@ -1,6 +1,6 @@
 """bfloat16 linear layers of many rows with the AVX512-BF16 dot product (``VDPBF16PS``), for CPUs
 that have it but no AMX tiles: ``DotWeight`` packs a weight once, ``linear`` runs
-``x @ W^T + b``. Algorithm, layout and measurements: ``kvserve/csrc/gemm_bf16dot.c``.
+``x @ W^T + b``. Algorithm and layout: ``kvserve/csrc/gemm_bf16dot.c``.
 
 Layout: ``W [N, K]`` becomes ``pairs [ceil(N / 48), ceil(K / 2), 48, 2]`` bfloat16 (zero
 padded), element ``[p, kp, j, e] = W[48 p + j, 2 kp + e]``. Products of bfloat16 values are
@@ -30,9 +30,9 @@ _built: bool | None = None
 _speed: float | None = None
 
 #: ``dot_speed()`` above which the CPU's bfloat16 dot product counts as faster than its float32
-#: FMAs (``dot_beats_fma``). Measured: 0.47-0.51 on this project's 2-core Xeon (AVX512-BF16, no
-#: AMX: one 512-bit VDPBF16PS per ~2 cycles, two FMAs per cycle); a CPU that issues one
-#: VDPBF16PS per FMA slot gives 2.0. The threshold sits between the two, far from both.
+#: FMAs (``dot_beats_fma``). A CPU that issues one 512-bit VDPBF16PS per ~2 cycles against two
+#: FMAs per cycle gives about 0.5, one that issues a VDPBF16PS per FMA slot about 2.0; the
+#: threshold sits between the two, far from both.
 DOT_FAST = 1.0
 
 
@@ -58,7 +58,7 @@ def available() -> bool:
 
 def dot_speed() -> float:
     """Multiply-adds per second of this core's 512-bit ``VDPBF16PS`` over its ``VFMADD231PS``
-    (both throughput-bound; best of 5 interleaved runs, ~2 ms, measured once per process);
+    (both throughput-bound; best of 5 interleaved runs, measured once per process);
     0.0 where the kernel is not built."""
     global _speed
     if _speed is None:

@@ -41,17 +41,17 @@ with TDPBF16PS against the activations rounded to bfloat16, float32 sums (Intel'
 programming reference). Its error against float64 dequantize-then-matmul is at most
 ``(2 u + u^2) sum |x w| + (K + 1) 2^-24 sum |x w|`` per output (``u = 2^-8``; ``u`` alone for
 bfloat16 x), plus ``u |y|`` for a bfloat16 output (tests/ops/test_quant_amx.py). It reads
-the GGUF bytes, or a Q4_1 weight's x4 copy when that is all it holds. Measured (30 SmolLM2
-layers' GEMMs, benchmarks/quantized.py --layer-kernels): Q4_1 1.4-1.7x and Q8_0 1.1-1.2x the
-bfloat16 AMX kernel at 8-64 rows, 2.5-3x the float32 panels.
+the GGUF bytes, or a Q4_1 weight's x4 copy when that is all it holds. It outruns both the
+bfloat16 AMX kernel (fewer bytes per weight) and the float32 panels at 8-64 rows
+(benchmarks/quantized.py --layer-kernels; docs/benchmarks.md, CPU kernels).
 
 Many rows with AVX-512 VNNI and no AMX (``vnni_enabled``: the ``int8`` mode, Q8_0 and Q4_1 on
 their x4 copy, ``$KVSERVE_QUANT_VNNI`` not ``0``): from ``VNNI_ROWS[qtype]`` rows (Q8_0 6, Q4_1
 8) the ``vnni`` kernel (``csrc/quant_vnni.h``) repacks each 48 weight rows once per call (per
 ~256 KB of activation rows) into int8 panels whose vector lanes are output features and sums
 the int8 activations (the act8 kernels' per-32-block quantization) times the weight bytes
-exactly with vpdpbusd, one conversion and scaling per block: the act8 numerics at ~2x the float
-panels' speed at 16-256 rows (benchmarks in ``VNNI_ROWS``). The LM head keeps ``act16`` / the
+exactly with vpdpbusd, one conversion and scaling per block: the act8 numerics, with more
+multiply-adds per instruction than the float panels. The LM head keeps ``act16`` / the
 panels (``head_kernel``). bfloat16 activations take it only below ``PANEL_ROWS`` rows
 (``VNNI_BF16_MAX_ROWS``): a bfloat16 prefill on int8 activations missed the documented 1% of
 the float model's perplexity (tests/model_executor/test_int8_quantization.py), so from ``PANEL_ROWS``
@@ -137,9 +137,10 @@ X4_ENV = "KVSERVE_QUANT_X4"
 
 #: Rows from which ``linear`` runs the AMX kernel (weights dequantized into bfloat16 tiles,
 #: ``csrc/quant_amx.h``) where ``amx_enabled()``, per weight type. Its cost hardly grows with
-#: the rows below ~32 (the dequantization is the work) while the int8 GEMV's grows with each row:
-#: on the 30 layers of SmolLM2-135M (benchmarks/quantized.py --kernels) they are level at ~8
-#: rows for Q4_1 and ~12 for Q8_0; the other types have no x4 GEMV and keep ``PANEL_ROWS``.
+#: the rows below ~32 (the dequantization is the work) while the int8 GEMV's grows with each row;
+#: the values are where the two are level on the 30 layers of SmolLM2-135M
+#: (benchmarks/quantized.py --layer-kernels; docs/benchmarks.md, CPU kernels). The other types
+#: have no x4 GEMV and keep ``PANEL_ROWS``.
 AMX_ROWS = {t: {"q4_1": 8, "q8_0": 12}.get(t, PANEL_ROWS) for t in BLOCK_BYTES}
 #: Weight types the AMX kernel serves (every type: it dequantizes with the float kernels' code).
 AMX_TYPES = tuple(AMX_ROWS)
@@ -149,10 +150,9 @@ AMX_TYPES = tuple(AMX_ROWS)
 AMX_ENV = "KVSERVE_QUANT_AMX"
 #: Rows from which ``linear`` runs the VNNI kernel where ``vnni_enabled``: its cost grows
 #: slowly with the rows (the per-call repack of the weights is the fixed part) while the x4
-#: GEMV's grows with each row; on SmolLM2-135M's four GEMM shapes (bfloat16 x, 2 threads, the
-#: AVX512-BF16 Xeon without AMX of docs/benchmarks.md) they are level at ~5 rows for Q8_0 and
-#: ~6 for Q4_1 (0.180 / 0.191 ms and 0.211 / 0.219 ms at 6 rows), the VNNI kernel 1.4x / 1.2x
-#: faster at 12 rows and ~2x the float panels from 16.
+#: GEMV's grows with each row; the values sit just past where the two are level on
+#: SmolLM2-135M's GEMM shapes (bfloat16 x, the no-AMX Xeon; docs/benchmarks.md, CPU kernels),
+#: and from there the VNNI kernel pulls ahead of both the GEMV and the float panels.
 VNNI_ROWS = {"q8_0": 6, "q4_1": 8}
 #: Weight types of the VNNI many-row kernel (``csrc/quant_vnni.h``: it reads the x4 layout).
 VNNI_TYPES = tuple(VNNI_ROWS)
@@ -351,7 +351,7 @@ class QuantWeight:
 def _x4_views(out: np.ndarray, qtype: str, g: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
     """The quant and scale regions of x4 bytes ``out`` (uint8 numpy) as ``[g, nb, 4]`` items of
     a row's block quants (``V32`` / ``V16``) and ``[g, nb, s, 4]`` int16 (Q8_0: ``s = 1``, d; Q4_1:
-    ``s = 2``, d then m): copies item by item, not byte by byte (~20x faster at load than torch's
+    ``s = 2``, d then m): copies item by item, not byte by byte (far faster at load than torch's
     byte-strided copies)."""
     qb, ns = (32, 1) if qtype == "q8_0" else (16, 2)
     nq = g * nb * X4_ROWS * qb

@@ -338,8 +338,8 @@ class DynamicDraftPolicy:
         """Whether the plain step of ``base`` rows needs more samples: fewer than
         ``BASE_SAMPLES``, or fewer than ``BASE_SAMPLES_MAX`` whose two fastest differ by more
         than ``BASE_AGREE`` (a host's stalls only add time, so two fast samples that agree
-        are the step's own cost; four stalled ones priced it 20% high, and every draft
-        looked cheap against it: 0.90x speculation off)."""
+        are the step's own cost; stalled samples price it too high, and every draft then
+        looks cheap against it)."""
         cm = self.cost_model
         n = cm.num_samples(base, False)
         if n < BASE_SAMPLES:

@@ -414,11 +414,10 @@ class StepCostModel:
             two buckets give a fit (a weight-bound decode: a few percent per row).
         ema: kept for compatibility (unused: the window's quartile replaced the EMA).
         kink: fit a jump at the break too (``fit_kink``: non-decreasing, not convex);
-            False (default): the convex hinge only (``fit_hinge``). Measured at batch 8 in
-            bfloat16 under load, the kink put its break at 7 rows, the plain 8-row step past
-            the jump, so the jump was not charged to the drafts: it drafted 6.7 per step
-            and ran at 0.93x speculation off; the hinge spreads the jump over the rows past
-            it (1.01x with wall-clock samples, 0.72-0.80x with CPU-time ones: open).
+            False (default): the convex hinge only (``fit_hinge``). Why: the kink can put its
+            break just below the plain step's row count, so the plain step already pays the
+            jump, the drafts are not charged for it and too many get proposed; the hinge
+            spreads the jump over the rows past the break.
 
     ``cost(R)`` is positive and non-decreasing in ``R``.
     """

@@ -556,8 +556,8 @@ class Worker:
         self._run([md])
         warm_buckets = getattr(self.model, "warm_row_buckets", None)
         if sc is not None and warm_buckets is not None:
-            # later steps' other row counts; a first step of over ~1,000 rows already ran at
-            # 1.00x its repeats (the build is small beside the step), so 4,096 bounds the work
+            # later steps' other row counts; from about a thousand rows a primitive's build is
+            # small beside the step itself, so 4,096 bounds the work
             warm_buckets(min(sc.max_num_batched_tokens, 4096))
         return time.perf_counter() - t
 

@@ -68,26 +68,27 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
 
 
 def prepack_weight(weight: torch.Tensor) -> LinearWeight:
-    """``weight`` ``[out, in]`` reordered once, at load, for the fastest CPU GEMM measured for its
-    dtype; ``linear`` dispatches on the result.
+    """``weight`` ``[out, in]`` reordered once, at load, for the fastest CPU GEMM for its dtype on
+    this CPU; ``linear`` dispatches on the result.
 
-    - float32: ``gemm.PanelWeight`` (our register-blocked kernel: 1.3-1.6x oneDNN's
-      prepacked matmul at 1-128 rows, level at 8,192; see ``gemm``).
+    - float32: ``gemm.PanelWeight`` (our register-blocked kernel: faster than oneDNN's
+      prepacked matmul at decode sizes, level at prefill sizes; see ``gemm``).
     - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
-      a bfloat16 weight on every call; prepacked, the 30 layers' GEMMs of SmolLM2-135M at 59 rows
-      went 25.7 -> 20.7 ms, bit-identical. Where the process may use AMX tiles and
+      a bfloat16 weight on every call; prepacked, it skips that work with bit-identical
+      results. Where the process may use AMX tiles and
       ``in % 32 == 0`` (and ``$KVSERVE_GEMM_AMX`` is not ``0``), also ``gemm_amx.AmxWeight``
       (our tile kernel, for steps of up to ``gemm_amx.MAX_ROWS`` tokens) holding the oneDNN
       copy for larger steps: two copies of each weight, the price of both speeds.
       Without AMX, where the CPU has no bfloat16 dot product faster than its float32 FMAs
       (``gemm.packs_bfloat16``): ``gemm.PanelWeight`` for every step size, one
-      copy -- without AVX512-BF16 oneDNN emulates bfloat16 (the panels: 1.4-1.7x its speed at 1
-      row, 2.9x at 5, 3.7x at 512); with a slow VDPBF16PS (``gemm_bf16dot.dot_beats_fma``
-      False: this project's Xeon) they run 1.2-1.6x oneDNN's bfloat16 matmul at 1-1,024 rows --
-      so decode and verify steps of any batch also stay on the one-call decode step. With a fast
-      AVX512-BF16 dot product and no AMX (AMD Zen 4): ``gemm.PanelWeight`` for steps of
-      up to ``gemm.BF16_DOT_MAX_ROWS`` rows (1.3-1.7x oneDNN's speed at 1-8 rows, level
-      at 12-16), holding oneDNN's copy for larger ones (compute-bound: its dot product wins).
+      copy -- without AVX512-BF16 oneDNN emulates bfloat16, and with a slow VDPBF16PS
+      (``gemm_bf16dot.dot_beats_fma`` False) its bfloat16 matmul does no more multiply-adds per
+      cycle than the panels, which beat it at every row count -- so decode and verify steps of
+      any batch also stay on the one-call decode step. With a fast AVX512-BF16 dot product and
+      no AMX (AMD Zen 4): ``gemm.PanelWeight`` for steps of up to ``gemm.BF16_DOT_MAX_ROWS``
+      rows (weight-bound: the panels stream better), holding oneDNN's copy for larger ones
+      (compute-bound: its dot product wins). The figures are in docs/benchmarks.md (CPU
+      kernels).
 
     Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), or when
     neither kernel is available.
@@ -127,7 +128,8 @@ def lm_head_logits(hidden: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
 
 def move_to_huge_pages(packed: list[LinearWeight]) -> None:
     """The kernels' weight streams (AMX tiles, float panels) of ``packed`` moved into 2 MiB
-    pages (``huge_pages.move_weights``; 1.1-1.2x at decode); nothing moves where unavailable."""
+    pages (``huge_pages.move_weights``: fewer TLB misses at decode); nothing moves where
+    unavailable."""
     huge_pages.move_weights(packed, ("tiles", "panels"))
 
 

@@ -7,9 +7,9 @@ Serving", 2023): once per step the rows with an adapter are grouped by slot
 linear then gathers those rows once, runs two small matmuls per *active slot* (shrink to the
 rank, expand to the output; a loop over at most ``max_loras`` slots, never over requests or
 tokens) into one scratch buffer with a zero row at its end, gathers that back into batch order
-(base rows read the zero row) and adds it to the output: CPU ``index_add_`` measured several
-times slower than ``index_select`` for decode-sized shapes, so it is kept for steps where few
-rows have an adapter (``SCATTER_BELOW``). When
+(base rows read the zero row) and adds it to the output: CPU ``index_add_`` is several times
+slower than ``index_select`` at decode-sized shapes, so it is kept for steps where few rows
+have an adapter (``SCATTER_BELOW``). When
 every row has an adapter and the rows are already in slot order both gathers are skipped. ``scale`` is folded into ``B`` at load. Plain torch ops: float32 and bfloat16, CPU and
 CUDA alike.
 
@@ -21,18 +21,16 @@ zeros for other slots and base rows, so those add exactly 0 and no gather is nee
 as a fill of the zero columns, so another slot's inf is dropped, not turned into nan; freed
 slots are zeroed by the manager, so ``B_cat``'s rows of slots no row uses are finite): 3 torch
 calls per linear instead of ~2 per slot plus gathers. Why the limit: the form does ``k``-fold
-shrink and expand FLOPs; measured on one core (rank 16, the default model's shapes, under load)
-it wins ~1.2-1.3x per layer at 8 rows over 2-4 slots and loses from ``rows x k ~ 64`` on. In a
-whole decode step (8 rows, 4 adapters) the gain was below the machine's noise
-(docs/benchmarks.md).
+shrink and expand FLOPs, which its fewer calls pay for only while ``rows x k`` is small
+(``STACKED_MAX_ROW_SLOTS``; the crossover is in docs/benchmarks.md, CPU kernels).
 
 Compute dtype (``lora_compute_dtype``): on CPU the torch forms of a bfloat16 or float16 model
 upcast the gathered rows once, run both matmuls in float32 and cast the delta back once before
 adding it; the slots are float32 there (``lora_slot_dtype``), or bfloat16 ones widened per call
 when the native kernel (which widens them in registers) exists. Why: without AVX512-BF16/AMX, torch's small bfloat16 matmuls
-take an unpacked path that measured 3-6x slower than float32 at these shapes (rank 16,
+take an unpacked path several times slower than float32 at these shapes (rank 16,
 ``[n, 576] @ [576, 48]`` then ``[n, 48] @ [48, 960]``), and a float32 delta added straight into
-a bfloat16 output another 2-4x slower than casting it first. The rows and the rank are small,
+a bfloat16 output is slower again than casting it first. The rows and the rank are small,
 so the extra casts cost little; the deltas are also more exact than bfloat16 ones.
 
 Native form, for CPU steps (``use_native``: ``rows <= NATIVE_MAX_ROWS``, no limit by default, and the C kernel
@@ -41,8 +39,8 @@ slot's ``A`` and ``B`` once per 8 rows of that slot, keeping the rows' partial s
 registers, and reads only each fused part's diagonal block of ``B`` (``parts``: the output
 column bounds of q/k/v or gate/up; without them the whole block-diagonal ``B``, zeros included,
 as the torch forms do). Why: at decode sizes the op is a stream over the slots' weights, which
-torch's small matmuls read at a fraction of the memory bandwidth and with ~5-7 us of dispatch
-each (the measured breakdown is in docs/benchmarks.md).
+torch's small matmuls read at a fraction of the memory bandwidth, each with its own dispatch
+cost (docs/benchmarks.md, CPU kernels).
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ SCATTER_BELOW = 4
 STACKED_MAX_ROW_SLOTS = 32
 
 #: Run the native kernel for steps of at most this many rows (``use_native``; 0 = never): it
-#: measured 2-4x faster than the torch forms from 8 to 1024 rows and 3.0x at
-#: 2048 (a chunked-prefill step of the default 2048-token budget, float32, 4
-#: adapters; docs/benchmarks.md). Its work is linear in the rows (chunks of 8 rows per slot,
+#: beats the torch forms from decode steps up to a full 2048-token chunked-prefill step
+#: (docs/benchmarks.md, CPU kernels). Its work is linear in the rows (chunks of 8 rows per slot,
 #: each slot's weights re-read per chunk from cache), so there is no size at which the torch
 #: forms win: no limit by default; tests set it to force the torch forms.
 NATIVE_MAX_ROWS = sys.maxsize

@@ -1,20 +1,18 @@
 """Row counts that oneDNN GEMMs run at: a step's rows padded up to one of a few buckets.
 
 oneDNN builds (JIT-compiles) one primitive per distinct row count and weight shape, and a
-serving engine meets ever-new row counts (each step's token count). On this project's 2-core
-Xeon (AMX, bfloat16, the 30 layers' four weight shapes of SmolLM2-135M) a row count seen for the
-first time cost 1.3-1.5x a repeat of it: 256 rows 41 vs 31 ms, 512 rows 77 vs 63 ms, 1,024 rows
-153 vs 128 ms, 2,048 rows 213 vs 171 ms. Without padding almost every prefill or mixed step of a
-trace with varied prompt lengths paid that, and the bounded primitive cache (``kvserve/
-__init__.py``) forgot counts after ~25 others, so the same step cost more or less depending on
-what ran before it (which the simulator cannot know).
+serving engine meets ever-new row counts (each step's token count). A row count seen for the
+first time costs clearly more than a repeat of it (docs/benchmarks.md, CPU kernels). Without
+padding almost every prefill or mixed step of a trace with varied prompt lengths would pay that,
+and a bounded primitive cache (``kvserve/__init__.py``) would forget counts as others came, so
+the same step would cost more or less depending on what ran before it (which the simulator
+cannot know).
 
 ``onednn_rows`` pads to 8 buckets per doubling (at most 1/8 more rows, 1/16 on average) above 16
 rows: 40 buckets from 65 to 2,048 rows, so after a run's first minutes every step finds its
 primitives cached -- or from the first step: the warm-up runs every bucket once
 (``buckets``, ``LlamaForCausalLM.warm_row_buckets``) and oneDNN's primitive cache holds them all
-(``kvserve/__init__.py``). A bucket's first step otherwise ran 1.13x its repeats (1.12-1.16x at
-65-1,024 rows, bfloat16, AMX Xeon), 1.03x with both.
+(``kvserve/__init__.py``), so a bucket's first step costs about what its repeats do.
 """
 
 from __future__ import annotations

@@ -341,10 +341,10 @@ class LlamaForCausalLM(nn.Module):
         zeros: each weight shape of a layer (all layers share them) at each row bucket
         (``row_buckets.buckets``) that ``linear`` sends to oneDNN, and the LM head at the buckets
         of up to ``min(max_rows, 256)`` rows (sampled rows). Why: oneDNN builds a primitive the
-        first time it meets a row count and weight shape, and that step ran 1.13x its repeats
-        (bfloat16, 1.12-1.16x at 65-1,024 rows; 1.03x after this; ``docs/benchmarks.md``): a
-        server's first minutes were slower than the rest, and the simulator's profile (which
-        measures repeats) under-predicted them.
+        first time it meets a row count and weight shape, which makes that step slower than its
+        repeats (``docs/benchmarks.md``, CPU kernels): without this a server's first minutes
+        were slower than the rest, and the simulator's profile (which measures repeats)
+        under-predicted them.
 
         Weights on our own kernels at a row count (``gemm``, ``gemm_amx``, quantized
         ones) skip it. Returns the number of GEMMs run (0 off CPU or when nothing reaches oneDNN).

@@ -13,17 +13,15 @@
  * weights -- ~1 MB per slot and decoder layer in float32 for a rank-16 adapter on all seven
  * targets of a 576-wide model -- and torch spent it in 2-4 small BLAS calls per slot and linear
  * (each packs its weight operand, then a few FLOPs per byte) plus the masks, gathers and casts
- * around them, ~6-7 us of dispatch each. Here one call per linear reads each weight once, in
+ * around them, each with its own dispatch cost. Here one call per linear reads each weight once, in
  * registers: the shrink keeps LORA_MR rows x up to 48 rank columns in 24 accumulators over the
  * input features (one broadcast of x and one weight vector per FMA row); the expand keeps LORA_MR
  * rows x 48 output columns over the rank. It reads only each part's diagonal block of B: the
  * manager stores a fused linear's B block-diagonal ([P*R, out]: part p's rank rows times its own
  * columns), so two thirds of qkv's B and half of gate_up's are zeros that torch multiplied.
  *
- * Measured (docs/benchmarks.md, under load, one thread, the default model,
- * 4 rank-16 adapters): 2.0-2.4x faster than the torch forms per float32 step at 8-64 rows, 3x
- * with bfloat16 slots on a bfloat16 model, 2.6x at 1024 rows; it then streams the slots at
- * ~8-11 GB/s, what one core here reads beyond L2 at all (software prefetching: no change).
+ * Its speed against the torch forms is in docs/benchmarks.md (CPU kernels). It streams the
+ * slots at about what one core reads beyond L2 at all, so software prefetching adds nothing.
  *
  * Numerics: products accumulated in float32 (FMA) over the input features, then over the rank;
  * bfloat16 activations and weights are widened exactly; the delta is added to out in float32 and
@@ -35,7 +33,7 @@
  * blocks and its expand in 48-output-column blocks over the threads, a barrier between
  * (lora_add_split): a decode step of 1 or 3 adapters kept one thread idle for a third to all of
  * its LoRA time when whole chunks were the unit (2 or 4 chunks still are: balanced, and the split
- * measured slower there). The splits fall on the register tiles' own column boundaries, so
+ * is slower there). The splits fall on the register tiles' own column boundaries, so
  * each element is the same FMA chain as on one thread: the result does not depend on the
  * thread count. Larger steps split whole chunks over the threads (many chunks balance by
  * themselves). Returns 1 (nothing written) when the scratch rows (LORA_MR x (in + P * R)

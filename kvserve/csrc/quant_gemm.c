@@ -12,8 +12,8 @@
  * where nibble(i) is the low nibble of qs[i] for i < 16 and the high nibble of qs[i - 16] else.
  * The K-quants Q4_K / Q5_K / Q6_K have superblocks of 256 weights with 6-bit (Q6_K: int8)
  * scales per 32 (16) weights (dequant_kchunk below); the kernels treat every type as chunks of
- * 32 weights, a K-quant chunk decoding its sub-block scale first (so they run at about half
- * the speed of Q4_1 at 1 row: ~4-5 GFMA/s per core).
+ * 32 weights, a K-quant chunk decoding its sub-block scale first (extra work per chunk, so at
+ * 1 row they run slower than Q4_1).
  *
  * Three kernels per type (and act16, 2b, Q8_0's / Q4_1's x4 kernels, 2c, and AMX, 4); ops/quant.py's pick_kernel
  * chooses per call (rows, mode):
@@ -27,8 +27,8 @@
  * rows of a tile (~1 KB for K = 576) stay in L1 while every row tile of a ~256 KB chunk of x
  * passes over them; the threads split the output columns. GCC vector extensions (kv_vec.h): one
  * AVX-512 register per vector with -march=native on an AVX-512 CPU, two AVX2 registers
- * otherwise, scalar code elsewhere. Measured (one core, SmolLM2-135M's 3072 x 576): ~10 GFMA/s
- * at 1 row (the dequantization is the cost: ~6 GB/s of Q4_1), ~39 GFMA/s at 8 rows.
+ * otherwise, scalar code elsewhere. At 1 row the dequantization is the cost, so the weights
+ * stream well below the memory's rate; more rows share it.
  *
  * 2. quant_gemm_act8_* (Q8_0, Q4_0, Q4_1; int8 activations, as llama.cpp's kernels): each row
  * of x is first quantized per 32-block to int8 with a float32 scale d_x (act8_quant_row in
@@ -41,16 +41,15 @@
  * minimum times the activation sum). Integer products are exact, so the result is the float64
  * product of the quantized activations and the weights up to float32 rounding of the scaled
  * sums. Tiles of MR8 = 4 rows by NC8 = 4 columns (16 accumulators). AVX2: maddubs + madd
- * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. Measured (one core,
- * 3072 x 576, 1 row): Q8_0 21 GFMA/s (22 GB/s of weights; tile 12), Q4_0 24 (tile 10), Q4_1
- * 20 (tile 10); at 8 rows 38-50 GFMA/s (tile 38-42).
+ * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. At 1 row it outruns the
+ * tile kernel, whose float dequantization is the cost there; by 8 rows the two are close.
  *
  * 2b. quant_gemm_act16_* (the same types; the LM head in the int8 mode): as act8 with the rounding
  * residual of each activation quantized again on the step d_x / 254 into a second int8 plane
  * (x ~= d_x (q + q2 / 254), within d_x / 508 per element), each weight pair's unpacked bytes
  * multiplied with both planes: one int8 plane of the final hidden state flipped near-tie tokens,
  * two keep the float result to ~2^-16 of a block's largest value at about act8's speed when the
- * weights stream from memory (49,152 x 576 Q8_0, one core: 2.6 ms against the tile kernel's 3.3).
+ * weights stream from memory, faster than the tile kernel.
  *
  * 2c. quant_gemm_act8x4_{q8_0,q4_1}_* / quant_gemm_act16x4_{q8_0,q4_1}_* (Q8_0 and Q4_1 in the
  * int8 mode, below the panel rows): act8 / act16 on the weight repacked at load into the x4
@@ -65,28 +64,28 @@
  * two FMAs (d_w d_x dot, and the minimum's m_w d_x sum(q_x) / 4 per lane). The threads split
  * the groups of four rows. Same values as act8 / act16 up to float32 rounding (the integer dot
  * products are exact in both). A Q4_1 GEMM weight keeps only this copy (ops/quant.py's
- * prepare): quant_gemm_panelx4_q4_1_* runs the panels of 3. on it. Measured:
- * benchmarks/quantized.py --kernels, docs/benchmarks.md.
+ * prepare): quant_gemm_panelx4_q4_1_* runs the panels of 3. on it.
  *
  * 3. quant_gemm_panel_* (every type, float activations, for many rows): per 48 output columns
  * the weights are dequantized once into a float32 panel [K, 48] in a per-thread buffer (16 x 16
  * register transposes turn dequantized rows into panel rows) and an 8 x 48 outer-product
  * micro-kernel (as gemm.c's) runs every 8 rows of x over it; rows in chunks of ~256 KB of x,
- * the panel re-dequantized per chunk. Measured (one core, 3072 x 576, 64 rows): 53-57 GFMA/s
- * against float32 gemm.c's 60 and the tile kernel's 14-30 (int8 activations: 25-34).
+ * the panel re-dequantized per chunk. At many rows it comes close to float32 gemm.c's speed,
+ * well ahead of the tile and act8 kernels.
  *
  * 4. quant_gemm_amx_* / quant_gemm_amxx4_q4_1_* (every type; the int8 mode on AMX CPUs, from
  * ops/quant.py's AMX_ROWS): the weights dequantized into bfloat16 AMX tiles and multiplied with
- * TDPBF16PS, float32 sums (quant_amx.h: layout, tolerance, measurements).
+ * TDPBF16PS, float32 sums (quant_amx.h: layout, tolerance).
  *
  * 5. quant_gemm_vnnix4_{q8_0,q4_1}_* (the int8 mode where the kernels have AVX-512 VNNI, from
  * ops/quant.py's VNNI_ROWS; AMX comes first where enabled): the x4 copy repacked per call into
  * int8 panels whose 16 lanes are output features and int8 activations per 32-block, summed
  * exactly with vpdpbusd (64 multiply-adds per instruction) and scaled once per block
- * (quant_vnni.h: layout, cost, measurements).
+ * (quant_vnni.h: layout, cost).
  *
  * Also: quant_rows_*, the embedding lookup (the rows of ids dequantized).
- * Measured: benchmarks/quantized.py, docs/benchmarks.md.
+ * The kernels' speed: benchmarks/quantized.py (--kernels, --layer-kernels), docs/benchmarks.md
+ * (CPU kernels).
  */
 #include "kv_vec.h"
 #include "quant_dot8.h"
@@ -262,10 +261,9 @@ static inline __attribute__((always_inline)) void dequant_block(const int qt, co
 #define NC8 4
 /* Software prefetch of the weight stream of the 1-row kernels (tile, act8): a decode step's
    weights come from L3 or DRAM (96 MB per step for the default model's Q4_1 file), and the
-   hardware prefetcher alone held a 1-row act8 GEMV to ~5.7 GB/s on one core where it runs at
-   ~13 GB/s from L2; asking for the tile ~PF_BYTES ahead (into L1) brought it to ~8.5 GB/s
-   (60 distinct 3072 x 576 Q4_1 weights in turn; docs/benchmarks.md). A thread's column tiles are
-   contiguous rows, so "ahead" is a plain address offset. */
+   hardware prefetcher alone holds a 1-row act8 GEMV well below its speed from L2; asking for
+   the tile ~PF_BYTES ahead (into L1) closes much of that gap (docs/benchmarks.md, CPU kernels).
+   A thread's column tiles are contiguous rows, so "ahead" is a plain address offset. */
 #ifndef PF_BYTES
 #define PF_BYTES 12288
 #endif

@@ -6,8 +6,8 @@
    64-byte vector unit. The act8 kernel of the GGUF layout spent per pair of blocks and weight
    row two unaligned loads, an insert, an XOR (the unsigned offset vpdpbusd needs), two float16
    loads, a conversion and two permutes for the scales, and four float operations on the int32
-   lanes: ~12 vector operations per 64 weights, on the two 512-bit ports, so at one row it ran
-   at ~22 GB/s from L2 and well below the memory's rate in a real step. Here:
+   lanes: ~12 vector operations per 64 weights, on the two 512-bit ports, so at one row it was
+   compute-bound, well below the memory's rate in a real step. Here:
    - four weight rows are interleaved per 32-block, so one 64-byte load holds block j of two
      rows, and one activation block (32 bytes, broadcast to both halves of the register by a
      load) feeds all four rows;
@@ -111,9 +111,9 @@ static inline void x4_reduce(const v16 a, const v16 b, float out[4]) {
 
    Why: the GGUF-layout act8 kernel unpacks each row's pair of 20-byte blocks on its own (two
    unaligned 16-byte loads, an insert, a shift and an AND, two float16 pairs converted and
-   permuted per row and pair) and ran a decode step's Q4_1 layers at about half the x4 Q8_0
-   kernel's bytes per second in one run (8.8 against 16.7 GB/s; docs/benchmarks.md). Here the unpacking and the scale conversion happen once per block
-   of four rows, and all loads are of whole 64-byte lines.
+   permuted per row and pair), so it streamed a decode step's Q4_1 layers far below the x4 Q8_0
+   kernel's bytes per second (docs/benchmarks.md, CPU kernels). Here the unpacking and the scale
+   conversion happen once per block of four rows, and all loads are of whole 64-byte lines.
 
    Layout of W [N, K] (nb = K / 32, G = ceil(N / 4); rows past N have quants 0, d = m = 0):
      quants: G * nb * 64 bytes; group g, block j: the 16 GGUF quant bytes of rows 4g .. 4g + 3 in

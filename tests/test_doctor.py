@@ -3,14 +3,14 @@
 import json
 
 from kvserve.entrypoints import cli, doctor
-from kvserve.ops import library as native_lib
+from kvserve.ops import library
 
 
 def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
     assert doctor.main(["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     libs = {lib["name"]: lib for lib in r["libraries"]}
-    assert set(libs) == {lib.name for lib in native_lib.all_libraries()}
+    assert set(libs) == {lib.name for lib in library.all_libraries()}
     for lib in libs.values():
         # loaded with a path, or unavailable with the reason
         assert (lib["loaded"] and lib["path"]) or (not lib["loaded"] and lib["failure"]), lib
@@ -27,19 +27,19 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
 
 
 def test_doctor_says_whether_lora_decode_steps_stay_in_the_one_call(capsys, monkeypatch):
-    from kvserve.model_executor.models import cpu_decode_step as native_decode
-    from kvserve.ops import decode_layers as native_layers
-    from kvserve.ops import lora as native_lora
+    from kvserve.model_executor.models import cpu_decode_step
+    from kvserve.ops import decode_layers
+    from kvserve.ops import lora as lora_kernel
 
     def step_text() -> str:
         assert doctor.main(["--json"]) == 0
         return json.loads(capsys.readouterr().out)["paths"]["decoder layers of a pure-decode step"]["float32"]
 
-    if not (native_layers.available() and native_lora.available()):
+    if not (decode_layers.available() and lora_kernel.available()):
         assert "LoRA deltas included" not in step_text()
         return
     assert "LoRA deltas included" in step_text()  # FUSE_LORA: LoRA steps run the fused call
-    monkeypatch.setattr(native_decode, "FUSE_LORA", False)
+    monkeypatch.setattr(cpu_decode_step, "FUSE_LORA", False)
     assert "per-layer calls with LoRA" in step_text()
 
 
@@ -52,13 +52,13 @@ def test_doctor_says_a_fixed_thread_count_comes_from_the_environment(capsys, mon
 
 
 def test_doctor_reports_the_quantized_activation_mode_and_a_bad_one(capsys, monkeypatch):
-    from kvserve.ops import quant as quant_gemm
+    from kvserve.ops import quant
 
     def quant_text() -> str:
         assert doctor.main(["--json"]) == 0
         return json.loads(capsys.readouterr().out)["paths"]["linear, gguf quantized"]["float32"]
 
-    if not quant_gemm.available():
+    if not quant.available():
         assert quant_text() == "torch: dequantized on every call (slow)"
         return
     # a bad value is reported (the doctor is where a user looks), not a traceback
@@ -68,11 +68,11 @@ def test_doctor_reports_the_quantized_activation_mode_and_a_bad_one(capsys, monk
     monkeypatch.setenv("KVSERVE_QUANT_ACT", "float")
     text = quant_text()
     assert "few rows: float activations" in text and "int8" not in text, text
-    assert text.endswith(f"more rows: dequantized float32 panels from {quant_gemm.PANEL_ROWS})"), text
+    assert text.endswith(f"more rows: dequantized float32 panels from {quant.PANEL_ROWS})"), text
     monkeypatch.setenv("KVSERVE_QUANT_ACT", "int8")
     text = quant_text()
-    assert f"few rows: int8 activations, int8 dot products {quant_gemm.act8_isa()}" in text, text
-    if quant_gemm.vnni_enabled("q8_0") and not quant_gemm.amx_enabled():
-        assert f"VNNI int8 panels from {quant_gemm.VNNI_ROWS['q8_0']} / " in text, text
+    assert f"few rows: int8 activations, int8 dot products {quant.act8_isa()}" in text, text
+    if quant.vnni_enabled("q8_0") and not quant.amx_enabled():
+        assert f"VNNI int8 panels from {quant.VNNI_ROWS['q8_0']} / " in text, text
         monkeypatch.setenv("KVSERVE_QUANT_X4", "0")  # Q4_1 leaves the VNNI kernel
-        assert f"VNNI int8 panels from {quant_gemm.VNNI_ROWS['q8_0']} (Q8_0) rows" in quant_text()
+        assert f"VNNI int8 panels from {quant.VNNI_ROWS['q8_0']} (Q8_0) rows" in quant_text()

@@ -179,12 +179,12 @@ def test_prompt_logprobs_function_slices_match_one_pass(monkeypatch, native):
     reference (values, ranks and top-k ids) on random logits with ties, with the native
     kernel and with torch."""
     from kvserve.model_executor import sampler
-    from kvserve.ops import elementwise as native_ops
+    from kvserve.ops import elementwise
 
-    if native and not native_ops.available():
-        pytest.skip(f"native kernels unavailable: {native_ops.failure_reason()}")
+    if native and not elementwise.available():
+        pytest.skip(f"native kernels unavailable: {elementwise.failure_reason()}")
     if not native:
-        monkeypatch.setattr(native_ops, "supported", lambda *t: False)
+        monkeypatch.setattr(elementwise, "supported", lambda *t: False)
 
     g = torch.Generator().manual_seed(0)
     Q, V = 23, 301
@@ -210,10 +210,10 @@ def test_prompt_logprobs_function_slices_match_one_pass(monkeypatch, native):
 def test_native_prompt_logprob_stats_edges():
     """The kernel on a vocabulary that is not a multiple of 16, NaN and -inf logits, ties,
     k = 0 and k = V, against torch on the same rows (NaN read as -inf)."""
-    from kvserve.ops import elementwise as native_ops
+    from kvserve.ops import elementwise
 
-    if not native_ops.available():
-        pytest.skip(f"native kernels unavailable: {native_ops.failure_reason()}")
+    if not elementwise.available():
+        pytest.skip(f"native kernels unavailable: {elementwise.failure_reason()}")
     g = torch.Generator().manual_seed(1)
     V = 37
     x = torch.randn(4, V, generator=g)
@@ -224,7 +224,7 @@ def test_native_prompt_logprob_stats_edges():
     targets = torch.tensor([1, 30, 36, 0])
     ref = torch.nan_to_num(x, nan=float("-inf"))
     for k in (0, 4, V - 1):
-        lse, rank, vals, ids = native_ops.prompt_logprob_stats(x, targets, k)
+        lse, rank, vals, ids = elementwise.prompt_logprob_stats(x, targets, k)
         assert lse.tolist() == pytest.approx(ref.logsumexp(-1).tolist(), abs=1e-5)
         expect_rank = (ref > ref.gather(1, targets[:, None])).sum(1) + 1
         assert rank.tolist() == expect_rank.tolist()
@@ -234,7 +234,7 @@ def test_native_prompt_logprob_stats_edges():
             assert vals[[0, 2, 3]].tolist() == finite.topk(k).values.tolist()
             assert torch.equal(ref.gather(1, ids)[[0, 2, 3]], vals[[0, 2, 3]])
             assert vals[1, 0] == 2.5 and ids[1, 0] == 30  # the only finite logit of row 1
-    _, _, _, ids = native_ops.prompt_logprob_stats(x, targets, 2)
+    _, _, _, ids = elementwise.prompt_logprob_stats(x, targets, 2)
     assert ids[2].tolist() == [5, 36]  # a tie: the lower id first
     with pytest.raises(ValueError, match="targets"):
-        native_ops.prompt_logprob_stats(x, torch.tensor([0, 1, 2, V]), 2)
+        elementwise.prompt_logprob_stats(x, torch.tensor([0, 1, 2, V]), 2)

@@ -1,4 +1,4 @@
-"""Adversarial inputs to ``native_gemm.linear`` that the public API accepts (shape and dtype are
+"""Adversarial inputs to ``gemm.linear`` that the public API accepts (shape and dtype are
 valid) and that the kernel once mishandled. The cases that crashed run in a subprocess so that
 pytest survives a SIGSEGV / SIGFPE if they regress."""
 
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from kvserve.ops import gemm as native_gemm
+from kvserve.ops import gemm
 
-pytestmark = pytest.mark.skipif(not native_gemm.available(), reason="no C compiler / KVSERVE_NATIVE=0")
+pytestmark = pytest.mark.skipif(not gemm.available(), reason="no C compiler / KVSERVE_NATIVE=0")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -24,7 +24,7 @@ def test_noncontiguous_bias_is_read_correctly():
     w = torch.randn(96, 8, generator=g)
     b = torch.randn(192, generator=g)[::2]  # a strided view: valid shape and dtype, not contiguous
     x = torch.randn(3, 8, generator=g)
-    got = native_gemm.linear(x, native_gemm.PanelWeight(w), b)
+    got = gemm.linear(x, gemm.PanelWeight(w), b)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
@@ -32,7 +32,7 @@ def test_large_noncontiguous_bias_does_not_crash():
     """The same use-after-free with a large bias: the freed copy was unmapped (SIGSEGV)."""
     r = _run(
         "import torch\n"
-        "from kvserve.model_executor.layers import native_gemm as ng\n"
+        "from kvserve.ops import gemm as ng\n"
         "n = 4_000_000\n"
         "w = torch.randn(n, 1); b = torch.randn(2 * n)[::2]\n"
         "y = ng.linear(torch.ones(1, 1), ng.PanelWeight(w), b)\n"
@@ -46,7 +46,7 @@ def test_zero_in_features_does_not_crash():
     ``(1 << 18) / K`` once divided by zero (SIGFPE), even for M=0."""
     r = _run(
         "import torch\n"
-        "from kvserve.model_executor.layers import native_gemm as ng\n"
+        "from kvserve.ops import gemm as ng\n"
         "pw = ng.PanelWeight(torch.empty(5, 0))\n"
         "y = ng.linear(torch.empty(3, 0), pw, torch.ones(5))\n"
         "assert torch.equal(y, torch.ones(3, 5))\n"

@@ -4,7 +4,7 @@ Each step runs the model's GEMMs on as many rows as it has tokens, and a server 
 ever-new token counts. oneDNN (bfloat16 GEMMs, and float32 ones of weights prepacked by
 ``prepack_weight``) creates and caches one primitive per distinct row count and weight shape,
 ~0.7 MB each, by default up to 1024 per cache: the process grew by ~1 GB over a few hundred
-distinct prefill lengths of a tiny model. ``llama.linear`` pads rows to a few buckets
+distinct prefill lengths of a tiny model. ``linear.linear`` pads rows to a few buckets
 (``row_buckets``) and ``kvserve/__init__.py`` bounds the caches.
 
 Measured in a fresh process, so that primitives cached by earlier tests cannot hide the growth,

@@ -139,12 +139,12 @@ def test_tp2_logits_match_tp1(request, prompts, monkeypatch, which):
     """Beyond greedy tokens: the sampled and prompt logprobs of TP=2 equal TP=1 to float32
     rounding (every token id of the vocabulary, padding never sampled); the decode steps run
     on the native decode path (with its all-reduces)."""
-    from kvserve.model_executor.models import cpu_decode_step as native_decode
+    from kvserve.model_executor.models import cpu_decode_step
 
     native_steps = []
-    real = native_decode.forward_layers
+    real = cpu_decode_step.forward_layers
     monkeypatch.setattr(
-        native_decode,
+        cpu_decode_step,
         "forward_layers",
         lambda model, *a: native_steps.append(model.tp_size) or real(model, *a),
     )

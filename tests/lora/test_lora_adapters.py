@@ -202,12 +202,12 @@ def test_bfloat16_model_on_cpu_keeps_slots_in_the_slot_dtype_holding_the_validat
     """bfloat16 on CPU: slots in bfloat16 where the native kernel runs the op (it widens them
     exactly), else in float32 (the torch forms compute in it); either way filled from the
     adapter as validated in bfloat16, exactly; the slot memory check counts the slot dtype."""
-    from kvserve.ops import lora as native_lora
+    from kvserve.ops import lora as lora_kernel
 
-    if native and not native_lora.available():
-        pytest.skip(f"no native LoRA kernel: {native_lora.failure_reason()}")
+    if native and not lora_kernel.available():
+        pytest.skip(f"no native LoRA kernel: {lora_kernel.failure_reason()}")
     if not native:
-        monkeypatch.setattr(native_lora, "available", lambda: False)
+        monkeypatch.setattr(lora_kernel, "available", lambda: False)
     want = torch.bfloat16 if native else torch.float32
     model = LlamaForCausalLM(CFG, dtype=torch.bfloat16)
     mgr = LoRAManager(model, LoRAConfig(1, 4, 1), SHAPES)
@@ -243,11 +243,11 @@ def test_manager_slots_are_laid_out_for_the_op(tmp_path, monkeypatch, native):
     copy to keep in step) that see a slot as it is loaded. Either way ``stacked_views`` shows
     each slot as loaded."""
     from kvserve.model_executor.layers.lora import stacked_views
-    from kvserve.ops import lora as native_lora
+    from kvserve.ops import lora as lora_kernel
 
-    if native and not native_lora.available():
-        pytest.skip(f"no native LoRA kernel: {native_lora.failure_reason()}")
-    monkeypatch.setattr(native_lora, "available", lambda: native)
+    if native and not lora_kernel.available():
+        pytest.skip(f"no native LoRA kernel: {lora_kernel.failure_reason()}")
+    monkeypatch.setattr(lora_kernel, "available", lambda: native)
     _, mgr = _manager()
     assert mgr.slot_major_a == native
     s = mgr.activate([_req(tmp_path, 1)])[1]

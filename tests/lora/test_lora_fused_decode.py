@@ -1,4 +1,4 @@
-"""LoRA steps on the one-call decode step (``native_decode._StepPlan``, ``csrc/decode_layers.c``):
+"""LoRA steps on the one-call decode step (``cpu_decode_step._StepPlan``, ``csrc/decode_layers.c``):
 a pure-decode step with rows on several adapters (different ranks and target subsets) and base
 rows gives hidden states and KV-cache writes bit-identical to the per-layer native calls with
 their ``add_lora`` after each GEMM, in float32 and bfloat16 (bfloat16 slots); the per-layer path
@@ -23,9 +23,9 @@ from kvserve.lora.peft import ModelShapes
 from kvserve.lora_request import LoRARequest
 from kvserve.model_executor.layers import lora as ops
 from kvserve.model_executor.layers.lora import LoRAMapping
-from kvserve.model_executor.models import cpu_decode_step as native_decode
-from kvserve.ops import decode_layers as native_layers
-from kvserve.ops import lora as native_lora
+from kvserve.model_executor.models import cpu_decode_step
+from kvserve.ops import decode_layers
+from kvserve.ops import lora as lora_kernel
 from tests.lora.adapters import ALL_TARGETS, lora_tensors, write_adapter
 from tests.model_executor.helpers import llama_config, make_worker, save_tiny
 from tests.model_executor.test_cpu_decode_step_fused import (
@@ -38,8 +38,8 @@ from tests.model_executor.test_cpu_decode_step_fused import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not (native_layers.available() and native_lora.available()),
-    reason=f"no fused step or LoRA kernel: {native_layers.failure_reason() or native_lora.failure_reason()}",
+    not (decode_layers.available() and lora_kernel.available()),
+    reason=f"no fused step or LoRA kernel: {decode_layers.failure_reason() or lora_kernel.failure_reason()}",
 )
 
 #: (rank, targets) of the three adapters: all targets, attention only, MLP and q only
@@ -95,7 +95,7 @@ def test_fused_lora_step_bit_identical_to_per_layer_calls(dtype, rows):
     limit, why = fused_max_rows(w.runner.model)
     if limit is not None and rows > limit:
         pytest.skip(f"no one-call step at {rows} rows on this CPU ({why})")
-    assert native_decode.applies(w.runner.model, w.cache_engine.gpu_cache, inp.attn, rows)
+    assert cpu_decode_step.applies(w.runner.model, w.cache_engine.gpu_cache, inp.attn, rows)
     with count_fused() as calls:
         got, got_cache = run(w, inp, fused=True)
     want, want_cache = run(w, inp, fused=False)
@@ -125,9 +125,9 @@ def test_plan_without_lora_entries_refuses_a_lora_mapping():
     """A plan built for a model without slots has no LoRA entries: forward_layers does not pick
     it for a LoRA step, and ``run`` refuses one rather than drop the deltas."""
     w, inp = lora_step("float32", 2, seed=3)
-    plan = native_decode.step_plan(w.runner.model, 2, w.cache_engine.gpu_cache)
+    plan = cpu_decode_step.step_plan(w.runner.model, 2, w.cache_engine.gpu_cache)
     assert plan is not None and plan.has_lora
-    bare = native_decode._StepPlan.__new__(native_decode._StepPlan)
+    bare = cpu_decode_step._StepPlan.__new__(cpu_decode_step._StepPlan)
     bare.has_lora, bare.struct = False, plan.struct
     with pytest.raises(ValueError, match="LoRA mapping"):
         bare.run(torch.zeros(2, 256), None, None, None, None, inp.attn.lora)

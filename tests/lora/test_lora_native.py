@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from kvserve.model_executor.layers import lora as ops
 from kvserve.model_executor.layers.lora import LoRAMapping, add_lora
-from kvserve.ops import lora as native_lora
+from kvserve.ops import lora as lora_kernel
 
 pytestmark = pytest.mark.skipif(
-    not native_lora.available(), reason=f"no native LoRA kernel: {native_lora.failure_reason()}"
+    not lora_kernel.available(), reason=f"no native LoRA kernel: {lora_kernel.failure_reason()}"
 )
 
 

@@ -51,7 +51,7 @@ FORMATS_HERE = [f for f in FORMATS if native_here(f)]
 def fused_max_rows(model) -> tuple[int | None, str]:
     """The most rows of a step that ``model``'s dense linear weights run natively, so that the
     one-call step applies (None: any), and why. It depends on the CPU for bfloat16
-    (``llama.prepack_weight``): AMX tiles up to ``gemm_amx.MAX_ROWS`` rows, oneDNN above; no
+    (``linear.prepack_weight``): AMX tiles up to ``gemm_amx.MAX_ROWS`` rows, oneDNN above; no
     AMX but a bfloat16 dot product faster than the FMAs (AMD Zen 4) the panels up to
     ``gemm.BF16_DOT_MAX_ROWS``, oneDNN above; otherwise the panels at any row count."""
     w = model.layers[0].self_attn.qkv_weight

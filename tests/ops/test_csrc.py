@@ -60,7 +60,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
     # The control: an out-of-bounds read (silu_and_mul told rows are 2 floats longer than the
     # buffer holds) must be reported, or the rest proves nothing.
     oob = (
-        "import torch\nfrom kvserve.model_executor.layers import native_ops as o\n"
+        "import torch\nfrom kvserve.ops import elementwise as o\n"
         "x = torch.randn(3, 40); y = torch.empty(3, 21)\n"
         "o._LIB.fn('silu_and_mul_f32')(x.data_ptr(), y.data_ptr(), 3, 21, 1)\n"
     )

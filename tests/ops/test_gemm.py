@@ -68,7 +68,7 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
     dot product faster than its FMAs, panels for steps of up to BF16_DOT_MAX_ROWS rows and
     oneDNN above."""
     import kvserve.ops.cpu
-    from kvserve.model_executor.models import llama
+    from kvserve.model_executor.layers import linear
     from kvserve.ops import gemm_amx, gemm_bf16dot
 
     if not gemm.available():
@@ -77,18 +77,18 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
     w = torch.randn(96, 64).to(torch.bfloat16)
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f"})
     assert gemm.packs_bfloat16()
-    packed = llama.prepack_weight(w)
+    packed = linear.prepack_weight(w)
     assert isinstance(packed, gemm.PanelWeight) and packed.dtype == torch.bfloat16
     x = torch.randn(5, 64).to(torch.bfloat16)
     want = (x.float() @ w.float().T).to(torch.bfloat16)
-    torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
+    torch.testing.assert_close(linear.linear(x, packed), want, rtol=0.02, atol=0.05)
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     # with a dot product faster than FMAs (tests/ops/test_gemm_bf16dot.py: a slow one)
     monkeypatch.setattr(gemm_bf16dot, "built", lambda: True)
     monkeypatch.setattr(gemm_bf16dot, "dot_speed", lambda: 2.0)
     assert not gemm.packs_bfloat16()
     # with the dot product: panels for decode-sized steps, oneDNN's copy above
-    packed = llama.prepack_weight(w)
+    packed = linear.prepack_weight(w)
     assert isinstance(packed, gemm.PanelWeight) and packed.max_rows == gemm.BF16_DOT_MAX_ROWS
     assert packed.takes(packed.max_rows) and not packed.takes(packed.max_rows + 1)
     calls = []
@@ -97,7 +97,7 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
     for m in (packed.max_rows, packed.max_rows + 1):
         x = torch.randn(m, 64).to(torch.bfloat16)
         want = (x.float() @ w.float().T).to(torch.bfloat16)
-        torch.testing.assert_close(llama.linear(x, packed), want, rtol=0.02, atol=0.05)
+        torch.testing.assert_close(linear.linear(x, packed), want, rtol=0.02, atol=0.05)
     assert calls == [packed.max_rows]
 
 

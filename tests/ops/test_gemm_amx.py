@@ -1,10 +1,10 @@
-"""The AMX bfloat16 GEMM (``gemm_amx``) against a float32 reference, and ``llama.linear``'s
+"""The AMX bfloat16 GEMM (``gemm_amx``) against a float32 reference, and ``linear.linear``'s
 dispatch between it and oneDNN by step size."""
 
 import pytest
 import torch
 
-from kvserve.model_executor.models import llama
+from kvserve.model_executor.layers import linear
 from kvserve.ops import gemm_amx
 
 pytestmark = pytest.mark.skipif(not gemm_amx.available(), reason="no AMX tiles on this CPU/kernel")
@@ -51,11 +51,11 @@ def test_strided_input_and_threads():
 def test_llama_linear_dispatches_by_rows():
     """Up to ``MAX_ROWS`` rows run on the tiles, more on the large-step weight; both agree."""
     w = torch.randn(128, 64).bfloat16()
-    packed = llama.prepack_weight(w)
+    packed = linear.prepack_weight(w)
     assert isinstance(packed, gemm_amx.AmxWeight)
     for m in (gemm_amx.MAX_ROWS, gemm_amx.MAX_ROWS + 1):
         x = torch.randn(m, 64).bfloat16()
-        assert _rel_err(llama.linear(x, packed), _reference(x, w)) < 1e-2
+        assert _rel_err(linear.linear(x, packed), _reference(x, w)) < 1e-2
 
 
 def test_bad_inputs_name_the_mismatch():
@@ -93,9 +93,9 @@ def test_gemm_amx_switch_packs_bfloat16_weights_as_without_amx(monkeypatch):
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=g).to(torch.bfloat16)
-    assert isinstance(llama.prepack_weight(w), gemm_amx.AmxWeight)
+    assert isinstance(linear.prepack_weight(w), gemm_amx.AmxWeight)
     monkeypatch.setattr(gemm_amx, "USE_FOR_GEMM", False)
-    packed = llama.prepack_weight(w)
+    packed = linear.prepack_weight(w)
     if gemm.available():
         assert isinstance(packed, gemm.PanelWeight)
     wd = w.double().numpy()
@@ -104,12 +104,12 @@ def test_gemm_amx_switch_packs_bfloat16_weights_as_without_amx(monkeypatch):
         xd = x.double().numpy()
         ref = xd @ wd.T
         tol = 128 * float(np.finfo(np.float32).eps) * (np.abs(xd) @ np.abs(wd).T) + 2.0**-8 * np.abs(ref)
-        err = np.abs(llama.linear(x, packed).double().numpy() - ref)
+        err = np.abs(linear.linear(x, packed).double().numpy() - ref)
         assert (err <= tol).all(), (rows, float((err / tol).max()))
     # the variable is what sets it (read at import), as KVSERVE_ATTENTION_AMX for both attentions
     check = (
-        "from kvserve.model_executor.layers import gemm_amx, native_prefill_attention as npa\n"
-        "assert not gemm_amx.USE_FOR_GEMM and not npa.USE_AMX\n"
+        "from kvserve.ops import gemm_amx, prefill_attention\n"
+        "assert not gemm_amx.USE_FOR_GEMM and not prefill_attention.USE_AMX\n"
     )
     env = {**os.environ, gemm_amx.GEMM_ENV: "0", "KVSERVE_ATTENTION_AMX": "0"}
     r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)

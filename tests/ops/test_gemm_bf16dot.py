@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvserve.ops.cpu
-from kvserve.model_executor.models import llama
+from kvserve.model_executor.layers import linear
 from kvserve.ops import gemm, gemm_amx, gemm_bf16dot
 from tests.golden import hf_greedy_logits
 
@@ -178,12 +178,12 @@ def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, no_amx, speed):
     monkeypatch.setattr(gemm_bf16dot, "dot_speed", lambda: speed)
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f"})
     assert not gemm_bf16dot.available() and gemm.packs_bfloat16()
-    packed = llama.prepack_weight(w)
+    packed = linear.prepack_weight(w)
     assert isinstance(packed, gemm.PanelWeight) and packed.large is None and packed.max_rows is None
     flags = {"avx512f", "avx512_bf16"}
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: flags)
     assert gemm_bf16dot.available() and gemm_bf16dot.dot_beats_fma() == (speed > gemm_bf16dot.DOT_FAST)
-    packed = llama.prepack_weight(w)
+    packed = linear.prepack_weight(w)
     text = doctor._paths(flags)["linear"]["bfloat16"]
     assert isinstance(packed, gemm.PanelWeight)
     if speed < gemm_bf16dot.DOT_FAST:
@@ -196,7 +196,7 @@ def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, no_amx, speed):
         x = torch.randn(m, 64).bfloat16()
         ref, bound = _bound(x, w, None)
         # the panels' sums are float32 in another order: the same bound holds
-        assert bool(((llama.linear(x, packed).double() - ref).abs() <= bound).all()), m
+        assert bool(((linear.linear(x, packed).double() - ref).abs() <= bound).all()), m
 
 
 @pytest.mark.skipif(not gemm.available(), reason="no C compiler")
@@ -207,7 +207,7 @@ def test_an_unbuilt_kernel_keeps_onednn(monkeypatch, no_amx):
     monkeypatch.setattr(gemm_bf16dot, "built", lambda: False)
     assert not gemm_bf16dot.available() and not gemm_bf16dot.dot_beats_fma()
     assert not gemm.packs_bfloat16()
-    packed = llama.prepack_weight(torch.randn(96, 64).bfloat16())
+    packed = linear.prepack_weight(torch.randn(96, 64).bfloat16())
     assert isinstance(packed, gemm.PanelWeight) and packed.max_rows == gemm.BF16_DOT_MAX_ROWS
 
 

@@ -862,11 +862,11 @@ def test_uniform_kernel_rows_is_the_smallest_switching_weight():
     import torch
 
     from kvserve.model_executor.models.cpu_decode_step import uniform_kernel_rows
-    from kvserve.ops import gemm as native_gemm
+    from kvserve.ops import gemm
 
     def panel(max_rows=None):
         w = torch.randn(48, 32)
-        return native_gemm.PanelWeight(w, large=None if max_rows is None else w, max_rows=max_rows)
+        return gemm.PanelWeight(w, large=None if max_rows is None else w, max_rows=max_rows)
 
     def model(head, down):
         layer = SimpleNamespace(

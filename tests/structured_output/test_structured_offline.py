@@ -282,9 +282,9 @@ def test_allowed_tokens_bit_layout():
 def test_fused_greedy_mask_gives_the_tokens_and_logprobs_of_the_torch_mask(llms, monkeypatch):
     """The sampler's fused path (mask inside the greedy kernel) against masking in torch, on a
     batch mixing constrained, unconstrained and n = 2 greedy rows."""
-    from kvserve.ops import bitmask as native_bitmask
+    from kvserve.ops import bitmask
 
-    if not native_bitmask.available():
+    if not bitmask.available():
         pytest.skip("native bitmask kernels not built")
     llm = llms["plain"]
     schema = {
@@ -309,11 +309,11 @@ def test_fused_greedy_mask_gives_the_tokens_and_logprobs_of_the_torch_mask(llms,
         return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
 
     calls = []
-    real = native_bitmask.greedy_sample_masked
-    monkeypatch.setattr(native_bitmask, "greedy_sample_masked", lambda *a: calls.append(1) or real(*a))
+    real = bitmask.greedy_sample_masked
+    monkeypatch.setattr(bitmask, "greedy_sample_masked", lambda *a: calls.append(1) or real(*a))
     fused = run()
     assert calls, "the fused path did not run"
-    monkeypatch.setattr(native_bitmask, "supported", lambda *a: False)
+    monkeypatch.setattr(bitmask, "supported", lambda *a: False)
     unfused = run()
     assert [[t for t, _ in o] for o in fused] == [[t for t, _ in o] for o in unfused]
     for fo, uo in zip(fused, unfused):

@@ -1,4 +1,4 @@
-"""Micro benchmark of prefill attention: the native kernel (``native_prefill_attention``, one call
+"""Micro benchmark of prefill attention: the native kernel (``kvserve.ops.prefill_attention``, one call
 per layer for all chunks, K/V read from the paged cache) against the torch path of
 ``PagedAttention.forward`` (one ``scaled_dot_product_attention`` per chunk, fresh K/V of chunks
 starting at position 0; with ``--context`` the chunks follow cached context, so the torch path

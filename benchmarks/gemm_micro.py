@@ -1,5 +1,5 @@
-"""Micro benchmark of the CPU linear layers: ours (``native_gemm`` panels; for bfloat16 also
-``amx_gemm`` tiles with ``--kernel amx`` and ``bf16dot_gemm``'s AVX512-BF16 dot product with
+"""Micro benchmark of the CPU linear layers: ours (``gemm`` panels; for bfloat16 also
+``gemm_amx`` tiles with ``--kernel amx`` and ``gemm_bf16dot``'s AVX512-BF16 dot product with
 ``--kernel bf16dot``) against oneDNN's prepacked matmul, on the four GEMM shapes of each
 SmolLM2-135M layer (q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536), random weights.
 
@@ -29,16 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from kvserve.ops import gemm as native_gemm
-from kvserve.ops import gemm_amx as amx_gemm
-from kvserve.ops import gemm_bf16dot as bf16dot_gemm
+from kvserve.ops import gemm, gemm_amx, gemm_bf16dot
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 #: --kernel name -> (pack, run, available, bfloat16 only)
 KERNELS = {
-    "panels": (native_gemm.PanelWeight, native_gemm.linear, native_gemm.available, False),
-    "amx": (amx_gemm.AmxWeight, amx_gemm.linear, amx_gemm.available, True),
-    "bf16dot": (bf16dot_gemm.DotWeight, bf16dot_gemm.linear, bf16dot_gemm.available, True),
+    "panels": (gemm.PanelWeight, gemm.linear, gemm.available, False),
+    "amx": (gemm_amx.AmxWeight, gemm_amx.linear, gemm_amx.available, True),
+    "bf16dot": (gemm_bf16dot.DotWeight, gemm_bf16dot.linear, gemm_bf16dot.available, True),
 }
 
 
@@ -58,7 +56,7 @@ def main() -> None:
         nargs="+",
         choices=list(KERNELS),
         default=["panels"],
-        help="ours: native_gemm panels (float32/bfloat16), amx_gemm tiles or the bf16dot_gemm "
+        help="ours: gemm panels (float32/bfloat16), gemm_amx tiles or the gemm_bf16dot "
         "dot product (bfloat16); several: each against oneDNN",
     )
     ap.add_argument("--reps", type=int, default=6, help="alternating passes per row count")

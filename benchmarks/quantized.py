@@ -13,7 +13,7 @@ what is measured and how); the llama-server binary comes from ``benchmarks/llama
     python benchmarks/quantized.py --kernels      # the GEMV/GEMM kernels alone: GB/s, GFMA/s
     python benchmarks/quantized.py --layer-kernels --json-out l.json   # 30 layers' GEMMs per step
 
-``--kernels`` times each quantized kernel (each of ``quant_gemm.linear``'s kernels forced:
+``--kernels`` times each quantized kernel (each of ``quant.linear``'s kernels forced:
 ``tile``, ``act8``, ``panel``, ``amx`` where AMX exists, ``vnni`` where AVX-512 VNNI does), the float32 panel GEMM and the bfloat16 linear on the default
 model's largest shapes (gate/up 3072 x 576, the LM head 49152 x 576; the LM head's weights
 exceed the caches in every format) at 1, 8, 64 and 256 rows (``--kernel-rows``), on 1 and 2
@@ -24,13 +24,13 @@ kernel at 1 row is) or compute-bound.
 ``--layer-kernels`` times one pass over the GEMMs of all 30 SmolLM2-135M layers (q/k/v 960 x
 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536; each layer its own random weights, so a
 pass streams them from memory as a decode step does) at 4-64 rows (``--kernel-rows``, default
-4,8,12,16,24,32,64), on all threads: bfloat16 as a bfloat16 model runs it (``llama.linear`` on
-``prepack_weight``'s form: AMX tiles, bfloat16 panels or oneDNN, whichever this CPU takes)
+4,8,12,16,24,32,64), on all threads: bfloat16 as a bfloat16 model runs it (``linear.linear`` on
+``linear.prepack_weight``'s form: AMX tiles, bfloat16 panels or oneDNN, whichever this CPU takes)
 against the Q4_1 (x4 layout, as the int8 mode keeps it) and Q8_0 weights on each of their
 kernels (``amx``: dequantized into bfloat16 AMX tiles, where AMX exists; ``vnni``: int8 panels
 and vpdpbusd, where AVX-512 VNNI exists; ``act8``: the int8 GEMV; ``panel``: float32 panels),
 best of ``--kernel-reps`` passes taken alternately, bfloat16 activations: where the many-row
-kernels take over from the int8 GEMV (``quant_gemm.AMX_ROWS``, ``VNNI_ROWS``) and how they
+kernels take over from the int8 GEMV (``quant.AMX_ROWS``, ``VNNI_ROWS``) and how they
 compare with bfloat16.
 """
 
@@ -50,15 +50,15 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
     """Best-of-``repeats`` time of each kernel per shape, rows and threads (see the module doc).
 
     Kernels: ``float32`` (``gemm.c`` panels), ``bfloat16`` (the bfloat16 linear the engine runs:
-    ``native_gemm``'s AMX kernel where AMX exists, else torch), and per quantized type each of
-    ``quant_gemm.linear``'s kernels forced (``tile``: float activations, dequantized in
+    ``gemm_amx``'s AMX kernel where AMX exists, else torch), and per quantized type each of
+    ``quant.linear``'s kernels forced (``tile``: float activations, dequantized in
     registers; ``act8``: int8 activations; ``panel``: dequantized float32 panels); the
     kernels are timed alternately, one call each per round.
     """
     import torch
     import torch.nn.functional as F
 
-    from kvserve.ops import gemm as native_gemm
+    from kvserve.ops import gemm
     from kvserve.ops import quant as qg
 
     out = []
@@ -68,7 +68,7 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
             w32 = torch.randn(n, k) * 0.05
             w16 = w32.to(torch.bfloat16)
             cases = {
-                "float32": (native_gemm.linear, native_gemm.PanelWeight(w32), n * k * 4, torch.float32),
+                "float32": (gemm.linear, gemm.PanelWeight(w32), n * k * 4, torch.float32),
                 "bfloat16": (F.linear, w16, n * k * 2, torch.bfloat16),
             }
             for qt in qg.BLOCK_BYTES:
@@ -130,7 +130,7 @@ def layer_kernels(rows=(4, 8, 12, 16, 24, 32, 64), layers: int = 30, repeats: in
     count (see the module doc); rows ``{"kernel", "rows", "ms", "x_bf16"}``."""
     import torch
 
-    from kvserve.model_executor.models.llama import linear, prepack_weight
+    from kvserve.model_executor.layers.linear import linear, prepack_weight
     from kvserve.ops import quant as qg
 
     if not qg.available():

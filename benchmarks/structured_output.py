@@ -11,7 +11,7 @@ shared machine hits both; the ratio is per adjacent pair and its median is repor
 
 ``--mask-impl both`` also runs every constrained pass a second time with the token mask applied
 in torch (bit expansion + ``masked_fill_``, then the greedy kernel: what ran before the
-``native_bitmask`` kernels), alternating, so before/after come from one process and one load.
+``kvserve.ops.bitmask`` kernels), alternating, so before/after come from one process and one load.
 
 Reported: output tok/s of each run and the ratios (the target: constrained >= 0.9x unconstrained); the tokenizer
 view (built once), the compile time of each new schema (``--num-schemas`` distinct schemas
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     from kvserve import LLM, SamplingParams, StructuredOutputsParams
-    from kvserve.ops import bitmask as native_bitmask
+    from kvserve.ops import bitmask as bitmask_kernel
     from kvserve.workload.workload import default_workload_path, load_workload
 
     requests = load_workload(default_workload_path(), ns.num_prompts)
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     timer = _Timer(
         [
             (sampler.Sampler, "_collect_constraints"),
-            (native_bitmask, "greedy_sample_masked"),
-            (native_bitmask, "apply_token_bitmask_"),
+            (bitmask_kernel, "greedy_sample_masked"),
+            (bitmask_kernel, "apply_token_bitmask_"),
             (bitmask, "apply_token_bitmask_torch_"),
             (sampler, "apply_token_bitmask_"),
         ]
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             (manager_mod.StructuredOutputManager, "accept_token"),
         ]
     )
-    real_supported = native_bitmask.supported
+    real_supported = bitmask_kernel.supported
     impls = ["native", "torch"] if ns.mask_impl == "both" else [ns.mask_impl]
 
     runs: list[dict] = []
@@ -155,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def constrained_run(rep: int, impl: str) -> None:
         nonlocal lengths
-        native_bitmask.supported = real_supported if impl == "native" else (lambda *a: False)
+        bitmask_kernel.supported = real_supported if impl == "native" else (lambda *a: False)
         try:
             before = manager.stats.as_dict()
             timer.seconds = engine_timer.seconds = 0.0
             secs, lens = _run(llm, requests, constrained)
         finally:
-            native_bitmask.supported = real_supported
+            bitmask_kernel.supported = real_supported
         after = manager.stats.as_dict()
         rows = after["rows"] - before["rows"]
         runs.append(

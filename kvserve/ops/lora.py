@@ -3,8 +3,9 @@ algorithm, numerics and why): ``out[t, cols_p] += (x[t] @ A[s_t]_p) @ B[s_t]_p``
 a step's ``LoRAMapping`` and each part ``p`` of the fused linear, reading only each part's
 diagonal block of the manager's block-diagonal ``B``.
 
-Used by ``kvserve.model_executor.layers.lora.add_lora`` for CPU steps (up to ``ops.NATIVE_MAX_ROWS`` rows: no limit by
-default); torch otherwise. Activations float32 or bfloat16, weights (the slots) float32 or bfloat16.
+Used by ``kvserve.model_executor.layers.lora.add_lora`` for CPU steps (up to that module's
+``NATIVE_MAX_ROWS`` rows: no limit by default); torch otherwise. Activations float32 or
+bfloat16, weights (the slots) float32 or bfloat16.
 """
 
 from __future__ import annotations

@@ -1,1 +1,3 @@
-"""Building blocks of the model code: RMSNorm, rotary embedding, paged attention."""
+"""Building blocks of the model code: paged attention, the linear method (each weight's form and
+kernel), RMSNorm, rotary embedding, the vocabulary-parallel head, the batched LoRA op and
+token-bitmask masking."""

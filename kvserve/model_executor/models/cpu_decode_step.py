@@ -30,7 +30,7 @@ Two forms of the same sequence:
   decodes, speculative verify rows expanded to decode rows) without tensor parallelism, where
   the model's ``fuse_native_decode`` is True (the default). Steps with LoRA adapters run it too
   when the native LoRA kernel takes the slots (``_lora_entries``: CPU, float32/bfloat16, up to
-  ``ops.NATIVE_MAX_ROWS`` rows): the dispatch table holds every target's slot pointers, the step
+  ``lora_ops.NATIVE_MAX_ROWS`` rows): the dispatch table holds every target's slot pointers, the step
   passes its rows and segments, and the C side calls ``lora.c``'s kernel after each GEMM as the
   per-layer loop's ``add_lora`` does (~120 Python op calls and ~270 ctypes calls per step saved).
 - the per-layer loop below (nine ctypes calls per layer), under tensor parallelism (its

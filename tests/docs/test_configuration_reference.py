@@ -1,5 +1,6 @@
 """docs/configuration.md names exactly the engine settings and ``kvserve serve`` flags the code
-defines, each with its real default (and, for ``EngineArgs``, its annotated type)."""
+defines, each with its real default (and, for ``EngineArgs``, its annotated type), and exactly
+the environment variables ``kvserve.envs`` declares."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve import envs
 from kvserve.config import EngineArgs
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -132,6 +134,19 @@ def test_serve_table_and_engine_table_together_name_every_kvserve_serve_flag(ser
         real = options[_code(flag)].default
         assert ast.literal_eval(_code(default)) == real, f"{flag}: documented {default}, parser {real!r}"
         assert meaning, f"{flag}: no meaning given"
+
+
+def test_environment_table_names_every_declared_variable_once():
+    rows = table_rows(DOC.read_text(), "Environment variables")
+    documented = [_code(r[0]) for r in rows]
+    assert len(documented) == len(set(documented)), f"a variable listed twice: {documented}"
+    declared = set(envs.VARIABLES)
+    assert set(documented) == declared, (
+        f"declared in kvserve/envs.py but missing from docs/configuration.md: {sorted(declared - set(documented))}; "
+        f"documented but not declared: {sorted(set(documented) - declared)}"
+    )
+    for row in rows:
+        assert len(row) == 3 and row[2], f"row needs variable | default | meaning: {row}"
 
 
 def test_table_parser_finds_a_missing_row():

@@ -1,9 +1,9 @@
 /*
  * Fused CPU kernels for the elementwise parts of a step (C/OpenMP, built by ops/library.py).
  *
- * At 64 decode rows each torch elementwise op costs ~10-60 us of dispatch and a pass over memory;
- * a prefill of 6,000 tokens in bfloat16 spent ~40 % of its time in the RMSNorm, SiLU and dtype
- * conversions between its GEMMs (torch.profiler). These kernels do each of them in one pass:
+ * Each torch elementwise op costs a dispatch and a pass over memory, and a long bfloat16 prefill
+ * spends a large share of its time in the RMSNorm, SiLU and dtype conversions between its GEMMs
+ * (torch.profiler; docs/benchmarks.md, CPU kernels). These kernels do each of them in one pass:
  *
  * - rms_norm: optional residual add, then RMSNorm (Zhang & Sennrich, 2019) -- the numerics of
  *   HF transformers' LlamaRMSNorm: statistics in float32, the normalised value rounded to the

@@ -519,7 +519,7 @@ class ModelRunner:
         ``extra_rows``: int64 indices of more rows of ``hidden`` (a speculative step's verify
         positions) whose logits follow the sampled rows' in the same LM head call
         (``[N + E, vocab]``): the head's weights are read once a step, not once per kind of row
-        (at batch 8 a second call was ~10% of a bfloat16 decode step).
+        (a second call would stream the whole head again, a visible share of a decode step).
         """
         rows = inp.sample_rows if extra_rows is None else torch.cat([inp.sample_rows, extra_rows])
         h = hidden.index_select(0, rows)

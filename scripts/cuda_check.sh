@@ -134,7 +134,7 @@ EOF
 golden_tests() {
     KVSERVE_TEST_DEVICE=$DEV KVSERVE_TEST_TOKENIZER_DIR=$ASSETS/smollm2 \
         "$PY" -m pytest -v -rs -p no:cacheprovider --durations=8 --junitxml="$OUT/junit.xml" \
-        tests/model_executor/test_sampler.py tests/model_executor/test_model_runner.py tests/engine/test_e2e_tiny.py
+        tests/model_executor/test_sampler.py tests/worker/test_model_runner.py tests/engine/test_e2e_tiny.py
 }
 
 bench() {  # bench DTYPE BATCH_SIZES JSON

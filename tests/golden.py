@@ -6,7 +6,7 @@ other difference is a mismatch. Tests report how many near-ties they met.
 
 ``TEST_DEVICE`` (``$KVSERVE_TEST_DEVICE``, default ``cpu``) is where the golden tests run both
 the engine and the transformers reference (float32 on both sides): ``cuda`` checks the CUDA
-path, e.g. ``KVSERVE_TEST_DEVICE=cuda pytest tests/engine/test_e2e_tiny.py tests/model_executor/test_model_runner.py``.
+path, e.g. ``KVSERVE_TEST_DEVICE=cuda pytest tests/engine/test_e2e_tiny.py tests/worker/test_model_runner.py``.
 """
 
 from __future__ import annotations

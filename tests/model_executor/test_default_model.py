@@ -2,7 +2,6 @@
 and stop strings that are not on token boundaries (B19)."""
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
 from tests.engine.test_e2e_tiny import assert_idle
@@ -23,10 +22,8 @@ def llm(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+def hf_model(default_hf_model):
+    return default_hf_model
 
 
 def test_default_model_greedy_equals_transformers(llm, hf_model):

@@ -26,6 +26,16 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
+def default_hf_model(default_model_dir):
+    """The default model in transformers (float32, eval mode): the reference the default-model
+    tests compare against, loaded once per session. Shared: a test must not modify it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def default_tokenizer_dir(request):
     """The default model's tokenizer files: ``$KVSERVE_TEST_TOKENIZER_DIR`` when set (a machine
     without the default model's package, e.g. a GPU check), else the converted default model."""

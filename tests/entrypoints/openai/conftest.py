@@ -1,5 +1,6 @@
 """A real uvicorn server on 127.0.0.1 (free port, background thread) over the default model,
-started once per module, plus helpers to reach it (the official ``openai`` client, httpx)."""
+started once per session and shared by every module of this folder that asks for ``server``,
+plus helpers to reach it (the official ``openai`` client, httpx)."""
 
 import pytest
 
@@ -24,7 +25,9 @@ ENGINE_KWARGS = dict(
 MAX_BODY_BYTES = 128 * 1024
 
 
-@pytest.fixture(scope="module")
+# One session-wide server: the modules using it only read it (metrics are compared as deltas,
+# every test waits for the engine to be idle), and each start loads the default model again.
+@pytest.fixture(scope="session")
 def server():
     from kvserve.config import EngineArgs
 

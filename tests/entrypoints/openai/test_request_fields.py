@@ -166,10 +166,8 @@ def test_unimplemented_vllm_fields_are_a_400(server, route, body):
 
 # ---------------------------------------------------------------------------- prompt logprobs
 @pytest.fixture(scope="module")
-def hf_default(default_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+def hf_default(default_hf_model):
+    return default_hf_model
 
 
 def test_echo_with_logprobs_returns_the_prompt_first(server, hf_default):

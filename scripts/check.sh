@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Static checks (CI runs them before the tests): ruff lint and format, mypy over the scheduler,
-# block manager and engine (settings in pyproject.toml), clang-format over the C kernels
+# Static checks (CI runs them before the tests): ruff lint and format, mypy over the whole
+# kvserve package (settings in pyproject.toml), clang-format over the C kernels
 # (kvserve/csrc/.clang-format). Needs `scripts/setup.sh test` first.
 # Fix formatting with: .venv/bin/ruff format . && .venv/bin/clang-format -i kvserve/csrc/*.[ch]
 set -euo pipefail

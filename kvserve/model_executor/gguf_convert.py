@@ -30,13 +30,18 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvserve.envs import cache_root
+
+if TYPE_CHECKING:
+    import torch
 
 #: Bump when the output format changes, so old caches are not reused.
 CONVERTER_VERSION = "1"
@@ -219,7 +224,8 @@ def _write_memo(memo: Path, entries: dict[str, str]) -> None:
 
 
 def file_sha256(path: Path) -> str:
-    """The sha256 (hex) of the whole file ``path``, streamed (``hashlib.file_digest``).
+    """The sha256 (hex) of the whole file ``path``, streamed (``hashlib.file_digest``; on Python
+    3.10, which lacks it, 1 MiB reads).
 
     Remembered in ``cache_root() / HASH_MEMO`` under the file's path, size, mtime, ctime, inode
     and device: while none of them changes, the file is not read again. A file that changes
@@ -237,7 +243,13 @@ def file_sha256(path: Path) -> str:
         if key in entries:
             return entries[key]
         with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if sys.version_info >= (3, 11):
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            else:
+                h = hashlib.sha256()
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                digest = h.hexdigest()
         if _memo_key(path, path.stat()) != key:
             continue  # written meanwhile: the digest may mix two versions
         entries = _read_memo(memo)  # (another process may have added entries meanwhile)
@@ -392,9 +404,11 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
             pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-            unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
             attention_bias=False,
         )
+        # not a named LlamaConfig parameter: set as the attribute the constructor would make of
+        # the keyword (the saved config.json is the same)
+        cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
     except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
         raise ValueError(f"{where}: its metadata describes no valid Llama model: {e}") from None
     cfg.architectures = ["LlamaForCausalLM"]
@@ -402,12 +416,12 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
     return cfg
 
 
-def dequantize_tensors(reader, cfg) -> dict[str, object]:
+def dequantize_tensors(reader, cfg) -> dict[str, torch.Tensor]:
     """All tensors as float32 torch tensors under HF names, q/k rows in HF order."""
     import torch
     from gguf.quants import dequantize
 
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:

@@ -146,9 +146,10 @@ def load_gguf_model(
                 except ValueError as e:
                     raise ValueError(f"GGUF file {str(path)!r}: tensor {t.name!r}: {e}") from None
             types = {_qtype(t) for t, _, _ in present}
-            if len(types) == 1 and None not in types:
+            qtype = types.pop() if len(types) == 1 else None  # the parts' one supported type
+            if qtype is not None:
                 rows = np.concatenate([_rows(t, h) for t, _, h in present])  # a copy: owns its memory
-                qw = quant.QuantWeight(torch.from_numpy(rows), types.pop(), _shape(present[0][0])[1])
+                qw = quant.QuantWeight(torch.from_numpy(rows), qtype, _shape(present[0][0])[1])
                 _set(module, attr, qw)
                 if attr == "embed_tokens" and model.tie_word_embeddings:
                     _set(model, "lm_head", qw)
@@ -156,6 +157,7 @@ def load_gguf_model(
                     quant.prepare(qw, gemm_only=attr != "embed_tokens")  # (a lookup reads data)
             else:
                 for (t, _, h), target in zip(present, targets):
+                    assert target is not None  # only ignored tensors have none; none is grouped
                     arr = _float_array(path, t, logged)
                     if h is not None:
                         arr = unpermute_qk(arr, h)

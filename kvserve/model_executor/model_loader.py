@@ -109,7 +109,8 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
         return gguf_convert.metadata_dir(gguf_file)
     if gguf_file is not None:
         return gguf_convert.converted_dir(gguf_file)
-    path = Path(model).expanduser()  # type: ignore[arg-type]  (None is the default model)
+    assert model is not None, "None names the default model, a GGUF file (handled above)"
+    path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     if not path.is_dir():

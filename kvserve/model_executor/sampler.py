@@ -315,7 +315,7 @@ class Sampler:
     def _suppressed_ids(self, params: SamplingParams, data: SequenceData, vocab: int) -> list[int]:
         if data.get_output_len() >= params.min_tokens:
             return []
-        ids = list(params.stop_token_ids)
+        ids = list(params.stop_token_ids or [])
         if self.eos_token_id is not None and not params.ignore_eos:
             ids.append(self.eos_token_id)
         return sorted({t for t in ids if 0 <= t < vocab})
@@ -367,6 +367,7 @@ class Sampler:
             raise ValueError(f"logits has {num_rows} rows but the metadata asks for {len(rows)}")
         if not rows:
             return outputs
+        assert logits is not None  # it has len(rows) > 0 rows (checked above)
         if logits.dtype != torch.float32:
             logits = logits.float()
         failed: set[int] = set()
@@ -507,7 +508,9 @@ class Sampler:
             for t, v in (r.params.logit_bias or {}).items():
                 t = int(t)
                 if 0 <= t < vocab:
-                    bias_r.append(i), bias_t.append(t), bias_v.append(float(v))
+                    bias_r.append(i)
+                    bias_t.append(t)
+                    bias_v.append(float(v))
         if bias_r:
             if adjusted is logits:
                 adjusted = adjusted.clone()
@@ -578,13 +581,14 @@ class Sampler:
         sample_lp = adjusted[sample_row, tokens] - lse[sample_row]
 
         top: dict[int, tuple] = {}
-        top_rows = [i for i, r in enumerate(rows) if r.params.logprobs]
-        if top_rows:
-            k = min(vocab, max(rows[i].params.logprobs for i in top_rows))
+        top_n = [(i, r.params.logprobs) for i, r in enumerate(rows) if r.params.logprobs]
+        if top_n:
+            top_rows = [i for i, _ in top_n]
+            k = min(vocab, max(n for _, n in top_n))
             t_idx = torch.tensor(top_rows, device=device)
-            vals, ids = adjusted[t_idx].topk(k, dim=-1)
-            vals = (vals - lse[t_idx].unsqueeze(1)).tolist()
-            ids = ids.tolist()
+            top_vals, top_ids = adjusted[t_idx].topk(k, dim=-1)
+            vals = (top_vals - lse[t_idx].unsqueeze(1)).tolist()
+            ids = top_ids.tolist()
             for j, i in enumerate(top_rows):
                 top[i] = (ids[j], vals[j])
         return tokens.tolist(), sample_lp.tolist(), top

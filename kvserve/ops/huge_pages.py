@@ -2,9 +2,7 @@
 
 Why: a decode step is bound by streaming every weight once. With 4 KiB pages the stream
 crosses a page every 4 KiB: a TLB entry each, and the hardware prefetchers stop at every page
-boundary. Measured here (AMX Xeon, 2 threads, SmolLM2-135M's 30 layers of bfloat16 AMX tiles,
-the same kernel on the same bytes, 4 KiB and 2 MiB backed copies alternated in one process):
-1 row 10.8 -> 9.0 ms, 8 rows 10.6 -> 9.3, 40 rows 15.0 -> 13.4, 64 rows 17.5 -> 14.7 (1.12-1.20x).
+boundary. 2 MiB pages remove both (figures: docs/benchmarks.md, CPU kernels).
 
 Hosts whose transparent huge pages are ``madvise`` (common; ``never`` turns them off) give
 huge pages only to memory that asks: torch's allocator does not (except under
@@ -17,6 +15,7 @@ call fails) or ``KVSERVE_HUGE_PAGES=0``, nothing moves: the result is the same, 
 from __future__ import annotations
 
 import mmap
+from typing import TypeGuard
 
 import torch
 
@@ -50,7 +49,7 @@ def _arena(nbytes: int) -> torch.Tensor | None:
     return buf[start : start + nbytes]
 
 
-def _movable(t: object) -> bool:
+def _movable(t: object) -> TypeGuard[torch.Tensor]:
     return (
         isinstance(t, torch.Tensor)
         and t.device.type == "cpu"

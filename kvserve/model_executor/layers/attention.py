@@ -118,7 +118,7 @@ class AttentionMetadata:
     Attributes:
         write_idx: int64 ``[2 * kv_heads * T]`` rows of the cache viewed as
             ``[2 * kv_heads * num_blocks * block_size, head_dim]`` that receive the new K/V
-            (order ``(s, h, t)``).
+            (order ``(s, h, t)``); ``None`` only for a forward without a KV cache.
         slot_mapping: int64 ``[T]``: each token's cache slot ``block * block_size + offset``.
         prefills: the multi-token chunks, rows ``[0, num_prefill_tokens)``.
         num_prefill_tokens: rows taken by ``prefills``.
@@ -134,7 +134,7 @@ class AttentionMetadata:
             when no row runs an adapter. (Carried here because every layer reads it.)
     """
 
-    write_idx: torch.Tensor
+    write_idx: torch.Tensor | None
     slot_mapping: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
@@ -186,12 +186,13 @@ class PagedAttention:
         T = q.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
         if kv_cache is not None and not kv_written:
+            assert meta.write_idx is not None, "metadata for a step with a KV cache sets write_idx"
             flat = kv_cache.view(-1, D)
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
             flat.index_copy_(0, meta.write_idx, src)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         npf = meta.native_prefill if kv_cache is not None else None
-        if npf is not None:
+        if npf is not None and kv_cache is not None:  # (npf is only set with a cache)
             P = meta.num_prefill_tokens
             qp = q[:P]
             if qp.stride(2) != 1 or qp.stride(1) != D:  # the kernel takes any row stride
@@ -209,7 +210,8 @@ class PagedAttention:
             )
         for pc in meta.prefills if npf is None else ():
             qs = q[pc.start : pc.end].transpose(0, 1)  # [H, n, D]
-            if pc.gather_idx is None:
+            # a gather index is only built for a chunk with cached context (context_start > 0)
+            if pc.gather_idx is None or kv_cache is None:
                 if pc.context_start > 0:  # native metadata without a cache: nothing to read it from
                     raise ValueError(
                         f"a chunk at position {pc.context_start} needs the KV cache for its context"
@@ -222,7 +224,7 @@ class PagedAttention:
                 ks = g[0, :, : pc.num_keys]
                 vs = g[1, :, : pc.num_keys]
             # A batch dimension of 1: torch's CPU flash kernel takes only 4-D inputs (3-D ones
-            # go to the unfused math path, 4-9x slower on a 300-token prompt).
+            # go to the much slower unfused math path).
             qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
             if pc.mask is None:
                 o = F.scaled_dot_product_attention(
@@ -235,6 +237,7 @@ class PagedAttention:
             out[pc.start : pc.end] = o[0].transpose(0, 1)
         nd = meta.native_decode
         if nd is not None:
+            assert kv_cache is not None, "single-token queries read their context from the KV cache"
             B = nd.end - nd.start
             qd = q[nd.start : nd.end]
             if qd.stride(2) != 1 or qd.stride(1) != D:  # the kernel takes any row stride
@@ -250,6 +253,7 @@ class PagedAttention:
                 out=out[nd.start : nd.end].view(B, KH, self.group, D),
             )
         if meta.decode_buckets:
+            assert kv_cache is not None, "single-token queries read their context from the KV cache"
             bs = kv_cache.shape[3]
             rows = kv_cache.view(-1, bs * D)
             for b in meta.decode_buckets:

@@ -2,9 +2,8 @@
 
 Why: the kernels of a decode step are few and short (4 GEMMs, attention, 2 RMSNorms, rotary +
 cache write, SiLU-and-mul per layer), and the Python around each -- nn.Module calls, argument
-checks, output allocation, ctypes conversion -- cost 6.4-7 ms per step at 8 sequences and
-13.5 ms at 64 on this project's 2-core machine (a 30-layer model with tiny matrices, whose
-kernels cost next to nothing), 15-20% of a real SmolLM2-135M step. Here the checks run once per
+checks, output allocation, ctypes conversion -- cost a sizeable share of a real SmolLM2-135M
+step (docs/benchmarks.md, CPU kernels). Here the checks run once per
 step, the activations live in nine buffers allocated once per step and reused by every layer,
 and each layer is nine ctypes calls with integer arguments.
 
@@ -48,7 +47,7 @@ import weakref
 import torch
 
 from kvserve.model_executor.layers import lora as lora_ops
-from kvserve.model_executor.layers.attention import AttentionMetadata
+from kvserve.model_executor.layers.attention import AttentionMetadata, NativeDecode
 from kvserve.model_executor.layers.linear import WEIGHT_BYTES, native_gemm
 from kvserve.model_executor.layers.lora import add_lora
 from kvserve.ops import attention as paged_attention
@@ -137,6 +136,8 @@ def forward_layers(
         MemoryError: a quantized GEMM could not allocate its scratch.
     """
     nd = meta.native_decode
+    # applies() checked native_decode; a step with KV caches has its slot mapping
+    assert nd is not None and meta.slot_mapping is not None
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = meta.slot_mapping.contiguous()
     for name, t in (("table", nd.table), ("kstart", nd.kstart), ("kend", nd.kend), ("slot_mapping", slots)):
@@ -151,7 +152,7 @@ def forward_layers(
         plan = step_plan(model, x.shape[0], kv_caches)
         if plan is not None and (lora is None or plan.has_lora):
             return plan.run(x, cos, sin, slots, nd, lora)
-    return _forward_per_layer(model, x, cos, sin, slots, kv_caches, meta)
+    return _forward_per_layer(model, x, cos, sin, slots, nd, kv_caches, meta)
 
 
 def _forward_per_layer(
@@ -160,11 +161,12 @@ def _forward_per_layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
     slots: torch.Tensor,
+    nd: NativeDecode,
     kv_caches: list[torch.Tensor],
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """``forward_layers`` as nine native calls per layer (LoRA deltas and all-reduces between
-    them); arguments checked by ``forward_layers``."""
+    them); arguments checked by ``forward_layers`` (``nd``: ``meta.native_decode``)."""
     T, hidden = x.shape
     sfx = DTYPE_SUFFIX[model.dtype]
     nt = torch.get_num_threads()
@@ -173,7 +175,6 @@ def _forward_per_layer(
     G = H // KH
     inter = model.layers[0].mlp.inter
     tp = getattr(model, "tp", None)
-    nd = meta.native_decode
     new = lambda *shape: torch.empty(*shape, dtype=x.dtype)  # noqa: E731
     residual = x  # F.embedding's fresh output: updated in place from here on
     h, o, mlp_out = new(T, hidden), new(T, hidden), new(T, hidden)
@@ -194,7 +195,7 @@ def _forward_per_layer(
     # the panel GEMM reads float32 x: float32 x is its own, bfloat16 x is widened into this
     xf = None if x.dtype == torch.float32 else torch.empty(T * max(hidden, H * D, inter), dtype=torch.float32)
 
-    # the kernel of each kind of weight, resolved once per step (its lookup cost ~3-6 us a call)
+    # the kernel of each kind of weight, resolved once per step, not once per call
     resolved: dict = {}
 
     def gemm(weight, bias, src, dst, module=None, target=""):
@@ -206,7 +207,9 @@ def _forward_per_layer(
         )
         hit = resolved.get(key)
         if hit is None:
-            fn, _, _, _, _, panel = native_gemm(weight, bias, T, x.dtype)
+            call = native_gemm(weight, bias, T, x.dtype)
+            assert call is not None  # applies() found native kernels (all layers share one format)
+            fn, _, _, _, _, panel = call
             if isinstance(weight, quant.QuantWeight):
                 attr = quant.weight_attr(weight, T, dtype=x.dtype)
             else:
@@ -546,7 +549,9 @@ class _StepPlan:
 #: dropped when its linear weights are replaced (prepacked or quantized again: the sentinel is
 #: its first and last linear weight objects and its dtype) or LoRA slots are attached (the
 #: first layer's ``lora_stacks`` object).
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[object, tuple[tuple, dict[tuple, _StepPlan | None], bool]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _regime(rows: int, quantized: bool, dtype: torch.dtype) -> tuple:
@@ -612,8 +617,9 @@ def step_plan(model, rows: int, kv_caches: list[torch.Tensor]) -> _StepPlan | No
         hit = _PLANS[model] = (sentinel, {}, quantized)
     regime = _regime(rows, hit[2], model.dtype)
     plans = hit[1]
-    plan = plans.get(regime, False)
-    if plan is False:
+    if regime in plans:
+        plan = plans[regime]
+    else:
         built = _StepPlan(model, rows)
         plan = plans[regime] = built if built.ok else None
     if plan is None:

@@ -11,7 +11,8 @@ fewer per layer); ``load_weights`` fuses the checkpoint's separate tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAtte
 from kvserve.model_executor.layers.linear import (
     QUANT_BLOCK,
     QUANT_METHODS,
+    LinearWeight,
     check_quant_activations,
     linear,
     lm_head_logits,
@@ -81,7 +83,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2"
-        self.qkv_weight = _linear_weight(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype, device)
+        # linear weights: float Parameters until prepacked or quantized in place after loading
+        self.qkv_weight: LinearWeight = _linear_weight(
+            self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype, device
+        )
         self.qkv_bias = (
             nn.Parameter(
                 torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype, device=device), requires_grad=False
@@ -90,7 +95,7 @@ class LlamaAttention(nn.Module):
             else None
         )
         o_bias = bool(getattr(cfg, "attention_bias", False)) and getattr(cfg, "model_type", "") != "qwen2"
-        self.o_weight = _linear_weight(cfg.hidden_size, self.q_size, dtype, device)
+        self.o_weight: LinearWeight = _linear_weight(cfg.hidden_size, self.q_size, dtype, device)
         self.o_bias = (
             nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
             if o_bias
@@ -142,8 +147,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.inter = cfg.intermediate_size // _tp_size(tp)
-        self.gate_up_weight = _linear_weight(2 * self.inter, cfg.hidden_size, dtype, device)
-        self.down_weight = _linear_weight(cfg.hidden_size, self.inter, dtype, device)
+        # linear weights: float Parameters until prepacked or quantized in place after loading
+        self.gate_up_weight: LinearWeight = _linear_weight(2 * self.inter, cfg.hidden_size, dtype, device)
+        self.down_weight: LinearWeight = _linear_weight(cfg.hidden_size, self.inter, dtype, device)
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (only silu).")
@@ -261,10 +267,16 @@ class LlamaForCausalLM(nn.Module):
         )
         if embed_rows > cfg.vocab_size and not self.shard_embedding:
             self.embed_tokens.data[cfg.vocab_size :].zero_()
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
+        # an nn.ModuleList (registers the layers as submodules), typed by what it holds: torch
+        # types its items as plain nn.Module
+        self.layers = cast(
+            Sequence[LlamaDecoderLayer],
+            nn.ModuleList(
+                LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
+            ),
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head: LinearWeight  # prepacked or quantized in place after loading
         if not self.tie_word_embeddings:
             self.lm_head = nn.Parameter(
                 torch.empty(head_rows, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
@@ -298,7 +310,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
-        if self.use_native_decode and cpu_decode_step.applies(self, kv_caches, meta, x.shape[0]):
+        if (
+            kv_caches is not None
+            and self.use_native_decode
+            and cpu_decode_step.applies(self, kv_caches, meta, x.shape[0])
+        ):
             return cpu_decode_step.forward_layers(self, x, cos, sin, kv_caches, meta)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -322,7 +338,9 @@ class LlamaForCausalLM(nn.Module):
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
         ``prepack_weight`` form, after ``load_weights``; a no-op off CPU (and for float16).
         A tied LM head gets its own packed copy (the embedding table stays plain)."""
-        names = [(layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")]
+        names: list[tuple[nn.Module, str]] = [
+            (layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")
+        ]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         # a tied lm_head is the embedding Parameter (or, replicated under TP, a view of this
         # rank's rows of it): it is replaced by a packed copy
@@ -396,7 +414,8 @@ class LlamaForCausalLM(nn.Module):
                 f"got {self.dtype}"
             )
         check_quant_activations()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
-        names, labels = [], []
+        names: list[tuple[nn.Module, str]] = []
+        labels: list[str] = []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             names += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]

@@ -63,8 +63,8 @@ def test_bad_inputs_are_named():
 
 
 def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_product_exists(monkeypatch):
-    """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (2.3x its 1-row time at 5 rows on
-    this project's VM): bfloat16 weights get panels there for every step; where the CPU has a
+    """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (slowly): bfloat16 weights get
+    panels there for every step; where the CPU has a
     dot product faster than its FMAs, panels for steps of up to BF16_DOT_MAX_ROWS rows and
     oneDNN above."""
     import kvserve.ops.cpu

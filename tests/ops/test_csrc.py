@@ -90,7 +90,21 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
     # the preloaded ASan runtime does not survive; the kernels it reaches run in the tests above.
     skip = "tests/ops/test_gemm.py::test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_product_exists"
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--deselect", skip, *tests],
+        # -s: a sanitizer report goes to stderr as the process dies; under pytest's capture it
+        # would be lost with the captured output
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--deselect",
+            skip,
+            *tests,
+        ],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -21,12 +21,7 @@ def llm(default_model_dir):
     return LLM(kv_cache_memory_gib=0.25)
 
 
-@pytest.fixture(scope="module")
-def hf_model(default_hf_model):
-    return default_hf_model
-
-
-def test_default_model_greedy_equals_transformers(llm, hf_model):
+def test_default_model_greedy_equals_transformers(llm, default_hf_model):
     tok = llm.get_tokenizer()
     ids = [tok(p).input_ids for p in PROMPTS]
     outs = llm.generate(
@@ -34,7 +29,7 @@ def test_default_model_greedy_equals_transformers(llm, hf_model):
         SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
         use_tqdm=False,
     )
-    near = sum(compare(o.outputs[0].token_ids, hf_greedy(hf_model, i, 32)) for o, i in zip(outs, ids))
+    near = sum(compare(o.outputs[0].token_ids, hf_greedy(default_hf_model, i, 32)) for o, i in zip(outs, ids))
     print(f"near-ties: {near} of {len(PROMPTS)}")
     assert outs[0].outputs[0].text.strip() != ""
     assert_idle(llm.llm_engine)

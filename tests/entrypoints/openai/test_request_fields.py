@@ -165,12 +165,7 @@ def test_unimplemented_vllm_fields_are_a_400(server, route, body):
 
 
 # ---------------------------------------------------------------------------- prompt logprobs
-@pytest.fixture(scope="module")
-def hf_default(default_hf_model):
-    return default_hf_model
-
-
-def test_echo_with_logprobs_returns_the_prompt_first(server, hf_default):
+def test_echo_with_logprobs_returns_the_prompt_first(server, default_hf_model):
     """OpenAI's shape (what lm-evaluation-harness reads): the prompt's tokens and logprobs,
     the first one null, then the completion's."""
     ids = server.engine.tokenizer("The capital of France is Paris", add_special_tokens=False).input_ids
@@ -181,7 +176,7 @@ def test_echo_with_logprobs_returns_the_prompt_first(server, hf_default):
     assert len(lp.tokens) == len(ids) + 1 == len(lp.token_logprobs) == len(lp.top_logprobs)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     with torch.inference_mode():
-        ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ref = torch.log_softmax(default_hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     for i in range(1, len(ids)):
         assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-3)
         assert lp.tokens[i] in lp.top_logprobs[i] and len(lp.top_logprobs[i]) in (2, 3)
@@ -207,7 +202,7 @@ def test_echo_logprobs_streamed_equals_whole(server, stream):
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
-def test_prompt_logprobs_field_on_both_routes(server, hf_default, route):
+def test_prompt_logprobs_field_on_both_routes(server, default_hf_model, route):
     c = server.client()
     if route == "completions":
         ids = server.engine.tokenizer("Hello there, friend", add_special_tokens=False).input_ids
@@ -224,7 +219,7 @@ def test_prompt_logprobs_field_on_both_routes(server, hf_default, route):
         pl = r.model_extra["prompt_logprobs"]
     assert len(pl) == len(ids) and pl[0] is None
     with torch.inference_mode():
-        ref = torch.log_softmax(hf_default(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ref = torch.log_softmax(default_hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     for i in range(1, len(ids)):
         entry = pl[i][str(ids[i])]
         assert entry["logprob"] == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-3)
@@ -233,13 +228,13 @@ def test_prompt_logprobs_field_on_both_routes(server, hf_default, route):
 
 
 # ---------------------------------------------------------------------------- beam search
-def test_use_beam_search_equals_transformers(server, hf_default):
+def test_use_beam_search_equals_transformers(server, default_hf_model):
     ids = server.engine.tokenizer("The capital of France is", add_special_tokens=False).input_ids
     r = server.client().completions.create(
         model=MODEL, prompt=ids, max_tokens=4, n=2, best_of=3, extra_body={"use_beam_search": True}
     )
     with torch.inference_mode():
-        out = hf_default.generate(
+        out = default_hf_model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             num_beams=3,

@@ -22,7 +22,7 @@ def pytest_collection_finish(session):
         plan.append((native_builds.WERROR_FLAGS["x86-64-v3"], ()))
     if (
         "test_kernel_tests_pass_under_address_and_undefined_sanitizers" in names
-        and native_builds.asan_runtime()
+        and native_builds.asan_preload()
     ):
         plan.append((native_builds.SANITIZE, ()))
     if "test_act8_fallback_builds_equal_the_reference" in names:

@@ -87,13 +87,23 @@ def cache_dir() -> Path:
     return _dir
 
 
-def asan_runtime() -> str | None:
-    """The compiler's AddressSanitizer runtime (to ``LD_PRELOAD``), or None without one."""
+def asan_preload() -> str | None:
+    """``LD_PRELOAD`` value for a Python that loads sanitizer-instrumented kernels: the compiler's
+    AddressSanitizer runtime, then its C++ runtime, or None without an ASan runtime.
+
+    The C++ runtime must be loaded before ASan initializes: ASan resolves the real
+    ``__cxa_throw`` once at start-up, and without it the first C++ exception torch throws (even
+    one torch catches itself) aborts the process."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         return None
-    out = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    return out if os.path.isabs(out) and os.path.exists(out) else None
+    libs = []
+    for name in ("libasan.so", "libstdc++.so.6"):
+        out = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not (os.path.isabs(out) and os.path.exists(out)):
+            return None
+        libs.append(out)
+    return " ".join(libs)
 
 
 def env(flags: str) -> dict[str, str]:

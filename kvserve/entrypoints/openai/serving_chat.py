@@ -1,10 +1,12 @@
 """``POST /v1/chat/completions``: messages are rendered with the tokenizer's chat template
 (``apply_chat_template``), then run like a completion of those token ids.
 
-Streaming: per choice, a first chunk with ``delta = {"role": "assistant", "content": ""}``,
-then content deltas (growth of ``CompletionOutput.text``), then a chunk with an empty delta and
-the ``finish_reason``; a usage chunk (``choices: []``) when ``stream_options.include_usage``;
-then ``data: [DONE]``.
+Streaming: per choice, content (or tool-call) deltas, the growth of ``CompletionOutput.text``;
+the first of them also carries ``"role": "assistant"``, so nothing is sent before the first
+token and a client timing the first chunk measures the real time to first token. Then a chunk
+with the ``finish_reason`` and an empty delta (``{"role": "assistant", "content": ""}`` for a
+choice that ended without any visible output, e.g. aborted); a usage chunk (``choices: []``)
+when ``stream_options.include_usage``; then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     encode_text,
     finite,
     sse,
+    stream_outputs,
 )
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
 from kvserve.entrypoints.openai.tools import (
@@ -315,7 +318,15 @@ class OpenAIServingChat(OpenAIServing):
             readers = {i: ChoiceToolCalls(plan.make_parser(), plan.max_calls) for i in range(params.n)}
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        roled: set[int] = set()  # choices whose first chunk (the one with the role) went out
         done = set()
+
+        def role(i: int) -> str | None:
+            """The role for choice ``i``'s chunk about to be sent: only on its first one."""
+            if i in roled:
+                return None
+            roled.add(i)
+            return "assistant"
 
         def chunk(choices, usage=None) -> str:
             return sse(
@@ -329,17 +340,13 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         async def events():
-            for i in range(params.n):
-                yield chunk(
-                    [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
-                )
             async for idx, out in self.generate_all(
                 [sub], params, priority, reservation, lora_request=rec.lora_request
             ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out, "messages")
-                for c in out.outputs:
+                for c in stream_outputs(out, params.n):
                     i = c.index
                     if i in done:
                         continue
@@ -365,6 +372,7 @@ class OpenAIServingChat(OpenAIServing):
                                 ChatCompletionStreamChoice(
                                     index=i,
                                     delta=DeltaMessage(
+                                        role=role(i),
                                         content=delta if delta or not tool_deltas else None,
                                         tool_calls=tool_deltas or None,
                                     ),
@@ -374,11 +382,13 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     if c.finish_reason is not None:
                         done.add(i)
+                        # a choice with no chunk yet (no visible output) still gets its role
+                        first = role(i)
                         yield chunk(
                             [
                                 ChatCompletionStreamChoice(
                                     index=i,
-                                    delta=DeltaMessage(),
+                                    delta=DeltaMessage(role=first, content="" if first else None),
                                     finish_reason=reason,
                                     stop_reason=c.stop_reason,
                                 )

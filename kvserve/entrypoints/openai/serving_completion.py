@@ -4,7 +4,8 @@ A request with several prompts (a list of strings or of token-id lists) becomes 
 request per prompt, each with ``n`` samples; choice ``index = prompt_index * n + sample``.
 Streaming sends, per choice, the growth of ``CompletionOutput.text`` (the engine already holds
 back text that may turn out to be the start of a stop string), so the concatenated deltas equal
-the non-streamed text.
+the non-streamed text. Nothing is sent before a choice's first token: its first chunk carries
+that token's text (or, with ``echo`` / logprobs, the prompt and the token's entries).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     SubRequest,
     finite,
     sse,
+    stream_outputs,
 )
 from kvserve.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from kvserve.field_limits import check_count, check_request_size
@@ -397,7 +399,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
                     raise self.rejected_error(out)
-                for c in out.outputs:
+                for c in stream_outputs(out, params.n):
                     ci = idx * params.n + c.index
                     if ci in done:
                         continue

@@ -36,7 +36,7 @@ from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
 from kvserve.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, UsageInfo
 from kvserve.field_limits import LIMITS
 from kvserve.lora_request import LoRARequest
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.transformers_utils.tokenizer_bounds import TokenTextBound
 
@@ -381,6 +381,22 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_outputs(out: RequestOutput, n: int) -> list[CompletionOutput]:
+    """The choices of one engine output for a stream: ``out.outputs``, completed to ``n`` when
+    a finished request ended before its ``n > 1`` samples were forked (aborted during the
+    prefill: the engine reports only the prompt's sequence). The missing choices end the same
+    way, with no tokens, so every choice of the stream gets its final chunk."""
+    if not out.finished or len(out.outputs) >= n:
+        return out.outputs
+    have = {c.index for c in out.outputs}
+    reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "abort")
+    return out.outputs + [
+        CompletionOutput(index=i, text="", token_ids=[], finish_reason=reason)
+        for i in range(n)
+        if i not in have
+    ]
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):

@@ -185,7 +185,10 @@ def test_chat_non_stream_and_stream(server):
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    # the role rides on the first token's chunk (no role-only chunk before the prefill)
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content and ch.message.content.startswith(first.content)
+    assert all(x.choices[0].delta.role is None for x in chunks[1:] if x.choices)
     content = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
     assert content == ch.message.content
     fin = [x.choices[0].finish_reason for x in chunks if x.choices and x.choices[0].finish_reason]

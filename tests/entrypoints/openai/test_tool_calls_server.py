@@ -57,9 +57,13 @@ def _create(server, stream, **kw):
         assert all(c.type == "function" for c in m.tool_calls or [])
         return m.content, calls, r.choices[0].finish_reason
     content, calls, reason = "", {}, None
-    for chunk in client.chat.completions.create(**kw, stream=True):
+    for k, chunk in enumerate(client.chat.completions.create(**kw, stream=True)):
         for ch in chunk.choices:
             d = ch.delta
+            if k == 0:  # the role rides on the first content or call, nothing comes before it
+                assert d.role == "assistant" and (d.content or d.tool_calls or ch.finish_reason), chunk
+            else:
+                assert d.role is None, chunk
             content += d.content or ""
             for t in d.tool_calls or []:
                 if t.id is not None:  # a call's first delta: index, id, type, name

@@ -140,7 +140,10 @@ def test_native_split_over_threads_is_bit_identical_to_one_thread(
     finally:
         torch.set_num_threads(keep)
     assert torch.equal(got[1], got[threads])
-    assert not torch.equal(got[1], out0)
+    # the kernel wrote something (a bfloat16 output can round a small delta away: start from 0)
+    delta = torch.zeros_like(out0)
+    add_lora(delta, x, a, b, mapping, path="native", parts=bounds)
+    assert bool(delta.any())
 
 
 @pytest.mark.parametrize("rows", [1, 8, 16, 64, 2048])

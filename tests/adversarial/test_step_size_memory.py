@@ -22,7 +22,10 @@ import pytest
 
 from tests.model_executor.helpers import llama_config, save_tiny
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc"),
+    pytest.mark.slow,
+]
 
 #: Steps of distinct token counts 2..N+1, and the growth allowed over them (the warm-up's
 #: allocations are already in place). With oneDNN's default cache sizes: float32 418 MB,

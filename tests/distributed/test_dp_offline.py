@@ -9,6 +9,8 @@ import pytest
 
 from tests.distributed.conftest import ENGINE_KWARGS
 
+pytestmark = pytest.mark.slow
+
 
 def test_import_kvserve_and_one_engine_do_not_import_ray(tiny_llama_dir):
     code = (

@@ -18,7 +18,7 @@ from kvserve.config import EngineArgs, ParallelConfig
 from tests.engine.test_e2e_tiny import MAX_NEW, PROMPT_LENS, check_all, greedy, run_engine
 from tests.golden import TEST_DEVICE, Reference, compare, hf_greedy
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
+pytestmark = [pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU"), pytest.mark.slow]
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_cpu_blocks=64)
 CONFIGS = {

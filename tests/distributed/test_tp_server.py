@@ -10,7 +10,7 @@ from kvserve.config import EngineArgs
 from tests.golden import TEST_DEVICE
 from tests.server_harness import running_server
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU")
+pytestmark = [pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo ranks on CPU"), pytest.mark.slow]
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks=96)
 PROMPTS = [[5, 17, 900, 31, 4000, 12], [77, 3, 1200, 8, 9], [3000, 41, 42, 43, 44, 45, 46, 47, 48]]

@@ -10,6 +10,8 @@ from tests.engine.test_e2e_tiny import assert_idle
 from tests.golden import compare, hf_greedy
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter, peft_reference
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("peft")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]

@@ -7,6 +7,8 @@ from kvserve import LLM, SamplingParams
 from tests.engine.test_e2e_tiny import assert_idle
 from tests.golden import compare, hf_greedy
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -26,6 +26,7 @@ def test_every_c_file_is_a_kernel_library():
     assert sorted(lib.source for lib in library.all_libraries()) == SOURCES
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_with_all_warnings_as_errors():
     """Every source builds with ``-Wall -Wextra -Werror`` for each ``native_builds.WERROR_FLAGS``
     target (those builds stay in the session folder for later tests)."""
@@ -43,6 +44,7 @@ def test_every_library_builds_and_loads_on_this_host():
         assert lib.available(), f"{lib.name}: {lib.failure_reason()}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     native_builds.asan_preload() is None, reason="the compiler has no AddressSanitizer runtime"
 )
@@ -97,6 +99,8 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
             "-x",
             "-p",
             "no:cacheprovider",
+            "-m",
+            "",  # every test of these files, whatever its tier
             *tests,
         ],
         env=env,
@@ -152,7 +156,7 @@ def test_kernel_tests_pass_on_the_avx2_build():
     )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *AVX2_TESTS],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "", *AVX2_TESTS],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -2,7 +2,11 @@
 speculation off token for token, and (near-)every draft is accepted: the only differences left
 are float summation orders between the draft's single-token steps and the verify chunk."""
 
+import pytest
+
 from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 
 def test_default_model_as_its_own_draft(default_model_dir):

@@ -1,7 +1,11 @@
 """The default model (SmolLM2-135M-Instruct) with n-gram speculation on input-grounded prompts:
 greedy output equals speculation off token for token, and drafts are accepted."""
 
+import pytest
+
 from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 PASSAGE = (
     "The scheduler keeps three queues: waiting, running and swapped. Each step it admits new "

@@ -5,8 +5,11 @@ and a named function still give calls that validate, because the output is const
 import json
 
 import jsonschema
+import pytest
 
 from tests.entrypoints.openai.conftest import MODEL
+
+pytestmark = pytest.mark.slow
 
 WEATHER = {
     "type": "object",

@@ -113,16 +113,24 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         bf16_isa = "no bfloat16 instructions: emulated, slower than float32"
     vec = "AVX-512" if "avx512f" in flags else "AVX2"
     torch_ = "torch (no native kernel)"
+    # whether prepack_weight puts the model dtype's dense weights on a native kernel
+    dense_native = {"float32": gemm.beats_onednn(), "bfloat16": amx or gemm.beats_onednn()}
     return {
         "linear": {
-            "float32": f"kvserve panel GEMM ({vec})" if gemm.available() else "oneDNN via torch",
+            "float32": (
+                f"kvserve panel GEMM ({vec})"
+                if gemm.beats_onednn()
+                else "oneDNN via torch (kvserve's panels need AVX-512 to beat it)"
+                if gemm.available()
+                else "oneDNN via torch"
+            ),
             "bfloat16": (
                 f"kvserve AMX tiles up to {gemm_amx.MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
                 if amx
                 else f"kvserve panel GEMM ({vec}, widened to float32), every step size{_dot_note(flags)}"
                 if gemm.packs_bfloat16()
                 else f"kvserve panel GEMM up to {gemm.BF16_DOT_MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
-                if gemm.available()
+                if gemm.beats_onednn()
                 else f"oneDNN ({bf16_isa}) via torch"
             ),
         },
@@ -152,8 +160,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
         },
         "decoder layers of a pure-decode step": {
             d: (
-                f"one kvserve call for all layers ({_fused_decode_lora_text()}; per-layer calls under "
-                "tensor parallelism)"
+                _fused_decode_text(d, dense_native[d])
                 if decode_layers.available()
                 else f"per-layer kvserve calls ({decode_layers.failure_reason()})"
             )
@@ -176,6 +183,18 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
             ),
         },
     }
+
+
+def _fused_decode_text(dtype: str, dense_native: bool) -> str:
+    """What runs the decoder layers of a pure-decode step on ``dtype`` weights (the one-call
+    step needs every GEMM native: dense weights on oneDNN keep the module path)."""
+    fused = (
+        f"one kvserve call for all layers ({_fused_decode_lora_text()}; per-layer calls under "
+        "tensor parallelism)"
+    )
+    if dense_native:
+        return fused
+    return f"GGUF-quantized weights: {fused}; dense {dtype} weights: the module path (oneDNN's GEMM)"
 
 
 def _fused_decode_lora_text() -> str:

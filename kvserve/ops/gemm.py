@@ -1,7 +1,7 @@
 """Linear layers on CPU with kvserve's own GEMM: ``y = x @ W^T (+ b)``, the weight packed once
-into column panels (``PanelWeight``). Used for float32 weights (``linear.prepack_weight``); the
-algorithm and the layout are in ``kvserve/csrc/gemm.c``, its speed in docs/benchmarks.md (CPU
-kernels).
+into column panels (``PanelWeight``). Used for float32 weights on CPUs with AVX-512F
+(``linear.prepack_weight``, ``beats_onednn``); the algorithm and the layout are in
+``kvserve/csrc/gemm.c``, its speed in docs/benchmarks.md (CPU kernels).
 
 Layout: ``W [N, K]`` becomes ``panels [ceil(N / 48), K, 48]`` (zero padded): panel ``p`` holds
 output columns ``48p .. 48p + 47``, the 48 weights of one input feature contiguous.
@@ -32,16 +32,26 @@ def available() -> bool:
     return _LIB.available()
 
 
+def beats_onednn() -> bool:
+    """Whether the panels are the host's GEMM at decode sizes: the kernels are available and the
+    CPU has AVX-512F. The micro-kernel keeps 24 accumulator vectors of 16 floats in registers;
+    AVX-512 has 32 such registers, while AVX2 (16 registers of 8 floats) spills them to memory
+    and oneDNN's GEMM is several times faster there (docs/benchmarks.md, CPU kernels)."""
+    from kvserve.ops import cpu
+
+    return available() and cpu.has_avx512f
+
+
 def packs_bfloat16() -> bool:
     """Whether ``linear.prepack_weight`` packs bfloat16 weights here for every step size (hosts
-    without AMX): the kernels are available and the CPU has no bfloat16 dot product faster than
-    its float32 FMAs -- none at all (no AVX512-BF16: oneDNN emulates bfloat16), or a slow one
-    (``gemm_bf16dot.dot_beats_fma`` False). On both the panels beat oneDNN's bfloat16 matmul
+    without AMX): the panels beat oneDNN here (``beats_onednn``: AVX-512F) and the CPU has no
+    bfloat16 dot product faster than its float32 FMAs -- none at all (no AVX512-BF16: oneDNN
+    emulates bfloat16), or a slow one (``gemm_bf16dot.dot_beats_fma`` False). On both the panels beat oneDNN's bfloat16 matmul
     at every row count (docs/benchmarks.md, CPU kernels). Where the dot product is fast (AMD
     Zen 4) the panels take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
     from kvserve.ops import cpu, gemm_bf16dot
 
-    if not available():
+    if not beats_onednn():
         return False
     if "avx512_bf16" not in cpu.cpu_flags():
         return True

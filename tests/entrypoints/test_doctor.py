@@ -15,13 +15,21 @@ def test_doctor_json_lists_every_library_and_the_paths_used(capsys):
         # loaded with a path, or unavailable with the reason
         assert (lib["loaded"] and lib["path"]) or (not lib["loaded"] and lib["failure"]), lib
     assert set(r["cpu_features"]) == set(doctor.CPU_FEATURES)
-    assert r["paths"]["linear"]["float32"].startswith("kvserve panel GEMM") == libs["kv_gemm"]["loaded"]
+    # the panels exactly where prepack_weight packs float32 into them (AVX-512F)
+    from kvserve.ops import gemm
+
+    panels = libs["kv_gemm"]["loaded"] and gemm.beats_onednn()
+    assert r["paths"]["linear"]["float32"].startswith("kvserve panel GEMM") == panels
+    assert r["paths"]["linear"]["float32"].startswith("oneDNN") == (not panels)
     quant = r["paths"]["linear, gguf quantized"]["float32"]
     assert quant.startswith("kvserve quantized GEMM") == libs["kv_quant_gemm"]["loaded"]
     assert r["paths"]["LoRA deltas"]["bfloat16"].startswith("kvserve kernel") == libs["kv_lora"]["loaded"]
     step = r["paths"]["decoder layers of a pure-decode step"]["float32"]
     if libs["kv_ops"]["loaded"] and libs["kv_attention"]["loaded"]:
-        assert step.startswith("one kvserve call") == libs["kv_decode_layers"]["loaded"], step
+        fused = libs["kv_decode_layers"]["loaded"]
+        # dense float32 weights on oneDNN (no AVX-512): only GGUF-quantized models take the call
+        assert step.startswith("one kvserve call") == (fused and panels), step
+        assert step.startswith("GGUF-quantized weights: one kvserve call") == (fused and not panels), step
     assert 1 <= r["threads"]["chosen"] <= r["threads"]["cores_usable"]
     assert r["threads"]["why"]
 

@@ -61,7 +61,8 @@ def lora_worker(dtype: str):
     path = tempfile.mkdtemp(prefix="kvserve-lora-fused-")
     atexit.register(shutil.rmtree, path, True)
     save_tiny(path, cfg, seed=5)
-    w = make_worker(path, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS, native=True, dtype=dtype)
+    # float weights on the panels wherever the kernels built (AVX2 hosts too): the one-call step
+    w = make_worker(path, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS, native=True, dtype=dtype, panels=True)
     shapes = ModelShapes.from_hf_config(w.hf_config)
     mgr = LoRAManager(w.runner.model, LoRAConfig(3, 8, 3), shapes)
     reqs = []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 
@@ -99,6 +101,29 @@ class ToySeq:
         )
 
 
+def replace_weight(module, name: str, value) -> None:
+    """``module.<name> = value`` for a model's linear weight: one still an ``nn.Parameter``
+    (float32 left plain by ``prepack_weight`` without AVX-512F) or already a plain attribute
+    (packed or quantized) alike."""
+    module._parameters.pop(name, None)
+    setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def panels_everywhere() -> Iterator[None]:
+    """Float weights loaded inside go to kvserve's panel GEMM wherever its kernels built
+    (``gemm.beats_onednn`` answers ``gemm.available()``), so that tests of the panels and of the
+    one-call decode step (which needs them) run on AVX2 hosts too, where ``prepack_weight``
+    leaves float32 and bfloat16 weights to oneDNN."""
+    import pytest
+
+    from kvserve.ops import gemm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemm, "beats_onednn", gemm.available)
+        yield
+
+
 def make_worker(
     model_dir,
     block_size: int = 4,
@@ -107,24 +132,27 @@ def make_worker(
     sliding_window: int | None = None,
     native: bool | None = None,
     dtype: str = "float32",
+    panels: bool = False,
 ):
     """A worker (``dtype``, float32 by default) on ``model_dir`` on ``TEST_DEVICE``; ``native`` forces the
-    decode-attention path (``None``: the default choice; ``True`` skips the test off CPU)."""
+    decode-attention path (``None``: the default choice; ``True`` skips the test off CPU);
+    ``panels`` loads the weights as under ``panels_everywhere`` (else as on this host)."""
     from kvserve.worker.worker import Worker
 
     if native and TEST_DEVICE != "cpu":
         import pytest
 
         pytest.skip("the native decode kernel is CPU-only")
-    w = Worker(
-        ModelConfig(model=str(model_dir), dtype=dtype, device=TEST_DEVICE),
-        CacheConfig(
-            block_size=block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            sliding_window=sliding_window,
-        ),
-    )
+    with panels_everywhere() if panels else contextlib.nullcontext():
+        w = Worker(
+            ModelConfig(model=str(model_dir), dtype=dtype, device=TEST_DEVICE),
+            CacheConfig(
+                block_size=block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                sliding_window=sliding_window,
+            ),
+        )
     g, c = w.determine_num_blocks()
     w.init_cache(g, c)
     if native is not None:

@@ -37,9 +37,15 @@ def _qwen2_config():
     )
 
 
+@pytest.mark.parametrize("packing", ["host", "panels"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2_bias"])
-def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, monkeypatch):
+def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, packing, monkeypatch):
+    """Weights packed as ``prepack_weight`` does on this host (AVX2: float weights on oneDNN,
+    the module path) and on the panels wherever the kernels built (the native path on AVX2
+    hosts too): the decode steps' hidden states and cache writes equal the module path's."""
+    if packing == "panels":
+        monkeypatch.setattr(gemm, "beats_onednn", gemm.available)
     cfg = (
         llama_config(
             hidden_size=96,
@@ -83,20 +89,22 @@ def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, monkey
         assert torch.equal(got, want), f"step {step}: max diff {(got.float() - want.float()).abs().max()}"
         assert all(torch.equal(a, b) for a, b in zip(cache, want_cache))
         advance(md)
-    # the native path ran every decode step where this host has a native GEMM for the dtype
-    # (bfloat16 needs AMX tiles or panels: with AVX512-BF16 but no AMX the panels take steps of
-    # up to BF16_DOT_MAX_ROWS rows, oneDNN's module path the larger ones)
+    # the native path ran every decode step where the weights are on a native GEMM: float32 on
+    # the panels (AVX-512, or forced), bfloat16 on AMX tiles or panels (with AVX512-BF16 but no
+    # AMX the panels take steps of up to BF16_DOT_MAX_ROWS rows, oneDNN's module path the
+    # larger ones)
     native_bf16 = (
         gemm_amx.available()
         or gemm.packs_bfloat16()
-        or (gemm.available() and len(seqs) <= gemm.BF16_DOT_MAX_ROWS)
+        or (gemm.beats_onednn() and len(seqs) <= gemm.BF16_DOT_MAX_ROWS)
     )
-    assert len(calls) == (6 if dtype == "float32" or native_bf16 else 0)
+    native = gemm.beats_onednn() if dtype == "float32" else native_bf16
+    assert len(calls) == (6 if native else 0)
 
 
 def test_prefill_and_mixed_steps_take_the_module_path(tmp_path, monkeypatch):
     save_tiny(tmp_path, llama_config(hidden_size=96, intermediate_size=128, num_attention_heads=6))
-    w = make_worker(tmp_path, block_size=4, native=True)
+    w = make_worker(tmp_path, block_size=4, native=True, panels=True)
     calls = []
     real = cpu_decode_step.forward_layers
     monkeypatch.setattr(cpu_decode_step, "forward_layers", lambda *a: calls.append(1) or real(*a))
@@ -136,7 +144,9 @@ def test_verify_chunks_take_native_decode_path_with_chunk_path_logits(tmp_path, 
         tie_word_embeddings=False,
     )
     save_tiny(tmp_path, cfg)
-    w = make_worker(tmp_path, block_size=4, num_gpu_blocks=128, sliding_window=window, native=True)
+    w = make_worker(
+        tmp_path, block_size=4, num_gpu_blocks=128, sliding_window=window, native=True, panels=True
+    )
     rng = random.Random(3)
     alloc = ToyAllocator(128)
     seqs = [ToySeq([rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 20))]) for _ in range(4)]

@@ -39,10 +39,13 @@ BLOCK, NUM_BLOCKS = 4, 1024
 
 
 def native_here(fmt: str) -> bool:
-    """Whether this host runs ``fmt`` on native GEMMs (bfloat16: AMX tiles or panels)."""
+    """Whether this file's workers run ``fmt`` on native GEMMs here (float weights: AMX tiles
+    or the panels, packed wherever the kernels built, AVX2 hosts too: ``panels=True``)."""
     if fmt == "bfloat16":
         return gemm_amx.available() or gemm.available()
-    return fmt == "float32" or quant.available()
+    if fmt == "float32":
+        return gemm.available()
+    return quant.available()
 
 
 FORMATS_HERE = [f for f in FORMATS if native_here(f)]
@@ -106,7 +109,8 @@ def random_quant(qtype: str, n: int, k: int, rng) -> quant.QuantWeight:
 @functools.cache
 def worker(fmt: str):
     """A worker on a tiny 2-layer model (hidden 256: the K-quants' superblock) whose linear
-    weights are ``fmt``: the model dtype's packed weights, or random GGUF blocks; every other
+    weights are ``fmt``: the model dtype's packed weights (panels or AMX tiles, also where the
+    CPU lacks AVX-512), or random GGUF blocks; every other
     format's model has q/k/v and o biases."""
     fmt, _, act_dtype = fmt.partition("@")  # "q8_0@bfloat16": GGUF blocks in a bfloat16 model
     bias = FORMATS.index(fmt) % 2 == 0
@@ -123,7 +127,9 @@ def worker(fmt: str):
     atexit.register(shutil.rmtree, path, True)
     save_tiny(path, cfg, seed=3)
     dtype = act_dtype or ("bfloat16" if fmt == "bfloat16" else "float32")
-    w = make_worker(path, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS, native=True, dtype=dtype)
+    # the panels on every host with the kernels (an AVX2 host's model would keep oneDNN and
+    # the module path): the one-call step over them stays tested there
+    w = make_worker(path, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS, native=True, dtype=dtype, panels=True)
     if fmt in QTYPES:
         rng = np.random.default_rng(11)
         for layer in w.runner.model.layers:

@@ -14,7 +14,7 @@ from gguf.quants import quantize
 
 from kvserve.model_executor.model_loader import load_model
 from kvserve.ops import quant
-from tests.model_executor.helpers import llama_config, save_tiny
+from tests.model_executor.helpers import llama_config, replace_weight, save_tiny
 from tests.model_executor.test_gguf_quantized import greedy, prefill_logits
 
 
@@ -54,11 +54,11 @@ def test_int8_model_equals_float_model_on_the_quantized_weights(tmp_path, tied):
     assert isinstance(m.lm_head, quant.QuantWeight) and isinstance(m.embed_tokens, torch.Tensor)
     # the reference: plain float weights = the dequantized Q8_0 ones
     for layer, rl in zip(m.layers, ref.layers):
-        rl.self_attn.qkv_weight = quant.dequantize(layer.self_attn.qkv_weight)
-        rl.self_attn.o_weight = quant.dequantize(layer.self_attn.o_weight)
-        rl.mlp.gate_up_weight = quant.dequantize(layer.mlp.gate_up_weight)
-        rl.mlp.down_weight = quant.dequantize(layer.mlp.down_weight)
-    ref.lm_head = quant.dequantize(m.lm_head)
+        for name in ("qkv_weight", "o_weight"):
+            replace_weight(rl.self_attn, name, quant.dequantize(getattr(layer.self_attn, name)))
+        for name in ("gate_up_weight", "down_weight"):
+            replace_weight(rl.mlp, name, quant.dequantize(getattr(layer.mlp, name)))
+    replace_weight(ref, "lm_head", quant.dequantize(m.lm_head))
     ids = [5, 17, 3, 99, 42, 8, 8, 120, 1, 200]
     got, want = prefill_logits(m, ids), prefill_logits(ref, ids)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

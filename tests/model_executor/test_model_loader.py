@@ -53,13 +53,16 @@ def test_bfloat16_load_casts(tmp_path):
     assert m.layers[0].self_attn.qkv_weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("packing", ["host", "panels"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", ["llama_tied", "qwen2_bias"])
-def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, monkeypatch):
+def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, packing, monkeypatch):
     """CPU weights are prepacked at load (bfloat16 for oneDNN and, with AMX, ``gemm_amx``
-    tiles; float32 into ``gemm`` panels); the logits must equal plain ``F.linear``'s:
-    bit-identical with oneDNN alone, to bfloat16 rounding with the AMX kernel or bfloat16
-    panels (another summation order), to float32 rounding in float32 (tied LM head and q/k/v bias included)."""
+    tiles; float32 into ``gemm`` panels where the CPU has AVX-512F, else left plain; with
+    ``packing="panels"`` the panels wherever the kernels built); the logits must equal plain
+    ``F.linear``'s: bit-identical with oneDNN alone, to bfloat16 rounding with the AMX kernel or
+    bfloat16 panels (another summation order), to float32 rounding in float32 (tied LM head and
+    q/k/v bias included)."""
     from transformers import Qwen2Config
 
     from kvserve.model_executor.models import llama
@@ -94,7 +97,17 @@ def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, monkeypatch
             return isinstance(w, (gemm_amx.AmxWeight, gemm.PanelWeight)) or w.is_mkldnn
         return isinstance(w, gemm.PanelWeight)
 
+    if packing == "panels":
+        if not gemm.available():
+            pytest.skip("no C compiler for gemm")
+        monkeypatch.setattr(gemm, "beats_onednn", gemm.available)
     packed = load_model(tmp_path, dtype, "cpu")
+    if dtype == torch.float32 and not gemm.beats_onednn():
+        # no AVX-512F: float32 stays a plain tensor (torch's GEMM), nothing packed to compare
+        w = packed.layers[0].mlp.down_weight
+        assert isinstance(w, torch.Tensor) and not w.is_mkldnn
+        assert isinstance(packed.lm_head, torch.Tensor) and not packed.lm_head.is_mkldnn
+        return
     if not is_packed(packed.layers[0].mlp.down_weight):
         pytest.skip("weight prepacking unavailable (no oneDNN, or no C compiler for gemm)")
     assert is_packed(packed.lm_head) and isinstance(packed.embed_tokens, torch.Tensor)

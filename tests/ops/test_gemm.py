@@ -75,6 +75,7 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
         pytest.skip("no C compiler")
     monkeypatch.setattr(gemm_amx, "available", lambda: False)
     w = torch.randn(96, 64).to(torch.bfloat16)
+    monkeypatch.setattr(kvserve.ops.cpu, "has_avx512f", True)  # (read once, at import)
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f"})
     assert gemm.packs_bfloat16()
     packed = linear.prepack_weight(w)
@@ -99,6 +100,43 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
         want = (x.float() @ w.float().T).to(torch.bfloat16)
         torch.testing.assert_close(linear.linear(x, packed), want, rtol=0.02, atol=0.05)
     assert calls == [packed.max_rows]
+
+
+def test_float32_weights_are_panels_exactly_where_the_cpu_has_avx512f(monkeypatch):
+    """With AVX2 only, the panel kernel's 24 accumulators of 16 floats spill out of the 16
+    vector registers and oneDNN's GEMM is several times faster: ``prepack_weight`` keeps a
+    float32 weight a plain tensor (and bfloat16 on oneDNN), and ``kvserve doctor`` says so.
+    With AVX-512F the panels take both. Either way ``linear`` gives the float64 product."""
+    import kvserve.ops.cpu
+    from kvserve.entrypoints import doctor
+    from kvserve.model_executor.layers import linear
+    from kvserve.ops import gemm_amx
+
+    monkeypatch.setattr(gemm_amx, "available", lambda: False)
+    monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx2", "fma"})
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(5, 64, generator=g)
+    want = x.double() @ w.double().T + b.double()
+
+    monkeypatch.setattr(kvserve.ops.cpu, "has_avx512f", False)
+    assert not gemm.beats_onednn() and not gemm.packs_bfloat16()
+    plain = linear.prepack_weight(w)
+    assert plain is w
+    assert not isinstance(linear.prepack_weight(w.bfloat16()), gemm.PanelWeight)
+    paths = doctor._paths({"avx2", "fma"})["linear"]
+    assert paths["float32"].startswith("oneDNN via torch"), paths
+    assert paths["bfloat16"].startswith("oneDNN"), paths
+
+    monkeypatch.setattr(kvserve.ops.cpu, "has_avx512f", True)
+    assert gemm.beats_onednn() and gemm.packs_bfloat16()
+    packed = linear.prepack_weight(w)
+    assert isinstance(packed, gemm.PanelWeight) and packed.large is None and packed.max_rows is None
+    assert torch.equal(packed.unpack(), w)
+    assert isinstance(linear.prepack_weight(w.bfloat16()), gemm.PanelWeight)
+    assert doctor._paths({"avx512f"})["linear"]["float32"] == "kvserve panel GEMM (AVX-512)"
+
+    for weight in (plain, packed):
+        torch.testing.assert_close(linear.linear(x, weight, b).double(), want, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)

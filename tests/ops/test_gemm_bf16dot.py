@@ -161,13 +161,16 @@ def test_probe_measures_the_dot_product_against_fmas():
 
 
 @pytest.fixture
-def no_amx(monkeypatch):
+def avx512_no_amx(monkeypatch):
+    """An AVX-512 CPU without AMX (``cpu.has_avx512f`` is read once, at import: claimed here
+    as the tests' ``cpu_flags`` claims avx512f)."""
     monkeypatch.setattr(gemm_amx, "available", lambda: False)
+    monkeypatch.setattr(kvserve.ops.cpu, "has_avx512f", True)
 
 
 @pytest.mark.skipif(not gemm.available(), reason="no C compiler")
 @pytest.mark.parametrize("speed", [0.5, 2.0])
-def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, no_amx, speed):
+def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, avx512_no_amx, speed):
     """Without AVX512-BF16, or with a VDPBF16PS slower than FMAs: the panels for every step, one
     copy; with a fast one: panels up to BF16_DOT_MAX_ROWS rows, oneDNN's copy above; ``kvserve
     doctor`` names what ``prepack_weight`` picks."""
@@ -200,7 +203,7 @@ def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, no_amx, speed):
 
 
 @pytest.mark.skipif(not gemm.available(), reason="no C compiler")
-def test_an_unbuilt_kernel_keeps_onednn(monkeypatch, no_amx):
+def test_an_unbuilt_kernel_keeps_onednn(monkeypatch, avx512_no_amx):
     """AVX512-BF16 on the CPU but a build without it (an older compiler): the speed is unknown,
     so steps past BF16_DOT_MAX_ROWS keep oneDNN's copy, as before this kernel."""
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
@@ -262,7 +265,7 @@ MAX_NEW = 12
 
 @pytest.mark.skipif(not gemm.available(), reason="no C compiler")
 @pytest.mark.parametrize("speed", [0.5, 2.0])
-def test_tiny_llama_bfloat16_greedy_equals_transformers(tiny_llama_dir, monkeypatch, no_amx, speed):
+def test_tiny_llama_bfloat16_greedy_equals_transformers(tiny_llama_dir, monkeypatch, avx512_no_amx, speed):
     """A tiny random Llama in bfloat16 (one 110-row prefill step, then 6-row decodes): greedy
     tokens equal transformers' bfloat16 ones up to bfloat16 near-ties, with the panels at every
     step (a slow VDPBF16PS, this project's Xeon) and with oneDNN past BF16_DOT_MAX_ROWS (a fast

@@ -7,10 +7,10 @@ for block-quantized ones); every call then dispatches on that form (``linear``):
   their kernel by row count themselves.
 - ``gemm_amx.AmxWeight`` (bfloat16, AMX hosts): the tile kernel up to ``gemm_amx.MAX_ROWS`` rows,
   oneDNN's packed copy above.
-- ``gemm.PanelWeight`` (float32; bfloat16 where the panels beat oneDNN): the panel GEMM up to its
-  ``max_rows``, oneDNN's packed copy above when it holds one.
+- ``gemm.PanelWeight`` (float32 with AVX-512F; bfloat16 where the panels beat oneDNN): the panel
+  GEMM up to its ``max_rows``, oneDNN's packed copy above when it holds one.
 - a oneDNN-packed (``is_mkldnn``) tensor: oneDNN's matmul, rows padded to a bucket.
-- a plain tensor (off CPU, float16, no kernels): ``F.linear``.
+- a plain tensor (off CPU, float16, float32 without AVX-512F, no kernels): ``F.linear``.
 - ``InputPermutedWeight`` (GPTQ act-order): the input columns gathered, then the inner weight's
   method.
 
@@ -72,7 +72,8 @@ def prepack_weight(weight: torch.Tensor) -> LinearWeight:
     this CPU; ``linear`` dispatches on the result.
 
     - float32: ``gemm.PanelWeight`` (our register-blocked kernel: faster than oneDNN's
-      prepacked matmul at decode sizes, level at prefill sizes; see ``gemm``).
+      prepacked matmul at decode sizes, level at prefill sizes; see ``gemm``) where the CPU has
+      AVX-512F (``gemm.beats_onednn``); with AVX2 only, the weight as it is (oneDNN's GEMM).
     - bfloat16: oneDNN's blocked layout (its AMX/AVX512-BF16 GEMM). Plain ``F.linear`` reorders
       a bfloat16 weight on every call; prepacked, it skips that work with bit-identical
       results. Where the process may use AMX tiles and
@@ -90,13 +91,13 @@ def prepack_weight(weight: torch.Tensor) -> LinearWeight:
       (compute-bound: its dot product wins). The figures are in docs/benchmarks.md (CPU
       kernels).
 
-    Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), or when
-    neither kernel is available.
+    Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), for float32
+    without AVX-512F, or when neither kernel is available.
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return weight
     if weight.dtype == torch.float32:
-        return gemm.PanelWeight(weight) if gemm.available() else weight
+        return gemm.PanelWeight(weight) if gemm.beats_onednn() else weight
     amx = weight.shape[1] % gemm_amx.K_TILE == 0 and gemm_amx.USE_FOR_GEMM and gemm_amx.available()
     if not amx and gemm.packs_bfloat16():
         return gemm.PanelWeight(weight)
@@ -108,7 +109,7 @@ def prepack_weight(weight: torch.Tensor) -> LinearWeight:
             pass
     if amx:
         return gemm_amx.AmxWeight(weight, large=large)
-    if gemm.available():
+    if gemm.beats_onednn():
         return gemm.PanelWeight(weight, large=large, max_rows=gemm.BF16_DOT_MAX_ROWS)
     return large
 

@@ -113,7 +113,7 @@ def test_tp2_greedy_equals_tp1_and_transformers_under_preemption(request, prompt
         assert engine.executor.cache_engine.device_cache.shape[2] == 1
         vocab = model.config.vocab_size
         half = -(-vocab // 2)
-        assert model.lm_head.out_features == half  # the driver's vocab rows only (packed)
+        assert model.lm_head.shape[0] == half  # the driver's vocab rows only
         assert model.embed_tokens.shape[0] == (half if which.endswith("sharded_embedding") else 2 * half)
         assert model.tie_word_embeddings == which.startswith("tied")
         finals = run_engine(engine, requests)

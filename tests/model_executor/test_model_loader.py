@@ -296,3 +296,28 @@ def test_quantized_weight_types_counts_each_quantized_weight_once(tmp_path):
     # 2 layers: qkv, o, gate_up in Q4_1 and down in Q8_0; the tied embedding in Q4_1
     assert quantized_weight_types(model) == {"Q4_1": 7, "Q8_0": 2}
     assert quantized_weight_types(reference_model(path, cfg)) == {}
+
+
+def test_architecture_without_a_family_is_refused_naming_the_checkpoint(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path
+    )
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=re.escape(f"model in {str(tmp_path)!r} has architecture")):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_registry_maps_a_model_type_without_architectures(model_type):
+    from types import SimpleNamespace
+
+    from kvserve.model_executor.models import registry
+    from kvserve.model_executor.models.llama import LlamaForCausalLM
+
+    cfg = SimpleNamespace(architectures=None, model_type=model_type)
+    assert registry.model_class(cfg, "x") is LlamaForCausalLM
+    assert registry.model_class(SimpleNamespace(architectures=["Nope", "Qwen2ForCausalLM"]), "x") is (
+        LlamaForCausalLM
+    )

@@ -1,0 +1,51 @@
+"""Which model class runs a checkpoint: its ``architectures`` (or ``model_type``) -> a native family.
+
+One table, read by the loader: adding a family is one entry here plus its module. Modules are
+imported only when their family is chosen, so an unused family costs nothing at start-up.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: ``config.json`` ``architectures`` entry -> ``(module under kvserve.model_executor.models, class)``.
+NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+#: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
+NATIVE_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def native_architecture(hf_config) -> str | None:
+    """The ``NATIVE_ARCHITECTURES`` key that runs ``hf_config`` natively, or ``None``.
+
+    The config's ``architectures`` are tried in order, then its ``model_type``.
+    """
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in NATIVE_ARCHITECTURES:
+            return arch
+    return NATIVE_MODEL_TYPES.get(getattr(hf_config, "model_type", ""))
+
+
+def model_class(hf_config, where: str) -> type:
+    """The native model class for ``hf_config`` (a transformers config).
+
+    Raises:
+        ValueError: naming ``where`` (the checkpoint), the config's architectures and the
+            supported ones, when no native family runs it.
+    """
+    arch = native_architecture(hf_config)
+    if arch is None:
+        archs = getattr(hf_config, "architectures", None) or getattr(hf_config, "model_type", None)
+        raise ValueError(
+            f"model in {where!r} has architecture {archs!r}; supported: {', '.join(NATIVE_ARCHITECTURES)}"
+        )
+    module, name = NATIVE_ARCHITECTURES[arch]
+    return getattr(importlib.import_module(f"kvserve.model_executor.models.{module}"), name)

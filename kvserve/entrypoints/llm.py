@@ -11,6 +11,7 @@ from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kvserve.entrypoints.chat_template import check_template_kwargs, load_chat_template
 from kvserve.field_limits import check_request_size
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
@@ -198,17 +199,31 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Like ``generate`` for chat conversations (lists of ``{"role", "content"}``),
-        rendered with the tokenizer's chat template (transformers ``apply_chat_template``);
-        ``lora_request`` as in ``generate``, one per conversation."""
+        rendered with the tokenizer's chat template (transformers ``apply_chat_template``), or
+        ``chat_template`` (a file or an inline Jinja2 template, ``load_chat_template``) with
+        ``chat_template_kwargs`` as extra template variables (e.g. ``{"enable_thinking":
+        False}``); ``lora_request`` as in ``generate``, one per conversation.
+
+        Raises:
+            ValueError: an invalid ``chat_template``, or a reserved ``chat_template_kwargs``
+                key (``check_template_kwargs``).
+        """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
+        template = None if chat_template is None else load_chat_template(chat_template, "chat_template")
+        extra = check_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
         tok = self.get_tokenizer()
         prompts = []
         for conv in messages:
             ids = tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                chat_template=template,
+                **extra,
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]

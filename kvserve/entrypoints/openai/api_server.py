@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
 from kvserve import envs
+from kvserve.entrypoints.chat_template import check_chat_template, load_chat_template
 from kvserve.entrypoints.openai.http_protocol import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -241,6 +242,8 @@ def build_app(
     tool_call_parser: str = DEFAULT_TOOL_PARSER,
     lora_modules: Sequence[LoRAModulePath] = (),
     allowed_lora_root: str | None = None,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -265,6 +268,10 @@ def build_app(
             validated here, before the engine loop runs.
         allowed_lora_root: adapters loaded at run time must be directories under it (None:
             anywhere the server can read).
+        chat_template: the Jinja2 template chats and ``/tokenize`` messages are rendered with
+            (``--chat-template``, already loaded: ``chat_template.load_chat_template``); None:
+            the tokenizer's own.
+        trust_request_chat_template: whether a request may bring its own ``chat_template``.
 
     Raises:
         ValueError: an unknown ``tool_call_parser``; ``lora_modules`` while LoRA is off, or
@@ -300,7 +307,14 @@ def build_app(
         text_bound=text_bound,
     )
     completion = OpenAIServingCompletion(async_engine, names, **serving_kwargs)
-    chat = OpenAIServingChat(async_engine, names, tool_call_parser=tool_call_parser, **serving_kwargs)
+    chat = OpenAIServingChat(
+        async_engine,
+        names,
+        tool_call_parser=tool_call_parser,
+        chat_template=None if chat_template is None else check_chat_template(chat_template, "chat_template"),
+        trust_request_chat_template=trust_request_chat_template,
+        **serving_kwargs,
+    )
     engine = async_engine.engine
     # a data-parallel engine aggregates its replicas' metrics (kvserve.distributed)
     make_metrics = getattr(async_engine, "make_metrics", None)
@@ -501,9 +515,16 @@ def build_app(
             )
         else:
             conv = render_messages(req.messages)
+            template, template_kwargs = chat.template_for(req)
             size = sum(len(m["content"]) for m in conv)
             ids = await completion.offload(
-                size, chat_template_ids, tok, conv, req.add_generation_prompt is not False
+                size,
+                chat_template_ids,
+                tok,
+                conv,
+                req.add_generation_prompt is not False,
+                template,
+                template_kwargs,
             )
         return JSONResponse(
             TokenizeResponse(
@@ -627,6 +648,18 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOOL_PARSER,
         choices=tool_parser_names(),
         help="format of the model's tool calls, read for tool_choice 'auto' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="Jinja2 chat template for chats and /tokenize messages: a file, or the template inline "
+        "(default: the model's own, from its tokenizer config or GGUF metadata)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (a template runs code on the server)",
     )
     p.add_argument(
         "--lora-modules",
@@ -806,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        chat_template = None if ns.chat_template is None else load_chat_template(ns.chat_template)
         engine_args = engine_args_from(ns)
         if engine_args.data_parallel_size > 1:
             # N replicas on Ray behind this one endpoint (Ray is imported only here)
@@ -834,6 +868,8 @@ def main(argv: list[str] | None = None) -> int:
             tool_call_parser=ns.tool_call_parser,
             lora_modules=ns.lora_modules or (),
             allowed_lora_root=ns.allowed_lora_root,
+            chat_template=chat_template,
+            trust_request_chat_template=ns.trust_request_chat_template,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -265,6 +265,9 @@ class ChatCompletionRequest(_SamplingFields):
     ``max_completion_tokens`` wins over the deprecated ``max_tokens``; when both are absent,
     generation may run to ``max_model_len``. ``top_logprobs`` (0..20) needs ``logprobs=true``.
     ``tools`` / ``tool_choice`` / ``parallel_tool_calls``: see ``tools.plan_tools``.
+    ``chat_template`` (only on a server started with ``--trust-request-chat-template``) and
+    ``chat_template_kwargs`` (extra template variables, e.g. ``{"enable_thinking": false}``):
+    see ``OpenAIServingChat.template_for``.
     """
 
     messages: Messages
@@ -273,6 +276,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt, _int("top_logprobs")] | None = None
     add_generation_prompt: StrictBool | None = True
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -287,13 +292,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-    """Body of ``POST /tokenize``: either ``prompt`` or chat ``messages``."""
+    """Body of ``POST /tokenize``: either ``prompt`` or chat ``messages`` (rendered as a chat
+    completion's are, ``chat_template`` and ``chat_template_kwargs`` included)."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: Messages | None = None
     add_special_tokens: StrictBool | None = True
     add_generation_prompt: StrictBool | None = True
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvserve.entrypoints.chat_template import check_chat_template, check_template_kwargs
 from kvserve.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -29,6 +30,7 @@ from kvserve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
+    TokenizeRequest,
     TopLogprob,
 )
 from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
@@ -122,20 +124,27 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat(
-    tokenizer, conv: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+    tokenizer,
+    conv: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The conversation rendered by the tokenizer's chat template, as text (tokenize it with
+    """The conversation rendered by a chat template, as text (tokenize it with
     ``add_special_tokens=False``: the template already has them). ``tools`` (OpenAI's
     ``{"type": "function", "function": {...}}`` entries) are passed to the template, which
     decides how to show them (a template that never reads ``tools`` ignores them).
+    ``chat_template``: the template to use (``None``: the tokenizer's own);
+    ``template_kwargs``: extra template variables (``chat_template.check_template_kwargs``).
 
     Raises:
         APIError: 400 naming ``messages`` when there is no tokenizer or template, or the
             template rejects the conversation (e.g. roles out of order).
     """
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(
-            "This model has no chat template; use /v1/completions.",
+            "This model has no chat template; use /v1/completions, or start the server with --chat-template.",
             400,
             param="messages",
             code="no_chat_template",
@@ -143,7 +152,12 @@ def render_chat(
     try:
         extra = {"tools": tools} if tools else {}
         text = tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            conv,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template,
+            **extra,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # jinja2 TemplateError / ValueError: the conversation is invalid
         raise APIError(
@@ -161,10 +175,17 @@ def chat_text_ids(tokenizer, text: str) -> list[int]:
     return [int(t) for t in encode_text(tokenizer, text, add_special_tokens=False)]
 
 
-def chat_template_ids(tokenizer, conv: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of a conversation rendered by the tokenizer's chat template (``render_chat``
-    then ``chat_text_ids``; same errors)."""
-    return chat_text_ids(tokenizer, render_chat(tokenizer, conv, add_generation_prompt))
+def chat_template_ids(
+    tokenizer,
+    conv: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a conversation rendered by a chat template (``render_chat`` then
+    ``chat_text_ids``; same arguments and errors)."""
+    text = render_chat(tokenizer, conv, add_generation_prompt, None, chat_template, template_kwargs)
+    return chat_text_ids(tokenizer, text)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -172,10 +193,50 @@ class OpenAIServingChat(OpenAIServing):
 
     endpoint = "chat"
 
-    def __init__(self, *args, tool_call_parser: str = DEFAULT_TOOL_PARSER, **kwargs):
+    def __init__(
+        self,
+        *args,
+        tool_call_parser: str = DEFAULT_TOOL_PARSER,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         #: the format ``tool_choice: "auto"`` reads (``--tool-call-parser``)
         self.tool_parser_cls: type[ToolParser] = get_tool_parser(tool_call_parser)
+        #: the server's template (``--chat-template``, checked); None: the tokenizer's own
+        self.chat_template = chat_template
+        #: whether a request may bring its own ``chat_template`` (``--trust-request-chat-template``)
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def template_for(self, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str | None, dict[str, Any]]:
+        """``(template, extra variables)`` that render ``req``'s messages: its own
+        ``chat_template`` (only on a server that trusts request templates), else the server's;
+        its ``chat_template_kwargs``.
+
+        Raises:
+            APIError: 400 naming ``chat_template`` (not trusted, or invalid Jinja2) or the
+                reserved ``chat_template_kwargs`` key.
+        """
+        template = self.chat_template
+        if req.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(
+                    "chat_template in a request is refused: a template runs code on the server; start "
+                    "it with --trust-request-chat-template to allow it, or use --chat-template.",
+                    400,
+                    param="chat_template",
+                    code="unsupported",
+                )
+            try:
+                template = check_chat_template(req.chat_template, "chat_template")
+            except ValueError as e:
+                raise APIError(str(e), 400, param="chat_template", code="invalid_value") from None
+        try:
+            kwargs = check_template_kwargs(req.chat_template_kwargs, "chat_template_kwargs")
+        except ValueError as e:
+            raise APIError(str(e), 400, param="chat_template_kwargs", code="invalid_value") from None
+        return template, kwargs
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one chat request (JSON or an SSE stream)."""
@@ -225,6 +286,7 @@ class OpenAIServingChat(OpenAIServing):
             await self.compile_constraint(plan.schema_check)
         await self.compile_constraint(params.structured_outputs)
         conv = render_messages(req.messages)
+        template, template_kwargs = self.template_for(req)
         size = sum(len(m["content"]) for m in conv) + (
             len(json.dumps(plan.template_tools)) if plan.template_tools else 0
         )
@@ -235,6 +297,8 @@ class OpenAIServingChat(OpenAIServing):
             conv,
             req.add_generation_prompt is not False,
             plan.template_tools,
+            template,
+            template_kwargs,
         )
         sub = await self.prepare_prompt(text, params, rename, chat=True)
         reservation = self.check_capacity(1)

@@ -153,7 +153,6 @@ def test_chat_field(server, name):
         ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True, "max_tokens": 2}),
         ("/tokenize", {"prompt": "x", "return_token_strs": True}),
         ("/v1/completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"}),
-        ("/v1/chat/completions", {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": True}}),
     ],
 )
 def test_unimplemented_vllm_fields_are_a_400(server, route, body):

@@ -526,11 +526,10 @@ def build_app(
                 template,
                 template_kwargs,
             )
-        return JSONResponse(
-            TokenizeResponse(
-                tokens=ids, count=len(ids), max_model_len=engine.scheduler_config.max_model_len
-            ).model_dump()
-        )
+        # a long prompt's response (hundreds of thousands of ids) is built and encoded on the
+        # pool too: on the event loop it would hold every other connection meanwhile
+        body = await completion.offload(len(ids), _tokenize_body, ids, engine.scheduler_config.max_model_len)
+        return Response(content=body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -559,6 +558,13 @@ def build_app(
 
 
 # ---------------------------------------------------------------------- the process
+def _tokenize_body(ids: list[int], max_model_len: int) -> bytes:
+    """The JSON body of a ``/tokenize`` answer (``TokenizeResponse``) for token ids ``ids``."""
+    return (
+        TokenizeResponse(tokens=ids, count=len(ids), max_model_len=max_model_len).model_dump_json().encode()
+    )
+
+
 def check_api_key(key: str) -> str:
     """``key`` if a client can ever send it, else ValueError saying why: an empty key would
     turn authentication off without a word, and one with leading or trailing whitespace or

@@ -20,7 +20,9 @@ class CompletionOutput:
             cannot be the start of a stop string).
         token_ids: generated token ids (a stop token id, if it fired, is included).
         cumulative_logprob: sum of the sampled tokens' log-probabilities.
-        logprobs: per generated token, ``{token_id: logprob}`` when requested, else None.
+        logprobs: per generated token, ``{token_id: Logprob}`` when requested (the top
+            ``logprobs`` tokens and the sampled one, each with its rank and ``decoded_token``),
+            else None.
         finish_reason: ``None`` while running, then ``"stop"``, ``"length"``, ``"abort"``,
             ``"ignored"`` (rejected: see ``RequestOutput.error``) or ``"error"`` (the engine
             failed to run the request's step: see ``RequestOutput.error``).
@@ -31,7 +33,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

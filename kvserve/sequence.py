@@ -194,7 +194,7 @@ class Sequence:
         self.output_text = ""
         self.decode_stream: Any = None  # tokenizers.decoders.DecodeStream, made on first decode
         # Per generated token: {token_id: logprob} (sampled token included) when requested.
-        self.output_logprobs: list[dict[int, float]] = []
+        self.output_logprobs: list[dict[int, Logprob]] = []
 
     # -- lengths -----------------------------------------------------------------
     def get_len(self) -> int:
@@ -220,7 +220,7 @@ class Sequence:
         return (self.get_len() + self.block_size - 1) // self.block_size
 
     def append_token_id(
-        self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, float] | None = None
+        self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, Logprob] | None = None
     ) -> None:
         self.data.append_token_id(token_id, logprob)
         if top_logprobs is not None:
@@ -517,7 +517,7 @@ class SequenceOutput:
     parent_seq_id: int
     output_token: int
     logprob: float = 0.0
-    top_logprobs: dict[int, float] | None = None
+    top_logprobs: dict[int, Logprob] | None = None
     spec_tokens: list[SequenceOutput] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

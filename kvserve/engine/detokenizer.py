@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from kvserve.sequence import Sequence
+from kvserve.sequence import Logprob, Sequence
 
 #: Tokens of preceding context used to prime a stream, so the first generated token decodes
 #: with the right leading space / byte merges (sentencepiece and byte-level BPE both need it).
 _PRIME_TOKENS = 6
+#: Most token texts ``decode_logprobs`` keeps (about a vocabulary).
+_TOKEN_TEXT_CACHE = 262_144
 
 
 class Detokenizer:
@@ -21,6 +23,20 @@ class Detokenizer:
     def __init__(self, tokenizer):
         # transformers' fast tokenizers wrap a ``tokenizers.Tokenizer``.
         self._tokenizer = getattr(tokenizer, "_tokenizer", None) or tokenizer.backend_tokenizer
+        self._token_text: dict[int, str] = {}
+
+    def decode_logprobs(self, entries: dict[int, Logprob]) -> None:
+        """Fill each entry's ``decoded_token`` (the text of that one token, special tokens
+        included, as vLLM shows them) where it is still None; ids are decoded once each
+        (a bounded cache)."""
+        for tid, lp in entries.items():
+            if lp.decoded_token is None:
+                text = self._token_text.get(tid)
+                if text is None:
+                    text = self._tokenizer.decode([tid], skip_special_tokens=False)
+                    if len(self._token_text) < _TOKEN_TEXT_CACHE:
+                        self._token_text[tid] = text
+                lp.decoded_token = text
 
     def decode_last_token(self, seq: Sequence, skip_special_tokens: bool = True) -> str:
         """Return the text added by ``seq``'s last output token ("" while a character is

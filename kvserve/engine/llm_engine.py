@@ -470,6 +470,10 @@ class LLMEngine:
                 outputs.append(self._fail_request(group, faults[i]))
                 continue
             if result is not None and result.prompt_logprobs:
+                if self.detokenizer is not None:
+                    for entry in result.prompt_logprobs:
+                        if entry is not None:
+                            self.detokenizer.decode_logprobs(entry)
                 group.add_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
             if not meta.do_sample or result is None:
                 continue
@@ -683,6 +687,8 @@ class LLMEngine:
         new_text = ""
         if self.detokenizer is not None:
             new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
+            if params.logprobs is not None and sample.top_logprobs is not None:
+                self.detokenizer.decode_logprobs(sample.top_logprobs)
         self.stop_checker.maybe_stop(seq, params, new_text, max_tokens)
         if grammar_done and not seq.is_finished():
             # The constraint is complete: only EOS could follow, so end here (a step saved;

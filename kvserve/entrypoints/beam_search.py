@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from kvserve.field_limits import LIMITS
 from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import Logprob
 
 
 def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> tuple[float, float]:
@@ -178,14 +179,14 @@ class BeamSearch:
             cache_prefix=True,
         )
 
-    def advance(self, top_logprobs: list[dict[int, float]]) -> None:
+    def advance(self, top_logprobs: list[dict[int, Logprob]]) -> None:
         """One step: ``top_logprobs[i]`` are beam ``i``'s next-token logprobs (the top
-        ``2 * beam_width`` at least)."""
+        ``2 * beam_width`` at least, as a step's ``CompletionOutput.logprobs[0]``)."""
         B = self.params.beam_width
         lp = self.params.length_penalty
         cands = sorted(
             (
-                (beam.cum + v, i, t)
+                (beam.cum + v.logprob, i, t)
                 for i, (beam, top) in enumerate(zip(self.beams, top_logprobs))
                 for t, v in top.items()
             ),

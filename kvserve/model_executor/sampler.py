@@ -52,8 +52,9 @@ request did not forbid, are comparable across temperatures, and for a plain requ
 ``log_softmax(raw_logits)`` (what HF transformers' raw ``output_logits`` give). The only
 ``-inf`` entries possible are tokens suppressed by ``min_tokens``. The sampled token's
 logprob is always computed (it feeds ``cumulative_logprob``); ``top_logprobs`` is ``None``
-when ``sampling_params.logprobs is None``, else the ``logprobs`` most likely tokens plus the
-sampled token (``logprobs`` or ``logprobs + 1`` entries).
+when ``sampling_params.logprobs is None``, else ``{token_id: Logprob(logprob, rank)}`` of the
+``logprobs`` most likely tokens plus the sampled token (``logprobs`` or ``logprobs + 1``
+entries; rank 1 = most likely, 1 + the number of tokens with a larger adjusted logit).
 """
 
 from __future__ import annotations
@@ -392,6 +393,7 @@ class Sampler:
             # Mask fused into the greedy pass: the constrained rows are neither written nor,
             # where the grammar allows little, read in full.
             tokens, sample_lp, top = self._greedy_masked_path(logits, rows, *constraint)
+            sample_ranks: dict[int, int] = {}
         else:
             if constraint is not None:
                 row_ids, bitmask = constraint
@@ -399,8 +401,9 @@ class Sampler:
                 apply_token_bitmask_(logits, idx, bitmask)
             if greedy_only:
                 tokens, sample_lp, top = self._greedy_fast_path(logits, rows)
+                sample_ranks = {}
             else:
-                tokens, sample_lp, top = self._general_path(logits, rows)
+                tokens, sample_lp, top, sample_ranks = self._general_path(logits, rows)
 
         # Assemble outputs (one Python loop over rows; each row has num_samples samples).
         s = 0
@@ -411,13 +414,17 @@ class Sampler:
             out = outputs[r.group_index].samples
             for _ in range(r.num_samples):
                 tok, lp = tokens[s], sample_lp[s]
-                top_lp: dict[int, float] | None = None
+                top_lp: dict[int, Logprob] | None = None
                 if r.params.logprobs is not None:
                     top_lp = {}
                     if r.params.logprobs > 0:
                         ids, vals = top[i]
-                        top_lp = dict(zip(ids[: r.params.logprobs], vals[: r.params.logprobs]))
-                    top_lp.setdefault(tok, lp)
+                        k = r.params.logprobs
+                        top_lp = {
+                            t: Logprob(v, rank + 1) for rank, (t, v) in enumerate(zip(ids[:k], vals[:k]))
+                        }
+                    if tok not in top_lp:
+                        top_lp[tok] = Logprob(lp, sample_ranks[s])
                 out.append(
                     SequenceOutput(parent_seq_id=r.seq_id, output_token=tok, logprob=lp, top_logprobs=top_lp)
                 )
@@ -580,6 +587,17 @@ class Sampler:
         lse = adjusted.logsumexp(dim=-1)
         sample_lp = adjusted[sample_row, tokens] - lse[sample_row]
 
+        # rank of each sample whose request wants logprobs: 1 + the tokens with a larger logit
+        sample_ranks: dict[int, int] = {}
+        wants = []
+        if any(r.params.logprobs is not None for r in rows):
+            wants = [s for s, i in enumerate(sample_row.tolist()) if rows[i].params.logprobs is not None]
+        if wants:
+            w = torch.tensor(wants, device=device)
+            w_rows, w_tok = sample_row[w], tokens[w]
+            chosen = adjusted[w_rows, w_tok].unsqueeze(1)
+            sample_ranks = dict(zip(wants, ((adjusted[w_rows] > chosen).sum(dim=1) + 1).tolist()))
+
         top: dict[int, tuple] = {}
         top_n = [(i, r.params.logprobs) for i, r in enumerate(rows) if r.params.logprobs]
         if top_n:
@@ -591,7 +609,7 @@ class Sampler:
             ids = top_ids.tolist()
             for j, i in enumerate(top_rows):
                 top[i] = (ids[j], vals[j])
-        return tokens.tolist(), sample_lp.tolist(), top
+        return tokens.tolist(), sample_lp.tolist(), top, sample_ranks
 
     @staticmethod
     def _sample_random(

@@ -37,6 +37,7 @@ from kvserve.ops import elementwise
 from kvserve.sequence import (
     CompletionSequenceGroupOutput,
     ExecuteModelRequest,
+    Logprob,
     SequenceData,
     SequenceGroupMetadata,
     SequenceOutput,
@@ -472,19 +473,26 @@ class SpecDecodeWorker:
             toks = kept[n]
             r0, first_row = first_row, first_row + len(toks)
             lps = all_lps[r0:first_row]
-            tops: list[dict[int, float] | None] = [None] * len(toks)
+            tops: list[dict[int, Logprob] | None] = [None] * len(toks)
             if params.logprobs is not None:
                 kk = min(vocab, params.logprobs)
                 vals = ids = None
+                rows_logits = sel_logits[r0:first_row]
                 if kk > 0:
-                    tv, ti = sel_logits[r0:first_row].topk(kk, dim=-1)
+                    tv, ti = rows_logits.topk(kk, dim=-1)
                     tv = tv - lse[r0:first_row].unsqueeze(1)
                     vals, ids = tv.tolist(), ti.tolist()
+                # each token's rank: 1 + the tokens with a larger logit at its position
+                chosen = rows_logits.gather(1, torch.tensor(toks, device=rows_logits.device).unsqueeze(1))
+                ranks = ((rows_logits > chosen).sum(dim=1) + 1).tolist()
                 for j, token in enumerate(toks):
-                    top: dict[int, float] = (
-                        dict(zip(ids[j], vals[j])) if ids is not None and vals is not None else {}
+                    top: dict[int, Logprob] = (
+                        {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids[j], vals[j]))}
+                        if ids is not None and vals is not None
+                        else {}
                     )
-                    top.setdefault(token, lps[j])
+                    if token not in top:
+                        top[token] = Logprob(lps[j], ranks[j])
                     tops[j] = top
             samples = [
                 SequenceOutput(parent_seq_id=v.seq_id, output_token=tok, logprob=lp, top_logprobs=top)

@@ -9,6 +9,7 @@ import pytest
 
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchParams, length_penalized
 from kvserve.field_limits import FLOAT32_MAX
+from kvserve.sequence import Logprob
 
 EOS = 0
 #: every beam's next-token logprobs: EOS ranks second, so a hypothesis ends at every length
@@ -19,7 +20,7 @@ def _search(length_penalty: float) -> list[tuple[list[int], float]]:
     params = BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=length_penalty)
     search = BeamSearch([7, 8], params, EOS, max_tokens=3)
     while search.pending():
-        search.advance([dict(STEP) for _ in search.pending()])
+        search.advance([{t: Logprob(v) for t, v in STEP.items()} for _ in search.pending()])
     return [(s.output_token_ids, s.score) for s in search.output().sequences]
 
 

@@ -36,26 +36,35 @@ def hf_logprobs(tiny_hf_model, prompts):
     return out
 
 
-def check(prompt_logprobs, prompt, ref, k=K):
-    """``prompt_logprobs`` (kvserve's) against ``ref`` (transformers' log-softmax rows)."""
+def check(prompt_logprobs, prompt, ref, k=K, tokenizer=None):
+    """``prompt_logprobs`` (kvserve's) against ``ref`` (transformers' log-softmax rows); each
+    entry's ``decoded_token`` against ``tokenizer`` when given."""
     assert len(prompt_logprobs) == len(prompt)
     assert prompt_logprobs[0] is None
     for i in range(1, len(prompt)):
         entry, row, tok = prompt_logprobs[i], ref[i - 1], prompt[i]
-        assert tok in entry and isinstance(entry[tok], Logprob), (i, entry)
-        assert entry[tok].logprob == pytest.approx(float(row[tok]), abs=ATOL)
-        # rank: 1 + tokens more likely (tokens within ATOL of it may fall either side)
-        lo = int((row > row[tok] + ATOL).sum()) + 1
-        hi = int((row > row[tok] - ATOL).sum()) + 1
-        assert lo <= entry[tok].rank <= hi, (i, entry[tok], lo, hi)
-        assert len(entry) in (k, k + 1)
-        top = {t: lp for t, lp in entry.items() if len(entry) == k or t != tok}
-        assert sorted(lp.rank for lp in top.values()) == list(range(1, k + 1))
-        ref_top = row.topk(k).values.tolist() if k else []
-        for t, lp in top.items():
-            # the value at each rank, and the token really has it (a near-tie may swap tokens)
-            assert lp.logprob == pytest.approx(ref_top[lp.rank - 1], abs=ATOL)
-            assert float(row[t]) == pytest.approx(lp.logprob, abs=ATOL)
+        check_entry(entry, row, tok, k, tokenizer)
+
+
+def check_entry(entry, row, tok, k, tokenizer=None):
+    """One position's ``{token_id: Logprob}`` against ``row`` (transformers' log-softmax) for
+    the token ``tok`` that followed: its logprob and rank, the top ``k``, decoded texts."""
+    assert tok in entry and isinstance(entry[tok], Logprob), entry
+    assert entry[tok].logprob == pytest.approx(float(row[tok]), abs=ATOL)
+    # rank: 1 + tokens more likely (tokens within ATOL of it may fall either side)
+    lo = int((row > row[tok] + ATOL).sum()) + 1
+    hi = int((row > row[tok] - ATOL).sum()) + 1
+    assert lo <= entry[tok].rank <= hi, (entry[tok], lo, hi)
+    assert len(entry) in (k, k + 1)
+    top = {t: lp for t, lp in entry.items() if len(entry) == k or t != tok}
+    assert sorted(lp.rank for lp in top.values()) == list(range(1, k + 1))
+    ref_top = row.topk(k).values.tolist() if k else []
+    for t, lp in top.items():
+        # the value at each rank, and the token really has it (a near-tie may swap tokens)
+        assert lp.logprob == pytest.approx(ref_top[lp.rank - 1], abs=ATOL)
+        assert float(row[t]) == pytest.approx(lp.logprob, abs=ATOL)
+    if tokenizer is not None:
+        assert all(lp.decoded_token == tokenizer.decode([t]) for t, lp in entry.items()), entry
 
 
 CONFIGS = {
@@ -74,6 +83,23 @@ CONFIGS = {
 }
 
 
+def test_output_logprobs_are_logprob_objects_equal_to_transformers(tiny_llama_dir, tiny_hf_model, prompts):
+    """Each generated token's ``{token_id: Logprob}``: logprob, rank and decoded text of the
+    sampled token and the top K, against transformers' log-softmax over prompt + output."""
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=K)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:3]], params, use_tqdm=False)
+    for p, out in zip(prompts[1:3], outs):
+        c = out.outputs[0]
+        ids = p + c.token_ids
+        with torch.inference_mode():
+            logits = tiny_hf_model(torch.tensor([ids], device=tiny_hf_model.device)).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1).cpu()
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        for j, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            check_entry(entry, ref[len(p) - 1 + j], tok, K, llm.get_tokenizer())
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prompt_logprobs_equal_transformers(tiny_llama_dir, prompts, hf_logprobs, name):
     llm = LLM(model=str(tiny_llama_dir), **ENGINE, **CONFIGS[name])
@@ -83,7 +109,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama_dir, prompts, hf_logprobs
     for i, p in enumerate(prompts):
         out = finals[f"r{i}"]
         assert out.outcome == "finished"
-        check(out.prompt_logprobs, p, hf_logprobs[i])
+        check(out.prompt_logprobs, p, hf_logprobs[i], tokenizer=llm.get_tokenizer())
     if name == "chunked_prefix_recompute":
         # a recompute preemption mid-way; the re-admission reuses the cached blocks of the
         # positions whose logprobs it already holds

@@ -266,7 +266,7 @@ def test_penalties_end_to_end_via_logprobs():
     assert s.output_token == int(adj.argmax()) == 7
     assert len(s.top_logprobs) == 8
     for t, v in s.top_logprobs.items():
-        assert v == pytest.approx(lsm[t].item(), abs=1e-5)
+        assert v.logprob == pytest.approx(lsm[t].item(), abs=1e-5)
     assert s.logprob == pytest.approx(lsm[7].item(), abs=1e-5)
 
 
@@ -306,7 +306,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     # logprob of a suppressed token is -inf in the reported distribution
     p4 = SamplingParams(temperature=0, min_tokens=1, logprobs=10)
     top = s(logits, [md(p4)])[0].samples[0].top_logprobs
-    assert top[EOS] == float("-inf")
+    assert top[EOS].logprob == float("-inf")
 
 
 def test_logprobs_size_and_values():
@@ -330,7 +330,9 @@ def test_logprobs_size_and_values():
         assert set(s.top_logprobs) == set(top_ids) | {s.output_token}
         assert p.logprobs <= len(s.top_logprobs) <= p.logprobs + 1
         for t, v in s.top_logprobs.items():
-            assert v == pytest.approx(lsm[i, t].item(), abs=1e-5)
+            assert v.logprob == pytest.approx(lsm[i, t].item(), abs=1e-5)
+            # rank: 1 + the tokens more likely than it (temperature and top-k do not change it)
+            assert v.rank == int((lsm[i] > lsm[i, t]).sum()) + 1
     assert outs[0].samples[0].output_token == logits[0].argmax().item()
     assert len(outs[0].samples[0].top_logprobs) == 5  # greedy token is already in the top 5
 

@@ -289,7 +289,8 @@ def test_logprobs_for_every_emitted_token(tiny_llama_dir, reference):
     for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
         assert tok in la and set(la) == set(lb)
         for t in la:
-            assert la[t] == pytest.approx(lb[t], abs=1e-3)
+            assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-3)
+            assert la[t].rank == lb[t].rank and la[t].decoded_token == lb[t].decoded_token
     assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-2)
 
 

@@ -468,8 +468,9 @@ class OpenAIServingChat(OpenAIServing):
         entries = c.logprobs or []
         for tid, top in zip(c.token_ids[start:end], entries[start:end]):
             s = self.token_str(tid)
-            lp = finite((top or {}).get(tid))
-            alts = sorted((top or {}).items(), key=lambda kv: -kv[1])[:top_n]
+            own = (top or {}).get(tid)
+            lp = finite(None if own is None else own.logprob)
+            alts = sorted((top or {}).items(), key=lambda kv: -kv[1].logprob)[:top_n]
             content.append(
                 ChatLogprobToken(
                     token=s,
@@ -478,7 +479,7 @@ class OpenAIServingChat(OpenAIServing):
                     top_logprobs=[
                         TopLogprob(
                             token=self.token_str(t),
-                            logprob=finite(v),
+                            logprob=finite(v.logprob),
                             bytes=list(self.token_str(t).encode("utf-8")),
                         )
                         for t, v in alts

@@ -490,12 +490,12 @@ class OpenAIServingCompletion(OpenAIServing):
         for tid, top in zip(c.token_ids[start:end], entries[start:end]):
             s = self.token_str(tid)
             lp.tokens.append(s)
-            lp.token_logprobs.append(finite(top.get(tid)) if top else None)
+            lp.token_logprobs.append(finite(top[tid].logprob) if top and tid in top else None)
             alts: dict[str, float] = {}
-            for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1]):
+            for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1].logprob):
                 ts = self.token_str(t)
                 if ts not in alts:
-                    alts[ts] = finite(v)
+                    alts[ts] = finite(v.logprob)
             lp.top_logprobs.append(alts)
             lp.text_offset.append(offset)
             offset += len(s)

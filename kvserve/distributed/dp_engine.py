@@ -381,6 +381,15 @@ class DataParallelAsyncEngine:
         if idx is not None:
             self._abort_on(idx, request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Reset every live replica's prefix cache (and the router's record of what each
+        holds). True if every replica answered and has no cached block left."""
+        results = await self.replica_calls("reset_prefix_cache")
+        for r in self.replicas:
+            self.router.reset_replica(r.index)
+        live = sum(1 for r in self.replicas if r.healthy)
+        return len(results) == live and all(bool(v) for _, v in results)
+
     # ---------------------------------------------------------------- observability
     async def replica_calls(self, method: str, timeout_s: float = 5.0) -> list[tuple[int, Any]]:
         """``(index, result)`` of ``method()`` on every replica that is up and answers in time."""

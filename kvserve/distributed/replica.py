@@ -115,6 +115,10 @@ class EngineReplica:
             "in_flight": self.async_engine.num_in_flight,
         }
 
+    async def reset_prefix_cache(self) -> bool:
+        """``AsyncLLMEngine.reset_prefix_cache`` of this replica."""
+        return await self.async_engine.reset_prefix_cache()
+
     async def kv_cache_stats(self) -> dict[str, Any]:
         """``LLMEngine.get_kv_cache_stats()`` of this replica."""
         return dict(self.engine.get_kv_cache_stats())

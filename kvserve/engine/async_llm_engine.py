@@ -158,6 +158,11 @@ class AsyncLLMEngine:
         there, between steps). Raises ValueError naming the path or the limit."""
         return bool(await self.submit(self.engine.add_lora, lora_request))
 
+    async def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache`` on the engine thread, between steps: True if no
+        cached block is left (False: blocks running requests hold keep theirs)."""
+        return bool(await self.submit(self.engine.reset_prefix_cache))
+
     async def remove_lora(self, lora_int_id: int) -> bool:
         """``LLMEngine.remove_lora`` on the engine thread; False if it was not loaded."""
         return bool(await self.submit(self.engine.remove_lora, lora_int_id))

@@ -13,7 +13,11 @@ data-parallel replica runs one too and the driver merges their families
 Exported:
 - gauges ``kvserve:num_requests_running|waiting|swapped``, ``kvserve:gpu_cache_usage_perc``,
   ``kvserve:cpu_cache_usage_perc`` (fractions 0..1, as in vLLM), ``kvserve:gpu_prefix_cache_hit_rate``,
-  ``kvserve:num_gpu_blocks``, ``kvserve:num_free_gpu_blocks``;
+  ``kvserve:num_gpu_blocks``, ``kvserve:num_free_gpu_blocks``, ``kvserve:cache_config_info``
+  (value 1; labels: the KV cache's block size, block counts, prefix caching, window, watermark,
+  swap space);
+- counters ``kvserve:prefix_cache_queries_total`` and ``kvserve:prefix_cache_hits_total``
+  (prompt tokens looked up / found in the prefix cache, vLLM V1's counters);
 - counters ``kvserve:prompt_tokens_total``, ``kvserve:generation_tokens_total``,
   ``kvserve:num_preemptions_total``, ``kvserve:request_success_total{finished_reason}``,
   ``kvserve:num_requests_added_total``, ``kvserve:engine_steps_total``,
@@ -65,6 +69,9 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "cpu_cache_usage_perc": ("vllm:cpu_cache_usage_perc",),
     "lora_requests_info": ("vllm:lora_requests_info",),
     "gpu_prefix_cache_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "cache_config_info": ("vllm:cache_config_info",),
     "num_preemptions": ("vllm:num_preemptions",),
     "prompt_tokens": ("vllm:prompt_tokens",),
     "generation_tokens": ("vllm:generation_tokens",),
@@ -207,6 +214,18 @@ class EngineCollector:
             hits = kv.get("prefix_cache_hits", 0) or 0
             hit_rate = hits / queries if queries else 0.0
         yield gauge("kvserve:gpu_prefix_cache_hit_rate", "Prefix-cache hit rate (tokens), 0..1.", hit_rate)
+        # vLLM V1's counters: a dashboard divides their rates over any window it likes
+        yield counter(
+            "kvserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.get("prefix_cache_queries", 0) or 0,
+        )
+        yield counter(
+            "kvserve:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            kv.get("prefix_cache_hits", 0) or 0,
+        )
+        yield self._cache_config_info(num_gpu, num_cpu)
         yield gauge("kvserve:num_gpu_blocks", "KV blocks in the device pool.", num_gpu)
         yield gauge(
             "kvserve:num_free_gpu_blocks", "Free (or evictable) KV blocks in the device pool.", free_gpu
@@ -231,6 +250,25 @@ class EngineCollector:
         for reason, count in sorted(dict(stats.finished_by_reason).items()):
             success.add_metric(values + [str(reason)], float(count))
         yield success
+
+    def _cache_config_info(self, num_gpu: int, num_cpu: int) -> GaugeMetricFamily:
+        """``cache_config_info``: value 1, the KV cache's configuration as labels (vLLM's
+        metric; routers such as the Gateway API inference extension read ``block_size``)."""
+        cfg = getattr(self.engine, "cache_config", None)
+        info = {
+            "block_size": getattr(cfg, "block_size", ""),
+            "num_gpu_blocks": num_gpu,
+            "num_cpu_blocks": num_cpu,
+            "enable_prefix_caching": getattr(cfg, "enable_prefix_caching", ""),
+            "sliding_window": getattr(cfg, "sliding_window", None) or "",
+            "watermark": getattr(cfg, "watermark", ""),
+            "swap_space_gib": getattr(cfg, "swap_space_gib", ""),
+        }
+        g = GaugeMetricFamily(
+            "kvserve:cache_config_info", "The KV cache's configuration (labels), value 1.", labels=list(info)
+        )
+        g.add_metric([str(v) for v in info.values()], 1.0)
+        return g
 
     def _lora(self, gauge) -> Iterable:
         count = (

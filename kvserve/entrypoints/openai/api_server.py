@@ -140,7 +140,11 @@ def internal_error_response(exc: BaseException) -> JSONResponse:
 
 
 def _is_protected(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/v1" or path in ("/tokenize", "/detokenize")
+    return (
+        path.startswith("/v1/")
+        or path == "/v1"
+        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
+    )
 
 
 class _EdgeMiddleware:
@@ -462,6 +466,18 @@ def build_app(
         if running:
             text += f" {running} running request(s) finish with it first."
         return PlainTextResponse(text, status_code=200)
+
+    # ------------------------------------------------------------------ operators
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Drop every cached KV block no running request holds (e.g. after changing weights
+        or to measure cold starts). ``{"reset": true}`` when no cached block is left,
+        ``false`` when running requests still hold some (theirs stay until they end)."""
+        try:
+            reset = await async_engine.reset_prefix_cache()
+        except Exception as e:
+            raise completion.engine_error(e) from None
+        return JSONResponse({"reset": bool(reset)})
 
     @app.get("/health")
     async def health():

@@ -60,6 +60,7 @@ from kvserve.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
@@ -81,6 +82,7 @@ from kvserve.entrypoints.openai.serving_models import (
     OpenAIServingModels,
     parse_lora_module,
 )
+from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
 from kvserve.transformers_utils.tokenizer_bounds import token_text_bound
 
@@ -416,6 +418,19 @@ def build_app(
         return await chat.create_chat_completion(req, request)
 
     # ------------------------------------------------------------------ info
+    responses = OpenAIServingResponses(chat)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        """OpenAI's Responses API, run as a chat completion (``serving_responses``)."""
+        req = await read_json_body(request, ResponsesRequest, max_body_bytes)
+        return await responses.create_response(req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        """A stored response (the last ``MAX_STORED_RESPONSES`` with ``store`` true)."""
+        return JSONResponse(responses.retrieve(response_id))
+
     def _card(name: str) -> ModelCard:
         return ModelCard(
             id=name,

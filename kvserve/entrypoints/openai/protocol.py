@@ -548,3 +548,62 @@ class DetokenizeResponse(BaseModel):
     """``POST /detokenize``."""
 
     prompt: str
+
+
+class ResponsesFunctionTool(_Request):
+    """One ``tools`` entry of ``/v1/responses``: ``{"type": "function", "name", "description",
+    "parameters", "strict"}`` (the function's fields flat, not under ``function``)."""
+
+    type: Literal["function"]
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ResponsesTextFormat(_Request):
+    """``text.format`` of ``/v1/responses``: ``text``, ``json_object``, or ``json_schema`` with
+    its ``name`` / ``schema`` / ``description`` / ``strict`` flat."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponsesText(_Request):
+    """``text`` of ``/v1/responses``: its ``format`` (``verbosity`` is accepted, unused)."""
+
+    format: ResponsesTextFormat | None = None
+    verbosity: StrictStr | None = None
+
+
+class ResponsesRequest(_Request):
+    """Body of ``POST /v1/responses`` (OpenAI's Responses API), run as a chat completion:
+    ``instructions`` is a system message, ``input`` a string (one user message) or a list of
+    message / ``function_call`` / ``function_call_output`` items, ``previous_response_id``
+    continues a stored conversation. Fields left out here are a 400 naming them."""
+
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    previous_response_id: StrictStr | None = None
+    max_output_tokens: Annotated[StrictInt, _int("max_tokens")] | None = None
+    temperature: Annotated[Number, _num("temperature")] | None = None
+    top_p: Annotated[Number, _num("top_p")] | None = None
+    seed: Annotated[StrictInt, _int("seed")] | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: ResponsesText | None = None
+    stream: StrictBool | None = False
+    store: StrictBool | None = True
+    # harmless: accepted, never change the tokens generated
+    metadata: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    truncation: Literal["disabled"] | None = None

@@ -417,7 +417,6 @@ def build_app(
         req = await read_json_body(request, ChatCompletionRequest, max_body_bytes)
         return await chat.create_chat_completion(req, request)
 
-    # ------------------------------------------------------------------ info
     responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/responses")
@@ -430,6 +429,8 @@ def build_app(
     async def retrieve_response(response_id: str):
         """A stored response (the last ``MAX_STORED_RESPONSES`` with ``store`` true)."""
         return JSONResponse(responses.retrieve(response_id))
+
+    # ------------------------------------------------------------------ info
 
     def _card(name: str) -> ModelCard:
         return ModelCard(

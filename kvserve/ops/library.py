@@ -132,7 +132,9 @@ class NativeLibrary:
         if out_dir is None:
             out_dir = envs.cache_root() / "native"
         lib_name = f"{self.name}.so"
-        command = compile_command(self.source, lib_name)
+        # the sources' digest, not their folder, in the key: every checkout of the same
+        # sources (a clone, a CI run) shares one build
+        command = [c.replace(str(CSRC_DIR), "<csrc>") for c in compile_command(self.source, lib_name)]
         # the name too: two libraries of one source must not share (and fight over) a folder
         key_text = "\0".join(
             [self.name, _sources_digest(), *command, (cpuinfo_field("flags") or sys.platform)]
@@ -215,6 +217,12 @@ def all_libraries() -> list[NativeLibrary]:
     import importlib
 
     return [importlib.import_module(f"{__package__}.{m}")._LIB for m in KERNEL_MODULES]
+
+
+def load_all() -> list[NativeLibrary]:
+    """Build (or find in the cache) and load every kernel library now; returns the ones that
+    are unavailable (each says why in ``failure_reason``; their callers use torch)."""
+    return [lib for lib in all_libraries() if lib.load() is None]
 
 
 def check_linear_inputs(

@@ -12,6 +12,7 @@ import torch
 from kvserve import envs
 from kvserve.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvserve.lora_request import LoRARequest
+from kvserve.ops import library
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import (
     BlockMoveError,
@@ -232,6 +233,10 @@ class Worker:
             except BaseException:
                 self.shutdown()
                 raise
+        if self.device == "cpu":
+            # every CPU kernel built (or found in the cache) now: built on first use, a request
+            # would wait for the compiler inside an engine step, after the server said ready
+            library.load_all()
         if model_config.quantization == "gguf":
             from kvserve.model_executor.gguf_loader import load_gguf_model
 

@@ -527,6 +527,9 @@ class ModelCard(BaseModel):
     #: a LoRA adapter's base model (None for the base model itself)
     parent: str | None = None
     max_model_len: int | None = None
+    #: the default sampling parameters of requests that leave them out (from the model's
+    #: generation_config.json; ``--generation-config``); None for an adapter's card
+    generation_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(BaseModel):

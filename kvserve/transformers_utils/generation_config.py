@@ -36,7 +36,7 @@ def _check_value(path: str, key: str, value: Any) -> Any:
         ValueError: not a number (or not an integer for ``top_k`` / ``max_new_tokens``), naming
             the file and the key.
     """
-    integer = key in ("top_k", "max_new_tokens")
+    integer = key in ("top_k", "max_new_tokens", "max_tokens")
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if integer:
         ok = ok and float(value).is_integer()

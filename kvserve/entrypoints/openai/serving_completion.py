@@ -128,7 +128,12 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if req.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix", code="unsupported")
-        kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, self.generation_defaults)
+        defaults = self.generation_defaults
+        # max_tokens left out (not null) is the model's max_new_tokens where it has one, else 16
+        max_tokens = req.max_tokens
+        if "max_tokens" not in req.model_fields_set and "max_tokens" in defaults:
+            max_tokens = defaults["max_tokens"]
+        kwargs = sampling_kwargs(req, max_tokens, req.logprobs, defaults)
         if req.echo and req.logprobs is not None:
             # the prompt's tokens and their logprobs come first (OpenAI's echo shape)
             kwargs["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)

@@ -68,6 +68,17 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = enum.auto()
 
 
+def _check_utilization(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}.")
+
+
+#: ``dtype`` spellings of vLLM (and torch) accepted for kvserve's names.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -154,6 +165,10 @@ class CacheConfig:
         enable_prefix_caching: reuse KV blocks across requests by hashed token content.
         watermark: fraction of device blocks kept free when admitting prefills (avoids
             immediate preemption of what was just admitted).
+        gpu_memory_utilization: when set (0 < u <= 1) and ``num_gpu_blocks`` is unset, the
+            device pool is sized to fill this fraction of the memory the weights and KV share
+            (device memory on CUDA, physical host memory on CPU), less what the process
+            already holds; it then replaces ``kv_cache_memory_gib``.
     """
 
     block_size: int = 16
@@ -164,9 +179,11 @@ class CacheConfig:
     sliding_window: int | None = None
     enable_prefix_caching: bool = False
     watermark: float = 0.01
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
+        _check_utilization(self.gpu_memory_utilization)
         _positive_int("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
         if self.num_cpu_blocks is not None and (
             not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0
@@ -571,8 +588,21 @@ class EngineArgs:
     router_balance_threshold: int = 8
     #: Ranks per engine (``ParallelConfig``); 1 = one process.
     tensor_parallel_size: int = 1
+    #: ``CacheConfig.gpu_memory_utilization``: the device pool fills this fraction of device
+    #: memory (CUDA) or physical host memory (CPU), less what the process holds; None = sized
+    #: by ``kv_cache_memory_gib``.
+    gpu_memory_utilization: float | None = None
+    #: Default sampling parameters: ``auto`` = the model directory's generation_config.json,
+    #: ``vllm`` = none (kvserve's defaults), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
+    #: generation_config.json keys (or SamplingParams names) set over the file's, as a dict or
+    #: a JSON object string.
+    override_generation_config: dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        _check_utilization(self.gpu_memory_utilization)
+        self.generation_overrides()
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()
         self.create_lora_config()
@@ -660,6 +690,24 @@ class EngineArgs:
             )
         return QuantizationChoice("gguf", None)
 
+    def generation_overrides(self) -> dict[str, Any]:
+        """``override_generation_config`` as a dict ({} when unset).
+
+        Raises:
+            ValueError: not a JSON object (naming the field).
+        """
+        value = self.override_generation_config
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"override_generation_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"override_generation_config must be a JSON object, got {type(value).__name__}.")
+        return dict(value)
+
     def replica_args(self) -> EngineArgs:
         """The settings of one data-parallel replica: these, with ``data_parallel_size=1`` (the
         other fields, tensor parallelism's included, pass through as they are)."""
@@ -744,6 +792,7 @@ class EngineArgs:
             sliding_window=sliding_window,
             enable_prefix_caching=self.enable_prefix_caching,
             watermark=self.watermark,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         if budget is None:
             budget = SchedulerConfig.default_max_num_batched_tokens(chunked, max_len)

@@ -153,14 +153,15 @@ def build_front_engine(engine_args: EngineArgs, info: dict[str, Any]):
     """An ``LLMEngine`` without an executor, mirroring a replica's configs (``info``) with the
     tokenizer loaded here: the server and ``LLM`` validate and tokenize with it exactly as the
     single-process engine does; it never steps."""
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine, load_generation_defaults
     from kvserve.model_executor.model_loader import resolve_model_dir
     from kvserve.ops import quant
     from kvserve.transformers_utils.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(
-        resolve_model_dir(engine_args.model, engine_args.resolve_quantization(quant.available()).quantization)
+    model_dir = resolve_model_dir(
+        engine_args.model, engine_args.resolve_quantization(quant.available()).quantization
     )
+    tokenizer = load_tokenizer(model_dir)
     return LLMEngine(
         info["model_config"],
         info["cache_config"],
@@ -170,4 +171,5 @@ def build_front_engine(engine_args: EngineArgs, info: dict[str, Any]):
         vocab_size=info["vocab_size"],
         eos_token_id=info["eos_token_id"],
         speculative_config=info["speculative_config"],
+        generation_defaults=load_generation_defaults(engine_args, model_dir),
     )

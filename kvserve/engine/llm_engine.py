@@ -55,6 +55,28 @@ class _ShutDownExecutor:
         raise RuntimeError(f"the engine was shut down (executor.{name} is gone)")
 
 
+def load_generation_defaults(args: EngineArgs, model_dir) -> dict[str, Any]:
+    """The default sampling parameters of ``args.generation_config`` for the model in
+    ``model_dir`` (``transformers_utils.generation_config.generation_defaults``), logged once
+    with the file they come from.
+
+    Raises:
+        ValueError: a bad ``generation_config`` setting, file or value (naming it).
+    """
+    from kvserve.transformers_utils.generation_config import generation_defaults
+
+    defaults, path = generation_defaults(args.generation_config, model_dir, args.generation_overrides())
+    if defaults:
+        logger.info(
+            "default sampling parameters (requests that leave them out): %s, from %s",
+            ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())),
+            path or "override_generation_config",
+        )
+    elif args.generation_config != "vllm":
+        logger.info("default sampling parameters: kvserve's own (the model has no generation_config.json)")
+    return defaults
+
+
 def _output_len(group: SequenceGroup) -> int:
     """Tokens the group has generated (its samples advance together under speculation)."""
     return max((seq.get_output_len() for seq in group.get_seqs()), default=0)
@@ -102,6 +124,7 @@ class LLMEngine:
         eos_token_id: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -117,6 +140,9 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.speculative_config = speculative_config
         self.lora_config = lora_config
+        #: SamplingParams fields a request takes when it leaves them out (the model's
+        #: generation_config.json: ``EngineArgs.generation_config``)
+        self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
         self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
@@ -181,6 +207,7 @@ class LLMEngine:
                 gguf_float_reason,
             )
         model_dir = resolve_model_dir(args.model, quantization)
+        generation_defaults = load_generation_defaults(args, model_dir)  # a bad file fails before the load
         hf_config = AutoConfig.from_pretrained(model_dir)
         if args.quantization == "none":
             from kvserve.model_executor.quantized_checkpoint import quant_method_of
@@ -250,6 +277,7 @@ class LLMEngine:
             eos_token_id=eos,
             speculative_config=spec_config,
             lora_config=lora_config,
+            generation_defaults=generation_defaults,
         )
 
     # ------------------------------------------------------------------ requests

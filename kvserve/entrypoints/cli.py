@@ -12,7 +12,8 @@ import sys
 import time
 import typing
 
-from kvserve.config import QUANTIZATION_CHOICES, EngineArgs
+from kvserve.config import DTYPE_ALIASES, QUANTIZATION_CHOICES, EngineArgs
+from kvserve.entrypoints.vllm_compat import aliases_of, human_int_arg
 from kvserve.lora.modules import parse_lora_module
 
 DEMO_CHATS = [
@@ -26,6 +27,14 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "gpu_memory_utilization": (
+        "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
+        "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"
+    ),
+    "generation_config": (
+        "default sampling parameters: auto = the model's generation_config.json, vllm = none, "
+        "or a directory holding one"
+    ),
     "quantization": (
         "weight quantization (CPU): gguf = a .gguf file's blocks as they are (the default for "
         "--model x.gguf where the other flags allow: CPU, dtype float32/bfloat16, one rank, no LoRA; "
@@ -37,31 +46,44 @@ _HELP = {
 }
 
 
+#: Integer fields that also take vLLM's 32k / 1M forms (``vllm_compat.parse_human_int``).
+_HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
+
+
+def _dtype(text: str) -> str:
+    """A ``--dtype`` value with vLLM's spellings (``half``, ``float``) as kvserve's names."""
+    return DTYPE_ALIASES.get(text, text)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, str] | None = None) -> None:
-    """One ``--kebab-case`` flag per ``EngineArgs`` field, typed from its annotation;
+    """One ``--kebab-case`` flag per ``EngineArgs`` field, typed from its annotation (with
+    vLLM's short aliases, ``-tp``, and value forms: ``--max-model-len 32k``, ``--dtype half``);
     ``help_overrides``: field name -> help text where a command uses the field its own way."""
     helps = {**_HELP, **(help_overrides or {})}
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
+        names = [flag, *aliases_of(flag)]
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if base is bool:
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name)
+                *names, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name)
             )
-        elif f.name == "speculative_config":
+        elif f.name in ("speculative_config", "override_generation_config"):
             parser.add_argument(
-                flag,
+                *names,
                 type=str,
                 default=None,
                 metavar="JSON",
-                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
+                if f.name == "speculative_config"
+                else "generation_config.json values to set over the file's, e.g. '{\"temperature\": 0.5}'",
             )
         else:
             parser.add_argument(
-                flag,
-                type=base,
+                *names,
+                type=human_int_arg if f.name in _HUMAN_INT_FIELDS else _dtype if f.name == "dtype" else base,
                 default=f.default,
                 choices={
                     "device": ["auto", "cpu", "cuda"],

@@ -12,6 +12,7 @@ from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvserve.entrypoints.chat_template import check_template_kwargs, load_chat_template
+from kvserve.entrypoints.vllm_compat import translate_llm_kwargs
 from kvserve.field_limits import check_request_size
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
@@ -32,20 +33,19 @@ class LLM:
     """Generate completions for many prompts in one continuous batch.
 
     ``LLM(**engine_args)`` takes the settings of ``kvserve.config.EngineArgs`` by name
-    (``model``, ``dtype``, ``device``, ``block_size``, ``num_gpu_blocks``, ... ). With no
-    ``model`` it runs the embedded SmolLM2-135M-Instruct. ``llm.llm_engine`` is the engine.
+    (``model``, ``dtype``, ``device``, ``block_size``, ``num_gpu_blocks``, ... ), and vLLM's
+    ``LLM`` keywords with the fate ``vllm_compat`` gives their flag (``swap_space`` ->
+    ``swap_space_gib``, ``trust_remote_code`` ignored with a log line, ``kv_cache_dtype='fp8'``
+    refused). With no ``model`` it runs the embedded SmolLM2-135M-Instruct.
+    ``llm.llm_engine`` is the engine.
 
     Raises:
-        ValueError: unknown setting, invalid value, or a model path without weights.
+        ValueError: unknown or refused setting, invalid value, or a model path without weights.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        unknown = set(kwargs) - set(EngineArgs.field_names())
-        if unknown:
-            raise ValueError(
-                f"unknown engine argument(s): {sorted(unknown)}; valid ones are {EngineArgs.field_names()}."
-            )
-        args = EngineArgs(model=model, **kwargs)
+        kwargs = translate_llm_kwargs({"model": model, **kwargs}, set(EngineArgs.field_names()))
+        args = EngineArgs(**kwargs)
         self._dp = None
         if args.data_parallel_size > 1:
             # replicas on Ray; llm_engine is then the front engine (tokenizer, validation)
@@ -68,6 +68,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` ``generate`` and ``chat`` use when given none: the model's
+        generation_config.json defaults (``generation_config``), else ``SamplingParams()``."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -79,7 +84,8 @@ class LLM:
         """Run all prompts to completion; returns one ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a string, ``{"prompt_token_ids": [...]}``, or a list of those.
-        ``sampling_params``: one for all, or a list with one per prompt.
+        ``sampling_params``: one for all, or a list with one per prompt; None:
+        ``get_default_sampling_params()`` (the model's generation_config.json defaults).
         ``lora_request``: one adapter for all prompts, or a list with one entry (a
         ``LoRARequest`` or None for the base model) per prompt; needs ``enable_lora=True``.
         A prompt the scheduler can never run (too long for ``prompt_limit`` or the KV cache)
@@ -94,7 +100,7 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

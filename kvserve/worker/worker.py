@@ -112,6 +112,22 @@ def _host_memory_bytes() -> int | None:
         return None
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm``; 0 where unreadable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def kv_budget_bytes(utilization: float, total_bytes: int, used_bytes: int) -> int:
+    """KV-cache bytes under ``gpu_memory_utilization``: ``utilization`` x ``total_bytes`` (the
+    memory weights and KV share) less ``used_bytes`` (what is held already: weights, runtime),
+    as vLLM sizes its pool; may be <= 0."""
+    return int(utilization * total_bytes) - int(used_bytes)
+
+
 class Worker:
     """Model + KV cache on one device.
 
@@ -318,6 +334,8 @@ class Worker:
         bpb = self.bytes_per_block()
         if cc.num_gpu_blocks is not None:
             gpu = cc.num_gpu_blocks
+        elif cc.gpu_memory_utilization is not None:
+            gpu = self._blocks_for_utilization(cc.gpu_memory_utilization, bpb)
         else:
             gpu = int(cc.kv_cache_memory_gib * _GIB // bpb)
             if gpu < 1:
@@ -335,6 +353,33 @@ class Worker:
                     "or num_gpu_blocks"
                 )
         return gpu, cpu
+
+    def _blocks_for_utilization(self, utilization: float, bpb: int) -> int:
+        """Device-pool blocks for ``gpu_memory_utilization``: ``kv_budget_bytes`` of this
+        device's memory (CUDA: the device's total and torch's reserved bytes; CPU: physical
+        host memory, shared by the ranks, and this process's resident set) over ``bpb``.
+
+        Raises:
+            ValueError: the budget holds no block (naming the setting and the figures).
+        """
+        if self.device == "cuda":
+            _, total = torch.cuda.mem_get_info()
+            used = torch.cuda.memory_reserved()
+        else:
+            host = _host_memory_bytes()
+            if host is None:
+                raise ValueError(
+                    "gpu_memory_utilization needs the host's memory size, which cannot be read here"
+                )
+            total, used = host // self.tp_size, _resident_bytes()
+        budget = kv_budget_bytes(utilization, total, used)
+        if budget < bpb:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves {max(budget, 0) / _GIB:.2f} GiB for the KV "
+                f"cache ({utilization} x {total / _GIB:.2f} GiB less {used / _GIB:.2f} GiB already held), "
+                f"less than one block ({bpb} bytes); raise it or set kv_cache_memory_gib"
+            )
+        return budget // bpb
 
     def _check_host_memory(self, gpu: int, cpu: int, bpb: int) -> None:
         """Refuse pools that host memory cannot hold (the swap pool always, the device pool

@@ -76,10 +76,13 @@ def serve_parser(monkeypatch) -> argparse.ArgumentParser:
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Each option's first long name (``--enable-lora`` for ``--enable-lora/--no-enable-lora``)
-    -> its action; ``--help`` left out."""
+    -> its action; ``--help``, the positional MODEL and vLLM's hidden flags left out (those two
+    are docs/coming_from_vllm.md's, checked by tests/entrypoints/test_vllm_compat.py)."""
+    from kvserve.entrypoints.vllm_compat import is_compat_action
+
     out = {}
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction):
+        if isinstance(action, argparse._HelpAction) or not action.option_strings or is_compat_action(action):
             continue
         out[next(s for s in action.option_strings if s.startswith("--"))] = action
     return out

@@ -437,6 +437,7 @@ def build_app(
             id=name,
             root=engine.model_config.model or name,
             max_model_len=engine.scheduler_config.max_model_len,
+            generation_defaults=dict(getattr(engine, "generation_defaults", None) or {}),
         )
 
     def _lora_card(lora, parent: str) -> ModelCard:
@@ -623,10 +624,24 @@ def _api_key_arg(text: str) -> str:
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
-    """``kvserve serve`` flags: server flags plus every engine flag (``EngineArgs``)."""
+    """``kvserve serve`` flags: server flags plus every engine flag (``EngineArgs``), and
+    vLLM's flags and positional MODEL (``vllm_compat``: hidden from ``--help``, acted on by
+    ``vllm_compat.apply_vllm_flags`` after parsing)."""
     from kvserve.entrypoints.cli import add_engine_args
+    from kvserve.entrypoints.vllm_compat import add_vllm_flags
 
-    p = argparse.ArgumentParser(prog="kvserve serve", description="OpenAI-compatible HTTP server.")
+    p = argparse.ArgumentParser(
+        prog="kvserve serve",
+        description="OpenAI-compatible HTTP server.",
+        epilog="vLLM's flags are accepted too, each with the fate docs/coming_from_vllm.md gives it.",
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model (vLLM's `vllm serve MODEL`)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -638,8 +653,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help=f"model name reported and accepted (default: the --model path or {DEFAULT_MODEL_NAME})",
+        help=f"model name(s) accepted, the first reported (default: the --model path or {DEFAULT_MODEL_NAME})",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument(
@@ -716,6 +732,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         "files must resolve (symlinks followed) under DIR; default: any the server can read",
     )
     add_engine_args(p)
+    add_vllm_flags(p)
     return p
 
 
@@ -852,9 +869,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.cli import engine_args_from, flag_names
+    from kvserve.entrypoints.vllm_compat import apply_vllm_flags
 
     parser = make_arg_parser()
     ns = parser.parse_args(argv)
+    try:
+        compat_lines = apply_vllm_flags(ns)
+    except ValueError as e:
+        parser.error(str(e))
     if ns.lora_modules and not ns.enable_lora:
         parser.error("--lora-modules needs --enable-lora (LoRA is off).")
     if ns.allowed_lora_root is not None:
@@ -867,7 +889,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
+    for line in compat_lines:  # an ignored flag is a warning, an accepted value information
+        logger.log(logging.WARNING if " ignored: " in line else logging.INFO, line)
+    names = list(ns.served_model_name or [])
+    name = names[0] if names else ns.model or DEFAULT_MODEL_NAME
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
@@ -891,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # named as the flag the user typed
         print(f"error: {flag_names(str(e))}", file=sys.stderr)
         return 2
-    aliases = [ns.model] if ns.model else []
+    aliases = names[1:] + ([ns.model] if ns.model else [])
     try:
         app = build_app(
             async_engine,

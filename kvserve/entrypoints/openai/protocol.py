@@ -155,7 +155,8 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``.
 
-    ``max_tokens`` defaults to 16 (the OpenAI default for this endpoint); ``null`` means "up to
+    ``max_tokens`` defaults to the model's ``max_new_tokens`` (generation_config.json), else
+    16 (the OpenAI default for this endpoint); ``null`` means "up to
     ``max_model_len``". ``logprobs`` is the number of top alternatives per token (0..20); with
     ``echo`` the prompt's tokens come first in the logprobs too (the first one's logprob null).
     ``prompt_logprobs`` (vLLM's) adds ``choices[i].prompt_logprobs``. ``use_beam_search``
@@ -527,6 +528,9 @@ class ModelCard(BaseModel):
     #: a LoRA adapter's base model (None for the base model itself)
     parent: str | None = None
     max_model_len: int | None = None
+    #: the default sampling parameters of requests that leave them out (from the model's
+    #: generation_config.json; ``--generation-config``); None for an adapter's card
+    generation_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(BaseModel):

@@ -268,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
         rename = {"prompt": "messages"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        kwargs = sampling_kwargs(req, max_tokens, logprobs)
+        kwargs = sampling_kwargs(req, max_tokens, logprobs, self.generation_defaults)
         if plan.constraint is not None:
             own = kwargs["structured_outputs"]
             if own is not None:

@@ -41,9 +41,12 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
-def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
+def sampling_kwargs(
+    req, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+) -> dict:
     """SamplingParams keyword arguments from the fields completions and chat share
-    (``null`` means the default).
+    (``null`` means the default: ``defaults``' value, the model's generation_config.json, where
+    it has one for the field, else kvserve's).
 
     Raises:
         APIError: 400 naming ``stream_options`` when it is set without ``stream=true`` (it
@@ -58,17 +61,19 @@ def sampling_kwargs(req, max_tokens: int | None, logprobs: int | None) -> dict:
             code="invalid_value",
         )
 
+    model = defaults or {}
+
     def pick(value, default):
         return default if value is None else value
 
     return dict(
         n=pick(req.n, 1),
-        max_tokens=max_tokens,
-        temperature=pick(req.temperature, 1.0),
-        top_p=pick(req.top_p, 1.0),
-        top_k=pick(req.top_k, -1),
-        min_p=pick(req.min_p, 0.0),
-        repetition_penalty=pick(req.repetition_penalty, 1.0),
+        max_tokens=pick(max_tokens, model.get("max_tokens")),
+        temperature=pick(req.temperature, model.get("temperature", 1.0)),
+        top_p=pick(req.top_p, model.get("top_p", 1.0)),
+        top_k=pick(req.top_k, model.get("top_k", -1)),
+        min_p=pick(req.min_p, model.get("min_p", 0.0)),
+        repetition_penalty=pick(req.repetition_penalty, model.get("repetition_penalty", 1.0)),
         presence_penalty=pick(req.presence_penalty, 0.0),
         frequency_penalty=pick(req.frequency_penalty, 0.0),
         seed=req.seed,
@@ -123,7 +128,12 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if req.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix", code="unsupported")
-        kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs)
+        defaults = self.generation_defaults
+        # max_tokens left out (not null) is the model's max_new_tokens where it has one, else 16
+        max_tokens = req.max_tokens
+        if "max_tokens" not in req.model_fields_set and "max_tokens" in defaults:
+            max_tokens = defaults["max_tokens"]
+        kwargs = sampling_kwargs(req, max_tokens, req.logprobs, defaults)
         if req.echo and req.logprobs is not None:
             # the prompt's tokens and their logprobs come first (OpenAI's echo shape)
             kwargs["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)

@@ -610,6 +610,12 @@ class OpenAIServing:
         return self.engine.tokenizer
 
     @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The sampling defaults of fields a request leaves out (the engine's, from the
+        model's generation_config.json; {} for an engine without them)."""
+        return getattr(self.engine, "generation_defaults", None) or {}
+
+    @property
     def model_name(self) -> str:
         """The reported model name."""
         return self.served_model_names[0]

@@ -1,0 +1,276 @@
+"""vLLM's flags and LLM(...) keywords: each one in the snapshot of vLLM's parsers
+(tests/data/vllm_flags.txt) has a fate in kvserve.entrypoints.vllm_compat, and kvserve's parser
+and LLM do what that fate says; docs/coming_from_vllm.md is the table's rendering."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvserve.config import EngineArgs
+from kvserve.entrypoints import vllm_compat as vc
+from kvserve.entrypoints.cli import engine_args_from
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOT = ROOT / "tests" / "data" / "vllm_flags.txt"
+
+
+def _snapshot() -> dict[str, list[str]]:
+    """Section name -> its non-comment lines."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for raw in SNAPSHOT.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = line.strip("[]")
+            sections[current] = []
+            continue
+        assert current is not None, f"a line before any section: {line!r}"
+        sections[current].append(line)
+    return sections
+
+
+def _flags() -> dict[str, tuple[list[str], str]]:
+    """Long flag -> (its short aliases, its arity), over the engine, V0 and server sections."""
+    out = {}
+    for section in ("engine", "engine-v0", "server"):
+        for line in _snapshot()[section]:
+            names, arity = (part.strip() for part in line.split("::"))
+            flag, *aliases = names.split()
+            assert flag not in out, f"{flag} listed twice"
+            out[flag] = (aliases, arity)
+    return out
+
+
+@pytest.fixture
+def serve_parser(monkeypatch):
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    from kvserve.entrypoints.openai.api_server import make_arg_parser
+
+    return make_arg_parser()
+
+
+def _parse(parser, line: str):
+    ns = parser.parse_args(line.split())
+    lines = vc.apply_vllm_flags(ns)
+    return ns, lines
+
+
+# ---------------------------------------------------------------- the table against the snapshot
+def test_every_snapshot_flag_has_a_fate_with_its_arity_and_aliases():
+    flags = _flags()
+    assert len(flags) > 200, "the snapshot lost its flags"
+    missing = sorted(set(flags) - set(vc.FATES))
+    assert not missing, f"vLLM flags without a fate in vllm_compat.FATES: {missing}"
+    stale = sorted(set(vc.FATES) - set(flags))
+    assert not stale, f"fates of flags the snapshot does not have: {stale}"
+    for flag, (aliases, arity) in flags.items():
+        fate = vc.FATES[flag]
+        assert fate.arity == arity, f"{flag}: snapshot arity {arity}, table {fate.arity}"
+        assert sorted(vc.aliases_of(flag)) == sorted(aliases), flag
+        assert fate.kind in (vc.SAME, vc.MAPPED, vc.IGNORED, vc.REFUSED), flag
+        assert fate.why or fate.kind == vc.SAME, f"{flag}: {fate.kind} without a reason"
+        if fate.kind == vc.MAPPED:
+            assert fate.target and fate.convert, flag
+
+
+def test_every_llm_keyword_has_a_fate():
+    sections = _snapshot()
+    assert tuple(sections["llm"]) == vc.LLM_KEYWORDS
+    engine_keys = [
+        line.split()[0].lstrip("-").replace("-", "_")
+        for section in ("engine", "engine-v0")
+        for line in sections[section]
+        if not line.startswith(("--enable-log-requests", "--disable-log-requests"))
+    ]
+    for key in [*vc.LLM_KEYWORDS, *engine_keys]:
+        flag = vc.llm_keyword_flag(key)
+        assert flag is not None and flag in vc.FATES, f"LLM keyword {key} has no fate"
+
+
+def test_a_flag_missing_from_the_table_is_found():
+    """The check above can fail: the snapshot with one more flag names one without a fate."""
+    assert "--not-a-flag" not in vc.FATES
+    flags = set(_flags()) | {"--not-a-flag"}
+    assert sorted(flags - set(vc.FATES)) == ["--not-a-flag"]
+
+
+def test_docs_page_is_the_rendered_table():
+    page = (ROOT / "docs" / "coming_from_vllm.md").read_text()
+    assert page == vc.render_markdown(), (
+        "docs/coming_from_vllm.md is out of date: regenerate it with "
+        "kvserve.entrypoints.vllm_compat.render_markdown()"
+    )
+    readme = (ROOT / "README.md").read_text()
+    assert "(docs/coming_from_vllm.md)" in readme
+
+
+# ---------------------------------------------------------------- the parser does what the table says
+def test_a_common_vllm_launch_line_parses_into_the_engine_and_server_settings(serve_parser):
+    ns, lines = _parse(
+        serve_parser,
+        "/models/llama --gpu-memory-utilization 0.9 -tp 2 --trust-remote-code --disable-log-requests "
+        "--max-model-len 32k --dtype half --swap-space 4 --enforce-eager --host 0.0.0.0 --port 8001 "
+        "--served-model-name llama alias --max-num-seqs 64 --max-num-batched-tokens 8K "
+        "--enable-prefix-caching --uvicorn-log-level warning --kv-cache-dtype auto -pp 1 "
+        "--disable-log-stats --generation-config vllm --scheduling-policy priority "
+        "--num-gpu-blocks-override 100 --api-key k --seed 3 -q int8 --enable-chunked-prefill",
+    )
+    args = engine_args_from(ns)
+    assert args.model == "/models/llama"
+    assert args.tensor_parallel_size == 2
+    assert args.max_model_len == 32000
+    assert args.max_num_batched_tokens == 8192
+    assert args.dtype == "float16"
+    assert args.swap_space_gib == 4.0
+    assert args.gpu_memory_utilization == 0.9
+    assert args.max_num_seqs == 64 and args.seed == 3 and args.quantization == "int8"
+    assert args.enable_prefix_caching is True and args.enable_chunked_prefill is True
+    assert args.generation_config == "vllm"
+    assert args.policy == "priority"
+    assert args.num_gpu_blocks == 100
+    assert (ns.host, ns.port, ns.api_key) == ("0.0.0.0", 8001, "k")
+    assert ns.served_model_name == ["llama", "alias"]
+    assert ns.request_log is False
+    assert ns.log_level == "warning"
+    joined = "\n".join(lines)
+    for flag in ("--trust-remote-code", "--enforce-eager", "--disable-log-stats"):
+        assert f"vLLM flag {flag} ignored" in joined
+    assert "never runs code from a model directory" in joined
+    assert "--kv-cache-dtype auto accepted" in joined and "--pipeline-parallel-size 1 accepted" in joined
+    assert len(lines) == 5
+
+
+def _sample(flag: str, fate: vc.Fate) -> list[str]:
+    """A command-line use of ``flag`` with a value vLLM would take."""
+    samples = {
+        "--kv-cache-memory-bytes": "2G",
+        "--swap-space": "2",
+        "--num-gpu-blocks-override": "7",
+        "--scheduling-policy": "priority",
+        "--scheduler-delay-factor": "0.5",
+        "--uvicorn-log-level": "critical",
+    }
+    if fate.arity == vc.BOOL:
+        return [flag]
+    return [flag, samples.get(flag, "x1")]
+
+
+@pytest.mark.parametrize("flag", [f for f, fate in vc.FATES.items() if f != vc.POSITIONAL_MODEL])
+def test_each_flag_does_what_its_fate_says(serve_parser, flag):
+    fate = vc.FATES[flag]
+    if fate.kind == vc.SAME:  # kvserve's own flag (its values: test_configuration_reference)
+        assert flag in serve_parser._option_string_actions
+        assert not vc.is_compat_action(serve_parser._option_string_actions[flag])
+        return
+    ns = serve_parser.parse_args(_sample(flag, fate))  # the parser takes every vLLM flag
+    if fate.kind == vc.REFUSED:
+        with pytest.raises(ValueError, match=rf"^{flag} .*is not supported: "):
+            vc.apply_vllm_flags(ns)
+        return
+    lines = vc.apply_vllm_flags(ns)
+    if fate.kind == vc.IGNORED:
+        assert lines == [f"vLLM flag {flag} ignored: {fate.why}."]
+        return
+    assert lines == []
+    expected = {
+        "--kv-cache-memory-bytes": ("kv_cache_memory_gib", 2.0),
+        "--swap-space": ("swap_space_gib", 2.0),
+        "--num-gpu-blocks-override": ("num_gpu_blocks", 7),
+        "--scheduling-policy": ("policy", "priority"),
+        "--scheduler-delay-factor": ("delay_factor", 0.5),
+        "--uvicorn-log-level": ("log_level", "error"),
+        "--enable-log-requests": ("request_log", True),
+        "--disable-log-requests": ("request_log", False),
+    }[flag]
+    assert getattr(ns, expected[0]) == expected[1]
+
+
+def test_refused_flags_take_their_accepted_values_and_name_them_otherwise(serve_parser):
+    ns, lines = _parse(
+        serve_parser, "--model /m --tokenizer /m --load-format safetensors --no-enable-sleep-mode"
+    )
+    assert len(lines) == 3 and all(" accepted: " in line for line in lines)
+    with pytest.raises(ValueError, match=r"--tokenizer /t is not supported: kvserve reads the tokenizer"):
+        _parse(serve_parser, "--model /m --tokenizer /t")
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 is not supported: .*\(accepted: auto\)"):
+        _parse(serve_parser, "--kv-cache-dtype fp8")
+
+
+def test_positional_model_and_a_different_model_flag_conflict(serve_parser):
+    ns, _ = _parse(serve_parser, "/a")
+    assert ns.model == "/a"
+    ns, _ = _parse(serve_parser, "/a --model /a")
+    assert ns.model == "/a"
+    with pytest.raises(ValueError, match="MODEL '/a' and --model '/b' name different models"):
+        _parse(serve_parser, "/a --model /b")
+
+
+def test_serve_exits_2_naming_a_refused_flag(capsys):
+    from kvserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "/m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert e.value.code == 2
+    assert "--kv-cache-dtype fp8_e5m2 is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("32768", 32768),
+        ("32k", 32000),
+        ("25.6k", 25600),
+        ("32K", 32768),
+        ("1M", 2**20),
+        ("1m", 10**6),
+        ("2G", 2**31),
+    ],
+)
+def test_human_readable_integers(text, value):
+    assert vc.parse_human_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["1.5K", "32x", "", "3.5", "k"])
+def test_human_readable_integers_refuse_other_forms(text):
+    with pytest.raises(ValueError):
+        vc.parse_human_int(text)
+
+
+def test_dtype_aliases_of_vllm():
+    assert EngineArgs(dtype="half").dtype == "float16"
+    assert EngineArgs(dtype="float").dtype == "float32"
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineArgs(gpu_memory_utilization=1.5)
+
+
+# ---------------------------------------------------------------- LLM(...) keywords
+def test_llm_keywords_are_translated_ignored_or_refused(caplog):
+    fields = set(EngineArgs.field_names())
+    with caplog.at_level(logging.INFO, logger="kvserve.vllm_compat"):
+        out = vc.translate_llm_kwargs(
+            {
+                "model": "/m",
+                "swap_space": 4,
+                "trust_remote_code": True,
+                "enforce_eager": True,
+                "gpu_memory_utilization": 0.5,
+                "kv_cache_dtype": "auto",
+                "tokenizer": "/m",
+                "num_gpu_blocks_override": 9,
+                "cpu_offload_gb": 0,
+            },
+            fields,
+        )
+    assert out == {"model": "/m", "swap_space_gib": 4.0, "gpu_memory_utilization": 0.5, "num_gpu_blocks": 9}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all(w.startswith("vLLM keyword ") for w in warnings)
+    assert any("trust_remote_code ignored: kvserve never runs code" in w for w in warnings)
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 is not supported"):
+        vc.translate_llm_kwargs({"kv_cache_dtype": "fp8"}, fields)
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\): \['no_such_thing'\]"):
+        vc.translate_llm_kwargs({"no_such_thing": 1}, fields)

@@ -3,14 +3,14 @@
 For each shape (hidden H, expert intermediate I, E experts, top-k) and row count (64: a decode
 batch; 512 to 2048: prefill chunks) it times, on the same random weights and routing:
 
-- ``loop``: ``fused_moe.per_expert_loop``, the straightforward form (per expert: a token mask,
+- ``per_expert_loop``: ``fused_moe.per_expert_loop``, the straightforward form (per expert: a token mask,
   its rows indexed, its MLP, an ``index_add_``);
 - ``grouped``: ``fused_moe.grouped_experts`` with ``mode="auto"`` (what the model runs), and
   each fixed mode (``grouped_mm``, ``bmm``, ``loop``) for the record.
 
 Each time is the median of ``--repeats`` calls after ``--warmup`` calls (CUDA: synchronised);
 outputs are checked equal (to float tolerance) before timing. The table's ``speedup`` is
-loop / auto; ``--target`` (2.0) is the pass line. ``--json-out`` writes every cell.
+per-expert loop / auto; ``--target`` (2.0) is the pass line. ``--json-out`` writes every cell.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def run_cell(
         out: dict = {
             "rows": rows,
             "active_experts": int(torch.unique(ids).numel()),
-            "loop_s": _time(
+            "per_expert_loop_s": _time(
                 lambda: fused_moe.per_expert_loop(x, weights, ids, w13, w2), repeats, warmup, cuda
             ),
         }
@@ -132,18 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         for rows in rows_list:
             c = run_cell(h, i, e, k, rows, dtype, ns.device, ns.repeats, ns.warmup, modes)
             c.update(shape=name, hidden=h, intermediate=i, experts=e, top_k=k)
-            c["speedup"] = c["loop_s"] / c["auto_s"]
+            c["speedup"] = c["per_expert_loop_s"] / c["auto_s"]
             cells.append(c)
 
             def ms(key, c=c):
                 return f"{c[key] * 1e3:.2f}" if key in c else "n/a"
 
             table.append(
-                [name, f"{e}x{k}", rows, c["active_experts"], ms("loop_s"), ms("auto_s")]
+                [name, f"{e}x{k}", rows, c["active_experts"], ms("per_expert_loop_s"), ms("auto_s")]
                 + [ms(f"{m}_s") for m in modes[1:]]
                 + [f"{c['speedup']:.2f}x"]
             )
-    headers = ["shape", "E x k", "rows", "active", "loop ms", "grouped ms"]
+    headers = ["shape", "E x k", "rows", "active", "per-expert loop ms", "grouped ms"]
     headers += [f"mode {m} ms" for m in modes[1:]] + ["speedup"]
     print(f"device={ns.device} dtype={ns.dtype} threads={torch.get_num_threads()}")
     print(fmt_table(headers, table))

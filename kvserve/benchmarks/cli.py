@@ -1,4 +1,4 @@
-"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | ...``."""
+"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | moe | ...``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ COMMANDS = {
         "kvserve.benchmarks.quantized",
         "batch-1 decode of gguf/int8 vs float32/bfloat16 (and llama.cpp), or w64 per format",
     ),
+    "moe": ("kvserve.benchmarks.moe", "the grouped MoE layer vs a per-expert loop, decode and prefill rows"),
 }
 
 

@@ -313,8 +313,15 @@ def load_model(
     cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
     method = qck.quant_method_of(cfg)
     check_quantization_matches(quantization, method, model_dir)
+    model_cls = registry.model_class(cfg, str(model_dir))
+    quantized = method if method is not None else quantization if quantization in ("int8", "int4") else None
+    if quantized is not None and not getattr(model_cls, "supports_quantization", True):
+        raise ValueError(
+            f"model in {str(model_dir)!r} ({registry.native_architecture(cfg)}): quantization="
+            f"{quantized!r} is not supported for this family (its mixture-of-experts weights stay "
+            "float); use a float checkpoint without quantization"
+        )
     with torch.no_grad():
-        model_cls = registry.model_class(cfg, str(model_dir))
         model = model_cls(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
         if method is not None:
             scheme = qck.parse_quantization_config(cfg.quantization_config, str(model_dir / "config.json"))

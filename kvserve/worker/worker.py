@@ -285,6 +285,12 @@ class Worker:
             quant = model_config.quantization or quant_method_of(self.hf_config)
             if quant is not None:
                 raise ValueError(f"enable_lora is not supported with quantization={quant!r}")
+            if not getattr(self.model, "supports_lora", True):
+                arch = getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type]
+                raise ValueError(
+                    f"enable_lora is not supported for {arch[0]} (mixture-of-experts models take no "
+                    "LoRA adapters); run without enable_lora"
+                )
             from kvserve.lora.manager import LoRAManager
             from kvserve.lora.peft import ModelShapes
 

@@ -104,6 +104,10 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
+    def transform_qkv(self, qkv: torch.Tensor) -> None:
+        """Change the projected ``[T, q + 2 * kv]`` q/k/v in place before rotary (a family with
+        q/k norms or clipping overrides it); Llama leaves them as they are."""
+
     def forward(
         self,
         x: torch.Tensor,
@@ -115,6 +119,7 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         _lora(self, "qkv", x, qkv, meta.lora)
+        self.transform_qkv(qkv)
         fused = elementwise.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
         if fused:  # rotary + cache write in one native pass
             qk = elementwise.rope_write_kv(
@@ -143,10 +148,11 @@ class LlamaMLP(nn.Module):
     #: fused target -> its parts' output column bounds (``LoRAManager.part_bounds``).
     lora_parts: dict | None = None
 
-    def __init__(self, cfg, dtype, device, tp=None):
+    def __init__(self, cfg, dtype, device, tp=None, intermediate_size: int | None = None):
         super().__init__()
         self.tp = tp
-        self.inter = cfg.intermediate_size // _tp_size(tp)
+        # intermediate_size: the config's unless given (an MoE family's dense or shared expert)
+        self.inter = (intermediate_size or cfg.intermediate_size) // _tp_size(tp)
         # linear weights: float Parameters until prepacked or quantized in place after loading
         self.gate_up_weight: LinearWeight = _linear_weight(2 * self.inter, cfg.hidden_size, dtype, device)
         self.down_weight: LinearWeight = _linear_weight(cfg.hidden_size, self.inter, dtype, device)
@@ -231,6 +237,10 @@ class LlamaForCausalLM(nn.Module):
     #: adapter or tensor parallelism needs Python between the kernels; False keeps the
     #: per-layer calls (the same results).
     fuse_native_decode = True
+    #: Whether LoRA adapters can target this family (``LoRAManager``'s fused targets).
+    supports_lora = True
+    #: Whether its linear weights can be quantized (int8 / int4 at load, quantized checkpoints).
+    supports_quantization = True
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
@@ -271,9 +281,7 @@ class LlamaForCausalLM(nn.Module):
         # types its items as plain nn.Module
         self.layers = cast(
             Sequence[LlamaDecoderLayer],
-            nn.ModuleList(
-                LlamaDecoderLayer(cfg, self.rope, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
-            ),
+            nn.ModuleList(self._make_layer(i, dtype, device) for i in range(cfg.num_hidden_layers)),
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head: LinearWeight  # prepacked or quantized in place after loading
@@ -285,6 +293,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:  # this rank's rows of the replicated table, filled as the table is loaded
             self.lm_head = self.embed_tokens.data[self.vocab_shard.start : self.vocab_shard.start + head_rows]
+
+    def _make_layer(self, index: int, dtype, device) -> nn.Module:
+        """Decoder layer ``index`` (a family module overrides it to build its own layers)."""
+        return LlamaDecoderLayer(self.config, self.rope, dtype, device, self.tp)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -334,14 +346,20 @@ class LlamaForCausalLM(nn.Module):
             return local
         return vocab_parallel.gather_logits(local, self.vocab_shard, self.tp)
 
-    def prepack_linear_weights(self) -> None:
-        """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
-        ``prepack_weight`` form, after ``load_weights``; a no-op off CPU (and for float16).
-        A tied LM head gets its own packed copy (the embedding table stays plain)."""
+    def _layer_linears(self) -> list[tuple[nn.Module, str]]:
+        """``(module, attribute)`` of every decoder-layer linear weight that ``linear`` runs
+        (the prepacked ones); a family with other MLPs overrides it."""
         names: list[tuple[nn.Module, str]] = [
             (layer.self_attn, n) for layer in self.layers for n in ("qkv_weight", "o_weight")
         ]
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
+        return names
+
+    def prepack_linear_weights(self) -> None:
+        """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
+        ``prepack_weight`` form, after ``load_weights``; a no-op off CPU (and for float16).
+        A tied LM head gets its own packed copy (the embedding table stays plain)."""
+        names = self._layer_linears()
         # a tied lm_head is the embedding Parameter (or, replicated under TP, a view of this
         # rank's rows of it): it is replaced by a packed copy
         names.append((self, "lm_head"))
@@ -369,13 +387,18 @@ class LlamaForCausalLM(nn.Module):
         """
         if not self.layers or self.embed_tokens.device.type != "cpu":
             return 0
-        a, m = self.layers[0].self_attn, self.layers[0].mlp
-        pairs = [
-            (a.qkv_weight, a.qkv_bias),
-            (a.o_weight, a.o_bias),
-            (m.gate_up_weight, None),
-            (m.down_weight, None),
-        ]
+        pairs, seen = [], set()
+        for module, name in self._layer_linears():  # one weight of each shape (layers share them)
+            weight = getattr(module, name)
+            bias = getattr(module, name.replace("_weight", "_bias"), None)
+            shape = getattr(weight, "shape", None) or (
+                getattr(weight, "out_features", None),
+                getattr(weight, "in_features", None),
+            )
+            key = (type(weight), tuple(shape), bias is None)
+            if key not in seen:
+                seen.add(key)
+                pairs.append((weight, bias))
         runs = 0
         for (weight, bias), limit in [(p, max_rows) for p in pairs] + [
             ((self.lm_head, None), min(max_rows, 256))
@@ -562,10 +585,10 @@ class LlamaForCausalLM(nn.Module):
     def _part_rows(self, name: str, param, row0: int) -> int:
         """Rows of the fused ``param`` that checkpoint tensor ``name`` fills from ``row0``."""
         layer = self.layers[int(name.split(".")[2])]
-        a, inter = layer.self_attn, layer.mlp.inter
+        a = layer.self_attn
         if param is a.qkv_weight or param is a.qkv_bias:
             return a.q_size if row0 == 0 else a.kv_size
-        return inter  # gate / up
+        return layer.mlp.inter  # gate / up
 
     def check_all_loaded(self, loaded) -> None:
         """Raises ValueError naming the expected weights absent from ``loaded`` (a set of names)."""

@@ -13,6 +13,10 @@ NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "OlmoeForCausalLM": ("moe", "MoeForCausalLM"),
 }
 
 #: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
@@ -20,6 +24,10 @@ NATIVE_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

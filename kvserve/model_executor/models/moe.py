@@ -1,0 +1,434 @@
+"""Mixture-of-experts decoders on the Llama skeleton: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
+
+Each family is the Llama decoder (``models/llama.py``: fused q/k/v, rotary, paged attention,
+RMSNorm) with its MLP replaced, in the sparse layers, by a routed ``FusedMoE``
+(``layers/fused_moe.py``), and with its attention extras:
+
+| family | experts (config field) | expert size | top-k renormalised | extras |
+|---|---|---|---|---|
+| Mixtral | ``num_local_experts`` | ``intermediate_size`` | always | |
+| Qwen2-MoE | ``num_experts`` | ``moe_intermediate_size`` | ``norm_topk_prob`` | q/k/v bias by ``qkv_bias``; a shared expert (``shared_expert_intermediate_size``) scaled by ``sigmoid(shared_expert_gate(x))``; dense layers by ``decoder_sparse_step`` / ``mlp_only_layers`` |
+| Qwen3-MoE | ``num_experts`` | ``moe_intermediate_size`` | ``norm_topk_prob`` | RMSNorm of q and k per head (``head_dim``); dense layers as Qwen2-MoE |
+| OLMoE | ``num_experts`` | ``intermediate_size`` | ``norm_topk_prob`` | RMSNorm of q and k over the whole projection (all heads at once); ``clip_qkv`` |
+
+Checkpoint names: experts one by one (Mixtral ``block_sparse_moe.experts.N.w1/w3/w2`` = gate /
+up / down, router ``block_sparse_moe.gate``; the others ``mlp.experts.N.gate_proj/up_proj/down_proj``,
+router ``mlp.gate``) or already stacked (``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` and
+``<prefix>.experts.down_proj`` ``[E, H, I]``, transformers' in-memory layout).
+
+Not supported (each a ValueError naming the family): tensor parallelism, LoRA adapters, int8 /
+int4 quantization and quantized checkpoints. Pure-decode CPU steps run the module path (the
+fused native decode step has no MoE kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model_executor.layers.fused_moe import FusedMoE
+from kvserve.model_executor.layers.rmsnorm import RMSNorm
+from kvserve.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """How one family's config and checkpoint spell its MoE parts.
+
+    Attributes:
+        name: the architecture, for messages.
+        experts_field: config field holding the number of experts.
+        inter_field: config field holding each expert's intermediate size.
+        prefix: the MLP's checkpoint name under a layer (``block_sparse_moe`` / ``mlp``).
+        expert_names: checkpoint names of an expert's gate, up and down weights.
+        renormalize: None: read ``norm_topk_prob``; else always this.
+        float32_weights: see ``FusedMoE``.
+        qk_norm: None, ``"head"`` (per head, ``[head_dim]`` weights) or ``"proj"`` (over the
+            whole q / k projection).
+        shared_expert: a shared expert plus its sigmoid gate in every sparse layer.
+        dense_layers: ``decoder_sparse_step`` / ``mlp_only_layers`` pick dense layers.
+    """
+
+    name: str
+    experts_field: str
+    inter_field: str
+    prefix: str
+    expert_names: tuple[str, str, str]
+    renormalize: bool | None
+    float32_weights: bool = False
+    qk_norm: str | None = None
+    shared_expert: bool = False
+    dense_layers: bool = False
+
+
+#: ``model_type`` -> its family.
+FAMILIES: dict[str, MoeFamily] = {
+    "mixtral": MoeFamily(
+        "MixtralForCausalLM",
+        "num_local_experts",
+        "intermediate_size",
+        "block_sparse_moe",
+        ("w1", "w3", "w2"),
+        renormalize=True,
+        float32_weights=True,
+    ),
+    "qwen2_moe": MoeFamily(
+        "Qwen2MoeForCausalLM",
+        "num_experts",
+        "moe_intermediate_size",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        renormalize=None,
+        shared_expert=True,
+        dense_layers=True,
+    ),
+    "qwen3_moe": MoeFamily(
+        "Qwen3MoeForCausalLM",
+        "num_experts",
+        "moe_intermediate_size",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        renormalize=None,
+        qk_norm="head",
+        dense_layers=True,
+    ),
+    "olmoe": MoeFamily(
+        "OlmoeForCausalLM",
+        "num_experts",
+        "intermediate_size",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        renormalize=None,
+        qk_norm="proj",
+    ),
+}
+
+
+def family_of(cfg) -> MoeFamily:
+    """The ``MoeFamily`` of transformers config ``cfg``.
+
+    Raises:
+        ValueError: its ``model_type`` is not an MoE family here.
+    """
+    fam = FAMILIES.get(getattr(cfg, "model_type", ""))
+    if fam is None:
+        raise ValueError(
+            f"config.json model_type={getattr(cfg, 'model_type', None)!r} is not an MoE family "
+            f"(supported: {', '.join(FAMILIES)})"
+        )
+    return fam
+
+
+def is_sparse_layer(cfg, fam: MoeFamily, index: int) -> bool:
+    """Whether decoder layer ``index`` has the routed experts (else a dense MLP of
+    ``intermediate_size``): every layer, unless the family has ``decoder_sparse_step`` /
+    ``mlp_only_layers`` (sparse when ``index`` is not listed and ``(index + 1) % step == 0``)."""
+    if not fam.dense_layers:
+        return True
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    only = getattr(cfg, "mlp_only_layers", None) or []
+    return index not in only and int(getattr(cfg, fam.experts_field)) > 0 and (index + 1) % step == 0
+
+
+class MoeAttention(LlamaAttention):
+    """``LlamaAttention`` with the family's q/k norm, q/k/v bias and ``clip_qkv``."""
+
+    def __init__(self, cfg, fam: MoeFamily, rope, dtype, device):
+        super().__init__(cfg, rope, dtype, device)
+        if fam.name == "Qwen2MoeForCausalLM":  # q/k/v bias by qkv_bias, o never
+            self.qkv_bias = (
+                nn.Parameter(
+                    torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype, device=device),
+                    requires_grad=False,
+                )
+                if getattr(cfg, "qkv_bias", True)
+                else None
+            )
+            self.o_bias = None
+        self.qk_norm = fam.qk_norm
+        eps = cfg.rms_norm_eps
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if fam.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype, device)
+        elif fam.qk_norm == "proj":
+            self.q_norm = RMSNorm(self.q_size, eps, dtype, device)
+            self.k_norm = RMSNorm(self.kv_size, eps, dtype, device)
+        clip = getattr(cfg, "clip_qkv", None)
+        self.clip_qkv = None if clip is None else float(clip)
+
+    def transform_qkv(self, qkv: torch.Tensor) -> None:
+        """Norm q and k (per head or over the projection), then clamp q, k, v to
+        ``[-clip_qkv, clip_qkv]`` (OLMoE's order), in place on ``[T, q + 2 * kv]``."""
+        if self.q_norm is not None and self.k_norm is not None:
+            T = qkv.shape[0]
+            q = qkv[:, : self.q_size]
+            k = qkv[:, self.q_size : self.q_size + self.kv_size]
+            if self.qk_norm == "head":
+                q.copy_(self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, -1))
+                k.copy_(self.k_norm(k.reshape(T * self.num_kv_heads, self.head_dim)).view(T, -1))
+            else:
+                q.copy_(self.q_norm(q.contiguous()))
+                k.copy_(self.k_norm(k.contiguous()))
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+
+
+class MoeBlock(nn.Module):
+    """The sparse MLP of one layer: routed experts (``experts``: ``FusedMoE``) plus, for
+    Qwen2-MoE, ``sigmoid(x @ shared_expert_gate.T) * shared_expert(x)``."""
+
+    #: Rows per call: bounds the gathered ``[rows * top_k, H]`` and ``[rows * top_k, 2I]``
+    #: activations of long prefills.
+    CHUNK_ROWS = 2048
+
+    def __init__(self, cfg, fam: MoeFamily, dtype, device):
+        super().__init__()
+        renorm = fam.renormalize
+        if renorm is None:
+            renorm = bool(getattr(cfg, "norm_topk_prob", False))
+        self.experts = FusedMoE(
+            int(getattr(cfg, fam.experts_field)),
+            int(cfg.num_experts_per_tok),
+            cfg.hidden_size,
+            int(getattr(cfg, fam.inter_field)),
+            renormalize=renorm,
+            float32_weights=fam.float32_weights,
+            dtype=dtype,
+            device=device,
+        )
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: nn.Parameter | None = None
+        if fam.shared_expert:
+            self.shared_expert = LlamaMLP(
+                cfg, dtype, device, intermediate_size=int(cfg.shared_expert_intermediate_size)
+            )
+            self.shared_expert_gate = nn.Parameter(
+                torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return out
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``; ``lora`` must be None (the model refuses LoRA)."""
+        T = x.shape[0]
+        if T <= self.CHUNK_ROWS:
+            return self._forward(x)
+        out = torch.empty_like(x)
+        for i in range(0, T, self.CHUNK_ROWS):
+            out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS])
+        return out
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """A decoder layer whose MLP is a ``MoeBlock`` (sparse layers) or a dense ``LlamaMLP``."""
+
+    def __init__(self, cfg, fam: MoeFamily, index: int, rope, dtype, device):
+        nn.Module.__init__(self)
+        self.self_attn = MoeAttention(cfg, fam, rope, dtype, device)
+        mlp: nn.Module = (
+            MoeBlock(cfg, fam, dtype, device)
+            if is_sparse_layer(cfg, fam, index)
+            else LlamaMLP(cfg, dtype, device)
+        )
+        self.mlp = mlp  # type: ignore[assignment]  # the base class types it LlamaMLP
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE decoder + LM head (see the module doc).
+
+    Args: as ``LlamaForCausalLM``; ``tp`` must be None.
+
+    Raises:
+        ValueError: a ``model_type`` that is not one of ``FAMILIES``, tensor parallelism,
+            ``hidden_act`` other than silu, ``num_experts_per_tok`` outside ``[1, experts]``.
+    """
+
+    # the fused native decode step has no MoE kernel: pure-decode steps take the module path
+    use_native_decode = False
+    supports_lora = False
+    supports_quantization = False
+
+    def __init__(
+        self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
+    ):
+        self.family = family_of(hf_config)
+        if tp is not None and int(tp.world_size) > 1:
+            raise ValueError(
+                f"{self.family.name}: tensor_parallel_size={tp.world_size} is not supported for "
+                "mixture-of-experts models (experts are not sharded); use tensor_parallel_size=1"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.json hidden_act={act!r} is not supported (only silu).")
+        super().__init__(hf_config, dtype=dtype, device=device, max_position=max_position, tp=None)
+
+    def _make_layer(self, index: int, dtype, device) -> nn.Module:
+        return MoeDecoderLayer(self.config, self.family, index, self.rope, dtype, device)
+
+    def _layer_linears(self) -> list[tuple[nn.Module, str]]:
+        names: list[tuple[nn.Module, str]] = []
+        for layer in self.layers:
+            names += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]
+            mlp = layer.mlp
+            dense = mlp.shared_expert if isinstance(mlp, MoeBlock) else mlp
+            if dense is not None:
+                names += [(dense, "gate_up_weight"), (dense, "down_weight")]
+        return names
+
+    def quantize_linear_weights(self, method: str) -> None:
+        """Refused: see ``supports_quantization``.
+
+        Raises:
+            ValueError: always, naming the family.
+        """
+        raise ValueError(
+            f"{self.family.name}: quantization={method!r} is not supported for mixture-of-experts "
+            "models (experts stay float); run without quantization"
+        )
+
+    # ------------------------------------------------------------------ weights
+    def weight_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """As ``LlamaForCausalLM.weight_target``, plus the router, the experts (a row range
+        of the stacked ``w13`` / ``w2``, or all of it for a stacked checkpoint tensor), the
+        shared expert and its gate, and the q/k norms.
+
+        Raises:
+            ValueError: unknown name or a shape mismatch.
+        """
+        target = self._moe_target(name)
+        if target is None:
+            return super().weight_target(name, shape)
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
+        return target
+
+    def _moe_target(self, name: str) -> torch.Tensor | None:
+        """The view of a family-specific checkpoint tensor ``name``; None for the others."""
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            return None
+        try:
+            layer = self.layers[int(parts[2])]
+        except (ValueError, IndexError):
+            return None
+        rest = ".".join(parts[3:])
+        attn = cast(MoeAttention, layer.self_attn)
+        if rest == "self_attn.q_norm.weight" and attn.q_norm is not None:
+            return attn.q_norm.weight.data
+        if rest == "self_attn.k_norm.weight" and attn.k_norm is not None:
+            return attn.k_norm.weight.data
+        block: nn.Module = layer.mlp
+        fam = self.family
+        if not isinstance(block, MoeBlock) or not rest.startswith(fam.prefix + "."):
+            return None
+        sub = rest[len(fam.prefix) + 1 :]
+        moe = block.experts
+        if sub == "gate.weight":
+            return moe.gate.data
+        if sub in ("experts.gate_up_proj", "experts.gate_up_proj.weight"):
+            return moe.w13.data
+        if sub in ("experts.down_proj", "experts.down_proj.weight"):
+            return moe.w2.data
+        if sub == "shared_expert_gate.weight" and block.shared_expert_gate is not None:
+            return block.shared_expert_gate.data
+        shared = block.shared_expert
+        if sub.startswith("shared_expert.") and shared is not None:
+            which = sub[len("shared_expert.") :]
+            if which == "gate_proj.weight":
+                return shared.gate_up_weight.data[: shared.inter]
+            if which == "up_proj.weight":
+                return shared.gate_up_weight.data[shared.inter :]
+            if which == "down_proj.weight":
+                return shared.down_weight.data
+            return None
+        bits = sub.split(".")
+        if len(bits) == 4 and bits[0] == "experts" and bits[3] == "weight":
+            try:
+                e = int(bits[1])
+            except ValueError:
+                return None
+            if not 0 <= e < moe.num_experts:
+                return None
+            gate, up, down = fam.expert_names
+            if bits[2] == gate:
+                return moe.w13.data[e, : moe.inter]
+            if bits[2] == up:
+                return moe.w13.data[e, moe.inter :]
+            if bits[2] == down:
+                return moe.w2.data[e]
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As ``LlamaForCausalLM.load_weights`` (no tensor parallelism here)."""
+        loaded = set()
+        for name, t in weights:
+            target = self.weight_target(name, tuple(t.shape))
+            if target is None:
+                continue
+            target.copy_(t)
+            loaded.add(name)
+        self.check_all_loaded(loaded)
+
+    def check_all_loaded(self, loaded) -> None:
+        """Raises ValueError naming the expected weights absent from ``loaded``; a stacked
+        expert tensor stands for its experts' one-by-one names."""
+        loaded = set(loaded)
+        fam = self.family
+        gate, up, down = fam.expert_names
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer.mlp, MoeBlock):
+                continue
+            p = f"model.layers.{i}.{fam.prefix}.experts."
+            n = layer.mlp.experts.num_experts
+            if {p + "gate_up_proj", p + "gate_up_proj.weight"} & loaded:
+                loaded.update(f"{p}{e}.{w}.weight" for e in range(n) for w in (gate, up))
+            if {p + "down_proj", p + "down_proj.weight"} & loaded:
+                loaded.update(f"{p}{e}.{down}.weight" for e in range(n))
+        super().check_all_loaded(loaded)
+
+    def _expected_names(self) -> list[str]:
+        fam = self.family
+        names = []
+        for name in super()._expected_names():
+            parts = name.split(".")
+            is_mlp = len(parts) > 4 and parts[3] == "mlp"
+            if is_mlp and isinstance(self.layers[int(parts[2])].mlp, MoeBlock):
+                continue  # a sparse layer: its names are added below
+            names.append(name)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            if cast(MoeAttention, layer.self_attn).q_norm is not None:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            block = layer.mlp
+            if not isinstance(block, MoeBlock):
+                continue
+            m = p + fam.prefix + "."
+            names.append(m + "gate.weight")
+            names += [
+                f"{m}experts.{e}.{w}.weight"
+                for e in range(block.experts.num_experts)
+                for w in fam.expert_names
+            ]
+            if block.shared_expert is not None:
+                names += [m + f"shared_expert.{s}_proj.weight" for s in ("gate", "up", "down")]
+                names.append(m + "shared_expert_gate.weight")
+        return names

@@ -1,0 +1,287 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against transformers, and
+the grouped MoE layer against the per-expert loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model_executor.layers import fused_moe
+from tests.golden import NEAR_TIE, TEST_DEVICE, Reference, compare, hf_greedy_logits
+
+ENGINE = dict(device=TEST_DEVICE, dtype="float32")
+MAX_NEW = 12
+PROMPT_LENS = [3, 19, 33, 9]
+VOCAB = 49152  # the default tokenizer's
+
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _config(kind: str):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if kind == "mixtral_top2":
+        return MixtralConfig(**BASE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "mixtral_top1_mha":
+        return MixtralConfig(
+            **{**BASE, "num_key_value_heads": 4},
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+        )
+    if kind == "qwen2_moe_shared":
+        return Qwen2MoeConfig(
+            **{**BASE, "num_hidden_layers": 3},
+            intermediate_size=80,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],  # a dense layer between sparse ones
+        )
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **{**BASE, "num_hidden_layers": 3},
+            head_dim=32,  # heads * head_dim != hidden
+            intermediate_size=80,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,  # layer 1 sparse, layers 0 and 2 dense
+        )
+    if kind == "olmoe":
+        return OlmoeConfig(
+            **BASE,
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            clip_qkv=3.0,
+        )
+    raise KeyError(kind)
+
+
+KINDS = ["mixtral_top2", "mixtral_top1_mha", "qwen2_moe_shared", "qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    ps = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    ps.append(ps[2][:24] + [rng.randrange(3, VOCAB) for _ in range(7)])  # shares a prefix
+    return ps
+
+
+_CACHE: dict = {}
+
+
+def _model(kind, tmp_path_factory, tokenizer_dir):
+    """``(model_dir, hf_model, references)`` of ``kind``, built once per module."""
+    if kind not in _CACHE:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
+        with torch.no_grad():
+            hf.lm_head.weight.mul_(20.0)  # decisive greedy choices (fewer near-ties)
+            # non-trivial norms and biases, so that their loading (and q/k norm shapes) is tested
+            for name, p in hf.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+        path = tmp_path_factory.mktemp(kind)
+        hf.save_pretrained(path)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+        _CACHE[kind] = (path, hf.to(TEST_DEVICE).eval())
+    return _CACHE[kind]
+
+
+@pytest.fixture(scope="module")
+def family(request, tmp_path_factory, default_tokenizer_dir, prompts):
+    path, hf = _model(request.param, tmp_path_factory, default_tokenizer_dir)
+    refs = [hf_greedy_logits(hf, p, MAX_NEW) for p in prompts]
+    return request.param, path, hf, refs
+
+
+def _greedy(**kw):
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _check(outs, refs):
+    """Greedy tokens equal the references up to the first near-tie; returns the near-ties met."""
+    near = 0
+    for out, (tokens, logits) in zip(outs, refs):
+        gaps = [float(lg.topk(2).values[0] - lg.topk(2).values[1]) for lg in logits]
+        step = next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), None)
+        near += compare(list(out.outputs[0].token_ids), Reference(tokens, step))
+    return near
+
+
+@pytest.mark.parametrize("family", KINDS, indirect=True)
+def test_greedy_and_logprobs_equal_transformers(family, prompts):
+    kind, path, hf, refs = family
+    llm = LLM(model=str(path), **ENGINE, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(logprobs=0), use_tqdm=False)
+    _check(outs, refs)
+    worst = 0.0
+    for out, (tokens, logits) in zip(outs, refs):
+        c = out.outputs[0]
+        for step, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            if tok != tokens[step]:
+                break  # past a near-tie
+            want = torch.log_softmax(logits[step], -1)[tok].item()
+            worst = max(worst, abs(lp[tok] - want))
+    assert worst < 1e-4, (kind, worst)
+    llm.shutdown()
+
+
+SCHEDULES = {
+    "chunked_prefix_recompute": dict(
+        preemption_mode="recompute", enable_chunked_prefill=True, enable_prefix_caching=True
+    ),
+    "chunked_prefix_swap": dict(
+        preemption_mode="swap", enable_chunked_prefill=True, enable_prefix_caching=True
+    ),
+}
+
+
+@pytest.mark.parametrize("family", ["mixtral_top2", "qwen2_moe_shared", "qwen3_moe", "olmoe"], indirect=True)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_greedy_under_preemption_chunking_and_prefix_cache(family, prompts, schedule):
+    kind, path, hf, refs = family
+    llm = LLM(
+        model=str(path),
+        **ENGINE,
+        seed=0,
+        block_size=4,
+        num_gpu_blocks=22,
+        num_cpu_blocks=64,
+        max_num_batched_tokens=16,
+        **SCHEDULES[schedule],
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    _check(outs, refs)
+    stats = llm.llm_engine.get_kv_cache_stats()
+    assert stats["num_preemptions"] > 0, "the tiny cache must force preemption"
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    llm.shutdown()
+
+
+# ---------------------------------------------------------------- the MoE layer
+
+
+def _experts(E, H, I, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=dtype) * 0.2
+    w2 = torch.randn(E, H, I, generator=g, dtype=dtype) * 0.2
+    return w13, w2
+
+
+@pytest.mark.parametrize("mode", ["auto", "grouped_mm", "bmm", "loop"])
+@pytest.mark.parametrize("T,E,k", [(1, 4, 1), (37, 8, 2), (64, 16, 4), (5, 8, 8)])
+def test_grouped_experts_equal_the_loop(mode, T, E, k):
+    if mode == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no grouped GEMM")
+    H, I = 32, 24
+    w13, w2 = _experts(E, H, I)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g)
+    weights, experts = fused_moe.route(torch.randn(T, E, generator=g), k, renormalize=k > 1)
+    ref = fused_moe.per_expert_loop(x, weights, experts, w13, w2)
+    got = fused_moe.grouped_experts(x, weights, experts, w13, w2, mode)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["auto", "grouped_mm", "bmm", "loop"])
+def test_grouped_experts_one_expert_takes_all_and_empty_experts(mode):
+    """Every token routed to expert 3 first (the others of 8 empty but one): the busiest
+    expert's block is the whole batch, the empty ones are skipped."""
+    if mode == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no grouped GEMM")
+    T, E, H, I = 9, 8, 16, 8
+    w13, w2 = _experts(E, H, I, seed=3)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    experts = torch.tensor([[3, 5]] * T)
+    weights = torch.tensor([[0.75, 0.25]] * T)
+    ref = fused_moe.per_expert_loop(x, weights, experts, w13, w2)
+    got = fused_moe.grouped_experts(x, weights, experts, w13, w2, mode)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+    # the same by hand: 0.75 * expert 3 + 0.25 * expert 5
+    def mlp(e):
+        gu = x @ w13[e].T
+        return (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ w2[e].T
+
+    torch.testing.assert_close(got, 0.75 * mlp(3) + 0.25 * mlp(5), rtol=1e-5, atol=1e-5)
+    empty = fused_moe.grouped_experts(x[:0], weights[:0], experts[:0], w13, w2, mode)
+    assert empty.shape == (0, H)
+
+
+def test_route_normalisation():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = torch.softmax(logits, -1)
+    w, e = fused_moe.route(logits, 2, renormalize=False)
+    assert e.tolist() == [[0, 1]]
+    torch.testing.assert_close(w, p[:, :2])
+    w, _ = fused_moe.route(logits, 2, renormalize=True)
+    torch.testing.assert_close(w, p[:, :2] / p[:, :2].sum())
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_refusals_name_the_family(tmp_path_factory, default_tokenizer_dir):
+    path, _ = _model("mixtral_top2", tmp_path_factory, default_tokenizer_dir)
+    with pytest.raises(
+        ValueError, match="MixtralForCausalLM.*quantization='int8'|quantization='int8'.*MixtralForCausalLM"
+    ):
+        LLM(model=str(path), **ENGINE, quantization="int8")
+    with pytest.raises(ValueError, match="enable_lora is not supported for MixtralForCausalLM"):
+        LLM(model=str(path), **ENGINE, enable_lora=True)
+    from kvserve.model_executor.models.moe import MoeForCausalLM
+
+    class TwoRanks:
+        world_size, rank = 2, 0
+
+    with pytest.raises(ValueError, match="MixtralForCausalLM: tensor_parallel_size=2"):
+        MoeForCausalLM(_config("mixtral_top2"), tp=TwoRanks())
+
+
+def test_native_decode_step_does_not_apply(tmp_path_factory, default_tokenizer_dir):
+    """Pure-decode CPU steps take the module path (the fused step has no MoE kernel)."""
+    from kvserve.model_executor.models import cpu_decode_step
+
+    path, _ = _model("olmoe", tmp_path_factory, default_tokenizer_dir)
+    llm = LLM(model=str(path), **ENGINE)
+    calls = []
+    real = cpu_decode_step.applies
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    cpu_decode_step.applies = spy
+    try:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _greedy(), use_tqdm=False)
+    finally:
+        cpu_decode_step.applies = real
+    assert len(out[0].outputs[0].token_ids) == MAX_NEW
+    assert not calls
+    llm.shutdown()

@@ -140,7 +140,7 @@ def test_default_template_kwargs_render_under_the_request_s(server):
     assert overridden.json()["tokens"] == ids("Hi\nA:")
 
 
-def test_serve_flags_for_reasoning_tools_and_template_defaults():
+def test_serve_flags_for_reasoning_tools_and_template_defaults(capsys):
     from kvserve.entrypoints.openai.api_server import make_arg_parser
 
     ns = make_arg_parser().parse_args(
@@ -166,3 +166,5 @@ def test_serve_flags_for_reasoning_tools_and_template_defaults():
             make_arg_parser().parse_args(["--default-chat-template-kwargs", bad])
     with pytest.raises(SystemExit):
         make_arg_parser().parse_args(["--reasoning-parser", "nope"])
+    err = capsys.readouterr().err
+    assert "--reasoning-parser" in err and "'nope'" in err and "deepseek_r1" in err and "qwen3" in err

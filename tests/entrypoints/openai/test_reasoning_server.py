@@ -1,6 +1,6 @@
 """Reasoning over HTTP (tiny random model, official client): ``--reasoning-parser`` splits the
-reasoning off into ``reasoning_content`` / ``reasoning``, whole and streamed; tool calls are read
-after it; ``--default-chat-template-kwargs`` sets template variables a request may override; an
+reasoning off into ``reasoning_content`` / ``reasoning``, whole and streamed (``deepseek_r1``, and
+``qwen3`` with the ``pythonic`` tool-call format); tool calls are read after it; ``--default-chat-template-kwargs`` sets template variables a request may override; an
 output constraint is refused unless the prompt already closed the reasoning block.
 
 The random model is steered with a regex constraint. A constraint is refused while the model is
@@ -168,3 +168,33 @@ def test_serve_flags_for_reasoning_tools_and_template_defaults(capsys):
         make_arg_parser().parse_args(["--reasoning-parser", "nope"])
     err = capsys.readouterr().err
     assert "--reasoning-parser" in err and "'nope'" in err and "deepseek_r1" in err and "qwen3" in err
+
+
+@pytest.fixture(scope="module")
+def qwen3_pythonic_server(tiny_llama_dir):
+    from kvserve.config import EngineArgs
+
+    with running_server(
+        EngineArgs(model=str(tiny_llama_dir), **TINY_SERVER_KWARGS),
+        "tiny",
+        shutdown_grace_s=2.0,
+        chat_template=TEMPLATE,
+        reasoning_parser="qwen3",
+        tool_call_parser="pythonic",
+    ) as s:
+        yield s
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen3_reasoning_then_pythonic_calls(qwen3_pythonic_server, steerable, stream):
+    regex = r'<think>Wave\.</think>\n\[wave\(hand="left", times=2\)\]'
+    rc, rs, content, calls, reason = _create(
+        qwen3_pythonic_server, stream, tools=TOOLS, extra_body={"guided_regex": regex}
+    )
+    assert (rc, rs, content, reason) == ("Wave.", "Wave.", None, "tool_calls")
+    assert [(n, json.loads(a)) for n, a in calls] == [("wave", {"hand": "left", "times": 2})]
+    # without a think block Qwen3's output is all content
+    rc, rs, content, calls, reason = _create(
+        qwen3_pythonic_server, stream, tools=TOOLS, extra_body={"guided_regex": r"No\. \[1\]"}
+    )
+    assert (rc, rs, content, calls, reason) == (None, None, "No. [1]", [], "stop")

@@ -206,21 +206,27 @@ class LLM:
         chat_template: str | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Like ``generate`` for chat conversations (lists of ``{"role", "content"}``),
         rendered with the tokenizer's chat template (transformers ``apply_chat_template``), or
         ``chat_template`` (a file or an inline Jinja2 template, ``load_chat_template``) with
         ``chat_template_kwargs`` as extra template variables (e.g. ``{"enable_thinking":
-        False}``); ``lora_request`` as in ``generate``, one per conversation.
+        False}``); ``lora_request`` as in ``generate``, one per conversation. ``tools``
+        (OpenAI's ``{"type": "function", "function": {"name", "description", "parameters"}}``
+        entries) are passed to the template as the server passes a request's ``tools``; the
+        output is not parsed for calls.
 
         Raises:
-            ValueError: an invalid ``chat_template``, or a reserved ``chat_template_kwargs``
-                key (``check_template_kwargs``).
+            ValueError: an invalid ``chat_template``, a reserved ``chat_template_kwargs`` key
+                (``check_template_kwargs``), or a ``tools[i]`` entry of the wrong shape.
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         template = None if chat_template is None else load_chat_template(chat_template, "chat_template")
         extra = check_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
+        if tools:
+            extra["tools"] = _template_tools(tools)
         tok = self.get_tokenizer()
         prompts = []
         for conv in messages:
@@ -263,3 +269,30 @@ class LLM:
         finally:
             bar.close()
         return [final[i] for i in ids]
+
+
+def _template_tools(tools: list[dict]) -> list[dict]:
+    """``tools`` as the chat template sees them (the server's shape: each entry checked by the
+    request schema, unset fields left out).
+
+    Raises:
+        ValueError: naming ``tools[i]`` and what is wrong with it.
+    """
+    from pydantic import ValidationError
+
+    from kvserve.entrypoints.openai.protocol import ChatTool
+
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    out = []
+    for i, t in enumerate(tools):
+        try:
+            out.append(ChatTool.model_validate(t).model_dump(exclude_none=True))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise ValueError(
+                f"tools[{i}]{'.' + where if where else ''}: {first['msg']} "
+                '(expected {"type": "function", "function": {"name": ..., "parameters": {...}}})'
+            ) from None
+    return out

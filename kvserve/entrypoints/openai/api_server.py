@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
 from kvserve import envs
-from kvserve.entrypoints.chat_template import check_chat_template, load_chat_template
+from kvserve.entrypoints.chat_template import check_chat_template, check_template_kwargs, load_chat_template
 from kvserve.entrypoints.openai.http_protocol import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -65,6 +66,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from kvserve.entrypoints.openai.reasoning_parsers import reasoning_parser_names
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat, chat_template_ids, render_messages
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import (
@@ -250,6 +252,8 @@ def build_app(
     allowed_lora_root: str | None = None,
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
+    reasoning_parser: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -278,9 +282,14 @@ def build_app(
             (``--chat-template``, already loaded: ``chat_template.load_chat_template``); None:
             the tokenizer's own.
         trust_request_chat_template: whether a request may bring its own ``chat_template``.
+        reasoning_parser: the ``reasoning_parsers`` format that splits each chat choice's
+            reasoning off into ``reasoning_content`` (None: off).
+        default_chat_template_kwargs: template variables every chat and ``/tokenize`` gets
+            unless the request's ``chat_template_kwargs`` sets them.
 
     Raises:
-        ValueError: an unknown ``tool_call_parser``; ``lora_modules`` while LoRA is off, or
+        ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``; a reserved key in
+            ``default_chat_template_kwargs``; ``lora_modules`` while LoRA is off, or
             one that does not load (naming it, and the path or the limit); an invalid
             ``api_key``; an ``allowed_lora_root`` that is not a directory.
     """
@@ -319,6 +328,8 @@ def build_app(
         tool_call_parser=tool_call_parser,
         chat_template=None if chat_template is None else check_chat_template(chat_template, "chat_template"),
         trust_request_chat_template=trust_request_chat_template,
+        reasoning_parser=reasoning_parser,
+        default_chat_template_kwargs=default_chat_template_kwargs,
         **serving_kwargs,
     )
     engine = async_engine.engine
@@ -623,6 +634,25 @@ def _api_key_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """``--default-chat-template-kwargs``: a JSON object of template variables, none reserved
+    (``chat_template.check_template_kwargs``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, not an object, or a reserved key.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    try:
+        return check_template_kwargs(value, "--default-chat-template-kwargs")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def make_arg_parser() -> argparse.ArgumentParser:
     """``kvserve serve`` flags: server flags plus every engine flag (``EngineArgs``), and
     vLLM's flags and positional MODEL (``vllm_compat``: hidden from ``--help``, acted on by
@@ -702,6 +732,27 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOOL_PARSER,
         choices=tool_parser_names(),
         help="format of the model's tool calls, read for tool_choice 'auto' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on (the model's calls "
+        "are read with --tool-call-parser)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=reasoning_parser_names(),
+        help="split the reasoning of thinking models off into reasoning_content on chat answers "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        type=parse_template_kwargs,
+        metavar="JSON",
+        help="template variables for every chat, as a JSON object (e.g. '{\"enable_thinking\": false}'); "
+        "a request's chat_template_kwargs overrides them key by key",
     )
     p.add_argument(
         "--chat-template",
@@ -933,6 +984,8 @@ def main(argv: list[str] | None = None) -> int:
             allowed_lora_root=ns.allowed_lora_root,
             chat_template=chat_template,
             trust_request_chat_template=ns.trust_request_chat_template,
+            reasoning_parser=ns.reasoning_parser,
+            default_chat_template_kwargs=ns.default_chat_template_kwargs,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

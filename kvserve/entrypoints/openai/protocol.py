@@ -441,10 +441,14 @@ class ToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant message of a chat choice (``tool_calls`` when the model called tools)."""
+    """The assistant message of a chat choice (``tool_calls`` when the model called tools).
+    ``reasoning_content`` / ``reasoning``: the model's thinking, split off by the server's
+    ``--reasoning-parser`` (both names carry the same text: vLLM's earlier and current field)."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -488,11 +492,13 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """The ``delta`` of a chat stream chunk: the role first, then content (or tool call)
-    pieces."""
+    """The ``delta`` of a chat stream chunk: the role first, then reasoning, content or tool
+    call pieces (``reasoning_content`` and ``reasoning`` carry the same text)."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvserve.entrypoints.chat_template import check_chat_template, check_template_kwargs
+from kvserve.entrypoints.openai.chat_output import ChoiceReader
 from kvserve.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -33,6 +35,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TopLogprob,
 )
+from kvserve.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from kvserve.entrypoints.openai.serving_completion import sampling_kwargs
 from kvserve.entrypoints.openai.serving_engine import (
     APIError,
@@ -199,11 +202,21 @@ class OpenAIServingChat(OpenAIServing):
         tool_call_parser: str = DEFAULT_TOOL_PARSER,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        reasoning_parser: str | None = None,
+        default_chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         #: the format ``tool_choice: "auto"`` reads (``--tool-call-parser``)
         self.tool_parser_cls: type[ToolParser] = get_tool_parser(tool_call_parser)
+        #: splits the reasoning off every choice (``--reasoning-parser``); None: off
+        self.reasoning_parser_cls: type[ReasoningParser] | None = (
+            None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
+        )
+        #: template variables every chat gets unless it sets them (``--default-chat-template-kwargs``)
+        self.default_template_kwargs = check_template_kwargs(
+            default_chat_template_kwargs, "default_chat_template_kwargs"
+        )
         #: the server's template (``--chat-template``, checked); None: the tokenizer's own
         self.chat_template = chat_template
         #: whether a request may bring its own ``chat_template`` (``--trust-request-chat-template``)
@@ -212,7 +225,7 @@ class OpenAIServingChat(OpenAIServing):
     def template_for(self, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str | None, dict[str, Any]]:
         """``(template, extra variables)`` that render ``req``'s messages: its own
         ``chat_template`` (only on a server that trusts request templates), else the server's;
-        its ``chat_template_kwargs``.
+        its ``chat_template_kwargs`` over the server's defaults.
 
         Raises:
             APIError: 400 naming ``chat_template`` (not trusted, or invalid Jinja2) or the
@@ -236,7 +249,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs = check_template_kwargs(req.chat_template_kwargs, "chat_template_kwargs")
         except ValueError as e:
             raise APIError(str(e), 400, param="chat_template_kwargs", code="invalid_value") from None
-        return template, kwargs
+        return template, {**self.default_template_kwargs, **kwargs}
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one chat request (JSON or an SSE stream)."""
@@ -269,6 +282,13 @@ class OpenAIServingChat(OpenAIServing):
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         kwargs = sampling_kwargs(req, max_tokens, logprobs, self.generation_defaults)
+        if (
+            plan.mode == "auto"
+            and self.tool_parser_cls.keeps_special_tokens
+            and "skip_special_tokens" not in req.model_fields_set
+        ):
+            # the format's markers are special tokens: keep them in the text the parser reads
+            kwargs["skip_special_tokens"] = False
         if plan.constraint is not None:
             own = kwargs["structured_outputs"]
             if own is not None:
@@ -300,6 +320,14 @@ class OpenAIServingChat(OpenAIServing):
             template,
             template_kwargs,
         )
+        make_reasoning = None
+        if self.reasoning_parser_cls is not None:
+            cls = self.reasoning_parser_cls
+            self.check_reasoning_constraint(cls(text), params)
+
+            def make_reasoning() -> ReasoningParser:
+                return cls(text)
+
         sub = await self.prepare_prompt(text, params, rename, chat=True)
         reservation = self.check_capacity(1)
         rec = self.new_record("chatcmpl", params.n, [sub], lora)
@@ -310,11 +338,41 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(
             raw_request,
             bool(req.stream),
-            lambda: self._stream(req, params, sub, rec, priority, include_usage, reservation, plan),
-            lambda: self._full(req, params, sub, rec, priority, reservation, plan),
+            lambda: self._stream(
+                req, params, sub, rec, priority, include_usage, reservation, plan, make_reasoning
+            ),
+            lambda: self._full(req, params, sub, rec, priority, reservation, plan, make_reasoning),
             rec,
             reservation,
         )
+
+    def check_reasoning_constraint(self, parser: ReasoningParser, params: SamplingParams) -> None:
+        """Refuse an output constraint the reasoning would break: a constraint applies from the
+        first generated token, so it would forbid the thinking the reasoning parser expects.
+        Allowed when the prompt already ended the reasoning (thinking turned off by the
+        template, e.g. ``chat_template_kwargs: {"enable_thinking": false}`` on Qwen3).
+
+        Raises:
+            APIError: 400 naming the constraint's field (``response_format``,
+                ``structured_outputs``, ``tool_choice``, ...).
+        """
+        so = params.structured_outputs
+        if so is None or parser.output_is_content():
+            return
+        param = "tool_choice" if so.origin == "tools" else so.origin.split(".")[0]
+        raise APIError(
+            f"{param} constrains the output from its first token, which would forbid the reasoning "
+            f"that this server's --reasoning-parser {parser.name} reads. Turn thinking off for the "
+            "request so the prompt closes the reasoning block (e.g. chat_template_kwargs "
+            '{"enable_thinking": false} when the chat template reads it), or leave out ' + f"{param}.",
+            400,
+            param=param,
+            code="unsupported",
+        )
+
+    def _reader(self, plan: ToolPlan, make_reasoning: Callable[[], ReasoningParser] | None) -> ChoiceReader:
+        tools = ChoiceToolCalls(plan.make_parser(), plan.max_calls) if plan.make_parser is not None else None
+        return ChoiceReader(make_reasoning() if make_reasoning is not None else None, tools)
 
     async def _full(
         self,
@@ -325,6 +383,7 @@ class OpenAIServingChat(OpenAIServing):
         priority: int,
         reservation: Reservation,
         plan: ToolPlan,
+        make_reasoning: Callable[[], ReasoningParser] | None = None,
     ) -> dict:
         try:
             async for idx, out in self.generate_all(
@@ -342,10 +401,11 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
             message = ChatResponseMessage(role="assistant", content=c.text)
             reason = c.finish_reason
-            if plan.make_parser is not None:
-                calls = ChoiceToolCalls(plan.make_parser(), plan.max_calls)
-                message.content, message.tool_calls = calls.whole(c.text)
-                reason = finish_reason(c.finish_reason, calls.calls)
+            if plan.make_parser is not None or make_reasoning is not None:
+                reader = self._reader(plan, make_reasoning)
+                reasoning, message.content, message.tool_calls = reader.whole(c.text)
+                message.reasoning_content = message.reasoning = reasoning
+                reason = finish_reason(c.finish_reason, reader.calls)
             choices.append(
                 ChatCompletionChoice(
                     index=c.index,
@@ -375,11 +435,12 @@ class OpenAIServingChat(OpenAIServing):
         include_usage: bool,
         reservation: Reservation,
         plan: ToolPlan,
+        make_reasoning: Callable[[], ReasoningParser] | None = None,
     ):
         created = int(time.time())
-        readers: dict[int, ChoiceToolCalls] = {}
-        if plan.make_parser is not None:
-            readers = {i: ChoiceToolCalls(plan.make_parser(), plan.max_calls) for i in range(params.n)}
+        readers: dict[int, ChoiceReader] = {}
+        if plan.make_parser is not None or make_reasoning is not None:
+            readers = {i: self._reader(plan, make_reasoning) for i in range(params.n)}
         sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         roled: set[int] = set()  # choices whose first chunk (the one with the role) went out
@@ -416,14 +477,15 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     start_chars, start_toks = sent_chars.get(i, 0), sent_tokens.get(i, 0)
                     tool_deltas = None
+                    thought = ""
                     reason = c.finish_reason
                     if i in readers:
-                        delta, tool_deltas = readers[i].update(c.text, c.finish_reason is not None)
+                        thought, delta, tool_deltas = readers[i].update(c.text, c.finish_reason is not None)
                         reason = finish_reason(c.finish_reason, readers[i].calls)
                     else:
                         delta = c.text[start_chars:]
                     want_lp = bool(req.logprobs) and len(c.token_ids) > start_toks
-                    if delta or tool_deltas or want_lp:
+                    if thought or delta or tool_deltas or want_lp:
                         lp = (
                             self._logprobs(c, start_toks, len(c.token_ids), req.top_logprobs or 0)
                             if req.logprobs
@@ -437,7 +499,9 @@ class OpenAIServingChat(OpenAIServing):
                                     index=i,
                                     delta=DeltaMessage(
                                         role=role(i),
-                                        content=delta if delta or not tool_deltas else None,
+                                        content=delta if delta or not (tool_deltas or thought) else None,
+                                        reasoning_content=thought or None,
+                                        reasoning=thought or None,
                                         tool_calls=tool_deltas or None,
                                     ),
                                     logprobs=lp,

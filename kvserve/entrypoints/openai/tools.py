@@ -15,7 +15,6 @@ constraint, the parser), and the tool calls of a choice built from its text, who
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -262,11 +261,6 @@ def template_message(m, index: int = 0) -> dict[str, Any]:
     return out
 
 
-def new_call_id() -> str:
-    """A fresh tool call id, ``call_`` and 24 hex digits."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def finish_reason(engine_reason: str | None, calls: list) -> str | None:
     """``tool_calls`` when the output stopped normally with every call complete, else the
     engine's reason (``length``: a call may be cut short)."""
@@ -303,7 +297,7 @@ class ChoiceToolCalls:
         for i, c in enumerate(self.calls):
             new_args = c.arguments[self.args_sent[i] :] if i < len(self.ids) else c.arguments
             if i >= len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(self.parser.call_id())
                 self.args_sent.append(len(c.arguments))
                 deltas.append(
                     DeltaToolCall(

@@ -115,3 +115,19 @@ def test_llm_chat_takes_a_template_and_its_kwargs(tiny_llama_dir):
     assert out[0].prompt_token_ids == _ids(tok, "<<user>>Hi there[salt]<<assistant>>")
     with pytest.raises(ValueError, match="chat_template_kwargs.tokenize"):
         llm.chat(MSGS, chat_template_kwargs={"tokenize": False})
+
+
+def test_llm_chat_passes_tools_to_the_template(tiny_llama_dir):
+    from kvserve import LLM, SamplingParams
+
+    template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.parameters.type }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "wave", "parameters": {"type": "object"}}}]
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, num_gpu_blocks=16, block_size=8)
+    tok = llm.get_tokenizer()
+    out = llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)
+    assert out[0].prompt_token_ids == _ids(tok, "[wave:object]Hi there")
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function"):
+        llm.chat(MSGS, chat_template=template, tools=[{"type": "function"}])

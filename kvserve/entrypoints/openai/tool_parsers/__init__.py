@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from kvserve.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolCallSnapshot, ToolParser
 from kvserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from kvserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from kvserve.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
 _REGISTRY: dict[str, type[ToolParser]] = {}
 
@@ -41,6 +44,9 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 register(HermesToolParser)
+register(Llama3JsonToolParser)
+register(MistralToolParser)
+register(PythonicToolParser)
 
 __all__ = [
     "DEFAULT_TOOL_PARSER",

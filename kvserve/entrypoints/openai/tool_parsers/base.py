@@ -9,6 +9,7 @@ both always agree.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 
@@ -41,6 +42,12 @@ class ToolParser:
 
     #: the ``--tool-call-parser`` name of the format
     name = "?"
+    #: whether the format's markers are special tokens that must stay in the detokenized text
+    keeps_special_tokens = False
+
+    def call_id(self) -> str:
+        """A fresh id for a call found (OpenAI's shape: ``call_`` and 24 hex digits)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """The snapshot of ``text`` (see the class docstring)."""

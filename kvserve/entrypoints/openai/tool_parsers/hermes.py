@@ -11,53 +11,12 @@ appears (malformed JSON) is given back as content, as written.
 
 from __future__ import annotations
 
-import json
-
 from kvserve.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolCallSnapshot, ToolParser
-from kvserve.entrypoints.openai.tool_parsers.partial_json import object_members, skip_ws
+from kvserve.entrypoints.openai.tool_parsers.json_call import call_in_object, partial_prefix_len
+from kvserve.entrypoints.openai.tool_parsers.partial_json import skip_ws
 
 START = "<tool_call>"
 END = "</tool_call>"
-
-
-def _partial_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-def _call_of(body: str, j: int) -> tuple[ToolCallSnapshot | None, int | None]:
-    """The call in the JSON object at ``body[j]`` (None until its name is known) and the end of
-    the object (None while open)."""
-    members, end = object_members(body, j)
-    by_key = {m.key: m for m in members}
-    name_m = by_key.get("name")
-    if name_m is None or name_m.end is None:
-        return None, end
-    try:
-        name = json.loads(body[name_m.start : name_m.end])
-    except ValueError:
-        return None, end
-    if not isinstance(name, str) or not name:
-        return None, end
-    args_m = by_key.get("arguments") or by_key.get("parameters")
-    if args_m is None:
-        # no arguments written (yet): an object that is closed has none
-        return ToolCallSnapshot(name, "{}" if end is not None else "", end is not None), end
-    first = body[args_m.start]
-    if first in "{[":
-        stop = args_m.end if args_m.end is not None else len(body)
-        return ToolCallSnapshot(name, body[args_m.start : stop], args_m.end is not None), end
-    if args_m.end is None:  # a string (or literal) is reported once whole
-        return ToolCallSnapshot(name, "", False), end
-    raw = body[args_m.start : args_m.end]
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return ToolCallSnapshot(name, raw, True), end
-    return ToolCallSnapshot(name, value if isinstance(value, str) else raw, True), end
 
 
 class HermesToolParser(ToolParser):
@@ -79,7 +38,7 @@ class HermesToolParser(ToolParser):
             if k < 0:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[: len(tail) - _partial_prefix_len(tail, START)]
+                    tail = tail[: len(tail) - partial_prefix_len(tail, START)]
                 content.append(tail)
                 break
             content.append(text[pos:k])
@@ -87,7 +46,7 @@ class HermesToolParser(ToolParser):
             body = text[body_start:]
             j = skip_ws(body, 0)
             if j < len(body) and body[j] == "{":
-                call, obj_end = _call_of(body, j)
+                call, obj_end = call_in_object(body, j)
             else:
                 call, obj_end = None, None
             block_end = None  # index in text just past the block, once it is closed

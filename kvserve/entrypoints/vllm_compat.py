@@ -132,7 +132,7 @@ def _refused(arity: str, why: str, accept: tuple[str, ...] = ()) -> Fate:
 
 
 _TEXT_ONLY = "kvserve serves text-only decoder models (no multimodal inputs)"
-_NO_MOE = "kvserve runs dense decoder models (no mixture-of-experts layers)"
+_NO_MOE = "kvserve runs mixture-of-experts layers on one engine only (no expert parallelism)"
 _NO_GRAPHS = "kvserve never captures CUDA graphs or compiles the model: every step runs eagerly"
 _LOCAL = "kvserve never downloads: the model is a local directory or .gguf file"
 _SPEC = 'use --speculative-config \'{"method": ..., "num_speculative_tokens": N}\' (vLLM\'s newer form)'
@@ -211,7 +211,7 @@ FATES: dict[str, Fate] = {
     "--use-tqdm-on-load": _ignored(BOOL, "kvserve shows no progress bar while loading"),
     "--pt-load-map-location": _ignored(VALUE, "kvserve loads weights to --device"),
     # ---- structured outputs
-    "--reasoning-parser": _refused(VALUE, "kvserve has no reasoning-content parser"),
+    "--reasoning-parser": _same(VALUE, "kvserve's parsers (see --help)"),
     "--guided-decoding-backend": _ignored(VALUE, "structured outputs always run on llguidance"),
     "--guided-decoding-disable-fallback": _ignored(VALUE, "structured outputs always run on llguidance"),
     "--guided-decoding-disable-any-whitespace": _refused(
@@ -376,10 +376,10 @@ FATES: dict[str, Fate] = {
         VALUE, "message content is rendered as a string", accept=("auto", "string")
     ),
     "--trust-request-chat-template": _same(BOOL),
-    "--default-chat-template-kwargs": _refused(VALUE, "pass chat_template_kwargs in each request"),
+    "--default-chat-template-kwargs": _same(VALUE),
     "--response-role": _refused(VALUE, "the reply's role is always assistant", accept=("assistant",)),
     "--return-tokens-as-token-ids": _refused(BOOL, "logprobs name tokens by their text", accept=_FALSE),
-    "--enable-auto-tool-choice": _ignored(BOOL, "tool_choice auto is always on, read by --tool-call-parser"),
+    "--enable-auto-tool-choice": _same(BOOL, "accepted; tool_choice auto works with or without it"),
     "--exclude-tools-when-tool-choice-none": _refused(
         BOOL, "tools are rendered into the prompt whatever tool_choice says", accept=_FALSE
     ),

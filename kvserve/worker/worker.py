@@ -264,6 +264,9 @@ class Worker:
             quant = model_config.quantization or quant_method_of(self.hf_config)
             if quant is not None:
                 raise ValueError(f"enable_lora is not supported with quantization={quant!r}")
+            if not getattr(self.model, "supports_lora", True):
+                family = getattr(self.model, "family", type(self.model).__name__)
+                raise ValueError(f"enable_lora is not supported for {family} models")
             from kvserve.lora.manager import LoRAManager
             from kvserve.lora.peft import ModelShapes
 

@@ -192,7 +192,7 @@ class LLMEngine:
         invalid setting."""
         from transformers import AutoConfig
 
-        from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
+        from kvserve.model_executor.model_loader import get_sliding_window, gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
         from kvserve.transformers_utils.tokenizer import load_tokenizer
         from kvserve.worker.worker import Worker
@@ -218,9 +218,9 @@ class LLMEngine:
                     f"quantization='none' asks for float weights, but the checkpoint in {str(model_dir)!r} "
                     f"is quantized (quant_method {method!r}); leave quantization unset to run it."
                 )
-        sliding_window = getattr(hf_config, "sliding_window", None)
-        if getattr(hf_config, "use_sliding_window", True) is False:
-            sliding_window = None  # Qwen2 configs carry a window they do not use
+        # a window every layer uses, else None (Qwen2's unused window, or layers that differ:
+        # the block manager must then keep every block for the global layers)
+        sliding_window = get_sliding_window(hf_config)
         model_config, cache_config, scheduler_config = args.create_configs(
             hf_config.max_position_embeddings, sliding_window
         )

@@ -1,12 +1,16 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face directory, cached on disk.
+"""Convert a GGUF file (``general.architecture`` llama, gemma2 or gemma3) into a Hugging Face
+directory, cached on disk.
 
-Output (float32): ``config.json`` (a ``LlamaConfig`` built from the GGUF metadata),
+Output (float32): ``config.json`` (a ``LlamaConfig``, ``Gemma2Config`` or ``Gemma3TextConfig``
+built from the GGUF metadata),
 ``model.safetensors`` (dequantized weights under HF names), tokenizer files (transformers'
 GGUF tokenizer loader + ``save_pretrained``, which keeps the chat template).
 
 llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` inside each head from
 HF's "rotate half" RoPE layout (first half / second half of the head) to interleaved pairs.
-``unpermute_qk`` applies the inverse so the weights match HF modelling code again.
+``unpermute_qk`` applies the inverse so the weights match HF modelling code again (llama
+only: Gemma's rows are stored as HF has them). Gemma's RMSNorm scales are stored as
+``1 + weight``; ``hf_float`` takes the 1 off again.
 
 The result is cached under ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``) in
 ``<gguf stem>-<16 hex digits of sha256(converter version, sha256 of the whole file)>/``
@@ -308,16 +312,46 @@ _GLOBAL_MAP = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF name for a GGUF tensor name, or ``None`` for tensors HF does not store (rope_freqs)."""
+#: Gemma's layer tensors where they differ from Llama's (``ffn_norm`` is the pre-feedforward norm;
+#: the norm after attention and after the MLP have their own names).
+_GEMMA_LAYER_MAP = {
+    **_LAYER_MAP,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+#: ``general.architecture`` values this converter reads -> their layer name map.
+ARCHITECTURES = {"llama": _LAYER_MAP, "gemma2": _GEMMA_LAYER_MAP, "gemma3": _GEMMA_LAYER_MAP}
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF name for a GGUF tensor name of architecture ``arch``, or ``None`` for tensors HF does
+    not store (rope_freqs)."""
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
+    layer_map = ARCHITECTURES[arch]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    if m and m.group(2) in layer_map:
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     if gguf_name == "rope_freqs.weight":
         return None
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {arch} counterpart")
+
+
+def permutes_qk(arch: str) -> bool:
+    """Whether llama.cpp's converter interleaved the q/k rows of ``arch`` (only llama's)."""
+    return arch == "llama"
+
+
+def hf_float(arch: str, hf_name: str, arr: np.ndarray) -> np.ndarray:
+    """A dequantized float tensor as the HF checkpoint holds it: llama.cpp stores Gemma's
+    ``1 + weight`` RMSNorm scales as ``1 + weight`` already, HF the offset ``weight``."""
+    if arch != "llama" and hf_name.endswith("norm.weight"):
+        return arr - np.float32(1.0)
+    return arr
 
 
 def _field(reader, key: str, default=None):
@@ -336,15 +370,105 @@ def _required_int(reader, key: str, where: str) -> int:
     return int(v)
 
 
-def check_architecture(reader, where: str) -> None:
-    """Raises ValueError naming ``where`` unless ``general.architecture`` is ``llama``."""
+def check_architecture(reader, where: str) -> str:
+    """``general.architecture`` (a key of ``ARCHITECTURES``).
+
+    Raises:
+        ValueError: naming ``where``, for any other architecture.
+    """
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{where}: only llama-architecture GGUF files are supported, got {arch!r}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{where}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    return str(arch)
+
+
+def _gemma_config(reader, arch: str, has_output: bool, where: str):
+    """A ``Gemma2Config`` / ``Gemma3TextConfig`` from GGUF ``gemma2.*`` / ``gemma3.*`` metadata.
+
+    What the metadata does not hold follows llama.cpp's reading of these files: the softmax
+    scale's ``query_pre_attn_scalar`` is the head dimension except for the 27B models
+    (46 layers for Gemma 2, 62 for Gemma 3: ``hidden / heads``); Gemma 3's sliding layers use
+    rope base 10000 and every sixth layer is global; Gemma 2 alternates.
+    """
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    hidden = _required_int(reader, f"{arch}.embedding_length", where)
+    n_head = _required_int(reader, f"{arch}.attention.head_count", where)
+    blocks = _required_int(reader, f"{arch}.block_count", where)
+    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // n_head)
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
+    if isinstance(n_kv, bool) or not isinstance(n_kv, (int, np.integer)) or n_kv <= 0 or n_head % n_kv:
+        raise ValueError(
+            f"{where}: metadata key '{arch}.attention.head_count_kv' must be a positive divisor of "
+            f"'{arch}.attention.head_count' ({n_head}), got {n_kv!r}"
+        )
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise ValueError(
+                f"{where}: neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens' is in its metadata"
+            )
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    big = blocks == (46 if arch == "gemma2" else 62)
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    full_rope: dict = {"rope_type": "default", "rope_theta": theta}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        full_rope = {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+            "rope_theta": theta,
+        }
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{where}: GGUF rope scaling {scaling!r} is not supported")
+    common = dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=_required_int(reader, f"{arch}.feed_forward_length", where),
+        num_hidden_layers=blocks,
+        num_attention_heads=n_head,
+        num_key_value_heads=int(n_kv),
+        head_dim=head_dim,
+        max_position_embeddings=_required_int(reader, f"{arch}.context_length", where),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        query_pre_attn_scalar=hidden // n_head if big else head_dim,
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        tie_word_embeddings=not has_output,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    cfg: Gemma2Config | Gemma3TextConfig
+    try:
+        if arch == "gemma2":
+            cfg = Gemma2Config(
+                **common,
+                rope_parameters=full_rope,
+                attn_logit_softcapping=_field(reader, "gemma2.attn_logit_softcapping"),
+                final_logit_softcapping=_field(reader, "gemma2.final_logit_softcapping"),
+            )
+            cfg.architectures = ["Gemma2ForCausalLM"]
+        else:
+            cfg = Gemma3TextConfig(
+                **common,
+                rope_parameters={
+                    "full_attention": full_rope,
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+            )
+            cfg.architectures = ["Gemma3ForCausalLM"]
+        cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    except Exception as e:  # transformers' own config validation
+        raise ValueError(f"{where}: its metadata describes no valid {arch} model: {e}") from None
+    cfg.dtype = "float32"
+    return cfg
 
 
 def build_config(reader, has_output: bool, where: str = "GGUF file"):
-    """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata.
+    """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata (a
+    Gemma config for ``gemma2`` / ``gemma3`` files: ``_gemma_config``).
 
     Args:
         where: names the file in errors (e.g. ``"GGUF file '/p/m.gguf'"``).
@@ -354,7 +478,9 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
     """
     from transformers import LlamaConfig
 
-    check_architecture(reader, where)
+    arch = check_architecture(reader, where)
+    if arch != "llama":
+        return _gemma_config(reader, arch, has_output, where)
     hidden = _required_int(reader, "llama.embedding_length", where)
     n_head = _required_int(reader, "llama.attention.head_count", where)
     vocab = _field(reader, "llama.vocab_size")
@@ -421,15 +547,18 @@ def dequantize_tensors(reader, cfg) -> dict[str, torch.Tensor]:
     import torch
     from gguf.quants import dequantize
 
+    arch = str(_field(reader, "general.architecture", "llama"))
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(s) for s in reversed(list(t.shape)))  # ggml lists dims innermost first
-        arr = arr.reshape(shape)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        arr = hf_float(arch, name, arr.reshape(shape))
+        if not permutes_qk(arch):
+            pass
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, cfg.num_attention_heads)
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, cfg.num_key_value_heads)
@@ -453,13 +582,14 @@ def check_tensors(reader, cfg, where: str) -> None:
     """
     import torch
 
-    from kvserve.model_executor.models.llama import LlamaForCausalLM
+    from kvserve.model_executor.models import registry
 
-    model = LlamaForCausalLM(cfg, torch.float32, "meta")
+    arch = str(_field(reader, "general.architecture", "llama"))
+    model = registry.model_class(cfg, where)(cfg, torch.float32, "meta")
     loaded = set()
     for t in reader.tensors:
         try:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, arch)
             if name is None:
                 continue
             model.weight_target(name, tuple(int(s) for s in reversed(list(t.shape))))

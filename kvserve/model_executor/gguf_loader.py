@@ -1,4 +1,4 @@
-"""Build ``LlamaForCausalLM`` straight from a GGUF file, keeping its quantized weights quantized
+"""Build the model (``LlamaForCausalLM``, or ``GemmaForCausalLM`` for gemma2 / gemma3 files) straight from a GGUF file, keeping its quantized weights quantized
 (``quantization="gguf"``).
 
 Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
@@ -23,7 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.model_executor.gguf_convert import build_config, hf_tensor_name, open_gguf, unpermute_qk
+from kvserve.model_executor.gguf_convert import (
+    build_config,
+    check_architecture,
+    hf_float,
+    hf_tensor_name,
+    open_gguf,
+    permutes_qk,
+    unpermute_qk,
+)
 from kvserve.ops import quant
 
 logger = logging.getLogger("kvserve.gguf")
@@ -86,7 +94,7 @@ def load_gguf_model(
             unexpected name, shape or type; a missing tensor (each naming the file and tensor);
             ``KVSERVE_QUANT_ACT`` neither ``float`` nor ``int8``.
     """
-    from kvserve.model_executor.models.llama import LlamaForCausalLM
+    from kvserve.model_executor.models import registry
 
     if device != "cpu":
         raise ValueError(f"quantization='gguf' runs on CPU only, got device={device!r}")
@@ -95,19 +103,21 @@ def load_gguf_model(
     quant.activation_mode()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
     path = Path(gguf_path)
     reader = open_gguf(path)
+    where = f"GGUF file {str(path)!r}"
+    arch = check_architecture(reader, where)
     try:
         tensors = {}
         for t in reader.tensors:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, arch)
             if name is not None:
                 tensors[name] = t
     except ValueError as e:
         raise ValueError(f"GGUF file {str(path)!r}: {e}") from None
-    where = f"GGUF file {str(path)!r}"
     cfg = hf_config if hf_config is not None else build_config(reader, "lm_head.weight" in tensors, where)
     logged: set = set()
     with torch.no_grad():
-        model = LlamaForCausalLM(cfg, dtype=dtype, device="cpu", max_position=max_position)
+        model = registry.model_class(cfg, where)(cfg, dtype=dtype, device="cpu", max_position=max_position)
+        qk = permutes_qk(arch)  # llama.cpp interleaved llama's q/k rows only
         loaded: set[str] = set()
         groups = []
         for i, layer in enumerate(model.layers):
@@ -118,8 +128,8 @@ def load_gguf_model(
                     a,
                     "qkv_weight",
                     [
-                        (p + "self_attn.q_proj.weight", a.num_heads),
-                        (p + "self_attn.k_proj.weight", a.num_kv_heads),
+                        (p + "self_attn.q_proj.weight", a.num_heads if qk else None),
+                        (p + "self_attn.k_proj.weight", a.num_kv_heads if qk else None),
                         (p + "self_attn.v_proj.weight", None),
                     ],
                 ),
@@ -172,8 +182,10 @@ def load_gguf_model(
                 raise ValueError(f"GGUF file {str(path)!r}: tensor {t.name!r}: {e}") from None
             if target is None:
                 continue
-            arr = _float_array(path, t, logged)
-            if name.endswith("q_proj.bias"):
+            arr = hf_float(arch, name, _float_array(path, t, logged))
+            if not qk:
+                pass
+            elif name.endswith("q_proj.bias"):
                 arr = unpermute_qk(arr, cfg.num_attention_heads)
             elif name.endswith("k_proj.bias"):
                 arr = unpermute_qk(arr, cfg.num_key_value_heads)

@@ -174,7 +174,11 @@ class ModelRunner:
                 and paged_attention.supports_dtype(model.dtype)
                 and paged_attention.available()
             )
-        self.use_native = bool(use_native)
+        # the native kernels do not soft-cap attention logits
+        self.use_native = bool(use_native) and not getattr(model, "attn_softcap", None)
+        #: Every window (tokens, 0 for none) some layer attends with, when layers differ
+        #: (the model's ``layer_windows``): a step's metadata is built once per window.
+        self._layer_windows = sorted({int(w or 0) for w in getattr(model, "layer_windows", None) or ()})
         self._prefill_kernel_ok: bool | None = None  # decided on the first multi-token chunk
 
     def _native_prefill_applies(self) -> bool:
@@ -290,11 +294,100 @@ class ModelRunner:
         dev = self.device
         positions = np.concatenate(p_pos + [np.asarray(d_pos, dtype=np.int64)])
         slots = np.concatenate(p_slots + [np.asarray(d_slots, dtype=np.int64)])
-        meta = AttentionMetadata(write_idx=None, num_prefill_tokens=P, num_decode=B)
+        meta = AttentionMetadata(write_idx=None, num_prefill_tokens=P, num_decode=B, window=int(W or 0))
+        ends = [int(e) for e in np.cumsum([n for _, n, _ in p_chunks])]
+        # single-token queries: the native kernel takes them in order; the torch path sorts them
+        # by block count (of the step's base window) and buckets them
+        d_row = np.zeros(0, dtype=np.int64)
+        ctx = np.asarray(d_pos, dtype=np.int64)  # query position == last key position
+        perm: np.ndarray | None = None
+        ends_b: list[int] = []
+        if B and self.use_native:
+            d_row = np.arange(B, dtype=np.int64)
+        elif B:
+            perm = np.argsort(self._decode_blocks(ctx, W), kind="stable")
+            d_row = np.empty(B, dtype=np.int64)
+            d_row[perm] = np.arange(B)  # decode i -> its row offset after sorting
+            d_tokens = [d_tokens[i] for i in perm]
+            if d_lora:
+                d_lora = [d_lora[i] for i in perm]
+            positions[P:] = ctx[perm]
+            slots[P:] = slots[P:][perm]
+            ends_b = split_buckets(self._decode_blocks(ctx, W)[perm])
+        need = self._attention_parts(meta, p_chunks, ctx, d_tables, perm, ends_b)
+        for w in self._layer_windows:
+            if w != meta.window:  # the same step for the layers with another window
+                variant = AttentionMetadata(write_idx=None, num_prefill_tokens=P, num_decode=B, window=w)
+                need = max(need, self._attention_parts(variant, p_chunks, ctx, d_tables, perm, ends_b))
+                meta.windowed[w] = variant
+        if need:
+            meta.workspace = self._get_workspace(need)  # one buffer: layers run one after another
+            for variant in meta.windowed.values():
+                variant.workspace = meta.workspace
 
-        # multi-token chunks: native kernel -> one padded block table (from each chunk's first
-        # key block) + row ranges for all chunks; torch path -> per chunk a gather index and a
-        # mask when the chunk has cached context, a mask when its window is shorter than it
+        write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
+        meta.write_idx = torch.from_numpy(write_idx).to(dev)
+        meta.slot_mapping = torch.from_numpy(slots.astype(np.int64, copy=False)).to(dev)
+        if slot_of:
+            meta.lora = LoRAMapping.build(np.asarray(p_lora + d_lora, dtype=np.int64), dev)
+        for variant in meta.windowed.values():
+            variant.write_idx, variant.slot_mapping, variant.lora = (
+                meta.write_idx,
+                meta.slot_mapping,
+                meta.lora,
+            )
+        rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
+        seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}
+        for sid, i, cnt in d_sids:
+            # an expanded chunk only runs natively, where rows keep their order (d_row[i] == i)
+            r = int(d_row[i])
+            seq_rows[sid] = (P + r, P + r + cnt)
+        input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
+        inp = ModelInput(
+            input_ids=input_ids.to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn=meta,
+            sample_rows=torch.tensor(rows, dtype=torch.long).to(dev),
+            seq_rows=seq_rows,
+        )
+        if pl_spans:
+            pl_rows: list[int] = []
+            for _, is_dec, base, _, count, _ in pl_spans:
+                first_row = P + int(d_row[base]) if is_dec else base
+                pl_rows.extend(range(first_row, first_row + count))
+            inp.prompt_rows = torch.tensor(pl_rows, dtype=torch.long).to(dev)
+            inp.prompt_targets = torch.tensor(pl_targets, dtype=torch.long)
+            inp.prompt_spans = [(g, lo, count, k) for g, _, _, lo, count, k in pl_spans]
+        return inp
+
+    def _decode_blocks(self, ctx: np.ndarray, W: int | None) -> np.ndarray:
+        """Blocks each single-token query at position ``ctx`` reads with window ``W``."""
+        first = (np.maximum(ctx - W + 1, 0) // self.block_size) if W else np.zeros_like(ctx)
+        return ctx // self.block_size - first + 1
+
+    def _attention_parts(
+        self,
+        meta: AttentionMetadata,
+        p_chunks: list[tuple[int, int, list]],
+        ctx: np.ndarray,
+        d_tables: list[list],
+        perm: np.ndarray | None,
+        ends_b: list[int],
+    ) -> int:
+        """Fill ``meta``'s window-dependent parts for window ``meta.window`` (0: none): the
+        multi-token chunks (``prefills``, ``native_prefill``) and the single-token queries
+        (``native_decode``, or ``decode_buckets`` over the rows ordered by ``perm`` and split
+        at ``ends_b``). Returns the workspace elements the buckets need (0 without any).
+
+        Multi-token chunks: native kernel -> one padded block table (from each chunk's first
+        key block) + row ranges for all chunks; torch path -> per chunk a gather index and a
+        mask when the chunk has cached context, a mask when its window is shorter than it.
+        """
+        bs = self.block_size
+        W = meta.window
+        dev = self.device
+        P = meta.num_prefill_tokens
+        B = meta.num_decode
         native_p = bool(p_chunks) and self.device.type == "cpu" and self._native_prefill_applies()
         if native_p:
             fbs = [max(0, c - W + 1) // bs if W else 0 for c, _, _ in p_chunks]
@@ -309,9 +402,8 @@ class ModelRunner:
                 q_start=torch.from_numpy(q_start),
                 pos0=torch.tensor([c for c, _, _ in p_chunks], dtype=torch.int64),
                 kstart=torch.from_numpy(np.asarray(fbs, dtype=np.int64) * bs),
-                window=int(W or 0),
+                window=W,
             )
-        ends: list[int] = []
         start = 0
         for c, n, table in p_chunks:
             pc = PrefillChunk(start=start, end=start + n, context_start=c)
@@ -336,96 +428,53 @@ class ModelRunner:
                 pc.mask = torch.from_numpy(allowed).to(dev)
             meta.prefills.append(pc)
             start += n
-            ends.append(start)
-
-        # single-token queries: native kernel -> one padded block table + key ranges; torch
-        # path -> sorted by length, bucketed, one gather index + key mask per bucket
-        d_row = np.zeros(0, dtype=np.int64)
-        if B:
-            ctx = np.asarray(d_pos, dtype=np.int64)  # query position == last key position
-            first = (np.maximum(ctx - W + 1, 0) // bs) if W else np.zeros(B, dtype=np.int64)
-            nblk = ctx // bs - first + 1
-            if self.use_native:
-                nb = int(nblk.max())
-                pad = np.zeros((B, nb), dtype=np.int64)
-                for i, t in enumerate(d_tables):
-                    f = int(first[i])
-                    row = t[f : f + int(nblk[i])]
-                    pad[i, : len(row)] = row
-                meta.native_decode = NativeDecode(
-                    start=P,
-                    end=P + B,
-                    table=torch.from_numpy(pad),
-                    kstart=torch.from_numpy(np.maximum(ctx - W + 1, 0) if W else np.zeros(B, dtype=np.int64)),
-                    kend=torch.from_numpy(ctx + 1),
+        if not B:
+            return 0
+        first = (np.maximum(ctx - W + 1, 0) // bs) if W else np.zeros(B, dtype=np.int64)
+        nblk = ctx // bs - first + 1
+        if perm is None:  # native: one padded block table + key ranges
+            nb = int(nblk.max())
+            pad = np.zeros((B, nb), dtype=np.int64)
+            for i, t in enumerate(d_tables):
+                f = int(first[i])
+                row = t[f : f + int(nblk[i])]
+                pad[i, : len(row)] = row
+            meta.native_decode = NativeDecode(
+                start=P,
+                end=P + B,
+                table=torch.from_numpy(pad),
+                kstart=torch.from_numpy(np.maximum(ctx - W + 1, 0) if W else np.zeros(B, dtype=np.int64)),
+                kend=torch.from_numpy(ctx + 1),
+            )
+            return 0
+        # torch path: one gather index + key mask per bucket of sorted rows
+        need = 0
+        b0 = 0
+        for b1 in ends_b:
+            idx = perm[b0:b1]
+            nb = int(nblk[idx].max())
+            pad = np.zeros((b1 - b0, nb), dtype=np.int64)
+            for r, i in enumerate(idx):
+                f = int(first[i])
+                row = d_tables[i][f : f + int(nblk[i])]
+                pad[r, : len(row)] = row
+            gidx = self._block_base[:, None, :, None] + pad[None, :, None, :]  # [2, Bk, KH, nb]
+            k_pos = first[idx, None] * bs + np.arange(nb * bs, dtype=np.int64)[None, :]
+            allowed = k_pos <= ctx[idx, None]
+            if W:
+                allowed &= k_pos > (ctx[idx, None] - W)
+            meta.decode_buckets.append(
+                DecodeBucket(
+                    start=P + b0,
+                    end=P + b1,
+                    gather_idx=torch.from_numpy(gidx.reshape(-1)).to(dev),
+                    num_blocks=nb,
+                    mask=torch.from_numpy(allowed).view(b1 - b0, 1, 1, nb * bs).to(dev),
                 )
-                d_row = np.arange(B, dtype=np.int64)
-        if B and not self.use_native:
-            perm = np.argsort(nblk, kind="stable")
-            d_row = np.empty(B, dtype=np.int64)
-            d_row[perm] = np.arange(B)  # decode i -> its row offset after sorting
-            d_tokens = [d_tokens[i] for i in perm]
-            if d_lora:
-                d_lora = [d_lora[i] for i in perm]
-            positions[P:] = ctx[perm]
-            slots[P:] = slots[P:][perm]
-            ends_b = split_buckets(nblk[perm])
-            need = 0
-            b0 = 0
-            for b1 in ends_b:
-                idx = perm[b0:b1]
-                nb = int(nblk[idx].max())
-                pad = np.zeros((b1 - b0, nb), dtype=np.int64)
-                for r, i in enumerate(idx):
-                    f = int(first[i])
-                    row = d_tables[i][f : f + int(nblk[i])]
-                    pad[r, : len(row)] = row
-                gidx = self._block_base[:, None, :, None] + pad[None, :, None, :]  # [2, Bk, KH, nb]
-                k_pos = first[idx, None] * bs + np.arange(nb * bs, dtype=np.int64)[None, :]
-                allowed = k_pos <= ctx[idx, None]
-                if W:
-                    allowed &= k_pos > (ctx[idx, None] - W)
-                meta.decode_buckets.append(
-                    DecodeBucket(
-                        start=P + b0,
-                        end=P + b1,
-                        gather_idx=torch.from_numpy(gidx.reshape(-1)).to(dev),
-                        num_blocks=nb,
-                        mask=torch.from_numpy(allowed).view(b1 - b0, 1, 1, nb * bs).to(dev),
-                    )
-                )
-                need = max(need, gidx.size * bs * self._head_dim)
-                b0 = b1
-            meta.workspace = self._get_workspace(need)
-
-        write_idx = (self._slot_base[:, :, None] + slots[None, None, :]).reshape(-1)
-        meta.write_idx = torch.from_numpy(write_idx).to(dev)
-        meta.slot_mapping = torch.from_numpy(slots.astype(np.int64, copy=False)).to(dev)
-        if slot_of:
-            meta.lora = LoRAMapping.build(np.asarray(p_lora + d_lora, dtype=np.int64), dev)
-        rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
-        seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}
-        for sid, i, cnt in d_sids:
-            # an expanded chunk only runs natively, where rows keep their order (d_row[i] == i)
-            r = int(d_row[i])
-            seq_rows[sid] = (P + r, P + r + cnt)
-        input_ids = torch.tensor(p_tokens + d_tokens, dtype=torch.long)
-        inp = ModelInput(
-            input_ids=input_ids.to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            attn=meta,
-            sample_rows=torch.tensor(rows, dtype=torch.long).to(dev),
-            seq_rows=seq_rows,
-        )
-        if pl_spans:
-            pl_rows: list[int] = []
-            for _, is_dec, base, _, count, _ in pl_spans:
-                first_row = P + int(d_row[base]) if is_dec else base
-                pl_rows.extend(range(first_row, first_row + count))
-            inp.prompt_rows = torch.tensor(pl_rows, dtype=torch.long).to(dev)
-            inp.prompt_targets = torch.tensor(pl_targets, dtype=torch.long)
-            inp.prompt_spans = [(g, lo, count, k) for g, _, _, lo, count, k in pl_spans]
-        return inp
+            )
+            need = max(need, gidx.size * bs * self._head_dim)
+            b0 = b1
+        return need
 
     def _lora_slots(self, metadata: Seq[SequenceGroupMetadata]) -> dict[int, int] | None:
         """``lora_int_id`` -> device slot for the step's adapters (loaded into slots now), or

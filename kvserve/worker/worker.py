@@ -286,10 +286,9 @@ class Worker:
             if quant is not None:
                 raise ValueError(f"enable_lora is not supported with quantization={quant!r}")
             if not getattr(self.model, "supports_lora", True):
-                arch = getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type]
+                arch = (getattr(self.hf_config, "architectures", None) or [self.hf_config.model_type])[0]
                 raise ValueError(
-                    f"enable_lora is not supported for {arch[0]} (mixture-of-experts models take no "
-                    "LoRA adapters); run without enable_lora"
+                    f"enable_lora is not supported for {arch} (its layers take no LoRA adapters)"
                 )
             from kvserve.lora.manager import LoRAManager
             from kvserve.lora.peft import ModelShapes

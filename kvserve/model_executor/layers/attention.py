@@ -132,6 +132,11 @@ class AttentionMetadata:
             page-faulting tens of MB per layer); ``None`` = allocate.
         lora: the step's ``kvserve.model_executor.layers.lora.LoRAMapping`` (rows per adapter slot), or ``None``
             when no row runs an adapter. (Carried here because every layer reads it.)
+        window: the sliding window (tokens) these chunks, buckets and kernel inputs were built
+            for; 0 for none.
+        windowed: for a model whose layers differ in window (``layer_windows``), the same
+            step's metadata built for each other window, keyed by it (same rows, slots and
+            ``write_idx``); a layer takes its own with ``for_window``.
     """
 
     write_idx: torch.Tensor | None
@@ -144,6 +149,27 @@ class AttentionMetadata:
     native_prefill: NativePrefill | None = None
     workspace: torch.Tensor | None = None
     lora: Any = None
+    window: int = 0
+    windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata of this step for a layer attending with ``window`` tokens (``None`` /
+        0: no window).
+
+        Raises:
+            ValueError: the step was not built for that window (the runner builds one variant
+                per distinct window of the model's ``layer_windows``).
+        """
+        w = int(window or 0)
+        if w == self.window:
+            return self
+        variant = self.windowed.get(w)
+        if variant is None:
+            raise ValueError(
+                f"attention metadata built for windows {sorted({self.window, *self.windowed})}, "
+                f"a layer asks for window {w}"
+            )
+        return variant
 
 
 class PagedAttention:
@@ -152,9 +178,16 @@ class PagedAttention:
     Args:
         num_heads, num_kv_heads, head_dim: attention shape (``num_heads % num_kv_heads == 0``).
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
+        softcap: attention logit soft-cap ``c`` (Gemma 2): scores ``s`` become
+            ``c * tanh(s / c)`` before the mask and softmax; ``None`` for none. The native
+            kernels do not cap: a capped layer takes the torch paths only (the runner builds
+            no native metadata for a model with ``attn_softcap``), with the scores computed
+            explicitly instead of by SDPA.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None = None
+    ):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
         self.num_heads = num_heads
@@ -162,6 +195,32 @@ class PagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
+        self.softcap = float(softcap) if softcap else None
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, gqa: bool
+    ) -> torch.Tensor:
+        """``scaled_dot_product_attention(q, k, v)`` (causal when ``mask`` is None; ``q``
+        ``[..., Hq, n, D]``, ``k``/``v`` ``[..., Hk, L, D]``), soft-capped when ``softcap`` is
+        set: then the scores are formed explicitly, capped, masked and softmaxed in float32."""
+        if self.softcap is None:
+            if mask is None:
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
+                )
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        rep = q.shape[-3] // k.shape[-3]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=-3)
+            v = v.repeat_interleave(rep, dim=-3)
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        s = torch.tanh(s / self.softcap) * self.softcap
+        if mask is None:
+            n, L = s.shape[-2], s.shape[-1]
+            mask = torch.ones(n, L, dtype=torch.bool, device=s.device).tril(L - n)
+        s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v)
 
     def forward(
         self,
@@ -192,6 +251,10 @@ class PagedAttention:
             flat.index_copy_(0, meta.write_idx, src)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         npf = meta.native_prefill if kv_cache is not None else None
+        if self.softcap is not None and (npf is not None or meta.native_decode is not None):
+            raise ValueError(
+                "a soft-capped attention layer runs on the torch paths only (no native metadata)"
+            )
         if npf is not None and kv_cache is not None:  # (npf is only set with a cache)
             P = meta.num_prefill_tokens
             qp = q[:P]
@@ -226,14 +289,7 @@ class PagedAttention:
             # A batch dimension of 1: torch's CPU flash kernel takes only 4-D inputs (3-D ones
             # go to the much slower unfused math path).
             qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
-            if pc.mask is None:
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
-                )
-            else:
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=pc.mask, scale=self.scale, enable_gqa=self.group > 1
-                )
+            o = self._sdpa(qs, ks, vs, pc.mask, self.group > 1)
             out[pc.start : pc.end] = o[0].transpose(0, 1)
         nd = meta.native_decode
         if nd is not None:
@@ -267,6 +323,6 @@ class PagedAttention:
                     g = rows.index_select(0, b.gather_idx)
                 g = g.view(2, B, KH, b.num_blocks * bs, D)
                 qd = q[b.start : b.end].reshape(B, KH, self.group, D)
-                o = F.scaled_dot_product_attention(qd, g[0], g[1], attn_mask=b.mask, scale=self.scale)
+                o = self._sdpa(qd, g[0], g[1], b.mask, False)
                 out[b.start : b.end] = o.reshape(B, H, D)  # CUDA SDPA may return a transposed layout
         return out.view(T, H * D)

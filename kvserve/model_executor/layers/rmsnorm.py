@@ -46,3 +46,25 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         s = residual.add_(x)
         return self._norm(s), s
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``y = x / sqrt(mean(x**2, -1) + eps) * (1 + weight)``, all in float32,
+    cast to ``x``'s dtype only at the end (the weight is stored as an offset from 1, so a zero
+    weight is the identity scale).
+
+    Args:
+        hidden_size: size of the last dimension (a head's ``head_dim`` for q/k norms).
+        eps: added to the mean square before the square root.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` (``[..., hidden_size]``); returns a new tensor of ``x``'s dtype."""
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)

@@ -17,15 +17,26 @@ from typing import Any
 import torch
 
 
-def get_rope_parameters(hf_config) -> dict[str, Any]:
+def get_rope_parameters(hf_config, layer_type: str = "full_attention") -> dict[str, Any]:
     """Rope settings of a HF config as one dict with at least ``rope_type`` and ``rope_theta``.
 
     Reads ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta`` (older).
+    A per-layer-type ``rope_parameters`` (``{"full_attention": {...}, "sliding_attention":
+    {...}}``, Gemma 3) gives ``layer_type``'s entry; the older Gemma 3 form has the sliding
+    layers' base in ``rope_local_base_freq`` and no scaling for them.
     """
     params: dict[str, Any] = {}
     rp = getattr(hf_config, "rope_parameters", None)
-    if isinstance(rp, dict) and "full_attention" in rp and isinstance(rp["full_attention"], dict):
-        rp = rp["full_attention"]  # per-layer-type form; all our layers share one rope
+    if isinstance(rp, dict) and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]  # per-layer-type form
+    elif isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        rp = rp["full_attention"]
+    if (
+        layer_type == "sliding_attention"
+        and getattr(hf_config, "rope_local_base_freq", None)
+        and not (isinstance(rp, dict) and "rope_theta" in rp)
+    ):
+        return {"rope_type": "default", "rope_theta": float(hf_config.rope_local_base_freq)}
     if isinstance(rp, dict):
         params.update(rp)
     rs = getattr(hf_config, "rope_scaling", None)

@@ -116,10 +116,21 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         _lora(self, "qkv", x, qkv, meta.lora)
         self.transform_qkv(qkv)
+        return self._attend(qkv, cos, sin, kv_cache, meta)
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotary, cache write, attention and o for the projected ``qkv`` ``[T, q + 2 kv]``."""
+        T = qkv.shape[0]
         fused = elementwise.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
         if fused:  # rotary + cache write in one native pass
             qk = elementwise.rope_write_kv(
@@ -281,9 +292,9 @@ class LlamaForCausalLM(nn.Module):
         # types its items as plain nn.Module
         self.layers = cast(
             Sequence[LlamaDecoderLayer],
-            nn.ModuleList(self._make_layer(i, dtype, device) for i in range(cfg.num_hidden_layers)),
+            nn.ModuleList(self._decoder_layer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers)),
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = self._final_norm(cfg, dtype, device)
         self.lm_head: LinearWeight  # prepacked or quantized in place after loading
         if not self.tie_word_embeddings:
             self.lm_head = nn.Parameter(
@@ -294,9 +305,13 @@ class LlamaForCausalLM(nn.Module):
         else:  # this rank's rows of the replicated table, filled as the table is loaded
             self.lm_head = self.embed_tokens.data[self.vocab_shard.start : self.vocab_shard.start + head_rows]
 
-    def _make_layer(self, index: int, dtype, device) -> nn.Module:
-        """Decoder layer ``index`` (a family module overrides it to build its own layers)."""
-        return LlamaDecoderLayer(self.config, self.rope, dtype, device, self.tp)
+    def _decoder_layer(self, cfg, index: int, dtype, device) -> nn.Module:
+        """Decoder layer ``index`` (a family module overrides this and ``_final_norm``)."""
+        return LlamaDecoderLayer(cfg, self.rope, dtype, device, self.tp)
+
+    def _final_norm(self, cfg, dtype, device) -> nn.Module:
+        """The norm after the last layer."""
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -281,7 +281,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"config.json hidden_act={act!r} is not supported (only silu).")
         super().__init__(hf_config, dtype=dtype, device=device, max_position=max_position, tp=None)
 
-    def _make_layer(self, index: int, dtype, device) -> nn.Module:
+    def _decoder_layer(self, cfg, index: int, dtype, device) -> nn.Module:
         return MoeDecoderLayer(self.config, self.family, index, self.rope, dtype, device)
 
     def _layer_linears(self) -> list[tuple[nn.Module, str]]:

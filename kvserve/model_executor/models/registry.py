@@ -17,6 +17,8 @@ NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "OlmoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
 }
 
 #: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
@@ -28,6 +30,8 @@ NATIVE_MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -144,7 +144,7 @@ def _run(path, **kw) -> list[tuple[list[int], list[float]]]:
             res.append(
                 (
                     list(c.token_ids),
-                    [getattr(lp[t], "logprob", lp[t]) for t, lp in zip(c.token_ids, c.logprobs)],
+                    [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                 )
             )
         return res

@@ -138,5 +138,5 @@ def test_tiny_gemma3_gguf_matches_transformers(tiny, quantization):
     for o, (toks, lps) in zip(outs, ref):
         c = o.outputs[0]
         assert list(c.token_ids) == toks
-        got = [getattr(lp[t], "logprob", lp[t]) for t, lp in zip(c.token_ids, c.logprobs)]
+        got = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4

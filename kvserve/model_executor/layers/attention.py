@@ -132,6 +132,9 @@ class AttentionMetadata:
             page-faulting tens of MB per layer); ``None`` = allocate.
         lora: the step's ``kvserve.model_executor.layers.lora.LoRAMapping`` (rows per adapter slot), or ``None``
             when no row runs an adapter. (Carried here because every layer reads it.)
+        long_prompt: bool ``[T]``: whether each row's sequence has a prompt longer than the
+            model's LongRoPE ``original_max_position_embeddings`` (``RotaryEmbedding.lookup``);
+            ``None`` for other models.
     """
 
     write_idx: torch.Tensor | None
@@ -144,6 +147,7 @@ class AttentionMetadata:
     native_prefill: NativePrefill | None = None
     workspace: torch.Tensor | None = None
     lora: Any = None
+    long_prompt: torch.Tensor | None = None
 
 
 class PagedAttention:

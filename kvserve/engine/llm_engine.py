@@ -102,6 +102,7 @@ class LLMEngine:
         eos_token_id: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        long_prompt_after: int | None = None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -117,6 +118,10 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.speculative_config = speculative_config
         self.lora_config = lora_config
+        #: LongRoPE models: prompts longer than this get K/V rotated with the long factors from
+        #: their first token (``RotaryEmbedding``), so their blocks are salted apart in the
+        #: prefix cache (``Sequence.kv_salt``); None for other models.
+        self.long_prompt_after = long_prompt_after
         self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
@@ -166,6 +171,7 @@ class LLMEngine:
         invalid setting."""
         from transformers import AutoConfig
 
+        from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
         from kvserve.transformers_utils.tokenizer import load_tokenizer
@@ -250,6 +256,7 @@ class LLMEngine:
             eos_token_id=eos,
             speculative_config=spec_config,
             lora_config=lora_config,
+            long_prompt_after=longrope_threshold(get_rope_parameters(hf_config)),
         )
 
     # ------------------------------------------------------------------ requests
@@ -298,6 +305,8 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             prompt=text,
         )
+        if self.long_prompt_after is not None and len(prompt_ids) > self.long_prompt_after:
+            seq.kv_salt = ("longrope", "long")
         if params.structured_outputs is not None:
             # Compiled here, on the caller's thread (the server compiles before queueing, so
             # this is a cache hit), never inside a step.

@@ -17,7 +17,7 @@ ENGINE_SETTINGS = {
     "default": {},
     "tiny-recompute": dict(
         block_size=4,
-        num_gpu_blocks=16,
+        num_gpu_blocks=14,
         enable_chunked_prefill=True,
         max_num_batched_tokens=8,
         enable_prefix_caching=True,
@@ -26,7 +26,7 @@ ENGINE_SETTINGS = {
     ),
     "tiny-swap": dict(
         block_size=4,
-        num_gpu_blocks=16,
+        num_gpu_blocks=14,
         num_cpu_blocks=64,
         enable_chunked_prefill=True,
         max_num_batched_tokens=8,
@@ -57,7 +57,29 @@ def save_family(path, config, tokenizer_dir, seed: int = 0):
 
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation of ``prompt`` (one sequence, with its KV cache) and the
-    log-probability of each chosen token (log_softmax of its float32 logits)."""
+    log-probability of each chosen token (log_softmax of its float32 logits).
+
+    Step by step with the model's own cache (one forward for the prompt, one per new token):
+    ``generate`` itself drops a Phi-3 cache when the sequence first grows past
+    ``original_max_position_embeddings`` and recomputes every key with the long LongRoPE
+    factors, which a paged cache does not (``RotaryEmbedding``'s doc)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        ids, tokens, lps = torch.tensor([prompt]), [], []
+        for _ in range(max_tokens):
+            pos = torch.arange(len(prompt) + len(tokens) - ids.shape[1], len(prompt) + len(tokens))[None]
+            logits = model(ids, cache=cache, use_cache=True, position_ids=pos).logits[0, -1].float()
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            lps.append(torch.log_softmax(logits, -1)[tok].item())
+            ids = torch.tensor([[tok]])
+    return tokens, lps
+
+
+def hf_generate(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """``hf_greedy`` through transformers' ``generate``."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),

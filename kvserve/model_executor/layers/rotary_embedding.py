@@ -155,7 +155,11 @@ class RotaryEmbedding:
     prompt is rotated long when ``max(L, p + 1) > original_max_position_embeddings``, i.e. when
     the prompt is longer than that or ``p >= original_max_position_embeddings``. The runner
     passes the first condition per token (``lookup``'s ``long_prompt``): the answer then does
-    not depend on how the prompt is chunked, batched or recomputed.
+    not depend on how the prompt is chunked, batched or recomputed. (transformers' Phi-3
+    ``generate`` goes one step further: when a sequence first grows past the threshold it drops
+    its cache and recomputes every earlier key with the long factors. A paged cache keeps the
+    keys it has, so from that token on log-probabilities differ slightly from ``generate``'s,
+    while they equal a step-by-step forward with transformers' own cache.)
     """
 
     def __init__(

@@ -14,6 +14,7 @@ NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 #: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
@@ -22,6 +23,7 @@ NATIVE_MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

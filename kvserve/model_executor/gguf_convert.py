@@ -1,12 +1,16 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face directory, cached on disk.
+"""Convert a GGUF file (architecture ``llama``, ``qwen2`` or ``qwen3``) into a Hugging Face
+directory, cached on disk.
 
-Output (float32): ``config.json`` (a ``LlamaConfig`` built from the GGUF metadata),
+Output (float32): ``config.json`` (a ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` built
+from the GGUF metadata: its ``<architecture>.*`` keys),
 ``model.safetensors`` (dequantized weights under HF names), tokenizer files (transformers'
 GGUF tokenizer loader + ``save_pretrained``, which keeps the chat template).
 
-llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` inside each head from
-HF's "rotate half" RoPE layout (first half / second half of the head) to interleaved pairs.
-``unpermute_qk`` applies the inverse so the weights match HF modelling code again.
+For the ``llama`` architecture, llama.cpp's converter reorders the rows of ``attn_q`` /
+``attn_k`` inside each head from HF's "rotate half" RoPE layout (first half / second half of the
+head) to interleaved pairs. ``unpermute_qk`` applies the inverse so the weights match HF
+modelling code again. ``qwen2`` / ``qwen3`` files keep HF's row order (llama.cpp rotates them in
+the "neox" layout, which is HF's), so nothing is undone there (``GGUF_ARCHITECTURES``).
 
 The result is cached under ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``) in
 ``<gguf stem>-<16 hex digits of sha256(converter version, sha256 of the whole file)>/``
@@ -273,6 +277,21 @@ def is_complete(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
 
 
+#: GGUF ``general.architecture`` -> (transformers config class, HF architecture, whether
+#: llama.cpp permuted the q/k rows). The metadata keys are ``<architecture>.*``.
+GGUF_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", True),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
+}
+
+
+def permutes_qk(cfg) -> bool:
+    """Whether the GGUF file ``cfg`` was built from stores q/k rows permuted
+    (``unpermute_qk`` undoes it): its architecture is ``llama``."""
+    return getattr(cfg, "model_type", None) == "llama"
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation.
 
@@ -297,6 +316,8 @@ _LAYER_MAP = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -317,7 +338,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
     if gguf_name == "rope_freqs.weight":
         return None
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama counterpart")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
 def _field(reader, key: str, default=None):
@@ -336,60 +357,67 @@ def _required_int(reader, key: str, where: str) -> int:
     return int(v)
 
 
-def check_architecture(reader, where: str) -> None:
-    """Raises ValueError naming ``where`` unless ``general.architecture`` is ``llama``."""
+def check_architecture(reader, where: str) -> str:
+    """``general.architecture`` of the file; raises ValueError naming ``where`` unless it is one
+    of ``GGUF_ARCHITECTURES``."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{where}: only llama-architecture GGUF files are supported, got {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{where}: general.architecture {arch!r} is not supported "
+            f"(supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    return str(arch)
 
 
 def build_config(reader, has_output: bool, where: str = "GGUF file"):
-    """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata.
+    """A transformers config (``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``, after
+    ``general.architecture``) from GGUF ``<architecture>.*`` / ``tokenizer.ggml.*`` metadata.
 
     Args:
         where: names the file in errors (e.g. ``"GGUF file '/p/m.gguf'"``).
     Raises:
-        ValueError: another architecture, or a missing / non-positive ``llama.*`` size key
-            (naming ``where`` and the key).
+        ValueError: another architecture, or a missing / non-positive ``<architecture>.*`` size
+            key (naming ``where`` and the key).
     """
-    from transformers import LlamaConfig
+    import transformers
 
-    check_architecture(reader, where)
-    hidden = _required_int(reader, "llama.embedding_length", where)
-    n_head = _required_int(reader, "llama.attention.head_count", where)
-    vocab = _field(reader, "llama.vocab_size")
+    arch = check_architecture(reader, where)
+    config_class, hf_arch, _ = GGUF_ARCHITECTURES[arch]
+    hidden = _required_int(reader, f"{arch}.embedding_length", where)
+    n_head = _required_int(reader, f"{arch}.attention.head_count", where)
+    vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         if "tokenizer.ggml.tokens" not in reader.fields:
             raise ValueError(
-                f"{where}: neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens' is in its metadata"
+                f"{where}: neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens' is in its metadata"
             )
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = (
-        _field(reader, "llama.attention.key_length")
-        or _field(reader, "llama.rope.dimension_count")
+        _field(reader, f"{arch}.attention.key_length")
+        or _field(reader, f"{arch}.rope.dimension_count")
         or hidden // n_head
     )
-    rope = {"rope_type": "default", "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))}
-    scaling = _field(reader, "llama.rope.scaling.type")
+    rope = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         rope = {
             "rope_type": "linear",
-            "factor": float(_field(reader, "llama.rope.scaling.factor")),
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
             "rope_theta": rope["rope_theta"],
         }
     elif scaling not in (None, "none"):
-        raise ValueError(f"{where}: GGUF rope scaling {scaling!r} is not supported")
-    ffn = _required_int(reader, "llama.feed_forward_length", where)
-    blocks = _required_int(reader, "llama.block_count", where)
-    ctx = _required_int(reader, "llama.context_length", where)
-    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
+        raise ValueError(f"{where}: GGUF rope scaling {arch}.rope.scaling.type={scaling!r} is not supported")
+    ffn = _required_int(reader, f"{arch}.feed_forward_length", where)
+    blocks = _required_int(reader, f"{arch}.block_count", where)
+    ctx = _required_int(reader, f"{arch}.context_length", where)
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
     if isinstance(n_kv, bool) or not isinstance(n_kv, (int, np.integer)) or n_kv <= 0 or n_head % n_kv:
         raise ValueError(
-            f"{where}: metadata key 'llama.attention.head_count_kv' must be a positive divisor of "
-            f"'llama.attention.head_count' ({n_head}), got {n_kv!r}"
+            f"{where}: metadata key '{arch}.attention.head_count_kv' must be a positive divisor of "
+            f"'{arch}.attention.head_count' ({n_head}), got {n_kv!r}"
         )
     try:
-        cfg = LlamaConfig(
+        cfg = getattr(transformers, config_class)(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=ffn,
@@ -398,20 +426,20 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
             num_key_value_heads=int(n_kv),
             head_dim=int(head_dim),
             max_position_embeddings=ctx,
-            rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_parameters=rope,
             tie_word_embeddings=not has_output,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
             pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-            attention_bias=False,
+            **({"attention_bias": False} if arch != "qwen2" else {}),
         )
         # not a named LlamaConfig parameter: set as the attribute the constructor would make of
         # the keyword (the saved config.json is the same)
         cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
     except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
-        raise ValueError(f"{where}: its metadata describes no valid Llama model: {e}") from None
-    cfg.architectures = ["LlamaForCausalLM"]
+        raise ValueError(f"{where}: its metadata describes no valid {arch} model: {e}") from None
+    cfg.architectures = [hf_arch]
     cfg.dtype = "float32"
     return cfg
 
@@ -429,7 +457,9 @@ def dequantize_tensors(reader, cfg) -> dict[str, torch.Tensor]:
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(s) for s in reversed(list(t.shape)))  # ggml lists dims innermost first
         arr = arr.reshape(shape)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if not permutes_qk(cfg):
+            pass
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, cfg.num_attention_heads)
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, cfg.num_key_value_heads)
@@ -448,14 +478,14 @@ def check_tensors(reader, cfg, where: str) -> None:
     ``meta``-device model (nothing is allocated), before anything is converted or cached.
 
     Raises:
-        ValueError: naming ``where`` and the GGUF tensor: a name without an HF Llama
+        ValueError: naming ``where`` and the GGUF tensor: a name without an HF
             counterpart, a shape the config does not expect, or expected weights missing.
     """
     import torch
 
-    from kvserve.model_executor.models.llama import LlamaForCausalLM
+    from kvserve.model_executor.models import registry
 
-    model = LlamaForCausalLM(cfg, torch.float32, "meta")
+    model = registry.model_class(cfg, where)(cfg, torch.float32, "meta")
     loaded = set()
     for t in reader.tensors:
         try:
@@ -504,7 +534,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     Raises:
         ValueError: naming the file (and the tensor or metadata key): not a readable GGUF, not
-            llama, missing config or tokenizer metadata, or a tensor without a HF counterpart,
+            a supported architecture, missing config or tokenizer metadata, or a tensor without a HF counterpart,
             of the wrong shape, or missing (all checked before anything is written).
     """
     from safetensors.torch import save_file
@@ -606,7 +636,7 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     ``out_dir``: what ``quantization="gguf"`` needs beside the GGUF file itself.
 
     Raises:
-        ValueError: naming the file: not a readable llama GGUF, missing config or tokenizer
+        ValueError: naming the file: not a readable GGUF of a supported architecture, missing config or tokenizer
             metadata, or tensors whose names or shapes do not fit it (``check_tensors``: a
             file the loader will refuse gets no cache entry either).
     """
@@ -625,7 +655,7 @@ def metadata_dir(gguf_path: Path) -> Path:
     """The cached directory of ``write_metadata`` for ``gguf_path`` (``<converted dir>-meta``).
 
     Raises:
-        ValueError: the file cannot be read as a llama GGUF (naming it).
+        ValueError: the file cannot be read as a GGUF of a supported architecture (naming it).
     """
     gguf_path = Path(gguf_path).resolve()
     final = cache_dir_for(gguf_path)

@@ -1,4 +1,5 @@
-"""Build ``LlamaForCausalLM`` straight from a GGUF file, keeping its quantized weights quantized
+"""Build the model of a GGUF file (``LlamaForCausalLM``, or the ``qwen2`` / ``qwen3`` family the
+file's architecture names) straight from it, keeping its quantized weights quantized
 (``quantization="gguf"``).
 
 Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
@@ -8,8 +9,9 @@ quantized types without a kernel) is dequantized once at load into the model dty
 log line per type. A fused weight (q/k/v, gate/up) stays quantized only when all its parts
 share one supported type.
 
-llama.cpp's q/k row permutation (``gguf_convert.unpermute_qk``) is undone on the quantized
-rows: a whole row of blocks moves with its output feature, so it is a row gather of bytes.
+llama.cpp's q/k row permutation of ``llama`` files (``gguf_convert.unpermute_qk``) is undone on
+the quantized rows: a whole row of blocks moves with its output feature, so it is a row gather
+of bytes.
 
 No weight is materialised in float unless it is dequantized as above: the model's float
 parameters of quantized weights are allocated but never written, then dropped.
@@ -23,7 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.model_executor.gguf_convert import build_config, hf_tensor_name, open_gguf, unpermute_qk
+from kvserve.model_executor.gguf_convert import (
+    build_config,
+    hf_tensor_name,
+    open_gguf,
+    permutes_qk,
+    unpermute_qk,
+)
 from kvserve.ops import quant
 
 logger = logging.getLogger("kvserve.gguf")
@@ -74,10 +82,11 @@ def _set(module, attr: str, value) -> None:
 def load_gguf_model(
     gguf_path: Path, dtype: torch.dtype, device: str, hf_config=None, max_position: int | None = None
 ):
-    """``LlamaForCausalLM`` with the weights of ``gguf_path``, quantized ones kept quantized.
+    """The model of ``gguf_path`` (``models.registry``'s class for its config) with its weights,
+    quantized ones kept quantized.
 
     Args:
-        gguf_path: a llama-architecture GGUF file.
+        gguf_path: a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3``.
         dtype: activation (and float weight) dtype: float32 or bfloat16.
         device: must be ``"cpu"`` (the kernels are CPU kernels).
         hf_config: the model's config (default: built from the GGUF metadata).
@@ -86,7 +95,7 @@ def load_gguf_model(
             unexpected name, shape or type; a missing tensor (each naming the file and tensor);
             ``KVSERVE_QUANT_ACT`` neither ``float`` nor ``int8``.
     """
-    from kvserve.model_executor.models.llama import LlamaForCausalLM
+    from kvserve.model_executor.models import registry
 
     if device != "cpu":
         raise ValueError(f"quantization='gguf' runs on CPU only, got device={device!r}")
@@ -107,7 +116,8 @@ def load_gguf_model(
     cfg = hf_config if hf_config is not None else build_config(reader, "lm_head.weight" in tensors, where)
     logged: set = set()
     with torch.no_grad():
-        model = LlamaForCausalLM(cfg, dtype=dtype, device="cpu", max_position=max_position)
+        model = registry.model_class(cfg, where)(cfg, dtype=dtype, device="cpu", max_position=max_position)
+        permuted = permutes_qk(cfg)
         loaded: set[str] = set()
         groups = []
         for i, layer in enumerate(model.layers):
@@ -118,8 +128,8 @@ def load_gguf_model(
                     a,
                     "qkv_weight",
                     [
-                        (p + "self_attn.q_proj.weight", a.num_heads),
-                        (p + "self_attn.k_proj.weight", a.num_kv_heads),
+                        (p + "self_attn.q_proj.weight", a.num_heads if permuted else None),
+                        (p + "self_attn.k_proj.weight", a.num_kv_heads if permuted else None),
                         (p + "self_attn.v_proj.weight", None),
                     ],
                 ),
@@ -173,7 +183,9 @@ def load_gguf_model(
             if target is None:
                 continue
             arr = _float_array(path, t, logged)
-            if name.endswith("q_proj.bias"):
+            if not permuted:
+                pass
+            elif name.endswith("q_proj.bias"):
                 arr = unpermute_qk(arr, cfg.num_attention_heads)
             elif name.endswith("k_proj.bias"):
                 arr = unpermute_qk(arr, cfg.num_key_value_heads)

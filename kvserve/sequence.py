@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +169,9 @@ class Sequence:
     ``block_size`` is in tokens; ``n_blocks`` is how many KV blocks its tokens span.
     ``lora_int_id`` is the adapter its K/V are computed with (0 = the base model; set from
     the group, with ``lora_request``, None for the base model or a sequence outside a group):
-    the prefix cache keys its blocks by both.
+    the prefix cache keys its blocks by both. ``kv_salt`` is anything else its K/V depend on
+    beyond tokens and adapter (a LongRoPE model's long prompts: ``LLMEngine.long_prompt_after``),
+    None when nothing: the prefix cache keys by it too.
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class Sequence:
         self.data = SequenceData(prompt_token_ids)
         self.lora_int_id = lora_int_id
         self.lora_request: LoRARequest | None = None
+        self.kv_salt: Hashable | None = None
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.prompt = prompt
@@ -243,6 +247,7 @@ class Sequence:
             lora_int_id=self.lora_int_id,
         )
         child.lora_request = self.lora_request
+        child.kv_salt = self.kv_salt
         child.data = self.data.copy()
         child.status = self.status
         child.output_text = self.output_text

@@ -198,6 +198,8 @@ class BlockSpaceManager:
         if len(hashes) < num_blocks:
             tokens = seq.get_token_ids()[: num_blocks * self.block_size]
             parent = hashes[-1] if hashes else lora_chain_seed(seq.lora_int_id, seq.lora_request)
+            if not hashes and seq.kv_salt is not None:  # K/V that depend on more than tokens
+                parent = ("kv_salt", seq.kv_salt, parent)
             hashes.extend(chain_block_hashes(tokens, self.block_size, len(hashes), parent))
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 

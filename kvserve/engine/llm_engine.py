@@ -125,6 +125,7 @@ class LLMEngine:
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
         generation_defaults: dict[str, Any] | None = None,
+        long_prompt_after: int | None = None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -143,6 +144,10 @@ class LLMEngine:
         #: SamplingParams fields a request takes when it leaves them out (the model's
         #: generation_config.json: ``EngineArgs.generation_config``)
         self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
+        #: LongRoPE models: prompts longer than this get K/V rotated with the long factors from
+        #: their first token (``RotaryEmbedding``), so their blocks are salted apart in the
+        #: prefix cache (``Sequence.kv_salt``); None for other models.
+        self.long_prompt_after = long_prompt_after
         self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
@@ -192,6 +197,7 @@ class LLMEngine:
         invalid setting."""
         from transformers import AutoConfig
 
+        from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
         from kvserve.model_executor.model_loader import get_sliding_window, gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
         from kvserve.transformers_utils.tokenizer import load_tokenizer
@@ -278,6 +284,7 @@ class LLMEngine:
             speculative_config=spec_config,
             lora_config=lora_config,
             generation_defaults=generation_defaults,
+            long_prompt_after=longrope_threshold(get_rope_parameters(hf_config)),
         )
 
     # ------------------------------------------------------------------ requests
@@ -326,6 +333,8 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             prompt=text,
         )
+        if self.long_prompt_after is not None and len(prompt_ids) > self.long_prompt_after:
+            seq.kv_salt = ("longrope", "long")
         if params.structured_outputs is not None:
             # Compiled here, on the caller's thread (the server compiles before queueing, so
             # this is a cache hit), never inside a step.

@@ -1,15 +1,17 @@
-"""Convert a GGUF file (``general.architecture`` llama, gemma2 or gemma3) into a Hugging Face
-directory, cached on disk.
+"""Convert a GGUF file (``general.architecture`` llama, qwen2, qwen3, gemma2 or gemma3) into a
+Hugging Face directory, cached on disk.
 
-Output (float32): ``config.json`` (a ``LlamaConfig``, ``Gemma2Config`` or ``Gemma3TextConfig``
-built from the GGUF metadata),
+Output (float32): ``config.json`` (a ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``,
+``Gemma2Config`` or ``Gemma3TextConfig`` built from the GGUF metadata's ``<architecture>.*``
+keys),
 ``model.safetensors`` (dequantized weights under HF names), tokenizer files (transformers'
 GGUF tokenizer loader + ``save_pretrained``, which keeps the chat template).
 
 llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` inside each head from
 HF's "rotate half" RoPE layout (first half / second half of the head) to interleaved pairs.
 ``unpermute_qk`` applies the inverse so the weights match HF modelling code again (llama
-only: Gemma's rows are stored as HF has them). Gemma's RMSNorm scales are stored as
+only: Qwen's and Gemma's rows are stored as HF has them, llama.cpp rotating them in the "neox"
+layout, which is HF's). Gemma's RMSNorm scales are stored as
 ``1 + weight``; ``hf_float`` takes the 1 off again.
 
 The result is cached under ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``) in
@@ -323,8 +325,29 @@ _GEMMA_LAYER_MAP = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
+#: Qwen3's per-head q/k norms (Qwen2 files have none; the map is shared).
+_QWEN_LAYER_MAP = {
+    **_LAYER_MAP,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
 #: ``general.architecture`` values this converter reads -> their layer name map.
-ARCHITECTURES = {"llama": _LAYER_MAP, "gemma2": _GEMMA_LAYER_MAP, "gemma3": _GEMMA_LAYER_MAP}
+ARCHITECTURES = {
+    "llama": _LAYER_MAP,
+    "qwen2": _QWEN_LAYER_MAP,
+    "qwen3": _QWEN_LAYER_MAP,
+    "gemma2": _GEMMA_LAYER_MAP,
+    "gemma3": _GEMMA_LAYER_MAP,
+}
+
+#: The Llama-shaped architectures: ``general.architecture`` -> (transformers config class,
+#: HF architecture); their metadata keys are ``<architecture>.*``.
+LLAMA_SHAPED = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -349,7 +372,7 @@ def permutes_qk(arch: str) -> bool:
 def hf_float(arch: str, hf_name: str, arr: np.ndarray) -> np.ndarray:
     """A dequantized float tensor as the HF checkpoint holds it: llama.cpp stores Gemma's
     ``1 + weight`` RMSNorm scales as ``1 + weight`` already, HF the offset ``weight``."""
-    if arch != "llama" and hf_name.endswith("norm.weight"):
+    if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
         return arr - np.float32(1.0)
     return arr
 
@@ -467,55 +490,57 @@ def _gemma_config(reader, arch: str, has_output: bool, where: str):
 
 
 def build_config(reader, has_output: bool, where: str = "GGUF file"):
-    """A ``transformers.LlamaConfig`` from GGUF ``llama.*`` / ``tokenizer.ggml.*`` metadata (a
-    Gemma config for ``gemma2`` / ``gemma3`` files: ``_gemma_config``).
+    """A transformers config from GGUF ``<architecture>.*`` / ``tokenizer.ggml.*`` metadata: a
+    ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (``LLAMA_SHAPED``), or a Gemma config
+    for ``gemma2`` / ``gemma3`` files (``_gemma_config``).
 
     Args:
         where: names the file in errors (e.g. ``"GGUF file '/p/m.gguf'"``).
     Raises:
-        ValueError: another architecture, or a missing / non-positive ``llama.*`` size key
-            (naming ``where`` and the key).
+        ValueError: another architecture, or a missing / non-positive ``<architecture>.*`` size
+            key (naming ``where`` and the key).
     """
-    from transformers import LlamaConfig
+    import transformers
 
     arch = check_architecture(reader, where)
-    if arch != "llama":
+    if arch not in LLAMA_SHAPED:
         return _gemma_config(reader, arch, has_output, where)
-    hidden = _required_int(reader, "llama.embedding_length", where)
-    n_head = _required_int(reader, "llama.attention.head_count", where)
-    vocab = _field(reader, "llama.vocab_size")
+    config_class, hf_arch = LLAMA_SHAPED[arch]
+    hidden = _required_int(reader, f"{arch}.embedding_length", where)
+    n_head = _required_int(reader, f"{arch}.attention.head_count", where)
+    vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         if "tokenizer.ggml.tokens" not in reader.fields:
             raise ValueError(
-                f"{where}: neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens' is in its metadata"
+                f"{where}: neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens' is in its metadata"
             )
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = (
-        _field(reader, "llama.attention.key_length")
-        or _field(reader, "llama.rope.dimension_count")
+        _field(reader, f"{arch}.attention.key_length")
+        or _field(reader, f"{arch}.rope.dimension_count")
         or hidden // n_head
     )
-    rope = {"rope_type": "default", "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))}
-    scaling = _field(reader, "llama.rope.scaling.type")
+    rope = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         rope = {
             "rope_type": "linear",
-            "factor": float(_field(reader, "llama.rope.scaling.factor")),
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
             "rope_theta": rope["rope_theta"],
         }
     elif scaling not in (None, "none"):
-        raise ValueError(f"{where}: GGUF rope scaling {scaling!r} is not supported")
-    ffn = _required_int(reader, "llama.feed_forward_length", where)
-    blocks = _required_int(reader, "llama.block_count", where)
-    ctx = _required_int(reader, "llama.context_length", where)
-    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
+        raise ValueError(f"{where}: GGUF rope scaling {arch}.rope.scaling.type={scaling!r} is not supported")
+    ffn = _required_int(reader, f"{arch}.feed_forward_length", where)
+    blocks = _required_int(reader, f"{arch}.block_count", where)
+    ctx = _required_int(reader, f"{arch}.context_length", where)
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
     if isinstance(n_kv, bool) or not isinstance(n_kv, (int, np.integer)) or n_kv <= 0 or n_head % n_kv:
         raise ValueError(
-            f"{where}: metadata key 'llama.attention.head_count_kv' must be a positive divisor of "
-            f"'llama.attention.head_count' ({n_head}), got {n_kv!r}"
+            f"{where}: metadata key '{arch}.attention.head_count_kv' must be a positive divisor of "
+            f"'{arch}.attention.head_count' ({n_head}), got {n_kv!r}"
         )
     try:
-        cfg = LlamaConfig(
+        cfg = getattr(transformers, config_class)(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=ffn,
@@ -524,20 +549,20 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
             num_key_value_heads=int(n_kv),
             head_dim=int(head_dim),
             max_position_embeddings=ctx,
-            rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_parameters=rope,
             tie_word_embeddings=not has_output,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
             pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-            attention_bias=False,
+            **({"attention_bias": False} if arch != "qwen2" else {}),
         )
-        # not a named LlamaConfig parameter: set as the attribute the constructor would make of
-        # the keyword (the saved config.json is the same)
+        # not a named config parameter: set as the attribute the constructor would make of the
+        # keyword (the saved config.json is the same)
         cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
     except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
-        raise ValueError(f"{where}: its metadata describes no valid Llama model: {e}") from None
-    cfg.architectures = ["LlamaForCausalLM"]
+        raise ValueError(f"{where}: its metadata describes no valid {arch} model: {e}") from None
+    cfg.architectures = [hf_arch]
     cfg.dtype = "float32"
     return cfg
 

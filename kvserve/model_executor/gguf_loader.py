@@ -1,4 +1,5 @@
-"""Build the model (``LlamaForCausalLM``, or ``GemmaForCausalLM`` for gemma2 / gemma3 files) straight from a GGUF file, keeping its quantized weights quantized
+"""Build the model of a GGUF file (the family its ``general.architecture`` names: Llama, Qwen2,
+Qwen3, Gemma 2 / 3) straight from it, keeping its quantized weights quantized
 (``quantization="gguf"``).
 
 Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
@@ -8,8 +9,9 @@ quantized types without a kernel) is dequantized once at load into the model dty
 log line per type. A fused weight (q/k/v, gate/up) stays quantized only when all its parts
 share one supported type.
 
-llama.cpp's q/k row permutation (``gguf_convert.unpermute_qk``) is undone on the quantized
-rows: a whole row of blocks moves with its output feature, so it is a row gather of bytes.
+llama.cpp's q/k row permutation of ``llama`` files (``gguf_convert.unpermute_qk``) is undone on
+the quantized rows: a whole row of blocks moves with its output feature, so it is a row gather
+of bytes.
 
 No weight is materialised in float unless it is dequantized as above: the model's float
 parameters of quantized weights are allocated but never written, then dropped.
@@ -82,10 +84,11 @@ def _set(module, attr: str, value) -> None:
 def load_gguf_model(
     gguf_path: Path, dtype: torch.dtype, device: str, hf_config=None, max_position: int | None = None
 ):
-    """``LlamaForCausalLM`` with the weights of ``gguf_path``, quantized ones kept quantized.
+    """The model of ``gguf_path`` (``models.registry``'s class for its config) with its weights,
+    quantized ones kept quantized.
 
     Args:
-        gguf_path: a llama-architecture GGUF file.
+        gguf_path: a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3``.
         dtype: activation (and float weight) dtype: float32 or bfloat16.
         device: must be ``"cpu"`` (the kernels are CPU kernels).
         hf_config: the model's config (default: built from the GGUF metadata).

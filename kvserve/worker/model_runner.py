@@ -230,6 +230,10 @@ class ModelRunner:
         slot_of = self._lora_slots(metadata)
         p_lora: list[int] = []
         d_lora: list[int] = []
+        # LongRoPE: whether each row's prompt is longer than the model's threshold
+        long_after = getattr(getattr(self.model, "rope", None), "longrope_after", None)
+        p_long: list[bool] = []
+        d_long: list[bool] = []
         for g, md in enumerate(metadata):
             n = md.token_chunk_size
             if n < 1:
@@ -261,6 +265,8 @@ class ModelRunner:
                         pl_targets.extend(data.token_range(lo + 1, hi + 1))
                 if slot_of is not None:
                     (d_lora if as_decode else p_lora).extend([lslot] * n)
+                if long_after is not None:
+                    (d_long if as_decode else p_long).extend([data.get_prompt_len() > long_after] * n)
                 if n == 1:
                     d_sids.append((sid, len(d_tokens), 1))
                     d_tokens.append(data.token_at(c))
@@ -311,6 +317,8 @@ class ModelRunner:
             d_tokens = [d_tokens[i] for i in perm]
             if d_lora:
                 d_lora = [d_lora[i] for i in perm]
+            if d_long:
+                d_long = [d_long[i] for i in perm]
             positions[P:] = ctx[perm]
             slots[P:] = slots[P:][perm]
             ends_b = split_buckets(self._decode_blocks(ctx, W)[perm])
@@ -330,11 +338,14 @@ class ModelRunner:
         meta.slot_mapping = torch.from_numpy(slots.astype(np.int64, copy=False)).to(dev)
         if slot_of:
             meta.lora = LoRAMapping.build(np.asarray(p_lora + d_lora, dtype=np.int64), dev)
+        if long_after is not None:
+            meta.long_prompt = torch.tensor(p_long + d_long, dtype=torch.bool, device=dev)
         for variant in meta.windowed.values():
-            variant.write_idx, variant.slot_mapping, variant.lora = (
+            variant.write_idx, variant.slot_mapping, variant.lora, variant.long_prompt = (
                 meta.write_idx,
                 meta.slot_mapping,
                 meta.lora,
+                meta.long_prompt,
             )
         rows = [P + int(d_row[i]) if is_dec else ends[i] - 1 for is_dec, i in order]
         seq_rows = {sid: (pc.start, pc.end) for sid, pc in zip(p_sids, meta.prefills)}

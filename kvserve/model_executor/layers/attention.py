@@ -137,6 +137,9 @@ class AttentionMetadata:
         windowed: for a model whose layers differ in window (``layer_windows``), the same
             step's metadata built for each other window, keyed by it (same rows, slots and
             ``write_idx``); a layer takes its own with ``for_window``.
+        long_prompt: bool ``[T]``: whether each row's sequence has a prompt longer than the
+            model's LongRoPE ``original_max_position_embeddings`` (``RotaryEmbedding.lookup``);
+            ``None`` for other models.
     """
 
     write_idx: torch.Tensor | None
@@ -151,6 +154,7 @@ class AttentionMetadata:
     lora: Any = None
     window: int = 0
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)
+    long_prompt: torch.Tensor | None = None
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of this step for a layer attending with ``window`` tokens (``None`` /

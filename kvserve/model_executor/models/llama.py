@@ -1,17 +1,21 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) on the paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) on the paged KV cache: the decoder
+skeleton other families (``qwen3``, ``phi3``) run on by declaring their parts (``DecoderParts``).
 
 Shapes: GQA (``num_key_value_heads``), optional q/k/v bias (Qwen2), RoPE with the config's
-``rope_theta`` and scaling, RMSNorm, SwiGLU MLP, optional tied embeddings, optional sliding
-window (applied by the runner's attention masks). Our own module code: transformers is only
+``rope_theta`` and scaling (partial rotary, LongRoPE: ``layers.rotary_embedding``), RMSNorm,
+SwiGLU MLP, optional tied embeddings, optional sliding window (applied by the runner's attention
+masks), optional per-head RMSNorm of q and k (Qwen3). Our own module code: transformers is only
 used for the config object.
 
 q/k/v are fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (two matmuls
-fewer per layer); ``load_weights`` fuses the checkpoint's separate tensors.
+fewer per layer); ``load_weights`` fuses the checkpoint's separate tensors, or takes a
+checkpoint's already fused ``self_attn.qkv_proj`` / ``mlp.gate_up_proj`` (Phi-3) whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -38,6 +42,19 @@ from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_
 from kvserve.model_executor.layers.row_buckets import buckets
 from kvserve.model_executor.models import cpu_decode_step
 from kvserve.ops import elementwise, quant
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """What a family adds to the decoder skeleton (a family class sets ``PARTS``).
+
+    Attributes:
+        qk_norm: an RMSNorm of ``head_dim`` weights (``self_attn.q_norm`` / ``k_norm``) on each
+            q and k head after the projection, before rotary (Qwen3). Its weights are per head
+            dimension, so every tensor-parallel rank holds all of them.
+    """
+
+    qk_norm: bool = False
 
 
 def _head_dim(cfg) -> int:
@@ -73,8 +90,9 @@ class LlamaAttention(nn.Module):
     #: fused target -> its parts' output column bounds (``LoRAManager.part_bounds``).
     lora_parts: dict | None = None
 
-    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None):
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None, parts: DecoderParts | None = None):
         super().__init__()
+        parts = parts or DecoderParts()
         t = _tp_size(tp)
         self.tp = tp
         self.num_heads = cfg.num_attention_heads // t
@@ -101,12 +119,31 @@ class LlamaAttention(nn.Module):
             if o_bias
             else None
         )
+        # per-head q/k norms (a family may put its own norm kind here)
+        self.q_norm: nn.Module | None = (
+            RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if parts.qk_norm else None
+        )
+        self.k_norm: nn.Module | None = (
+            RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if parts.qk_norm else None
+        )
         self.rope = rope
+        #: rotary + cache write may run as one native pass (``elementwise.rope_write_kv``): it
+        #: rotates whole heads, so not with partial rotary
+        self.fused_rope = rope.rotary_dim == self.head_dim
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def transform_qkv(self, qkv: torch.Tensor) -> None:
-        """Change the projected ``[T, q + 2 * kv]`` q/k/v in place before rotary (a family with
-        q/k norms or clipping overrides it); Llama leaves them as they are."""
+        """Change the projected ``[T, q + 2 * kv]`` q/k/v in place before rotary: Qwen3's per-head
+        q/k RMSNorm when the family declares it (``DecoderParts.qk_norm``); a family with other
+        q/k changes (whole-projection norms, clipping) overrides it."""
+        if self.q_norm is not None and self.k_norm is not None:
+            T = qkv.shape[0]
+            q_heads = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+            k_heads = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                T, self.num_kv_heads, self.head_dim
+            )
+            q_heads.copy_(self._head_norm(self.q_norm, q_heads))
+            k_heads.copy_(self._head_norm(self.k_norm, k_heads))
 
     def forward(
         self,
@@ -131,7 +168,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Rotary, cache write, attention and o for the projected ``qkv`` ``[T, q + 2 kv]``."""
         T = qkv.shape[0]
-        fused = elementwise.supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
+        fused = self.fused_rope and elementwise.supported(
+            qkv, cos, sin, *(() if kv_cache is None else (kv_cache,))
+        )
         if fused:  # rotary + cache write in one native pass
             qk = elementwise.rope_write_kv(
                 qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_cache, meta.slot_mapping
@@ -148,6 +187,13 @@ class LlamaAttention(nn.Module):
         out = linear(o, self.o_weight, self.o_bias)
         _lora(self, "o", o, out, meta.lora)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    @staticmethod
+    def _head_norm(norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
+        """``norm`` over the last dimension of ``heads`` ``[T, H, D]`` (a strided view):
+        ``[T, H, D]`` contiguous, rows of ``D`` normalised one by one."""
+        T, H, D = heads.shape
+        return cast(torch.Tensor, norm(heads.reshape(T * H, D))).view(T, H, D)
 
 
 class LlamaMLP(nn.Module):
@@ -200,9 +246,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None):
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, tp=None, parts: DecoderParts | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rope, dtype, device, tp)
+        self.self_attn = LlamaAttention(cfg, rope, dtype, device, tp, parts)
         self.mlp = LlamaMLP(cfg, dtype, device, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -252,6 +298,8 @@ class LlamaForCausalLM(nn.Module):
     supports_lora = True
     #: Whether its linear weights can be quantized (int8 / int4 at load, quantized checkpoints).
     supports_quantization = True
+    #: The family's parts on the decoder skeleton; a family module's subclass overrides it.
+    PARTS = DecoderParts()
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
@@ -281,6 +329,9 @@ class LlamaForCausalLM(nn.Module):
         head_rows = self.vocab_shard.rows
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
+        #: ``cpu_decode_step`` runs this model's pure-decode steps: its kernels rotate whole heads
+        #: and know no q/k norm
+        self.native_decode_parts = not self.PARTS.qk_norm and self.rope.rotary_dim == self.head_dim
         # a replicated table is padded to T * S rows (zeros) so that a tied head is a view of it
         embed_rows = head_rows if self.shard_embedding else self.vocab_shard.padded_vocab
         self.embed_tokens = nn.Parameter(
@@ -307,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decoder_layer(self, cfg, index: int, dtype, device) -> nn.Module:
         """Decoder layer ``index`` (a family module overrides this and ``_final_norm``)."""
-        return LlamaDecoderLayer(cfg, self.rope, dtype, device, self.tp)
+        return LlamaDecoderLayer(cfg, self.rope, dtype, device, self.tp, self.PARTS)
 
     def _final_norm(self, cfg, dtype, device) -> nn.Module:
         """The norm after the last layer."""
@@ -336,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
             x = vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rope.lookup(positions)
+        cos, sin = self.rope.lookup(positions, meta.long_prompt)
         if (
             kv_caches is not None
             and self.use_native_decode
@@ -492,6 +543,9 @@ class LlamaForCausalLM(nn.Module):
         "self_attn.v_proj.bias": 0,
         "mlp.gate_proj.weight": 0,
         "mlp.up_proj.weight": 0,
+        "self_attn.qkv_proj.weight": 0,
+        "self_attn.qkv_proj.bias": 0,
+        "mlp.gate_up_proj.weight": 0,
         "self_attn.o_proj.weight": 1,
         "mlp.down_proj.weight": 1,
     }
@@ -526,11 +580,37 @@ class LlamaForCausalLM(nn.Module):
             out[dim] //= self.tp_size
         return tuple(out)
 
+    #: Checkpoint tensor name suffix of an already fused tensor -> the fused parts, in order:
+    #: a tensor-parallel rank takes its 1/T slice of each part.
+    _FUSED_CHECKPOINT = {
+        "self_attn.qkv_proj.weight": (
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ),
+        "self_attn.qkv_proj.bias": (
+            "self_attn.q_proj.bias",
+            "self_attn.k_proj.bias",
+            "self_attn.v_proj.bias",
+        ),
+        "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    }
+
+    def _fused_part_sizes(self, rest: str) -> list[int]:
+        """Full (unsharded) rows of each part of the fused checkpoint tensor ``rest``."""
+        a = self.layers[0].self_attn
+        if rest.startswith("self_attn."):
+            t = self.tp_size
+            return [a.q_size * t, a.kv_size * t, a.kv_size * t]
+        return [self.layers[0].mlp.inter * self.tp_size] * 2
+
     def shard_weight(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor ``t`` named ``name``: a contiguous
-        1/T slice along its shard dimension; the LM head's (and a sharded embedding's)
-        ``vocab_shard`` rows (zero-padded); o's bias only on rank 0 (zeros elsewhere, so the all-reduce adds it
-        once); ``t`` itself for replicated tensors and at TP=1.
+        1/T slice along its shard dimension; for an already fused q/k/v or gate/up tensor
+        (``_FUSED_CHECKPOINT``) the 1/T slice of each part, concatenated; the LM head's (and a
+        sharded embedding's) ``vocab_shard`` rows (zero-padded); o's bias only on rank 0 (zeros
+        elsewhere, so the all-reduce adds it once); ``t`` itself for replicated tensors and at
+        TP=1.
 
         Raises:
             ValueError: the shard dimension does not divide by the tensor-parallel size, or a
@@ -543,6 +623,13 @@ class LlamaForCausalLM(nn.Module):
             return t
         if self._vocab_sharded(name):
             return self.vocab_shard.take(t)
+        rest = name.split(".", 3)[-1]
+        if rest in self._FUSED_CHECKPOINT:
+            sizes = self._fused_part_sizes(rest)
+            if t.shape[0] != sum(sizes):
+                raise ValueError(f"weight {name!r} has {t.shape[0]} rows, expected {sum(sizes)} ({sizes})")
+            rows = [n // self.tp_size for n in sizes]  # (each part divides: the head counts do)
+            return torch.cat([p.narrow(0, self.tp_rank * r, r) for p, r in zip(t.split(sizes), rows)])
         n = t.shape[dim]
         if n % self.tp_size:
             raise ValueError(
@@ -607,6 +694,11 @@ class LlamaForCausalLM(nn.Module):
 
     def check_all_loaded(self, loaded) -> None:
         """Raises ValueError naming the expected weights absent from ``loaded`` (a set of names)."""
+        loaded = set(loaded)
+        for name in list(loaded):  # an already fused tensor stands for its parts
+            for fused, parts in self._FUSED_CHECKPOINT.items():
+                if name.endswith("." + fused):
+                    loaded.update(name[: -len(fused)] + part for part in parts)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(
@@ -625,6 +717,8 @@ class LlamaForCausalLM(nn.Module):
                 names += [p + f"self_attn.{s}_proj.bias" for s in ("q", "k", "v")]
             if layer.self_attn.o_bias is not None:
                 names.append(p + "self_attn.o_proj.bias")
+            if layer.self_attn.q_norm is not None:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
             names += [p + f"mlp.{s}_proj.weight" for s in ("gate", "up", "down")]
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         return names
@@ -647,6 +741,14 @@ class LlamaForCausalLM(nn.Module):
         rest = ".".join(parts[3:])
         a = layer.self_attn
         qkv_rows = {"q": 0, "k": a.q_size, "v": a.q_size + a.kv_size}
+        if rest in self._FUSED_CHECKPOINT:  # whole fused parameter
+            if rest == "mlp.gate_up_proj.weight":
+                return layer.mlp.gate_up_weight, None
+            return (a.qkv_weight if rest.endswith("weight") else a.qkv_bias), None
+        if rest == "self_attn.q_norm.weight" and a.q_norm is not None:
+            return a.q_norm.weight, None
+        if rest == "self_attn.k_norm.weight" and a.k_norm is not None:
+            return a.k_norm.weight, None
         if rest.startswith("self_attn.") and rest.endswith("_proj.weight"):
             which = rest[len("self_attn.") : -len("_proj.weight")]
             if which in qkv_rows:

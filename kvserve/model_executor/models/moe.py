@@ -157,8 +157,8 @@ class MoeAttention(LlamaAttention):
             self.o_bias = None
         self.qk_norm = fam.qk_norm
         eps = cfg.rms_norm_eps
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm = None
+        self.k_norm = None
         if fam.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, eps, dtype, device)
@@ -333,9 +333,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         rest = ".".join(parts[3:])
         attn = cast(MoeAttention, layer.self_attn)
         if rest == "self_attn.q_norm.weight" and attn.q_norm is not None:
-            return attn.q_norm.weight.data
+            return cast(RMSNorm, attn.q_norm).weight.data
         if rest == "self_attn.k_norm.weight" and attn.k_norm is not None:
-            return attn.k_norm.weight.data
+            return cast(RMSNorm, attn.k_norm).weight.data
         block: nn.Module = layer.mlp
         fam = self.family
         if not isinstance(block, MoeBlock) or not rest.startswith(fam.prefix + "."):

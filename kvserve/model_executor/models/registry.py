@@ -19,6 +19,8 @@ NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 #: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
@@ -32,6 +34,8 @@ NATIVE_MODEL_TYPES: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

@@ -128,7 +128,7 @@ def check_against_hf(
             c = out.outputs[0]
             assert list(c.token_ids) == tokens, (list(c.token_ids), tokens)
             assert c.logprobs is not None
-            got = [step[t] for step, t in zip(c.logprobs, tokens)]
+            got = [step[t].logprob for step, t in zip(c.logprobs, tokens)]
             err = max(abs(a - b) for a, b in zip(got, lps))
             assert err < atol, (err, got, lps)
         stats = llm.llm_engine.get_kv_cache_stats()

@@ -20,7 +20,7 @@ from tests.model_executor.family_checks import VOCAB, check_against_hf, prompts_
 
 T = gguf.GGMLQuantizationType
 HF_TO_GGUF = {v: k for k, v in gguf_convert._GLOBAL_MAP.items()}
-LAYER_TO_GGUF = {v: k for k, v in gguf_convert._LAYER_MAP.items()}
+LAYER_TO_GGUF = {v: k for k, v in gguf_convert.ARCHITECTURES["qwen3"].items()}
 
 
 def gguf_name(hf: str) -> str:

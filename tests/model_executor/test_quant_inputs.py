@@ -266,7 +266,7 @@ def test_gguf_missing_metadata_is_named(tmp_path, tiny_hf, skip, message):
         ),
         (
             {"llama.attention.head_count": 3, "llama.attention.head_count_kv": 3},
-            r"its metadata describes no valid Llama model: .*not a multiple of the number of attention heads",
+            r"its metadata describes no valid llama model: .*not a multiple of the number of attention heads",
         ),
         ({"llama.block_count": 0}, r"metadata key 'llama\.block_count' must be a positive integer, got 0"),
     ],
@@ -291,7 +291,7 @@ def test_gguf_of_another_architecture_names_the_file(tmp_path):
     w.close()
     for msg in _both_paths(tmp_path / "phi.gguf"):
         assert re.search(
-            r"phi\.gguf': general.architecture 'phi2' is not supported \(supported: llama, gemma2, gemma3\)",
+            r"phi\.gguf': general.architecture 'phi2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3\)",
             msg,
         ), msg
 
@@ -319,7 +319,7 @@ def test_gguf_float_path_checks_shapes_and_names_before_caching(tmp_path, tiny_h
     path.write_bytes(bytes(data))
     for msg in _both_paths(path):
         assert re.search(
-            r"name\.gguf'.*'blk\.1\.attn_z\.weight' has no Hugging Face Llama counterpart", msg
+            r"name\.gguf'.*'blk\.1\.attn_z\.weight' has no Hugging Face llama counterpart", msg
         ), msg
     assert not [p for p in (tmp_path / "cache").glob("*") if p.name != "gguf-sha256.json"]
 

@@ -251,3 +251,20 @@ def test_attention_features_the_fallback_cannot_honour_are_refused(
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=rf"config\.json: \w+ uses {feature}"):
         LLM(model=str(tmp_path), **ENGINE)
+
+
+def test_beam_search_on_the_fallback_equals_transformers(family, prompts):
+    """``LLM.beam_search`` (each beam a one-token request reusing its parent's blocks) gives
+    transformers' hypotheses, in order, with its scores."""
+    from kvserve import BeamSearchParams
+    from tests.entrypoints.test_beam_search import hf_beams
+
+    path, hf = family
+    llm = LLM(model=str(path), **ENGINE, enable_prefix_caching=True)
+    params = BeamSearchParams(beam_width=2, max_tokens=5)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:3]], params)
+    for p, out in zip(prompts[:3], outs):
+        ref = hf_beams(hf, p, 2, 5, 1.0, False, 2)
+        assert [s.output_token_ids for s in out.sequences] == [t for t, _ in ref]
+        for s, (_, score) in zip(out.sequences, ref):
+            assert s.score == pytest.approx(score, rel=1e-5, abs=1e-4)

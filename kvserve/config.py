@@ -16,6 +16,34 @@ from typing import Any, NamedTuple
 #: weights (a GGUF dequantized), the same as ``None`` everywhere past that choice.
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4", "gptq", "awq", "compressed-tensors")
 
+#: Values of ``model_impl`` (vLLM's names): ``auto`` runs an architecture's native family
+#: (``model_executor.models.registry``) where there is one, else the transformers fallback;
+#: ``native`` refuses an architecture without a native family; ``transformers`` runs the fallback
+#: even where a native family exists (to compare the two).
+MODEL_IMPL_CHOICES = ("auto", "native", "transformers")
+#: ``model_impl`` spellings of vLLM accepted for kvserve's names (vLLM's own implementations are
+#: what kvserve's native families are).
+MODEL_IMPL_ALIASES = {"vllm": "native"}
+
+#: What the transformers fallback cannot run, as ``(setting, why)`` for its error messages.
+FALLBACK_LIMITS = {
+    "quantization": "it runs the checkpoint's float weights only",
+    "tensor_parallel_size": "its modules are not sharded",
+    "enable_lora": "adapters apply to the native families' fused linear weights only",
+}
+
+
+def fallback_conflict_error(setting: str, where: str = "") -> ValueError:
+    """The ``ValueError`` for a setting the transformers fallback cannot run: ``setting`` as
+    typed (``"tensor_parallel_size=2"``), its ``FALLBACK_LIMITS`` reason; ``where``: why the
+    fallback was chosen (``"model_impl='transformers'"`` or the checkpoint's architecture)."""
+    key = setting.split("=")[0]
+    chosen = f" ({where})" if where else ""
+    return ValueError(
+        f"{setting} is not supported by the transformers fallback{chosen}: {FALLBACK_LIMITS[key]}; "
+        "use a model with a native family and model_impl='auto' or 'native'."
+    )
+
 
 def _gguf_conflict_error(setting: str, why: str) -> ValueError:
     return ValueError(
@@ -79,6 +107,12 @@ def _check_utilization(value) -> None:
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
+def check_model_impl(value) -> None:
+    """Raises ValueError naming ``model_impl`` and its choices when ``value`` is not one."""
+    if value not in MODEL_IMPL_CHOICES:
+        raise ValueError(f"model_impl must be one of {'|'.join(MODEL_IMPL_CHOICES)}, got {value!r}.")
+
+
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -109,6 +143,8 @@ class ModelConfig:
             32 weights) / int4 (Q4_1 blocks: a scale and offset per 32 weights), weight-only;
             ``"gptq"`` / ``"awq"`` / ``"compressed-tensors"``: a checkpoint quantized so (the
             same as unset, but checked). All CPU only.
+        model_impl: ``auto``, ``native`` or ``transformers`` (``MODEL_IMPL_CHOICES``): which
+            implementation runs the checkpoint's architecture.
     """
 
     model: str | None = None
@@ -117,8 +153,10 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     quantization: str | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
+        check_model_impl(self.model_impl)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto|float32|bfloat16|float16, got {self.dtype!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -599,8 +637,19 @@ class EngineArgs:
     #: a JSON object string.
     override_generation_config: dict | str | None = None
 
+    #: Which implementation runs the architecture (``MODEL_IMPL_CHOICES``): ``auto`` = its native
+    #: family, else the transformers fallback; ``native``; ``transformers`` (the fallback).
+    model_impl: str = "auto"
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.model_impl = MODEL_IMPL_ALIASES.get(self.model_impl, self.model_impl)
+        check_model_impl(self.model_impl)
+        if self.model_impl == "transformers":
+            # settings the fallback cannot run, refused before anything loads (with ``auto`` the
+            # architecture decides, known once its config is read: ``model_loader``)
+            for setting in self._fallback_conflicts():
+                raise fallback_conflict_error(setting, "model_impl='transformers'")
         _check_utilization(self.gpu_memory_utilization)
         self.generation_overrides()
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
@@ -623,6 +672,17 @@ class EngineArgs:
             if conflicts:
                 raise _gguf_conflict_error(*conflicts[0])
 
+    def _fallback_conflicts(self) -> list[str]:
+        """The settings (as typed) that the transformers fallback cannot run."""
+        out = []
+        if self.quantization not in (None, "none"):
+            out.append(f"quantization={self.quantization!r}")
+        if self.tensor_parallel_size != 1:
+            out.append(f"tensor_parallel_size={self.tensor_parallel_size}")
+        if self.enable_lora:
+            out.append("enable_lora=True")
+        return out
+
     def _gguf_conflicts(self, resolve_device: bool = True) -> list[tuple[str, str]]:
         """The settings that ``quantization='gguf'`` cannot run, as ``(setting, why)`` pairs.
         ``resolve_device``: also resolve ``device='auto'`` (imports torch)."""
@@ -640,6 +700,8 @@ class EngineArgs:
             )
         if self.enable_lora:
             out.append(("enable_lora", "LoRA adapters apply to float weights only"))
+        if self.model_impl == "transformers":
+            out.append(("model_impl='transformers'", "the transformers fallback runs float weights only"))
         return out
 
     def resolve_quantization(self, quantized_kernels: bool = True) -> QuantizationChoice:
@@ -772,6 +834,7 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=max_len,
             quantization=self.quantization,
+            model_impl=self.model_impl,
         )
         # On CPU a step's cost grows with its tokens and the GEMMs are most efficient at ~2-3k
         # rows, so (as vLLM's CPU backend) prompts are chunked into 2,048-token steps mixed with

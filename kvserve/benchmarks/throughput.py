@@ -6,6 +6,8 @@ through transformers' ``generate`` in static batches of each ``--baseline-batch-
 padding; every batch generates its longest ``output_len`` with ``min_new_tokens=max_new_tokens``,
 so it does at least the same work; only each request's own ``output_len`` tokens count as useful
 output). kvserve runs first so its peak RSS (``getrusage``) is not inflated by the baseline.
+``--model-impl transformers`` runs kvserve's transformers fallback instead of the native family
+(``--no-baseline --model-impl native`` vs ``transformers`` compares the two on the same engine).
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ def run_kvserve(
         res["dtype"] = str(llm.llm_engine.model_config.resolved_dtype()).replace("torch.", "")
     except Exception:
         pass
+    # the implementation that ran (``--model-impl``): the native family or the transformers fallback
+    worker = getattr(llm.llm_engine.executor, "worker", llm.llm_engine.executor)
+    res["model_impl"] = "transformers" if getattr(worker, "uses_fallback", False) else "native"
     try:
         res["kv_cache"] = llm.llm_engine.get_kv_cache_stats()
     except Exception:
@@ -339,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     del llm
     gc.collect()
     print(
-        f"kvserve: {kv['output_tokens_per_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s "
+        f"kvserve ({kv['model_impl']} model): {kv['output_tokens_per_s']:.1f} output tok/s in {kv['elapsed_s']:.1f} s "
         f"(load {kv['load_s']:.1f} s, warm-up {kv['warmup_s']:.1f} s, peak RSS {kv['peak_rss_mib']:.0f} MiB)"
     )
 
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [
         [
-            "kvserve",
+            "kvserve" if kv["model_impl"] == "native" else "kvserve (transformers fallback)",
             kv.get("dtype", ns.dtype),
             "continuous",
             kv["requests_per_s"],

@@ -215,6 +215,9 @@ class LLMEngine:
         model_dir = resolve_model_dir(args.model, quantization)
         generation_defaults = load_generation_defaults(args, model_dir)  # a bad file fails before the load
         hf_config = AutoConfig.from_pretrained(model_dir)
+        from kvserve.model_executor.model_loader import check_architecture, check_fallback_settings
+
+        check_architecture(hf_config, args.model_impl, model_dir)  # (before reading its limits)
         if args.quantization == "none":
             from kvserve.model_executor.quantized_checkpoint import quant_method_of
 
@@ -235,6 +238,15 @@ class LLMEngine:
         model_config.model = str(gguf_file_for(args.model)) if quantization == "gguf" else str(model_dir)
         spec_config = args.create_speculative_config()
         parallel_config = args.create_parallel_config()
+        # the transformers fallback's limits, before the parallel checks read native-only fields
+        check_fallback_settings(
+            hf_config,
+            args.model_impl,
+            model_dir,
+            quantization,
+            tensor_parallel_size=parallel_config.tensor_parallel_size,
+            enable_lora=args.enable_lora,
+        )
         parallel_config.verify_with_model(
             hf_config, model_config.resolved_device(), quantization=quantization
         )

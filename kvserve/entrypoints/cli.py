@@ -12,7 +12,13 @@ import sys
 import time
 import typing
 
-from kvserve.config import DTYPE_ALIASES, QUANTIZATION_CHOICES, EngineArgs
+from kvserve.config import (
+    DTYPE_ALIASES,
+    MODEL_IMPL_ALIASES,
+    MODEL_IMPL_CHOICES,
+    QUANTIZATION_CHOICES,
+    EngineArgs,
+)
 from kvserve.entrypoints.vllm_compat import aliases_of, human_int_arg
 from kvserve.lora.modules import parse_lora_module
 
@@ -43,6 +49,11 @@ _HELP = {
         "weights); gptq / awq / compressed-tensors = a checkpoint quantized so (also detected from "
         "its config.json when unset)"
     ),
+    "model_impl": (
+        "which implementation runs the architecture: auto = its native family where there is one, "
+        "else the transformers fallback; native = native families only; transformers = the "
+        "fallback (transformers' own modules on the paged KV cache) even for a native family"
+    ),
 }
 
 
@@ -53,6 +64,11 @@ _HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
 def _dtype(text: str) -> str:
     """A ``--dtype`` value with vLLM's spellings (``half``, ``float``) as kvserve's names."""
     return DTYPE_ALIASES.get(text, text)
+
+
+def _model_impl(text: str) -> str:
+    """A ``--model-impl`` value with vLLM's spelling (``vllm``) as kvserve's name (``native``)."""
+    return MODEL_IMPL_ALIASES.get(text, text)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, str] | None = None) -> None:
@@ -83,13 +99,16 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
         else:
             parser.add_argument(
                 *names,
-                type=human_int_arg if f.name in _HUMAN_INT_FIELDS else _dtype if f.name == "dtype" else base,
+                type=human_int_arg
+                if f.name in _HUMAN_INT_FIELDS
+                else {"dtype": _dtype, "model_impl": _model_impl}.get(f.name, base),
                 default=f.default,
                 choices={
                     "device": ["auto", "cpu", "cuda"],
                     "dtype": ["auto", "float32", "bfloat16", "float16"],
                     "preemption_mode": ["recompute", "swap"],
                     "quantization": list(QUANTIZATION_CHOICES),
+                    "model_impl": list(MODEL_IMPL_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],
                 }.get(f.name),
                 help=helps.get(f.name),

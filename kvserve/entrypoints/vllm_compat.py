@@ -196,7 +196,10 @@ FATES: dict[str, Fate] = {
     ),
     "--override-generation-config": _same(VALUE, "a JSON object over generation_config.json's values"),
     "--enable-sleep-mode": _refused(BOOL, "kvserve has no sleep mode", accept=_FALSE),
-    "--model-impl": _refused(VALUE, "kvserve runs its own model implementations", accept=("auto", "vllm")),
+    "--model-impl": _same(
+        VALUE,
+        "auto: a native family, else the transformers fallback; transformers: the fallback; vLLM's vllm is native",
+    ),
     "--override-attention-dtype": _refused(VALUE, "attention runs in the model's dtype"),
     "--logits-processors": _refused(VALUES, _PLUGINS),
     "--io-processor-plugin": _refused(VALUE, _PLUGINS),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config import QUANTIZATION_CHOICES
+from kvserve.config import QUANTIZATION_CHOICES, check_model_impl, fallback_conflict_error
 from kvserve.model_executor.models import registry
 from kvserve.model_executor.safetensors_shards import shard_paths
 
@@ -145,12 +145,18 @@ def check_config_json(path: Path) -> None:
         )
 
 
-def load_hf_config(model_dir: Path):
+def load_hf_config(model_dir: Path, model_impl: str = "native"):
     """The transformers config of ``model_dir``.
 
+    ``model_impl`` (``config.MODEL_IMPL_CHOICES``): ``native`` refuses an architecture no native
+    family runs; ``auto`` / ``transformers`` accept any causal LM the transformers fallback can
+    run where it would be chosen (``uses_transformers_fallback``).
+
     Raises:
-        ValueError: an architecture this engine does not implement, or a quantized checkpoint
-            whose ``quantization_config`` is not supported (``quantized_checkpoint``: GPTQ 4-bit
+        ValueError: an architecture this engine does not implement (``native``), a checkpoint
+            that is no causal LM or uses a feature the fallback cannot run (naming
+            ``config.json`` and the architecture), or a quantized checkpoint whose
+            ``quantization_config`` is not supported (``quantized_checkpoint``: GPTQ 4-bit
             and symmetric 8-bit, AWQ 4-bit and compressed-tensors 8-bit are; the method or
             field is named).
     """
@@ -158,13 +164,77 @@ def load_hf_config(model_dir: Path):
 
     from kvserve.model_executor.quantized_checkpoint import parse_quantization_config
 
-    check_config_json(Path(model_dir) / "config.json")
+    check_model_impl(model_impl)
+    config_json = Path(model_dir) / "config.json"
+    check_config_json(config_json)
     cfg = AutoConfig.from_pretrained(str(model_dir))
     qc = getattr(cfg, "quantization_config", None)
     if qc:  # refuses an unsupported method, bit width or layout, naming it
-        parse_quantization_config(qc, str(Path(model_dir) / "config.json"))
-    registry.model_class(cfg, str(model_dir))  # refuses an architecture no family runs
+        parse_quantization_config(qc, str(config_json))
+    check_architecture(cfg, model_impl, model_dir)
     return cfg
+
+
+def check_architecture(hf_config, model_impl: str, model_dir) -> None:
+    """Refuse an architecture ``model_impl`` cannot run: with the transformers fallback chosen
+    (``uses_transformers_fallback``), a checkpoint that is no causal LM or asks for a feature
+    the fallback cannot honour; otherwise one no native family runs.
+
+    Raises:
+        ValueError: naming the checkpoint (its ``config.json``) and the architecture.
+    """
+    if uses_transformers_fallback(hf_config, model_impl):
+        from kvserve.model_executor.models import transformers_fallback
+
+        transformers_fallback.check_config_features(hf_config, str(Path(model_dir) / "config.json"))
+    else:
+        registry.model_class(hf_config, str(model_dir))  # refuses an architecture no family runs
+
+
+def uses_transformers_fallback(hf_config, model_impl: str) -> bool:
+    """Whether ``model_impl`` runs ``hf_config`` with the transformers fallback: always for
+    ``transformers``, for ``auto`` when no native family runs its architecture, never for
+    ``native``."""
+    if model_impl == "transformers":
+        return True
+    return model_impl == "auto" and registry.native_architecture(hf_config) is None
+
+
+def check_fallback_settings(
+    hf_config,
+    model_impl: str,
+    model_dir,
+    quantization: str | None = None,
+    tensor_parallel_size: int = 1,
+    enable_lora: bool = False,
+) -> bool:
+    """Whether the transformers fallback runs ``hf_config``; refuses the settings it cannot run.
+
+    Raises:
+        ValueError: with the fallback chosen, ``quantization`` set (int8 / int4 / GGUF, or a
+            quantized checkpoint's own ``quantization_config``), ``tensor_parallel_size > 1`` or
+            ``enable_lora``, naming the fallback, the setting and why the fallback was chosen.
+    """
+    from kvserve.model_executor.quantized_checkpoint import quant_method_of
+
+    if not uses_transformers_fallback(hf_config, model_impl):
+        return False
+    archs = getattr(hf_config, "architectures", None) or getattr(hf_config, "model_type", None)
+    why = (
+        "model_impl='transformers'"
+        if model_impl == "transformers"
+        else f"no native family runs architecture {archs!r} of {str(model_dir)!r}"
+    )
+    method = quant_method_of(hf_config)
+    if quantization is not None:
+        raise fallback_conflict_error(f"quantization={quantization!r}", why)
+    if method is not None:
+        raise fallback_conflict_error(f"quantization={method!r} (the checkpoint's quantization_config)", why)
+    if tensor_parallel_size != 1:
+        raise fallback_conflict_error(f"tensor_parallel_size={tensor_parallel_size}", why)
+    if enable_lora:
+        raise fallback_conflict_error("enable_lora=True", why)
+    return True
 
 
 def get_sliding_window(hf_config) -> int | None:
@@ -293,8 +363,10 @@ def load_model(
     max_position: int | None = None,
     quantization: str | None = None,
     tp=None,
+    model_impl: str = "native",
 ):
-    """Build the checkpoint's model class (``models.registry``) on ``device`` in ``dtype`` and
+    """Build the checkpoint's model class (``models.registry``; with ``model_impl`` choosing
+    the transformers fallback, ``models.transformers_fallback``) on ``device`` in ``dtype`` and
     load its weights; ``quantization="int8"`` / ``"int4"`` then quantizes its linear weights to Q8_0 / Q4_1
     (weight-only, CPU). A checkpoint with a ``quantization_config`` (GPTQ, AWQ,
     compressed-tensors) keeps its quantized weights quantized (``quantized_checkpoint``);
@@ -310,7 +382,18 @@ def load_model(
     from kvserve.model_executor import quantized_checkpoint as qck
 
     model_dir = Path(model_dir)
-    cfg = hf_config if hf_config is not None else load_hf_config(model_dir)
+    cfg = hf_config if hf_config is not None else load_hf_config(model_dir, model_impl)
+    if check_fallback_settings(
+        cfg, model_impl, model_dir, quantization, tensor_parallel_size=1 if tp is None else int(tp.world_size)
+    ):
+        from kvserve.model_executor.models.transformers_fallback import TransformersForCausalLM
+
+        with torch.no_grad():
+            model = TransformersForCausalLM(
+                cfg, dtype=dtype, device=device, where=str(model_dir / "config.json")
+            )
+            read_safetensors_into(model, model_dir)
+        return model.eval()
     method = qck.quant_method_of(cfg)
     check_quantization_matches(quantization, method, model_dir)
     model_cls = registry.model_class(cfg, str(model_dir))

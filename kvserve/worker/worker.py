@@ -171,6 +171,7 @@ class Worker:
         lora_config: LoRAConfig | None = None,
     ):
         from kvserve.model_executor.model_loader import (
+            check_fallback_settings,
             get_sliding_window,
             gguf_file_for,
             load_hf_config,
@@ -208,7 +209,17 @@ class Worker:
             keep_freed_memory()  # no page faults on every step's activations (see cpu_malloc)
         torch.manual_seed(model_config.seed)
         self.model_dir = resolve_model_dir(model_config.model, model_config.quantization)
-        self.hf_config = load_hf_config(self.model_dir)
+        self.hf_config = load_hf_config(self.model_dir, model_config.model_impl)
+        #: Whether the transformers fallback runs the model (``model_impl``); what it cannot
+        #: run is refused here, before any peer rank starts.
+        self.uses_fallback = check_fallback_settings(
+            self.hf_config,
+            model_config.model_impl,
+            self.model_dir,
+            model_config.quantization,
+            tensor_parallel_size=self.tp_size,
+            enable_lora=lora_config is not None,
+        )
         self.tp: TensorParallelGroup | None = None
         self.peers: TensorParallelPeers | None = None
         #: Why this driver can run no more steps (its ranks went out of step), or None.
@@ -268,6 +279,7 @@ class Worker:
                     self.hf_config,
                     quantization=model_config.quantization,
                     tp=self.tp,
+                    model_impl=model_config.model_impl,
                 )
                 if self.peers is not None:
                     self.peers.wait_ready()

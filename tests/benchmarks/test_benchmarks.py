@@ -435,3 +435,18 @@ def test_bench_throughput_reports_speculation_counts(tiny_llama_dir, tmp_path, c
     assert sd["acceptance_rate"] == 1.0
     printed = capsys.readouterr().out
     assert f"speculative decoding: {sd['num_draft_tokens']} draft tokens proposed" in printed
+
+
+@pytest.mark.parametrize("impl, ran", [("native", "native"), ("transformers", "transformers")])
+def test_bench_throughput_runs_the_model_impl_asked_for(tiny_llama_dir, tmp_path, capsys, impl, ran):
+    """``--model-impl`` reaches the engine: the JSON and the printed line say which ran."""
+    from kvserve.benchmarks.cli import main
+
+    out, workload = tmp_path / "t.json", tmp_path / "w.jsonl"
+    rows = [{"id": i, "prompt_token_ids": list(range(100 + i, 116 + i)), "output_len": 4} for i in range(2)]
+    workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["throughput", "--model", str(tiny_llama_dir), "--workload", str(workload), "--model-impl", impl]
+    assert main([*argv, "--no-baseline", "--no-tqdm", "--json-out", str(out)]) == 0
+    kv = json.loads(out.read_text())["kvserve"]
+    assert kv["model_impl"] == ran and kv["output_tokens"] == 8
+    assert f"kvserve ({ran} model):" in capsys.readouterr().out

@@ -72,8 +72,11 @@ def uniform_kernel_rows(model) -> int | None:
     the K/V of accepted drafts with other numbers than the plain decode steps would, and greedy
     output drifts from speculation off (3 of 8 requests at 8 concurrent in bfloat16).
     float32 panels take every row count: None. Quantized weights: None (their kernels switch at
-    ``quant.PANEL_ROWS``, not covered here).
+    ``quant.PANEL_ROWS``, not covered here). The transformers fallback (torch's linear layers):
+    None.
     """
+    if getattr(model, "is_transformers_fallback", False):
+        return None  # torch's own linear layers: none of these kernels
     weights = [model.lm_head]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -92,8 +95,22 @@ def uniform_kernel_rows(model) -> int | None:
     return limit
 
 
+def _check_native(model) -> None:
+    if getattr(model, "is_transformers_fallback", False):
+        raise ValueError(
+            "the fused CPU decode step is not supported by the transformers fallback "
+            f"({type(model).__name__}): it runs the native families' fused weights only"
+        )
+
+
 def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata, num_tokens: int) -> bool:
-    """True when ``forward_layers`` can run this step (see the module doc)."""
+    """True when ``forward_layers`` can run this step (see the module doc).
+
+    Raises:
+        ValueError: ``model`` is the transformers fallback (its layers are transformers'
+            modules, not the native decoder's fused weights).
+    """
+    _check_native(model)
     nd = meta.native_decode
     if (
         kv_caches is None

@@ -98,7 +98,10 @@ _KNOWN_PATHS = {
     "/v1/models",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    "/v1/responses",
+    "/reset_prefix_cache",
     "/health",
+    "/ping",
     "/version",
     "/tokenize",
     "/detokenize",
@@ -507,9 +510,11 @@ def build_app(
             raise completion.engine_error(e) from None
         return JSONResponse({"reset": bool(reset)})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
     async def health():
-        """200 while the engine loop is alive and the server is not draining, else 503. Data
+        """200 while the engine loop is alive and the server is not draining, else 503 (also
+        at ``/ping``, vLLM's name for it, GET or POST, and for HEAD requests). Data
         parallel: 200 while a replica is up, ``{"status": "degraded", "replicas": [...]}``
         (each ``up``, ``recovering`` or ``dead``) while some other one is not."""
         thread = getattr(async_engine, "_thread", None)
@@ -533,7 +538,7 @@ def build_app(
         """The kvserve version."""
         return JSONResponse({"version": kvserve.__version__})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics():
         """Prometheus text exposition."""
         refresh = getattr(metrics, "refresh", None)

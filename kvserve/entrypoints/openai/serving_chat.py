@@ -69,7 +69,9 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
     Raises:
         APIError: 400 naming ``messages`` for an empty list, an unknown role, a non-text part
-            or a ``tool`` message without ``tool_call_id``; naming ``messages[i].<field>`` for
+            or a ``tool`` message without ``tool_call_id``; naming the field for a text part
+            without text, ``tool_call_id`` on a message that is not ``tool``'s or
+            ``tool_calls`` on one that is not the assistant's; naming ``messages[i].<field>`` for
             a non-empty ``refusal`` / ``audio`` / ``function_call`` / ``annotations``.
     """
     if not messages:
@@ -97,6 +99,21 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 param=f"messages[{i}].{unused[0]}",
                 code="unsupported",
             )
+        if m.tool_call_id is not None and m.role != "tool":
+            raise APIError(
+                f"messages[{i}].tool_call_id belongs on a 'tool' message (the answer to a call), "
+                f"not on a {m.role!r} one.",
+                400,
+                param=f"messages[{i}].tool_call_id",
+                code="invalid_value",
+            )
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(
+                f"messages[{i}].tool_calls belongs on an 'assistant' message, not on a {m.role!r} one.",
+                400,
+                param=f"messages[{i}].tool_calls",
+                code="invalid_value",
+            )
         if m.role == "tool" and m.tool_call_id is None:
             raise APIError(
                 f"messages[{i}]: a message with role 'tool' needs the tool_call_id it answers.",
@@ -106,16 +123,23 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             )
         content = m.content
         if isinstance(content, list):
-            texts = []
+            texts: list[str] = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type == "text" and part.text is None:
+                    raise APIError(
+                        f"messages[{i}].content[{j}].text is missing (a text part needs its text).",
+                        400,
+                        param=f"messages[{i}].content[{j}].text",
+                        code="invalid_value",
+                    )
+                if part.type != "text":
                     raise APIError(
                         f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}.",
                         400,
                         param="messages",
                         code="unsupported",
                     )
-                texts.append(part.text)
+                texts.append(part.text or "")
             content = "".join(texts)
         entry: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
@@ -254,6 +278,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one chat request (JSON or an SSE stream)."""
         lora = self.check_model(req.model)
+        priority = self.request_priority(req.priority)
         plan = plan_tools(req, self.tool_parser_cls)
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(
@@ -333,7 +358,6 @@ class OpenAIServingChat(OpenAIServing):
         rec = self.new_record("chatcmpl", params.n, [sub], lora)
         if self.request_logger.log_prompts:
             rec.prompts = [text]
-        priority = req.priority or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
             raw_request,

@@ -116,15 +116,25 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
         """Validate, queue and answer one completions request (JSON or an SSE stream)."""
         lora = self.check_model(req.model)
+        priority = self.request_priority(req.priority)
         n = 1 if req.n is None else req.n
         if req.use_beam_search:
             return await self.beam_search_completion(req, raw_request, lora)
         if req.best_of is not None and req.best_of != n:
             raise APIError(
-                f"best_of must equal n ({n}) when set (beam search is not supported), got {req.best_of}.",
+                f"best_of must equal n ({n}) without use_beam_search (best_of > n picks the best "
+                f"beams of a beam search: set use_beam_search=true), got {req.best_of}.",
                 400,
                 param="best_of",
                 code="invalid_value",
+            )
+        if req.length_penalty is not None and req.length_penalty != 1.0:
+            raise APIError(
+                f"length_penalty={req.length_penalty} applies to beam search only: set "
+                "use_beam_search=true, or leave length_penalty out.",
+                400,
+                param="length_penalty",
+                code="unsupported",
             )
         if req.suffix:
             raise APIError("suffix is not supported.", 400, param="suffix", code="unsupported")
@@ -146,7 +156,6 @@ class OpenAIServingCompletion(OpenAIServing):
         check_size(req, lens, n=n, prompt_logprobs=params.prompt_logprobs)
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs, lora)
-        priority = req.priority or 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
             raw_request,
@@ -238,7 +247,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for sub in subs
         ]
 
-        priority = req.priority or 0
+        priority = self.request_priority(req.priority)
         skip_special = req.skip_special_tokens is not False
         tok = self.tokenizer
 

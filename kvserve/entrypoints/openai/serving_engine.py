@@ -621,6 +621,25 @@ class OpenAIServing:
         return self.served_model_names[0]
 
     # ------------------------------------------------------------------ checks
+    def request_priority(self, priority: int | None) -> int:
+        """``priority`` (0 when left out), which only the ``priority`` scheduling policy reads.
+
+        Raises:
+            APIError: 400 naming ``priority`` for a non-zero value under another policy (it
+                would be accepted and ignored, as vLLM refuses it too).
+        """
+        value = priority or 0
+        policy = getattr(self.engine.scheduler_config, "policy", "priority")
+        if value and policy != "priority":
+            raise APIError(
+                f"priority={value} needs the priority scheduling policy; this server runs "
+                f"--policy {policy} (start it with --policy priority, or leave priority out).",
+                400,
+                param="priority",
+                code="unsupported",
+            )
+        return value
+
     def check_model(self, name: str | None) -> LoRARequest | None:
         """The adapter ``name`` chooses (None: the base model, or no name given).
 

@@ -198,8 +198,9 @@ class LLMEngine:
         from transformers import AutoConfig
 
         from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
-        from kvserve.model_executor.model_loader import get_sliding_window, gguf_file_for, resolve_model_dir
+        from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
+        from kvserve.transformers_utils.hf_config import get_sliding_window
         from kvserve.transformers_utils.tokenizer import load_tokenizer
         from kvserve.worker.worker import Worker
 

@@ -112,12 +112,8 @@ class DraftModelProposer(Proposer):
     proposes_cheaply = False
 
     def __init__(self, spec_config: SpeculativeConfig, worker: Any):
-        from kvserve.model_executor.model_loader import (
-            get_sliding_window,
-            load_hf_config,
-            load_model,
-            resolve_model_dir,
-        )
+        from kvserve.model_executor.model_loader import load_hf_config, load_model, resolve_model_dir
+        from kvserve.transformers_utils.hf_config import get_sliding_window
 
         field = "speculative_config.model"
         try:

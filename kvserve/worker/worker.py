@@ -172,12 +172,12 @@ class Worker:
     ):
         from kvserve.model_executor.model_loader import (
             check_fallback_settings,
-            get_sliding_window,
             gguf_file_for,
             load_hf_config,
             load_model,
             resolve_model_dir,
         )
+        from kvserve.transformers_utils.hf_config import get_sliding_window
 
         self.model_config = model_config
         self.cache_config = cache_config

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvserve.model_executor import gguf_convert
-from kvserve.model_executor.model_loader import get_sliding_window, load_model, resolve_model_dir
+from kvserve.model_executor.model_loader import load_model, resolve_model_dir
+from kvserve.transformers_utils.hf_config import get_sliding_window
 from tests.model_executor.helpers import ToyAllocator, ToySeq, hf_logits, llama_config, save_tiny
 
 

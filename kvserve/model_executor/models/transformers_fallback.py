@@ -321,7 +321,7 @@ class TransformersForCausalLM(nn.Module):
                 f"{where}: {arch} has layers of different attention shapes {sorted(shapes)}; the "
                 "paged KV cache needs one (heads, KV heads, head size) for all layers"
             )
-        from kvserve.model_executor.model_loader import get_sliding_window
+        from kvserve.transformers_utils.hf_config import get_sliding_window
 
         window = get_sliding_window(self.config)
         windows = {c["window"] or None for c in calls}

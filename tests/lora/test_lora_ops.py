@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.model_executor.layers.lora import LoRAMapping, add_lora
@@ -156,6 +156,8 @@ def _padded_slots(g, S, fin, fout, rmax, ranks, cdt, stale_slot=None):
     bf16=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# out0 and the delta cancel in some rows: the two forms' sums are near zero there
+@example(T=300, used=[1, 0], ranks=[8, 5, 5, 7], bf16=True, seed=4989)
 def test_stacked_equals_segment_equals_float64_reference(T, used, ranks, bf16, seed):
     """Random slot assignments with base rows (-1), slots no row uses (one holding stale
     weights), ranks below ``max_lora_rank``, 1..300 rows, float32 and bfloat16 models (float32
@@ -189,9 +191,10 @@ def test_stacked_equals_segment_equals_float64_reference(T, used, ranks, bf16, s
         assert torch.equal(out[base], out0[base])
     if dt == torch.float32:
         torch.testing.assert_close(res["stacked"], res["segment"], rtol=1e-5, atol=1e-5)
-    else:  # the float32 deltas differ in summation order only: at most one bfloat16 step apart
+    else:  # each within its bound of the reference, so within twice it of each other (a
+        # bound on the summands' size: where out0 and the delta cancel, the sum is near zero)
         diff = (res["stacked"].double() - res["segment"].double()).abs()
-        assert bool((diff <= 2.0**-7 * res["segment"].double().abs() + 1e-6).all())
+        assert bool((diff <= 2.0**-7 * (ref.abs() + (ref - out0.double()).abs()) + 2e-6).all())
 
 
 def test_stacked_views_are_views_of_the_manager_layout():

@@ -38,7 +38,6 @@ from kvserve.model_executor.layers.linear import linear, lm_head_logits
 from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from kvserve.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _lora
-from kvserve.ops import quant
 
 #: ``hidden_activation`` -> the ``approximate`` argument of ``F.gelu``.
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
@@ -220,10 +219,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden_size]`` in the model dtype (the
         arguments as ``LlamaForCausalLM.forward``)."""
-        if isinstance(self.embed_tokens, quant.QuantWeight):
-            x = quant.embedding(input_ids, self.embed_tokens, self.dtype)
-        else:
-            x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         # transformers rounds the scale to the model dtype before multiplying
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope_global = self.rope.lookup(positions)

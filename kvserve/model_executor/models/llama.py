@@ -365,6 +365,15 @@ class LlamaForCausalLM(nn.Module):
         return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     # ------------------------------------------------------------------ forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden_size]`` in the model dtype for int64 ``input_ids``
+        ``[T]``: from a quantized table, this rank's vocabulary shard, or the plain table."""
+        if isinstance(self.embed_tokens, quant.QuantWeight):
+            return quant.embedding(input_ids, self.embed_tokens, self.dtype)
+        if self.shard_embedding:
+            return vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
+        return F.embedding(input_ids, self.embed_tokens)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -381,12 +390,7 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[T, hidden_size]`` in the model dtype.
         """
-        if isinstance(self.embed_tokens, quant.QuantWeight):
-            x = quant.embedding(input_ids, self.embed_tokens, self.dtype)
-        elif self.shard_embedding:
-            x = vocab_parallel.embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
-        else:
-            x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         cos, sin = self.rope.lookup(positions, meta.long_prompt)
         if (
             kv_caches is not None

@@ -7,38 +7,21 @@ returns the reasoning and content found so far; see ``base``), registered below.
 
 from __future__ import annotations
 
+from kvserve.entrypoints.openai.parser_registry import ParserRegistry
 from kvserve.entrypoints.openai.reasoning_parsers.base import ReasoningParser, ReasoningSnapshot
 from kvserve.entrypoints.openai.reasoning_parsers.think import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
 )
 
-_REGISTRY: dict[str, type[ReasoningParser]] = {}
+_REGISTRY: ParserRegistry[ReasoningParser] = ParserRegistry("reasoning parser")
 
-
-def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-    """Make ``cls`` available as ``get_reasoning_parser(cls.name)``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def reasoning_parser_names() -> list[str]:
-    """The registered parser names, sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class called ``name``.
-
-    Raises:
-        ValueError: ``name`` is not registered (the message lists the known names).
-    """
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown reasoning parser {name!r}; known: {', '.join(reasoning_parser_names())}."
-        ) from None
+#: Make a class available by its ``name``.
+register = _REGISTRY.register
+#: The registered parser names, sorted.
+reasoning_parser_names = _REGISTRY.names
+#: The parser class called a name (ValueError listing the known names if unknown).
+get_reasoning_parser = _REGISTRY.get
 
 
 register(DeepSeekR1ReasoningParser)

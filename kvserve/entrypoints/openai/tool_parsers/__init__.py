@@ -7,40 +7,23 @@ the content and the calls found so far; see ``base``), registered below.
 
 from __future__ import annotations
 
+from kvserve.entrypoints.openai.parser_registry import ParserRegistry
 from kvserve.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolCallSnapshot, ToolParser
 from kvserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from kvserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from kvserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from kvserve.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
-_REGISTRY: dict[str, type[ToolParser]] = {}
+_REGISTRY: ParserRegistry[ToolParser] = ParserRegistry("tool-call parser")
 
 DEFAULT_TOOL_PARSER = "hermes"
 
-
-def register(cls: type[ToolParser]) -> type[ToolParser]:
-    """Make ``cls`` available as ``get_tool_parser(cls.name)``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def tool_parser_names() -> list[str]:
-    """The registered format names, sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class of format ``name``.
-
-    Raises:
-        ValueError: ``name`` is not registered (the message lists the known names).
-    """
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown tool-call parser {name!r}; known: {', '.join(tool_parser_names())}."
-        ) from None
+#: Make a class available by its ``name``.
+register = _REGISTRY.register
+#: The registered format names, sorted.
+tool_parser_names = _REGISTRY.names
+#: The parser class of a format name (ValueError listing the known names if unknown).
+get_tool_parser = _REGISTRY.get
 
 
 register(HermesToolParser)

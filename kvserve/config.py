@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 #: Values of ``quantization``. ``None`` (unset): a ``.gguf`` file named as ``model`` runs its own
@@ -118,6 +118,47 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+
+
+def _positive_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+
+
+def parse_tenant_weights(value: dict | str | None) -> dict[str, float]:
+    """``tenant_weights`` as a dict: a dict checked as it is, ``"a=2,b=0.5"`` (the
+    ``--tenant-weights`` form) parsed, None or a blank string empty.
+
+    Raises:
+        ValueError: an entry that is not ``NAME=NUMBER``, an empty or repeated name, or a weight
+            that is not a finite number > 0, naming ``tenant_weights`` and the entry.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    if isinstance(value, str):
+        out: dict[str, float] = {}
+        for item in value.split(","):
+            name, sep, num = item.strip().partition("=")
+            name = name.strip()
+            try:
+                weight = float(num) if sep and name else None
+            except ValueError:
+                weight = None
+            if weight is None:
+                raise ValueError(
+                    f"tenant_weights entry {item.strip()!r} is not NAME=WEIGHT (e.g. 'a=2,b=1')."
+                )
+            if name in out:
+                raise ValueError(f"tenant_weights names {name!r} twice.")
+            out[name] = weight
+        value = out
+    if not isinstance(value, dict):
+        raise ValueError(f"tenant_weights must be a dict or 'NAME=WEIGHT,...', got {type(value).__name__}.")
+    for name, weight in value.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tenant_weights names must be non-empty strings, got {name!r}.")
+        _positive_float(f"tenant_weights[{name!r}]", weight)
+    return {name: float(w) for name, w in value.items()}
 
 
 @dataclass
@@ -296,7 +337,12 @@ class SchedulerConfig:
         chunked_prefill_enabled: split long prompts across steps and mix them with decodes.
         preemption_mode: ``None`` = RECOMPUTE for single-sequence groups, SWAP for groups
             with several live sequences; or force one mode for all groups.
-        policy: queue ordering policy name (``fcfs``, ``priority``).
+        policy: queue ordering policy name (``fcfs``, ``priority``, ``fair``).
+        fair_input_weight: ``fair`` policy: cost of one prefill token in a tenant's counter (> 0).
+        fair_output_weight: ``fair`` policy: cost of one decode token (> 0); 2.0 by default, the
+            1:2 input:output ratio of the VTC paper (Sheng et al., OSDI 2024).
+        tenant_weights: ``fair`` policy: tenant -> share weight (> 0; 1.0 for tenants not
+            listed); counters grow by cost / weight.
         max_num_partial_prefills: with chunked prefill, how many prompts may be mid-prefill at once.
         long_prefill_token_threshold: with chunked prefill, the most tokens one prompt may take
             in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
@@ -325,6 +371,9 @@ class SchedulerConfig:
     num_lookahead_slots: int = 0
     delay_factor: float = 0.0
     spec_decode_disable_by_batch_size: int | None = None
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
     def parse_preemption_mode(value: PreemptionMode | str | None) -> PreemptionMode | None:
@@ -362,6 +411,9 @@ class SchedulerConfig:
         if not isinstance(self.delay_factor, (int, float)) or not 0 <= self.delay_factor < float("inf"):
             raise ValueError(f"delay_factor must be a finite number >= 0, got {self.delay_factor!r}.")
         _positive_int("spec_decode_disable_by_batch_size", self.spec_decode_disable_by_batch_size, True)
+        _positive_float("fair_input_weight", self.fair_input_weight)
+        _positive_float("fair_output_weight", self.fair_output_weight)
+        self.tenant_weights = parse_tenant_weights(self.tenant_weights)
 
 
 #: Speculation methods ``SpeculativeConfig.method`` accepts.
@@ -597,7 +649,12 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool = False
     preemption_mode: str | None = None
+    #: ``SchedulerConfig.policy`` (CLI ``--scheduling-policy``, alias ``--policy``).
     policy: str = "fcfs"
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
+    #: ``SchedulerConfig.tenant_weights``: a dict, or ``"a=2,b=1"`` (the CLI form).
+    tenant_weights: dict[str, float] | str | None = None
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
     max_waiting: int | None = None
@@ -651,6 +708,9 @@ class EngineArgs:
             for setting in self._fallback_conflicts():
                 raise fallback_conflict_error(setting, "model_impl='transformers'")
         _check_utilization(self.gpu_memory_utilization)
+        _positive_float("fair_input_weight", self.fair_input_weight)
+        _positive_float("fair_output_weight", self.fair_output_weight)
+        parse_tenant_weights(self.tenant_weights)
         self.generation_overrides()
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()
@@ -866,6 +926,9 @@ class EngineArgs:
             chunked_prefill_enabled=chunked,
             preemption_mode=SchedulerConfig.parse_preemption_mode(self.preemption_mode),
             policy=self.policy,
+            fair_input_weight=self.fair_input_weight,
+            fair_output_weight=self.fair_output_weight,
+            tenant_weights=parse_tenant_weights(self.tenant_weights),
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting=self.max_waiting,

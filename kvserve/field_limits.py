@@ -32,6 +32,9 @@ MIN_REPETITION_PENALTY = 1e-6
 MAX_ITEMS = {"stop": 64, "stop_token_ids": 1024, "logit_bias": 1024, "prompt": 1024}
 #: Longest stop string, in characters (a stream holds back that many characters).
 MAX_STOP_CHARS = 1024
+#: Longest tenant name (the OpenAI ``user`` field), in characters: the ``fair`` policy keeps a
+#: counter per tenant name and /metrics may show it as a label.
+MAX_TENANT_CHARS = 256
 
 _NAMED: dict[float, str] = {INT64_MIN: "-2**63", INT64_MAX: "2**63 - 1", UINT64_MAX: "2**64 - 1"}
 
@@ -122,6 +125,17 @@ LIMITS: dict[str, Limit] = {
     "logit_bias": Limit(False, -100.0, 100.0),
     "token_id": _TOKEN_ID,
 }
+
+
+def check_tenant(name: str, tenant: object) -> None:
+    """Raises ValueError naming ``name`` unless ``tenant`` is None or a string of at most
+    ``MAX_TENANT_CHARS`` characters."""
+    if tenant is None:
+        return
+    if not isinstance(tenant, str):
+        raise ValueError(f"{name} must be a string or None, got {type(tenant).__name__}.")
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise ValueError(f"{name} must be at most {MAX_TENANT_CHARS} characters, got {len(tenant)}.")
 
 
 def check_count(name: str, n: int) -> None:

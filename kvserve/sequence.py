@@ -312,6 +312,9 @@ class SequenceGroup:
             the engine; the scheduler never touches it).
         lora_request: the LoRA adapter the request runs with (None = the base model); its
             sequences get its ``lora_int_id``.
+        tenant: who the request is served for (the OpenAI ``user`` field, ``LLM.generate``'s
+            ``tenant``); the ``fair`` policy shares service between tenants. None = the one
+            shared default tenant.
     """
 
     def __init__(
@@ -322,9 +325,11 @@ class SequenceGroup:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ):
         self.request_id = request_id
         self.lora_request = lora_request
+        self.tenant = tenant
         for seq in seqs:
             seq.lora_int_id = self.lora_int_id
             seq.lora_request = lora_request

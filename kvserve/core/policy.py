@@ -9,15 +9,24 @@ Policies:
 - ``fcfs``: first come, first served (key: time waited since arrival, in seconds).
 - ``priority``: lower ``SequenceGroup.priority`` value first, ties by arrival (key:
   ``(-priority, time waited)``).
+- ``fair``: the virtual token counter (VTC) of Sheng et al., "Fairness in Serving Large
+  Language Models", OSDI 2024: tenants (``SequenceGroup.tenant``) get turns by the weighted
+  tokens they have been served (``FairPolicy``).
+
+A policy that keeps per-request state is told what the scheduler does through the hooks
+``on_add`` / ``on_served`` / ``on_finish`` (no-ops unless ``tracks_service``), and may order
+admissions apart from the other queues (``admission_order``).
 
 New policies register with ``PolicyFactory.register(name, cls)``.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable
 
+from kvserve.config import SchedulerConfig
 from kvserve.sequence import SequenceGroup
 
 PriorityKey = float | tuple[float, ...]
@@ -29,6 +38,14 @@ class Policy:
     #: True when the policy ranks by something other than arrival order; the scheduler then
     #: lets a waiting group that strictly outranks running ones preempt them.
     preempts_by_rank: bool = False
+    #: True when the policy wants the service hooks (``on_add`` / ``on_served`` /
+    #: ``on_finish``); the scheduler skips the calls otherwise.
+    tracks_service: bool = False
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> Policy:
+        """The policy with ``config``'s settings (none for most policies)."""
+        return cls()
 
     def get_priority(self, now: float, seq_group: SequenceGroup) -> PriorityKey:
         """A comparable key; larger is served first."""
@@ -42,6 +59,22 @@ class Policy:
         """True when ``a`` must be served strictly before ``b`` by rank (used for
         priority preemption; arrival-order ties never preempt)."""
         return False
+
+    def admission_order(self, now: float, waiting: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
+        """The order in which the scheduler tries to admit ``waiting`` groups in one step
+        (``sort_by_priority`` unless a policy accounts for what each admission costs)."""
+        return self.sort_by_priority(now, waiting)
+
+    def on_add(self, seq_group: SequenceGroup) -> None:
+        """A group joined the scheduler (it is unfinished until ``on_finish``)."""
+
+    def on_served(self, seq_group: SequenceGroup, input_tokens: int, output_tokens: int) -> None:
+        """A step computed ``input_tokens`` prompt (prefill) tokens and ``output_tokens``
+        decode tokens of the group, summed over its live sequences."""
+
+    def on_finish(self, seq_group: SequenceGroup) -> None:
+        """A group left the scheduler (finished, aborted or ignored). Unknown groups are a
+        no-op."""
 
 
 class FCFS(Policy):
@@ -78,20 +111,211 @@ class PriorityPolicy(Policy):
         return a.priority < b.priority
 
 
+#: Idle tenants whose counters are kept beyond the exact pruning rule (``FairPolicy``).
+MAX_IDLE_TENANTS = 4096
+
+
+class FairPolicy(Policy):
+    """Virtual token counter (VTC; Sheng et al., "Fairness in Serving Large Language Models",
+    OSDI 2024, Algorithm 2), per tenant (``SequenceGroup.tenant``; None is one shared tenant).
+
+    Counters: each tenant ``t`` has a counter (weighted tokens, float) that grows by
+    ``(input_tokens * input_weight + output_tokens * output_weight) / weight(t)`` for every
+    token computed for it (``on_served``: prefill tokens are input, decode tokens output);
+    ``weight(t)`` is ``tenant_weights.get(t, 1.0)``.
+
+    Backlog: a tenant is backlogged while it has an unfinished group in the scheduler
+    (waiting, running or swapped). A tenant that becomes backlogged is lifted to
+    ``max(its counter, floor)``, ``floor`` being the least counter among backlogged tenants
+    (or, when none is, the least there was when the last one went idle), so time spent idle
+    earns no credit. ``floor`` never decreases (counters only grow, a joining tenant joins at
+    or above it, a leaving one only raises the minimum of the rest), so an idle tenant whose
+    counter is ``<= floor`` would be lifted to the floor anyway: its entry is dropped, exactly.
+    Idle tenants above the floor keep theirs; past ``MAX_IDLE_TENANTS`` of them the lowest are
+    dropped (those closest to the floor: the only approximation, bounding memory).
+
+    Orders:
+    - ``admission_order`` (waiting): repeatedly the head of the backlogged tenant with the
+      least *projected* counter: its counter plus the input cost of the groups already
+      ordered ahead of it (uncomputed tokens x ``input_weight`` / weight), so the admissions
+      of one step interleave tenants. Ties go to the earlier head arrival. Within a tenant:
+      lower ``priority`` first, then arrival.
+    - ``sort_by_priority`` (running, swapped): by tenant counter ascending, so the most-served
+      tenant's groups are last (the scheduler preempts from the tail); within a tenant as above.
+
+    Args:
+        input_weight: cost of one prefill token (> 0).
+        output_weight: cost of one decode token (> 0); the paper's default ratio is 1:2.
+        tenant_weights: tenant -> share weight (> 0); a tenant of weight 2 gets about twice the
+            weighted tokens of a tenant of weight 1 while both are backlogged.
+
+    Raises:
+        ValueError: a weight that is not a finite number > 0, naming it.
+    """
+
+    tracks_service = True
+
+    def __init__(
+        self,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        tenant_weights: dict[str, float] | None = None,
+    ) -> None:
+        _check_weight("fair_input_weight", input_weight)
+        _check_weight("fair_output_weight", output_weight)
+        for name, w in (tenant_weights or {}).items():
+            _check_weight(f"tenant_weights[{name!r}]", w)
+        self.input_weight = float(input_weight)
+        self.output_weight = float(output_weight)
+        self.tenant_weights = dict(tenant_weights or {})
+        self.counters: dict[str | None, float] = {}  # backlogged tenants + idle ones above floor
+        self._backlog: dict[str | None, int] = {}  # tenant -> unfinished groups
+        self._members: dict[str, str | None] = {}  # request_id -> tenant
+        self._floor = 0.0  # the least backlogged counter when the last tenant went idle
+        self._sweep_at = 64  # idle entries that trigger a sweep
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> FairPolicy:
+        return cls(config.fair_input_weight, config.fair_output_weight, config.tenant_weights)
+
+    # ---------------------------------------------------------------- counters
+    def floor(self) -> float:
+        """The least counter among backlogged tenants (the last such value when none is)."""
+        if self._backlog:
+            return min(self.counters[t] for t in self._backlog)
+        return self._floor
+
+    def counter(self, tenant: str | None) -> float:
+        """The tenant's counter as it would be if it became backlogged now."""
+        return max(self.counters.get(tenant, 0.0), self.floor())
+
+    def _weight(self, tenant: str | None) -> float:
+        return self.tenant_weights.get(tenant, 1.0) if tenant is not None else 1.0
+
+    def on_add(self, seq_group: SequenceGroup) -> None:
+        rid = seq_group.request_id
+        if rid in self._members:
+            return
+        t = seq_group.tenant
+        if t not in self._backlog:
+            self.counters[t] = self.counter(t)  # the VTC lift
+            self._backlog[t] = 0
+        self._backlog[t] += 1
+        self._members[rid] = t
+
+    def on_served(self, seq_group: SequenceGroup, input_tokens: int, output_tokens: int) -> None:
+        t = self._members.get(seq_group.request_id, seq_group.tenant)
+        if t not in self._backlog:
+            return  # not added through on_add: nothing to account to
+        cost = input_tokens * self.input_weight + output_tokens * self.output_weight
+        self.counters[t] += cost / self._weight(t)
+
+    def on_finish(self, seq_group: SequenceGroup) -> None:
+        rid = seq_group.request_id
+        if rid not in self._members:
+            return
+        t = self._members.pop(rid)
+        self._backlog[t] -= 1
+        if self._backlog[t]:
+            return
+        del self._backlog[t]
+        if not self._backlog:
+            self._floor = self.counters[t]
+        floor = self.floor()
+        if self.counters[t] <= floor:
+            del self.counters[t]
+        if len(self.counters) - len(self._backlog) > self._sweep_at:
+            self._sweep(floor)
+
+    def _sweep(self, floor: float) -> None:
+        """Drop idle entries at or below ``floor`` (exact), then the lowest beyond the cap."""
+        idle = [(c, t) for t, c in self.counters.items() if t not in self._backlog and c > floor]
+        for t in [t for t in self.counters if t not in self._backlog]:
+            del self.counters[t]
+        if len(idle) > MAX_IDLE_TENANTS:
+            idle = heapq.nlargest(MAX_IDLE_TENANTS, idle, key=lambda ct: ct[0])
+        for c, t in idle:
+            self.counters[t] = c
+        self._sweep_at = max(64, 2 * len(idle))
+
+    # ---------------------------------------------------------------- orders
+    def _by_tenant(self, groups: Iterable[SequenceGroup]) -> dict[str | None, list[SequenceGroup]]:
+        out: dict[str | None, list[SequenceGroup]] = {}
+        for g in groups:
+            out.setdefault(g.tenant, []).append(g)
+        for q in out.values():
+            q.sort(key=_prio_arrival)
+        return out
+
+    def get_priority(self, now: float, seq_group: SequenceGroup) -> tuple[float, float, float]:
+        return (
+            -self.counter(seq_group.tenant),
+            -seq_group.priority,
+            now - seq_group.metrics.arrival_time,
+        )
+
+    def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
+        by_tenant = self._by_tenant(seq_groups)
+        floor = self.floor()
+        order = sorted(
+            by_tenant,
+            key=lambda t: (max(self.counters.get(t, 0.0), floor), by_tenant[t][0].metrics.arrival_time),
+        )
+        return deque(g for t in order for g in by_tenant[t])
+
+    def admission_order(self, now: float, waiting: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
+        by_tenant = self._by_tenant(waiting)
+        floor = self.floor()
+        heap = []
+        for i, (t, q) in enumerate(by_tenant.items()):
+            c = max(self.counters.get(t, 0.0), floor)
+            heap.append((c, q[0].metrics.arrival_time, i, t, 0))
+        heapq.heapify(heap)
+        out: deque[SequenceGroup] = deque()
+        while heap:
+            c, _, i, t, k = heapq.heappop(heap)
+            q = by_tenant[t]
+            g = q[k]
+            out.append(g)
+            if k + 1 < len(q):
+                cost = max(1, g.get_num_uncomputed_tokens()) * self.input_weight / self._weight(t)
+                heapq.heappush(heap, (c + cost, q[k + 1].metrics.arrival_time, i, t, k + 1))
+        return out
+
+
+def _check_weight(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+
+
 class PolicyFactory:
     """Registry of policies by name."""
 
-    _POLICY_REGISTRY: dict[str, type[Policy]] = {"fcfs": FCFS, "priority": PriorityPolicy}
+    _POLICY_REGISTRY: dict[str, type[Policy]] = {
+        "fcfs": FCFS,
+        "priority": PriorityPolicy,
+        "fair": FairPolicy,
+    }
 
     @classmethod
-    def get_policy(cls, policy_name: str, **kwargs) -> Policy:
-        """Instantiate a policy. Raises ValueError naming the known policies."""
+    def from_config(cls, config: SchedulerConfig) -> Policy:
+        """The policy ``config.policy`` names, with ``config``'s settings. Raises ValueError
+        naming the known policies."""
+        return cls._lookup(config.policy).from_config(config)
+
+    @classmethod
+    def _lookup(cls, policy_name: str) -> type[Policy]:
         try:
-            return cls._POLICY_REGISTRY[policy_name](**kwargs)
+            return cls._POLICY_REGISTRY[policy_name]
         except KeyError:
             raise ValueError(
                 f"policy must be one of {sorted(cls._POLICY_REGISTRY)}, got {policy_name!r}."
             ) from None
+
+    @classmethod
+    def get_policy(cls, policy_name: str, **kwargs) -> Policy:
+        """Instantiate a policy. Raises ValueError naming the known policies."""
+        return cls._lookup(policy_name)(**kwargs)
 
     @classmethod
     def register(cls, name: str, policy_cls: type[Policy]) -> None:

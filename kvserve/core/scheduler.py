@@ -352,7 +352,8 @@ class Scheduler:
             sliding_window=cache_config.sliding_window,
             enable_caching=cache_config.enable_prefix_caching,
         )
-        self.policy: Policy = PolicyFactory.get_policy(scheduler_config.policy)
+        self.policy: Policy = PolicyFactory.from_config(scheduler_config)
+        self._tracks = self.policy.tracks_service  # call the policy's service hooks
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -405,6 +406,8 @@ class Scheduler:
                 self._lora_order = {k: v for k, v in self._lora_order.items() if k in queued}
             self._lora_order[seq_group.request_id] = self._num_added
             self._num_added += 1
+        if self._tracks:
+            self.policy.on_add(seq_group)
         self.waiting.append(seq_group)
 
     def _never_schedulable(self, g: SequenceGroup) -> str | None:
@@ -459,6 +462,8 @@ class Scheduler:
             queue.clear()
             queue.extend(keep)
         for g in aborted:
+            if self._tracks:
+                self.policy.on_finish(g)
             self._lora_deferrals.pop(g.request_id, None)
             self._slot_preemptions.pop(g.request_id, None)
             for seq in g.get_seqs():
@@ -488,6 +493,8 @@ class Scheduler:
         keep: deque[SequenceGroup] = deque()
         for g in self.running:
             if g.is_finished():
+                if self._tracks:
+                    self.policy.on_finish(g)
                 self._slot_preemptions.pop(g.request_id, None)
                 for seq in g.get_seqs():
                     self.block_manager.free(seq)
@@ -525,10 +532,17 @@ class Scheduler:
     def mark_computed(self, scheduler_outputs: SchedulerOutputs) -> None:
         """Call once the step's forward has run, *before* appending sampled tokens: advances
         every scheduled group's computed-token count by its chunk and enters completed full
-        blocks in the prefix cache."""
+        blocks in the prefix cache. A policy that ``tracks_service`` is told the tokens served
+        (prefill tokens as input, decode tokens as output, over live sequences)."""
         bm = self.block_manager
         for ssg in scheduler_outputs.scheduled_seq_groups:
             g = ssg.seq_group
+            if self._tracks:
+                n = ssg.token_chunk_size * g.num_unfinished_seqs()
+                if g.is_prefill():
+                    self.policy.on_served(g, n, 0)
+                else:
+                    self.policy.on_served(g, 0, n)
             g.update_num_computed_tokens(ssg.token_chunk_size)
             bm.mark_blocks_as_computed(g)
         bm.release_pins()
@@ -759,6 +773,9 @@ class Scheduler:
     ) -> SchedulerOutputs:
         # Recompute-preempted groups go to the front of waiting, highest-ranked first.
         self.waiting.extendleft(st.preempted)
+        if self._tracks:
+            for g in self._rejected + prefills.ignored_seq_groups + st.ignored:
+                self.policy.on_finish(g)
         prefill_groups = prefills.seq_groups + running.prefill_seq_groups + swapped_in.prefill_seq_groups
         decode_groups = running.decode_seq_groups + swapped_in.decode_seq_groups
         assert budget.num_batched_tokens <= self.scheduler_config.max_num_batched_tokens
@@ -1210,7 +1227,7 @@ class Scheduler:
         cfg = self.scheduler_config
         if budget.num_curr_seqs >= cfg.max_num_seqs or budget.remaining_token_budget() <= 0:
             return out  # nothing could be admitted (never-schedulable ones were rejected at add)
-        ranked = self.policy.sort_by_priority(st.now, self.waiting)
+        ranked = self.policy.admission_order(st.now, self.waiting)
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)

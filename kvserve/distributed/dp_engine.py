@@ -277,9 +277,11 @@ class DataParallelAsyncEngine:
         request_id: str,
         priority: int = 0,
         lora_request=None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs from the replica the router picks (the single engine's
-        signature; ``lora_request`` must be None: replicas serve no adapters).
+        signature; ``lora_request`` must be None: replicas serve no adapters; ``tenant`` goes to
+        the replica's scheduler).
 
         Raises:
             ValueError: invalid input, a duplicate id (the replica's own check), or a
@@ -310,7 +312,7 @@ class DataParallelAsyncEngine:
             finished = False
             try:
                 gen = r.actor.generate.options(num_returns="streaming").remote(
-                    prompt, params, request_id, priority
+                    prompt, params, request_id, priority, tenant
                 )
                 async for ref in gen:
                     out = await ref
@@ -414,11 +416,11 @@ class DataParallelAsyncEngine:
 
 def run_batch(
     dp: DataParallelAsyncEngine,
-    requests: list[tuple[str, PromptType, SamplingParams, int]],
+    requests: list[tuple[str, PromptType, SamplingParams, int, str | None]],
     use_tqdm: bool = False,
 ) -> list[RequestOutput]:
     """``LLM.generate`` over replicas: validate every ``(request_id, prompt, params,
-    priority)`` with the front engine first (a ``ValueError`` before anything is sent, as with
+    priority, tenant)`` with the front engine first (a ``ValueError`` before anything is sent, as with
     one engine), then run them all concurrently; returns the final outputs in request order.
 
     Prompts go to the replicas as token ids (tokenized here), so the router sees their
@@ -427,26 +429,27 @@ def run_batch(
     from tqdm.auto import tqdm
 
     from kvserve.engine.input_processor import tokenize_prompt
-    from kvserve.field_limits import LIMITS
+    from kvserve.field_limits import LIMITS, check_tenant
 
     front = dp.engine
     prepared = []
-    for rid, prompt, params, prio in requests:
+    for rid, prompt, params, prio, tenant in requests:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", prio)
+        check_tenant("tenant", tenant)
         text, ids = tokenize_prompt(prompt, front.tokenizer)
         front.validate(ids, params)
-        prepared.append((rid, {"prompt": text, "prompt_token_ids": ids}, params, prio))
+        prepared.append((rid, {"prompt": text, "prompt_token_ids": ids}, params, prio, tenant))
 
     async def run_all() -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prepared), desc="Generating", unit="req", disable=not use_tqdm)
 
-        async def one(rid, prompt, params, prio):
+        async def one(rid, prompt, params, prio, tenant):
             last: RequestOutput | None = None
             try:
-                async for out in dp.generate(prompt, params, rid, priority=prio):
+                async for out in dp.generate(prompt, params, rid, priority=prio, tenant=tenant):
                     last = out
             except EngineDeadError as e:  # its replica died mid-stream: ends failed, alone
                 outs = last.outputs if last is not None else [CompletionOutput(0, "", [])]

@@ -82,17 +82,25 @@ class EngineReplica:
         return os.getpid()
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs (the last has ``finished=True``). Raises ValueError
-        (invalid input, duplicate id) before anything is queued."""
+        """Stream one request's outputs (the last has ``finished=True``; ``tenant``: the
+        scheduler's ``SequenceGroup.tenant``). Raises ValueError (invalid input, duplicate id)
+        before anything is queued."""
         self._ensure_started()
         so = getattr(params, "structured_outputs", None)
         if so is not None:
             # compiled here, off the event loop, as the server does: the engine thread then
             # finds it in the cache at add_request instead of compiling inside a step
             await self.compile_constraint(so)
-        async for out in self.async_engine.generate(prompt, params, request_id, priority=priority):
+        async for out in self.async_engine.generate(
+            prompt, params, request_id, priority=priority, tenant=tenant
+        ):
             yield out
 
     async def compile_constraint(self, constraint) -> None:

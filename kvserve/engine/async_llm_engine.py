@@ -93,9 +93,10 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request (with ``lora_request``'s adapter, None: the base
-        model). Raises ValueError (invalid input, duplicate id, an adapter that does not load)
+        model; for ``tenant``, None: the default tenant). Raises ValueError (invalid input, duplicate id, an adapter that does not load)
         before queueing, EngineDeadError if the loop died."""
         if self.errored is not None:
             raise self._dead_error()
@@ -104,7 +105,7 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._inbox.put(("add", request_id, prompt, params, priority, accepted, lora_request))
+        self._inbox.put(("add", request_id, prompt, params, priority, accepted, lora_request, tenant))
         self._wakeup.set()
         # Validation runs on the engine thread (the engine is single-threaded).
         try:
@@ -202,10 +203,11 @@ class AsyncLLMEngine:
                     result, error = None, e
                 loop.call_soon_threadsafe(_resolve_value, future, result, error)
             elif msg[0] == "add":
-                _, rid, prompt, params, priority, accepted, *lora = msg
+                _, rid, prompt, params, priority, accepted, *extra = msg
+                lora, tenant = (list(extra) + [None, None])[:2]  # both optional
                 try:
                     self.engine.add_request(
-                        rid, prompt, params, priority=priority, lora_request=lora[0] if lora else None
+                        rid, prompt, params, priority=priority, lora_request=lora, tenant=tenant
                     )
                     loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid input: reported to the caller, never fatal

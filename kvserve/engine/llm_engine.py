@@ -23,7 +23,7 @@ from kvserve.engine.fault_isolation import RequestFault, bisect_failures
 from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
-from kvserve.field_limits import LIMITS
+from kvserve.field_limits import LIMITS, check_tenant
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -309,11 +309,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Validate and queue a request (it joins ``waiting``).
 
         ``lora_request``: the adapter it runs with (None: the base model); an adapter not
         loaded yet is loaded and validated here, so a bad one fails this call only.
+        ``tenant``: who it is served for (``SequenceGroup.tenant``; the ``fair`` policy shares
+        service between tenants); None = the shared default tenant.
 
         Raises:
             ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
@@ -321,7 +324,8 @@ class LLMEngine:
                 ``validate_request``), a ``structured_outputs`` constraint that does not
                 compile (naming its field), a ``lora_request`` that is not a ``LoRARequest``, given
                 while LoRA is off, whose adapter does not load (naming the path or the limit),
-                or whose ``lora_int_id`` live requests use with another name or path.
+                or whose ``lora_int_id`` live requests use with another name or path;
+                a ``tenant`` that is not a string of at most ``MAX_TENANT_CHARS`` characters.
                 Nothing is queued when it raises.
             RuntimeError: the engine was shut down.
         """
@@ -334,6 +338,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", priority)
+        check_tenant("tenant", tenant)
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         max_tokens = self.validate(prompt_ids, params)
         if lora_request is not None:
@@ -359,6 +364,7 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=priority,
             lora_request=lora_request,
+            tenant=tenant,
         )
         if params.seed is not None:
             import torch

@@ -13,7 +13,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvserve.entrypoints.chat_template import check_template_kwargs, load_chat_template
 from kvserve.entrypoints.vllm_compat import translate_llm_kwargs
-from kvserve.field_limits import check_request_size
+from kvserve.field_limits import check_request_size, check_tenant
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -80,6 +80,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        tenant: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; returns one ``RequestOutput`` per prompt, in order.
 
@@ -88,6 +89,9 @@ class LLM:
         ``get_default_sampling_params()`` (the model's generation_config.json defaults).
         ``lora_request``: one adapter for all prompts, or a list with one entry (a
         ``LoRARequest`` or None for the base model) per prompt; needs ``enable_lora=True``.
+        ``tenant``: who the prompts are served for (the ``fair`` policy shares service between
+        tenants), one name for all or a list with one entry per prompt; None = the default
+        tenant.
         A prompt the scheduler can never run (too long for ``prompt_limit`` or the KV cache)
         comes back finished with ``finish_reason == "ignored"`` and ``error`` saying why; a
         request whose step failed inside the engine comes back with ``outcome == "failed"``
@@ -95,8 +99,8 @@ class LLM:
 
         Raises:
             ValueError: for any invalid prompt or params (an adapter that does not load, a
-                ``lora_request`` list of the wrong length or while LoRA is off); then nothing is
-                queued.
+                ``lora_request`` or ``tenant`` list of the wrong length or while LoRA is off, a
+                tenant over ``MAX_TENANT_CHARS`` characters); then nothing is queued.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -113,16 +117,26 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
         loras = self._lora_list(lora_request, len(prompts))
+        if tenant is None or isinstance(tenant, str):
+            tenants: list[str | None] = [tenant] * len(prompts)
+        else:
+            tenants = list(tenant)
+            if len(tenants) != len(prompts):
+                raise ValueError(f"tenant has {len(tenants)} entries for {len(prompts)} prompts.")
+        for t in tenants:
+            check_tenant("tenant", t)
         engine = self.llm_engine
         ids = [f"offline-{next(self._counter)}" for _ in prompts]
         if self._dp is not None:
             from kvserve.distributed.dp_engine import run_batch
 
-            return run_batch(self._dp, list(zip(ids, prompts, params_list, priorities)), use_tqdm)
+            return run_batch(self._dp, list(zip(ids, prompts, params_list, priorities, tenants)), use_tqdm)
         added = []
         try:
-            for rid, prompt, params, prio, lora in zip(ids, prompts, params_list, priorities, loras):
-                engine.add_request(rid, prompt, params, priority=prio, lora_request=lora)
+            for rid, prompt, params, prio, lora, ten in zip(
+                ids, prompts, params_list, priorities, loras, tenants
+            ):
+                engine.add_request(rid, prompt, params, priority=prio, lora_request=lora, tenant=ten)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)

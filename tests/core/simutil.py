@@ -28,6 +28,7 @@ def configs(
     max_num_partial_prefills=1,
     long_prefill_token_threshold=None,
     lookahead=0,
+    **scheduler_kw,
 ):
     """Scenario-README abbreviations -> (CacheConfig, SchedulerConfig)."""
     if isinstance(PM, str):
@@ -50,6 +51,7 @@ def configs(
         max_num_partial_prefills=max_num_partial_prefills,
         long_prefill_token_threshold=long_prefill_token_threshold,
         num_lookahead_slots=lookahead,
+        **scheduler_kw,
     )
     return cc, sc
 
@@ -136,7 +138,7 @@ class Harness:
 
         sched.schedule = schedule
 
-    def add(self, request_id, prompt, params, priority=0, arrival_time=None, lora_request=None):
+    def add(self, request_id, prompt, params, priority=0, arrival_time=None, lora_request=None, tenant=None):
         self.engine.add_request(
             request_id,
             prompt,
@@ -144,6 +146,7 @@ class Harness:
             arrival_time=arrival_time,
             priority=priority,
             lora_request=lora_request,
+            tenant=tenant,
         )
 
     # ------------------------------------------------------------------ checks

@@ -70,11 +70,14 @@ class FakeReplica:
     def __init__(self, plan, n_tokens=4, error=None):
         self.plan, self.n, self.error = plan, n_tokens, error
         self.aborted = []
-        self.generate = _Method(
-            lambda prompt, params, rid, prio: _Stream(rid, self.n, self.plan(rid), self.error)
-        )
+        self.tenants: dict[str, str | None] = {}  # request id -> the tenant it was sent with
+        self.generate = _Method(self._generate)
         self.abort = _Method(lambda rid: self.aborted.append(rid))
         self.ping = _Method(lambda: _value(4242))
+
+    def _generate(self, prompt, params, rid, prio, tenant):
+        self.tenants[rid] = tenant
+        return _Stream(rid, self.n, self.plan(rid), self.error)
 
 
 def _engine(replicas):
@@ -224,7 +227,7 @@ def test_num_waiting_counts_requests_without_output_yet():
                 yield ref
 
     rep = FakeReplica(lambda rid: None, n_tokens=2)
-    rep.generate = _Method(lambda prompt, params, rid, prio: _Slow(rid, 2, None))
+    rep.generate = _Method(lambda prompt, params, rid, prio, tenant: _Slow(rid, 2, None))
     dp = _engine([rep])
 
     async def main():

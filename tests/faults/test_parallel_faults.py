@@ -47,9 +47,15 @@ def test_offline_data_parallel_replica_dying_mid_stream_fails_only_its_requests(
     # replica 1 dies after streaming two outputs of every request it runs; replica 0 never
     dp = _engine([FakeReplica(lambda rid: None), FakeReplica(lambda rid: 2)])
     dp.engine = _Front()
-    reqs = [(f"r{i}", {"prompt_token_ids": [1, 2, i]}, SamplingParams(max_tokens=4), 0) for i in range(6)]
+    reqs = [
+        (f"r{i}", {"prompt_token_ids": [1, 2, i]}, SamplingParams(max_tokens=4), 0, f"t{i % 2}")
+        for i in range(6)
+    ]
     outs = run_batch(dp, reqs)
     assert [o.request_id for o in outs] == [r[0] for r in reqs]
+    # each request reached its replica with its tenant
+    sent = {**dp.replicas[0].actor.tenants, **dp.replicas[1].actor.tenants}
+    assert sent == {r[0]: r[4] for r in reqs}
     by_outcome: dict = {}
     for o in outs:
         by_outcome.setdefault(o.outcome, []).append(o)

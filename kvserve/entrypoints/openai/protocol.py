@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from kvserve.field_limits import LIMITS
+from kvserve.field_limits import LIMITS, MAX_TENANT_CHARS
 
 #: A finite JSON number (int or float), never a string, a bool, NaN or Infinity.
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
@@ -57,9 +57,8 @@ PromptInput = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
 #: routing on OpenAI's side and never change the tokens generated. Any other field that a model
 #: below does not declare is a 400 naming it.
 HARMLESS_FIELDS: dict[str, tuple[str, ...]] = {
-    "completions": ("user",),
+    "completions": (),
     "chat": (
-        "user",
         "safety_identifier",
         "metadata",
         "store",
@@ -69,6 +68,11 @@ HARMLESS_FIELDS: dict[str, tuple[str, ...]] = {
         "prompt_cache_options",
     ),
 }
+
+
+#: ``user``: the tenant the request is served for (``SequenceGroup.tenant``; the ``fair``
+#: scheduling policy shares service between tenants), at most ``MAX_TENANT_CHARS`` characters.
+User = Annotated[StrictStr, Field(max_length=MAX_TENANT_CHARS)]
 
 
 class _Request(BaseModel):
@@ -127,7 +131,7 @@ class _SamplingFields(_Request):
     presence_penalty: Annotated[Number, _num("presence_penalty")] | None = 0.0
     frequency_penalty: Annotated[Number, _num("frequency_penalty")] | None = 0.0
     logit_bias: dict[str, Annotated[Number, _num("logit_bias")]] | None = None
-    user: StrictStr | None = None  # harmless (HARMLESS_FIELDS)
+    user: User | None = None  # the tenant
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # extras
@@ -612,7 +616,7 @@ class ResponsesRequest(_Request):
     store: StrictBool | None = True
     # harmless: accepted, never change the tokens generated
     metadata: dict[str, Any] | None = None
-    user: StrictStr | None = None
+    user: User | None = None  # the tenant (passed on to the chat request)
     safety_identifier: StrictStr | None = None
     service_tier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None

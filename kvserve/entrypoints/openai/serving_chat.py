@@ -411,7 +411,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> dict:
         try:
             async for idx, out in self.generate_all(
-                [sub], params, priority, reservation, lora_request=rec.lora_request
+                [sub], params, priority, reservation, lora_request=rec.lora_request, tenant=req.user
             ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
@@ -490,7 +490,7 @@ class OpenAIServingChat(OpenAIServing):
 
         async def events():
             async for idx, out in self.generate_all(
-                [sub], params, priority, reservation, lora_request=rec.lora_request
+                [sub], params, priority, reservation, lora_request=rec.lora_request, tenant=req.user
             ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):

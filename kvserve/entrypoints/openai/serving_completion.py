@@ -268,7 +268,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals: dict[int, Any] = {}
                 try:
                     async for idx, out in self.generate_all(
-                        step_subs, searches[0].sampling_params(), priority, lora_request=lora
+                        step_subs, searches[0].sampling_params(), priority, lora_request=lora, tenant=req.user
                     ):
                         if out.finished:
                             if out.outcome != "finished":
@@ -349,7 +349,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> dict:
         try:
             async for idx, out in self.generate_all(
-                subs, params, priority, reservation, lora_request=rec.lora_request
+                subs, params, priority, reservation, lora_request=rec.lora_request, tenant=req.user
             ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):
@@ -413,7 +413,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         async def events():
             async for idx, out in self.generate_all(
-                subs, params, priority, reservation, lora_request=rec.lora_request
+                subs, params, priority, reservation, lora_request=rec.lora_request, tenant=req.user
             ):
                 rec.observe(idx, out)
                 if out.finished and out.outcome in ("rejected", "failed"):

@@ -252,6 +252,8 @@ def api_error_from_validation(e: ValidationError) -> APIError:
     if param in ("prompt", "stop", "messages") and len(errors) > 1:
         msg = "Input has the wrong type"  # a union: pydantic lists one error per member
         value = None
+    if first.get("type") == "string_too_long":
+        value = None  # the message states the limit; the value itself may be huge
     text = f"Invalid value for '{path}': {msg}"
     if value is not None and not isinstance(value, (dict, list)):
         text += f"; got {value!r}"
@@ -622,7 +624,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ checks
     def request_priority(self, priority: int | None) -> int:
-        """``priority`` (0 when left out), which only the ``priority`` scheduling policy reads.
+        """``priority`` (0 when left out), which the ``priority`` scheduling policy reads (and
+        ``fair``, within a tenant).
 
         Raises:
             APIError: 400 naming ``priority`` for a non-zero value under another policy (it
@@ -630,10 +633,11 @@ class OpenAIServing:
         """
         value = priority or 0
         policy = getattr(self.engine.scheduler_config, "policy", "priority")
-        if value and policy != "priority":
+        if value and policy not in ("priority", "fair"):
             raise APIError(
-                f"priority={value} needs the priority scheduling policy; this server runs "
-                f"--policy {policy} (start it with --policy priority, or leave priority out).",
+                f"priority={value} needs the priority or fair scheduling policy; this server runs "
+                f"--scheduling-policy {policy} (start it with --scheduling-policy priority, or "
+                "leave priority out).",
                 400,
                 param="priority",
                 code="unsupported",
@@ -814,9 +818,10 @@ class OpenAIServing:
         priority: int,
         reservation: Reservation | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every sub-request concurrently (with ``lora_request``'s adapter, None: the
-        base model); yield ``(sub_index, RequestOutput)`` as outputs arrive. Closing or
+        base model; for ``tenant``, the request's ``user``, None: the default tenant); yield ``(sub_index, RequestOutput)`` as outputs arrive. Closing or
         cancelling the iterator aborts whatever is still running.
 
         Raises:
@@ -844,7 +849,12 @@ class OpenAIServing:
                 reservation.consume()
             try:
                 async for out in self.async_engine.generate(
-                    prompt, params, sub.request_id, priority=priority, lora_request=lora_request
+                    prompt,
+                    params,
+                    sub.request_id,
+                    priority=priority,
+                    lora_request=lora_request,
+                    tenant=tenant,
                 ):
                     queue.put_nowait((idx, out, None))
                 queue.put_nowait((idx, None, None))

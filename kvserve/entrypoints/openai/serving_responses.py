@@ -146,6 +146,7 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
         "seed": req.seed,
         "parallel_tool_calls": req.parallel_tool_calls,
         "stream": bool(req.stream),
+        "user": req.user,
     }
     if req.stream:
         body["stream_options"] = {"include_usage": True}

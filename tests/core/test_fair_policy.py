@@ -1,0 +1,298 @@
+"""The ``fair`` policy (virtual token counter, Sheng et al., OSDI 2024): its counter rules as a
+unit, its orders, and the scheduler under it (a flooding tenant against a late one, random
+workloads on tiny caches with the invariants checked every step)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import EngineArgs, SchedulerConfig, parse_tenant_weights
+from kvserve.core.policy import MAX_IDLE_TENANTS, FairPolicy, PolicyFactory
+from kvserve.sampling_params import SamplingParams
+from tests.core.simutil import Harness, configs, make_group, prompt_of
+
+
+def group(rid, tenant, length=8, arrival=0.0, priority=0):
+    g = make_group(rid, prompt_of(hash(rid) % 997, length), arrival_time=arrival, priority=priority)
+    g.tenant = tenant
+    return g
+
+
+# ---------------------------------------------------------------- counters
+def test_counters_grow_by_weighted_tokens_over_the_tenant_weight():
+    p = FairPolicy(input_weight=1.0, output_weight=2.0, tenant_weights={"a": 2.0})
+    ga, gb = group("x", "a"), group("y", "b")
+    p.on_add(ga)
+    p.on_add(gb)
+    p.on_served(ga, 10, 0)
+    p.on_served(ga, 0, 3)
+    p.on_served(gb, 10, 3)
+    assert p.counters == {"a": (10 * 1.0 + 3 * 2.0) / 2.0, "b": 10 * 1.0 + 3 * 2.0}
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_least_backlogged_counter():
+    p = FairPolicy()
+    a1, b1 = group("a1", "a"), group("b1", "b")
+    p.on_add(a1)
+    p.on_add(b1)
+    p.on_served(a1, 100, 0)
+    p.on_served(b1, 40, 0)
+    p.on_finish(b1)  # b idle at 40 while a runs on
+    c = group("c1", "c")
+    p.on_add(c)  # a new tenant starts at the least backlogged counter, not at 0
+    assert p.counters["c"] == 100.0
+    p.on_served(a1, 50, 0)
+    p.on_served(c, 80, 0)
+    b2 = group("b2", "b")
+    p.on_add(b2)  # idling earned b nothing: lifted from 40 to min(a=150, c=180)
+    assert p.counters["b"] == 150.0
+    # a tenant above the floor keeps its own counter when it comes back
+    p.on_finish(c)
+    assert p.counters["c"] == 180.0
+    p.on_add(group("c2", "c"))
+    assert p.counters["c"] == 180.0
+
+
+def test_the_floor_survives_an_empty_scheduler_and_idle_entries_are_dropped():
+    p = FairPolicy()
+    a, b = group("a1", "a"), group("b1", "b")
+    p.on_add(a)
+    p.on_add(b)
+    p.on_served(a, 30, 0)
+    p.on_served(b, 70, 0)
+    p.on_finish(a)  # a (30) <= floor (b's 70): dropped, it would be lifted to 70 anyway
+    assert "a" not in p.counters
+    p.on_finish(b)  # the last backlogged tenant leaves: the floor stays at 70
+    assert p.floor() == 70.0 and p.counters == {}
+    p.on_add(group("a2", "a"))
+    assert p.counters == {"a": 70.0}
+
+
+def test_state_stays_bounded_under_many_short_lived_tenants():
+    p = FairPolicy()
+    keeper = group("keep", "keeper")  # stays backlogged at counter 0: nobody is at the floor
+    p.on_add(keeper)
+    for i in range(3 * MAX_IDLE_TENANTS):
+        g = group(f"r{i}", f"t{i}")
+        p.on_add(g)
+        p.on_served(g, 1 + i % 7, 0)
+        p.on_finish(g)
+    assert len(p.counters) <= 2 * MAX_IDLE_TENANTS + 1
+    assert len(p._members) == 1 and set(p._backlog) == {"keeper"}
+    p.on_finish(keeper)
+    assert p._members == {} and p._backlog == {}
+
+
+def test_unknown_groups_are_no_ops():
+    p = FairPolicy()
+    g = group("x", "a")
+    p.on_served(g, 10, 10)
+    p.on_finish(g)
+    assert p.counters == {} and p.floor() == 0.0
+
+
+# ---------------------------------------------------------------- orders
+def test_admission_interleaves_tenants_by_projected_counter():
+    p = FairPolicy()
+    waiting = [group(f"a{i}", "a", arrival=i) for i in range(4)] + [
+        group(f"b{i}", "b", arrival=10 + i) for i in range(4)
+    ]
+    for g in waiting:
+        p.on_add(g)
+    order = [g.request_id for g in p.admission_order(20.0, waiting)]
+    assert order == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3"]
+    # a tenant of weight 2 is charged half as much per token: about two turns per turn of b
+    p2 = FairPolicy(tenant_weights={"a": 2.0})
+    for g in waiting:
+        p2.on_add(g)
+    order = [g.request_id for g in p2.admission_order(20.0, waiting)]
+    assert order[:6] == ["a0", "b0", "a1", "a2", "b1", "a3"]
+
+
+def test_admission_serves_the_least_served_tenant_first_and_priority_within_a_tenant():
+    p = FairPolicy()
+    a = [group("a0", "a", arrival=0), group("a1", "a", arrival=1)]
+    b = [group("b0", "b", arrival=2), group("b1", "b", arrival=3, priority=-1)]
+    for g in a + b:
+        p.on_add(g)
+    p.on_served(a[0], 100, 0)
+    order = [g.request_id for g in p.admission_order(5.0, a + b)]
+    # b is 100 weighted tokens behind: both of its groups (the more urgent one first) go before a's
+    assert order == ["b1", "b0", "a0", "a1"]
+
+
+def test_running_order_puts_the_most_served_tenant_last():
+    p = FairPolicy()
+    gs = [group(f"{t}{i}", t, arrival=i) for i in range(3) for t in "abc"]
+    for g in gs:
+        p.on_add(g)
+    p.on_served(gs[0], 50, 0)  # a0
+    p.on_served(gs[2], 20, 0)  # c0
+    order = [g.request_id for g in p.sort_by_priority(9.0, gs)]
+    assert order == ["b0", "b1", "b2", "c0", "c1", "c2", "a0", "a1", "a2"]
+
+
+# ---------------------------------------------------------------- configuration
+def test_factory_builds_fair_from_the_scheduler_config():
+    sc = SchedulerConfig(
+        policy="fair", fair_input_weight=0.5, fair_output_weight=4.0, tenant_weights={"gold": 3.0}
+    )
+    p = PolicyFactory.from_config(sc)
+    assert isinstance(p, FairPolicy) and p.tracks_service and not p.preempts_by_rank
+    assert (p.input_weight, p.output_weight, p.tenant_weights) == (0.5, 4.0, {"gold": 3.0})
+    assert SchedulerConfig().fair_output_weight == 2.0 and SchedulerConfig().fair_input_weight == 1.0
+    with pytest.raises(ValueError, match=r"policy must be one of \['fair', 'fcfs', 'priority'\]"):
+        PolicyFactory.from_config(SchedulerConfig(policy="lottery"))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(fair_input_weight=0.0), r"fair_input_weight must be a finite number > 0, got 0.0"),
+        (dict(fair_output_weight=-1), r"fair_output_weight must be a finite number > 0, got -1"),
+        (dict(fair_output_weight=float("inf")), r"fair_output_weight must be a finite number > 0"),
+        (dict(tenant_weights={"a": 0}), r"tenant_weights\['a'\] must be a finite number > 0, got 0"),
+        (dict(tenant_weights="a=2,b"), r"tenant_weights entry 'b' is not NAME=WEIGHT"),
+        (dict(tenant_weights="a=x"), r"tenant_weights entry 'a=x' is not NAME=WEIGHT"),
+        (dict(tenant_weights="a=1,a=2"), r"tenant_weights names 'a' twice"),
+    ],
+)
+def test_bad_fair_settings_are_value_errors_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kwargs)
+
+
+def test_tenant_weights_parse_the_flag_form():
+    assert parse_tenant_weights("a=2, b=0.5") == {"a": 2.0, "b": 0.5}
+    assert parse_tenant_weights(None) == {} and parse_tenant_weights(" ") == {}
+
+
+# ---------------------------------------------------------------- the scheduler under fair
+def _flood(policy, **kw):
+    """Tenant A queues 40 requests; two steps later tenant B sends 4. Returns the harness and
+    the step index at which each request was first scheduled."""
+    cc, sc = configs(BS=4, G=64, S=4, T=64, L=64, policy=policy, **kw)
+    h = Harness(cc, sc)
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(40):
+        h.add(f"a{i}", {"prompt_token_ids": prompt_of(i, 8)}, p, tenant="A")
+    h.step()
+    h.step()
+    for i in range(4):
+        h.add(f"b{i}", {"prompt_token_ids": prompt_of(100 + i, 8)}, p, tenant="B")
+    h.run()
+    h.assert_idle()
+    first: dict[str, int] = {}
+    for step, out in enumerate(h.history):
+        for ssg in out.scheduled_seq_groups:
+            first.setdefault(ssg.seq_group.request_id, step)
+    assert len(first) == 44 and all(o.outcome == "finished" for o in h.outputs.values())
+    return h, first
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_late_tenant_is_served_before_a_flooding_tenants_backlog(chunked):
+    _, fair = _flood("fair", CP=chunked)
+    _, fcfs = _flood("fcfs", CP=chunked)
+    b_fair = max(fair[f"b{i}"] for i in range(4))
+    b_fcfs = min(fcfs[f"b{i}"] for i in range(4))
+    # fcfs: B waits for all 40 of A's requests to be admitted
+    assert all(fcfs[f"a{i}"] <= b_fcfs for i in range(40))
+    # fair: all of B's requests are admitted while most of A's backlog still waits
+    a_after = sum(1 for i in range(40) if fair[f"a{i}"] > b_fair)
+    assert a_after >= 30, (a_after, fair)
+    # and B's do not all go first either: they interleave with A's from the step B arrives
+    assert sum(1 for i in range(40) if 2 <= fair[f"a{i}"] <= b_fair) >= 2
+
+
+def test_same_tokens_under_fcfs_and_fair_on_the_simulator():
+    """The policy orders work, never changes it: every request's tokens are the same."""
+    h_fair, _ = _flood("fair")
+    h_fcfs, _ = _flood("fcfs")
+    assert {r: h_fair.tokens(r) for r in h_fair.outputs} == {r: h_fcfs.tokens(r) for r in h_fcfs.outputs}
+
+
+@st.composite
+def fair_workloads(draw):
+    n = draw(st.integers(1, 12))
+    bs = draw(st.sampled_from([2, 4]))
+    reqs = [
+        (
+            draw(st.integers(0, 8)),  # arrival step
+            draw(st.sampled_from([None, "a", "b", "c"])),  # tenant
+            draw(st.integers(0, 3)),  # prompt family (shared prefixes)
+            draw(st.integers(1, 14)),  # prompt length
+            draw(st.integers(1, 8)),  # max_tokens
+            draw(st.integers(0, 2)),  # priority
+        )
+        for _ in range(n)
+    ]
+    weights = draw(st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sampled_from([0.5, 1.0, 3.0])))
+    return dict(
+        reqs=reqs,
+        BS=bs,
+        G=draw(st.integers(24 // bs + 1, 24 // bs + 8)),  # any one request fits alone
+        CP=draw(st.booleans()),
+        PC=draw(st.booleans()),
+        PM=draw(st.sampled_from(["recompute", "swap"])),
+        weights=weights,
+        in_w=draw(st.sampled_from([0.5, 1.0])),
+        out_w=draw(st.sampled_from([1.0, 2.0, 8.0])),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fair_workloads())
+def test_property_fair_random_tenants_tiny_caches(w):
+    """Random arrivals, tenants, weights and tiny caches under ``fair``: the invariants hold every
+    step (Harness), every request finishes, all blocks come back, the policy forgets every
+    request, and no request starves: each is first scheduled within ``bound`` steps of its
+    arrival, ``bound`` = the tokens of the whole workload (prompt + max_tokens, summed) -- every
+    step feeds at least one token, and a waiting tenant's counter falls behind the others' until
+    it is the least, so only a finite amount of work can go ahead of it."""
+    cc, sc = configs(
+        BS=w["BS"],
+        G=w["G"],
+        C=64 if w["PM"] == "swap" else 0,
+        S=4,
+        T=32,
+        L=24,
+        CP=w["CP"],
+        PC=w["PC"],
+        PM=w["PM"],
+        policy="fair",
+        max_num_partial_prefills=2,
+        fair_input_weight=w["in_w"],
+        fair_output_weight=w["out_w"],
+        tenant_weights=w["weights"],
+    )
+    h = Harness(cc, sc)
+    pending = sorted(enumerate(w["reqs"]), key=lambda x: (x[1][0], x[0]))
+    arrived: dict[str, int] = {}
+    first: dict[str, int] = {}
+    steps = 0
+    while pending or h.engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= steps:
+            i, (_, tenant, fam, plen, mt, prio) = pending.pop(0)
+            params = SamplingParams(
+                max_tokens=min(mt, sc.max_model_len - plen), temperature=0, ignore_eos=True
+            )
+            h.add(f"r{i}", {"prompt_token_ids": prompt_of(fam, plen)}, params, priority=prio, tenant=tenant)
+            arrived[f"r{i}"] = steps
+        h.step()
+        for ssg in h.history[-1].scheduled_seq_groups:
+            first.setdefault(ssg.seq_group.request_id, steps)
+        steps += 1
+        assert steps < 2000, "did not drain"
+    h.assert_idle()
+    assert all(h.outputs[r].outcome == "finished" for r in arrived)
+    bound = sum(plen + mt for _, _, _, plen, mt, _ in w["reqs"])
+    waits = {r: first[r] - arrived[r] for r in arrived}
+    assert max(waits.values()) <= bound, (waits, bound)
+    pol = h.scheduler.policy
+    assert isinstance(pol, FairPolicy)
+    assert pol._members == {} and pol._backlog == {}
+    # idle tenants keep an entry only while above the floor when they left (swept lazily)
+    assert set(pol.counters) <= {r[1] for r in w["reqs"]}

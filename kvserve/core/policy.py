@@ -298,6 +298,11 @@ class PolicyFactory:
     }
 
     @classmethod
+    def names(cls) -> list[str]:
+        """The registered policy names, sorted."""
+        return sorted(cls._POLICY_REGISTRY)
+
+    @classmethod
     def from_config(cls, config: SchedulerConfig) -> Policy:
         """The policy ``config.policy`` names, with ``config``'s settings. Raises ValueError
         naming the known policies."""

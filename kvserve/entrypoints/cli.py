@@ -18,7 +18,9 @@ from kvserve.config import (
     MODEL_IMPL_CHOICES,
     QUANTIZATION_CHOICES,
     EngineArgs,
+    parse_tenant_weights,
 )
+from kvserve.core.policy import PolicyFactory
 from kvserve.entrypoints.vllm_compat import aliases_of, human_int_arg
 from kvserve.lora.modules import parse_lora_module
 
@@ -33,6 +35,13 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "policy": (
+        "queue order: fcfs = arrival order; priority = the request's priority, then arrival; "
+        "fair = tenants (the request's user) share the service by weighted tokens served "
+        "(virtual token counter)"
+    ),
+    "fair_input_weight": "fair policy: cost of one prompt (prefill) token in a tenant's counter",
+    "fair_output_weight": "fair policy: cost of one generated token (2 = the VTC paper's 1:2 ratio)",
     "gpu_memory_utilization": (
         "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
         "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"
@@ -59,6 +68,22 @@ _HELP = {
 
 #: Integer fields that also take vLLM's 32k / 1M forms (``vllm_compat.parse_human_int``).
 _HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
+#: Fields whose flag is not ``--`` + the field name (vLLM's spelling); the field's own
+#: spelling stays as an alias.
+_FLAG_OF = {"policy": "--scheduling-policy"}
+
+
+def flag_of(field_name: str) -> str:
+    """The command-line flag of an ``EngineArgs`` field."""
+    return _FLAG_OF.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _tenant_weights(text: str) -> dict[str, float]:
+    """A ``--tenant-weights`` value (``a=2,b=1``) as a dict (argparse ``type``)."""
+    try:
+        return parse_tenant_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dtype(text: str) -> str:
@@ -78,8 +103,10 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
     helps = {**_HELP, **(help_overrides or {})}
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_of(f.name)
         names = [flag, *aliases_of(flag)]
+        if flag != "--" + f.name.replace("_", "-"):
+            names.append("--" + f.name.replace("_", "-"))
         hint = hints[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if base is bool:
@@ -96,9 +123,20 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
                 if f.name == "speculative_config"
                 else "generation_config.json values to set over the file's, e.g. '{\"temperature\": 0.5}'",
             )
+        elif f.name == "tenant_weights":
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                type=_tenant_weights,
+                default=None,
+                metavar="NAME=WEIGHT,...",
+                help="fair policy: share weights of tenants (the request's user), e.g. a=2,b=1; "
+                "1 for a tenant not listed",
+            )
         else:
             parser.add_argument(
                 *names,
+                dest=f.name,
                 type=human_int_arg
                 if f.name in _HUMAN_INT_FIELDS
                 else {"dtype": _dtype, "model_impl": _model_impl}.get(f.name, base),
@@ -110,6 +148,7 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
                     "quantization": list(QUANTIZATION_CHOICES),
                     "model_impl": list(MODEL_IMPL_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],
+                    "policy": PolicyFactory.names(),
                 }.get(f.name),
                 help=helps.get(f.name),
             )
@@ -137,7 +176,7 @@ def checked_engine_args(ns: argparse.Namespace) -> EngineArgs | None:
 def _flag_patterns() -> list[tuple[re.Pattern, str]]:
     out = []
     for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_of(f.name)
         name = re.escape(f.name)
         # ``name='v'`` / ``name=v``: the flag and its value as typed
         value = r"=(?:'([^']*)'|\"([^\"]*)\"|([^\s,;)]+))"

@@ -331,7 +331,7 @@ FATES: dict[str, Fate] = {
     "--num-lookahead-slots": _refused(
         VALUE, "lookahead slots follow --speculative-config's num_speculative_tokens", accept=("0",)
     ),
-    "--scheduling-policy": _mapped(VALUE, "policy", "--policy (fcfs or priority)", str),
+    "--scheduling-policy": _same(VALUE, "fcfs, priority or fair; --policy is an alias"),
     "--enable-chunked-prefill": _same(BOOL, "unset: on on CPU, off on CUDA"),
     "--disable-chunked-mm-input": _ignored(BOOL, _TEXT_ONLY),
     "--scheduler-cls": _refused(VALUE, _PLUGINS),

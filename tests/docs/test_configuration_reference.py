@@ -14,6 +14,7 @@ import pytest
 
 from kvserve import envs
 from kvserve.config import EngineArgs
+from kvserve.entrypoints.cli import flag_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -101,7 +102,7 @@ def test_engine_table_names_every_engine_args_field_once_with_its_flag_type_and_
         assert len(row) == 5, f"row needs field | flag | type | default | meaning: {row}"
         name, flag, typ, default, meaning = row
         f = fields[_code(name)]
-        assert _code(flag) == "--" + f.name.replace("_", "-"), row
+        assert _code(flag) == flag_of(f.name), row
         assert _code(typ) == str(f.type), f"{f.name}: documented type {typ}, annotated {f.type}"
         assert ast.literal_eval(_code(default)) == f.default, (
             f"{f.name}: documented {default}, real {f.default!r}"

@@ -151,7 +151,6 @@ def _sample(flag: str, fate: vc.Fate) -> list[str]:
         "--kv-cache-memory-bytes": "2G",
         "--swap-space": "2",
         "--num-gpu-blocks-override": "7",
-        "--scheduling-policy": "priority",
         "--scheduler-delay-factor": "0.5",
         "--uvicorn-log-level": "critical",
     }
@@ -181,7 +180,6 @@ def test_each_flag_does_what_its_fate_says(serve_parser, flag):
         "--kv-cache-memory-bytes": ("kv_cache_memory_gib", 2.0),
         "--swap-space": ("swap_space_gib", 2.0),
         "--num-gpu-blocks-override": ("num_gpu_blocks", 7),
-        "--scheduling-policy": ("policy", "priority"),
         "--scheduler-delay-factor": ("delay_factor", 0.5),
         "--uvicorn-log-level": ("log_level", "error"),
         "--enable-log-requests": ("request_log", True),

@@ -5,6 +5,99 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+#: Tenants exported by name in /metrics (label ``tenant``); the others are summed under
+#: ``OTHER_TENANT``. The named ones are the ``TENANT_SERIES`` with the most served tokens when
+#: the set fills (at a scrape), and stay named from then on, so every series only grows.
+TENANT_SERIES = 16
+#: Tenants with their own totals in memory; past it the least-served unnamed one is folded into
+#: ``OTHER_TENANT``.
+MAX_TRACKED_TENANTS = 1024
+#: The ``tenant`` label of everything not exported by name.
+OTHER_TENANT = "other"
+#: The ``tenant`` label of requests without one (``SequenceGroup.tenant`` None).
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class TenantTotals:
+    """One tenant's finished requests: ``served_tokens`` (prompt + generated tokens), request
+    count, and the sums of queue time and time to first token (seconds) with their counts."""
+
+    requests: int = 0
+    served_tokens: int = 0
+    queue_s_sum: float = 0.0
+    queue_count: int = 0
+    ttft_s_sum: float = 0.0
+    ttft_count: int = 0
+
+    def add(self, other: TenantTotals) -> None:
+        self.requests += other.requests
+        self.served_tokens += other.served_tokens
+        self.queue_s_sum += other.queue_s_sum
+        self.queue_count += other.queue_count
+        self.ttft_s_sum += other.ttft_s_sum
+        self.ttft_count += other.ttft_count
+
+
+class TenantStats:
+    """Per-tenant totals with bounded cardinality (``TENANT_SERIES`` named + ``other``), for
+    /metrics. Memory: at most ``MAX_TRACKED_TENANTS`` entries."""
+
+    def __init__(self, series: int = TENANT_SERIES, max_tracked: int = MAX_TRACKED_TENANTS) -> None:
+        if series < 1 or max_tracked <= series:
+            raise ValueError(
+                f"need 1 <= series < max_tracked, got series={series}, max_tracked={max_tracked}."
+            )
+        self.series = series
+        self.max_tracked = max_tracked
+        self.totals: dict[str, TenantTotals] = {}
+        self.named: set[str] = set()  # exported by name (sticky)
+        self.folded = TenantTotals()  # tenants dropped from ``totals``: always ``other``
+
+    def on_finished(
+        self, tenant: str | None, served_tokens: int, queue_s: float | None, ttft_s: float | None
+    ) -> None:
+        """Add one finished request of ``tenant`` (None: ``DEFAULT_TENANT``)."""
+        name = DEFAULT_TENANT if tenant is None else tenant
+        t = self.totals.get(name)
+        if t is None:
+            if len(self.totals) >= self.max_tracked:
+                self._fold_one()
+            t = self.totals[name] = TenantTotals()
+        t.requests += 1
+        t.served_tokens += served_tokens
+        if queue_s is not None:
+            t.queue_s_sum += max(0.0, queue_s)
+            t.queue_count += 1
+        if ttft_s is not None:
+            t.ttft_s_sum += max(0.0, ttft_s)
+            t.ttft_count += 1
+
+    def _fold_one(self) -> None:
+        unnamed = [n for n in self.totals if n not in self.named]
+        victim = min(unnamed, key=lambda n: self.totals[n].served_tokens)
+        self.folded.add(self.totals.pop(victim))
+
+    def snapshot(self) -> dict[str, TenantTotals]:
+        """label -> totals: the named tenants (filled up to ``series`` with the most-served
+        unnamed ones first) and ``OTHER_TENANT`` (present once anything is not named)."""
+        totals = list(self.totals.items())  # one read: the engine thread may add meanwhile
+        room = self.series - len(self.named)
+        if room > 0:
+            unnamed = sorted(
+                (kv for kv in totals if kv[0] not in self.named), key=lambda kv: (-kv[1].served_tokens, kv[0])
+            )
+            self.named.update(n for n, _ in unnamed[:room])
+        out = {n: t for n, t in sorted(totals) if n in self.named}
+        other = TenantTotals()
+        other.add(self.folded)
+        for n, t in totals:
+            if n not in self.named:
+                other.add(t)
+        if other.requests:
+            out[OTHER_TENANT] = other
+        return out
+
 
 @dataclass
 class EngineStats:
@@ -41,6 +134,8 @@ class EngineStats:
     spec_num_draft_opportunities: int = 0
     # Of those, the ones that verified no drafts, by reason (SpecDecodeWorker._skip_reason).
     spec_skipped_by_reason: Counter = field(default_factory=Counter)
+    #: Per-tenant totals of finished requests (/metrics, label ``tenant``).
+    tenants: TenantStats = field(default_factory=TenantStats)
 
     def on_request_added(self, prompt_len: int) -> None:
         self.num_requests_added += 1
@@ -107,6 +202,8 @@ class EngineStats:
         tpot = m.tpot(n_out)
         if tpot is not None:
             self.tpot_s.append(tpot)
+        served = len(out.prompt_token_ids or []) + sum(len(o.token_ids) for o in out.outputs)
+        self.tenants.on_finished(getattr(group, "tenant", None), served, m.queue_time, m.ttft)
         for listener in self.listeners:
             listener(group, out)
 

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 logger = logging.getLogger("kvserve.server.metrics")
 
@@ -250,6 +250,38 @@ class EngineCollector:
         for reason, count in sorted(dict(stats.finished_by_reason).items()):
             success.add_metric(values + [str(reason)], float(count))
         yield success
+        tenants = getattr(stats, "tenants", None)
+        if tenants is not None:
+            yield from self._tenants(tenants.snapshot(), labels, values)
+
+    @staticmethod
+    def _tenants(snap: dict, labels: list[str], values: list[str]) -> Iterable:
+        """Per-tenant totals of finished requests (label ``tenant``: ``TENANT_SERIES`` named
+        tenants, the rest as ``other``, requests without a tenant as ``default``)."""
+        lbl = labels + ["tenant"]
+        served = CounterMetricFamily(
+            "kvserve:tenant_served_tokens",
+            "Prompt + generated tokens of finished requests, by tenant (the request's user).",
+            labels=lbl,
+        )
+        reqs = CounterMetricFamily("kvserve:tenant_requests", "Finished requests, by tenant.", labels=lbl)
+        queue = SummaryMetricFamily(
+            "kvserve:tenant_request_queue_time_seconds",
+            "Arrival to first scheduled, by tenant (finished requests).",
+            labels=lbl,
+        )
+        ttft = SummaryMetricFamily(
+            "kvserve:tenant_time_to_first_token_seconds",
+            "Time to first token, by tenant (finished requests).",
+            labels=lbl,
+        )
+        for name, t in snap.items():
+            v = values + [name]
+            served.add_metric(v, float(t.served_tokens))
+            reqs.add_metric(v, float(t.requests))
+            queue.add_metric(v, count_value=t.queue_count, sum_value=t.queue_s_sum)
+            ttft.add_metric(v, count_value=t.ttft_count, sum_value=t.ttft_s_sum)
+        yield from (served, reqs, queue, ttft)
 
     def _cache_config_info(self, num_gpu: int, num_cpu: int) -> GaugeMetricFamily:
         """``cache_config_info``: value 1, the KV cache's configuration as labels (vLLM's

@@ -85,6 +85,9 @@ def simulate(
     Requests with a ``lora_id`` run with that adapter (LoRA is switched on for them when
     ``enable_lora`` is unset; ``max_loras`` limits the adapters per step); the summary then
     has a ``lora`` section (adapters, mean adapters per step, TTFT and e2e per adapter).
+    Requests with a ``tenant`` are served for it (the ``fair`` policy shares service between
+    tenants); the summary then has ``tenants``: per tenant, finished requests, served tokens
+    (prompt + output) and TTFT / queue-time statistics.
 
     Raises:
         ValueError: a bad setting (naming the field), e.g. speculation without an acceptance
@@ -145,6 +148,7 @@ def simulate(
                     SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
                     arrival_time=r.arrival_s,
                     lora_request=sim_lora_request(r.lora_id) if lora_config is not None else None,
+                    tenant=r.tenant,
                 )
             except ValueError as e:
                 rejected[str(e)] = rejected.get(str(e), 0) + 1
@@ -198,6 +202,22 @@ def simulate(
             "e2e_s_by_adapter": {
                 k: summarize(m.e2e_latency for m in ms) for k, ms in sorted(by_adapter.items())
             },
+        }
+    if any(r.tenant is not None for r in requests):
+        tenant_of = {str(r.id): r.tenant or "default" for r in requests}
+        by_tenant: dict[str, list] = {}
+        for o in done:
+            by_tenant.setdefault(tenant_of.get(o.request_id, "default"), []).append(o)
+        summary["tenants"] = {
+            t: {
+                "finished": len(os_),
+                "served_tokens": sum(
+                    len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids) for o in os_
+                ),
+                "ttft_s": summarize(o.metrics.ttft for o in os_),
+                "queue_s": summarize(o.metrics.queue_time for o in os_),
+            }
+            for t, os_ in sorted(by_tenant.items())
         }
     if spec is not None:
         st = engine.stats

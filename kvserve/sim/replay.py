@@ -181,6 +181,7 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult
                     {"prompt_token_ids": r.prompt_token_ids},
                     SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
                     arrival_time=t0 + r.arrival_s,
+                    tenant=r.tenant,
                 )
                 res.token_times[r.id] = []
             except ValueError:

@@ -19,6 +19,9 @@
 * **LoRA adapters** (the simulator): an optional ``lora_id`` column (CSV) or key (JSONL traces
   and workload files) gives each request's adapter id, an integer >= 0 (0 or empty = the base
   model).
+* **Tenants** (the simulator, the ``fair`` policy): an optional ``tenant`` column (CSV) or key
+  (JSONL traces and workload files) names who each request is served for, a string of at most
+  ``MAX_TENANT_CHARS`` characters (empty or missing = the default tenant).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 from kvserve.envs import shared_dir
+from kvserve.field_limits import MAX_TENANT_CHARS
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -50,6 +54,7 @@ class BenchRequest:
     arrival_s: float = 0.0
     id: int = 0
     lora_id: int = 0  # LoRA adapter id (0 = the base model)
+    tenant: str | None = None  # who it is served for (None = the default tenant)
 
     @property
     def prompt_len(self) -> int:
@@ -59,13 +64,15 @@ class BenchRequest:
 @dataclass
 class TraceRecord:
     """One trace row: arrival (s from the first row, None when the file has no times), lengths,
-    and its ``lora_id`` column (0 = the base model, also when the file has none)."""
+    its ``lora_id`` column (0 = the base model, also when the file has none) and ``tenant``
+    column (None = the default tenant)."""
 
     arrival_s: float | None
     input_len: int
     output_len: int
     hash_ids: list[int] | None = None
     lora_id: int = 0
+    tenant: str | None = None
 
 
 def parse_lora_id(value, where: str) -> int:
@@ -83,6 +90,23 @@ def parse_lora_id(value, where: str) -> int:
     if isinstance(value, bool) or n < 0 or (isinstance(value, float) and value != n):
         raise ValueError(f"{where}: lora_id must be an integer >= 0 (0 = no adapter), got {value!r}")
     return n
+
+
+def parse_tenant(value, where: str) -> str | None:
+    """A ``tenant`` cell: a string of at most ``MAX_TENANT_CHARS`` characters; empty or missing
+    is None (the default tenant).
+
+    Raises:
+        ValueError: anything else, naming ``where`` (file and row) and the limit.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str) or len(value) > MAX_TENANT_CHARS:
+        shown = f"{len(value)} characters" if isinstance(value, str) else repr(value)
+        raise ValueError(
+            f"{where}: tenant must be a string of at most {MAX_TENANT_CHARS} characters, got {shown}"
+        )
+    return value
 
 
 @dataclass
@@ -132,6 +156,7 @@ def load_workload(path, num_prompts: int | None = None) -> list[BenchRequest]:
                 arrival_s=_time_field(obj.get("arrival_s", 0.0) or 0.0, "arrival_s", where),
                 id=_count_field(obj.get("id", len(reqs)), "id", where, lo=0),
                 lora_id=parse_lora_id(obj.get("lora_id"), where),
+                tenant=parse_tenant(obj.get("tenant"), where),
             )
         )
         if num_prompts is not None and len(reqs) >= num_prompts:
@@ -376,6 +401,7 @@ def _mooncake_record(o: dict, where: str) -> TraceRecord:
         _count_field(o["output_length"], "output_length", where),
         list(hash_ids or []) or None,
         parse_lora_id(o.get("lora_id"), where),
+        parse_tenant(o.get("tenant"), where),
     )
 
 
@@ -422,6 +448,7 @@ def load_trace(path, fmt: str = "auto") -> list[TraceRecord]:
             wheres.append(where := f"{path}:{n}")
             records.append(_csv_record(fmt, row, where))
             records[-1].lora_id = parse_lora_id(row.get("lora_id"), where)
+            records[-1].tenant = parse_tenant(row.get("tenant"), where)
     if not records:
         raise ValueError(f"{path}: the trace has no rows (only a header)")
     for k in range(1, len(records) if records[0].arrival_s is not None else 0):
@@ -460,7 +487,7 @@ def select_trace(
     if records and records[0].arrival_s is not None:
         end = math.inf if duration_s is None else start_s + duration_s
         sel = [
-            TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids, r.lora_id)
+            TraceRecord(r.arrival_s, r.input_len, r.output_len, r.hash_ids, r.lora_id, r.tenant)
             for r in records
             if start_s <= _arrival(r) < end
         ]
@@ -489,6 +516,7 @@ def scale_arrivals(records: list[TraceRecord], time_scale: float) -> list[TraceR
             r.output_len,
             r.hash_ids,
             r.lora_id,
+            r.tenant,
         )
         for r in records
     ]
@@ -556,7 +584,12 @@ def trace_to_requests(
             ids = corpus_window(corpus, int(rng.integers(len(corpus))), inp)
         reqs.append(
             BenchRequest(
-                prompt_token_ids=ids, output_len=out, arrival_s=r.arrival_s or 0.0, id=i, lora_id=r.lora_id
+                prompt_token_ids=ids,
+                output_len=out,
+                arrival_s=r.arrival_s or 0.0,
+                id=i,
+                lora_id=r.lora_id,
+                tenant=r.tenant,
             )
         )
     return reqs, report

@@ -46,7 +46,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         cp=st.booleans(),
         pc=st.booleans(),
         pm=st.sampled_from([None, "recompute", "swap"]),
-        policy=st.sampled_from(["fcfs", "priority"]),
+        policy=st.sampled_from(["fcfs", "priority", "fair"]),
         BS=st.sampled_from([2, 4]),
         G=st.integers(4, 24),
         C=st.integers(0, 16),
@@ -82,8 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         shared=st.booleans(),
         seed=st.integers(0, 50),
         adapter=st.integers(0, 3),
+        tenant=st.sampled_from([None, "a", "b"]),
     )
-    def add(self, plen, n, mt, prio, shared, seed, adapter):
+    def add(self, plen, n, mt, prio, shared, seed, adapter, tenant):
         mt = min(mt, L - plen)
         n = min(n, self.h.sc.max_num_seqs)
         prompt = BASE[:plen] if shared else prompt_of(seed, plen)
@@ -94,7 +95,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         if self.h.scheduler.lora_config is None:
             adapter = 0
-        self.h.add(rid, prompt, params, priority=prio, lora_request=lora(adapter))
+        self.h.add(rid, prompt, params, priority=prio, lora_request=lora(adapter), tenant=tenant)
         self.reqs[rid] = (prompt, n, mt, adapter)
 
     @precondition(lambda self: self.reqs)
@@ -117,6 +118,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         h = self.h
         h.run(max_steps=3000)
         h.assert_idle()
+        pol = h.scheduler.policy
+        if pol.tracks_service:  # every group it was told of has ended
+            assert not pol._members and not pol._backlog
         cc = h.cc
         bs, G = cc.block_size, cc.num_gpu_blocks
         for rid, (prompt, n, mt, adapter) in self.reqs.items():

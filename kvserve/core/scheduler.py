@@ -70,6 +70,11 @@ stream in) but cannot shorten a burst: an adapter holds a slot for at least its 
 request's decode steps whoever runs when, so a burst takes at least the sum of those over
 ``max_loras`` steps, which FCFS already comes close to (``kvserve/benchmarks/lora_occupancy``).
 
+Policies: ``waiting`` is admitted in ``policy.admission_order`` (a policy may account for each
+admission before ranking the next); a policy that ``tracks_service`` (``fair``) is told when a
+group joins (``add_seq_group``), what each step served (``mark_computed``: prefill tokens as
+input, decode tokens as output) and when it ends (finished, aborted or ignored).
+
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
 every scheduled prefill feeds >= 1 token; no token is scheduled at a position

@@ -203,6 +203,9 @@ class CacheConfig:
         enable_prefix_caching: reuse KV blocks across requests by hashed token content.
         watermark: fraction of device blocks kept free when admitting prefills (avoids
             immediate preemption of what was just admitted).
+        waiting_aware_eviction: with prefix caching, evict cached blocks that a waiting
+            request's prompt holds only after every other cached block (False: plain
+            least-recently-released order).
         gpu_memory_utilization: when set (0 < u <= 1) and ``num_gpu_blocks`` is unset, the
             device pool is sized to fill this fraction of the memory the weights and KV share
             (device memory on CUDA, physical host memory on CPU), less what the process
@@ -218,6 +221,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     watermark: float = 0.01
     gpu_memory_utilization: float | None = None
+    waiting_aware_eviction: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)

@@ -351,6 +351,7 @@ class Scheduler:
             watermark=cache_config.watermark,
             sliding_window=cache_config.sliding_window,
             enable_caching=cache_config.enable_prefix_caching,
+            waiting_aware_eviction=cache_config.waiting_aware_eviction,
         )
         self.policy: Policy = PolicyFactory.get_policy(scheduler_config.policy)
         self.waiting: deque[SequenceGroup] = deque()
@@ -405,6 +406,7 @@ class Scheduler:
                 self._lora_order = {k: v for k, v in self._lora_order.items() if k in queued}
             self._lora_order[seq_group.request_id] = self._num_added
             self._num_added += 1
+        self.block_manager.add_waiting(seq_group)
         self.waiting.append(seq_group)
 
     def _never_schedulable(self, g: SequenceGroup) -> str | None:
@@ -459,6 +461,7 @@ class Scheduler:
             queue.clear()
             queue.extend(keep)
         for g in aborted:
+            self.block_manager.remove_waiting(g)
             self._lora_deferrals.pop(g.request_id, None)
             self._slot_preemptions.pop(g.request_id, None)
             for seq in g.get_seqs():
@@ -799,6 +802,7 @@ class Scheduler:
         says why."""
         started = any(seq.get_output_len() for seq in g.get_seqs())
         g.ignored_reason = reason
+        self.block_manager.remove_waiting(g)
         self._lora_deferrals.pop(g.request_id, None)
         self._slot_preemptions.pop(g.request_id, None)
         status = SequenceStatus.FINISHED_LENGTH_CAPPED if started else SequenceStatus.FINISHED_IGNORED
@@ -1148,6 +1152,7 @@ class Scheduler:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.WAITING
             seq.data.reset_state_for_recompute()
+        self.block_manager.add_waiting(g)
         st.preempted.append(g)
 
     def _recompute_swapped(self, g: SequenceGroup, st: _Step) -> None:
@@ -1227,6 +1232,7 @@ class Scheduler:
             live = g.get_seqs(SequenceStatus.WAITING)
             if not live:
                 # Nothing left to run (e.g. finished while waiting): drop it as ignored.
+                bm.remove_waiting(g)
                 ignored.add(rid)
                 out.ignored_seq_groups.append(g)
                 continue

@@ -317,6 +317,9 @@ def apply_token_masks_(
         row_ids: the rows to mask; ``params[i]`` / ``data[i]`` are row ``row_ids[i]``'s
             request settings and its sequence (``output_token_ids`` is read: a bad word's last
             token is banned where the output ends with the word's other tokens, vLLM's rule).
+
+    Raises:
+        ValueError: a row has no token left (every id masked).
     """
     vocab = logits.shape[1]
     device = logits.device
@@ -341,6 +344,13 @@ def apply_token_masks_(
         ban_t.extend(banned)
     if ban_r:
         logits[torch.tensor(ban_r, device=device), torch.tensor(ban_t, device=device)] = float("-inf")
+    # a row with nothing left to sample would give NaN logprobs and an arbitrary token
+    empty = torch.isneginf(logits[torch.tensor(row_ids, device=device)]).all(dim=1)
+    if bool(empty.any()):
+        raise ValueError(
+            "allowed_token_ids and bad_words leave no token to sample "
+            f"(rows {[row_ids[i] for i in empty.nonzero().flatten().tolist()]})."
+        )
 
 
 def _exponential(

@@ -190,3 +190,15 @@ def test_best_of_returns_the_n_most_likely_of_best_of_samples(llm, tiny_hf_model
 def test_logit_bias_naming_a_token_twice_is_a_value_error(keys):
     with pytest.raises(ValueError, match=r"^logit_bias names token 5 twice"):
         SamplingParams(logit_bias=keys)
+
+
+def test_masks_that_leave_no_token_fail_that_request_only(llm, tiny_hf_model):
+    tok = llm.get_tokenizer()
+    word = tok.decode([1000])
+    assert [1000] in bad_words_token_ids([word], tok, 49152)
+    bad = SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=[1000], bad_words=[word])
+    outs = llm.generate([PROMPT, PROMPT], [bad, _greedy()], use_tqdm=False)
+    assert outs[0].outcome == "failed" and "leave no token to sample" in outs[0].error
+    assert outs[1].outcome == "finished"
+    assert outs[1].outputs[0].token_ids == hf_greedy(tiny_hf_model, PROMPT, MAX_NEW)
+    _idle(llm)

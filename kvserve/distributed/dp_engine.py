@@ -428,7 +428,7 @@ def run_batch(
     """
     from tqdm.auto import tqdm
 
-    from kvserve.engine.input_processor import tokenize_prompt
+    from kvserve.engine.input_processor import tokenize_prompt, truncate_prompt
     from kvserve.field_limits import LIMITS, check_tenant
 
     front = dp.engine
@@ -439,6 +439,7 @@ def run_batch(
         LIMITS["priority"].check("priority", prio)
         check_tenant("tenant", tenant)
         text, ids = tokenize_prompt(prompt, front.tokenizer)
+        ids = truncate_prompt(ids, params, front.scheduler_config.max_model_len)
         front.validate(ids, params)
         prepared.append((rid, {"prompt": text, "prompt_token_ids": ids}, params, prio, tenant))
 

@@ -42,6 +42,10 @@ _HELP = {
     ),
     "fair_input_weight": "fair policy: cost of one prompt (prefill) token in a tenant's counter",
     "fair_output_weight": "fair policy: cost of one generated token (2 = the VTC paper's 1:2 ratio)",
+    "scheduling_backfill": (
+        "admit waiting requests that fit past one that must wait for KV blocks, without "
+        "delaying it (unset: on for the fair policy, off for fcfs and priority)"
+    ),
     "gpu_memory_utilization": (
         "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
         "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"

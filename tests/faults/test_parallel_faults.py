@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvserve.config import SchedulerConfig
 from kvserve.sampling_params import SamplingParams
 from tests.golden import TEST_DEVICE
 
@@ -33,6 +34,7 @@ class _Front:
     """The driver's front engine as ``run_batch`` uses it: token-id prompts, every one valid."""
 
     tokenizer = None
+    scheduler_config = SchedulerConfig(max_model_len=64)  # truncate_prompt_tokens reads it
 
     @staticmethod
     def validate(ids, params):

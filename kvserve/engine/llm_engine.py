@@ -60,6 +60,10 @@ class EngineSleepingError(RuntimeError):
     not queued, until ``wake_up``."""
 
 
+class RequestsInFlightError(ValueError):
+    """``LLMEngine.sleep`` while requests are in flight (their KV cache would be lost)."""
+
+
 #: What ``LLMEngine.wake_up`` can bring back separately (vLLM's tags).
 SLEEP_TAGS = ("weights", "kv_cache")
 
@@ -469,8 +473,9 @@ class LLMEngine:
 
         Raises:
             ValueError: sleep mode is off (``enable_sleep_mode``), ``level`` is not 1 or 2, the
-                engine is asleep already, or requests are in flight (they must finish or be
-                aborted first: their KV cache would be lost).
+                engine is asleep already.
+            RequestsInFlightError: (a ValueError) requests are in flight: they must finish or
+                be aborted first (their KV cache would be lost).
         """
         if not self.enable_sleep_mode:
             raise ValueError(
@@ -481,7 +486,7 @@ class LLMEngine:
         if self.asleep:
             raise ValueError(f"the engine is asleep already (level {self.sleep_level}); wake_up() first.")
         if self.has_unfinished_requests():
-            raise ValueError(
+            raise RequestsInFlightError(
                 f"cannot sleep with {self.get_num_unfinished_requests()} request(s) in flight (their KV "
                 "cache would be lost); let them finish or abort them first."
             )

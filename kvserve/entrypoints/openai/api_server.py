@@ -5,11 +5,12 @@ server, and in tests); ``main(argv)`` loads the engine and runs it under uvicorn
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (``/v1/models/{id}``), ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
-``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``. Errors use the OpenAI body
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and with
+``--enable-sleep-mode`` ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``. Errors use the OpenAI body
 ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the field and the
 limit), 401 missing/wrong API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when ``--api-key``
 is set), 404 unknown model or route, 413 body over ``--max-body-bytes``, 503 + ``Retry-After``
-when the waiting queue is at ``--max-waiting`` or the server is shutting down.
+when the waiting queue is at ``--max-waiting``, the engine is asleep or the server is shutting down.
 
 Shutdown (SIGTERM / SIGINT): stop accepting (the listening socket closes, new requests on open
 connections get 503), let in-flight requests finish for up to ``--shutdown-grace-s``, then
@@ -100,6 +101,9 @@ _KNOWN_PATHS = {
     "/v1/unload_lora_adapter",
     "/v1/responses",
     "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
     "/health",
     "/ping",
     "/version",
@@ -150,7 +154,7 @@ def _is_protected(path: str) -> bool:
     return (
         path.startswith("/v1/")
         or path == "/v1"
-        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
+        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache", "/sleep", "/wake_up")
     )
 
 
@@ -509,6 +513,57 @@ def build_app(
         except Exception as e:
             raise completion.engine_error(e) from None
         return JSONResponse({"reset": bool(reset)})
+
+    def _check_sleep_mode() -> None:
+        if not getattr(engine, "enable_sleep_mode", False):
+            raise APIError(
+                "Sleep mode is off: start the server with --enable-sleep-mode.",
+                400,
+                code="sleep_mode_disabled",
+            )
+
+    @app.post("/sleep")
+    async def sleep(request: Request):
+        """Sleep mode (``--enable-sleep-mode``): free the KV cache and offload (``level=1``, the
+        default; on CPU the weights stay in place) or drop (``level=2``) the weights. 409
+        ``requests_in_flight`` while requests run; 400 when sleep mode is off, for a level
+        other than 1 or 2, or when asleep already. Requests get 503 ``engine_sleeping`` until
+        ``/wake_up``."""
+        from kvserve.engine.llm_engine import RequestsInFlightError
+
+        _check_sleep_mode()
+        raw = request.query_params.get("level", "1")
+        try:
+            level = int(raw)
+        except ValueError:
+            level = 0
+        if level not in (1, 2):
+            raise APIError(f"level must be 1 or 2, got {raw!r}.", 400, param="level", code="invalid_value")
+        try:
+            await async_engine.sleep(level)
+        except RequestsInFlightError as e:
+            raise APIError(str(e), 409, code="requests_in_flight") from None
+        except ValueError as e:
+            raise APIError(str(e), 400, code="invalid_state") from None
+        return JSONResponse({"is_sleeping": True, "level": level})
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request):
+        """Bring back what ``/sleep`` put away: ``tags`` (repeatable: ``weights``,
+        ``kv_cache``; none: both); requests are taken again once both are back. 400 when sleep
+        mode is off or for an unknown tag."""
+        _check_sleep_mode()
+        tags = request.query_params.getlist("tags") or None
+        try:
+            await async_engine.wake_up(tags)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="tags", code="invalid_value") from None
+        return JSONResponse({"is_sleeping": async_engine.is_sleeping})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        """``{"is_sleeping": bool}`` (always false without ``--enable-sleep-mode``)."""
+        return JSONResponse({"is_sleeping": bool(getattr(engine, "is_sleeping", False))})
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "HEAD", "POST"])

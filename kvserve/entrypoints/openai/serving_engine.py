@@ -511,6 +511,18 @@ class RequestRecord:
         return [o.finish_reason for _, out in sorted(self.latest.items()) for o in out.outputs]
 
 
+def sleeping_error(engine, retry_after_s: int) -> APIError:
+    """The 503 of a request that reaches an engine in sleep mode's sleep (``engine_sleeping``,
+    with ``Retry-After``): it is refused, not queued, until ``POST /wake_up``."""
+    return APIError(
+        f"The engine is asleep (sleep mode, level {engine.sleep_level}); POST /wake_up first.",
+        503,
+        type="service_unavailable",
+        code="engine_sleeping",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 class RequestLogger:
     """One JSON line per finished HTTP generation request on ``kvserve.server.requests``:
     id, endpoint, status, prompt/output tokens, TTFT, queue time, e2e, finish reasons. Prompt
@@ -666,6 +678,8 @@ class OpenAIServing:
                 code="shutting_down",
                 headers=headers,
             )
+        if getattr(self.engine, "is_sleeping", False):
+            raise sleeping_error(self.engine, self.retry_after_s)
         errored = getattr(self.async_engine, "errored", None)
         if errored is not None:
             raise APIError(
@@ -886,7 +900,10 @@ class OpenAIServing:
         if isinstance(e, ValueError):
             return api_error_from_value_error(e, rename)
         from kvserve.engine.async_llm_engine import EngineDeadError
+        from kvserve.engine.llm_engine import EngineSleepingError
 
+        if isinstance(e, EngineSleepingError):
+            return sleeping_error(self.engine, self.retry_after_s)
         if isinstance(e, EngineDeadError):
             return APIError(str(e), 503, type="service_unavailable", code="engine_dead")
         logger.error("request failed in the engine: %r", e)

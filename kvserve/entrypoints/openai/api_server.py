@@ -87,6 +87,7 @@ from kvserve.entrypoints.openai.serving_models import (
 )
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
+from kvserve.entrypoints.openai.tracing import RequestTracer
 from kvserve.transformers_utils.tokenizer_bounds import token_text_bound
 
 logger = logging.getLogger("kvserve.server")
@@ -261,6 +262,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     reasoning_parser: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
+    request_tracer: RequestTracer | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -293,6 +295,8 @@ def build_app(
             reasoning off into ``reasoning_content`` (None: off).
         default_chat_template_kwargs: template variables every chat and ``/tokenize`` gets
             unless the request's ``chat_template_kwargs`` sets them.
+        request_tracer: one OpenTelemetry span per finished generation request
+            (``--otlp-traces-endpoint``), flushed at shutdown; None: no traces.
 
     Raises:
         ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``; a reserved key in
@@ -304,7 +308,7 @@ def build_app(
         check_api_key(api_key)
     state = ServerState()
     names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
-    req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts)
+    req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts, tracer=request_tracer)
     # Tokenization, templates and long decodes run off the event loop, on a small pool; a prompt
     # whose length alone proves it too long is refused before it is tokenized.
     pool = OffloadPool()
@@ -364,6 +368,8 @@ def build_app(
                 await asyncio.sleep(0.05)
             metrics.close()
             pool.close()
+            if request_tracer is not None:  # the spans still batched go out now
+                await loop.run_in_executor(None, request_tracer.shutdown)
             if started_here["value"]:
                 await loop.run_in_executor(None, async_engine.shutdown)
 
@@ -842,6 +848,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="adapters loaded at run time (/v1/load_lora_adapter): their directory and both "
         "files must resolve (symlinks followed) under DIR; default: any the server can read",
     )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send one OpenTelemetry span per request to this OTLP/HTTP collector "
+        "(e.g. http://localhost:4318/v1/traces); needs the otel extra: pip install 'kvserve[otel]'",
+    )
     add_engine_args(p)
     add_vllm_flags(p)
     return p
@@ -1004,6 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.log(logging.WARNING if " ignored: " in line else logging.INFO, line)
     names = list(ns.served_model_name or [])
     name = names[0] if names else ns.model or DEFAULT_MODEL_NAME
+    tracer = None
+    if ns.otlp_traces_endpoint is not None:
+        try:  # before the model loads: a missing package is said at once
+            tracer = RequestTracer(ns.otlp_traces_endpoint)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        logger.info("OpenTelemetry: one span per request to %s", tracer.url)
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
@@ -1046,6 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
             trust_request_chat_template=ns.trust_request_chat_template,
             reasoning_parser=ns.reasoning_parser,
             default_chat_template_kwargs=ns.default_chat_template_kwargs,
+            request_tracer=tracer,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -196,6 +196,10 @@ class ModelConfig:
     quantization: str | None = None
     model_impl: str = "auto"
 
+    #: Sleep mode (``LLMEngine.sleep`` / ``wake_up``, the server's ``/sleep`` and ``/wake_up``):
+    #: free the KV cache and offload (level 1) or drop (level 2) the weights while idle.
+    enable_sleep_mode: bool = False
+
     def __post_init__(self) -> None:
         check_model_impl(self.model_impl)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -732,6 +736,10 @@ class EngineArgs:
     #: family, else the transformers fallback; ``native``; ``transformers`` (the fallback).
     model_impl: str = "auto"
 
+    #: Sleep mode (``LLMEngine.sleep`` / ``wake_up``, the server's ``/sleep`` and ``/wake_up``):
+    #: free the KV cache and offload (level 1) or drop (level 2) the weights while idle.
+    enable_sleep_mode: bool = False
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.model_impl = MODEL_IMPL_ALIASES.get(self.model_impl, self.model_impl)
@@ -759,6 +767,17 @@ class EngineArgs:
         if not isinstance(rbt, int) or isinstance(rbt, bool) or rbt < 0:
             raise ValueError(f"router_balance_threshold must be an integer >= 0, got {rbt!r}.")
         self.create_parallel_config()
+        if self.enable_sleep_mode:
+            if self.data_parallel_size > 1:
+                raise ValueError(
+                    "enable_sleep_mode is not supported with data_parallel_size > 1 (the replicas have no "
+                    "sleep route); use data_parallel_size=1."
+                )
+            if self.speculative_config is not None:
+                raise ValueError(
+                    "enable_sleep_mode is not supported with speculative_config (the draft model's weights "
+                    "and cache would stay); leave one of them unset."
+                )
         if self.quantization == "gguf":
             # explicit: a setting the quantized path cannot run is refused before anything loads
             # (device='auto' resolving to CUDA is found by resolve_quantization)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs kvserve with the embedded default model.
-# Usage: scripts/setup.sh [test|bench|ray]   (extras to install besides the runtime)
+# Usage: scripts/setup.sh [test|bench|ray|otel]   (extras to install besides the runtime)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

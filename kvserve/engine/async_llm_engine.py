@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from kvserve.engine.input_processor import PromptType
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import EngineSleepingError, LLMEngine
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -164,6 +164,22 @@ class AsyncLLMEngine:
         cached block is left (False: blocks running requests hold keep theirs)."""
         return bool(await self.submit(self.engine.reset_prefix_cache))
 
+    # ---------------------------------------------------------------- sleep mode
+    @property
+    def is_sleeping(self) -> bool:
+        """``LLMEngine.is_sleeping``."""
+        return self.engine.is_sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` on the engine thread, between steps (after the requests queued
+        before it were added: those make it refuse). Raises ValueError as it does."""
+        await self.submit(self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """``LLMEngine.wake_up`` on the engine thread (weights read again at level 2 take a
+        while: the event loop stays free meanwhile). Raises ValueError as it does."""
+        await self.submit(self.engine.wake_up, tags)
+
     async def remove_lora(self, lora_int_id: int) -> bool:
         """``LLMEngine.remove_lora`` on the engine thread; False if it was not loaded."""
         return bool(await self.submit(self.engine.remove_lora, lora_int_id))
@@ -211,7 +227,7 @@ class AsyncLLMEngine:
                     )
                     loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid input: reported to the caller, never fatal
-                    err = e if isinstance(e, ValueError) else ValueError(str(e))
+                    err = e if isinstance(e, (ValueError, EngineSleepingError)) else ValueError(str(e))
                     loop.call_soon_threadsafe(_resolve, accepted, err)
 
     def _dead_error(self) -> EngineDeadError:

@@ -61,6 +61,19 @@ class _ShutDownExecutor:
         raise RuntimeError(f"the engine was shut down (executor.{name} is gone)")
 
 
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine in sleep mode's sleep (``LLMEngine.sleep``): it is refused,
+    not queued, until ``wake_up``."""
+
+
+class RequestsInFlightError(ValueError):
+    """``LLMEngine.sleep`` while requests are in flight (their KV cache would be lost)."""
+
+
+#: What ``LLMEngine.wake_up`` can bring back separately (vLLM's tags).
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 def load_generation_defaults(args: EngineArgs, model_dir) -> dict[str, Any]:
     """The default sampling parameters of ``args.generation_config`` for the model in
     ``model_dir`` (``transformers_utils.generation_config.generation_defaults``), logged once
@@ -116,6 +129,8 @@ class LLMEngine:
             off when its acceptance stays low), or None.
         lora_config: multi-LoRA limits when LoRA is enabled (the executor then has
             ``add_lora`` / ``remove_lora`` / ``list_loras``), or None.
+        enable_sleep_mode: allow ``sleep`` / ``wake_up`` (the executor then has ``sleep(level)``
+            and ``wake_up(tags)``).
     """
 
     def __init__(
@@ -132,6 +147,7 @@ class LLMEngine:
         lora_config: LoRAConfig | None = None,
         generation_defaults: dict[str, Any] | None = None,
         long_prompt_after: int | None = None,
+        enable_sleep_mode: bool = False,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -154,6 +170,11 @@ class LLMEngine:
         #: their first token (``RotaryEmbedding``), so their blocks are salted apart in the
         #: prefix cache (``Sequence.kv_salt``); None for other models.
         self.long_prompt_after = long_prompt_after
+        self.enable_sleep_mode = enable_sleep_mode
+        #: Sleep mode: the parts put away (``SLEEP_TAGS`` members; empty while awake) and the
+        #: level of the last ``sleep``.
+        self.asleep: set[str] = set()
+        self.sleep_level = 0
         self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
@@ -308,6 +329,7 @@ class LLMEngine:
             lora_config=lora_config,
             generation_defaults=generation_defaults,
             long_prompt_after=longrope_threshold(get_rope_parameters(hf_config)),
+            enable_sleep_mode=args.enable_sleep_mode,
         )
 
     # ------------------------------------------------------------------ requests
@@ -338,9 +360,12 @@ class LLMEngine:
                 a ``tenant`` that is not a string of at most ``MAX_TENANT_CHARS`` characters.
                 Nothing is queued when it raises.
             RuntimeError: the engine was shut down.
+            EngineSleepingError: the engine is asleep (``sleep``).
         """
         if isinstance(self.executor, _ShutDownExecutor):
             raise RuntimeError("the engine was shut down; it takes no new requests")
+        if self.asleep:
+            raise EngineSleepingError(self._sleeping_message())
         if lora_request is not None:
             self._check_lora_request(lora_request)
         if request_id in self._groups:
@@ -453,6 +478,85 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for group in self.scheduler.abort_seq_group(ids):
             self._pending_outputs.append(self._finish_request(group))
+
+    # ------------------------------------------------------------------ sleep mode
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether some part (weights, KV cache) is put away: requests are refused."""
+        return bool(self.asleep)
+
+    def _sleeping_message(self) -> str:
+        return (
+            f"the engine is asleep (sleep mode, level {self.sleep_level}; "
+            f"{' and '.join(sorted(self.asleep))} put away): wake it up first (POST /wake_up, LLM.wake_up())."
+        )
+
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep while idle: the prefix cache is emptied and the executor
+        frees the KV cache; level 1 offloads the weights to host memory (on CPU they already
+        are there and stay), level 2 drops them (``wake_up`` reads them from the checkpoint
+        again). New requests are refused (``EngineSleepingError``) until ``wake_up``.
+
+        Raises:
+            ValueError: sleep mode is off (``enable_sleep_mode``), ``level`` is not 1 or 2, the
+                engine is asleep already.
+            RequestsInFlightError: (a ValueError) requests are in flight: they must finish or
+                be aborted first (their KV cache would be lost).
+        """
+        if not self.enable_sleep_mode:
+            raise ValueError(
+                "sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode)."
+            )
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}.")
+        if self.asleep:
+            raise ValueError(f"the engine is asleep already (level {self.sleep_level}); wake_up() first.")
+        if self.has_unfinished_requests():
+            raise RequestsInFlightError(
+                f"cannot sleep with {self.get_num_unfinished_requests()} request(s) in flight (their KV "
+                "cache would be lost); let them finish or abort them first."
+            )
+        if not self.scheduler.reset_prefix_cache():  # the blocks' contents go with the cache
+            raise ValueError("cannot sleep: KV blocks are still held; let the requests finish first.")
+        self.executor.sleep(level)
+        self.asleep = set(SLEEP_TAGS)
+        self.sleep_level = level
+        logger.info(
+            "sleep mode: asleep at level %d (KV cache freed, weights %s)", level, self._weights_fate(level)
+        )
+
+    def _weights_fate(self, level: int) -> str:
+        if level == 2:
+            return "dropped"
+        return "kept in host memory" if self._device() == "cpu" else "offloaded to host memory"
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Bring back what ``sleep`` put away: ``tags`` among ``SLEEP_TAGS`` (``weights``,
+        ``kv_cache``; None: both). The engine takes requests again once both are back. The KV
+        cache comes back empty (so does the prefix cache); weights dropped at level 2 are read
+        from the checkpoint. A no-op while awake.
+
+        Raises:
+            ValueError: sleep mode is off, or an unknown tag.
+        """
+        if not self.enable_sleep_mode:
+            raise ValueError(
+                "sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode)."
+            )
+        wanted = tuple(SLEEP_TAGS if tags is None else tags)
+        bad = [t for t in wanted if t not in SLEEP_TAGS]
+        if bad or not wanted:
+            raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {list(wanted)}.")
+        todo = tuple(t for t in SLEEP_TAGS if t in wanted and t in self.asleep)
+        if not todo:
+            return
+        self.executor.wake_up(todo)
+        self.asleep -= set(todo)
+        logger.info(
+            "sleep mode: %s back%s", " and ".join(todo), "; awake" if not self.asleep else ", still asleep"
+        )
+        if not self.asleep:
+            self.sleep_level = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._pending_outputs)

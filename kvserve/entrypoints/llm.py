@@ -66,6 +66,31 @@ class LLM:
             self._dp.shutdown()
         self.llm_engine.shutdown()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and put the weights away until ``wake_up`` (needs
+        ``enable_sleep_mode=True``): level 1 offloads them to host memory (on CPU they stay
+        where they are, already in host memory), level 2 drops them. ``generate`` raises
+        ``EngineSleepingError`` meanwhile.
+
+        Raises:
+            ValueError: sleep mode is off, a level other than 1 or 2, or already asleep.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` put away: ``tags`` among ``"weights"`` and ``"kv_cache"``
+        (None: both). The prefix cache starts empty; level 2's weights are read from the
+        checkpoint again.
+
+        Raises:
+            ValueError: sleep mode is off, or an unknown tag.
+        """
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are put away (``sleep``)."""
+        return self.llm_engine.is_sleeping
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -195,7 +195,11 @@ FATES: dict[str, Fate] = {
         "auto: the model's generation_config.json gives default sampling parameters; vllm: none; or a directory",
     ),
     "--override-generation-config": _same(VALUE, "a JSON object over generation_config.json's values"),
-    "--enable-sleep-mode": _refused(BOOL, "kvserve has no sleep mode", accept=_FALSE),
+    "--enable-sleep-mode": _same(
+        BOOL,
+        "POST /sleep?level=1|2, /wake_up, GET /is_sleeping, LLM.sleep / wake_up; on CPU level 1 frees the "
+        "KV cache and keeps the weights where they are (host memory)",
+    ),
     "--model-impl": _same(
         VALUE,
         "auto: a native family, else the transformers fallback; transformers: the fallback; vLLM's vllm is native",
@@ -307,8 +311,12 @@ FATES: dict[str, Fate] = {
     "--default-mm-loras": _refused(VALUE, _TEXT_ONLY),
     # ---- observability
     "--show-hidden-metrics-for-version": _ignored(VALUE, "kvserve hides no metrics"),
-    "--otlp-traces-endpoint": _refused(VALUE, "kvserve exports no OpenTelemetry traces"),
-    "--collect-detailed-traces": _refused(VALUES, "kvserve exports no OpenTelemetry traces"),
+    "--otlp-traces-endpoint": _same(
+        VALUE, "OTLP over HTTP/protobuf (http://HOST:4318/v1/traces), not gRPC; needs kvserve[otel]"
+    ),
+    "--collect-detailed-traces": _ignored(
+        VALUES, "each request's span has its queue time, TTFT and e2e latency; no per-step model timings"
+    ),
     "--disable-log-stats": _ignored(BOOL, "kvserve logs no periodic stats; /metrics serves them"),
     "--aggregate-engine-logging": _ignored(BOOL, "kvserve logs no periodic stats; /metrics serves them"),
     "--enable-log-requests": _mapped(
@@ -595,8 +603,8 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
     ignored: logged at WARNING and dropped; refused: ValueError).
 
     Raises:
-        ValueError: a refused keyword (naming it, its value and why), or a keyword neither
-            kvserve nor vLLM has.
+        ValueError: a refused keyword (naming it, its value and why), a keyword of a server
+            setting (``otlp_traces_endpoint``), or a keyword neither kvserve nor vLLM has.
     """
     out: dict[str, Any] = {}
     unknown = []
@@ -612,6 +620,10 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
         fate = FATES[flag]
         if fate.kind == REFUSED and value is None:
             continue  # vLLM's "unset"
+        if fate.kind == SAME:  # kvserve's flag, but of the server (its engine fields passed above)
+            if value is None:
+                continue
+            raise ValueError(f"{key} is a server setting (kvserve serve {flag}), not an LLM(...) keyword.")
         try:
             settings, line = resolve(flag, value, model)
         except ValueError as e:

@@ -64,3 +64,21 @@ def keep_freed_memory() -> bool:
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
     return _applied
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS now (glibc's ``malloc_trim(0)``), as after a
+    large free that should show in the resident set (sleep mode): the trim threshold above keeps
+    them otherwise.
+
+    Returns:
+        True when glibc released some memory; False when it released none or the C library has
+        no ``malloc_trim`` (not glibc).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

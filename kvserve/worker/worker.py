@@ -22,7 +22,7 @@ from kvserve.sequence import (
     SequenceGroupMetadata,
 )
 from kvserve.worker.cache_engine import CacheEngine, bytes_per_block
-from kvserve.worker.cpu_malloc import keep_freed_memory
+from kvserve.worker.cpu_malloc import keep_freed_memory, return_freed_memory
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.tp_executor import PeerError, TensorParallelPeers, for_peers, threads_per_rank
 
@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 #: Seconds the driver waits for its peers' answers after its own part of a step raised
 #: (they answer at once unless stuck in an all-reduce the driver never reached).
 PEER_SETTLE_S = 10.0
+
+#: What sleep mode puts away and ``wake_up`` can bring back separately (vLLM's tags).
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 #: Re-measure the best CPU thread count after this many steps or seconds, whichever comes
@@ -172,9 +175,7 @@ class Worker:
     ):
         from kvserve.model_executor.model_loader import (
             check_fallback_settings,
-            gguf_file_for,
             load_hf_config,
-            load_model,
             resolve_model_dir,
         )
         from kvserve.transformers_utils.hf_config import get_sliding_window
@@ -264,28 +265,21 @@ class Worker:
             # every CPU kernel built (or found in the cache) now: built on first use, a request
             # would wait for the compiler inside an engine step, after the server said ready
             library.load_all()
-        if model_config.quantization == "gguf":
-            from kvserve.model_executor.gguf_loader import load_gguf_model
-
-            gguf_file = gguf_file_for(model_config.model)
-            assert gguf_file is not None  # resolve_model_dir checked it
-            self.model = load_gguf_model(gguf_file, self.dtype, self.device, self.hf_config)
-        else:
-            try:
-                self.model = load_model(
-                    self.model_dir,
-                    self.dtype,
-                    self.device,
-                    self.hf_config,
-                    quantization=model_config.quantization,
-                    tp=self.tp,
-                    model_impl=model_config.model_impl,
-                )
-                if self.peers is not None:
-                    self.peers.wait_ready()
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self.model = self._load_weights()
+            if self.peers is not None:
+                self.peers.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        #: The model's KV shape ``(layers, kv_heads, head_dim)``, kept while the weights sleep.
+        self._kv_shape = (self.model.num_layers, self.model.num_kv_heads, self.model.head_dim)
+        #: Sleep mode: what is asleep (``SLEEP_TAGS`` members), the sleep level, the KV pool sizes
+        #: to allocate again, and (level 1 on CUDA) the weights' host copies.
+        self.asleep: set[str] = set()
+        self.sleep_level = 0
+        self._kv_blocks: tuple[int, int] | None = None
+        self._offloaded: list[tuple[torch.Tensor, torch.device]] = []
         #: Attention window (tokens) the runner masks with: the cache config's (the block
         #: manager may recycle blocks outside it) or else the model's own.
         self.sliding_window = cache_config.sliding_window or get_sliding_window(self.hf_config)
@@ -308,6 +302,134 @@ class Worker:
             self.lora_manager = LoRAManager(
                 self.model, lora_config, ModelShapes.from_hf_config(self.hf_config)
             )
+
+    def _load_weights(self):
+        """The model built from the checkpoint (a GGUF file's own blocks, or the safetensors
+        directory with its quantization), on this rank's device."""
+        from kvserve.model_executor.model_loader import gguf_file_for, load_model
+
+        mc = self.model_config
+        if mc.quantization == "gguf":
+            from kvserve.model_executor.gguf_loader import load_gguf_model
+
+            gguf_file = gguf_file_for(mc.model)
+            assert gguf_file is not None  # resolve_model_dir checked it
+            return load_gguf_model(gguf_file, self.dtype, self.device, self.hf_config)
+        return load_model(
+            self.model_dir,
+            self.dtype,
+            self.device,
+            self.hf_config,
+            quantization=mc.quantization,
+            tp=self.tp,
+            model_impl=mc.model_impl,
+        )
+
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and put the weights away, on every rank: level 1 offloads them to
+        host memory (CUDA: pinned CPU copies; CPU: they already live in host memory and stay
+        where they are), level 2 drops them (``wake_up`` reads the checkpoint again). The
+        cache's contents are lost: the engine empties its prefix cache first.
+
+        Raises:
+            ValueError: ``level`` not 1 or 2, already asleep, ``init_cache`` not called, or
+                level 2 with LoRA enabled (the adapter slots are bound to the weights).
+            PeerError: (T > 1) a peer rank failed.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}.")
+        if self.asleep:
+            raise ValueError(f"the worker is already asleep (level {self.sleep_level}); wake_up() first.")
+        if self.cache_engine is None:
+            raise ValueError("Worker.init_cache() must be called before sleep().")
+        if level == 2 and self.lora_manager is not None:
+            raise ValueError(
+                "sleep level 2 is not supported with enable_lora (the adapter slots are bound to the "
+                "weights it drops); use level 1."
+            )
+        self._on_all_ranks("sleep", level)
+
+    def sleep_local(self, level: int) -> None:
+        """``sleep`` on this rank only."""
+        assert self.cache_engine is not None
+        self._kv_blocks = (self.cache_engine.num_gpu_blocks, self.cache_engine.num_cpu_blocks)
+        self.cache_engine = None
+        if level == 2:
+            self.model = None
+            self.runner = None
+        elif self.device != "cpu":
+            self._offload_weights()
+        self.asleep = set(SLEEP_TAGS)
+        self.sleep_level = level
+        self._release_memory()
+
+    def wake_up(self, tags: tuple[str, ...] = ()) -> None:
+        """Bring back what ``sleep`` put away, on every rank: ``tags`` (``weights``,
+        ``kv_cache``; empty: both). Weights dropped at level 2 are read from the checkpoint
+        again; the KV cache is allocated again with its former block counts, zero-filled.
+        Waking what is awake is a no-op.
+
+        Raises:
+            ValueError: an unknown tag.
+            PeerError: (T > 1) a peer rank failed.
+        """
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {bad}.")
+        self._on_all_ranks("wake_up", tuple(tags))
+
+    def wake_up_local(self, tags: tuple[str, ...] = ()) -> None:
+        """``wake_up`` on this rank only."""
+        want = set(tags or SLEEP_TAGS) & self.asleep
+        if "weights" in want:
+            if self.model is None:
+                self.model = self._load_weights()
+            else:
+                self._restore_weights()
+            self.asleep.discard("weights")
+        if "kv_cache" in want:
+            assert self._kv_blocks is not None
+            self.cache_engine = self._make_cache_engine(*self._kv_blocks)
+            self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self.sleep_level = 0
+            if self.runner is None:
+                assert self.cache_engine is not None
+                self.runner = self._make_runner(self.cache_engine.num_gpu_blocks)
+
+    def _offload_weights(self) -> None:
+        """Move every parameter and buffer of the model to pinned host memory, keeping the
+        tensor objects (``_restore_weights`` moves them back)."""
+        assert self.model is not None
+        self._offloaded = []
+        with torch.no_grad():
+            seen: set[int] = set()
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                if id(t) in seen or t.device.type == "cpu":
+                    continue
+                seen.add(id(t))
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                host.copy_(t.data)
+                self._offloaded.append((t, t.device))
+                t.data = host
+
+    def _restore_weights(self) -> None:
+        """The weights ``_offload_weights`` moved to host memory, back on their devices."""
+        with torch.no_grad():
+            for t, device in self._offloaded:
+                t.data = t.data.to(device)
+        self._offloaded = []
+
+    def _release_memory(self) -> None:
+        """Hand what sleep freed back: CUDA's cached blocks, or the host heap's free pages."""
+        import gc
+
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            return_freed_memory()
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -334,10 +456,8 @@ class Worker:
     # ------------------------------------------------------------------ cache sizing
     def bytes_per_block(self) -> int:
         """KV bytes of one block over all layers (K and V)."""
-        m = self.model
-        return bytes_per_block(
-            m.num_layers, self.cache_config.block_size, m.num_kv_heads, m.head_dim, self.dtype
-        )
+        layers, kv_heads, head_dim = self._kv_shape
+        return bytes_per_block(layers, self.cache_config.block_size, kv_heads, head_dim, self.dtype)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """``(num_gpu_blocks, num_cpu_blocks)``: explicit counts in ``CacheConfig`` win, else
@@ -550,31 +670,38 @@ class Worker:
 
     def init_cache_local(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """``init_cache`` on this rank only."""
-        from kvserve.model_executor.sampler import Sampler
+        self.cache_engine = self._make_cache_engine(num_gpu_blocks, num_cpu_blocks)
+        self.runner = self._make_runner(num_gpu_blocks)
 
-        m = self.model
-        self.cache_engine = CacheEngine(
-            m.num_layers,
-            m.num_kv_heads,
-            m.head_dim,
+    def _make_cache_engine(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheEngine:
+        layers, kv_heads, head_dim = self._kv_shape
+        return CacheEngine(
+            layers,
+            kv_heads,
+            head_dim,
             self.cache_config.block_size,
             num_gpu_blocks,
             num_cpu_blocks,
             self.dtype,
             self.device,
         )
+
+    def _make_runner(self, num_gpu_blocks: int) -> ModelRunner:
+        from kvserve.model_executor.sampler import Sampler
+
         eos = getattr(self.hf_config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        self.runner = ModelRunner(
-            m,
+        runner = ModelRunner(
+            self.model,
             self.cache_config.block_size,
             num_gpu_blocks,
             self.sliding_window,
             Sampler(eos_token_id=eos),
             self.device,
         )
-        self.runner.lora_manager = self.lora_manager
+        runner.lora_manager = self.lora_manager
+        return runner
 
     def warm_up(self) -> float:
         """Run one throw-away prefill step of ``max_num_batched_tokens`` tokens (at most
@@ -670,6 +797,8 @@ class Worker:
             RuntimeError: ``init_cache`` was not called.
             BlockMoveError: a move failed.
         """
+        if self.asleep:
+            raise RuntimeError(f"the worker is asleep ({', '.join(sorted(self.asleep))}); wake_up() first")
         if self.cache_engine is None or self.runner is None:
             raise RuntimeError("Worker.init_cache() must be called before execute_model()")
         try:

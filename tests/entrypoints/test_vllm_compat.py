@@ -189,9 +189,7 @@ def test_each_flag_does_what_its_fate_says(serve_parser, flag):
 
 
 def test_refused_flags_take_their_accepted_values_and_name_them_otherwise(serve_parser):
-    ns, lines = _parse(
-        serve_parser, "--model /m --tokenizer /m --load-format safetensors --no-enable-sleep-mode"
-    )
+    ns, lines = _parse(serve_parser, "--model /m --tokenizer /m --load-format safetensors --no-enable-dbo")
     assert len(lines) == 3 and all(" accepted: " in line for line in lines)
     with pytest.raises(ValueError, match=r"--tokenizer /t is not supported: kvserve reads the tokenizer"):
         _parse(serve_parser, "--model /m --tokenizer /t")
@@ -272,3 +270,10 @@ def test_llm_keywords_are_translated_ignored_or_refused(caplog):
         vc.translate_llm_kwargs({"kv_cache_dtype": "fp8"}, fields)
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\): \['no_such_thing'\]"):
         vc.translate_llm_kwargs({"no_such_thing": 1}, fields)
+
+
+def test_llm_keywords_of_server_settings_are_refused_by_name():
+    fields = set(EngineArgs.field_names())
+    with pytest.raises(ValueError, match=r"^otlp_traces_endpoint is a server setting \(kvserve serve --otlp"):
+        vc.translate_llm_kwargs({"otlp_traces_endpoint": "http://c:4318"}, fields)
+    assert vc.translate_llm_kwargs({"enable_sleep_mode": True}, fields) == {"enable_sleep_mode": True}

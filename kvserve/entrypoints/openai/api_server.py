@@ -5,11 +5,12 @@ server, and in tests); ``main(argv)`` loads the engine and runs it under uvicorn
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (``/v1/models/{id}``), ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
-``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``. Errors use the OpenAI body
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and with
+``--enable-sleep-mode`` ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``. Errors use the OpenAI body
 ``{"error": {"message", "type", "param", "code"}}``: 400 invalid input (naming the field and the
 limit), 401 missing/wrong API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when ``--api-key``
 is set), 404 unknown model or route, 413 body over ``--max-body-bytes``, 503 + ``Retry-After``
-when the waiting queue is at ``--max-waiting`` or the server is shutting down.
+when the waiting queue is at ``--max-waiting``, the engine is asleep or the server is shutting down.
 
 Shutdown (SIGTERM / SIGINT): stop accepting (the listening socket closes, new requests on open
 connections get 503), let in-flight requests finish for up to ``--shutdown-grace-s``, then
@@ -86,6 +87,7 @@ from kvserve.entrypoints.openai.serving_models import (
 )
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
+from kvserve.entrypoints.openai.tracing import RequestTracer
 from kvserve.transformers_utils.tokenizer_bounds import token_text_bound
 
 logger = logging.getLogger("kvserve.server")
@@ -100,6 +102,9 @@ _KNOWN_PATHS = {
     "/v1/unload_lora_adapter",
     "/v1/responses",
     "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
     "/health",
     "/ping",
     "/version",
@@ -150,7 +155,7 @@ def _is_protected(path: str) -> bool:
     return (
         path.startswith("/v1/")
         or path == "/v1"
-        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
+        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache", "/sleep", "/wake_up")
     )
 
 
@@ -257,6 +262,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     reasoning_parser: str | None = None,
     default_chat_template_kwargs: dict[str, Any] | None = None,
+    request_tracer: RequestTracer | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncLLMEngine``).
 
@@ -289,6 +295,8 @@ def build_app(
             reasoning off into ``reasoning_content`` (None: off).
         default_chat_template_kwargs: template variables every chat and ``/tokenize`` gets
             unless the request's ``chat_template_kwargs`` sets them.
+        request_tracer: one OpenTelemetry span per finished generation request
+            (``--otlp-traces-endpoint``), flushed at shutdown; None: no traces.
 
     Raises:
         ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``; a reserved key in
@@ -300,7 +308,7 @@ def build_app(
         check_api_key(api_key)
     state = ServerState()
     names = [served_model_name] + [n for n in extra_model_names if n and n != served_model_name]
-    req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts)
+    req_logger = RequestLogger(enabled=log_requests, log_prompts=log_prompts, tracer=request_tracer)
     # Tokenization, templates and long decodes run off the event loop, on a small pool; a prompt
     # whose length alone proves it too long is refused before it is tokenized.
     pool = OffloadPool()
@@ -360,6 +368,8 @@ def build_app(
                 await asyncio.sleep(0.05)
             metrics.close()
             pool.close()
+            if request_tracer is not None:  # the spans still batched go out now
+                await loop.run_in_executor(None, request_tracer.shutdown)
             if started_here["value"]:
                 await loop.run_in_executor(None, async_engine.shutdown)
 
@@ -509,6 +519,57 @@ def build_app(
         except Exception as e:
             raise completion.engine_error(e) from None
         return JSONResponse({"reset": bool(reset)})
+
+    def _check_sleep_mode() -> None:
+        if not getattr(engine, "enable_sleep_mode", False):
+            raise APIError(
+                "Sleep mode is off: start the server with --enable-sleep-mode.",
+                400,
+                code="sleep_mode_disabled",
+            )
+
+    @app.post("/sleep")
+    async def sleep(request: Request):
+        """Sleep mode (``--enable-sleep-mode``): free the KV cache and offload (``level=1``, the
+        default; on CPU the weights stay in place) or drop (``level=2``) the weights. 409
+        ``requests_in_flight`` while requests run; 400 when sleep mode is off, for a level
+        other than 1 or 2, or when asleep already. Requests get 503 ``engine_sleeping`` until
+        ``/wake_up``."""
+        from kvserve.engine.llm_engine import RequestsInFlightError
+
+        _check_sleep_mode()
+        raw = request.query_params.get("level", "1")
+        try:
+            level = int(raw)
+        except ValueError:
+            level = 0
+        if level not in (1, 2):
+            raise APIError(f"level must be 1 or 2, got {raw!r}.", 400, param="level", code="invalid_value")
+        try:
+            await async_engine.sleep(level)
+        except RequestsInFlightError as e:
+            raise APIError(str(e), 409, code="requests_in_flight") from None
+        except ValueError as e:
+            raise APIError(str(e), 400, code="invalid_state") from None
+        return JSONResponse({"is_sleeping": True, "level": level})
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request):
+        """Bring back what ``/sleep`` put away: ``tags`` (repeatable: ``weights``,
+        ``kv_cache``; none: both); requests are taken again once both are back. 400 when sleep
+        mode is off or for an unknown tag."""
+        _check_sleep_mode()
+        tags = request.query_params.getlist("tags") or None
+        try:
+            await async_engine.wake_up(tags)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="tags", code="invalid_value") from None
+        return JSONResponse({"is_sleeping": async_engine.is_sleeping})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        """``{"is_sleeping": bool}`` (always false without ``--enable-sleep-mode``)."""
+        return JSONResponse({"is_sleeping": bool(getattr(engine, "is_sleeping", False))})
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
@@ -787,6 +848,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="adapters loaded at run time (/v1/load_lora_adapter): their directory and both "
         "files must resolve (symlinks followed) under DIR; default: any the server can read",
     )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send one OpenTelemetry span per request to this OTLP/HTTP collector "
+        "(e.g. http://localhost:4318/v1/traces); needs the otel extra: pip install 'kvserve[otel]'",
+    )
     add_engine_args(p)
     add_vllm_flags(p)
     return p
@@ -949,6 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.log(logging.WARNING if " ignored: " in line else logging.INFO, line)
     names = list(ns.served_model_name or [])
     name = names[0] if names else ns.model or DEFAULT_MODEL_NAME
+    tracer = None
+    if ns.otlp_traces_endpoint is not None:
+        try:  # before the model loads: a missing package is said at once
+            tracer = RequestTracer(ns.otlp_traces_endpoint)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        logger.info("OpenTelemetry: one span per request to %s", tracer.url)
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
@@ -991,6 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
             trust_request_chat_template=ns.trust_request_chat_template,
             reasoning_parser=ns.reasoning_parser,
             default_chat_template_kwargs=ns.default_chat_template_kwargs,
+            request_tracer=tracer,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.errors import (
 )
 from kvserve.entrypoints.openai.offload import OffloadPool, PoolBusyError
 from kvserve.entrypoints.openai.protocol import MAX_CHAT_MESSAGES, UsageInfo
+from kvserve.entrypoints.openai.tracing import RequestTracer
 from kvserve.field_limits import LIMITS
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -492,6 +493,21 @@ class RequestRecord:
     prompts: list[str | None] | None = None
     #: the adapter the request runs with (None: the base model)
     lora_request: LoRARequest | None = None
+    #: the model name answers report; the sampling parameters (None: beam search)
+    model: str = ""
+    params: SamplingParams | None = None
+    #: the parent context of its trace span (``RequestTracer.context_from``), when tracing
+    trace_context: Any = None
+
+    def timings(self) -> tuple[float | None, float | None]:
+        """``(ttft, queue time)`` in seconds: the earliest first token of its sub-requests
+        (else when the server saw the first token), the longest queue time."""
+        metrics = [out.metrics for out in self.latest.values() if out.metrics is not None]
+        ttft = min((m.ttft for m in metrics if m.ttft is not None), default=None)
+        queue = max((m.queue_time for m in metrics if m.queue_time is not None), default=None)
+        if ttft is None and self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival
+        return ttft, queue
 
     def observe(self, idx: int, out: RequestOutput) -> None:
         """Remember the newest output of sub-request ``idx``."""
@@ -515,29 +531,43 @@ class RequestRecord:
         return [o.finish_reason for _, out in sorted(self.latest.items()) for o in out.outputs]
 
 
+def sleeping_error(engine, retry_after_s: int) -> APIError:
+    """The 503 of a request that reaches an engine in sleep mode's sleep (``engine_sleeping``,
+    with ``Retry-After``): it is refused, not queued, until ``POST /wake_up``."""
+    return APIError(
+        f"The engine is asleep (sleep mode, level {engine.sleep_level}); POST /wake_up first.",
+        503,
+        type="service_unavailable",
+        code="engine_sleeping",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 class RequestLogger:
     """One JSON line per finished HTTP generation request on ``kvserve.server.requests``:
     id, endpoint, status, prompt/output tokens, TTFT, queue time, e2e, finish reasons. Prompt
     text only when ``log_prompts``."""
 
-    def __init__(self, enabled: bool = True, log_prompts: bool = False):
+    def __init__(self, enabled: bool = True, log_prompts: bool = False, tracer: RequestTracer | None = None):
         self.enabled = enabled
         self.log_prompts = log_prompts
+        #: when set, each finished request is also one trace span (``--otlp-traces-endpoint``)
+        self.tracer = tracer
 
     def log(self, rec: RequestRecord) -> None:
-        """Emit the line for ``rec``."""
-        if not self.enabled:
+        """Emit the line for ``rec`` (and its span, when tracing)."""
+        if not self.enabled and self.tracer is None:
             return
         now = time.time()
-        metrics = [out.metrics for out in rec.latest.values() if out.metrics is not None]
-        ttft = min((m.ttft for m in metrics if m.ttft is not None), default=None)
-        queue = max((m.queue_time for m in metrics if m.queue_time is not None), default=None)
-        if ttft is None and rec.first_token_time is not None:
-            ttft = rec.first_token_time - rec.arrival
+        ttft, queue = rec.timings()
         reasons = rec.finish_reasons()
         status = rec.status
         if status == "ok" and "abort" in reasons:
             status = "aborted"
+        if self.tracer is not None:
+            self._trace(self.tracer, rec, now, ttft, queue, status, reasons)
+        if not self.enabled:
+            return
         line = {
             "event": "request_finished",
             "request_id": rec.request_id,
@@ -556,6 +586,33 @@ class RequestLogger:
         if self.log_prompts and rec.prompts is not None:
             line["prompts"] = rec.prompts
         request_logger.info(json.dumps(line, separators=(",", ":")))
+
+    @staticmethod
+    def _trace(tracer, rec: RequestRecord, now: float, ttft, queue, status: str, reasons) -> None:
+        """``rec`` as one span, with vLLM's ``gen_ai.*`` attribute names."""
+        p = rec.params
+        attrs = {
+            "gen_ai.request.id": rec.request_id,
+            "gen_ai.response.model": rec.model or None,
+            "gen_ai.request.n": rec.n,
+            "gen_ai.request.max_tokens": None if p is None else p.max_tokens,
+            "gen_ai.request.temperature": None if p is None else p.temperature,
+            "gen_ai.request.top_p": None if p is None else p.top_p,
+            "gen_ai.request.top_k": None if p is None else p.top_k,
+            "gen_ai.request.seed": None if p is None else p.seed,
+            "gen_ai.usage.prompt_tokens": rec.prompt_tokens,
+            "gen_ai.usage.completion_tokens": rec.completion_tokens(),
+            "gen_ai.usage.num_sequences": sum(len(out.outputs) for out in rec.latest.values()),
+            "gen_ai.latency.time_in_queue": queue,
+            "gen_ai.latency.time_to_first_token": ttft,
+            "gen_ai.latency.e2e": now - rec.arrival,
+            "gen_ai.response.finish_reasons": [str(r) for r in reasons],
+            "kvserve.endpoint": rec.endpoint,
+            "kvserve.status": status,
+            "kvserve.lora": None if rec.lora_request is None else rec.lora_request.lora_name,
+        }
+        error = status if status.startswith("error") else None
+        tracer.record(rec.trace_context, rec.arrival, now, attrs, error=error)
 
 
 class OpenAIServing:
@@ -672,6 +729,8 @@ class OpenAIServing:
                 code="shutting_down",
                 headers=headers,
             )
+        if getattr(self.engine, "is_sleeping", False):
+            raise sleeping_error(self.engine, self.retry_after_s)
         errored = getattr(self.async_engine, "errored", None)
         if errored is not None:
             raise APIError(
@@ -902,7 +961,10 @@ class OpenAIServing:
         if isinstance(e, ValueError):
             return api_error_from_value_error(e, rename)
         from kvserve.engine.async_llm_engine import EngineDeadError
+        from kvserve.engine.llm_engine import EngineSleepingError
 
+        if isinstance(e, EngineSleepingError):
+            return sleeping_error(self.engine, self.retry_after_s)
         if isinstance(e, EngineDeadError):
             return APIError(str(e), 503, type="service_unavailable", code="engine_dead")
         logger.error("request failed in the engine: %r", e)
@@ -994,10 +1056,18 @@ class OpenAIServing:
             self.request_logger.log(rec)
 
     def new_record(
-        self, prefix: str, n: int, subs: list[SubRequest], lora_request: LoRARequest | None = None
+        self,
+        prefix: str,
+        n: int,
+        subs: list[SubRequest],
+        lora_request: LoRARequest | None = None,
+        *,
+        params: SamplingParams | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> RequestRecord:
         """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt); ``lora_request``:
-        the adapter the request runs with."""
+        the adapter the request runs with; ``params``: its sampling parameters; ``headers``:
+        the HTTP request's, whose ``traceparent`` is the parent of its span when tracing."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         for i, s in enumerate(subs):
             s.request_id = f"{rid}-{i}"
@@ -1007,7 +1077,12 @@ class OpenAIServing:
             n=n,
             prompt_tokens=sum(len(s.prompt_token_ids) for s in subs),
             lora_request=lora_request,
+            params=params,
         )
+        rec.model = self.response_model(rec)
+        tracer = self.request_logger.tracer
+        if tracer is not None:
+            rec.trace_context = tracer.context_from(headers or {})
         if self.request_logger.log_prompts:
             rec.prompts = [s.prompt_text for s in subs]
         return rec

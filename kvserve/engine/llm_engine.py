@@ -110,6 +110,9 @@ class LLMEngine:
             off when its acceptance stays low), or None.
         lora_config: multi-LoRA limits when LoRA is enabled (the executor then has
             ``add_lora`` / ``remove_lora`` / ``list_loras``), or None.
+        preemption_cost: the scheduler's price of recompute against swap under
+            ``--preemption-mode auto`` (``kvserve.core.preemption.PreemptionCost``; the
+            simulator passes its cost model's), or None: the built-in default.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class LLMEngine:
         lora_config: LoRAConfig | None = None,
         generation_defaults: dict[str, Any] | None = None,
         long_prompt_after: int | None = None,
+        preemption_cost=None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -148,7 +152,9 @@ class LLMEngine:
         #: their first token (``RotaryEmbedding``), so their blocks are salted apart in the
         #: prefix cache (``Sequence.kv_salt``); None for other models.
         self.long_prompt_after = long_prompt_after
-        self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, lora_config, clock=clock, preemption_cost=preemption_cost
+        )
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
         self.stats = EngineStats()

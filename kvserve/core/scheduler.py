@@ -36,8 +36,10 @@ costs ``swap_s(distinct device blocks)`` (out and back in) and is out when free 
 short. Ties recompute. Victim choice: a decode that needs a block looks at the last
 ``AUTO_VICTIM_WINDOW`` preemptable running groups from the tail, stopping at the first that
 outranks the tail group (so: equal rank under a rank policy; any under fcfs), and preempts the
-one whose cheaper way costs least per device block it frees (ties: the lower-ranked); the
-decoding group itself is taken only when no other is left. Priority preemption and slot
+one whose cheaper way costs least per device block it frees -- but a group other than the tail
+only when that is at most ``1 / AUTO_VICTIM_MARGIN`` of the tail's (the price is an estimate;
+a small difference keeps the policy's order); the decoding group itself is taken only when no
+other is left. Priority preemption and slot
 turnover keep their own victims (their mode is priced the same way). Under RECOMPUTE / SWAP /
 unset the victim is always the tail (V0).
 
@@ -122,6 +124,10 @@ MAX_MARGIN_FACTOR = 4
 LORA_MAX_DEFERRALS = 16
 #: ``preemption_mode=AUTO``: how many tail groups a decode's victim is chosen among.
 AUTO_VICTIM_WINDOW = 4
+#: ``preemption_mode=AUTO``: a group above the tail is its victim instead only when it costs at
+#: most 1/this as much per freed block (the price is an estimate: small differences keep the
+#: policy's order).
+AUTO_VICTIM_MARGIN = 2.0
 
 
 # ====================================================================== budget
@@ -938,7 +944,8 @@ class Scheduler:
         if self.scheduler_config.preemption_mode == PreemptionMode.AUTO:
             bm = self.block_manager
             tail: SequenceGroup | None = None
-            best, best_i = float("inf"), -1
+            tail_price = best = float("inf")
+            best_i = -1
             seen = 0
             for i in range(len(victims) - 1, -1, -1):
                 v = victims[i]
@@ -951,7 +958,10 @@ class Scheduler:
                 freed = bm.get_num_freeable_blocks(v)
                 if freed:
                     per_block = self._price_preemption(v)[1] / freed
-                    if per_block < best:
+                    if v is tail:
+                        tail_price = best = per_block
+                        best_i = i
+                    elif per_block * AUTO_VICTIM_MARGIN <= tail_price and per_block < best:
                         best, best_i = per_block, i
                 seen += 1
                 if seen == AUTO_VICTIM_WINDOW:

@@ -90,20 +90,23 @@ def test_auto_falls_back_to_recompute_without_host_blocks():
     assert h.scheduler.num_swap_preemptions == 0 and h.scheduler.num_swapped_out_blocks == 0
 
 
-def _first_victims(mode: str, cost) -> list[str]:
-    """fcfs a (n=1), b (n=1), c (n=2, the tail) in 10 blocks of 4: the request ids in the order
-    of their first preemption."""
-    cc, sc = configs(BS=4, G=10, C=32, S=8, T=64, L=64, PM=mode)
+def _first_victims(mode: str, cost, C: int = 32, priorities=(0, 0, 0)) -> list[tuple[str, str]]:
+    """a (n=1), b (n=1), c (n=2, the tail) in 10 blocks of 4, ``C`` host blocks (``priorities``
+    not all 0: the priority policy): ``(request id, mode)`` of each request's first preemption,
+    in order."""
+    policy = "priority" if any(priorities) else "fcfs"
+    cc, sc = configs(BS=4, G=10, C=C, S=8, T=64, L=64, PM=mode, policy=policy)
     h = Harness(cc, sc, preemption_cost=cost)
-    h.add("a", prompt_of(0, 5), greedy(12), arrival_time=0.0)
-    h.add("b", prompt_of(1, 6), greedy(12), arrival_time=1.0)
-    h.add("c", prompt_of(2, 6), greedy(12, n=2), arrival_time=2.0)
-    order: list[str] = []
+    pa, pb, pc = priorities
+    h.add("a", prompt_of(0, 5), greedy(12), arrival_time=0.0, priority=pa)
+    h.add("b", prompt_of(1, 6), greedy(12), arrival_time=1.0, priority=pb)
+    h.add("c", prompt_of(2, 6), greedy(12, n=2), arrival_time=2.0, priority=pc)
+    order: list[tuple[str, str]] = []
 
     def on_step(h, _):
         for rid, g in h.engine._groups.items():
-            if g.metrics.num_preemptions and rid not in order:
-                order.append(rid)
+            if g.metrics.num_preemptions and rid not in [r for r, _ in order]:
+                order.append((rid, g.metrics.preemptions[0].mode))
 
     h.run(on_step=on_step)
     h.assert_idle()
@@ -111,12 +114,19 @@ def _first_victims(mode: str, cost) -> list[str]:
 
 
 def test_auto_prefers_the_victim_cheapest_per_freed_block():
-    """With recompute priced per token, the two-sample tail re-prefills 18 tokens for the 5
-    blocks it frees, b 9 tokens for 3: auto preempts b, V0 the tail."""
-    assert _first_victims("recompute", RECOMPUTE_CHEAP)[0] == "c"
-    assert _first_victims("auto", RECOMPUTE_CHEAP)[0] == "b"
-    # swap priced per block: every candidate costs the same per freed block, so the tail
-    assert _first_victims("auto", SWAP_CHEAP)[0] == "c"
+    """When a decode needs a block, the two-sample tail c holds 5 blocks (18 tokens computed),
+    b holds 3 (9 tokens). With 4 host blocks c cannot swap, b can: auto swaps b out (a swap
+    costs far less per block than c's recompute), V0's swap mode takes the tail and falls back
+    to recomputing it."""
+    assert _first_victims("swap", SWAP_CHEAP, C=4)[0] == ("c", "recompute")
+    assert _first_victims("auto", SWAP_CHEAP, C=4)[0] == ("b", "swap")
+    # both can swap: the same price per freed block, so the tail
+    assert _first_victims("auto", SWAP_CHEAP)[0] == ("c", "swap")
+    # recompute priced per token: c costs 3.6 a block, b 3.0, within the margin: the tail
+    assert _first_victims("auto", RECOMPUTE_CHEAP)[0] == ("c", "recompute")
+    # priority: b outranks c, so it is no candidate, however cheap; at equal rank it is
+    assert _first_victims("auto", SWAP_CHEAP, C=4, priorities=(0, 0, 1))[0] == ("c", "recompute")
+    assert _first_victims("auto", SWAP_CHEAP, C=4, priorities=(0, 1, 1))[0] == ("b", "swap")
 
 
 def test_records_are_bounded():

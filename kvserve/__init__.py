@@ -1,6 +1,6 @@
 """kvserve: an LLM inference and serving engine around a vLLM-V0-style scheduler.
 
-Public API: ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSearchParams``,
+Public API: ``LLM``, ``SamplingParams``, ``RequestOutputKind``, ``StructuredOutputsParams``, ``BeamSearchParams``,
 ``LLMEngine``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``.
 """
 
@@ -20,13 +20,14 @@ os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
 
 from kvserve.config import EngineArgs
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "LLMEngine",
     "SamplingParams",
+    "RequestOutputKind",
     "BeamSearchParams",
     "StructuredOutputsParams",
     "EngineArgs",

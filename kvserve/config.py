@@ -206,6 +206,9 @@ class CacheConfig:
         enable_prefix_caching: reuse KV blocks across requests by hashed token content.
         watermark: fraction of device blocks kept free when admitting prefills (avoids
             immediate preemption of what was just admitted).
+        waiting_aware_eviction: with prefix caching, evict cached blocks that a waiting
+            request's prompt holds only after every other cached block (False: plain
+            least-recently-released order).
         gpu_memory_utilization: when set (0 < u <= 1) and ``num_gpu_blocks`` is unset, the
             device pool is sized to fill this fraction of the memory the weights and KV share
             (device memory on CUDA, physical host memory on CPU), less what the process
@@ -221,6 +224,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     watermark: float = 0.01
     gpu_memory_utilization: float | None = None
+    waiting_aware_eviction: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -287,6 +291,17 @@ class LoRAConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
 
 
+#: Policies that backfill past a blocked head unless told otherwise. ``fcfs`` and ``priority``
+#: keep vLLM V0's admission (stop at the first group that must wait), which their callers and
+#: tests rely on; a policy that promises fairness between requests does not.
+BACKFILL_POLICIES = frozenset({"fair"})
+
+
+def default_scheduling_backfill(policy: str) -> bool:
+    """Whether policy ``policy`` backfills when ``scheduling_backfill`` is None."""
+    return policy in BACKFILL_POLICIES
+
+
 @dataclass
 class SchedulerConfig:
     """Batching limits and scheduling behaviour.
@@ -301,6 +316,10 @@ class SchedulerConfig:
             with several live sequences; AUTO = the cheaper of the two per victim (priced by
             the scheduler's ``preemption_cost``); or force one mode for all groups.
         policy: queue ordering policy name (``fcfs``, ``priority``).
+        scheduling_backfill: admit waiting groups that fit past a head that must wait for KV
+            blocks (or, without chunked prefill, for the step's token budget), without delaying
+            its admission (see ``kvserve.core.scheduler``); ``None`` = the policy's default
+            (``default_scheduling_backfill``).
         max_num_partial_prefills: with chunked prefill, how many prompts may be mid-prefill at once.
         long_prefill_token_threshold: with chunked prefill, the most tokens one prompt may take
             in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
@@ -323,6 +342,7 @@ class SchedulerConfig:
     chunked_prefill_enabled: bool = False
     preemption_mode: PreemptionMode | None = None
     policy: str = "fcfs"
+    scheduling_backfill: bool | None = None
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
     max_waiting: int | None = None
@@ -366,6 +386,18 @@ class SchedulerConfig:
         if not isinstance(self.delay_factor, (int, float)) or not 0 <= self.delay_factor < float("inf"):
             raise ValueError(f"delay_factor must be a finite number >= 0, got {self.delay_factor!r}.")
         _positive_int("spec_decode_disable_by_batch_size", self.spec_decode_disable_by_batch_size, True)
+        if self.scheduling_backfill is not None and not isinstance(self.scheduling_backfill, bool):
+            raise ValueError(
+                f"scheduling_backfill must be True, False or None (the policy's default), "
+                f"got {self.scheduling_backfill!r}."
+            )
+
+    @property
+    def backfill_enabled(self) -> bool:
+        """``scheduling_backfill``, or the policy's default when it is None."""
+        if self.scheduling_backfill is None:
+            return default_scheduling_backfill(self.policy)
+        return self.scheduling_backfill
 
 
 #: Speculation methods ``SpeculativeConfig.method`` accepts.
@@ -602,6 +634,8 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     preemption_mode: str | None = None
     policy: str = "fcfs"
+    #: ``SchedulerConfig.scheduling_backfill`` (None = the policy's default).
+    scheduling_backfill: bool | None = None
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
     max_waiting: int | None = None
@@ -870,6 +904,7 @@ class EngineArgs:
             chunked_prefill_enabled=chunked,
             preemption_mode=SchedulerConfig.parse_preemption_mode(self.preemption_mode),
             policy=self.policy,
+            scheduling_backfill=self.scheduling_backfill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting=self.max_waiting,

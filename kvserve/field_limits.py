@@ -29,7 +29,17 @@ MIN_REPETITION_PENALTY = 1e-6
 #: sequence of the request, so an unbounded list slows every request in the batch; past these
 #: it is a 400.
 #: ``prompt``: prompts of one /v1/completions request (each becomes an engine request).
-MAX_ITEMS = {"stop": 64, "stop_token_ids": 1024, "logit_bias": 1024, "prompt": 1024}
+#: ``allowed_token_ids`` becomes a mask once per request (not scanned per step): a vocabulary's worth.
+MAX_ITEMS = {
+    "stop": 64,
+    "stop_token_ids": 1024,
+    "logit_bias": 1024,
+    "prompt": 1024,
+    "bad_words": 256,
+    "allowed_token_ids": 262_144,
+}
+#: Longest ``bad_words`` entry, in characters.
+MAX_BAD_WORD_CHARS = 1024
 #: Longest stop string, in characters (a stream holds back that many characters).
 MAX_STOP_CHARS = 1024
 
@@ -104,6 +114,8 @@ LIMITS: dict[str, Limit] = {
     "max_completion_tokens": _COUNT,
     "min_tokens": Limit(True, 0, INT64_MAX),
     "top_k": Limit(True, 1, INT64_MAX, special=(-1,), meaning="disable"),
+    # the engine holds it to max_model_len
+    "truncate_prompt_tokens": Limit(True, 1, INT64_MAX, special=(-1,), meaning="max_model_len"),
     "seed": Limit(True, INT64_MIN, UINT64_MAX),
     "priority": Limit(True, INT64_MIN, INT64_MAX),
     "logprobs": Limit(True, 0, MAX_LOGPROBS),

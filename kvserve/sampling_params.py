@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.field_limits import LIMITS, MAX_STOP_CHARS, check_count
+from kvserve.field_limits import LIMITS, MAX_BAD_WORD_CHARS, MAX_STOP_CHARS, check_count
 
 #: Temperatures below this are treated as greedy (argmax) decoding.
 GREEDY_EPS = 1e-5
@@ -43,8 +44,24 @@ _NUMERIC_FIELDS = (
     "seed",
     "logprobs",
     "prompt_logprobs",
+    "best_of",
+    "truncate_prompt_tokens",
 )
-_OPTIONAL_FIELDS = {"max_tokens", "seed", "logprobs", "prompt_logprobs"}
+_OPTIONAL_FIELDS = {"max_tokens", "seed", "logprobs", "prompt_logprobs", "best_of", "truncate_prompt_tokens"}
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a streaming request carries (vLLM's ``RequestOutputKind``):
+
+    - ``CUMULATIVE``: every output holds the whole completion so far (text, token ids,
+      logprobs);
+    - ``DELTA``: every output holds only what was added since the request's previous output;
+    - ``FINAL_ONLY``: no output until the request finishes; that one holds the whole completion.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -188,6 +205,21 @@ class SamplingParams:
       choice, grammar): every sampled token keeps the output a prefix of a string the
       constraint accepts, and EOS is allowed only where it accepts. Not combinable with
       ``min_tokens`` (the grammar decides where the output may end).
+    - ``best_of``: sample this many completions (>= ``n``) and return the ``n`` with the
+      highest ``cumulative_logprob`` (vLLM V0's semantics; None = ``n``). While a request
+      streams, its outputs show the ``n`` best so far.
+    - ``bad_words``: words never generated. Each word's token sequence, tokenized as given and
+      with a leading space, is banned: its last token is masked whenever the output so far
+      ends with the tokens before it (a one-token word is always masked).
+    - ``allowed_token_ids``: only these token ids may be sampled (a non-empty list; ids must
+      be in the model's vocabulary, checked at ``add_request``).
+    - ``truncate_prompt_tokens``: keep only the last ``k`` prompt tokens (``k >= 1``, at most
+      ``max_model_len``; -1 = ``max_model_len``).
+    - ``detokenize``: False skips detokenization: outputs carry token ids, their text stays
+      ``""`` (and logprobs have no ``decoded_token``); ``stop`` strings then cannot be
+      matched, so they are refused.
+    - ``output_kind``: a ``RequestOutputKind`` (streaming shape of the outputs; ``LLM.generate``
+      returns finished requests whatever it is).
 
     Every numeric field also has an upper bound the engine can represent (int64 for ints that
     become tensors, finite float32 for floats): ``kvserve.field_limits.LIMITS``, the same
@@ -218,6 +250,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     cache_prefix: bool = False
+    best_of: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: ``bad_words`` as token sequences (``engine.input_processor.bad_words_token_ids``), set by
+    #: the engine when it validates the request with its tokenizer; None until then.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, compare=False, repr=False)
+    #: Per-request tensors the sampler derives once from the fields above (masks), by key.
+    sampler_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -234,6 +277,22 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        if isinstance(self.bad_words, str):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+        for name in ("bad_words", "allowed_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}.")
+            if value is not None:
+                setattr(self, name, list(value))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                    f"got {self.output_kind!r}."
+                ) from None
         self._verify()
 
     @staticmethod
@@ -244,6 +303,7 @@ class SamplingParams:
                 f"logit_bias must be a map of token id -> number in [-100, 100], got {type(bias).__name__}."
             )
         out = {}
+        keys: dict[int, Any] = {}
         for k, v in bias.items():
             try:
                 t = _as_token_id(k)
@@ -251,11 +311,21 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}.") from None
             if t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}.")
+            if t in out:
+                # "5" and "05" (or 5 and "5") name one token: which bias would win is arbitrary
+                raise ValueError(f"logit_bias names token {t} twice (keys {keys[t]!r} and {k!r}).")
             out[t] = v
+            keys[t] = k
         return out
 
     def _verify(self) -> None:
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "cache_prefix"):
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "cache_prefix",
+            "detokenize",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
         # Every numeric field against its one limit (``field_limits.LIMITS``, shared with the
@@ -271,6 +341,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}."
             )
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}.")
         # lists since __post_init__
         stop = self.stop or []
         stop_token_ids = self.stop_token_ids or []
@@ -289,6 +361,12 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be token ids ({token_id.rule()}), got {self.stop_token_ids!r}."
             )
+        if not self.detokenize and stop:
+            raise ValueError(
+                "stop strings need detokenize=True (they are matched in the decoded text); use "
+                "stop_token_ids, or leave detokenize on."
+            )
+        self._verify_token_lists(token_id)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(
@@ -307,6 +385,33 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids ({token_id.rule()}), got {k!r}.")
                 if not bias.ok(v):
                     raise ValueError(f"logit_bias values must be {bias.rule()}, got {v!r} for token {k!r}.")
+
+    def _verify_token_lists(self, token_id) -> None:
+        """``bad_words`` and ``allowed_token_ids`` (vocabulary bounds: ``validate_request``)."""
+        if self.bad_words is not None:
+            check_count("bad_words", len(self.bad_words))
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must be non-empty strings, got {w!r}.")
+                if len(w) > MAX_BAD_WORD_CHARS:
+                    raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_CHARS} characters each.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token).")
+            check_count("allowed_token_ids", len(self.allowed_token_ids))
+            bad = [t for t in self.allowed_token_ids if not token_id.ok(t)]
+            if bad:
+                raise ValueError(f"allowed_token_ids must be token ids ({token_id.rule()}), got {bad[:5]!r}.")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: ``best_of`` when set, else ``n``."""
+        return self.n if self.best_of is None else max(self.n, self.best_of)
+
+    @property
+    def needs_token_masks(self) -> bool:
+        """True when ``bad_words`` or ``allowed_token_ids`` restrict the tokens."""
+        return bool(self.bad_words) or self.allowed_token_ids is not None
 
     @property
     def is_greedy(self) -> bool:

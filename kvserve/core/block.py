@@ -20,6 +20,11 @@ dropping a hash from the cache (eviction) drops its cached descendants at once: 
 one goes back to the plain free list, an in-use one stays with its sequence, unregistered.
 The block manager releases a sequence's blocks tail first, so LRU eviction takes a chain's
 deepest blocks first and keeps its longest reusable head.
+
+Wanted hashes: the block manager counts, per content hash, the waiting requests whose prompt
+holds it (``want`` / ``unwant``); a refcount-0 block whose hash is wanted sits in the
+evictor's kept class and is evicted only when no other cached block is left
+(``core/evictor.py``).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class BlockPool:
         num_blocks: pool size in blocks (>= 0).
         enable_caching: keep registered (hashed, computed) blocks after their last reference
             in an LRU evictor; they count as free and are reused on a hash hit.
+        keep_wanted: evict blocks whose hash is ``want``-ed only after every other cached
+            block (False: plain LRU; the wanted counts are kept either way).
 
     Plain free blocks are handed out lowest number first (a heap), so a long-running engine
     keeps its K/V on the fewest pages, and blocks allocated together (a prompt's) mostly in
@@ -82,7 +89,9 @@ class BlockPool:
     slow decode attention down (``docs/benchmarks.md``).
     """
 
-    def __init__(self, device: str, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self, device: str, num_blocks: int, enable_caching: bool = False, keep_wanted: bool = True
+    ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.device = device
@@ -96,6 +105,9 @@ class BlockPool:
         # parent hash -> block numbers of the registered blocks that continue it
         self._children: dict[int, set[int]] = {}
         self._num_in_use = 0
+        self.keep_wanted = keep_wanted
+        # content hash -> number of waiting requests whose prompt holds it (absent: 0)
+        self.wanted: dict[int, int] = {}
 
     # ------------------------------------------------------------------ counts
     def get_num_free_blocks(self) -> int:
@@ -151,7 +163,7 @@ class BlockPool:
         if block.ref_count == 0:
             self._num_in_use -= 1
             if block.block_hash is not None:
-                self.evictor.add(block)
+                self.evictor.add(block, keep=self.keep_wanted and block.block_hash in self.wanted)
             else:
                 heapq.heappush(self._free_ids, block.block_number)
 
@@ -180,6 +192,31 @@ class BlockPool:
         block.parent_hash = parent_hash
         self.cached[block_hash] = block
         return True
+
+    def want(self, block_hash: int) -> None:
+        """One more waiting request needs ``block_hash`` (cached now or not): a refcount-0
+        block holding it moves to the evictor's kept class. O(log n)."""
+        n = self.wanted.get(block_hash, 0)
+        self.wanted[block_hash] = n + 1
+        if n == 0 and self.keep_wanted:
+            b = self.cached.get(block_hash)
+            if b is not None and b.ref_count == 0:
+                self.evictor.set_keep(b.block_number, True)
+
+    def unwant(self, block_hash: int) -> None:
+        """Undo one ``want``. Raises KeyError when ``block_hash`` is not wanted."""
+        n = self.wanted[block_hash] - 1
+        if n:
+            self.wanted[block_hash] = n
+            return
+        del self.wanted[block_hash]
+        b = self.cached.get(block_hash)
+        if b is not None and b.ref_count == 0:
+            self.evictor.set_keep(b.block_number, False)
+
+    def get_num_wanted_evictions(self) -> int:
+        """Evictions that took a block a waiting request wanted (nothing else was cached)."""
+        return self.evictor.num_kept_evictions
 
     def _unregister(self, block: PhysicalBlock) -> None:
         """Drop ``block`` from the cache, with every cached block below it in its chain (they
@@ -215,8 +252,7 @@ class BlockPool:
         Returns True when no registered block remains (nothing cached is in use), else False
         (the in-use ones stay registered and are dropped later by normal eviction).
         """
-        while len(self.evictor):
-            block = self.evictor.evict()
+        for block in self.evictor.drain():
             self._unregister(block)
             heapq.heappush(self._free_ids, block.block_number)
         return not self.cached
@@ -236,6 +272,9 @@ class BlockPool:
             assert b.ref_count == 0 and b.block_hash is None and i not in self.evictor, b
         for b in self.evictor:
             assert b.ref_count == 0 and b.block_hash is not None, b
+            kept = self.keep_wanted and b.block_hash in self.wanted
+            assert self.evictor.is_kept(b.block_number) == kept, ("evictor class", b)
+        assert all(n > 0 for n in self.wanted.values()), "non-positive wanted count"
         for h, b in self.cached.items():
             assert b.block_hash == h, (h, b)
             # Reachable from its chain head: the parent is cached (by induction, all ancestors).

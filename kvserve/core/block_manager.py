@@ -24,6 +24,10 @@ chain under pressure shrinks to its longest still-usable head (evicting a head f
 leave the rest of the chain unreachable while it still occupies memory). A completed block
 whose content is already cached in another block is replaced by that block (deduplicated), and
 a swapped-in sequence re-registers its blocks, so every cached block's prefix stays cached.
+Eviction is waiting-aware: while a group waits for admission (``add_waiting`` until it is
+admitted by ``allocate`` or leaves by ``remove_waiting``) the hashes of its prompt's full blocks
+are *wanted*, and cached blocks holding a wanted hash are evicted only after every other cached
+block, so admitting one request cannot evict the prefix the next one in the queue would hit.
 The chain of a sequence running with a LoRA adapter starts from the adapter's id
 (``Sequence.lora_int_id``): the same tokens give other K/V under another adapter, so blocks are
 shared only between sequences of the same adapter (or both of the base model).
@@ -140,6 +144,8 @@ class BlockSpaceManager:
         sliding_window: attention window in tokens, or None.
         enable_caching: prefix caching on the device pool for every group (else only for
             groups that ask for it, ``caches``).
+        waiting_aware_eviction: evict cached blocks that waiting groups' prompts hold only
+            after every other cached block (False: plain least-recently-released order).
 
     Raises:
         ValueError: for sizes out of range.
@@ -153,6 +159,7 @@ class BlockSpaceManager:
         watermark: float = 0.01,
         sliding_window: int | None = None,
         enable_caching: bool = False,
+        waiting_aware_eviction: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -168,7 +175,7 @@ class BlockSpaceManager:
         self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         # The pool can always register blocks: only groups that ``caches`` ever do.
-        self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching=True)
+        self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching=True, keep_wanted=waiting_aware_eviction)
         self.cpu = BlockPool(CPU, self.num_total_cpu_blocks, False)
         self.block_tables: dict[int, BlockTable] = {}
         # seq_id -> block numbers as handed out by get_block_table (rebuilt after a change;
@@ -180,6 +187,8 @@ class BlockSpaceManager:
         self._num_marked: dict[int, int] = {}
         # COW sources of full-hit prompts, pinned until the step that copies them has run.
         self._pinned: list[PhysicalBlock] = []
+        # request_id -> the prompt block hashes the waiting group wants (``add_waiting``).
+        self._waiting_hashes: dict[str, tuple[int, ...]] = {}
         # Prefix-cache statistics, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -213,6 +222,35 @@ class BlockSpaceManager:
                 break
             hits.append(b)
         return hits
+
+    # ================================================================== waiting groups
+    def add_waiting(self, seq_group: SequenceGroup) -> None:
+        """``seq_group`` entered the waiting queue (new, or preempted for recompute): mark the
+        hashes of its prompt's full blocks wanted until it is admitted (``allocate``) or
+        leaves (``remove_waiting``). Only the prompt's full blocks count, so a group adds at
+        most ``prompt_len // block_size`` hashes; they are computed here once and reused by
+        ``plan_allocation``. No-op for a group that does not use the prefix cache, has no
+        waiting sequence, or is already registered."""
+        if not self.caches(seq_group) or seq_group.request_id in self._waiting_hashes:
+            return
+        seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if not seqs:
+            return
+        n = seqs[0].get_prompt_len() // self.block_size
+        hashes = tuple(self._get_hashes(seqs[0], n)[:n])
+        self._waiting_hashes[seq_group.request_id] = hashes
+        for h in hashes:
+            self.gpu.want(h)
+
+    def remove_waiting(self, seq_group: SequenceGroup) -> None:
+        """``seq_group`` left the waiting queue (admitted, aborted, rejected, finished): drop
+        its wanted hashes. No-op when it holds none."""
+        for h in self._waiting_hashes.pop(seq_group.request_id, ()):
+            self.gpu.unwant(h)
+
+    def get_num_waiting_groups(self) -> int:
+        """Groups whose prompt hashes are currently wanted."""
+        return len(self._waiting_hashes)
 
     # ================================================================== admission
     def _live_seqs(self, seq_group: SequenceGroup) -> list[Sequence]:
@@ -386,6 +424,7 @@ class BlockSpaceManager:
                 first_table = table
         for b in held:
             self.gpu.free(b)
+        self.remove_waiting(seq_group)
         if self.caches(seq_group):
             self.prefix_cache_queries += length
             self.prefix_cache_hits += plan.num_cached_tokens
@@ -776,6 +815,7 @@ class BlockSpaceManager:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.get_prefix_cache_hit_rate(),
+            "num_wanted_evictions": self.gpu.get_num_wanted_evictions(),
         }
 
     def check_invariants(self) -> None:
@@ -783,6 +823,11 @@ class BlockSpaceManager:
         (plus pins). Raises AssertionError with the mismatch."""
         self.gpu.check_invariants()
         self.cpu.check_invariants()
+        wanted: dict[int, int] = {}
+        for hashes in self._waiting_hashes.values():
+            for h in hashes:
+                wanted[h] = wanted.get(h, 0) + 1
+        assert wanted == self.gpu.wanted, ("wanted counts", wanted, self.gpu.wanted)
         counts: dict[tuple[str, int], int] = {}
         for table in self.block_tables.values():
             for b in table:

@@ -86,6 +86,23 @@ stream in) but cannot shorten a burst: an adapter holds a slot for at least its 
 request's decode steps whoever runs when, so a burst takes at least the sum of those over
 ``max_loras`` steps, which FCFS already comes close to (``kvserve/benchmarks/lora_occupancy``).
 
+Backfill (``SchedulerConfig.backfill_enabled``; on by default only for the ``fair`` policy):
+when the first group in rank order must wait for KV blocks (``AllocStatus.LATER``, or the
+anti-thrash margin), the groups behind it that fit are admitted anyway, each one counted as a
+*bypass* of every group it passed; a group passed ``BACKFILL_MAX_BYPASSES`` times stops the
+scan again (vLLM V0's ``break``), so no group is passed more often than that. The head's
+admission is protected by *reclaim*: at the start of each step, if the head would fit once the
+groups admitted past it (backfilled and still running) gave their blocks and sequence slots
+back, the fewest lowest-ranked of them are preempted by recompute so that it is admitted in
+that step -- the same step it would have been without backfill, since the groups ranked above
+the backfilled ones never lose a block to them (they are the first victims of a decode that
+needs one). Without chunked prefill a step that admits prompts runs no decode, so each step that
+backfills delays the running groups' completion, and with it the head, by one step: at most
+``BACKFILL_MAX_BYPASSES`` steps in all. Without chunked prefill, a head that fits the cache but
+not what is left of the step's token budget is passed too, with its blocks and sequence slots
+kept free (it is admitted with the next step's budget). A group that must wait for sequence
+slots, an adapter slot, or swapped groups still stops the scan.
+
 Invariants (asserted by the tests after every step): a live group is in exactly one queue;
 ``num_batched_tokens <= max_num_batched_tokens``; scheduled sequences ``<= max_num_seqs``;
 every scheduled prefill feeds >= 1 token; no token is scheduled at a position
@@ -128,6 +145,9 @@ AUTO_VICTIM_WINDOW = 4
 #: most 1/this as much per freed block (the price is an estimate: small differences keep the
 #: policy's order).
 AUTO_VICTIM_MARGIN = 2.0
+#: Backfill: how many groups may be admitted past a waiting group that must wait before the
+#: scan stops at it again (its starvation bound; see the module docstring).
+BACKFILL_MAX_BYPASSES = 16
 
 
 # ====================================================================== budget
@@ -383,6 +403,7 @@ class Scheduler:
             watermark=cache_config.watermark,
             sliding_window=cache_config.sliding_window,
             enable_caching=cache_config.enable_prefix_caching,
+            waiting_aware_eviction=cache_config.waiting_aware_eviction,
         )
         self.policy: Policy = PolicyFactory.get_policy(scheduler_config.policy)
         self.waiting: deque[SequenceGroup] = deque()
@@ -423,6 +444,13 @@ class Scheduler:
         # (``LoRAConfig.max_slot_preemptions``); dropped when the group ends.
         self._slot_preemptions: dict[str, int] = {}
         self.num_slot_preemptions = 0  # cumulative
+        # Backfill: waiting request_id -> groups admitted past it while it waited; the request
+        # ids admitted past a blocked group (reclaimable while they run; pruned lazily).
+        self.backfill = scheduler_config.backfill_enabled
+        self._bypasses: dict[str, int] = {}
+        self._backfilled: set[str] = set()
+        self.num_backfilled = 0  # cumulative admissions past a blocked group
+        self.num_backfill_reclaims = 0  # cumulative groups preempted to admit the head
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -443,6 +471,7 @@ class Scheduler:
                 self._lora_order = {k: v for k, v in self._lora_order.items() if k in queued}
             self._lora_order[seq_group.request_id] = self._num_added
             self._num_added += 1
+        self.block_manager.add_waiting(seq_group)
         self.waiting.append(seq_group)
 
     def _never_schedulable(self, g: SequenceGroup) -> str | None:
@@ -497,6 +526,7 @@ class Scheduler:
             queue.clear()
             queue.extend(keep)
         for g in aborted:
+            self.block_manager.remove_waiting(g)
             self._lora_deferrals.pop(g.request_id, None)
             self._slot_preemptions.pop(g.request_id, None)
             for seq in g.get_seqs():
@@ -751,6 +781,7 @@ class Scheduler:
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
         self._turn_over_lora_slot(budget, st)
+        self._reclaim_backfill(budget, st, enable_chunking=False)
         st.curr_loras = self._running_loras()
         prefills = self._schedule_prefills(budget, st, enable_chunking=False)
         running = SchedulerRunningOutputs()
@@ -770,6 +801,7 @@ class Scheduler:
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
         self._turn_over_lora_slot(budget, st)
+        self._reclaim_backfill(budget, st, enable_chunking=True)
         running = self._schedule_running(budget, st, enable_chunking=True)
         # Running groups' adapters count first; preempted groups hold no slot.
         st.curr_loras = self._running_loras()
@@ -839,6 +871,7 @@ class Scheduler:
         says why."""
         started = any(seq.get_output_len() for seq in g.get_seqs())
         g.ignored_reason = reason
+        self.block_manager.remove_waiting(g)
         self._lora_deferrals.pop(g.request_id, None)
         self._slot_preemptions.pop(g.request_id, None)
         status = SequenceStatus.FINISHED_LENGTH_CAPPED if started else SequenceStatus.FINISHED_IGNORED
@@ -1255,6 +1288,7 @@ class Scheduler:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.WAITING
             seq.data.reset_state_for_recompute()
+        self.block_manager.add_waiting(g)
         st.preempted.append(g)
         self.num_recomputed_tokens += dropped
         return dropped
@@ -1293,6 +1327,84 @@ class Scheduler:
         margin = len(self._live(g)) * min(k, MAX_MARGIN_FACTOR)
         return max(0, min(margin, plan.num_usable_blocks - plan.num_required_blocks))
 
+    def _reclaim_backfill(self, budget: SchedulingBudget, st: _Step, enable_chunking: bool) -> None:
+        """Backfill's guarantee: when the first waiting group (rank order) must wait for blocks
+        or sequence slots but would fit once running groups admitted by backfill and ranked
+        below it left, preempt the fewest of them (lowest-ranked first, by recompute) so it is
+        admitted in this step. With chunking the step's decodes run before admissions, so the
+        blocks they will take (a new block for each decoding sequence whose table is full) are
+        counted against it. Nothing happens when even all of them would not make it fit, when
+        its adapter would be deferred, or when new prompts are held back this step."""
+        if not self._backfilled or not self.waiting or not st.passed_delay:
+            return
+        self._backfilled &= {g.request_id for g in self.running}
+        if not self._backfilled:
+            return
+        now = st.now
+        head = next(
+            (
+                g
+                for g in self.policy.sort_by_priority(now, self.waiting)
+                if g.request_id not in st.preempted_ids
+            ),
+            None,
+        )
+        if (
+            head is None
+            or not self._live(head)
+            or not self._swapped_allows(head, st)
+            or not self._lora_fits(head, self._running_loras())
+            or head.get_max_num_running_seqs() > self.scheduler_config.max_num_seqs
+        ):
+            return
+        bm = self.block_manager
+        plan = bm.plan_allocation(head)
+        if plan.status == AllocStatus.NEVER:
+            return
+        need_blocks = (
+            plan.cost
+            + bm.watermark_blocks
+            + self._readmission_margin(head, plan)
+            - bm.get_num_free_gpu_blocks()
+        )
+        growth: dict[str, int] = {}
+        if enable_chunking:
+            growth = {g.request_id: self._decode_growth(g) for g in self.running}
+            need_blocks += sum(growth.values())
+        need_seqs = budget.num_curr_seqs + head.get_max_num_running_seqs() - budget.max_num_seqs
+        if need_blocks <= 0 and need_seqs <= 0:
+            return
+        candidates = [g for g in self.running if g.request_id in self._backfilled]
+        ranked = list(self.policy.sort_by_priority(now, [head, *candidates]))
+        chosen: list[SequenceGroup] = []
+        gain_blocks = gain_seqs = 0
+        for v in reversed(ranked):
+            if v is head:
+                break
+            chosen.append(v)
+            gain_blocks += bm.get_num_freeable_blocks(v) + growth.get(v.request_id, 0)
+            gain_seqs += v.get_max_num_running_seqs()
+            if gain_blocks >= need_blocks and gain_seqs >= need_seqs:
+                break
+        if gain_blocks < need_blocks or gain_seqs < need_seqs:
+            return  # it waits for running groups ranked above the backfilled ones
+        for v in chosen:
+            self.running.remove(v)
+            budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
+            self._backfilled.discard(v.request_id)
+            self._preempt(v, st, PreemptionMode.RECOMPUTE, warn=False)
+            self.num_backfill_reclaims += 1
+
+    def _decode_growth(self, g: SequenceGroup) -> int:
+        """New blocks a running group's plain decode takes this step (0 while prefilling)."""
+        if g.is_prefill():
+            return 0
+        bm = self.block_manager
+        return sum(
+            max(0, -(-s.get_len() // bm.block_size) - len(bm.block_tables.get(s.seq_id, ())))
+            for s in g.get_seqs(SequenceStatus.RUNNING)
+        )
+
     def _schedule_prefills(
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
     ) -> SchedulerPrefillOutputs:
@@ -1308,6 +1420,10 @@ class Scheduler:
         freed by preempting for it never go to a group it outranks. A group whose adapter would
         exceed ``max_loras`` is deferred (left in place, holding nothing; vLLM V0's
         leftover-waiting rule) and the groups behind it are still considered.
+        With backfill on, a group that must wait for blocks (or, without chunking, for the
+        token budget) is passed instead of stopping the scan while it has been passed fewer
+        than ``BACKFILL_MAX_BYPASSES`` times; a budget-blocked group's blocks and sequence
+        slots are kept free for it.
         """
         out = SchedulerPrefillOutputs()
         if not self.waiting or not st.passed_delay:
@@ -1327,6 +1443,21 @@ class Scheduler:
         # A group above was deferred too long: adapter groups queued at or after this point in
         # ``_lora_order`` (its first deferral) are held back for it; None: nobody starves.
         cutoff: int | None = None
+        # Backfill: the groups passed that must wait, and the blocks and sequence slots kept
+        # free for those passed only for want of token budget.
+        passed: list[SequenceGroup] = []
+        keep_blocks = keep_seqs = 0
+        if len(self._bypasses) > len(self.waiting):
+            live_ids = {g.request_id for g in self.waiting}
+            self._bypasses = {k: v for k, v in self._bypasses.items() if k in live_ids}
+
+        def pass_over(g: SequenceGroup) -> bool:
+            """Whether backfill may go past ``g`` (else the scan stops at it)."""
+            if not self.backfill or self._bypasses.get(g.request_id, 0) >= BACKFILL_MAX_BYPASSES:
+                return False
+            passed.append(g)
+            return True
+
         if len(self._lora_deferrals) > len(self.waiting):
             live_ids = {g.request_id for g in self.waiting}
             self._lora_deferrals = {k: v for k, v in self._lora_deferrals.items() if k in live_ids}
@@ -1337,6 +1468,7 @@ class Scheduler:
             live = g.get_seqs(SequenceStatus.WAITING)
             if not live:
                 # Nothing left to run (e.g. finished while waiting): drop it as ignored.
+                bm.remove_waiting(g)
                 ignored.add(rid)
                 out.ignored_seq_groups.append(g)
                 continue
@@ -1392,12 +1524,26 @@ class Scheduler:
                 out.ignored_seq_groups.append(g)
                 continue
             if plan.status == AllocStatus.LATER:
+                if pass_over(g):
+                    continue
                 break
             if held and bm.get_num_free_gpu_blocks() - plan.cost - held < bm.watermark_blocks:
                 break  # what is free belongs to a higher-ranked group skipped above
             margin = self._readmission_margin(g, plan)
             if margin and bm.get_num_free_gpu_blocks() - plan.cost - bm.watermark_blocks < margin:
+                if pass_over(g):
+                    continue
                 break
+            if passed:
+                if any(self._bypasses.get(p.request_id, 0) >= BACKFILL_MAX_BYPASSES for p in passed):
+                    break  # a group passed has waited out its bound: the scan stops at it
+                if (
+                    keep_blocks
+                    and bm.get_num_free_gpu_blocks() - plan.cost - keep_blocks < bm.watermark_blocks
+                ) or budget.num_curr_seqs + g.get_max_num_running_seqs() + keep_seqs > cfg.max_num_seqs:
+                    if pass_over(g):
+                        continue
+                    break
             n_live = len(live)
             uncomputed = length - plan.num_cached_tokens
             remaining = budget.remaining_token_budget()
@@ -1416,6 +1562,11 @@ class Scheduler:
             else:
                 chunk, partial = uncomputed, False
                 if chunk * n_live > remaining:
+                    if pass_over(g):
+                        # it fits an empty step: its blocks and slots wait for the next one
+                        keep_blocks += plan.cost
+                        keep_seqs += g.get_max_num_running_seqs()
+                        continue
                     break
             if not budget.can_schedule(
                 num_new_tokens=chunk * n_live, num_new_seqs=g.get_max_num_running_seqs()
@@ -1437,6 +1588,14 @@ class Scheduler:
             self._lora_deferrals.pop(rid, None)
             self._lora_add(g, st.curr_loras)
             self.running.append(g)
+            self._bypasses.pop(rid, None)
+            if passed:
+                self._backfilled.add(rid)
+                self.num_backfilled += 1
+                for p in passed:
+                    self._bypasses[p.request_id] = self._bypasses.get(p.request_id, 0) + 1
+            else:
+                self._backfilled.discard(rid)
         if admitted:
             self.prev_prompt = True
         if admitted or ignored:

@@ -426,7 +426,7 @@ def run_batch(
     """
     from tqdm.auto import tqdm
 
-    from kvserve.engine.input_processor import tokenize_prompt
+    from kvserve.engine.input_processor import tokenize_prompt, truncate_prompt
     from kvserve.field_limits import LIMITS
 
     front = dp.engine
@@ -436,6 +436,7 @@ def run_batch(
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", prio)
         text, ids = tokenize_prompt(prompt, front.tokenizer)
+        ids = truncate_prompt(ids, params, front.scheduler_config.max_model_len)
         front.validate(ids, params)
         prepared.append((rid, {"prompt": text, "prompt_token_ids": ids}, params, prio))
 

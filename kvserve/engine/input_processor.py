@@ -57,6 +57,52 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple:
     return text, ids
 
 
+def truncate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last ``params.truncate_prompt_tokens`` ids (-1: the last ``max_model_len``);
+    the ids unchanged when it is None.
+
+    Raises:
+        ValueError: naming ``truncate_prompt_tokens`` when it exceeds ``max_model_len``.
+    """
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return prompt_token_ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 or an integer in [1, {max_model_len}] (max_model_len), got {k}."
+        )
+    return prompt_token_ids[-k:]
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer, vocab_size: int | None) -> list[list[int]]:
+    """The token sequences ``bad_words`` ban: each word tokenized without special tokens as
+    given (leading spaces stripped) and with one leading space, the second kept when it differs
+    from the first (a word inside a sentence usually tokenizes with its space).
+
+    Raises:
+        ValueError: naming ``bad_words``: no tokenizer, or a word with a token id outside
+            ``[0, vocab_size)``.
+    """
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer; this engine has none.")
+    out: list[list[int]] = []
+    for word in bad_words:
+        bare = word.lstrip()
+        for text in (bare, " " + bare):
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            if ids and ids not in out:
+                out.append(ids)
+    if vocab_size is not None:
+        bad = sorted({t for ids in out for t in ids if t >= vocab_size})
+        if bad:
+            raise ValueError(
+                f"bad_words tokenize to ids outside the vocabulary [0, {vocab_size}): {bad[:5]}."
+            )
+    return out
+
+
 def validate_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
@@ -80,8 +126,10 @@ def validate_request(
     Raises:
         ValueError: naming the field and the limit: token ids outside ``[0, vocab_size)``,
             ``logit_bias`` keys outside the tokens both model and tokenizer have,
-            ``n > max_num_seqs`` or ``n > max_num_batched_tokens`` (its n sequences decode a
-            token each per step: a wider group would never fit a step and hang),
+            ``n`` (or ``best_of``) ``> max_num_seqs`` or ``> max_num_batched_tokens`` (its
+            sequences decode a token each per step: a wider group would never fit a step and
+            hang), ``allowed_token_ids`` outside the vocabulary, ``truncate_prompt_tokens``
+            above ``max_model_len``,
             prompt + max_tokens > max_model_len, stop ids outside the vocabulary,
             ``top_k`` above the vocabulary size, ``min_tokens`` above the effective max_tokens
             (``max_model_len - prompt_len`` when ``max_tokens`` is None), and the request size
@@ -111,16 +159,32 @@ def validate_request(
             if len(set(sizes)) > 1:
                 which = f"tokens both the model (vocab_size {vocab_size}) and its tokenizer ({tokenizer_size}) have"
             raise ValueError(f"logit_bias must be token ids in [0, {limit}) ({which}); got {bad[:5]}.")
-    if params.n > max_num_seqs:
-        raise ValueError(f"n must be <= max_num_seqs ({max_num_seqs}), got {params.n}.")
-    if max_num_batched_tokens is not None and params.n > max_num_batched_tokens:
-        raise ValueError(f"n must be <= max_num_batched_tokens ({max_num_batched_tokens}), got {params.n}.")
+    if vocab_size is not None and params.allowed_token_ids is not None:
+        bad = sorted({t for t in params.allowed_token_ids if t >= vocab_size})
+        if bad:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}); got {bad[:5]}.")
+    if params.truncate_prompt_tokens not in (None, -1) and params.truncate_prompt_tokens > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 or an integer in [1, {max_model_len}] (max_model_len), "
+            f"got {params.truncate_prompt_tokens}."
+        )
+    # best_of > n runs best_of sequences: the same limits, named by the field that set them
+    width, name = params.num_sequences, "best_of" if params.num_sequences > params.n else "n"
+    if width > max_num_seqs:
+        raise ValueError(f"{name} must be <= max_num_seqs ({max_num_seqs}), got {width}.")
+    if max_num_batched_tokens is not None and width > max_num_batched_tokens:
+        raise ValueError(f"{name} must be <= max_num_batched_tokens ({max_num_batched_tokens}), got {width}.")
     if prompt_len >= max_model_len:  # the prompt itself is too long, whatever max_tokens says
         raise ValueError(
             f"prompt has {prompt_len} tokens, which leaves no room to generate within "
             f"max_model_len {max_model_len}."
         )
-    check_request_size([prompt_len], n=params.n, prompt_logprobs=params.prompt_logprobs)
+    check_request_size(
+        [prompt_len],
+        n=params.n,
+        prompt_logprobs=params.prompt_logprobs,
+        best_of=width if width > params.n else None,
+    )
     if params.max_tokens is None:
         effective = max_model_len - prompt_len
         if params.min_tokens > effective:

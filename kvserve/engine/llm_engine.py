@@ -20,13 +20,19 @@ from kvserve.config import (
 )
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.fault_isolation import RequestFault, bisect_failures
-from kvserve.engine.input_processor import PromptType, tokenize_prompt, validate_request
+from kvserve.engine.input_processor import (
+    PromptType,
+    bad_words_token_ids,
+    tokenize_prompt,
+    truncate_prompt,
+    validate_request,
+)
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.field_limits import LIMITS
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.sequence import (
     BlockMoveError,
     CompletionSequenceGroupOutput,
@@ -161,6 +167,10 @@ class LLMEngine:
         # request_id -> live group; request_id -> effective max_tokens. Emptied as requests end.
         self._groups: dict[str, SequenceGroup] = {}
         self._max_tokens: dict[str, int] = {}
+        # request_id -> the n its caller asked for, when it samples best_of > n sequences
+        self._return_n: dict[str, int] = {}
+        # seq_id -> (characters, tokens) of its completion already returned (DELTA outputs)
+        self._delta_sent: dict[int, tuple[int, int]] = {}
         # lora_int_id -> [the LoRARequest its live groups run with, how many]: an id may be
         # read again from its path once evicted, so a request giving it another adapter
         # would change (or fail) the ones already queued with it
@@ -341,7 +351,15 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", priority)
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
+        prompt_ids = truncate_prompt(prompt_ids, params, self.scheduler_config.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
+        return_n = None
+        if params.best_of is not None and params.best_of > params.n:
+            # best_of sequences run as an n = best_of request; the n best are returned
+            return_n = params.n
+            tokenized = params.bad_words_token_ids
+            params = dataclasses.replace(params, n=params.best_of, best_of=None)
+            params.bad_words_token_ids = tokenized
         if lora_request is not None:
             self._check_lora_id(lora_request)
             self.executor.add_lora(lora_request)  # checked above
@@ -372,6 +390,8 @@ class LLMEngine:
             group.generator = torch.Generator(device=self._device()).manual_seed(params.seed)
         self._groups[request_id] = group
         self._max_tokens[request_id] = max_tokens
+        if return_n is not None:
+            self._return_n[request_id] = return_n
         if lora_request is not None:
             self._live_loras.setdefault(lora_request.lora_int_id, [lora_request, 0])[1] += 1
         self.stats.on_request_added(len(prompt_ids))
@@ -526,7 +546,7 @@ class LLMEngine:
                 outputs.append(self._fail_request(group, faults[i]))
                 continue
             if result is not None and result.prompt_logprobs:
-                if self.detokenizer is not None:
+                if self.detokenizer is not None and group.sampling_params.detokenize:
                     for entry in result.prompt_logprobs:
                         if entry is not None:
                             self.detokenizer.decode_logprobs(entry)
@@ -535,7 +555,12 @@ class LLMEngine:
                 continue
             try:
                 self._process_samples(group, result, now)
-                out = self._make_output(group) if not group.is_finished() else self._finish_request(group)
+                if group.is_finished():
+                    out = self._finish_request(group)
+                elif group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                    continue
+                else:
+                    out = self._make_output(group)
             except Exception as e:  # e.g. detokenizing or a stop check of this request
                 if not _is_grammar_error(e):  # the request's constraint: one line, no traceback
                     logger.exception("request %s: processing its samples failed", group.request_id)
@@ -741,7 +766,7 @@ class LLMEngine:
         if self._structured is not None:
             grammar_done = self._structured.accept_token(seq.seq_id, sample.output_token)
         new_text = ""
-        if self.detokenizer is not None:
+        if self.detokenizer is not None and params.detokenize:
             new_text = self.detokenizer.decode_last_token(seq, params.skip_special_tokens)
             if params.logprobs is not None and sample.top_logprobs is not None:
                 self.detokenizer.decode_logprobs(sample.top_logprobs)
@@ -798,18 +823,32 @@ class LLMEngine:
         hold = max(0, max_stop_len(params) - 1)
         completions = []
         seqs = sorted(group.get_seqs(), key=lambda s: s.seq_id)
+        return_n = self._return_n.get(group.request_id)
+        if return_n is not None:
+            # best_of: the n highest cumulative logprobs (so far, while it runs); ties keep order
+            seqs = sorted(seqs, key=lambda s: -s.data.cumulative_logprob)[:return_n]
+        delta = params.output_kind == RequestOutputKind.DELTA
         for i, seq in enumerate(seqs):
             text = seq.output_text
             if hold and not seq.is_finished():
                 # Never show characters that may turn out to be the start of a stop string.
                 text = text[: max(0, len(text) - hold)]
+            token_ids = list(seq.get_output_token_ids())
+            logprobs = list(seq.output_logprobs) if params.logprobs is not None else None
+            if delta:
+                # only what the previous outputs did not carry
+                sent_chars, sent_tokens = self._delta_sent.get(seq.seq_id, (0, 0))
+                self._delta_sent[seq.seq_id] = (len(text), len(token_ids))
+                text, token_ids = text[sent_chars:], token_ids[sent_tokens:]
+                if logprobs is not None:
+                    logprobs = logprobs[sent_tokens:]
             completions.append(
                 CompletionOutput(
                     index=i,
                     text=text,
-                    token_ids=list(seq.get_output_token_ids()),
+                    token_ids=token_ids,
                     cumulative_logprob=seq.data.cumulative_logprob,
-                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    logprobs=logprobs,
                     finish_reason=SequenceStatus.get_finished_reason(seq.status),
                     stop_reason=seq.stop_reason,
                 )
@@ -847,6 +886,9 @@ class LLMEngine:
                 if live[1] <= 0:
                     del self._live_loras[group.lora_request.lora_int_id]
         self._max_tokens.pop(group.request_id, None)
+        self._return_n.pop(group.request_id, None)
+        for seq in group.get_seqs():
+            self._delta_sent.pop(seq.seq_id, None)
         self.stats.on_request_finished(group, out)
         return out
 
@@ -865,6 +907,11 @@ class LLMEngine:
         """``validate_request`` against this engine's vocabulary and limits; returns the
         effective max_tokens. Raises ValueError naming the field and the limit."""
         sc = self.scheduler_config
+        if params.bad_words and params.bad_words_token_ids is None:
+            # tokenized once per params object (the server validates before queueing)
+            params.bad_words_token_ids = bad_words_token_ids(
+                params.bad_words, self.tokenizer, self.vocab_size
+            )
         return validate_request(
             prompt_ids,
             params,

@@ -33,6 +33,10 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "scheduling_backfill": (
+        "admit waiting requests that fit past one that must wait for KV blocks, without "
+        "delaying it (unset: on for the fair policy, off for fcfs and priority)"
+    ),
     "gpu_memory_utilization": (
         "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
         "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"

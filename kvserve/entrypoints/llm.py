@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import cast
@@ -16,7 +17,7 @@ from kvserve.entrypoints.vllm_compat import translate_llm_kwargs
 from kvserve.field_limits import check_request_size
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
@@ -109,6 +110,14 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
                 )
+        # only finished requests are returned: their final output is the whole completion,
+        # whatever output_kind asks of a stream (a DELTA request would lose its earlier text)
+        final_only: dict[int, SamplingParams] = {}
+        for i, p in enumerate(params_list):
+            if isinstance(p, SamplingParams) and p.output_kind != RequestOutputKind.FINAL_ONLY:
+                if id(p) not in final_only:
+                    final_only[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                params_list[i] = final_only[id(p)]
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")

@@ -26,6 +26,10 @@ Pipeline, applied per row with that row's ``SamplingParams`` (all vectorised acr
    b. presence / frequency penalties over output tokens (OpenAI API reference, "Parameter
       details": ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``);
    c. ``logit_bias`` (added to the logits; ids outside the vocab are ignored);
+   c'. token masks (``-inf``): every id outside ``allowed_token_ids``; each ``bad_words``
+      token sequence's last token where the output ends with the tokens before it (a
+      one-token word always). Both are derived once per request (``SamplingParams.
+      sampler_cache``): the allowed set as a boolean ``[V]`` mask, the bad words as prefixes;
    d. ``min_tokens``: while the sequence has fewer than ``min_tokens`` output tokens, EOS
       (unless ``ignore_eos``) and ``stop_token_ids`` are set to ``-inf``.
 2. *Choose* the token:
@@ -45,12 +49,12 @@ Pipeline, applied per row with that row's ``SamplingParams`` (all vectorised acr
 
 Log-probability convention (``SequenceOutput.logprob`` and ``top_logprobs``): log-softmax of
 the *adjusted* logits of step 1 — i.e. the model's distribution after the request's logit
-processors (penalties, logit_bias, min_tokens) — at temperature 1 and before top-k / top-p /
+processors (penalties, logit_bias, token masks, min_tokens) — at temperature 1 and before top-k / top-p /
 min-p truncation. Temperature and truncation are treated as properties of the *sampling
 strategy*, not of the distribution being reported, so logprobs are finite for every token the
 request did not forbid, are comparable across temperatures, and for a plain request equal
 ``log_softmax(raw_logits)`` (what HF transformers' raw ``output_logits`` give). The only
-``-inf`` entries possible are tokens suppressed by ``min_tokens``. The sampled token's
+``-inf`` entries possible are tokens suppressed by ``min_tokens`` or a token mask. The sampled token's
 logprob is always computed (it feeds ``cumulative_logprob``); ``top_logprobs`` is ``None``
 when ``sampling_params.logprobs is None``, else ``{token_id: Logprob(logprob, rank)}`` of the
 ``logprobs`` most likely tokens plus the sampled token (``logprobs`` or ``logprobs + 1``
@@ -80,6 +84,7 @@ __all__ = [
     "NON_FINITE_LOGITS",
     "Sampler",
     "apply_penalties",
+    "apply_token_masks_",
     "apply_top_k_top_p_min_p",
     "non_finite_rows",
     "prompt_logprobs",
@@ -270,6 +275,84 @@ def non_finite_rows(logits: torch.Tensor) -> list[int]:
     return rows[exact].tolist()
 
 
+def _allowed_mask(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[vocab]`` on ``device``, True at ``params.allowed_token_ids`` (ids past the
+    vocabulary dropped); built once per request and kept in ``params.sampler_cache``."""
+    key = ("allowed", vocab, str(device))
+    mask = params.sampler_cache.get(key)
+    if mask is None:
+        ids = torch.tensor([t for t in params.allowed_token_ids or [] if t < vocab], dtype=torch.long)
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[ids] = True
+        mask = mask.to(device)
+        params.sampler_cache[key] = mask
+    return mask
+
+
+def _bad_words_split(params: SamplingParams) -> tuple[list[int], list[tuple[tuple[int, ...], int]]]:
+    """``params.bad_words_token_ids`` as (ids always banned: one-token words, [(prefix, last
+    token)] of the longer ones), cached in ``params.sampler_cache``.
+
+    Raises:
+        ValueError: ``bad_words`` set but never tokenized (the engine's ``validate`` does it).
+    """
+    split = params.sampler_cache.get("bad_words")
+    if split is None:
+        seqs = params.bad_words_token_ids
+        if seqs is None:
+            raise ValueError("bad_words were not tokenized (LLMEngine.validate tokenizes them).")
+        always = sorted({ids[0] for ids in seqs if len(ids) == 1})
+        tails = [(tuple(ids[:-1]), ids[-1]) for ids in seqs if len(ids) > 1]
+        split = params.sampler_cache["bad_words"] = (always, tails)
+    return split
+
+
+def apply_token_masks_(
+    logits: torch.Tensor, row_ids: list[int], params: list[SamplingParams], data: list[SequenceData]
+) -> None:
+    """Set to ``-inf``, in place, the tokens ``allowed_token_ids`` and ``bad_words`` forbid.
+
+    Args:
+        logits: float32 ``[R, V]``.
+        row_ids: the rows to mask; ``params[i]`` / ``data[i]`` are row ``row_ids[i]``'s
+            request settings and its sequence (``output_token_ids`` is read: a bad word's last
+            token is banned where the output ends with the word's other tokens, vLLM's rule).
+
+    Raises:
+        ValueError: a row has no token left (every id masked).
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    allowed = [(r, p) for r, p in zip(row_ids, params) if p.allowed_token_ids is not None]
+    if allowed:
+        idx = torch.tensor([r for r, _ in allowed], dtype=torch.long, device=device)
+        keep = torch.stack([_allowed_mask(p, vocab, device) for _, p in allowed])
+        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    ban_r: list[int] = []
+    ban_t: list[int] = []
+    for r, p, d in zip(row_ids, params, data):
+        if not p.bad_words:
+            continue
+        always, tails = _bad_words_split(p)
+        banned = [t for t in always if t < vocab]
+        out = d.output_token_ids
+        for prefix, last in tails:
+            k = len(prefix)
+            if len(out) >= k and last < vocab and tuple(out[-k:]) == prefix:
+                banned.append(last)
+        ban_r.extend([r] * len(banned))
+        ban_t.extend(banned)
+    if ban_r:
+        logits[torch.tensor(ban_r, device=device), torch.tensor(ban_t, device=device)] = float("-inf")
+    # a row with nothing left to sample would give NaN logprobs and an arbitrary token
+    empty = torch.isneginf(logits[torch.tensor(row_ids, device=device)]).all(dim=1)
+    if bool(empty.any()):
+        raise ValueError(
+            "allowed_token_ids and bad_words leave no token to sample "
+            f"(rows {[row_ids[i] for i in empty.nonzero().flatten().tolist()]})."
+        )
+
+
 def _exponential(
     num: int, vocab: int, device: torch.device, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -385,6 +468,7 @@ class Sampler:
             r.params.is_greedy
             and not r.params.needs_penalties
             and not r.params.logit_bias
+            and not r.params.needs_token_masks
             and not r.suppressed
             and r.params.logprobs is None
             for r in rows
@@ -525,6 +609,13 @@ class Sampler:
                 (torch.tensor(bias_r, device=device), torch.tensor(bias_t, device=device)),
                 torch.tensor(bias_v, dtype=adjusted.dtype, device=device),
                 accumulate=True,
+            )
+        masked = [i for i, r in enumerate(rows) if r.params.needs_token_masks]
+        if masked:
+            if adjusted is logits:
+                adjusted = adjusted.clone()
+            apply_token_masks_(
+                adjusted, masked, [rows[i].params for i in masked], [rows[i].data for i in masked]
             )
         sup_r = [i for i, r in enumerate(rows) for _ in r.suppressed]
         if sup_r:

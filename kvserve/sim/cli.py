@@ -71,6 +71,7 @@ def simulate(
     requests: list[wl.BenchRequest],
     cost_model: CostModel | None = None,
     acceptance: dict | AcceptanceModel | None = None,
+    per_request: bool = False,
 ) -> dict:
     """Run ``requests`` (arrival_s on the virtual clock) to completion; returns a summary dict
     with TTFT/TPOT/e2e/queue-time statistics (seconds), throughput and preemption counts, and
@@ -86,6 +87,8 @@ def simulate(
     Requests with a ``lora_id`` run with that adapter (LoRA is switched on for them when
     ``enable_lora`` is unset; ``max_loras`` limits the adapters per step); the summary then
     has a ``lora`` section (adapters, mean adapters per step, TTFT and e2e per adapter).
+    ``per_request``: the summary also has ``requests``: request id -> ``ttft_s`` and ``e2e_s``
+    of each finished request (seconds on the virtual clock).
 
     Raises:
         ValueError: a bad setting (naming the field), e.g. speculation without an acceptance
@@ -187,6 +190,10 @@ def simulate(
         "num_extrapolated_steps": executor.num_extrapolated_steps,
         "extrapolation": extrapolation_report(executor.cost_model, executor),
     }
+    if per_request:
+        summary["requests"] = {
+            o.request_id: {"ttft_s": m.ttft, "e2e_s": m.e2e_latency} for o, m in zip(done, metrics)
+        }
     if lora_config is not None:
         adapter_of = {str(r.id): r.lora_id for r in requests}
         by_adapter: dict[int, list] = {}

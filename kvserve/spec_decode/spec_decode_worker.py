@@ -12,7 +12,7 @@ chunks and plain decodes. The logits of all ``m + 1`` positions are verified:
 * random rows go through ``rejection_sample`` (the output distribution stays the target's).
 
 Each verified position gets the request's logit processing with the drafts before it counted
-as output (penalties, ``min_tokens``, ``logit_bias``), and every emitted token its logprob.
+as output (penalties, ``min_tokens``, ``logit_bias``, token masks), and every emitted token its logprob.
 A constrained (structured-output) sequence's drafts are checked against its grammar and each
 verified position gets that position's mask (``GroupBitmask.verify_masks``: computed on the
 grammar thread during the forward, applied before the logit processing as the sampler does);
@@ -84,7 +84,7 @@ class _PositionData:
 
     def __init__(self, data: SequenceData, drafts: list[int], j: int, with_tokens: bool):
         self.prompt_token_ids = data.prompt_token_ids
-        # The token lists are only read by penalties; build them only then.
+        # The token lists are only read by penalties and bad words; build them only then.
         self.output_token_ids = data.output_token_ids + drafts[:j] if with_tokens else data.output_token_ids
         self._out_len = data.get_output_len() + j
 
@@ -407,7 +407,7 @@ class SpecDecodeWorker:
             md = metas[v.index]
             params = md.sampling_params
             for j in range(len(v.drafts) + 1):
-                pdata = _PositionData(v.data, v.drafts, j, params.needs_penalties)
+                pdata = _PositionData(v.data, v.drafts, j, params.needs_penalties or bool(params.bad_words))
                 # _PositionData stands in for SequenceData: it serves the sampler's reads
                 rows.append(
                     _Row(

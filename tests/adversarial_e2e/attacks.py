@@ -278,7 +278,7 @@ def _attacks() -> list[Attack]:
         ),
         _c(f"best_of {MAX_BEAM_WIDTH}, beam", {**beam, "best_of": MAX_BEAM_WIDTH}, 200),
         _c(f"best_of {MAX_BEAM_WIDTH + 1}, beam", {**beam, "best_of": MAX_BEAM_WIDTH + 1}, param="best_of"),
-        _c("best_of != n, sampling", {"n": 1, "best_of": 2}, param="best_of"),
+        _c("best_of < n, sampling", {"n": 2, "best_of": 1}, param="best_of"),
         _c(f"max_tokens {MAX_MODEL_LEN + 1}", {"max_tokens": MAX_MODEL_LEN + 1}, param="max_tokens"),
         _c("max_tokens 2**63", {"max_tokens": 2**63}, param="max_tokens"),
         Attack("empty prompt", COMPLETIONS, {"prompt": "", "max_tokens": 4}, 400, "prompt"),

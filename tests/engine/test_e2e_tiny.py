@@ -341,3 +341,23 @@ def test_unknown_model_paths_rejected(tmp_path):
         LLM(model=str(tmp_path))
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(model=str(tmp_path), not_a_setting=1)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_backfill_keeps_greedy_answers(tiny_llama_dir, prompts, references, chunked):
+    """Backfill on a cache too small for the 50-token prompt beside the ones before it: shorter
+    prompts pass it (and may be reclaimed for it); every answer still equals transformers."""
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        **ENGINE,
+        block_size=4,
+        num_gpu_blocks=24,
+        num_cpu_blocks=64,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=24 if chunked else None,
+        scheduling_backfill=True,
+    )
+    engine = llm.llm_engine
+    finals = run_engine(engine, [(f"r{i}", p, greedy()) for i, p in enumerate(prompts)])
+    check_all(finals, references)
+    assert engine.scheduler.num_backfilled > 0

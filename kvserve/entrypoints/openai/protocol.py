@@ -141,6 +141,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: StrictBool | None = False
     skip_special_tokens: StrictBool | None = True
     prompt_logprobs: Annotated[StrictInt, _int("prompt_logprobs")] | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, _int("truncate_prompt_tokens")] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
     response_format: ResponseFormat | None = None
@@ -160,7 +163,9 @@ class CompletionRequest(_SamplingFields):
     ``max_model_len``". ``logprobs`` is the number of top alternatives per token (0..20); with
     ``echo`` the prompt's tokens come first in the logprobs too (the first one's logprob null).
     ``prompt_logprobs`` (vLLM's) adds ``choices[i].prompt_logprobs``. ``use_beam_search``
-    runs beam search of width ``best_of`` (or ``n``) and returns the ``n`` best beams.
+    runs beam search of width ``best_of`` (or ``n``) and returns the ``n`` best beams; without
+    it, ``best_of > n`` samples ``best_of`` completions and returns the ``n`` with the highest
+    cumulative logprob (not streamed).
     """
 
     prompt: PromptInput

@@ -86,6 +86,9 @@ def sampling_kwargs(
         min_tokens=pick(req.min_tokens, 0),
         skip_special_tokens=pick(req.skip_special_tokens, True),
         prompt_logprobs=req.prompt_logprobs,
+        bad_words=req.bad_words,
+        allowed_token_ids=req.allowed_token_ids,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         structured_outputs=structured_outputs_from_request(req),
     )
 
@@ -120,13 +123,18 @@ class OpenAIServingCompletion(OpenAIServing):
         n = 1 if req.n is None else req.n
         if req.use_beam_search:
             return await self.beam_search_completion(req, raw_request, lora)
-        if req.best_of is not None and req.best_of != n:
+        if req.best_of is not None and req.best_of < n:
             raise APIError(
-                f"best_of must equal n ({n}) without use_beam_search (best_of > n picks the best "
-                f"beams of a beam search: set use_beam_search=true), got {req.best_of}.",
+                f"best_of must be >= n ({n}), got {req.best_of}.", 400, param="best_of", code="invalid_value"
+            )
+        if req.best_of is not None and req.best_of > n and req.stream:
+            # the n best are known only once all best_of samples have finished
+            raise APIError(
+                f"best_of ({req.best_of}) > n ({n}) cannot be streamed: the n best samples are known "
+                "only at the end; set stream=false or best_of=n.",
                 400,
                 param="best_of",
-                code="invalid_value",
+                code="unsupported",
             )
         if req.length_penalty is not None and req.length_penalty != 1.0:
             raise APIError(
@@ -144,16 +152,20 @@ class OpenAIServingCompletion(OpenAIServing):
         if "max_tokens" not in req.model_fields_set and "max_tokens" in defaults:
             max_tokens = defaults["max_tokens"]
         kwargs = sampling_kwargs(req, max_tokens, req.logprobs, defaults)
+        if req.best_of is not None and req.best_of > n:
+            kwargs["best_of"] = req.best_of
         if req.echo and req.logprobs is not None:
             # the prompt's tokens and their logprobs come first (OpenAI's echo shape)
             kwargs["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
         params = self.make_sampling_params(kwargs)
         await self.compile_constraint(params)
         prompts = self._split_prompts(req.prompt)
-        check_size(req, [1] * len(prompts), n=n)  # prompts x n, before tokenizing them
+        # best_of > n: every prompt runs best_of sequences
+        best_of = params.best_of if params.num_sequences > n else None
+        check_size(req, [1] * len(prompts), n=n, best_of=best_of)  # prompts x n, before tokenizing them
         subs = [await self.prepare_prompt(p, params) for p in prompts]
         lens = [len(sub.prompt_token_ids) for sub in subs]
-        check_size(req, lens, n=n, prompt_logprobs=params.prompt_logprobs)
+        check_size(req, lens, n=n, prompt_logprobs=params.prompt_logprobs, best_of=best_of)
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs, lora)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -210,6 +222,9 @@ class OpenAIServingCompletion(OpenAIServing):
             "guided_grammar": req.guided_grammar is not None,
             "guided_whitespace_pattern": req.guided_whitespace_pattern is not None,
             "include_stop_str_in_output": bool(req.include_stop_str_in_output),
+            "bad_words": bool(req.bad_words),
+            "allowed_token_ids": req.allowed_token_ids is not None,
+            "truncate_prompt_tokens": req.truncate_prompt_tokens is not None,
         }
         for name, bad in conflicts.items():
             if bad:

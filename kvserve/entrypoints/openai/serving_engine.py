@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvserve.engine.input_processor import tokenize_prompt
+from kvserve.engine.input_processor import tokenize_prompt, truncate_prompt
 from kvserve.entrypoints.openai.errors import (
     MAX_JSON_DEPTH,
     APIError,
@@ -60,6 +60,8 @@ _FIELD_RULES = {
     "stop_token_ids": f"a list of token ids ({LIMITS['token_id'].rule()})",
     "tokens": f"a list of token ids ({LIMITS['token_id'].rule()})",
     "logit_bias": f"a map of token id -> {LIMITS['logit_bias'].rule()}",
+    "bad_words": "a list of non-empty strings",
+    "allowed_token_ids": f"a non-empty list of token ids ({LIMITS['token_id'].rule()})",
     "messages": "a list of {role, content} messages",
     "lora_name": "a non-empty string (the adapter's model name)",
     "lora_path": "a non-empty string (a PEFT adapter directory)",
@@ -778,19 +780,23 @@ class OpenAIServing:
         rename = rename or {}
         param = rename.get("prompt", "prompt")
         limit = self.engine.scheduler_config.max_model_len
+        # a prompt kept to its last tokens may be longer than the context
+        truncating = params.truncate_prompt_tokens is not None
         try:
             if isinstance(prompt, str) and self.tokenizer is not None and prompt:
-                self.check_prompt_chars(len(prompt), param)
+                if not truncating:
+                    self.check_prompt_chars(len(prompt), param)
                 # a rendered chat template already has its special tokens
                 encoded = await self.offload(len(prompt), encode_text, self.tokenizer, prompt, not chat)
                 text, ids = tokenize_prompt({"prompt": prompt, "prompt_token_ids": encoded}, None)
             else:
-                if isinstance(prompt, list) and len(prompt) >= limit:
+                if isinstance(prompt, list) and len(prompt) >= limit and not truncating:
                     raise ValueError(
                         f"prompt has {len(prompt)} tokens, which leaves no room to generate within "
                         f"max_model_len {limit}."
                     )
                 text, ids = tokenize_prompt(prompt, self.tokenizer)
+            ids = truncate_prompt(ids, params, limit)
             self.engine.validate(ids, params)
         except ValueError as e:
             raise api_error_from_value_error(e, rename) from None

@@ -386,7 +386,7 @@ def test_B06_server_context_window(server):
         ("logit_bias", {"5": 500}),
         ("stop_token_ids", [-1]),
         ("min_tokens", -1),
-        ("best_of", 3),
+        ("best_of", 0),
         ("prompt", [1.5]),
         ("prompt", 5),
         ("echo", "yes"),

@@ -63,11 +63,12 @@ def test_ignored_fields_are_a_400_naming_them(fcfs_server, route, body, param):
     fcfs_server.wait_idle()
 
 
-def test_best_of_without_beam_search_points_to_it(fcfs_server):
+def test_best_of_below_n_is_a_400(fcfs_server):
     with fcfs_server.http() as h:
-        r = h.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "best_of": 3, "max_tokens": 2})
+        body = {"model": "tiny", "prompt": "Hi", "n": 3, "best_of": 2, "max_tokens": 2}
+        r = h.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
-    assert "use_beam_search=true" in r.json()["error"]["message"]
+    assert ">= n (3)" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -39,9 +39,9 @@ outranks the tail group (so: equal rank under a rank policy; any under fcfs), an
 one whose cheaper way costs least per device block it frees -- but a group other than the tail
 only when that is at most ``1 / AUTO_VICTIM_MARGIN`` of the tail's (the price is an estimate;
 a small difference keeps the policy's order); the decoding group itself is taken only when no
-other is left. Priority preemption and slot
-turnover keep their own victims (their mode is priced the same way). Under RECOMPUTE / SWAP /
-unset the victim is always the tail (V0).
+other is left. Priority preemption and slot turnover keep their own victims (the mode of a
+priority preemption's is priced the same way). Under RECOMPUTE / SWAP / unset the victim is
+always the tail (V0).
 
 Anti-thrash rule (ours): a group that has already been preempted ``THRASH_PREEMPTIONS`` times is
 re-admitted (from ``waiting``) only when, after its allocation and the watermark, at least

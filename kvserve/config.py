@@ -89,11 +89,14 @@ class PreemptionMode(enum.Enum):
 
     SWAP: copy its blocks to CPU swap space and back when resumed.
     RECOMPUTE: drop its blocks; on resume, prefill prompt + generated tokens again.
+    AUTO: per victim, whichever of the two an injected cost function prices lower
+    (``kvserve.core.preemption``); the scheduler also picks cheaper victims near the tail.
     (Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention", SOSP'23, §4.5.)
     """
 
     SWAP = enum.auto()
     RECOMPUTE = enum.auto()
+    AUTO = enum.auto()
 
 
 def _check_utilization(value) -> None:
@@ -355,7 +358,8 @@ class SchedulerConfig:
         max_model_len: context length in tokens (filled from the model config).
         chunked_prefill_enabled: split long prompts across steps and mix them with decodes.
         preemption_mode: ``None`` = RECOMPUTE for single-sequence groups, SWAP for groups
-            with several live sequences; or force one mode for all groups.
+            with several live sequences; AUTO = the cheaper of the two per victim (priced by
+            the scheduler's ``preemption_cost``); or force one mode for all groups.
         policy: queue ordering policy name (``fcfs``, ``priority``, ``fair``).
         fair_input_weight: ``fair`` policy: cost of one prefill token in a tenant's counter (> 0).
         fair_output_weight: ``fair`` policy: cost of one decode token (> 0); 2.0 by default, the
@@ -401,15 +405,15 @@ class SchedulerConfig:
 
     @staticmethod
     def parse_preemption_mode(value: PreemptionMode | str | None) -> PreemptionMode | None:
-        """``value`` as a ``PreemptionMode``: a mode as it is, ``"recompute"`` / ``"swap"``
-        (any case) by name, None as None. Raises ValueError for any other string."""
+        """``value`` as a ``PreemptionMode``: a mode as it is, ``"recompute"`` / ``"swap"`` /
+        ``"auto"`` (any case) by name, None as None. Raises ValueError for any other string."""
         if not isinstance(value, str):
             return value
         try:
             return PreemptionMode[value.upper()]
         except KeyError:
             raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap' (or unset), got {value!r}."
+                f"preemption_mode must be 'recompute', 'swap' or 'auto' (or unset), got {value!r}."
             ) from None
 
     @staticmethod

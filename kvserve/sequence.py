@@ -258,12 +258,38 @@ class Sequence:
         return f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
 
 
+#: Preemption records kept per request: the first ones (``num_preemptions`` counts them all).
+MAX_PREEMPTION_RECORDS = 16
+
+
+@dataclass(frozen=True)
+class PreemptionRecord:
+    """One preemption of a request.
+
+    Attributes:
+        time: when it was preempted (seconds, the engine's clock).
+        mode: ``"recompute"`` or ``"swap"`` (the mode used, after any fallback).
+        num_recomputed_tokens: recompute: tokens whose computed KV it dropped, summed over the
+            live sequences (they are prefilled again; the prefix cache may serve some back);
+            0 for a swap.
+        num_swapped_blocks: swap: distinct device blocks copied out to host memory (and back
+            in when it resumes); 0 for a recompute.
+    """
+
+    time: float
+    mode: str
+    num_recomputed_tokens: int = 0
+    num_swapped_blocks: int = 0
+
+
 @dataclass
 class RequestMetrics:
     """Wall-clock (or virtual-clock, in the simulator) timestamps of a request, in seconds.
 
     TTFT = first_token_time - arrival_time; queue time = first_scheduled_time - arrival_time;
-    TPOT = (finished_time - first_token_time) / (output tokens - 1).
+    TPOT = (finished_time - first_token_time) / (output tokens - 1). ``preemptions``: the
+    first ``MAX_PREEMPTION_RECORDS`` records of its preemptions (``num_preemptions`` counts
+    them all).
     """
 
     arrival_time: float
@@ -272,6 +298,16 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    preemptions: list[PreemptionRecord] = field(default_factory=list)
+
+    def add_preemption(self, record: PreemptionRecord, count: bool = True) -> None:
+        """Keep ``record`` while fewer than ``MAX_PREEMPTION_RECORDS`` are, and count it as a
+        preemption unless ``count`` is False (a swapped request turned into a recomputed one:
+        one preemption, two records)."""
+        if count:
+            self.num_preemptions += 1
+        if len(self.preemptions) < MAX_PREEMPTION_RECORDS:
+            self.preemptions.append(record)
 
     @property
     def ttft(self) -> float | None:

@@ -27,6 +27,22 @@ are recomputed and multi-sequence groups swapped; a swap that does not fit in fr
 falls back to recompute (each live sequence re-prefilled from its own tokens; finished siblings
 are left alone).
 
+Cost-aware preemption (ours, ``preemption_mode=AUTO``): each victim is preempted the cheaper
+way as priced by the injected ``preemption_cost`` (``kvserve.core.preemption``; the simulator
+injects its calibrated cost model): recompute costs ``recompute_s(tokens, live seqs)``, where
+``tokens`` are the live sequences' computed tokens less, with prefix caching, the blocks other
+groups also hold (those stay cached: a cheap lower bound of what the cache serves back); swap
+costs ``swap_s(distinct device blocks)`` (out and back in) and is out when free CPU blocks are
+short. Ties recompute. Victim choice: a decode that needs a block looks at the last
+``AUTO_VICTIM_WINDOW`` preemptable running groups from the tail, stopping at the first that
+outranks the tail group (so: equal rank under a rank policy; any under fcfs), and preempts the
+one whose cheaper way costs least per device block it frees -- but a group other than the tail
+only when that is at most ``1 / AUTO_VICTIM_MARGIN`` of the tail's (the price is an estimate;
+a small difference keeps the policy's order); the decoding group itself is taken only when no
+other is left. Priority preemption and slot turnover keep their own victims (the mode of a
+priority preemption's is priced the same way). Under RECOMPUTE / SWAP / unset the victim is
+always the tail (V0).
+
 Anti-thrash rule (ours): a group that has already been preempted ``THRASH_PREEMPTIONS`` times is
 re-admitted (from ``waiting``) only when, after its allocation and the watermark, at least
 ``margin = live_seqs * min(num_preemptions, MAX_MARGIN_FACTOR)`` blocks stay free -- room for it
@@ -109,8 +125,15 @@ from dataclasses import dataclass, field
 from kvserve.config import CacheConfig, LoRAConfig, PreemptionMode, SchedulerConfig
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
 from kvserve.core.policy import Policy, PolicyFactory
+from kvserve.core.preemption import LinearPreemptionCost, PreemptionCost
 from kvserve.lora_request import LoRARequest
-from kvserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from kvserve.sequence import (
+    PreemptionRecord,
+    Sequence,
+    SequenceGroup,
+    SequenceGroupMetadata,
+    SequenceStatus,
+)
 
 logger = logging.getLogger("kvserve.scheduler")
 
@@ -121,6 +144,12 @@ MAX_MARGIN_FACTOR = 4
 #: Admission passes a waiting group may be deferred for its adapter before the groups behind it
 #: that run with an adapter are held back too (so a slot drains for it).
 LORA_MAX_DEFERRALS = 16
+#: ``preemption_mode=AUTO``: how many tail groups a decode's victim is chosen among.
+AUTO_VICTIM_WINDOW = 4
+#: ``preemption_mode=AUTO``: a group above the tail is its victim instead only when it costs at
+#: most 1/this as much per freed block (the price is an estimate: small differences keep the
+#: policy's order).
+AUTO_VICTIM_MARGIN = 2.0
 #: Backfill: how many groups may be admitted past a waiting group that must wait before the
 #: scan stops at it again (its starvation bound; see the module docstring).
 BACKFILL_MAX_BYPASSES = 16
@@ -344,6 +373,8 @@ class Scheduler:
         lora_config: multi-LoRA limits (``max_loras`` distinct adapters per step), or None:
             adapters are not counted.
         clock: seconds (``time.time``, or the simulator's virtual clock).
+        preemption_cost: prices recompute against swap under ``preemption_mode=AUTO``
+            (``kvserve.core.preemption``); None: ``LinearPreemptionCost.default(block_size)``.
 
     Raises:
         ValueError: ``num_gpu_blocks`` unset, unknown policy.
@@ -355,6 +386,7 @@ class Scheduler:
         cache_config: CacheConfig,
         lora_config: LoRAConfig | None = None,
         clock: Callable[[], float] = time.time,
+        preemption_cost: PreemptionCost | None = None,
     ) -> None:
         if not isinstance(cache_config.num_gpu_blocks, int) or cache_config.num_gpu_blocks < 1:
             raise ValueError(
@@ -388,6 +420,12 @@ class Scheduler:
         self.num_preemptions = 0  # cumulative, all groups
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
+        # cumulative: tokens whose KV a recompute dropped; blocks a swap-out moved
+        self.num_recomputed_tokens = 0
+        self.num_swapped_out_blocks = 0
+        self.preemption_cost: PreemptionCost = preemption_cost or LinearPreemptionCost.default(
+            cache_config.block_size
+        )
         self.num_lookahead_slots = scheduler_config.num_lookahead_slots
         threshold = scheduler_config.long_prefill_token_threshold
         if threshold is None:
@@ -544,6 +582,8 @@ class Scheduler:
         stats["num_preemptions"] = self.num_preemptions
         stats["num_recompute_preemptions"] = self.num_recompute_preemptions
         stats["num_swap_preemptions"] = self.num_swap_preemptions
+        stats["num_recomputed_tokens"] = self.num_recomputed_tokens
+        stats["num_swapped_out_blocks"] = self.num_swapped_out_blocks
         return stats
 
     def get_lora_stats(self) -> dict:
@@ -895,20 +935,25 @@ class Scheduler:
         live = self._live(g)
         if mode is None:
             mode = PreemptionMode.RECOMPUTE if len(live) == 1 else PreemptionMode.SWAP
+        elif mode == PreemptionMode.AUTO:
+            mode = self._price_preemption(g)[0]
         if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(g):
             mode = PreemptionMode.RECOMPUTE  # not enough CPU blocks: fall back, never fail
         if mode == PreemptionMode.RECOMPUTE:
-            self._requeue_for_recompute(g, live, st)
+            record = PreemptionRecord(st.now, "recompute", self._requeue_for_recompute(g, live, st))
             self.num_recompute_preemptions += 1
         else:
+            n_blocks = self._num_device_blocks(live)
             self.block_manager.swap_out(g, st.blocks_to_swap_out)
             for seq in live:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(g)
             st.swapped_out.append(g)
             self.num_swap_preemptions += 1
+            self.num_swapped_out_blocks += n_blocks
+            record = PreemptionRecord(st.now, "swap", num_swapped_blocks=n_blocks)
         st.preempted_ids.add(g.request_id)
-        g.metrics.num_preemptions += 1
+        g.metrics.add_preemption(record)
         self.num_preemptions += 1
         if warn and (self.num_preemptions == 1 or self.num_preemptions % 100 == 0):
             logger.warning(
@@ -919,6 +964,70 @@ class Scheduler:
                 self.num_preemptions,
             )
         return mode
+
+    def _num_device_blocks(self, live: list[Sequence]) -> int:
+        """Distinct device blocks the live sequences hold (what a swap-out moves)."""
+        bm = self.block_manager
+        return len({b for s in live if bm.has_blocks(s) for b in bm.get_block_table(s)})
+
+    def _price_preemption(self, g: SequenceGroup) -> tuple[PreemptionMode, float]:
+        """The cheaper way to preempt running group ``g`` under the injected price, and its
+        seconds: recompute re-prefills each live sequence's computed tokens, less (prefix
+        caching) the blocks other groups hold too, which stay cached; swap moves its distinct
+        device blocks out and back, and is out when free CPU blocks are short. Ties recompute."""
+        bm = self.block_manager
+        live = self._live(g)
+        n_blocks = self._num_device_blocks(live)
+        kept = 0
+        if bm.caches(g):
+            kept = (n_blocks - bm.get_num_freeable_blocks(g)) * bm.block_size
+        tokens = sum(max(0, s.data.get_num_computed_tokens() - kept) for s in live)
+        recompute = self.preemption_cost.recompute_s(tokens, len(live))
+        if bm.can_swap_out(g):
+            swap = self.preemption_cost.swap_s(n_blocks)
+            if swap < recompute:
+                return PreemptionMode.SWAP, swap
+        return PreemptionMode.RECOMPUTE, recompute
+
+    def _pop_victim(
+        self, victims: list[SequenceGroup], g: SequenceGroup, done: set[str], st: _Step
+    ) -> SequenceGroup | None:
+        """Take the victim for decoding group ``g`` out of ``victims`` (rank order, lowest
+        last): a group not yet scheduled this step (``done``), or ``g`` itself; None when none
+        is left. V0: the lowest-ranked. AUTO: the cheapest per freed block among the tail's
+        window (module docstring)."""
+        if self.scheduler_config.preemption_mode == PreemptionMode.AUTO:
+            bm = self.block_manager
+            tail: SequenceGroup | None = None
+            tail_price = best = float("inf")
+            best_i = -1
+            seen = 0
+            for i in range(len(victims) - 1, -1, -1):
+                v = victims[i]
+                if v is g or v.request_id in done:
+                    continue
+                if tail is None:
+                    tail = v
+                elif self.policy.outranks(st.now, v, tail):
+                    break
+                freed = bm.get_num_freeable_blocks(v)
+                if freed:
+                    per_block = self._price_preemption(v)[1] / freed
+                    if v is tail:
+                        tail_price = best = per_block
+                        best_i = i
+                    elif per_block * AUTO_VICTIM_MARGIN <= tail_price and per_block < best:
+                        best, best_i = per_block, i
+                seen += 1
+                if seen == AUTO_VICTIM_WINDOW:
+                    break
+            if best_i >= 0:
+                return victims.pop(best_i)
+        while victims:
+            v = victims.pop()
+            if v is g or v.request_id not in done:
+                return v
+        return None
 
     def _swapped_allows(self, g: SequenceGroup, st: _Step) -> bool:
         """Whether a new group may be admitted given the swapped queue (now and at the start
@@ -1067,12 +1176,7 @@ class Scheduler:
                     # Speculate less before preempting anyone: the lookahead is optional.
                     lookahead = 0
                     continue
-                victim = None
-                while victims:
-                    v = victims.pop()
-                    if v is g or v.request_id not in done:
-                        victim = v
-                        break
+                victim = self._pop_victim(victims, g, done, st)
                 if victim is None or victim is g:
                     budget.subtract_num_seqs(rid, g.get_max_num_running_seqs())
                     scheduled = False
@@ -1196,20 +1300,26 @@ class Scheduler:
         self.swapped = deque(g for g in self.swapped if g.request_id not in gone)
         return out
 
-    def _requeue_for_recompute(self, g: SequenceGroup, seqs: list[Sequence], st: _Step) -> None:
+    def _requeue_for_recompute(self, g: SequenceGroup, seqs: list[Sequence], st: _Step) -> int:
         """Free ``seqs``' blocks (GPU or CPU) and queue ``g`` to be prefilled again from its
-        tokens (front of ``waiting`` at the end of the step)."""
+        tokens (front of ``waiting`` at the end of the step). Returns the computed tokens
+        dropped (summed over ``seqs``), also added to ``num_recomputed_tokens``."""
+        dropped = 0
         for seq in seqs:
+            dropped += seq.data.get_num_computed_tokens()
             self.block_manager.free(seq)
             seq.status = SequenceStatus.WAITING
             seq.data.reset_state_for_recompute()
         self.block_manager.add_waiting(g)
         st.preempted.append(g)
+        self.num_recomputed_tokens += dropped
+        return dropped
 
     def _recompute_swapped(self, g: SequenceGroup, st: _Step) -> None:
-        """Turn a swapped group into a recompute-preempted one. Counted as no new preemption:
-        it was preempted when it was swapped out."""
-        self._requeue_for_recompute(g, g.get_seqs(SequenceStatus.SWAPPED), st)
+        """Turn a swapped group into a recompute-preempted one. Counted as no new preemption
+        (it was preempted when it was swapped out), but recorded: its tokens are recomputed."""
+        dropped = self._requeue_for_recompute(g, g.get_seqs(SequenceStatus.SWAPPED), st)
+        g.metrics.add_preemption(PreemptionRecord(st.now, "recompute", dropped), count=False)
         st.preempted_ids.add(g.request_id)
 
     # ------------------------------------------------------------------ waiting

@@ -131,6 +131,9 @@ class LLMEngine:
             ``add_lora`` / ``remove_lora`` / ``list_loras``), or None.
         enable_sleep_mode: allow ``sleep`` / ``wake_up`` (the executor then has ``sleep(level)``
             and ``wake_up(tags)``).
+        preemption_cost: the scheduler's price of recompute against swap under
+            ``--preemption-mode auto`` (``kvserve.core.preemption.PreemptionCost``; the
+            simulator passes its cost model's), or None: the built-in default.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class LLMEngine:
         generation_defaults: dict[str, Any] | None = None,
         long_prompt_after: int | None = None,
         enable_sleep_mode: bool = False,
+        preemption_cost=None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -175,7 +179,9 @@ class LLMEngine:
         #: level of the last ``sleep``.
         self.asleep: set[str] = set()
         self.sleep_level = 0
-        self.scheduler = Scheduler(scheduler_config, cache_config, lora_config, clock=clock)
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, lora_config, clock=clock, preemption_cost=preemption_cost
+        )
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(scheduler_config.max_model_len)
         self.stats = EngineStats()

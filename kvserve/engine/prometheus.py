@@ -19,7 +19,9 @@ Exported:
 - counters ``kvserve:prefix_cache_queries_total`` and ``kvserve:prefix_cache_hits_total``
   (prompt tokens looked up / found in the prefix cache, vLLM V1's counters);
 - counters ``kvserve:prompt_tokens_total``, ``kvserve:generation_tokens_total``,
-  ``kvserve:num_preemptions_total``, ``kvserve:request_success_total{finished_reason}``,
+  ``kvserve:num_preemptions_total``, ``kvserve:recomputed_prompt_tokens_total`` (tokens whose KV
+  a recompute preemption dropped), ``kvserve:swapped_out_blocks_total`` (blocks a swap
+  preemption moved out), ``kvserve:request_success_total{finished_reason}``,
   ``kvserve:num_requests_added_total``, ``kvserve:engine_steps_total``,
   ``kvserve:http_responses_total{endpoint,status}``;
 - histograms ``kvserve:time_to_first_token_seconds``, ``kvserve:time_per_output_token_seconds``,
@@ -232,6 +234,16 @@ class EngineCollector:
         )
         preemptions = kv.get("num_preemptions", getattr(sched, "num_preemptions", 0)) or 0
         yield counter("kvserve:num_preemptions", "Preemptions (swap or recompute).", preemptions)
+        yield counter(
+            "kvserve:recomputed_prompt_tokens",
+            "Tokens whose computed KV a recompute preemption dropped (prefilled again).",
+            kv.get("num_recomputed_tokens", 0) or 0,
+        )
+        yield counter(
+            "kvserve:swapped_out_blocks",
+            "KV blocks swap preemptions moved to host memory.",
+            kv.get("num_swapped_out_blocks", 0) or 0,
+        )
         yield counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", stats.num_prompt_tokens)
         yield counter("kvserve:generation_tokens", "Generated tokens.", stats.num_generation_tokens)
         yield counter(

@@ -148,7 +148,7 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
                 choices={
                     "device": ["auto", "cpu", "cuda"],
                     "dtype": ["auto", "float32", "bfloat16", "float16"],
-                    "preemption_mode": ["recompute", "swap"],
+                    "preemption_mode": ["recompute", "swap", "auto"],
                     "quantization": list(QUANTIZATION_CHOICES),
                     "model_impl": list(MODEL_IMPL_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],

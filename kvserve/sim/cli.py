@@ -58,6 +58,7 @@ from kvserve.sim.cost_model import CostModel, VirtualClock
 from kvserve.sim.executor import SimulatedExecutor
 from kvserve.sim.extrapolation import TRUST_SHARE, extrapolation_report, warning_block
 from kvserve.sim.lora import LORA_DISTRIBUTIONS, draw_lora_ids, sim_lora_request
+from kvserve.sim.preemption_cost import CostModelPreemptionCost
 from kvserve.workload import workload as wl
 from kvserve.workload.io import check_output_path, write_text_atomic
 from kvserve.workload.stats import summarize
@@ -136,6 +137,7 @@ def simulate(
         vocab_size=VOCAB,
         speculative_config=spec,
         lora_config=lora_config,
+        preemption_cost=CostModelPreemptionCost(executor.cost_model),
     )
     pending = sorted(requests, key=lambda r: r.arrival_s)
     finals: list[RequestOutput] = []
@@ -181,6 +183,8 @@ def simulate(
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / duration if duration else 0.0,
         "num_preemptions": engine.get_kv_cache_stats()["num_preemptions"],
+        "num_recomputed_tokens": engine.get_kv_cache_stats()["num_recomputed_tokens"],
+        "num_swapped_out_blocks": engine.get_kv_cache_stats()["num_swapped_out_blocks"],
         "ttft_s": summarize(m.ttft for m in metrics),
         "tpot_s": summarize(m.tpot(len(o.outputs[0].token_ids)) for m, o in zip(metrics, done)),
         "e2e_s": summarize(m.e2e_latency for m in metrics),

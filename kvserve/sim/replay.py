@@ -294,13 +294,22 @@ def simulated_engine(engine_configs: tuple, cost_model, vocab_size: int):
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.sim.cost_model import VirtualClock
     from kvserve.sim.executor import SimulatedExecutor
+    from kvserve.sim.preemption_cost import CostModelPreemptionCost
 
     mc, cc, sc = (copy.deepcopy(c) for c in engine_configs)
     clock = VirtualClock()
     executor = SimulatedExecutor(
         vocab_size, cost_model, cache_config=cc, check_kv=False, strict=False, clock=clock
     )
-    engine = LLMEngine(mc, cc, sc, executor=executor, clock=clock, vocab_size=vocab_size)
+    engine = LLMEngine(
+        mc,
+        cc,
+        sc,
+        executor=executor,
+        clock=clock,
+        vocab_size=vocab_size,
+        preemption_cost=CostModelPreemptionCost(executor.cost_model),
+    )
     return engine, clock
 
 

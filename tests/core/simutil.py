@@ -96,7 +96,14 @@ class Harness:
     ``history`` keeps, per step, (SchedulerOutputs, {request_id: queue name before the step}).
     """
 
-    def __init__(self, cc: CacheConfig, sc: SchedulerConfig, check_kv: bool = True, lora_config=None):
+    def __init__(
+        self,
+        cc: CacheConfig,
+        sc: SchedulerConfig,
+        check_kv: bool = True,
+        lora_config=None,
+        preemption_cost=None,
+    ):
         from kvserve.engine.llm_engine import LLMEngine
 
         self.cc, self.sc = cc, sc
@@ -110,6 +117,7 @@ class Harness:
             executor=self.executor,
             clock=self.executor.clock,
             lora_config=lora_config,
+            preemption_cost=preemption_cost,
         )
         self.scheduler: Scheduler = self.engine.scheduler
         self.history: list[SchedulerOutputs] = []

@@ -207,6 +207,48 @@ def test_n_greater_than_one_shares_prompt_copy_on_write(tiny_llama_dir, prompts,
     check_all(finals, references, n=3)
 
 
+class _EvenBlocksSwap:
+    """A preemption price under which a group swaps exactly when it holds an even number of
+    blocks: both modes, and switches between them, in one run."""
+
+    def recompute_s(self, num_tokens, num_seqs):
+        return 1.0
+
+    def swap_s(self, num_blocks):
+        return 0.5 if num_blocks % 2 == 0 else 2.0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_auto_preemption_keeps_greedy_output(tiny_llama_dir, prompts, references, chunked):
+    """preemption_mode=auto, with a price that mixes swap and recompute, on a cache small
+    enough to preempt (n=1 and n=2 requests): every sample equals transformers (near-ties
+    aside) and forced recompute's output."""
+    kw = dict(
+        **ENGINE,
+        block_size=4,
+        num_gpu_blocks=28,
+        num_cpu_blocks=64,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=24 if chunked else None,
+    )
+    requests = [(f"r{i}", p, greedy(n=1 + i % 2)) for i, p in enumerate(prompts)]
+    auto = LLM(model=str(tiny_llama_dir), preemption_mode="auto", **kw).llm_engine
+    auto.scheduler.preemption_cost = _EvenBlocksSwap()
+    finals = run_engine(auto, requests)
+    stats = auto.get_kv_cache_stats()
+    assert stats["num_swap_preemptions"] > 0 and stats["num_recompute_preemptions"] > 0, stats
+    assert stats["num_recomputed_tokens"] > 0 and stats["num_swapped_out_blocks"] > 0
+    recompute = run_engine(
+        LLM(model=str(tiny_llama_dir), preemption_mode="recompute", **kw).llm_engine, requests
+    )
+    for i, ref in enumerate(references):
+        out = finals[f"r{i}"]
+        assert out.outcome == "finished" and len(out.outputs) == 1 + i % 2
+        for c, r in zip(out.outputs, recompute[f"r{i}"].outputs):
+            if not compare(c.token_ids, ref):  # no near-tie: equal to recompute's in full
+                assert c.token_ids == r.token_ids
+
+
 def test_aborts_free_every_block(tiny_llama_dir, prompts):
     """Abort requests while waiting, running and swapped: each gets exactly one final output
     with finish_reason 'abort' and no block stays in use."""

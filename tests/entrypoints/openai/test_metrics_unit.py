@@ -37,6 +37,8 @@ def _fake_engine():
         "gpu_cache_usage": 0.4,
         "prefix_cache_hit_rate": 0.25,
         "num_preemptions": 3,
+        "num_recomputed_tokens": 57,
+        "num_swapped_out_blocks": 9,
     }
     return SimpleNamespace(
         scheduler=scheduler,
@@ -102,6 +104,13 @@ def test_vllm_names_equal_kvserve_names():
     assert not any(
         k[0].startswith("vllm:num_gpu_blocks") or "http_responses" in k[0] and "vllm" in k[0] for k in samples
     )
+
+
+def test_preemption_work_counters():
+    samples = _samples(ServerMetrics(_fake_engine(), "m").render().decode())
+    assert samples[("kvserve:recomputed_prompt_tokens_total", ())] == 57
+    assert samples[("kvserve:swapped_out_blocks_total", ())] == 9
+    assert not any(k[0].startswith(("vllm:recomputed", "vllm:swapped_out")) for k in samples)
 
 
 def test_every_alias_names_an_exported_family():

@@ -688,6 +688,8 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool = False
+    #: ``CacheConfig.waiting_aware_eviction``: cached blocks a waiting prompt needs go last.
+    waiting_aware_eviction: bool = True
     preemption_mode: str | None = None
     #: ``SchedulerConfig.policy`` (CLI ``--scheduling-policy``, alias ``--policy``).
     policy: str = "fcfs"
@@ -971,6 +973,7 @@ class EngineArgs:
             swap_space_gib=self.swap_space_gib,
             sliding_window=sliding_window,
             enable_prefix_caching=self.enable_prefix_caching,
+            waiting_aware_eviction=self.waiting_aware_eviction,
             watermark=self.watermark,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )

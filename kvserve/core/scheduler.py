@@ -577,13 +577,16 @@ class Scheduler:
 
     def get_kv_cache_stats(self) -> dict:
         """Block counts (free includes cached refcount-0 blocks), ``gpu_cache_usage`` in
-        [0, 1], prefix-cache queries/hits (tokens) and hit rate, ``num_preemptions``."""
+        [0, 1], prefix-cache queries/hits (tokens) and hit rate, wanted-block evictions, and
+        the cumulative preemption and backfill counts."""
         stats = self.block_manager.get_stats()
         stats["num_preemptions"] = self.num_preemptions
         stats["num_recompute_preemptions"] = self.num_recompute_preemptions
         stats["num_swap_preemptions"] = self.num_swap_preemptions
         stats["num_recomputed_tokens"] = self.num_recomputed_tokens
         stats["num_swapped_out_blocks"] = self.num_swapped_out_blocks
+        stats["num_backfilled"] = self.num_backfilled
+        stats["num_backfill_reclaims"] = self.num_backfill_reclaims
         return stats
 
     def get_lora_stats(self) -> dict:

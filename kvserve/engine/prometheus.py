@@ -244,6 +244,21 @@ class EngineCollector:
             "KV blocks swap preemptions moved to host memory.",
             kv.get("num_swapped_out_blocks", 0) or 0,
         )
+        yield counter(
+            "kvserve:backfilled_requests",
+            "Admissions past a waiting request that had to wait for KV blocks (backfill).",
+            kv.get("num_backfilled", 0) or 0,
+        )
+        yield counter(
+            "kvserve:backfill_reclaims",
+            "Backfilled requests preempted so that the request they passed could start.",
+            kv.get("num_backfill_reclaims", 0) or 0,
+        )
+        yield counter(
+            "kvserve:wanted_block_evictions",
+            "Cached KV blocks evicted although a waiting request's prompt needed them.",
+            kv.get("num_wanted_evictions", 0) or 0,
+        )
         yield counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", stats.num_prompt_tokens)
         yield counter("kvserve:generation_tokens", "Generated tokens.", stats.num_generation_tokens)
         yield counter(

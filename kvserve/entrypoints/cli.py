@@ -46,6 +46,10 @@ _HELP = {
         "admit waiting requests that fit past one that must wait for KV blocks, without "
         "delaying it (unset: on for the fair policy, off for fcfs and priority)"
     ),
+    "waiting_aware_eviction": (
+        "with prefix caching, evict the cached blocks that a waiting request's prompt needs "
+        "last (plain LRU when off)"
+    ),
     "gpu_memory_utilization": (
         "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
         "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"

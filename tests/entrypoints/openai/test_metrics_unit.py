@@ -39,6 +39,9 @@ def _fake_engine():
         "num_preemptions": 3,
         "num_recomputed_tokens": 57,
         "num_swapped_out_blocks": 9,
+        "num_backfilled": 5,
+        "num_backfill_reclaims": 2,
+        "num_wanted_evictions": 4,
     }
     return SimpleNamespace(
         scheduler=scheduler,
@@ -111,6 +114,13 @@ def test_preemption_work_counters():
     assert samples[("kvserve:recomputed_prompt_tokens_total", ())] == 57
     assert samples[("kvserve:swapped_out_blocks_total", ())] == 9
     assert not any(k[0].startswith(("vllm:recomputed", "vllm:swapped_out")) for k in samples)
+
+
+def test_backfill_and_eviction_counters():
+    samples = _samples(ServerMetrics(_fake_engine(), "m").render().decode())
+    assert samples[("kvserve:backfilled_requests_total", ())] == 5
+    assert samples[("kvserve:backfill_reclaims_total", ())] == 2
+    assert samples[("kvserve:wanted_block_evictions_total", ())] == 4
 
 
 def test_every_alias_names_an_exported_family():

@@ -1,6 +1,6 @@
-"""The ``fair`` policy's command-line flags: ``--scheduling-policy`` (alias ``--policy``),
-``--fair-input-weight``, ``--fair-output-weight``, ``--tenant-weights``; bad values are errors
-naming the flag."""
+"""The scheduler's command-line flags: ``--scheduling-policy`` (alias ``--policy``),
+``--fair-input-weight``, ``--fair-output-weight``, ``--tenant-weights``,
+``--[no-]waiting-aware-eviction``; bad values are errors naming the flag."""
 
 import argparse
 
@@ -28,6 +28,12 @@ def test_fair_flags_reach_the_engine_args(parser):
     defaults = engine_args_from(parser.parse_args([]))
     assert (defaults.policy, defaults.fair_input_weight, defaults.fair_output_weight) == ("fcfs", 1.0, 2.0)
     assert defaults.tenant_weights is None
+
+
+def test_waiting_aware_eviction_flag_reaches_the_engine_args(parser):
+    assert engine_args_from(parser.parse_args([])).waiting_aware_eviction is True
+    args = engine_args_from(parser.parse_args(["--no-waiting-aware-eviction"]))
+    assert args.waiting_aware_eviction is False
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,23 @@ def _check_utilization(value) -> None:
 
 #: ``dtype`` spellings of vLLM (and torch) accepted for kvserve's names.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+#: ``kv_cache_dtype`` values (vLLM's names): ``auto`` stores K/V in the model dtype; ``int8``,
+#: ``fp8_e4m3`` (= ``fp8``) and ``fp8_e5m2`` store one byte per value plus a scale per token and
+#: KV head (``model_executor.layers.kv_quant``).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(value) -> str:
+    """``value`` if it is one of ``KV_CACHE_DTYPES``, with ``fp8`` spelled ``fp8_e4m3``.
+
+    Raises:
+        ValueError: any other value, naming ``--kv-cache-dtype`` and the accepted ones.
+    """
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype (kv_cache_dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}."
+        )
+    return "fp8_e4m3" if value == "fp8" else str(value)
 
 
 def check_model_impl(value) -> None:
@@ -258,6 +275,9 @@ class CacheConfig:
             device pool is sized to fill this fraction of the memory the weights and KV share
             (device memory on CUDA, physical host memory on CPU), less what the process
             already holds; it then replaces ``kv_cache_memory_gib``.
+        cache_dtype: how K/V are stored (``KV_CACHE_DTYPES``; ``fp8`` is kept as ``fp8_e4m3``):
+            ``auto`` = the model dtype, else one byte per value and a scale per token and head,
+            so a block takes about half the bytes of bfloat16 and more blocks fit.
     """
 
     block_size: int = 16
@@ -270,8 +290,10 @@ class CacheConfig:
     watermark: float = 0.01
     gpu_memory_utilization: float | None = None
     waiting_aware_eviction: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.cache_dtype = check_kv_cache_dtype(self.cache_dtype)
         _positive_int("block_size", self.block_size)
         _check_utilization(self.gpu_memory_utilization)
         _positive_int("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
@@ -690,6 +712,9 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     #: ``CacheConfig.waiting_aware_eviction``: cached blocks a waiting prompt needs go last.
     waiting_aware_eviction: bool = True
+    #: ``CacheConfig.cache_dtype``: ``auto`` (the model dtype), ``int8``, ``fp8`` /
+    #: ``fp8_e4m3``, ``fp8_e5m2`` (``KV_CACHE_DTYPES``).
+    kv_cache_dtype: str = "auto"
     preemption_mode: str | None = None
     #: ``SchedulerConfig.policy`` (CLI ``--scheduling-policy``, alias ``--policy``).
     policy: str = "fcfs"
@@ -756,6 +781,7 @@ class EngineArgs:
             for setting in self._fallback_conflicts():
                 raise fallback_conflict_error(setting, "model_impl='transformers'")
         _check_utilization(self.gpu_memory_utilization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         _positive_float("fair_input_weight", self.fair_input_weight)
         _positive_float("fair_output_weight", self.fair_output_weight)
         parse_tenant_weights(self.tenant_weights)
@@ -976,6 +1002,7 @@ class EngineArgs:
             waiting_aware_eviction=self.waiting_aware_eviction,
             watermark=self.watermark,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            cache_dtype=self.kv_cache_dtype,
         )
         if budget is None:
             budget = SchedulerConfig.default_max_num_batched_tokens(chunked, max_len)

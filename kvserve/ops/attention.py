@@ -25,6 +25,9 @@ import torch
 from kvserve import envs
 from kvserve.ops.library import DTYPE_SUFFIX, NativeLibrary
 
+#: Quantized cache storage dtypes the kernel reads (rows of head_dim codes + a float16 scale,
+#: ``model_executor.layers.kv_quant``) -> their kind code in the C kernel.
+QUANT_SUFFIX: dict[torch.dtype, int] = {}
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 # (q, qs, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale, nthreads): the
 # prototype in csrc/decode_attention_dtype.h
@@ -73,6 +76,12 @@ def set_amx(on: bool) -> bool:
 def supports_dtype(dtype: torch.dtype) -> bool:
     """True for the storage dtypes the kernel has a version of (float32, bfloat16)."""
     return dtype in DTYPE_SUFFIX
+
+
+def supports_cache_dtype(dtype: torch.dtype) -> bool:
+    """True for the cache storage dtypes the kernel reads: the query dtypes, and the quantized
+    rows (codes + float16 scale) of ``QUANT_SUFFIX``."""
+    return dtype in DTYPE_SUFFIX or dtype in QUANT_SUFFIX
 
 
 def failure_reason() -> str | None:

@@ -9,6 +9,12 @@ Layout (one tensor for all layers, so swaps and copies are one indexed copy each
 ``[1]`` = V). Heads come before blocks so that gathering a sequence's blocks per head yields
 ``[kv_heads, tokens, head_dim]`` contiguously (see ``layers.attention``).
 
+A quantized cache (``cache_dtype`` int8 / fp8, ``layers.kv_quant``) has the same layout with
+rows of ``head_dim + 2`` one-byte elements: the codes, then the row's float16 scale. The pools
+are int8 (bytes); ``gpu_cache`` views them as the storage dtype (int8, float8_e4m3fn,
+float8_e5m2), so a layer knows its cache's format by dtype. Scales are part of their rows, so
+swaps and copies move them with the codes.
+
 Both pools are zero-filled (unused slots must hold finite values: masked attention weights
 are exactly 0, and ``0 * NaN`` would poison the output). Zero pages are mapped lazily by
 the OS, so untouched blocks cost no resident memory on CPU.
@@ -18,14 +24,27 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model_executor.layers.kv_quant import row_width, storage_dtype
+
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: str = "auto",
 ) -> int:
-    """Bytes of one KV block across all layers: ``2 * layers * block_size * kv_heads * head_dim
-    * element size``."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    """Bytes of one KV block across all layers: ``2 * layers * block_size * kv_heads * row``,
+    a row being ``head_dim`` elements of ``dtype`` (``cache_dtype`` ``auto``) or ``head_dim + 2``
+    bytes (quantized: codes and the float16 scale, ``layers.kv_quant``).
+
+    Raises:
+        ValueError: an unknown ``cache_dtype``.
+    """
+    sd = storage_dtype(cache_dtype, dtype)
+    elem = torch.empty((), dtype=sd).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, sd) * elem
 
 
 class CacheEngine:
@@ -36,7 +55,9 @@ class CacheEngine:
         block_size: tokens per block.
         num_gpu_blocks: blocks in the device pool (on ``device``, "gpu" also on CPU runs).
         num_cpu_blocks: blocks in the CPU swap pool (may be 0).
-        dtype: cache dtype (the model dtype); device: ``"cpu"`` / ``"cuda"``.
+        dtype: the model dtype; device: ``"cpu"`` / ``"cuda"``.
+        cache_dtype: ``auto`` (K/V in ``dtype``) or a quantized ``kv_cache_dtype`` (``int8``,
+            ``fp8_e4m3``, ``fp8_e5m2``: see the module doc).
     """
 
     def __init__(
@@ -49,6 +70,7 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: str,
+        cache_dtype: str = "auto",
     ):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -57,20 +79,35 @@ class CacheEngine:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.dtype = dtype
+        self.cache_dtype = cache_dtype
+        #: What the rows hold: ``dtype``, or the codes' dtype of a quantized cache.
+        self.storage_dtype = storage_dtype(cache_dtype, dtype)
+        quantized = self.storage_dtype != dtype
+        pool_dtype = torch.int8 if quantized else dtype
         self.device = torch.device(device)
         shape = (num_layers, 2, num_kv_heads)
-        tail = (block_size, head_dim)
-        self.device_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=dtype, device=self.device)
+        tail = (block_size, row_width(head_dim, self.storage_dtype))
+        self.device_cache = torch.zeros(*shape, num_gpu_blocks, *tail, dtype=pool_dtype, device=self.device)
         pin = self.device.type == "cuda"
         self.cpu_cache = torch.zeros(
-            *shape, num_cpu_blocks, *tail, dtype=dtype, device="cpu", pin_memory=pin and num_cpu_blocks > 0
+            *shape,
+            num_cpu_blocks,
+            *tail,
+            dtype=pool_dtype,
+            device="cpu",
+            pin_memory=pin and num_cpu_blocks > 0,
         )
-        #: Per-layer views ``[2, kv_heads, num_gpu_blocks, block_size, head_dim]``.
-        self.gpu_cache: list[torch.Tensor] = list(self.device_cache.unbind(0))
+        #: Per-layer views ``[2, kv_heads, num_gpu_blocks, block_size, row]`` of
+        #: ``storage_dtype`` (row = ``head_dim``, or ``head_dim + 2`` bytes when quantized).
+        self.gpu_cache: list[torch.Tensor] = [
+            t.view(self.storage_dtype) if quantized else t for t in self.device_cache.unbind(0)
+        ]
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.cache_dtype
+        )
 
     def _check(self, ids: list[int], n: int, pool: str) -> None:
         bad = [i for i in ids if not 0 <= i < n]

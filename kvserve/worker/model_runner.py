@@ -38,6 +38,7 @@ from kvserve.model_executor.layers.attention import (
     NativePrefill,
     PrefillChunk,
 )
+from kvserve.model_executor.layers.kv_quant import storage_dtype
 from kvserve.model_executor.layers.lora import LoRAMapping
 from kvserve.model_executor.sampler import PROMPT_LOGPROB_ROWS, prompt_logprobs
 from kvserve.ops import attention as paged_attention
@@ -136,6 +137,10 @@ class ModelRunner:
             multi-token chunks go to the native prefill kernel too, when that one takes the
             model's head shape (``prefill_attention.supports``) and ``native_prefill``
             is True.
+        cache_dtype: ``CacheConfig.cache_dtype``: with a quantized cache the native decode
+            kernel applies only where it has the storage dtype
+            (``paged_attention.supports_cache_dtype``) and multi-token chunks always take the
+            torch path (the prefill kernel reads unquantized caches only).
     """
 
     #: Attend multi-token chunks with ``prefill_attention`` when ``use_native`` holds
@@ -154,6 +159,7 @@ class ModelRunner:
         sampler,
         device: str = "cpu",
         use_native: bool | None = None,
+        cache_dtype: str = "auto",
     ):
         self.model = model
         self.block_size = block_size
@@ -168,10 +174,12 @@ class ModelRunner:
         self._slot_base = sh * num_gpu_blocks * block_size  # [2, KH]
         self._head_dim = model.head_dim
         self._workspace: torch.Tensor | None = None
+        self.cache_dtype = cache_dtype
         if use_native is None:
             use_native = (
                 self.device.type == "cpu"
                 and paged_attention.supports_dtype(model.dtype)
+                and paged_attention.supports_cache_dtype(storage_dtype(cache_dtype, model.dtype))
                 and paged_attention.available()
             )
         # the native kernels do not soft-cap attention logits
@@ -183,7 +191,7 @@ class ModelRunner:
 
     def _native_prefill_applies(self) -> bool:
         """The native prefill kernel takes this model's multi-token chunks (see the class doc)."""
-        if not (self.use_native and self.native_prefill):
+        if not (self.use_native and self.native_prefill) or self.cache_dtype != "auto":
             return False
         if self._prefill_kernel_ok is None:
             attn = self.model.layers[0].self_attn  # (all layers have one shape)

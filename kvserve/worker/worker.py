@@ -457,7 +457,14 @@ class Worker:
     def bytes_per_block(self) -> int:
         """KV bytes of one block over all layers (K and V)."""
         layers, kv_heads, head_dim = self._kv_shape
-        return bytes_per_block(layers, self.cache_config.block_size, kv_heads, head_dim, self.dtype)
+        return bytes_per_block(
+            layers,
+            self.cache_config.block_size,
+            kv_heads,
+            head_dim,
+            self.dtype,
+            self.cache_config.cache_dtype,
+        )
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """``(num_gpu_blocks, num_cpu_blocks)``: explicit counts in ``CacheConfig`` win, else
@@ -684,6 +691,7 @@ class Worker:
             num_cpu_blocks,
             self.dtype,
             self.device,
+            self.cache_config.cache_dtype,
         )
 
     def _make_runner(self, num_gpu_blocks: int) -> ModelRunner:
@@ -699,6 +707,7 @@ class Worker:
             self.sliding_window,
             Sampler(eos_token_id=eos),
             self.device,
+            cache_dtype=self.cache_config.cache_dtype,
         )
         runner.lora_manager = self.lora_manager
         return runner

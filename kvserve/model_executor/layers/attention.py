@@ -17,6 +17,12 @@ On CPU the native kernels replace these when the runner asks for them: ``paged_a
 for the single-token queries (``meta.native_decode``) and ``prefill_attention`` for all
 multi-token chunks at once, K/V read from the cache (``meta.native_prefill``).
 
+A quantized cache (int8 / float8 storage dtype, ``layers.kv_quant``) has rows of ``head_dim + 2``
+bytes (codes, then a float16 scale): new K/V are quantized on write, the torch paths gather the
+rows and dequantize them to the query dtype before SDPA, the native decode kernel reads the
+codes and scales in place. The native prefill kernel takes only unquantized caches (the runner
+builds no ``native_prefill`` metadata for a quantized one).
+
 The gather index is built so the gathered tensor is already ``[B, kv_heads, L, head_dim]``
 contiguous: ``flat[s, b, h, n] = (s * kv_heads + h) * num_blocks + table[b, n]`` over the cache
 viewed as ``[2 * kv_heads * num_blocks, block_size * head_dim]``.
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvserve.model_executor.layers import kv_quant
 from kvserve.ops.attention import paged_decode_attention
 from kvserve.ops.prefill_attention import paged_prefill_attention
 
@@ -226,6 +233,11 @@ class PagedAttention:
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(p, v)
 
+    @staticmethod
+    def _cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+        """``kv_cache`` as something ``index_select`` takes: its int8 bytes when quantized."""
+        return kv_cache.view(torch.int8) if kv_quant.is_quantized(kv_cache.dtype) else kv_cache
+
     def forward(
         self,
         q: torch.Tensor,
@@ -240,7 +252,8 @@ class PagedAttention:
         Args:
             q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (any strides).
             kv_cache: ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` or ``None``
-                (profiling run without a cache: only fresh prefills are allowed).
+                (profiling run without a cache: only fresh prefills are allowed); quantized:
+                ``[..., head_dim + 2]`` of int8 / float8 (``layers.kv_quant``).
             meta: the step's ``AttentionMetadata``.
             kv_written: ``k`` and ``v`` are already in the cache (``elementwise.rope_write_kv``).
         Returns:
@@ -248,13 +261,21 @@ class PagedAttention:
         """
         T = q.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        quant = kv_cache is not None and kv_quant.is_quantized(kv_cache.dtype)
         if kv_cache is not None and not kv_written:
             assert meta.write_idx is not None, "metadata for a step with a KV cache sets write_idx"
-            flat = kv_cache.view(-1, D)
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
-            flat.index_copy_(0, meta.write_idx, src)
+            if quant:
+                flat = kv_cache.view(torch.int8).view(-1, D + kv_quant.SCALE_BYTES)
+                flat.index_copy_(0, meta.write_idx, kv_quant.quantize(src, kv_cache.dtype))
+            else:
+                kv_cache.view(-1, D).index_copy_(0, meta.write_idx, src)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         npf = meta.native_prefill if kv_cache is not None else None
+        if quant and npf is not None:
+            raise ValueError(
+                "the native prefill kernel takes no quantized KV cache (no native_prefill metadata)"
+            )
         if self.softcap is not None and (npf is not None or meta.native_decode is not None):
             raise ValueError(
                 "a soft-capped attention layer runs on the torch paths only (no native metadata)"
@@ -286,8 +307,11 @@ class PagedAttention:
                 ks = k[pc.start : pc.end].transpose(0, 1)
                 vs = v[pc.start : pc.end].transpose(0, 1)
             else:
-                bs = kv_cache.shape[3]
-                g = kv_cache.view(-1, bs * D).index_select(0, pc.gather_idx).view(2, KH, -1, D)
+                bs, W = kv_cache.shape[3], kv_cache.shape[4]
+                g = self._cache_rows(kv_cache).view(-1, bs * W).index_select(0, pc.gather_idx)
+                g = g.view(2, KH, -1, W)
+                if quant:
+                    g = kv_quant.dequantize(g, kv_cache.dtype, q.dtype)
                 ks = g[0, :, : pc.num_keys]
                 vs = g[1, :, : pc.num_keys]
             # A batch dimension of 1: torch's CPU flash kernel takes only 4-D inputs (3-D ones
@@ -314,18 +338,22 @@ class PagedAttention:
             )
         if meta.decode_buckets:
             assert kv_cache is not None, "single-token queries read their context from the KV cache"
-            bs = kv_cache.shape[3]
-            rows = kv_cache.view(-1, bs * D)
+            bs, W = kv_cache.shape[3], kv_cache.shape[4]
+            rows = self._cache_rows(kv_cache).view(-1, bs * W)
             for b in meta.decode_buckets:
                 B = b.end - b.start
                 n = b.gather_idx.numel()
-                if meta.workspace is not None:
+                if quant:  # (the workspace is of the model dtype)
+                    g = kv_quant.dequantize(
+                        rows.index_select(0, b.gather_idx).view(-1, W), kv_cache.dtype, q.dtype
+                    )
+                elif meta.workspace is not None:
                     g = torch.index_select(
                         rows, 0, b.gather_idx, out=meta.workspace[: n * bs * D].view(n, bs * D)
                     )
                 else:
                     g = rows.index_select(0, b.gather_idx)
-                g = g.view(2, B, KH, b.num_blocks * bs, D)
+                g = g.reshape(2, B, KH, b.num_blocks * bs, D)
                 qd = q[b.start : b.end].reshape(B, KH, self.group, D)
                 o = self._sdpa(qd, g[0], g[1], b.mask, False)
                 out[b.start : b.end] = o.reshape(B, H, D)  # CUDA SDPA may return a transposed layout

@@ -16,7 +16,8 @@ Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed
 kernel that takes this step's row count (``gemm.PanelWeight`` of the model dtype, up to
 its ``max_rows`` if set, or ``gemm_amx.AmxWeight`` up to ``gemm_amx.MAX_ROWS`` rows), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), the model's parts those kernels cover
-(``native_decode_parts``: no q/k norm, whole-head rotary), and the native ops available. Otherwise the
+(``native_decode_parts``: no q/k norm, whole-head rotary), a KV cache of the model dtype (a
+quantized one takes the module path), and the native ops available. Otherwise the
 module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
 GEMM, as the module path does (``kvserve.model_executor.layers.lora.add_lora``).
 
@@ -120,6 +121,7 @@ def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata
         or nd.start != 0
         or nd.end != num_tokens
         or model.dtype not in DTYPE_SUFFIX
+        or kv_caches[0].dtype != model.dtype  # (a quantized cache: the module path)
         or model.embed_tokens.device.type != "cpu"
         or not getattr(model, "native_decode_parts", True)
         or not elementwise.available()

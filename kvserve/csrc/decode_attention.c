@@ -308,3 +308,7 @@ static int da_item_amx(int64_t b0, int64_t R, int64_t h, const uint16_t* q, int6
 
 #define KV_DTYPE_TEMPLATE "decode_attention_dtype.h"
 #include "kv_instantiate.h"
+
+/* Quantized caches (int8 / float8 codes + a float16 scale per row), queries of either dtype. */
+#define KV_DTYPE_TEMPLATE "decode_attention_q8_dtype.h"
+#include "kv_instantiate.h"

@@ -27,19 +27,25 @@ from kvserve.ops.library import DTYPE_SUFFIX, NativeLibrary
 
 #: Quantized cache storage dtypes the kernel reads (rows of head_dim codes + a float16 scale,
 #: ``model_executor.layers.kv_quant``) -> their kind code in the C kernel.
-QUANT_SUFFIX: dict[torch.dtype, int] = {}
+QUANT_KIND: dict[torch.dtype, int] = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 # (q, qs, cache, table, nbmax, kstart, kend, out, B, KH, G, D, NB, BS, scale, nthreads): the
 # prototype in csrc/decode_attention_dtype.h
 _ARGS = [_p, _i64, _p, _p, _i64, _p, _p, _p, *[_i64] * 6, ctypes.c_float, ctypes.c_int]
+# the same with the codes' kind before nthreads (csrc/decode_attention_q8_dtype.h)
+_Q8_ARGS = [*_ARGS[:-1], ctypes.c_int, ctypes.c_int]
 _LIB = NativeLibrary(
     "kv_attention",
     "decode_attention.c",
     {
         **{f"kv_paged_decode_attention_{sfx}": _ARGS for sfx in DTYPE_SUFFIX.values()},
+        **{f"kv_paged_decode_attention_q8_{sfx}": _Q8_ARGS for sfx in DTYPE_SUFFIX.values()},
         "kv_decode_attention_set_amx": [ctypes.c_int],
     },
-    restypes={"kv_decode_attention_set_amx": ctypes.c_int},
+    restypes={
+        "kv_decode_attention_set_amx": ctypes.c_int,
+        **{f"kv_paged_decode_attention_q8_{sfx}": ctypes.c_int for sfx in DTYPE_SUFFIX.values()},
+    },
 )
 
 
@@ -80,8 +86,8 @@ def supports_dtype(dtype: torch.dtype) -> bool:
 
 def supports_cache_dtype(dtype: torch.dtype) -> bool:
     """True for the cache storage dtypes the kernel reads: the query dtypes, and the quantized
-    rows (codes + float16 scale) of ``QUANT_SUFFIX``."""
-    return dtype in DTYPE_SUFFIX or dtype in QUANT_SUFFIX
+    rows (codes + float16 scale) of ``QUANT_KIND``."""
+    return dtype in DTYPE_SUFFIX or dtype in QUANT_KIND
 
 
 def failure_reason() -> str | None:
@@ -102,7 +108,10 @@ def paged_decode_attention(
     Args:
         q: ``[B, KH, G, D]``, float32 or bfloat16 (``supports_dtype``); each row ``q[b]``
             contiguous, rows any stride apart (e.g. the q heads of a fused q/k projection).
-        kv_cache: ``[2, KH, NB, BS, D]`` contiguous (one layer), same dtype as ``q``.
+        kv_cache: ``[2, KH, NB, BS, D]`` contiguous (one layer), same dtype as ``q``; or a
+            quantized cache ``[2, KH, NB, BS, D + 2]`` of a ``QUANT_KIND`` dtype (rows of
+            codes and a float16 scale, ``model_executor.layers.kv_quant``), read in place by
+            ``kv_paged_decode_attention_q8_*`` (csrc/decode_attention_q8_dtype.h).
         table: int64 ``[B, NBMAX]``; row ``b`` lists the blocks of block indices
             ``kstart[b] // BS`` onwards.
         kstart, kend: int64 ``[B]``: keys ``kstart[b] <= pos < kend[b]`` are attended.
@@ -117,10 +126,11 @@ def paged_decode_attention(
     """
     if not _LIB.available():
         raise RuntimeError(f"native attention unavailable: {_LIB.failure_reason()}")
-    if q.dtype != kv_cache.dtype or not supports_dtype(q.dtype):
+    quant = kv_cache.dtype in QUANT_KIND
+    if (not quant and q.dtype != kv_cache.dtype) or not supports_dtype(q.dtype):
         raise ValueError(
-            f"native attention takes float32 or bfloat16 q and cache of one dtype, "
-            f"got q {q.dtype} and cache {kv_cache.dtype}."
+            f"native attention takes float32 or bfloat16 q and a cache of q's dtype or a quantized "
+            f"one (int8, float8), got q {q.dtype} and cache {kv_cache.dtype}."
         )
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
         raise ValueError(f"native attention is CPU-only, got q on {q.device} and cache on {kv_cache.device}.")
@@ -137,7 +147,12 @@ def paged_decode_attention(
             f"native attention: q must be [B, KH, G, D] with contiguous rows (any row "
             f"stride >= KH*G*D), got strides {q.stride()}"
         )
-    _, _, NB, BS, _ = kv_cache.shape
+    _, _, NB, BS, W = kv_cache.shape
+    if W != D + (2 if quant else 0):
+        raise ValueError(
+            f"native attention: cache rows of {W} elements for head_dim {D} "
+            f"({'codes + 2 scale bytes' if quant else 'head_dim'} expected)"
+        )
     if out is None:
         out = torch.empty(B, KH, G, D, dtype=q.dtype)
     elif out.shape != (B, KH, G, D) or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu:
@@ -145,6 +160,30 @@ def paged_decode_attention(
             f"native attention: out must be a contiguous CPU {q.dtype} tensor of shape "
             f"{(B, KH, G, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
+    if quant:
+        failed = _LIB.call(
+            f"kv_paged_decode_attention_q8_{DTYPE_SUFFIX[q.dtype]}",
+            q,
+            q.stride(0),
+            kv_cache.view(torch.int8),
+            table,
+            table.shape[1],
+            kstart,
+            kend,
+            out,
+            B,
+            KH,
+            G,
+            D,
+            NB,
+            BS,
+            float(scale),
+            QUANT_KIND[kv_cache.dtype],
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("native attention: no memory for the attention scores")
+        return out
     _LIB.call(
         f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}",
         q,

@@ -308,6 +308,17 @@ class LLMEngine:
             num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
             cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
             worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes a block), %d swap blocks",
+                num_gpu_blocks,
+                cache_config.block_size,
+                num_gpu_blocks * cache_config.block_size,
+                cache_config.cache_dtype
+                if cache_config.cache_dtype != "auto"
+                else str(worker.dtype).removeprefix("torch."),
+                worker.bytes_per_block(),
+                num_cpu_blocks,
+            )
             worker.warm_up()
         except BaseException:
             worker.shutdown()  # tensor-parallel peers must not outlive a failed start

@@ -14,6 +14,7 @@ import typing
 
 from kvserve.config import (
     DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
     MODEL_IMPL_ALIASES,
     MODEL_IMPL_CHOICES,
     QUANTIZATION_CHOICES,
@@ -152,6 +153,7 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
                 choices={
                     "device": ["auto", "cpu", "cuda"],
                     "dtype": ["auto", "float32", "bfloat16", "float16"],
+                    "kv_cache_dtype": list(KV_CACHE_DTYPES),
                     "preemption_mode": ["recompute", "swap", "auto"],
                     "quantization": list(QUANTIZATION_CHOICES),
                     "model_impl": list(MODEL_IMPL_CHOICES),

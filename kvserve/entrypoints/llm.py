@@ -36,7 +36,7 @@ class LLM:
     ``LLM(**engine_args)`` takes the settings of ``kvserve.config.EngineArgs`` by name
     (``model``, ``dtype``, ``device``, ``block_size``, ``num_gpu_blocks``, ... ), and vLLM's
     ``LLM`` keywords with the fate ``vllm_compat`` gives their flag (``swap_space`` ->
-    ``swap_space_gib``, ``trust_remote_code`` ignored with a log line, ``kv_cache_dtype='fp8'``
+    ``swap_space_gib``, ``trust_remote_code`` ignored with a log line, ``cpu_offload_gb=4``
     refused). With no ``model`` it runs the embedded SmolLM2-135M-Instruct.
     ``llm.llm_engine`` is the engine.
 

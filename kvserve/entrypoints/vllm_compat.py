@@ -276,12 +276,18 @@ FATES: dict[str, Fate] = {
         lambda v: parse_human_int(v) / 2**30,
     ),
     "--swap-space": _mapped(VALUE, "swap_space_gib", "--swap-space-gib (GiB of host swap pool)", float),
-    "--kv-cache-dtype": _refused(VALUE, "the KV cache is stored in the model's dtype", accept=("auto",)),
+    "--kv-cache-dtype": _same(
+        VALUE,
+        "auto, int8, fp8 (= fp8_e4m3), fp8_e5m2: one byte per value and a scale per token and KV "
+        "head, computed on write (no calibrated or checkpoint scales)",
+    ),
     "--num-gpu-blocks-override": _mapped(VALUE, "num_gpu_blocks", "--num-gpu-blocks", int),
     "--enable-prefix-caching": _same(BOOL),
     "--prefix-caching-hash-algo": _ignored(VALUE, "kvserve hashes block contents its own way"),
     "--cpu-offload-gb": _refused(VALUE, "kvserve offloads no weights", accept=("0", "0.0")),
-    "--calculate-kv-scales": _ignored(BOOL, "the KV cache is not quantized, so it has no scales"),
+    "--calculate-kv-scales": _ignored(
+        BOOL, "a quantized KV cache computes its scales per token and KV head on write, always"
+    ),
     "--kv-sharing-fast-prefill": _ignored(BOOL, "kvserve shares no KV across layers"),
     "--mamba-cache-dtype": _ignored(VALUE, "kvserve has no Mamba models"),
     "--mamba-ssm-cache-dtype": _ignored(VALUE, "kvserve has no Mamba models"),

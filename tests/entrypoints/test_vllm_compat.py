@@ -116,7 +116,7 @@ def test_a_common_vllm_launch_line_parses_into_the_engine_and_server_settings(se
         "/models/llama --gpu-memory-utilization 0.9 -tp 2 --trust-remote-code --disable-log-requests "
         "--max-model-len 32k --dtype half --swap-space 4 --enforce-eager --host 0.0.0.0 --port 8001 "
         "--served-model-name llama alias --max-num-seqs 64 --max-num-batched-tokens 8K "
-        "--enable-prefix-caching --uvicorn-log-level warning --kv-cache-dtype auto -pp 1 "
+        "--enable-prefix-caching --uvicorn-log-level warning --kv-cache-dtype fp8 -pp 1 "
         "--disable-log-stats --generation-config vllm --scheduling-policy priority "
         "--num-gpu-blocks-override 100 --api-key k --seed 3 -q int8 --enable-chunked-prefill",
     )
@@ -133,6 +133,7 @@ def test_a_common_vllm_launch_line_parses_into_the_engine_and_server_settings(se
     assert args.generation_config == "vllm"
     assert args.policy == "priority"
     assert args.num_gpu_blocks == 100
+    assert args.kv_cache_dtype == "fp8"
     assert (ns.host, ns.port, ns.api_key) == ("0.0.0.0", 8001, "k")
     assert ns.served_model_name == ["llama", "alias"]
     assert ns.request_log is False
@@ -141,8 +142,8 @@ def test_a_common_vllm_launch_line_parses_into_the_engine_and_server_settings(se
     for flag in ("--trust-remote-code", "--enforce-eager", "--disable-log-stats"):
         assert f"vLLM flag {flag} ignored" in joined
     assert "never runs code from a model directory" in joined
-    assert "--kv-cache-dtype auto accepted" in joined and "--pipeline-parallel-size 1 accepted" in joined
-    assert len(lines) == 5
+    assert "--pipeline-parallel-size 1 accepted" in joined
+    assert len(lines) == 4
 
 
 def _sample(flag: str, fate: vc.Fate) -> list[str]:
@@ -193,8 +194,8 @@ def test_refused_flags_take_their_accepted_values_and_name_them_otherwise(serve_
     assert len(lines) == 3 and all(" accepted: " in line for line in lines)
     with pytest.raises(ValueError, match=r"--tokenizer /t is not supported: kvserve reads the tokenizer"):
         _parse(serve_parser, "--model /m --tokenizer /t")
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 is not supported: .*\(accepted: auto\)"):
-        _parse(serve_parser, "--kv-cache-dtype fp8")
+    with pytest.raises(ValueError, match=r"--cpu-offload-gb 4 is not supported: .*\(accepted: 0, 0.0\)"):
+        _parse(serve_parser, "--cpu-offload-gb 4")
 
 
 def test_positional_model_and_a_different_model_flag_conflict(serve_parser):
@@ -210,9 +211,9 @@ def test_serve_exits_2_naming_a_refused_flag(capsys):
     from kvserve.entrypoints.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["serve", "/m", "--kv-cache-dtype", "fp8_e5m2"])
+        main(["serve", "/m", "--cpu-offload-gb", "2"])
     assert e.value.code == 2
-    assert "--kv-cache-dtype fp8_e5m2 is not supported" in capsys.readouterr().err
+    assert "--cpu-offload-gb 2 is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -255,19 +256,25 @@ def test_llm_keywords_are_translated_ignored_or_refused(caplog):
                 "trust_remote_code": True,
                 "enforce_eager": True,
                 "gpu_memory_utilization": 0.5,
-                "kv_cache_dtype": "auto",
+                "kv_cache_dtype": "int8",
                 "tokenizer": "/m",
                 "num_gpu_blocks_override": 9,
                 "cpu_offload_gb": 0,
             },
             fields,
         )
-    assert out == {"model": "/m", "swap_space_gib": 4.0, "gpu_memory_utilization": 0.5, "num_gpu_blocks": 9}
+    assert out == {
+        "model": "/m",
+        "swap_space_gib": 4.0,
+        "gpu_memory_utilization": 0.5,
+        "kv_cache_dtype": "int8",
+        "num_gpu_blocks": 9,
+    }
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all(w.startswith("vLLM keyword ") for w in warnings)
     assert any("trust_remote_code ignored: kvserve never runs code" in w for w in warnings)
-    with pytest.raises(ValueError, match="kv_cache_dtype fp8 is not supported"):
-        vc.translate_llm_kwargs({"kv_cache_dtype": "fp8"}, fields)
+    with pytest.raises(ValueError, match="cpu_offload_gb 4 is not supported"):
+        vc.translate_llm_kwargs({"cpu_offload_gb": 4}, fields)
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\): \['no_such_thing'\]"):
         vc.translate_llm_kwargs({"no_such_thing": 1}, fields)
 

@@ -3,7 +3,9 @@
 Prints the CPU's relevant instruction sets, the C compiler, each kernel library of
 ``kvserve/csrc/`` (built and loaded, or why not), which implementation every hot-path operation
 uses here per dtype, the thread count the engine would choose now and why, and every
-``KVSERVE_*`` variable with its current value. ``--json`` prints
+``KVSERVE_*`` variable with its current value, and how many KV-cache tokens a GiB holds per
+``--kv-cache-dtype`` for a model shape (``--model DIR``: its config.json; default SmolLM2-135M's).
+``--json`` prints
 the same as one JSON object. Nothing is loaded but the kernels (no model).
 """
 
@@ -146,6 +148,12 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
                 else torch_
             ),
         },
+        "decode attention, int8/fp8 KV cache": {
+            d: f"kvserve paged kernel ({vec}, codes and scales read in place)"
+            if paged_attention.available()
+            else "torch: gathered rows dequantized, then SDPA"
+            for d in ("float32", "bfloat16")
+        },
         "prefill attention": {
             "float32": f"kvserve flash kernel ({vec})" if prefill_attention.available() else torch_,
             "bfloat16": (
@@ -237,8 +245,53 @@ def _threads() -> dict:
     return {"cores_usable": _cpu_count(), "chosen": choice.num_threads, "why": choice.reason}
 
 
-def gather() -> dict:
-    """Everything ``kvserve doctor`` reports, as a JSON-serialisable dict."""
+#: SmolLM2-135M-Instruct (the default model): layers, KV heads, head_dim.
+DEFAULT_KV_SHAPE = (30, 3, 64)
+
+
+def kv_tokens_per_gib(model_dir: str | None = None, block_size: int = 16) -> dict:
+    """KV-cache tokens one GiB holds per cache dtype (float32 and bfloat16: ``auto`` for that
+    model dtype), for ``model_dir``'s config.json shape or ``DEFAULT_KV_SHAPE``.
+
+    Raises:
+        ValueError: config.json unreadable or without the attention fields.
+    """
+    import torch
+
+    from kvserve.worker.cache_engine import bytes_per_block
+
+    layers, kv_heads, head_dim = DEFAULT_KV_SHAPE
+    if model_dir is not None:
+        path = os.path.join(model_dir, "config.json")
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+            layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--model: cannot read the attention shape from {path}: {e}") from e
+    tokens = {}
+    for name, dtype, kv in (
+        ("float32", torch.float32, "auto"),
+        ("bfloat16", torch.bfloat16, "auto"),
+        ("int8", torch.bfloat16, "int8"),
+        ("fp8_e4m3", torch.bfloat16, "fp8_e4m3"),
+        ("fp8_e5m2", torch.bfloat16, "fp8_e5m2"),
+    ):
+        tokens[name] = (
+            2**30 // bytes_per_block(layers, block_size, kv_heads, head_dim, dtype, kv) * block_size
+        )
+    return {
+        "model": model_dir or "SmolLM2-135M-Instruct",
+        "shape": [layers, kv_heads, head_dim],
+        "tokens": tokens,
+    }
+
+
+def gather(model_dir: str | None = None) -> dict:
+    """Everything ``kvserve doctor`` reports, as a JSON-serialisable dict (``model_dir``: the
+    model whose KV-cache shape ``kv_cache`` counts tokens for)."""
     from kvserve.ops import gemm_amx
 
     flags = cpu_flags()
@@ -254,6 +307,7 @@ def gather() -> dict:
         "paths": _paths(flags),
         "threads": _threads(),
         "environment": envs.describe(),
+        "kv_cache": kv_tokens_per_gib(model_dir),
     }
 
 
@@ -280,6 +334,14 @@ def _print(r: dict) -> None:
             print(f"  {op:40} {dtype:15} {impl}")
     t = r["threads"]
     print(f"\nThreads: {t['chosen']} of {t['cores_usable']} usable cores: {t['why']}")
+    kv = r["kv_cache"]
+    layers, kv_heads, head_dim = kv["shape"]
+    print(
+        f"\nKV-cache tokens per GiB (--kv-cache-dtype; {kv['model']}: {layers} layers, {kv_heads} KV heads, "
+        f"head_dim {head_dim}):"
+    )
+    for name, n in kv["tokens"].items():
+        print(f"  {name:10} {n:>9,}  ({n / kv['tokens']['bfloat16']:.2f}x bfloat16)")
     print("\nEnvironment (kvserve.envs):")
     for v in r["environment"]:
         shown = f"{v['value']!r}" + ("" if v["set"] else " (unset)")
@@ -289,8 +351,13 @@ def _print(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvserve doctor", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--model", default=None, help="a model directory: count KV tokens for its shape")
     ns = p.parse_args(argv)
-    r = gather()
+    try:
+        r = gather(ns.model)
+    except ValueError as e:
+        print(f"kvserve doctor: {e}", file=sys.stderr)
+        return 2
     if ns.json:
         print(json.dumps(r, indent=2))
     else:

@@ -84,3 +84,21 @@ def test_doctor_reports_the_quantized_activation_mode_and_a_bad_one(capsys, monk
         assert f"VNNI int8 panels from {quant.VNNI_ROWS['q8_0']} / " in text, text
         monkeypatch.setenv("KVSERVE_QUANT_X4", "0")  # Q4_1 leaves the VNNI kernel
         assert f"VNNI int8 panels from {quant.VNNI_ROWS['q8_0']} (Q8_0) rows" in quant_text()
+
+
+def test_doctor_counts_kv_tokens_per_gib_for_each_kv_cache_dtype(capsys, tmp_path):
+    """SmolLM2-135M's shape by default (30 layers x 3 KV heads x 64: 23,040 bytes a token in
+    bfloat16, 11,880 quantized), a --model directory's config.json otherwise, a bad one exits 2."""
+    assert doctor.main(["--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv_cache"]
+    assert kv["shape"] == [30, 3, 64]
+    assert kv["tokens"]["bfloat16"] == 2**30 // (23040 * 16) * 16
+    assert kv["tokens"]["int8"] == 2**30 // (11880 * 16) * 16
+    assert kv["tokens"]["int8"] / kv["tokens"]["bfloat16"] >= 1.9
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert doctor.main(["--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers, 2 KV heads, head_dim 16" in out and "int8" in out
+    assert doctor.main(["--model", str(tmp_path / "missing")]) == 2
+    assert "--model: cannot read the attention shape" in capsys.readouterr().err

@@ -18,10 +18,14 @@
 typedef int8_t v16c __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t v16uc __attribute__((vector_size(16), aligned(1)));
 
-/* float16 bits to float32 (normal, subnormal, zero; the scales are never inf or NaN). */
+/* float16 bits to float32 (normal, subnormal, zero; the scales are never inf or NaN): one
+   VCVTPH2PS with F16C, else the bit fields moved. */
 static inline float q8_half(const int8_t* p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
     float f;
     if (e == 0) {
@@ -31,15 +35,36 @@ static inline float q8_half(const int8_t* p) {
     const uint32_t u = sign | ((e + 112u) << 23) | (m << 13);
     memcpy(&f, &u, 4);
     return f;
+#endif
 }
 
 /* 16 codes of `kind` as float32. float8: the code's exponent and mantissa bits placed at the
    top of a float32's exponent and mantissa fields give 2^(e - 127) (1 + m / 2^k) (or the
    subnormal m 2^-126 / 2^k for e = 0); one multiply by 2^(127 - bias) rebias it, and the sign
    bit is put back. */
+/* 16 bytes widened to 32-bit lanes, sign- (int8) or zero-extended (float8): one VPMOVSXBD /
+   VPMOVZXBD (two on AVX2); the generic conversions below are left to GCC elsewhere. */
+static inline v16i q8_widen(const int8_t* p, int sign) {
+#if defined(__AVX512F__)
+    const __m128i x = _mm_loadu_si128((const __m128i*)p);
+    return (v16i)(sign ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
+#elif defined(__AVX2__)
+    const __m128i x = _mm_loadu_si128((const __m128i*)p);
+    const __m128i hi = _mm_unpackhi_epi64(x, x);
+    __m256i a[2] = {sign ? _mm256_cvtepi8_epi32(x) : _mm256_cvtepu8_epi32(x),
+                    sign ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi)};
+    v16i r;
+    memcpy(&r, a, sizeof r);
+    return r;
+#else
+    return sign ? __builtin_convertvector(*(const v16c*)p, v16i)
+                : __builtin_convertvector(*(const v16uc*)p, v16i);
+#endif
+}
+
 static inline __attribute__((always_inline)) v16 q8_ld16(const int8_t* p, int kind) {
-    if (kind == 0) return __builtin_convertvector(*(const v16c*)p, v16);
-    const v16i u = __builtin_convertvector(*(const v16uc*)p, v16i);
+    if (kind == 0) return __builtin_convertvector(q8_widen(p, 1), v16);
+    const v16i u = q8_widen(p, 0);
     const v16i sign = (u & 0x80) << 24;
     v16 mag;
     if (kind == 1) mag = (v16)((u & 0x7F) << 20) * 0x1p120f;
@@ -111,10 +136,10 @@ static void CAT(q8_generic_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int6
 }
 
 /* head_dim = 16 C, G query heads: row b, KV head h. sc: G * Lp floats (Lp = L rounded up to 16). */
-static void CAT(q8_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs, const int8_t* cache,
-                               const int64_t* table, int64_t nbmax, const int64_t* kstart,
-                               const int64_t* kend, ELEM* out, int64_t KH, int64_t G, int64_t C, int64_t NB,
-                               int64_t BS, float scale, int kind, float* sc) {
+static inline __attribute__((always_inline)) void
+CAT(q8_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs, const int8_t* cache, const int64_t* table,
+                   int64_t nbmax, const int64_t* kstart, const int64_t* kend, ELEM* out, int64_t KH,
+                   int64_t G, int64_t C, int64_t NB, int64_t BS, float scale, int kind, float* sc) {
     const int64_t D = 16 * C, W = D + 2, s0 = kstart[b], s1 = kend[b], L = s1 - s0;
     const int64_t Lp = (L + 15) & ~(int64_t)15;
     ELEM* ob = out + (b * KH + h) * G * D;
@@ -131,7 +156,17 @@ static void CAT(q8_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs, 
             qv[g * C + c] = CAT(ld16_, SFX)(q + b * qs + (h * G + g) * D + 16 * c) * scale;
     /* cursor over (block index, offset), starting at key s0 */
     const int64_t off0 = s0 % BS;
+    const int64_t nbi = (s1 - 1) / BS - s0 / BS + 1; /* blocks the keys span */
 #define Q8_ROW(base, bi, off) ((base) + (tb[bi] * BS + (off)) * W)
+/* the row at the same offset two blocks ahead (the blocks are scattered: no hardware prefetch) */
+#define Q8_PREFETCH(base, bi, off)                                                                           \
+    do {                                                                                                     \
+        if ((bi) + 2 < nbi) {                                                                                \
+            const int8_t* r_ = Q8_ROW(base, (bi) + 2, off);                                                  \
+            __builtin_prefetch(r_);                                                                          \
+            __builtin_prefetch(r_ + W - 1);                                                                  \
+        }                                                                                                    \
+    } while (0)
 #define Q8_ADVANCE(bi, off)                                                                                  \
     do {                                                                                                     \
         if (++(off) == BS) {                                                                                 \
@@ -145,6 +180,7 @@ static void CAT(q8_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs, 
         float ks[16];
         for (int64_t j = 0; j < 16; ++j) {
             const int8_t* row = Q8_ROW(kbase, kbi, koff);
+            Q8_PREFETCH(kbase, kbi, koff);
             for (int64_t c = 0; c < C; ++c) kf[j * C + c] = q8_ld16(row + 16 * c, kind);
             ks[j] = q8_half(row + D);
             Q8_ADVANCE(kbi, koff);
@@ -195,6 +231,7 @@ static void CAT(q8_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs, 
     int64_t vbi = 0, voff = off0;
     for (p = s0; p < s1; ++p) {
         const int8_t* row = Q8_ROW(vbase, vbi, voff);
+        Q8_PREFETCH(vbase, vbi, voff);
         Q8_ADVANCE(vbi, voff);
         v16 vf[MAXC];
         for (int64_t c = 0; c < C; ++c) vf[c] = q8_ld16(row + 16 * c, kind);
@@ -205,9 +242,28 @@ static void CAT(q8_item_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs, 
         }
     }
 #undef Q8_ROW
+#undef Q8_PREFETCH
 #undef Q8_ADVANCE
     for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < C; ++c) CAT(st16_, SFX)(ob + g * D + 16 * c, acc[g * C + c] * inv[g]);
+}
+
+/* The common shapes (head_dim 64 or 128; 3, 4 or 8 query heads per KV head) with G and C as
+   constants, so the queries and accumulators stay in registers; others with them as variables. */
+static __attribute__((noinline)) void CAT(q8_item_any_, SFX)(int64_t b, int64_t h, const ELEM* q, int64_t qs,
+                                                             const int8_t* cache, const int64_t* table,
+                                                             int64_t nbmax, const int64_t* kstart,
+                                                             const int64_t* kend, ELEM* out, int64_t KH,
+                                                             int64_t G, int64_t C, int64_t NB, int64_t BS,
+                                                             float scale, int kind, float* sc) {
+#define Q8_ITEM(g, c)                                                                                        \
+    CAT(q8_item_, SFX)(b, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, g, c, NB, BS, scale, kind, sc)
+    if (C == 4 && G == 3) Q8_ITEM(3, 4);
+    else if (C == 4 && G == 4) Q8_ITEM(4, 4);
+    else if (C == 8 && G == 4) Q8_ITEM(4, 8);
+    else if (C == 8 && G == 8) Q8_ITEM(8, 8);
+    else Q8_ITEM(G, C);
+#undef Q8_ITEM
 }
 
 /* Returns 1 when a work item found no memory for its scores (its rows then hold garbage: the
@@ -228,8 +284,8 @@ int CAT(kv_paged_decode_attention_q8_,
             continue;
         }
         if (vec)
-            CAT(q8_item_, SFX)(b, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, G, D / 16, NB, BS,
-                               scale, kind, sc);
+            CAT(q8_item_any_, SFX)(b, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, G, D / 16, NB, BS,
+                                   scale, kind, sc);
         else
             CAT(q8_generic_item_, SFX)(b, h, q, qs, cache, table, nbmax, kstart, kend, out, KH, G, D, NB, BS,
                                        scale, kind, sc);

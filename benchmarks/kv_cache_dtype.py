@@ -1,0 +1,117 @@
+"""KV-cache dtypes (``--kv-cache-dtype``): tokens that fit in a fixed KV memory, and native decode
+attention time at a long context, per cache dtype.
+
+    .venv/bin/python benchmarks/kv_cache_dtype.py [--context 4096] [--batch 8] [--out kv.json]
+
+Tokens: ``kv_cache_memory_gib`` over ``bytes_per_block`` for a model shape (default
+SmolLM2-135M's: 30 layers, 3 KV heads, head_dim 64; ``--shape L,KH,D`` for another).
+Attention: ``paged_decode_attention`` for ``--batch`` single-token queries of ``--context``
+keys each (blocks in a shuffled order, as a busy pool leaves them), bfloat16 queries, over a
+bfloat16 cache and over each quantized cache; the median of ``--reps`` calls after a warm-up.
+Prints a table and writes the figures as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvserve.model_executor.layers import kv_quant
+from kvserve.ops import attention as paged_attention
+from kvserve.worker.cache_engine import bytes_per_block
+
+KV_DTYPES = ("bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def tokens_that_fit(gib: float, layers: int, kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """Tokens of a ``gib`` GiB pool per cache dtype (float32 and bfloat16 = ``auto`` for that
+    model dtype)."""
+    out = {}
+    for name, dtype, kv in (
+        ("float32", torch.float32, "auto"),
+        ("bfloat16", torch.bfloat16, "auto"),
+        *((k, torch.bfloat16, k) for k in KV_DTYPES[1:]),
+    ):
+        bpb = bytes_per_block(layers, block_size, kv_heads, head_dim, dtype, kv)
+        out[name] = int(gib * 2**30 // bpb) * block_size
+    return out
+
+
+def decode_attention_ms(
+    kv: str, batch: int, context: int, kv_heads: int, group: int, head_dim: int, block_size: int, reps: int
+) -> float:
+    """Median milliseconds of one ``paged_decode_attention`` call (see the module doc)."""
+    torch.manual_seed(0)
+    nb_seq = -(-context // block_size)
+    NB = batch * nb_seq
+    vals = torch.randn(2, kv_heads, NB, block_size, head_dim)
+    if kv == "bfloat16":
+        cache = vals.to(torch.bfloat16)
+    else:
+        dt = kv_quant.STORAGE_DTYPES[kv]
+        rows = kv_quant.quantize(vals.reshape(-1, head_dim), dt)
+        cache = rows.view(2, kv_heads, NB, block_size, head_dim + 2).view(dt)
+    table = torch.randperm(NB).view(batch, nb_seq).contiguous()
+    kstart = torch.zeros(batch, dtype=torch.int64)
+    kend = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, kv_heads, group, head_dim).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        paged_attention.paged_decode_attention(q, cache, table, kstart, kend, head_dim**-0.5, out=out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        paged_attention.paged_decode_attention(q, cache, table, kstart, kend, head_dim**-0.5, out=out)
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    p.add_argument("--shape", default="30,3,64", help="layers,kv_heads,head_dim (default SmolLM2-135M)")
+    p.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None, help="JSON output file")
+    ns = p.parse_args(argv)
+    layers, kv_heads, head_dim = (int(x) for x in ns.shape.split(","))
+    tokens = tokens_that_fit(ns.kv_cache_memory_gib, layers, kv_heads, head_dim, ns.block_size)
+    print(
+        f"tokens in {ns.kv_cache_memory_gib} GiB (layers {layers}, kv heads {kv_heads}, head_dim {head_dim}):"
+    )
+    print(f"{'cache dtype':<12} {'tokens':>10} {'x bf16':>7} {'x f32':>7}")
+    for name, n in tokens.items():
+        print(f"{name:<12} {n:>10} {n / tokens['bfloat16']:>7.2f} {n / tokens['float32']:>7.2f}")
+    result: dict = {"tokens": tokens, "args": vars(ns), "threads": torch.get_num_threads()}
+    if paged_attention.available():
+        ms = {
+            kv: decode_attention_ms(
+                kv, ns.batch, ns.context, kv_heads, ns.group, head_dim, ns.block_size, ns.reps
+            )
+            for kv in KV_DTYPES
+        }
+        print(
+            f"\ndecode attention, {ns.batch} queries x {ns.context} keys, {kv_heads} KV heads x "
+            f"{ns.group}, head_dim {head_dim}, {torch.get_num_threads()} threads:"
+        )
+        print(f"{'cache dtype':<12} {'ms':>8} {'speedup':>8}")
+        for kv, t in ms.items():
+            print(f"{kv:<12} {t:>8.3f} {ms['bfloat16'] / t:>8.2f}")
+        result["decode_attention_ms"] = ms
+    else:
+        print(f"native attention unavailable: {paged_attention.failure_reason()}")
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -294,7 +294,8 @@ def rank_agreement(
     other the second (values within ``tie`` relative distance are a tie, which agrees with any
     order; a missing value ranks last). Returns ``{workload: {"agree": bool (None with fewer
     than two configs on both runners), "pairs": n, "discordant": [(label, label), ...],
-    "order": {runner: [labels best first]}}}``."""
+    "ties": {runner: tied pairs}, "order": {runner: [labels best first]}}}``. A pair one runner
+    ties agrees with any order: ``ties`` says how much of an agreement is only that."""
     out: dict = {}
     for w in dict.fromkeys(r["workload"] for r in rows):
         val: dict[str, dict[str, float | None]] = {"sim": {}, "real": {}}
@@ -311,16 +312,20 @@ def rank_agreement(
             return 1 if (a > b) == higher_better else -1
 
         disc = []
+        ties = {"sim": 0, "real": 0}
         for i, a in enumerate(common):
             for b in common[i + 1 :]:
                 s_ab, r_ab = cmp(val["sim"][a], val["sim"][b]), cmp(val["real"][a], val["real"][b])
                 if s_ab * r_ab < 0:
                     disc.append((a, b))
+                ties["sim"] += s_ab == 0
+                ties["real"] += r_ab == 0
         n = len(common) * (len(common) - 1) // 2
         out[w] = {
             "agree": None if n == 0 else not disc,
             "pairs": n,
             "discordant": disc,
+            "ties": ties,
             "order": {k: _order(v, higher_better) for k, v in val.items()},
         }
     return out
@@ -339,7 +344,11 @@ def agreement_lines(agreement: dict, metric: str) -> list[str]:
         if a["agree"] is None:
             lines.append(f"ranking by {metric} ({w}): needs both runners and two configs")
         elif a["agree"]:
-            lines.append(f"ranking by {metric} ({w}): sim and real agree ({' > '.join(a['order']['real'])})")
+            t = a["ties"]
+            lines.append(
+                f"ranking by {metric} ({w}): sim and real agree ({' > '.join(a['order']['real'])}; tied "
+                f"pairs: sim {t['sim']}/{a['pairs']}, real {t['real']}/{a['pairs']})"
+            )
         else:
             d = "; ".join(f"{x} vs {y}" for x, y in a["discordant"])
             lines.append(f"ranking by {metric} ({w}): sim and real DISAGREE on {d}")

@@ -120,6 +120,8 @@ def test_rank_agreement_on_synthetic_rows():
     ]
     out = sb.rank_agreement(rows, lambda r: r["v"], higher_better=False)["x"]
     assert out["agree"] is True and out["pairs"] == 3 and out["discordant"] == []
+    assert out["ties"] == {"sim": 0, "real": 1}
+    assert "tied pairs: sim 0/3, real 1/3" in sb.agreement_lines({"x": out}, "m")[0]
     assert out["order"]["sim"] == ["fair/-/default", "priority/-/default", "fcfs/-/default"]
     rows[3]["v"] = 1.0  # real now puts fcfs first: discordant with both others
     out = sb.rank_agreement(rows, lambda r: r["v"], higher_better=False)["x"]

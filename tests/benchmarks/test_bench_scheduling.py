@@ -171,12 +171,20 @@ def test_fairness_command_on_the_simulator(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "B p90 alone" in text and "ranking by Jain's index (backlogged)" in text
     data = json.loads(out.read_text())
-    rows = {(r["workload"], r["policy"]): r for r in data["rows"]}
-    assert {w for w, _ in rows} == {"flood", "backlogged", "head-of-line"}
-    flood = rows[("flood", "fcfs")]
+    rows = {(r["workload"], r["policy"], r["backfill"]): r for r in data["rows"]}
+    assert {w for w, _, _ in rows} == {"flood", "backlogged", "head-of-line"}
+    settings = {(p, b) for _, p, b in rows}
+    assert {p for p, _ in settings} == set(sb.policy_names())
+    backfills = ["off", "on"] if sb.backfill_supported() else ["-"]
+    assert {b for _, b in settings} == set(backfills)
+    off = backfills[0]
+    flood = rows[("flood", "fcfs", off)]
     b90 = flood["tenants"]["B"]["ttft"]["p90"]
     assert flood["b_ttft_p90_alone"] is not None and b90 >= flood["b_ttft_p90_alone"]
-    assert 0.5 <= rows[("backlogged", "fcfs")]["jain"] <= 1.0
+    assert 0.5 <= rows[("backlogged", "fcfs", off)]["jain"] <= 1.0
     # head-of-line without backfill: the short requests wait behind the long prompt
-    hol = rows[("head-of-line", "fcfs")]["tenants"]
+    hol = rows[("head-of-line", "fcfs", off)]["tenants"]
     assert hol["B"]["ttft"]["p50"] > hol["A"]["ttft"]["p50"]
+    if sb.backfill_supported():  # with it they start past the blocked prompt
+        on = rows[("head-of-line", "fcfs", "on")]["tenants"]
+        assert on["B"]["ttft"]["p50"] < hol["B"]["ttft"]["p50"] / 2

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.config import SchedulerConfig
 from kvserve.workload import scheduling as ws
 from kvserve.workload.stats import summarize
 from kvserve.workload.workload import load_corpus, load_trace
@@ -34,6 +35,9 @@ RUNNERS = ("sim", "real")
 SIM_VOCAB = 49152
 #: values within this relative distance are a tie when ranking
 RANK_TIE = 0.05
+#: service weights of Jain's index: the ``fair`` policy's defaults (``SchedulerConfig``)
+FAIR_INPUT_WEIGHT = SchedulerConfig.fair_input_weight
+FAIR_OUTPUT_WEIGHT = SchedulerConfig.fair_output_weight
 
 
 # ---------------------------------------------------------------- what the scheduler offers
@@ -196,13 +200,16 @@ def run_one(runner: str, args, workload: ws.SchedWorkload, cost_model) -> dict:
 
 def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S) -> dict:
     """The run's figures (times in seconds): per tenant ``ttft``/``tpot`` ``{p50, p90}`` of its
-    finished requests, ``jain`` (``windowed_jain`` of served tokens), ``output_tok_s`` (tokens
+    finished requests, ``jain`` (``windowed_jain`` of served tokens weighted as the ``fair``
+    policy's counters count them: a request's prompt tokens x ``FAIR_INPUT_WEIGHT`` at its first
+    token, each output token x ``FAIR_OUTPUT_WEIGHT`` at its time, while every tenant is
+    backlogged: from its first arrival to its last request's first token), ``output_tok_s`` (tokens
     of all samples / run duration), ``num_preemptions``, ``recomputed_tokens`` (prefill tokens
     computed beyond each admitted prompt's one prefill), ``num_finished``, ``duration_s``."""
     by_id = {r.id: r for r in workload.requests}
     tenants = sorted({r.tenant for r in workload.requests})
     per: dict = {}
-    token_times: dict[str, list[float]] = {t: [] for t in tenants}
+    service: dict[str, list[tuple[float, float]]] = {t: [] for t in tenants}
     active: dict[str, tuple[float, float]] = {}
     for t in tenants:
         ttft, tpot = [], []
@@ -214,9 +221,11 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
             ttft.append(tt[0] - a)
             if len(tt) > 1:
                 tpot.append((tt[-1] - tt[0]) / (len(tt) - 1))
-            token_times[t].extend(tt)
-            lo, hi = active.get(t, (a, tt[-1]))
-            active[t] = (min(lo, a), max(hi, tt[-1]))
+            service[t].append((tt[0], by_id[rid].prompt_len * FAIR_INPUT_WEIGHT))
+            service[t].extend((x, FAIR_OUTPUT_WEIGHT) for x in tt)
+            # backlogged from its first arrival until its last request starts (first token)
+            lo, hi = active.get(t, (a, tt[0]))
+            active[t] = (min(lo, a), max(hi, tt[0]))
         per[t] = {
             k: {q: s[q] for q in ("p50", "p90")}
             for k, s in (("ttft", summarize(ttft)), ("tpot", summarize(tpot)))
@@ -227,7 +236,7 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
     out_tokens = sum(res.num_tokens.get(rid, 0) for rid in finished)
     return {
         "tenants": per,
-        "jain": ws.windowed_jain(token_times, active, workload.weights, window_s)["mean"],
+        "jain": ws.windowed_jain(service, active, workload.weights, window_s)["mean"],
         "output_tok_s": out_tokens / res.duration_s if res.duration_s else 0.0,
         "num_preemptions": res.total_preemptions,
         "recomputed_tokens": prefill - sum(by_id[rid].prompt_len for rid in admitted),

@@ -51,7 +51,8 @@ so that an otherwise idle cache can always meet it, and it is not applied when n
 running (nobody could free blocks anyway). Groups preempted in a step are never re-admitted in
 that same step.
 
-Priority preemption (policy ``priority``): before admitting, a waiting group whose
+Priority preemption (policies that ``preempts_by_rank``: ``priority``, and ``fair`` by its
+tenants' shares, see ``FairPolicy``; the walk below with ``outranks``): before admitting, a waiting group whose
 ``priority`` value is strictly lower than that of running groups preempts the lowest-ranked of
 them (normal preemption mode) when the cache or the sequence budget is full -- but only when
 preempting those outranked groups actually makes it fit. A group that strictly outranks every
@@ -682,6 +683,7 @@ class Scheduler:
     def _new_step(self) -> _Step:
         st = _Step(self.clock(), tuple(self.swapped))
         st.passed_delay = self._passed_delay(st.now)
+        self.policy.begin_step(self.running)
         if self.num_lookahead_slots:
             limit = self.scheduler_config.spec_decode_disable_by_batch_size
             # vLLM's disable_by_batch_size: a busy step is weight-read bound no more, so
@@ -1100,7 +1102,9 @@ class Scheduler:
                 self.running.remove(v)
                 budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
                 self._preempt(v, st)
+                self.policy.on_running_change(v, -v.get_max_num_running_seqs())
             st.reserved[wg.request_id] = (wg, plan.cost)
+            self.policy.on_running_change(wg, wg.get_max_num_running_seqs())
             self._lora_add(wg, loras)
             free = bm.get_num_free_gpu_blocks() - plan.cost
             seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
@@ -1462,6 +1466,13 @@ class Scheduler:
         if budget.num_curr_seqs >= cfg.max_num_seqs or budget.remaining_token_budget() <= 0:
             return out  # nothing could be admitted (never-schedulable ones were rejected at add)
         ranked = self.policy.admission_order(st.now, self.waiting)
+        if st.reserved:
+            # groups that preempted others this step come first: the room made is theirs
+            # (under ``priority`` they lead anyway; ``fair`` may rank a tenant's backlog ahead)
+            ranked = deque(
+                [g for g in ranked if g.request_id in st.reserved]
+                + [g for g in ranked if g.request_id not in st.reserved]
+            )
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)

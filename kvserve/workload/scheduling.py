@@ -134,17 +134,19 @@ def flood_workloads(
     )
 
 
-def half_cache(reqs: Sequence[BenchRequest], block_size: int = 16) -> int:
-    """Half the KV blocks ``reqs`` need at once in full (prompt + output), at least 32: a cache
-    the requests must queue for, whatever the host's speed."""
+def half_cache(reqs: Sequence[BenchRequest], block_size: int = 16, fraction: float = 0.5) -> int:
+    """``fraction`` (default half) of the KV blocks ``reqs`` need at once in full (prompt +
+    output), at least 32: a cache the requests must queue for, whatever the host's speed."""
     need = sum(math.ceil((r.prompt_len + r.output_len) / block_size) for r in reqs)
-    return max(32, need // 2)
+    return max(32, int(need * fraction))
 
 
 def backlogged_workload(
     rows: Sequence[tuple[int, int]], corpus: Sequence[int], num: int = 48, skew: float = 1.0
 ) -> SchedWorkload:
-    """``num`` rows at t=0, tenants ``A`` / ``B`` by ``tenant_of`` (``t0`` -> A); ``half_cache``.
+    """``num`` rows at t=0, tenants ``A`` / ``B`` by ``tenant_of`` (``t0`` -> A, about two
+    thirds at ``skew`` 1); a sixth of the cache they need (``half_cache(fraction=1/6)``), so both
+    tenants stay queued for several waves of admissions.
 
     Raises:
         ValueError: fewer than ``num`` rows.
@@ -154,7 +156,7 @@ def backlogged_workload(
     reqs = [
         _request(corpus, i, *rows[i], 0.0, "A" if tenant_of(i, 2, skew) == "t0" else "B") for i in range(num)
     ]
-    return SchedWorkload("backlogged", reqs, half_cache(reqs), weights={"A": 1.0, "B": 1.0})
+    return SchedWorkload("backlogged", reqs, half_cache(reqs, fraction=1 / 6), weights={"A": 1.0, "B": 1.0})
 
 
 def head_of_line_workload(corpus: Sequence[int], num_short: int = 8) -> SchedWorkload:
@@ -193,6 +195,11 @@ def jain_index(values: Sequence[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * sq)
 
 
+def _events(samples: Sequence) -> list[tuple[float, float]]:
+    """``(time, amount)`` pairs from times (amount 1) or pairs."""
+    return [(x, 1.0) if isinstance(x, (int, float)) else (x[0], x[1]) for x in samples]
+
+
 def windowed_jain(
     token_times: Mapping[str, Sequence[float]],
     active: Mapping[str, tuple[float, float]],
@@ -201,8 +208,10 @@ def windowed_jain(
 ) -> dict:
     """Jain's index of served tokens per window while every tenant had work, weighted: a
     tenant's tokens in a window are divided by its weight (default 1). ``token_times``: tenant
-    -> the time (s) of each token it was served; ``active``: tenant -> ``(first arrival, last
-    token)``. The span all tenants share, ``[max first arrival, min last token]``, is cut into
+    -> the time (s) of each token it was served, or ``(time, amount)`` pairs (service counted
+    as ``amount`` tokens at ``time``); ``active``: tenant -> ``(start, end)`` of the time it had
+    work (e.g. first arrival to last admission). The span all tenants share, ``[max start, min
+    end]``, is cut into
     windows of ``window_s`` from its start (the last one may be shorter); each window's index
     is over all tenants' tokens served in it. Returns ``{"mean": mean over the windows (None
     with fewer than two tenants or an empty span), "windows": [index per window], "span_s":
@@ -226,7 +235,8 @@ def windowed_jain(
         hi = min(lo + window_s, end)
         last = hi == end  # the span's last token counts in its last window
         xs = [
-            sum(1 for x in token_times.get(t, ()) if lo <= x < hi or (last and x == hi)) / weights.get(t, 1.0)
+            sum(a for x, a in _events(token_times.get(t, ())) if lo <= x < hi or (last and x == hi))
+            / weights.get(t, 1.0)
             for t in active
         ]
         j = jain_index(xs)

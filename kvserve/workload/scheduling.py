@@ -201,7 +201,7 @@ def _events(samples: Sequence) -> list[tuple[float, float]]:
 
 
 def windowed_jain(
-    token_times: Mapping[str, Sequence[float]],
+    token_times: Mapping[str, Sequence[float] | Sequence[tuple[float, float]]],
     active: Mapping[str, tuple[float, float]],
     weights: Mapping[str, float] | None = None,
     window_s: float = JAIN_WINDOW_S,

@@ -30,6 +30,7 @@ evictor's kept class and is evicted only when no other cached block is left
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from kvserve.core.evictor import LRUEvictor
 
@@ -108,6 +109,9 @@ class BlockPool:
         self.keep_wanted = keep_wanted
         # content hash -> number of waiting requests whose prompt holds it (absent: 0)
         self.wanted: dict[int, int] = {}
+        #: Called with a cached block that ``allocate`` is about to evict (its hash still
+        #: set), before it is unregistered: the block manager demotes it to the host tier.
+        self.on_evict: Callable[[PhysicalBlock], None] | None = None
 
     # ------------------------------------------------------------------ counts
     def get_num_free_blocks(self) -> int:
@@ -135,6 +139,8 @@ class BlockPool:
             block = self.blocks[heapq.heappop(self._free_ids)]
         elif len(self.evictor):
             block = self.evictor.evict()
+            if self.on_evict is not None:
+                self.on_evict(block)
             self._unregister(block)
         else:
             raise NoFreeBlocksError(f"no free {self.device} block (pool of {self.num_blocks})")
@@ -245,6 +251,16 @@ class BlockPool:
                     self.evictor.remove(n)
                     heapq.heappush(self._free_ids, n)
                 stack.append(child)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently released cached refcount-0 block from the cache (it becomes
+        a plain free block; no ``on_evict``). Returns False when nothing is evictable."""
+        if not len(self.evictor):
+            return False
+        block = self.evictor.evict()
+        self._unregister(block)
+        heapq.heappush(self._free_ids, block.block_number)
+        return True
 
     def reset_cache(self) -> bool:
         """Evict every cached refcount-0 block (hash entries dropped, blocks become plain free).

@@ -307,7 +307,8 @@ class LLMEngine:
         try:
             num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
             cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-            worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+            cache_config.resolve_kv_offload_blocks(worker.bytes_per_block())
+            worker.init_cache(num_gpu_blocks, cache_config.num_host_blocks())
             worker.warm_up()
         except BaseException:
             worker.shutdown()  # tensor-parallel peers must not outlive a failed start
@@ -718,6 +719,7 @@ class LLMEngine:
             ), {}
         except BlockMoveError as e:
             logger.exception("step %d: block moves failed", self.stats.num_steps)
+            self.scheduler.block_manager.drop_tier_moves()
             self._fail_swapped_out(sched_out, e)
             return [None] * len(metas), dict.fromkeys(range(len(metas)), e)
         except Exception as e:

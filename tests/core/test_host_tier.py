@@ -1,0 +1,215 @@
+"""The prefix cache's host tier: demotion of evicted device blocks, promotion on a later hit,
+LRU within the tier's bound, preemption swaps that never fail because of it, the cost rule,
+and random workloads on the simulator whose K/V read-backs are checked token by token."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
+from kvserve.core.preemption import LinearPreemptionCost
+from kvserve.sampling_params import SamplingParams
+from kvserve.sequence import SequenceStatus
+from tests.core.simutil import Harness, configs, make_group, prompt_of
+
+BS = 4
+
+
+def tier_bm(G=6, C=0, tier=4, **kw):
+    return BlockSpaceManager(BS, G, C + tier, watermark=0.0, enable_caching=True, host_tier_blocks=tier, **kw)
+
+
+def admit(bm, g):
+    plan = bm.plan_allocation(g)
+    assert plan.status == AllocStatus.OK, plan
+    bm.allocate(g, plan)
+    for s in g.get_seqs():
+        s.status = SequenceStatus.RUNNING
+    return plan
+
+
+def end_step(bm, groups=()):
+    """What one engine step does around the executor: take the moves, run, mark computed."""
+    swap_in, swap_out = bm.take_tier_moves({})
+    for g in groups:
+        for s in g.get_unfinished_seqs():
+            s.data.update_num_computed_tokens(s.data.get_num_uncomputed_tokens())
+        bm.mark_blocks_as_computed(g)
+    bm.release_pins()
+    bm.check_invariants()
+    return swap_in, swap_out
+
+
+def finish(bm, g):
+    for s in g.get_seqs():
+        bm.free(s)
+    bm.check_invariants()
+
+
+def test_evicted_block_is_demoted_then_promoted_on_a_hit():
+    bm = tier_bm()
+    a = make_group("a", prompt_of(1, 9))  # 2 full blocks + 1 token
+    admit(bm, a)
+    end_step(bm, [a])
+    finish(bm, a)
+    a_blocks = {h: bm.gpu.lookup(h).block_number for h in bm._get_hashes(a.get_seqs()[0], 2)}
+    # b takes the whole device pool: a's two cached blocks are evicted and demoted.
+    b = make_group("b", prompt_of(2, 6 * BS))
+    admit(bm, b)
+    swap_in, swap_out = end_step(bm, [b])
+    assert swap_in == {}
+    assert sorted(swap_out) == sorted(a_blocks.values())
+    assert {bm.cpu.blocks[c].block_hash for c in swap_out.values()} == set(a_blocks)
+    assert bm.get_stats()["host_tier_blocks"] == 2 and bm.host_tier_demotions == 2
+    finish(bm, b)
+    # The same prompt again: both full blocks come back from the host tier.
+    a2 = make_group("a2", prompt_of(1, 9))
+    plan = admit(bm, a2)
+    assert plan.num_cached_tokens == 8
+    assert a2.get_seqs()[0].data.get_num_computed_tokens() == 8
+    swap_in, swap_out = end_step(bm, [a2])
+    table = bm.get_block_table(a2.get_seqs()[0])
+    host = {h: bm.cpu.lookup(h).block_number for h in a_blocks}
+    assert swap_in == {host[h]: table[i] for i, h in enumerate(a_blocks)}
+    assert bm.host_tier_hits == 2
+    # After the step the promoted blocks are device-cached again under their hashes.
+    for i, h in enumerate(a_blocks):
+        assert bm.gpu.lookup(h).block_number == table[i]
+    assert bm.get_stats()["prefix_cache_hits"] == 8
+
+
+def test_tier_evicts_least_recently_demoted_within_its_bound():
+    bm = tier_bm(G=2, tier=2)
+    hashes = []
+    for i in range(3):  # each prompt's one full block is evicted by the next prompt
+        g = make_group(f"g{i}", prompt_of(i, BS + 1))
+        admit(bm, g)
+        end_step(bm, [g])
+        hashes.append(bm._get_hashes(g.get_seqs()[0], 1)[0])
+        finish(bm, g)
+    g = make_group("last", prompt_of(9, 2 * BS))  # evicts the third prompt's block
+    admit(bm, g)
+    end_step(bm, [g])
+    assert bm._num_tier_blocks() == 2
+    # three demotions into a tier of two: the first demoted went
+    assert bm.cpu.lookup(hashes[0]) is None
+    assert bm.cpu.lookup(hashes[1]) is not None and bm.cpu.lookup(hashes[2]) is not None
+
+
+def test_preemption_swap_succeeds_when_the_tier_fills_the_host_pool():
+    bm = tier_bm(G=6, C=2, tier=4)
+    for i in range(2):
+        g = make_group(f"fill{i}", prompt_of(i, 5 * BS + 1))
+        admit(bm, g)
+        end_step(bm, [g])
+        finish(bm, g)
+    assert bm._num_tier_blocks() == 4  # the tier holds its bound; 2 swap blocks free
+    # A running group of 6 blocks is preempted by swap: it takes the tier's blocks (LRU).
+    r = make_group("r", prompt_of(7, 6 * BS))
+    admit(bm, r)
+    end_step(bm, [r])
+    assert bm.can_swap_out(r)
+    mapping = bm.swap_out(r)
+    for s in r.get_seqs():
+        s.status = SequenceStatus.SWAPPED
+    assert len(mapping) == 6
+    assert bm._num_tier_blocks() == 0
+    bm.check_invariants()
+    assert bm.can_swap_in(r) == AllocStatus.OK
+    bm.swap_in(r)
+    for s in r.get_seqs():
+        s.status = SequenceStatus.RUNNING
+    end_step(bm)
+    finish(bm, r)
+    assert bm.get_num_free_cpu_blocks() == 6 and bm.get_num_free_gpu_blocks() == 6
+
+
+def test_short_host_run_is_recomputed_when_swapping_costs_more():
+    dear = LinearPreemptionCost(token_s=1e-6, block_s=1.0)  # a swap far dearer than a prefill
+    for cost, expect in ((None, 8), (dear, 0)):
+        bm = tier_bm(tier_cost=cost)
+        a = make_group("a", prompt_of(1, 9))
+        admit(bm, a)
+        end_step(bm, [a])
+        finish(bm, a)
+        b = make_group("b", prompt_of(2, 6 * BS))
+        admit(bm, b)
+        end_step(bm, [b])
+        finish(bm, b)
+        a2 = make_group("a2", prompt_of(1, 9))
+        assert admit(bm, a2).num_cached_tokens == expect
+        swap_in, _ = end_step(bm, [a2])
+        assert len(swap_in) == expect // BS
+
+
+def test_two_groups_hitting_one_host_block_in_a_step_share_its_promotion():
+    bm = tier_bm(G=8)
+    a = make_group("a", prompt_of(1, 9))
+    admit(bm, a)
+    end_step(bm, [a])
+    finish(bm, a)
+    b = make_group("b", prompt_of(2, 8 * BS))
+    admit(bm, b)
+    end_step(bm, [b])
+    finish(bm, b)
+    x, y = make_group("x", prompt_of(1, 9)), make_group("y", prompt_of(1, 10))
+    admit(bm, x)
+    admit(bm, y)
+    tx, ty = bm.get_block_table(x.get_seqs()[0]), bm.get_block_table(y.get_seqs()[0])
+    assert tx[:2] == ty[:2]
+    swap_in, _ = end_step(bm, [x, y])
+    assert sorted(swap_in.values()) == sorted(tx[:2]) and bm.host_tier_hits == 2
+
+
+def test_tier_needs_prefix_caching_and_a_bound_within_the_host_pool():
+    import pytest
+
+    from kvserve.config import CacheConfig
+
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        CacheConfig(num_gpu_blocks=4, kv_offload_gib=1.0)
+    with pytest.raises(ValueError, match="kv_offload_gib"):
+        CacheConfig(num_gpu_blocks=4, kv_offload_gib=-1.0, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="host_tier_blocks"):
+        BlockSpaceManager(BS, 4, 2, host_tier_blocks=3)
+
+
+# ---------------------------------------------------------------------- random workloads
+STREAMS = [[(s * 131 + j * 17) % 997 + 1 for j in range(40)] for s in range(3)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    G=st.integers(6, 14),
+    C=st.integers(0, 6),
+    tier=st.integers(1, 10),
+    chunked=st.booleans(),
+    mode=st.sampled_from(["swap", "recompute"]),
+    reqs=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(0, 3), st.integers(1, 6)),
+        min_size=2,
+        max_size=10,
+    ),
+)
+def test_random_workloads_read_back_the_right_kv_and_conserve_blocks(G, C, tier, chunked, mode, reqs):
+    """Requests sharing prefixes of a few token streams, on a device pool too small to keep
+    them: with the tier, every K/V read-back equals the sequence's tokens (the simulator
+    raises otherwise), both pools balance after every step (the harness checks), the tier
+    stays within its bound, and each request's tokens equal those of a run without it."""
+    results = []
+    for with_tier in (True, False):
+        cc, sc = configs(
+            BS=2, G=G, C=C, S=4, T=16, L=48, CP=chunked, PC=True, PM=mode, TIER=tier if with_tier else None
+        )
+        h = Harness(cc, sc)
+        for i, (stream, length, tail, out) in enumerate(reqs):
+            prompt = STREAMS[stream][:length] + [999] * tail
+            if len(prompt) + out > 48 or len(prompt) // 2 + 2 > G:
+                continue
+            h.add(f"r{i}", prompt, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+            h.step()
+        h.run()
+        h.assert_idle()
+        results.append({r: o.outputs[0].token_ids for r, o in h.outputs.items()})
+        if with_tier:
+            assert h.scheduler.block_manager._num_tier_blocks() <= tier
+    assert results[0] == results[1]

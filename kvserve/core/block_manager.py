@@ -220,6 +220,7 @@ class BlockSpaceManager:
         # ``release_pins``), and host sources of promotions (pinned until the step has run).
         self._pending_tier: dict[int, int] = {}
         self._pinned_host: list[PhysicalBlock] = []
+        self.gpu_hit_blocks = 0  # distinct device blocks reused by admissions
         self.host_tier_hits = 0  # blocks promoted from the host tier
         self.host_tier_demotions = 0  # device blocks copied into the host tier
         self.block_tables: dict[int, BlockTable] = {}
@@ -503,6 +504,7 @@ class BlockSpaceManager:
         if self.caches(seq_group):
             self.prefix_cache_queries += length
             self.prefix_cache_hits += plan.num_cached_tokens
+            self.gpu_hit_blocks += sum(1 for b in held if b.device == GPU)
         if seq_group.num_cached_tokens is None:
             seq_group.num_cached_tokens = plan.num_cached_tokens
         return copies
@@ -956,7 +958,8 @@ class BlockSpaceManager:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
     def get_stats(self) -> dict[str, float]:
-        """Block counts (blocks) and prefix-cache counters (tokens)."""
+        """Block counts (blocks), prefix-cache counters (tokens) and the device hits and host
+        tier counters (blocks)."""
         free_gpu = self.get_num_free_gpu_blocks()
         return {
             "num_gpu_blocks": self.num_total_gpu_blocks,
@@ -974,6 +977,7 @@ class BlockSpaceManager:
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.get_prefix_cache_hit_rate(),
             "num_wanted_evictions": self.gpu.get_num_wanted_evictions(),
+            "gpu_prefix_cache_hit_blocks": self.gpu_hit_blocks,
             "host_tier_capacity_blocks": self.host_tier_blocks,
             "host_tier_blocks": len(self.cpu.cached),
             "host_tier_hits": self.host_tier_hits,

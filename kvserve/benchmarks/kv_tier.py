@@ -44,7 +44,7 @@ def tier_requests(
     reqs = []
     for i, r in enumerate(rows):
         ids: list[int] = []
-        for h in r.hash_ids[:max_blocks]:
+        for h in (r.hash_ids or [])[:max_blocks]:
             ids.extend(corpus_window(corpus, (h * 1_000_003) % span, block_tokens))
         out = max(1, min(r.output_len, max_output_len))
         arrival = ((r.arrival_s or 0.0) - t0) * time_scale

@@ -2,7 +2,7 @@
 LRU within the tier's bound, preemption swaps that never fail because of it, the cost rule,
 and random workloads on the simulator whose K/V read-backs are checked token by token."""
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
@@ -177,7 +177,7 @@ def test_tier_needs_prefix_caching_and_a_bound_within_the_host_pool():
 STREAMS = [[(s * 131 + j * 17) % 997 + 1 for j in range(40)] for s in range(3)]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     G=st.integers(6, 14),
     C=st.integers(0, 6),
@@ -186,8 +186,8 @@ STREAMS = [[(s * 131 + j * 17) % 997 + 1 for j in range(40)] for s in range(3)]
     mode=st.sampled_from(["swap", "recompute"]),
     reqs=st.lists(
         st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(0, 3), st.integers(1, 6)),
-        min_size=2,
-        max_size=10,
+        min_size=4,
+        max_size=14,
     ),
 )
 def test_random_workloads_read_back_the_right_kv_and_conserve_blocks(G, C, tier, chunked, mode, reqs):
@@ -211,5 +211,48 @@ def test_random_workloads_read_back_the_right_kv_and_conserve_blocks(G, C, tier,
         h.assert_idle()
         results.append({r: o.outputs[0].token_ids for r, o in h.outputs.items()})
         if with_tier:
-            assert h.scheduler.block_manager._num_tier_blocks() <= tier
+            bm = h.scheduler.block_manager
+            assert bm._num_tier_blocks() <= tier
+            target(float(bm.host_tier_hits))  # steer the search towards workloads that hit the tier
     assert results[0] == results[1]
+
+
+def _demote_prompt(bm, prompt, filler_len):
+    a = make_group("a", prompt)
+    admit(bm, a)
+    end_step(bm, [a])
+    finish(bm, a)
+    b = make_group("b", prompt_of(2, filler_len))
+    admit(bm, b)
+    return b
+
+
+def test_failed_block_moves_leave_nothing_in_the_tier():
+    bm = tier_bm()
+    b = _demote_prompt(bm, prompt_of(1, 9), 6 * BS)
+    assert bm._pending_tier
+    bm.drop_tier_moves()  # the executor raised while applying the step's moves
+    bm.release_pins()
+    bm.check_invariants()
+    assert bm._num_tier_blocks() == 0 and bm.take_tier_moves({}) == ({}, {})
+    finish(bm, b)
+    assert bm.get_num_free_cpu_blocks() == 4
+
+
+def test_full_hit_from_the_tier_copies_its_last_block_after_the_swap_in():
+    bm = tier_bm()
+    b = _demote_prompt(bm, prompt_of(1, 2 * BS), 6 * BS)
+    end_step(bm, [b])
+    finish(bm, b)
+    a2 = make_group("a2", prompt_of(1, 2 * BS))  # block-aligned: a full hit
+    plan = bm.plan_allocation(a2)
+    assert plan.num_cached_tokens == 2 * BS - 1
+    copies = bm.allocate(a2, plan)
+    swap_in, _ = bm.take_tier_moves({})
+    assert len(swap_in) == 2 and len(copies) == 1
+    src, dst = copies[0]
+    table = bm.get_block_table(a2.get_seqs()[0])
+    # the copy's source is the promoted last block; the table holds its private copy
+    assert src in swap_in.values() and table == [list(swap_in.values())[0], dst]
+    bm.release_pins()
+    bm.check_invariants()

@@ -262,6 +262,10 @@ class CacheConfig:
             device pool evicts are copied there and swapped back in on a later hit (0: off).
             Needs ``enable_prefix_caching``. The host pool is the swap pool plus this.
         num_kv_offload_blocks: host-tier blocks; ``None`` = derived from ``kv_offload_gib``.
+        kv_offload_dir: a directory for the disk tier: host-tier blocks are also written there
+            (in the background) and read back into the host tier at start, so a restarted
+            engine starts warm. Needs the host tier. None: no disk tier.
+        kv_offload_disk_gib: bound of the disk tier's files (least recently used go first).
     """
 
     block_size: int = 16
@@ -276,6 +280,8 @@ class CacheConfig:
     waiting_aware_eviction: bool = True
     kv_offload_gib: float = 0.0
     num_kv_offload_blocks: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gib: float = 4.0
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -304,6 +310,14 @@ class CacheConfig:
             raise ValueError(
                 "kv_offload_gib / num_kv_offload_blocks (the prefix cache's host tier) need "
                 "enable_prefix_caching=True."
+            )
+        if self.kv_offload_dir is not None and not (self.kv_offload_gib or self.num_kv_offload_blocks):
+            raise ValueError("kv_offload_dir (the disk tier) needs the host tier: set kv_offload_gib > 0.")
+        if not isinstance(self.kv_offload_disk_gib, (int, float)) or not 0 < self.kv_offload_disk_gib < float(
+            "inf"
+        ):
+            raise ValueError(
+                f"kv_offload_disk_gib must be a finite number > 0, got {self.kv_offload_disk_gib!r}."
             )
 
     def resolve_kv_offload_blocks(self, bytes_per_block: int) -> int:
@@ -724,6 +738,10 @@ class EngineArgs:
     kv_offload_gib: float = 0.0
     #: ``CacheConfig.num_kv_offload_blocks`` (None: from ``kv_offload_gib``).
     num_kv_offload_blocks: int | None = None
+    #: ``CacheConfig.kv_offload_dir``: the disk tier's directory (None: no disk tier).
+    kv_offload_dir: str | None = None
+    #: ``CacheConfig.kv_offload_disk_gib``: bound of the disk tier's files.
+    kv_offload_disk_gib: float = 4.0
     preemption_mode: str | None = None
     #: ``SchedulerConfig.policy`` (CLI ``--scheduling-policy``, alias ``--policy``).
     policy: str = "fcfs"
@@ -1010,6 +1028,8 @@ class EngineArgs:
             waiting_aware_eviction=self.waiting_aware_eviction,
             kv_offload_gib=self.kv_offload_gib,
             num_kv_offload_blocks=self.num_kv_offload_blocks,
+            kv_offload_dir=self.kv_offload_dir,
+            kv_offload_disk_gib=self.kv_offload_disk_gib,
             watermark=self.watermark,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )

@@ -56,9 +56,11 @@ class PhysicalBlock:
         block_hash: content hash when the block is registered in the prefix cache, else None.
         parent_hash: hash of the previous block of its chain when registered (None for a
             chain head or an unregistered block).
+        tier_key: a registered device block's key in the host tier when that tier is keyed
+            other than by ``block_hash`` (stable keys, for the disk tier), else None.
     """
 
-    __slots__ = ("block_number", "device", "ref_count", "block_hash", "parent_hash")
+    __slots__ = ("block_number", "device", "ref_count", "block_hash", "parent_hash", "tier_key")
 
     def __init__(self, block_number: int, device: str) -> None:
         self.block_number = block_number
@@ -66,6 +68,7 @@ class PhysicalBlock:
         self.ref_count = 0
         self.block_hash: int | None = None
         self.parent_hash: int | None = None
+        self.tier_key: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -245,6 +248,7 @@ class BlockPool:
                         del self._children[b.parent_hash]
             b.block_hash = None
             b.parent_hash = None
+            b.tier_key = None
             for n in self._children.pop(h, ()):
                 child = self.blocks[n]
                 if child.ref_count == 0 and n in self.evictor:

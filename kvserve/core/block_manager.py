@@ -62,6 +62,8 @@ a block the sequence still holds (the runner masks those positions, so any valid
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -147,6 +149,19 @@ def chain_block_hashes(
     return hashes
 
 
+def stable_block_keys(token_ids: Seq[int], block_size: int, start: int = 0, parent: int = 0) -> list[int]:
+    """Chained keys of the full blocks ``start, start + 1, ...`` of ``token_ids``, equal in
+    every process (``chain_block_hashes`` is per process): block ``i``'s key is the first 63
+    bits of blake2b-64 over block ``i - 1``'s key (``parent`` for the first: 0 for the base
+    model) and its token ids, as little-endian int64s. Keys of the disk tier."""
+    keys: list[int] = []
+    for i in range(start, len(token_ids) // block_size):
+        data = array("q", [parent, *token_ids[i * block_size : (i + 1) * block_size]]).tobytes()
+        parent = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+        keys.append(parent)
+    return keys
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -169,6 +184,9 @@ class BlockSpaceManager:
             tier; evicted device blocks are dropped). Part of ``num_cpu_blocks``.
         tier_cost: prices promoting a host run (``swap_s(n) / 2``: one way) against
             prefilling its tokens again; None: ``LinearPreemptionCost.default(block_size)``.
+        stable_tier_keys: key the host tier by ``stable_block_keys`` (equal across processes;
+            the disk tier needs them) instead of the per-process block hashes. Chains of an
+            adapter or a ``kv_salt`` are seeded per process and only match within it.
 
     Raises:
         ValueError: for sizes out of range (``host_tier_blocks`` above ``num_cpu_blocks``).
@@ -185,6 +203,7 @@ class BlockSpaceManager:
         waiting_aware_eviction: bool = True,
         host_tier_blocks: int = 0,
         tier_cost: PreemptionCost | None = None,
+        stable_tier_keys: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -206,6 +225,11 @@ class BlockSpaceManager:
         # The pool can always register blocks: only groups that ``caches`` ever do.
         self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching=True, keep_wanted=waiting_aware_eviction)
         self.host_tier_blocks = host_tier_blocks
+        self.stable_tier_keys = stable_tier_keys
+        # seq_id -> stable keys of its leading full blocks (stable_tier_keys only)
+        self._seq_tier_keys: dict[int, list[int]] = {}
+        # (host block, key) of tier blocks entered since ``take_new_tier_blocks``
+        self._new_tier_blocks: list[tuple[int, int]] = []
         self.cpu = BlockPool(
             CPU, self.num_total_cpu_blocks, enable_caching=host_tier_blocks > 0, keep_wanted=False
         )
@@ -258,6 +282,24 @@ class BlockSpaceManager:
             hashes.extend(chain_block_hashes(tokens, self.block_size, len(hashes), parent))
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 
+    def _tier_keys(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Host-tier keys of ``seq``'s first ``num_blocks`` full blocks: its block hashes, or
+        with ``stable_tier_keys`` its stable keys."""
+        if not self.stable_tier_keys:
+            return self._get_hashes(seq, num_blocks)
+        keys = self._seq_tier_keys.setdefault(seq.seq_id, [])
+        if len(keys) < num_blocks:
+            tokens = seq.get_token_ids()[: num_blocks * self.block_size]
+            if keys:
+                parent = keys[-1]
+            else:
+                seed = lora_chain_seed(seq.lora_int_id, seq.lora_request)
+                if seq.kv_salt is not None:
+                    seed = ("kv_salt", seq.kv_salt, seed)
+                parent = 0 if seed is None else hash(seed) & ((1 << 63) - 1) or 1
+            keys.extend(stable_block_keys(tokens, self.block_size, len(keys), parent))
+        return keys[:num_blocks]
+
     def _cache_hits(self, seq: Sequence) -> list[PhysicalBlock]:
         """Leading full blocks of ``seq`` present in the prefix cache (longest run): device
         blocks, then (host tier) host blocks -- or the device block a host block is being
@@ -266,10 +308,13 @@ class BlockSpaceManager:
         num_full = seq.get_len() // self.block_size
         hits: list[PhysicalBlock] = []
         n_host = 0
-        for h in self._get_hashes(seq, num_full):
+        tier_keys: list[int] | None = None
+        for i, h in enumerate(self._get_hashes(seq, num_full)):
             b = self.gpu.lookup(h)
             if b is None and self.host_tier_blocks:
-                b = self.cpu.lookup(h)
+                if tier_keys is None:
+                    tier_keys = self._tier_keys(seq, num_full)
+                b = self.cpu.lookup(tier_keys[i])
                 if b is not None:
                     n_host += 1
                     g = self._promotions.get(b.block_number)
@@ -521,7 +566,7 @@ class BlockSpaceManager:
         """``gpu.on_evict``: copy the evicted cached device block into the host tier (this
         step's swap-out), unless the tier holds its hash already or no host block can be had
         (every host block in use)."""
-        h = block.block_hash
+        h = block.tier_key if self.stable_tier_keys else block.block_hash
         if h is None or h in self.cpu.cached or h in self._pending_tier.values():
             return
         assert block.block_number not in self._demotions, block
@@ -566,6 +611,32 @@ class BlockSpaceManager:
         promotions = self._promotions
         self._demotions, self._promotions = {}, {}
         return promotions, demotions
+
+    def take_new_tier_blocks(self) -> list[tuple[int, int]]:
+        """``(host block, stable key)`` of the blocks that entered the host tier since the last
+        call (``stable_tier_keys`` only), for the disk tier to write. Their bytes are valid
+        until the next step's block moves run."""
+        out, self._new_tier_blocks = self._new_tier_blocks, []
+        # one the tier has dropped since may already hold other bytes
+        return [(c, k) for c, k in out if self.cpu.blocks[c].block_hash == k]
+
+    def adopt_tier_blocks(self, keys: Seq[int]) -> dict[int, int]:
+        """Enter blocks read from disk in the host tier, least recently used first, while the
+        tier has room and a host block is free. Returns stable key -> host block number (the
+        caller fills the blocks before any step). Needs ``stable_tier_keys``."""
+        if not self.stable_tier_keys:
+            raise ValueError("adopt_tier_blocks needs stable_tier_keys")
+        placed: dict[int, int] = {}
+        for k in keys:
+            if k in self.cpu.cached or k in placed:
+                continue
+            if self._num_tier_blocks() >= self.host_tier_blocks or not self.cpu.get_num_free_blocks():
+                break
+            b = self.cpu.allocate()
+            self.cpu.register(b, k)
+            self.cpu.free(b)
+            placed[k] = b.block_number
+        return placed
 
     def drop_tier_moves(self) -> None:
         """The step's block moves failed: its demoted host blocks hold nothing valid, so
@@ -705,6 +776,9 @@ class BlockSpaceManager:
             # Only hashes of blocks both share (full blocks before the fork point) stay valid.
             n = parent_seq.get_len() // self.block_size
             self._seq_hashes[child_seq.seq_id] = list(self._seq_hashes[parent_seq.seq_id][:n])
+        if parent_seq.seq_id in self._seq_tier_keys:
+            n = parent_seq.get_len() // self.block_size
+            self._seq_tier_keys[child_seq.seq_id] = list(self._seq_tier_keys[parent_seq.seq_id][:n])
 
     # ================================================================== swapping
     def _group_tables(
@@ -829,6 +903,7 @@ class BlockSpaceManager:
         self._ids.pop(seq.seq_id, None)
         self._num_marked.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
+        self._seq_tier_keys.pop(seq.seq_id, None)
         if table is None:
             return
         self._free_table(table)
@@ -852,7 +927,8 @@ class BlockSpaceManager:
         pending, self._pending_tier = self._pending_tier, {}
         for c, h in pending.items():
             b = self.cpu.blocks[c]
-            self.cpu.register(b, h)
+            if self.cpu.register(b, h) and self.stable_tier_keys:
+                self._new_tier_blocks.append((c, h))
             self.cpu.free(b)
 
     def _release_outside_window(self, seq: Sequence) -> None:
@@ -901,7 +977,8 @@ class BlockSpaceManager:
                 continue
             holder = pool.lookup(hashes[i])
             if holder is None:
-                pool.register(b, hashes[i], hashes[i - 1] if i else None)
+                if pool.register(b, hashes[i], hashes[i - 1] if i else None) and self.stable_tier_keys:
+                    b.tier_key = self._tier_keys(seq, end)[i]
             elif holder is not b:
                 pool.incr_ref(holder)
                 table[i] = holder

@@ -411,6 +411,7 @@ class Scheduler:
             waiting_aware_eviction=cache_config.waiting_aware_eviction,
             host_tier_blocks=cache_config.num_kv_offload_blocks or 0,
             tier_cost=preemption_cost,
+            stable_tier_keys=cache_config.kv_offload_dir is not None,
         )
         self.policy: Policy = PolicyFactory.from_config(scheduler_config)
         self._tracks = self.policy.tracks_service  # call the policy's service hooks

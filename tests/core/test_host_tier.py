@@ -256,3 +256,57 @@ def test_full_hit_from_the_tier_copies_its_last_block_after_the_swap_in():
     assert src in swap_in.values() and table == [list(swap_in.values())[0], dst]
     bm.release_pins()
     bm.check_invariants()
+
+
+def test_stable_keys_are_equal_in_another_process():
+    """The disk tier's keys do not depend on the process (Python salts str hashes, and
+    ``hash(None)`` varies per process before 3.12); block hashes may."""
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.core.block_manager import stable_block_keys
+
+    tokens = prompt_of(3, 3 * BS + 1)
+    code = (
+        f"from kvserve.core.block_manager import stable_block_keys;print(stable_block_keys({tokens!r}, {BS}))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    keys = stable_block_keys(tokens, BS)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert out.stdout.strip() == str(keys)
+    assert stable_block_keys(tokens, BS, 1, keys[0]) == keys[1:]
+
+
+def test_stable_keyed_tier_adopts_disk_blocks_and_reports_new_ones():
+    bm = tier_bm(stable_tier_keys=True)
+    prompt = prompt_of(1, 9)
+    keys = stable_block_keys_of(prompt)
+    placed = bm.adopt_tier_blocks(keys)
+    assert sorted(placed) == sorted(keys) and bm._num_tier_blocks() == 2
+    assert bm.take_new_tier_blocks() == []  # adopted blocks are on disk already
+    a = make_group("a", prompt)
+    assert admit(bm, a).num_cached_tokens == 8
+    swap_in, _ = end_step(bm, [a])
+    assert sorted(swap_in) == sorted(placed.values())
+    finish(bm, a)
+    b = make_group("b", prompt_of(2, 6 * BS))
+    admit(bm, b)
+    end_step(bm, [b])  # a's blocks are device-cached again: evicted and demoted, nothing new
+    assert bm.take_new_tier_blocks() == []  # the tier still holds both keys
+    c = make_group("c", prompt_of(5, 2 * BS + 1))
+    finish(bm, b)
+    admit(bm, c)
+    end_step(bm, [c])  # evicts 3 of b's 6 cached blocks: new to the tier
+    new = bm.take_new_tier_blocks()
+    b_keys = stable_block_keys_of(prompt_of(2, 6 * BS))
+    assert len(new) == 3 and {k for _, k in new} <= set(b_keys)
+    assert all(bm.cpu.blocks[c].block_hash == k for c, k in new)
+    assert bm.take_new_tier_blocks() == []
+
+
+def stable_block_keys_of(tokens):
+    from kvserve.core.block_manager import stable_block_keys
+
+    return stable_block_keys(tokens, BS)

@@ -258,6 +258,14 @@ class CacheConfig:
             device pool is sized to fill this fraction of the memory the weights and KV share
             (device memory on CUDA, physical host memory on CPU), less what the process
             already holds; it then replaces ``kv_cache_memory_gib``.
+        kv_offload_gib: host memory (GiB) for the prefix cache's host tier: cached blocks the
+            device pool evicts are copied there and swapped back in on a later hit (0: off).
+            Needs ``enable_prefix_caching``. The host pool is the swap pool plus this.
+        num_kv_offload_blocks: host-tier blocks; ``None`` = derived from ``kv_offload_gib``.
+        kv_offload_dir: a directory for the disk tier: host-tier blocks are also written there
+            (in the background) and read back into the host tier at start, so a restarted
+            engine starts warm. Needs the host tier. None: no disk tier.
+        kv_offload_disk_gib: bound of the disk tier's files (least recently used go first).
     """
 
     block_size: int = 16
@@ -270,6 +278,10 @@ class CacheConfig:
     watermark: float = 0.01
     gpu_memory_utilization: float | None = None
     waiting_aware_eviction: bool = True
+    kv_offload_gib: float = 0.0
+    num_kv_offload_blocks: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gib: float = 4.0
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -286,6 +298,38 @@ class CacheConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")
         _positive_int("sliding_window", self.sliding_window, allow_none=True)
+        if not isinstance(self.kv_offload_gib, (int, float)) or not 0 <= self.kv_offload_gib < float("inf"):
+            raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {self.kv_offload_gib!r}.")
+        if self.num_kv_offload_blocks is not None and (
+            not isinstance(self.num_kv_offload_blocks, int) or self.num_kv_offload_blocks < 0
+        ):
+            raise ValueError(
+                f"num_kv_offload_blocks must be an integer >= 0, got {self.num_kv_offload_blocks!r}."
+            )
+        if (self.kv_offload_gib or self.num_kv_offload_blocks) and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offload_gib / num_kv_offload_blocks (the prefix cache's host tier) need "
+                "enable_prefix_caching=True."
+            )
+        if self.kv_offload_dir is not None and not (self.kv_offload_gib or self.num_kv_offload_blocks):
+            raise ValueError("kv_offload_dir (the disk tier) needs the host tier: set kv_offload_gib > 0.")
+        if not isinstance(self.kv_offload_disk_gib, (int, float)) or not 0 < self.kv_offload_disk_gib < float(
+            "inf"
+        ):
+            raise ValueError(
+                f"kv_offload_disk_gib must be a finite number > 0, got {self.kv_offload_disk_gib!r}."
+            )
+
+    def resolve_kv_offload_blocks(self, bytes_per_block: int) -> int:
+        """Set and return ``num_kv_offload_blocks`` (from ``kv_offload_gib`` over
+        ``bytes_per_block`` bytes when unset)."""
+        if self.num_kv_offload_blocks is None:
+            self.num_kv_offload_blocks = int(self.kv_offload_gib * 2**30 // bytes_per_block)
+        return self.num_kv_offload_blocks
+
+    def num_host_blocks(self) -> int:
+        """Blocks of the host pool: the swap pool (``num_cpu_blocks``) plus the host tier."""
+        return (self.num_cpu_blocks or 0) + (self.num_kv_offload_blocks or 0)
 
 
 #: Largest LoRA rank ``LoRAConfig.max_lora_rank`` accepts.
@@ -690,6 +734,14 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     #: ``CacheConfig.waiting_aware_eviction``: cached blocks a waiting prompt needs go last.
     waiting_aware_eviction: bool = True
+    #: ``CacheConfig.kv_offload_gib``: host memory for the prefix cache's host tier (0: off).
+    kv_offload_gib: float = 0.0
+    #: ``CacheConfig.num_kv_offload_blocks`` (None: from ``kv_offload_gib``).
+    num_kv_offload_blocks: int | None = None
+    #: ``CacheConfig.kv_offload_dir``: the disk tier's directory (None: no disk tier).
+    kv_offload_dir: str | None = None
+    #: ``CacheConfig.kv_offload_disk_gib``: bound of the disk tier's files.
+    kv_offload_disk_gib: float = 4.0
     preemption_mode: str | None = None
     #: ``SchedulerConfig.policy`` (CLI ``--scheduling-policy``, alias ``--policy``).
     policy: str = "fcfs"
@@ -974,6 +1026,10 @@ class EngineArgs:
             sliding_window=sliding_window,
             enable_prefix_caching=self.enable_prefix_caching,
             waiting_aware_eviction=self.waiting_aware_eviction,
+            kv_offload_gib=self.kv_offload_gib,
+            num_kv_offload_blocks=self.num_kv_offload_blocks,
+            kv_offload_dir=self.kv_offload_dir,
+            kv_offload_disk_gib=self.kv_offload_disk_gib,
             watermark=self.watermark,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )

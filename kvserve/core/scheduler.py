@@ -405,11 +405,14 @@ class Scheduler:
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
-            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            num_cpu_blocks=cache_config.num_host_blocks(),
             watermark=cache_config.watermark,
             sliding_window=cache_config.sliding_window,
             enable_caching=cache_config.enable_prefix_caching,
             waiting_aware_eviction=cache_config.waiting_aware_eviction,
+            host_tier_blocks=cache_config.num_kv_offload_blocks or 0,
+            tier_cost=preemption_cost,
+            stable_tier_keys=cache_config.kv_offload_dir is not None,
         )
         self.policy: Policy = PolicyFactory.from_config(scheduler_config)
         self._tracks = self.policy.tracks_service  # call the policy's service hooks
@@ -867,12 +870,14 @@ class Scheduler:
                 if ssg.seq_group.lora_request is not None:
                     lora_requests.add(ssg.seq_group.lora_request)
             assert len({r.lora_int_id for r in lora_requests}) <= self.lora_config.max_loras, lora_requests
+        # Host-tier moves: promotions of admitted groups' prefixes, demotions of evicted blocks.
+        promotions, demotions = self.block_manager.take_tier_moves(st.blocks_to_swap_out)
         return SchedulerOutputs(
             scheduled_seq_groups=prefill_groups + decode_groups,
             num_prefill_groups=len(prefill_groups),
             num_batched_tokens=budget.num_batched_tokens,
-            blocks_to_swap_in=swapped_in.blocks_to_swap_in,
-            blocks_to_swap_out=st.blocks_to_swap_out,
+            blocks_to_swap_in={**swapped_in.blocks_to_swap_in, **promotions},
+            blocks_to_swap_out={**demotions, **st.blocks_to_swap_out},
             blocks_to_copy=st.blocks_to_copy,
             ignored_seq_groups=self._take_rejected() + prefills.ignored_seq_groups + st.ignored,
             num_lookahead_slots=max((s.num_lookahead_slots for s in decode_groups), default=0),

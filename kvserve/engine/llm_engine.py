@@ -307,7 +307,12 @@ class LLMEngine:
         try:
             num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
             cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-            worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+            cache_config.resolve_kv_offload_blocks(worker.bytes_per_block())
+            worker.init_cache(num_gpu_blocks, cache_config.num_host_blocks())
+            if cache_config.kv_offload_dir is not None:
+                worker.open_disk_tier(
+                    cache_config.kv_offload_dir, int(cache_config.kv_offload_disk_gib * 2**30)
+                )
             worker.warm_up()
         except BaseException:
             worker.shutdown()  # tensor-parallel peers must not outlive a failed start
@@ -323,7 +328,7 @@ class LLMEngine:
             eos = eos[0]
         if eos is None:
             eos = tokenizer.eos_token_id
-        return cls(
+        engine = cls(
             model_config,
             cache_config,
             scheduler_config,
@@ -337,6 +342,27 @@ class LLMEngine:
             long_prompt_after=longrope_threshold(get_rope_parameters(hf_config)),
             enable_sleep_mode=args.enable_sleep_mode,
         )
+        if cache_config.kv_offload_dir is not None:
+            engine._warm_disk_tier()
+        return engine
+
+    def _warm_disk_tier(self) -> None:
+        """Fill the host tier from the disk tier's files (most recently used first, as many
+        as the tier holds)."""
+        bm = self.scheduler.block_manager
+        keys = self.executor.read_disk_tier(bm.host_tier_blocks)
+        placed = bm.adopt_tier_blocks(keys)
+        self.executor.fill_host_blocks(placed)
+        logger.info("disk tier: %d of %d valid block files entered the host tier", len(placed), len(keys))
+
+    def _save_new_tier_blocks(self) -> None:
+        """Hand blocks that entered the host tier to the disk tier, before the next block moves
+        can overwrite them."""
+        if self.cache_config.kv_offload_dir is None:
+            return
+        blocks = self.scheduler.block_manager.take_new_tier_blocks()
+        if blocks:
+            self.executor.save_host_blocks(blocks)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -585,6 +611,11 @@ class LLMEngine:
         Why drop the executor: objects that outlive the engine (an HTTP app's route closures,
         which FastAPI keeps in a process-wide cache) would otherwise keep the model in memory
         for the life of the process."""
+        if not isinstance(self.executor, _ShutDownExecutor):
+            try:
+                self._save_new_tier_blocks()  # the last step's demotions, then the writer drains
+            except Exception:
+                logger.exception("disk tier: saving the last host-tier blocks failed")
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -603,6 +634,7 @@ class LLMEngine:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         seq_group_metadata_list, sched_out = self.scheduler.schedule()
+        self._save_new_tier_blocks()  # before this step's moves may reuse their host blocks
         faults: dict[int, BaseException] = {}
         scheduled = sched_out.scheduled_seq_groups
         if not sched_out.is_empty():
@@ -718,6 +750,7 @@ class LLMEngine:
             ), {}
         except BlockMoveError as e:
             logger.exception("step %d: block moves failed", self.stats.num_steps)
+            self.scheduler.block_manager.drop_tier_moves()
             self._fail_swapped_out(sched_out, e)
             return [None] * len(metas), dict.fromkeys(range(len(metas)), e)
         except Exception as e:

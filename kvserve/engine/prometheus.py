@@ -259,6 +259,31 @@ class EngineCollector:
             "Cached KV blocks evicted although a waiting request's prompt needed them.",
             kv.get("num_wanted_evictions", 0) or 0,
         )
+        yield gauge(
+            "kvserve:host_tier_blocks",
+            "Prefix-cache blocks held in the host tier (evicted from the device pool).",
+            kv.get("host_tier_blocks", 0) or 0,
+        )
+        yield gauge(
+            "kvserve:host_tier_capacity_blocks",
+            "Most blocks the prefix cache's host tier may hold (0: no tier).",
+            kv.get("host_tier_capacity_blocks", 0) or 0,
+        )
+        yield counter(
+            "kvserve:host_tier_hits",
+            "Prefix-cache blocks found in the host tier and swapped back into the device pool.",
+            kv.get("host_tier_hits", 0) or 0,
+        )
+        yield counter(
+            "kvserve:host_tier_demotions",
+            "Cached blocks the device pool evicted that were copied into the host tier.",
+            kv.get("host_tier_demotions", 0) or 0,
+        )
+        yield counter(
+            "kvserve:gpu_prefix_cache_hit_blocks",
+            "Prefix-cache blocks found in the device pool.",
+            kv.get("gpu_prefix_cache_hit_blocks", 0) or 0,
+        )
         yield counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", stats.num_prompt_tokens)
         yield counter("kvserve:generation_tokens", "Generated tokens.", stats.num_generation_tokens)
         yield counter(

@@ -50,6 +50,17 @@ _HELP = {
         "with prefix caching, evict the cached blocks that a waiting request's prompt needs "
         "last (plain LRU when off)"
     ),
+    "kv_offload_gib": (
+        "host memory (GiB) for the prefix cache's host tier: cached KV blocks evicted from the "
+        "device pool are kept there and swapped back in on a later prefix hit (needs "
+        "--enable-prefix-caching; 0 = off)"
+    ),
+    "kv_offload_dir": (
+        "disk tier of the prefix cache: host-tier blocks are also written to this directory in "
+        "the background and read back at start, so a restarted server starts warm (needs "
+        "--kv-offload-gib; files of another model, dtype or block shape are ignored)"
+    ),
+    "kv_offload_disk_gib": "bound of the disk tier's files (least recently used deleted first)",
     "gpu_memory_utilization": (
         "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
         "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"

@@ -649,8 +649,55 @@ class Worker:
         self.tp.gather_stats.reset()
         return dt
 
+    # ------------------------------------------------------------------ disk tier
+    def open_disk_tier(self, directory: str, max_bytes: int) -> None:
+        """Start the prefix cache's disk tier (``worker.disk_tier``) for this worker's host
+        blocks, keyed to the model, dtype, KV dtype and block shape. One rank only.
+
+        Raises:
+            ValueError: tensor parallelism, or ``init_cache`` not called.
+        """
+        from kvserve.worker.disk_tier import DiskTier
+
+        if self.tp_size > 1:
+            raise ValueError(f"kv_offload_dir needs tensor_parallel_size=1, got {self.tp_size}")
+        if self.cache_engine is None:
+            raise ValueError("Worker.init_cache() must be called before open_disk_tier().")
+        ce = self.cache_engine
+        shape = (ce.num_layers, 2, ce.num_kv_heads, ce.block_size, ce.head_dim)
+        identity = f"{self.model_config.model}|{self.dtype}|kv={ce.dtype}|{shape}"
+        self.disk_tier = DiskTier(directory, identity, shape, ce.dtype, max_bytes)
+        self._disk_loaded: dict[int, torch.Tensor] = {}
+
+    def read_disk_tier(self, limit: int) -> list[int]:
+        """Read up to ``limit`` valid block files (least recently used first); returns their
+        keys. The bytes wait for ``fill_host_blocks``."""
+        items = self.disk_tier.load(limit)
+        self._disk_loaded = dict(items)
+        return [k for k, _ in items]
+
+    def fill_host_blocks(self, placed: dict[int, int]) -> None:
+        """Copy blocks read by ``read_disk_tier`` into host blocks: ``{key: host block}``."""
+        assert self.cache_engine is not None
+        cpu = self.cache_engine.cpu_cache
+        for key, c in placed.items():
+            cpu[:, :, :, c] = self._disk_loaded[key]
+        self._disk_loaded = {}
+
+    def save_host_blocks(self, blocks: list[tuple[int, int]]) -> None:
+        """Queue host blocks for the disk tier: ``(host block, key)`` pairs; the bytes are
+        copied now, the files written by its thread."""
+        assert self.cache_engine is not None
+        cpu = self.cache_engine.cpu_cache
+        for c, key in blocks:
+            self.disk_tier.save(key, cpu[:, :, :, c])
+
     def shutdown(self) -> None:
-        """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1."""
+        """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1. A disk
+        tier writes what it has queued first."""
+        tier = getattr(self, "disk_tier", None)
+        if tier is not None:
+            tier.close()
         if self.peers is not None:
             self.peers.shutdown()
         self.close_group()

@@ -1,0 +1,96 @@
+"""The disk tier's block files: written by a background thread, read back bit for bit; files
+of another model/dtype/shape, truncated or corrupt ones are skipped with a log line; the
+directory stays within its bound, least recently used files deleted first."""
+
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from kvserve.worker.disk_tier import DiskTier
+
+SHAPE = (2, 2, 1, 4, 8)
+
+
+def _tier(path, identity="m|bf16", max_blocks=8, dtype=torch.bfloat16):
+    probe = DiskTier(path, identity, SHAPE, dtype, 1 << 30)
+    probe.close()
+    return DiskTier(path, identity, SHAPE, dtype, max_blocks * probe.file_bytes)
+
+
+def _block(seed, dtype=torch.bfloat16):
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_round_trip_is_bit_exact_and_written_off_the_calling_thread(tmp_path):
+    tier = _tier(tmp_path)
+    writers = []
+    orig = tier._write
+
+    def spy(key, block):
+        writers.append(threading.current_thread().name)
+        orig(key, block)
+
+    tier._write = spy
+    blocks = {k: _block(k) for k in (3, 1 << 60, 12345)}
+    for k, b in blocks.items():
+        tier.save(k, b)
+    tier.flush()
+    assert writers and all(w == "kvserve-disk-tier" for w in writers)
+    tier.close()
+    loaded = dict(_tier(tmp_path).load(10))
+    assert set(loaded) == set(blocks)
+    for k, b in blocks.items():
+        assert torch.equal(loaded[k].view(torch.int16), b.view(torch.int16))
+
+
+def test_foreign_truncated_and_corrupt_files_are_ignored_with_a_log_line(tmp_path, caplog):
+    tier = _tier(tmp_path)
+    for k in range(4):
+        tier.save(k, _block(k))
+    tier.close()
+    other = _tier(tmp_path, identity="another-model|bf16")
+    other.save(9, _block(9))
+    other.close()
+    raw = tier.path(1).read_bytes()
+    tier.path(1).write_bytes(raw[: len(raw) // 2])  # truncated
+    raw = bytearray(tier.path(2).read_bytes())
+    raw[-1] ^= 0xFF  # one flipped byte
+    tier.path(2).write_bytes(bytes(raw))
+    os.replace(tier.path(3), tier.path(7))  # a file under another key's name
+    (tmp_path / "junk.kvb").write_bytes(b"x" * 10)
+    with caplog.at_level(logging.WARNING, logger="kvserve.disk_tier"):
+        loaded = dict(_tier(tmp_path).load(10))
+    assert set(loaded) == {0}
+    text = caplog.text
+    for why in (
+        "another model",
+        "payload of",
+        "checksum mismatch",
+        "does not match its name",
+        "truncated header",
+    ):
+        assert why in text, why
+
+
+def test_directory_stays_within_its_bound_dropping_least_recently_used(tmp_path):
+    tier = _tier(tmp_path, max_blocks=3)
+    for k in range(5):
+        tier.save(k, _block(k))
+        tier.flush()
+        os.utime(tier.path(k), ns=(k * 10**9, k * 10**9))  # distinct mtimes: write order
+    tier.close()
+    assert sorted(p.name for p in tmp_path.glob("*.kvb")) == [tier.path(k).name for k in (2, 3, 4)]
+    # load keeps the most recently used when it may take fewer, returned oldest first
+    assert [k for k, _ in _tier(tmp_path, max_blocks=3).load(2)] == [3, 4]
+
+
+def test_bad_settings_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="kv_offload_disk_gib"):
+        DiskTier(tmp_path, "m", SHAPE, torch.float32, 10)
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        DiskTier(f, "m", SHAPE, torch.float32, 1 << 20)

@@ -334,6 +334,7 @@ class _Step:
         "num_partial",
         "capped",
         "reserved",
+        "reserved_over",
         "passed_delay",
         "speculate",
         "curr_loras",
@@ -353,6 +354,8 @@ class _Step:
         # Waiting groups that preempted others this step -> (group, blocks they need): the
         # freed blocks are theirs, not for the growth of running groups they outrank.
         self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
+        # ... and the waiting groups each of them outranked when it preempted
+        self.reserved_over: dict[str, set[str]] = {}
         self.passed_delay = True  # delay_factor: new prompts may be admitted this step
         self.speculate = False  # decodes may reserve lookahead slots this step
         # Adapter ids (> 0) held by the step so far; None when LoRA is off.
@@ -1102,6 +1105,8 @@ class Scheduler:
                     break
             if gain_blocks < need_blocks or gain_seqs < need_seqs:
                 return  # preempting what it outranks would not make it fit
+            # whom it outranks as it preempts (before the counts the preemption changes)
+            over = {x.request_id for x in waiting if x is not wg and self.policy.outranks(now, wg, x)}
             for v in chosen:
                 victims.remove(v)
                 self.running.remove(v)
@@ -1109,6 +1114,7 @@ class Scheduler:
                 self._preempt(v, st)
                 self.policy.on_running_change(v, -v.get_max_num_running_seqs())
             st.reserved[wg.request_id] = (wg, plan.cost)
+            st.reserved_over[wg.request_id] = over
             self.policy.on_running_change(wg, wg.get_max_num_running_seqs())
             self._lora_add(wg, loras)
             free = bm.get_num_free_gpu_blocks() - plan.cost
@@ -1439,6 +1445,20 @@ class Scheduler:
             for s in g.get_seqs(SequenceStatus.RUNNING)
         )
 
+    def _reserved_first(self, ranked: deque[SequenceGroup], st: _Step) -> deque[SequenceGroup]:
+        """``ranked`` with each group that preempted others this step moved ahead of the
+        groups before it that it outranked when it did: the room it made is its own (under ``priority`` it
+        leads them anyway; ``fair`` may order a flooding tenant's backlog ahead of it)."""
+        out: list[SequenceGroup] = []
+        for g in ranked:
+            k = len(out)
+            if g.request_id in st.reserved:
+                over = st.reserved_over.get(g.request_id, set())
+                while k and out[k - 1].request_id in over:
+                    k -= 1
+            out.insert(k, g)
+        return deque(out)
+
     def _schedule_prefills(
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
     ) -> SchedulerPrefillOutputs:
@@ -1472,12 +1492,7 @@ class Scheduler:
             return out  # nothing could be admitted (never-schedulable ones were rejected at add)
         ranked = self.policy.admission_order(st.now, self.waiting)
         if st.reserved:
-            # groups that preempted others this step come first: the room made is theirs
-            # (under ``priority`` they lead anyway; ``fair`` may rank a tenant's backlog ahead)
-            ranked = deque(
-                [g for g in ranked if g.request_id in st.reserved]
-                + [g for g in ranked if g.request_id not in st.reserved]
-            )
+            ranked = self._reserved_first(ranked, st)
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)

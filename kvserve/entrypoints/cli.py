@@ -35,6 +35,38 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "model": "a local Hugging Face directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (vLLM's half and float too)",
+    "device": "auto (CUDA when available), cpu, cuda",
+    "seed": "the engine's global RNG seed",
+    "block_size": "tokens per KV-cache block",
+    "num_gpu_blocks": "blocks in the device KV pool (on CPU too); None: as many as kv_cache_memory_gib holds",
+    "kv_cache_memory_gib": "memory of the device KV pool when num_gpu_blocks is unset (per rank under tensor parallelism)",
+    "num_cpu_blocks": "blocks in the host swap pool; None: as many as swap_space_gib holds",
+    "swap_space_gib": "memory of the swap pool when num_cpu_blocks is unset; pools (on CPU: both) larger than the machine's physical memory are refused at start",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens in one step (prompt + decode); None: 2,048 with chunked prefill on CPU, 512 with it on CUDA, else max(max_model_len, 512); the flag also takes 8k / 8K forms",
+    "max_model_len": "context length (prompt + output) in tokens; None: the model's max_position_embeddings, which it may not exceed; the flag also takes 32k (x 1,000) and 32K / 1M (x 1,024) forms",
+    "enable_chunked_prefill": "split long prompts over steps and mix them with decodes; None: on on CPU (as vLLM's CPU backend), off on CUDA (as vLLM V0)",
+    "enable_prefix_caching": "reuse KV blocks across requests by hashed token content",
+    "num_kv_offload_blocks": "blocks of the host tier; None: as many as kv_offload_gib holds",
+    "preemption_mode": "recompute or swap for every group; auto: the cheaper of the two per victim (scheduling); None: recompute for one-sequence groups, swap for n > 1",
+    "max_num_partial_prefills": "with chunked prefill, how many prompts may be mid-prefill at once",
+    "long_prefill_token_threshold": "with chunked prefill, the most tokens one prompt takes in a step; None: 4%% of max_model_len (at least one block) when max_num_partial_prefills > 1, else the step budget",
+    "max_waiting": "bound on the waiting queue (the server answers 503 past it); None: no bound",
+    "watermark": "fraction of device blocks kept free when admitting prompts, in [0, 1)",
+    "delay_factor": "vLLM V0's prompt delay: while requests run, new prompts wait until the oldest has waited this many times the last prompt step's latency, so more are batched together; 0 admits at once",
+    "enable_lora": "multi-LoRA serving (LoRA)",
+    "max_loras": "distinct adapters in one step (device slots)",
+    "max_lora_rank": "the largest adapter rank accepted, 1..512",
+    "max_cpu_loras": "adapters kept loaded in the CPU cache (least recently used evicted), at least max_loras; None: max_loras",
+    "max_slot_preemptions": "LoRA slot turnover, 0..8: how many times one request may be preempted to free its adapter's slot for a busier waiting adapter; 0 = off",
+    "data_parallel_size": "engine replicas on Ray behind one endpoint; 1 = this process only (data parallel)",
+    "ray_address": "the Ray cluster to join (auto, HOST:PORT); None: a local Ray runtime",
+    "router": "how a request picks its replica: prefix, least-loaded, round-robin",
+    "router_balance_threshold": "prefix router: the best-matching replica is passed over for the least-loaded one when it has more than this many outstanding requests over it",
+    "tensor_parallel_size": "ranks (processes) per engine (tensor parallel)",
+    "enable_sleep_mode": "sleep mode: LLM.sleep(level) / wake_up(), the server's POST /sleep and /wake_up, free the KV cache and offload (level 1) or drop (level 2) the weights while idle (server)",
     "policy": (
         "queue order: fcfs = arrival order; priority = the request's priority, then arrival; "
         "fair = tenants (the request's user) share the service by weighted tokens served "

@@ -738,8 +738,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the model, as --model (vLLM's `vllm serve MODEL`)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0: all)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument(
         "--api-key",
         type=_api_key_arg,  # argparse applies it to the environment default too
@@ -753,7 +755,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"model name(s) accepted, the first reported (default: the --model path or {DEFAULT_MODEL_NAME})",
     )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted, in bytes (else 413; default: %(default)s)",
+    )
     p.add_argument(
         "--shutdown-grace-s",
         type=float,
@@ -785,7 +792,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         help="close a keep-alive connection idle for this many seconds",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default: %(default)s)",
+    )
     p.add_argument(
         "--request-log",
         action=argparse.BooleanOptionalAction,

@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Default step budget (tokens) of a pooling engine: prompts are never chunked, so it is also
-#: raised to ``max_model_len`` when that is longer.
-POOLING_BATCHED_TOKENS = 8192
+#: raised to ``max_model_len`` when that is longer. 4,096 rows keep a small encoder's largest
+#: activation (rows x intermediate size, float32) under glibc's 32 MiB mmap threshold, so its
+#: buffers are reused from the heap step after step (``worker.cpu_malloc``).
+POOLING_BATCHED_TOKENS = 4096
 
 
 def resolve_runner(args: EngineArgs, hf_config, where: str) -> str:

@@ -16,6 +16,7 @@ import torch
 from kvserve.model_executor.layers.attention import AttentionMetadata, PrefillChunk
 from kvserve.model_executor.layers.pooler import PoolerConfig, pool
 from kvserve.sequence import CompletionSequenceGroupOutput, ExecuteModelRequest
+from kvserve.worker.cpu_malloc import keep_freed_memory
 
 
 class PoolingWorker:
@@ -33,6 +34,8 @@ class PoolingWorker:
         self.pooler_config = pooler_config
         self.device = device
         self.is_encoder = bool(getattr(model, "is_encoder", False))
+        if device == "cpu":
+            keep_freed_memory()  # no page faults on every step's activations (see cpu_malloc)
 
     def hidden_states(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Final hidden states ``[sum(len), hidden]`` of the sequences, one after another."""

@@ -28,6 +28,9 @@ _ACTIVATIONS = {
     "relu": F.relu,
 }
 
+#: Most sequences attended in one padded call (sorted by length, so the padding stays small).
+ATTENTION_BUCKET_SEQS = 32
+
 #: Checkpoint names not read (task heads, buffers).
 _SKIPPED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
 
@@ -190,31 +193,55 @@ class BertModel(nn.Module):
             self._layers.append(tuple(packed))
 
     # ------------------------------------------------------------------ forward
-    def _attend(self, qkv: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    @staticmethod
+    def attention_buckets(seq_lens: list[int], device, max_seqs: int = ATTENTION_BUCKET_SEQS) -> list[tuple]:
+        """The step's attention batches, shared by every layer: sequences sorted by length and
+        cut into groups of at most ``max_seqs``, each padded to its longest.
+
+        Returns per group ``(b, L, rows, slots, mask)``: ``b`` sequences padded to ``L`` tokens,
+        ``rows`` int64 ``[b * L]`` the token row of each padded slot (a padding slot repeats its
+        sequence's last row), ``slots`` ``(positions, token rows)`` int64 of the real (not
+        padding) slots and ``mask`` bool ``[b, 1, 1, L]`` the keys each query may attend (both
+        None when no sequence of the group is padded).
+        """
+        starts = [0] * len(seq_lens)
+        acc = 0
+        for i, n in enumerate(seq_lens):
+            starts[i] = acc
+            acc += n
+        order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
+        groups: list[tuple] = []
+        for g in range(0, len(order), max_seqs):
+            members = order[g : g + max_seqs]
+            lens = torch.tensor([seq_lens[i] for i in members], dtype=torch.int64)
+            L = int(lens.max())
+            col = torch.arange(L, dtype=torch.int64)
+            first = torch.tensor([starts[i] for i in members], dtype=torch.int64)
+            rows = (first[:, None] + torch.minimum(col[None, :], lens[:, None] - 1)).view(-1)
+            if int(lens.min()) == L:
+                groups.append((len(members), L, rows.to(device), None, None))
+                continue
+            keep = col[None, :] < lens[:, None]
+            real = keep.view(-1).nonzero().view(-1)
+            slots = (real.to(device), rows[real].to(device))
+            groups.append((len(members), L, rows.to(device), slots, keep[:, None, None, :].to(device)))
+        return groups
+
+    def _attend(self, qkv: torch.Tensor, buckets: list[tuple]) -> torch.Tensor:
         """Bidirectional attention of each sequence over its own tokens: ``qkv`` ``[T, 3H]`` ->
-        ``[T, H]``. Sequences of one length are attended in one batched call."""
+        ``[T, H]``, one padded SDPA call per group of ``attention_buckets``."""
         T = qkv.shape[0]
         nh, hd, H = self.num_heads, self.head_dim, self.hidden_size
-        heads = qkv.view(T, 3, nh, hd)
         out = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
-        by_len: dict[int, list[int]] = {}
-        start = 0
-        for n in seq_lens:
-            by_len.setdefault(n, []).append(start)
-            start += n
-        for n, starts in by_len.items():
-            if len(starts) == 1:
-                s = starts[0]
-                x = heads[s : s + n].permute(1, 2, 0, 3).unsqueeze(1)  # [3, 1, nh, n, hd]
-                o = F.scaled_dot_product_attention(x[0], x[1], x[2])  # [1, nh, n, hd]
-                out[s : s + n] = o[0].transpose(0, 1)
+        for b, L, rows, slots, mask in buckets:
+            x = qkv.index_select(0, rows).view(b, L, 3, nh, hd)
+            x = x.permute(2, 0, 3, 1, 4)  # [3, b, nh, L, hd]
+            o = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=mask)  # [b, nh, L, hd]
+            o = o.transpose(1, 2).reshape(-1, nh, hd)
+            if slots is None:
+                out.index_copy_(0, rows, o)
             else:
-                idx = (
-                    torch.tensor(starts, device=qkv.device)[:, None] + torch.arange(n, device=qkv.device)
-                ).view(-1)
-                x = heads.index_select(0, idx).view(len(starts), n, 3, nh, hd).permute(2, 0, 3, 1, 4)
-                o = F.scaled_dot_product_attention(x[0], x[1], x[2])  # [B, nh, n, hd]
-                out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, nh, hd))
+                out.index_copy_(0, slots[1], o.index_select(0, slots[0]))
         return out.view(T, H)
 
     def forward(
@@ -235,8 +262,9 @@ class BertModel(nn.Module):
         tt = P["embeddings.token_type_embeddings.weight"]
         x = x + (tt[0] if token_type_ids is None else F.embedding(token_type_ids, tt))
         x = F.layer_norm(x, (H,), P["embeddings.LayerNorm.weight"], P["embeddings.LayerNorm.bias"], self.eps)
+        buckets = self.attention_buckets(seq_lens, x.device)
         for qkv_w, qkv_b, o_w, o_b, ln1_w, ln1_b, up_w, up_b, down_w, down_b, ln2_w, ln2_b in self._layers:
-            ctx = self._attend(linear(x, qkv_w, qkv_b), seq_lens)
+            ctx = self._attend(linear(x, qkv_w, qkv_b), buckets)
             x = F.layer_norm(linear(ctx, o_w, o_b) + x, (H,), ln1_w, ln1_b, self.eps)
             h = self.act(linear(x, up_w, up_b))
             x = F.layer_norm(linear(h, down_w, down_b) + x, (H,), ln2_w, ln2_b, self.eps)

@@ -102,7 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     st = None
     ref: list | None = None
     if not args.no_reference:
-        from sentence_transformers import SentenceTransformer
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
+            print(
+                "error: the reference needs sentence-transformers (pip install sentence-transformers); "
+                "--no-reference runs kvserve only",
+                file=sys.stderr,
+            )
+            return 2
 
         st = SentenceTransformer(str(model_dir), device="cpu")
         st.encode(texts[:16], batch_size=args.batch_size)  # warm-up

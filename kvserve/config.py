@@ -782,6 +782,8 @@ class EngineArgs:
             raise ValueError(f"convert must be one of {'|'.join(CONVERT_CHOICES)}, got {self.convert!r}.")
         if self.convert == "embed" and self.runner == "generate":
             raise ValueError("convert='embed' makes a pooling model; it needs runner='pooling' or 'auto'.")
+        if (self.runner == "pooling" or self.convert == "embed") and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported with runner='pooling' (use 1).")
         self.pooler_overrides()
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()

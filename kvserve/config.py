@@ -706,6 +706,11 @@ class ParallelConfig:
                 )
 
 
+#: ``EngineArgs.runner`` and ``EngineArgs.convert`` values (vLLM's).
+RUNNER_CHOICES = ("auto", "generate", "pooling")
+CONVERT_CHOICES = ("auto", "none", "embed")
+
+
 @dataclass
 class EngineArgs:
     """All engine settings by their public names (``LLM(**kwargs)``, CLI ``--kebab-case``).
@@ -798,6 +803,17 @@ class EngineArgs:
     #: free the KV cache and offload (level 1) or drop (level 2) the weights while idle.
     enable_sleep_mode: bool = False
 
+    #: ``generate`` (text generation), ``pooling`` (embeddings and scores: ``LLM.embed``,
+    #: ``/v1/embeddings``), or ``auto``: pooling for an encoder-only architecture (BERT),
+    #: generation otherwise. vLLM's ``--runner``.
+    runner: str = "auto"
+    #: ``embed``: run a decoder checkpoint as an embedding model (its final hidden states
+    #: pooled, ``pooler_config``); ``none`` / ``auto``: as it is. vLLM's ``--convert``.
+    convert: str = "auto"
+    #: The pooler's settings over the checkpoint's (``pooling_type``: ``MEAN`` | ``CLS`` |
+    #: ``LAST``, ``normalize``), a dict or a JSON object string. vLLM's ``--pooler-config``.
+    pooler_config: dict | str | None = None
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.model_impl = MODEL_IMPL_ALIASES.get(self.model_impl, self.model_impl)
@@ -812,6 +828,15 @@ class EngineArgs:
         _positive_float("fair_output_weight", self.fair_output_weight)
         parse_tenant_weights(self.tenant_weights)
         self.generation_overrides()
+        if self.runner not in RUNNER_CHOICES:
+            raise ValueError(f"runner must be one of {'|'.join(RUNNER_CHOICES)}, got {self.runner!r}.")
+        if self.convert not in CONVERT_CHOICES:
+            raise ValueError(f"convert must be one of {'|'.join(CONVERT_CHOICES)}, got {self.convert!r}.")
+        if self.convert == "embed" and self.runner == "generate":
+            raise ValueError("convert='embed' makes a pooling model; it needs runner='pooling' or 'auto'.")
+        if (self.runner == "pooling" or self.convert == "embed") and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported with runner='pooling' (use 1).")
+        self.pooler_overrides()
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()
         self.create_lora_config()
@@ -922,6 +947,25 @@ class EngineArgs:
                 "fallback would dequantize every weight on every call",
             )
         return QuantizationChoice("gguf", None)
+
+    def pooler_overrides(self) -> dict[str, Any]:
+        """``pooler_config`` as a dict ({} when unset); its keys are checked when the model's
+        pooler is built (``layers.pooler.read_pooler_config``).
+
+        Raises:
+            ValueError: not a JSON object (naming the field).
+        """
+        value = self.pooler_config
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"pooler_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {type(value).__name__}.")
+        return dict(value)
 
     def generation_overrides(self) -> dict[str, Any]:
         """``override_generation_config`` as a dict ({} when unset).

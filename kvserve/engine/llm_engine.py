@@ -32,6 +32,7 @@ from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.field_limits import LIMITS, check_tenant
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.sequence import (
     BlockMoveError,
@@ -134,6 +135,9 @@ class LLMEngine:
         preemption_cost: the scheduler's price of recompute against swap under
             ``--preemption-mode auto`` (``kvserve.core.preemption.PreemptionCost``; the
             simulator passes its cost model's), or None: the built-in default.
+        pooler_config: set for a pooling engine (``kvserve.engine.pooling``): it takes
+            ``PoolingParams`` requests only, and ends each with its vector
+            (``RequestOutput.pooled``) in the step that runs its prompt; None: generation.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class LLMEngine:
         long_prompt_after: int | None = None,
         enable_sleep_mode: bool = False,
         preemption_cost=None,
+        pooler_config=None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -199,7 +204,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()  # the server compiles on a worker thread
-        if tokenizer is not None and executor is not None:
+        self.pooler_config = pooler_config
+        #: ``"pooling"`` (embeddings, scores) or ``"generate"``: the requests it takes
+        self.runner = "generate" if pooler_config is None else "pooling"
+        if tokenizer is not None and executor is not None and pooler_config is None:
             # The grammar engine's tokenizer view, built on a background thread now rather than
             # by the first constrained request (which would stall the requests behind it). Not
             # on a data-parallel front engine (no executor): its replicas compile.
@@ -256,6 +264,10 @@ class LLMEngine:
         from kvserve.model_executor.model_loader import check_architecture, check_fallback_settings
 
         check_architecture(hf_config, args.model_impl, model_dir)  # (before reading its limits)
+        from kvserve.engine.pooling import build_pooling_engine, resolve_runner
+
+        if resolve_runner(args, hf_config, str(model_dir)) == "pooling":
+            return build_pooling_engine(cls, args, model_dir, hf_config)
         if args.quantization == "none":
             from kvserve.model_executor.quantized_checkpoint import quant_method_of
 
@@ -369,7 +381,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
@@ -381,6 +393,8 @@ class LLMEngine:
         loaded yet is loaded and validated here, so a bad one fails this call only.
         ``tenant``: who it is served for (``SequenceGroup.tenant``; the ``fair`` policy shares
         service between tenants); None = the shared default tenant.
+        ``params``: ``SamplingParams`` on a generation engine, ``PoolingParams`` on a pooling
+        one (``runner``); the other kind is refused.
 
         Raises:
             ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
@@ -402,6 +416,22 @@ class LLMEngine:
             self._check_lora_request(lora_request)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
+        if self.runner == "pooling" or isinstance(params, PoolingParams):
+            if self.runner != "pooling":
+                raise ValueError(
+                    "this model is a generation model: it takes no pooling (embedding, score) "
+                    "requests; start it with runner='pooling' to serve embeddings."
+                )
+            if not isinstance(params, PoolingParams):
+                raise ValueError(
+                    "this model is a pooling model (runner='pooling'): it serves embeddings and "
+                    f"scores, not text generation (got {type(params).__name__})."
+                )
+            LIMITS["priority"].check("priority", priority)
+            check_tenant("tenant", tenant)
+            from kvserve.engine.pooling import add_pooling_request
+
+            return add_pooling_request(self, request_id, prompt, params, arrival_time, priority, tenant)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", priority)
@@ -695,6 +725,11 @@ class LLMEngine:
                 group.add_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
             if not meta.do_sample or result is None:
                 continue
+            if result.pooled is not None:  # a pooling request ends with its prompt's step
+                from kvserve.engine.pooling import finish_pooled
+
+                outputs.append(finish_pooled(self, group, result.pooled, now))
+                continue
             try:
                 self._process_samples(group, result, now)
                 if group.is_finished():
@@ -828,6 +863,8 @@ class LLMEngine:
 
     def _input_fault(self, group: SequenceGroup) -> str | None:
         """The validation error of the group's own input now, or None when it is valid."""
+        if group.pooling_params is not None:
+            return None  # checked at add_request; nothing of it changes while it runs
         try:
             group.sampling_params._verify()
             self.validate(group.prompt_token_ids, group.sampling_params)
@@ -1082,6 +1119,11 @@ class LLMEngine:
                 f"({total} blocks, watermark {watermark})"
             )
         return None
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (a pooling model's embedding dimension)."""
+        return int(self.executor.model.config.hidden_size)
 
     def _device(self) -> str:
         try:

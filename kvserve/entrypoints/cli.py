@@ -13,10 +13,12 @@ import time
 import typing
 
 from kvserve.config import (
+    CONVERT_CHOICES,
     DTYPE_ALIASES,
     MODEL_IMPL_ALIASES,
     MODEL_IMPL_CHOICES,
     QUANTIZATION_CHOICES,
+    RUNNER_CHOICES,
     EngineArgs,
     parse_tenant_weights,
 )
@@ -164,15 +166,18 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
             parser.add_argument(
                 *names, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name)
             )
-        elif f.name in ("speculative_config", "override_generation_config"):
+        elif f.name in ("speculative_config", "override_generation_config", "pooler_config"):
             parser.add_argument(
                 *names,
                 type=str,
                 default=None,
                 metavar="JSON",
-                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
-                if f.name == "speculative_config"
-                else "generation_config.json values to set over the file's, e.g. '{\"temperature\": 0.5}'",
+                help={
+                    "speculative_config": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+                    "override_generation_config": "generation_config.json values to set over the file's, "
+                    "e.g. '{\"temperature\": 0.5}'",
+                    "pooler_config": 'pooling models: the pooler over the checkpoint\'s, e.g. \'{"pooling_type": "MEAN"}\'',
+                }[f.name],
             )
         elif f.name == "tenant_weights":
             parser.add_argument(
@@ -200,6 +205,8 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
                     "model_impl": list(MODEL_IMPL_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],
                     "policy": PolicyFactory.names(),
+                    "runner": list(RUNNER_CHOICES),
+                    "convert": list(CONVERT_CHOICES),
                 }.get(f.name),
                 help=helps.get(f.name),
             )

@@ -146,8 +146,8 @@ _FALSE = ("false",)
 FATES: dict[str, Fate] = {
     # ---- model
     "--model": _same(VALUE, "a local HF directory or .gguf file (never a hub name)"),
-    "--runner": _refused(VALUE, "kvserve runs generative models only", accept=("auto", "generate")),
-    "--convert": _refused(VALUE, "kvserve converts no model to pooling", accept=("auto", "none")),
+    "--runner": _same(VALUE, "generate, pooling (embeddings and scores) or auto"),
+    "--convert": _same(VALUE, "embed (a decoder as an embedding model), none or auto"),
     "--task": _refused(VALUE, "kvserve runs text generation only", accept=("auto", "generate")),
     "--tokenizer": _refused(
         VALUE, "kvserve reads the tokenizer from the model directory (or the GGUF)", accept=(SAME_AS_MODEL,)
@@ -187,7 +187,7 @@ FATES: dict[str, Fate] = {
     ),
     "--hf-token": _ignored(OPTIONAL, _LOCAL),
     "--hf-overrides": _refused(VALUE, "kvserve runs the model's config.json as it is"),
-    "--pooler-config": _refused(VALUE, "kvserve has no pooling models"),
+    "--pooler-config": _same(VALUE, "pooling_type (MEAN, CLS, LAST) and normalize"),
     "--override-pooler-config": _refused(VALUE, "kvserve has no pooling models"),
     "--logits-processor-pattern": _refused(VALUE, _PLUGINS),
     "--generation-config": _same(

@@ -59,10 +59,13 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
@@ -85,6 +88,7 @@ from kvserve.entrypoints.openai.serving_models import (
     OpenAIServingModels,
     parse_lora_module,
 )
+from kvserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
 from kvserve.entrypoints.openai.tracing import RequestTracer
@@ -111,6 +115,12 @@ _KNOWN_PATHS = {
     "/tokenize",
     "/detokenize",
     "/metrics",
+    "/v1/embeddings",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
 }
 
 
@@ -155,7 +165,17 @@ def _is_protected(path: str) -> bool:
     return (
         path.startswith("/v1/")
         or path == "/v1"
-        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache", "/sleep", "/wake_up")
+        or path
+        in (
+            "/tokenize",
+            "/detokenize",
+            "/reset_prefix_cache",
+            "/sleep",
+            "/wake_up",
+            "/pooling",
+            "/score",
+            "/rerank",
+        )
     )
 
 
@@ -429,23 +449,69 @@ def build_app(
         return internal_error_response(exc)
 
     # ------------------------------------------------------------------ generation
+    def _require_generation() -> None:
+        if getattr(engine, "runner", "generate") == "pooling":
+            raise APIError(
+                f"model {served_model_name!r} is a pooling model: it serves /v1/embeddings, /pooling, "
+                "/score and /rerank, not text generation.",
+                400,
+                param="model",
+                code="unsupported",
+            )
+
     @app.post("/v1/completions")
     async def create_completion(request: Request):
         """OpenAI completions (text, token ids, batches; streaming with SSE)."""
+        _require_generation()
         req = await read_json_body(request, CompletionRequest, max_body_bytes)
         return await completion.create_completion(req, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
         """OpenAI chat completions through the tokenizer's chat template."""
+        _require_generation()
         req = await read_json_body(request, ChatCompletionRequest, max_body_bytes)
         return await chat.create_chat_completion(req, request)
+
+    # ------------------------------------------------------------------ pooling
+    pooling = OpenAIServingPooling(async_engine, names, **serving_kwargs)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: Request):
+        """OpenAI embeddings (text, token ids, batches; float or base64)."""
+        pooling.require_pooling()
+        req = await read_json_body(request, EmbeddingRequest, max_body_bytes)
+        return await pooling.create_embedding(req, request)
+
+    @app.post("/pooling")
+    async def create_pooling(request: Request):
+        """vLLM's pooling route: the pooled vector of each input (in ``data``)."""
+        pooling.require_pooling()
+        req = await read_json_body(request, EmbeddingRequest, max_body_bytes)
+        return await pooling.create_embedding(req, request, pooling=True)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: Request):
+        """Cosine similarity of ``text_1`` with each ``text_2`` (bi-encoder score)."""
+        pooling.require_pooling()
+        req = await read_json_body(request, ScoreRequest, max_body_bytes)
+        return await pooling.create_score(req, request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def create_rerank(request: Request):
+        """``documents`` ordered by cosine similarity to ``query``."""
+        pooling.require_pooling()
+        req = await read_json_body(request, RerankRequest, max_body_bytes)
+        return await pooling.create_rerank(req, request)
 
     responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
         """OpenAI's Responses API, run as a chat completion (``serving_responses``)."""
+        _require_generation()
         req = await read_json_body(request, ResponsesRequest, max_body_bytes)
         return await responses.create_response(req, request)
 
@@ -462,6 +528,7 @@ def build_app(
             root=engine.model_config.model or name,
             max_model_len=engine.scheduler_config.max_model_len,
             generation_defaults=dict(getattr(engine, "generation_defaults", None) or {}),
+            task="embed" if getattr(engine, "runner", "generate") == "pooling" else "generate",
         )
 
     def _lora_card(lora, parent: str) -> ModelCard:

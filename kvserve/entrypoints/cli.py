@@ -37,6 +37,10 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "runner": (
+        "generate, pooling (embeddings and scores) or auto: pooling for an encoder-only architecture (BERT)"
+    ),
+    "convert": "embed: a decoder checkpoint served as an embedding model; none / auto: as it is",
     "model": "a local Hugging Face directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (vLLM's half and float too)",
     "device": "auto (CUDA when available), cpu, cuda",

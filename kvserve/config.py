@@ -116,6 +116,24 @@ def check_model_impl(value) -> None:
         raise ValueError(f"model_impl must be one of {'|'.join(MODEL_IMPL_CHOICES)}, got {value!r}.")
 
 
+def _json_object(name: str, value: Any) -> dict[str, Any]:
+    """``value`` (None, a dict, or a JSON string of an object) as a new dict ({} for None).
+
+    Raises:
+        ValueError: not valid JSON, or not an object (naming ``name``).
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")
+    return dict(value)
+
+
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -955,17 +973,7 @@ class EngineArgs:
         Raises:
             ValueError: not a JSON object (naming the field).
         """
-        value = self.pooler_config
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not valid JSON: {e}.") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {type(value).__name__}.")
-        return dict(value)
+        return _json_object("pooler_config", self.pooler_config)
 
     def generation_overrides(self) -> dict[str, Any]:
         """``override_generation_config`` as a dict ({} when unset).
@@ -973,17 +981,7 @@ class EngineArgs:
         Raises:
             ValueError: not a JSON object (naming the field).
         """
-        value = self.override_generation_config
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"override_generation_config is not valid JSON: {e}.") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"override_generation_config must be a JSON object, got {type(value).__name__}.")
-        return dict(value)
+        return _json_object("override_generation_config", self.override_generation_config)
 
     def replica_args(self) -> EngineArgs:
         """The settings of one data-parallel replica: these, with ``data_parallel_size=1`` (the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
@@ -24,8 +24,10 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
 
 if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.outputs import RequestOutput
+
+#: an ``LLMEngine`` (the type is not imported: ``llm_engine`` imports this module)
+LLMEngine = Any
 
 logger = logging.getLogger(__name__)
 

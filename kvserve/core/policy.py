@@ -44,7 +44,25 @@ class Policy:
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> Policy:
-        """The policy with ``config``'s settings (none for most policies)."""
+        """The policy with ``config``'s settings (none for most policies).
+
+        Raises:
+            ValueError: a ``fair``-only setting (``tenant_weights``, ``fair_input_weight``,
+                ``fair_output_weight``) differs from its default: this policy would ignore it.
+        """
+        unread = [
+            name
+            for name, value, default in (
+                ("tenant_weights", config.tenant_weights, {}),
+                ("fair_input_weight", config.fair_input_weight, SchedulerConfig.fair_input_weight),
+                ("fair_output_weight", config.fair_output_weight, SchedulerConfig.fair_output_weight),
+            )
+            if value != default
+        ]
+        if unread:
+            raise ValueError(
+                f"{', '.join(unread)} only apply to the 'fair' scheduling policy, not {config.policy!r}."
+            )
         return cls()
 
     def get_priority(self, now: float, seq_group: SequenceGroup) -> PriorityKey:

@@ -133,7 +133,8 @@ class LLM:
         Raises:
             ValueError: for any invalid prompt or params (an adapter that does not load, a
                 ``lora_request`` or ``tenant`` list of the wrong length or while LoRA is off, a
-                tenant over ``MAX_TENANT_CHARS`` characters); then nothing is queued.
+                ``tenant`` that is not a string, list or None, a tenant over ``MAX_TENANT_CHARS``
+                characters); then nothing is queued.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -160,10 +161,14 @@ class LLM:
         loras = self._lora_list(lora_request, len(prompts))
         if tenant is None or isinstance(tenant, str):
             tenants: list[str | None] = [tenant] * len(prompts)
-        else:
+        elif isinstance(tenant, (list, tuple)):
             tenants = list(tenant)
             if len(tenants) != len(prompts):
                 raise ValueError(f"tenant has {len(tenants)} entries for {len(prompts)} prompts.")
+        else:
+            raise ValueError(
+                f"tenant must be a string, a list of strings (one per prompt) or None, got {type(tenant).__name__}."
+            )
         for t in tenants:
             check_tenant("tenant", t)
         engine = self.llm_engine

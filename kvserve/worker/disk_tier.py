@@ -4,7 +4,7 @@ engine starts with them in its host tier.
 One file a block, ``<key as 16 hex digits>.kvb``: a 48-byte header then the block's bytes::
 
     magic  b"KVSTIER1"                    8 bytes
-    identity digest (blake2b-128)        16 bytes  model, dtype, KV dtype, block shape
+    identity digest (blake2b-128)        16 bytes  model and its checkpoint files, dtypes, block shape
     key                                   8 bytes  the block's stable chain key (little endian)
     payload length                        8 bytes
     payload crc32                         4 bytes
@@ -14,7 +14,8 @@ Writes run on one background thread (a step only snapshots the block: one host-m
 and land atomically (a temporary file, then a rename). The directory is bounded to
 ``max_bytes``: after each write the least recently used files (oldest modification time; a file
 read at start is touched) are deleted until it fits. A file whose header, identity, key, length
-or checksum does not match is skipped with a log line, never loaded.
+or checksum does not match is skipped with a log line, never loaded; so is a file whose size is
+not a block file's, unread.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import queue
 import struct
+import tempfile
 import threading
 import zlib
 from pathlib import Path
@@ -35,6 +37,26 @@ logger = logging.getLogger("kvserve.disk_tier")
 MAGIC = b"KVSTIER1"
 _HEADER = struct.Struct("<8s16sQQII")
 SUFFIX = ".kvb"
+
+
+def checkpoint_fingerprint(*paths: str | Path | None) -> str:
+    """What identifies the checkpoint at ``paths`` (files, or directories whose top-level files
+    are read): each file's name, size and modification time, sorted. A checkpoint rewritten in
+    place (new weights, same path) gets another fingerprint, so blocks computed with the old
+    weights are not loaded for the new ones. Missing paths and None are skipped."""
+    parts: list[str] = []
+    for path in paths:
+        if path is None:
+            continue
+        p = Path(path)
+        try:
+            files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+            for f in files:
+                st = f.stat()
+                parts.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            continue
+    return ";".join(parts)
 
 
 def identity_digest(identity: str) -> bytes:
@@ -52,7 +74,8 @@ class DiskTier:
         max_bytes: bound of the directory's block files (>= one file).
 
     Raises:
-        ValueError: ``max_bytes`` below one file, or ``directory`` is not a directory.
+        ValueError: ``max_bytes`` below one file, or ``directory`` is not a directory that can be
+            created and written to.
     """
 
     def __init__(
@@ -66,7 +89,14 @@ class DiskTier:
         self.dir = Path(directory)
         if self.dir.exists() and not self.dir.is_dir():
             raise ValueError(f"kv_offload_dir {self.dir} exists and is not a directory")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # a directory the writer cannot write to would only fail later, block by block
+            tempfile.TemporaryFile(dir=self.dir).close()
+        except OSError as e:
+            raise ValueError(
+                f"kv_offload_dir {self.dir} is not a writable directory: {e.strerror or e}"
+            ) from None
         self.identity = identity_digest(identity)
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -151,14 +181,20 @@ class DiskTier:
         entries = []
         for p in self.dir.glob(f"*{SUFFIX}"):
             try:
-                entries.append((p.stat().st_mtime_ns, p))
-            except FileNotFoundError:
+                st = p.stat()
+            except OSError:
                 continue
+            entries.append((st.st_mtime_ns, st.st_size, p))
         entries.sort(key=lambda e: e[0], reverse=True)
         out: list[tuple[int, torch.Tensor]] = []
-        for _, p in entries:
+        for _, size, p in entries:
             if len(out) >= limit:
                 break
+            if size != self.file_bytes:  # not read: a stray file may be of any size
+                logger.warning(
+                    "disk tier: %s ignored: %d bytes, a block file has %d", p, size, self.file_bytes
+                )
+                continue
             block = self._read(p)
             if block is not None:
                 out.append(block)

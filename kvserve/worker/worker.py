@@ -480,7 +480,12 @@ class Worker:
                     f"kv_cache_memory_gib={cc.kv_cache_memory_gib} is smaller than one KV block ({bpb} bytes)"
                 )
         cpu = cc.num_cpu_blocks if cc.num_cpu_blocks is not None else int(cc.swap_space_gib * _GIB // bpb)
-        self._check_host_memory(gpu, cpu, bpb)
+        tier = (
+            cc.num_kv_offload_blocks
+            if cc.num_kv_offload_blocks is not None
+            else int(cc.kv_offload_gib * _GIB // bpb)
+        )
+        self._check_host_memory(gpu, cpu, bpb, tier)
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             if gpu * bpb > free:
@@ -518,9 +523,10 @@ class Worker:
             )
         return budget // bpb
 
-    def _check_host_memory(self, gpu: int, cpu: int, bpb: int) -> None:
-        """Refuse pools that host memory cannot hold (the swap pool always, the device pool
-        too on CPU; every rank holds its own shard of both), naming the setting to lower,
+    def _check_host_memory(self, gpu: int, cpu: int, bpb: int, tier: int = 0) -> None:
+        """Refuse pools that host memory cannot hold (the swap pool and the prefix cache's
+        host tier, ``tier`` blocks, always; the device pool too on CPU; every rank holds its
+        own shard of each), naming the setting to lower,
         rather than fail in the allocator. Physical memory is the bound (not what is free
         now: that moves with the other processes of the machine).
 
@@ -532,6 +538,10 @@ class Worker:
             return
         cc = self.cache_config
         on_host = [(cpu, "num_cpu_blocks" if cc.num_cpu_blocks is not None else "swap_space_gib")]
+        if tier:
+            on_host.append(
+                (tier, "num_kv_offload_blocks" if cc.num_kv_offload_blocks is not None else "kv_offload_gib")
+            )
         if self.device == "cpu":
             on_host.insert(
                 0, (gpu, "num_gpu_blocks" if cc.num_gpu_blocks is not None else "kv_cache_memory_gib")
@@ -545,6 +555,8 @@ class Worker:
         ]
         ranks = f", on each of {self.tp_size} ranks" if self.tp_size > 1 else ""
         pools = f"{gpu} blocks + {cpu} swap blocks" if self.device == "cpu" else f"{cpu} swap blocks"
+        if tier:
+            pools += f" + {tier} host-tier blocks"
         raise ValueError(
             f"the KV cache needs {need / _GIB:.2f} GiB of host memory ({pools} of {bpb} bytes{ranks}) but this machine has {total / _GIB:.2f} GiB of host memory; "
             f"lower {' or '.join(over)}"
@@ -652,12 +664,14 @@ class Worker:
     # ------------------------------------------------------------------ disk tier
     def open_disk_tier(self, directory: str, max_bytes: int) -> None:
         """Start the prefix cache's disk tier (``worker.disk_tier``) for this worker's host
-        blocks, keyed to the model, dtype, KV dtype and block shape. One rank only.
+        blocks, keyed to the model, its checkpoint files (names, sizes, modification times:
+        weights rewritten in place do not reuse the old blocks), quantization, dtype, KV dtype
+        and block shape. One rank only.
 
         Raises:
             ValueError: tensor parallelism, or ``init_cache`` not called.
         """
-        from kvserve.worker.disk_tier import DiskTier
+        from kvserve.worker.disk_tier import DiskTier, checkpoint_fingerprint
 
         if self.tp_size > 1:
             raise ValueError(f"kv_offload_dir needs tensor_parallel_size=1, got {self.tp_size}")
@@ -665,7 +679,9 @@ class Worker:
             raise ValueError("Worker.init_cache() must be called before open_disk_tier().")
         ce = self.cache_engine
         shape = (ce.num_layers, 2, ce.num_kv_heads, ce.block_size, ce.head_dim)
-        identity = f"{self.model_config.model}|{self.dtype}|kv={ce.dtype}|{shape}"
+        mc = self.model_config
+        weights = checkpoint_fingerprint(self.model_dir, mc.model)
+        identity = f"{mc.model}|{weights}|q={mc.quantization}|impl={mc.model_impl}|{self.dtype}|kv={ce.dtype}|{shape}"
         self.disk_tier = DiskTier(directory, identity, shape, ce.dtype, max_bytes)
         self._disk_loaded: dict[int, torch.Tensor] = {}
 

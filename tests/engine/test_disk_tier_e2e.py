@@ -62,3 +62,40 @@ def test_restarted_engine_starts_warm_from_the_disk_tier(tiny_llama_dir, tiny_hf
     foreign = _llm(tiny_llama_dir, tmp_path, dtype="bfloat16")  # other bytes: never loaded
     assert foreign.llm_engine.get_kv_cache_stats()["host_tier_blocks"] == 0
     foreign.shutdown()
+
+
+def test_weights_rewritten_in_place_do_not_reuse_the_old_blocks(tiny_llama_dir, tmp_path):
+    """Blocks written for one checkpoint are not loaded once the weights at the same path
+    change (the path alone named the model): the restarted engine's greedy tokens are those of
+    the new weights, computed, not the old weights' K/V."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    blocks = tmp_path / "blocks"
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49152) for _ in range(18)]
+    other = [rng.randrange(3, 49152) for _ in range(30)]
+    first = _llm(model_dir, blocks)
+    _run(first.llm_engine, "a", prompt)
+    _run(first.llm_engine, "b", other)  # the prompt's blocks go to the host tier and disk
+    first.shutdown()
+    assert len(list(blocks.glob("*.kvb"))) >= 4
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.model.layers[0].self_attn.parameters():
+            p.mul_(-1.5)  # other K/V for the same tokens
+    hf.save_pretrained(model_dir)
+    hf = hf.to(TEST_DEVICE).eval()
+
+    second = _llm(model_dir, blocks)
+    engine = second.llm_engine
+    assert engine.get_kv_cache_stats()["host_tier_blocks"] == 0
+    out = _run(engine, "a-again", prompt)
+    assert engine.get_kv_cache_stats()["host_tier_hits"] == 0
+    compare(out, hf_greedy(hf, prompt, MAX_NEW))
+    second.shutdown()

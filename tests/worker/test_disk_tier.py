@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvserve.worker.disk_tier import DiskTier
+from kvserve.worker.disk_tier import SUFFIX, DiskTier
 
 SHAPE = (2, 2, 1, 4, 8)
 
@@ -67,10 +67,10 @@ def test_foreign_truncated_and_corrupt_files_are_ignored_with_a_log_line(tmp_pat
     text = caplog.text
     for why in (
         "another model",
-        "payload of",
+        "152 bytes, a block file has 304",  # truncated
+        "10 bytes, a block file has 304",  # junk
         "checksum mismatch",
         "does not match its name",
-        "truncated header",
     ):
         assert why in text, why
 
@@ -94,3 +94,26 @@ def test_bad_settings_are_errors(tmp_path):
     f.write_text("")
     with pytest.raises(ValueError, match="not a directory"):
         DiskTier(f, "m", SHAPE, torch.float32, 1 << 20)
+
+
+def test_a_directory_that_cannot_be_created_is_a_value_error_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(ValueError, match="kv_offload_dir .* is not a writable directory"):
+        DiskTier(blocker / "sub", "id", (2, 3), torch.float32, 1 << 20)
+
+
+def test_files_of_another_size_are_skipped_unread(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, "id", (2, 3), torch.float32, 1 << 20)
+    tier.save(7, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    tier.flush()
+    (tmp_path / f"{8:016x}{SUFFIX}").write_bytes(b"\0" * (tier.file_bytes * 1000))
+    (tmp_path / f"{9:016x}{SUFFIX}").write_bytes(b"KVSTIER1")
+    (tmp_path / f"{10:016x}{SUFFIX}").mkdir()
+    read = []
+    real_read = DiskTier._read
+    monkeypatch.setattr(DiskTier, "_read", lambda self, p: read.append(p.name) or real_read(self, p))
+    loaded = tier.load(10)
+    assert [k for k, _ in loaded] == [7]
+    assert read == [f"{7:016x}{SUFFIX}"]
+    tier.close()

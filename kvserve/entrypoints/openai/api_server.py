@@ -600,12 +600,20 @@ def build_app(
         """Sleep mode (``--enable-sleep-mode``): free the KV cache and offload (``level=1``, the
         default; on CPU the weights stay in place) or drop (``level=2``) the weights. 409
         ``requests_in_flight`` while requests run; 400 when sleep mode is off, for a level
-        other than 1 or 2, or when asleep already. Requests get 503 ``engine_sleeping`` until
+        other than 1 or 2 (or given twice), or when asleep already. Requests get 503 ``engine_sleeping`` until
         ``/wake_up``."""
         from kvserve.engine.llm_engine import RequestsInFlightError
 
         _check_sleep_mode()
-        raw = request.query_params.get("level", "1")
+        given = request.query_params.getlist("level")
+        if len(given) > 1:  # which one was meant is unknown: never pick one silently
+            raise APIError(
+                f"level must be given once, got {len(given)} values.",
+                400,
+                param="level",
+                code="invalid_value",
+            )
+        raw = given[0] if given else "1"
         try:
             level = int(raw)
         except ValueError:

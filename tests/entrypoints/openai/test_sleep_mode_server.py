@@ -59,6 +59,7 @@ def test_sleep_refuses_requests_and_wake_up_answers_as_before(sleepy_server):
 
 @pytest.mark.parametrize(
     ("route", "params", "param"), [("/sleep", {"level": 3}, "level"), ("/sleep", {"level": "x"}, "level"),
+                                   ("/sleep", [("level", "1"), ("level", "2")], "level"),
                                    ("/wake_up", {"tags": "optimizer"}, "tags")]
 )  # fmt: skip
 def test_bad_level_or_tag_is_a_400_naming_it(sleepy_server, route, params, param):

@@ -392,7 +392,7 @@ class LLMEngine:
         ``lora_request``: the adapter it runs with (None: the base model); an adapter not
         loaded yet is loaded and validated here, so a bad one fails this call only.
         ``tenant``: who it is served for (``SequenceGroup.tenant``; the ``fair`` policy shares
-        service between tenants); None = the shared default tenant.
+        service between tenants); None (or "") = the shared default tenant.
         ``params``: ``SamplingParams`` on a generation engine, ``PoolingParams`` on a pooling
         one (``runner``); the other kind is refused.
 
@@ -436,6 +436,7 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", priority)
         check_tenant("tenant", tenant)
+        tenant = tenant or None  # an empty name is no name: the shared default tenant
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         prompt_ids = truncate_prompt(prompt_ids, params, self.scheduler_config.max_model_len)
         max_tokens = self.validate(prompt_ids, params)

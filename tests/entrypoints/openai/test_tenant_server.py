@@ -110,3 +110,19 @@ def tiny_llm_fair(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_gpu_blocks=16, policy="fair")
     yield llm
     llm.shutdown()
+
+
+def test_an_empty_tenant_is_the_default_tenant(tiny_llm_fair):
+    from kvserve import SamplingParams
+
+    engine = tiny_llm_fair.llm_engine
+    engine.add_request("empty-tenant", "hello", SamplingParams(max_tokens=1), tenant="")
+    group = next(g for g in engine.scheduler.waiting if g.request_id == "empty-tenant")
+    engine.add_request("no-tenant", "hello", SamplingParams(max_tokens=1))
+    group2 = next(g for g in engine.scheduler.waiting if g.request_id == "no-tenant")
+    assert group.tenant is None and group2.tenant is None
+    engine.abort_request(["empty-tenant", "no-tenant"])
+    for _ in range(3):  # the aborts are reported by the next step
+        if engine.has_unfinished_requests():
+            engine.step()
+    assert not engine.has_unfinished_requests()

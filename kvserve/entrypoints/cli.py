@@ -21,7 +21,7 @@ from kvserve.config import (
     parse_tenant_weights,
 )
 from kvserve.core.policy import PolicyFactory
-from kvserve.entrypoints.vllm_compat import aliases_of, human_int_arg
+from kvserve.entrypoints.vllm_compat import FLAG_OF_FIELD, aliases_of, human_int_arg
 from kvserve.lora.modules import parse_lora_module
 
 DEMO_CHATS = [
@@ -119,14 +119,12 @@ _HELP = {
 
 #: Integer fields that also take vLLM's 32k / 1M forms (``vllm_compat.parse_human_int``).
 _HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
-#: Fields whose flag is not ``--`` + the field name (vLLM's spelling); the field's own
-#: spelling stays as an alias.
-_FLAG_OF = {"policy": "--scheduling-policy"}
 
 
 def flag_of(field_name: str) -> str:
-    """The command-line flag of an ``EngineArgs`` field."""
-    return _FLAG_OF.get(field_name, "--" + field_name.replace("_", "-"))
+    """The command-line flag of an ``EngineArgs`` field (``FLAG_OF_FIELD``'s vLLM spellings; the
+    field's own spelling stays as an alias)."""
+    return FLAG_OF_FIELD.get(field_name, "--" + field_name.replace("_", "-"))
 
 
 def _tenant_weights(text: str) -> dict[str, float]:

@@ -222,11 +222,19 @@ def checked_engine_args(ns: argparse.Namespace) -> EngineArgs | None:
         return None
 
 
+def _is_bool_field(hint) -> bool:
+    return bool in (hint, *typing.get_args(hint))
+
+
 def _flag_patterns() -> list[tuple[re.Pattern, str]]:
     out = []
+    hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
         flag = flag_of(f.name)
         name = re.escape(f.name)
+        if _is_bool_field(hints[f.name]):  # a switch: ``name=True`` is ``--flag``, False ``--no-flag``
+            out.append((re.compile(rf"(?<![\w.\-'\"]){name}=True\b"), flag))
+            out.append((re.compile(rf"(?<![\w.\-'\"]){name}=False\b"), "--no-" + flag[2:]))
         # ``name='v'`` / ``name=v``: the flag and its value as typed
         value = r"=(?:'([^']*)'|\"([^\"]*)\"|([^\s,;)]+))"
         out.append((re.compile(rf"(?<![\w.\-'\"]){name}{value}"), flag))
@@ -244,6 +252,7 @@ def flag_names(message: str) -> str:
     """``message`` (an engine error worded for ``LLM(...)``) with each ``EngineArgs`` keyword
     written as the command-line flag the user typed: ``tensor_parallel_size=3`` ->
     ``--tensor-parallel-size 3``, ``quantization='gptq'`` -> ``--quantization gptq``,
+    ``enable_prefix_caching=True`` -> ``--enable-prefix-caching`` (``=False``: ``--no-...``),
     ``data_parallel_size must`` -> ``--data-parallel-size must``. Longer identifiers
     (``quantization_config``, ``speculative_config.method``) stay as they are."""
     global _FLAG_PATTERNS

@@ -21,8 +21,8 @@ from kvserve.workload import scheduling as ws
 
 HEADERS = (
     "workload", "runner", "policy", "backfill", "preempt",
-    "A ttft p50", "A ttft p90", "B ttft p50", "B ttft p90", "B p90 alone",
-    "A tpot p50", "A tpot p90", "B tpot p50", "B tpot p90", "jain", "tok/s", "preempts",
+    "A ttft p50 ms", "A ttft p90 ms", "B ttft p50 ms", "B ttft p90 ms", "B p90 alone ms",
+    "A tpot p50 ms", "A tpot p90 ms", "B tpot p50 ms", "B tpot p90 ms", "jain", "tok/s", "preempts",
 )  # fmt: skip
 
 #: each workload's key metric: (name, value of a row, higher is better)

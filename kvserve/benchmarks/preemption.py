@@ -19,7 +19,7 @@ from kvserve.workload import scheduling as ws
 
 HEADERS = (
     "workload", "runner", "policy", "backfill", "preempt", "recompute", "swap", "recomputed tok",
-    "tok/s", "ttft p50", "ttft p90", "tpot p50", "tpot p90", "finished",
+    "tok/s", "ttft p50 ms", "ttft p90 ms", "tpot p50 ms", "tpot p90 ms", "finished",
 )  # fmt: skip
 
 

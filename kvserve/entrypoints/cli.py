@@ -23,7 +23,7 @@ from kvserve.config import (
     parse_tenant_weights,
 )
 from kvserve.core.policy import PolicyFactory
-from kvserve.entrypoints.vllm_compat import aliases_of, human_int_arg
+from kvserve.entrypoints.vllm_compat import FLAG_OF_FIELD, aliases_of, human_int_arg
 from kvserve.lora.modules import parse_lora_module
 
 DEMO_CHATS = [
@@ -125,14 +125,12 @@ _HELP = {
 
 #: Integer fields that also take vLLM's 32k / 1M forms (``vllm_compat.parse_human_int``).
 _HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
-#: Fields whose flag is not ``--`` + the field name (vLLM's spelling); the field's own
-#: spelling stays as an alias.
-_FLAG_OF = {"policy": "--scheduling-policy"}
 
 
 def flag_of(field_name: str) -> str:
-    """The command-line flag of an ``EngineArgs`` field."""
-    return _FLAG_OF.get(field_name, "--" + field_name.replace("_", "-"))
+    """The command-line flag of an ``EngineArgs`` field (``FLAG_OF_FIELD``'s vLLM spellings; the
+    field's own spelling stays as an alias)."""
+    return FLAG_OF_FIELD.get(field_name, "--" + field_name.replace("_", "-"))
 
 
 def _tenant_weights(text: str) -> dict[str, float]:
@@ -235,11 +233,19 @@ def checked_engine_args(ns: argparse.Namespace) -> EngineArgs | None:
         return None
 
 
+def _is_bool_field(hint) -> bool:
+    return bool in (hint, *typing.get_args(hint))
+
+
 def _flag_patterns() -> list[tuple[re.Pattern, str]]:
     out = []
+    hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
         flag = flag_of(f.name)
         name = re.escape(f.name)
+        if _is_bool_field(hints[f.name]):  # a switch: ``name=True`` is ``--flag``, False ``--no-flag``
+            out.append((re.compile(rf"(?<![\w.\-'\"]){name}=True\b"), flag))
+            out.append((re.compile(rf"(?<![\w.\-'\"]){name}=False\b"), "--no-" + flag[2:]))
         # ``name='v'`` / ``name=v``: the flag and its value as typed
         value = r"=(?:'([^']*)'|\"([^\"]*)\"|([^\s,;)]+))"
         out.append((re.compile(rf"(?<![\w.\-'\"]){name}{value}"), flag))
@@ -257,6 +263,7 @@ def flag_names(message: str) -> str:
     """``message`` (an engine error worded for ``LLM(...)``) with each ``EngineArgs`` keyword
     written as the command-line flag the user typed: ``tensor_parallel_size=3`` ->
     ``--tensor-parallel-size 3``, ``quantization='gptq'`` -> ``--quantization gptq``,
+    ``enable_prefix_caching=True`` -> ``--enable-prefix-caching`` (``=False``: ``--no-...``),
     ``data_parallel_size must`` -> ``--data-parallel-size must``. Longer identifiers
     (``quantization_config``, ``speculative_config.method``) stay as they are."""
     global _FLAG_PATTERNS

@@ -478,6 +478,9 @@ LLM_KEYWORDS = (
 
 #: Flags of vLLM's server only (``AsyncEngineArgs`` and the frontend): not ``LLM(...)`` keywords.
 _SERVER_ONLY = {"--enable-log-requests", "--disable-log-requests"}
+#: ``EngineArgs`` fields whose flag is not ``--`` + the field name but vLLM's spelling; vLLM's
+#: ``LLM(...)`` keyword of that flag (``scheduling_policy``) sets the field.
+FLAG_OF_FIELD = {"policy": "--scheduling-policy"}
 
 _DEST_PREFIX = "vllm_flag__"
 
@@ -620,8 +623,14 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
         fate = FATES[flag]
         if fate.kind == REFUSED and value is None:
             continue  # vLLM's "unset"
-        if fate.kind == SAME:  # kvserve's flag, but of the server (its engine fields passed above)
+        if fate.kind == SAME:  # kvserve's flag: an engine field of another name, or the server's
             if value is None:
+                continue
+            field = next((f for f, fl in FLAG_OF_FIELD.items() if fl == flag), None)
+            if field is not None and field in engine_fields:
+                if field in kwargs and kwargs[field] != value:
+                    raise ValueError(f"{key}={value!r} and {field}={kwargs[field]!r} set one setting twice.")
+                out[field] = value
                 continue
             raise ValueError(f"{key} is a server setting (kvserve serve {flag}), not an LLM(...) keyword.")
         try:

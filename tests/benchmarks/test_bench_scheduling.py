@@ -156,6 +156,13 @@ def test_preemption_command_on_the_simulator(tmp_path, capsys):
     for r in rows:
         assert r["num_finished"] == r["num_requests"]
         assert r["output_tok_s"] > 0
+    # the table's latency columns are milliseconds, as their headers say
+    header, _, first, *_ = text[text.index("workload ") :].splitlines()
+    assert "ttft p90 ms" in header
+    col = header.index("ttft p90 ms") + len("ttft p90 ms")
+    cell = first[:col].split()[-1]
+    (tenant,) = rows[0]["tenants"].values()  # one tenant
+    assert float(cell.replace(",", "")) == pytest.approx(tenant["ttft"]["p90"] * 1000, abs=0.01)
     by = {(r["workload"], r["mode"]): r for r in rows}
     # recompute mode preempts by recompute and re-prefills; swap mode moves blocks instead
     assert by[("long", "recompute")]["num_recompute_preemptions"] > 0

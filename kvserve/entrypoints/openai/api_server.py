@@ -624,8 +624,9 @@ def build_app(
             await async_engine.sleep(level)
         except RequestsInFlightError as e:
             raise APIError(str(e), 409, code="requests_in_flight") from None
-        except ValueError as e:
-            raise APIError(str(e), 400, code="invalid_state") from None
+        except ValueError as e:  # asleep already: the engine's message names its Python call
+            msg = str(e).replace("wake_up() first", "POST /wake_up first")
+            raise APIError(msg, 400, code="invalid_state") from None
         return JSONResponse({"is_sleeping": True, "level": level})
 
     @app.post("/wake_up")

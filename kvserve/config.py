@@ -133,6 +133,24 @@ def check_model_impl(value) -> None:
         raise ValueError(f"model_impl must be one of {'|'.join(MODEL_IMPL_CHOICES)}, got {value!r}.")
 
 
+def _json_object(name: str, value: Any) -> dict[str, Any]:
+    """``value`` (None, a dict, or a JSON string of an object) as a new dict ({} for None).
+
+    Raises:
+        ValueError: not valid JSON, or not an object (naming ``name``).
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")
+    return dict(value)
+
+
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -275,6 +293,14 @@ class CacheConfig:
             device pool is sized to fill this fraction of the memory the weights and KV share
             (device memory on CUDA, physical host memory on CPU), less what the process
             already holds; it then replaces ``kv_cache_memory_gib``.
+        kv_offload_gib: host memory (GiB) for the prefix cache's host tier: cached blocks the
+            device pool evicts are copied there and swapped back in on a later hit (0: off).
+            Needs ``enable_prefix_caching``. The host pool is the swap pool plus this.
+        num_kv_offload_blocks: host-tier blocks; ``None`` = derived from ``kv_offload_gib``.
+        kv_offload_dir: a directory for the disk tier: host-tier blocks are also written there
+            (in the background) and read back into the host tier at start, so a restarted
+            engine starts warm. Needs the host tier. None: no disk tier.
+        kv_offload_disk_gib: bound of the disk tier's files (least recently used go first).
         cache_dtype: how K/V are stored (``KV_CACHE_DTYPES``; ``fp8`` is kept as ``fp8_e4m3``):
             ``auto`` = the model dtype, else one byte per value and a scale per token and head,
             so a block takes about half the bytes of bfloat16 and more blocks fit.
@@ -290,6 +316,10 @@ class CacheConfig:
     watermark: float = 0.01
     gpu_memory_utilization: float | None = None
     waiting_aware_eviction: bool = True
+    kv_offload_gib: float = 0.0
+    num_kv_offload_blocks: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gib: float = 4.0
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -308,6 +338,38 @@ class CacheConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")
         _positive_int("sliding_window", self.sliding_window, allow_none=True)
+        if not isinstance(self.kv_offload_gib, (int, float)) or not 0 <= self.kv_offload_gib < float("inf"):
+            raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {self.kv_offload_gib!r}.")
+        if self.num_kv_offload_blocks is not None and (
+            not isinstance(self.num_kv_offload_blocks, int) or self.num_kv_offload_blocks < 0
+        ):
+            raise ValueError(
+                f"num_kv_offload_blocks must be an integer >= 0, got {self.num_kv_offload_blocks!r}."
+            )
+        if (self.kv_offload_gib or self.num_kv_offload_blocks) and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offload_gib / num_kv_offload_blocks (the prefix cache's host tier) need "
+                "enable_prefix_caching=True."
+            )
+        if self.kv_offload_dir is not None and not (self.kv_offload_gib or self.num_kv_offload_blocks):
+            raise ValueError("kv_offload_dir (the disk tier) needs the host tier: set kv_offload_gib > 0.")
+        if not isinstance(self.kv_offload_disk_gib, (int, float)) or not 0 < self.kv_offload_disk_gib < float(
+            "inf"
+        ):
+            raise ValueError(
+                f"kv_offload_disk_gib must be a finite number > 0, got {self.kv_offload_disk_gib!r}."
+            )
+
+    def resolve_kv_offload_blocks(self, bytes_per_block: int) -> int:
+        """Set and return ``num_kv_offload_blocks`` (from ``kv_offload_gib`` over
+        ``bytes_per_block`` bytes when unset)."""
+        if self.num_kv_offload_blocks is None:
+            self.num_kv_offload_blocks = int(self.kv_offload_gib * 2**30 // bytes_per_block)
+        return self.num_kv_offload_blocks
+
+    def num_host_blocks(self) -> int:
+        """Blocks of the host pool: the swap pool (``num_cpu_blocks``) plus the host tier."""
+        return (self.num_cpu_blocks or 0) + (self.num_kv_offload_blocks or 0)
 
 
 #: Largest LoRA rank ``LoRAConfig.max_lora_rank`` accepts.
@@ -684,6 +746,11 @@ class ParallelConfig:
                 )
 
 
+#: ``EngineArgs.runner`` and ``EngineArgs.convert`` values (vLLM's).
+RUNNER_CHOICES = ("auto", "generate", "pooling")
+CONVERT_CHOICES = ("auto", "none", "embed")
+
+
 @dataclass
 class EngineArgs:
     """All engine settings by their public names (``LLM(**kwargs)``, CLI ``--kebab-case``).
@@ -712,6 +779,14 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     #: ``CacheConfig.waiting_aware_eviction``: cached blocks a waiting prompt needs go last.
     waiting_aware_eviction: bool = True
+    #: ``CacheConfig.kv_offload_gib``: host memory for the prefix cache's host tier (0: off).
+    kv_offload_gib: float = 0.0
+    #: ``CacheConfig.num_kv_offload_blocks`` (None: from ``kv_offload_gib``).
+    num_kv_offload_blocks: int | None = None
+    #: ``CacheConfig.kv_offload_dir``: the disk tier's directory (None: no disk tier).
+    kv_offload_dir: str | None = None
+    #: ``CacheConfig.kv_offload_disk_gib``: bound of the disk tier's files.
+    kv_offload_disk_gib: float = 4.0
     #: ``CacheConfig.cache_dtype``: ``auto`` (the model dtype), ``int8``, ``fp8`` /
     #: ``fp8_e4m3``, ``fp8_e5m2`` (``KV_CACHE_DTYPES``).
     kv_cache_dtype: str = "auto"
@@ -771,6 +846,17 @@ class EngineArgs:
     #: free the KV cache and offload (level 1) or drop (level 2) the weights while idle.
     enable_sleep_mode: bool = False
 
+    #: ``generate`` (text generation), ``pooling`` (embeddings and scores: ``LLM.embed``,
+    #: ``/v1/embeddings``), or ``auto``: pooling for an encoder-only architecture (BERT),
+    #: generation otherwise. vLLM's ``--runner``.
+    runner: str = "auto"
+    #: ``embed``: run a decoder checkpoint as an embedding model (its final hidden states
+    #: pooled, ``pooler_config``); ``none`` / ``auto``: as it is. vLLM's ``--convert``.
+    convert: str = "auto"
+    #: The pooler's settings over the checkpoint's (``pooling_type``: ``MEAN`` | ``CLS`` |
+    #: ``LAST``, ``normalize``), a dict or a JSON object string. vLLM's ``--pooler-config``.
+    pooler_config: dict | str | None = None
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.model_impl = MODEL_IMPL_ALIASES.get(self.model_impl, self.model_impl)
@@ -786,6 +872,15 @@ class EngineArgs:
         _positive_float("fair_output_weight", self.fair_output_weight)
         parse_tenant_weights(self.tenant_weights)
         self.generation_overrides()
+        if self.runner not in RUNNER_CHOICES:
+            raise ValueError(f"runner must be one of {'|'.join(RUNNER_CHOICES)}, got {self.runner!r}.")
+        if self.convert not in CONVERT_CHOICES:
+            raise ValueError(f"convert must be one of {'|'.join(CONVERT_CHOICES)}, got {self.convert!r}.")
+        if self.convert == "embed" and self.runner == "generate":
+            raise ValueError("convert='embed' makes a pooling model; it needs runner='pooling' or 'auto'.")
+        if (self.runner == "pooling" or self.convert == "embed") and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported with runner='pooling' (use 1).")
+        self.pooler_overrides()
         # A bad speculative_config or LoRA limit is refused here, before any model is loaded.
         self.create_speculative_config()
         self.create_lora_config()
@@ -897,23 +992,22 @@ class EngineArgs:
             )
         return QuantizationChoice("gguf", None)
 
+    def pooler_overrides(self) -> dict[str, Any]:
+        """``pooler_config`` as a dict ({} when unset); its keys are checked when the model's
+        pooler is built (``layers.pooler.read_pooler_config``).
+
+        Raises:
+            ValueError: not a JSON object (naming the field).
+        """
+        return _json_object("pooler_config", self.pooler_config)
+
     def generation_overrides(self) -> dict[str, Any]:
         """``override_generation_config`` as a dict ({} when unset).
 
         Raises:
             ValueError: not a JSON object (naming the field).
         """
-        value = self.override_generation_config
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"override_generation_config is not valid JSON: {e}.") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"override_generation_config must be a JSON object, got {type(value).__name__}.")
-        return dict(value)
+        return _json_object("override_generation_config", self.override_generation_config)
 
     def replica_args(self) -> EngineArgs:
         """The settings of one data-parallel replica: these, with ``data_parallel_size=1`` (the
@@ -1000,6 +1094,10 @@ class EngineArgs:
             sliding_window=sliding_window,
             enable_prefix_caching=self.enable_prefix_caching,
             waiting_aware_eviction=self.waiting_aware_eviction,
+            kv_offload_gib=self.kv_offload_gib,
+            num_kv_offload_blocks=self.num_kv_offload_blocks,
+            kv_offload_dir=self.kv_offload_dir,
+            kv_offload_disk_gib=self.kv_offload_disk_gib,
             watermark=self.watermark,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cache_dtype=self.kv_cache_dtype,

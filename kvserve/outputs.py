@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.sequence import Logprob, PromptLogprobs, RequestMetrics
 
-__all__ = ["CompletionOutput", "Logprob", "RequestOutput"]
+__all__ = [
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "RequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+]
 
 
 @dataclass
@@ -72,6 +83,8 @@ class RequestOutput:
     #: speculative decoding: decode steps (per sequence) that had lookahead slots but verified
     #: no drafts (the dynamic policy's choice, no proposal, ...; /metrics counts them by reason)
     spec_num_skipped_steps: int = 0
+    #: a pooling request's vector (float32 torch tensor ``[dim]``) once it finished; else None
+    pooled: Any = None
 
     @property
     def outcome(self) -> str | None:
@@ -85,3 +98,84 @@ class RequestOutput:
         if reasons == {"abort"} or (reasons and "abort" in reasons):
             return "aborted"
         return "finished"
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: ``data``, a float32 torch tensor ``[dim]``."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The final state of one pooling request (``LLM.encode``).
+
+    ``outputs`` is None when it did not finish (``error`` says why: ``outcome`` is then
+    ``"rejected"``, ``"failed"`` or ``"aborted"``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    error: str | None = None
+    outcome: str | None = "finished"
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> PoolingRequestOutput:
+        """The pooling view of an engine output (its ``pooled`` vector)."""
+        return cls(
+            request_id=out.request_id,
+            prompt_token_ids=out.prompt_token_ids,
+            outputs=PoolingOutput(out.pooled) if out.pooled is not None else None,
+            finished=out.finished,
+            error=out.error,
+            outcome=out.outcome if out.pooled is None else "finished",
+        )
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding: ``embedding``, a list of floats (its length is the model's dimension, or
+    the request's ``dimensions``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The final state of one embedding request (``LLM.embed``); ``outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        """Raises ValueError (its ``error``) when the request has no vector."""
+        if out.outputs is None:
+            raise ValueError(out.error or f"request {out.request_id} has no embedding ({out.outcome})")
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.outputs.data.tolist()))
+
+
+@dataclass
+class ScoringOutput:
+    """A similarity score (cosine similarity of two embeddings, in ``[-1, 1]``)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (``LLM.score``); ``outputs.score``. ``prompt_token_ids``: both texts' ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -343,6 +343,11 @@ class SamplingParams:
             )
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}.")
+        if self.best_of is not None and self.best_of > self.n and self.temperature < GREEDY_EPS:
+            raise ValueError(
+                f"best_of ({self.best_of}) > n ({self.n}) needs sampling (temperature > 0): greedy "
+                "completions are all the same, so there is nothing to choose from."
+            )
         # lists since __post_init__
         stop = self.stop or []
         stop_token_ids = self.stop_token_ids or []

@@ -403,6 +403,9 @@ class SequenceGroup:
         self.spec_window_accepted_tokens = 0
         self.spec_num_pauses = 0
         self.spec_resume_at: int | None = None
+        # Set for a pooling request (``kvserve.pooling_params.PoolingParams``): prefill only,
+        # it ends with its vector in the step that computes its prompt.
+        self.pooling_params: Any = None
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -594,6 +597,8 @@ class CompletionSequenceGroupOutput:
     spec_num_eligible_seqs: int = 0
     spec_skipped: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    #: a pooling group's vector (float32 tensor ``[dim]``), set instead of samples
+    pooled: Any = None
 
 
 class BlockMoveError(RuntimeError):

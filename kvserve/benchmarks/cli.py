@@ -32,7 +32,19 @@ COMMANDS = {
         "kvserve.benchmarks.quantized",
         "batch-1 decode of gguf/int8 vs float32/bfloat16 (and llama.cpp), or w64 per format",
     ),
+    "embed": (
+        "kvserve.benchmarks.embed",
+        "embedding sentences/s vs sentence-transformers, same model and threads",
+    ),
     "moe": ("kvserve.benchmarks.moe", "the grouped MoE layer vs a per-expert loop, decode and prefill rows"),
+    "fairness": (
+        "kvserve.benchmarks.fairness",
+        "multi-tenant workloads per policy and backfill, simulator and real engine: TTFT, Jain's index",
+    ),
+    "preemption": (
+        "kvserve.benchmarks.preemption",
+        "tiny-cache workloads per preemption mode and policy, simulator and real engine",
+    ),
 }
 
 

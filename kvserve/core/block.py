@@ -30,6 +30,7 @@ evictor's kept class and is evicted only when no other cached block is left
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from kvserve.core.evictor import LRUEvictor
 
@@ -55,9 +56,11 @@ class PhysicalBlock:
         block_hash: content hash when the block is registered in the prefix cache, else None.
         parent_hash: hash of the previous block of its chain when registered (None for a
             chain head or an unregistered block).
+        tier_key: a registered device block's key in the host tier when that tier is keyed
+            other than by ``block_hash`` (stable keys, for the disk tier), else None.
     """
 
-    __slots__ = ("block_number", "device", "ref_count", "block_hash", "parent_hash")
+    __slots__ = ("block_number", "device", "ref_count", "block_hash", "parent_hash", "tier_key")
 
     def __init__(self, block_number: int, device: str) -> None:
         self.block_number = block_number
@@ -65,6 +68,7 @@ class PhysicalBlock:
         self.ref_count = 0
         self.block_hash: int | None = None
         self.parent_hash: int | None = None
+        self.tier_key: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -108,6 +112,9 @@ class BlockPool:
         self.keep_wanted = keep_wanted
         # content hash -> number of waiting requests whose prompt holds it (absent: 0)
         self.wanted: dict[int, int] = {}
+        #: Called with a cached block that ``allocate`` is about to evict (its hash still
+        #: set), before it is unregistered: the block manager demotes it to the host tier.
+        self.on_evict: Callable[[PhysicalBlock], None] | None = None
 
     # ------------------------------------------------------------------ counts
     def get_num_free_blocks(self) -> int:
@@ -135,6 +142,8 @@ class BlockPool:
             block = self.blocks[heapq.heappop(self._free_ids)]
         elif len(self.evictor):
             block = self.evictor.evict()
+            if self.on_evict is not None:
+                self.on_evict(block)
             self._unregister(block)
         else:
             raise NoFreeBlocksError(f"no free {self.device} block (pool of {self.num_blocks})")
@@ -239,12 +248,23 @@ class BlockPool:
                         del self._children[b.parent_hash]
             b.block_hash = None
             b.parent_hash = None
+            b.tier_key = None
             for n in self._children.pop(h, ()):
                 child = self.blocks[n]
                 if child.ref_count == 0 and n in self.evictor:
                     self.evictor.remove(n)
                     heapq.heappush(self._free_ids, n)
                 stack.append(child)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently released cached refcount-0 block from the cache (it becomes
+        a plain free block; no ``on_evict``). Returns False when nothing is evictable."""
+        if not len(self.evictor):
+            return False
+        block = self.evictor.evict()
+        self._unregister(block)
+        heapq.heappush(self._free_ids, block.block_number)
+        return True
 
     def reset_cache(self) -> bool:
         """Evict every cached refcount-0 block (hash entries dropped, blocks become plain free).

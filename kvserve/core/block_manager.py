@@ -36,6 +36,24 @@ Without ``enable_caching`` a group whose ``sampling_params.cache_prefix`` is set
 registers nor looks up, so its blocks and costs are those of an engine without caching. Beam
 search sets it: each step's beams are new requests that continue their parents' blocks.
 
+Host tier (``host_tier_blocks`` > 0): the host pool holds, besides swapped-out sequences, up to
+``host_tier_blocks`` prefix blocks that the device pool evicted. When device-pool allocation
+evicts a cached block, it is *demoted*: a host block is taken (the least recently used tier
+block gives way when the tier is full) and the step's ``blocks_to_swap_out`` copies it there.
+The executor applies swap-outs before swap-ins, copies and the forward, so the copy reads the
+block before its new owner writes it. The host copy enters the host cache once the step has
+run (``release_pins``), as a refcount-0 block in the host pool's LRU evictor: it counts as free
+host memory, so a preemption swap-out takes it like any free block (the tier never makes a swap
+fail; the pool is sized swap space + tier, so without swapping beyond the swap space no tier
+block is taken either). A lookup walks a chain through the device cache and, past its first
+device miss, through the host cache; such host hits are *promoted*: a fresh device block, filled
+by the step's ``blocks_to_swap_in`` (the step that admits the group), registered in the device
+cache after the step like any computed block. The host source is pinned until the step has run.
+Host blocks are cached flat (no parent index): the device cache is closed under "parent of",
+so a chain is a device run then a host run, and a host block whose chain lost an earlier block
+is never reached and ages out by LRU. A host run is promoted only when swapping it in is cheaper
+than prefilling its tokens again (``tier_cost``, a ``PreemptionCost``); else it is recomputed.
+
 Sliding window (``sliding_window`` tokens): once every position of a block is outside the
 window of the next query, the block is released; its table entry then repeats the number of
 a block the sequence still holds (the runner masks those positions, so any valid block works).
@@ -44,11 +62,14 @@ a block the sequence still holds (the runner masks those positions, so any valid
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvserve.core.block import CPU, GPU, BlockPool, PhysicalBlock
+from kvserve.core.preemption import LinearPreemptionCost, PreemptionCost
 from kvserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalBlock | None]
@@ -128,6 +149,19 @@ def chain_block_hashes(
     return hashes
 
 
+def stable_block_keys(token_ids: Seq[int], block_size: int, start: int = 0, parent: int = 0) -> list[int]:
+    """Chained keys of the full blocks ``start, start + 1, ...`` of ``token_ids``, equal in
+    every process (``chain_block_hashes`` is per process): block ``i``'s key is the first 63
+    bits of blake2b-64 over block ``i - 1``'s key (``parent`` for the first: 0 for the base
+    model) and its token ids, as little-endian int64s. Keys of the disk tier."""
+    keys: list[int] = []
+    for i in range(start, len(token_ids) // block_size):
+        data = array("q", [parent, *token_ids[i * block_size : (i + 1) * block_size]]).tobytes()
+        parent = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+        keys.append(parent)
+    return keys
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -146,9 +180,16 @@ class BlockSpaceManager:
             groups that ask for it, ``caches``).
         waiting_aware_eviction: evict cached blocks that waiting groups' prompts hold only
             after every other cached block (False: plain least-recently-released order).
+        host_tier_blocks: most host-pool blocks the prefix cache's host tier may hold (0: no
+            tier; evicted device blocks are dropped). Part of ``num_cpu_blocks``.
+        tier_cost: prices promoting a host run (``swap_s(n) / 2``: one way) against
+            prefilling its tokens again; None: ``LinearPreemptionCost.default(block_size)``.
+        stable_tier_keys: key the host tier by ``stable_block_keys`` (equal across processes;
+            the disk tier needs them) instead of the per-process block hashes. Chains of an
+            adapter or a ``kv_salt`` are seeded per process and only match within it.
 
     Raises:
-        ValueError: for sizes out of range.
+        ValueError: for sizes out of range (``host_tier_blocks`` above ``num_cpu_blocks``).
     """
 
     def __init__(
@@ -160,6 +201,9 @@ class BlockSpaceManager:
         sliding_window: int | None = None,
         enable_caching: bool = False,
         waiting_aware_eviction: bool = True,
+        host_tier_blocks: int = 0,
+        tier_cost: PreemptionCost | None = None,
+        stable_tier_keys: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -167,6 +211,10 @@ class BlockSpaceManager:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if not 0 <= host_tier_blocks <= (num_cpu_blocks or 0):
+            raise ValueError(
+                f"host_tier_blocks must be in [0, num_cpu_blocks={num_cpu_blocks or 0}], got {host_tier_blocks}"
+            )
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks or 0
@@ -176,7 +224,29 @@ class BlockSpaceManager:
         self.enable_caching = enable_caching
         # The pool can always register blocks: only groups that ``caches`` ever do.
         self.gpu = BlockPool(GPU, num_gpu_blocks, enable_caching=True, keep_wanted=waiting_aware_eviction)
-        self.cpu = BlockPool(CPU, self.num_total_cpu_blocks, False)
+        self.host_tier_blocks = host_tier_blocks
+        self.stable_tier_keys = stable_tier_keys
+        # seq_id -> stable keys of its leading full blocks (stable_tier_keys only)
+        self._seq_tier_keys: dict[int, list[int]] = {}
+        # (host block, key) of tier blocks entered since ``take_new_tier_blocks``
+        self._new_tier_blocks: list[tuple[int, int]] = []
+        self.cpu = BlockPool(
+            CPU, self.num_total_cpu_blocks, enable_caching=host_tier_blocks > 0, keep_wanted=False
+        )
+        self.tier_cost: PreemptionCost = tier_cost or LinearPreemptionCost.default(block_size)
+        if host_tier_blocks:
+            self.gpu.on_evict = self._demote
+        # This step's tier moves: device block -> host block (demotions), host block -> device
+        # block (promotions); handed to the scheduler by ``take_tier_moves``.
+        self._demotions: dict[int, int] = {}
+        self._promotions: dict[int, int] = {}
+        # Host blocks demoted in a step not yet run -> their hash (pinned, registered by
+        # ``release_pins``), and host sources of promotions (pinned until the step has run).
+        self._pending_tier: dict[int, int] = {}
+        self._pinned_host: list[PhysicalBlock] = []
+        self.gpu_hit_blocks = 0  # distinct device blocks reused by admissions
+        self.host_tier_hits = 0  # blocks promoted from the host tier
+        self.host_tier_demotions = 0  # device blocks copied into the host tier
         self.block_tables: dict[int, BlockTable] = {}
         # seq_id -> block numbers as handed out by get_block_table (rebuilt after a change;
         # a new list each time, so lists already handed out stay valid snapshots).
@@ -212,15 +282,53 @@ class BlockSpaceManager:
             hashes.extend(chain_block_hashes(tokens, self.block_size, len(hashes), parent))
         return hashes[:num_blocks] if len(hashes) > num_blocks else hashes
 
+    def _tier_keys(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Host-tier keys of ``seq``'s first ``num_blocks`` full blocks: its block hashes, or
+        with ``stable_tier_keys`` its stable keys."""
+        if not self.stable_tier_keys:
+            return self._get_hashes(seq, num_blocks)
+        keys = self._seq_tier_keys.setdefault(seq.seq_id, [])
+        if len(keys) < num_blocks:
+            tokens = seq.get_token_ids()[: num_blocks * self.block_size]
+            if keys:
+                parent = keys[-1]
+            else:
+                seed = lora_chain_seed(seq.lora_int_id, seq.lora_request)
+                if seq.kv_salt is not None:
+                    seed = ("kv_salt", seq.kv_salt, seed)
+                parent = 0 if seed is None else hash(seed) & ((1 << 63) - 1) or 1
+            keys.extend(stable_block_keys(tokens, self.block_size, len(keys), parent))
+        return keys[:num_blocks]
+
     def _cache_hits(self, seq: Sequence) -> list[PhysicalBlock]:
-        """Leading full blocks of ``seq`` present in the prefix cache (longest run)."""
+        """Leading full blocks of ``seq`` present in the prefix cache (longest run): device
+        blocks, then (host tier) host blocks -- or the device block a host block is being
+        promoted into this step. A host run that is cheaper to prefill again than to swap in
+        (``tier_cost``) is left out."""
         num_full = seq.get_len() // self.block_size
         hits: list[PhysicalBlock] = []
-        for h in self._get_hashes(seq, num_full):
+        n_host = 0
+        tier_keys: list[int] | None = None
+        for i, h in enumerate(self._get_hashes(seq, num_full)):
             b = self.gpu.lookup(h)
+            if b is None and self.host_tier_blocks:
+                if tier_keys is None:
+                    tier_keys = self._tier_keys(seq, num_full)
+                b = self.cpu.lookup(tier_keys[i])
+                if b is not None:
+                    n_host += 1
+                    g = self._promotions.get(b.block_number)
+                    if g is not None:
+                        b = self.gpu.blocks[g]
             if b is None:
                 break
             hits.append(b)
+        if n_host:
+            cost = self.tier_cost
+            tokens = n_host * self.block_size
+            recompute = cost.recompute_s(tokens, 1) - cost.recompute_s(0, 1)
+            if recompute < cost.swap_s(n_host) / 2:
+                del hits[len(hits) - n_host :]
         return hits
 
     # ================================================================== waiting groups
@@ -337,7 +445,8 @@ class BlockSpaceManager:
 
         # Free blocks consumed: fresh blocks for every non-hit, non-shared entry, plus
         # revived (refcount-0) hit blocks, plus the private copy of a full-hit last block.
-        revived = {b.block_number for h in hits for b in h if b.ref_count == 0}
+        # A refcount-0 host hit costs a fresh device block (its promotion) like a revived one.
+        revived = {(b.device, b.block_number) for h in hits for b in h if b.ref_count == 0}
         fresh = 0
         for i in range(len(seqs)):
             start = num_cached_blocks
@@ -388,9 +497,9 @@ class BlockSpaceManager:
         first_table: BlockTable = []
         # Hold every hit block while allocating, so a fresh allocation for one sequence can
         # never evict a cached block another sequence of the group is about to reuse.
-        held = list({b.block_number: b for h in plan._hits for b in h}.values())
+        held = list({(b.device, b.block_number): b for h in plan._hits for b in h}.values())
         for b in held:
-            self.gpu.incr_ref(b)
+            self._pool(b).incr_ref(b)
         for i, seq in enumerate(seqs):
             assert seq.seq_id not in self.block_tables, f"seq {seq.seq_id} already has blocks"
             shared = 0 if i == 0 else self._num_shared_with_first(first, seq, length // bs)
@@ -403,13 +512,20 @@ class BlockSpaceManager:
                         self.gpu.incr_ref(b)
                     elif last_cow:
                         src = plan._hits[i][j]
-                        self.gpu.incr_ref(src)  # pin: the copy runs at the next step
+                        if src.device == CPU:
+                            src = self._promote(src)  # the swap-in runs before the copy
+                        else:
+                            self.gpu.incr_ref(src)
+                        # pin: the copy runs at the next step
                         self._pinned.append(src)
                         b = self.gpu.allocate()
                         copies.append((src.block_number, b.block_number))
                     else:
                         b = plan._hits[i][j]
-                        self.gpu.incr_ref(b)
+                        if b.device == CPU:
+                            b = self._promote(b)
+                        else:
+                            self.gpu.incr_ref(b)
                 elif i > 0 and j < shared:
                     b = _present(first_table[j])
                     self.gpu.incr_ref(b)
@@ -418,19 +534,117 @@ class BlockSpaceManager:
                 table.append(b)
             self.block_tables[seq.seq_id] = table
             self._ids.pop(seq.seq_id, None)
-            self._num_marked[seq.seq_id] = num_cached_blocks
+            # Promoted blocks are not registered yet: mark_blocks_as_computed enters them.
+            promoted = set(self._promotions.values())
+            registered = 0
+            while registered < num_cached_blocks and _present(table[registered]).block_number not in promoted:
+                registered += 1
+            self._num_marked[seq.seq_id] = registered
             seq.data.set_num_computed_tokens(plan.num_cached_tokens)
             if i == 0:
                 first_table = table
         for b in held:
-            self.gpu.free(b)
+            self._pool(b).free(b)
         self.remove_waiting(seq_group)
         if self.caches(seq_group):
             self.prefix_cache_queries += length
             self.prefix_cache_hits += plan.num_cached_tokens
+            self.gpu_hit_blocks += sum(1 for b in held if b.device == GPU)
         if seq_group.num_cached_tokens is None:
             seq_group.num_cached_tokens = plan.num_cached_tokens
         return copies
+
+    # ================================================================== host tier
+    def _pool(self, block: PhysicalBlock) -> BlockPool:
+        return self.gpu if block.device == GPU else self.cpu
+
+    def _num_tier_blocks(self) -> int:
+        """Host blocks held by the tier: cached ones plus demotions of the step not yet run."""
+        return len(self.cpu.cached) + len(self._pending_tier)
+
+    def _demote(self, block: PhysicalBlock) -> None:
+        """``gpu.on_evict``: copy the evicted cached device block into the host tier (this
+        step's swap-out), unless the tier holds its hash already or no host block can be had
+        (every host block in use)."""
+        h = block.tier_key if self.stable_tier_keys else block.block_hash
+        if h is None or h in self.cpu.cached or h in self._pending_tier.values():
+            return
+        assert block.block_number not in self._demotions, block
+        if self._num_tier_blocks() >= self.host_tier_blocks and not self.cpu.evict_one():
+            return
+        if not self.cpu.get_num_free_blocks():
+            return
+        c = self.cpu.allocate()  # may evict the least recently used tier block
+        self._pending_tier[c.block_number] = h
+        self._demotions[block.block_number] = c.block_number
+        self.host_tier_demotions += 1
+
+    def _promote(self, host: PhysicalBlock) -> PhysicalBlock:
+        """A device block (one reference for the caller) that this step's swap-in fills from
+        tier block ``host``; the same one for every group that hits ``host`` in the step."""
+        g = self._promotions.get(host.block_number)
+        if g is not None:
+            b = self.gpu.blocks[g]
+            self.gpu.incr_ref(b)
+            return b
+        b = self.gpu.allocate()
+        self._promotions[host.block_number] = b.block_number
+        self.cpu.incr_ref(host)  # pinned: no demotion may overwrite it before the swap-in
+        self._pinned_host.append(host)
+        self.host_tier_hits += 1
+        return b
+
+    def take_tier_moves(self, swap_out: dict[int, int]) -> tuple[dict[int, int], dict[int, int]]:
+        """This step's tier moves, once its scheduling is done: ``(swap_in, swap_out)`` maps
+        (host -> device promotions, device -> host demotions) to merge into the step's.
+
+        ``swap_out``: the step's preemption swap-out map; a demotion whose device block is
+        also a key there is dropped (one copy per source block), its host block freed.
+        """
+        demotions: dict[int, int] = {}
+        for g, c in self._demotions.items():
+            if g in swap_out:
+                del self._pending_tier[c]
+                self.cpu.free(self.cpu.blocks[c])
+            else:
+                demotions[g] = c
+        promotions = self._promotions
+        self._demotions, self._promotions = {}, {}
+        return promotions, demotions
+
+    def take_new_tier_blocks(self) -> list[tuple[int, int]]:
+        """``(host block, stable key)`` of the blocks that entered the host tier since the last
+        call (``stable_tier_keys`` only), for the disk tier to write. Their bytes are valid
+        until the next step's block moves run."""
+        out, self._new_tier_blocks = self._new_tier_blocks, []
+        # one the tier has dropped since may already hold other bytes
+        return [(c, k) for c, k in out if self.cpu.blocks[c].block_hash == k]
+
+    def adopt_tier_blocks(self, keys: Seq[int]) -> dict[int, int]:
+        """Enter blocks read from disk in the host tier, least recently used first, while the
+        tier has room and a host block is free. Returns stable key -> host block number (the
+        caller fills the blocks before any step). Needs ``stable_tier_keys``."""
+        if not self.stable_tier_keys:
+            raise ValueError("adopt_tier_blocks needs stable_tier_keys")
+        placed: dict[int, int] = {}
+        for k in keys:
+            if k in self.cpu.cached or k in placed:
+                continue
+            if self._num_tier_blocks() >= self.host_tier_blocks or not self.cpu.get_num_free_blocks():
+                break
+            b = self.cpu.allocate()
+            self.cpu.register(b, k)
+            self.cpu.free(b)
+            placed[k] = b.block_number
+        return placed
+
+    def drop_tier_moves(self) -> None:
+        """The step's block moves failed: its demoted host blocks hold nothing valid, so
+        they are freed without entering the tier."""
+        for c in self._pending_tier:
+            self.cpu.free(self.cpu.blocks[c])
+        self._pending_tier.clear()
+        self._demotions.clear()
 
     # ================================================================== decode growth
     def _write_range(self, seq: Sequence, num_lookahead_slots: int) -> tuple[int, int]:
@@ -562,6 +776,9 @@ class BlockSpaceManager:
             # Only hashes of blocks both share (full blocks before the fork point) stay valid.
             n = parent_seq.get_len() // self.block_size
             self._seq_hashes[child_seq.seq_id] = list(self._seq_hashes[parent_seq.seq_id][:n])
+        if parent_seq.seq_id in self._seq_tier_keys:
+            n = parent_seq.get_len() // self.block_size
+            self._seq_tier_keys[child_seq.seq_id] = list(self._seq_tier_keys[parent_seq.seq_id][:n])
 
     # ================================================================== swapping
     def _group_tables(
@@ -616,6 +833,12 @@ class BlockSpaceManager:
         # would overwrite the first, leaving that group's destination never written.
         moved = {} if moved is None else moved
         mapping: dict[int, int] = {}
+        if src_pool is self.cpu and self.host_tier_blocks:
+            # Hold the host sources until the step has run: a demotion in the same step must
+            # not take one (swap-outs are applied before swap-ins).
+            for b in {b.block_number: b for _, t in tables for b in t if b is not None}.values():
+                self.cpu.incr_ref(b)
+                self._pinned_host.append(b)
         for seq, table in tables:
             new_table: BlockTable = []
             for b in table:
@@ -680,6 +903,7 @@ class BlockSpaceManager:
         self._ids.pop(seq.seq_id, None)
         self._num_marked.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
+        self._seq_tier_keys.pop(seq.seq_id, None)
         if table is None:
             return
         self._free_table(table)
@@ -692,10 +916,20 @@ class BlockSpaceManager:
                 (self.gpu if b.device == GPU else self.cpu).free(b)
 
     def release_pins(self) -> None:
-        """Unpin copy-on-write sources once the step that copied them has run."""
+        """Once the step that copied them has run: unpin copy-on-write sources and promoted
+        tier blocks, and enter the step's demoted blocks in the host tier (most recent)."""
         pins, self._pinned = self._pinned, []
         for b in pins:
             self.gpu.free(b)
+        host, self._pinned_host = self._pinned_host, []
+        for b in host:
+            self.cpu.free(b)
+        pending, self._pending_tier = self._pending_tier, {}
+        for c, h in pending.items():
+            b = self.cpu.blocks[c]
+            if self.cpu.register(b, h) and self.stable_tier_keys:
+                self._new_tier_blocks.append((c, h))
+            self.cpu.free(b)
 
     def _release_outside_window(self, seq: Sequence) -> None:
         if self.sliding_window is None:
@@ -743,7 +977,8 @@ class BlockSpaceManager:
                 continue
             holder = pool.lookup(hashes[i])
             if holder is None:
-                pool.register(b, hashes[i], hashes[i - 1] if i else None)
+                if pool.register(b, hashes[i], hashes[i - 1] if i else None) and self.stable_tier_keys:
+                    b.tier_key = self._tier_keys(seq, end)[i]
             elif holder is not b:
                 pool.incr_ref(holder)
                 table[i] = holder
@@ -751,8 +986,10 @@ class BlockSpaceManager:
                 self._ids.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block nothing references. True if the cache is now empty."""
-        return self.gpu.reset_cache()
+        """Forget every cached block nothing references (host tier included). True if the
+        cache is now empty."""
+        host = self.cpu.reset_cache()
+        return self.gpu.reset_cache() and host
 
     # ================================================================== queries
     def get_block_table(self, seq: Sequence) -> list[int]:
@@ -798,7 +1035,8 @@ class BlockSpaceManager:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
     def get_stats(self) -> dict[str, float]:
-        """Block counts (blocks) and prefix-cache counters (tokens)."""
+        """Block counts (blocks), prefix-cache counters (tokens) and the device hits and host
+        tier counters (blocks)."""
         free_gpu = self.get_num_free_gpu_blocks()
         return {
             "num_gpu_blocks": self.num_total_gpu_blocks,
@@ -816,6 +1054,11 @@ class BlockSpaceManager:
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": self.get_prefix_cache_hit_rate(),
             "num_wanted_evictions": self.gpu.get_num_wanted_evictions(),
+            "gpu_prefix_cache_hit_blocks": self.gpu_hit_blocks,
+            "host_tier_capacity_blocks": self.host_tier_blocks,
+            "host_tier_blocks": len(self.cpu.cached),
+            "host_tier_hits": self.host_tier_hits,
+            "host_tier_demotions": self.host_tier_demotions,
         }
 
     def check_invariants(self) -> None:
@@ -836,6 +1079,14 @@ class BlockSpaceManager:
                     counts[key] = counts.get(key, 0) + 1
         for b in self._pinned:
             counts[(GPU, b.block_number)] = counts.get((GPU, b.block_number), 0) + 1
+        for b in self._pinned_host:
+            counts[(CPU, b.block_number)] = counts.get((CPU, b.block_number), 0) + 1
+        for c in self._pending_tier:
+            counts[(CPU, c)] = counts.get((CPU, c), 0) + 1
+        tier = self._num_tier_blocks()
+        assert tier <= self.host_tier_blocks, ("host tier over its bound", tier, self.host_tier_blocks)
+        for b in self.cpu.cached.values():
+            assert b.parent_hash is None, ("host tier blocks are cached flat", b)
         for pool in (self.gpu, self.cpu):
             for b in pool.blocks:
                 assert b.ref_count == counts.get((pool.device, b.block_number), 0), (

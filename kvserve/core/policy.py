@@ -44,7 +44,25 @@ class Policy:
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> Policy:
-        """The policy with ``config``'s settings (none for most policies)."""
+        """The policy with ``config``'s settings (none for most policies).
+
+        Raises:
+            ValueError: a ``fair``-only setting (``tenant_weights``, ``fair_input_weight``,
+                ``fair_output_weight``) differs from its default: this policy would ignore it.
+        """
+        unread = [
+            name
+            for name, value, default in (
+                ("tenant_weights", config.tenant_weights, {}),
+                ("fair_input_weight", config.fair_input_weight, SchedulerConfig.fair_input_weight),
+                ("fair_output_weight", config.fair_output_weight, SchedulerConfig.fair_output_weight),
+            )
+            if value != default
+        ]
+        if unread:
+            raise ValueError(
+                f"{', '.join(unread)} only apply to the 'fair' scheduling policy, not {config.policy!r}."
+            )
         return cls()
 
     def get_priority(self, now: float, seq_group: SequenceGroup) -> PriorityKey:
@@ -59,6 +77,14 @@ class Policy:
         """True when ``a`` must be served strictly before ``b`` by rank (used for
         priority preemption; arrival-order ties never preempt)."""
         return False
+
+    def begin_step(self, running: Iterable[SequenceGroup]) -> None:
+        """Called at the start of every step with the groups in ``running`` (a policy that
+        ranks by who holds the batch reads them here); a no-op by default."""
+
+    def on_running_change(self, seq_group: SequenceGroup, num_seqs: int) -> None:
+        """A rank preemption moved ``num_seqs`` sequences of ``seq_group`` into (> 0) or out
+        of (< 0) the batch within the step; a no-op by default."""
 
     def admission_order(self, now: float, waiting: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
         """The order in which the scheduler tries to admit ``waiting`` groups in one step
@@ -138,10 +164,23 @@ class FairPolicy(Policy):
     - ``admission_order`` (waiting): repeatedly the head of the backlogged tenant with the
       least *projected* counter: its counter plus the input cost of the groups already
       ordered ahead of it (uncomputed tokens x ``input_weight`` / weight), so the admissions
-      of one step interleave tenants. Ties go to the earlier head arrival. Within a tenant:
+      of one step interleave tenants. Ties go to the tenant holding fewer running sequences
+      per unit of weight, then to the earlier head arrival. Within a tenant:
       lower ``priority`` first, then arrival.
     - ``sort_by_priority`` (running, swapped): by tenant counter ascending, so the most-served
       tenant's groups are last (the scheduler preempts from the tail); within a tenant as above.
+
+    Preemption by share (ours; VTC itself only orders admissions): a tenant that returns from
+    idle is lifted to the least counter, level with a flooding tenant, so without preemption
+    its first request still waits for the flood's running requests to finish. So ``outranks``
+    lets a waiting group of tenant ``a`` preempt a running group of tenant ``b`` when ``a``
+    still holds no more than its share of the running sequences with the group admitted
+    (share: ``weight(a) / sum of backlogged tenants' weights`` of the sequences running at the
+    start of the step, ``begin_step``), ``b`` still holds at least its own without the victim,
+    and ``a``'s counter is not above ``b``'s. Counts follow the step's rank preemptions
+    (``on_running_change``), so one step moves at most a tenant's share, and since neither
+    side crosses its share, two tenants never preempt each other back and forth. Within a
+    tenant, a lower ``priority`` value outranks (as under ``priority``).
 
     Args:
         input_weight: cost of one prefill token (> 0).
@@ -154,6 +193,7 @@ class FairPolicy(Policy):
     """
 
     tracks_service = True
+    preempts_by_rank = True
 
     def __init__(
         self,
@@ -173,6 +213,10 @@ class FairPolicy(Policy):
         self._members: dict[str, str | None] = {}  # request_id -> tenant
         self._floor = 0.0  # the least backlogged counter when the last tenant went idle
         self._sweep_at = 64  # idle entries that trigger a sweep
+        # the step's snapshot (``begin_step``): running sequences per tenant, and in all
+        self._running: dict[str | None, int] = {}
+        self._num_running = 0
+        self._weight_sum = 1.0  # of the backlogged tenants
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> FairPolicy:
@@ -238,6 +282,36 @@ class FairPolicy(Policy):
             self.counters[t] = c
         self._sweep_at = max(64, 2 * len(idle))
 
+    # ---------------------------------------------------------------- preemption
+    def begin_step(self, running: Iterable[SequenceGroup]) -> None:
+        counts: dict[str | None, int] = {}
+        for g in running:
+            counts[g.tenant] = counts.get(g.tenant, 0) + g.num_unfinished_seqs()
+        self._running = counts
+        self._num_running = sum(counts.values())
+        self._weight_sum = sum(self._weight(t) for t in self._backlog) or 1.0
+
+    def _held(self, tenant: str | None) -> float:
+        """Running sequences per unit of weight at the start of the step (ties of counters
+        go to the tenant holding less of the batch: a tenant lifted level with a flood)."""
+        return self._running.get(tenant, 0) / self._weight(tenant)
+
+    def on_running_change(self, seq_group: SequenceGroup, num_seqs: int) -> None:
+        t = seq_group.tenant
+        self._running[t] = self._running.get(t, 0) + num_seqs
+
+    def outranks(self, now: float, a: SequenceGroup, b: SequenceGroup) -> bool:
+        ta, tb = a.tenant, b.tenant
+        if ta == tb:
+            return a.priority < b.priority
+        unit = self._num_running / self._weight_sum  # running sequences per unit of weight
+        # both sides of the move stay on their side of their share: no back and forth
+        return (
+            self._running.get(ta, 0) + a.get_max_num_running_seqs() <= unit * self._weight(ta)
+            and self._running.get(tb, 0) - b.get_max_num_running_seqs() >= unit * self._weight(tb)
+            and self.counter(ta) <= self.counter(tb)
+        )
+
     # ---------------------------------------------------------------- orders
     def _by_tenant(self, groups: Iterable[SequenceGroup]) -> dict[str | None, list[SequenceGroup]]:
         out: dict[str | None, list[SequenceGroup]] = {}
@@ -259,7 +333,11 @@ class FairPolicy(Policy):
         floor = self.floor()
         order = sorted(
             by_tenant,
-            key=lambda t: (max(self.counters.get(t, 0.0), floor), by_tenant[t][0].metrics.arrival_time),
+            key=lambda t: (
+                max(self.counters.get(t, 0.0), floor),
+                self._held(t),
+                by_tenant[t][0].metrics.arrival_time,
+            ),
         )
         return deque(g for t in order for g in by_tenant[t])
 
@@ -269,17 +347,17 @@ class FairPolicy(Policy):
         heap = []
         for i, (t, q) in enumerate(by_tenant.items()):
             c = max(self.counters.get(t, 0.0), floor)
-            heap.append((c, q[0].metrics.arrival_time, i, t, 0))
+            heap.append((c, self._held(t), q[0].metrics.arrival_time, i, t, 0))
         heapq.heapify(heap)
         out: deque[SequenceGroup] = deque()
         while heap:
-            c, _, i, t, k = heapq.heappop(heap)
+            c, held, _, i, t, k = heapq.heappop(heap)
             q = by_tenant[t]
             g = q[k]
             out.append(g)
             if k + 1 < len(q):
                 cost = max(1, g.get_num_uncomputed_tokens()) * self.input_weight / self._weight(t)
-                heapq.heappush(heap, (c + cost, q[k + 1].metrics.arrival_time, i, t, k + 1))
+                heapq.heappush(heap, (c + cost, held, q[k + 1].metrics.arrival_time, i, t, k + 1))
         return out
 
 

@@ -51,7 +51,8 @@ so that an otherwise idle cache can always meet it, and it is not applied when n
 running (nobody could free blocks anyway). Groups preempted in a step are never re-admitted in
 that same step.
 
-Priority preemption (policy ``priority``): before admitting, a waiting group whose
+Priority preemption (policies that ``preempts_by_rank``: ``priority``, and ``fair`` by its
+tenants' shares, see ``FairPolicy``; the walk below with ``outranks``): before admitting, a waiting group whose
 ``priority`` value is strictly lower than that of running groups preempts the lowest-ranked of
 them (normal preemption mode) when the cache or the sequence budget is full -- but only when
 preempting those outranked groups actually makes it fit. A group that strictly outranks every
@@ -333,6 +334,7 @@ class _Step:
         "num_partial",
         "capped",
         "reserved",
+        "reserved_over",
         "passed_delay",
         "speculate",
         "curr_loras",
@@ -352,6 +354,8 @@ class _Step:
         # Waiting groups that preempted others this step -> (group, blocks they need): the
         # freed blocks are theirs, not for the growth of running groups they outrank.
         self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
+        # ... and the waiting groups each of them outranked when it preempted
+        self.reserved_over: dict[str, set[str]] = {}
         self.passed_delay = True  # delay_factor: new prompts may be admitted this step
         self.speculate = False  # decodes may reserve lookahead slots this step
         # Adapter ids (> 0) held by the step so far; None when LoRA is off.
@@ -404,11 +408,14 @@ class Scheduler:
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
-            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            num_cpu_blocks=cache_config.num_host_blocks(),
             watermark=cache_config.watermark,
             sliding_window=cache_config.sliding_window,
             enable_caching=cache_config.enable_prefix_caching,
             waiting_aware_eviction=cache_config.waiting_aware_eviction,
+            host_tier_blocks=cache_config.num_kv_offload_blocks or 0,
+            tier_cost=preemption_cost,
+            stable_tier_keys=cache_config.kv_offload_dir is not None,
         )
         self.policy: Policy = PolicyFactory.from_config(scheduler_config)
         self._tracks = self.policy.tracks_service  # call the policy's service hooks
@@ -682,6 +689,7 @@ class Scheduler:
     def _new_step(self) -> _Step:
         st = _Step(self.clock(), tuple(self.swapped))
         st.passed_delay = self._passed_delay(st.now)
+        self.policy.begin_step(self.running)
         if self.num_lookahead_slots:
             limit = self.scheduler_config.spec_decode_disable_by_batch_size
             # vLLM's disable_by_batch_size: a busy step is weight-read bound no more, so
@@ -865,12 +873,14 @@ class Scheduler:
                 if ssg.seq_group.lora_request is not None:
                     lora_requests.add(ssg.seq_group.lora_request)
             assert len({r.lora_int_id for r in lora_requests}) <= self.lora_config.max_loras, lora_requests
+        # Host-tier moves: promotions of admitted groups' prefixes, demotions of evicted blocks.
+        promotions, demotions = self.block_manager.take_tier_moves(st.blocks_to_swap_out)
         return SchedulerOutputs(
             scheduled_seq_groups=prefill_groups + decode_groups,
             num_prefill_groups=len(prefill_groups),
             num_batched_tokens=budget.num_batched_tokens,
-            blocks_to_swap_in=swapped_in.blocks_to_swap_in,
-            blocks_to_swap_out=st.blocks_to_swap_out,
+            blocks_to_swap_in={**swapped_in.blocks_to_swap_in, **promotions},
+            blocks_to_swap_out={**demotions, **st.blocks_to_swap_out},
             blocks_to_copy=st.blocks_to_copy,
             ignored_seq_groups=self._take_rejected() + prefills.ignored_seq_groups + st.ignored,
             num_lookahead_slots=max((s.num_lookahead_slots for s in decode_groups), default=0),
@@ -1095,12 +1105,17 @@ class Scheduler:
                     break
             if gain_blocks < need_blocks or gain_seqs < need_seqs:
                 return  # preempting what it outranks would not make it fit
+            # whom it outranks as it preempts (before the counts the preemption changes)
+            over = {x.request_id for x in waiting if x is not wg and self.policy.outranks(now, wg, x)}
             for v in chosen:
                 victims.remove(v)
                 self.running.remove(v)
                 budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
                 self._preempt(v, st)
+                self.policy.on_running_change(v, -v.get_max_num_running_seqs())
             st.reserved[wg.request_id] = (wg, plan.cost)
+            st.reserved_over[wg.request_id] = over
+            self.policy.on_running_change(wg, wg.get_max_num_running_seqs())
             self._lora_add(wg, loras)
             free = bm.get_num_free_gpu_blocks() - plan.cost
             seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
@@ -1430,6 +1445,20 @@ class Scheduler:
             for s in g.get_seqs(SequenceStatus.RUNNING)
         )
 
+    def _reserved_first(self, ranked: deque[SequenceGroup], st: _Step) -> deque[SequenceGroup]:
+        """``ranked`` with each group that preempted others this step moved ahead of the
+        groups before it that it outranked when it did: the room it made is its own (under ``priority`` it
+        leads them anyway; ``fair`` may order a flooding tenant's backlog ahead of it)."""
+        out: list[SequenceGroup] = []
+        for g in ranked:
+            k = len(out)
+            if g.request_id in st.reserved:
+                over = st.reserved_over.get(g.request_id, set())
+                while k and out[k - 1].request_id in over:
+                    k -= 1
+            out.insert(k, g)
+        return deque(out)
+
     def _schedule_prefills(
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
     ) -> SchedulerPrefillOutputs:
@@ -1462,6 +1491,8 @@ class Scheduler:
         if budget.num_curr_seqs >= cfg.max_num_seqs or budget.remaining_token_budget() <= 0:
             return out  # nothing could be admitted (never-schedulable ones were rejected at add)
         ranked = self.policy.admission_order(st.now, self.waiting)
+        if st.reserved:
+            ranked = self._reserved_first(ranked, st)
         admitted: set[str] = set()
         ignored: set[str] = set()
         held = 0  # blocks kept for higher-ranked groups skipped above (rank policies only)

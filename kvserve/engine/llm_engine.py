@@ -32,6 +32,7 @@ from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.field_limits import LIMITS, check_tenant
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.sequence import (
     BlockMoveError,
@@ -134,6 +135,9 @@ class LLMEngine:
         preemption_cost: the scheduler's price of recompute against swap under
             ``--preemption-mode auto`` (``kvserve.core.preemption.PreemptionCost``; the
             simulator passes its cost model's), or None: the built-in default.
+        pooler_config: set for a pooling engine (``kvserve.engine.pooling``): it takes
+            ``PoolingParams`` requests only, and ends each with its vector
+            (``RequestOutput.pooled``) in the step that runs its prompt; None: generation.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class LLMEngine:
         long_prompt_after: int | None = None,
         enable_sleep_mode: bool = False,
         preemption_cost=None,
+        pooler_config=None,
     ):
         from kvserve.core.scheduler import Scheduler
 
@@ -199,7 +204,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()  # the server compiles on a worker thread
-        if tokenizer is not None and executor is not None:
+        self.pooler_config = pooler_config
+        #: ``"pooling"`` (embeddings, scores) or ``"generate"``: the requests it takes
+        self.runner = "generate" if pooler_config is None else "pooling"
+        if tokenizer is not None and executor is not None and pooler_config is None:
             # The grammar engine's tokenizer view, built on a background thread now rather than
             # by the first constrained request (which would stall the requests behind it). Not
             # on a data-parallel front engine (no executor): its replicas compile.
@@ -256,6 +264,10 @@ class LLMEngine:
         from kvserve.model_executor.model_loader import check_architecture, check_fallback_settings
 
         check_architecture(hf_config, args.model_impl, model_dir)  # (before reading its limits)
+        from kvserve.engine.pooling import build_pooling_engine, resolve_runner
+
+        if resolve_runner(args, hf_config, str(model_dir)) == "pooling":
+            return build_pooling_engine(cls, args, model_dir, hf_config)
         if args.quantization == "none":
             from kvserve.model_executor.quantized_checkpoint import quant_method_of
 
@@ -307,9 +319,10 @@ class LLMEngine:
         try:
             num_gpu_blocks, num_cpu_blocks = worker.determine_num_blocks()
             cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-            worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+            cache_config.resolve_kv_offload_blocks(worker.bytes_per_block())
+            worker.init_cache(num_gpu_blocks, cache_config.num_host_blocks())
             logger.info(
-                "KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes a block), %d swap blocks",
+                "KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes a block), %d host blocks",
                 num_gpu_blocks,
                 cache_config.block_size,
                 num_gpu_blocks * cache_config.block_size,
@@ -317,8 +330,12 @@ class LLMEngine:
                 if cache_config.cache_dtype != "auto"
                 else str(worker.dtype).removeprefix("torch."),
                 worker.bytes_per_block(),
-                num_cpu_blocks,
+                cache_config.num_host_blocks(),
             )
+            if cache_config.kv_offload_dir is not None:
+                worker.open_disk_tier(
+                    cache_config.kv_offload_dir, int(cache_config.kv_offload_disk_gib * 2**30)
+                )
             worker.warm_up()
         except BaseException:
             worker.shutdown()  # tensor-parallel peers must not outlive a failed start
@@ -334,7 +351,7 @@ class LLMEngine:
             eos = eos[0]
         if eos is None:
             eos = tokenizer.eos_token_id
-        return cls(
+        engine = cls(
             model_config,
             cache_config,
             scheduler_config,
@@ -348,13 +365,34 @@ class LLMEngine:
             long_prompt_after=longrope_threshold(get_rope_parameters(hf_config)),
             enable_sleep_mode=args.enable_sleep_mode,
         )
+        if cache_config.kv_offload_dir is not None:
+            engine._warm_disk_tier()
+        return engine
+
+    def _warm_disk_tier(self) -> None:
+        """Fill the host tier from the disk tier's files (most recently used first, as many
+        as the tier holds)."""
+        bm = self.scheduler.block_manager
+        keys = self.executor.read_disk_tier(bm.host_tier_blocks)
+        placed = bm.adopt_tier_blocks(keys)
+        self.executor.fill_host_blocks(placed)
+        logger.info("disk tier: %d of %d valid block files entered the host tier", len(placed), len(keys))
+
+    def _save_new_tier_blocks(self) -> None:
+        """Hand blocks that entered the host tier to the disk tier, before the next block moves
+        can overwrite them."""
+        if self.cache_config.kv_offload_dir is None:
+            return
+        blocks = self.scheduler.block_manager.take_new_tier_blocks()
+        if blocks:
+            self.executor.save_host_blocks(blocks)
 
     # ------------------------------------------------------------------ requests
     def add_request(
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
@@ -365,7 +403,9 @@ class LLMEngine:
         ``lora_request``: the adapter it runs with (None: the base model); an adapter not
         loaded yet is loaded and validated here, so a bad one fails this call only.
         ``tenant``: who it is served for (``SequenceGroup.tenant``; the ``fair`` policy shares
-        service between tenants); None = the shared default tenant.
+        service between tenants); None (or "") = the shared default tenant.
+        ``params``: ``SamplingParams`` on a generation engine, ``PoolingParams`` on a pooling
+        one (``runner``); the other kind is refused.
 
         Raises:
             ValueError: duplicate live request id, empty prompt, token ids outside the vocab,
@@ -387,10 +427,27 @@ class LLMEngine:
             self._check_lora_request(lora_request)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
+        if self.runner == "pooling" or isinstance(params, PoolingParams):
+            if self.runner != "pooling":
+                raise ValueError(
+                    "this model is a generation model: it takes no pooling (embedding, score) "
+                    "requests; start it with runner='pooling' to serve embeddings."
+                )
+            if not isinstance(params, PoolingParams):
+                raise ValueError(
+                    "this model is a pooling model (runner='pooling'): it serves embeddings and "
+                    f"scores, not text generation (got {type(params).__name__})."
+                )
+            LIMITS["priority"].check("priority", priority)
+            check_tenant("tenant", tenant)
+            from kvserve.engine.pooling import add_pooling_request
+
+            return add_pooling_request(self, request_id, prompt, params, arrival_time, priority, tenant)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
         LIMITS["priority"].check("priority", priority)
         check_tenant("tenant", tenant)
+        tenant = tenant or None  # an empty name is no name: the shared default tenant
         text, prompt_ids = tokenize_prompt(prompt, self.tokenizer)
         prompt_ids = truncate_prompt(prompt_ids, params, self.scheduler_config.max_model_len)
         max_tokens = self.validate(prompt_ids, params)
@@ -596,6 +653,11 @@ class LLMEngine:
         Why drop the executor: objects that outlive the engine (an HTTP app's route closures,
         which FastAPI keeps in a process-wide cache) would otherwise keep the model in memory
         for the life of the process."""
+        if not isinstance(self.executor, _ShutDownExecutor):
+            try:
+                self._save_new_tier_blocks()  # the last step's demotions, then the writer drains
+            except Exception:
+                logger.exception("disk tier: saving the last host-tier blocks failed")
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -614,6 +676,7 @@ class LLMEngine:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         seq_group_metadata_list, sched_out = self.scheduler.schedule()
+        self._save_new_tier_blocks()  # before this step's moves may reuse their host blocks
         faults: dict[int, BaseException] = {}
         scheduled = sched_out.scheduled_seq_groups
         if not sched_out.is_empty():
@@ -674,6 +737,11 @@ class LLMEngine:
                 group.add_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
             if not meta.do_sample or result is None:
                 continue
+            if result.pooled is not None:  # a pooling request ends with its prompt's step
+                from kvserve.engine.pooling import finish_pooled
+
+                outputs.append(finish_pooled(self, group, result.pooled, now))
+                continue
             try:
                 self._process_samples(group, result, now)
                 if group.is_finished():
@@ -729,6 +797,7 @@ class LLMEngine:
             ), {}
         except BlockMoveError as e:
             logger.exception("step %d: block moves failed", self.stats.num_steps)
+            self.scheduler.block_manager.drop_tier_moves()
             self._fail_swapped_out(sched_out, e)
             return [None] * len(metas), dict.fromkeys(range(len(metas)), e)
         except Exception as e:
@@ -806,6 +875,8 @@ class LLMEngine:
 
     def _input_fault(self, group: SequenceGroup) -> str | None:
         """The validation error of the group's own input now, or None when it is valid."""
+        if group.pooling_params is not None:
+            return None  # checked at add_request; nothing of it changes while it runs
         try:
             group.sampling_params._verify()
             self.validate(group.prompt_token_ids, group.sampling_params)
@@ -1060,6 +1131,11 @@ class LLMEngine:
                 f"({total} blocks, watermark {watermark})"
             )
         return None
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (a pooling model's embedding dimension)."""
+        return int(self.executor.model.config.hidden_size)
 
     def _device(self) -> str:
         try:

@@ -153,6 +153,59 @@ _LATENCY_BUCKETS = (
     120.0,
     300.0,
 )
+#: (kind, name, help, key of ``get_kv_cache_stats``) of the kvserve-only scheduler and KV-tier
+#: series
+_SCHEDULER_SERIES = (
+    (
+        "counter",
+        "kvserve:backfilled_requests",
+        "Admissions past a waiting request that had to wait for KV blocks (backfill).",
+        "num_backfilled",
+    ),
+    (
+        "counter",
+        "kvserve:backfill_reclaims",
+        "Backfilled requests preempted so that the request they passed could start.",
+        "num_backfill_reclaims",
+    ),
+    (
+        "counter",
+        "kvserve:wanted_block_evictions",
+        "Cached KV blocks evicted although a waiting request's prompt needed them.",
+        "num_wanted_evictions",
+    ),
+    (
+        "gauge",
+        "kvserve:host_tier_blocks",
+        "Prefix-cache blocks held in the host tier (evicted from the device pool).",
+        "host_tier_blocks",
+    ),
+    (
+        "gauge",
+        "kvserve:host_tier_capacity_blocks",
+        "Most blocks the prefix cache's host tier may hold (0: no tier).",
+        "host_tier_capacity_blocks",
+    ),
+    (
+        "counter",
+        "kvserve:host_tier_hits",
+        "Prefix-cache blocks found in the host tier and swapped back into the device pool.",
+        "host_tier_hits",
+    ),
+    (
+        "counter",
+        "kvserve:host_tier_demotions",
+        "Cached blocks the device pool evicted that were copied into the host tier.",
+        "host_tier_demotions",
+    ),
+    (
+        "counter",
+        "kvserve:gpu_prefix_cache_hit_blocks",
+        "Prefix-cache blocks found in the device pool.",
+        "gpu_prefix_cache_hit_blocks",
+    ),
+)
+
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -244,21 +297,9 @@ class EngineCollector:
             "KV blocks swap preemptions moved to host memory.",
             kv.get("num_swapped_out_blocks", 0) or 0,
         )
-        yield counter(
-            "kvserve:backfilled_requests",
-            "Admissions past a waiting request that had to wait for KV blocks (backfill).",
-            kv.get("num_backfilled", 0) or 0,
-        )
-        yield counter(
-            "kvserve:backfill_reclaims",
-            "Backfilled requests preempted so that the request they passed could start.",
-            kv.get("num_backfill_reclaims", 0) or 0,
-        )
-        yield counter(
-            "kvserve:wanted_block_evictions",
-            "Cached KV blocks evicted although a waiting request's prompt needed them.",
-            kv.get("num_wanted_evictions", 0) or 0,
-        )
+        makers = {"counter": counter, "gauge": gauge}
+        for kind, name, doc, key in _SCHEDULER_SERIES:
+            yield makers[kind](name, doc, kv.get(key, 0) or 0)
         yield counter("kvserve:prompt_tokens", "Prompt tokens of accepted requests.", stats.num_prompt_tokens)
         yield counter("kvserve:generation_tokens", "Generated tokens.", stats.num_generation_tokens)
         yield counter(

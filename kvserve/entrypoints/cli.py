@@ -13,16 +13,18 @@ import time
 import typing
 
 from kvserve.config import (
+    CONVERT_CHOICES,
     DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     MODEL_IMPL_ALIASES,
     MODEL_IMPL_CHOICES,
     QUANTIZATION_CHOICES,
+    RUNNER_CHOICES,
     EngineArgs,
     parse_tenant_weights,
 )
 from kvserve.core.policy import PolicyFactory
-from kvserve.entrypoints.vllm_compat import aliases_of, human_int_arg
+from kvserve.entrypoints.vllm_compat import FLAG_OF_FIELD, aliases_of, human_int_arg
 from kvserve.lora.modules import parse_lora_module
 
 DEMO_CHATS = [
@@ -36,6 +38,42 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "runner": (
+        "generate, pooling (embeddings and scores) or auto: pooling for an encoder-only architecture (BERT)"
+    ),
+    "convert": "embed: a decoder checkpoint served as an embedding model; none / auto: as it is",
+    "model": "a local Hugging Face directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (vLLM's half and float too)",
+    "device": "auto (CUDA when available), cpu, cuda",
+    "seed": "the engine's global RNG seed",
+    "block_size": "tokens per KV-cache block",
+    "num_gpu_blocks": "blocks in the device KV pool (on CPU too); None: as many as kv_cache_memory_gib holds",
+    "kv_cache_memory_gib": "memory of the device KV pool when num_gpu_blocks is unset (per rank under tensor parallelism)",
+    "num_cpu_blocks": "blocks in the host swap pool; None: as many as swap_space_gib holds",
+    "swap_space_gib": "memory of the swap pool when num_cpu_blocks is unset; pools (on CPU: both) larger than the machine's physical memory are refused at start",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens in one step (prompt + decode); None: 2,048 with chunked prefill on CPU, 512 with it on CUDA, else max(max_model_len, 512); the flag also takes 8k / 8K forms",
+    "max_model_len": "context length (prompt + output) in tokens; None: the model's max_position_embeddings, which it may not exceed; the flag also takes 32k (x 1,000) and 32K / 1M (x 1,024) forms",
+    "enable_chunked_prefill": "split long prompts over steps and mix them with decodes; None: on on CPU (as vLLM's CPU backend), off on CUDA (as vLLM V0)",
+    "enable_prefix_caching": "reuse KV blocks across requests by hashed token content",
+    "num_kv_offload_blocks": "blocks of the host tier; None: as many as kv_offload_gib holds",
+    "preemption_mode": "recompute or swap for every group; auto: the cheaper of the two per victim (scheduling); None: recompute for one-sequence groups, swap for n > 1",
+    "max_num_partial_prefills": "with chunked prefill, how many prompts may be mid-prefill at once",
+    "long_prefill_token_threshold": "with chunked prefill, the most tokens one prompt takes in a step; None: 4%% of max_model_len (at least one block) when max_num_partial_prefills > 1, else the step budget",
+    "max_waiting": "bound on the waiting queue (the server answers 503 past it); None: no bound",
+    "watermark": "fraction of device blocks kept free when admitting prompts, in [0, 1)",
+    "delay_factor": "vLLM V0's prompt delay: while requests run, new prompts wait until the oldest has waited this many times the last prompt step's latency, so more are batched together; 0 admits at once",
+    "enable_lora": "multi-LoRA serving (LoRA)",
+    "max_loras": "distinct adapters in one step (device slots)",
+    "max_lora_rank": "the largest adapter rank accepted, 1..512",
+    "max_cpu_loras": "adapters kept loaded in the CPU cache (least recently used evicted), at least max_loras; None: max_loras",
+    "max_slot_preemptions": "LoRA slot turnover, 0..8: how many times one request may be preempted to free its adapter's slot for a busier waiting adapter; 0 = off",
+    "data_parallel_size": "engine replicas on Ray behind one endpoint; 1 = this process only (data parallel)",
+    "ray_address": "the Ray cluster to join (auto, HOST:PORT); None: a local Ray runtime",
+    "router": "how a request picks its replica: prefix, least-loaded, round-robin",
+    "router_balance_threshold": "prefix router: the best-matching replica is passed over for the least-loaded one when it has more than this many outstanding requests over it",
+    "tensor_parallel_size": "ranks (processes) per engine (tensor parallel)",
+    "enable_sleep_mode": "sleep mode: LLM.sleep(level) / wake_up(), the server's POST /sleep and /wake_up, free the KV cache and offload (level 1) or drop (level 2) the weights while idle (server)",
     "policy": (
         "queue order: fcfs = arrival order; priority = the request's priority, then arrival; "
         "fair = tenants (the request's user) share the service by weighted tokens served "
@@ -51,6 +89,17 @@ _HELP = {
         "with prefix caching, evict the cached blocks that a waiting request's prompt needs "
         "last (plain LRU when off)"
     ),
+    "kv_offload_gib": (
+        "host memory (GiB) for the prefix cache's host tier: cached KV blocks evicted from the "
+        "device pool are kept there and swapped back in on a later prefix hit (needs "
+        "--enable-prefix-caching; 0 = off)"
+    ),
+    "kv_offload_dir": (
+        "disk tier of the prefix cache: host-tier blocks are also written to this directory in "
+        "the background and read back at start, so a restarted server starts warm (needs "
+        "--kv-offload-gib; files of another model, dtype or block shape are ignored)"
+    ),
+    "kv_offload_disk_gib": "bound of the disk tier's files (least recently used deleted first)",
     "gpu_memory_utilization": (
         "size the KV pool to fill this fraction of device memory (CUDA) or physical host memory "
         "(CPU) with weights + KV cache (vLLM's flag; replaces --kv-cache-memory-gib)"
@@ -77,14 +126,12 @@ _HELP = {
 
 #: Integer fields that also take vLLM's 32k / 1M forms (``vllm_compat.parse_human_int``).
 _HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
-#: Fields whose flag is not ``--`` + the field name (vLLM's spelling); the field's own
-#: spelling stays as an alias.
-_FLAG_OF = {"policy": "--scheduling-policy"}
 
 
 def flag_of(field_name: str) -> str:
-    """The command-line flag of an ``EngineArgs`` field."""
-    return _FLAG_OF.get(field_name, "--" + field_name.replace("_", "-"))
+    """The command-line flag of an ``EngineArgs`` field (``FLAG_OF_FIELD``'s vLLM spellings; the
+    field's own spelling stays as an alias)."""
+    return FLAG_OF_FIELD.get(field_name, "--" + field_name.replace("_", "-"))
 
 
 def _tenant_weights(text: str) -> dict[str, float]:
@@ -122,15 +169,18 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
             parser.add_argument(
                 *names, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name)
             )
-        elif f.name in ("speculative_config", "override_generation_config"):
+        elif f.name in ("speculative_config", "override_generation_config", "pooler_config"):
             parser.add_argument(
                 *names,
                 type=str,
                 default=None,
                 metavar="JSON",
-                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''
-                if f.name == "speculative_config"
-                else "generation_config.json values to set over the file's, e.g. '{\"temperature\": 0.5}'",
+                help={
+                    "speculative_config": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+                    "override_generation_config": "generation_config.json values to set over the file's, "
+                    "e.g. '{\"temperature\": 0.5}'",
+                    "pooler_config": 'pooling models: the pooler over the checkpoint\'s, e.g. \'{"pooling_type": "MEAN"}\'',
+                }[f.name],
             )
         elif f.name == "tenant_weights":
             parser.add_argument(
@@ -159,6 +209,8 @@ def add_engine_args(parser: argparse.ArgumentParser, help_overrides: dict[str, s
                     "model_impl": list(MODEL_IMPL_CHOICES),
                     "router": ["prefix", "least-loaded", "round-robin"],
                     "policy": PolicyFactory.names(),
+                    "runner": list(RUNNER_CHOICES),
+                    "convert": list(CONVERT_CHOICES),
                 }.get(f.name),
                 help=helps.get(f.name),
             )
@@ -183,11 +235,19 @@ def checked_engine_args(ns: argparse.Namespace) -> EngineArgs | None:
         return None
 
 
+def _is_bool_field(hint) -> bool:
+    return bool in (hint, *typing.get_args(hint))
+
+
 def _flag_patterns() -> list[tuple[re.Pattern, str]]:
     out = []
+    hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
         flag = flag_of(f.name)
         name = re.escape(f.name)
+        if _is_bool_field(hints[f.name]):  # a switch: ``name=True`` is ``--flag``, False ``--no-flag``
+            out.append((re.compile(rf"(?<![\w.\-'\"]){name}=True\b"), flag))
+            out.append((re.compile(rf"(?<![\w.\-'\"]){name}=False\b"), "--no-" + flag[2:]))
         # ``name='v'`` / ``name=v``: the flag and its value as typed
         value = r"=(?:'([^']*)'|\"([^\"]*)\"|([^\s,;)]+))"
         out.append((re.compile(rf"(?<![\w.\-'\"]){name}{value}"), flag))
@@ -205,6 +265,7 @@ def flag_names(message: str) -> str:
     """``message`` (an engine error worded for ``LLM(...)``) with each ``EngineArgs`` keyword
     written as the command-line flag the user typed: ``tensor_parallel_size=3`` ->
     ``--tensor-parallel-size 3``, ``quantization='gptq'`` -> ``--quantization gptq``,
+    ``enable_prefix_caching=True`` -> ``--enable-prefix-caching`` (``=False``: ``--no-...``),
     ``data_parallel_size must`` -> ``--data-parallel-size must``. Longer identifiers
     (``quantization_config``, ``speculative_config.method``) stay as they are."""
     global _FLAG_PATTERNS

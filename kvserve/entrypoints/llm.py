@@ -16,7 +16,14 @@ from kvserve.entrypoints.chat_template import check_template_kwargs, load_chat_t
 from kvserve.entrypoints.vllm_compat import translate_llm_kwargs
 from kvserve.field_limits import check_request_size, check_tenant
 from kvserve.lora_request import LoRARequest
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -126,7 +133,8 @@ class LLM:
         Raises:
             ValueError: for any invalid prompt or params (an adapter that does not load, a
                 ``lora_request`` or ``tenant`` list of the wrong length or while LoRA is off, a
-                tenant over ``MAX_TENANT_CHARS`` characters); then nothing is queued.
+                ``tenant`` that is not a string, list or None, a tenant over ``MAX_TENANT_CHARS``
+                characters); then nothing is queued.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -153,10 +161,14 @@ class LLM:
         loras = self._lora_list(lora_request, len(prompts))
         if tenant is None or isinstance(tenant, str):
             tenants: list[str | None] = [tenant] * len(prompts)
-        else:
+        elif isinstance(tenant, (list, tuple)):
             tenants = list(tenant)
             if len(tenants) != len(prompts):
                 raise ValueError(f"tenant has {len(tenants)} entries for {len(prompts)} prompts.")
+        else:
+            raise ValueError(
+                f"tenant must be a string, a list of strings (one per prompt) or None, got {type(tenant).__name__}."
+            )
         for t in tenants:
             check_tenant("tenant", t)
         engine = self.llm_engine
@@ -289,6 +301,96 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ pooling models
+    def encode(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        tenant: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt on a pooling model (``runner='pooling'``): one vector each
+        (``outputs.data``, a float32 tensor), in prompt order.
+
+        Raises:
+            ValueError: a generation model; a prompt or ``pooling_params`` the model refuses
+                (naming the field and the limit; nothing of the batch runs then).
+        """
+        params = pooling_params or PoolingParams()
+        prompt_list = _prompt_list(prompts)
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompt_list]
+        added: list[str] = []
+        try:
+            for rid, prompt in zip(ids, prompt_list):
+                engine.add_request(rid, prompt, dataclasses.replace(params), tenant=tenant)
+                added.append(rid)
+        except BaseException:
+            engine.abort_request(added)
+            with contextlib.suppress(Exception):
+                engine.step()
+            raise
+        return [PoolingRequestOutput.from_request_output(o) for o in self._run_engine(ids, use_tqdm)]
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+        tenant: str | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt: ``outputs.embedding`` (a list of floats) per prompt, in order.
+
+        Raises:
+            ValueError: as ``encode``, or a request that ended without a vector (its error).
+        """
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, tenant=tenant)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        text_1: PromptType | Seq[PromptType],
+        text_2: PromptType | Seq[PromptType],
+        *,
+        use_tqdm: bool = False,
+        tenant: str | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Cosine similarity of embeddings (a bi-encoder's score): one text against many
+        (``text_1`` one prompt), or pairwise (equal lengths). ``outputs.score`` per pair.
+
+        Raises:
+            ValueError: lists of different lengths (other than one against many), an empty
+                list, or as ``embed``.
+        """
+        import torch.nn.functional as F
+
+        a, b = _prompt_list(text_1), _prompt_list(text_2)
+        if not a or not b:
+            raise ValueError("score needs at least one text on each side.")
+        if len(a) == 1 and len(b) > 1:
+            a = a * len(b)
+        if len(a) != len(b):
+            raise ValueError(
+                f"text_1 has {len(a)} texts and text_2 {len(b)}; give one, or as many as text_2."
+            )
+        outs = self.encode(a + b, PoolingParams(normalize=True), use_tqdm=use_tqdm, tenant=tenant)
+        vecs = []
+        for o in outs:
+            if o.outputs is None:
+                raise ValueError(o.error or f"request {o.request_id} has no embedding ({o.outcome})")
+            vecs.append(o.outputs.data)
+        n = len(a)
+        result = []
+        for i in range(n):
+            s = float(F.cosine_similarity(vecs[i], vecs[n + i], dim=0))
+            ids = list(outs[i].prompt_token_ids) + list(outs[n + i].prompt_token_ids)
+            result.append(
+                ScoringRequestOutput(f"{outs[i].request_id}-{outs[n + i].request_id}", ids, ScoringOutput(s))
+            )
+        return result
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

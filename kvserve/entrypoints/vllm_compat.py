@@ -146,8 +146,8 @@ _FALSE = ("false",)
 FATES: dict[str, Fate] = {
     # ---- model
     "--model": _same(VALUE, "a local HF directory or .gguf file (never a hub name)"),
-    "--runner": _refused(VALUE, "kvserve runs generative models only", accept=("auto", "generate")),
-    "--convert": _refused(VALUE, "kvserve converts no model to pooling", accept=("auto", "none")),
+    "--runner": _same(VALUE, "generate, pooling (embeddings and scores) or auto"),
+    "--convert": _same(VALUE, "embed (a decoder as an embedding model), none or auto"),
     "--task": _refused(VALUE, "kvserve runs text generation only", accept=("auto", "generate")),
     "--tokenizer": _refused(
         VALUE, "kvserve reads the tokenizer from the model directory (or the GGUF)", accept=(SAME_AS_MODEL,)
@@ -187,7 +187,7 @@ FATES: dict[str, Fate] = {
     ),
     "--hf-token": _ignored(OPTIONAL, _LOCAL),
     "--hf-overrides": _refused(VALUE, "kvserve runs the model's config.json as it is"),
-    "--pooler-config": _refused(VALUE, "kvserve has no pooling models"),
+    "--pooler-config": _same(VALUE, "pooling_type (MEAN, CLS, LAST) and normalize"),
     "--override-pooler-config": _refused(VALUE, "kvserve has no pooling models"),
     "--logits-processor-pattern": _refused(VALUE, _PLUGINS),
     "--generation-config": _same(
@@ -484,6 +484,9 @@ LLM_KEYWORDS = (
 
 #: Flags of vLLM's server only (``AsyncEngineArgs`` and the frontend): not ``LLM(...)`` keywords.
 _SERVER_ONLY = {"--enable-log-requests", "--disable-log-requests"}
+#: ``EngineArgs`` fields whose flag is not ``--`` + the field name but vLLM's spelling; vLLM's
+#: ``LLM(...)`` keyword of that flag (``scheduling_policy``) sets the field.
+FLAG_OF_FIELD = {"policy": "--scheduling-policy"}
 
 _DEST_PREFIX = "vllm_flag__"
 
@@ -626,8 +629,14 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
         fate = FATES[flag]
         if fate.kind == REFUSED and value is None:
             continue  # vLLM's "unset"
-        if fate.kind == SAME:  # kvserve's flag, but of the server (its engine fields passed above)
+        if fate.kind == SAME:  # kvserve's flag: an engine field of another name, or the server's
             if value is None:
+                continue
+            field = next((f for f, fl in FLAG_OF_FIELD.items() if fl == flag), None)
+            if field is not None and field in engine_fields:
+                if field in kwargs and kwargs[field] != value:
+                    raise ValueError(f"{key}={value!r} and {field}={kwargs[field]!r} set one setting twice.")
+                out[field] = value
                 continue
             raise ValueError(f"{key} is a server setting (kvserve serve {flag}), not an LLM(...) keyword.")
         try:

@@ -194,6 +194,20 @@ def simulate(
         "num_extrapolated_steps": executor.num_extrapolated_steps,
         "extrapolation": extrapolation_report(executor.cost_model, executor),
     }
+    kv = engine.get_kv_cache_stats()
+    if cache_config.enable_prefix_caching:
+        summary["prefix_cache"] = {
+            k: kv[k]
+            for k in (
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "prefix_cache_hit_rate",
+                "gpu_prefix_cache_hit_blocks",
+                "host_tier_capacity_blocks",
+                "host_tier_hits",
+                "host_tier_demotions",
+            )
+        }
     if per_request:
         summary["requests"] = {
             o.request_id: {"ttft_s": m.ttft, "e2e_s": m.e2e_latency} for o, m in zip(done, metrics)
@@ -541,6 +555,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what} ({n}): {reason}")
         if len(reasons) > 3:
             print(f"{what}: {len(reasons) - 3} more reasons (--json-out lists them)")
+    pc = summary.get("prefix_cache")
+    if pc:
+        print(
+            f"prefix cache: hit rate {pc['prefix_cache_hit_rate']:.3f} ({pc['prefix_cache_hits']} of "
+            f"{pc['prefix_cache_queries']} prompt tokens), {pc['gpu_prefix_cache_hit_blocks']} device-pool "
+            f"block hits, host tier of {pc['host_tier_capacity_blocks']} blocks: {pc['host_tier_hits']} "
+            f"block hits, {pc['host_tier_demotions']} demotions"
+        )
     sd = summary.get("spec_decode")
     if sd:
         print(

@@ -156,7 +156,7 @@ class SimulatedExecutor:
         if cache_config is not None:
             block_size = block_size or cache_config.block_size
             num_gpu_blocks = num_gpu_blocks if num_gpu_blocks is not None else cache_config.num_gpu_blocks
-            num_cpu_blocks = num_cpu_blocks if num_cpu_blocks is not None else cache_config.num_cpu_blocks
+            num_cpu_blocks = num_cpu_blocks if num_cpu_blocks is not None else cache_config.num_host_blocks()
             sliding_window = sliding_window or cache_config.sliding_window
         self.block_size = block_size or 16
         self.num_gpu_blocks = num_gpu_blocks

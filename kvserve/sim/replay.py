@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.sampling_params import SamplingParams
@@ -116,17 +116,37 @@ class _GCTimer:
             self._t0 = None
 
 
+def greedy_submit(engine, r: BenchRequest, arrival_time: float) -> None:
+    """Queue ``r`` greedy with ``ignore_eos``, ``max_tokens = output_len`` and its tenant (the
+    default ``submit`` of ``replay``)."""
+    engine.add_request(
+        str(r.id),
+        {"prompt_token_ids": r.prompt_token_ids},
+        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
+        arrival_time=arrival_time,
+        tenant=r.tenant,
+    )
+
+
+#: queues one request on an engine at an arrival time (engine clock, seconds); raises
+#: ValueError for a request the engine rejects
+Submit = Callable[[object, BenchRequest, float], None]
+
+
 def replay(
     engine,
-    requests: list[BenchRequest],
+    requests: Sequence[BenchRequest],
     clock: Callable[[], float],
     wait_until: Callable[[float], None],
     max_steps: int = 10_000_000,
     record_steps: bool = False,
     timer: Callable[[], float] = time.perf_counter,
+    submit: Submit = greedy_submit,
 ) -> ReplayResult:
     """Run ``requests`` through ``engine`` (whose clock is ``clock``) until all have ended.
 
+    ``submit`` queues each request when it arrives (default ``greedy_submit``); a request's
+    ``num_tokens`` counts the tokens of all its samples, its token times those of the first.
     ``record_steps``: keep a ``StepRecord`` per step in ``ReplayResult.steps``, timed by
     ``timer`` (seconds; the executor is wrapped for the run and put back after).
 
@@ -134,19 +154,19 @@ def replay(
         RuntimeError: more than ``max_steps`` steps (a stuck engine), never a hang.
     """
     if not record_steps:
-        return _replay(engine, requests, clock, wait_until, max_steps, None)
+        return _replay(engine, requests, clock, wait_until, max_steps, None, submit)
     st = _StepTimer(engine.executor, timer)
     gct = _GCTimer(timer)
     engine.executor = st
     gc.callbacks.append(gct)
     try:
-        return _replay(engine, requests, clock, wait_until, max_steps, (st, gct))
+        return _replay(engine, requests, clock, wait_until, max_steps, (st, gct), submit)
     finally:
         gc.callbacks.remove(gct)
         engine.executor = st.inner
 
 
-def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult:
+def _replay(engine, requests, clock, wait_until, max_steps, rec, submit: Submit) -> ReplayResult:
     res = ReplayResult()
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.id))
     t0 = clock()
@@ -176,13 +196,7 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult
             r = pending[i]
             res.arrival[r.id] = pending[i].arrival_s
             try:
-                engine.add_request(
-                    str(r.id),
-                    {"prompt_token_ids": r.prompt_token_ids},
-                    SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0),
-                    arrival_time=t0 + r.arrival_s,
-                    tenant=r.tenant,
-                )
+                submit(engine, r, t0 + r.arrival_s)
                 res.token_times[r.id] = []
             except ValueError:
                 res.rejected += 1
@@ -215,7 +229,7 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec) -> ReplayResult
                 lens[rid] = n
             if o.finished:
                 res.outcome[rid] = o.outcome
-                res.num_tokens[rid] = n
+                res.num_tokens[rid] = sum(len(c.token_ids) for c in o.outputs)  # all n samples
                 m = o.metrics
                 res.preemptions[rid] = m.num_preemptions
                 res.first_scheduled[rid] = (
@@ -275,16 +289,18 @@ def summarize_replay(res: ReplayResult) -> dict:
     }
 
 
-def wall_replay(engine, requests: list[BenchRequest], record_steps: bool = False) -> ReplayResult:
+def wall_replay(
+    engine, requests: list[BenchRequest], record_steps: bool = False, submit: Submit = greedy_submit
+) -> ReplayResult:
     """``replay`` on the wall clock (the engine's own ``clock``), sleeping while idle;
-    ``record_steps`` as in ``replay`` (timed by ``time.perf_counter``)."""
+    ``record_steps`` and ``submit`` as in ``replay`` (timed by ``time.perf_counter``)."""
 
     def wait_until(t: float) -> None:
         d = t - engine.clock()
         if d > 0:
             time.sleep(d)
 
-    return replay(engine, requests, engine.clock, wait_until, record_steps=record_steps)
+    return replay(engine, requests, engine.clock, wait_until, record_steps=record_steps, submit=submit)
 
 
 def simulated_engine(engine_configs: tuple, cost_model, vocab_size: int):
@@ -319,9 +335,10 @@ def sim_replay(
     vocab_size: int,
     requests: list[BenchRequest],
     record_steps: bool = False,
+    submit: Submit = greedy_submit,
 ) -> ReplayResult:
     """``replay`` on a simulated engine (``simulated_engine``); idle time is skipped.
     ``record_steps``: step records timed by the virtual clock (``step_s`` = the cost model's
-    time of each step)."""
+    time of each step); ``submit`` as in ``replay``."""
     engine, clock = simulated_engine(engine_configs, cost_model, vocab_size)
-    return replay(engine, requests, clock, clock.set, record_steps=record_steps, timer=clock)
+    return replay(engine, requests, clock, clock.set, record_steps=record_steps, timer=clock, submit=submit)

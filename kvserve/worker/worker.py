@@ -487,7 +487,12 @@ class Worker:
                     f"kv_cache_memory_gib={cc.kv_cache_memory_gib} is smaller than one KV block ({bpb} bytes)"
                 )
         cpu = cc.num_cpu_blocks if cc.num_cpu_blocks is not None else int(cc.swap_space_gib * _GIB // bpb)
-        self._check_host_memory(gpu, cpu, bpb)
+        tier = (
+            cc.num_kv_offload_blocks
+            if cc.num_kv_offload_blocks is not None
+            else int(cc.kv_offload_gib * _GIB // bpb)
+        )
+        self._check_host_memory(gpu, cpu, bpb, tier)
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
             if gpu * bpb > free:
@@ -525,9 +530,10 @@ class Worker:
             )
         return budget // bpb
 
-    def _check_host_memory(self, gpu: int, cpu: int, bpb: int) -> None:
-        """Refuse pools that host memory cannot hold (the swap pool always, the device pool
-        too on CPU; every rank holds its own shard of both), naming the setting to lower,
+    def _check_host_memory(self, gpu: int, cpu: int, bpb: int, tier: int = 0) -> None:
+        """Refuse pools that host memory cannot hold (the swap pool and the prefix cache's
+        host tier, ``tier`` blocks, always; the device pool too on CPU; every rank holds its
+        own shard of each), naming the setting to lower,
         rather than fail in the allocator. Physical memory is the bound (not what is free
         now: that moves with the other processes of the machine).
 
@@ -539,6 +545,10 @@ class Worker:
             return
         cc = self.cache_config
         on_host = [(cpu, "num_cpu_blocks" if cc.num_cpu_blocks is not None else "swap_space_gib")]
+        if tier:
+            on_host.append(
+                (tier, "num_kv_offload_blocks" if cc.num_kv_offload_blocks is not None else "kv_offload_gib")
+            )
         if self.device == "cpu":
             on_host.insert(
                 0, (gpu, "num_gpu_blocks" if cc.num_gpu_blocks is not None else "kv_cache_memory_gib")
@@ -552,6 +562,8 @@ class Worker:
         ]
         ranks = f", on each of {self.tp_size} ranks" if self.tp_size > 1 else ""
         pools = f"{gpu} blocks + {cpu} swap blocks" if self.device == "cpu" else f"{cpu} swap blocks"
+        if tier:
+            pools += f" + {tier} host-tier blocks"
         raise ValueError(
             f"the KV cache needs {need / _GIB:.2f} GiB of host memory ({pools} of {bpb} bytes{ranks}) but this machine has {total / _GIB:.2f} GiB of host memory; "
             f"lower {' or '.join(over)}"
@@ -656,8 +668,63 @@ class Worker:
         self.tp.gather_stats.reset()
         return dt
 
+    # ------------------------------------------------------------------ disk tier
+    def open_disk_tier(self, directory: str, max_bytes: int) -> None:
+        """Start the prefix cache's disk tier (``worker.disk_tier``) for this worker's host
+        blocks, keyed to the model, its checkpoint files (names, sizes, modification times:
+        weights rewritten in place do not reuse the old blocks), quantization, dtype, KV dtype
+        and block shape. One rank only.
+
+        Raises:
+            ValueError: tensor parallelism, or ``init_cache`` not called.
+        """
+        from kvserve.worker.disk_tier import DiskTier, checkpoint_fingerprint
+
+        if self.tp_size > 1:
+            raise ValueError(f"kv_offload_dir needs tensor_parallel_size=1, got {self.tp_size}")
+        if self.cache_engine is None:
+            raise ValueError("Worker.init_cache() must be called before open_disk_tier().")
+        ce = self.cache_engine
+        # a block as the pools hold it: rows of head_dim (+ 2 scale bytes when quantized)
+        shape = (ce.num_layers, 2, ce.num_kv_heads, ce.block_size, ce.device_cache.shape[-1])
+        mc = self.model_config
+        weights = checkpoint_fingerprint(self.model_dir, mc.model)
+        identity = (
+            f"{mc.model}|{weights}|q={mc.quantization}|impl={mc.model_impl}|{self.dtype}"
+            f"|kv={ce.storage_dtype}|{shape}"
+        )
+        self.disk_tier = DiskTier(directory, identity, shape, ce.device_cache.dtype, max_bytes)
+        self._disk_loaded: dict[int, torch.Tensor] = {}
+
+    def read_disk_tier(self, limit: int) -> list[int]:
+        """Read up to ``limit`` valid block files (least recently used first); returns their
+        keys. The bytes wait for ``fill_host_blocks``."""
+        items = self.disk_tier.load(limit)
+        self._disk_loaded = dict(items)
+        return [k for k, _ in items]
+
+    def fill_host_blocks(self, placed: dict[int, int]) -> None:
+        """Copy blocks read by ``read_disk_tier`` into host blocks: ``{key: host block}``."""
+        assert self.cache_engine is not None
+        cpu = self.cache_engine.cpu_cache
+        for key, c in placed.items():
+            cpu[:, :, :, c] = self._disk_loaded[key]
+        self._disk_loaded = {}
+
+    def save_host_blocks(self, blocks: list[tuple[int, int]]) -> None:
+        """Queue host blocks for the disk tier: ``(host block, key)`` pairs; the bytes are
+        copied now, the files written by its thread."""
+        assert self.cache_engine is not None
+        cpu = self.cache_engine.cpu_cache
+        for c, key in blocks:
+            self.disk_tier.save(key, cpu[:, :, :, c])
+
     def shutdown(self) -> None:
-        """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1."""
+        """Stop the peer ranks (T > 1) and drop the group; idempotent, a no-op at T = 1. A disk
+        tier writes what it has queued first."""
+        tier = getattr(self, "disk_tier", None)
+        if tier is not None:
+            tier.close()
         if self.peers is not None:
             self.peers.shutdown()
         self.close_group()

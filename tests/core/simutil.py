@@ -23,6 +23,7 @@ def configs(
     PC=False,
     PM=None,
     WM=0.0,
+    TIER=None,
     policy="fcfs",
     sliding_window=None,
     max_num_partial_prefills=1,
@@ -38,6 +39,7 @@ def configs(
         num_gpu_blocks=G,
         num_cpu_blocks=C,
         enable_prefix_caching=PC,
+        num_kv_offload_blocks=TIER,
         watermark=WM,
         sliding_window=sliding_window,
     )
@@ -197,7 +199,15 @@ class Harness:
         self.check_loras(out, metas)
         bm = self.scheduler.block_manager
         bm.check_invariants()
-        assert bm.get_num_free_cpu_blocks() <= (self.cc.num_cpu_blocks or 0)
+        assert bm.get_num_free_cpu_blocks() <= self.cc.num_host_blocks()
+        self.check_tier_moves(out)
+
+    def check_tier_moves(self, out: SchedulerOutputs):
+        """Block moves (host-tier ones merged in) are well formed: no two sources share a
+        destination, and no host block is both written and read in the step."""
+        assert len(set(out.blocks_to_swap_in.values())) == len(out.blocks_to_swap_in)
+        assert len(set(out.blocks_to_swap_out.values())) == len(out.blocks_to_swap_out)
+        assert not set(out.blocks_to_swap_out.values()) & set(out.blocks_to_swap_in)
 
     def check_loras(self, out: SchedulerOutputs, metas):
         """The step's adapters are its groups' (metadata included) and, like the adapters of
@@ -243,7 +253,7 @@ class Harness:
         bm = self.scheduler.block_manager
         assert not self.scheduler.has_unfinished_seqs()
         assert bm.get_num_free_gpu_blocks() == self.cc.num_gpu_blocks
-        assert bm.get_num_free_cpu_blocks() == (self.cc.num_cpu_blocks or 0)
+        assert bm.get_num_free_cpu_blocks() == self.cc.num_host_blocks()
         assert bm.gpu.get_num_in_use() == 0 and bm.cpu.get_num_in_use() == 0
         assert not bm.block_tables
         assert not self.engine._groups and not self.engine._max_tokens

@@ -99,3 +99,15 @@ def test_flag_names_leaves_longer_identifiers_alone(name, suffix):
 def test_flag_names_keeps_prose_words(text):
     out = cli.flag_names(text)
     assert out.replace("--tensor-parallel-size", "tensor_parallel_size") == text
+
+
+def test_flag_names_writes_a_switch_as_the_flag_argparse_takes():
+    # --enable-prefix-caching is a switch (--no-... turns it off); "--enable-prefix-caching True"
+    # would be refused by argparse
+    from kvserve.config import CacheConfig
+
+    with pytest.raises(ValueError) as e:
+        CacheConfig(kv_offload_gib=0.25)
+    assert cli.flag_names(str(e.value)).endswith("need --enable-prefix-caching.")
+    out = cli.flag_names("needs scheduling_backfill=False and enable_lora=True, tensor_parallel_size=2")
+    assert out == "needs --no-scheduling-backfill and --enable-lora, --tensor-parallel-size 2"

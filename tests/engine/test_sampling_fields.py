@@ -202,3 +202,10 @@ def test_masks_that_leave_no_token_fail_that_request_only(llm, tiny_hf_model):
     assert outs[1].outcome == "finished"
     assert outs[1].outputs[0].token_ids == hf_greedy(tiny_hf_model, PROMPT, MAX_NEW)
     _idle(llm)
+
+
+def test_best_of_above_n_with_greedy_decoding_is_refused():
+    """Greedy samples are identical: best_of > n would choose among copies (vLLM refuses it too)."""
+    with pytest.raises(ValueError, match=r"best_of \(3\) > n \(2\) needs sampling"):
+        SamplingParams(n=2, best_of=3, temperature=0)
+    assert SamplingParams(n=2, best_of=2, temperature=0).best_of == 2

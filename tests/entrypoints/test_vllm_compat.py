@@ -284,3 +284,17 @@ def test_llm_keywords_of_server_settings_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^otlp_traces_endpoint is a server setting \(kvserve serve --otlp"):
         vc.translate_llm_kwargs({"otlp_traces_endpoint": "http://c:4318"}, fields)
     assert vc.translate_llm_kwargs({"enable_sleep_mode": True}, fields) == {"enable_sleep_mode": True}
+
+
+def test_llm_keyword_of_a_renamed_engine_field_sets_it():
+    # vLLM's LLM(scheduling_policy=...) is kvserve's EngineArgs.policy (the flag's other name).
+    fields = set(EngineArgs.field_names())
+    assert vc.translate_llm_kwargs({"scheduling_policy": "fair"}, fields) == {"policy": "fair"}
+    assert vc.translate_llm_kwargs({"policy": "fair", "scheduling_policy": "fair"}, fields) == {
+        "policy": "fair"
+    }
+    with pytest.raises(ValueError, match=r"scheduling_policy='fair' and policy='fcfs' set one setting twice"):
+        vc.translate_llm_kwargs({"policy": "fcfs", "scheduling_policy": "fair"}, fields)
+    assert (
+        EngineArgs(**vc.translate_llm_kwargs({"scheduling_policy": "priority"}, fields)).policy == "priority"
+    )

@@ -128,3 +128,26 @@ def test_engine_with_a_kv_pool_beyond_host_memory_is_a_value_error(tmp_path):
     save_tiny(tmp_path, llama_config())
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         LLM(model=str(tmp_path), device="cpu", kv_cache_memory_gib=100000.0)
+
+
+@pytest.mark.parametrize(
+    "cache, field",
+    [
+        (dict(num_gpu_blocks=8, kv_offload_gib=1e12, enable_prefix_caching=True), "kv_offload_gib"),
+        (
+            dict(num_gpu_blocks=8, num_kv_offload_blocks=10**12, enable_prefix_caching=True),
+            "num_kv_offload_blocks",
+        ),
+    ],
+)
+def test_a_host_tier_larger_than_host_memory_is_a_value_error_naming_it(tmp_path, cache, field):
+    """The prefix cache's host tier is host memory too: more than the machine has is refused
+    naming the setting (was the allocator's RuntimeError, a traceback on the command line)."""
+    from kvserve.config import ModelConfig
+    from kvserve.worker.worker import Worker
+    from tests.model_executor.helpers import llama_config, save_tiny
+
+    save_tiny(tmp_path, llama_config())
+    w = Worker(ModelConfig(model=str(tmp_path), device="cpu"), CacheConfig(block_size=16, **cache))
+    with pytest.raises(ValueError, match=rf"host-tier blocks.*GiB of host memory.*lower {field}"):
+        w.determine_num_blocks()

@@ -59,10 +59,13 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
@@ -85,6 +88,7 @@ from kvserve.entrypoints.openai.serving_models import (
     OpenAIServingModels,
     parse_lora_module,
 )
+from kvserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, tool_parser_names
 from kvserve.entrypoints.openai.tracing import RequestTracer
@@ -111,6 +115,12 @@ _KNOWN_PATHS = {
     "/tokenize",
     "/detokenize",
     "/metrics",
+    "/v1/embeddings",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
 }
 
 
@@ -155,7 +165,17 @@ def _is_protected(path: str) -> bool:
     return (
         path.startswith("/v1/")
         or path == "/v1"
-        or path in ("/tokenize", "/detokenize", "/reset_prefix_cache", "/sleep", "/wake_up")
+        or path
+        in (
+            "/tokenize",
+            "/detokenize",
+            "/reset_prefix_cache",
+            "/sleep",
+            "/wake_up",
+            "/pooling",
+            "/score",
+            "/rerank",
+        )
     )
 
 
@@ -429,23 +449,69 @@ def build_app(
         return internal_error_response(exc)
 
     # ------------------------------------------------------------------ generation
+    def _require_generation() -> None:
+        if getattr(engine, "runner", "generate") == "pooling":
+            raise APIError(
+                f"model {served_model_name!r} is a pooling model: it serves /v1/embeddings, /pooling, "
+                "/score and /rerank, not text generation.",
+                400,
+                param="model",
+                code="unsupported",
+            )
+
     @app.post("/v1/completions")
     async def create_completion(request: Request):
         """OpenAI completions (text, token ids, batches; streaming with SSE)."""
+        _require_generation()
         req = await read_json_body(request, CompletionRequest, max_body_bytes)
         return await completion.create_completion(req, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request):
         """OpenAI chat completions through the tokenizer's chat template."""
+        _require_generation()
         req = await read_json_body(request, ChatCompletionRequest, max_body_bytes)
         return await chat.create_chat_completion(req, request)
+
+    # ------------------------------------------------------------------ pooling
+    pooling = OpenAIServingPooling(async_engine, names, **serving_kwargs)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: Request):
+        """OpenAI embeddings (text, token ids, batches; float or base64)."""
+        pooling.require_pooling()
+        req = await read_json_body(request, EmbeddingRequest, max_body_bytes)
+        return await pooling.create_embedding(req, request)
+
+    @app.post("/pooling")
+    async def create_pooling(request: Request):
+        """vLLM's pooling route: the pooled vector of each input (in ``data``)."""
+        pooling.require_pooling()
+        req = await read_json_body(request, EmbeddingRequest, max_body_bytes)
+        return await pooling.create_embedding(req, request, pooling=True)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: Request):
+        """Cosine similarity of ``text_1`` with each ``text_2`` (bi-encoder score)."""
+        pooling.require_pooling()
+        req = await read_json_body(request, ScoreRequest, max_body_bytes)
+        return await pooling.create_score(req, request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def create_rerank(request: Request):
+        """``documents`` ordered by cosine similarity to ``query``."""
+        pooling.require_pooling()
+        req = await read_json_body(request, RerankRequest, max_body_bytes)
+        return await pooling.create_rerank(req, request)
 
     responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
         """OpenAI's Responses API, run as a chat completion (``serving_responses``)."""
+        _require_generation()
         req = await read_json_body(request, ResponsesRequest, max_body_bytes)
         return await responses.create_response(req, request)
 
@@ -462,6 +528,7 @@ def build_app(
             root=engine.model_config.model or name,
             max_model_len=engine.scheduler_config.max_model_len,
             generation_defaults=dict(getattr(engine, "generation_defaults", None) or {}),
+            task="embed" if getattr(engine, "runner", "generate") == "pooling" else "generate",
         )
 
     def _lora_card(lora, parent: str) -> ModelCard:
@@ -533,12 +600,20 @@ def build_app(
         """Sleep mode (``--enable-sleep-mode``): free the KV cache and offload (``level=1``, the
         default; on CPU the weights stay in place) or drop (``level=2``) the weights. 409
         ``requests_in_flight`` while requests run; 400 when sleep mode is off, for a level
-        other than 1 or 2, or when asleep already. Requests get 503 ``engine_sleeping`` until
+        other than 1 or 2 (or given twice), or when asleep already. Requests get 503 ``engine_sleeping`` until
         ``/wake_up``."""
         from kvserve.engine.llm_engine import RequestsInFlightError
 
         _check_sleep_mode()
-        raw = request.query_params.get("level", "1")
+        given = request.query_params.getlist("level")
+        if len(given) > 1:  # which one was meant is unknown: never pick one silently
+            raise APIError(
+                f"level must be given once, got {len(given)} values.",
+                400,
+                param="level",
+                code="invalid_value",
+            )
+        raw = given[0] if given else "1"
         try:
             level = int(raw)
         except ValueError:
@@ -549,8 +624,9 @@ def build_app(
             await async_engine.sleep(level)
         except RequestsInFlightError as e:
             raise APIError(str(e), 409, code="requests_in_flight") from None
-        except ValueError as e:
-            raise APIError(str(e), 400, code="invalid_state") from None
+        except ValueError as e:  # asleep already: the engine's message names its Python call
+            msg = str(e).replace("wake_up() first", "POST /wake_up first")
+            raise APIError(msg, 400, code="invalid_state") from None
         return JSONResponse({"is_sleeping": True, "level": level})
 
     @app.post("/wake_up")
@@ -738,8 +814,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the model, as --model (vLLM's `vllm serve MODEL`)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0: all)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument(
         "--api-key",
         type=_api_key_arg,  # argparse applies it to the environment default too
@@ -753,7 +831,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"model name(s) accepted, the first reported (default: the --model path or {DEFAULT_MODEL_NAME})",
     )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted, in bytes (else 413; default: %(default)s)",
+    )
     p.add_argument(
         "--shutdown-grace-s",
         type=float,
@@ -785,7 +868,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         help="close a keep-alive connection idle for this many seconds",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default: %(default)s)",
+    )
     p.add_argument(
         "--request-log",
         action=argparse.BooleanOptionalAction,

@@ -546,6 +546,9 @@ class ModelCard(BaseModel):
     #: the default sampling parameters of requests that leave them out (from the model's
     #: generation_config.json; ``--generation-config``); None for an adapter's card
     generation_defaults: dict[str, float | int] | None = None
+    #: what the model serves: ``generate`` (completions, chat) or ``embed`` (embeddings,
+    #: pooling, score, rerank)
+    task: str | None = None
 
 
 class ModelList(BaseModel):
@@ -626,3 +629,101 @@ class ResponsesRequest(_Request):
     service_tier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
     truncation: Literal["disabled"] | None = None
+
+
+# ---------------------------------------------------------------------- pooling routes
+class EmbeddingRequest(_Request):
+    """Body of ``POST /v1/embeddings`` (and ``POST /pooling``): ``input`` is a text, a list of
+    texts, a token-id list or a list of them (each one embedding, in order).
+    ``encoding_format``: ``float`` (lists of numbers) or ``base64`` (the float32 little-endian
+    bytes). ``dimensions``: the first ``dimensions`` components (Matryoshka models only).
+    ``truncate_prompt_tokens``: keep an over-long input's last tokens (else it is a 400).
+    ``normalize`` (vLLM's): L2-normalise, over the model's setting."""
+
+    model: StrictStr | None = None
+    input: PromptInput
+    encoding_format: StrictStr | None = "float"
+    dimensions: StrictInt | None = None
+    user: User | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    normalize: StrictBool | None = None
+    priority: StrictInt | None = None
+
+
+class ScoreRequest(_Request):
+    """Body of ``POST /score``: ``text_1`` against each ``text_2`` (one text against many, or
+    pairwise lists of equal length); the score is the cosine similarity of their embeddings."""
+
+    model: StrictStr | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    user: User | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt | None = None
+
+
+class RerankRequest(_Request):
+    """Body of ``POST /rerank``: ``documents`` ordered by the cosine similarity of their
+    embedding to the ``query``'s; ``top_n`` of them (all when left out or 0)."""
+
+    model: StrictStr | None = None
+    query: StrictStr
+    documents: list[StrictStr]
+    top_n: StrictInt | None = None
+    return_documents: StrictBool | None = True
+    user: User | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt | None = None
+
+
+class EmbeddingData(BaseModel):
+    """One embedding of ``/v1/embeddings`` (``object`` ``"embedding"``) or ``/pooling``
+    (``"pooling"``, the vector in ``data``)."""
+
+    index: int
+    object: str = "embedding"
+    embedding: list[float] | str | None = None
+    data: list[float] | str | None = None
+
+
+class EmbeddingResponse(BaseModel):
+    """The answer of ``/v1/embeddings`` and ``/pooling``."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[dict[str, Any]]
+    usage: UsageInfo
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    """The answer of ``/score``."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: dict[str, str] | None = None
+    relevance_score: float
+
+
+class RerankResponse(BaseModel):
+    """The answer of ``/rerank``: ``results`` by descending ``relevance_score``."""
+
+    id: str
+    model: str
+    usage: UsageInfo
+    results: list[RerankResult]

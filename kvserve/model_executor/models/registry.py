@@ -21,7 +21,13 @@ NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    # encoder-only (pooling runner): the hidden states, no LM head
+    "BertModel": ("bert", "BertModel"),
+    "BertForMaskedLM": ("bert", "BertModel"),
 }
+
+#: Architectures that are encoder-only: ``runner='auto'`` serves them as pooling models.
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM"})
 
 #: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
 NATIVE_MODEL_TYPES: dict[str, str] = {
@@ -36,6 +42,7 @@ NATIVE_MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "bert": "BertModel",
 }
 
 
@@ -48,6 +55,11 @@ def native_architecture(hf_config) -> str | None:
         if arch in NATIVE_ARCHITECTURES:
             return arch
     return NATIVE_MODEL_TYPES.get(getattr(hf_config, "model_type", ""))
+
+
+def is_encoder(hf_config) -> bool:
+    """Whether ``hf_config`` names an encoder-only family (``ENCODER_ARCHITECTURES``)."""
+    return native_architecture(hf_config) in ENCODER_ARCHITECTURES
 
 
 def model_class(hf_config, where: str) -> type:

@@ -42,6 +42,11 @@ def _fake_engine():
         "num_backfilled": 5,
         "num_backfill_reclaims": 2,
         "num_wanted_evictions": 4,
+        "host_tier_blocks": 7,
+        "host_tier_capacity_blocks": 32,
+        "host_tier_hits": 11,
+        "host_tier_demotions": 13,
+        "gpu_prefix_cache_hit_blocks": 21,
     }
     return SimpleNamespace(
         scheduler=scheduler,
@@ -121,6 +126,15 @@ def test_backfill_and_eviction_counters():
     assert samples[("kvserve:backfilled_requests_total", ())] == 5
     assert samples[("kvserve:backfill_reclaims_total", ())] == 2
     assert samples[("kvserve:wanted_block_evictions_total", ())] == 4
+
+
+def test_prefix_cache_tier_metrics():
+    samples = _samples(ServerMetrics(_fake_engine(), "m").render().decode())
+    assert samples[("kvserve:host_tier_blocks", ())] == 7
+    assert samples[("kvserve:host_tier_capacity_blocks", ())] == 32
+    assert samples[("kvserve:host_tier_hits_total", ())] == 11
+    assert samples[("kvserve:host_tier_demotions_total", ())] == 13
+    assert samples[("kvserve:gpu_prefix_cache_hit_blocks_total", ())] == 21
 
 
 def test_every_alias_names_an_exported_family():

@@ -47,7 +47,8 @@ def test_sleep_refuses_requests_and_wake_up_answers_as_before(sleepy_server):
         err = r.json()["error"]
         assert err["code"] == "engine_sleeping" and "asleep (sleep mode, level 2)" in err["message"]
         r = h.post("/sleep", params={"level": 1})
-        assert r.status_code == 400 and "asleep already" in r.json()["error"]["message"]
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "the engine is asleep already (level 2); POST /wake_up first."
         r = h.post("/wake_up", params={"tags": "weights"})
         assert r.status_code == 200 and r.json() == {"is_sleeping": True}
         assert h.post("/v1/completions", json=BODY).status_code == 503
@@ -59,6 +60,7 @@ def test_sleep_refuses_requests_and_wake_up_answers_as_before(sleepy_server):
 
 @pytest.mark.parametrize(
     ("route", "params", "param"), [("/sleep", {"level": 3}, "level"), ("/sleep", {"level": "x"}, "level"),
+                                   ("/sleep", [("level", "1"), ("level", "2")], "level"),
                                    ("/wake_up", {"tags": "optimizer"}, "tags")]
 )  # fmt: skip
 def test_bad_level_or_tag_is_a_400_naming_it(sleepy_server, route, params, param):

@@ -84,3 +84,45 @@ def test_greedy_tokens_are_the_same_under_fcfs_and_fair(tiny_llama_dir):
         with pytest.raises(ValueError, match="tenant has 2 entries for 12 prompts"):
             llm.generate(prompts, params, use_tqdm=False, tenant=["a", "b"])
     assert outs["fair"] == outs["fcfs"]
+
+
+@pytest.mark.parametrize(
+    "tenant,match",
+    [
+        (5, "tenant must be a string, a list of strings .* got int"),
+        ({"a": 1}, "tenant must be a string, a list of strings .* got dict"),
+        (["a"], "tenant has 1 entries for 2 prompts"),
+        (["a", 3], "tenant must be a string or None, got int"),
+    ],
+)
+def test_offline_tenant_of_the_wrong_type_is_a_value_error(tiny_llm_fair, tenant, match):
+    from kvserve import SamplingParams
+
+    with pytest.raises(ValueError, match=match):
+        tiny_llm_fair.generate(["a", "b"], SamplingParams(max_tokens=1), tenant=tenant, use_tqdm=False)
+    assert not tiny_llm_fair.llm_engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_fair(tiny_llama_dir):
+    from kvserve import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", num_gpu_blocks=16, policy="fair")
+    yield llm
+    llm.shutdown()
+
+
+def test_an_empty_tenant_is_the_default_tenant(tiny_llm_fair):
+    from kvserve import SamplingParams
+
+    engine = tiny_llm_fair.llm_engine
+    engine.add_request("empty-tenant", "hello", SamplingParams(max_tokens=1), tenant="")
+    group = next(g for g in engine.scheduler.waiting if g.request_id == "empty-tenant")
+    engine.add_request("no-tenant", "hello", SamplingParams(max_tokens=1))
+    group2 = next(g for g in engine.scheduler.waiting if g.request_id == "no-tenant")
+    assert group.tenant is None and group2.tenant is None
+    engine.abort_request(["empty-tenant", "no-tenant"])
+    for _ in range(3):  # the aborts are reported by the next step
+        if engine.has_unfinished_requests():
+            engine.step()
+    assert not engine.has_unfinished_requests()

@@ -1,6 +1,7 @@
-"""The scheduler's command-line flags: ``--scheduling-policy`` (alias ``--policy``),
-``--fair-input-weight``, ``--fair-output-weight``, ``--tenant-weights``,
-``--[no-]waiting-aware-eviction``; bad values are errors naming the flag."""
+"""Engine flags on the command line: every ``kvserve serve`` flag has help text; the
+scheduler's flags (``--scheduling-policy`` with its alias ``--policy``, ``--fair-input-weight``,
+``--fair-output-weight``, ``--tenant-weights``, ``--[no-]waiting-aware-eviction``) reach the
+engine arguments, and bad values are errors naming the flag."""
 
 import argparse
 
@@ -59,3 +60,13 @@ def test_a_weight_at_or_below_zero_is_refused_naming_the_flag(parser, flag):
     with pytest.raises(ValueError) as e:
         engine_args_from(parser.parse_args([flag, "0"]))
     assert flag_names(str(e.value)) == f"{flag} must be a finite number > 0, got 0.0."
+
+
+def test_every_serve_flag_has_help_text():
+    """``kvserve serve --help`` explains every flag (a vLLM user reads it to map their flags)."""
+    from kvserve.entrypoints.openai.api_server import make_arg_parser
+
+    p = make_arg_parser()
+    bare = [a.option_strings or [a.dest] for a in p._actions if not (a.help or "").strip()]
+    assert bare == []
+    assert "--scheduling-policy" in p.format_help()

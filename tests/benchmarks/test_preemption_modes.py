@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvserve.benchmarks.preemption import (
+from kvserve.benchmarks.preemption_modes import (
     PreemptionWorkload,
     _requests,
     preemption_workloads,

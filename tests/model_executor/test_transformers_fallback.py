@@ -224,11 +224,11 @@ def test_fused_cpu_decode_step_refuses_the_fallback(gpt2_dir):
 
 
 def test_encoder_only_and_vision_checkpoints_are_refused(tmp_path):
-    from transformers import AutoModel, BertConfig, ViTConfig
+    from transformers import AutoModel, ElectraConfig, ViTConfig
 
     small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     for name, cfg in (
-        ("BertModel", BertConfig(vocab_size=64, **small)),
+        ("ElectraModel", ElectraConfig(vocab_size=64, embedding_size=32, **small)),
         ("ViTModel", ViTConfig(image_size=32, **small)),
     ):
         AutoModel.from_config(cfg).save_pretrained(tmp_path / name)

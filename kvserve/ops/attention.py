@@ -160,35 +160,11 @@ def paged_decode_attention(
             f"native attention: out must be a contiguous CPU {q.dtype} tensor of shape "
             f"{(B, KH, G, D)}, got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
         )
-    if quant:
-        failed = _LIB.call(
-            f"kv_paged_decode_attention_q8_{DTYPE_SUFFIX[q.dtype]}",
-            q,
-            q.stride(0),
-            kv_cache.view(torch.int8),
-            table,
-            table.shape[1],
-            kstart,
-            kend,
-            out,
-            B,
-            KH,
-            G,
-            D,
-            NB,
-            BS,
-            float(scale),
-            QUANT_KIND[kv_cache.dtype],
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise MemoryError("native attention: no memory for the attention scores")
-        return out
-    _LIB.call(
-        f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}",
+    cache = kv_cache.view(torch.int8) if quant else kv_cache
+    args = (
         q,
         q.stride(0),
-        kv_cache,
+        cache,
         table,
         table.shape[1],
         kstart,
@@ -201,6 +177,11 @@ def paged_decode_attention(
         NB,
         BS,
         float(scale),
-        torch.get_num_threads(),
     )
+    if quant:
+        kernel = f"kv_paged_decode_attention_q8_{DTYPE_SUFFIX[q.dtype]}"
+        if _LIB.call(kernel, *args, QUANT_KIND[kv_cache.dtype], torch.get_num_threads()):
+            raise MemoryError("native attention: no memory for the attention scores")
+        return out
+    _LIB.call(f"kv_paged_decode_attention_{DTYPE_SUFFIX[q.dtype]}", *args, torch.get_num_threads())
     return out

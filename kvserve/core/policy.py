@@ -309,8 +309,14 @@ class FairPolicy(Policy):
         return (
             self._running.get(ta, 0) + a.get_max_num_running_seqs() <= unit * self._weight(ta)
             and self._running.get(tb, 0) - b.get_max_num_running_seqs() >= unit * self._weight(tb)
-            and self.counter(ta) <= self.counter(tb)
+            and self._counter_at_most(ta, tb)
         )
+
+    def _counter_at_most(self, ta: str | None, tb: str | None) -> bool:
+        """``counter(ta) <= counter(tb)`` with the floor (a min over backlogged tenants)
+        computed once: ``outranks`` runs per waiting x victim pair in a preemption walk."""
+        floor = self.floor()
+        return max(self.counters.get(ta, 0.0), floor) <= max(self.counters.get(tb, 0.0), floor)
 
     # ---------------------------------------------------------------- orders
     def _by_tenant(self, groups: Iterable[SequenceGroup]) -> dict[str | None, list[SequenceGroup]]:

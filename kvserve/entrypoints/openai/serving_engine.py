@@ -146,8 +146,11 @@ def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = Non
     """Map an engine / ``SamplingParams`` ``ValueError`` to a 400 naming the field, in the
     request's own words (``rename``: engine name -> request field) in ``param`` and message."""
     message = str(e)
-    code = "context_length_exceeded" if "max_model_len" in message else None
     param = param_from_message(message, rename)
+    # a limit stated in max_model_len is a context overflow only for the prompt and max_tokens;
+    # truncate_prompt_tokens is an out-of-range setting whatever its bound is called
+    overflow = "max_model_len" in message and param != "truncate_prompt_tokens"
+    code = "context_length_exceeded" if overflow else None
     for engine_name, field_name in (rename or {}).items():
         message = re.sub(rf"\b{engine_name}\b", field_name, message)
     return APIError(message, 400, param=param, code=code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.lora_request import LoRARequest
 from kvserve.sequence import Logprob, PromptLogprobs, RequestMetrics
 
 __all__ = [
@@ -38,6 +39,7 @@ class CompletionOutput:
             ``"ignored"`` (rejected: see ``RequestOutput.error``) or ``"error"`` (the engine
             failed to run the request's step: see ``RequestOutput.error``).
         stop_reason: the matched stop string or stop token id, or None (EOS / length).
+        lora_request: the adapter that produced it, None for the base model.
     """
 
     index: int
@@ -47,6 +49,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: LoRARequest | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -67,6 +70,10 @@ class RequestOutput:
     ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set): ``None`` for the
     first prompt token, then per prompt token ``{token_id: Logprob}`` (top-k plus the actual
     token); it fills up while the prompt is prefilled and is complete from the first token on.
+    ``lora_request``: the adapter the request ran with (None: the base model). vLLM's
+    encoder-decoder and disaggregated-prefill fields (``encoder_prompt``,
+    ``encoder_prompt_token_ids``, ``kv_transfer_params``) are present and always None: kvserve
+    runs decoder-only models in one engine, and code written for vLLM reads them unchanged.
     """
 
     request_id: str
@@ -85,6 +92,10 @@ class RequestOutput:
     spec_num_skipped_steps: int = 0
     #: a pooling request's vector (float32 torch tensor ``[dim]``) once it finished; else None
     pooled: Any = None
+    lora_request: LoRARequest | None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def outcome(self) -> str | None:

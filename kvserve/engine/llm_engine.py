@@ -1043,6 +1043,7 @@ class LLMEngine:
                     logprobs=logprobs,
                     finish_reason=SequenceStatus.get_finished_reason(seq.status),
                     stop_reason=seq.stop_reason,
+                    lora_request=group.lora_request,
                 )
             )
         finished = group.is_finished()
@@ -1059,6 +1060,7 @@ class LLMEngine:
             spec_num_draft_tokens=group.spec_num_draft_tokens,
             spec_num_accepted_tokens=group.spec_num_accepted_tokens,
             spec_num_skipped_steps=group.spec_num_skipped_steps,
+            lora_request=group.lora_request,
         )
 
     def _finish_request(self, group: SequenceGroup) -> RequestOutput:

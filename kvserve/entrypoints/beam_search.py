@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.field_limits import LIMITS
 from kvserve.sampling_params import SamplingParams
@@ -116,7 +117,10 @@ class BeamSearchSequence:
     """One finished hypothesis: ``tokens`` = prompt + generated ids (vLLM's shape),
     ``output_token_ids`` the generated ones, ``cum_logprob`` their summed logprob, ``score``
     the length-penalised one, ``text`` the generated text, ``finish_reason`` ``stop`` (EOS)
-    or ``length``."""
+    or ``length``; ``logprobs`` per generated token, the ``{token_id: Logprob}`` of the
+    ``2 * beam_width`` candidates its step weighed; ``orig_prompt`` the prompt as given.
+    ``stop_reason`` and ``lora_request`` are None (vLLM's fields: beam search has no stop
+    strings or adapters here)."""
 
     tokens: list[int]
     output_token_ids: list[int]
@@ -124,6 +128,10 @@ class BeamSearchSequence:
     score: float
     finish_reason: str
     text: str = ""
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    orig_prompt: Any = None
+    stop_reason: None = None
+    lora_request: None = None
 
 
 @dataclass
@@ -138,6 +146,7 @@ class BeamSearchOutput:
 class _Beam:
     tokens: list[int]  # generated
     cum: float
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per generated token
 
 
 @dataclass
@@ -198,7 +207,8 @@ class BeamSearch:
         live: list[_Beam] = []
         for rank, (cum, i, t) in enumerate(cands):
             ends = at_limit or (t == self.eos_token_id and not self.params.ignore_eos)
-            beam = _Beam(self.beams[i].tokens + [t], cum)
+            parent = self.beams[i]
+            beam = _Beam(parent.tokens + [t], cum, parent.logprobs + [top_logprobs[i]])
             if not ends:
                 if len(live) < B:
                     live.append(beam)
@@ -235,6 +245,7 @@ class BeamSearch:
                 score=score,
                 finish_reason=reason,
                 text=decode(b.tokens) if decode is not None else "",
+                logprobs=b.logprobs,
             )
             for _, score, b, reason in self.finished
         ]

@@ -255,7 +255,11 @@ class LLM:
                     s.advance(tops[id(s)])
         tok = engine.tokenizer
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
-        return [s.output(decode) for s in searches]
+        outs = [s.output(decode) for s in searches]
+        for prompt, out in zip(prompts, outs):
+            for seq in out.sequences:
+                seq.orig_prompt = prompt
+        return outs
 
     def chat(
         self,
@@ -290,16 +294,13 @@ class LLM:
         tok = self.get_tokenizer()
         prompts = []
         for conv in messages:
-            ids = tok.apply_chat_template(
-                conv,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                chat_template=template,
-                **extra,
-            )
+            render = dict(add_generation_prompt=add_generation_prompt, chat_template=template, **extra)
+            ids = tok.apply_chat_template(conv, tokenize=True, **render)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            # the rendered text rides along as the output's ``prompt`` (vLLM's shape)
+            text = tok.apply_chat_template(conv, tokenize=False, **render)
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ pooling models

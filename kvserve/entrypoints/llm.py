@@ -255,11 +255,11 @@ class LLM:
                     s.advance(tops[id(s)])
         tok = engine.tokenizer
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
-        outs = [s.output(decode) for s in searches]
-        for prompt, out in zip(prompts, outs):
-            for seq in out.sequences:
+        results = [s.output(decode) for s in searches]
+        for prompt, result in zip(prompts, results):
+            for seq in result.sequences:
                 seq.orig_prompt = prompt
-        return outs
+        return results
 
     def chat(
         self,

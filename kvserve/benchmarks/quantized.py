@@ -66,6 +66,11 @@ PEER_ROW = "llama.cpp"
 def add_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The batch-1 / w64 flags (shared by ``kvserve bench quantized`` and
     ``benchmarks/quantized.py``, which adds ``--kernels``)."""
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file for every row, kvserve's and the peer's (default: the default model's GGUF)",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="runs per engine (medians are reported)")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (ignore_eos)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
@@ -125,7 +130,23 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--max-tokens must be >= 2 (TPOT needs two tokens), got {args.max_tokens}")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.model is not None and not (args.model.endswith(".gguf") and Path(args.model).is_file()):
+        raise ValueError(f"--model must be an existing .gguf file (both engines read it), got {args.model!r}")
     return names
+
+
+def gguf_file(args: argparse.Namespace) -> Path:
+    """The GGUF every row runs: ``--model``, else the default model's file."""
+    if args.model is not None:
+        return Path(args.model)
+    from kvserve.model_executor.model_loader import default_gguf_path
+
+    return default_gguf_path()
+
+
+def engine_kwargs(args: argparse.Namespace, name: str) -> dict:
+    """``LLM(...)`` keywords of kvserve row ``name`` (``model=`` only with ``--model``)."""
+    return {**PATHS[name], **({"model": args.model} if args.model else {})}
 
 
 def peer_threads(args: argparse.Namespace) -> int:
@@ -303,15 +324,17 @@ def chat_prompt(tok) -> str:
     return PROMPT
 
 
-def prompt_token_ids(llm=None) -> tuple[str, list[int]]:
-    """``(text, token ids)`` of the chat prompt, by ``llm``'s tokenizer (or the default model's
-    when no kvserve engine runs); both engines get these ids, so they see exactly the same
-    prompt (the template's special tokens included, no extra BOS)."""
+def prompt_token_ids(llm=None, gguf: Path | None = None) -> tuple[str, list[int]]:
+    """``(text, token ids)`` of the chat prompt, by ``llm``'s tokenizer (or, when no kvserve
+    engine runs, ``gguf``'s, else the default model's); both engines get these ids, so they see
+    exactly the same prompt (the template's special tokens included, no extra BOS)."""
+    from transformers import AutoTokenizer
+
     if llm is not None:
         tok = llm.get_tokenizer()
+    elif gguf is not None:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     else:
-        from transformers import AutoTokenizer
-
         from kvserve.model_executor.model_loader import resolve_model_dir
 
         tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
@@ -339,13 +362,12 @@ def greedy_agreement(tokens: dict[str, list[int]]) -> dict[str, int] | None:
 def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
     """The alternating batch-1 run; returns the JSON document (also printed as a table)."""
     from kvserve import LLM, SamplingParams
-    from kvserve.model_executor.model_loader import default_gguf_path
 
     engines: dict = {}
     info: dict[str, dict] = {}
     for name in names:
         rss0, t0 = _rss_mib(), time.perf_counter()
-        llm = LLM(num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1, **PATHS[name])
+        llm = LLM(num_gpu_blocks=64, num_cpu_blocks=0, max_num_seqs=1, **engine_kwargs(args, name))
         model = llm.llm_engine.executor.model
         info[name] = {
             "load_s": time.perf_counter() - t0,
@@ -354,13 +376,15 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
         }
         engines[name] = llm
         print(f"loaded {name}: {info[name]}", file=sys.stderr, flush=True)
-    prompt_text, prompt_ids = prompt_token_ids(next(iter(engines.values()), None))
+    prompt_text, prompt_ids = prompt_token_ids(
+        next(iter(engines.values()), None), args.model and gguf_file(args)
+    )
     server = None
     peer_cmd = None
     if args.peer:
         from kvserve.benchmarks.llama_cpp import LlamaServer
 
-        gguf = default_gguf_path()
+        gguf = gguf_file(args)
         server = LlamaServer(gguf, threads=peer_threads(args), parallel=1, binary=args.peer_binary).start()
         peer_cmd = server.command()
         # the same file as kvserve's gguf rows: their step bytes if one ran, else read the file
@@ -440,12 +464,11 @@ def run_batch1(args: argparse.Namespace, names: list[str]) -> dict:
 def run_peer_w64(args: argparse.Namespace, reqs) -> dict:
     """The w64 requests through llama-server with ``--peer-parallel`` slots, all sent at once."""
     from kvserve.benchmarks.llama_cpp import LlamaServer
-    from kvserve.model_executor.model_loader import default_gguf_path
 
     longest = max(r.prompt_len + r.output_len for r in reqs)
     ctx = 256 * (longest // 256 + 1)  # per slot, rounded up
     server = LlamaServer(
-        default_gguf_path(),
+        gguf_file(args),
         threads=peer_threads(args),
         parallel=args.peer_parallel,
         ctx_per_slot=ctx,
@@ -499,15 +522,16 @@ def format_w64_table(rows: list[dict]) -> str:
     return fmt_table(headers, body)
 
 
-def w64_one(name: str, path: Path, num_prompts: int | None) -> dict:
+def w64_one(name: str, path: Path, num_prompts: int | None, model: str | None = None) -> dict:
     """One kvserve format over the workload in this process (run in a child by :func:`run_w64`,
-    so that its peak RSS and load time are that format's alone)."""
+    so that its peak RSS and load time are that format's alone); ``model``: a .gguf file
+    instead of the default model."""
     from kvserve.benchmarks.common import peak_rss_mib
     from kvserve.benchmarks.throughput import run_kvserve
     from kvserve.workload.workload import load_workload
 
     reqs = load_workload(path, num_prompts)
-    res = run_kvserve(reqs, dict(PATHS[name]), use_tqdm=False)
+    res = run_kvserve(reqs, {**PATHS[name], **({"model": model} if model else {})}, use_tqdm=False)
     res.pop("_llm")
     keep = ("output_tokens_per_s", "elapsed_s", "load_s", "output_tokens", "requests_short_of_output_len")
     return {"path": name, **{k: res[k] for k in keep}, "peak_rss_mib": peak_rss_mib()}
@@ -532,6 +556,8 @@ def run_w64(args: argparse.Namespace, names: list[str]) -> dict:
             cmd += ["--workload", str(path), "--json-out", str(out)]
             if args.num_prompts:
                 cmd += ["--num-prompts", str(args.num_prompts)]
+            if args.model:
+                cmd += ["--model", args.model]
             proc = subprocess.run(cmd)
             if proc.returncode != 0 or not out.is_file():
                 raise RuntimeError(f"--w64 {name!r}: the child process failed (exit {proc.returncode})")
@@ -560,7 +586,9 @@ def run(args: argparse.Namespace) -> int:
     if args.w64_one:
         from kvserve.workload.workload import default_workload_path
 
-        row = w64_one(args.w64_one, Path(args.workload or default_workload_path()), args.num_prompts)
+        row = w64_one(
+            args.w64_one, Path(args.workload or default_workload_path()), args.num_prompts, args.model
+        )
         write_json(args.json_out, row)
         return 0
     try:

@@ -181,11 +181,26 @@ def test_parser_defaults():
         (["--peer-parallel", "0", "--w64"], "--peer-parallel must be >= 1"),
         (["--num-prompts", "0", "--w64"], "--num-prompts must be >= 1"),
         (["--paths", ""], "nothing to run"),
+        (["--model", "/no/such/model.gguf"], "--model must be an existing .gguf file"),
     ],
 )
 def test_check_args_names_the_flag_and_limit(argv, match):
     with pytest.raises(ValueError, match=match):
         q.check_args(_args(*argv))
+
+
+def test_model_flag_names_one_gguf_for_every_row(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    args = _args("--model", str(f))
+    q.check_args(args)
+    assert q.gguf_file(args) == f
+    assert q.engine_kwargs(args, "gguf bfloat16") == {
+        "dtype": "bfloat16",
+        "quantization": "gguf",
+        "model": str(f),
+    }
+    assert "model" not in q.engine_kwargs(_args(), "float32")
 
 
 def test_unknown_peer_is_a_usage_error():

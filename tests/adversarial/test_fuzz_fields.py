@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kvserve.entrypoints.openai.errors import error_type
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server_harness import LogRecords, running_server
 
@@ -231,7 +232,7 @@ def _check(server, endpoint: str, body: str) -> None:
     if r.status_code >= 400:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"], text[:300]
-        assert err["type"] == "invalid_request_error" or r.status_code in (404, 413), err
+        assert err["type"] == error_type(r.status_code), err
         assert len(text) < 4_096, f"{len(text)}-byte error body: {text[:300]}"
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert "internal_server_error" not in text, text[:500]

@@ -154,6 +154,8 @@ def _sample(flag: str, fate: vc.Fate) -> list[str]:
         "--num-gpu-blocks-override": "7",
         "--scheduler-delay-factor": "0.5",
         "--uvicorn-log-level": "critical",
+        "--task": "embedding",
+        "--override-pooler-config": '{"pooling_type": "MEAN"}',
     }
     if fate.arity == vc.BOOL:
         return [flag]
@@ -185,6 +187,8 @@ def test_each_flag_does_what_its_fate_says(serve_parser, flag):
         "--uvicorn-log-level": ("log_level", "error"),
         "--enable-log-requests": ("request_log", True),
         "--disable-log-requests": ("request_log", False),
+        "--task": ("runner", "pooling"),
+        "--override-pooler-config": ("pooler_config", '{"pooling_type": "MEAN"}'),
     }[flag]
     assert getattr(ns, expected[0]) == expected[1]
 
@@ -196,6 +200,35 @@ def test_refused_flags_take_their_accepted_values_and_name_them_otherwise(serve_
         _parse(serve_parser, "--model /m --tokenizer /t")
     with pytest.raises(ValueError, match=r"--cpu-offload-gb 4 is not supported: .*\(accepted: 0, 0.0\)"):
         _parse(serve_parser, "--cpu-offload-gb 4")
+
+
+@pytest.mark.parametrize(
+    "task, runner",
+    [("auto", "auto"), ("generate", "generate"), ("embed", "pooling"), ("embedding", "pooling"),
+     ("score", "pooling"), ("reward", "pooling"), ("EMBED", "pooling")],
+)  # fmt: skip
+def test_legacy_task_runs_its_runner(serve_parser, task, runner):
+    ns, lines = _parse(serve_parser, f"--model /m --task {task}")
+    assert ns.runner == runner and lines == []
+    assert engine_args_from(ns).runner == runner
+
+
+@pytest.mark.parametrize("task", ["classify", "transcription", "draft"])
+def test_legacy_task_kvserve_does_not_serve_is_refused_by_name(serve_parser, task):
+    with pytest.raises(ValueError, match=rf"^--task {task}: task '{task}' is not served by kvserve"):
+        _parse(serve_parser, f"--model /m --task {task}")
+
+
+def test_llm_task_keyword_selects_the_pooling_runner():
+    fields = set(EngineArgs.field_names())
+    assert vc.translate_llm_kwargs({"model": "/m", "task": "embed"}, fields) == {
+        "model": "/m",
+        "runner": "pooling",
+    }
+    out = vc.translate_llm_kwargs({"override_pooler_config": {"pooling_type": "LAST"}}, fields)
+    assert out == {"pooler_config": {"pooling_type": "LAST"}}
+    with pytest.raises(ValueError, match="^task classify: task 'classify' is not served"):
+        vc.translate_llm_kwargs({"task": "classify"}, fields)
 
 
 def test_positional_model_and_a_different_model_flag_conflict(serve_parser):

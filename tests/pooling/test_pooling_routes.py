@@ -47,7 +47,13 @@ def test_embeddings_float_base64_batch_and_ids(server, ref):
     assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
     assert F.cosine_similarity(got, ref).min() >= 0.99999
     n_tokens = sum(len(server.engine.tokenizer(t).input_ids) for t in TEXTS)
-    assert body["usage"] == {"prompt_tokens": n_tokens, "completion_tokens": 0, "total_tokens": n_tokens}
+    assert body["usage"] == {
+        "prompt_tokens": n_tokens,
+        "completion_tokens": 0,
+        "total_tokens": n_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     r = _post(server, "/v1/embeddings", {"input": TEXTS[0], "encoding_format": "base64"})
     vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
     assert np.allclose(vec, got[0].numpy(), atol=1e-6)
@@ -102,7 +108,7 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param, err
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "BadRequestError"
 
 
 def test_truncation_keeps_the_last_tokens(server):

@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 import kvserve
 from kvserve import envs
 from kvserve.entrypoints.chat_template import check_chat_template, check_template_kwargs, load_chat_template
+from kvserve.entrypoints.openai.errors import error_type
 from kvserve.entrypoints.openai.http_protocol import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -413,9 +414,7 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
-            exc.status_code, "invalid_request_error"
-        )
+        kind = error_type(exc.status_code)
         message = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404:
             message = f"Not found: {request.method} {request.url.path}"

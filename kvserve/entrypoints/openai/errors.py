@@ -15,22 +15,32 @@ from kvserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 MAX_JSON_DEPTH = 200
 #: Longest piece of a client's value quoted back in an error message (characters).
 MAX_QUOTED_CHARS = 128
+#: ``error.type`` by status, as vLLM's server names them (the ``openai`` client's exception
+#: classes), so a client written against vLLM reads the same type; other statuses keep the
+#: OpenAI API's ``invalid_request_error``.
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError"}
+
+
+def error_type(status: int) -> str:
+    """The default ``error.type`` of an error answered with HTTP ``status`` (``ERROR_TYPES``)."""
+    return ERROR_TYPES.get(status, "invalid_request_error")
 
 
 class APIError(Exception):
-    """An error answered in the OpenAI shape ``{"error": {message, type, param, code}}``."""
+    """An error answered in the OpenAI shape ``{"error": {message, type, param, code}}``;
+    ``type`` left out: ``error_type(status)``."""
 
     def __init__(
         self,
         message: str,
         status: int = 400,
-        type: str = "invalid_request_error",
+        type: str | None = None,
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
-        self.message, self.status, self.type = message, status, type
+        self.message, self.status, self.type = message, status, type or error_type(status)
         self.param, self.code, self.headers = param, code, headers
 
     def body(self) -> dict:

@@ -16,7 +16,8 @@ and ignored because they never change the tokens generated).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
@@ -351,12 +352,35 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+def system_fingerprint() -> str:
+    """``system_fingerprint`` of every completion and chunk: the server and its version
+    (``kvserve-0.1.0``), as vLLM sends ``vllm-<version>-...``."""
+    import kvserve  # at call time: the package may still be loading when this module is imported
+
+    return f"kvserve-{kvserve.__version__}"
+
+
+class _VLLMResponseFields(BaseModel):
+    """Top-level fields vLLM's completion and chat answers always carry, null here: kvserve has
+    no service tiers, KV or encoder-cache transfer between servers, or per-request metrics
+    object; clients written against vLLM may index them."""
+
+    service_tier: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
+
+
 class UsageInfo(BaseModel):
-    """Token counts: ``prompt_tokens`` counts each prompt once (not once per ``n``)."""
+    """Token counts: ``prompt_tokens`` counts each prompt once (not once per ``n``).
+    ``*_details``: null (OpenAI's breakdowns; vLLM sends them null too, and leaves them out of
+    a stream's usage chunk)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: None = None
+    completion_tokens_details: None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -381,7 +405,14 @@ PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
-    """One choice of a completion; ``index = prompt_index * n + sample_index``."""
+    """One choice of a completion; ``index = prompt_index * n + sample_index``.
+    ``token_ids``, ``prompt_token_ids``, ``routed_experts``: vLLM's fields, null here (as in
+    vLLM when not asked for)."""
+
+    #: fields a stream chunk carries even when null (``serving_engine.stream_dict``), as vLLM's do
+    NULL_IN_STREAM: ClassVar[frozenset[str]] = frozenset(
+        {"logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_token_ids"}
+    )
 
     index: int
     text: str
@@ -389,9 +420,12 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobsJSON | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: None = None
+    prompt_token_ids: None = None
+    routed_experts: None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_VLLMResponseFields):
     """Response of a non-streamed ``/v1/completions``."""
 
     id: str
@@ -400,7 +434,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = Field(default_factory=system_fingerprint)
 
 
 class CompletionStreamResponse(BaseModel):
@@ -412,6 +446,7 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = Field(default_factory=system_fingerprint)
 
 
 class TopLogprob(BaseModel):
@@ -459,6 +494,11 @@ class ChatResponseMessage(BaseModel):
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # OpenAI's and vLLM's message fields for what kvserve never produces: always null
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -469,9 +509,11 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: None = None  # vLLM's, null unless asked for (kvserve never returns them)
+    routed_experts: None = None  # vLLM's (mixture-of-experts routing), null
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_VLLMResponseFields):
     """Response of a non-streamed ``/v1/chat/completions``."""
 
     id: str
@@ -480,8 +522,10 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = Field(default_factory=system_fingerprint)
     prompt_logprobs: PromptLogprobsJSON | None = None
+    prompt_token_ids: None = None  # vLLM's, null unless asked for (kvserve never returns them)
+    prompt_text: None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -514,15 +558,22 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     """One choice in a chat stream chunk."""
 
+    NULL_IN_STREAM: ClassVar[frozenset[str]] = frozenset(
+        {"logprobs", "finish_reason", "stop_reason", "token_ids"}
+    )
+
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):
     """One SSE chunk of a streamed chat completion."""
+
+    NULL_IN_STREAM: ClassVar[frozenset[str]] = frozenset({"prompt_token_ids", "prompt_text"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -530,6 +581,27 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = Field(default_factory=system_fingerprint)
+    prompt_token_ids: None = None
+    prompt_text: None = None
+
+
+class ModelPermission(BaseModel):
+    """An entry of a model card's ``permission`` (OpenAI's legacy shape, which vLLM still
+    sends): what a client may do with the model; fixed values."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex[:16]}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: None = None
+    is_blocking: bool = False
 
 
 class ModelCard(BaseModel):
@@ -543,6 +615,7 @@ class ModelCard(BaseModel):
     #: a LoRA adapter's base model (None for the base model itself)
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
     #: the default sampling parameters of requests that leave them out (from the model's
     #: generation_config.json; ``--generation-config``); None for an adapter's card
     generation_defaults: dict[str, float | int] | None = None
@@ -564,6 +637,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: None = None  # vLLM's, null unless asked for (kvserve never returns them)
 
 
 class DetokenizeResponse(BaseModel):

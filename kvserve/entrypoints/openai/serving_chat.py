@@ -540,7 +540,7 @@ class OpenAIServingChat(OpenAIServing):
                             [
                                 ChatCompletionStreamChoice(
                                     index=i,
-                                    delta=DeltaMessage(role=first, content="" if first else None),
+                                    delta=DeltaMessage(role=first, content=""),
                                     finish_reason=reason,
                                     stop_reason=c.stop_reason,
                                 )

@@ -389,7 +389,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         text=prefix + c.text,
                         logprobs=lp,
                         prompt_logprobs=self.prompt_logprobs_json(out.prompt_logprobs)
-                        if req.prompt_logprobs is not None
+                        if params.prompt_logprobs is not None
                         else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,

@@ -23,6 +23,7 @@ from typing import Any, overload
 
 import anyio
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -381,10 +382,33 @@ def finite(x: float | None) -> float | None:
     return x if math.isfinite(x) else -9999.0
 
 
+def stream_dict(obj: BaseModel) -> dict[str, Any]:
+    """``obj`` as a stream chunk's JSON object: null fields left out, except those its class
+    lists in ``NULL_IN_STREAM`` (the keys vLLM's chunks always carry, such as a choice's
+    ``finish_reason``), recursively through nested models and lists of them."""
+    keep: frozenset[str] = getattr(type(obj), "NULL_IN_STREAM", frozenset())
+    out: dict[str, Any] = {}
+    for name in type(obj).model_fields:
+        value = getattr(obj, name)
+        if value is None and name not in keep:
+            continue
+        out[name] = _stream_value(value)
+    return out
+
+
+def _stream_value(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return stream_dict(value)
+    if isinstance(value, list):
+        return [_stream_value(v) for v in value]
+    return to_jsonable_python(value)
+
+
 def sse(obj: Any) -> str:
-    """One server-sent event carrying a JSON object (a pydantic model or a dict)."""
+    """One server-sent event carrying a JSON object (a pydantic model, as ``stream_dict``, or
+    a dict)."""
     if isinstance(obj, BaseModel):
-        return f"data: {obj.model_dump_json(exclude_none=True)}\n\n"
+        return f"data: {json.dumps(stream_dict(obj), separators=(',', ':'), ensure_ascii=False)}\n\n"
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 

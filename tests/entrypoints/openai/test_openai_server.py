@@ -39,7 +39,7 @@ def assert_error(resp, status, param=None, contains=()):
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     if status == 400:
-        assert err["type"] == "invalid_request_error"
+        assert err["type"] == "BadRequestError"
     if param is not None:
         assert err["param"] == param, err
     for s in contains:

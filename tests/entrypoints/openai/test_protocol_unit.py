@@ -131,7 +131,7 @@ def test_sampling_param_errors_map_to_their_field(kwargs, param):
     with pytest.raises(ValueError) as ei:
         SamplingParams(**kwargs)
     e = api_error_from_value_error(ei.value)
-    assert e.status == 400 and e.param == param and e.type == "invalid_request_error"
+    assert e.status == 400 and e.param == param and e.type == "BadRequestError"
 
 
 def test_engine_messages_map_to_fields():
@@ -170,5 +170,5 @@ def test_a_prompt_longer_than_the_context_is_charged_to_the_prompt():
 def test_error_body_shape():
     body = APIError("bad", 400, param="n", code="invalid_value").body()
     assert body == {
-        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": "invalid_value"}
+        "error": {"message": "bad", "type": "BadRequestError", "param": "n", "code": "invalid_value"}
     }

@@ -105,7 +105,12 @@ class AsyncLLMEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._inbox.put(("add", request_id, prompt, params, priority, accepted, lora_request, tenant))
+        # Stamped here, not when the engine thread drains the inbox between steps: the wait for
+        # the running step belongs to the request's TTFT and queue time, as its client sees it.
+        arrival_time = self.engine.clock()
+        self._inbox.put(
+            ("add", request_id, prompt, params, priority, accepted, lora_request, tenant, arrival_time)
+        )
         self._wakeup.set()
         # Validation runs on the engine thread (the engine is single-threaded).
         try:
@@ -220,10 +225,16 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_resolve_value, future, result, error)
             elif msg[0] == "add":
                 _, rid, prompt, params, priority, accepted, *extra = msg
-                lora, tenant = (list(extra) + [None, None])[:2]  # both optional
+                lora, tenant, arrival_time = (list(extra) + [None] * 3)[:3]  # all optional
                 try:
                     self.engine.add_request(
-                        rid, prompt, params, priority=priority, lora_request=lora, tenant=tenant
+                        rid,
+                        prompt,
+                        params,
+                        arrival_time=arrival_time,
+                        priority=priority,
+                        lora_request=lora,
+                        tenant=tenant,
                     )
                     loop.call_soon_threadsafe(_resolve, accepted, None)
                 except Exception as e:  # invalid input: reported to the caller, never fatal

@@ -169,3 +169,22 @@ def test_executor_that_dies_stops_the_loop_and_fails_every_request_engine_dead()
     assert engine.get_num_unfinished_requests() == 0
     st = engine.get_kv_cache_stats()
     assert st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
+
+
+def test_arrival_is_stamped_when_generate_is_called_not_when_the_inbox_drains():
+    """A request that waits in the inbox while a step runs counts that wait in its TTFT and
+    queue time (what its client sees), so the clock is read in ``generate``."""
+    engine, ae = _engine()
+    loop = ae._loop
+    clock = engine.clock  # the harness's virtual clock (callable)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    stream = ae.generate({"prompt_token_ids": prompt_of(1, 5)}, params, "r")
+    first = loop.create_task(stream.__anext__())
+    loop.run_until_complete(asyncio.sleep(0))  # generate has queued its add
+    called_at = engine.clock()
+    clock.advance(2.5)  # a step runs meanwhile
+    ae._drain_inbox()
+    assert engine._groups["r"].metrics.arrival_time == called_at
+    first.cancel()
+    loop.run_until_complete(asyncio.gather(first, return_exceptions=True))
+    loop.close()

@@ -148,11 +148,9 @@ def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.
         return hidden[starts].float()
     if pooling_type == "LAST":
         return hidden[ends - 1].float()
-    # MEAN: a segment sum (index_add) over every token, divided by the length
-    seg = torch.repeat_interleave(torch.arange(len(seq_lens), device=hidden.device), lens)
-    out = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, seg, hidden.float())
-    return out / lens.unsqueeze(1).to(torch.float32)
+    # MEAN: one reduction per sequence's slice (a few times faster on CPU than a segment sum
+    # by index_add_ over all tokens, whose row-index scatter runs serially)
+    return torch.stack([t.mean(0) for t in torch.split(hidden.float(), seq_lens)])
 
 
 def finish_vector(vec: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:

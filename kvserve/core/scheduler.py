@@ -632,6 +632,13 @@ class Scheduler:
             bm.mark_blocks_as_computed(g)
         bm.release_pins()
 
+    def on_accepted_drafts(self, seq_group: SequenceGroup, num_tokens: int) -> None:
+        """A verify step emitted ``num_tokens`` accepted draft tokens of ``seq_group`` beyond
+        the one token per sequence ``mark_computed`` counted: a policy that
+        ``tracks_service`` is told them as output tokens (what the tenant was served)."""
+        if self._tracks and num_tokens > 0:
+            self.policy.on_served(seq_group, 0, num_tokens)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
         """Decide the next step. Returns one metadata entry per scheduled group (in the order

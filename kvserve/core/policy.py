@@ -186,7 +186,8 @@ class FairPolicy(Policy):
     and ``a``'s counter is not above ``b``'s. Counts follow the step's rank preemptions
     (``on_running_change``), so one step moves at most a tenant's share, and since neither
     side crosses its share, two tenants never preempt each other back and forth. Within a
-    tenant, a lower ``priority`` value outranks (as under ``priority``).
+    tenant, a lower ``priority`` value outranks (as under ``priority``). A victim the scheduler
+    swapped out holds back only the waiting groups ranked after it (``admits_past``).
 
     Args:
         input_weight: cost of one prefill token (> 0).

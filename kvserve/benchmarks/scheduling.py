@@ -193,7 +193,14 @@ def run_one(runner: str, args, workload: ws.SchedWorkload, cost_model) -> dict:
             del engine
             gc.collect()
     out = metrics(res, workload)
-    for k in ("num_recompute_preemptions", "num_swap_preemptions"):
+    for k in (
+        "num_recompute_preemptions",
+        "num_swap_preemptions",
+        "num_rank_preemptions",
+        "num_rank_swap_preemptions",
+        "num_rank_recomputed_tokens",
+        "num_backfill_reclaims",
+    ):
         out[k] = stats.get(k, 0) - stats0.get(k, 0)
     return out
 
@@ -234,16 +241,38 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
     admitted = [rid for rid in res.token_times if res.outcome.get(rid) != "rejected"]
     prefill = sum(s.shape.prefill_tokens for s in res.steps)
     out_tokens = sum(res.num_tokens.get(rid, 0) for rid in finished)
+    recomputed = prefill - sum(by_id[rid].prompt_len for rid in admitted)
+    token_s, decode_s = step_prices(res.steps)
     return {
         "tenants": per,
         "jain": ws.windowed_jain(service, active, workload.weights, window_s)["mean"],
         "output_tok_s": out_tokens / res.duration_s if res.duration_s else 0.0,
         "num_preemptions": res.total_preemptions,
-        "recomputed_tokens": prefill - sum(by_id[rid].prompt_len for rid in admitted),
+        "recomputed_tokens": recomputed,
+        "prefill_token_s": token_s,
+        "decode_step_s": decode_s,
+        "recompute_s_est": None if token_s is None else token_s * max(0, recomputed),
         "num_finished": len(finished),
         "num_requests": len(workload.requests),
         "duration_s": res.duration_s,
     }
+
+
+def step_prices(steps) -> tuple[float | None, float | None]:
+    """``(prefill_token_s, decode_step_s)`` of a run's step records (seconds): the slope of a
+    least-squares fit ``step_s ~ a + prefill_token_s * prefill tokens + c * decode sequences``
+    over all its steps, and the mean ``step_s`` of its decode-only steps; None where the steps
+    do not determine them (too few, or no prompt tokens). Recomputed tokens times the first is
+    what the run spent re-prefilling: the price a re-prefill had in this run, on this host."""
+    import numpy as np
+
+    decode = [s.step_s for s in steps if not s.shape.prefill_tokens and s.shape.decode_seqs]
+    decode_s = sum(decode) / len(decode) if decode else None
+    rows = [(1.0, s.shape.prefill_tokens, s.shape.decode_seqs) for s in steps]
+    if len(rows) < 4 or not any(r[1] for r in rows):
+        return None, decode_s
+    coef = np.linalg.lstsq(np.array(rows, dtype=float), np.array([s.step_s for s in steps]), rcond=None)[0]
+    return float(coef[1]), decode_s
 
 
 # ---------------------------------------------------------------- the matrix and its table

@@ -78,6 +78,12 @@ class Policy:
         priority preemption; arrival-order ties never preempt)."""
         return False
 
+    def admits_past(self, now: float, a: SequenceGroup, b: SequenceGroup) -> bool:
+        """True when waiting group ``a`` may be admitted while swapped group ``b`` waits to
+        come back (rank policies; others admit nothing while anything is swapped). Default:
+        ``outranks``."""
+        return self.outranks(now, a, b)
+
     def begin_step(self, running: Iterable[SequenceGroup]) -> None:
         """Called at the start of every step with the groups in ``running`` (a policy that
         ranks by who holds the batch reads them here); a no-op by default."""
@@ -180,7 +186,8 @@ class FairPolicy(Policy):
     and ``a``'s counter is not above ``b``'s. Counts follow the step's rank preemptions
     (``on_running_change``), so one step moves at most a tenant's share, and since neither
     side crosses its share, two tenants never preempt each other back and forth. Within a
-    tenant, a lower ``priority`` value outranks (as under ``priority``).
+    tenant, a lower ``priority`` value outranks (as under ``priority``). A victim the scheduler
+    swapped out holds back only the waiting groups ranked after it (``admits_past``).
 
     Args:
         input_weight: cost of one prefill token (> 0).
@@ -311,6 +318,20 @@ class FairPolicy(Policy):
             and self._running.get(tb, 0) - b.get_max_num_running_seqs() >= unit * self._weight(tb)
             and self._counter_at_most(ta, tb)
         )
+
+    def admits_past(self, now: float, a: SequenceGroup, b: SequenceGroup) -> bool:
+        """A swapped group holds back only the waiting groups ranked after it: ``a``'s tenant
+        is ahead of ``b``'s in the running order (counter, then running sequences per unit of
+        weight), or, within one tenant, ``a`` has a lower ``priority`` value. (A victim swapped
+        out for a tenant's share must not then hold back that tenant's next requests, as a
+        recomputed one, queued by counter, would not.)"""
+        ta, tb = a.tenant, b.tenant
+        if ta == tb:
+            return a.priority < b.priority
+        floor = self.floor()
+        ka = (max(self.counters.get(ta, 0.0), floor), self._held(ta))
+        kb = (max(self.counters.get(tb, 0.0), floor), self._held(tb))
+        return ka < kb
 
     def _counter_at_most(self, ta: str | None, tb: str | None) -> bool:
         """``counter(ta) <= counter(tb)`` with the floor (a min over backlogged tenants)

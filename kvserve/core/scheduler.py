@@ -54,9 +54,12 @@ that same step.
 Priority preemption (policies that ``preempts_by_rank``: ``priority``, and ``fair`` by its
 tenants' shares, see ``FairPolicy``; the walk below with ``outranks``): before admitting, a waiting group whose
 ``priority`` value is strictly lower than that of running groups preempts the lowest-ranked of
-them (normal preemption mode) when the cache or the sequence budget is full -- but only when
-preempting those outranked groups actually makes it fit. A group that strictly outranks every
-swapped group may be admitted even while others are swapped out.
+them when the cache or the sequence budget is full -- but only when preempting those outranked
+groups actually makes it fit. Its mode is the configured one; unset, it is priced as under
+``AUTO`` (``_rank_preemption_mode``): such a preemption is a choice, and a swapped victim comes
+back with a copy where a recomputed one is prefilled again. A group that strictly outranks every
+swapped group may be admitted even while others are swapped out, and a group that preempted by
+rank in a step passes the groups it swapped out (it outranked them when it did).
 The blocks such a preemption frees are the preempting group's for the rest of the step: running
 groups it outranks may not grow into them (a decode that would needs to preempt in turn), and
 when it is passed over (the partial-prefill limit), no lower-ranked waiting group is admitted
@@ -335,6 +338,7 @@ class _Step:
         "capped",
         "reserved",
         "reserved_over",
+        "rank_swapped",
         "passed_delay",
         "speculate",
         "curr_loras",
@@ -356,6 +360,8 @@ class _Step:
         self.reserved: dict[str, tuple[SequenceGroup, int]] = {}
         # ... and the waiting groups each of them outranked when it preempted
         self.reserved_over: dict[str, set[str]] = {}
+        # groups those preemptions swapped out: they do not hold back the groups they made room for
+        self.rank_swapped: set[str] = set()
         self.passed_delay = True  # delay_factor: new prompts may be admitted this step
         self.speculate = False  # decodes may reserve lookahead slots this step
         # Adapter ids (> 0) held by the step so far; None when LoRA is off.
@@ -464,6 +470,11 @@ class Scheduler:
         self._backfilled: set[str] = set()
         self.num_backfilled = 0  # cumulative admissions past a blocked group
         self.num_backfill_reclaims = 0  # cumulative groups preempted to admit the head
+        # cumulative: preemptions by rank (``_schedule_priority_preemption``: priority, and
+        # ``fair``'s preemption by share), those of them by swap, and the tokens they dropped
+        self.num_rank_preemptions = 0
+        self.num_rank_swap_preemptions = 0
+        self.num_rank_recomputed_tokens = 0
 
     # ------------------------------------------------------------------ queue API
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -594,6 +605,9 @@ class Scheduler:
         stats["num_swapped_out_blocks"] = self.num_swapped_out_blocks
         stats["num_backfilled"] = self.num_backfilled
         stats["num_backfill_reclaims"] = self.num_backfill_reclaims
+        stats["num_rank_preemptions"] = self.num_rank_preemptions
+        stats["num_rank_swap_preemptions"] = self.num_rank_swap_preemptions
+        stats["num_rank_recomputed_tokens"] = self.num_rank_recomputed_tokens
         return stats
 
     def get_lora_stats(self) -> dict:
@@ -631,6 +645,13 @@ class Scheduler:
             g.update_num_computed_tokens(ssg.token_chunk_size)
             bm.mark_blocks_as_computed(g)
         bm.release_pins()
+
+    def on_accepted_drafts(self, seq_group: SequenceGroup, num_tokens: int) -> None:
+        """A verify step emitted ``num_tokens`` accepted draft tokens of ``seq_group`` beyond
+        the one token per sequence ``mark_computed`` counted: a policy that
+        ``tracks_service`` is told them as output tokens (what the tenant was served)."""
+        if self._tracks and num_tokens > 0:
+            self.policy.on_served(seq_group, 0, num_tokens)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
@@ -1044,13 +1065,41 @@ class Scheduler:
 
     def _swapped_allows(self, g: SequenceGroup, st: _Step) -> bool:
         """Whether a new group may be admitted given the swapped queue (now and at the start
-        of the step): only when nothing is swapped, or (rank policies) when it strictly
-        outranks every swapped group."""
+        of the step): only when nothing is swapped, or (rank policies) when the policy
+        ``admits_past`` every swapped group (``priority``: it strictly outranks them)."""
         if not self.swapped and not st.swapped_at_start:
             return True
         if not self.policy.preempts_by_rank:
             return False
-        return all(self.policy.outranks(st.now, g, s) for s in list(self.swapped) + list(st.swapped_at_start))
+        # A group that preempted by rank this step passes the groups it swapped out for room
+        # (it outranked them then; its own admission has since moved the policy's counts).
+        made_room = g.request_id in st.reserved
+        return all(
+            self.policy.admits_past(st.now, g, s)
+            for s in (*self.swapped, *st.swapped_at_start)
+            if not (made_room and s.request_id in st.rank_swapped)
+        )
+
+    def _waiting_classes(self, st: _Step) -> list[SequenceGroup]:
+        """One waiting group per (tenant, priority) that new prompts may come from this step:
+        the rank policies' ``admits_past`` depends on nothing else, so these stand for all."""
+        if not st.passed_delay:
+            return []
+        seen: dict[tuple[str | None, int], SequenceGroup] = {}
+        for w in self.waiting:
+            if w.request_id not in st.preempted_ids:
+                seen.setdefault((w.tenant, w.priority), w)
+        return list(seen.values())
+
+    def _rank_preemption_mode(self, g: SequenceGroup) -> PreemptionMode | None:
+        """The mode of preempting running group ``g`` by rank (``_schedule_priority_preemption``):
+        None (the configured mode) when ``preemption_mode`` is set; unset, the cheaper way under
+        the injected price (``_price_preemption``, as ``AUTO``). A rank preemption is taken by
+        choice while the victim still has work, and with free host blocks a swap brings it back
+        with a copy where a recompute prefills its prompt and outputs again."""
+        if self.scheduler_config.preemption_mode is not None:
+            return None
+        return self._price_preemption(g)[0]
 
     # ------------------------------------------------------------------ priority
     def _schedule_priority_preemption(self, budget: SchedulingBudget, st: _Step) -> None:
@@ -1111,7 +1160,12 @@ class Scheduler:
                 victims.remove(v)
                 self.running.remove(v)
                 budget.subtract_num_seqs(v.request_id, v.get_max_num_running_seqs())
-                self._preempt(v, st)
+                dropped = self.num_recomputed_tokens
+                if self._preempt(v, st, self._rank_preemption_mode(v)) == PreemptionMode.SWAP:
+                    self.num_rank_swap_preemptions += 1
+                    st.rank_swapped.add(v.request_id)
+                self.num_rank_preemptions += 1
+                self.num_rank_recomputed_tokens += self.num_recomputed_tokens - dropped
                 self.policy.on_running_change(v, -v.get_max_num_running_seqs())
             st.reserved[wg.request_id] = (wg, plan.cost)
             st.reserved_over[wg.request_id] = over
@@ -1246,8 +1300,11 @@ class Scheduler:
         ranked = self.policy.sort_by_priority(st.now, self.swapped)
         remaining: deque[SequenceGroup] = deque()
         recomputed: set[str] = set()
+        ahead = self._waiting_classes(st) if self.policy.preempts_by_rank else []
         while ranked:
             g = ranked[0]
+            if any(self.policy.admits_past(st.now, w, g) for w in ahead):
+                break  # a waiting group ranked before it is admitted first (its place, as if recomputed)
             if not self._lora_fits(g, st.curr_loras):
                 ranked.popleft()  # deferred: stays in self.swapped, order unchanged
                 continue
@@ -1557,7 +1614,9 @@ class Scheduler:
                 out.ignored_seq_groups.append(g)
                 continue
             if not self._swapped_allows(g, st):
-                break
+                # ranked after a swapped group; a group behind it in this order may not be
+                # (``fair`` interleaves tenants by projected counter)
+                continue
             if cutoff is not None and g.lora_int_id > 0 and self._lora_order.get(rid, cutoff) >= cutoff:
                 continue  # keeps no slot busy while a starved group above waits for one
             if not self._lora_fits(g, st.curr_loras):

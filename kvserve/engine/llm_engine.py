@@ -908,6 +908,7 @@ class LLMEngine:
             targets = [group.seqs_dict[s.parent_seq_id] for s in samples]
         max_tokens = self._max_tokens[group.request_id]
         num_emitted = 0
+        num_drafts_kept = 0  # emitted beyond one token per sequence: accepted drafts
         advanced = False
         for seq, sample in zip(targets, samples):
             emitted = sample.emitted()
@@ -918,6 +919,7 @@ class LLMEngine:
                 if seq.is_finished():
                     break  # nothing after a stop is emitted
             num_emitted += appended
+            num_drafts_kept += max(0, appended - 1)
             if seq.is_finished():
                 self.scheduler.free_seq(seq)
                 if self._structured is not None:
@@ -928,6 +930,8 @@ class LLMEngine:
                 # is overwritten when it is fed next step.
                 seq.data.update_num_computed_tokens(appended - 1)
                 advanced = True
+        if num_drafts_kept:
+            self.scheduler.on_accepted_drafts(group, num_drafts_kept)
         if advanced:
             # Blocks the accepted drafts completed enter the prefix cache (and are deduplicated)
             # now, before the next step is scheduled, as blocks a plain decode completes do.

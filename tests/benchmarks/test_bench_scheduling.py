@@ -195,3 +195,37 @@ def test_fairness_command_on_the_simulator(tmp_path, capsys, monkeypatch):
     if sb.backfill_supported():  # with it they start past the blocked prompt
         on = rows[("head-of-line", "fcfs", "on")]["tenants"]
         assert on["B"]["ttft"]["p50"] < hol["B"]["ttft"]["p50"] / 2
+
+
+def test_step_prices_recover_a_linear_step_time():
+    """Steps timed exactly ``0.01 + 0.002 * prefill tokens + 0.005 * decodes``: the fit gives
+    back the per-token slope, and the decode-only steps' mean is their own time."""
+    from types import SimpleNamespace
+
+    from kvserve.sim.step_shape import StepShape
+
+    shapes = [(64, 0), (0, 4), (32, 2), (128, 1), (0, 8), (16, 0)]
+    steps = [
+        SimpleNamespace(shape=StepShape(prefill_tokens=p, decode_seqs=d), step_s=0.01 + 0.002 * p + 0.005 * d)
+        for p, d in shapes
+    ]
+    token_s, decode_s = sb.step_prices(steps)
+    assert token_s == pytest.approx(0.002)
+    assert decode_s == pytest.approx(((0.01 + 0.02) + (0.01 + 0.04)) / 2)
+    # no prompt tokens: no slope to fit
+    assert sb.step_prices(steps[1:2] * 4) == (None, pytest.approx(0.03))
+
+
+def test_fairness_rows_count_rank_preemptions(tmp_path, monkeypatch):
+    """The rows carry the preemptions by rank (``fair``'s by share) and their mode."""
+    monkeypatch.setattr(sb, "trace_rows", lambda quick, num: ws.scale_lengths(ROWS[:num], 512, 24))
+    out = tmp_path / "f.json"
+    args = ["--runners", "sim", "--quick", "--policies", "fcfs,fair", "--backfill", "off", "--json", str(out)]
+    assert fairness.main(args) == 0
+    rows = {(r["workload"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["num_rank_preemptions"] == 0 for (_, p), r in rows.items() if p == "fcfs")
+    fair = [r for (_, p), r in rows.items() if p == "fair"]
+    assert sum(r["num_rank_preemptions"] for r in fair) > 0
+    for r in fair:  # the host pool has room: every share preemption swaps, none recomputes
+        assert r["num_rank_swap_preemptions"] == r["num_rank_preemptions"]
+        assert r["num_rank_recomputed_tokens"] == 0

@@ -233,6 +233,31 @@ def test_same_tokens_under_fcfs_and_fair_on_the_simulator():
     assert {r: h_fair.tokens(r) for r in h_fair.outputs} == {r: h_fcfs.tokens(r) for r in h_fcfs.outputs}
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_share_preemption_swaps_when_the_host_pool_has_room(chunked):
+    """Unset preemption mode: a share preemption is priced like ``auto`` (the default price
+    makes a swap far cheaper than a re-prefill), so with host blocks free the victims are
+    swapped, not recomputed; B still starts the step it arrives, the pools are conserved
+    every step (Harness) and every request's tokens are those of ``fcfs``."""
+    h, first = _flood("fair", CP=chunked, C=64)
+    stats = h.scheduler.get_kv_cache_stats()
+    assert stats["num_rank_preemptions"] >= 2
+    assert stats["num_rank_swap_preemptions"] == stats["num_rank_preemptions"]
+    assert stats["num_rank_recomputed_tokens"] == 0
+    assert sorted(first[f"b{i}"] for i in range(4))[:2] == [2, 2]
+    h_fcfs, _ = _flood("fcfs", CP=chunked, C=64)
+    assert {r: h.tokens(r) for r in h.outputs} == {r: h_fcfs.tokens(r) for r in h_fcfs.outputs}
+
+
+@pytest.mark.parametrize("kw", [dict(C=0), dict(C=64, PM="recompute")], ids=["no-host-pool", "recompute"])
+def test_share_preemption_recomputes_without_host_room_or_when_told(kw):
+    h, first = _flood("fair", **kw)
+    stats = h.scheduler.get_kv_cache_stats()
+    assert stats["num_rank_preemptions"] >= 2 and stats["num_rank_swap_preemptions"] == 0
+    assert stats["num_rank_recomputed_tokens"] > 0
+    assert sorted(first[f"b{i}"] for i in range(4))[:2] == [2, 2]
+
+
 @st.composite
 def fair_workloads(draw):
     n = draw(st.integers(1, 12))
@@ -255,7 +280,7 @@ def fair_workloads(draw):
         G=draw(st.integers(24 // bs + 1, 24 // bs + 8)),  # any one request fits alone
         CP=draw(st.booleans()),
         PC=draw(st.booleans()),
-        PM=draw(st.sampled_from(["recompute", "swap"])),
+        PM=draw(st.sampled_from([None, "recompute", "swap"])),
         weights=weights,
         in_w=draw(st.sampled_from([0.5, 1.0])),
         out_w=draw(st.sampled_from([1.0, 2.0, 8.0])),
@@ -274,7 +299,7 @@ def test_property_fair_random_tenants_tiny_caches(w):
     cc, sc = configs(
         BS=w["BS"],
         G=w["G"],
-        C=64 if w["PM"] == "swap" else 0,
+        C=0 if w["PM"] == "recompute" else 64,
         S=4,
         T=32,
         L=24,

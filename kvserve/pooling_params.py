@@ -23,9 +23,10 @@ class PoolingParams:
             (``-1`` = the model's length); None = an over-long prompt is refused.
         task: one of ``POOLING_TASKS``.
         token_type_ids: the segment of each prompt token (BERT's ``token_type_ids``: 0 for
-            ``[CLS] a [SEP]``, 1 for ``b [SEP]`` of a pair); None: all 0. The engine sets it
-            from a prompt dict's ``token_type_ids`` (``LLM.score`` and ``/score`` on a
-            cross-encoder pass the tokenizer's pair encoding).
+            ``[CLS] a [SEP]``, 1 for ``b [SEP]`` of a pair); None: all 0. Only the engine sets
+            it, from a prompt dict's ``token_type_ids`` (``LLM.score`` and ``/score`` on a
+            cross-encoder pass the tokenizer's pair encoding); a request that sets it is
+            refused.
 
     Raises:
         ValueError: (in ``verify``) a field out of range, naming it.

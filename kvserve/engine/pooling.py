@@ -287,10 +287,17 @@ def add_pooling_request(
     tenant: str | None,
 ) -> None:
     """Queue one pooling request on a pooling engine (``LLMEngine.add_request`` checked the
-    id, priority and tenant). Raises ValueError as ``check_pooling_params`` /
-    ``pooled_prompt_ids``; nothing is queued then."""
+    id, priority and tenant); a prompt dict's ``token_type_ids`` go with it. Raises ValueError
+    as ``check_pooling_params`` / ``pooled_prompt_ids``, for bad ``token_type_ids``, or for
+    ``params.token_type_ids`` set by the caller; nothing is queued then."""
     assert engine.pooler_config is not None
     check_pooling_params(params, engine.pooler_config, engine.hidden_size)
+    if params.token_type_ids is not None:
+        # the worker trusts them: they come from a checked prompt only
+        raise ValueError(
+            "token_type_ids belong in the prompt dict ({'prompt_token_ids': [...], "
+            "'token_type_ids': [...]}), not in PoolingParams."
+        )
     text, ids = pooled_prompt_ids(engine, prompt, params)
     types = _token_type_ids(engine, prompt, ids)
     if types is not None:

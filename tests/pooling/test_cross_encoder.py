@@ -90,6 +90,8 @@ def test_embeddings_and_bad_fields_are_refused_by_name(ce_llm):
         ce_llm.encode(
             {"prompt_token_ids": [2, 7, 3], "token_type_ids": [0, 5, 1]}, PoolingParams(task="score")
         )
+    with pytest.raises(ValueError, match="prompt dict"):
+        ce_llm.encode([2, 7, 3], PoolingParams(task="score", token_type_ids=[0, 0, 1]))
 
 
 def test_embedding_model_refuses_the_score_task(tmp_path):

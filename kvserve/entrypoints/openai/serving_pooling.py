@@ -127,15 +127,18 @@ class OpenAIServingPooling(OpenAIServing):
             else:
                 text, ids = pooled_prompt_ids(self.engine, prompt, params)
         except ValueError as e:
-            msg = str(e)
-            field = "truncate_prompt_tokens" if msg.startswith("truncate_prompt_tokens") else param
-            code = "context_length_exceeded" if "max_model_len" in msg and field == param else "invalid_value"
-            raise APIError(
-                f"{param}: {msg}" if field == param else msg, 400, param=field, code=code
-            ) from None
+            raise self._refusal(str(e), param) from None
         except INPUT_ERRORS as e:
             raise input_error(e, param) from None
         return SubRequest("", text, ids)
+
+    @staticmethod
+    def _refusal(msg: str, param: str) -> APIError:
+        """The 400 for an input the model refuses (``msg``, a ``ValueError``'s text): naming
+        ``truncate_prompt_tokens`` when the message is about it, else ``param``."""
+        field = "truncate_prompt_tokens" if msg.startswith("truncate_prompt_tokens") else param
+        code = "context_length_exceeded" if "max_model_len" in msg and field == param else "invalid_value"
+        return APIError(f"{param}: {msg}" if field == param else msg, 400, param=field, code=code)
 
     async def _prepare_pair(self, a: str, b: str, truncate: int | None, param: str) -> SubRequest:
         """Tokenize a cross-encoder's pair as one sequence (off the event loop when long) and
@@ -145,12 +148,7 @@ class OpenAIServingPooling(OpenAIServing):
             prompt = await self.offload(len(a) + len(b), pair_prompt, self.engine, a, b, truncate)
             text, ids = pooled_prompt_ids(self.engine, prompt, PoolingParams(task="score"))
         except ValueError as e:
-            msg = str(e)
-            field = "truncate_prompt_tokens" if msg.startswith("truncate_prompt_tokens") else param
-            code = "context_length_exceeded" if "max_model_len" in msg and field == param else "invalid_value"
-            raise APIError(
-                f"{param}: {msg}" if field == param else msg, 400, param=field, code=code
-            ) from None
+            raise self._refusal(str(e), param) from None
         except INPUT_ERRORS as e:
             raise input_error(e, param) from None
         return SubRequest("", text, ids, prompt["token_type_ids"])

@@ -177,14 +177,16 @@ class EmbeddingRequestOutput:
 
 @dataclass
 class ScoringOutput:
-    """A similarity score (cosine similarity of two embeddings, in ``[-1, 1]``)."""
+    """A pair's score: the cosine similarity of two embeddings (in ``[-1, 1]``), or a
+    cross-encoder's relevance (its logit through its activation: ``(0, 1)`` for sigmoid)."""
 
     score: float
 
 
 @dataclass
 class ScoringRequestOutput:
-    """One pair's score (``LLM.score``); ``outputs.score``. ``prompt_token_ids``: both texts' ids."""
+    """One pair's score (``LLM.score``); ``outputs.score``. ``prompt_token_ids``: both texts'
+    ids (a cross-encoder's: the pair's one sequence)."""
 
     request_id: str
     prompt_token_ids: list[int]

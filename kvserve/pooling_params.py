@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Pooling tasks a request may ask for: ``embed`` (one vector per input), ``encode`` (the same
-#: vector, the ``/pooling`` route's name for it).
-POOLING_TASKS = ("embed", "encode")
+#: vector, the ``/pooling`` route's name for it), ``score`` (a cross-encoder's relevance score
+#: of one text pair encoded as one sequence).
+POOLING_TASKS = ("embed", "encode", "score")
 
 
 @dataclass
@@ -21,6 +22,11 @@ class PoolingParams:
         truncate_prompt_tokens: keep only the last ``k`` tokens of an over-long prompt
             (``-1`` = the model's length); None = an over-long prompt is refused.
         task: one of ``POOLING_TASKS``.
+        token_type_ids: the segment of each prompt token (BERT's ``token_type_ids``: 0 for
+            ``[CLS] a [SEP]``, 1 for ``b [SEP]`` of a pair); None: all 0. Only the engine sets
+            it, from a prompt dict's ``token_type_ids`` (``LLM.score`` and ``/score`` on a
+            cross-encoder pass the tokenizer's pair encoding); a request that sets it is
+            refused.
 
     Raises:
         ValueError: (in ``verify``) a field out of range, naming it.
@@ -30,6 +36,7 @@ class PoolingParams:
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str = "embed"
+    token_type_ids: list[int] | None = None
 
     def verify(self) -> None:
         """Check the fields' ranges; raises ValueError naming the field."""

@@ -538,6 +538,8 @@ class SequenceGroupMetadata:
     # (0 = plain decode). Positions ``len - 1 .. len - 1 + num_speculative_tokens`` have slots.
     num_speculative_tokens: int = 0
     lora_request: LoRARequest | None = None
+    # A pooling group's ``PoolingParams`` (its ``token_type_ids`` reach the encoder); None else.
+    pooling_params: Any = None
 
     @property
     def lora_int_id(self) -> int:

@@ -34,7 +34,7 @@ COMMANDS = {
     ),
     "embed": (
         "kvserve.benchmarks.embed",
-        "embedding sentences/s vs sentence-transformers, same model and threads",
+        "embedding sentences/s vs sentence-transformers; --online: 64 clients against a server",
     ),
     "moe": ("kvserve.benchmarks.moe", "the grouped MoE layer vs a per-expert loop, decode and prefill rows"),
     "fairness": (

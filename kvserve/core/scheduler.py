@@ -698,6 +698,7 @@ class Scheduler:
                     prompt_logprobs_from=g.prompt_logits_needed_from() if is_prompt else None,
                     num_speculative_tokens=0 if is_prompt else ssg.num_lookahead_slots,
                     lora_request=g.lora_request,
+                    pooling_params=g.pooling_params,
                 )
             )
         return metas, out

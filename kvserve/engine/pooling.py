@@ -7,6 +7,10 @@ budget holds the longest prompt), the executor (``worker.pooling_worker.PoolingW
 them without a KV cache and returns one vector per request, and the engine ends the request in
 that same step (its blocks, which only count the step's tokens, are freed at once; it is never
 preempted or swapped).
+
+A cross-encoder (``BertForSequenceClassification``) is a pooling engine with the ``score``
+task: a request is a text pair tokenized as one sequence (``pair_prompt``) and ends with its
+relevance score (``layers.pooler.finish_score``) where an embedding model ends with a vector.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
-from kvserve.model_executor.layers.pooler import PoolerConfig, finish_vector, read_pooler_config
+from kvserve.model_executor.layers.pooler import (
+    PoolerConfig,
+    finish_score,
+    finish_vector,
+    read_pooler_config,
+)
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import Sequence, SequenceGroup, SequenceStatus, next_seq_id
@@ -93,13 +102,15 @@ def build_pooling_engine(cls: type[LLMEngine], args: EngineArgs, model_dir: Path
             positions, an unsupported pooler or architecture.
     """
     from kvserve.model_executor.model_loader import load_model
-    from kvserve.model_executor.models.registry import is_encoder
+    from kvserve.model_executor.models.registry import is_cross_encoder, is_encoder
     from kvserve.transformers_utils.tokenizer import load_tokenizer
     from kvserve.worker.pooling_worker import PoolingWorker
 
     _refuse_settings(args)
     encoder = is_encoder(hf_config)
-    pooler = read_pooler_config(model_dir, hf_config, encoder, args.pooler_overrides())
+    pooler = read_pooler_config(
+        model_dir, hf_config, encoder, args.pooler_overrides(), cross_encoder=is_cross_encoder(hf_config)
+    )
     model_max = int(hf_config.max_position_embeddings)
     default_len = min(model_max, pooler.max_seq_length or model_max)
     max_len = args.max_model_len or default_len
@@ -123,8 +134,9 @@ def build_pooling_engine(cls: type[LLMEngine], args: EngineArgs, model_dir: Path
     worker = PoolingWorker(model, pooler, device)
     tokenizer = load_tokenizer(model_dir)
     logger.info(
-        "pooling model %s: %s pooling%s, max_model_len %d",
+        "pooling model %s (%s): %s pooling%s, max_model_len %d",
         model_dir,
+        pooler.task,
         pooler.pooling_type,
         ", normalized" if pooler.normalize else "",
         max_len,
@@ -145,10 +157,24 @@ def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_siz
     """``params`` against the model.
 
     Raises:
-        ValueError: naming the field: a bad field (``PoolingParams.verify``), ``dimensions``
-            on a model without Matryoshka truncation, or not one of its dimensions.
+        ValueError: naming the field: a bad field (``PoolingParams.verify``), a ``task`` the
+            model does not serve (``score`` on an embedding model, ``embed`` / ``encode`` on a
+            cross-encoder), ``normalize`` on a cross-encoder, ``dimensions`` on a model
+            without Matryoshka truncation, or not one of its dimensions.
     """
     params.verify()
+    if pooler.task == "score" and params.task != "score":
+        raise ValueError(
+            f"task={params.task!r}: this model is a cross-encoder; it scores text pairs (LLM.score, "
+            "/score, /rerank) and has no embeddings."
+        )
+    if pooler.task != "score" and params.task == "score":
+        raise ValueError(
+            "task='score' needs a cross-encoder (a sequence-classification model); this model "
+            "embeds: score pairs by the cosine of their embeddings (LLM.score)."
+        )
+    if pooler.task == "score" and params.normalize is not None:
+        raise ValueError("normalize does not apply to a cross-encoder's score; leave it unset.")
     d = params.dimensions
     if d is None:
         return
@@ -189,6 +215,68 @@ def pooled_prompt_ids(
     return text, ids
 
 
+def pair_prompt(engine: LLMEngine, text_1: Any, text_2: Any, truncate_prompt_tokens: int | None) -> dict:
+    """A cross-encoder's prompt for the pair: the tokenizer's pair encoding (BERT:
+    ``[CLS] text_1 [SEP] text_2 [SEP]``) as ``prompt_token_ids`` and its ``token_type_ids``.
+
+    ``truncate_prompt_tokens`` (``-1``: ``max_model_len``) shortens the longer text first, token
+    by token, to fit (the tokenizer's ``longest_first``, as sentence-transformers truncates);
+    None: an over-long pair is refused when it is queued.
+
+    Raises:
+        ValueError: a text that is not a non-empty string (naming ``text_1`` / ``text_2``),
+            ``truncate_prompt_tokens`` over ``max_model_len`` or too small for the pair's
+            special tokens.
+    """
+    for name, text in (("text_1", text_1), ("text_2", text_2)):
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                f"{name} must be a non-empty string for a cross-encoder (it tokenizes the pair "
+                f"together); got {type(text).__name__ if not isinstance(text, str) else 'an empty string'}."
+            )
+    max_len = engine.scheduler_config.max_model_len
+    k = truncate_prompt_tokens
+    if k is None:
+        enc = engine.tokenizer(text_1, text_2, return_token_type_ids=True)
+    else:
+        k = max_len if k == -1 else k
+        if k > max_len:
+            raise ValueError(f"truncate_prompt_tokens={k} is greater than max_model_len={max_len}.")
+        enc = engine.tokenizer(
+            text_1, text_2, return_token_type_ids=True, truncation="longest_first", max_length=k
+        )
+        if len(enc["input_ids"]) > k:
+            raise ValueError(
+                f"truncate_prompt_tokens={k} is too small for a pair: it still has "
+                f"{len(enc['input_ids'])} tokens after truncation."
+            )
+    return {
+        "prompt_token_ids": list(enc["input_ids"]),
+        "token_type_ids": list(enc["token_type_ids"]),
+    }
+
+
+def _token_type_ids(engine: LLMEngine, prompt: PromptType, ids: list[int]) -> list[int] | None:
+    """The prompt dict's ``token_type_ids`` cut as ``ids`` was (its last tokens), or None.
+
+    Raises:
+        ValueError: not a list of ints as long as the prompt, or a type outside
+            ``[0, type_vocab_size)``.
+    """
+    if not isinstance(prompt, dict) or prompt.get("token_type_ids") is None:
+        return None
+    types = prompt["token_type_ids"]
+    given = prompt.get("prompt_token_ids")
+    if not isinstance(types, (list, tuple)) or given is None or len(types) != len(given):
+        raise ValueError(
+            "token_type_ids must be a list of integers as long as prompt_token_ids (and needs them)."
+        )
+    limit = int(getattr(engine.executor.model.config, "type_vocab_size", 2))
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit for t in types):
+        raise ValueError(f"token_type_ids must hold integers in [0, {limit}) (type_vocab_size).")
+    return list(types[len(types) - len(ids) :])
+
+
 def add_pooling_request(
     engine: LLMEngine,
     request_id: str,
@@ -199,11 +287,21 @@ def add_pooling_request(
     tenant: str | None,
 ) -> None:
     """Queue one pooling request on a pooling engine (``LLMEngine.add_request`` checked the
-    id, priority and tenant). Raises ValueError as ``check_pooling_params`` /
-    ``pooled_prompt_ids``; nothing is queued then."""
+    id, priority and tenant); a prompt dict's ``token_type_ids`` go with it. Raises ValueError
+    as ``check_pooling_params`` / ``pooled_prompt_ids``, for bad ``token_type_ids``, or for
+    ``params.token_type_ids`` set by the caller; nothing is queued then."""
     assert engine.pooler_config is not None
     check_pooling_params(params, engine.pooler_config, engine.hidden_size)
+    if params.token_type_ids is not None:
+        # the worker trusts them: they come from a checked prompt only
+        raise ValueError(
+            "token_type_ids belong in the prompt dict ({'prompt_token_ids': [...], "
+            "'token_type_ids': [...]}), not in PoolingParams."
+        )
     text, ids = pooled_prompt_ids(engine, prompt, params)
+    types = _token_type_ids(engine, prompt, ids)
+    if types is not None:
+        params = dataclasses.replace(params, token_type_ids=types)
     seq = Sequence(next_seq_id(), ids, engine.cache_config.block_size, eos_token_id=None, prompt=text)
     group = SequenceGroup(
         request_id,
@@ -222,8 +320,8 @@ def add_pooling_request(
 
 def finish_pooled(engine: LLMEngine, group: SequenceGroup, pooled, now: float) -> RequestOutput:
     """End a pooling group whose prompt ran this step: its vector (truncated to
-    ``dimensions``, normalised as the request or the model says) in the final output; its
-    blocks freed."""
+    ``dimensions``, normalised as the request or the model says), or a cross-encoder's score
+    (``[1]``, through its activation), in the final output; its blocks freed."""
     params: PoolingParams = group.pooling_params
     assert engine.pooler_config is not None
     group.metrics.first_token_time = now
@@ -231,7 +329,11 @@ def finish_pooled(engine: LLMEngine, group: SequenceGroup, pooled, now: float) -
     for seq in group.get_seqs():
         seq.status = SequenceStatus.FINISHED_STOPPED
         engine.scheduler.free_seq(seq)
-    normalize = engine.pooler_config.normalize if params.normalize is None else params.normalize
     out = engine._finish_request(group)
+    pooler = engine.pooler_config
+    if pooler.task == "score":
+        out.pooled = finish_score(pooled, pooler.score_activation)
+        return out
+    normalize = pooler.normalize if params.normalize is None else params.normalize
     out.pooled = finish_vector(pooled, params.dimensions, normalize)
     return out

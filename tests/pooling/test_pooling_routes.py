@@ -129,3 +129,19 @@ def test_generation_server_refuses_pooling_routes(tiny_llama_dir):
             assert r.status_code == 400, (path, r.text)
             assert r.json()["error"]["param"] == "model"
         assert httpx.get(s.url + "/v1/models").json()["data"][0]["task"] == "generate"
+
+
+def test_online_bench_clients_against_the_server(server):
+    import asyncio
+
+    from kvserve.benchmarks.embed_online import run_clients
+
+    texts = [TEXTS[i % len(TEXTS)] for i in range(24)]
+    result = asyncio.run(run_clients(server.url, texts, concurrency=8, model=MODEL, api_key=API_KEY))
+    assert (result["num_requests"], result["num_ok"], result["num_failed"]) == (24, 24, 0)
+    assert result["prompt_tokens"] == sum(len(server.engine.tokenizer(t).input_ids) for t in texts)
+    assert all(x is not None and x > 0 for x in result["latencies_ms"])
+    assert result["latency_p50_ms"] <= result["latency_p99_ms"] <= result["latency_max_ms"]
+    # without the key every request fails, and the run says so
+    bad = asyncio.run(run_clients(server.url, texts[:4], concurrency=2, model=MODEL))
+    assert bad["num_failed"] == 4 and "status 401" in bad["errors"][0]

@@ -1,5 +1,6 @@
 """A tiny random BERT checkpoint on disk (transformers' ``BertConfig``, a word-level
-``BertTokenizerFast`` over a small vocabulary) with sentence-transformers' module files."""
+``BertTokenizerFast`` over a small vocabulary) with sentence-transformers' module files, and a
+tiny random cross-encoder (``BertForSequenceClassification`` with one label)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,57 @@ def tiny_bert_config(**overrides):
     return BertConfig(**{**fields, **overrides})
 
 
+def _save_tokenizer(path: Path) -> None:
+    """The ``WORDS`` word-level BERT tokenizer (lowercasing, ``[CLS]`` / ``[SEP]`` pairs)."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    vocab = path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    wordpiece = BertWordPieceTokenizer(str(vocab), lowercase=True)
+    BertTokenizerFast(
+        tokenizer_object=wordpiece._tokenizer,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+    ).save_pretrained(path)
+
+
+def save_tiny_cross_encoder(path: Path, seed: int = 0, **config) -> Path:
+    """Write a random ``BertForSequenceClassification`` with ``num_labels=1`` (a cross-encoder,
+    float32 safetensors; pooler and classifier included) and its tokenizer into ``path``."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    # initializer_range 0.3 (BERT's is 0.02) spreads the logits on both sides of 0, so the
+    # sigmoid and the order of a rerank are both tested
+    fields = dict(num_labels=1, architectures=["BertForSequenceClassification"], initializer_range=0.3)
+    model = BertForSequenceClassification(tiny_bert_config(**{**fields, **config})).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(path)
+    return path
+
+
+def reference_cross_scores(path: Path, pairs: list[tuple[str, str]]):
+    """transformers' ``BertForSequenceClassification`` on each pair's tokenizer encoding (run
+    alone, no padding): float32 ``[len(pairs)]`` ``sigmoid(logit)``."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = BertForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for a, b in pairs:
+            out.append(torch.sigmoid(model(**tok(a, b, return_tensors="pt")).logits[0, 0]))
+    return torch.stack(out)
+
+
 def save_tiny_bert(
     path: Path,
     pooling: str | None = "MEAN",
@@ -49,25 +101,14 @@ def save_tiny_bert(
     is set, sentence-transformers' ``modules.json`` / ``1_Pooling/config.json`` (and a
     ``Normalize`` module when ``normalize``) into ``path``; returns ``path``."""
     import torch
-    from tokenizers import BertWordPieceTokenizer
-    from transformers import BertModel, BertTokenizerFast
+    from transformers import BertModel
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = BertModel(tiny_bert_config(**config), add_pooling_layer=False).eval()
     model.save_pretrained(path, safe_serialization=True)
-    vocab = path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    wordpiece = BertWordPieceTokenizer(str(vocab), lowercase=True)
-    BertTokenizerFast(
-        tokenizer_object=wordpiece._tokenizer,
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        pad_token="[PAD]",
-        mask_token="[MASK]",
-    ).save_pretrained(path)
+    _save_tokenizer(path)
     if pooling is not None:
         modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

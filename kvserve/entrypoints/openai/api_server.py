@@ -478,21 +478,21 @@ def build_app(
     @app.post("/v1/embeddings")
     async def create_embedding(request: Request):
         """OpenAI embeddings (text, token ids, batches; float or base64)."""
-        pooling.require_pooling()
+        pooling.require_embedding()
         req = await read_json_body(request, EmbeddingRequest, max_body_bytes)
         return await pooling.create_embedding(req, request)
 
     @app.post("/pooling")
     async def create_pooling(request: Request):
         """vLLM's pooling route: the pooled vector of each input (in ``data``)."""
-        pooling.require_pooling()
+        pooling.require_embedding()
         req = await read_json_body(request, EmbeddingRequest, max_body_bytes)
         return await pooling.create_embedding(req, request, pooling=True)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def create_score(request: Request):
-        """Cosine similarity of ``text_1`` with each ``text_2`` (bi-encoder score)."""
+        """Each ``(text_1, text_2)`` pair's score (cosine of embeddings, or a cross-encoder's)."""
         pooling.require_pooling()
         req = await read_json_body(request, ScoreRequest, max_body_bytes)
         return await pooling.create_score(req, request)
@@ -500,7 +500,7 @@ def build_app(
     @app.post("/rerank")
     @app.post("/v1/rerank")
     async def create_rerank(request: Request):
-        """``documents`` ordered by cosine similarity to ``query``."""
+        """``documents`` ordered by relevance to ``query`` (as ``/score`` scores them)."""
         pooling.require_pooling()
         req = await read_json_body(request, RerankRequest, max_body_bytes)
         return await pooling.create_rerank(req, request)
@@ -521,13 +521,19 @@ def build_app(
 
     # ------------------------------------------------------------------ info
 
+    def _task() -> str:
+        # what /v1/models reports: generate, embed, or score (a cross-encoder)
+        if getattr(engine, "runner", "generate") != "pooling":
+            return "generate"
+        return getattr(getattr(engine, "pooler_config", None), "task", "embed")
+
     def _card(name: str) -> ModelCard:
         return ModelCard(
             id=name,
             root=engine.model_config.model or name,
             max_model_len=engine.scheduler_config.max_model_len,
             generation_defaults=dict(getattr(engine, "generation_defaults", None) or {}),
-            task="embed" if getattr(engine, "runner", "generate") == "pooling" else "generate",
+            task=_task(),
         )
 
     def _lora_card(lora, parent: str) -> ModelCard:

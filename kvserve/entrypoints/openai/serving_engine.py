@@ -503,6 +503,8 @@ class SubRequest:
     request_id: str
     prompt_text: str | None
     prompt_token_ids: list[int]
+    #: a cross-encoder pair's segment ids (``PoolingParams.token_type_ids``); None: none
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -934,6 +936,8 @@ class OpenAIServing:
 
         async def pump(idx: int, sub: SubRequest) -> None:
             prompt = {"prompt": sub.prompt_text, "prompt_token_ids": sub.prompt_token_ids}
+            if sub.token_type_ids is not None:
+                prompt["token_type_ids"] = sub.token_type_ids
             if inflight is not None:
                 inflight.add(sub.request_id)
             if reservation is not None:

@@ -2,20 +2,24 @@
 
 They run on a pooling engine (``runner='pooling'``) with the generation routes' API key, body
 and queue limits, request log, metrics and error bodies. ``/score`` and ``/rerank`` score a
-pair by the cosine similarity of its two embeddings (a bi-encoder's score, as vLLM scores with
-an embedding model).
+pair by the cosine similarity of its two embeddings on an embedding model (a bi-encoder's
+score, as vLLM scores with one), and by the model itself on a cross-encoder (the pair read as
+one sequence, ``engine.pooling.pair_prompt``; the logit through its activation). A
+cross-encoder has no embeddings: ``/v1/embeddings`` and ``/pooling`` on it are a 400 naming
+``model``.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from fastapi import Request
 
-from kvserve.engine.pooling import check_pooling_params, pooled_prompt_ids
+from kvserve.engine.pooling import check_pooling_params, pair_prompt, pooled_prompt_ids
 from kvserve.entrypoints.openai.errors import APIError
 from kvserve.entrypoints.openai.protocol import (
     EmbeddingRequest,
@@ -66,6 +70,25 @@ class OpenAIServingPooling(OpenAIServing):
                 code="unsupported",
             )
 
+    @property
+    def cross_encoder(self) -> bool:
+        """Whether the model is a cross-encoder (the ``score`` task)."""
+        pooler = getattr(self.engine, "pooler_config", None)
+        return pooler is not None and pooler.task == "score"
+
+    def require_embedding(self) -> None:
+        """400 naming ``model`` unless the engine is a pooling engine that embeds (not a
+        cross-encoder)."""
+        self.require_pooling()
+        if self.cross_encoder:
+            raise APIError(
+                f"model {self.model_name!r} is a cross-encoder (task 'score'): it serves /score and "
+                "/rerank, not embeddings or pooling.",
+                400,
+                param="model",
+                code="unsupported",
+            )
+
     def _inputs(self, value: Any, param: str) -> list[Any]:
         """A text / token-id list, or a batch of them, as a list of prompts; 400 naming
         ``param`` for an empty one or a batch over the count limit."""
@@ -104,15 +127,31 @@ class OpenAIServingPooling(OpenAIServing):
             else:
                 text, ids = pooled_prompt_ids(self.engine, prompt, params)
         except ValueError as e:
-            msg = str(e)
-            field = "truncate_prompt_tokens" if msg.startswith("truncate_prompt_tokens") else param
-            code = "context_length_exceeded" if "max_model_len" in msg and field == param else "invalid_value"
-            raise APIError(
-                f"{param}: {msg}" if field == param else msg, 400, param=field, code=code
-            ) from None
+            raise self._refusal(str(e), param) from None
         except INPUT_ERRORS as e:
             raise input_error(e, param) from None
         return SubRequest("", text, ids)
+
+    @staticmethod
+    def _refusal(msg: str, param: str) -> APIError:
+        """The 400 for an input the model refuses (``msg``, a ``ValueError``'s text): naming
+        ``truncate_prompt_tokens`` when the message is about it, else ``param``."""
+        field = "truncate_prompt_tokens" if msg.startswith("truncate_prompt_tokens") else param
+        code = "context_length_exceeded" if "max_model_len" in msg and field == param else "invalid_value"
+        return APIError(f"{param}: {msg}" if field == param else msg, 400, param=field, code=code)
+
+    async def _prepare_pair(self, a: str, b: str, truncate: int | None, param: str) -> SubRequest:
+        """Tokenize a cross-encoder's pair as one sequence (off the event loop when long) and
+        check it; 400 naming ``param`` (or ``truncate_prompt_tokens``) when the model refuses
+        it."""
+        try:
+            prompt = await self.offload(len(a) + len(b), pair_prompt, self.engine, a, b, truncate)
+            text, ids = pooled_prompt_ids(self.engine, prompt, PoolingParams(task="score"))
+        except ValueError as e:
+            raise self._refusal(str(e), param) from None
+        except INPUT_ERRORS as e:
+            raise input_error(e, param) from None
+        return SubRequest("", text, ids, prompt["token_type_ids"])
 
     async def _run(
         self,
@@ -124,15 +163,20 @@ class OpenAIServingPooling(OpenAIServing):
         priority: int | None,
         user: str | None,
         make_body,
+        prepare: Callable[[Any, str], Awaitable[SubRequest]] | None = None,
     ):
         """Embed ``prompts`` (all of them or none: the first refused input is the 400) and
-        answer ``make_body(rec, vectors)``."""
+        answer ``make_body(rec, vectors)``; ``prepare(prompt, param)`` makes each engine
+        request (default: ``_prepare`` with ``params``)."""
         self.require_pooling()
         prio = self.request_priority(priority)
         reservation = self.check_capacity(len(prompts))
         try:
             names = param if isinstance(param, list) else [param] * len(prompts)
-            subs = [await self._prepare(p, params, name) for p, name in zip(prompts, names)]
+            if prepare is None:
+                subs = [await self._prepare(p, params, name) for p, name in zip(prompts, names)]
+            else:
+                subs = [await prepare(p, name) for p, name in zip(prompts, names)]
         except BaseException:
             reservation.release()
             raise
@@ -161,7 +205,7 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def create_embedding(self, req: EmbeddingRequest, raw_request: Request, pooling: bool = False):
         """``/v1/embeddings`` (``pooling``: ``/pooling``, the vector in ``data``)."""
-        self.require_pooling()
+        self.require_embedding()
         self.check_model(req.model)
         fmt = req.encoding_format or "float"
         if fmt not in ENCODING_FORMATS:
@@ -189,8 +233,25 @@ class OpenAIServingPooling(OpenAIServing):
         prefix = "pool" if pooling else "embd"
         return await self._run(raw_request, prompts, params, "input", prefix, req.priority, req.user, body)
 
+    def _cross_prepare(self, truncate: int | None) -> Callable[[Any, str], Awaitable[SubRequest]]:
+        """``_run``'s ``prepare`` for a cross-encoder: each prompt a ``(text_1, text_2)`` pair."""
+
+        async def prepare(pair: Any, param: str) -> SubRequest:
+            return await self._prepare_pair(pair[0], pair[1], truncate, param)
+
+        return prepare
+
+    def _score_params(self, truncate: int | None) -> PoolingParams:
+        """The requests' parameters: a cross-encoder's ``score`` task (``pair_prompt`` cuts a
+        pair to ``truncate`` tokens, so the engine's cut of its last tokens changes nothing),
+        else normalised embeddings."""
+        if self.cross_encoder:
+            return self._params(task="score", truncate_prompt_tokens=truncate)
+        return self._params(normalize=True, truncate_prompt_tokens=truncate)
+
     async def create_score(self, req: ScoreRequest, raw_request: Request):
-        """``/score``: cosine similarity of ``text_1`` with each ``text_2``."""
+        """``/score``: each ``(text_1, text_2)`` pair's score: the cosine similarity of their
+        embeddings, or a cross-encoder's relevance of the pair."""
         self.require_pooling()
         self.check_model(req.model)
         a = self._inputs(req.text_1, "text_1")
@@ -203,6 +264,26 @@ class OpenAIServingPooling(OpenAIServing):
                 400,
                 param="text_2",
                 code="invalid_value",
+            )
+        if self.cross_encoder:
+            params = self._score_params(req.truncate_prompt_tokens)
+
+            def cross_body(rec: RequestRecord, scores: list) -> dict:
+                data = [ScoreData(index=i, score=float(v[0])) for i, v in enumerate(scores)]
+                return ScoreResponse(
+                    id=rec.request_id, model=rec.model, data=data, usage=self._usage(rec)
+                ).model_dump()
+
+            return await self._run(
+                raw_request,
+                list(zip(a, b)),
+                params,
+                "text_2",
+                "score",
+                req.priority,
+                req.user,
+                cross_body,
+                prepare=self._cross_prepare(req.truncate_prompt_tokens),
             )
         params = self._params(normalize=True, truncate_prompt_tokens=req.truncate_prompt_tokens)
         n = len(a)
@@ -220,18 +301,24 @@ class OpenAIServingPooling(OpenAIServing):
         return await self._run(raw_request, a + b, params, names, "score", req.priority, req.user, body)
 
     async def create_rerank(self, req: RerankRequest, raw_request: Request):
-        """``/rerank``: ``documents`` by descending cosine similarity to ``query``."""
+        """``/rerank``: ``documents`` by descending relevance to ``query``: the cosine
+        similarity of their embeddings, or a cross-encoder's score of each (query, document)
+        pair."""
         self.require_pooling()
         self.check_model(req.model)
         docs = self._inputs(req.documents, "documents")
         top_n = req.top_n or len(docs)
         if top_n < 0:
             raise APIError(f"top_n must be >= 0, got {top_n}.", 400, param="top_n", code="invalid_value")
-        params = self._params(normalize=True, truncate_prompt_tokens=req.truncate_prompt_tokens)
+        params = self._score_params(req.truncate_prompt_tokens)
+        cross = self.cross_encoder
 
         def body(rec: RequestRecord, vecs: list) -> dict:
-            q = vecs[0]
-            scored = [(float(F.cosine_similarity(q, v, dim=0)), i) for i, v in enumerate(vecs[1:])]
+            if cross:
+                scored = [(float(v[0]), i) for i, v in enumerate(vecs)]
+            else:
+                q = vecs[0]
+                scored = [(float(F.cosine_similarity(q, v, dim=0)), i) for i, v in enumerate(vecs[1:])]
             scored.sort(key=lambda t: (-t[0], t[1]))
             results = [
                 RerankResult(
@@ -245,6 +332,18 @@ class OpenAIServingPooling(OpenAIServing):
                 id=rec.request_id, model=rec.model, usage=self._usage(rec), results=results
             ).model_dump()
 
+        if cross:
+            return await self._run(
+                raw_request,
+                [(req.query, d) for d in docs],
+                params,
+                "documents",
+                "rerank",
+                req.priority,
+                req.user,
+                body,
+                prepare=self._cross_prepare(req.truncate_prompt_tokens),
+            )
         names = ["query"] + ["documents"] * len(docs)
         return await self._run(
             raw_request, [req.query, *docs], params, names, "rerank", req.priority, req.user, body

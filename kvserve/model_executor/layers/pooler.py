@@ -3,7 +3,9 @@
 ``PoolerConfig`` comes from the checkpoint's sentence-transformers files when it has them
 (``modules.json`` naming a ``Pooling`` module and its ``config.json``, a ``Normalize`` module,
 ``sentence_bert_config.json``'s ``max_seq_length``), else from vLLM's defaults: ``CLS`` for an
-encoder, ``LAST`` for a decoder converted to embeddings, normalised either way.
+encoder, ``LAST`` for a decoder converted to embeddings, normalised either way. A
+cross-encoder (a classification head on an encoder) has a fixed pooler, its head on ``[CLS]``,
+and the ``score`` task: its output goes through ``finish_score``, never normalised.
 """
 
 from __future__ import annotations
@@ -17,6 +19,19 @@ import torch.nn.functional as F
 
 #: Pooling types, by vLLM's names.
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+#: What a pooling model serves: ``embed`` (a vector per input) or ``score`` (a cross-encoder:
+#: one relevance score per text pair).
+MODEL_TASKS = ("embed", "score")
+
+#: The activations a cross-encoder's logit may go through, by the names sentence-transformers
+#: writes in ``config.json`` (``sentence_transformers.activation_fn``).
+SCORE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.Identity": "identity",
+}
 
 
 @dataclass
@@ -32,12 +47,17 @@ class PoolerConfig:
         matryoshka_dimensions: dimensions the vector may be truncated to (``dimensions`` of a
             request), from ``config.json``'s ``matryoshka_dimensions`` (or every size up to
             the hidden size when it says ``is_matryoshka``); None: no truncation.
+        task: one of ``MODEL_TASKS``.
+        score_activation: a ``score`` model's activation on its logit: ``sigmoid`` or
+            ``identity`` (see ``score_activation``); None for an ``embed`` model.
     """
 
     pooling_type: str
     normalize: bool = True
     max_seq_length: int | None = None
     matryoshka_dimensions: list[int] | None = None
+    task: str = "embed"
+    score_activation: str | None = None
 
     def __post_init__(self) -> None:
         self.pooling_type = str(self.pooling_type).upper()
@@ -80,17 +100,52 @@ def _st_pooling_type(path: Path) -> str:
     return modes[on[0]]
 
 
+def score_activation(hf_config) -> str:
+    """The activation sentence-transformers' ``CrossEncoder`` (6.x) applies to a one-output
+    model's logit: the one ``config.json`` names under ``sentence_transformers.activation_fn``,
+    else ``sigmoid`` (its default for ``num_labels == 1``).
+
+    Raises:
+        ValueError: an activation other than those of ``SCORE_ACTIVATIONS``, naming the field.
+    """
+    st = getattr(hf_config, "sentence_transformers", None)
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    if name is None:
+        return "sigmoid"
+    if name not in SCORE_ACTIVATIONS:
+        raise ValueError(
+            f"config.json: sentence_transformers.activation_fn={name!r}; supported: "
+            f"{', '.join(SCORE_ACTIVATIONS)}."
+        )
+    return SCORE_ACTIVATIONS[name]
+
+
 def read_pooler_config(
-    model_dir: Path, hf_config, is_encoder: bool, override: dict | None = None
+    model_dir: Path,
+    hf_config,
+    is_encoder: bool,
+    override: dict | None = None,
+    cross_encoder: bool = False,
 ) -> PoolerConfig:
     """The checkpoint's ``PoolerConfig`` (see the module doc), then ``override``'s fields
-    (``pooling_type``, ``normalize``: the ``--pooler-config`` JSON) over it.
+    (``pooling_type``, ``normalize``: the ``--pooler-config`` JSON) over it. A
+    ``cross_encoder`` gets the ``score`` task, ``CLS`` pooling and no normalisation.
 
     Raises:
         ValueError: an unreadable sentence-transformers file, an unsupported pooling mode, an
-            unknown override key (each naming the file or key).
+            unknown override key, any override on a cross-encoder, an unsupported score
+            activation (each naming the file or key).
     """
     model_dir = Path(model_dir)
+    if cross_encoder:
+        if override:
+            raise ValueError(
+                f"pooler_config ({', '.join(override)}) does not apply to a cross-encoder: its "
+                "classification head reads the [CLS] token and its score is not normalised."
+            )
+        return PoolerConfig(
+            "CLS", normalize=False, task="score", score_activation=score_activation(hf_config)
+        )
     pooling_type = "CLS" if is_encoder else "LAST"
     normalize = True
     max_seq_length = None
@@ -161,3 +216,9 @@ def finish_vector(vec: torch.Tensor, dimensions: int | None, normalize: bool) ->
     if normalize:
         vec = F.normalize(vec, p=2, dim=-1)
     return vec.contiguous()
+
+
+def finish_score(logits: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """A cross-encoder's float32 logits ``[num_labels]`` through its activation (``sigmoid`` or
+    ``identity``, ``PoolerConfig.score_activation``)."""
+    return torch.sigmoid(logits) if activation == "sigmoid" else logits

@@ -65,6 +65,8 @@ class BertModel(nn.Module):
     is_encoder = True
     supports_lora = False
     supports_quantization = False
+    #: Checkpoint names (after ``_canonical``) not read: a head the subclass has no use for.
+    skipped_prefixes: tuple[str, ...] = _SKIPPED_PREFIXES
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
@@ -126,18 +128,25 @@ class BertModel(nn.Module):
             for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
                 self._params[pre + ln + ".weight"] = p(H)
                 self._params[pre + ln + ".bias"] = p(H)
-        for j, t in enumerate(self._params.values()):
-            self.register_parameter(f"p{j}", t)
+        self._register_params()
         # per layer: (qkv weight, qkv bias, o, o bias, ln1 w, ln1 b, up, up bias, down, down bias,
         # ln2 w, ln2 b); built by ``prepack_linear_weights`` after loading
         self._layers: list[tuple] = []
+
+    def _register_params(self) -> None:
+        """Register every tensor of ``_params`` not yet registered (``.to``, ``state_dict``)."""
+        known = {id(t) for t in self.parameters()}
+        for t in self._params.values():
+            if id(t) not in known:
+                self.register_parameter(f"p{len(known)}", t)
+                known.add(id(t))
 
     # ------------------------------------------------------------------ loading
     def weight_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The parameter a checkpoint tensor fills (None: not read). Raises ValueError for an
         unknown name or a shape that differs from the config's."""
         canon = _canonical(name)
-        if canon.startswith(_SKIPPED_PREFIXES) or name.startswith("cls."):
+        if canon.startswith(self.skipped_prefixes) or name.startswith("cls."):
             return None
         t = self._params.get(canon)
         if t is None:

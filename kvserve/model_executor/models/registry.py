@@ -24,10 +24,15 @@ NATIVE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # encoder-only (pooling runner): the hidden states, no LM head
     "BertModel": ("bert", "BertModel"),
     "BertForMaskedLM": ("bert", "BertModel"),
+    # a cross-encoder (pooling runner, score task): one relevance logit per text pair
+    "BertForSequenceClassification": ("bert_classifier", "BertForSequenceClassification"),
 }
 
+#: Encoders with a one-output classification head: served as score models (cross-encoders).
+CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
+
 #: Architectures that are encoder-only: ``runner='auto'`` serves them as pooling models.
-ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM"})
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM"}) | CROSS_ENCODER_ARCHITECTURES
 
 #: ``model_type`` -> architecture, for configs that name no (or an unknown) architecture.
 NATIVE_MODEL_TYPES: dict[str, str] = {
@@ -60,6 +65,11 @@ def native_architecture(hf_config) -> str | None:
 def is_encoder(hf_config) -> bool:
     """Whether ``hf_config`` names an encoder-only family (``ENCODER_ARCHITECTURES``)."""
     return native_architecture(hf_config) in ENCODER_ARCHITECTURES
+
+
+def is_cross_encoder(hf_config) -> bool:
+    """Whether ``hf_config`` names a cross-encoder (``CROSS_ENCODER_ARCHITECTURES``)."""
+    return native_architecture(hf_config) in CROSS_ENCODER_ARCHITECTURES
 
 
 def model_class(hf_config, where: str) -> type:

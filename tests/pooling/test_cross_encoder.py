@@ -130,7 +130,13 @@ def test_score_route(server, ref, path):
     assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
     assert [d["score"] for d in body["data"]] == pytest.approx(ref[: len(TEXTS)].tolist(), abs=1e-5)
     n = sum(_pair_tokens(server, QUERY, t) for t in TEXTS)
-    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+    assert body["usage"] == {
+        "prompt_tokens": n,
+        "completion_tokens": 0,
+        "total_tokens": n,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     pairs = PAIRS[len(TEXTS) :]
     r = _post(server, path, {"text_1": [a for a, _ in pairs], "text_2": [b for _, b in pairs]})
     assert [d["score"] for d in r.json()["data"]] == pytest.approx(ref[len(TEXTS) :].tolist(), abs=1e-5)

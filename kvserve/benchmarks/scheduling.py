@@ -422,6 +422,13 @@ def build_parser(prog: str, doc: str, default_modes: str) -> argparse.ArgumentPa
     ap.add_argument(
         "--backfill", default=None, help="on,off where the scheduler has backfill (default: both)"
     )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="step token budget of both runners (default: the engine's; on CPU, chunked prefill "
+        "with 2,048): a smaller budget shortens the step a newcomer may arrive during",
+    )
     ap.add_argument("--cost-model", default=None, help="the simulator's cost model (kvserve profile JSON)")
     ap.add_argument("--quick", action="store_true", help="fewer requests and shorter outputs")
     ap.add_argument("--json", default=None, metavar="OUT", help="write the rows and rankings here")
@@ -450,7 +457,10 @@ def resolve(ns) -> tuple[list[str], list[Config], object, object]:
         backfill = ["-"]
     if ns.json:
         check_output_path("--json", ns.json)
-    base = EngineArgs(model=ns.model, dtype=ns.dtype)
+    budget = getattr(ns, "max_num_batched_tokens", None)
+    if budget is not None and budget < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
+    base = EngineArgs(model=ns.model, dtype=ns.dtype, max_num_batched_tokens=budget)
     if ns.cost_model:
         from kvserve.sim.cost_model_file import load_cost_model
 

@@ -144,6 +144,16 @@ def test_registry_choices_and_bad_flags():
     with pytest.raises(ValueError, match="--runners"):
         sb.parse_choice("--runners", " , ", sb.RUNNERS)
     assert fairness.main(["--runners", "sim", "--policies", "lottery"]) == 2
+    assert fairness.main(["--runners", "sim", "--max-num-batched-tokens", "0"]) == 2
+
+
+def test_step_budget_reaches_both_runners_engine_args():
+    ap = sb.build_parser("x", "", "default")
+    _, configs, base, _ = sb.resolve(ap.parse_args(["--runners", "sim", "--max-num-batched-tokens", "384"]))
+    w = ws.SchedWorkload("w", [], num_gpu_blocks=64)
+    assert sb.engine_args(base, w, configs[0]).max_num_batched_tokens == 384
+    _, _, default, _ = sb.resolve(ap.parse_args(["--runners", "sim"]))
+    assert default.max_num_batched_tokens is None  # the engine's own default
 
 
 def test_preemption_command_on_the_simulator(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | moe | ...``."""
+"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | moe | roof | ...``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ COMMANDS = {
     "preemption": (
         "kvserve.benchmarks.preemption",
         "tiny-cache workloads per preemption mode and policy, simulator and real engine",
+    ),
+    "roof": (
+        "kvserve.benchmarks.roof",
+        "this host's GEMM and memory peaks, and the step-time floor of the default workloads",
     ),
 }
 

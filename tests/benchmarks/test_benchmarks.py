@@ -428,7 +428,7 @@ def test_bench_throughput_reports_speculation_counts(tiny_llama_dir, tmp_path, c
         "dynamic": False,
     }
     argv = ["throughput", "--model", str(tiny_llama_dir), "--workload", str(workload)]
-    argv += ["--no-baseline", "--no-tqdm", "--speculative-config", json.dumps(spec)]
+    argv += ["--no-baseline", "--no-tqdm", "--no-roof", "--speculative-config", json.dumps(spec)]
     assert main([*argv, "--json-out", str(out)]) == 0
     sd = json.loads(out.read_text())["kvserve"]["spec_decode"]
     assert sd["num_draft_tokens"] > 0 and sd["num_accepted_tokens"] == sd["num_draft_tokens"]
@@ -446,7 +446,7 @@ def test_bench_throughput_runs_the_model_impl_asked_for(tiny_llama_dir, tmp_path
     rows = [{"id": i, "prompt_token_ids": list(range(100 + i, 116 + i)), "output_len": 4} for i in range(2)]
     workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["throughput", "--model", str(tiny_llama_dir), "--workload", str(workload), "--model-impl", impl]
-    assert main([*argv, "--no-baseline", "--no-tqdm", "--json-out", str(out)]) == 0
+    assert main([*argv, "--no-baseline", "--no-tqdm", "--no-roof", "--json-out", str(out)]) == 0
     kv = json.loads(out.read_text())["kvserve"]
     assert kv["model_impl"] == ran and kv["output_tokens"] == 8
     assert f"kvserve ({ran} model):" in capsys.readouterr().out

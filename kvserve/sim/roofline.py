@@ -3,7 +3,8 @@ that does ``peak_flops`` floating-point operations and streams ``bandwidth`` byt
 
 Pure arithmetic on a model's shape (``ModelShape``) and a step's token counts (``StepWork``),
 used by ``kvserve bench roof`` and the benchmarks that report their figure as a fraction of it;
-the simulator can price steps with it as well. Nothing here measures or imports a model.
+the simulator can price its steps with it too (``work_of_shape``). Nothing here measures or
+imports a model.
 
 The counts, in the usual transformer inference arithmetic:
 
@@ -264,6 +265,20 @@ class Cost:
         if not (peak_flops > 0 and bandwidth > 0):
             raise ValueError(f"peaks must be positive, got {peak_flops} FLOP/s and {bandwidth} B/s")
         return Floor(self.flops, self.bytes, self.flops / peak_flops, self.bytes / bandwidth)
+
+
+def work_of_shape(shape) -> StepWork:
+    """The ``StepWork`` of a simulator ``StepShape`` (``kvserve.sim.step_shape``), so a simulated
+    or profiled step can be priced at its floor: drafts under verification count as prompt rows
+    (their pairs are not in the shape: left out), and the chunks' cached prefix, which the shape
+    folds into its pairs, is not read (a floor a little low on chunked prefills)."""
+    return StepWork(
+        prefill_tokens=shape.prefill_tokens + shape.verify_tokens,
+        prefill_pairs=1000.0 * shape.prefill_attn_pairs,
+        decode_seqs=shape.decode_seqs,
+        context_tokens=shape.context_tokens,
+        sampled_rows=shape.sampled_rows,
+    )
 
 
 def step_flops(model: ModelShape, work: StepWork) -> float:

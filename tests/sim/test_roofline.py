@@ -17,6 +17,7 @@ from kvserve.sim.roofline import (
     step_bytes,
     step_cost,
     step_flops,
+    work_of_shape,
 )
 
 #: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 128, vocab 256, float32.
@@ -195,3 +196,22 @@ def test_decoder_prefill_flops_match_the_flop_counter_on_llama():
     # so the counter charges it as dense: so does this row
     dense = StepWork(prefill_tokens=s, prefill_pairs=s * s, sampled_rows=1)
     assert step_flops(m, dense) == counted
+
+
+def test_a_simulator_step_shape_prices_as_the_same_step():
+    from kvserve.sim.step_shape import StepShape
+
+    shape = StepShape(
+        prefill_tokens=5,
+        prefill_seqs=1,
+        prefill_attn_pairs=0.015,
+        decode_seqs=2,
+        context_tokens=40,
+        sampled_rows=3,
+    )
+    work = work_of_shape(shape)
+    assert work == StepWork(
+        prefill_tokens=5, prefill_pairs=15.0, decode_seqs=2, context_tokens=40, sampled_rows=3
+    )
+    m = ModelShape.from_hf_config(TINY)
+    assert step_flops(m, work) == 2 * 2 * 36864 * 7 + 3 * 2 * 256 * 64 + m.flops_per_pair() * 55

@@ -76,7 +76,9 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _add_roof(result: dict, model_dir: Path, lengths: list[int], dtype, remeasure: bool) -> None:
+def _add_roof(
+    result: dict, model_dir: Path, lengths: list[int], dtype, remeasure: bool, threads: int | None = None
+) -> None:
     """``result["roof"]``: the floor of embedding these texts on this host (``bench roof``), and
     each side's sentences/s as a percentage of it."""
     from kvserve.benchmarks.roof import floor_report, percent_of_roof, read_config, weight_dtype
@@ -90,6 +92,7 @@ def _add_roof(result: dict, model_dir: Path, lengths: list[int], dtype, remeasur
         len(lengths),
         "sentences/s",
         remeasure=remeasure,
+        threads=threads,
     )
     result["roof"] = row
     result["kvserve_pct_of_roof"] = percent_of_roof(result["kvserve_sentences_per_s"], row)
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()  # the engine may lower torch's count: the roof takes this one
     model_dir = Path(args.model) if args.model else default_model_dir()
     texts = make_texts(args.num_texts, args.seed)
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             min_cosine_vs_st=float(cos.min()),
         )
     if not args.no_roof:
-        _add_roof(result, model_dir, lengths, llm_dtype, args.remeasure)
+        _add_roof(result, model_dir, lengths, llm_dtype, args.remeasure, threads)
     print(json.dumps({k: v for k, v in result.items() if k not in ("system", "roof")}, indent=1))
     if "roof" in result:
         print(_roof_line(result))

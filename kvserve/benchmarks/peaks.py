@@ -233,21 +233,34 @@ def cache_path(threads: int) -> Path:
 
 
 def load_or_measure(
-    remeasure: bool = False, quick: bool = False, log: Callable[[str], None] | None = None
+    remeasure: bool = False,
+    quick: bool = False,
+    log: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> tuple[Peaks, bool]:
-    """This host's peaks at torch's current thread count and whether they came from the cache.
+    """This host's peaks at ``threads`` threads (default: torch's current count) and whether
+    they came from the cache.
 
     A cached full measurement is used unless ``remeasure``; otherwise they are measured
-    (``quick``: the small settings, not cached; a full measurement is written to the cache)."""
+    (``quick``: the small settings, not cached; a full measurement is written to the cache).
+    torch's thread count is set to ``threads`` while measuring and restored after: an engine
+    may have lowered it (``worker.calibrate_threads`` picks 1 on busy cores), while the roof is
+    the host's, at the count the benchmark started with."""
     import torch
 
-    path = cache_path(torch.get_num_threads())
+    before = torch.get_num_threads()
+    threads = threads or before
+    path = cache_path(threads)
     if not remeasure and path.is_file():
         try:
             return Peaks(**json.loads(path.read_text())), True
         except (ValueError, TypeError):  # a damaged or older file: measure again
             pass
-    peaks = measure(quick, log)
+    torch.set_num_threads(threads)
+    try:
+        peaks = measure(quick, log)
+    finally:
+        torch.set_num_threads(before)
     if not quick:
         from kvserve.workload.io import write_text_atomic
 

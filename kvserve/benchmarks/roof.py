@@ -140,10 +140,12 @@ def floor_report(
     tokens: float,
     unit: str,
     remeasure: bool = False,
+    threads: int | None = None,
 ) -> dict:
-    """``floor_row`` on this host's cached (or newly measured) peaks at torch's thread count,
-    with the peaks it used: the helper the other benchmarks call."""
-    peaks, cached = host_peaks.load_or_measure(remeasure=remeasure)
+    """``floor_row`` on this host's cached (or newly measured) peaks at ``threads`` threads
+    (default: torch's count now; a benchmark passes the count it started with, before an engine
+    could lower it), with the peaks it used: the helper the other benchmarks call."""
+    peaks, cached = host_peaks.load_or_measure(remeasure=remeasure, threads=threads)
     row = floor_row(name, cfg, dtype, steps, tokens, peaks, unit)
     row.update(
         peak_gflops=peaks.peak_flops(dtype) / 1e9,

@@ -318,8 +318,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     return p
 
 
-def roof_row(reqs: list[BenchRequest], model_dir: str, torch_dtype, quantization, remeasure: bool) -> dict:
-    """The floor of ``reqs`` offline on this host (``roof.floor_report``), output tok/s."""
+def roof_row(
+    reqs: list[BenchRequest], model_dir: str, torch_dtype, quantization, remeasure: bool, threads: int
+) -> dict:
+    """The floor of ``reqs`` offline on this host at ``threads`` threads (``roof.floor_report``),
+    output tok/s."""
     from kvserve.benchmarks.roof import floor_report, read_config, weight_dtype
     from kvserve.sim.roofline import offline_steps
 
@@ -333,6 +336,7 @@ def roof_row(reqs: list[BenchRequest], model_dir: str, torch_dtype, quantization
         sum(r.output_len for r in reqs),
         "output tok/s",
         remeasure,
+        threads,
     )
 
 
@@ -361,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     use_tqdm = not ns.no_tqdm
 
+    import torch
+
+    threads = torch.get_num_threads()  # the engine may lower torch's count: the roof takes this one
     kv = run_kvserve(reqs, engine_kwargs, use_tqdm=use_tqdm, warmup=ns.warmup_requests)
     llm = kv.pop("_llm")
     from kvserve.model_executor.model_loader import resolve_model_dir
@@ -394,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
 
         quantization = engine_kwargs.get("quantization")
         try:
-            roof = roof_row(reqs, model_dir, torch_dtype, quantization, ns.remeasure)
+            roof = roof_row(reqs, model_dir, torch_dtype, quantization, ns.remeasure, threads)
             kv["pct_of_roof"] = percent_of_roof(kv["output_tokens_per_s"], roof)
             if baseline:  # its own requests (--baseline-num-prompts) and float weights: its own floor
                 breqs = reqs[: ns.baseline_num_prompts] if ns.baseline_num_prompts else reqs
                 broof = roof
                 if len(breqs) < len(reqs) or weight_dtype(torch_dtype) != roof["dtype"]:
-                    broof = roof_row(breqs, model_dir, torch_dtype, None, False)
+                    broof = roof_row(breqs, model_dir, torch_dtype, None, False, threads)
                 for b in baseline:
                     b["pct_of_roof"] = percent_of_roof(b["output_tokens_per_s"], broof)
         except ValueError as e:  # a config the floor cannot read: the run's figures stand alone

@@ -70,6 +70,24 @@ def test_peaks_are_cached_per_key_and_remeasured_on_request(tmp_path, monkeypatc
     assert peaks_mod.load_or_measure()[0].peak_flops("float32") == 20e9  # quick ones are not cached
 
 
+def test_peaks_are_measured_at_the_asked_thread_count_and_torch_s_is_restored(tmp_path, monkeypatch):
+    import torch
+
+    seen = []
+
+    def fake_measure(quick=False, log=None):
+        seen.append(torch.get_num_threads())
+        return _fake_peaks()
+
+    monkeypatch.setattr(peaks_mod, "measure", fake_measure)
+    monkeypatch.setattr(peaks_mod, "cache_path", lambda threads: tmp_path / f"peaks-{threads}.json")
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    peaks_mod.load_or_measure(threads=want)
+    assert seen == [want] and torch.get_num_threads() == before
+    assert (tmp_path / f"peaks-{want}.json").is_file()
+
+
 def test_cache_key_names_threads():
     assert peaks_mod.cache_path(1) != peaks_mod.cache_path(2)
 
@@ -139,9 +157,7 @@ def test_bench_throughput_reports_its_fraction_of_the_roof(tiny_llama_dir, tmp_p
     from kvserve.benchmarks.cli import main
 
     fake = _fake_peaks(gflops=50.0, gb_s=5.0)
-    monkeypatch.setattr(
-        peaks_mod, "load_or_measure", lambda remeasure=False, quick=False, log=None: (fake, True)
-    )
+    monkeypatch.setattr(peaks_mod, "load_or_measure", lambda **_: (fake, True))
     out, workload = tmp_path / "t.json", tmp_path / "w.jsonl"
     rows = [{"id": i, "prompt_token_ids": list(range(100 + i, 116 + i)), "output_len": 4} for i in range(2)]
     workload.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -179,9 +195,7 @@ def test_bench_embed_reports_each_side_as_a_fraction_of_the_roof(tmp_path, monke
     from kvserve.benchmarks import embed
 
     fake = _fake_peaks(gflops=50.0, gb_s=5.0)
-    monkeypatch.setattr(
-        peaks_mod, "load_or_measure", lambda remeasure=False, quick=False, log=None: (fake, True)
-    )
+    monkeypatch.setattr(peaks_mod, "load_or_measure", lambda **_: (fake, True))
     (tmp_path / "config.json").write_text(json.dumps(roof.MINILM_L6))
     result = {"kvserve_sentences_per_s": 30.0, "st_sentences_per_s": 20.0}
     lengths = [12, 30, 7]

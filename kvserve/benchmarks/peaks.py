@@ -26,11 +26,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 #: GEMM shapes ``(M, N, K)`` of a full measurement: large enough that packing and dispatch
-#: vanish beside the multiply-adds, small enough that one call takes a fraction of a second.
-SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048))
+#: vanish beside the multiply-adds, small enough that one call takes a fraction of a second;
+#: the smallest, a millisecond or two per call, still finds the cores free on a busy host.
+SHAPES = ((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048))
 QUICK_SHAPES = ((512, 512, 512),)
-#: Bytes streamed by a bandwidth row (full / quick): far past a last-level cache.
-STREAM_BYTES = 512 * 2**20
+#: Bytes streamed by a bandwidth row (full / quick): past a last-level cache (4x a 32 MiB L3),
+#: a few milliseconds per pass, so that on a busy host some passes find the cores free.
+STREAM_BYTES = 128 * 2**20
 QUICK_STREAM_BYTES = 64 * 2**20
 #: Which measured dtype's peak a weight storage type runs at (quantized weights: int8 products).
 PEAK_DTYPE = {

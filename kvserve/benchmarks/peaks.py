@@ -2,8 +2,8 @@
 numbers a roofline floor (``kvserve.sim.roofline``) divides by.
 
 Each GEMM row times ``y = x @ W^T`` (``x`` ``[M, K]``, ``W`` ``[N, K]``, 2 ``M N K`` FLOPs; int8:
-integer operations) on a few large square-ish shapes with random operands, best of a few calls
-after a warm-up, on kvserve's own kernels where they exist (``ops.gemm`` panels for float32 and
+integer operations) on square shapes with random operands, the best of calls spread over
+three rounds that take every row in turn (after a warm-up), on kvserve's own kernels where they exist (``ops.gemm`` panels for float32 and
 bfloat16 widened to float32, ``ops.gemm_bf16dot`` on AVX512-BF16, ``ops.quant`` Q8_0 weights on
 the AVX-512 VNNI int8 kernel) and on torch (``torch.matmul``; int8: ``torch._int_mm``, torch's
 int8 x int8 -> int32 product, as ``matmul`` of int8 tensors wraps around in int8). A dtype's
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 #: GEMM shapes ``(M, N, K)`` of a full measurement: large enough that packing and dispatch
-#: vanish beside the multiply-adds, small enough that one call takes a fraction of a second;
-#: the smallest, a millisecond or two per call, still finds the cores free on a busy host.
-SHAPES = ((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048))
+#: vanish beside the multiply-adds (2,048 gives no more on a 2-core host), short enough per
+#: call (a few milliseconds) that on a busy host some calls find the cores free.
+SHAPES = ((512, 512, 512), (1024, 1024, 1024))
 QUICK_SHAPES = ((512, 512, 512),)
 #: Bytes streamed by a bandwidth row (full / quick): past a last-level cache (4x a 32 MiB L3),
 #: a few milliseconds per pass, so that on a busy host some passes find the cores free.
@@ -101,16 +101,17 @@ def relevant_flags() -> list[str]:
     return sorted(f for f in cpu_flags() if f.startswith(keep))
 
 
-#: Seconds each row keeps calling after its first ``reps`` calls (full / quick): on a shared host
-#: the best of many short calls is the one least slowed by other processes.
-BUDGET_S = 0.4
+#: Seconds of calls per row in each round (full / quick), and the rounds: every round calls
+#: every row in turn, so each row's calls are spread over the whole measurement and a burst of
+#: other processes' work on a shared host slows some of its calls, not all of them.
+BUDGET_S = 0.1
 QUICK_BUDGET_S = 0.05
+ROUNDS = 3
 
 
 def _best_s(fn: Callable[[], object], reps: int, budget_s: float = 0.0) -> float:
     """The fastest of at least ``reps`` calls of ``fn`` (seconds), more while ``budget_s`` lasts
-    (at most 100), after one warm-up call (packing caches, primitive creation, page faults)."""
-    fn()
+    (at most 100)."""
     best = float("inf")
     start = time.perf_counter()
     for i in range(100):
@@ -119,6 +120,27 @@ def _best_s(fn: Callable[[], object], reps: int, budget_s: float = 0.0) -> float
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _interleaved_best_s(
+    calls: list[Callable[[], object]], rounds: int, reps: int, budget_s: float
+) -> list[float | Exception]:
+    """Each call's fastest time over ``rounds`` rounds of ``_best_s(call, reps, budget_s)``,
+    the calls taken in turn within a round, after one warm-up call each (packing caches,
+    primitive creation, page faults); a call that raises gives its exception instead."""
+    best: list[float | Exception] = []
+    for fn in calls:
+        try:
+            fn()
+            best.append(float("inf"))
+        except (RuntimeError, ValueError) as e:  # a kernel this build or torch lacks
+            best.append(e)
+    for _ in range(rounds):
+        for i, fn in enumerate(calls):
+            b = best[i]
+            if isinstance(b, float):
+                best[i] = min(b, _best_s(fn, reps, budget_s))
     return best
 
 
@@ -155,56 +177,53 @@ def _gemm_candidates(m: int, n: int, k: int) -> list[tuple[str, str, Callable[[]
 
 
 def measure_gemm(
-    shapes=SHAPES, reps: int = 3, budget_s: float = BUDGET_S, log: Callable[[str], None] | None = None
+    shapes=SHAPES,
+    reps: int = 1,
+    budget_s: float = BUDGET_S,
+    log: Callable[[str], None] | None = None,
+    rounds: int = ROUNDS,
 ) -> list[dict]:
-    """One row per (shape, dtype, backend): the best rate of its calls (``_best_s``; GFLOP/s)."""
-    rows = []
-    for m, n, k in shapes:
-        for dtype, backend, fn in _gemm_candidates(m, n, k):
-            try:
-                secs = _best_s(fn, reps, budget_s)
-            except (RuntimeError, ValueError) as e:  # a kernel this build or torch lacks
-                if log:
-                    log(f"skipped {dtype} {backend} {m}x{n}x{k}: {e}")
-                continue
-            rows.append(
-                {
-                    "dtype": dtype,
-                    "backend": backend,
-                    "shape": [m, n, k],
-                    "gflops": 2.0 * m * n * k / secs / 1e9,
-                }
-            )
-    return rows
+    """One row per (shape, dtype, backend): the best rate of its calls (GFLOP/s; int8: GOP/s)."""
+    rows = [
+        (shape, dtype, backend, fn) for shape in shapes for dtype, backend, fn in _gemm_candidates(*shape)
+    ]
+    times = _interleaved_best_s([fn for *_, fn in rows], rounds, reps, budget_s)
+    out = []
+    for ((m, n, k), dtype, backend, _), secs in zip(rows, times):
+        if isinstance(secs, Exception):
+            if log:
+                log(f"skipped {dtype} {backend} {m}x{n}x{k}: {secs}")
+            continue
+        out.append(
+            {"dtype": dtype, "backend": backend, "shape": [m, n, k], "gflops": 2.0 * m * n * k / secs / 1e9}
+        )
+    return out
 
 
-def measure_bandwidth(nbytes: int = STREAM_BYTES, reps: int = 3, budget_s: float = BUDGET_S) -> list[dict]:
+def measure_bandwidth(
+    nbytes: int = STREAM_BYTES, reps: int = 1, budget_s: float = BUDGET_S, rounds: int = ROUNDS
+) -> list[dict]:
     """Streaming rates (GB/s) over a float32 tensor of ``nbytes``: ``sum`` (read), kvserve's
-    ``quant.stream_read`` (read, where the kernels load), ``copy_`` (read + write)."""
+    ``quant.stream_read`` (read, where the kernels load), ``copy_`` (read + write, counted as
+    both)."""
     import torch
 
     from kvserve.ops import quant
 
     src = torch.ones(nbytes // 4)
-    rows = [
-        {
-            "method": "torch sum (read)",
-            "gb_per_s": nbytes / _best_s(src.sum, reps, budget_s) / 1e9,
-            "read_only": True,
-        }
-    ]
-    if quant.available():
-        threads = torch.get_num_threads()
-        secs = _best_s(lambda: quant.stream_read(src, threads), reps, budget_s)
-        rows.append(
-            {"method": "kvserve stream_read (read)", "gb_per_s": nbytes / secs / 1e9, "read_only": True}
-        )
     dst = torch.empty_like(src)
-    secs = _best_s(lambda: dst.copy_(src), reps, budget_s)
-    rows.append(
-        {"method": "torch copy_ (read + write)", "gb_per_s": 2 * nbytes / secs / 1e9, "read_only": False}
-    )
-    return rows
+    threads = torch.get_num_threads()
+    # (method, bytes moved per call, read only, call)
+    rows: list[tuple[str, int, bool, Callable[[], object]]] = [("torch sum (read)", nbytes, True, src.sum)]
+    if quant.available():
+        rows.append(("kvserve stream_read (read)", nbytes, True, lambda: quant.stream_read(src, threads)))
+    rows.append(("torch copy_ (read + write)", 2 * nbytes, False, lambda: dst.copy_(src)))
+    times = _interleaved_best_s([r[3] for r in rows], rounds, reps, budget_s)
+    return [
+        {"method": name, "gb_per_s": moved / secs / 1e9, "read_only": ro}
+        for (name, moved, ro, _), secs in zip(rows, times)
+        if isinstance(secs, float)
+    ]
 
 
 def measure(quick: bool = False, log: Callable[[str], None] | None = None) -> Peaks:
@@ -215,9 +234,9 @@ def measure(quick: bool = False, log: Callable[[str], None] | None = None) -> Pe
     from kvserve.ops.cpu import cpu_model
 
     peaks = Peaks(cpu_model(), relevant_flags(), torch.get_num_threads(), torch.__version__, quick)
-    budget = QUICK_BUDGET_S if quick else BUDGET_S
-    peaks.gemm = measure_gemm(QUICK_SHAPES if quick else SHAPES, 2 if quick else 3, budget, log)
-    peaks.bandwidth = measure_bandwidth(QUICK_STREAM_BYTES if quick else STREAM_BYTES, 2, budget)
+    budget, rounds = (QUICK_BUDGET_S, 1) if quick else (BUDGET_S, ROUNDS)
+    peaks.gemm = measure_gemm(QUICK_SHAPES if quick else SHAPES, 2, budget, log, rounds)
+    peaks.bandwidth = measure_bandwidth(QUICK_STREAM_BYTES if quick else STREAM_BYTES, 2, budget, rounds)
     return peaks
 
 

@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument(
-        "--quick", action="store_true", help="rough peaks from one small shape (~1 s; not cached)"
+        "--quick",
+        action="store_true",
+        help="with no cached peaks (or with --remeasure): rough ones from one small shape (~1 s; not cached)",
     )
     ap.add_argument("--remeasure", action="store_true", help="measure the peaks again (refreshes the cache)")
     ap.add_argument("--output", default=None, help="write the result as JSON here")

@@ -133,3 +133,25 @@ def _numeric(s: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def wait_ready(base_url: str, proc, timeout_s: float) -> None:
+    """Poll a started server's ``/health`` (``proc``: its ``subprocess.Popen``) until it answers
+    200.
+
+    Raises:
+        RuntimeError: the server exited first, or was not ready within ``timeout_s`` seconds.
+    """
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not ready after {timeout_s} s")

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.benchmarks.common import fmt_table, system_info, wait_ready
 from kvserve.benchmarks.embed import default_model_dir, make_texts
 from kvserve.workload.stats import percentile
 
@@ -115,27 +115,6 @@ def start_server(model_dir: Path, port: int, threads: int | None, server_args: l
     cmd += ["--port", str(port), "--model", str(model_dir), "--served-model-name", "bench"]
     cmd += ["--log-level", "warning", *server_args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
-
-
-def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll ``/health`` until it answers 200.
-
-    Raises:
-        RuntimeError: the server exited first, or was not ready within ``timeout_s``.
-    """
-    import httpx
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not ready after {timeout_s} s")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

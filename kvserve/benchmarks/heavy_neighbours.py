@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.benchmarks.common import fmt_table, system_info, wait_ready
 from kvserve.workload.io import check_output_path, write_json
 
 SCENARIOS = ("plain", "prompt_logprobs", "echo", "beam")
@@ -198,22 +198,6 @@ def start_server(ns, port: int) -> subprocess.Popen:
     cmd += ns.server_args
     cwd = ns.server_root or None
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
-
-
-def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not ready after {timeout_s} s")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

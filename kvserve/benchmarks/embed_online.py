@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from kvserve.benchmarks.common import fmt_table, system_info, wait_ready
-from kvserve.benchmarks.embed import default_model_dir, make_texts
+from kvserve.benchmarks.embed_inputs import default_model_dir, make_texts
 from kvserve.workload.stats import percentile
 
 

@@ -76,7 +76,7 @@ def embed_lengths(num_texts: int = 256, model_dir: str | None = None) -> tuple[l
     were counted: by ``model_dir``'s tokenizer, else the default model's when its folder is
     unpacked, else words + 3 (the final period, [CLS] and [SEP]: exact for all-MiniLM-L6-v2)."""
     from kvserve import envs
-    from kvserve.benchmarks.embed import make_texts
+    from kvserve.benchmarks.embed_inputs import make_texts
 
     texts = make_texts(num_texts)
     folder = Path(model_dir) if model_dir else envs.cache_root() / "all-MiniLM-L6-v2"

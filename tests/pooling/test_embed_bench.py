@@ -1,6 +1,6 @@
 """``kvserve bench embed``'s workload: seeded sentences of 10-60 words."""
 
-from kvserve.benchmarks.embed import make_texts
+from kvserve.benchmarks.embed_inputs import make_texts
 
 
 def test_texts_are_seeded_and_within_the_word_range():

@@ -3,10 +3,12 @@
 A vLLM launch line (``kvserve serve MODEL -tp 2 --gpu-memory-utilization 0.9 ...``) and a vLLM
 ``LLM(model, trust_remote_code=True, swap_space=4, ...)`` call run unchanged where kvserve can
 honour them. Every flag of vLLM's parsers (``tests/data/vllm_flags.txt`` holds the list, read from
-vLLM's source) has one fate here:
+an installed vLLM by ``benchmarks/vllm_cpu/snapshot_flags.py``, with the flags earlier versions
+had) has one fate here:
 
 - ``same``: kvserve has the flag, with the same meaning;
-- ``mapped``: translated to a kvserve setting (``target``), its value converted;
+- ``mapped``: translated to a kvserve setting (``target``), its value converted; a target
+  ``setting.key`` sets one key of a JSON setting (``--spec-tokens``: ``speculative_config``);
 - ``ignored``: accepted, and one log line says why it changes nothing here;
 - ``refused``: an error naming the flag and why, unless its value is one of ``accept`` (the
   values that ask for what kvserve does anyway: accepted with a log line).
@@ -17,10 +19,13 @@ vLLM's source) has one fate here:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from kvserve.config import SPECULATIVE_METHODS, json_object
 
 logger = logging.getLogger("kvserve.vllm_compat")
 
@@ -113,6 +118,43 @@ def _task_runner(value: Any) -> str:
     return TASK_RUNNERS[task]
 
 
+def _spec_method(value: Any) -> str:
+    method = str(value).strip()
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"method {method!r} is not supported by kvserve's speculative decoding "
+            f"(it runs {' and '.join(SPECULATIVE_METHODS)})"
+        )
+    return method
+
+
+def set_json_key(current: Any, target: str, value: Any, flag: str) -> Any:
+    """The setting ``current`` with one key set: ``target`` is ``setting.key``
+    (``speculative_config.method``), ``current`` the setting's value so far (None, a JSON
+    object string or a dict). A dict stays a dict, anything else becomes a JSON string. A draft
+    model named without a method (``--spec-model`` alone) is a ``draft_model``, as vLLM reads it.
+
+    Raises:
+        ValueError: ``current`` is not a JSON object, or it holds another value at the key,
+            naming ``flag``.
+    """
+    setting, key = target.split(".", 1)
+    obj = dict(json_object(current, setting) or {})
+    if key in obj and obj[key] != value:
+        raise ValueError(f"{flag} {value} and {setting}'s {key} {obj[key]!r} disagree; give one.")
+    obj[key] = value
+    if setting == "speculative_config" and key == "model":
+        obj.setdefault("method", "draft_model")
+    return obj if isinstance(current, dict) else json.dumps(obj)
+
+
+def server_log_level(text: str) -> str:
+    """A ``--log-level`` value in kvserve's or vLLM's spelling (``DEBUG``, ``CRITICAL``,
+    ``NOTSET``) as kvserve's level name (argparse ``type``; its choices check the result)."""
+    level = text.strip().lower()
+    return {"critical": "error", "notset": "debug"}.get(level, level)
+
+
 class Fate(NamedTuple):
     """What kvserve does with one vLLM flag.
 
@@ -121,7 +163,8 @@ class Fate(NamedTuple):
         arity: ``bool``, ``value``, ``values`` or ``optional`` (vLLM's command line).
         why: one line for the docs and the log: what it maps to, or why it is ignored/refused.
         target: ``mapped``: the kvserve setting it sets (an ``EngineArgs`` field or a
-            ``kvserve serve`` option's name).
+            ``kvserve serve`` option's name), or ``setting.key``: one key of a JSON setting
+            (``set_json_key``).
         convert: ``mapped``: the vLLM value (a string from the command line, or the
             ``LLM(...)`` keyword's value) -> the target's value; raises ValueError.
         accept: ``refused``: values (lower-case strings; ``"false"`` for a bool flag) that ask
@@ -162,8 +205,14 @@ _TLS = "kvserve serves plain HTTP; terminate TLS in a proxy in front of it"
 _CORS = "kvserve sends no CORS headers; put a proxy in front of it for browser clients"
 _PLUGINS = "kvserve loads no plugin classes or modules"
 _FALSE = ("false",)
+_NO_MAMBA = "kvserve has no Mamba models"
+_ONE_KERNEL = "kvserve picks its own kernels (one per weight format and device)"
+_NO_NUMA = "kvserve binds no process to NUMA nodes; run it under numactl for that"
+_ONE_NODE = "kvserve's tensor-parallel ranks run on one machine"
+_NO_WEIGHT_OFFLOAD = "kvserve offloads no weights (see --cpu-offload-gb)"
 
-#: vLLM flag -> its fate. Keys are long flags (``MODEL`` is the positional model).
+#: vLLM flag -> its fate. Keys are long flags (``MODEL`` is the positional model), and the
+#: ``LLM(...)`` keywords that have no flag (``model_weights``).
 FATES: dict[str, Fate] = {
     # ---- model
     "--model": _same(VALUE, "a local HF directory or .gguf file (never a hub name)"),
@@ -485,9 +534,249 @@ FATES: dict[str, Fate] = {
     "--enable-flash-late-interaction": _ignored(
         BOOL, "kvserve's pooling models have no late-interaction (multi-vector) scoring"
     ),
+    "--trust-request-mm-kwargs": _ignored(BOOL, _TEXT_ONLY),
+    "--tool-strict-level": _refused(
+        VALUE, "kvserve has no server-wide floor on tool-call strictness", accept=("auto",)
+    ),
+    "--sse-keep-alive-interval": _refused(VALUE, "streams carry no keep-alive comments", accept=("0",)),
+    "--anthropic-disabled-thinking-effort": _ignored(VALUE, "kvserve has no Anthropic /v1/messages route"),
+    "--enable-scale-out": _refused(
+        BOOL, "kvserve has no /render, /derender or /inference/v1 routes", accept=_FALSE
+    ),
+    "--grpc-port": _refused(VALUE, "kvserve serves HTTP only"),
+    # ---- flags of vLLM 0.32 (model, loading, memory)
+    "--quantization-config": _refused(
+        VALUE, "kvserve's quantization is one --quantization method for the whole model"
+    ),
+    "--allow-deprecated-quantization": _ignored(
+        BOOL, "kvserve deprecates none of its --quantization methods"
+    ),
+    "--enable-return-routed-experts": _refused(
+        BOOL, "answers carry no routed-experts outputs", accept=_FALSE
+    ),
+    "--return-sampling-mask": _refused(
+        BOOL, "answers carry no per-sample token support masks", accept=_FALSE
+    ),
+    "--use-fp64-gumbel": _refused(BOOL, "kvserve's sampler has no FP64 noise option", accept=_FALSE),
+    "--enable-trace-replay": _refused(
+        BOOL, "kvserve has no forced-decode traces (trace_decode_token_ids)", accept=_FALSE
+    ),
+    "--model-class-overrides": _refused(VALUE, _PLUGINS),
+    "--sleep-mode-offload-cudagraph": _ignored(BOOL, _NO_GRAPHS),
+    "--sleep-preserve-parameter-names": _refused(VALUES, "kvserve's level-2 sleep drops every weight"),
+    "--enable-cumem-allocator": _ignored(
+        BOOL, "kvserve allocates with PyTorch; sleep mode frees memory without it"
+    ),
+    "--enable-nccl-comm-suspend": _ignored(BOOL, "kvserve's sleep mode frees the KV cache and weights only"),
+    "--renderer-num-workers": _ignored(VALUE, "the server tokenizes long prompts on its own worker pool"),
+    "--safetensors-prefetch-num-threads": _ignored(VALUE, "kvserve memory-maps safetensors files"),
+    "--safetensors-prefetch-block-size": _ignored(VALUE, "kvserve memory-maps safetensors files"),
+    "--attention-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--attention-config": _ignored(VALUE, _ONE_KERNEL),
+    "--mamba-backend": _ignored(VALUE, _NO_MAMBA),
+    "--mamba-ssu-algorithm": _ignored(VALUE, _NO_MAMBA),
+    "--enable-mamba-cache-stochastic-rounding": _ignored(BOOL, _NO_MAMBA),
+    "--mamba-cache-philox-rounds": _ignored(VALUE, _NO_MAMBA),
+    "--mamba-cache-mode": _ignored(VALUE, _NO_MAMBA),
+    "--enable-mamba-shared-prefix-checkpoint": _ignored(BOOL, _NO_MAMBA),
+    "--replayssm-buffer-len": _ignored(VALUE, _NO_MAMBA),
+    "--use-replayssm": _ignored(BOOL, _NO_MAMBA),
+    "--reasoning-parser-plugin": _refused(VALUE, _PLUGINS, accept=("",)),
+    "--device-ids": _refused(VALUE, "choose kvserve's GPU with CUDA_VISIBLE_DEVICES"),
+    "--numa-bind": _ignored(BOOL, _NO_NUMA),
+    "--numa-bind-nodes": _ignored(VALUES, _NO_NUMA),
+    "--numa-bind-cpus": _ignored(VALUES, _NO_NUMA),
+    # ---- flags of vLLM 0.32 (parallelism)
+    "--master-addr": _ignored(VALUE, _ONE_NODE),
+    "--master-port": _ignored(VALUE, _ONE_NODE),
+    "--nnodes": _refused(VALUE, _ONE_NODE, accept=("1",)),
+    "--node-rank": _refused(VALUE, _ONE_NODE, accept=("0",)),
+    "--distributed-timeout-seconds": _ignored(
+        VALUE, "tensor-parallel ranks use torch.distributed's default timeouts"
+    ),
+    "--cpu-distributed-timeout-seconds": _ignored(
+        VALUE, "tensor-parallel ranks use torch.distributed's default timeouts"
+    ),
+    "--dcp-comm-backend": _ignored(VALUE, "kvserve has no context parallelism"),
+    "--dcp-q-replicate": _ignored(BOOL, "kvserve has no context parallelism"),
+    "--dcp-kv-cache-interleave-size": _ignored(VALUE, "kvserve has no context parallelism"),
+    "--cp-kv-cache-interleave-size": _ignored(VALUE, "kvserve has no context parallelism"),
+    "--prefill-context-parallel-size": _refused(VALUE, "kvserve has no context parallelism", accept=("1",)),
+    "--data-parallel-external-lb": _refused(BOOL, _DP, accept=_FALSE),
+    "--data-parallel-multi-port-external-lb": _refused(BOOL, _DP, accept=_FALSE),
+    "--dp-sync-interval": _ignored(VALUE, _DP),
+    "--prefill-schedule-interval": _ignored(
+        VALUE, "it aligns data-parallel ranks in lockstep; kvserve's replicas schedule on their own"
+    ),
+    "--enable-fault-tolerance": _refused(
+        BOOL, "kvserve does not rebuild a failed data-parallel engine", accept=_FALSE
+    ),
+    "--fault-tolerance-config": _refused(VALUE, "kvserve does not rebuild a failed data-parallel engine"),
+    "--enable-hc-sp": _ignored(BOOL, "kvserve has no sequence parallelism"),
+    "--enable-batch-sharded-sampling": _ignored(BOOL, "the driver rank samples the whole batch"),
+    "--enable-ep-weight-filter": _ignored(BOOL, _NO_MOE),
+    "--enable-elastic-ep": _refused(BOOL, _NO_MOE, accept=_FALSE),
+    "--elastic-ep-max-dp-size": _ignored(VALUE, _NO_MOE),
+    "--enable-shm-tensor-arena": _ignored(BOOL, _TEXT_ONLY),
+    "--ubatch-size": _ignored(VALUE, "kvserve has no dual-batch overlap (micro-batches)"),
+    # ---- flags of vLLM 0.32 (KV cache and offloading)
+    "--prefix-cache-retention-interval": _ignored(
+        VALUE, "it spaces vLLM's sliding-window and Mamba checkpoints; kvserve caches whole KV blocks"
+    ),
+    "--prefix-match-unit": _ignored(VALUE, "prefix-cache hits land on whole --block-size blocks"),
+    "--kv-cache-dtype-skip-layers": _refused(VALUES, "--kv-cache-dtype applies to every layer"),
+    "--swa-bounded-replay": _ignored(
+        BOOL, "it applies to DeepSeek-V4-style sliding-window layers, which kvserve does not run"
+    ),
+    "--kv-offloading-size": _mapped(
+        VALUE,
+        "kv_offload_gib",
+        "--kv-offload-gib: GiB of host memory for KV blocks evicted from the device pool, the "
+        "prefix cache's host tier (needs --enable-prefix-caching, on by default in vLLM)",
+        float,
+    ),
+    "--kv-offloading-backend": _refused(
+        VALUE, "kvserve's host tier is its own (no LMCache)", accept=("native",)
+    ),
+    "--offload-backend": _ignored(VALUE, _NO_WEIGHT_OFFLOAD),
+    "--cpu-offload-params": _ignored(VALUES, _NO_WEIGHT_OFFLOAD),
+    "--offload-group-size": _refused(VALUE, _NO_WEIGHT_OFFLOAD, accept=("0",)),
+    "--offload-num-in-group": _ignored(VALUE, _NO_WEIGHT_OFFLOAD),
+    "--offload-prefetch-step": _ignored(VALUE, _NO_WEIGHT_OFFLOAD),
+    "--offload-params": _ignored(VALUES, _NO_WEIGHT_OFFLOAD),
+    # ---- flags of vLLM 0.32 (multimodal)
+    "--language-model-only": _ignored(BOOL, "kvserve serves the language model only, always"),
+    "--mm-hasher-algorithm": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-encoder-only": _refused(BOOL, _TEXT_ONLY, accept=_FALSE),
+    "--mm-encoder-attn-dtype": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-encoder-fp8-scale-path": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-encoder-fp8-scale-save-path": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-encoder-fp8-scale-save-margin": _ignored(VALUE, _TEXT_ONLY),
+    "--video-pruning-method": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-tensor-ipc": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-processor-device": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-ipc-gpu-memory-gb": _ignored(VALUE, _TEXT_ONLY),
+    "--mm-device-do-normalize": _ignored(BOOL, _TEXT_ONLY),
+    "--ec-manager-config": _ignored(VALUE, _TEXT_ONLY),
+    "--ec-transfer-config": _refused(VALUE, "kvserve transfers no encoder cache between instances"),
+    # ---- flags of vLLM 0.32 (LoRA)
+    "--enable-tower-connector-lora": _ignored(BOOL, _TEXT_ONLY),
+    "--lora-target-modules": _refused(VALUES, "an adapter applies to every module it targets"),
+    "--specialize-active-lora": _ignored(BOOL, _NO_GRAPHS),
+    "--enable-mixed-moe-lora-format": _refused(
+        BOOL, "kvserve's adapters have no MoE expert layers", accept=_FALSE
+    ),
+    "--enable-moe-shared-loras": _refused(
+        BOOL, "kvserve's adapters have no MoE expert layers", accept=_FALSE
+    ),
+    "--max-lora-cls-labels": _ignored(VALUE, "kvserve has no classification heads"),
+    # ---- flags of vLLM 0.32 (observability)
+    "--logging-config": _refused(VALUE, "use --log-level"),
+    "--log-level": _same(VALUE, "vLLM's upper-case levels too: CRITICAL is error, NOTSET debug"),
+    "--per-request-spec-decode-metrics": _refused(
+        VALUE, "answers carry no per-request speculation metrics", accept=("none",)
+    ),
+    "--kv-cache-metrics": _ignored(BOOL, "kvserve records no KV-cache residency metrics"),
+    "--kv-cache-metrics-sample": _ignored(VALUE, "kvserve records no KV-cache residency metrics"),
+    "--custom-histogram-buckets": _ignored(VALUE, "kvserve's histograms have fixed buckets"),
+    "--cudagraph-metrics": _ignored(BOOL, _NO_GRAPHS),
+    "--enable-layerwise-nvtx-tracing": _ignored(BOOL, "kvserve emits no NVTX ranges"),
+    "--enable-mfu-metrics": _ignored(BOOL, "kvserve reports no MFU metrics"),
+    "--enable-logging-iteration-details": _ignored(
+        BOOL, "kvserve logs no per-step details; /metrics serves the counts"
+    ),
+    "--jit-monitor-mode": _ignored(VALUE, _NO_GRAPHS),
+    "--jit-monitor-verbose": _ignored(BOOL, _NO_GRAPHS),
+    "--profiler-config": _refused(VALUE, "kvserve's server runs no profiler"),
+    "--fail-on-environ-validation": _ignored(BOOL, "kvserve reads none of vLLM's environment variables"),
+    # ---- flags of vLLM 0.32 (scheduler)
+    "--max-num-scheduled-tokens": _mapped(
+        VALUE,
+        "max_num_batched_tokens",
+        "--max-num-batched-tokens: kvserve's per-step token budget is the scheduler's, as this one "
+        "(speculated tokens ride on lookahead slots); it overrides --max-num-batched-tokens",
+        parse_human_int,
+    ),
+    "--max-num-active-seqs": _mapped(
+        VALUE,
+        "max_num_seqs",
+        "--max-num-seqs: kvserve's limit is the admission limit alone (no buffers or graphs sized "
+        "by it); it overrides --max-num-seqs",
+        int,
+    ),
+    "--max-num-queued-reqs": _mapped(
+        VALUE,
+        "max_waiting",
+        "--max-waiting (503 past it): kvserve bounds the waiting requests, vLLM waiting and running",
+        int,
+    ),
+    "--max-num-queued-tokens": _refused(
+        VALUE, "kvserve bounds waiting requests (--max-waiting), not their tokens"
+    ),
+    "--long-prefill-token-threshold-adaptive": _refused(
+        BOOL, "--long-prefill-token-threshold is a fixed cap", accept=_FALSE
+    ),
+    "--scheduler-reserve-full-isl": _ignored(
+        BOOL, "kvserve reserves KV blocks for the whole prompt when it admits one"
+    ),
+    "--watermark": _same(VALUE, "fraction of KV blocks kept free when admitting (kvserve's default 0.01)"),
+    "--stream-interval": _ignored(
+        VALUE, "kvserve streams each step's tokens when the step ends (vLLM's 1); the text is the same"
+    ),
+    # ---- flags of vLLM 0.32 (kernels and compilation)
+    "--ir-op-priority": _ignored(VALUE, _ONE_KERNEL),
+    "--kernel-config": _ignored(VALUE, _ONE_KERNEL),
+    "--enable-flashinfer-autotune": _ignored(BOOL, _ONE_KERNEL),
+    "--moe-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--linear-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--sparse-indexer-topk-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--gdn-prefill-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--kda-prefill-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--kda-decode-backend": _ignored(VALUE, _ONE_KERNEL),
+    "--optimization-level": _ignored(VALUE, _NO_GRAPHS),
+    "--performance-mode": _ignored(
+        VALUE, "it tunes vLLM's CUDA graphs and kernels; kvserve's batching is set by its scheduler flags"
+    ),
+    # ---- flags of vLLM 0.32 (speculative decoding, other configs)
+    "--spec-method": _mapped(
+        VALUE,
+        "speculative_config.method",
+        "--speculative-config's method: ngram or draft_model (kvserve's methods; others refused)",
+        _spec_method,
+    ),
+    "--spec-model": _mapped(
+        VALUE,
+        "speculative_config.model",
+        "--speculative-config's model (a local directory); without --spec-method the method is draft_model",
+        str,
+    ),
+    "--spec-tokens": _mapped(
+        VALUE,
+        "speculative_config.num_speculative_tokens",
+        "--speculative-config's num_speculative_tokens",
+        int,
+    ),
+    "--watermark-config": _refused(VALUE, "kvserve adds no watermark to generated text"),
+    "--diffusion-config": _refused(VALUE, "kvserve runs autoregressive models only (no diffusion LLMs)"),
+    "--engram-config": _refused(VALUE, "kvserve runs no n-gram embedding (Engram) models"),
+    "--reasoning-config": _refused(VALUE, "kvserve's reasoning setting is --reasoning-parser"),
+    "--aux-output-config": _refused(VALUE, "answers carry no auxiliary outputs"),
+    "--weight-transfer-config": _refused(VALUE, "kvserve takes no weight updates while serving"),
+    "--shutdown-timeout": _mapped(
+        VALUE,
+        "shutdown_grace_s",
+        "--shutdown-grace-s: seconds in-flight requests may run after SIGTERM (0: abort them)",
+        float,
+    ),
+    # ---- EngineArgs fields with no flag: LLM(...) keywords only (their fate's key is the keyword)
+    "model_weights": _refused(
+        VALUE, "kvserve loads the weights from the model directory (or the GGUF)", accept=("", SAME_AS_MODEL)
+    ),
+    "enable_mm_processor_stats": _ignored(BOOL, _TEXT_ONLY),
+    "mamba_config": _ignored(VALUE, _NO_MAMBA),
 }
 
-#: vLLM's short flags -> their long flag.
+#: vLLM's other spellings of a flag (short ones, and a second long name) -> its long flag.
 ALIASES = {
     "-q": "--quantization",
     "-pp": "--pipeline-parallel-size",
@@ -501,17 +790,36 @@ ALIASES = {
     "-dpp": "--data-parallel-rpc-port",
     "-dpb": "--data-parallel-backend",
     "-O": "--compilation-config",
+    "-cc": "--compilation-config",
     "-asc": "--api-server-count",
+    "-pcp": "--prefill-context-parallel-size",
+    "-dph": "--data-parallel-hybrid-lb",
+    "-dpe": "--data-parallel-external-lb",
+    "-dpm": "--data-parallel-multi-port-external-lb",
+    "-ep": "--enable-expert-parallel",
+    "-n": "--nnodes",
+    "-r": "--node-rank",
+    "-sc": "--speculative-config",
+    "-dc": "--diffusion-config",
+    "-ac": "--attention-config",
+    "--device-memory-utilization": "--gpu-memory-utilization",
 }
 
-#: vLLM's ``LLM.__init__`` keywords of its own (its ``**kwargs`` are the engine flags' names).
+#: vLLM's ``LLM.__init__`` keywords of its own (its ``**kwargs`` are the engine flags' names),
+#: the installed version's then the earlier ones'.
 LLM_KEYWORDS = (
-    "model", "task", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code",
-    "allowed_local_media_path", "tensor_parallel_size", "dtype", "quantization", "revision",
-    "tokenizer_revision", "seed", "gpu_memory_utilization", "swap_space", "cpu_offload_gb",
-    "enforce_eager", "max_seq_len_to_capture", "disable_custom_all_reduce",
-    "disable_async_output_proc", "hf_token", "hf_overrides", "mm_processor_kwargs",
-    "override_pooler_config", "compilation_config",
+    "model", "runner", "convert", "tokenizer", "tokenizer_mode", "skip_tokenizer_init",
+    "trust_remote_code", "allowed_local_media_path", "allowed_media_domains", "tensor_parallel_size",
+    "dtype", "quantization", "revision", "tokenizer_revision", "chat_template", "seed",
+    "gpu_memory_utilization", "cpu_offload_gb", "offload_group_size", "offload_num_in_group",
+    "offload_prefetch_step", "offload_params", "enforce_eager", "enable_return_routed_experts",
+    "return_sampling_mask", "disable_custom_all_reduce", "hf_token", "hf_overrides",
+    "mm_processor_kwargs", "pooler_config", "structured_outputs_config", "profiler_config",
+    "attention_config", "kv_cache_memory_bytes", "compilation_config", "quantization_config",
+    "logits_processors", "spec_method", "spec_model", "spec_tokens",
+    # earlier vLLM versions'
+    "task", "swap_space", "max_seq_len_to_capture", "disable_async_output_proc",
+    "override_pooler_config",
 )  # fmt: skip
 
 #: Flags of vLLM's server only (``AsyncEngineArgs`` and the frontend): not ``LLM(...)`` keywords.
@@ -543,8 +851,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     Short aliases of flags ``parser`` defines (``-tp``) are added by ``add_engine_args``."""
     known = parser._option_string_actions
     for flag, fate in FATES.items():
-        if flag == POSITIONAL_MODEL or fate.kind == SAME or flag in known:
-            continue
+        if not flag.startswith("-") or fate.kind == SAME or flag in known:
+            continue  # MODEL (positional), a keyword-only entry, or a flag of the parser's
         names = [flag] + [a for a in aliases_of(flag) if a not in known]
         kwargs: dict[str, Any] = {"dest": _dest(flag), "default": None, "help": argparse.SUPPRESS}
         if fate.arity == BOOL:
@@ -623,7 +931,11 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
             continue
         settings, line = resolve(flag, value, ns.model)
         for target, v in settings.items():
-            setattr(ns, target, v)
+            if "." in target:  # one key of a JSON setting (--spec-tokens: speculative_config)
+                setting = target.split(".", 1)[0]
+                setattr(ns, setting, set_json_key(getattr(ns, setting, None), target, v, flag))
+            else:
+                setattr(ns, target, v)
         if line:
             lines.append(line)
     return lines
@@ -632,7 +944,7 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
 def llm_keyword_flag(keyword: str) -> str | None:
     """The vLLM flag of an ``LLM(...)`` keyword (``swap_space`` -> ``--swap-space``), or None
     when it is not one of vLLM's."""
-    for flag in (f"--{keyword.replace('_', '-')}", f"--{keyword}"):
+    for flag in (f"--{keyword.replace('_', '-')}", f"--{keyword}", keyword):
         if flag in FATES and flag not in _SERVER_ONLY:
             return flag
     return None
@@ -648,6 +960,7 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
             setting (``otlp_traces_endpoint``), or a keyword neither kvserve nor vLLM has.
     """
     out: dict[str, Any] = {}
+    keyed: list[tuple[int, str, str, Any]] = []  # settings of one key of a JSON setting
     unknown = []
     model = kwargs.get("model")
     for key, value in kwargs.items():
@@ -675,12 +988,19 @@ def translate_llm_kwargs(kwargs: dict[str, Any], engine_fields: set[str]) -> dic
             settings, line = resolve(flag, value, model)
         except ValueError as e:
             raise ValueError(str(e).replace(flag, key, 1)) from None
-        if fate.kind == MAPPED and fate.target not in engine_fields:
+        if fate.kind == MAPPED and (fate.target or "").split(".", 1)[0] not in engine_fields:
             raise ValueError(f"{key} is a server setting, not an LLM(...) keyword.")
-        out.update(settings)
+        for target, v in settings.items():
+            if "." in target:
+                keyed.append((list(FATES).index(flag), key, target, v))
+            else:
+                out[target] = v
         if line:
             level = logging.WARNING if fate.kind == IGNORED else logging.INFO
             logger.log(level, line.replace(f"vLLM flag {flag}", f"vLLM keyword {key}", 1))
+    for _, key, target, v in sorted(keyed, key=lambda k: k[0]):  # the flags' order, as the CLI's
+        setting = target.split(".", 1)[0]
+        out[setting] = set_json_key(out.get(setting), target, v, key)
     if unknown:
         raise ValueError(
             f"unknown engine argument(s): {sorted(unknown)}; kvserve's are {sorted(engine_fields)}, "
@@ -762,8 +1082,8 @@ def render_markdown() -> str:
         "",
         "A vLLM launch line runs under `kvserve serve` as it is (`kvserve serve MODEL -tp 2 "
         "--gpu-memory-utilization 0.9 --max-model-len 32k --dtype half ...`), and `LLM(...)` takes "
-        "vLLM's keywords. Every flag of vLLM's engine and server parsers (and the V0 engine's) has "
-        "one fate:",
+        "vLLM's keywords. Every flag of vLLM's engine and server parsers (vllm-cpu 0.32.0's, and "
+        "those earlier versions had, the V0 engine's included) has one fate:",
         "",
     ]
     lines += [f"- **{_KIND_TITLES[k]}**" for k in (SAME, MAPPED, IGNORED, REFUSED)]
@@ -772,6 +1092,12 @@ def render_markdown() -> str:
         "An `LLM(...)` keyword has the fate of its flag (`swap_space` is `--swap-space`); a refused "
         "keyword is a `ValueError`, an ignored one a WARNING log line. Not one of these flags is "
         "ever silently dropped.",
+        "",
+        "The list (`tests/data/vllm_flags.txt`) is read from an installed vLLM by "
+        "`benchmarks/vllm_cpu/snapshot_flags.py`, run with vLLM's venv, which keeps the flags "
+        "earlier versions had; where a vLLM venv is present (`VLLM_VENV`, default "
+        "`/work/vllm-venv`) a slow test reads the installed parser and fails naming any flag, "
+        "spelling or keyword without a fate here.",
         "",
         "Default sampling parameters: as vLLM's `--generation-config auto`, a request that leaves "
         "`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` or `max_tokens` out takes "
@@ -787,6 +1113,8 @@ def render_markdown() -> str:
         "|---|---|---|",
     ]
     for flag, fate in FATES.items():
+        if not flag.startswith("-") and flag != POSITIONAL_MODEL:
+            continue  # a keyword-only entry: the keywords' table
         names = ", ".join(f"`{n}`" for n in [flag] + aliases_of(flag))
         detail = fate.why
         if fate.kind == MAPPED:
@@ -798,13 +1126,15 @@ def render_markdown() -> str:
         "",
         "## `LLM(...)` keywords",
         "",
-        "vLLM's `LLM.__init__` keywords of its own; its other keywords are the flags above by "
-        "their field names (`max_model_len`, `kv_cache_dtype`, ...).",
+        "vLLM's `LLM.__init__` keywords of its own (those of vllm-cpu 0.32.0, then earlier "
+        "versions'), then its `EngineArgs` fields that have no flag; its other keywords are the "
+        "flags above by their field names (`max_model_len`, `kv_cache_dtype`, ...).",
         "",
         "| keyword | flag | fate |",
         "|---|---|---|",
     ]
-    for key in LLM_KEYWORDS:
+    keyword_only = [k for k in FATES if not k.startswith("-") and k != POSITIONAL_MODEL]
+    for key in [*LLM_KEYWORDS, *keyword_only]:
         key_flag = llm_keyword_flag(key)
         kind = FATES[key_flag].kind if key_flag else "unknown"
         lines.append(f"| `{key}` | `{key_flag}` | {kind} |")

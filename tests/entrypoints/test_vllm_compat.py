@@ -4,7 +4,10 @@ and LLM do what that fate says; docs/coming_from_vllm.md is the table's renderin
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from kvserve.entrypoints.cli import engine_args_from
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = ROOT / "tests" / "data" / "vllm_flags.txt"
+SNAPSHOT_SCRIPT = ROOT / "benchmarks" / "vllm_cpu" / "snapshot_flags.py"
 
 
 def _snapshot() -> dict[str, list[str]]:
@@ -34,11 +38,17 @@ def _snapshot() -> dict[str, list[str]]:
     return sections
 
 
+#: The snapshot's flag sections: the installed vLLM's, then what earlier versions had.
+ENGINE_SECTIONS = ("engine", "engine-older")
+FLAG_SECTIONS = (*ENGINE_SECTIONS, "server", "server-older")
+
+
 def _flags() -> dict[str, tuple[list[str], str]]:
-    """Long flag -> (its short aliases, its arity), over the engine, V0 and server sections."""
+    """Long flag -> (its other spellings, its arity), over the engine and server sections."""
     out = {}
-    for section in ("engine", "engine-v0", "server"):
-        for line in _snapshot()[section]:
+    sections = _snapshot()
+    for section in FLAG_SECTIONS:
+        for line in sections.get(section, []):
             names, arity = (part.strip() for part in line.split("::"))
             flag, *aliases = names.split()
             assert flag not in out, f"{flag} listed twice"
@@ -66,7 +76,8 @@ def test_every_snapshot_flag_has_a_fate_with_its_arity_and_aliases():
     assert len(flags) > 200, "the snapshot lost its flags"
     missing = sorted(set(flags) - set(vc.FATES))
     assert not missing, f"vLLM flags without a fate in vllm_compat.FATES: {missing}"
-    stale = sorted(set(vc.FATES) - set(flags))
+    keyword_only = set(_snapshot()["engine-fields"])
+    stale = sorted(set(vc.FATES) - set(flags) - keyword_only)
     assert not stale, f"fates of flags the snapshot does not have: {stale}"
     for flag, (aliases, arity) in flags.items():
         fate = vc.FATES[flag]
@@ -80,14 +91,14 @@ def test_every_snapshot_flag_has_a_fate_with_its_arity_and_aliases():
 
 def test_every_llm_keyword_has_a_fate():
     sections = _snapshot()
-    assert tuple(sections["llm"]) == vc.LLM_KEYWORDS
+    assert tuple(sections["llm"] + sections.get("llm-older", [])) == vc.LLM_KEYWORDS
     engine_keys = [
         line.split()[0].lstrip("-").replace("-", "_")
-        for section in ("engine", "engine-v0")
-        for line in sections[section]
+        for section in ENGINE_SECTIONS
+        for line in sections.get(section, [])
         if not line.startswith(("--enable-log-requests", "--disable-log-requests"))
     ]
-    for key in [*vc.LLM_KEYWORDS, *engine_keys]:
+    for key in [*vc.LLM_KEYWORDS, *engine_keys, *sections["engine-fields"]]:
         flag = vc.llm_keyword_flag(key)
         assert flag is not None and flag in vc.FATES, f"LLM keyword {key} has no fate"
 
@@ -97,6 +108,42 @@ def test_a_flag_missing_from_the_table_is_found():
     assert "--not-a-flag" not in vc.FATES
     flags = set(_flags()) | {"--not-a-flag"}
     assert sorted(flags - set(vc.FATES)) == ["--not-a-flag"]
+
+
+def _installed_vllm() -> dict:
+    """The flags and keywords of the vLLM in ``$VLLM_VENV`` (default /work/vllm-venv), read by
+    ``snapshot_flags.py --json`` in that venv's Python; skips where there is none."""
+    python = Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")) / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no vLLM venv at {python.parent.parent} (set VLLM_VENV)")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [str(python), str(SNAPSHOT_SCRIPT), "--json"], capture_output=True, text=True, timeout=600, env=env
+    )
+    if proc.returncode != 0 and "No module named 'vllm'" in proc.stderr:
+        pytest.skip(f"vllm is not importable in {python}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow  # imports vLLM in a subprocess (~13 s)
+def test_every_flag_of_the_installed_vllm_has_a_fate():
+    """Catches the next vLLM upgrade: a flag, spelling or keyword of the installed vLLM that
+    the table does not know (rerun benchmarks/vllm_cpu/snapshot_flags.py, give each a fate)."""
+    installed = _installed_vllm()
+    problems = []
+    for section in ("engine", "server"):
+        for flag, (aliases, arity) in installed[section].items():
+            if flag not in vc.FATES:
+                problems.append(f"{flag} has no fate")
+                continue
+            problems += [f"{flag}: spelling {a} unknown" for a in aliases if a not in vc.aliases_of(flag)]
+            if vc.FATES[flag].arity != arity:
+                problems.append(f"{flag}: arity {arity}, the table's {vc.FATES[flag].arity}")
+    for key in installed["llm"] + installed["engine_fields"]:
+        if vc.llm_keyword_flag(key) is None:
+            problems.append(f"LLM keyword {key} has no fate")
+    assert not problems, f"{installed['version']}: {problems}"
 
 
 def test_docs_page_is_the_rendered_table():
@@ -146,6 +193,77 @@ def test_a_common_vllm_launch_line_parses_into_the_engine_and_server_settings(se
     assert len(lines) == 4
 
 
+def test_a_launch_line_of_vllm_0_32_flags_parses(serve_parser):
+    ns, lines = _parse(
+        serve_parser,
+        "/models/llama --device-memory-utilization 0.5 --spec-method ngram --spec-tokens 3 "
+        "--max-num-scheduled-tokens 4k --kv-offloading-size 2 --enable-prefix-caching --log-level DEBUG "
+        "--shutdown-timeout 5 --numa-bind --stream-interval 10 --watermark 0.02 --max-num-queued-reqs 64 "
+        "-n 1 --no-enable-expert-parallel -cc {} --optimization-level 0",
+    )
+    args = engine_args_from(ns)
+    assert args.gpu_memory_utilization == 0.5
+    spec = args.create_speculative_config()
+    assert spec is not None and (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    assert args.max_num_batched_tokens == 4000
+    assert args.kv_offload_gib == 2.0 and args.enable_prefix_caching is True
+    assert args.watermark == 0.02 and args.max_waiting == 64
+    assert (ns.log_level, ns.shutdown_grace_s) == ("debug", 5.0)
+    joined = "\n".join(lines)
+    for flag in ("--numa-bind", "--stream-interval", "--compilation-config", "--optimization-level"):
+        assert f"vLLM flag {flag} ignored" in joined
+    assert "--nnodes 1 accepted" in joined and "--enable-expert-parallel False accepted" in joined
+    assert len(lines) == 6
+
+
+@pytest.mark.parametrize(
+    ("level", "kvserve_level"), [("DEBUG", "debug"), ("CRITICAL", "error"), ("NOTSET", "debug")]
+)
+def test_log_level_takes_vllm_spellings(serve_parser, level, kvserve_level):
+    assert serve_parser.parse_args(["--log-level", level]).log_level == kvserve_level
+
+
+def test_spec_flags_build_one_speculative_config(serve_parser):
+    ns, _ = _parse(serve_parser, "--model /m --spec-model /draft --spec-tokens 2")
+    spec = engine_args_from(ns).create_speculative_config()
+    assert spec is not None and (spec.method, spec.model, spec.num_speculative_tokens) == (
+        "draft_model",
+        "/draft",
+        2,
+    )
+    # over --speculative-config: its other keys kept, a key given twice must agree
+    ns, _ = _parse(serve_parser, '--spec-tokens 2 -sc {"method":"ngram","prompt_lookup_max":3}')
+    assert engine_args_from(ns).create_speculative_config().prompt_lookup_max == 3
+    with pytest.raises(
+        ValueError, match=r"^--spec-tokens 2 and speculative_config's num_speculative_tokens 4 disagree"
+    ):
+        _parse(serve_parser, '--spec-tokens 2 --speculative-config {"num_speculative_tokens":4}')
+    with pytest.raises(
+        ValueError, match=r"^--spec-method eagle3: method 'eagle3' is not supported by kvserve"
+    ):
+        _parse(serve_parser, "--spec-method eagle3 --spec-tokens 2")
+
+
+def test_spec_keywords_of_llm_build_one_speculative_config():
+    fields = set(EngineArgs.field_names())
+    out = vc.translate_llm_kwargs(
+        {"spec_tokens": 2, "speculative_config": {"disable_by_batch_size": 4}, "spec_model": "/d"}, fields
+    )
+    assert out == {
+        "speculative_config": {
+            "disable_by_batch_size": 4,
+            "model": "/d",
+            "method": "draft_model",
+            "num_speculative_tokens": 2,
+        }
+    }
+    # the flags' order, not the keywords': an explicit method is not taken for a disagreement
+    out = vc.translate_llm_kwargs({"spec_model": "/d", "spec_method": "draft_model"}, fields)
+    assert out["speculative_config"] == '{"method": "draft_model", "model": "/d"}'
+    with pytest.raises(ValueError, match="^spec_method mtp: method 'mtp' is not supported"):
+        vc.translate_llm_kwargs({"spec_method": "mtp"}, fields)
+
+
 def _sample(flag: str, fate: vc.Fate) -> list[str]:
     """A command-line use of ``flag`` with a value vLLM would take."""
     samples = {
@@ -156,13 +274,21 @@ def _sample(flag: str, fate: vc.Fate) -> list[str]:
         "--uvicorn-log-level": "critical",
         "--task": "embedding",
         "--override-pooler-config": '{"pooling_type": "MEAN"}',
+        "--kv-offloading-size": "2",
+        "--shutdown-timeout": "5",
+        "--max-num-scheduled-tokens": "4k",
+        "--max-num-active-seqs": "8",
+        "--max-num-queued-reqs": "9",
+        "--spec-method": "ngram",
+        "--spec-model": "/draft",
+        "--spec-tokens": "3",
     }
     if fate.arity == vc.BOOL:
         return [flag]
     return [flag, samples.get(flag, "x1")]
 
 
-@pytest.mark.parametrize("flag", [f for f, fate in vc.FATES.items() if f != vc.POSITIONAL_MODEL])
+@pytest.mark.parametrize("flag", [f for f in vc.FATES if f.startswith("-")])
 def test_each_flag_does_what_its_fate_says(serve_parser, flag):
     fate = vc.FATES[flag]
     if fate.kind == vc.SAME:  # kvserve's own flag (its values: test_configuration_reference)
@@ -189,6 +315,14 @@ def test_each_flag_does_what_its_fate_says(serve_parser, flag):
         "--disable-log-requests": ("request_log", False),
         "--task": ("runner", "pooling"),
         "--override-pooler-config": ("pooler_config", '{"pooling_type": "MEAN"}'),
+        "--kv-offloading-size": ("kv_offload_gib", 2.0),
+        "--shutdown-timeout": ("shutdown_grace_s", 5.0),
+        "--max-num-scheduled-tokens": ("max_num_batched_tokens", 4000),
+        "--max-num-active-seqs": ("max_num_seqs", 8),
+        "--max-num-queued-reqs": ("max_waiting", 9),
+        "--spec-method": ("speculative_config", '{"method": "ngram"}'),
+        "--spec-model": ("speculative_config", '{"model": "/draft", "method": "draft_model"}'),
+        "--spec-tokens": ("speculative_config", '{"num_speculative_tokens": 3}'),
     }[flag]
     assert getattr(ns, expected[0]) == expected[1]
 

@@ -805,7 +805,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     vLLM's flags and positional MODEL (``vllm_compat``: hidden from ``--help``, acted on by
     ``vllm_compat.apply_vllm_flags`` after parsing)."""
     from kvserve.entrypoints.cli import add_engine_args
-    from kvserve.entrypoints.vllm_compat import add_vllm_flags
+    from kvserve.entrypoints.vllm_compat import add_vllm_flags, server_log_level
 
     p = argparse.ArgumentParser(
         prog="kvserve serve",
@@ -875,9 +875,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--log-level",
+        type=server_log_level,
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="server log level (default: %(default)s)",
+        help="server log level (default: %(default)s; vLLM's DEBUG ... CRITICAL, NOTSET too)",
     )
     p.add_argument(
         "--request-log",

@@ -45,13 +45,19 @@ class LLM:
     ``LLM`` keywords with the fate ``vllm_compat`` gives their flag (``swap_space`` ->
     ``swap_space_gib``, ``trust_remote_code`` ignored with a log line, ``cpu_offload_gb=4``
     refused). With no ``model`` it runs the embedded SmolLM2-135M-Instruct.
-    ``llm.llm_engine`` is the engine.
+    ``chat_template`` (vLLM's keyword: a file or an inline Jinja2 template) is the template
+    ``chat`` renders with unless a call names its own. ``llm.llm_engine`` is the engine.
 
     Raises:
-        ValueError: unknown or refused setting, invalid value, or a model path without weights.
+        ValueError: unknown or refused setting, invalid value, a model path without weights,
+            or a ``chat_template`` that does not load.
     """
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **kwargs):
+        # read before the engine loads, so a bad template fails fast
+        self._chat_template = (
+            None if chat_template is None else load_chat_template(chat_template, "chat_template")
+        )
         kwargs = translate_llm_kwargs({"model": model, **kwargs}, set(EngineArgs.field_names()))
         args = EngineArgs(**kwargs)
         self._dp = None
@@ -274,7 +280,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Like ``generate`` for chat conversations (lists of ``{"role", "content"}``),
         rendered with the tokenizer's chat template (transformers ``apply_chat_template``), or
-        ``chat_template`` (a file or an inline Jinja2 template, ``load_chat_template``) with
+        ``chat_template`` (a file or an inline Jinja2 template, ``load_chat_template``; None:
+        the one given to ``LLM(chat_template=)``, else the tokenizer's) with
         ``chat_template_kwargs`` as extra template variables (e.g. ``{"enable_thinking":
         False}``); ``lora_request`` as in ``generate``, one per conversation. ``tools``
         (OpenAI's ``{"type": "function", "function": {"name", "description", "parameters"}}``
@@ -287,7 +294,10 @@ class LLM:
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        template = None if chat_template is None else load_chat_template(chat_template, "chat_template")
+        if chat_template is None:
+            template = self._chat_template
+        else:
+            template = load_chat_template(chat_template, "chat_template")
         extra = check_template_kwargs(chat_template_kwargs, "chat_template_kwargs")
         if tools:
             extra["tools"] = _template_tools(tools)

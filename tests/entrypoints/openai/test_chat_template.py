@@ -131,3 +131,24 @@ def test_llm_chat_passes_tools_to_the_template(tiny_llama_dir):
     assert out[0].prompt_token_ids == _ids(tok, "[wave:object]Hi there")
     with pytest.raises(ValueError, match=r"tools\[0\]\.function"):
         llm.chat(MSGS, chat_template=template, tools=[{"type": "function"}])
+
+
+def test_llm_takes_vllms_chat_template_keyword_as_chats_default(tiny_llama_dir):
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(tiny_llama_dir), chat_template=TEMPLATE, max_model_len=128, num_gpu_blocks=16, block_size=8
+    )
+    tok = llm.get_tokenizer()
+    out = llm.chat(
+        MSGS, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs={"flavour": "salt"}
+    )
+    assert out[0].prompt_token_ids == _ids(tok, "<<user>>Hi there[salt]<<assistant>>")
+    assert out[0].prompt == "<<user>>Hi there[salt]<<assistant>>"  # the rendered text, as vLLM gives it
+    own = llm.chat(
+        MSGS, SamplingParams(max_tokens=1), use_tqdm=False, chat_template="{{ messages[0].content }}"
+    )
+    assert own[0].prompt_token_ids == _ids(tok, "Hi there")  # a call's own template wins
+    llm.shutdown()
+    with pytest.raises(ValueError, match="chat_template"):
+        LLM(model=str(tiny_llama_dir), chat_template="{% for %}")  # fails before the engine loads

@@ -1,5 +1,5 @@
 """``kvserve bench embed``: embedding throughput (sentences/s) of kvserve against
-sentence-transformers on the same model, texts and threads, in one process.
+sentence-transformers on the same model, texts, threads and dtype (``--dtype``), in one process.
 
 The texts are ``--num-texts`` sentences of 10-60 words drawn from a fixed word list (seeded).
 kvserve embeds them all with one ``LLM.embed`` call (the scheduler packs them into steps of up
@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-texts", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="both sides' dtype (sentence-transformers' model is cast to it)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-reference", action="store_true", help="kvserve only")
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvserve import LLM
 
-    llm = LLM(model=str(model_dir))
+    llm = LLM(model=str(model_dir), dtype=args.dtype)
     llm.embed(texts[:16])  # warm-up
     ours: list = []
 
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-        st = SentenceTransformer(str(model_dir), device="cpu")
+        st = SentenceTransformer(str(model_dir), device="cpu").to(getattr(torch, args.dtype))
         st.encode(texts[:16], batch_size=args.batch_size)  # warm-up
         ref = []
 
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_dir),
         "num_texts": len(texts),
         "num_tokens": sum(lengths),
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "kvserve_sentences_per_s": len(texts) / t_ours,
         "kvserve_max_num_batched_tokens": llm.llm_engine.scheduler_config.max_num_batched_tokens,

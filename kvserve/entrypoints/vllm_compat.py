@@ -346,7 +346,10 @@ FATES: dict[str, Fate] = {
     "--gpu-memory-utilization": _same(
         VALUE,
         "fraction of device memory (CUDA) or of physical host memory (CPU) for weights + KV cache; "
-        "the KV pool takes what the process does not hold already (replaces --kv-cache-memory-gib)",
+        "the KV pool takes what the process does not hold already (replaces --kv-cache-memory-gib); "
+        "on a CPU host shared with other processes vLLM's habitual 0.9 can exceed the memory "
+        "available (a WARNING at start says so, then the kernel may kill the server): size the "
+        "pool with --kv-cache-memory-gib there",
     ),
     "--kv-cache-memory-bytes": _mapped(
         VALUE,

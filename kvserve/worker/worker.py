@@ -115,6 +115,19 @@ def _host_memory_bytes() -> int | None:
         return None
 
 
+def _host_available_bytes() -> int | None:
+    """The host memory the kernel could hand out now without swapping, in bytes
+    (``MemAvailable`` of ``/proc/meminfo``; None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _resident_bytes() -> int:
     """This process's resident memory in bytes (``/proc/self/statm``; 0 where unreadable)."""
     try:
@@ -555,6 +568,7 @@ class Worker:
             )
         need = sum(n for n, _ in on_host) * bpb * self.tp_size
         if need <= total:
+            self._warn_over_available(need, [name for n, name in on_host if n])
             return
         # name the pool that is over the bound by itself, else both
         over = [name for n, name in on_host if n * bpb * self.tp_size > total] or [
@@ -567,6 +581,31 @@ class Worker:
         raise ValueError(
             f"the KV cache needs {need / _GIB:.2f} GiB of host memory ({pools} of {bpb} bytes{ranks}) but this machine has {total / _GIB:.2f} GiB of host memory; "
             f"lower {' or '.join(over)}"
+        )
+
+    def _warn_over_available(self, need: int, settings: list[str]) -> None:
+        """Log a WARNING when the host pools (``need`` bytes) exceed the memory available now:
+        they fit the machine, but the pages are written as the pools are made, so on a host
+        shared with other processes the kernel may kill this one. Not an error: what is
+        available moves with the other processes, physical memory is the bound."""
+        available = _host_available_bytes()
+        if available is None or need <= available:
+            return
+        cc = self.cache_config
+        if self.device == "cpu" and cc.num_gpu_blocks is None and cc.gpu_memory_utilization is not None:
+            # the device pool's size came from the utilization, which on CPU is of host memory
+            settings = [
+                "gpu_memory_utilization (on CPU a fraction of the machine's physical memory)"
+                if name == "kv_cache_memory_gib"
+                else name
+                for name in settings
+            ]
+        logger.warning(
+            "the KV cache's host pools need %.2f GiB but only %.2f GiB of host memory is available "
+            "now; the kernel may kill this process when memory runs out: lower %s",
+            need / _GIB,
+            available / _GIB,
+            " or ".join(settings),
         )
 
     def _on_all_ranks(self, method: str, *args):

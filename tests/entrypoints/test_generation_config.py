@@ -127,3 +127,44 @@ def test_vllm_keywords_and_gpu_memory_utilization_size_the_pools(gen_model_dir, 
     assert "trust_remote_code ignored" in logged and "enforce_eager ignored" in logged
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2 leaves 0.00 GiB for the KV cache"):
         LLM(model=str(gen_model_dir), gpu_memory_utilization=0.2, **kwargs)
+
+
+def test_pools_over_available_memory_warn_naming_gpu_memory_utilization(gen_model_dir, monkeypatch, caplog):
+    """Pools that fit the machine but not the memory available now start with a WARNING naming
+    the setting to lower (on CPU, gpu_memory_utilization is of host memory); pools within it
+    start without one."""
+    import logging
+
+    from kvserve import LLM
+    from kvserve.worker import worker as worker_mod
+
+    gib = 2**30
+    monkeypatch.setattr(worker_mod, "_host_memory_bytes", lambda: 4 * gib)
+    monkeypatch.setattr(worker_mod, "_resident_bytes", lambda: int(0.9 * gib))
+    monkeypatch.setattr(worker_mod, "_host_available_bytes", lambda: gib // 20)
+    kwargs = {k: v for k, v in TINY_SERVER_KWARGS.items() if k not in ("num_gpu_blocks", "num_cpu_blocks")}
+    with caplog.at_level(logging.WARNING, logger="kvserve.worker.worker"):
+        llm = LLM(model=str(gen_model_dir), gpu_memory_utilization=0.25, swap_space=0, **kwargs)
+    llm.shutdown()
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvserve.worker.worker"]
+    assert len(warned) == 1
+    assert "0.05 GiB of host memory is available now" in warned[0]
+    assert warned[0].endswith(
+        "lower gpu_memory_utilization (on CPU a fraction of the machine's physical memory)"
+    )
+    caplog.clear()
+    monkeypatch.setattr(worker_mod, "_host_available_bytes", lambda: 4 * gib)
+    with caplog.at_level(logging.WARNING, logger="kvserve.worker.worker"):
+        llm = LLM(model=str(gen_model_dir), gpu_memory_utilization=0.25, swap_space=0, **kwargs)
+    llm.shutdown()
+    assert not [r for r in caplog.records if r.name == "kvserve.worker.worker"]
+
+
+def test_host_available_bytes_reads_meminfo():
+    """MemAvailable is read from /proc/meminfo in bytes: positive and within physical memory."""
+    from kvserve.worker import worker as worker_mod
+
+    available = worker_mod._host_available_bytes()
+    total = worker_mod._host_memory_bytes()
+    assert available is not None and total is not None
+    assert 0 < available <= total

@@ -259,7 +259,6 @@ class LLMEngine:
                 gguf_float_reason,
             )
         model_dir = resolve_model_dir(args.model, quantization)
-        generation_defaults = load_generation_defaults(args, model_dir)  # a bad file fails before the load
         hf_config = AutoConfig.from_pretrained(model_dir)
         from kvserve.model_executor.model_loader import check_architecture, check_fallback_settings
 
@@ -267,7 +266,8 @@ class LLMEngine:
         from kvserve.engine.pooling import build_pooling_engine, resolve_runner
 
         if resolve_runner(args, hf_config, str(model_dir)) == "pooling":
-            return build_pooling_engine(cls, args, model_dir, hf_config)
+            return build_pooling_engine(cls, args, model_dir, hf_config)  # samples nothing
+        generation_defaults = load_generation_defaults(args, model_dir)  # a bad file fails before the load
         if args.quantization == "none":
             from kvserve.model_executor.quantized_checkpoint import quant_method_of
 

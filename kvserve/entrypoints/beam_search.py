@@ -31,8 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.field_limits import LIMITS
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.sequence import Logprob
 
 
@@ -76,40 +75,6 @@ def length_penalized(cum_logprob: float, length: int, length_penalty: float) -> 
     else:
         tie_break = 0.0
     return score, tie_break
-
-
-@dataclass
-class BeamSearchParams:
-    """Settings of ``LLM.beam_search`` (vLLM's names).
-
-    - ``beam_width``: beams kept per step (1..10: each step asks for ``2 * beam_width`` logprobs,
-      at most 20).
-    - ``max_tokens``: most generated tokens per beam (>= 1).
-    - ``length_penalty``: exponent of the generated length that divides a finished hypothesis's
-      cumulative logprob (1.0 = average per token; 0 = raw sum; > 0 favours longer outputs).
-    - ``ignore_eos``: EOS does not end a beam.
-    - ``early_stopping``: ``False`` (transformers' default heuristic), ``True`` (stop once
-      ``beam_width`` hypotheses are finished) or ``"never"``.
-
-    Raises:
-        ValueError: naming the field and the allowed range.
-    """
-
-    beam_width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-    early_stopping: bool | str = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens", "length_penalty"):
-            LIMITS[name].check(name, getattr(self, name))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}.")
-        if not (
-            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"
-        ):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")
 
 
 @dataclass

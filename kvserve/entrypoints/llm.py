@@ -11,7 +11,7 @@ from typing import cast
 from kvserve.config import EngineArgs
 from kvserve.engine.input_processor import PromptType, tokenize_prompt
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from kvserve.entrypoints.chat_template import check_template_kwargs, load_chat_template
 from kvserve.entrypoints.vllm_compat import translate_llm_kwargs
 from kvserve.field_limits import check_request_size, check_tenant
@@ -24,7 +24,7 @@ from kvserve.outputs import (
     ScoringRequestOutput,
 )
 from kvserve.pooling_params import PoolingParams
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 def _prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:

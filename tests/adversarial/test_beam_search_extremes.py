@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchParams, length_penalized
+from kvserve.entrypoints.beam_search import BeamSearch, length_penalized
 from kvserve.field_limits import FLOAT32_MAX
+from kvserve.sampling_params import BeamSearchParams
 from kvserve.sequence import Logprob
 
 EOS = 0

@@ -63,8 +63,8 @@ def _greedy(llm, prompts: list[str]) -> list[str]:
 def run_offline(llm) -> dict:
     """Every ``OFFLINE_ATTACKS`` shape once: what it raised (type and message) or returned."""
     from kvserve import SamplingParams, StructuredOutputsParams
-    from kvserve.entrypoints.beam_search import BeamSearchParams
     from kvserve.lora_request import LoRARequest
+    from kvserve.sampling_params import BeamSearchParams
     from tests.adversarial_e2e.attacks import NEIGHBOUR_PROMPTS, OFFLINE_ATTACKS
 
     before = _greedy(llm, NEIGHBOUR_PROMPTS)

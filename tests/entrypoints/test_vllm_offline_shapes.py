@@ -55,7 +55,7 @@ def differences(ref, got, path="") -> list[str]:
 @pytest.fixture(scope="module")
 def kvserve_skeletons(tiny_llama_dir):
     from kvserve import LLM, SamplingParams
-    from kvserve.entrypoints.beam_search import BeamSearchParams
+    from kvserve.sampling_params import BeamSearchParams
 
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
     try:

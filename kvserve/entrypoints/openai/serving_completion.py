@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvserve.entrypoints.beam_search import BeamSearch, BeamSearchParams
+from kvserve.entrypoints.beam_search import BeamSearch
 from kvserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -38,7 +38,7 @@ from kvserve.entrypoints.openai.structured_outputs import structured_outputs_fro
 from kvserve.field_limits import check_count, check_request_size
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 def sampling_kwargs(

@@ -101,8 +101,6 @@ def test_embedding_model_refuses_the_score_task(tmp_path):
     try:
         with pytest.raises(ValueError, match="cross-encoder"):
             llm.encode(TEXTS[0], PoolingParams(task="score"))
-        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
-            llm.score(TEXTS[0], TEXTS[1], truncate_prompt_tokens=8)
     finally:
         llm.shutdown()
 

@@ -39,6 +39,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     SubRequest,
     encode_text,
     input_error,
+    run_unless_disconnected,
 )
 from kvserve.field_limits import MAX_ITEMS
 from kvserve.pooling_params import PoolingParams
@@ -179,12 +180,17 @@ class OpenAIServingPooling(OpenAIServing):
         self.require_pooling()
         prio = self.request_priority(priority)
         reservation = self.check_capacity(len(prompts))
-        try:
-            names = param if isinstance(param, list) else [param] * len(prompts)
+        names = param if isinstance(param, list) else [param] * len(prompts)
+
+        async def prepare_all() -> list[SubRequest]:
             if prepare is None:
-                subs = [await self._prepare(p, params, name) for p, name in zip(prompts, names)]
-            else:
-                subs = [await prepare(p, name) for p, name in zip(prompts, names)]
+                return [await self._prepare(p, params, name) for p, name in zip(prompts, names)]
+            return [await prepare(p, name) for p, name in zip(prompts, names)]
+
+        try:
+            # a batch of long texts keeps the tokenizer pool busy for seconds: a client gone
+            # meanwhile stops it at the text being tokenized, not after the whole batch
+            subs = await run_unless_disconnected(raw_request, prepare_all())
         except BaseException:
             reservation.release()
             raise

@@ -868,6 +868,8 @@ class EngineArgs:
                 raise fallback_conflict_error(setting, "model_impl='transformers'")
         _check_utilization(self.gpu_memory_utilization)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        # 0 would otherwise read as unset (the model's length) in create_configs
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_float("fair_input_weight", self.fair_input_weight)
         _positive_float("fair_output_weight", self.fair_output_weight)
         parse_tenant_weights(self.tenant_weights)

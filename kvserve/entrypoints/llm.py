@@ -375,8 +375,9 @@ class LLM:
         the two embeddings (a bi-encoder's score); on a cross-encoder, the pair read as one
         sequence (``[CLS] text_1 [SEP] text_2 [SEP]``) and its logit through the model's
         activation (sigmoid by default, as sentence-transformers' ``CrossEncoder.predict``).
-        ``truncate_prompt_tokens`` (cross-encoder only) shortens an over-long pair's longer
-        text first.
+        ``truncate_prompt_tokens`` (``-1``: ``max_model_len``) shortens an over-long input as
+        ``/score`` does: on a cross-encoder the pair's longer text first, on an embedding model
+        each text to its last tokens (as ``embed``).
 
         Raises:
             ValueError: lists of different lengths (other than one against many), an empty
@@ -396,9 +397,8 @@ class LLM:
         pooler = self.llm_engine.pooler_config
         if pooler is not None and pooler.task == "score":
             return self._cross_score(a, b, truncate_prompt_tokens, use_tqdm, tenant)
-        if truncate_prompt_tokens is not None:
-            raise ValueError("truncate_prompt_tokens applies to a cross-encoder's pairs only.")
-        outs = self.encode(a + b, PoolingParams(normalize=True), use_tqdm=use_tqdm, tenant=tenant)
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(a + b, params, use_tqdm=use_tqdm, tenant=tenant)
         vecs = []
         for o in outs:
             if o.outputs is None:

@@ -412,6 +412,13 @@ def test_dtype_aliases_of_vllm():
         EngineArgs(gpu_memory_utilization=1.5)
 
 
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_max_model_len_that_is_not_a_positive_integer_is_refused(value):
+    # 0 once read as unset: the model's whole length, silently
+    with pytest.raises(ValueError, match=f"max_model_len must be an integer >= 1, got {value!r}"):
+        EngineArgs(max_model_len=value)
+
+
 # ---------------------------------------------------------------- LLM(...) keywords
 def test_llm_keywords_are_translated_ignored_or_refused(caplog):
     fields = set(EngineArgs.field_names())

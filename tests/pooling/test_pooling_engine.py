@@ -66,6 +66,24 @@ def test_score_is_cosine_of_embeddings(bert_llm, bert_dir):
         bert_llm.score(TEXTS[:2], TEXTS[:3])
 
 
+def test_score_truncates_each_text_like_the_score_route(bert_llm, bert_dir):
+    from transformers import AutoTokenizer, BertModel
+
+    tok = AutoTokenizer.from_pretrained(bert_dir)
+    model = BertModel.from_pretrained(bert_dir, add_pooling_layer=False, dtype=torch.float32).eval()
+    k = 6
+    with torch.no_grad():  # each text's last k tokens, mean-pooled and normalised
+        ref = [
+            F.normalize(model(torch.tensor([tok(t).input_ids[-k:]])).last_hidden_state[0].mean(0), dim=0)
+            for t in (TEXTS[0], TEXTS[3])
+        ]
+    outs = bert_llm.score(TEXTS[0], [TEXTS[3]], truncate_prompt_tokens=k)
+    assert outs[0].outputs.score == pytest.approx(float(ref[0] @ ref[1]), abs=1e-5)
+    assert len(outs[0].prompt_token_ids) == 2 * k
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        bert_llm.score(TEXTS[0], [TEXTS[3]], truncate_prompt_tokens=0)
+
+
 def test_bad_pooling_input_is_refused_by_field(bert_llm):
     with pytest.raises(ValueError, match="pooling model"):
         bert_llm.generate(["the cat"])

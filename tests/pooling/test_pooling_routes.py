@@ -33,9 +33,9 @@ def ref(bert_dir):
     return reference_embeddings(bert_dir, TEXTS, "MEAN", normalize=True)
 
 
-def _post(server, path, body, key=API_KEY):
+def _post(server, path, body, key=API_KEY, timeout=60.0):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
 
 
 def test_embeddings_float_base64_batch_and_ids(server, ref):
@@ -145,3 +145,34 @@ def test_online_bench_clients_against_the_server(server):
     # without the key every request fails, and the run says so
     bad = asyncio.run(run_clients(server.url, texts[:4], concurrency=2, model=MODEL))
     assert bad["num_failed"] == 4 and "status 401" in bad["errors"][0]
+
+
+def test_client_gone_stops_tokenizing_the_rest_of_its_batch(server, monkeypatch):
+    import time
+
+    from kvserve.entrypoints.openai import serving_pooling
+
+    calls = []
+    real = serving_pooling.encode_text
+
+    def slow_encode(*args):  # each long text takes 0.1 s to tokenize
+        calls.append(1)
+        time.sleep(0.1)
+        return real(*args)
+
+    monkeypatch.setattr(serving_pooling, "encode_text", slow_encode)
+    long_text = " ".join(["the"] * 2500)  # over the pool's inline size: tokenized on a thread
+    body = {"input": [long_text] * 40, "truncate_prompt_tokens": 8}
+    with pytest.raises(httpx.TimeoutException):
+        _post(server, "/v1/embeddings", body, timeout=0.3)
+    # wait for tokenizing to stop (it runs 4 s when the whole batch is tokenized)
+    seen, still = -1, 0
+    deadline = time.time() + 30
+    while still < 10 and time.time() < deadline:
+        time.sleep(0.1)
+        still = still + 1 if len(calls) == seen else 0
+        seen = len(calls)
+    assert 1 <= len(calls) < 20, len(calls)
+    server.wait_idle()
+    r = _post(server, "/v1/embeddings", {"input": [long_text], "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and len(r.json()["data"]) == 1

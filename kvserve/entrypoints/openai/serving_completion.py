@@ -163,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # best_of > n: every prompt runs best_of sequences
         best_of = params.best_of if params.num_sequences > n else None
         check_size(req, [1] * len(prompts), n=n, best_of=best_of)  # prompts x n, before tokenizing them
-        subs = [await self.prepare_prompt(p, params) for p in prompts]
+        subs = await self.prepare_prompts(raw_request, prompts, params)
         lens = [len(sub.prompt_token_ids) for sub in subs]
         check_size(req, lens, n=n, prompt_logprobs=params.prompt_logprobs, best_of=best_of)
         reservation = self.check_capacity(len(subs))
@@ -249,7 +249,7 @@ class OpenAIServingCompletion(OpenAIServing):
         probe = self.make_sampling_params(dict(max_tokens=req.max_tokens, logprobs=2 * width))
         prompts = self._split_prompts(req.prompt)
         check_size(req, [1] * len(prompts), best_of=width)  # prompts x best_of, before tokenizing
-        subs = [await self.prepare_prompt(p, probe) for p in prompts]
+        subs = await self.prepare_prompts(raw_request, prompts, probe)
         check_size(req, [len(sub.prompt_token_ids) for sub in subs], best_of=width)
         reservation = self.check_capacity(len(subs))
         rec = self.new_record("cmpl", n, subs, lora, headers=raw_request.headers)

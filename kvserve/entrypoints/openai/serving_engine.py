@@ -857,6 +857,18 @@ class OpenAIServing:
             err.code = "invalid_grammar"
             raise err from None
 
+    async def prepare_prompts(
+        self, raw_request: Request, prompts: list, params: SamplingParams
+    ) -> list[SubRequest]:
+        """``prepare_prompt`` of each prompt in turn, under the disconnect watch: a batch of long
+        prompts keeps the tokenizer pool busy for seconds, and a client gone meanwhile stops it
+        at the prompt being tokenized (``ClientDisconnected``), not after the whole batch."""
+
+        async def prepare_all() -> list[SubRequest]:
+            return [await self.prepare_prompt(p, params) for p in prompts]
+
+        return await run_unless_disconnected(raw_request, prepare_all())
+
     async def prepare_prompt(
         self, prompt, params: SamplingParams, rename: dict[str, str] | None = None, chat: bool = False
     ) -> SubRequest:

@@ -39,6 +39,7 @@ from kvserve.entrypoints.openai.serving_engine import (
     SubRequest,
     encode_text,
     input_error,
+    run_unless_disconnected,
 )
 from kvserve.field_limits import MAX_ITEMS
 from kvserve.pooling_params import PoolingParams
@@ -140,15 +141,23 @@ class OpenAIServingPooling(OpenAIServing):
         code = "context_length_exceeded" if "max_model_len" in msg and field == param else "invalid_value"
         return APIError(f"{param}: {msg}" if field == param else msg, 400, param=field, code=code)
 
-    async def _prepare_pair(self, a: str, b: str, truncate: int | None, param: str) -> SubRequest:
+    async def _prepare_pair(self, a: str, b: str, truncate: int | None, param: str, first: str) -> SubRequest:
         """Tokenize a cross-encoder's pair as one sequence (off the event loop when long) and
         check it; 400 naming ``param`` (or ``truncate_prompt_tokens``) when the model refuses
-        it."""
+        it, ``first`` (the route's name of the pair's first text: ``text_1``, ``query``) when
+        that text is the one refused."""
         try:
             prompt = await self.offload(len(a) + len(b), pair_prompt, self.engine, a, b, truncate)
             text, ids = pooled_prompt_ids(self.engine, prompt, PoolingParams(task="score"))
         except ValueError as e:
-            raise self._refusal(str(e), param) from None
+            msg = str(e)
+            # pair_prompt names the pair's sides text_1 / text_2; the route's own names go back
+            for side, name in (("text_1 ", first), ("text_2 ", param)):
+                if msg.startswith(side):
+                    raise APIError(
+                        name + " " + msg[len(side) :], 400, param=name, code="invalid_value"
+                    ) from None
+            raise self._refusal(msg, param) from None
         except INPUT_ERRORS as e:
             raise input_error(e, param) from None
         return SubRequest("", text, ids, prompt["token_type_ids"])
@@ -171,12 +180,17 @@ class OpenAIServingPooling(OpenAIServing):
         self.require_pooling()
         prio = self.request_priority(priority)
         reservation = self.check_capacity(len(prompts))
-        try:
-            names = param if isinstance(param, list) else [param] * len(prompts)
+        names = param if isinstance(param, list) else [param] * len(prompts)
+
+        async def prepare_all() -> list[SubRequest]:
             if prepare is None:
-                subs = [await self._prepare(p, params, name) for p, name in zip(prompts, names)]
-            else:
-                subs = [await prepare(p, name) for p, name in zip(prompts, names)]
+                return [await self._prepare(p, params, name) for p, name in zip(prompts, names)]
+            return [await prepare(p, name) for p, name in zip(prompts, names)]
+
+        try:
+            # a batch of long texts keeps the tokenizer pool busy for seconds: a client gone
+            # meanwhile stops it at the text being tokenized, not after the whole batch
+            subs = await run_unless_disconnected(raw_request, prepare_all())
         except BaseException:
             reservation.release()
             raise
@@ -233,11 +247,12 @@ class OpenAIServingPooling(OpenAIServing):
         prefix = "pool" if pooling else "embd"
         return await self._run(raw_request, prompts, params, "input", prefix, req.priority, req.user, body)
 
-    def _cross_prepare(self, truncate: int | None) -> Callable[[Any, str], Awaitable[SubRequest]]:
-        """``_run``'s ``prepare`` for a cross-encoder: each prompt a ``(text_1, text_2)`` pair."""
+    def _cross_prepare(self, truncate: int | None, first: str) -> Callable[[Any, str], Awaitable[SubRequest]]:
+        """``_run``'s ``prepare`` for a cross-encoder: each prompt a ``(text_1, text_2)`` pair;
+        ``first``: the route's name of the first text (``text_1``, ``query``)."""
 
         async def prepare(pair: Any, param: str) -> SubRequest:
-            return await self._prepare_pair(pair[0], pair[1], truncate, param)
+            return await self._prepare_pair(pair[0], pair[1], truncate, param, first)
 
         return prepare
 
@@ -283,7 +298,7 @@ class OpenAIServingPooling(OpenAIServing):
                 req.priority,
                 req.user,
                 cross_body,
-                prepare=self._cross_prepare(req.truncate_prompt_tokens),
+                prepare=self._cross_prepare(req.truncate_prompt_tokens, "text_1"),
             )
         params = self._params(normalize=True, truncate_prompt_tokens=req.truncate_prompt_tokens)
         n = len(a)
@@ -342,7 +357,7 @@ class OpenAIServingPooling(OpenAIServing):
                 req.priority,
                 req.user,
                 body,
-                prepare=self._cross_prepare(req.truncate_prompt_tokens),
+                prepare=self._cross_prepare(req.truncate_prompt_tokens, "query"),
             )
         names = ["query"] + ["documents"] * len(docs)
         return await self._run(

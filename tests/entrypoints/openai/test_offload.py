@@ -313,3 +313,33 @@ def test_a_huge_conversation_is_refused_from_the_raw_body_and_health_stays_fast(
         assert r.json()["error"]["param"] == "messages" and "10000" in r.json()["error"]["message"]
     assert ok.status_code == 200, ok.text
     assert len(probe.lat) >= 5 and max(probe.lat) < HEALTH_BOUND_MS, sorted(probe.lat)[-5:]
+
+
+def test_client_gone_stops_tokenizing_the_rest_of_its_prompts(server, monkeypatch):
+    from kvserve.entrypoints.openai import serving_engine
+
+    calls: list[int] = []
+    real = serving_engine.encode_text
+
+    def slow(tokenizer, text, add_special_tokens=True):  # each long prompt takes 0.1 s
+        calls.append(len(text))
+        time.sleep(0.1)
+        return real(tokenizer, text, add_special_tokens)
+
+    monkeypatch.setattr(serving_engine, "encode_text", slow)
+    prompt = "hello world " * 400  # over the pool's inline size, under max_model_len tokens
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            server.url + "/v1/completions", json={"prompt": [prompt] * 40, "max_tokens": 2}, timeout=0.3
+        )
+    # wait for tokenizing to stop (it runs 4 s when every prompt is tokenized)
+    seen, still = -1, 0
+    deadline = time.time() + 30
+    while still < 10 and time.time() < deadline:
+        time.sleep(0.1)
+        still = still + 1 if len(calls) == seen else 0
+        seen = len(calls)
+    assert 1 <= len(calls) < 20, len(calls)
+    server.wait_idle()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [prompt], "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1

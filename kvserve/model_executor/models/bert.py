@@ -203,19 +203,15 @@ class BertModel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     @staticmethod
-    def padded_layout(seq_lens: list[int], device, max_seqs: int = ATTENTION_BUCKET_SEQS) -> tuple:
-        """The step's padded layout, shared by every layer: sequences sorted by length, cut
-        into groups of at most ``max_seqs``, each group padded to its longest and laid out
-        ``[b, L]`` one group after another, so that each layer's attention reads a group as a
-        view (no gather per layer; padding costs the GEMMs ``Tp - T`` extra rows, few once the
-        lengths are sorted).
+    def attention_buckets(seq_lens: list[int], device, max_seqs: int = ATTENTION_BUCKET_SEQS) -> list[tuple]:
+        """The step's attention batches, shared by every layer: sequences sorted by length and
+        cut into groups of at most ``max_seqs``, each padded to its longest.
 
-        Returns ``(groups, gather, scatter)``: per group ``(offset, b, L, mask)``, its rows
-        ``[offset, offset + b * L)`` of the padded layout, ``mask`` bool ``[b, 1, 1, L]`` the keys
-        each query may attend (None when no sequence of the group is padded); ``gather`` int64
-        ``[Tp]`` the packed token row of each padded slot (a padding slot repeats its sequence's
-        last token, so its position id is valid); ``scatter`` int64 ``[T]`` the padded slot of
-        each packed token (packed order).
+        Returns per group ``(b, L, rows, slots, mask)``: ``b`` sequences padded to ``L`` tokens,
+        ``rows`` int64 ``[b * L]`` the token row of each padded slot (a padding slot repeats its
+        sequence's last row), ``slots`` ``(positions, token rows)`` int64 of the real (not
+        padding) slots and ``mask`` bool ``[b, 1, 1, L]`` the keys each query may attend (both
+        None when no sequence of the group is padded).
         """
         starts = [0] * len(seq_lens)
         acc = 0
@@ -224,9 +220,6 @@ class BertModel(nn.Module):
             acc += n
         order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
         groups: list[tuple] = []
-        gathers: list[torch.Tensor] = []
-        scatter = torch.empty(acc, dtype=torch.int64)
-        offset = 0
         for g in range(0, len(order), max_seqs):
             members = order[g : g + max_seqs]
             lens = torch.tensor([seq_lens[i] for i in members], dtype=torch.int64)
@@ -234,27 +227,31 @@ class BertModel(nn.Module):
             col = torch.arange(L, dtype=torch.int64)
             first = torch.tensor([starts[i] for i in members], dtype=torch.int64)
             rows = (first[:, None] + torch.minimum(col[None, :], lens[:, None] - 1)).view(-1)
-            gathers.append(rows)
+            if int(lens.min()) == L:
+                groups.append((len(members), L, rows.to(device), None, None))
+                continue
             keep = col[None, :] < lens[:, None]
             real = keep.view(-1).nonzero().view(-1)
-            scatter[rows[real]] = real + offset
-            mask = None if int(lens.min()) == L else keep[:, None, None, :].to(device)
-            groups.append((offset, len(members), L, mask))
-            offset += len(members) * L
-        return groups, torch.cat(gathers).to(device), scatter.to(device)
+            slots = (real.to(device), rows[real].to(device))
+            groups.append((len(members), L, rows.to(device), slots, keep[:, None, None, :].to(device)))
+        return groups
 
-    def _attend(self, qkv: torch.Tensor, groups: list[tuple]) -> torch.Tensor:
-        """Bidirectional attention of each sequence over its own tokens, in the padded layout
-        of ``padded_layout``: ``qkv`` ``[Tp, 3H]`` -> ``[Tp, H]``, one SDPA call per group (a
-        padding query row attends its sequence's real keys: finite, and never read)."""
-        Tp = qkv.shape[0]
+    def _attend(self, qkv: torch.Tensor, buckets: list[tuple]) -> torch.Tensor:
+        """Bidirectional attention of each sequence over its own tokens: ``qkv`` ``[T, 3H]`` ->
+        ``[T, H]``, one padded SDPA call per group of ``attention_buckets``."""
+        T = qkv.shape[0]
         nh, hd, H = self.num_heads, self.head_dim, self.hidden_size
-        out = torch.empty(Tp, H, dtype=qkv.dtype, device=qkv.device)
-        for offset, b, L, mask in groups:
-            x = qkv[offset : offset + b * L].view(b, L, 3, nh, hd).permute(2, 0, 3, 1, 4)  # [3, b, nh, L, hd]
+        out = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
+        for b, L, rows, slots, mask in buckets:
+            x = qkv.index_select(0, rows).view(b, L, 3, nh, hd)
+            x = x.permute(2, 0, 3, 1, 4)  # [3, b, nh, L, hd]
             o = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=mask)  # [b, nh, L, hd]
-            out[offset : offset + b * L].view(b, L, nh, hd).copy_(o.transpose(1, 2))
-        return out
+            o = o.transpose(1, 2).reshape(-1, nh, hd)
+            if slots is None:
+                out.index_copy_(0, rows, o)
+            else:
+                out.index_copy_(0, slots[1], o.index_select(0, slots[0]))
+        return out.view(T, H)
 
     def forward(
         self,
@@ -269,18 +266,15 @@ class BertModel(nn.Module):
         ``token_type_ids`` int64 ``[T]`` (None: all 0)."""
         P = self._params
         H = self.hidden_size
-        groups, gather, scatter = self.padded_layout(seq_lens, input_ids.device)
-        x = F.embedding(input_ids.index_select(0, gather), P["embeddings.word_embeddings.weight"])
-        x = x + F.embedding(positions.index_select(0, gather), P["embeddings.position_embeddings.weight"])
+        x = F.embedding(input_ids, P["embeddings.word_embeddings.weight"])
+        x = x + F.embedding(positions, P["embeddings.position_embeddings.weight"])
         tt = P["embeddings.token_type_embeddings.weight"]
-        if token_type_ids is None:
-            x = x + tt[0]
-        else:
-            x = x + F.embedding(token_type_ids.index_select(0, gather), tt)
+        x = x + (tt[0] if token_type_ids is None else F.embedding(token_type_ids, tt))
         x = F.layer_norm(x, (H,), P["embeddings.LayerNorm.weight"], P["embeddings.LayerNorm.bias"], self.eps)
+        buckets = self.attention_buckets(seq_lens, x.device)
         for qkv_w, qkv_b, o_w, o_b, ln1_w, ln1_b, up_w, up_b, down_w, down_b, ln2_w, ln2_b in self._layers:
-            ctx = self._attend(linear(x, qkv_w, qkv_b), groups)
+            ctx = self._attend(linear(x, qkv_w, qkv_b), buckets)
             x = F.layer_norm(linear(ctx, o_w, o_b) + x, (H,), ln1_w, ln1_b, self.eps)
             h = self.act(linear(x, up_w, up_b))
             x = F.layer_norm(linear(h, down_w, down_b) + x, (H,), ln2_w, ln2_b, self.eps)
-        return x.index_select(0, scatter)
+        return x

@@ -89,3 +89,31 @@ def test_the_comparison_sees_a_missing_attribute(kvserve_skeletons):
         "rank": "int",
     }
     assert generated["prompt_logprobs"][0]["<value>"]["decoded_token"] == "str"
+
+
+@pytest.mark.slow  # loads vLLM and the default model in a subprocess (~1-2 min)
+def test_offline_results_have_the_installed_vllms_shapes(kvserve_skeletons, tmp_path):
+    """The same script run live on the vLLM in ``$VLLM_VENV`` (default /work/vllm-venv), where
+    one is installed: catches a vLLM upgrade that adds an attribute kvserve lacks."""
+    import os
+    import subprocess
+
+    venv = Path(os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no vLLM venv at {venv} (set VLLM_VENV)")
+    from kvserve.model_executor.model_loader import resolve_model_dir
+
+    out = tmp_path / "vllm.json"
+    script = ROOT / "benchmarks/vllm_cpu/record_offline.py"
+    cmd = f'source "{ROOT}/benchmarks/vllm_cpu/env.sh" && exec "{venv}/bin/python" "{script}" vllm'
+    cmd += f' --model "{resolve_model_dir(None)}" --out "{out}"'
+    env = {**os.environ, "VLLM_VENV": str(venv), "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=900, env=env)
+    if proc.returncode != 0 and "No module named 'vllm'" in proc.stderr:
+        pytest.skip(f"vllm is not importable in {venv}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    live = json.loads(out.read_text())
+    problems = [
+        p for case, ref in live["cases"].items() for p in differences(ref, kvserve_skeletons[case], case)
+    ]
+    assert not problems, "\n".join(problems)

@@ -144,7 +144,7 @@ def floor_report(
 ) -> dict:
     """``floor_row`` on this host's cached (or newly measured) peaks at ``threads`` threads
     (default: torch's count now; a benchmark passes the count it started with, before an engine
-    could lower it), with the peaks it used: the helper the other benchmarks call."""
+    could lower it), with the peaks it used: what the other benchmarks call."""
     peaks, cached = host_peaks.load_or_measure(remeasure=remeasure, threads=threads)
     row = floor_row(name, cfg, dtype, steps, tokens, peaks, unit)
     row.update(

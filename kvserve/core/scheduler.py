@@ -1615,6 +1615,8 @@ class Scheduler:
                 out.ignored_seq_groups.append(g)
                 continue
             if not self._swapped_allows(g, st):
+                if not self.policy.preempts_by_rank:
+                    break  # nothing is admitted while a group is swapped out: stop scanning
                 # ranked after a swapped group; a group behind it in this order may not be
                 # (``fair`` interleaves tenants by projected counter)
                 continue

@@ -189,6 +189,18 @@ def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_siz
         raise ValueError(f"dimensions={d} is not supported by this model; supported: {allowed}.")
 
 
+def _truncation_length(k: int, max_len: int) -> int:
+    """The tokens ``truncate_prompt_tokens=k`` keeps (``-1``: ``max_len``).
+
+    Raises:
+        ValueError: ``k`` greater than ``max_len`` (naming both).
+    """
+    k = max_len if k == -1 else k
+    if k > max_len:
+        raise ValueError(f"truncate_prompt_tokens={k} is greater than max_model_len={max_len}.")
+    return k
+
+
 def pooled_prompt_ids(
     engine: LLMEngine, prompt: PromptType, params: PoolingParams
 ) -> tuple[str | None, list[int]]:
@@ -199,9 +211,7 @@ def pooled_prompt_ids(
     text, ids = tokenize_prompt(prompt, engine.tokenizer)
     k = params.truncate_prompt_tokens
     if k is not None:
-        k = max_len if k == -1 else k
-        if k > max_len:
-            raise ValueError(f"truncate_prompt_tokens={k} is greater than max_model_len={max_len}.")
+        k = _truncation_length(k, max_len)
         ids = ids[-k:]
     if len(ids) > max_len:
         raise ValueError(
@@ -239,9 +249,7 @@ def pair_prompt(engine: LLMEngine, text_1: Any, text_2: Any, truncate_prompt_tok
     if k is None:
         enc = engine.tokenizer(text_1, text_2, return_token_type_ids=True)
     else:
-        k = max_len if k == -1 else k
-        if k > max_len:
-            raise ValueError(f"truncate_prompt_tokens={k} is greater than max_model_len={max_len}.")
+        k = _truncation_length(k, max_len)
         enc = engine.tokenizer(
             text_1, text_2, return_token_type_ids=True, truncation="longest_first", max_length=k
         )

@@ -242,6 +242,7 @@ class LLMEngine:
         invalid setting."""
         from transformers import AutoConfig
 
+        from kvserve.core.policy import PolicyFactory
         from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
@@ -283,6 +284,7 @@ class LLMEngine:
         model_config, cache_config, scheduler_config = args.create_configs(
             hf_config.max_position_embeddings, sliding_window
         )
+        PolicyFactory.from_config(scheduler_config)  # a bad policy setting fails before the load
         model_config.quantization = quantization
         # quantized GGUF: the weights stay in the file (model_dir holds config and tokenizer)
         model_config.model = str(gguf_file_for(args.model)) if quantization == "gguf" else str(model_dir)

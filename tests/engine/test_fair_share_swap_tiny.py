@@ -4,6 +4,8 @@ still equals transformers'."""
 
 import random
 
+import pytest
+
 from kvserve import SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
@@ -51,3 +53,19 @@ def test_share_victims_swap_and_greedy_equals_transformers(tiny_llama_dir, tiny_
     assert set(outs) == set(prompts)
     for rid, p in prompts.items():
         compare(list(outs[rid]), hf_greedy(tiny_hf_model, p, MAX_NEW))
+
+
+def test_fair_only_setting_under_fcfs_is_refused_before_the_weights_load(tiny_llama_dir, monkeypatch):
+    """A weight the policy would ignore is refused before the (long) model load, not after it."""
+    from kvserve.worker.worker import Worker
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model started loading")
+
+    monkeypatch.setattr(Worker, "__init__", no_load)
+    with pytest.raises(
+        ValueError, match=r"^tenant_weights only apply to the 'fair' scheduling policy, not 'fcfs'"
+    ):
+        LLMEngine.from_engine_args(
+            EngineArgs(model=str(tiny_llama_dir), device=TEST_DEVICE, policy="fcfs", tenant_weights="a=2")
+        )

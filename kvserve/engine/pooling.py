@@ -205,9 +205,15 @@ def pooled_prompt_ids(
     engine: LLMEngine, prompt: PromptType, params: PoolingParams
 ) -> tuple[str | None, list[int]]:
     """The prompt's text and token ids after ``truncate_prompt_tokens``, checked against the
-    model. Raises ValueError naming the field and the limit (an empty prompt, ids outside the
-    vocabulary, more tokens than ``max_model_len`` without ``truncate_prompt_tokens``)."""
+    model. An empty text is pooled over the tokens the tokenizer adds around it (BERT: ``[CLS]
+    [SEP]``, as sentence-transformers embeds it), so one empty chunk does not fail a batch.
+    Raises ValueError naming the field and the limit (an empty prompt on a tokenizer that adds
+    no tokens, ids outside the vocabulary, more tokens than ``max_model_len`` without
+    ``truncate_prompt_tokens``)."""
     max_len = engine.scheduler_config.max_model_len
+    text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+    if text == "" and engine.tokenizer is not None:
+        prompt = {"prompt": "", "prompt_token_ids": engine.tokenizer("").input_ids}
     text, ids = tokenize_prompt(prompt, engine.tokenizer)
     k = params.truncate_prompt_tokens
     if k is not None:

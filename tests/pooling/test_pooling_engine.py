@@ -84,6 +84,15 @@ def test_score_truncates_each_text_like_the_score_route(bert_llm, bert_dir):
         bert_llm.score(TEXTS[0], [TEXTS[3]], truncate_prompt_tokens=0)
 
 
+def test_empty_text_embeds_the_tokens_the_tokenizer_adds(bert_llm, bert_dir):
+    """sentence-transformers embeds "" as [CLS] [SEP]; so does the engine, alone and in a batch."""
+    ref = reference_embeddings(bert_dir, ["", TEXTS[0]], "MEAN", normalize=True)
+    outs = bert_llm.embed(["", TEXTS[0]])
+    assert outs[0].prompt_token_ids == bert_llm.get_tokenizer()("").input_ids
+    assert len(outs[0].prompt_token_ids) == 2
+    assert F.cosine_similarity(_vecs(outs), ref).min() >= COSINE
+
+
 def test_bad_pooling_input_is_refused_by_field(bert_llm):
     with pytest.raises(ValueError, match="pooling model"):
         bert_llm.generate(["the cat"])
@@ -92,8 +101,6 @@ def test_bad_pooling_input_is_refused_by_field(bert_llm):
     long_text = " ".join(["cat"] * 100)
     with pytest.raises(ValueError, match="input has 102 tokens > max_model_len 64"):
         bert_llm.embed(long_text)
-    with pytest.raises(ValueError, match="prompt must contain at least 1 token"):
-        bert_llm.embed("")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         bert_llm.embed([[2, 10_000, 3]])
     # truncation keeps the last tokens

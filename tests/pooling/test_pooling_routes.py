@@ -38,7 +38,7 @@ def _post(server, path, body, key=API_KEY, timeout=60.0):
     return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
 
 
-def test_embeddings_float_base64_batch_and_ids(server, ref):
+def test_embeddings_float_base64_batch_and_ids(server, ref, bert_dir):
     r = _post(server, "/v1/embeddings", {"model": MODEL, "input": TEXTS})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -64,6 +64,13 @@ def test_embeddings_float_base64_batch_and_ids(server, ref):
     r = _post(server, "/pooling", {"input": TEXTS[2]})
     assert r.status_code == 200 and r.json()["data"][0]["object"] == "pooling"
     assert np.allclose(r.json()["data"][0]["data"], got[2].numpy(), atol=1e-5)
+    # an empty string is embedded as [CLS] [SEP] (sentence-transformers' vector), not refused
+    r = _post(server, "/v1/embeddings", {"input": ["", TEXTS[0]]})
+    assert r.status_code == 200, r.text
+    empty = torch.tensor(r.json()["data"][0]["embedding"])
+    want = reference_embeddings(bert_dir, [""], "MEAN", normalize=True)[0]
+    assert F.cosine_similarity(empty, want, dim=0) >= 0.99999
+    assert np.allclose(r.json()["data"][1]["embedding"], got[0].numpy(), atol=1e-5)
 
 
 def test_score_and_rerank_are_cosine(server, ref):

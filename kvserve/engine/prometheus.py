@@ -170,6 +170,24 @@ _SCHEDULER_SERIES = (
     ),
     (
         "counter",
+        "kvserve:rank_preemptions",
+        "Preemptions of running requests by a waiting one the policy ranks above them (priority, fair share).",
+        "num_rank_preemptions",
+    ),
+    (
+        "counter",
+        "kvserve:rank_swap_preemptions",
+        "Rank preemptions whose victim was swapped out (not recomputed).",
+        "num_rank_swap_preemptions",
+    ),
+    (
+        "counter",
+        "kvserve:rank_recomputed_tokens",
+        "Tokens whose KV rank preemptions dropped (prefilled again).",
+        "num_rank_recomputed_tokens",
+    ),
+    (
+        "counter",
         "kvserve:wanted_block_evictions",
         "Cached KV blocks evicted although a waiting request's prompt needed them.",
         "num_wanted_evictions",

@@ -5,10 +5,12 @@ still equals transformers'."""
 import random
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import SamplingParams
 from kvserve.config import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.openai.metrics import ServerMetrics
 from tests.golden import TEST_DEVICE, compare, hf_greedy
 
 MAX_NEW = 16
@@ -49,6 +51,19 @@ def test_share_victims_swap_and_greedy_equals_transformers(tiny_llama_dir, tiny_
     assert stats["num_rank_swap_preemptions"] >= 1
     assert stats["num_rank_recomputed_tokens"] == 0
     assert stats["num_free_gpu_blocks"] == 48 and stats["num_free_cpu_blocks"] == 64
+    # the same counts on /metrics
+    text = ServerMetrics(eng, "m").render().decode()
+    scraped = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("kvserve:rank_")
+    }
+    assert scraped == {
+        "kvserve:rank_preemptions_total": stats["num_rank_preemptions"],
+        "kvserve:rank_swap_preemptions_total": stats["num_rank_swap_preemptions"],
+        "kvserve:rank_recomputed_tokens_total": 0,
+    }
     prompts = {**{f"a{i}": p for i, p in enumerate(a)}, **{f"b{i}": p for i, p in enumerate(b)}}
     assert set(outs) == set(prompts)
     for rid, p in prompts.items():

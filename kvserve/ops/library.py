@@ -56,6 +56,7 @@ KERNEL_MODULES = (
     "bitmask",
     "lora",
     "decode_layers",
+    "encoder_attention",
 )
 
 

@@ -13,6 +13,7 @@ The task heads (``pooler.*``, ``cls.*``) are not read: poolers work on the hidde
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model_executor.layers.linear import LinearWeight, linear, prepack_weight
+from kvserve.model_executor.layers.row_buckets import onednn_rows
+from kvserve.ops import encoder_attention
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -236,12 +239,18 @@ class BertModel(nn.Module):
             groups.append((len(members), L, rows.to(device), slots, keep[:, None, None, :].to(device)))
         return groups
 
-    def _attend(self, qkv: torch.Tensor, buckets: list[tuple]) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, buckets: list[tuple] | torch.Tensor) -> torch.Tensor:
         """Bidirectional attention of each sequence over its own tokens: ``qkv`` ``[T, 3H]`` ->
-        ``[T, H]``, one padded SDPA call per group of ``attention_buckets``."""
+        ``[T, H]``. ``buckets`` is the step's ``cu_seqlens`` (int64 ``[S + 1]``) where the native
+        kernel runs (``ops.encoder_attention``: in place, no padding), else the groups of
+        ``attention_buckets``, one padded SDPA call each."""
+        if isinstance(buckets, torch.Tensor):
+            return encoder_attention.encoder_attention(
+                qkv, buckets, self.num_heads, self.head_dim, self.head_dim**-0.5
+            )
         T = qkv.shape[0]
         nh, hd, H = self.num_heads, self.head_dim, self.hidden_size
-        out = torch.empty(T, nh, hd, dtype=qkv.dtype, device=qkv.device)
+        out = torch.zeros(T, nh, hd, dtype=qkv.dtype, device=qkv.device)  # (padding rows: 0)
         for b, L, rows, slots, mask in buckets:
             x = qkv.index_select(0, rows).view(b, L, 3, nh, hd)
             x = x.permute(2, 0, 3, 1, 4)  # [3, b, nh, L, hd]
@@ -266,15 +275,29 @@ class BertModel(nn.Module):
         ``token_type_ids`` int64 ``[T]`` (None: all 0)."""
         P = self._params
         H = self.hidden_size
+        T = input_ids.shape[0]
+        if input_ids.is_cpu:
+            # every GEMM of the step at one oneDNN row bucket (row_buckets): the stream padded
+            # once here (rows past T: token 0 at position 0, attended by nothing, dropped at
+            # the end) instead of each GEMM input copied into a padded buffer
+            pad = onednn_rows(T) - T
+            if pad:
+                input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+                if token_type_ids is not None:
+                    token_type_ids = F.pad(token_type_ids, (0, pad))
         x = F.embedding(input_ids, P["embeddings.word_embeddings.weight"])
         x = x + F.embedding(positions, P["embeddings.position_embeddings.weight"])
         tt = P["embeddings.token_type_embeddings.weight"]
         x = x + (tt[0] if token_type_ids is None else F.embedding(token_type_ids, tt))
         x = F.layer_norm(x, (H,), P["embeddings.LayerNorm.weight"], P["embeddings.LayerNorm.bias"], self.eps)
-        buckets = self.attention_buckets(seq_lens, x.device)
+        buckets: list[tuple] | torch.Tensor
+        if x.is_cpu and encoder_attention.supports(x.dtype, self.head_dim):
+            buckets = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int64)
+        else:
+            buckets = self.attention_buckets(seq_lens, x.device)
         for qkv_w, qkv_b, o_w, o_b, ln1_w, ln1_b, up_w, up_b, down_w, down_b, ln2_w, ln2_b in self._layers:
             ctx = self._attend(linear(x, qkv_w, qkv_b), buckets)
             x = F.layer_norm(linear(ctx, o_w, o_b) + x, (H,), ln1_w, ln1_b, self.eps)
             h = self.act(linear(x, up_w, up_b))
             x = F.layer_norm(linear(h, down_w, down_b) + x, (H,), ln2_w, ln2_b, self.eps)
-        return x
+        return x[:T]

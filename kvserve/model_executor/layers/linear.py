@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
+from kvserve.model_executor.layers.row_buckets import onednn_rows as bucket_rows
 from kvserve.model_executor.layers.row_buckets import pad_rows
 from kvserve.ops import gemm, gemm_amx, huge_pages, quant, quant_pack
 from kvserve.ops.library import DTYPE_SUFFIX
@@ -148,6 +149,15 @@ def onednn_rows(weight: LinearWeight, limit: int) -> tuple[torch.Tensor | None, 
     if isinstance(weight, gemm.PanelWeight):
         return onednn, (weight.max_rows or limit) + 1
     return onednn, 2
+
+
+def gemm_rows(weight: LinearWeight, rows: int) -> int:
+    """The row count ``linear`` runs ``weight`` at for an input of ``rows`` rows: the oneDNN row
+    bucket (``row_buckets.onednn_rows``) where oneDNN runs it, else ``rows``. A caller that
+    lays its rows out padded to this count up front saves every such GEMM the copy into a
+    padded buffer."""
+    onednn, first = onednn_rows(weight, rows)
+    return bucket_rows(rows) if onednn is not None and rows >= max(first, 2) else rows
 
 
 #: ``quantize_weight``'s methods: name -> (quantizer, GGUF block type).

@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.linear import LinearWeight, linear, prepack_weight
-from kvserve.model_executor.layers.row_buckets import onednn_rows
+from kvserve.model_executor.layers.linear import LinearWeight, gemm_rows, linear, prepack_weight
 from kvserve.ops import encoder_attention
 
 _ACTIVATIONS = {
@@ -276,11 +275,11 @@ class BertModel(nn.Module):
         P = self._params
         H = self.hidden_size
         T = input_ids.shape[0]
-        if input_ids.is_cpu:
-            # every GEMM of the step at one oneDNN row bucket (row_buckets): the stream padded
-            # once here (rows past T: token 0 at position 0, attended by nothing, dropped at
-            # the end) instead of each GEMM input copied into a padded buffer
-            pad = onednn_rows(T) - T
+        if self._layers:
+            # where oneDNN runs the step's GEMMs, at a row bucket (row_buckets): the stream
+            # padded once here (rows past T: token 0 at position 0, attended by nothing,
+            # dropped at the end) instead of each GEMM input copied into a padded buffer
+            pad = gemm_rows(self._layers[0][0], T) - T
             if pad:
                 input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
                 if token_type_ids is not None:

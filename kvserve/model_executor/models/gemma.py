@@ -21,9 +21,9 @@ loading, packing and quantization this module reuses):
   ``rope_local_base_freq`` in older configs) while global layers use ``rope_theta`` and its
   scaling. transformers' Gemma 3 does not apply ``attn_logit_softcapping``; neither does this.
 
-Not supported (ValueError at build, naming the family): tensor parallelism, LoRA adapters
-(``supports_lora``), bidirectional attention (``use_bidirectional_attention``), activations
-other than the tanh or exact GELU. Pure-decode steps take the module path
+LoRA adapters run on the fused q/k/v, o, gate/up and down linears as on Llama (module path).
+Not supported (ValueError at build, naming the family): tensor parallelism, bidirectional
+attention (``use_bidirectional_attention``), activations other than the tanh or exact GELU. Pure-decode steps take the module path
 (``use_native_decode`` is False: the one-call decode step knows only the Llama layer).
 """
 
@@ -180,8 +180,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """
 
     use_native_decode = False
-    #: LoRA adapters are not wired for this family (the worker refuses ``enable_lora``).
-    supports_lora = False
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None

@@ -46,7 +46,19 @@ def family(request, tmp_path_factory, default_tokenizer_dir):
     return name, path, hf, adapter, peft_reference(hf, adapter)
 
 
-def test_adapter_and_base_rows_in_one_batch_equal_transformers_and_peft(family):
+def _scaled_copy(adapter: str, path, factor: float) -> str:
+    """A copy of PEFT directory ``adapter`` with every weight multiplied by ``factor``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, path)
+    w = f"{path}/adapter_model.safetensors"
+    save_file({k: v * factor for k, v in load_file(w).items()}, w)
+    return str(path)
+
+
+def test_adapter_and_base_rows_in_one_batch_equal_transformers_and_peft(family, tmp_path):
     name, path, hf, adapter, ref = family
     prompts = prompts_of(4, [13, 37, 22, 9])  # Phi-3: the second prompt passes LongRoPE's 32
     lora = LoRARequest(f"{name}-adapter", 1, adapter)
@@ -60,6 +72,11 @@ def test_adapter_and_base_rows_in_one_batch_equal_transformers_and_peft(family):
             use_tqdm=False,
             lora_request=use,
         )
+        # the load probe runs this family's forward (Gemma: per-window metadata, offset norms):
+        # the same adapter with weights 1e15 times larger is refused by name
+        huge = _scaled_copy(adapter, tmp_path / "huge", 1e15)
+        with pytest.raises(ValueError, match=r"LoRA adapter 'huge' .*probe forward of 8 tokens"):
+            llm.llm_engine.add_lora(LoRARequest("huge", 2, huge))
     finally:
         llm.shutdown()
     for out, (tokens, lps) in zip(outs, want):

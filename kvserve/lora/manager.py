@@ -314,7 +314,7 @@ class LoRAManager:
         """
         from kvserve.model_executor.layers.attention import AttentionMetadata, PrefillChunk
         from kvserve.model_executor.layers.lora import LoRAMapping
-        from kvserve.model_executor.layers.rmsnorm import RMSNorm
+        from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm, RMSNorm
 
         m = self._model
         T = self.PROBE_TOKENS
@@ -322,6 +322,12 @@ class LoRAManager:
         ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(0)).to(self.device)
         positions = torch.arange(T, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(write_idx=None, prefills=[PrefillChunk(0, T, 0)], num_prefill_tokens=T)
+        # a family whose layers differ in window (Gemma) looks up each layer's variant; plain
+        # causal masks in all: the probe judges finiteness, not the values
+        for w in {int(w or 0) for w in getattr(m, "layer_windows", None) or ()} - {0}:
+            meta.windowed[w] = AttentionMetadata(
+                write_idx=None, prefills=[PrefillChunk(0, T, 0)], num_prefill_tokens=T, window=w
+            )
         overflowed: list[bool] = []
 
         def check_norm_input(_mod, inputs, _out):
@@ -331,13 +337,17 @@ class LoRAManager:
                 overflowed.append(True)
 
         hooks = [
-            mod.register_forward_hook(check_norm_input) for mod in m.modules() if isinstance(mod, RMSNorm)
+            mod.register_forward_hook(check_norm_input)
+            for mod in m.modules()
+            if isinstance(mod, (RMSNorm, OffsetRMSNorm))
         ]
         probe = None
         if model is not None:
             probe = self._zero_stacks(1)
             self._copy_into(probe, 0, model)
             meta.lora = LoRAMapping.build(np.zeros(T, dtype=np.int64), self.device)
+            for variant in meta.windowed.values():
+                variant.lora = meta.lora
             self._attach(probe)
         try:
             logits = m.compute_logits(m(ids, positions, None, meta))

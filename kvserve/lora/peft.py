@@ -5,7 +5,13 @@ A PEFT directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rsl
 one ``lora_B`` ``[out, r]`` per adapted linear, under names like
 ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``. PEFT adds
 ``scale * B(A(x))`` to the linear's output, ``scale = lora_alpha / r`` (``lora_alpha /
-sqrt(r)`` with rsLoRA). Everything that would change that formula (DoRA, trained biases,
+sqrt(r)`` with rsLoRA).
+
+Families whose transformers modules are already fused (Phi-3: ``self_attn.qkv_proj``,
+``mlp.gate_up_proj``; ``ModelShapes.fused``) have adapters on those fused linears: ``B``'s rows
+are the parts' outputs one after the other, so such an adapter is the same delta as one
+adapter per part sharing ``A``, each with its rows of ``B`` -- that is how it is stored
+(``split_fused``), and the serving side sees only per-part weights. Everything that would change that formula (DoRA, trained biases,
 ``modules_to_save``, per-module rank or alpha patterns, activated LoRA, replicated layers,
 QA-LoRA, BD-LoRA, trained token embeddings, LoRA on parameters, Arrow, KaSA, MonteCLoRA) is
 refused, not ignored.
@@ -37,7 +43,14 @@ TARGET_MODULES: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
 }
+#: A fused transformers linear (Phi-3's) -> the ``TARGET_MODULES`` parts of its output rows, in order.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 _PARENT = {
+    "qkv_proj": "self_attn",
+    "gate_up_proj": "mlp",
     "q_proj": "self_attn",
     "k_proj": "self_attn",
     "v_proj": "self_attn",
@@ -90,14 +103,32 @@ class ModelShapes:
 
     Attributes:
         num_layers: decoder layers; in_out: PEFT target name -> ``(in_features, out_features)``.
+        fused: whether the family's transformers modules fuse q/k/v and gate/up (Phi-3), so
+            that its adapters target ``FUSED_MODULES`` instead of the parts.
     """
 
     num_layers: int
     in_out: dict[str, tuple[int, int]]
+    fused: bool = False
+
+    @property
+    def module_names(self) -> list[str]:
+        """The PEFT target names an adapter of this model may use: ``TARGET_MODULES``, and on a
+        fused family also ``FUSED_MODULES`` (what PEFT names its linears)."""
+        return list(TARGET_MODULES) + (list(FUSED_MODULES) if self.fused else [])
+
+    def module_in_out(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of PEFT target ``module`` (a fused one: its parts'
+        outputs together)."""
+        if module in FUSED_MODULES:
+            parts = FUSED_MODULES[module]
+            return self.in_out[parts[0]][0], sum(self.in_out[p][1] for p in parts)
+        return self.in_out[module]
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShapes:
-        """Shapes of a Llama-family transformers config."""
+        """Shapes of a transformers config of a family on the decoder skeleton (Llama, Qwen2/3,
+        Mistral, Phi-3, Gemma 2/3)."""
         hidden = cfg.hidden_size
         heads = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or hidden // heads
@@ -115,6 +146,7 @@ class ModelShapes:
                 "up_proj": (hidden, inter),
                 "down_proj": (inter, hidden),
             },
+            fused=getattr(cfg, "model_type", "") == "phi3",
         )
 
 
@@ -122,14 +154,15 @@ def _target_names(target_modules) -> set[str] | None:
     """The PEFT target names ``target_modules`` lists (None: a regex, checked by the weights).
 
     Raises:
-        ValueError: a name that is not one of ``TARGET_MODULES``.
+        ValueError: a name that is neither one of ``TARGET_MODULES`` nor of ``FUSED_MODULES``.
     """
+    known = set(TARGET_MODULES) | set(FUSED_MODULES)
     if target_modules is None:
         raise ValueError("adapter_config.json: target_modules is missing.")
     if isinstance(target_modules, str):
         if target_modules == "all-linear":
-            return set(TARGET_MODULES)
-        if target_modules in TARGET_MODULES:
+            return known
+        if target_modules in known:
             return {target_modules}
         return None  # a regex over module names: the weight names say what it matched
     if not isinstance(target_modules, list):
@@ -139,13 +172,28 @@ def _target_names(target_modules) -> set[str] | None:
     names = set()
     for t in target_modules:
         leaf = str(t).rsplit(".", 1)[-1]
-        if leaf not in TARGET_MODULES:
+        if leaf not in known:
             raise ValueError(
                 f"adapter_config.json: target_modules has {t!r}; supported target modules are "
-                f"{sorted(TARGET_MODULES)}."
+                f"{sorted(known)}."
             )
         names.add(leaf)
     return names
+
+
+def split_fused(
+    module: str, a: torch.Tensor, b: torch.Tensor, shapes: ModelShapes
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """A LoRA on fused linear ``module`` (``FUSED_MODULES``: ``A`` ``[r, in]``, ``B``
+    ``[sum of the parts' out, r]``) as one LoRA per part: ``(part, A, B's rows of the part)``.
+    ``B x A`` restricted to a part's output rows is that part's rows of ``B`` times ``A``, so the
+    deltas are the same. ``B`` must have the parts' total rows (the caller checked it)."""
+    out, row = [], 0
+    for part in FUSED_MODULES[module]:
+        n = shapes.in_out[part][1]
+        out.append((part, a, b[row : row + n]))
+        row += n
+    return out
 
 
 class AdapterFileError(ValueError):
@@ -364,10 +412,10 @@ def load_peft_adapter(
         if m is None:
             raise ValueError(f"{wpath}: {name!r} is not a LoRA weight of a decoder-layer linear.")
         layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if module not in TARGET_MODULES or _PARENT[module] != parent:
+        if module not in shapes.module_names or _PARENT[module] != parent:
             raise ValueError(
-                f"{wpath}: {name!r} targets {parent}.{module}; supported target modules are "
-                f"{sorted(TARGET_MODULES)}."
+                f"{wpath}: {name!r} targets {parent}.{module}; supported target modules of this "
+                f"model are {sorted(shapes.module_names)}."
             )
         if targets is not None and module not in targets:
             raise ValueError(f"{wpath}: {name!r} targets {module}, which target_modules does not list.")
@@ -387,7 +435,7 @@ def load_peft_adapter(
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: has lora_{'A' if 'A' in ab else 'B'} without its pair.")
         a, b = ab["A"], ab["B"]
-        fin, fout = shapes.in_out[module]
+        fin, fout = shapes.module_in_out(module)
         if (
             a.dim() != 2
             or b.dim() != 2
@@ -416,6 +464,17 @@ def load_peft_adapter(
                     f"{where}: {ab_name} is not finite in {dtype} (a NaN/inf weight, or "
                     f"lora_alpha={alpha!r} / r={r_cfg} scaling it past the dtype's range)."
                 )
-        model.weights[(layer, module)] = (a_dev, b_dev)
+        split = (
+            split_fused(module, a_dev, b_dev, shapes) if module in FUSED_MODULES else [(module, a_dev, b_dev)]
+        )
+        for part, pa, pb in split:
+            if (layer, part) in model.weights:
+                other = (
+                    part
+                    if module in FUSED_MODULES
+                    else next(f for f, ps in FUSED_MODULES.items() if part in ps)
+                )
+                raise ValueError(f"{where}: {part} is adapted twice, by {module} and by {other}.")
+            model.weights[(layer, part)] = (pa, pb.contiguous())
         model.rank = max(model.rank, r)
     return model

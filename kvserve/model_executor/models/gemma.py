@@ -21,9 +21,11 @@ loading, packing and quantization this module reuses):
   ``rope_local_base_freq`` in older configs) while global layers use ``rope_theta`` and its
   scaling. transformers' Gemma 3 does not apply ``attn_logit_softcapping``; neither does this.
 
-Not supported (ValueError at build, naming the family): tensor parallelism, LoRA adapters
-(``supports_lora``), bidirectional attention (``use_bidirectional_attention``), activations
-other than the tanh or exact GELU. Pure-decode steps take the module path
+LoRA adapters run on the fused q/k/v, o, gate/up and down linears as on Llama (module path).
+Tensor parallelism shards as Llama does (heads and MLP columns, the vocab-parallel LM head; the
+q/k norms are per head dimension, so every rank holds them whole); the final soft-cap applies
+to the gathered logits. Not supported (ValueError at build, naming the family): bidirectional
+attention (``use_bidirectional_attention``), activations other than the tanh or exact GELU. Pure-decode steps take the module path
 (``use_native_decode`` is False: the one-call decode step knows only the Llama layer).
 """
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAttention
-from kvserve.model_executor.layers.linear import linear, lm_head_logits
+from kvserve.model_executor.layers.linear import linear
 from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from kvserve.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _lora
@@ -74,8 +76,8 @@ class GemmaAttention(LlamaAttention):
     """Llama's attention with Gemma's scale, optional per-head q/k norms (Gemma 3), an optional
     logit soft-cap (Gemma 2) and this layer's sliding ``window`` (tokens, ``None`` = global)."""
 
-    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, window: int | None, qk_norm: bool):
-        super().__init__(cfg, rope, dtype, device, None)
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, window: int | None, qk_norm: bool, tp=None):
+        super().__init__(cfg, rope, dtype, device, tp)
         self.window = window
         softcap = getattr(cfg, "attn_logit_softcapping", None) if _family(cfg) == "Gemma 2" else None
         scale = float(cfg.query_pre_attn_scalar) ** -0.5
@@ -105,12 +107,14 @@ class GemmaAttention(LlamaAttention):
 
 
 class GemmaMLP(LlamaMLP):
-    """GeGLU MLP: ``down(gelu(gate(x)) * up(x))`` with the config's ``hidden_activation``."""
+    """GeGLU MLP: ``down(gelu(gate(x)) * up(x))`` with the config's ``hidden_activation``; with
+    a tensor-parallel group ``tp`` of size T this rank holds 1/T of the intermediate columns
+    (as ``LlamaMLP``)."""
 
-    def __init__(self, cfg, dtype, device):
+    def __init__(self, cfg, dtype, device, tp=None):
         nn.Module.__init__(self)
-        self.tp = None
-        self.inter = cfg.intermediate_size
+        self.tp = tp
+        self.inter = cfg.intermediate_size // (1 if tp is None else int(tp.world_size))
         self.gate_up_weight = nn.Parameter(
             torch.empty(2 * self.inter, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -134,16 +138,16 @@ class GemmaMLP(LlamaMLP):
         g.mul_(gu[:, self.inter :])
         out = linear(g, self.down_weight)
         _lora(self, "down", g, out, lora)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GemmaDecoderLayer(nn.Module):
     """One Gemma layer: ``x + post_attn(attn(in(x)))``, then ``x + post_ff(mlp(pre_ff(x)))``."""
 
-    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, window: int | None, qk_norm: bool):
+    def __init__(self, cfg, rope: RotaryEmbedding, dtype, device, window: int | None, qk_norm: bool, tp=None):
         super().__init__()
-        self.self_attn = GemmaAttention(cfg, rope, dtype, device, window, qk_norm)
-        self.mlp = GemmaMLP(cfg, dtype, device)
+        self.self_attn = GemmaAttention(cfg, rope, dtype, device, window, qk_norm, tp)
+        self.mlp = GemmaMLP(cfg, dtype, device, tp)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(h, eps, dtype, device)
         self.post_attention_layernorm = OffsetRMSNorm(h, eps, dtype, device)
@@ -164,8 +168,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     Args:
         hf_config: a transformers ``Gemma2Config`` / ``Gemma3TextConfig``.
-        dtype, device, max_position: as ``LlamaForCausalLM``.
-        tp: must be ``None`` (one process).
+        dtype, device, max_position, tp: as ``LlamaForCausalLM``.
 
     Attributes:
         layer_windows: per layer its sliding window (tokens) or ``None``; the runner builds
@@ -175,26 +178,22 @@ class GemmaForCausalLM(LlamaForCausalLM):
         final_softcap: the final logit soft-cap or ``None``.
 
     Raises:
-        ValueError: tensor parallelism, bidirectional attention, an unsupported activation or
-            ``layer_types`` entry, naming the family and the field.
+        ValueError: bidirectional attention, an unsupported activation or ``layer_types``
+            entry, naming the family and the field; ``LlamaForCausalLM``'s errors.
     """
 
     use_native_decode = False
-    #: LoRA adapters are not wired for this family (the worker refuses ``enable_lora``).
-    supports_lora = False
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
     ):
         family = _family(hf_config)
-        if tp is not None and int(tp.world_size) > 1:
-            raise ValueError(f"tensor_parallel_size={tp.world_size} is not supported for {family} models")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError(f"config.json: use_bidirectional_attention is not supported for {family} models")
         self.family = family
         self.layer_windows = layer_windows(hf_config)
         self._qk_norm = family == "Gemma 3"
-        super().__init__(hf_config, dtype, device, max_position, None)
+        super().__init__(hf_config, dtype, device, max_position, tp)
         cfg = hf_config
         self.attn_softcap = self.layers[0].self_attn.attn.softcap
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None) or None
@@ -205,7 +204,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         )
 
     def _decoder_layer(self, cfg, index: int, dtype, device) -> nn.Module:
-        return GemmaDecoderLayer(cfg, self.rope, dtype, device, self.layer_windows[index], self._qk_norm)
+        return GemmaDecoderLayer(
+            cfg, self.rope, dtype, device, self.layer_windows[index], self._qk_norm, self.tp
+        )
 
     def _final_norm(self, cfg, dtype, device) -> nn.Module:
         return OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -229,11 +230,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
             x = layer(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits ``[N, vocab_size]`` for ``[N, hidden_size]``, soft-capped by
-        ``final_logit_softcapping`` when the config sets it."""
-        logits = lm_head_logits(hidden, self.lm_head)
-        if self.final_softcap:
+        ``final_logit_softcapping`` when the config sets it. Under tensor parallelism as
+        ``LlamaForCausalLM.compute_logits`` (every rank calls it; the driver gets the capped
+        logits, the other ranks ``None``)."""
+        logits = super().compute_logits(hidden)
+        if logits is not None and self.final_softcap:
             c = float(self.final_softcap)
             logits = torch.tanh(logits / c) * c
         return logits

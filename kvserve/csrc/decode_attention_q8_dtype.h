@@ -10,7 +10,11 @@
    value row is p * v_scale. One work item per (query row, KV head) for all its query heads
    (GQA); two passes over the keys (scores, then the weighted values) as the unquantized kernel,
    float32 sums, an exact softmax (max subtracted, exp16 of kv_vec.h). head_dim % 16 == 0 and
-   up to MAXG query heads per KV head take the vector path, other shapes a scalar loop. */
+   up to MAXG query heads per KV head take the vector path, other shapes a scalar loop.
+   int8 codes on CPUs with AVX-512 VNNI and BW: integer dot products for the scores
+   (q8_dot_scores) and, for head_dim % 32 == 0, the weighted values (q8_dot_pv), instead of
+   widening every code to float32 (the float path: float8 codes, other CPUs, and
+   kv_decode_attention_set_q8_dot(0)). */
 
 /* Shared by both dtype instantiations (the template is included once per ELEM). */
 #ifndef DA_Q8_COMMON

@@ -146,6 +146,61 @@ static inline
 static int q8_dot_on = Q8_DOT;
 
 #if Q8_DOT
+/* The next 16 keys' rows for the integer path: row pointers into r (keys past the n left: the
+   zero row), their scales as float32 (0 there), the item's read cursor (*bi, *off) advanced by
+   16 and the prefetch cursor (*pb, *po, as q8_prefetch_next) too. Sixteen rows inside one block
+   are contiguous: then no per-key cursor steps, the scales come in one gather (4 bytes ending
+   with each scale: never past the row) and the prefetch covers the 16 rows ahead line by line
+   when they share a block too; otherwise key by key, the scales through memory. */
+static inline __attribute__((always_inline)) v16 q8_rows16(const int8_t* base, const int64_t* tb, int64_t BS,
+                                                           int64_t W, int64_t D, int64_t nbi, int64_t n,
+                                                           const int8_t* zero, int64_t* bi, int64_t* off,
+                                                           int64_t* pb, int64_t* po, const int8_t** r) {
+    if (n >= 16 && *off + 16 <= BS) {
+        const int8_t* r0 = base + (tb[*bi] * BS + *off) * W;
+        for (int64_t j = 0; j < 16; ++j) r[j] = r0 + j * W;
+        if ((*off += 16) == BS) {
+            *off = 0;
+            ++*bi;
+        }
+        if (*po + 16 <= BS) {
+            if (*pb < nbi) {
+                const int8_t* f = base + (tb[*pb] * BS + *po) * W;
+                for (int64_t o = 0; o < 16 * W; o += 64) __builtin_prefetch(f + o, 0, Q8_LOC);
+                __builtin_prefetch(f + 16 * W - 1, 0, Q8_LOC);
+            }
+            if ((*po += 16) == BS) {
+                *po = 0;
+                ++*pb;
+            }
+        } else
+            for (int64_t j = 0; j < 16; ++j) q8_prefetch_next(base, tb, BS, W, nbi, pb, po);
+        uint16_t h[16];
+        for (int64_t k = 0; k < 16; ++k) memcpy(h + k, r0 + k * W + D, 2);
+        const __m256i hv =
+            _mm256_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                              (short)h[6], (short)h[7], (short)h[8], (short)h[9], (short)h[10], (short)h[11],
+                              (short)h[12], (short)h[13], (short)h[14], (short)h[15]);
+        return (v16)_mm512_cvtph_ps(hv);
+    }
+    uint16_t s16[16];
+    for (int64_t j = 0; j < 16; ++j) {
+        if (j < n) {
+            r[j] = base + (tb[*bi] * BS + *off) * W;
+            q8_prefetch_next(base, tb, BS, W, nbi, pb, po);
+            memcpy(s16 + j, r[j] + D, 2);
+            if (++*off == BS) {
+                *off = 0;
+                ++*bi;
+            }
+        } else {
+            r[j] = zero;
+            s16[j] = 0;
+        }
+    }
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s16));
+}
+
 /* Scores of keys s0 .. s1 - 1 (int8 codes) into sc[g * Lp + (p - s0)]: the integer dot products
    above. qv: the G query heads times the softmax scale, C vectors each (D = 16 C); tb, BS, nbi,
    off0: the item's block cursor (q8_item). Lanes past s1 in the last 16 are left as garbage
@@ -177,21 +232,7 @@ q8_dot_scores(const v16* qv, const int8_t* kbase, const int64_t* tb, int64_t G, 
     int64_t bi = 0, off = off0, pb = (off0 + Q8_AHEAD) / BS, po = (off0 + Q8_AHEAD) % BS;
     for (int64_t p = s0; p < s1; p += 16) {
         const int8_t* r[16];
-        uint16_t ks16[16];
-        for (int64_t j = 0; j < 16; ++j) {
-            if (p + j < s1) {
-                r[j] = kbase + (tb[bi] * BS + off) * W;
-                q8_prefetch_next(kbase, tb, BS, W, nbi, &pb, &po);
-                memcpy(ks16 + j, r[j] + D, 2);
-                if (++off == BS) {
-                    off = 0;
-                    ++bi;
-                }
-            } else {
-                r[j] = zero;
-                ks16[j] = 0;
-            }
-        }
+        const v16 ksv = q8_rows16(kbase, tb, BS, W, D, nbi, s1 - p, zero, &bi, &off, &pb, &po, r);
         __m512i lo[MAXG], hi[MAXG];
         for (int64_t g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_si512();
         for (int64_t ch = 0; ch < NCH; ++ch) {
@@ -208,7 +249,6 @@ q8_dot_scores(const v16* qv, const int8_t* kbase, const int64_t* tb, int64_t G, 
                 }
             }
         }
-        const v16 ksv = (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)ks16));
         for (int64_t g = 0; g < G; ++g) {
             const __m512i t = _mm512_add_epi32(
                 _mm512_slli_epi32(_mm512_sub_epi32(hi[g], _mm512_set1_epi32(bias[g])), 8), lo[g]);
@@ -239,29 +279,14 @@ static inline __attribute__((always_inline)) void q8_dot_pv(const float* sc, int
     int64_t bi = 0, off = off0, pb = (off0 + Q8_AHEAD) / BS, po = (off0 + Q8_AHEAD) % BS;
     for (int64_t p = s0; p < s1; p += 16) {
         const int8_t* r[16];
-        uint16_t vs16[16];
-        for (int64_t j = 0; j < 16; ++j) {
-            if (p + j < s1) {
-                r[j] = vbase + (tb[bi] * BS + off) * W;
-                q8_prefetch_next(vbase, tb, BS, W, nbi, &pb, &po);
-                memcpy(vs16 + j, r[j] + D, 2);
-                if (++off == BS) {
-                    off = 0;
-                    ++bi;
-                }
-            } else {
-                r[j] = zero;
-                vs16[j] = 0;
-            }
-        }
-        const v16 vsv = (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)vs16));
+        const v16 vsv = q8_rows16(vbase, tb, BS, W, D, nbi, s1 - p, zero, &bi, &off, &pb, &po, r);
         int32_t wp[MAXG * 8]; /* head g, key pair k: (wq[2k], wq[2k + 1]) as one dword */
         float bsc[MAXG];
         for (int64_t g = 0; g < G; ++g) {
             v16 w;
             memcpy(&w, sc + g * Lp + (p - s0), sizeof w);
             w *= vsv;
-            const float wmax = hmax16(w), inv = wmax > 0 ? 32767.0f / wmax : 0.0f;
+            const float wmax = _mm512_reduce_max_ps((__m512)w), inv = wmax > 0 ? 32767.0f / wmax : 0.0f;
             bsc[g] = wmax / 32767.0f;
             const __m512i wi =
                 _mm512_min_epi32(_mm512_cvtps_epi32((__m512)(w * inv)), _mm512_set1_epi32(32767));

@@ -100,17 +100,18 @@ static inline float q8_ld1(const int8_t* p, int kind) {
    scattered, so the hardware prefetcher stops at each block's end; the distance is in keys, not
    blocks, so small blocks get as much warning as large ones. (*pb, *po): the prefetch cursor
    (block index into the item's table row tb, offset), advanced by one key; nbi: the blocks the
-   item's keys span (rows past the last key in its block are prefetched, harmlessly). A row of
-   W bytes spans at most 3 cache lines: its first and last bytes name the outer two, the rows
-   before and after it in the block the middle one. */
+   item's keys span (rows past the last key in its block are prefetched, harmlessly). Every
+   64 bytes of the row and its last byte: each cache line it touches. */
 #define Q8_AHEAD 64
+/* __builtin_prefetch locality 1 (PREFETCHT2, into L2): beat L1 prefetches when other processes
+   load the machine (docs/benchmarks.md, KV cache dtypes). */
 #define Q8_LOC 1
 static inline
     __attribute__((always_inline)) void q8_prefetch_next(const int8_t* base, const int64_t* tb, int64_t BS,
                                                          int64_t W, int64_t nbi, int64_t* pb, int64_t* po) {
     if (*pb < nbi) {
         const int8_t* r = base + (tb[*pb] * BS + *po) * W;
-        __builtin_prefetch(r, 0, Q8_LOC);
+        for (int64_t o = 0; o < W; o += 64) __builtin_prefetch(r + o, 0, Q8_LOC);
         __builtin_prefetch(r + W - 1, 0, Q8_LOC);
     }
     if (++*po == BS) {
@@ -134,7 +135,7 @@ static inline
    |hi - 128 sum(qh)| = |sum k qh| <= 256 * 128 * 128 = 2^22 (times 256: 2^30), |lo| <=
    256 * 128 * 255 < 2^23, so every int32 lane and the sum stay below 2^31. The integer dot is
    exact; the only error is the query's rounding, |q16 sq - q| <= sq / 2 = max|q| / 65534 per
-   element: |score error| <= max|q| * k_scale * sum|k| / 65534 (float32 scores: ~1e-7 relative).
+   element: |score error| <= max|q| * k_scale * sum|k| / 65534.
    q8_dot_on turns it off at run time (kv_decode_attention_set_q8_dot: A/B comparisons, tests
    of the float path that CPUs without VNNI take). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -149,9 +150,10 @@ static int q8_dot_on = Q8_DOT;
 /* The next 16 keys' rows for the integer path: row pointers into r (keys past the n left: the
    zero row), their scales as float32 (0 there), the item's read cursor (*bi, *off) advanced by
    16 and the prefetch cursor (*pb, *po, as q8_prefetch_next) too. Sixteen rows inside one block
-   are contiguous: then no per-key cursor steps, the scales come in one gather (4 bytes ending
-   with each scale: never past the row) and the prefetch covers the 16 rows ahead line by line
-   when they share a block too; otherwise key by key, the scales through memory. */
+   are contiguous: then no per-key cursor steps, the scales are loaded one by one into a vector
+   (a round trip through memory, 16 two-byte stores read back as one vector, stalls store
+   forwarding; a VPGATHERDD was slower still) and the prefetch covers the 16 rows ahead line by
+   line when they share a block too; otherwise key by key, the scales through memory. */
 static inline __attribute__((always_inline)) v16 q8_rows16(const int8_t* base, const int64_t* tb, int64_t BS,
                                                            int64_t W, int64_t D, int64_t nbi, int64_t n,
                                                            const int8_t* zero, int64_t* bi, int64_t* off,

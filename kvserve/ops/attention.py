@@ -41,9 +41,11 @@ _LIB = NativeLibrary(
         **{f"kv_paged_decode_attention_{sfx}": _ARGS for sfx in DTYPE_SUFFIX.values()},
         **{f"kv_paged_decode_attention_q8_{sfx}": _Q8_ARGS for sfx in DTYPE_SUFFIX.values()},
         "kv_decode_attention_set_amx": [ctypes.c_int],
+        "kv_decode_attention_set_q8_dot": [ctypes.c_int],
     },
     restypes={
         "kv_decode_attention_set_amx": ctypes.c_int,
+        "kv_decode_attention_set_q8_dot": ctypes.c_int,
         **{f"kv_paged_decode_attention_q8_{sfx}": ctypes.c_int for sfx in DTYPE_SUFFIX.values()},
     },
 )
@@ -77,6 +79,14 @@ def set_amx(on: bool) -> bool:
 
     _amx_state = bool(_LIB.call("kv_decode_attention_set_amx", int(bool(on) and gemm_amx.available())))
     return _amx_state
+
+
+def set_q8_dot(on: bool) -> bool:
+    """Turn the integer dot-product path of int8 caches on (the default) or off for every later
+    call; returns whether it is on: only where the library was built with AVX-512 VNNI and BW
+    (off, or on other CPUs, int8 codes are widened to float32 as float8 ones are). The library
+    must be available. For A/B comparisons and tests of the float path."""
+    return bool(_LIB.call("kv_decode_attention_set_q8_dot", int(bool(on))))
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:

@@ -8,6 +8,8 @@
  * - rms_norm: optional residual add, then RMSNorm (Zhang & Sennrich, 2019) -- the numerics of
  *   HF transformers' LlamaRMSNorm: statistics in float32, the normalised value rounded to the
  *   model dtype before the weight multiply.
+ * - offset_rms_norm: Gemma's RMSNorm (scale 1 + weight, all in float32, one rounding), over whole
+ *   rows or over the heads of q/k columns in place, optionally followed by the residual add.
  * - silu_and_mul: silu(gate) * up over a fused [T, 2 * I] gate/up projection
  *   (SwiGLU, Shazeer 2020), each product rounded like torch's silu then mul.
  * - rope_write_kv: rotary embedding of q and k from the fused qkv projection, with the

@@ -40,6 +40,45 @@ void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out
     }
 }
 
+/* Gemma's RMSNorm over rows of D elements: row (t, g) at x + t * ldx + g * D, written to
+   out + t * ldo + g * D (in place when out == x: each row is read whole before it is written).
+   y = x / sqrt(mean(x^2) + eps) * w1 in float32 (w1 = 1 + weight, float32), rounded once to the
+   storage dtype; with add (laid out as out) y = add + y, rounded again -- the numerics of
+   transformers' Gemma3RMSNorm followed by the residual add in the model dtype. */
+void CAT(offset_rms_norm_, SFX)(const ELEM* x, int64_t ldx, const float* w1, const ELEM* add, ELEM* out,
+                                int64_t ldo, int64_t T, int64_t G, int64_t D, float eps, int nthreads) {
+    const int64_t D16 = D & ~(int64_t)15, rows = T * G;
+#pragma omp parallel for schedule(static) num_threads(rows >= 128 ? nthreads : 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / G, g = r % G;
+        const ELEM* src = x + t * ldx + g * D;
+        const ELEM* ar = add ? add + t * ldo + g * D : NULL;
+        ELEM* orow = out + t * ldo + g * D;
+        v16 ss = (v16){};
+        float tail = 0.0f;
+        int64_t i = 0;
+        for (; i < D16; i += 16) {
+            v16 v = CAT(ld16_, SFX)(src + i);
+            ss += v * v;
+        }
+        for (; i < D; ++i) {
+            float v = CAT(ld1_, SFX)(src + i);
+            tail += v * v;
+        }
+        const float inv = 1.0f / sqrtf((hsum16(ss) + tail) / (float)D + eps);
+        for (i = 0; i < D16; i += 16) {
+            v16 y = CAT(ld16_, SFX)(src + i) * inv * ld16_f32(w1 + i);
+            if (ar) y = CAT(round16_, SFX)(y) + CAT(ld16_, SFX)(ar + i);
+            CAT(st16_, SFX)(orow + i, y);
+        }
+        for (; i < D; ++i) {
+            v16 y = (v16){} + CAT(ld1_, SFX)(src + i) * inv * w1[i];
+            if (ar) y = CAT(round16_, SFX)(y) + CAT(ld1_, SFX)(ar + i);
+            CAT(st1_, SFX)(orow + i, y[0]);
+        }
+    }
+}
+
 void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, int nthreads) {
     const int64_t I16 = I & ~(int64_t)15;
 #pragma omp parallel for schedule(static) num_threads(T >= 32 ? nthreads : 1)

@@ -4,7 +4,9 @@ Qwen3, Gemma 2 / 3) straight from it, keeping its quantized weights quantized
 
 Linear weights (q/k/v, o, gate/up, down, the LM head) and the token embedding of a type in
 ``quant.BLOCK_BYTES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) stay in their GGUF blocks (``QuantWeight``) and
-run on the kernels of ``csrc/quant_gemm.c``. Everything else (float tensors, norms, and
+run on the kernels of ``csrc/quant_gemm.c``. Q5_0 tensors are repacked at load into Q8_0
+blocks holding the same weights exactly (``quant_pack.q8_0_from_q5_0``) and run as Q8_0, so a
+fused weight of Q5_0 and Q8_0 parts (Gemma 3's q/k and v) stays quantized. Everything else (float tensors, norms, and
 quantized types without a kernel) is dequantized once at load into the model dtype, with one
 log line per type. A fused weight (q/k/v, gate/up) stays quantized only when all its parts
 share one supported type.
@@ -35,12 +37,20 @@ from kvserve.model_executor.gguf_convert import (
     unpermute_qk,
 )
 from kvserve.ops import quant
+from kvserve.ops.quant_pack import q8_0_from_q5_0
 
 logger = logging.getLogger("kvserve.gguf")
 
+#: GGUF types without a kernel that load as another kernel's blocks, exactly: type -> (the type
+#: they run as, the repacking of ``[out, row_bytes]`` uint8 rows).
+REPACKED = {"q5_0": ("q8_0", q8_0_from_q5_0)}
+
 
 def _qtype(t) -> str | None:
+    """The kernel type ``t`` runs as (its own, or the one it is repacked into), or None."""
     name = t.tensor_type.name.lower()
+    if name in REPACKED:
+        return REPACKED[name][0]
     return name if name in quant.BLOCK_BYTES else None
 
 
@@ -65,12 +75,22 @@ def _float_array(path: Path, t, logged: set) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(_shape(t))
 
 
-def _rows(t, perm_heads: int | None) -> np.ndarray:
-    """The quantized bytes of ``t`` as ``[out, row_bytes]``, q/k rows in HF order."""
+def _rows(path: Path, t, perm_heads: int | None, logged: set) -> np.ndarray:
+    """The quantized bytes of ``t`` as ``[out, row_bytes]`` of its kernel type (``_qtype``),
+    q/k rows in HF order; a type in ``REPACKED`` is repacked (one log line per type)."""
     out, inp = _shape(t)
     qtype = _qtype(t)
     assert qtype is not None
-    rows = np.asarray(t.data).reshape(out, quant.row_bytes(qtype, inp))
+    rows = np.asarray(t.data).reshape(out, -1)
+    kind = t.tensor_type.name.lower()
+    if kind in REPACKED:
+        if kind not in logged:
+            logged.add(kind)
+            logger.info(
+                "%s: %s tensors repacked to %s at load (exact)", path.name, kind.upper(), qtype.upper()
+            )
+        rows = REPACKED[kind][1](rows)
+    assert rows.shape[1] == quant.row_bytes(qtype, inp)
     if perm_heads is not None:
         rows = rows[unpermute_qk(np.arange(out), perm_heads)]
     return rows
@@ -161,7 +181,9 @@ def load_gguf_model(
             types = {_qtype(t) for t, _, _ in present}
             qtype = types.pop() if len(types) == 1 else None  # the parts' one supported type
             if qtype is not None:
-                rows = np.concatenate([_rows(t, h) for t, _, h in present])  # a copy: owns its memory
+                rows = np.concatenate(
+                    [_rows(path, t, h, logged) for t, _, h in present]
+                )  # a copy: owns its memory
                 qw = quant.QuantWeight(torch.from_numpy(rows), qtype, _shape(present[0][0])[1])
                 _set(module, attr, qw)
                 if attr == "embed_tokens" and model.tie_word_embeddings:

@@ -2,6 +2,8 @@
 measurements in ``kvserve/csrc/ops.c``): each does in one pass what takes torch several ops.
 
 - ``rms_norm``: optional residual add, then RMSNorm with ``LlamaRMSNorm``'s numerics.
+- ``offset_rms_norm`` / ``offset_rms_norm_heads_``: Gemma's RMSNorm (``1 + weight``, float32),
+  then an optional residual add; per head in place on q/k columns.
 - ``silu_and_mul``: ``silu(gate) * up`` over a fused ``[T, 2 * I]`` gate/up projection.
 - ``rope_write_kv``: rotary embedding of q and k from the fused qkv projection, the rotated k
   and the v written straight into their KV-cache slots.
@@ -24,6 +26,7 @@ _p, _i64, _f, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGS = {}
 for _sfx in DTYPE_SUFFIX.values():
     _SIGS[f"rms_norm_{_sfx}"] = [_p, _p, _p, _p, _i64, _i64, _f, _i]
+    _SIGS[f"offset_rms_norm_{_sfx}"] = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _f, _i]
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
 _SIGS["greedy_sample_f32"] = [_p, _i64, _i64, _p, _p, _i]
@@ -82,6 +85,88 @@ def rms_norm(
         torch.get_num_threads(),
     )
     return out
+
+
+def offset_rms_norm(
+    x: torch.Tensor, weight1: torch.Tensor, eps: float, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gemma's RMSNorm of ``x`` ``[T, H]``: ``x / sqrt(mean(x**2, -1) + eps) * weight1`` in float32,
+    rounded to ``x``'s dtype; with ``add`` (``[T, H]``, ``x``'s dtype) returns ``add + that``
+    (rounded again), the residual add after Gemma's post-norms. A new ``[T, H]`` tensor.
+
+    Args:
+        weight1: float32 ``[H]``, the scale ``1 + weight`` (Gemma stores the offset).
+    Raises:
+        ValueError: shapes do not match, or the inputs are not contiguous CPU float32/bfloat16
+            (``x`` and ``add`` of one dtype) with the library available.
+    """
+    if x.dim() != 2 or weight1.shape != (x.shape[1],) or (add is not None and add.shape != x.shape):
+        raise ValueError(
+            f"offset_rms_norm: x {tuple(x.shape)} weight1 {tuple(weight1.shape)} "
+            f"add {None if add is None else tuple(add.shape)}"
+        )
+    if (
+        not supported(*((x,) if add is None else (x, add)))
+        or not supported(weight1)
+        or weight1.dtype != torch.float32
+    ):
+        raise ValueError(
+            "offset_rms_norm: x/add contiguous CPU float32/bfloat16 of one dtype, weight1 float32"
+        )
+    out = torch.empty_like(x)
+    T, H = x.shape
+    _LIB.call(
+        f"offset_rms_norm_{DTYPE_SUFFIX[x.dtype]}",
+        x,
+        H,
+        weight1,
+        add,
+        out,
+        H,
+        T,
+        1,
+        H,
+        float(eps),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def offset_rms_norm_heads_(
+    qkv: torch.Tensor, start: int, heads: int, weight1: torch.Tensor, eps: float
+) -> None:
+    """Gemma 3's q or k norm in place: ``offset_rms_norm`` of each of the ``heads`` head vectors
+    (``len(weight1)`` elements each) in columns ``[start, start + heads * len(weight1))`` of every
+    row of ``qkv`` ``[T, C]`` (a fused q/k/v projection), the other columns untouched.
+
+    Raises:
+        ValueError: the columns do not fit, ``qkv`` is not a contiguous 2-D CPU float32/bfloat16
+            tensor, or ``weight1`` is not float32 with the library available.
+    """
+    D = weight1.shape[0] if weight1.dim() == 1 else -1
+    if qkv.dim() != 2 or D <= 0 or start < 0 or heads < 0 or start + heads * D > qkv.shape[1]:
+        raise ValueError(
+            f"offset_rms_norm_heads_: qkv {tuple(qkv.shape)} columns [{start}, {start} + {heads} x "
+            f"{tuple(weight1.shape)})"
+        )
+    if not supported(qkv) or not supported(weight1) or weight1.dtype != torch.float32:
+        raise ValueError("offset_rms_norm_heads_: qkv contiguous CPU float32/bfloat16, weight1 float32")
+    ptr = qkv.data_ptr() + start * qkv.element_size()
+    T, C = qkv.shape
+    _LIB.call(
+        f"offset_rms_norm_{DTYPE_SUFFIX[qkv.dtype]}",
+        ptr,
+        C,
+        weight1,
+        None,
+        ptr,
+        C,
+        T,
+        heads,
+        D,
+        float(eps),
+        torch.get_num_threads(),
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,13 @@ the existing kernels run them:
   ``d * q + m``. Bytes of a block: ``d``, ``m``, then 16 bytes whose low nibbles hold codes
   0-15 and high nibbles codes 16-31.
 - Q8_0, per 32 weights: float16 ``d``, int8 codes, weight ``d * q``.
+
+GGUF Q5_0 blocks, which have no kernel, are repacked losslessly into Q8_0 (``q8_0_from_q5_0``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve.ops.quant import BLOCK_ELEMS, QuantWeight
@@ -67,6 +70,47 @@ def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> QuantWeight:
     dd[..., 0] = d
     dd = dd.view(torch.uint8)
     return QuantWeight(torch.cat([dd, q], dim=-1).reshape(n, -1).contiguous(), "q8_0", k)
+
+
+#: Bytes of a GGUF Q5_0 block: float16 ``d``, 4 bytes of high bits, 16 bytes of low nibbles.
+Q5_0_BLOCK_BYTES = 22
+#: Bytes of a Q8_0 block: float16 ``d``, 32 int8 codes.
+Q8_0_BLOCK_BYTES = 34
+
+
+def q8_0_from_q5_0(blocks: np.ndarray) -> np.ndarray:
+    """GGUF Q5_0 blocks rewritten as Q8_0 blocks holding exactly the same weights.
+
+    A Q5_0 block (ggml's ``block_q5_0``) stores per 32 weights a float16 ``d``, a little-endian
+    uint32 ``qh`` whose bit ``i`` is bit 4 of code ``i``, and 16 bytes whose low nibbles hold
+    bits 0-3 of codes 0-15 and high nibbles those of codes 16-31; weight ``i`` is
+    ``d * (q_i - 16)`` with ``q_i`` in ``[0, 31]``. That is a Q8_0 block with the same ``d``
+    bytes and int8 codes ``q_i - 16`` in ``[-16, 15]``, so the dequantized values are
+    bit-identical (both compute ``float(d) * code``). Vectorized over all blocks.
+
+    Args:
+        blocks: uint8 ``[..., n * 22]``: rows of whole Q5_0 blocks (e.g. ``[out, row_bytes]``).
+    Returns:
+        uint8 ``[..., n * 34]``, a new C-contiguous array of Q8_0 blocks (34/22 of the bytes).
+    Raises:
+        ValueError: not uint8, or a last dimension that is not whole blocks.
+    """
+    if blocks.dtype != np.uint8 or blocks.ndim == 0 or blocks.shape[-1] % Q5_0_BLOCK_BYTES:
+        raise ValueError(
+            f"q8_0_from_q5_0: need uint8 rows of whole {Q5_0_BLOCK_BYTES}-byte blocks, "
+            f"got {blocks.dtype} {blocks.shape}"
+        )
+    lead = blocks.shape[:-1]
+    nb = blocks.shape[-1] // Q5_0_BLOCK_BYTES
+    b = blocks.reshape(-1, Q5_0_BLOCK_BYTES)
+    high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")  # [blocks, 32]: bit i of qh
+    qs = b[:, 6:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    out = np.empty((b.shape[0], Q8_0_BLOCK_BYTES), dtype=np.uint8)
+    out[:, :2] = b[:, :2]
+    # (q - 16) as int8 two's complement, written as uint8 bytes
+    np.subtract(low | (high << 4), 16, out=out[:, 2:], casting="unsafe")
+    return out.reshape(*lead, nb * Q8_0_BLOCK_BYTES)
 
 
 #: Candidate ranges of a block for the Q4_1 search: fractions of its ``max - min`` trimmed

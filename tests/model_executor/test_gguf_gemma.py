@@ -1,6 +1,8 @@
 """A tiny Gemma 3 written as llama.cpp writes a gemma3 GGUF (norm scales stored as ``1 + weight``,
 q/k rows unpermuted, ``gemma3.*`` metadata) runs through both GGUF paths with transformers'
-greedy tokens and logprobs of the same weights."""
+greedy tokens and logprobs of the same weights; so does one with the block types of the Q4_K_M
+Gemma 3 file whose shapes allow them (Q5_0 q/k/gate/up repacked to Q8_0 beside Q8_0 v and
+embedding), its fused q/k/v and gate/up kept quantized."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf.quants import dequantize, quantize
 
 from kvserve import LLM, SamplingParams
+from kvserve.ops import quant
 from tests.model_executor.test_quant_inputs import SMALL_VOCAB, _tokenizer_fields
 
 LAYER_NAMES = {
@@ -43,8 +47,13 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+T = gguf.GGMLQuantizationType
+
+
+def _write_tiny(path, qtype_of):
+    """A tiny Gemma 3 (transformers) and its GGUF at ``path``; ``qtype_of(hf_name)`` gives a 2-D
+    tensor's block type (None: float32). A quantized tensor's dequantized values are written back
+    into the transformers model, so both run the same weights."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     # what a gemma3 GGUF implies: query_pre_attn_scalar = head_dim, local rope base 10000, every
@@ -74,7 +83,6 @@ def tiny(tmp_path_factory):
             if "norm" in name:
                 p.normal_(0.0, 0.3)
         model.model.embed_tokens.weight.mul_(20.0)
-    path = tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf"
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -100,7 +108,14 @@ def tiny(tmp_path_factory):
         a = t.detach().float().numpy()
         if name.endswith("norm.weight"):
             a = a + np.float32(1.0)  # llama.cpp stores Gemma's 1 + weight
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+        qt = qtype_of(name) if a.ndim == 2 else None
+        if qt is None:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+            continue
+        blocks = quantize(a, qt)
+        with torch.no_grad():
+            t.copy_(torch.from_numpy(np.asarray(dequantize(blocks, qt), dtype=np.float32)))
+        w.add_tensor(_gguf_name(name), blocks, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -108,13 +123,30 @@ def tiny(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _write_tiny(tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf", lambda name: None)
+
+
+def _q4_k_m_types(name: str):
+    """The Q4_K_M Gemma 3 270M file's types where this model's widths (64, 96: not multiples of
+    256) allow them: Q5_0 q, k, gate, up and down; Q8_0 v, o and the tied embedding."""
+    if any(p in name for p in ("q_proj", "k_proj", "gate_proj", "up_proj", "down_proj")):
+        return T.Q5_0
+    return T.Q8_0
+
+
+@pytest.fixture(scope="module")
+def tiny_q5_0(tmp_path_factory):
+    return _write_tiny(tmp_path_factory.mktemp("gguf") / "tiny-gemma3-q5_0.gguf", _q4_k_m_types)
+
+
 PROMPTS = [[20 + (13 * i) % 1500 for i in range(19)], [700 + (7 * i) % 900 for i in range(11)]]
 N = 16
 
 
-@pytest.mark.parametrize("quantization", ["none", "gguf"])
-def test_tiny_gemma3_gguf_matches_transformers(tiny, quantization):
-    path, model = tiny
+def _greedy_reference(model):
+    """transformers' greedy tokens and their logprobs for ``PROMPTS``."""
     ref = []
     with torch.no_grad():
         for p in PROMPTS:
@@ -125,18 +157,58 @@ def test_tiny_gemma3_gguf_matches_transformers(tiny, quantization):
                 lps.append(float(torch.log_softmax(logits, -1)[t]))
                 ids.append(t)
             ref.append((ids[len(p) :], lps))
+    return ref
+
+
+def _check_against(ref, outs) -> None:
+    for o, (toks, lps) in zip(outs, ref):
+        c = o.outputs[0]
+        assert list(c.token_ids) == toks
+        got = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+
+
+def _run(path, quantization, check_model=None):
     llm = LLM(model=str(path), quantization=quantization, dtype="float32", seed=0)
     try:
-        assert type(llm.llm_engine.executor.model).__name__ == "GemmaForCausalLM"
-        outs = llm.generate(
+        model = llm.llm_engine.executor.model
+        assert type(model).__name__ == "GemmaForCausalLM"
+        if check_model is not None:
+            check_model(model)
+        return llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
             SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=0),
             use_tqdm=False,
         )
     finally:
         llm.shutdown()
-    for o, (toks, lps) in zip(outs, ref):
-        c = o.outputs[0]
-        assert list(c.token_ids) == toks
-        got = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
-        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_tiny_gemma3_gguf_matches_transformers(tiny, quantization):
+    path, model = tiny
+    _check_against(_greedy_reference(model), _run(path, quantization))
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_tiny_gemma3_q5_0_gguf_matches_transformers(tiny_q5_0, quantization, monkeypatch):
+    """The Q5_0 tensors repacked to Q8_0: every linear weight stays quantized (the fused q/k/v
+    of Q5_0 q/k and Q8_0 v too) and the greedy tokens and logprobs equal transformers' on the
+    dequantized weights, as the float conversion's do (float activations: the exact mode)."""
+    monkeypatch.setenv(quant.ACT_ENV, "float")
+    path, model = tiny_q5_0
+
+    def all_q8_0(m):
+        if quantization == "none":
+            return
+        for layer in m.layers:
+            for w in (
+                layer.self_attn.qkv_weight,
+                layer.self_attn.o_weight,
+                layer.mlp.gate_up_weight,
+                layer.mlp.down_weight,
+            ):
+                assert isinstance(w, quant.QuantWeight) and w.qtype == "q8_0"
+        assert isinstance(m.lm_head, quant.QuantWeight)
+
+    _check_against(_greedy_reference(model), _run(path, quantization, all_q8_0))

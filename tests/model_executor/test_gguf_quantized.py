@@ -194,7 +194,7 @@ def test_k_quant_load_equals_float_model_on_dequantized_weights(tmp_path, qtype)
 
 
 def test_mixed_and_unkernelled_types_are_dequantized_at_load_with_a_log_line(tiny, caplog):
-    """A fused weight whose parts differ in type, and a type without a kernel (Q5_0), run in
+    """A fused weight whose parts differ in type, and a type without a kernel (Q5_1), run in
     float; the rest stays quantized; the logits still equal the reference."""
     cfg, hf, tmp = tiny
     path = tmp / "mixed.gguf"
@@ -203,18 +203,56 @@ def test_mixed_and_unkernelled_types_are_dequantized_at_load_with_a_log_line(tin
         if "layers.0.self_attn.v_proj" in name:
             return T.Q8_0  # q/k Q4_1, v Q8_0: qkv runs in float
         if "layers.1.mlp.down_proj" in name:
-            return T.Q5_0
+            return T.Q5_1
         return T.Q4_1
 
     write_gguf(path, hf, cfg, qtype_of)
     with caplog.at_level(logging.INFO, logger="kvserve.gguf"):
         m = load_gguf_model(path, torch.float32, "cpu")
-    assert "Q5_0 tensors have no quantized kernel" in caplog.text
+    assert "Q5_1 tensors have no quantized kernel" in caplog.text
     assert not isinstance(m.layers[0].self_attn.qkv_weight, quant.QuantWeight)
     assert not isinstance(m.layers[1].mlp.down_weight, quant.QuantWeight)
     assert isinstance(m.layers[1].self_attn.qkv_weight, quant.QuantWeight)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     assert torch.allclose(prefill_logits(m, ids), prefill_logits(reference_model(path, cfg), ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q5_0_is_repacked_to_q8_0_and_a_fused_weight_with_q8_0_parts_stays_quantized(tiny, caplog, dtype):
+    """Q5_0 q/k/gate/up beside Q8_0 v (Gemma 3 Q4_K_M's mix): one log line says the type was
+    repacked, every linear weight runs as Q8_0 blocks holding the Q5_0 weights exactly, and the
+    logits and greedy tokens equal the float reference on the dequantized weights."""
+    cfg, hf, tmp = tiny
+    path = tmp / "q5_0.gguf"
+
+    def qtype_of(name):
+        if any(p in name for p in ("q_proj", "k_proj", "gate_proj", "up_proj")):
+            return T.Q5_0
+        return T.Q8_0
+
+    write_gguf(path, hf, cfg, qtype_of)
+    with caplog.at_level(logging.INFO, logger="kvserve.gguf"):
+        m = load_gguf_model(path, dtype, "cpu")
+    assert "Q5_0 tensors repacked to Q8_0" in caplog.text
+    assert "no quantized kernel" not in caplog.text
+    floats = gguf_convert.dequantize_tensors(gguf.GGUFReader(str(path)), cfg)
+    for i, layer in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        for w, parts in (
+            (layer.self_attn.qkv_weight, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            (layer.mlp.gate_up_weight, ["mlp.gate_proj", "mlp.up_proj"]),
+        ):
+            assert isinstance(w, quant.QuantWeight) and w.qtype == "q8_0"
+            # the blocks hold the file's dequantized weights bit for bit
+            want_w = torch.cat([torch.as_tensor(floats[p + n + ".weight"]).float() for n in parts])
+            assert torch.equal(quant.dequantize(w), want_w)
+    ref = reference_model(path, cfg)
+    ids = [5, 17, 3, 99, 42, 8, 8, 120, 1]
+    got, want = prefill_logits(m, ids), prefill_logits(ref, ids)
+    atol = 1e-4 if dtype == torch.float32 else 0.05 * float(want.abs().max())
+    assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
+    if dtype == torch.float32:
+        assert greedy(m, ids, 6) == greedy(ref, ids, 6)
 
 
 def test_truncated_gguf_is_a_clear_error_naming_the_file(tiny):

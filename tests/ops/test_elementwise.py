@@ -149,3 +149,97 @@ def test_rope_write_kv_matches_torch_rotary_and_cache_write(H, KH, D, dtype):
     assert torch.equal(ops.rope_write_kv(qkv, cos, sin, H, KH, D, None, None), got)
     with pytest.raises(ValueError, match="rope_write_kv"):
         ops.rope_write_kv(qkv, cos, sin, H + 1, KH, D, cache, slots)
+
+
+def gemma_norm(dim: int, weight: torch.Tensor, eps: float):
+    """transformers' Gemma 3 RMSNorm with ``weight`` (the offset from 1), the reference."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    ref = Gemma3RMSNorm(dim, eps=eps).to(weight.dtype)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+    return ref
+
+
+def close_to(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """float32: to a few ulps; bfloat16: within one rounding of the value (the float32 sums may
+    differ in order and land on the other side of a bfloat16 rounding)."""
+    if got.dtype == torch.float32:
+        return torch.allclose(got, want, rtol=4e-6, atol=1e-6)
+    return torch.allclose(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+
+
+@DTYPES
+@pytest.mark.parametrize("T,H", [(1, 640), (300, 256), (3, 37)])  # 37: the scalar tail
+def test_offset_rms_norm_matches_transformers_gemma_norm_and_residual_add(T, H, dtype):
+    from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm
+
+    torch.manual_seed(T + H)
+    x = (torch.randn(T, H) * 3).to(dtype)
+    add = torch.randn(T, H).to(dtype)
+    norm = OffsetRMSNorm(H, 1e-6, dtype)
+    norm.weight.normal_(0.0, 0.5)
+    ref = gemma_norm(H, norm.weight, 1e-6)
+    with torch.no_grad():
+        want = ref(x)
+        got = ops.offset_rms_norm(x, norm.scale(), 1e-6)
+        assert got.dtype == dtype and close_to(got, want)
+        # with the residual add: add + norm(x), the norm rounded to the dtype first
+        got = ops.offset_rms_norm(x, norm.scale(), 1e-6, add=add)
+        assert close_to(got, add + want)
+        if dtype == torch.float32:
+            assert (got - (add + want)).abs().max() < 1e-5
+        else:  # one bfloat16 rounding of the sum apart at most
+            assert (
+                (got.float() - (add + want).float()).abs() <= 2**-7 * (add + want).float().abs() + 2**-7
+            ).all()
+
+
+@DTYPES
+def test_offset_rms_norm_heads_in_place_normalises_only_its_columns(dtype):
+    torch.manual_seed(3)
+    T, H, KH, D = 5, 4, 2, 32
+    qkv = (torch.randn(T, (H + 2 * KH) * D) * 2).to(dtype)
+    w = torch.randn(D).to(dtype) * 0.3
+    scale = 1.0 + w.float()
+    before = qkv.clone()
+    ops.offset_rms_norm_heads_(qkv, H * D, KH, scale, 1e-6)  # the k columns
+    with torch.no_grad():
+        want = gemma_norm(D, w, 1e-6)(before[:, H * D : (H + KH) * D].reshape(T, KH, D)).reshape(T, KH * D)
+    assert close_to(qkv[:, H * D : (H + KH) * D], want)
+    assert torch.equal(qkv[:, : H * D], before[:, : H * D])
+    assert torch.equal(qkv[:, (H + KH) * D :], before[:, (H + KH) * D :])
+
+
+@DTYPES
+def test_offset_rmsnorm_module_native_path_equals_its_torch_path(dtype, monkeypatch):
+    """The module's native passes (whole rows, the residual add, heads in place) against its
+    own torch ops; its cached ``1 + weight`` follows a weight written in place."""
+    from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm
+
+    torch.manual_seed(2)
+    m = OffsetRMSNorm(32, 1e-6, dtype)
+    x, add = torch.randn(6, 32).to(dtype), torch.randn(6, 32).to(dtype)
+    qkv = torch.randn(6, 4 * 32).to(dtype)
+    first = m(x)
+    m.weight.normal_()  # as loading does: in place
+    calls, real = [], ops.offset_rms_norm
+    monkeypatch.setattr(ops, "offset_rms_norm", lambda *a: calls.append(1) or real(*a))
+    native, native_add, native_qkv = m(x), m(x, add=add), qkv.clone()
+    m.normalize_heads_(native_qkv, 32, 2)
+    assert calls, "the module did not take the native path"
+    assert not torch.equal(first, native)  # the new weight was used
+    monkeypatch.setattr(ops, "supported", lambda *t: False)
+    plain, plain_add, plain_qkv = m(x), m(x, add=add), qkv.clone()
+    m.normalize_heads_(plain_qkv, 32, 2)
+    assert close_to(native, plain) and close_to(native_add, plain_add) and close_to(native_qkv, plain_qkv)
+    assert torch.equal(native_qkv[:, :32], qkv[:, :32]) and torch.equal(native_qkv[:, 96:], qkv[:, 96:])
+
+
+def test_offset_rms_norm_bad_inputs_are_errors_naming_the_kernel():
+    with pytest.raises(ValueError, match="offset_rms_norm"):
+        ops.offset_rms_norm(torch.zeros(2, 4), torch.zeros(3), 1e-6)
+    with pytest.raises(ValueError, match="offset_rms_norm"):
+        ops.offset_rms_norm(torch.zeros(2, 4), torch.zeros(4, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="offset_rms_norm_heads_"):
+        ops.offset_rms_norm_heads_(torch.zeros(2, 64), 40, 1, torch.zeros(32), 1e-6)

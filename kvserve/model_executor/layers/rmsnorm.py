@@ -62,9 +62,37 @@ class OffsetRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = float(eps)
+        self._scale: tuple[tuple[int, int], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise ``x`` (``[..., hidden_size]``); returns a new tensor of ``x``'s dtype."""
+    def scale(self) -> torch.Tensor:
+        """float32 ``1 + weight``, kept until the weight changes (loading writes it in place:
+        its version moves)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, 1.0 + self.weight.float())
+        return self._scale[1]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (y * self.scale()).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise ``x`` (``[..., hidden_size]``); returns a new tensor of ``x``'s dtype, with
+        ``add`` (``x``'s shape and dtype) ``add + norm(x)`` (Gemma's residual add after a
+        post-norm). On CPU (contiguous ``[T, H]`` float32/bfloat16) one native pass
+        (``elementwise.offset_rms_norm``), else torch ops."""
+        if x.dim() == 2 and elementwise.supported(x, *(() if add is None else (add,))):
+            return elementwise.offset_rms_norm(x, self.scale(), self.eps, add)
+        return self._norm(x) if add is None else add + self._norm(x)
+
+    def normalize_heads_(self, qkv: torch.Tensor, start: int, heads: int) -> None:
+        """Normalise in place each of ``heads`` head vectors (``hidden_size`` elements) in columns
+        ``[start, start + heads * hidden_size)`` of ``qkv`` ``[T, C]`` (Gemma 3's q/k norms on the
+        fused projection); natively on contiguous CPU float32/bfloat16."""
+        D = self.weight.shape[0]
+        if qkv.dim() == 2 and elementwise.supported(qkv):
+            elementwise.offset_rms_norm_heads_(qkv, start, heads, self.scale(), self.eps)
+            return
+        part = qkv[:, start : start + heads * D].view(qkv.shape[0], heads, D)
+        part.copy_(self._norm(part))

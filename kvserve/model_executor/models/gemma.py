@@ -82,8 +82,12 @@ class GemmaAttention(LlamaAttention):
         softcap = getattr(cfg, "attn_logit_softcapping", None) if _family(cfg) == "Gemma 2" else None
         scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale, softcap)
-        self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if qk_norm else None
-        self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        self.q_norm: OffsetRMSNorm | None = (
+            OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        )
+        self.k_norm: OffsetRMSNorm | None = (
+            OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if qk_norm else None
+        )
 
     def forward(
         self,
@@ -98,11 +102,8 @@ class GemmaAttention(LlamaAttention):
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         _lora(self, "qkv", x, qkv, meta.lora)
         if self.q_norm is not None and self.k_norm is not None:  # in place, before the rotary
-            T, H, KH, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-            q = qkv[:, : self.q_size].view(T, H, D)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KH, D)
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
+            self.q_norm.normalize_heads_(qkv, 0, self.num_heads)
+            self.k_norm.normalize_heads_(qkv, self.q_size, self.num_kv_heads)
         return self._attend(qkv, cos, sin, kv_cache, meta)
 
 
@@ -157,9 +158,9 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta):
         """``[T, hidden]`` -> ``[T, hidden]`` (the residual stream after this layer)."""
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        x = x + self.post_attention_layernorm(h)
+        x = self.post_attention_layernorm(h, add=x)  # x + norm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x), meta.lora)
-        return x + self.post_feedforward_layernorm(h)
+        return self.post_feedforward_layernorm(h, add=x)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -265,7 +265,10 @@ class MoeForCausalLM(LlamaForCausalLM):
     # the fused native decode step has no MoE kernel: pure-decode steps take the module path
     use_native_decode = False
     supports_lora = False
-    supports_quantization = False
+    #: int8 / int4 at load quantize the experts too; a quantized checkpoint's expert tensors
+    #: (GPTQ, AWQ, compressed-tensors) have no loader here
+    supports_quantized_checkpoints = False
+    quantization_refusal = "no loader for quantized expert tensors"
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
@@ -294,16 +297,39 @@ class MoeForCausalLM(LlamaForCausalLM):
                 names += [(dense, "gate_up_weight"), (dense, "down_weight")]
         return names
 
-    def quantize_linear_weights(self, method: str) -> None:
-        """Refused: see ``supports_quantization``.
+    def _quantized_linears(self) -> list[tuple[nn.Module, str, str]]:
+        """As ``LlamaForCausalLM``'s, with each sparse layer's stacked experts
+        (``FusedMoE.w13`` / ``w2``, quantized expert by expert) and shared expert in place of
+        the dense MLP; the routers and the shared expert's gate stay float."""
+        out: list[tuple[nn.Module, str, str]] = []
+        prefix = self.family.prefix
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out += [
+                (layer.self_attn, "qkv_weight", p + "self_attn.q_proj/k_proj/v_proj"),
+                (layer.self_attn, "o_weight", p + "self_attn.o_proj"),
+            ]
+            mlp = layer.mlp
+            dense: nn.Module | None = mlp
+            where = p + "mlp."
+            if isinstance(mlp, MoeBlock):
+                g, u, d = self.family.expert_names
+                m = f"{p}{prefix}.experts.*."
+                out += [(mlp.experts, "w13", f"{m}{g}/{u}"), (mlp.experts, "w2", m + d)]
+                dense, where = mlp.shared_expert, f"{p}{prefix}.shared_expert."
+            if dense is not None:
+                out += [
+                    (dense, "gate_up_weight", where + "gate_proj/up_proj"),
+                    (dense, "down_weight", where + "down_proj"),
+                ]
+        out.append((self, "lm_head", "lm_head"))
+        return out
 
-        Raises:
-            ValueError: always, naming the family.
-        """
-        raise ValueError(
-            f"{self.family.name}: quantization={method!r} is not supported for mixture-of-experts "
-            "models (experts stay float); run without quantization"
-        )
+    def _quantize_linear(self, module: nn.Module, name: str, method: str) -> None:
+        if isinstance(module, FusedMoE):
+            module.quantize_stack(name, method)
+        else:
+            super()._quantize_linear(module, name, method)
 
     # ------------------------------------------------------------------ weights
     def weight_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -253,11 +253,13 @@ def test_refusals_name_the_family(tmp_path_factory, default_tokenizer_dir):
         LLM(model=str(path), **ENGINE, enable_lora=True)
     from kvserve.model_executor.models.moe import MoeForCausalLM
 
-    class TwoRanks:
-        world_size, rank = 2, 0
+    class FiveRanks:
+        world_size, rank = 5, 0
 
-    with pytest.raises(ValueError, match="MixtralForCausalLM: tensor_parallel_size=2"):
-        MoeForCausalLM(_config("mixtral_top2"), tp=TwoRanks())
+    with pytest.raises(
+        ValueError, match="MixtralForCausalLM: tensor_parallel_size=5 must divide intermediate_size=48"
+    ):
+        MoeForCausalLM(_config("mixtral_top2"), tp=FiveRanks())
 
 
 def test_native_decode_step_does_not_apply(tmp_path_factory, default_tokenizer_dir):
@@ -281,3 +283,52 @@ def test_native_decode_step_does_not_apply(tmp_path_factory, default_tokenizer_d
     assert len(out[0].outputs[0].token_ids) == MAX_NEW
     assert not calls
     llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe_shared", "olmoe"])
+def test_tensor_parallel_ranks_hold_complementary_expert_slices(
+    kind, tmp_path_factory, default_tokenizer_dir
+):
+    """Loaded as rank 0 and rank 1 of two (no peers needed to load): each rank's experts,
+    shared expert and OLMoE's whole-projection q/k norm weights, put back together along the
+    intermediate columns (heads), are the checkpoint's."""
+    from kvserve.model_executor.model_loader import read_safetensors_into
+    from kvserve.model_executor.models.moe import MoeBlock, MoeForCausalLM
+
+    path, hf = _model(kind, tmp_path_factory, default_tokenizer_dir)
+
+    class Rank:
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+    ranks = []
+    for r in (0, 1):
+        m = MoeForCausalLM(hf.config, tp=Rank(r))
+        with torch.no_grad():
+            read_safetensors_into(m, path)
+        ranks.append(m)
+    for i, hf_layer in enumerate(hf.model.layers):
+        blocks = [m.layers[i].mlp for m in ranks]
+        if isinstance(blocks[0], MoeBlock):
+            full = hf_layer.mlp.experts
+            inter = blocks[0].experts.inter
+            gate = torch.cat([b.experts.w13[:, :inter] for b in blocks], dim=1)
+            up = torch.cat([b.experts.w13[:, inter:] for b in blocks], dim=1)
+            torch.testing.assert_close(
+                torch.cat([gate, up], dim=1), full.gate_up_proj.detach(), rtol=0, atol=0
+            )
+            down = torch.cat([b.experts.w2 for b in blocks], dim=2)
+            torch.testing.assert_close(down, full.down_proj.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(
+                blocks[1].experts.gate, hf_layer.mlp.gate.weight.detach(), rtol=0, atol=0
+            )
+            if blocks[0].shared_expert is not None:
+                shared = torch.cat([b.shared_expert.down_weight for b in blocks], dim=1)
+                torch.testing.assert_close(
+                    shared, hf_layer.mlp.shared_expert.down_proj.weight.detach(), rtol=0, atol=0
+                )
+        if kind == "olmoe":
+            q_norm = torch.cat([m.layers[i].self_attn.q_norm.weight for m in ranks])
+            torch.testing.assert_close(q_norm, hf_layer.self_attn.q_norm.weight.detach(), rtol=0, atol=0)

@@ -425,6 +425,11 @@ class LlamaForCausalLM(nn.Module):
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         return names
 
+    def lora_mlp(self, index: int) -> nn.Module | None:
+        """The MLP module of decoder layer ``index`` whose gate/up and down linears take LoRA
+        adapters (``LoRAManager`` sets its ``lora_stacks``), or None where none does."""
+        return self.layers[index].mlp
+
     def prepack_linear_weights(self) -> None:
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
         ``prepack_weight`` form, after ``load_weights``; a no-op off CPU (and for float16).

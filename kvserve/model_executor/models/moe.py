@@ -242,22 +242,24 @@ class MoeBlock(nn.Module):
                 torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         out = self.experts(x)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert(x)
+            shared = self.shared_expert(x, lora)
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return out
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``; ``lora`` must be None (the model refuses LoRA)."""
+        """``[T, hidden]`` -> ``[T, hidden]``; ``lora``: the step's ``LoRAMapping`` or None,
+        applied to the shared expert's linears (the routed experts take none)."""
         T = x.shape[0]
         if T <= self.CHUNK_ROWS:
-            out = self._forward(x)
+            out = self._forward(x, lora)
         else:
             out = torch.empty_like(x)
             for i in range(0, T, self.CHUNK_ROWS):
-                out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS])
+                part = None if lora is None else lora.slice(i, min(i + self.CHUNK_ROWS, T))
+                out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS], part)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -293,7 +295,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     # the fused native decode step has no MoE kernel: pure-decode steps take the module path
     use_native_decode = False
-    supports_lora = False
     #: int8 / int4 at load quantize the experts too; a quantized checkpoint's expert tensors
     #: (GPTQ, AWQ, compressed-tensors) have no loader here
     supports_quantized_checkpoints = False
@@ -319,6 +320,12 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def _decoder_layer(self, cfg, index: int, dtype, device) -> nn.Module:
         return MoeDecoderLayer(self.config, self.family, index, self.rope, dtype, device, self.tp)
+
+    def lora_mlp(self, index: int) -> nn.Module | None:
+        """Layer ``index``'s dense MLP, its shared expert, or None (routed experts only: LoRA
+        adapters on experts are refused when read, ``kvserve.lora.peft``)."""
+        mlp = self.layers[index].mlp
+        return mlp.shared_expert if isinstance(mlp, MoeBlock) else mlp
 
     def _layer_linears(self) -> list[tuple[nn.Module, str]]:
         names: list[tuple[nn.Module, str]] = []

@@ -330,3 +330,24 @@ def test_tensor_parallel_ranks_hold_complementary_expert_slices(
         if kind == "olmoe":
             q_norm = torch.cat([m.layers[i].self_attn.q_norm.weight for m in ranks])
             torch.testing.assert_close(q_norm, hf_layer.self_attn.q_norm.weight.detach(), rtol=0, atol=0)
+
+
+def test_tensor_parallel_checks_expert_sizes_before_any_rank_starts():
+    """``ParallelConfig.verify_with_model`` (run before any peer is spawned) checks the expert and
+    shared-expert intermediate sizes as it does ``intermediate_size``."""
+    from kvserve.config import ParallelConfig
+
+    cfg = _config("qwen2_moe_shared")  # intermediate 80, experts 32, shared expert 48
+    ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu")
+    cfg.shared_expert_intermediate_size = 49
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=2 must divide shared_expert_intermediate_size=49"
+    ):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu")
+    cfg = _config("qwen2_moe_shared")
+    with pytest.raises(
+        ValueError,
+        match=r"whole Q8_0 blocks of 32: down_proj intermediate_size 80/2 = 40, "
+        r"down_proj moe_intermediate_size 32/2 = 16, down_proj shared_expert_intermediate_size 48/2 = 24",
+    ):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu", quantization="int8")

@@ -70,3 +70,49 @@ def test_moe_tp2_greedy_and_logprobs_equal_transformers(family, settings):
             assert llm.llm_engine.get_kv_cache_stats()["num_preemptions"] > 0
     finally:
         llm.shutdown()
+
+
+def test_moe_tp2_int8_equals_tp1_int8(tmp_path, default_tokenizer_dir):
+    """``quantization="int8"`` at T=2 on Qwen2-MoE whose every rank shard is whole 32-column blocks
+    (expert, shared-expert and dense intermediate sizes 64, 64, 128): each rank quantizes its
+    slices, the same blocks as at T=1, so greedy tokens equal T=1's and logprobs agree within
+    1e-4 (the all-reduce only changes the summation order)."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    )
+    save_family(tmp_path, cfg, default_tokenizer_dir)
+    prompts = prompts_of(4, [13, 37, 22, 9])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    results = []
+    for t in (1, 2):
+        llm = LLM(
+            model=str(tmp_path),
+            device="cpu",
+            dtype="float32",
+            seed=0,
+            tensor_parallel_size=t,
+            quantization="int8",
+        )
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        results.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    for (tok1, lp1), (tok2, lp2) in zip(*results):
+        assert tok2 == tok1
+        err = max(abs(a[t].logprob - b[t].logprob) for a, b, t in zip(lp1, lp2, tok1))
+        assert err < 1e-4, err

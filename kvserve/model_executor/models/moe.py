@@ -16,9 +16,14 @@ up / down, router ``block_sparse_moe.gate``; the others ``mlp.experts.N.gate_pro
 router ``mlp.gate``) or already stacked (``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` and
 ``<prefix>.experts.down_proj`` ``[E, H, I]``, transformers' in-memory layout).
 
-Not supported (each a ValueError naming the family): tensor parallelism, LoRA adapters, int8 /
-int4 quantization and quantized checkpoints. Pure-decode CPU steps run the module path (the
-fused native decode step has no MoE kernel).
+int8 / int4 at load quantize the experts one weight each (``FusedMoE.quantize_stack``) besides
+the attention and dense linears; routers stay float. Tensor parallelism splits attention and
+dense layers as the Llama skeleton does and every expert (and the shared expert) by
+intermediate columns, one all-reduce per ``MoeBlock``. LoRA adapters apply to the attention
+linears and to dense layers' and shared experts' MLP linears (``lora_mlp``); the LoRA reader
+refuses adapters on routed experts and routers. Not supported (a ValueError naming the family):
+quantized checkpoints. Pure-decode CPU steps run the module path (the fused native decode step
+has no MoE kernel).
 """
 
 from __future__ import annotations

@@ -234,6 +234,35 @@ def test_grouped_experts_one_expert_takes_all_and_empty_experts(mode):
     assert empty.shape == (0, H)
 
 
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+def test_looped_experts_equal_the_loop_on_float_and_quantized_weights(method, monkeypatch):
+    """``looped_experts`` (what quantized experts run) on per-expert weights: float ones give
+    the per-expert loop's result; quantized ones (float activations) the loop's on their
+    dequantized weights."""
+    from kvserve.model_executor.layers.linear import quantize_weight
+    from kvserve.ops import quant
+
+    monkeypatch.setenv(quant.ACT_ENV, "float")
+
+    T, E, k, H, I = 23, 8, 2, 64, 32
+    w13, w2 = _experts(E, H, I, seed=5)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g)
+    weights, experts = fused_moe.route(torch.randn(T, E, generator=g), k, renormalize=True)
+    if method is None:
+        w13s, w2s = list(w13), list(w2)
+    else:
+        w13s = [quantize_weight(w.contiguous(), method) for w in w13]
+        w2s = [quantize_weight(w.contiguous(), method) for w in w2]
+        w13 = torch.stack([quant.dequantize(w) for w in w13s])
+        w2 = torch.stack([quant.dequantize(w) for w in w2s])
+    got = fused_moe.looped_experts(x, weights, experts, w13s, w2s)
+    ref = fused_moe.per_expert_loop(x, weights, experts, w13, w2)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert fused_moe.looped_experts(x[:0], weights[:0], experts[:0], w13s, w2s).shape == (0, H)
+
+
 def test_route_normalisation():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     p = torch.softmax(logits, -1)

@@ -21,7 +21,7 @@ rows gathered into one contiguous block per expert, each block goes through its 
 ``per_expert_loop`` is the straightforward form (a boolean mask per expert, its tokens indexed,
 its MLP run, results added): the reference the tests and ``kvserve bench moe`` compare with.
 
-Quantized experts (``FusedMoE.quantize``: int8 / int4 at load) are one block-quantized weight per
+Quantized experts (``FusedMoE.quantize_stack``: int8 / int4 at load) are one block-quantized weight per
 expert and projection; ``looped_experts`` runs them as the ``"loop"`` form does, one pair of
 quantized GEMMs (``layers.linear.linear``) per active expert on its contiguous rows.
 
@@ -233,7 +233,7 @@ class FusedMoE(torch.nn.Module):
         mode: the expert-GEMM form (``MODES``).
 
     Parameters: ``gate`` ``[E, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]`` (``I``: this
-    rank's share of the intermediate size under tensor parallelism). After ``quantize`` the
+    rank's share of the intermediate size under tensor parallelism). After ``quantize_stack`` the
     experts are ``w13_q`` / ``w2_q`` (one quantized weight per expert) and ``w13`` / ``w2`` are
     gone; the router stays float.
     Raises:

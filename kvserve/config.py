@@ -716,8 +716,16 @@ class ParallelConfig:
                 f"num_key_value_heads={kv} (each rank holds heads/T query and KV heads)."
             )
         inter = int(hf_config.intermediate_size)
-        if inter % t:
-            raise ValueError(f"tensor_parallel_size={t} must divide intermediate_size={inter}.")
+        # mixture-of-experts checkpoints: each rank holds 1/T of every expert's (and the shared
+        # expert's) intermediate columns too
+        inters = [("intermediate_size", inter)] + [
+            (name, int(getattr(hf_config, name)))
+            for name in ("moe_intermediate_size", "shared_expert_intermediate_size")
+            if getattr(hf_config, name, None)
+        ]
+        for name, size in inters:
+            if size % t:
+                raise ValueError(f"tensor_parallel_size={t} must divide {name}={size}.")
         if quantization in ("int8", "int4"):
             # o_proj and down_proj are split by input columns: each rank's slice is quantized
             # on its own, so it must be whole blocks (the column-parallel ones keep all columns)
@@ -725,7 +733,7 @@ class ParallelConfig:
             q_cols = heads * head_dim
             bad = [
                 f"{what} {full}/{t} = {full // t}"
-                for what, full in (("o_proj", q_cols), ("down_proj intermediate_size", inter))
+                for what, full in [("o_proj", q_cols)] + [(f"down_proj {f}", n) for f, n in inters]
                 if (full // t) % 32
             ]
             if bad:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,13 +81,22 @@ class LoRAManager:
         self.last_load_s = 0.0
         self.num_slot_loads = 0
         self.slot_load_s = 0.0
-        # part -> (fused target, column offset in the fused output)
-        self._offsets: dict[str, tuple[str, int, int]] = {}
-        for fused, parts in FUSED_PARTS.items():
-            col = 0
-            for i, p in enumerate(parts):
-                self._offsets[p] = (fused, i, col)
-                col += shapes.in_out[p][1]
+        self._model = model
+        # (layer, part) -> (fused target, part index, column offset in the fused output);
+        # layer -> fused target -> its parts' output column bounds (the op skips B's zero
+        # blocks). Layers differ only in a mixture-of-experts family (dense, shared-expert
+        # and expert-only MLPs: ``ModelShapes.mlp``).
+        self._offsets: dict[tuple[int, str], tuple[str, int, int]] = {}
+        self.part_bounds: list[dict[str, tuple[int, ...]]] = []
+        for layer in range(len(model.layers)):
+            bounds: dict[str, tuple[int, ...]] = {}
+            for fused, parts in self.layer_targets(shapes, layer).items():
+                cols = [0]
+                for i, p in enumerate(parts):
+                    self._offsets[(layer, p)] = (fused, i, cols[-1])
+                    cols.append(cols[-1] + shapes.layer_in_out(layer, p)[1])
+                bounds[fused] = tuple(cols)
+            self.part_bounds.append(bounds)
         S, R = self.max_loras, self.rmax
         #: A stored slot by slot ([S, in, w]: one slot's A one contiguous block, the native
         #: kernel's stream) where the kernel runs, else [in, S, w] (the torch stacked form's
@@ -102,30 +112,41 @@ class LoRAManager:
                 f"({self.slot_bytes(shapes, R, self.slot_dtype)} per slot), but only {free} bytes are "
                 f"free on {self.device}; lower max_loras or max_lora_rank."
             )
-        # fused target -> its parts' output column bounds (the op skips B's zero blocks)
-        self.part_bounds: dict[str, tuple[int, ...]] = {}
-        for fused, parts in FUSED_PARTS.items():
-            bounds = [0]
-            for p in parts:
-                bounds.append(bounds[-1] + shapes.in_out[p][1])
-            self.part_bounds[fused] = tuple(bounds)
-        self._model = model
         self.stacks = self._zero_stacks(S)
         self._attach(self.stacks)
-        for layer in model.layers:
-            layer.self_attn.lora_parts = {k: self.part_bounds[k] for k in ("qkv", "o")}
-            layer.mlp.lora_parts = {k: self.part_bounds[k] for k in ("gate_up", "down")}
+        for i, bounds in enumerate(self.part_bounds):
+            for module, keys in self._modules(i):
+                module.lora_parts = {k: bounds[k] for k in keys}
+
+    @staticmethod
+    def layer_targets(shapes: ModelShapes, layer: int) -> dict[str, tuple[str, ...]]:
+        """The fused targets of decoder layer ``layer`` and their parts: all of
+        ``FUSED_PARTS``, less gate/up and down in a mixture-of-experts layer with only routed
+        experts (``ModelShapes.mlp_parent``)."""
+        if shapes.mlp_parent(layer) is not None:
+            return FUSED_PARTS
+        return {k: v for k, v in FUSED_PARTS.items() if k in ("qkv", "o")}
+
+    def _modules(self, layer: int) -> list[tuple[Any, tuple[str, ...]]]:
+        """``(module, fused targets)`` that take layer ``layer``'s LoRA: its attention, and the
+        MLP the model names (``lora_mlp``: a dense MLP or a shared expert) where it has one."""
+        m = self._model
+        out: list[tuple[Any, tuple[str, ...]]] = [(m.layers[layer].self_attn, ("qkv", "o"))]
+        mlp = m.lora_mlp(layer) if hasattr(m, "lora_mlp") else m.layers[layer].mlp
+        if mlp is not None and self.shapes.mlp_parent(layer) is not None:
+            out.append((mlp, ("gate_up", "down")))
+        return out
 
     def _zero_stacks(self, num_slots: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Zeroed per-layer slot stacks of ``num_slots`` slots (the class doc's layout)."""
         stacks = []
         R = self.rmax
         kw = {"dtype": self.slot_dtype, "device": self.device}
-        for _ in self._model.layers:
+        for layer in range(len(self._model.layers)):
             st = {}
-            for fused, parts in FUSED_PARTS.items():
-                fin = self.shapes.in_out[parts[0]][0]
-                fout = sum(self.shapes.in_out[p][1] for p in parts)
+            for fused, parts in self.layer_targets(self.shapes, layer).items():
+                fin = self.shapes.layer_in_out(layer, parts[0])[0]
+                fout = sum(self.shapes.layer_in_out(layer, p)[1] for p in parts)
                 w = len(parts) * R
                 if self.slot_major_a:
                     a = torch.zeros(num_slots, fin, w, **kw)
@@ -137,20 +158,21 @@ class LoRAManager:
 
     def _attach(self, stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Point the model's attention and MLP modules at ``stacks``."""
-        for layer, st in zip(self._model.layers, stacks):
-            layer.self_attn.lora_stacks = {k: st[k] for k in ("qkv", "o")}
-            layer.mlp.lora_stacks = {k: st[k] for k in ("gate_up", "down")}
+        for i, st in enumerate(stacks):
+            for module, keys in self._modules(i):
+                module.lora_stacks = {k: st[k] for k in keys}
 
     @staticmethod
     def slot_bytes(shapes: ModelShapes, max_lora_rank: int, dtype: torch.dtype) -> int:
         """Bytes one device slot takes: ``A`` ``[in, parts * R]`` and ``B`` ``[parts * R, out]``
         of every fused target in every layer, in ``dtype`` (the slot dtype: ``lora_slot_dtype``)."""
-        per_layer = 0
-        for parts in FUSED_PARTS.values():
-            fin = shapes.in_out[parts[0]][0]
-            fout = sum(shapes.in_out[p][1] for p in parts)
-            per_layer += len(parts) * max_lora_rank * (fin + fout)
-        return per_layer * shapes.num_layers * torch.empty(0, dtype=dtype).element_size()
+        total = 0
+        for layer in range(shapes.num_layers):
+            for parts in LoRAManager.layer_targets(shapes, layer).values():
+                fin = shapes.layer_in_out(layer, parts[0])[0]
+                fout = sum(shapes.layer_in_out(layer, p)[1] for p in parts)
+                total += len(parts) * max_lora_rank * (fin + fout)
+        return total * torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ CPU cache
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -291,7 +313,7 @@ class LoRAManager:
         rank columns of ``A`` and its rank rows times output columns of ``B``."""
         R = self.rmax
         for (layer, part), (la, lb) in model.weights.items():
-            fused, i, col = self._offsets[part]
+            fused, i, col = self._offsets[(layer, part)]
             a, b = stacks[layer][fused]
             r = la.shape[0]
             a[slot, :, i * R : i * R + r].copy_(la.t())

@@ -68,7 +68,14 @@ MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$"
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp(?:\.shared_expert)?)\.(\w+)"
+    r"\.lora_(A|B)(?:\.[\w-]+)?\.weight$"
+)
+#: A LoRA weight on a mixture-of-experts layer's routed experts, router or shared-expert gate
+#: (group 1: the target, e.g. ``mlp.experts.0.gate_proj``, ``block_sparse_moe.experts.1.w1``).
+_EXPERT_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.\d+\."
+    r"((?:mlp|block_sparse_moe)\.(?:experts(?:\.\d+)?(?:\.\w+)?|gate|shared_expert_gate))\.lora_"
 )
 
 
@@ -110,6 +117,29 @@ class ModelShapes:
     num_layers: int
     in_out: dict[str, tuple[int, int]]
     fused: bool = False
+    #: A mixture-of-experts family's architecture (for messages), else "".
+    family: str = ""
+    #: Mixture-of-experts families: layer -> (the PEFT parent of its MLP linears, ``"mlp"`` for
+    #: a dense layer or ``"mlp.shared_expert"``, and their intermediate size); a layer absent
+    #: has only routed experts, which take no LoRA. None: every layer's MLP is ``"mlp"`` of
+    #: ``in_out``'s sizes.
+    mlp: dict[int, tuple[str, int]] | None = None
+
+    def mlp_parent(self, layer: int) -> str | None:
+        """The PEFT parent of layer ``layer``'s MLP linears, or None where it has none."""
+        if self.mlp is None:
+            return "mlp"
+        got = self.mlp.get(layer)
+        return None if got is None else got[0]
+
+    def layer_in_out(self, layer: int, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of ``module`` (a ``TARGET_MODULES`` name) in layer
+        ``layer``: ``in_out``'s, but an MoE layer's MLP linears take its own intermediate size."""
+        fin, fout = self.in_out[module]
+        if self.mlp is None or _PARENT[module] != "mlp" or layer not in self.mlp:
+            return fin, fout
+        inter = self.mlp[layer][1]
+        return (inter, fout) if module == "down_proj" else (fin, inter)
 
     @property
     def module_names(self) -> list[str]:
@@ -128,13 +158,28 @@ class ModelShapes:
     @classmethod
     def from_hf_config(cls, cfg) -> ModelShapes:
         """Shapes of a transformers config of a family on the decoder skeleton (Llama, Qwen2/3,
-        Mistral, Phi-3, Gemma 2/3)."""
+        Mistral, Phi-3, Gemma 2/3, the mixture-of-experts families: their dense layers' and
+        shared experts' MLP linears by layer, ``mlp``)."""
+        from kvserve.model_executor.models.moe import FAMILIES, is_sparse_layer
+
         hidden = cfg.hidden_size
         heads = cfg.num_attention_heads
         hd = getattr(cfg, "head_dim", None) or hidden // heads
         kv = (getattr(cfg, "num_key_value_heads", None) or heads) * hd
         q = heads * hd
         inter = cfg.intermediate_size
+        fam = FAMILIES.get(getattr(cfg, "model_type", ""))
+        family, mlp = "", None
+        if fam is not None:
+            family, mlp = fam.name, {}
+            shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if fam.shared_expert else 0
+            for i in range(cfg.num_hidden_layers):
+                if not is_sparse_layer(cfg, fam, i):
+                    mlp[i] = ("mlp", inter)
+                elif shared:
+                    mlp[i] = ("mlp.shared_expert", shared)
+            # in_out's MLP sizes bound every layer's (``max_weights_file_bytes``)
+            inter = max([n for _, n in mlp.values()], default=inter)
         return cls(
             cfg.num_hidden_layers,
             {
@@ -147,14 +192,17 @@ class ModelShapes:
                 "down_proj": (inter, hidden),
             },
             fused=getattr(cfg, "model_type", "") == "phi3",
+            family=family,
+            mlp=mlp,
         )
 
 
-def _target_names(target_modules) -> set[str] | None:
+def _target_names(target_modules, family: str = "") -> set[str] | None:
     """The PEFT target names ``target_modules`` lists (None: a regex, checked by the weights).
 
     Raises:
-        ValueError: a name that is neither one of ``TARGET_MODULES`` nor of ``FUSED_MODULES``.
+        ValueError: a name that is neither one of ``TARGET_MODULES`` nor of ``FUSED_MODULES``
+            (on a mixture-of-experts ``family``: naming it, and that its experts take none).
     """
     known = set(TARGET_MODULES) | set(FUSED_MODULES)
     if target_modules is None:
@@ -173,9 +221,15 @@ def _target_names(target_modules) -> set[str] | None:
     for t in target_modules:
         leaf = str(t).rsplit(".", 1)[-1]
         if leaf not in known:
+            moe = (
+                f" ({family} takes LoRA adapters on its attention, dense MLP and shared-expert "
+                "linears only; its routed experts and routers take none)"
+                if family
+                else ""
+            )
             raise ValueError(
                 f"adapter_config.json: target_modules has {t!r}; supported target modules are "
-                f"{sorted(known)}."
+                f"{sorted(known)}{moe}."
             )
         names.add(leaf)
     return names
@@ -288,11 +342,12 @@ def _read_weights(path: str, shapes: ModelShapes, max_lora_rank: int, allowed_ro
         return head + f.read(st.st_size - 8)
 
 
-def read_adapter_config(path: str, allowed_root: str | None = None) -> dict:
+def read_adapter_config(path: str, allowed_root: str | None = None, family: str = "") -> dict:
     """``adapter_config.json`` of ``path``, validated (see the module doc).
 
     Args:
         allowed_root: when set, the file must resolve (symlinks followed) under it.
+        family: a mixture-of-experts architecture, named when a target is one of its experts.
     Raises:
         AdapterFileError: ``path`` is not a directory, or the file is missing, not a regular
             file, not openable, or outside ``allowed_root``.
@@ -344,6 +399,13 @@ def read_adapter_config(path: str, allowed_root: str | None = None) -> dict:
         ("kasa_config", lambda v: bool(v), "KaSA adapters are not supported"),
         ("monteclora_config", lambda v: bool(v), "MonteCLoRA adapters are not supported"),
     )
+    if family and cfg.get("target_parameters"):
+        # peft adapts a mixture-of-experts model's stacked expert weights as parameters
+        raise ValueError(
+            f"{cfg_path}: target_parameters={cfg['target_parameters']!r}: {family} takes LoRA "
+            "adapters on its attention, dense MLP and shared-expert linears only, not on its routed "
+            "experts' weights."
+        )
     for key, bad, why in refused:
         if key in cfg and bad(cfg[key]):
             raise ValueError(f"{cfg_path}: {key}={cfg[key]!r}: {why}.")
@@ -353,7 +415,7 @@ def read_adapter_config(path: str, allowed_root: str | None = None) -> dict:
     alpha = cfg.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise ValueError(f"{cfg_path}: lora_alpha must be a finite number, got {alpha!r}.")
-    _target_names(cfg.get("target_modules"))
+    _target_names(cfg.get("target_modules"), family)
     return cfg
 
 
@@ -385,7 +447,7 @@ def load_peft_adapter(
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    cfg = read_adapter_config(path, allowed_root)
+    cfg = read_adapter_config(path, allowed_root, shapes.family)
     r_cfg: int = cfg["r"]
     if r_cfg > max_lora_rank:
         raise ValueError(f"LoRA rank {r_cfg} of {path!r} is above max_lora_rank={max_lora_rank}.")
@@ -398,7 +460,7 @@ def load_peft_adapter(
         tensors = load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{wpath}: not a readable safetensors file ({e}).") from e
-    targets = _target_names(cfg.get("target_modules"))
+    targets = _target_names(cfg.get("target_modules"), shapes.family)
     alpha = float(cfg.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
     if not abs(scaling) <= torch.finfo(dtype).max:
@@ -408,14 +470,28 @@ def load_peft_adapter(
         )
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
+        expert = _EXPERT_KEY.match(name) if shapes.family else None
+        if expert is not None:
+            raise ValueError(
+                f"{wpath}: {name!r} targets {expert.group(1)}: {shapes.family} takes LoRA adapters "
+                "on its attention, dense MLP and shared-expert linears only, not on its routed "
+                "experts or routers."
+            )
         m = _KEY.match(name)
         if m is None:
             raise ValueError(f"{wpath}: {name!r} is not a LoRA weight of a decoder-layer linear.")
         layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if module not in shapes.module_names or _PARENT[module] != parent:
+        if module not in shapes.module_names or _PARENT[module] != parent.split(".")[0]:
             raise ValueError(
                 f"{wpath}: {name!r} targets {parent}.{module}; supported target modules of this "
                 f"model are {sorted(shapes.module_names)}."
+            )
+        if layer < shapes.num_layers and _PARENT[module] == "mlp" and parent != shapes.mlp_parent(layer):
+            where = shapes.mlp_parent(layer)
+            raise ValueError(
+                f"{wpath}: {name!r} targets {parent}.{module}, but layer {layer} of "
+                f"{shapes.family or 'this model'} has "
+                + (f"its MLP linears under {where}." if where else "only routed experts (no LoRA targets).")
             )
         if targets is not None and module not in targets:
             raise ValueError(f"{wpath}: {name!r} targets {module}, which target_modules does not list.")
@@ -435,7 +511,9 @@ def load_peft_adapter(
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{where}: has lora_{'A' if 'A' in ab else 'B'} without its pair.")
         a, b = ab["A"], ab["B"]
-        fin, fout = shapes.module_in_out(module)
+        fin, fout = (
+            shapes.layer_in_out(layer, module) if module in TARGET_MODULES else shapes.module_in_out(module)
+        )
         if (
             a.dim() != 2
             or b.dim() != 2

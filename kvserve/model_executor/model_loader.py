@@ -56,14 +56,17 @@ def gguf_file_for(model: str | None) -> Path | None:
 def quantized_weight_types(model) -> dict[str, int]:
     """How many weights of ``model`` (``LlamaForCausalLM``) run in quantized blocks, per block
     type: ``{"Q4_1": 120, "Q8_0": 1}`` (a fused q/k/v or gate/up weight counts once, as does a
-    tied embedding and LM head); empty for a float model."""
+    tied embedding and LM head, each expert of an MoE layer once per projection); empty for a
+    float model."""
     from kvserve.ops.quant import QuantWeight
 
     seen: dict[int, str] = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, QuantWeight):
-                seen[id(value)] = value.qtype.upper()
+            # a list holds one weight per expert (an MoE layer's quantized experts)
+            for w in value if isinstance(value, list) else [value]:
+                if isinstance(w, QuantWeight):
+                    seen[id(w)] = w.qtype.upper()
     counts: dict[str, int] = {}
     for qtype in seen.values():
         counts[qtype] = counts.get(qtype, 0) + 1
@@ -382,11 +385,15 @@ def load_model(
     check_quantization_matches(quantization, method, model_dir)
     model_cls = registry.model_class(cfg, str(model_dir))
     quantized = method if method is not None else quantization if quantization in ("int8", "int4") else None
-    if quantized is not None and not getattr(model_cls, "supports_quantization", True):
+    supported = getattr(model_cls, "supports_quantization", True)
+    if method is not None:
+        supported = supported and getattr(model_cls, "supports_quantized_checkpoints", True)
+    if quantized is not None and not supported:
+        why = getattr(model_cls, "quantization_refusal", "its weights stay float")
         raise ValueError(
             f"model in {str(model_dir)!r} ({registry.native_architecture(cfg)}): quantization="
-            f"{quantized!r} is not supported for this family (its mixture-of-experts weights stay "
-            "float); use a float checkpoint without quantization"
+            f"{quantized!r} is not supported for this family ({why}); use a float checkpoint "
+            "without quantization"
         )
     with torch.no_grad():
         model = model_cls(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)

@@ -234,6 +234,35 @@ def test_grouped_experts_one_expert_takes_all_and_empty_experts(mode):
     assert empty.shape == (0, H)
 
 
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+def test_looped_experts_equal_the_loop_on_float_and_quantized_weights(method, monkeypatch):
+    """``looped_experts`` (what quantized experts run) on per-expert weights: float ones give
+    the per-expert loop's result; quantized ones (float activations) the loop's on their
+    dequantized weights."""
+    from kvserve.model_executor.layers.linear import quantize_weight
+    from kvserve.ops import quant
+
+    monkeypatch.setenv(quant.ACT_ENV, "float")
+
+    T, E, k, H, I = 23, 8, 2, 64, 32
+    w13, w2 = _experts(E, H, I, seed=5)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g)
+    weights, experts = fused_moe.route(torch.randn(T, E, generator=g), k, renormalize=True)
+    if method is None:
+        w13s, w2s = list(w13), list(w2)
+    else:
+        w13s = [quantize_weight(w.contiguous(), method) for w in w13]
+        w2s = [quantize_weight(w.contiguous(), method) for w in w2]
+        w13 = torch.stack([quant.dequantize(w) for w in w13s])
+        w2 = torch.stack([quant.dequantize(w) for w in w2s])
+    got = fused_moe.looped_experts(x, weights, experts, w13s, w2s)
+    ref = fused_moe.per_expert_loop(x, weights, experts, w13, w2)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert fused_moe.looped_experts(x[:0], weights[:0], experts[:0], w13s, w2s).shape == (0, H)
+
+
 def test_route_normalisation():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     p = torch.softmax(logits, -1)
@@ -249,19 +278,15 @@ def test_route_normalisation():
 
 def test_refusals_name_the_family(tmp_path_factory, default_tokenizer_dir):
     path, _ = _model("mixtral_top2", tmp_path_factory, default_tokenizer_dir)
-    with pytest.raises(
-        ValueError, match="MixtralForCausalLM.*quantization='int8'|quantization='int8'.*MixtralForCausalLM"
-    ):
-        LLM(model=str(path), **ENGINE, quantization="int8")
-    with pytest.raises(ValueError, match="enable_lora is not supported for MixtralForCausalLM"):
-        LLM(model=str(path), **ENGINE, enable_lora=True)
     from kvserve.model_executor.models.moe import MoeForCausalLM
 
-    class TwoRanks:
-        world_size, rank = 2, 0
+    class FiveRanks:
+        world_size, rank = 5, 0
 
-    with pytest.raises(ValueError, match="MixtralForCausalLM: tensor_parallel_size=2"):
-        MoeForCausalLM(_config("mixtral_top2"), tp=TwoRanks())
+    with pytest.raises(
+        ValueError, match="MixtralForCausalLM: tensor_parallel_size=5 must divide intermediate_size=48"
+    ):
+        MoeForCausalLM(_config("mixtral_top2"), tp=FiveRanks())
 
 
 def test_native_decode_step_does_not_apply(tmp_path_factory, default_tokenizer_dir):
@@ -285,3 +310,73 @@ def test_native_decode_step_does_not_apply(tmp_path_factory, default_tokenizer_d
     assert len(out[0].outputs[0].token_ids) == MAX_NEW
     assert not calls
     llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe_shared", "olmoe"])
+def test_tensor_parallel_ranks_hold_complementary_expert_slices(
+    kind, tmp_path_factory, default_tokenizer_dir
+):
+    """Loaded as rank 0 and rank 1 of two (no peers needed to load): each rank's experts,
+    shared expert and OLMoE's whole-projection q/k norm weights, put back together along the
+    intermediate columns (heads), are the checkpoint's."""
+    from kvserve.model_executor.model_loader import read_safetensors_into
+    from kvserve.model_executor.models.moe import MoeBlock, MoeForCausalLM
+
+    path, hf = _model(kind, tmp_path_factory, default_tokenizer_dir)
+
+    class Rank:
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+    ranks = []
+    for r in (0, 1):
+        m = MoeForCausalLM(hf.config, tp=Rank(r))
+        with torch.no_grad():
+            read_safetensors_into(m, path)
+        ranks.append(m)
+    for i, hf_layer in enumerate(hf.model.layers):
+        blocks = [m.layers[i].mlp for m in ranks]
+        if isinstance(blocks[0], MoeBlock):
+            full = hf_layer.mlp.experts
+            inter = blocks[0].experts.inter
+            gate = torch.cat([b.experts.w13[:, :inter] for b in blocks], dim=1)
+            up = torch.cat([b.experts.w13[:, inter:] for b in blocks], dim=1)
+            torch.testing.assert_close(
+                torch.cat([gate, up], dim=1), full.gate_up_proj.detach(), rtol=0, atol=0
+            )
+            down = torch.cat([b.experts.w2 for b in blocks], dim=2)
+            torch.testing.assert_close(down, full.down_proj.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(
+                blocks[1].experts.gate, hf_layer.mlp.gate.weight.detach(), rtol=0, atol=0
+            )
+            if blocks[0].shared_expert is not None:
+                shared = torch.cat([b.shared_expert.down_weight for b in blocks], dim=1)
+                torch.testing.assert_close(
+                    shared, hf_layer.mlp.shared_expert.down_proj.weight.detach(), rtol=0, atol=0
+                )
+        if kind == "olmoe":
+            q_norm = torch.cat([m.layers[i].self_attn.q_norm.weight for m in ranks])
+            torch.testing.assert_close(q_norm, hf_layer.self_attn.q_norm.weight.detach(), rtol=0, atol=0)
+
+
+def test_tensor_parallel_checks_expert_sizes_before_any_rank_starts():
+    """``ParallelConfig.verify_with_model`` (run before any peer is spawned) checks the expert and
+    shared-expert intermediate sizes as it does ``intermediate_size``."""
+    from kvserve.config import ParallelConfig
+
+    cfg = _config("qwen2_moe_shared")  # intermediate 80, experts 32, shared expert 48
+    ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu")
+    cfg.shared_expert_intermediate_size = 49
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=2 must divide shared_expert_intermediate_size=49"
+    ):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu")
+    cfg = _config("qwen2_moe_shared")
+    with pytest.raises(
+        ValueError,
+        match=r"whole Q8_0 blocks of 32: down_proj intermediate_size 80/2 = 40, "
+        r"down_proj moe_intermediate_size 32/2 = 16, down_proj shared_expert_intermediate_size 48/2 = 24",
+    ):
+        ParallelConfig(tensor_parallel_size=2).verify_with_model(cfg, "cpu", quantization="int8")

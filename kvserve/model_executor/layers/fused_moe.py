@@ -20,12 +20,24 @@ rows gathered into one contiguous block per expert, each block goes through its 
 
 ``per_expert_loop`` is the straightforward form (a boolean mask per expert, its tokens indexed,
 its MLP run, results added): the reference the tests and ``kvserve bench moe`` compare with.
+
+Quantized experts (``FusedMoE.quantize_stack``: int8 / int4 at load) are one block-quantized weight per
+expert and projection; ``looped_experts`` runs them as the ``"loop"`` form does, one pair of
+quantized GEMMs (``layers.linear.linear``) per active expert on its contiguous rows.
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate columns
+(``w13``'s gate and up rows ``[r*I/T, (r+1)*I/T)``, ``w2``'s matching input columns): the
+layer returns this rank's partial sum, which the caller all-reduces once per MoE block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+
+from kvserve.model_executor.layers.linear import QUANT_METHODS, LinearWeight, linear, quantize_weight
 
 #: Ways ``grouped_experts`` can run the expert GEMMs (``"auto"`` picks one per call).
 MODES = ("auto", "grouped_mm", "bmm", "loop")
@@ -148,6 +160,47 @@ def grouped_experts(
     return out.index_add_(0, token, ys)
 
 
+def looped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w13: Sequence[LinearWeight],
+    w2: Sequence[LinearWeight],
+) -> torch.Tensor:
+    """``grouped_experts`` in its ``"loop"`` form for per-expert weights of any ``linear`` form
+    (block-quantized ``quant.QuantWeight`` included): the pairs sorted by expert, each active
+    expert's contiguous rows through one gate/up and one down GEMM.
+
+    Args:
+        x, weights, experts: as ``grouped_experts``.
+        w13: E weights ``[2I, H]`` (gate rows then up rows); w2: E weights ``[H, I]``.
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+    """
+    T, H = x.shape
+    k = experts.shape[1]
+    out = torch.zeros(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    pair_w = weights.reshape(-1)[order]
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()
+    xs = x.index_select(0, token)
+    ys = torch.empty(xs.shape[0], H, dtype=x.dtype, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        seg = slice(start, start + c)
+        gu = linear(xs[seg], w13[e])
+        ys[seg] = linear(_swiglu(gu, gu.shape[1] // 2), w2[e])
+        start += c
+    ys = (ys * pair_w.unsqueeze(1)).to(x.dtype)
+    return out.index_add_(0, token, ys)
+
+
 def per_expert_loop(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
@@ -179,7 +232,10 @@ class FusedMoE(torch.nn.Module):
             rather than by weights cast to the activation dtype first (Qwen-MoE, OLMoE).
         mode: the expert-GEMM form (``MODES``).
 
-    Parameters: ``gate`` ``[E, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``.
+    Parameters: ``gate`` ``[E, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]`` (``I``: this
+    rank's share of the intermediate size under tensor parallelism). After ``quantize_stack`` the
+    experts are ``w13_q`` / ``w2_q`` (one quantized weight per expert) and ``w13`` / ``w2`` are
+    gone; the router stays float.
     Raises:
         ValueError: ``top_k`` outside ``[1, num_experts]``.
     """
@@ -214,6 +270,24 @@ class FusedMoE(torch.nn.Module):
         self.gate = param(num_experts, hidden_size)
         self.w13 = param(num_experts, 2 * intermediate_size, hidden_size)
         self.w2 = param(num_experts, hidden_size, intermediate_size)
+        self.w13_q: list[LinearWeight] | None = None
+        self.w2_q: list[LinearWeight] | None = None
+
+    def quantize_stack(self, name: str, method: str) -> None:
+        """Replace the stacked expert weights ``name`` (``"w13"`` or ``"w2"``) by one
+        block-quantized weight per expert (``layers.linear.quantize_weight``: ``int8`` Q8_0,
+        ``int4`` Q4_1) in ``w13_q`` / ``w2_q``; the float stack is dropped. The router stays
+        float. ``forward`` runs the quantized experts once both stacks are quantized.
+
+        Raises:
+            ValueError: ``name`` is neither ``w13`` nor ``w2``, or an unknown ``method``.
+        """
+        if name not in ("w13", "w2") or method not in QUANT_METHODS:
+            raise ValueError(f"FusedMoE.quantize_stack: got name={name!r}, method={method!r}")
+        stack = getattr(self, name).data
+        quantized = [quantize_weight(stack[e].contiguous(), method) for e in range(self.num_experts)]
+        delattr(self, name)
+        setattr(self, name + "_q", quantized)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], experts [T, k])`` for ``x`` ``[T, H]``."""
@@ -227,4 +301,6 @@ class FusedMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]`` in ``x.dtype``."""
         weights, experts = self.route(x)
+        if self.w13_q is not None and self.w2_q is not None:
+            return looped_experts(x, weights, experts, self.w13_q, self.w2_q)
         return grouped_experts(x, weights, experts, self.w13, self.w2, self.mode)

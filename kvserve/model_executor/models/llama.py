@@ -425,6 +425,11 @@ class LlamaForCausalLM(nn.Module):
         names += [(layer.mlp, n) for layer in self.layers for n in ("gate_up_weight", "down_weight")]
         return names
 
+    def lora_mlp(self, index: int) -> nn.Module | None:
+        """The MLP module of decoder layer ``index`` whose gate/up and down linears take LoRA
+        adapters (``LoRAManager`` sets its ``lora_stacks``), or None where none does."""
+        return self.layers[index].mlp
+
     def prepack_linear_weights(self) -> None:
         """Replace every linear weight (q/k/v, o, gate/up, down, LM head) by its
         ``prepack_weight`` form, after ``load_weights``; a no-op off CPU (and for float16).
@@ -507,16 +512,9 @@ class LlamaForCausalLM(nn.Module):
                 f"got {self.dtype}"
             )
         check_quant_activations()  # a bad KVSERVE_QUANT_ACT fails at load, not in a request
-        names: list[tuple[nn.Module, str]] = []
-        labels: list[str] = []
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            names += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]
-            labels += [p + "self_attn.q_proj/k_proj/v_proj", p + "self_attn.o_proj"]
-            names += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
-            labels += [p + "mlp.gate_proj/up_proj", p + "mlp.down_proj"]
-        names.append((self, "lm_head"))
-        labels.append("lm_head")
+        labelled = self._quantized_linears()
+        names = [(m, n) for m, n, _ in labelled]
+        labels = [label for _, _, label in labelled]
         ragged = [
             f"{label} (in_features={getattr(m, n).shape[-1]})"
             for (m, n), label in zip(names, labels)
@@ -531,9 +529,29 @@ class LlamaForCausalLM(nn.Module):
                 "Run this model without quantization."
             )
         for module, name in names:
-            q = quantize_weight(getattr(module, name), method)
-            module._parameters.pop(name, None)  # a plain attribute from now on
-            setattr(module, name, q)
+            self._quantize_linear(module, name, method)
+
+    def _quantized_linears(self) -> list[tuple[nn.Module, str, str]]:
+        """``(module, attribute, checkpoint label)`` of every weight ``quantize_linear_weights``
+        replaces (a family with other MLPs overrides it); the attribute's last dimension is
+        its ``in_features``."""
+        out: list[tuple[nn.Module, str, str]] = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out += [
+                (layer.self_attn, "qkv_weight", p + "self_attn.q_proj/k_proj/v_proj"),
+                (layer.self_attn, "o_weight", p + "self_attn.o_proj"),
+                (layer.mlp, "gate_up_weight", p + "mlp.gate_proj/up_proj"),
+                (layer.mlp, "down_weight", p + "mlp.down_proj"),
+            ]
+        out.append((self, "lm_head", "lm_head"))
+        return out
+
+    def _quantize_linear(self, module: nn.Module, name: str, method: str) -> None:
+        """Replace ``module.<name>`` (a float ``[out, in]`` weight) by its quantized form."""
+        q = quantize_weight(getattr(module, name), method)
+        module._parameters.pop(name, None)  # a plain attribute from now on
+        setattr(module, name, q)
 
     # ------------------------------------------------------------------ weights
     #: Checkpoint tensor name suffix -> the dimension a tensor-parallel rank takes 1/T of

@@ -16,14 +16,18 @@ up / down, router ``block_sparse_moe.gate``; the others ``mlp.experts.N.gate_pro
 router ``mlp.gate``) or already stacked (``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` and
 ``<prefix>.experts.down_proj`` ``[E, H, I]``, transformers' in-memory layout).
 
-Not supported (each a ValueError naming the family): tensor parallelism, LoRA adapters, int8 /
-int4 quantization and quantized checkpoints. Pure-decode CPU steps run the module path (the
-fused native decode step has no MoE kernel).
+int8 / int4 at load quantize the experts one weight each (``FusedMoE.quantize_stack``) besides
+the attention and dense linears; routers stay float. Tensor parallelism splits attention and
+dense layers as the Llama skeleton does and every expert (and the shared expert) by
+intermediate columns, one all-reduce per ``MoeBlock``. LoRA adapters apply to the attention
+linears and to dense layers' and shared experts' MLP linears (``lora_mlp``); the LoRA reader
+refuses adapters on routed experts and routers. Not supported (a ValueError naming the family):
+quantized checkpoints. Pure-decode CPU steps run the module path (the fused native decode step
+has no MoE kernel).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
 
@@ -143,8 +147,8 @@ def is_sparse_layer(cfg, fam: MoeFamily, index: int) -> bool:
 class MoeAttention(LlamaAttention):
     """``LlamaAttention`` with the family's q/k norm, q/k/v bias and ``clip_qkv``."""
 
-    def __init__(self, cfg, fam: MoeFamily, rope, dtype, device):
-        super().__init__(cfg, rope, dtype, device)
+    def __init__(self, cfg, fam: MoeFamily, rope, dtype, device, tp=None):
+        super().__init__(cfg, rope, dtype, device, tp)
         if fam.name == "Qwen2MoeForCausalLM":  # q/k/v bias by qkv_bias, o never
             self.qkv_bias = (
                 nn.Parameter(
@@ -178,23 +182,47 @@ class MoeAttention(LlamaAttention):
             if self.qk_norm == "head":
                 q.copy_(self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, -1))
                 k.copy_(self.k_norm(k.reshape(T * self.num_kv_heads, self.head_dim)).view(T, -1))
-            else:
+            elif self.tp is None:
                 q.copy_(self.q_norm(q.contiguous()))
                 k.copy_(self.k_norm(k.contiguous()))
+            else:
+                self._sharded_proj_norm(q, k)
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+
+    def _sharded_proj_norm(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """OLMoE's whole-projection RMSNorm of q and k when this rank holds 1/T of each
+        projection's columns (its heads) and of the norm weights: the per-row sums of squares
+        are added over the ranks (one all-reduce for q and k together), then each rank scales
+        its columns. In place on the ``[T, q]`` and ``[T, kv]`` views."""
+        t = int(self.tp.world_size)
+        sq = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], dim=1)
+        sq = self.tp.all_reduce(sq.contiguous())
+        for part, norm, col, full in (
+            (q, self.q_norm, 0, self.q_size * t),
+            (k, self.k_norm, 1, self.kv_size * t),
+        ):
+            norm = cast(RMSNorm, norm)
+            inv = torch.rsqrt(sq[:, col : col + 1] / full + norm.eps)
+            part.copy_((part.float() * inv).to(part.dtype) * norm.weight)
 
 
 class MoeBlock(nn.Module):
     """The sparse MLP of one layer: routed experts (``experts``: ``FusedMoE``) plus, for
-    Qwen2-MoE, ``sigmoid(x @ shared_expert_gate.T) * shared_expert(x)``."""
+    Qwen2-MoE, ``sigmoid(x @ shared_expert_gate.T) * shared_expert(x)``.
+
+    With a tensor-parallel group ``tp`` of size T each rank holds 1/T of every expert's and of
+    the shared expert's intermediate columns (router and shared-expert gate whole): both give
+    partial sums of the output, added over the ranks by one all-reduce per block."""
 
     #: Rows per call: bounds the gathered ``[rows * top_k, H]`` and ``[rows * top_k, 2I]``
     #: activations of long prefills.
     CHUNK_ROWS = 2048
 
-    def __init__(self, cfg, fam: MoeFamily, dtype, device):
+    def __init__(self, cfg, fam: MoeFamily, dtype, device, tp=None):
         super().__init__()
+        self.tp = tp
+        t = 1 if tp is None else int(tp.world_size)
         renorm = fam.renormalize
         if renorm is None:
             renorm = bool(getattr(cfg, "norm_topk_prob", False))
@@ -202,7 +230,7 @@ class MoeBlock(nn.Module):
             int(getattr(cfg, fam.experts_field)),
             int(cfg.num_experts_per_tok),
             cfg.hidden_size,
-            int(getattr(cfg, fam.inter_field)),
+            int(getattr(cfg, fam.inter_field)) // t,
             renormalize=renorm,
             float32_weights=fam.float32_weights,
             dtype=dtype,
@@ -211,41 +239,45 @@ class MoeBlock(nn.Module):
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: nn.Parameter | None = None
         if fam.shared_expert:
+            # this rank's share, summed by the block's all-reduce (not the MLP's own)
             self.shared_expert = LlamaMLP(
-                cfg, dtype, device, intermediate_size=int(cfg.shared_expert_intermediate_size)
+                cfg, dtype, device, intermediate_size=int(cfg.shared_expert_intermediate_size) // t
             )
             self.shared_expert_gate = nn.Parameter(
                 torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         out = self.experts(x)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert(x)
+            shared = self.shared_expert(x, lora)
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return out
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``; ``lora`` must be None (the model refuses LoRA)."""
+        """``[T, hidden]`` -> ``[T, hidden]``; ``lora``: the step's ``LoRAMapping`` or None,
+        applied to the shared expert's linears (the routed experts take none)."""
         T = x.shape[0]
         if T <= self.CHUNK_ROWS:
-            return self._forward(x)
-        out = torch.empty_like(x)
-        for i in range(0, T, self.CHUNK_ROWS):
-            out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS])
-        return out
+            out = self._forward(x, lora)
+        else:
+            out = torch.empty_like(x)
+            for i in range(0, T, self.CHUNK_ROWS):
+                part = None if lora is None else lora.slice(i, min(i + self.CHUNK_ROWS, T))
+                out[i : i + self.CHUNK_ROWS] = self._forward(x[i : i + self.CHUNK_ROWS], part)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
     """A decoder layer whose MLP is a ``MoeBlock`` (sparse layers) or a dense ``LlamaMLP``."""
 
-    def __init__(self, cfg, fam: MoeFamily, index: int, rope, dtype, device):
+    def __init__(self, cfg, fam: MoeFamily, index: int, rope, dtype, device, tp=None):
         nn.Module.__init__(self)
-        self.self_attn = MoeAttention(cfg, fam, rope, dtype, device)
+        self.self_attn = MoeAttention(cfg, fam, rope, dtype, device, tp)
         mlp: nn.Module = (
-            MoeBlock(cfg, fam, dtype, device)
+            MoeBlock(cfg, fam, dtype, device, tp)
             if is_sparse_layer(cfg, fam, index)
-            else LlamaMLP(cfg, dtype, device)
+            else LlamaMLP(cfg, dtype, device, tp)
         )
         self.mlp = mlp  # type: ignore[assignment]  # the base class types it LlamaMLP
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -255,34 +287,50 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MoeForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE decoder + LM head (see the module doc).
 
-    Args: as ``LlamaForCausalLM``; ``tp`` must be None.
+    Args: as ``LlamaForCausalLM``. Under tensor parallelism attention and dense layers are
+        sharded as there; each sparse layer's experts and shared expert by intermediate
+        columns (``MoeBlock``); OLMoE's whole-projection q/k norm weights by the rank's heads.
 
     Raises:
-        ValueError: a ``model_type`` that is not one of ``FAMILIES``, tensor parallelism,
-            ``hidden_act`` other than silu, ``num_experts_per_tok`` outside ``[1, experts]``.
+        ValueError: a ``model_type`` that is not one of ``FAMILIES``, ``hidden_act`` other than
+            silu, ``num_experts_per_tok`` outside ``[1, experts]``, a tensor-parallel size that
+            does not divide the head counts or an intermediate size (naming the family and
+            the field).
     """
 
     # the fused native decode step has no MoE kernel: pure-decode steps take the module path
     use_native_decode = False
-    supports_lora = False
-    supports_quantization = False
+    #: int8 / int4 at load quantize the experts too; a quantized checkpoint's expert tensors
+    #: (GPTQ, AWQ, compressed-tensors) have no loader here
+    supports_quantized_checkpoints = False
+    quantization_refusal = "no loader for quantized expert tensors"
 
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
     ):
-        self.family = family_of(hf_config)
-        if tp is not None and int(tp.world_size) > 1:
-            raise ValueError(
-                f"{self.family.name}: tensor_parallel_size={tp.world_size} is not supported for "
-                "mixture-of-experts models (experts are not sharded); use tensor_parallel_size=1"
-            )
+        self.family = fam = family_of(hf_config)
+        t = 1 if tp is None else int(tp.world_size)
+        fields = [fam.inter_field] + (["shared_expert_intermediate_size"] if fam.shared_expert else [])
+        for field in fields:
+            n = int(getattr(hf_config, field))
+            if n % t:
+                raise ValueError(
+                    f"{fam.name}: tensor_parallel_size={t} must divide {field}={n} (each rank holds "
+                    "1/T of every expert's intermediate columns)"
+                )
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"config.json hidden_act={act!r} is not supported (only silu).")
-        super().__init__(hf_config, dtype=dtype, device=device, max_position=max_position, tp=None)
+        super().__init__(hf_config, dtype=dtype, device=device, max_position=max_position, tp=tp)
 
     def _decoder_layer(self, cfg, index: int, dtype, device) -> nn.Module:
-        return MoeDecoderLayer(self.config, self.family, index, self.rope, dtype, device)
+        return MoeDecoderLayer(self.config, self.family, index, self.rope, dtype, device, self.tp)
+
+    def lora_mlp(self, index: int) -> nn.Module | None:
+        """Layer ``index``'s dense MLP, its shared expert, or None (routed experts only: LoRA
+        adapters on experts are refused when read, ``kvserve.lora.peft``)."""
+        mlp = self.layers[index].mlp
+        return mlp.shared_expert if isinstance(mlp, MoeBlock) else mlp
 
     def _layer_linears(self) -> list[tuple[nn.Module, str]]:
         names: list[tuple[nn.Module, str]] = []
@@ -294,22 +342,46 @@ class MoeForCausalLM(LlamaForCausalLM):
                 names += [(dense, "gate_up_weight"), (dense, "down_weight")]
         return names
 
-    def quantize_linear_weights(self, method: str) -> None:
-        """Refused: see ``supports_quantization``.
+    def _quantized_linears(self) -> list[tuple[nn.Module, str, str]]:
+        """As ``LlamaForCausalLM``'s, with each sparse layer's stacked experts
+        (``FusedMoE.w13`` / ``w2``, quantized expert by expert) and shared expert in place of
+        the dense MLP; the routers and the shared expert's gate stay float."""
+        out: list[tuple[nn.Module, str, str]] = []
+        prefix = self.family.prefix
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out += [
+                (layer.self_attn, "qkv_weight", p + "self_attn.q_proj/k_proj/v_proj"),
+                (layer.self_attn, "o_weight", p + "self_attn.o_proj"),
+            ]
+            mlp = layer.mlp
+            dense: nn.Module | None = mlp
+            where = p + "mlp."
+            if isinstance(mlp, MoeBlock):
+                g, u, d = self.family.expert_names
+                m = f"{p}{prefix}.experts.*."
+                out += [(mlp.experts, "w13", f"{m}{g}/{u}"), (mlp.experts, "w2", m + d)]
+                dense, where = mlp.shared_expert, f"{p}{prefix}.shared_expert."
+            if dense is not None:
+                out += [
+                    (dense, "gate_up_weight", where + "gate_proj/up_proj"),
+                    (dense, "down_weight", where + "down_proj"),
+                ]
+        out.append((self, "lm_head", "lm_head"))
+        return out
 
-        Raises:
-            ValueError: always, naming the family.
-        """
-        raise ValueError(
-            f"{self.family.name}: quantization={method!r} is not supported for mixture-of-experts "
-            "models (experts stay float); run without quantization"
-        )
+    def _quantize_linear(self, module: nn.Module, name: str, method: str) -> None:
+        if isinstance(module, FusedMoE):
+            module.quantize_stack(name, method)
+        else:
+            super()._quantize_linear(module, name, method)
 
     # ------------------------------------------------------------------ weights
     def weight_target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """As ``LlamaForCausalLM.weight_target``, plus the router, the experts (a row range
         of the stacked ``w13`` / ``w2``, or all of it for a stacked checkpoint tensor), the
-        shared expert and its gate, and the q/k norms.
+        shared expert and its gate, and the q/k norms; under tensor parallelism the view holds
+        ``shard_shape(name, shape)``.
 
         Raises:
             ValueError: unknown name or a shape mismatch.
@@ -317,7 +389,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         target = self._moe_target(name)
         if target is None:
             return super().weight_target(name, shape)
-        if tuple(target.shape) != tuple(shape):
+        if tuple(target.shape) != self.shard_shape(name, shape):
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(target.shape)}")
         return target
 
@@ -377,16 +449,58 @@ class MoeForCausalLM(LlamaForCausalLM):
                 return moe.w2.data[e]
         return None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """As ``LlamaForCausalLM.load_weights`` (no tensor parallelism here)."""
-        loaded = set()
-        for name, t in weights:
-            target = self.weight_target(name, tuple(t.shape))
-            if target is None:
-                continue
-            target.copy_(t)
-            loaded.add(name)
-        self.check_all_loaded(loaded)
+    def _moe_shard(self, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """This rank's part of family-specific checkpoint tensor ``t`` (full shape) named
+        ``name``, or None for a name the base class shards (attention, dense MLPs, vocabulary).
+        Experts and the shared expert: the rank's 1/T of the intermediate columns (gate and
+        up rows, down input columns; a stacked ``[E, 2I, H]`` tensor's gate and up halves
+        each); OLMoE's whole-projection q/k norm weights: the rank's heads' entries; routers,
+        the shared expert's gate and per-head norms whole."""
+        parts = name.split(".")
+        if self.tp_size == 1 or len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            return None
+        rest = ".".join(parts[3:])
+        r, n = self.tp_rank, self.tp_size
+
+        def cut(x: torch.Tensor, dim: int) -> torch.Tensor:
+            k = x.shape[dim] // n
+            return x.narrow(dim, r * k, k)
+
+        if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            return cut(t, 0) if self.family.qk_norm == "proj" else t
+        prefix = self.family.prefix + "."
+        if not rest.startswith(prefix) or not isinstance(self.layers[int(parts[2])].mlp, MoeBlock):
+            return None
+        sub = rest[len(prefix) :]
+        if sub in ("gate.weight", "shared_expert_gate.weight"):
+            return t
+        if sub in ("experts.gate_up_proj", "experts.gate_up_proj.weight"):
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([cut(gate, 1), cut(up, 1)], dim=1)
+        if sub in ("experts.down_proj", "experts.down_proj.weight"):
+            return cut(t, 2)
+        bits = sub.split(".")
+        g, u, d = self.family.expert_names
+        which = bits[-2] if len(bits) >= 2 else ""
+        if bits[0] == "shared_expert":
+            which = {"gate_proj": g, "up_proj": u, "down_proj": d}.get(which, "")
+        if which in (g, u):
+            return cut(t, 0)
+        if which == d:
+            return cut(t, 1)
+        return t
+
+    def shard_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """As ``LlamaForCausalLM.shard_shape``, for the family's expert, shared-expert and
+        norm tensors too (``_moe_shard``)."""
+        part = self._moe_shard(name, torch.empty(shape, device="meta"))
+        return super().shard_shape(name, shape) if part is None else tuple(part.shape)
+
+    def shard_weight(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """As ``LlamaForCausalLM.shard_weight``, for the family's expert, shared-expert and
+        norm tensors too (``_moe_shard``)."""
+        part = self._moe_shard(name, t)
+        return super().shard_weight(name, t) if part is None else part
 
     def check_all_loaded(self, loaded) -> None:
         """Raises ValueError naming the expected weights absent from ``loaded``; a stacked

@@ -83,37 +83,62 @@ static inline __attribute__((always_inline)) wpair load_kpair_q6(const uint8_t* 
 #endif
 }
 
-/* Pair i of superblock b (type qt: Q4_K or Q6_K) as dot8's bytes, with its per-lane scales dw and
-   (Q4_K) minima mw as in the header comment; hi: the lanes of chunk 2i + 1. */
-static inline __attribute__((always_inline)) wpair load_kpair(const int qt, const uint8_t* b, const int i,
-                                                              const v16i hi, v16* dw, v16* mw) {
-    if (qt == QT_Q6_K) {
-        const uint8_t *ql, *qh;
-        const int8_t* sc;
-        int sl, sh;
-        q6k_chunk(b, 2 * i, &ql, &qh, &sc, &sl, &sh); /* sc[0..3]: chunk 2i's two, then 2i + 1's */
-        const float d = fp16_to_f32(b + 208);
-#if defined(__AVX512F__)
-        int32_t s4;
-        memcpy(&s4, sc, 4);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_cvtsi32_si128(s4)));
-        const __m512i quad = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* lane / 4 */
-        *dw = (v16)_mm512_permutexvar_ps(quad, f) * d;
+/* The scales of superblock b (type qt) as one float vector, computed once per superblock and
+   weight row (the pairs pick their lanes with kpair_scales): Q4_K lanes 0-7 d sc_j, 8-15
+   -dmin m_j (j = 0..7); Q6_K lane i d sc_i (i = 0..15, one per 16 weights). */
+static inline __attribute__((always_inline)) v16 kscales(const int qt, const uint8_t* b) {
+    if (qt == QT_Q6_K) return __builtin_convertvector(widen_s8(b + 192), v16) * fp16_to_f32(b + 208);
+#if defined(__AVX512F__) && defined(__F16C__)
+    /* The 12 packed bytes s0..s11 (b + 4) in one 16-byte vector, all 16 six-bit values at once
+       (scale_min_k4's bit positions): sc_0..3 = s0..3 & 63, m_0..3 = s4..7 & 63,
+       sc_4..7 = (s8..11 & 15) | (s0..3 >> 6) << 4, m_4..7 = (s8..11 >> 4) | (s4..7 >> 6) << 4.
+       P holds per output byte the byte with the low bits, T the one with the top 2 bits. */
+    const __m128i v = _mm_loadu_si128((const __m128i*)b); /* d, dmin, s0..s11 */
+    const __m128i P =
+        _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m128i T = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 0, 0, 0, 4, 5, 6, 7, 0, 0, 0, 0, 8, 9, 10, 11));
+    const __m128i lo6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i hi4 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    const __m128i top = _mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
+    const __m128i u =
+        _mm_or_si128(_mm_or_si128(_mm_and_si128(P, lo6), _mm_and_si128(_mm_srli_epi16(P, 4), hi4)),
+                     _mm_and_si128(_mm_srli_epi16(T, 2), top)); /* bits 6-7 -> 4-5 */
+    const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_castps128_ps512(_mm_cvtph_ps(v)));
+    const v16 sign = {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1};
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)) * (v16)dd * sign;
 #else
-        v16 s;
-        for (int l = 0; l < 16; ++l) s[l] = (float)sc[l >> 2];
-        *dw = s * d;
-#endif
-        *mw = (v16){};
-        return load_kpair_q6(b, i);
+    const float d = fp16_to_f32(b), m = -fp16_to_f32(b + 2);
+    v16 r;
+    for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(j, b + 4, &sc, &mn);
+        r[j] = d * (float)sc;
+        r[8 + j] = m * (float)mn;
     }
-    const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
-    int sc0, m0, sc1, m1;
-    scale_min_k4(2 * i, b + 4, &sc0, &m0);
-    scale_min_k4(2 * i + 1, b + 4, &sc1, &m1);
-    *dw = select16(hi, d * (float)sc0, d * (float)sc1);
-    *mw = select16(hi, -dmin * (float)m0, -dmin * (float)m1);
-    return load_kpair_q4(b, i);
+    return r;
+#endif
+}
+
+/* Pair i's per-lane scale dw and (Q4_K) minimum mw from the superblock's kscales vector sv, the
+   natural pair layout's lanes: Q4_K dw = d sc of chunk 2i (lanes 0-7) / 2i + 1 (8-15), mw the
+   negated minima likewise; Q6_K dw = d sc_(4i + l / 4) (the pair's four 16-weight sub-blocks),
+   mw unused. */
+static inline __attribute__((always_inline)) void kpair_scales(const int qt, const v16 sv, const int i,
+                                                               v16* dw, v16* mw) {
+    v16i idx;
+    for (int l = 0; l < 16; ++l) idx[l] = qt == QT_Q6_K ? 4 * i + (l >> 2) : 2 * i + (l >> 3);
+    *dw = __builtin_shuffle(sv, idx);
+    if (qt == QT_Q6_K) {
+        *mw = (v16){};
+    } else {
+        *mw = __builtin_shuffle(sv, idx + 8);
+    }
+}
+
+/* Pair i of superblock b (type qt: Q4_K or Q6_K) as dot8's bytes. */
+static inline __attribute__((always_inline)) wpair load_kpair(const int qt, const uint8_t* b, const int i) {
+    return qt == QT_Q6_K ? load_kpair_q6(b, i) : load_kpair_q4(b, i);
 }
 
 #endif /* KV_QUANT_DOT8_K_H */

@@ -214,20 +214,23 @@ CAT(act8_quant_row_, SFX)(const int qt, const int planes, const ELEM* x, const i
 }
 
 /* Pair p of blocks (`two`: whether block 2p + 1 exists) of nc weight rows into the mr x nc
-   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0) or d_w d_x dot8 + m c (Q4_1), with
-   dot8 = dot8(plane 0) + dot8(plane 1) / 254 for two planes. */
+   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0, Q6_K) or d_w d_x dot8 + m c (Q4_1,
+   Q4_K), with dot8 = dot8(plane 0) + dot8(plane 1) / 254 for two planes. K-quants: ki = p % 4 (a
+   literal at the call site, so the pair's shifts and lane picks are constants) and ksv the nc rows'
+   kscales of the superblock; unused otherwise. */
 static inline __attribute__((always_inline)) void
-CAT(qpair8_, SFX)(const int qt, const int planes, const int mr, const int nc, const int64_t p, const int two,
-                  const uint8_t* xa, const int64_t xstride, const int64_t np, const uint8_t* w,
-                  const int64_t row_bytes, v16i hi, v16 acc[MR8][NC8]) {
+CAT(qpair8_, SFX)(const int qt, const int planes, const int mr, const int nc, const int64_t p, const int ki,
+                  const int two, const uint8_t* xa, const int64_t xstride, const int64_t np, const uint8_t* w,
+                  const int64_t row_bytes, v16i hi, const v16 ksv[NC8], v16 acc[MR8][NC8]) {
     const int64_t bb = block_bytes(qt);
     const int qoff = qt == QT_Q4_1 ? 4 : 2;
 #pragma GCC unroll 4
     for (int c = 0; c < nc; ++c) {
         wpair wp;
         v16 dw, mw;
-        if (qt >= QT_Q4_K) { /* pair p & 3 of superblock p / 4 (quant_dot8_k.h) */
-            wp = load_kpair(qt, w + c * row_bytes + (p >> 2) * bb, (int)(p & 3), hi, &dw, &mw);
+        if (qt >= QT_Q4_K) { /* pair ki = p & 3 of superblock p / 4, its scales in ksv (quant_dot8_k.h) */
+            wp = load_kpair(qt, w + c * row_bytes + (p >> 2) * bb, ki);
+            kpair_scales(qt, ksv[c], ki, &dw, &mw);
         } else {
             const uint8_t* b = w + c * row_bytes + 2 * p * bb;
             wp = load_pair(qt, b + qoff, b + bb + qoff, two);
@@ -262,17 +265,22 @@ CAT(qtile8_, SFX)(const int qt, const int planes, const int mr, const int nc, co
     v16i hi;
     for (int l = 0; l < 16; ++l) hi[l] = dot8_lane_hi(qt, l) ? -1 : 0;
     const int64_t nb = K / QK, np = (nb + 1) / 2;
+    v16 ksv[NC8];
     if (qt >= QT_Q4_K) { /* 4 pairs per superblock, unrolled so each pair's shifts are constants */
-        for (int64_t p = 0; p < np; p += 4)
+        for (int64_t p = 0; p < np; p += 4) {
+#pragma GCC unroll 4
+            for (int c = 0; c < nc; ++c) ksv[c] = kscales(qt, w + c * row_bytes + (p >> 2) * block_bytes(qt));
 #pragma GCC unroll 4
             for (int i = 0; i < 4; ++i)
-                CAT(qpair8_, SFX)(qt, planes, mr, nc, p + i, 1, xa, xstride, np, w, row_bytes, hi, acc);
+                CAT(qpair8_, SFX)(qt, planes, mr, nc, p + i, i, 1, xa, xstride, np, w, row_bytes, hi, ksv,
+                                  acc);
+        }
     } else {
         for (int64_t p = 0; p < nb / 2; ++p)
-            CAT(qpair8_, SFX)(qt, planes, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
+            CAT(qpair8_, SFX)(qt, planes, mr, nc, p, 0, 1, xa, xstride, np, w, row_bytes, hi, ksv, acc);
     }
     if (qt < QT_Q4_K && (nb & 1))
-        CAT(qpair8_, SFX)(qt, planes, mr, nc, nb / 2, 0, xa, xstride, np, w, row_bytes, hi, acc);
+        CAT(qpair8_, SFX)(qt, planes, mr, nc, nb / 2, 0, 0, xa, xstride, np, w, row_bytes, hi, ksv, acc);
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < nc; ++c) {
             const float b = bias ? CAT(ld1_, SFX)(bias + c) : 0.0f;

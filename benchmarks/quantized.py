@@ -11,13 +11,18 @@ what is measured and how); the llama-server binary comes from ``benchmarks/llama
     python benchmarks/quantized.py --peer llama.cpp --json-out q.json   # + llama-server, same GGUF
     python benchmarks/quantized.py --w64 --peer llama.cpp --json-out w.json
     python benchmarks/quantized.py --kernels      # the GEMV/GEMM kernels alone: GB/s, GFMA/s
+    python benchmarks/quantized.py --kernels --kernel-shapes 640x2048,640x1024 --kernel-types q4_k,q6_k \
+        --kernel-rows 1 --kernel-threads 1    # Gemma 3 270M's down / o shapes, its K-quants
     python benchmarks/quantized.py --layer-kernels --json-out l.json   # 30 layers' GEMMs per step
 
 ``--kernels`` times each quantized kernel (each of ``quant.linear``'s kernels forced:
 ``tile``, ``act8``, ``panel``, ``amx`` where AMX exists, ``vnni`` where AVX-512 VNNI does), the float32 panel GEMM and the bfloat16 linear on the default
 model's largest shapes (gate/up 3072 x 576, the LM head 49152 x 576; the LM head's weights
-exceed the caches in every format) at 1, 8, 64 and 256 rows (``--kernel-rows``), on 1 and 2
-threads (``--kernel-threads``), best of 15 calls taken alternately: the weight
+exceed the caches in every format; other shapes: ``--kernel-shapes``, other types:
+``--kernel-types``; the K-quants, which the gguf package cannot quantize to, as random blocks
+with float16 scales ~0.01: their speed does not depend on the values) at 1, 8, 64 and 256 rows
+(``--kernel-rows``), on 1 and 2 threads (``--kernel-threads``), best of 15 calls taken
+alternately: the weight
 bytes streamed per second say whether a GEMV is at the memory-bandwidth roof (the float32
 kernel at 1 row is) or compute-bound.
 
@@ -46,8 +51,34 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 
-def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> list[dict]:
-    """Best-of-``repeats`` time of each kernel per shape, rows and threads (see the module doc).
+def _random_kquant(qt: str, n: int, k: int):
+    """``[n, k / 256 * block_bytes]`` uint8 random ``qt`` K-quant blocks: random codes and
+    sub-scales, float16 super-scales (and minima) ~0.01."""
+    import numpy as np
+    import torch
+
+    from kvserve.ops import quant as qg
+
+    rng = np.random.default_rng(0)
+    nb, bb = k // 256, qg.BLOCK_BYTES[qt]
+    data = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
+    d = (np.abs(rng.standard_normal((n, nb, 2))) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 4)
+    if qt == "q6_k":
+        data[..., 208:210] = d[..., 0:2]
+    else:
+        data[..., 0:4] = d
+    return torch.from_numpy(data.reshape(n, -1))
+
+
+def kernels(
+    rows=(1, 8, 64, 256),
+    thread_counts=(1, 2),
+    repeats: int = 15,
+    shapes=((3072, 576), (49152, 576)),
+    types: tuple[str, ...] | None = None,
+) -> list[dict]:
+    """Best-of-``repeats`` time of each kernel per shape (``shapes``: (out, in) pairs), rows and
+    threads (see the module doc); ``types``: the quantized types (None: every one).
 
     Kernels: ``float32`` (``gemm.c`` panels), ``bfloat16`` (the bfloat16 linear the engine runs:
     ``gemm_amx``'s AMX kernel where AMX exists, else torch), and per quantized type each of
@@ -64,21 +95,24 @@ def kernels(rows=(1, 8, 64, 256), thread_counts=(1, 2), repeats: int = 15) -> li
     out = []
     for threads in thread_counts:
         torch.set_num_threads(threads)
-        for n, k in ((3072, 576), (49152, 576)):
+        for n, k in shapes:
             w32 = torch.randn(n, k) * 0.05
             w16 = w32.to(torch.bfloat16)
             cases = {
                 "float32": (gemm.linear, gemm.PanelWeight(w32), n * k * 4, torch.float32),
                 "bfloat16": (F.linear, w16, n * k * 2, torch.bfloat16),
             }
-            for qt in qg.BLOCK_BYTES:
+            for qt in types or tuple(qg.BLOCK_BYTES):
                 if k % qg.BLOCK_WEIGHTS[qt]:  # the K-quants need K % 256 == 0
                     continue
                 from gguf import GGMLQuantizationType
                 from gguf.quants import quantize
 
-                q = quantize(w32.numpy(), GGMLQuantizationType[qt.upper()])
-                qw = qg.QuantWeight(torch.from_numpy(q), qt, k)
+                if qt.endswith("_k"):
+                    qw = qg.QuantWeight(_random_kquant(qt, n, k), qt, k)
+                else:
+                    q = quantize(w32.numpy(), GGMLQuantizationType[qt.upper()])
+                    qw = qg.QuantWeight(torch.from_numpy(q), qt, k)
                 for kern in ("tile", "act8", "panel", "amx", "vnni"):
                     if (
                         (kern == "act8" and qt not in qg.ACT8_TYPES)
@@ -203,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         help="--kernels / --layer-kernels: comma-separated row counts (defaults: 1,8,64,256 / 4,8,12,16,24,32,64)",
     )
     ap.add_argument("--kernel-threads", default="1,2", help="--kernels: comma-separated thread counts")
+    ap.add_argument(
+        "--kernel-shapes",
+        default="3072x576,49152x576",
+        help="--kernels: comma-separated OUTxIN weight shapes (default: the default model's gate/up and LM head)",
+    )
+    ap.add_argument(
+        "--kernel-types", default=None, help="--kernels: comma-separated quantized types (default: all)"
+    )
     ap.add_argument("--layer-kernels", action="store_true", help="30 layers' GEMMs per kernel (module doc)")
     ap.add_argument("--kernel-reps", type=int, default=5, help="--layer-kernels: passes per kernel")
     args = ap.parse_args(argv)
@@ -225,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = kernels(
             tuple(int(r) for r in (args.kernel_rows or "1,8,64,256").split(",")),
             tuple(int(t) for t in args.kernel_threads.split(",")),
+            shapes=tuple(tuple(int(v) for v in s.split("x")) for s in args.kernel_shapes.split(",")),
+            types=tuple(args.kernel_types.split(",")) if args.kernel_types else None,
         )
         if args.json_out:
             from kvserve.benchmarks.common import system_info

@@ -48,8 +48,14 @@ typedef struct {
 #define DOT8_Q8_0 0
 #define DOT8_Q4_0 1
 #define DOT8_Q4_1 2
+#define DOT8_Q4_K 3
+#define DOT8_Q6_K 5
 
-static inline int dot8_permuted(const int qt) { return DOT8_ISA == 2 && qt != DOT8_Q8_0; }
+/* Only Q4_0 / Q4_1 permute: a K-quant pair's two chunks are the low and high nibbles (or 2-bit
+   planes) of the same bytes, so it unpacks in the natural order (quant_dot8_k.h). */
+static inline int dot8_permuted(const int qt) {
+    return DOT8_ISA == 2 && (qt == DOT8_Q4_0 || qt == DOT8_Q4_1);
+}
 static inline int dot8_offset(const int qt) {
     return qt == DOT8_Q4_0 ? 8 : (qt == DOT8_Q8_0 && DOT8_ISA == 2 ? 128 : 0);
 }

@@ -30,7 +30,7 @@
  * otherwise, scalar code elsewhere. At 1 row the dequantization is the cost, so the weights
  * stream well below the memory's rate; more rows share it.
  *
- * 2. quant_gemm_act8_* (Q8_0, Q4_0, Q4_1; int8 activations, as llama.cpp's kernels): each row
+ * 2. quant_gemm_act8_* (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; int8 activations, as llama.cpp's kernels): each row
  * of x is first quantized per 32-block to int8 with a float32 scale d_x (act8_quant_row in
  * quant_gemm_dtype.h; d_x = max|x| / 127, round to nearest even), stored in the pair layout of
  * quant_dot8.h with its per-lane scales and block-sum terms. Then per pair of blocks and weight
@@ -43,6 +43,9 @@
  * sums. Tiles of MR8 = 4 rows by NC8 = 4 columns (16 accumulators). AVX2: maddubs + madd
  * (Q8_0 by the sign trick instead of the offset); no AVX2: scalar C. At 1 row it outruns the
  * tile kernel, whose float dequantization is the cost there; by 8 rows the two are close.
+ * Q4_K / Q6_K run it on their GGUF superblocks, a pair being two 32-weight chunks with per-lane
+ * sub-block scales (Q6_K's per 16 weights: 4 lanes) and, for Q6_K, per-16 activation sums
+ * (quant_dot8_k.h).
  *
  * 2b. quant_gemm_act16_* (the same types; the LM head in the int8 mode): as act8 with the rounding
  * residual of each activation quantized again on the step d_x / 254 into a second int8 plane
@@ -192,6 +195,24 @@ static inline void scale_min_k4(const int j, const uint8_t* q, int* sc, int* m) 
     }
 }
 
+/* Where the codes of chunk s (0-7) of a Q4_K / Q5_K superblock b sit: 32 bytes whose low (s
+   even) or high (s odd) nibbles they are (layout: dequant_kchunk). */
+static inline const uint8_t* k4_codes(const int qt, const uint8_t* b, const int s) {
+    return b + (qt == QT_Q5_K ? 48 : 16) + 32 * (s >> 1);
+}
+/* Where chunk s (0-7) of a Q6_K superblock b sits: its low 4 bits are (ql[l] >> sl) & 0xF and its
+   high 2 bits (qh[l] >> sh) & 3 (l = 0..31), its two int8 sub-scales sc[0] (weights 0-15) and
+   sc[1] (16-31) (layout: dequant_kchunk). */
+static inline void q6k_chunk(const uint8_t* b, const int s, const uint8_t** ql, const uint8_t** qh,
+                             const int8_t** sc, int* sl, int* sh) {
+    const int h = s >> 2, t = s & 3;
+    *ql = b + 64 * h + 32 * (t & 1);
+    *qh = b + 128 + 32 * h;
+    *sc = (const int8_t*)(b + 192 + 8 * h + 2 * t);
+    *sl = t >= 2 ? 4 : 0;
+    *sh = 2 * t;
+}
+
 /* The K-quant chunk s (0-7: weights 32 s .. 32 s + 31) of superblock b (ggml-common.h):
    Q4_K (144 bytes): d, dmin, scales[12], qs[128]; chunks 2i / 2i + 1 are the low / high nibbles
      of qs[32 i .. 32 i + 31]; w = d * sc_s * q - dmin * m_s.
@@ -202,12 +223,11 @@ static inline void scale_min_k4(const int j, const uint8_t* q, int* sc, int* m) 
 static inline __attribute__((always_inline)) void dequant_kchunk(const int qt, const uint8_t* b, const int s,
                                                                  v16* w0, v16* w1) {
     if (qt == QT_Q6_K) {
-        const int h = s >> 2, t = s & 3;
         const float d = fp16_to_f32(b + 208);
-        const uint8_t* ql = b + 64 * h + 32 * (t & 1);
-        const uint8_t* qh = b + 128 + 32 * h;
-        const int8_t* sc = (const int8_t*)(b + 192 + 8 * h + 2 * t);
-        const int sl = t >= 2 ? 4 : 0, sh = 2 * t;
+        const uint8_t *ql, *qh;
+        const int8_t* sc;
+        int sl, sh;
+        q6k_chunk(b, s, &ql, &qh, &sc, &sl, &sh);
         const v16i q0 = ((widen_u8(ql) >> sl) & 0xF) | (((widen_u8(qh) >> sh) & 3) << 4);
         const v16i q1 = ((widen_u8(ql + 16) >> sl) & 0xF) | (((widen_u8(qh + 16) >> sh) & 3) << 4);
         *w0 = __builtin_convertvector(q0 - 32, v16) * (d * sc[0]);
@@ -218,7 +238,7 @@ static inline __attribute__((always_inline)) void dequant_kchunk(const int qt, c
     int sc, m;
     scale_min_k4(s, b + 4, &sc, &m);
     const float ds = d * sc, dm = dmin * m;
-    const uint8_t* qs = b + (qt == QT_Q5_K ? 48 : 16) + 32 * (s >> 1);
+    const uint8_t* qs = k4_codes(qt, b, s);
     const int shift = (s & 1) * 4;
     v16i q0 = (widen_u8(qs) >> shift) & 0xF, q1 = (widen_u8(qs + 16) >> shift) & 0xF;
     if (qt == QT_Q5_K) {
@@ -335,6 +355,7 @@ static inline __attribute__((always_inline)) void pair_scales(const int qt, cons
 #endif
 }
 
+#include "quant_dot8_k.h"
 #include "quant_x4.h"
 #include "quant_vnni.h"
 #include "quant_amx.h"

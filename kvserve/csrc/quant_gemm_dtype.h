@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void CAT(qrows_, SFX)(const int qt,
     }
 }
 
-/* ---- int8 activations (Q8_0, Q4_0, Q4_1) ---------------------------------------------------- */
+/* ---- int8 activations (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) ---------------------------------------- */
 
 /* Block xb (32 elements of x) quantized as below: q (natural order) and, with planes = 2, the
    residual plane q2; returns d and sets *s = sum(q), *t = sum(q2) (0 for one plane).
@@ -170,7 +170,7 @@ CAT(act8_quant_row_, SFX)(const int qt, const int planes, const ELEM* x, const i
     int8_t* xq = (int8_t*)out;
     float* dx = (float*)(out + np * 64 * planes);
     float* xc = dx + np * 16;
-    const float off = qt == QT_Q4_1 ? 1.0f : (float)dot8_offset(qt);
+    const float off = qt == QT_Q4_1 || qt == QT_Q4_K ? 1.0f : (float)dot8_offset(qt);
     for (int64_t p = 0; p < np; ++p) {
         for (int h = 0; h < 2; ++h) {
             const int64_t j = 2 * p + h;
@@ -188,6 +188,17 @@ CAT(act8_quant_row_, SFX)(const int qt, const int planes, const ELEM* x, const i
                     s2 = (float)t * (1.0f / 254.0f);
                 }
                 c = off * ((float)s + s2) * d * 0.125f;
+                if (qt == QT_Q6_K) { /* per 16 (the weight's sub-scales): 32 d sum / 4 per lane */
+                    for (int g = 0; g < 2; ++g) {
+                        int sg = 0, tg = 0;
+                        for (int i = 16 * g; i < 16 * g + 16; ++i) {
+                            sg += bq[i];
+                            tg += planes == 2 ? bq2[i] : 0;
+                        }
+                        const float cg = 32.0f * ((float)sg + (float)tg * (1.0f / 254.0f)) * d * 0.25f;
+                        for (int l = 0; l < 4; ++l) xc[p * 16 + 8 * h + 4 * g + l] = cg;
+                    }
+                }
             } else {
                 for (int i = 0; i < 32; ++i) q[dot8_pos(qt, h, i)] = 0;
                 if (planes == 2)
@@ -196,27 +207,35 @@ CAT(act8_quant_row_, SFX)(const int qt, const int planes, const ELEM* x, const i
             for (int l = 0; l < 16; ++l)
                 if (dot8_lane_hi(qt, l) == h) {
                     dx[p * 16 + l] = d;
-                    xc[p * 16 + l] = c;
+                    if (qt != QT_Q6_K || j >= nb) xc[p * 16 + l] = c;
                 }
         }
     }
 }
 
 /* Pair p of blocks (`two`: whether block 2p + 1 exists) of nc weight rows into the mr x nc
-   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0) or d_w d_x dot8 + m c (Q4_1), with
-   dot8 = dot8(plane 0) + dot8(plane 1) / 254 for two planes. */
+   accumulators: per lane acc += d_w (d_x dot8 - c) (Q4_0, Q8_0, Q6_K) or d_w d_x dot8 + m c (Q4_1,
+   Q4_K), with dot8 = dot8(plane 0) + dot8(plane 1) / 254 for two planes. K-quants: ki = p % 4 (a
+   literal at the call site, so the pair's shifts and lane picks are constants) and ksv the nc rows'
+   kscales of the superblock; unused otherwise. */
 static inline __attribute__((always_inline)) void
-CAT(qpair8_, SFX)(const int qt, const int planes, const int mr, const int nc, const int64_t p, const int two,
-                  const uint8_t* xa, const int64_t xstride, const int64_t np, const uint8_t* w,
-                  const int64_t row_bytes, v16i hi, v16 acc[MR8][NC8]) {
+CAT(qpair8_, SFX)(const int qt, const int planes, const int mr, const int nc, const int64_t p, const int ki,
+                  const int two, const uint8_t* xa, const int64_t xstride, const int64_t np, const uint8_t* w,
+                  const int64_t row_bytes, v16i hi, const v16 ksv[NC8], v16 acc[MR8][NC8]) {
     const int64_t bb = block_bytes(qt);
     const int qoff = qt == QT_Q4_1 ? 4 : 2;
 #pragma GCC unroll 4
     for (int c = 0; c < nc; ++c) {
-        const uint8_t* b = w + c * row_bytes + 2 * p * bb;
-        const wpair wp = load_pair(qt, b + qoff, b + bb + qoff, two);
+        wpair wp;
         v16 dw, mw;
-        pair_scales(qt, b, bb, two, hi, &dw, &mw);
+        if (qt >= QT_Q4_K) { /* pair ki = p & 3 of superblock p / 4, its scales in ksv (quant_dot8_k.h) */
+            wp = load_kpair(qt, w + c * row_bytes + (p >> 2) * bb, ki);
+            kpair_scales(qt, ksv[c], ki, &dw, &mw);
+        } else {
+            const uint8_t* b = w + c * row_bytes + 2 * p * bb;
+            wp = load_pair(qt, b + qoff, b + bb + qoff, two);
+            pair_scales(qt, b, bb, two, hi, &dw, &mw);
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < mr; ++r) {
             const uint8_t* xr = xa + r * xstride;
@@ -227,7 +246,7 @@ CAT(qpair8_, SFX)(const int qt, const int planes, const int mr, const int nc, co
                 t += __builtin_convertvector(dot8(qt, wp, (const int8_t*)(xr + np * 64 + p * 64)), v16) *
                     (1.0f / 254.0f);
             t *= dx;
-            if (qt == QT_Q4_1) acc[r][c] += dw * t + mw * xc;
+            if (qt == QT_Q4_1 || qt == QT_Q4_K) acc[r][c] += dw * t + mw * xc;
             else acc[r][c] += dw * (t - xc);
         }
     }
@@ -246,9 +265,22 @@ CAT(qtile8_, SFX)(const int qt, const int planes, const int mr, const int nc, co
     v16i hi;
     for (int l = 0; l < 16; ++l) hi[l] = dot8_lane_hi(qt, l) ? -1 : 0;
     const int64_t nb = K / QK, np = (nb + 1) / 2;
-    for (int64_t p = 0; p < nb / 2; ++p)
-        CAT(qpair8_, SFX)(qt, planes, mr, nc, p, 1, xa, xstride, np, w, row_bytes, hi, acc);
-    if (nb & 1) CAT(qpair8_, SFX)(qt, planes, mr, nc, nb / 2, 0, xa, xstride, np, w, row_bytes, hi, acc);
+    v16 ksv[NC8];
+    if (qt >= QT_Q4_K) { /* 4 pairs per superblock, unrolled so each pair's shifts are constants */
+        for (int64_t p = 0; p < np; p += 4) {
+#pragma GCC unroll 4
+            for (int c = 0; c < nc; ++c) ksv[c] = kscales(qt, w + c * row_bytes + (p >> 2) * block_bytes(qt));
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i)
+                CAT(qpair8_, SFX)(qt, planes, mr, nc, p + i, i, 1, xa, xstride, np, w, row_bytes, hi, ksv,
+                                  acc);
+        }
+    } else {
+        for (int64_t p = 0; p < nb / 2; ++p)
+            CAT(qpair8_, SFX)(qt, planes, mr, nc, p, 0, 1, xa, xstride, np, w, row_bytes, hi, ksv, acc);
+    }
+    if (qt < QT_Q4_K && (nb & 1))
+        CAT(qpair8_, SFX)(qt, planes, mr, nc, nb / 2, 0, 0, xa, xstride, np, w, row_bytes, hi, ksv, acc);
     for (int r = 0; r < mr; ++r)
         for (int c = 0; c < nc; ++c) {
             const float b = bias ? CAT(ld1_, SFX)(bias + c) : 0.0f;
@@ -267,7 +299,7 @@ CAT(qgemm8_, SFX)(const int qt, const int planes, const ELEM* x, const uint8_t* 
     for (int64_t r = M * tid / nth; r < M * (tid + 1) / nth; ++r)
         CAT(act8_quant_row_, SFX)(qt, planes, x + r * K, K, xa + r * xs);
 #pragma omp barrier
-    const int64_t row_bytes = K / QK * block_bytes(qt);
+    const int64_t row_bytes = K / QK / block_chunks(qt) * block_bytes(qt);
     const int64_t tiles = (N + NC8 - 1) / NC8;
     int64_t mc = ((int64_t)(1 << 17) / xs) / MR8 * MR8;
     if (mc < MR8) mc = MR8;
@@ -632,7 +664,7 @@ CAT(qpanel_, SFX)(const int qt, const int x4, const ELEM* x, float* xf, const ui
             CAT(qrows_, SFX)(QT, w, ids, n, K, out, omp_get_thread_num(), omp_get_num_threads());            \
     }
 /* int8 activations (act8: one plane; act16: two, x ~= d (q + q2 / 254)): the 32-weight block types
-   only. */
+   and the K-quants Q4_K / Q6_K (quant_dot8_k.h). */
 #define ACT8_EXPORTS(NAME, QT, KIND, PLANES)                                                                 \
     int CAT(quant_gemm_##KIND##_##NAME##_, SFX)(const ELEM* x, const uint8_t* w, const ELEM* bias, ELEM* y,  \
                                                 int64_t M, int64_t N, int64_t K, int nthreads) {             \
@@ -676,6 +708,10 @@ ACT8_EXPORTS(q4_1, QT_Q4_1, act8, 1)
 ACT8_EXPORTS(q8_0, QT_Q8_0, act16, 2)
 ACT8_EXPORTS(q4_0, QT_Q4_0, act16, 2)
 ACT8_EXPORTS(q4_1, QT_Q4_1, act16, 2)
+ACT8_EXPORTS(q4_k, QT_Q4_K, act8, 1)
+ACT8_EXPORTS(q6_k, QT_Q6_K, act8, 1)
+ACT8_EXPORTS(q4_k, QT_Q4_K, act16, 2)
+ACT8_EXPORTS(q6_k, QT_Q6_K, act16, 2)
 X4_EXPORTS(act8x4, q8_0, qgemm_x4_, 1)
 X4_EXPORTS(act16x4, q8_0, qgemm_x4_, 2)
 X4_EXPORTS(act8x4, q4_1, qgemm_x4q_, 1)

@@ -95,7 +95,7 @@ for _t in BLOCK_BYTES:
         _SIGS[f"quant_gemm_{_t}_{_s}"] = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         _SIGS[f"quant_rows_{_t}_{_s}"] = [_P, _P, _I, _I, _P, ctypes.c_int]
         _SIGS[f"quant_gemm_panel_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
-        if _t in ("q8_0", "q4_0", "q4_1"):
+        if _t in ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k"):
             _SIGS[f"quant_gemm_act8_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
             _SIGS[f"quant_gemm_act16_{_t}_{_s}"] = _SIGS[f"quant_gemm_{_t}_{_s}"]
 for _s in DTYPE_SUFFIX.values():
@@ -115,8 +115,9 @@ _SIGS["quant_stream_read"] = [_P, _I, ctypes.c_int, _I]
 _LIB = NativeLibrary("kv_quant_gemm", "quant_gemm.c", _SIGS)
 
 
-#: Weight types with an int8-activation kernel.
-ACT8_TYPES = ("q8_0", "q4_0", "q4_1")
+#: Weight types with an int8-activation kernel (Q4_K / Q6_K on their GGUF layout:
+#: ``csrc/quant_dot8_k.h``).
+ACT8_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 #: Rows from which ``linear`` runs the dequantized-panel kernel (benchmarks/quantized.py
 #: --kernels: the register-dequantizing kernels win below, the panels from here on).
 PANEL_ROWS = 16

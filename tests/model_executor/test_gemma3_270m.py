@@ -43,6 +43,9 @@ PARAGRAPH = (
 #: Mean next-token loss (nats) a working model stays under on PARAGRAPH (it measures 2.1; a
 #: misread norm convention gives about 18, swapped rope bases about 2.6).
 MAX_LOSS = 2.5
+#: Logit gap (transformers, float activations) below which int8 activations may pick the other
+#: token: their rounding moves a logit by a few hundredths here.
+NEAR_TIE = 0.25
 
 pytestmark = [
     pytest.mark.slow,
@@ -58,18 +61,22 @@ def gguf_file():
     return importlib.import_module(PACKAGE).assemble()
 
 
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and, per step, the logit gap between its first two tokens."""
     out: list[int] = []
+    gaps: list[float] = []
     past = None
     x = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
             r = model(x, past_key_values=past, use_cache=True)
             past = r.past_key_values
-            t = int(torch.argmax(r.logits[0, -1].float()))
+            top = torch.topk(r.logits[0, -1].float(), 2)
+            t = int(top.indices[0])
             out.append(t)
+            gaps.append(float(top.values[0] - top.values[1]))
             x = torch.tensor([[t]])
-    return out
+    return out, gaps
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +91,12 @@ def reference(gguf_file):
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    greedy = [_hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    greedy, gaps = zip(*(_hf_greedy(model, p, MAX_TOKENS) for p in prompts))
     para = tok(PARAGRAPH).input_ids
     with torch.no_grad():
         logits = model(torch.tensor([para])).logits[0, :-1].float()
     loss = float(torch.nn.functional.cross_entropy(logits, torch.tensor(para[1:])))
-    return {"tok": tok, "prompts": prompts, "greedy": greedy, "para": para, "loss": loss}
+    return {"tok": tok, "prompts": prompts, "greedy": greedy, "gaps": gaps, "para": para, "loss": loss}
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -128,12 +135,22 @@ def test_float_weights_match_transformers_and_make_sense(gguf_file, reference):
     assert loss == pytest.approx(reference["loss"], abs=1e-3)
 
 
-def test_gguf_blocks_match_transformers(gguf_file, reference):
+@pytest.mark.parametrize("act", ["float", "int8"])
+def test_gguf_blocks_match_transformers(gguf_file, reference, act, monkeypatch):
+    """Float activations: transformers' greedy tokens exactly. int8 activations (every linear
+    weight, the K-quants included, on int8 GEMVs; the LM head on two int8 planes): the same
+    tokens up to the first step where transformers' top two logits are within NEAR_TIE, where
+    the activations' rounding may pick the other one (the file's second prompt has a 0.14 gap at
+    its third token)."""
+    from kvserve.ops import quant
+
+    monkeypatch.setenv(quant.ACT_ENV, act)
     llm = LLM(model=str(gguf_file), quantization="gguf", dtype="float32", seed=0)
     try:
         got = _generate(llm, reference["prompts"])
     finally:
         llm.shutdown()
     tok = reference["tok"]
-    for g, r, p in zip(got, reference["greedy"], PROMPTS):
-        assert g == r, (p, tok.decode(g), tok.decode(r))
+    for g, r, gaps, p in zip(got, reference["greedy"], reference["gaps"], PROMPTS):
+        n = len(r) if act == "float" else next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), len(r))
+        assert g[:n] == r[:n], (p, tok.decode(g), tok.decode(r))

@@ -5,8 +5,10 @@ References (float64):
 - act8: ``xq @ W^T`` with ``xq = q * d`` the int8-quantized activations
   (``quant.quantize_activations``, bit-identical to the kernel's step) and ``W`` the
   dequantized weight. The kernel sums exact integer dot products scaled in float32, with the
-  weight offset of its pair layout (``quant_dot8.h``: up to 128 per quant) folded into float32
-  sums, so ``|y - ref| <= 64 eps32 (|xq| @ (|W| + 128 d_W)^T)`` elementwise.
+  weight offset of its pair layout (``quant_dot8.h``: up to 128 per quant; the K-quants'
+  minima and Q6_K's 32, ``quant_dot8_k.h``) folded into float32 sums, so
+  ``|y - ref| <= 64 eps32 (|xq| @ (|W| + O)^T)`` elementwise, ``O`` the folded term's size per
+  weight (``offset_terms``).
 - panel: ``x @ W^T`` as the float tests of test_quant_gemm.py (float32 sums in another order).
 """
 
@@ -26,15 +28,41 @@ from kvserve.ops import cpu, quant
 from tests.ops.test_quant_gemm import EPS32, make_weight
 
 native = pytest.mark.skipif(not quant.available(), reason="quant kernels unavailable")
-ACT8 = quant.ACT8_TYPES
+#: The 32-weight block types of ``ACT8_TYPES`` (the K-quants, 256 per block: test_quant_act8_k.py).
+ACT8 = tuple(t for t in quant.ACT8_TYPES if quant.BLOCK_WEIGHTS[t] == 32)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def block_scales(qw: quant.QuantWeight) -> np.ndarray:
-    """``[n, K]`` float64: each weight's block scale ``d`` repeated over its 32 weights."""
-    b = qw.data.reshape(qw.out_features, -1, quant.BLOCK_BYTES[qw.qtype])
-    d = b[..., 0:2].contiguous().view(torch.float16).double().abs().squeeze(-1)
-    return d.repeat_interleave(32, dim=1).numpy()
+def _f16(b: np.ndarray) -> np.ndarray:
+    """float64 of the float16 held in the last axis' 2 bytes."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float64)
+
+
+def k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit sub-block scales and minima ``[..., 8]`` of Q4_K's 12 packed bytes ``s``
+    ``[..., 12]`` (ggml-common.h's layout, as csrc/quant_gemm.c's scale_min_k4)."""
+    s = s.astype(np.int64)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def offset_terms(qw: quant.QuantWeight) -> np.ndarray:
+    """``[n, K]`` float64: per weight, the size of the term the act8 kernels fold into float32
+    sums besides the weight itself: 32-weight blocks ``128 |d|`` (the pair layout's offset, at
+    most 128); Q4_K ``16 |d sc| + |dmin m|`` (codes up to 15 times the sub-scale, the minimum);
+    Q6_K ``32 |d sc|`` (its offset of 32)."""
+    n, bb = qw.out_features, quant.BLOCK_BYTES[qw.qtype]
+    b = qw.data.numpy().reshape(n, -1, bb)
+    if qw.qtype == "q4_k":
+        sc, m = k4_scales_mins(b[..., 4:16])
+        t = 16 * np.abs(_f16(b[..., 0:2]))[..., None] * sc + np.abs(_f16(b[..., 2:4]))[..., None] * m
+        return np.repeat(t.reshape(n, -1), 32, axis=1)
+    if qw.qtype == "q6_k":
+        sc = b[..., 192:208].view(np.int8).astype(np.float64)
+        t = 32 * np.abs(_f16(b[..., 208:210])[..., None] * sc)
+        return np.repeat(t.reshape(n, -1), 16, axis=1)
+    return 128 * np.repeat(np.abs(_f16(b[..., 0:2])), 32, axis=1)
 
 
 def check_act8(qw, wd, x, bias=None, threads=1, kernel="act8"):
@@ -49,7 +77,7 @@ def check_act8(qw, wd, x, bias=None, threads=1, kernel="act8"):
     q, d = quant.quantize_activations(x)
     xq = (q.double().reshape(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(x.shape).numpy()
     ref = xq @ wd.T + (0 if bias is None else bias.double().numpy())
-    tol = 64 * EPS32 * (np.abs(xq) @ (np.abs(wd) + 128 * block_scales(qw)).T) + 1e-30
+    tol = 64 * EPS32 * (np.abs(xq) @ (np.abs(wd) + offset_terms(qw)).T) + 1e-30
     if bias is not None:  # the bias added in float32: one more rounding of the result
         tol = tol + EPS32 * np.abs(ref)
     if x.dtype == torch.bfloat16:
@@ -75,7 +103,7 @@ def check_act16(qw, wd, x, bias=None, threads=1, kernel="act16"):
     _, d = quant.quantize_activations(x)
     step = d.double().repeat_interleave(32, dim=1).numpy()
     tol = (step / 508) @ np.abs(wd).T * (1 + 1e-3)
-    tol = tol + 64 * EPS32 * ((np.abs(xd) + step) @ (np.abs(wd) + 128 * block_scales(qw)).T) + 1e-30
+    tol = tol + 64 * EPS32 * ((np.abs(xd) + step) @ (np.abs(wd) + offset_terms(qw)).T) + 1e-30
     if x.dtype == torch.bfloat16:
         tol = tol + 2.0**-8 * np.abs(ref)
     err = np.abs(y.double().numpy() - ref)
@@ -270,9 +298,11 @@ def test_pick_kernel_follows_the_mode_the_rows_and_the_type(monkeypatch):
     assert quant.activation_mode() == "int8"
     assert [quant.pick_kernel(r, "q4_1") for r in (1, quant.PANEL_ROWS - 1)] == ["act8", "act8"]
     assert quant.pick_kernel(quant.PANEL_ROWS, "q4_1") == "panel"
-    assert quant.pick_kernel(1, "q6_k") == "tile"  # no int8 kernel for the K-quants
+    assert [quant.pick_kernel(1, t) for t in ("q4_k", "q6_k")] == ["act8", "act8"]
+    assert quant.pick_kernel(1, "q5_k") == "tile"  # no int8 kernel for Q5_K
     assert [quant.head_kernel(r, "q8_0") for r in (1, quant.PANEL_ROWS)] == ["act16", None]
-    assert quant.head_kernel(1, "q6_k") == "tile"
+    assert quant.head_kernel(1, "q6_k") == "act16"
+    assert quant.head_kernel(1, "q5_k") == "tile"
     # Q8_0's and Q4_1's int8 kernels read the x4 copy below the panel rows; the panels the GGUF
     # bytes, unless a Q4_1 weight holds only x4; everything else the GGUF bytes
     q8, _ = make_weight("q8_0", 4, 32, seed=0)
@@ -315,10 +345,10 @@ def test_bad_activation_mode_is_a_clear_error_naming_the_variable(monkeypatch, t
     with pytest.raises(ValueError, match="KVSERVE_QUANT_ACT='int4'"):  # at load, before any request
         load_model(tmp_path, torch.float32, "cpu", quantization="int8")
     monkeypatch.setenv(quant.ACT_ENV, "float")
-    with pytest.raises(ValueError, match="kernel 'act8'.*q4_k"):
-        quant.linear(torch.randn(1, 256), make_weight("q4_k", 4, 256, seed=0)[0], kernel="act8")
-    with pytest.raises(ValueError, match="kernel 'act16'.*q4_k"):
-        quant.linear(torch.randn(1, 256), make_weight("q4_k", 4, 256, seed=0)[0], kernel="act16")
+    with pytest.raises(ValueError, match="kernel 'act8'.*q5_k"):
+        quant.linear(torch.randn(1, 256), make_weight("q5_k", 4, 256, seed=0)[0], kernel="act8")
+    with pytest.raises(ValueError, match="kernel 'act16'.*q5_k"):
+        quant.linear(torch.randn(1, 256), make_weight("q5_k", 4, 256, seed=0)[0], kernel="act16")
     with pytest.raises(ValueError, match="kernel 'fast'"):
         quant.linear(torch.randn(1, 32), qw, kernel="fast")
 
@@ -331,11 +361,12 @@ from tests.ops.test_quant_gemm import make_weight
 assert quant.act8_isa() == {isa!r}, quant.act8_isa()
 g = torch.Generator().manual_seed(0)
 for qtype in quant.ACT8_TYPES:
-    qw, wd = make_weight(qtype, 13, 160, seed=7)
+    k = 512 if qtype.endswith("_k") else 160
+    qw, wd = make_weight(qtype, 13, k, seed=7)
     for m in (1, 3, 6):
         for k8, k16 in (("act8", "act16"), ("act8_gguf", "act16_gguf")):  # Q8_0, Q4_1: x4, then GGUF
-            check_act8(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g), 1, k8)
-            check_act16(qw, wd, torch.randn(m, 160, generator=g) * 3, torch.randn(13, generator=g), 1, k16)
+            check_act8(qw, wd, torch.randn(m, k, generator=g) * 3, torch.randn(13, generator=g), 1, k8)
+            check_act16(qw, wd, torch.randn(m, k, generator=g) * 3, torch.randn(13, generator=g), 1, k16)
     if qtype == "q4_1":  # the panels on the x4 copy alone
         qw.drop_gguf()
         check_panel(qw, wd, torch.randn(20, 160, generator=g), torch.randn(13, generator=g), 2)

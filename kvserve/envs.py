@@ -102,7 +102,7 @@ _VARS = [
         "torch/OpenMP threads per engine (default: calibrated at start)",
     ),
     EnvVar("KVSERVE_MALLOC_TUNE", _flag, True, "0: leave glibc malloc's mmap/trim thresholds alone"),
-    EnvVar("KVSERVE_HUGE_PAGES", _flag, True, "0: no transparent-huge-page advice on weights and KV cache"),
+    EnvVar("KVSERVE_HUGE_PAGES", _flag, True, "0: no transparent-huge-page advice on packed weights"),
     EnvVar("KVSERVE_GEMM_AMX", _flag, True, "0: no AMX tiles for bfloat16 GEMMs (read at import)"),
     EnvVar("KVSERVE_ATTENTION_AMX", _flag, True, "0: no AMX tiles in the attention kernels (read at import)"),
     EnvVar("KVSERVE_QUANT_AMX", _flag, True, "0: no AMX int8 tiles in the quantized GEMMs"),

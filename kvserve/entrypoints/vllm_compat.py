@@ -196,7 +196,7 @@ def _refused(arity: str, why: str, accept: tuple[str, ...] = ()) -> Fate:
 
 
 _TEXT_ONLY = "kvserve serves text-only decoder models (no multimodal inputs)"
-_NO_MOE = "kvserve runs mixture-of-experts layers on one engine only (no expert parallelism)"
+_NO_MOE = "kvserve splits mixture-of-experts layers by intermediate size under tensor parallelism, never by expert (no expert parallelism)"
 _NO_GRAPHS = "kvserve never captures CUDA graphs or compiles the model: every step runs eagerly"
 _LOCAL = "kvserve never downloads: the model is a local directory or .gguf file"
 _SPEC = 'use --speculative-config \'{"method": ..., "num_speculative_tokens": N}\' (vLLM\'s newer form)'

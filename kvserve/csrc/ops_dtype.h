@@ -11,8 +11,8 @@ static inline float CAT(ln_sum1_, SFX)(const ELEM* x, const ELEM* r, int64_t i) 
     const float v = CAT(ld1_, SFX)(x + i);
     return r ? CAT(round16_, SFX)((v16){} + v + CAT(ld1_, SFX)(r + i))[0] : v;
 }
-void CAT(layer_norm_, SFX)(const ELEM* x, const ELEM* residual, const ELEM* w, const ELEM* b, ELEM* out,
-                           int64_t T, int64_t H, float eps, int nthreads) {
+void CAT(layer_norm_, SFX)(const ELEM* x, const ELEM* residual, const ELEM* w, const ELEM* b, ELEM* out, int64_t T,
+                           int64_t H, float eps, int nthreads) {
     const int64_t H16 = H & ~(int64_t)15;
 #pragma omp parallel for schedule(static) num_threads(T >= 128 ? nthreads : 1)
     for (int64_t t = 0; t < T; ++t) {

@@ -1,52 +1,5 @@
-/* The dtype-generic kernels of ops.c: layer_norm, rms_norm, silu_and_mul, rope_write_kv, written with ELEM (storage type) and SFX (symbol
+/* The dtype-generic kernels of ops.c: rms_norm, silu_and_mul, rope_write_kv, written with ELEM (storage type) and SFX (symbol
    suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
-/* out = LayerNorm(x + residual) * w + b per row (BERT's post-LN sub-block end): the sum rounded
-   to the storage dtype as torch's add would, mean and variance (two passes, biased, as
-   torch.nn.functional.layer_norm) and the affine map in float32, one rounding on the store.
-   residual may be NULL (LayerNorm of x). */
-static inline v16 CAT(ln_sum16_, SFX)(const ELEM* x, const ELEM* r, int64_t i) {
-    return r ? CAT(round16_, SFX)(CAT(ld16_, SFX)(x + i) + CAT(ld16_, SFX)(r + i)) : CAT(ld16_, SFX)(x + i);
-}
-static inline float CAT(ln_sum1_, SFX)(const ELEM* x, const ELEM* r, int64_t i) {
-    const float v = CAT(ld1_, SFX)(x + i);
-    return r ? CAT(round16_, SFX)((v16){} + v + CAT(ld1_, SFX)(r + i))[0] : v;
-}
-void CAT(layer_norm_, SFX)(const ELEM* x, const ELEM* residual, const ELEM* w, const ELEM* b, ELEM* out, int64_t T,
-                           int64_t H, float eps, int nthreads) {
-    const int64_t H16 = H & ~(int64_t)15;
-#pragma omp parallel for schedule(static) num_threads(T >= 128 ? nthreads : 1)
-    for (int64_t t = 0; t < T; ++t) {
-        const ELEM* xr = x + t * H;
-        const ELEM* rr = residual ? residual + t * H : NULL;
-        ELEM* orow = out + t * H;
-        v16 acc = (v16){};
-        float tail = 0.0f;
-        int64_t i = 0;
-        for (; i < H16; i += 16) acc += CAT(ln_sum16_, SFX)(xr, rr, i);
-        for (; i < H; ++i) tail += CAT(ln_sum1_, SFX)(xr, rr, i);
-        const float mean = (hsum16(acc) + tail) / (float)H;
-        acc = (v16){};
-        tail = 0.0f;
-        for (i = 0; i < H16; i += 16) {
-            const v16 d = CAT(ln_sum16_, SFX)(xr, rr, i) - mean;
-            acc += d * d;
-        }
-        for (; i < H; ++i) {
-            const float d = CAT(ln_sum1_, SFX)(xr, rr, i) - mean;
-            tail += d * d;
-        }
-        const float rstd = 1.0f / sqrtf((hsum16(acc) + tail) / (float)H + eps);
-        for (i = 0; i < H16; i += 16) {
-            const v16 n = (CAT(ln_sum16_, SFX)(xr, rr, i) - mean) * rstd;
-            CAT(st16_, SFX)(orow + i, n * CAT(ld16_, SFX)(w + i) + CAT(ld16_, SFX)(b + i));
-        }
-        for (; i < H; ++i) {
-            const float n = (CAT(ln_sum1_, SFX)(xr, rr, i) - mean) * rstd;
-            CAT(st1_, SFX)(orow + i, n * CAT(ld1_, SFX)(w + i) + CAT(ld1_, SFX)(b + i));
-        }
-    }
-}
-
 void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out, int64_t T, int64_t H,
                          float eps, int nthreads) {
     const int64_t H16 = H & ~(int64_t)15;

@@ -332,13 +332,6 @@ class LLM:
         params = pooling_params or PoolingParams()
         prompt_list = _prompt_list(prompts)
         engine = self.llm_engine
-        texts = [i for i, p in enumerate(prompt_list) if isinstance(p, str) and p]
-        if len(texts) > 1 and engine.tokenizer is not None:
-            # one batched call (the fast tokenizer's threads) instead of one call per text
-            encoded = engine.tokenizer([prompt_list[i] for i in texts]).input_ids
-            prompt_list = list(prompt_list)
-            for i, t in zip(texts, encoded):
-                prompt_list[i] = {"prompt": prompt_list[i], "prompt_token_ids": t}
         ids = [str(next(self._counter)) for _ in prompt_list]
         added: list[str] = []
         try:

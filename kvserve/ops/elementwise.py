@@ -1,7 +1,6 @@
 """Fused CPU kernels for the elementwise parts of a step (C/OpenMP; algorithms, numerics and
 measurements in ``kvserve/csrc/ops.c``): each does in one pass what takes torch several ops.
 
-- ``layer_norm``: optional residual add, then LayerNorm with a bias (BERT's post-LN).
 - ``rms_norm``: optional residual add, then RMSNorm with ``LlamaRMSNorm``'s numerics.
 - ``offset_rms_norm`` / ``offset_rms_norm_heads_``: Gemma's RMSNorm (``1 + weight``, float32),
   then an optional residual add; per head in place on q/k columns.
@@ -27,7 +26,6 @@ _p, _i64, _f, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGS = {}
 for _sfx in DTYPE_SUFFIX.values():
     _SIGS[f"rms_norm_{_sfx}"] = [_p, _p, _p, _p, _i64, _i64, _f, _i]
-    _SIGS[f"layer_norm_{_sfx}"] = [_p, _p, _p, _p, _p, _i64, _i64, _f, _i]
     _SIGS[f"offset_rms_norm_{_sfx}"] = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _f, _i]
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
@@ -55,50 +53,6 @@ def supported(*tensors: torch.Tensor) -> bool:
         if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             return False
     return True
-
-
-def layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``F.layer_norm(x + residual, weight, bias, eps)`` over the last dimension of ``x``
-    ``[T, H]`` in one pass per row: the sum rounded to the dtype as torch's add would, the
-    statistics and affine map in float32 (``residual`` None: LayerNorm of ``x``). Returns a new
-    ``[T, H]`` tensor.
-
-    Raises:
-        ValueError: shapes do not match or ``supported`` is False for the inputs.
-    """
-    ts = (x, weight, bias) if residual is None else (x, weight, bias, residual)
-    if (
-        x.dim() != 2
-        or weight.shape != (x.shape[1],)
-        or bias.shape != (x.shape[1],)
-        or (residual is not None and residual.shape != x.shape)
-    ):
-        raise ValueError(
-            f"layer_norm: x {tuple(x.shape)} weight {tuple(weight.shape)} bias {tuple(bias.shape)} "
-            f"residual {None if residual is None else tuple(residual.shape)}"
-        )
-    if not supported(*ts):
-        raise ValueError("layer_norm: inputs must be contiguous CPU float32/bfloat16 of one dtype")
-    out = torch.empty_like(x)
-    _LIB.call(
-        f"layer_norm_{DTYPE_SUFFIX[x.dtype]}",
-        x,
-        residual,
-        weight,
-        bias,
-        out,
-        x.shape[0],
-        x.shape[1],
-        float(eps),
-        torch.get_num_threads(),
-    )
-    return out
 
 
 def rms_norm(

@@ -36,53 +36,36 @@ from kvserve.ops.library import DTYPE_SUFFIX
 LinearWeight = Any
 
 
-#: ``linear``'s ``activation`` names -> (oneDNN post-op, its algorithm, the torch function).
-ACTIVATIONS: dict[str, tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = {
-    "gelu": ("gelu", "none", F.gelu),
-    "gelu_tanh": ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
-    "relu": ("relu", "", F.relu),
-}
-
-
-def linear(
-    x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, activation: str | None = None
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
     or a weight prepacked by ``prepack_weight`` (``gemm.PanelWeight``,
     ``gemm_amx.AmxWeight`` or oneDNN's), a GGUF-quantized ``quant.QuantWeight``, or one
-    whose input columns were permuted at load (``InputPermutedWeight``: GPTQ act-order).
-    ``activation`` (a key of ``ACTIVATIONS``) is applied to the result: fused into the GEMM
-    where oneDNN runs it (on its float32 sums, one rounding), else as a torch op after it."""
+    whose input columns were permuted at load (``InputPermutedWeight``: GPTQ act-order)."""
     if isinstance(weight, InputPermutedWeight):
         x, weight = weight.gather(x), weight.weight
     if isinstance(weight, quant.QuantWeight):
-        return _activate(quant.linear(x, weight, bias), activation)
+        return quant.linear(x, weight, bias)
     if isinstance(weight, gemm_amx.AmxWeight):
         if x.shape[0] <= gemm_amx.MAX_ROWS:
-            return _activate(gemm_amx.linear(x, weight, bias), activation)
+            return gemm_amx.linear(x, weight, bias)
         weight = weight.large
     if isinstance(weight, gemm.PanelWeight):
         if weight.takes(x.shape[0]):
-            return _activate(gemm.linear(x, weight, bias), activation)
+            return gemm.linear(x, weight, bias)
         weight = weight.large
     if weight.is_mkldnn:
-        attr, algorithm = ("none", "") if activation is None else ACTIVATIONS[activation][:2]
         if x.shape[0] == 1:
             # oneDNN's 1-row kernel sums in another order than its 2+-row one (bfloat16; seen at
             # in_features 1536, not 576: ~1 output in 600 rounds differently), so a decode step
             # would disagree with the same row inside a verify chunk and flip near-ties between
             # speculation on and off; two copies of the row take the 2+-row kernel.
             return torch.ops.mkldnn._linear_pointwise(
-                x.expand(2, -1).contiguous(), weight, bias, attr, [], algorithm
+                x.expand(2, -1).contiguous(), weight, bias, "none", [], ""
             )[:1]
         # padded to a row bucket: a new row count costs oneDNN a primitive build (row_buckets)
         rows = x.shape[0]
-        return torch.ops.mkldnn._linear_pointwise(pad_rows(x), weight, bias, attr, [], algorithm)[:rows]
-    return _activate(F.linear(x, weight, bias), activation)
-
-
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    return y if activation is None else ACTIVATIONS[activation][2](y)
+        return torch.ops.mkldnn._linear_pointwise(pad_rows(x), weight, bias, "none", [], "")[:rows]
+    return F.linear(x, weight, bias)
 
 
 def prepack_weight(weight: torch.Tensor) -> LinearWeight:

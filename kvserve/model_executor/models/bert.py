@@ -21,11 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model_executor.layers.linear import LinearWeight, gemm_rows, linear, prepack_weight
-from kvserve.ops import elementwise, encoder_attention
+from kvserve.ops import encoder_attention
 
-#: ``hidden_act`` -> ``linear``'s activation (fused into the up projection's GEMM where oneDNN
-#: runs it).
-_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
 #: Most sequences attended in one padded call (sorted by length, so the padding stays small).
 ATTENTION_BUCKET_SEQS = 32
@@ -293,16 +296,7 @@ class BertModel(nn.Module):
             buckets = self.attention_buckets(seq_lens, x.device)
         for qkv_w, qkv_b, o_w, o_b, ln1_w, ln1_b, up_w, up_b, down_w, down_b, ln2_w, ln2_b in self._layers:
             ctx = self._attend(linear(x, qkv_w, qkv_b), buckets)
-            x = self._add_norm(linear(ctx, o_w, o_b), x, ln1_w, ln1_b)
-            h = linear(x, up_w, up_b, self.act)
-            x = self._add_norm(linear(h, down_w, down_b), x, ln2_w, ln2_b)
+            x = F.layer_norm(linear(ctx, o_w, o_b) + x, (H,), ln1_w, ln1_b, self.eps)
+            h = self.act(linear(x, up_w, up_b))
+            x = F.layer_norm(linear(h, down_w, down_b) + x, (H,), ln2_w, ln2_b, self.eps)
         return x[:T]
-
-    def _add_norm(
-        self, y: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, b: torch.Tensor
-    ) -> torch.Tensor:
-        """``LayerNorm(y + residual)`` (``[T, H]``): one native pass per row on CPU (the add
-        and the norm fused, ``elementwise.layer_norm``), else torch's two ops."""
-        if elementwise.supported(y, residual, w, b):
-            return elementwise.layer_norm(y, w, b, self.eps, residual)
-        return F.layer_norm(y + residual, (self.hidden_size,), w, b, self.eps)

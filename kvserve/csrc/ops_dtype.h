@@ -1,5 +1,22 @@
 /* The dtype-generic kernels of ops.c: rms_norm, silu_and_mul, rope_write_kv, written with ELEM (storage type) and SFX (symbol
    suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
+/* 1 / sqrt(mean(src[0..n)^2) + eps): the RMS step both RMSNorms share (float32 sums). */
+static inline float CAT(inv_rms_, SFX)(const ELEM* src, int64_t n, float eps) {
+    const int64_t n16 = n & ~(int64_t)15;
+    v16 ss = (v16){};
+    float tail = 0.0f;
+    int64_t i = 0;
+    for (; i < n16; i += 16) {
+        v16 v = CAT(ld16_, SFX)(src + i);
+        ss += v * v;
+    }
+    for (; i < n; ++i) {
+        float v = CAT(ld1_, SFX)(src + i);
+        tail += v * v;
+    }
+    return 1.0f / sqrtf((hsum16(ss) + tail) / (float)n + eps);
+}
+
 void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out, int64_t T, int64_t H,
                          float eps, int nthreads) {
     const int64_t H16 = H & ~(int64_t)15;
@@ -17,18 +34,8 @@ void CAT(rms_norm_, SFX)(const ELEM* x, ELEM* residual, const ELEM* w, ELEM* out
             for (; i < H; ++i) CAT(st1_, SFX)(rr + i, CAT(ld1_, SFX)(xr + i) + CAT(ld1_, SFX)(rr + i));
             src = rr;
         }
-        v16 ss = (v16){};
-        float tail = 0.0f;
-        int64_t i = 0;
-        for (; i < H16; i += 16) {
-            v16 v = CAT(ld16_, SFX)(src + i);
-            ss += v * v;
-        }
-        for (; i < H; ++i) {
-            float v = CAT(ld1_, SFX)(src + i);
-            tail += v * v;
-        }
-        const float inv = 1.0f / sqrtf((hsum16(ss) + tail) / (float)H + eps);
+        const float inv = CAT(inv_rms_, SFX)(src, H, eps);
+        int64_t i;
         for (i = 0; i < H16; i += 16) {
             v16 n = CAT(round16_, SFX)(CAT(ld16_, SFX)(src + i) * inv);
             CAT(st16_, SFX)(orow + i, n * CAT(ld16_, SFX)(w + i));
@@ -54,18 +61,8 @@ void CAT(offset_rms_norm_, SFX)(const ELEM* x, int64_t ldx, const float* w1, con
         const ELEM* src = x + t * ldx + g * D;
         const ELEM* ar = add ? add + t * ldo + g * D : NULL;
         ELEM* orow = out + t * ldo + g * D;
-        v16 ss = (v16){};
-        float tail = 0.0f;
-        int64_t i = 0;
-        for (; i < D16; i += 16) {
-            v16 v = CAT(ld16_, SFX)(src + i);
-            ss += v * v;
-        }
-        for (; i < D; ++i) {
-            float v = CAT(ld1_, SFX)(src + i);
-            tail += v * v;
-        }
-        const float inv = 1.0f / sqrtf((hsum16(ss) + tail) / (float)D + eps);
+        const float inv = CAT(inv_rms_, SFX)(src, D, eps);
+        int64_t i;
         for (i = 0; i < D16; i += 16) {
             v16 y = CAT(ld16_, SFX)(src + i) * inv * ld16_f32(w1 + i);
             if (ar) y = CAT(round16_, SFX)(y) + CAT(ld16_, SFX)(ar + i);

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -208,8 +209,10 @@ def run_one(runner: str, args, workload: ws.SchedWorkload, cost_model) -> dict:
 def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S) -> dict:
     """The run's figures (times in seconds): per tenant ``ttft``/``tpot`` ``{p50, p90}`` of its
     finished requests, ``jain`` (``windowed_jain`` of served tokens weighted as the ``fair``
-    policy's counters count them: a request's prompt tokens x ``FAIR_INPUT_WEIGHT`` at its first
-    token, each output token x ``FAIR_OUTPUT_WEIGHT`` at its time, while every tenant is
+    policy's counters count them: a request's prompt tokens x ``FAIR_INPUT_WEIGHT`` spread evenly
+    from its first scheduling to its first token (chunked prefill computes them over those steps;
+    credited all at the first token, a long prompt on a slow host lands in a later window than
+    the one that served it), each output token x ``FAIR_OUTPUT_WEIGHT`` at its time, while every tenant is
     backlogged: from its first arrival to its last request's first token), ``output_tok_s`` (tokens
     of all samples / run duration), ``num_preemptions``, ``recomputed_tokens`` (prefill tokens
     computed beyond each admitted prompt's one prefill), ``num_finished``, ``duration_s``."""
@@ -228,7 +231,10 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
             ttft.append(tt[0] - a)
             if len(tt) > 1:
                 tpot.append((tt[-1] - tt[0]) / (len(tt) - 1))
-            service[t].append((tt[0], by_id[rid].prompt_len * FAIR_INPUT_WEIGHT))
+            start = res.first_scheduled.get(rid)
+            service[t].extend(
+                spread(by_id[rid].prompt_len * FAIR_INPUT_WEIGHT, tt[0] if start is None else start, tt[0])
+            )
             service[t].extend((x, FAIR_OUTPUT_WEIGHT) for x in tt)
             # backlogged from its first arrival until its last request starts (first token)
             lo, hi = active.get(t, (a, tt[0]))
@@ -243,9 +249,12 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
     out_tokens = sum(res.num_tokens.get(rid, 0) for rid in finished)
     recomputed = prefill - sum(by_id[rid].prompt_len for rid in admitted)
     token_s, decode_s = step_prices(res.steps)
+    jain = ws.windowed_jain(service, active, workload.weights, window_s)
     return {
         "tenants": per,
-        "jain": ws.windowed_jain(service, active, workload.weights, window_s)["mean"],
+        "jain": jain["mean"],
+        "jain_min": jain["min"],
+        "jain_windows": jain["windows"],
         "output_tok_s": out_tokens / res.duration_s if res.duration_s else 0.0,
         "num_preemptions": res.total_preemptions,
         "recomputed_tokens": recomputed,
@@ -256,6 +265,13 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
         "num_requests": len(workload.requests),
         "duration_s": res.duration_s,
     }
+
+
+def spread(amount: float, start: float, end: float, step_s: float = 0.1) -> list[tuple[float, float]]:
+    """``amount`` as ``(time, amount)`` pieces evenly over ``[start, end]``, one per ``step_s``
+    seconds (at least one, at ``end`` when the span is empty)."""
+    n = max(1, math.ceil((end - start) / step_s))
+    return [(start + (end - start) * (i + 1) / n, amount / n) for i in range(n)]
 
 
 def step_prices(steps) -> tuple[float | None, float | None]:

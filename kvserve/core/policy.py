@@ -26,7 +26,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, check_non_negative
 from kvserve.sequence import SequenceGroup
 
 PriorityKey = float | tuple[float, ...]
@@ -48,7 +48,7 @@ class Policy:
 
         Raises:
             ValueError: a ``fair``-only setting (``tenant_weights``, ``fair_input_weight``,
-                ``fair_output_weight``) differs from its default: this policy would ignore it.
+                ``fair_output_weight``, ``fair_burst_tokens``) differs from its default: this policy would ignore it.
         """
         unread = [
             name
@@ -56,6 +56,7 @@ class Policy:
                 ("tenant_weights", config.tenant_weights, {}),
                 ("fair_input_weight", config.fair_input_weight, SchedulerConfig.fair_input_weight),
                 ("fair_output_weight", config.fair_output_weight, SchedulerConfig.fair_output_weight),
+                ("fair_burst_tokens", config.fair_burst_tokens, SchedulerConfig.fair_burst_tokens),
             )
             if value != default
         ]
@@ -158,13 +159,19 @@ class FairPolicy(Policy):
 
     Backlog: a tenant is backlogged while it has an unfinished group in the scheduler
     (waiting, running or swapped). A tenant that becomes backlogged is lifted to
-    ``max(its counter, floor)``, ``floor`` being the least counter among backlogged tenants
-    (or, when none is, the least there was when the last one went idle), so time spent idle
-    earns no credit. ``floor`` never decreases (counters only grow, a joining tenant joins at
-    or above it, a leaving one only raises the minimum of the rest), so an idle tenant whose
-    counter is ``<= floor`` would be lifted to the floor anyway: its entry is dropped, exactly.
-    Idle tenants above the floor keep theirs; past ``MAX_IDLE_TENANTS`` of them the lowest are
-    dropped (those closest to the floor: the only approximation, bounding memory).
+    ``max(its counter, floor - burst_tokens / weight)``: ``floor`` is the least counter among
+    backlogged tenants, ratcheted (it never decreases; with none backlogged it is the last
+    value), so time spent idle earns at most ``burst_tokens`` of weighted service ahead of the
+    least-served backlogged tenant. With ``burst_tokens = 0`` that is VTC's lift exactly (idle
+    time earns nothing), and a tenant returning to a flood only levels with it: it then shares
+    every step's budget with the flood, and its first burst of requests takes about twice as
+    long as alone. The credit lets that first burst run ahead, bounded: the ratchet keeps
+    one newcomer's credit from lowering the mark the next one is lifted against (the sleeper
+    credit of Linux's CFS scheduler, which places a waking task at ``min_vruntime`` less a
+    bounded credit, plays the same role). An idle tenant whose counter is at or below its lift
+    would be lifted anyway: its entry is dropped, exactly (the floor only grows). Idle tenants
+    above keep theirs; past ``MAX_IDLE_TENANTS`` of them the lowest are dropped (those closest
+    to the floor: the only approximation, bounding memory).
 
     Orders:
     - ``admission_order`` (waiting): repeatedly the head of the backlogged tenant with the
@@ -194,9 +201,12 @@ class FairPolicy(Policy):
         output_weight: cost of one decode token (> 0); the paper's default ratio is 1:2.
         tenant_weights: tenant -> share weight (> 0); a tenant of weight 2 gets about twice the
             weighted tokens of a tenant of weight 1 while both are backlogged.
+        burst_tokens: weighted tokens (>= 0) a tenant returning from idle may be served ahead
+            of the least-served backlogged tenant (0: VTC's lift exactly).
 
     Raises:
-        ValueError: a weight that is not a finite number > 0, naming it.
+        ValueError: a weight that is not a finite number > 0, or ``burst_tokens`` that is not
+            a finite number >= 0, naming it.
     """
 
     tracks_service = True
@@ -207,18 +217,21 @@ class FairPolicy(Policy):
         input_weight: float = 1.0,
         output_weight: float = 2.0,
         tenant_weights: dict[str, float] | None = None,
+        burst_tokens: float = 0.0,
     ) -> None:
         _check_weight("fair_input_weight", input_weight)
         _check_weight("fair_output_weight", output_weight)
         for name, w in (tenant_weights or {}).items():
             _check_weight(f"tenant_weights[{name!r}]", w)
+        check_non_negative("fair_burst_tokens", burst_tokens)
         self.input_weight = float(input_weight)
         self.output_weight = float(output_weight)
         self.tenant_weights = dict(tenant_weights or {})
-        self.counters: dict[str | None, float] = {}  # backlogged tenants + idle ones above floor
+        self.burst_tokens = float(burst_tokens)
+        self.counters: dict[str | None, float] = {}  # backlogged tenants + idle ones above their lift
         self._backlog: dict[str | None, int] = {}  # tenant -> unfinished groups
         self._members: dict[str, str | None] = {}  # request_id -> tenant
-        self._floor = 0.0  # the least backlogged counter when the last tenant went idle
+        self._floor = 0.0  # the ratchet: the most the least backlogged counter has been
         self._sweep_at = 64  # idle entries that trigger a sweep
         # the step's snapshot (``begin_step``): running sequences per tenant, and in all
         self._running: dict[str | None, int] = {}
@@ -227,18 +240,37 @@ class FairPolicy(Policy):
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> FairPolicy:
-        return cls(config.fair_input_weight, config.fair_output_weight, config.tenant_weights)
+        burst = config.fair_burst_tokens
+        return cls(
+            config.fair_input_weight,
+            config.fair_output_weight,
+            config.tenant_weights,
+            config.max_num_batched_tokens if burst is None else burst,
+        )
 
     # ---------------------------------------------------------------- counters
     def floor(self) -> float:
-        """The least counter among backlogged tenants (the last such value when none is)."""
+        """The least counter among backlogged tenants, ratcheted: the most it has been (it only
+        dips when a tenant joins with burst credit, and the ratchet ignores that dip)."""
         if self._backlog:
-            return min(self.counters[t] for t in self._backlog)
+            self._floor = max(self._floor, min(self.counters[t] for t in self._backlog))
         return self._floor
 
+    def _lift(self, tenant: str | None, floor: float) -> float:
+        """The least counter ``tenant`` joins the backlog at: ``floor`` less its burst credit."""
+        return floor - self.burst_tokens / self._weight(tenant)
+
     def counter(self, tenant: str | None) -> float:
-        """The tenant's counter as it would be if it became backlogged now."""
-        return max(self.counters.get(tenant, 0.0), self.floor())
+        """The tenant's counter (as it would be if it became backlogged now, when it is not)."""
+        return self._key(tenant, self.floor())
+
+    def _key(self, tenant: str | None, floor: float) -> float:
+        """``counter(tenant)`` with ``floor`` computed once by the caller."""
+        c = self.counters.get(tenant)
+        if tenant in self._backlog:
+            return c  # type: ignore[return-value]
+        lift = self._lift(tenant, floor)
+        return lift if c is None else max(c, lift)
 
     def _weight(self, tenant: str | None) -> float:
         return self.tenant_weights.get(tenant, 1.0) if tenant is not None else 1.0
@@ -249,7 +281,7 @@ class FairPolicy(Policy):
             return
         t = seq_group.tenant
         if t not in self._backlog:
-            self.counters[t] = self.counter(t)  # the VTC lift
+            self.counters[t] = self.counter(t)  # the lift: VTC's, less the burst credit
             self._backlog[t] = 0
         self._backlog[t] += 1
         self._members[rid] = t
@@ -271,16 +303,18 @@ class FairPolicy(Policy):
             return
         del self._backlog[t]
         if not self._backlog:
-            self._floor = self.counters[t]
+            self._floor = max(self._floor, self.counters[t])
         floor = self.floor()
-        if self.counters[t] <= floor:
-            del self.counters[t]
+        if self.counters[t] <= self._lift(t, floor):
+            del self.counters[t]  # lifted to at least that when it returns: the floor only grows
         if len(self.counters) - len(self._backlog) > self._sweep_at:
             self._sweep(floor)
 
     def _sweep(self, floor: float) -> None:
-        """Drop idle entries at or below ``floor`` (exact), then the lowest beyond the cap."""
-        idle = [(c, t) for t, c in self.counters.items() if t not in self._backlog and c > floor]
+        """Drop idle entries at or below their lift (exact), then the lowest beyond the cap."""
+        idle = [
+            (c, t) for t, c in self.counters.items() if t not in self._backlog and c > self._lift(t, floor)
+        ]
         for t in [t for t in self.counters if t not in self._backlog]:
             del self.counters[t]
         if len(idle) > MAX_IDLE_TENANTS:
@@ -329,15 +363,13 @@ class FairPolicy(Policy):
         if ta == tb:
             return a.priority < b.priority
         floor = self.floor()
-        ka = (max(self.counters.get(ta, 0.0), floor), self._held(ta))
-        kb = (max(self.counters.get(tb, 0.0), floor), self._held(tb))
-        return ka < kb
+        return (self._key(ta, floor), self._held(ta)) < (self._key(tb, floor), self._held(tb))
 
     def _counter_at_most(self, ta: str | None, tb: str | None) -> bool:
         """``counter(ta) <= counter(tb)`` with the floor (a min over backlogged tenants)
         computed once: ``outranks`` runs per waiting x victim pair in a preemption walk."""
         floor = self.floor()
-        return max(self.counters.get(ta, 0.0), floor) <= max(self.counters.get(tb, 0.0), floor)
+        return self._key(ta, floor) <= self._key(tb, floor)
 
     # ---------------------------------------------------------------- orders
     def _by_tenant(self, groups: Iterable[SequenceGroup]) -> dict[str | None, list[SequenceGroup]]:
@@ -361,7 +393,7 @@ class FairPolicy(Policy):
         order = sorted(
             by_tenant,
             key=lambda t: (
-                max(self.counters.get(t, 0.0), floor),
+                self._key(t, floor),
                 self._held(t),
                 by_tenant[t][0].metrics.arrival_time,
             ),
@@ -373,7 +405,7 @@ class FairPolicy(Policy):
         floor = self.floor()
         heap = []
         for i, (t, q) in enumerate(by_tenant.items()):
-            c = max(self.counters.get(t, 0.0), floor)
+            c = self._key(t, floor)
             heap.append((c, self._held(t), q[0].metrics.arrival_time, i, t, 0))
         heapq.heapify(heap)
         out: deque[SequenceGroup] = deque()

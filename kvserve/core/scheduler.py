@@ -342,6 +342,8 @@ class _Step:
         "passed_delay",
         "speculate",
         "curr_loras",
+        "yielding",
+        "yielded",
     )
 
     def __init__(self, now: float, swapped_at_start: tuple[SequenceGroup, ...] = ()) -> None:
@@ -366,6 +368,10 @@ class _Step:
         self.speculate = False  # decodes may reserve lookahead slots this step
         # Adapter ids (> 0) held by the step so far; None when LoRA is off.
         self.curr_loras: set[int] | None = None
+        # Running prefills with a waiting group ranked ahead of them (rank policies, chunked
+        # prefill): their chunks wait for the step's admissions and take what budget remains.
+        self.yielding: set[str] = set()
+        self.yielded: list[SequenceGroup] = []
 
     def add_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -854,6 +860,8 @@ class Scheduler:
             self._schedule_priority_preemption(budget, st)
         self._turn_over_lora_slot(budget, st)
         self._reclaim_backfill(budget, st, enable_chunking=True)
+        if self.policy.preempts_by_rank:
+            st.yielding = self._yielding_prefills(st)
         running = self._schedule_running(budget, st, enable_chunking=True)
         # Running groups' adapters count first; preempted groups hold no slot.
         st.curr_loras = self._running_loras()
@@ -861,6 +869,18 @@ class Scheduler:
         if not st.preempted_ids:
             swapped_in = self._schedule_swapped(budget, st, enable_chunking=True)
         prefills = self._schedule_prefills(budget, st, enable_chunking=True)
+        # Running prefills that yielded the budget to those admissions take what is left.
+        st.yielding.clear()
+        for g in st.yielded:
+            chunk, capped = self._prefill_chunk(g, budget, True, st)
+            if chunk > 0:
+                ssg = ScheduledSequenceGroup(g, chunk)
+                running.prefill_seq_groups.append(ssg)
+                budget.add_num_batched_tokens(g.request_id, chunk * len(self._live(g)))
+                if capped:
+                    st.capped.append(ssg)
+                if chunk == self._live(g)[0].data.get_num_uncomputed_tokens():
+                    st.num_partial -= 1  # counted as left mid-prefill when it yielded
         # Top up capped chunks with whatever budget is left.
         for ssg in st.capped:
             g = ssg.seq_group
@@ -947,7 +967,7 @@ class Scheduler:
         live = self._live(g)
         n_live = len(live)
         uncomputed = live[0].data.get_num_uncomputed_tokens()
-        remaining = budget.remaining_token_budget()
+        remaining = 0 if g.request_id in st.yielding else budget.remaining_token_budget()
         if not enable_chunking and uncomputed * n_live <= self.scheduler_config.max_num_batched_tokens:
             # Whole prompt or nothing (it fits an empty step, so it only waits).
             return (uncomputed if uncomputed * n_live <= remaining else 0), False
@@ -1176,6 +1196,22 @@ class Scheduler:
             seqs = budget.num_curr_seqs + wg.get_max_num_running_seqs()
 
     # ------------------------------------------------------------------ running
+    def _yielding_prefills(self, st: _Step) -> set[str]:
+        """Running prefills that a waiting group ranks ahead of (``Policy.admits_past``).
+        Their next chunks go after the step's admissions: otherwise a prompt admitted earlier
+        takes its chunks first, and a newcomer that outranks it (``fair``: a tenant returning
+        to a flood; ``priority``: a more urgent request) waits for its whole prefill. The rank
+        policies' keys depend on tenant and priority only, so each distinct pair is asked once."""
+        prefills = [g for g in self.running if g.is_prefill()]
+        if not prefills or not self.waiting:
+            return set()
+        keys = {(w.tenant, w.priority): w for w in self.waiting}
+        return {
+            g.request_id
+            for g in prefills
+            if any(self.policy.admits_past(st.now, w, g) for w in keys.values())
+        }
+
     def _schedule_running(
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
     ) -> SchedulerRunningOutputs:
@@ -1209,6 +1245,8 @@ class Scheduler:
                 if chunk <= 0:
                     kept.append(g)
                     st.num_partial += 1
+                    if rid in st.yielding:
+                        st.yielded.append(g)
                     continue
                 ssg = ScheduledSequenceGroup(g, chunk)
                 out.prefill_seq_groups.append(ssg)

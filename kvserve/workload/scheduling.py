@@ -211,11 +211,13 @@ def windowed_jain(
     -> the time (s) of each token it was served, or ``(time, amount)`` pairs (service counted
     as ``amount`` tokens at ``time``); ``active``: tenant -> ``(start, end)`` of the time it had
     work (e.g. first arrival to last admission). The span all tenants share, ``[max start, min
-    end]``, is cut into
-    windows of ``window_s`` from its start (the last one may be shorter); each window's index
-    is over all tenants' tokens served in it. Returns ``{"mean": mean over the windows (None
-    with fewer than two tenants or an empty span), "windows": [index per window], "span_s":
-    (start, end) or None}``.
+    end]``, is cut into windows of ``window_s`` from its start; a remainder shorter than
+    ``window_s`` joins the window before it (a tail of one step is not a window of the stated
+    length: on a slow host it can hold a single tenant's prompt credit and read as 1/n), and a
+    span shorter than ``window_s`` is one window. Each window's index is over all tenants'
+    tokens served in it. Returns ``{"mean": mean over the windows (None with fewer than two
+    tenants or an empty span), "min": the least window's index, "windows": [index per window],
+    "span_s": (start, end) or None}``.
 
     Raises:
         ValueError: ``window_s <= 0``.
@@ -223,24 +225,29 @@ def windowed_jain(
     if not window_s > 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
     weights = weights or {}
+    empty: dict = {"mean": None, "min": None, "windows": [], "span_s": None}
     if len(active) < 2:
-        return {"mean": None, "windows": [], "span_s": None}
+        return empty
     start = max(a for a, _ in active.values())
     end = min(b for _, b in active.values())
     if end <= start:
-        return {"mean": None, "windows": [], "span_s": None}
+        return empty
+    num_windows = max(1, int((end - start) // window_s))
+    edges = [start + i * window_s for i in range(num_windows)] + [end]
+    events = {t: _events(token_times.get(t, ())) for t in active}
     out: list[float] = []
-    lo = start
-    while lo < end:
-        hi = min(lo + window_s, end)
+    for lo, hi in zip(edges, edges[1:]):
         last = hi == end  # the span's last token counts in its last window
         xs = [
-            sum(a for x, a in _events(token_times.get(t, ())) if lo <= x < hi or (last and x == hi))
-            / weights.get(t, 1.0)
+            sum(a for x, a in events[t] if lo <= x < hi or (last and x == hi)) / weights.get(t, 1.0)
             for t in active
         ]
         j = jain_index(xs)
         if j is not None:
             out.append(j)
-        lo = hi
-    return {"mean": sum(out) / len(out) if out else None, "windows": out, "span_s": (start, end)}
+    return {
+        "mean": sum(out) / len(out) if out else None,
+        "min": min(out, default=None),
+        "windows": out,
+        "span_s": (start, end),
+    }

@@ -101,12 +101,37 @@ def test_windowed_jain_by_hand():
     late = ws.windowed_jain({"A": [1, 2, 6], "B": [7]}, {"A": (0, 6), "B": (5, 7)}, window_s=10)
     assert late["span_s"] == (5, 6) and late["windows"] == pytest.approx([0.5])
     assert ws.windowed_jain({"A": [1]}, {"A": (0, 1)})["mean"] is None
+    # a 2 s tail joins the window before it: [0, 10) and [10, 22] (A 12 tokens, B 10), where
+    # a window of its own would hold only A's two tokens at 20 and 21 (index 1/2)
+    tail = {
+        "A": [0.5 + i for i in range(10)] + [10 + i for i in range(12)],
+        "B": [0.5 + i for i in range(20)],
+    }
+    res = ws.windowed_jain(tail, {"A": (0.0, 22.0), "B": (0.0, 22.0)}, window_s=10.0)
+    assert res["windows"] == pytest.approx([1.0, 22**2 / (2 * (144 + 100))])
+    assert res["min"] == pytest.approx(22**2 / (2 * (144 + 100)))
     with pytest.raises(ValueError, match="window_s"):
         ws.windowed_jain(times, active, window_s=0)
 
 
 def _row(w, runner, policy, value):
     return {"workload": w, "runner": runner, "policy": policy, "backfill": "-", "mode": "default", "v": value}
+
+
+def test_prompt_service_is_spread_over_its_prefill():
+    pieces = sb.spread(100.0, 2.0, 3.0)
+    assert len(pieces) == 10 and sum(x for _, x in pieces) == pytest.approx(100.0)
+    assert pieces[0][0] == pytest.approx(2.1) and pieces[-1][0] == pytest.approx(3.0)
+    assert sb.spread(7.0, 5.0, 5.0) == [(5.0, 7.0)]  # no span: all at the first token
+    # a prompt prefilled over [8, 12] with 10 s windows from 0: 19 of its 40 tenth-second
+    # pieces (8.1 .. 9.9) in the first window, 21 in the second (at the first token, all 40
+    # would land in the second window, and the first would read 1/2)
+    res = ws.windowed_jain(
+        {"A": sb.spread(40.0, 8.0, 12.0), "B": [(5.0, 20.0), (15.0, 20.0)]},
+        {"A": (0.0, 20.0), "B": (0.0, 20.0)},
+        window_s=10.0,
+    )
+    assert res["windows"] == pytest.approx([39**2 / (2 * (19**2 + 20**2)), 41**2 / (2 * (21**2 + 20**2))])
 
 
 def test_rank_agreement_on_synthetic_rows():

@@ -68,6 +68,30 @@ def test_the_floor_survives_an_empty_scheduler_and_idle_entries_are_dropped():
     assert p.counters == {"a": 70.0}
 
 
+def test_burst_credit_lifts_a_returning_tenant_below_the_floor_and_the_floor_ratchets():
+    p = FairPolicy(burst_tokens=60.0, tenant_weights={"w": 2.0})
+    a = group("a1", "a")
+    p.on_add(a)  # the first tenant: the floor (0) less the credit
+    assert p.counters["a"] == -60.0
+    p.on_served(a, 260, 0)  # a at 200: the floor ratchets up to it
+    assert p.floor() == 200.0
+    b = group("b1", "b")
+    p.on_add(b)  # b joins 60 weighted tokens behind a, ahead of it in every order
+    assert p.counters["b"] == 140.0 and p.floor() == 200.0  # the dip does not lower the floor
+    assert [g.request_id for g in p.admission_order(0.0, [group("a2", "a"), group("b2", "b")])][0] == "b2"
+    c = group("c1", "c")
+    p.on_add(c)  # lifted against the ratcheted 200, not against b's 140: credits do not chain
+    assert p.counters["c"] == 140.0
+    p.on_add(group("w1", "w"))  # weight 2: 60 weighted tokens are 30 on its counter
+    assert p.counters["w"] == 170.0
+    # an idle tenant at or below its lift is dropped (exact: the floor only grows) ...
+    p.on_served(c, 50, 0)
+    p.on_finish(c)  # c at 190 > its lift 140: kept
+    assert p.counters["c"] == 190.0
+    p.on_finish(b)  # b at 140 <= its lift 140: dropped
+    assert "b" not in p.counters and p.counter("b") == 140.0
+
+
 def test_state_stays_bounded_under_many_short_lived_tenants():
     p = FairPolicy()
     keeper = group("keep", "keeper")  # stays backlogged at counter 0: nobody is at the floor
@@ -133,6 +157,15 @@ def test_running_order_puts_the_most_served_tenant_last():
 
 
 # ---------------------------------------------------------------- configuration
+def test_the_burst_credit_defaults_to_one_steps_budget():
+    assert (
+        PolicyFactory.from_config(SchedulerConfig(policy="fair", max_num_batched_tokens=96)).burst_tokens
+        == 96
+    )
+    sc = SchedulerConfig(policy="fair", max_num_batched_tokens=96, fair_burst_tokens=0)
+    assert PolicyFactory.from_config(sc).burst_tokens == 0.0
+
+
 def test_factory_builds_fair_from_the_scheduler_config():
     sc = SchedulerConfig(
         policy="fair", fair_input_weight=0.5, fair_output_weight=4.0, tenant_weights={"gold": 3.0}
@@ -151,6 +184,7 @@ def test_factory_builds_fair_from_the_scheduler_config():
     [
         (dict(tenant_weights={"a": 2.0}), "tenant_weights"),
         (dict(fair_input_weight=0.5, fair_output_weight=3.0), "fair_input_weight, fair_output_weight"),
+        (dict(fair_burst_tokens=0), "fair_burst_tokens"),
     ],
 )
 def test_fair_settings_under_another_policy_are_refused_naming_them(policy, kwargs, names):
@@ -169,6 +203,9 @@ def test_fair_settings_under_another_policy_are_refused_naming_them(policy, kwar
         (dict(fair_output_weight=-1), r"fair_output_weight must be a finite number > 0, got -1"),
         (dict(fair_output_weight=float("inf")), r"fair_output_weight must be a finite number > 0"),
         (dict(tenant_weights={"a": 0}), r"tenant_weights\['a'\] must be a finite number > 0, got 0"),
+        (dict(fair_burst_tokens=-1), r"fair_burst_tokens must be a finite number >= 0, got -1"),
+        (dict(fair_burst_tokens=float("nan")), r"fair_burst_tokens must be a finite number >= 0"),
+        (dict(fair_burst_tokens="8"), r"fair_burst_tokens must be a finite number >= 0, got '8'"),
         (dict(tenant_weights="a=2,b"), r"tenant_weights entry 'b' is not NAME=WEIGHT"),
         (dict(tenant_weights="a=x"), r"tenant_weights entry 'a=x' is not NAME=WEIGHT"),
         (dict(tenant_weights="a=1,a=2"), r"tenant_weights names 'a' twice"),
@@ -212,18 +249,53 @@ def _flood(policy, **kw):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_late_tenant_is_served_before_a_flooding_tenants_backlog(chunked):
     _, fair = _flood("fair", CP=chunked)
+    _, vtc = _flood("fair", CP=chunked, fair_burst_tokens=0)
     _, fcfs = _flood("fcfs", CP=chunked)
-    b_fair = max(fair[f"b{i}"] for i in range(4))
     b_fcfs = min(fcfs[f"b{i}"] for i in range(4))
     # fcfs: B waits for all 40 of A's requests to be admitted
     assert all(fcfs[f"a{i}"] <= b_fcfs for i in range(40))
-    # fair: all of B's requests are admitted while most of A's backlog still waits
-    a_after = sum(1 for i in range(40) if fair[f"a{i}"] > b_fair)
-    assert a_after >= 30, (a_after, fair)
-    # B holds no running sequence and A all of them: B's share (half) starts the step it
-    # arrives, preempting A's; its other requests then interleave with A's backlog
-    assert sorted(fair[f"b{i}"] for i in range(4))[:2] == [2, 2]
-    assert sum(1 for i in range(40) if 2 <= fair[f"a{i}"] <= b_fair) >= 1
+    for first in (fair, vtc):
+        b_last = max(first[f"b{i}"] for i in range(4))
+        # fair: all of B's requests are admitted while most of A's backlog still waits
+        a_after = sum(1 for i in range(40) if first[f"a{i}"] > b_last)
+        assert a_after >= 30, (a_after, first)
+        # B holds no running sequence and A all of them: B's share (half) starts the step it
+        # arrives, preempting A's
+        assert sorted(first[f"b{i}"] for i in range(4))[:2] == [2, 2]
+    # with the burst credit (one step's 64 tokens) B's four 8-token prompts all go ahead of
+    # A's backlog; with VTC's exact lift (B level with A) A's requests interleave with B's
+    b_last = max(fair[f"b{i}"] for i in range(4))
+    assert not any(2 <= fair[f"a{i}"] < b_last for i in range(40)), fair
+    b_last = max(vtc[f"b{i}"] for i in range(4))
+    assert sum(1 for i in range(40) if 2 <= vtc[f"a{i}"] <= b_last) >= 1
+
+
+def _chunks_after_a_newcomer(policy, **add_kw):
+    """A 40-token prompt mid-prefill (16-token step budget), then an 8-token newcomer: the
+    chunk each gets in the step after it arrives."""
+    cc, sc = configs(BS=4, G=64, S=4, T=16, L=64, CP=True, policy=policy)
+    h = Harness(cc, sc)
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    h.add("long", {"prompt_token_ids": prompt_of(1, 40)}, p, tenant="A", priority=1)
+    h.step()
+    h.add("new", {"prompt_token_ids": prompt_of(2, 8)}, p, **add_kw)
+    h.step()
+    chunks = {ssg.seq_group.request_id: ssg.token_chunk_size for ssg in h.history[-1].scheduled_seq_groups}
+    h.run()
+    h.assert_idle()
+    return chunks
+
+
+@pytest.mark.parametrize(
+    "policy,add_kw",
+    [("fair", dict(tenant="B")), ("priority", dict(tenant="A", priority=0))],
+    ids=["fair-new-tenant", "priority-more-urgent"],
+)
+def test_a_running_prefill_yields_the_budget_to_a_waiting_group_ranked_ahead(policy, add_kw):
+    # the newcomer's whole prompt first, the running prompt's chunk from what is left
+    assert _chunks_after_a_newcomer(policy, **add_kw) == {"new": 8, "long": 8}
+    # fcfs: the prompt admitted first keeps the budget; the newcomer waits for its prefill
+    assert _chunks_after_a_newcomer("fcfs", **add_kw) == {"long": 16}
 
 
 def test_same_tokens_under_fcfs_and_fair_on_the_simulator():

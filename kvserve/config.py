@@ -82,6 +82,9 @@ def is_gguf_path(model: str | None) -> bool:
 CHUNKED_PREFILL_TOKENS = 512
 #: Step budget (tokens) of the CPU default: chunked prefill (see ``EngineArgs.create_configs``).
 CPU_CHUNKED_PREFILL_TOKENS = 2048
+#: ... and under the ``fair`` policy: a tenant returning to a flood waits for the step in
+#: flight, which no policy can stop, so steps stay short (see ``EngineArgs.create_configs``).
+FAIR_CPU_CHUNKED_PREFILL_TOKENS = 256
 
 
 class PreemptionMode(enum.Enum):
@@ -782,7 +785,8 @@ class EngineArgs:
 
     ``enable_chunked_prefill=None`` (the default) means on when the engine runs on CPU, off on
     CUDA (vLLM V0's default). Chunked prefill on CPU without ``max_num_batched_tokens`` gets a
-    ``CPU_CHUNKED_PREFILL_TOKENS`` step budget.
+    ``CPU_CHUNKED_PREFILL_TOKENS`` step budget (``FAIR_CPU_CHUNKED_PREFILL_TOKENS`` under the
+    ``fair`` policy).
     """
 
     model: str | None = None
@@ -1111,7 +1115,10 @@ class EngineArgs:
         chunked = on_cpu if self.enable_chunked_prefill is None else self.enable_chunked_prefill
         budget = self.max_num_batched_tokens
         if budget is None and chunked and on_cpu:
-            budget = CPU_CHUNKED_PREFILL_TOKENS
+            # Under ``fair`` a newcomer's first token waits for the step in flight: a 2,048-token
+            # step lasts seconds on a CPU, longer than the newcomer's own prefill. Short steps
+            # bound that wait at little cost: a few hundred rows already keep the GEMMs efficient.
+            budget = FAIR_CPU_CHUNKED_PREFILL_TOKENS if self.policy == "fair" else CPU_CHUNKED_PREFILL_TOKENS
         cache_config = CacheConfig(
             block_size=self.block_size,
             num_gpu_blocks=self.num_gpu_blocks,

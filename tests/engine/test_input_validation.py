@@ -121,6 +121,11 @@ def test_cpu_default_is_chunked_prefill_with_2048_token_steps():
     assert not sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 8192
     _, _, sc = EngineArgs(device="cpu", enable_chunked_prefill=True).create_configs(model_max_len=8192)
     assert sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 2048
+    # fair: short steps (a tenant returning to a flood waits for the step in flight)
+    _, _, sc = EngineArgs(device="cpu", policy="fair").create_configs(model_max_len=8192)
+    assert sc.chunked_prefill_enabled and sc.max_num_batched_tokens == 256
+    _, _, sc = EngineArgs(device="cpu", policy="fair", max_num_batched_tokens=1024).create_configs(8192)
+    assert sc.max_num_batched_tokens == 1024
 
 
 def test_min_tokens_is_checked_against_the_effective_max_when_max_tokens_is_null():

@@ -166,11 +166,8 @@ def _positive_float(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
 
 
-def check_non_negative(name: str, value, allow_none: bool = False) -> None:
-    """Raises ValueError naming ``name`` unless ``value`` is a finite number >= 0 (or None
-    with ``allow_none``)."""
-    if value is None and allow_none:
-        return
+def check_non_negative(name: str, value) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is a finite number >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
 
@@ -462,9 +459,9 @@ class SchedulerConfig:
             1:2 input:output ratio of the VTC paper (Sheng et al., OSDI 2024).
         tenant_weights: ``fair`` policy: tenant -> share weight (> 0; 1.0 for tenants not
             listed); counters grow by cost / weight.
-        fair_burst_tokens: ``fair`` policy: weighted tokens (>= 0) a tenant returning from idle
-            may be served ahead of the least-served backlogged tenant (``FairPolicy``); ``None``
-            = one step's budget (``max_num_batched_tokens``); 0 = the VTC paper's lift exactly.
+        fair_burst_tokens: ``fair`` policy: weighted tokens (>= 0) a tenant joining a busy
+            engine may be served ahead of the least-served backlogged tenant (``FairPolicy``);
+            0 = the VTC paper's lift exactly.
         scheduling_backfill: admit waiting groups that fit past a head that must wait for KV
             blocks (or, without chunked prefill, for the step's token budget), without delaying
             its admission (see ``kvserve.core.scheduler``); ``None`` = the policy's default
@@ -501,7 +498,7 @@ class SchedulerConfig:
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
     tenant_weights: dict[str, float] = field(default_factory=dict)
-    fair_burst_tokens: float | None = None
+    fair_burst_tokens: float = 2048.0
 
     @staticmethod
     def parse_preemption_mode(value: PreemptionMode | str | None) -> PreemptionMode | None:
@@ -542,7 +539,7 @@ class SchedulerConfig:
         _positive_float("fair_input_weight", self.fair_input_weight)
         _positive_float("fair_output_weight", self.fair_output_weight)
         self.tenant_weights = parse_tenant_weights(self.tenant_weights)
-        check_non_negative("fair_burst_tokens", self.fair_burst_tokens, allow_none=True)
+        check_non_negative("fair_burst_tokens", self.fair_burst_tokens)
         if self.scheduling_backfill is not None and not isinstance(self.scheduling_backfill, bool):
             raise ValueError(
                 f"scheduling_backfill must be True, False or None (the policy's default), "
@@ -823,8 +820,7 @@ class EngineArgs:
     fair_output_weight: float = 2.0
     #: ``SchedulerConfig.tenant_weights``: a dict, or ``"a=2,b=1"`` (the CLI form).
     tenant_weights: dict[str, float] | str | None = None
-    #: ``SchedulerConfig.fair_burst_tokens`` (None: one step's budget).
-    fair_burst_tokens: float | None = None
+    fair_burst_tokens: float = 2048.0
     #: ``SchedulerConfig.scheduling_backfill`` (None = the policy's default).
     scheduling_backfill: bool | None = None
     max_num_partial_prefills: int = 1
@@ -901,7 +897,7 @@ class EngineArgs:
         _positive_float("fair_input_weight", self.fair_input_weight)
         _positive_float("fair_output_weight", self.fair_output_weight)
         parse_tenant_weights(self.tenant_weights)
-        check_non_negative("fair_burst_tokens", self.fair_burst_tokens, allow_none=True)
+        check_non_negative("fair_burst_tokens", self.fair_burst_tokens)
         self.generation_overrides()
         if self.runner not in RUNNER_CHOICES:
             raise ValueError(f"runner must be one of {'|'.join(RUNNER_CHOICES)}, got {self.runner!r}.")

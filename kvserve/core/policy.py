@@ -159,19 +159,21 @@ class FairPolicy(Policy):
 
     Backlog: a tenant is backlogged while it has an unfinished group in the scheduler
     (waiting, running or swapped). A tenant that becomes backlogged is lifted to
-    ``max(its counter, floor - burst_tokens / weight)``: ``floor`` is the least counter among
-    backlogged tenants, ratcheted (it never decreases; with none backlogged it is the last
-    value), so time spent idle earns at most ``burst_tokens`` of weighted service ahead of the
-    least-served backlogged tenant. With ``burst_tokens = 0`` that is VTC's lift exactly (idle
-    time earns nothing), and a tenant returning to a flood only levels with it: it then shares
-    every step's budget with the flood, and its first burst of requests takes about twice as
-    long as alone. The credit lets that first burst run ahead, bounded: the ratchet keeps
-    one newcomer's credit from lowering the mark the next one is lifted against (the sleeper
-    credit of Linux's CFS scheduler, which places a waking task at ``min_vruntime`` less a
-    bounded credit, plays the same role). An idle tenant whose counter is at or below its lift
-    would be lifted anyway: its entry is dropped, exactly (the floor only grows). Idle tenants
-    above keep theirs; past ``MAX_IDLE_TENANTS`` of them the lowest are dropped (those closest
-    to the floor: the only approximation, bounding memory).
+    ``max(its counter, floor - credit)``. ``floor`` is the least counter among backlogged
+    tenants, ratcheted (it never decreases; with none backlogged it is the last value).
+    ``credit`` is ``burst_tokens / weight`` when another tenant was backlogged at the start of
+    the last step (it joins a busy engine), else 0 (tenants that arrive together start level).
+    With ``burst_tokens = 0`` this is VTC's lift exactly: idle time earns nothing, and a tenant
+    returning to a flood only levels with it, then shares every step's budget with it, so its
+    first burst of requests takes about twice as long as alone. The credit lets that first
+    burst (up to ``burst_tokens`` weighted tokens) run ahead of the flood, and no further:
+    idling longer earns no more, and the ratchet keeps one newcomer's credit from lowering the
+    mark the next one is lifted against (Linux's CFS scheduler places a waking task at its
+    ``min_vruntime`` less a bounded credit the same way). An idle tenant whose counter is at or
+    below ``floor - burst_tokens / weight`` would be lifted to at least that: its entry is
+    dropped, exactly (the floor only grows). Idle tenants above keep theirs; past
+    ``MAX_IDLE_TENANTS`` of them the lowest are dropped (those closest to the floor: the only
+    approximation, bounding memory).
 
     Orders:
     - ``admission_order`` (waiting): repeatedly the head of the backlogged tenant with the
@@ -201,7 +203,7 @@ class FairPolicy(Policy):
         output_weight: cost of one decode token (> 0); the paper's default ratio is 1:2.
         tenant_weights: tenant -> share weight (> 0); a tenant of weight 2 gets about twice the
             weighted tokens of a tenant of weight 1 while both are backlogged.
-        burst_tokens: weighted tokens (>= 0) a tenant returning from idle may be served ahead
+        burst_tokens: weighted tokens (>= 0) a tenant joining a busy engine may be served ahead
             of the least-served backlogged tenant (0: VTC's lift exactly).
 
     Raises:
@@ -232,6 +234,7 @@ class FairPolicy(Policy):
         self._backlog: dict[str | None, int] = {}  # tenant -> unfinished groups
         self._members: dict[str, str | None] = {}  # request_id -> tenant
         self._floor = 0.0  # the ratchet: the most the least backlogged counter has been
+        self._busy_at_step: frozenset[str | None] = frozenset()  # backlogged when the last step began
         self._sweep_at = 64  # idle entries that trigger a sweep
         # the step's snapshot (``begin_step``): running sequences per tenant, and in all
         self._running: dict[str | None, int] = {}
@@ -240,12 +243,11 @@ class FairPolicy(Policy):
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> FairPolicy:
-        burst = config.fair_burst_tokens
         return cls(
             config.fair_input_weight,
             config.fair_output_weight,
             config.tenant_weights,
-            config.max_num_batched_tokens if burst is None else burst,
+            config.fair_burst_tokens,
         )
 
     # ---------------------------------------------------------------- counters
@@ -257,7 +259,14 @@ class FairPolicy(Policy):
         return self._floor
 
     def _lift(self, tenant: str | None, floor: float) -> float:
-        """The least counter ``tenant`` joins the backlog at: ``floor`` less its burst credit."""
+        """The least counter ``tenant`` joins the backlog at now: ``floor`` less its burst
+        credit when another tenant was backlogged at the start of the last step."""
+        if any(t != tenant for t in self._busy_at_step):
+            return self._least_lift(tenant, floor)
+        return floor
+
+    def _least_lift(self, tenant: str | None, floor: float) -> float:
+        """The least counter ``tenant`` could join at from now on (the floor only grows)."""
         return floor - self.burst_tokens / self._weight(tenant)
 
     def counter(self, tenant: str | None) -> float:
@@ -305,7 +314,7 @@ class FairPolicy(Policy):
         if not self._backlog:
             self._floor = max(self._floor, self.counters[t])
         floor = self.floor()
-        if self.counters[t] <= self._lift(t, floor):
+        if self.counters[t] <= self._least_lift(t, floor):
             del self.counters[t]  # lifted to at least that when it returns: the floor only grows
         if len(self.counters) - len(self._backlog) > self._sweep_at:
             self._sweep(floor)
@@ -313,7 +322,9 @@ class FairPolicy(Policy):
     def _sweep(self, floor: float) -> None:
         """Drop idle entries at or below their lift (exact), then the lowest beyond the cap."""
         idle = [
-            (c, t) for t, c in self.counters.items() if t not in self._backlog and c > self._lift(t, floor)
+            (c, t)
+            for t, c in self.counters.items()
+            if t not in self._backlog and c > self._least_lift(t, floor)
         ]
         for t in [t for t in self.counters if t not in self._backlog]:
             del self.counters[t]
@@ -330,6 +341,7 @@ class FairPolicy(Policy):
             counts[g.tenant] = counts.get(g.tenant, 0) + g.num_unfinished_seqs()
         self._running = counts
         self._num_running = sum(counts.values())
+        self._busy_at_step = frozenset(self._backlog)
         self._weight_sum = sum(self._weight(t) for t in self._backlog) or 1.0
 
     def _held(self, tenant: str | None) -> float:

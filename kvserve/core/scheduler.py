@@ -869,18 +869,21 @@ class Scheduler:
         if not st.preempted_ids:
             swapped_in = self._schedule_swapped(budget, st, enable_chunking=True)
         prefills = self._schedule_prefills(budget, st, enable_chunking=True)
-        # Running prefills that yielded the budget to those admissions take what is left.
+        # Running prefills that yielded the budget to those admissions take what is left; one
+        # that would stay mid-prefill waits (no chunk) while the partial-prefill slots are taken
+        # (by an admission that outranks it).
         st.yielding.clear()
         for g in st.yielded:
             chunk, capped = self._prefill_chunk(g, budget, True, st)
-            if chunk > 0:
-                ssg = ScheduledSequenceGroup(g, chunk)
-                running.prefill_seq_groups.append(ssg)
-                budget.add_num_batched_tokens(g.request_id, chunk * len(self._live(g)))
-                if capped:
-                    st.capped.append(ssg)
-                if chunk == self._live(g)[0].data.get_num_uncomputed_tokens():
-                    st.num_partial -= 1  # counted as left mid-prefill when it yielded
+            partial = chunk < self._live(g)[0].data.get_num_uncomputed_tokens()
+            if chunk <= 0 or (partial and st.num_partial >= self.scheduler_config.max_num_partial_prefills):
+                continue
+            ssg = ScheduledSequenceGroup(g, chunk)
+            running.prefill_seq_groups.append(ssg)
+            budget.add_num_batched_tokens(g.request_id, chunk * len(self._live(g)))
+            if capped:
+                st.capped.append(ssg)
+            st.num_partial += partial
         # Top up capped chunks with whatever budget is left.
         for ssg in st.capped:
             g = ssg.seq_group
@@ -1244,9 +1247,10 @@ class Scheduler:
                 chunk, capped = self._prefill_chunk(g, budget, enable_chunking, st)
                 if chunk <= 0:
                     kept.append(g)
-                    st.num_partial += 1
                     if rid in st.yielding:
-                        st.yielded.append(g)
+                        st.yielded.append(g)  # its partial-prefill slot is open to those ahead
+                    else:
+                        st.num_partial += 1
                     continue
                 ssg = ScheduledSequenceGroup(g, chunk)
                 out.prefill_seq_groups.append(ssg)

@@ -86,8 +86,8 @@ _HELP = {
     "fair_input_weight": "fair policy: cost of one prompt (prefill) token in a tenant's counter",
     "fair_output_weight": "fair policy: cost of one generated token (2 = the VTC paper's 1:2 ratio)",
     "fair_burst_tokens": (
-        "fair policy: weighted tokens a tenant returning from idle may be served ahead of the "
-        "least-served busy tenant (unset: one step's token budget; 0: the VTC paper's rule)"
+        "fair policy: weighted tokens a tenant joining a busy engine may be served ahead of the "
+        "least-served busy tenant (its first burst; 0: the VTC paper's rule)"
     ),
     "scheduling_backfill": (
         "admit waiting requests that fit past one that must wait for KV blocks, without "

@@ -68,28 +68,43 @@ def test_the_floor_survives_an_empty_scheduler_and_idle_entries_are_dropped():
     assert p.counters == {"a": 70.0}
 
 
-def test_burst_credit_lifts_a_returning_tenant_below_the_floor_and_the_floor_ratchets():
+def test_burst_credit_lifts_a_tenant_joining_a_busy_engine_below_the_floor():
     p = FairPolicy(burst_tokens=60.0, tenant_weights={"w": 2.0})
-    a = group("a1", "a")
-    p.on_add(a)  # the first tenant: the floor (0) less the credit
-    assert p.counters["a"] == -60.0
-    p.on_served(a, 260, 0)  # a at 200: the floor ratchets up to it
+    a, a2 = group("a1", "a"), group("a2", "a")
+    p.on_add(a)
+    p.on_add(group("z1", "z"))  # a and z arrive together, before any step: both start level
+    assert p.counters == {"a": 0.0, "z": 0.0}
+    p.begin_step([])  # a step starts with a and z backlogged: the engine is busy
+    p.on_served(a, 260, 0)
+    p.on_served(group("z1", "z"), 200, 0)  # the floor ratchets up to the least: 200
     assert p.floor() == 200.0
     b = group("b1", "b")
-    p.on_add(b)  # b joins 60 weighted tokens behind a, ahead of it in every order
+    p.on_add(b)  # b joins 60 weighted tokens behind the floor, ahead of a and z in every order
     assert p.counters["b"] == 140.0 and p.floor() == 200.0  # the dip does not lower the floor
-    assert [g.request_id for g in p.admission_order(0.0, [group("a2", "a"), group("b2", "b")])][0] == "b2"
+    assert [g.request_id for g in p.admission_order(0.0, [a2, group("b2", "b")])][0] == "b2"
     c = group("c1", "c")
-    p.on_add(c)  # lifted against the ratcheted 200, not against b's 140: credits do not chain
+    p.on_add(c)  # lifted against the ratcheted 200, not b's 140: credits do not chain
     assert p.counters["c"] == 140.0
     p.on_add(group("w1", "w"))  # weight 2: 60 weighted tokens are 30 on its counter
     assert p.counters["w"] == 170.0
-    # an idle tenant at or below its lift is dropped (exact: the floor only grows) ...
+    # an idle tenant at or below floor - credit is dropped (exact: the floor only grows) ...
     p.on_served(c, 50, 0)
-    p.on_finish(c)  # c at 190 > its lift 140: kept
+    p.on_finish(c)  # c at 190 > 140: kept
     assert p.counters["c"] == 190.0
-    p.on_finish(b)  # b at 140 <= its lift 140: dropped
+    p.on_finish(b)  # b at 140: dropped
     assert "b" not in p.counters and p.counter("b") == 140.0
+
+
+def test_a_tenant_alone_gets_no_burst_credit():
+    p = FairPolicy(burst_tokens=60.0)
+    a = group("a1", "a")
+    p.on_add(a)
+    p.begin_step([])  # only a was backlogged: nobody to run ahead of
+    p.on_served(a, 100, 0)
+    p.on_finish(a)
+    p.begin_step([])  # an idle step
+    p.on_add(group("a2", "a"))
+    assert p.counters["a"] == 100.0
 
 
 def test_state_stays_bounded_under_many_short_lived_tenants():
@@ -157,13 +172,9 @@ def test_running_order_puts_the_most_served_tenant_last():
 
 
 # ---------------------------------------------------------------- configuration
-def test_the_burst_credit_defaults_to_one_steps_budget():
-    assert (
-        PolicyFactory.from_config(SchedulerConfig(policy="fair", max_num_batched_tokens=96)).burst_tokens
-        == 96
-    )
-    sc = SchedulerConfig(policy="fair", max_num_batched_tokens=96, fair_burst_tokens=0)
-    assert PolicyFactory.from_config(sc).burst_tokens == 0.0
+def test_the_burst_credit_comes_from_the_config():
+    assert PolicyFactory.from_config(SchedulerConfig(policy="fair")).burst_tokens == 2048.0
+    assert PolicyFactory.from_config(SchedulerConfig(policy="fair", fair_burst_tokens=0)).burst_tokens == 0.0
 
 
 def test_factory_builds_fair_from_the_scheduler_config():

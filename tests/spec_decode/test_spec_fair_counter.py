@@ -10,19 +10,12 @@ MAX_NEW = 24
 
 
 def served_counter(model_dir, spec):
-    """Run ``PROMPTS`` for tenant ``a`` under ``fair`` (no burst credit: the counter starts
-    at 0); returns (its counter once idle: the policy's floor, engine stats, outputs by id)."""
+    """Run ``PROMPTS`` for tenant ``a`` under ``fair``; returns (its counter once idle: the
+    policy's floor, engine stats, outputs by id)."""
     from kvserve.config import EngineArgs
 
     eng = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model_dir),
-            **ENGINE,
-            speculative_config=spec,
-            policy="fair",
-            fair_burst_tokens=0,
-            **pool_sizes({}),
-        )
+        EngineArgs(model=str(model_dir), **ENGINE, speculative_config=spec, policy="fair", **pool_sizes({}))
     )
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, greedy(MAX_NEW), tenant="a")

@@ -874,6 +874,8 @@ class Scheduler:
         # (by an admission that outranks it).
         st.yielding.clear()
         for g in st.yielded:
+            if g.request_id in st.preempted_ids:
+                continue
             chunk, capped = self._prefill_chunk(g, budget, True, st)
             partial = chunk < self._live(g)[0].data.get_num_uncomputed_tokens()
             if chunk <= 0 or (partial and st.num_partial >= self.scheduler_config.max_num_partial_prefills):

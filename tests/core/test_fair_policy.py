@@ -367,6 +367,8 @@ def fair_workloads(draw):
         weights=weights,
         in_w=draw(st.sampled_from([0.5, 1.0])),
         out_w=draw(st.sampled_from([1.0, 2.0, 8.0])),
+        burst=draw(st.sampled_from([0.0, 8.0, 2048.0])),
+        partial=draw(st.sampled_from([1, 2])),
     )
 
 
@@ -390,10 +392,11 @@ def test_property_fair_random_tenants_tiny_caches(w):
         PC=w["PC"],
         PM=w["PM"],
         policy="fair",
-        max_num_partial_prefills=2,
+        max_num_partial_prefills=w["partial"],
         fair_input_weight=w["in_w"],
         fair_output_weight=w["out_w"],
         tenant_weights=w["weights"],
+        fair_burst_tokens=w["burst"],
     )
     h = Harness(cc, sc)
     pending = sorted(enumerate(w["reqs"]), key=lambda x: (x[1][0], x[0]))

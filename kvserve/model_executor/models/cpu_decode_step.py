@@ -400,6 +400,9 @@ class _StepPlan:
     buffers), so none is freed while the C side may read it.
     """
 
+    #: Gemma's layers (``is_gemma``): ``run`` binds each window's inputs and the local rotary table
+    gemma = False
+
     def __init__(self, model, rows: int):
         dtype = model.dtype
         self.has_lora = False  # every target's LoRA slots in the table (``_lora_entries``)

@@ -8,10 +8,17 @@
  * runs the same sequence in C:
  *
  *   h = norm(residual (+= mlp_out of the layer before))
- *   qkv = h @ Wqkv^T (+ b); rope(q, k), k and v written to their cache slots
+ *   qkv = h @ Wqkv^T (+ b); [per-head q / k norms]; rope(q, k), k and v written to their cache slots
  *   attn = decode attention from the paged cache; o = attn @ Wo^T (+ b)
  *   h = norm(residual += o); gate_up = h @ Wgu^T; act = silu(gate) * up; mlp_out = act @ Wd^T
  *   ... every layer, then out = norm(residual += mlp_out)
+ *
+ * or Gemma's layer (dl_model.gemma: four norms of scale 1 + weight, each sub-block's output
+ * normed before the residual add, GeGLU; per layer its own window's key ranges and rotary table):
+ *
+ *   h = in_norm(residual); qkv = h @ Wqkv^T; q / k head norms; rope; attention; o = attn @ Wo^T
+ *   residual += post_norm(o); h = pre_ff_norm(residual); act = gelu_tanh(gate) * up
+ *   residual += post_ff_norm(act @ Wd^T) ... every layer, then out = final_norm(residual)
  *
  * with the kernels of the other libraries (ops.c, decode_attention.c, gemm.c, amx_gemm.c,
  * quant_gemm.c) called through function pointers that the Python side resolves once per model
@@ -31,7 +38,8 @@
  * per step.
  *
  * Not covered (the per-layer path runs): tensor-parallel all-reduces between the GEMMs (Python
- * operations).
+ * operations); Gemma layers then take the module path. Attention logit soft-capping (Gemma 2):
+ * the decode attention kernel has none, so such models never build native decode inputs.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -76,6 +84,16 @@ typedef struct {
     const int64_t* cols; /* [P + 1] */
 } dl_lora;
 
+/* One window's decode attention inputs (decode_attention.c's block table and key ranges). */
+typedef struct {
+    const int64_t* table; /* [T, nbmax] */
+    int64_t nbmax;
+    const int64_t *kstart, *kend; /* [T] */
+} dl_keys;
+
+/* The most distinct attention windows of a model's layers (dl_model.keys). */
+#define DL_MAX_KEYS 4
+
 typedef struct {
     const void* in_norm;   /* [hidden] input_layernorm weight */
     const void* post_norm; /* [hidden] post_attention_layernorm weight */
@@ -85,6 +103,15 @@ typedef struct {
     int64_t nb, bs; /* blocks, block size */
     float scale;    /* softmax scale */
     dl_lora lora_qkv, lora_o, lora_gate_up, lora_down;
+    /* per-head q / k norms before the rotary (NULL: none): [D] weights, of the storage dtype
+       under rms_norm (Qwen3), float32 1 + weight under offset_rms_norm (Gemma 3) */
+    const void *q_norm, *k_norm;
+    float q_eps, k_eps;
+    /* Gemma: the pre- and post-feedforward norms (float32 1 + weight) */
+    const void *pre_ff_norm, *post_ff_norm;
+    float pre_ff_eps, post_ff_eps;
+    int64_t keys;       /* with dl_model.nkeys > 0: this layer's window, an index into dl_model.keys */
+    int64_t local_rope; /* 1: rotate by dl_model.cos_local / sin_local (Gemma 3's sliding layers) */
 } dl_layer;
 
 typedef struct {
@@ -107,6 +134,16 @@ typedef struct {
     int64_t lora_nseg;        /* 0: no LoRA rows in this step */
     double lora_seconds;      /* wall seconds in the LoRA kernel calls, accumulated over steps
                                  (benchmarks read the per-step LoRA cost from it) */
+    /* Gemma layers (gemma = 1): every norm is offset_rms (scale 1 + weight, float32 weights,
+       the residual added after the post-norms) and the MLP activation gelu (gelu_tanh_and_mul);
+       0: Llama layers (rms, silu) */
+    int64_t gemma;
+    dl_fn offset_rms, gelu;
+    /* layers of several windows (nkeys > 0): each window's attention inputs, set before each
+       call (the step's arguments are then unused); 0: every layer takes the arguments */
+    dl_keys keys[DL_MAX_KEYS];
+    int64_t nkeys;
+    const void *cos_local, *sin_local; /* [T, D / 2] the local rotary table, set before each call */
 } dl_model;
 
 #define KV_DTYPE_TEMPLATE "decode_layers_dtype.h"
@@ -119,6 +156,7 @@ int64_t decode_layers_struct_sizes(int64_t which) {
     case 1: return (int64_t)sizeof(dl_layer);
     case 2: return (int64_t)sizeof(dl_model);
     case 3: return (int64_t)sizeof(dl_lora);
+    case 4: return (int64_t)sizeof(dl_keys);
     default: return -1;
     }
 }

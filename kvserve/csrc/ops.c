@@ -12,6 +12,7 @@
  *   rows or over the heads of q/k columns in place, optionally followed by the residual add.
  * - silu_and_mul: silu(gate) * up over a fused [T, 2 * I] gate/up projection
  *   (SwiGLU, Shazeer 2020), each product rounded like torch's silu then mul.
+ * - gelu_tanh_and_mul: gelu_tanh(gate) * up, the same for GeGLU (Gemma's MLP).
  * - rope_write_kv: rotary embedding of q and k from the fused qkv projection, with the
  *   rotated k and the v written straight into their KV-cache slots (replaces four elementwise ops,
  *   a stack, a transpose and an index_copy_ per layer).

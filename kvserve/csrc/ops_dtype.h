@@ -1,4 +1,4 @@
-/* The dtype-generic kernels of ops.c: rms_norm, silu_and_mul, rope_write_kv, written with ELEM (storage type) and SFX (symbol
+/* The dtype-generic kernels of ops.c: rms_norm, silu_and_mul, gelu_tanh_and_mul, rope_write_kv, written with ELEM (storage type) and SFX (symbol
    suffix): included once per dtype through kv_instantiate.h, hence no include guard. */
 /* 1 / sqrt(mean(src[0..n)^2) + eps): the RMS step both RMSNorms share (float32 sums). */
 static inline float CAT(inv_rms_, SFX)(const ELEM* src, int64_t n, float eps) {
@@ -98,6 +98,38 @@ void CAT(silu_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, in
         for (; i < I; ++i) {
             float gv = CAT(ld1_, SFX)(g + i);
             v16 s = CAT(round16_, SFX)((v16){} + gv / (1.0f + expf(-gv)));
+            CAT(st1_, SFX)(o + i, s[0] * CAT(ld1_, SFX)(u + i));
+        }
+    }
+}
+
+/* gelu_tanh(gate) * up over a fused [T, 2 * I] gate/up projection (GeGLU, Shazeer 2020, with
+   the tanh approximation of GELU, Hendrycks & Gimpel 2016), each product rounded like torch's
+   gelu then mul. 0.5 x (1 + tanh(z)) is computed as x / (1 + exp(-2 z)), z = sqrt(2 / pi)
+   (x + 0.044715 x^3): the same value without tanh's cancellation where tanh(z) is near -1. */
+void CAT(gelu_tanh_and_mul_, SFX)(const ELEM* gu, ELEM* out, int64_t T, int64_t I, int nthreads) {
+    const int64_t I16 = I & ~(int64_t)15;
+    const float c = 0.7978845608028654f, c3 = 0.7978845608028654f * 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(T >= 32 ? nthreads : 1)
+    for (int64_t t = 0; t < T; ++t) {
+        const ELEM* g = gu + t * 2 * I;
+        const ELEM* u = g + I;
+        ELEM* o = out + t * I;
+        int64_t i = 0;
+        for (; i < I16; i += 16) {
+            v16 x = CAT(ld16_, SFX)(g + i);
+            v16 m2z = (v16){} - 2.0f * x * (c + c3 * x * x);
+            v16 s = x / (1.0f + exp16(vmin(m2z, (v16){} + 88.0f)));
+            /* past the clamp the result is x e^{2z}: +-0 (NaN for -inf, as torch) */
+            const v16i far = m2z > 88.0f;
+            s = (v16)(((v16i)s & ~far) | ((v16i)(x * 0.0f) & far));
+            s = CAT(round16_, SFX)(s);
+            CAT(st16_, SFX)(o + i, s * CAT(ld16_, SFX)(u + i));
+        }
+        for (; i < I; ++i) {
+            float x = CAT(ld1_, SFX)(g + i);
+            float m2z = -2.0f * x * (c + c3 * x * x);
+            v16 s = CAT(round16_, SFX)((v16){} + (m2z > 88.0f ? x * 0.0f : x / (1.0f + expf(m2z))));
             CAT(st1_, SFX)(o + i, s[0] * CAT(ld1_, SFX)(u + i));
         }
     }

@@ -46,9 +46,23 @@ class DLLora(ctypes.Structure):
     ]
 
 
+class DLKeys(ctypes.Structure):
+    """One window's decode attention inputs: block table ``[T, nbmax]``, ``kstart`` / ``kend``
+    ``[T]`` (``NativeDecode``'s tensors, int64)."""
+
+    _fields_ = [("table", _p), ("nbmax", _i64), ("kstart", _p), ("kend", _p)]
+
+
+#: ``DLModel.keys`` entries: the most distinct attention windows of a model's layers.
+MAX_KEYS = 4
+
+
 class DLLayer(ctypes.Structure):
     """One decoder layer: norm weights and eps, the four GEMMs, its KV cache
-    (``[2, KH, nb, bs, D]``), the softmax scale and each GEMM's LoRA slots."""
+    (``[2, KH, nb, bs, D]``), the softmax scale and each GEMM's LoRA slots; the per-head
+    ``q_norm`` / ``k_norm`` weights (0: none; the model dtype under RMSNorm, float32 ``1 + w``
+    for Gemma), Gemma's pre- / post-feedforward norms (float32 ``1 + w``), the layer's window
+    (an index into ``DLModel.keys``) and whether it rotates by the local table."""
 
     _fields_ = [
         ("in_norm", _p),
@@ -67,6 +81,16 @@ class DLLayer(ctypes.Structure):
         ("lora_o", DLLora),
         ("lora_gate_up", DLLora),
         ("lora_down", DLLora),
+        ("q_norm", _p),
+        ("k_norm", _p),
+        ("q_eps", _f),
+        ("k_eps", _f),
+        ("pre_ff_norm", _p),
+        ("post_ff_norm", _p),
+        ("pre_ff_eps", _f),
+        ("post_ff_eps", _f),
+        ("keys", _i64),
+        ("local_rope", _i64),
     ]
 
 
@@ -75,7 +99,10 @@ class DLModel(ctypes.Structure):
     (``max_rows`` rows each; ``xf`` float32, bfloat16 models only); the LoRA kernel
     (``lora``, its slots' dtype ``lora_wbf16``) and the step's LoRA rows and segments
     (``lora_nseg`` 0: none), set before each call; ``lora_seconds``: wall seconds the C side
-    spent in the LoRA kernel, accumulated over calls."""
+    spent in the LoRA kernel, accumulated over calls. Gemma layers (``gemma`` 1): the
+    ``offset_rms`` and ``gelu`` kernels; layers of several windows: each window's attention
+    inputs in ``keys`` (``nkeys`` of them, 0: every layer takes the step's arguments) and the
+    local rotary table (``cos_local`` / ``sin_local``), set before each call."""
 
     _fields_ = [
         ("rms", _p),
@@ -107,6 +134,13 @@ class DLModel(ctypes.Structure):
         ("lora_segs", _p),
         ("lora_nseg", _i64),
         ("lora_seconds", ctypes.c_double),
+        ("gemma", _i64),
+        ("offset_rms", _p),
+        ("gelu", _p),
+        ("keys", DLKeys * MAX_KEYS),
+        ("nkeys", _i64),
+        ("cos_local", _p),
+        ("sin_local", _p),
     ]
 
 
@@ -128,11 +162,12 @@ def available() -> bool:
         else:
             sizes = _LIB.fn("decode_layers_struct_sizes")
             sizes.restype = ctypes.c_int64
-            _layout_ok = [sizes(i) for i in range(4)] == [
+            _layout_ok = [sizes(i) for i in range(5)] == [
                 ctypes.sizeof(DLGemm),
                 ctypes.sizeof(DLLayer),
                 ctypes.sizeof(DLModel),
                 ctypes.sizeof(DLLora),
+                ctypes.sizeof(DLKeys),
             ]
     return _layout_ok
 

@@ -5,6 +5,7 @@ measurements in ``kvserve/csrc/ops.c``): each does in one pass what takes torch 
 - ``offset_rms_norm`` / ``offset_rms_norm_heads_``: Gemma's RMSNorm (``1 + weight``, float32),
   then an optional residual add; per head in place on q/k columns.
 - ``silu_and_mul``: ``silu(gate) * up`` over a fused ``[T, 2 * I]`` gate/up projection.
+- ``gelu_tanh_and_mul``: ``gelu_tanh(gate) * up`` (GeGLU) over the same.
 - ``rope_write_kv``: rotary embedding of q and k from the fused qkv projection, the rotated k
   and the v written straight into their KV-cache slots.
 - ``greedy_sample``: per row the first index of the maximum and its log-probability.
@@ -28,6 +29,7 @@ for _sfx in DTYPE_SUFFIX.values():
     _SIGS[f"rms_norm_{_sfx}"] = [_p, _p, _p, _p, _i64, _i64, _f, _i]
     _SIGS[f"offset_rms_norm_{_sfx}"] = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _f, _i]
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
+    _SIGS[f"gelu_tanh_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
 _SIGS["greedy_sample_f32"] = [_p, _i64, _i64, _p, _p, _i]
 _SIGS["prompt_logprob_stats_f32"] = [_p, _i64, _i64, _p, _i64, _p, _p, _p, _p, _i]
@@ -184,6 +186,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
     _LIB.call(
         f"silu_and_mul_{DTYPE_SUFFIX[gate_up.dtype]}", gate_up, out, T, I2 // 2, torch.get_num_threads()
+    )
+    return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate_up[:, :I], approximate="tanh") * gate_up[:, I:]`` for ``gate_up`` ``[T, 2 * I]``
+    (Gemma's GeGLU); returns ``[T, I]`` of its dtype, the GELU rounded to it before the product
+    as torch's two ops round.
+
+    Raises:
+        ValueError: odd last dimension or unsupported input.
+    """
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not supported(gate_up):
+        raise ValueError(
+            f"gelu_tanh_and_mul: need a contiguous CPU float32/bfloat16 [T, 2 * I], "
+            f"got {tuple(gate_up.shape)} {gate_up.dtype}"
+        )
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
+    _LIB.call(
+        f"gelu_tanh_and_mul_{DTYPE_SUFFIX[gate_up.dtype]}", gate_up, out, T, I2 // 2, torch.get_num_threads()
     )
     return out
 

@@ -37,13 +37,63 @@ def _qwen2_config():
     )
 
 
-@pytest.mark.parametrize("packing", ["host", "panels"])
+def _qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,  # != hidden / heads
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+def _gemma3_config():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=7,  # shorter than most sequences here: the windows matter
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        },
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+CONFIGS = {"qwen2_bias": _qwen2_config, "qwen3": _qwen3_config, "gemma3": _gemma3_config}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2_bias"])
+@pytest.mark.parametrize(
+    "arch,packing",
+    [(a, p) for a in ("llama", "qwen2_bias") for p in ("host", "panels")]
+    + [("qwen3", "panels"), ("gemma3", "panels")],
+)
 def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, packing, monkeypatch):
     """Weights packed as ``prepack_weight`` does on this host (AVX2: float weights on oneDNN,
     the module path) and on the panels wherever the kernels built (the native path on AVX2
-    hosts too): the decode steps' hidden states and cache writes equal the module path's."""
+    hosts too): the decode steps' hidden states and cache writes equal the module path's.
+    Qwen3 (per-head q/k RMSNorm) and Gemma 3 (its layer, sliding windows shorter than the
+    sequences, a local rotary base) on the panels: their one-call step against their modules."""
     if packing == "panels":
         monkeypatch.setattr(gemm, "beats_onednn", gemm.available)
     cfg = (
@@ -55,7 +105,7 @@ def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, packin
             max_position_embeddings=512,
         )
         if arch == "llama"
-        else _qwen2_config()
+        else CONFIGS[arch]()
     )
     save_tiny(tmp_path, cfg)
     w = make_worker(tmp_path, block_size=4, num_gpu_blocks=256, native=True, dtype=dtype)

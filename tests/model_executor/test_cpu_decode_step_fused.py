@@ -363,7 +363,8 @@ def test_lora_tensor_parallel_and_flag_keep_the_per_layer_path(what, monkeypatch
 
 def test_step_refuses_a_bad_dispatch_table():
     """A table the C side cannot run (unknown GEMM kind, AMX on float32, rows outside
-    ``[1, max_rows]``, no layers) is refused before any work: EINVAL, nothing written."""
+    ``[1, max_rows]``, a q norm without a k norm, Gemma layers missing a kernel, a norm or a
+    window's inputs, no layers) is refused before any work: EINVAL, nothing written."""
     layer = decode_layers.DLLayer()
     for g in (layer.qkv, layer.o, layer.gate_up, layer.down):
         g.fn, g.kind = 1, decode_layers.TILE
@@ -385,6 +386,21 @@ def test_step_refuses_a_bad_dispatch_table():
     layers[0].o.kind = decode_layers.AMX  # bfloat16 only
     assert call(1) == decode_layers.EINVAL
     layers[0].o.kind = decode_layers.TILE
+    layers[0].q_norm = keep.data_ptr()  # a q norm without its k norm
+    assert call(1) == decode_layers.EINVAL
+    layers[0].q_norm = None
+    m.gemma = 1  # Gemma layers without their kernels, feedforward norms or window entries
+    assert call(1) == decode_layers.EINVAL
+    m.offset_rms = m.gelu = 1
+    assert call(1) == decode_layers.EINVAL
+    layers[0].pre_ff_norm = layers[0].post_ff_norm = keep.data_ptr()
+    m.nkeys, layers[0].keys = 1, 1
+    assert call(1) == decode_layers.EINVAL
+    layers[0].keys = 0  # (keys[0] has no table)
+    assert call(1) == decode_layers.EINVAL
+    m.nkeys = decode_layers.MAX_KEYS + 1
+    assert call(1) == decode_layers.EINVAL
+    m.gemma = m.nkeys = 0
     layers[0].down.fn = None
     assert call(1) == decode_layers.EINVAL
     m.num_layers = 0
@@ -394,13 +410,14 @@ def test_step_refuses_a_bad_dispatch_table():
 
 def test_layout_check_matches_the_c_structs():
     sizes = decode_layers._LIB.fn("decode_layers_struct_sizes")
-    assert [sizes(i) for i in range(4)] == [
+    assert [sizes(i) for i in range(5)] == [
         ctypes.sizeof(decode_layers.DLGemm),
         ctypes.sizeof(decode_layers.DLLayer),
         ctypes.sizeof(decode_layers.DLModel),
         ctypes.sizeof(decode_layers.DLLora),
+        ctypes.sizeof(decode_layers.DLKeys),
     ]
-    assert sizes(4) == -1
+    assert sizes(5) == -1
 
 
 @pytest.mark.skipif(not quant.available() or quant.act8_isa() != "avx512-vnni", reason="no VNNI kernels here")

@@ -57,7 +57,7 @@ def test_qwen3_greedy_and_logprobs_match_transformers(qwen3, settings):
 
 def test_qwen3_q_k_norms_are_loaded_and_used(qwen3):
     """The norms are real parts: a model built with the loaded weights holds them, and the
-    one-call native decode step (which knows no q/k norm) does not claim it."""
+    native decode step takes the model (it runs the q/k norms)."""
     from kvserve.model_executor.model_loader import load_hf_config, load_model
 
     path, hf = qwen3
@@ -66,4 +66,4 @@ def test_qwen3_q_k_norms_are_loaded_and_used(qwen3):
     attn = model.layers[1].self_attn
     torch.testing.assert_close(attn.k_norm.weight, hf.model.layers[1].self_attn.k_norm.weight)
     assert attn.q_norm.weight.shape == (hf.config.head_dim,)
-    assert not model.native_decode_parts
+    assert model.native_decode_parts

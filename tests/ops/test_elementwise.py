@@ -1,4 +1,4 @@
-"""Fused native kernels (RMSNorm, SiLU-and-mul, greedy sampling) against their torch forms."""
+"""Fused native kernels (RMSNorm, SiLU-and-mul, GELU-and-mul, greedy sampling) against their torch forms."""
 
 import pytest
 import torch
@@ -96,6 +96,27 @@ def test_silu_and_mul(T, I, dtype):
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
     else:  # both round silu to bfloat16 then the product: equal but for rare last-bit ties
         assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+
+
+@DTYPES
+@pytest.mark.parametrize("T,I", [(1, 2048), (64, 96), (3, 40)])  # 40: the scalar tail
+def test_gelu_tanh_and_mul(T, I, dtype):
+    """Against torch's tanh GELU then mul, gates across the range: far negative ones (past the
+    exp clamp) give -0 as torch's tanh does, -inf NaN."""
+    torch.manual_seed(T + I)
+    gu = (torch.randn(T, 2 * I) * 4).to(dtype)
+    gu[0, :8] = torch.tensor([-3e38, -1e5, -60.0, -6.0, 0.0, 6.0, 1e5, float("-inf")]).to(dtype)
+    ref = F.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
+    got = ops.gelu_tanh_and_mul(gu)
+    assert got.shape == (T, I) and got.dtype == dtype
+    assert torch.isnan(got[0, 7]) and torch.isnan(ref[0, 7])
+    got[0, 7] = ref[0, 7] = 0
+    if dtype == torch.float32:
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+    else:  # both round the GELU to bfloat16 then the product: equal but for last-bit ties
+        assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+    with pytest.raises(ValueError, match="gelu_tanh_and_mul"):
+        ops.gelu_tanh_and_mul(torch.zeros(2, 3, dtype=dtype))
 
 
 def test_greedy_sample_matches_argmax_and_log_softmax():

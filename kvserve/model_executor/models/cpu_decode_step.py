@@ -8,7 +8,12 @@ step, the activations live in nine buffers allocated once per step and reused by
 and each layer is nine ctypes calls with integer arguments.
 
 The kernels and their order are those of ``LlamaForCausalLM``'s module path, so the hidden
-states are bit-identical to it (``tests/model_executor/test_cpu_decode_step.py``). Under tensor
+states are bit-identical to it (``tests/model_executor/test_cpu_decode_step.py``); with
+Qwen3's per-head q/k RMSNorm where the layers have one. Gemma's layer (``is_gemma``: four
+norms of scale ``1 + weight``, per-head q/k norms, GeGLU, each layer's own window and rotary
+table) runs on the one-call form only, bit-identical to ``GemmaForCausalLM``'s module path;
+where that form does not apply (tensor parallelism, LoRA steps it does not take, Gemma 2's
+attention soft-cap, the exact GELU) Gemma keeps the module path. Under tensor
 parallelism every rank runs its shard's layers here too (H/T heads, KV heads and MLP columns per
 rank: the kernels take any shape), with the same all-reduce after o and down as the module path.
 
@@ -16,7 +21,7 @@ Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed
 kernel that takes this step's row count (``gemm.PanelWeight`` of the model dtype, up to
 its ``max_rows`` if set, or ``gemm_amx.AmxWeight`` up to ``gemm_amx.MAX_ROWS`` rows), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), the model's parts those kernels cover
-(``native_decode_parts``: no q/k norm, whole-head rotary), a KV cache of the model dtype (a
+(``native_decode_parts``: whole-head rotary), a KV cache of the model dtype (a
 quantized one takes the module path), and the native ops available. Otherwise the
 module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
 GEMM, as the module path does (``kvserve.model_executor.layers.lora.add_lora``).
@@ -52,6 +57,7 @@ from kvserve.model_executor.layers import lora as lora_ops
 from kvserve.model_executor.layers.attention import AttentionMetadata, NativeDecode
 from kvserve.model_executor.layers.linear import WEIGHT_BYTES, native_gemm
 from kvserve.model_executor.layers.lora import add_lora
+from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm, RMSNorm
 from kvserve.ops import attention as paged_attention
 from kvserve.ops import decode_layers, elementwise, gemm, gemm_amx, quant
 from kvserve.ops import lora as lora_kernel
@@ -129,10 +135,42 @@ def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata
     ):
         return False
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    return all(
+    if not all(
         native_gemm(w, None, num_tokens, model.dtype) is not None
         for w in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
-    )
+    ):
+        return False
+    if not is_gemma(model):
+        return True
+    # Gemma layers run on the one-call step only (the per-layer loop is Llama's), with every
+    # window's rows on the native kernel
+    for w in {layer.self_attn.window for layer in model.layers}:
+        v = meta.for_window(w).native_decode
+        if v is None or v.start != 0 or v.end != num_tokens:
+            return False
+    return _fused_plan(model, num_tokens, kv_caches, meta) is not None
+
+
+def is_gemma(model) -> bool:
+    """Whether ``model``'s layers are Gemma's (offset norms, four per layer, GeGLU)."""
+    return isinstance(model.norm, OffsetRMSNorm)
+
+
+def _fused_plan(model, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> _StepPlan | None:
+    """The one-call step's plan for this step, or None where the per-layer path runs: under
+    tensor parallelism, with ``fuse_native_decode`` off, LoRA rows the native kernel does not
+    take, or no plan (``step_plan``)."""
+    lora = meta.lora
+    if (
+        getattr(model, "tp", None) is not None
+        or not getattr(model, "fuse_native_decode", True)
+        or (lora is not None and not (FUSE_LORA and rows <= lora_ops.NATIVE_MAX_ROWS))
+    ):
+        return None
+    plan = step_plan(model, rows, kv_caches)
+    if plan is None or (lora is not None and not plan.has_lora):
+        return None
+    return plan
 
 
 def forward_layers(
@@ -142,37 +180,38 @@ def forward_layers(
     sin: torch.Tensor,
     kv_caches: list[torch.Tensor],
     meta: AttentionMetadata,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """All decoder layers and the final norm for embedded tokens ``x`` ``[T, hidden]``.
 
     Args:
         cos, sin: ``[T, 1, head_dim / 2]`` rotary tables of the tokens' positions.
+        local: Gemma: the sliding layers' ``(cos, sin)`` (their own rotary base), else None.
         kv_caches: one ``[2, kv_heads, num_blocks, block_size, head_dim]`` per layer.
         meta: the step's metadata; ``applies`` must have returned True for it.
     Returns:
         ``[T, hidden]`` hidden states after the final norm, in the model dtype.
 
     Raises:
-        ValueError: the step's index tensors are not contiguous int64.
+        ValueError: the step's index tensors are not contiguous int64; a Gemma model on a step
+            the one-call step does not take.
         MemoryError: a quantized GEMM could not allocate its scratch.
     """
     nd = meta.native_decode
     # applies() checked native_decode; a step with KV caches has its slot mapping
     assert nd is not None and meta.slot_mapping is not None
     cos, sin = cos.contiguous(), sin.contiguous()
+    if local is not None:
+        local = (local[0].contiguous(), local[1].contiguous())
     slots = meta.slot_mapping.contiguous()
     for name, t in (("table", nd.table), ("kstart", nd.kstart), ("kend", nd.kend), ("slot_mapping", slots)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"native decode: {name} must be contiguous int64, got {t.dtype} {t.stride()}")
-    lora = meta.lora
-    if (
-        getattr(model, "tp", None) is None
-        and getattr(model, "fuse_native_decode", True)
-        and (lora is None or (FUSE_LORA and x.shape[0] <= lora_ops.NATIVE_MAX_ROWS))
-    ):
-        plan = step_plan(model, x.shape[0], kv_caches)
-        if plan is not None and (lora is None or plan.has_lora):
-            return plan.run(x, cos, sin, slots, nd, lora)
+    plan = _fused_plan(model, x.shape[0], kv_caches, meta)
+    if plan is not None:
+        return plan.run(x, cos, sin, slots, nd, meta.lora, meta, local)
+    if is_gemma(model):
+        raise ValueError("native decode: Gemma layers run on the one-call step only (applies() said no)")
     return _forward_per_layer(model, x, cos, sin, slots, nd, kv_caches, meta)
 
 
@@ -274,6 +313,13 @@ def _forward_per_layer(
                 nt,
             )
         gemm(attn.qkv_weight, attn.qkv_bias, h, qkv, attn, "qkv")
+        if attn.q_norm is not None:  # per-head RMSNorm in place, one token's heads at a time
+            row = (H + 2 * KH) * D * qkv.element_size()
+            for t in range(T):
+                q = p(qkv) + t * row
+                k = q + H * D * qkv.element_size()
+                rms(q, None, p(attn.q_norm.weight), q, H, D, attn.q_norm.eps, nt)
+                rms(k, None, p(attn.k_norm.weight), k, KH, D, attn.k_norm.eps, nt)
         NB, BS = cache.shape[2], cache.shape[3]
         rope(p(qkv), cos_p, sin_p, p(qk), p(cache), slots_p, T, H, KH, D, NB * BS, nt)
         # q heads straight from qk's rows ((H + KH) * D apart); k/v are already in the cache
@@ -354,6 +400,9 @@ class _StepPlan:
     buffers), so none is freed while the C side may read it.
     """
 
+    #: Gemma's layers (``is_gemma``): ``run`` binds each window's inputs and the local rotary table
+    gemma = False
+
     def __init__(self, model, rows: int):
         dtype = model.dtype
         self.has_lora = False  # every target's LoRA slots in the table (``_lora_entries``)
@@ -364,12 +413,55 @@ class _StepPlan:
         self.keep: list = []  # everything the table points into
         self.ok = self._fill(model, rows)
 
+    def _norm(self, norm, size: int) -> int | None:
+        """The address of ``norm``'s weight as the step reads it (kept alive): float32
+        ``1 + weight`` of a Gemma norm, the model-dtype weight of an RMSNorm; None for another
+        kind or shape."""
+        if isinstance(norm, OffsetRMSNorm) and self.gemma:
+            t = norm.scale()
+        elif isinstance(norm, RMSNorm) and not self.gemma:
+            t = norm.weight
+            if t.dtype != self.dtype:
+                return None
+        else:
+            return None
+        if t.shape != (size,) or not t.is_contiguous():
+            return None
+        self.keep.append(t)
+        return t.data_ptr()
+
     def _fill(self, model, rows: int) -> bool:
         sfx = DTYPE_SUFFIX[self.dtype]
         L = len(model.layers)
         self.layers = (decode_layers.DLLayer * L)()
+        self.gemma = is_gemma(model)
+        #: Gemma: each distinct window of the layers (``DLModel.keys`` in this order)
+        self.windows: list[int | None] = []
+        if self.gemma:
+            self.windows = sorted({layer.self_attn.window for layer in model.layers}, key=lambda w: w or 0)
+            if len(self.windows) > decode_layers.MAX_KEYS:
+                return False
         for i, layer in enumerate(model.layers):
             attn, mlp, e = layer.self_attn, layer.mlp, self.layers[i]
+            if (attn.q_norm is None) != (attn.k_norm is None):
+                return False
+            if attn.q_norm is not None:
+                qn, kn = self._norm(attn.q_norm, self.D), self._norm(attn.k_norm, self.D)
+                if qn is None or kn is None:
+                    return False
+                e.q_norm, e.k_norm, e.q_eps, e.k_eps = qn, kn, attn.q_norm.eps, attn.k_norm.eps
+            if self.gemma:
+                if attn.attn.softcap is not None or getattr(mlp, "approximate", None) != "tanh":
+                    return False  # (no soft-capping decode kernel; only the tanh GELU)
+                pre = self._norm(layer.pre_feedforward_layernorm, self.hidden)
+                post = self._norm(layer.post_feedforward_layernorm, self.hidden)
+                if pre is None or post is None:
+                    return False
+                e.pre_ff_norm, e.post_ff_norm = pre, post
+                e.pre_ff_eps = layer.pre_feedforward_layernorm.eps
+                e.post_ff_eps = layer.post_feedforward_layernorm.eps
+                e.keys = self.windows.index(attn.window)
+                e.local_rope = int(bool(model.layer_windows[i]))
             if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter) != (
                 self.H,
                 self.KH,
@@ -387,24 +479,30 @@ class _StepPlan:
                     return False
                 self.keep += [weight, bias]
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-            for t in (n1.weight, n2.weight, attn.qkv_bias, attn.o_bias):
+            for t in (attn.qkv_bias, attn.o_bias):
                 if t is not None and (t.dtype != self.dtype or not t.is_contiguous()):
                     return False
-            e.in_norm, e.post_norm = n1.weight.data_ptr(), n2.weight.data_ptr()
+            in_norm, post_norm = self._norm(n1, self.hidden), self._norm(n2, self.hidden)
+            if in_norm is None or post_norm is None:
+                return False
+            e.in_norm, e.post_norm = in_norm, post_norm
             e.in_eps, e.post_eps, e.scale = n1.eps, n2.eps, attn.attn.scale
-            self.keep += [n1.weight, n2.weight]
-        if model.norm.weight.dtype != self.dtype or not model.norm.weight.is_contiguous():
+        final_norm = self._norm(model.norm, self.hidden)
+        if final_norm is None:
             return False
         fn = decode_layers.fn_address
         self.struct = m = decode_layers.DLModel()
+        if self.gemma:
+            m.gemma, m.nkeys = 1, len(self.windows)
+            m.offset_rms = fn(elementwise._LIB.fn(f"offset_rms_norm_{sfx}"))
+            m.gelu = fn(elementwise._LIB.fn(f"gelu_tanh_and_mul_{sfx}"))
         m.rms = fn(elementwise._LIB.fn(f"rms_norm_{sfx}"))
         m.rope = fn(elementwise._LIB.fn(f"rope_write_kv_{sfx}"))
         m.silu = fn(elementwise._LIB.fn(f"silu_and_mul_{sfx}"))
         m.attend = fn(paged_attention._LIB.fn(f"kv_paged_decode_attention_{sfx}"))
         m.layers = ctypes.cast(self.layers, ctypes.POINTER(decode_layers.DLLayer))
         m.num_layers, m.hidden, m.H, m.KH, m.D, m.inter = L, self.hidden, self.H, self.KH, self.D, self.inter
-        m.final_norm, m.final_eps = model.norm.weight.data_ptr(), model.norm.eps
-        self.keep.append(model.norm.weight)
+        m.final_norm, m.final_eps = final_norm, model.norm.eps
         self.has_lora = self._lora_entries(model)
         self.addr = ctypes.addressof(m)
         self.fn = decode_layers.step_fn(self.dtype)
@@ -509,21 +607,63 @@ class _StepPlan:
             e.cache, e.nb, e.bs = ptrs[i], c.shape[2], c.shape[3]
         self.caches, self.cache_ptrs = list(kv_caches), ptrs
 
+    def _bind_windows(
+        self, T: int, meta: AttentionMetadata | None, local: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
+        """Point ``DLModel.keys`` at each window's decode inputs of this step and the local
+        rotary table at ``local`` (both read during the call only)."""
+        if meta is None or local is None:
+            raise ValueError(
+                "native decode: a Gemma step needs the step's metadata and the local rotary table"
+            )
+        m = self.struct
+        for k, w in enumerate(self.windows):
+            v = meta.for_window(w).native_decode
+            if v is None or v.start != 0 or v.end != T:
+                raise ValueError(f"native decode: window {w} has no native decode inputs for rows [0, {T})")
+            for t in (v.table, v.kstart, v.kend):
+                if t.dtype != torch.int64 or not t.is_contiguous():
+                    raise ValueError(f"native decode: window {w}'s inputs must be contiguous int64")
+            e = m.keys[k]
+            e.table, e.nbmax, e.kstart, e.kend = (
+                v.table.data_ptr(),
+                v.table.shape[1],
+                v.kstart.data_ptr(),
+                v.kend.data_ptr(),
+            )
+        c, s = local
+        if not (c.is_contiguous() and s.is_contiguous()):
+            raise ValueError("native decode: the local rotary table must be contiguous")
+        m.cos_local, m.sin_local = c.data_ptr(), s.data_ptr()
+
     def run(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, nd, lora=None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        nd,
+        lora=None,
+        meta: AttentionMetadata | None = None,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The step for embedded tokens ``x`` ``[T, hidden]`` (updated in place, as the
         residual); returns the hidden states after the final norm (a new ``[T, hidden]``).
         ``lora``: the step's ``LoRAMapping`` (its rows and segments, read during the call), or
-        None; only with ``has_lora``.
+        None; only with ``has_lora``. Gemma plans: ``meta``, the step's metadata (each window's
+        ``native_decode``), and ``local``, the sliding layers' ``(cos, sin)``.
 
         Raises:
-            ValueError: ``lora`` given to a plan without LoRA entries, or of another row count.
+            ValueError: ``lora`` given to a plan without LoRA entries, or of another row count;
+                a Gemma plan without ``meta`` / ``local`` or a window's inputs that do not
+                cover the rows as contiguous int64.
         """
         T = x.shape[0]
         if T > self.struct.max_rows:
             self._grow(T)
         m = self.struct
+        if self.gemma:
+            self._bind_windows(T, meta, local)
         if lora is None:
             m.lora_nseg = 0
         else:

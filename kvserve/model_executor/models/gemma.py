@@ -25,8 +25,13 @@ LoRA adapters run on the fused q/k/v, o, gate/up and down linears as on Llama (m
 Tensor parallelism shards as Llama does (heads and MLP columns, the vocab-parallel LM head; the
 q/k norms are per head dimension, so every rank holds them whole); the final soft-cap applies
 to the gathered logits. Not supported (ValueError at build, naming the family): bidirectional
-attention (``use_bidirectional_attention``), activations other than the tanh or exact GELU. Pure-decode steps take the module path
-(``use_native_decode`` is False: the one-call decode step knows only the Llama layer).
+attention (``use_bidirectional_attention``), activations other than the tanh or exact GELU.
+
+Pure-decode CPU steps run as one native call for all layers (``cpu_decode_step``, Gemma's
+layer in ``csrc/decode_layers.c``), the module path's kernels in its order, where the one-call
+step applies: no tensor parallelism, the tanh GELU, no attention soft-cap (Gemma 2's layers
+keep the module path: the decode attention kernel does not cap), native GEMMs for the weights;
+the embedding scale stays here. Otherwise the module path runs.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from kvserve.model_executor.layers.attention import AttentionMetadata, PagedAtte
 from kvserve.model_executor.layers.linear import linear
 from kvserve.model_executor.layers.rmsnorm import OffsetRMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from kvserve.model_executor.models import cpu_decode_step
 from kvserve.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _lora
+from kvserve.ops import elementwise
 
 #: ``hidden_activation`` -> the ``approximate`` argument of ``F.gelu``.
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
@@ -135,8 +142,11 @@ class GemmaMLP(LlamaMLP):
     def _forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gu = linear(x, self.gate_up_weight)
         _lora(self, "gate_up", x, gu, lora)
-        g = F.gelu(gu[:, : self.inter], approximate=self.approximate)
-        g.mul_(gu[:, self.inter :])
+        if self.approximate == "tanh" and elementwise.supported(gu):
+            g = elementwise.gelu_tanh_and_mul(gu)  # one pass; the kernel the decode step runs
+        else:
+            g = F.gelu(gu[:, : self.inter], approximate=self.approximate)
+            g.mul_(gu[:, self.inter :])
         out = linear(g, self.down_weight)
         _lora(self, "down", g, out, lora)
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -183,8 +193,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
             entry, naming the family and the field; ``LlamaForCausalLM``'s errors.
     """
 
-    use_native_decode = False
-
     def __init__(
         self, hf_config, dtype=torch.float32, device="cpu", max_position: int | None = None, tp=None
     ):
@@ -226,6 +234,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope_global = self.rope.lookup(positions)
         rope_local = self.local_rope.lookup(positions)
+        if (
+            kv_caches is not None
+            and self.use_native_decode
+            and cpu_decode_step.applies(self, kv_caches, meta, x.shape[0])
+        ):
+            cos, sin = rope_global
+            return cpu_decode_step.forward_layers(self, x, cos, sin, kv_caches, meta, rope_local)
         for i, layer in enumerate(self.layers):
             cos, sin = rope_local if self.layer_windows[i] else rope_global
             x = layer(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)

@@ -330,8 +330,7 @@ class LlamaForCausalLM(nn.Module):
         max_position = max_position or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(self.head_dim, max_position, get_rope_parameters(cfg), dtype, device)
         #: ``cpu_decode_step`` runs this model's pure-decode steps: its kernels rotate whole heads
-        #: and know no q/k norm
-        self.native_decode_parts = not self.PARTS.qk_norm and self.rope.rotary_dim == self.head_dim
+        self.native_decode_parts = self.rope.rotary_dim == self.head_dim
         # a replicated table is padded to T * S rows (zeros) so that a tied head is a view of it
         embed_rows = head_rows if self.shard_embedding else self.vocab_shard.padded_vocab
         self.embed_tokens = nn.Parameter(

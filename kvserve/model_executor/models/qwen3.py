@@ -2,8 +2,8 @@
 
 Its parts beyond Llama's: an RMSNorm of ``head_dim`` weights on every q and k head before rotary
 (``self_attn.q_norm`` / ``k_norm``), a ``head_dim`` of its own (often not hidden / heads), no
-q/k/v bias unless ``attention_bias``. Pure-decode CPU steps run the module path: the one-call
-native decode step knows no q/k norm (``cpu_decode_step.applies``).
+q/k/v bias unless ``attention_bias``. Pure-decode CPU steps run on ``cpu_decode_step`` as
+Llama's do, the q/k norms there by the same RMSNorm kernel as the module path's.
 """
 
 from __future__ import annotations

@@ -747,8 +747,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write the HF directory for ``gguf_path`` into (existing, empty) ``out_dir``.
 
     Raises:
-        ValueError: naming the file (and the tensor or metadata key): not a readable GGUF, not
-            llama, missing config or tokenizer metadata, or a tensor without a HF counterpart,
+        ValueError: naming the file (and the tensor or metadata key): not a readable GGUF, an
+            unsupported architecture, missing config or tokenizer metadata, or a tensor without a HF counterpart,
             of the wrong shape, or missing (all checked before anything is written).
     """
     from safetensors.torch import save_file
@@ -850,7 +850,7 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     ``out_dir``: what ``quantization="gguf"`` needs beside the GGUF file itself.
 
     Raises:
-        ValueError: naming the file: not a readable llama GGUF, missing config or tokenizer
+        ValueError: naming the file: not a readable GGUF of a supported architecture, missing config or tokenizer
             metadata, or tensors whose names or shapes do not fit it (``check_tensors``: a
             file the loader will refuse gets no cache entry either).
     """
@@ -869,7 +869,7 @@ def metadata_dir(gguf_path: Path) -> Path:
     """The cached directory of ``write_metadata`` for ``gguf_path`` (``<converted dir>-meta``).
 
     Raises:
-        ValueError: the file cannot be read as a llama GGUF (naming it).
+        ValueError: the file cannot be read as a GGUF of a supported architecture (naming it).
     """
     gguf_path = Path(gguf_path).resolve()
     final = cache_dir_for(gguf_path)

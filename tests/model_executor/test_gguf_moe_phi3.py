@@ -117,6 +117,21 @@ CASES = {
             norm_topk_prob=True,
         ),
     ),
+    # a dense layer between sparse ones: llama.cpp's qwen3moe has no dense tensors, so they are
+    # written under Llama's names (ffn_gate / ffn_up / ffn_down)
+    "qwen3moe-dense-layer": (
+        "qwen3moe",
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     "olmoe": (
         "olmoe",
         "OlmoeConfig",
@@ -251,12 +266,13 @@ def write_gguf(path, case: str, model, qtype=None, edit=None, expert_used_count=
     name_map = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers
     )
+    dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     with torch.no_grad():
         for hf_name, t in _checkpoint_tensors(arch, model):
             base, suffix = (
                 hf_name.rsplit(".", 1) if hf_name.endswith((".weight", ".bias")) else (hf_name, "weight")
             )
-            name = name_map.get_name(base)
+            name = name_map.get_name(base) or dense_map.get_name(base)
             assert name is not None, hf_name
             name = f"{name}.{suffix}"
             a = t.detach().float().numpy()
@@ -312,7 +328,13 @@ def transformers_on_gguf(path):
     ).eval()
 
 
-@pytest.mark.parametrize("case", list(CASES))
+#: The quick tier's cases (the others are slow-marked: together these stay within seconds).
+QUICK = ("phi3", "phi3-longrope-partial", "mixtral", "qwen2moe", "olmoe")
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_float_gguf_matches_transformers(tmp_path, case):
     """The file converted to float gives transformers' greedy tokens (log-probabilities within
     1e-4): transformers on the same GGUF where it reads it, else on the written checkpoint."""
@@ -324,21 +346,36 @@ def test_float_gguf_matches_transformers(tmp_path, case):
     check_against_hf(path, ref, prompts_of(2, [11, 37]), 8, {}, quantization="none")
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2moe", "phi3-longrope-partial"])
-def test_q8_0_gguf_keeps_experts_quantized_and_matches_transformers(tmp_path, case, monkeypatch):
-    """Q8_0 weights, the experts' 3-D stacks included, run in their blocks (one quantized
-    weight per expert and projection; routers float): greedy tokens equal transformers' on the
-    dequantized weights, log-probabilities within float32 rounding of the kernels."""
+@pytest.mark.parametrize(
+    "case, qtype",
+    [
+        ("mixtral", T.Q8_0),
+        ("phi3-longrope-partial", T.Q8_0),
+        pytest.param("qwen2moe", T.Q8_0, marks=pytest.mark.slow),
+        pytest.param("olmoe", T.Q4_0, marks=pytest.mark.slow),
+        pytest.param("qwen3moe", T.F16, marks=pytest.mark.slow),
+    ],
+)
+def test_quantized_gguf_keeps_experts_quantized_and_matches_transformers(tmp_path, case, qtype, monkeypatch):
+    """Q8_0 / Q4_0 weights, the experts' 3-D stacks included, run in their blocks (one quantized
+    weight per expert and projection; routers float); F16 ones are dequantized at load (the
+    experts run grouped, float): greedy tokens equal transformers' on the dequantized weights,
+    log-probabilities within float32 rounding of the kernels."""
     monkeypatch.setenv(quant.ACT_ENV, "float")
     hf = random_model(case)
     path = tmp_path / f"{case}.gguf"
-    write_gguf(path, case, hf, T.Q8_0)
+    write_gguf(path, case, hf, qtype)
     model = load_gguf_model(path, torch.float32, "cpu")
     if CASES[case][0] != "phi3":
-        moe = model.layers[0].mlp.experts
-        assert len(moe.w13_q) == len(moe.w2_q) == moe.num_experts
-        assert all(isinstance(x, quant.QuantWeight) and x.qtype == "q8_0" for x in moe.w13_q + moe.w2_q)
+        moe = next(layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts"))
         assert isinstance(moe.gate, torch.Tensor) and moe.gate.dtype == torch.float32
+        if qtype == T.F16:
+            assert moe.w13_q is None and moe.w2_q is None and moe.w13.dtype == torch.float32
+        else:
+            assert len(moe.w13_q) == len(moe.w2_q) == moe.num_experts
+            kind = qtype.name.lower()
+            assert all(isinstance(x, quant.QuantWeight) and x.qtype == kind for x in moe.w13_q + moe.w2_q)
+    del model
     check_against_hf(path, hf, prompts_of(2, [11, 37]), 8, {}, atol=1e-3, quantization="gguf")
 
 

@@ -24,7 +24,8 @@ dense layers as the Llama skeleton does and every expert (and the shared expert)
 intermediate columns, one all-reduce per ``MoeBlock``. LoRA adapters apply to the attention
 linears and to dense layers' and shared experts' MLP linears (``lora_mlp``); the LoRA reader
 refuses adapters on routed experts and routers. Not supported (a ValueError naming the family):
-quantized checkpoints. Pure-decode CPU steps run the module path (the fused native decode step
+quantized Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors); GGUF files keep their
+quantized experts (``gguf_loader``). Pure-decode CPU steps run the module path (the fused native decode step
 has no MoE kernel).
 """
 

@@ -79,6 +79,7 @@ CASES = {
             max_position_embeddings=128,
             original_max_position_embeddings=32,
             sliding_window=24,
+            tie_word_embeddings=True,  # Phi-4-mini's
             pad_token_id=0,
             rope_parameters=dict(
                 rope_type="longrope",

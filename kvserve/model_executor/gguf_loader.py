@@ -149,7 +149,7 @@ def _load_experts(path: Path, model, moe, stacks: list[tuple[str, Any]], logged:
         targets[2].copy_(torch.from_numpy(_float_array(path, down, logged)))
     if w13_q is None and w2_q is None:
         return  # both float: the grouped expert GEMMs
-    # one quantized stack: the other runs per expert in the same loop, as float weights
+    # a quantized stack: both run in the per-expert loop (a float one as per-expert float weights)
     moe.w13_q = w13_q if w13_q is not None else list(moe.w13.data.unbind(0))
     moe.w2_q = w2_q if w2_q is not None else list(moe.w2.data.unbind(0))
     del moe.w13, moe.w2

@@ -1,17 +1,18 @@
-"""Convert a GGUF file (``general.architecture`` llama, qwen2, qwen3, gemma2 or gemma3) into a
-Hugging Face directory, cached on disk.
+"""Convert a GGUF file (``general.architecture`` llama (Mixtral too), qwen2, qwen3, phi3,
+qwen2moe, qwen3moe, olmoe, gemma2 or gemma3) into a Hugging Face directory, cached on disk.
 
-Output (float32): ``config.json`` (a ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``,
+Output (float32): ``config.json`` (a ``LlamaConfig``, ``MixtralConfig``, ``Qwen2Config``,
+``Qwen3Config``, ``Phi3Config``, ``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``OlmoeConfig``,
 ``Gemma2Config`` or ``Gemma3TextConfig`` built from the GGUF metadata's ``<architecture>.*``
-keys),
-``model.safetensors`` (dequantized weights under HF names), tokenizer files (transformers'
-GGUF tokenizer loader + ``save_pretrained``, which keeps the chat template).
+keys; Phi-3 and the mixture-of-experts families: ``gguf_families``),
+``model.safetensors`` (dequantized weights under HF names, experts one tensor each), tokenizer
+files (transformers' GGUF tokenizer loader + ``save_pretrained``, which keeps the chat template).
 
 llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` inside each head from
 HF's "rotate half" RoPE layout (first half / second half of the head) to interleaved pairs.
 ``unpermute_qk`` applies the inverse so the weights match HF modelling code again (llama
-only: Qwen's and Gemma's rows are stored as HF has them, llama.cpp rotating them in the "neox"
-layout, which is HF's). Gemma's RMSNorm scales are stored as
+only, Mixtral included: Qwen's, Phi-3's, OLMoE's and Gemma's rows are stored as HF has them,
+llama.cpp rotating them in the "neox" layout, which is HF's). Gemma's RMSNorm scales are stored as
 ``1 + weight``; ``hf_float`` takes the 1 off again.
 
 The result is cached under ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``) in
@@ -45,6 +46,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvserve.envs import cache_root
+from kvserve.model_executor.gguf_families import (
+    EXPERT_STACKS,
+    IGNORED,
+    expert_layer_map,
+    has_experts,
+    hf_shape,
+    moe_config,
+    phi3_config,
+    phi3_layer_map,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -332,11 +343,18 @@ _QWEN_LAYER_MAP = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
-#: ``general.architecture`` values this converter reads -> their layer name map.
+_QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+#: ``general.architecture`` values this converter reads -> their layer name map (``llama``'s
+#: holds Mixtral's expert tensors too).
 ARCHITECTURES = {
-    "llama": _LAYER_MAP,
+    "llama": {**_LAYER_MAP, **expert_layer_map("block_sparse_moe", ("w1", "w3", "w2"), shared=False)},
     "qwen2": _QWEN_LAYER_MAP,
     "qwen3": _QWEN_LAYER_MAP,
+    "phi3": phi3_layer_map(_LAYER_MAP),
+    "qwen2moe": {**_QWEN_LAYER_MAP, **expert_layer_map("mlp", _QWEN_EXPERTS, shared=True)},
+    "qwen3moe": {**_QWEN_LAYER_MAP, **expert_layer_map("mlp", _QWEN_EXPERTS, shared=False)},
+    "olmoe": {**_QWEN_LAYER_MAP, **expert_layer_map("mlp", _QWEN_EXPERTS, shared=False)},
     "gemma2": _GEMMA_LAYER_MAP,
     "gemma3": _GEMMA_LAYER_MAP,
 }
@@ -352,14 +370,15 @@ LLAMA_SHAPED = {
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name for a GGUF tensor name of architecture ``arch``, or ``None`` for tensors HF does
-    not store (rope_freqs)."""
+    not store (``rope_freqs``, Phi-3's ``rope_factors_long`` / ``rope_factors_short``). An
+    expert stack (``ffn_*_exps``) is named ``<layer>.<prefix>.experts.<projection>.weight``."""
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
     layer_map = ARCHITECTURES[arch]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
-    if gguf_name == "rope_freqs.weight":
+    if gguf_name in IGNORED:
         return None
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {arch} counterpart")
 
@@ -491,8 +510,10 @@ def _gemma_config(reader, arch: str, has_output: bool, where: str):
 
 def build_config(reader, has_output: bool, where: str = "GGUF file"):
     """A transformers config from GGUF ``<architecture>.*`` / ``tokenizer.ggml.*`` metadata: a
-    ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (``LLAMA_SHAPED``), or a Gemma config
-    for ``gemma2`` / ``gemma3`` files (``_gemma_config``).
+    ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (``LLAMA_SHAPED``), a ``Phi3Config``
+    or a mixture-of-experts config (``gguf_families``: ``MixtralConfig`` for a ``llama`` file
+    with ``llama.expert_count``, ``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``OlmoeConfig``), or a
+    Gemma config for ``gemma2`` / ``gemma3`` files (``_gemma_config``).
 
     Args:
         where: names the file in errors (e.g. ``"GGUF file '/p/m.gguf'"``).
@@ -503,9 +524,42 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
     import transformers
 
     arch = check_architecture(reader, where)
-    if arch not in LLAMA_SHAPED:
+    if arch.startswith("gemma"):
         return _gemma_config(reader, arch, has_output, where)
-    config_class, hf_arch = LLAMA_SHAPED[arch]
+    common = _llama_shaped_kwargs(reader, arch, has_output, where)
+    if arch == "phi3":
+        cfg = phi3_config(reader, common, lambda k, d=None: _field(reader, k, d), where)
+    elif has_experts(reader, arch):
+        cfg = moe_config(
+            reader,
+            arch,
+            common,
+            lambda k, d=None: _field(reader, k, d),
+            lambda k: _required_int(reader, k, where),
+            where,
+        )
+    else:
+        config_class, hf_arch = LLAMA_SHAPED[arch]
+        try:
+            cfg = getattr(transformers, config_class)(**common)
+        except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
+            raise ValueError(f"{where}: its metadata describes no valid {arch} model: {e}") from None
+        cfg.architectures = [hf_arch]
+    # not a named config parameter: set as the attribute the constructor would make of the
+    # keyword (the saved config.json is the same)
+    cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    cfg.dtype = "float32"
+    return cfg
+
+
+def _llama_shaped_kwargs(reader, arch: str, has_output: bool, where: str) -> dict:
+    """The config keyword arguments every Llama-shaped architecture reads from its
+    ``<arch>.*`` keys (sizes, heads, rope, norm epsilon, tied head, token ids).
+
+    Raises:
+        ValueError: naming ``where`` and the key: a missing or non-positive size, a
+            ``head_count_kv`` that does not divide ``head_count``, an unsupported rope scaling.
+    """
     hidden = _required_int(reader, f"{arch}.embedding_length", where)
     n_head = _required_int(reader, f"{arch}.attention.head_count", where)
     vocab = _field(reader, f"{arch}.vocab_size")
@@ -539,36 +593,29 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
             f"{where}: metadata key '{arch}.attention.head_count_kv' must be a positive divisor of "
             f"'{arch}.attention.head_count' ({n_head}), got {n_kv!r}"
         )
-    try:
-        cfg = getattr(transformers, config_class)(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=ffn,
-            num_hidden_layers=blocks,
-            num_attention_heads=n_head,
-            num_key_value_heads=int(n_kv),
-            head_dim=int(head_dim),
-            max_position_embeddings=ctx,
-            rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_parameters=rope,
-            tie_word_embeddings=not has_output,
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-            **({"attention_bias": False} if arch != "qwen2" else {}),
-        )
-        # not a named config parameter: set as the attribute the constructor would make of the
-        # keyword (the saved config.json is the same)
-        cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
-    except Exception as e:  # transformers' own config validation (e.g. heads that do not divide)
-        raise ValueError(f"{where}: its metadata describes no valid {arch} model: {e}") from None
-    cfg.architectures = [hf_arch]
-    cfg.dtype = "float32"
-    return cfg
+    return dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=blocks,
+        num_attention_heads=n_head,
+        num_key_value_heads=int(n_kv),
+        head_dim=int(head_dim),
+        max_position_embeddings=ctx,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope,
+        tie_word_embeddings=not has_output,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        **({"attention_bias": False} if arch != "qwen2" else {}),
+    )
 
 
 def dequantize_tensors(reader, cfg) -> dict[str, torch.Tensor]:
-    """All tensors as float32 torch tensors under HF names, q/k rows in HF order."""
+    """All tensors as float32 torch tensors under HF names, q/k rows in HF order; an expert
+    stack ``[E, ...]`` becomes one tensor per expert (``<prefix>.experts.<e>.<projection>``, the
+    checkpoint names of the Hugging Face models)."""
     import torch
     from gguf.quants import dequantize
 
@@ -580,7 +627,7 @@ def dequantize_tensors(reader, cfg) -> dict[str, torch.Tensor]:
             continue
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(s) for s in reversed(list(t.shape)))  # ggml lists dims innermost first
-        arr = hf_float(arch, name, arr.reshape(shape))
+        arr = hf_float(arch, name, arr.reshape(hf_shape(name, shape)))
         if not permutes_qk(arch):
             pass
         elif name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -589,6 +636,11 @@ def dequantize_tensors(reader, cfg) -> dict[str, torch.Tensor]:
             arr = unpermute_qk(arr, cfg.num_key_value_heads)
         if not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr, dtype=np.float32, order="C")  # own the memory (GGUF data is a read-only mmap)
+        if t.name.split(".", 2)[-1] in EXPERT_STACKS:
+            head, tail = name.rsplit(".experts.", 1)
+            for e in range(arr.shape[0]):
+                out[f"{head}.experts.{e}.{tail}"] = torch.from_numpy(arr[e].copy())
+            continue
         out[name] = torch.from_numpy(arr)
     return out
 
@@ -611,13 +663,14 @@ def check_tensors(reader, cfg, where: str) -> None:
 
     arch = str(_field(reader, "general.architecture", "llama"))
     model = registry.model_class(cfg, where)(cfg, torch.float32, "meta")
+    check_expert_tensors(reader, cfg, where)
     loaded = set()
     for t in reader.tensors:
         try:
             name = hf_tensor_name(t.name, arch)
             if name is None:
                 continue
-            model.weight_target(name, tuple(int(s) for s in reversed(list(t.shape))))
+            model.weight_target(name, hf_shape(name, tuple(int(s) for s in reversed(list(t.shape)))))
         except ValueError as e:
             raise ValueError(f"{where}: tensor {t.name!r}: {e}") from None
         loaded.add(name)
@@ -625,6 +678,33 @@ def check_tensors(reader, cfg, where: str) -> None:
         model.check_all_loaded(loaded)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def check_expert_tensors(reader, cfg, where: str) -> None:
+    """Raises ValueError naming ``where`` and the first GGUF tensor a sparse layer of a
+    mixture-of-experts ``cfg`` lacks (router, the three expert stacks, Qwen2-MoE's shared
+    expert and its gate); nothing for other models."""
+    from kvserve.model_executor.models.moe import FAMILIES, is_sparse_layer
+
+    fam = FAMILIES.get(getattr(cfg, "model_type", ""))
+    if fam is None:
+        return
+    names = {t.name for t in reader.tensors}
+    arch = str(_field(reader, "general.architecture", "llama"))
+    wanted = [
+        k
+        for k in ARCHITECTURES[arch]
+        if k.startswith("ffn_") and ("_exps" in k or "_inp" in k or "shexp" in k)
+    ]
+    for i in range(cfg.num_hidden_layers):
+        if not is_sparse_layer(cfg, fam, i):
+            continue
+        for w in wanted:
+            if f"blk.{i}.{w}" not in names:
+                raise ValueError(
+                    f"{where}: tensor 'blk.{i}.{w}' is missing (layer {i} has routed experts: "
+                    f"{', '.join(wanted)})"
+                )
 
 
 def check_tokenizer_metadata(reader, where: str) -> None:
@@ -642,11 +722,20 @@ def check_tokenizer_metadata(reader, where: str) -> None:
         )
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+#: Architectures whose model config transformers' GGUF reader does not know.
+_NO_TRANSFORMERS_READER = ("olmoe",)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path, arch: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        if arch in _NO_TRANSFORMERS_READER:
+            # AutoTokenizer reads the model config first and refuses the architecture; the
+            # tokenizer itself is built from tokenizer.ggml.* alone
+            tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # transformers raises KeyError / ValueError / ... on odd metadata
         raise ValueError(
             f"{_where(gguf_path)}: its tokenizer metadata cannot be loaded: {type(e).__name__}: {e}"
@@ -658,8 +747,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write the HF directory for ``gguf_path`` into (existing, empty) ``out_dir``.
 
     Raises:
-        ValueError: naming the file (and the tensor or metadata key): not a readable GGUF, not
-            llama, missing config or tokenizer metadata, or a tensor without a HF counterpart,
+        ValueError: naming the file (and the tensor or metadata key): not a readable GGUF, an
+            unsupported architecture, missing config or tokenizer metadata, or a tensor without a HF counterpart,
             of the wrong shape, or missing (all checked before anything is written).
     """
     from safetensors.torch import save_file
@@ -667,7 +756,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     where = _where(gguf_path)
     reader = open_gguf(gguf_path)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    check_architecture(reader, where)
+    arch = check_architecture(reader, where)
     check_tokenizer_metadata(reader, where)
     cfg = build_config(reader, has_output, where)
     check_tensors(reader, cfg, where)
@@ -675,7 +764,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     cfg.save_pretrained(str(out_dir))
-    _save_tokenizer(gguf_path, out_dir)
+    _save_tokenizer(gguf_path, out_dir, arch)
 
 
 def _clean_stale_tmp(root: Path) -> None:
@@ -761,26 +850,26 @@ def write_metadata(gguf_path: Path, out_dir: Path) -> None:
     ``out_dir``: what ``quantization="gguf"`` needs beside the GGUF file itself.
 
     Raises:
-        ValueError: naming the file: not a readable llama GGUF, missing config or tokenizer
+        ValueError: naming the file: not a readable GGUF of a supported architecture, missing config or tokenizer
             metadata, or tensors whose names or shapes do not fit it (``check_tensors``: a
             file the loader will refuse gets no cache entry either).
     """
     where = _where(gguf_path)
     reader = open_gguf(gguf_path)
-    check_architecture(reader, where)
+    arch = check_architecture(reader, where)
     check_tokenizer_metadata(reader, where)
     cfg = build_config(reader, any(t.name == "output.weight" for t in reader.tensors), where)
     check_tensors(reader, cfg, where)
     del reader
     cfg.save_pretrained(str(out_dir))
-    _save_tokenizer(gguf_path, out_dir)
+    _save_tokenizer(gguf_path, out_dir, arch)
 
 
 def metadata_dir(gguf_path: Path) -> Path:
     """The cached directory of ``write_metadata`` for ``gguf_path`` (``<converted dir>-meta``).
 
     Raises:
-        ValueError: the file cannot be read as a llama GGUF (naming it).
+        ValueError: the file cannot be read as a GGUF of a supported architecture (naming it).
     """
     gguf_path = Path(gguf_path).resolve()
     final = cache_dir_for(gguf_path)

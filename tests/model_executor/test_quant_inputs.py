@@ -291,7 +291,8 @@ def test_gguf_of_another_architecture_names_the_file(tmp_path):
     w.close()
     for msg in _both_paths(tmp_path / "phi.gguf"):
         assert re.search(
-            r"phi\.gguf': general.architecture 'phi2' is not supported \(supported: llama, qwen2, qwen3, gemma2, gemma3\)",
+            r"phi\.gguf': general.architecture 'phi2' is not supported \(supported: llama, qwen2, qwen3, phi3, "
+            r"qwen2moe, qwen3moe, olmoe, gemma2, gemma3\)",
             msg,
         ), msg
 

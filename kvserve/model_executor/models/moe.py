@@ -13,8 +13,10 @@ RMSNorm) with its MLP replaced, in the sparse layers, by a routed ``FusedMoE``
 
 Checkpoint names: experts one by one (Mixtral ``block_sparse_moe.experts.N.w1/w3/w2`` = gate /
 up / down, router ``block_sparse_moe.gate``; the others ``mlp.experts.N.gate_proj/up_proj/down_proj``,
-router ``mlp.gate``) or already stacked (``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` and
-``<prefix>.experts.down_proj`` ``[E, H, I]``, transformers' in-memory layout).
+router ``mlp.gate``), already stacked (``<prefix>.experts.gate_up_proj`` ``[E, 2I, H]`` and
+``<prefix>.experts.down_proj`` ``[E, H, I]``, transformers' in-memory layout), or stacked one
+projection each (``<prefix>.experts.<gate|up|down name>.weight``: ``[E, I, H]``, ``[E, I, H]``,
+``[E, H, I]``, a GGUF file's ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``).
 
 int8 / int4 at load quantize the experts one weight each (``FusedMoE.quantize_stack``) besides
 the attention and dense linears; routers stay float. Tensor parallelism splits attention and
@@ -22,7 +24,8 @@ dense layers as the Llama skeleton does and every expert (and the shared expert)
 intermediate columns, one all-reduce per ``MoeBlock``. LoRA adapters apply to the attention
 linears and to dense layers' and shared experts' MLP linears (``lora_mlp``); the LoRA reader
 refuses adapters on routed experts and routers. Not supported (a ValueError naming the family):
-quantized checkpoints. Pure-decode CPU steps run the module path (the fused native decode step
+quantized Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors); GGUF files keep their
+quantized experts (``gguf_loader``). Pure-decode CPU steps run the module path (the fused native decode step
 has no MoE kernel).
 """
 
@@ -433,6 +436,15 @@ class MoeForCausalLM(LlamaForCausalLM):
                 return shared.down_weight.data
             return None
         bits = sub.split(".")
+        if len(bits) == 3 and bits[0] == "experts" and bits[2] == "weight":  # one projection, stacked
+            gate, up, down = fam.expert_names
+            if bits[1] == gate:
+                return moe.w13.data[:, : moe.inter]
+            if bits[1] == up:
+                return moe.w13.data[:, moe.inter :]
+            if bits[1] == down:
+                return moe.w2.data
+            return None
         if len(bits) == 4 and bits[0] == "experts" and bits[3] == "weight":
             try:
                 e = int(bits[1])
@@ -481,6 +493,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             return cut(t, 2)
         bits = sub.split(".")
         g, u, d = self.family.expert_names
+        if len(bits) == 3 and bits[0] == "experts":  # one projection stacked: [E, I, H] / [E, H, I]
+            return cut(t, 1) if bits[1] in (g, u) else cut(t, 2) if bits[1] == d else t
         which = bits[-2] if len(bits) >= 2 else ""
         if bits[0] == "shared_expert":
             which = {"gate_proj": g, "up_proj": u, "down_proj": d}.get(which, "")
@@ -504,7 +518,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def check_all_loaded(self, loaded) -> None:
         """Raises ValueError naming the expected weights absent from ``loaded``; a stacked
-        expert tensor stands for its experts' one-by-one names."""
+        expert tensor (both projections or one) stands for its experts' one-by-one names."""
         loaded = set(loaded)
         fam = self.family
         gate, up, down = fam.expert_names
@@ -517,6 +531,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                 loaded.update(f"{p}{e}.{w}.weight" for e in range(n) for w in (gate, up))
             if {p + "down_proj", p + "down_proj.weight"} & loaded:
                 loaded.update(f"{p}{e}.{down}.weight" for e in range(n))
+            for w in (gate, up, down):
+                if f"{p}{w}.weight" in loaded:
+                    loaded.update(f"{p}{e}.{w}.weight" for e in range(n))
         super().check_all_loaded(loaded)
 
     def _expected_names(self) -> list[str]:

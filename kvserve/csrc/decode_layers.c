@@ -30,6 +30,10 @@
  * arguments: bit-identical to it, without its ~120 Python add_lora calls (and 270 ctypes calls)
  * per step.
  *
+ * int8 KV caches (dl_model.kv_quant): the rope pointer is ops.c's rope_write_kv_q8 (k and v
+ * quantized into their slots) and the attend pointer decode_attention.c's q8 kernel, as in the
+ * per-layer path.
+ *
  * Not covered (the per-layer path runs): tensor-parallel all-reduces between the GEMMs (Python
  * operations).
  */
@@ -107,6 +111,9 @@ typedef struct {
     int64_t lora_nseg;        /* 0: no LoRA rows in this step */
     double lora_seconds;      /* wall seconds in the LoRA kernel calls, accumulated over steps
                                  (benchmarks read the per-step LoRA cost from it) */
+    int64_t kv_quant;         /* 0: caches of the storage dtype; 1: int8 caches ([2, KH, nb, bs,
+                                 D + 2] bytes: codes + float16 scale), rope and attend then being
+                                 rope_write_kv_q8 and kv_paged_decode_attention_q8 (kind 0) */
 } dl_model;
 
 #define KV_DTYPE_TEMPLATE "decode_layers_dtype.h"

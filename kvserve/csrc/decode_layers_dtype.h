@@ -9,6 +9,11 @@ typedef void (*CAT(dl_silu_, SFX))(const ELEM*, ELEM*, int64_t, int64_t, int);
 typedef void (*CAT(dl_attend_, SFX))(const ELEM*, int64_t, const ELEM*, const int64_t*, int64_t,
                                      const int64_t*, const int64_t*, ELEM*, int64_t, int64_t, int64_t,
                                      int64_t, int64_t, int64_t, float, int);
+typedef void (*CAT(dl_rope_q8_, SFX))(const ELEM*, const ELEM*, const ELEM*, ELEM*, int8_t*, const int64_t*,
+                                      int64_t, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*CAT(dl_attend_q8_, SFX))(const ELEM*, int64_t, const int8_t*, const int64_t*, int64_t,
+                                       const int64_t*, const int64_t*, ELEM*, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t, float, int, int);
 typedef void (*CAT(dl_tile_, SFX))(const ELEM*, const uint8_t*, const ELEM*, ELEM*, int64_t, int64_t, int64_t,
                                    int);
 typedef int (*CAT(dl_status_, SFX))(const ELEM*, const uint8_t*, const ELEM*, ELEM*, int64_t, int64_t,
@@ -87,6 +92,7 @@ int CAT(decode_layers_, SFX)(dl_model* m, int64_t T, const ELEM* cos, const ELEM
                              ELEM* residual, ELEM* out, int nthreads) {
     if (!m || T < 1 || T > m->max_rows || m->num_layers < 1 || m->KH < 1 || m->H % m->KH) return DL_EINVAL;
     if (m->lora_nseg && (m->lora_nseg < 0 || !m->lora || !m->lora_rows || !m->lora_segs)) return DL_EINVAL;
+    if (m->kv_quant < 0 || m->kv_quant > 1) return DL_EINVAL;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const dl_layer* l = m->layers + i;
         const dl_gemm* gs[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
@@ -113,10 +119,19 @@ int CAT(decode_layers_, SFX)(dl_model* m, int64_t T, const ELEM* cos, const ELEM
         else rms(mlp_out, residual, (const ELEM*)l->in_norm, h, T, hidden, l->in_eps, nthreads);
         if ((rc = CAT(dl_gemm_, SFX)(&l->qkv, h, qkv, m->xf, T, nthreads))) return rc;
         if ((rc = CAT(dl_lora_, SFX)(m, &l->lora_qkv, &l->qkv, h, qkv, nthreads))) return rc;
-        rope(qkv, cos, sin, qk, cache, slots, T, H, KH, D, l->nb * l->bs, nthreads);
         /* q heads straight from qk's rows ((H + KH) * D apart); k/v are already in the cache */
-        attend(qk, (H + KH) * D, cache, table, nbmax, kstart, kend, attn_out, T, KH, G, D, l->nb, l->bs,
-               l->scale, nthreads);
+        if (m->kv_quant) {
+            ((CAT(dl_rope_q8_, SFX))m->rope)(qkv, cos, sin, qk, (int8_t*)l->cache, slots, T, H, KH, D,
+                                             l->nb * l->bs, nthreads);
+            if (((CAT(dl_attend_q8_, SFX))m->attend)(qk, (H + KH) * D, (const int8_t*)l->cache, table, nbmax,
+                                                     kstart, kend, attn_out, T, KH, G, D, l->nb, l->bs,
+                                                     l->scale, 0, nthreads))
+                return DL_ENOMEM;
+        } else {
+            rope(qkv, cos, sin, qk, cache, slots, T, H, KH, D, l->nb * l->bs, nthreads);
+            attend(qk, (H + KH) * D, cache, table, nbmax, kstart, kend, attn_out, T, KH, G, D, l->nb, l->bs,
+                   l->scale, nthreads);
+        }
         if ((rc = CAT(dl_gemm_, SFX)(&l->o, attn_out, o, m->xf, T, nthreads))) return rc;
         if ((rc = CAT(dl_lora_, SFX)(m, &l->lora_o, &l->o, attn_out, o, nthreads))) return rc;
         rms(o, residual, (const ELEM*)l->post_norm, h, T, hidden, l->post_eps, nthreads);

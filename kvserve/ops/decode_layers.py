@@ -75,7 +75,9 @@ class DLModel(ctypes.Structure):
     (``max_rows`` rows each; ``xf`` float32, bfloat16 models only); the LoRA kernel
     (``lora``, its slots' dtype ``lora_wbf16``) and the step's LoRA rows and segments
     (``lora_nseg`` 0: none), set before each call; ``lora_seconds``: wall seconds the C side
-    spent in the LoRA kernel, accumulated over calls."""
+    spent in the LoRA kernel, accumulated over calls; ``kv_quant``: 1 for int8 KV caches (then
+    ``rope`` and ``attend`` are the int8 cache's kernels: ``rope_write_kv_q8``,
+    ``kv_paged_decode_attention_q8``), 0 for caches of the model dtype."""
 
     _fields_ = [
         ("rms", _p),
@@ -107,6 +109,7 @@ class DLModel(ctypes.Structure):
         ("lora_segs", _p),
         ("lora_nseg", _i64),
         ("lora_seconds", ctypes.c_double),
+        ("kv_quant", _i64),
     ]
 
 

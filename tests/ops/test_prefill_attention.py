@@ -174,7 +174,7 @@ def test_rejects_bad_arguments():
     good = _args()
     npa.paged_prefill_attention(**good)
     cases = [
-        (dict(q=good["q"].bfloat16()), "float32 or bfloat16 of one dtype"),
+        (dict(q=good["q"].bfloat16()), "kv_cache of q's dtype"),
         (dict(q=good["q"].half(), kv_cache=good["kv_cache"].half()), "float32 or bfloat16"),
         (dict(q=good["q"][..., :16], kv_cache=good["kv_cache"][..., :16].contiguous()), "q must be"),
         (dict(q=good["q"].reshape(11, 64)), "q must be \\[T, H, D\\]"),

@@ -19,82 +19,7 @@
 /* Shared by both dtype instantiations (the template is included once per ELEM). */
 #ifndef DA_Q8_COMMON
 #define DA_Q8_COMMON
-typedef int8_t v16c __attribute__((vector_size(16), aligned(1)));
-typedef uint8_t v16uc __attribute__((vector_size(16), aligned(1)));
-
-/* float16 bits to float32 (normal, subnormal, zero; the scales are never inf or NaN): one
-   VCVTPH2PS with F16C, else the bit fields moved. */
-static inline float q8_half(const int8_t* p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    float f;
-    if (e == 0) {
-        f = (float)m * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    const uint32_t u = sign | ((e + 112u) << 23) | (m << 13);
-    memcpy(&f, &u, 4);
-    return f;
-#endif
-}
-
-/* 16 codes of `kind` as float32. float8: the code's exponent and mantissa bits placed at the
-   top of a float32's exponent and mantissa fields give 2^(e - 127) (1 + m / 2^k) (or the
-   subnormal m 2^-126 / 2^k for e = 0); one multiply by 2^(127 - bias) rebias it, and the sign
-   bit is put back. */
-/* 16 bytes widened to 32-bit lanes, sign- (int8) or zero-extended (float8): one VPMOVSXBD /
-   VPMOVZXBD (two on AVX2); the generic conversions below are left to GCC elsewhere. */
-static inline v16i q8_widen(const int8_t* p, int sign) {
-#if defined(__AVX512F__)
-    const __m128i x = _mm_loadu_si128((const __m128i*)p);
-    return (v16i)(sign ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
-#elif defined(__AVX2__)
-    const __m128i x = _mm_loadu_si128((const __m128i*)p);
-    const __m128i hi = _mm_unpackhi_epi64(x, x);
-    __m256i a[2] = {sign ? _mm256_cvtepi8_epi32(x) : _mm256_cvtepu8_epi32(x),
-                    sign ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi)};
-    v16i r;
-    memcpy(&r, a, sizeof r);
-    return r;
-#else
-    return sign ? __builtin_convertvector(*(const v16c*)p, v16i)
-                : __builtin_convertvector(*(const v16uc*)p, v16i);
-#endif
-}
-
-static inline __attribute__((always_inline)) v16 q8_ld16(const int8_t* p, int kind) {
-    if (kind == 0) return __builtin_convertvector(q8_widen(p, 1), v16);
-    const v16i u = q8_widen(p, 0);
-    const v16i sign = (u & 0x80) << 24;
-    v16 mag;
-    if (kind == 1) mag = (v16)((u & 0x7F) << 20) * 0x1p120f;
-    else mag = (v16)((u & 0x7F) << 21) * 0x1p112f;
-    return (v16)((v16i)mag | sign);
-}
-
-static inline float q8_ld1(const int8_t* p, int kind) {
-    if (kind == 0) return (float)*p;
-    const uint32_t u = (uint8_t)*p, sign = (u & 0x80u) << 24;
-    uint32_t bits;
-    float f;
-    if (kind == 1) {
-        bits = (u & 0x7Fu) << 20;
-        memcpy(&f, &bits, 4);
-        f *= 0x1p120f;
-    } else {
-        bits = (u & 0x7Fu) << 21;
-        memcpy(&f, &bits, 4);
-        f *= 0x1p112f;
-    }
-    memcpy(&bits, &f, 4);
-    bits |= sign;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#include "kv_q8.h"
 
 /* Software prefetch Q8_AHEAD keys ahead of the row being read: a work item's blocks are
    scattered, so the hardware prefetcher stops at each block's end; the distance is in keys, not
@@ -106,9 +31,9 @@ static inline float q8_ld1(const int8_t* p, int kind) {
 /* __builtin_prefetch locality 1 (PREFETCHT2, into L2): beat L1 prefetches when other processes
    load the machine (docs/benchmarks.md, KV cache dtypes). */
 #define Q8_LOC 1
-static inline
-    __attribute__((always_inline)) void q8_prefetch_next(const int8_t* base, const int64_t* tb, int64_t BS,
-                                                         int64_t W, int64_t nbi, int64_t* pb, int64_t* po) {
+static inline __attribute__((always_inline)) void q8_prefetch_next(const int8_t* base, const int64_t* tb,
+                                                                   int64_t BS, int64_t W, int64_t nbi,
+                                                                   int64_t* pb, int64_t* po) {
     if (*pb < nbi) {
         const int8_t* r = base + (tb[*pb] * BS + *po) * W;
         for (int64_t o = 0; o < W; o += 64) __builtin_prefetch(r + o, 0, Q8_LOC);

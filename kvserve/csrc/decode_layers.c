@@ -37,6 +37,10 @@
  * arguments: bit-identical to it, without its ~120 Python add_lora calls (and 270 ctypes calls)
  * per step.
  *
+ * int8 KV caches (dl_model.kv_quant): the rope pointer is ops.c's rope_write_kv_q8 (k and v
+ * quantized into their slots) and the attend pointer decode_attention.c's q8 kernel, as in the
+ * per-layer path.
+ *
  * Not covered (the per-layer path runs): tensor-parallel all-reduces between the GEMMs (Python
  * operations); Gemma layers then take the module path. Attention logit soft-capping (Gemma 2):
  * the decode attention kernel has none, so such models never build native decode inputs.
@@ -144,6 +148,10 @@ typedef struct {
     dl_keys keys[DL_MAX_KEYS];
     int64_t nkeys;
     const void *cos_local, *sin_local; /* [T, D / 2] the local rotary table, set before each call */
+    /* 0: caches of the storage dtype; 1: int8 caches ([2, KH, nb, bs, D + 2] bytes: codes +
+       float16 scale), rope and attend then being rope_write_kv_q8 and kv_paged_decode_attention_q8
+       (kind 0) */
+    int64_t kv_quant;
 } dl_model;
 
 #define KV_DTYPE_TEMPLATE "decode_layers_dtype.h"

@@ -11,6 +11,11 @@ typedef void (*CAT(dl_silu_, SFX))(const ELEM*, ELEM*, int64_t, int64_t, int);
 typedef void (*CAT(dl_attend_, SFX))(const ELEM*, int64_t, const ELEM*, const int64_t*, int64_t,
                                      const int64_t*, const int64_t*, ELEM*, int64_t, int64_t, int64_t,
                                      int64_t, int64_t, int64_t, float, int);
+typedef void (*CAT(dl_rope_q8_, SFX))(const ELEM*, const ELEM*, const ELEM*, ELEM*, int8_t*, const int64_t*,
+                                      int64_t, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*CAT(dl_attend_q8_, SFX))(const ELEM*, int64_t, const int8_t*, const int64_t*, int64_t,
+                                       const int64_t*, const int64_t*, ELEM*, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t, float, int, int);
 typedef void (*CAT(dl_tile_, SFX))(const ELEM*, const uint8_t*, const ELEM*, ELEM*, int64_t, int64_t, int64_t,
                                    int);
 typedef int (*CAT(dl_status_, SFX))(const ELEM*, const uint8_t*, const ELEM*, ELEM*, int64_t, int64_t,
@@ -95,23 +100,45 @@ static void CAT(dl_qk_norm_, SFX)(const dl_model* m, const dl_layer* l, ELEM* qk
     }
 }
 
+/* Rotary + cache write of the layer's new k / v rows, then decode attention of its q heads
+   (straight from m->qk's rows, (H + KH) D apart; k / v are then in the cache) over the key ranges
+   k, into m->attn_out. int8 caches (m->kv_quant) take the q8 kernels: codes and float16 scale
+   written together, integer dot products where the CPU has VNNI. DL_ENOMEM when the q8 kernel
+   had no memory for its scratch. */
+static int CAT(dl_rope_attend_, SFX)(const dl_model* m, const dl_layer* l, ELEM* qkv, const ELEM* cos,
+                                     const ELEM* sin, const int64_t* slots, const dl_keys* k, int64_t T,
+                                     int nt) {
+    const int64_t H = m->H, KH = m->KH, D = m->D, G = H / KH, nslots = l->nb * l->bs;
+    ELEM *qk = (ELEM*)m->qk, *attn_out = (ELEM*)m->attn_out;
+    if (m->kv_quant) {
+        int8_t* cache = (int8_t*)l->cache;
+        ((CAT(dl_rope_q8_, SFX))m->rope)(qkv, cos, sin, qk, cache, slots, T, H, KH, D, nslots, nt);
+        return ((CAT(dl_attend_q8_, SFX))m->attend)(qk, (H + KH) * D, cache, k->table, k->nbmax, k->kstart,
+                                                    k->kend, attn_out, T, KH, G, D, l->nb, l->bs, l->scale, 0,
+                                                    nt)
+            ? DL_ENOMEM
+            : DL_OK;
+    }
+    ELEM* cache = (ELEM*)l->cache;
+    ((CAT(dl_rope_, SFX))m->rope)(qkv, cos, sin, qk, cache, slots, T, H, KH, D, nslots, nt);
+    ((CAT(dl_attend_, SFX))m->attend)(qk, (H + KH) * D, cache, k->table, k->nbmax, k->kstart, k->kend,
+                                      attn_out, T, KH, G, D, l->nb, l->bs, l->scale, nt);
+    return DL_OK;
+}
+
 /* Gemma's layers (m->gemma; decode_layers.c): residual [T, hidden] updated in place, out the
    final norm of it. Arguments as decode_layers_ (the key ranges of layer l: m->keys[l->keys]
    with nkeys > 0, else the arguments'); results DL_OK or a GEMM's / LoRA kernel's DL_ENOMEM. */
 static int CAT(dl_gemma_, SFX)(dl_model* m, int64_t T, const ELEM* cos, const ELEM* sin, const int64_t* slots,
                                const dl_keys* args, ELEM* residual, ELEM* out, int nt) {
     const CAT(dl_offrms_, SFX) off = (CAT(dl_offrms_, SFX))m->offset_rms;
-    const CAT(dl_rope_, SFX) rope = (CAT(dl_rope_, SFX))m->rope;
     const CAT(dl_silu_, SFX) gelu = (CAT(dl_silu_, SFX))m->gelu;
-    const CAT(dl_attend_, SFX) attend = (CAT(dl_attend_, SFX))m->attend;
-    const int64_t hidden = m->hidden, H = m->H, KH = m->KH, D = m->D, G = H / KH;
+    const int64_t hidden = m->hidden;
     ELEM *h = (ELEM*)m->h, *o = (ELEM*)m->o, *mlp_out = (ELEM*)m->mlp_out, *qkv = (ELEM*)m->qkv;
-    ELEM *qk = (ELEM*)m->qk, *attn_out = (ELEM*)m->attn_out, *gate_up = (ELEM*)m->gate_up,
-         *act = (ELEM*)m->act;
+    ELEM *attn_out = (ELEM*)m->attn_out, *gate_up = (ELEM*)m->gate_up, *act = (ELEM*)m->act;
     int rc;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const dl_layer* l = m->layers + i;
-        ELEM* cache = (ELEM*)l->cache;
         const dl_keys* k = m->nkeys ? m->keys + l->keys : args;
         const ELEM* c = l->local_rope ? (const ELEM*)m->cos_local : cos;
         const ELEM* s = l->local_rope ? (const ELEM*)m->sin_local : sin;
@@ -119,9 +146,7 @@ static int CAT(dl_gemma_, SFX)(dl_model* m, int64_t T, const ELEM* cos, const EL
         if ((rc = CAT(dl_gemm_, SFX)(&l->qkv, h, qkv, m->xf, T, nt))) return rc;
         if ((rc = CAT(dl_lora_, SFX)(m, &l->lora_qkv, &l->qkv, h, qkv, nt))) return rc;
         CAT(dl_qk_norm_, SFX)(m, l, qkv, T, nt);
-        rope(qkv, c, s, qk, cache, slots, T, H, KH, D, l->nb * l->bs, nt);
-        attend(qk, (H + KH) * D, cache, k->table, k->nbmax, k->kstart, k->kend, attn_out, T, KH, G, D, l->nb,
-               l->bs, l->scale, nt);
+        if ((rc = CAT(dl_rope_attend_, SFX)(m, l, qkv, c, s, slots, k, T, nt))) return rc;
         if ((rc = CAT(dl_gemm_, SFX)(&l->o, attn_out, o, m->xf, T, nt))) return rc;
         if ((rc = CAT(dl_lora_, SFX)(m, &l->lora_o, &l->o, attn_out, o, nt))) return rc;
         /* residual += post_norm(o), in place: each element of add is read before it is written */
@@ -156,6 +181,7 @@ int CAT(decode_layers_, SFX)(dl_model* m, int64_t T, const ELEM* cos, const ELEM
                              ELEM* residual, ELEM* out, int nthreads) {
     if (!m || T < 1 || T > m->max_rows || m->num_layers < 1 || m->KH < 1 || m->H % m->KH) return DL_EINVAL;
     if (m->lora_nseg && (m->lora_nseg < 0 || !m->lora || !m->lora_rows || !m->lora_segs)) return DL_EINVAL;
+    if (m->kv_quant < 0 || m->kv_quant > 1) return DL_EINVAL;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const dl_layer* l = m->layers + i;
         const dl_gemm* gs[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
@@ -175,28 +201,21 @@ int CAT(decode_layers_, SFX)(dl_model* m, int64_t T, const ELEM* cos, const ELEM
     const dl_keys args = {table, nbmax, kstart, kend};
     if (m->gemma) return CAT(dl_gemma_, SFX)(m, T, cos, sin, slots, &args, residual, out, nthreads);
     const CAT(dl_rms_, SFX) rms = (CAT(dl_rms_, SFX))m->rms;
-    const CAT(dl_rope_, SFX) rope = (CAT(dl_rope_, SFX))m->rope;
     const CAT(dl_silu_, SFX) silu = (CAT(dl_silu_, SFX))m->silu;
-    const CAT(dl_attend_, SFX) attend = (CAT(dl_attend_, SFX))m->attend;
-    const int64_t hidden = m->hidden, H = m->H, KH = m->KH, D = m->D, G = H / KH;
+    const int64_t hidden = m->hidden;
     ELEM *h = (ELEM*)m->h, *o = (ELEM*)m->o, *mlp_out = (ELEM*)m->mlp_out, *qkv = (ELEM*)m->qkv;
-    ELEM *qk = (ELEM*)m->qk, *attn_out = (ELEM*)m->attn_out, *gate_up = (ELEM*)m->gate_up,
-         *act = (ELEM*)m->act;
+    ELEM *attn_out = (ELEM*)m->attn_out, *gate_up = (ELEM*)m->gate_up, *act = (ELEM*)m->act;
     int rc;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const dl_layer* l = m->layers + i;
-        ELEM* cache = (ELEM*)l->cache;
         /* layer 0 norms the embedded tokens; later ones first add the previous MLP output */
         if (i == 0) rms(residual, NULL, (const ELEM*)l->in_norm, h, T, hidden, l->in_eps, nthreads);
         else rms(mlp_out, residual, (const ELEM*)l->in_norm, h, T, hidden, l->in_eps, nthreads);
         if ((rc = CAT(dl_gemm_, SFX)(&l->qkv, h, qkv, m->xf, T, nthreads))) return rc;
         if ((rc = CAT(dl_lora_, SFX)(m, &l->lora_qkv, &l->qkv, h, qkv, nthreads))) return rc;
         CAT(dl_qk_norm_, SFX)(m, l, qkv, T, nthreads);
-        rope(qkv, cos, sin, qk, cache, slots, T, H, KH, D, l->nb * l->bs, nthreads);
-        /* q heads straight from qk's rows ((H + KH) * D apart); k/v are already in the cache */
         const dl_keys* k = m->nkeys ? m->keys + l->keys : &args;
-        attend(qk, (H + KH) * D, cache, k->table, k->nbmax, k->kstart, k->kend, attn_out, T, KH, G, D, l->nb,
-               l->bs, l->scale, nthreads);
+        if ((rc = CAT(dl_rope_attend_, SFX)(m, l, qkv, cos, sin, slots, k, T, nthreads))) return rc;
         if ((rc = CAT(dl_gemm_, SFX)(&l->o, attn_out, o, m->xf, T, nthreads))) return rc;
         if ((rc = CAT(dl_lora_, SFX)(m, &l->lora_o, &l->o, attn_out, o, nthreads))) return rc;
         rms(o, residual, (const ELEM*)l->post_norm, h, T, hidden, l->post_eps, nthreads);

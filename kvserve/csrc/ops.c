@@ -15,7 +15,8 @@
  * - gelu_tanh_and_mul: gelu_tanh(gate) * up, the same for GeGLU (Gemma's MLP).
  * - rope_write_kv: rotary embedding of q and k from the fused qkv projection, with the
  *   rotated k and the v written straight into their KV-cache slots (replaces four elementwise ops,
- *   a stack, a transpose and an index_copy_ per layer).
+ *   a stack, a transpose and an index_copy_ per layer); rope_write_kv_q8 writes an int8 cache
+ *   (codes + float16 scale per row, bit-identical to kv_quant.quantize's rows).
  * - greedy_sample: per row, the first index of the maximum (torch.argmax) and its
  *   log-probability -log(sum(exp(x - max))), in two passes over a row that stays in cache.
  * - prompt_logprob_stats: per row, what prompt logprobs report -- log(sum(exp(x))), the rank
@@ -26,6 +27,7 @@
  * All take contiguous CPU tensors, float32 or bfloat16 (greedy_sample: float32 logits).
  * supported(t) says whether a tensor can take the native path; callers fall back to torch.
  */
+#include "kv_q8.h"
 #include "kv_vec.h"
 
 static inline v16 vmin(v16 a, v16 b) {

@@ -172,3 +172,26 @@ void CAT(rope_write_kv_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sin
                        sizeof(ELEM) * D);
     }
 }
+
+/* rope_write_kv for an int8 KV cache (cache: int8 bytes [2, KH, NBBS, D + 2], rows of codes and
+   a float16 scale, kv_q8.h): the rotary pass above without a cache, then each token's rotated k
+   (as stored in qk_out, rounded to ELEM) and v quantized into its slots by q8_quantize_row_i8,
+   the rows kv_quant.quantize makes from the same values. D <= 256. */
+void CAT(rope_write_kv_q8_, SFX)(const ELEM* qkv, const ELEM* cosb, const ELEM* sinb, ELEM* qk_out,
+                                 int8_t* cache, const int64_t* slots, int64_t T, int64_t H, int64_t KH,
+                                 int64_t D, int64_t NBBS, int nthreads) {
+    CAT(rope_write_kv_, SFX)(qkv, cosb, sinb, qk_out, NULL, slots, T, H, KH, D, NBBS, nthreads);
+    if (!cache) return;
+    const int64_t row = (H + 2 * KH) * D, W = D + 2;
+#pragma omp parallel for schedule(static) num_threads(T >= 64 ? nthreads : 1)
+    for (int64_t t = 0; t < T; ++t) {
+        float x[256];
+        for (int64_t s = 0; s < 2; ++s)
+            for (int64_t h = 0; h < KH; ++h) {
+                const ELEM* src =
+                    s == 0 ? qk_out + (t * (H + KH) + H + h) * D : qkv + t * row + (H + KH + h) * D;
+                for (int64_t i = 0; i < D; ++i) x[i] = CAT(ld1_, SFX)(src + i);
+                q8_quantize_row_i8(x, D, cache + ((s * KH + h) * NBBS + slots[t]) * W);
+            }
+    }
+}

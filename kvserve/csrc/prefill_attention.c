@@ -48,6 +48,12 @@
  *   at a time) instead of copied and transposed by every tile that reads them. Both pay most
  *   on long chunks and on chunks after cached context; short fresh chunks see no change.
  *
+ * Quantized caches (kv_paged_prefill_attention_q8_*: int8 / float8 codes and a float16 scale
+ * per row, kv_q8.h) take the AVX-512 path: each key step's rows are widened to code * scale in
+ * float32 (exact: an 8-bit code times an 11-bit scale) where the unquantized path widens its
+ * bfloat16 rows; the rest is the same. The chunk's own K/V are read back from the cache as
+ * stored, as a later chunk or a prefix hit reads them (docs/kv_cache.md, Chunking).
+ *
  * Outputs are rounded to nearest even on the bfloat16 store. Its speed against the torch path
  * is in docs/benchmarks.md (CPU kernels, benchmarks/attention_prefill_micro.py).
  *
@@ -71,6 +77,7 @@
  * starts, table width, block ids in range) before touching memory; the wrapper raises
  * ValueError for a violation.
  */
+#include "kv_q8.h"
 #include "kv_vec.h"
 #include "transpose16.h"
 
@@ -100,6 +107,9 @@ typedef struct {
     const int64_t* gbase;
     const int64_t* glen;
     const int64_t* goff;
+    /* -1: the cache holds ELEM rows; else a quantized cache (kv_q8.h: rows of D codes of this
+       kind and a float16 scale, D + 2 bytes), widened to float32 as each key step is read */
+    int qkind;
 } pf_args;
 
 /* One work item: 16-row tile t of chunk c for KV head h; gcost = key steps of all tiles of

@@ -11,6 +11,9 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
     const ELEM* kbase = (const ELEM*)A->cache + geo.hoff;
     const ELEM* vbase = kbase + A->KH * A->NB * BS * D;
     const int64_t H = A->KH * G, nr = geo.nr;
+    /* a quantized cache: KV head h's K rows, and the distance from a K row to its V row */
+    const int8_t* k8 = (const int8_t*)A->cache + it.h * A->NB * BS * (D + 2);
+    const int64_t v8off = A->KH * A->NB * BS * (D + 2);
 
     /* Queries -> qt[g][d][lane] (float), 16 x 16 blocks at a time; lanes past the tile's rows
        are zero. */
@@ -36,7 +39,27 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
         const float* kf = S->kf;
         const float* vf = S->vf;
         int64_t bi = ka / BS - geo.fb, off = ka % BS;
-        if (sizeof(ELEM) == 4 && ka == k0 && ke == k0 + 15 && off + 16 <= BS) {
+        if (A->qkind >= 0)
+            for (int64_t j = 0; j < 16; ++j) {
+                const int64_t k = k0 + j;
+                if (k < ka || k > ke) {
+                    for (int64_t cc = 0; cc < C; ++cc)
+                        *(v16*)(S->kf + j * D + 16 * cc) = *(v16*)(S->vf + j * D + 16 * cc) = (v16){};
+                    continue;
+                }
+                const int8_t* kr = k8 + (geo.tb[bi] * BS + off) * (D + 2);
+                const int8_t* vr = kr + v8off;
+                const float ks = q8_half(kr + D), vs = q8_half(vr + D);
+                for (int64_t cc = 0; cc < C; ++cc)
+                    *(v16*)(S->kf + j * D + 16 * cc) = q8_ld16(kr + 16 * cc, A->qkind) * ks;
+                for (int64_t cc = 0; cc < C; ++cc)
+                    *(v16*)(S->vf + j * D + 16 * cc) = q8_ld16(vr + 16 * cc, A->qkind) * vs;
+                if (++off == BS) {
+                    off = 0;
+                    ++bi;
+                }
+            }
+        else if (sizeof(ELEM) == 4 && ka == k0 && ke == k0 + 15 && off + 16 <= BS) {
             /* float32, all 16 keys in one block: read them in place. */
             kf = (const float*)(kbase + (geo.tb[bi] * BS + off) * D);
             vf = (const float*)(vbase + (geo.tb[bi] * BS + off) * D);
@@ -113,11 +136,11 @@ static inline __attribute__((always_inline)) void CAT(pf_item_, SFX)(const pf_ar
     }
 }
 
-void CAT(kv_paged_prefill_attention_,
-         SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
-              const int64_t* q_start, const int64_t* pos0, const int64_t* kstart, int64_t nc, int64_t window,
-              ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,
-              int amx, int64_t gather_bytes, int nthreads, int64_t* status) {
+static void CAT(pf_run_, SFX)(const ELEM* q, int64_t qs, const void* cache, int qkind, const int64_t* table,
+                              int64_t nbmax, const int64_t* q_start, const int64_t* pos0,
+                              const int64_t* kstart, int64_t nc, int64_t window, ELEM* out, int64_t T,
+                              int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, int amx,
+                              int64_t gather_bytes, int nthreads, int64_t* status) {
     status[0] = pf_check(q_start, pos0, kstart, table, nbmax, nc, T, window, NB, BS, &status[1]);
     if (status[0]) return;
     if (D % 16 || D / 16 > PMAXC) {
@@ -125,7 +148,7 @@ void CAT(kv_paged_prefill_attention_,
         return;
     }
 #ifdef PF_AMX
-    amx = amx && sizeof(ELEM) == 2 && D % 32 == 0;
+    amx = amx && sizeof(ELEM) == 2 && D % 32 == 0 && qkind < 0;
 #else
     amx = 0;
 #endif
@@ -140,8 +163,9 @@ void CAT(kv_paged_prefill_attention_,
         status[0] = 7;
         return;
     }
-    pf_args args = {q, qs, cache, table, nbmax, q_start, pos0,   kstart,      window,         out, KH, G,
-                    D, NB, BS,    scale, NULL,  NULL,    grange, grange + nc, grange + 2 * nc};
+    pf_args args = {q, qs, cache, table, nbmax, q_start, pos0,   kstart,      window,          out, KH, G,
+                    D, NB, BS,    scale, NULL,  NULL,    grange, grange + nc, grange + 2 * nc, -1};
+    args.qkind = qkind;
     for (int64_t c = 0; c < nc; ++c) pf_key_range(&args, c, &grange[c], &grange[nc + c]);
     const int64_t C = D / 16;
     int failed = 0;
@@ -231,4 +255,30 @@ void CAT(kv_paged_prefill_attention_,
     free(grange);
     free(items);
     if (failed) status[0] = 7;
+}
+
+/* The kernel over a cache of ELEM rows (the contract in prefill_attention.c). */
+void CAT(kv_paged_prefill_attention_,
+         SFX)(const ELEM* q, int64_t qs, const ELEM* cache, const int64_t* table, int64_t nbmax,
+              const int64_t* q_start, const int64_t* pos0, const int64_t* kstart, int64_t nc, int64_t window,
+              ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,
+              int amx, int64_t gather_bytes, int nthreads, int64_t* status) {
+    CAT(pf_run_, SFX)(q, qs, cache, -1, table, nbmax, q_start, pos0, kstart, nc, window, out, T, KH, G, D, NB,
+                      BS, scale, amx, gather_bytes, nthreads, status);
+}
+
+/* The kernel over a quantized cache: int8 bytes [2, KH, NB, BS, D + 2], codes of kind (kv_q8.h:
+   0 int8, 1 float8 e4m3fn, 2 float8 e5m2) and a float16 scale per row; the AVX-512 path. */
+void CAT(kv_paged_prefill_attention_q8_,
+         SFX)(const ELEM* q, int64_t qs, const int8_t* cache, const int64_t* table, int64_t nbmax,
+              const int64_t* q_start, const int64_t* pos0, const int64_t* kstart, int64_t nc, int64_t window,
+              ELEM* out, int64_t T, int64_t KH, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,
+              int amx, int64_t gather_bytes, int nthreads, int64_t* status, int kind) {
+    if (kind < 0 || kind > 2) {
+        status[0] = 8;
+        status[1] = -1;
+        return;
+    }
+    CAT(pf_run_, SFX)(q, qs, cache, kind, table, nbmax, q_start, pos0, kstart, nc, window, out, T, KH, G, D,
+                      NB, BS, scale, amx, gather_bytes, nthreads, status);
 }

@@ -102,7 +102,9 @@ class DLModel(ctypes.Structure):
     spent in the LoRA kernel, accumulated over calls. Gemma layers (``gemma`` 1): the
     ``offset_rms`` and ``gelu`` kernels; layers of several windows: each window's attention
     inputs in ``keys`` (``nkeys`` of them, 0: every layer takes the step's arguments) and the
-    local rotary table (``cos_local`` / ``sin_local``), set before each call."""
+    local rotary table (``cos_local`` / ``sin_local``), set before each call. ``kv_quant``: 1
+    for int8 KV caches (then ``rope`` and ``attend`` are the int8 cache's kernels:
+    ``rope_write_kv_q8``, ``kv_paged_decode_attention_q8``), 0 for caches of the model dtype."""
 
     _fields_ = [
         ("rms", _p),
@@ -141,6 +143,7 @@ class DLModel(ctypes.Structure):
         ("nkeys", _i64),
         ("cos_local", _p),
         ("sin_local", _p),
+        ("kv_quant", _i64),
     ]
 
 

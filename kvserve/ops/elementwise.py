@@ -7,7 +7,8 @@ measurements in ``kvserve/csrc/ops.c``): each does in one pass what takes torch 
 - ``silu_and_mul``: ``silu(gate) * up`` over a fused ``[T, 2 * I]`` gate/up projection.
 - ``gelu_tanh_and_mul``: ``gelu_tanh(gate) * up`` (GeGLU) over the same.
 - ``rope_write_kv``: rotary embedding of q and k from the fused qkv projection, the rotated k
-  and the v written straight into their KV-cache slots.
+  and the v written straight into their KV-cache slots (a cache of the model dtype, or an int8
+  cache: rows quantized as ``kv_quant.quantize`` does, bit for bit).
 - ``greedy_sample``: per row the first index of the maximum and its log-probability.
 - ``prompt_logprob_stats``: per row the log-sum-exp, a target's rank and the top-k logits.
 
@@ -31,6 +32,7 @@ for _sfx in DTYPE_SUFFIX.values():
     _SIGS[f"silu_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"gelu_tanh_and_mul_{_sfx}"] = [_p, _p, _i64, _i64, _i]
     _SIGS[f"rope_write_kv_{_sfx}"] = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i]
+    _SIGS[f"rope_write_kv_q8_{_sfx}"] = _SIGS[f"rope_write_kv_{_sfx}"]
 _SIGS["greedy_sample_f32"] = [_p, _i64, _i64, _p, _p, _i]
 _SIGS["prompt_logprob_stats_f32"] = [_p, _i64, _i64, _p, _i64, _p, _p, _p, _p, _i]
 _LIB = NativeLibrary("kv_ops", "ops.c", _SIGS)
@@ -55,6 +57,29 @@ def supported(*tensors: torch.Tensor) -> bool:
         if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             return False
     return True
+
+
+#: The quantized cache dtype ``rope_write_kv`` writes (rows of ``head_dim`` codes + a float16
+#: scale, ``model_executor.layers.kv_quant``); the float8 ones are written by torch.
+QUANT_CACHE_DTYPE = torch.int8
+#: Largest head_dim of an int8 cache row ``rope_write_kv`` quantizes (its row buffer).
+QUANT_MAX_HEAD_DIM = 256
+
+
+def writes_cache(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor | None
+) -> bool:
+    """True when ``rope_write_kv`` takes these inputs: ``supported`` for ``qkv``, ``cos``,
+    ``sin`` and a cache of their dtype (or none), or an int8 cache (contiguous, CPU) with
+    ``head_dim + 2``-byte rows of ``head_dim <= QUANT_MAX_HEAD_DIM``."""
+    if kv_cache is None or kv_cache.dtype != QUANT_CACHE_DTYPE:
+        return supported(qkv, cos, sin, *(() if kv_cache is None else (kv_cache,)))
+    return (
+        supported(qkv, cos, sin)
+        and kv_cache.is_cpu
+        and kv_cache.is_contiguous()
+        and kv_cache.shape[-1] - 2 <= QUANT_MAX_HEAD_DIM
+    )
 
 
 def rms_norm(
@@ -226,7 +251,10 @@ def rope_write_kv(
     Args:
         qkv: ``[T, (H + 2 * KH) * D]`` contiguous (q heads, k heads, v heads).
         cos, sin: ``[T, D // 2]`` contiguous (or ``[T, 1, D // 2]``), the tokens' rotary tables.
-        kv_cache: ``[2, KH, num_blocks, block_size, D]`` or ``None`` (no cache: nothing written).
+        kv_cache: ``[2, KH, num_blocks, block_size, D]`` of ``qkv``'s dtype, or int8
+            ``[2, KH, num_blocks, block_size, D + 2]`` (``writes_cache``: rows of codes and a
+            float16 scale, quantized as ``kv_quant.quantize`` does), or ``None`` (no cache:
+            nothing written).
         slot_mapping: int64 ``[T]`` cache slot of each token (``block * block_size + offset``).
     Returns:
         ``[T, H + KH, D]``: rotated q heads then rotated k heads. The cache receives the rotated
@@ -236,19 +264,19 @@ def rope_write_kv(
     """
     T = qkv.shape[0]
     H, KH, D = num_heads, num_kv_heads, head_dim
-    ts = [qkv, cos, sin] + ([] if kv_cache is None else [kv_cache])
+    quant = kv_cache is not None and kv_cache.dtype == QUANT_CACHE_DTYPE
     if (
         qkv.dim() != 2
         or qkv.shape[1] != (H + 2 * KH) * D
         or cos.numel() != T * (D // 2)
         or sin.numel() != T * (D // 2)
         or D % 2
-        or not supported(*ts)
+        or not writes_cache(qkv, cos, sin, kv_cache)
         or (
             kv_cache is not None
             and (
                 kv_cache.shape[1] != KH
-                or kv_cache.shape[-1] != D
+                or kv_cache.shape[-1] != D + (2 if quant else 0)
                 or slot_mapping is None
                 or slot_mapping.shape != (T,)
                 or slot_mapping.dtype != torch.int64
@@ -263,7 +291,7 @@ def rope_write_kv(
     out = torch.empty(T, H + KH, D, dtype=qkv.dtype)
     nbbs = 0 if kv_cache is None else kv_cache.shape[2] * kv_cache.shape[3]
     _LIB.call(
-        f"rope_write_kv_{DTYPE_SUFFIX[qkv.dtype]}",
+        f"rope_write_kv{'_q8' if quant else ''}_{DTYPE_SUFFIX[qkv.dtype]}",
         qkv,
         cos,
         sin,

@@ -8,12 +8,15 @@ keep the torch path then, and for other dtypes, devices and shapes (``supports``
 multiple of 16, at most 256).
 
 Kernel contract (``q`` rows may be any stride apart; everything else contiguous; q, cache and
-out of one dtype, float32 or bfloat16; indices int64)::
+out of one dtype, float32 or bfloat16, or a quantized cache of ``attention.QUANT_KIND``; indices
+int64)::
 
     q        [T, H, D]          query rows of all chunks, H = KH * G (heads h*G .. h*G+G-1
                                 share KV head h)
     cache    [2, KH, NB, BS, D] one layer's cache ([0] = K, [1] = V), the chunks' own K/V
-                                already written
+                                already written; quantized: [2, KH, NB, BS, D + 2], rows of
+                                codes and a float16 scale (``layers.kv_quant``), widened to
+                                float32 per key step (the AVX-512 path, never AMX)
     table    [C, NBMAX]         row c: block ids of block indices kstart[c]//BS, +1, ...
     q_start  [C + 1]            chunk c = rows q_start[c] .. q_start[c+1]-1 (non-decreasing)
     pos0     [C]                position of chunk c's first row (its cached context length)
@@ -49,6 +52,13 @@ _ARGS = [_p, _i64, _p, _p, _i64, _p, _p, _p, _i64, _i64, _p, *[_i64] * 6, ctypes
 _SIGNATURES = {
     f"kv_paged_prefill_attention_{sfx}": [*_ARGS, ctypes.c_int, _p] for sfx in DTYPE_SUFFIX.values()
 }
+# the same over a quantized cache, the codes' kind last (csrc/prefill_attention_dtype.h)
+_SIGNATURES.update(
+    {
+        f"kv_paged_prefill_attention_q8_{sfx}": [*_ARGS, ctypes.c_int, _p, ctypes.c_int]
+        for sfx in DTYPE_SUFFIX.values()
+    }
+)
 _LIB = NativeLibrary(
     "kv_prefill_attention",
     "prefill_attention.c",
@@ -78,8 +88,9 @@ _ERRORS = {
     5: "table holds a block id outside the cache",
     6: "head_dim must be a multiple of 16 and at most 256",
     7: "out of memory",
+    8: "unknown quantized cache kind",
 }
-_ERROR_ARG = {1: "q_start", 2: "pos0", 3: "kstart", 4: "table", 5: "table", 6: "q", 7: "out"}
+_ERROR_ARG = {1: "q_start", 2: "pos0", 3: "kstart", 4: "table", 5: "table", 6: "q", 7: "out", 8: "kv_cache"}
 
 
 def available() -> bool:
@@ -121,7 +132,9 @@ def paged_prefill_attention(
             ``stride(2) == 1``), rows any stride ``>= H * D`` apart (e.g. a view of the fused
             q/k projection).
         kv_cache: ``[2, KH, NB, BS, D]`` contiguous (one layer), ``q``'s dtype, ``H % KH == 0``;
-            the chunks' K/V already written.
+            the chunks' K/V already written. Or a quantized cache ``[2, KH, NB, BS, D + 2]`` of
+            an ``attention.QUANT_KIND`` dtype (rows of codes and a float16 scale,
+            ``model_executor.layers.kv_quant``), read in place.
         table: int64 ``[C, NBMAX]``; row ``c`` lists the block ids of block indices
             ``kstart[c] // BS`` onwards.
         q_start: int64 ``[C + 1]``: chunk ``c`` is rows ``q_start[c] .. q_start[c+1] - 1``.
@@ -141,10 +154,11 @@ def paged_prefill_attention(
     """
     if not _LIB.available():
         raise RuntimeError(f"native prefill attention unavailable: {_LIB.failure_reason()}")
-    if q.dtype != kv_cache.dtype or q.dtype not in DTYPE_SUFFIX:
+    quant = kv_cache.dtype in paged_attention.QUANT_KIND
+    if (not quant and q.dtype != kv_cache.dtype) or q.dtype not in DTYPE_SUFFIX:
         raise ValueError(
-            f"native prefill attention: q and kv_cache must be float32 or bfloat16 of one dtype, "
-            f"got q {q.dtype} and kv_cache {kv_cache.dtype}."
+            f"native prefill attention: q must be float32 or bfloat16 and kv_cache of q's dtype or "
+            f"a quantized one (int8, float8), got q {q.dtype} and kv_cache {kv_cache.dtype}."
         )
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":  # raw pointers: host memory only
         raise ValueError(
@@ -156,11 +170,12 @@ def paged_prefill_attention(
     if (
         kv_cache.dim() != 5
         or kv_cache.shape[0] != 2
-        or kv_cache.shape[4] != D
+        or kv_cache.shape[4] != D + (2 if quant else 0)
         or not kv_cache.is_contiguous()
     ):
         raise ValueError(
-            f"native prefill attention: kv_cache must be a contiguous [2, KH, NB, BS, {D}] tensor, "
+            f"native prefill attention: kv_cache must be a contiguous [2, KH, NB, BS, "
+            f"{D + 2 if quant else D}] tensor, "
             f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
         )
     _, KH, NB, BS, _ = kv_cache.shape
@@ -207,10 +222,10 @@ def paged_prefill_attention(
         )
     status = (ctypes.c_int64 * 2)()
     _LIB.call(
-        f"kv_paged_prefill_attention_{DTYPE_SUFFIX[q.dtype]}",
+        f"kv_paged_prefill_attention_{'q8_' if quant else ''}{DTYPE_SUFFIX[q.dtype]}",
         q,
         q.stride(0),
-        kv_cache,
+        kv_cache.view(torch.int8) if quant else kv_cache,
         table,
         table.shape[1],
         q_start,
@@ -226,10 +241,11 @@ def paged_prefill_attention(
         NB,
         BS,
         float(scale),
-        int(q.dtype == torch.bfloat16 and D % 32 == 0 and USE_AMX and amx_available()),
+        int(q.dtype == torch.bfloat16 and D % 32 == 0 and not quant and USE_AMX and amx_available()),
         int(GATHER_BYTES),
         torch.get_num_threads(),
         ctypes.addressof(status),
+        *((paged_attention.QUANT_KIND[kv_cache.dtype],) if quant else ()),
     )
     if status[0]:
         code = int(status[0])

@@ -138,9 +138,8 @@ class ModelRunner:
             model's head shape (``prefill_attention.supports``) and ``native_prefill``
             is True.
         cache_dtype: ``CacheConfig.cache_dtype``: with a quantized cache the native decode
-            kernel applies only where it has the storage dtype
-            (``paged_attention.supports_cache_dtype``) and multi-token chunks always take the
-            torch path (the prefill kernel reads unquantized caches only).
+            and prefill kernels apply only where they have the storage dtype
+            (``paged_attention.supports_cache_dtype``; both read every ``QUANT_KIND``).
     """
 
     #: Attend multi-token chunks with ``prefill_attention`` when ``use_native`` holds
@@ -191,7 +190,7 @@ class ModelRunner:
 
     def _native_prefill_applies(self) -> bool:
         """The native prefill kernel takes this model's multi-token chunks (see the class doc)."""
-        if not (self.use_native and self.native_prefill) or self.cache_dtype != "auto":
+        if not (self.use_native and self.native_prefill):
             return False
         if self._prefill_kernel_ok is None:
             attn = self.model.layers[0].self_attn  # (all layers have one shape)

@@ -133,10 +133,12 @@ def make_worker(
     native: bool | None = None,
     dtype: str = "float32",
     panels: bool = False,
+    kv_cache_dtype: str = "auto",
 ):
     """A worker (``dtype``, float32 by default) on ``model_dir`` on ``TEST_DEVICE``; ``native`` forces the
     decode-attention path (``None``: the default choice; ``True`` skips the test off CPU);
-    ``panels`` loads the weights as under ``panels_everywhere`` (else as on this host)."""
+    ``panels`` loads the weights as under ``panels_everywhere`` (else as on this host);
+    ``kv_cache_dtype``: ``CacheConfig.cache_dtype``."""
     from kvserve.worker.worker import Worker
 
     if native and TEST_DEVICE != "cpu":
@@ -151,6 +153,7 @@ def make_worker(
                 num_gpu_blocks=num_gpu_blocks,
                 num_cpu_blocks=num_cpu_blocks,
                 sliding_window=sliding_window,
+                cache_dtype=kv_cache_dtype,
             ),
         )
     g, c = w.determine_num_blocks()

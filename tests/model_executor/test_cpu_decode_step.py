@@ -84,16 +84,18 @@ CONFIGS = {"qwen2_bias": _qwen2_config, "qwen3": _qwen3_config, "gemma3": _gemma
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "arch,packing",
-    [(a, p) for a in ("llama", "qwen2_bias") for p in ("host", "panels")]
-    + [("qwen3", "panels"), ("gemma3", "panels")],
+    "arch,packing,kv",
+    [(a, p, "auto") for a in ("llama", "qwen2_bias") for p in ("host", "panels")]
+    + [("qwen3", "panels", "auto"), ("gemma3", "panels", "auto"), ("gemma3", "panels", "int8")],
 )
-def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, packing, monkeypatch):
+def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, packing, kv, monkeypatch):
     """Weights packed as ``prepack_weight`` does on this host (AVX2: float weights on oneDNN,
     the module path) and on the panels wherever the kernels built (the native path on AVX2
     hosts too): the decode steps' hidden states and cache writes equal the module path's.
     Qwen3 (per-head q/k RMSNorm) and Gemma 3 (its layer, sliding windows shorter than the
-    sequences, a local rotary base) on the panels: their one-call step against their modules."""
+    sequences, a local rotary base) on the panels: their one-call step against their modules,
+    Gemma 3 also over an int8 KV cache (its layer's rope write and attention take the q8
+    kernels)."""
     if packing == "panels":
         monkeypatch.setattr(gemm, "beats_onednn", gemm.available)
     cfg = (
@@ -108,7 +110,7 @@ def test_decode_steps_bit_identical_to_module_path(tmp_path, dtype, arch, packin
         else CONFIGS[arch]()
     )
     save_tiny(tmp_path, cfg)
-    w = make_worker(tmp_path, block_size=4, num_gpu_blocks=256, native=True, dtype=dtype)
+    w = make_worker(tmp_path, block_size=4, num_gpu_blocks=256, native=True, dtype=dtype, kv_cache_dtype=kv)
     rng = random.Random(7)
     alloc = ToyAllocator(256)
     seqs = [ToySeq([rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 30))]) for _ in range(9)]

@@ -86,6 +86,7 @@ def test_kernel_tests_pass_under_address_and_undefined_sanitizers():
         "tests/ops/test_bitmask.py",
         "tests/lora/test_lora_native.py",
         "tests/model_executor/test_cpu_decode_step_fused.py",
+        "tests/model_executor/test_cpu_decode_step_int8.py",
     ]
     r = subprocess.run(
         # -s: a sanitizer report goes to stderr as the process dies; under pytest's capture it
@@ -125,6 +126,7 @@ AVX2_TESTS = [
     "tests/ops/test_attention.py",
     "tests/ops/test_prefill_attention.py",
     "tests/model_executor/test_cpu_decode_step_fused.py",
+    "tests/model_executor/test_cpu_decode_step_int8.py",
     "tests/lora/test_lora_native.py",
 ]
 

@@ -172,6 +172,43 @@ def test_rope_write_kv_matches_torch_rotary_and_cache_write(H, KH, D, dtype):
         ops.rope_write_kv(qkv, cos, sin, H + 1, KH, D, cache, slots)
 
 
+@DTYPES
+@pytest.mark.parametrize("H,KH,D", [(9, 3, 64), (4, 2, 40), (2, 1, 256)])
+def test_rope_write_kv_into_an_int8_cache_writes_kv_quant_rows(H, KH, D, dtype):
+    """An int8 cache receives, at each token's slot, exactly the rows (codes and float16 scale
+    bytes together) ``kv_quant.quantize`` makes from the rotated k and the v the unquantized
+    call writes -- a zero row (the smallest scale) and tiny / huge rows (clamped scales)
+    included; q/k come out as without a cache; other slots are untouched."""
+    from kvserve.model_executor.layers import kv_quant
+    from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(H + D + 1)
+    T, NB, BS = 7, 10, 4
+    rope = RotaryEmbedding(D, 128, {"rope_type": "default", "rope_theta": 10000.0}, dtype)
+    cos, sin = rope.lookup(torch.tensor([0, 1, 5, 17, 63, 127, 90]))
+    qkv = (torch.randn(T, (H + 2 * KH) * D) * 3).to(dtype)
+    qkv[1, H * D :] = 0  # zero k and v rows
+    qkv[2, H * D :] *= 1e-7  # scales below float16's normal range: clamped to 2**-14
+    qkv[3, (H + KH) * D :] *= 1e7  # above 65504 * 127: clamped, codes saturate
+    slots = torch.tensor([3, 0, 39, 12, 13, 22, 7])
+    plain = torch.zeros(2, KH, NB, BS, D, dtype=dtype)
+    want_qk = ops.rope_write_kv(qkv, cos, sin, H, KH, D, plain, slots)
+    cache = torch.full((2, KH, NB, BS, D + 2), 5, dtype=torch.int8)
+    assert ops.writes_cache(qkv, cos, sin, cache)
+    got_qk = ops.rope_write_kv(qkv, cos, sin, H, KH, D, cache, slots)
+    assert torch.equal(got_qk, want_qk)
+    flat = cache.view(2, KH, NB * BS, D + 2)
+    values = plain.view(2, KH, NB * BS, D)[:, :, slots]
+    want = kv_quant.quantize(values.reshape(-1, D), torch.int8).view(2, KH, T, D + 2)
+    assert torch.equal(flat[:, :, slots], want)
+    untouched = torch.ones(NB * BS, dtype=torch.bool)
+    untouched[slots] = False
+    assert (flat[:, :, untouched] == 5).all()
+    with pytest.raises(ValueError, match="rope_write_kv"):  # rows without their scale bytes
+        ops.rope_write_kv(qkv, cos, sin, H, KH, D, cache[..., :D].contiguous(), slots)
+    assert not ops.writes_cache(qkv, cos, sin, cache.view(torch.float8_e4m3fn))  # torch writes float8
+
+
 def gemma_norm(dim: int, weight: torch.Tensor, eps: float):
     """transformers' Gemma 3 RMSNorm with ``weight`` (the offset from 1), the reference."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm

@@ -1,6 +1,7 @@
 """The native prefill kernel against a float64 torch reference: block sizes, GQA groups, head
 sizes, several chunks per call, cached context (chunked prefill / prefix caching), sliding
-windows, strided q rows, and its argument checks."""
+windows, strided q rows, quantized caches (int8 / float8 codes and scales), and its argument
+checks."""
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def test_rejects_bad_arguments():
     good = _args()
     npa.paged_prefill_attention(**good)
     cases = [
-        (dict(q=good["q"].bfloat16()), "float32 or bfloat16 of one dtype"),
+        (dict(q=good["q"].bfloat16()), "kv_cache of q's dtype"),
         (dict(q=good["q"].half(), kv_cache=good["kv_cache"].half()), "float32 or bfloat16"),
         (dict(q=good["q"][..., :16], kv_cache=good["kv_cache"][..., :16].contiguous()), "q must be"),
         (dict(q=good["q"].reshape(11, 64)), "q must be \\[T, H, D\\]"),
@@ -273,13 +274,53 @@ def test_bf16_paths_with_row_maxima_moving_across_key_steps(bf16_path, slope):
     assert err <= TOLERANCE[torch.bfloat16] * max(1.0, float(ref.abs().max())), float(err)
 
 
+QUANT = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@DTYPES
+@pytest.mark.parametrize("qdt", QUANT, ids=["int8", "e4m3", "e5m2"])
+@pytest.mark.parametrize("KH,G,D,BS,window", [(2, 3, 64, 16, 0), (1, 4, 128, 4, 0), (2, 1, 16, 1, 7)])
+def test_quantized_cache_matches_float64_on_its_dequantized_values(qdt, KH, G, D, BS, window, dtype):
+    """A quantized cache (rows of codes and a float16 scale, ``kv_quant``) is read in place:
+    the result is float64 attention over ``code * scale`` within the unquantized kernel's
+    tolerance, for chunks with and without cached context."""
+    from kvserve.model_executor.layers import kv_quant
+
+    chunks = [(0, 37), (21, 16), (45, 9)]
+    q, vals, table, q_start, pos0, kstart, tables = make_case(chunks, KH, G, D, BS, window, torch.float32)
+    q = q.to(dtype)
+    rows = kv_quant.quantize(vals.reshape(-1, D), qdt).view(*vals.shape[:4], D + 2)
+    cache = rows if qdt == torch.int8 else rows.view(qdt)
+    scale = D**-0.5
+    got = npa.paged_prefill_attention(q, cache, table, q_start, pos0, kstart, scale, window)
+    assert got.dtype == dtype
+    deq = kv_quant.dequantize(rows, qdt, torch.float64)
+    ref = reference(q, deq, q_start, pos0, tables, scale, window)
+    err = (got.double() - ref).abs().max()
+    assert err <= TOLERANCE[dtype] * max(1.0, float(ref.abs().max())), float(err)
+    # the values really are the quantized ones: the unquantized cache's answer differs
+    plain = reference(q, vals, q_start, pos0, tables, scale, window)
+    assert (plain - ref).abs().max() > 10 * TOLERANCE[torch.float32]
+
+
+def test_quantized_cache_argument_checks():
+    q, vals, table, q_start, pos0, kstart, _ = make_case([(0, 8)], 1, 1, 16, 4, 0, torch.float32)
+    wide = torch.zeros(*vals.shape[:4], 16, dtype=torch.int8)  # rows without their scale bytes
+    with pytest.raises(ValueError, match="kv_cache"):
+        npa.paged_prefill_attention(q, wide, table, q_start, pos0, kstart, 0.25)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        npa.paged_prefill_attention(q.half(), wide, table, q_start, pos0, kstart, 0.25)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_runner_native_prefill_matches_torch_path(tmp_path, dtype):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_runner_native_prefill_matches_torch_path(tmp_path, dtype, kv):
     """Through the model runner: several prompts prefilled in one step, then chunked prefills
     with cached context mixed with a decode, with the native prefill kernel (one call per
     layer) and with the per-chunk SDPA path: the same logits (float32: to float32 rounding,
     bfloat16: within bfloat16 noise). head_dim 64 and GQA 2, so bfloat16 takes the AMX path
-    where there is one."""
+    where there is one. An int8 cache: the kernel reads the codes and scales the torch path
+    dequantizes (the chunks' own K/V as stored)."""
     import random
 
     from tests.model_executor.helpers import (
@@ -299,7 +340,10 @@ def test_runner_native_prefill_matches_torch_path(tmp_path, dtype):
     plan = [(23, 12, 0), (1, 15, 9), (1, 13, 8)]  # chunk sizes of the 3 sequences per step
     got = {}
     for native_prefill in (True, False):
-        w = make_worker(tmp_path, block_size=4, num_gpu_blocks=128, native=True, dtype=dtype)
+        w = make_worker(
+            tmp_path, block_size=4, num_gpu_blocks=128, native=True, dtype=dtype, kv_cache_dtype=kv
+        )
+        assert w.cache_engine.gpu_cache[0].dtype == (torch.int8 if kv == "int8" else w.runner.model.dtype)
         w.runner.native_prefill = native_prefill
         alloc = ToyAllocator(128, seed=8)
         seqs = [ToySeq(list(p)) for p in prompts]
@@ -315,5 +359,8 @@ def test_runner_native_prefill_matches_torch_path(tmp_path, dtype):
                     s.data.append_token_id(appended.randrange(3, VOCAB))
         got[native_prefill] = torch.cat(out)
     scale = got[False].abs().max()
-    tol = 1e-5 if dtype == "float32" else 0.03
+    # int8 in float32: layer 0's float32 sums in another order move a later layer's k or v by
+    # an ulp, enough to flip a code that sits at a rounding boundary: one code step, not 1e-5
+    # (attending a chunk's unquantized K/V instead of the stored rows was 7e-3)
+    tol = (1e-5 if kv == "auto" else 1e-3) if dtype == "float32" else 0.03
     assert (got[True] - got[False]).abs().max() <= tol * scale

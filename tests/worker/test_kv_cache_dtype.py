@@ -241,6 +241,48 @@ def test_torch_decode_path_equals_the_kernel(tiny_llama_dir, monkeypatch):
     assert sum(a == 12 for a in agree) >= 7, agree
 
 
+def test_native_prefill_and_one_call_decode_match_the_torch_path(tiny_llama_dir, monkeypatch):
+    """int8 KV on CPU runs the native prefill kernel (8-token chunks: all but the first with
+    cached context) and the one-call decode step, both reading codes and scales in place: the
+    prompt's per-token logprobs within float32 noise of the torch path (gather, dequantize,
+    SDPA), and the same greedy tokens after it."""
+    from kvserve.model_executor.layers import attention as attention_layer
+    from kvserve.model_executor.models import cpu_decode_step
+
+    calls = {"prefill": 0, "one_call": 0}
+    real_prefill, real_run = attention_layer.paged_prefill_attention, cpu_decode_step._StepPlan.run
+
+    def prefill(*a, **kw):
+        assert a[1].dtype == torch.int8
+        calls["prefill"] += 1
+        return real_prefill(*a, **kw)
+
+    def one_call(self, *a, **kw):
+        calls["one_call"] += 1
+        return real_run(self, *a, **kw)
+
+    monkeypatch.setattr(attention_layer, "paged_prefill_attention", prefill)
+    monkeypatch.setattr(cpu_decode_step._StepPlan, "run", one_call)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+    def answer():
+        out = _run(tiny_llama_dir, "int8", [TEXT], params)[0]
+        ids = out.prompt_token_ids
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])], out.outputs[0].token_ids
+
+    native_lps, native_ids = answer()
+    assert calls["prefill"] > 0 and calls["one_call"] > 0, calls
+    monkeypatch.setattr(
+        paged_attention, "supports_cache_dtype", lambda dt: dt in (torch.float32, torch.bfloat16)
+    )
+    calls.update(prefill=0, one_call=0)
+    torch_lps, torch_ids = answer()
+    assert calls == {"prefill": 0, "one_call": 0}
+    diff = max(abs(a - b) for a, b in zip(native_lps, torch_lps))
+    assert diff <= 1e-3, diff
+    assert native_ids == torch_ids
+
+
 @pytest.mark.parametrize("value", ["fp16", "int4", "FP8", ""])
 def test_bad_kv_cache_dtype_is_a_value_error_naming_the_flag(value):
     with pytest.raises(ValueError, match="--kv-cache-dtype"):

@@ -18,10 +18,10 @@ for the single-token queries (``meta.native_decode``) and ``prefill_attention`` 
 multi-token chunks at once, K/V read from the cache (``meta.native_prefill``).
 
 A quantized cache (int8 / float8 storage dtype, ``layers.kv_quant``) has rows of ``head_dim + 2``
-bytes (codes, then a float16 scale): new K/V are quantized on write, the torch paths gather the
-rows and dequantize them to the query dtype before SDPA, the native decode kernel reads the
-codes and scales in place. The native prefill kernel takes only unquantized caches (the runner
-builds no ``native_prefill`` metadata for a quantized one).
+bytes (codes, then a float16 scale): new K/V are quantized on write (by torch, or by
+``elementwise.rope_write_kv`` for int8), the torch paths gather the rows and dequantize them to
+the query dtype before SDPA, the native decode and prefill kernels read the codes and scales in
+place (a chunk's own K/V too, as stored).
 
 The gather index is built so the gathered tensor is already ``[B, kv_heads, L, head_dim]``
 contiguous: ``flat[s, b, h, n] = (s * kv_heads + h) * num_blocks + table[b, n]`` over the cache
@@ -262,6 +262,7 @@ class PagedAttention:
         T = q.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
         quant = kv_cache is not None and kv_quant.is_quantized(kv_cache.dtype)
+        rows = None
         if kv_cache is not None and not kv_written:
             assert meta.write_idx is not None, "metadata for a step with a KV cache sets write_idx"
             src = torch.stack((k, v)).transpose(1, 2).reshape(-1, D)  # (s, h, t) order
@@ -269,18 +270,20 @@ class PagedAttention:
                 rows = kv_quant.quantize(src, kv_cache.dtype)
                 flat = kv_cache.view(torch.int8).view(-1, D + kv_quant.SCALE_BYTES)
                 flat.index_copy_(0, meta.write_idx, rows)
-                # a fresh chunk attends its own keys as stored, as a later chunk or a prefix
-                # hit reads them: the answer does not depend on where chunks are cut
-                deq = kv_quant.dequantize(rows, kv_cache.dtype, k.dtype).view(2, KH, T, D)
-                k, v = deq[0].transpose(0, 1), deq[1].transpose(0, 1)
             else:
                 kv_cache.view(-1, D).index_copy_(0, meta.write_idx, src)
+        if quant and meta.native_prefill is None and any(pc.gather_idx is None for pc in meta.prefills):
+            # a fresh chunk attends its own keys as stored, as a later chunk or a prefix hit
+            # reads them: the answer does not depend on where chunks are cut (the native
+            # prefill kernel reads them back from the cache). Quantizing is deterministic, so
+            # rows written by rope_write_kv are these rows.
+            assert kv_cache is not None
+            if rows is None:
+                rows = kv_quant.quantize(torch.stack((k, v)).transpose(1, 2).reshape(-1, D), kv_cache.dtype)
+            deq = kv_quant.dequantize(rows, kv_cache.dtype, k.dtype).view(2, KH, T, D)
+            k, v = deq[0].transpose(0, 1), deq[1].transpose(0, 1)
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         npf = meta.native_prefill if kv_cache is not None else None
-        if quant and npf is not None:
-            raise ValueError(
-                "the native prefill kernel takes no quantized KV cache (no native_prefill metadata)"
-            )
         if self.softcap is not None and (npf is not None or meta.native_decode is not None):
             raise ValueError(
                 "a soft-capped attention layer runs on the torch paths only (no native metadata)"

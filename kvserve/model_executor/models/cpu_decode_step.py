@@ -21,8 +21,9 @@ Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed
 kernel that takes this step's row count (``gemm.PanelWeight`` of the model dtype, up to
 its ``max_rows`` if set, or ``gemm_amx.AmxWeight`` up to ``gemm_amx.MAX_ROWS`` rows), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), the model's parts those kernels cover
-(``native_decode_parts``: whole-head rotary), a KV cache of the model dtype (a
-quantized one takes the module path), and the native ops available. Otherwise the
+(``native_decode_parts``: whole-head rotary), a KV cache of the model dtype or int8
+(``_kv_quant``: ``rope_write_kv_q8`` quantizes k and v into it, the q8 decode attention
+kernel reads it; float8 caches take the module path), and the native ops available. Otherwise the
 module path runs. A step with LoRA adapters (``meta.lora``) adds their deltas right after each
 GEMM, as the module path does (``kvserve.model_executor.layers.lora.add_lora``).
 
@@ -110,6 +111,16 @@ def _check_native(model) -> None:
         )
 
 
+def _kv_quant(cache: torch.Tensor, dtype: torch.dtype) -> bool | None:
+    """False for a cache of the model ``dtype``, True for an int8 cache whose rows the native
+    rope write quantizes (``elementwise.QUANT_CACHE_DTYPE``), None for any other (module path)."""
+    if cache.dtype == dtype:
+        return False
+    if cache.dtype == elementwise.QUANT_CACHE_DTYPE and cache.shape[-1] - 2 <= elementwise.QUANT_MAX_HEAD_DIM:
+        return True
+    return None
+
+
 def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata, num_tokens: int) -> bool:
     """True when ``forward_layers`` can run this step (see the module doc).
 
@@ -127,7 +138,7 @@ def applies(model, kv_caches: list[torch.Tensor] | None, meta: AttentionMetadata
         or nd.start != 0
         or nd.end != num_tokens
         or model.dtype not in DTYPE_SUFFIX
-        or kv_caches[0].dtype != model.dtype  # (a quantized cache: the module path)
+        or _kv_quant(kv_caches[0], model.dtype) is None
         or model.embed_tokens.device.type != "cpu"
         or not getattr(model, "native_decode_parts", True)
         or not elementwise.available()
@@ -243,9 +254,13 @@ def _forward_per_layer(
     attn_out = new(T, H * D)
     gate_up, act = new(T, 2 * inter), new(T, inter)
     rms = elementwise._LIB.fn(f"rms_norm_{sfx}")
-    rope = elementwise._LIB.fn(f"rope_write_kv_{sfx}")
     silu = elementwise._LIB.fn(f"silu_and_mul_{sfx}")
-    attend = paged_attention._LIB.fn(f"kv_paged_decode_attention_{sfx}")
+    kv_q8 = bool(_kv_quant(kv_caches[0], model.dtype))
+    q8 = "_q8" if kv_q8 else ""
+    rope = elementwise._LIB.fn(f"rope_write_kv{q8}_{sfx}")
+    attend = paged_attention._LIB.fn(f"kv_paged_decode_attention{q8}_{sfx}")
+    # the int8 kernel takes the codes' kind before nthreads and returns nonzero without memory
+    kind = (paged_attention.QUANT_KIND[elementwise.QUANT_CACHE_DTYPE],) if kv_q8 else ()
     p = lambda t: t.data_ptr()  # noqa: E731
     cos_p, sin_p, slots_p = p(cos), p(sin), p(slots)
     table_p, nbmax, kstart_p, kend_p = p(nd.table), nd.table.shape[1], p(nd.kstart), p(nd.kend)
@@ -323,7 +338,7 @@ def _forward_per_layer(
         NB, BS = cache.shape[2], cache.shape[3]
         rope(p(qkv), cos_p, sin_p, p(qk), p(cache), slots_p, T, H, KH, D, NB * BS, nt)
         # q heads straight from qk's rows ((H + KH) * D apart); k/v are already in the cache
-        attend(
+        rc = attend(
             p(qk),
             (H + KH) * D,
             p(cache),
@@ -339,8 +354,11 @@ def _forward_per_layer(
             NB,
             BS,
             attn.attn.scale,
+            *kind,
             nt,
         )
+        if kv_q8 and rc:
+            raise MemoryError("native decode: no memory for the int8 attention kernel's scores")
         gemm(attn.o_weight, attn.o_bias, attn_out, o, attn, "o")
         if tp is not None:  # row-parallel o: sum the ranks' partial outputs
             tp.all_reduce(o)
@@ -583,28 +601,37 @@ class _StepPlan:
         m.max_rows = rows
 
     def bind_caches(self, kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
-        """Point every layer at its cache (``[2, KH, NB, BS, D]``, contiguous, the model dtype).
+        """Point every layer at its cache (``[2, KH, NB, BS, D]``, contiguous, the model dtype;
+        or int8 ``[2, KH, NB, BS, D + 2]``, then with the int8 cache's rope and attention
+        kernels).
 
         Raises:
             ValueError: a cache of another count, shape, dtype or layout.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"native decode: {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        kv_q8 = _kv_quant(kv_caches[0], self.dtype) if kv_caches else False
+        cdtype = elementwise.QUANT_CACHE_DTYPE if kv_q8 else self.dtype
+        width = self.D + 2 if kv_q8 else self.D
         for i, c in enumerate(kv_caches):
             if (
                 c.dim() != 5
                 or c.shape[0] != 2
                 or c.shape[1] != self.KH
-                or c.shape[4] != self.D
-                or c.dtype != self.dtype
+                or c.shape[4] != width
+                or c.dtype != cdtype
                 or not c.is_contiguous()
             ):
                 raise ValueError(
                     f"native decode: layer {i}'s KV cache {tuple(c.shape)} {c.dtype} is not a contiguous "
-                    f"[2, {self.KH}, blocks, block_size, {self.D}] {self.dtype} tensor"
+                    f"[2, {self.KH}, blocks, block_size, {width}] {cdtype} tensor"
                 )
             e = self.layers[i]
             e.cache, e.nb, e.bs = ptrs[i], c.shape[2], c.shape[3]
+        sfx, q8, m = DTYPE_SUFFIX[self.dtype], "_q8" if kv_q8 else "", self.struct
+        m.rope = decode_layers.fn_address(elementwise._LIB.fn(f"rope_write_kv{q8}_{sfx}"))
+        m.attend = decode_layers.fn_address(paged_attention._LIB.fn(f"kv_paged_decode_attention{q8}_{sfx}"))
+        m.kv_quant = int(bool(kv_q8))
         self.caches, self.cache_ptrs = list(kv_caches), ptrs
 
     def _bind_windows(

@@ -168,9 +168,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Rotary, cache write, attention and o for the projected ``qkv`` ``[T, q + 2 kv]``."""
         T = qkv.shape[0]
-        fused = self.fused_rope and elementwise.supported(
-            qkv, cos, sin, *(() if kv_cache is None else (kv_cache,))
-        )
+        fused = self.fused_rope and elementwise.writes_cache(qkv, cos, sin, kv_cache)
         if fused:  # rotary + cache write in one native pass
             qk = elementwise.rope_write_kv(
                 qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_cache, meta.slot_mapping

@@ -2,13 +2,14 @@
 """Offline throughput of vLLM's CPU backend on a kvserve workload (run with the vLLM venv).
 
     /work/vllm-venv/bin/python benchmarks/vllm_cpu/offline.py [--workload W] [--num-prompts N]
-        [--dtype float32|bfloat16] [--model HF_DIR] [--json-out F]
+        [--dtype float32|bfloat16] [--model HF_DIR] [--load-format dummy] [--json-out F]
 
 Feeds the workload's ``prompt_token_ids`` to ``vllm.LLM.generate`` with
 ``SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)``, all at once, and prints
 output tokens/s (timed around ``generate`` only, model load excluded, like kvserve's bench).
 Re-executes itself under ``env.sh`` (OpenMP binding to all cores, tcmalloc + libiomp5
-preloaded) unless that environment is already set. Needs nothing from kvserve's venv except, when
+preloaded) unless that environment is already set. ``--load-format dummy`` gives the model random
+weights (only ``config.json`` and the tokenizer are read from ``--model``). Needs nothing from kvserve's venv except, when
 ``--model`` is not given, kvserve's Python to find the default model directory.
 """
 
@@ -69,6 +70,22 @@ def rss_with_children_mib():
         return None
 
 
+def peak_rss_with_children_mib():
+    """Peak RSS (``VmHWM``) of this process plus that of each live child, summed: an upper bound
+    on their peak together (the engine-core child holds the weights and the KV cache)."""
+    try:
+        import psutil
+
+        me = psutil.Process()
+        total = 0
+        for p in [me, *me.children(recursive=True)]:
+            with open(f"/proc/{p.pid}/status") as f:
+                total += next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+        return total / 1024
+    except Exception:
+        return None
+
+
 def load_workload(path, n=None):
     reqs = []
     with open(path) as f:
@@ -89,6 +106,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--model", default=None, help="HF model dir (default: kvserve's default model)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--load-format", default=None, help="vLLM load_format, e.g. dummy (random weights)")
     p.add_argument("--json-out", default=None)
     ns = p.parse_args()
     reexec_with_env()
@@ -111,6 +129,8 @@ def main() -> int:
     kwargs = dict(model=model, dtype=ns.dtype)
     if ns.max_model_len:
         kwargs["max_model_len"] = ns.max_model_len
+    if ns.load_format:
+        kwargs["load_format"] = ns.load_format
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
@@ -139,6 +159,8 @@ def main() -> int:
         "total_tokens_per_s": (n_in + produced) / secs,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "rss_with_children_mib": rss_with_children_mib(),
+        "peak_rss_with_children_mib": peak_rss_with_children_mib(),
+        "load_format": ns.load_format,
         "env": {
             k: os.environ.get(k)
             for k in (

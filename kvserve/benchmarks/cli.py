@@ -1,4 +1,4 @@
-"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | moe | roof | ...``."""
+"""``kvserve bench throughput | serve | cold-start | plot | spec-decode | lora | quantized | moe | roof | shapes | ...``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ COMMANDS = {
     "preemption": (
         "kvserve.benchmarks.preemption",
         "tiny-cache workloads per preemption mode and policy, simulator and real engine",
+    ),
+    "shapes": (
+        "kvserve.benchmarks.shapes",
+        "real model shapes, random weights: w64 and batch-1 decode vs vLLM CPU and llama.cpp",
     ),
     "roof": (
         "kvserve.benchmarks.roof",

@@ -94,9 +94,14 @@ class PanelWeight:
             )
         n, k = weight.shape
         p = -(-n // PANEL_WIDTH)
-        padded = weight.new_zeros(p * PANEL_WIDTH, k)
-        padded[:n] = weight.detach()
-        self.panels = padded.view(p, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+        src = weight.detach()
+        if n % PANEL_WIDTH:  # zero columns up to a whole panel (a copy only then: at 1B sizes a
+            # second full-size temporary per weight made loading slower and its peak higher)
+            src = weight.new_zeros(p * PANEL_WIDTH, k)
+            src[:n] = weight.detach()
+        panels = src.reshape(p, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+        # one input feature makes the transpose a no-op: never alias the caller's weight
+        self.panels = panels.clone() if panels.data_ptr() == weight.data_ptr() else panels
         self.out_features, self.in_features = n, k
         self.large = large
         self.max_rows = max_rows if large is not None else None

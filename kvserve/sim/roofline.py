@@ -40,8 +40,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 #: Bytes per element of each weight or KV storage type the floor knows (``q8_0``: 32 int8
-#: codes and a float16 scale per 34 bytes; ``q4_1``: 32 nibbles, a float16 scale and min).
-DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "q8_0": 34 / 32, "q4_1": 20 / 32}
+#: codes and a float16 scale per 34 bytes; ``q4_0``: 32 nibbles and a float16 scale; ``q4_1``:
+#: 32 nibbles, a float16 scale and min).
+DTYPE_BYTES = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "int8": 1.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+}
 
 
 @dataclass(frozen=True)

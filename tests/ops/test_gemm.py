@@ -160,3 +160,14 @@ def test_a_row_is_bit_identical_whatever_the_row_count(n, k, m, bf16, seed):
     together = gemm.linear(x, pw, b)
     for i in range(m):
         assert torch.equal(together[i : i + 1], gemm.linear(x[i : i + 1], pw, b)), i
+
+
+@pytest.mark.parametrize("n, k", [(96, 1), (96, 5), (50, 1)])
+def test_panels_are_their_own_copy(n, k):
+    """Whole panels (``n`` a multiple of 48) are packed without the padded temporary, and even
+    where the transpose is a no-op (one input feature) the panels never alias the weight."""
+    w = torch.randn(n, k)
+    pw = gemm.PanelWeight(w)
+    before = w.clone()
+    w.add_(1.0)
+    assert torch.equal(pw.unpack(), before)

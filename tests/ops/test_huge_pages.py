@@ -89,3 +89,27 @@ def test_greedy_output_is_the_same_with_and_without_huge_pages(tiny_llama_dir, m
     assert moved[0] == 0  # off
     if moved[-1] == 0:
         pytest.skip("no huge pages here: both runs used 4 KiB pages")
+
+
+def test_each_original_is_released_before_the_next_tensor_moves(on):
+    """The move's peak is the arena plus one tensor: a tensor's original is freed once copied,
+    before the next holder is pointed at its copy (a 1B float32 model would otherwise hold its
+    weights twice over while loading)."""
+    first = torch.randn(200, 200)
+    first_ref = weakref.ref(first)
+    alive_when_second_moved = []
+
+    class Recording(_Holder):
+        def __setattr__(self, name, value):
+            if self.__dict__.get("is_second"):
+                alive_when_second_moved.append(first_ref() is not None)
+            super().__setattr__(name, value)
+
+    h1 = Recording(panels=first)
+    h2 = Recording(panels=torch.randn(200, 200))
+    h2.is_second = True
+    alive_when_second_moved.clear()
+    del first
+    if huge_pages.move_weights([h1, h2], ("panels",)) == 0:
+        pytest.skip("the kernel refused MADV_HUGEPAGE")
+    assert alive_when_second_moved == [False]

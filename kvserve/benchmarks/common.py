@@ -107,6 +107,11 @@ def system_info() -> dict:
     return info
 
 
+def fmt_ratio(v: float | None) -> str | None:
+    """A ratio as a table cell (``1.23x``), None kept."""
+    return None if v is None else f"{v:.2f}x"
+
+
 def fmt_table(headers, rows) -> str:
     """A plain, aligned text table (numbers right-aligned)."""
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]

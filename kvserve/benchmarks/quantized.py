@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvserve.benchmarks.common import fmt_table, system_info
+from kvserve.benchmarks.common import fmt_ratio, fmt_table, system_info
 from kvserve.workload.io import write_json
 
 #: The batch-1 request, rendered by the model's own chat template (``PROMPT`` is the fallback
@@ -248,10 +248,6 @@ def format_targets(checks: list[dict]) -> str:
     )
 
 
-def _x(v) -> str | None:
-    return None if v is None else f"{v:.2f}x"
-
-
 def format_table(rows: list[dict]) -> str:
     """The batch-1 table (medians, ratios, load and memory) as text."""
     headers = [
@@ -277,11 +273,11 @@ def format_table(rows: list[dict]) -> str:
                 r["path"],
                 r.get("step_weight_mb"),
                 r["decode_tok_s"],
-                _x(r.get("x_llama_cpp_decode")),
-                _x(r.get("x_bf16_decode")),
+                fmt_ratio(r.get("x_llama_cpp_decode")),
+                fmt_ratio(r.get("x_bf16_decode")),
                 r["overall_tok_s"],
-                _x(r.get("x_llama_cpp_overall")),
-                _x(r.get("x_bf16_overall")),
+                fmt_ratio(r.get("x_llama_cpp_overall")),
+                fmt_ratio(r.get("x_bf16_overall")),
                 None if r["ttft_s"] is None else r["ttft_s"] * 1e3,
                 r.get("weights_gb_s"),
                 r.get("load_s"),
@@ -512,7 +508,7 @@ def format_w64_table(rows: list[dict]) -> str:
         [
             r["path"],
             r["output_tokens_per_s"],
-            _x(r.get("x_bf16")),
+            fmt_ratio(r.get("x_bf16")),
             r["elapsed_s"],
             r.get("load_s"),
             r.get("peak_rss_mib"),

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.benchmarks.common import fmt_table, peak_rss_mib, system_info
+from kvserve.benchmarks.common import fmt_ratio, fmt_table, peak_rss_mib, system_info
 from kvserve.benchmarks.shape_checkpoints import GGUF_TYPES, SHAPES, ensure_checkpoint, ensure_gguf
 from kvserve.workload.io import write_json
 
@@ -349,10 +349,6 @@ def check_targets(rows: list[dict], shape: str = "llama-3.2-1b") -> list[dict]:
     return out
 
 
-def _x(v) -> str | None:
-    return None if v is None else f"{v:.2f}x"
-
-
 def _pct(v) -> str | None:
     return None if v is None else f"{v:.0f}%"
 
@@ -384,9 +380,9 @@ def format_table(rows: list[dict]) -> str:
             _pct(r.get("decode_pct_roof")),
             None if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:.0f}",
             r.get("peer"),
-            _x(r.get("w64_x_peer")),
-            _x(r.get("decode_x_peer")),
-            _x(r.get("rss_x_peer")),
+            fmt_ratio(r.get("w64_x_peer")),
+            fmt_ratio(r.get("decode_x_peer")),
+            fmt_ratio(r.get("rss_x_peer")),
         ]
         for r in rows
     ]

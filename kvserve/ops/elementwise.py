@@ -196,23 +196,25 @@ def offset_rms_norm_heads_(
     )
 
 
+def _act_and_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """The kernel ``<name>_<dtype>`` over ``gate_up`` ``[T, 2 * I]``; returns ``[T, I]``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not supported(gate_up):
+        raise ValueError(
+            f"{name}: need a contiguous CPU float32/bfloat16 [T, 2 * I], got {tuple(gate_up.shape)} {gate_up.dtype}"
+        )
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
+    _LIB.call(f"{name}_{DTYPE_SUFFIX[gate_up.dtype]}", gate_up, out, T, I2 // 2, torch.get_num_threads())
+    return out
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``gate_up`` ``[T, 2 * I]``; returns ``[T, I]``.
 
     Raises:
         ValueError: odd last dimension or unsupported input.
     """
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not supported(gate_up):
-        raise ValueError(
-            f"silu_and_mul: need a contiguous CPU float32/bfloat16 [T, 2 * I], "
-            f"got {tuple(gate_up.shape)} {gate_up.dtype}"
-        )
-    T, I2 = gate_up.shape
-    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
-    _LIB.call(
-        f"silu_and_mul_{DTYPE_SUFFIX[gate_up.dtype]}", gate_up, out, T, I2 // 2, torch.get_num_threads()
-    )
-    return out
+    return _act_and_mul("silu_and_mul", gate_up)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -223,17 +225,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: odd last dimension or unsupported input.
     """
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not supported(gate_up):
-        raise ValueError(
-            f"gelu_tanh_and_mul: need a contiguous CPU float32/bfloat16 [T, 2 * I], "
-            f"got {tuple(gate_up.shape)} {gate_up.dtype}"
-        )
-    T, I2 = gate_up.shape
-    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype)
-    _LIB.call(
-        f"gelu_tanh_and_mul_{DTYPE_SUFFIX[gate_up.dtype]}", gate_up, out, T, I2 // 2, torch.get_num_threads()
-    )
-    return out
+    return _act_and_mul("gelu_tanh_and_mul", gate_up)
 
 
 def rope_write_kv(

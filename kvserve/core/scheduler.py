@@ -1335,6 +1335,7 @@ class Scheduler:
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool
     ) -> SchedulerSwappedInOutputs:
         """Swap groups back in, in rank order, while blocks (plus watermark) and budget allow.
+        A group that a waiting group goes before (``admits_past``) is passed over for the step.
         A group that can never fit is rejected (``infeasible_seq_groups`` -> ignored). A group
         whose adapter would exceed ``max_loras`` is deferred: it stays in ``swapped``, in its
         place, and the groups behind it are still considered."""
@@ -1349,7 +1350,11 @@ class Scheduler:
         while ranked:
             g = ranked[0]
             if any(self.policy.admits_past(st.now, w, g) for w in ahead):
-                break  # a waiting group ranked before it is admitted first (its place, as if recomputed)
+                # A waiting group ranked before it is admitted first (its place, as if
+                # recomputed). Pass it over, not stop: a group behind it that no waiting group
+                # passes (a tie of ranks) would else hold that waiting group back forever.
+                ranked.popleft()
+                continue
             if not self._lora_fits(g, st.curr_loras):
                 ranked.popleft()  # deferred: stays in self.swapped, order unchanged
                 continue

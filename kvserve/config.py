@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
@@ -170,6 +171,20 @@ def check_non_negative(name: str, value) -> None:
     """Raises ValueError naming ``name`` unless ``value`` is a finite number >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+
+
+def check_burst_credit(burst_tokens: float, tenant_weights: dict[str, float]) -> None:
+    """Raises ValueError naming ``fair_burst_tokens`` and the tenant unless every tenant's burst
+    credit (``burst_tokens / weight``, weighted tokens) is finite: an infinite credit would put
+    a joining tenant's counter at minus infinity, where a served token (its cost over the same
+    tiny weight, infinite too) makes it NaN and the policy's order undefined. Both arguments
+    are checked on their own first (``check_non_negative``, ``parse_tenant_weights``)."""
+    for name, weight in tenant_weights.items():
+        if not math.isfinite(burst_tokens / weight):
+            raise ValueError(
+                f"fair_burst_tokens ({burst_tokens!r}) over tenant_weights[{name!r}] ({weight!r}) "
+                "must be finite (the tenant's burst credit): lower the burst or raise the weight."
+            )
 
 
 def parse_tenant_weights(value: dict | str | None) -> dict[str, float]:
@@ -540,6 +555,7 @@ class SchedulerConfig:
         _positive_float("fair_output_weight", self.fair_output_weight)
         self.tenant_weights = parse_tenant_weights(self.tenant_weights)
         check_non_negative("fair_burst_tokens", self.fair_burst_tokens)
+        check_burst_credit(self.fair_burst_tokens, self.tenant_weights)
         if self.scheduling_backfill is not None and not isinstance(self.scheduling_backfill, bool):
             raise ValueError(
                 f"scheduling_backfill must be True, False or None (the policy's default), "
@@ -896,8 +912,8 @@ class EngineArgs:
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_float("fair_input_weight", self.fair_input_weight)
         _positive_float("fair_output_weight", self.fair_output_weight)
-        parse_tenant_weights(self.tenant_weights)
         check_non_negative("fair_burst_tokens", self.fair_burst_tokens)
+        check_burst_credit(self.fair_burst_tokens, parse_tenant_weights(self.tenant_weights))
         self.generation_overrides()
         if self.runner not in RUNNER_CHOICES:
             raise ValueError(f"runner must be one of {'|'.join(RUNNER_CHOICES)}, got {self.runner!r}.")

@@ -26,7 +26,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 
-from kvserve.config import SchedulerConfig, check_non_negative
+from kvserve.config import SchedulerConfig, check_burst_credit, check_non_negative
 from kvserve.sequence import SequenceGroup
 
 PriorityKey = float | tuple[float, ...]
@@ -207,8 +207,9 @@ class FairPolicy(Policy):
             of the least-served backlogged tenant (0: VTC's lift exactly).
 
     Raises:
-        ValueError: a weight that is not a finite number > 0, or ``burst_tokens`` that is not
-            a finite number >= 0, naming it.
+        ValueError: a weight that is not a finite number > 0, ``burst_tokens`` that is not
+            a finite number >= 0, or a burst credit (``burst_tokens / weight``) that is not
+            finite, naming it.
     """
 
     tracks_service = True
@@ -226,6 +227,7 @@ class FairPolicy(Policy):
         for name, w in (tenant_weights or {}).items():
             _check_weight(f"tenant_weights[{name!r}]", w)
         check_non_negative("fair_burst_tokens", burst_tokens)
+        check_burst_credit(burst_tokens, tenant_weights or {})
         self.input_weight = float(input_weight)
         self.output_weight = float(output_weight)
         self.tenant_weights = dict(tenant_weights or {})

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from kvserve.config import EngineArgs, SchedulerConfig
+from kvserve.core.policy import FairPolicy
 from kvserve.sampling_params import SamplingParams
 from tests.core.simutil import Harness, configs, prompt_of
 
@@ -145,3 +147,32 @@ def test_greedy_outputs_match_fcfs():
         for i in range(len(reqs)):
             assert fair.outputs[f"r{i}"].outcome == fcfs.outputs[f"r{i}"].outcome, (seed, i)
             assert fair.tokens(f"r{i}") == fcfs.tokens(f"r{i}"), (seed, i)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SchedulerConfig(policy="fair", fair_burst_tokens=1.7e308, tenant_weights={"b": 1e-300}),
+        lambda: EngineArgs(policy="fair", fair_burst_tokens=8.0, tenant_weights="b=5e-324"),
+        lambda: FairPolicy(burst_tokens=1e300, tenant_weights={"b": 1e-300}),
+    ],
+    ids=["scheduler-config", "engine-args", "policy"],
+)
+def test_an_infinite_burst_credit_is_refused_naming_the_tenant(make):
+    """A burst over a tiny weight overflows to an infinite credit: the tenant would join at minus
+    infinity and turn NaN on its first token (the policy's order undefined: a hang)."""
+    with pytest.raises(ValueError, match=r"fair_burst_tokens \(.*\) over tenant_weights\['b'\]"):
+        make()
+
+
+def test_counters_overflowing_to_infinity_still_drain():
+    """Weights at the ends of the float range, no burst credit: a tiny weight's counter is
+    infinite after one token, a huge one's never moves; every request still ends."""
+    for seed in range(60):
+        w = _workload(seed, extreme=False)
+        cfg = {
+            **w["cfg"],
+            "tenant_weights": {"a": 5e-324, "b": 1e308, "c": 1.7e308},
+            "fair_burst_tokens": 0.0,
+        }
+        _check(_run(cfg, w["reqs"], w["aborts"]), w["reqs"], w["aborts"])

@@ -9,7 +9,7 @@ One table: a row per workload, runner (sim | real), policy, backfill and preempt
 preemptions by recompute and by swap, recomputed tokens (prefill tokens beyond each prompt's
 first prefill), output tokens/s (all samples), TTFT and TPOT p50/p90 (ms); then, per workload,
 whether the simulator and the real engine rank the configurations alike by output tokens/s.
-``--json OUT`` writes the rows and the rankings.
+``--workloads`` picks some by name. ``--json OUT`` writes the rows and the rankings.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     try:
         runners, configs, base, cost_model = sb.resolve(ns)
+        wls = sb.select_workloads(ns.workloads, ws.preemption_workloads(sb.corpus(), quick=ns.quick))
     except ValueError as e:
         return sb.error(e)
-    wls = ws.preemption_workloads(sb.corpus(), quick=ns.quick)
     print(f"{len(wls)} workloads x {len(runners)} runners x {len(configs)} configs")
     rows = sb.run_matrix(wls, runners, configs, base, cost_model)
     text, lines, rankings = render(rows)

@@ -23,7 +23,7 @@ import gc
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvserve.benchmarks.common import fmt_table, system_info
 from kvserve.config import SchedulerConfig
@@ -208,7 +208,7 @@ def run_one(runner: str, args, workload: ws.SchedWorkload, cost_model) -> dict:
 
 def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S) -> dict:
     """The run's figures (times in seconds): per tenant ``ttft``/``tpot`` ``{p50, p90}`` of its
-    finished requests, ``jain`` (``windowed_jain`` of served tokens weighted as the ``fair``
+    finished requests (``ttft`` also ``max``: head-of-line's long prompt is tenant A's last), ``jain`` (``windowed_jain`` of served tokens weighted as the ``fair``
     policy's counters count them: a request's prompt tokens x ``FAIR_INPUT_WEIGHT`` spread evenly
     from its first scheduling to its first token (chunked prefill computes them over those steps;
     credited all at the first token, a long prompt on a slow host lands in a later window than
@@ -243,6 +243,7 @@ def metrics(res, workload: ws.SchedWorkload, window_s: float = ws.JAIN_WINDOW_S)
             k: {q: s[q] for q in ("p50", "p90")}
             for k, s in (("ttft", summarize(ttft)), ("tpot", summarize(tpot)))
         }
+        per[t]["ttft"]["max"] = max(ttft) if ttft else None
     finished = [rid for rid, o in res.outcome.items() if o == "finished"]
     admitted = [rid for rid in res.token_times if res.outcome.get(rid) != "rejected"]
     prefill = sum(s.shape.prefill_tokens for s in res.steps)
@@ -447,6 +448,7 @@ def build_parser(prog: str, doc: str, default_modes: str) -> argparse.ArgumentPa
     )
     ap.add_argument("--cost-model", default=None, help="the simulator's cost model (kvserve profile JSON)")
     ap.add_argument("--quick", action="store_true", help="fewer requests and shorter outputs")
+    ap.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
     ap.add_argument("--json", default=None, metavar="OUT", help="write the rows and rankings here")
     return ap
 
@@ -485,6 +487,23 @@ def resolve(ns) -> tuple[list[str], list[Config], object, object]:
         cost_model = CostModel()
     configs = [Config(p, b, m) for p in policies for b in backfill for m in modes]
     return runners, configs, base, cost_model
+
+
+def select_workloads(
+    flag_value: str | None, wls: list[ws.SchedWorkload], companions: Mapping[str, str] | None = None
+) -> list[ws.SchedWorkload]:
+    """The workloads ``--workloads`` names (all when ``None``), in their own order; a workload
+    in ``companions`` (name -> the workload it belongs to, e.g. a baseline run of one tenant
+    alone) comes along with that workload and cannot be named itself.
+
+    Raises:
+        ValueError: an unknown or companion name, naming ``--workloads`` and the choices.
+    """
+    companions = companions or {}
+    if flag_value is None:
+        return wls
+    names = parse_choice("--workloads", flag_value, [w.name for w in wls if w.name not in companions])
+    return [w for w in wls if w.name in names or companions.get(w.name) in names]
 
 
 def finish(ns, command: str, table: str, lines: list[str], payload: dict) -> int:

@@ -18,7 +18,7 @@ import copy
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.sequence import ExecuteModelRequest
@@ -150,8 +150,12 @@ def replay(
     ``record_steps``: keep a ``StepRecord`` per step in ``ReplayResult.steps``, timed by
     ``timer`` (seconds; the executor is wrapped for the run and put back after).
 
+    A request with ``after_id`` arrives ``arrival_s`` after that request's first token (after
+    its end if it ends with none, e.g. rejected).
+
     Raises:
         RuntimeError: more than ``max_steps`` steps (a stuck engine), never a hang.
+        ValueError: an ``after_id`` that names no request of the run, or a cycle of them.
     """
     if not record_steps:
         return _replay(engine, requests, clock, wait_until, max_steps, None, submit)
@@ -168,7 +172,20 @@ def replay(
 
 def _replay(engine, requests, clock, wait_until, max_steps, rec, submit: Submit) -> ReplayResult:
     res = ReplayResult()
-    pending = sorted(requests, key=lambda r: (r.arrival_s, r.id))
+    pending = sorted((r for r in requests if r.after_id is None), key=lambda r: (r.arrival_s, r.id))
+    # requests timed from another's first token, by that request's id
+    deferred: dict[int, list[BenchRequest]] = {}
+    ids = {r.id for r in requests}
+    for r in requests:
+        if r.after_id is not None:
+            if r.after_id not in ids:
+                raise ValueError(f"request {r.id}: after_id {r.after_id} is not a request of the run")
+            deferred.setdefault(r.after_id, []).append(r)
+
+    def release(rid: int, t: float) -> None:
+        timed = [replace(d, arrival_s=t + d.arrival_s, after_id=None) for d in deferred.pop(rid, [])]
+        pending[i:] = sorted([*pending[i:], *timed], key=lambda r: (r.arrival_s, r.id))
+
     t0 = clock()
     i = 0
     lens: dict[int, int] = {}
@@ -201,6 +218,7 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec, submit: Submit)
             except ValueError:
                 res.rejected += 1
                 res.outcome[r.id] = "rejected"
+                release(r.id, now - t0)
             i += 1
         if not engine.has_unfinished_requests():
             wait_until(t0 + pending[i].arrival_s)
@@ -224,6 +242,8 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec, submit: Submit)
             rid = int(o.request_id)
             n = len(o.outputs[0].token_ids) if o.outputs else 0
             grew = n - lens.get(rid, 0)
+            if rid in deferred and (n > 0 or o.finished):
+                release(rid, t)
             if grew > 0:
                 res.token_times[rid].extend([t] * grew)
                 lens[rid] = n
@@ -237,6 +257,10 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec, submit: Submit)
                 )
     else:
         raise RuntimeError(f"replay did not finish within {max_steps} steps")
+    if deferred:  # a cycle of after_id: none of them could arrive
+        raise ValueError(
+            f"requests {sorted(d.id for ds in deferred.values() for d in ds)} never arrived: after_id cycle"
+        )
     if rec is not None:
         close(rec[0].timer())
     res.duration_s = clock() - t0

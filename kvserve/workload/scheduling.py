@@ -16,9 +16,10 @@ Workloads (each a ``SchedWorkload``: requests plus the KV-cache size it is meant
 * ``backlogged``: ``num_backlogged`` (48) trace rows, all sent at t=0, each given a tenant by
   ``tenant_of`` (two tenants, A with two thirds of the rows): both tenants stay backlogged, the
   setting for Jain's index.
-* ``head-of-line``: four holders (176-token prompts, 48 outputs) fill most of the cache, a long
-  prompt (400 tokens) arrives at 0.2 s and cannot get its blocks, eight short requests (32-token
-  prompts, 8 outputs) arrive at 0.3 s: without backfill they wait behind the long prompt.
+* ``head-of-line``: four holders (176-token prompts, 48 outputs) fill most of the cache; while
+  they decode (0.1 s after the last one's first token) a long prompt (400 tokens) arrives and
+  cannot get its blocks, and 0.2 s after that token eight short requests (32-token prompts, 8 outputs):
+  without backfill they wait behind the long prompt.
 * ``long`` / ``many-short`` / ``n4`` (``preemption_workloads``): long prompts with long outputs,
   many short requests, and ``n=4`` sampling, each on a cache too small for all of them at once,
   so the scheduler must preempt.
@@ -102,11 +103,18 @@ def tenant_of(index: int, num_tenants: int = 2, skew: float = 1.0) -> str:
     return f"t{num_tenants - 1}"
 
 
-def _request(corpus, rid, inp, out, arrival, tenant, priority=0, n=1) -> SchedRequest:
+def _request(corpus, rid, inp, out, arrival, tenant, priority=0, n=1, after_id=None) -> SchedRequest:
     # a deterministic, distinct window of the corpus per request id
     ids = corpus_window(corpus, rid * 7919, inp)
     return SchedRequest(
-        prompt_token_ids=ids, output_len=out, arrival_s=arrival, id=rid, tenant=tenant, priority=priority, n=n
+        prompt_token_ids=ids,
+        output_len=out,
+        arrival_s=arrival,
+        id=rid,
+        tenant=tenant,
+        priority=priority,
+        n=n,
+        after_id=after_id,
     )
 
 
@@ -160,12 +168,13 @@ def backlogged_workload(
 
 
 def head_of_line_workload(corpus: Sequence[int], num_short: int = 8) -> SchedWorkload:
-    """Four holders (176-token prompts: 11 blocks each, 14 with their 48 outputs), then at 0.2 s
-    a 400-token prompt (25 blocks, more than the 20 left), then ``num_short`` 32-token prompts with 8 outputs (3 blocks
-    each) at 0.3 s; 64 KV blocks."""
+    """Four holders at 0 s (176-token prompts: 11 blocks each, 14 with their 48 outputs); 0.1 s
+    after the last holder's first token (while the holders decode, on a host of any speed) a
+    400-token prompt (25 blocks, more than the 20 left), then 0.2 s after that token
+    ``num_short`` 32-token prompts with 8 outputs (3 blocks each); 64 KV blocks."""
     reqs = [_request(corpus, i, 176, 48, 0.0, "A") for i in range(4)]
-    reqs.append(_request(corpus, 4, 400, 8, 0.2, "A"))
-    reqs += [_request(corpus, 5 + j, 32, 8, 0.3, "B") for j in range(num_short)]
+    reqs.append(_request(corpus, 4, 400, 8, 0.1, "A", after_id=3))
+    reqs += [_request(corpus, 5 + j, 32, 8, 0.2, "B", after_id=3) for j in range(num_short)]
     return SchedWorkload("head-of-line", reqs, 64, weights={"A": 1.0, "B": 1.0})
 
 

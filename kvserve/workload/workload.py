@@ -46,7 +46,8 @@ def default_workload_path(name: str = "w64.jsonl") -> Path:
 
 @dataclass
 class BenchRequest:
-    """One request to send: token ids (and text when known), output length, arrival time (s)."""
+    """One request to send: token ids (and text when known), output length, arrival time (s
+    from the run's start, or from request ``after_id``'s first token when that is set)."""
 
     prompt_token_ids: list[int]
     output_len: int
@@ -55,6 +56,9 @@ class BenchRequest:
     id: int = 0
     lora_id: int = 0  # LoRA adapter id (0 = the base model)
     tenant: str | None = None  # who it is served for (None = the default tenant)
+    # arrival_s counts from this request's first token (or its end, if it has none) instead of
+    # the run's start: a scenario stated in engine events holds on a host of any speed
+    after_id: int | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -60,9 +60,9 @@ def test_backlogged_head_of_line_and_preemption_shapes():
     assert all(r.arrival_s == 0 for r in bl.requests)
     assert [r.tenant for r in bl.requests] == ["A" if ws.tenant_of(i) == "t0" else "B" for i in range(48)]
     hol = ws.head_of_line_workload(CORPUS)
-    assert [(r.prompt_len, r.output_len, r.arrival_s) for r in hol.requests[:5]] == [(176, 48, 0.0)] * 4 + [
-        (400, 8, 0.2)
-    ]
+    assert [(r.prompt_len, r.output_len, r.arrival_s, r.after_id) for r in hol.requests[:5]] == [
+        (176, 48, 0.0, None)
+    ] * 4 + [(400, 8, 0.1, 3)]
     assert len(hol.requests) == 13 and all(r.prompt_len == 32 for r in hol.requests[5:])
     # the long prompt's 25 blocks exceed what the holders' prompts leave free
     assert 400 // 16 > hol.num_gpu_blocks - 4 * 176 // 16
@@ -264,3 +264,24 @@ def test_fairness_rows_count_rank_preemptions(tmp_path, monkeypatch):
     for r in fair:  # the host pool has room: every share preemption swaps, none recomputes
         assert r["num_rank_swap_preemptions"] == r["num_rank_preemptions"]
         assert r["num_rank_recomputed_tokens"] == 0
+
+
+def test_workloads_flag_picks_by_name(tmp_path, capsys):
+    out = tmp_path / "h.json"
+    assert (
+        fairness.main(
+            ["--runners", "sim", "--policies", "fcfs", "--workloads", "head-of-line", "--json", str(out)]
+        )
+        == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["workload"] for r in rows} == {"head-of-line"}
+    # the long prompt is tenant A's last first token: its TTFT is A's largest
+    a = rows[0]["tenants"]["A"]["ttft"]
+    assert a["max"] >= a["p90"] >= a["p50"]
+    # b-alone comes with flood only; an unknown name is refused naming the flag
+    wls = fairness.workloads(quick=True)
+    assert [w.name for w in sb.select_workloads("flood", wls, {"b-alone": "flood"})] == ["flood", "b-alone"]
+    for bad in ("b-alone", "nope"):
+        with pytest.raises(ValueError, match="--workloads"):
+            sb.select_workloads(bad, wls, {"b-alone": "flood"})

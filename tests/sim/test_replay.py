@@ -52,3 +52,26 @@ def test_idle_gaps_are_waited_for_and_arrivals_count_from_the_trace():
     # each request arrives to an idle engine: no queueing, TTFT = its prefill step
     assert s["queue_s"]["max"] == pytest.approx(0.0, abs=1e-9)
     assert res.token_times[2][0] > 20.0 and res.duration_s == pytest.approx(res.token_times[2][-1])
+
+
+def test_after_id_times_an_arrival_from_that_requests_first_token():
+    first = _burst(1, output_len=20)
+    # 0.5 s after request 0's first token; a second one chained on the first
+    late = _burst(1, start=0.5, output_len=3, first_id=1)[0]
+    late.after_id = 0
+    chained = _burst(1, start=0.25, output_len=3, first_id=2)[0]
+    chained.after_id = 1
+    res = sim_replay(_configs(64), CostModel(), 1000, [*first, late, chained])
+    assert res.arrival[1] == pytest.approx(res.token_times[0][0] + 0.5)
+    assert res.arrival[2] == pytest.approx(res.token_times[1][0] + 0.25)
+    assert res.token_times[1][0] > res.arrival[1] and res.token_times[2][0] > res.arrival[2]
+
+
+def test_after_id_of_no_request_or_a_cycle_is_an_error():
+    a, b = _burst(2, output_len=3)
+    a.after_id = 7
+    with pytest.raises(ValueError, match="after_id 7"):
+        sim_replay(_configs(64), CostModel(), 1000, [a, b])
+    a.after_id, b.after_id = 1, 0
+    with pytest.raises(ValueError, match="after_id cycle"):
+        sim_replay(_configs(64), CostModel(), 1000, [a, b])

@@ -62,7 +62,8 @@ class Policy:
         ]
         if unread:
             raise ValueError(
-                f"{', '.join(unread)} only apply to the 'fair' scheduling policy, not {config.policy!r}."
+                f"{', '.join(unread)} only {'applies' if len(unread) == 1 else 'apply'} to the 'fair' "
+                f"scheduling policy, not {config.policy!r}."
             )
         return cls()
 

@@ -209,16 +209,17 @@ def test_factory_builds_fair_from_the_scheduler_config():
 @pytest.mark.parametrize(
     "kwargs,names",
     [
-        (dict(tenant_weights={"a": 2.0}), "tenant_weights"),
-        (dict(fair_input_weight=0.5, fair_output_weight=3.0), "fair_input_weight, fair_output_weight"),
-        (dict(fair_burst_tokens=0), "fair_burst_tokens"),
+        (dict(tenant_weights={"a": 2.0}), "tenant_weights only applies"),
+        (
+            dict(fair_input_weight=0.5, fair_output_weight=3.0),
+            "fair_input_weight, fair_output_weight only apply",
+        ),
+        (dict(fair_burst_tokens=0), "fair_burst_tokens only applies"),
     ],
 )
 def test_fair_settings_under_another_policy_are_refused_naming_them(policy, kwargs, names):
     """The other policies would ignore them: an error, not a weight that silently does nothing."""
-    with pytest.raises(
-        ValueError, match=rf"^{names} only apply to the 'fair' scheduling policy, not '{policy}'"
-    ):
+    with pytest.raises(ValueError, match=rf"^{names} to the 'fair' scheduling policy, not '{policy}'"):
         PolicyFactory.from_config(SchedulerConfig(policy=policy, **kwargs))
     assert not PolicyFactory.from_config(SchedulerConfig(policy=policy)).tracks_service
 

@@ -14,15 +14,16 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from kvserve import LLM, SamplingParams
+from kvserve.envs import shared_dir
 
-REPO = Path(__file__).resolve().parents[1]
-CORPUS = REPO.parent / "shared" / "workloads" / "w256.jsonl"
+CORPUS = shared_dir() / "workloads" / "w256.jsonl"
 
 
 def corpus_ids(n_tokens: int, seed: int) -> list:
@@ -122,6 +123,8 @@ def main():
     ap.add_argument("--chunk-budget", type=int, default=256)
     ap.add_argument("--json-out", default="benchmarks/results/scheduling_features.json")
     a = ap.parse_args()
+    if not CORPUS.is_file():  # before the model loads
+        sys.exit(f"error: {CORPUS}: no such workload (set KVSERVE_SHARED_DIR to the shared data folder)")
     pc = bench_prefix_caching(a.num_requests, a.system_len, a.user_len, a.output_len)
     cp = bench_chunked_prefill(a.num_requests, a.long_len, a.short_len, a.output_len, a.chunk_budget)
     print(f"\nPrefix caching ({a.num_requests} requests, shared {a.system_len}-token system prompt)")

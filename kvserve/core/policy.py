@@ -62,7 +62,8 @@ class Policy:
         ]
         if unread:
             raise ValueError(
-                f"{', '.join(unread)} only apply to the 'fair' scheduling policy, not {config.policy!r}."
+                f"{', '.join(unread)} only {'applies' if len(unread) == 1 else 'apply'} to the 'fair' "
+                f"scheduling policy, not {config.policy!r}."
             )
         return cls()
 
@@ -162,7 +163,8 @@ class FairPolicy(Policy):
     ``max(its counter, floor - credit)``. ``floor`` is the least counter among backlogged
     tenants, ratcheted (it never decreases; with none backlogged it is the last value).
     ``credit`` is ``burst_tokens / weight`` when another tenant was backlogged at the start of
-    the last step (it joins a busy engine), else 0 (tenants that arrive together start level).
+    the last step and still is (it joins a busy engine), else 0 (tenants that arrive together
+    start level, and so does one arriving at an engine that went idle).
     With ``burst_tokens = 0`` this is VTC's lift exactly: idle time earns nothing, and a tenant
     returning to a flood only levels with it, then shares every step's budget with it, so its
     first burst of requests takes about twice as long as alone. The credit lets that first
@@ -262,8 +264,10 @@ class FairPolicy(Policy):
 
     def _lift(self, tenant: str | None, floor: float) -> float:
         """The least counter ``tenant`` joins the backlog at now: ``floor`` less its burst
-        credit when another tenant was backlogged at the start of the last step."""
-        if any(t != tenant for t in self._busy_at_step):
+        credit when another tenant was backlogged at the start of the last step and still is.
+        (An engine that went idle runs no step, so the last step's set alone would hand the
+        next tenant to arrive a credit against tenants long gone.)"""
+        if any(t != tenant and t in self._backlog for t in self._busy_at_step):
             return self._least_lift(tenant, floor)
         return floor
 

@@ -140,7 +140,8 @@ class LLM:
             ValueError: for any invalid prompt or params (an adapter that does not load, a
                 ``lora_request`` or ``tenant`` list of the wrong length or while LoRA is off, a
                 ``tenant`` that is not a string, list or None, a tenant over ``MAX_TENANT_CHARS``
-                characters); then nothing is queued.
+                characters, a non-zero ``priority`` unless the policy is ``priority`` or
+                ``fair``); then nothing is queued.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -164,6 +165,15 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
+        policy = self.llm_engine.scheduler_config.policy
+        # another policy never reads it: refused, not accepted and ignored (as vLLM does); a
+        # value that is not an int is left to the engine's check, which names the range
+        first = next((p for p in priorities if isinstance(p, int) and p), 0)
+        if policy not in ("priority", "fair") and first:
+            raise ValueError(
+                f"priority {first} needs the 'priority' or 'fair' policy; this LLM runs {policy!r} "
+                "(LLM(scheduling_policy='priority'), or leave priority out)."
+            )
         loras = self._lora_list(lora_request, len(prompts))
         if tenant is None or isinstance(tenant, str):
             tenants: list[str | None] = [tenant] * len(prompts)

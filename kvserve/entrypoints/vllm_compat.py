@@ -944,6 +944,22 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
     return lines
 
 
+def typed_flags(message: str, ns: argparse.Namespace) -> str:
+    """``message`` (an engine error already worded with kvserve's flags, ``cli.flag_names``)
+    with each flag that a mapped vLLM flag given in ``ns`` set written as the user typed it,
+    kvserve's after it: ``--swap-space -1`` set ``--swap-space-gib``, so ``--swap-space-gib must
+    be >= 0`` reads ``--swap-space (kvserve's --swap-space-gib) must be >= 0``."""
+    for flag, fate in FATES.items():
+        if fate.kind != MAPPED or fate.target is None or getattr(ns, _dest(flag), None) is None:
+            continue
+        field = fate.target.split(".", 1)[0]
+        ours = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+        if ours == flag:
+            continue
+        message = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", f"{flag} (kvserve's {ours})", message)
+    return message
+
+
 def llm_keyword_flag(keyword: str) -> str | None:
     """The vLLM flag of an ``LLM(...)`` keyword (``swap_space`` -> ``--swap-space``), or None
     when it is not one of vLLM's."""

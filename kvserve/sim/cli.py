@@ -402,6 +402,32 @@ def _set_arrivals(requests: list[wl.BenchRequest], rate: float | None) -> None:
         r.arrival_s = t
 
 
+#: Tenants ``kvserve simulate`` prints a line for (the most served first); ``--json-out`` has all.
+MAX_TENANT_LINES = 16
+
+
+def tenant_lines(tenants: dict[str, dict]) -> list[str]:
+    """One line per tenant of a summary's ``tenants`` section (``simulate``): finished
+    requests, served tokens (prompt + output), queue time mean / max and TTFT p90 (virtual
+    seconds), the most-served ``MAX_TENANT_LINES`` tenants first, then a count of the rest."""
+    order = sorted(tenants, key=lambda t: (-tenants[t]["served_tokens"], t))
+    out = []
+    for t in order[:MAX_TENANT_LINES]:
+        s = tenants[t]
+        q, ttft = s["queue_s"], s["ttft_s"]
+
+        def num(v) -> str:
+            return "-" if v is None else f"{v:.3f}"
+
+        out.append(
+            f"tenant {t}: {s['finished']} finished, {s['served_tokens']} served tokens, queue s mean "
+            f"{num(q.get('mean'))} max {num(q.get('max'))}, ttft s p90 {num(ttft.get('p90'))}"
+        )
+    if len(order) > MAX_TENANT_LINES:
+        out.append(f"tenants: {len(order) - MAX_TENANT_LINES} more (--json-out lists them)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvserve simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -578,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             f"slot-steps by groups in the slot {lo['slot_steps_by_groups']}, "
             f"{lo['num_slot_preemptions']} slot turnover preemptions"
         )
+    for line in tenant_lines(summary.get("tenants") or {}):
+        print(line)
     quantiles = ("mean", "p50", "p90", "p99")
     print(f"{'metric':8}" + "".join(f" {q:>11}" for q in quantiles))
     for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):

@@ -25,8 +25,19 @@ def test_priority_list_of_wrong_length_is_value_error(llm, priority):
     with pytest.raises(ValueError, match="priority"):
         llm.generate([[5, 6, 7], [8, 9]], p, priority=priority, use_tqdm=False)
     _idle(llm)
-    outs = llm.generate([[5, 6, 7], [8, 9]], p, priority=[1, 0], use_tqdm=False)
+    outs = llm.generate([[5, 6, 7], [8, 9]], p, priority=[0, 0], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_a_nonzero_priority_under_fcfs_is_value_error(llm):
+    """fcfs never reads a priority: a non-zero one is refused (as the server's 400), not run
+    in arrival order as if it had been honoured."""
+    p = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(
+        ValueError, match=r"^priority -3 needs the 'priority' or 'fair' policy; this LLM runs 'fcfs'"
+    ):
+        llm.generate([[5, 6, 7], [8, 9]], p, priority=[0, -3], use_tqdm=False)
+    _idle(llm)
 
 
 @pytest.mark.parametrize("ids", [5, None, "abc", {"a": 1}, 2.5])
@@ -40,3 +51,21 @@ def test_nan_temperature_never_reaches_the_engine(llm):
     with pytest.raises(ValueError, match="temperature"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=float("nan")), use_tqdm=False)
     _idle(llm)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_priority_is_taken_under_the_policies_that_read_it(tiny_llama_dir, policy):
+    """One sequence a step: the lowest priority value runs first, the prompts' order aside."""
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        block_size=4,
+        num_gpu_blocks=32,
+        max_model_len=64,
+        max_num_seqs=1,
+        policy=policy,
+    )
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11]], p, priority=[2, 0, 1], use_tqdm=False)
+    first = [o.metrics.first_token_time for o in outs]
+    assert first[1] < first[2] < first[0], first
+    llm.shutdown()

@@ -107,6 +107,22 @@ def test_a_tenant_alone_gets_no_burst_credit():
     assert p.counters["a"] == 100.0
 
 
+def test_a_tenant_joining_an_engine_that_went_idle_gets_no_burst_credit():
+    """An idle engine runs no step, so the tenants backlogged when the last step began may all
+    have left: the next tenant to arrive joins an idle engine and starts level with the floor."""
+    p = FairPolicy(burst_tokens=60.0)
+    b = group("b1", "b")
+    p.on_add(b)
+    p.begin_step([])  # b alone is backlogged; no step begins after it finishes
+    p.on_served(b, 100, 0)
+    p.on_finish(b)
+    p.on_add(group("a1", "a"))
+    assert p.counters["a"] == 100.0  # not 40: nobody was left to run ahead of
+    p.begin_step([])
+    p.on_add(group("b2", "b"))  # b returns to a busy engine: its credit is against a
+    assert p.counters["b"] == 100.0  # its own (above floor - credit), level with a
+
+
 def test_state_stays_bounded_under_many_short_lived_tenants():
     p = FairPolicy()
     keeper = group("keep", "keeper")  # stays backlogged at counter 0: nobody is at the floor
@@ -193,16 +209,17 @@ def test_factory_builds_fair_from_the_scheduler_config():
 @pytest.mark.parametrize(
     "kwargs,names",
     [
-        (dict(tenant_weights={"a": 2.0}), "tenant_weights"),
-        (dict(fair_input_weight=0.5, fair_output_weight=3.0), "fair_input_weight, fair_output_weight"),
-        (dict(fair_burst_tokens=0), "fair_burst_tokens"),
+        (dict(tenant_weights={"a": 2.0}), "tenant_weights only applies"),
+        (
+            dict(fair_input_weight=0.5, fair_output_weight=3.0),
+            "fair_input_weight, fair_output_weight only apply",
+        ),
+        (dict(fair_burst_tokens=0), "fair_burst_tokens only applies"),
     ],
 )
 def test_fair_settings_under_another_policy_are_refused_naming_them(policy, kwargs, names):
     """The other policies would ignore them: an error, not a weight that silently does nothing."""
-    with pytest.raises(
-        ValueError, match=rf"^{names} only apply to the 'fair' scheduling policy, not '{policy}'"
-    ):
+    with pytest.raises(ValueError, match=rf"^{names} to the 'fair' scheduling policy, not '{policy}'"):
         PolicyFactory.from_config(SchedulerConfig(policy=policy, **kwargs))
     assert not PolicyFactory.from_config(SchedulerConfig(policy=policy)).tracks_service
 
@@ -235,12 +252,19 @@ def test_tenant_weights_parse_the_flag_form():
 
 
 # ---------------------------------------------------------------- the scheduler under fair
-def _flood(policy, **kw):
+def _flood(policy, b_served_before=False, **kw):
     """Tenant A queues 40 requests; two steps later tenant B sends 4. Returns the harness and
-    the step index at which each request was first scheduled."""
+    the step index at which each request was first scheduled (counted from A's arrival).
+    ``b_served_before``: B first runs 4 requests alone to the end, and the engine goes idle."""
     cc, sc = configs(BS=4, G=64, S=4, T=64, L=64, policy=policy, **kw)
     h = Harness(cc, sc)
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    if b_served_before:
+        for i in range(4):
+            h.add(f"early{i}", {"prompt_token_ids": prompt_of(200 + i, 8)}, p, tenant="B")
+        h.run()
+        h.history.clear()
+        h.outputs.clear()
     for i in range(40):
         h.add(f"a{i}", {"prompt_token_ids": prompt_of(i, 8)}, p, tenant="A")
     h.step()
@@ -279,6 +303,19 @@ def test_a_late_tenant_is_served_before_a_flooding_tenants_backlog(chunked):
     assert not any(2 <= fair[f"a{i}"] < b_last for i in range(40)), fair
     b_last = max(vtc[f"b{i}"] for i in range(4))
     assert sum(1 for i in range(40) if 2 <= vtc[f"a{i}"] <= b_last) >= 1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_tenant_served_before_the_flood_is_served_as_soon_as_a_new_one(chunked):
+    """B ran alone and left, the engine went idle, A floods: A joined an idle engine (no
+    burst credit), so B coming back is admitted the step it arrives and ahead of A's backlog,
+    exactly as a B never served before."""
+    _, fresh = _flood("fair", CP=chunked)
+    _, back = _flood("fair", b_served_before=True, CP=chunked)
+    b_back = sorted(back[f"b{i}"] for i in range(4))
+    assert b_back == sorted(fresh[f"b{i}"] for i in range(4)), (b_back, back)
+    assert b_back[:2] == [2, 2]
+    assert not any(2 <= back[f"a{i}"] < b_back[-1] for i in range(40)), back
 
 
 def _chunks_after_a_newcomer(policy, **add_kw):

@@ -79,7 +79,7 @@ def test_fair_only_setting_under_fcfs_is_refused_before_the_weights_load(tiny_ll
 
     monkeypatch.setattr(Worker, "__init__", no_load)
     with pytest.raises(
-        ValueError, match=r"^tenant_weights only apply to the 'fair' scheduling policy, not 'fcfs'"
+        ValueError, match=r"^tenant_weights only applies to the 'fair' scheduling policy, not 'fcfs'"
     ):
         LLMEngine.from_engine_args(
             EngineArgs(model=str(tiny_llama_dir), device=TEST_DEVICE, policy="fcfs", tenant_weights="a=2")

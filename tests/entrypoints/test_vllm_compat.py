@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.config import EngineArgs
+from kvserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from kvserve.entrypoints import vllm_compat as vc
 from kvserve.entrypoints.cli import engine_args_from
 
@@ -472,3 +472,50 @@ def test_llm_keyword_of_a_renamed_engine_field_sets_it():
     assert (
         EngineArgs(**vc.translate_llm_kwargs({"scheduling_policy": "priority"}, fields)).policy == "priority"
     )
+
+
+@pytest.mark.parametrize(
+    "line, make, typed",
+    [
+        (
+            "--swap-space -1",
+            lambda: CacheConfig(swap_space_gib=-1.0),
+            "--swap-space (kvserve's --swap-space-gib) must be >= 0, got -1.0.",
+        ),
+        (
+            "--num-gpu-blocks-override 0",
+            lambda: CacheConfig(num_gpu_blocks=0),
+            "--num-gpu-blocks-override (kvserve's --num-gpu-blocks) must be an integer >= 1, got 0.",
+        ),
+        (
+            "--scheduler-delay-factor -1",
+            lambda: SchedulerConfig(delay_factor=-1.0),
+            "--scheduler-delay-factor (kvserve's --delay-factor) must be a finite number >= 0, got -1.0.",
+        ),
+        (
+            "--max-num-active-seqs 0",
+            lambda: SchedulerConfig(max_num_seqs=0),
+            "--max-num-active-seqs (kvserve's --max-num-seqs) must be an integer >= 1, got 0.",
+        ),
+        # typed as kvserve's own: as it is
+        (
+            "--swap-space-gib -1",
+            lambda: CacheConfig(swap_space_gib=-1.0),
+            "--swap-space-gib must be >= 0, got -1.0.",
+        ),
+        (
+            "--max-num-seqs 0",
+            lambda: SchedulerConfig(max_num_seqs=0),
+            "--max-num-seqs must be an integer >= 1, got 0.",
+        ),
+    ],
+)
+def test_an_engine_error_names_the_mapped_vllm_flag_as_typed(serve_parser, line, make, typed):
+    """A mapped vLLM flag's bad value is refused by the engine setting it maps to; the serve
+    error names the flag the user typed (and kvserve's beside it), not only kvserve's."""
+    from kvserve.entrypoints.cli import flag_names
+
+    ns, _ = _parse(serve_parser, line)
+    with pytest.raises(ValueError) as e:
+        make()
+    assert vc.typed_flags(flag_names(str(e.value)), ns) == typed

@@ -70,3 +70,54 @@ def test_fair_cuts_the_light_tenants_queue_time_under_a_flood(chunked):
     assert light_fair < 0.25 * light_fcfs, (light_fair, light_fcfs)
     # the same work is done either way
     assert fair["output_tokens"] == fcfs["output_tokens"]
+
+
+def test_simulate_prints_a_line_per_tenant(tmp_path, capsys):
+    """``kvserve simulate`` prints the ``tenants`` section (what the fair-scheduling table
+    reads), not only the aggregate quantiles, which the two policies share on this flood."""
+    import json
+
+    from kvserve.sim.cli import main
+
+    wl = tmp_path / "flood.jsonl"
+    wl.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt_token_ids": r.prompt_token_ids,
+                    "output_len": r.output_len,
+                    "arrival_s": r.arrival_s,
+                    "id": r.id,
+                    "tenant": r.tenant,
+                }
+            )
+            + "\n"
+            for r in _flood()
+        )
+    )
+    out_json = tmp_path / "fair.json"
+    argv = ["--workload", str(wl), "--num-gpu-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "8"]
+    assert main(argv + ["--scheduling-policy", "fair", "--json-out", str(out_json)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tenant")]
+    t = json.loads(out_json.read_text())["tenants"]
+    light = t["light"]
+    assert light["queue_s"]["mean"] < 1.0 < t["heavy"]["queue_s"]["mean"]
+    assert lines == [
+        f"tenant heavy: 60 finished, 5760 served tokens, queue s mean {t['heavy']['queue_s']['mean']:.3f} "
+        f"max {t['heavy']['queue_s']['max']:.3f}, ttft s p90 {t['heavy']['ttft_s']['p90']:.3f}",
+        f"tenant light: 6 finished, 576 served tokens, queue s mean {light['queue_s']['mean']:.3f} "
+        f"max {light['queue_s']['max']:.3f}, ttft s p90 {light['ttft_s']['p90']:.3f}",
+    ]
+
+
+def test_tenant_lines_cap_the_count():
+    from kvserve.sim.cli import MAX_TENANT_LINES, tenant_lines
+
+    stats = {"mean": 1.0, "max": 2.0, "p90": None}
+    tenants = {
+        f"t{i:02d}": {"finished": 1, "served_tokens": i, "queue_s": stats, "ttft_s": stats} for i in range(20)
+    }
+    lines = tenant_lines(tenants)
+    assert len(lines) == MAX_TENANT_LINES + 1
+    assert lines[0] == "tenant t19: 1 finished, 19 served tokens, queue s mean 1.000 max 2.000, ttft s p90 -"
+    assert lines[-1] == f"tenants: {20 - MAX_TENANT_LINES} more (--json-out lists them)"

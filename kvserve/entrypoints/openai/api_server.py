@@ -1087,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.engine.async_llm_engine import AsyncLLMEngine
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.entrypoints.cli import engine_args_from, flag_names
-    from kvserve.entrypoints.vllm_compat import apply_vllm_flags
+    from kvserve.entrypoints.vllm_compat import apply_vllm_flags, typed_flags
 
     parser = make_arg_parser()
     ns = parser.parse_args(argv)
@@ -1140,7 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = LLMEngine.from_engine_args(engine_args)
             async_engine = AsyncLLMEngine(engine)
     except ValueError as e:  # named as the flag the user typed
-        print(f"error: {flag_names(str(e))}", file=sys.stderr)
+        print(f"error: {typed_flags(flag_names(str(e)), ns)}", file=sys.stderr)
         return 2
     aliases = names[1:] + ([ns.model] if ns.model else [])
     try:

@@ -44,7 +44,9 @@
    float32) stay in L2 while the expert's row blocks pass over them */
 #define MOE_NB 48
 /* input features ahead that the first row block prefetches its weight rows */
+#ifndef MOE_PF_K
 #define MOE_PF_K 8
+#endif
 
 /* Routing of T tokens over E experts: weights [T, k] (float32; rounded to bfloat16 values when
    round_bf16) and experts [T, k] (int64), by descending probability. */
@@ -92,6 +94,28 @@ static inline v16 silu_mul16(v16 g, v16 u) {
     const v16i far = g < -88.0f;
     s = (v16)(((v16i)s & ~far) | ((v16i)(g * 0.0f) & far));
     return s * u;
+}
+
+/* The float32 scratch of a call (xs, h, ys). Kept between calls, per calling thread, up to
+   MOE_KEEP_BYTES: a multi-megabyte malloc that is freed again comes back from the system each
+   time as fresh pages, and faulting them in cost more than the whole call at prefill sizes of a
+   small model. Larger requests are allocated for the call (*owned set: the caller frees). */
+#ifndef MOE_KEEP_BYTES
+#define MOE_KEEP_BYTES ((size_t)64 << 20)
+#endif
+static _Thread_local float* moe_keep;
+static _Thread_local size_t moe_keep_bytes;
+
+static float* moe_scratch(size_t bytes, int* owned) {
+    bytes = (bytes + 63) & ~(size_t)63; // aligned_alloc: a multiple of the alignment
+    *owned = bytes > MOE_KEEP_BYTES;
+    if (*owned) return aligned_alloc(64, bytes);
+    if (bytes > moe_keep_bytes) {
+        free(moe_keep);
+        moe_keep = aligned_alloc(64, bytes);
+        moe_keep_bytes = moe_keep ? bytes : 0;
+    }
+    return moe_keep;
 }
 
 #define KV_DTYPE_TEMPLATE "moe_dtype.h"

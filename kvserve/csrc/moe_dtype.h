@@ -92,11 +92,12 @@ int CAT(moe_experts_, SFX)(const ELEM* x, const int64_t* experts, const float* w
     int64_t* slot = malloc((n > 0 ? n : 1) * sizeof(int64_t));
     int64_t* token = malloc((n > 0 ? n : 1) * sizeof(int64_t));
     int64_t* active = malloc((E > 0 ? E : 1) * sizeof(int64_t));
-    float* xs = malloc((n * H + 1) * sizeof(float));
-    float* h = malloc((n * I + 1) * sizeof(float));
-    float* ys = malloc((n * H + 1) * sizeof(float));
+    int owned = 0;
+    float* xs = moe_scratch((size_t)(n * (2 * H + I) + 1) * sizeof(float), &owned);
+    float* h = xs ? xs + n * H : NULL;
+    float* ys = xs ? h + n * I : NULL;
     int rc = 0;
-    if (!start || !fill || !slot || !token || !active || !xs || !h || !ys) {
+    if (!start || !fill || !slot || !token || !active || !xs) {
         rc = -2;
         goto done;
     }
@@ -173,8 +174,6 @@ done:
     free(slot);
     free(token);
     free(active);
-    free(xs);
-    free(h);
-    free(ys);
+    if (owned) free(xs);
     return rc;
 }

@@ -114,7 +114,9 @@ def grouped_experts(
     Returns:
         ``[T, H]`` in ``x.dtype``.
     Raises:
-        ValueError: an unknown ``mode``, or ``"grouped_mm"`` where torch has no grouped GEMM.
+        ValueError: an unknown ``mode``, ``"grouped_mm"`` where torch has no grouped GEMM, or
+            ``"native"`` where the kernel is not built or the tensors are not CPU float32 /
+            bfloat16 of one dtype.
     """
     if mode not in MODES:
         raise ValueError(f"grouped_experts: mode must be one of {', '.join(MODES)}, got {mode!r}")

@@ -57,6 +57,7 @@ KERNEL_MODULES = (
     "lora",
     "decode_layers",
     "encoder_attention",
+    "moe",
 )
 
 

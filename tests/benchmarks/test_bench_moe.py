@@ -20,3 +20,29 @@ def test_bench_moe_writes_every_cell(tmp_path, capsys):
         assert c["speedup"] == c["per_expert_loop_s"] / c["auto_s"]
         assert 1 <= c["active_experts"] <= 4
     assert "speedup" in capsys.readouterr().out
+    assert "native_s" in data["cells"][0]
+
+
+def test_bench_moe_end_to_end_compares_both_paths(tmp_path, capsys):
+    """``--end-to-end`` on two short requests and one tiny family: both implementations run, their
+    MoE seconds are measured and their greedy outputs (equal here) compared."""
+    wl = tmp_path / "w.jsonl"
+    reqs = [
+        {"prompt_token_ids": [1, 5, 9, 200, 31], "output_len": 4},
+        {"prompt_token_ids": [7] * 12, "output_len": 3},
+    ]
+    wl.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    out = tmp_path / "e2e.json"
+    rc = moe.main(
+        ["--end-to-end", "--family", "tiny-qwen3-moe", "--workload", str(wl), "--max-tokens", "4"]
+        + ["--rounds", "1", "--target", "0", "--json-out", str(out)]
+    )
+    assert rc == 0
+    fam = json.loads(out.read_text())["families"]["tiny-qwen3-moe"]
+    assert fam["layers"] == 2
+    assert fam["sequences"] == 2 and fam["equal_sequences"] == 2
+    for impl in ("per_expert", "auto"):
+        (run,) = fam[impl]
+        assert run["moe_s"] > 0 and run["output_tokens"] == 7
+    assert fam["moe_speedup"] == fam["per_expert"][0]["moe_s"] / fam["auto"][0]["moe_s"]
+    assert "greedy sequences equal" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model_executor.layers import fused_moe
+from kvserve.model_executor.layers.fused_moe import FusedMoE
 from tests.golden import NEAR_TIE, TEST_DEVICE, Reference, compare, hf_greedy_logits
 
 ENGINE = dict(device=TEST_DEVICE, dtype="float32")
@@ -193,7 +194,7 @@ def _experts(E, H, I, seed=0, dtype=torch.float32):
     return w13, w2
 
 
-@pytest.mark.parametrize("mode", ["auto", "grouped_mm", "bmm", "loop"])
+@pytest.mark.parametrize("mode", ["auto", "native", "grouped_mm", "bmm", "loop"])
 @pytest.mark.parametrize("T,E,k", [(1, 4, 1), (37, 8, 2), (64, 16, 4), (5, 8, 8)])
 def test_grouped_experts_equal_the_loop(mode, T, E, k):
     if mode == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
@@ -209,7 +210,7 @@ def test_grouped_experts_equal_the_loop(mode, T, E, k):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["auto", "grouped_mm", "bmm", "loop"])
+@pytest.mark.parametrize("mode", ["auto", "native", "grouped_mm", "bmm", "loop"])
 def test_grouped_experts_one_expert_takes_all_and_empty_experts(mode):
     """Every token routed to expert 3 first (the others of 8 empty but one): the busiest
     expert's block is the whole batch, the empty ones are skipped."""
@@ -261,6 +262,53 @@ def test_looped_experts_equal_the_loop_on_float_and_quantized_weights(method, mo
     assert ref.abs().max() > 0.1
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert fused_moe.looped_experts(x[:0], weights[:0], experts[:0], w13s, w2s).shape == (0, H)
+
+
+@pytest.mark.parametrize("kind", ["mixtral_top2", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["auto", "per_expert"])
+def test_layer_equals_the_transformers_block(kind, dtype, mode):
+    """``FusedMoE`` (``auto``: the native routing and experts call on CPU; ``per_expert``: the
+    torch reference) against the family's transformers MoE block on the same random weights,
+    64 rows and one row, float32 and bfloat16."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = _config(kind)
+    torch.manual_seed(1)
+    mixtral = kind.startswith("mixtral")
+    block = (MixtralSparseMoeBlock if mixtral else Qwen3MoeSparseMoeBlock)(cfg).eval()
+    E = block.gate.weight.shape[0]
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    inter = block.experts.down_proj.shape[-1]
+    layer = FusedMoE(
+        E,
+        cfg.num_experts_per_tok,
+        cfg.hidden_size,
+        inter,
+        renormalize=True if mixtral else cfg.norm_topk_prob,
+        float32_weights=mixtral,
+        dtype=dtype,
+        mode=mode,
+    )
+    with torch.no_grad():
+        layer.gate.copy_(block.gate.weight)
+        layer.w13.copy_(block.experts.gate_up_proj)  # [E, 2I, H]: gate rows then up rows
+        layer.w2.copy_(block.experts.down_proj)
+    block = block.to(dtype)
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    for rows in (x, x[:1]):
+        with torch.no_grad():
+            want = block(rows.unsqueeze(0))
+            want = (want[0] if isinstance(want, tuple) else want).reshape(rows.shape).float()
+            got = layer(rows)
+        assert got.dtype == dtype
+        scale = float(want.abs().max())
+        assert scale > 0.05
+        tol = 1e-5 if dtype == torch.float32 else 0.03
+        assert float((got.float() - want).abs().max()) <= tol * scale, (kind, dtype, mode)
 
 
 def test_route_normalisation():

@@ -16,7 +16,12 @@ rows gathered into one contiguous block per expert, each block goes through its 
   call per projection (no Python per expert);
 - ``"bmm"``: the rows padded to the busiest expert's count, one batched GEMM over all experts
   (no Python per expert; padding rows cost compute, so it is used only when they are few);
-- ``"loop"``: one pair of GEMMs per active expert on its contiguous rows.
+- ``"loop"``: one pair of GEMMs per active expert on its contiguous rows;
+- ``"native"`` (what ``"auto"`` runs on CPU float32 / bfloat16 where the kernels are built):
+  routing and every expert in one call each (``kvserve/ops/moe.py``, ``kvserve/csrc/moe.c``: the
+  sort, the gather, the GEMMs, SiLU and the weighted scatter inside the kernel, no Python per
+  expert). ``FusedMoE`` then keeps its stacks k-major (``[E, H, 2I]`` / ``[E, I, H]`` storage
+  behind the same-shaped ``w13`` / ``w2`` views), which the kernel reads in place.
 
 ``per_expert_loop`` is the straightforward form (a boolean mask per expert, its tokens indexed,
 its MLP run, results added): the reference the tests and ``kvserve bench moe`` compare with.
@@ -38,9 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model_executor.layers.linear import QUANT_METHODS, LinearWeight, linear, quantize_weight
+from kvserve.ops import moe as native_moe
 
-#: Ways ``grouped_experts`` can run the expert GEMMs (``"auto"`` picks one per call).
-MODES = ("auto", "grouped_mm", "bmm", "loop")
+#: Ways ``grouped_experts`` can run the expert GEMMs (``"auto"`` picks one per call), and
+#: ``"per_expert"``: ``per_expert_loop``, the reference form, selectable for measuring.
+MODES = ("auto", "native", "grouped_mm", "bmm", "loop", "per_expert")
 
 
 def route(
@@ -75,8 +82,9 @@ def _grouped_mm_available() -> bool:
 
 
 def pick_mode(num_pairs: int, num_experts: int, max_count: int, dtype: torch.dtype, device) -> str:
-    """The expert-GEMM form ``"auto"`` runs for ``num_pairs`` (token, expert) pairs over
-    ``num_experts`` experts whose busiest gets ``max_count`` of them (see the module doc)."""
+    """The torch expert-GEMM form ``"auto"`` runs for ``num_pairs`` (token, expert) pairs over
+    ``num_experts`` experts whose busiest gets ``max_count`` of them where the native call does
+    not apply (see the module doc)."""
     if _grouped_mm_available() and (torch.device(device).type == "cuda" or dtype == torch.float32):
         return "grouped_mm"
     # padding: the batched GEMM computes num_experts * max_count rows for num_pairs real ones
@@ -106,10 +114,21 @@ def grouped_experts(
     Returns:
         ``[T, H]`` in ``x.dtype``.
     Raises:
-        ValueError: an unknown ``mode``, or ``"grouped_mm"`` where torch has no grouped GEMM.
+        ValueError: an unknown ``mode``, ``"grouped_mm"`` where torch has no grouped GEMM, or
+            ``"native"`` where the kernel is not built or the tensors are not CPU float32 /
+            bfloat16 of one dtype.
     """
     if mode not in MODES:
         raise ValueError(f"grouped_experts: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "per_expert":
+        return per_expert_loop(x, weights, experts, w13, w2)
+    if mode in ("auto", "native") and native_moe.supported(x, w13, w2):
+        return native_moe.experts(x, weights, experts, w13, w2)
+    if mode == "native":
+        raise ValueError(
+            "grouped_experts: mode='native' needs the native MoE kernel and CPU float32/bfloat16 "
+            f"tensors of one dtype ({native_moe.failure_reason() or 'tensors not supported'})"
+        )
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -290,9 +309,21 @@ class FusedMoE(torch.nn.Module):
         setattr(self, name + "_q", quantized)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k], experts [T, k])`` for ``x`` ``[T, H]``."""
+        """``(weights [T, k], experts [T, k])`` for ``x`` ``[T, H]`` (native routing on CPU
+        float32/bfloat16 where the kernels are available and the mode allows it: float32
+        weights, rounded to bfloat16 values where the family multiplies in the activation
+        dtype)."""
+        logits = F.linear(x, self.gate)
+        if (
+            self.mode in ("auto", "native")
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and native_moe.available()
+        ):
+            round_bf16 = not self.float32_weights and x.dtype == torch.bfloat16
+            return native_moe.route(logits, self.top_k, self.renormalize, round_bfloat16=round_bf16)
         return route(
-            F.linear(x, self.gate),
+            logits,
             self.top_k,
             self.renormalize,
             None if self.float32_weights else x.dtype,
@@ -303,4 +334,15 @@ class FusedMoE(torch.nn.Module):
         weights, experts = self.route(x)
         if self.w13_q is not None and self.w2_q is not None:
             return looped_experts(x, weights, experts, self.w13_q, self.w2_q)
+        if self.mode in ("auto", "native") and native_moe.supported(x, self.w13, self.w2):
+            self._to_k_major()
         return grouped_experts(x, weights, experts, self.w13, self.w2, self.mode)
+
+    def _to_k_major(self) -> None:
+        """Store the stacks k-major (``ops.moe.k_major``), once: the native call then reads them
+        in place; ``w13`` / ``w2`` keep their shapes (strided views), so loaders and the torch
+        forms work on them unchanged. One transposing copy at a time (the old storage is freed)."""
+        for name in ("w13", "w2"):
+            p = getattr(self, name)
+            if not p.data.transpose(1, 2).is_contiguous():
+                p.data = native_moe.k_major(p.data)

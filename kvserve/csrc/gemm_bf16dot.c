@@ -31,10 +31,11 @@
  * multiply-adds (bf16dot_speed below), so this kernel is no faster than the float32-widening
  * panels and only level with oneDNN's bfloat16 matmul (the same instruction); the figures are in
  * docs/benchmarks.md (CPU kernels, gemm_micro.py --dtype bfloat16 --kernel bf16dot panels). So
- * the engine does not run it: where the probe finds the dot product slower than FMAs, bfloat16
- * weights take the panels at every step size (ops/gemm.py's packs_bfloat16); where it is faster
- * (AMD Zen 4, whose steps past 16 rows oneDNN's dot product wins) oneDNN keeps them until this
- * kernel has been compared with it on such a CPU.
+ * where the probe finds the dot product slower than FMAs, bfloat16 weights take the panels at
+ * every step size (ops/gemm.py's packs_bfloat16). Where it is faster (AMD Zen 4) this kernel
+ * runs every step size, one copy of each weight (model_executor/layers/linear.py): at
+ * Llama-3.2-1B's layer shapes it is level with oneDNN's matmul on prefill steps and faster than
+ * both oneDNN and the float32-widening panels on decode steps (docs/benchmarks_shapes.md).
  *
  * Outer loops as gemm.c: threads split the panels; rows go in chunks of ~512 KB of x (in L2
  * while every panel of the thread passes over it) of balanced <= 8-row blocks; a step of one

@@ -125,6 +125,26 @@ def test_a_row_is_bit_identical_whatever_the_row_count():
 
 
 @needs_kernel
+@pytest.mark.parametrize("k", [2049, 4101, 8192])
+def test_k_blocked_steps_equal_unblocked_rows_and_the_float64_bound(k):
+    """Past 2,048 input features a step of more than 8 rows runs each panel one K slice at a
+    time (float32 sums carried between slices); a step of up to 8 rows does not. Both give a
+    row the same bits (1-8 rows against 9, 17, 136), within the float64 bound, and the odd last
+    feature (k = 2049, 4101) is counted once."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(100, k, generator=g).bfloat16()
+    x = torch.randn(136, k, generator=g).bfloat16()
+    b = torch.randn(100, generator=g).bfloat16()
+    packed = gemm_bf16dot.DotWeight(w)
+    full = gemm_bf16dot.linear(x, packed, b)
+    for m in (1, 8, 9, 17):
+        assert torch.equal(gemm_bf16dot.linear(x[:m], packed, b), full[:m]), m
+    assert torch.equal(gemm_bf16dot.linear(x[130:], packed, b), full[130:])
+    ref, bound = _bound(x, w, b)
+    assert bool(((full.double() - ref).abs() <= bound).all())
+
+
+@needs_kernel
 def test_rounds_like_torch_and_edge_shapes():
     w = torch.tensor([[1.0, 2.0, 0.5], [3.0, -1.0, 0.25]], dtype=torch.bfloat16)
     x = torch.tensor([[1.0, 1.0, 1.0], [2.0, 0.0, 4.0]], dtype=torch.bfloat16)

@@ -225,7 +225,9 @@ def native_gemm(
             weight.in_features,
             False,
         )
-    if isinstance(weight, gemm_bf16dot.DotWeight) and dtype == torch.bfloat16 and gemm_bf16dot.available():
+    # built(), not available(): a DotWeight exists only where prepack_weight found the kernel,
+    # and available() reads /proc/cpuinfo, which this per-step call must not
+    if isinstance(weight, gemm_bf16dot.DotWeight) and dtype == torch.bfloat16 and gemm_bf16dot.built():
         # called as the AMX kernel is: (x, w, bias, y, M, N, K, nthreads)
         return (
             gemm_bf16dot._LIB.fn("bf16dot_gemm"),

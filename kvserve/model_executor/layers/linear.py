@@ -93,9 +93,9 @@ def prepack_weight(weight: torch.Tensor) -> LinearWeight:
       cycle than the panels, which beat it at every row count -- so decode and verify steps of
       any batch also stay on the one-call decode step. With a fast AVX512-BF16 dot product and
       no AMX (AMD Zen 4; ``gemm_bf16dot.dot_beats_fma``): ``gemm_bf16dot.DotWeight`` for every
-      step size, one copy -- at Llama-3.2-1B's layer shapes it is level with oneDNN's matmul
-      (the same instruction) from 32 rows up and faster than both oneDNN and the panels below,
-      where the step streams weights (docs/benchmarks_shapes.md); one kernel at every row count
+      step size, one copy -- at Llama-3.2-1B's layer shapes it is about level with oneDNN's
+      matmul (the same instruction) from 32 rows up, a little behind at K = 8192, and faster
+      than the panels at every row count (docs/benchmarks_shapes.md); one kernel at every row count
       also keeps a row's numbers the same in decode, verify and prefill steps. Where that CPU's
       build lacks the kernel (an older compiler): ``gemm.PanelWeight`` for steps of up to
       ``gemm.BF16_DOT_MAX_ROWS`` rows, holding oneDNN's copy for larger ones. The other

@@ -1,7 +1,9 @@
 """Micro benchmark of the CPU linear layers: ours (``gemm`` panels; for bfloat16 also
 ``gemm_amx`` tiles with ``--kernel amx`` and ``gemm_bf16dot``'s AVX512-BF16 dot product with
 ``--kernel bf16dot``) against oneDNN's prepacked matmul, on the four GEMM shapes of each
-SmolLM2-135M layer (q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536), random weights.
+SmolLM2-135M layer (q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536), or with
+``--model llama-3.2-1b`` of each Llama-3.2-1B layer (3072x2048, 2048x2048, 16384x2048,
+2048x8192: 122 MB per layer in bfloat16, past any last-level cache), random weights.
 
 All run in one process, alternating (the order rotates each pass), so the machine's load affects
 them alike; the table gives the minimum and median time of one pass over all layers per kernel,
@@ -14,6 +16,7 @@ as in a real step where the KV cache and activations evict them.
     python benchmarks/gemm_micro.py --rows 1 8 59 --layers 120 --json-out gemm.json
     python benchmarks/gemm_micro.py --dtype bfloat16 --kernel amx --rows 1 16 64 128
     python benchmarks/gemm_micro.py --dtype bfloat16 --kernel bf16dot panels --rows 16 64 256
+    python benchmarks/gemm_micro.py --model llama-3.2-1b --layers 2 --dtype bfloat16 --kernel bf16dot panels
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ import torch
 
 from kvserve.ops import gemm, gemm_amx, gemm_bf16dot
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+#: --model name -> the (out, in) GEMM shapes of one layer: fused q/k/v, o, fused gate/up, down.
+MODELS = {
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "llama-3.2-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+}
 #: --kernel name -> (pack, run, available, bfloat16 only)
 KERNELS = {
     "panels": (gemm.PanelWeight, gemm.linear, gemm.available, False),
@@ -50,6 +57,7 @@ def main() -> None:
         help="GEMM row counts (tokens in the step)",
     )
     ap.add_argument("--layers", type=int, default=30, help="layers of weights (SmolLM2-135M has 30)")
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2-135m", help="the layer's GEMM shapes")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument(
         "--kernel",
@@ -70,6 +78,7 @@ def main() -> None:
         if not avail():
             sys.exit(f"--kernel {name}: unavailable on this CPU/build (see kvserve doctor)")
     dtype = getattr(torch, args.dtype)
+    SHAPES = MODELS[args.model]
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).to(dtype) for n, k in SHAPES] for _ in range(args.layers)]
     onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in weights]
@@ -135,6 +144,7 @@ def main() -> None:
                     "kernel": kernels[0],
                     "kernels": kernels,
                     "layers": args.layers,
+                    "model": args.model,
                     "threads": torch.get_num_threads(),
                     "rows": rows,
                 },

@@ -151,11 +151,35 @@ def parameter_count(cfg: dict) -> int:
     return n
 
 
-def shape_dir(name: str) -> Path:
-    """``<cache_root>/shapes/<name>``."""
+def cut_name(name: str, layers: int | None = None) -> str:
+    """The label of shape ``name`` cut to its first ``layers`` decoder layers (``name`` itself
+    when ``layers`` is None): ``llama-3.2-1b-4layers``."""
+    return name if layers is None else f"{name}-{layers}layers"
+
+
+def shape_config(name: str, layers: int | None = None) -> dict:
+    """The transformers config of shape ``name``, with ``num_hidden_layers`` set to ``layers``
+    when given (a cut: same widths and vocabulary, fewer layers; the profile of a step per layer
+    without the full model's memory and time).
+
+    Raises:
+        KeyError: an unknown shape name; ValueError: ``layers`` below 1 or above the shape's.
+    """
+    if name not in SHAPES:
+        raise KeyError(f"unknown shape {name!r}; choose from {list(SHAPES)}")
+    cfg = dict(SHAPES[name])
+    if layers is not None:
+        if not 1 <= layers <= cfg["num_hidden_layers"]:
+            raise ValueError(f"--layers must be in [1, {cfg['num_hidden_layers']}] for {name}, got {layers}")
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def shape_dir(name: str, layers: int | None = None) -> Path:
+    """``<cache_root>/shapes/<cut_name(name, layers)>``."""
     from kvserve import envs
 
-    return envs.cache_root() / "shapes" / name
+    return envs.cache_root() / "shapes" / cut_name(name, layers)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], gen):
@@ -215,8 +239,8 @@ def default_tokenizer_dir() -> Path:
     return resolve_model_dir(None)
 
 
-def _config_json(name: str, tok_dir: Path) -> dict:
-    cfg = dict(SHAPES[name])
+def _config_json(name: str, tok_dir: Path, layers: int | None) -> dict:
+    cfg = shape_config(name, layers)
     src = json.loads((tok_dir / "config.json").read_text())
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if src.get(k) is not None:
@@ -229,24 +253,26 @@ def _is_complete(path: Path) -> bool:
     return (path / ".complete").is_file()
 
 
-def ensure_checkpoint(name: str, seed: int = 0, log=print) -> Path:
-    """The Hugging Face directory of shape ``name``, written on first use (random bfloat16
-    weights from ``seed``, config, tokenizer files) into ``shape_dir(name) / "hf"``.
+def ensure_checkpoint(name: str, seed: int = 0, log=print, layers: int | None = None) -> Path:
+    """The Hugging Face directory of shape ``name`` (cut to ``layers`` decoder layers when
+    given: ``shape_config``), written on first use (random bfloat16 weights from ``seed``,
+    config, tokenizer files) into ``shape_dir(name, layers) / "hf"``.
 
     Raises:
-        KeyError: an unknown shape name.
+        KeyError: an unknown shape name; ValueError: ``layers`` out of range.
     """
-    if name not in SHAPES:
-        raise KeyError(f"unknown shape {name!r}; choose from {list(SHAPES)}")
-    final = shape_dir(name) / "hf"
+    shape_config(name, layers)  # the checks, before anything is written
+    final = shape_dir(name, layers) / "hf"
     if _is_complete(final):
         return final
     tok_dir = default_tokenizer_dir()
-    cfg = _config_json(name, tok_dir)
+    cfg = _config_json(name, tok_dir, layers)
     tmp = final.with_name(f"hf.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    log(f"writing {name}: {parameter_count(cfg) / 1e9:.2f} B random bfloat16 parameters -> {final}")
+    log(
+        f"writing {cut_name(name, layers)}: {parameter_count(cfg) / 1e9:.2f} B random bfloat16 parameters -> {final}"
+    )
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in TOKENIZER_FILES:
         if (tok_dir / f).is_file():
@@ -375,18 +401,19 @@ def _add_metadata(w, arch: str, cfg: dict, ftype: int) -> None:
             w.add_float32(key, float(value))
 
 
-def ensure_gguf(name: str, qtype: str, log=print) -> Path:
-    """The GGUF file of shape ``name`` in block type ``qtype`` (``GGUF_TYPES``), written on first
-    use from the HF checkpoint's weights (:func:`ensure_checkpoint`) into
-    ``shape_dir(name) / f"{name}-{qtype}.gguf"``.
+def ensure_gguf(name: str, qtype: str, log=print, layers: int | None = None) -> Path:
+    """The GGUF file of shape ``name`` (cut to ``layers`` when given) in block type ``qtype``
+    (``GGUF_TYPES``), written on first use from the HF checkpoint's weights
+    (:func:`ensure_checkpoint`) into ``shape_dir(name, layers) / f"{cut}-{qtype}.gguf"``
+    (``cut = cut_name(name, layers)``).
 
     Raises:
-        KeyError: an unknown shape; ValueError: an unknown ``qtype``.
+        KeyError: an unknown shape; ValueError: an unknown ``qtype`` or ``layers`` out of range.
     """
     if qtype not in GGUF_TYPES:
         raise ValueError(f"GGUF type {qtype!r} not among {GGUF_TYPES}")
-    hf = ensure_checkpoint(name, log=log)
-    final = shape_dir(name) / f"{name}-{qtype}.gguf"
+    hf = ensure_checkpoint(name, log=log, layers=layers)
+    final = shape_dir(name, layers) / f"{cut_name(name, layers)}-{qtype}.gguf"
     if final.is_file():
         return final
     import gguf

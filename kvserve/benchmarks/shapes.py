@@ -23,6 +23,8 @@ time (each engine's peak RSS is its own; the host's memory holds one at a time):
 The table gives each kvserve row's ratio to its peer: vLLM of the same dtype (w64 tok/s and
 peak RSS) or llama.cpp on the same GGUF (decode tok/s and peak RSS). ``--quick`` is a short
 run for a shared host: 8 prompts, at most 32 output tokens each, 32 batch-1 tokens, one round.
+``--layers N`` cuts every shape to its first N decoder layers (its own checkpoint): same widths
+and vocabulary, so a step's per-layer GEMMs are the full model's, at a fraction of its memory.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.benchmarks.common import fmt_ratio, fmt_table, peak_rss_mib, system_info
-from kvserve.benchmarks.shape_checkpoints import GGUF_TYPES, SHAPES, ensure_checkpoint, ensure_gguf
+from kvserve.benchmarks.shape_checkpoints import (
+    GGUF_TYPES,
+    SHAPES,
+    cut_name,
+    ensure_checkpoint,
+    ensure_gguf,
+    shape_config,
+)
 from kvserve.workload.io import write_json
 
 ENGINES = ("kvserve", "vllm", "llama.cpp")
@@ -69,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"one of {list(SHAPES)} (repeatable; default llama-3.2-1b)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="cut every shape to its first N decoder layers (same widths and vocabulary; "
+        "its own checkpoint, shapes/<shape>-<N>layers): a short run for profiling",
     )
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="float dtypes of the w64 and batch-1 rows")
@@ -110,6 +126,9 @@ def settings(ns: argparse.Namespace) -> dict:
         bad = [v for v in values if v not in allowed]
         if bad:
             raise ValueError(f"{flags[key]}: unknown {bad}; choose from {list(allowed)}")
+    if ns.layers is not None:
+        for shape in shapes:
+            shape_config(shape, ns.layers)  # ValueError naming --layers and the shape's count
     quick = QUICK if ns.quick else {}
     s: dict[str, Any] = {k: v for k, (v, _) in lists.items()}
     s.update(
@@ -117,6 +136,7 @@ def settings(ns: argparse.Namespace) -> dict:
         max_output_len=ns.max_output_len if ns.max_output_len is not None else quick.get("max_output_len"),
         batch1_tokens=quick.get("batch1_tokens", ns.batch1_tokens) if ns.quick else ns.batch1_tokens,
         rounds=quick.get("rounds", ns.rounds) if ns.quick else ns.rounds,
+        layers=ns.layers,
         gguf_dtype=ns.gguf_dtype,
         kv_cache_memory_gib=ns.kv_cache_memory_gib,
         max_model_len=ns.max_model_len,
@@ -406,10 +426,12 @@ def run_shape(
     from kvserve.benchmarks.roof import percent_of_roof
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    hf = ensure_checkpoint(shape, log=log)
+    layers = s.get("layers")
+    hf = ensure_checkpoint(shape, log=log, layers=layers)
     ggufs = {}
     if {"kvserve", "llama.cpp"} & set(s["engines"]):
-        ggufs = {qt: ensure_gguf(shape, qt, log=log) for qt in s["gguf_types"]}
+        ggufs = {qt: ensure_gguf(shape, qt, log=log, layers=layers) for qt in s["gguf_types"]}
+    shape = cut_name(shape, layers)  # the rows' label
     rows, raw = [], []
     base = {"max_model_len": s["max_model_len"], "kv_cache_memory_gib": s["kv_cache_memory_gib"]}
     b1 = {"prompt_ids": prompt_ids, "batch1_tokens": s["batch1_tokens"], "rounds": s["rounds"]}
@@ -473,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.write_only:
         for shape in s["shapes"]:
-            ensure_checkpoint(shape)
+            ensure_checkpoint(shape, layers=s["layers"])
             for qt in s["gguf_types"]:
-                ensure_gguf(shape, qt)
+                ensure_gguf(shape, qt, layers=s["layers"])
         return 0
     prompt_ids = batch1_prompt()
     print(
@@ -491,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in s["shapes"]:
             rows += run_shape(shape, s, reqs, wl_path, prompt_ids, roof=not ns.no_roof)
     add_ratios(rows)
-    checks = check_targets(rows)
+    checks = check_targets(rows, cut_name("llama-3.2-1b", s["layers"]))
     print()
     print(format_table(rows))
     if checks:
@@ -504,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": sum(r.prompt_len for r in reqs),
             "output_tokens": sum(r.output_len for r in reqs),
             "batch1_prompt_tokens": len(prompt_ids),
-            "configs": {shape: SHAPES[shape] for shape in s["shapes"]},
+            "configs": {cut_name(sh, s["layers"]): shape_config(sh, s["layers"]) for sh in s["shapes"]},
             "system": system_info(),
             "results": rows,
             "targets": checks,

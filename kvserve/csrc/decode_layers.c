@@ -60,7 +60,7 @@ typedef void (*dl_fn)(void);
    DL_STATUS  int f(x, w, bias, y, M, N, K, nthreads)        quant_gemm_{act8,act16,panel}_<type>:
                                                              nonzero = no memory for its scratch
    DL_PANEL   void f(x, xf, w, bias, y, M, N, K, nthreads)   gemm_<dtype> (packed float panels)
-   DL_AMX     void f(x, w, bias, y, M, N, K, nthreads)       amx_gemm_bf16 (bfloat16 only) */
+   DL_AMX     void f(x, w, bias, y, M, N, K, nthreads)       amx_gemm_bf16, bf16dot_gemm (bfloat16 only) */
 typedef void (*dl_amx_fn)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                           int64_t, int);
 enum { DL_TILE = 0, DL_STATUS = 1, DL_PANEL = 2, DL_AMX = 3 };

@@ -31,15 +31,17 @@
  * multiply-adds (bf16dot_speed below), so this kernel is no faster than the float32-widening
  * panels and only level with oneDNN's bfloat16 matmul (the same instruction); the figures are in
  * docs/benchmarks.md (CPU kernels, gemm_micro.py --dtype bfloat16 --kernel bf16dot panels). So
- * the engine does not run it: where the probe finds the dot product slower than FMAs, bfloat16
- * weights take the panels at every step size (ops/gemm.py's packs_bfloat16); where it is faster
- * (AMD Zen 4, whose steps past 16 rows oneDNN's dot product wins) oneDNN keeps them until this
- * kernel has been compared with it on such a CPU.
+ * where the probe finds the dot product slower than FMAs, bfloat16 weights take the panels at
+ * every step size (ops/gemm.py's packs_bfloat16). Where it is faster (AMD Zen 4) this kernel
+ * runs every step size, one copy of each weight (model_executor/layers/linear.py): at
+ * Llama-3.2-1B's layer shapes it is level with oneDNN's matmul on prefill steps and faster than
+ * both oneDNN and the float32-widening panels on decode steps (docs/benchmarks_shapes.md).
  *
  * Outer loops as gemm.c: threads split the panels; rows go in chunks of ~512 KB of x (in L2
  * while every panel of the thread passes over it) of balanced <= 8-row blocks; a step of one
  * block (<= 8 rows) streams its weights GEMM_STREAM_AHEAD bytes ahead, one of more blocks
- * prefetches the thread's next panel in slices proportional to each block's rows.
+ * prefetches the thread's next panel in slices proportional to each block's rows. Steps of
+ * more than one block at K > KC_ELEMS go through each panel one K slice at a time (below).
  */
 #include "kv_vec.h"
 #include <omp.h>
@@ -117,13 +119,17 @@ static inline __m512 bcast_pair(const uint16_t* p) {
 static inline __attribute__((always_inline)) void
 ukernel(const int mr, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
         uint16_t* y, int64_t ldy, int ncols, const char* pf, int64_t pf_len, int64_t pf_step, const char* sp,
-        const char* sp_end) {
+        const char* sp_end, const float* acc_in, float* acc_out) {
+    /* acc_in: the rows' float32 sums of the earlier K blocks ([mr, 48], or NULL: start from 0);
+       acc_out: store this block's sums there and return (a later K block goes on from them),
+       else add the bias and round to y. Float32 stores and loads are exact, so a blocked row
+       sums in the same order, to the same bits, as an unblocked one. */
     __m512 a0[8], a1[8], a2[8];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; ++r) {
-        a0[r] = _mm512_setzero_ps();
-        a1[r] = _mm512_setzero_ps();
-        a2[r] = _mm512_setzero_ps();
+        a0[r] = acc_in ? _mm512_loadu_ps(acc_in + r * 48) : _mm512_setzero_ps();
+        a1[r] = acc_in ? _mm512_loadu_ps(acc_in + r * 48 + 16) : _mm512_setzero_ps();
+        a2[r] = acc_in ? _mm512_loadu_ps(acc_in + r * 48 + 32) : _mm512_setzero_ps();
     }
     const int64_t full = K / 2;
     for (int64_t kp = 0; kp < full; ++kp) {
@@ -164,6 +170,15 @@ ukernel(const int mr, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t*
             a2[r] = _mm512_dpbf16_ps(a2[r], b, w2);
         }
     }
+    if (acc_out) {
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; ++r) {
+            _mm512_storeu_ps(acc_out + r * 48, a0[r]);
+            _mm512_storeu_ps(acc_out + r * 48 + 16, a1[r]);
+            _mm512_storeu_ps(acc_out + r * 48 + 32, a2[r]);
+        }
+        return;
+    }
     v16 b0 = {}, b1 = {}, b2 = {};
     if (bias) {
         uint16_t bb[48] = {0};
@@ -191,20 +206,57 @@ ukernel(const int mr, int64_t K, const uint16_t* x, int64_t ldx, const uint16_t*
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* One mr-row block (mr <= 8) of x against K elements of one panel (ukernel's arguments). */
+static void ublock(int mr, int64_t K, const uint16_t* xm, int64_t ldx, const uint16_t* wp, const uint16_t* bp,
+                   uint16_t* ym, int64_t ldy, int ncols, const char* pf, int64_t pf_len, int64_t pf_step,
+                   const char* sp, const char* sp_end, const float* acc_in, float* acc_out) {
+#define UK(R)                                                                                                \
+    ukernel(R, K, xm, ldx, wp, bp, ym, ldy, ncols, pf, pf_len, pf_step, sp, sp_end, acc_in, acc_out);        \
+    break
+    switch (mr) {
+    case 8: UK(8);
+    case 7: UK(7);
+    case 6: UK(6);
+    case 5: UK(5);
+    case 4: UK(4);
+    case 3: UK(3);
+    case 2: UK(2);
+    default: UK(1);
+    }
+#undef UK
+}
+#endif
+
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), all bfloat16; w: panels [ceil(N / 48), ceil(K / 2), 48, 2].
-   Never called where bf16dot_built() is 0 (the wrapper keeps to oneDNN there). */
+   Never called where bf16dot_built() is 0 (the wrapper keeps to oneDNN there).
+
+   K blocking: where K > KC_ELEMS and a chunk has more than one 8-row block, each panel is
+   taken KC_ELEMS input features at a time (a 192 KiB slice at KC_ELEMS = 2048), every block of
+   the chunk passing over the slice while it is in L2, the blocks' float32 sums kept in `acc`
+   between slices. Why: a whole panel at K = 8192 (Llama-3.2-1B's down projection) is 768 KiB,
+   which with the blocks' x rows and the next panel's prefetch overflows a 1 MiB L2, so the
+   blocks would re-read it from L3 (docs/benchmarks_shapes.md). Row chunks are then sized by
+   KC_ELEMS, not K. */
+#ifndef KC_ELEMS
+#define KC_ELEMS 2048
+#endif
+#define MC_MAX ((1 << 18) / KC_ELEMS)
+
 void bf16dot_gemm(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
                   int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512BF16__)
     const int64_t P = (N + 47) / 48, KP = (K + 1) / 2;
     const int64_t panel_bytes = KP * PAIR_BYTES;
-    int64_t mc = K > 0 ? ((int64_t)(1 << 18) / K) & ~(int64_t)7 : 8;
+    const int kblocked = K > KC_ELEMS && M > 8;
+    int64_t mc = K > 0 ? ((int64_t)(1 << 18) / (kblocked ? KC_ELEMS : K)) & ~(int64_t)7 : 8;
     if (mc < 8) mc = 8;
 #pragma omp parallel num_threads(nthreads)
     {
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t p_begin = P * tid / nth, p_end = P * (tid + 1) / nth;
         const char* w_end = (const char*)(w + p_end * KP * 96);
+        float acc[MC_MAX * 48]; /* the chunk's sums of one panel between K blocks */
         for (int64_t m0 = 0; m0 < M; m0 += mc) {
             const int64_t m_end = m0 + mc < M ? m0 + mc : M, rows = m_end - m0;
             const int64_t nblk = (rows + 7) / 8, base = rows / nblk, extra = rows % nblk;
@@ -212,6 +264,39 @@ void bf16dot_gemm(const uint16_t* x, const uint16_t* w, const uint16_t* bias, ui
                 const uint16_t* wp = w + p * KP * 96;
                 const uint16_t* bp = bias ? bias + p * 48 : NULL;
                 const int ncols = N - p * 48 < 48 ? (int)(N - p * 48) : 48;
+                if (kblocked) {
+                    for (int64_t k0 = 0; k0 < K; k0 += KC_ELEMS) {
+                        const int64_t kc = K - k0 < KC_ELEMS ? K - k0 : KC_ELEMS;
+                        const int last = k0 + kc == K;
+                        const uint16_t* wk = wp + (k0 / 2) * 96;
+                        /* the next slice: this panel's next K block, or the next panel's first */
+                        const char* next = !last ? (const char*)(wk + (kc / 2) * 96)
+                            : p + 1 < p_end      ? (const char*)(wp + KP * 96)
+                                                 : NULL;
+                        const int64_t next_bytes = (int64_t)KC_ELEMS / 2 * PAIR_BYTES;
+                        for (int64_t m = m0, blk = 0; m < m_end; ++blk) {
+                            const int mr = (int)(base + (blk < extra));
+                            const char* pf = NULL;
+                            int64_t pf_len = 0, pf_step = 64;
+                            if (next) {
+                                const int64_t off = (next_bytes * (m - m0) / rows) & ~(int64_t)63;
+                                pf_len = ((next_bytes * (m + mr - m0) / rows + 63) & ~(int64_t)63) - off;
+                                pf_step =
+                                    ((pf_len + kc / 2 - 1) / (kc / 2 > 0 ? kc / 2 : 1) + 63) & ~(int64_t)63;
+                                if (pf_step > PAIR_BYTES) pf_step = PAIR_BYTES;
+                                pf = next + off;
+                            }
+                            const char* sp = blk == 0 && k0 == 0 && p == p_begin
+                                ? (const char*)wp + GEMM_STREAM_AHEAD
+                                : NULL;
+                            float* a = acc + (m - m0) * 48;
+                            ublock(mr, kc, x + m * K + k0, K, wk, bp, y + m * N + p * 48, N, ncols, pf,
+                                   pf_len, pf_step, sp, w_end, k0 ? a : NULL, last ? NULL : a);
+                            m += mr;
+                        }
+                    }
+                    continue;
+                }
                 const char* next = nblk > 1 && p + 1 < p_end ? (const char*)(wp + KP * 96) : NULL;
                 for (int64_t m = m0, blk = 0; m < m_end; ++blk) {
                     const int mr = (int)(base + (blk < extra));
@@ -219,8 +304,6 @@ void bf16dot_gemm(const uint16_t* x, const uint16_t* w, const uint16_t* bias, ui
                        nothing prefetched, streams in the first block */
                     const char* sp =
                         blk == 0 && (nblk == 1 || p == p_begin) ? (const char*)wp + GEMM_STREAM_AHEAD : NULL;
-                    const uint16_t* xm = x + m * K;
-                    uint16_t* ym = y + m * N + p * 48;
                     const char* pf = NULL;
                     int64_t pf_len = 0, pf_step = 64;
                     if (next) {
@@ -230,18 +313,8 @@ void bf16dot_gemm(const uint16_t* x, const uint16_t* w, const uint16_t* bias, ui
                         if (pf_step > PAIR_BYTES) pf_step = PAIR_BYTES;
                         pf = next + off;
                     }
-                    switch (mr) {
-                    case 8: ukernel(8, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    case 7: ukernel(7, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    case 6: ukernel(6, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    case 5: ukernel(5, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    case 4: ukernel(4, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    case 3: ukernel(3, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    case 2: ukernel(2, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end); break;
-                    default:
-                        ukernel(1, K, xm, K, wp, bp, ym, N, ncols, pf, pf_len, pf_step, sp, w_end);
-                        break;
-                    }
+                    ublock(mr, K, x + m * K, K, wp, bp, y + m * N + p * 48, N, ncols, pf, pf_len, pf_step, sp,
+                           w_end, NULL, NULL);
                     m += mr;
                 }
             }

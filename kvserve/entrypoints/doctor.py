@@ -103,7 +103,7 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     same tests as ``linear.prepack_weight``, ``attention`` and the model runner make)."""
     from kvserve.ops import attention as paged_attention
     from kvserve.ops import bitmask as bitmask_kernel
-    from kvserve.ops import decode_layers, elementwise, gemm, gemm_amx, prefill_attention, quant
+    from kvserve.ops import decode_layers, elementwise, gemm, gemm_amx, gemm_bf16dot, prefill_attention, quant
     from kvserve.ops import lora as lora_kernel
 
     amx = gemm_amx.available()
@@ -116,7 +116,10 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
     vec = "AVX-512" if "avx512f" in flags else "AVX2"
     torch_ = "torch (no native kernel)"
     # whether prepack_weight puts the model dtype's dense weights on a native kernel
-    dense_native = {"float32": gemm.beats_onednn(), "bfloat16": amx or gemm.beats_onednn()}
+    dense_native = {
+        "float32": gemm.beats_onednn(),
+        "bfloat16": amx or gemm.beats_onednn() or gemm_bf16dot.dot_beats_fma(),
+    }
     return {
         "linear": {
             "float32": (
@@ -131,6 +134,9 @@ def _paths(flags: set[str]) -> dict[str, dict[str, str]]:
                 if amx
                 else f"kvserve panel GEMM ({vec}, widened to float32), every step size{_dot_note(flags)}"
                 if gemm.packs_bfloat16()
+                else "kvserve AVX512-BF16 dot-product GEMM, every step size, one copy of the weights"
+                f"{_dot_note(flags)}"
+                if gemm_bf16dot.dot_beats_fma()
                 else f"kvserve panel GEMM up to {gemm.BF16_DOT_MAX_ROWS} rows, oneDNN ({bf16_isa}) above"
                 if gemm.beats_onednn()
                 else f"oneDNN ({bf16_isa}) via torch"
@@ -216,15 +222,15 @@ def _fused_decode_lora_text() -> str:
 
 
 def _dot_note(flags: set[str]) -> str:
-    """Why the panels beat the CPU's own bfloat16 dot product, where it has one."""
-    from kvserve.ops import gemm, gemm_bf16dot
+    """The CPU's bfloat16 dot-product speed, which picks the panels or the dot-product GEMM,
+    where it has one."""
+    from kvserve.ops import gemm_bf16dot
 
     if "avx512_bf16" not in flags:
         return ""
     return (
         f" (this CPU's VDPBF16PS: {gemm_bf16dot.dot_speed():.2f}x the multiply-adds per second of "
-        f"its float32 FMAs; above {gemm_bf16dot.DOT_FAST}x steps of more than "
-        f"{gemm.BF16_DOT_MAX_ROWS} rows would run oneDNN's dot product)"
+        f"its float32 FMAs; above {gemm_bf16dot.DOT_FAST}x the dot-product GEMM runs every step)"
     )
 
 

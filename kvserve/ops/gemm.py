@@ -48,7 +48,7 @@ def packs_bfloat16() -> bool:
     bfloat16 dot product faster than its float32 FMAs -- none at all (no AVX512-BF16: oneDNN
     emulates bfloat16), or a slow one (``gemm_bf16dot.dot_beats_fma`` False). On both the panels beat oneDNN's bfloat16 matmul
     at every row count (docs/benchmarks.md, CPU kernels). Where the dot product is fast (AMD
-    Zen 4) the panels take only steps of up to ``BF16_DOT_MAX_ROWS`` rows."""
+    Zen 4) ``gemm_bf16dot.DotWeight`` takes every step instead."""
     from kvserve.ops import cpu, gemm_bf16dot
 
     if not beats_onednn():
@@ -59,7 +59,8 @@ def packs_bfloat16() -> bool:
     return gemm_bf16dot.available() and not gemm_bf16dot.dot_beats_fma()
 
 
-#: On a CPU with a fast AVX512-BF16 dot product (``gemm_bf16dot.dot_beats_fma``) and no AMX,
+#: On a CPU with AVX512-BF16 and no AMX whose build lacks the dot-product kernel (its speed
+#: unknown; with the kernel and a fast dot product ``gemm_bf16dot.DotWeight`` takes every step),
 #: bfloat16 steps of up to this many rows run the panels and larger ones oneDNN's dot-product
 #: kernel (``PanelWeight.large``). Why: few rows are weight-bound, and the panels stream the
 #: same bytes better; from a few dozen rows the step is compute-bound and oneDNN's bfloat16 dot

@@ -1,6 +1,8 @@
-"""bfloat16 linear layers of many rows with the AVX512-BF16 dot product (``VDPBF16PS``), for CPUs
-that have it but no AMX tiles: ``DotWeight`` packs a weight once, ``linear`` runs
-``x @ W^T + b``. Algorithm and layout: ``kvserve/csrc/gemm_bf16dot.c``.
+"""bfloat16 linear layers with the AVX512-BF16 dot product (``VDPBF16PS``), for CPUs that have it
+but no AMX tiles: ``DotWeight`` packs a weight once, ``linear`` runs ``x @ W^T + b``. Where the
+dot product outruns the float32 FMAs (``dot_beats_fma``: AMD Zen 4) it is every bfloat16
+weight's only copy, for steps of any row count (``linear.prepack_weight``). Algorithm and
+layout: ``kvserve/csrc/gemm_bf16dot.c``.
 
 Layout: ``W [N, K]`` becomes ``pairs [ceil(N / 48), ceil(K / 2), 48, 2]`` bfloat16 (zero
 padded), element ``[p, kp, j, e] = W[48 p + j, 2 kp + e]``. Products of bfloat16 values are
@@ -98,15 +100,24 @@ class DotWeight:
             )
         n, k = weight.shape
         p, kp = -(-n // PANEL_WIDTH), -(-k // 2)
-        padded = weight.new_zeros(p * PANEL_WIDTH, kp * 2)
-        padded[:n, :k] = weight.detach()
+        src = weight.detach()
+        if n % PANEL_WIDTH or k % 2:  # a zero-padded copy only then: 1B-class widths need none,
+            # and a second full-size temporary per weight raises the load's peak memory
+            src = weight.new_zeros(p * PANEL_WIDTH, kp * 2)
+            src[:n, :k] = weight.detach()
         # [p, 48 cols, kp, 2] -> [p, kp, 48 cols, 2]
-        self.pairs = padded.view(p, PANEL_WIDTH, kp, 2).transpose(1, 2).contiguous()
+        pairs = src.reshape(p, PANEL_WIDTH, kp, 2).transpose(1, 2).contiguous()
+        # a single pair makes the transpose a no-op: never alias the caller's weight
+        self.pairs = pairs.clone() if pairs.data_ptr() == weight.data_ptr() else pairs
         self.out_features, self.in_features = n, k
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return self.pairs.device
 
     @property
     def shape(self) -> torch.Size:

@@ -16,7 +16,9 @@ from kvserve.benchmarks import shapes
 @pytest.fixture
 def shape_root(tmp_path, monkeypatch):
     """Checkpoints written under ``tmp_path`` instead of the user's cache."""
-    monkeypatch.setattr(sc, "shape_dir", lambda name: tmp_path / "shapes" / name)
+    monkeypatch.setattr(
+        sc, "shape_dir", lambda name, layers=None: tmp_path / "shapes" / sc.cut_name(name, layers)
+    )
     return tmp_path / "shapes"
 
 
@@ -59,6 +61,21 @@ def test_checkpoint_loads_in_transformers_with_its_weights(shape_root):
     tok = AutoTokenizer.from_pretrained(str(d))
     assert len(tok) == 49152 and tok.chat_template
     assert sc.ensure_checkpoint("tiny") == d  # cached: not written again
+
+
+def test_a_layer_cut_is_its_own_checkpoint_with_the_shape_widths(shape_root):
+    from transformers import AutoModelForCausalLM
+
+    d = sc.ensure_checkpoint("tiny", log=lambda m: None, layers=1)
+    assert d == shape_root / "tiny-1layers" / "hf"
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1
+    assert {k: cfg[k] for k in sc.SHAPES["tiny"] if k != "num_hidden_layers"} == {
+        k: v for k, v in sc.SHAPES["tiny"].items() if k != "num_hidden_layers"
+    }
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16)
+    assert len(model.model.layers) == 1
+    assert model.model.embed_tokens.weight.shape == (sc.SHAPES["tiny"]["vocab_size"], 64)
 
 
 def test_gguf_holds_the_checkpoint_weights_and_a_padded_vocabulary(shape_root, monkeypatch):
@@ -164,6 +181,8 @@ def test_ratios_and_targets_pair_each_kvserve_row_with_its_peer():
         (["--gguf-types", "q2_k"], "--gguf-types"),
         (["--batch1-tokens", "1"], "--batch1-tokens"),
         (["--num-prompts", "0"], "--num-prompts"),
+        (["--layers", "0"], "--layers"),
+        (["--shape", "tiny", "--layers", "3"], "--layers"),
     ],
 )
 def test_bad_flags_are_named_before_anything_runs(argv, flag, capsys, shape_root):

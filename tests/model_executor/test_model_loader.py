@@ -67,7 +67,7 @@ def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, packing, mo
     from transformers import Qwen2Config
 
     from kvserve.model_executor.models import llama
-    from kvserve.ops import gemm, gemm_amx
+    from kvserve.ops import gemm, gemm_amx, gemm_bf16dot
     from kvserve.worker.model_runner import ModelRunner
 
     if arch == "llama_tied":
@@ -94,8 +94,10 @@ def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, packing, mo
 
     def is_packed(w):
         if dtype == torch.bfloat16:
-            # panels where oneDNN would emulate bfloat16 (no AMX, no AVX512-BF16)
-            return isinstance(w, (gemm_amx.AmxWeight, gemm.PanelWeight)) or w.is_mkldnn
+            # panels where oneDNN would emulate bfloat16 (no AMX, no AVX512-BF16); the
+            # dot-product GEMM where the CPU's VDPBF16PS is fast (no AMX)
+            ours = (gemm_amx.AmxWeight, gemm.PanelWeight, gemm_bf16dot.DotWeight)
+            return isinstance(w, ours) or w.is_mkldnn
         return isinstance(w, gemm.PanelWeight)
 
     if packing == "panels":
@@ -118,7 +120,9 @@ def test_prepacked_weights_match_plain_linear(tmp_path, arch, dtype, packing, mo
     assert not is_packed(plain.layers[0].mlp.down_weight)
     a, b = logits(packed), logits(plain)
     assert a.abs().max() > 0.1
-    if dtype == torch.bfloat16 and isinstance(packed.lm_head, (gemm_amx.AmxWeight, gemm.PanelWeight)):
+    if dtype == torch.bfloat16 and isinstance(
+        packed.lm_head, (gemm_amx.AmxWeight, gemm.PanelWeight, gemm_bf16dot.DotWeight)
+    ):
         torch.testing.assert_close(a, b, rtol=0.03, atol=0.03 * float(b.abs().max()))
     elif dtype == torch.bfloat16:
         assert torch.equal(a, b)

@@ -64,9 +64,9 @@ def test_bad_inputs_are_named():
 
 def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_product_exists(monkeypatch):
     """Without AMX or AVX512-BF16 oneDNN emulates bfloat16 (slowly): bfloat16 weights get
-    panels there for every step; where the CPU has a
-    dot product faster than its FMAs, panels for steps of up to BF16_DOT_MAX_ROWS rows and
-    oneDNN above."""
+    panels there for every step; where the CPU has AVX512-BF16 but the build lacks the
+    dot-product kernel (its speed unknown), panels for steps of up to BF16_DOT_MAX_ROWS rows and
+    oneDNN above (with the kernel: tests/ops/test_gemm_bf16dot.py)."""
     import kvserve.ops.cpu
     from kvserve.model_executor.layers import linear
     from kvserve.ops import gemm_amx, gemm_bf16dot
@@ -84,10 +84,9 @@ def test_bfloat16_weights_are_panels_for_small_steps_where_a_bfloat16_dot_produc
     want = (x.float() @ w.float().T).to(torch.bfloat16)
     torch.testing.assert_close(linear.linear(x, packed), want, rtol=0.02, atol=0.05)
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    # with a dot product faster than FMAs (tests/ops/test_gemm_bf16dot.py: a slow one)
-    monkeypatch.setattr(gemm_bf16dot, "built", lambda: True)
-    monkeypatch.setattr(gemm_bf16dot, "dot_speed", lambda: 2.0)
-    assert not gemm.packs_bfloat16()
+    # a dot product of unknown speed (the kernel not built: dot_speed() is 0.0 then)
+    monkeypatch.setattr(gemm_bf16dot, "built", lambda: False)
+    assert not gemm.packs_bfloat16() and not gemm_bf16dot.dot_beats_fma()
     # with the dot product: panels for decode-sized steps, oneDNN's copy above
     packed = linear.prepack_weight(w)
     assert isinstance(packed, gemm.PanelWeight) and packed.max_rows == gemm.BF16_DOT_MAX_ROWS

@@ -125,6 +125,26 @@ def test_a_row_is_bit_identical_whatever_the_row_count():
 
 
 @needs_kernel
+@pytest.mark.parametrize("k", [2049, 4101, 8192])
+def test_k_blocked_steps_equal_unblocked_rows_and_the_float64_bound(k):
+    """Past 2,048 input features a step of more than 8 rows runs each panel one K slice at a
+    time (float32 sums carried between slices); a step of up to 8 rows does not. Both give a
+    row the same bits (1-8 rows against 9, 17, 136), within the float64 bound, and the odd last
+    feature (k = 2049, 4101) is counted once."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(100, k, generator=g).bfloat16()
+    x = torch.randn(136, k, generator=g).bfloat16()
+    b = torch.randn(100, generator=g).bfloat16()
+    packed = gemm_bf16dot.DotWeight(w)
+    full = gemm_bf16dot.linear(x, packed, b)
+    for m in (1, 8, 9, 17):
+        assert torch.equal(gemm_bf16dot.linear(x[:m], packed, b), full[:m]), m
+    assert torch.equal(gemm_bf16dot.linear(x[130:], packed, b), full[130:])
+    ref, bound = _bound(x, w, b)
+    assert bool(((full.double() - ref).abs() <= bound).all())
+
+
+@needs_kernel
 def test_rounds_like_torch_and_edge_shapes():
     w = torch.tensor([[1.0, 2.0, 0.5], [3.0, -1.0, 0.25]], dtype=torch.bfloat16)
     x = torch.tensor([[1.0, 1.0, 1.0], [2.0, 0.0, 4.0]], dtype=torch.bfloat16)
@@ -172,8 +192,8 @@ def avx512_no_amx(monkeypatch):
 @pytest.mark.parametrize("speed", [0.5, 2.0])
 def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, avx512_no_amx, speed):
     """Without AVX512-BF16, or with a VDPBF16PS slower than FMAs: the panels for every step, one
-    copy; with a fast one: panels up to BF16_DOT_MAX_ROWS rows, oneDNN's copy above; ``kvserve
-    doctor`` names what ``prepack_weight`` picks."""
+    copy; with a fast one: the dot-product GEMM for every step, one copy; ``kvserve doctor``
+    names what ``prepack_weight`` picks."""
     from kvserve.entrypoints import doctor
 
     w = torch.randn(96, 64).bfloat16()
@@ -188,13 +208,14 @@ def test_dispatch_follows_the_flags_and_the_probe(monkeypatch, avx512_no_amx, sp
     assert gemm_bf16dot.available() and gemm_bf16dot.dot_beats_fma() == (speed > gemm_bf16dot.DOT_FAST)
     packed = linear.prepack_weight(w)
     text = doctor._paths(flags)["linear"]["bfloat16"]
-    assert isinstance(packed, gemm.PanelWeight)
+    assert "every step size" in text and f"{speed:.2f}x" in text, text
     if speed < gemm_bf16dot.DOT_FAST:
-        assert packed.large is None and packed.takes(4096)
-        assert "every step size" in text and f"{speed:.2f}x" in text, text
+        assert isinstance(packed, gemm.PanelWeight) and packed.large is None and packed.takes(4096)
+        assert "panel GEMM" in text, text
     else:
-        assert packed.max_rows == gemm.BF16_DOT_MAX_ROWS and packed.large is not None
-        assert f"up to {gemm.BF16_DOT_MAX_ROWS} rows, oneDNN" in text, text
+        assert isinstance(packed, gemm_bf16dot.DotWeight)
+        assert "dot-product GEMM" in text and "one copy" in text, text
+        assert torch.equal(packed.unpack(), w)
     for m in (1, 17, 100):
         x = torch.randn(m, 64).bfloat16()
         ref, bound = _bound(x, w, None)
@@ -268,8 +289,8 @@ MAX_NEW = 12
 def test_tiny_llama_bfloat16_greedy_equals_transformers(tiny_llama_dir, monkeypatch, avx512_no_amx, speed):
     """A tiny random Llama in bfloat16 (one 110-row prefill step, then 6-row decodes): greedy
     tokens equal transformers' bfloat16 ones up to bfloat16 near-ties, with the panels at every
-    step (a slow VDPBF16PS, this project's Xeon) and with oneDNN past BF16_DOT_MAX_ROWS (a fast
-    one)."""
+    step (a slow VDPBF16PS, this project's Xeon) and with the dot-product GEMM at every step (a
+    fast one: AMD Zen 4)."""
     from transformers import AutoModelForCausalLM
 
     from kvserve import LLM, SamplingParams
@@ -277,9 +298,11 @@ def test_tiny_llama_bfloat16_greedy_equals_transformers(tiny_llama_dir, monkeypa
     monkeypatch.setattr(kvserve.ops.cpu, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr(gemm_bf16dot, "built", lambda: True)
     monkeypatch.setattr(gemm_bf16dot, "dot_speed", lambda: speed)
-    rows = []
-    real = gemm.linear
+    rows: list[int] = []
+    dot_rows: list[int] = []
+    real, real_dot = gemm.linear, gemm_bf16dot.linear
     monkeypatch.setattr(gemm, "linear", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(gemm_bf16dot, "linear", lambda x, *a: dot_rows.append(x.shape[0]) or real_dot(x, *a))
     ref_model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 21, 13, 34, 9, 27)]
@@ -305,5 +328,9 @@ def test_tiny_llama_bfloat16_greedy_equals_transformers(tiny_llama_dir, monkeypa
             assert gap <= max(BF16_NEAR_TIE, ulp), f"step {k}: ours {ours[k]}, ref {tokens[k]}, gap {gap:.4f}"
         compared += k
     assert compared >= 0.75 * MAX_NEW * len(prompts), compared  # near-ties are rare
-    # the dispatch took effect: the prefill step on the panels only where the dot product is slow
-    assert rows and (max(rows) > gemm.BF16_DOT_MAX_ROWS) == (speed < gemm_bf16dot.DOT_FAST), rows
+    # the dispatch took effect: the panels where the dot product is slow, the dot-product GEMM
+    # (the 110-row prefill step included) where it is fast
+    if speed < gemm_bf16dot.DOT_FAST:
+        assert rows and max(rows) > gemm.BF16_DOT_MAX_ROWS and not dot_rows, (rows, dot_rows)
+    else:
+        assert dot_rows and max(dot_rows) > gemm.BF16_DOT_MAX_ROWS and not rows, (rows, dot_rows)

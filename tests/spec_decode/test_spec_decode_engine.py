@@ -863,7 +863,7 @@ def test_uniform_kernel_rows_is_the_smallest_switching_weight():
     import torch
 
     from kvserve.model_executor.models.cpu_decode_step import uniform_kernel_rows
-    from kvserve.ops import gemm
+    from kvserve.ops import gemm, gemm_bf16dot
 
     def panel(max_rows=None):
         w = torch.randn(48, 32)
@@ -880,3 +880,5 @@ def test_uniform_kernel_rows_is_the_smallest_switching_weight():
     assert uniform_kernel_rows(model(panel(), panel(16))) == 16
     assert uniform_kernel_rows(model(panel(24), panel(16))) == 16
     assert uniform_kernel_rows(model(torch.randn(48, 32), panel())) is None  # plain / oneDNN
+    dot = gemm_bf16dot.DotWeight(torch.randn(48, 32).bfloat16())
+    assert uniform_kernel_rows(model(dot, dot)) is None  # the dot-product GEMM: any rows

@@ -9,6 +9,8 @@ for block-quantized ones); every call then dispatches on that form (``linear``):
   oneDNN's packed copy above.
 - ``gemm.PanelWeight`` (float32 with AVX-512F; bfloat16 where the panels beat oneDNN): the panel
   GEMM up to its ``max_rows``, oneDNN's packed copy above when it holds one.
+- ``gemm_bf16dot.DotWeight`` (bfloat16, no AMX, a VDPBF16PS faster than the float32 FMAs: AMD
+  Zen 4): the AVX512-BF16 dot-product GEMM at every row count, one copy of the weight.
 - a oneDNN-packed (``is_mkldnn``) tensor: oneDNN's matmul, rows padded to a bucket.
 - a plain tensor (off CPU, float16, float32 without AVX-512F, no kernels): ``F.linear``.
 - ``InputPermutedWeight`` (GPTQ act-order): the input columns gathered, then the inner weight's
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from kvserve.model_executor.layers.permuted_linear import InputPermutedWeight
 from kvserve.model_executor.layers.row_buckets import onednn_rows as bucket_rows
 from kvserve.model_executor.layers.row_buckets import pad_rows
-from kvserve.ops import gemm, gemm_amx, huge_pages, quant, quant_pack
+from kvserve.ops import gemm, gemm_amx, gemm_bf16dot, huge_pages, quant, quant_pack
 from kvserve.ops.library import DTYPE_SUFFIX
 
 #: A linear weight in any of the forms above.
@@ -40,11 +42,14 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     """``x @ weight.T + bias`` for ``x`` ``[T, in]`` and ``weight`` ``[out, in]``: a plain tensor,
     or a weight prepacked by ``prepack_weight`` (``gemm.PanelWeight``,
     ``gemm_amx.AmxWeight`` or oneDNN's), a GGUF-quantized ``quant.QuantWeight``, or one
-    whose input columns were permuted at load (``InputPermutedWeight``: GPTQ act-order)."""
+    whose input columns were permuted at load (``InputPermutedWeight``: GPTQ act-order), or
+    ``gemm_bf16dot.DotWeight``."""
     if isinstance(weight, InputPermutedWeight):
         x, weight = weight.gather(x), weight.weight
     if isinstance(weight, quant.QuantWeight):
         return quant.linear(x, weight, bias)
+    if isinstance(weight, gemm_bf16dot.DotWeight):
+        return gemm_bf16dot.linear(x, weight, bias)
     if isinstance(weight, gemm_amx.AmxWeight):
         if x.shape[0] <= gemm_amx.MAX_ROWS:
             return gemm_amx.linear(x, weight, bias)
@@ -87,10 +92,14 @@ def prepack_weight(weight: torch.Tensor) -> LinearWeight:
       (``gemm_bf16dot.dot_beats_fma`` False) its bfloat16 matmul does no more multiply-adds per
       cycle than the panels, which beat it at every row count -- so decode and verify steps of
       any batch also stay on the one-call decode step. With a fast AVX512-BF16 dot product and
-      no AMX (AMD Zen 4): ``gemm.PanelWeight`` for steps of up to ``gemm.BF16_DOT_MAX_ROWS``
-      rows (weight-bound: the panels stream better), holding oneDNN's copy for larger ones
-      (compute-bound: its dot product wins). The figures are in docs/benchmarks.md (CPU
-      kernels).
+      no AMX (AMD Zen 4; ``gemm_bf16dot.dot_beats_fma``): ``gemm_bf16dot.DotWeight`` for every
+      step size, one copy -- at Llama-3.2-1B's layer shapes it is about level with oneDNN's
+      matmul (the same instruction) from 32 rows up, a little behind at K = 8192, and faster
+      than the panels at every row count (docs/benchmarks_shapes.md); one kernel at every row count
+      also keeps a row's numbers the same in decode, verify and prefill steps. Where that CPU's
+      build lacks the kernel (an older compiler): ``gemm.PanelWeight`` for steps of up to
+      ``gemm.BF16_DOT_MAX_ROWS`` rows, holding oneDNN's copy for larger ones. The other
+      figures are in docs/benchmarks.md (CPU kernels).
 
     Returns ``weight`` unchanged off CPU, for other dtypes (a ``QuantWeight`` too), for float32
     without AVX-512F, or when neither kernel is available.
@@ -102,6 +111,8 @@ def prepack_weight(weight: torch.Tensor) -> LinearWeight:
     amx = weight.shape[1] % gemm_amx.K_TILE == 0 and gemm_amx.USE_FOR_GEMM and gemm_amx.available()
     if not amx and gemm.packs_bfloat16():
         return gemm.PanelWeight(weight)
+    if not amx and gemm_bf16dot.dot_beats_fma():
+        return gemm_bf16dot.DotWeight(weight)
     large = weight
     if torch.backends.mkldnn.is_available():
         try:
@@ -129,10 +140,10 @@ def lm_head_logits(hidden: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
 
 
 def move_to_huge_pages(packed: list[LinearWeight]) -> None:
-    """The kernels' weight streams (AMX tiles, float panels) of ``packed`` moved into 2 MiB
+    """The kernels' weight streams (AMX tiles, float panels, bfloat16 pairs) of ``packed`` moved into 2 MiB
     pages (``huge_pages.move_weights``: fewer TLB misses at decode); nothing moves where
     unavailable."""
-    huge_pages.move_weights(packed, ("tiles", "panels"))
+    huge_pages.move_weights(packed, ("tiles", "panels", "pairs"))
 
 
 def onednn_rows(weight: LinearWeight, limit: int) -> tuple[torch.Tensor | None, int]:
@@ -214,6 +225,18 @@ def native_gemm(
             weight.in_features,
             False,
         )
+    # built(), not available(): a DotWeight exists only where prepack_weight found the kernel,
+    # and available() reads /proc/cpuinfo, which this per-step call must not
+    if isinstance(weight, gemm_bf16dot.DotWeight) and dtype == torch.bfloat16 and gemm_bf16dot.built():
+        # called as the AMX kernel is: (x, w, bias, y, M, N, K, nthreads)
+        return (
+            gemm_bf16dot._LIB.fn("bf16dot_gemm"),
+            weight.pairs.data_ptr(),
+            b,
+            weight.out_features,
+            weight.in_features,
+            False,
+        )
     if (
         isinstance(weight, gemm.PanelWeight)
         and weight.dtype == dtype
@@ -237,4 +260,5 @@ WEIGHT_BYTES: dict[type, str] = {
     quant.QuantWeight: "data",
     gemm_amx.AmxWeight: "tiles",
     gemm.PanelWeight: "panels",
+    gemm_bf16dot.DotWeight: "pairs",
 }

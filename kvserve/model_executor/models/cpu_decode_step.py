@@ -19,7 +19,8 @@ rank: the kernels take any shape), with the same all-reduce after o and down as 
 
 Applies when (``applies``): CPU, float32 or bfloat16, every linear weight packed for a native
 kernel that takes this step's row count (``gemm.PanelWeight`` of the model dtype, up to
-its ``max_rows`` if set, or ``gemm_amx.AmxWeight`` up to ``gemm_amx.MAX_ROWS`` rows), all rows single-token decodes on the
+its ``max_rows`` if set, ``gemm_amx.AmxWeight`` up to ``gemm_amx.MAX_ROWS`` rows, or
+``gemm_bf16dot.DotWeight`` at any), all rows single-token decodes on the
 native attention kernel (``meta.native_decode``), the model's parts those kernels cover
 (``native_decode_parts``: whole-head rotary), a KV cache of the model dtype or int8
 (``_kv_quant``: ``rope_write_kv_q8`` quantizes k and v into it, the q8 decode attention
@@ -79,7 +80,8 @@ def uniform_kernel_rows(model) -> int | None:
     model's gate/up projection: 1 row in 8 differs). A speculative step that crosses it computes
     the K/V of accepted drafts with other numbers than the plain decode steps would, and greedy
     output drifts from speculation off (3 of 8 requests at 8 concurrent in bfloat16).
-    float32 panels take every row count: None. Quantized weights: None (their kernels switch at
+    float32 panels and the bfloat16 dot-product GEMM (``gemm_bf16dot.DotWeight``) take every
+    row count: None. Quantized weights: None (their kernels switch at
     ``quant.PANEL_ROWS``, not covered here). The transformers fallback (torch's linear layers):
     None.
     """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
+        # the engines of --end-to-end set their own thread count from the environment
+        os.environ["KVSERVE_NUM_THREADS"] = str(ns.threads)
     if ns.end_to_end:
         return _main_end_to_end(ns, p)
     shapes = SHAPES

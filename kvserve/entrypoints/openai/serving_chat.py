@@ -355,7 +355,9 @@ class OpenAIServingChat(OpenAIServing):
 
         sub = await self.prepare_prompt(text, params, rename, chat=True)
         reservation = self.check_capacity(1)
-        rec = self.new_record("chatcmpl", params.n, [sub], lora, params=params, headers=raw_request.headers)
+        rec = self.new_record(
+            "chatcmpl", params.n, [sub], lora, params=params, headers=raw_request.headers, tenant=req.user
+        )
         if self.request_logger.log_prompts:
             rec.prompts = [text]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

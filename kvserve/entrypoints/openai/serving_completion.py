@@ -167,7 +167,9 @@ class OpenAIServingCompletion(OpenAIServing):
         lens = [len(sub.prompt_token_ids) for sub in subs]
         check_size(req, lens, n=n, prompt_logprobs=params.prompt_logprobs, best_of=best_of)
         reservation = self.check_capacity(len(subs))
-        rec = self.new_record("cmpl", n, subs, lora, params=params, headers=raw_request.headers)
+        rec = self.new_record(
+            "cmpl", n, subs, lora, params=params, headers=raw_request.headers, tenant=req.user
+        )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self.respond(
             raw_request,
@@ -252,7 +254,7 @@ class OpenAIServingCompletion(OpenAIServing):
         subs = await self.prepare_prompts(raw_request, prompts, probe)
         check_size(req, [len(sub.prompt_token_ids) for sub in subs], best_of=width)
         reservation = self.check_capacity(len(subs))
-        rec = self.new_record("cmpl", n, subs, lora, headers=raw_request.headers)
+        rec = self.new_record("cmpl", n, subs, lora, headers=raw_request.headers, tenant=req.user)
         eos = self.engine.eos_token_id
         limit = self.engine.scheduler_config.max_model_len
         searches = [

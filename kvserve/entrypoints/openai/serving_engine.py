@@ -522,6 +522,8 @@ class RequestRecord:
     prompts: list[str | None] | None = None
     #: the adapter the request runs with (None: the base model)
     lora_request: LoRARequest | None = None
+    #: the request's ``user`` field, its tenant under ``fair`` (None: the default tenant)
+    tenant: str | None = None
     #: the model name answers report; the sampling parameters (None: beam search)
     model: str = ""
     params: SamplingParams | None = None
@@ -574,8 +576,8 @@ def sleeping_error(engine, retry_after_s: int) -> APIError:
 
 class RequestLogger:
     """One JSON line per finished HTTP generation request on ``kvserve.server.requests``:
-    id, endpoint, status, prompt/output tokens, TTFT, queue time, e2e, finish reasons. Prompt
-    text only when ``log_prompts``."""
+    id, endpoint, status, prompt/output tokens, TTFT, queue time, e2e, finish reasons, the
+    adapter and the tenant (``user``) where set. Prompt text only when ``log_prompts``."""
 
     def __init__(self, enabled: bool = True, log_prompts: bool = False, tracer: RequestTracer | None = None):
         self.enabled = enabled
@@ -612,6 +614,8 @@ class RequestLogger:
         }
         if rec.lora_request is not None:
             line["lora"] = rec.lora_request.lora_name
+        if rec.tenant:
+            line["tenant"] = rec.tenant
         if self.log_prompts and rec.prompts is not None:
             line["prompts"] = rec.prompts
         request_logger.info(json.dumps(line, separators=(",", ":")))
@@ -1107,10 +1111,12 @@ class OpenAIServing:
         *,
         params: SamplingParams | None = None,
         headers: Mapping[str, str] | None = None,
+        tenant: str | None = None,
     ) -> RequestRecord:
         """Assign request ids (``prefix-<hex>`` and ``...-<i>`` per prompt); ``lora_request``:
         the adapter the request runs with; ``params``: its sampling parameters; ``headers``:
-        the HTTP request's, whose ``traceparent`` is the parent of its span when tracing."""
+        the HTTP request's, whose ``traceparent`` is the parent of its span when tracing;
+        ``tenant``: its ``user`` field (logged with it)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         for i, s in enumerate(subs):
             s.request_id = f"{rid}-{i}"
@@ -1121,6 +1127,7 @@ class OpenAIServing:
             prompt_tokens=sum(len(s.prompt_token_ids) for s in subs),
             lora_request=lora_request,
             params=params,
+            tenant=tenant,
         )
         rec.model = self.response_model(rec)
         tracer = self.request_logger.tracer

@@ -194,7 +194,7 @@ class OpenAIServingPooling(OpenAIServing):
         except BaseException:
             reservation.release()
             raise
-        rec = self.new_record(prefix, 1, subs, headers=raw_request.headers)
+        rec = self.new_record(prefix, 1, subs, headers=raw_request.headers, tenant=user)
 
         async def full_body() -> dict:
             vecs: list[torch.Tensor | None] = [None] * len(subs)

@@ -694,12 +694,15 @@ def test_request_log_line(server, caplog):
     r = server.client().completions.create(
         model=MODEL, prompt=secret, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
     )
+    c = server.client().chat.completions.create(model=MODEL, messages=_USER, max_tokens=2, user="team-a")
     lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "kvserve.server.requests"]
     mine = [ln for ln in lines if ln["request_id"] == r.id]
     assert len(mine) == 1
     line = mine[0]
     assert line["output_tokens"] == 3 and line["prompt_tokens"] == r.usage.prompt_tokens
     assert line["finish_reasons"] == ["length"] and line["ttft_s"] is not None and line["e2e_s"] > 0
+    assert "tenant" not in line  # no user: the default tenant
+    assert [ln["tenant"] for ln in lines if ln["request_id"] == c.id] == ["team-a"]
     assert secret not in caplog.text
 
 

@@ -7,8 +7,8 @@ an installed vLLM by ``benchmarks/vllm_cpu/snapshot_flags.py``, with the flags e
 had) has one fate here:
 
 - ``same``: kvserve has the flag, with the same meaning;
-- ``mapped``: translated to a kvserve setting (``target``), its value converted; a target
-  ``setting.key`` sets one key of a JSON setting (``--spec-tokens``: ``speculative_config``);
+- ``mapped``: translated to a kvserve setting (``target``), its value converted, with an INFO
+  log line naming the setting it set; a target ``setting.key`` sets one key of a JSON setting (``--spec-tokens``: ``speculative_config``);
 - ``ignored``: accepted, and one log line says why it changes nothing here;
 - ``refused``: an error naming the flag and why, unless its value is one of ``accept`` (the
   values that ask for what kvserve does anyway: accepted with a log line).
@@ -886,8 +886,9 @@ def _shown(value: Any) -> str:
 def resolve(flag: str, value: Any, model: str | None = None) -> tuple[dict[str, Any], str | None]:
     """What vLLM's ``flag`` given ``value`` does here: ``(settings, log_line)``.
 
-    ``settings``: kvserve settings to set (``mapped``); ``log_line``: the line to log (an
-    ignored flag, or a refused flag given a value it accepts), else None.
+    ``settings``: kvserve settings to set (``mapped``); ``log_line``: the line to log (a mapped
+    flag and the setting it set, an ignored flag, or a refused flag given a value it accepts),
+    else None.
 
     Raises:
         ValueError: a refused flag (or a mapped one whose value does not convert), naming the
@@ -899,9 +900,19 @@ def resolve(flag: str, value: Any, model: str | None = None) -> tuple[dict[str, 
     if fate.kind == MAPPED:
         assert fate.target is not None and fate.convert is not None
         try:
-            return {fate.target: fate.convert(value)}, None
+            converted = fate.convert(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{flag} {_shown(value)}: {e}") from None
+        field, _, key = fate.target.partition(".")
+        ours = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+        if key:
+            setting = f"{ours} key {key}={converted!r}"
+        elif isinstance(converted, bool):  # kvserve's booleans are --X / --no-X
+            setting = ours if converted else "--no-" + ours[2:]
+        else:
+            setting = f"{ours} {_shown(converted)}"
+        given = flag if value is True else f"{flag} {_shown(value)}"
+        return {fate.target: converted}, f"vLLM flag {given} mapped: kvserve's {setting}."
     if fate.kind == IGNORED:
         return {}, f"vLLM flag {flag} ignored: {fate.why}."
     if _accepted(fate, value, model):
@@ -1085,7 +1096,7 @@ RESPONSE_DIFFERENCES: dict[str, tuple[str, str]] = {
 
 _KIND_TITLES = {
     SAME: "same: accepted, same meaning",
-    MAPPED: "mapped: translated to a kvserve setting",
+    MAPPED: "mapped: translated to a kvserve setting, one log line names it",
     IGNORED: "ignored: accepted, one log line says why",
     REFUSED: "refused: an error naming the flag (unless given an accepted value)",
 }

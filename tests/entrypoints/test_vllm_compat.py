@@ -190,7 +190,12 @@ def test_a_common_vllm_launch_line_parses_into_the_engine_and_server_settings(se
         assert f"vLLM flag {flag} ignored" in joined
     assert "never runs code from a model directory" in joined
     assert "--pipeline-parallel-size 1 accepted" in joined
-    assert len(lines) == 4
+    # the rest: one line per mapped flag, naming kvserve's setting
+    mapped = [ln for ln in lines if " mapped: kvserve's " in ln]
+    assert (
+        len(lines) - len(mapped) == 4
+        and "vLLM flag --swap-space 4 mapped: kvserve's --swap-space-gib 4.0." in mapped
+    )
 
 
 def test_a_launch_line_of_vllm_0_32_flags_parses(serve_parser):
@@ -213,7 +218,11 @@ def test_a_launch_line_of_vllm_0_32_flags_parses(serve_parser):
     for flag in ("--numa-bind", "--stream-interval", "--compilation-config", "--optimization-level"):
         assert f"vLLM flag {flag} ignored" in joined
     assert "--nnodes 1 accepted" in joined and "--enable-expert-parallel False accepted" in joined
-    assert len(lines) == 6
+    mapped = [ln for ln in lines if " mapped: kvserve's " in ln]
+    assert len(lines) - len(mapped) == 6
+    assert (
+        "vLLM flag --max-num-scheduled-tokens 4k mapped: kvserve's --max-num-batched-tokens 4000." in mapped
+    )
 
 
 @pytest.mark.parametrize(
@@ -304,7 +313,9 @@ def test_each_flag_does_what_its_fate_says(serve_parser, flag):
     if fate.kind == vc.IGNORED:
         assert lines == [f"vLLM flag {flag} ignored: {fate.why}."]
         return
-    assert lines == []
+    assert (
+        len(lines) == 1 and lines[0].startswith(f"vLLM flag {flag}") and " mapped: kvserve's --" in lines[0]
+    )
     expected = {
         "--kv-cache-memory-bytes": ("kv_cache_memory_gib", 2.0),
         "--swap-space": ("swap_space_gib", 2.0),
@@ -343,7 +354,7 @@ def test_refused_flags_take_their_accepted_values_and_name_them_otherwise(serve_
 )  # fmt: skip
 def test_legacy_task_runs_its_runner(serve_parser, task, runner):
     ns, lines = _parse(serve_parser, f"--model /m --task {task}")
-    assert ns.runner == runner and lines == []
+    assert ns.runner == runner and lines == [f"vLLM flag --task {task} mapped: kvserve's --runner {runner}."]
     assert engine_args_from(ns).runner == runner
 
 

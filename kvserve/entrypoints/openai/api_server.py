@@ -1107,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for line in compat_lines:  # an ignored flag is a warning, an accepted value information
+    for line in compat_lines:  # an ignored flag is a warning; a mapped one, an accepted value: information
         logger.log(logging.WARNING if " ignored: " in line else logging.INFO, line)
     names = list(ns.served_model_name or [])
     name = names[0] if names else ns.model or DEFAULT_MODEL_NAME

@@ -70,6 +70,7 @@ class LLM:
         else:
             self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+        self._model_name = "default" if model is None else str(model)
 
     def shutdown(self) -> None:
         """Stop the data-parallel replicas and the engine's tensor-parallel worker processes
@@ -300,7 +301,8 @@ class LLM:
 
         Raises:
             ValueError: an invalid ``chat_template``, a reserved ``chat_template_kwargs`` key
-                (``check_template_kwargs``), or a ``tools[i]`` entry of the wrong shape.
+                (``check_template_kwargs``), a ``tools[i]`` entry of the wrong shape, or no
+                template at all (neither given nor the tokenizer's, naming the model).
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
@@ -312,6 +314,14 @@ class LLM:
         if tools:
             extra["tools"] = _template_tools(tools)
         tok = self.get_tokenizer()
+        if template is None and not getattr(tok, "chat_template", None):
+            # a base model (e.g. a pretrained GGUF) ships none; transformers' own error would not
+            # name the model nor the keyword that fixes it
+            raise ValueError(
+                f"model {self._model_name!r} has no chat template (its tokenizer sets none): pass "
+                "chat_template= (a file or an inline Jinja2 template) to LLM() or chat(), or give "
+                "plain prompts to generate()."
+            )
         prompts = []
         for conv in messages:
             render = dict(add_generation_prompt=add_generation_prompt, chat_template=template, **extra)

@@ -2,6 +2,8 @@
 ``chat_template`` (only on a server that trusts them) and ``chat_template_kwargs``, on the
 server's chat and ``/tokenize`` routes and on ``LLM.chat``."""
 
+import re
+
 import pytest
 
 from kvserve.entrypoints.chat_template import check_chat_template, check_template_kwargs, load_chat_template
@@ -152,3 +154,19 @@ def test_llm_takes_vllms_chat_template_keyword_as_chats_default(tiny_llama_dir):
     llm.shutdown()
     with pytest.raises(ValueError, match="chat_template"):
         LLM(model=str(tiny_llama_dir), chat_template="{% for %}")  # fails before the engine loads
+
+
+def test_llm_chat_without_any_template_names_the_model_and_the_keyword(tiny_llama_dir):
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, num_gpu_blocks=16, block_size=8)
+    tok = llm.get_tokenizer()
+    tok.chat_template = None  # a base model's tokenizer, as a pretrained GGUF gives it
+    with pytest.raises(
+        ValueError, match=re.escape(str(tiny_llama_dir)) + r".*no chat template.*chat_template="
+    ):
+        llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.chat(
+        MSGS, SamplingParams(max_tokens=1), use_tqdm=False, chat_template="{{ messages[0].content }}"
+    )
+    assert out[0].prompt_token_ids == _ids(tok, "Hi there")

@@ -78,11 +78,19 @@ def open_gguf(path: Path):
             truncated header / metadata entry / tensor info / tensor data (naming the entry or
             tensor where the file ends), a duplicated tensor name, an unknown tensor type
             (naming the tensor and its type id).
+        ImportError: the imported ``gguf`` module has no ``GGUFReader`` (naming the module's
+            file: e.g. a user's own ``gguf.py`` shadowing the package), so the file is not blamed.
     """
     import gguf
 
+    reader = getattr(gguf, "GGUFReader", None)
+    if reader is None:
+        raise ImportError(
+            f"the imported 'gguf' module ({getattr(gguf, '__file__', None)!r}) has no GGUFReader: "
+            "is a local file or folder named gguf shadowing the gguf package?"
+        )
     try:
-        return gguf.GGUFReader(str(path))
+        return reader(str(path))
     except Exception as e:
         try:
             why = gguf_layout_error(Path(path))

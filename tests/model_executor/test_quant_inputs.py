@@ -456,3 +456,19 @@ def test_broken_shard_index_is_named(tmp_path, tiny_float, method, index, messag
     (d / "model.safetensors.index.json").write_text(index)
     with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json.*{message}"):
         load_model(d, torch.float32, "cpu")
+
+
+def test_a_gguf_module_without_its_reader_is_an_import_error_not_a_corrupt_file(good_gguf, monkeypatch):
+    """A user's own ``gguf.py`` beside their script shadows the package (``import gguf`` finds a
+    partly initialised module): the error names that module, and does not call the file corrupt."""
+    import sys
+    import types
+
+    from kvserve.model_executor.gguf_convert import open_gguf
+
+    fake = types.ModuleType("gguf")
+    fake.__file__ = "/home/user/gguf.py"
+    monkeypatch.setitem(sys.modules, "gguf", fake)
+    with pytest.raises(ImportError, match=r"'/home/user/gguf\.py'.*no GGUFReader.*shadowing") as e:
+        open_gguf(good_gguf)
+    assert "corrupt" not in str(e.value)

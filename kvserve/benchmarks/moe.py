@@ -21,7 +21,6 @@ per-expert torch loop then on the grouped path, greedy outputs compared.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ import torch
 from kvserve.benchmarks.common import fmt_table, system_info
 from kvserve.model_executor.layers import fused_moe
 from kvserve.ops import moe as native_moe
+from kvserve.workload.io import write_json
 
 #: ``(name, hidden, intermediate, experts, top_k)``: tiny-Mixtral and Qwen3-MoE-like layers.
 SHAPES = [
@@ -175,24 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     headers += [f"mode {m} ms" for m in modes[1:]] + ["speedup"]
     print(f"device={ns.device} dtype={ns.dtype} threads={torch.get_num_threads()}")
     print(fmt_table(headers, table))
-    worst = min(c["speedup"] for c in cells)
-    ok = worst >= ns.target
-    print(f"lowest speedup {worst:.2f}x; target {ns.target:.1f}x: {'PASS' if ok else 'FAIL'}")
-    if ns.json_out:
-        with open(ns.json_out, "w") as f:
-            json.dump(
-                {
-                    "device": ns.device,
-                    "dtype": ns.dtype,
-                    "threads": torch.get_num_threads(),
-                    "target": ns.target,
-                    "cells": cells,
-                    "system": system_info(),
-                },
-                f,
-                indent=2,
-            )
-    return 0 if ok else 1
+    fields = {"device": ns.device, "dtype": ns.dtype, "threads": torch.get_num_threads()}
+    return _verdict(ns, "speedup", min(c["speedup"] for c in cells), {**fields, "cells": cells})
 
 
 def _main_end_to_end(ns, p: argparse.ArgumentParser) -> int:
@@ -242,23 +226,23 @@ def _main_end_to_end(ns, p: argparse.ArgumentParser) -> int:
     )
     print(fmt_table(headers, table))
     worst = min(r["moe_speedup"] for r in results.values())
+    payload = {
+        "dtype": ns.dtype,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(requests),
+        "max_tokens": ns.max_tokens,
+        "families": results,
+    }
+    return _verdict(ns, "MoE-layer speedup", worst, payload)
+
+
+def _verdict(ns, what: str, worst: float, fields: dict) -> int:
+    """Print the lowest ``what`` against ``--target``, write ``fields`` (with the target and the
+    system) to ``--json-out``; the exit status: 0 when the target is met."""
     ok = worst >= ns.target
-    print(f"lowest MoE-layer speedup {worst:.2f}x; target {ns.target:.1f}x: {'PASS' if ok else 'FAIL'}")
+    print(f"lowest {what} {worst:.2f}x; target {ns.target:.1f}x: {'PASS' if ok else 'FAIL'}")
     if ns.json_out:
-        with open(ns.json_out, "w") as fh:
-            json.dump(
-                {
-                    "dtype": ns.dtype,
-                    "threads": torch.get_num_threads(),
-                    "target": ns.target,
-                    "num_prompts": len(requests),
-                    "max_tokens": ns.max_tokens,
-                    "families": results,
-                    "system": system_info(),
-                },
-                fh,
-                indent=2,
-            )
+        write_json(ns.json_out, {**fields, "target": ns.target, "system": system_info()})
     return 0 if ok else 1
 
 

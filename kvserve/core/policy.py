@@ -147,6 +147,9 @@ class PriorityPolicy(Policy):
 
 #: Idle tenants whose counters are kept beyond the exact pruning rule (``FairPolicy``).
 MAX_IDLE_TENANTS = 4096
+#: Aging under ``fair``: a waiting group that this many later groups have arrived after is
+#: admitted ahead of the counter order (oldest first), so no stream of newcomers starves it.
+FAIR_AGING_ARRIVALS = 256
 
 
 class FairPolicy(Policy):
@@ -237,6 +240,8 @@ class FairPolicy(Policy):
         self.counters: dict[str | None, float] = {}  # backlogged tenants + idle ones above their lift
         self._backlog: dict[str | None, int] = {}  # tenant -> unfinished groups
         self._members: dict[str, str | None] = {}  # request_id -> tenant
+        self._arrival_no: dict[str, int] = {}  # request_id -> arrivals before it (aging)
+        self._arrivals = 0
         self._floor = 0.0  # the ratchet: the most the least backlogged counter has been
         self._busy_at_step: frozenset[str | None] = frozenset()  # backlogged when the last step began
         self._sweep_at = 64  # idle entries that trigger a sweep
@@ -300,6 +305,8 @@ class FairPolicy(Policy):
             self._backlog[t] = 0
         self._backlog[t] += 1
         self._members[rid] = t
+        self._arrival_no[rid] = self._arrivals
+        self._arrivals += 1
 
     def on_served(self, seq_group: SequenceGroup, input_tokens: int, output_tokens: int) -> None:
         t = self._members.get(seq_group.request_id, seq_group.tenant)
@@ -313,6 +320,7 @@ class FairPolicy(Policy):
         if rid not in self._members:
             return
         t = self._members.pop(rid)
+        del self._arrival_no[rid]
         self._backlog[t] -= 1
         if self._backlog[t]:
             return
@@ -419,6 +427,22 @@ class FairPolicy(Policy):
         return deque(g for t in order for g in by_tenant[t])
 
     def admission_order(self, now: float, waiting: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
+        aged_below = self._arrivals - FAIR_AGING_ARRIVALS  # arrival numbers that have aged
+        aged: list[tuple[int, SequenceGroup]] = []
+        rest: list[SequenceGroup] = []
+        for g in waiting:
+            no = self._arrival_no.get(g.request_id, self._arrivals)
+            if no < aged_below:
+                aged.append((no, g))
+            else:
+                rest.append(g)
+        aged.sort(key=lambda ng: ng[0])
+        out = deque(g for _, g in aged)
+        out.extend(self._counter_order(rest))
+        return out
+
+    def _counter_order(self, waiting: list[SequenceGroup]) -> deque[SequenceGroup]:
+        """VTC's admission order: the head of the tenant with the least projected counter."""
         by_tenant = self._by_tenant(waiting)
         floor = self.floor()
         heap = []

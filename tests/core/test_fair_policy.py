@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import EngineArgs, SchedulerConfig, parse_tenant_weights
+from kvserve.core import policy as policy_module
 from kvserve.core.policy import MAX_IDLE_TENANTS, FairPolicy, PolicyFactory
 from kvserve.sampling_params import SamplingParams
 from tests.core.simutil import Harness, configs, make_group, prompt_of
@@ -316,6 +317,48 @@ def test_a_tenant_served_before_the_flood_is_served_as_soon_as_a_new_one(chunked
     assert b_back == sorted(fresh[f"b{i}"] for i in range(4)), (b_back, back)
     assert b_back[:2] == [2, 2]
     assert not any(2 <= back[f"a{i}"] < b_back[-1] for i in range(40)), back
+
+
+def _churn(steps=60):
+    """Tenant A queues 12 requests; from step 2 on, every step two requests of a brand-new
+    tenant arrive (a new ``user`` each), more than the engine serves. Returns the arrival
+    order and the step each request was first scheduled."""
+    cc, sc = configs(BS=4, G=64, S=4, T=64, L=64, policy="fair")
+    h = Harness(cc, sc)
+    p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    order = []
+    for i in range(12):
+        order.append(f"a{i}")
+        h.add(order[-1], {"prompt_token_ids": prompt_of(i, 8)}, p, tenant="A")
+    for k in range(steps):
+        for j in range(2 if k >= 2 else 0):
+            order.append(f"n{k}.{j}")
+            h.add(order[-1], {"prompt_token_ids": prompt_of(1000 + 2 * k + j, 8)}, p, tenant=f"new{k}")
+        h.step()
+    h.run()
+    h.assert_idle()
+    first: dict[str, int] = {}
+    for step, out in enumerate(h.history):
+        for ssg in out.scheduled_seq_groups:
+            first.setdefault(ssg.seq_group.request_id, step)
+    return order, first
+
+
+@pytest.mark.parametrize("aging", [4, 16])
+def test_a_stream_of_new_tenants_does_not_starve_a_served_one(monkeypatch, aging):
+    """Every newcomer is lifted to the least counter, below A's once A has been served, so on
+    counters alone A's queue would wait while the stream lasts. With aging, at most the groups
+    that arrived before a request plus ``FAIR_AGING_ARRIVALS`` later ones are first scheduled
+    ahead of it (the bound the docs state)."""
+    monkeypatch.setattr(policy_module, "FAIR_AGING_ARRIVALS", aging)
+    order, first = _churn()
+    for i, rid in enumerate(order):
+        ahead = sum(1 for r in order if first[r] < first[rid])
+        assert ahead <= i + aging, (rid, ahead, first)
+    assert max(first[f"a{i}"] for i in range(12)) < 30
+    monkeypatch.setattr(policy_module, "FAIR_AGING_ARRIVALS", 10**9)  # counters alone
+    _, unaged = _churn()
+    assert sorted(unaged[f"a{i}"] for i in range(12))[4] >= 60  # A waits out the whole stream
 
 
 def _chunks_after_a_newcomer(policy, **add_kw):

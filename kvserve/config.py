@@ -484,6 +484,10 @@ class SchedulerConfig:
         max_num_partial_prefills: with chunked prefill, how many prompts may be mid-prefill at once.
         long_prefill_token_threshold: with chunked prefill, the most tokens one prompt may take
             in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
+        max_decode_slowdown: with chunked prefill, the most (a factor > 1) that the prompt
+            tokens of a step may slow the decodes running beside them: such a step carries
+            only as many as the measured step times allow (``kvserve.core.prefill_cap``);
+            ``None`` = no cap but the token budget.
         max_waiting: bound on the waiting queue (the server answers 503 past it); ``None`` = no bound.
         num_lookahead_slots: KV slots reserved per decoding sequence beyond its next token, for
             speculative decoding (``SpeculativeConfig.num_speculative_tokens``; 0 = off).
@@ -506,6 +510,7 @@ class SchedulerConfig:
     scheduling_backfill: bool | None = None
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
+    max_decode_slowdown: float | None = None
     max_waiting: int | None = None
     num_lookahead_slots: int = 0
     delay_factor: float = 0.0
@@ -545,6 +550,15 @@ class SchedulerConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
         _positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        if self.max_decode_slowdown is not None:
+            v = self.max_decode_slowdown
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 < v < float("inf"):
+                raise ValueError(f"max_decode_slowdown must be a finite number > 1, got {v!r}.")
+            if not self.chunked_prefill_enabled:
+                raise ValueError(
+                    "max_decode_slowdown needs chunked prefill (--enable-chunked-prefill): without "
+                    "it a prompt runs whole, in a step of its own."
+                )
         _positive_int("max_waiting", self.max_waiting, allow_none=True)
         if self.num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots!r}.")
@@ -841,6 +855,8 @@ class EngineArgs:
     scheduling_backfill: bool | None = None
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
+    #: ``SchedulerConfig.max_decode_slowdown`` (None: no cap but the token budget).
+    max_decode_slowdown: float | None = None
     max_waiting: int | None = None
     watermark: float = 0.01
     delay_factor: float = 0.0
@@ -1164,6 +1180,7 @@ class EngineArgs:
             scheduling_backfill=self.scheduling_backfill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_decode_slowdown=self.max_decode_slowdown,
             max_waiting=self.max_waiting,
             delay_factor=self.delay_factor,
             num_lookahead_slots=spec.num_speculative_tokens if spec else 0,

@@ -130,6 +130,7 @@ from kvserve.config import CacheConfig, LoRAConfig, PreemptionMode, SchedulerCon
 from kvserve.core.block_manager import AllocStatus, BlockSpaceManager
 from kvserve.core.policy import Policy, PolicyFactory
 from kvserve.core.preemption import LinearPreemptionCost, PreemptionCost
+from kvserve.core.prefill_cap import PrefillCap
 from kvserve.lora_request import LoRARequest
 from kvserve.sequence import (
     PreemptionRecord,
@@ -454,6 +455,8 @@ class Scheduler:
             else:
                 threshold = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold: int = threshold
+        slowdown = scheduler_config.max_decode_slowdown
+        self.prefill_cap: PrefillCap | None = PrefillCap(slowdown) if slowdown is not None else None
         # delay_factor bookkeeping (vLLM V0): when the previous step began, whether it admitted
         # prompts, and how long the last step that did took (seconds on ``clock``).
         self.prev_time = 0.0
@@ -856,6 +859,7 @@ class Scheduler:
         under one token budget; leftover budget tops up chunks cut by the long-prefill cap."""
         st = self._new_step()
         budget = self._new_budget()
+        self._cap_prompt_tokens(budget)
         if self.policy.preempts_by_rank:
             self._schedule_priority_preemption(budget, st)
         self._turn_over_lora_slot(budget, st)
@@ -897,6 +901,30 @@ class Scheduler:
                 ssg.token_chunk_size += extra
                 budget.add_num_batched_tokens(g.request_id, ssg.token_chunk_size * n_live)
         return self._finish_step(budget, st, prefills, running, swapped_in)
+
+    def _cap_prompt_tokens(self, budget: SchedulingBudget) -> None:
+        """``max_decode_slowdown``: while sequences decode, the step's budget is their tokens
+        plus the prompt tokens ``prefill_cap`` allows (decodes are scheduled first)."""
+        if self.prefill_cap is None:
+            return
+        decode_tokens = sum(
+            g.num_unfinished_seqs() * (1 + self.num_lookahead_slots)
+            for g in self.running
+            if not g.is_prefill()
+        )
+        cap = self.prefill_cap.cap() if decode_tokens else None
+        if cap is not None:
+            budget.token_budget = min(budget.token_budget, decode_tokens + cap)
+
+    def observe_step(self, outputs: SchedulerOutputs, seconds: float) -> None:
+        """The wall time of the step ``outputs`` scheduled, for ``max_decode_slowdown``'s
+        estimate (no-op without it)."""
+        if self.prefill_cap is None:
+            return
+        groups = outputs.scheduled_seq_groups
+        prompt_tokens = sum(s.token_chunk_size for s in groups[: outputs.num_prefill_groups])
+        decode_seqs = sum(s.seq_group.num_unfinished_seqs() for s in groups[outputs.num_prefill_groups :])
+        self.prefill_cap.observe(prompt_tokens, decode_seqs, seconds)
 
     def _finish_step(
         self,

@@ -711,7 +711,9 @@ class LLMEngine:
                     if i not in faults:
                         faults[i] = err
                         results[i] = None
-            self.stats.on_step(self.clock() - t0)
+            step_s = self.clock() - t0
+            self.stats.on_step(step_s)
+            self.scheduler.observe_step(sched_out, step_s)
             self.stats.num_batched_tokens += sched_out.num_batched_tokens
             if faults:
                 # The failed groups' chunks were not computed (or not trusted): never advance

@@ -717,7 +717,9 @@ FATES: dict[str, Fate] = {
         VALUE, "kvserve bounds waiting requests (--max-waiting), not their tokens"
     ),
     "--long-prefill-token-threshold-adaptive": _refused(
-        BOOL, "--long-prefill-token-threshold is a fixed cap", accept=_FALSE
+        BOOL,
+        "--long-prefill-token-threshold is a fixed cap (--max-decode-slowdown sizes prompt chunks beside decodes)",
+        accept=_FALSE,
     ),
     "--scheduler-reserve-full-isl": _ignored(
         BOOL, "kvserve reserves KV blocks for the whole prompt when it admits one"

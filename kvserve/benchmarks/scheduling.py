@@ -430,7 +430,12 @@ def build_parser(prog: str, doc: str, default_modes: str) -> argparse.ArgumentPa
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None, help="model of the real engine (default: the default model)")
-    ap.add_argument("--dtype", default="auto", help="dtype of the real engine (default auto)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the real engine (default auto)",
+    )
     ap.add_argument("--runners", default="sim,real", help="sim, real or both (default sim,real)")
     ap.add_argument("--policies", default=None, help="comma-separated (default: every registered policy)")
     ap.add_argument(

@@ -26,7 +26,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 
-from kvserve.config import SchedulerConfig, check_burst_credit, check_non_negative
+from kvserve.config import SchedulerConfig, check_non_negative
 from kvserve.sequence import SequenceGroup
 
 PriorityKey = float | tuple[float, ...]
@@ -165,17 +165,19 @@ class FairPolicy(Policy):
     (waiting, running or swapped). A tenant that becomes backlogged is lifted to
     ``max(its counter, floor - credit)``. ``floor`` is the least counter among backlogged
     tenants, ratcheted (it never decreases; with none backlogged it is the last value).
-    ``credit`` is ``burst_tokens / weight`` when another tenant was backlogged at the start of
-    the last step and still is (it joins a busy engine), else 0 (tenants that arrive together
+    ``credit`` is ``burst_tokens`` (counter units, the same for every weight: a tenant of weight
+    ``w`` may so be served ``w * burst_tokens`` weighted tokens ahead, in proportion to its
+    share, and a heavier tenant never joins behind a lighter one) when another tenant was
+    backlogged at the start of the last step and still is (it joins a busy engine), else 0 (tenants that arrive together
     start level, and so does one arriving at an engine that went idle).
     With ``burst_tokens = 0`` this is VTC's lift exactly: idle time earns nothing, and a tenant
     returning to a flood only levels with it, then shares every step's budget with it, so its
     first burst of requests takes about twice as long as alone. The credit lets that first
-    burst (up to ``burst_tokens`` weighted tokens) run ahead of the flood, and no further:
+    burst (up to ``burst_tokens`` weighted tokens per unit of weight) run ahead of the flood, and no further:
     idling longer earns no more, and the ratchet keeps one newcomer's credit from lowering the
     mark the next one is lifted against (Linux's CFS scheduler places a waking task at its
     ``min_vruntime`` less a bounded credit the same way). An idle tenant whose counter is at or
-    below ``floor - burst_tokens / weight`` would be lifted to at least that: its entry is
+    below ``floor - burst_tokens`` would be lifted to at least that: its entry is
     dropped, exactly (the floor only grows). Idle tenants above keep theirs; past
     ``MAX_IDLE_TENANTS`` of them the lowest are dropped (those closest to the floor: the only
     approximation, bounding memory).
@@ -188,7 +190,8 @@ class FairPolicy(Policy):
       per unit of weight, then to the earlier head arrival. Within a tenant:
       lower ``priority`` first, then arrival.
       Aging (ours): groups after which ``FAIR_AGING_ARRIVALS`` or more groups have arrived go
-      first, oldest first. Counters alone starve a tenant under churn: each new tenant (a new
+      first, oldest first, in every order (``sort_by_priority`` and ``admits_past`` too, so an
+      aged group swapped out comes back first), and no rank preemption takes one. Counters alone starve a tenant under churn: each new tenant (a new
       ``user`` a request) is lifted to the least counter, below a tenant already served, and
       while the stream lasts it is always ahead. With aging, at most the groups that arrived
       before a group plus ``FAIR_AGING_ARRIVALS`` later ones are admitted ahead of it (besides
@@ -214,13 +217,12 @@ class FairPolicy(Policy):
         output_weight: cost of one decode token (> 0); the paper's default ratio is 1:2.
         tenant_weights: tenant -> share weight (> 0); a tenant of weight 2 gets about twice the
             weighted tokens of a tenant of weight 1 while both are backlogged.
-        burst_tokens: weighted tokens (>= 0) a tenant joining a busy engine may be served ahead
-            of the least-served backlogged tenant (0: VTC's lift exactly).
+        burst_tokens: weighted tokens per unit of weight (>= 0) a tenant joining a busy engine
+            may be served ahead of the least-served backlogged tenant (0: VTC's lift exactly).
 
     Raises:
-        ValueError: a weight that is not a finite number > 0, ``burst_tokens`` that is not
-            a finite number >= 0, or a burst credit (``burst_tokens / weight``) that is not
-            finite, naming it.
+        ValueError: a weight that is not a finite number > 0 or ``burst_tokens`` that is not
+            a finite number >= 0, naming it.
     """
 
     tracks_service = True
@@ -238,7 +240,6 @@ class FairPolicy(Policy):
         for name, w in (tenant_weights or {}).items():
             _check_weight(f"tenant_weights[{name!r}]", w)
         check_non_negative("fair_burst_tokens", burst_tokens)
-        check_burst_credit(burst_tokens, tenant_weights or {})
         self.input_weight = float(input_weight)
         self.output_weight = float(output_weight)
         self.tenant_weights = dict(tenant_weights or {})
@@ -284,7 +285,7 @@ class FairPolicy(Policy):
 
     def _least_lift(self, tenant: str | None, floor: float) -> float:
         """The least counter ``tenant`` could join at from now on (the floor only grows)."""
-        return floor - self.burst_tokens / self._weight(tenant)
+        return floor - self.burst_tokens
 
     def counter(self, tenant: str | None) -> float:
         """The tenant's counter (as it would be if it became backlogged now, when it is not)."""
@@ -374,6 +375,8 @@ class FairPolicy(Policy):
         self._running[t] = self._running.get(t, 0) + num_seqs
 
     def outranks(self, now: float, a: SequenceGroup, b: SequenceGroup) -> bool:
+        if self._aged_no(b) is not None:
+            return False  # an aged group is preempted by rank for nobody (aging's bound)
         ta, tb = a.tenant, b.tenant
         if ta == tb:
             return a.priority < b.priority
@@ -390,7 +393,13 @@ class FairPolicy(Policy):
         is ahead of ``b``'s in the running order (counter, then running sequences per unit of
         weight), or, within one tenant, ``a`` has a lower ``priority`` value. (A victim swapped
         out for a tenant's share must not then hold back that tenant's next requests, as a
-        recomputed one, queued by counter, would not.)"""
+        recomputed one, queued by counter, would not.) Aged groups come first: an aged ``b``
+        holds back every waiting group but older aged ones, an aged ``a`` passes any other."""
+        na, nb = self._aged_no(a), self._aged_no(b)
+        if nb is not None:
+            return na is not None and na < nb
+        if na is not None:
+            return True
         ta, tb = a.tenant, b.tenant
         if ta == tb:
             return a.priority < b.priority
@@ -419,8 +428,28 @@ class FairPolicy(Policy):
             now - seq_group.metrics.arrival_time,
         )
 
+    def _aged_no(self, g: SequenceGroup) -> int | None:
+        """``g``'s arrival number when ``FAIR_AGING_ARRIVALS`` or more groups arrived after it
+        (it goes before the counter order), else None."""
+        no = self._arrival_no.get(g.request_id)
+        return no if no is not None and no < self._arrivals - FAIR_AGING_ARRIVALS else None
+
+    def _split_aged(self, groups: Iterable[SequenceGroup]) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
+        """(aged groups, oldest first; the others in their order)."""
+        aged: list[tuple[int, SequenceGroup]] = []
+        rest: list[SequenceGroup] = []
+        for g in groups:
+            no = self._aged_no(g)
+            if no is None:
+                rest.append(g)
+            else:
+                aged.append((no, g))
+        aged.sort(key=lambda ng: ng[0])
+        return [g for _, g in aged], rest
+
     def sort_by_priority(self, now: float, seq_groups: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
-        by_tenant = self._by_tenant(seq_groups)
+        aged, rest = self._split_aged(seq_groups)
+        by_tenant = self._by_tenant(rest)
         floor = self.floor()
         order = sorted(
             by_tenant,
@@ -430,20 +459,11 @@ class FairPolicy(Policy):
                 by_tenant[t][0].metrics.arrival_time,
             ),
         )
-        return deque(g for t in order for g in by_tenant[t])
+        return deque([*aged, *(g for t in order for g in by_tenant[t])])
 
     def admission_order(self, now: float, waiting: Iterable[SequenceGroup]) -> deque[SequenceGroup]:
-        aged_below = self._arrivals - FAIR_AGING_ARRIVALS  # arrival numbers that have aged
-        aged: list[tuple[int, SequenceGroup]] = []
-        rest: list[SequenceGroup] = []
-        for g in waiting:
-            no = self._arrival_no.get(g.request_id, self._arrivals)
-            if no < aged_below:
-                aged.append((no, g))
-            else:
-                rest.append(g)
-        aged.sort(key=lambda ng: ng[0])
-        out = deque(g for _, g in aged)
+        aged, rest = self._split_aged(waiting)
+        out = deque(aged)
         out.extend(self._counter_order(rest))
         return out
 

@@ -160,6 +160,19 @@ AUTO_VICTIM_MARGIN = 2.0
 BACKFILL_MAX_BYPASSES = 16
 
 
+def _class_heads(groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
+    """The earliest-arrived group of each (tenant, priority): the rank policies' ``admits_past``
+    depends on those and on age alone (``fair``'s aging: an older group passes at least what a
+    younger one of its class does), so these stand for all the groups."""
+    heads: dict[tuple[str | None, int], SequenceGroup] = {}
+    for g in groups:
+        key = (g.tenant, g.priority)
+        h = heads.get(key)
+        if h is None or g.metrics.arrival_time < h.metrics.arrival_time:
+            heads[key] = g
+    return list(heads.values())
+
+
 # ====================================================================== budget
 @dataclass
 class SchedulingBudget:
@@ -1135,15 +1148,10 @@ class Scheduler:
         )
 
     def _waiting_classes(self, st: _Step) -> list[SequenceGroup]:
-        """One waiting group per (tenant, priority) that new prompts may come from this step:
-        the rank policies' ``admits_past`` depends on nothing else, so these stand for all."""
+        """One waiting group per (tenant, priority) that new prompts may come from this step."""
         if not st.passed_delay:
             return []
-        seen: dict[tuple[str | None, int], SequenceGroup] = {}
-        for w in self.waiting:
-            if w.request_id not in st.preempted_ids:
-                seen.setdefault((w.tenant, w.priority), w)
-        return list(seen.values())
+        return _class_heads(w for w in self.waiting if w.request_id not in st.preempted_ids)
 
     def _rank_preemption_mode(self, g: SequenceGroup) -> PreemptionMode | None:
         """The mode of preempting running group ``g`` by rank (``_schedule_priority_preemption``):
@@ -1234,16 +1242,13 @@ class Scheduler:
         Their next chunks go after the step's admissions: otherwise a prompt admitted earlier
         takes its chunks first, and a newcomer that outranks it (``fair``: a tenant returning
         to a flood; ``priority``: a more urgent request) waits for its whole prefill. The rank
-        policies' keys depend on tenant and priority only, so each distinct pair is asked once."""
+        policies' keys depend on tenant and priority (and age: ``_class_heads``), so each
+        distinct pair is asked once."""
         prefills = [g for g in self.running if g.is_prefill()]
         if not prefills or not self.waiting:
             return set()
-        keys = {(w.tenant, w.priority): w for w in self.waiting}
-        return {
-            g.request_id
-            for g in prefills
-            if any(self.policy.admits_past(st.now, w, g) for w in keys.values())
-        }
+        heads = _class_heads(self.waiting)
+        return {g.request_id for g in prefills if any(self.policy.admits_past(st.now, w, g) for w in heads)}
 
     def _schedule_running(
         self, budget: SchedulingBudget, st: _Step, enable_chunking: bool

@@ -87,7 +87,7 @@ _HELP = {
     "fair_input_weight": "fair policy: cost of one prompt (prefill) token in a tenant's counter",
     "fair_output_weight": "fair policy: cost of one generated token (2 = the VTC paper's 1:2 ratio)",
     "fair_burst_tokens": (
-        "fair policy: weighted tokens a tenant joining a busy engine may be served ahead of the "
+        "fair policy: weighted tokens per unit of weight a tenant joining a busy engine may be served ahead of the "
         "least-served busy tenant (its first burst; 0: the VTC paper's rule)"
     ),
     "scheduling_backfill": (

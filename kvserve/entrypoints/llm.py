@@ -118,7 +118,7 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: list[int] | None = None,
+        priority: int | list[int] | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         tenant: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
@@ -131,7 +131,8 @@ class LLM:
         ``LoRARequest`` or None for the base model) per prompt; needs ``enable_lora=True``.
         ``tenant``: who the prompts are served for (the ``fair`` policy shares service between
         tenants), one name for all or a list with one entry per prompt; None = the default
-        tenant.
+        tenant. ``priority``: one int for all prompts or a list with one per prompt (lower
+        first; needs the ``priority`` or ``fair`` policy unless 0).
         A prompt the scheduler can never run (too long for ``prompt_limit`` or the KV cache)
         comes back finished with ``finish_reason == "ignored"`` and ``error`` saying why; a
         request whose step failed inside the engine comes back with ``outcome == "failed"``
@@ -163,7 +164,14 @@ class LLM:
                 if id(p) not in final_only:
                     final_only[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 params_list[i] = final_only[id(p)]
-        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if priority is None or (isinstance(priority, int) and not isinstance(priority, bool)):
+            priorities = [priority or 0] * len(prompts)  # one int applies to every prompt
+        elif isinstance(priority, (list, tuple)):
+            priorities = list(priority)
+        else:
+            raise ValueError(
+                f"priority must be an int or a list of ints (one per prompt), got {type(priority).__name__}."
+            )
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts.")
         policy = self.llm_engine.scheduler_config.policy

@@ -221,7 +221,8 @@ def _replay(engine, requests, clock, wait_until, max_steps, rec, submit: Submit)
                 release(r.id, now - t0)
             i += 1
         if not engine.has_unfinished_requests():
-            wait_until(t0 + pending[i].arrival_s)
+            if i < len(pending):  # else the last arrivals were all rejected: done
+                wait_until(t0 + pending[i].arrival_s)
             continue
         if rec is not None:
             sched = engine.scheduler

@@ -29,6 +29,21 @@ def test_priority_list_of_wrong_length_is_value_error(llm, priority):
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
 
 
+@pytest.mark.parametrize("priority", ["3", 2.5, {"a": 1}, True])
+def test_priority_of_another_type_is_value_error_naming_it(llm, priority):
+    with pytest.raises(ValueError, match="^priority must be an int or a list of ints"):
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), priority=priority, use_tqdm=False)
+    _idle(llm)
+
+
+def test_one_int_priority_applies_to_every_prompt(llm):
+    p = SamplingParams(max_tokens=2, temperature=0)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([[5, 6, 7], [8, 9]], p, priority=0)] == [2, 2]
+    with pytest.raises(ValueError, match=r"^priority 3 needs the 'priority' or 'fair' policy"):
+        llm.generate([[5, 6, 7], [8, 9]], p, priority=3, use_tqdm=False)
+    _idle(llm)
+
+
 def test_a_nonzero_priority_under_fcfs_is_value_error(llm):
     """fcfs never reads a priority: a non-zero one is refused (as the server's 400), not run
     in arrival order as if it had been honoured."""

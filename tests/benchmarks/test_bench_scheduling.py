@@ -170,6 +170,10 @@ def test_registry_choices_and_bad_flags():
         sb.parse_choice("--runners", " , ", sb.RUNNERS)
     assert fairness.main(["--runners", "sim", "--policies", "lottery"]) == 2
     assert fairness.main(["--runners", "sim", "--max-num-batched-tokens", "0"]) == 2
+    for cmd in (fairness, preemption):  # a usage error naming the flag, before anything runs
+        with pytest.raises(SystemExit) as e:
+            cmd.main(["--runners", "sim", "--dtype", "bogus"])
+        assert e.value.code == 2
 
 
 def test_step_budget_reaches_both_runners_engine_args():

@@ -86,8 +86,8 @@ def test_burst_credit_lifts_a_tenant_joining_a_busy_engine_below_the_floor():
     c = group("c1", "c")
     p.on_add(c)  # lifted against the ratcheted 200, not b's 140: credits do not chain
     assert p.counters["c"] == 140.0
-    p.on_add(group("w1", "w"))  # weight 2: 60 weighted tokens are 30 on its counter
-    assert p.counters["w"] == 170.0
+    p.on_add(group("w1", "w"))  # weight 2: the same 60 on its counter (120 weighted tokens)
+    assert p.counters["w"] == 140.0  # never behind a lighter tenant joining with it
     # an idle tenant at or below floor - credit is dropped (exact: the floor only grows) ...
     p.on_served(c, 50, 0)
     p.on_finish(c)  # c at 190 > 140: kept
@@ -319,17 +319,19 @@ def test_a_tenant_served_before_the_flood_is_served_as_soon_as_a_new_one(chunked
     assert not any(2 <= back[f"a{i}"] < b_back[-1] for i in range(40)), back
 
 
-def _churn(steps=60):
-    """Tenant A queues 12 requests; from step 2 on, every step two requests of a brand-new
-    tenant arrive (a new ``user`` each), more than the engine serves. Returns the arrival
-    order and the step each request was first scheduled."""
-    cc, sc = configs(BS=4, G=64, S=4, T=64, L=64, policy="fair")
+def _churn(steps=60, num_a=12, a_len=(8, 4), **cfg):
+    """Tenant A queues ``num_a`` requests (prompt, output lengths ``a_len``); from step 2 on,
+    every step two requests of a brand-new tenant arrive (a new ``user`` each), more than the
+    engine serves. Returns the arrival order, the step each request was first scheduled and
+    the step each last ran."""
+    cc, sc = configs(**{"BS": 4, "G": 64, "S": 4, "T": 64, "L": 64, "policy": "fair", **cfg})
     h = Harness(cc, sc)
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    pa = SamplingParams(max_tokens=a_len[1], temperature=0, ignore_eos=True)
     order = []
-    for i in range(12):
+    for i in range(num_a):
         order.append(f"a{i}")
-        h.add(order[-1], {"prompt_token_ids": prompt_of(i, 8)}, p, tenant="A")
+        h.add(order[-1], {"prompt_token_ids": prompt_of(i, a_len[0])}, pa, tenant="A")
     for k in range(steps):
         for j in range(2 if k >= 2 else 0):
             order.append(f"n{k}.{j}")
@@ -338,10 +340,12 @@ def _churn(steps=60):
     h.run()
     h.assert_idle()
     first: dict[str, int] = {}
+    last: dict[str, int] = {}
     for step, out in enumerate(h.history):
         for ssg in out.scheduled_seq_groups:
             first.setdefault(ssg.seq_group.request_id, step)
-    return order, first
+            last[ssg.seq_group.request_id] = step
+    return order, first, last
 
 
 @pytest.mark.parametrize("aging", [4, 16])
@@ -351,14 +355,28 @@ def test_a_stream_of_new_tenants_does_not_starve_a_served_one(monkeypatch, aging
     that arrived before a request plus ``FAIR_AGING_ARRIVALS`` later ones are first scheduled
     ahead of it (the bound the docs state)."""
     monkeypatch.setattr(policy_module, "FAIR_AGING_ARRIVALS", aging)
-    order, first = _churn()
+    order, first, _ = _churn()
     for i, rid in enumerate(order):
         ahead = sum(1 for r in order if first[r] < first[rid])
         assert ahead <= i + aging, (rid, ahead, first)
     assert max(first[f"a{i}"] for i in range(12)) < 30
     monkeypatch.setattr(policy_module, "FAIR_AGING_ARRIVALS", 10**9)  # counters alone
-    _, unaged = _churn()
+    _, unaged, _ = _churn()
     assert sorted(unaged[f"a{i}"] for i in range(12))[4] >= 60  # A waits out the whole stream
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", None])
+def test_aging_holds_when_the_served_tenant_is_preempted(monkeypatch, mode):
+    """A tiny cache under churn: A's requests are preempted for newcomers. An aged group is
+    preempted by rank for nobody, and one swapped out comes back before any newcomer (else it
+    waited for the stream to end, and held its own tenant's aged requests behind it)."""
+    monkeypatch.setattr(policy_module, "FAIR_AGING_ARRIVALS", 8)
+    kw = dict(steps=150, num_a=6, a_len=(12, 12), G=12, C=64, PM=mode)
+    order, first, last = _churn(**kw)
+    for i, rid in enumerate(order):
+        ahead = sum(1 for r in order if first[r] < first[rid])
+        assert ahead <= i + 8, (rid, ahead)
+    assert max(last[f"a{i}"] for i in range(6)) < 100  # A finished while the stream went on
 
 
 def _chunks_after_a_newcomer(policy, **add_kw):

@@ -75,3 +75,12 @@ def test_after_id_of_no_request_or_a_cycle_is_an_error():
     a.after_id, b.after_id = 1, 0
     with pytest.raises(ValueError, match="after_id cycle"):
         sim_replay(_configs(64), CostModel(), 1000, [a, b])
+
+
+def test_a_run_whose_last_arrivals_are_rejected_ends():
+    """The engine is idle and the only requests left are refused as they arrive (a prompt over
+    the context): the replay ends with them counted as rejected."""
+    late = BenchRequest(prompt_token_ids=[7] * 600, output_len=4, arrival_s=1.0, id=9)
+    res = sim_replay(_configs(64), CostModel(), 1000, [*_burst(1, output_len=3), late])
+    assert res.rejected == 1 and res.outcome[9] == "rejected"
+    assert len(res.token_times[0]) == 3

@@ -27,10 +27,9 @@ run for a shared host: 8 prompts, at most 32 output tokens each, 32 batch-1 toke
 and vocabulary, so a step's per-layer GEMMs are the full model's, at a fraction of its memory.
 
 ``--context N`` is the long-context run: no w64; the batch-1 prompt is N token ids (fixed
-pseudo-random ids under the tokenizer's vocabulary), and every engine decodes after it: kvserve
-and llama-server by their TPOT, vLLM CPU by ``offline.py --batch1-tokens`` (the time of a
-T-token request less that of a 1-token one, over T - 1). kvserve's float rows are then
-compared with vLLM's decode rate too.
+pseudo-random ids under the tokenizer's vocabulary), and every engine decodes after it, each
+measured by its own TPOT (vLLM CPU through ``offline.py --batch1-tokens``, from its request
+stats). kvserve's float rows are then compared with vLLM's decode rate too.
 """
 
 from __future__ import annotations

@@ -240,9 +240,8 @@ class LLMEngine:
         """Load the model named by ``args.model`` (default: SmolLM2-135M-Instruct) and build
         the engine. Raises ValueError for an unknown path, a directory without weights, or an
         invalid setting."""
-        from transformers import AutoConfig
-
         from kvserve.core.policy import PolicyFactory
+        from kvserve.model_executor.config_checks import read_hf_config
         from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
@@ -260,7 +259,7 @@ class LLMEngine:
                 gguf_float_reason,
             )
         model_dir = resolve_model_dir(args.model, quantization)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = read_hf_config(model_dir)  # refuses impossible values, naming the field
         from kvserve.model_executor.model_loader import check_architecture, check_fallback_settings
 
         check_architecture(hf_config, args.model_impl, model_dir)  # (before reading its limits)

@@ -241,7 +241,7 @@ class LLMEngine:
         the engine. Raises ValueError for an unknown path, a directory without weights, or an
         invalid setting."""
         from kvserve.core.policy import PolicyFactory
-        from kvserve.model_executor.config_checks import read_hf_config
+        from kvserve.model_executor.config_checks import context_length, read_hf_config
         from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
@@ -281,7 +281,7 @@ class LLMEngine:
         # the block manager must then keep every block for the global layers)
         sliding_window = get_sliding_window(hf_config)
         model_config, cache_config, scheduler_config = args.create_configs(
-            hf_config.max_position_embeddings, sliding_window
+            context_length(hf_config, model_dir), sliding_window
         )
         PolicyFactory.from_config(scheduler_config)  # a bad policy setting fails before the load
         model_config.quantization = quantization

@@ -119,6 +119,24 @@ def check_config_values(cfg, where: str) -> None:
             raise ValueError(f"{where}: eos_token_id {token!r} must be an integer in [0, vocab_size={vocab})")
 
 
+def context_length(cfg, model_dir) -> int:
+    """The model's ``max_position_embeddings`` (the bound of ``max_model_len``).
+
+    Raises:
+        ValueError: the config has none (e.g. a multimodal config holding it in its
+            ``text_config``, or a model without position limits such as ALiBi or state-space
+            ones), naming ``model_dir``'s ``config.json``.
+    """
+    value = _field(cfg, "max_position_embeddings")
+    if value is None:
+        kind = getattr(cfg, "model_type", None)
+        raise ValueError(
+            f"{Path(model_dir) / 'config.json'}: no max_position_embeddings (model_type {kind!r}); "
+            "kvserve needs the model's context length to bound max_model_len"
+        )
+    return int(value)
+
+
 def _field(cfg, name: str) -> Any:
     try:
         return getattr(cfg, name, None)

@@ -75,7 +75,8 @@ def check_config_values(cfg, where: str) -> None:
     Checked where present: the sizes (``POSITIVE_INT_FIELDS``) are integers >= 1;
     ``num_attention_heads`` is a multiple of ``num_key_value_heads``; without a ``head_dim``,
     ``hidden_size`` is a multiple of ``num_attention_heads``; every rope base (``rope_theta``,
-    per layer type too) is a finite number > 0; norm epsilons are finite and >= 0; a
+    per layer type too) and scaling ``factor`` is a finite number > 0, a
+    ``partial_rotary_factor`` in (0, 1]; norm epsilons are finite and >= 0; a
     ``sliding_window`` that applies (not switched off by ``use_sliding_window``) is an integer
     >= 1; ``eos_token_id`` (one id or a list) lies in ``[0, vocab_size)``.
 
@@ -101,6 +102,12 @@ def check_config_values(cfg, where: str) -> None:
     for name, value in _rope_bases(cfg):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+    for name, value in _rope_fields(cfg, "factor"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+    for name, value in _rope_fields(cfg, "partial_rotary_factor"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"{where}: {name} must be a number in (0, 1], got {value!r}")
     for name in EPSILON_FIELDS:
         value = _field(cfg, name)
         if value is not None and (
@@ -150,16 +157,22 @@ def _is_int(value, low: int) -> bool:
 
 def _rope_bases(cfg) -> list[tuple[str, Any]]:
     """``(field name, value)`` of every rope base the config names: ``rope_theta``,
-    ``rope_local_base_freq`` and the ``rope_theta`` of ``rope_parameters`` (flat, or one dict
-    per layer type as Gemma 3's)."""
+    ``rope_local_base_freq`` and the ``rope_theta`` of ``rope_parameters``."""
     found = [(n, _field(cfg, n)) for n in ("rope_theta", "rope_local_base_freq")]
+    return [(n, v) for n, v in found if v is not None] + _rope_fields(cfg, "rope_theta")
+
+
+def _rope_fields(cfg, key: str) -> list[tuple[str, Any]]:
+    """``(field name, value)`` of ``key`` in ``rope_parameters`` (flat, or one dict per layer
+    type as Gemma 3's) and, for ``partial_rotary_factor``, the config's own field."""
+    found = [(key, _field(cfg, key))] if key == "partial_rotary_factor" else []
     params = _field(cfg, "rope_parameters")
     if isinstance(params, dict):
-        if "rope_theta" in params:
-            found.append(("rope_parameters.rope_theta", params["rope_theta"]))
-        for key, sub in params.items():
-            if isinstance(sub, dict) and "rope_theta" in sub:
-                found.append((f"rope_parameters.{key}.rope_theta", sub["rope_theta"]))
+        if key in params:
+            found.append((f"rope_parameters.{key}", params[key]))
+        for name, sub in params.items():
+            if isinstance(sub, dict) and key in sub:
+                found.append((f"rope_parameters.{name}.{key}", sub[key]))
     return [(n, v) for n, v in found if v is not None]
 
 

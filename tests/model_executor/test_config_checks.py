@@ -35,6 +35,17 @@ BAD = {
         dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
         r"rope_parameters.rope_theta must be a finite number > 0, got -1.0",
     ),
+    "zero linear factor": (
+        dict(rope_parameters={"rope_type": "linear", "factor": 0.0, "rope_theta": 1e4}),
+        r"rope_parameters.factor must be a finite number > 0, got 0.0",
+    ),
+    "nothing rotated": (
+        dict(
+            partial_rotary_factor=0.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.0},
+        ),
+        r"rope_parameters.partial_rotary_factor must be a number in \(0, 1\], got 0.0",
+    ),
     "negative norm epsilon": (dict(rms_norm_eps=-1e-6), r"rms_norm_eps must be a finite number >= 0"),
     "zero window": (
         dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=0),

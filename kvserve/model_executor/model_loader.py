@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -422,6 +423,7 @@ def load_model(
             f"{quantized!r} is not supported for this family ({why}); use a float checkpoint "
             "without quantization"
         )
+    check_sizes_against_checkpoint(cfg, model_dir)  # before allocating what the config says
     with torch.no_grad():
         model = model_cls(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
         if method is not None:
@@ -435,6 +437,54 @@ def load_model(
                 model.prepack_linear_weights()
     model.eval()
     return model
+
+
+def _tensor_shapes(model_dir: Path) -> dict[str, list[int]] | None:
+    """``{name: shape}`` from the safetensors headers of ``model_dir``'s shards, or ``None``
+    when one cannot be read (``read_safetensors_into`` then says why, naming the file)."""
+    shapes: dict[str, list[int]] = {}
+    try:
+        for path in shard_paths(model_dir):
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > os.fstat(f.fileno()).st_size:
+                    return None
+                header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    shapes[name] = list(info["shape"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return shapes
+
+
+def check_sizes_against_checkpoint(hf_config, model_dir: Path) -> None:
+    """Refuse a native checkpoint whose ``config.json`` disagrees with its weights on the layer
+    count or the embedding table, before the model is allocated: a wrong ``vocab_size`` or
+    ``num_hidden_layers`` (say 10**11 or 10**6) would otherwise first allocate (or fail to
+    allocate) a model of that size.
+
+    Raises:
+        ValueError: naming ``config.json``, the field and what the checkpoint holds.
+    """
+    shapes = _tensor_shapes(model_dir)
+    if not shapes:
+        return
+    where = Path(model_dir) / "config.json"
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    n = getattr(hf_config, "num_hidden_layers", None)
+    if layers and isinstance(n, int) and max(layers) + 1 != n:
+        raise ValueError(
+            f"{where}: num_hidden_layers={n}, but the checkpoint holds layers 0..{max(layers)} "
+            f"({max(layers) + 1} layers)"
+        )
+    embed = shapes.get("model.embed_tokens.weight")
+    vocab, hidden = getattr(hf_config, "vocab_size", None), getattr(hf_config, "hidden_size", None)
+    if embed is not None and len(embed) == 2 and [vocab, hidden] != embed:
+        raise ValueError(
+            f"{where}: vocab_size={vocab}, hidden_size={hidden}, but the checkpoint's "
+            f"model.embed_tokens.weight has shape {embed}"
+        )
 
 
 def check_quantization_matches(quantization: str | None, checkpoint_method: str | None, model_dir) -> None:

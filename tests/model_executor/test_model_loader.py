@@ -367,3 +367,32 @@ def test_registry_maps_a_model_type_without_architectures(model_type):
     assert registry.model_class(SimpleNamespace(architectures=["Nope", "Qwen2ForCausalLM"]), "x") is (
         LlamaForCausalLM
     )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        # sizes that would allocate (or fail to allocate) a model of that size before any check
+        (
+            "num_hidden_layers",
+            10**6,
+            r"num_hidden_layers=1000000, but the checkpoint holds layers 0\.\.1 \(2 layers\)",
+        ),
+        (
+            "vocab_size",
+            10**11,
+            r"vocab_size=100000000000, hidden_size=64, but the checkpoint's model\.embed_tokens",
+        ),
+    ],
+)
+def test_config_sizes_disagreeing_with_the_weights_are_refused_before_allocating(
+    tmp_path, field, value, message
+):
+    import json
+
+    save_tiny(tmp_path, llama_config())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config\.json: {message}"):
+        load_model(tmp_path, torch.float32, "cpu")

@@ -246,7 +246,7 @@ class LLMEngine:
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
         from kvserve.transformers_utils.hf_config import get_sliding_window
-        from kvserve.transformers_utils.tokenizer import check_tokenizer_fits, load_tokenizer
+        from kvserve.transformers_utils.tokenizer import load_tokenizer, tokenizer_overflow
         from kvserve.worker.worker import Worker
 
         # a .gguf runs its own blocks unless the settings need float weights (see there)
@@ -304,7 +304,9 @@ class LLMEngine:
         lora_config = args.create_lora_config()
         # before the weights load: a missing or mismatched tokenizer fails fast
         tokenizer = load_tokenizer(model_dir)
-        check_tokenizer_fits(tokenizer, hf_config, model_dir)
+        overflow = tokenizer_overflow(tokenizer, hf_config, model_dir)
+        if overflow is not None:
+            logger.warning("%s", overflow)
         worker = Worker(
             model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config
         )

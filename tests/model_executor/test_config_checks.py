@@ -106,13 +106,15 @@ def test_gemma3_rope_base_per_layer_type_is_checked():
         check_config_values(cfg, "c.json")
 
 
-def test_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights(tmp_path, default_tokenizer_dir):
+def test_tokenizer_larger_than_the_vocabulary_is_named(tmp_path, default_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    # 49,152 tokens over 256 embedding rows; the weights file is empty, so reaching it fails otherwise
-    _write(tmp_path)
-    AutoTokenizer.from_pretrained(default_tokenizer_dir).save_pretrained(tmp_path)
-    with pytest.raises(
-        ValueError, match=r"config.json: vocab_size=256 is smaller than the tokenizer's vocabulary \(49152"
-    ):
-        LLM(model=str(tmp_path))
+    from kvserve.transformers_utils.tokenizer import tokenizer_overflow
+
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_dir)
+    cfg = llama_config()  # 256 rows under the tokenizer's 49,152 tokens
+    assert tokenizer_overflow(tok, cfg, tmp_path) == (
+        f"{tmp_path}/config.json: vocab_size=256 is smaller than the tokenizer's vocabulary (49152 "
+        "tokens): prompts holding ids past 255 will be refused"
+    )
+    assert tokenizer_overflow(tok, llama_config(vocab_size=49152), tmp_path) is None

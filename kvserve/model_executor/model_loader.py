@@ -459,8 +459,8 @@ def _tensor_shapes(model_dir: Path) -> dict[str, list[int]] | None:
 
 
 def check_sizes_against_checkpoint(hf_config, model_dir: Path) -> None:
-    """Refuse a native checkpoint whose ``config.json`` disagrees with its weights on the layer
-    count or the embedding table, before the model is allocated: a wrong ``vocab_size`` or
+    """Refuse a native checkpoint whose ``config.json`` names more layers than its weights hold or
+    another embedding table than theirs, before the model is allocated: a wrong ``vocab_size`` or
     ``num_hidden_layers`` (say 10**11 or 10**6) would otherwise first allocate (or fail to
     allocate) a model of that size.
 
@@ -473,7 +473,8 @@ def check_sizes_against_checkpoint(hf_config, model_dir: Path) -> None:
     where = Path(model_dir) / "config.json"
     layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
     n = getattr(hf_config, "num_hidden_layers", None)
-    if layers and isinstance(n, int) and max(layers) + 1 != n:
+    # (more layers in the checkpoint than configured: the loader names the unexpected weight)
+    if layers and isinstance(n, int) and n > max(layers) + 1:
         raise ValueError(
             f"{where}: num_hidden_layers={n}, but the checkpoint holds layers 0..{max(layers)} "
             f"({max(layers) + 1} layers)"

@@ -240,14 +240,13 @@ class LLMEngine:
         """Load the model named by ``args.model`` (default: SmolLM2-135M-Instruct) and build
         the engine. Raises ValueError for an unknown path, a directory without weights, or an
         invalid setting."""
-        from transformers import AutoConfig
-
         from kvserve.core.policy import PolicyFactory
+        from kvserve.model_executor.config_checks import context_length, read_hf_config
         from kvserve.model_executor.layers.rotary_embedding import get_rope_parameters, longrope_threshold
         from kvserve.model_executor.model_loader import gguf_file_for, resolve_model_dir
         from kvserve.ops import quant
         from kvserve.transformers_utils.hf_config import get_sliding_window
-        from kvserve.transformers_utils.tokenizer import load_tokenizer
+        from kvserve.transformers_utils.tokenizer import load_tokenizer, tokenizer_overflow
         from kvserve.worker.worker import Worker
 
         # a .gguf runs its own blocks unless the settings need float weights (see there)
@@ -260,7 +259,7 @@ class LLMEngine:
                 gguf_float_reason,
             )
         model_dir = resolve_model_dir(args.model, quantization)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = read_hf_config(model_dir)  # refuses impossible values, naming the field
         from kvserve.model_executor.model_loader import check_architecture, check_fallback_settings
 
         check_architecture(hf_config, args.model_impl, model_dir)  # (before reading its limits)
@@ -282,7 +281,7 @@ class LLMEngine:
         # the block manager must then keep every block for the global layers)
         sliding_window = get_sliding_window(hf_config)
         model_config, cache_config, scheduler_config = args.create_configs(
-            hf_config.max_position_embeddings, sliding_window
+            context_length(hf_config, model_dir), sliding_window
         )
         PolicyFactory.from_config(scheduler_config)  # a bad policy setting fails before the load
         model_config.quantization = quantization
@@ -303,6 +302,11 @@ class LLMEngine:
             hf_config, model_config.resolved_device(), quantization=quantization
         )
         lora_config = args.create_lora_config()
+        # before the weights load: a missing or mismatched tokenizer fails fast
+        tokenizer = load_tokenizer(model_dir)
+        overflow = tokenizer_overflow(tokenizer, hf_config, model_dir)
+        if overflow is not None:
+            logger.warning("%s", overflow)
         worker = Worker(
             model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config
         )
@@ -347,7 +351,6 @@ class LLMEngine:
             from kvserve.spec_decode.spec_decode_worker import SpecDecodeWorker, build_proposer
 
             executor = SpecDecodeWorker(worker, build_proposer(spec_config, worker), spec_config)
-        tokenizer = load_tokenizer(model_dir)
         eos = hf_config.eos_token_id
         if isinstance(eos, list):
             eos = eos[0]

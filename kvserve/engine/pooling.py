@@ -101,6 +101,7 @@ def build_pooling_engine(cls: type[LLMEngine], args: EngineArgs, model_dir: Path
         ValueError: a setting ``_refuse_settings`` names, a ``max_model_len`` over the model's
             positions, an unsupported pooler or architecture.
     """
+    from kvserve.model_executor.config_checks import context_length
     from kvserve.model_executor.model_loader import load_model
     from kvserve.model_executor.models.registry import is_cross_encoder, is_encoder
     from kvserve.transformers_utils.tokenizer import load_tokenizer
@@ -111,7 +112,7 @@ def build_pooling_engine(cls: type[LLMEngine], args: EngineArgs, model_dir: Path
     pooler = read_pooler_config(
         model_dir, hf_config, encoder, args.pooler_overrides(), cross_encoder=is_cross_encoder(hf_config)
     )
-    model_max = int(hf_config.max_position_embeddings)
+    model_max = context_length(hf_config, model_dir)
     default_len = min(model_max, pooler.max_seq_length or model_max)
     max_len = args.max_model_len or default_len
     budget = max(args.max_num_batched_tokens or POOLING_BATCHED_TOKENS, max_len)

@@ -32,6 +32,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvserve.envs import cache_root
+from kvserve.model_executor.config_checks import check_config_values
 from kvserve.model_executor.gguf_families import (
     EXPERT_STACKS,
     IGNORED,
@@ -420,6 +422,23 @@ def _required_int(reader, key: str, where: str) -> int:
     return int(v)
 
 
+def _number(reader, key: str, where: str, default: float, positive: bool) -> float:
+    """Metadata ``key`` (``default`` when absent) as a float: finite and > 0 when ``positive``
+    (a rope base), else >= 0 (a norm epsilon).
+
+    Raises:
+        ValueError: naming ``where`` and ``key``, for any other value.
+    """
+    v = _field(reader, key, default)
+    ok = not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+    if ok and not (0 < float(v) < math.inf if positive else 0 <= float(v) < math.inf):
+        ok = False
+    if not ok:
+        limit = "> 0" if positive else ">= 0"
+        raise ValueError(f"{where}: metadata key {key!r} must be a finite number {limit}, got {v!r}")
+    return float(v)
+
+
 def check_architecture(reader, where: str) -> str:
     """``general.architecture`` (a key of ``ARCHITECTURES``).
 
@@ -462,7 +481,7 @@ def _gemma_config(reader, arch: str, has_output: bool, where: str):
             )
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     big = blocks == (46 if arch == "gemma2" else 62)
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = _number(reader, f"{arch}.rope.freq_base", where, 10000.0, positive=True)
     full_rope: dict = {"rope_type": "default", "rope_theta": theta}
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
@@ -482,7 +501,7 @@ def _gemma_config(reader, arch: str, has_output: bool, where: str):
         num_key_value_heads=int(n_kv),
         head_dim=head_dim,
         max_position_embeddings=_required_int(reader, f"{arch}.context_length", where),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", where, 1e-6, positive=False),
         query_pre_attn_scalar=hidden // n_head if big else head_dim,
         sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
         tie_word_embeddings=not has_output,
@@ -526,8 +545,10 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
     Args:
         where: names the file in errors (e.g. ``"GGUF file '/p/m.gguf'"``).
     Raises:
-        ValueError: another architecture, or a missing / non-positive ``<architecture>.*`` size
-            key (naming ``where`` and the key).
+        ValueError: another architecture, a missing / non-positive ``<architecture>.*`` size
+            key, a negative rope base or norm epsilon (naming ``where`` and the key), or a
+            config value ``config_checks.check_config_values`` refuses (naming ``where`` and
+            the config field).
     """
     import transformers
 
@@ -557,6 +578,9 @@ def build_config(reader, has_output: bool, where: str = "GGUF file"):
     # keyword (the saved config.json is the same)
     cfg.unk_token_id = _field(reader, "tokenizer.ggml.unknown_token_id")
     cfg.dtype = "float32"
+    # what no key-level check caught (a negative window, an end-of-text id past the
+    # vocabulary), refused before anything is cached
+    check_config_values(cfg, f"{where} (as a config)")
     return cfg
 
 
@@ -582,7 +606,10 @@ def _llama_shaped_kwargs(reader, arch: str, has_output: bool, where: str) -> dic
         or _field(reader, f"{arch}.rope.dimension_count")
         or hidden // n_head
     )
-    rope = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": _number(reader, f"{arch}.rope.freq_base", where, 10000.0, positive=True),
+    }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         rope = {
@@ -610,7 +637,7 @@ def _llama_shaped_kwargs(reader, arch: str, has_output: bool, where: str) -> dic
         num_key_value_heads=int(n_kv),
         head_dim=int(head_dim),
         max_position_embeddings=ctx,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", where, 1e-6, positive=False),
         rope_parameters=rope,
         tie_word_embeddings=not has_output,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import os
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import QUANTIZATION_CHOICES, check_model_impl, fallback_conflict_error
+from kvserve.model_executor.config_checks import check_config_json, read_hf_config
 from kvserve.model_executor.models import registry
 from kvserve.model_executor.safetensors_shards import shard_paths
 
@@ -131,24 +135,6 @@ def resolve_model_dir(model: str | None, quantization: str | None = None) -> Pat
     return path.resolve()
 
 
-def check_config_json(path: Path) -> None:
-    """Raises ValueError naming ``path`` when it is not a JSON object, or when its
-    ``quantization_config`` is present but not an object (transformers would fail on it with
-    an AttributeError deep inside, before any of our checks)."""
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
-    qc = cfg.get("quantization_config")
-    if qc is not None and not isinstance(qc, dict):
-        raise ValueError(
-            f"{path}: quantization_config must be an object (with a quant_method), got "
-            f"{type(qc).__name__} {json.dumps(qc)[:80]}"
-        )
-
-
 def load_hf_config(model_dir: Path, model_impl: str = "native"):
     """The transformers config of ``model_dir``.
 
@@ -164,14 +150,11 @@ def load_hf_config(model_dir: Path, model_impl: str = "native"):
             and symmetric 8-bit, AWQ 4-bit and compressed-tensors 8-bit are; the method or
             field is named).
     """
-    from transformers import AutoConfig
-
     from kvserve.model_executor.quantized_checkpoint import parse_quantization_config
 
     check_model_impl(model_impl)
     config_json = Path(model_dir) / "config.json"
-    check_config_json(config_json)
-    cfg = AutoConfig.from_pretrained(str(model_dir))
+    cfg = read_hf_config(model_dir)
     qc = getattr(cfg, "quantization_config", None)
     if qc:  # refuses an unsupported method, bit width or layout, naming it
         parse_quantization_config(qc, str(config_json))
@@ -268,6 +251,25 @@ _ST_DTYPES = {
 }
 
 
+def _header_entry_ok(info) -> bool:
+    """Whether a safetensors header entry has a dtype string, a shape of integers >= 0 and two
+    integer data offsets."""
+
+    def ints(v, n=None):
+        return (
+            isinstance(v, list)
+            and (n is None or len(v) == n)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        )
+
+    return (
+        isinstance(info, dict)
+        and isinstance(info.get("dtype"), str)
+        and ints(info.get("shape"))
+        and ints(info.get("data_offsets"), 2)
+    )
+
+
 def read_safetensors_into(model, model_dir: Path) -> None:
     """Load every shard of ``model_dir`` into ``model`` (``weight_target`` / ``check_all_loaded``).
 
@@ -290,14 +292,27 @@ def read_safetensors_into(model, model_dir: Path) -> None:
             if len(head) != 8:
                 raise ValueError(f"{path} is not a safetensors file (too short)")
             (hlen,) = struct.unpack("<Q", head)
+            size = os.fstat(f.fileno()).st_size
+            if hlen > size - 8:  # (a huge length would overflow the read, not fail cleanly)
+                raise ValueError(
+                    f"{path} is not a safetensors file: its header length {hlen} is past the "
+                    f"end of the file ({size} bytes)"
+                )
             try:
                 header = json.loads(f.read(hlen))
             except ValueError as e:
                 raise ValueError(f"{path} has a malformed safetensors header: {e}") from None
+            if not isinstance(header, dict):
+                raise ValueError(f"{path} has a malformed safetensors header: not a JSON object")
             base = 8 + hlen
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
+                if not _header_entry_ok(info):
+                    raise ValueError(
+                        f"{path} has a malformed safetensors header: entry {name!r} needs dtype, "
+                        f"shape and data_offsets, got {str(info)[:120]}"
+                    )
                 shape = tuple(info["shape"])
                 try:
                     target = model.weight_target(name, shape)
@@ -315,6 +330,19 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                         "(a quantized checkpoint without a supported quantization_config?)"
                     )
                 begin, end = info["data_offsets"]
+                nbytes = end - begin
+                expected = math.prod(shape) * src_dtype.itemsize
+                if nbytes != expected or begin < 0:
+                    # (fewer bytes would leave part of the weight uninitialised)
+                    raise ValueError(
+                        f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] ({nbytes} bytes), "
+                        f"expected {expected} bytes for {info['dtype']} shape {list(shape)}"
+                    )
+                if base + end > size:
+                    raise ValueError(
+                        f"{path}: tensor {name!r} is truncated (its data ends at byte {base + end}, "
+                        f"the file has {size})"
+                    )
                 f.seek(base + begin)
                 if (
                     not sharded
@@ -326,7 +354,6 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                     dst = target
                 else:
                     dst = torch.empty(shape, dtype=src_dtype)
-                nbytes = end - begin
                 view = memoryview(dst.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
                 got = 0
                 while got < nbytes:
@@ -396,6 +423,7 @@ def load_model(
             f"{quantized!r} is not supported for this family ({why}); use a float checkpoint "
             "without quantization"
         )
+    check_sizes_against_checkpoint(cfg, model_dir)  # before allocating what the config says
     with torch.no_grad():
         model = model_cls(cfg, dtype=dtype, device=device, max_position=max_position, tp=tp)
         if method is not None:
@@ -409,6 +437,55 @@ def load_model(
                 model.prepack_linear_weights()
     model.eval()
     return model
+
+
+def _tensor_shapes(model_dir: Path) -> dict[str, list[int]] | None:
+    """``{name: shape}`` from the safetensors headers of ``model_dir``'s shards, or ``None``
+    when one cannot be read (``read_safetensors_into`` then says why, naming the file)."""
+    shapes: dict[str, list[int]] = {}
+    try:
+        for path in shard_paths(model_dir):
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > os.fstat(f.fileno()).st_size:
+                    return None
+                header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    shapes[name] = list(info["shape"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return shapes
+
+
+def check_sizes_against_checkpoint(hf_config, model_dir: Path) -> None:
+    """Refuse a native checkpoint whose ``config.json`` names more layers than its weights hold or
+    another embedding table than theirs, before the model is allocated: a wrong ``vocab_size`` or
+    ``num_hidden_layers`` (say 10**11 or 10**6) would otherwise first allocate (or fail to
+    allocate) a model of that size.
+
+    Raises:
+        ValueError: naming ``config.json``, the field and what the checkpoint holds.
+    """
+    shapes = _tensor_shapes(model_dir)
+    if not shapes:
+        return
+    where = Path(model_dir) / "config.json"
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    n = getattr(hf_config, "num_hidden_layers", None)
+    # (more layers in the checkpoint than configured: the loader names the unexpected weight)
+    if layers and isinstance(n, int) and n > max(layers) + 1:
+        raise ValueError(
+            f"{where}: num_hidden_layers={n}, but the checkpoint holds layers 0..{max(layers)} "
+            f"({max(layers) + 1} layers)"
+        )
+    embed = shapes.get("model.embed_tokens.weight")
+    vocab, hidden = getattr(hf_config, "vocab_size", None), getattr(hf_config, "hidden_size", None)
+    if embed is not None and len(embed) == 2 and [vocab, hidden] != embed:
+        raise ValueError(
+            f"{where}: vocab_size={vocab}, hidden_size={hidden}, but the checkpoint's "
+            f"model.embed_tokens.weight has shape {embed}"
+        )
 
 
 def check_quantization_matches(quantization: str | None, checkpoint_method: str | None, model_dir) -> None:

@@ -184,6 +184,25 @@ def test_greedy_under_preemption_chunking_and_prefix_cache(family, prompts, sche
     llm.shutdown()
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe_shared"], indirect=True)
+def test_greedy_under_ngram_speculation(family, prompts):
+    """Speculative steps on a mixture-of-experts model (its layers have no dense
+    ``gate_up_weight``; Qwen2-MoE's shared expert has one) keep transformers' greedy tokens."""
+    kind, path, hf, refs = family
+    llm = LLM(
+        model=str(path),
+        **ENGINE,
+        seed=0,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+    )
+    # prompts that repeat themselves, so that the n-gram proposer drafts
+    outs = llm.generate([{"prompt_token_ids": p + p} for p in prompts[1:3]], _greedy(), use_tqdm=False)
+    want = [hf_greedy_logits(hf, p + p, MAX_NEW) for p in prompts[1:3]]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    _check(outs, want)
+    llm.shutdown()
+
+
 # ---------------------------------------------------------------- the MoE layer
 
 

@@ -154,3 +154,43 @@ def test_other_architecture_is_refused_naming_it(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="general.architecture 'gemma'.*llama, qwen2, qwen3"):
         gguf_convert.check_architecture(gguf.GGUFReader(str(path)), "GGUF file")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("qwen2.rope.freq_base", -5.0, r"metadata key 'qwen2.rope.freq_base' must be a finite number > 0"),
+        (
+            "qwen2.attention.layer_norm_rms_epsilon",
+            -1.0,
+            r"metadata key 'qwen2.attention.layer_norm_rms_epsilon' must be a finite number >= 0",
+        ),
+        (
+            "tokenizer.ggml.eos_token_id",
+            4096,
+            r"eos_token_id 4096 must be an integer in \[0, vocab_size=64\)",
+        ),
+    ],
+)
+def test_impossible_metadata_value_is_refused_naming_the_file(tmp_path, key, value, message):
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for k, v in {
+        "qwen2.embedding_length": 64,
+        "qwen2.attention.head_count": 4,
+        "qwen2.block_count": 1,
+        "qwen2.feed_forward_length": 96,
+        "qwen2.context_length": 128,
+        "qwen2.vocab_size": 64,
+    }.items():
+        w.add_uint32(k, v)
+    if isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        w.add_uint32(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=rf"GGUF file 'x'.*{message}"):
+        gguf_convert.build_config(gguf.GGUFReader(str(path)), True, "GGUF file 'x'")

@@ -141,6 +141,47 @@ def test_missing_weight_is_named(tmp_path):
         load_model(tmp_path, torch.float32, "cpu")
 
 
+def _rewrite_header(path, edit) -> None:
+    """Apply ``edit`` to the JSON header of the safetensors file ``path`` (data left as is)."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _first_entry(header) -> dict:
+    """The header entry of the tensor whose data starts the data section."""
+    return next(v for k, v in header.items() if k != "__metadata__" and v["data_offsets"][0] == 0)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        # fewer bytes than the shape needs: the rest of the weight would stay uninitialised
+        ("short_offsets", r"data_offsets \[0, 4\] \(4 bytes\), expected \d+ bytes for F32 shape"),
+        ("no_dtype", r"malformed safetensors header: entry .* needs dtype, shape and data_offsets"),
+        ("huge_header_length", r"not a safetensors file: its header length 18446744073709551615 is past"),
+    ],
+)
+def test_corrupt_safetensors_header_is_refused_naming_the_file(tmp_path, case, message):
+    save_tiny(tmp_path, llama_config())
+    path = tmp_path / "model.safetensors"
+    if case == "huge_header_length":
+        raw = path.read_bytes()
+        path.write_bytes(b"\xff" * 8 + raw[8:])
+    elif case == "short_offsets":
+        _rewrite_header(path, lambda h: _first_entry(h)["data_offsets"].__setitem__(1, 4))
+    else:
+        _rewrite_header(path, lambda h: _first_entry(h).pop("dtype"))
+    with pytest.raises(ValueError, match=rf"model.safetensors.*{message}"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
 def test_sliding_window_policy():
     from transformers import MistralConfig, Qwen2Config
 
@@ -326,3 +367,32 @@ def test_registry_maps_a_model_type_without_architectures(model_type):
     assert registry.model_class(SimpleNamespace(architectures=["Nope", "Qwen2ForCausalLM"]), "x") is (
         LlamaForCausalLM
     )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        # sizes that would allocate (or fail to allocate) a model of that size before any check
+        (
+            "num_hidden_layers",
+            10**6,
+            r"num_hidden_layers=1000000, but the checkpoint holds layers 0\.\.1 \(2 layers\)",
+        ),
+        (
+            "vocab_size",
+            10**11,
+            r"vocab_size=100000000000, hidden_size=64, but the checkpoint's model\.embed_tokens",
+        ),
+    ],
+)
+def test_config_sizes_disagreeing_with_the_weights_are_refused_before_allocating(
+    tmp_path, field, value, message
+):
+    import json
+
+    save_tiny(tmp_path, llama_config())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config\.json: {message}"):
+        load_model(tmp_path, torch.float32, "cpu")

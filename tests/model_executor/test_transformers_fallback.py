@@ -239,6 +239,26 @@ def test_encoder_only_and_vision_checkpoints_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "kind, message",
+    [
+        # a causal-LM mapping entry that is a vision model (Gemma 3's image-text checkpoints)
+        ("gemma3", r"Gemma3ForConditionalGeneration is a multimodal model \(vision_config\)"),
+        # no position limit (ALiBi, state-space): read before any weight
+        ("bloom", r"no max_position_embeddings \(model_type 'bloom'\)"),
+        ("mamba", r"no max_position_embeddings \(model_type 'mamba'\)"),
+    ],
+)
+def test_multimodal_and_position_free_configs_are_refused_naming_the_file(tmp_path, kind, message):
+    from transformers import BloomConfig, Gemma3Config, MambaConfig
+
+    cfg = {"gemma3": Gemma3Config, "bloom": BloomConfig, "mamba": MambaConfig}[kind]()
+    cfg.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: refused from the config
+    with pytest.raises(ValueError, match=rf"{tmp_path}/config\.json: {message}"):
+        LLM(model=str(tmp_path), **ENGINE)
+
+
+@pytest.mark.parametrize(
     "make, feature",
     [
         (

@@ -90,7 +90,12 @@ def uniform_kernel_rows(model) -> int | None:
     weights = [model.lm_head]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
+        weights += [a.qkv_weight, a.o_weight]
+        # a mixture-of-experts block has no dense MLP linears, only its shared expert's
+        # (Qwen2-MoE); its routed experts run fused_moe's kernels, not covered here
+        dense = m if hasattr(m, "gate_up_weight") else getattr(m, "shared_expert", None)
+        if dense is not None:
+            weights += [dense.gate_up_weight, dense.down_weight]
     limit: int | None = None
     for w in weights:
         lim: int | None

@@ -181,7 +181,8 @@ def causal_lm_class_name(hf_config, where: str) -> str:
 
 
 def check_config_features(hf_config, where: str) -> None:
-    """Refuse configs that ask for an attention or head feature the fallback cannot honour.
+    """Refuse configs that ask for an attention or head feature the fallback cannot honour, and
+    multimodal ones (a ``vision_config`` / ``audio_config``: their inputs are not text tokens).
 
     Raises:
         ValueError: naming ``where``, the architecture and the feature.
@@ -192,6 +193,12 @@ def check_config_features(hf_config, where: str) -> None:
             raise ValueError(
                 f"{where}: {arch} uses {feature} ({name}={getattr(hf_config, name)!r}), which the "
                 "transformers fallback's paged attention cannot run"
+            )
+    for sub in ("vision_config", "audio_config"):
+        if getattr(hf_config, sub, None) is not None:
+            raise ValueError(
+                f"{where}: {arch} is a multimodal model ({sub}); the transformers fallback runs "
+                "text-only causal language models (a checkpoint of its text model alone may load)"
             )
     if getattr(hf_config, "is_causal", True) is False:
         raise ValueError(

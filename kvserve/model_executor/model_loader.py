@@ -280,12 +280,14 @@ def read_safetensors_into(model, model_dir: Path) -> None:
     ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 
     Raises:
-        ValueError: a malformed file, a missing / unexpected / mis-shaped weight, or an integer
-            tensor for a float weight (never cast into garbage).
+        ValueError: a malformed file, a missing / unexpected / mis-shaped weight, an integer
+            tensor for a float weight (never cast into garbage), or a tied head that differs
+            from the embedding (``check_tied_head``).
     """
     loaded = set()
     # a tensor-parallel rank copies a slice of each sharded tensor: read it whole first
     sharded = getattr(model, "tp_size", 1) > 1
+    tied: dict[str, tuple[Path, int, int, str, tuple]] = {}  # name -> (file, begin, end, dtype, shape)
     for path in shard_paths(model_dir):
         with open(path, "rb", buffering=0) as f:
             head = f.read(8)
@@ -314,6 +316,9 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                         f"shape and data_offsets, got {str(info)[:120]}"
                     )
                 shape = tuple(info["shape"])
+                if name in TIED_PAIR and getattr(model, "tie_word_embeddings", False):
+                    b, e = info["data_offsets"]
+                    tied[name] = (path, base + b, base + e, info["dtype"], shape)
                 try:
                     target = model.weight_target(name, shape)
                 except ValueError as e:
@@ -368,6 +373,41 @@ def read_safetensors_into(model, model_dir: Path) -> None:
         model.check_all_loaded(loaded)
     except ValueError as e:
         raise ValueError(f"{model_dir}: {e}") from None
+    check_tied_head(model_dir, tied)
+
+
+#: The checkpoint names of a tied LM head and the embedding it is tied to.
+TIED_PAIR = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def check_tied_head(model_dir: Path, entries: dict[str, tuple[Path, int, int, str, tuple]]) -> None:
+    """A checkpoint that ties the LM head to the embedding (``tie_word_embeddings``) but still
+    holds an ``lm_head.weight`` must hold the same values in both: the tied model reads the
+    embedding, so a different head would be a silent change of every logit (transformers keeps
+    such a head as it is). Compared byte for byte in 64 MiB pieces.
+
+    Raises:
+        ValueError: the two tensors differ (dtype, shape or values), naming both and config.json.
+    """
+    if len(entries) < 2:
+        return
+    (pa, a0, a1, da, sa), (pb, b0, b1, db, sb) = entries[TIED_PAIR[0]], entries[TIED_PAIR[1]]
+    same = (da, sa) == (db, sb) and a1 - a0 == b1 - b0
+    if same:
+        with open(pa, "rb") as fa, open(pb, "rb") as fb:
+            fa.seek(a0)
+            fb.seek(b0)
+            left = a1 - a0
+            while same and left > 0:
+                n = min(left, 64 << 20)
+                same = fa.read(n) == fb.read(n)
+                left -= n
+    if not same:
+        raise ValueError(
+            f"{model_dir / 'config.json'} sets tie_word_embeddings, but the checkpoint's "
+            f"{TIED_PAIR[0]} differs from its {TIED_PAIR[1]}: set tie_word_embeddings to false "
+            "to use the head as it is, or drop it from the checkpoint"
+        )
 
 
 def load_model(

@@ -396,3 +396,28 @@ def test_config_sizes_disagreeing_with_the_weights_are_refused_before_allocating
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"config\.json: {message}"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("head", ["same", "different", "other_dtype"])
+def test_a_tied_head_that_differs_from_the_embedding_is_refused(tmp_path, head):
+    """``tie_word_embeddings`` with an ``lm_head.weight`` in the checkpoint: the tied model reads
+    the embedding, so a different head (transformers keeps it as it is) must not load silently."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path, llama_config(tie_word_embeddings=True))
+    f = tmp_path / "model.safetensors"
+    sd = load_file(str(f))
+    emb = sd["model.embed_tokens.weight"]
+    sd["lm_head.weight"] = {
+        "same": emb.clone(),
+        "different": emb + 1e-3,
+        "other_dtype": emb.to(torch.bfloat16),
+    }[head]
+    save_file(sd, str(f), metadata={"format": "pt"})
+    if head == "same":
+        load_model(tmp_path, torch.float32, "cpu")  # the same values: nothing to choose
+        return
+    with pytest.raises(
+        ValueError, match=r"config\.json sets tie_word_embeddings, but .*lm_head\.weight differs"
+    ):
+        load_model(tmp_path, torch.float32, "cpu")

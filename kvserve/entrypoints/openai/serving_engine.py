@@ -125,14 +125,15 @@ def param_from_message(message: str, rename: dict[str, str] | None = None) -> st
     """The request field a ``ValueError`` from the engine or ``SamplingParams`` is about.
 
     Those messages start with the field name (``"max_tokens must be ..."``, ``"prompt (9
-    tokens) + max_tokens (30) = 39 > max_model_len (32)"``); a context-length error is charged
-    to ``max_tokens`` when the prompt fits and the sum does not, to the prompt when the prompt
-    alone leaves no room (``"prompt has 40 tokens, which leaves no room ..."``).
+    tokens) + max_tokens (30) = 39 > max_model_len (32)"``); a context-length error (past
+    ``max_model_len`` or the KV cache) is charged to ``max_tokens`` when the prompt fits and the
+    sum does not, to the prompt when the prompt alone leaves no room (``"prompt has 40 tokens,
+    which leaves no room ..."``).
     """
     rename = rename or {}
     name: str | None
-    if message.startswith("prompt") and "max_model_len" in message and "max_tokens" in message:
-        name = "max_tokens"
+    if message.startswith("prompt (") and "+ max_tokens (" in message:
+        name = "max_tokens"  # over max_model_len or over the KV cache
     else:
         m = re.match(r"^([A-Za-z_]+)", message)
         name = m.group(1) if m else None
@@ -148,9 +149,11 @@ def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = Non
     request's own words (``rename``: engine name -> request field) in ``param`` and message."""
     message = str(e)
     param = param_from_message(message, rename)
-    # a limit stated in max_model_len is a context overflow only for the prompt and max_tokens;
-    # truncate_prompt_tokens is an out-of-range setting whatever its bound is called
-    overflow = "max_model_len" in message and param != "truncate_prompt_tokens"
+    # a limit stated in max_model_len (or the KV cache, the other bound on a sequence) is a
+    # context overflow only for the prompt, max_tokens and n; truncate_prompt_tokens is an
+    # out-of-range setting whatever its bound is called
+    bounded = "max_model_len" in message or "KV cache" in message
+    overflow = bounded and param != "truncate_prompt_tokens"
     code = "context_length_exceeded" if overflow else None
     for engine_name, field_name in (rename or {}).items():
         message = re.sub(rf"\b{engine_name}\b", field_name, message)

@@ -140,8 +140,8 @@ def validate_request(
             hang), ``allowed_token_ids`` outside the vocabulary, ``truncate_prompt_tokens``
             above ``max_model_len``,
             prompt + max_tokens > max_model_len, prompt + max_tokens (per sequence) past the
-            KV cache (naming ``max_tokens``; ``n`` / ``best_of`` when not one token fits, the
-            prompt when it has no room even alone), stop ids outside the vocabulary,
+            KV cache (naming ``max_tokens``; ``n`` / ``best_of`` when not one token each
+            fits), stop ids outside the vocabulary,
             ``top_k`` above the vocabulary size, ``min_tokens`` above the effective max_tokens
             (``max_model_len - prompt_len`` when ``max_tokens`` is None), and the request size
             caps of ``field_limits.check_request_size`` for this one prompt (``n`` past
@@ -199,16 +199,13 @@ def validate_request(
     cache = kv_capacity
     if cache is not None and -(-prompt_len // cache.block_size) > cache.num_blocks:
         cache = None  # the prompt alone overflows the pool: admission refuses it
-    room = cache.max_new_tokens(prompt_len, width) if cache is not None else max_model_len
-    if cache is not None and room < 1:
-        if width > 1:
-            raise ValueError(
-                f"{name} ({width}) sequences of a {prompt_len}-token prompt do not fit the KV cache "
-                f"({cache.describe()}) with even one generated token each; lower {name}."
-            )
+    # greedy sequences are the same tokens: the scheduler's recompute shares their full blocks
+    same = width > 1 and params.is_greedy
+    room = cache.max_new_tokens(prompt_len, width, same) if cache is not None else max_model_len
+    if cache is not None and room < 1:  # (one sequence always has room for one token)
         raise ValueError(
-            f"prompt has {prompt_len} tokens, which leaves no room to generate within the KV cache "
-            f"({cache.describe()})."
+            f"{name} ({width}) sequences of a {prompt_len}-token prompt do not fit the KV cache "
+            f"({cache.describe()}) with even one generated token each; lower {name}."
         )
     if params.max_tokens is None:
         effective, bound = (
@@ -229,12 +226,15 @@ def validate_request(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
             f"{prompt_len + params.max_tokens} > max_model_len ({max_model_len})."
         )
-    if cache is not None and cache.blocks_needed(prompt_len, params.max_tokens, width) > cache.num_blocks:
+    need = 0 if cache is None else cache.blocks_needed(prompt_len, params.max_tokens, width, same)
+    if cache is not None and need > cache.num_blocks:
         total = prompt_len + params.max_tokens
         if width == 1:
-            over = f"{total} > {cache.num_tokens} tokens, what the KV cache holds for one sequence"
+            over = (
+                f"{total} > {cache.num_tokens + 1} tokens, the longest sequence the KV cache holds "
+                "(the last generated token is never cached)"
+            )
         else:
-            need = cache.blocks_needed(prompt_len, params.max_tokens, width)
             over = f"{total} tokens for each of {name}={width} sequences, {need} KV blocks > what the KV cache holds"
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {over} "

@@ -25,29 +25,40 @@ class KVCapacity:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens one sequence can hold: ``num_blocks * block_size``."""
+        """Token slots one sequence can hold: ``num_blocks * block_size``."""
         return self.num_blocks * self.block_size
 
-    def blocks_needed(self, prompt_len: int, max_tokens: int, num_seqs: int) -> int:
-        """Blocks a request needs at its longest (every sequence at prompt + ``max_tokens``).
+    def blocks_needed(self, prompt_len: int, max_tokens: int, num_seqs: int, identical: bool = False) -> int:
+        """Blocks a request needs at its longest: every sequence holding ``prompt_len +
+        max_tokens - 1`` tokens (the last generated token is returned, never written to the
+        cache).
 
         The ``num_seqs`` sequences (``n``, or ``best_of``) share the prompt's full blocks; each
         holds its own blocks from there on, the prompt's last partial block included (copied on
         its first write, as the block manager's copy-on-write does after the fork). With one
-        sequence this is ``ceil((prompt_len + max_tokens) / block_size)``.
+        sequence this is ``ceil((prompt_len + max_tokens - 1) / block_size)``.
+
+        ``identical``: the sequences generate the same tokens (greedy decoding). The scheduler
+        then recomputes a group that outgrows the cache, and the re-prefill shares every full
+        block the sequences have in common: each sequence past the first holds only its own
+        last, partial block.
         """
         bs = self.block_size
+        total = -(-(prompt_len + max_tokens - 1) // bs)
+        if identical:
+            return total + (num_seqs - 1)
         shared = prompt_len // bs
-        own = -(-(prompt_len + max_tokens) // bs) - shared
-        return shared + num_seqs * own
+        return shared + num_seqs * (total - shared)
 
-    def max_new_tokens(self, prompt_len: int, num_seqs: int) -> int:
+    def max_new_tokens(self, prompt_len: int, num_seqs: int, identical: bool = False) -> int:
         """The largest ``max_tokens`` whose ``blocks_needed`` fits ``num_blocks`` (0 or less:
         not even one token fits)."""
         bs = self.block_size
+        if identical:
+            return (self.num_blocks - (num_seqs - 1)) * bs - prompt_len + 1
         shared = prompt_len // bs
         own = (self.num_blocks - shared) // num_seqs
-        return (shared + own) * bs - prompt_len
+        return (shared + own) * bs - prompt_len + 1
 
     def describe(self) -> str:
         """``"48 KV blocks of 16 tokens: 48 less a watermark of 0"``: the limit, for messages."""

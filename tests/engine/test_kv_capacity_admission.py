@@ -13,7 +13,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.kv_capacity import KVCapacity
 from tests.golden import TEST_DEVICE
 
-# 8 blocks of 16 tokens: 128 tokens, well under max_model_len 256
+# 8 blocks of 16 tokens: 128 token slots (a sequence of 129 tokens: its last is never cached),
+# well under max_model_len 256
 CACHE = dict(device=TEST_DEVICE, dtype="float32", block_size=16, num_gpu_blocks=8, max_model_len=256, seed=0)
 PROMPT = [5 + (37 * i) % 2000 for i in range(100)]
 
@@ -32,31 +33,49 @@ def llm(tiny_llama_dir):
 def test_blocks_needed_counts_shared_prompt_blocks_once():
     cap = KVCapacity(num_blocks=8, block_size=16, num_total_blocks=8, watermark_blocks=0)
     assert cap.num_tokens == 128
-    assert cap.blocks_needed(100, 28, 1) == 8 and cap.blocks_needed(100, 29, 1) == 9
+    assert cap.blocks_needed(100, 29, 1) == 8 and cap.blocks_needed(100, 30, 1) == 9
     # n=2: 6 full prompt blocks shared, each sequence its own copy of block 7 (and on)
-    assert cap.blocks_needed(100, 12, 2) == 6 + 2 * 1 and cap.blocks_needed(100, 13, 2) == 6 + 2 * 2
-    assert cap.max_new_tokens(100, 1) == 28 and cap.max_new_tokens(100, 2) == 12
-    assert cap.max_new_tokens(128, 1) == 0
+    assert cap.blocks_needed(100, 13, 2) == 6 + 2 * 1 and cap.blocks_needed(100, 14, 2) == 6 + 2 * 2
+    assert cap.max_new_tokens(100, 1) == 29 and cap.max_new_tokens(100, 2) == 13
+    assert cap.max_new_tokens(128, 1) == 1  # a full cache still yields its one token
+    # identical (greedy) sequences: every full block shared, one partial block per extra sequence
+    assert (
+        cap.blocks_needed(90, 23, 2, identical=True) == 7 + 1
+        and cap.max_new_tokens(90, 2, identical=True) == 23
+    )
 
 
 def test_max_tokens_past_the_cache_is_a_value_error(llm):
-    with pytest.raises(ValueError, match=r"max_tokens \(50\) = 150 > 128 tokens.*at most 28"):
+    with pytest.raises(ValueError, match=r"max_tokens \(50\) = 150 > 129 tokens.*at most 29"):
         llm.generate([{"prompt_token_ids": PROMPT}], greedy(50), use_tqdm=False)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(28), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 28 and out.outputs[0].finish_reason == "length"
+    out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(29), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 29 and out.outputs[0].finish_reason == "length"
 
 
 def test_n_sequences_are_counted_as_the_block_manager_holds_them(llm):
-    with pytest.raises(ValueError, match=r"each of n=2 sequences, 10 KV blocks > .*at most 12"):
-        llm.generate([{"prompt_token_ids": PROMPT}], greedy(13, n=2, temperature=1.0), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"each of n=2 sequences, 10 KV blocks > .*at most 13"):
+        llm.generate([{"prompt_token_ids": PROMPT}], greedy(14, n=2, temperature=1.0), use_tqdm=False)
     # the largest that passes really runs to the end in both sequences
-    out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(12, n=2, temperature=1.0), use_tqdm=False)[0]
-    assert [len(c.token_ids) for c in out.outputs] == [12, 12]
+    out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(13, n=2, temperature=1.0), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [13, 13]
+
+
+def test_greedy_sequences_share_their_blocks_through_a_recompute(llm):
+    prompt = PROMPT[:90]  # 5 full blocks + 10 tokens
+    # sampled: each sequence holds its own blocks after the 5 shared ones -> (8 - 5) // 2 = 1 each
+    with pytest.raises(ValueError, match=r"at most 7 here"):
+        llm.generate([{"prompt_token_ids": prompt}], greedy(8, n=2, temperature=1.0), use_tqdm=False)
+    # greedy: the same tokens, so a recompute shares every full block; one partial block each
+    with pytest.raises(ValueError, match=r"at most 23 here"):
+        llm.generate([{"prompt_token_ids": prompt}], greedy(24, n=2), use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy(23, n=2), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [23, 23]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
 
 
 def test_default_max_tokens_stops_where_the_cache_is_full(llm):
     out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(None), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 128 - 100 and out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 129 - 100 and out.outputs[0].finish_reason == "length"
     assert out.outcome == "finished"
 
 
@@ -92,7 +111,7 @@ def test_a_window_on_every_layer_is_not_held_to_the_whole_sequence(tmp_path, def
     llm = LLM(model=str(_save(tmp_path, config, default_tokenizer_dir)), **CACHE)
     try:
         assert llm.llm_engine.kv_capacity() is None
-        # 150 tokens in a 128-token cache: the blocks behind the window are dropped as it goes
+        # 150 tokens in a 128-slot cache: the blocks behind the window are dropped as it goes
         out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(50), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 50 and out.outputs[0].finish_reason == "length"
     finally:
@@ -119,10 +138,10 @@ def test_windows_that_differ_per_layer_are_held_to_the_whole_sequence(tmp_path, 
     )
     llm = LLM(model=str(_save(tmp_path, config, default_tokenizer_dir)), **CACHE)
     try:
-        with pytest.raises(ValueError, match=r"150 > 128 tokens"):
+        with pytest.raises(ValueError, match=r"150 > 129 tokens"):
             llm.generate([{"prompt_token_ids": PROMPT}], greedy(50), use_tqdm=False)
-        out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(28), use_tqdm=False)[0]
-        assert len(out.outputs[0].token_ids) == 28
+        out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(29), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 29
     finally:
         llm.shutdown()
 

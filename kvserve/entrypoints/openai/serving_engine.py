@@ -375,7 +375,9 @@ _SURROGATE_CAUSE = (
 
 
 def _text_error(path: str, cause: str) -> APIError:
-    path = path[:MAX_NAME_CHARS]  # a key is the client's text: any length
+    # a key is the client's text: any length, and maybe the bad text itself (shown escaped, as
+    # the answer is UTF-8 too)
+    path = path[:MAX_NAME_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
     return APIError(f"Invalid value for '{path}': the text {cause}.", 400, param=path, code="invalid_value")
 
 

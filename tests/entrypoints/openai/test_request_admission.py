@@ -13,14 +13,15 @@ from kvserve.entrypoints.openai.serving_engine import APIError
 from tests.server_harness import running_server
 
 MODEL = "tiny"
-PROMPT = [5 + (37 * i) % 2000 for i in range(100)]  # 100 tokens of a 128-token cache
+PROMPT = [5 + (37 * i) % 2000 for i in range(100)]  # 100 tokens of a 128-slot cache
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     from kvserve.config import EngineArgs
 
-    # 8 blocks of 16 tokens: 128 tokens, under max_model_len 256
+    # 8 blocks of 16 tokens: 128 token slots (a sequence of 129: its last token is never cached),
+    # under max_model_len 256
     args = EngineArgs(
         model=str(tiny_llama_dir), block_size=16, num_gpu_blocks=8, max_model_len=256, seed=0, dtype="float32"
     )
@@ -37,8 +38,8 @@ def _error(r) -> dict:
     "route,body,param",
     [
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 50}, "max_tokens"),
-        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 13, "n": 2}, "max_tokens"),
-        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 13, "n": 1, "best_of": 2}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 14, "n": 2}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 14, "n": 1, "best_of": 2}, "max_tokens"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi " * 90}], "max_tokens": 100},
@@ -60,9 +61,9 @@ def test_max_tokens_past_the_kv_cache_is_a_400(server, route, body, param):
     if route == "/v1/completions":
         assert "(100 tokens)" in message  # the prompt's length
         assert (
-            "at most 12 here" in message
+            "at most 13 here" in message
             if body.get("n", 1) > 1 or "best_of" in body
-            else "at most 28" in message
+            else "at most 29 here" in message
         )
     server.wait_idle()
 
@@ -71,17 +72,17 @@ def test_the_largest_max_tokens_the_cache_holds_runs_to_the_end(server):
     with server.http() as h:
         r = h.post(
             "/v1/completions",
-            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 28, "ignore_eos": True, "temperature": 0},
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 29, "ignore_eos": True, "temperature": 0},
         )
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["usage"]["completion_tokens"] == 28 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 29 and body["choices"][0]["finish_reason"] == "length"
         r = h.post(
             "/v1/completions",
-            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "n": 2, "ignore_eos": True, "seed": 1},
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 13, "n": 2, "ignore_eos": True, "seed": 1},
         )
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 24
+        assert r.json()["usage"]["completion_tokens"] == 26
     server.wait_idle()
 
 
@@ -93,7 +94,7 @@ def test_chat_without_max_tokens_runs_until_the_cache_is_full(server):
         )
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    assert usage["prompt_tokens"] < 128 and usage["total_tokens"] == 128
+    assert usage["prompt_tokens"] < 128 and usage["total_tokens"] == 129
     assert r.json()["choices"][0]["finish_reason"] == "length"
     server.wait_idle()
 
@@ -168,6 +169,8 @@ def test_chat_message_without_content_over_http(server):
             b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
             "messages[0].content",
         ),
+        # in a key (an unknown field): the path shows it escaped
+        ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "k\\udc00": 1}', "k\\udc00"),
         # a huge number first: the second parser, which keeps surrogates, must refuse it too
         ("/v1/completions", b'{"model": "tiny", "seed": 1' + b"0" * 40 + b', "prompt": "\\ud800"}', "prompt"),
     ],

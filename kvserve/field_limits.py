@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -139,15 +140,37 @@ LIMITS: dict[str, Limit] = {
 }
 
 
+def tenant_name_problem(name: str, tenant: str) -> str | None:
+    """Why the tenant name ``tenant`` is refused (a message naming ``name``), or None.
+
+    At most ``MAX_TENANT_CHARS`` characters, none of them a control character (Unicode
+    category Cc: C0, DEL, C1) or a lone surrogate: the name becomes a Prometheus label value
+    and a field of the request log, where such characters would break a line or the encoding.
+    The message gives the first bad character's position and code point, never the name.
+    """
+    if len(tenant) > MAX_TENANT_CHARS:
+        return f"{name} must be at most {MAX_TENANT_CHARS} characters, got {len(tenant)}."
+    for i, ch in enumerate(tenant):
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            what = "a lone surrogate" if unicodedata.category(ch) == "Cs" else "a control character"
+            return (
+                f"{name} must not contain control characters or lone surrogates; "
+                f"got {what} (U+{ord(ch):04X}) at index {i}."
+            )
+    return None
+
+
 def check_tenant(name: str, tenant: object) -> None:
-    """Raises ValueError naming ``name`` unless ``tenant`` is None or a string of at most
-    ``MAX_TENANT_CHARS`` characters."""
+    """Raises ValueError naming ``name`` unless ``tenant`` is None or a string that
+    ``tenant_name_problem`` accepts (at most ``MAX_TENANT_CHARS`` characters, no control
+    characters or lone surrogates)."""
     if tenant is None:
         return
     if not isinstance(tenant, str):
         raise ValueError(f"{name} must be a string or None, got {type(tenant).__name__}.")
-    if len(tenant) > MAX_TENANT_CHARS:
-        raise ValueError(f"{name} must be at most {MAX_TENANT_CHARS} characters, got {len(tenant)}.")
+    problem = tenant_name_problem(name, tenant)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_count(name: str, n: int) -> None:

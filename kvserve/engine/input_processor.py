@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+from kvserve.engine.kv_capacity import KVCapacity
 from kvserve.field_limits import check_request_size
 from kvserve.sampling_params import SamplingParams
 
@@ -112,6 +113,7 @@ def validate_request(
     max_num_seqs: int,
     max_num_batched_tokens: int | None = None,
     tokenizer_size: int | None = None,
+    kv_capacity: KVCapacity | None = None,
 ) -> int:
     """Checks one request against the model and engine limits; returns effective max_tokens.
 
@@ -120,8 +122,15 @@ def validate_request(
     a model whose vocabulary is padded past its tokenizer's (or a tokenizer with added tokens
     the model lacks) has ids that decode to nothing, so a bias pushing one made empty text.
 
+    ``kv_capacity``: the KV pool (None: not checked, e.g. a model whose every layer slides a
+    window, whose cache never holds a whole sequence). The cache is a second context limit:
+    the request's sequences at prompt + max_tokens must fit it (``KVCapacity.blocks_needed``),
+    else it could only ever be cut short. It is checked when the prompt alone fits the pool; a
+    longer prompt is the scheduler's admission's to refuse (the request ends ``rejected``).
+
     ``max_tokens=None`` resolves to ``max_model_len - prompt_len`` (generation runs to the end
-    of the context and finishes with ``length``).
+    of the context and finishes with ``length``), capped at what the KV cache holds after the
+    prompt for the request's sequences (``KVCapacity.max_new_tokens``).
 
     Raises:
         ValueError: naming the field and the limit: token ids outside ``[0, vocab_size)``,
@@ -130,7 +139,9 @@ def validate_request(
             sequences decode a token each per step: a wider group would never fit a step and
             hang), ``allowed_token_ids`` outside the vocabulary, ``truncate_prompt_tokens``
             above ``max_model_len``,
-            prompt + max_tokens > max_model_len, stop ids outside the vocabulary,
+            prompt + max_tokens > max_model_len, prompt + max_tokens (per sequence) past the
+            KV cache (naming ``max_tokens``; ``n`` / ``best_of`` when not one token each
+            fits), stop ids outside the vocabulary,
             ``top_k`` above the vocabulary size, ``min_tokens`` above the effective max_tokens
             (``max_model_len - prompt_len`` when ``max_tokens`` is None), and the request size
             caps of ``field_limits.check_request_size`` for this one prompt (``n`` past
@@ -185,17 +196,48 @@ def validate_request(
         prompt_logprobs=params.prompt_logprobs,
         best_of=width if width > params.n else None,
     )
+    cache = kv_capacity
+    if cache is not None and -(-prompt_len // cache.block_size) > cache.num_blocks:
+        cache = None  # the prompt alone overflows the pool: admission refuses it
+    # greedy sequences are the same tokens: the scheduler's recompute shares their full blocks
+    same = width > 1 and params.is_greedy
+    room = cache.max_new_tokens(prompt_len, width, same) if cache is not None else max_model_len
+    if cache is not None and room < 1:  # (one sequence always has room for one token)
+        raise ValueError(
+            f"{name} ({width}) sequences of a {prompt_len}-token prompt do not fit the KV cache "
+            f"({cache.describe()}) with even one generated token each; lower {name}."
+        )
     if params.max_tokens is None:
-        effective = max_model_len - prompt_len
+        effective, bound = (
+            max_model_len - prompt_len,
+            f"max_model_len {max_model_len} - prompt {prompt_len} tokens",
+        )
+        if cache is not None and room < effective:
+            # the rest of the context would outgrow the cache: the default stops where it is full
+            effective, bound = room, f"what the KV cache ({cache.describe()}) holds after the prompt"
         if params.min_tokens > effective:
             raise ValueError(
                 f"min_tokens ({params.min_tokens}) must be <= the effective max_tokens {effective} "
-                f"(max_model_len {max_model_len} - prompt {prompt_len} tokens; max_tokens is null)."
+                f"({bound}; max_tokens is null)."
             )
         return effective
     if prompt_len + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
             f"{prompt_len + params.max_tokens} > max_model_len ({max_model_len})."
+        )
+    need = 0 if cache is None else cache.blocks_needed(prompt_len, params.max_tokens, width, same)
+    if cache is not None and need > cache.num_blocks:
+        total = prompt_len + params.max_tokens
+        if width == 1:
+            over = (
+                f"{total} > {cache.num_tokens + 1} tokens, the longest sequence the KV cache holds "
+                "(the last generated token is never cached)"
+            )
+        else:
+            over = f"{total} tokens for each of {name}={width} sequences, {need} KV blocks > what the KV cache holds"
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {over} "
+            f"({cache.describe()}); max_tokens can be at most {room} here, or left out."
         )
     return params.max_tokens

@@ -27,6 +27,7 @@ from kvserve.engine.input_processor import (
     truncate_prompt,
     validate_request,
 )
+from kvserve.engine.kv_capacity import KVCapacity
 from kvserve.engine.metrics import EngineStats
 from kvserve.engine.stop_checker import StopChecker, max_stop_len
 from kvserve.field_limits import LIMITS, check_tenant
@@ -1125,7 +1126,19 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             tokenizer_size=self.tokenizer_size,
+            kv_capacity=self.kv_capacity(),
         )
+
+    def kv_capacity(self) -> KVCapacity | None:
+        """The KV pool as admission sees it (usable blocks: the pool minus the watermark), or
+        None where the cache need not hold a whole sequence: a sliding window on every layer
+        (``cache_config.sliding_window``) lets the block manager drop the blocks behind it.
+        Models whose windows differ per layer keep every block, so they are checked."""
+        if self.cache_config.sliding_window is not None:
+            return None
+        bm = self.scheduler.block_manager
+        total, watermark = bm.num_total_gpu_blocks, bm.watermark_blocks
+        return KVCapacity(total - watermark, bm.block_size, total, watermark)
 
     def check_admissible(self, prompt_len: int) -> str | None:
         """Why a prompt of ``prompt_len`` tokens can never be scheduled (exceeds

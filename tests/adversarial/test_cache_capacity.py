@@ -1,10 +1,10 @@
-"""A request whose prompt fits the KV cache but whose generation outgrows it.
+"""A request whose prompt fits the KV cache but whose generation would outgrow it.
 
-The cache, not the request, is the limit here: the prompt was admissible and the tokens
-generated so far are valid output. The request must end *finished* with
-``finish_reason="length"`` and keep its tokens (the greedy prefix of a roomy run) instead of
-being reported as a rejected prompt (which the server turned into a 400 after the work was
-done, discarding the output). Blocks are all freed.
+The cache is a context limit like ``max_model_len``: a ``max_tokens`` it can never hold is
+refused before any work (a ``ValueError`` offline, a 400 naming ``max_tokens`` over HTTP), never
+answered with fewer tokens than asked; without ``max_tokens`` generation stops where the cache
+is full, ``finished`` with ``finish_reason="length"`` and the greedy prefix of a roomy run. A
+prompt that alone overflows the cache is still rejected. Blocks are all freed.
 """
 
 import pytest
@@ -42,20 +42,34 @@ def roomy(tiny_llama_dir):
 
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("n", [1, 2])
-def test_generation_outgrowing_the_cache_finishes_with_length(tiny_llama_dir, roomy, chunked, n):
+def test_max_tokens_the_cache_cannot_hold_is_refused_before_any_work(tiny_llama_dir, chunked, n):
+    llm = _llm(tiny_llama_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=16 if chunked else 64)
+    with pytest.raises(ValueError, match=r"^prompt \(8 tokens\) \+ max_tokens \(40\).*KV cache"):
+        llm.generate(
+            [{"prompt_token_ids": PROMPT}],
+            SamplingParams(n=n, max_tokens=40, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
+    st = llm.llm_engine.get_kv_cache_stats()
+    assert st["num_free_gpu_blocks"] == G and not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+def test_without_max_tokens_generation_stops_where_the_cache_is_full(tiny_llama_dir, roomy, chunked, n):
     llm = _llm(tiny_llama_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=16 if chunked else 64)
     out = llm.generate(
         [{"prompt_token_ids": PROMPT}],
-        SamplingParams(n=n, max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(n=n, max_tokens=None, temperature=0, ignore_eos=True),
         use_tqdm=False,
     )[0]
-    assert out.outcome == "finished", (out.outcome, out.error)
+    assert out.outcome == "finished" and out.error is None, (out.outcome, out.error)
     assert len(out.outputs) == n
+    # 32 slots hold a sequence of 33 tokens (its last is never cached); greedy sequences are
+    # the same tokens, and each one past the first holds a partial block of its own
+    made = 33 - len(PROMPT) - (n - 1) * BS
     for c in out.outputs:
-        assert c.finish_reason == "length"
-        assert 0 < len(c.token_ids) < 40
-        assert c.token_ids == roomy[: len(c.token_ids)]
-    assert "KV blocks" in out.error  # why it stopped short of max_tokens
+        assert c.finish_reason == "length" and c.token_ids == roomy[:made]
     st = llm.llm_engine.get_kv_cache_stats()
     assert st["num_free_gpu_blocks"] == G and st["num_free_cpu_blocks"] == 4
     assert not llm.llm_engine.has_unfinished_requests()
@@ -73,11 +87,9 @@ def test_prompt_that_never_fits_is_still_rejected(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_server_answers_200_length_when_generation_outgrows_the_cache(tiny_server, stream):
-    # 24 blocks x 4 = 96 slots; n=3 samples of up to 100 tokens can never all fit, but the
-    # 3-token prompt is admissible: 200 with the tokens made, finish_reason "length".
-    import json
-
+def test_server_refuses_max_tokens_the_cache_cannot_hold(tiny_server, stream):
+    # 24 blocks x 4 = 96 slots; n=3 samples of up to 100 tokens can never all fit: a 400 naming
+    # max_tokens before any work, not an answer cut short with finish_reason "length"
     body = {
         "model": "tiny",
         "prompt": [5, 6, 7],
@@ -89,15 +101,8 @@ def test_server_answers_200_length_when_generation_outgrows_the_cache(tiny_serve
     }
     with tiny_server.http() as h:
         r = h.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        if stream:
-            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-            assert not any("error" in e for e in events), events[-1]
-            reasons = {
-                c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")
-            }
-        else:
-            reasons = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
-            assert all(c["text"] for c in r.json()["choices"])
-    assert reasons == {0: "length", 1: "length", 2: "length"}
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    assert "KV cache" in err["message"] and "(3 tokens)" in err["message"]
     tiny_server.wait_idle()

@@ -121,6 +121,10 @@ class Harness:
             lora_config=lora_config,
             preemption_cost=preemption_cost,
         )
+        # These tests drive the scheduler's own handling of groups that outgrow the pool
+        # (preempt, recompute, length-cap): the engine's admission, which refuses such requests
+        # up front, is left out here (tests/engine/test_kv_capacity_admission.py covers it).
+        self.engine.kv_capacity = lambda: None  # type: ignore[method-assign]
         self.scheduler: Scheduler = self.engine.scheduler
         self.history: list[SchedulerOutputs] = []
         self.outputs: dict[str, object] = {}

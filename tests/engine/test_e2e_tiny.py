@@ -256,7 +256,8 @@ def test_aborts_free_every_block(tiny_llama_dir, prompts):
         model=str(tiny_llama_dir),
         **ENGINE,
         block_size=4,
-        num_gpu_blocks=20,
+        # the longest request (50 + 40 tokens, n=2 greedy) just fits: 23 blocks + 1 partial copy
+        num_gpu_blocks=24,
         num_cpu_blocks=64,
         preemption_mode="swap",
         max_num_seqs=4,

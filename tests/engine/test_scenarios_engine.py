@@ -278,7 +278,9 @@ def test_B18_abort_n2_request_everywhere(tiny_llama_dir, where):
         max_model_len=256,
     )
     engine = llm.llm_engine
-    long = SamplingParams(n=2, temperature=0.3, seed=1, ignore_eos=True, max_tokens=200)
+    # the longest two sampled sequences of a 6-token prompt can reach in 32 blocks of 4 (one
+    # shared prompt block, 15 of their own each): three such requests contend for the cache
+    long = SamplingParams(n=2, temperature=0.3, seed=1, ignore_eos=True, max_tokens=59)
     if where != "running":
         engine.add_request("X1", {"prompt_token_ids": _ids(6, 7)}, long)
         engine.add_request("X2", {"prompt_token_ids": _ids(6, 8)}, long)

@@ -76,7 +76,11 @@ def test_a_faulty_request_never_changes_the_others(reqs, bad_mask, from_step, cp
         params = SamplingParams(
             n=n, max_tokens=max_tokens, temperature=0.0 if n == 1 else 1.0, seed=i, ignore_eos=True
         )
-        h.add(f"r{i}", prompt, params)
+        try:
+            h.add(f"r{i}", prompt, params)
+        except ValueError as e:  # its sequences can never fit the tiny cache: refused, not queued
+            assert "KV cache" in str(e), e
+            continue
         expected[f"r{i}"] = oracle(prompt, n, max_tokens)
     free0 = h.scheduler.block_manager.get_num_free_gpu_blocks()
     h.run(max_steps=2000)

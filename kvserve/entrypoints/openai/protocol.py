@@ -19,9 +19,9 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from kvserve.field_limits import LIMITS, MAX_TENANT_CHARS
+from kvserve.field_limits import LIMITS, MAX_TENANT_CHARS, tenant_name_problem
 
 #: A finite JSON number (int or float), never a string, a bool, NaN or Infinity.
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
@@ -71,9 +71,17 @@ HARMLESS_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _tenant_name(value: str) -> str:
+    problem = tenant_name_problem("user", value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 #: ``user``: the tenant the request is served for (``SequenceGroup.tenant``; the ``fair``
-#: scheduling policy shares service between tenants), at most ``MAX_TENANT_CHARS`` characters.
-User = Annotated[StrictStr, Field(max_length=MAX_TENANT_CHARS)]
+#: scheduling policy shares service between tenants), at most ``MAX_TENANT_CHARS`` characters,
+#: no control characters (it becomes a /metrics label and a request-log field).
+User = Annotated[StrictStr, Field(max_length=MAX_TENANT_CHARS), AfterValidator(_tenant_name)]
 
 
 class _Request(BaseModel):

@@ -72,7 +72,9 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             or a ``tool`` message without ``tool_call_id``; naming the field for a text part
             without text, ``tool_call_id`` on a message that is not ``tool``'s or
             ``tool_calls`` on one that is not the assistant's; naming ``messages[i].<field>`` for
-            a non-empty ``refusal`` / ``audio`` / ``function_call`` / ``annotations``.
+            a non-empty ``refusal`` / ``audio`` / ``function_call`` / ``annotations``, and
+            ``messages[i].content`` when it is missing or null on any message but an assistant
+            one with ``tool_calls``.
     """
     if not messages:
         raise APIError(
@@ -120,6 +122,15 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 400,
                 param="messages",
                 code="invalid_value",
+            )
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            # OpenAI's rule: only an assistant turn that made tool calls may leave its text out
+            raise APIError(
+                f"messages[{i}].content is required on a {m.role!r} message (missing or null "
+                "content is allowed only on an assistant message with tool_calls).",
+                400,
+                param=f"messages[{i}].content",
+                code="missing_field",
             )
         content = m.content
         if isinstance(content, list):

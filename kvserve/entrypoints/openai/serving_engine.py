@@ -125,14 +125,15 @@ def param_from_message(message: str, rename: dict[str, str] | None = None) -> st
     """The request field a ``ValueError`` from the engine or ``SamplingParams`` is about.
 
     Those messages start with the field name (``"max_tokens must be ..."``, ``"prompt (9
-    tokens) + max_tokens (30) = 39 > max_model_len (32)"``); a context-length error is charged
-    to ``max_tokens`` when the prompt fits and the sum does not, to the prompt when the prompt
-    alone leaves no room (``"prompt has 40 tokens, which leaves no room ..."``).
+    tokens) + max_tokens (30) = 39 > max_model_len (32)"``); a context-length error (past
+    ``max_model_len`` or the KV cache) is charged to ``max_tokens`` when the prompt fits and the
+    sum does not, to the prompt when the prompt alone leaves no room (``"prompt has 40 tokens,
+    which leaves no room ..."``).
     """
     rename = rename or {}
     name: str | None
-    if message.startswith("prompt") and "max_model_len" in message and "max_tokens" in message:
-        name = "max_tokens"
+    if message.startswith("prompt (") and "+ max_tokens (" in message:
+        name = "max_tokens"  # over max_model_len or over the KV cache
     else:
         m = re.match(r"^([A-Za-z_]+)", message)
         name = m.group(1) if m else None
@@ -148,9 +149,11 @@ def api_error_from_value_error(e: Exception, rename: dict[str, str] | None = Non
     request's own words (``rename``: engine name -> request field) in ``param`` and message."""
     message = str(e)
     param = param_from_message(message, rename)
-    # a limit stated in max_model_len is a context overflow only for the prompt and max_tokens;
-    # truncate_prompt_tokens is an out-of-range setting whatever its bound is called
-    overflow = "max_model_len" in message and param != "truncate_prompt_tokens"
+    # a limit stated in max_model_len (or the KV cache, the other bound on a sequence) is a
+    # context overflow only for the prompt, max_tokens and n; truncate_prompt_tokens is an
+    # out-of-range setting whatever its bound is called
+    bounded = "max_model_len" in message or "KV cache" in message
+    overflow = bounded and param != "truncate_prompt_tokens"
     code = "context_length_exceeded" if overflow else None
     for engine_name, field_name in (rename or {}).items():
         message = re.sub(rf"\b{engine_name}\b", field_name, message)
@@ -259,9 +262,11 @@ def api_error_from_validation(e: ValidationError) -> APIError:
     if param in ("prompt", "stop", "messages") and len(errors) > 1:
         msg = "Input has the wrong type"  # a union: pydantic lists one error per member
         value = None
-    if first.get("type") == "string_too_long":
-        value = None  # the message states the limit; the value itself may be huge
-    text = f"Invalid value for '{path}': {msg}"
+    if first.get("type") == "string_too_long" or param == "user":
+        # the message states the limit; the value itself may be huge (a tenant name is never
+        # echoed back: the message gives the position of a bad character instead)
+        value = None
+    text = f"Invalid value for '{path}': {str(msg).rstrip('.')}"
     if value is not None and not isinstance(value, (dict, list)):
         text += f"; got {value!r}"
     if rule:
@@ -303,6 +308,10 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
+        if first.get("type") == "json_invalid":
+            text_error = invalid_text_error(body, str(first.get("msg")))
+            if text_error is not None:
+                raise text_error from None
         if first.get("type") != "json_invalid" or "out of range" not in str(first.get("msg")):
             raise api_error_from_validation(e) from None
     # A number too long for the JSON parser ("number out of range", no field named): parse
@@ -319,10 +328,77 @@ async def read_json_body(request: Request, model: type[BaseModel], max_bytes: in
         raise APIError(
             f"Request body is JSON nested more than {MAX_JSON_DEPTH} levels deep.", 400, code="invalid_json"
         )
+    surrogate = _path_of_surrogate(obj)  # this parser keeps what the first one refuses
+    if surrogate is not None:
+        raise _text_error(surrogate, _SURROGATE_CAUSE)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise api_error_from_validation(e) from None
+
+
+#: What the JSON parser says of a string that is not Unicode text: raw bytes that are not UTF-8,
+#: and a ``\uD800``-``\uDFFF`` escape without its other half.
+_NOT_UTF8 = "invalid unicode code point"
+_LONE_SURROGATE = ("hex escape", "surrogate")
+
+
+def invalid_text_error(body: bytes | bytearray, parser_message: str) -> APIError | None:
+    """The 400 for a body the JSON parser refused because a string in it is not Unicode text
+    (``parser_message``: the parser's words), naming the field that holds it; None when the
+    parser refused the body for another reason (the caller then reports the parser's words).
+
+    The body is parsed again by Python's ``json``, which keeps a lone surrogate in a string
+    (raw bytes that are not UTF-8 are first decoded to lone surrogates, ``surrogateescape``),
+    so the first string holding one is found and its path (``messages[0].content``) named.
+    """
+    if _NOT_UTF8 in parser_message:
+        cause = _NOT_UTF8_CAUSE
+    elif any(k in parser_message for k in _LONE_SURROGATE):
+        cause = _SURROGATE_CAUSE
+    else:
+        return None
+    try:
+        path = _path_of_surrogate(json.loads(bytes(body).decode("utf-8", errors="surrogateescape")))
+    except (ValueError, RecursionError):
+        return None  # not JSON for this parser either: the first parser's words stand
+    if path is None:
+        return None
+    return _text_error(path, cause)
+
+
+_NOT_UTF8_CAUSE = "is not valid UTF-8 (it holds bytes that are not UTF-8 text)"
+_SURROGATE_CAUSE = (
+    "is not valid UTF-8 text: it holds a lone surrogate escape (one of \\uD800-\\uDFFF without "
+    "its pair; a character past U+FFFF is sent as a high and a low surrogate together)"
+)
+
+
+def _text_error(path: str, cause: str) -> APIError:
+    # a key is the client's text: any length, and maybe the bad text itself (shown escaped, as
+    # the answer is UTF-8 too)
+    path = path[:MAX_NAME_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
+    return APIError(f"Invalid value for '{path}': the text {cause}.", 400, param=path, code="invalid_value")
+
+
+def _path_of_surrogate(obj: Any) -> str | None:
+    """``a.b[0].c`` of the first string (key or value, depth first) holding a surrogate code
+    point, or None; iterative, so any depth is walked."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            if any("\ud800" <= ch <= "\udfff" for ch in node):
+                return path or "body"
+        elif isinstance(node, dict):
+            for key, value in reversed(list(node.items())):
+                sub = f"{path}.{key}" if path else str(key)
+                if any("\ud800" <= ch <= "\udfff" for ch in key):
+                    return sub
+                stack.append((value, sub))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
+    return None
 
 
 def _precheck_messages(model: type[BaseModel], body: bytearray) -> None:

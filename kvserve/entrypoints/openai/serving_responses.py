@@ -257,7 +257,12 @@ class OpenAIServingResponses:
     # ------------------------------------------------------------------ shapes
     @staticmethod
     def _assistant_message(msg: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+        # an answer that was all reasoning has null content: stored as empty text, since only an
+        # assistant turn with tool calls may leave its content out
+        content = msg.get("content")
+        if content is None and not msg.get("tool_calls"):
+            content = ""
+        out: dict[str, Any] = {"role": "assistant", "content": content}
         if msg.get("tool_calls"):
             out["tool_calls"] = [
                 {"id": c["id"], "type": "function", "function": dict(c["function"])}

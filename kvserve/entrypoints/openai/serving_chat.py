@@ -123,11 +123,12 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 param="messages",
                 code="invalid_value",
             )
-        if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            # OpenAI's rule: only an assistant turn that made tool calls may leave its text out
+        if m.content is None and m.role != "assistant":
+            # an assistant turn may come back without text (tool calls, or an answer that was
+            # all reasoning, as clients echo it): it renders empty; any other turn is the input
             raise APIError(
                 f"messages[{i}].content is required on a {m.role!r} message (missing or null "
-                "content is allowed only on an assistant message with tool_calls).",
+                "content is allowed only on an assistant message).",
                 400,
                 param=f"messages[{i}].content",
                 code="missing_field",

@@ -480,11 +480,17 @@ def _stream_value(value: Any) -> Any:
     return to_jsonable_python(value)
 
 
+#: Characters Python's ``str.splitlines`` (and so clients such as httpx's ``iter_lines``)
+#: breaks a line at that JSON leaves raw in a string: escaped, an event stays one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
     """One server-sent event carrying a JSON object (a pydantic model, as ``stream_dict``, or
-    a dict)."""
+    a dict): UTF-8 as it is, but for U+0085 / U+2028 / U+2029, escaped (``_LINE_BREAKS``)."""
     if isinstance(obj, BaseModel):
-        return f"data: {json.dumps(stream_dict(obj), separators=(',', ':'), ensure_ascii=False)}\n\n"
+        text = json.dumps(stream_dict(obj), separators=(",", ":"), ensure_ascii=False)
+        return f"data: {text.translate(_LINE_BREAKS)}\n\n"
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 

@@ -131,7 +131,7 @@ def test_an_empty_user_is_the_default_tenant(server):
     assert not any('tenant=""' in ln for ln in _tenant_lines(server))
 
 
-@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
 @pytest.mark.parametrize("content", ["missing", None])
 def test_a_message_without_content_is_a_400_naming_it(role, content):
     msg = {"role": role, **({"tool_call_id": "call_1"} if role == "tool" else {})}
@@ -143,7 +143,9 @@ def test_a_message_without_content_is_a_400_naming_it(role, content):
     assert e.value.status == 400 and e.value.param == "messages[1].content"
 
 
-def test_an_assistant_message_with_tool_calls_may_leave_content_out():
+def test_an_assistant_message_may_leave_content_out():
+    """With tool calls, or without (an answer that was all reasoning, echoed back by a client,
+    as vLLM accepts it): the turn renders with empty text."""
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     for msg in (
         {"role": "assistant", "tool_calls": [call]},
@@ -151,6 +153,9 @@ def test_an_assistant_message_with_tool_calls_may_leave_content_out():
     ):
         conv = render_messages([ChatMessage(role="user", content="hi"), ChatMessage.model_validate(msg)])
         assert conv[1]["content"] == "" and conv[1]["tool_calls"][0]["id"] == "call_1"
+    for msg in ({"role": "assistant"}, {"role": "assistant", "content": None}):
+        conv = render_messages([ChatMessage(role="user", content="hi"), ChatMessage.model_validate(msg)])
+        assert conv[1]["content"] == "" and "tool_calls" not in conv[1]
 
 
 def test_chat_message_without_content_over_http(server):
@@ -197,3 +202,23 @@ def test_a_surrogate_pair_is_one_character_and_served(server):
         r = h.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
     server.wait_idle()
+
+
+def test_a_stream_event_stays_one_line_for_line_splitting_clients():
+    """JSON leaves U+0085 / U+2028 / U+2029 raw in a string, and ``str.splitlines`` (httpx's
+    ``iter_lines``) breaks a line there: the event escapes them, and decodes to the same text."""
+    import json
+
+    from pydantic import BaseModel
+
+    from kvserve.entrypoints.openai.serving_engine import sse
+
+    class Chunk(BaseModel):
+        text: str
+
+    text = "a\u2028b\x85c\u2029d é"
+    frame = sse(Chunk(text=text))
+    lines = frame.splitlines()
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert json.loads(lines[0].removeprefix("data: "))["text"] == text
+    assert "é" in frame  # everything else stays UTF-8 as it is

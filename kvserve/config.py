@@ -469,9 +469,9 @@ class SchedulerConfig:
         max_num_partial_prefills: with chunked prefill, how many prompts may be mid-prefill at once.
         long_prefill_token_threshold: with chunked prefill, the most tokens one prompt may take
             in a step (``None`` = 4% of max_model_len, at least one block... see scheduler).
-        max_decode_slowdown: with chunked prefill, the most (a factor > 1) that the prompt
-            tokens of a step may slow the decodes running beside them: such a step carries
-            only as many as the measured step times allow (``kvserve.core.prefill_cap``);
+        max_decode_slowdown: with chunked prefill, the most (a factor > 1) that prompt tokens
+            may slow the decodes running beside them, on average over steps: steps carry only
+            as many as a bucket of measured step time allows (``kvserve.core.prefill_cap``);
             ``None`` = no cap but the token budget.
         max_waiting: bound on the waiting queue (the server answers 503 past it); ``None`` = no bound.
         num_lookahead_slots: KV slots reserved per decoding sequence beyond its next token, for

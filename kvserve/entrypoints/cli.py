@@ -63,7 +63,7 @@ _HELP = {
     "num_kv_offload_blocks": "blocks of the host tier; None: as many as kv_offload_gib holds",
     "preemption_mode": "recompute or swap for every group; auto: the cheaper of the two per victim (scheduling); None: recompute for one-sequence groups, swap for n > 1",
     "max_num_partial_prefills": "with chunked prefill, how many prompts may be mid-prefill at once",
-    "max_decode_slowdown": "with chunked prefill, the most (a factor > 1) a step's prompt tokens may slow the decodes beside them, from measured step times; None: no cap but the token budget",
+    "max_decode_slowdown": "with chunked prefill, the most (a factor > 1) prompt tokens may slow the decodes beside them on average, from measured step times; None: no cap but the token budget",
     "long_prefill_token_threshold": "with chunked prefill, the most tokens one prompt takes in a step; None: 4%% of max_model_len (at least one block) when max_num_partial_prefills > 1, else the step budget",
     "max_waiting": "bound on the waiting queue (the server answers 503 past it); None: no bound",
     "watermark": "fraction of device blocks kept free when admitting prompts, in [0, 1)",

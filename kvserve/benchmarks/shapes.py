@@ -282,8 +282,9 @@ def spawn_child(spec: dict) -> dict:
         return json.loads(out.read_text())
 
 
-def run_vllm(model_dir: Path, dtype: str, workload_path: Path, s: dict) -> dict:
-    """vLLM CPU's offline run of the workload file on ``model_dir`` with dummy weights.
+def _vllm_offline(model_dir: Path, dtype: str, workload_path: Path, s: dict, extra: list[str]) -> tuple:
+    """``benchmarks/vllm_cpu/offline.py`` on ``model_dir`` with dummy weights: (its JSON, the
+    command line).
 
     Raises:
         RuntimeError: the vLLM venv is missing or the run failed."""
@@ -294,17 +295,25 @@ def run_vllm(model_dir: Path, dtype: str, workload_path: Path, s: dict) -> dict:
         out = Path(tmp) / "vllm.json"
         cmd = [python, str(VLLM_OFFLINE), "--model", str(model_dir), "--dtype", dtype]
         cmd += ["--workload", str(workload_path), "--load-format", "dummy"]
-        cmd += ["--max-model-len", str(s["max_model_len"]), "--json-out", str(out)]
+        cmd += ["--max-model-len", str(s["max_model_len"]), *extra, "--json-out", str(out)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{s['kv_cache_memory_gib']:g}")
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"vLLM {dtype}: offline.py failed (exit {proc.returncode})")
-        res = json.loads(out.read_text())
+            raise RuntimeError(f"vLLM {dtype}: offline.py {' '.join(extra)} failed (exit {proc.returncode})")
+        return json.loads(out.read_text()), " ".join(cmd)
+
+
+def run_vllm(model_dir: Path, dtype: str, workload_path: Path, s: dict) -> dict:
+    """vLLM CPU's offline run of the workload file on ``model_dir`` with dummy weights.
+
+    Raises:
+        RuntimeError: the vLLM venv is missing or the run failed."""
+    res, cmd = _vllm_offline(model_dir, dtype, workload_path, s, [])
     return {
         "w64": {k: res.get(k) for k in ("output_tokens_per_s", "elapsed_s", "output_tokens")},
         "load_s": res.get("load_s"),
         "peak_rss_mib": res.get("peak_rss_with_children_mib") or res.get("rss_with_children_mib"),
-        "command": " ".join(cmd),
+        "command": cmd,
     }
 
 
@@ -314,26 +323,16 @@ def run_vllm_batch1(model_dir: Path, dtype: str, prompt_ids: list[int], s: dict)
 
     Raises:
         RuntimeError: the vLLM venv is missing or the run failed."""
-    python = s["vllm_python"]
-    if not Path(python).is_file():
-        raise RuntimeError(f"no vLLM python at {python}: run `bash benchmarks/vllm_cpu/setup.sh`")
     with tempfile.TemporaryDirectory() as tmp:
-        wl, out = Path(tmp) / "prompt.jsonl", Path(tmp) / "vllm.json"
+        wl = Path(tmp) / "prompt.jsonl"
         wl.write_text(json.dumps({"prompt_token_ids": prompt_ids, "output_len": s["batch1_tokens"]}) + "\n")
-        cmd = [python, str(VLLM_OFFLINE), "--model", str(model_dir), "--dtype", dtype]
-        cmd += ["--workload", str(wl), "--load-format", "dummy", "--max-model-len", str(s["max_model_len"])]
-        cmd += ["--batch1-tokens", str(s["batch1_tokens"]), "--batch1-rounds", str(s["rounds"])]
-        cmd += ["--json-out", str(out)]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{s['kv_cache_memory_gib']:g}")
-        proc = subprocess.run(cmd, env=env)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"vLLM {dtype}: offline.py --batch1-tokens failed (exit {proc.returncode})")
-        res = json.loads(out.read_text())
+        extra = ["--batch1-tokens", str(s["batch1_tokens"]), "--batch1-rounds", str(s["rounds"])]
+        res, cmd = _vllm_offline(model_dir, dtype, wl, s, extra)
     return {
         "batch1": res["batch1"],
         "load_s": res.get("load_s"),
         "peak_rss_mib": res.get("peak_rss_with_children_mib"),
-        "command": " ".join(cmd),
+        "command": cmd,
     }
 
 

@@ -317,8 +317,8 @@ def read_safetensors_into(model, model_dir: Path) -> None:
                     )
                 shape = tuple(info["shape"])
                 if name in TIED_PAIR and getattr(model, "tie_word_embeddings", False):
-                    b, e = info["data_offsets"]
-                    tied[name] = (path, base + b, base + e, info["dtype"], shape)
+                    lo, hi = info["data_offsets"]
+                    tied[name] = (path, base + lo, base + hi, info["dtype"], shape)
                 try:
                     target = model.weight_target(name, shape)
                 except ValueError as e:

@@ -547,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.workload.io import check_output_path
 
             check_output_path("--json-out", ns.json_out)
-        reqs = workload(ns.workload, s["num_prompts"], s["max_output_len"])
+        # the long-context run is batch 1 only: no workload to read
+        reqs = [] if s["context"] else workload(ns.workload, s["num_prompts"], s["max_output_len"])
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -558,8 +559,6 @@ def main(argv: list[str] | None = None) -> int:
                 ensure_gguf(shape, qt, layers=s["layers"])
         return 0
     prompt_ids = long_prompt(s["context"]) if s["context"] else batch1_prompt()
-    if s["context"]:
-        reqs = []  # the long-context run is batch 1 only
     print(
         f"workload: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} prompt + "
         f"{sum(r.output_len for r in reqs)} output tokens; batch 1: {len(prompt_ids)}-token prompt, "

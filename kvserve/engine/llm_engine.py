@@ -303,11 +303,6 @@ class LLMEngine:
             hf_config, model_config.resolved_device(), quantization=quantization
         )
         lora_config = args.create_lora_config()
-        # before the weights load: a missing or mismatched tokenizer fails fast
-        tokenizer = load_tokenizer(model_dir)
-        overflow = tokenizer_overflow(tokenizer, hf_config, model_dir)
-        if overflow is not None:
-            logger.warning("%s", overflow)
         worker = Worker(
             model_config, cache_config, scheduler_config, parallel_config, lora_config=lora_config
         )
@@ -352,6 +347,10 @@ class LLMEngine:
             from kvserve.spec_decode.spec_decode_worker import SpecDecodeWorker, build_proposer
 
             executor = SpecDecodeWorker(worker, build_proposer(spec_config, worker), spec_config)
+        tokenizer = load_tokenizer(model_dir)
+        overflow = tokenizer_overflow(tokenizer, hf_config, model_dir)
+        if overflow is not None:
+            logger.warning("%s", overflow)
         eos = hf_config.eos_token_id
         if isinstance(eos, list):
             eos = eos[0]

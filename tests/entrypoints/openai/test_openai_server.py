@@ -337,7 +337,20 @@ def test_B06_server_context_window(server):
         "max_tokens",
     )
     assert "1025" in err["message"] and "1024" in err["message"]
-    # (d) 8 + 1016 == 1024 is accepted (streamed; we leave after the first chunk)
+    # (d) within max_model_len but past what this server's 48 x 8-token KV cache holds: a 400
+    # naming max_tokens and its largest value; that value is accepted (streamed; we leave
+    # after the first chunk)
+    err = assert_error(
+        h.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": n_ids(server, 8), "max_tokens": 1016, "temperature": 0},
+        ),
+        400,
+        "max_tokens",
+    )
+    assert "KV cache" in err["message"]
+    most = int(err["message"].split("max_tokens can be at most ")[1].split()[0].rstrip(","))
+    assert 8 + most <= 48 * 8 + 1
     before = gen_tokens(server)
     with h.stream(
         "POST",
@@ -345,7 +358,7 @@ def test_B06_server_context_window(server):
         json={
             "model": MODEL,
             "prompt": n_ids(server, 8),
-            "max_tokens": 1016,
+            "max_tokens": most,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -595,7 +608,7 @@ def test_B18_server_disconnect_n2_stream(server):
         n=2,
         temperature=0.3,
         seed=1,
-        max_tokens=200,
+        max_tokens=180,  # within the 48 x 8-token cache for both sequences
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -606,7 +619,7 @@ def test_B18_server_disconnect_n2_stream(server):
             break
     stream.close()
     stats = server.wait_idle()
-    assert gen_tokens(server) - before < 100  # 2 x 200 would have been generated otherwise
+    assert gen_tokens(server) - before < 100  # 2 x 180 would have been generated otherwise
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     assert not server.engine._groups and not server.async_engine._streams
     still_serving(server)
